@@ -1,0 +1,56 @@
+// Device and DType: where a tensor lives and what its elements are.
+//
+//   Device d = Device::parse("cuda:1");   // {CUDA, 1}
+//   Device::cpu().str() == "cpu"
+//   dtype_size(DType::Int64) == 8
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <ostream>
+#include <string>
+
+namespace nanoddp {
+
+struct Device {
+  enum class Type { CPU, CUDA };
+  Type type = Type::CPU;
+  int index = 0;  // GPU ordinal; always 0 for the CPU
+
+  static Device cpu() { return {Type::CPU, 0}; }
+  static Device cuda(int index = 0) { return {Type::CUDA, index}; }
+  // "cpu", "cuda" (= cuda:0) or "cuda:N". Throws ValueError on anything else.
+  static Device parse(const std::string& text);
+
+  bool is_cpu() const { return type == Type::CPU; }
+  bool is_cuda() const { return type == Type::CUDA; }
+  std::string str() const;  // "cpu" or "cuda:N", as torch.device prints
+  bool operator==(const Device& other) const { return type == other.type && index == other.index; }
+  bool operator!=(const Device& other) const { return !(*this == other); }
+};
+
+std::ostream& operator<<(std::ostream& out, const Device& device);
+
+// Element types. Float32 is the default for everything; Int64 holds class labels (as
+// torch.long); UInt8 holds raw image bytes.
+enum class DType { Float32, Int64, UInt8 };
+
+inline size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::Float32: return 4;
+    case DType::Int64: return 8;
+    case DType::UInt8: return 1;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType dtype);  // "float32", "int64", "uint8"
+std::ostream& operator<<(std::ostream& out, DType dtype);
+
+// The C++ type for each DType, used by Tensor::data<T>() to check the dtype.
+template <typename T> constexpr DType dtype_of();
+template <> constexpr DType dtype_of<float>() { return DType::Float32; }
+template <> constexpr DType dtype_of<int64_t>() { return DType::Int64; }
+template <> constexpr DType dtype_of<uint8_t>() { return DType::UInt8; }
+
+}  // namespace nanoddp

@@ -1,0 +1,62 @@
+// Differentiable ops. Each one's forward, backward and kernels live together in
+// core/ops.cpp and kernels/{cpu,cuda}; its kernel names are listed in kernels/kernel_list.inc.
+//
+//   Tensor h = relu(linear(x, w1, b1));                // x: [N, 784] -> [N, 256]
+//   Tensor loss = cross_entropy(linear(h, w2, b2), y);  // y: [N] int64 -> []
+//   loss.backward();
+//
+// All float inputs are float32 and on one device (DeviceError otherwise). Shape errors are
+// ShapeError with every shape in the message. NaN and Inf propagate as in PyTorch.
+#pragma once
+
+#include "core/tensor.h"
+#include "kernels/kernels.h"
+
+namespace nanoddp {
+
+using kernels::Reduction;
+
+// a: [M, K], b: [K, N] -> [M, N] (torch.matmul of two matrices).
+Tensor matmul(const Tensor& a, const Tensor& b);
+
+// input: [N, in], weight: [out, in], bias: [out] or undefined -> [N, out]
+// = input · weight^T + bias (torch.nn.functional.linear). Backward skips the input gradient
+// when input does not require grad (a first layer).
+Tensor linear(const Tensor& input, const Tensor& weight, const Tensor& bias);
+
+// Elementwise a (op) b. Shapes equal, or b: [F] broadcast over the rows of a: [..., F]
+// (the bias broadcast). Anything else throws ShapeError (we broadcast nothing else).
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+// a * s and a / s for a float s (torch.mul / torch.div with a Python number).
+Tensor mul(const Tensor& a, float s);
+Tensor div(const Tensor& a, float s);
+
+Tensor operator+(const Tensor& a, const Tensor& b);
+Tensor operator-(const Tensor& a, const Tensor& b);
+Tensor operator*(const Tensor& a, const Tensor& b);
+Tensor operator*(const Tensor& a, float s);
+Tensor operator*(float s, const Tensor& a);
+Tensor operator/(const Tensor& a, float s);
+
+// All elements -> [] (torch.sum / torch.mean with no dim). mean of no elements is NaN.
+Tensor sum(const Tensor& a);
+Tensor mean(const Tensor& a);
+
+// max(a, 0) elementwise; relu(NaN) = NaN (torch.relu).
+Tensor relu(const Tensor& a);
+
+// input, target: same shape exactly (no broadcasting: ShapeError otherwise) -> [] for
+// Mean/Sum, input's shape for None (torch.nn.functional.mse_loss).
+Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::Mean);
+
+// logits: [N, C] float32, target: [N] int64 class indices in [0, C) -> [] for Mean/Sum, [N]
+// for None (torch.nn.functional.cross_entropy). IndexError names the first bad target.
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction = Reduction::Mean);
+
+// a: [N, C] -> [N] int64, index of each row's maximum (torch.argmax(a, dim=1)). Not
+// differentiable.
+Tensor argmax(const Tensor& a);
+
+}  // namespace nanoddp

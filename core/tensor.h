@@ -1,0 +1,146 @@
+// Tensor: a dense, row-major, contiguous n-d array (n <= 4) with autograd.
+//
+//   Generator gen(0);
+//   Tensor w = Tensor::randn({3, 2}, gen).set_requires_grad(true);
+//   Tensor loss = sum(relu(matmul(x, w)));  loss.backward();  w.grad();   // [3, 2]
+//
+// A Tensor is a value handle: copies share the same TensorImpl (data, grad, graph), as a
+// Python reference to a torch.Tensor does. There are no strides and no views other than
+// reshape, which shares storage. float32 is the default dtype; int64 holds class labels;
+// uint8 holds raw bytes (images). Only float32 tensors take part in autograd.
+//
+// Errors: ShapeError for shapes that do not fit, ValueError for bad arguments, DeviceError
+// for a CUDA tensor where host data is needed (copy with .to(Device::cpu()) first) or for
+// CUDA in a build without it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "core/device.h"
+#include "core/error.h"
+#include "core/shape.h"
+#include "core/storage.h"
+
+namespace nanoddp {
+
+class Generator;
+struct Node;
+struct TensorImpl;
+
+class Tensor {
+ public:
+  Tensor() = default;  // undefined: defined() == false, as an empty .grad is
+  explicit Tensor(std::shared_ptr<TensorImpl> impl) : impl_(std::move(impl)) {}
+
+  // ---- factories (torch.empty, zeros, ones, full, arange, rand, randn, tensor) ----------
+  static Tensor empty(const Shape& shape, DType dtype = DType::Float32, Device device = Device::cpu());
+  static Tensor zeros(const Shape& shape, DType dtype = DType::Float32, Device device = Device::cpu());
+  static Tensor ones(const Shape& shape, DType dtype = DType::Float32, Device device = Device::cpu());
+  static Tensor full(const Shape& shape, float value, Device device = Device::cpu());
+  // [n] float32 holding 0, 1, ..., n-1 (torch.arange(n)).
+  static Tensor arange(int64_t n, Device device = Device::cpu());
+  // Uniform in [0, 1) / standard normal, drawn from gen (torch.rand / torch.randn with a
+  // generator). The same seed gives the same values on every machine.
+  static Tensor rand(const Shape& shape, Generator& gen, Device device = Device::cpu());
+  static Tensor randn(const Shape& shape, Generator& gen, Device device = Device::cpu());
+  // Copies values into a new tensor (torch.tensor(values).reshape(shape)). An empty shape
+  // means [values.size()]. Throws ShapeError when shape.numel() != values.size().
+  static Tensor from_vector(const std::vector<float>& values, const Shape& shape = {}, Device device = Device::cpu());
+  static Tensor from_vector(const std::vector<int64_t>& values, const Shape& shape = {}, Device device = Device::cpu());
+
+  // ---- metadata --------------------------------------------------------------------------
+  bool defined() const { return impl_ != nullptr; }
+  const Shape& shape() const;
+  int dim() const { return shape().dim(); }
+  int64_t size(int d) const;  // negative d counts from the end; throws IndexError
+  int64_t numel() const { return shape().numel(); }
+  size_t nbytes() const;
+  DType dtype() const;
+  Device device() const;
+
+  // ---- data ------------------------------------------------------------------------------
+  // Raw pointer to the first element. Throws ValueError when T does not match dtype().
+  template <typename T> T* data() const;
+  // The single value of a one-element tensor, as torch.Tensor.item(). Copies from the GPU.
+  float item() const;
+  // One element by index, for tests: t.at({1, 2}). CPU only; throws IndexError when out of range.
+  float at(std::initializer_list<int64_t> index) const;
+  int64_t at_int(std::initializer_list<int64_t> index) const;
+  // All elements, copied to the host in row-major order.
+  std::vector<float> to_vector() const;
+  std::vector<int64_t> to_int_vector() const;
+
+  // ---- shape and device (differentiable) -----------------------------------------------
+  // Same data, new shape (torch.reshape); one size may be -1. Throws ShapeError if numel differs.
+  Tensor reshape(const Shape& shape) const;
+  Tensor reshape(std::initializer_list<int64_t> sizes) const;
+  // A copy on device; returns *this when already there (torch.Tensor.to).
+  Tensor to(Device device) const;
+
+  // ---- copies and in-place updates (not recorded by autograd) ----------------------------
+  Tensor clone() const;   // a deep copy, detached from the graph
+  Tensor detach() const;  // same storage, no graph, requires_grad false
+  // Copies src's values into this tensor (any devices, same shape and dtype), as copy_().
+  Tensor& copy_(const Tensor& src);
+  Tensor& fill_(float value);
+  Tensor& zero_() { return fill_(0.0f); }
+  // Replaces this tensor's data (storage, shape, device) by other's, keeping identity,
+  // grad and hooks: what `param.data = other` does in PyTorch. Used by Module::to.
+  void set_data(const Tensor& other);
+
+  // ---- autograd ------------------------------------------------------------------------
+  bool requires_grad() const;
+  // Marks a leaf as requiring grad (torch.Tensor.requires_grad_). Only float32 tensors.
+  Tensor& set_requires_grad(bool requires_grad = true);
+  bool is_leaf() const;                         // no grad_fn
+  const std::shared_ptr<Node>& grad_fn() const;
+  Tensor grad() const;                          // undefined until a backward reaches it
+  void set_grad(const Tensor& grad);            // an undefined Tensor clears it
+  // Runs backward from this tensor. grad defaults to 1 for a one-element tensor; any other
+  // shape needs an explicit grad of the same shape (torch.Tensor.backward). The graph is
+  // freed afterwards unless retain_graph; a second backward through it throws ValueError.
+  void backward(const Tensor& grad = Tensor(), bool retain_graph = false) const;
+  // fn(param) runs after this leaf's .grad has been accumulated in a backward pass
+  // (torch.Tensor.register_post_accumulate_grad_hook). Returns an id for remove_hook.
+  using PostAccumulateGradHook = std::function<void(Tensor&)>;
+  int register_post_accumulate_grad_hook(PostAccumulateGradHook hook);
+  void remove_hook(int id);
+
+  std::string str() const;  // shape, dtype, device and (up to a few) values
+  TensorImpl* impl() const { return impl_.get(); }
+  bool is_same(const Tensor& other) const { return impl_ == other.impl_; }
+
+ private:
+  TensorImpl& checked_impl() const;
+  std::shared_ptr<TensorImpl> impl_;
+};
+
+std::ostream& operator<<(std::ostream& out, const Tensor& tensor);
+
+// What a Tensor handle shares. Fields are public for the autograd engine and ops; user code
+// goes through Tensor.
+struct TensorImpl {
+  std::shared_ptr<Storage> storage;
+  Shape shape;
+  DType dtype = DType::Float32;
+  bool requires_grad = false;
+  std::shared_ptr<TensorImpl> grad;   // accumulated gradient of a leaf
+  std::shared_ptr<Node> grad_fn;      // the op that produced this tensor (null for leaves)
+  std::vector<std::pair<int, Tensor::PostAccumulateGradHook>> post_accumulate_grad_hooks;
+  int next_hook_id = 0;
+};
+
+template <typename T>
+T* Tensor::data() const {
+  const TensorImpl& self = checked_impl();
+  NANODDP_CHECK(self.dtype == dtype_of<T>(), ValueError, "data<", dtype_name(dtype_of<T>()),
+                ">() on a ", dtype_name(self.dtype), " tensor");
+  return static_cast<T*>(self.storage->data());
+}
+
+}  // namespace nanoddp

@@ -1,0 +1,49 @@
+// GPU memory and streams, for the few places outside kernels/cuda that need them (Storage,
+// the DataLoader's pinned buffers, the NCCL process group). Defined in kernels/cuda; in a
+// build without CUDA every function but device_count() throws DeviceError.
+//
+//   if (kernels::cuda::device_count() == 0) skip();
+//   void* p = kernels::cuda::allocate(bytes, 0);  ...  kernels::cuda::deallocate(p, 0);
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace nanoddp::kernels::cuda {
+
+// Number of usable GPUs; 0 when there is no driver or no device (never throws).
+int device_count();
+// Why device_count() is 0, e.g. "CUDA driver not found (cudaErrorInsufficientDriver)".
+std::string unavailable_reason();
+// Makes device the current GPU of this thread; throws DeviceError if it does not exist.
+void set_device(int device);
+
+// Caching allocator: blocks are kept per device and reused by size; memory is returned to
+// CUDA only by empty_cache(), never on the hot path. Throws DeviceError when out of memory.
+void* allocate(size_t nbytes, int device);
+void deallocate(void* ptr, int device);
+void empty_cache();
+struct AllocatorStats {
+  size_t allocated_bytes = 0;       // in live blocks handed out
+  size_t reserved_bytes = 0;        // obtained from cudaMalloc, live or cached
+  size_t peak_allocated_bytes = 0;  // high-water mark of allocated_bytes
+};
+AllocatorStats allocator_stats(int device);
+
+// Page-locked host memory for fast, asynchronous host-to-device copies.
+void* allocate_pinned(size_t nbytes);
+void free_pinned(void* ptr);
+
+enum class CopyKind { HostToDevice, DeviceToHost, DeviceToDevice };
+// Copies on the compute stream and waits for it (synchronous).
+void copy(void* dst, const void* src, size_t nbytes, CopyKind kind);
+// Enqueues the copy on the compute stream and returns at once; src must be pinned and must
+// stay alive until the stream has passed the copy.
+void copy_async(void* dst, const void* src, size_t nbytes, CopyKind kind);
+
+// The one compute stream of this process (a cudaStream_t, as void* to keep CUDA headers out
+// of C++ code). Every kernel runs on it.
+void* compute_stream();
+void synchronize();  // waits for the compute stream
+
+}  // namespace nanoddp::kernels::cuda

@@ -1,0 +1,58 @@
+// Every compute kernel, declared once for both devices.
+//
+//   kernels::cpu::relu_forward(out, in, n);          // Eigen, kernels/cpu/*.cpp
+//   kernels::cuda::relu_forward(out, in, n);         // hand-written, kernels/cuda/*.cu
+//   NANODDP_DISPATCH(t.device(), relu_forward, out, in, n);   // picks by device
+//
+// The two namespaces declare the same list (kernels/kernel_list.inc), so a CUDA kernel is a
+// new definition, never a new signature. Conventions (llm.c's): outputs first, then inputs,
+// then sizes; pointers are to device memory of the namespace's device; all tensors are dense
+// row-major. Gradient buffers are d-prefixed and each comment says whether backward WRITES
+// or ACCUMULATES. Scalars that live in tensors (a loss's gradient) are passed as pointers so
+// CUDA never has to copy them to the host. n == 0 is always allowed and does nothing.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/error.h"
+
+namespace nanoddp::kernels {
+
+enum class BinaryOp { Add, Sub, Mul };
+enum class ScalarOp { Mul, Div };
+enum class Reduction { None, Mean, Sum };  // torch's reduction='none' | 'mean' | 'sum'
+
+// Hyper-parameters of one SGD step; the meaning is torch.optim.SGD's.
+struct SgdConfig {
+  float lr = 0.0f;
+  float momentum = 0.0f;
+  float dampening = 0.0f;
+  float weight_decay = 0.0f;
+  bool nesterov = false;
+};
+
+namespace cpu {
+#include "kernels/kernel_list.inc"
+}  // namespace cpu
+
+namespace cuda {
+#include "kernels/kernel_list.inc"
+}  // namespace cuda
+
+// True when this build has CUDA kernels (meson -Dcuda=enabled or auto with a toolkit found).
+bool cuda_built();
+
+[[noreturn]] void throw_no_cuda(const char* kernel);
+
+}  // namespace nanoddp::kernels
+
+#if NANODDP_WITH_CUDA
+#define NANODDP_DISPATCH(device, kernel, ...)                                       \
+  ((device).is_cuda() ? ::nanoddp::kernels::cuda::kernel(__VA_ARGS__)               \
+                      : ::nanoddp::kernels::cpu::kernel(__VA_ARGS__))
+#else
+#define NANODDP_DISPATCH(device, kernel, ...)                                       \
+  ((device).is_cuda() ? ::nanoddp::kernels::throw_no_cuda(#kernel)                  \
+                      : ::nanoddp::kernels::cpu::kernel(__VA_ARGS__))
+#endif
