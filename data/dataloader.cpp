@@ -1,13 +1,13 @@
 #include "data/dataloader.h"
 
 #include <algorithm>
-#include <utility>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <exception>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"

@@ -16,8 +16,8 @@ Shape row_shape(const Shape& shape) {
 }
 
 Shape stacked_shape(int64_t B, const Shape& row) {
-  NANODDP_CHECK(row.dim() + 1 <= Shape::kMaxDims, ShapeError, "cannot stack examples of shape ",
-                row, " into a batch: a tensor has at most ", Shape::kMaxDims, " dimensions");
+  NANODDP_CHECK(row.dim() + 1 <= Shape::kMaxDims, ShapeError, "cannot stack examples of shape ", row,
+                " into a batch: a tensor has at most ", Shape::kMaxDims, " dimensions");
   std::vector<int64_t> sizes = row.sizes();
   sizes.insert(sizes.begin(), B);
   return Shape(sizes);
@@ -32,8 +32,7 @@ Tensor gather_rows(const Tensor& rows, const std::vector<int64_t>& indices, cons
   auto* dst = static_cast<uint8_t*>(out.impl()->storage->data());
   for (int64_t b = 0; b < B; ++b) {
     const int64_t i = indices[b];
-    NANODDP_CHECK(i >= 0 && i < N, IndexError, what, ": index ", i, " is out of range for ", N,
-                  " examples");
+    NANODDP_CHECK(i >= 0 && i < N, IndexError, what, ": index ", i, " is out of range for ", N, " examples");
     if (row_nbytes > 0) std::memcpy(dst + b * row_nbytes, src + i * row_nbytes, row_nbytes);
   }
   return out;
@@ -54,12 +53,11 @@ Batch Dataset::get_batch(const std::vector<int64_t>& indices) const {
       batch.target = Tensor::empty(detail::stacked_shape(B, e.target.shape()), e.target.dtype());
     }
     NANODDP_CHECK(e.input.shape() == first.input.shape() && e.input.dtype() == first.input.dtype() &&
-                      e.target.shape() == first.target.shape() &&
-                      e.target.dtype() == first.target.dtype(),
+                      e.target.shape() == first.target.shape() && e.target.dtype() == first.target.dtype(),
                   ShapeError, "get_batch: example ", indices[b], " has input ", e.input.shape(), " ",
-                  e.input.dtype(), " and target ", e.target.shape(), " ", e.target.dtype(),
-                  ", but example ", indices[0], " has input ", first.input.shape(), " ",
-                  first.input.dtype(), " and target ", first.target.shape(), " ", first.target.dtype());
+                  e.input.dtype(), " and target ", e.target.shape(), " ", e.target.dtype(), ", but example ",
+                  indices[0], " has input ", first.input.shape(), " ", first.input.dtype(), " and target ",
+                  first.target.shape(), " ", first.target.dtype());
     // Examples may come from anywhere (a user's get()); bring them to the host first.
     const Tensor input = e.input.to(Device::cpu());
     const Tensor target = e.target.to(Device::cpu());
@@ -75,8 +73,8 @@ TensorDataset::TensorDataset(Tensor inputs, Tensor targets)
     : inputs_(std::move(inputs)), targets_(std::move(targets)) {
   NANODDP_CHECK(inputs_.defined() && targets_.defined(), ValueError,
                 "TensorDataset: inputs and targets must be defined tensors");
-  NANODDP_CHECK(inputs_.dim() >= 1 && targets_.dim() >= 1, ShapeError,
-                "TensorDataset: inputs ", inputs_.shape(), " and targets ", targets_.shape(),
+  NANODDP_CHECK(inputs_.dim() >= 1 && targets_.dim() >= 1, ShapeError, "TensorDataset: inputs ",
+                inputs_.shape(), " and targets ", targets_.shape(),
                 " need a first dimension (the example index)");
   NANODDP_CHECK(inputs_.shape()[0] == targets_.shape()[0], ShapeError, "TensorDataset: inputs ",
                 inputs_.shape(), " and targets ", targets_.shape(), " differ in their first dimension");

@@ -34,8 +34,8 @@ class IdxStream {
   explicit IdxStream(const std::string& path) : path_(path) {
     errno = 0;
     file_.reset(gzopen(path.c_str(), "rb"));
-    NANODDP_CHECK(file_ != nullptr, IOError, "cannot open IDX file '", path_, "': ",
-                  errno != 0 ? std::strerror(errno) : "out of memory");
+    NANODDP_CHECK(file_ != nullptr, IOError, "cannot open IDX file '", path_,
+                  "': ", errno != 0 ? std::strerror(errno) : "out of memory");
     gzbuffer(file_.get(), kGzBufferBytes);
   }
 
@@ -106,6 +106,12 @@ std::string join_sizes(const std::vector<int64_t>& sizes) {
   return text;
 }
 
+// "2x3x4 = 24 data bytes" (or "24 data bytes" for one dimension).
+std::string promised(const std::vector<int64_t>& sizes, uint64_t data_bytes) {
+  const std::string bytes = std::to_string(data_bytes) + " data bytes";
+  return sizes.size() > 1 ? join_sizes(sizes) + " = " + bytes : bytes;
+}
+
 }  // namespace
 
 Tensor read_idx(const std::string& path, int dims) {
@@ -119,18 +125,18 @@ Tensor read_idx(const std::string& path, int dims) {
   NANODDP_CHECK(magic_got == 4, IOError, "IDX file '", path, "': truncated at ", stream.where(magic_got),
                 ": the 4-byte magic number needs ", 4 - magic_got, " more byte(s)");
   const uint8_t expected[4] = {0, 0, kTypeUnsignedByte, static_cast<uint8_t>(dims)};
-  NANODDP_CHECK(std::equal(magic, magic + 4, expected), IOError, "IDX file '", path,
-                "': bad magic number ", hex_magic(magic), " at ", stream.where(0), ", expected ",
-                hex_magic(expected), " (unsigned bytes in ", dims, " dimension(s))",
+  NANODDP_CHECK(std::equal(magic, magic + 4, expected), IOError, "IDX file '", path, "': bad magic number ",
+                hex_magic(magic), " at ", stream.where(0), ", expected ", hex_magic(expected),
+                " (unsigned bytes in ", dims, " dimension(s))",
                 magic[0] == 0x1f && magic[1] == 0x8b ? "; the file looks gzipped twice" : "");
 
   // ---- sizes: dims x uint32 big-endian ----
   const size_t header_bytes = 4 + 4 * static_cast<size_t>(dims);
   uint8_t size_bytes[4 * Shape::kMaxDims];
   const size_t sizes_got = stream.read(size_bytes, 4 * static_cast<size_t>(dims));
-  NANODDP_CHECK(sizes_got == 4 * static_cast<size_t>(dims), IOError, "IDX file '", path,
-                "': truncated at ", stream.where(4 + sizes_got), ": the header of ", dims,
-                " dimension size(s) ends at byte ", header_bytes);
+  NANODDP_CHECK(sizes_got == 4 * static_cast<size_t>(dims), IOError, "IDX file '", path, "': truncated at ",
+                stream.where(4 + sizes_got), ": the header of ", dims, " dimension size(s) ends at byte ",
+                header_bytes);
   std::vector<int64_t> sizes(dims);
   // Each size is < 2^32, so the product of up to 4 cannot be formed in 64 bits; stop at a
   // bound no real file reaches. Any product below it is checked against the data anyway.
@@ -154,15 +160,14 @@ Tensor read_idx(const std::string& path, int dims) {
     const size_t got = stream.read(buffer.data() + old_size, want);
     buffer.resize(old_size + got);
     NANODDP_CHECK(got == want, IOError, "IDX file '", path, "': truncated at ",
-                  stream.where(header_bytes + buffer.size()), ": header promises ", join_sizes(sizes),
-                  " = ", data_bytes, " data bytes after the ", header_bytes, "-byte header, got ",
+                  stream.where(header_bytes + buffer.size()), ": header promises ",
+                  promised(sizes, data_bytes), " after the ", header_bytes, "-byte header, got ",
                   buffer.size());
   }
   uint8_t extra = 0;
   NANODDP_CHECK(stream.read(&extra, 1) == 0, IOError, "IDX file '", path, "': unexpected data at ",
-                stream.where(header_bytes + data_bytes), ": header promises ", join_sizes(sizes), " = ",
-                data_bytes, " data bytes after the ", header_bytes,
-                "-byte header, but the file goes on");
+                stream.where(header_bytes + data_bytes), ": header promises ", promised(sizes, data_bytes),
+                " after the ", header_bytes, "-byte header, but the file goes on");
 
   Tensor out = Tensor::empty(Shape(sizes), DType::UInt8);
   if (data_bytes > 0) std::memcpy(out.data<uint8_t>(), buffer.data(), buffer.size());
@@ -204,16 +209,16 @@ void write_idx(const std::string& path, const Tensor& data, bool gzip) {
 
   errno = 0;
   GzFile file(gzopen(path.c_str(), gzip ? "wb" : "wbT"));  // T: write raw, no gzip wrapper
-  NANODDP_CHECK(file != nullptr, IOError, "write_idx: cannot create '", path, "': ",
-                errno != 0 ? std::strerror(errno) : "out of memory");
+  NANODDP_CHECK(file != nullptr, IOError, "write_idx: cannot create '", path,
+                "': ", errno != 0 ? std::strerror(errno) : "out of memory");
   auto write = [&](const uint8_t* bytes, size_t n) {
     while (n > 0) {
       const auto chunk = static_cast<unsigned>(std::min<size_t>(n, 1u << 30));
       const int put = gzwrite(file.get(), bytes, chunk);
       int errnum = Z_OK;
       const char* message = gzerror(file.get(), &errnum);
-      NANODDP_CHECK(put == static_cast<int>(chunk), IOError, "write_idx: writing '", path, "' failed: ",
-                    errnum == Z_ERRNO ? std::strerror(errno) : message);
+      NANODDP_CHECK(put == static_cast<int>(chunk), IOError, "write_idx: writing '", path,
+                    "' failed: ", errnum == Z_ERRNO ? std::strerror(errno) : message);
       bytes += chunk;
       n -= chunk;
     }
@@ -221,8 +226,7 @@ void write_idx(const std::string& path, const Tensor& data, bool gzip) {
   write(header.data(), header.size());
   if (host.numel() > 0) write(host.data<uint8_t>(), host.nbytes());
   const int closed = gzclose(file.release());
-  NANODDP_CHECK(closed == Z_OK, IOError, "write_idx: closing '", path, "' failed (zlib error ", closed,
-                ")");
+  NANODDP_CHECK(closed == Z_OK, IOError, "write_idx: closing '", path, "' failed (zlib error ", closed, ")");
 }
 
 }  // namespace nanoddp::data

@@ -2,7 +2,6 @@
 // below, independent of zlib), TensorDataset, DataLoader batching and prefetch, and
 // FashionMNIST on small hand-built files and on the real ones when installed.
 #include <doctest/doctest.h>
-
 #include <unistd.h>
 
 #include <atomic>
@@ -121,7 +120,9 @@ std::string io_error(Fn fn) {
   return "";
 }
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
 
 std::vector<float> floats(const Tensor& t) { return t.to_vector(); }
 
@@ -220,7 +221,8 @@ TEST_CASE("bad dimensions: zero-sized images, and a header promising absurd size
   CHECK(contains(message, "bad dimensions at byte offset 8"));
 
   // 2^32-1 cubed cannot even be multiplied out: rejected from the header alone.
-  const std::string huge = write_file("huge", idx_bytes(8, {0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu}, pattern(10)));
+  const std::string huge =
+      write_file("huge", idx_bytes(8, {0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu}, pattern(10)));
   message = io_error([&] { read_idx_images(huge); });
   CHECK(contains(message, huge));
   CHECK(contains(message, "more than 2^48 bytes"));
@@ -563,7 +565,8 @@ std::string small_fashion_root(const std::string& name, int64_t n_images, const 
     out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
   };
   put("train-images-idx3-ubyte.gz", gzip_stored(idx_bytes(8, {n, 28, 28}, pixels)));
-  put("train-labels-idx1-ubyte.gz", gzip_stored(idx_bytes(8, {static_cast<uint32_t>(labels.size())}, labels)));
+  put("train-labels-idx1-ubyte.gz",
+      gzip_stored(idx_bytes(8, {static_cast<uint32_t>(labels.size())}, labels)));
   return root.string();
 }
 
@@ -619,8 +622,8 @@ TEST_CASE("FashionMNIST: the real files (skipped when dataset-fashion-mnist is n
   const auto t0 = std::chrono::steady_clock::now();
   FashionMNIST train;
   FashionMNIST test(FashionMNIST::kDefaultRoot, false);
-  MESSAGE("read both sets in ",
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), " s");
+  MESSAGE("read both sets in ", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+          " s");
   CHECK(train.size() == 60000);
   CHECK(test.size() == 10000);
   CHECK(train.images().shape() == Shape{60000, 28, 28});

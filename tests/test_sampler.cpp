@@ -244,13 +244,15 @@ TEST_CASE("bad rank, world size or size: ValueError that names them") {
 
 TEST_CASE("against torch.utils.data.DistributedSampler itself (skipped without torch)") {
   // (N, W, drop_last) cases; torch prints one line of indices per rank.
-  const std::vector<std::tuple<int, int, bool>> cases = {
-      {10, 3, false}, {10, 3, true}, {2, 5, false}, {3, 8, false}, {3, 4, true}, {13, 4, false}, {13, 4, true}};
+  const std::vector<std::tuple<int, int, bool>> cases = {{10, 3, false}, {10, 3, true}, {2, 5, false},
+                                                         {3, 8, false},  {3, 4, true},  {13, 4, false},
+                                                         {13, 4, true}};
   std::ostringstream script;
   script << "/usr/bin/python3 -c \"\nimport sys\ntry:\n import torch\n"
             " from torch.utils.data import DistributedSampler\nexcept Exception:\n sys.exit(3)\n"
             "for n, w, d in [";
-  for (const auto& [N, W, drop_last] : cases) script << "(" << N << "," << W << "," << (drop_last ? "True" : "False") << "),";
+  for (const auto& [N, W, drop_last] : cases)
+    script << "(" << N << "," << W << "," << (drop_last ? "True" : "False") << "),";
   script << "]:\n for r in range(w):\n  s = DistributedSampler(range(n), num_replicas=w, rank=r, "
             "shuffle=False, drop_last=d)\n  print(' '.join(map(str, s)) + ' .')\n\" 2>/dev/null";
   FILE* pipe = popen(script.str().c_str(), "r");
