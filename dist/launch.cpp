@@ -368,10 +368,18 @@ ChildGroup::~ChildGroup() {
 void ChildGroup::start(int rank, std::string name, std::string prefix,
                        const std::function<void(int msg_fd)>& child_main) {
   NANODDP_CHECK(!waited_, DistError, "launch: start() after wait()");
-  int out[2], err[2], msg[2];
-  make_pipe(out);
-  make_pipe(err);
-  make_pipe(msg);
+  int out[2] = {-1, -1}, err[2] = {-1, -1}, msg[2] = {-1, -1};
+  try {
+    make_pipe(out);
+    make_pipe(err);
+    make_pipe(msg);
+  } catch (...) {
+    for (int* fds : {out, err, msg}) {
+      close_fd(fds[0]);
+      close_fd(fds[1]);
+    }
+    throw;
+  }
 
   // Signals stay blocked across fork so that the child cannot run our handler (and write into
   // our self-pipe) before it has restored the handlers it should have.
