@@ -49,9 +49,18 @@ class Tensor {
   static Tensor rand(const Shape& shape, Generator& gen, Device device = Device::cpu());
   static Tensor randn(const Shape& shape, Generator& gen, Device device = Device::cpu());
   // Copies values into a new tensor (torch.tensor(values).reshape(shape)). An empty shape
-  // means [values.size()]. Throws ShapeError when shape.numel() != values.size().
+  // means [values.size()] (use scalar() for a 0-dim tensor). Throws ShapeError when
+  // shape.numel() != values.size().
   static Tensor from_vector(const std::vector<float>& values, const Shape& shape = {}, Device device = Device::cpu());
   static Tensor from_vector(const std::vector<int64_t>& values, const Shape& shape = {}, Device device = Device::cpu());
+  // Tensor::from_vector({1, 2, 3, 4}, {2, 2}): a brace list is float32.
+  static Tensor from_vector(std::initializer_list<float> values, const Shape& shape = {},
+                            Device device = Device::cpu()) {
+    return from_vector(std::vector<float>(values), shape, device);
+  }
+
+  // A 0-dim float32 tensor holding value (torch.tensor(value)).
+  static Tensor scalar(float value, Device device = Device::cpu());
 
   // ---- metadata --------------------------------------------------------------------------
   bool defined() const { return impl_ != nullptr; }
@@ -79,6 +88,7 @@ class Tensor {
   // Same data, new shape (torch.reshape); one size may be -1. Throws ShapeError if numel differs.
   Tensor reshape(const Shape& shape) const;
   Tensor reshape(std::initializer_list<int64_t> sizes) const;
+  Tensor reshape(const std::vector<int64_t>& sizes) const;
   // A copy on device; returns *this when already there (torch.Tensor.to).
   Tensor to(Device device) const;
 

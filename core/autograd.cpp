@@ -1,0 +1,153 @@
+#include "core/autograd.h"
+
+#include <atomic>
+#include <queue>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "core/ops.h"
+
+namespace nanoddp {
+
+namespace {
+
+thread_local bool grad_mode_enabled = true;
+std::atomic<uint64_t> next_sequence_nr{0};
+
+// Adds g into the gradient buffer slot (a fresh tensor the first time, so callers may not
+// alias it afterwards).
+void accumulate_into(Tensor& slot, const Tensor& g) {
+  if (!slot.defined()) {
+    slot = g.is_leaf() && !g.requires_grad() ? g : g.detach();
+    return;
+  }
+  if (slot.is_same(g)) {
+    slot = g.clone();
+    NANODDP_DISPATCH(slot.device(), accumulate, slot.data<float>(), g.data<float>(), 1.0f, g.numel());
+    return;
+  }
+  Tensor sum = slot.clone();
+  NANODDP_DISPATCH(sum.device(), accumulate, sum.data<float>(), g.data<float>(), 1.0f, g.numel());
+  slot = sum;
+}
+
+// A leaf's .grad accumulates across backward calls, as in PyTorch.
+void accumulate_leaf_grad(const Tensor& leaf, const Tensor& g) {
+  Tensor current = leaf.grad();
+  if (!current.defined()) {
+    Tensor fresh = g.clone();
+    const_cast<Tensor&>(leaf).set_grad(fresh);
+  } else {
+    NANODDP_DISPATCH(current.device(), accumulate, current.data<float>(), g.data<float>(), 1.0f, g.numel());
+  }
+}
+
+}  // namespace
+
+bool is_grad_enabled() { return grad_mode_enabled; }
+
+NoGradGuard::NoGradGuard() : previous_(grad_mode_enabled) { grad_mode_enabled = false; }
+NoGradGuard::~NoGradGuard() { grad_mode_enabled = previous_; }
+
+Tensor make_result(Tensor result, std::shared_ptr<Node> node) {
+  if (!grad_mode_enabled) return result;
+  bool any_requires_grad = false;
+  for (const Tensor& input : node->inputs) any_requires_grad |= input.defined() && input.requires_grad();
+  if (!any_requires_grad) return result;
+  node->sequence_nr = next_sequence_nr++;
+  result.impl()->grad_fn = std::move(node);
+  result.impl()->requires_grad = true;
+  return result;
+}
+
+void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph) {
+  NANODDP_CHECK(root.requires_grad(), ValueError,
+                "backward() on a tensor that does not require grad and has no grad_fn");
+  Tensor seed = grad_root;
+  if (!seed.defined()) {
+    NANODDP_CHECK(root.numel() == 1, ValueError, "backward() without a gradient needs a one-element output, got ",
+                  root.shape(), "; pass a gradient of that shape");
+    seed = Tensor::ones(root.shape(), DType::Float32, root.device());
+  } else {
+    NANODDP_CHECK(seed.shape() == root.shape(), ShapeError, "backward: gradient ", seed.shape(),
+                  " does not match output ", root.shape());
+  }
+
+  // 1. Count, for every tensor in the graph, how many graph edges point at it.
+  std::unordered_map<TensorImpl*, int> pending;
+  std::unordered_map<TensorImpl*, Tensor> tensors;
+  {
+    std::vector<Tensor> stack{root};
+    std::unordered_set<TensorImpl*> seen{root.impl()};
+    tensors[root.impl()] = root;
+    while (!stack.empty()) {
+      Tensor t = stack.back();
+      stack.pop_back();
+      const auto& fn = t.grad_fn();
+      if (!fn) continue;
+      NANODDP_CHECK(!fn->released, ValueError, "backward through ", fn->name(),
+                    " a second time: the graph was freed by the first backward (pass retain_graph)");
+      for (const Tensor& input : fn->inputs) {
+        if (!input.defined() || !input.requires_grad()) continue;
+        ++pending[input.impl()];
+        if (seen.insert(input.impl()).second) {
+          tensors[input.impl()] = input;
+          stack.push_back(input);
+        }
+      }
+    }
+  }
+
+  // 2-3. Process ready tensors: leaves first, then the most recently created node.
+  auto priority = [](const Tensor& t) {
+    return t.grad_fn() ? t.grad_fn()->sequence_nr : UINT64_MAX;
+  };
+  auto later_first = [&](const Tensor& a, const Tensor& b) { return priority(a) < priority(b); };
+  std::priority_queue<Tensor, std::vector<Tensor>, decltype(later_first)> ready(later_first);
+  std::unordered_map<TensorImpl*, Tensor> grads;
+  grads[root.impl()] = seed;
+  ready.push(root);
+  std::vector<std::shared_ptr<Node>> visited;
+
+  while (!ready.empty()) {
+    Tensor t = ready.top();
+    ready.pop();
+    Tensor g;
+    if (auto it = grads.find(t.impl()); it != grads.end()) {
+      g = it->second;
+      grads.erase(it);
+    }
+    const std::shared_ptr<Node> fn = t.grad_fn();
+    if (!fn) {
+      if (g.defined()) {
+        accumulate_leaf_grad(t, g);
+        for (auto& [id, hook] : t.impl()->post_accumulate_grad_hooks) hook(t);
+      }
+      continue;
+    }
+    // A tensor whose consumers all returned no gradient still runs, with none, so that the
+    // counts of the tensors it was made from reach zero.
+    std::vector<Tensor> input_grads(fn->inputs.size());
+    if (g.defined()) {
+      NoGradGuard no_grad;  // backward formulas are not themselves recorded
+      input_grads = fn->apply(g);
+    }
+    NANODDP_ASSERT(input_grads.size() == fn->inputs.size());
+    for (size_t i = 0; i < fn->inputs.size(); ++i) {
+      const Tensor& input = fn->inputs[i];
+      if (!input.defined() || !input.requires_grad()) continue;
+      if (input_grads[i].defined()) {
+        NANODDP_ASSERT(input_grads[i].shape() == input.shape());
+        accumulate_into(grads[input.impl()], input_grads[i]);
+      }
+      if (--pending[input.impl()] == 0) ready.push(input);
+    }
+    visited.push_back(fn);
+  }
+
+  // 4. Free the graph.
+  if (!retain_graph)
+    for (auto& fn : visited) fn->release();
+}
+
+}  // namespace nanoddp

@@ -1,0 +1,401 @@
+// Differentiable ops: each forward, then its Node with the backward formula right below.
+#include "core/ops.h"
+
+#include <cmath>
+
+#include "core/autograd.h"
+
+namespace nanoddp {
+
+using kernels::BinaryOp;
+using kernels::ScalarOp;
+
+namespace {
+
+void check_float(const char* op, const Tensor& t, const char* what) {
+  NANODDP_CHECK(t.defined(), ValueError, op, ": ", what, " is undefined");
+  NANODDP_CHECK(t.dtype() == DType::Float32, ValueError, op, ": ", what, " must be float32, got ", t.dtype(),
+                " (shape ", t.shape(), ")");
+}
+
+void check_same_device(const char* op, const Tensor& a, const Tensor& b) {
+  NANODDP_CHECK(a.device() == b.device(), DeviceError, op, ": operands on ", a.device(), " and ", b.device(),
+                " (shapes ", a.shape(), " and ", b.shape(), ")");
+}
+
+// Rows of an [..., F] tensor: the product of all sizes but the last.
+int64_t leading_rows(const Tensor& t) {
+  int64_t rows = 1;
+  for (int d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
+  return rows;
+}
+
+Tensor empty_like(const Tensor& t) { return Tensor::empty(t.shape(), DType::Float32, t.device()); }
+
+float* ptr(const Tensor& t) { return t.data<float>(); }
+
+// out = a (op) b over [rows, F]; b is [F] when broadcast.
+Tensor binary(const Tensor& a, const Tensor& b, BinaryOp op, bool broadcast) {
+  Tensor out = empty_like(a);
+  const int64_t F = broadcast ? b.numel() : a.numel();
+  const int64_t rows = F == 0 ? 0 : a.numel() / F;
+  NANODDP_DISPATCH(a.device(), binary_forward, ptr(out), ptr(a), ptr(b), op, rows, F, broadcast);
+  return out;
+}
+
+Tensor scaled(const Tensor& a, ScalarOp op, float s) {
+  Tensor out = empty_like(a);
+  NANODDP_DISPATCH(a.device(), scalar_forward, ptr(out), ptr(a), op, s, a.numel());
+  return out;
+}
+
+// d: [rows, F] -> [F]
+Tensor column_sum(const Tensor& d, int64_t F) {
+  Tensor out = Tensor::empty({F}, DType::Float32, d.device());
+  const int64_t rows = F == 0 ? 0 : d.numel() / F;
+  NANODDP_DISPATCH(d.device(), column_sum, ptr(out), ptr(d), rows, F);
+  return out;
+}
+
+// Whether b broadcasts over a's rows; throws ShapeError for anything but equal shapes or
+// b: [F] against a: [..., F].
+bool broadcast_of(const char* op, const Tensor& a, const Tensor& b) {
+  check_float(op, a, "a");
+  check_float(op, b, "b");
+  check_same_device(op, a, b);
+  if (a.shape() == b.shape()) return false;
+  const bool row = b.dim() == 1 && a.dim() >= 1 && a.size(-1) == b.size(0);
+  NANODDP_CHECK(row, ShapeError, op, ": shapes ", a.shape(), " and ", b.shape(),
+                " must be equal, or the second must be [F] with F the first's last size");
+  return true;
+}
+
+}  // namespace
+
+// ---- matmul -------------------------------------------------------------------------------
+
+namespace {
+struct MatmulBackward : Node {
+  // inputs: a [M, K], b [K, N]
+  std::vector<Tensor> apply(const Tensor& dout) override {
+    const Tensor& a = inputs[0];
+    const Tensor& b = inputs[1];
+    const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+    Tensor da, db;
+    if (a.requires_grad()) {  // da = dout · b^T
+      da = empty_like(a);
+      NANODDP_DISPATCH(a.device(), matmul, ptr(da), ptr(dout), ptr(b), M, N, K, false, true, 0.0f);
+    }
+    if (b.requires_grad()) {  // db = a^T · dout
+      db = empty_like(b);
+      NANODDP_DISPATCH(a.device(), matmul, ptr(db), ptr(a), ptr(dout), K, M, N, true, false, 0.0f);
+    }
+    return {da, db};
+  }
+  const char* name() const override { return "MatmulBackward"; }
+};
+}  // namespace
+
+Tensor matmul(const Tensor& a, const Tensor& b) {
+  check_float("matmul", a, "a");
+  check_float("matmul", b, "b");
+  check_same_device("matmul", a, b);
+  NANODDP_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), ShapeError, "matmul: a ", a.shape(),
+                " and b ", b.shape(), " do not chain ([M, K] · [K, N])");
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  Tensor out = Tensor::empty({M, N}, DType::Float32, a.device());
+  NANODDP_DISPATCH(a.device(), matmul, ptr(out), ptr(a), ptr(b), M, K, N, false, false, 0.0f);
+  auto node = std::make_shared<MatmulBackward>();
+  node->inputs = {a, b};
+  return make_result(out, node);
+}
+
+// ---- linear -------------------------------------------------------------------------------
+
+namespace {
+struct LinearBackward : Node {
+  // inputs: input [N, in], weight [out, in], bias [out] (may be undefined)
+  std::vector<Tensor> apply(const Tensor& dout) override {
+    const Tensor& input = inputs[0];
+    const Tensor& weight = inputs[1];
+    const Tensor& bias = inputs[2];
+    const int64_t out_features = weight.size(0), in_features = weight.size(1);
+    const int64_t N = leading_rows(input);
+    Tensor dinput, dweight, dbias;
+    if (input.requires_grad()) {  // dinput = dout · weight
+      dinput = empty_like(input);
+      NANODDP_DISPATCH(input.device(), matmul, ptr(dinput), ptr(dout), ptr(weight), N, out_features, in_features,
+                       false, false, 0.0f);
+    }
+    if (weight.requires_grad()) {  // dweight = dout^T · input
+      dweight = empty_like(weight);
+      NANODDP_DISPATCH(input.device(), matmul, ptr(dweight), ptr(dout), ptr(input), out_features, N, in_features,
+                       true, false, 0.0f);
+    }
+    if (bias.defined() && bias.requires_grad()) dbias = column_sum(dout, out_features);
+    return {dinput, dweight, dbias};
+  }
+  const char* name() const override { return "LinearBackward"; }
+};
+}  // namespace
+
+Tensor linear(const Tensor& input, const Tensor& weight, const Tensor& bias) {
+  check_float("linear", input, "input");
+  check_float("linear", weight, "weight");
+  check_same_device("linear", input, weight);
+  NANODDP_CHECK(weight.dim() == 2 && input.dim() >= 1 && input.size(-1) == weight.size(1), ShapeError,
+                "linear: input ", input.shape(), " does not fit weight ", weight.shape(),
+                " (expected input [N, in_features] with in_features = ", weight.dim() == 2 ? weight.size(1) : -1,
+                ")");
+  const int64_t out_features = weight.size(0), in_features = weight.size(1);
+  if (bias.defined()) {
+    check_float("linear", bias, "bias");
+    check_same_device("linear", input, bias);
+    NANODDP_CHECK(bias.dim() == 1 && bias.size(0) == out_features, ShapeError, "linear: bias ", bias.shape(),
+                  " does not fit weight ", weight.shape(), " (expected [", out_features, "])");
+  }
+  const int64_t N = leading_rows(input);
+  std::vector<int64_t> out_sizes = input.shape().sizes();
+  out_sizes.back() = out_features;
+  Tensor out = Tensor::empty(Shape(out_sizes), DType::Float32, input.device());
+  NANODDP_DISPATCH(input.device(), matmul, ptr(out), ptr(input), ptr(weight), N, in_features, out_features, false,
+                   true, 0.0f);
+  if (bias.defined())
+    NANODDP_DISPATCH(input.device(), binary_forward, ptr(out), ptr(out), ptr(bias), BinaryOp::Add, N,
+                     out_features, true);
+  auto node = std::make_shared<LinearBackward>();
+  node->inputs = {input, weight, bias};
+  return make_result(out, node);
+}
+
+// ---- add / sub / mul ----------------------------------------------------------------------
+
+namespace {
+struct BinaryBackward : Node {
+  BinaryOp op;
+  bool broadcast;
+  std::vector<Tensor> apply(const Tensor& dout) override {
+    const Tensor& a = inputs[0];
+    const Tensor& b = inputs[1];
+    Tensor da, db;
+    switch (op) {
+      case BinaryOp::Add:
+      case BinaryOp::Sub: {
+        if (a.requires_grad()) da = dout;
+        if (b.requires_grad()) {
+          db = broadcast ? column_sum(dout, b.numel()) : dout;
+          if (op == BinaryOp::Sub) db = scaled(db, ScalarOp::Mul, -1.0f);
+        }
+        break;
+      }
+      case BinaryOp::Mul: {
+        if (a.requires_grad()) da = binary(dout, b, BinaryOp::Mul, broadcast);  // dout * b
+        if (b.requires_grad()) {
+          Tensor dout_a = binary(dout, a, BinaryOp::Mul, false);               // dout * a
+          db = broadcast ? column_sum(dout_a, b.numel()) : dout_a;
+        }
+        break;
+      }
+    }
+    return {da, db};
+  }
+  const char* name() const override {
+    return op == BinaryOp::Add ? "AddBackward" : op == BinaryOp::Sub ? "SubBackward" : "MulBackward";
+  }
+};
+
+Tensor binary_op(const char* name, const Tensor& a, const Tensor& b, BinaryOp op) {
+  const bool broadcast = broadcast_of(name, a, b);
+  Tensor out = binary(a, b, op, broadcast);
+  auto node = std::make_shared<BinaryBackward>();
+  node->inputs = {a, b};
+  node->op = op;
+  node->broadcast = broadcast;
+  return make_result(out, node);
+}
+}  // namespace
+
+Tensor add(const Tensor& a, const Tensor& b) { return binary_op("add", a, b, BinaryOp::Add); }
+Tensor sub(const Tensor& a, const Tensor& b) { return binary_op("sub", a, b, BinaryOp::Sub); }
+Tensor mul(const Tensor& a, const Tensor& b) { return binary_op("mul", a, b, BinaryOp::Mul); }
+
+// ---- scalar mul / div ---------------------------------------------------------------------
+
+namespace {
+struct ScalarBackward : Node {
+  ScalarOp op;
+  float s;
+  std::vector<Tensor> apply(const Tensor& dout) override { return {scaled(dout, op, s)}; }
+  const char* name() const override { return op == ScalarOp::Mul ? "MulScalarBackward" : "DivScalarBackward"; }
+};
+
+Tensor scalar_op(const Tensor& a, ScalarOp op, float s) {
+  check_float(op == ScalarOp::Mul ? "mul" : "div", a, "a");
+  auto node = std::make_shared<ScalarBackward>();
+  node->inputs = {a};
+  node->op = op;
+  node->s = s;
+  return make_result(scaled(a, op, s), node);
+}
+}  // namespace
+
+Tensor mul(const Tensor& a, float s) { return scalar_op(a, ScalarOp::Mul, s); }
+Tensor div(const Tensor& a, float s) { return scalar_op(a, ScalarOp::Div, s); }
+
+Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
+Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
+Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
+Tensor operator*(const Tensor& a, float s) { return mul(a, s); }
+Tensor operator*(float s, const Tensor& a) { return mul(a, s); }
+Tensor operator/(const Tensor& a, float s) { return div(a, s); }
+
+// ---- sum / mean ---------------------------------------------------------------------------
+
+namespace {
+struct SumBackward : Node {
+  float scale;  // 1 for sum, 1/n for mean
+  std::vector<Tensor> apply(const Tensor& dout) override {
+    const Tensor& a = inputs[0];
+    Tensor da = empty_like(a);
+    NANODDP_DISPATCH(a.device(), broadcast_scalar_backward, ptr(da), ptr(dout), scale, a.numel());
+    return {da};
+  }
+  const char* name() const override { return scale == 1.0f ? "SumBackward" : "MeanBackward"; }
+};
+
+Tensor reduce_all(const char* name, const Tensor& a, bool mean) {
+  check_float(name, a, "input");
+  Tensor out = Tensor::empty({}, DType::Float32, a.device());
+  NANODDP_DISPATCH(a.device(), sum_forward, ptr(out), ptr(a), a.numel());
+  const float n = static_cast<float>(a.numel());
+  if (mean) NANODDP_DISPATCH(a.device(), scalar_forward, ptr(out), ptr(out), ScalarOp::Div, n, 1);
+  auto node = std::make_shared<SumBackward>();
+  node->inputs = {a};
+  node->scale = mean ? 1.0f / n : 1.0f;
+  return make_result(out, node);
+}
+}  // namespace
+
+Tensor sum(const Tensor& a) { return reduce_all("sum", a, false); }
+Tensor mean(const Tensor& a) { return reduce_all("mean", a, true); }
+
+// ---- relu ---------------------------------------------------------------------------------
+
+namespace {
+struct ReluBackward : Node {
+  std::vector<Tensor> apply(const Tensor& dout) override {
+    const Tensor& a = inputs[0];
+    Tensor da = empty_like(a);
+    NANODDP_DISPATCH(a.device(), relu_backward, ptr(da), ptr(dout), ptr(a), a.numel());
+    return {da};
+  }
+  const char* name() const override { return "ReluBackward"; }
+};
+}  // namespace
+
+Tensor relu(const Tensor& a) {
+  check_float("relu", a, "input");
+  Tensor out = empty_like(a);
+  NANODDP_DISPATCH(a.device(), relu_forward, ptr(out), ptr(a), a.numel());
+  auto node = std::make_shared<ReluBackward>();
+  node->inputs = {a};
+  return make_result(out, node);
+}
+
+// ---- mse_loss -----------------------------------------------------------------------------
+
+namespace {
+struct MseBackward : Node {
+  Reduction reduction;
+  std::vector<Tensor> apply(const Tensor& dout) override {
+    const Tensor& input = inputs[0];
+    const Tensor& target = inputs[1];
+    Tensor dinput = empty_like(input);
+    NANODDP_DISPATCH(input.device(), mse_backward, ptr(dinput), ptr(dout), ptr(input), ptr(target), input.numel(),
+                     reduction);
+    Tensor dtarget;
+    if (target.requires_grad()) dtarget = scaled(dinput, ScalarOp::Mul, -1.0f);
+    if (!input.requires_grad()) dinput = Tensor();
+    return {dinput, dtarget};
+  }
+  const char* name() const override { return "MseLossBackward"; }
+};
+}  // namespace
+
+Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) {
+  check_float("mse_loss", input, "input");
+  check_float("mse_loss", target, "target");
+  check_same_device("mse_loss", input, target);
+  NANODDP_CHECK(input.shape() == target.shape(), ShapeError, "mse_loss: input ", input.shape(), " and target ",
+                target.shape(), " must have the same shape (nothing is broadcast)");
+  Tensor out = reduction == Reduction::None ? empty_like(input) : Tensor::empty({}, DType::Float32, input.device());
+  NANODDP_DISPATCH(input.device(), mse_forward, ptr(out), ptr(input), ptr(target), input.numel(), reduction);
+  auto node = std::make_shared<MseBackward>();
+  node->inputs = {input, target};
+  node->reduction = reduction;
+  return make_result(out, node);
+}
+
+// ---- cross_entropy ------------------------------------------------------------------------
+
+namespace {
+struct CrossEntropyBackward : Node {
+  Reduction reduction;
+  Tensor probs;   // softmax(logits), [N, C]
+  Tensor target;  // [N] int64
+  std::vector<Tensor> apply(const Tensor& dout) override {
+    const Tensor& logits = inputs[0];
+    Tensor dlogits = empty_like(logits);
+    NANODDP_DISPATCH(logits.device(), cross_entropy_backward, ptr(dlogits), ptr(dout), ptr(probs),
+                     target.data<int64_t>(), logits.size(0), logits.size(1), reduction);
+    return {dlogits};
+  }
+  void release() override {
+    probs = Tensor();
+    target = Tensor();
+    Node::release();
+  }
+  const char* name() const override { return "CrossEntropyBackward"; }
+};
+}  // namespace
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction) {
+  check_float("cross_entropy", logits, "logits");
+  NANODDP_CHECK(target.defined() && target.dtype() == DType::Int64, ValueError,
+                "cross_entropy: target must be int64 class indices");
+  check_same_device("cross_entropy", logits, target);
+  NANODDP_CHECK(logits.dim() == 2 && target.dim() == 1 && target.size(0) == logits.size(0), ShapeError,
+                "cross_entropy: logits ", logits.shape(), " and target ", target.shape(),
+                " must be [N, C] and [N]");
+  const int64_t N = logits.size(0), C = logits.size(1);
+  if (target.device().is_cpu()) {
+    const int64_t* t = target.data<int64_t>();
+    for (int64_t r = 0; r < N; ++r)
+      NANODDP_CHECK(t[r] >= 0 && t[r] < C, IndexError, "cross_entropy: target[", r, "] = ", t[r],
+                    " is not a class in [0, ", C, ")");
+  }
+  Tensor out = reduction == Reduction::None ? Tensor::empty({N}, DType::Float32, logits.device())
+                                            : Tensor::empty({}, DType::Float32, logits.device());
+  Tensor probs = empty_like(logits);
+  NANODDP_DISPATCH(logits.device(), cross_entropy_forward, ptr(out), ptr(probs), ptr(logits),
+                   target.data<int64_t>(), N, C, reduction);
+  auto node = std::make_shared<CrossEntropyBackward>();
+  node->inputs = {logits};
+  node->reduction = reduction;
+  node->probs = probs;
+  node->target = target;
+  return make_result(out, node);
+}
+
+// ---- argmax -------------------------------------------------------------------------------
+
+Tensor argmax(const Tensor& a) {
+  check_float("argmax", a, "input");
+  NANODDP_CHECK(a.dim() == 2, ShapeError, "argmax: input ", a.shape(), " must be [N, C]");
+  NANODDP_CHECK(a.size(1) > 0 || a.size(0) == 0, ShapeError, "argmax: input ", a.shape(), " has no columns");
+  Tensor out = Tensor::empty({a.size(0)}, DType::Int64, a.device());
+  NANODDP_DISPATCH(a.device(), argmax_forward, out.data<int64_t>(), ptr(a), a.size(0), a.size(1));
+  return out;
+}
+
+}  // namespace nanoddp

@@ -1,0 +1,349 @@
+#include "core/tensor.h"
+
+#include <algorithm>
+#include <cstring>
+#include <iomanip>
+#include <sstream>
+
+#include "core/autograd.h"
+#include "core/random.h"
+#include "kernels/kernels.h"
+
+namespace nanoddp {
+
+namespace {
+
+std::shared_ptr<TensorImpl> new_impl(const Shape& shape, DType dtype, Device device) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->shape = shape;
+  impl->dtype = dtype;
+  impl->storage = Storage::allocate(static_cast<size_t>(shape.numel()) * dtype_size(dtype), device);
+  return impl;
+}
+
+// Builds a CPU tensor with fill(ptr, n) and moves it to device.
+template <typename T, typename Fill>
+Tensor host_built(const Shape& shape, Device device, Fill fill) {
+  Tensor host(new_impl(shape, dtype_of<T>(), Device::cpu()));
+  fill(host.data<T>(), host.numel());
+  return host.to(device);
+}
+
+int64_t flat_index(const Shape& shape, std::initializer_list<int64_t> index) {
+  NANODDP_CHECK(static_cast<int>(index.size()) == shape.dim(), IndexError, "index with ", index.size(),
+                " coordinates into a tensor of shape ", shape);
+  int64_t flat = 0;
+  int d = 0;
+  for (int64_t i : index) {
+    NANODDP_CHECK(i >= 0 && i < shape[d], IndexError, "index ", i, " out of range for dimension ", d,
+                  " of shape ", shape);
+    flat = flat * shape[d] + i;
+    ++d;
+  }
+  return flat;
+}
+
+struct ReshapeBackward : Node {
+  Shape input_shape;
+  std::vector<Tensor> apply(const Tensor& grad_output) override {
+    return {grad_output.reshape(input_shape)};
+  }
+  const char* name() const override { return "ReshapeBackward"; }
+};
+
+struct ToDeviceBackward : Node {
+  Device input_device;
+  std::vector<Tensor> apply(const Tensor& grad_output) override { return {grad_output.to(input_device)}; }
+  const char* name() const override { return "ToDeviceBackward"; }
+};
+
+}  // namespace
+
+// ---- factories ----------------------------------------------------------------------------
+
+Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
+  return Tensor(new_impl(shape, dtype, device));
+}
+
+Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {
+  if (dtype == DType::Float32) return full(shape, 0.0f, device);
+  Tensor host(new_impl(shape, dtype, Device::cpu()));
+  if (host.nbytes() > 0) std::memset(host.impl()->storage->data(), 0, host.nbytes());
+  return host.to(device);
+}
+
+Tensor Tensor::ones(const Shape& shape, DType dtype, Device device) {
+  if (dtype == DType::Float32) return full(shape, 1.0f, device);
+  if (dtype == DType::Int64)
+    return host_built<int64_t>(shape, device, [](int64_t* p, int64_t n) { std::fill(p, p + n, 1); });
+  return host_built<uint8_t>(shape, device, [](uint8_t* p, int64_t n) { std::fill(p, p + n, 1); });
+}
+
+Tensor Tensor::full(const Shape& shape, float value, Device device) {
+  Tensor t = empty(shape, DType::Float32, device);
+  t.fill_(value);
+  return t;
+}
+
+Tensor Tensor::arange(int64_t n, Device device) {
+  NANODDP_CHECK(n >= 0, ValueError, "arange(", n, "): n must be >= 0");
+  return host_built<float>({n}, device, [](float* p, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) p[i] = static_cast<float>(i);
+  });
+}
+
+Tensor Tensor::rand(const Shape& shape, Generator& gen, Device device) {
+  return host_built<float>(shape, device, [&gen](float* p, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) p[i] = gen.uniform();
+  });
+}
+
+Tensor Tensor::randn(const Shape& shape, Generator& gen, Device device) {
+  return host_built<float>(shape, device, [&gen](float* p, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) p[i] = gen.normal();
+  });
+}
+
+template <typename T>
+static Tensor tensor_from_values(const std::vector<T>& values, const Shape& shape, Device device) {
+  const Shape actual = shape.dim() == 0 ? Shape{static_cast<int64_t>(values.size())} : shape;
+  NANODDP_CHECK(actual.numel() == static_cast<int64_t>(values.size()), ShapeError, "from_vector: ",
+                values.size(), " values do not fill shape ", actual);
+  return host_built<T>(actual, device, [&values](T* p, int64_t n) { std::copy(values.begin(), values.begin() + n, p); });
+}
+
+Tensor Tensor::scalar(float value, Device device) { return full(Shape{}, value, device); }
+
+Tensor Tensor::from_vector(const std::vector<float>& values, const Shape& shape, Device device) {
+  return tensor_from_values(values, shape, device);
+}
+
+Tensor Tensor::from_vector(const std::vector<int64_t>& values, const Shape& shape, Device device) {
+  return tensor_from_values(values, shape, device);
+}
+
+// ---- metadata -----------------------------------------------------------------------------
+
+TensorImpl& Tensor::checked_impl() const {
+  NANODDP_CHECK(impl_ != nullptr, ValueError, "use of an undefined tensor");
+  return *impl_;
+}
+
+const Shape& Tensor::shape() const { return checked_impl().shape; }
+
+int64_t Tensor::size(int d) const {
+  const int dims = dim();
+  const int index = d < 0 ? d + dims : d;
+  NANODDP_CHECK(index >= 0 && index < dims, IndexError, "dimension ", d, " out of range for shape ", shape());
+  return shape()[index];
+}
+
+size_t Tensor::nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype()); }
+DType Tensor::dtype() const { return checked_impl().dtype; }
+Device Tensor::device() const { return checked_impl().storage->device(); }
+
+// ---- data ---------------------------------------------------------------------------------
+
+float Tensor::item() const {
+  NANODDP_CHECK(numel() == 1, ValueError, "item() needs a one-element tensor, got shape ", shape());
+  const Tensor host = to(Device::cpu());
+  switch (dtype()) {
+    case DType::Float32: return *host.data<float>();
+    case DType::Int64: return static_cast<float>(*host.data<int64_t>());
+    case DType::UInt8: return static_cast<float>(*host.data<uint8_t>());
+  }
+  return 0.0f;
+}
+
+float Tensor::at(std::initializer_list<int64_t> index) const {
+  NANODDP_CHECK(device().is_cpu(), DeviceError, "at() reads host memory; copy the ", device(),
+                " tensor to the CPU first");
+  return data<float>()[flat_index(shape(), index)];
+}
+
+int64_t Tensor::at_int(std::initializer_list<int64_t> index) const {
+  NANODDP_CHECK(device().is_cpu(), DeviceError, "at_int() reads host memory; copy the ", device(),
+                " tensor to the CPU first");
+  return data<int64_t>()[flat_index(shape(), index)];
+}
+
+std::vector<float> Tensor::to_vector() const {
+  const Tensor host = to(Device::cpu());
+  const float* p = host.data<float>();
+  return std::vector<float>(p, p + numel());
+}
+
+std::vector<int64_t> Tensor::to_int_vector() const {
+  const Tensor host = to(Device::cpu());
+  const int64_t* p = host.data<int64_t>();
+  return std::vector<int64_t>(p, p + numel());
+}
+
+// ---- shape and device ---------------------------------------------------------------------
+
+Tensor Tensor::reshape(const Shape& new_shape) const { return reshape(new_shape.sizes()); }
+
+Tensor Tensor::reshape(std::initializer_list<int64_t> sizes) const { return reshape(std::vector<int64_t>(sizes)); }
+
+Tensor Tensor::reshape(const std::vector<int64_t>& requested) const {
+  const TensorImpl& self = checked_impl();
+  std::vector<int64_t> sizes = requested;
+  auto requested_str = [&] {
+    std::string text = "[";
+    for (size_t d = 0; d < requested.size(); ++d) text += (d ? ", " : "") + std::to_string(requested[d]);
+    return text + "]";
+  };
+  int inferred = -1;
+  int64_t known = 1;
+  for (int d = 0; d < static_cast<int>(sizes.size()); ++d) {
+    if (sizes[d] == -1) {
+      NANODDP_CHECK(inferred < 0, ShapeError, "reshape ", self.shape, " to ", requested_str(),
+                    ": only one size may be -1");
+      inferred = d;
+    } else {
+      known *= sizes[d];
+    }
+  }
+  if (inferred >= 0) {
+    NANODDP_CHECK(known > 0 && numel() % known == 0, ShapeError, "cannot reshape ", self.shape, " to ",
+                  requested_str());
+    sizes[inferred] = numel() / known;
+  }
+  const Shape target(sizes);
+  NANODDP_CHECK(target.numel() == numel(), ShapeError, "cannot reshape ", self.shape, " (", numel(),
+                " elements) to ", target);
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = self.storage;
+  impl->shape = target;
+  impl->dtype = self.dtype;
+  auto node = std::make_shared<ReshapeBackward>();
+  node->inputs = {*this};
+  node->input_shape = self.shape;
+  return make_result(Tensor(impl), node);
+}
+
+
+Tensor Tensor::to(Device target) const {
+  if (device() == target) return *this;
+  Tensor moved(new_impl(shape(), dtype(), target));
+  copy_bytes(moved.impl()->storage->data(), target, impl_->storage->data(), device(), nbytes());
+  auto node = std::make_shared<ToDeviceBackward>();
+  node->inputs = {*this};
+  node->input_device = device();
+  return make_result(moved, node);
+}
+
+// ---- copies and in-place updates ----------------------------------------------------------
+
+Tensor Tensor::clone() const {
+  Tensor copy(new_impl(shape(), dtype(), device()));
+  copy_bytes(copy.impl()->storage->data(), device(), impl_->storage->data(), device(), nbytes());
+  return copy;
+}
+
+Tensor Tensor::detach() const {
+  const TensorImpl& self = checked_impl();
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = self.storage;
+  impl->shape = self.shape;
+  impl->dtype = self.dtype;
+  return Tensor(impl);
+}
+
+Tensor& Tensor::copy_(const Tensor& src) {
+  NANODDP_CHECK(shape() == src.shape() && dtype() == src.dtype(), ShapeError, "copy_: destination ", shape(), " ",
+                dtype(), " and source ", src.shape(), " ", src.dtype(), " differ");
+  copy_bytes(impl_->storage->data(), device(), src.impl()->storage->data(), src.device(), nbytes());
+  return *this;
+}
+
+Tensor& Tensor::fill_(float value) {
+  NANODDP_CHECK(dtype() == DType::Float32, ValueError, "fill_ needs a float32 tensor, got ", dtype());
+  NANODDP_DISPATCH(device(), fill, data<float>(), value, numel());
+  return *this;
+}
+
+void Tensor::set_data(const Tensor& other) {
+  TensorImpl& self = checked_impl();
+  NANODDP_CHECK(other.defined(), ValueError, "set_data with an undefined tensor");
+  self.storage = other.impl()->storage;
+  self.shape = other.shape();
+  self.dtype = other.dtype();
+  if (self.grad) {
+    // Keep the gradient next to its parameter (PyTorch moves .grad with module.to()).
+    Tensor grad(self.grad);
+    self.grad = grad.to(other.device()).impl_;
+  }
+}
+
+// ---- autograd -----------------------------------------------------------------------------
+
+bool Tensor::requires_grad() const { return checked_impl().requires_grad; }
+
+Tensor& Tensor::set_requires_grad(bool requires_grad) {
+  TensorImpl& self = checked_impl();
+  NANODDP_CHECK(!requires_grad || self.dtype == DType::Float32, ValueError,
+                "only float32 tensors can require grad, got ", self.dtype);
+  NANODDP_CHECK(self.grad_fn == nullptr, ValueError,
+                "set_requires_grad on a non-leaf tensor (made by ", self.grad_fn->name(), "); use detach()");
+  self.requires_grad = requires_grad;
+  return *this;
+}
+
+bool Tensor::is_leaf() const { return checked_impl().grad_fn == nullptr; }
+const std::shared_ptr<Node>& Tensor::grad_fn() const { return checked_impl().grad_fn; }
+Tensor Tensor::grad() const { return Tensor(checked_impl().grad); }
+
+void Tensor::set_grad(const Tensor& grad) {
+  TensorImpl& self = checked_impl();
+  if (grad.defined()) {
+    NANODDP_CHECK(grad.shape() == self.shape && grad.device() == device(), ShapeError, "set_grad: gradient ",
+                  grad.shape(), " on ", grad.device(), " for a tensor ", self.shape, " on ", device());
+  }
+  self.grad = grad.impl_;
+}
+
+void Tensor::backward(const Tensor& grad, bool retain_graph) const { run_backward(*this, grad, retain_graph); }
+
+int Tensor::register_post_accumulate_grad_hook(PostAccumulateGradHook hook) {
+  TensorImpl& self = checked_impl();
+  NANODDP_CHECK(self.grad_fn == nullptr && self.requires_grad, ValueError,
+                "post-accumulate-grad hooks need a leaf that requires grad");
+  const int id = self.next_hook_id++;
+  self.post_accumulate_grad_hooks.emplace_back(id, std::move(hook));
+  return id;
+}
+
+void Tensor::remove_hook(int id) {
+  auto& hooks = checked_impl().post_accumulate_grad_hooks;
+  hooks.erase(std::remove_if(hooks.begin(), hooks.end(), [id](const auto& h) { return h.first == id; }),
+              hooks.end());
+}
+
+// ---- printing -----------------------------------------------------------------------------
+
+std::string Tensor::str() const {
+  if (!defined()) return "Tensor(undefined)";
+  constexpr int64_t kMaxShown = 8;
+  std::ostringstream out;
+  out << "Tensor(shape=" << shape() << ", dtype=" << dtype() << ", device=" << device();
+  if (requires_grad()) out << ", requires_grad";
+  out << ", values=[";
+  const Tensor host = to(Device::cpu());
+  const int64_t shown = std::min(numel(), kMaxShown);
+  for (int64_t i = 0; i < shown; ++i) {
+    if (i > 0) out << ", ";
+    switch (dtype()) {
+      case DType::Float32: out << std::setprecision(6) << host.data<float>()[i]; break;
+      case DType::Int64: out << host.data<int64_t>()[i]; break;
+      case DType::UInt8: out << static_cast<int>(host.data<uint8_t>()[i]); break;
+    }
+  }
+  if (numel() > shown) out << ", ... (" << numel() << " in all)";
+  out << "])";
+  return out.str();
+}
+
+std::ostream& operator<<(std::ostream& out, const Tensor& tensor) { return out << tensor.str(); }
+
+}  // namespace nanoddp

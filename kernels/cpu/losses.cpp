@@ -1,0 +1,76 @@
+// CPU loss kernels: mse and cross-entropy with a stable log-softmax.
+#include <cmath>
+#include <limits>
+
+#include "core/error.h"
+#include "kernels/kernels.h"
+
+namespace nanoddp::kernels::cpu {
+
+void mse_forward(float* out, const float* input, const float* target, int64_t n, Reduction reduction) {
+  if (reduction == Reduction::None) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float d = input[i] - target[i];
+      out[i] = d * d;
+    }
+    return;
+  }
+  double total = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(input[i]) - static_cast<double>(target[i]);
+    total += d * d;
+  }
+  out[0] = static_cast<float>(reduction == Reduction::Mean ? total / static_cast<double>(n) : total);
+}
+
+void mse_backward(float* dinput, const float* dout, const float* input, const float* target, int64_t n,
+                  Reduction reduction) {
+  if (reduction == Reduction::None) {
+    for (int64_t i = 0; i < n; ++i) dinput[i] = 2.0f * (input[i] - target[i]) * dout[i];
+    return;
+  }
+  const float scale = reduction == Reduction::Mean ? 2.0f * dout[0] / static_cast<float>(n) : 2.0f * dout[0];
+  for (int64_t i = 0; i < n; ++i) dinput[i] = scale * (input[i] - target[i]);
+}
+
+void cross_entropy_forward(float* out, float* probs, const float* logits, const int64_t* target, int64_t N, int64_t C,
+                           Reduction reduction) {
+  double total = 0.0;
+  for (int64_t r = 0; r < N; ++r) {
+    const float* x = logits + r * C;
+    float* p = probs + r * C;
+    const int64_t t = target[r];
+    NANODDP_CHECK(t >= 0 && t < C, IndexError, "cross_entropy: target[", r, "] = ", t, " is not a class in [0, ", C,
+                  ")");
+    // log_softmax(x)_c = x_c - max - log(sum exp(x - max)): every exponent is <= 0.
+    float max = x[0];
+    for (int64_t c = 1; c < C; ++c) max = std::isnan(x[c]) || x[c] > max ? x[c] : max;
+    double sum_exp = 0.0;
+    for (int64_t c = 0; c < C; ++c) sum_exp += std::exp(static_cast<double>(x[c]) - max);
+    const double log_sum_exp = std::log(sum_exp);
+    for (int64_t c = 0; c < C; ++c) p[c] = static_cast<float>(std::exp(static_cast<double>(x[c]) - max - log_sum_exp));
+    const double loss = -(static_cast<double>(x[t]) - max - log_sum_exp);
+    if (reduction == Reduction::None) {
+      out[r] = static_cast<float>(loss);
+    } else {
+      total += loss;
+    }
+  }
+  if (reduction == Reduction::Mean) out[0] = static_cast<float>(total / static_cast<double>(N));  // N = 0: NaN
+  if (reduction == Reduction::Sum) out[0] = static_cast<float>(total);
+}
+
+void cross_entropy_backward(float* dlogits, const float* dout, const float* probs, const int64_t* target, int64_t N,
+                            int64_t C, Reduction reduction) {
+  for (int64_t r = 0; r < N; ++r) {
+    const float scale = reduction == Reduction::None ? dout[r]
+                        : reduction == Reduction::Mean ? dout[0] / static_cast<float>(N)
+                                                       : dout[0];
+    const float* p = probs + r * C;
+    float* d = dlogits + r * C;
+    for (int64_t c = 0; c < C; ++c) d[c] = scale * p[c];
+    d[target[r]] -= scale;
+  }
+}
+
+}  // namespace nanoddp::kernels::cpu

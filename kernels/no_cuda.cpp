@@ -1,0 +1,32 @@
+// The CUDA side of a build without CUDA: no devices, and a clear error for any use.
+#include "core/error.h"
+#include "kernels/device_memory.h"
+#include "kernels/kernels.h"
+
+namespace nanoddp::kernels {
+
+bool cuda_built() { return false; }
+
+namespace cuda {
+namespace {
+[[noreturn]] void no_cuda(const char* what) {
+  NANODDP_THROW(DeviceError, what, ": this build has no CUDA (configure with -Dcuda=enabled)");
+}
+}  // namespace
+
+int device_count() { return 0; }
+std::string unavailable_reason() { return "nanoddp was built without CUDA"; }
+void set_device(int) { no_cuda("set_device"); }
+void* allocate(size_t, int) { no_cuda("allocate"); }
+void deallocate(void*, int) {}
+void empty_cache() {}
+AllocatorStats allocator_stats(int) { return {}; }
+void* allocate_pinned(size_t) { no_cuda("allocate_pinned"); }
+void free_pinned(void*) {}
+void copy(void*, const void*, size_t, CopyKind) { no_cuda("copy"); }
+void copy_async(void*, const void*, size_t, CopyKind) { no_cuda("copy_async"); }
+void* compute_stream() { no_cuda("compute_stream"); }
+void synchronize() {}
+}  // namespace cuda
+
+}  // namespace nanoddp::kernels

@@ -1,0 +1,27 @@
+// Checkpoint files: named tensors saved atomically, loaded with every byte checked.
+//
+//   save_checkpoint("run.ckpt", {{"model.0.weight", w}, {"epoch", Tensor::from_vector({3.0f})}});
+//   StateDict state = load_checkpoint("run.ckpt");
+//
+// Format (little-endian): magic "NDDPCKPT", u32 version = 1, u64 count, then per tensor:
+// u32 name length, name bytes, u8 dtype, u8 dim, dim x i64 sizes, u64 nbytes, data; finally
+// a u64 FNV-1a checksum of everything before it. save writes "<path>.tmp", fsyncs it, renames
+// it over path and fsyncs the folder: a crash leaves the old file or the new one, never half.
+// load throws IOError naming the file and byte offset on a missing, truncated or corrupt file.
+#pragma once
+
+#include <string>
+
+#include "nn/module.h"
+
+namespace nanoddp::nn {
+
+void save_checkpoint(const std::string& path, const StateDict& tensors);
+StateDict load_checkpoint(const std::string& path);
+
+// Adds every entry of part to into with prefix + name ("model." + "0.weight").
+void merge_prefixed(StateDict& into, const std::string& prefix, const StateDict& part);
+// The entries of state whose names start with prefix, with the prefix removed.
+StateDict strip_prefix(const StateDict& state, const std::string& prefix);
+
+}  // namespace nanoddp::nn

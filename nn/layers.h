@@ -1,0 +1,77 @@
+// Layers and losses: Linear, ReLU, Sequential, MSELoss, CrossEntropyLoss (torch.nn's).
+//
+//   Generator gen(0);
+//   Sequential mlp;  mlp.add(Linear(784, 256, gen));  mlp.add(ReLU());  mlp.add(Linear(256, 10, gen));
+//   Tensor loss = CrossEntropyLoss()(mlp(x), y);   // x: [N, 784], y: [N] int64
+#pragma once
+
+#include <memory>
+
+#include "core/ops.h"
+#include "core/random.h"
+#include "nn/module.h"
+
+namespace nanoddp::nn {
+
+// y = x · weight^T + bias. input: [N, in_features] (or [..., in_features]) -> [N, out_features].
+// weight: [out_features, in_features], bias: [out_features]. Initialised as torch.nn.Linear:
+// weight and bias uniform in [-1/sqrt(in_features), 1/sqrt(in_features)) (kaiming_uniform
+// with a = sqrt(5) reduces to that bound), drawn from gen in that order (weight row-major,
+// then bias). The values differ from PyTorch's (a different generator); the distribution is
+// the same.
+class Linear : public Module {
+ public:
+  Linear(int64_t in_features, int64_t out_features, Generator& gen = default_generator(), bool bias = true);
+  Tensor forward(const Tensor& input) override;
+  Tensor weight;
+  Tensor bias;  // undefined when built with bias = false
+};
+
+// max(x, 0) elementwise, any shape (torch.nn.ReLU).
+class ReLU : public Module {
+ public:
+  Tensor forward(const Tensor& input) override { return relu(input); }
+};
+
+// Runs its modules in order; they are named "0", "1", ... (torch.nn.Sequential).
+class Sequential : public Module {
+ public:
+  Sequential() = default;
+  template <typename M>
+  Sequential& add(M module) {
+    auto stored = std::make_shared<M>(std::move(module));
+    layers_.push_back(register_module(std::to_string(layers_.size()), stored));
+    return *this;
+  }
+  Sequential& add(std::shared_ptr<Module> module);
+  Tensor forward(const Tensor& input) override;
+  size_t size() const { return layers_.size(); }
+  Module& operator[](size_t i) { return *layers_.at(i); }
+
+ private:
+  std::vector<std::shared_ptr<Module>> layers_;
+};
+
+// mse_loss(input, target, reduction) (torch.nn.MSELoss). Shapes must match exactly.
+class MSELoss {
+ public:
+  explicit MSELoss(Reduction reduction = Reduction::Mean) : reduction_(reduction) {}
+  Tensor operator()(const Tensor& input, const Tensor& target) const { return mse_loss(input, target, reduction_); }
+
+ private:
+  Reduction reduction_;
+};
+
+// cross_entropy(logits [N, C], target [N] int64, reduction) (torch.nn.CrossEntropyLoss).
+class CrossEntropyLoss {
+ public:
+  explicit CrossEntropyLoss(Reduction reduction = Reduction::Mean) : reduction_(reduction) {}
+  Tensor operator()(const Tensor& logits, const Tensor& target) const {
+    return cross_entropy(logits, target, reduction_);
+  }
+
+ private:
+  Reduction reduction_;
+};
+
+}  // namespace nanoddp::nn

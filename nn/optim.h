@@ -1,0 +1,48 @@
+// SGD: torch.optim.SGD, one fused kernel per parameter.
+//
+//   SGD opt(model.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+//   opt.zero_grad();  loss.backward();  opt.step();
+//
+// The update, for each parameter p with gradient g (exactly PyTorch's):
+//   g = g + weight_decay * p
+//   if momentum != 0:  buf = g on the first step, else momentum * buf + (1 - dampening) * g
+//                      g = nesterov ? g + momentum * buf : buf
+//   p = p - lr * g
+// A parameter whose .grad is undefined is skipped (its buffer untouched).
+#pragma once
+
+#include <vector>
+
+#include "core/tensor.h"
+#include "kernels/kernels.h"
+#include "nn/module.h"
+
+namespace nanoddp::nn {
+
+using SGDOptions = kernels::SgdConfig;  // lr, momentum, dampening, weight_decay, nesterov
+
+class SGD {
+ public:
+  // Throws ValueError for lr < 0, momentum < 0, weight_decay < 0, or nesterov without
+  // momentum > 0 and dampening == 0 (PyTorch's checks).
+  SGD(std::vector<Tensor> params, SGDOptions options);
+
+  void step();
+  void zero_grad();  // clears every parameter's .grad (set_to_none)
+
+  const SGDOptions& options() const { return options_; }
+  void set_lr(float lr) { options_.lr = lr; }
+  const std::vector<Tensor>& params() const { return params_; }
+
+  // Momentum buffers keyed "momentum_buffer.<index>" (index into params), for checkpoints.
+  // Parameters that have no buffer yet are absent, as in torch.optim's state.
+  StateDict state_dict() const;
+  void load_state_dict(const StateDict& state);
+
+ private:
+  std::vector<Tensor> params_;
+  std::vector<Tensor> momentum_buffers_;  // undefined until a parameter's first step
+  SGDOptions options_;
+};
+
+}  // namespace nanoddp::nn

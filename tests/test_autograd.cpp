@@ -1,0 +1,107 @@
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+#include "core/autograd.h"
+#include "core/ops.h"
+
+using namespace nanoddp;
+
+TEST_CASE("gradients accumulate when a tensor feeds several ops") {
+  // y = x*x + 3x -> dy/dx = 2x + 3
+  Tensor x = Tensor::from_vector({1, -2, 0.5f}).set_requires_grad(true);
+  sum(x * x + x * 3.0f).backward();
+  CHECK(x.grad().to_vector() == std::vector<float>{5, -1, 4});
+}
+
+TEST_CASE("gradients accumulate across backward calls until cleared") {
+  Tensor w = Tensor::from_vector({2.0f}).set_requires_grad(true);
+  sum(w * 4.0f).backward();
+  sum(w * 4.0f).backward();
+  CHECK(w.grad().item() == 8.0f);
+  w.set_grad(Tensor());
+  sum(w * w).backward();
+  CHECK(w.grad().item() == 4.0f);
+}
+
+TEST_CASE("the graph is freed after backward unless retained") {
+  Tensor x = Tensor::from_vector({3.0f}).set_requires_grad(true);
+  Tensor y = sum(x * x);
+  y.backward(Tensor(), /*retain_graph=*/true);
+  y.backward();
+  CHECK(x.grad().item() == 12.0f);
+  CHECK_THROWS_AS(y.backward(), ValueError);
+}
+
+TEST_CASE("NoGradGuard records nothing") {
+  Tensor x = Tensor::ones({2}).set_requires_grad(true);
+  Tensor y;
+  {
+    NoGradGuard no_grad;
+    CHECK_FALSE(is_grad_enabled());
+    y = x * 2.0f;
+  }
+  CHECK(is_grad_enabled());
+  CHECK_FALSE(y.requires_grad());
+  CHECK(y.grad_fn() == nullptr);
+  CHECK_THROWS_AS(y.backward(), ValueError);
+}
+
+TEST_CASE("backward of a non-scalar needs an explicit gradient of its shape") {
+  Tensor x = Tensor::from_vector({1, 2}).set_requires_grad(true);
+  Tensor y = x * 3.0f;
+  CHECK_THROWS_AS(y.backward(), ValueError);
+  CHECK_THROWS_AS(y.backward(Tensor::ones({3})), ShapeError);
+  y.backward(Tensor::from_vector({1, 10}));
+  CHECK(x.grad().to_vector() == std::vector<float>{3, 30});
+}
+
+TEST_CASE("post-accumulate-grad hooks fire once per backward, after the full gradient, last layer first") {
+  Tensor w1 = Tensor::from_vector({2.0f}, {1, 1}).set_requires_grad(true);
+  Tensor w2 = Tensor::from_vector({3.0f}, {1, 1}).set_requires_grad(true);
+  std::vector<std::string> order;
+  std::vector<float> seen;
+  w1.register_post_accumulate_grad_hook([&](Tensor& p) {
+    order.push_back("w1");
+    seen.push_back(p.grad().item());
+  });
+  const int id = w2.register_post_accumulate_grad_hook([&](Tensor& p) {
+    order.push_back("w2");
+    seen.push_back(p.grad().item());
+  });
+  // out = (x w1 + x w1) w2 : w1 is used twice, its hook must see the sum of both uses.
+  const Tensor x = Tensor::from_vector({1.0f}, {1, 1});
+  const Tensor h = matmul(x, w1) + matmul(x, w1);
+  sum(matmul(h, w2)).backward();
+  CHECK(order == std::vector<std::string>{"w2", "w1"});
+  CHECK(seen == std::vector<float>{4.0f, 6.0f});  // d/dw2 = 2 x w1 = 4, d/dw1 = 2 x w2 = 6
+  w2.remove_hook(id);
+  order.clear();
+  sum(matmul(matmul(x, w1), w2)).backward();
+  CHECK(order == std::vector<std::string>{"w1"});
+}
+
+TEST_CASE("only leaves that require grad get .grad") {
+  Tensor a = Tensor::from_vector({1.0f, 2.0f}).set_requires_grad(true);
+  Tensor b = Tensor::from_vector({3.0f, 4.0f});
+  Tensor c = a * b;
+  sum(c).backward();
+  CHECK(a.grad().to_vector() == std::vector<float>{3, 4});
+  CHECK_FALSE(b.grad().defined());
+  CHECK_FALSE(c.grad().defined());
+  CHECK_THROWS_AS(c.set_requires_grad(false), ValueError);
+  CHECK_THROWS_AS(Tensor::zeros({1}, DType::Int64).set_requires_grad(true), ValueError);
+}
+
+TEST_CASE("a tensor whose only consumer gives no gradient does not stall its producers") {
+  // a feeds b (through linear as the input of a first layer: no input gradient is computed
+  // when the input does not require grad) and feeds the loss directly.
+  Tensor a = Tensor::from_vector({1.0f, 2.0f}, {1, 2}).set_requires_grad(true);
+  Tensor w = Tensor::from_vector({1.0f, 1.0f}, {1, 2}).set_requires_grad(true);
+  Tensor h = a * 2.0f;
+  Tensor out = sum(linear(h.detach(), w, Tensor())) + sum(h);
+  out.backward();
+  CHECK(a.grad().to_vector() == std::vector<float>{2, 2});
+  CHECK(w.grad().to_vector() == std::vector<float>{2, 4});
+}

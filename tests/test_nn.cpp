@@ -1,0 +1,171 @@
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <unistd.h>
+
+#include "nn/checkpoint.h"
+#include "nn/layers.h"
+#include "nn/optim.h"
+
+using namespace nanoddp;
+using namespace nanoddp::nn;
+
+namespace {
+Sequential mlp(Generator& gen) {
+  Sequential model;
+  model.add(Linear(4, 3, gen));
+  model.add(ReLU());
+  model.add(Linear(3, 2, gen));
+  return model;
+}
+
+std::string temp_path(const std::string& name) {
+  return "/tmp/nanoddp_test_" + std::to_string(::getpid()) + "_" + name;
+}
+}  // namespace
+
+TEST_CASE("named_parameters uses dotted names in registration order") {
+  Generator gen(0);
+  Sequential model = mlp(gen);
+  std::vector<std::string> names;
+  for (auto& [name, p] : model.named_parameters()) names.push_back(name);
+  CHECK(names == std::vector<std::string>{"0.weight", "0.bias", "2.weight", "2.bias"});
+  CHECK(model.parameters().size() == 4);
+  CHECK(model.parameters()[2].shape() == Shape{2, 3});
+  for (const Tensor& p : model.parameters()) CHECK(p.requires_grad());
+}
+
+TEST_CASE("Linear init is uniform in +-1/sqrt(in_features) as torch.nn.Linear") {
+  Generator gen(3);
+  Linear layer(64, 200, gen);
+  const float bound = 1.0f / 8.0f;
+  double mean = 0;
+  float lo = 1, hi = -1;
+  for (float w : layer.weight.to_vector()) {
+    mean += w / (64.0 * 200);
+    lo = std::min(lo, w);
+    hi = std::max(hi, w);
+  }
+  CHECK(lo >= -bound);
+  CHECK(hi < bound);
+  CHECK(lo < -0.95f * bound);  // the whole range is used
+  CHECK(hi > 0.95f * bound);
+  CHECK(std::abs(mean) < 0.005);  // 12800 draws: standard error 0.0007
+  for (float b : layer.bias.to_vector()) CHECK(std::abs(b) <= bound);
+}
+
+TEST_CASE("zero_grad clears gradients; train/eval propagate") {
+  Generator gen(0);
+  Sequential model = mlp(gen);
+  sum(model(Tensor::ones({2, 4}))).backward();
+  for (const Tensor& p : model.parameters()) CHECK(p.grad().defined());
+  model.zero_grad();
+  for (const Tensor& p : model.parameters()) CHECK_FALSE(p.grad().defined());
+  model.eval();
+  CHECK_FALSE(model.is_training());
+  CHECK_FALSE(model[0].is_training());
+  model.train();
+  CHECK(model[2].is_training());
+}
+
+TEST_CASE("state_dict round-trips and load_state_dict checks keys strictly") {
+  Generator g1(1), g2(2);
+  Sequential a = mlp(g1), b = mlp(g2);
+  b.load_state_dict(a.state_dict());
+  for (size_t i = 0; i < 4; ++i) CHECK(a.parameters()[i].to_vector() == b.parameters()[i].to_vector());
+
+  StateDict bad = a.state_dict();
+  bad.erase("2.bias");
+  bad["3.weight"] = Tensor::zeros({1});
+  try {
+    b.load_state_dict(bad);
+    FAIL("expected ValueError");
+  } catch (const ValueError& e) {
+    const std::string m = e.what();
+    CHECK(m.find("missing: [2.bias]") != std::string::npos);
+    CHECK(m.find("unexpected: [3.weight]") != std::string::npos);
+  }
+  bad.erase("3.weight");
+  b.load_state_dict(bad, /*strict=*/false);  // loads what is there
+
+  StateDict wrong = a.state_dict();
+  wrong["0.weight"] = Tensor::zeros({4, 3});
+  const std::vector<float> before = b.parameters()[1].to_vector();
+  wrong["0.bias"] = Tensor::full({3}, 9.0f);
+  try {
+    b.load_state_dict(wrong);
+    FAIL("expected ShapeError");
+  } catch (const ShapeError& e) {
+    CHECK(std::string(e.what()).find("0.weight") != std::string::npos);
+  }
+  CHECK(b.parameters()[1].to_vector() == before);  // nothing half-loaded
+}
+
+TEST_CASE("checkpoints round-trip, replace atomically and reject corrupt files") {
+  const std::string path = temp_path("ckpt");
+  StateDict state;
+  state["w"] = Tensor::from_vector({1, 2, 3, 4, 5, 6}, {2, 3});
+  state["labels"] = Tensor::from_vector(std::vector<int64_t>{7, -1});
+  state["empty"] = Tensor::zeros({0, 4});
+  save_checkpoint(path, state);
+  StateDict loaded = load_checkpoint(path);
+  CHECK(loaded.size() == 3);
+  CHECK(loaded["w"].shape() == Shape{2, 3});
+  CHECK(loaded["w"].to_vector() == state["w"].to_vector());
+  CHECK(loaded["labels"].to_int_vector() == std::vector<int64_t>{7, -1});
+  CHECK(loaded["empty"].shape() == Shape{0, 4});
+  CHECK(std::ifstream(path + ".tmp").good() == false);
+
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  auto write = [&](const std::string& content) {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out << content;
+  };
+  auto error_of = [&]() {
+    try {
+      load_checkpoint(path);
+    } catch (const IOError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no IOError");
+  };
+  write(bytes.substr(0, bytes.size() / 2));
+  std::string m = error_of();
+  CHECK(m.find(path) != std::string::npos);
+  CHECK(m.find("byte offset") != std::string::npos);
+  std::string flipped = bytes;
+  flipped[40] ^= 0x5a;
+  write(flipped);
+  CHECK(error_of().find("corrupt") != std::string::npos);
+  write("NOTACKPTxxxxxxxxxxxxxxxx");
+  CHECK(error_of().find("magic") != std::string::npos);
+  std::remove(path.c_str());
+  CHECK(error_of().find("cannot open") != std::string::npos);
+}
+
+TEST_CASE("a single process learns y = 2x with Linear(1, 1) and SGD") {
+  Generator gen(0);
+  Linear model(1, 1, gen);
+  SGD opt(model.parameters(), {/*lr=*/0.1f});
+  MSELoss loss_fn;
+  std::vector<float> xs, ys;
+  for (int i = 0; i < 16; ++i) {
+    xs.push_back(i / 16.0f);
+    ys.push_back(2.0f * i / 16.0f);
+  }
+  const Tensor x = Tensor::from_vector(xs, {16, 1}), y = Tensor::from_vector(ys, {16, 1});
+  for (int step = 0; step < 2000; ++step) {
+    opt.zero_grad();
+    loss_fn(model(x), y).backward();
+    opt.step();
+  }
+  CHECK(model.weight.item() == doctest::Approx(2.0f).epsilon(1e-3));
+  CHECK(std::abs(model.bias.item()) < 1e-3);
+}

@@ -1,0 +1,101 @@
+#include <doctest/doctest.h>
+
+#include <string>
+
+#include "core/random.h"
+#include "core/tensor.h"
+#include "kernels/device_memory.h"
+
+using namespace nanoddp;
+
+TEST_CASE("factories give the values they promise") {
+  CHECK(Tensor::zeros({2, 3}).to_vector() == std::vector<float>(6, 0.0f));
+  CHECK(Tensor::ones({4}).to_vector() == std::vector<float>(4, 1.0f));
+  CHECK(Tensor::full({2}, 2.5f).to_vector() == std::vector<float>{2.5f, 2.5f});
+  CHECK(Tensor::arange(4).to_vector() == std::vector<float>{0, 1, 2, 3});
+  CHECK(Tensor::zeros({3}, DType::Int64).to_int_vector() == std::vector<int64_t>{0, 0, 0});
+  const Tensor v = Tensor::from_vector({1, 2, 3, 4, 5, 6}, {2, 3});
+  CHECK(v.shape() == Shape{2, 3});
+  CHECK(v.at({1, 2}) == 6.0f);
+  CHECK(v.at({0, 1}) == 2.0f);
+  CHECK(Tensor::from_vector({7.0f}).shape() == Shape{1});
+  CHECK(Tensor::scalar(7.0f).shape() == Shape{});
+  CHECK(Tensor::scalar(7.0f).item() == 7.0f);
+  CHECK_THROWS_AS(Tensor::from_vector({1, 2, 3}, {2, 2}), ShapeError);
+}
+
+TEST_CASE("rand and randn are reproducible from the seed and have the right moments") {
+  Generator g1(7), g2(7), g3(8);
+  const Tensor a = Tensor::randn({1000}, g1);
+  CHECK(a.to_vector() == Tensor::randn({1000}, g2).to_vector());
+  CHECK(a.to_vector() != Tensor::randn({1000}, g3).to_vector());
+  double mean = 0, var = 0;
+  for (float x : a.to_vector()) mean += x / 1000.0;
+  for (float x : a.to_vector()) var += (x - mean) * (x - mean) / 1000.0;
+  CHECK(std::abs(mean) < 0.1);  // 3 standard errors of 1/sqrt(1000)
+  CHECK(std::abs(var - 1.0) < 0.15);
+  Generator g4(1);
+  for (float u : Tensor::rand({1000}, g4).to_vector()) {
+    CHECK(u >= 0.0f);
+    CHECK(u < 1.0f);
+  }
+}
+
+TEST_CASE("reshape shares storage and checks the element count") {
+  Tensor a = Tensor::arange(6);
+  Tensor b = a.reshape({2, 3});
+  CHECK(b.shape() == Shape{2, 3});
+  CHECK(a.reshape({-1, 2}).shape() == Shape{3, 2});
+  b.fill_(1.0f);
+  CHECK(a.to_vector() == std::vector<float>(6, 1.0f));
+  CHECK_THROWS_AS(a.reshape({4, 2}), ShapeError);
+  CHECK_THROWS_AS(a.reshape({-1, -1}), ShapeError);
+}
+
+TEST_CASE("element access is checked") {
+  const Tensor a = Tensor::zeros({2, 2});
+  CHECK_THROWS_AS(a.at({2, 0}), IndexError);
+  CHECK_THROWS_AS(a.at({0}), IndexError);
+  CHECK_THROWS_AS(a.item(), ValueError);
+  CHECK_THROWS_AS(a.data<int64_t>(), ValueError);
+  CHECK_THROWS_AS(Tensor().shape(), ValueError);
+  CHECK_THROWS_AS(a.size(2), IndexError);
+  CHECK(a.size(-1) == 2);
+}
+
+TEST_CASE("to(cpu) on a CPU tensor is the same tensor; clone is a copy; copy_ copies") {
+  Tensor a = Tensor::ones({3});
+  CHECK(a.to(Device::cpu()).is_same(a));
+  Tensor c = a.clone();
+  c.fill_(2.0f);
+  CHECK(a.to_vector() == std::vector<float>(3, 1.0f));
+  a.copy_(c);
+  CHECK(a.to_vector() == std::vector<float>(3, 2.0f));
+  CHECK_THROWS_AS(a.copy_(Tensor::zeros({4})), ShapeError);
+}
+
+TEST_CASE("printing shows shape, dtype, device and values") {
+  const std::string s = Tensor::from_vector({1.5f, 2}, {1, 2}).str();
+  CHECK(s == "Tensor(shape=[1, 2], dtype=float32, device=cpu, values=[1.5, 2])");
+  const std::string big = Tensor::zeros({20}).str();
+  CHECK(big.find("... (20 in all)") != std::string::npos);
+}
+
+TEST_CASE("devices parse and print as torch.device does") {
+  CHECK(Device::parse("cpu") == Device::cpu());
+  CHECK(Device::parse("cuda") == Device::cuda(0));
+  CHECK(Device::parse("cuda:3") == Device::cuda(3));
+  CHECK(Device::cuda(1).str() == "cuda:1");
+  CHECK_THROWS_AS(Device::parse("gpu"), ValueError);
+  CHECK_THROWS_AS(Device::parse("cuda:x"), ValueError);
+}
+
+TEST_CASE("a CUDA tensor in a build or machine without a GPU gives a clear DeviceError") {
+  if (kernels::cuda::device_count() > 0) return;  // this machine has a GPU: nothing to check
+  try {
+    Tensor::zeros({2}, DType::Float32, Device::cuda(0));
+    FAIL("expected DeviceError");
+  } catch (const DeviceError& e) {
+    CHECK(std::string(e.what()).size() > 10);
+  }
+}
