@@ -107,17 +107,52 @@ void divide(float* data, size_t n, int world_size) {
   for (size_t i = 0; i < n; ++i) data[i] /= w;
 }
 
+// What the worker thread and its tasks need, shared so that a worker left running after a
+// timeout (see ~ProcessGroupGloo) never touches a destroyed group.
+struct GlooRunner {
+  std::shared_ptr<gloo::Context> context;
+  std::chrono::milliseconds timeout{};
+  int rank = 0;
+  int world_size = 1;
+  uint32_t tag = 0;  // worker thread only
+  std::atomic<bool> broken{false};  // a wait timed out: the group is out of step
+
+  uint32_t next_tag() { return tag++; }
+
+  template <typename Options>
+  void prepare(Options& opts) {
+    opts.setTag(next_tag());
+    opts.setTimeout(timeout);
+  }
+
+  void all_reduce(const Tensor& tensor, ReduceOp op) {
+    gloo::AllreduceOptions opts(context);
+    const size_t numel = static_cast<size_t>(tensor.numel());
+    if (tensor.dtype() == DType::Float32) {
+      opts.setOutput(tensor.data<float>(), numel);
+      opts.setReduceFunction(reduce_function<float>(op));
+    } else {
+      opts.setOutput(tensor.data<int64_t>(), numel);
+      opts.setReduceFunction(reduce_function<int64_t>(op));
+    }
+    prepare(opts);
+    gloo::allreduce(opts);
+    if (op == ReduceOp::Avg) divide(tensor.data<float>(), numel, world_size);
+  }
+};
+
+using GlooTask = std::function<void(GlooRunner&)>;
+
 // A collective queued on the worker thread. Finished = ran (error or not).
 class GlooWork : public Work {
  public:
-  GlooWork(std::string description, std::function<void()> run,
-           std::shared_ptr<std::atomic<bool>> broken)
-      : description_(std::move(description)), run_(std::move(run)), broken_(std::move(broken)) {}
+  GlooWork(std::string description, GlooTask task, std::shared_ptr<GlooRunner> runner)
+      : description_(std::move(description)), task_(std::move(task)), runner_(std::move(runner)) {}
 
   void wait(std::chrono::milliseconds timeout) override {
     std::unique_lock<std::mutex> lock(mutex_);
     if (!done_cv_.wait_for(lock, timeout, [this] { return done_; })) {
-      broken_->store(true);
+      runner_->broken = true;
       NANODDP_THROW(TimeoutError, description_, ": did not complete within ", timeout.count(),
                     " ms (a peer may have exited or be out of step)");
     }
@@ -133,7 +168,7 @@ class GlooWork : public Work {
   void run() {
     std::exception_ptr error;
     try {
-      run_();
+      task_(*runner_);
     } catch (const gloo::Exception& e) {
       try {
         NANODDP_THROW(DistError, description_, ": Gloo failed: ", e.what());
@@ -144,7 +179,7 @@ class GlooWork : public Work {
       error = std::current_exception();
     }
     std::lock_guard<std::mutex> lock(mutex_);
-    run_ = nullptr;  // lets go of the tensors
+    task_ = nullptr;  // lets go of the tensors
     error_ = error;
     done_ = true;
     done_cv_.notify_all();
@@ -152,12 +187,51 @@ class GlooWork : public Work {
 
  private:
   std::string description_;
-  std::function<void()> run_;
-  std::shared_ptr<std::atomic<bool>> broken_;
+  GlooTask task_;
+  std::shared_ptr<GlooRunner> runner_;
   std::mutex mutex_;
   std::condition_variable done_cv_;
   bool done_ = false;
   std::exception_ptr error_;
+};
+
+// The queue between callers and the worker thread (Note [Gloo worker thread]).
+class GlooQueue {
+ public:
+  void push(std::shared_ptr<GlooWork> work) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(std::move(work));
+    }
+    cv_.notify_one();
+  }
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+  }
+  // Runs works in order until stopped with nothing left, or stopped after a timeout.
+  void run(GlooRunner& runner) {
+    while (true) {
+      std::shared_ptr<GlooWork> work;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        if (stop_ && (queue_.empty() || runner.broken)) return;
+        work = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      work->run();
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<GlooWork>> queue_;
+  bool stop_ = false;
 };
 
 std::atomic<int> next_group_id{0};
@@ -165,9 +239,10 @@ std::atomic<int> next_group_id{0};
 class ProcessGroupGloo : public ProcessGroup {
  public:
   ProcessGroupGloo(std::shared_ptr<dist::Store> store, const GlooOptions& options)
-      : ProcessGroup(options.rank, options.world_size),
-        store_(std::move(store)),
-        timeout_(options.timeout) {
+      : ProcessGroup(options.rank, options.world_size), store_(std::move(store)) {
+    runner_->timeout = options.timeout;
+    runner_->rank = rank_;
+    runner_->world_size = world_size_;
     // Groups are built in the same order on every rank, so the counter names the same group.
     std::string prefix = "gloo/" + std::to_string(next_group_id++) + "/";
     try {
@@ -175,31 +250,26 @@ class ProcessGroupGloo : public ProcessGroup {
       attr.hostname = detail::local_address_towards(options.master_addr, options.master_port);
       auto device = gloo::transport::tcp::CreateDevice(attr);
       auto context = std::make_shared<gloo::rendezvous::Context>(rank_, world_size_);
-      context->setTimeout(timeout_);
+      context->setTimeout(options.timeout);
       GlooStore gloo_store(store_, prefix);
       context->connectFullMesh(gloo_store, device);
-      context_ = context;
+      runner_->context = context;
     } catch (const gloo::Exception& e) {
       NANODDP_THROW(DistError, where(), ": gloo: connecting the full mesh of ", world_size_,
                     " ranks failed: ", e.what());
     }
-    worker_ = std::thread([this] { work_loop(); });
+    worker_ = std::thread([queue = queue_, runner = runner_] { queue->run(*runner); });
   }
 
   ~ProcessGroupGloo() override {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    queue_cv_.notify_all();
+    queue_->stop();
     // After a timeout the worker may sit in a collective until Gloo's own timeout: do not
-    // make the caller (often an exception path) wait for it. The process is about to exit.
-    if (broken_->load()) {
+    // make the caller (often an exception path) wait for it. The detached thread owns what
+    // it uses (queue, runner), so it finishes or fails on its own before the process exits.
+    if (runner_->broken)
       worker_.detach();
-      new std::shared_ptr<gloo::Context>(std::move(context_));  // leaked on purpose, see above
-    } else {
+    else
       worker_.join();
-    }
   }
 
   std::string backend_name() const override { return "gloo"; }
@@ -210,9 +280,8 @@ class ProcessGroupGloo : public ProcessGroup {
     check_tensor(what, tensor, Device::cpu());
     check_reduce(what, tensor, op);
     if (world_size_ == 1 || tensor.numel() == 0) return std::make_shared<CompletedWork>();
-    return enqueue(describe(what, tensor), [this, tensor, op] {
-      all_reduce_now(tensor, op, tensor.numel());
-    });
+    return enqueue(describe(what, tensor),
+                   [tensor, op](GlooRunner& runner) { runner.all_reduce(tensor, op); });
   }
 
   std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
@@ -221,12 +290,15 @@ class ProcessGroupGloo : public ProcessGroup {
                   ": root ", root, " is not a rank of this group");
     if (world_size_ == 1 || tensor.numel() == 0) return std::make_shared<CompletedWork>();
     return enqueue(describe("broadcast from rank " + std::to_string(root), tensor),
-                   [this, tensor, root] {
-                     gloo::BroadcastOptions opts(context_);
-                     set_output(opts, tensor, tensor.numel());
+                   [tensor, root](GlooRunner& runner) {
+                     gloo::BroadcastOptions opts(runner.context);
+                     const size_t numel = static_cast<size_t>(tensor.numel());
+                     if (tensor.dtype() == DType::Float32)
+                       opts.setOutput(tensor.data<float>(), numel);
+                     else
+                       opts.setOutput(tensor.data<int64_t>(), numel);
                      opts.setRoot(root);
-                     opts.setTag(next_tag());
-                     opts.setTimeout(timeout_);
+                     runner.prepare(opts);
                      gloo::broadcast(opts);
                    });
   }
@@ -240,22 +312,22 @@ class ProcessGroupGloo : public ProcessGroup {
       return std::make_shared<CompletedWork>();
     }
     if (input.numel() == 0) return std::make_shared<CompletedWork>();
-    return enqueue(describe("all_gather", input), [this, outs, input] {
+    return enqueue(describe("all_gather", input), [outs, input](GlooRunner& runner) {
       const size_t nbytes = input.nbytes();
-      Tensor gathered = Tensor::empty({input.numel() * world_size_}, input.dtype());
-      gloo::AllgatherOptions opts(context_);
+      const size_t numel = static_cast<size_t>(input.numel());
+      Tensor gathered = Tensor::empty({input.numel() * runner.world_size}, input.dtype());
+      gloo::AllgatherOptions opts(runner.context);
       if (input.dtype() == DType::Float32) {
-        opts.setInput(input.data<float>(), input.numel());
-        opts.setOutput(gathered.data<float>(), gathered.numel());
+        opts.setInput(input.data<float>(), numel);
+        opts.setOutput(gathered.data<float>(), numel * runner.world_size);
       } else {
-        opts.setInput(input.data<int64_t>(), input.numel());
-        opts.setOutput(gathered.data<int64_t>(), gathered.numel());
+        opts.setInput(input.data<int64_t>(), numel);
+        opts.setOutput(gathered.data<int64_t>(), numel * runner.world_size);
       }
-      opts.setTag(next_tag());
-      opts.setTimeout(timeout_);
+      runner.prepare(opts);
       gloo::allgather(opts);
       const auto* src = static_cast<const uint8_t*>(gathered.impl()->storage->data());
-      for (int r = 0; r < world_size_; ++r)
+      for (size_t r = 0; r < outs.size(); ++r)
         std::memcpy(outs[r].impl()->storage->data(), src + r * nbytes, nbytes);
     });
   }
@@ -277,81 +349,36 @@ class ProcessGroupGloo : public ProcessGroup {
     auto* dst = static_cast<uint8_t*>(flat.impl()->storage->data());
     for (int r = 0; r < world_size_; ++r)
       std::memcpy(dst + r * nbytes, inputs[r].impl()->storage->data(), nbytes);
-    return enqueue(describe(what, output), [this, flat, output, op, nbytes] {
-      all_reduce_now(flat, op, flat.numel());
+    return enqueue(describe(what, output), [flat, output, op, nbytes](GlooRunner& runner) {
+      runner.all_reduce(flat, op);
       std::memcpy(output.impl()->storage->data(),
-                  static_cast<const uint8_t*>(flat.impl()->storage->data()) + rank_ * nbytes,
+                  static_cast<const uint8_t*>(flat.impl()->storage->data()) + runner.rank * nbytes,
                   nbytes);
     });
   }
 
   std::shared_ptr<Work> barrier() override {
     if (world_size_ == 1) return std::make_shared<CompletedWork>();
-    return enqueue(where() + ": gloo barrier", [this] {
-      gloo::BarrierOptions opts(context_);
-      opts.setTag(next_tag());
-      opts.setTimeout(timeout_);
+    return enqueue(where() + ": gloo barrier", [](GlooRunner& runner) {
+      gloo::BarrierOptions opts(runner.context);
+      runner.prepare(opts);
       gloo::barrier(opts);
     });
   }
 
  private:
-  template <typename Options>
-  static void set_output(Options& opts, const Tensor& tensor, int64_t numel) {
-    if (tensor.dtype() == DType::Float32)
-      opts.setOutput(tensor.data<float>(), static_cast<size_t>(numel));
-    else
-      opts.setOutput(tensor.data<int64_t>(), static_cast<size_t>(numel));
-  }
-
-  // Runs on the worker thread.
-  void all_reduce_now(const Tensor& tensor, ReduceOp op, int64_t numel) {
-    gloo::AllreduceOptions opts(context_);
-    set_output(opts, tensor, numel);
-    opts.setReduceFunction(tensor.dtype() == DType::Float32 ? reduce_function<float>(op)
-                                                            : reduce_function<int64_t>(op));
-    opts.setTag(next_tag());
-    opts.setTimeout(timeout_);
-    gloo::allreduce(opts);
-    if (op == ReduceOp::Avg) divide(tensor.data<float>(), static_cast<size_t>(numel), world_size_);
-  }
-
-  uint32_t next_tag() { return tag_++; }
-
-  std::shared_ptr<Work> enqueue(std::string description, std::function<void()> run) {
-    auto work = std::make_shared<GlooWork>(std::move(description), std::move(run), broken_);
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      queue_.push_back(work);
-    }
-    queue_cv_.notify_one();
+  std::shared_ptr<Work> enqueue(std::string description, GlooTask task) {
+    NANODDP_CHECK(!runner_->broken, DistError, description,
+                  ": the group is unusable after an earlier timeout");
+    auto work = std::make_shared<GlooWork>(std::move(description), std::move(task), runner_);
+    queue_->push(work);
     return work;
   }
 
-  void work_loop() {
-    while (true) {
-      std::shared_ptr<GlooWork> work;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        queue_cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stop_ and nothing left to run
-        work = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      work->run();
-    }
-  }
-
   std::shared_ptr<dist::Store> store_;
-  std::chrono::milliseconds timeout_;
-  std::shared_ptr<gloo::Context> context_;
-  uint32_t tag_ = 0;  // used by the worker thread only
-  std::shared_ptr<std::atomic<bool>> broken_ = std::make_shared<std::atomic<bool>>(false);
-  std::mutex mutex_;
-  std::condition_variable queue_cv_;
-  std::deque<std::shared_ptr<GlooWork>> queue_;
-  bool stop_ = false;
-  std::thread worker_;  // last: started in the constructor body
+  std::shared_ptr<GlooRunner> runner_ = std::make_shared<GlooRunner>();
+  std::shared_ptr<GlooQueue> queue_ = std::make_shared<GlooQueue>();
+  std::thread worker_;
 };
 
 }  // namespace
