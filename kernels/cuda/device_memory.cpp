@@ -1,0 +1,286 @@
+// GPU memory, streams and the cuBLAS handle: the definitions behind kernels/device_memory.h
+// and kernels/cuda/context.h.
+//
+// Note [Leaked on exit]
+// The per-device state (pools, streams, handles) is created with new and never destroyed.
+// Static destructors run after the CUDA runtime may have shut down, where cudaFree and
+// cublasDestroy fail or crash; the driver releases everything when the process ends.
+
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kernels/cuda/context.h"
+#include "kernels/device_memory.h"
+#include "kernels/kernels.h"
+
+namespace nanoddp::kernels {
+
+bool cuda_built() { return true; }
+
+}  // namespace nanoddp::kernels
+
+namespace nanoddp::kernels::cuda {
+namespace {
+
+struct Availability {
+  int count = 0;
+  std::string reason;  // empty when count > 0
+};
+
+// Asked once per process. cudaGetDeviceCount leaves its argument unwritten on failure (CUDA
+// 13 without a driver returns cudaErrorInsufficientDriver, 35), hence the initialised count.
+const Availability& availability() {
+  static const Availability result = [] {
+    Availability a;
+    int count = 0;
+    const cudaError_t error = cudaGetDeviceCount(&count);
+    if (error != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky error so later calls do not report it again
+      if (error == cudaErrorInsufficientDriver)
+        a.reason = "CUDA driver not found, or older than this build's CUDA runtime (cudaErrorInsufficientDriver)";
+      else if (error == cudaErrorNoDevice)
+        a.reason = "no CUDA device found (cudaErrorNoDevice; check CUDA_VISIBLE_DEVICES)";
+      else
+        a.reason = std::string("cudaGetDeviceCount failed: ") + cudaGetErrorName(error) + " (" +
+                   cudaGetErrorString(error) + ")";
+    } else if (count <= 0) {
+      a.reason = "no CUDA device found";
+    } else {
+      a.count = count;
+    }
+    return a;
+  }();
+  return result;
+}
+
+void check_device(int device) {
+  const Availability& a = availability();
+  NANODDP_CHECK(a.count > 0, DeviceError, "cuda:", device, " requested but no GPU is usable: ", a.reason);
+  NANODDP_CHECK(device >= 0 && device < a.count, DeviceError, "cuda:", device, " does not exist (", a.count,
+                " GPU", a.count == 1 ? "" : "s", " visible)");
+}
+
+// Makes device current for a scope and restores the previous one after.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    NANODDP_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) NANODDP_CUDA_CHECK(cudaSetDevice(device));
+    device_ = device;
+  }
+  ~DeviceGuard() {
+    if (previous_ != device_) cudaSetDevice(previous_);  // destructors never throw
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  int device_ = 0;
+};
+
+// Blocks are rounded so that the few sizes a training loop asks for map to few cache keys:
+// to 512 bytes up to 1 MiB (cudaMalloc's own alignment is 256), to 1 MiB above.
+constexpr size_t kSmallRound = 512;
+constexpr size_t kLargeRound = size_t(1) << 20;
+
+size_t round_block(size_t nbytes) {
+  const size_t unit = nbytes <= kLargeRound ? kSmallRound : kLargeRound;
+  return (nbytes + unit - 1) / unit * unit;
+}
+
+// One device's caching allocator. Free blocks are kept by exact (rounded) size and handed
+// out again for that size; cudaFree runs only in empty_cache() or when cudaMalloc fails.
+struct Pool {
+  std::mutex mutex;
+  std::multimap<size_t, void*> free_blocks;   // block size -> pointer
+  std::unordered_map<void*, size_t> live;     // pointer -> block size
+  AllocatorStats stats;
+
+  // Frees every cached block. Caller holds mutex and has made the device current.
+  void release_cached() {
+    for (auto& [size, ptr] : free_blocks) {
+      cudaFree(ptr);
+      stats.reserved_bytes -= size;
+    }
+    free_blocks.clear();
+  }
+};
+
+// Everything per device, created on first use (Note [Leaked on exit]).
+struct DeviceState {
+  std::once_flag stream_once;
+  cudaStream_t stream = nullptr;
+  std::once_flag cublas_once;
+  cublasHandle_t cublas = nullptr;
+  Pool pool;
+};
+
+DeviceState& device_state(int device) {
+  static std::vector<DeviceState*>* states = [] {
+    auto* s = new std::vector<DeviceState*>();
+    for (int i = 0; i < availability().count; ++i) s->push_back(new DeviceState());
+    return s;
+  }();
+  check_device(device);
+  return *(*states)[device];
+}
+
+cudaMemcpyKind to_cuda(CopyKind kind) {
+  switch (kind) {
+    case CopyKind::HostToDevice: return cudaMemcpyHostToDevice;
+    case CopyKind::DeviceToHost: return cudaMemcpyDeviceToHost;
+    case CopyKind::DeviceToDevice: return cudaMemcpyDeviceToDevice;
+  }
+  return cudaMemcpyDefault;
+}
+
+}  // namespace
+
+int device_count() { return availability().count; }
+
+std::string unavailable_reason() { return availability().reason; }
+
+void set_device(int device) {
+  check_device(device);
+  NANODDP_CUDA_CHECK(cudaSetDevice(device));
+}
+
+int current_device() {
+  check_device(0);  // a clear "no GPU" message before cudaGetDevice's
+  int device = 0;
+  NANODDP_CUDA_CHECK(cudaGetDevice(&device));
+  return device;
+}
+
+void* allocate(size_t nbytes, int device) {
+  if (nbytes == 0) return nullptr;
+  Pool& pool = device_state(device).pool;
+  const size_t size = round_block(nbytes);
+  std::lock_guard<std::mutex> lock(pool.mutex);
+  void* ptr = nullptr;
+  auto cached = pool.free_blocks.find(size);
+  if (cached != pool.free_blocks.end()) {
+    ptr = cached->second;
+    pool.free_blocks.erase(cached);
+  } else {
+    DeviceGuard guard(device);
+    cudaError_t error = cudaMalloc(&ptr, size);
+    if (error == cudaErrorMemoryAllocation && !pool.free_blocks.empty()) {
+      cudaGetLastError();
+      pool.release_cached();  // cached blocks of other sizes may make room
+      error = cudaMalloc(&ptr, size);
+    }
+    if (error != cudaSuccess) {
+      cudaGetLastError();
+      NANODDP_THROW(DeviceError, "cuda:", device, " out of memory allocating ", nbytes, " bytes (",
+                    cudaGetErrorName(error), "); allocated ", pool.stats.allocated_bytes, " bytes, reserved ",
+                    pool.stats.reserved_bytes, " bytes by nanoddp");
+    }
+    pool.stats.reserved_bytes += size;
+  }
+  pool.live.emplace(ptr, size);
+  pool.stats.allocated_bytes += size;
+  if (pool.stats.allocated_bytes > pool.stats.peak_allocated_bytes)
+    pool.stats.peak_allocated_bytes = pool.stats.allocated_bytes;
+  return ptr;
+}
+
+void deallocate(void* ptr, int device) {
+  if (ptr == nullptr) return;
+  // Called from Storage's deleter, i.e. from destructors: report, never throw.
+  if (device < 0 || device >= device_count()) {
+    std::fprintf(stderr, "nanoddp: deallocate(%p) on cuda:%d, which does not exist; leaked\n", ptr, device);
+    return;
+  }
+  Pool& pool = device_state(device).pool;
+  std::lock_guard<std::mutex> lock(pool.mutex);
+  auto it = pool.live.find(ptr);
+  if (it == pool.live.end()) {
+    std::fprintf(stderr, "nanoddp: deallocate(%p) on cuda:%d: not a live block of this device; ignored\n", ptr,
+                 device);
+    return;
+  }
+  pool.stats.allocated_bytes -= it->second;
+  pool.free_blocks.emplace(it->second, ptr);
+  pool.live.erase(it);
+}
+
+void empty_cache() {
+  for (int device = 0; device < device_count(); ++device) {
+    DeviceState& state = device_state(device);
+    DeviceGuard guard(device);
+    // Queued kernels may still use a cached block (Note [Scratch on one stream]).
+    if (state.stream != nullptr) NANODDP_CUDA_CHECK(cudaStreamSynchronize(state.stream));
+    std::lock_guard<std::mutex> lock(state.pool.mutex);
+    state.pool.release_cached();
+  }
+}
+
+AllocatorStats allocator_stats(int device) {
+  Pool& pool = device_state(device).pool;
+  std::lock_guard<std::mutex> lock(pool.mutex);
+  return pool.stats;
+}
+
+void* allocate_pinned(size_t nbytes) {
+  if (nbytes == 0) return nullptr;
+  check_device(0);
+  void* ptr = nullptr;
+  NANODDP_CUDA_CHECK(cudaMallocHost(&ptr, nbytes));
+  return ptr;
+}
+
+void free_pinned(void* ptr) {
+  if (ptr == nullptr) return;
+  const cudaError_t error = cudaFreeHost(ptr);  // from destructors: report, never throw
+  if (error != cudaSuccess) {
+    cudaGetLastError();
+    std::fprintf(stderr, "nanoddp: cudaFreeHost(%p) failed: %s\n", ptr, cudaGetErrorString(error));
+  }
+}
+
+void copy(void* dst, const void* src, size_t nbytes, CopyKind kind) {
+  if (nbytes == 0) return;
+  cudaStream_t s = stream();
+  NANODDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, to_cuda(kind), s));
+  NANODDP_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+void copy_async(void* dst, const void* src, size_t nbytes, CopyKind kind) {
+  if (nbytes == 0) return;
+  NANODDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, to_cuda(kind), stream()));
+}
+
+// A blocking stream (not cudaStreamNonBlocking): work that some library puts on the legacy
+// default stream stays ordered with ours.
+void* compute_stream() {
+  DeviceState& state = device_state(current_device());
+  std::call_once(state.stream_once, [&] { NANODDP_CUDA_CHECK(cudaStreamCreate(&state.stream)); });
+  return state.stream;
+}
+
+void synchronize() { NANODDP_CUDA_CHECK(cudaStreamSynchronize(stream())); }
+
+cublasHandle_t cublas_handle() {
+  DeviceState& state = device_state(current_device());
+  cudaStream_t s = stream();
+  std::call_once(state.cublas_once, [&] {
+    NANODDP_CUBLAS_CHECK(cublasCreate(&state.cublas));
+    NANODDP_CUBLAS_CHECK(cublasSetStream(state.cublas, s));
+#if NANODDP_TF32
+    NANODDP_CUBLAS_CHECK(cublasSetMathMode(state.cublas, CUBLAS_TF32_TENSOR_OP_MATH));
+#else
+    // Plain float32 arithmetic: TF32 (10-bit mantissa inputs) would not match the CPU.
+    NANODDP_CUBLAS_CHECK(cublasSetMathMode(state.cublas, CUBLAS_DEFAULT_MATH));
+#endif
+  });
+  return state.cublas;
+}
+
+}  // namespace nanoddp::kernels::cuda

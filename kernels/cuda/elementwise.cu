@@ -1,0 +1,104 @@
+// Elementwise CUDA kernels: fill, byte-to-float conversion, binary and scalar ops, gradient
+// accumulation, relu. One thread per element with grid-stride loops; each kernel is followed
+// by its host launcher. Contracts (shapes, aliasing) are in kernels/kernel_list.inc.
+
+#include "kernels/cuda/launch.cuh"
+#include "kernels/kernels.h"
+
+namespace nanoddp::kernels::cuda {
+
+// ---- memory ----------------------------------------------------------------------------------
+
+__global__ void fill_forward_kernel(float* out, float value, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = value;
+}
+
+void fill(float* out, float value, int64_t n) {
+  if (n <= 0) return;
+  fill_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(out, value, n);
+  NANODDP_CUDA_CHECK_LAUNCH("fill_forward_kernel");
+}
+
+__global__ void bytes_to_unit_float_forward_kernel(float* out, const uint8_t* in, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = static_cast<float>(in[i]) / 255.0f;
+}
+
+void bytes_to_unit_float(float* out, const uint8_t* in, int64_t n) {
+  if (n <= 0) return;
+  bytes_to_unit_float_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(out, in, n);
+  NANODDP_CUDA_CHECK_LAUNCH("bytes_to_unit_float_forward_kernel");
+}
+
+// ---- elementwise -----------------------------------------------------------------------------
+
+__device__ __forceinline__ float apply(BinaryOp op, float a, float b) {
+  switch (op) {
+    case BinaryOp::Add: return a + b;
+    case BinaryOp::Sub: return a - b;
+    case BinaryOp::Mul: return a * b;
+  }
+  return 0.0f;
+}
+
+// a, out: [N, F]; b: [N, F], or [F] when broadcast_b. out may alias a.
+__global__ void binary_forward_kernel(float* out, const float* a, const float* b, BinaryOp op, int64_t n,
+                                      int64_t F, bool broadcast_b) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = apply(op, a[i], b[broadcast_b ? i % F : i]);
+}
+
+void binary_forward(float* out, const float* a, const float* b, BinaryOp op, int64_t N, int64_t F,
+                    bool broadcast_b) {
+  const int64_t n = N * F;
+  if (n <= 0) return;
+  binary_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(out, a, b, op, n, F, broadcast_b);
+  NANODDP_CUDA_CHECK_LAUNCH("binary_forward_kernel");
+}
+
+__global__ void scalar_forward_kernel(float* out, const float* a, ScalarOp op, float s, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = op == ScalarOp::Mul ? a[i] * s : a[i] / s;
+}
+
+void scalar_forward(float* out, const float* a, ScalarOp op, float s, int64_t n) {
+  if (n <= 0) return;
+  scalar_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(out, a, op, s, n);
+  NANODDP_CUDA_CHECK_LAUNCH("scalar_forward_kernel");
+}
+
+__global__ void accumulate_backward_kernel(float* out, const float* a, float alpha, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] += alpha * a[i];
+}
+
+void accumulate(float* out, const float* a, float alpha, int64_t n) {
+  if (n <= 0) return;
+  accumulate_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(out, a, alpha, n);
+  NANODDP_CUDA_CHECK_LAUNCH("accumulate_backward_kernel");
+}
+
+// ---- activations -----------------------------------------------------------------------------
+
+// max(x, 0), with NaN passed through (fmaxf would turn it into 0).
+__global__ void relu_forward_kernel(float* out, const float* in, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const float x = in[i];
+    out[i] = (x > 0.0f || isnan(x)) ? x : 0.0f;
+  }
+}
+
+void relu_forward(float* out, const float* in, int64_t n) {
+  if (n <= 0) return;
+  relu_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(out, in, n);
+  NANODDP_CUDA_CHECK_LAUNCH("relu_forward_kernel");
+}
+
+// din = dout where in > 0, else 0 (NaN inputs pass no gradient). WRITES.
+__global__ void relu_backward_kernel(float* din, const float* dout, const float* in, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) din[i] = in[i] > 0.0f ? dout[i] : 0.0f;
+}
+
+void relu_backward(float* din, const float* dout, const float* in, int64_t n) {
+  if (n <= 0) return;
+  relu_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(din, dout, in, n);
+  NANODDP_CUDA_CHECK_LAUNCH("relu_backward_kernel");
+}
+
+}  // namespace nanoddp::kernels::cuda

@@ -1,0 +1,159 @@
+// Loss CUDA kernels: mean squared error and cross-entropy with a fused, stable log-softmax.
+// Reductions to one value go through deterministic_sum (Note [Deterministic reduction]).
+
+#include <cmath>
+
+#include "kernels/cuda/launch.cuh"
+#include "kernels/kernels.h"
+
+namespace nanoddp::kernels::cuda {
+namespace {
+
+struct SquaredDiff {
+  const float* input;
+  const float* target;
+  __device__ float operator()(int64_t i) const {
+    const float d = input[i] - target[i];
+    return d * d;
+  }
+};
+
+struct LoadValue {
+  const float* in;
+  __device__ float operator()(int64_t i) const { return in[i]; }
+};
+
+}  // namespace
+
+// ---- mse -------------------------------------------------------------------------------------
+
+// Reduction::None: out[i] = (input[i] - target[i])^2.
+__global__ void mse_forward_kernel(float* out, const float* input, const float* target, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const float d = input[i] - target[i];
+    out[i] = d * d;
+  }
+}
+
+void mse_forward(float* out, const float* input, const float* target, int64_t n, Reduction reduction) {
+  if (reduction == Reduction::None) {
+    if (n <= 0) return;
+    mse_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(out, input, target, n);
+    NANODDP_CUDA_CHECK_LAUNCH("mse_forward_kernel");
+    return;
+  }
+  const float divisor = reduction == Reduction::Mean ? static_cast<float>(n) : 1.0f;
+  deterministic_sum(out, SquaredDiff{input, target}, n, divisor);
+}
+
+// dinput[i] = 2 (input[i] - target[i]) * g, g = dout[0] * scale (Mean, Sum) or dout[i] (None).
+__global__ void mse_backward_kernel(float* dinput, const float* dout, const float* input, const float* target,
+                                    int64_t n, float scale, bool per_element) {
+  const float shared_grad = per_element ? 0.0f : dout[0] * scale;
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const float g = per_element ? dout[i] : shared_grad;
+    dinput[i] = 2.0f * (input[i] - target[i]) * g;
+  }
+}
+
+void mse_backward(float* dinput, const float* dout, const float* input, const float* target, int64_t n,
+                  Reduction reduction) {
+  if (n <= 0) return;
+  const float scale = reduction == Reduction::Mean ? 1.0f / static_cast<float>(n) : 1.0f;
+  mse_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(dinput, dout, input, target, n, scale,
+                                                            reduction == Reduction::None);
+  NANODDP_CUDA_CHECK_LAUNCH("mse_backward_kernel");
+}
+
+// ---- cross-entropy -----------------------------------------------------------------------------
+
+constexpr int kRowsPerBlock = kBlock / 32;  // one warp per row
+
+__device__ __forceinline__ float warp_max(float value) {
+  for (int offset = 16; offset > 0; offset /= 2) value = fmaxf(value, __shfl_xor_sync(kFullMask, value, offset));
+  return value;
+}
+
+__device__ __forceinline__ float warp_all_sum(float value) {
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(kFullMask, value, offset);
+  return value;
+}
+
+// logits: [N, C], target: [N] -> probs: [N, C] = softmax(logits), row_loss: [N] =
+// -log_softmax(logits)[target] = log(sum exp(x - max)) - (x[t] - max). One warp per row;
+// the max subtraction keeps exp finite for any finite logits. A target outside [0, C) gives
+// NaN and is never read from.
+__global__ void cross_entropy_forward_kernel(float* row_loss, float* probs, const float* logits,
+                                             const int64_t* target, int64_t N, int64_t C) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= N) return;  // whole warps leave together
+  const float* x = logits + row * C;
+  float* p = probs + row * C;
+
+  float row_max = -INFINITY;
+  for (int64_t c = lane; c < C; c += 32) row_max = fmaxf(row_max, x[c]);
+  row_max = warp_max(row_max);
+
+  float exp_sum = 0.0f;
+  for (int64_t c = lane; c < C; c += 32) exp_sum += expf(x[c] - row_max);
+  // Butterfly sum: every lane ends with the same bits, needed below by all of them.
+  exp_sum = warp_all_sum(exp_sum);
+
+  for (int64_t c = lane; c < C; c += 32) p[c] = expf(x[c] - row_max) / exp_sum;
+
+  if (lane == 0) {
+    const int64_t t = target[row];
+    row_loss[row] = (t >= 0 && t < C) ? logf(exp_sum) - (x[t] - row_max) : NAN;
+  }
+}
+
+void cross_entropy_forward(float* out, float* probs, const float* logits, const int64_t* target, int64_t N,
+                           int64_t C, Reduction reduction) {
+  const int64_t blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
+  NANODDP_CHECK(blocks <= 0x7fffffff, ValueError, "cross_entropy: ", N, " rows is more than one launch takes");
+  const float divisor = reduction == Reduction::Mean ? static_cast<float>(N) : 1.0f;
+  if (reduction == Reduction::None) {
+    if (N <= 0) return;
+    cross_entropy_forward_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, stream()>>>(out, probs, logits,
+                                                                                         target, N, C);
+    NANODDP_CUDA_CHECK_LAUNCH("cross_entropy_forward_kernel");
+    return;
+  }
+  ScratchBuffer<float> row_loss(N > 0 ? static_cast<size_t>(N) : 1);
+  if (N > 0) {
+    cross_entropy_forward_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, stream()>>>(
+        row_loss.data(), probs, logits, target, N, C);
+    NANODDP_CUDA_CHECK_LAUNCH("cross_entropy_forward_kernel");
+  }
+  deterministic_sum(out, LoadValue{row_loss.data()}, N, divisor);
+}
+
+// dlogits[r, c] = (probs[r, c] - [c == target[r]]) * g_r with g_r = dout[0] * scale (Mean,
+// Sum) or dout[r] (None). WRITES. Rows with a target outside [0, C) get 0.
+__global__ void cross_entropy_backward_kernel(float* dlogits, const float* dout, const float* probs,
+                                              const int64_t* target, int64_t N, int64_t C, float scale,
+                                              bool per_row) {
+  const int64_t n = N * C;
+  const float shared_grad = per_row ? 0.0f : dout[0] * scale;
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const int64_t row = i / C;
+    const int64_t c = i - row * C;
+    const int64_t t = target[row];
+    const float g = per_row ? dout[row] : shared_grad;
+    const float onehot = c == t ? 1.0f : 0.0f;
+    dlogits[i] = (t >= 0 && t < C) ? (probs[i] - onehot) * g : 0.0f;
+  }
+}
+
+void cross_entropy_backward(float* dlogits, const float* dout, const float* probs, const int64_t* target,
+                            int64_t N, int64_t C, Reduction reduction) {
+  const int64_t n = N * C;
+  if (n <= 0) return;
+  const float scale = reduction == Reduction::Mean ? 1.0f / static_cast<float>(N) : 1.0f;
+  cross_entropy_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(dlogits, dout, probs, target, N, C, scale,
+                                                                      reduction == Reduction::None);
+  NANODDP_CUDA_CHECK_LAUNCH("cross_entropy_backward_kernel");
+}
+
+}  // namespace nanoddp::kernels::cuda

@@ -1,0 +1,380 @@
+// The op harness's CUDA column: every kernel of kernels/kernel_list.inc on CUDA against the
+// CPU kernel on the same random inputs. Sizes straddle block and tile edges (255, 256, 257,
+// 1025, 65537) and one exceeds 2^24, so int32 index overflow and grid-stride tails show up.
+// Outputs are poisoned (NaN) before each run: an element a kernel forgets fails.
+// To add a kernel: add a TEST_CASE below that runs it on both devices over kSizes/kShapes.
+#include "tests/test_gpu_util.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/device_memory.h"
+#include "kernels/kernels.h"
+
+#if NANODDP_WITH_CUDA
+
+namespace {
+
+using namespace nanoddp;
+using namespace nanoddp::testing;
+using kernels::BinaryOp;
+using kernels::Reduction;
+using kernels::ScalarOp;
+using kernels::SgdConfig;
+namespace cpu = nanoddp::kernels::cpu;
+namespace gpu = nanoddp::kernels::cuda;
+
+const int64_t kAbove24Bits = (int64_t(1) << 24) + 3;
+const std::vector<int64_t> kSizes = {0, 1, 255, 256, 257, 1025, 65537, kAbove24Bits};
+// [N, F] (or [N, C]) shapes: empty either way, single row or column, tile edges, and one
+// with more than 2^24 elements.
+const std::vector<std::pair<int64_t, int64_t>> kShapes = {
+    {0, 3}, {3, 0}, {1, 1}, {1, 255}, {256, 1}, {257, 3}, {5, 1025}, {33, 17}, {65537, 2}, {4099, 4097}};
+
+// float rounding allowance for one or two roundings (an fma on one side, not the other).
+constexpr double kElementwiseRtol = 1e-6;
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+std::string label(const char* op, int64_t n) { return std::string(op) + " n=" + std::to_string(n); }
+std::string label(const char* op, int64_t N, int64_t F) {
+  return std::string(op) + " [" + std::to_string(N) + ", " + std::to_string(F) + "]";
+}
+const char* name(Reduction r) { return r == Reduction::None ? "none" : r == Reduction::Mean ? "mean" : "sum"; }
+
+TEST_CASE("fill and bytes_to_unit_float match the CPU") {
+  for (int64_t n : kSizes) {
+    std::vector<float> want(static_cast<size_t>(n), kNaN);
+    cpu::fill(want.data(), -2.5f, n);
+    DeviceArray<float> out(static_cast<size_t>(n));
+    out.poison();
+    gpu::fill(out.data(), -2.5f, n);
+    expect_close(label("fill", n), out.to_host(), want, 0.0, 0.0);
+
+    std::vector<uint8_t> bytes(static_cast<size_t>(n));
+    Generator gen(n);
+    for (uint8_t& b : bytes) b = static_cast<uint8_t>(gen.randint(256));
+    cpu::bytes_to_unit_float(want.data(), bytes.data(), n);
+    DeviceArray<uint8_t> in(bytes);
+    out.poison();
+    gpu::bytes_to_unit_float(out.data(), in.data(), n);
+    expect_close(label("bytes_to_unit_float", n), out.to_host(), want, kElementwiseRtol, 0.0);
+  }
+}
+
+TEST_CASE("binary_forward matches the CPU, plain and with a broadcast row") {
+  const BinaryOp ops[] = {BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul};
+  const char* op_names[] = {"add", "sub", "mul"};
+  for (int64_t n : kSizes) {
+    const auto a = normals(n, 1), b = normals(n, 2);
+    DeviceArray<float> db(b), out(a.size());
+    for (int k = 0; k < 3; ++k) {
+      std::vector<float> want(a.size());
+      cpu::binary_forward(want.data(), a.data(), b.data(), ops[k], 1, n, false);
+      DeviceArray<float> da(a);
+      out.poison();
+      gpu::binary_forward(out.data(), da.data(), db.data(), ops[k], 1, n, false);
+      expect_close(label(op_names[k], n), out.to_host(), want, kElementwiseRtol, 0.0);
+      // out aliasing a, as the in-place update of a gradient does
+      gpu::binary_forward(da.data(), da.data(), db.data(), ops[k], 1, n, false);
+      expect_close(label(op_names[k], n) + " in place", da.to_host(), want, kElementwiseRtol, 0.0);
+    }
+  }
+  for (auto [N, F] : kShapes) {
+    const auto a = normals(N * F, 3), b = normals(F, 4);
+    DeviceArray<float> da(a), db(b), out(a.size());
+    for (int k = 0; k < 3; ++k) {
+      std::vector<float> want(a.size());
+      cpu::binary_forward(want.data(), a.data(), b.data(), ops[k], N, F, true);
+      out.poison();
+      gpu::binary_forward(out.data(), da.data(), db.data(), ops[k], N, F, true);
+      expect_close(label(op_names[k], N, F) + " broadcast", out.to_host(), want, kElementwiseRtol, 0.0);
+    }
+  }
+}
+
+TEST_CASE("scalar_forward and accumulate match the CPU") {
+  for (int64_t n : kSizes) {
+    const auto a = normals(n, 5);
+    DeviceArray<float> da(a), out(a.size());
+    for (auto [op, s] : {std::pair{ScalarOp::Mul, 0.37f}, std::pair{ScalarOp::Div, -3.0f}}) {
+      std::vector<float> want(a.size());
+      cpu::scalar_forward(want.data(), a.data(), op, s, n);
+      out.poison();
+      gpu::scalar_forward(out.data(), da.data(), op, s, n);
+      expect_close(label(op == ScalarOp::Mul ? "scalar mul" : "scalar div", n), out.to_host(), want, kElementwiseRtol,
+                   0.0);
+    }
+    // accumulate adds into what is there: start both from the same values.
+    auto want = normals(n, 6);
+    out.upload(want);
+    cpu::accumulate(want.data(), a.data(), 0.5f, n);
+    gpu::accumulate(out.data(), da.data(), 0.5f, n);
+    expect_close(label("accumulate", n), out.to_host(), want, kElementwiseRtol, 1e-7);
+  }
+}
+
+TEST_CASE("column_sum matches the CPU exactly on small integers") {
+  for (auto [N, F] : kShapes) {
+    const auto d = small_ints(N * F, 7, -3, 3);
+    std::vector<float> want(static_cast<size_t>(F));
+    cpu::column_sum(want.data(), d.data(), N, F);
+    DeviceArray<float> dd(d), out(static_cast<size_t>(F));
+    out.poison();
+    gpu::column_sum(out.data(), dd.data(), N, F);
+    expect_close(label("column_sum", N, F), out.to_host(), want, 0.0, 0.0);
+  }
+  // Random floats: the two devices add in different orders, so allow float rounding.
+  for (auto [N, F] : kShapes) {
+    const auto d = normals(N * F, 8);
+    std::vector<float> want(static_cast<size_t>(F));
+    cpu::column_sum(want.data(), d.data(), N, F);
+    DeviceArray<float> dd(d), out(static_cast<size_t>(F));
+    out.poison();
+    gpu::column_sum(out.data(), dd.data(), N, F);
+    expect_close(label("column_sum (normal)", N, F), out.to_host(), want, 1e-4, 1e-5 * std::sqrt(double(N) + 1.0));
+  }
+}
+
+TEST_CASE("sum_forward and broadcast_scalar_backward match the CPU") {
+  for (int64_t n : kSizes) {
+    const auto exact = small_ints(n, 9, -3, 3);  // partial sums stay far below 2^24: exact
+    float want = kNaN;
+    cpu::sum_forward(&want, exact.data(), n);
+    DeviceArray<float> in(exact), out(1);
+    out.poison();
+    gpu::sum_forward(out.data(), in.data(), n);
+    expect_close(label("sum_forward", n), out.to_host(), {want}, 0.0, 0.0);
+
+    const auto values = normals(n, 10);
+    double abs_sum = 0.0;
+    for (float v : values) abs_sum += std::fabs(v);
+    cpu::sum_forward(&want, values.data(), n);
+    in.upload(values);
+    out.poison();
+    gpu::sum_forward(out.data(), in.data(), n);
+    // float rounding of two different summation orders, bounded by the mass summed
+    expect_close(label("sum_forward (normal)", n), out.to_host(), {want}, 0.0, 1e-5 * abs_sum + 1e-6);
+
+    // Deterministic: the same input gives the same bits.
+    const float first = out.to_host()[0];
+    gpu::sum_forward(out.data(), in.data(), n);
+    CHECK(std::memcmp(&first, out.to_host().data(), sizeof(float)) == 0);
+
+    const float dout = 1.75f;
+    std::vector<float> want_din(static_cast<size_t>(n));
+    cpu::broadcast_scalar_backward(want_din.data(), &dout, 0.25f, n);
+    DeviceArray<float> ddout(std::vector<float>{dout}), din(static_cast<size_t>(n));
+    din.poison();
+    gpu::broadcast_scalar_backward(din.data(), ddout.data(), 0.25f, n);
+    expect_close(label("broadcast_scalar_backward", n), din.to_host(), want_din, 0.0, 0.0);
+  }
+}
+
+TEST_CASE("argmax_forward matches the CPU, ties and NaN included") {
+  for (auto [N, C] : kShapes) {
+    if (C == 0) continue;  // no index to return
+    // Few distinct values: many ties, which the first index must win.
+    auto in = small_ints(N * C, 11, 0, 4);
+    if (N * C > 40) in[37] = kNaN;  // a NaN is the largest (torch.argmax)
+    std::vector<int64_t> want(static_cast<size_t>(N), -7);
+    cpu::argmax_forward(want.data(), in.data(), N, C);
+    DeviceArray<float> din(in);
+    DeviceArray<int64_t> out(static_cast<size_t>(N));
+    out.poison();
+    gpu::argmax_forward(out.data(), din.data(), N, C);
+    const auto got = out.to_host();
+    size_t bad = 0;
+    for (size_t r = 0; r < got.size(); ++r) bad += got[r] != want[r];
+    CHECK_MESSAGE(bad == 0, label("argmax_forward", N, C) << ": " << bad << " rows differ");
+  }
+}
+
+TEST_CASE("relu forward and backward match the CPU, NaN included") {
+  for (int64_t n : kSizes) {
+    auto in = normals(n, 12);
+    if (n > 3) {
+      in[1] = kNaN;
+      in[2] = 0.0f;
+      in[3] = -0.0f;
+    }
+    const auto dout = normals(n, 13);
+    std::vector<float> want(in.size()), want_din(in.size());
+    cpu::relu_forward(want.data(), in.data(), n);
+    cpu::relu_backward(want_din.data(), dout.data(), in.data(), n);
+    DeviceArray<float> din_(in), ddout(dout), out(in.size()), din(in.size());
+    out.poison();
+    din.poison();
+    gpu::relu_forward(out.data(), din_.data(), n);
+    gpu::relu_backward(din.data(), ddout.data(), din_.data(), n);
+    expect_close(label("relu_forward", n), out.to_host(), want, 0.0, 0.0);
+    expect_close(label("relu_backward", n), din.to_host(), want_din, 0.0, 0.0);
+  }
+}
+
+TEST_CASE("matmul matches the CPU for shapes off every tile, all transposes, beta 0 and 1") {
+  struct Dims { int64_t M, K, N; };
+  const std::vector<Dims> dims = {{33, 17, 5}, {1, 1, 1},    {5, 17, 33},  {0, 3, 4},   {3, 0, 4},
+                                  {3, 4, 0},   {257, 255, 129}, {64, 784, 256}, {1025, 33, 7}, {4097, 8, 4097}};
+  for (const Dims& d : dims) {
+    // Stored shapes change with the transposes, element counts do not.
+    const auto a = normals(d.M * d.K, 14), b = normals(d.K * d.N, 15), c0 = normals(d.M * d.N, 16);
+    for (bool trans_a : {false, true}) {
+      for (bool trans_b : {false, true}) {
+        for (float beta : {0.0f, 1.0f}) {
+          std::vector<float> want = c0;
+          cpu::matmul(want.data(), a.data(), b.data(), d.M, d.K, d.N, trans_a, trans_b, beta);
+          // The rounding bound: 1e-5 * (|a| . |b|), computed by the CPU kernel itself.
+          std::vector<float> abs_a(a), abs_b(b), bound(c0.size());
+          for (float& v : abs_a) v = std::fabs(v);
+          for (float& v : abs_b) v = std::fabs(v);
+          cpu::matmul(bound.data(), abs_a.data(), abs_b.data(), d.M, d.K, d.N, trans_a, trans_b, 0.0f);
+          for (size_t i = 0; i < bound.size(); ++i) bound[i] = 1e-5f * bound[i] + (beta != 0.0f ? 1e-6f * std::fabs(c0[i]) : 0.0f);
+
+          DeviceArray<float> da(a), db(b), out(c0.size());
+          if (beta == 0.0f)
+            out.poison();  // beta 0 must overwrite, NaN included
+          else
+            out.upload(c0);
+          gpu::matmul(out.data(), da.data(), db.data(), d.M, d.K, d.N, trans_a, trans_b, beta);
+          expect_within("matmul [" + std::to_string(d.M) + "x" + std::to_string(d.K) + "] . [" + std::to_string(d.K) +
+                            "x" + std::to_string(d.N) + "] trans_a=" + std::to_string(trans_a) +
+                            " trans_b=" + std::to_string(trans_b) + " beta=" + std::to_string(int(beta)),
+                        out.to_host(), want, bound);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("mse forward and backward match the CPU for every reduction") {
+  for (int64_t n : kSizes) {
+    // 0/1 values: squared differences are 0 or 1 and their sum is exact in float32.
+    const auto input = small_ints(n, 17, 0, 1), target = small_ints(n, 18, 0, 1);
+    const auto dout_none = normals(n, 19);
+    DeviceArray<float> din_(input), dtarget(target);
+    for (Reduction r : {Reduction::None, Reduction::Mean, Reduction::Sum}) {
+      const size_t out_size = r == Reduction::None ? input.size() : 1;
+      std::vector<float> want(out_size, kNaN);
+      cpu::mse_forward(want.data(), input.data(), target.data(), n, r);
+      DeviceArray<float> out(out_size);
+      out.poison();
+      gpu::mse_forward(out.data(), din_.data(), dtarget.data(), n, r);
+      expect_close(label("mse_forward", n) + " " + name(r), out.to_host(), want, kElementwiseRtol, 0.0);
+
+      const std::vector<float> dout = r == Reduction::None ? dout_none : std::vector<float>{1.5f};
+      std::vector<float> want_din(input.size());
+      cpu::mse_backward(want_din.data(), dout.data(), input.data(), target.data(), n, r);
+      DeviceArray<float> ddout(dout), dinput(input.size());
+      dinput.poison();
+      gpu::mse_backward(dinput.data(), ddout.data(), din_.data(), dtarget.data(), n, r);
+      expect_close(label("mse_backward", n) + " " + name(r), dinput.to_host(), want_din, kElementwiseRtol, 0.0);
+    }
+  }
+}
+
+TEST_CASE("cross_entropy forward and backward match the CPU for every reduction") {
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{0, 10}, {1, 1},    {255, 10},  {256, 3},   {257, 1025},
+                                                           {1025, 10}, {65537, 10}, {1, 65537}, {4099, 4097}};
+  for (auto [N, C] : shapes) {
+    auto logits = normals(N * C, 20, 3.0f);
+    if (N > 2 && C > 1) {  // widely spread and huge logits: the stable log-softmax stays finite
+      logits[0] = 80.0f;
+      logits[static_cast<size_t>(C)] = 1e30f;
+    }
+    std::vector<int64_t> target(static_cast<size_t>(N));
+    Generator gen(21);
+    for (int64_t& t : target) t = static_cast<int64_t>(gen.randint(static_cast<uint64_t>(C)));
+    DeviceArray<float> dlogits_in(logits);
+    DeviceArray<int64_t> dtarget(target);
+    const auto dout_none = normals(N, 22);
+    for (Reduction r : {Reduction::None, Reduction::Mean, Reduction::Sum}) {
+      const size_t out_size = r == Reduction::None ? static_cast<size_t>(N) : 1;
+      std::vector<float> want(out_size, kNaN), want_probs(logits.size(), kNaN);
+      cpu::cross_entropy_forward(want.data(), want_probs.data(), logits.data(), target.data(), N, C, r);
+      DeviceArray<float> out(out_size), probs(logits.size());
+      out.poison();
+      probs.poison();
+      gpu::cross_entropy_forward(out.data(), probs.data(), dlogits_in.data(), dtarget.data(), N, C, r);
+      const std::string what = label("cross_entropy", N, C) + " " + name(r);
+      expect_close(what + " loss", out.to_host(), want, 1e-5, 1e-6);
+      expect_close(what + " probs", probs.to_host(), want_probs, 1e-5, 1e-7);
+
+      const std::vector<float> dout = r == Reduction::None ? dout_none : std::vector<float>{0.75f};
+      std::vector<float> want_dlogits(logits.size());
+      cpu::cross_entropy_backward(want_dlogits.data(), dout.data(), want_probs.data(), target.data(), N, C, r);
+      DeviceArray<float> ddout(dout), dlogits(logits.size());
+      dlogits.poison();
+      gpu::cross_entropy_backward(dlogits.data(), ddout.data(), probs.data(), dtarget.data(), N, C, r);
+      expect_close(what + " dlogits", dlogits.to_host(), want_dlogits, 1e-5, 1e-7);
+    }
+  }
+}
+
+TEST_CASE("cross_entropy on CUDA: a target out of range gives a NaN row and a zero gradient") {
+  const int64_t N = 4, C = 3;
+  const auto logits = normals(N * C, 23);
+  const std::vector<int64_t> target = {0, -1, 2, 3};  // rows 1 and 3 are out of range
+  DeviceArray<float> dlogits_in(logits), loss(N), probs(N * C), dlogits(N * C);
+  DeviceArray<int64_t> dtarget(target);
+  loss.poison();
+  gpu::cross_entropy_forward(loss.data(), probs.data(), dlogits_in.data(), dtarget.data(), N, C, Reduction::None);
+  const auto row_loss = loss.to_host();
+  // Rows 0 and 2 against the CPU on those rows alone.
+  for (int64_t r : {0, 2}) {
+    float want = kNaN;
+    std::vector<float> want_probs(C);
+    cpu::cross_entropy_forward(&want, want_probs.data(), logits.data() + r * C, target.data() + r, 1, C,
+                               Reduction::None);
+    expect_close("valid row " + std::to_string(r), {row_loss[r]}, {want}, 1e-6, 0.0);
+  }
+  CHECK(std::isnan(row_loss[1]));
+  CHECK(std::isnan(row_loss[3]));
+
+  DeviceArray<float> dout(std::vector<float>{1.0f, 1.0f, 1.0f, 1.0f});
+  dlogits.poison();
+  gpu::cross_entropy_backward(dlogits.data(), dout.data(), probs.data(), dtarget.data(), N, C, Reduction::None);
+  const auto grad = dlogits.to_host();
+  for (int64_t c = 0; c < C; ++c) {
+    CHECK(grad[1 * C + c] == 0.0f);
+    CHECK(grad[3 * C + c] == 0.0f);
+    CHECK(!std::isnan(grad[0 * C + c]));
+  }
+
+  DeviceArray<float> mean(1);
+  gpu::cross_entropy_forward(mean.data(), probs.data(), dlogits_in.data(), dtarget.data(), N, C, Reduction::Mean);
+  CHECK(std::isnan(mean.to_host()[0]));
+}
+
+TEST_CASE("sgd_step matches the CPU for every option, first and later steps") {
+  struct Case { const char* name; SgdConfig config; };
+  const std::vector<Case> cases = {
+      {"plain", {0.1f, 0.0f, 0.0f, 0.0f, false}},
+      {"weight decay", {0.05f, 0.0f, 0.0f, 1e-2f, false}},
+      {"momentum", {0.1f, 0.9f, 0.0f, 0.0f, false}},
+      {"momentum dampening decay", {0.1f, 0.9f, 0.1f, 1e-4f, false}},
+      {"nesterov", {0.1f, 0.9f, 0.0f, 1e-4f, true}},
+  };
+  for (int64_t n : kSizes) {
+    const auto param0 = normals(n, 24), buffer0 = normals(n, 25), grad = normals(n, 26);
+    for (const Case& c : cases) {
+      auto param = param0, buffer = buffer0;
+      const bool with_buffer = c.config.momentum != 0.0f;
+      DeviceArray<float> dparam(param), dbuffer(buffer), dgrad(grad);
+      for (bool first_step : {true, false}) {
+        cpu::sgd_step(param.data(), with_buffer ? buffer.data() : nullptr, grad.data(), n, c.config, first_step);
+        gpu::sgd_step(dparam.data(), with_buffer ? dbuffer.data() : nullptr, dgrad.data(), n, c.config, first_step);
+        const std::string what = label("sgd_step", n) + " " + c.name + (first_step ? " first" : " second");
+        expect_close(what + " param", dparam.to_host(), param, 1e-6, 1e-7);
+        if (with_buffer) expect_close(what + " buffer", dbuffer.to_host(), buffer, 1e-6, 1e-7);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+#endif  // NANODDP_WITH_CUDA

@@ -1,0 +1,26 @@
+// main() of the GPU test executables (suite gpu): runs doctest only when a GPU is usable.
+// Otherwise it says why and returns 77, which Meson reports as SKIP instead of FAIL.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cstdio>
+
+#include "kernels/device_memory.h"
+#include "kernels/kernels.h"
+
+namespace {
+constexpr int kSkipExitCode = 77;  // Meson's (and automake's) "skipped"
+}
+
+int main(int argc, char** argv) {
+  if (!nanoddp::kernels::cuda_built()) {
+    std::printf("SKIP: this build has no CUDA (meson -Dcuda=disabled, or no nvcc found)\n");
+    return kSkipExitCode;
+  }
+  if (nanoddp::kernels::cuda::device_count() == 0) {
+    std::printf("SKIP: no usable GPU: %s\n", nanoddp::kernels::cuda::unavailable_reason().c_str());
+    return kSkipExitCode;
+  }
+  doctest::Context context(argc, argv);
+  return context.run();
+}
