@@ -142,14 +142,22 @@ Tensor read_idx(const std::string& path, int dims) {
   // bound no real file reaches. Any product below it is checked against the data anyway.
   constexpr uint64_t kMaxDataBytes = uint64_t{1} << 48;
   uint64_t data_bytes = 1;
+  for (int d = 0; d < dims; ++d) sizes[d] = big_endian_u32(size_bytes + 4 * d);
+  // The bound applies to the nonzero sizes even when one size is 0 (no data at all), so that
+  // no partial product of the shape can overflow int64 later.
+  bool empty = false;
   for (int d = 0; d < dims; ++d) {
-    sizes[d] = big_endian_u32(size_bytes + 4 * d);
     const auto size = static_cast<uint64_t>(sizes[d]);
-    NANODDP_CHECK(size == 0 || data_bytes <= kMaxDataBytes / size, IOError, "IDX file '", path,
-                  "': corrupt header: dimension sizes ", join_sizes(sizes),
-                  "... promise more than 2^48 bytes");
+    if (size == 0) {
+      empty = true;
+      continue;
+    }
+    NANODDP_CHECK(data_bytes <= kMaxDataBytes / size, IOError, "IDX file '", path,
+                  "': corrupt header at byte offset 4: dimension sizes ", join_sizes(sizes),
+                  " promise more than 2^48 bytes");
     data_bytes *= size;
   }
+  if (empty) data_bytes = 0;
 
   // ---- data: exactly data_bytes, read in chunks straight into the tensor ----
   // Allocating before reading is safe up to kEagerBytes: untouched pages cost no memory, so a
