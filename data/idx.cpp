@@ -163,7 +163,7 @@ Tensor read_idx(const std::string& path, int dims) {
   // Allocating before reading is safe up to kEagerBytes: untouched pages cost no memory, so a
   // lying header costs address space, not RAM, and the read below stops at the real end.
   // Beyond it (no real file comes close) nothing is allocated that has not arrived.
-  constexpr uint64_t kEagerBytes = uint64_t{1} << 32;
+  constexpr uint64_t kEagerBytes = uint64_t{1} << 30;
   std::vector<uint8_t> spill;
   Tensor out;
   if (data_bytes <= kEagerBytes) out = Tensor::empty(Shape(sizes), DType::UInt8);
