@@ -22,10 +22,6 @@ namespace nanoddp::kernels {
 
 bool cuda_built() { return true; }
 
-void throw_no_cuda(const char* kernel) {
-  NANODDP_THROW(DeviceError, kernel, ": no CUDA implementation of this kernel");
-}
-
 }  // namespace nanoddp::kernels
 
 namespace nanoddp::kernels::cuda {
