@@ -87,15 +87,17 @@ void argmax_forward(int64_t* out, const float* in, int64_t N, int64_t C) {
 constexpr int kColumnTile = 32;
 constexpr int kRowLanes = 8;
 
-__global__ void column_sum_backward_kernel(float* partials, const float* d, int64_t N, int64_t F,
+__global__ void column_sum_backward_kernel(float* __restrict__ partials, const float* __restrict__ d, int64_t N, int64_t F,
                                            int64_t rows_per_chunk) {
   __shared__ float lane_sums[kRowLanes][kColumnTile + 1];
   const int64_t column = static_cast<int64_t>(blockIdx.x) * kColumnTile + threadIdx.x;
   const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
   const int64_t row_end = row_begin + rows_per_chunk < N ? row_begin + rows_per_chunk : N;
   float acc = 0.0f;
-  if (column < F)
+  if (column < F) {
+#pragma unroll 8  // several loads in flight per thread: this kernel is bandwidth-bound
     for (int64_t r = row_begin + threadIdx.y; r < row_end; r += kRowLanes) acc += d[r * F + column];
+  }
   lane_sums[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && column < F) {
