@@ -12,6 +12,21 @@ namespace nanoddp {
 namespace {
 
 thread_local bool grad_mode_enabled = true;
+thread_local bool backward_running = false;
+thread_local std::vector<std::function<void()>> backward_callbacks;
+
+// Marks a backward pass as running and drops queued callbacks however it ends.
+class BackwardScope {
+ public:
+  BackwardScope() {
+    NANODDP_CHECK(!backward_running, ValueError, "backward() called from inside a backward pass (a hook?)");
+    backward_running = true;
+  }
+  ~BackwardScope() {
+    backward_running = false;
+    backward_callbacks.clear();
+  }
+};
 std::atomic<uint64_t> next_sequence_nr{0};
 
 // Adds g into the gradient buffer slot (a fresh tensor the first time, so callers may not
@@ -60,7 +75,13 @@ Tensor make_result(Tensor result, std::shared_ptr<Node> node) {
   return result;
 }
 
+void queue_callback(std::function<void()> callback) {
+  NANODDP_CHECK(backward_running, ValueError, "queue_callback outside a backward pass");
+  backward_callbacks.push_back(std::move(callback));
+}
+
 void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph) {
+  BackwardScope scope;
   NANODDP_CHECK(root.requires_grad(), ValueError,
                 "backward() on a tensor that does not require grad and has no grad_fn");
   Tensor seed = grad_root;
@@ -145,9 +166,13 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
     visited.push_back(fn);
   }
 
-  // 4. Free the graph.
+  // 4. Free the graph, then run what hooks queued for the end of the pass.
   if (!retain_graph)
     for (auto& fn : visited) fn->release();
+  for (size_t i = 0; i < backward_callbacks.size(); ++i) {
+    auto callback = std::move(backward_callbacks[i]);
+    callback();
+  }
 }
 
 }  // namespace nanoddp

@@ -12,10 +12,12 @@
 //   3. a non-leaf calls its Node's apply() and adds the returned gradients into its inputs'
 //      buffers; a leaf that requires grad adds its (complete) buffer into .grad and then runs
 //      its post-accumulate-grad hooks: DDP's signal that this gradient is final;
-//   4. unless retain_graph, every visited Node is released (saved tensors dropped).
+//   4. unless retain_graph, every visited Node is released (saved tensors dropped); then the
+//      callbacks queued during the pass run (queue_callback).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -56,6 +58,12 @@ class NoGradGuard {
 // Attaches node (with node->inputs already set) to result if grad mode is on and any input
 // requires grad; then result.requires_grad() is true. Returns result.
 Tensor make_result(Tensor result, std::shared_ptr<Node> node);
+
+// Runs callback once the backward pass now running on this thread has finished, after every
+// gradient and hook (torch's Variable._execution_engine.queue_callback). DDP queues its
+// "wait for every bucket" step here. Throws ValueError when no backward is running.
+// An exception thrown by a callback propagates out of backward().
+void queue_callback(std::function<void()> callback);
 
 // Runs the engine (see top of file). Called by Tensor::backward.
 void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph);

@@ -105,3 +105,15 @@ TEST_CASE("a tensor whose only consumer gives no gradient does not stall its pro
   CHECK(a.grad().to_vector() == std::vector<float>{2, 2});
   CHECK(w.grad().to_vector() == std::vector<float>{2, 4});
 }
+
+TEST_CASE("queue_callback runs once at the end of backward, after every hook") {
+  Tensor w = Tensor::from_vector({1.0f}).set_requires_grad(true);
+  std::vector<std::string> events;
+  w.register_post_accumulate_grad_hook([&](Tensor&) {
+    events.push_back("hook");
+    queue_callback([&] { events.push_back("callback"); });
+  });
+  sum(w * 2.0f + w).backward();
+  CHECK(events == std::vector<std::string>{"hook", "callback"});
+  CHECK_THROWS_AS(queue_callback([] {}), ValueError);
+}

@@ -1,0 +1,290 @@
+#include "data/dataloader.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/device_memory.h"
+#include "kernels/kernels.h"
+
+namespace nanoddp::data {
+
+// ---- Pass: one pass over the sampler's indices ------------------------------------------
+//
+// Without prefetch, next() collates on the calling thread. With prefetch, a worker thread
+// collates batches in order into a queue of at most `depth`; next() pops them. The worker
+// stops at the end, at the first exception (stored and rethrown by next() after the batches
+// that came before it), or when the pass is destroyed.
+class DataLoader::Pass {
+ public:
+  Pass(std::shared_ptr<const Dataset> dataset, std::vector<int64_t> indices, int64_t batch_size,
+       bool drop_last, bool prefetch, int depth)
+      : dataset_(std::move(dataset)),
+        indices_(std::move(indices)),
+        batch_size_(batch_size),
+        depth_(static_cast<size_t>(depth)) {
+    const auto n = static_cast<int64_t>(indices_.size());
+    num_batches_ = drop_last ? n / batch_size_ : (n + batch_size_ - 1) / batch_size_;
+    if (prefetch && num_batches_ > 0) worker_ = std::thread([this] { produce(); });
+  }
+
+  ~Pass() {
+    if (!worker_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    space_.notify_all();
+    worker_.join();
+  }
+
+  Pass(const Pass&) = delete;
+  Pass& operator=(const Pass&) = delete;
+
+  bool next(Batch& out) {
+    if (!worker_.joinable()) {
+      if (consumed_ >= num_batches_) return false;
+      out = collate(consumed_++);
+      return true;
+    }
+    std::unique_lock<std::mutex> lock(mutex_);
+    // The worker always ends by posting a batch, an error or `finished_`, so this wait ends.
+    ready_.wait(lock, [this] { return !queue_.empty() || error_ || finished_; });
+    if (!queue_.empty()) {
+      out = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      space_.notify_one();
+      return true;
+    }
+    if (error_) {
+      std::exception_ptr error = std::exchange(error_, nullptr);
+      finished_ = true;  // the pass ends at the failed batch
+      std::rethrow_exception(error);
+    }
+    return false;
+  }
+
+ private:
+  Batch collate(int64_t b) const {
+    const auto begin = indices_.begin() + b * batch_size_;
+    const auto end = indices_.begin() + std::min<int64_t>((b + 1) * batch_size_, indices_.size());
+    return dataset_->get_batch(std::vector<int64_t>(begin, end));
+  }
+
+  void produce() {
+    for (int64_t b = 0; b < num_batches_; ++b) {
+      Batch batch;
+      try {
+        batch = collate(b);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        error_ = std::current_exception();
+        ready_.notify_one();
+        return;
+      }
+      std::unique_lock<std::mutex> lock(mutex_);
+      space_.wait(lock, [this] { return stop_ || queue_.size() < depth_; });
+      if (stop_) return;
+      queue_.push_back(std::move(batch));
+      ready_.notify_one();
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    finished_ = true;
+    ready_.notify_one();
+  }
+
+  std::shared_ptr<const Dataset> dataset_;
+  std::vector<int64_t> indices_;
+  int64_t batch_size_;
+  size_t depth_;
+  int64_t num_batches_ = 0;
+  int64_t consumed_ = 0;  // without prefetch: batches handed out
+
+  std::thread worker_;
+  std::mutex mutex_;
+  std::condition_variable ready_;  // worker -> consumer: a batch, an error or the end
+  std::condition_variable space_;  // consumer -> worker: room in the queue, or stop
+  std::deque<Batch> queue_;
+  std::exception_ptr error_;
+  bool finished_ = false;
+  bool stop_ = false;
+};
+
+// ---- PinnedStaging: page-locked buffers for asynchronous host-to-device copies -----------
+//
+// A copy_async reads its pinned source some time later, so a buffer may be reused only once
+// the stream has passed the copy. Without events we learn that from synchronize(): when no
+// buffer is free we wait for the stream once, which frees them all. With kSlots buffers (two
+// per batch: input and target) that is one wait every kSlots / 2 batches, usually on work
+// the training step has already waited for.
+class DataLoader::PinnedStaging {
+ public:
+  static constexpr size_t kSlots = 8;
+
+  PinnedStaging() : slots_(kSlots) {}
+  ~PinnedStaging() {
+    try {
+      kernels::cuda::synchronize();  // no copy may still read a buffer we free
+      for (Slot& slot : slots_)
+        if (slot.data != nullptr) kernels::cuda::free_pinned(slot.data);
+    } catch (...) {
+      // Destructors never throw; a failing CUDA runtime at exit leaks the buffers.
+    }
+  }
+  PinnedStaging(const PinnedStaging&) = delete;
+  PinnedStaging& operator=(const PinnedStaging&) = delete;
+
+  // Copies host (nbytes at src) to dst on the device, asynchronously on the compute stream.
+  void copy_to_device(void* dst, const void* src, size_t nbytes) {
+    Slot& slot = acquire(nbytes);
+    std::memcpy(slot.data, src, nbytes);
+    kernels::cuda::copy_async(dst, slot.data, nbytes, kernels::cuda::CopyKind::HostToDevice);
+    slot.in_flight = true;
+  }
+
+ private:
+  struct Slot {
+    void* data = nullptr;
+    size_t capacity = 0;
+    bool in_flight = false;
+  };
+
+  Slot& acquire(size_t nbytes) {
+    auto free_slot = [this] {
+      return std::find_if(slots_.begin(), slots_.end(), [](const Slot& s) { return !s.in_flight; });
+    };
+    auto it = free_slot();
+    if (it == slots_.end()) {
+      kernels::cuda::synchronize();
+      for (Slot& slot : slots_) slot.in_flight = false;
+      it = free_slot();
+    }
+    if (it->capacity < nbytes) {
+      if (it->data != nullptr) kernels::cuda::free_pinned(it->data);
+      it->data = nullptr;
+      it->capacity = 0;
+      it->data = kernels::cuda::allocate_pinned(nbytes);
+      it->capacity = nbytes;
+    }
+    return *it;
+  }
+
+  std::vector<Slot> slots_;
+};
+
+// ---- DataLoader --------------------------------------------------------------------------
+
+namespace {
+
+int64_t dataset_size(const std::shared_ptr<const Dataset>& dataset) {
+  NANODDP_CHECK(dataset != nullptr, ValueError, "DataLoader: dataset is null");
+  return dataset->size();
+}
+
+}  // namespace
+
+DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_size, DataLoaderOptions options)
+    : DataLoader(dataset, batch_size,
+                 DistributedSampler(dataset_size(dataset), 1, 0, options.shuffle, options.seed, false),
+                 [&options] {
+                   DataLoaderOptions o = options;
+                   o.shuffle = false;  // now the sampler's job
+                   return o;
+                 }()) {
+  advance_epoch_per_pass_ = options.shuffle;
+  options_.shuffle = options.shuffle;
+}
+
+DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_size, DistributedSampler sampler,
+                       DataLoaderOptions options)
+    : dataset_(std::move(dataset)),
+      batch_size_(batch_size),
+      sampler_(std::move(sampler)),
+      options_(options),
+      advance_epoch_per_pass_(false) {
+  const int64_t N = dataset_size(dataset_);
+  NANODDP_CHECK(batch_size >= 1, ValueError, "DataLoader: batch_size must be >= 1, got ", batch_size);
+  NANODDP_CHECK(options.prefetch_depth >= 1, ValueError, "DataLoader: prefetch_depth must be >= 1, got ",
+                options.prefetch_depth);
+  NANODDP_CHECK(!options.shuffle, ValueError,
+                "DataLoader: shuffle cannot be combined with a sampler (the sampler decides the order; "
+                "use DistributedSampler's shuffle)");
+  NANODDP_CHECK(sampler_.size() == N, ValueError, "DataLoader: the sampler covers ", sampler_.size(),
+                " examples but the dataset has ", N);
+  if (options.device.is_cuda()) {
+    NANODDP_CHECK(kernels::cuda_built(), DeviceError, "DataLoader: device ", options.device,
+                  " requested, but nanoddp was built without CUDA (meson -Dcuda=enabled)");
+    const int count = kernels::cuda::device_count();
+    NANODDP_CHECK(options.device.index < count, DeviceError, "DataLoader: device ", options.device,
+                  " requested, but ", count, " GPU(s) are usable",
+                  count == 0 ? " (" + kernels::cuda::unavailable_reason() + ")" : std::string());
+    staging_ = std::make_unique<PinnedStaging>();
+  }
+}
+
+DataLoader::~DataLoader() {
+  pass_.reset();  // joins the worker before anything it reads goes away
+}
+
+int64_t DataLoader::size() const {
+  const int64_t n = sampler_.num_samples();
+  return options_.drop_last ? n / batch_size_ : (n + batch_size_ - 1) / batch_size_;
+}
+
+DataLoader::Iterator DataLoader::begin() {
+  pass_.reset();
+  std::vector<int64_t> indices = sampler_.indices();
+  if (advance_epoch_per_pass_) sampler_.set_epoch(sampler_.epoch() + 1);
+  pass_ = std::make_unique<Pass>(dataset_, std::move(indices), batch_size_, options_.drop_last,
+                                 options_.prefetch, options_.prefetch_depth);
+  ++pass_id_;
+  return Iterator(this);
+}
+
+bool DataLoader::next(Batch& out) {
+  NANODDP_ASSERT(pass_ != nullptr);
+  Batch host;
+  if (!pass_->next(host)) {
+    pass_.reset();
+    return false;
+  }
+  if (options_.device.is_cpu()) {
+    out = std::move(host);
+  } else {
+    out.input = to_device(host.input);
+    out.target = to_device(host.target);
+  }
+  return true;
+}
+
+Tensor DataLoader::to_device(const Tensor& host) {
+  Tensor out = Tensor::empty(host.shape(), host.dtype(), options_.device);
+  if (host.nbytes() > 0)
+    staging_->copy_to_device(out.impl()->storage->data(), host.impl()->storage->data(), host.nbytes());
+  return out;
+}
+
+DataLoader::Iterator::Iterator(DataLoader* loader) : loader_(loader), pass_id_(loader->pass_id_) {
+  if (!loader_->next(batch_)) loader_ = nullptr;
+}
+
+DataLoader::Iterator& DataLoader::Iterator::operator++() {
+  NANODDP_CHECK(loader_ != nullptr, ValueError, "DataLoader: ++ on an iterator past the end");
+  NANODDP_CHECK(pass_id_ == loader_->pass_id_ && loader_->pass_ != nullptr, ValueError,
+                "DataLoader: this iterator's pass has ended (begin() was called again)");
+  if (!loader_->next(batch_)) {
+    loader_ = nullptr;
+    batch_ = Batch();
+  }
+  return *this;
+}
+
+}  // namespace nanoddp::data

@@ -1,0 +1,232 @@
+#include "data/idx.h"
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "core/error.h"
+
+namespace nanoddp::data {
+
+namespace {
+
+constexpr uint8_t kTypeUnsignedByte = 0x08;
+// Reads grow the buffer by at most this much at a time, so memory follows the bytes that
+// really arrive, never the header's promise.
+constexpr size_t kChunkBytes = size_t{4} << 20;  // 4 MiB
+// gzread's internal buffer; larger than zlib's 8 KiB default to cut calls on 47 MB files.
+constexpr unsigned kGzBufferBytes = 256u << 10;  // 256 KiB
+
+struct GzFileCloser {
+  void operator()(gzFile file) const { gzclose(file); }
+};
+using GzFile = std::unique_ptr<gzFile_s, GzFileCloser>;
+
+// A gzip or raw file being read, with the byte offset reached in its (decompressed) stream
+// for error messages.
+class IdxStream {
+ public:
+  explicit IdxStream(const std::string& path) : path_(path) {
+    errno = 0;
+    file_.reset(gzopen(path.c_str(), "rb"));
+    NANODDP_CHECK(file_ != nullptr, IOError, "cannot open IDX file '", path_,
+                  "': ", errno != 0 ? std::strerror(errno) : "out of memory");
+    gzbuffer(file_.get(), kGzBufferBytes);
+  }
+
+  // Reads up to n bytes into out; returns how many arrived (< n only at the end of the data).
+  // A corrupt or cut gzip stream throws IOError at the offset reached.
+  size_t read(uint8_t* out, size_t n) {
+    size_t total = 0;
+    while (total < n) {
+      const auto want = static_cast<unsigned>(std::min<size_t>(n - total, 1u << 30));
+      const int got = gzread(file_.get(), out + total, want);
+      if (got < 0) fail_stream();
+      if (got == 0) {
+        // gzread reports a stream cut short as a plain end (0 bytes) and records the error;
+        // a clean end leaves Z_OK.
+        int errnum = Z_OK;
+        gzerror(file_.get(), &errnum);
+        if (errnum != Z_OK) fail_stream();
+        break;
+      }
+      total += static_cast<size_t>(got);
+      offset_ += static_cast<uint64_t>(got);
+    }
+    return total;
+  }
+
+  // Where the next byte would come from: "byte offset 16" or, for gzip, "byte offset 16 of the
+  // decompressed stream".
+  std::string where(uint64_t offset) const {
+    std::string text = "byte offset " + std::to_string(offset);
+    if (!gzdirect(file_.get())) text += " of the decompressed stream";
+    return text;
+  }
+
+  uint64_t offset() const { return offset_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  [[noreturn]] void fail_stream() const {
+    int errnum = Z_OK;
+    const char* message = gzerror(file_.get(), &errnum);
+    NANODDP_THROW(IOError, "IDX file '", path_, "': corrupt or truncated gzip data at ", where(offset_),
+                  " (zlib: ", errnum == Z_ERRNO ? std::strerror(errno) : message, ")");
+  }
+
+  std::string path_;
+  GzFile file_;
+  uint64_t offset_ = 0;
+};
+
+uint32_t big_endian_u32(const uint8_t* bytes) {
+  return (uint32_t{bytes[0]} << 24) | (uint32_t{bytes[1]} << 16) | (uint32_t{bytes[2]} << 8) |
+         uint32_t{bytes[3]};
+}
+
+std::string hex_magic(const uint8_t* bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string text = "0x";
+  for (int i = 0; i < 4; ++i) {
+    text += digits[bytes[i] >> 4];
+    text += digits[bytes[i] & 15];
+  }
+  return text;
+}
+
+std::string join_sizes(const std::vector<int64_t>& sizes) {
+  std::string text;
+  for (size_t d = 0; d < sizes.size(); ++d) text += (d > 0 ? "x" : "") + std::to_string(sizes[d]);
+  return text;
+}
+
+// "2x3x4 = 24 data bytes" (or "24 data bytes" for one dimension).
+std::string promised(const std::vector<int64_t>& sizes, uint64_t data_bytes) {
+  const std::string bytes = std::to_string(data_bytes) + " data bytes";
+  return sizes.size() > 1 ? join_sizes(sizes) + " = " + bytes : bytes;
+}
+
+}  // namespace
+
+Tensor read_idx(const std::string& path, int dims) {
+  NANODDP_CHECK(dims >= 1 && dims <= Shape::kMaxDims, ValueError, "read_idx: dims must be in [1, ",
+                Shape::kMaxDims, "], got ", dims);
+  IdxStream stream(path);
+
+  // ---- magic: 0x00 0x00 <type> <dims> ----
+  uint8_t magic[4];
+  const size_t magic_got = stream.read(magic, 4);
+  NANODDP_CHECK(magic_got == 4, IOError, "IDX file '", path, "': truncated at ", stream.where(magic_got),
+                ": the 4-byte magic number needs ", 4 - magic_got, " more byte(s)");
+  const uint8_t expected[4] = {0, 0, kTypeUnsignedByte, static_cast<uint8_t>(dims)};
+  NANODDP_CHECK(std::equal(magic, magic + 4, expected), IOError, "IDX file '", path, "': bad magic number ",
+                hex_magic(magic), " at ", stream.where(0), ", expected ", hex_magic(expected),
+                " (unsigned bytes in ", dims, " dimension(s))",
+                magic[0] == 0x1f && magic[1] == 0x8b ? "; the file looks gzipped twice" : "");
+
+  // ---- sizes: dims x uint32 big-endian ----
+  const size_t header_bytes = 4 + 4 * static_cast<size_t>(dims);
+  uint8_t size_bytes[4 * Shape::kMaxDims];
+  const size_t sizes_got = stream.read(size_bytes, 4 * static_cast<size_t>(dims));
+  NANODDP_CHECK(sizes_got == 4 * static_cast<size_t>(dims), IOError, "IDX file '", path, "': truncated at ",
+                stream.where(4 + sizes_got), ": the header of ", dims, " dimension size(s) ends at byte ",
+                header_bytes);
+  std::vector<int64_t> sizes(dims);
+  // Each size is < 2^32, so the product of up to 4 cannot be formed in 64 bits; stop at a
+  // bound no real file reaches. Any product below it is checked against the data anyway.
+  constexpr uint64_t kMaxDataBytes = uint64_t{1} << 48;
+  uint64_t data_bytes = 1;
+  for (int d = 0; d < dims; ++d) {
+    sizes[d] = big_endian_u32(size_bytes + 4 * d);
+    const auto size = static_cast<uint64_t>(sizes[d]);
+    NANODDP_CHECK(size == 0 || data_bytes <= kMaxDataBytes / size, IOError, "IDX file '", path,
+                  "': corrupt header: dimension sizes ", join_sizes(sizes),
+                  "... promise more than 2^48 bytes");
+    data_bytes *= size;
+  }
+
+  // ---- data: exactly data_bytes, read as it arrives ----
+  std::vector<uint8_t> buffer;
+  while (buffer.size() < data_bytes) {
+    const size_t old_size = buffer.size();
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(data_bytes - old_size, kChunkBytes));
+    buffer.resize(old_size + want);
+    const size_t got = stream.read(buffer.data() + old_size, want);
+    buffer.resize(old_size + got);
+    NANODDP_CHECK(got == want, IOError, "IDX file '", path, "': truncated at ",
+                  stream.where(header_bytes + buffer.size()), ": header promises ",
+                  promised(sizes, data_bytes), " after the ", header_bytes, "-byte header, got ",
+                  buffer.size());
+  }
+  uint8_t extra = 0;
+  NANODDP_CHECK(stream.read(&extra, 1) == 0, IOError, "IDX file '", path, "': unexpected data at ",
+                stream.where(header_bytes + data_bytes), ": header promises ", promised(sizes, data_bytes),
+                " after the ", header_bytes, "-byte header, but the file goes on");
+
+  Tensor out = Tensor::empty(Shape(sizes), DType::UInt8);
+  if (data_bytes > 0) std::memcpy(out.data<uint8_t>(), buffer.data(), buffer.size());
+  return out;
+}
+
+Tensor read_idx_images(const std::string& path) {
+  Tensor images = read_idx(path, 3);
+  // Sizes sit at byte offsets 4 (count), 8 (rows), 12 (cols).
+  NANODDP_CHECK(images.size(1) > 0 && images.size(2) > 0, IOError, "IDX file '", path,
+                "': bad dimensions at byte offset ", images.size(1) == 0 ? 8 : 12, ": images of ",
+                images.size(1), "x", images.size(2), " pixels");
+  return images;
+}
+
+Tensor read_idx_labels(const std::string& path) {
+  const Tensor bytes = read_idx(path, 1);
+  const int64_t N = bytes.size(0);
+  Tensor labels = Tensor::empty({N}, DType::Int64);
+  const uint8_t* in = N > 0 ? bytes.data<uint8_t>() : nullptr;
+  int64_t* out = N > 0 ? labels.data<int64_t>() : nullptr;
+  for (int64_t i = 0; i < N; ++i) out[i] = in[i];
+  return labels;
+}
+
+void write_idx(const std::string& path, const Tensor& data, bool gzip) {
+  NANODDP_CHECK(data.dtype() == DType::UInt8, ValueError, "write_idx: data must be uint8, got ",
+                data.dtype());
+  NANODDP_CHECK(data.dim() >= 1, ShapeError, "write_idx: data must have 1 to ", Shape::kMaxDims,
+                " dimensions, got ", data.shape());
+  const Tensor host = data.to(Device::cpu());
+  std::vector<uint8_t> header{0, 0, kTypeUnsignedByte, static_cast<uint8_t>(data.dim())};
+  for (int d = 0; d < data.dim(); ++d) {
+    const int64_t size = data.size(d);
+    NANODDP_CHECK(size <= std::numeric_limits<uint32_t>::max(), ShapeError, "write_idx: size ", size,
+                  " of dimension ", d, " does not fit in the IDX header's uint32");
+    for (int shift = 24; shift >= 0; shift -= 8) header.push_back(static_cast<uint8_t>(size >> shift));
+  }
+
+  errno = 0;
+  GzFile file(gzopen(path.c_str(), gzip ? "wb" : "wbT"));  // T: write raw, no gzip wrapper
+  NANODDP_CHECK(file != nullptr, IOError, "write_idx: cannot create '", path,
+                "': ", errno != 0 ? std::strerror(errno) : "out of memory");
+  auto write = [&](const uint8_t* bytes, size_t n) {
+    while (n > 0) {
+      const auto chunk = static_cast<unsigned>(std::min<size_t>(n, 1u << 30));
+      const int put = gzwrite(file.get(), bytes, chunk);
+      int errnum = Z_OK;
+      const char* message = gzerror(file.get(), &errnum);
+      NANODDP_CHECK(put == static_cast<int>(chunk), IOError, "write_idx: writing '", path,
+                    "' failed: ", errnum == Z_ERRNO ? std::strerror(errno) : message);
+      bytes += chunk;
+      n -= chunk;
+    }
+  };
+  write(header.data(), header.size());
+  if (host.numel() > 0) write(host.data<uint8_t>(), host.nbytes());
+  const int closed = gzclose(file.release());
+  NANODDP_CHECK(closed == Z_OK, IOError, "write_idx: closing '", path, "' failed (zlib error ", closed, ")");
+}
+
+}  // namespace nanoddp::data

@@ -1,0 +1,88 @@
+// DistributedSampler: which example indices each rank visits in an epoch.
+//
+//   DistributedSampler sampler(dataset->size(), world_size, rank);      // shuffled, seed 0
+//   for (int64_t epoch = 0; epoch < epochs; ++epoch) { sampler.set_epoch(epoch); sampler.indices(); }
+//   auto eval = DistributedSampler::for_evaluation(test->size(), world_size, rank);
+//
+// Training mode follows torch.utils.data.DistributedSampler exactly, for N examples and
+// W = num_replicas ranks:
+//   1. order: 0..N-1, or, with shuffle, one permutation drawn from seed + epoch: every rank
+//      draws the same one, so no communication is needed.
+//   2. length: without drop_last the order is padded to total = ceil(N / W) * W by repeating
+//      it from its start (again and again when N < W), so every rank gets ceil(N / W)
+//      indices and some examples are visited twice; with drop_last it is cut to
+//      total = floor(N / W) * W, and the tail is skipped this epoch.
+//   3. split: rank r takes positions r, r + W, r + 2W, ... < total.
+// Equal lengths matter in training: every rank must run the same number of steps, or DDP's
+// all-reduces would wait for a rank that has stopped.
+//
+// The shuffle is a Fisher-Yates pass driven by our Generator (core/random.h) seeded with
+// seed + epoch. It has the structure of PyTorch's (one shared permutation per epoch, then
+// pad, then stride) but not its values: torch.randperm draws differently, so the same seed
+// visits examples in a different order here.
+//
+// Evaluation mode (for_evaluation) is what PyTorch lacks: steps 1-3 without padding or
+// shuffling, so every example is visited exactly once across ranks and the first N mod W
+// ranks get one index more. PyTorch's padding counts the repeated examples twice, so a
+// test accuracy summed over ranks with its sampler is computed over the wrong set (and over
+// more than N examples). Uneven lengths are fine there: evaluation runs no all-reduce per step.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace nanoddp::data {
+
+class DistributedSampler {
+ public:
+  // size: number of examples N >= 0; num_replicas: world size W >= 1; rank in [0, W).
+  // Throws ValueError on anything else, naming the values.
+  DistributedSampler(int64_t size, int num_replicas, int rank, bool shuffle = true, uint64_t seed = 0,
+                     bool drop_last = false);
+
+  // Every example exactly once across ranks, in order, no padding: rank r gets r, r + W, ...
+  // < N, which is N / W indices, plus one for r < N mod W. Errors as the constructor.
+  static DistributedSampler for_evaluation(int64_t size, int num_replicas, int rank);
+
+  // The epoch whose permutation indices() returns (torch's set_epoch). Call it at the start
+  // of every epoch: without it each epoch repeats epoch 0's order.
+  void set_epoch(int64_t epoch) { epoch_ = epoch; }
+  int64_t epoch() const { return epoch_; }
+
+  // This rank's indices for the current epoch, num_samples() of them, each in [0, N).
+  std::vector<int64_t> indices() const;
+  // len(sampler): ceil(N / W) (training), floor(N / W) (drop_last), or this rank's share
+  // (evaluation).
+  int64_t num_samples() const { return num_samples_; }
+  // Indices over all ranks in one epoch: num_samples() * W in training mode, N in evaluation.
+  int64_t total_size() const { return total_size_; }
+
+  int64_t size() const { return size_; }
+  int num_replicas() const { return num_replicas_; }
+  int rank() const { return rank_; }
+  bool shuffle() const { return shuffle_; }
+  uint64_t seed() const { return seed_; }
+  bool drop_last() const { return drop_last_; }
+  bool is_evaluation() const { return !even_split_; }
+
+ private:
+  DistributedSampler(int64_t size, int num_replicas, int rank, bool shuffle, uint64_t seed, bool drop_last,
+                     bool even_split);
+
+  int64_t size_;
+  int num_replicas_;
+  int rank_;
+  bool shuffle_;
+  uint64_t seed_;
+  bool drop_last_;
+  bool even_split_;  // training mode: pad or cut so every rank gets the same count
+  int64_t epoch_ = 0;
+  int64_t num_samples_;
+  int64_t total_size_;
+};
+
+// The permutation of 0..n-1 drawn from seed by Fisher-Yates with Generator::randint:
+// for i = n-1 down to 1, swap element i with element randint(i + 1). n >= 0.
+std::vector<int64_t> random_permutation(int64_t n, uint64_t seed);
+
+}  // namespace nanoddp::data

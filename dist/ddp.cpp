@@ -1,0 +1,93 @@
+#include "dist/ddp.h"
+
+#include <sstream>
+
+#include "core/autograd.h"
+
+namespace nanoddp::dist {
+
+namespace {
+
+// A parameter's identity across ranks: FNV-1a of its name, its dims and sizes. Names cannot
+// cross the wire as text through our collectives, so ranks compare hashes and each rank
+// reports its own name.
+constexpr int kSignatureWidth = 2 + Shape::kMaxDims;
+
+void write_signature(int64_t* out, const std::string& name, const Shape& shape) {
+  uint64_t hash = 1469598103934665603ull;
+  for (unsigned char c : name) {
+    hash ^= c;
+    hash *= 1099511628211ull;
+  }
+  out[0] = static_cast<int64_t>(hash >> 1);
+  out[1] = shape.dim();
+  for (int d = 0; d < Shape::kMaxDims; ++d) out[2 + d] = d < shape.dim() ? shape[d] : 0;
+}
+
+std::string signature_shape(const int64_t* sig) {
+  std::ostringstream out;
+  out << "[";
+  for (int64_t d = 0; d < sig[1]; ++d) out << (d ? ", " : "") << sig[2 + d];
+  out << "]";
+  return out.str();
+}
+
+}  // namespace
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> module, std::shared_ptr<ProcessGroup> pg,
+                                                 DDPOptions options)
+    : module_(register_module("module", std::move(module))), pg_(std::move(pg)) {
+  NANODDP_CHECK(module_ != nullptr && pg_ != nullptr, ValueError, "DistributedDataParallel needs a module and a process group");
+  verify_parameters_match();
+  broadcast_parameters();
+  reducer_ = std::make_unique<Reducer>(module_->named_parameters(), pg_, options);
+}
+
+void DistributedDataParallel::verify_parameters_match() {
+  const auto named = module_->named_parameters();
+  const int world = pg_->size();
+  const std::string who = "DDP on rank " + std::to_string(pg_->rank()) + "/" + std::to_string(world);
+
+  // 1a. The same number of parameters everywhere.
+  Tensor count = Tensor::from_vector(std::vector<int64_t>{static_cast<int64_t>(named.size())});
+  std::vector<Tensor> counts;
+  for (int r = 0; r < world; ++r) counts.push_back(Tensor::zeros({1}, DType::Int64));
+  pg_->all_gather(counts, count)->wait();
+  for (int r = 0; r < world; ++r)
+    NANODDP_CHECK(counts[r].at_int({0}) == static_cast<int64_t>(named.size()), DistError, who, ": this rank has ",
+                  named.size(), " parameters but rank ", r, " has ", counts[r].at_int({0}),
+                  "; every rank must build the same model");
+  if (named.empty()) return;
+
+  // 1b. The same names and shapes, in the same order.
+  const int64_t P = static_cast<int64_t>(named.size());
+  Tensor mine = Tensor::zeros({P, kSignatureWidth}, DType::Int64);
+  for (int64_t i = 0; i < P; ++i) write_signature(mine.data<int64_t>() + i * kSignatureWidth, named[i].first, named[i].second.shape());
+  std::vector<Tensor> all;
+  for (int r = 0; r < world; ++r) all.push_back(Tensor::zeros({P, kSignatureWidth}, DType::Int64));
+  pg_->all_gather(all, mine)->wait();
+  for (int64_t i = 0; i < P; ++i) {
+    const int64_t* own = mine.data<int64_t>() + i * kSignatureWidth;
+    for (int r = 0; r < world; ++r) {
+      const int64_t* theirs = all[r].data<int64_t>() + i * kSignatureWidth;
+      const bool same_name = own[0] == theirs[0];
+      const bool same_shape = std::equal(own + 1, own + kSignatureWidth, theirs + 1);
+      NANODDP_CHECK(same_name && same_shape, DistError, who, ": parameter #", i, " '", named[i].first, "' ",
+                    named[i].second.shape(), " differs from rank ", r, "'s parameter #", i,
+                    same_name ? "" : " (another name)", " of shape ", signature_shape(theirs),
+                    "; every rank must build the same model");
+    }
+  }
+}
+
+void DistributedDataParallel::broadcast_parameters() {
+  NoGradGuard no_grad;
+  std::vector<std::shared_ptr<Work>> works;
+  for (Tensor& p : module_->parameters()) {
+    Tensor data = p.detach();  // same storage: the broadcast writes the parameter itself
+    works.push_back(pg_->broadcast(data, 0));
+  }
+  for (auto& work : works) work->wait();
+}
+
+}  // namespace nanoddp::dist

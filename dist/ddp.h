@@ -1,0 +1,75 @@
+// DistributedDataParallel: wraps a model so that backward averages gradients across ranks
+// (torch.nn.parallel.DistributedDataParallel).
+//
+//   auto pg = dist::init_process_group();
+//   dist::DistributedDataParallel ddp(model, pg);          // model: shared_ptr<nn::Module>
+//   loss_fn(ddp(x), y).backward();  opt.step();            // .grad = mean over ranks
+//
+// Construction (collective: every rank must construct it, in the same order):
+//   1. checks that every rank has the same parameters: count, names and shapes. The error
+//      names the first mismatching parameter, this rank and rank 0;
+//   2. broadcasts rank 0's parameter values to every rank, so all start equal;
+//   3. plans the gradient buckets and registers one hook per parameter (dist/reducer.h).
+// Then every backward through the model all-reduces the gradients (mean over ranks) before
+// backward() returns, with buckets overlapping the rest of backward.
+//
+// state_dict: DDP is itself a Module whose only child is the model, registered as "module",
+// so ddp.state_dict() names parameters "module.0.weight" exactly as PyTorch does. Save
+// ddp.module().state_dict() (no prefix) to load the weights into an unwrapped model, and load
+// into ddp.module() likewise.
+//
+// Errors: DistError for parameter mismatches across ranks, for a parameter that got no
+// gradient in an iteration (unless find_unused_parameters), and for collective failures;
+// TimeoutError when a peer does not answer within options.timeout.
+#pragma once
+
+#include <memory>
+
+#include "dist/process_group.h"
+#include "dist/reducer.h"
+#include "nn/module.h"
+
+namespace nanoddp::dist {
+
+using DDPOptions = ReducerOptions;  // bucket_cap_bytes, first_bucket_cap_bytes, find_unused_parameters, overlap, timeout
+
+class DistributedDataParallel : public nn::Module {
+ public:
+  DistributedDataParallel(std::shared_ptr<nn::Module> module, std::shared_ptr<ProcessGroup> pg,
+                          DDPOptions options = {});
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  // The wrapped model's forward.
+  Tensor forward(const Tensor& input) override { return module_->forward(input); }
+
+  nn::Module& module() { return *module_; }
+  const ProcessGroup& process_group() const { return *pg_; }
+  const Reducer& reducer() const { return *reducer_; }
+
+  // While the guard lives, backward does not all-reduce: gradients accumulate locally, and
+  // the first backward after it reduces the accumulated sum (torch's ddp.no_sync()).
+  //   { auto guard = ddp.no_sync(); loss(ddp(x1)).backward(); }   loss(ddp(x2)).backward();
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(Reducer& reducer) : reducer_(reducer), previous_(reducer.sync()) { reducer_.set_sync(false); }
+    ~NoSyncGuard() { reducer_.set_sync(previous_); }
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    Reducer& reducer_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*reducer_); }
+
+ private:
+  void verify_parameters_match();
+  void broadcast_parameters();
+
+  std::shared_ptr<nn::Module> module_;
+  std::shared_ptr<ProcessGroup> pg_;
+  std::unique_ptr<Reducer> reducer_;
+};
+
+}  // namespace nanoddp::dist

@@ -1,0 +1,155 @@
+// The launcher as a library: what `nanoddp-run` (our torchrun) does, callable from C++.
+//
+//   dist::LaunchOptions options;  options.nproc_per_node = 4;
+//   int code = dist::launch(options, {"./train", "--epochs", "3"});   // 0 when every rank exits 0
+//   // each rank sees RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; its lines read "[rank N] ..."
+//
+// Contract (Note [Launch contract]), shared by launch() and spawn() (dist/spawn.h):
+//   1. Every rank is a child in its own process group (pgid = its pid), so killing the group
+//      also reaches what the rank started itself (`sh -c` forks its commands).
+//   2. Its stdout and stderr go through pipes; complete lines come out on our stdout and stderr
+//      (kept apart) prefixed "[rank N] ". A last line without '\n' is still printed at exit.
+//      A program writing to a pipe block-buffers its stdio: flush, or print with '\n' and
+//      setvbuf/line buffering, to see lines as they happen.
+//   3. Fail fast: the first rank that exits non-zero or dies of a signal is named on stderr
+//      ("rank 1 (pid 4242) failed: exit code 3" / "... killed by signal SIGKILL"); every other
+//      rank gets SIGTERM, then SIGKILL after `grace_period`.
+//   4. SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to every rank's group
+//      (ranks do not sit in the terminal's foreground group, so Ctrl-C reaches them only this
+//      way), then the same grace period applies.
+//   5. No process is left behind: when the job ends every rank's group gets SIGKILL before the
+//      rank itself is reaped (an exited rank stays a zombie until then, which keeps its pgid from
+//      being reused by an unrelated process).
+// The ranks' stdin is /dev/null: they run outside the terminal's foreground group, where a read
+// from the terminal would stop them (SIGTTIN).
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace nanoddp::dist {
+
+// Default time between SIGTERM and SIGKILL when ranks are terminated.
+inline constexpr std::chrono::milliseconds kDefaultGracePeriod{5000};
+
+// What nanoddp-run's flags hold; see tools/nanoddp_run.cpp for the flag names.
+struct LaunchOptions {
+  int nproc_per_node = 1;                 // ranks started on this node
+  int nnodes = 1;                         // nodes in the job (one launcher per node)
+  int node_rank = 0;                      // this node's index, 0..nnodes-1 (GROUP_RANK)
+  std::string master_addr = "127.0.0.1";  // where rank 0 serves the Store
+  int master_port = 0;                    // 0 = pick a free port (single node only)
+  std::string backend;                    // "" (not given), "auto", "gloo", "mpi", "nccl"
+  std::chrono::milliseconds grace_period = kDefaultGracePeriod;
+  std::chrono::milliseconds timeout{0};   // whole job; 0 = no limit (a training run's length is
+                                          // the user's; failures and Ctrl-C still end it)
+};
+
+// How one child process ended, from its wait status.
+struct ExitStatus {
+  bool exited = false;  // true: exited with `code`; false: killed by `signal`
+  int code = 0;
+  int signal = 0;
+
+  static ExitStatus from_wait_status(int status);
+  bool ok() const { return exited && code == 0; }
+  // Shell convention: the exit code, or 128 + the signal number.
+  int shell_code() const { return exited ? code : 128 + signal; }
+  // "exit code 3" or "killed by signal SIGKILL".
+  std::string describe() const;
+};
+
+// "SIGKILL" for 9; "signal 42" for numbers without a name.
+std::string signal_name(int signal);
+
+// Binds a TCP socket to port 0 on `addr` (a numeric address or a host name), reads the port
+// the kernel chose and closes the socket. There is a small race: another process can take the
+// port before rank 0 binds it; the Store then fails fast naming the port, and a rerun picks
+// another one. Throws DistError when `addr` cannot be resolved or bound (it must be an address
+// of this machine).
+int pick_free_port(const std::string& addr);
+
+// The environment of one rank, in the order it is set: RANK, LOCAL_RANK, WORLD_SIZE,
+// LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT and, when options.backend is given,
+// NANODDP_BACKEND. RANK = node_rank * nproc_per_node + local_rank, as torchrun numbers ranks.
+// `master_port` is the resolved port (never 0).
+std::vector<std::pair<std::string, std::string>> rank_env(const LaunchOptions& options, int local_rank,
+                                                          int master_port);
+
+// The command line that delegates a launch to Open MPI (--backend mpi):
+//   mpirun -np N --bind-to none [--oversubscribe] --tag-output -x NANODDP_BACKEND=mpi
+//          -x MASTER_ADDR=... -x MASTER_PORT=... PROGRAM ARGS...
+// Ranks learn RANK/WORLD_SIZE from Open MPI's OMPI_COMM_WORLD_* (the process group reads them),
+// so nothing is mapped here. The "[rank N]" prefix comes from mpirun's --tag-output instead
+// ("[jobid,rank]<stdout>: ..."), and mpirun names a failed rank itself ("Process name:
+// [[jobid,1],N]  Exit code: 3") and exits with that rank's code. --oversubscribe is added when N
+// exceeds the physical cores (Open MPI counts one slot per core). Throws ValueError for
+// nnodes > 1: across machines, call mpirun with a hostfile directly.
+std::vector<std::string> mpirun_command(const LaunchOptions& options, const std::vector<std::string>& program,
+                                        int master_port);
+
+// Starts options.nproc_per_node ranks of `program` (argv, passed untouched; program[0] is
+// looked up in PATH) and supervises them as Note [Launch contract] says. With backend "mpi"
+// it runs mpirun_command() as the one child instead (as root it sets OMPI_ALLOW_RUN_AS_ROOT=1
+// and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 for it). Returns the launcher's exit code: 0 when every
+// rank exited 0, else the first failure's shell_code() (128 + signal for a forwarded
+// SIGINT/SIGTERM, 124 on timeout). Progress and failures are reported on stderr, prefixed
+// "nanoddp-run: ". Throws ValueError on bad options, DistError when no port can be picked.
+// Follows torchrun (torch.distributed.run) for the flags and the env it sets.
+int launch(const LaunchOptions& options, const std::vector<std::string>& program);
+
+// ---- the building block launch() and spawn() share -------------------------------------------
+
+// Why supervision ended.
+struct Outcome {
+  enum class Kind { AllSucceeded, ChildFailed, TimedOut, Interrupted };
+  Kind kind = Kind::AllSucceeded;
+  std::string failed_name;    // e.g. "rank 1" (ChildFailed)
+  int failed_rank = -1;       // its rank (ChildFailed)
+  pid_t failed_pid = -1;
+  ExitStatus failed_status;   // how it ended (ChildFailed)
+  std::string failed_message; // what the child reported through its message pipe (spawn)
+  int signal = 0;             // the forwarded signal (Interrupted)
+  std::vector<ExitStatus> statuses;  // every child's end, in start order
+};
+
+// Owns a set of child processes and runs the supervision loop of Note [Launch contract].
+// Not copyable; the destructor SIGKILLs and reaps whatever is still there (never throws).
+// One ChildGroup may supervise at a time per process (it owns SIGCHLD/SIGINT/SIGTERM/SIGHUP
+// handlers from construction to destruction, and restores the previous ones).
+class ChildGroup {
+ public:
+  struct Options {
+    std::chrono::milliseconds grace_period = kDefaultGracePeriod;
+    std::chrono::milliseconds timeout{0};  // 0 = no limit
+    std::string reporter = "nanoddp-run";  // prefix of the launcher's own stderr messages
+    bool report = true;                    // print failures on stderr
+  };
+  explicit ChildGroup(Options options);
+  ~ChildGroup();
+  ChildGroup(const ChildGroup&) = delete;
+  ChildGroup& operator=(const ChildGroup&) = delete;
+
+  // Forks one child named `name` (for messages) whose output lines get `prefix` ("" = as is).
+  // In the child, after its process group, signals and streams are set up, `child_main(msg_fd)`
+  // runs; it must not return (exec or _exit). msg_fd is a pipe whose text the parent keeps in
+  // Outcome::failed_message. Throws DistError when fork or pipe fails.
+  void start(int rank, std::string name, std::string prefix, const std::function<void(int msg_fd)>& child_main);
+
+  // Runs until every child has exited (or been killed after a failure, timeout or signal).
+  Outcome wait();
+
+ private:
+  struct Child;
+  void terminate_all(int signal);
+  Options options_;
+  std::vector<Child> children_;
+  bool waited_ = false;
+};
+
+}  // namespace nanoddp::dist

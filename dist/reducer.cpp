@@ -1,0 +1,151 @@
+#include "dist/reducer.h"
+
+#include <sstream>
+
+#include "core/autograd.h"
+#include "kernels/kernels.h"
+
+namespace nanoddp::dist {
+
+// Note [Bucket order]
+// Backward produces gradients roughly in reverse registration order: the autograd engine runs
+// the most recently created node first (core/autograd.h), so the last layer's parameters are
+// ready first. Buckets are therefore filled from the last parameter backwards, and bucket 0
+// (the first to fill) is kept small (1 MiB) so the first all-reduce starts early. Every rank
+// computes the same plan from the same parameter list and launches buckets strictly in plan
+// order, so the collectives match across ranks even if one rank's hooks fire in a different
+// order. PyTorch additionally re-plans after the first iteration from the observed order; we
+// keep the static plan, which is what that re-plan finds for a sequential model.
+
+Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared_ptr<ProcessGroup> pg,
+                 ReducerOptions options)
+    : params_(std::move(params)), pg_(std::move(pg)), options_(options) {
+  NANODDP_CHECK(pg_ != nullptr, ValueError, "Reducer: no process group");
+  NANODDP_CHECK(options_.bucket_cap_bytes > 0 && options_.first_bucket_cap_bytes > 0, ValueError,
+                "Reducer: bucket caps must be > 0 bytes");
+  const Device device = params_.empty() ? Device::cpu() : params_[0].second.device();
+  for (const auto& [name, p] : params_) {
+    NANODDP_CHECK(p.dtype() == DType::Float32 && p.requires_grad() && p.is_leaf(), ValueError,
+                  "DDP: parameter '", name, "' must be a float32 leaf that requires grad");
+    NANODDP_CHECK(p.device() == device, DeviceError, "DDP: parameter '", name, "' is on ", p.device(),
+                  " but '", params_[0].first, "' is on ", device, "; move the whole model first");
+  }
+
+  // 1. Plan: reverse registration order; a bucket closes once it reaches its cap.
+  location_.resize(params_.size());
+  Bucket current;
+  size_t current_bytes = 0;
+  for (size_t k = params_.size(); k-- > 0;) {
+    const Tensor& p = params_[k].second;
+    location_[k] = {buckets_.size(), current.params.size()};
+    current.offsets.push_back(current_bytes / sizeof(float));
+    current.params.push_back(k);
+    current_bytes += p.nbytes();
+    const size_t cap = buckets_.empty() ? options_.first_bucket_cap_bytes : options_.bucket_cap_bytes;
+    if (current_bytes >= cap) {
+      current.flat = Tensor::zeros({static_cast<int64_t>(current_bytes / sizeof(float))}, DType::Float32, device);
+      buckets_.push_back(std::move(current));
+      current = Bucket();
+      current_bytes = 0;
+    }
+  }
+  if (!current.params.empty()) {
+    current.flat = Tensor::zeros({static_cast<int64_t>(current_bytes / sizeof(float))}, DType::Float32, device);
+    buckets_.push_back(std::move(current));
+  }
+
+  for (size_t k = 0; k < params_.size(); ++k) {
+    Tensor& p = params_[k].second;
+    hook_ids_.push_back(p.register_post_accumulate_grad_hook([this, k](Tensor&) { mark_ready(k); }));
+  }
+  reset_iteration();
+}
+
+Reducer::~Reducer() {
+  for (size_t k = 0; k < hook_ids_.size(); ++k) params_[k].second.remove_hook(hook_ids_[k]);
+}
+
+std::vector<std::vector<size_t>> Reducer::bucket_plan() const {
+  std::vector<std::vector<size_t>> plan;
+  for (const Bucket& b : buckets_) plan.push_back(b.params);
+  return plan;
+}
+
+void Reducer::reset_iteration() {
+  ready_.assign(params_.size(), false);
+  for (Bucket& b : buckets_) {
+    b.pending = b.params.size();
+    b.work.reset();
+  }
+  next_bucket_to_launch_ = 0;
+  finalize_queued_ = false;
+}
+
+// 2. A parameter's gradient is final for this backward.
+void Reducer::mark_ready(size_t k) {
+  if (!sync_) return;
+  if (!finalize_queued_) {
+    queue_callback([this] { finalize(); });
+    finalize_queued_ = true;
+  }
+  NANODDP_CHECK(!ready_[k], DistError, "DDP: parameter '", params_[k].first,
+                "' received its gradient twice in one backward pass; a parameter may be used many times "
+                "in a forward pass, but backward must run once per iteration");
+  ready_[k] = true;
+  auto [b, slot] = location_[k];
+  Bucket& bucket = buckets_[b];
+  const Tensor grad = params_[k].second.grad();
+  const float world = static_cast<float>(pg_->size());
+  NANODDP_DISPATCH(grad.device(), scalar_forward, bucket.flat.data<float>() + bucket.offsets[slot],
+                   grad.data<float>(), kernels::ScalarOp::Div, world, grad.numel());
+  --bucket.pending;
+  if (options_.overlap) launch_ready_buckets();
+}
+
+void Reducer::launch_ready_buckets() {
+  while (next_bucket_to_launch_ < buckets_.size() && buckets_[next_bucket_to_launch_].pending == 0)
+    launch(buckets_[next_bucket_to_launch_++]);
+}
+
+void Reducer::launch(Bucket& bucket) { bucket.work = pg_->all_reduce(bucket.flat, ReduceOp::Sum); }
+
+// 3. Backward has ended.
+void Reducer::finalize() {
+  std::vector<std::string> unready;
+  for (size_t k = 0; k < params_.size(); ++k) {
+    if (ready_[k]) continue;
+    if (!options_.find_unused_parameters) {
+      unready.push_back(params_[k].first);
+      continue;
+    }
+    // An unused parameter contributes zeros: other ranks may have used it.
+    auto [b, slot] = location_[k];
+    Bucket& bucket = buckets_[b];
+    NANODDP_DISPATCH(bucket.flat.device(), fill, bucket.flat.data<float>() + bucket.offsets[slot], 0.0f,
+                     params_[k].second.numel());
+    --bucket.pending;
+  }
+  if (!unready.empty()) {
+    std::ostringstream names;
+    for (size_t i = 0; i < unready.size(); ++i) names << (i ? ", " : "") << unready[i];
+    reset_iteration();
+    NANODDP_THROW(DistError, "DDP on rank ", pg_->rank(), "/", pg_->size(),
+                  ": these parameters received no gradient in this iteration: ", names.str(),
+                  ". Make every parameter take part in the loss, or pass find_unused_parameters = true");
+  }
+  launch_ready_buckets();
+  NANODDP_ASSERT(next_bucket_to_launch_ == buckets_.size());
+  for (Bucket& bucket : buckets_) {
+    bucket.work->wait(options_.timeout);
+    for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+      const size_t k = bucket.params[slot];
+      if (!ready_[k]) continue;  // unused: .grad stays empty, as in PyTorch
+      Tensor grad = params_[k].second.grad();
+      copy_bytes(grad.data<float>(), grad.device(), bucket.flat.data<float>() + bucket.offsets[slot],
+                 bucket.flat.device(), grad.nbytes());
+    }
+  }
+  reset_iteration();
+}
+
+}  // namespace nanoddp::dist

@@ -1,0 +1,90 @@
+// Reducer: the gradient all-reduce inside DistributedDataParallel (c10d's Reducer).
+//
+//   Reducer reducer(params, pg, options);   // plans buckets, registers one hook per parameter
+//   loss.backward();                         // hooks call mark_ready; buckets reduce; at the
+//                                            // end of backward, finalize() writes .grad back
+//
+// The algorithm, as the rest of dist/ refers to it:
+//   1. Plan (Note [Bucket order]): parameters in reverse registration order are packed into
+//      buckets; the first holds up to first_bucket_cap_bytes, the others bucket_cap_bytes.
+//      The plan depends only on the parameters' order and sizes, so it is the same on every
+//      rank, and so is the order of the all-reduces.
+//   2. mark_ready(i), called when parameter i's gradient is final for this backward: copy it
+//      into its bucket's flat buffer, divided by world_size (the averaging folded into the
+//      copy). When a bucket's last parameter is in, and overlap is on, launch the all-reduces
+//      of every complete bucket in plan order (never out of order: ranks must agree).
+//   3. finalize(), queued to run when backward ends: parameters still not ready either are an
+//      error naming them, or (find_unused_parameters) contribute zeros and keep an empty
+//      .grad; launch what is left in order; wait for every bucket with the timeout; copy each
+//      bucket's sums back into the parameters' .grad.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "dist/process_group.h"
+
+namespace nanoddp::dist {
+
+// PyTorch's defaults: bucket_cap_mb = 25 and dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB.
+constexpr size_t kDefaultBucketCapBytes = 25u << 20;
+constexpr size_t kDefaultFirstBucketCapBytes = 1u << 20;
+
+struct ReducerOptions {
+  size_t bucket_cap_bytes = kDefaultBucketCapBytes;
+  size_t first_bucket_cap_bytes = kDefaultFirstBucketCapBytes;
+  bool find_unused_parameters = false;
+  // Launch a bucket's all-reduce as soon as it is full, while backward goes on (PyTorch's
+  // behaviour, and what pays on GPUs). false: launch all buckets when backward ends, which
+  // costs less CPU time on machines with few cores (see benchmarks/).
+  bool overlap = true;
+  std::chrono::milliseconds timeout = kDefaultTimeout;
+};
+
+class Reducer {
+ public:
+  // params: (name, parameter) pairs, in registration order; names are used in messages.
+  Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared_ptr<ProcessGroup> pg,
+          ReducerOptions options);
+  ~Reducer();  // removes the hooks
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // While false, hooks do nothing and gradients accumulate locally (no_sync).
+  void set_sync(bool sync) { sync_ = sync; }
+  bool sync() const { return sync_; }
+
+  // The plan: bucket b holds these parameter indices (into the constructor's list).
+  std::vector<std::vector<size_t>> bucket_plan() const;
+
+ private:
+  struct Bucket {
+    std::vector<size_t> params;    // indices into params_, in plan order
+    std::vector<int64_t> offsets;  // element offset of each parameter in flat
+    Tensor flat;                   // [sum of numel] float32 on the parameters' device
+    size_t pending = 0;            // parameters not yet ready in this iteration
+    std::shared_ptr<Work> work;    // the in-flight all-reduce, if launched
+  };
+
+  void mark_ready(size_t param_index);
+  void launch_ready_buckets();
+  void launch(Bucket& bucket);
+  void finalize();
+  void reset_iteration();
+
+  std::vector<std::pair<std::string, Tensor>> params_;
+  std::shared_ptr<ProcessGroup> pg_;
+  ReducerOptions options_;
+  std::vector<Bucket> buckets_;
+  std::vector<std::pair<size_t, size_t>> location_;  // param index -> (bucket, slot)
+  std::vector<bool> ready_;
+  std::vector<int> hook_ids_;
+  size_t next_bucket_to_launch_ = 0;
+  bool finalize_queued_ = false;
+  bool sync_ = true;
+};
+
+}  // namespace nanoddp::dist

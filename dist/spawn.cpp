@@ -1,0 +1,114 @@
+// spawn(): fork, set the env, run fn(rank), supervise. See dist/spawn.h.
+#include "dist/spawn.h"
+
+#include <dirent.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <iostream>
+
+#include "core/error.h"
+
+namespace nanoddp::dist {
+
+namespace {
+
+// Threads of this process, from /proc/self/task (one entry per thread).
+int thread_count() {
+  int count = 0;
+  if (DIR* dir = opendir("/proc/self/task")) {
+    while (dirent* e = readdir(dir))
+      if (e->d_name[0] != '.') ++count;
+    closedir(dir);
+  }
+  return count;
+}
+
+void write_text(int fd, const std::string& text) {
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = write(fd, text.data() + done, text.size() - done);
+    if (n <= 0) return;
+    done += static_cast<size_t>(n);
+  }
+}
+
+// The child's whole life after fork: never returns.
+[[noreturn]] void run_rank(const std::function<void(int)>& fn, int rank,
+                           const std::vector<std::pair<std::string, std::string>>& env, int msg_fd) {
+  for (const auto& [key, value] : env) setenv(key.c_str(), value.c_str(), 1);
+  // stdout is now a pipe, which stdio would block-buffer; lines should appear as they are printed.
+  setvbuf(stdout, nullptr, _IOLBF, 0);
+  int code = 0;
+  std::string error;
+  try {
+    fn(rank);
+  } catch (const std::exception& e) {
+    error = e.what();
+    code = 1;
+  } catch (...) {
+    error = "an exception not derived from std::exception";
+    code = 1;
+  }
+  std::cout.flush();
+  std::cerr.flush();
+  if (code != 0) {
+    const std::string line = "exception: " + error + "\n";
+    fflush(stderr);
+    write_text(2, line);
+    write_text(msg_fd, error);
+  }
+  fflush(nullptr);
+  _exit(code);  // not exit(): the parent's atexit handlers and static destructors are not ours
+}
+
+}  // namespace
+
+void spawn(const std::function<void(int rank)>& fn, int nprocs, const SpawnOptions& options) {
+  NANODDP_CHECK(nprocs >= 1, ValueError, "spawn: nprocs must be >= 1, got ", nprocs);
+  const int threads = thread_count();
+  NANODDP_CHECK(options.allow_threads || threads <= 1, DistError, "spawn: this process already runs ", threads,
+                " threads; fork() would copy only one of them (and any lock another holds). Call spawn() "
+                "before creating threads, process groups or CUDA contexts, or set allow_threads");
+
+  LaunchOptions launch;
+  launch.nproc_per_node = nprocs;
+  launch.master_addr = options.master_addr;
+  launch.master_port = options.master_port;
+  launch.backend = options.backend;
+  const int port = options.master_port != 0 ? options.master_port : pick_free_port(options.master_addr);
+
+  ChildGroup::Options group_options;
+  group_options.grace_period = options.grace_period;
+  group_options.timeout = options.timeout;
+  group_options.reporter = "spawn";
+  group_options.report = false;  // the exception says it
+  ChildGroup group(group_options);
+  std::cout.flush();
+  std::cerr.flush();
+  for (int rank = 0; rank < nprocs; ++rank) {
+    const auto env = rank_env(launch, rank, port);
+    const std::string name = "rank " + std::to_string(rank);
+    group.start(rank, name, "[" + name + "] ", [&](int msg_fd) { run_rank(fn, rank, env, msg_fd); });
+  }
+  const Outcome outcome = group.wait();
+  switch (outcome.kind) {
+    case Outcome::Kind::AllSucceeded:
+      return;
+    case Outcome::Kind::ChildFailed:
+      NANODDP_THROW(DistError, "spawn: ", outcome.failed_name, " (pid ", outcome.failed_pid, ") of ", nprocs,
+                    " failed: ", outcome.failed_status.describe(),
+                    outcome.failed_message.empty() ? "" : ": " + outcome.failed_message,
+                    "; the other ranks were terminated");
+    case Outcome::Kind::TimedOut:
+      NANODDP_THROW(TimeoutError, "spawn: ", nprocs, " ranks did not finish within ", options.timeout.count(),
+                    " ms; all were terminated");
+    case Outcome::Kind::Interrupted:
+      NANODDP_THROW(DistError, "spawn: interrupted by ", signal_name(outcome.signal), "; all ", nprocs,
+                    " ranks were terminated");
+  }
+}
+
+}  // namespace nanoddp::dist

@@ -1,0 +1,213 @@
+// The main job: an MLP (784-256-128-10, ReLU) trained on Fashion-MNIST with DDP.
+//
+//   nanoddp-run --nproc-per-node 2 --backend mpi build/examples/fashion_mnist --epochs 10
+//
+// Each epoch: every rank trains on its DistributedSampler share (batch_size per rank, so the
+// global batch is batch_size * world_size); the mean training loss is averaged over ranks;
+// the test set is split with the evaluation sampler (every image counted exactly once) and
+// the correct counts are summed with all_reduce; rank 0 prints the epoch and saves a
+// checkpoint atomically. --resume continues from that checkpoint so that the result equals
+// an uninterrupted run: the weights, the momentum buffers and the epoch are restored, and the
+// data order depends only on seed + epoch. Rank 0 ends with one JSON line (see README).
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+
+#include "core/autograd.h"
+#include "data/dataloader.h"
+#include "data/fashion_mnist.h"
+#include "dist/ddp.h"
+#include "dist/init.h"
+#include "examples/example_utils.h"
+#include "nn/checkpoint.h"
+#include "nn/layers.h"
+#include "nn/optim.h"
+
+using namespace nanoddp;
+
+namespace {
+
+struct Config {
+  int epochs = 10;
+  float lr = 0.05f;
+  float momentum = 0.9f;
+  float weight_decay = 0.0f;
+  int64_t batch_size = 64;
+  uint64_t seed = 0;
+  std::string device = "cpu";
+  std::string backend = "auto";
+  std::string data_dir = data::FashionMNIST::kDefaultRoot;
+  std::string checkpoint;
+  bool resume = false;
+  bool no_overlap = false;
+  bool prefetch = false;
+  bool quiet = false;
+};
+
+std::shared_ptr<nn::Sequential> make_mlp(uint64_t seed) {
+  Generator gen(seed);
+  auto model = std::make_shared<nn::Sequential>();
+  model->add(nn::Linear(data::FashionMNIST::kFeatures, 256, gen));
+  model->add(nn::ReLU());
+  model->add(nn::Linear(256, 128, gen));
+  model->add(nn::ReLU());
+  model->add(nn::Linear(128, data::FashionMNIST::kClasses, gen));
+  return model;
+}
+
+bool file_exists(const std::string& path) { return std::ifstream(path).good(); }
+
+// Test accuracy over the whole test set, each image counted once across ranks.
+double evaluate(nn::Module& model, data::DataLoader& loader, dist::ProcessGroup& pg) {
+  NoGradGuard no_grad;
+  model.eval();
+  int64_t correct = 0, seen = 0;
+  for (const data::Batch& batch : loader) {
+    const std::vector<int64_t> predicted = argmax(model(batch.input)).to_int_vector();
+    const std::vector<int64_t> labels = batch.target.to_int_vector();
+    for (size_t i = 0; i < labels.size(); ++i) correct += predicted[i] == labels[i];
+    seen += static_cast<int64_t>(labels.size());
+  }
+  model.train();
+  Tensor counts = Tensor::from_vector(std::vector<int64_t>{correct, seen});
+  pg.all_reduce(counts, dist::ReduceOp::Sum)->wait();
+  return static_cast<double>(counts.at_int({0})) / static_cast<double>(counts.at_int({1}));
+}
+
+void save(const std::string& path, int epochs_done, nn::Module& model, const nn::SGD& optimizer) {
+  nn::StateDict state;
+  nn::merge_prefixed(state, "model.", model.state_dict());
+  nn::merge_prefixed(state, "optimizer.", optimizer.state_dict());
+  state["epochs_done"] = Tensor::from_vector(std::vector<int64_t>{epochs_done});
+  nn::save_checkpoint(path, state);
+}
+
+// Returns the number of epochs the checkpoint had completed.
+int restore(const std::string& path, nn::Module& model, nn::SGD& optimizer) {
+  const nn::StateDict state = nn::load_checkpoint(path);
+  NANODDP_CHECK(state.count("epochs_done") == 1, IOError, "checkpoint ", path, " has no 'epochs_done' entry");
+  model.load_state_dict(nn::strip_prefix(state, "model."));
+  optimizer.load_state_dict(nn::strip_prefix(state, "optimizer."));
+  return static_cast<int>(state.at("epochs_done").at_int({0}));
+}
+
+int run(const Config& config) {
+  const Device device = config.device == "cuda" ? Device::cuda(dist::get_local_rank()) : Device::parse(config.device);
+  dist::InitOptions init;
+  init.backend = dist::parse_backend(config.backend);
+  init.device = device;
+  auto pg = dist::init_process_group(init);
+  const int rank = pg->rank(), world_size = pg->size();
+  const bool chatty = rank == 0 && !config.quiet;
+
+  auto train_set = std::make_shared<data::FashionMNIST>(config.data_dir, /*train=*/true);
+  auto test_set = std::make_shared<data::FashionMNIST>(config.data_dir, /*train=*/false);
+  data::DataLoaderOptions loader_options;
+  loader_options.device = device;
+  loader_options.prefetch = config.prefetch;
+  data::DataLoader train_loader(train_set, config.batch_size,
+                                data::DistributedSampler(train_set->size(), world_size, rank, /*shuffle=*/true, config.seed),
+                                loader_options);
+  data::DataLoader test_loader(test_set, 1000, data::DistributedSampler::for_evaluation(test_set->size(), world_size, rank),
+                               loader_options);
+
+  auto model = make_mlp(config.seed);
+  model->to(device);
+  nn::SGD optimizer(model->parameters(), {config.lr, config.momentum, /*dampening=*/0.0f, config.weight_decay});
+  int first_epoch = 0;
+  if (config.resume && !config.checkpoint.empty() && file_exists(config.checkpoint)) {
+    // Every rank reads the file (it must be on a filesystem they share); DDP's broadcast then
+    // makes the weights identical anyway, and the momentum buffers are identical because
+    // they were built from all-reduced gradients.
+    first_epoch = restore(config.checkpoint, *model, optimizer);
+    if (chatty) std::printf("resumed from %s after epoch %d\n", config.checkpoint.c_str(), first_epoch);
+  }
+  dist::DDPOptions ddp_options;
+  ddp_options.overlap = !config.no_overlap;
+  dist::DistributedDataParallel ddp(model, pg, ddp_options);
+  nn::CrossEntropyLoss loss_fn;
+
+  double train_loss = NAN, accuracy = NAN, samples_per_s = NAN;
+  if (first_epoch >= config.epochs) accuracy = evaluate(*model, test_loader, *pg);
+  for (int epoch = first_epoch; epoch < config.epochs; ++epoch) {
+    train_loader.set_epoch(epoch);
+    examples::Progress progress(epoch + 1, config.epochs, train_loader.size(), chatty);
+    Tensor loss_sum = Tensor::zeros({}, DType::Float32, device);
+    int64_t steps = 0, samples = 0;
+    const auto start = std::chrono::steady_clock::now();
+    for (const data::Batch& batch : train_loader) {
+      optimizer.zero_grad();
+      Tensor loss = loss_fn(ddp(batch.input), batch.target);
+      loss.backward();
+      optimizer.step();
+      {
+        NoGradGuard no_grad;
+        loss_sum = loss_sum + loss;  // stays on the device: no sync per step
+      }
+      ++steps;
+      samples += batch.input.size(0);
+      if (chatty && (steps % 50 == 0 || steps == train_loader.size())) progress.update(steps, loss_sum.item() / steps);
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+    // Mean loss over ranks; all ranks' samples over the slowest rank's time.
+    Tensor stats = Tensor::from_vector({loss_sum.item() / static_cast<float>(std::max<int64_t>(steps, 1)),
+                                        static_cast<float>(samples)});
+    pg->all_reduce(stats, dist::ReduceOp::Sum)->wait();
+    Tensor slowest = Tensor::from_vector({static_cast<float>(seconds)});
+    pg->all_reduce(slowest, dist::ReduceOp::Max)->wait();
+    train_loss = stats.at({0}) / world_size;
+    samples_per_s = stats.at({1}) / slowest.at({0});
+    accuracy = evaluate(*model, test_loader, *pg);
+    if (chatty)
+      std::printf("epoch %d/%d: train loss %.4f, test accuracy %.4f, %.0f samples/s\n", epoch + 1, config.epochs,
+                  train_loss, accuracy, samples_per_s);
+    if (rank == 0 && !config.checkpoint.empty()) save(config.checkpoint, epoch + 1, *model, optimizer);
+    std::fflush(stdout);
+  }
+
+  Tensor rss = Tensor::from_vector({static_cast<float>(examples::peak_rss_mb())});
+  pg->all_reduce(rss, dist::ReduceOp::Max)->wait();
+  if (rank == 0) {
+    std::printf(
+        "{\"example\":\"fashion_mnist\",\"world_size\":%d,\"epochs\":%d,\"test_accuracy\":%s,\"train_loss\":%s,"
+        "\"samples_per_s\":%s,\"peak_rss_mb\":%s,\"backend\":\"%s\",\"device\":\"%s\"}\n",
+        world_size, config.epochs, examples::json_number(accuracy).c_str(), examples::json_number(train_loss).c_str(),
+        examples::json_number(samples_per_s).c_str(), examples::json_number(rss.at({0})).c_str(),
+        pg->backend_name().c_str(), device.str().c_str());
+    std::fflush(stdout);
+  }
+  pg->barrier()->wait();  // rank 0 serves the store: let every rank finish first
+  dist::destroy_process_group();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Config config;
+  CLI::App app{"fashion_mnist: an MLP on Fashion-MNIST with DistributedDataParallel"};
+  app.add_option("--epochs", config.epochs, "epochs to train (in all, counting resumed ones)")->check(CLI::PositiveNumber);
+  app.add_option("--lr", config.lr, "SGD learning rate")->check(CLI::NonNegativeNumber);
+  app.add_option("--momentum", config.momentum, "SGD momentum")->check(CLI::NonNegativeNumber);
+  app.add_option("--weight-decay", config.weight_decay, "SGD weight decay")->check(CLI::NonNegativeNumber);
+  app.add_option("--batch-size", config.batch_size, "examples per rank per step")->check(CLI::PositiveNumber);
+  app.add_option("--seed", config.seed, "seed of the weights and of the data order");
+  app.add_option("--device", config.device, "cpu or cuda (rank r uses cuda:LOCAL_RANK)");
+  app.add_option("--backend", config.backend, "auto, gloo, mpi or nccl");
+  app.add_option("--data-dir", config.data_dir, "folder with the four Fashion-MNIST IDX files");
+  app.add_option("--checkpoint", config.checkpoint, "file rank 0 writes after every epoch");
+  app.add_flag("--resume", config.resume, "continue from --checkpoint if it exists");
+  app.add_flag("--no-overlap", config.no_overlap, "all-reduce after backward instead of during it");
+  app.add_flag("--prefetch", config.prefetch, "collate batches on a background thread");
+  app.add_flag("--quiet", config.quiet, "only the final JSON line");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return run(config);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fashion_mnist: %s\n", e.what());
+    return 1;
+  }
+}

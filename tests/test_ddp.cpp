@@ -1,0 +1,222 @@
+// DistributedDataParallel on real process groups: N ranks must train exactly like one rank on
+// the concatenated batch. Every test forks its ranks (tests/multiprocess.h); the backend is
+// Gloo unless NANODDP_TEST_BACKEND says otherwise (the MPI row runs this file under mpirun).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+
+#include "core/ops.h"
+#include "dist/ddp.h"
+#include "dist/init.h"
+#include "nn/layers.h"
+#include "nn/optim.h"
+#include "tests/multiprocess.h"
+
+using namespace nanoddp;
+using nanoddp::testing::expect;
+
+namespace {
+
+std::shared_ptr<nn::Sequential> make_mlp(uint64_t seed) {
+  Generator gen(seed);
+  auto model = std::make_shared<nn::Sequential>();
+  model->add(nn::Linear(5, 8, gen));
+  model->add(nn::ReLU());
+  model->add(nn::Linear(8, 3, gen));
+  return model;
+}
+
+// The global batch of step s: 16 samples; rank r of W takes rows [r*16/W, (r+1)*16/W).
+struct Batch {
+  Tensor x, y;
+};
+Batch global_batch(int step) {
+  Generator gen(1000 + step);
+  Tensor x = Tensor::randn({16, 5}, gen);
+  std::vector<int64_t> labels;
+  for (int i = 0; i < 16; ++i) labels.push_back(static_cast<int64_t>(gen.randint(3)));
+  return {x, Tensor::from_vector(labels)};
+}
+Batch rows(const Batch& b, int64_t begin, int64_t end) {
+  const int64_t F = b.x.size(1);
+  std::vector<float> xs = b.x.to_vector();
+  std::vector<int64_t> ys = b.y.to_int_vector();
+  return {Tensor::from_vector(std::vector<float>(xs.begin() + begin * F, xs.begin() + end * F), {end - begin, F}),
+          Tensor::from_vector(std::vector<int64_t>(ys.begin() + begin, ys.begin() + end))};
+}
+
+std::shared_ptr<dist::ProcessGroup> join(int rank, int world, int port) {
+  dist::InitOptions options;
+  options.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+  options.rank = rank;
+  options.world_size = world;
+  options.backend = dist::Backend::Gloo;
+  options.timeout = std::chrono::seconds(30);
+  return dist::init_process_group(options);
+}
+
+// Largest |a - b| per parameter, for the failure message.
+std::string compare(const std::vector<std::pair<std::string, Tensor>>& got, const std::vector<Tensor>& want,
+                    float tolerance, bool* ok) {
+  std::ostringstream report;
+  *ok = true;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const std::vector<float> a = got[i].second.to_vector(), b = want[i].to_vector();
+    float worst = 0;
+    for (size_t j = 0; j < a.size(); ++j) worst = std::max(worst, std::abs(a[j] - b[j]));
+    report << got[i].first << ": max |diff| " << worst << "\n";
+    if (!(worst <= tolerance)) *ok = false;
+  }
+  return report.str();
+}
+
+// One rank trained on the whole 16-sample batch: the reference.
+std::vector<Tensor> train_reference(int steps, bool accumulate) {
+  auto model = make_mlp(7);
+  nn::SGD opt(model->parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+  for (int s = 0; s < steps; ++s) {
+    const Batch b = global_batch(s);
+    opt.zero_grad();
+    if (!accumulate) {
+      cross_entropy((*model)(b.x), b.y).backward();
+    } else {
+      // 4 micro-batches of 4, each a mean; two ranks average two sums: total / 2.
+      for (int m = 0; m < 4; ++m) {
+        const Batch mb = rows(b, 4 * m, 4 * m + 4);
+        (cross_entropy((*model)(mb.x), mb.y) * 0.5f).backward();
+      }
+    }
+    opt.step();
+  }
+  return model->parameters();
+}
+
+}  // namespace
+
+TEST_CASE("2 ranks x batch 8 train exactly like 1 rank on the batch of 16 (10 SGD steps)") {
+  const int port = testing::free_port();
+  const std::string failures = testing::run_ranks(2, [port](int rank) {
+    auto pg = join(rank, 2, port);
+    // Rank 1 starts from other weights: wrapping must replace them with rank 0's.
+    dist::DistributedDataParallel ddp(make_mlp(rank == 0 ? 7 : 99), pg);
+    nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+    for (int s = 0; s < 10; ++s) {
+      const Batch b = rows(global_batch(s), 8 * rank, 8 * rank + 8);
+      opt.zero_grad();
+      cross_entropy(ddp(b.x), b.y).backward();
+      opt.step();
+    }
+    bool ok = false;
+    const std::string report = compare(ddp.module().named_parameters(), train_reference(10, false), 1e-5f, &ok);
+    expect(ok, "rank ", rank, " differs from the 1-rank reference:\n", report);
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("no_sync accumulation equals one rank accumulating all micro-batches") {
+  const int port = testing::free_port();
+  const std::string failures = testing::run_ranks(2, [port](int rank) {
+    auto pg = join(rank, 2, port);
+    dist::DistributedDataParallel ddp(make_mlp(7), pg);
+    nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+    for (int s = 0; s < 5; ++s) {
+      const Batch b = global_batch(s);
+      const Batch first = rows(b, 8 * rank, 8 * rank + 4), second = rows(b, 8 * rank + 4, 8 * rank + 8);
+      opt.zero_grad();
+      {
+        auto guard = ddp.no_sync();
+        cross_entropy(ddp(first.x), first.y).backward();
+      }
+      cross_entropy(ddp(second.x), second.y).backward();
+      opt.step();
+    }
+    bool ok = false;
+    const std::string report = compare(ddp.module().named_parameters(), train_reference(5, true), 1e-5f, &ok);
+    expect(ok, "rank ", rank, " differs from the accumulating reference:\n", report);
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("the reduced gradient is the mean over ranks, not the sum") {
+  const int port = testing::free_port();
+  const std::string failures = testing::run_ranks(2, [port](int rank) {
+    auto pg = join(rank, 2, port);
+    // y = w * x with w = 1 (1x1 Linear without bias): dL/dw for L = sum(w x) is x.
+    auto model = std::make_shared<nn::Linear>(1, 1, default_generator(), /*bias=*/false);
+    model->weight.copy_(Tensor::from_vector({1.0f}, {1, 1}));
+    dist::DistributedDataParallel ddp(model, pg);
+    const float x = rank == 0 ? 2.0f : 6.0f;
+    sum(ddp(Tensor::from_vector({x}, {1, 1}))).backward();
+    // Mean of 2 and 6 is 4 (a sum would be 8), on both ranks.
+    expect(model->weight.grad().item() == 4.0f, "rank ", rank, ": reduced gradient ", model->weight.grad().item());
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("an unused parameter is an error naming it, or zeros with find_unused_parameters") {
+  struct TwoHeads : nn::Module {
+    std::shared_ptr<nn::Linear> used = register_module("used", std::make_shared<nn::Linear>(2, 1));
+    std::shared_ptr<nn::Linear> unused = register_module("unused", std::make_shared<nn::Linear>(2, 1));
+    Tensor forward(const Tensor& x) override { return (*used)(x); }
+  };
+  const int port = testing::free_port();
+  const std::string failures = testing::run_ranks(2, [port](int rank) {
+    auto pg = join(rank, 2, port);
+    {
+      dist::DistributedDataParallel ddp(std::make_shared<TwoHeads>(), pg);
+      bool threw = false;
+      try {
+        sum(ddp(Tensor::ones({1, 2}))).backward();
+      } catch (const DistError& e) {
+        threw = std::string(e.what()).find("unused.weight, unused.bias") != std::string::npos;
+      }
+      expect(threw, "rank ", rank, ": no DistError naming unused.weight, unused.bias");
+    }
+    dist::DDPOptions options;
+    options.find_unused_parameters = true;
+    auto model = std::make_shared<TwoHeads>();
+    dist::DistributedDataParallel ddp(model, pg, options);
+    const float x = static_cast<float>(rank + 1);  // 1 and 2: mean 1.5
+    sum(ddp(Tensor::full({1, 2}, x))).backward();
+    expect(!model->unused->weight.grad().defined(), "rank ", rank, ": the unused parameter got a .grad");
+    expect(model->used->weight.grad().to_vector() == std::vector<float>{1.5f, 1.5f}, "rank ", rank,
+           ": used.weight.grad is ", model->used->weight.grad());
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("ranks with different models get an error naming the parameter") {
+  const int port = testing::free_port();
+  const std::string failures = testing::run_ranks(2, [port](int rank) {
+    auto pg = join(rank, 2, port);
+    Generator gen(0);
+    auto model = std::make_shared<nn::Sequential>();
+    model->add(nn::Linear(4, rank == 0 ? 3 : 5, gen));
+    bool named = false;
+    try {
+      dist::DistributedDataParallel ddp(model, pg);
+    } catch (const DistError& e) {
+      const std::string m = e.what();
+      named = m.find("0.weight") != std::string::npos && m.find(rank == 0 ? "[5, 4]" : "[3, 4]") != std::string::npos;
+    }
+    expect(named, "rank ", rank, ": no DistError naming 0.weight and the other rank's shape");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("buckets follow reverse registration order and the caps") {
+  const int port = testing::free_port();
+  const std::string failures = testing::run_ranks(1, [port](int rank) {
+    auto pg = join(rank, 1, port);
+    auto model = make_mlp(7);  // 0.weight 160 B, 0.bias 32 B, 2.weight 96 B, 2.bias 12 B
+    dist::DDPOptions options;
+    options.first_bucket_cap_bytes = 100;  // 2.bias + 2.weight = 108 B >= 100: closes bucket 0
+    options.bucket_cap_bytes = 150;        // 0.bias + 0.weight = 192 B
+    dist::DistributedDataParallel ddp(model, pg, options);
+    const auto plan = ddp.reducer().bucket_plan();
+    expect(plan == std::vector<std::vector<size_t>>{{3, 2}, {1, 0}}, "unexpected bucket plan");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}

@@ -1,0 +1,448 @@
+// The launcher (nanoddp-run, dist::launch) and dist::spawn, run for real: 2-4 ranks of `sh -c`
+// commands, their output and env, early exits, signal deaths, Ctrl-C, the mpirun path, and a
+// check that no process of any rank is left afterwards.
+#include <doctest/doctest.h>
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "dist/launch.h"
+#include "dist/spawn.h"
+
+namespace dist = nanoddp::dist;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+std::string launcher_path() {
+  const char* build = std::getenv("NANODDP_BUILD_DIR");
+  REQUIRE_MESSAGE(build != nullptr, "NANODDP_BUILD_DIR is not set (meson test sets it)");
+  return std::string(build) + "/tools/nanoddp-run";
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// A fresh folder for one test's pid files, removed at the end.
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char name[] = "/tmp/nanoddp_launch_XXXXXX";
+    REQUIRE(mkdtemp(name) != nullptr);
+    path = name;
+  }
+  ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
+};
+
+struct RunResult {
+  int status = 0;  // from waitpid
+  std::string out, err;
+  double seconds = 0;
+  int code() const { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
+};
+
+// Runs argv with stdout/stderr captured in files (so no pipe can fill up), killing it and
+// failing the test when it outlives `timeout`. `on_started(pid)` runs once it is started.
+RunResult run(const std::vector<std::string>& args, std::chrono::seconds timeout = 30s,
+              const std::function<void(pid_t)>& on_started = nullptr) {
+  TempDir dir;
+  const std::string out_path = dir.path + "/out", err_path = dir.path + "/err";
+  std::vector<char*> argv;
+  std::vector<std::string> copy = args;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const auto started = Clock::now();
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    const int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    const int err = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    dup2(out, 1);
+    dup2(err, 2);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  if (on_started) on_started(pid);
+  RunResult result;
+  while (true) {
+    const pid_t done = waitpid(pid, &result.status, WNOHANG);
+    if (done == pid) break;
+    if (Clock::now() - started > timeout) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &result.status, 0);
+      FAIL("launcher still running after ", timeout.count(), " s; stderr: ", read_file(err_path));
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  result.seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  result.out = read_file(out_path);
+  result.err = read_file(err_path);
+  return result;
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// Live (not zombie) processes whose process group is one of `pgids`, or whose pid is.
+std::vector<int> survivors(const std::set<int>& ids) {
+  std::vector<int> alive;
+  DIR* proc = opendir("/proc");
+  REQUIRE(proc != nullptr);
+  while (dirent* e = readdir(proc)) {
+    const int pid = std::atoi(e->d_name);
+    if (pid <= 0) continue;
+    const std::string stat = read_file("/proc/" + std::string(e->d_name) + "/stat");
+    const size_t paren = stat.rfind(')');
+    if (paren == std::string::npos) continue;
+    std::istringstream fields(stat.substr(paren + 2));
+    char state = 0;
+    int ppid = 0, pgrp = 0;
+    fields >> state >> ppid >> pgrp;
+    if (state == 'Z' || state == 'X') continue;
+    if (ids.count(pid) || ids.count(pgrp)) alive.push_back(pid);
+  }
+  closedir(proc);
+  return alive;
+}
+
+// The pids the ranks wrote into dir (files pid.*); each rank's shell leads its own group, so
+// these are also the pgids to look for.
+std::set<int> recorded_pids(const std::string& dir, size_t expected) {
+  std::set<int> pids;
+  DIR* d = opendir(dir.c_str());
+  REQUIRE(d != nullptr);
+  while (dirent* e = readdir(d))
+    if (std::string(e->d_name).rfind("pid.", 0) == 0) pids.insert(std::atoi(read_file(dir + "/" + e->d_name).c_str()));
+  closedir(d);
+  CHECK(pids.size() == expected);
+  return pids;
+}
+
+void check_nothing_left(const std::set<int>& pids) {
+  // Reparented leftovers die from SIGKILL asynchronously; give the kernel a moment.
+  std::vector<int> alive = survivors(pids);
+  for (int i = 0; i < 100 && !alive.empty(); ++i) {
+    std::this_thread::sleep_for(20ms);
+    alive = survivors(pids);
+  }
+  CHECK_MESSAGE(alive.empty(), alive.size(), " process(es) of the ranks are still alive, first pid ",
+                alive.empty() ? 0 : alive[0]);
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+bool on_path(const std::string& program) {
+  return std::system(("command -v " + program + " > /dev/null 2>&1").c_str()) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("nanoddp-run: every rank gets its env, output is prefixed per stream") {
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    const RunResult r = run({launcher_path(), "--nproc-per-node", std::to_string(world), "--backend", "gloo", "sh",
+                             "-c",
+                             "echo out $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $MASTER_ADDR "
+                             "$MASTER_PORT $NANODDP_BACKEND; echo err $RANK >&2; printf 'tail %s' $RANK"});
+    REQUIRE(r.code() == 0);
+    std::map<int, std::vector<std::string>> by_rank;  // rank -> the words of its "out" line
+    std::set<std::string> ports, tails, errs;
+    for (const std::string& line : lines_of(r.out)) {
+      std::istringstream words(line);
+      std::string tag, rank_word, kind;
+      words >> tag >> rank_word >> kind;
+      REQUIRE_MESSAGE(tag == "[rank", "unprefixed stdout line: ", line);
+      const int rank = std::stoi(rank_word);  // "1]" -> 1
+      REQUIRE(rank_word == std::to_string(rank) + "]");
+      if (kind == "tail") {  // the last line had no '\n' and still came out, once
+        std::string n;
+        words >> n;
+        CHECK(n == std::to_string(rank));
+        tails.insert(n);
+        continue;
+      }
+      REQUIRE(kind == "out");
+      std::vector<std::string> values;
+      for (std::string v; words >> v;) values.push_back(v);
+      REQUIRE(values.size() == 8);
+      by_rank[rank] = values;
+    }
+    REQUIRE(by_rank.size() == static_cast<size_t>(world));
+    CHECK(tails.size() == static_cast<size_t>(world));
+    for (const auto& [rank, v] : by_rank) {
+      CHECK(v[0] == std::to_string(rank));   // RANK matches the prefix
+      CHECK(v[1] == std::to_string(world));  // WORLD_SIZE
+      CHECK(v[2] == std::to_string(rank));   // LOCAL_RANK (one node)
+      CHECK(v[3] == std::to_string(world));  // LOCAL_WORLD_SIZE
+      CHECK(v[4] == "0");                    // GROUP_RANK
+      CHECK(v[5] == "127.0.0.1");
+      CHECK(v[7] == "gloo");
+      ports.insert(v[6]);
+    }
+    REQUIRE(ports.size() == 1);  // one port for everybody, picked free (not 0)
+    const int port = std::stoi(*ports.begin());
+    CHECK(port > 0);
+    CHECK(port < 65536);
+    // stderr kept apart: exactly one "err" line per rank there, none on stdout.
+    for (const std::string& line : lines_of(r.err)) errs.insert(line);
+    for (int rank = 0; rank < world; ++rank) CHECK(errs.count("[rank " + std::to_string(rank) + "] err " + std::to_string(rank)) == 1);
+    CHECK_FALSE(contains(r.out, "err"));
+  }
+}
+
+TEST_CASE("nanoddp-run: flags after PROGRAM belong to PROGRAM; a fixed port and node rank are used") {
+  const RunResult r = run({launcher_path(), "--nproc-per-node", "2", "--nnodes", "3", "--node-rank", "2",
+                           "--master-port", "29517", "sh", "-c", "echo $RANK $WORLD_SIZE $MASTER_PORT $1",
+                           "sh", "--nproc-per-node"});
+  REQUIRE(r.code() == 0);
+  std::set<std::string> lines;
+  for (const std::string& line : lines_of(r.out)) lines.insert(line);
+  // node 2 of 3 with 2 ranks each holds global ranks 4 and 5
+  CHECK(lines == std::set<std::string>{"[rank 4] 4 6 29517 --nproc-per-node", "[rank 5] 5 6 29517 --nproc-per-node"});
+}
+
+TEST_CASE("nanoddp-run: a rank that exits early stops the job, is named, and nothing is left") {
+  TempDir dir;
+  const RunResult r = run({launcher_path(), "--nproc-per-node", "4", "--grace-period", "2", "sh", "-c",
+                           "echo $$ > " + dir.path + "/pid.$RANK; sleep 0.3; if [ $RANK = 1 ]; then exit 3; fi; sleep 60"});
+  CHECK(r.seconds < 30);
+  CHECK(r.code() == 3);
+  CHECK_MESSAGE(contains(r.err, "rank 1 (pid "), r.err);
+  CHECK_MESSAGE(contains(r.err, "failed: exit code 3"), r.err);
+  check_nothing_left(recorded_pids(dir.path, 4));
+}
+
+TEST_CASE("nanoddp-run: a rank killed by a signal is named by the signal; SIGKILL follows an ignored SIGTERM") {
+  TempDir dir;
+  // Rank 0 ignores SIGTERM (its sleep inherits that), so only the SIGKILL after the 1 s grace
+  // period ends it.
+  const RunResult r = run({launcher_path(), "--nproc-per-node", "2", "--grace-period", "1", "sh", "-c",
+                           "trap '' TERM; echo $$ > " + dir.path + "/pid.$RANK; sleep 0.3; "
+                           "if [ $RANK = 1 ]; then kill -KILL $$; fi; sleep 60"});
+  CHECK(r.code() == 128 + SIGKILL);
+  CHECK_MESSAGE(contains(r.err, "rank 1 (pid "), r.err);
+  CHECK_MESSAGE(contains(r.err, "killed by signal SIGKILL"), r.err);
+  CHECK(r.seconds >= 0.9);  // the grace period was honoured
+  CHECK(r.seconds < 10);
+  check_nothing_left(recorded_pids(dir.path, 2));
+}
+
+TEST_CASE("nanoddp-run: SIGINT is forwarded to every rank and the launcher exits 130") {
+  TempDir dir;
+  const RunResult r = run({launcher_path(), "--nproc-per-node", "3", "sh", "-c",
+                           "echo $$ > " + dir.path + "/pid.$RANK; sleep 60"},
+                          30s, [&](pid_t launcher) {
+                            // wait for all three ranks to be up, then press "Ctrl-C"
+                            for (int i = 0; i < 500; ++i) {
+                              int up = 0;
+                              for (int rank = 0; rank < 3; ++rank)
+                                up += !read_file(dir.path + "/pid." + std::to_string(rank)).empty();
+                              if (up == 3) break;
+                              std::this_thread::sleep_for(10ms);
+                            }
+                            kill(launcher, SIGINT);
+                          });
+  CHECK(r.code() == 128 + SIGINT);
+  CHECK_MESSAGE(contains(r.err, "received SIGINT"), r.err);
+  CHECK(r.seconds < 10);
+  check_nothing_left(recorded_pids(dir.path, 3));
+}
+
+TEST_CASE("nanoddp-run --backend mpi: mpirun runs the ranks; an early exit fails the job with its code") {
+  if (!on_path("mpirun")) {
+    MESSAGE("skipped: no mpirun on PATH (Debian: openmpi-bin)");
+    return;
+  }
+  TempDir dir;
+  const RunResult r = run({launcher_path(), "--nproc-per-node", "3", "--backend", "mpi", "sh", "-c",
+                           "echo $$ > " + dir.path + "/pid.$OMPI_COMM_WORLD_RANK; echo size $OMPI_COMM_WORLD_SIZE "
+                           "$NANODDP_BACKEND; sleep 0.3; if [ $OMPI_COMM_WORLD_RANK = 1 ]; then exit 3; fi; sleep 60"});
+  CHECK(r.seconds < 30);
+  CHECK(r.code() == 3);
+  // mpirun's --tag-output prefix "[jobid,rank]<stdout>:" and its own report of the failed rank
+  CHECK_MESSAGE(contains(r.out, ",0]<stdout>:size 3 mpi"), r.out);
+  CHECK_MESSAGE(contains(r.err + r.out, ",1]"), r.err);
+  CHECK_MESSAGE(contains(r.err + r.out, "Exit code:    3"), r.err);
+  CHECK_MESSAGE(contains(r.err, "mpirun (pid "), r.err);
+  CHECK_MESSAGE(contains(r.err, "failed: exit code 3"), r.err);
+  check_nothing_left(recorded_pids(dir.path, 3));
+}
+
+TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
+  CHECK(run({launcher_path()}).code() == 2);                                              // no PROGRAM
+  CHECK(run({launcher_path(), "--backend", "tcp", "true"}).code() == 2);                  // unknown backend
+  CHECK(run({launcher_path(), "--nnodes", "2", "true"}).code() == 2);                     // port 0 on 2 nodes
+  const RunResult mpi = run({launcher_path(), "--nnodes", "2", "--master-port", "29500", "--backend", "mpi", "true"});
+  CHECK(mpi.code() == 2);
+  CHECK_MESSAGE(contains(mpi.err, "hostfile"), mpi.err);
+  const RunResult missing = run({launcher_path(), "--nproc-per-node", "2", "/nonexistent/program"});
+  CHECK(missing.code() == 127);
+  CHECK(contains(missing.err, "cannot execute '/nonexistent/program'"));
+}
+
+TEST_CASE("launch helpers: rank_env numbering, mpirun command line, signal names, free ports") {
+  dist::LaunchOptions o;
+  o.nproc_per_node = 4;
+  o.nnodes = 2;
+  o.node_rank = 1;
+  o.master_addr = "10.0.0.1";
+  const auto env = dist::rank_env(o, 3, 29500);
+  const std::map<std::string, std::string> m(env.begin(), env.end());
+  CHECK(m.at("RANK") == "7");
+  CHECK(m.at("LOCAL_RANK") == "3");
+  CHECK(m.at("WORLD_SIZE") == "8");
+  CHECK(m.at("LOCAL_WORLD_SIZE") == "4");
+  CHECK(m.at("GROUP_RANK") == "1");
+  CHECK(m.at("MASTER_ADDR") == "10.0.0.1");
+  CHECK(m.at("MASTER_PORT") == "29500");
+  CHECK(m.count("NANODDP_BACKEND") == 0);
+
+  dist::LaunchOptions one;
+  one.nproc_per_node = 2;
+  const auto cmd = dist::mpirun_command(one, {"./train", "-x"}, 1234);
+  REQUIRE(cmd.size() >= 8);
+  CHECK(std::vector<std::string>(cmd.begin(), cmd.begin() + 5) ==
+        std::vector<std::string>{"mpirun", "-np", "2", "--bind-to", "none"});
+  CHECK(std::vector<std::string>(cmd.end() - 2, cmd.end()) == std::vector<std::string>{"./train", "-x"});
+  const std::string joined = [&] {
+    std::string s;
+    for (const auto& a : cmd) s += a + " ";
+    return s;
+  }();
+  CHECK(contains(joined, "-x MASTER_PORT=1234 "));
+  CHECK(contains(joined, "-x NANODDP_BACKEND=mpi "));
+  CHECK_THROWS_AS(dist::mpirun_command(o, {"./train"}, 1), nanoddp::ValueError);
+
+  CHECK(dist::signal_name(SIGKILL) == "SIGKILL");
+  CHECK(dist::signal_name(SIGSEGV) == "SIGSEGV");
+  CHECK(dist::ExitStatus{false, 0, SIGTERM}.describe() == "killed by signal SIGTERM");
+  CHECK(dist::ExitStatus{true, 3, 0}.describe() == "exit code 3");
+
+  const int port = dist::pick_free_port("127.0.0.1");
+  CHECK(port > 0);
+  CHECK(port < 65536);
+  CHECK_THROWS_AS(dist::pick_free_port("203.0.113.7"), nanoddp::DistError);  // not this machine's
+}
+
+TEST_CASE("spawn: every rank runs fn with its env and returns") {
+  TempDir dir;
+  dist::spawn(
+      [&](int rank) {
+        std::ofstream(dir.path + "/rank." + std::to_string(rank))
+            << rank << " " << std::getenv("RANK") << " " << std::getenv("WORLD_SIZE") << " "
+            << std::getenv("LOCAL_RANK") << " " << std::getenv("MASTER_PORT") << " " << getpid();
+      },
+      3);
+  std::set<std::string> ports;
+  std::set<int> pids;
+  for (int rank = 0; rank < 3; ++rank) {
+    std::istringstream in(read_file(dir.path + "/rank." + std::to_string(rank)));
+    int fn_rank = -1, env_rank = -1, world = -1, local = -1, pid = -1;
+    std::string port;
+    in >> fn_rank >> env_rank >> world >> local >> port >> pid;
+    CHECK(fn_rank == rank);
+    CHECK(env_rank == rank);
+    CHECK(world == 3);
+    CHECK(local == rank);
+    CHECK(pid != getpid());  // ran in a child
+    ports.insert(port);
+    pids.insert(pid);
+  }
+  CHECK(pids.size() == 3);
+  REQUIRE(ports.size() == 1);
+  CHECK(std::stoi(*ports.begin()) > 0);
+  check_nothing_left(pids);
+}
+
+TEST_CASE("spawn: a rank that throws fails the job fast, naming it and its exception") {
+  TempDir dir;
+  dist::SpawnOptions options;
+  options.grace_period = 1s;
+  const auto started = Clock::now();
+  std::string message;
+  try {
+    dist::spawn(
+        [&](int rank) {
+          std::ofstream(dir.path + "/pid." + std::to_string(rank)) << getpid();
+          if (rank == 1) {
+            std::this_thread::sleep_for(200ms);
+            throw std::runtime_error("bad batch at rank 1");
+          }
+          std::this_thread::sleep_for(60s);
+        },
+        3, options);
+  } catch (const nanoddp::DistError& e) {
+    message = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  CHECK(seconds < 10);
+  CHECK_MESSAGE(contains(message, "spawn: rank 1 (pid "), message);
+  CHECK_MESSAGE(contains(message, "exit code 1: bad batch at rank 1"), message);
+  check_nothing_left(recorded_pids(dir.path, 3));
+}
+
+TEST_CASE("spawn: a signal death, a timeout, and live threads are reported") {
+  SUBCASE("signal") {
+    std::string message;
+    try {
+      dist::spawn([](int rank) {
+        if (rank == 0) kill(getpid(), SIGKILL);
+      }, 2);
+    } catch (const nanoddp::DistError& e) {
+      message = e.what();
+    }
+    CHECK_MESSAGE(contains(message, "rank 0 (pid "), message);
+    CHECK_MESSAGE(contains(message, "killed by signal SIGKILL"), message);
+  }
+  SUBCASE("timeout") {
+    dist::SpawnOptions options;
+    options.timeout = 300ms;
+    options.grace_period = 200ms;
+    const auto started = Clock::now();
+    CHECK_THROWS_AS(dist::spawn([](int) { std::this_thread::sleep_for(60s); }, 2, options), nanoddp::TimeoutError);
+    CHECK(Clock::now() - started < 5s);
+  }
+  SUBCASE("threads") {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool stop = false;
+    std::thread worker([&] {
+      std::unique_lock<std::mutex> lock(mutex);
+      cv.wait(lock, [&] { return stop; });
+    });
+    CHECK_THROWS_AS(dist::spawn([](int) {}, 2), nanoddp::DistError);
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      stop = true;
+    }
+    cv.notify_all();
+    worker.join();
+  }
+  SUBCASE("bad nprocs") { CHECK_THROWS_AS(dist::spawn([](int) {}, 0), nanoddp::ValueError); }
+}
