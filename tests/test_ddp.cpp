@@ -1,6 +1,7 @@
 // DistributedDataParallel on real process groups: N ranks must train exactly like one rank on
-// the concatenated batch. Every test forks its ranks (tests/multiprocess.h); the backend is
-// Gloo unless NANODDP_TEST_BACKEND says otherwise (the MPI row runs this file under mpirun).
+// the concatenated batch. Each case runs its ranks on Gloo, forked (tests/multiprocess.h);
+// the last case runs this same file again under `mpirun -np 2`, where every 2-rank case runs
+// on the MPI backend with MPI's ranks.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -13,9 +14,11 @@
 #include "nn/layers.h"
 #include "nn/optim.h"
 #include "tests/multiprocess.h"
+#include "tests/subprocess.h"
 
 using namespace nanoddp;
 using nanoddp::testing::expect;
+using namespace std::chrono_literals;
 
 namespace {
 
@@ -47,13 +50,36 @@ Batch rows(const Batch& b, int64_t begin, int64_t end) {
           Tensor::from_vector(std::vector<int64_t>(ys.begin() + begin, ys.begin() + end))};
 }
 
+bool under_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr; }
+
+// Runs fn(rank) on `world` ranks: forked Gloo ranks, or, under mpirun, this process's rank
+// (cases for another world size than mpirun's do nothing there). Returns the failures.
+std::string on_ranks(int world, const std::function<void(int rank)>& fn) {
+  if (!under_mpirun()) return testing::run_ranks(world, fn);
+  if (std::atoi(std::getenv("OMPI_COMM_WORLD_SIZE")) != world) return "";
+  const int rank = std::atoi(std::getenv("OMPI_COMM_WORLD_RANK"));
+  try {
+    fn(rank);
+  } catch (const std::exception& e) {
+    return "rank " + std::to_string(rank) + ": " + e.what();
+  }
+  return "";
+}
+
+// This rank's process group: a fresh Gloo group on a forked rank, the one MPI group under
+// mpirun (MPI is initialised once per process).
 std::shared_ptr<dist::ProcessGroup> join(int rank, int world, int port) {
   dist::InitOptions options;
+  options.timeout = std::chrono::seconds(30);
+  if (under_mpirun()) {
+    if (dist::is_initialized()) return dist::default_process_group();
+    options.backend = dist::Backend::Mpi;
+    return dist::init_process_group(options);
+  }
   options.init_method = "tcp://127.0.0.1:" + std::to_string(port);
   options.rank = rank;
   options.world_size = world;
   options.backend = dist::Backend::Gloo;
-  options.timeout = std::chrono::seconds(30);
   return dist::init_process_group(options);
 }
 
@@ -97,7 +123,7 @@ std::vector<Tensor> train_reference(int steps, bool accumulate) {
 
 TEST_CASE("2 ranks x batch 8 train exactly like 1 rank on the batch of 16 (10 SGD steps)") {
   const int port = testing::free_port();
-  const std::string failures = testing::run_ranks(2, [port](int rank) {
+  const std::string failures = on_ranks(2, [port](int rank) {
     auto pg = join(rank, 2, port);
     // Rank 1 starts from other weights: wrapping must replace them with rank 0's.
     dist::DistributedDataParallel ddp(make_mlp(rank == 0 ? 7 : 99), pg);
@@ -117,7 +143,7 @@ TEST_CASE("2 ranks x batch 8 train exactly like 1 rank on the batch of 16 (10 SG
 
 TEST_CASE("no_sync accumulation equals one rank accumulating all micro-batches") {
   const int port = testing::free_port();
-  const std::string failures = testing::run_ranks(2, [port](int rank) {
+  const std::string failures = on_ranks(2, [port](int rank) {
     auto pg = join(rank, 2, port);
     dist::DistributedDataParallel ddp(make_mlp(7), pg);
     nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
@@ -141,7 +167,7 @@ TEST_CASE("no_sync accumulation equals one rank accumulating all micro-batches")
 
 TEST_CASE("the reduced gradient is the mean over ranks, not the sum") {
   const int port = testing::free_port();
-  const std::string failures = testing::run_ranks(2, [port](int rank) {
+  const std::string failures = on_ranks(2, [port](int rank) {
     auto pg = join(rank, 2, port);
     // y = w * x with w = 1 (1x1 Linear without bias): dL/dw for L = sum(w x) is x.
     auto model = std::make_shared<nn::Linear>(1, 1, default_generator(), /*bias=*/false);
@@ -162,7 +188,7 @@ TEST_CASE("an unused parameter is an error naming it, or zeros with find_unused_
     Tensor forward(const Tensor& x) override { return (*used)(x); }
   };
   const int port = testing::free_port();
-  const std::string failures = testing::run_ranks(2, [port](int rank) {
+  const std::string failures = on_ranks(2, [port](int rank) {
     auto pg = join(rank, 2, port);
     {
       dist::DistributedDataParallel ddp(std::make_shared<TwoHeads>(), pg);
@@ -189,7 +215,7 @@ TEST_CASE("an unused parameter is an error naming it, or zeros with find_unused_
 
 TEST_CASE("ranks with different models get an error naming the parameter") {
   const int port = testing::free_port();
-  const std::string failures = testing::run_ranks(2, [port](int rank) {
+  const std::string failures = on_ranks(2, [port](int rank) {
     auto pg = join(rank, 2, port);
     Generator gen(0);
     auto model = std::make_shared<nn::Sequential>();
@@ -208,7 +234,7 @@ TEST_CASE("ranks with different models get an error naming the parameter") {
 
 TEST_CASE("buckets follow reverse registration order and the caps") {
   const int port = testing::free_port();
-  const std::string failures = testing::run_ranks(1, [port](int rank) {
+  const std::string failures = on_ranks(1, [port](int rank) {
     auto pg = join(rank, 1, port);
     auto model = make_mlp(7);  // 0.weight 160 B, 0.bias 32 B, 2.weight 96 B, 2.bias 12 B
     dist::DDPOptions options;
@@ -219,4 +245,20 @@ TEST_CASE("buckets follow reverse registration order and the caps") {
     expect(plan == std::vector<std::vector<size_t>>{{3, 2}, {1, 0}}, "unexpected bucket plan");
   });
   CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("the 2-rank cases pass on the MPI backend too (this file under mpirun -np 2)") {
+  if (under_mpirun()) return;
+  if (testing::run({"/bin/sh", "-c", "command -v mpirun"}).code() != 0) {
+    MESSAGE("mpirun not found: the MPI half of this file did not run");
+    return;
+  }
+  ::setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  ::setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  const testing::RunResult r =
+      testing::run({"/bin/sh", "-c",
+                    "exec mpirun -np 2 --oversubscribe --bind-to none \"$0\" --test-case-exclude='*mpirun*'",
+                    testing::built("tests/test_ddp")},
+                   120s);
+  CHECK_MESSAGE(r.code() == 0, "mpirun run failed:\n", r.out, r.err);
 }

@@ -1,0 +1,108 @@
+// Running the project's programs from tests: a child with its output captured in files, a
+// deadline after which it is killed (and the test fails), and the paths of built programs.
+//
+//   RunResult r = run({launcher_path(), "--nproc-per-node", "2", built("examples/toy_ddp")});
+//   CHECK(r.code() == 0);   lines_of(r.out);
+#pragma once
+
+#include <doctest/doctest.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace nanoddp::testing {
+
+using namespace std::chrono_literals;
+
+// A program of the build folder, which meson test passes as NANODDP_BUILD_DIR.
+inline std::string built(const std::string& relative) {
+  const char* build = std::getenv("NANODDP_BUILD_DIR");
+  REQUIRE_MESSAGE(build != nullptr, "NANODDP_BUILD_DIR is not set (meson test sets it)");
+  return std::string(build) + "/" + relative;
+}
+
+inline std::string launcher_path() { return built("tools/nanoddp-run"); }
+
+inline std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// A fresh folder for one test's pid files, removed at the end.
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char name[] = "/tmp/nanoddp_launch_XXXXXX";
+    REQUIRE(mkdtemp(name) != nullptr);
+    path = name;
+  }
+  ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
+};
+
+struct RunResult {
+  int status = 0;  // from waitpid
+  std::string out, err;
+  double seconds = 0;
+  int code() const { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
+};
+
+// Runs argv with stdout/stderr captured in files (so no pipe can fill up), killing it and
+// failing the test when it outlives `timeout`. `on_started(pid)` runs once it is started.
+inline RunResult run(const std::vector<std::string>& args, std::chrono::seconds timeout = 30s,
+              const std::function<void(pid_t)>& on_started = nullptr) {
+  TempDir dir;
+  const std::string out_path = dir.path + "/out", err_path = dir.path + "/err";
+  std::vector<char*> argv;
+  std::vector<std::string> copy = args;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const auto started = std::chrono::steady_clock::now();
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    const int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    const int err = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    dup2(out, 1);
+    dup2(err, 2);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  if (on_started) on_started(pid);
+  RunResult result;
+  while (true) {
+    const pid_t done = waitpid(pid, &result.status, WNOHANG);
+    if (done == pid) break;
+    if (std::chrono::steady_clock::now() - started > timeout) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &result.status, 0);
+      FAIL("launcher still running after ", timeout.count(), " s; stderr: ", read_file(err_path));
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  result.out = read_file(out_path);
+  result.err = read_file(err_path);
+  return result;
+}
+
+inline std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+}  // namespace nanoddp::testing

@@ -1,0 +1,129 @@
+// The examples, run as a user runs them: toy_ddp under the launcher (Gloo and MPI), the
+// tutorial's divergence reported, and fashion_mnist's resume equal to an uninterrupted run
+// (on a small Fashion-MNIST-shaped data set written here, so it does not need the package).
+#include <doctest/doctest.h>
+
+#include <regex>
+
+#include "core/random.h"
+#include "data/idx.h"
+#include "nn/checkpoint.h"
+#include "tests/subprocess.h"
+
+using namespace nanoddp;
+using namespace nanoddp::testing;
+
+namespace {
+
+// The value of "key":number in a JSON line (our examples print flat objects of numbers).
+double json_field(const std::string& line, const std::string& key) {
+  const std::regex pattern("\"" + key + "\":(-?[0-9.eE+-]+)");
+  std::smatch match;
+  REQUIRE_MESSAGE(std::regex_search(line, match, pattern), "no \"", key, "\" in ", line);
+  return std::stod(match[1].str());
+}
+
+// The JSON lines of a run's stdout, whatever prefix a launcher put before them.
+std::vector<std::string> json_lines(const std::string& out) {
+  std::vector<std::string> found;
+  for (const std::string& line : lines_of(out)) {
+    const size_t brace = line.find('{');
+    if (brace != std::string::npos) found.push_back(line.substr(brace));
+  }
+  return found;
+}
+
+// Parameters of toy_ddp runs: one (weight, bias) per JSON line.
+std::vector<std::pair<double, double>> toy_results(const RunResult& r) {
+  std::vector<std::pair<double, double>> results;
+  for (const std::string& line : json_lines(r.out)) results.emplace_back(json_field(line, "weight"), json_field(line, "bias"));
+  return results;
+}
+
+// A Fashion-MNIST-shaped folder: n_train / n_test random 28x28 images with labels in [0, 10).
+void write_small_fashion_mnist(const std::string& dir, int64_t n_train, int64_t n_test) {
+  Generator gen(5);
+  auto write = [&](const std::string& prefix, int64_t n) {
+    Tensor images = Tensor::empty({n, 28, 28}, DType::UInt8);
+    Tensor labels = Tensor::empty({n}, DType::UInt8);
+    for (int64_t i = 0; i < images.numel(); ++i) images.data<uint8_t>()[i] = static_cast<uint8_t>(gen.randint(256));
+    for (int64_t i = 0; i < n; ++i) labels.data<uint8_t>()[i] = static_cast<uint8_t>(gen.randint(10));
+    data::write_idx(dir + "/" + prefix + "-images-idx3-ubyte.gz", images, true);
+    data::write_idx(dir + "/" + prefix + "-labels-idx1-ubyte.gz", labels, true);
+  };
+  write("train", n_train);
+  write("t10k", n_test);
+}
+
+}  // namespace
+
+TEST_CASE("toy_ddp: 2 ranks end with equal parameters, equal to 1 rank with the global batch") {
+  // Without shuffling, rank r of 2 takes the even or odd indices; its batch of 8 and the other
+  // rank's make up exactly the single rank's batch of 16, step for step.
+  const RunResult one = run({built("examples/toy_ddp"), "--batch-size", "16", "--init-weight", "0.5", "--init-bias", "0"});
+  REQUIRE_MESSAGE(one.code() == 0, one.err);
+  for (const char* backend : {"gloo", "mpi"}) {
+    CAPTURE(backend);
+    const RunResult two = run({launcher_path(), "--nproc-per-node", "2", "--backend", backend, built("examples/toy_ddp"),
+                               "--init-weight", "0.5", "--init-bias", "0"},
+                              60s);
+    REQUIRE_MESSAGE(two.code() == 0, two.err);
+    const auto ranks = toy_results(two), single = toy_results(one);
+    REQUIRE(ranks.size() == 2);
+    CHECK(ranks[0] == ranks[1]);  // bit for bit: every rank took the same steps
+    CHECK(ranks[0].first == doctest::Approx(single[0].first).epsilon(1e-5));
+    CHECK(ranks[0].second == doctest::Approx(single[0].second).epsilon(1e-5));
+    CHECK(two.out.find("Rank 1, Epoch [5], Loss: ") != std::string::npos);
+  }
+}
+
+TEST_CASE("toy_ddp --raw stops with an error naming the epoch and step where the loss diverged") {
+  const RunResult r = run({built("examples/toy_ddp"), "--raw"});
+  CHECK(r.code() != 0);
+  CHECK(std::regex_search(r.err, std::regex("loss became (inf|nan|-inf) at epoch [0-9]+, step [0-9]+ on rank 0")));
+}
+
+TEST_CASE("fashion_mnist: resuming from a checkpoint equals an uninterrupted run") {
+  TempDir dir;
+  write_small_fashion_mnist(dir.path, 640, 200);
+  const std::string program = built("examples/fashion_mnist");
+  const std::vector<std::string> common = {"--data-dir", dir.path, "--batch-size", "32", "--quiet"};
+  auto args = [&](std::vector<std::string> extra) {
+    std::vector<std::string> all = {launcher_path(), "--nproc-per-node", "2", "--backend", "gloo", program};
+    all.insert(all.end(), common.begin(), common.end());
+    all.insert(all.end(), extra.begin(), extra.end());
+    return all;
+  };
+  const std::string straight_ckpt = dir.path + "/straight.ckpt", resumed_ckpt = dir.path + "/resumed.ckpt";
+  const RunResult straight = run(args({"--epochs", "3", "--checkpoint", straight_ckpt}), 120s);
+  REQUIRE_MESSAGE(straight.code() == 0, straight.err);
+  const RunResult first = run(args({"--epochs", "1", "--checkpoint", resumed_ckpt}), 120s);
+  REQUIRE_MESSAGE(first.code() == 0, first.err);
+  const RunResult rest = run(args({"--epochs", "3", "--checkpoint", resumed_ckpt, "--resume"}), 120s);
+  REQUIRE_MESSAGE(rest.code() == 0, rest.err);
+
+  const auto a = json_lines(straight.out), b = json_lines(rest.out);
+  REQUIRE(a.size() == 1);
+  REQUIRE(b.size() == 1);
+  CHECK(json_field(a[0], "test_accuracy") == json_field(b[0], "test_accuracy"));
+  CHECK(json_field(a[0], "train_loss") == json_field(b[0], "train_loss"));
+  // The saved weights and momentum buffers are the same, bit for bit.
+  const nn::StateDict x = nn::load_checkpoint(straight_ckpt), y = nn::load_checkpoint(resumed_ckpt);
+  REQUIRE(x.size() == y.size());
+  for (const auto& [name, tensor] : x) {
+    CAPTURE(name);
+    REQUIRE(y.count(name) == 1);
+    if (tensor.dtype() == DType::Float32) {
+      CHECK(tensor.to_vector() == y.at(name).to_vector());
+    } else {
+      CHECK(tensor.to_int_vector() == y.at(name).to_int_vector());
+    }
+  }
+}
+
+TEST_CASE("fashion_mnist: a missing data folder is a clear error, not a crash") {
+  const RunResult r = run({built("examples/fashion_mnist"), "--data-dir", "/nonexistent/folder", "--epochs", "1"});
+  CHECK(r.code() == 1);
+  CHECK(r.err.find("/nonexistent/folder") != std::string::npos);
+  CHECK(r.err.find("dataset-fashion-mnist") != std::string::npos);
+}
