@@ -41,6 +41,7 @@ struct Config {
   std::string data_dir = data::FashionMNIST::kDefaultRoot;
   std::string checkpoint;
   bool resume = false;
+  std::string schedule = "cosine";
   bool no_overlap = false;
   bool prefetch = false;
   bool quiet = false;
@@ -60,6 +61,14 @@ std::shared_ptr<nn::Sequential> make_mlp(uint64_t seed) {
 bool file_exists(const std::string& path) { return std::ifstream(path).good(); }
 
 // Test accuracy over the whole test set, each image counted once across ranks.
+// The learning rate at global step t of T: constant, or cosine annealing from lr to 0
+// (torch.optim.lr_scheduler.CosineAnnealingLR with T_max = T, eta_min = 0, stepped per batch).
+// It depends only on t, so a resumed run follows the same schedule.
+float learning_rate(const Config& config, int64_t t, int64_t T) {
+  if (config.schedule == "constant" || T == 0) return config.lr;
+  return 0.5f * config.lr * (1.0f + std::cos(static_cast<float>(M_PI) * static_cast<float>(t) / static_cast<float>(T)));
+}
+
 double evaluate(nn::Module& model, data::DataLoader& loader, dist::ProcessGroup& pg) {
   NoGradGuard no_grad;
   model.eval();
@@ -138,6 +147,7 @@ int run(const Config& config) {
     int64_t steps = 0, samples = 0;
     const auto start = std::chrono::steady_clock::now();
     for (const data::Batch& batch : train_loader) {
+      optimizer.set_lr(learning_rate(config, epoch * train_loader.size() + steps, config.epochs * train_loader.size()));
       optimizer.zero_grad();
       Tensor loss = loss_fn(ddp(batch.input), batch.target);
       loss.backward();
@@ -200,6 +210,8 @@ int main(int argc, char** argv) {
   app.add_option("--data-dir", config.data_dir, "folder with the four Fashion-MNIST IDX files");
   app.add_option("--checkpoint", config.checkpoint, "file rank 0 writes after every epoch");
   app.add_flag("--resume", config.resume, "continue from --checkpoint if it exists");
+  app.add_option("--schedule", config.schedule, "learning rate over training: cosine (to 0) or constant")
+      ->check(CLI::IsMember({"cosine", "constant"}));
   app.add_flag("--no-overlap", config.no_overlap, "all-reduce after backward instead of during it");
   app.add_flag("--prefetch", config.prefetch, "collate batches on a background thread");
   app.add_flag("--quiet", config.quiet, "only the final JSON line");
