@@ -160,4 +160,24 @@ inline void check_collectives(dist::ProcessGroup& pg, const std::vector<int64_t>
   pg.barrier()->wait();
 }
 
+// The 2^20 + 3 element cases (every backend's large-message path): a float32 sum, an int64
+// max and min, a float32 broadcast from the last rank. Rank r contributes r + 1.
+inline void check_large_collectives(dist::ProcessGroup& pg) {
+  const int world_size = pg.size(), rank = pg.rank();
+  const int64_t numel = (int64_t(1) << 20) + 3;
+  const double s = world_size * (world_size + 1) / 2.0;
+  Tensor f = make_tensor(DType::Float32, numel, [&](int64_t i) { return (rank + 1) * pattern(i); });
+  pg.all_reduce(f, dist::ReduceOp::Sum)->wait();
+  expect_values(f, [&](int64_t i) { return s * pattern(i); }, "big sum");
+  Tensor l = make_tensor(DType::Int64, numel, [&](int64_t i) { return (rank + 1) * (i % 1000); });
+  pg.all_reduce(l, dist::ReduceOp::Max)->wait();
+  expect_values(l, [&](int64_t i) { return world_size * double(i % 1000); }, "big max");
+  Tensor m = make_tensor(DType::Int64, numel, [&](int64_t i) { return (rank + 1) * (i % 1000); });
+  pg.all_reduce(m, dist::ReduceOp::Min)->wait();
+  expect_values(m, [&](int64_t i) { return double(i % 1000); }, "big min");
+  Tensor b = make_tensor(DType::Float32, numel, [&](int64_t i) { return rank * 10.0 + (i % 3); });
+  pg.broadcast(b, world_size - 1)->wait();
+  expect_values(b, [&](int64_t i) { return (world_size - 1) * 10.0 + (i % 3); }, "big broadcast");
+}
+
 }  // namespace nanoddp::testing

@@ -50,21 +50,7 @@ TEST_CASE("gloo: all_reduce and broadcast of 2^20 + 3 elements") {
     int port = testing::free_port();
     std::string failures = testing::run_ranks(world_size, [&](int rank) {
       auto pg = join(port, rank, world_size);
-      const int64_t numel = (int64_t(1) << 20) + 3;
-      const double s = world_size * (world_size + 1) / 2.0;
-      Tensor f = testing::make_tensor(DType::Float32, numel,
-                                      [&](int64_t i) { return (rank + 1) * testing::pattern(i); });
-      pg->all_reduce(f, ReduceOp::Sum)->wait();
-      testing::expect_values(f, [&](int64_t i) { return s * testing::pattern(i); }, "big sum");
-      Tensor l = testing::make_tensor(DType::Int64, numel,
-                                      [&](int64_t i) { return (rank + 1) * (i % 1000); });
-      pg->all_reduce(l, ReduceOp::Max)->wait();
-      testing::expect_values(l, [&](int64_t i) { return world_size * double(i % 1000); }, "big max");
-      Tensor b = testing::make_tensor(DType::Float32, numel,
-                                      [&](int64_t i) { return rank * 10.0 + (i % 3); });
-      pg->broadcast(b, world_size - 1)->wait();
-      testing::expect_values(b, [&](int64_t i) { return (world_size - 1) * 10.0 + (i % 3); },
-                             "big broadcast");
+      testing::check_large_collectives(*pg);
       destroy_process_group();
     });
     CHECK_MESSAGE(failures.empty(), failures);
