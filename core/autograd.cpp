@@ -46,12 +46,14 @@ void accumulate_into(Tensor& slot, const Tensor& g) {
   slot = sum;
 }
 
-// A leaf's .grad accumulates across backward calls, as in PyTorch.
-void accumulate_leaf_grad(const Tensor& leaf, const Tensor& g) {
+// A leaf's .grad accumulates across backward calls, as in PyTorch. The first gradient is
+// taken over without a copy when nothing else can see it (PyTorch "steals" it the same way):
+// no other handle to the tensor and no other tensor on its storage.
+void accumulate_leaf_grad(const Tensor& leaf, Tensor g) {
   Tensor current = leaf.grad();
   if (!current.defined()) {
-    Tensor fresh = g.clone();
-    const_cast<Tensor&>(leaf).set_grad(fresh);
+    const bool unshared = g.use_count() == 1 && g.impl()->storage.use_count() == 1 && g.is_leaf();
+    const_cast<Tensor&>(leaf).set_grad(unshared ? g : g.clone());
   } else {
     NANODDP_DISPATCH(current.device(), accumulate, current.data<float>(), g.data<float>(), 1.0f, g.numel());
   }
@@ -141,7 +143,7 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
     const std::shared_ptr<Node> fn = t.grad_fn();
     if (!fn) {
       if (g.defined()) {
-        accumulate_leaf_grad(t, g);
+        accumulate_leaf_grad(t, std::move(g));
         for (auto& [id, hook] : t.impl()->post_accumulate_grad_hooks) hook(t);
       }
       continue;

@@ -2,6 +2,9 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
 
 #include "core/error.h"
 #include "kernels/device_memory.h"
@@ -9,8 +12,54 @@
 namespace nanoddp {
 
 namespace {
+
 constexpr size_t kCpuAlignmentBytes = 64;  // a cache line; what AVX-512 loads want
+
+// Note [Host block cache]
+// A training step frees and re-allocates the same large buffers (activations, gradients)
+// every iteration. glibc serves blocks above its mmap threshold with fresh mmap'd pages and
+// returns them with munmap, so every step would pay a page fault per 4 KiB of every large
+// buffer. Large host blocks are therefore kept, by exact rounded size, and reused; the cache
+// holds at most kMaxCachedBytes, beyond which blocks are freed as usual.
+constexpr size_t kMinCachedBytes = 64 << 10;
+constexpr size_t kMaxCachedBytes = 256 << 20;
+
+class HostBlockCache {
+ public:
+  void* take(size_t rounded) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = free_.find(rounded);
+    if (it == free_.end() || it->second.empty()) return nullptr;
+    void* block = it->second.back();
+    it->second.pop_back();
+    cached_bytes_ -= rounded;
+    return block;
+  }
+  void give(void* block, size_t rounded) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (cached_bytes_ + rounded <= kMaxCachedBytes) {
+        free_[rounded].push_back(block);
+        cached_bytes_ += rounded;
+        return;
+      }
+    }
+    std::free(block);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<size_t, std::vector<void*>> free_;
+  size_t cached_bytes_ = 0;
+};
+
+// Never destroyed: tensors held in static objects may be freed after it would be.
+HostBlockCache& host_block_cache() {
+  static HostBlockCache* cache = new HostBlockCache();
+  return *cache;
 }
+
+}  // namespace
 
 std::shared_ptr<Storage> Storage::allocate(size_t nbytes, Device device) {
   if (nbytes == 0) return std::make_shared<Storage>(nullptr, 0, device, [](void*) {});
@@ -21,9 +70,12 @@ std::shared_ptr<Storage> Storage::allocate(size_t nbytes, Device device) {
                                      [index](void* p) { kernels::cuda::deallocate(p, index); });
   }
   const size_t rounded = (nbytes + kCpuAlignmentBytes - 1) / kCpuAlignmentBytes * kCpuAlignmentBytes;
-  void* data = std::aligned_alloc(kCpuAlignmentBytes, rounded);
+  const bool cached = rounded >= kMinCachedBytes;
+  void* data = cached ? host_block_cache().take(rounded) : nullptr;
+  if (data == nullptr) data = std::aligned_alloc(kCpuAlignmentBytes, rounded);
   NANODDP_CHECK(data != nullptr, ValueError, "out of host memory allocating ", nbytes, " bytes");
-  return std::make_shared<Storage>(data, nbytes, device, [](void* p) { std::free(p); });
+  if (!cached) return std::make_shared<Storage>(data, nbytes, device, [](void* p) { std::free(p); });
+  return std::make_shared<Storage>(data, nbytes, device, [rounded](void* p) { host_block_cache().give(p, rounded); });
 }
 
 Storage::Storage(void* data, size_t nbytes, Device device, Deleter deleter)

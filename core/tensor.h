@@ -123,6 +123,7 @@ class Tensor {
 
   std::string str() const;  // shape, dtype, device and (up to a few) values
   TensorImpl* impl() const { return impl_.get(); }
+  long use_count() const { return impl_.use_count(); }  // handles sharing this TensorImpl
   bool is_same(const Tensor& other) const { return impl_ == other.impl_; }
 
  private:

@@ -142,35 +142,55 @@ Tensor read_idx(const std::string& path, int dims) {
   // bound no real file reaches. Any product below it is checked against the data anyway.
   constexpr uint64_t kMaxDataBytes = uint64_t{1} << 48;
   uint64_t data_bytes = 1;
+  for (int d = 0; d < dims; ++d) sizes[d] = big_endian_u32(size_bytes + 4 * d);
+  // The bound applies to the nonzero sizes even when one size is 0 (no data at all), so that
+  // no partial product of the shape can overflow int64 later.
+  bool empty = false;
   for (int d = 0; d < dims; ++d) {
-    sizes[d] = big_endian_u32(size_bytes + 4 * d);
     const auto size = static_cast<uint64_t>(sizes[d]);
-    NANODDP_CHECK(size == 0 || data_bytes <= kMaxDataBytes / size, IOError, "IDX file '", path,
-                  "': corrupt header: dimension sizes ", join_sizes(sizes),
-                  "... promise more than 2^48 bytes");
+    if (size == 0) {
+      empty = true;
+      continue;
+    }
+    NANODDP_CHECK(data_bytes <= kMaxDataBytes / size, IOError, "IDX file '", path,
+                  "': corrupt header at byte offset 4: dimension sizes ", join_sizes(sizes),
+                  " promise more than 2^48 bytes");
     data_bytes *= size;
   }
+  if (empty) data_bytes = 0;
 
-  // ---- data: exactly data_bytes, read as it arrives ----
-  std::vector<uint8_t> buffer;
-  while (buffer.size() < data_bytes) {
-    const size_t old_size = buffer.size();
-    const size_t want = static_cast<size_t>(std::min<uint64_t>(data_bytes - old_size, kChunkBytes));
-    buffer.resize(old_size + want);
-    const size_t got = stream.read(buffer.data() + old_size, want);
-    buffer.resize(old_size + got);
-    NANODDP_CHECK(got == want, IOError, "IDX file '", path, "': truncated at ",
-                  stream.where(header_bytes + buffer.size()), ": header promises ",
-                  promised(sizes, data_bytes), " after the ", header_bytes, "-byte header, got ",
-                  buffer.size());
+  // ---- data: exactly data_bytes, read in chunks straight into the tensor ----
+  // Allocating before reading is safe up to kEagerBytes: untouched pages cost no memory, so a
+  // lying header costs address space, not RAM, and the read below stops at the real end.
+  // Beyond it (no real file comes close) nothing is allocated that has not arrived.
+  constexpr uint64_t kEagerBytes = uint64_t{1} << 30;
+  std::vector<uint8_t> spill;
+  Tensor out;
+  if (data_bytes <= kEagerBytes) out = Tensor::empty(Shape(sizes), DType::UInt8);
+  uint64_t done = 0;
+  while (done < data_bytes) {
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(data_bytes - done, kChunkBytes));
+    uint8_t* target = nullptr;
+    if (out.defined()) {
+      target = out.data<uint8_t>() + done;
+    } else {
+      spill.resize(done + want);
+      target = spill.data() + done;
+    }
+    const size_t got = stream.read(target, want);
+    done += got;
+    NANODDP_CHECK(got == want, IOError, "IDX file '", path, "': truncated at ", stream.where(header_bytes + done),
+                  ": header promises ", promised(sizes, data_bytes), " after the ", header_bytes, "-byte header, got ",
+                  done);
   }
   uint8_t extra = 0;
   NANODDP_CHECK(stream.read(&extra, 1) == 0, IOError, "IDX file '", path, "': unexpected data at ",
                 stream.where(header_bytes + data_bytes), ": header promises ", promised(sizes, data_bytes),
                 " after the ", header_bytes, "-byte header, but the file goes on");
-
-  Tensor out = Tensor::empty(Shape(sizes), DType::UInt8);
-  if (data_bytes > 0) std::memcpy(out.data<uint8_t>(), buffer.data(), buffer.size());
+  if (!out.defined()) {
+    out = Tensor::empty(Shape(sizes), DType::UInt8);
+    std::memcpy(out.data<uint8_t>(), spill.data(), spill.size());
+  }
   return out;
 }
 

@@ -92,6 +92,7 @@ void Reducer::mark_ready(size_t k) {
                 "' received its gradient twice in one backward pass; a parameter may be used many times "
                 "in a forward pass, but backward must run once per iteration");
   ready_[k] = true;
+  if (pg_->size() == 1) return;  // the mean over one rank is the gradient itself
   auto [b, slot] = location_[k];
   Bucket& bucket = buckets_[b];
   const Tensor grad = params_[k].second.grad();
@@ -132,6 +133,10 @@ void Reducer::finalize() {
     NANODDP_THROW(DistError, "DDP on rank ", pg_->rank(), "/", pg_->size(),
                   ": these parameters received no gradient in this iteration: ", names.str(),
                   ". Make every parameter take part in the loss, or pass find_unused_parameters = true");
+  }
+  if (pg_->size() == 1) {
+    reset_iteration();
+    return;
   }
   launch_ready_buckets();
   NANODDP_ASSERT(next_bucket_to_launch_ == buckets_.size());

@@ -12,7 +12,8 @@
 //   2. mark_ready(i), called when parameter i's gradient is final for this backward: copy it
 //      into its bucket's flat buffer, divided by world_size (the averaging folded into the
 //      copy). When a bucket's last parameter is in, and overlap is on, launch the all-reduces
-//      of every complete bucket in plan order (never out of order: ranks must agree).
+//      of every complete bucket in plan order (never out of order: ranks must agree). With
+//      one rank the mean is the gradient itself: nothing is copied or reduced.
 //   3. finalize(), queued to run when backward ends: parameters still not ready either are an
 //      error naming them, or (find_unused_parameters) contribute zeros and keep an empty
 //      .grad; launch what is left in order; wait for every bucket with the timeout; copy each

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <sstream>
 #include <string>
 
@@ -33,7 +34,14 @@ inline std::string json_number(double value) {
 class Progress {
  public:
   Progress(int epoch, int epochs, int64_t steps, bool enabled)
-      : epoch_(epoch), epochs_(epochs), steps_(steps), enabled_(enabled), terminal_(::isatty(STDOUT_FILENO) == 1) {}
+      : epoch_(epoch), epochs_(epochs), steps_(steps), enabled_(enabled), terminal_(redraw_in_place()) {}
+
+  // A terminal that is ours alone: mpirun hands its ranks a pseudo-terminal but prefixes and
+  // interleaves their lines, where a carriage return would only garble the output.
+  static bool redraw_in_place() {
+    return ::isatty(STDOUT_FILENO) == 1 && std::getenv("OMPI_COMM_WORLD_SIZE") == nullptr &&
+           std::getenv("PMIX_RANK") == nullptr && std::getenv("SLURM_PROCID") == nullptr;
+  }
 
   void update(int64_t step, double mean_loss) {
     if (!enabled_ || steps_ == 0) return;

@@ -92,7 +92,7 @@ int main(int argc, char** argv) {
         loss.backward();
         optimizer.step();
         last_loss = loss.item();
-        NANODDP_CHECK(std::isfinite(last_loss), ValueError, "toy_ddp: the loss became ", last_loss, " at epoch ",
+        NANODDP_CHECK(std::isfinite(last_loss), ValueError, "the loss became ", last_loss, " at epoch ",
                       epoch + 1, ", step ", step, " on rank ", rank,
                       raw ? ": SGD diverges on the unscaled data (x up to 99); drop --raw or lower --lr"
                           : "; lower --lr");

@@ -220,6 +220,13 @@ TEST_CASE("bad dimensions: zero-sized images, and a header promising absurd size
   CHECK(contains(message, zero_rows));
   CHECK(contains(message, "bad dimensions at byte offset 8"));
 
+  // Sizes whose product passes 2^48 are rejected even beside a zero.
+  const std::string zero_huge = write_file("zero-huge", idx_bytes(8, {0xFFFFFFFFu, 0xFFFFFFFFu, 0}, {}));
+  CHECK(contains(io_error([&] { read_idx_images(zero_huge); }), "more than 2^48 bytes"));
+  // A zero beside ordinary sizes: a valid empty file, and the zero-sized image is reported.
+  const std::string zero_cols = write_file("zero-cols", idx_bytes(8, {70000, 28, 0}, {}));
+  CHECK(contains(io_error([&] { read_idx_images(zero_cols); }), "bad dimensions at byte offset 12"));
+
   // 2^32-1 cubed cannot even be multiplied out: rejected from the header alone.
   const std::string huge =
       write_file("huge", idx_bytes(8, {0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu}, pattern(10)));

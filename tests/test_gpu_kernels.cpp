@@ -113,7 +113,8 @@ TEST_CASE("scalar_forward and accumulate match the CPU") {
     out.upload(want);
     cpu::accumulate(want.data(), a.data(), 0.5f, n);
     gpu::accumulate(out.data(), da.data(), 0.5f, n);
-    expect_close(label("accumulate", n), out.to_host(), want, kElementwiseRtol, 1e-7);
+    // An fma on one device and not the other: one rounding of a term of size ~1 apart.
+    expect_close(label("accumulate", n), out.to_host(), want, kElementwiseRtol, 1e-6);
   }
 }
 
@@ -135,7 +136,8 @@ TEST_CASE("column_sum matches the CPU exactly on small integers") {
     DeviceArray<float> dd(d), out(static_cast<size_t>(F));
     out.poison();
     gpu::column_sum(out.data(), dd.data(), N, F);
-    expect_close(label("column_sum (normal)", N, F), out.to_host(), want, 1e-4, 1e-5 * std::sqrt(double(N) + 1.0));
+    // Recursive float summation's error grows with N (Higham's bound is about N eps sum|d|).
+    expect_close(label("column_sum (normal)", N, F), out.to_host(), want, 1e-5, 1e-6 * double(N) + 1e-6);
   }
 }
 
@@ -176,7 +178,6 @@ TEST_CASE("sum_forward and broadcast_scalar_backward match the CPU") {
 
 TEST_CASE("argmax_forward matches the CPU, ties and NaN included") {
   for (auto [N, C] : kShapes) {
-    if (C == 0) continue;  // no index to return
     // Few distinct values: many ties, which the first index must win.
     auto in = small_ints(N * C, 11, 0, 4);
     if (N * C > 40) in[37] = kNaN;  // a NaN is the largest (torch.argmax)
@@ -303,13 +304,14 @@ TEST_CASE("cross_entropy forward and backward match the CPU for every reduction"
       expect_close(what + " loss", out.to_host(), want, 1e-5, 1e-6);
       expect_close(what + " probs", probs.to_host(), want_probs, 1e-5, 1e-7);
 
+      // Backward from the same probs on both devices: then the arithmetic is the same too.
       const std::vector<float> dout = r == Reduction::None ? dout_none : std::vector<float>{0.75f};
       std::vector<float> want_dlogits(logits.size());
-      cpu::cross_entropy_backward(want_dlogits.data(), dout.data(), want_probs.data(), target.data(), N, C, r);
+      cpu::cross_entropy_backward(want_dlogits.data(), dout.data(), probs.to_host().data(), target.data(), N, C, r);
       DeviceArray<float> ddout(dout), dlogits(logits.size());
       dlogits.poison();
       gpu::cross_entropy_backward(dlogits.data(), ddout.data(), probs.data(), dtarget.data(), N, C, r);
-      expect_close(what + " dlogits", dlogits.to_host(), want_dlogits, 1e-5, 1e-7);
+      expect_close(what + " dlogits", dlogits.to_host(), want_dlogits, 1e-6, 0.0);
     }
   }
 }
@@ -368,8 +370,9 @@ TEST_CASE("sgd_step matches the CPU for every option, first and later steps") {
         cpu::sgd_step(param.data(), with_buffer ? buffer.data() : nullptr, grad.data(), n, c.config, first_step);
         gpu::sgd_step(dparam.data(), with_buffer ? dbuffer.data() : nullptr, dgrad.data(), n, c.config, first_step);
         const std::string what = label("sgd_step", n) + " " + c.name + (first_step ? " first" : " second");
-        expect_close(what + " param", dparam.to_host(), param, 1e-6, 1e-7);
-        if (with_buffer) expect_close(what + " buffer", dbuffer.to_host(), buffer, 1e-6, 1e-7);
+        // Either compiler may fuse a*b + c into an fma: a rounding of a term of size ~1 apart.
+        expect_close(what + " param", dparam.to_host(), param, 1e-6, 1e-6);
+        if (with_buffer) expect_close(what + " buffer", dbuffer.to_host(), buffer, 1e-6, 1e-6);
       }
     }
   }

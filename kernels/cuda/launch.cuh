@@ -3,7 +3,7 @@
 //
 //   fill_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(out, value, n);
 //   for (int64_t i = first_index(); i < n; i += grid_stride()) ...   // inside a kernel
-//   deterministic_sum(out, SquaredDiff{a, b}, n, float(n));         // out[0] = mean((a-b)^2)
+//   deterministic_sum(out, SquaredDiff{a, b}, n, double(n));        // out[0] = mean((a-b)^2)
 //
 // Internal to kernels/cuda (CUDA C++ only).
 #pragma once
@@ -34,24 +34,25 @@ __device__ __forceinline__ int64_t grid_stride() { return static_cast<int64_t>(g
 
 // Sum over the 32 lanes of a warp; the full sum lands in lane 0. The shuffle tree is fixed,
 // so the result does not depend on timing.
-__device__ __forceinline__ float warp_sum(float value) {
+template <typename T>
+__device__ __forceinline__ T warp_sum(T value) {
   for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(kFullMask, value, offset);
   return value;
 }
 
 // Sum over a block of kThreads threads (a multiple of 32, at most 1024); the result is valid
 // in thread 0. Uses static shared memory: call at most once per kernel.
-template <int kThreads>
-__device__ __forceinline__ float block_sum(float value) {
+template <int kThreads, typename T>
+__device__ __forceinline__ T block_sum(T value) {
   static_assert(kThreads % 32 == 0 && kThreads <= 1024, "block_sum needs whole warps");
-  __shared__ float warp_sums[kThreads / 32];
+  __shared__ T warp_sums[kThreads / 32];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   value = warp_sum(value);
   if (lane == 0) warp_sums[warp] = value;
   __syncthreads();
   if (warp == 0) {
-    value = lane < kThreads / 32 ? warp_sums[lane] : 0.0f;
+    value = lane < kThreads / 32 ? warp_sums[lane] : T(0);
     value = warp_sum(value);
   }
   return value;
@@ -62,7 +63,9 @@ __device__ __forceinline__ float block_sum(float value) {
 // Pass 1 gives block b the elements b*kBlock + t + k*stride and writes its sum to
 // partials[b]; pass 2 sums the partials in one block. The number of blocks depends on n only
 // (never on the GPU model or on timing) and each tree is fixed, so the same input gives
-// bit-identical sums on every run and every GPU. No atomics.
+// bit-identical sums on every run and every GPU. No atomics. Sums are kept in double, as the
+// CPU kernels keep theirs, so both round the same exact-ish total to float once at the end;
+// the kernel stays memory-bound (one double add per element loaded).
 constexpr int kMaxSumBlocks = 1024;
 constexpr int kSumUnroll = 4;  // independent loads in flight per thread
 
@@ -74,33 +77,33 @@ inline int sum_blocks(int64_t n) {
 
 // load(i) -> float: the value to sum for element i (in[i], (a[i]-b[i])^2, ...).
 template <typename Load>
-__global__ void sum_partials_kernel(float* partials, Load load, int64_t n) {
+__global__ void sum_partials_kernel(double* partials, Load load, int64_t n) {
   const int64_t stride = grid_stride();
   int64_t i = first_index();
-  float acc = 0.0f;
+  double acc = 0.0;
   for (; i + (kSumUnroll - 1) * stride < n; i += kSumUnroll * stride) {
     const float v0 = load(i), v1 = load(i + stride), v2 = load(i + 2 * stride), v3 = load(i + 3 * stride);
-    acc += (v0 + v1) + (v2 + v3);
+    acc += (double(v0) + double(v1)) + (double(v2) + double(v3));
   }
-  for (; i < n; i += stride) acc += load(i);
-  const float total = block_sum<kBlock>(acc);
+  for (; i < n; i += stride) acc += double(load(i));
+  const double total = block_sum<kBlock>(acc);
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
-// out[0] = (sum of partials[0..count)) / divisor; one block of kMaxSumBlocks threads.
+// out[0] = float((sum of partials[0..count)) / divisor); one block of kMaxSumBlocks threads.
 template <int kThreads = kMaxSumBlocks>
-__global__ void sum_finish_kernel(float* out, const float* partials, int count, float divisor) {
-  const float value = threadIdx.x < count ? partials[threadIdx.x] : 0.0f;
-  const float total = block_sum<kThreads>(value);
-  if (threadIdx.x == 0) out[0] = total / divisor;
+__global__ void sum_finish_kernel(float* out, const double* partials, int count, double divisor) {
+  const double value = threadIdx.x < count ? partials[threadIdx.x] : 0.0;
+  const double total = block_sum<kThreads>(value);
+  if (threadIdx.x == 0) out[0] = static_cast<float>(total / divisor);
 }
 
 // out[0] = (sum over i < n of load(i)) / divisor, deterministically. divisor is 1 for a sum,
 // n for a mean (so a mean of nothing is 0/0 = NaN, as torch). out is device memory.
 template <typename Load>
-void deterministic_sum(float* out, Load load, int64_t n, float divisor) {
+void deterministic_sum(float* out, Load load, int64_t n, double divisor) {
   const int blocks = n > 0 ? sum_blocks(n) : 0;
-  ScratchBuffer<float> partials(blocks > 0 ? blocks : 1);
+  ScratchBuffer<double> partials(blocks > 0 ? blocks : 1);
   if (blocks > 0) {
     sum_partials_kernel<<<blocks, kBlock, 0, stream()>>>(partials.data(), load, n);
     NANODDP_CUDA_CHECK_LAUNCH("sum_partials_kernel");

@@ -42,25 +42,26 @@ void mse_forward(float* out, const float* input, const float* target, int64_t n,
     NANODDP_CUDA_CHECK_LAUNCH("mse_forward_kernel");
     return;
   }
-  const float divisor = reduction == Reduction::Mean ? static_cast<float>(n) : 1.0f;
+  const double divisor = reduction == Reduction::Mean ? static_cast<double>(n) : 1.0;
   deterministic_sum(out, SquaredDiff{input, target}, n, divisor);
 }
 
-// dinput[i] = 2 (input[i] - target[i]) * g, g = dout[0] * scale (Mean, Sum) or dout[i] (None).
+// None: dinput[i] = 2 (input[i] - target[i]) dout[i]. Mean, Sum: dinput[i] = s (input[i] -
+// target[i]) with s = 2 dout[0] / divisor (n or 1): the CPU kernel's order of operations.
 __global__ void mse_backward_kernel(float* dinput, const float* dout, const float* input, const float* target,
-                                    int64_t n, float scale, bool per_element) {
-  const float shared_grad = per_element ? 0.0f : dout[0] * scale;
+                                    int64_t n, float divisor, bool per_element) {
+  const float scale = per_element ? 0.0f : 2.0f * dout[0] / divisor;
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
-    const float g = per_element ? dout[i] : shared_grad;
-    dinput[i] = 2.0f * (input[i] - target[i]) * g;
+    const float d = input[i] - target[i];
+    dinput[i] = per_element ? 2.0f * d * dout[i] : scale * d;
   }
 }
 
 void mse_backward(float* dinput, const float* dout, const float* input, const float* target, int64_t n,
                   Reduction reduction) {
   if (n <= 0) return;
-  const float scale = reduction == Reduction::Mean ? 1.0f / static_cast<float>(n) : 1.0f;
-  mse_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(dinput, dout, input, target, n, scale,
+  const float divisor = reduction == Reduction::Mean ? static_cast<float>(n) : 1.0f;
+  mse_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(dinput, dout, input, target, n, divisor,
                                                             reduction == Reduction::None);
   NANODDP_CUDA_CHECK_LAUNCH("mse_backward_kernel");
 }
@@ -112,7 +113,7 @@ void cross_entropy_forward(float* out, float* probs, const float* logits, const 
                            int64_t C, Reduction reduction) {
   const int64_t blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
   NANODDP_CHECK(blocks <= 0x7fffffff, ValueError, "cross_entropy: ", N, " rows is more than one launch takes");
-  const float divisor = reduction == Reduction::Mean ? static_cast<float>(N) : 1.0f;
+  const double divisor = reduction == Reduction::Mean ? static_cast<double>(N) : 1.0;
   if (reduction == Reduction::None) {
     if (N <= 0) return;
     cross_entropy_forward_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, stream()>>>(out, probs, logits,
@@ -129,20 +130,21 @@ void cross_entropy_forward(float* out, float* probs, const float* logits, const 
   deterministic_sum(out, LoadValue{row_loss.data()}, N, divisor);
 }
 
-// dlogits[r, c] = (probs[r, c] - [c == target[r]]) * g_r with g_r = dout[0] * scale (Mean,
-// Sum) or dout[r] (None). WRITES. Rows with a target outside [0, C) get 0.
+// dlogits[r, c] = g_r probs[r, c] - g_r [c == target[r]], with g_r = dout[0] / divisor (N for
+// Mean, 1 for Sum) or dout[r] (None): the CPU kernel's order of operations, so both round
+// alike. WRITES. Rows with a target outside [0, C) get 0.
 __global__ void cross_entropy_backward_kernel(float* dlogits, const float* dout, const float* probs,
-                                              const int64_t* target, int64_t N, int64_t C, float scale,
+                                              const int64_t* target, int64_t N, int64_t C, float divisor,
                                               bool per_row) {
   const int64_t n = N * C;
-  const float shared_grad = per_row ? 0.0f : dout[0] * scale;
+  const float shared_grad = per_row ? 0.0f : dout[0] / divisor;
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
     const int64_t row = i / C;
     const int64_t c = i - row * C;
     const int64_t t = target[row];
     const float g = per_row ? dout[row] : shared_grad;
-    const float onehot = c == t ? 1.0f : 0.0f;
-    dlogits[i] = (t >= 0 && t < C) ? (probs[i] - onehot) * g : 0.0f;
+    const float scaled = __fmul_rn(g, probs[i]);  // no fma: round the product first, as the CPU
+    dlogits[i] = (t >= 0 && t < C) ? (c == t ? scaled - g : scaled) : 0.0f;
   }
 }
 
@@ -150,8 +152,8 @@ void cross_entropy_backward(float* dlogits, const float* dout, const float* prob
                             int64_t N, int64_t C, Reduction reduction) {
   const int64_t n = N * C;
   if (n <= 0) return;
-  const float scale = reduction == Reduction::Mean ? 1.0f / static_cast<float>(N) : 1.0f;
-  cross_entropy_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(dlogits, dout, probs, target, N, C, scale,
+  const float divisor = reduction == Reduction::Mean ? static_cast<float>(N) : 1.0f;
+  cross_entropy_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(dlogits, dout, probs, target, N, C, divisor,
                                                                       reduction == Reduction::None);
   NANODDP_CUDA_CHECK_LAUNCH("cross_entropy_backward_kernel");
 }

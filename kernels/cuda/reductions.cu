@@ -16,7 +16,7 @@ struct LoadValue {
 }  // namespace
 
 // sum_forward's kernels are the shared sum_partials_kernel / sum_finish_kernel.
-void sum_forward(float* out, const float* in, int64_t n) { deterministic_sum(out, LoadValue{in}, n, 1.0f); }
+void sum_forward(float* out, const float* in, int64_t n) { deterministic_sum(out, LoadValue{in}, n, 1.0); }
 
 // din[i] = dout[0] * scale. WRITES. dout stays on the device: no host round trip.
 __global__ void broadcast_scalar_backward_kernel(float* din, const float* dout, float scale, int64_t n) {
@@ -46,7 +46,7 @@ __device__ __forceinline__ bool argmax_better(float value, int64_t index, float 
 
 constexpr int kRowsPerBlock = kBlock / 32;  // one warp per row
 
-// in: [N, C] -> out: [N] int64; one warp per row. Rows with C == 0 get -1 (there is no index).
+// in: [N, C] -> out: [N] int64; one warp per row. With C == 0 every row gets 0, as on the CPU.
 __global__ void argmax_forward_kernel(int64_t* out, const float* in, int64_t N, int64_t C) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -68,7 +68,7 @@ __global__ void argmax_forward_kernel(int64_t* out, const float* in, int64_t N, 
       best_index = other_index;
     }
   }
-  if (lane == 0) out[row] = best_index;
+  if (lane == 0) out[row] = best_index < 0 ? 0 : best_index;
 }
 
 void argmax_forward(int64_t* out, const float* in, int64_t N, int64_t C) {
@@ -87,15 +87,17 @@ void argmax_forward(int64_t* out, const float* in, int64_t N, int64_t C) {
 constexpr int kColumnTile = 32;
 constexpr int kRowLanes = 8;
 
-__global__ void column_sum_backward_kernel(float* partials, const float* d, int64_t N, int64_t F,
+__global__ void column_sum_backward_kernel(float* __restrict__ partials, const float* __restrict__ d, int64_t N, int64_t F,
                                            int64_t rows_per_chunk) {
   __shared__ float lane_sums[kRowLanes][kColumnTile + 1];
   const int64_t column = static_cast<int64_t>(blockIdx.x) * kColumnTile + threadIdx.x;
   const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
   const int64_t row_end = row_begin + rows_per_chunk < N ? row_begin + rows_per_chunk : N;
   float acc = 0.0f;
-  if (column < F)
+  if (column < F) {
+#pragma unroll 8  // several loads in flight per thread: this kernel is bandwidth-bound
     for (int64_t r = row_begin + threadIdx.y; r < row_end; r += kRowLanes) acc += d[r * F + column];
+  }
   lane_sums[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && column < F) {

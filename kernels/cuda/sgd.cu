@@ -19,8 +19,10 @@ __device__ __forceinline__ void sgd_update(float& p, float* buf, float grad, con
   p -= c.lr * g;
 }
 
-__global__ void sgd_step_forward_kernel(float* param, float* momentum_buffer, const float* grad, int64_t n,
-                                        SgdConfig config, bool first_step) {
+// param, momentum_buffer and grad never overlap (__restrict__ lets loads run ahead of stores).
+__global__ void sgd_step_forward_kernel(float* __restrict__ param, float* __restrict__ momentum_buffer,
+                                        const float* __restrict__ grad, int64_t n, SgdConfig config,
+                                        bool first_step) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
     float p = param[i];
     float b = 0.0f;

@@ -1,0 +1,181 @@
+// All-reduce bandwidth in the nccl-tests form: one row per message size, the time of one
+// in-place float32 sum all-reduce, its algorithm bandwidth and its bus bandwidth.
+//
+//   allreduce_bench --nproc 2 --backend gloo          # forks 2 ranks on this host
+//   mpirun -np 2 allreduce_bench                       # MPI (auto under mpirun)
+//   nanoddp-run --nproc-per-node 8 allreduce_bench --backend nccl
+//
+// algbw = bytes / time. busbw = algbw * 2(n-1)/n: a ring all-reduce moves 2(n-1)/n of the
+// buffer through every rank's link, so busbw is comparable across world sizes and with the
+// link's peak (nccl-tests, doc/PERFORMANCE.md). time is the mean over iterations of the
+// slowest rank (a max all-reduce of the per-rank means).
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "dist/init.h"
+#include "tests/multiprocess.h"
+
+#if NANODDP_WITH_MPI
+#define OMPI_SKIP_MPICXX 1
+#include <mpi.h>
+#endif
+
+#if NANODDP_WITH_CUDA
+#include "kernels/device_memory.h"
+#endif
+
+using namespace nanoddp;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct Config {
+  std::string backend = "auto";
+  int nproc = 0;  // > 0: fork this many ranks here (Gloo), no launcher needed
+  int64_t min_bytes = 4 << 10;
+  int64_t max_bytes = 64 << 20;
+  int warmup = 3;
+  double seconds_per_size = 0.25;  // iterations per size: about this much time, 5..1000
+  bool compare_blocking_mpi = false;
+};
+
+void synchronize(const Device& device) {
+#if NANODDP_WITH_CUDA
+  if (device.is_cuda()) kernels::cuda::synchronize();
+#else
+  (void)device;
+#endif
+}
+
+// Mean seconds of one all-reduce on this rank.
+double time_all_reduce(dist::ProcessGroup& pg, Tensor& t, int iters, int warmup) {
+  for (int i = 0; i < warmup; ++i) pg.all_reduce(t)->wait();
+  pg.barrier()->wait();
+  auto start = Clock::now();
+  for (int i = 0; i < iters; ++i) pg.all_reduce(t)->wait();
+  synchronize(t.device());
+  return std::chrono::duration<double>(Clock::now() - start).count() / iters;
+}
+
+#if NANODDP_WITH_MPI
+double time_blocking_mpi(Tensor& t, int iters, int warmup) {
+  float* data = t.data<float>();
+  int count = static_cast<int>(t.numel());
+  for (int i = 0; i < warmup; ++i)
+    MPI_Allreduce(MPI_IN_PLACE, data, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+  MPI_Barrier(MPI_COMM_WORLD);
+  auto start = Clock::now();
+  for (int i = 0; i < iters; ++i)
+    MPI_Allreduce(MPI_IN_PLACE, data, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+  return std::chrono::duration<double>(Clock::now() - start).count() / iters;
+}
+#endif
+
+// The slowest rank's value, agreed by all.
+double max_over_ranks(dist::ProcessGroup& pg, double seconds, Device device) {
+  Tensor v = Tensor::from_vector(std::vector<float>{static_cast<float>(seconds)}).to(device);
+  pg.all_reduce(v, dist::ReduceOp::Max)->wait();
+  return v.to(Device::cpu()).item();
+}
+
+void run_rank(const Config& c, int rank, int world_size, int port) {
+  dist::InitOptions options;
+  options.backend = dist::parse_backend(c.backend);
+  if (c.nproc > 0) {
+    options.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+    options.rank = rank;
+    options.world_size = world_size;
+  }
+  Device device = options.backend == dist::Backend::Nccl ? Device::cuda(dist::get_local_rank())
+                                                         : Device::cpu();
+  options.device = device;
+  auto pg = dist::init_process_group(options);
+  const int n = pg->size();
+  const bool print = pg->rank() == 0;
+  bool blocking_mpi = false;
+#if NANODDP_WITH_MPI
+  blocking_mpi = c.compare_blocking_mpi && pg->backend_name() == "mpi";
+#endif
+  if (print) {
+    std::printf("# nanoddp all_reduce: backend %s, %d ranks, float32 sum in place, device %s\n",
+                pg->backend_name().c_str(), n, device.str().c_str());
+    std::printf("# algbw = size / time;  busbw = algbw * 2(n-1)/n = algbw * %.3f  (n = %d)\n",
+                2.0 * (n - 1) / n, n);
+    std::printf("# time: mean over iterations of the slowest rank\n");
+    std::printf("%14s %12s %7s %12s %12s %12s%s\n", "size(B)", "count(el)", "iters", "time(us)",
+                "algbw(GB/s)", "busbw(GB/s)", blocking_mpi ? "  MPI_Allreduce(us)" : "");
+  }
+  for (int64_t bytes = c.min_bytes; bytes <= c.max_bytes; bytes *= 2) {
+    const int64_t count = bytes / 4;
+    Tensor t = Tensor::ones({count}, DType::Float32, device);
+    // Every rank must run the same number of iterations: agree on the estimate first.
+    double estimate = max_over_ranks(*pg, time_all_reduce(*pg, t, 1, 1), device);
+    int iters = static_cast<int>(std::clamp(c.seconds_per_size / std::max(estimate, 1e-7), 5.0, 1000.0));
+    double seconds = max_over_ranks(*pg, time_all_reduce(*pg, t, iters, c.warmup), device);
+    double algbw = static_cast<double>(bytes) / seconds / 1e9;
+    double busbw = algbw * 2.0 * (n - 1) / n;
+    std::string extra;
+#if NANODDP_WITH_MPI
+    if (blocking_mpi) {
+      double mpi_seconds = max_over_ranks(*pg, time_blocking_mpi(t, iters, c.warmup), device);
+      char text[32];
+      std::snprintf(text, sizeof(text), "  %18.1f", mpi_seconds * 1e6);
+      extra = text;
+    }
+#endif
+    if (print) {
+      std::printf("%14lld %12lld %7d %12.1f %12.3f %12.3f%s\n", static_cast<long long>(bytes),
+                  static_cast<long long>(count), iters, seconds * 1e6, algbw, busbw,
+                  extra.c_str());
+      std::fflush(stdout);
+    }
+  }
+  pg->barrier()->wait();
+  dist::destroy_process_group();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Config c;
+  CLI::App app{"All-reduce bandwidth table (nccl-tests style) for the gloo, mpi or nccl backend"};
+  app.add_option("--backend", c.backend, "gloo, mpi, nccl or auto (NCCL needs --device via LOCAL_RANK)");
+  app.add_option("--nproc", c.nproc, "fork this many ranks on this host (Gloo); 0: launched by "
+                 "nanoddp-run/mpirun")->check(CLI::Range(0, 64));
+  app.add_option("--min-bytes", c.min_bytes, "smallest message (bytes, multiple of 4)");
+  app.add_option("--max-bytes", c.max_bytes, "largest message (bytes); sizes double");
+  app.add_option("--warmup", c.warmup, "untimed all-reduces per size");
+  app.add_option("--seconds-per-size", c.seconds_per_size, "about how long to time each size");
+  app.add_flag("--compare-blocking-mpi", c.compare_blocking_mpi,
+               "with the mpi backend, also time a blocking MPI_Allreduce on MPI_COMM_WORLD");
+  CLI11_PARSE(app, argc, argv);
+  if (c.min_bytes < 4 || c.min_bytes % 4 != 0) {
+    std::fprintf(stderr, "--min-bytes must be a positive multiple of 4\n");
+    return 2;
+  }
+  try {
+    if (c.nproc == 0) {
+      run_rank(c, -1, -1, 0);
+      return 0;
+    }
+    int port = testing::free_port();
+    std::string failures = testing::run_ranks(
+        c.nproc, [&](int rank) { run_rank(c, rank, c.nproc, port); }, std::chrono::seconds(600));
+    if (!failures.empty()) {
+      std::fprintf(stderr, "allreduce_bench: %s", failures.c_str());
+      return 1;
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "allreduce_bench: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,55 @@
+#include "dist/detail.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "core/error.h"
+
+namespace nanoddp::dist::detail {
+
+std::string host_name() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0) return "unknown-host";
+  return name;
+}
+
+std::string where(int rank, int world_size) {
+  std::string r = rank >= 0 ? std::to_string(rank) : "?";
+  std::string w = world_size >= 0 ? std::to_string(world_size) : "?";
+  return "rank " + r + "/" + w + " on " + host_name();
+}
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+std::string local_address_towards(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+  NANODDP_CHECK(rc == 0, DistError, "cannot resolve MASTER_ADDR '", host, "': ", gai_strerror(rc));
+  std::string address;
+  for (addrinfo* a = found; a != nullptr && address.empty(); a = a->ai_next) {
+    Fd fd(::socket(a->ai_family, SOCK_DGRAM, 0));
+    // A UDP connect only picks the route and the source address; no packet is sent.
+    if (!fd.valid() || ::connect(fd.get(), a->ai_addr, a->ai_addrlen) != 0) continue;
+    sockaddr_storage local{};
+    socklen_t len = sizeof(local);
+    if (::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&local), &len) != 0) continue;
+    char text[INET6_ADDRSTRLEN] = {};
+    const void* src = local.ss_family == AF_INET6
+                          ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr)
+                          : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr);
+    if (::inet_ntop(local.ss_family, src, text, sizeof(text)) != nullptr) address = text;
+  }
+  ::freeaddrinfo(found);
+  NANODDP_CHECK(!address.empty(), DistError, "no local interface routes to MASTER_ADDR '", host,
+                "'");
+  return address;
+}
+
+}  // namespace nanoddp::dist::detail

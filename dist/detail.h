@@ -1,0 +1,57 @@
+// Internal helpers shared by dist/*.cpp (not a public header): an owned socket, the host
+// name, and the "rank r/world on host" text every dist error carries.
+//
+//   detail::Fd fd(::socket(AF_INET, SOCK_STREAM, 0));   // closed when fd goes out of scope
+//   NANODDP_THROW(DistError, detail::where(rank, world_size), ": all_reduce ...");
+#pragma once
+
+#include <unistd.h>
+
+#include <string>
+#include <utility>
+
+namespace nanoddp::dist::detail {
+
+// An owned file descriptor (RAII): closed exactly once.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() { reset(); }
+  Fd(Fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  Fd& operator=(Fd&& other) noexcept {
+    if (this != &other) {
+      reset();
+      fd_ = std::exchange(other.fd_, -1);
+    }
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  void reset() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// gethostname(), or "unknown-host".
+std::string host_name();
+
+// "rank 1/4 on node7" (or "rank ?/? on node7" when unknown): the prefix of every dist error.
+std::string where(int rank, int world_size);
+
+// strerror(errno) as a string, for messages.
+std::string errno_text(int err);
+
+// The local IPv4/IPv6 address this host uses to reach host:port (a UDP connect, which sends
+// nothing), so Gloo listens on the interface that reaches MASTER_ADDR. Throws DistError when
+// host does not resolve.
+std::string local_address_towards(const std::string& host, int port);
+
+}  // namespace nanoddp::dist::detail

@@ -1,0 +1,200 @@
+#include "dist/init.h"
+
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <mutex>
+
+#include "core/error.h"
+#include "dist/detail.h"
+
+namespace nanoddp::dist {
+
+namespace {
+
+std::mutex default_mutex;
+std::shared_ptr<ProcessGroup> default_group;
+
+// The first of names that is set, parsed as an int in [lo, hi]; -1 when none is set.
+int env_int(std::initializer_list<const char*> names, long lo, long hi) {
+  for (const char* name : names) {
+    const char* text = std::getenv(name);
+    if (text == nullptr || *text == '\0') continue;
+    char* end = nullptr;
+    errno = 0;
+    long value = std::strtol(text, &end, 10);
+    NANODDP_CHECK(errno == 0 && *end == '\0' && value >= lo && value <= hi, ValueError,
+                  "environment variable ", name, "='", text, "' is not an integer in [", lo, ", ",
+                  hi, "]");
+    return static_cast<int>(value);
+  }
+  return -1;
+}
+
+struct Address {
+  std::string host;
+  int port = 0;
+};
+
+// "tcp://host:port" or "tcp://[v6addr]:port".
+Address parse_tcp_url(const std::string& url) {
+  const std::string scheme = "tcp://";
+  std::string rest = url.substr(scheme.size());
+  Address address;
+  size_t colon;
+  if (!rest.empty() && rest[0] == '[') {
+    size_t close = rest.find(']');
+    NANODDP_CHECK(close != std::string::npos, ValueError, "init_method '", url,
+                  "': unterminated [IPv6 address]");
+    address.host = rest.substr(1, close - 1);
+    colon = close + 1;
+    NANODDP_CHECK(colon < rest.size() && rest[colon] == ':', ValueError, "init_method '", url,
+                  "': expected tcp://[address]:port");
+  } else {
+    colon = rest.rfind(':');
+    NANODDP_CHECK(colon != std::string::npos && colon > 0, ValueError, "init_method '", url,
+                  "': expected tcp://host:port");
+    address.host = rest.substr(0, colon);
+  }
+  std::string port = rest.substr(colon + 1);
+  char* end = nullptr;
+  long value = std::strtol(port.c_str(), &end, 10);
+  NANODDP_CHECK(!port.empty() && *end == '\0' && value >= 0 && value <= 65535, ValueError,
+                "init_method '", url, "': port '", port, "' is not in 0..65535");
+  address.port = static_cast<int>(value);
+  return address;
+}
+
+}  // namespace
+
+LaunchEnv read_launch_env() {
+  LaunchEnv env;
+  env.rank = env_int({"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"}, 0, INT_MAX);
+  env.world_size = env_int({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"}, 1, INT_MAX);
+  env.local_rank = env_int({"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"}, 0, INT_MAX);
+  env.local_world_size = env_int(
+      {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"}, 1, INT_MAX);
+  if (const char* addr = std::getenv("MASTER_ADDR")) env.master_addr = addr;
+  int port = env_int({"MASTER_PORT"}, 0, 65535);
+  env.master_port = port < 0 ? 0 : port;
+  return env;
+}
+
+std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
+  std::lock_guard<std::mutex> lock(default_mutex);
+  NANODDP_CHECK(default_group == nullptr, DistError, detail::where(default_group->rank(),
+                default_group->size()), ": init_process_group called twice; call "
+                "destroy_process_group first");
+  LaunchEnv env = read_launch_env();
+
+  Backend backend = options.backend;
+  if (backend == Backend::Auto) {
+    backend = options.device.is_cuda() ? Backend::Nccl
+              : launched_by_mpi()      ? Backend::Mpi
+                                       : Backend::Gloo;
+  }
+
+  if (backend == Backend::Mpi) {
+    auto group = make_mpi_process_group(options.timeout);
+    int rank = options.rank >= 0 ? options.rank : env.rank;
+    int world_size = options.world_size >= 0 ? options.world_size : env.world_size;
+    NANODDP_CHECK((rank < 0 || rank == group->rank()) &&
+                      (world_size < 0 || world_size == group->size()),
+                  DistError, detail::where(group->rank(), group->size()),
+                  ": MPI says rank ", group->rank(), " of ", group->size(),
+                  " but the options/environment say rank ", rank, " of ", world_size,
+                  "; launch with mpirun -np ", world_size < 0 ? group->size() : world_size);
+    default_group = group;
+    return group;
+  }
+
+  int rank = options.rank >= 0 ? options.rank : env.rank;
+  int world_size = options.world_size >= 0 ? options.world_size : env.world_size;
+  if (rank < 0 && world_size < 0) rank = 0, world_size = 1;  // a plain single process
+  NANODDP_CHECK(world_size >= 1, ValueError, detail::where(rank, world_size),
+                ": world size unknown: set WORLD_SIZE (or pass InitOptions::world_size)");
+  NANODDP_CHECK(rank >= 0, ValueError, detail::where(rank, world_size),
+                ": rank unknown: set RANK (or pass InitOptions::rank)");
+  NANODDP_CHECK(rank < world_size, ValueError, detail::where(rank, world_size), ": rank ", rank,
+                " is not in [0, ", world_size, ")");
+
+  Address master;
+  if (options.init_method.rfind("tcp://", 0) == 0) {
+    master = parse_tcp_url(options.init_method);
+  } else {
+    NANODDP_CHECK(options.init_method == "env://", ValueError, detail::where(rank, world_size),
+                  ": init_method '", options.init_method, "' is neither env:// nor tcp://host:port");
+    master.host = env.master_addr;
+    master.port = env.master_port;
+    if (world_size == 1 && master.host.empty()) master.host = "127.0.0.1";  // port 0: any
+    NANODDP_CHECK(!master.host.empty(), ValueError, detail::where(rank, world_size),
+                  ": MASTER_ADDR is not set (the address of rank 0's host; nanoddp-run sets it)");
+    NANODDP_CHECK(world_size == 1 || master.port > 0, ValueError,
+                  detail::where(rank, world_size),
+                  ": MASTER_PORT is not set (a free TCP port on rank 0's host)");
+  }
+  NANODDP_CHECK(master.port > 0 || world_size == 1, ValueError, detail::where(rank, world_size),
+                ": port 0 only works for a 1-rank job: the other ranks must know the port");
+
+  TCPStoreOptions store_options;
+  store_options.host = master.host;
+  store_options.port = master.port;
+  store_options.is_server = rank == 0;
+  store_options.rank = rank;
+  store_options.world_size = world_size;
+  store_options.timeout = options.timeout;
+  auto store = std::make_shared<TCPStore>(store_options);
+
+  std::shared_ptr<ProcessGroup> group;
+  if (backend == Backend::Nccl) {
+    NcclOptions nccl;
+    nccl.rank = rank;
+    nccl.world_size = world_size;
+    nccl.device = options.device.is_cuda() ? options.device
+                                           : Device::cuda(env.local_rank < 0 ? 0 : env.local_rank);
+    nccl.timeout = options.timeout;
+    group = make_nccl_process_group(store, nccl);
+  } else {
+    GlooOptions gloo;
+    gloo.rank = rank;
+    gloo.world_size = world_size;
+    gloo.master_addr = master.host;
+    gloo.master_port = store->port();
+    gloo.timeout = options.timeout;
+    group = make_gloo_process_group(store, gloo);
+  }
+  default_group = group;
+  return group;
+}
+
+std::shared_ptr<ProcessGroup> default_process_group() {
+  std::lock_guard<std::mutex> lock(default_mutex);
+  NANODDP_CHECK(default_group != nullptr, DistError, detail::where(-1, -1),
+                ": no default process group; call init_process_group first");
+  return default_group;
+}
+
+bool is_initialized() {
+  std::lock_guard<std::mutex> lock(default_mutex);
+  return default_group != nullptr;
+}
+
+void destroy_process_group() {
+  std::shared_ptr<ProcessGroup> group;
+  {
+    std::lock_guard<std::mutex> lock(default_mutex);
+    group = std::move(default_group);
+    default_group = nullptr;
+  }
+  // group (and its store) is destroyed here, outside the lock, unless a DDP still holds it.
+}
+
+int get_rank() { return default_process_group()->rank(); }
+int get_world_size() { return default_process_group()->size(); }
+
+int get_local_rank() {
+  int local_rank = read_launch_env().local_rank;
+  return local_rank < 0 ? 0 : local_rank;
+}
+
+}  // namespace nanoddp::dist

@@ -1,0 +1,73 @@
+// init_process_group: how each rank of a job finds the others and gets its default group.
+//
+//   dist::init_process_group();                          // env://, backend from the device
+//   auto pg = dist::default_process_group();  int r = dist::get_rank();
+//   dist::destroy_process_group();
+//
+// Follows torch.distributed.init_process_group. Where rank, world size and the rendezvous
+// address come from (each field separately; an explicit InitOptions value wins):
+//   rank        RANK        > OMPI_COMM_WORLD_RANK       > SLURM_PROCID
+//   world_size  WORLD_SIZE  > OMPI_COMM_WORLD_SIZE       > SLURM_NTASKS
+//   local rank  LOCAL_RANK  > OMPI_COMM_WORLD_LOCAL_RANK > SLURM_LOCALID
+//   local size  LOCAL_WORLD_SIZE > OMPI_COMM_WORLD_LOCAL_SIZE > SLURM_NTASKS_PER_NODE
+//   store       init_method "env://" reads MASTER_ADDR and MASTER_PORT;
+//               "tcp://host:port" names them (IPv6 as tcp://[::1]:29500).
+// So nanoddp-run, torchrun-style launchers, mpirun and srun can all start a job. The MPI
+// backend ignores the store: mpirun already wired the ranks, and rank/size come from MPI
+// (checked against the variables when both are set). A 1-rank job needs no MASTER_* at all.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "core/device.h"
+#include "dist/process_group.h"
+
+namespace nanoddp::dist {
+
+struct InitOptions {
+  Backend backend = Backend::Auto;     // see Backend for what Auto picks
+  std::string init_method = "env://";  // or "tcp://host:port"
+  int world_size = -1;                 // -1: from the environment
+  int rank = -1;                       // -1: from the environment
+  std::chrono::milliseconds timeout = kDefaultTimeout;  // store waits and every collective
+  Device device = Device::cpu();       // CUDA: NCCL on that GPU (one GPU per rank)
+};
+
+// Builds the store and the group and makes it the default group
+// (torch.distributed.init_process_group). Throws ValueError for a missing or malformed
+// variable (named) or rank outside [0, world_size); DistError when already initialised, when
+// MASTER_PORT is in use on rank 0, when the backend is not built in, or when the ranks
+// cannot meet within the timeout (TimeoutError).
+std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options = {});
+
+// The group made by init_process_group. Throws DistError if there is none.
+std::shared_ptr<ProcessGroup> default_process_group();
+bool is_initialized();  // torch.distributed.is_initialized
+
+// Drops the default group (torch.distributed.destroy_process_group). Ranks should stop
+// issuing collectives together, e.g. after a barrier: rank 0 also serves the store.
+void destroy_process_group();
+
+// This rank and the group's size (torch.distributed.get_rank / get_world_size). Throw
+// DistError before init_process_group.
+int get_rank();
+int get_world_size();
+// This process's index among the ranks on its host, from the environment (0 when no variable
+// is set); readable before init_process_group, to pick the GPU: Device::cuda(get_local_rank()).
+int get_local_rank();
+
+// What the environment says, for init_process_group and for tests. -1 / "" / 0 when unset.
+struct LaunchEnv {
+  int rank = -1;
+  int world_size = -1;
+  int local_rank = -1;
+  int local_world_size = -1;
+  std::string master_addr;
+  int master_port = 0;
+};
+// Reads the variables above; throws ValueError naming a variable that is not a number in range.
+LaunchEnv read_launch_env();
+
+}  // namespace nanoddp::dist

@@ -1,0 +1,92 @@
+#include "dist/process_group.h"
+
+#include <algorithm>
+#include <cctype>
+#include <sstream>
+
+#include "core/error.h"
+#include "dist/detail.h"
+
+namespace nanoddp::dist {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Avg: return "avg";
+    case ReduceOp::Max: return "max";
+    case ReduceOp::Min: return "min";
+  }
+  return "?";
+}
+
+const char* backend_name(Backend backend) {
+  switch (backend) {
+    case Backend::Auto: return "auto";
+    case Backend::Gloo: return "gloo";
+    case Backend::Mpi: return "mpi";
+    case Backend::Nccl: return "nccl";
+  }
+  return "?";
+}
+
+Backend parse_backend(const std::string& text) {
+  std::string lower = text;
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (lower == "auto") return Backend::Auto;
+  if (lower == "gloo") return Backend::Gloo;
+  if (lower == "mpi") return Backend::Mpi;
+  if (lower == "nccl") return Backend::Nccl;
+  NANODDP_THROW(ValueError, "unknown backend '", text, "' (expected gloo, mpi, nccl or auto)");
+}
+
+Store& ProcessGroup::store() {
+  NANODDP_THROW(DistError, where(), ": the ", backend_name(), " process group has no store");
+}
+
+std::string ProcessGroup::where() const { return detail::where(rank_, world_size_); }
+
+std::string ProcessGroup::describe(const std::string& collective, const Tensor& tensor) const {
+  std::ostringstream out;
+  out << where() << ": " << backend_name() << " " << collective;
+  if (tensor.defined()) {
+    out << " of " << tensor.shape() << " " << dtype_name(tensor.dtype()) << " ("
+        << tensor.nbytes() << " bytes) on " << tensor.device();
+  }
+  return out.str();
+}
+
+void ProcessGroup::check_tensor(const std::string& collective, const Tensor& tensor,
+                                Device device) const {
+  NANODDP_CHECK(tensor.defined(), ValueError, describe(collective, tensor),
+                ": the tensor is undefined");
+  NANODDP_CHECK(tensor.dtype() == DType::Float32 || tensor.dtype() == DType::Int64, ValueError,
+                describe(collective, tensor), ": only float32 and int64 tensors are supported");
+  NANODDP_CHECK(tensor.device() == device, DeviceError, describe(collective, tensor),
+                ": this ", backend_name(), " group works on ", device, " tensors");
+}
+
+void ProcessGroup::check_reduce(const std::string& collective, const Tensor& tensor,
+                                ReduceOp op) const {
+  NANODDP_CHECK(op != ReduceOp::Avg || tensor.dtype() == DType::Float32, ValueError,
+                describe(collective, tensor),
+                ": avg needs float32 (an int64 average would round); use sum");
+}
+
+void ProcessGroup::check_list(const std::string& collective, const std::vector<Tensor>& list,
+                              const Tensor& like) const {
+  NANODDP_CHECK(static_cast<int>(list.size()) == world_size_, ValueError,
+                describe(collective, like), ": needs ", world_size_, " tensors, got ",
+                list.size());
+  for (size_t i = 0; i < list.size(); ++i) {
+    NANODDP_CHECK(list[i].defined() && list[i].shape() == like.shape() &&
+                      list[i].dtype() == like.dtype() && list[i].device() == like.device(),
+                  ShapeError, describe(collective, like), ": tensor ", i, " of the list is ",
+                  list[i].defined() ? list[i].shape().str() + " " + dtype_name(list[i].dtype())
+                                    : std::string("undefined"),
+                  ", expected ", like.shape(), " ", dtype_name(like.dtype()), " on ",
+                  like.device());
+  }
+}
+
+}  // namespace nanoddp::dist

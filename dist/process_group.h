@@ -1,0 +1,151 @@
+// ProcessGroup: the collectives every rank of a job calls together, one backend per file.
+//
+//   auto pg = dist::init_process_group();                  // dist/init.h: Gloo, MPI or NCCL
+//   pg->all_reduce(grad, dist::ReduceOp::Avg)->wait();      // grad: any shape, in place
+//   pg->barrier()->wait(std::chrono::seconds(30));
+//
+// Contract (PyTorch c10d's):
+//  - Every rank calls the same collectives in the same order, with tensors of the same shape
+//    and dtype (all_gather/reduce_scatter: world_size of them). A mismatch is not detected by
+//    every backend; it hangs until the timeout or corrupts data, as in PyTorch.
+//  - A collective returns a Work at once; its tensors must stay untouched until wait()
+//    returns. Work keeps them alive. Works of one group complete in the order issued.
+//  - wait(timeout) throws TimeoutError when the work has not finished in time, and DistError
+//    when it failed; after either the group is unusable (a peer is gone or out of step) and
+//    the job should exit, as after a c10d timeout.
+//  - Every message names the rank, world size, host, backend, the collective and its sizes.
+//  - Tensors: dense, contiguous; float32 or int64 (UInt8 is refused: sums would wrap);
+//    CPU tensors on Gloo and MPI, CUDA tensors of the group's device on NCCL.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/device.h"
+#include "core/tensor.h"
+#include "dist/store.h"
+
+namespace nanoddp::dist {
+
+// Element-wise reductions (torch.distributed.ReduceOp). Avg is Sum divided by world_size,
+// float32 only: an int64 average would have to round, so it throws ValueError.
+enum class ReduceOp { Sum, Avg, Max, Min };
+const char* reduce_op_name(ReduceOp op);  // "sum", "avg", "max", "min"
+
+// Which library runs the collectives. Auto: NCCL for a CUDA device; MPI when the process was
+// started by mpirun or srun (OMPI_COMM_WORLD_SIZE, PMIX_RANK or PMI_RANK is set) and MPI is
+// built in; Gloo otherwise.
+enum class Backend { Auto, Gloo, Mpi, Nccl };
+const char* backend_name(Backend backend);  // "auto", "gloo", "mpi", "nccl"
+// "gloo", "mpi", "nccl" or "auto" (case-insensitive); throws ValueError on anything else.
+Backend parse_backend(const std::string& text);
+
+// The default timeout of every collective and every store wait. PyTorch uses 30 minutes; we
+// use 5: a healthy step of this framework takes milliseconds and even a checkpoint or an
+// evaluation on rank 0 takes well under a minute, while a crashed or stuck peer should be
+// reported before anyone gives up on the job. Pass a longer one in InitOptions if rank 0 does
+// long work between collectives.
+constexpr std::chrono::milliseconds kDefaultTimeout = std::chrono::minutes(5);
+
+// One issued collective (c10d::Work).
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until the collective has finished, or throws TimeoutError after timeout, or
+  // DistError when it failed. A CPU result is then in the tensors; a CUDA result is ordered
+  // before every later kernel on the compute stream. Calling wait() again returns at once
+  // (or throws the same error).
+  virtual void wait(std::chrono::milliseconds timeout = kDefaultTimeout) = 0;
+  // True once finished (successfully or not); never blocks.
+  virtual bool is_completed() = 0;
+};
+
+class ProcessGroup {
+ public:
+  ProcessGroup(int rank, int world_size) : rank_(rank), world_size_(world_size) {}
+  virtual ~ProcessGroup() = default;
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return world_size_; }
+  virtual std::string backend_name() const = 0;  // "gloo", "mpi", "nccl"
+
+  // tensor: any shape, float32 or int64 (Avg: float32 only), reduced in place across ranks;
+  // every rank ends with the same values (torch.distributed.all_reduce).
+  virtual std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op = ReduceOp::Sum) = 0;
+  // tensor: any shape; root's values are copied into every rank's tensor
+  // (torch.distributed.broadcast). Throws ValueError when root is not in [0, size()).
+  virtual std::shared_ptr<Work> broadcast(Tensor& tensor, int root) = 0;
+  // outputs: size() tensors of input's shape and dtype; outputs[r] receives rank r's input
+  // (torch.distributed.all_gather). Throws ValueError/ShapeError on a count/shape mismatch.
+  virtual std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) = 0;
+  // inputs: size() tensors of output's shape and dtype; output = reduce over ranks r' of
+  // rank r''s inputs[rank()] (torch.distributed.reduce_scatter).
+  virtual std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
+                                               ReduceOp op = ReduceOp::Sum) = 0;
+  // Completes once every rank has called it (torch.distributed.barrier).
+  virtual std::shared_ptr<Work> barrier() = 0;
+
+  // The rendezvous store the group was built on. Throws DistError for MPI, which needs none.
+  virtual Store& store();
+
+ protected:
+  // "rank 1/4 on host: gloo all_reduce(sum) of [1048579] float32" and the like.
+  std::string describe(const std::string& collective, const Tensor& tensor) const;
+  std::string where() const;  // "rank 1/4 on host"
+  // Shared argument checks; each throws ValueError/ShapeError/DeviceError with describe().
+  void check_tensor(const std::string& collective, const Tensor& tensor, Device device) const;
+  void check_reduce(const std::string& collective, const Tensor& tensor, ReduceOp op) const;
+  void check_list(const std::string& collective, const std::vector<Tensor>& list,
+                  const Tensor& like) const;
+
+  int rank_;
+  int world_size_;
+};
+
+// A Work that is finished when created: world size 1, or backends that ran synchronously.
+class CompletedWork : public Work {
+ public:
+  void wait(std::chrono::milliseconds) override {}
+  bool is_completed() override { return true; }
+};
+
+// ---- backend factories (each defined in its backend's file, or a stub that throws
+// DistError "nanoddp was built without Gloo/MPI/NCCL") ---------------------------------
+
+struct GlooOptions {
+  int rank = 0;
+  int world_size = 1;
+  std::string master_addr = "127.0.0.1";  // Gloo listens on the interface that reaches it
+  int master_port = 29500;
+  std::chrono::milliseconds timeout = kDefaultTimeout;
+};
+// Connects a full mesh of TCP pairs among the ranks through store (each rank publishes its
+// address, then connects to every other). One worker thread per group runs the collectives
+// in issue order, so all_reduce returns at once (Note [Gloo worker thread] in
+// process_group_gloo.cpp).
+std::shared_ptr<ProcessGroup> make_gloo_process_group(std::shared_ptr<Store> store,
+                                                      const GlooOptions& options);
+
+// Uses MPI_COMM_WORLD (duplicated); rank and size come from MPI. Initialises MPI once per
+// process (finalised at exit). Collectives are nonblocking MPI_I* calls that wait() polls
+// with MPI_Test against the timeout.
+std::shared_ptr<ProcessGroup> make_mpi_process_group(std::chrono::milliseconds timeout);
+// True when MPI is built in and the process looks launched by mpirun/srun.
+bool launched_by_mpi();
+
+struct NcclOptions {
+  int rank = 0;
+  int world_size = 1;
+  Device device = Device::cuda(0);  // this rank's GPU: one GPU per rank
+  std::chrono::milliseconds timeout = kDefaultTimeout;
+};
+// Rank 0 creates the NCCL unique id and publishes it in store; every rank builds its
+// communicator from it. Throws DistError when two ranks name the same GPU on one host.
+std::shared_ptr<ProcessGroup> make_nccl_process_group(std::shared_ptr<Store> store,
+                                                      const NcclOptions& options);
+
+}  // namespace nanoddp::dist

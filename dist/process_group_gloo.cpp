@@ -1,0 +1,407 @@
+// The Gloo process group: CPU tensors over Gloo's TCP transport.
+//
+// Note [Gloo worker thread]
+// Each group owns one worker thread that runs the group's collectives in issue order; a
+// collective call only queues a task and returns its Work. That is what lets DDP launch a
+// bucket's all-reduce while backward goes on, and it is what PyTorch's ProcessGroupGloo does.
+// Gloo's TCP device has a network thread of its own, so on a 2-core machine a collective
+// crosses three threads; that hand-off is the main cost of small Gloo all-reduces here (see
+// benchmarks/allreduce_bench.cpp). No thread is pinned to a core: pinning made small
+// all-reduces ~20x slower when the worker and network threads shared the core.
+//
+// Note [Gloo new-style API]
+// Only the option-struct entry points (gloo::allreduce, broadcast, allgather, barrier) are
+// used. After the older algorithm classes (AllreduceRingChunked, HalvingDoubling) had run
+// on a context, later new-style all-reduces on it were measured 7-15x slower. This Gloo has
+// no new-style reduce-scatter, so reduce_scatter is an all-reduce of the concatenated inputs
+// followed by a copy of this rank's slice: world_size times the traffic of a true
+// reduce-scatter, but exact and on the fast path.
+#include "core/error.h"
+#include "dist/detail.h"
+#include "dist/process_group.h"
+
+#if NANODDP_WITH_GLOO
+
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+namespace nanoddp::dist {
+
+namespace {
+
+// Our Store seen through Gloo's rendezvous interface; keys get a per-group prefix so groups
+// built one after the other in one job never read each other's addresses.
+class GlooStore : public gloo::rendezvous::Store {
+ public:
+  GlooStore(std::shared_ptr<dist::Store> store, std::string prefix)
+      : store_(std::move(store)), prefix_(std::move(prefix)) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_->set(prefix_ + key, std::vector<uint8_t>(data.begin(), data.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    auto bytes = store_->get(prefix_ + key);
+    return std::vector<char>(bytes.begin(), bytes.end());
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, store_->timeout()); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    std::vector<std::string> prefixed;
+    for (const auto& key : keys) prefixed.push_back(prefix_ + key);
+    store_->wait(prefixed, timeout);
+  }
+
+ private:
+  std::shared_ptr<dist::Store> store_;
+  std::string prefix_;
+};
+
+// Gloo's element-wise reduction signature: out[i] = a[i] (op) b[i]; out may alias a or b.
+template <typename T>
+gloo::AllreduceOptions::Func reduce_function(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Avg:  // Avg sums, then divides once at the end
+      return [](void* out, const void* a, const void* b, size_t n) {
+        auto* o = static_cast<T*>(out);
+        auto* x = static_cast<const T*>(a);
+        auto* y = static_cast<const T*>(b);
+        for (size_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
+      };
+    case ReduceOp::Max:
+      return [](void* out, const void* a, const void* b, size_t n) {
+        auto* o = static_cast<T*>(out);
+        auto* x = static_cast<const T*>(a);
+        auto* y = static_cast<const T*>(b);
+        for (size_t i = 0; i < n; ++i) o[i] = x[i] < y[i] ? y[i] : x[i];
+      };
+    case ReduceOp::Min:
+      return [](void* out, const void* a, const void* b, size_t n) {
+        auto* o = static_cast<T*>(out);
+        auto* x = static_cast<const T*>(a);
+        auto* y = static_cast<const T*>(b);
+        for (size_t i = 0; i < n; ++i) o[i] = y[i] < x[i] ? y[i] : x[i];
+      };
+  }
+  return {};
+}
+
+// Divides a float32 sum by world_size in place (Avg). Division, not multiplication by
+// 1/world_size, so an exactly representable average comes out exact.
+void divide(float* data, size_t n, int world_size) {
+  const float w = static_cast<float>(world_size);
+  for (size_t i = 0; i < n; ++i) data[i] /= w;
+}
+
+// What the worker thread and its tasks need, shared so that a worker left running after a
+// timeout (see ~ProcessGroupGloo) never touches a destroyed group.
+struct GlooRunner {
+  std::shared_ptr<gloo::Context> context;
+  std::chrono::milliseconds timeout{};
+  int rank = 0;
+  int world_size = 1;
+  uint32_t tag = 0;  // worker thread only
+  std::atomic<bool> broken{false};  // a wait timed out: the group is out of step
+
+  uint32_t next_tag() { return tag++; }
+
+  template <typename Options>
+  void prepare(Options& opts) {
+    opts.setTag(next_tag());
+    opts.setTimeout(timeout);
+  }
+
+  void all_reduce(const Tensor& tensor, ReduceOp op) {
+    gloo::AllreduceOptions opts(context);
+    const size_t numel = static_cast<size_t>(tensor.numel());
+    if (tensor.dtype() == DType::Float32) {
+      opts.setOutput(tensor.data<float>(), numel);
+      opts.setReduceFunction(reduce_function<float>(op));
+    } else {
+      opts.setOutput(tensor.data<int64_t>(), numel);
+      opts.setReduceFunction(reduce_function<int64_t>(op));
+    }
+    prepare(opts);
+    gloo::allreduce(opts);
+    if (op == ReduceOp::Avg) divide(tensor.data<float>(), numel, world_size);
+  }
+};
+
+using GlooTask = std::function<void(GlooRunner&)>;
+
+// A collective queued on the worker thread. Finished = ran (error or not).
+class GlooWork : public Work {
+ public:
+  GlooWork(std::string description, GlooTask task, std::shared_ptr<GlooRunner> runner)
+      : description_(std::move(description)), task_(std::move(task)), runner_(std::move(runner)) {}
+
+  void wait(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!done_cv_.wait_for(lock, timeout, [this] { return done_; })) {
+      runner_->broken = true;
+      NANODDP_THROW(TimeoutError, description_, ": did not complete within ", timeout.count(),
+                    " ms (a peer may have exited or be out of step)");
+    }
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  bool is_completed() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_;
+  }
+
+  // Runs on the worker thread; never throws.
+  void run() {
+    std::exception_ptr error;
+    try {
+      task_(*runner_);
+    } catch (const gloo::Exception& e) {
+      try {
+        NANODDP_THROW(DistError, description_, ": Gloo failed: ", e.what());
+      } catch (...) {
+        error = std::current_exception();
+      }
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    task_ = nullptr;  // lets go of the tensors
+    error_ = error;
+    done_ = true;
+    done_cv_.notify_all();
+  }
+
+ private:
+  std::string description_;
+  GlooTask task_;
+  std::shared_ptr<GlooRunner> runner_;
+  std::mutex mutex_;
+  std::condition_variable done_cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+// The queue between callers and the worker thread (Note [Gloo worker thread]).
+class GlooQueue {
+ public:
+  void push(std::shared_ptr<GlooWork> work) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(std::move(work));
+    }
+    cv_.notify_one();
+  }
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+  }
+  // Runs works in order until stopped with nothing left, or stopped after a timeout.
+  void run(GlooRunner& runner) {
+    while (true) {
+      std::shared_ptr<GlooWork> work;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        if (stop_ && (queue_.empty() || runner.broken)) return;
+        work = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      work->run();
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<GlooWork>> queue_;
+  bool stop_ = false;
+};
+
+std::atomic<int> next_group_id{0};
+
+class ProcessGroupGloo : public ProcessGroup {
+ public:
+  ProcessGroupGloo(std::shared_ptr<dist::Store> store, const GlooOptions& options)
+      : ProcessGroup(options.rank, options.world_size), store_(std::move(store)) {
+    runner_->timeout = options.timeout;
+    runner_->rank = rank_;
+    runner_->world_size = world_size_;
+    // Groups are built in the same order on every rank, so the counter names the same group.
+    std::string prefix = "gloo/" + std::to_string(next_group_id++) + "/";
+    try {
+      gloo::transport::tcp::attr attr;
+      attr.hostname = detail::local_address_towards(options.master_addr, options.master_port);
+      auto device = gloo::transport::tcp::CreateDevice(attr);
+      auto context = std::make_shared<gloo::rendezvous::Context>(rank_, world_size_);
+      context->setTimeout(options.timeout);
+      GlooStore gloo_store(store_, prefix);
+      context->connectFullMesh(gloo_store, device);
+      runner_->context = context;
+    } catch (const gloo::Exception& e) {
+      NANODDP_THROW(DistError, where(), ": gloo: connecting the full mesh of ", world_size_,
+                    " ranks failed: ", e.what());
+    }
+    worker_ = std::thread([queue = queue_, runner = runner_] { queue->run(*runner); });
+  }
+
+  ~ProcessGroupGloo() override {
+    queue_->stop();
+    // After a timeout the worker may sit in a collective until Gloo's own timeout: do not
+    // make the caller (often an exception path) wait for it. The detached thread owns what
+    // it uses (queue, runner), so it finishes or fails on its own before the process exits.
+    if (runner_->broken)
+      worker_.detach();
+    else
+      worker_.join();
+  }
+
+  std::string backend_name() const override { return "gloo"; }
+  Store& store() override { return *store_; }
+
+  std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
+    std::string what = std::string("all_reduce(") + reduce_op_name(op) + ")";
+    check_tensor(what, tensor, Device::cpu());
+    check_reduce(what, tensor, op);
+    if (world_size_ == 1 || tensor.numel() == 0) return std::make_shared<CompletedWork>();
+    return enqueue(describe(what, tensor),
+                   [tensor, op](GlooRunner& runner) { runner.all_reduce(tensor, op); });
+  }
+
+  std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
+    check_tensor("broadcast", tensor, Device::cpu());
+    NANODDP_CHECK(root >= 0 && root < world_size_, ValueError, describe("broadcast", tensor),
+                  ": root ", root, " is not a rank of this group");
+    if (world_size_ == 1 || tensor.numel() == 0) return std::make_shared<CompletedWork>();
+    return enqueue(describe("broadcast from rank " + std::to_string(root), tensor),
+                   [tensor, root](GlooRunner& runner) {
+                     gloo::BroadcastOptions opts(runner.context);
+                     const size_t numel = static_cast<size_t>(tensor.numel());
+                     if (tensor.dtype() == DType::Float32)
+                       opts.setOutput(tensor.data<float>(), numel);
+                     else
+                       opts.setOutput(tensor.data<int64_t>(), numel);
+                     opts.setRoot(root);
+                     runner.prepare(opts);
+                     gloo::broadcast(opts);
+                   });
+  }
+
+  std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
+    check_tensor("all_gather", input, Device::cpu());
+    check_list("all_gather", outputs, input);
+    std::vector<Tensor> outs = outputs;
+    if (world_size_ == 1) {
+      outs[0].copy_(input);
+      return std::make_shared<CompletedWork>();
+    }
+    if (input.numel() == 0) return std::make_shared<CompletedWork>();
+    return enqueue(describe("all_gather", input), [outs, input](GlooRunner& runner) {
+      const size_t nbytes = input.nbytes();
+      const size_t numel = static_cast<size_t>(input.numel());
+      Tensor gathered = Tensor::empty({input.numel() * runner.world_size}, input.dtype());
+      gloo::AllgatherOptions opts(runner.context);
+      if (input.dtype() == DType::Float32) {
+        opts.setInput(input.data<float>(), numel);
+        opts.setOutput(gathered.data<float>(), numel * runner.world_size);
+      } else {
+        opts.setInput(input.data<int64_t>(), numel);
+        opts.setOutput(gathered.data<int64_t>(), numel * runner.world_size);
+      }
+      runner.prepare(opts);
+      gloo::allgather(opts);
+      const auto* src = static_cast<const uint8_t*>(gathered.impl()->storage->data());
+      for (size_t r = 0; r < outs.size(); ++r)
+        std::memcpy(outs[r].impl()->storage->data(), src + r * nbytes, nbytes);
+    });
+  }
+
+  std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
+                                       ReduceOp op) override {
+    std::string what = std::string("reduce_scatter(") + reduce_op_name(op) + ")";
+    check_tensor(what, output, Device::cpu());
+    check_reduce(what, output, op);
+    check_list(what, inputs, output);
+    if (world_size_ == 1) {
+      output.copy_(inputs[0]);
+      return std::make_shared<CompletedWork>();
+    }
+    if (output.numel() == 0) return std::make_shared<CompletedWork>();
+    // Note [Gloo new-style API]: all-reduce the concatenation, keep our slice.
+    const size_t nbytes = output.nbytes();
+    Tensor flat = Tensor::empty({output.numel() * world_size_}, output.dtype());
+    auto* dst = static_cast<uint8_t*>(flat.impl()->storage->data());
+    for (int r = 0; r < world_size_; ++r)
+      std::memcpy(dst + r * nbytes, inputs[r].impl()->storage->data(), nbytes);
+    return enqueue(describe(what, output), [flat, output, op, nbytes](GlooRunner& runner) {
+      runner.all_reduce(flat, op);
+      std::memcpy(output.impl()->storage->data(),
+                  static_cast<const uint8_t*>(flat.impl()->storage->data()) + runner.rank * nbytes,
+                  nbytes);
+    });
+  }
+
+  std::shared_ptr<Work> barrier() override {
+    if (world_size_ == 1) return std::make_shared<CompletedWork>();
+    return enqueue(where() + ": gloo barrier", [](GlooRunner& runner) {
+      gloo::BarrierOptions opts(runner.context);
+      runner.prepare(opts);
+      gloo::barrier(opts);
+    });
+  }
+
+ private:
+  std::shared_ptr<Work> enqueue(std::string description, GlooTask task) {
+    NANODDP_CHECK(!runner_->broken, DistError, description,
+                  ": the group is unusable after an earlier timeout");
+    auto work = std::make_shared<GlooWork>(std::move(description), std::move(task), runner_);
+    queue_->push(work);
+    return work;
+  }
+
+  std::shared_ptr<dist::Store> store_;
+  std::shared_ptr<GlooRunner> runner_ = std::make_shared<GlooRunner>();
+  std::shared_ptr<GlooQueue> queue_ = std::make_shared<GlooQueue>();
+  std::thread worker_;
+};
+
+}  // namespace
+
+std::shared_ptr<ProcessGroup> make_gloo_process_group(std::shared_ptr<Store> store,
+                                                      const GlooOptions& options) {
+  NANODDP_CHECK(store != nullptr, ValueError, "make_gloo_process_group: no store");
+  return std::make_shared<ProcessGroupGloo>(std::move(store), options);
+}
+
+}  // namespace nanoddp::dist
+
+#else  // !NANODDP_WITH_GLOO
+
+namespace nanoddp::dist {
+
+std::shared_ptr<ProcessGroup> make_gloo_process_group(std::shared_ptr<Store>,
+                                                      const GlooOptions& options) {
+  NANODDP_THROW(DistError, detail::where(options.rank, options.world_size),
+                ": nanoddp was built without Gloo (install libgloo-dev and reconfigure with "
+                "-Dgloo=enabled)");
+}
+
+}  // namespace nanoddp::dist
+
+#endif

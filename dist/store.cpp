@@ -1,0 +1,738 @@
+// TCPStore: a poll() server on rank 0 and a blocking client on every rank.
+//
+// Note [Store wire format]
+// Integers are little-endian, as on every host we build for (x86-64, AArch64).
+//   1. The client connects and sends a hello: u32 kMagic ("NDDP"), u32 kVersion.
+//   2. The server answers with the same 8 bytes. A wrong hello closes the connection, so a
+//      port scanner or an HTTP client never reaches the verbs, and a client that reached
+//      something other than a nanoddp store says so.
+//   3. Each request is one verb byte and its fields; each gets exactly one reply:
+//        SET   str key, bytes value             -> u8 kOk
+//        GET   str key                          -> u8 kOk, bytes value | u8 kMissing
+//        ADD   str key, i64 delta               -> u8 kOk, i64 value   | u8 kNotCounter
+//        CHECK u32 n, n * str key               -> u8 kOk (all set)    | u8 kMissing
+//        WAIT  u32 n, n * str key, u64 timeout_ms -> u8 kOk | u8 kTimeout
+//      str = u32 length <= kMaxKeyBytes, then bytes; bytes = u32 length <= kMaxValueBytes,
+//      then bytes; n <= kMaxKeysPerRequest. A length over its limit is a protocol error at
+//      once, before any byte of the body is awaited or allocated.
+//   4. WAIT's deadline is kept by the server (it answers kTimeout when it passes), so a
+//      client never abandons a request half-way and the stream stays in step.
+#include "dist/store.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "core/error.h"
+#include "dist/detail.h"
+
+namespace nanoddp::dist {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint32_t kMagic = 0x5044444E;  // bytes 'N' 'D' 'D' 'P'
+constexpr uint32_t kVersion = 1;
+
+enum Verb : uint8_t { kSet = 1, kGet = 2, kAdd = 3, kCheck = 4, kWait = 5 };
+enum Status : uint8_t { kOk = 0, kMissing = 1, kNotCounter = 2, kTimeout = 3 };
+
+// How long past a WAIT's own deadline a client gives the server to answer before it calls the
+// server dead.
+constexpr std::chrono::milliseconds kReplyGrace{10000};
+
+void put_u8(std::vector<uint8_t>& out, uint8_t v) { out.push_back(v); }
+void put_u32(std::vector<uint8_t>& out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+void put_u64(std::vector<uint8_t>& out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+void put_bytes(std::vector<uint8_t>& out, const uint8_t* data, size_t n) {
+  put_u32(out, static_cast<uint32_t>(n));
+  out.insert(out.end(), data, data + n);
+}
+void put_str(std::vector<uint8_t>& out, const std::string& s) {
+  put_bytes(out, reinterpret_cast<const uint8_t*>(s.data()), s.size());
+}
+
+// Reads fields from a byte buffer that may hold only part of a message. A read past the end
+// sets need_more; a length over its limit sets error. Both stop all later reads.
+struct Reader {
+  Reader(const uint8_t* bytes, size_t nbytes) : data(bytes), size(nbytes) {}
+  const uint8_t* data;
+  size_t size;
+  size_t pos = 0;
+  bool need_more = false;
+  std::string error;
+
+  bool ok() const { return !need_more && error.empty(); }
+  bool take(size_t n) {
+    if (!ok()) return false;
+    if (size - pos < n) {
+      need_more = true;
+      return false;
+    }
+    return true;
+  }
+  uint64_t uint(int nbytes) {
+    if (!take(nbytes)) return 0;
+    uint64_t v = 0;
+    for (int i = 0; i < nbytes; ++i) v |= static_cast<uint64_t>(data[pos + i]) << (8 * i);
+    pos += nbytes;
+    return v;
+  }
+  std::string blob(uint32_t limit, const char* what) {
+    uint32_t n = static_cast<uint32_t>(uint(4));
+    if (!ok()) return {};
+    if (n > limit) {
+      error = std::string(what) + " of " + std::to_string(n) +
+              " bytes exceeds the limit of " + std::to_string(limit);
+      return {};
+    }
+    if (!take(n)) return {};
+    std::string s(reinterpret_cast<const char*>(data + pos), n);
+    pos += n;
+    return s;
+  }
+};
+
+void set_nodelay(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+void set_nonblocking(int fd, bool on) {
+  int flags = ::fcntl(fd, F_GETFL, 0);
+  ::fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK));
+}
+
+}  // namespace
+
+// ---- server ------------------------------------------------------------------------------
+
+class TCPStore::Server {
+ public:
+  Server(int port, const std::string& context) : context_(context) {
+    listen_ = bind_listen(port);
+    int fds[2];
+    NANODDP_CHECK(::pipe(fds) == 0, DistError, context_, ": store: pipe: ",
+                  detail::errno_text(errno));
+    wake_read_ = detail::Fd(fds[0]);
+    wake_write_ = detail::Fd(fds[1]);
+    thread_ = std::thread([this] { loop(); });
+  }
+
+  ~Server() {
+    stop_ = true;
+    char byte = 1;
+    [[maybe_unused]] auto n = ::write(wake_write_.get(), &byte, 1);
+    thread_.join();
+  }
+
+  int port() const { return port_; }
+  int64_t rejected() const { return rejected_.load(); }
+
+ private:
+  struct Conn {
+    detail::Fd fd;
+    std::vector<uint8_t> in;
+    std::vector<uint8_t> out;
+    bool greeted = false;
+  };
+  struct Waiter {
+    int conn;  // the connection's fd, unique while it is open
+    std::vector<std::string> keys;
+    Clock::time_point deadline;
+  };
+
+  detail::Fd bind_listen(int port) {
+    // IPv6 socket with v4-mapped addresses accepts both families; fall back to IPv4 only.
+    detail::Fd fd(::socket(AF_INET6, SOCK_STREAM, 0));
+    bool v6 = fd.valid();
+    if (!v6) fd = detail::Fd(::socket(AF_INET, SOCK_STREAM, 0));
+    NANODDP_CHECK(fd.valid(), DistError, context_, ": store: socket: ",
+                  detail::errno_text(errno));
+    int one = 1, zero = 0;
+    // SO_REUSEADDR lets a new job bind while an old connection lingers in TIME_WAIT; a port
+    // that another process listens on still fails, which is what we want to report.
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    int rc;
+    if (v6) {
+      ::setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+      sockaddr_in6 addr{};
+      addr.sin6_family = AF_INET6;
+      addr.sin6_addr = in6addr_any;
+      addr.sin6_port = htons(static_cast<uint16_t>(port));
+      rc = ::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    } else {
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_addr.s_addr = htonl(INADDR_ANY);
+      addr.sin_port = htons(static_cast<uint16_t>(port));
+      rc = ::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    }
+    if (rc != 0) {
+      int err = errno;
+      NANODDP_CHECK(err != EADDRINUSE, DistError, context_, ": MASTER_PORT ", port,
+                    " is already in use on ", detail::host_name(),
+                    " (another job or an earlier run still holds it); choose another port, "
+                    "or 0 to let the launcher pick a free one");
+      NANODDP_THROW(DistError, context_, ": store: bind to port ", port, ": ",
+                    detail::errno_text(err));
+    }
+    NANODDP_CHECK(::listen(fd.get(), 1024) == 0, DistError, context_, ": store: listen on port ",
+                  port, ": ", detail::errno_text(errno));
+    sockaddr_storage bound{};
+    socklen_t len = sizeof(bound);
+    ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len);
+    port_ = ntohs(bound.ss_family == AF_INET6
+                      ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                      : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    set_nonblocking(fd.get(), true);
+    return fd;
+  }
+
+  void loop() {
+    std::vector<pollfd> fds;
+    while (!stop_) {
+      fds.clear();
+      fds.push_back({wake_read_.get(), POLLIN, 0});
+      fds.push_back({listen_.get(), POLLIN, 0});
+      for (auto& [id, conn] : conns_) {
+        short events = POLLIN;
+        if (!conn.out.empty()) events |= POLLOUT;
+        fds.push_back({id, events, 0});
+      }
+      int timeout_ms = -1;
+      if (!waiters_.empty()) {
+        auto next = std::min_element(waiters_.begin(), waiters_.end(),
+                                     [](const Waiter& a, const Waiter& b) {
+                                       return a.deadline < b.deadline;
+                                     })->deadline;
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now());
+        timeout_ms = static_cast<int>(std::max<int64_t>(0, left.count()) + 1);
+      }
+      int n = ::poll(fds.data(), fds.size(), timeout_ms);
+      if (n < 0 && errno != EINTR) break;  // cannot happen with valid fds; stop serving
+      if (stop_) break;
+      if (n > 0) {
+        if (fds[1].revents & POLLIN) accept_all();
+        for (size_t i = 2; i < fds.size(); ++i) {
+          if (fds[i].revents == 0) continue;
+          int id = fds[i].fd;
+          if (!conns_.count(id)) continue;
+          bool alive = true;
+          if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) alive = read_from(id);
+          if (alive && (fds[i].revents & POLLOUT)) alive = flush(id);
+          if (!alive) drop(id);
+        }
+      }
+      expire_waiters();
+    }
+  }
+
+  void accept_all() {
+    while (true) {
+      int fd = ::accept(listen_.get(), nullptr, nullptr);
+      if (fd < 0) return;  // EAGAIN: no more; other errors: the client will retry
+      set_nonblocking(fd, true);
+      set_nodelay(fd);
+      conns_[fd].fd = detail::Fd(fd);
+    }
+  }
+
+  // Reads what is available and serves every complete request. False: close it.
+  bool read_from(int id) {
+    Conn& conn = conns_[id];
+    uint8_t buf[65536];
+    while (true) {
+      ssize_t got = ::recv(id, buf, sizeof(buf), 0);
+      if (got == 0) return false;
+      if (got < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+        if (errno == EINTR) continue;
+        return false;
+      }
+      conn.in.insert(conn.in.end(), buf, buf + got);
+      // A request is at most a few limits long; more buffered input than that without a
+      // complete request means the peer is not speaking our protocol.
+      if (conn.in.size() > size_t(kMaxValueBytes) + 2 * kMaxKeyBytes + 64) {
+        ++rejected_;
+        return false;
+      }
+    }
+    while (true) {
+      Reader r{conn.in.data(), conn.in.size()};
+      bool alive = conn.greeted ? serve_one(id, r) : greet(conn, r);
+      if (!r.error.empty() || !alive) {
+        ++rejected_;
+        return false;
+      }
+      if (r.need_more) break;
+      conn.in.erase(conn.in.begin(), conn.in.begin() + static_cast<std::ptrdiff_t>(r.pos));
+      if (conn.in.empty()) break;
+    }
+    return flush(id);
+  }
+
+  bool greet(Conn& conn, Reader& r) {
+    uint32_t magic = static_cast<uint32_t>(r.uint(4));
+    uint32_t version = static_cast<uint32_t>(r.uint(4));
+    if (!r.ok()) return true;
+    if (magic != kMagic || version != kVersion) return false;
+    put_u32(conn.out, kMagic);
+    put_u32(conn.out, kVersion);
+    conn.greeted = true;
+    return true;
+  }
+
+  // Parses one request; serves it only when it is complete. False: a protocol error.
+  bool serve_one(int id, Reader& r) {
+    uint8_t verb = static_cast<uint8_t>(r.uint(1));
+    if (!r.ok()) return true;
+    std::vector<uint8_t>& out = conns_[id].out;
+    switch (verb) {
+      case kSet: {
+        std::string key = r.blob(kMaxKeyBytes, "key");
+        std::string value = r.blob(kMaxValueBytes, "value");
+        if (!r.ok()) return true;
+        data_[key].assign(value.begin(), value.end());
+        put_u8(out, kOk);
+        wake_waiters();
+        return true;
+      }
+      case kGet: {
+        std::string key = r.blob(kMaxKeyBytes, "key");
+        if (!r.ok()) return true;
+        auto it = data_.find(key);
+        if (it == data_.end()) {
+          put_u8(out, kMissing);
+        } else {
+          put_u8(out, kOk);
+          put_bytes(out, it->second.data(), it->second.size());
+        }
+        return true;
+      }
+      case kAdd: {
+        std::string key = r.blob(kMaxKeyBytes, "key");
+        int64_t delta = static_cast<int64_t>(r.uint(8));
+        if (!r.ok()) return true;
+        int64_t value = 0;
+        auto it = data_.find(key);
+        if (it != data_.end() && !parse_counter(it->second, value)) {
+          put_u8(out, kNotCounter);
+          return true;
+        }
+        value += delta;
+        std::string text = std::to_string(value);
+        data_[key].assign(text.begin(), text.end());
+        put_u8(out, kOk);
+        put_u64(out, static_cast<uint64_t>(value));
+        wake_waiters();
+        return true;
+      }
+      case kCheck:
+      case kWait: {
+        uint32_t n = static_cast<uint32_t>(r.uint(4));
+        if (!r.ok()) return true;
+        if (n > kMaxKeysPerRequest) {
+          r.error = "too many keys";
+          return false;
+        }
+        std::vector<std::string> keys;
+        for (uint32_t i = 0; i < n && r.ok(); ++i) keys.push_back(r.blob(kMaxKeyBytes, "key"));
+        uint64_t timeout_ms = verb == kWait ? r.uint(8) : 0;
+        if (!r.ok()) return true;
+        bool ready = all_set(keys);
+        if (verb == kCheck || ready) {
+          put_u8(out, ready ? kOk : kMissing);
+        } else {
+          // Clamp so a huge timeout cannot overflow the clock.
+          auto ms = std::chrono::milliseconds(std::min<uint64_t>(timeout_ms, uint64_t(1) << 40));
+          waiters_.push_back({id, std::move(keys), Clock::now() + ms});
+        }
+        return true;
+      }
+      default:
+        r.error = "unknown verb " + std::to_string(verb);
+        return false;
+    }
+  }
+
+  static bool parse_counter(const std::vector<uint8_t>& bytes, int64_t& value) {
+    std::string text(bytes.begin(), bytes.end());
+    if (text.empty() || text.size() > 20) return false;
+    char* end = nullptr;
+    errno = 0;
+    long long v = std::strtoll(text.c_str(), &end, 10);
+    if (errno != 0 || end != text.c_str() + text.size()) return false;
+    value = v;
+    return true;
+  }
+
+  bool all_set(const std::vector<std::string>& keys) const {
+    return std::all_of(keys.begin(), keys.end(),
+                       [this](const std::string& k) { return data_.count(k) > 0; });
+  }
+
+  void wake_waiters() {
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      if (all_set(it->keys)) {
+        answer(it->conn, kOk);
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  void expire_waiters() {
+    auto now = Clock::now();
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      if (it->deadline <= now) {
+        answer(it->conn, kTimeout);
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  void answer(int id, Status status) {
+    auto it = conns_.find(id);
+    if (it == conns_.end()) return;
+    put_u8(it->second.out, status);
+    if (!flush(id)) drop(id);
+  }
+
+  // Sends what the socket takes now; the rest waits for POLLOUT. False: the peer is gone.
+  bool flush(int id) {
+    Conn& conn = conns_[id];
+    size_t sent = 0;
+    while (sent < conn.out.size()) {
+      ssize_t n = ::send(id, conn.out.data() + sent, conn.out.size() - sent, MSG_NOSIGNAL);
+      if (n < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+        if (errno == EINTR) continue;
+        return false;
+      }
+      sent += static_cast<size_t>(n);
+    }
+    conn.out.erase(conn.out.begin(), conn.out.begin() + static_cast<std::ptrdiff_t>(sent));
+    return true;
+  }
+
+  void drop(int id) {
+    waiters_.erase(std::remove_if(waiters_.begin(), waiters_.end(),
+                                  [id](const Waiter& w) { return w.conn == id; }),
+                   waiters_.end());
+    conns_.erase(id);
+  }
+
+  std::string context_;
+  detail::Fd listen_, wake_read_, wake_write_;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> rejected_{0};
+  std::map<int, Conn> conns_;
+  std::vector<Waiter> waiters_;
+  std::map<std::string, std::vector<uint8_t>> data_;
+  std::thread thread_;  // last: starts after every member above exists
+};
+
+// ---- client ------------------------------------------------------------------------------
+
+class TCPStore::Client {
+ public:
+  Client(const std::string& host, int port, std::chrono::milliseconds timeout,
+         const std::string& context)
+      : context_(context + ": store " + host + ":" + std::to_string(port)) {
+    connect(host, port, timeout);
+  }
+
+  // Sends one request and returns its status byte; reply_tail(status, deadline) reads the
+  // rest of the reply, which depends on the status.
+  template <typename Tail>
+  uint8_t request(const std::vector<uint8_t>& message, std::chrono::milliseconds reply_timeout,
+                  const char* verb, Tail&& reply_tail) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    NANODDP_CHECK(fd_.valid(), DistError, context_, ": ", verb,
+                  " after an earlier failure broke the connection");
+    auto deadline = Clock::now() + reply_timeout;
+    try {
+      send_all(message, verb);
+      uint8_t status = 0;
+      recv_exact(&status, 1, deadline, verb);
+      reply_tail(status, deadline);
+      return status;
+    } catch (...) {
+      fd_.reset();  // a half-read reply would put the stream out of step: never reuse it
+      throw;
+    }
+  }
+
+  uint64_t recv_u64(Clock::time_point deadline, const char* verb) {
+    uint8_t b[8];
+    recv_exact(b, 8, deadline, verb);
+    uint64_t v = 0;
+    for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(b[i]) << (8 * i);
+    return v;
+  }
+
+  std::vector<uint8_t> recv_bytes(Clock::time_point deadline, const char* verb) {
+    uint8_t b[4];
+    recv_exact(b, 4, deadline, verb);
+    uint32_t n = uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16 | uint32_t(b[3]) << 24;
+    NANODDP_CHECK(n <= kMaxValueBytes, DistError, context_, ": ", verb, ": the server sent a ",
+                  n, "-byte value, over the limit of ", kMaxValueBytes,
+                  " bytes; is the peer a nanoddp store?");
+    std::vector<uint8_t> value(n);
+    recv_exact(value.data(), n, deadline, verb);
+    return value;
+  }
+
+  const std::string& context() const { return context_; }
+
+ private:
+  void connect(const std::string& host, int port, std::chrono::milliseconds timeout) {
+    auto deadline = Clock::now() + timeout;
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    std::string last_error = "no attempt";
+    auto backoff = std::chrono::milliseconds(5);
+    while (true) {
+      addrinfo* found = nullptr;
+      int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+      if (rc != 0) {
+        last_error = std::string("cannot resolve host: ") + gai_strerror(rc);
+      } else {
+        for (addrinfo* a = found; a != nullptr && !fd_.valid(); a = a->ai_next) {
+          detail::Fd fd(::socket(a->ai_family, a->ai_socktype, a->ai_protocol));
+          if (!fd.valid()) continue;
+          if (connect_before(fd.get(), a->ai_addr, a->ai_addrlen, deadline, last_error)) {
+            fd_ = std::move(fd);
+          }
+        }
+        ::freeaddrinfo(found);
+      }
+      if (fd_.valid()) break;
+      // The server (rank 0) may not be listening yet: retry until the timeout.
+      auto now = Clock::now();
+      NANODDP_CHECK(now < deadline, TimeoutError, context_, ": could not connect within ",
+                    timeout.count(), " ms (last error: ", last_error,
+                    "); is rank 0 running and MASTER_ADDR/MASTER_PORT right?");
+      std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
+      backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
+    }
+    set_nodelay(fd_.get());
+    std::vector<uint8_t> hello;
+    put_u32(hello, kMagic);
+    put_u32(hello, kVersion);
+    send_all(hello, "hello");
+    uint8_t reply[8];
+    recv_exact(reply, 8, Clock::now() + std::min(timeout, kReplyGrace), "hello");
+    Reader r{reply, 8};
+    uint32_t magic = static_cast<uint32_t>(r.uint(4)), version = static_cast<uint32_t>(r.uint(4));
+    NANODDP_CHECK(magic == kMagic && version == kVersion, DistError, context_,
+                  ": the peer answered the hello with something other than a nanoddp store "
+                  "(is MASTER_PORT used by another program?)");
+  }
+
+  static bool connect_before(int fd, const sockaddr* addr, socklen_t len,
+                             Clock::time_point deadline, std::string& error) {
+    set_nonblocking(fd, true);
+    int rc = ::connect(fd, addr, len);
+    if (rc != 0 && errno != EINPROGRESS) {
+      error = detail::errno_text(errno);
+      return false;
+    }
+    if (rc != 0) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      pollfd p{fd, POLLOUT, 0};
+      int n = ::poll(&p, 1, static_cast<int>(std::max<int64_t>(1, left.count())));
+      if (n <= 0) {
+        error = n == 0 ? "connect timed out" : detail::errno_text(errno);
+        return false;
+      }
+      int err = 0;
+      socklen_t err_len = sizeof(err);
+      ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &err_len);
+      if (err != 0) {
+        error = detail::errno_text(err);
+        return false;
+      }
+    }
+    set_nonblocking(fd, false);
+    return true;
+  }
+
+  void send_all(const std::vector<uint8_t>& bytes, const char* verb) {
+    size_t sent = 0;
+    while (sent < bytes.size()) {
+      ssize_t n = ::send(fd_.get(), bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+      if (n < 0 && errno == EINTR) continue;
+      NANODDP_CHECK(n > 0, DistError, context_, ": ", verb, ": send failed (",
+                    detail::errno_text(errno), "); the store server (rank 0) may have exited");
+      sent += static_cast<size_t>(n);
+    }
+  }
+
+  void recv_exact(void* out, size_t nbytes, Clock::time_point deadline, const char* verb) {
+    auto* p = static_cast<uint8_t*>(out);
+    size_t got = 0;
+    while (got < nbytes) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      NANODDP_CHECK(left.count() > 0, TimeoutError, context_, ": ", verb,
+                    ": no reply from the store server in time");
+      pollfd pfd{fd_.get(), POLLIN, 0};
+      int ready = ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left.count(), 1 << 30)));
+      if (ready < 0 && errno == EINTR) continue;
+      if (ready == 0) continue;  // the deadline check above reports it
+      ssize_t n = ::recv(fd_.get(), p + got, nbytes - got, 0);
+      if (n < 0 && errno == EINTR) continue;
+      NANODDP_CHECK(n > 0, DistError, context_, ": ", verb, ": ",
+                    n == 0 ? std::string("the store server closed the connection (rank 0 exited?)")
+                           : "recv failed: " + detail::errno_text(errno));
+      got += static_cast<size_t>(n);
+    }
+  }
+
+  std::string context_;
+  std::mutex mutex_;
+  detail::Fd fd_;
+};
+
+// ---- TCPStore ----------------------------------------------------------------------------
+
+TCPStore::TCPStore(const TCPStoreOptions& options) : options_(options) {
+  NANODDP_CHECK(options.port >= 0 && options.port <= 65535, ValueError,
+                detail::where(options.rank, options.world_size), ": store port ", options.port,
+                " is not in 0..65535");
+  NANODDP_CHECK(options.is_server || options.port != 0, ValueError,
+                detail::where(options.rank, options.world_size),
+                ": a store client needs the server's port, not 0");
+  std::string context = detail::where(options.rank, options.world_size);
+  port_ = options.port;
+  if (options.is_server) {
+    server_ = std::make_unique<Server>(options.port, context);
+    port_ = server_->port();
+  }
+  client_ = std::make_unique<Client>(options.host, port_, options.timeout, context);
+}
+
+TCPStore::~TCPStore() {
+  client_.reset();  // close our connection before the server stops
+  server_.reset();
+}
+
+int64_t TCPStore::rejected_connections() const { return server_ ? server_->rejected() : 0; }
+
+namespace {
+void check_key(const std::string& context, const std::string& key) {
+  NANODDP_CHECK(key.size() <= kMaxKeyBytes, ValueError, context, ": key of ", key.size(),
+                " bytes exceeds the limit of ", kMaxKeyBytes);
+}
+}  // namespace
+
+void TCPStore::set(const std::string& key, const std::vector<uint8_t>& value) {
+  check_key(client_->context(), key);
+  NANODDP_CHECK(value.size() <= kMaxValueBytes, ValueError, client_->context(), ": set('", key,
+                "'): value of ", value.size(), " bytes exceeds the limit of ", kMaxValueBytes);
+  std::vector<uint8_t> msg;
+  put_u8(msg, kSet);
+  put_str(msg, key);
+  put_bytes(msg, value.data(), value.size());
+  uint8_t status = client_->request(msg, kReplyGrace + options_.timeout, "set", [](uint8_t, auto) {});
+  NANODDP_CHECK(status == kOk, DistError, client_->context(), ": set('", key,
+                "'): unexpected status ", int(status));
+}
+
+std::vector<uint8_t> TCPStore::get(const std::string& key) {
+  wait({key}, options_.timeout);
+  std::vector<uint8_t> msg;
+  put_u8(msg, kGet);
+  put_str(msg, key);
+  std::vector<uint8_t> value;
+  uint8_t status = client_->request(msg, kReplyGrace + options_.timeout, "get",
+                                    [&](uint8_t st, Clock::time_point deadline) {
+                                      if (st == kOk) value = client_->recv_bytes(deadline, "get");
+                                    });
+  NANODDP_CHECK(status == kOk, DistError, client_->context(), ": get('", key,
+                "'): unexpected status ", int(status));
+  return value;
+}
+
+int64_t TCPStore::add(const std::string& key, int64_t delta) {
+  check_key(client_->context(), key);
+  std::vector<uint8_t> msg;
+  put_u8(msg, kAdd);
+  put_str(msg, key);
+  put_u64(msg, static_cast<uint64_t>(delta));
+  int64_t value = 0;
+  uint8_t status = client_->request(msg, kReplyGrace + options_.timeout, "add",
+                                    [&](uint8_t st, Clock::time_point deadline) {
+                                      if (st == kOk)
+                                        value = static_cast<int64_t>(client_->recv_u64(deadline, "add"));
+                                    });
+  NANODDP_CHECK(status != kNotCounter, DistError, client_->context(), ": add('", key,
+                "'): the key holds a value that is not an int64 counter");
+  NANODDP_CHECK(status == kOk, DistError, client_->context(), ": add('", key,
+                "'): unexpected status ", int(status));
+  return value;
+}
+
+void TCPStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
+  NANODDP_CHECK(keys.size() <= kMaxKeysPerRequest, ValueError, client_->context(), ": wait on ",
+                keys.size(), " keys exceeds the limit of ", kMaxKeysPerRequest);
+  std::vector<uint8_t> msg;
+  put_u8(msg, kWait);
+  put_u32(msg, static_cast<uint32_t>(keys.size()));
+  for (const auto& key : keys) {
+    check_key(client_->context(), key);
+    put_str(msg, key);
+  }
+  put_u64(msg, static_cast<uint64_t>(std::max<int64_t>(0, timeout.count())));
+  uint8_t status = client_->request(msg, timeout + kReplyGrace, "wait", [](uint8_t, auto) {});
+  if (status == kTimeout) {
+    std::string names;
+    for (const auto& key : keys) names += (names.empty() ? "'" : ", '") + key + "'";
+    NANODDP_THROW(TimeoutError, client_->context(), ": wait for ", names, " timed out after ",
+                  timeout.count(), " ms (a rank did not arrive or failed before setting it)");
+  }
+  NANODDP_CHECK(status == kOk, DistError, client_->context(), ": wait: unexpected status ",
+                int(status));
+}
+
+bool TCPStore::check(const std::vector<std::string>& keys) {
+  NANODDP_CHECK(keys.size() <= kMaxKeysPerRequest, ValueError, client_->context(), ": check on ",
+                keys.size(), " keys exceeds the limit of ", kMaxKeysPerRequest);
+  std::vector<uint8_t> msg;
+  put_u8(msg, kCheck);
+  put_u32(msg, static_cast<uint32_t>(keys.size()));
+  for (const auto& key : keys) {
+    check_key(client_->context(), key);
+    put_str(msg, key);
+  }
+  uint8_t status = client_->request(msg, kReplyGrace + options_.timeout, "check", [](uint8_t, auto) {});
+  NANODDP_CHECK(status == kOk || status == kMissing, DistError, client_->context(),
+                ": check: unexpected status ", int(status));
+  return status == kOk;
+}
+
+}  // namespace nanoddp::dist

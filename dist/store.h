@@ -1,0 +1,109 @@
+// Store: the key-value rendezvous every rank meets at before any collective runs.
+//
+//   TCPStore store({"10.0.0.1", 29500, /*is_server=*/rank == 0, 4, rank});
+//   store.set("nccl/unique_id", bytes);            // rank 0
+//   auto id = store.get("nccl/unique_id");         // every rank; waits up to the timeout
+//
+// Follows PyTorch's c10d::TCPStore: rank 0 serves the store at MASTER_ADDR:MASTER_PORT (a
+// thread of its own), every rank (rank 0 included) is a client. Values are opaque bytes;
+// add() keeps a decimal int64 counter, so get() of a counter returns its digits.
+//
+// Contract: every verb that can block takes at most the store's timeout and then throws
+// TimeoutError; a dead or foreign server gives DistError. Every length read from the wire is
+// checked against kMaxKeyBytes / kMaxValueBytes / kMaxKeysPerRequest before anything is
+// allocated (see Note [Store wire format] in store.cpp), so a stray client (a port scanner,
+// an HTTP request) is dropped by the server and a stray server is reported by the client.
+// Every message names the store's host:port and the rank, world size and host it runs on.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace nanoddp::dist {
+
+// The abstract verbs, so a ProcessGroup can be given any store (tests use TCPStore too).
+class Store {
+ public:
+  virtual ~Store() = default;
+  // Sets key to value, waking every wait() on key. Overwrites an existing value.
+  virtual void set(const std::string& key, const std::vector<uint8_t>& value) = 0;
+  // The value of key, waiting up to timeout() for some rank to set it
+  // (torch.distributed.Store.get). Throws TimeoutError naming the key.
+  virtual std::vector<uint8_t> get(const std::string& key) = 0;
+  // Adds delta to the int64 counter at key (absent = 0) and returns the new value
+  // (torch.distributed.Store.add). Throws DistError if key holds something not a counter.
+  virtual int64_t add(const std::string& key, int64_t delta) = 0;
+  // Returns once every key is set; throws TimeoutError naming the missing keys after
+  // timeout (torch.distributed.Store.wait).
+  virtual void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) = 0;
+  void wait(const std::vector<std::string>& keys) { wait(keys, timeout()); }
+  // True when every key is set; never blocks on other ranks (torch.distributed.Store.check).
+  virtual bool check(const std::vector<std::string>& keys) = 0;
+
+  // The default timeout of get() and wait().
+  virtual std::chrono::milliseconds timeout() const = 0;
+
+  void set(const std::string& key, const std::string& value) {
+    set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  }
+  std::string get_string(const std::string& key) {
+    auto bytes = get(key);
+    return std::string(bytes.begin(), bytes.end());
+  }
+};
+
+// Limits on what one request or reply may carry. Keys are short names; the largest value the
+// library stores is a Gloo address or an NCCL unique id (128 bytes), so 16 MiB is generous.
+constexpr uint32_t kMaxKeyBytes = 4096;
+constexpr uint32_t kMaxValueBytes = 16u << 20;
+constexpr uint32_t kMaxKeysPerRequest = 4096;
+
+struct TCPStoreOptions {
+  std::string host = "127.0.0.1";  // the server's address (MASTER_ADDR); clients connect here
+  int port = 29500;                // MASTER_PORT; 0 on the server picks a free port (see port())
+  bool is_server = false;          // true on exactly one rank (rank 0): it binds the port
+  int world_size = -1;             // for messages only
+  int rank = -1;                   // for messages only
+  // How long get()/wait() wait, and how long a client keeps retrying to connect while the
+  // server is not up yet.
+  std::chrono::milliseconds timeout = std::chrono::minutes(5);
+};
+
+// A TCP store (PyTorch's TCPStore). The server side runs a poll() loop on one thread; clients
+// are blocking sockets guarded by a mutex, so one TCPStore may be shared by threads.
+// Errors: DistError when the port is in use ("MASTER_PORT 29500 is already in use on host"),
+// when the server cannot be reached within timeout, or when the peer breaks the protocol.
+class TCPStore : public Store {
+ public:
+  explicit TCPStore(const TCPStoreOptions& options);
+  ~TCPStore() override;
+  TCPStore(const TCPStore&) = delete;
+  TCPStore& operator=(const TCPStore&) = delete;
+
+  void set(const std::string& key, const std::vector<uint8_t>& value) override;
+  using Store::set;
+  std::vector<uint8_t> get(const std::string& key) override;
+  int64_t add(const std::string& key, int64_t delta) override;
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
+  using Store::wait;
+  bool check(const std::vector<std::string>& keys) override;
+  std::chrono::milliseconds timeout() const override { return options_.timeout; }
+
+  int port() const { return port_; }  // the bound port (the real one when options.port == 0)
+  const std::string& host() const { return options_.host; }
+  // Server only: how many connections the server dropped for breaking the protocol.
+  int64_t rejected_connections() const;
+
+ private:
+  class Server;
+  class Client;
+  TCPStoreOptions options_;
+  int port_ = 0;
+  std::unique_ptr<Server> server_;
+  std::unique_ptr<Client> client_;
+};
+
+}  // namespace nanoddp::dist

@@ -1,0 +1,163 @@
+// The collective cases every CPU backend must pass, run inside each rank of a test job.
+//
+//   auto pg = dist::init_process_group(options);
+//   check_collectives(*pg, sizes);      // throws std::runtime_error naming the first mismatch
+//
+// Inputs are small integers chosen so every result is exact in float32: rank r contributes
+// (r + 1) * pattern(i), so a sum is world_size*(world_size+1)/2 * pattern(i), a max is
+// world_size * pattern(i), a min is pattern(i). Expectations are computed in double.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "dist/process_group.h"
+#include "tests/multiprocess.h"
+
+namespace nanoddp::testing {
+
+inline double pattern(int64_t i) { return static_cast<double>(i % 5 + 1); }
+
+inline Tensor make_tensor(DType dtype, int64_t numel, const std::function<double(int64_t)>& f) {
+  if (dtype == DType::Float32) {
+    std::vector<float> v(static_cast<size_t>(numel));
+    for (int64_t i = 0; i < numel; ++i) v[i] = static_cast<float>(f(i));
+    return Tensor::from_vector(v, Shape{numel});
+  }
+  std::vector<int64_t> v(static_cast<size_t>(numel));
+  for (int64_t i = 0; i < numel; ++i) v[i] = static_cast<int64_t>(f(i));
+  return Tensor::from_vector(v, Shape{numel});
+}
+
+// Throws at the first element that differs from f(i), naming what and where.
+inline void expect_values(const Tensor& t, const std::function<double(int64_t)>& f,
+                          const std::string& what) {
+  if (t.dtype() == DType::Float32) {
+    auto v = t.to_vector();
+    for (size_t i = 0; i < v.size(); ++i)
+      expect(static_cast<double>(v[i]) == f(static_cast<int64_t>(i)), what, ": element ", i,
+             " is ", v[i], ", expected ", f(static_cast<int64_t>(i)));
+  } else {
+    auto v = t.to_int_vector();
+    for (size_t i = 0; i < v.size(); ++i)
+      expect(static_cast<double>(v[i]) == f(static_cast<int64_t>(i)), what, ": element ", i,
+             " is ", v[i], ", expected ", f(static_cast<int64_t>(i)));
+  }
+}
+
+inline const char* short_name(DType dtype) { return dtype == DType::Float32 ? "float32" : "int64"; }
+
+inline void check_collectives(dist::ProcessGroup& pg, const std::vector<int64_t>& sizes) {
+  using dist::ReduceOp;
+  const int n = pg.size();
+  const int rank = pg.rank();
+  const double s = n * (n + 1) / 2.0;
+  const std::string where = "rank " + std::to_string(rank) + "/" + std::to_string(n) + " " +
+                            pg.backend_name() + " ";
+
+  for (int64_t numel : sizes) {
+    for (DType dtype : {DType::Float32, DType::Int64}) {
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min}) {
+        std::string what = where + "all_reduce(" + dist::reduce_op_name(op) + ") " +
+                           short_name(dtype) + " [" + std::to_string(numel) + "]";
+        Tensor t = make_tensor(dtype, numel, [&](int64_t i) { return (rank + 1) * pattern(i); });
+        if (op == ReduceOp::Avg && dtype == DType::Int64) {
+          bool threw = false;
+          try {
+            pg.all_reduce(t, op);
+          } catch (const ValueError&) {
+            threw = true;
+          }
+          expect(threw, what, ": an int64 average was accepted");
+          continue;
+        }
+        pg.all_reduce(t, op)->wait();
+        double factor = op == ReduceOp::Sum   ? s
+                        : op == ReduceOp::Avg ? (n + 1) / 2.0
+                        : op == ReduceOp::Max ? n
+                                              : 1.0;
+        expect_values(t, [&](int64_t i) { return factor * pattern(i); }, what);
+      }
+    }
+    // broadcast from every root
+    for (int root = 0; root < n; ++root) {
+      Tensor t = make_tensor(DType::Float32, numel,
+                             [&](int64_t i) { return (rank + 1) * 1000.0 + (i % 7); });
+      pg.broadcast(t, root)->wait();
+      expect_values(t, [&](int64_t i) { return (root + 1) * 1000.0 + (i % 7); },
+                    where + "broadcast from " + std::to_string(root));
+    }
+    // all_gather: outputs[r] is rank r's input
+    for (DType dtype : {DType::Float32, DType::Int64}) {
+      Tensor input = make_tensor(dtype, numel, [&](int64_t i) { return (rank + 1) * pattern(i); });
+      std::vector<Tensor> outputs;
+      for (int r = 0; r < n; ++r) outputs.push_back(Tensor::zeros({numel}, dtype));
+      pg.all_gather(outputs, input)->wait();
+      for (int r = 0; r < n; ++r)
+        expect_values(outputs[r], [&](int64_t i) { return (r + 1) * pattern(i); },
+                      where + "all_gather " + short_name(dtype) + " output " + std::to_string(r));
+    }
+    // reduce_scatter: inputs[j] on rank r is (r + 1) * (10 j + pattern(i))
+    for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Max}) {
+      std::vector<Tensor> inputs;
+      for (int j = 0; j < n; ++j)
+        inputs.push_back(make_tensor(DType::Float32, numel,
+                                     [&](int64_t i) { return (rank + 1) * (10.0 * j + pattern(i)); }));
+      Tensor output = Tensor::zeros({numel});
+      pg.reduce_scatter(output, inputs, op)->wait();
+      double factor = op == ReduceOp::Sum ? s : n;
+      expect_values(output, [&](int64_t i) { return factor * (10.0 * rank + pattern(i)); },
+                    where + "reduce_scatter(" + dist::reduce_op_name(op) + ") [" +
+                        std::to_string(numel) + "]");
+    }
+  }
+
+  // Several works in flight, waited in reverse: each still gets its own result.
+  std::vector<Tensor> tensors;
+  std::vector<std::shared_ptr<dist::Work>> works;
+  for (int k = 0; k < 4; ++k) {
+    tensors.push_back(make_tensor(DType::Float32, 1000 + k, [&](int64_t i) {
+      return (rank + 1) * (k + pattern(i));
+    }));
+    works.push_back(pg.all_reduce(tensors.back()));
+  }
+  for (int k = 3; k >= 0; --k) {
+    works[k]->wait();
+    expect(works[k]->is_completed(), where, "work ", k, " not completed after wait");
+    expect_values(tensors[k], [&](int64_t i) { return s * (k + pattern(i)); },
+                  where + "in-flight all_reduce " + std::to_string(k));
+  }
+
+  // A 2-D tensor keeps its shape.
+  Tensor matrix = make_tensor(DType::Float32, 15, [&](int64_t i) { return (rank + 1) * pattern(i); })
+                      .reshape({3, 5});
+  pg.all_reduce(matrix)->wait();
+  expect(matrix.shape() == Shape{3, 5}, where, "all_reduce changed the shape");
+  expect_values(matrix, [&](int64_t i) { return s * pattern(i); }, where + "2-D all_reduce");
+
+  // Bad arguments are refused with the collective named.
+  std::vector<Tensor> too_few(static_cast<size_t>(n + 1), Tensor::zeros({2}));
+  bool threw = false;
+  try {
+    Tensor in = Tensor::zeros({2});
+    pg.all_gather(too_few, in);
+  } catch (const ValueError& e) {
+    threw = std::string(e.what()).find("all_gather") != std::string::npos;
+  }
+  expect(threw, where, "all_gather accepted a list of the wrong length");
+  threw = false;
+  try {
+    Tensor t = Tensor::zeros({2});
+    pg.broadcast(t, n);
+  } catch (const ValueError&) {
+    threw = true;
+  }
+  expect(threw, where, "broadcast accepted root ", n);
+
+  pg.barrier()->wait();
+}
+
+}  // namespace nanoddp::testing

@@ -1,0 +1,190 @@
+// Gloo collectives between forked ranks on this host: every op, world sizes 1-4, sizes up to
+// 2^20 + 3, exact results (tests/collectives_cases.h), timeouts and error messages.
+#include <doctest/doctest.h>
+
+#include <cstdlib>
+
+#include "core/error.h"
+#include "dist/init.h"
+#include "tests/collectives_cases.h"
+
+using namespace nanoddp;
+using namespace nanoddp::dist;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::shared_ptr<ProcessGroup> join(int port, int rank, int world_size,
+                                   std::chrono::milliseconds timeout = 30000ms) {
+  InitOptions o;
+  o.backend = Backend::Gloo;
+  o.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+  o.rank = rank;
+  o.world_size = world_size;
+  o.timeout = timeout;
+  return init_process_group(o);
+}
+
+}  // namespace
+
+#if NANODDP_WITH_GLOO
+
+TEST_CASE("gloo: every collective is exact for world sizes 1 to 4") {
+  for (int world_size = 1; world_size <= 4; ++world_size) {
+    CAPTURE(world_size);
+    int port = testing::free_port();
+    std::string failures = testing::run_ranks(world_size, [&](int rank) {
+      auto pg = join(port, rank, world_size);
+      testing::expect(pg->backend_name() == "gloo", "backend is ", pg->backend_name());
+      testing::expect(get_rank() == rank && get_world_size() == world_size, "get_rank/size wrong");
+      testing::check_collectives(*pg, {1, 7, 1000, 65537});
+      destroy_process_group();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("gloo: all_reduce and broadcast of 2^20 + 3 elements") {
+  for (int world_size : {2, 3, 4}) {
+    CAPTURE(world_size);
+    int port = testing::free_port();
+    std::string failures = testing::run_ranks(world_size, [&](int rank) {
+      auto pg = join(port, rank, world_size);
+      const int64_t numel = (int64_t(1) << 20) + 3;
+      const double s = world_size * (world_size + 1) / 2.0;
+      Tensor f = testing::make_tensor(DType::Float32, numel,
+                                      [&](int64_t i) { return (rank + 1) * testing::pattern(i); });
+      pg->all_reduce(f, ReduceOp::Sum)->wait();
+      testing::expect_values(f, [&](int64_t i) { return s * testing::pattern(i); }, "big sum");
+      Tensor l = testing::make_tensor(DType::Int64, numel,
+                                      [&](int64_t i) { return (rank + 1) * (i % 1000); });
+      pg->all_reduce(l, ReduceOp::Max)->wait();
+      testing::expect_values(l, [&](int64_t i) { return world_size * double(i % 1000); }, "big max");
+      Tensor b = testing::make_tensor(DType::Float32, numel,
+                                      [&](int64_t i) { return rank * 10.0 + (i % 3); });
+      pg->broadcast(b, world_size - 1)->wait();
+      testing::expect_values(b, [&](int64_t i) { return (world_size - 1) * 10.0 + (i % 3); },
+                             "big broadcast");
+      destroy_process_group();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("gloo: env:// reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT") {
+  int port = testing::free_port();
+  std::string failures = testing::run_ranks(2, [&](int rank) {
+    ::setenv("RANK", std::to_string(rank).c_str(), 1);
+    ::setenv("WORLD_SIZE", "2", 1);
+    ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+    ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+    ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+    InitOptions o;
+    o.timeout = 30000ms;
+    auto pg = init_process_group(o);  // Auto: not under mpirun, so Gloo
+    testing::expect(pg->backend_name() == "gloo", "auto picked ", pg->backend_name());
+    testing::expect(get_rank() == rank && get_world_size() == 2 && get_local_rank() == rank,
+                    "env ranks wrong");
+    Tensor t = testing::make_tensor(DType::Float32, 3, [&](int64_t) { return rank + 1.0; });
+    pg->all_reduce(t)->wait();
+    testing::expect_values(t, [](int64_t) { return 3.0; }, "env all_reduce");
+    bool threw = false;
+    try {
+      init_process_group(o);
+    } catch (const DistError&) {
+      threw = true;
+    }
+    testing::expect(threw, "a second init_process_group was accepted");
+    destroy_process_group();
+    testing::expect(!is_initialized(), "still initialised after destroy");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("gloo: a rank that never joins the collective gives a TimeoutError that names it") {
+  int port = testing::free_port();
+  std::string failures = testing::run_ranks(2, [&](int rank) {
+    auto pg = join(port, rank, 2, 20000ms);
+    if (rank == 1) {
+      std::this_thread::sleep_for(1500ms);  // alive, but never calls all_reduce
+      return;
+    }
+    Tensor t = Tensor::ones({4});
+    auto work = pg->all_reduce(t);
+    auto start = std::chrono::steady_clock::now();
+    try {
+      work->wait(300ms);
+      testing::expect(false, "wait returned without the peer");
+    } catch (const TimeoutError& e) {
+      std::string what = e.what();
+      for (const char* part : {"rank 0/2", "gloo", "all_reduce(sum)", "[4]", "float32"})
+        testing::expect(what.find(part) != std::string::npos, "message lacks '", part, "': ", what);
+    }
+    auto elapsed = std::chrono::steady_clock::now() - start;
+    testing::expect(elapsed >= 290ms && elapsed < 3000ms, "timeout took ",
+                    std::chrono::duration_cast<std::chrono::milliseconds>(elapsed).count(), " ms");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("gloo: a busy MASTER_PORT fails fast on rank 0 and names the port") {
+  int port = testing::free_port();
+  InitOptions o;
+  o.backend = Backend::Gloo;
+  o.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+  o.rank = 0;
+  o.world_size = 2;
+  // Hold the port with a store of our own, as another job would.
+  TCPStoreOptions holder;
+  holder.port = port;
+  holder.is_server = true;
+  TCPStore busy(holder);
+  auto start = std::chrono::steady_clock::now();
+  try {
+    init_process_group(o);
+    FAIL("init_process_group bound a busy port");
+  } catch (const DistError& e) {
+    CHECK(std::string(e.what()).find("MASTER_PORT " + std::to_string(port)) != std::string::npos);
+  }
+  CHECK(std::chrono::steady_clock::now() - start < 1000ms);
+  CHECK_FALSE(is_initialized());
+}
+
+#endif
+
+TEST_CASE("init: malformed environment and arguments are named") {
+  ::setenv("RANK", "one", 1);
+  try {
+    read_launch_env();
+    FAIL("accepted RANK=one");
+  } catch (const ValueError& e) {
+    CHECK(std::string(e.what()).find("RANK='one'") != std::string::npos);
+  }
+  ::unsetenv("RANK");
+  ::setenv("OMPI_COMM_WORLD_RANK", "3", 1);
+  ::setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
+  ::setenv("SLURM_LOCALID", "1", 1);
+  LaunchEnv env = read_launch_env();
+  CHECK(env.rank == 3);
+  CHECK(env.world_size == 4);
+  CHECK(env.local_rank == 1);
+  ::unsetenv("OMPI_COMM_WORLD_RANK");
+  ::unsetenv("OMPI_COMM_WORLD_SIZE");
+  ::unsetenv("SLURM_LOCALID");
+
+  InitOptions o;
+  o.backend = Backend::Gloo;
+  o.rank = 2;
+  o.world_size = 2;
+  o.init_method = "tcp://127.0.0.1:1";
+  CHECK_THROWS_AS(init_process_group(o), ValueError);  // rank out of range
+  o.rank = 0;
+  o.init_method = "tcp://127.0.0.1";
+  CHECK_THROWS_AS(init_process_group(o), ValueError);  // no port
+  o.init_method = "file:///tmp/x";
+  CHECK_THROWS_AS(init_process_group(o), ValueError);
+  CHECK_THROWS_AS(default_process_group(), DistError);
+  CHECK_THROWS_AS(get_rank(), DistError);
+  CHECK(parse_backend("NCCL") == Backend::Nccl);
+  CHECK_THROWS_AS(parse_backend("tcp"), ValueError);
+}

@@ -1,0 +1,329 @@
+// TCPStore: verbs, timeouts, a busy port, and peers that break the wire format.
+#include <doctest/doctest.h>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "core/error.h"
+#include "dist/store.h"
+#include "tests/multiprocess.h"
+
+using namespace nanoddp;
+using namespace nanoddp::dist;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+TCPStoreOptions server_options(std::chrono::milliseconds timeout = 5000ms) {
+  TCPStoreOptions o;
+  o.host = "127.0.0.1";
+  o.port = 0;
+  o.is_server = true;
+  o.rank = 0;
+  o.world_size = 2;
+  o.timeout = timeout;
+  return o;
+}
+
+TCPStoreOptions client_options(int port, std::chrono::milliseconds timeout = 5000ms) {
+  TCPStoreOptions o;
+  o.host = "127.0.0.1";
+  o.port = port;
+  o.rank = 1;
+  o.world_size = 2;
+  o.timeout = timeout;
+  return o;
+}
+
+// A raw TCP connection to 127.0.0.1:port, for speaking a broken protocol.
+int raw_connect(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  return fd;
+}
+
+void send_bytes(int fd, const std::vector<uint8_t>& bytes) {
+  REQUIRE(::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size()));
+}
+
+// Reads until the peer closes; returns how many bytes came before that (-1: timed out).
+long read_until_closed(int fd) {
+  long total = 0;
+  char buf[256];
+  while (true) {
+    ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n == 0) return total;
+    if (n < 0) return -1;
+    total += n;
+  }
+}
+
+std::vector<uint8_t> le32(uint32_t v) {
+  return {uint8_t(v), uint8_t(v >> 8), uint8_t(v >> 16), uint8_t(v >> 24)};
+}
+
+std::vector<uint8_t> hello() {
+  auto h = le32(0x5044444E);
+  auto v = le32(1);
+  h.insert(h.end(), v.begin(), v.end());
+  return h;
+}
+
+// A listening socket on a free port, closed at scope exit.
+struct Listener {
+  int fd = -1;
+  int port = 0;
+  Listener() {
+    fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+    REQUIRE(::listen(fd, 4) == 0);
+    socklen_t len = sizeof(addr);
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    port = ntohs(addr.sin_port);
+  }
+  ~Listener() { ::close(fd); }
+};
+
+}  // namespace
+
+TEST_CASE("store: set, get, add, check and wait between a server and a client") {
+  TCPStore server(server_options());
+  REQUIRE(server.port() > 0);
+  TCPStore client(client_options(server.port()));
+
+  server.set("greeting", std::string("hello"));
+  CHECK(client.get_string("greeting") == "hello");
+  client.set("greeting", std::string("overwritten"));
+  CHECK(server.get_string("greeting") == "overwritten");
+
+  std::vector<uint8_t> binary(70000);
+  for (size_t i = 0; i < binary.size(); ++i) binary[i] = static_cast<uint8_t>(i * 7 + 3);
+  client.set("blob", binary);
+  CHECK(server.get("blob") == binary);
+  client.set("empty", std::vector<uint8_t>{});
+  CHECK(server.get("empty").empty());
+
+  CHECK(server.add("counter", 5) == 5);
+  CHECK(client.add("counter", -2) == 3);
+  CHECK(client.add("counter", 0) == 3);
+  CHECK(server.get_string("counter") == "3");  // counters are decimal text, as in PyTorch
+
+  CHECK(client.check({"greeting", "counter"}));
+  CHECK_FALSE(client.check({"greeting", "absent"}));
+  CHECK(client.check({}));
+
+  // get() waits for a key another client sets later.
+  std::thread setter([&] {
+    std::this_thread::sleep_for(100ms);
+    server.set("late", std::string("arrived"));
+  });
+  auto start = Clock::now();
+  CHECK(client.get_string("late") == "arrived");
+  CHECK(Clock::now() - start >= 90ms);
+  setter.join();
+
+  // add() on a key holding text that is not a number is refused, and the store still works.
+  CHECK_THROWS_AS(client.add("greeting", 1), DistError);
+  CHECK(client.add("counter", 1) == 4);
+}
+
+TEST_CASE("store: four processes meet through add and wait") {
+  int port = testing::free_port();
+  std::string failures = testing::run_ranks(4, [port](int rank) {
+    TCPStoreOptions o;
+    o.host = "127.0.0.1";
+    o.port = port;
+    o.is_server = rank == 0;
+    o.rank = rank;
+    o.world_size = 4;
+    o.timeout = 20000ms;
+    TCPStore store(o);
+    store.set("addr/" + std::to_string(rank), "rank" + std::to_string(rank));
+    store.add("arrived", rank + 1);
+    store.wait({"addr/0", "addr/1", "addr/2", "addr/3"});
+    for (int r = 0; r < 4; ++r)
+      testing::expect(store.get_string("addr/" + std::to_string(r)) == "rank" + std::to_string(r),
+                      "wrong value for rank ", r);
+    // Everyone leaves only after all have read: the server must outlive the reads.
+    int64_t done = store.add("done", 1);
+    if (rank == 0) {
+      while (done < 4) {
+        std::this_thread::sleep_for(2ms);
+        done = store.add("done", 0);
+      }
+      testing::expect(store.add("arrived", 0) == 1 + 2 + 3 + 4, "arrived counter wrong");
+    }
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("store: waits time out on time and name the missing key") {
+  TCPStore server(server_options(300ms));
+  TCPStore client(client_options(server.port(), 300ms));
+  client.set("present", std::string("x"));
+
+  auto start = Clock::now();
+  try {
+    client.wait({"present", "never-set"}, 250ms);
+    FAIL("wait returned for a key nobody set");
+  } catch (const TimeoutError& e) {
+    std::string what = e.what();
+    CHECK(what.find("never-set") != std::string::npos);
+    CHECK(what.find("rank 1/2") != std::string::npos);
+  }
+  auto elapsed = Clock::now() - start;
+  CHECK(elapsed >= 240ms);
+  CHECK(elapsed < 3000ms);
+
+  start = Clock::now();
+  CHECK_THROWS_AS(client.get("also-never-set"), TimeoutError);
+  CHECK(Clock::now() - start < 3000ms);
+
+  // The connection is still in step after the timeouts.
+  CHECK(client.get_string("present") == "x");
+}
+
+TEST_CASE("store: a client with no server gives up after its timeout") {
+  int port = testing::free_port();
+  auto start = Clock::now();
+  CHECK_THROWS_AS(TCPStore(client_options(port, 300ms)), TimeoutError);
+  auto elapsed = Clock::now() - start;
+  CHECK(elapsed >= 250ms);
+  CHECK(elapsed < 3000ms);
+}
+
+TEST_CASE("store: a busy MASTER_PORT fails at once and names the port") {
+  Listener busy;
+  TCPStoreOptions o = server_options();
+  o.port = busy.port;
+  auto start = Clock::now();
+  try {
+    TCPStore store(o);
+    FAIL("bound a port that is in use");
+  } catch (const DistError& e) {
+    std::string what = e.what();
+    CHECK(what.find("MASTER_PORT " + std::to_string(busy.port)) != std::string::npos);
+    CHECK(what.find("already in use") != std::string::npos);
+  }
+  CHECK(Clock::now() - start < 1000ms);
+}
+
+TEST_CASE("store: the server drops peers that break the wire format and keeps serving") {
+  TCPStore server(server_options());
+  server.set("key", std::string("value"));
+
+  SUBCASE("a foreign hello (an HTTP request)") {
+    int fd = raw_connect(server.port());
+    std::string http = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+    send_bytes(fd, std::vector<uint8_t>(http.begin(), http.end()));
+    CHECK(read_until_closed(fd) == 0);  // no reply, just closed
+    ::close(fd);
+  }
+  SUBCASE("a key length of 4 GiB") {
+    int fd = raw_connect(server.port());
+    auto msg = hello();
+    msg.push_back(1);  // SET
+    auto huge = le32(0xFFFFFFFFu);
+    msg.insert(msg.end(), huge.begin(), huge.end());
+    send_bytes(fd, msg);
+    CHECK(read_until_closed(fd) >= 0);  // closed at once, not waiting for 4 GiB
+    ::close(fd);
+  }
+  SUBCASE("a value one byte over the limit") {
+    int fd = raw_connect(server.port());
+    auto msg = hello();
+    msg.push_back(1);  // SET
+    auto klen = le32(1);
+    msg.insert(msg.end(), klen.begin(), klen.end());
+    msg.push_back('k');
+    auto vlen = le32(kMaxValueBytes + 1);
+    msg.insert(msg.end(), vlen.begin(), vlen.end());
+    send_bytes(fd, msg);
+    CHECK(read_until_closed(fd) >= 0);
+    ::close(fd);
+  }
+  SUBCASE("an unknown verb") {
+    int fd = raw_connect(server.port());
+    auto msg = hello();
+    msg.push_back(99);
+    send_bytes(fd, msg);
+    CHECK(read_until_closed(fd) >= 0);
+    ::close(fd);
+  }
+  CHECK(server.rejected_connections() == 1);
+  TCPStore client(client_options(server.port()));
+  CHECK(client.get_string("key") == "value");
+}
+
+TEST_CASE("store: a client refuses a server that is not a nanoddp store or sends huge lengths") {
+  SUBCASE("wrong hello") {
+    Listener fake;
+    std::thread peer([&] {
+      int fd = ::accept(fake.fd, nullptr, nullptr);
+      char buf[8];
+      [[maybe_unused]] auto n = ::recv(fd, buf, 8, MSG_WAITALL);
+      std::string reply = "HTTP/1.";
+      ::send(fd, reply.data(), 8, MSG_NOSIGNAL);
+      ::close(fd);
+    });
+    try {
+      TCPStore client(client_options(fake.port));
+      FAIL("accepted a foreign server");
+    } catch (const DistError& e) {
+      CHECK(std::string(e.what()).find("other than a nanoddp store") != std::string::npos);
+    }
+    peer.join();
+  }
+  SUBCASE("a reply value of 2 GiB") {
+    Listener fake;
+    std::atomic<bool> release{false};
+    std::thread peer([&] {
+      int fd = ::accept(fake.fd, nullptr, nullptr);
+      char buf[8];
+      [[maybe_unused]] auto n = ::recv(fd, buf, 8, MSG_WAITALL);
+      auto reply = hello();
+      reply.push_back(0);  // WAIT: ok
+      reply.push_back(0);  // GET: ok, then the length
+      auto huge = le32(0x7FFFFFFFu);
+      reply.insert(reply.end(), huge.begin(), huge.end());
+      ::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL);
+      while (!release) std::this_thread::sleep_for(1ms);
+      ::close(fd);
+    });
+    TCPStore client(client_options(fake.port));
+    try {
+      client.get("anything");
+      FAIL("accepted a 2 GiB value");
+    } catch (const DistError& e) {
+      CHECK(std::string(e.what()).find("over the limit") != std::string::npos);
+    }
+    // The broken connection is not reused.
+    CHECK_THROWS_AS(client.check({"x"}), DistError);
+    release = true;
+    peer.join();
+  }
+}
+
+TEST_CASE("store: arguments over the limits are refused before anything is sent") {
+  TCPStore server(server_options());
+  CHECK_THROWS_AS(server.set(std::string(kMaxKeyBytes + 1, 'k'), std::string("v")), ValueError);
+  CHECK_THROWS_AS(server.set("k", std::vector<uint8_t>(kMaxValueBytes + 1)), ValueError);
+  server.set("k", std::string("still fine"));
+  CHECK(server.get_string("k") == "still fine");
+}
