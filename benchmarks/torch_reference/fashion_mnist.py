@@ -33,6 +33,7 @@ import json
 import os
 import resource
 import socket
+import sys
 import struct
 import time
 
@@ -42,6 +43,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
+
+def emit(line):
+    """Prints one line with a single write(2): forked ranks share the pipe, and a line
+    shorter than PIPE_BUF written at once is never interleaved with another rank's."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
+
 
 IMAGES_MAGIC = 0x00000803
 LABELS_MAGIC = 0x00000801
@@ -134,18 +142,18 @@ def train(rank, world_size, args):
         accuracy = stats[2].item() / test_x.shape[0]
         samples_per_s = stats[3].item() / slowest.item()
         if rank == 0:
-            print(f"epoch {epoch + 1}/{args.epochs} train_loss {train_loss:.4f} "
-                  f"test_accuracy {accuracy:.4f} samples/s {samples_per_s:.0f}", flush=True)
+            emit(f"epoch {epoch + 1}/{args.epochs} train_loss {train_loss:.4f} "
+                 f"test_accuracy {accuracy:.4f} samples/s {samples_per_s:.0f}")
 
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
     if distributed:
         dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(json.dumps({"example": "fashion_mnist", "framework": "torch",
-                          "world_size": world_size, "epochs": args.epochs,
-                          "threads": args.threads, "test_accuracy": accuracy,
-                          "train_loss": train_loss, "samples_per_s": samples_per_s,
-                          "peak_rss_mb": rss.item()}), flush=True)
+        emit(json.dumps({"example": "fashion_mnist", "framework": "torch",
+                         "world_size": world_size, "epochs": args.epochs,
+                         "threads": args.threads, "test_accuracy": accuracy,
+                         "train_loss": train_loss, "samples_per_s": samples_per_s,
+                         "peak_rss_mb": rss.item()}))
     if distributed:
         dist.destroy_process_group()
 

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,13 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
+
+
+def emit(line):
+    """Prints one line with a single write(2): forked ranks share the pipe, and a line
+    shorter than PIPE_BUF written at once is never interleaved with another rank's."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
 
 
 class ToyDataset(Dataset):
@@ -70,10 +78,10 @@ def train(rank, world_size, args):
             loss = loss_fn(ddp(x), y)
             loss.backward()
             optimizer.step()
-        print(f"Rank {rank}, Epoch [{epoch + 1}], Loss: {loss.item():.6f}", flush=True)
-    print(json.dumps({"example": "toy_ddp", "framework": "torch", "rank": rank,
-                      "world_size": world_size, "weight": model.weight.item(),
-                      "bias": model.bias.item(), "loss": loss.item()}), flush=True)
+        emit(f"Rank {rank}, Epoch [{epoch + 1}], Loss: {loss.item():.6f}")
+    emit(json.dumps({"example": "toy_ddp", "framework": "torch", "rank": rank,
+                     "world_size": world_size, "weight": model.weight.item(),
+                     "bias": model.bias.item(), "loss": loss.item()}))
     dist.destroy_process_group()
 
 
