@@ -515,7 +515,11 @@ class TCPStore::Client {
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
     std::string last_error = "no attempt";
-    auto backoff = std::chrono::milliseconds(5);
+    // Ranks usually start a few milliseconds before rank 0 listens: a short, capped backoff
+    // keeps a job's start fast (a refused connect costs microseconds), while still not
+    // spinning when rank 0 is slow to come up.
+    constexpr auto kMaxBackoff = std::chrono::milliseconds(10);
+    auto backoff = std::chrono::milliseconds(1);
     while (true) {
       addrinfo* found = nullptr;
       int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
@@ -538,7 +542,7 @@ class TCPStore::Client {
                     timeout.count(), " ms (last error: ", last_error,
                     "); is rank 0 running and MASTER_ADDR/MASTER_PORT right?");
       std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
-      backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
+      backoff = std::min(backoff * 2, kMaxBackoff);
     }
     set_nodelay(fd_.get());
     std::vector<uint8_t> hello;

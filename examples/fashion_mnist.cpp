@@ -8,7 +8,8 @@
 // the correct counts are summed with all_reduce; rank 0 prints the epoch and saves a
 // checkpoint atomically. --resume continues from that checkpoint so that the result equals
 // an uninterrupted run: the weights, the momentum buffers and the epoch are restored, and the
-// data order depends only on seed + epoch. Rank 0 ends with one JSON line (see README).
+// data order and learning rate depend only on seed, epoch and step. --stop-after N ends a run
+// early as a time-limited job would. Rank 0 ends with one JSON line (see README).
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cmath>
@@ -41,6 +42,7 @@ struct Config {
   std::string data_dir = data::FashionMNIST::kDefaultRoot;
   std::string checkpoint;
   bool resume = false;
+  int stop_after = 0;  // 0: train every epoch
   std::string schedule = "cosine";
   bool no_overlap = false;
   bool prefetch = false;
@@ -140,7 +142,8 @@ int run(const Config& config) {
 
   double train_loss = NAN, accuracy = NAN, samples_per_s = NAN;
   if (first_epoch >= config.epochs) accuracy = evaluate(*model, test_loader, *pg);
-  for (int epoch = first_epoch; epoch < config.epochs; ++epoch) {
+  const int last_epoch = config.stop_after > 0 ? std::min(config.stop_after, config.epochs) : config.epochs;
+  for (int epoch = first_epoch; epoch < last_epoch; ++epoch) {
     train_loader.set_epoch(epoch);
     examples::Progress progress(epoch + 1, config.epochs, train_loader.size(), chatty);
     Tensor loss_sum = Tensor::zeros({}, DType::Float32, device);
@@ -210,6 +213,10 @@ int main(int argc, char** argv) {
   app.add_option("--data-dir", config.data_dir, "folder with the four Fashion-MNIST IDX files");
   app.add_option("--checkpoint", config.checkpoint, "file rank 0 writes after every epoch");
   app.add_flag("--resume", config.resume, "continue from --checkpoint if it exists");
+  app.add_option("--stop-after", config.stop_after,
+                 "stop after this epoch, as a job with a time limit would (the schedule still spans --epochs); "
+                 "rerun with --resume to go on")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--schedule", config.schedule, "learning rate over training: cosine (to 0) or constant")
       ->check(CLI::IsMember({"cosine", "constant"}));
   app.add_flag("--no-overlap", config.no_overlap, "all-reduce after backward instead of during it");

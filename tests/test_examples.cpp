@@ -97,7 +97,7 @@ TEST_CASE("fashion_mnist: resuming from a checkpoint equals an uninterrupted run
   const std::string straight_ckpt = dir.path + "/straight.ckpt", resumed_ckpt = dir.path + "/resumed.ckpt";
   const RunResult straight = run(args({"--epochs", "3", "--checkpoint", straight_ckpt}), 120s);
   REQUIRE_MESSAGE(straight.code() == 0, straight.err);
-  const RunResult first = run(args({"--epochs", "1", "--checkpoint", resumed_ckpt}), 120s);
+  const RunResult first = run(args({"--epochs", "3", "--stop-after", "1", "--checkpoint", resumed_ckpt}), 120s);
   REQUIRE_MESSAGE(first.code() == 0, first.err);
   const RunResult rest = run(args({"--epochs", "3", "--checkpoint", resumed_ckpt, "--resume"}), 120s);
   REQUIRE_MESSAGE(rest.code() == 0, rest.err);
