@@ -14,6 +14,7 @@
 #include "core/autograd.h"
 #include "dist/ddp.h"
 #include "dist/init.h"
+#include "examples/example_utils.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
 
@@ -81,7 +82,7 @@ double gradient_check(float slope) {
 int main(int argc, char** argv) {
   CLI::App app{"custom_layer: a user-defined LeakyReLU, gradient-checked and trained with DDP"};
   int steps = 300;
-  app.add_option("--steps", steps, "SGD steps")->check(CLI::PositiveNumber);
+  app.add_option("--steps", steps, "SGD steps")->check(examples::at_least(1));
   CLI11_PARSE(app, argc, argv);
   try {
     const double error = gradient_check(0.1f);

@@ -10,7 +10,12 @@
 // an uninterrupted run: the weights, the momentum buffers and the epoch are restored, and the
 // data order and learning rate depend only on seed, epoch and step. --stop-after N ends a run
 // early as a time-limited job would. Rank 0 ends with one JSON line (see README).
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
+#include <cerrno>
+#include <cstring>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -47,6 +52,7 @@ struct Config {
   bool no_overlap = false;
   bool prefetch = false;
   bool quiet = false;
+  int timeout_s = 300;
 };
 
 std::shared_ptr<nn::Sequential> make_mlp(uint64_t seed) {
@@ -61,6 +67,15 @@ std::shared_ptr<nn::Sequential> make_mlp(uint64_t seed) {
 }
 
 bool file_exists(const std::string& path) { return std::ifstream(path).good(); }
+
+// Loss checks read the device's running sum this often (a sync on a GPU).
+constexpr int64_t kCheckEverySteps = 50;
+
+// Training that has blown up stops with the epoch and step, as toy_ddp does.
+void check_finite(float mean_loss, int rank, int epoch, int64_t step) {
+  NANODDP_CHECK(std::isfinite(mean_loss), ValueError, "rank ", rank, ": the mean training loss became ", mean_loss,
+                " in epoch ", epoch + 1, " by step ", step, "; lower --lr or --momentum");
+}
 
 // Test accuracy over the whole test set, each image counted once across ranks.
 // The learning rate at global step t of T: constant, or cosine annealing from lr to 0
@@ -95,13 +110,34 @@ void save(const std::string& path, int epochs_done, nn::Module& model, const nn:
   nn::save_checkpoint(path, state);
 }
 
-// Returns the number of epochs the checkpoint had completed.
-int restore(const std::string& path, nn::Module& model, nn::SGD& optimizer) {
-  const nn::StateDict state = nn::load_checkpoint(path);
-  NANODDP_CHECK(state.count("epochs_done") == 1, IOError, "checkpoint ", path, " has no 'epochs_done' entry");
-  model.load_state_dict(nn::strip_prefix(state, "model."));
-  optimizer.load_state_dict(nn::strip_prefix(state, "optimizer."));
-  return static_cast<int>(state.at("epochs_done").at_int({0}));
+// Rank 0 writes the checkpoint after every epoch: find out now, not after an epoch of
+// training, whether it can (an existing folder, not a folder itself, writable).
+void check_checkpoint_path(const std::string& path) {
+  struct stat info {};
+  NANODDP_CHECK(::stat(path.c_str(), &info) != 0 || S_ISREG(info.st_mode), IOError, "--checkpoint ", path,
+                " exists but is not a regular file");
+  const size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  NANODDP_CHECK(::access(dir.c_str(), W_OK) == 0, IOError, "--checkpoint ", path, ": cannot write in folder ", dir,
+                ": ", std::strerror(errno));
+}
+
+// Returns the number of epochs the checkpoint had completed. Errors name the file.
+int restore(const std::string& path, int epochs, nn::Module& model, nn::SGD& optimizer) {
+  try {
+    const nn::StateDict state = nn::load_checkpoint(path);
+    NANODDP_CHECK(state.count("epochs_done") == 1 && state.at("epochs_done").dtype() == DType::Int64 &&
+                      state.at("epochs_done").numel() == 1,
+                  IOError, "no 'epochs_done' entry");
+    const int64_t done = state.at("epochs_done").to_int_vector()[0];
+    NANODDP_CHECK(done >= 0, IOError, "'epochs_done' is ", done);
+    NANODDP_CHECK(done <= epochs, ValueError, "it has ", done, " epochs done, more than --epochs ", epochs);
+    model.load_state_dict(nn::strip_prefix(state, "model."));
+    optimizer.load_state_dict(nn::strip_prefix(state, "optimizer."));
+    return static_cast<int>(done);
+  } catch (const Error& e) {
+    throw IOError("cannot resume from checkpoint " + path + ": " + e.what());
+  }
 }
 
 int run(const Config& config) {
@@ -109,12 +145,17 @@ int run(const Config& config) {
   dist::InitOptions init;
   init.backend = dist::parse_backend(config.backend);
   init.device = device;
+  init.timeout = std::chrono::seconds(config.timeout_s);
   auto pg = dist::init_process_group(init);
   const int rank = pg->rank(), world_size = pg->size();
   const bool chatty = rank == 0 && !config.quiet;
+  NANODDP_CHECK(!config.resume || !config.checkpoint.empty(), ValueError, "--resume needs --checkpoint FILE");
+  if (rank == 0 && !config.checkpoint.empty()) check_checkpoint_path(config.checkpoint);
 
   auto train_set = std::make_shared<data::FashionMNIST>(config.data_dir, /*train=*/true);
   auto test_set = std::make_shared<data::FashionMNIST>(config.data_dir, /*train=*/false);
+  NANODDP_CHECK(train_set->size() > 0 && test_set->size() > 0, ValueError, "the data in ", config.data_dir,
+                " has ", train_set->size(), " training and ", test_set->size(), " test images: nothing to learn from");
   data::DataLoaderOptions loader_options;
   loader_options.device = device;
   loader_options.prefetch = config.prefetch;
@@ -132,7 +173,7 @@ int run(const Config& config) {
     // Every rank reads the file (it must be on a filesystem they share); DDP's broadcast then
     // makes the weights identical anyway, and the momentum buffers are identical because
     // they were built from all-reduced gradients.
-    first_epoch = restore(config.checkpoint, *model, optimizer);
+    first_epoch = restore(config.checkpoint, config.epochs, *model, optimizer);
     if (chatty) std::printf("resumed from %s after epoch %d\n", config.checkpoint.c_str(), first_epoch);
   }
   dist::DDPOptions ddp_options;
@@ -141,6 +182,7 @@ int run(const Config& config) {
   nn::CrossEntropyLoss loss_fn;
 
   double train_loss = NAN, accuracy = NAN, samples_per_s = NAN;
+  int epochs_done = first_epoch;
   if (first_epoch >= config.epochs) accuracy = evaluate(*model, test_loader, *pg);
   const int last_epoch = config.stop_after > 0 ? std::min(config.stop_after, config.epochs) : config.epochs;
   for (int epoch = first_epoch; epoch < last_epoch; ++epoch) {
@@ -161,7 +203,11 @@ int run(const Config& config) {
       }
       ++steps;
       samples += batch.input.size(0);
-      if (chatty && (steps % 50 == 0 || steps == train_loader.size())) progress.update(steps, loss_sum.item() / steps);
+      if (steps % kCheckEverySteps == 0 || steps == train_loader.size()) {
+        const float mean_loss = loss_sum.item() / static_cast<float>(steps);
+        check_finite(mean_loss, rank, epoch, steps);
+        if (chatty) progress.update(steps, mean_loss);
+      }
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
@@ -172,12 +218,14 @@ int run(const Config& config) {
     Tensor slowest = Tensor::from_vector({static_cast<float>(seconds)});
     pg->all_reduce(slowest, dist::ReduceOp::Max)->wait();
     train_loss = stats.at({0}) / world_size;
+    check_finite(static_cast<float>(train_loss), rank, epoch, steps);
     samples_per_s = stats.at({1}) / slowest.at({0});
     accuracy = evaluate(*model, test_loader, *pg);
     if (chatty)
       std::printf("epoch %d/%d: train loss %.4f, test accuracy %.4f, %.0f samples/s\n", epoch + 1, config.epochs,
                   train_loss, accuracy, samples_per_s);
     if (rank == 0 && !config.checkpoint.empty()) save(config.checkpoint, epoch + 1, *model, optimizer);
+    epochs_done = epoch + 1;
     std::fflush(stdout);
   }
 
@@ -187,7 +235,7 @@ int run(const Config& config) {
     std::printf(
         "{\"example\":\"fashion_mnist\",\"world_size\":%d,\"epochs\":%d,\"test_accuracy\":%s,\"train_loss\":%s,"
         "\"samples_per_s\":%s,\"peak_rss_mb\":%s,\"backend\":\"%s\",\"device\":\"%s\"}\n",
-        world_size, config.epochs, examples::json_number(accuracy).c_str(), examples::json_number(train_loss).c_str(),
+        world_size, epochs_done, examples::json_number(accuracy).c_str(), examples::json_number(train_loss).c_str(),
         examples::json_number(samples_per_s).c_str(), examples::json_number(rss.at({0})).c_str(),
         pg->backend_name().c_str(), device.str().c_str());
     std::fflush(stdout);
@@ -202,11 +250,14 @@ int run(const Config& config) {
 int main(int argc, char** argv) {
   Config config;
   CLI::App app{"fashion_mnist: an MLP on Fashion-MNIST with DistributedDataParallel"};
-  app.add_option("--epochs", config.epochs, "epochs to train (in all, counting resumed ones)")->check(CLI::PositiveNumber);
-  app.add_option("--lr", config.lr, "SGD learning rate")->check(CLI::NonNegativeNumber);
-  app.add_option("--momentum", config.momentum, "SGD momentum")->check(CLI::NonNegativeNumber);
-  app.add_option("--weight-decay", config.weight_decay, "SGD weight decay")->check(CLI::NonNegativeNumber);
-  app.add_option("--batch-size", config.batch_size, "examples per rank per step")->check(CLI::PositiveNumber);
+  app.option_defaults()->always_capture_default();
+  app.add_option("--epochs", config.epochs, "epochs to train (in all, counting resumed ones)")->check(examples::at_least(1));
+  app.add_option("--lr", config.lr, "SGD learning rate")->check(examples::at_least(0));
+  app.add_option("--momentum", config.momentum, "SGD momentum")->check(examples::at_least(0));
+  app.add_option("--weight-decay", config.weight_decay, "SGD weight decay")->check(examples::at_least(0));
+  app.add_option("--batch-size", config.batch_size, "examples per rank per step")->check(examples::at_least(1));
+  app.add_option("--timeout", config.timeout_s, "seconds to wait for other ranks (rendezvous, each collective)")
+      ->check(examples::at_least(1));
   app.add_option("--seed", config.seed, "seed of the weights and of the data order");
   app.add_option("--device", config.device, "cpu or cuda (rank r uses cuda:LOCAL_RANK)");
   app.add_option("--backend", config.backend, "auto, gloo, mpi or nccl");
@@ -214,9 +265,9 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint", config.checkpoint, "file rank 0 writes after every epoch");
   app.add_flag("--resume", config.resume, "continue from --checkpoint if it exists");
   app.add_option("--stop-after", config.stop_after,
-                 "stop after this epoch, as a job with a time limit would (the schedule still spans --epochs); "
-                 "rerun with --resume to go on")
-      ->check(CLI::NonNegativeNumber);
+                 "stop after this epoch, as a job with a time limit would (the schedule still spans --epochs; "
+                 "0: never); rerun with --resume to go on")
+      ->check(examples::at_least(0));
   app.add_option("--schedule", config.schedule, "learning rate over training: cosine (to 0) or constant")
       ->check(CLI::IsMember({"cosine", "constant"}));
   app.add_flag("--no-overlap", config.no_overlap, "all-reduce after backward instead of during it");

@@ -46,9 +46,9 @@ int main(int argc, char** argv) {
   std::optional<float> init_weight, init_bias;
   std::string device_name = "cpu", backend = "auto";
   uint64_t seed = 0;
-  app.add_option("--epochs", epochs, "passes over the data")->check(CLI::PositiveNumber);
-  app.add_option("--lr", lr, "SGD learning rate")->check(CLI::NonNegativeNumber);
-  app.add_option("--batch-size", batch_size, "examples per rank per step")->check(CLI::PositiveNumber);
+  app.add_option("--epochs", epochs, "passes over the data")->check(examples::at_least(1));
+  app.add_option("--lr", lr, "SGD learning rate")->check(examples::at_least(0));
+  app.add_option("--batch-size", batch_size, "examples per rank per step")->check(examples::at_least(1));
   app.add_flag("--raw", raw, "the tutorial's unscaled data (x up to 99): SGD diverges");
   app.add_option("--init-weight", init_weight, "start from this weight instead of a random one");
   app.add_option("--init-bias", init_bias, "start from this bias instead of a random one");
@@ -92,10 +92,11 @@ int main(int argc, char** argv) {
         loss.backward();
         optimizer.step();
         last_loss = loss.item();
+        if (!std::isfinite(last_loss)) std::fflush(stdout);  // this rank's earlier lines first
         NANODDP_CHECK(std::isfinite(last_loss), ValueError, "the loss became ", last_loss, " at epoch ",
                       epoch + 1, ", step ", step, " on rank ", rank,
                       raw ? ": SGD diverges on the unscaled data (x up to 99); drop --raw or lower --lr"
-                          : "; lower --lr");
+                          : "; lower --lr or start from smaller --init-weight/--init-bias");
       }
       std::printf("Rank %d, Epoch [%d], Loss: %.6f\n", rank, epoch + 1, last_loss);
     }

@@ -1,6 +1,7 @@
 #include "nn/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -114,6 +115,9 @@ void save_checkpoint(const std::string& path, const StateDict& tensors) {
 }
 
 StateDict load_checkpoint(const std::string& path) {
+  struct stat info {};
+  NANODDP_CHECK(::stat(path.c_str(), &info) == 0, IOError, "checkpoint ", path, ": cannot open: ", std::strerror(errno));
+  NANODDP_CHECK(S_ISREG(info.st_mode), IOError, "checkpoint ", path, ": not a regular file");
   std::ifstream file(path, std::ios::binary);
   NANODDP_CHECK(file.good(), IOError, "checkpoint ", path, ": cannot open: ", std::strerror(errno));
   const std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
