@@ -127,3 +127,39 @@ TEST_CASE("fashion_mnist: a missing data folder is a clear error, not a crash") 
   CHECK(r.err.find("/nonexistent/folder") != std::string::npos);
   CHECK(r.err.find("dataset-fashion-mnist") != std::string::npos);
 }
+
+TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
+  TempDir dir;
+  write_small_fashion_mnist(dir.path, 256, 64);
+  const std::string program = built("examples/fashion_mnist");
+  auto run_with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> all = {program, "--data-dir", dir.path, "--quiet"};
+    all.insert(all.end(), extra.begin(), extra.end());
+    return run(all, 60s);
+  };
+  RunResult r = run_with({"--lr", "1e6", "--epochs", "2"});
+  CHECK(r.code() == 1);
+  CHECK(std::regex_search(r.err, std::regex("loss became -?nan in epoch 1 by step [0-9]+")));
+  r = run_with({"--resume"});
+  CHECK(r.code() == 1);
+  CHECK(r.err.find("--resume needs --checkpoint") != std::string::npos);
+  r = run_with({"--checkpoint", dir.path + "/missing/folder/run.ckpt"});
+  CHECK(r.code() == 1);
+  CHECK(r.err.find("cannot write in folder") != std::string::npos);
+  const std::string ckpt = dir.path + "/run.ckpt";
+  r = run_with({"--epochs", "2", "--checkpoint", ckpt});
+  REQUIRE_MESSAGE(r.code() == 0, r.err);
+  r = run_with({"--epochs", "1", "--checkpoint", ckpt, "--resume"});
+  CHECK(r.code() == 1);
+  CHECK(r.err.find("cannot resume from checkpoint " + ckpt) != std::string::npos);
+  CHECK(r.err.find("2 epochs done, more than --epochs 1") != std::string::npos);
+  r = run_with({"--batch-size", "0"});
+  CHECK(r.code() != 0);
+  CHECK(r.err.find("--batch-size: must be a finite number >= 1, got 0") != std::string::npos);
+
+  TempDir empty;
+  write_small_fashion_mnist(empty.path, 0, 10);
+  r = run({program, "--data-dir", empty.path, "--quiet"}, 60s);
+  CHECK(r.code() == 1);
+  CHECK(r.err.find("0 training and 10 test images") != std::string::npos);
+}
