@@ -204,6 +204,95 @@ TEST_CASE("nanoddp-run: SIGINT is forwarded to every rank and the launcher exits
   check_nothing_left(recorded_pids(dir.path, 3));
 }
 
+TEST_CASE("nanoddp-run: SIGTERM while ranks are still being started ends the job at once") {
+  TempDir dir;
+  // 64 ranks: the first one is up long before the last is forked, so the signal lands while
+  // the launcher is still starting ranks; it must stop forking and end every rank it started.
+  const RunResult r = run({launcher_path(), "--nproc-per-node", "64", "sh", "-c",
+                           "echo $$ > " + dir.path + "/pid.$RANK; exec sleep 30"},
+                          30s, [&](pid_t launcher) {
+                            for (int i = 0; i < 500 && read_file(dir.path + "/pid.0").empty(); ++i)
+                              std::this_thread::sleep_for(2ms);
+                            kill(launcher, SIGTERM);
+                          });
+  CHECK(r.code() == 128 + SIGTERM);
+  CHECK_MESSAGE(contains(r.err, "received SIGTERM"), r.err);
+  CHECK(r.seconds < 5);
+  std::set<int> pids;
+  DIR* d = opendir(dir.path.c_str());
+  REQUIRE(d != nullptr);
+  while (dirent* e = readdir(d))
+    if (std::string(e->d_name).rfind("pid.", 0) == 0) pids.insert(std::atoi(read_file(dir.path + "/" + e->d_name).c_str()));
+  closedir(d);
+  CHECK(!pids.empty());
+  check_nothing_left(pids);
+}
+
+TEST_CASE("nanoddp-run: a rank that cannot be started (no descriptors left) ends the job, naming it") {
+  TempDir dir;
+  // 16 descriptors hold the launcher's own and about three ranks' pipes: a later pipe2 fails
+  // with EMFILE, and the ranks already started are terminated.
+  const RunResult r = run({"/bin/sh", "-c", "ulimit -n 16 && exec \"$0\" \"$@\"", launcher_path(),
+                           "--nproc-per-node", "8", "sh", "-c", "echo $$ > " + dir.path + "/pid.$RANK; exec sleep 30"});
+  CHECK(r.code() == 1);
+  CHECK_MESSAGE(contains(r.err, "nanoddp-run: could not start rank "), r.err);
+  CHECK_MESSAGE(contains(r.err, "Too many open files"), r.err);
+  CHECK(r.seconds < 10);
+  std::set<int> pids;
+  DIR* d = opendir(dir.path.c_str());
+  REQUIRE(d != nullptr);
+  while (dirent* e = readdir(d))
+    if (std::string(e->d_name).rfind("pid.", 0) == 0) pids.insert(std::atoi(read_file(dir.path + "/" + e->d_name).c_str()));
+  closedir(d);
+  CHECK(pids.size() < 8);
+  check_nothing_left(pids);
+}
+
+TEST_CASE("ChildGroup: a pending signal, a failed child or the timeout stop further starts") {
+  std::set<int> pids;
+  auto sleeper = [](int) {
+    execlp("sleep", "sleep", "30", static_cast<char*>(nullptr));
+    _exit(127);
+  };
+  dist::ChildGroup::Options options;
+  options.report = false;
+  options.grace_period = 2s;
+  const auto started = Clock::now();
+  SUBCASE("signal") {
+    dist::ChildGroup group(options);
+    REQUIRE(group.start(0, "rank 0", "", sleeper));
+    raise(SIGTERM);  // what `timeout` or `kill` sends the launcher while it forks
+    CHECK_FALSE(group.start(1, "rank 1", "", sleeper));
+    const dist::Outcome outcome = group.wait();
+    CHECK(outcome.kind == dist::Outcome::Kind::Interrupted);
+    CHECK(outcome.signal == SIGTERM);
+    REQUIRE(outcome.statuses.size() == 1);  // rank 1 was never started
+    CHECK(outcome.statuses[0].signal == SIGTERM);
+  }
+  SUBCASE("failed child") {
+    dist::ChildGroup group(options);
+    REQUIRE(group.start(0, "rank 0", "", [](int) { _exit(3); }));
+    std::this_thread::sleep_for(200ms);
+    CHECK_FALSE(group.start(1, "rank 1", "", sleeper));
+    const dist::Outcome outcome = group.wait();
+    CHECK(outcome.kind == dist::Outcome::Kind::ChildFailed);
+    CHECK(outcome.failed_rank == 0);
+    CHECK(outcome.failed_status.code == 3);
+    CHECK(outcome.statuses.size() == 1);
+  }
+  SUBCASE("timeout") {
+    options.timeout = 100ms;
+    dist::ChildGroup group(options);
+    REQUIRE(group.start(0, "rank 0", "", sleeper));
+    std::this_thread::sleep_for(150ms);
+    CHECK_FALSE(group.start(1, "rank 1", "", sleeper));
+    const dist::Outcome outcome = group.wait();
+    CHECK(outcome.kind == dist::Outcome::Kind::TimedOut);
+    CHECK(outcome.statuses.size() == 1);
+  }
+  CHECK(Clock::now() - started < 5s);
+}
+
 TEST_CASE("nanoddp-run --backend mpi: mpirun runs the ranks; an early exit fails the job with its code") {
   if (!on_path("mpirun")) {
     MESSAGE("skipped: no mpirun on PATH (Debian: openmpi-bin)");
@@ -231,6 +320,9 @@ TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
   const RunResult mpi = run({launcher_path(), "--nnodes", "2", "--master-port", "29500", "--backend", "mpi", "true"});
   CHECK(mpi.code() == 2);
   CHECK_MESSAGE(contains(mpi.err, "hostfile"), mpi.err);
+  const RunResult huge = run({launcher_path(), "--nproc-per-node", "100000", "true"});  // a typo, not a job
+  CHECK(huge.code() == 2);
+  CHECK_MESSAGE(contains(huge.err, "1024"), huge.err);
   const RunResult missing = run({launcher_path(), "--nproc-per-node", "2", "/nonexistent/program"});
   CHECK(missing.code() == 127);
   CHECK(contains(missing.err, "cannot execute '/nonexistent/program'"));
@@ -374,5 +466,8 @@ TEST_CASE("spawn: a signal death, a timeout, and live threads are reported") {
     cv.notify_all();
     worker.join();
   }
-  SUBCASE("bad nprocs") { CHECK_THROWS_AS(dist::spawn([](int) {}, 0), nanoddp::ValueError); }
+  SUBCASE("bad nprocs") {
+    CHECK_THROWS_AS(dist::spawn([](int) {}, 0), nanoddp::ValueError);
+    CHECK_THROWS_AS(dist::spawn([](int) {}, dist::kMaxProcPerNode + 1), nanoddp::ValueError);
+  }
 }
