@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <dirent.h>
 #include <fstream>
@@ -216,6 +217,8 @@ void check_options(const LaunchOptions& o, const std::vector<std::string>& progr
                 "launch: --nproc-per-node must be between 1 and ", kMaxProcPerNode, " (one rank per GPU or core), got ",
                 o.nproc_per_node);
   NANODDP_CHECK(o.nnodes >= 1, ValueError, "launch: --nnodes must be >= 1, got ", o.nnodes);
+  NANODDP_CHECK(o.nnodes <= INT_MAX / o.nproc_per_node, ValueError, "launch: --nnodes ", o.nnodes, " times ",
+                "--nproc-per-node ", o.nproc_per_node, " ranks does not fit a world size");
   NANODDP_CHECK(o.node_rank >= 0 && o.node_rank < o.nnodes, ValueError, "launch: --node-rank ", o.node_rank,
                 " is outside 0..", o.nnodes - 1);
   NANODDP_CHECK(o.master_port >= 0 && o.master_port <= 65535, ValueError, "launch: --master-port ",

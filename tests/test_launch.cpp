@@ -322,7 +322,29 @@ TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
   CHECK_MESSAGE(contains(mpi.err, "hostfile"), mpi.err);
   const RunResult huge = run({launcher_path(), "--nproc-per-node", "100000", "true"});  // a typo, not a job
   CHECK(huge.code() == 2);
-  CHECK_MESSAGE(contains(huge.err, "1024"), huge.err);
+  CHECK_MESSAGE(contains(huge.err, "--nproc-per-node: must be an integer between 1 and 1024, got '100000'"), huge.err);
+  // Every numeric flag names itself, its bounds and the value (CLI11's Range printed 300 digits).
+  const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
+      {{"--nproc-per-node", "0"}, "--nproc-per-node: must be an integer between 1 and 1024, got '0'"},
+      {{"--nnodes", "x"}, "--nnodes: must be an integer >= 1, got 'x'"},
+      {{"--node-rank", "-1"}, "--node-rank: must be an integer >= 0, got '-1'"},
+      {{"--master-port", "70000"}, "--master-port: must be an integer between 0 and 65535, got '70000'"},
+      {{"--grace-period", "-1"}, "--grace-period: must be a number of seconds between 0 and 1e9, got '-1'"},
+      {{"--timeout", "1e99"}, "--timeout: must be a number of seconds between 0 and 1e9, got '1e99'"},
+  };
+  for (const auto& [flags, message] : bad) {
+    std::vector<std::string> args = {launcher_path()};
+    args.insert(args.end(), flags.begin(), flags.end());
+    args.push_back("true");
+    const RunResult r = run(args);
+    CHECK(r.code() == 2);
+    CHECK_MESSAGE(contains(r.err, message), r.err);
+    CHECK(r.err.size() < 300);
+  }
+  const RunResult help = run({launcher_path(), "--help"});
+  CHECK(help.code() == 0);
+  CHECK_MESSAGE(help.out.find("Usage:") == help.out.rfind("Usage:"), help.out);  // once
+  CHECK_MESSAGE(contains(help.out, "Usage: nanoddp-run [OPTIONS] PROGRAM [ARGS...]\n"), help.out);
   const RunResult missing = run({launcher_path(), "--nproc-per-node", "2", "/nonexistent/program"});
   CHECK(missing.code() == 127);
   CHECK(contains(missing.err, "cannot execute '/nonexistent/program'"));
