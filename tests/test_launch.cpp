@@ -350,6 +350,32 @@ TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
   CHECK(contains(missing.err, "cannot execute '/nonexistent/program'"));
 }
 
+TEST_CASE("allreduce_bench: one rank, empty size ranges and bad numbers are refused with a message") {
+  using nanoddp::testing::built;
+  const std::string bench = built("benchmarks/allreduce_bench");
+  const RunResult alone = run({bench});  // no launcher: a world of one
+  CHECK(alone.code() == 2);
+  CHECK_MESSAGE(contains(alone.err, "world size 1"), alone.err);
+  CHECK_MESSAGE(contains(alone.err, "--nproc 2"), alone.err);
+  CHECK(alone.out.empty());  // no table of meaningless figures
+  const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
+      {{"--min-bytes", "1024", "--max-bytes", "16"}, "--min-bytes 1024 is larger than --max-bytes 16"},
+      {{"--max-bytes", "16"}, "--min-bytes 4096 is larger than --max-bytes 16"},
+      {{"--min-bytes", "6"}, "--min-bytes: must be a positive multiple of 4"},
+      {{"--warmup", "-1"}, "--warmup: must be an integer between 0 and 1000000, got '-1'"},
+      {{"--nproc", "1"}, "--nproc: must be 0 or an integer between 2 and 64, got '1'"},
+      {{"--seconds-per-size", "0"}, "--seconds-per-size must be a number of seconds"},
+  };
+  for (const auto& [flags, message] : bad) {
+    std::vector<std::string> args = {bench};
+    args.insert(args.end(), flags.begin(), flags.end());
+    const RunResult r = run(args);
+    CHECK(r.code() == 2);
+    CHECK_MESSAGE(contains(r.err, message), r.err);
+    CHECK(r.out.empty());
+  }
+}
+
 TEST_CASE("launch helpers: rank_env numbering, mpirun command line, signal names, free ports") {
   dist::LaunchOptions o;
   o.nproc_per_node = 4;
