@@ -230,9 +230,10 @@ TEST_CASE("nanoddp-run: SIGTERM while ranks are still being started ends the job
 
 TEST_CASE("nanoddp-run: a rank that cannot be started (no descriptors left) ends the job, naming it") {
   TempDir dir;
-  // 16 descriptors hold the launcher's own and about three ranks' pipes: a later pipe2 fails
-  // with EMFILE, and the ranks already started are terminated.
-  const RunResult r = run({"/bin/sh", "-c", "ulimit -n 16 && exec \"$0\" \"$@\"", launcher_path(),
+  // 12 descriptors more than the shell inherited hold the launcher's own and about two ranks'
+  // pipes: a later pipe2 fails with EMFILE, and the ranks already started are terminated.
+  const RunResult r = run({"/bin/sh", "-c", "ulimit -n $(( $(ls /proc/$$/fd | wc -l) + 12 )) && exec \"$0\" \"$@\"",
+                           launcher_path(),
                            "--nproc-per-node", "8", "sh", "-c", "echo $$ > " + dir.path + "/pid.$RANK; exec sleep 30"});
   CHECK(r.code() == 1);
   CHECK_MESSAGE(contains(r.err, "nanoddp-run: could not start rank "), r.err);
