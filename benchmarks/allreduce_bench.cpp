@@ -3,8 +3,9 @@
 //
 //   allreduce_bench --nproc 2 --backend gloo          # forks 2 ranks on this host
 //   mpirun -np 2 allreduce_bench                       # MPI (auto under mpirun)
-//   nanoddp-run --nproc-per-node 8 allreduce_bench --backend nccl
+//   nanoddp-run --nproc-per-node 8 allreduce_bench --backend nccl   # GPU = LOCAL_RANK
 //
+// It needs 2 or more ranks: run alone (a world of one) it says how to start them and exits 2.
 // algbw = bytes / time. busbw = algbw * 2(n-1)/n: a ring all-reduce moves 2(n-1)/n of the
 // buffer through every rank's link, so busbw is comparable across world sizes and with the
 // link's peak (nccl-tests, doc/PERFORMANCE.md). time is the mean over iterations of the
@@ -15,7 +16,9 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -36,6 +39,32 @@ using namespace nanoddp;
 using Clock = std::chrono::steady_clock;
 
 namespace {
+
+// Largest message: count = bytes / 4 must fit MPI's int count.
+constexpr int64_t kMaxMessageBytes = int64_t{1} << 32;
+
+// A job that cannot give a meaningful table (one rank: nothing crosses a link); exits 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Numeric flag checks that name the bounds and the value; CLI11's Range prints its bounds as
+// doubles with hundreds of digits. CLI11 prefixes the flag name.
+CLI::Validator integer_check(const std::string& what, const std::string& short_what, bool (*ok)(long long)) {
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        size_t used = 0;
+        long long value = 0;
+        try {
+          value = std::stoll(text, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used == 0 || used != text.size() || !ok(value)) return "must be " + what + ", got '" + text + "'";
+        return "";
+      },
+      short_what);
+}
 
 struct Config {
   std::string backend = "auto";
@@ -99,6 +128,14 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
   options.device = device;
   auto pg = dist::init_process_group(options);
   const int n = pg->size();
+  if (n < 2) {
+    dist::destroy_process_group();
+    throw UsageError(
+        "world size " + std::to_string(n) +
+        ": an all-reduce over one rank moves no data, so the table would be meaningless. Start 2 or more "
+        "ranks: allreduce_bench --nproc 2 (forks them here), nanoddp-run --nproc-per-node 2 allreduce_bench, "
+        "or mpirun -np 2 allreduce_bench");
+  }
   const bool print = pg->rank() == 0;
   bool blocking_mpi = false;
 #if NANODDP_WITH_MPI
@@ -147,18 +184,44 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
 int main(int argc, char** argv) {
   Config c;
   CLI::App app{"All-reduce bandwidth table (nccl-tests style) for the gloo, mpi or nccl backend"};
-  app.add_option("--backend", c.backend, "gloo, mpi, nccl or auto (NCCL needs --device via LOCAL_RANK)");
-  app.add_option("--nproc", c.nproc, "fork this many ranks on this host (Gloo); 0: launched by "
-                 "nanoddp-run/mpirun")->check(CLI::Range(0, 64));
-  app.add_option("--min-bytes", c.min_bytes, "smallest message (bytes, multiple of 4)");
-  app.add_option("--max-bytes", c.max_bytes, "largest message (bytes); sizes double");
-  app.add_option("--warmup", c.warmup, "untimed all-reduces per size");
-  app.add_option("--seconds-per-size", c.seconds_per_size, "about how long to time each size");
+  app.add_option("--backend", c.backend,
+                 "gloo, mpi, nccl or auto; nccl runs rank r on GPU LOCAL_RANK (nanoddp-run sets it)")
+      ->check(CLI::IsMember({"auto", "gloo", "mpi", "nccl"}));
+  app.add_option("--nproc", c.nproc, "fork this many ranks on this host (2..64); 0: launched by "
+                 "nanoddp-run/mpirun")
+      ->check(integer_check("0 or an integer between 2 and 64", "0 or 2..64", [](long long v) { return v == 0 || (v >= 2 && v <= 64); }))
+      ->capture_default_str();
+  const std::string message_size = "a positive multiple of 4 up to " + std::to_string(kMaxMessageBytes);
+  auto is_message_size = [](long long v) { return v > 0 && v % 4 == 0 && v <= kMaxMessageBytes; };
+  app.add_option("--min-bytes", c.min_bytes, "smallest message (bytes, multiple of 4)")
+      ->check(integer_check(message_size, "4..2^32, multiple of 4", is_message_size))
+      ->capture_default_str();
+  app.add_option("--max-bytes", c.max_bytes, "largest message (bytes, >= --min-bytes); sizes double")
+      ->check(integer_check(message_size, "4..2^32, multiple of 4", is_message_size))
+      ->capture_default_str();
+  app.add_option("--warmup", c.warmup, "untimed all-reduces per size")
+      ->check(integer_check("an integer between 0 and 1000000", "0..1000000", [](long long v) { return v >= 0 && v <= 1000000; }))
+      ->capture_default_str();
+  app.add_option("--seconds-per-size", c.seconds_per_size, "about how long to time each size")
+      ->capture_default_str();
   app.add_flag("--compare-blocking-mpi", c.compare_blocking_mpi,
                "with the mpi backend, also time a blocking MPI_Allreduce on MPI_COMM_WORLD");
-  CLI11_PARSE(app, argc, argv);
-  if (c.min_bytes < 4 || c.min_bytes % 4 != 0) {
-    std::fprintf(stderr, "--min-bytes must be a positive multiple of 4\n");
+  const Config defaults;
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;  // --help is 0; every usage error is 2
+  }
+  if (c.min_bytes > c.max_bytes) {
+    std::fprintf(stderr, "allreduce_bench: --min-bytes %lld is larger than --max-bytes %lld: no size to time%s\n",
+                 static_cast<long long>(c.min_bytes), static_cast<long long>(c.max_bytes),
+                 c.min_bytes == defaults.min_bytes ? " (--min-bytes defaults to 4096: lower it too)" : "");
+    return 2;
+  }
+  if (!std::isfinite(c.seconds_per_size) || c.seconds_per_size <= 0 || c.seconds_per_size > 3600) {
+    std::fprintf(stderr, "allreduce_bench: --seconds-per-size must be a number of seconds in (0, 3600], got %g\n",
+                 c.seconds_per_size);
     return 2;
   }
   try {
@@ -173,6 +236,9 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "allreduce_bench: %s", failures.c_str());
       return 1;
     }
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "allreduce_bench: %s\n", e.what());
+    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "allreduce_bench: %s\n", e.what());
     return 1;

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <dirent.h>
 #include <fstream>
@@ -66,10 +67,6 @@ void write_all(int fd, const std::string& data) {
       return;
     }
   }
-}
-
-void make_pipe(int fds[2]) {
-  NANODDP_CHECK(pipe2(fds, O_CLOEXEC) == 0, DistError, "launch: pipe2 failed: ", std::strerror(errno));
 }
 
 void close_fd(int& fd) {
@@ -216,9 +213,12 @@ int physical_cores() {
 
 void check_options(const LaunchOptions& o, const std::vector<std::string>& program) {
   NANODDP_CHECK(!program.empty(), ValueError, "launch: no program given");
-  NANODDP_CHECK(o.nproc_per_node >= 1, ValueError, "launch: --nproc-per-node must be >= 1, got ",
+  NANODDP_CHECK(o.nproc_per_node >= 1 && o.nproc_per_node <= kMaxProcPerNode, ValueError,
+                "launch: --nproc-per-node must be between 1 and ", kMaxProcPerNode, " (one rank per GPU or core), got ",
                 o.nproc_per_node);
   NANODDP_CHECK(o.nnodes >= 1, ValueError, "launch: --nnodes must be >= 1, got ", o.nnodes);
+  NANODDP_CHECK(o.nnodes <= INT_MAX / o.nproc_per_node, ValueError, "launch: --nnodes ", o.nnodes, " times ",
+                "--nproc-per-node ", o.nproc_per_node, " ranks does not fit a world size");
   NANODDP_CHECK(o.node_rank >= 0 && o.node_rank < o.nnodes, ValueError, "launch: --node-rank ", o.node_rank,
                 " is outside 0..", o.nnodes - 1);
   NANODDP_CHECK(o.master_port >= 0 && o.master_port <= 65535, ValueError, "launch: --master-port ",
@@ -283,7 +283,8 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& program
     std::vector<std::string> cmd = mpirun_command(options, program, port);
     const std::vector<char*> argv = to_argv(cmd);
     const bool as_root = geteuid() == 0;
-    group.start(0, "mpirun", "", [&](int) {
+    // false: the start failed or a signal came first; wait() reports it
+    (void)group.start(0, "mpirun", "", [&](int) {
       if (as_root) {
         setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
         setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
@@ -297,10 +298,11 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& program
       const auto env = rank_env(options, local, port);
       const int rank = options.node_rank * options.nproc_per_node + local;
       const std::string name = "rank " + std::to_string(rank);
-      group.start(rank, name, "[" + name + "] ", [&](int) {
+      const bool started = group.start(rank, name, "[" + name + "] ", [&](int) {
         for (const auto& [key, value] : env) setenv(key.c_str(), value.c_str(), 1);
         exec_or_die(argv, "nanoddp-run");
       });
+      if (!started) break;  // wait() terminates the ranks already started and says why
     }
   }
 
@@ -308,6 +310,7 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& program
   switch (outcome.kind) {
     case Outcome::Kind::AllSucceeded: return 0;
     case Outcome::Kind::ChildFailed: return outcome.failed_status.shell_code();
+    case Outcome::Kind::StartFailed: return 1;
     case Outcome::Kind::TimedOut: return 124;
     case Outcome::Kind::Interrupted: return 128 + outcome.signal;
   }
@@ -327,7 +330,7 @@ struct ChildGroup::Child {
   ExitStatus status;
 };
 
-ChildGroup::ChildGroup(Options options) : options_(std::move(options)) {
+ChildGroup::ChildGroup(Options options) : options_(std::move(options)), created_(Clock::now()) {
   NANODDP_CHECK(g_signal_pipe[0] < 0, DistError,
                 "launch: another launch or spawn is already supervising children in this process");
   NANODDP_CHECK(pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) == 0, DistError, "launch: pipe2 failed: ",
@@ -365,20 +368,54 @@ ChildGroup::~ChildGroup() {
   close_fd(g_signal_pipe[1]);
 }
 
-void ChildGroup::start(int rank, std::string name, std::string prefix,
+// Between two starts, whatever would make wait() end the job: a failed start, a forwarded
+// signal (read from the self-pipe and kept for wait()), the timeout, or a child that has
+// already failed (looked for only after a SIGCHLD; wait() looks at every child anyway, so
+// consuming the SIGCHLD bytes here loses nothing).
+bool ChildGroup::must_stop_starting() {
+  if (!start_error_.empty() || pending_signal_ != 0) return true;
+  if (options_.timeout.count() > 0 && Clock::now() >= created_ + options_.timeout) return true;
+  bool child_exited = false;
+  unsigned char bytes[64];
+  ssize_t n;
+  while ((n = read(g_signal_pipe[0], bytes, sizeof(bytes))) > 0)
+    for (ssize_t i = 0; i < n; ++i) {
+      if (bytes[i] == SIGCHLD) {
+        child_exited = true;
+      } else if (pending_signal_ == 0) {
+        pending_signal_ = bytes[i];
+      }
+    }
+  if (pending_signal_ != 0) return true;
+  if (!child_exited) return false;
+  for (const Child& c : children_) {
+    siginfo_t info{};
+    if (waitid(P_PID, static_cast<id_t>(c.pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == c.pid &&
+        !(info.si_code == CLD_EXITED && info.si_status == 0))
+      return true;
+  }
+  return false;
+}
+
+bool ChildGroup::start(int rank, std::string name, std::string prefix,
                        const std::function<void(int msg_fd)>& child_main) {
   NANODDP_CHECK(!waited_, DistError, "launch: start() after wait()");
+  if (must_stop_starting()) return false;
+  auto fail = [&](const std::string& why) {
+    start_error_ = why;
+    start_error_name_ = name;
+    return false;
+  };
   int out[2] = {-1, -1}, err[2] = {-1, -1}, msg[2] = {-1, -1};
-  try {
-    make_pipe(out);
-    make_pipe(err);
-    make_pipe(msg);
-  } catch (...) {
-    for (int* fds : {out, err, msg}) {
-      close_fd(fds[0]);
-      close_fd(fds[1]);
+  for (int* fds : {out, err, msg}) {
+    if (pipe2(fds, O_CLOEXEC) == 0) continue;
+    const int pipe_errno = errno;
+    for (int* opened : {out, err, msg}) {
+      close_fd(opened[0]);
+      close_fd(opened[1]);
     }
-    throw;
+    return fail(std::string("pipe2 failed: ") + std::strerror(pipe_errno) +
+                (pipe_errno == EMFILE ? " (each rank holds 3 descriptors in the launcher: raise `ulimit -n`)" : ""));
   }
 
   // Signals stay blocked across fork so that the child cannot run our handler (and write into
@@ -429,7 +466,7 @@ void ChildGroup::start(int rank, std::string name, std::string prefix,
     close(out[0]);
     close(err[0]);
     close(msg[0]);
-    NANODDP_THROW(DistError, "launch: fork for ", name, " failed: ", std::strerror(fork_errno));
+    return fail(std::string("fork failed: ") + std::strerror(fork_errno));
   }
   Child c;
   c.rank = rank;
@@ -441,6 +478,7 @@ void ChildGroup::start(int rank, std::string name, std::string prefix,
   c.msg = {msg[0], -1, {}};
   for (int fd : {out[0], err[0], msg[0]}) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
   children_.push_back(std::move(c));
+  return true;
 }
 
 void ChildGroup::terminate_all(int signal) {
@@ -456,9 +494,8 @@ Outcome ChildGroup::wait() {
   NANODDP_CHECK(!waited_, DistError, "launch: wait() called twice");
   waited_ = true;
   Outcome outcome;
-  const auto started = Clock::now();
   const auto never = Clock::time_point::max();
-  const auto deadline = options_.timeout.count() > 0 ? started + options_.timeout : never;
+  const auto deadline = options_.timeout.count() > 0 ? created_ + options_.timeout : never;
   auto kill_at = never;
   bool terminating = false, killed = false;
 
@@ -535,6 +572,18 @@ Outcome ChildGroup::wait() {
     }
     return signals;
   };
+
+  // 0. What stopped the starts (see must_stop_starting) ends the job like a failure after start.
+  if (!start_error_.empty()) {
+    outcome.kind = Outcome::Kind::StartFailed;
+    outcome.failed_name = start_error_name_;
+    outcome.failed_message = start_error_;
+    begin_termination(SIGTERM, "could not start " + start_error_name_ + ": " + start_error_);
+  } else if (pending_signal_ != 0) {
+    outcome.kind = Outcome::Kind::Interrupted;
+    outcome.signal = pending_signal_;
+    begin_termination(pending_signal_, "received " + signal_name(pending_signal_) + " while starting ranks");
+  }
 
   while (true) {
     // 1. Who has exited? WNOWAIT leaves the zombie (and with it the pgid) in place until the end.

@@ -37,9 +37,14 @@ namespace nanoddp::dist {
 // Default time between SIGTERM and SIGKILL when ranks are terminated.
 inline constexpr std::chrono::milliseconds kDefaultGracePeriod{5000};
 
+// Most ranks one launcher (or spawn) starts. A node runs one rank per GPU or per core, so real
+// jobs stay far below; a larger count is a typo (100000 instead of 1000) that would fork until
+// the OOM killer strikes. Each rank also holds 3 pipes (3 descriptors) in the launcher.
+inline constexpr int kMaxProcPerNode = 1024;
+
 // What nanoddp-run's flags hold; see tools/nanoddp_run.cpp for the flag names.
 struct LaunchOptions {
-  int nproc_per_node = 1;                 // ranks started on this node
+  int nproc_per_node = 1;                 // ranks started on this node, 1..kMaxProcPerNode
   int nnodes = 1;                         // nodes in the job (one launcher per node)
   int node_rank = 0;                      // this node's index, 0..nnodes-1 (GROUP_RANK)
   std::string master_addr = "127.0.0.1";  // where rank 0 serves the Store
@@ -99,7 +104,11 @@ std::vector<std::string> mpirun_command(const LaunchOptions& options, const std:
 // and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 for it). Returns the launcher's exit code: 0 when every
 // rank exited 0, else the first failure's shell_code() (128 + signal for a forwarded
 // SIGINT/SIGTERM, 124 on timeout). Progress and failures are reported on stderr, prefixed
-// "nanoddp-run: ". Throws ValueError on bad options, DistError when no port can be picked.
+// "nanoddp-run: ". When starting a rank fails (fork or pipe: EAGAIN, ENOMEM, EMFILE), or a
+// signal, a failed rank or the timeout arrives while ranks are still being started, no more are
+// started, the started ones are terminated as after any failure, and the code is 1 for a failed
+// start (else as above). Throws ValueError on bad options (nproc_per_node outside
+// 1..kMaxProcPerNode, ...), DistError when no port can be picked.
 // Follows torchrun (torch.distributed.run) for the flags and the env it sets.
 int launch(const LaunchOptions& options, const std::vector<std::string>& program);
 
@@ -107,13 +116,14 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& program
 
 // Why supervision ended.
 struct Outcome {
-  enum class Kind { AllSucceeded, ChildFailed, TimedOut, Interrupted };
+  enum class Kind { AllSucceeded, ChildFailed, StartFailed, TimedOut, Interrupted };
   Kind kind = Kind::AllSucceeded;
-  std::string failed_name;    // e.g. "rank 1" (ChildFailed)
+  std::string failed_name;    // e.g. "rank 1" (ChildFailed, StartFailed)
   int failed_rank = -1;       // its rank (ChildFailed)
   pid_t failed_pid = -1;
   ExitStatus failed_status;   // how it ended (ChildFailed)
-  std::string failed_message; // what the child reported through its message pipe (spawn)
+  std::string failed_message; // what the child reported through its message pipe (spawn), or
+                              // why it could not be started (StartFailed: "fork failed: ...")
   int signal = 0;             // the forwarded signal (Interrupted)
   std::vector<ExitStatus> statuses;  // every child's end, in start order
 };
@@ -138,8 +148,14 @@ class ChildGroup {
   // Forks one child named `name` (for messages) whose output lines get `prefix` ("" = as is).
   // In the child, after its process group, signals and streams are set up, `child_main(msg_fd)`
   // runs; it must not return (exec or _exit). msg_fd is a pipe whose text the parent keeps in
-  // Outcome::failed_message. Throws DistError when fork or pipe fails.
-  void start(int rank, std::string name, std::string prefix, const std::function<void(int msg_fd)>& child_main);
+  // Outcome::failed_message. Returns true when the child was started. Returns false, starting
+  // nothing, once the group must stop growing: a SIGINT/SIGTERM/SIGHUP is pending, a started
+  // child has already failed, the timeout (counted from construction) has passed, or this or
+  // an earlier start failed (fork or pipe: EAGAIN, ENOMEM, EMFILE). The caller then stops
+  // starting and calls wait(), which terminates the started children and reports why, exactly
+  // as for a failure after start (Note [Launch contract]). Throws DistError after wait().
+  [[nodiscard]] bool start(int rank, std::string name, std::string prefix,
+                           const std::function<void(int msg_fd)>& child_main);
 
   // Runs until every child has exited (or been killed after a failure, timeout or signal).
   Outcome wait();
@@ -147,8 +163,13 @@ class ChildGroup {
  private:
   struct Child;
   void terminate_all(int signal);
+  bool must_stop_starting();
   Options options_;
   std::vector<Child> children_;
+  std::chrono::steady_clock::time_point created_;  // the timeout counts from here
+  int pending_signal_ = 0;        // a forwarded signal read while starting, handled by wait()
+  std::string start_error_;       // why a start failed; wait() reports it
+  std::string start_error_name_;  // whom it failed to start
   bool waited_ = false;
 };
 

@@ -67,7 +67,8 @@ void write_text(int fd, const std::string& text) {
 }  // namespace
 
 void spawn(const std::function<void(int rank)>& fn, int nprocs, const SpawnOptions& options) {
-  NANODDP_CHECK(nprocs >= 1, ValueError, "spawn: nprocs must be >= 1, got ", nprocs);
+  NANODDP_CHECK(nprocs >= 1 && nprocs <= kMaxProcPerNode, ValueError, "spawn: nprocs must be between 1 and ",
+                kMaxProcPerNode, ", got ", nprocs);
   const int threads = thread_count();
   NANODDP_CHECK(options.allow_threads || threads <= 1, DistError, "spawn: this process already runs ", threads,
                 " threads; fork() would copy only one of them (and any lock another holds). Call spawn() "
@@ -91,7 +92,9 @@ void spawn(const std::function<void(int rank)>& fn, int nprocs, const SpawnOptio
   for (int rank = 0; rank < nprocs; ++rank) {
     const auto env = rank_env(launch, rank, port);
     const std::string name = "rank " + std::to_string(rank);
-    group.start(rank, name, "[" + name + "] ", [&](int msg_fd) { run_rank(fn, rank, env, msg_fd); });
+    // false: a start failed, or a signal, a failed rank or the timeout came first; wait() ends
+    // the job and the outcome says why
+    if (!group.start(rank, name, "[" + name + "] ", [&](int msg_fd) { run_rank(fn, rank, env, msg_fd); })) break;
   }
   const Outcome outcome = group.wait();
   switch (outcome.kind) {
@@ -102,6 +105,9 @@ void spawn(const std::function<void(int rank)>& fn, int nprocs, const SpawnOptio
                     " failed: ", outcome.failed_status.describe(),
                     outcome.failed_message.empty() ? "" : ": " + outcome.failed_message,
                     "; the other ranks were terminated");
+    case Outcome::Kind::StartFailed:
+      NANODDP_THROW(DistError, "spawn: could not start ", outcome.failed_name, " of ", nprocs, ": ",
+                    outcome.failed_message, "; the ranks already started were terminated");
     case Outcome::Kind::TimedOut:
       NANODDP_THROW(TimeoutError, "spawn: ", nprocs, " ranks did not finish within ", options.timeout.count(),
                     " ms; all were terminated");

@@ -40,9 +40,11 @@ struct SpawnOptions {
 // exits 1. Output lines read "[rank r] ...", and the rest is as under nanoddp-run (Note [Launch
 // contract] in dist/launch.h: own process groups, SIGINT/SIGTERM/SIGHUP at their defaults in the
 // ranks, fail fast, SIGTERM then SIGKILL, forwarded signals, nothing left behind).
-// Throws ValueError for nprocs < 1, DistError when other threads exist (unless allowed), when a
-// rank fails ("spawn: rank 1 (pid 4242) failed: exit code 1: <what()>") or when a signal
-// interrupted the job, TimeoutError when options.timeout ran out.
+// Throws ValueError for nprocs outside 1..kMaxProcPerNode, DistError when other threads exist
+// (unless allowed), when a rank fails ("spawn: rank 1 (pid 4242) failed: exit code 1: <what()>"),
+// when a rank cannot be started ("spawn: could not start rank 7 of 8: fork failed: ...") or when
+// a signal interrupted the job, TimeoutError when options.timeout ran out. A failure, signal or
+// timeout while ranks are still being forked stops the forking at once.
 // Follows torch.multiprocessing.spawn(fn, nprocs=...) with join=True; unlike it, fn gets the
 // rank only (capture other arguments in the lambda) and the env is set for env:// rendezvous.
 void spawn(const std::function<void(int rank)>& fn, int nprocs, const SpawnOptions& options = {});

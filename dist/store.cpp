@@ -460,9 +460,9 @@ class TCPStore::Server {
 class TCPStore::Client {
  public:
   Client(const std::string& host, int port, std::chrono::milliseconds timeout,
-         const std::string& context)
+         std::chrono::milliseconds notice_after, const std::string& context)
       : context_(context + ": store " + host + ":" + std::to_string(port)) {
-    connect(host, port, timeout);
+    connect(host, port, timeout, notice_after, context);
   }
 
   // Sends one request and returns its status byte; reply_tail(status, deadline) reads the
@@ -509,8 +509,11 @@ class TCPStore::Client {
   const std::string& context() const { return context_; }
 
  private:
-  void connect(const std::string& host, int port, std::chrono::milliseconds timeout) {
-    auto deadline = Clock::now() + timeout;
+  void connect(const std::string& host, int port, std::chrono::milliseconds timeout,
+               std::chrono::milliseconds notice_after, const std::string& where) {
+    const auto started = Clock::now();
+    auto deadline = started + timeout;
+    bool noticed = false;
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -524,6 +527,11 @@ class TCPStore::Client {
       addrinfo* found = nullptr;
       int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
       if (rc != 0) {
+        // Only EAI_AGAIN ("temporary failure in name resolution") may heal by waiting; an
+        // unknown name (EAI_NONAME), a permanent DNS failure (EAI_FAIL) and the rest would
+        // only make the job sit silent for the whole timeout.
+        NANODDP_CHECK(rc == EAI_AGAIN, DistError, context_, ": cannot resolve the store host '", host,
+                      "' (MASTER_ADDR / --master-addr): ", gai_strerror(rc));
         last_error = std::string("cannot resolve host: ") + gai_strerror(rc);
       } else {
         for (addrinfo* a = found; a != nullptr && !fd_.valid(); a = a->ai_next) {
@@ -541,6 +549,15 @@ class TCPStore::Client {
       NANODDP_CHECK(now < deadline, TimeoutError, context_, ": could not connect within ",
                     timeout.count(), " ms (last error: ", last_error,
                     "); is rank 0 running and MASTER_ADDR/MASTER_PORT right?");
+      if (!noticed && now - started >= notice_after) {
+        noticed = true;  // once: a line per retry would bury the ranks' own output
+        const auto limit = timeout.count() % 1000 == 0 ? std::to_string(timeout.count() / 1000) + " s"
+                                                       : std::to_string(timeout.count()) + " ms";
+        const std::string line = where + ": still waiting for the store at " + host + ":" + std::to_string(port) +
+                                 " (served by rank 0; last error: " + last_error + "); giving up after " + limit + "\n";
+        ssize_t ignored = ::write(2, line.data(), line.size());  // one write: lines of ranks never interleave
+        (void)ignored;
+      }
       std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
       backoff = std::min(backoff * 2, kMaxBackoff);
     }
@@ -637,7 +654,7 @@ TCPStore::TCPStore(const TCPStoreOptions& options) : options_(options) {
     server_ = std::make_unique<Server>(options.port, context);
     port_ = server_->port();
   }
-  client_ = std::make_unique<Client>(options.host, port_, options.timeout, context);
+  client_ = std::make_unique<Client>(options.host, port_, options.timeout, options.connect_notice_after, context);
 }
 
 TCPStore::~TCPStore() {

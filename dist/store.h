@@ -61,6 +61,11 @@ constexpr uint32_t kMaxKeyBytes = 4096;
 constexpr uint32_t kMaxValueBytes = 16u << 20;
 constexpr uint32_t kMaxKeysPerRequest = 4096;
 
+// How long a client retries connecting in silence before it prints one line on stderr saying
+// what it waits for (rank 0 not started, wrong MASTER_ADDR/PORT): the default timeout is
+// minutes, and a job that prints nothing for minutes looks hung.
+inline constexpr std::chrono::milliseconds kStoreConnectNoticeAfter = std::chrono::seconds(10);
+
 struct TCPStoreOptions {
   std::string host = "127.0.0.1";  // the server's address (MASTER_ADDR); clients connect here
   int port = 29500;                // MASTER_PORT; 0 on the server picks a free port (see port())
@@ -70,12 +75,18 @@ struct TCPStoreOptions {
   // How long get()/wait() wait, and how long a client keeps retrying to connect while the
   // server is not up yet.
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
+  // After this long without a connection the client prints, once, "rank 1/2 on host: still
+  // waiting for the store at 10.0.0.1:29500 (served by rank 0; ...); giving up after 300 s".
+  std::chrono::milliseconds connect_notice_after = kStoreConnectNoticeAfter;
 };
 
 // A TCP store (PyTorch's TCPStore). The server side runs a poll() loop on one thread; clients
 // are blocking sockets guarded by a mutex, so one TCPStore may be shared by threads.
 // Errors: DistError when the port is in use ("MASTER_PORT 29500 is already in use on host"),
-// when the server cannot be reached within timeout, or when the peer breaks the protocol.
+// at once when the host cannot be resolved (an unknown name: EAI_NONAME, EAI_FAIL, ...; only a
+// temporary resolver failure, EAI_AGAIN, is retried), or when the peer breaks the protocol;
+// TimeoutError when the server cannot be reached within timeout (refused connections are
+// retried: rank 0 may not be listening yet).
 class TCPStore : public Store {
  public:
   explicit TCPStore(const TCPStoreOptions& options);

@@ -204,6 +204,96 @@ TEST_CASE("nanoddp-run: SIGINT is forwarded to every rank and the launcher exits
   check_nothing_left(recorded_pids(dir.path, 3));
 }
 
+TEST_CASE("nanoddp-run: SIGTERM while ranks are still being started ends the job at once") {
+  TempDir dir;
+  // 64 ranks: the first one is up long before the last is forked, so the signal lands while
+  // the launcher is still starting ranks; it must stop forking and end every rank it started.
+  const RunResult r = run({launcher_path(), "--nproc-per-node", "64", "sh", "-c",
+                           "echo $$ > " + dir.path + "/pid.$RANK; exec sleep 30"},
+                          30s, [&](pid_t launcher) {
+                            for (int i = 0; i < 500 && read_file(dir.path + "/pid.0").empty(); ++i)
+                              std::this_thread::sleep_for(2ms);
+                            kill(launcher, SIGTERM);
+                          });
+  CHECK(r.code() == 128 + SIGTERM);
+  CHECK_MESSAGE(contains(r.err, "received SIGTERM"), r.err);
+  CHECK(r.seconds < 5);
+  std::set<int> pids;
+  DIR* d = opendir(dir.path.c_str());
+  REQUIRE(d != nullptr);
+  while (dirent* e = readdir(d))
+    if (std::string(e->d_name).rfind("pid.", 0) == 0) pids.insert(std::atoi(read_file(dir.path + "/" + e->d_name).c_str()));
+  closedir(d);
+  CHECK(!pids.empty());
+  check_nothing_left(pids);
+}
+
+TEST_CASE("nanoddp-run: a rank that cannot be started (no descriptors left) ends the job, naming it") {
+  TempDir dir;
+  // 12 descriptors more than the shell inherited hold the launcher's own and about two ranks'
+  // pipes: a later pipe2 fails with EMFILE, and the ranks already started are terminated.
+  const RunResult r = run({"/bin/sh", "-c", "ulimit -n $(( $(ls /proc/$$/fd | wc -l) + 12 )) && exec \"$0\" \"$@\"",
+                           launcher_path(),
+                           "--nproc-per-node", "8", "sh", "-c", "echo $$ > " + dir.path + "/pid.$RANK; exec sleep 30"});
+  CHECK(r.code() == 1);
+  CHECK_MESSAGE(contains(r.err, "nanoddp-run: could not start rank "), r.err);
+  CHECK_MESSAGE(contains(r.err, "Too many open files"), r.err);
+  CHECK(r.seconds < 10);
+  std::set<int> pids;
+  DIR* d = opendir(dir.path.c_str());
+  REQUIRE(d != nullptr);
+  while (dirent* e = readdir(d))
+    if (std::string(e->d_name).rfind("pid.", 0) == 0) pids.insert(std::atoi(read_file(dir.path + "/" + e->d_name).c_str()));
+  closedir(d);
+  CHECK(pids.size() < 8);
+  check_nothing_left(pids);
+}
+
+TEST_CASE("ChildGroup: a pending signal, a failed child or the timeout stop further starts") {
+  std::set<int> pids;
+  auto sleeper = [](int) {
+    execlp("sleep", "sleep", "30", static_cast<char*>(nullptr));
+    _exit(127);
+  };
+  dist::ChildGroup::Options options;
+  options.report = false;
+  options.grace_period = 2s;
+  const auto started = Clock::now();
+  SUBCASE("signal") {
+    dist::ChildGroup group(options);
+    REQUIRE(group.start(0, "rank 0", "", sleeper));
+    raise(SIGTERM);  // what `timeout` or `kill` sends the launcher while it forks
+    CHECK_FALSE(group.start(1, "rank 1", "", sleeper));
+    const dist::Outcome outcome = group.wait();
+    CHECK(outcome.kind == dist::Outcome::Kind::Interrupted);
+    CHECK(outcome.signal == SIGTERM);
+    REQUIRE(outcome.statuses.size() == 1);  // rank 1 was never started
+    CHECK(outcome.statuses[0].signal == SIGTERM);
+  }
+  SUBCASE("failed child") {
+    dist::ChildGroup group(options);
+    REQUIRE(group.start(0, "rank 0", "", [](int) { _exit(3); }));
+    std::this_thread::sleep_for(200ms);
+    CHECK_FALSE(group.start(1, "rank 1", "", sleeper));
+    const dist::Outcome outcome = group.wait();
+    CHECK(outcome.kind == dist::Outcome::Kind::ChildFailed);
+    CHECK(outcome.failed_rank == 0);
+    CHECK(outcome.failed_status.code == 3);
+    CHECK(outcome.statuses.size() == 1);
+  }
+  SUBCASE("timeout") {
+    options.timeout = 100ms;
+    dist::ChildGroup group(options);
+    REQUIRE(group.start(0, "rank 0", "", sleeper));
+    std::this_thread::sleep_for(150ms);
+    CHECK_FALSE(group.start(1, "rank 1", "", sleeper));
+    const dist::Outcome outcome = group.wait();
+    CHECK(outcome.kind == dist::Outcome::Kind::TimedOut);
+    CHECK(outcome.statuses.size() == 1);
+  }
+  CHECK(Clock::now() - started < 5s);
+}
+
 TEST_CASE("nanoddp-run --backend mpi: mpirun runs the ranks; an early exit fails the job with its code") {
   if (!on_path("mpirun")) {
     MESSAGE("skipped: no mpirun on PATH (Debian: openmpi-bin)");
@@ -231,9 +321,60 @@ TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
   const RunResult mpi = run({launcher_path(), "--nnodes", "2", "--master-port", "29500", "--backend", "mpi", "true"});
   CHECK(mpi.code() == 2);
   CHECK_MESSAGE(contains(mpi.err, "hostfile"), mpi.err);
+  const RunResult huge = run({launcher_path(), "--nproc-per-node", "100000", "true"});  // a typo, not a job
+  CHECK(huge.code() == 2);
+  CHECK_MESSAGE(contains(huge.err, "--nproc-per-node: must be an integer between 1 and 1024, got '100000'"), huge.err);
+  // Every numeric flag names itself, its bounds and the value (CLI11's Range printed 300 digits).
+  const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
+      {{"--nproc-per-node", "0"}, "--nproc-per-node: must be an integer between 1 and 1024, got '0'"},
+      {{"--nnodes", "x"}, "--nnodes: must be an integer >= 1, got 'x'"},
+      {{"--node-rank", "-1"}, "--node-rank: must be an integer >= 0, got '-1'"},
+      {{"--master-port", "70000"}, "--master-port: must be an integer between 0 and 65535, got '70000'"},
+      {{"--grace-period", "-1"}, "--grace-period: must be a number of seconds between 0 and 1e9, got '-1'"},
+      {{"--timeout", "1e99"}, "--timeout: must be a number of seconds between 0 and 1e9, got '1e99'"},
+  };
+  for (const auto& [flags, message] : bad) {
+    std::vector<std::string> args = {launcher_path()};
+    args.insert(args.end(), flags.begin(), flags.end());
+    args.push_back("true");
+    const RunResult r = run(args);
+    CHECK(r.code() == 2);
+    CHECK_MESSAGE(contains(r.err, message), r.err);
+    CHECK(r.err.size() < 300);
+  }
+  const RunResult help = run({launcher_path(), "--help"});
+  CHECK(help.code() == 0);
+  CHECK_MESSAGE(help.out.find("Usage:") == help.out.rfind("Usage:"), help.out);  // once
+  CHECK_MESSAGE(contains(help.out, "Usage: nanoddp-run [OPTIONS] PROGRAM [ARGS...]\n"), help.out);
   const RunResult missing = run({launcher_path(), "--nproc-per-node", "2", "/nonexistent/program"});
   CHECK(missing.code() == 127);
   CHECK(contains(missing.err, "cannot execute '/nonexistent/program'"));
+}
+
+TEST_CASE("allreduce_bench: one rank, empty size ranges and bad numbers are refused with a message") {
+  using nanoddp::testing::built;
+  const std::string bench = built("benchmarks/allreduce_bench");
+  const RunResult alone = run({bench});  // no launcher: a world of one
+  CHECK(alone.code() == 2);
+  CHECK_MESSAGE(contains(alone.err, "world size 1"), alone.err);
+  CHECK_MESSAGE(contains(alone.err, "--nproc 2"), alone.err);
+  CHECK(alone.out.empty());  // no table of meaningless figures
+  const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
+      {{"--min-bytes", "1024", "--max-bytes", "16"}, "--min-bytes 1024 is larger than --max-bytes 16"},
+      {{"--max-bytes", "16"}, "--min-bytes 4096 is larger than --max-bytes 16"},
+      {{"--min-bytes", "6"}, "--min-bytes: must be a positive multiple of 4"},
+      {{"--warmup", "-1"}, "--warmup: must be an integer between 0 and 1000000, got '-1'"},
+      {{"--nproc", "1"}, "--nproc: must be 0 or an integer between 2 and 64, got '1'"},
+      {{"--seconds-per-size", "0"}, "--seconds-per-size must be a number of seconds"},
+  };
+  for (const auto& [flags, message] : bad) {
+    std::vector<std::string> args = {bench};
+    args.insert(args.end(), flags.begin(), flags.end());
+    const RunResult r = run(args);
+    CHECK(r.code() == 2);
+    CHECK_MESSAGE(contains(r.err, message), r.err);
+    CHECK(r.out.empty());
+  }
 }
 
 TEST_CASE("launch helpers: rank_env numbering, mpirun command line, signal names, free ports") {
@@ -374,5 +515,8 @@ TEST_CASE("spawn: a signal death, a timeout, and live threads are reported") {
     cv.notify_all();
     worker.join();
   }
-  SUBCASE("bad nprocs") { CHECK_THROWS_AS(dist::spawn([](int) {}, 0), nanoddp::ValueError); }
+  SUBCASE("bad nprocs") {
+    CHECK_THROWS_AS(dist::spawn([](int) {}, 0), nanoddp::ValueError);
+    CHECK_THROWS_AS(dist::spawn([](int) {}, dist::kMaxProcPerNode + 1), nanoddp::ValueError);
+  }
 }

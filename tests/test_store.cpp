@@ -1,13 +1,19 @@
 // TCPStore: verbs, timeouts, a busy port, and peers that break the wire format.
 #include <doctest/doctest.h>
 
+#include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "core/error.h"
@@ -41,6 +47,38 @@ TCPStoreOptions client_options(int port, std::chrono::milliseconds timeout = 500
   o.timeout = timeout;
   return o;
 }
+
+// Sends what this process writes on fd 2 into a file while alive; text() reads it back.
+struct StderrCapture {
+  std::string path;
+  int saved = -1;
+  StderrCapture() {
+    char name[] = "/tmp/nanoddp_stderr_XXXXXX";
+    const int fd = mkstemp(name);
+    REQUIRE(fd >= 0);
+    path = name;
+    saved = dup(2);
+    dup2(fd, 2);
+    close(fd);
+  }
+  void restore() {
+    if (saved < 0) return;
+    dup2(saved, 2);
+    close(saved);
+    saved = -1;
+  }
+  std::string text() {
+    restore();
+    std::ifstream in(path);
+    std::stringstream all;
+    all << in.rdbuf();
+    return all.str();
+  }
+  ~StderrCapture() {
+    restore();
+    std::remove(path.c_str());
+  }
+};
 
 // A raw TCP connection to 127.0.0.1:port, for speaking a broken protocol.
 int raw_connect(int port) {
@@ -206,6 +244,44 @@ TEST_CASE("store: a client with no server gives up after its timeout") {
   auto elapsed = Clock::now() - start;
   CHECK(elapsed >= 250ms);
   CHECK(elapsed < 3000ms);
+}
+
+TEST_CASE("store: a client waiting for the server says so once on stderr") {
+  int port = testing::free_port();
+  TCPStoreOptions o = client_options(port, 1500ms);
+  o.connect_notice_after = 200ms;
+  StderrCapture capture;
+  CHECK_THROWS_AS(TCPStore{o}, TimeoutError);
+  const std::string err = capture.text();
+  const std::string line = ": still waiting for the store at 127.0.0.1:" + std::to_string(port) +
+                           " (served by rank 0; last error: Connection refused); giving up after 1500 ms\n";
+  CHECK_MESSAGE(err.rfind("rank 1/2 on ", 0) == 0, err);
+  CHECK_MESSAGE(err.find(line) != std::string::npos, err);
+  CHECK_MESSAGE(err.find(line) == err.rfind(line), err);  // once, not per retry
+  CHECK(std::count(err.begin(), err.end(), '\n') == 1);
+}
+
+TEST_CASE("store: an unknown host fails at once, naming it") {
+  const std::string host = "no-such-host.invalid";  // RFC 6761: never resolves
+  addrinfo* found = nullptr;
+  const int rc = ::getaddrinfo(host.c_str(), "80", nullptr, &found);
+  if (found != nullptr) ::freeaddrinfo(found);
+  if (rc == EAI_AGAIN || rc == 0) {  // no resolver reachable (or a resolver that answers anything)
+    MESSAGE("skipped: this machine's resolver answers '", host, "' with ", rc == 0 ? "an address" : gai_strerror(rc));
+    return;
+  }
+  TCPStoreOptions o = client_options(29500, 60000ms);
+  o.host = host;
+  auto start = Clock::now();
+  std::string message;
+  try {
+    TCPStore store(o);
+  } catch (const DistError& e) {
+    message = e.what();
+  }
+  CHECK(Clock::now() - start < 2000ms);
+  CHECK_MESSAGE(message.find("cannot resolve the store host 'no-such-host.invalid'") != std::string::npos, message);
+  CHECK_MESSAGE(message.find(gai_strerror(rc)) != std::string::npos, message);
 }
 
 TEST_CASE("store: a busy MASTER_PORT fails at once and names the port") {
