@@ -24,6 +24,7 @@
 
 #include "core/tensor.h"
 #include "dist/init.h"
+#include "tools/cli_checks.h"
 #include "tests/multiprocess.h"
 
 #if NANODDP_WITH_MPI
@@ -47,24 +48,6 @@ constexpr int64_t kMaxMessageBytes = int64_t{1} << 32;
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
-
-// Numeric flag checks that name the bounds and the value; CLI11's Range prints its bounds as
-// doubles with hundreds of digits. CLI11 prefixes the flag name.
-CLI::Validator integer_check(const std::string& what, const std::string& short_what, bool (*ok)(long long)) {
-  return CLI::Validator(
-      [=](std::string& text) -> std::string {
-        size_t used = 0;
-        long long value = 0;
-        try {
-          value = std::stoll(text, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        if (used == 0 || used != text.size() || !ok(value)) return "must be " + what + ", got '" + text + "'";
-        return "";
-      },
-      short_what);
-}
 
 struct Config {
   std::string backend = "auto";
@@ -189,18 +172,18 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "gloo", "mpi", "nccl"}));
   app.add_option("--nproc", c.nproc, "fork this many ranks on this host (2..64); 0: launched by "
                  "nanoddp-run/mpirun")
-      ->check(integer_check("0 or an integer between 2 and 64", "0 or 2..64", [](long long v) { return v == 0 || (v >= 2 && v <= 64); }))
+      ->check(cli::integer_where("0 or an integer between 2 and 64", "0 or 2..64", [](long long v) { return v == 0 || (v >= 2 && v <= 64); }))
       ->capture_default_str();
   const std::string message_size = "a positive multiple of 4 up to " + std::to_string(kMaxMessageBytes);
   auto is_message_size = [](long long v) { return v > 0 && v % 4 == 0 && v <= kMaxMessageBytes; };
   app.add_option("--min-bytes", c.min_bytes, "smallest message (bytes, multiple of 4)")
-      ->check(integer_check(message_size, "4..2^32, multiple of 4", is_message_size))
+      ->check(cli::integer_where(message_size, "4..2^32, multiple of 4", is_message_size))
       ->capture_default_str();
   app.add_option("--max-bytes", c.max_bytes, "largest message (bytes, >= --min-bytes); sizes double")
-      ->check(integer_check(message_size, "4..2^32, multiple of 4", is_message_size))
+      ->check(cli::integer_where(message_size, "4..2^32, multiple of 4", is_message_size))
       ->capture_default_str();
   app.add_option("--warmup", c.warmup, "untimed all-reduces per size")
-      ->check(integer_check("an integer between 0 and 1000000", "0..1000000", [](long long v) { return v >= 0 && v <= 1000000; }))
+      ->check(cli::integer_where("an integer between 0 and 1000000", "0..1000000", [](long long v) { return v >= 0 && v <= 1000000; }))
       ->capture_default_str();
   app.add_option("--seconds-per-size", c.seconds_per_size, "about how long to time each size")
       ->capture_default_str();

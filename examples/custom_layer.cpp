@@ -15,6 +15,7 @@
 #include "dist/ddp.h"
 #include "dist/init.h"
 #include "examples/example_utils.h"
+#include "tools/cli_checks.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
 
@@ -82,7 +83,7 @@ double gradient_check(float slope) {
 int main(int argc, char** argv) {
   CLI::App app{"custom_layer: a user-defined LeakyReLU, gradient-checked and trained with DDP"};
   int steps = 300;
-  app.add_option("--steps", steps, "SGD steps")->check(examples::at_least(1));
+  app.add_option("--steps", steps, "SGD steps")->check(cli::integer_in(1));
   CLI11_PARSE(app, argc, argv);
   try {
     const double error = gradient_check(0.1f);

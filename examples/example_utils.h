@@ -1,7 +1,6 @@
-// Small things the examples share: flag checks, peak memory, a progress display, JSON numbers.
+// Small things the examples share: peak memory, a progress display, JSON numbers.
 #pragma once
 
-#include <CLI/CLI.hpp>
 
 #include <sys/resource.h>
 #include <unistd.h>
@@ -14,29 +13,6 @@
 #include <string>
 
 namespace nanoddp::examples {
-
-// CLI11 validators whose messages say what a flag accepts ("must be >= 1, got 0") instead
-// of CLI::Range's "not in range 0 to 1.79e308".
-inline CLI::Validator at_least(double minimum) {
-  return CLI::Validator(
-      [minimum](std::string& text) -> std::string {
-        double value = 0;
-        try {
-          size_t used = 0;
-          value = std::stod(text, &used);
-          if (used != text.size()) throw std::invalid_argument(text);
-        } catch (const std::exception&) {
-          return "must be a number, got '" + text + "'";
-        }
-        if (!std::isfinite(value) || value < minimum) {
-          std::ostringstream message;
-          message << "must be a finite number >= " << minimum << ", got " << text;
-          return message.str();
-        }
-        return "";
-      },
-      "", "at_least");
-}
 
 // This process's peak resident set size in MiB (getrusage reports KiB on Linux).
 inline double peak_rss_mb() {

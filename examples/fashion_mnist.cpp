@@ -27,6 +27,7 @@
 #include "dist/ddp.h"
 #include "dist/init.h"
 #include "examples/example_utils.h"
+#include "tools/cli_checks.h"
 #include "nn/checkpoint.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
@@ -251,13 +252,13 @@ int main(int argc, char** argv) {
   Config config;
   CLI::App app{"fashion_mnist: an MLP on Fashion-MNIST with DistributedDataParallel"};
   app.option_defaults()->always_capture_default();
-  app.add_option("--epochs", config.epochs, "epochs to train (in all, counting resumed ones)")->check(examples::at_least(1));
-  app.add_option("--lr", config.lr, "SGD learning rate")->check(examples::at_least(0));
-  app.add_option("--momentum", config.momentum, "SGD momentum")->check(examples::at_least(0));
-  app.add_option("--weight-decay", config.weight_decay, "SGD weight decay")->check(examples::at_least(0));
-  app.add_option("--batch-size", config.batch_size, "examples per rank per step")->check(examples::at_least(1));
+  app.add_option("--epochs", config.epochs, "epochs to train (in all, counting resumed ones)")->check(cli::integer_in(1));
+  app.add_option("--lr", config.lr, "SGD learning rate")->check(cli::number_in(0));
+  app.add_option("--momentum", config.momentum, "SGD momentum")->check(cli::number_in(0));
+  app.add_option("--weight-decay", config.weight_decay, "SGD weight decay")->check(cli::number_in(0));
+  app.add_option("--batch-size", config.batch_size, "examples per rank per step")->check(cli::integer_in(1));
   app.add_option("--timeout", config.timeout_s, "seconds to wait for other ranks (rendezvous, each collective)")
-      ->check(examples::at_least(1));
+      ->check(cli::integer_in(1));
   app.add_option("--seed", config.seed, "seed of the weights and of the data order");
   app.add_option("--device", config.device, "cpu or cuda (rank r uses cuda:LOCAL_RANK)");
   app.add_option("--backend", config.backend, "auto, gloo, mpi or nccl");
@@ -267,7 +268,7 @@ int main(int argc, char** argv) {
   app.add_option("--stop-after", config.stop_after,
                  "stop after this epoch, as a job with a time limit would (the schedule still spans --epochs; "
                  "0: never); rerun with --resume to go on")
-      ->check(examples::at_least(0));
+      ->check(cli::integer_in(0));
   app.add_option("--schedule", config.schedule, "learning rate over training: cosine (to 0) or constant")
       ->check(CLI::IsMember({"cosine", "constant"}));
   app.add_flag("--no-overlap", config.no_overlap, "all-reduce after backward instead of during it");

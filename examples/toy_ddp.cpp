@@ -16,6 +16,7 @@
 #include "dist/ddp.h"
 #include "dist/init.h"
 #include "examples/example_utils.h"
+#include "tools/cli_checks.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
 
@@ -46,9 +47,9 @@ int main(int argc, char** argv) {
   std::optional<float> init_weight, init_bias;
   std::string device_name = "cpu", backend = "auto";
   uint64_t seed = 0;
-  app.add_option("--epochs", epochs, "passes over the data")->check(examples::at_least(1));
-  app.add_option("--lr", lr, "SGD learning rate")->check(examples::at_least(0));
-  app.add_option("--batch-size", batch_size, "examples per rank per step")->check(examples::at_least(1));
+  app.add_option("--epochs", epochs, "passes over the data")->check(cli::integer_in(1));
+  app.add_option("--lr", lr, "SGD learning rate")->check(cli::number_in(0));
+  app.add_option("--batch-size", batch_size, "examples per rank per step")->check(cli::integer_in(1));
   app.add_flag("--raw", raw, "the tutorial's unscaled data (x up to 99): SGD diverges");
   app.add_option("--init-weight", init_weight, "start from this weight instead of a random one");
   app.add_option("--init-bias", init_bias, "start from this bias instead of a random one");

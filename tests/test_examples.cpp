@@ -155,7 +155,7 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   CHECK(r.err.find("2 epochs done, more than --epochs 1") != std::string::npos);
   r = run_with({"--batch-size", "0"});
   CHECK(r.code() != 0);
-  CHECK(r.err.find("--batch-size: must be a finite number >= 1, got 0") != std::string::npos);
+  CHECK(r.err.find("--batch-size: must be an integer >= 1, got '0'") != std::string::npos);
 
   TempDir empty;
   write_small_fashion_mnist(empty.path, 0, 10);

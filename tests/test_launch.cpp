@@ -330,8 +330,8 @@ TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
       {{"--nnodes", "x"}, "--nnodes: must be an integer >= 1, got 'x'"},
       {{"--node-rank", "-1"}, "--node-rank: must be an integer >= 0, got '-1'"},
       {{"--master-port", "70000"}, "--master-port: must be an integer between 0 and 65535, got '70000'"},
-      {{"--grace-period", "-1"}, "--grace-period: must be a number of seconds between 0 and 1e9, got '-1'"},
-      {{"--timeout", "1e99"}, "--timeout: must be a number of seconds between 0 and 1e9, got '1e99'"},
+      {{"--grace-period", "-1"}, "--grace-period: must be a finite number between 0 and 1e+09, got '-1'"},
+      {{"--timeout", "1e99"}, "--timeout: must be a finite number between 0 and 1e+09, got '1e99'"},
   };
   for (const auto& [flags, message] : bad) {
     std::vector<std::string> args = {launcher_path()};

@@ -16,53 +16,12 @@
 
 #include "core/error.h"
 #include "dist/launch.h"
+#include "tools/cli_checks.h"
 
 namespace {
 
-// Numeric flag checks with messages a user can act on ("--nproc-per-node: must be an integer
-// between 1 and 1024, got 0"); CLI11's own Range prints its bounds as doubles, 300 digits for
-// "no upper bound". CLI11 prefixes the flag name.
-std::string bounds(long long min, long long max) {
-  if (max == INT_MAX) return ">= " + std::to_string(min);
-  return "between " + std::to_string(min) + " and " + std::to_string(max);
-}
-
-CLI::Validator integer_in(long long min, long long max = INT_MAX) {
-  return CLI::Validator(
-      [=](std::string& text) -> std::string {
-        size_t used = 0;
-        long long value = 0;
-        try {
-          value = std::stoll(text, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        if (used == 0 || used != text.size() || value < min || value > max)
-          return "must be an integer " + bounds(min, max) + ", got '" + text + "'";
-        return "";
-      },
-      max == INT_MAX ? std::to_string(min) + " or more" : std::to_string(min) + ".." + std::to_string(max));
-}
-
 // Seconds; the upper bound keeps the conversion to milliseconds far from overflow.
 constexpr double kMaxSeconds = 1e9;
-
-CLI::Validator seconds_at_least_zero() {
-  return CLI::Validator(
-      [](std::string& text) -> std::string {
-        size_t used = 0;
-        double value = -1;
-        try {
-          value = std::stod(text, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        if (used == 0 || used != text.size() || !std::isfinite(value) || value < 0 || value > kMaxSeconds)
-          return "must be a number of seconds between 0 and 1e9, got '" + text + "'";
-        return "";
-      },
-      "0 or more");
-}
 
 // CLI11 derives "Usage: nanoddp-run [OPTIONS]" from the declared options; PROGRAM is not one
 // of them (prefix_command), so the line is written here.
@@ -91,27 +50,27 @@ int main(int argc, char** argv) {
   // Options end at PROGRAM: everything after it belongs to PROGRAM, even what looks like a flag.
   app.prefix_command();
   app.add_option("--nproc-per-node", options.nproc_per_node, "ranks to start on this node")
-      ->check(integer_in(1, dist::kMaxProcPerNode))
+      ->check(nanoddp::cli::integer_in(1, dist::kMaxProcPerNode))
       ->capture_default_str();
   app.add_option("--nnodes", options.nnodes, "nodes in the job (one nanoddp-run per node)")
-      ->check(integer_in(1))
+      ->check(nanoddp::cli::integer_in(1))
       ->capture_default_str();
   app.add_option("--node-rank", options.node_rank, "this node's index, 0..nnodes-1")
-      ->check(integer_in(0))
+      ->check(nanoddp::cli::integer_in(0))
       ->capture_default_str();
   app.add_option("--master-addr", options.master_addr, "address of rank 0's node (its Store)")
       ->capture_default_str();
   app.add_option("--master-port", options.master_port, "rank 0's Store port; 0 = pick a free one (one node)")
-      ->check(integer_in(0, 65535))
+      ->check(nanoddp::cli::integer_in(0, 65535))
       ->capture_default_str();
   app.add_option("--backend", options.backend,
                  "exported as NANODDP_BACKEND; mpi starts the ranks through mpirun")
       ->check(CLI::IsMember({"auto", "gloo", "mpi", "nccl"}));
   app.add_option("--grace-period", grace_s, "seconds between SIGTERM and SIGKILL when ranks are stopped")
-      ->check(seconds_at_least_zero())
+      ->check(nanoddp::cli::number_in(0, kMaxSeconds))
       ->capture_default_str();
   app.add_option("--timeout", timeout_s, "stop the job after this many seconds; 0 = no limit")
-      ->check(seconds_at_least_zero())
+      ->check(nanoddp::cli::number_in(0, kMaxSeconds))
       ->capture_default_str();
 
   try {
