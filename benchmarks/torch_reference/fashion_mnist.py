@@ -7,7 +7,7 @@ The reference that benchmarks/run compares build/examples/fashion_mnist against.
     /usr/bin/python3 benchmarks/torch_reference/fashion_mnist.py --world-size 2 --epochs 5 --lr 0.1
 
 The work, identical to ours: MLP 784-256-128-10 with ReLU, CrossEntropyLoss, SGD with
-momentum (and weight decay; defaults equal ours: 10 epochs, lr 0.05, momentum 0.9), DistributedSampler (shuffle, seed + epoch) over the 60,000
+momentum (and weight decay; defaults equal ours: 10 epochs, lr 0.05 on a per-step cosine schedule, momentum 0.9), DistributedSampler (shuffle, seed + epoch) over the 60,000
 training images, batch size per rank (default 64), images kept as uint8 and converted per
 batch as pixel / 255, read from the same gzipped IDX files with gzip + numpy (no
 torchvision). World size > 1 wraps the model in DistributedDataParallel on gloo (Debian's
@@ -32,23 +32,16 @@ import gzip
 import json
 import os
 import resource
-import socket
-import sys
 import struct
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
-def emit(line):
-    """Prints one line with a single write(2): forked ranks share the pipe, and a line
-    shorter than PIPE_BUF written at once is never interleaved with another rank's."""
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), (line + "\n").encode())
+from launch import emit, run_ranks
 
 
 IMAGES_MAGIC = 0x00000803
@@ -103,6 +96,10 @@ def train(rank, world_size, args):
     sampler = DistributedSampler(range(train_x.shape[0]), num_replicas=world_size, rank=rank,
                                  shuffle=True, seed=args.seed)
     bs = args.batch_size
+    steps_per_epoch = (len(sampler) + bs - 1) // bs
+    # ours: lr follows a cosine from --lr to 0 over all steps (CosineAnnealingLR per batch)
+    scheduler = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * steps_per_epoch)
+                 if args.schedule == "cosine" else None)
 
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
@@ -119,6 +116,8 @@ def train(rank, world_size, args):
             loss = loss_fn(net(x), y)
             loss.backward()
             optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
             loss_sum += loss.item()
             steps += 1
         seconds = time.perf_counter() - start
@@ -158,11 +157,6 @@ def train(rank, world_size, args):
         dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -173,17 +167,12 @@ def main():
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
     p.add_argument("--threads", type=int, default=1,
                    help="torch.set_num_threads per rank (see benchmarks/README.md)")
     p.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
     args = p.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    if args.world_size == 1:
-        train(0, 1, args)
-    else:
-        mp.start_processes(train, args=(args.world_size, args), nprocs=args.world_size,
-                           join=True, start_method="fork")
+    run_ranks(train, args.world_size, args)
 
 
 if __name__ == "__main__":

@@ -22,23 +22,15 @@ Both choices favour PyTorch: the tutorial's mp.spawn re-imports torch in every r
 
 import argparse
 import json
-import os
-import socket
-import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
+from launch import emit, run_ranks
 
-def emit(line):
-    """Prints one line with a single write(2): forked ranks share the pipe, and a line
-    shorter than PIPE_BUF written at once is never interleaved with another rank's."""
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), (line + "\n").encode())
 
 
 class ToyDataset(Dataset):
@@ -85,11 +77,6 @@ def train(rank, world_size, args):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -100,13 +87,7 @@ def main():
     p.add_argument("--init-weight", type=float, default=None)
     p.add_argument("--init-bias", type=float, default=None)
     args = p.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    if args.world_size == 1:
-        train(0, 1, args)
-    else:
-        mp.start_processes(train, args=(args.world_size, args), nprocs=args.world_size,
-                           join=True, start_method="fork")
+    run_ranks(train, args.world_size, args)
 
 
 if __name__ == "__main__":
