@@ -606,6 +606,10 @@ Outcome ChildGroup::wait() {
         outcome.failed_pid = c.pid;
         outcome.failed_status = c.status;
         begin_termination(SIGTERM, c.name + " (pid " + std::to_string(c.pid) + ") failed: " + c.status.describe());
+      } else if (terminating && c.status.exited && c.status.code != 0) {
+        // It ended by itself with an error while we were stopping the job: often the rank
+        // whose error started it all, whose peer noticed first. Name it too.
+        report(c.name + " (pid " + std::to_string(c.pid) + ") also failed: " + c.status.describe());
       }
     }
     if (std::all_of(children_.begin(), children_.end(), [](const Child& c) { return c.exited; })) break;

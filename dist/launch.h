@@ -13,7 +13,9 @@
 //      setvbuf/line buffering, to see lines as they happen.
 //   3. Fail fast: the first rank that exits non-zero or dies of a signal is named on stderr
 //      ("rank 1 (pid 4242) failed: exit code 3" / "... killed by signal SIGKILL"); every other
-//      rank gets SIGTERM, then SIGKILL after `grace_period`.
+//      rank gets SIGTERM, then SIGKILL after `grace_period`. A rank that meanwhile exits
+//      non-zero on its own is named too ("rank 0 (pid 4241) also failed: exit code 1"): the
+//      first to fail is often the peer that noticed, not the rank with the original error.
 //   4. SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to every rank's group
 //      (ranks do not sit in the terminal's foreground group, so Ctrl-C reaches them only this
 //      way), then the same grace period applies.

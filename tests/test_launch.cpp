@@ -168,6 +168,17 @@ TEST_CASE("nanoddp-run: a rank that exits early stops the job, is named, and not
   check_nothing_left(recorded_pids(dir.path, 4));
 }
 
+TEST_CASE("nanoddp-run: a rank that fails by itself while the job is stopping is named too") {
+  // Rank 1 fails first; rank 0 ignores SIGTERM and then exits 5 on its own (as a rank whose
+  // own error came second would): both are named, the first one decides the exit code.
+  const RunResult r = run({launcher_path(), "--nproc-per-node", "2", "--grace-period", "5", "sh", "-c",
+                           "if [ $RANK = 1 ]; then sleep 0.2; exit 3; fi; trap '' TERM; sleep 0.6; exit 5"});
+  CHECK(r.code() == 3);
+  CHECK_MESSAGE(contains(r.err, "failed: exit code 3"), r.err);
+  CHECK_MESSAGE(contains(r.err, "rank 0 (pid "), r.err);
+  CHECK_MESSAGE(contains(r.err, "also failed: exit code 5"), r.err);
+}
+
 TEST_CASE("nanoddp-run: a rank killed by a signal is named by the signal; SIGKILL follows an ignored SIGTERM") {
   TempDir dir;
   // Rank 0 ignores SIGTERM (its sleep inherits that), so only the SIGKILL after the 1 s grace
