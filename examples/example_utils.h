@@ -56,8 +56,10 @@ class Progress {
       std::fflush(stdout);
       return;
     }
-    const int64_t tenth = std::max<int64_t>(1, steps_ / 10);
-    if (step % tenth == 0 || step == steps_) {
+    // Called every few steps: print when a new tenth of the epoch has been reached.
+    const int64_t tenth = step * 10 / steps_;
+    if (tenth > printed_tenth_) {
+      printed_tenth_ = tenth;
       std::printf("epoch %d/%d step %lld/%lld loss %.4f\n", epoch_, epochs_, static_cast<long long>(step),
                   static_cast<long long>(steps_), mean_loss);
       std::fflush(stdout);
@@ -68,6 +70,7 @@ class Progress {
   int epoch_, epochs_;
   int64_t steps_;
   bool enabled_, terminal_;
+  int64_t printed_tenth_ = 0;
 };
 
 }  // namespace nanoddp::examples
