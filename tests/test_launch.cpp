@@ -39,6 +39,16 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
+// Waits (up to 5 s) until ranks 0..n-1 have written their pid files into dir.
+void wait_for_ranks(const std::string& dir, int n) {
+  for (int i = 0; i < 2500; ++i) {
+    int up = 0;
+    for (int rank = 0; rank < n; ++rank) up += !read_file(dir + "/pid." + std::to_string(rank)).empty();
+    if (up == n) return;
+    std::this_thread::sleep_for(2ms);
+  }
+}
+
 // Live (not zombie) processes whose process group is one of `pgids`, or whose pid is.
 std::vector<int> survivors(const std::set<int>& ids) {
   std::vector<int> alive;
@@ -199,14 +209,7 @@ TEST_CASE("nanoddp-run: SIGINT is forwarded to every rank and the launcher exits
   const RunResult r = run({launcher_path(), "--nproc-per-node", "3", "sh", "-c",
                            "echo $$ > " + dir.path + "/pid.$RANK; sleep 60"},
                           30s, [&](pid_t launcher) {
-                            // wait for all three ranks to be up, then press "Ctrl-C"
-                            for (int i = 0; i < 500; ++i) {
-                              int up = 0;
-                              for (int rank = 0; rank < 3; ++rank)
-                                up += !read_file(dir.path + "/pid." + std::to_string(rank)).empty();
-                              if (up == 3) break;
-                              std::this_thread::sleep_for(10ms);
-                            }
+                            wait_for_ranks(dir.path, 3);  // all up, then press "Ctrl-C"
                             kill(launcher, SIGINT);
                           });
   CHECK(r.code() == 128 + SIGINT);
@@ -222,8 +225,7 @@ TEST_CASE("nanoddp-run: SIGTERM while ranks are still being started ends the job
   const RunResult r = run({launcher_path(), "--nproc-per-node", "64", "sh", "-c",
                            "echo $$ > " + dir.path + "/pid.$RANK; exec sleep 30"},
                           30s, [&](pid_t launcher) {
-                            for (int i = 0; i < 500 && read_file(dir.path + "/pid.0").empty(); ++i)
-                              std::this_thread::sleep_for(2ms);
+                            wait_for_ranks(dir.path, 1);
                             kill(launcher, SIGTERM);
                           });
   CHECK(r.code() == 128 + SIGTERM);
