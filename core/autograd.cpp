@@ -29,16 +29,12 @@ class BackwardScope {
 };
 std::atomic<uint64_t> next_sequence_nr{0};
 
-// Adds g into the gradient buffer slot (a fresh tensor the first time, so callers may not
-// alias it afterwards).
+// Adds g into a tensor's gradient buffer. The first gradient is kept as it is; a sum is
+// always a fresh tensor, since slot or g may be shared (an add gives both inputs the same
+// gradient tensor).
 void accumulate_into(Tensor& slot, const Tensor& g) {
   if (!slot.defined()) {
     slot = g.is_leaf() && !g.requires_grad() ? g : g.detach();
-    return;
-  }
-  if (slot.is_same(g)) {
-    slot = g.clone();
-    NANODDP_DISPATCH(slot.device(), accumulate, slot.data<float>(), g.data<float>(), 1.0f, g.numel());
     return;
   }
   Tensor sum = slot.clone();

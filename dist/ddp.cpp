@@ -3,6 +3,7 @@
 #include <sstream>
 
 #include "core/autograd.h"
+#include "core/hash.h"
 
 namespace nanoddp::dist {
 
@@ -14,12 +15,7 @@ namespace {
 constexpr int kSignatureWidth = 2 + Shape::kMaxDims;
 
 void write_signature(int64_t* out, const std::string& name, const Shape& shape) {
-  uint64_t hash = 1469598103934665603ull;
-  for (unsigned char c : name) {
-    hash ^= c;
-    hash *= 1099511628211ull;
-  }
-  out[0] = static_cast<int64_t>(hash >> 1);
+  out[0] = static_cast<int64_t>(fnv1a(name) >> 1);  // >> 1: non-negative as int64
   out[1] = shape.dim();
   for (int d = 0; d < Shape::kMaxDims; ++d) out[2 + d] = d < shape.dim() ? shape[d] : 0;
 }

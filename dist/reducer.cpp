@@ -35,24 +35,21 @@ Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared
   location_.resize(params_.size());
   Bucket current;
   size_t current_bytes = 0;
+  auto close_bucket = [&] {
+    current.flat = Tensor::zeros({static_cast<int64_t>(current_bytes / sizeof(float))}, DType::Float32, device);
+    buckets_.push_back(std::move(current));
+    current = Bucket();
+    current_bytes = 0;
+  };
   for (size_t k = params_.size(); k-- > 0;) {
-    const Tensor& p = params_[k].second;
     location_[k] = {buckets_.size(), current.params.size()};
     current.offsets.push_back(current_bytes / sizeof(float));
     current.params.push_back(k);
-    current_bytes += p.nbytes();
+    current_bytes += params_[k].second.nbytes();
     const size_t cap = buckets_.empty() ? options_.first_bucket_cap_bytes : options_.bucket_cap_bytes;
-    if (current_bytes >= cap) {
-      current.flat = Tensor::zeros({static_cast<int64_t>(current_bytes / sizeof(float))}, DType::Float32, device);
-      buckets_.push_back(std::move(current));
-      current = Bucket();
-      current_bytes = 0;
-    }
+    if (current_bytes >= cap) close_bucket();
   }
-  if (!current.params.empty()) {
-    current.flat = Tensor::zeros({static_cast<int64_t>(current_bytes / sizeof(float))}, DType::Float32, device);
-    buckets_.push_back(std::move(current));
-  }
+  if (!current.params.empty()) close_bucket();
 
   for (size_t k = 0; k < params_.size(); ++k) {
     Tensor& p = params_[k].second;

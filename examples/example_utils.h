@@ -1,6 +1,6 @@
-// Small things the examples share: peak memory, a progress display, JSON numbers.
+// Small things the examples share: this rank's device, peak memory, a progress display, JSON
+// numbers.
 #pragma once
-
 
 #include <sys/resource.h>
 #include <unistd.h>
@@ -12,7 +12,16 @@
 #include <sstream>
 #include <string>
 
+#include "core/device.h"
+#include "dist/init.h"
+
 namespace nanoddp::examples {
+
+// --device as the examples take it: "cuda" means this rank's GPU, cuda:LOCAL_RANK (one GPU
+// per rank); anything else is parsed as written ("cpu", "cuda:3").
+inline Device rank_device(const std::string& name) {
+  return name == "cuda" ? Device::cuda(dist::get_local_rank()) : Device::parse(name);
+}
 
 // This process's peak resident set size in MiB (getrusage reports KiB on Linux).
 inline double peak_rss_mb() {

@@ -10,12 +10,7 @@
 // an uninterrupted run: the weights, the momentum buffers and the epoch are restored, and the
 // data order and learning rate depend only on seed, epoch and step. --stop-after N ends a run
 // early as a time-limited job would. Rank 0 ends with one JSON line (see README).
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <CLI/CLI.hpp>
-#include <cerrno>
-#include <cstring>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -111,18 +106,6 @@ void save(const std::string& path, int epochs_done, nn::Module& model, const nn:
   nn::save_checkpoint(path, state);
 }
 
-// Rank 0 writes the checkpoint after every epoch: find out now, not after an epoch of
-// training, whether it can (an existing folder, not a folder itself, writable).
-void check_checkpoint_path(const std::string& path) {
-  struct stat info {};
-  NANODDP_CHECK(::stat(path.c_str(), &info) != 0 || S_ISREG(info.st_mode), IOError, "--checkpoint ", path,
-                " exists but is not a regular file");
-  const size_t slash = path.find_last_of('/');
-  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-  NANODDP_CHECK(::access(dir.c_str(), W_OK) == 0, IOError, "--checkpoint ", path, ": cannot write in folder ", dir,
-                ": ", std::strerror(errno));
-}
-
 // Returns the number of epochs the checkpoint had completed. Errors name the file.
 int restore(const std::string& path, int epochs, nn::Module& model, nn::SGD& optimizer) {
   try {
@@ -142,7 +125,7 @@ int restore(const std::string& path, int epochs, nn::Module& model, nn::SGD& opt
 }
 
 int run(const Config& config) {
-  const Device device = config.device == "cuda" ? Device::cuda(dist::get_local_rank()) : Device::parse(config.device);
+  const Device device = examples::rank_device(config.device);
   dist::InitOptions init;
   init.backend = dist::parse_backend(config.backend);
   init.device = device;
@@ -151,7 +134,8 @@ int run(const Config& config) {
   const int rank = pg->rank(), world_size = pg->size();
   const bool chatty = rank == 0 && !config.quiet;
   NANODDP_CHECK(!config.resume || !config.checkpoint.empty(), ValueError, "--resume needs --checkpoint FILE");
-  if (rank == 0 && !config.checkpoint.empty()) check_checkpoint_path(config.checkpoint);
+  // Rank 0 saves after every epoch: find out now, not after an epoch of training, if it can.
+  if (rank == 0 && !config.checkpoint.empty()) nn::check_checkpoint_writable(config.checkpoint);
 
   auto train_set = std::make_shared<data::FashionMNIST>(config.data_dir, /*train=*/true);
   auto test_set = std::make_shared<data::FashionMNIST>(config.data_dir, /*train=*/false);

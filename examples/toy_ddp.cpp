@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
-    const Device device = device_name == "cuda" ? Device::cuda(dist::get_local_rank()) : Device::parse(device_name);
+    const Device device = examples::rank_device(device_name);
     dist::InitOptions init;
     init.backend = dist::parse_backend(backend);
     init.device = device;

@@ -9,6 +9,8 @@
 #include <fstream>
 #include <iterator>
 
+#include "core/hash.h"
+
 namespace nanoddp::nn {
 
 namespace {
@@ -17,13 +19,10 @@ constexpr char kMagic[8] = {'N', 'D', 'D', 'P', 'C', 'K', 'P', 'T'};
 constexpr uint32_t kVersion = 1;
 constexpr uint32_t kMaxNameBytes = 4096;
 
-uint64_t fnv1a(const std::string& bytes) {
-  uint64_t hash = 1469598103934665603ull;
-  for (unsigned char c : bytes) {
-    hash ^= c;
-    hash *= 1099511628211ull;
-  }
-  return hash;
+// The folder a checkpoint file lives in ("." for a bare name).
+std::string folder_of(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
 }
 
 template <typename T>
@@ -105,13 +104,20 @@ void save_checkpoint(const std::string& path, const StateDict& tensors) {
     NANODDP_THROW(IOError, "checkpoint: rename ", tmp, " -> ", path, ": ", std::strerror(error));
   }
   // Make the rename itself durable.
-  const size_t slash = path.find_last_of('/');
-  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  const int dir_fd = ::open(folder_of(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dir_fd >= 0) {
     ::fsync(dir_fd);
     ::close(dir_fd);
   }
+}
+
+void check_checkpoint_writable(const std::string& path) {
+  struct stat info {};
+  NANODDP_CHECK(::stat(path.c_str(), &info) != 0 || S_ISREG(info.st_mode), IOError, "checkpoint ", path,
+                " exists but is not a regular file");
+  const std::string dir = folder_of(path);
+  NANODDP_CHECK(::access(dir.c_str(), W_OK) == 0, IOError, "checkpoint ", path, ": cannot write in folder ", dir, ": ",
+                std::strerror(errno));
 }
 
 StateDict load_checkpoint(const std::string& path) {

@@ -17,6 +17,10 @@
 namespace nanoddp::nn {
 
 void save_checkpoint(const std::string& path, const StateDict& tensors);
+// Throws IOError unless save_checkpoint(path, ...) could write there: path is absent or a
+// regular file, and its folder exists and is writable. For programs that save only after
+// long work (an epoch of training) and should fail before it.
+void check_checkpoint_writable(const std::string& path);
 StateDict load_checkpoint(const std::string& path);
 
 // Adds every entry of part to into with prefix + name ("model." + "0.weight").
