@@ -9,7 +9,9 @@
 // checkpoint atomically. --resume continues from that checkpoint so that the result equals
 // an uninterrupted run: the weights, the momentum buffers and the epoch are restored, and the
 // data order and learning rate depend only on seed, epoch and step. --stop-after N ends a run
-// early as a time-limited job would. Rank 0 ends with one JSON line (see README).
+// early as a time-limited job would. --export FILE.safetensors writes the trained weights
+// for PyTorch (benchmarks/torch_reference/load_safetensors.py). Rank 0 ends with one JSON
+// line (see README).
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cmath>
@@ -26,6 +28,7 @@
 #include "nn/checkpoint.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
+#include "nn/safetensors.h"
 
 using namespace nanoddp;
 
@@ -42,6 +45,7 @@ struct Config {
   std::string backend = "auto";
   std::string data_dir = data::FashionMNIST::kDefaultRoot;
   std::string checkpoint;
+  std::string export_path;
   bool resume = false;
   int stop_after = 0;  // 0: train every epoch
   std::string schedule = "cosine";
@@ -136,6 +140,7 @@ int run(const Config& config) {
   NANODDP_CHECK(!config.resume || !config.checkpoint.empty(), ValueError, "--resume needs --checkpoint FILE");
   // Rank 0 saves after every epoch: find out now, not after an epoch of training, if it can.
   if (rank == 0 && !config.checkpoint.empty()) nn::check_checkpoint_writable(config.checkpoint);
+  if (rank == 0 && !config.export_path.empty()) nn::check_safetensors_writable(config.export_path);
 
   auto train_set = std::make_shared<data::FashionMNIST>(config.data_dir, /*train=*/true);
   auto test_set = std::make_shared<data::FashionMNIST>(config.data_dir, /*train=*/false);
@@ -214,6 +219,16 @@ int run(const Config& config) {
     std::fflush(stdout);
   }
 
+  // The model is torch.nn.Sequential(Linear, ReLU, Linear, ReLU, Linear) in PyTorch too, so
+  // our state_dict names ("0.weight", "2.bias", ...) and shapes are PyTorch's.
+  if (rank == 0 && !config.export_path.empty())
+    nn::save_safetensors(config.export_path, model->state_dict(),
+                         {{"format", "pt"},
+                          {"model", "torch.nn.Sequential(Linear(784, 256), ReLU(), Linear(256, 128), ReLU(), "
+                                    "Linear(128, 10)) on pixels / 255"},
+                          {"epochs", std::to_string(epochs_done)},
+                          {"test_accuracy", examples::json_number(accuracy)}});
+
   Tensor rss = Tensor::from_vector({static_cast<float>(examples::peak_rss_mb())});
   pg->all_reduce(rss, dist::ReduceOp::Max)->wait();
   if (rank == 0) {
@@ -248,6 +263,8 @@ int main(int argc, char** argv) {
   app.add_option("--backend", config.backend, "auto, gloo, mpi or nccl");
   app.add_option("--data-dir", config.data_dir, "folder with the four Fashion-MNIST IDX files");
   app.add_option("--checkpoint", config.checkpoint, "file rank 0 writes after every epoch");
+  app.add_option("--export", config.export_path,
+                 "safetensors file rank 0 writes the trained weights to, with PyTorch's names (0.weight, ...)");
   app.add_flag("--resume", config.resume, "continue from --checkpoint if it exists");
   app.add_option("--stop-after", config.stop_after,
                  "stop after this epoch, as a job with a time limit would (the schedule still spans --epochs; "

@@ -1,15 +1,9 @@
 #include "nn/checkpoint.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 
 #include "core/hash.h"
+#include "nn/file_io.h"
 
 namespace nanoddp::nn {
 
@@ -18,12 +12,6 @@ namespace {
 constexpr char kMagic[8] = {'N', 'D', 'D', 'P', 'C', 'K', 'P', 'T'};
 constexpr uint32_t kVersion = 1;
 constexpr uint32_t kMaxNameBytes = 4096;
-
-// The folder a checkpoint file lives in ("." for a bare name).
-std::string folder_of(const std::string& path) {
-  const size_t slash = path.find_last_of('/');
-  return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-}
 
 template <typename T>
 void put(std::string& out, T value) {
@@ -56,17 +44,6 @@ class Reader {
   size_t offset_ = 0;
 };
 
-void write_all(int fd, const std::string& bytes, const std::string& path) {
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    NANODDP_CHECK(n > 0, IOError, "checkpoint ", path, ": write failed at byte offset ", done, ": ",
-                  std::strerror(errno));
-    done += static_cast<size_t>(n);
-  }
-}
-
 }  // namespace
 
 void save_checkpoint(const std::string& path, const StateDict& tensors) {
@@ -85,48 +62,13 @@ void save_checkpoint(const std::string& path, const StateDict& tensors) {
     if (host.nbytes() > 0) bytes.append(static_cast<const char*>(host.impl()->storage->data()), host.nbytes());
   }
   put<uint64_t>(bytes, fnv1a(bytes));
-
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  NANODDP_CHECK(fd >= 0, IOError, "checkpoint: cannot create ", tmp, ": ", std::strerror(errno));
-  try {
-    write_all(fd, bytes, tmp);
-    NANODDP_CHECK(::fsync(fd) == 0, IOError, "checkpoint: fsync ", tmp, ": ", std::strerror(errno));
-  } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  ::close(fd);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int error = errno;
-    ::unlink(tmp.c_str());
-    NANODDP_THROW(IOError, "checkpoint: rename ", tmp, " -> ", path, ": ", std::strerror(error));
-  }
-  // Make the rename itself durable.
-  const int dir_fd = ::open(folder_of(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd >= 0) {
-    ::fsync(dir_fd);
-    ::close(dir_fd);
-  }
+  write_file_atomically(path, bytes, "checkpoint");
 }
 
-void check_checkpoint_writable(const std::string& path) {
-  struct stat info {};
-  NANODDP_CHECK(::stat(path.c_str(), &info) != 0 || S_ISREG(info.st_mode), IOError, "checkpoint ", path,
-                " exists but is not a regular file");
-  const std::string dir = folder_of(path);
-  NANODDP_CHECK(::access(dir.c_str(), W_OK) == 0, IOError, "checkpoint ", path, ": cannot write in folder ", dir, ": ",
-                std::strerror(errno));
-}
+void check_checkpoint_writable(const std::string& path) { check_writable(path, "checkpoint"); }
 
 StateDict load_checkpoint(const std::string& path) {
-  struct stat info {};
-  NANODDP_CHECK(::stat(path.c_str(), &info) == 0, IOError, "checkpoint ", path, ": cannot open: ", std::strerror(errno));
-  NANODDP_CHECK(S_ISREG(info.st_mode), IOError, "checkpoint ", path, ": not a regular file");
-  std::ifstream file(path, std::ios::binary);
-  NANODDP_CHECK(file.good(), IOError, "checkpoint ", path, ": cannot open: ", std::strerror(errno));
-  const std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  const std::string bytes = read_regular_file(path, "checkpoint");
   NANODDP_CHECK(bytes.size() >= sizeof(kMagic) + sizeof(uint64_t), IOError, "checkpoint ", path, ": only ",
                 bytes.size(), " bytes, too short to be a checkpoint");
   const size_t body = bytes.size() - sizeof(uint64_t);

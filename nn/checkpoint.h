@@ -8,6 +8,11 @@
 // a u64 FNV-1a checksum of everything before it. save writes "<path>.tmp", fsyncs it, renames
 // it over path and fsyncs the folder: a crash leaves the old file or the new one, never half.
 // load throws IOError naming the file and byte offset on a missing, truncated or corrupt file.
+//
+// Why a format of our own for training checkpoints, next to safetensors (nn/safetensors.h)
+// for weights: a checkpoint resumes a run, so it must notice any damaged byte (the checksum;
+// safetensors has none) and it carries what only nanoddp reads (optimizer buffers, the epoch).
+// To hand weights to PyTorch or another tool, export them with save_safetensors.
 #pragma once
 
 #include <string>

@@ -3,11 +3,13 @@
 // (on a small Fashion-MNIST-shaped data set written here, so it does not need the package).
 #include <doctest/doctest.h>
 
+#include <map>
 #include <regex>
 
 #include "core/random.h"
 #include "data/idx.h"
 #include "nn/checkpoint.h"
+#include "nn/safetensors.h"
 #include "tests/subprocess.h"
 
 using namespace nanoddp;
@@ -162,4 +164,38 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   r = run({program, "--data-dir", empty.path, "--quiet"}, 60s);
   CHECK(r.code() == 1);
   CHECK(r.err.find("0 training and 10 test images") != std::string::npos);
+}
+
+
+TEST_CASE("fashion_mnist --export: the trained weights under PyTorch's names, as the checkpoint has them") {
+  TempDir dir;
+  write_small_fashion_mnist(dir.path, 320, 100);
+  const std::string exported = dir.path + "/mlp.safetensors", checkpoint = dir.path + "/run.ckpt";
+  const RunResult r = run({built("examples/fashion_mnist"), "--data-dir", dir.path, "--epochs", "1", "--quiet",
+                           "--export", exported, "--checkpoint", checkpoint},
+                          120s);
+  REQUIRE_MESSAGE(r.code() == 0, r.err);
+  nn::SafetensorsMetadata metadata;
+  const nn::StateDict weights = nn::load_safetensors(exported, &metadata);
+  const nn::StateDict saved = nn::strip_prefix(nn::load_checkpoint(checkpoint), "model.");
+  const std::map<std::string, Shape> torch_shapes = {{"0.weight", {256, 784}}, {"0.bias", {256}},
+                                                     {"2.weight", {128, 256}}, {"2.bias", {128}},
+                                                     {"4.weight", {10, 128}},  {"4.bias", {10}}};
+  REQUIRE(weights.size() == torch_shapes.size());
+  for (const auto& [name, shape] : torch_shapes) {
+    CAPTURE(name);
+    REQUIRE(weights.count(name) == 1);
+    CHECK(weights.at(name).shape() == shape);
+    CHECK(weights.at(name).to_vector() == saved.at(name).to_vector());
+  }
+  CHECK(metadata.at("format") == "pt");
+  CHECK(metadata.at("epochs") == "1");
+  CHECK(std::stod(metadata.at("test_accuracy")) == json_field(json_lines(r.out).at(0), "test_accuracy"));
+
+  // An export path in a missing folder fails before training, naming it.
+  const RunResult bad = run({built("examples/fashion_mnist"), "--data-dir", dir.path, "--export",
+                             dir.path + "/missing/mlp.safetensors"},
+                            60s);
+  CHECK(bad.code() != 0);
+  CHECK(bad.err.find(dir.path + "/missing/mlp.safetensors") != std::string::npos);
 }

@@ -1,0 +1,28 @@
+// Whole-file reads and all-or-nothing writes for the file formats in nn/ (checkpoints,
+// safetensors). Internal: not installed.
+//
+//   write_file_atomically("w.safetensors", bytes, "safetensors");  // old file or new, never half
+//   const std::string bytes = read_regular_file("w.safetensors", "safetensors");
+#pragma once
+
+#include <string>
+
+namespace nanoddp::nn {
+
+// The folder a file lives in ("." for a bare name, "/" for a file in the root).
+std::string folder_of(const std::string& path);
+
+// Throws IOError (starting with what) unless write_file_atomically(path, ...) could write
+// there: path is absent or a regular file, and its folder exists and is writable.
+void check_writable(const std::string& path, const char* what);
+
+// Writes bytes to "<path>.tmp", fsyncs it, renames it over path and fsyncs the folder: a
+// crash leaves the old file or the new one. Throws IOError (starting with what: "checkpoint")
+// naming the file and the failed call; the .tmp file is removed on failure.
+void write_file_atomically(const std::string& path, const std::string& bytes, const char* what);
+
+// The whole content of path. Throws IOError (starting with what) when path is missing, not a
+// regular file, or unreadable.
+std::string read_regular_file(const std::string& path, const char* what);
+
+}  // namespace nanoddp::nn

@@ -1,0 +1,198 @@
+#include "nn/safetensors.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "nn/file_io.h"
+
+namespace nanoddp::nn {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors data is little-endian; so is our storage");
+
+namespace {
+
+using json = nlohmann::json;
+
+constexpr const char* kMetadataKey = "__metadata__";
+// The reference implementation refuses larger headers (and so do we: a corrupt length
+// should not make us parse 1 GB of garbage).
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+
+const char* safetensors_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::Float32: return "F32";
+    case DType::Int64: return "I64";
+    case DType::UInt8: return "U8";
+  }
+  NANODDP_THROW(ValueError, "safetensors: no safetensors name for dtype ", dtype);
+}
+
+bool parse_dtype(const std::string& name, DType* dtype) {
+  for (DType candidate : {DType::Float32, DType::Int64, DType::UInt8}) {
+    if (name == safetensors_dtype(candidate)) {
+      *dtype = candidate;
+      return true;
+    }
+  }
+  return false;
+}
+
+// One tensor's entry as read from the header, before its bytes are trusted.
+struct Entry {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> sizes;
+  uint64_t begin, end;
+};
+
+Entry parse_entry(const std::string& path, const std::string& name, const json& value) {
+  auto fail = [&](const std::string& why) {
+    NANODDP_THROW(IOError, "safetensors ", path, ": tensor '", name, "': ", why);
+  };
+  if (!value.is_object()) fail("header entry is not a JSON object");
+  for (const char* field : {"dtype", "shape", "data_offsets"})
+    if (!value.contains(field)) fail(std::string("no \"") + field + "\" in its header entry");
+
+  Entry entry;
+  entry.name = name;
+  const json& dtype = value["dtype"];
+  if (!dtype.is_string()) fail("\"dtype\" is not a string");
+  if (!parse_dtype(dtype.get<std::string>(), &entry.dtype))
+    fail("dtype " + dtype.get<std::string>() + " is not supported (nanoddp reads F32, I64 and U8)");
+
+  const json& shape = value["shape"];
+  if (!shape.is_array()) fail("\"shape\" is not an array");
+  if (shape.size() > static_cast<size_t>(Shape::kMaxDims))
+    fail("shape has " + std::to_string(shape.size()) + " dimensions, more than nanoddp's " +
+               std::to_string(Shape::kMaxDims));
+  for (const json& size : shape) {
+    if (!size.is_number_unsigned() || size.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      fail("shape " + shape.dump() + " holds something other than a non-negative integer");
+    entry.sizes.push_back(size.get<int64_t>());
+  }
+
+  const json& offsets = value["data_offsets"];
+  if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+      !offsets[1].is_number_unsigned())
+    fail("\"data_offsets\" " + offsets.dump() + " is not two non-negative integers");
+  entry.begin = offsets[0].get<uint64_t>();
+  entry.end = offsets[1].get<uint64_t>();
+  if (entry.begin > entry.end) fail("data_offsets " + offsets.dump() + " end before they begin");
+
+  // numel * dtype size, refusing a product that overflows.
+  uint64_t nbytes = dtype_size(entry.dtype);
+  for (int64_t size : entry.sizes) {
+    const uint64_t factor = static_cast<uint64_t>(size);
+    if (factor != 0 && nbytes > std::numeric_limits<uint64_t>::max() / factor)
+      fail("shape " + shape.dump() + " overflows a 64-bit byte count");
+    nbytes *= factor;
+  }
+  if (entry.end - entry.begin != nbytes)
+    fail("data_offsets " + offsets.dump() + " span " + std::to_string(entry.end - entry.begin) +
+               " bytes, but shape " + shape.dump() + " of " + dtype.get<std::string>() + " needs " +
+               std::to_string(nbytes));
+  return entry;
+}
+
+}  // namespace
+
+void save_safetensors(const std::string& path, const StateDict& tensors, const SafetensorsMetadata& metadata) {
+  json header = json::object();
+  std::vector<Tensor> host_tensors;
+  uint64_t offset = 0;
+  for (const auto& [name, tensor] : tensors) {
+    NANODDP_CHECK(name != kMetadataKey, ValueError, "safetensors ", path, ": a tensor may not be named ", kMetadataKey);
+    Tensor host = tensor.to(Device::cpu());
+    header[name] = {{"dtype", safetensors_dtype(host.dtype())},
+                    {"shape", host.shape().sizes()},
+                    {"data_offsets", {offset, offset + host.nbytes()}}};
+    offset += host.nbytes();
+    host_tensors.push_back(std::move(host));
+  }
+  if (!metadata.empty()) header[kMetadataKey] = metadata;
+
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  const uint64_t header_bytes = text.size();
+  std::string bytes(reinterpret_cast<const char*>(&header_bytes), sizeof(header_bytes));
+  bytes.reserve(sizeof(header_bytes) + text.size() + offset);
+  bytes += text;
+  for (const Tensor& host : host_tensors)
+    if (host.nbytes() > 0) bytes.append(static_cast<const char*>(host.impl()->storage->data()), host.nbytes());
+  write_file_atomically(path, bytes, "safetensors");
+}
+
+void check_safetensors_writable(const std::string& path) { check_writable(path, "safetensors"); }
+
+StateDict load_safetensors(const std::string& path, SafetensorsMetadata* metadata) {
+  const std::string bytes = read_regular_file(path, "safetensors");
+  uint64_t header_bytes = 0;
+  NANODDP_CHECK(bytes.size() >= sizeof(header_bytes), IOError, "safetensors ", path, ": only ", bytes.size(),
+                " bytes, too short for the 8-byte header length");
+  std::memcpy(&header_bytes, bytes.data(), sizeof(header_bytes));
+  NANODDP_CHECK(header_bytes <= bytes.size() - sizeof(header_bytes), IOError, "safetensors ", path,
+                ": header length ", header_bytes, " (at byte offset 0) runs past the end of the file (",
+                bytes.size(), " bytes)");
+  NANODDP_CHECK(header_bytes <= kMaxHeaderBytes, IOError, "safetensors ", path, ": header length ", header_bytes,
+                " is over the limit of ", kMaxHeaderBytes, " bytes");
+  const size_t data_start = sizeof(header_bytes) + header_bytes;
+  const uint64_t data_bytes = bytes.size() - data_start;
+
+  json header;
+  try {
+    header = json::parse(bytes.begin() + sizeof(header_bytes), bytes.begin() + static_cast<std::ptrdiff_t>(data_start));
+  } catch (const json::parse_error& e) {
+    NANODDP_THROW(IOError, "safetensors ", path, ": the header (bytes 8 to ", data_start, ") is not valid JSON: ",
+                  e.what());
+  }
+  NANODDP_CHECK(header.is_object(), IOError, "safetensors ", path, ": the header is not a JSON object");
+
+  std::vector<Entry> entries;
+  for (const auto& [name, value] : header.items()) {
+    if (name == kMetadataKey) {
+      NANODDP_CHECK(value.is_object(), IOError, "safetensors ", path, ": ", kMetadataKey, " is not a JSON object");
+      for (const auto& [key, text] : value.items()) {
+        NANODDP_CHECK(text.is_string(), IOError, "safetensors ", path, ": ", kMetadataKey, " value of '", key,
+                      "' is not a string");
+        if (metadata != nullptr) (*metadata)[key] = text.get<std::string>();
+      }
+      continue;
+    }
+    entries.push_back(parse_entry(path, name, value));
+  }
+  if (metadata != nullptr && !header.contains(kMetadataKey)) metadata->clear();
+
+  // The tensors must tile [0, data_bytes): sorted by begin, each starts where the last ended.
+  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  uint64_t covered = 0;
+  const Entry* previous = nullptr;
+  for (const Entry& entry : entries) {
+    NANODDP_CHECK(entry.end <= data_bytes, IOError, "safetensors ", path, ": tensor '", entry.name,
+                  "' data_offsets [", entry.begin, ", ", entry.end, ") run past the end of the data (", data_bytes,
+                  " bytes from byte offset ", data_start, ")");
+    NANODDP_CHECK(entry.begin >= covered, IOError, "safetensors ", path, ": tensor '", entry.name, "' data_offsets [",
+                  entry.begin, ", ", entry.end, ") overlap tensor '", previous ? previous->name : "", "' [",
+                  previous ? previous->begin : 0, ", ", covered, ")");
+    NANODDP_CHECK(entry.begin == covered, IOError, "safetensors ", path, ": data bytes [", covered, ", ", entry.begin,
+                  ") belong to no tensor");
+    covered = entry.end;
+    previous = &entry;
+  }
+  NANODDP_CHECK(covered == data_bytes, IOError, "safetensors ", path, ": data bytes [", covered, ", ", data_bytes,
+                ") belong to no tensor");
+
+  StateDict state;
+  for (const Entry& entry : entries) {
+    Tensor t = Tensor::empty(Shape(entry.sizes), entry.dtype);
+    if (t.nbytes() > 0) std::memcpy(t.impl()->storage->data(), bytes.data() + data_start + entry.begin, t.nbytes());
+    state[entry.name] = t;
+  }
+  return state;
+}
+
+}  // namespace nanoddp::nn

@@ -1,0 +1,48 @@
+// safetensors files: named tensors in the format PyTorch users exchange weights in
+// (Hugging Face's safetensors; safetensors.torch.save_file / load_file read and write it).
+//
+//   save_safetensors("mlp.safetensors", model.state_dict(), {{"epochs", "10"}});
+//   StateDict weights = load_safetensors("mlp.safetensors");
+//   model.load_state_dict(weights);
+//
+// Format: an 8-byte little-endian unsigned header length N; N bytes of UTF-8 JSON, an object
+// mapping each tensor name to {"dtype": "F32", "shape": [256, 784], "data_offsets": [begin,
+// end]}, plus an optional "__metadata__" object of string to string; then the tensors' raw
+// little-endian bytes, dense and row-major. Offsets count from the first data byte; the
+// tensors cover the data exactly, with no overlap and no gap.
+//
+// dtypes: Float32 <-> "F32", Int64 <-> "I64", UInt8 <-> "U8". Files holding other dtypes
+// (F16, BF16, ...) or more than Shape::kMaxDims dimensions are refused with an error naming
+// the tensor. For training checkpoints (optimizer state, epoch, checksum) see nn/checkpoint.h.
+#pragma once
+
+#include <map>
+#include <string>
+
+#include "nn/module.h"
+
+namespace nanoddp::nn {
+
+// "__metadata__": free-form text, as safetensors' metadata= argument.
+using SafetensorsMetadata = std::map<std::string, std::string>;
+
+// Writes tensors (any device: copied to the CPU) to path, all-or-nothing: a temporary file
+// is fsynced and renamed over path, so a crash leaves the old file or the new one. The header
+// is padded with spaces to a multiple of 8 bytes (as safetensors does) so the data starts
+// 8-byte aligned; tensors follow in name order. Throws ValueError for a tensor named
+// "__metadata__", IOError (naming the file) when writing fails.
+void save_safetensors(const std::string& path, const StateDict& tensors, const SafetensorsMetadata& metadata = {});
+
+// Throws IOError naming path unless save_safetensors(path, ...) could write there (path is
+// absent or a regular file in a writable folder). For programs that export after long work.
+void check_safetensors_writable(const std::string& path);
+
+// Reads every tensor of path onto the CPU; with metadata non-null, also its "__metadata__"
+// (empty when absent). Checks everything before trusting it: the header length against the
+// file size, the JSON, each dtype, shape and data_offsets, that each tensor's byte count is
+// its numel * dtype size (overflow-checked), and that the tensors tile the data exactly.
+// Throws IOError naming the file (and the tensor and byte offsets) on any violation, and
+// on a missing or unreadable file.
+StateDict load_safetensors(const std::string& path, SafetensorsMetadata* metadata = nullptr);
+
+}  // namespace nanoddp::nn

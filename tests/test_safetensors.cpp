@@ -1,0 +1,183 @@
+// safetensors: exact bytes of a file written by hand against the format, round trips, and
+// every kind of malformed file refused with an IOError that names the file and the problem.
+#include <doctest/doctest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <string>
+
+#include "nn/safetensors.h"
+
+using namespace nanoddp;
+using namespace nanoddp::nn;
+
+namespace {
+
+std::string temp_path(const std::string& name) {
+  return "/tmp/nanoddp_test_" + std::to_string(::getpid()) + "_" + name;
+}
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << bytes;
+}
+
+// A file in the format: 8-byte little-endian length (header.size() unless given), header, data.
+std::string file_bytes(const std::string& header, const std::string& data, uint64_t header_length = UINT64_MAX) {
+  if (header_length == UINT64_MAX) header_length = header.size();
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((header_length >> (8 * i)) & 0xff);
+  return bytes + header + data;
+}
+
+// The message of the IOError that loading path throws ("no IOError" when it loads).
+std::string load_error(const std::string& path) {
+  try {
+    load_safetensors(path);
+  } catch (const IOError& e) {
+    return e.what();
+  }
+  return "no IOError";
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("save_safetensors writes the published layout, byte for byte") {
+  const std::string path = temp_path("layout.safetensors");
+  save_safetensors(path, {{"w", Tensor::from_vector({1.0f, -2.0f}, {2})}}, {{"format", "pt"}});
+  // The JSON, with keys sorted, padded with spaces to a multiple of 8 bytes (88 here).
+  const std::string header =
+      R"({"__metadata__":{"format":"pt"},"w":{"data_offsets":[0,8],"dtype":"F32","shape":[2]}})";
+  REQUIRE(header.size() == 85);
+  const std::string data("\x00\x00\x80\x3f\x00\x00\x00\xc0", 8);  // 1.0f, -2.0f little-endian
+  CHECK(read_bytes(path) == file_bytes(header + "   ", data));
+  std::remove(path.c_str());
+}
+
+TEST_CASE("safetensors round-trip every dtype, empty tensors, scalars and metadata") {
+  const std::string path = temp_path("roundtrip.safetensors");
+  StateDict state;
+  state["0.weight"] = Tensor::from_vector({1, 2, 3, 4, 5, 6}, {2, 3});
+  state["0.bias"] = Tensor::from_vector({0.5f, -0.25f});
+  state["steps"] = Tensor::from_vector(std::vector<int64_t>{-7, 1LL << 40});
+  state["scalar"] = Tensor::scalar(3.5f);
+  state["empty"] = Tensor::zeros({0, 4});
+  state["pixels"] = Tensor::zeros({3}, DType::UInt8);
+  state["pixels"].data<uint8_t>()[2] = 255;
+  save_safetensors(path, state, {{"epochs", "10"}, {"note", "héllo \"quoted\""}});
+  CHECK_FALSE(std::ifstream(path + ".tmp").good());
+
+  SafetensorsMetadata metadata;
+  const StateDict loaded = load_safetensors(path, &metadata);
+  REQUIRE(loaded.size() == state.size());
+  for (const auto& [name, tensor] : state) {
+    CAPTURE(name);
+    REQUIRE(loaded.count(name) == 1);
+    CHECK(loaded.at(name).dtype() == tensor.dtype());
+    CHECK(loaded.at(name).shape() == tensor.shape());
+  }
+  uint64_t header_length = 0;
+  std::memcpy(&header_length, read_bytes(path).data(), 8);
+  CHECK(header_length % 8 == 0);  // padded, so the data starts 8-byte aligned
+  CHECK(loaded.at("0.weight").to_vector() == state["0.weight"].to_vector());
+  CHECK(loaded.at("0.bias").to_vector() == std::vector<float>{0.5f, -0.25f});
+  CHECK(loaded.at("steps").to_int_vector() == std::vector<int64_t>{-7, 1LL << 40});
+  CHECK(loaded.at("scalar").item() == 3.5f);
+  CHECK(loaded.at("pixels").data<uint8_t>()[2] == 255);
+  CHECK(metadata == SafetensorsMetadata{{"epochs", "10"}, {"note", "héllo \"quoted\""}});
+
+  // Saving again without metadata: none is written, and a reader's map is cleared.
+  save_safetensors(path, {{"x", Tensor::scalar(1.0f)}});
+  load_safetensors(path, &metadata);
+  CHECK(metadata.empty());
+  CHECK_FALSE(contains(read_bytes(path), "__metadata__"));
+  std::remove(path.c_str());
+}
+
+TEST_CASE("save_safetensors refuses a tensor named __metadata__ and leaves no file when it cannot write") {
+  const std::string path = temp_path("refused.safetensors");
+  CHECK_THROWS_AS(save_safetensors(path, {{"__metadata__", Tensor::scalar(1.0f)}}), ValueError);
+  CHECK_FALSE(std::ifstream(path).good());
+  const std::string missing = temp_path("no_such_folder") + "/w.safetensors";
+  try {
+    save_safetensors(missing, {{"x", Tensor::scalar(1.0f)}});
+    FAIL("expected IOError");
+  } catch (const IOError& e) {
+    CHECK(contains(e.what(), missing + ".tmp"));
+  }
+}
+
+TEST_CASE("load_safetensors refuses malformed files, naming the file and the problem") {
+  const std::string path = temp_path("bad.safetensors");
+  const std::string eight_bytes(8, '\x01');  // data for one F32 [2] tensor
+  const std::string good = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  struct Case {
+    const char* what;
+    std::string bytes;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"the good file, truncated in its data", file_bytes(good, eight_bytes).substr(0, 8 + good.size() + 5),
+       "run past the end of the data"},
+      {"a file shorter than the length field", std::string("\x10\x00\x00", 3), "too short for the 8-byte header length"},
+      {"a header length beyond the file", file_bytes(good, eight_bytes, 1000), "runs past the end of the file"},
+      {"a header length of 2^64 - 1", file_bytes(good, eight_bytes, UINT64_MAX - 1) , "runs past the end of the file"},
+      {"a header that is not JSON", file_bytes("{\"a\": ", eight_bytes), "not valid JSON"},
+      {"a header that is a JSON array", file_bytes("[1, 2]", ""), "not a JSON object"},
+      {"an unsupported dtype", file_bytes(R"({"a":{"dtype":"F16","shape":[4],"data_offsets":[0,8]}})", eight_bytes),
+       "dtype F16 is not supported"},
+      {"an unknown dtype", file_bytes(R"({"a":{"dtype":"Q7","shape":[2],"data_offsets":[0,8]}})", eight_bytes),
+       "dtype Q7 is not supported"},
+      {"a missing field", file_bytes(R"({"a":{"dtype":"F32","shape":[2]}})", eight_bytes), "no \"data_offsets\""},
+      {"a negative offset", file_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[-8,0]}})", eight_bytes),
+       "is not two non-negative integers"},
+      {"offsets that end before they begin",
+       file_bytes(R"({"a":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", eight_bytes), "end before they begin"},
+      {"a byte count that does not match the shape",
+       file_bytes(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", eight_bytes), "needs 12"},
+      {"a shape whose byte count overflows",
+       file_bytes(R"({"a":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,8]}})", eight_bytes),
+       "overflows a 64-bit byte count"},
+      {"a negative size", file_bytes(R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", eight_bytes),
+       "non-negative integer"},
+      {"too many dimensions",
+       file_bytes(R"({"a":{"dtype":"F32","shape":[1,1,1,1,2],"data_offsets":[0,8]}})", eight_bytes),
+       "5 dimensions"},
+      {"offsets beyond the data", file_bytes(good, std::string(4, '\0')), "run past the end of the data (4 bytes"},
+      {"overlapping tensors",
+       file_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                  R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+                  std::string(12, '\0')),
+       "tensor 'b' data_offsets [4, 12) overlap tensor 'a' [0, 8)"},
+      {"a gap between tensors",
+       file_bytes(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                  R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+                  std::string(12, '\0')),
+       "data bytes [4, 8) belong to no tensor"},
+      {"trailing bytes", file_bytes(good, eight_bytes + "xx"), "data bytes [8, 10) belong to no tensor"},
+      {"metadata that is not text", file_bytes(R"({"__metadata__":{"epochs":10}})", ""),
+       "__metadata__ value of 'epochs' is not a string"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.what);
+    write_bytes(path, c.bytes);
+    const std::string message = load_error(path);
+    CHECK_MESSAGE(contains(message, path), message);
+    CHECK_MESSAGE(contains(message, c.message), message);
+  }
+  // The good file loads, and a missing one is an IOError too.
+  write_bytes(path, file_bytes(good, eight_bytes));
+  CHECK(load_safetensors(path).at("a").shape() == Shape{2});
+  std::remove(path.c_str());
+  CHECK(contains(load_error(path), "cannot open"));
+}
