@@ -1,0 +1,36 @@
+// nanoddp in one include: tensors and autograd, layers and SGD, checkpoints, datasets and
+// DistributedSampler, process groups and DistributedDataParallel, the launcher as a library.
+//
+//   #include <nanoddp/nanoddp.h>      // or one module: #include <nanoddp/nn/layers.h>
+//   auto pg = nanoddp::dist::init_process_group();
+//   nanoddp::dist::DistributedDataParallel ddp(model, pg);
+//
+// Build flags: `pkg-config --cflags --libs nanoddp` for an installed copy, or
+// `dependency('nanoddp')` in Meson (installed, or nanoddp as a subproject). Both put
+// <prefix>/include/nanoddp on the include path too, because the headers include each other
+// as "core/tensor.h"; README "Use nanoddp in your own project" has a whole example.
+#pragma once
+
+#include "core/autograd.h"
+#include "core/device.h"
+#include "core/error.h"
+#include "core/ops.h"
+#include "core/random.h"
+#include "core/shape.h"
+#include "core/tensor.h"
+#include "data/dataloader.h"
+#include "data/dataset.h"
+#include "data/fashion_mnist.h"
+#include "data/idx.h"
+#include "data/sampler.h"
+#include "dist/ddp.h"
+#include "dist/init.h"
+#include "dist/launch.h"
+#include "dist/process_group.h"
+#include "dist/reducer.h"
+#include "dist/spawn.h"
+#include "dist/store.h"
+#include "nn/checkpoint.h"
+#include "nn/layers.h"
+#include "nn/module.h"
+#include "nn/optim.h"
