@@ -57,6 +57,7 @@ struct Config {
   int warmup = 3;
   double seconds_per_size = 0.25;  // iterations per size: about this much time, 5..1000
   bool compare_blocking_mpi = false;
+  bool csv = false;  // one CSV row per size instead of the table (tools/plot allreduce reads it)
 };
 
 void synchronize(const Device& device) {
@@ -124,7 +125,10 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
 #if NANODDP_WITH_MPI
   blocking_mpi = c.compare_blocking_mpi && pg->backend_name() == "mpi";
 #endif
-  if (print) {
+  if (print && c.csv) {
+    std::printf("backend,world_size,device,bytes,count,iters,time_us,algbw_gbps,busbw_gbps%s\n",
+                blocking_mpi ? ",mpi_allreduce_us" : "");
+  } else if (print) {
     std::printf("# nanoddp all_reduce: backend %s, %d ranks, float32 sum in place, device %s\n",
                 pg->backend_name().c_str(), n, device.str().c_str());
     std::printf("# algbw = size / time;  busbw = algbw * 2(n-1)/n = algbw * %.3f  (n = %d)\n",
@@ -143,15 +147,22 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
     double algbw = static_cast<double>(bytes) / seconds / 1e9;
     double busbw = algbw * 2.0 * (n - 1) / n;
     std::string extra;
+    double mpi_seconds_us = 0;
 #if NANODDP_WITH_MPI
     if (blocking_mpi) {
       double mpi_seconds = max_over_ranks(*pg, time_blocking_mpi(t, iters, c.warmup), device);
+      mpi_seconds_us = mpi_seconds * 1e6;
       char text[32];
       std::snprintf(text, sizeof(text), "  %18.1f", mpi_seconds * 1e6);
       extra = text;
     }
 #endif
-    if (print) {
+    if (print && c.csv) {
+      std::printf("%s,%d,%s,%lld,%lld,%d,%.3f,%.6f,%.6f%s\n", pg->backend_name().c_str(), n, device.str().c_str(),
+                  static_cast<long long>(bytes), static_cast<long long>(count), iters, seconds * 1e6, algbw, busbw,
+                  blocking_mpi ? ("," + std::to_string(mpi_seconds_us)).c_str() : "");
+      std::fflush(stdout);
+    } else if (print) {
       std::printf("%14lld %12lld %7d %12.1f %12.3f %12.3f%s\n", static_cast<long long>(bytes),
                   static_cast<long long>(count), iters, seconds * 1e6, algbw, busbw,
                   extra.c_str());
@@ -189,6 +200,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--compare-blocking-mpi", c.compare_blocking_mpi,
                "with the mpi backend, also time a blocking MPI_Allreduce on MPI_COMM_WORLD");
+  app.add_flag("--csv", c.csv,
+               "print CSV (backend,world_size,device,bytes,count,iters,time_us,algbw_gbps,busbw_gbps) instead of the "
+               "table; tools/plot allreduce draws it");
   const Config defaults;
   try {
     app.parse(argc, argv);

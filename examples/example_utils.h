@@ -5,6 +5,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -39,12 +40,31 @@ inline std::string json_number(double value) {
   return out.str();
 }
 
-// Rank 0's view of an epoch: on a terminal a bar redrawn in place, elsewhere (a pipe, a log
-// file, nanoddp-run's prefixed output) one line per tenth of the epoch.
+// "1:05" or "1:02:03" for a duration in seconds.
+inline std::string clock_text(double seconds) {
+  const long long total = std::llround(std::max(seconds, 0.0));
+  char text[32];
+  if (total >= 3600)
+    std::snprintf(text, sizeof(text), "%lld:%02lld:%02lld", total / 3600, total / 60 % 60, total % 60);
+  else
+    std::snprintf(text, sizeof(text), "%lld:%02lld", total / 60, total % 60);
+  return text;
+}
+
+// Rank 0's view of an epoch. On a terminal of its own: one line redrawn in place with the
+// epoch, a bar, step/steps, the loss, samples/s and the time left for the whole run (ETA:
+// this epoch's time per step times the steps left in all epochs; evaluation not counted).
+// Elsewhere (a pipe, a log file, nanoddp-run's prefixed output, mpirun): one plain line per
+// tenth of the epoch.
 class Progress {
  public:
   Progress(int epoch, int epochs, int64_t steps, bool enabled)
-      : epoch_(epoch), epochs_(epochs), steps_(steps), enabled_(enabled), terminal_(redraw_in_place()) {}
+      : epoch_(epoch),
+        epochs_(epochs),
+        steps_(steps),
+        enabled_(enabled),
+        terminal_(redraw_in_place()),
+        start_(std::chrono::steady_clock::now()) {}
 
   // A terminal that is ours alone: mpirun hands its ranks a pseudo-terminal but prefixes and
   // interleaves their lines, where a carriage return would only garble the output.
@@ -53,16 +73,12 @@ class Progress {
            std::getenv("PMIX_RANK") == nullptr && std::getenv("SLURM_PROCID") == nullptr;
   }
 
-  void update(int64_t step, double mean_loss) {
+  // step: steps done in this epoch (1..steps); samples_per_s: all ranks' rate this epoch so
+  // far, left out of the line when NaN.
+  void update(int64_t step, double mean_loss, double samples_per_s = NAN) {
     if (!enabled_ || steps_ == 0) return;
     if (terminal_) {
-      constexpr int kWidth = 30;
-      const int filled = static_cast<int>(kWidth * step / steps_);
-      std::printf("\repoch %d/%d [%s%s] %lld/%lld loss %.4f", epoch_, epochs_, std::string(filled, '#').c_str(),
-                  std::string(kWidth - filled, '.').c_str(), static_cast<long long>(step),
-                  static_cast<long long>(steps_), mean_loss);
-      if (step == steps_) std::printf("\n");
-      std::fflush(stdout);
+      draw(step, mean_loss, samples_per_s);
       return;
     }
     // Called every few steps: print when a new tenth of the epoch has been reached.
@@ -76,9 +92,26 @@ class Progress {
   }
 
  private:
+  void draw(int64_t step, double mean_loss, double samples_per_s) {
+    constexpr int kWidth = 20;
+    const int filled = static_cast<int>(kWidth * step / steps_);
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    const int64_t steps_left = (steps_ - step) + static_cast<int64_t>(epochs_ - epoch_) * steps_;
+    std::string rate;
+    if (std::isfinite(samples_per_s)) rate = " " + std::to_string(std::llround(samples_per_s)) + " samples/s";
+    // \r: back to the line's start; \033[K: erase what a longer previous line left there.
+    std::printf("\repoch %d/%d [%s%s] %lld/%lld loss %.4f%s ETA %s\033[K", epoch_, epochs_,
+                std::string(filled, '#').c_str(), std::string(kWidth - filled, '.').c_str(),
+                static_cast<long long>(step), static_cast<long long>(steps_), mean_loss, rate.c_str(),
+                clock_text(step > 0 ? elapsed / static_cast<double>(step) * static_cast<double>(steps_left) : 0).c_str());
+    if (step == steps_) std::printf("\n");
+    std::fflush(stdout);
+  }
+
   int epoch_, epochs_;
   int64_t steps_;
   bool enabled_, terminal_;
+  std::chrono::steady_clock::time_point start_;
   int64_t printed_tenth_ = 0;
 };
 

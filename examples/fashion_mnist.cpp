@@ -24,6 +24,7 @@
 #include "dist/ddp.h"
 #include "dist/init.h"
 #include "examples/example_utils.h"
+#include "examples/metrics.h"
 #include "tools/cli_checks.h"
 #include "nn/checkpoint.h"
 #include "nn/layers.h"
@@ -46,6 +47,7 @@ struct Config {
   std::string data_dir = data::FashionMNIST::kDefaultRoot;
   std::string checkpoint;
   std::string export_path;
+  std::string metrics;
   bool resume = false;
   int stop_after = 0;  // 0: train every epoch
   std::string schedule = "cosine";
@@ -141,6 +143,7 @@ int run(const Config& config) {
   // Rank 0 saves after every epoch: find out now, not after an epoch of training, if it can.
   if (rank == 0 && !config.checkpoint.empty()) nn::check_checkpoint_writable(config.checkpoint);
   if (rank == 0 && !config.export_path.empty()) nn::check_safetensors_writable(config.export_path);
+  examples::MetricsLog metrics(rank == 0 ? config.metrics : "");
 
   auto train_set = std::make_shared<data::FashionMNIST>(config.data_dir, /*train=*/true);
   auto test_set = std::make_shared<data::FashionMNIST>(config.data_dir, /*train=*/false);
@@ -181,8 +184,10 @@ int run(const Config& config) {
     Tensor loss_sum = Tensor::zeros({}, DType::Float32, device);
     int64_t steps = 0, samples = 0;
     const auto start = std::chrono::steady_clock::now();
+    float lr = config.lr;
     for (const data::Batch& batch : train_loader) {
-      optimizer.set_lr(learning_rate(config, epoch * train_loader.size() + steps, config.epochs * train_loader.size()));
+      lr = learning_rate(config, epoch * train_loader.size() + steps, config.epochs * train_loader.size());
+      optimizer.set_lr(lr);
       optimizer.zero_grad();
       Tensor loss = loss_fn(ddp(batch.input), batch.target);
       loss.backward();
@@ -196,7 +201,19 @@ int run(const Config& config) {
       if (steps % kCheckEverySteps == 0 || steps == train_loader.size()) {
         const float mean_loss = loss_sum.item() / static_cast<float>(steps);
         check_finite(mean_loss, rank, epoch, steps);
-        if (chatty) progress.update(steps, mean_loss);
+        if (chatty || metrics.enabled()) {
+          // Rank 0's pace times the world size: the ranks step together.
+          const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          const double rate = static_cast<double>(samples) * world_size / elapsed;
+          if (chatty) progress.update(steps, mean_loss, rate);
+          examples::MetricsRecord record;
+          record.step = epoch * train_loader.size() + steps;
+          record.epoch = epoch + 1;
+          record.loss = mean_loss;
+          record.lr = lr;
+          record.samples_per_s = rate;
+          metrics.write(record);
+        }
       }
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -214,6 +231,14 @@ int run(const Config& config) {
     if (chatty)
       std::printf("epoch %d/%d: train loss %.4f, test accuracy %.4f, %.0f samples/s\n", epoch + 1, config.epochs,
                   train_loss, accuracy, samples_per_s);
+    examples::MetricsRecord record;
+    record.step = (epoch + 1) * train_loader.size();
+    record.epoch = epoch + 1;
+    record.loss = train_loss;
+    record.lr = lr;
+    record.samples_per_s = samples_per_s;
+    record.test_accuracy = accuracy;
+    metrics.write(record);
     if (rank == 0 && !config.checkpoint.empty()) save(config.checkpoint, epoch + 1, *model, optimizer);
     epochs_done = epoch + 1;
     std::fflush(stdout);
@@ -265,6 +290,9 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint", config.checkpoint, "file rank 0 writes after every epoch");
   app.add_option("--export", config.export_path,
                  "safetensors file rank 0 writes the trained weights to, with PyTorch's names (0.weight, ...)");
+  app.add_option("--metrics", config.metrics,
+                 "JSON-lines file rank 0 writes step, epoch, loss, lr, samples/s, test accuracy and wall time to "
+                 "(tools/plot draws it)");
   app.add_flag("--resume", config.resume, "continue from --checkpoint if it exists");
   app.add_option("--stop-after", config.stop_after,
                  "stop after this epoch, as a job with a time limit would (the schedule still spans --epochs; "

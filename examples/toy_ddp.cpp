@@ -16,6 +16,7 @@
 #include "dist/ddp.h"
 #include "dist/init.h"
 #include "examples/example_utils.h"
+#include "examples/metrics.h"
 #include "tools/cli_checks.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
@@ -47,6 +48,7 @@ int main(int argc, char** argv) {
   std::optional<float> init_weight, init_bias;
   std::string device_name = "cpu", backend = "auto";
   uint64_t seed = 0;
+  std::string metrics_path;
   app.add_option("--epochs", epochs, "passes over the data")->check(cli::integer_in(1));
   app.add_option("--lr", lr, "SGD learning rate")->check(cli::number_in(0));
   app.add_option("--batch-size", batch_size, "examples per rank per step")->check(cli::integer_in(1));
@@ -56,6 +58,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", seed, "seed of the initial weights");
   app.add_option("--device", device_name, "cpu or cuda (rank r uses cuda:LOCAL_RANK)");
   app.add_option("--backend", backend, "auto, gloo, mpi or nccl");
+  app.add_option("--metrics", metrics_path, "JSON-lines file rank 0 writes one line per epoch to (examples/metrics.h)");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -65,6 +68,7 @@ int main(int argc, char** argv) {
     init.device = device;
     auto pg = dist::init_process_group(init);
     const int rank = pg->rank(), world_size = pg->size();
+    examples::MetricsLog metrics(rank == 0 ? metrics_path : "");
 
     auto dataset = toy_dataset(raw);
     data::DataLoaderOptions loader_options;
@@ -85,7 +89,9 @@ int main(int argc, char** argv) {
     float last_loss = NAN;
     for (int epoch = 0; epoch < epochs; ++epoch) {
       loader.set_epoch(epoch);
-      int64_t step = 0;
+      int64_t step = 0, samples = 0;
+      double loss_sum = 0;
+      const auto start = std::chrono::steady_clock::now();
       for (const data::Batch& batch : loader) {
         ++step;
         optimizer.zero_grad();
@@ -93,6 +99,8 @@ int main(int argc, char** argv) {
         loss.backward();
         optimizer.step();
         last_loss = loss.item();
+        loss_sum += last_loss;
+        samples += batch.input.size(0);
         if (!std::isfinite(last_loss)) std::fflush(stdout);  // this rank's earlier lines first
         NANODDP_CHECK(std::isfinite(last_loss), ValueError, "the loss became ", last_loss, " at epoch ",
                       epoch + 1, ", step ", step, " on rank ", rank,
@@ -100,6 +108,14 @@ int main(int argc, char** argv) {
                           : "; lower --lr or start from smaller --init-weight/--init-bias");
       }
       std::printf("Rank %d, Epoch [%d], Loss: %.6f\n", rank, epoch + 1, last_loss);
+      examples::MetricsRecord record;
+      record.step = (epoch + 1) * loader.size();
+      record.epoch = epoch + 1;
+      record.loss = loss_sum / static_cast<double>(std::max<int64_t>(step, 1));
+      record.lr = lr;
+      record.samples_per_s = static_cast<double>(samples) * world_size /
+                             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      metrics.write(record);
     }
     const Tensor weight = model->weight.to(Device::cpu()), bias = model->bias.to(Device::cpu());
     std::printf("{\"example\":\"toy_ddp\",\"rank\":%d,\"world_size\":%d,\"weight\":%s,\"bias\":%s,\"loss\":%s}\n",

@@ -3,6 +3,7 @@
 // (on a small Fashion-MNIST-shaped data set written here, so it does not need the package).
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <map>
 #include <regex>
 
@@ -166,6 +167,86 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   CHECK(r.err.find("0 training and 10 test images") != std::string::npos);
 }
 
+// ---- files the examples write: --metrics, --export; the live progress line ----------------
+
+namespace {
+
+// The JSON objects of a --metrics file, one per line, as key -> raw value text ("null" kept).
+std::vector<std::string> metrics_lines(const std::string& path) {
+  std::vector<std::string> found;
+  for (const std::string& line : lines_of(read_file(path))) {
+    REQUIRE_MESSAGE(line.front() == '{', "not a JSON line: ", line);
+    found.push_back(line);
+  }
+  return found;
+}
+
+bool is_null(const std::string& line, const std::string& key) {
+  return line.find("\"" + key + "\":null") != std::string::npos;
+}
+
+}  // namespace
+
+TEST_CASE("fashion_mnist --metrics: a line per progress update and per epoch that agrees with the result line") {
+  TempDir dir;
+  write_small_fashion_mnist(dir.path, 640, 200);
+  const std::string metrics = dir.path + "/run.jsonl";
+  // 2 ranks x batch 32 over 640 images: 10 steps per epoch, so one progress update per epoch.
+  const RunResult r = run({launcher_path(), "--nproc-per-node", "2", "--backend", "gloo", built("examples/fashion_mnist"),
+                           "--data-dir", dir.path, "--batch-size", "32", "--epochs", "2", "--metrics", metrics},
+                          120s);
+  REQUIRE_MESSAGE(r.code() == 0, r.err);
+  const auto result = json_lines(r.out);
+  REQUIRE(result.size() == 1);
+  const auto lines = metrics_lines(metrics);
+  REQUIRE(lines.size() == 4);
+  const double expected_epochs[] = {1, 1, 2, 2};
+  double last_wall = -1;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    CAPTURE(lines[i]);
+    const bool epoch_end = i % 2 == 1;
+    CHECK(json_field(lines[i], "step") == (i < 2 ? 10 : 20));
+    CHECK(json_field(lines[i], "epoch") == expected_epochs[i]);
+    CHECK(json_field(lines[i], "samples_per_s") > 0);
+    CHECK(json_field(lines[i], "wall_s") >= last_wall);
+    last_wall = json_field(lines[i], "wall_s");
+    // The lr of step t of T = 20 on the cosine schedule: 0.05 * (1 + cos(pi t / T)) / 2, t = 9 or 19.
+    const double t = i < 2 ? 9 : 19;
+    CHECK(json_field(lines[i], "lr") == doctest::Approx(0.025 * (1 + std::cos(M_PI * t / 20))).epsilon(1e-6));
+    CHECK(is_null(lines[i], "test_accuracy") == !epoch_end);
+  }
+  // The last epoch's line holds the run's result, digit for digit.
+  CHECK(json_field(lines[3], "test_accuracy") == json_field(result[0], "test_accuracy"));
+  CHECK(json_field(lines[3], "loss") == json_field(result[0], "train_loss"));
+  CHECK(json_field(lines[3], "samples_per_s") == json_field(result[0], "samples_per_s"));
+
+  // An unwritable --metrics file stops the run before training, naming the file.
+  const RunResult bad = run({built("examples/fashion_mnist"), "--data-dir", dir.path, "--metrics",
+                             dir.path + "/missing/run.jsonl"},
+                            60s);
+  CHECK(bad.code() != 0);
+  CHECK(bad.err.find(dir.path + "/missing/run.jsonl") != std::string::npos);
+}
+
+TEST_CASE("toy_ddp --metrics: one line per epoch with the epoch's mean loss") {
+  TempDir dir;
+  const std::string metrics = dir.path + "/toy.jsonl";
+  const RunResult r = run({built("examples/toy_ddp"), "--epochs", "3", "--init-weight", "0.5", "--init-bias", "0",
+                           "--metrics", metrics});
+  REQUIRE_MESSAGE(r.code() == 0, r.err);
+  const auto lines = metrics_lines(metrics);
+  REQUIRE(lines.size() == 3);
+  for (size_t i = 0; i < lines.size(); ++i) {
+    CAPTURE(lines[i]);
+    CHECK(json_field(lines[i], "epoch") == static_cast<double>(i + 1));
+    CHECK(json_field(lines[i], "step") == static_cast<double>(13 * (i + 1)));  // ceil(100 / 8) steps per epoch
+    CHECK(json_field(lines[i], "lr") == doctest::Approx(0.1));
+    CHECK(is_null(lines[i], "test_accuracy"));
+  }
+  // Training converges: each epoch's mean loss below the one before.
+  CHECK(json_field(lines[1], "loss") < json_field(lines[0], "loss"));
+  CHECK(json_field(lines[2], "loss") < json_field(lines[1], "loss"));
+}
 
 TEST_CASE("fashion_mnist --export: the trained weights under PyTorch's names, as the checkpoint has them") {
   TempDir dir;
@@ -198,4 +279,28 @@ TEST_CASE("fashion_mnist --export: the trained weights under PyTorch's names, as
                             60s);
   CHECK(bad.code() != 0);
   CHECK(bad.err.find(dir.path + "/missing/mlp.safetensors") != std::string::npos);
+}
+
+TEST_CASE("fashion_mnist progress: redrawn in place on a terminal with samples/s and ETA, plain lines in a pipe") {
+  TempDir dir;
+  write_small_fashion_mnist(dir.path, 640, 100);
+  // 640 / 8 = 80 steps per epoch: updates at steps 50 and 80.
+  const std::string command = built("examples/fashion_mnist") + " --data-dir " + dir.path +
+                              " --batch-size 8 --epochs 2";
+  // script(1) runs the command on a pseudo-terminal of its own and copies what it draws.
+  const RunResult on_terminal = run({"/usr/bin/script", "-qec", command, "/dev/null"}, 120s);
+  REQUIRE_MESSAGE(on_terminal.code() == 0, on_terminal.err);
+  CHECK(std::regex_search(on_terminal.out,
+                          std::regex("\repoch 1/2 \\[#{12}\\.{8}\\] 50/80 loss [0-9.]+ [0-9]+ samples/s ETA [0-9]+:[0-9]{2}")));
+  CHECK(std::regex_search(on_terminal.out, std::regex("\repoch 2/2 \\[#{20}\\] 80/80 loss [0-9.]+ [0-9]+ samples/s ETA 0:00")));
+  CHECK(on_terminal.out.find("epoch 1/2 step 50/80") == std::string::npos);
+
+  const RunResult piped = run({built("examples/fashion_mnist"), "--data-dir", dir.path, "--batch-size", "8",
+                               "--epochs", "2"},
+                              120s);
+  REQUIRE_MESSAGE(piped.code() == 0, piped.err);
+  CHECK(piped.out.find('\r') == std::string::npos);
+  CHECK(piped.out.find("ETA") == std::string::npos);
+  CHECK(piped.out.find("epoch 1/2 step 50/80 loss ") != std::string::npos);
+  CHECK(piped.out.find("epoch 2/2 step 80/80 loss ") != std::string::npos);
 }
