@@ -158,7 +158,7 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
     }
 #endif
     if (print && c.csv) {
-      std::printf("%s,%d,%s,%lld,%lld,%d,%.3f,%.6f,%.6f%s\n", pg->backend_name().c_str(), n, device.str().c_str(),
+      std::printf("%s,%d,%s,%lld,%lld,%d,%.3f,%.9g,%.9g%s\n", pg->backend_name().c_str(), n, device.str().c_str(),
                   static_cast<long long>(bytes), static_cast<long long>(count), iters, seconds * 1e6, algbw, busbw,
                   blocking_mpi ? ("," + std::to_string(mpi_seconds_us)).c_str() : "");
       std::fflush(stdout);

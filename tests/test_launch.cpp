@@ -390,6 +390,33 @@ TEST_CASE("allreduce_bench: one rank, empty size ranges and bad numbers are refu
   }
 }
 
+TEST_CASE("allreduce_bench --csv: a header and one row per size, busbw = algbw * 2(n-1)/n = size / time") {
+  using nanoddp::testing::built;
+  const RunResult r = run({built("benchmarks/allreduce_bench"), "--nproc", "2", "--backend", "gloo", "--csv",
+                           "--min-bytes", "4096", "--max-bytes", "16384", "--seconds-per-size", "0.01"},
+                          60s);
+  REQUIRE_MESSAGE(r.code() == 0, r.err);
+  const std::vector<std::string> lines = lines_of(r.out);
+  REQUIRE(lines.size() == 4);
+  CHECK(lines[0] == "backend,world_size,device,bytes,count,iters,time_us,algbw_gbps,busbw_gbps");
+  for (int i = 1; i <= 3; ++i) {
+    CAPTURE(lines[i]);
+    std::vector<std::string> cells;
+    std::stringstream row(lines[i]);
+    for (std::string cell; std::getline(row, cell, ',');) cells.push_back(cell);
+    REQUIRE(cells.size() == 9);
+    const long long bytes = 4096LL << (i - 1);
+    CHECK(cells[0] == "gloo");
+    CHECK(cells[1] == "2");
+    CHECK(cells[2] == "cpu");
+    CHECK(std::stoll(cells[3]) == bytes);
+    CHECK(std::stoll(cells[4]) == bytes / 4);
+    const double time_us = std::stod(cells[6]), algbw = std::stod(cells[7]), busbw = std::stod(cells[8]);
+    CHECK(algbw == doctest::Approx(bytes / (time_us * 1e-6) / 1e9).epsilon(1e-3));
+    CHECK(busbw == algbw);  // 2(n-1)/n = 1 for n = 2
+  }
+}
+
 TEST_CASE("launch helpers: rank_env numbering, mpirun command line, signal names, free ports") {
   dist::LaunchOptions o;
   o.nproc_per_node = 4;
