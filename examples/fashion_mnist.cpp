@@ -143,7 +143,7 @@ int run(const Config& config) {
   // Rank 0 saves after every epoch: find out now, not after an epoch of training, if it can.
   if (rank == 0 && !config.checkpoint.empty()) nn::check_checkpoint_writable(config.checkpoint);
   if (rank == 0 && !config.export_path.empty()) nn::check_safetensors_writable(config.export_path);
-  examples::MetricsLog metrics(rank == 0 ? config.metrics : "");
+  examples::MetricsLog metrics(rank == 0 ? config.metrics : "", /*append=*/config.resume);
 
   auto train_set = std::make_shared<data::FashionMNIST>(config.data_dir, /*train=*/true);
   auto test_set = std::make_shared<data::FashionMNIST>(config.data_dir, /*train=*/false);
@@ -292,7 +292,7 @@ int main(int argc, char** argv) {
                  "safetensors file rank 0 writes the trained weights to, with PyTorch's names (0.weight, ...)");
   app.add_option("--metrics", config.metrics,
                  "JSON-lines file rank 0 writes step, epoch, loss, lr, samples/s, test accuracy and wall time to "
-                 "(tools/plot draws it)");
+                 "(tools/plot draws it); --resume appends");
   app.add_flag("--resume", config.resume, "continue from --checkpoint if it exists");
   app.add_option("--stop-after", config.stop_after,
                  "stop after this epoch, as a job with a time limit would (the schedule still spans --epochs; "

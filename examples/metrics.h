@@ -38,11 +38,12 @@ struct MetricsRecord {
 
 class MetricsLog {
  public:
-  // Creates (truncates) path; an empty path makes a log that writes nothing. Throws IOError
-  // naming the file when it cannot be created.
-  explicit MetricsLog(const std::string& path) : start_(std::chrono::steady_clock::now()) {
+  // Creates path (truncating it), or with append (a resumed run: steps go on where the
+  // file's left off) adds to its end. An empty path makes a log that writes nothing. Throws
+  // IOError naming the file when it cannot be opened.
+  explicit MetricsLog(const std::string& path, bool append = false) : start_(std::chrono::steady_clock::now()) {
     if (path.empty()) return;
-    file_ = std::fopen(path.c_str(), "w");
+    file_ = std::fopen(path.c_str(), append ? "a" : "w");
     NANODDP_CHECK(file_ != nullptr, IOError, "--metrics ", path, ": cannot create: ", std::strerror(errno));
   }
   ~MetricsLog() {

@@ -228,6 +228,34 @@ TEST_CASE("fashion_mnist --metrics: a line per progress update and per epoch tha
   CHECK(bad.err.find(dir.path + "/missing/run.jsonl") != std::string::npos);
 }
 
+TEST_CASE("fashion_mnist --metrics with --resume appends: the interrupted run's file reads as one run") {
+  TempDir dir;
+  write_small_fashion_mnist(dir.path, 640, 200);
+  const std::string metrics = dir.path + "/run.jsonl", checkpoint = dir.path + "/run.ckpt";
+  const std::vector<std::string> common = {built("examples/fashion_mnist"), "--data-dir", dir.path, "--batch-size",
+                                           "64", "--epochs", "2", "--quiet", "--metrics", metrics, "--checkpoint",
+                                           checkpoint};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> all = common;
+    all.insert(all.end(), extra.begin(), extra.end());
+    return all;
+  };
+  const RunResult first = run(with({"--stop-after", "1"}), 120s);
+  REQUIRE_MESSAGE(first.code() == 0, first.err);
+  REQUIRE(metrics_lines(metrics).size() == 2);
+  const RunResult rest = run(with({"--resume"}), 120s);
+  REQUIRE_MESSAGE(rest.code() == 0, rest.err);
+  const auto lines = metrics_lines(metrics);
+  REQUIRE(lines.size() == 4);
+  const double steps[] = {10, 10, 20, 20}, epochs[] = {1, 1, 2, 2};  // 640 / 64 = 10 steps per epoch
+  for (size_t i = 0; i < lines.size(); ++i) {
+    CAPTURE(lines[i]);
+    CHECK(json_field(lines[i], "step") == steps[i]);
+    CHECK(json_field(lines[i], "epoch") == epochs[i]);
+  }
+  CHECK(json_field(lines[3], "test_accuracy") == json_field(json_lines(rest.out).at(0), "test_accuracy"));
+}
+
 TEST_CASE("toy_ddp --metrics: one line per epoch with the epoch's mean loss") {
   TempDir dir;
   const std::string metrics = dir.path + "/toy.jsonl";
