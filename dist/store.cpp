@@ -662,8 +662,9 @@ class TCPStore::Client {
     } catch (const TimeoutError&) {
       throw;
     } catch (const DistError&) {
-      NANODDP_THROW(DistError, context_, ": the peer closed the connection during the hello: an older "
-                    "nanoddp store, or something other than a nanoddp store (is MASTER_PORT used by another program?)");
+      report_lost_peer(rank_, 0);  // blamed only if rank 0 failed too (Note [Launcher link])
+      NANODDP_THROW(DistError, context_, ": the store closed the connection before answering the hello: rank 0 "
+                    "exited (see its error), or MASTER_PORT is served by an older nanoddp or another program");
     }
     Reader r{reply, sizeof(reply)};
     const auto magic = static_cast<uint32_t>(r.uint(4)), version = static_cast<uint32_t>(r.uint(4));
