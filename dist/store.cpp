@@ -336,9 +336,17 @@ class TCPStore::Server {
     }
     while (true) {
       Reader r{conn.in.data(), conn.in.size()};
-      bool alive = conn.greeted ? serve_one(id, r) : greet(id, conn, r);
+      bool alive = conn.greeted ? serve_one(id, r) : greet(conn, r);
       if (!r.error.empty() || !alive) {
         ++rejected_;
+        // Best effort, before closing: what is queued (a refusal is a few bytes). What the peer
+        // sent after it is read and dropped: closing a socket with unread input resets the
+        // connection, and the client could lose the refusal.
+        flush(id);
+        ::shutdown(id, SHUT_WR);
+        uint8_t unread[4096];
+        while (::recv(id, unread, sizeof(unread), MSG_DONTWAIT) > 0) {
+        }
         return false;
       }
       if (r.need_more) break;
@@ -348,8 +356,8 @@ class TCPStore::Server {
     return flush(id);
   }
 
-  // Step 2 of Note [Store wire format]. False: refused (the refusal is sent first).
-  bool greet(int id, Conn& conn, Reader& r) {
+  // Step 2 of Note [Store wire format]. False: refused (the refusal is queued in conn.out).
+  bool greet(Conn& conn, Reader& r) {
     uint32_t magic = static_cast<uint32_t>(r.uint(4));
     uint32_t version = static_cast<uint32_t>(r.uint(4));
     if (r.ok() && (magic != kMagic || version != kVersion)) return false;  // before any length
@@ -370,15 +378,7 @@ class TCPStore::Server {
       conn.greeted = true;
       return true;
     }
-    // Best effort: the refusal is a few bytes, and the connection closes now. What the client
-    // sent after its hello is read and dropped first: closing a socket with unread input
-    // would reset the connection, and the client could lose the refusal.
-    flush(id);
-    ::shutdown(id, SHUT_WR);
-    uint8_t unread[4096];
-    while (::recv(id, unread, sizeof(unread), MSG_DONTWAIT) > 0) {
-    }
-    return false;
+    return false;  // read_from sends the refusal and closes
   }
 
   // Parses one request; serves it only when it is complete. False: a protocol error.
