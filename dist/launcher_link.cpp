@@ -58,7 +58,8 @@ void watch_launcher(int rank) {
       }
       // Our stderr was the launcher's pipe and is likely gone too; try once, then end the
       // rank's whole group (the rank and what it started), as the launcher would have.
-      const std::string line = "rank " + std::to_string(rank) + ": the launcher has died; ending this rank\n";
+      const std::string who = rank >= 0 ? "rank " + std::to_string(rank) : "a rank";
+      const std::string line = who + ": the launcher has died; ending this rank\n";
       ssize_t ignored = write(2, line.data(), line.size());
       (void)ignored;
       kill(0, SIGKILL);

@@ -57,11 +57,13 @@ int main(int argc, char** argv) {
   app.formatter(std::make_shared<UsageFormatter>());
   app.footer(
       "Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT\n"
-      "(and NANODDP_BACKEND with --backend). Its output lines are prefixed \"[rank N] \". When a rank\n"
-      "fails the others get SIGTERM, then SIGKILL after the grace period; the exit code is the failed\n"
-      "rank's (128 + signal for a signal); a rank that failed because it lost another is not the one\n"
-      "named. Ctrl-C is forwarded to every rank. Options end at PROGRAM (or at --); an unknown option is\n"
-      "an error. An outer launcher's rank variables (OMPI_*, PMIX_*, SLURM_*) never reach the ranks.");
+      "(and NANODDP_BACKEND with --backend), and NANODDP_JOB_ID and NANODDP_STORE_TOKEN, which admit it to\n"
+      "rank 0's store (made fresh for a one-node job; across nodes, export the same on every node).\n"
+      "Its output lines are prefixed \"[rank N] \". When a rank fails the others get SIGTERM, then\n"
+      "SIGKILL after the grace period; the exit code is the failed rank's (128 + signal for a signal),\n"
+      "and a rank that failed because it lost another is not the one named. Ctrl-C is forwarded to every\n"
+      "rank; if nanoddp-run dies, so do they. Options end at PROGRAM (or at --); an unknown option is an\n"
+      "error. An outer launcher's rank variables (OMPI_*, PMIX_*, SLURM_*) never reach the ranks.");
   // Options end at PROGRAM: everything after it belongs to PROGRAM, even what looks like a flag.
   app.prefix_command();
   // Each flag also answers to torchrun's underscore spelling (--nproc_per_node), so a torchrun
