@@ -84,9 +84,6 @@ constexpr size_t kMaxMessage = 64 * 1024;
 // After the last child has exited, how long to keep reading pipes still held open by
 // processes that escaped their rank's group (setsid).
 constexpr std::chrono::milliseconds kDrainTimeout{1000};
-// How long a failed rank's lost peer gets to finish exiting before the launcher names a failure:
-// its sockets are closed early in the kernel's exit, so its peers can fail first.
-constexpr std::chrono::milliseconds kLostPeerExitWait{500};
 
 struct Stream {
   int fd = -1;       // read end of the child's pipe; -1 once at EOF
@@ -401,6 +398,7 @@ struct ChildGroup::Child {
   Stream out, err, msg;
   bool exited = false;  // seen by waitid(WNOWAIT): a zombie, not yet reaped
   bool reaped = false;
+  bool failed = false;  // exited by a failure of its own (see poll_exit in wait())
   bool named = false;   // its failure has been reported
   ExitStatus status;
 };
@@ -694,9 +692,10 @@ Outcome ChildGroup::wait() {
     begin_termination(pending_signal_, "received " + signal_name(pending_signal_) + " while starting ranks");
   }
 
-  // Whether c has exited (a zombie now); records how. WNOWAIT leaves the zombie (and with it
-  // the pgid) in place until the end.
-  auto poll_exit = [](Child& c) {
+  // Whether c has exited (a zombie now); records how, and whether that is a failure of its own
+  // (any failure before we stop the job; a non-zero exit code while we do). WNOWAIT leaves the
+  // zombie (and with it the pgid) in place until the end.
+  auto poll_exit = [&](Child& c) {
     if (c.exited) return true;
     siginfo_t info{};
     if (waitid(P_PID, static_cast<id_t>(c.pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid != c.pid)
@@ -708,6 +707,7 @@ Outcome ChildGroup::wait() {
     } else {
       c.status.signal = info.si_status;
     }
+    c.failed = !c.status.ok() && (!terminating || c.status.exited);
     return true;
   };
   auto child_of_rank = [&](int rank) -> Child* {
@@ -716,16 +716,21 @@ Outcome ChildGroup::wait() {
     return nullptr;
   };
   // The failure that came first (Note [Launcher link], item 2): from a failed rank, follow
-  // "lost rank R" to R while R failed too; R's failure caused the others'.
-  auto first_failure = [&](Child* failed) {
+  // "lost rank R" to R while R failed too; R's failure caused the others'. *running is set to
+  // the lost rank the chain stops at when that one is still running: its own failure may be
+  // under way (a rank's sockets close before it has exited, say while it writes a checkpoint).
+  auto first_failure = [&](Child* failed, Child** running) {
     read_failure_reports();
+    *running = nullptr;
     std::set<int> seen{failed->rank};
     for (auto lost = lost_peer_.find(failed->rank); lost != lost_peer_.end(); lost = lost_peer_.find(failed->rank)) {
       Child* peer = child_of_rank(lost->second);
       if (peer == nullptr || !seen.insert(peer->rank).second) break;
-      for (auto until = Clock::now() + kLostPeerExitWait; !poll_exit(*peer) && Clock::now() < until;)
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      if (!peer->exited || peer->status.ok()) break;
+      if (!poll_exit(*peer)) {
+        *running = peer;
+        break;
+      }
+      if (!peer->failed) break;
       failed = peer;
     }
     return failed;
@@ -737,32 +742,42 @@ Outcome ChildGroup::wait() {
     if (lost != lost_peer_.end()) text += " (it lost rank " + std::to_string(lost->second) + ")";
     return text;
   };
+  Child* first_seen = nullptr;  // the first failed child we saw, while its blame is pending
+  auto blame_until = never;     // until then, wait for the rank it lost to end by itself
 
   while (true) {
-    // 1. Who has exited? The first failure ends the job; a rank that fails on its own while we
-    //    stop the job is named too (it may be the one whose error started it all).
-    std::vector<Child*> failed;
-    for (Child& c : children_) {
-      if (c.exited || !poll_exit(c)) continue;
-      if (!c.status.ok() && (!terminating || c.status.exited)) failed.push_back(&c);
+    // 1. Who has exited? The first failure ends the job once we know whose it is: a rank that
+    //    failed by losing a rank still running is not blamed before that one has ended too
+    //    (for up to a grace period). Every other rank that fails on its own is named after it.
+    bool any_failed = false;
+    for (Child& c : children_)
+      if (!c.exited && poll_exit(c) && c.failed) any_failed = true;
+    if (any_failed && !terminating && first_seen == nullptr) {
+      for (Child& c : children_)
+        if (first_seen == nullptr && c.failed) first_seen = &c;
+      blame_until = Clock::now() + options_.grace_period;
     }
-    if (!failed.empty() && !terminating) {
-      Child* first = first_failure(failed.front());
-      outcome.kind = Outcome::Kind::ChildFailed;
-      outcome.failed_name = first->name;
-      outcome.failed_rank = first->rank;
-      outcome.failed_pid = first->pid;
-      outcome.failed_status = first->status;
-      first->named = true;
-      begin_termination(SIGTERM, describe_failure(*first));
-      if (std::find(failed.begin(), failed.end(), first) == failed.end()) failed.push_back(first);
-    }
-    if (!failed.empty()) read_failure_reports();
-    for (Child* c : failed)
-      if (!c->named) {
-        c->named = true;
-        report(describe_failure(*c));
+    if (first_seen != nullptr && !terminating) {
+      Child* running = nullptr;
+      Child* first = first_failure(first_seen, &running);
+      if (running == nullptr || Clock::now() >= blame_until) {
+        outcome.kind = Outcome::Kind::ChildFailed;
+        outcome.failed_name = first->name;
+        outcome.failed_rank = first->rank;
+        outcome.failed_pid = first->pid;
+        outcome.failed_status = first->status;
+        first->named = true;
+        begin_termination(SIGTERM, describe_failure(*first));
       }
+    }
+    if (terminating) {
+      read_failure_reports();
+      for (Child& c : children_)
+        if (c.exited && c.failed && !c.named) {
+          c.named = true;
+          report(describe_failure(c));
+        }
+    }
     if (std::all_of(children_.begin(), children_.end(), [](const Child& c) { return c.exited; })) break;
 
     // 2. Clocks: the job's timeout, then the grace period.
@@ -777,7 +792,7 @@ Outcome ChildGroup::wait() {
     }
 
     // 3. Output and signals, until the next event or clock.
-    auto next = std::min(terminating && !killed ? kill_at : never, terminating ? never : deadline);
+    auto next = std::min(terminating && !killed ? kill_at : never, terminating ? never : std::min(deadline, blame_until));
     auto wait = std::chrono::milliseconds(1000);  // SIGCHLD wakes us; this is only a backstop
     if (next != never)
       wait = std::min(wait, std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now()) +

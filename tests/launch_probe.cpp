@@ -8,10 +8,12 @@
 // report [--backend B] [--hold-ms N]: init_process_group (backend B, default auto), all_reduce
 //         of rank + 1, "rank R of W backend B sum S" on stdout (S = W(W+1)/2), N ms of doing
 //         nothing (rank 0 keeps serving the store meanwhile), then a barrier.
-// fail:   after a barrier, rank R sleeps 200 ms and exits with CODE; the others wait on an
-//         all_reduce that R never joins, so they fail by losing R. They ignore SIGTERM (as a
-//         rank deep in a collective may not stop at once), so each always fails by its own
-//         error and the launcher must tell the first failure from the ones it caused.
+// fail:   after a barrier, rank R fails as a program whose error unwinds its process group
+//         does: after 200 ms it destroys its group (its connections close), takes 300 ms more
+//         to exit (a log flushed, a checkpoint written) and exits with CODE. The others wait on
+//         an all_reduce that R never joins, so they fail by losing R, before R has exited. They
+//         ignore SIGTERM (as a rank deep in a collective may not stop at once), so each always
+//         fails by its own error: the launcher must tell the first failure from those it caused.
 // sleep:  after init, writes its pid and sleeps 60 s without a word (a --quiet training run).
 #include <unistd.h>
 
@@ -58,6 +60,9 @@ int main(int argc, char** argv) {
         std::this_thread::sleep_for(std::chrono::milliseconds(200));
         std::fprintf(stderr, "rank %d fails on its own with exit code %d\n", rank, code);
         std::fflush(stderr);
+        pg.reset();
+        dist::destroy_process_group();
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
         _exit(code);
       }
       Tensor t = Tensor::from_vector({1.0f}, {1});
