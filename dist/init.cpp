@@ -5,8 +5,12 @@
 #include <cstdlib>
 #include <mutex>
 
+#include <unistd.h>
+
 #include "core/error.h"
 #include "dist/detail.h"
+#include "dist/launcher_link.h"
+#include "kernels/kernels.h"
 
 namespace nanoddp::dist {
 
@@ -65,6 +69,31 @@ Address parse_tcp_url(const std::string& url) {
   return address;
 }
 
+std::string env_text(const char* name) {
+  const char* text = std::getenv(name);
+  return text == nullptr ? std::string() : std::string(text);
+}
+
+// The backend the program asked for, reconciled with the launcher's (NANODDP_BACKEND, set by
+// `nanoddp-run --backend` and spawn): Auto follows the launcher; two different explicit choices
+// are an error naming both, since one of them would be silently ignored.
+Backend requested_backend(Backend asked, const std::string& where) {
+  const char* text = std::getenv(kLauncherBackendEnv);
+  if (text == nullptr || *text == '\0') return asked;
+  Backend launcher = Backend::Auto;
+  try {
+    launcher = parse_backend(text);
+  } catch (const ValueError& e) {
+    NANODDP_THROW(ValueError, where, ": ", kLauncherBackendEnv, "='", text, "' (from nanoddp-run --backend): ",
+                  e.what());
+  }
+  if (asked == Backend::Auto) return launcher;
+  NANODDP_CHECK(launcher == Backend::Auto || launcher == asked, ValueError, where, ": the program asks for backend ",
+                backend_name(asked), " but the launcher was given --backend ", backend_name(launcher), " (",
+                kLauncherBackendEnv, "=", text, "); drop one of the two or make them agree");
+  return asked;
+}
+
 }  // namespace
 
 LaunchEnv read_launch_env() {
@@ -86,8 +115,14 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                 default_group->size()), ": init_process_group called twice; call "
                 "destroy_process_group first");
   LaunchEnv env = read_launch_env();
+  const std::string where = detail::where(options.rank >= 0 ? options.rank : env.rank,
+                                          options.world_size >= 0 ? options.world_size : env.world_size);
+  NANODDP_CHECK(!options.device.is_cuda() || kernels::cuda_built(), DeviceError, where, ": device ",
+                options.device, " was asked for, but this build of nanoddp has no CUDA (configure with "
+                "-Dcuda=enabled on a machine with the CUDA toolkit); use the cpu device");
+  watch_launcher(options.rank >= 0 ? options.rank : env.rank);  // Note [Launcher link]
 
-  Backend backend = options.backend;
+  Backend backend = requested_backend(options.backend, where);
   if (backend == Backend::Auto) {
     backend = options.device.is_cuda() ? Backend::Nccl
               : launched_by_mpi()      ? Backend::Mpi
@@ -143,6 +178,17 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   store_options.rank = rank;
   store_options.world_size = world_size;
   store_options.timeout = options.timeout;
+  store_options.job_id = env_text(kJobIdEnv);
+  store_options.token = env_text(kStoreTokenEnv);
+  store_options.listen_on_all_interfaces = env_text(kStoreListenAllEnv) == "1";
+  if (rank == 0 && world_size > 1 && store_options.token.empty()) {
+    const std::string warning = detail::where(rank, world_size) + ": warning: the store at " + master.host + ":" +
+                                std::to_string(master.port) + " admits any client that reaches it: " +
+                                kStoreTokenEnv + " is not set (nanoddp-run sets one; under mpirun or srun " +
+                                "export the same secret to every rank)\n";
+    ssize_t ignored = ::write(2, warning.data(), warning.size());  // one write: never interleaved
+    (void)ignored;
+  }
   auto store = std::make_shared<TCPStore>(store_options);
 
   std::shared_ptr<ProcessGroup> group;

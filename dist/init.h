@@ -12,6 +12,11 @@
 //   local size  LOCAL_WORLD_SIZE > OMPI_COMM_WORLD_LOCAL_SIZE > SLURM_NTASKS_PER_NODE
 //   store       init_method "env://" reads MASTER_ADDR and MASTER_PORT;
 //               "tcp://host:port" names them (IPv6 as tcp://[::1]:29500).
+//   backend     InitOptions::backend; when Auto, NANODDP_BACKEND (nanoddp-run --backend X);
+//               two different explicit choices are a ValueError naming both.
+// The innermost launcher wins: nanoddp-run and spawn remove an outer launcher's OMPI_*, PMIX_*,
+// PMI_* and SLURM_* rank variables from their ranks (Note [Innermost launcher wins] in
+// dist/launch.cpp), and Auto picks MPI only when no torchrun-style RANK is set.
 // So nanoddp-run, torchrun-style launchers, mpirun and srun can all start a job. The MPI
 // backend ignores the store: mpirun already wired the ranks, and rank/size come from MPI
 // (checked against the variables when both are set). A 1-rank job needs no MASTER_* at all.
@@ -26,6 +31,16 @@
 
 namespace nanoddp::dist {
 
+// The launcher's backend choice (nanoddp-run --backend, spawn's SpawnOptions::backend).
+inline constexpr const char* kLauncherBackendEnv = "NANODDP_BACKEND";
+// Who may use rank 0's store (TCPStoreOptions::job_id / token): nanoddp-run and spawn make both
+// per job; under mpirun or srun export them yourself (the same on every rank). Without a token
+// rank 0 warns that any client reaching the port is admitted.
+inline constexpr const char* kJobIdEnv = "NANODDP_JOB_ID";
+inline constexpr const char* kStoreTokenEnv = "NANODDP_STORE_TOKEN";
+// "1": the store listens on every interface instead of MASTER_ADDR only (behind NAT).
+inline constexpr const char* kStoreListenAllEnv = "NANODDP_STORE_LISTEN_ALL";
+
 struct InitOptions {
   Backend backend = Backend::Auto;     // see Backend for what Auto picks
   std::string init_method = "env://";  // or "tcp://host:port"
@@ -36,8 +51,10 @@ struct InitOptions {
 };
 
 // Builds the store and the group and makes it the default group
-// (torch.distributed.init_process_group). Throws ValueError for a missing or malformed
-// variable (named) or rank outside [0, world_size); DistError when already initialised, when
+// (torch.distributed.init_process_group). Under a launcher, also ends this process when the
+// launcher dies (Note [Launcher link] in dist/launcher_link.h). Throws ValueError for a missing
+// or malformed variable (named), rank outside [0, world_size), or a backend that contradicts
+// the launcher's; DeviceError for a CUDA device in a build without CUDA; DistError when already initialised, when
 // MASTER_PORT is in use on rank 0, when the backend is not built in, or when the ranks
 // cannot meet within the timeout (TimeoutError).
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options = {});

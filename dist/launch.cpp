@@ -6,6 +6,8 @@
 #include <netdb.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,6 +24,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "dist/launcher_link.h"
 
 namespace nanoddp::dist {
 
@@ -186,7 +189,38 @@ std::vector<std::pair<std::string, std::string>> rank_env(const LaunchOptions& o
       {"MASTER_PORT", std::to_string(master_port)},
   };
   if (!options.backend.empty()) env.emplace_back("NANODDP_BACKEND", options.backend);
+  if (!options.job_id.empty()) env.emplace_back("NANODDP_JOB_ID", options.job_id);
+  if (!options.store_token.empty()) env.emplace_back("NANODDP_STORE_TOKEN", options.store_token);
   return env;
+}
+
+namespace {
+
+std::string random_hex(size_t nbytes) {
+  std::vector<unsigned char> bytes(nbytes);
+  size_t done = 0;
+  while (done < nbytes) {
+    const ssize_t n = getrandom(bytes.data() + done, nbytes - done, 0);
+    if (n < 0 && errno == EINTR) continue;
+    NANODDP_CHECK(n > 0, DistError, "launch: getrandom failed: ", std::strerror(errno));
+    done += static_cast<size_t>(n);
+  }
+  static const char kDigits[] = "0123456789abcdef";
+  std::string text;
+  for (unsigned char b : bytes) text += {kDigits[b >> 4], kDigits[b & 15]};
+  return text;
+}
+
+}  // namespace
+
+void give_job_identity(LaunchOptions& options) {
+  // Inside a rank of another launcher (Note [Launcher link]) the variables are that job's, not
+  // a choice made for this one: a one-node job then makes its own.
+  const bool nested = std::getenv(kLauncherFdEnv) != nullptr && options.nnodes == 1;
+  const char* job_id = nested ? nullptr : std::getenv("NANODDP_JOB_ID");
+  const char* token = nested ? nullptr : std::getenv("NANODDP_STORE_TOKEN");
+  options.job_id = job_id != nullptr && *job_id != '\0' ? job_id : options.nnodes == 1 ? random_hex(8) : "";
+  options.store_token = token != nullptr && *token != '\0' ? token : options.nnodes == 1 ? random_hex(32) : "";
 }
 
 namespace {
@@ -232,6 +266,39 @@ void check_options(const LaunchOptions& o, const std::vector<std::string>& progr
                 "launch: with --nnodes ", o.nnodes, " every node must use the same port: pass --master-port");
 }
 
+// Note [Innermost launcher wins]
+// A launcher started inside another (nanoddp-run in an `srun` or `mpirun -np 1` allocation,
+// mpirun started by nanoddp-run --backend mpi from a rank of an outer job) hands its children
+// the outer launcher's variables as well as its own. Those say who the *launcher* process was
+// in the outer job, never who a child is, and init_process_group would read them (MPI would
+// even try to join the outer job). So before setting its own, the launcher removes every
+// variable by which a launcher tells a process its rank: torchrun's (RANK ...), Open MPI's
+// (OMPI_COMM_WORLD_*, its runtime's OMPI_MCA_orte_* and OMPI_MCA_ess*), PMIx/PMI's, and
+// Slurm's per-task ones. User settings such as OMPI_MCA_btl and the rest of SLURM_* stay.
+bool is_outer_launcher_variable(const std::string& name) {
+  static const char* const kPrefixes[] = {"OMPI_COMM_WORLD_", "OMPI_MCA_orte_", "OMPI_MCA_ess", "PMIX_", "PMI_"};
+  static const std::set<std::string> kNames = {
+      "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+      "OMPI_UNIVERSE_SIZE", "OMPI_FIRST_RANKS", "OMPI_APP_CTX_NUM_PROCS", "OMPI_NUM_APP_CTX", "OMPI_COMMAND",
+      "OMPI_ARGV", "OMPI_FILE_LOCATION", "OMPI_MCA_pmix", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID",
+      "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_STEP_NUM_TASKS",
+      "SLURM_STEP_TASKS_PER_NODE", "SLURM_GTIDS"};
+  for (const char* prefix : kPrefixes)
+    if (name.rfind(prefix, 0) == 0) return true;
+  return kNames.count(name) > 0;
+}
+
+// Runs in a child before it sets its own variables (Note [Innermost launcher wins]).
+void clear_outer_launcher_env() {
+  std::vector<std::string> names;
+  for (char** entry = environ; *entry != nullptr; ++entry) {
+    const std::string text = *entry;
+    const std::string name = text.substr(0, text.find('='));
+    if (is_outer_launcher_variable(name)) names.push_back(name);
+  }
+  for (const std::string& name : names) unsetenv(name.c_str());
+}
+
 std::vector<char*> to_argv(std::vector<std::string>& args) {
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
@@ -268,8 +335,10 @@ std::vector<std::string> mpirun_command(const LaunchOptions& options, const std:
   return cmd;
 }
 
-int launch(const LaunchOptions& options, const std::vector<std::string>& program) {
-  check_options(options, program);
+int launch(const LaunchOptions& given, const std::vector<std::string>& program) {
+  check_options(given, program);
+  LaunchOptions options = given;
+  give_job_identity(options);
   const bool use_mpi = options.backend == "mpi";
   if (use_mpi) mpirun_command(options, program, 1);  // validates before anything starts
   const int port = options.master_port != 0 ? options.master_port : pick_free_port(options.master_addr);
@@ -285,6 +354,8 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& program
     const bool as_root = geteuid() == 0;
     // false: the start failed or a signal came first; wait() reports it
     (void)group.start(0, "mpirun", "", [&](int) {
+      // SIGTERM, not SIGKILL, when we die: mpirun then stops the ranks it started itself.
+      prctl(PR_SET_PDEATHSIG, SIGTERM);
       if (as_root) {
         setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
         setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
@@ -327,6 +398,8 @@ struct ChildGroup::Child {
   Stream out, err, msg;
   bool exited = false;  // seen by waitid(WNOWAIT): a zombie, not yet reaped
   bool reaped = false;
+  bool failed = false;  // exited by a failure of its own (see poll_exit in wait())
+  bool named = false;   // its failure has been reported
   ExitStatus status;
 };
 
@@ -335,6 +408,15 @@ ChildGroup::ChildGroup(Options options) : options_(std::move(options)), created_
                 "launch: another launch or spawn is already supervising children in this process");
   NANODDP_CHECK(pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) == 0, DistError, "launch: pipe2 failed: ",
                 std::strerror(errno));
+  // Note [Launcher link] in dist/launcher_link.h. Both pipes are close-on-exec here; a child
+  // clears the flag on the ends it inherits.
+  if (pipe2(alive_pipe_, O_CLOEXEC) != 0 || pipe2(failure_pipe_, O_CLOEXEC | O_NONBLOCK) != 0) {
+    const int err = errno;
+    for (int* fd : {&alive_pipe_[0], &alive_pipe_[1], &failure_pipe_[0], &failure_pipe_[1], &g_signal_pipe[0],
+                    &g_signal_pipe[1]})
+      close_fd(*fd);
+    NANODDP_THROW(DistError, "launch: pipe2 failed: ", std::strerror(err));
+  }
   for (size_t i = 0; i < kNumHandled; ++i) {
     struct sigaction action {};
     sigemptyset(&action.sa_mask);
@@ -366,6 +448,7 @@ ChildGroup::~ChildGroup() {
   for (size_t i = 0; i < kNumHandled; ++i) sigaction(kHandledSignals[i], &g_saved_actions[i], nullptr);
   close_fd(g_signal_pipe[0]);
   close_fd(g_signal_pipe[1]);
+  for (int* fd : {&alive_pipe_[0], &alive_pipe_[1], &failure_pipe_[0], &failure_pipe_[1]}) close_fd(*fd);
 }
 
 // Between two starts, whatever would make wait() end the job: a failed start, a forwarded
@@ -424,9 +507,20 @@ bool ChildGroup::start(int rank, std::string name, std::string prefix,
   sigfillset(&all);
   sigprocmask(SIG_BLOCK, &all, &previous);
   fflush(nullptr);  // or the child would print the parent's buffered output a second time
+  const pid_t parent = getpid();
   const pid_t pid = fork();
   if (pid == 0) {
     setpgid(0, 0);
+    // No orphans (Note [Launcher link]): SIGKILL when we die. Had we died before the prctl,
+    // the child has been reparented already and must not start at all.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(128 + SIGKILL);
+    close(alive_pipe_[1]);
+    close(failure_pipe_[0]);
+    for (int fd : {alive_pipe_[0], failure_pipe_[1]}) fcntl(fd, F_SETFD, 0);
+    clear_outer_launcher_env();  // child_main sets this launcher's variables
+    setenv(kLauncherFdEnv, describe_pipe_end(alive_pipe_[0]).c_str(), 1);
+    setenv(kFailureFdEnv, describe_pipe_end(failure_pipe_[1]).c_str(), 1);
     // A rank starts as a fresh program would: SIGINT/SIGTERM/SIGHUP at their defaults (unless
     // the launcher was told to ignore them), so that our SIGTERM terminates it even when it is
     // a fork of a program with handlers of its own (spawn); SIGCHLD and SIGPIPE as they were.
@@ -490,6 +584,18 @@ void ChildGroup::terminate_all(int signal) {
   }
 }
 
+void ChildGroup::read_failure_reports() {
+  char buffer[4096];
+  ssize_t n;
+  while ((n = read(failure_pipe_[0], buffer, sizeof(buffer))) > 0) failure_text_.append(buffer, static_cast<size_t>(n));
+  const size_t complete = failure_text_.rfind('\n');
+  if (complete == std::string::npos) return;
+  // A rank's first report counts: what it lost first is why it failed.
+  for (const auto& [rank, lost] : parse_lost_peer_reports(failure_text_.substr(0, complete + 1)))
+    lost_peer_.emplace(rank, lost);
+  failure_text_.erase(0, complete + 1);
+}
+
 Outcome ChildGroup::wait() {
   NANODDP_CHECK(!waited_, DistError, "launch: wait() called twice");
   waited_ = true;
@@ -550,8 +656,8 @@ Outcome ChildGroup::wait() {
   };
   // One poll round over the self-pipe and every open stream; returns the signals received.
   auto poll_once = [&](std::chrono::milliseconds wait) {
-    std::vector<pollfd> fds{{g_signal_pipe[0], POLLIN, 0}};
-    std::vector<std::pair<Child*, Stream*>> owners{{nullptr, nullptr}};
+    std::vector<pollfd> fds{{g_signal_pipe[0], POLLIN, 0}, {failure_pipe_[0], POLLIN, 0}};
+    std::vector<std::pair<Child*, Stream*>> owners{{nullptr, nullptr}, {nullptr, nullptr}};
     for (Child& c : children_)
       for (Stream* s : {&c.out, &c.err, &c.msg})
         if (s->fd >= 0) {
@@ -561,7 +667,8 @@ Outcome ChildGroup::wait() {
     std::vector<int> signals;
     const int ready = poll(fds.data(), fds.size(), static_cast<int>(std::max<long long>(0, wait.count())));
     if (ready <= 0) return signals;
-    for (size_t i = 1; i < fds.size(); ++i)
+    if (fds[1].revents != 0) read_failure_reports();
+    for (size_t i = 2; i < fds.size(); ++i)
       if (fds[i].revents != 0) read_stream(*owners[i].first, *owners[i].second);
     if (fds[0].revents != 0) {
       unsigned char bytes[64];
@@ -585,32 +692,91 @@ Outcome ChildGroup::wait() {
     begin_termination(pending_signal_, "received " + signal_name(pending_signal_) + " while starting ranks");
   }
 
+  // Whether c has exited (a zombie now); records how, and whether that is a failure of its own
+  // (any failure before we stop the job; a non-zero exit code while we do). WNOWAIT leaves the
+  // zombie (and with it the pgid) in place until the end.
+  auto poll_exit = [&](Child& c) {
+    if (c.exited) return true;
+    siginfo_t info{};
+    if (waitid(P_PID, static_cast<id_t>(c.pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid != c.pid)
+      return false;
+    c.exited = true;
+    if (info.si_code == CLD_EXITED) {
+      c.status.exited = true;
+      c.status.code = info.si_status;
+    } else {
+      c.status.signal = info.si_status;
+    }
+    c.failed = !c.status.ok() && (!terminating || c.status.exited);
+    return true;
+  };
+  auto child_of_rank = [&](int rank) -> Child* {
+    for (Child& c : children_)
+      if (c.rank == rank) return &c;
+    return nullptr;
+  };
+  // The failure that came first (Note [Launcher link], item 2): from a failed rank, follow
+  // "lost rank R" to R while R failed too; R's failure caused the others'. *running is set to
+  // the lost rank the chain stops at when that one is still running: its own failure may be
+  // under way (a rank's sockets close before it has exited, say while it writes a checkpoint).
+  auto first_failure = [&](Child* failed, Child** running) {
+    read_failure_reports();
+    *running = nullptr;
+    std::set<int> seen{failed->rank};
+    for (auto lost = lost_peer_.find(failed->rank); lost != lost_peer_.end(); lost = lost_peer_.find(failed->rank)) {
+      Child* peer = child_of_rank(lost->second);
+      if (peer == nullptr || !seen.insert(peer->rank).second) break;
+      if (!poll_exit(*peer)) {
+        *running = peer;
+        break;
+      }
+      if (!peer->failed) break;
+      failed = peer;
+    }
+    return failed;
+  };
+  auto describe_failure = [&](const Child& c) {
+    std::string text = c.name + " (pid " + std::to_string(c.pid) + ") ";
+    text += (c.pid == outcome.failed_pid ? "failed: " : "also failed: ") + c.status.describe();
+    const auto lost = lost_peer_.find(c.rank);
+    if (lost != lost_peer_.end()) text += " (it lost rank " + std::to_string(lost->second) + ")";
+    return text;
+  };
+  Child* first_seen = nullptr;  // the first failed child we saw, while its blame is pending
+  auto blame_until = never;     // until then, wait for the rank it lost to end by itself
+
   while (true) {
-    // 1. Who has exited? WNOWAIT leaves the zombie (and with it the pgid) in place until the end.
-    for (Child& c : children_) {
-      if (c.exited) continue;
-      siginfo_t info{};
-      if (waitid(P_PID, static_cast<id_t>(c.pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid != c.pid)
-        continue;
-      c.exited = true;
-      if (info.si_code == CLD_EXITED) {
-        c.status.exited = true;
-        c.status.code = info.si_status;
-      } else {
-        c.status.signal = info.si_status;
-      }
-      if (!c.status.ok() && !terminating) {
+    // 1. Who has exited? The first failure ends the job once we know whose it is: a rank that
+    //    failed by losing a rank still running is not blamed before that one has ended too
+    //    (for up to a grace period). Every other rank that fails on its own is named after it.
+    bool any_failed = false;
+    for (Child& c : children_)
+      if (!c.exited && poll_exit(c) && c.failed) any_failed = true;
+    if (any_failed && !terminating && first_seen == nullptr) {
+      for (Child& c : children_)
+        if (first_seen == nullptr && c.failed) first_seen = &c;
+      blame_until = Clock::now() + options_.grace_period;
+    }
+    if (first_seen != nullptr && !terminating) {
+      Child* running = nullptr;
+      Child* first = first_failure(first_seen, &running);
+      if (running == nullptr || Clock::now() >= blame_until) {
         outcome.kind = Outcome::Kind::ChildFailed;
-        outcome.failed_name = c.name;
-        outcome.failed_rank = c.rank;
-        outcome.failed_pid = c.pid;
-        outcome.failed_status = c.status;
-        begin_termination(SIGTERM, c.name + " (pid " + std::to_string(c.pid) + ") failed: " + c.status.describe());
-      } else if (terminating && c.status.exited && c.status.code != 0) {
-        // It ended by itself with an error while we were stopping the job: often the rank
-        // whose error started it all, whose peer noticed first. Name it too.
-        report(c.name + " (pid " + std::to_string(c.pid) + ") also failed: " + c.status.describe());
+        outcome.failed_name = first->name;
+        outcome.failed_rank = first->rank;
+        outcome.failed_pid = first->pid;
+        outcome.failed_status = first->status;
+        first->named = true;
+        begin_termination(SIGTERM, describe_failure(*first));
       }
+    }
+    if (terminating) {
+      read_failure_reports();
+      for (Child& c : children_)
+        if (c.exited && c.failed && !c.named) {
+          c.named = true;
+          report(describe_failure(c));
+        }
     }
     if (std::all_of(children_.begin(), children_.end(), [](const Child& c) { return c.exited; })) break;
 
@@ -626,7 +792,7 @@ Outcome ChildGroup::wait() {
     }
 
     // 3. Output and signals, until the next event or clock.
-    auto next = std::min(terminating && !killed ? kill_at : never, terminating ? never : deadline);
+    auto next = std::min(terminating && !killed ? kill_at : never, terminating ? never : std::min(deadline, blame_until));
     auto wait = std::chrono::milliseconds(1000);  // SIGCHLD wakes us; this is only a backstop
     if (next != never)
       wait = std::min(wait, std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now()) +

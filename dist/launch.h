@@ -11,17 +11,24 @@
 //      (kept apart) prefixed "[rank N] ". A last line without '\n' is still printed at exit.
 //      A program writing to a pipe block-buffers its stdio: flush, or print with '\n' and
 //      setvbuf/line buffering, to see lines as they happen.
-//   3. Fail fast: the first rank that exits non-zero or dies of a signal is named on stderr
-//      ("rank 1 (pid 4242) failed: exit code 3" / "... killed by signal SIGKILL"); every other
-//      rank gets SIGTERM, then SIGKILL after `grace_period`. A rank that meanwhile exits
-//      non-zero on its own is named too ("rank 0 (pid 4241) also failed: exit code 1"): the
-//      first to fail is often the peer that noticed, not the rank with the original error.
+//   3. Fail fast: the first failure is named on stderr ("rank 1 (pid 4242) failed: exit code
+//      3" / "... killed by signal SIGKILL"); every other rank gets SIGTERM, then SIGKILL after
+//      `grace_period`. The first failure in time is not the first child we happen to reap: a
+//      rank that failed because it lost a peer says so (Note [Launcher link] in
+//      dist/launcher_link.h), and the launcher names the lost rank instead when that one failed
+//      too, following the chain; a lost rank still running gets up to `grace_period` to end by
+//      itself (its connections close before it exits) before the job is stopped. A rank that meanwhile exits non-zero on its own is named too
+//      ("rank 0 (pid 4241) also failed: exit code 1 (it lost rank 1)").
 //   4. SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to every rank's group
 //      (ranks do not sit in the terminal's foreground group, so Ctrl-C reaches them only this
 //      way), then the same grace period applies.
 //   5. No process is left behind: when the job ends every rank's group gets SIGKILL before the
 //      rank itself is reaped (an exited rank stays a zombie until then, which keeps its pgid from
-//      being reused by an unrelated process).
+//      being reused by an unrelated process). When the launcher itself dies, SIGKILL included,
+//      every rank ends too (PR_SET_PDEATHSIG, and the pipe of Note [Launcher link]).
+//   6. The innermost launcher wins: a child starts without the variables by which an outer
+//      launcher (mpirun, srun, torchrun) names a rank (Note [Innermost launcher wins] in
+//      launch.cpp), then gets this launcher's own.
 // The ranks' stdin is /dev/null: they run outside the terminal's foreground group, where a read
 // from the terminal would stop them (SIGTTIN).
 #pragma once
@@ -30,6 +37,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -52,6 +60,8 @@ struct LaunchOptions {
   std::string master_addr = "127.0.0.1";  // where rank 0 serves the Store
   int master_port = 0;                    // 0 = pick a free port (single node only)
   std::string backend;                    // "" (not given), "auto", "gloo", "mpi", "nccl"
+  std::string job_id;                     // NANODDP_JOB_ID for the ranks ("": none); see
+  std::string store_token;                // NANODDP_STORE_TOKEN     give_job_identity()
   std::chrono::milliseconds grace_period = kDefaultGracePeriod;
   std::chrono::milliseconds timeout{0};   // whole job; 0 = no limit (a training run's length is
                                           // the user's; failures and Ctrl-C still end it)
@@ -81,9 +91,17 @@ std::string signal_name(int signal);
 // of this machine).
 int pick_free_port(const std::string& addr);
 
+// Sets options.job_id and options.store_token, which the ranks' store checks (Note [Store wire
+// format] in dist/store.cpp): each from NANODDP_JOB_ID / NANODDP_STORE_TOKEN when the launcher's
+// own environment has it (every node of a multi-node job must be given the same) and was not
+// inherited from an outer launcher, else, for a one-node job, a fresh random one (64 and 256 bits from getrandom). A multi-node job without
+// them runs unchecked, and rank 0 warns. Throws DistError when getrandom fails.
+void give_job_identity(LaunchOptions& options);
+
 // The environment of one rank, in the order it is set: RANK, LOCAL_RANK, WORLD_SIZE,
 // LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT and, when options.backend is given,
-// NANODDP_BACKEND. RANK = node_rank * nproc_per_node + local_rank, as torchrun numbers ranks.
+// NANODDP_BACKEND, then NANODDP_JOB_ID and NANODDP_STORE_TOKEN when set.
+// RANK = node_rank * nproc_per_node + local_rank, as torchrun numbers ranks.
 // `master_port` is the resolved port (never 0).
 std::vector<std::pair<std::string, std::string>> rank_env(const LaunchOptions& options, int local_rank,
                                                           int master_port);
@@ -166,6 +184,11 @@ class ChildGroup {
   struct Child;
   void terminate_all(int signal);
   bool must_stop_starting();
+  void read_failure_reports();  // from failure_pipe_ into lost_peer_
+  int alive_pipe_[2] = {-1, -1};    // Note [Launcher link]: ranks see EOF when we die
+  int failure_pipe_[2] = {-1, -1};  // ranks write "<rank> lost <peer>" lines here
+  std::string failure_text_;        // an incomplete last line
+  std::map<int, int> lost_peer_;    // rank -> the rank it lost
   Options options_;
   std::vector<Child> children_;
   std::chrono::steady_clock::time_point created_;  // the timeout counts from here

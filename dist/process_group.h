@@ -35,8 +35,8 @@ enum class ReduceOp { Sum, Avg, Max, Min };
 const char* reduce_op_name(ReduceOp op);  // "sum", "avg", "max", "min"
 
 // Which library runs the collectives. Auto: NCCL for a CUDA device; MPI when the process was
-// started by mpirun or srun (OMPI_COMM_WORLD_SIZE, PMIX_RANK or PMI_RANK is set) and MPI is
-// built in; Gloo otherwise.
+// started by mpirun or srun (OMPI_COMM_WORLD_SIZE, PMIX_RANK or PMI_RANK is set, RANK is not)
+// and MPI is built in; Gloo otherwise. init_process_group resolves Auto from NANODDP_BACKEND first.
 enum class Backend { Auto, Gloo, Mpi, Nccl };
 const char* backend_name(Backend backend);  // "auto", "gloo", "mpi", "nccl"
 // "gloo", "mpi", "nccl" or "auto" (case-insensitive); throws ValueError on anything else.
@@ -134,7 +134,8 @@ std::shared_ptr<ProcessGroup> make_gloo_process_group(std::shared_ptr<Store> sto
 // process (finalised at exit). Collectives are nonblocking MPI_I* calls that wait() polls
 // with MPI_Test against the timeout.
 std::shared_ptr<ProcessGroup> make_mpi_process_group(std::chrono::milliseconds timeout);
-// True when MPI is built in and the process looks launched by mpirun/srun.
+// True when MPI is built in and the process looks launched by mpirun/srun, and not by a
+// torchrun-style launcher inside them (RANK set: the innermost launcher wins).
 bool launched_by_mpi();
 
 struct NcclOptions {

@@ -18,6 +18,7 @@
 // reduce-scatter, but exact and on the fast path.
 #include "core/error.h"
 #include "dist/detail.h"
+#include "dist/launcher_link.h"
 #include "dist/process_group.h"
 
 #if NANODDP_WITH_GLOO
@@ -29,15 +30,21 @@
 #include <gloo/common/error.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/device.h>
 
 #include <atomic>
+#include <cctype>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <mutex>
+#include <sstream>
 #include <thread>
+
+#include <unistd.h>
 
 namespace nanoddp::dist {
 
@@ -45,17 +52,27 @@ namespace {
 
 // Our Store seen through Gloo's rendezvous interface; keys get a per-group prefix so groups
 // built one after the other in one job never read each other's addresses.
+//
+// It also notes, for naming lost peers (GlooPeer), the address each peer gave this rank in the
+// full-mesh rendezvous: Gloo's connectFullMesh stores under the key "<k>" rank k's pair
+// addresses for every other rank, in rank order (Address::bytes() each), and a pair prints the
+// address it was given as its peer's in its errors. A value in another layout is ignored.
 class GlooStore : public gloo::rendezvous::Store {
  public:
-  GlooStore(std::shared_ptr<dist::Store> store, std::string prefix)
-      : store_(std::move(store)), prefix_(std::move(prefix)) {}
+  GlooStore(std::shared_ptr<dist::Store> store, std::string prefix, int rank, int world_size)
+      : store_(std::move(store)), prefix_(std::move(prefix)), rank_(rank), world_size_(world_size) {}
+
+  // Rank -> the address of its pair with this rank, as this rank's pair prints it.
+  const std::map<int, std::string>& peer_addresses() const { return peer_addresses_; }
 
   void set(const std::string& key, const std::vector<char>& data) override {
     store_->set(prefix_ + key, std::vector<uint8_t>(data.begin(), data.end()));
   }
   std::vector<char> get(const std::string& key) override {
     auto bytes = store_->get(prefix_ + key);
-    return std::vector<char>(bytes.begin(), bytes.end());
+    std::vector<char> value(bytes.begin(), bytes.end());
+    note_peer_address(key, value);
+    return value;
   }
   void wait(const std::vector<std::string>& keys) override { wait(keys, store_->timeout()); }
   void wait(const std::vector<std::string>& keys,
@@ -66,8 +83,26 @@ class GlooStore : public gloo::rendezvous::Store {
   }
 
  private:
+  void note_peer_address(const std::string& key, const std::vector<char>& value) {
+    char* end = nullptr;
+    const long peer = std::strtol(key.c_str(), &end, 10);
+    if (key.empty() || *end != '\0' || peer < 0 || peer >= world_size_ || peer == rank_ || world_size_ < 2 ||
+        value.size() % static_cast<size_t>(world_size_ - 1) != 0)
+      return;
+    const size_t chunk = value.size() / static_cast<size_t>(world_size_ - 1);
+    const size_t index = static_cast<size_t>(rank_ < peer ? rank_ : rank_ - 1);
+    try {
+      const std::vector<char> mine(value.begin() + static_cast<std::ptrdiff_t>(index * chunk),
+                                   value.begin() + static_cast<std::ptrdiff_t>((index + 1) * chunk));
+      peer_addresses_[static_cast<int>(peer)] = gloo::transport::tcp::Address(mine).str();
+    } catch (const std::exception&) {  // not an address: only the message loses the name
+    }
+  }
+
   std::shared_ptr<dist::Store> store_;
   std::string prefix_;
+  int rank_, world_size_;
+  std::map<int, std::string> peer_addresses_;
 };
 
 // Gloo's element-wise reduction signature: out[i] = a[i] (op) b[i]; out may alias a or b.
@@ -107,6 +142,15 @@ void divide(float* data, size_t n, int world_size) {
   for (size_t i = 0; i < n; ++i) data[i] /= w;
 }
 
+// A peer as its Gloo errors name it ("Connection closed by peer [10.0.0.2]:40123$3"): its
+// listening address as Gloo prints it, and who it is.
+struct GlooPeer {
+  int rank = -1;
+  std::string address;  // as our pair with it prints it (one GlooPeer per candidate address)
+  long pid = 0;
+  std::string host;
+};
+
 // What the worker thread and its tasks need, shared so that a worker left running after a
 // timeout (see ~ProcessGroupGloo) never touches a destroyed group.
 struct GlooRunner {
@@ -116,6 +160,25 @@ struct GlooRunner {
   int world_size = 1;
   uint32_t tag = 0;  // worker thread only
   std::atomic<bool> broken{false};  // a wait timed out: the group is out of step
+  std::vector<GlooPeer> peers;      // every rank but this one; set before the worker starts
+
+  // For an error of Gloo's: "; lost rank 1 (pid 4242 on node7)" when it names a peer whose
+  // connection closed (then also reported to the launcher, Note [Launcher link]), "; peer: rank
+  // 1 (...)" when it names one otherwise (a timeout), else "".
+  std::string name_peer(const std::string& error) const {
+    for (const GlooPeer& peer : peers) {
+      for (size_t at = error.find(peer.address); at != std::string::npos; at = error.find(peer.address, at + 1)) {
+        const size_t end = at + peer.address.size();
+        if (end < error.size() && std::isdigit(static_cast<unsigned char>(error[end]))) continue;  // a longer port
+        const bool lost = error.find("closed") != std::string::npos || error.find("Read error") != std::string::npos ||
+                          error.find("Write error") != std::string::npos;
+        if (lost) report_lost_peer(rank, peer.rank);
+        return std::string(lost ? "; lost rank " : "; peer: rank ") + std::to_string(peer.rank) + " (pid " +
+               std::to_string(peer.pid) + " on " + peer.host + ")";
+      }
+    }
+    return "";
+  }
 
   uint32_t next_tag() { return tag++; }
 
@@ -171,7 +234,7 @@ class GlooWork : public Work {
       task_(*runner_);
     } catch (const gloo::Exception& e) {
       try {
-        NANODDP_THROW(DistError, description_, ": Gloo failed: ", e.what());
+        NANODDP_THROW(DistError, description_, ": Gloo failed: ", e.what(), runner_->name_peer(e.what()));
       } catch (...) {
         error = std::current_exception();
       }
@@ -251,14 +314,44 @@ class ProcessGroupGloo : public ProcessGroup {
       auto device = gloo::transport::tcp::CreateDevice(attr);
       auto context = std::make_shared<gloo::rendezvous::Context>(rank_, world_size_);
       context->setTimeout(options.timeout);
-      GlooStore gloo_store(store_, prefix);
+      GlooStore gloo_store(store_, prefix, rank_, world_size_);
       context->connectFullMesh(gloo_store, device);
       runner_->context = context;
+      runner_->peers = exchange_peers(*context, prefix, gloo_store.peer_addresses());
     } catch (const gloo::Exception& e) {
       NANODDP_THROW(DistError, where(), ": gloo: connecting the full mesh of ", world_size_,
                     " ranks failed: ", e.what());
     }
     worker_ = std::thread([queue = queue_, runner = runner_] { queue->run(*runner); });
+  }
+
+  // Publishes who this rank is and reads who the others are, so that an error naming a peer's
+  // address can name the rank (GlooRunner::name_peer). A pair's errors print the peer address
+  // it knows, which depends on the Gloo version: the address the peer gave in the rendezvous
+  // (`given`, noted by GlooStore), or, where Gloo updates it once connected, the peer's end of
+  // the socket, which the peer publishes here (its pair's address() after connecting).
+  std::vector<GlooPeer> exchange_peers(gloo::Context& context, const std::string& prefix,
+                                       const std::map<int, std::string>& given) {
+    std::string who = std::to_string(::getpid()) + " " + detail::host_name();
+    for (int r = 0; r < world_size_; ++r) who += " " + (r == rank_ ? std::string("-") : context.getPair(r)->address().str());
+    store_->set(prefix + "who/" + std::to_string(rank_), who);
+    std::vector<GlooPeer> peers;
+    for (int r = 0; r < world_size_; ++r) {
+      if (r == rank_) continue;
+      std::istringstream fields(store_->get_string(prefix + "who/" + std::to_string(r)));
+      GlooPeer peer;
+      peer.rank = r;
+      fields >> peer.pid >> peer.host;
+      for (int i = 0; i <= rank_ && fields >> peer.address; ++i) {  // the rank_-th: its pair with us
+      }
+      if (fields) peers.push_back(peer);
+      const auto it = given.find(r);
+      if (it != given.end()) {
+        peer.address = it->second;
+        peers.push_back(peer);
+      }
+    }
+    return peers;
   }
 
   ~ProcessGroupGloo() override {

@@ -292,6 +292,8 @@ std::shared_ptr<ProcessGroup> make_mpi_process_group(std::chrono::milliseconds t
 }
 
 bool launched_by_mpi() {
+  // A torchrun-style launcher inside an MPI allocation sets RANK: it is the innermost one.
+  if (std::getenv("RANK") != nullptr) return false;
   return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMIX_RANK") != nullptr ||
          std::getenv("PMI_RANK") != nullptr;
 }

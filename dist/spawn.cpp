@@ -79,6 +79,7 @@ void spawn(const std::function<void(int rank)>& fn, int nprocs, const SpawnOptio
   launch.master_addr = options.master_addr;
   launch.master_port = options.master_port;
   launch.backend = options.backend;
+  give_job_identity(launch);
   const int port = options.master_port != 0 ? options.master_port : pick_free_port(options.master_addr);
 
   ChildGroup::Options group_options;

@@ -35,7 +35,8 @@ struct SpawnOptions {
 
 // Forks `nprocs` children; child r gets RANK=r, LOCAL_RANK=r, WORLD_SIZE=nprocs,
 // LOCAL_WORLD_SIZE=nprocs, GROUP_RANK=0, MASTER_ADDR, MASTER_PORT (one free port for all) and
-// NANODDP_BACKEND (when options.backend is given) in its environment, then calls fn(r). A rank
+// NANODDP_BACKEND (when options.backend is given) and this call's fresh NANODDP_JOB_ID and
+// NANODDP_STORE_TOKEN (give_job_identity) in its environment, then calls fn(r). A rank
 // whose fn returns exits 0; one whose fn throws prints "exception: <what()>" on its stderr and
 // exits 1. Output lines read "[rank r] ...", and the rest is as under nanoddp-run (Note [Launch
 // contract] in dist/launch.h: own process groups, SIGINT/SIGTERM/SIGHUP at their defaults in the

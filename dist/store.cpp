@@ -2,10 +2,18 @@
 //
 // Note [Store wire format]
 // Integers are little-endian, as on every host we build for (x86-64, AArch64).
-//   1. The client connects and sends a hello: u32 kMagic ("NDDP"), u32 kVersion.
-//   2. The server answers with the same 8 bytes. A wrong hello closes the connection, so a
-//      port scanner or an HTTP client never reaches the verbs, and a client that reached
-//      something other than a nanoddp store says so.
+//   1. The client connects and sends a hello: u32 kMagic ("NDDP"), u32 kVersion, str job_id,
+//      str token (each <= kMaxIdentityBytes).
+//   2. The server answers u32 kMagic, u32 kVersion, then one status byte:
+//        kWelcome   then u32 server pid, str server host: the verbs may follow;
+//        kWrongJob  then str the server's job id: another job's rank reached this store;
+//        kBadToken  nothing: the client does not know the job's secret token.
+//      After a refusal, and after a wrong magic or version, the server closes the connection,
+//      so a port scanner, an HTTP client, a stranger without the token or another job's rank
+//      never reaches the verbs (no key can be read or written), and a client that reached
+//      something other than its job's store says which of these it met. The job id is checked
+//      first and is not secret; the token is compared in constant time. Empty on the server
+//      means "no check" (a store built without a job id or token accepts any).
 //   3. Each request is one verb byte and its fields; each gets exactly one reply:
 //        SET   str key, bytes value             -> u8 kOk
 //        GET   str key                          -> u8 kOk, bytes value | u8 kMissing
@@ -38,6 +46,7 @@
 
 #include "core/error.h"
 #include "dist/detail.h"
+#include "dist/launcher_link.h"
 
 namespace nanoddp::dist {
 
@@ -46,7 +55,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kMagic = 0x5044444E;  // bytes 'N' 'D' 'D' 'P'
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;         // 2: the hello carries the job id and the token
+constexpr uint32_t kMaxIdentityBytes = 256;  // a job id or a token in the hello
+
+enum Hello : uint8_t { kWelcome = 0, kWrongJob = 1, kBadToken = 2 };
 
 enum Verb : uint8_t { kSet = 1, kGet = 2, kAdd = 3, kCheck = 4, kWait = 5 };
 enum Status : uint8_t { kOk = 0, kMissing = 1, kNotCounter = 2, kTimeout = 3 };
@@ -121,14 +133,24 @@ void set_nonblocking(int fd, bool on) {
   ::fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK));
 }
 
+// a == b in a time that depends on the lengths only, so a wrong token's timing tells nothing
+// about how much of it was right.
+bool same_secret(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
 }  // namespace
 
 // ---- server ------------------------------------------------------------------------------
 
 class TCPStore::Server {
  public:
-  Server(int port, const std::string& context) : context_(context) {
-    listen_ = bind_listen(port);
+  Server(const TCPStoreOptions& options, const std::string& context)
+      : context_(context), job_id_(options.job_id), token_(options.token) {
+    listen_ = bind_listen(options.listen_on_all_interfaces ? std::string() : options.host, options.port);
     int fds[2];
     NANODDP_CHECK(::pipe(fds) == 0, DistError, context_, ": store: pipe: ",
                   detail::errno_text(errno));
@@ -160,34 +182,70 @@ class TCPStore::Server {
     Clock::time_point deadline;
   };
 
-  detail::Fd bind_listen(int port) {
-    // IPv6 socket with v4-mapped addresses accepts both families; fall back to IPv4 only.
-    detail::Fd fd(::socket(AF_INET6, SOCK_STREAM, 0));
-    bool v6 = fd.valid();
-    if (!v6) fd = detail::Fd(::socket(AF_INET, SOCK_STREAM, 0));
-    NANODDP_CHECK(fd.valid(), DistError, context_, ": store: socket: ",
-                  detail::errno_text(errno));
-    int one = 1, zero = 0;
-    // SO_REUSEADDR lets a new job bind while an old connection lingers in TIME_WAIT; a port
-    // that another process listens on still fails, which is what we want to report.
-    ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    int rc;
-    if (v6) {
-      ::setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
-      sockaddr_in6 addr{};
-      addr.sin6_family = AF_INET6;
-      addr.sin6_addr = in6addr_any;
-      addr.sin6_port = htons(static_cast<uint16_t>(port));
-      rc = ::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  // Listens on `host`'s address (the first of its addresses that this machine has), or on every
+  // interface when host is "". IPv6 "any" with v4-mapped addresses accepts both families.
+  detail::Fd bind_listen(const std::string& host, int port) {
+    std::vector<sockaddr_storage> addresses;
+    std::vector<socklen_t> lengths;
+    if (host.empty()) {
+      sockaddr_in6 any6{};
+      any6.sin6_family = AF_INET6;
+      any6.sin6_addr = in6addr_any;
+      sockaddr_in any4{};
+      any4.sin_family = AF_INET;
+      any4.sin_addr.s_addr = htonl(INADDR_ANY);
+      for (const sockaddr* a : {reinterpret_cast<const sockaddr*>(&any6), reinterpret_cast<const sockaddr*>(&any4)}) {
+        sockaddr_storage storage{};
+        const socklen_t len = a->sa_family == AF_INET6 ? sizeof(any6) : sizeof(any4);
+        std::memcpy(&storage, a, len);
+        addresses.push_back(storage);
+        lengths.push_back(len);
+      }
     } else {
-      sockaddr_in addr{};
-      addr.sin_family = AF_INET;
-      addr.sin_addr.s_addr = htonl(INADDR_ANY);
-      addr.sin_port = htons(static_cast<uint16_t>(port));
-      rc = ::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+      addrinfo hints{};
+      hints.ai_family = AF_UNSPEC;
+      hints.ai_socktype = SOCK_STREAM;
+      addrinfo* found = nullptr;
+      const int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &found);
+      NANODDP_CHECK(rc == 0, DistError, context_, ": store: cannot resolve the master address '", host,
+                    "' to listen on: ", gai_strerror(rc));
+      for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+        sockaddr_storage storage{};
+        std::memcpy(&storage, a->ai_addr, a->ai_addrlen);
+        addresses.push_back(storage);
+        lengths.push_back(a->ai_addrlen);
+      }
+      ::freeaddrinfo(found);
     }
+    detail::Fd fd;
+    int rc = -1, err = 0;
+    for (size_t i = 0; i < addresses.size() && rc != 0; ++i) {
+      sockaddr_storage& addr = addresses[i];
+      fd = detail::Fd(::socket(addr.ss_family, SOCK_STREAM, 0));
+      if (!fd.valid()) {
+        err = errno;
+        continue;
+      }
+      int one = 1, zero = 0;
+      // SO_REUSEADDR lets a new job bind while an old connection lingers in TIME_WAIT; a port
+      // that another process listens on still fails, which is what we want to report.
+      ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+      if (addr.ss_family == AF_INET6) {
+        ::setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+        reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port = htons(static_cast<uint16_t>(port));
+      } else {
+        reinterpret_cast<sockaddr_in*>(&addr)->sin_port = htons(static_cast<uint16_t>(port));
+      }
+      rc = ::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), lengths[i]);
+      if (rc != 0) err = errno;
+      if (rc != 0 && err == EADDRINUSE) break;  // the port is taken: no other address will do
+    }
+    NANODDP_CHECK(fd.valid(), DistError, context_, ": store: socket: ", detail::errno_text(err));
     if (rc != 0) {
-      int err = errno;
+      NANODDP_CHECK(err != EADDRNOTAVAIL, DistError, context_, ": store: the master address '", host,
+                    "' is not an address of ", detail::host_name(),
+                    " (rank 0 serves the store there); set MASTER_ADDR / --master-addr to one of its addresses, "
+                    "or NANODDP_STORE_LISTEN_ALL=1 to listen on every interface (behind NAT)");
       NANODDP_CHECK(err != EADDRINUSE, DistError, context_, ": MASTER_PORT ", port,
                     " is already in use on ", detail::host_name(),
                     " (another job or an earlier run still holds it); choose another port, "
@@ -281,6 +339,14 @@ class TCPStore::Server {
       bool alive = conn.greeted ? serve_one(id, r) : greet(conn, r);
       if (!r.error.empty() || !alive) {
         ++rejected_;
+        // Best effort, before closing: what is queued (a refusal is a few bytes). What the peer
+        // sent after it is read and dropped: closing a socket with unread input resets the
+        // connection, and the client could lose the refusal.
+        flush(id);
+        ::shutdown(id, SHUT_WR);
+        uint8_t unread[4096];
+        while (::recv(id, unread, sizeof(unread), MSG_DONTWAIT) > 0) {
+        }
         return false;
       }
       if (r.need_more) break;
@@ -290,15 +356,29 @@ class TCPStore::Server {
     return flush(id);
   }
 
+  // Step 2 of Note [Store wire format]. False: refused (the refusal is queued in conn.out).
   bool greet(Conn& conn, Reader& r) {
     uint32_t magic = static_cast<uint32_t>(r.uint(4));
     uint32_t version = static_cast<uint32_t>(r.uint(4));
+    if (r.ok() && (magic != kMagic || version != kVersion)) return false;  // before any length
+    std::string job_id = r.blob(kMaxIdentityBytes, "job id");
+    std::string token = r.blob(kMaxIdentityBytes, "token");
     if (!r.ok()) return true;
-    if (magic != kMagic || version != kVersion) return false;
     put_u32(conn.out, kMagic);
     put_u32(conn.out, kVersion);
-    conn.greeted = true;
-    return true;
+    if (!job_id_.empty() && job_id != job_id_) {
+      put_u8(conn.out, kWrongJob);
+      put_str(conn.out, job_id_);
+    } else if (!token_.empty() && !same_secret(token, token_)) {
+      put_u8(conn.out, kBadToken);
+    } else {
+      put_u8(conn.out, kWelcome);
+      put_u32(conn.out, static_cast<uint32_t>(::getpid()));
+      put_str(conn.out, detail::host_name());
+      conn.greeted = true;
+      return true;
+    }
+    return false;  // read_from sends the refusal and closes
   }
 
   // Parses one request; serves it only when it is complete. False: a protocol error.
@@ -445,6 +525,7 @@ class TCPStore::Server {
   }
 
   std::string context_;
+  std::string job_id_, token_;  // empty: not checked
   detail::Fd listen_, wake_read_, wake_write_;
   int port_ = 0;
   std::atomic<bool> stop_{false};
@@ -459,10 +540,10 @@ class TCPStore::Server {
 
 class TCPStore::Client {
  public:
-  Client(const std::string& host, int port, std::chrono::milliseconds timeout,
-         std::chrono::milliseconds notice_after, const std::string& context)
-      : context_(context + ": store " + host + ":" + std::to_string(port)) {
-    connect(host, port, timeout, notice_after, context);
+  Client(const TCPStoreOptions& options, int port, const std::string& context)
+      : context_(context + ": store " + options.host + ":" + std::to_string(port)), rank_(options.rank) {
+    connect(options.host, port, options.timeout, options.connect_notice_after, context);
+    hello(options);
   }
 
   // Sends one request and returns its status byte; reply_tail(status, deadline) reads the
@@ -562,18 +643,72 @@ class TCPStore::Client {
       backoff = std::min(backoff * 2, kMaxBackoff);
     }
     set_nodelay(fd_.get());
-    std::vector<uint8_t> hello;
-    put_u32(hello, kMagic);
-    put_u32(hello, kVersion);
-    send_all(hello, "hello");
+  }
+
+  // Steps 1-2 of Note [Store wire format].
+  void hello(const TCPStoreOptions& options) {
+    NANODDP_CHECK(options.job_id.size() <= kMaxIdentityBytes && options.token.size() <= kMaxIdentityBytes,
+                  ValueError, context_, ": a job id or token longer than ", kMaxIdentityBytes, " bytes");
+    std::vector<uint8_t> message;
+    put_u32(message, kMagic);
+    put_u32(message, kVersion);
+    put_str(message, options.job_id);
+    put_str(message, options.token);
+    send_all(message, "hello");
+    const auto deadline = Clock::now() + std::min(options.timeout, kReplyGrace);
     uint8_t reply[8];
-    recv_exact(reply, 8, Clock::now() + std::min(timeout, kReplyGrace), "hello");
-    Reader r{reply, 8};
-    uint32_t magic = static_cast<uint32_t>(r.uint(4)), version = static_cast<uint32_t>(r.uint(4));
+    try {
+      recv_exact(reply, sizeof(reply), deadline, "hello");
+    } catch (const TimeoutError&) {
+      throw;
+    } catch (const DistError&) {
+      report_lost_peer(rank_, 0);  // blamed only if rank 0 failed too (Note [Launcher link])
+      NANODDP_THROW(DistError, context_, ": the store closed the connection before answering the hello: rank 0 "
+                    "exited (see its error), or MASTER_PORT is served by an older nanoddp or another program");
+    }
+    Reader r{reply, sizeof(reply)};
+    const auto magic = static_cast<uint32_t>(r.uint(4)), version = static_cast<uint32_t>(r.uint(4));
     NANODDP_CHECK(magic == kMagic && version == kVersion, DistError, context_,
                   ": the peer answered the hello with something other than a nanoddp store "
                   "(is MASTER_PORT used by another program?)");
+    uint8_t status = 0;
+    recv_exact(&status, 1, deadline, "hello");
+    if (status == kWrongJob) {
+      const std::string theirs = recv_identity(deadline);
+      NANODDP_THROW(DistError, context_, ": refused: this store serves job '", theirs, "', not ",
+                    options.job_id.empty() ? std::string("this rank's job, which has no id") : "this rank's job '" + options.job_id + "'",
+                    " (NANODDP_JOB_ID): two jobs use MASTER_PORT ", options.port,
+                    "; give each job its own --master-port, or 0 to pick a free one");
+    }
+    NANODDP_CHECK(status != kBadToken, DistError, context_,
+                  ": refused: this rank does not have the job's secret token (NANODDP_STORE_TOKEN ",
+                  options.token.empty() ? "is not set" : "differs", "); nanoddp-run gives its ranks one; "
+                  "under mpirun or srun export the same token to every rank");
+    NANODDP_CHECK(status == kWelcome, DistError, context_, ": unexpected hello status ", int(status));
+    uint8_t pid[4];
+    recv_exact(pid, 4, deadline, "hello");
+    server_pid_ = static_cast<int>(Reader{pid, 4}.uint(4));
+    server_host_ = recv_identity(deadline);
   }
+
+  std::string recv_identity(Clock::time_point deadline) {
+    uint8_t b[4];
+    recv_exact(b, 4, deadline, "hello");
+    const auto n = static_cast<uint32_t>(Reader{b, 4}.uint(4));
+    NANODDP_CHECK(n <= kMaxIdentityBytes, DistError, context_, ": hello: a ", n, "-byte name from the server, over "
+                  "the limit of ", kMaxIdentityBytes, "; is the peer a nanoddp store?");
+    std::string text(n, '\0');
+    recv_exact(text.data(), n, deadline, "hello");
+    return text;
+  }
+
+ public:
+  // "rank 0 (pid 4242 on node7)": who serves the store, from its hello.
+  std::string server() const {
+    return "rank 0 (pid " + std::to_string(server_pid_) + " on " + server_host_ + ")";
+  }
+
+ private:
 
   static bool connect_before(int fd, const sockaddr* addr, socklen_t len,
                              Clock::time_point deadline, std::string& error) {
@@ -627,6 +762,11 @@ class TCPStore::Client {
       if (ready == 0) continue;  // the deadline check above reports it
       ssize_t n = ::recv(fd_.get(), p + got, nbytes - got, 0);
       if (n < 0 && errno == EINTR) continue;
+      if (n == 0 && server_pid_ > 0) {
+        report_lost_peer(rank_, 0);  // Note [Launcher link]
+        NANODDP_THROW(DistError, context_, ": ", verb, ": lost ", server(),
+                      ", which serves the store: it closed the connection (it exited or failed)");
+      }
       NANODDP_CHECK(n > 0, DistError, context_, ": ", verb, ": ",
                     n == 0 ? std::string("the store server closed the connection (rank 0 exited?)")
                            : "recv failed: " + detail::errno_text(errno));
@@ -635,6 +775,9 @@ class TCPStore::Client {
   }
 
   std::string context_;
+  int rank_ = -1;
+  int server_pid_ = 0;  // from the hello
+  std::string server_host_;
   std::mutex mutex_;
   detail::Fd fd_;
 };
@@ -651,10 +794,10 @@ TCPStore::TCPStore(const TCPStoreOptions& options) : options_(options) {
   std::string context = detail::where(options.rank, options.world_size);
   port_ = options.port;
   if (options.is_server) {
-    server_ = std::make_unique<Server>(options.port, context);
+    server_ = std::make_unique<Server>(options, context);
     port_ = server_->port();
   }
-  client_ = std::make_unique<Client>(options.host, port_, options.timeout, options.connect_notice_after, context);
+  client_ = std::make_unique<Client>(options, port_, context);
 }
 
 TCPStore::~TCPStore() {

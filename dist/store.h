@@ -78,11 +78,26 @@ struct TCPStoreOptions {
   // After this long without a connection the client prints, once, "rank 1/2 on host: still
   // waiting for the store at 10.0.0.1:29500 (served by rank 0; ...); giving up after 300 s".
   std::chrono::milliseconds connect_notice_after = kStoreConnectNoticeAfter;
+  // Who may use the store (Note [Store wire format] in store.cpp). The server refuses a client
+  // whose job id differs ("this store serves job X, not Y": two jobs on one port) or whose
+  // token differs (a stranger); "" on the server turns that check off. At most 256 bytes each.
+  // init_process_group takes them from NANODDP_JOB_ID and NANODDP_STORE_TOKEN.
+  std::string job_id;
+  std::string token;
+  // The server listens on `host`'s address only (it must be an address of this machine); true:
+  // on every interface, as PyTorch's TCPStore always does.
+  bool listen_on_all_interfaces = false;
 };
 
 // A TCP store (PyTorch's TCPStore). The server side runs a poll() loop on one thread; clients
 // are blocking sockets guarded by a mutex, so one TCPStore may be shared by threads.
+// Unlike PyTorch's TCPStore, which listens on every interface and serves any client that
+// connects, it listens on the master address only and admits only its job's ranks (job id
+// and secret token in the hello; see TCPStoreOptions).
 // Errors: DistError when the port is in use ("MASTER_PORT 29500 is already in use on host"),
+// when `host` is not an address of the server's machine, when the server refuses this client
+// (another job's store; no or wrong token), when the server (rank 0) closes the connection
+// ("lost rank 0 (pid 4242 on node7)"),
 // at once when the host cannot be resolved (an unknown name: EAI_NONAME, EAI_FAIL, ...; only a
 // temporary resolver failure, EAI_AGAIN, is retried), or when the peer breaks the protocol;
 // TimeoutError when the server cannot be reached within timeout (refused connections are

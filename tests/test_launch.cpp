@@ -6,6 +6,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -24,7 +25,9 @@
 
 #include "core/error.h"
 #include "dist/launch.h"
+#include "dist/launcher_link.h"
 #include "dist/spawn.h"
+#include "kernels/kernels.h"
 #include "tests/subprocess.h"
 
 namespace dist = nanoddp::dist;
@@ -237,15 +240,17 @@ TEST_CASE("nanoddp-run: SIGTERM while ranks are still being started ends the job
   while (dirent* e = readdir(d))
     if (std::string(e->d_name).rfind("pid.", 0) == 0) pids.insert(std::atoi(read_file(dir.path + "/" + e->d_name).c_str()));
   closedir(d);
+  pids.erase(0);  // a rank stopped between creating its pid file and writing it
   CHECK(!pids.empty());
   check_nothing_left(pids);
 }
 
 TEST_CASE("nanoddp-run: a rank that cannot be started (no descriptors left) ends the job, naming it") {
   TempDir dir;
-  // 12 descriptors more than the shell inherited hold the launcher's own and about two ranks'
-  // pipes: a later pipe2 fails with EMFILE, and the ranks already started are terminated.
-  const RunResult r = run({"/bin/sh", "-c", "ulimit -n $(( $(ls /proc/$$/fd | wc -l) + 12 )) && exec \"$0\" \"$@\"",
+  // 16 descriptors more than the shell inherited hold the launcher's own (its signal pipe and
+  // the two pipes of Note [Launcher link]) and about two ranks' pipes: a later pipe2 fails with
+  // EMFILE, and the ranks already started are terminated.
+  const RunResult r = run({"/bin/sh", "-c", "ulimit -n $(( $(ls /proc/$$/fd | wc -l) + 16 )) && exec \"$0\" \"$@\"",
                            launcher_path(),
                            "--nproc-per-node", "8", "sh", "-c", "echo $$ > " + dir.path + "/pid.$RANK; exec sleep 30"});
   CHECK(r.code() == 1);
@@ -459,6 +464,22 @@ TEST_CASE("launch helpers: rank_env numbering, mpirun command line, signal names
   CHECK(port > 0);
   CHECK(port < 65536);
   CHECK_THROWS_AS(dist::pick_free_port("203.0.113.7"), nanoddp::DistError);  // not this machine's
+
+  // Note [Launcher link]: reports are "<rank> lost <peer>" lines; anything else is skipped.
+  CHECK(dist::parse_lost_peer_reports("0 lost 3\njunk\n2 lost 1\n1 lost\n4 lost 2 more\n-1 lost 0\n5 lost 0") ==
+        std::vector<std::pair<int, int>>{{0, 3}, {2, 1}, {5, 0}});
+  dist::LaunchOptions identity;
+  dist::give_job_identity(identity);
+  dist::LaunchOptions again;
+  dist::give_job_identity(again);
+  CHECK(identity.job_id.size() == 16);
+  CHECK(identity.store_token.size() == 64);
+  CHECK(identity.job_id != again.job_id);          // random per job
+  CHECK(identity.store_token != again.store_token);
+  const auto with_identity = dist::rank_env(identity, 0, 29500);
+  const std::map<std::string, std::string> e(with_identity.begin(), with_identity.end());
+  CHECK(e.at("NANODDP_JOB_ID") == identity.job_id);
+  CHECK(e.at("NANODDP_STORE_TOKEN") == identity.store_token);
 }
 
 TEST_CASE("spawn: every rank runs fn with its env and returns") {
@@ -559,4 +580,253 @@ TEST_CASE("spawn: a signal death, a timeout, and live threads are reported") {
     CHECK_THROWS_AS(dist::spawn([](int) {}, 0), nanoddp::ValueError);
     CHECK_THROWS_AS(dist::spawn([](int) {}, dist::kMaxProcPerNode + 1), nanoddp::ValueError);
   }
+}
+
+// ---- the right rank named, the innermost launcher, options, orphans, two jobs on one port ----
+
+namespace {
+
+std::string probe_path() { return nanoddp::testing::built("tests/launch_probe"); }
+
+// Sets variables for the life of the object (the launcher under test inherits them).
+struct ScopedEnv {
+  std::vector<std::string> names;
+  explicit ScopedEnv(const std::vector<std::pair<std::string, std::string>>& vars) {
+    for (const auto& [name, value] : vars) {
+      setenv(name.c_str(), value.c_str(), 1);
+      names.push_back(name);
+    }
+  }
+  ~ScopedEnv() {
+    for (const auto& name : names) unsetenv(name.c_str());
+  }
+};
+
+// The "rank R of W backend B sum S" lines of launch_probe report, without their prefixes.
+std::set<std::string> probe_reports(const std::string& out) {
+  std::set<std::string> reports;
+  for (const std::string& line : lines_of(out)) {
+    const size_t at = line.find("] rank ");
+    if (at != std::string::npos) reports.insert(line.substr(at + 2));
+  }
+  return reports;
+}
+
+std::set<std::string> expected_reports(int world, const std::string& backend) {
+  std::set<std::string> reports;
+  const int sum = world * (world + 1) / 2;
+  for (int rank = 0; rank < world; ++rank)
+    reports.insert("rank " + std::to_string(rank) + " of " + std::to_string(world) + " backend " + backend + " sum " +
+                   std::to_string(sum));
+  return reports;
+}
+
+}  // namespace
+
+TEST_CASE("nanoddp-run: the rank that failed first is named and decides the exit code, not a peer that lost it") {
+  // Rank `culprit` exits 7 on its own; every other rank then fails too, by losing it. The
+  // launcher must name the culprit every time, however the exits are ordered when it wakes.
+  for (int world : {2, 4}) {
+    for (int trial = 0; trial < 5; ++trial) {
+      const int culprit = trial % 2 == 0 ? world - 1 : 1;
+      CAPTURE(world);
+      CAPTURE(culprit);
+      const RunResult r = run({launcher_path(), "--nproc-per-node", std::to_string(world), "--backend", "gloo",
+                               probe_path(), "fail", std::to_string(culprit), "7"},
+                              60s);
+      CHECK_MESSAGE(r.code() == 7, r.err);
+      const std::string named = "nanoddp-run: rank " + std::to_string(culprit) + " (pid ";
+      CHECK_MESSAGE(contains(r.err, named), r.err);
+      const size_t line = r.err.find(named);
+      CHECK_MESSAGE(r.err.substr(line, r.err.find('\n', line) - line).find(") failed: exit code 7") != std::string::npos,
+                    r.err);
+      // A peer's own error names whom it lost: rank, pid and host, not only an address.
+      CHECK_MESSAGE(contains(r.err, "lost rank " + std::to_string(culprit) + " (pid "), r.err);
+      CHECK_MESSAGE(contains(r.err, "also failed: exit code 1 (it lost rank "), r.err);
+    }
+  }
+}
+
+TEST_CASE("nanoddp-run: an outer launcher's variables never override the launcher's own") {
+  // As if nanoddp-run ran inside `mpirun -np 1` or an srun step: Open MPI, PMIx, PMI and
+  // Slurm all say "rank 0 of 1" (or 5 of 9) about the launcher process itself.
+  ScopedEnv outer({{"OMPI_COMM_WORLD_SIZE", "1"}, {"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+                   {"PMIX_RANK", "0"}, {"PMI_RANK", "0"}, {"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "9"},
+                   {"SLURM_LOCALID", "5"}, {"RANK", "3"}, {"WORLD_SIZE", "9"}});
+  for (const std::string& backend : {std::string("gloo"), std::string("")}) {  // given, and auto
+    CAPTURE(backend);
+    std::vector<std::string> args = {launcher_path(), "--nproc-per-node", "2"};
+    if (!backend.empty()) args.insert(args.end(), {"--backend", backend});
+    args.insert(args.end(), {probe_path(), "report"});
+    const RunResult r = run(args, 60s);
+    CHECK_MESSAGE(r.code() == 0, r.err);
+    CHECK(probe_reports(r.out) == expected_reports(2, "gloo"));
+  }
+  const RunResult vars = run({launcher_path(), "--nproc-per-node", "1", "sh", "-c",
+                              "echo ${PMIX_RANK-unset} ${OMPI_COMM_WORLD_SIZE-unset} ${SLURM_PROCID-unset} $RANK"});
+  CHECK(vars.out == "[rank 0] unset unset unset 0\n");
+}
+
+TEST_CASE("nanoddp-run under a real mpirun -np 1: the ranks still use the launcher's backend") {
+  if (!on_path("mpirun")) {
+    MESSAGE("skipped: no mpirun on PATH (Debian: openmpi-bin)");
+    return;
+  }
+  ScopedEnv root({{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"}});
+  const std::string mpirun = [] {
+    const RunResult where = run({"/bin/sh", "-c", "command -v mpirun"});
+    return lines_of(where.out).at(0);
+  }();
+  const RunResult r = run({mpirun, "-np", "1", "--oversubscribe", launcher_path(), "--nproc-per-node", "2",
+                           "--backend", "gloo", probe_path(), "report"},
+                          90s);
+  CHECK_MESSAGE(r.code() == 0, r.err);
+  CHECK(probe_reports(r.out) == expected_reports(2, "gloo"));
+}
+
+TEST_CASE("nanoddp-run --backend takes effect; a program flag that contradicts it is an error naming both") {
+  const RunResult clash = run({launcher_path(), "--nproc-per-node", "2", "--backend", "gloo", probe_path(), "report",
+                               "--backend", "mpi"},
+                              60s);
+  CHECK(clash.code() == 1);
+  CHECK_MESSAGE(contains(clash.err, "the program asks for backend mpi but the launcher was given --backend gloo"),
+                clash.err);
+  // A CPU-only build has no NCCL: --backend nccl must fail saying so, not run Gloo quietly.
+  const RunResult nccl = run({launcher_path(), "--nproc-per-node", "2", "--backend", "nccl", probe_path(), "report"},
+                             60s);
+  CHECK_FALSE(contains(nccl.out, "backend gloo"));
+  const bool says_nccl = contains(nccl.err, "NCCL") || contains(nccl.err, "nccl");
+  if (nccl.code() != 0) CHECK_MESSAGE(says_nccl, nccl.err);
+}
+
+TEST_CASE("toy_ddp --device cuda in a build without CUDA says the build has no CUDA") {
+  if (nanoddp::kernels::cuda_built()) {
+    MESSAGE("skipped: this build has CUDA");
+    return;
+  }
+  const RunResult r = run({nanoddp::testing::built("examples/toy_ddp"), "--device", "cuda", "--epochs", "1"}, 60s);
+  CHECK(r.code() == 1);
+  CHECK_MESSAGE(contains(r.err, "this build of nanoddp has no CUDA"), r.err);
+  CHECK_FALSE(contains(r.err, "NCCL"));
+}
+
+TEST_CASE("nanoddp-run: unknown options are errors, torchrun's spellings work, -- ends the options") {
+  for (const std::vector<std::string>& flags :
+       {std::vector<std::string>{"--nproc", "2"}, {"--nproc-per-nodes=2"}, {"-n", "2"}, {"--standalone"}}) {
+    std::vector<std::string> args = {launcher_path()};
+    args.insert(args.end(), flags.begin(), flags.end());
+    args.insert(args.end(), {"sh", "-c", "echo ran"});
+    const RunResult r = run(args);
+    CAPTURE(flags[0]);
+    CHECK(r.code() == 2);
+    CHECK_MESSAGE(contains(r.err, "nanoddp-run: unknown option '" + flags[0] + "'"), r.err);
+    CHECK_FALSE(contains(r.out, "ran"));
+  }
+  CHECK(contains(run({launcher_path(), "--nproc", "2", "true"}).err, "(did you mean --nproc-per-node?)"));
+  const RunResult torchrun = run({launcher_path(), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--node_rank",
+                                  "0", "sh", "-c", "echo $WORLD_SIZE $MASTER_ADDR"});
+  CHECK(torchrun.code() == 0);
+  const std::vector<std::string> printed = lines_of(torchrun.out);
+  const std::set<std::string> lines(printed.begin(), printed.end());
+  CHECK(lines == std::set<std::string>{"[rank 0] 2 127.0.0.1", "[rank 1] 2 127.0.0.1"});
+  // After --, a program whose name starts with '-' (a script named -x here) is the PROGRAM.
+  TempDir dir;
+  const std::string script = dir.path + "/-x";
+  std::ofstream(script) << "#!/bin/sh\necho script $RANK\n";
+  REQUIRE(chmod(script.c_str(), 0755) == 0);
+  const RunResult dashed = run({"/bin/sh", "-c", "cd " + dir.path + " && PATH=.:$PATH exec " + launcher_path() + " -- -x"});
+  CHECK_MESSAGE(dashed.out == "[rank 0] script 0\n", dashed.out, dashed.err);
+}
+
+TEST_CASE("nanoddp-run: SIGKILL of the launcher ends every rank within 2 s, silent ranks included") {
+  // Modes: a rank that is the program itself; a program under `sh -c` (not its parent's
+  // direct child); and the mpirun path. The ranks print nothing (a --quiet run), so no write
+  // to a closed pipe would end them.
+  struct Mode {
+    std::string name;
+    std::vector<std::string> launcher_flags;
+    bool under_shell;
+  };
+  std::vector<Mode> modes = {{"program", {"--backend", "gloo"}, false}, {"sh -c", {"--backend", "gloo"}, true}};
+  if (on_path("mpirun")) modes.push_back({"mpirun", {"--backend", "mpi"}, false});
+  for (const Mode& mode : modes) {
+    CAPTURE(mode.name);
+    TempDir dir;
+    std::vector<std::string> args = {launcher_path(), "--nproc-per-node", "2"};
+    args.insert(args.end(), mode.launcher_flags.begin(), mode.launcher_flags.end());
+    if (mode.under_shell) {
+      args.insert(args.end(), {"sh", "-c", probe_path() + " sleep " + dir.path + "; echo never"});
+    } else {
+      args.insert(args.end(), {probe_path(), "sleep", dir.path});
+    }
+    std::set<int> pids;
+    Clock::time_point killed;
+    ScopedEnv root({{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"}});
+    run(args, 60s, [&](pid_t launcher) {
+      for (int i = 0; i < 3000 && !(read_file(dir.path + "/pid.0").size() > 1 && read_file(dir.path + "/pid.1").size() > 1); ++i)
+        std::this_thread::sleep_for(5ms);
+      for (int rank = 0; rank < 2; ++rank) pids.insert(std::atoi(read_file(dir.path + "/pid." + std::to_string(rank)).c_str()));
+      kill(launcher, SIGKILL);
+      killed = Clock::now();
+    });
+    REQUIRE(pids.size() == 2);
+    REQUIRE(pids.count(0) == 0);
+    std::vector<int> alive;
+    do {
+      alive.clear();
+      for (int pid : pids)
+        if (!survivors({pid}).empty()) alive.push_back(pid);
+      if (!alive.empty()) std::this_thread::sleep_for(20ms);
+    } while (!alive.empty() && Clock::now() - killed < 2s);
+    CHECK_MESSAGE(alive.empty(), alive.size(), " rank(s) still running 2 s after the launcher died");
+    for (int pid : alive) kill(pid, SIGKILL);
+  }
+}
+
+TEST_CASE("nanoddp-run: two jobs started together on one --master-port never hang and never mix") {
+  // Whichever job's rank 0 binds the port runs (and holds it for a second); the other fails
+  // fast, either because its rank 0 finds the port taken or because its other rank reaches the
+  // first job's store and is refused by job id. Neither waits for a timeout, and the job that
+  // runs sums its own ranks only.
+  for (int trial = 0; trial < 3; ++trial) {
+    CAPTURE(trial);
+    const int port = dist::pick_free_port("127.0.0.1");
+    const std::vector<std::string> args = {launcher_path(), "--nproc-per-node", "2", "--master-port",
+                                           std::to_string(port), "--backend", "gloo", probe_path(), "report",
+                                           "--hold-ms", "1000"};
+    RunResult second;
+    std::thread other([&] { second = run(args, 60s); });
+    const RunResult first = run(args, 60s);
+    other.join();
+    CHECK(first.seconds < 30);
+    CHECK(second.seconds < 30);
+    CHECK((first.code() == 0) != (second.code() == 0));
+    const RunResult& ran = first.code() == 0 ? first : second;
+    const RunResult& refused = first.code() == 0 ? second : first;
+    CHECK(probe_reports(ran.out) == expected_reports(2, "gloo"));
+    CHECK(probe_reports(refused.out).empty());
+    const bool told_why = contains(refused.err, "is already in use") || contains(refused.err, "this store serves job");
+    CHECK_MESSAGE(told_why, refused.err);
+  }
+  // A launcher whose ranks reach another job's store for sure: the second node of a 2-node
+  // job (no rank 0 of its own), pointed at the port of a running one-node job.
+  const int port = dist::pick_free_port("127.0.0.1");
+  RunResult stray;
+  const RunResult job = run({launcher_path(), "--nproc-per-node", "2", "--master-port", std::to_string(port), "--backend",
+                             "gloo", probe_path(), "report", "--hold-ms", "1500"},
+                            60s, [&](pid_t) {
+                              std::this_thread::sleep_for(300ms);  // the job's store is up
+                              ScopedEnv other({{"NANODDP_JOB_ID", "other-job"}, {"NANODDP_STORE_TOKEN", "not-the-job-token"}});
+                              stray = run({launcher_path(), "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2",
+                                           "--master-port", std::to_string(port), "--backend", "gloo", probe_path(),
+                                           "report"},
+                                          60s);
+                            });
+  CHECK_MESSAGE(job.code() == 0, job.err);
+  CHECK(probe_reports(job.out) == expected_reports(2, "gloo"));
+  CHECK(stray.code() == 1);
+  CHECK(stray.seconds < 10);
+  CHECK_MESSAGE(contains(stray.err, "not this rank's job 'other-job' (NANODDP_JOB_ID): two jobs use MASTER_PORT " +
+                                        std::to_string(port)),
+                stray.err);
 }

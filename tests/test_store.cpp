@@ -1,6 +1,7 @@
 // TCPStore: verbs, timeouts, a busy port, and peers that break the wire format.
 #include <doctest/doctest.h>
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -113,11 +114,30 @@ std::vector<uint8_t> le32(uint32_t v) {
   return {uint8_t(v), uint8_t(v >> 8), uint8_t(v >> 16), uint8_t(v >> 24)};
 }
 
-std::vector<uint8_t> hello() {
+// A client's hello (Note [Store wire format]): magic, version 2, job id, token.
+std::vector<uint8_t> hello(const std::string& job_id = "", const std::string& token = "") {
   auto h = le32(0x5044444E);
-  auto v = le32(1);
+  auto v = le32(2);
   h.insert(h.end(), v.begin(), v.end());
+  for (const std::string& text : {job_id, token}) {
+    auto n = le32(static_cast<uint32_t>(text.size()));
+    h.insert(h.end(), n.begin(), n.end());
+    h.insert(h.end(), text.begin(), text.end());
+  }
   return h;
+}
+
+// A server's welcome: magic, version 2, status ok, pid 4242, host "fake".
+std::vector<uint8_t> welcome() {
+  auto w = le32(0x5044444E);
+  auto v = le32(2);
+  w.insert(w.end(), v.begin(), v.end());
+  w.push_back(0);
+  auto pid = le32(4242), n = le32(4);
+  w.insert(w.end(), pid.begin(), pid.end());
+  w.insert(w.end(), n.begin(), n.end());
+  for (char c : std::string("fake")) w.push_back(static_cast<uint8_t>(c));
+  return w;
 }
 
 // A listening socket on a free port, closed at scope exit.
@@ -371,9 +391,9 @@ TEST_CASE("store: a client refuses a server that is not a nanoddp store or sends
     std::atomic<bool> release{false};
     std::thread peer([&] {
       int fd = ::accept(fake.fd, nullptr, nullptr);
-      char buf[8];
-      [[maybe_unused]] auto n = ::recv(fd, buf, 8, MSG_WAITALL);
-      auto reply = hello();
+      char buf[16];  // the client's hello with no job id and no token
+      [[maybe_unused]] auto n = ::recv(fd, buf, 16, MSG_WAITALL);
+      auto reply = welcome();
       reply.push_back(0);  // WAIT: ok
       reply.push_back(0);  // GET: ok, then the length
       auto huge = le32(0x7FFFFFFFu);
@@ -402,4 +422,136 @@ TEST_CASE("store: arguments over the limits are refused before anything is sent"
   CHECK_THROWS_AS(server.set("k", std::vector<uint8_t>(kMaxValueBytes + 1)), ValueError);
   server.set("k", std::string("still fine"));
   CHECK(server.get_string("k") == "still fine");
+}
+
+TEST_CASE("store: only clients with the job's id and secret token get in") {
+  TCPStoreOptions server_opts = server_options();
+  server_opts.job_id = "job-a";
+  server_opts.token = "s3cret-token";
+  TCPStore server(server_opts);
+  server.set("key", std::string("value"));
+  auto refusal = [&](const std::string& job_id, const std::string& token) {
+    TCPStoreOptions o = client_options(server.port());
+    o.job_id = job_id;
+    o.token = token;
+    try {
+      TCPStore client(o);
+      return std::string("admitted");
+    } catch (const DistError& e) {
+      return std::string(e.what());
+    }
+  };
+  SUBCASE("another job's rank (two jobs on one port) is told whose store it reached") {
+    const std::string why = refusal("job-b", "s3cret-token");
+    CHECK_MESSAGE(why.find("this store serves job 'job-a', not this rank's job 'job-b'") != std::string::npos, why);
+    CHECK_MESSAGE(why.find("MASTER_PORT " + std::to_string(server.port())) != std::string::npos, why);
+  }
+  SUBCASE("a wrong or missing token") {
+    const std::string wrong = refusal("job-a", "s3cret-tokeN");
+    CHECK_MESSAGE(wrong.find("refused: this rank does not have the job's secret token (NANODDP_STORE_TOKEN differs)") !=
+                      std::string::npos,
+                  wrong);
+    const std::string missing = refusal("job-a", "");
+    CHECK_MESSAGE(missing.find("NANODDP_STORE_TOKEN is not set") != std::string::npos, missing);
+  }
+  SUBCASE("a raw client without the token reads and writes nothing") {
+    for (const std::string& token : {std::string(), std::string("guess")}) {
+      int fd = raw_connect(server.port());
+      auto msg = hello("job-a", token);
+      msg.push_back(2);  // GET "key", sent before the answer to the hello
+      auto klen = le32(3);
+      msg.insert(msg.end(), klen.begin(), klen.end());
+      for (char c : std::string("key")) msg.push_back(static_cast<uint8_t>(c));
+      msg.push_back(1);  // SET "key" = "evil"
+      msg.insert(msg.end(), klen.begin(), klen.end());
+      for (char c : std::string("key")) msg.push_back(static_cast<uint8_t>(c));
+      auto vlen = le32(4);
+      msg.insert(msg.end(), vlen.begin(), vlen.end());
+      for (char c : std::string("evil")) msg.push_back(static_cast<uint8_t>(c));
+      send_bytes(fd, msg);
+      // The refusal is the 9-byte header and nothing else: no value, no ack of the SET.
+      CHECK(read_until_closed(fd) == 9);
+      ::close(fd);
+    }
+  }
+  CHECK(server.rejected_connections() >= 1);
+  TCPStoreOptions good = client_options(server.port());
+  good.job_id = "job-a";
+  good.token = "s3cret-token";
+  TCPStore client(good);
+  CHECK(client.get_string("key") == "value");  // never overwritten by a refused client
+}
+
+TEST_CASE("store: garbage on the port never crashes the server") {
+  TCPStore server(server_options());
+  server.set("key", std::string("value"));
+  uint64_t state = 0x9E3779B97F4A7C15ull;  // a fixed xorshift sequence: the same garbage every run
+  auto next = [&] {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    return state;
+  };
+  for (int trial = 0; trial < 200; ++trial) {
+    // Half the trials start with a valid hello, so the garbage also reaches the verbs.
+    std::vector<uint8_t> bytes = trial % 2 == 0 ? hello() : std::vector<uint8_t>{};
+    const size_t n = 1 + next() % 512;
+    for (size_t i = 0; i < n; ++i) bytes.push_back(static_cast<uint8_t>(next()));
+    int fd = raw_connect(server.port());
+    ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+    ::shutdown(fd, SHUT_WR);
+    ::close(fd);
+  }
+  TCPStore client(client_options(server.port()));
+  CHECK(client.get_string("key") == "value");
+  CHECK(client.add("counter", 5) == 5);
+}
+
+TEST_CASE("store: the server listens on the master address only, unless told otherwise") {
+  // Linux routes all of 127.0.0.0/8 to the loopback interface, so 127.0.0.2 is another address
+  // of this machine: a server bound to every interface answers there, one bound to 127.0.0.1
+  // does not.
+  auto reachable_at = [](int port, const char* address) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    ::inet_pton(AF_INET, address, &addr.sin_addr);
+    const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    ::close(fd);
+    return ok;
+  };
+  TCPStore only_master(server_options());
+  CHECK(reachable_at(only_master.port(), "127.0.0.1"));
+  CHECK_FALSE(reachable_at(only_master.port(), "127.0.0.2"));
+  TCPStoreOptions all = server_options();
+  all.listen_on_all_interfaces = true;
+  TCPStore everywhere(all);
+  CHECK(reachable_at(everywhere.port(), "127.0.0.2"));
+
+  TCPStoreOptions elsewhere = server_options();
+  elsewhere.host = "192.0.2.1";  // TEST-NET-1: never an address of this machine
+  try {
+    TCPStore store(elsewhere);
+    FAIL("bound to an address this machine does not have");
+  } catch (const DistError& e) {
+    CHECK_MESSAGE(std::string(e.what()).find("is not an address of") != std::string::npos, e.what());
+  }
+}
+
+TEST_CASE("store: a client that loses the server names rank 0, its pid and host") {
+  auto server = std::make_unique<TCPStore>(server_options(3000ms));
+  TCPStore client(client_options(server->port(), 3000ms));
+  std::thread stop([&] {
+    std::this_thread::sleep_for(100ms);
+    server.reset();  // rank 0 exits while rank 1 waits
+  });
+  try {
+    client.wait({"never"});
+    FAIL("the wait outlived the server");
+  } catch (const DistError& e) {
+    const std::string what = e.what();
+    CHECK_MESSAGE(what.find("lost rank 0 (pid " + std::to_string(::getpid()) + " on ") != std::string::npos, what);
+  }
+  stop.join();
 }

@@ -32,6 +32,19 @@ class UsageFormatter : public CLI::Formatter {
   }
 };
 
+// " (did you mean --nproc-per-node?)" when `given` is the start of one of app's long option
+// names, the start of `given` is one, or they share the part before '='; else "".
+std::string closest_option(const CLI::App& app, const std::string& given) {
+  const std::string name = given.substr(0, given.find('='));
+  for (const CLI::Option* option : app.get_options()) {
+    for (const std::string& long_name : option->get_lnames()) {
+      const std::string known = "--" + long_name;
+      if (known.rfind(name, 0) == 0 || name.rfind(known, 0) == 0) return " (did you mean " + known + "?)";
+    }
+  }
+  return "";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -44,23 +57,29 @@ int main(int argc, char** argv) {
   app.formatter(std::make_shared<UsageFormatter>());
   app.footer(
       "Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT\n"
-      "(and NANODDP_BACKEND with --backend). Its output lines are prefixed \"[rank N] \". When a rank\n"
-      "fails the others get SIGTERM, then SIGKILL after the grace period; the exit code is the failed\n"
-      "rank's (128 + signal for a signal). Ctrl-C is forwarded to every rank.");
+      "(and NANODDP_BACKEND with --backend), and NANODDP_JOB_ID and NANODDP_STORE_TOKEN, which admit it to\n"
+      "rank 0's store (made fresh for a one-node job; across nodes, export the same on every node).\n"
+      "Its output lines are prefixed \"[rank N] \". When a rank fails the others get SIGTERM, then\n"
+      "SIGKILL after the grace period; the exit code is the failed rank's (128 + signal for a signal),\n"
+      "and a rank that failed because it lost another is not the one named. Ctrl-C is forwarded to every\n"
+      "rank; if nanoddp-run dies, so do they. Options end at PROGRAM (or at --); an unknown option is an\n"
+      "error. An outer launcher's rank variables (OMPI_*, PMIX_*, SLURM_*) never reach the ranks.");
   // Options end at PROGRAM: everything after it belongs to PROGRAM, even what looks like a flag.
   app.prefix_command();
-  app.add_option("--nproc-per-node", options.nproc_per_node, "ranks to start on this node")
+  // Each flag also answers to torchrun's underscore spelling (--nproc_per_node), so a torchrun
+  // command line carries over by changing the program's name.
+  app.add_option("--nproc-per-node,--nproc_per_node", options.nproc_per_node, "ranks to start on this node")
       ->check(nanoddp::cli::integer_in(1, dist::kMaxProcPerNode))
       ->capture_default_str();
   app.add_option("--nnodes", options.nnodes, "nodes in the job (one nanoddp-run per node)")
       ->check(nanoddp::cli::integer_in(1))
       ->capture_default_str();
-  app.add_option("--node-rank", options.node_rank, "this node's index, 0..nnodes-1")
+  app.add_option("--node-rank,--node_rank", options.node_rank, "this node's index, 0..nnodes-1")
       ->check(nanoddp::cli::integer_in(0))
       ->capture_default_str();
-  app.add_option("--master-addr", options.master_addr, "address of rank 0's node (its Store)")
+  app.add_option("--master-addr,--master_addr", options.master_addr, "address of rank 0's node (its Store)")
       ->capture_default_str();
-  app.add_option("--master-port", options.master_port, "rank 0's Store port; 0 = pick a free one (one node)")
+  app.add_option("--master-port,--master_port", options.master_port, "rank 0's Store port; 0 = pick a free one (one node)")
       ->check(nanoddp::cli::integer_in(0, 65535))
       ->capture_default_str();
   app.add_option("--backend", options.backend,
@@ -80,7 +99,17 @@ int main(int argc, char** argv) {
     return code == 0 ? 0 : 2;  // --help is 0; every usage error is 2, as for other CLIs
   }
   std::vector<std::string> program = app.remaining();
-  if (!program.empty() && program.front() == "--") program.erase(program.begin());
+  // prefix_command() stops at the first argument that is not one of our options, which would
+  // make a misspelt option (--nproc 2) the program to execute. An argument that looks like an
+  // option is refused; "--" ends our options for a program whose name starts with '-'.
+  if (!program.empty() && program.front() == "--") {
+    program.erase(program.begin());
+  } else if (!program.empty() && program.front().size() > 1 && program.front()[0] == '-') {
+    std::cerr << "nanoddp-run: unknown option '" << program.front() << "'" << closest_option(app, program.front())
+              << "; options must come before PROGRAM (use -- before a PROGRAM whose name starts with '-')\n"
+              << "Run with --help for more information.\n";
+    return 2;
+  }
   if (program.empty()) {
     std::cerr << "nanoddp-run: no PROGRAM given\n" << app.help();
     return 2;

@@ -1,0 +1,92 @@
+// The rank's side of Note [Launcher link] (dist/launcher_link.h).
+#include "dist/launcher_link.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+namespace nanoddp::dist {
+
+namespace {
+
+// The descriptor named by variable `name` ("<fd>:<inode>") when it is still that pipe; else -1.
+int inherited_pipe(const char* name) {
+  const char* text = std::getenv(name);
+  if (text == nullptr) return -1;
+  char* end = nullptr;
+  const long fd = std::strtol(text, &end, 10);
+  if (end == text || *end != ':' || fd < 0 || fd > 1 << 20) return -1;
+  const char* inode_text = end + 1;
+  const unsigned long long inode = std::strtoull(inode_text, &end, 10);
+  if (end == inode_text || *end != '\0') return -1;
+  struct stat st {};
+  if (fstat(static_cast<int>(fd), &st) != 0 || !S_ISFIFO(st.st_mode) || st.st_ino != inode) return -1;
+  return static_cast<int>(fd);
+}
+
+}  // namespace
+
+std::string describe_pipe_end(int fd) {
+  struct stat st {};
+  fstat(fd, &st);
+  return std::to_string(fd) + ":" + std::to_string(static_cast<unsigned long long>(st.st_ino));
+}
+
+void watch_launcher(int rank) {
+  static std::once_flag once;
+  std::call_once(once, [rank] {
+    const int fd = inherited_pipe(kLauncherFdEnv);
+    if (fd < 0) return;
+    std::thread([fd, rank] {
+      sigset_t pipe_signal;  // a write to a dead launcher's pipe must fail, not kill us first
+      sigemptyset(&pipe_signal);
+      sigaddset(&pipe_signal, SIGPIPE);
+      pthread_sigmask(SIG_BLOCK, &pipe_signal, nullptr);
+      while (true) {
+        pollfd p{fd, POLLIN, 0};
+        const int ready = poll(&p, 1, -1);
+        if (ready < 0 && errno == EINTR) continue;
+        char byte;
+        if (ready < 0 || ((p.revents & (POLLHUP | POLLERR | POLLNVAL)) != 0) || read(fd, &byte, 1) <= 0) break;
+      }
+      // Our stderr was the launcher's pipe and is likely gone too; try once, then end the
+      // rank's whole group (the rank and what it started), as the launcher would have.
+      const std::string who = rank >= 0 ? "rank " + std::to_string(rank) : "a rank";
+      const std::string line = who + ": the launcher has died; ending this rank\n";
+      ssize_t ignored = write(2, line.data(), line.size());
+      (void)ignored;
+      kill(0, SIGKILL);
+      _exit(128 + SIGKILL);
+    }).detach();
+  });
+}
+
+void report_lost_peer(int rank, int lost_rank) {
+  const int fd = inherited_pipe(kFailureFdEnv);
+  if (fd < 0 || rank < 0 || lost_rank < 0) return;
+  const std::string line = std::to_string(rank) + " lost " + std::to_string(lost_rank) + "\n";
+  ssize_t ignored = write(fd, line.data(), line.size());  // short and atomic: see the Note
+  (void)ignored;
+}
+
+std::vector<std::pair<int, int>> parse_lost_peer_reports(const std::string& text) {
+  std::vector<std::pair<int, int>> reports;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    std::istringstream words(line);
+    int rank = -1, lost = -1;
+    std::string verb, rest;
+    if (words >> rank >> verb >> lost && verb == "lost" && !(words >> rest) && rank >= 0 && lost >= 0)
+      reports.emplace_back(rank, lost);
+  }
+  return reports;
+}
+
+}  // namespace nanoddp::dist

@@ -1,0 +1,85 @@
+// A rank for the launcher tests (test_launch.cpp): a real nanoddp program, small enough that
+// what it does under nanoddp-run is plain.
+//
+//   nanoddp-run --nproc-per-node 2 launch_probe report            # prints rank, backend, sum
+//   nanoddp-run --nproc-per-node 4 launch_probe fail 3 7          # rank 3 exits 7, peers lose it
+//   nanoddp-run --nproc-per-node 2 launch_probe sleep DIR         # writes DIR/pid.RANK, sleeps, silent
+//
+// report [--backend B] [--hold-ms N]: init_process_group (backend B, default auto), all_reduce
+//         of rank + 1, "rank R of W backend B sum S" on stdout (S = W(W+1)/2), N ms of doing
+//         nothing (rank 0 keeps serving the store meanwhile), then a barrier.
+// fail:   after a barrier, rank R fails as a program whose error unwinds its process group
+//         does: after 200 ms it destroys its group (its connections close), takes 300 ms more
+//         to exit (a log flushed, a checkpoint written) and exits with CODE. The others wait on
+//         an all_reduce that R never joins, so they fail by losing R, before R has exited. They
+//         ignore SIGTERM (as a rank deep in a collective may not stop at once), so each always
+//         fails by its own error: the launcher must tell the first failure from those it caused.
+// sleep:  after init, writes its pid and sleeps 60 s without a word (a --quiet training run).
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "dist/init.h"
+
+using namespace nanoddp;
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: launch_probe report [--backend B] [--hold-ms N] | fail RANK CODE | sleep DIR\n");
+    return 2;
+  }
+  const std::string mode = argv[1];
+  try {
+    dist::InitOptions init;
+    init.timeout = std::chrono::seconds(30);
+    int hold_ms = 0;
+    for (int i = 2; mode == "report" && i + 1 < argc; i += 2) {
+      if (std::string(argv[i]) == "--backend") init.backend = dist::parse_backend(argv[i + 1]);
+      if (std::string(argv[i]) == "--hold-ms") hold_ms = std::atoi(argv[i + 1]);
+    }
+    auto pg = dist::init_process_group(init);
+    const int rank = pg->rank(), world_size = pg->size();
+    if (mode == "report") {
+      Tensor t = Tensor::from_vector({static_cast<float>(rank + 1)}, {1});
+      pg->all_reduce(t)->wait();
+      std::printf("rank %d of %d backend %s sum %g\n", rank, world_size, pg->backend_name().c_str(), t.item());
+      std::fflush(stdout);
+      std::this_thread::sleep_for(std::chrono::milliseconds(hold_ms));
+      pg->barrier()->wait();
+    } else if (mode == "fail" && argc == 4) {
+      const int culprit = std::atoi(argv[2]), code = std::atoi(argv[3]);
+      if (rank != culprit) std::signal(SIGTERM, SIG_IGN);
+      pg->barrier()->wait();
+      if (rank == culprit) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        std::fprintf(stderr, "rank %d fails on its own with exit code %d\n", rank, code);
+        std::fflush(stderr);
+        pg.reset();
+        dist::destroy_process_group();
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        _exit(code);
+      }
+      Tensor t = Tensor::from_vector({1.0f}, {1});
+      pg->all_reduce(t)->wait();
+      std::fprintf(stderr, "rank %d: the all_reduce without rank %d completed\n", rank, culprit);
+      return 3;
+    } else if (mode == "sleep" && argc == 3) {
+      std::ofstream(std::string(argv[2]) + "/pid." + std::to_string(rank)) << ::getpid() << "\n";
+      std::this_thread::sleep_for(std::chrono::seconds(60));
+    } else {
+      std::fprintf(stderr, "launch_probe: bad arguments for mode '%s'\n", mode.c_str());
+      return 2;
+    }
+    dist::destroy_process_group();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "launch_probe: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
