@@ -44,6 +44,11 @@ class Sequential : public Module {
     return *this;
   }
   Sequential& add(std::shared_ptr<Module> module);
+  // A shared layer (add the same one twice to tie its weights: one parameter, see Module).
+  template <typename M>
+  Sequential& add(std::shared_ptr<M> module) {
+    return add(std::shared_ptr<Module>(std::move(module)));
+  }
   Tensor forward(const Tensor& input) override;
   size_t size() const { return layers_.size(); }
   Module& operator[](size_t i) { return *layers_.at(i); }

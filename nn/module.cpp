@@ -1,5 +1,6 @@
 #include "nn/module.h"
 
+#include <algorithm>
 #include <sstream>
 
 #include "core/autograd.h"
@@ -13,10 +14,19 @@ Tensor Module::register_parameter(const std::string& name, Tensor tensor) {
 }
 
 std::vector<std::pair<std::string, Tensor>> Module::named_parameters() const {
-  std::vector<std::pair<std::string, Tensor>> named = parameters_;
-  for (const auto& [child_name, child] : children_)
-    for (auto& [name, p] : child->named_parameters()) named.emplace_back(child_name + "." + name, p);
+  std::vector<std::pair<std::string, Tensor>> named;
+  std::unordered_set<const TensorImpl*> seen;
+  collect_parameters("", named, seen);
   return named;
+}
+
+void Module::collect_parameters(const std::string& prefix, std::vector<std::pair<std::string, Tensor>>& named,
+                                std::unordered_set<const TensorImpl*>& seen) const {
+  // Identity is the handle's impl, which to() keeps (it swaps storage), so a tied parameter
+  // stays one parameter across device moves.
+  for (const auto& [name, p] : parameters_)
+    if (seen.insert(p.impl()).second) named.emplace_back(prefix + name, p);
+  for (const auto& [child_name, child] : children_) child->collect_parameters(prefix + child_name + ".", named, seen);
 }
 
 std::vector<Tensor> Module::parameters() const {
@@ -47,7 +57,7 @@ StateDict Module::state_dict() const {
   return state;
 }
 
-void Module::load_state_dict(const StateDict& state, bool strict) {
+Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool strict) {
   const auto named = named_parameters();
   std::vector<std::string> missing, unexpected;
   for (auto& [name, p] : named)
@@ -78,6 +88,8 @@ void Module::load_state_dict(const StateDict& state, bool strict) {
     auto it = state.find(name);
     if (it != state.end()) Tensor(p).copy_(it->second);
   }
+  std::sort(missing.begin(), missing.end());
+  return {missing, unexpected};  // unexpected is already sorted: StateDict is ordered by name
 }
 
 }  // namespace nanoddp::nn

@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -31,7 +32,10 @@ class Module {
   virtual Tensor forward(const Tensor& input) = 0;
   Tensor operator()(const Tensor& input) { return forward(input); }
 
-  // All parameters, depth-first in registration order (torch.nn.Module.parameters).
+  // All parameters, depth-first in registration order (torch.nn.Module.parameters). A
+  // parameter reachable twice (a module registered in two places: tied weights) is one
+  // parameter and is listed once, under its first name (PyTorch's remove_duplicate=True), so
+  // an optimizer steps it once and DDP reduces it once.
   std::vector<Tensor> parameters() const;
   // The same with dotted names ("0.weight"), in the same order.
   std::vector<std::pair<std::string, Tensor>> named_parameters() const;
@@ -46,11 +50,23 @@ class Module {
   void to(Device device);
 
   // Copies of the parameters keyed by dotted name, on the CPU (torch's state_dict, detached).
+  // A tied parameter appears once, under its first name, as in named_parameters().
   StateDict state_dict() const;
-  // Copies values in. strict: the key sets must match exactly, else ValueError listing the
-  // missing and the unexpected keys. A shape mismatch is a ShapeError naming the key and
-  // both shapes. Nothing is modified unless every check passes.
-  void load_state_dict(const StateDict& state, bool strict = true);
+  // The keys load_state_dict did not match (torch.nn.modules.module._IncompatibleKeys):
+  // missing = the model's parameters absent from the state (left unchanged), unexpected =
+  // the state's keys the model has no parameter for (ignored). Both sorted by name.
+  struct IncompatibleKeys {
+    std::vector<std::string> missing_keys;
+    std::vector<std::string> unexpected_keys;
+    bool empty() const { return missing_keys.empty() && unexpected_keys.empty(); }
+  };
+  // Copies values in and returns the keys that did not match. strict: the key sets must
+  // match exactly, else ValueError listing the missing and the unexpected keys; !strict:
+  // loads the keys that match and returns the rest, so a 'module.' prefix mistake (every key
+  // missing and unexpected) is visible to the caller. A shape or dtype mismatch is a
+  // ShapeError naming the key and both shapes, strict or not. Nothing is modified unless
+  // every check passes.
+  IncompatibleKeys load_state_dict(const StateDict& state, bool strict = true);
 
  protected:
   // Registers a parameter (sets requires_grad). Returns the stored handle.
@@ -62,6 +78,10 @@ class Module {
   }
 
  private:
+  // Appends this module's parameters, then its children's, skipping any already in seen.
+  void collect_parameters(const std::string& prefix, std::vector<std::pair<std::string, Tensor>>& named,
+                          std::unordered_set<const TensorImpl*>& seen) const;
+
   std::vector<std::pair<std::string, Tensor>> parameters_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
   bool training_ = true;

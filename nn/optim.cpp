@@ -1,6 +1,7 @@
 #include "nn/optim.h"
 
 #include <string>
+#include <unordered_map>
 
 #include "core/autograd.h"
 
@@ -12,8 +13,15 @@ SGD::SGD(std::vector<Tensor> params, SGDOptions options) : params_(std::move(par
   NANODDP_CHECK(options.weight_decay >= 0.0f, ValueError, "SGD: invalid weight_decay ", options.weight_decay);
   NANODDP_CHECK(!options.nesterov || (options.momentum > 0.0f && options.dampening == 0.0f), ValueError,
                 "SGD: nesterov momentum requires a momentum and zero dampening");
-  for (const Tensor& p : params_)
+  std::unordered_map<const TensorImpl*, size_t> index_of;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& p = params_[i];
     NANODDP_CHECK(p.defined() && p.dtype() == DType::Float32, ValueError, "SGD: parameters must be float32 tensors");
+    auto [it, inserted] = index_of.emplace(p.impl(), i);
+    NANODDP_CHECK(inserted, ValueError, "SGD: parameter ", i, " is parameter ", it->second,
+                  " again; a parameter listed twice would be stepped twice (pass model.parameters(), "
+                  "which lists a tied parameter once)");
+  }
   momentum_buffers_.resize(params_.size());
 }
 

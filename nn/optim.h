@@ -24,7 +24,8 @@ using SGDOptions = kernels::SgdConfig;  // lr, momentum, dampening, weight_decay
 class SGD {
  public:
   // Throws ValueError for lr < 0, momentum < 0, weight_decay < 0, or nesterov without
-  // momentum > 0 and dampening == 0 (PyTorch's checks).
+  // momentum > 0 and dampening == 0 (PyTorch's checks), and for a parameter listed twice
+  // (PyTorch warns that this will become an error; stepping it twice is never meant).
   SGD(std::vector<Tensor> params, SGDOptions options);
 
   void step();

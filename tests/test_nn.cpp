@@ -169,3 +169,63 @@ TEST_CASE("a single process learns y = 2x with Linear(1, 1) and SGD") {
   CHECK(model.weight.item() == doctest::Approx(2.0f).epsilon(1e-3));
   CHECK(std::abs(model.bias.item()) < 1e-3);
 }
+
+TEST_CASE("a module registered twice is one parameter: listed, saved and stepped once") {
+  // Sequential(L, L) with one bias-free Linear(2, 2): y = x W^T W^T, loss = sum(y).
+  // x = [1, 1], W = [[.1, .2], [.3, .4]]: h = W x = [.3, .7]; dL/dh = W^T [1, 1] = [.4, .6];
+  // dL/dW = [1, 1]^T h + [.4, .6]^T x = [[.7, 1.1], [.9, 1.3]]; SGD lr 0.1 steps it once:
+  // W' = W - 0.1 dL/dW = [[.03, .09], [.21, .27]] (twice would give [[-.04, -.02], [.12, .14]]).
+  Generator gen(0);
+  auto shared = std::make_shared<Linear>(2, 2, gen, /*bias=*/false);
+  shared->weight.copy_(Tensor::from_vector({0.1f, 0.2f, 0.3f, 0.4f}, {2, 2}));
+  Sequential model;
+  model.add(shared);
+  model.add(shared);
+  const auto named = model.named_parameters();
+  REQUIRE(named.size() == 1);
+  CHECK(named[0].first == "0.weight");  // the first name, as PyTorch's remove_duplicate
+  CHECK(model.parameters().size() == 1);
+  const StateDict state = model.state_dict();
+  CHECK(state.size() == 1);
+  CHECK(state.count("0.weight") == 1);
+
+  SGD opt(model.parameters(), {/*lr=*/0.1f});
+  sum(model(Tensor::ones({1, 2}))).backward();
+  const std::vector<float> grad = shared->weight.grad().to_vector();
+  const std::vector<float> want_grad = {0.7f, 1.1f, 0.9f, 1.3f};
+  for (size_t i = 0; i < 4; ++i) CHECK(grad[i] == doctest::Approx(want_grad[i]).epsilon(1e-6));
+  opt.step();
+  const std::vector<float> w = shared->weight.to_vector();
+  const std::vector<float> want = {0.03f, 0.09f, 0.21f, 0.27f};
+  for (size_t i = 0; i < 4; ++i) CHECK(w[i] == doctest::Approx(want[i]).epsilon(1e-6));
+
+  // Loading the one-key state restores the tied weight everywhere it is used.
+  model.load_state_dict(state);
+  CHECK(shared->weight.to_vector() == state.at("0.weight").to_vector());
+}
+
+TEST_CASE("load_state_dict(strict = false) returns the missing and unexpected keys") {
+  Generator g1(1), g2(2);
+  Sequential a = mlp(g1), b = mlp(g2);
+  Module::IncompatibleKeys exact = b.load_state_dict(a.state_dict(), /*strict=*/false);
+  CHECK(exact.empty());
+
+  // The classic mistake: a DDP checkpoint ("module.0.weight") loaded into the bare model.
+  StateDict prefixed;
+  for (auto& [name, t] : a.state_dict()) prefixed["module." + name] = t;
+  const std::vector<float> before = b.parameters()[0].to_vector();
+  Module::IncompatibleKeys keys = b.load_state_dict(prefixed, /*strict=*/false);
+  CHECK(keys.missing_keys == std::vector<std::string>{"0.bias", "0.weight", "2.bias", "2.weight"});
+  CHECK(keys.unexpected_keys ==
+        std::vector<std::string>{"module.0.bias", "module.0.weight", "module.2.bias", "module.2.weight"});
+  CHECK(b.parameters()[0].to_vector() == before);  // nothing matched, nothing loaded
+
+  // A partial state loads what matches and names the rest.
+  StateDict partial = a.state_dict();
+  partial.erase("2.bias");
+  partial["3.weight"] = Tensor::zeros({1});
+  keys = b.load_state_dict(partial, /*strict=*/false);
+  CHECK(keys.missing_keys == std::vector<std::string>{"2.bias"});
+  CHECK(keys.unexpected_keys == std::vector<std::string>{"3.weight"});
+  CHECK(b.parameters()[0].to_vector() == a.parameters()[0].to_vector());
+}

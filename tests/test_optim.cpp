@@ -93,3 +93,14 @@ TEST_CASE("SGD rejects bad hyper-parameters as PyTorch does") {
   CHECK_THROWS_AS(SGD({p}, {/*lr=*/0.1f, /*momentum=*/-0.1f}), ValueError);
   CHECK_THROWS_AS(SGD({p}, {0.1f, 0.0f, 0.0f, 0.0f, /*nesterov=*/true}), ValueError);
 }
+
+TEST_CASE("SGD refuses a parameter listed twice instead of stepping it twice") {
+  Tensor p = param_with_grad();
+  Tensor q = param_with_grad();
+  try {
+    SGD opt({p, q, p}, {/*lr=*/0.1f});
+    FAIL("SGD accepted a duplicate parameter");
+  } catch (const ValueError& e) {
+    CHECK(std::string(e.what()).find("parameter 2 is parameter 0 again") != std::string::npos);
+  }
+}
