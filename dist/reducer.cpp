@@ -17,6 +17,18 @@ namespace nanoddp::dist {
 // order. PyTorch additionally re-plans after the first iteration from the observed order; we
 // keep the static plan, which is what that re-plan finds for a sequential model.
 
+// Note [Unused parameters]
+// With find_unused_parameters, a parameter may be used on one rank and not on another (a
+// branch taken by the data). Every rank must still apply the same update, so, as PyTorch's
+// reducer does with its "locally used" map: a rank that did not use a parameter puts zeros in
+// its bucket slot; after the buckets, one all-reduce (max) of a 0/1 flag per parameter tells
+// every rank which parameters some rank used. Those get the mean in .grad on every rank (a
+// .grad is created where the rank had none); a parameter no rank used keeps its .grad
+// (undefined after zero_grad), so the optimizer skips it everywhere. "Used" covers the whole
+// accumulation window: a parameter whose gradient was accumulated in a backward under
+// no_sync counts as used at the next synced backward, and its accumulated .grad is what it
+// contributes (with or without find_unused_parameters).
+
 Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared_ptr<ProcessGroup> pg,
                  ReducerOptions options)
     : params_(std::move(params)), pg_(std::move(pg)), options_(options) {
@@ -70,6 +82,7 @@ std::vector<std::vector<size_t>> Reducer::bucket_plan() const {
 
 void Reducer::reset_iteration() {
   ready_.assign(params_.size(), false);
+  used_in_window_.assign(params_.size(), false);
   for (Bucket& b : buckets_) {
     b.pending = b.params.size();
     b.work.reset();
@@ -80,6 +93,7 @@ void Reducer::reset_iteration() {
 
 // 2. A parameter's gradient is final for this backward.
 void Reducer::mark_ready(size_t k) {
+  used_in_window_[k] = true;  // also inside no_sync: see Note [Unused parameters]
   if (!sync_) return;
   if (!finalize_queued_) {
     queue_callback([this] { finalize(); });
@@ -88,6 +102,11 @@ void Reducer::mark_ready(size_t k) {
   NANODDP_CHECK(!ready_[k], DistError, "DDP: parameter '", params_[k].first,
                 "' received its gradient twice in one backward pass; a parameter may be used many times "
                 "in a forward pass, but backward must run once per iteration");
+  copy_into_bucket(k);
+  if (options_.overlap) launch_ready_buckets();
+}
+
+void Reducer::copy_into_bucket(size_t k) {
   ready_[k] = true;
   if (pg_->size() == 1) return;  // the mean over one rank is the gradient itself
   auto [b, slot] = location_[k];
@@ -97,7 +116,6 @@ void Reducer::mark_ready(size_t k) {
   NANODDP_DISPATCH(grad.device(), scalar_forward, bucket.flat.data<float>() + bucket.offsets[slot],
                    grad.data<float>(), kernels::ScalarOp::Div, world, grad.numel());
   --bucket.pending;
-  if (options_.overlap) launch_ready_buckets();
 }
 
 void Reducer::launch_ready_buckets() {
@@ -112,11 +130,16 @@ void Reducer::finalize() {
   std::vector<std::string> unready;
   for (size_t k = 0; k < params_.size(); ++k) {
     if (ready_[k]) continue;
+    if (used_in_window_[k] && params_[k].second.grad().defined()) {
+      copy_into_bucket(k);  // used only in an earlier no_sync backward: its sum is in .grad
+      continue;
+    }
     if (!options_.find_unused_parameters) {
       unready.push_back(params_[k].first);
       continue;
     }
-    // An unused parameter contributes zeros: other ranks may have used it.
+    if (pg_->size() == 1) continue;
+    // Unused here: contribute zeros, another rank may have used it.
     auto [b, slot] = location_[k];
     Bucket& bucket = buckets_[b];
     NANODDP_DISPATCH(bucket.flat.device(), fill, bucket.flat.data<float>() + bucket.offsets[slot], 0.0f,
@@ -137,12 +160,24 @@ void Reducer::finalize() {
   }
   launch_ready_buckets();
   NANODDP_ASSERT(next_bucket_to_launch_ == buckets_.size());
+  // Note [Unused parameters]: which parameters did any rank use? Issued after every bucket,
+  // so the order of collectives is the same on every rank.
+  std::vector<int64_t> used_anywhere(params_.size(), 1);
+  if (options_.find_unused_parameters) {
+    std::vector<int64_t> used_here(params_.size());
+    for (size_t k = 0; k < params_.size(); ++k) used_here[k] = ready_[k] ? 1 : 0;
+    Tensor used = Tensor::from_vector(used_here).to(buckets_[0].flat.device());
+    pg_->all_reduce(used, ReduceOp::Max)->wait(options_.timeout);
+    used_anywhere = used.to(Device::cpu()).to_int_vector();
+  }
   for (Bucket& bucket : buckets_) {
     bucket.work->wait(options_.timeout);
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
       const size_t k = bucket.params[slot];
-      if (!ready_[k]) continue;  // unused: .grad stays empty, as in PyTorch
-      Tensor grad = params_[k].second.grad();
+      if (used_anywhere[k] == 0) continue;  // no rank used it: .grad untouched, as in PyTorch
+      Tensor& p = params_[k].second;
+      if (!p.grad().defined()) p.set_grad(Tensor::empty(p.shape(), DType::Float32, p.device()));
+      Tensor grad = p.grad();
       copy_bytes(grad.data<float>(), grad.device(), bucket.flat.data<float>() + bucket.offsets[slot],
                  bucket.flat.device(), grad.nbytes());
     }

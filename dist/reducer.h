@@ -14,10 +14,14 @@
 //      copy). When a bucket's last parameter is in, and overlap is on, launch the all-reduces
 //      of every complete bucket in plan order (never out of order: ranks must agree). With
 //      one rank the mean is the gradient itself: nothing is copied or reduced.
-//   3. finalize(), queued to run when backward ends: parameters still not ready either are an
-//      error naming them, or (find_unused_parameters) contribute zeros and keep an empty
-//      .grad; launch what is left in order; wait for every bucket with the timeout; copy each
-//      bucket's sums back into the parameters' .grad.
+//   3. finalize(), queued to run when backward ends: a parameter not ready in this backward
+//      but used in an earlier no_sync backward contributes its accumulated .grad; any other
+//      is an error naming it, or (find_unused_parameters) contributes zeros; launch what is
+//      left in order; with find_unused_parameters, all-reduce which parameters each rank
+//      used (Note [Unused parameters] in reducer.cpp); wait for every bucket with the
+//      timeout; copy each bucket's means into .grad of every parameter some rank used (a
+//      .grad is created where this rank had none). A parameter no rank used keeps its .grad,
+//      so the optimizer skips it on every rank, as in PyTorch.
 #pragma once
 
 #include <chrono>
@@ -37,6 +41,8 @@ constexpr size_t kDefaultFirstBucketCapBytes = 1u << 20;
 struct ReducerOptions {
   size_t bucket_cap_bytes = kDefaultBucketCapBytes;
   size_t first_bucket_cap_bytes = kDefaultFirstBucketCapBytes;
+  // Parameters may go unused in a backward, and differently on each rank (PyTorch's flag):
+  // costs one extra all-reduce of one int64 per parameter per synced backward.
   bool find_unused_parameters = false;
   // Launch a bucket's all-reduce as soon as it is full, while backward goes on (PyTorch's
   // behaviour, and what pays on GPUs). false: launch all buckets when backward ends, which
@@ -71,6 +77,7 @@ class Reducer {
   };
 
   void mark_ready(size_t param_index);
+  void copy_into_bucket(size_t param_index);
   void launch_ready_buckets();
   void launch(Bucket& bucket);
   void finalize();
@@ -81,7 +88,8 @@ class Reducer {
   ReducerOptions options_;
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> location_;  // param index -> (bucket, slot)
-  std::vector<bool> ready_;
+  std::vector<bool> ready_;           // gradient final in this (synced) backward
+  std::vector<bool> used_in_window_;  // gradient accumulated since the last reduction
   std::vector<int> hook_ids_;
   size_t next_bucket_to_launch_ = 0;
   bool finalize_queued_ = false;

@@ -1,0 +1,74 @@
+// Running one test body on N ranks, on Gloo or on MPI, from one test file.
+//
+//   std::string failures = on_ranks(4, [&](int rank) { auto pg = join(rank, 4, port); ... });
+//   CHECK_MESSAGE(failures.empty(), failures);
+//   // and one case that reruns the file: mpirun_self(4, "--test-case-exclude=*mpirun*")
+//
+// Outside mpirun, on_ranks forks world ranks that meet on Gloo (tests/multiprocess.h). Under
+// `mpirun -np N`, each MPI process runs the body once as its own rank, and cases written for
+// another world size than N do nothing. So every case runs on both CPU backends.
+#pragma once
+
+#include <chrono>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "dist/init.h"
+#include "tests/multiprocess.h"
+#include "tests/subprocess.h"
+
+namespace nanoddp::testing {
+
+inline bool under_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr; }
+
+inline std::string on_ranks(int world, const std::function<void(int rank)>& fn,
+                            std::chrono::seconds timeout = std::chrono::seconds(60)) {
+  if (!under_mpirun()) return run_ranks(world, fn, timeout);
+  if (std::atoi(std::getenv("OMPI_COMM_WORLD_SIZE")) != world) return "";
+  const int rank = std::atoi(std::getenv("OMPI_COMM_WORLD_RANK"));
+  try {
+    fn(rank);
+  } catch (const std::exception& e) {
+    return "rank " + std::to_string(rank) + ": " + e.what();
+  }
+  return "";
+}
+
+// This rank's default group, made fresh: Gloo on a forked rank, MPI under mpirun (a new
+// communicator each time; MPI itself is initialised once per process).
+inline std::shared_ptr<dist::ProcessGroup> join(int rank, int world, int port,
+                                                std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+  dist::InitOptions options;
+  options.timeout = timeout;
+  if (under_mpirun()) {
+    options.backend = dist::Backend::Mpi;
+    return dist::init_process_group(options);
+  }
+  options.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+  options.rank = rank;
+  options.world_size = world;
+  options.backend = dist::Backend::Gloo;
+  return dist::init_process_group(options);
+}
+
+// Ends the group made by join, so the next case (under mpirun: in the same process) can join.
+inline void leave() { dist::destroy_process_group(); }
+
+inline bool have_mpirun() { return run({"/bin/sh", "-c", "command -v mpirun"}).code() == 0; }
+
+// Runs program (relative to the build folder) under `mpirun -np np` with doctest arguments.
+inline RunResult mpirun_self(const std::string& program, int np, const std::string& doctest_args,
+                             std::chrono::seconds timeout = std::chrono::seconds(180)) {
+  ::setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  ::setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  ::setenv("OMPI_MCA_btl", "self,vader,tcp", 1);  // shared memory on one host, no fabric probe
+  return run({"/bin/sh", "-c",
+              "exec mpirun -np " + std::to_string(np) + " --oversubscribe --bind-to none \"$0\" " +
+                  doctest_args,
+              built(program)},
+             timeout);
+}
+
+}  // namespace nanoddp::testing
