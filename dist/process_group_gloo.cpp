@@ -33,6 +33,7 @@
 #include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/device.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <condition_variable>
@@ -117,19 +118,21 @@ gloo::AllreduceOptions::Func reduce_function(ReduceOp op) {
         auto* y = static_cast<const T*>(b);
         for (size_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
       };
+    // A NaN wins whichever side holds it (torch.maximum): x is kept when it is NaN (every
+    // comparison with it is false), y is taken when it is NaN (y != y; false for integers).
     case ReduceOp::Max:
       return [](void* out, const void* a, const void* b, size_t n) {
         auto* o = static_cast<T*>(out);
         auto* x = static_cast<const T*>(a);
         auto* y = static_cast<const T*>(b);
-        for (size_t i = 0; i < n; ++i) o[i] = x[i] < y[i] ? y[i] : x[i];
+        for (size_t i = 0; i < n; ++i) o[i] = (x[i] < y[i] || y[i] != y[i]) ? y[i] : x[i];
       };
     case ReduceOp::Min:
       return [](void* out, const void* a, const void* b, size_t n) {
         auto* o = static_cast<T*>(out);
         auto* x = static_cast<const T*>(a);
         auto* y = static_cast<const T*>(b);
-        for (size_t i = 0; i < n; ++i) o[i] = y[i] < x[i] ? y[i] : x[i];
+        for (size_t i = 0; i < n; ++i) o[i] = (y[i] < x[i] || y[i] != y[i]) ? y[i] : x[i];
       };
   }
   return {};
@@ -213,6 +216,7 @@ class GlooWork : public Work {
       : description_(std::move(description)), task_(std::move(task)), runner_(std::move(runner)) {}
 
   void wait(std::chrono::milliseconds timeout) override {
+    timeout = std::min(timeout, runner_->timeout);  // every wait ends by the group's timeout
     std::unique_lock<std::mutex> lock(mutex_);
     if (!done_cv_.wait_for(lock, timeout, [this] { return done_; })) {
       runner_->broken = true;
@@ -313,9 +317,13 @@ class ProcessGroupGloo : public ProcessGroup {
       attr.hostname = detail::local_address_towards(options.master_addr, options.master_port);
       auto device = gloo::transport::tcp::CreateDevice(attr);
       auto context = std::make_shared<gloo::rendezvous::Context>(rank_, world_size_);
-      context->setTimeout(options.timeout);
+      // Gloo's TCP pairs wait 5x the context's timeout for their initial connect
+      // (gloo/transport/tcp/pair.h, waitUntil); give them a fifth so that connecting the
+      // mesh, like every other wait, ends by the group's timeout.
+      context->setTimeout(std::max(options.timeout / 5, std::chrono::milliseconds(1)));
       GlooStore gloo_store(store_, prefix, rank_, world_size_);
       context->connectFullMesh(gloo_store, device);
+      context->setTimeout(options.timeout);
       runner_->context = context;
       runner_->peers = exchange_peers(*context, prefix, gloo_store.peer_addresses());
     } catch (const gloo::Exception& e) {

@@ -10,6 +10,16 @@
 // blocking call costs (benchmarks/allreduce_bench.cpp --compare-blocking-mpi). A timed
 // out request cannot be cancelled: the group is unusable and the job should exit, after
 // which mpirun stops the other ranks.
+//
+// Note [MPI completion order]
+// MPI may finish a later request before an earlier one, and Avg's division runs only when a
+// request is seen complete. So the group keeps its unfinished works in issue order and only
+// ever completes the oldest: waiting on (or testing) a work first completes every work
+// issued before it, and a barrier therefore leaves every earlier result final, Avg divided,
+// whether or not anyone waited on it. Every wait ends by the group's timeout. A request that
+// never completed (its peer died or never called) would make MPI_Finalize wait for it
+// forever, so a process that still has one at exit skips MPI_Finalize (mpirun then reports
+// the job as failed, which it has).
 #include "core/error.h"
 #include "dist/detail.h"
 #include "dist/process_group.h"
@@ -20,9 +30,13 @@
 #define OMPI_SKIP_MPICXX 1
 #include <mpi.h>
 
+#include <algorithm>
+#include <atomic>
 #include <climits>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -36,6 +50,8 @@ namespace {
 class MpiRuntime {
  public:
   static void ensure_initialized() { static MpiRuntime runtime; }
+  // Requests started and not yet seen complete, in every group: Note [MPI completion order].
+  static std::atomic<int64_t>& unfinished_requests() { return unfinished_requests_; }
 
  private:
   MpiRuntime() {
@@ -57,9 +73,10 @@ class MpiRuntime {
   ~MpiRuntime() {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (owned_ && !finalized) MPI_Finalize();
+    if (owned_ && !finalized && unfinished_requests() == 0) MPI_Finalize();
   }
   bool owned_ = false;
+  static inline std::atomic<int64_t> unfinished_requests_{0};  // constant-initialised: safe at exit
 };
 
 std::mutex& mpi_mutex() {
@@ -76,25 +93,68 @@ std::string mpi_error_text(int rc) {
 
 MPI_Datatype mpi_type(DType dtype) { return dtype == DType::Float32 ? MPI_FLOAT : MPI_INT64_T; }
 
-MPI_Op mpi_op(ReduceOp op) {
+// MPI_MAX and MPI_MIN on floats drop a NaN or keep it depending on which rank holds it;
+// torch.maximum/minimum propagate it. These keep a NaN whichever side it is on.
+void float_max_nan(void* in, void* inout, int* len, MPI_Datatype*) {
+  const float* a = static_cast<const float*>(in);
+  float* b = static_cast<float*>(inout);
+  for (int i = 0; i < *len; ++i)
+    if (a[i] > b[i] || std::isnan(a[i])) b[i] = a[i];
+}
+void float_min_nan(void* in, void* inout, int* len, MPI_Datatype*) {
+  const float* a = static_cast<const float*>(in);
+  float* b = static_cast<float*>(inout);
+  for (int i = 0; i < *len; ++i)
+    if (a[i] < b[i] || std::isnan(a[i])) b[i] = a[i];
+}
+
+struct NanOps {
+  MPI_Op max = MPI_OP_NULL;
+  MPI_Op min = MPI_OP_NULL;
+};
+// Created once, after MPI_Init, under mpi_mutex() (make_mpi_process_group).
+NanOps& nan_ops() {
+  static NanOps ops;
+  return ops;
+}
+
+MPI_Op mpi_op(ReduceOp op, DType dtype) {
   switch (op) {
     case ReduceOp::Sum:
     case ReduceOp::Avg: return MPI_SUM;  // Avg divides after the sum
-    case ReduceOp::Max: return MPI_MAX;
-    case ReduceOp::Min: return MPI_MIN;
+    case ReduceOp::Max: return dtype == DType::Float32 ? nan_ops().max : MPI_MAX;
+    case ReduceOp::Min: return dtype == DType::Float32 ? nan_ops().min : MPI_MIN;
   }
   return MPI_SUM;
 }
 
+class MpiWork;
+
+// A group's unfinished works, oldest first (Note [MPI completion order]).
+struct MpiPending {
+  std::mutex mutex;  // taken before mpi_mutex(), never after
+  std::deque<std::shared_ptr<MpiWork>> works;
+  std::chrono::milliseconds timeout{};  // the group's
+  // Completes works from the oldest while they are done; held: mutex.
+  void advance();
+};
+
 class MpiWork : public Work {
  public:
-  // finish runs once, on the waiting thread, after the request completed (copies, Avg).
-  MpiWork(std::string description, MPI_Request request, std::function<void()> finish)
-      : description_(std::move(description)), request_(request), finish_(std::move(finish)) {}
+  // finish runs once, on the completing thread, after the request completed (copies, Avg).
+  MpiWork(std::string description, MPI_Request request, std::function<void()> finish,
+          std::shared_ptr<MpiPending> pending)
+      : description_(std::move(description)),
+        request_(request),
+        finish_(std::move(finish)),
+        pending_(std::move(pending)) {
+    ++MpiRuntime::unfinished_requests();
+  }
 
   ~MpiWork() override {
-    // A request never waited for stays with MPI; freeing it lets MPI finish it alone. Our
-    // tensors die with the closure only after completion is known, so skip it otherwise.
+    // The group's queue held this work until it completed, so it is unfinished here only
+    // when the group itself is gone. A request still running stays with MPI; our tensors die
+    // with the closure, so keep it (and them) alive rather than let MPI write freed memory.
     if (!done_ && request_ != MPI_REQUEST_NULL) {
       int finalized = 0;
       MPI_Finalized(&finalized);
@@ -108,20 +168,32 @@ class MpiWork : public Work {
   }
 
   void wait(std::chrono::milliseconds timeout) override {
-    auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (!test()) {
-      NANODDP_CHECK(std::chrono::steady_clock::now() < deadline, TimeoutError, description_,
-                    ": did not complete within ", timeout.count(),
-                    " ms (a peer may have exited or be out of step)");
+    timeout = std::min(timeout, pending_->timeout);  // every wait ends by the group's timeout
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (true) {
+      {
+        std::lock_guard<std::mutex> lock(pending_->mutex);
+        pending_->advance();
+        if (done_) break;
+      }
+      if (std::chrono::steady_clock::now() >= deadline) {
+        NANODDP_THROW(TimeoutError, description_, ": did not complete within ", timeout.count(),
+                      " ms (a peer may have exited or be out of step)");
+      }
       std::this_thread::yield();  // 2 cores: let the peer rank's process run
     }
     if (!error_.empty()) NANODDP_THROW(DistError, description_, ": ", error_);
   }
 
-  bool is_completed() override { return test(); }
+  bool is_completed() override {
+    std::lock_guard<std::mutex> lock(pending_->mutex);
+    pending_->advance();
+    return done_;
+  }
 
- private:
-  bool test() {
+  // Tests the request once; true when it is done (or failed). Only the oldest unfinished
+  // work of the group is tested, so works complete in issue order.
+  bool test_once() {
     if (done_) return true;
     int flag = 0;
     int rc;
@@ -131,27 +203,37 @@ class MpiWork : public Work {
     }
     if (rc != MPI_SUCCESS) {
       error_ = "MPI_Test failed: " + mpi_error_text(rc);
+      --MpiRuntime::unfinished_requests();  // MPI is done with it, if not successfully
       done_ = true;
       return true;
     }
     if (!flag) return false;
-    done_ = true;
+    --MpiRuntime::unfinished_requests();
     if (finish_) finish_();
     finish_ = nullptr;
+    done_ = true;
     return true;
   }
 
+ private:
   std::string description_;
   MPI_Request request_;
   std::function<void()> finish_;
-  bool done_ = false;
+  std::shared_ptr<MpiPending> pending_;
+  std::atomic<bool> done_{false};
   std::string error_;
 };
+
+void MpiPending::advance() {
+  while (!works.empty() && works.front()->test_once()) works.pop_front();
+}
 
 class ProcessGroupMpi : public ProcessGroup {
  public:
   ProcessGroupMpi(MPI_Comm comm, int rank, int world_size, std::chrono::milliseconds timeout)
-      : ProcessGroup(rank, world_size), comm_(comm), timeout_(timeout) {}
+      : ProcessGroup(rank, world_size), comm_(comm) {
+    pending_->timeout = timeout;
+  }
 
   ~ProcessGroupMpi() override {
     int finalized = 0;
@@ -170,13 +252,12 @@ class ProcessGroupMpi : public ProcessGroup {
     check_reduce("all_reduce", tensor, op);
     int count = checked_count(what, tensor.numel());
     void* data = tensor.impl()->storage->data();
-    MPI_Request request;
-    call(what, "MPI_Iallreduce", [&] {
-      return MPI_Iallreduce(MPI_IN_PLACE, data, count, mpi_type(tensor.dtype()), mpi_op(op), comm_,
-                            &request);
-    });
     int world_size = world_size_;
-    return std::make_shared<MpiWork>(what, request, [tensor, op, world_size] {
+    auto start = [&](MPI_Request* request) {
+      return MPI_Iallreduce(MPI_IN_PLACE, data, count, mpi_type(tensor.dtype()),
+                            mpi_op(op, tensor.dtype()), comm_, request);
+    };
+    return issue(what, "MPI_Iallreduce", start, [tensor, op, world_size] {
       if (op != ReduceOp::Avg) return;
       float* p = tensor.data<float>();
       const float w = static_cast<float>(world_size);
@@ -191,11 +272,10 @@ class ProcessGroupMpi : public ProcessGroup {
                   " is not a rank of this group");
     int count = checked_count(what, tensor.numel());
     void* data = tensor.impl()->storage->data();
-    MPI_Request request;
-    call(what, "MPI_Ibcast", [&] {
-      return MPI_Ibcast(data, count, mpi_type(tensor.dtype()), root, comm_, &request);
-    });
-    return std::make_shared<MpiWork>(what, request, [tensor] {});
+    auto start = [&](MPI_Request* request) {
+      return MPI_Ibcast(data, count, mpi_type(tensor.dtype()), root, comm_, request);
+    };
+    return issue(what, "MPI_Ibcast", start, [tensor] {});
   }
 
   std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
@@ -204,14 +284,13 @@ class ProcessGroupMpi : public ProcessGroup {
     check_list("all_gather", outputs, input);
     int count = checked_count(what, input.numel() * world_size_);
     Tensor gathered = Tensor::empty({input.numel() * world_size_}, input.dtype());
-    MPI_Request request;
-    call(what, "MPI_Iallgather", [&] {
+    auto start = [&](MPI_Request* request) {
       return MPI_Iallgather(input.impl()->storage->data(), count / world_size_,
                             mpi_type(input.dtype()), gathered.impl()->storage->data(),
-                            count / world_size_, mpi_type(input.dtype()), comm_, &request);
-    });
+                            count / world_size_, mpi_type(input.dtype()), comm_, request);
+    };
     std::vector<Tensor> outs = outputs;
-    return std::make_shared<MpiWork>(what, request, [outs, input, gathered] {
+    return issue(what, "MPI_Iallgather", start, [outs, input, gathered] {
       const size_t nbytes = input.nbytes();
       const auto* src = static_cast<const uint8_t*>(gathered.impl()->storage->data());
       for (size_t r = 0; r < outs.size(); ++r)
@@ -232,14 +311,14 @@ class ProcessGroupMpi : public ProcessGroup {
     auto* dst = static_cast<uint8_t*>(flat.impl()->storage->data());
     for (int r = 0; r < world_size_; ++r)
       std::memcpy(dst + r * nbytes, inputs[r].impl()->storage->data(), nbytes);
-    MPI_Request request;
-    call(what, "MPI_Ireduce_scatter_block", [&] {
+    auto start = [&](MPI_Request* request) {
       return MPI_Ireduce_scatter_block(flat.impl()->storage->data(),
                                        output.impl()->storage->data(), count,
-                                       mpi_type(output.dtype()), mpi_op(op), comm_, &request);
-    });
+                                       mpi_type(output.dtype()), mpi_op(op, output.dtype()), comm_,
+                                       request);
+    };
     int world_size = world_size_;
-    return std::make_shared<MpiWork>(what, request, [flat, output, op, world_size] {
+    return issue(what, "MPI_Ireduce_scatter_block", start, [flat, output, op, world_size] {
       if (op != ReduceOp::Avg) return;
       float* p = output.data<float>();
       for (int64_t i = 0; i < output.numel(); ++i) p[i] /= static_cast<float>(world_size);
@@ -248,9 +327,8 @@ class ProcessGroupMpi : public ProcessGroup {
 
   std::shared_ptr<Work> barrier() override {
     std::string what = where() + ": mpi barrier";
-    MPI_Request request;
-    call(what, "MPI_Ibarrier", [&] { return MPI_Ibarrier(comm_, &request); });
-    return std::make_shared<MpiWork>(what, request, nullptr);
+    auto start = [&](MPI_Request* request) { return MPI_Ibarrier(comm_, request); };
+    return issue(what, "MPI_Ibarrier", start, nullptr);
   }
 
  private:
@@ -260,18 +338,26 @@ class ProcessGroupMpi : public ProcessGroup {
     return static_cast<int>(numel);
   }
 
-  template <typename Call>
-  void call(const std::string& what, const char* name, Call&& fn) {
+  // Starts a nonblocking call and queues its work behind the group's unfinished ones
+  // (Note [MPI completion order]); one lock spans both, so queue order is issue order.
+  template <typename Start>
+  std::shared_ptr<Work> issue(const std::string& what, const char* name, Start&& start,
+                              std::function<void()> finish) {
+    std::lock_guard<std::mutex> queue_lock(pending_->mutex);
+    MPI_Request request;
     int rc;
     {
       std::lock_guard<std::mutex> lock(mpi_mutex());
-      rc = fn();
+      rc = start(&request);
     }
     NANODDP_CHECK(rc == MPI_SUCCESS, DistError, what, ": ", name, " failed: ", mpi_error_text(rc));
+    auto work = std::make_shared<MpiWork>(what, request, std::move(finish), pending_);
+    pending_->works.push_back(work);
+    return work;
   }
 
   MPI_Comm comm_;
-  std::chrono::milliseconds timeout_;
+  std::shared_ptr<MpiPending> pending_ = std::make_shared<MpiPending>();
 };
 
 }  // namespace
@@ -285,6 +371,11 @@ std::shared_ptr<ProcessGroup> make_mpi_process_group(std::chrono::milliseconds t
   NANODDP_CHECK(rc == MPI_SUCCESS, DistError, detail::where(-1, -1), ": MPI_Comm_dup failed: ",
                 mpi_error_text(rc));
   MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);  // errors come back as codes we throw
+  NanOps& ops = nan_ops();
+  if (ops.max == MPI_OP_NULL) {
+    MPI_Op_create(&float_max_nan, /*commute=*/1, &ops.max);
+    MPI_Op_create(&float_min_nan, /*commute=*/1, &ops.min);
+  }
   int rank = 0, world_size = 1;
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &world_size);
