@@ -94,6 +94,13 @@ Backend requested_backend(Backend asked, const std::string& where) {
   return asked;
 }
 
+// The group as init_process_group hands it out: with the collective check unless turned off
+// (InitOptions::check_collectives, NANODDP_CHECK_COLLECTIVES=0).
+std::shared_ptr<ProcessGroup> checked(std::shared_ptr<ProcessGroup> group, const InitOptions& options) {
+  if (!options.check_collectives || env_text("NANODDP_CHECK_COLLECTIVES") == "0") return group;
+  return make_checked_process_group(std::move(group));
+}
+
 }  // namespace
 
 LaunchEnv read_launch_env() {
@@ -139,8 +146,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                   ": MPI says rank ", group->rank(), " of ", group->size(),
                   " but the options/environment say rank ", rank, " of ", world_size,
                   "; launch with mpirun -np ", world_size < 0 ? group->size() : world_size);
-    default_group = group;
-    return group;
+    default_group = checked(group, options);
+    return default_group;
   }
 
   int rank = options.rank >= 0 ? options.rank : env.rank;
@@ -209,8 +216,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     gloo.timeout = options.timeout;
     group = make_gloo_process_group(store, gloo);
   }
-  default_group = group;
-  return group;
+  default_group = checked(group, options);
+  return default_group;
 }
 
 std::shared_ptr<ProcessGroup> default_process_group() {

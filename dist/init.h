@@ -48,6 +48,10 @@ struct InitOptions {
   int rank = -1;                       // -1: from the environment
   std::chrono::milliseconds timeout = kDefaultTimeout;  // store waits and every collective
   Device device = Device::cpu();       // CUDA: NCCL on that GPU (one GPU per rank)
+  // Check before every collective that all ranks call the same one (process_group.h): a
+  // DistError instead of a hang, an abort or corrupt data, for one small all-gather per
+  // collective. NANODDP_CHECK_COLLECTIVES=0 in the environment also turns it off.
+  bool check_collectives = true;
 };
 
 // Builds the store and the group and makes it the default group

@@ -5,14 +5,26 @@
 //   pg->barrier()->wait(std::chrono::seconds(30));
 //
 // Contract (PyTorch c10d's):
-//  - Every rank calls the same collectives in the same order, with tensors of the same shape
-//    and dtype (all_gather/reduce_scatter: world_size of them). A mismatch is not detected by
-//    every backend; it hangs until the timeout or corrupts data, as in PyTorch.
+//  - Every rank calls the same collectives in the same order, with tensors of the same
+//    element count and dtype and the same op and root (all_gather/reduce_scatter: world_size
+//    of them). Groups from init_process_group check this before each collective (Note
+//    [Collective check] in process_group_checked.cpp): when ranks disagree, every rank gets
+//    a DistError naming the collective, its sequence number in the group and what each rank
+//    called ("rank 0: all_reduce(sum) #470, 235146 float32; rank 1: all_reduce(sum) #470, 2
+//    float32") from that work's wait(), nothing is sent, and the group stays usable. PyTorch checks this only with
+//    TORCH_DISTRIBUTED_DEBUG=DETAIL. Without the check a mismatch hangs, aborts the process
+//    or corrupts data, depending on the backend.
 //  - A collective returns a Work at once; its tensors must stay untouched until wait()
-//    returns. Work keeps them alive. Works of one group complete in the order issued.
-//  - wait(timeout) throws TimeoutError when the work has not finished in time, and DistError
-//    when it failed; after either the group is unusable (a peer is gone or out of step) and
-//    the job should exit, as after a c10d timeout.
+//    returns. Work keeps them alive. Works of one group complete in the order issued:
+//    waiting on a work (barrier included) first completes every earlier work of the group,
+//    so after barrier()->wait() every earlier result is final (an Avg divided), whether or
+//    not anyone waited on it.
+//  - wait(timeout) throws TimeoutError when the work has not finished within the earlier of
+//    timeout and the group's timeout (InitOptions::timeout), and DistError when it failed;
+//    after either the group is unusable (a peer is gone or out of step) and the job should
+//    exit, as after a c10d timeout. An MPI rank with a request still unfinished at exit
+//    skips MPI_Finalize (it would wait for the dead peer forever).
+//  - Max and Min propagate NaN whichever rank holds it (torch.maximum/torch.minimum).
 //  - Every message names the rank, world size, host, backend, the collective and its sizes.
 //  - Tensors: dense, contiguous; float32 or int64 (UInt8 is refused: sums would wrap);
 //    CPU tensors on Gloo and MPI, CUDA tensors of the group's device on NCCL.
@@ -30,7 +42,8 @@
 namespace nanoddp::dist {
 
 // Element-wise reductions (torch.distributed.ReduceOp). Avg is Sum divided by world_size,
-// float32 only: an int64 average would have to round, so it throws ValueError.
+// float32 only: an int64 average would have to round, so it throws ValueError. Max and Min
+// return NaN for an element that is NaN on any rank (torch.maximum/torch.minimum).
 enum class ReduceOp { Sum, Avg, Max, Min };
 const char* reduce_op_name(ReduceOp op);  // "sum", "avg", "max", "min"
 
@@ -53,8 +66,9 @@ constexpr std::chrono::milliseconds kDefaultTimeout = std::chrono::minutes(5);
 class Work {
  public:
   virtual ~Work() = default;
-  // Blocks until the collective has finished, or throws TimeoutError after timeout, or
-  // DistError when it failed. A CPU result is then in the tensors; a CUDA result is ordered
+  // Blocks until the collective (and every earlier one of its group) has finished, or throws
+  // TimeoutError after timeout or the group's timeout, whichever is earlier, or DistError
+  // when it failed. A CPU result is then in the tensors; a CUDA result is ordered
   // before every later kernel on the compute stream. Calling wait() again returns at once
   // (or throws the same error).
   virtual void wait(std::chrono::milliseconds timeout = kDefaultTimeout) = 0;
@@ -148,5 +162,12 @@ struct NcclOptions {
 // communicator from it. Throws DistError when two ranks name the same GPU on one host.
 std::shared_ptr<ProcessGroup> make_nccl_process_group(std::shared_ptr<Store> store,
                                                       const NcclOptions& options);
+
+// inner, with every collective checked first (Note [Collective check] in
+// process_group_checked.cpp): ranks that disagree get a DistError instead of a hang, an abort
+// or corrupt data. init_process_group wraps every group with it unless
+// InitOptions::check_collectives is false. A virtual added to ProcessGroup must also be
+// forwarded there.
+std::shared_ptr<ProcessGroup> make_checked_process_group(std::shared_ptr<ProcessGroup> inner);
 
 }  // namespace nanoddp::dist

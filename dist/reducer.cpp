@@ -127,6 +127,12 @@ void Reducer::launch(Bucket& bucket) { bucket.work = pg_->all_reduce(bucket.flat
 
 // 3. Backward has ended.
 void Reducer::finalize() {
+  // However this ends (a collective may throw: a timeout, ranks out of step), the next
+  // backward starts a fresh iteration.
+  struct ResetAtExit {
+    Reducer& reducer;
+    ~ResetAtExit() { reducer.reset_iteration(); }
+  } reset_at_exit{*this};
   std::vector<std::string> unready;
   for (size_t k = 0; k < params_.size(); ++k) {
     if (ready_[k]) continue;
@@ -149,15 +155,11 @@ void Reducer::finalize() {
   if (!unready.empty()) {
     std::ostringstream names;
     for (size_t i = 0; i < unready.size(); ++i) names << (i ? ", " : "") << unready[i];
-    reset_iteration();
     NANODDP_THROW(DistError, "DDP on rank ", pg_->rank(), "/", pg_->size(),
                   ": these parameters received no gradient in this iteration: ", names.str(),
                   ". Make every parameter take part in the loss, or pass find_unused_parameters = true");
   }
-  if (pg_->size() == 1) {
-    reset_iteration();
-    return;
-  }
+  if (pg_->size() == 1) return;
   launch_ready_buckets();
   NANODDP_ASSERT(next_bucket_to_launch_ == buckets_.size());
   // Note [Unused parameters]: which parameters did any rank use? Issued after every bucket,
@@ -182,7 +184,6 @@ void Reducer::finalize() {
                  bucket.flat.device(), grad.nbytes());
     }
   }
-  reset_iteration();
 }
 
 }  // namespace nanoddp::dist

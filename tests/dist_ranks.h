@@ -39,9 +39,11 @@ inline std::string on_ranks(int world, const std::function<void(int rank)>& fn,
 // This rank's default group, made fresh: Gloo on a forked rank, MPI under mpirun (a new
 // communicator each time; MPI itself is initialised once per process).
 inline std::shared_ptr<dist::ProcessGroup> join(int rank, int world, int port,
-                                                std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+                                                std::chrono::milliseconds timeout = std::chrono::seconds(30),
+                                                bool check_collectives = true) {
   dist::InitOptions options;
   options.timeout = timeout;
+  options.check_collectives = check_collectives;
   if (under_mpirun()) {
     options.backend = dist::Backend::Mpi;
     return dist::init_process_group(options);

@@ -157,6 +157,42 @@ TEST_CASE("a tied parameter is reduced once and stepped once") {
   }
 }
 
+TEST_CASE("a rank that ran out of batches: every rank gets a DistError naming both calls, none hangs or dies") {
+  // The last rank has no batch left and reduces its 2-number metric while the others reduce
+  // their gradients (Linear(4, 3): 12 + 3 = 15 floats, one bucket) at the end of backward.
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    const int port = testing::free_port();
+    const std::string failures = testing::on_ranks(world, [&](int rank) {
+      auto pg = testing::join(rank, world, port, std::chrono::seconds(20));
+      dist::DistributedDataParallel ddp(std::make_shared<nn::Linear>(4, 3), pg);
+      const std::string metric_call = "rank " + std::to_string(world - 1) + ": all_reduce(sum) #";
+      std::string message;
+      try {
+        if (rank == world - 1) {
+          Tensor metric = Tensor::ones({2});
+          pg->all_reduce(metric)->wait();
+        } else {
+          sum(ddp(Tensor::ones({2, 4}))).backward();
+        }
+      } catch (const TimeoutError& e) {
+        expect(false, "rank ", rank, ": a timeout instead of a mismatch error: ", e.what());
+      } catch (const DistError& e) {
+        message = e.what();
+      }
+      for (const std::string& part : {std::string("rank 0: all_reduce(sum) #"), std::string(", 15 float32"), metric_call,
+                                      std::string(", 2 float32")})
+        expect(message.find(part) != std::string::npos, "rank ", rank, ": the error lacks '", part, "': ", message);
+      // Nothing was started: the group is still in step.
+      Tensor t = Tensor::full({3}, static_cast<float>(rank + 1));
+      pg->all_reduce(t)->wait();
+      expect(t.to_vector() == std::vector<float>(3, world * (world + 1) / 2.0f), "rank ", rank, ": ", t);
+      testing::leave();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
 TEST_CASE("the DDP edge cases pass on MPI too (this file under mpirun -np 2 and -np 4)") {
   if (testing::under_mpirun()) return;
   if (!testing::have_mpirun()) {

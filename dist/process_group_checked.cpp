@@ -1,0 +1,274 @@
+// The collective check: a ProcessGroup around any backend that makes every rank agree on
+// each collective before it is issued.
+//
+// Note [Collective check]
+// The contract says every rank issues the same collectives, in the same order, with the same
+// sizes, dtypes and ops. Backends do not check it, and a broken contract does not just hang:
+// Gloo aborts the process on a size mismatch or returns half-reduced data as success, MPI
+// fails with MPI_ERR_TRUNCATE or crashes. So, before each collective, every rank all-gathers
+// a fixed-size fingerprint of what it is about to call (sequence number in the group, which
+// collective, op, dtype, element count, root or list length) through the backend itself.
+// A fixed-size all-gather cannot itself mismatch, and every rank sees the same table, so
+// when one entry differs every rank throws the same DistError naming each rank's call, and
+// no rank issues the real collective: nothing is half-sent and the group stays in step. A
+// rank that issues no collective at all (it exited, or is stuck) leaves the others in the
+// fingerprint all-gather until the group's timeout: TimeoutError.
+// PyTorch does the same only with TORCH_DISTRIBUTED_DEBUG=DETAIL (its ProcessGroupWrapper);
+// here it is on by default. Cost: one small all-gather per collective, waited for before the
+// collective starts (benchmarks/run, "collective check" rows). Turn it off with
+// InitOptions::check_collectives = false or NANODDP_CHECK_COLLECTIVES=0.
+//
+// Note [Deferred check]
+// A collective still returns its Work at once: it issues only its fingerprint all-gather.
+// The comparison, and the real collective when every rank agrees, happen when the work is
+// waited on (or tested and its fingerprints have arrived), or when the next collective of
+// the group is called, whichever comes first; calls are settled oldest first. So the
+// backend always sees fingerprint k, then collective k, then fingerprint k+1, on every
+// rank, whoever waits when, and a rank blocks at most on the previous call's fingerprints.
+// A mismatch is reported by the mismatched work's wait(), on every rank.
+#include <algorithm>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <sstream>
+
+#include "core/error.h"
+#include "dist/process_group.h"
+
+namespace nanoddp::dist {
+
+namespace {
+
+enum class Collective : int64_t { AllReduce = 1, Broadcast, AllGather, ReduceScatter, Barrier };
+
+// A fingerprint: what a rank is about to call, as int64s on the wire:
+//   [seq (1 for the group's first collective), Collective, ReduceOp or -1, DType or -1,
+//    elements per tensor, broadcast root or list length or 0]
+constexpr int64_t kFingerprintFields = 6;
+
+std::string describe_call(const int64_t* f) {
+  std::ostringstream out;
+  const auto kind = static_cast<Collective>(f[1]);
+  const auto op = static_cast<ReduceOp>(f[2]);
+  switch (kind) {
+    case Collective::AllReduce: out << "all_reduce(" << reduce_op_name(op) << ")"; break;
+    case Collective::Broadcast: out << "broadcast from rank " << f[5]; break;
+    case Collective::AllGather: out << "all_gather"; break;
+    case Collective::ReduceScatter: out << "reduce_scatter(" << reduce_op_name(op) << ")"; break;
+    case Collective::Barrier: out << "barrier"; break;
+    default: out << "collective " << f[1]; break;
+  }
+  out << " #" << f[0];
+  if (kind == Collective::Barrier) return out.str();
+  out << ", ";
+  if (kind == Collective::AllGather || kind == Collective::ReduceScatter) out << f[5] << " x ";
+  out << f[4] << " " << (f[3] < 0 ? "undefined" : dtype_name(static_cast<DType>(f[3])));
+  return out.str();
+}
+
+class CheckedWork;
+
+// What the group and its works share: the backend, and the calls whose fingerprints are not
+// yet compared, oldest first (Note [Deferred check]).
+struct CheckState {
+  std::shared_ptr<ProcessGroup> inner;
+  std::mutex mutex;  // one caller at a time issues, compares and starts
+  std::deque<std::shared_ptr<CheckedWork>> unresolved;
+  int64_t seq = 0;
+  Device last_device = Device::cpu();
+
+  // Compares and starts unresolved calls from the oldest through `last` (all when null).
+  // block: wait for each fingerprint (up to timeout); else stop at the first still in flight.
+  void resolve(const CheckedWork* last, bool block, std::chrono::milliseconds timeout);
+};
+
+class CheckedWork : public Work {
+ public:
+  CheckedWork(std::string description, std::vector<int64_t> mine, std::function<std::shared_ptr<Work>()> start,
+              std::shared_ptr<CheckState> state)
+      : description_(std::move(description)), mine_(std::move(mine)), start_(std::move(start)),
+        state_(std::move(state)) {}
+
+  void wait(std::chrono::milliseconds timeout) override {
+    const auto begin = std::chrono::steady_clock::now();
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->resolve(this, /*block=*/true, timeout);
+    }
+    if (error_) std::rethrow_exception(error_);
+    NANODDP_CHECK(resolved_, DistError, description_, ": the group was destroyed before this collective started");
+    auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - begin);
+    real_->wait(std::max(timeout - spent, std::chrono::milliseconds(0)));
+  }
+
+  bool is_completed() override {
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->resolve(this, /*block=*/false, std::chrono::milliseconds(0));
+      if (!resolved_) return false;
+    }
+    return error_ != nullptr || real_ == nullptr || real_->is_completed();
+  }
+
+  // Issues the fingerprint all-gather (CheckState::mutex held).
+  void exchange(int world_size, Device device) {
+    Tensor send = Tensor::from_vector(mine_).to(device);
+    for (int r = 0; r < world_size; ++r) received_.push_back(Tensor::empty({kFingerprintFields}, DType::Int64, device));
+    fingerprints_ = state_->inner->all_gather(received_, send);
+  }
+
+  // Waits for the fingerprints, compares them and starts the collective, or records the
+  // mismatch (CheckState::mutex held). TimeoutError leaves the call unresolved: a later wait
+  // may still see the peers arrive.
+  void settle(std::chrono::milliseconds timeout) {
+    try {
+      fingerprints_->wait(timeout);
+    } catch (const TimeoutError& e) {
+      NANODDP_THROW(TimeoutError, description_, ": not every rank reached a collective to compare #", mine_[0],
+                    " with (a peer exited, is stuck, or issues fewer collectives): ", e.what());
+    }
+    resolved_ = true;
+    const int world = static_cast<int>(received_.size());
+    std::vector<int64_t> table;
+    bool same = true;
+    for (int r = 0; r < world; ++r) {
+      const std::vector<int64_t> theirs = received_[r].to(Device::cpu()).to_int_vector();
+      same = same && theirs == mine_;
+      table.insert(table.end(), theirs.begin(), theirs.end());
+    }
+    received_.clear();
+    if (same) {
+      try {
+        real_ = start_();
+      } catch (...) {
+        error_ = std::current_exception();  // the backend refused it: this work's wait reports it
+      }
+      start_ = nullptr;
+      return;
+    }
+    start_ = nullptr;  // no rank starts it: the group stays in step
+    std::ostringstream calls;
+    for (int r = 0; r < world; ++r)
+      calls << (r ? "; " : "") << "rank " << r << ": " << describe_call(table.data() + r * kFingerprintFields);
+    try {
+      NANODDP_THROW(DistError, description_, ": ranks called different collectives as #", mine_[0], " (",
+                    calls.str(),
+                    "). Every rank must issue the same collectives in the same order, with the same sizes, "
+                    "dtypes and ops; none of these calls was started, so the group is still in step");
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+  }
+
+  bool fingerprints_arrived() { return fingerprints_->is_completed(); }
+  bool resolved() const { return resolved_; }
+
+ private:
+  std::string description_;
+  std::vector<int64_t> mine_;
+  std::function<std::shared_ptr<Work>()> start_;
+  std::shared_ptr<CheckState> state_;
+  std::vector<Tensor> received_;
+  std::shared_ptr<Work> fingerprints_;
+  bool resolved_ = false;
+  std::shared_ptr<Work> real_;  // the collective, once started
+  std::exception_ptr error_;    // the mismatch, when there was one
+};
+
+void CheckState::resolve(const CheckedWork* last, bool block, std::chrono::milliseconds timeout) {
+  while (!unresolved.empty()) {
+    const std::shared_ptr<CheckedWork> work = unresolved.front();
+    if (!block && !work->fingerprints_arrived()) return;
+    work->settle(timeout);
+    unresolved.pop_front();
+    if (work.get() == last) return;
+  }
+}
+
+class CheckedProcessGroup : public ProcessGroup {
+ public:
+  explicit CheckedProcessGroup(std::shared_ptr<ProcessGroup> inner)
+      : ProcessGroup(inner->rank(), inner->size()) {
+    state_->inner = std::move(inner);
+  }
+  // Calls never waited on and not yet settled are dropped, never started (their works hold
+  // the state: this also breaks that cycle).
+  ~CheckedProcessGroup() override {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->unresolved.clear();
+  }
+
+  std::string backend_name() const override { return state_->inner->backend_name(); }
+  Store& store() override { return state_->inner->store(); }
+
+  // Arguments are checked here, at the call, as the backends do; the backend checks the device.
+  std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
+    const std::string what = std::string("all_reduce(") + reduce_op_name(op) + ")";
+    check_tensor(what, tensor, device_of(tensor));
+    check_reduce(what, tensor, op);
+    return checked(Collective::AllReduce, what, tensor, static_cast<int64_t>(op), 0,
+                   [inner = state_->inner, tensor, op]() mutable { return inner->all_reduce(tensor, op); });
+  }
+  std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
+    check_tensor("broadcast", tensor, device_of(tensor));
+    NANODDP_CHECK(root >= 0 && root < world_size_, ValueError, describe("broadcast", tensor), ": root ", root,
+                  " is not a rank of this group");
+    return checked(Collective::Broadcast, "broadcast from rank " + std::to_string(root), tensor, -1, root,
+                   [inner = state_->inner, tensor, root]() mutable { return inner->broadcast(tensor, root); });
+  }
+  std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
+    check_tensor("all_gather", input, device_of(input));
+    check_list("all_gather", outputs, input);
+    return checked(Collective::AllGather, "all_gather", input, -1, static_cast<int64_t>(outputs.size()),
+                   [inner = state_->inner, outputs, input]() mutable { return inner->all_gather(outputs, input); });
+  }
+  std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
+                                       ReduceOp op) override {
+    const std::string what = std::string("reduce_scatter(") + reduce_op_name(op) + ")";
+    check_tensor(what, output, device_of(output));
+    check_reduce(what, output, op);
+    check_list(what, inputs, output);
+    return checked(Collective::ReduceScatter, what, output, static_cast<int64_t>(op),
+                   static_cast<int64_t>(inputs.size()), [inner = state_->inner, output, inputs, op]() mutable {
+                     return inner->reduce_scatter(output, inputs, op);
+                   });
+  }
+  std::shared_ptr<Work> barrier() override {
+    return checked(Collective::Barrier, "barrier", Tensor(), -1, 0,
+                   [inner = state_->inner] { return inner->barrier(); });
+  }
+
+ private:
+  static Device device_of(const Tensor& t) { return t.defined() ? t.device() : Device::cpu(); }
+
+  // Note [Deferred check]: settles the calls before this one, issues this call's fingerprint
+  // all-gather and returns at once; the comparison and the collective itself start at the
+  // latest when this work is waited on, or when the next collective is called.
+  std::shared_ptr<Work> checked(Collective kind, const std::string& what, const Tensor& tensor, int64_t op,
+                                int64_t extra, std::function<std::shared_ptr<Work>()> start) {
+    if (world_size_ == 1) return start();
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->resolve(nullptr, /*block=*/true, kDefaultTimeout);
+    std::vector<int64_t> mine = {++state_->seq, static_cast<int64_t>(kind), op,
+                                 tensor.defined() ? static_cast<int64_t>(tensor.dtype()) : -1,
+                                 tensor.defined() ? tensor.numel() : 0, extra};
+    // The fingerprint lives where the group's tensors live (a CUDA group takes CUDA tensors).
+    const Device device = tensor.defined() ? tensor.device() : state_->last_device;
+    state_->last_device = device;
+    auto work = std::make_shared<CheckedWork>(describe(what, tensor), std::move(mine), std::move(start), state_);
+    work->exchange(world_size_, device);
+    state_->unresolved.push_back(work);
+    return work;
+  }
+
+  std::shared_ptr<CheckState> state_ = std::make_shared<CheckState>();
+};
+
+}  // namespace
+
+std::shared_ptr<ProcessGroup> make_checked_process_group(std::shared_ptr<ProcessGroup> inner) {
+  NANODDP_CHECK(inner != nullptr, ValueError, "make_checked_process_group: no group");
+  return std::make_shared<CheckedProcessGroup>(std::move(inner));
+}
+
+}  // namespace nanoddp::dist

@@ -1,0 +1,286 @@
+// Collectives at the edges, on 2 and 4 ranks, on Gloo (forked ranks) and MPI (this file again
+// under mpirun -np 2 and -np 4): NaN in Max/Min, completion order and barrier, ranks that call
+// different collectives, and timeouts that end every wait.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <thread>
+
+#include "core/error.h"
+#include "tests/collectives_cases.h"
+#include "tests/dist_ranks.h"
+
+using namespace nanoddp;
+using namespace nanoddp::dist;
+using namespace std::chrono_literals;
+using nanoddp::testing::expect;
+
+namespace {
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+bool same(float a, double want) { return std::isnan(want) ? std::isnan(a) : static_cast<double>(a) == want; }
+
+void expect_floats(const Tensor& t, const std::vector<double>& want, const std::string& what) {
+  const std::vector<float> got = t.to_vector();
+  expect(got.size() == want.size(), what, ": ", got.size(), " elements, want ", want.size());
+  for (size_t i = 0; i < want.size(); ++i)
+    expect(same(got[i], want[i]), what, ": element ", i, " is ", got[i], ", want ", want[i]);
+}
+
+double milliseconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Runs fn on 2 and on 4 ranks; a failure names the world size and every failed rank, and a
+// rank killed by a signal (an abort, a segfault) is a failure too (tests/multiprocess.h).
+void on_2_and_4_ranks(const std::function<void(int rank, int world, int port)>& fn) {
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    const int port = testing::free_port();
+    const std::string failures = testing::on_ranks(world, [&](int rank) { fn(rank, world, port); });
+    CHECK_MESSAGE(failures.find("signal") == std::string::npos, "a rank was killed by a signal:\n", failures);
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+// Calls issue(), which must throw a DistError (not a TimeoutError) on this rank, and checks
+// its message contains every part.
+void expect_mismatch(const std::function<void()>& issue, const std::vector<std::string>& parts, int rank) {
+  try {
+    issue();
+  } catch (const TimeoutError& e) {
+    expect(false, "rank ", rank, ": a timeout instead of a mismatch error: ", e.what());
+  } catch (const DistError& e) {
+    const std::string what = e.what();
+    for (const std::string& part : parts)
+      expect(what.find(part) != std::string::npos, "rank ", rank, ": the error lacks '", part, "': ", what);
+    return;
+  }
+  expect(false, "rank ", rank, ": the mismatched collective returned without an error");
+}
+
+// After a mismatch the group is still in step: a matching all_reduce gives the exact sum.
+void expect_in_step(ProcessGroup& pg, int rank, int world) {
+  Tensor t = Tensor::full({3}, static_cast<float>(rank + 1));
+  pg.all_reduce(t)->wait();
+  expect_floats(t, std::vector<double>(3, world * (world + 1) / 2.0), "all_reduce after a mismatch");
+}
+
+}  // namespace
+
+TEST_CASE("Max and Min propagate a NaN whichever rank holds it (torch.maximum)") {
+  on_2_and_4_ranks([](int rank, int world, int port) {
+    auto pg = testing::join(rank, world, port);
+    const int last = world - 1;
+    // element 0: NaN on rank 0 only; 1: NaN on the last rank only; 2: rank + 1; 3: NaN everywhere;
+    // 4: -inf on rank 0, +inf elsewhere.
+    auto input = [&] {
+      return Tensor::from_vector({rank == 0 ? kNaN : 1.0f, rank == last ? kNaN : 1.0f, static_cast<float>(rank + 1), kNaN,
+                                  rank == 0 ? -INFINITY : INFINITY});
+    };
+    Tensor mx = input(), mn = input();
+    pg->all_reduce(mx, ReduceOp::Max)->wait();
+    pg->all_reduce(mn, ReduceOp::Min)->wait();
+    expect_floats(mx, {NAN, NAN, double(world), NAN, INFINITY}, "max");
+    expect_floats(mn, {NAN, NAN, 1.0, NAN, -INFINITY}, "min");
+
+    // A long tensor goes through the backends' chunked paths: NaN only in the last element, on rank 1.
+    const int64_t n = 65537;
+    Tensor big = testing::make_tensor(DType::Float32, n, [&](int64_t i) {
+      return rank == 1 && i == n - 1 ? std::numeric_limits<double>::quiet_NaN() : double(rank + 1);
+    });
+    pg->all_reduce(big, ReduceOp::Max)->wait();
+    const std::vector<float> v = big.to_vector();
+    for (int64_t i = 0; i < n - 1; ++i) expect(v[i] == world, "big max: element ", i, " is ", v[i]);
+    expect(std::isnan(v[n - 1]), "big max: the NaN of rank 1 was lost: ", v[n - 1]);
+
+    // reduce_scatter uses the same reduction: rank r's slice j is [NaN if r == j else r + 1].
+    std::vector<Tensor> inputs;
+    for (int j = 0; j < world; ++j) inputs.push_back(Tensor::from_vector({rank == j ? kNaN : float(rank + 1), 1.0f}));
+    Tensor out = Tensor::zeros({2});
+    pg->reduce_scatter(out, inputs, ReduceOp::Min)->wait();
+    expect_floats(out, {NAN, 1.0}, "reduce_scatter(min)");
+    testing::leave();
+  });
+}
+
+TEST_CASE("works complete in issue order, and a barrier completes every earlier work") {
+  for (bool check : {true, false}) {
+    CAPTURE(check);
+    on_2_and_4_ranks([check](int rank, int world, int port) {
+      auto pg = testing::join(rank, world, port, 30s, check);
+      const double sum = world * (world + 1) / 2.0;
+      // Nobody waits on these two; the Works are dropped at once.
+      Tensor avg = Tensor::full({1 << 16}, static_cast<float>(rank + 1));
+      Tensor total = Tensor::full({5}, static_cast<float>(rank + 1));
+      pg->all_reduce(avg, ReduceOp::Avg);
+      pg->all_reduce(total, ReduceOp::Sum);
+      pg->barrier()->wait();
+      const std::vector<float> a = avg.to_vector();
+      for (size_t i = 0; i < a.size(); ++i)
+        expect(a[i] == (world + 1) / 2.0f, "after barrier: avg[", i, "] = ", a[i], ", want ", (world + 1) / 2.0);
+      expect_floats(total, std::vector<double>(5, sum), "after barrier: sum");
+
+      // Waiting on a later work completes the earlier one first.
+      Tensor first = Tensor::full({1 << 18}, static_cast<float>(rank + 1));
+      Tensor second = Tensor::full({2}, static_cast<float>(rank + 1));
+      auto first_work = pg->all_reduce(first, ReduceOp::Avg);
+      auto second_work = pg->all_reduce(second);
+      second_work->wait();
+      expect(first_work->is_completed(), "the later work completed before the earlier one");
+      expect(first.to_vector()[12345] == (world + 1) / 2.0f, "the earlier avg is not final: ", first.to_vector()[12345]);
+      testing::leave();
+    });
+  }
+}
+
+TEST_CASE("ranks that call different collectives all get a DistError naming each call, and stay in step") {
+  on_2_and_4_ranks([](int rank, int world, int port) {
+    auto pg = testing::join(rank, world, port, 20s);
+    // The group's first collective is #1. 1. Sizes (Gloo used to abort the process): rank 0
+    // reduces 64000 floats, the others 32000.
+    Tensor t = Tensor::zeros({rank == 0 ? 64000 : 32000});
+    expect_mismatch([&] { pg->all_reduce(t)->wait(); },
+                    {"all_reduce(sum) #1", "rank 0: all_reduce(sum) #1, 64000 float32",
+                     "rank 1: all_reduce(sum) #1, 32000 float32", "rank " + std::to_string(world - 1) + ": all_reduce"},
+                    rank);
+    expect_in_step(*pg, rank, world);  // #2
+
+    // 2. 3 vs 2 elements (Gloo used to report half-reduced data as success).
+    Tensor small = Tensor::ones({rank == 0 ? 3 : 2});
+    expect_mismatch([&] { pg->all_reduce(small)->wait(); },
+                    {"rank 0: all_reduce(sum) #3, 3 float32", "rank 1: all_reduce(sum) #3, 2 float32"}, rank);
+    expect(small.to_vector() == std::vector<float>(small.numel(), 1.0f), "rank ", rank, ": data changed");
+
+    // 3. dtypes, 4. ops, 5. collectives, 6. broadcast roots.
+    Tensor typed = rank == 0 ? Tensor::zeros({4}, DType::Int64) : Tensor::zeros({4});
+    expect_mismatch([&] { pg->all_reduce(typed)->wait(); },
+                    {"rank 0: all_reduce(sum) #4, 4 int64", "rank 1: all_reduce(sum) #4, 4 float32"}, rank);
+    Tensor x = Tensor::ones({4});
+    expect_mismatch([&] { pg->all_reduce(x, rank == 0 ? ReduceOp::Max : ReduceOp::Sum)->wait(); },
+                    {"rank 0: all_reduce(max) #5, 4 float32", "rank 1: all_reduce(sum) #5, 4 float32"}, rank);
+    expect_mismatch(
+        [&] {
+          if (rank == 0)
+            pg->barrier()->wait();
+          else
+            pg->all_reduce(x)->wait();
+        },
+        {"rank 0: barrier #6", "rank 1: all_reduce(sum) #6, 4 float32"}, rank);
+    expect_mismatch([&] { pg->broadcast(x, rank == 0 ? 0 : 1)->wait(); },
+                    {"rank 0: broadcast from rank 0 #7", "rank 1: broadcast from rank 1 #7"}, rank);
+
+    // 7. The last rank ran out of batches and reaches its next, smaller collective (a metric)
+    // while the others still reduce gradients.
+    Tensor grads = Tensor::ones({1000});
+    if (rank == world - 1) {
+      Tensor metric = Tensor::ones({2});
+      expect_mismatch([&] { pg->all_reduce(metric)->wait(); },
+                      {"rank 0: all_reduce(sum) #8, 1000 float32",
+                       "rank " + std::to_string(world - 1) + ": all_reduce(sum) #8, 2 float32"},
+                      rank);
+    } else {
+      expect_mismatch([&] { pg->all_reduce(grads)->wait(); }, {"all_reduce(sum) #8", "2 float32"}, rank);
+    }
+    expect_in_step(*pg, rank, world);
+    testing::leave();
+  });
+}
+
+TEST_CASE("a peer that never calls the collective ends every wait by the group's timeout") {
+  // wait() with no argument (default 5 minutes) must end by the group's 1.5 s.
+  on_2_and_4_ranks([](int rank, int world, int port) {
+    if (testing::under_mpirun()) return;  // MPI: the case below, in a job of its own
+    auto pg = testing::join(rank, world, port, 1500ms);
+    if (rank == 1) {
+      std::this_thread::sleep_for(4s);  // alive, but never calls all_reduce
+      return;
+    }
+    Tensor t = Tensor::ones({4});
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      pg->all_reduce(t)->wait();
+      expect(false, "rank ", rank, ": wait returned without rank 1");
+    } catch (const DistError& e) {
+      const double ms = milliseconds_since(start);
+      expect(ms >= 1400 && ms < 3500, "rank ", rank, ": the wait ended after ", ms, " ms, want ~1500: ", e.what());
+    }
+  });
+}
+
+TEST_CASE("gloo: a rank that never joins ends init_process_group by the timeout") {
+  if (testing::under_mpirun()) return;
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    const int port = testing::free_port();
+    const std::string failures = testing::run_ranks(world, [&](int rank) {
+      if (rank == world - 1) return;  // never joins
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        testing::join(rank, world, port, 1500ms);
+        expect(false, "rank ", rank, ": init_process_group returned without the last rank");
+      } catch (const DistError& e) {
+        const double ms = milliseconds_since(start);
+        expect(ms < 4000, "rank ", rank, ": init took ", ms, " ms with a 1.5 s timeout: ", e.what());
+      }
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+// Started by the case below inside `mpirun -np N`: rank 1 never calls the all_reduce.
+TEST_CASE("mpi timeout child: a peer that never calls the collective") {
+  if (std::getenv("NANODDP_EDGE_TIMEOUT_CHILD") == nullptr) return;
+  auto pg = testing::join(0, 0, 0, 2000ms);
+  if (pg->rank() == 1) {
+    std::this_thread::sleep_for(3s);  // then exit, MPI_Finalize included
+    return;
+  }
+  Tensor t = Tensor::ones({4});
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    pg->all_reduce(t)->wait();  // default argument: 5 minutes; the group says 2 s
+    std::printf("rank %d: no error\n", pg->rank());
+  } catch (const TimeoutError& e) {
+    std::printf("rank %d: TimeoutError after %.0f ms: %s\n", pg->rank(), milliseconds_since(start), e.what());
+  } catch (const DistError& e) {
+    std::printf("rank %d: DistError after %.0f ms: %s\n", pg->rank(), milliseconds_since(start), e.what());
+  }
+  std::fflush(stdout);
+}
+
+TEST_CASE("the collective edge cases pass on MPI too (this file under mpirun -np 2 and -np 4)") {
+  if (testing::under_mpirun()) return;
+  if (!testing::have_mpirun()) {
+    MESSAGE("mpirun not found: the MPI half of this file did not run");
+    return;
+  }
+  for (int np : {2, 4}) {
+    CAPTURE(np);
+    const testing::RunResult r =
+        testing::mpirun_self("tests/test_collective_edges", np, "--test-case-exclude='*mpirun*,*child*'");
+    CHECK_MESSAGE(r.code() == 0, "mpirun -np ", np, " failed (every rank must exit 0, none by a signal):\n", r.out,
+                  r.err);
+  }
+  // Timeouts: every rank other than 1 must give up by the group's 2 s, and the job must end
+  // soon after (no rank stuck in MPI_Finalize). mpirun reports failure: a rank timed out.
+  for (int np : {2, 4}) {
+    CAPTURE(np);
+    ::setenv("NANODDP_EDGE_TIMEOUT_CHILD", "1", 1);
+    const testing::RunResult r =
+        testing::mpirun_self("tests/test_collective_edges", np, "--test-case='*timeout child*'", 60s);
+    ::unsetenv("NANODDP_EDGE_TIMEOUT_CHILD");
+    CHECK_MESSAGE(r.seconds < 30, "the job took ", r.seconds, " s to end after a 2 s timeout:\n", r.out, r.err);
+    for (int rank = 0; rank < np; ++rank) {
+      if (rank == 1) continue;
+      const std::string prefix = "rank " + std::to_string(rank) + ": TimeoutError after ";
+      const size_t at = r.out.find(prefix);
+      REQUIRE_MESSAGE(at != std::string::npos, "rank ", rank, " reported no TimeoutError:\n", r.out, r.err);
+      const double ms = std::atof(r.out.c_str() + at + prefix.size());
+      CHECK_MESSAGE((ms >= 1900 && ms < 5000), "rank ", rank, " timed out after ", ms, " ms, want ~2000");
+    }
+  }
+}
