@@ -84,9 +84,11 @@ struct CheckState {
 
 class CheckedWork : public Work {
  public:
-  CheckedWork(std::string description, std::vector<int64_t> mine, std::function<std::shared_ptr<Work>()> start,
-              std::shared_ptr<CheckState> state)
-      : description_(std::move(description)), mine_(std::move(mine)), start_(std::move(start)),
+  CheckedWork(std::string description, std::vector<int64_t> mine,
+              std::function<std::shared_ptr<Work>()> start, std::shared_ptr<CheckState> state)
+      : description_(std::move(description)),
+        mine_(std::move(mine)),
+        start_(std::move(start)),
         state_(std::move(state)) {}
 
   void wait(std::chrono::milliseconds timeout) override {
@@ -96,8 +98,10 @@ class CheckedWork : public Work {
       state_->resolve(this, /*block=*/true, timeout);
     }
     if (error_) std::rethrow_exception(error_);
-    NANODDP_CHECK(resolved_, DistError, description_, ": the group was destroyed before this collective started");
-    auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - begin);
+    NANODDP_CHECK(resolved_, DistError, description_,
+                  ": the group was destroyed before this collective started");
+    auto spent =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - begin);
     real_->wait(std::max(timeout - spent, std::chrono::milliseconds(0)));
   }
 
@@ -113,7 +117,8 @@ class CheckedWork : public Work {
   // Issues the fingerprint all-gather (CheckState::mutex held).
   void exchange(int world_size, Device device) {
     Tensor send = Tensor::from_vector(mine_).to(device);
-    for (int r = 0; r < world_size; ++r) received_.push_back(Tensor::empty({kFingerprintFields}, DType::Int64, device));
+    for (int r = 0; r < world_size; ++r)
+      received_.push_back(Tensor::empty({kFingerprintFields}, DType::Int64, device));
     fingerprints_ = state_->inner->all_gather(received_, send);
   }
 
@@ -124,8 +129,8 @@ class CheckedWork : public Work {
     try {
       fingerprints_->wait(timeout);
     } catch (const TimeoutError& e) {
-      NANODDP_THROW(TimeoutError, description_, ": not every rank reached a collective to compare #", mine_[0],
-                    " with (a peer exited, is stuck, or issues fewer collectives): ", e.what());
+      NANODDP_THROW(TimeoutError, description_, ": not every rank reached a collective to compare #",
+                    mine_[0], " with (a peer exited, is stuck, or issues fewer collectives): ", e.what());
     }
     resolved_ = true;
     const int world = static_cast<int>(received_.size());
@@ -149,7 +154,8 @@ class CheckedWork : public Work {
     start_ = nullptr;  // no rank starts it: the group stays in step
     std::ostringstream calls;
     for (int r = 0; r < world; ++r)
-      calls << (r ? "; " : "") << "rank " << r << ": " << describe_call(table.data() + r * kFingerprintFields);
+      calls << (r ? "; " : "") << "rank " << r << ": "
+            << describe_call(table.data() + r * kFingerprintFields);
     try {
       NANODDP_THROW(DistError, description_, ": ranks called different collectives as #", mine_[0], " (",
                     calls.str(),
@@ -213,14 +219,16 @@ class CheckedProcessGroup : public ProcessGroup {
     check_tensor("broadcast", tensor, device_of(tensor));
     NANODDP_CHECK(root >= 0 && root < world_size_, ValueError, describe("broadcast", tensor), ": root ", root,
                   " is not a rank of this group");
-    return checked(Collective::Broadcast, "broadcast from rank " + std::to_string(root), tensor, -1, root,
-                   [inner = state_->inner, tensor, root]() mutable { return inner->broadcast(tensor, root); });
+    return checked(
+        Collective::Broadcast, "broadcast from rank " + std::to_string(root), tensor, -1, root,
+        [inner = state_->inner, tensor, root]() mutable { return inner->broadcast(tensor, root); });
   }
   std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
     check_tensor("all_gather", input, device_of(input));
     check_list("all_gather", outputs, input);
-    return checked(Collective::AllGather, "all_gather", input, -1, static_cast<int64_t>(outputs.size()),
-                   [inner = state_->inner, outputs, input]() mutable { return inner->all_gather(outputs, input); });
+    return checked(
+        Collective::AllGather, "all_gather", input, -1, static_cast<int64_t>(outputs.size()),
+        [inner = state_->inner, outputs, input]() mutable { return inner->all_gather(outputs, input); });
   }
   std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
                                        ReduceOp op) override {
@@ -229,7 +237,8 @@ class CheckedProcessGroup : public ProcessGroup {
     check_reduce(what, output, op);
     check_list(what, inputs, output);
     return checked(Collective::ReduceScatter, what, output, static_cast<int64_t>(op),
-                   static_cast<int64_t>(inputs.size()), [inner = state_->inner, output, inputs, op]() mutable {
+                   static_cast<int64_t>(inputs.size()),
+                   [inner = state_->inner, output, inputs, op]() mutable {
                      return inner->reduce_scatter(output, inputs, op);
                    });
   }
@@ -249,13 +258,17 @@ class CheckedProcessGroup : public ProcessGroup {
     if (world_size_ == 1) return start();
     std::lock_guard<std::mutex> lock(state_->mutex);
     state_->resolve(nullptr, /*block=*/true, kDefaultTimeout);
-    std::vector<int64_t> mine = {++state_->seq, static_cast<int64_t>(kind), op,
+    std::vector<int64_t> mine = {++state_->seq,
+                                 static_cast<int64_t>(kind),
+                                 op,
                                  tensor.defined() ? static_cast<int64_t>(tensor.dtype()) : -1,
-                                 tensor.defined() ? tensor.numel() : 0, extra};
+                                 tensor.defined() ? tensor.numel() : 0,
+                                 extra};
     // The fingerprint lives where the group's tensors live (a CUDA group takes CUDA tensors).
     const Device device = tensor.defined() ? tensor.device() : state_->last_device;
     state_->last_device = device;
-    auto work = std::make_shared<CheckedWork>(describe(what, tensor), std::move(mine), std::move(start), state_);
+    auto work =
+        std::make_shared<CheckedWork>(describe(what, tensor), std::move(mine), std::move(start), state_);
     work->exchange(world_size_, device);
     state_->unresolved.push_back(work);
     return work;

@@ -66,11 +66,11 @@ inline RunResult mpirun_self(const std::string& program, int np, const std::stri
   ::setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
   ::setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
   ::setenv("OMPI_MCA_btl", "self,vader,tcp", 1);  // shared memory on one host, no fabric probe
-  return run({"/bin/sh", "-c",
-              "exec mpirun -np " + std::to_string(np) + " --oversubscribe --bind-to none \"$0\" " +
-                  doctest_args,
-              built(program)},
-             timeout);
+  return run(
+      {"/bin/sh", "-c",
+       "exec mpirun -np " + std::to_string(np) + " --oversubscribe --bind-to none \"$0\" " + doctest_args,
+       built(program)},
+      timeout);
 }
 
 }  // namespace nanoddp::testing

@@ -78,8 +78,8 @@ TEST_CASE("Max and Min propagate a NaN whichever rank holds it (torch.maximum)")
     // element 0: NaN on rank 0 only; 1: NaN on the last rank only; 2: rank + 1; 3: NaN everywhere;
     // 4: -inf on rank 0, +inf elsewhere.
     auto input = [&] {
-      return Tensor::from_vector({rank == 0 ? kNaN : 1.0f, rank == last ? kNaN : 1.0f, static_cast<float>(rank + 1), kNaN,
-                                  rank == 0 ? -INFINITY : INFINITY});
+      return Tensor::from_vector({rank == 0 ? kNaN : 1.0f, rank == last ? kNaN : 1.0f,
+                                  static_cast<float>(rank + 1), kNaN, rank == 0 ? -INFINITY : INFINITY});
     };
     Tensor mx = input(), mn = input();
     pg->all_reduce(mx, ReduceOp::Max)->wait();
@@ -99,7 +99,8 @@ TEST_CASE("Max and Min propagate a NaN whichever rank holds it (torch.maximum)")
 
     // reduce_scatter uses the same reduction: rank r's slice j is [NaN if r == j else r + 1].
     std::vector<Tensor> inputs;
-    for (int j = 0; j < world; ++j) inputs.push_back(Tensor::from_vector({rank == j ? kNaN : float(rank + 1), 1.0f}));
+    for (int j = 0; j < world; ++j)
+      inputs.push_back(Tensor::from_vector({rank == j ? kNaN : float(rank + 1), 1.0f}));
     Tensor out = Tensor::zeros({2});
     pg->reduce_scatter(out, inputs, ReduceOp::Min)->wait();
     expect_floats(out, {NAN, 1.0}, "reduce_scatter(min)");
@@ -121,7 +122,8 @@ TEST_CASE("works complete in issue order, and a barrier completes every earlier 
       pg->barrier()->wait();
       const std::vector<float> a = avg.to_vector();
       for (size_t i = 0; i < a.size(); ++i)
-        expect(a[i] == (world + 1) / 2.0f, "after barrier: avg[", i, "] = ", a[i], ", want ", (world + 1) / 2.0);
+        expect(a[i] == (world + 1) / 2.0f, "after barrier: avg[", i, "] = ", a[i], ", want ",
+               (world + 1) / 2.0);
       expect_floats(total, std::vector<double>(5, sum), "after barrier: sum");
 
       // Waiting on a later work completes the earlier one first.
@@ -131,7 +133,8 @@ TEST_CASE("works complete in issue order, and a barrier completes every earlier 
       auto second_work = pg->all_reduce(second);
       second_work->wait();
       expect(first_work->is_completed(), "the later work completed before the earlier one");
-      expect(first.to_vector()[12345] == (world + 1) / 2.0f, "the earlier avg is not final: ", first.to_vector()[12345]);
+      expect(first.to_vector()[12345] == (world + 1) / 2.0f,
+             "the earlier avg is not final: ", first.to_vector()[12345]);
       testing::leave();
     });
   }
@@ -143,10 +146,11 @@ TEST_CASE("ranks that call different collectives all get a DistError naming each
     // The group's first collective is #1. 1. Sizes (Gloo used to abort the process): rank 0
     // reduces 64000 floats, the others 32000.
     Tensor t = Tensor::zeros({rank == 0 ? 64000 : 32000});
-    expect_mismatch([&] { pg->all_reduce(t)->wait(); },
-                    {"all_reduce(sum) #1", "rank 0: all_reduce(sum) #1, 64000 float32",
-                     "rank 1: all_reduce(sum) #1, 32000 float32", "rank " + std::to_string(world - 1) + ": all_reduce"},
-                    rank);
+    expect_mismatch(
+        [&] { pg->all_reduce(t)->wait(); },
+        {"all_reduce(sum) #1", "rank 0: all_reduce(sum) #1, 64000 float32",
+         "rank 1: all_reduce(sum) #1, 32000 float32", "rank " + std::to_string(world - 1) + ": all_reduce"},
+        rank);
     expect_in_step(*pg, rank, world);  // #2
 
     // 2. 3 vs 2 elements (Gloo used to report half-reduced data as success).
@@ -206,7 +210,8 @@ TEST_CASE("a peer that never calls the collective ends every wait by the group's
       expect(false, "rank ", rank, ": wait returned without rank 1");
     } catch (const DistError& e) {
       const double ms = milliseconds_since(start);
-      expect(ms >= 1400 && ms < 3500, "rank ", rank, ": the wait ended after ", ms, " ms, want ~1500: ", e.what());
+      expect(ms >= 1400 && ms < 3500, "rank ", rank, ": the wait ended after ", ms,
+             " ms, want ~1500: ", e.what());
     }
   });
 }
@@ -262,8 +267,8 @@ TEST_CASE("the collective edge cases pass on MPI too (this file under mpirun -np
     CAPTURE(np);
     const testing::RunResult r =
         testing::mpirun_self("tests/test_collective_edges", np, "--test-case-exclude='*mpirun*,*child*'");
-    CHECK_MESSAGE(r.code() == 0, "mpirun -np ", np, " failed (every rank must exit 0, none by a signal):\n", r.out,
-                  r.err);
+    CHECK_MESSAGE(r.code() == 0, "mpirun -np ", np, " failed (every rank must exit 0, none by a signal):\n",
+                  r.out, r.err);
   }
   // Timeouts: every rank other than 1 must give up by the group's 2 s, and the job must end
   // soon after (no rank stuck in MPI_Finalize). mpirun reports failure: a rank timed out.
@@ -273,7 +278,8 @@ TEST_CASE("the collective edge cases pass on MPI too (this file under mpirun -np
     const testing::RunResult r =
         testing::mpirun_self("tests/test_collective_edges", np, "--test-case='*timeout child*'", 60s);
     ::unsetenv("NANODDP_EDGE_TIMEOUT_CHILD");
-    CHECK_MESSAGE(r.seconds < 30, "the job took ", r.seconds, " s to end after a 2 s timeout:\n", r.out, r.err);
+    CHECK_MESSAGE(r.seconds < 30, "the job took ", r.seconds, " s to end after a 2 s timeout:\n", r.out,
+                  r.err);
     for (int rank = 0; rank < np; ++rank) {
       if (rank == 1) continue;
       const std::string prefix = "rank " + std::to_string(rank) + ": TimeoutError after ";

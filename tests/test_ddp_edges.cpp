@@ -60,7 +60,8 @@ TEST_CASE("find_unused_parameters: a parameter used on some ranks gets the same 
       dist::DistributedDataParallel ddp(model, pg, options);
       nn::SGD opt(ddp.parameters(), {/*lr=*/1.0f});
       model->use_a = rank % 2 == 0;
-      const Tensor x = model->use_a ? Tensor::from_vector({1, 3}, {2, 1}) : Tensor::from_vector({2, 4}, {2, 1});
+      const Tensor x =
+          model->use_a ? Tensor::from_vector({1, 3}, {2, 1}) : Tensor::from_vector({2, 4}, {2, 1});
       opt.zero_grad();
       mse_loss(ddp(x), Tensor::zeros({2, 1})).backward();
       expect(value(model->a->weight.grad()) == 5 && value(model->a->bias.grad()) == 2, "rank ", rank,
@@ -157,7 +158,8 @@ TEST_CASE("a tied parameter is reduced once and stepped once") {
   }
 }
 
-TEST_CASE("a rank that ran out of batches: every rank gets a DistError naming both calls, none hangs or dies") {
+TEST_CASE(
+    "a rank that ran out of batches: every rank gets a DistError naming both calls, none hangs or dies") {
   // The last rank has no batch left and reduces its 2-number metric while the others reduce
   // their gradients (Linear(4, 3): 12 + 3 = 15 floats, one bucket) at the end of backward.
   for (int world : {2, 4}) {
@@ -180,9 +182,10 @@ TEST_CASE("a rank that ran out of batches: every rank gets a DistError naming bo
       } catch (const DistError& e) {
         message = e.what();
       }
-      for (const std::string& part : {std::string("rank 0: all_reduce(sum) #"), std::string(", 15 float32"), metric_call,
-                                      std::string(", 2 float32")})
-        expect(message.find(part) != std::string::npos, "rank ", rank, ": the error lacks '", part, "': ", message);
+      for (const std::string& part : {std::string("rank 0: all_reduce(sum) #"), std::string(", 15 float32"),
+                                      metric_call, std::string(", 2 float32")})
+        expect(message.find(part) != std::string::npos, "rank ", rank, ": the error lacks '", part,
+               "': ", message);
       // Nothing was started: the group is still in step.
       Tensor t = Tensor::full({3}, static_cast<float>(rank + 1));
       pg->all_reduce(t)->wait();
@@ -201,7 +204,8 @@ TEST_CASE("the DDP edge cases pass on MPI too (this file under mpirun -np 2 and 
   }
   for (int np : {2, 4}) {
     CAPTURE(np);
-    const testing::RunResult r = testing::mpirun_self("tests/test_ddp_edges", np, "--test-case-exclude='*mpirun*'");
+    const testing::RunResult r =
+        testing::mpirun_self("tests/test_ddp_edges", np, "--test-case-exclude='*mpirun*'");
     CHECK_MESSAGE(r.code() == 0, "mpirun -np ", np, " failed:\n", r.out, r.err);
   }
 }
