@@ -58,6 +58,7 @@ struct Config {
   double seconds_per_size = 0.25;  // iterations per size: about this much time, 5..1000
   bool compare_blocking_mpi = false;
   bool csv = false;  // one CSV row per size instead of the table (tools/plot allreduce reads it)
+  bool check_collectives = false;  // the table is the backend's own bandwidth unless asked
 };
 
 void synchronize(const Device& device) {
@@ -110,6 +111,7 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
   Device device = options.backend == dist::Backend::Nccl ? Device::cuda(dist::get_local_rank())
                                                          : Device::cpu();
   options.device = device;
+  options.check_collectives = c.check_collectives;
   auto pg = dist::init_process_group(options);
   const int n = pg->size();
   if (n < 2) {
@@ -203,6 +205,9 @@ int main(int argc, char** argv) {
   app.add_flag("--csv", c.csv,
                "print CSV (backend,world_size,device,bytes,count,iters,time_us,algbw_gbps,busbw_gbps) instead of the "
                "table; tools/plot allreduce draws it");
+  app.add_flag("--check-collectives", c.check_collectives,
+               "time each all-reduce with the check that all ranks call the same collective "
+               "(dist/process_group_checked.cpp, on by default in programs); off: the backend alone");
   const Config defaults;
   try {
     app.parse(argc, argv);
