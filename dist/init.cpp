@@ -98,7 +98,7 @@ Backend requested_backend(Backend asked, const std::string& where) {
 // (InitOptions::check_collectives, NANODDP_CHECK_COLLECTIVES=0).
 std::shared_ptr<ProcessGroup> checked(std::shared_ptr<ProcessGroup> group, const InitOptions& options) {
   if (!options.check_collectives || env_text("NANODDP_CHECK_COLLECTIVES") == "0") return group;
-  return make_checked_process_group(std::move(group));
+  return make_checked_process_group(std::move(group), options.timeout);
 }
 
 }  // namespace

@@ -165,9 +165,11 @@ std::shared_ptr<ProcessGroup> make_nccl_process_group(std::shared_ptr<Store> sto
 
 // inner, with every collective checked first (Note [Collective check] in
 // process_group_checked.cpp): ranks that disagree get a DistError instead of a hang, an abort
-// or corrupt data. init_process_group wraps every group with it unless
+// or corrupt data. Every wait through it also ends by timeout, the group's (whatever the
+// backend does). init_process_group wraps every group with it unless
 // InitOptions::check_collectives is false. A virtual added to ProcessGroup must also be
 // forwarded there.
-std::shared_ptr<ProcessGroup> make_checked_process_group(std::shared_ptr<ProcessGroup> inner);
+std::shared_ptr<ProcessGroup> make_checked_process_group(std::shared_ptr<ProcessGroup> inner,
+                                                         std::chrono::milliseconds timeout);
 
 }  // namespace nanoddp::dist

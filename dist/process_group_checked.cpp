@@ -76,6 +76,7 @@ struct CheckState {
   std::deque<std::shared_ptr<CheckedWork>> unresolved;
   int64_t seq = 0;
   Device last_device = Device::cpu();
+  std::chrono::milliseconds timeout{};  // the group's: no wait through this group lasts longer
 
   // Compares and starts unresolved calls from the oldest through `last` (all when null).
   // block: wait for each fingerprint (up to timeout); else stop at the first still in flight.
@@ -92,6 +93,7 @@ class CheckedWork : public Work {
         state_(std::move(state)) {}
 
   void wait(std::chrono::milliseconds timeout) override {
+    timeout = std::min(timeout, state_->timeout);
     const auto begin = std::chrono::steady_clock::now();
     {
       std::lock_guard<std::mutex> lock(state_->mutex);
@@ -193,9 +195,10 @@ void CheckState::resolve(const CheckedWork* last, bool block, std::chrono::milli
 
 class CheckedProcessGroup : public ProcessGroup {
  public:
-  explicit CheckedProcessGroup(std::shared_ptr<ProcessGroup> inner)
+  CheckedProcessGroup(std::shared_ptr<ProcessGroup> inner, std::chrono::milliseconds timeout)
       : ProcessGroup(inner->rank(), inner->size()) {
     state_->inner = std::move(inner);
+    state_->timeout = timeout;
   }
   // Calls never waited on and not yet settled are dropped, never started (their works hold
   // the state: this also breaks that cycle).
@@ -257,7 +260,7 @@ class CheckedProcessGroup : public ProcessGroup {
                                 int64_t extra, std::function<std::shared_ptr<Work>()> start) {
     if (world_size_ == 1) return start();
     std::lock_guard<std::mutex> lock(state_->mutex);
-    state_->resolve(nullptr, /*block=*/true, kDefaultTimeout);
+    state_->resolve(nullptr, /*block=*/true, state_->timeout);
     std::vector<int64_t> mine = {++state_->seq,
                                  static_cast<int64_t>(kind),
                                  op,
@@ -279,9 +282,10 @@ class CheckedProcessGroup : public ProcessGroup {
 
 }  // namespace
 
-std::shared_ptr<ProcessGroup> make_checked_process_group(std::shared_ptr<ProcessGroup> inner) {
+std::shared_ptr<ProcessGroup> make_checked_process_group(std::shared_ptr<ProcessGroup> inner,
+                                                         std::chrono::milliseconds timeout) {
   NANODDP_CHECK(inner != nullptr, ValueError, "make_checked_process_group: no group");
-  return std::make_shared<CheckedProcessGroup>(std::move(inner));
+  return std::make_shared<CheckedProcessGroup>(std::move(inner), timeout);
 }
 
 }  // namespace nanoddp::dist
