@@ -255,6 +255,9 @@ TEST_CASE("mpi timeout child: a peer that never calls the collective") {
     std::printf("rank %d: DistError after %.0f ms: %s\n", pg->rank(), milliseconds_since(start), e.what());
   }
   std::fflush(stdout);
+  // The first rank to exit without MPI_Finalize makes mpirun stop the others: give every
+  // rank time to report first.
+  std::this_thread::sleep_for(2s);
 }
 
 TEST_CASE("the collective edge cases pass on MPI too (this file under mpirun -np 2 and -np 4)") {
