@@ -73,6 +73,24 @@ Tensor make_result(Tensor result, std::shared_ptr<Node> node) {
   return result;
 }
 
+const Tensor& Node::saved(size_t i) const {
+  NANODDP_CHECK(!released, ValueError, name(), ": saved tensors were freed by an earlier backward (pass retain_graph)");
+  NANODDP_ASSERT(i < saved_.size());
+  return saved_[i];
+}
+
+Tensor record(const char* name, Tensor output, std::vector<Tensor> inputs, const std::vector<Tensor>& saved,
+              FunctionNode::Backward backward) {
+  if (!grad_mode_enabled) return output;
+  bool any_requires_grad = false;
+  for (const Tensor& input : inputs) any_requires_grad |= input.defined() && input.requires_grad();
+  if (!any_requires_grad) return output;  // nothing saved: inference keeps no memory alive
+  auto node = std::make_shared<FunctionNode>(name, std::move(backward));
+  node->inputs = std::move(inputs);
+  node->save_for_backward(saved);
+  return make_result(std::move(output), std::move(node));
+}
+
 void queue_callback(std::function<void()> callback) {
   NANODDP_CHECK(backward_running, ValueError, "queue_callback outside a backward pass");
   backward_callbacks.push_back(std::move(callback));

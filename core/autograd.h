@@ -1,11 +1,15 @@
-// Autograd: the graph of Nodes that backward() walks, and the switch that turns recording off.
+// Autograd: the graph of Nodes that backward() walks, how an op records itself in it, and the
+// switch that turns recording off.
 //
-//   { NoGradGuard no_grad;  w.copy_(w_new); }       // nothing here is recorded
-//   struct MyBackward : Node { ... std::vector<Tensor> apply(const Tensor& dout) override; };
+//   Tensor y = ...;                                              // the op's forward
+//   return record("TanhBackward", y, /*inputs=*/{x}, /*saved=*/{y},
+//                 [](const Node& node, const Tensor& dy) { ... node.saved(0) ... return grads; });
+//   { NoGradGuard no_grad;  w.copy_(w_new); }                    // nothing here is recorded
 //
-// Every differentiable op (core/ops.cpp) builds its output with make_result(), which records
-// a Node holding the op's inputs and whatever it saved for backward. Tensor::backward runs
-// the engine below:
+// Every differentiable op records a Node holding the op's inputs (the graph's edges) and the
+// tensors it saved for backward: with record() (a backward lambda right below the forward)
+// or, for an op with more state, a Node subclass passed to make_result(). Tensor::backward
+// runs the engine below:
 //   1. walk the graph from the root, counting for each tensor how many consumers it feeds;
 //   2. pop ready tensors (all consumers done) in reverse creation order, as PyTorch's engine
 //      does, so a model's last layer gets its gradient first (Note [Bucket order] in dist/);
@@ -32,12 +36,46 @@ struct Node {
   // An entry may be undefined when that input needs no gradient.
   virtual std::vector<Tensor> apply(const Tensor& grad_output) = 0;
   virtual const char* name() const = 0;
-  // Drops saved tensors after backward; overrides must call Node::release().
-  virtual void release() { inputs.clear(); released = true; }
+  // Drops the inputs and saved tensors after backward; overrides must call Node::release().
+  virtual void release() {
+    inputs.clear();
+    saved_.clear();
+    released = true;
+  }
+
+  // Note [Saved tensors]
+  // Backward often needs a value from forward: an input (relu's x), the output (tanh's y) or
+  // a by-product (cross_entropy's softmax). The output holds this Node as its grad_fn, so a
+  // Node holding the output itself would be a reference cycle that never frees. What is kept
+  // is a detached handle: the same storage and shape, no graph (torch's
+  // ctx.save_for_backward keeps outputs the same way). Saved tensors go at release().
+  void save_for_backward(const std::vector<Tensor>& tensors) {
+    for (const Tensor& t : tensors) saved_.push_back(t.defined() ? t.detach() : t);
+  }
+  // The i-th saved tensor, in save_for_backward order. Throws ValueError after release().
+  const Tensor& saved(size_t i) const;
 
   std::vector<Tensor> inputs;  // the op's tensor inputs: the graph's edges
   uint64_t sequence_nr = 0;    // creation order; later nodes run first
   bool released = false;
+
+ private:
+  std::vector<Tensor> saved_;
+};
+
+// A Node whose backward is a function: what record() builds.
+struct FunctionNode : Node {
+  // Gradients w.r.t. node.inputs (same order; undefined where not needed), given dout. It
+  // reads values through node.saved(i) and node.inputs. Capture no Tensor in it: save it
+  // (Note [Saved tensors]).
+  using Backward = std::function<std::vector<Tensor>(const Node& node, const Tensor& grad_output)>;
+  FunctionNode(const char* name, Backward backward) : name_(name), backward_(std::move(backward)) {}
+  std::vector<Tensor> apply(const Tensor& grad_output) override { return backward_(*this, grad_output); }
+  const char* name() const override { return name_; }
+
+ private:
+  const char* name_;  // a string literal, "TanhBackward"
+  Backward backward_;
 };
 
 // Whether ops record graphs on this thread (torch.is_grad_enabled).
@@ -58,6 +96,12 @@ class NoGradGuard {
 // Attaches node (with node->inputs already set) to result if grad mode is on and any input
 // requires grad; then result.requires_grad() is true. Returns result.
 Tensor make_result(Tensor result, std::shared_ptr<Node> node);
+
+// Records an op: output was computed from inputs; saved are kept for backward (Note [Saved
+// tensors]); backward(node, dout) returns one gradient per input. Returns output, attached to
+// the graph when grad mode is on and an input requires grad; otherwise nothing is kept.
+Tensor record(const char* name, Tensor output, std::vector<Tensor> inputs, const std::vector<Tensor>& saved,
+              FunctionNode::Backward backward);
 
 // Runs callback once the backward pass now running on this thread has finished, after every
 // gradient and hook (torch's Variable._execution_engine.queue_callback). DDP queues its

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/autograd.h"
+#include "core/op_helpers.h"
 
 namespace nanoddp {
 
@@ -12,27 +13,12 @@ using kernels::ScalarOp;
 
 namespace {
 
-void check_float(const char* op, const Tensor& t, const char* what) {
-  NANODDP_CHECK(t.defined(), ValueError, op, ": ", what, " is undefined");
-  NANODDP_CHECK(t.dtype() == DType::Float32, ValueError, op, ": ", what, " must be float32, got ", t.dtype(),
-                " (shape ", t.shape(), ")");
-}
-
-void check_same_device(const char* op, const Tensor& a, const Tensor& b) {
-  NANODDP_CHECK(a.device() == b.device(), DeviceError, op, ": operands on ", a.device(), " and ", b.device(),
-                " (shapes ", a.shape(), " and ", b.shape(), ")");
-}
-
 // Rows of an [..., F] tensor: the product of all sizes but the last.
 int64_t leading_rows(const Tensor& t) {
   int64_t rows = 1;
   for (int d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
   return rows;
 }
-
-Tensor empty_like(const Tensor& t) { return Tensor::empty(t.shape(), DType::Float32, t.device()); }
-
-float* ptr(const Tensor& t) { return t.data<float>(); }
 
 // out = a (op) b over [rows, F]; b is [F] when broadcast.
 Tensor binary(const Tensor& a, const Tensor& b, BinaryOp op, bool broadcast) {
@@ -281,25 +267,16 @@ Tensor mean(const Tensor& a) { return reduce_all("mean", a, true); }
 
 // ---- relu ---------------------------------------------------------------------------------
 
-namespace {
-struct ReluBackward : Node {
-  std::vector<Tensor> apply(const Tensor& dout) override {
-    const Tensor& a = inputs[0];
-    Tensor da = empty_like(a);
-    NANODDP_DISPATCH(a.device(), relu_backward, ptr(da), ptr(dout), ptr(a), a.numel());
-    return {da};
-  }
-  const char* name() const override { return "ReluBackward"; }
-};
-}  // namespace
-
 Tensor relu(const Tensor& a) {
   check_float("relu", a, "input");
   Tensor out = empty_like(a);
   NANODDP_DISPATCH(a.device(), relu_forward, ptr(out), ptr(a), a.numel());
-  auto node = std::make_shared<ReluBackward>();
-  node->inputs = {a};
-  return make_result(out, node);
+  return record("ReluBackward", out, {a}, {a}, [](const Node& node, const Tensor& dout) {
+    const Tensor& a = node.saved(0);  // din = dout where a > 0
+    Tensor da = empty_like(a);
+    NANODDP_DISPATCH(a.device(), relu_backward, ptr(da), ptr(dout), ptr(a), a.numel());
+    return std::vector<Tensor>{da};
+  });
 }
 
 // ---- mse_loss -----------------------------------------------------------------------------
@@ -338,27 +315,6 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) 
 
 // ---- cross_entropy ------------------------------------------------------------------------
 
-namespace {
-struct CrossEntropyBackward : Node {
-  Reduction reduction;
-  Tensor probs;   // softmax(logits), [N, C]
-  Tensor target;  // [N] int64
-  std::vector<Tensor> apply(const Tensor& dout) override {
-    const Tensor& logits = inputs[0];
-    Tensor dlogits = empty_like(logits);
-    NANODDP_DISPATCH(logits.device(), cross_entropy_backward, ptr(dlogits), ptr(dout), ptr(probs),
-                     target.data<int64_t>(), logits.size(0), logits.size(1), reduction);
-    return {dlogits};
-  }
-  void release() override {
-    probs = Tensor();
-    target = Tensor();
-    Node::release();
-  }
-  const char* name() const override { return "CrossEntropyBackward"; }
-};
-}  // namespace
-
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction) {
   check_float("cross_entropy", logits, "logits");
   NANODDP_CHECK(target.defined() && target.dtype() == DType::Int64, ValueError,
@@ -379,12 +335,16 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduc
   Tensor probs = empty_like(logits);
   NANODDP_DISPATCH(logits.device(), cross_entropy_forward, ptr(out), ptr(probs), ptr(logits),
                    target.data<int64_t>(), N, C, reduction);
-  auto node = std::make_shared<CrossEntropyBackward>();
-  node->inputs = {logits};
-  node->reduction = reduction;
-  node->probs = probs;
-  node->target = target;
-  return make_result(out, node);
+  // Backward needs softmax(logits) and the targets, not the logits: saved (Note [Saved tensors]).
+  return record("CrossEntropyBackward", out, {logits}, {probs, target},
+                [reduction](const Node& node, const Tensor& dout) {
+                  const Tensor& probs = node.saved(0);
+                  const Tensor& target = node.saved(1);
+                  Tensor dlogits = empty_like(probs);
+                  NANODDP_DISPATCH(probs.device(), cross_entropy_backward, ptr(dlogits), ptr(dout), ptr(probs),
+                                   target.data<int64_t>(), probs.size(0), probs.size(1), reduction);
+                  return std::vector<Tensor>{dlogits};
+                });
 }
 
 // ---- argmax -------------------------------------------------------------------------------

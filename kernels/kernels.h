@@ -4,8 +4,10 @@
 //   kernels::cuda::relu_forward(out, in, n);         // hand-written, kernels/cuda/*.cu
 //   NANODDP_DISPATCH(t.device(), relu_forward, out, in, n);   // picks by device
 //
-// The two namespaces declare the same list (kernels/kernel_list.inc), so a CUDA kernel is a
-// new definition, never a new signature. Conventions (llm.c's): outputs first, then inputs,
+// The two namespaces declare the same list (kernels/kernel_list.inc: the core ops), so a CUDA
+// kernel is a new definition, never a new signature. A layer declares its own kernels next to
+// the forward and backward that call them, with NANODDP_DECLARE_KERNEL (one declaration, both
+// namespaces): a layer is one place (docs/adding-a-layer.md). Conventions (llm.c's): outputs first, then inputs,
 // then sizes; pointers are to device memory of the namespace's device; all tensors are dense
 // row-major. Gradient buffers are d-prefixed and each comment says whether backward WRITES
 // or ACCUMULATES. Scalars that live in tensors (a loss's gradient) are passed as pointers so
@@ -32,6 +34,18 @@ struct SgdConfig {
   bool nesterov = false;
 };
 
+// A sliding window over one [C, H, W] image (Conv2d's im2col, MaxPool2d): kernel, stride,
+// zero padding on both sides and dilation per axis, and the output size they give:
+// out = (in + 2 pad - dilation (kernel - 1) - 1) / stride + 1 (torch.nn.Conv2d's formula).
+struct Window2d {
+  int64_t channels = 0, height = 0, width = 0;
+  int64_t kernel_h = 1, kernel_w = 1;
+  int64_t stride_h = 1, stride_w = 1;
+  int64_t pad_h = 0, pad_w = 0;
+  int64_t dilation_h = 1, dilation_w = 1;
+  int64_t out_h = 0, out_w = 0;
+};
+
 namespace cpu {
 #include "kernels/kernel_list.inc"
 }  // namespace cpu
@@ -46,6 +60,17 @@ bool cuda_built();
 [[noreturn]] void throw_no_cuda(const char* kernel);
 
 }  // namespace nanoddp::kernels
+
+// Declares `void name(params...)` in kernels::cpu and kernels::cuda, from inside namespace
+// nanoddp:  NANODDP_DECLARE_KERNEL(tanh_forward, float* y, const float* x, int64_t n)
+// kernels/cpu and kernels/cuda define it; a definition with other parameters fails to link.
+#define NANODDP_DECLARE_KERNEL(name, ...)        \
+  namespace kernels::cpu {                       \
+  void name(__VA_ARGS__);                        \
+  }                                              \
+  namespace kernels::cuda {                      \
+  void name(__VA_ARGS__);                        \
+  }
 
 #if NANODDP_WITH_CUDA
 #define NANODDP_DISPATCH(device, kernel, ...)                                       \
