@@ -1,5 +1,6 @@
 #include "nn/layers.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace nanoddp::nn {
@@ -19,6 +20,26 @@ Linear::Linear(int64_t in_features, int64_t out_features, Generator& gen, bool w
 }
 
 Tensor Linear::forward(const Tensor& input) { return linear(input, weight, bias); }
+
+Tensor Flatten::forward(const Tensor& input) {
+  const int dims = std::max(input.dim(), 1);  // a 0-dim tensor flattens to [1], as in torch
+  const int start = start_dim_ < 0 ? start_dim_ + dims : start_dim_;
+  const int end = end_dim_ < 0 ? end_dim_ + dims : end_dim_;
+  NANODDP_CHECK(start >= 0 && end < dims && start <= end, IndexError, "Flatten(", start_dim_, ", ", end_dim_,
+                "): dims out of range (or start after end) for input ", input.shape());
+  std::vector<int64_t> sizes;
+  int64_t merged = 1;
+  for (int d = 0; d < input.dim(); ++d) {
+    if (d < start || d > end) {
+      sizes.push_back(input.size(d));
+      continue;
+    }
+    merged *= input.size(d);
+    if (d == end) sizes.push_back(merged);
+  }
+  if (input.dim() == 0) sizes = {1};
+  return input.reshape(sizes);
+}
 
 Sequential& Sequential::add(std::shared_ptr<Module> module) {
   layers_.push_back(register_module(std::to_string(layers_.size()), std::move(module)));

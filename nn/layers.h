@@ -1,4 +1,6 @@
-// Layers and losses: Linear, ReLU, Sequential, MSELoss, CrossEntropyLoss (torch.nn's).
+// Layers and losses: Linear, ReLU, Flatten, Sequential, MSELoss, CrossEntropyLoss (torch.nn's),
+// and every other layer's header: activations (Sigmoid, Tanh, GELU), Dropout, LayerNorm,
+// Conv2d and MaxPool2d.
 //
 //   Generator gen(0);
 //   Sequential mlp;  mlp.add(Linear(784, 256, gen));  mlp.add(ReLU());  mlp.add(Linear(256, 10, gen));
@@ -9,7 +11,11 @@
 
 #include "core/ops.h"
 #include "core/random.h"
+#include "nn/activations.h"
+#include "nn/conv.h"
+#include "nn/dropout.h"
 #include "nn/module.h"
+#include "nn/normalization.h"
 
 namespace nanoddp::nn {
 
@@ -31,6 +37,18 @@ class Linear : public Module {
 class ReLU : public Module {
  public:
   Tensor forward(const Tensor& input) override { return relu(input); }
+};
+
+// Merges dimensions start_dim..end_dim into one (torch.nn.Flatten; defaults keep the batch
+// dimension: [N, C, H, W] -> [N, C H W]). Negative dims count from the end. A reshape: no
+// copy, no FLOPs; the gradient is reshaped back. IndexError for a dim outside the input's.
+class Flatten : public Module {
+ public:
+  explicit Flatten(int start_dim = 1, int end_dim = -1) : start_dim_(start_dim), end_dim_(end_dim) {}
+  Tensor forward(const Tensor& input) override;
+
+ private:
+  int start_dim_, end_dim_;
 };
 
 // Runs its modules in order; they are named "0", "1", ... (torch.nn.Sequential).

@@ -1,0 +1,55 @@
+// CPU kernels of the pointwise activations in nn/activations.h (declared there), as Eigen
+// array expressions: vectorised, including tanh, exp and erf.
+#include <cmath>
+#include <unsupported/Eigen/SpecialFunctions>
+
+#include "kernels/cpu/eigen_maps.h"
+
+namespace nanoddp::kernels::cpu {
+
+namespace {
+constexpr float kSqrt1_2 = 0.70710678118654752f;   // 1 / sqrt(2)
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;  // 1 / sqrt(2 pi)
+constexpr float kSqrt2OverPi = 0.79788456080286536f; // sqrt(2 / pi)
+constexpr float kGeluCubic = 0.044715f;
+}  // namespace
+
+// ---- sigmoid ------------------------------------------------------------------------------
+
+void sigmoid_forward(float* y, const float* x, int64_t n) {
+  // 1 / (1 + e^-x): e^-x overflows to inf for x < -88 and the quotient is then exactly 0.
+  vec(y, n).array() = (1.0f + (-vec(x, n).array()).exp()).inverse();
+}
+
+void sigmoid_backward(float* dx, const float* dy, const float* y, int64_t n) {
+  const auto s = vec(y, n).array();
+  vec(dx, n).array() = vec(dy, n).array() * s * (1.0f - s);
+}
+
+// ---- gelu ---------------------------------------------------------------------------------
+
+void gelu_forward(float* y, const float* x, bool tanh_approximation, int64_t n) {
+  const auto v = vec(x, n).array();
+  if (tanh_approximation) {
+    vec(y, n).array() = 0.5f * v * (1.0f + (kSqrt2OverPi * (v + kGeluCubic * v.cube())).tanh());
+  } else {
+    vec(y, n).array() = 0.5f * v * (1.0f + (v * kSqrt1_2).erf());
+  }
+}
+
+void gelu_backward(float* dx, const float* dy, const float* x, bool tanh_approximation, int64_t n) {
+  const auto v = vec(x, n).array();
+  const auto g = vec(dy, n).array();
+  if (tanh_approximation) {
+    // d/dx [x/2 (1 + t)] = (1 + t)/2 + x/2 (1 - t^2) u', t = tanh(u), u' = sqrt(2/pi)(1 + 3c x^2)
+    const Eigen::ArrayXf t = (kSqrt2OverPi * (v + kGeluCubic * v.cube())).tanh();
+    vec(dx, n).array() =
+        g * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t.square()) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * v.square()));
+  } else {
+    // d/dx [x Phi(x)] = Phi(x) + x phi(x)
+    vec(dx, n).array() =
+        g * (0.5f * (1.0f + (v * kSqrt1_2).erf()) + v * kInvSqrt2Pi * (-0.5f * v.square()).exp());
+  }
+}
+
+}  // namespace nanoddp::kernels::cpu

@@ -1,0 +1,98 @@
+// CPU kernels of Conv2d and MaxPool2d (declared in nn/conv.cpp): im2col / col2im around
+// Eigen's GEMM, the per-channel bias, and max pooling. Loops run in memory order.
+#include <cmath>
+#include <limits>
+
+#include "kernels/cpu/eigen_maps.h"
+#include "kernels/kernels.h"
+
+namespace nanoddp::kernels::cpu {
+
+void im2col(float* cols, const float* image, Window2d g) {
+  const int64_t OHW = g.out_h * g.out_w;
+  for (int64_t c = 0; c < g.channels; ++c)
+    for (int64_t i = 0; i < g.kernel_h; ++i)
+      for (int64_t j = 0; j < g.kernel_w; ++j) {
+        float* row = cols + ((c * g.kernel_h + i) * g.kernel_w + j) * OHW;
+        const float* plane = image + c * g.height * g.width;
+        for (int64_t oh = 0; oh < g.out_h; ++oh) {
+          const int64_t h = oh * g.stride_h - g.pad_h + i * g.dilation_h;
+          float* out = row + oh * g.out_w;
+          if (h < 0 || h >= g.height) {
+            std::fill(out, out + g.out_w, 0.0f);
+            continue;
+          }
+          for (int64_t ow = 0; ow < g.out_w; ++ow) {
+            const int64_t w = ow * g.stride_w - g.pad_w + j * g.dilation_w;
+            out[ow] = w >= 0 && w < g.width ? plane[h * g.width + w] : 0.0f;
+          }
+        }
+      }
+}
+
+void col2im(float* dimage, const float* dcols, Window2d g) {
+  const int64_t OHW = g.out_h * g.out_w;
+  std::fill(dimage, dimage + g.channels * g.height * g.width, 0.0f);
+  for (int64_t c = 0; c < g.channels; ++c)
+    for (int64_t i = 0; i < g.kernel_h; ++i)
+      for (int64_t j = 0; j < g.kernel_w; ++j) {
+        const float* row = dcols + ((c * g.kernel_h + i) * g.kernel_w + j) * OHW;
+        float* plane = dimage + c * g.height * g.width;
+        for (int64_t oh = 0; oh < g.out_h; ++oh) {
+          const int64_t h = oh * g.stride_h - g.pad_h + i * g.dilation_h;
+          if (h < 0 || h >= g.height) continue;
+          for (int64_t ow = 0; ow < g.out_w; ++ow) {
+            const int64_t w = ow * g.stride_w - g.pad_w + j * g.dilation_w;
+            if (w >= 0 && w < g.width) plane[h * g.width + w] += row[oh * g.out_w + ow];
+          }
+        }
+      }
+}
+
+void channel_bias_forward(float* out, const float* bias, int64_t N, int64_t C, int64_t HW) {
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t c = 0; c < C; ++c) vec(out + (n * C + c) * HW, HW).array() += bias[c];
+}
+
+void channel_sum(float* dbias, const float* dout, int64_t N, int64_t C, int64_t HW) {
+  for (int64_t c = 0; c < C; ++c) {
+    double total = 0.0;  // in double, as every sum here: the result does not depend on N
+    for (int64_t n = 0; n < N; ++n) total += vec(dout + (n * C + c) * HW, HW).cast<double>().sum();
+    dbias[c] = static_cast<float>(total);
+  }
+}
+
+void max_pool2d_forward(float* out, int64_t* indices, const float* in, int64_t planes, Window2d g) {
+  const int64_t in_plane = g.height * g.width, out_plane = g.out_h * g.out_w;
+  for (int64_t p = 0; p < planes; ++p)
+    for (int64_t oh = 0; oh < g.out_h; ++oh)
+      for (int64_t ow = 0; ow < g.out_w; ++ow) {
+        float best = -std::numeric_limits<float>::infinity();
+        int64_t best_index = -1;
+        for (int64_t i = 0; i < g.kernel_h; ++i) {
+          const int64_t h = oh * g.stride_h - g.pad_h + i * g.dilation_h;
+          if (h < 0 || h >= g.height) continue;
+          for (int64_t j = 0; j < g.kernel_w; ++j) {
+            const int64_t w = ow * g.stride_w - g.pad_w + j * g.dilation_w;
+            if (w < 0 || w >= g.width) continue;
+            const float v = in[p * in_plane + h * g.width + w];
+            // A NaN wins (the last one, as torch); a window of -inf still gets an index.
+            if (best_index < 0 || v > best || std::isnan(v)) {
+              best = v;
+              best_index = h * g.width + w;
+            }
+          }
+        }
+        out[p * out_plane + oh * g.out_w + ow] = best;
+        indices[p * out_plane + oh * g.out_w + ow] = best_index;
+      }
+}
+
+void max_pool2d_backward(float* din, const float* dout, const int64_t* indices, int64_t planes, int64_t in_plane,
+                         int64_t out_plane) {
+  std::fill(din, din + planes * in_plane, 0.0f);
+  for (int64_t p = 0; p < planes; ++p)
+    for (int64_t o = 0; o < out_plane; ++o) din[p * in_plane + indices[p * out_plane + o]] += dout[p * out_plane + o];
+}
+
+}  // namespace nanoddp::kernels::cpu

@@ -1,0 +1,74 @@
+// CUDA kernels of the pointwise activations in nn/activations.h (declared there): one thread
+// per element with grid-stride loops, each kernel followed by its checked host launcher.
+
+#include "kernels/cuda/launch.cuh"
+
+namespace nanoddp::kernels::cuda {
+
+namespace {
+constexpr float kSqrt1_2 = 0.70710678118654752f;   // 1 / sqrt(2)
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;  // 1 / sqrt(2 pi)
+constexpr float kSqrt2OverPi = 0.79788456080286536f; // sqrt(2 / pi)
+constexpr float kGeluCubic = 0.044715f;
+}  // namespace
+
+// ---- sigmoid ------------------------------------------------------------------------------
+
+__global__ void sigmoid_forward_kernel(float* y, const float* x, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) y[i] = 1.0f / (1.0f + expf(-x[i]));
+}
+
+void sigmoid_forward(float* y, const float* x, int64_t n) {
+  if (n <= 0) return;
+  sigmoid_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(y, x, n);
+  NANODDP_CUDA_CHECK_LAUNCH("sigmoid_forward_kernel");
+}
+
+__global__ void sigmoid_backward_kernel(float* dx, const float* dy, const float* y, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) dx[i] = dy[i] * y[i] * (1.0f - y[i]);
+}
+
+void sigmoid_backward(float* dx, const float* dy, const float* y, int64_t n) {
+  if (n <= 0) return;
+  sigmoid_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(dx, dy, y, n);
+  NANODDP_CUDA_CHECK_LAUNCH("sigmoid_backward_kernel");
+}
+
+// ---- gelu ---------------------------------------------------------------------------------
+
+__global__ void gelu_forward_kernel(float* y, const float* x, bool tanh_approximation, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const float v = x[i];
+    y[i] = tanh_approximation ? 0.5f * v * (1.0f + tanhf(kSqrt2OverPi * (v + kGeluCubic * v * v * v)))
+                              : 0.5f * v * (1.0f + erff(v * kSqrt1_2));
+  }
+}
+
+void gelu_forward(float* y, const float* x, bool tanh_approximation, int64_t n) {
+  if (n <= 0) return;
+  gelu_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(y, x, tanh_approximation, n);
+  NANODDP_CUDA_CHECK_LAUNCH("gelu_forward_kernel");
+}
+
+__global__ void gelu_backward_kernel(float* dx, const float* dy, const float* x, bool tanh_approximation,
+                                     int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const float v = x[i];
+    float slope;
+    if (tanh_approximation) {
+      const float t = tanhf(kSqrt2OverPi * (v + kGeluCubic * v * v * v));
+      slope = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * v * v);
+    } else {
+      slope = 0.5f * (1.0f + erff(v * kSqrt1_2)) + v * kInvSqrt2Pi * expf(-0.5f * v * v);
+    }
+    dx[i] = dy[i] * slope;
+  }
+}
+
+void gelu_backward(float* dx, const float* dy, const float* x, bool tanh_approximation, int64_t n) {
+  if (n <= 0) return;
+  gelu_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(dx, dy, x, tanh_approximation, n);
+  NANODDP_CUDA_CHECK_LAUNCH("gelu_backward_kernel");
+}
+
+}  // namespace nanoddp::kernels::cuda

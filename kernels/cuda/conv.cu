@@ -1,0 +1,143 @@
+// CUDA kernels of Conv2d and MaxPool2d (declared in nn/conv.cpp): im2col and col2im around
+// cuBLAS's GEMM, the per-channel bias, and max pooling. Each kernel is followed by its host
+// launcher. Every output element is written by one thread that reads what it needs (col2im
+// and the pooling backward gather, never scatter), so results are deterministic.
+
+#include <cmath>
+
+#include "kernels/cuda/launch.cuh"
+#include "kernels/kernels.h"
+
+namespace nanoddp::kernels::cuda {
+
+// ---- im2col / col2im ----------------------------------------------------------------------
+
+// One thread per cols element [C kh kw, OH OW].
+__global__ void im2col_forward_kernel(float* cols, const float* image, Window2d g, int64_t n) {
+  const int64_t OHW = g.out_h * g.out_w;
+  for (int64_t e = first_index(); e < n; e += grid_stride()) {
+    const int64_t row = e / OHW, col = e % OHW;
+    const int64_t j = row % g.kernel_w, i = (row / g.kernel_w) % g.kernel_h, c = row / (g.kernel_w * g.kernel_h);
+    const int64_t h = (col / g.out_w) * g.stride_h - g.pad_h + i * g.dilation_h;
+    const int64_t w = (col % g.out_w) * g.stride_w - g.pad_w + j * g.dilation_w;
+    cols[e] = h >= 0 && h < g.height && w >= 0 && w < g.width ? image[(c * g.height + h) * g.width + w] : 0.0f;
+  }
+}
+
+void im2col(float* cols, const float* image, Window2d g) {
+  const int64_t n = g.channels * g.kernel_h * g.kernel_w * g.out_h * g.out_w;
+  if (n <= 0) return;
+  im2col_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(cols, image, g, n);
+  NANODDP_CUDA_CHECK_LAUNCH("im2col_forward_kernel");
+}
+
+// One thread per pixel [C, H, W]: sums the cols entries that read it. Kernel tap i reads
+// pixel h from output row oh when oh stride = h + pad - i dilation.
+__global__ void col2im_backward_kernel(float* dimage, const float* dcols, Window2d g, int64_t n) {
+  const int64_t OHW = g.out_h * g.out_w;
+  for (int64_t e = first_index(); e < n; e += grid_stride()) {
+    const int64_t w = e % g.width, h = (e / g.width) % g.height, c = e / (g.width * g.height);
+    float total = 0.0f;
+    for (int64_t i = 0; i < g.kernel_h; ++i) {
+      const int64_t oh_stride = h + g.pad_h - i * g.dilation_h;
+      if (oh_stride < 0 || oh_stride % g.stride_h != 0 || oh_stride / g.stride_h >= g.out_h) continue;
+      for (int64_t j = 0; j < g.kernel_w; ++j) {
+        const int64_t ow_stride = w + g.pad_w - j * g.dilation_w;
+        if (ow_stride < 0 || ow_stride % g.stride_w != 0 || ow_stride / g.stride_w >= g.out_w) continue;
+        const int64_t row = (c * g.kernel_h + i) * g.kernel_w + j;
+        total += dcols[row * OHW + (oh_stride / g.stride_h) * g.out_w + ow_stride / g.stride_w];
+      }
+    }
+    dimage[e] = total;
+  }
+}
+
+void col2im(float* dimage, const float* dcols, Window2d g) {
+  const int64_t n = g.channels * g.height * g.width;
+  if (n <= 0) return;
+  col2im_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(dimage, dcols, g, n);
+  NANODDP_CUDA_CHECK_LAUNCH("col2im_backward_kernel");
+}
+
+// ---- per-channel bias ---------------------------------------------------------------------
+
+__global__ void channel_bias_forward_kernel(float* out, const float* bias, int64_t C, int64_t HW, int64_t n) {
+  for (int64_t e = first_index(); e < n; e += grid_stride()) out[e] += bias[(e / HW) % C];
+}
+
+void channel_bias_forward(float* out, const float* bias, int64_t N, int64_t C, int64_t HW) {
+  const int64_t n = N * C * HW;
+  if (n <= 0) return;
+  channel_bias_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(out, bias, C, HW, n);
+  NANODDP_CUDA_CHECK_LAUNCH("channel_bias_forward_kernel");
+}
+
+// One block per channel; each thread sums a fixed strided subset in double, then a fixed tree.
+__global__ void channel_sum_backward_kernel(float* dbias, const float* dout, int64_t N, int64_t C, int64_t HW) {
+  const int64_t c = blockIdx.x;
+  double total = 0.0;
+  for (int64_t k = threadIdx.x; k < N * HW; k += blockDim.x) total += dout[((k / HW) * C + c) * HW + k % HW];
+  total = block_sum<kBlock>(total);
+  if (threadIdx.x == 0) dbias[c] = static_cast<float>(total);
+}
+
+void channel_sum(float* dbias, const float* dout, int64_t N, int64_t C, int64_t HW) {
+  if (C <= 0) return;
+  channel_sum_backward_kernel<<<static_cast<unsigned>(C), kBlock, 0, stream()>>>(dbias, dout, N, C, HW);
+  NANODDP_CUDA_CHECK_LAUNCH("channel_sum_backward_kernel");
+}
+
+// ---- max pooling --------------------------------------------------------------------------
+
+// One thread per output element [planes, OH, OW]. Same rule as the CPU: a NaN wins (the last
+// one), a window of -inf still gets an index.
+__global__ void max_pool2d_forward_kernel(float* out, int64_t* indices, const float* in, Window2d g, int64_t n) {
+  const int64_t in_plane = g.height * g.width, out_plane = g.out_h * g.out_w;
+  for (int64_t e = first_index(); e < n; e += grid_stride()) {
+    const int64_t p = e / out_plane, oh = (e % out_plane) / g.out_w, ow = e % g.out_w;
+    float best = -INFINITY;
+    int64_t best_index = -1;
+    for (int64_t i = 0; i < g.kernel_h; ++i) {
+      const int64_t h = oh * g.stride_h - g.pad_h + i * g.dilation_h;
+      if (h < 0 || h >= g.height) continue;
+      for (int64_t j = 0; j < g.kernel_w; ++j) {
+        const int64_t w = ow * g.stride_w - g.pad_w + j * g.dilation_w;
+        if (w < 0 || w >= g.width) continue;
+        const float v = in[p * in_plane + h * g.width + w];
+        if (best_index < 0 || v > best || isnan(v)) {
+          best = v;
+          best_index = h * g.width + w;
+        }
+      }
+    }
+    out[e] = best;
+    indices[e] = best_index;
+  }
+}
+
+void max_pool2d_forward(float* out, int64_t* indices, const float* in, int64_t planes, Window2d g) {
+  const int64_t n = planes * g.out_h * g.out_w;
+  if (n <= 0) return;
+  max_pool2d_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(out, indices, in, g, n);
+  NANODDP_CUDA_CHECK_LAUNCH("max_pool2d_forward_kernel");
+}
+
+// One thread per plane: adds its outputs' gradients in order (windows may overlap).
+__global__ void max_pool2d_backward_kernel(float* din, const float* dout, const int64_t* indices, int64_t planes,
+                                           int64_t in_plane, int64_t out_plane) {
+  for (int64_t p = first_index(); p < planes; p += grid_stride()) {
+    float* plane = din + p * in_plane;
+    for (int64_t k = 0; k < in_plane; ++k) plane[k] = 0.0f;
+    for (int64_t o = 0; o < out_plane; ++o) plane[indices[p * out_plane + o]] += dout[p * out_plane + o];
+  }
+}
+
+void max_pool2d_backward(float* din, const float* dout, const int64_t* indices, int64_t planes, int64_t in_plane,
+                         int64_t out_plane) {
+  if (planes <= 0 || in_plane <= 0) return;
+  max_pool2d_backward_kernel<<<grid_for(planes), kBlock, 0, stream()>>>(din, dout, indices, planes, in_plane,
+                                                                        out_plane);
+  NANODDP_CUDA_CHECK_LAUNCH("max_pool2d_backward_kernel");
+}
+
+}  // namespace nanoddp::kernels::cuda

@@ -1,0 +1,89 @@
+// Pointwise activations: each one in one place, its kernels declared, its forward and its
+// backward, and the Module that applies it (torch.nn's Sigmoid, GELU, ...).
+//
+//   Tensor y = gelu(x);                                   // any shape -> the same shape
+//   Sequential mlp;  mlp.add(Linear(784, 256, gen));  mlp.add(GELU("tanh"));  ...
+//   docs/adding-a-layer.md adds one of these, end to end.
+//
+// Every op here takes a float32 tensor of any shape on any device (ValueError otherwise) and
+// returns a new tensor of the same shape. NaN stays NaN; ±inf map as the PyTorch function
+// named on each op does. Cost, for n elements: the forward reads and writes n floats, the
+// backward reads two and writes one, and each op keeps one n-float tensor for backward.
+#pragma once
+
+#include <string>
+
+#include "core/autograd.h"
+#include "core/op_helpers.h"
+#include "kernels/kernels.h"
+#include "nn/module.h"
+
+namespace nanoddp {
+
+// ---- sigmoid ------------------------------------------------------------------------------
+// y = 1 / (1 + e^-x) (torch.sigmoid): sigmoid(-inf) = 0, sigmoid(inf) = 1.
+// Backward from the saved output: dx = dy * y * (1 - y). ~4 FLOPs + one exp per element.
+NANODDP_DECLARE_KERNEL(sigmoid_forward, float* y, const float* x, int64_t n)
+NANODDP_DECLARE_KERNEL(sigmoid_backward, float* dx, const float* dy, const float* y, int64_t n)  // WRITES
+
+inline Tensor sigmoid(const Tensor& x) {
+  check_float("sigmoid", x, "input");
+  Tensor y = empty_like(x);
+  NANODDP_DISPATCH(x.device(), sigmoid_forward, ptr(y), ptr(x), x.numel());
+  return record("SigmoidBackward", y, {x}, {y}, [](const Node& node, const Tensor& dy) {
+    const Tensor& y = node.saved(0);
+    Tensor dx = empty_like(y);
+    NANODDP_DISPATCH(y.device(), sigmoid_backward, ptr(dx), ptr(dy), ptr(y), y.numel());
+    return std::vector<Tensor>{dx};
+  });
+}
+
+// ---- gelu ---------------------------------------------------------------------------------
+// approximate "none": y = x * Phi(x) = x/2 * (1 + erf(x / sqrt 2));
+// approximate "tanh": y = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))
+// (torch.nn.functional.gelu(x, approximate=...)). gelu(inf) = inf; gelu(-inf) is NaN, as
+// in PyTorch (-inf * 0). Backward from the saved input. ~15 FLOPs + one erf/tanh per element.
+// Throws ValueError for another approximate.
+NANODDP_DECLARE_KERNEL(gelu_forward, float* y, const float* x, bool tanh_approximation, int64_t n)
+NANODDP_DECLARE_KERNEL(gelu_backward, float* dx, const float* dy, const float* x, bool tanh_approximation,
+                       int64_t n)  // WRITES
+
+inline Tensor gelu(const Tensor& x, const std::string& approximate = "none") {
+  check_float("gelu", x, "input");
+  NANODDP_CHECK(approximate == "none" || approximate == "tanh", ValueError, "gelu: approximate must be 'none' or ",
+                "'tanh', got '", approximate, "'");
+  const bool tanh_approximation = approximate == "tanh";
+  Tensor y = empty_like(x);
+  NANODDP_DISPATCH(x.device(), gelu_forward, ptr(y), ptr(x), tanh_approximation, x.numel());
+  return record("GeluBackward", y, {x}, {x}, [tanh_approximation](const Node& node, const Tensor& dy) {
+    const Tensor& x = node.saved(0);
+    Tensor dx = empty_like(x);
+    NANODDP_DISPATCH(x.device(), gelu_backward, ptr(dx), ptr(dy), ptr(x), tanh_approximation, x.numel());
+    return std::vector<Tensor>{dx};
+  });
+}
+
+namespace nn {
+
+// sigmoid(x), any shape (torch.nn.Sigmoid).
+class Sigmoid : public Module {
+ public:
+  Tensor forward(const Tensor& input) override { return sigmoid(input); }
+};
+
+// gelu(x, approximate), any shape (torch.nn.GELU). approximate: "none" or "tanh"
+// (ValueError otherwise, at construction).
+class GELU : public Module {
+ public:
+  explicit GELU(std::string approximate = "none") : approximate_(std::move(approximate)) {
+    NANODDP_CHECK(approximate_ == "none" || approximate_ == "tanh", ValueError,
+                  "GELU: approximate must be 'none' or 'tanh', got '", approximate_, "'");
+  }
+  Tensor forward(const Tensor& input) override { return gelu(input, approximate_); }
+
+ private:
+  std::string approximate_;
+};
+
+}  // namespace nn
+}  // namespace nanoddp

@@ -1,0 +1,175 @@
+// Conv2d and MaxPool2d: forward, then backward right below, each over one image at a time.
+#include "nn/conv.h"
+
+#include <cmath>
+
+#include "core/autograd.h"
+#include "core/op_helpers.h"
+#include "kernels/kernels.h"
+
+namespace nanoddp {
+
+using kernels::Window2d;
+
+// Kernels of this file (kernels/{cpu,cuda}/conv.*). One image: [C, H, W].
+// cols [C kh kw, OH OW]: row (c kh + i) kw + j holds image[c, oh sh - ph + i dh,
+// ow sw - pw + j dw] at column oh OW + ow, 0 where that falls in the padding.
+NANODDP_DECLARE_KERNEL(im2col, float* cols, const float* image, Window2d window)
+// dimage = the sum, over the cols entries that read each pixel, of dcols. WRITES.
+NANODDP_DECLARE_KERNEL(col2im, float* dimage, const float* dcols, Window2d window)
+// out[n, c, :] += bias[c]; out: [N, C, HW].
+NANODDP_DECLARE_KERNEL(channel_bias_forward, float* out, const float* bias, int64_t N, int64_t C, int64_t HW)
+// dbias[c] = sum over n and hw of dout[n, c, hw]. WRITES. Deterministic.
+NANODDP_DECLARE_KERNEL(channel_sum, float* dbias, const float* dout, int64_t N, int64_t C, int64_t HW)
+// Per plane p of planes [H, W] -> [OH, OW]: out = the window's maximum (NaN wins), indices =
+// its position h W + w in the plane (the first maximum on ties). window.channels is unused.
+NANODDP_DECLARE_KERNEL(max_pool2d_forward, float* out, int64_t* indices, const float* in, int64_t planes,
+                       Window2d window)
+// din[p, indices[p, o]] += dout[p, o] over every output o of plane p. WRITES (zeroes din
+// first). Deterministic.
+NANODDP_DECLARE_KERNEL(max_pool2d_backward, float* din, const float* dout, const int64_t* indices, int64_t planes,
+                       int64_t in_plane, int64_t out_plane)
+
+namespace {
+
+// The window of op over input [N, C, H, W]; throws for bad sizes or an empty output.
+Window2d make_window(const char* op, const Tensor& input, Size2 kernel, Size2 stride, Size2 padding, Size2 dilation) {
+  check_float(op, input, "input");
+  NANODDP_CHECK(input.dim() == 4, ShapeError, op, ": input ", input.shape(), " must be [N, C, H, W]");
+  NANODDP_CHECK(kernel.h >= 1 && kernel.w >= 1 && stride.h >= 1 && stride.w >= 1 && dilation.h >= 1 &&
+                    dilation.w >= 1 && padding.h >= 0 && padding.w >= 0,
+                ValueError, op, ": kernel (", kernel.h, ", ", kernel.w, "), stride (", stride.h, ", ", stride.w,
+                ") and dilation (", dilation.h, ", ", dilation.w, ") must be >= 1 and padding (", padding.h, ", ",
+                padding.w, ") >= 0");
+  Window2d w;
+  w.channels = input.size(1);
+  w.height = input.size(2);
+  w.width = input.size(3);
+  w.kernel_h = kernel.h;
+  w.kernel_w = kernel.w;
+  w.stride_h = stride.h;
+  w.stride_w = stride.w;
+  w.pad_h = padding.h;
+  w.pad_w = padding.w;
+  w.dilation_h = dilation.h;
+  w.dilation_w = dilation.w;
+  const int64_t span_h = w.height + 2 * w.pad_h - w.dilation_h * (w.kernel_h - 1) - 1;
+  const int64_t span_w = w.width + 2 * w.pad_w - w.dilation_w * (w.kernel_w - 1) - 1;
+  NANODDP_CHECK(span_h >= 0 && span_w >= 0, ShapeError, op, ": input ", input.shape(), " is smaller than the kernel (",
+                kernel.h, ", ", kernel.w, ") with dilation (", dilation.h, ", ", dilation.w, ") and padding (",
+                padding.h, ", ", padding.w, ")");
+  w.out_h = span_h / w.stride_h + 1;
+  w.out_w = span_w / w.stride_w + 1;
+  return w;
+}
+
+}  // namespace
+
+// ---- conv2d -------------------------------------------------------------------------------
+
+Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Size2 stride, Size2 padding,
+              Size2 dilation) {
+  check_float("conv2d", weight, "weight");
+  NANODDP_CHECK(weight.dim() == 4, ShapeError, "conv2d: weight ", weight.shape(), " must be [OC, C, kh, kw]");
+  const Window2d g = make_window("conv2d", input, {weight.size(2), weight.size(3)}, stride, padding, dilation);
+  check_same_device("conv2d", input, weight);
+  NANODDP_CHECK(weight.size(1) == g.channels, ShapeError, "conv2d: input ", input.shape(), " has ", g.channels,
+                " channels but weight ", weight.shape(), " expects ", weight.size(1));
+  const int64_t N = input.size(0), OC = weight.size(0);
+  if (bias.defined()) {
+    check_float("conv2d", bias, "bias");
+    check_same_device("conv2d", input, bias);
+    NANODDP_CHECK(bias.dim() == 1 && bias.size(0) == OC, ShapeError, "conv2d: bias ", bias.shape(),
+                  " does not fit weight ", weight.shape(), " (expected [", OC, "])");
+  }
+  const int64_t image = g.channels * g.height * g.width, CKK = g.channels * g.kernel_h * g.kernel_w;
+  const int64_t OHW = g.out_h * g.out_w;
+  const Device device = input.device();
+  Tensor out = Tensor::empty({N, OC, g.out_h, g.out_w}, DType::Float32, device);
+  Tensor cols = Tensor::empty({CKK, OHW}, DType::Float32, device);
+  for (int64_t n = 0; n < N; ++n) {
+    NANODDP_DISPATCH(device, im2col, ptr(cols), ptr(input) + n * image, g);
+    NANODDP_DISPATCH(device, matmul, ptr(out) + n * OC * OHW, ptr(weight), ptr(cols), OC, CKK, OHW, false, false,
+                     0.0f);
+  }
+  if (bias.defined()) NANODDP_DISPATCH(device, channel_bias_forward, ptr(out), ptr(bias), N, OC, OHW);
+
+  return record("Conv2dBackward", out, {input, weight, bias}, {input, weight},
+                [g, N, OC, image, CKK, OHW](const Node& node, const Tensor& dout) {
+    const Tensor& x = node.saved(0);
+    const Tensor& w = node.saved(1);
+    const Device device = x.device();
+    Tensor dx, dw, db;
+    Tensor scratch = Tensor::empty({CKK, OHW}, DType::Float32, device);
+    if (node.inputs[1].requires_grad()) {  // dw = sum over images of dout_n · cols_n^T
+      dw = Tensor::zeros(w.shape(), DType::Float32, device);
+      for (int64_t n = 0; n < N; ++n) {
+        NANODDP_DISPATCH(device, im2col, ptr(scratch), ptr(x) + n * image, g);
+        NANODDP_DISPATCH(device, matmul, ptr(dw), ptr(dout) + n * OC * OHW, ptr(scratch), OC, OHW, CKK, false, true,
+                         1.0f);
+      }
+    }
+    if (node.inputs[0].requires_grad()) {  // dx_n = col2im(w^T · dout_n)
+      dx = empty_like(x);
+      for (int64_t n = 0; n < N; ++n) {
+        NANODDP_DISPATCH(device, matmul, ptr(scratch), ptr(w), ptr(dout) + n * OC * OHW, CKK, OC, OHW, true, false,
+                         0.0f);
+        NANODDP_DISPATCH(device, col2im, ptr(dx) + n * image, ptr(scratch), g);
+      }
+    }
+    if (node.inputs[2].defined() && node.inputs[2].requires_grad()) {
+      db = Tensor::empty({OC}, DType::Float32, device);
+      NANODDP_DISPATCH(device, channel_sum, ptr(db), ptr(dout), N, OC, OHW);
+    }
+    return std::vector<Tensor>{dx, dw, db};
+  });
+}
+
+// ---- max_pool2d ---------------------------------------------------------------------------
+
+Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 padding, Size2 dilation) {
+  Window2d g = make_window("max_pool2d", input, kernel_size, stride, padding, dilation);
+  NANODDP_CHECK(2 * padding.h <= kernel_size.h && 2 * padding.w <= kernel_size.w, ValueError,
+                "max_pool2d: padding (", padding.h, ", ", padding.w, ") must be at most half the kernel (",
+                kernel_size.h, ", ", kernel_size.w, ")");
+  const int64_t planes = input.size(0) * input.size(1);
+  const Device device = input.device();
+  Tensor out = Tensor::empty({input.size(0), input.size(1), g.out_h, g.out_w}, DType::Float32, device);
+  Tensor indices = Tensor::empty(out.shape(), DType::Int64, device);
+  NANODDP_DISPATCH(device, max_pool2d_forward, ptr(out), indices.data<int64_t>(), ptr(input), planes, g);
+
+  const int64_t in_plane = g.height * g.width, out_plane = g.out_h * g.out_w;
+  return record("MaxPool2dBackward", out, {input}, {indices},
+                [input_shape = input.shape(), planes, in_plane, out_plane](const Node& node, const Tensor& dout) {
+    const Tensor& indices = node.saved(0);
+    Tensor dx = Tensor::empty(input_shape, DType::Float32, dout.device());
+    NANODDP_DISPATCH(dout.device(), max_pool2d_backward, ptr(dx), ptr(dout), indices.data<int64_t>(), planes,
+                     in_plane, out_plane);
+    return std::vector<Tensor>{dx};
+  });
+}
+
+namespace nn {
+
+Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, Size2 kernel_size, Generator& gen, Size2 stride,
+               Size2 padding, Size2 dilation, bool with_bias)
+    : stride_(stride), padding_(padding), dilation_(dilation) {
+  NANODDP_CHECK(in_channels >= 1 && out_channels >= 1 && kernel_size.h >= 1 && kernel_size.w >= 1, ValueError,
+                "Conv2d(", in_channels, ", ", out_channels, ", kernel (", kernel_size.h, ", ", kernel_size.w,
+                ")): channels and kernel sizes must be >= 1");
+  const int64_t fan_in = in_channels * kernel_size.h * kernel_size.w;
+  const float bound = 1.0f / std::sqrt(static_cast<float>(fan_in));
+  auto uniform = [&](const Shape& shape) {
+    Tensor t = Tensor::empty(shape);
+    float* p = t.data<float>();
+    for (int64_t i = 0; i < t.numel(); ++i) p[i] = gen.uniform(-bound, bound);
+    return t;
+  };
+  weight = register_parameter("weight", uniform({out_channels, in_channels, kernel_size.h, kernel_size.w}));
+  if (with_bias) bias = register_parameter("bias", uniform({out_channels}));
+}
+
+Tensor Conv2d::forward(const Tensor& input) { return conv2d(input, weight, bias, stride_, padding_, dilation_); }
+
+}  // namespace nn
+}  // namespace nanoddp

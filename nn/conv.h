@@ -1,0 +1,79 @@
+// Convolution and max pooling over NCHW images: Conv2d and MaxPool2d (torch.nn's), and their
+// functional forms conv2d and max_pool2d.
+//
+//   nn::Conv2d conv(1, 32, /*kernel_size=*/3, gen);         // x: [N, 1, 28, 28] -> [N, 32, 26, 26]
+//   nn::MaxPool2d pool(2);                                   // -> [N, 32, 13, 13]
+//   Tensor y = pool(relu(conv(x)));
+//
+// Sizes per axis: out = (in + 2 padding - dilation (kernel - 1) - 1) / stride + 1, rounded
+// down (torch's formula, ceil_mode=False). Inputs are float32 [N, C, H, W] on any device;
+// a wrong rank, channel count or an empty output is a ShapeError naming the shapes; a
+// size, stride or dilation below 1, or a negative padding, is a ValueError.
+#pragma once
+
+#include <cstdint>
+
+#include "core/random.h"
+#include "core/tensor.h"
+#include "nn/module.h"
+
+namespace nanoddp {
+
+// A size per spatial axis: 3 means (3, 3); {3, 5} means height 3, width 5 (torch's int or
+// tuple arguments).
+struct Size2 {
+  Size2(int64_t both) : h(both), w(both) {}  // NOLINT: implicit, as torch takes an int
+  Size2(int64_t height, int64_t width) : h(height), w(width) {}
+  int64_t h, w;
+};
+
+// input: [N, C, H, W], weight: [OC, C, kh, kw], bias: [OC] or undefined
+// -> [N, OC, OH, OW] (torch.nn.functional.conv2d with groups=1). Computed per image as
+// im2col + one GEMM: cols [C kh kw, OH OW], out = weight [OC, C kh kw] · cols.
+// Cost: forward 2 N OC OH OW C kh kw FLOPs (+ N OC OH OW for the bias); backward twice
+// that. Memory: one image's cols (C kh kw OH OW floats) at a time; keeps input and weight
+// (no copies) for backward.
+Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Size2 stride = 1, Size2 padding = 0,
+              Size2 dilation = 1);
+
+// input: [N, C, H, W] -> [N, C, OH, OW], the maximum of each window; padding counts as -inf
+// and is at most half the kernel (ValueError otherwise), as in torch.nn.functional.max_pool2d.
+// A NaN in a window is its maximum. The gradient goes to the window's maximum (the first one
+// on ties). Cost: N C OH OW kh kw comparisons; keeps the argmax of each output (int64, 8 bytes
+// per output element) for backward.
+Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 padding = 0, Size2 dilation = 1);
+
+namespace nn {
+
+// conv2d with a weight [out_channels, in_channels, kh, kw] and bias [out_channels]
+// (torch.nn.Conv2d, groups=1, padding_mode='zeros'). Initialised as torch does: weight and
+// bias uniform in [-1/sqrt(fan_in), 1/sqrt(fan_in)) with fan_in = in_channels kh kw, drawn
+// from gen (weight, then bias).
+class Conv2d : public Module {
+ public:
+  Conv2d(int64_t in_channels, int64_t out_channels, Size2 kernel_size, Generator& gen = default_generator(),
+         Size2 stride = 1, Size2 padding = 0, Size2 dilation = 1, bool bias = true);
+  Tensor forward(const Tensor& input) override;
+  Tensor weight;
+  Tensor bias;  // undefined when built with bias = false
+
+ private:
+  Size2 stride_, padding_, dilation_;
+};
+
+// max_pool2d (torch.nn.MaxPool2d); stride defaults to kernel_size, as in torch.
+class MaxPool2d : public Module {
+ public:
+  explicit MaxPool2d(Size2 kernel_size) : MaxPool2d(kernel_size, kernel_size) {}
+  MaxPool2d(Size2 kernel_size, Size2 stride, Size2 padding = 0, Size2 dilation = 1)
+      : kernel_size_(kernel_size), stride_(stride), padding_(padding), dilation_(dilation) {}
+  Tensor forward(const Tensor& input) override {
+    return max_pool2d(input, kernel_size_, stride_, padding_, dilation_);
+  }
+
+ private:
+  Size2 kernel_size_, stride_, padding_, dilation_;
+};
+
+}  // namespace nn
+}  // namespace nanoddp

@@ -1,0 +1,32 @@
+// Dropout as a composite: a mask tensor times x, so its gradient is mul's.
+#include "nn/dropout.h"
+
+#include <vector>
+
+#include "core/ops.h"
+#include "core/op_helpers.h"
+
+namespace nanoddp {
+
+namespace {
+void check_probability(const char* op, float p) {
+  NANODDP_CHECK(p >= 0.0f && p <= 1.0f, ValueError, op, ": p must be in [0, 1], got ", p);
+}
+}  // namespace
+
+Tensor dropout(const Tensor& x, float p, bool training, Generator& gen) {
+  check_float("dropout", x, "input");
+  check_probability("dropout", p);
+  if (!training || p == 0.0f) return x;
+  const float keep_scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
+  std::vector<float> mask(static_cast<size_t>(x.numel()));
+  for (float& m : mask) m = gen.uniform() >= p ? keep_scale : 0.0f;
+  return x * Tensor::from_vector(mask, Shape{x.numel()}, x.device()).reshape(x.shape());
+}
+
+namespace nn {
+
+Dropout::Dropout(float p, Generator& gen) : p_(p), gen_(&gen) { check_probability("Dropout", p); }
+
+}  // namespace nn
+}  // namespace nanoddp
