@@ -1,5 +1,6 @@
-// The op harness: every differentiable op, forward against a float64 reference and backward
-// against central finite differences of that reference. To add an op, add a row to cases().
+// The op harness, CPU column: every row of tests/op_cases.h, forward against a float64
+// reference, backward against central finite differences of that reference, and NaN/±inf
+// inputs against the reference. To add an op, add a row to op_cases().
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -8,193 +9,31 @@
 #include <string>
 #include <vector>
 
+#include "core/autograd.h"
 #include "core/ops.h"
 #include "core/random.h"
+#include "tests/op_cases.h"
 
 using namespace nanoddp;
+using namespace nanoddp::testing;
 
 namespace {
 
-using Values = std::vector<double>;
-
-enum class Kind { Normal, Labels };
-
-struct InputSpec {
-  Shape shape;
-  Kind kind = Kind::Normal;
-  int64_t classes = 0;  // for Labels
-};
-
-struct OpCase {
-  std::string name;
-  std::vector<InputSpec> inputs;
-  std::function<Tensor(const std::vector<Tensor>&)> op;
-  // float64 forward on the same (flattened) inputs; returns the flattened output.
-  std::function<Values(const std::vector<Values>&)> reference;
-  double forward_tolerance = 1e-5;   // relative to max(1, |reference|)
-  double backward_tolerance = 1e-4;
-  bool differentiable = true;
-};
-
-// ---- float64 references -----------------------------------------------------------------
-Values ref_matmul(const Values& a, const Values& b, int64_t M, int64_t K, int64_t N) {
-  Values out(M * N, 0.0);
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < N; ++j)
-      for (int64_t k = 0; k < K; ++k) out[i * N + j] += a[i * K + k] * b[k * N + j];
-  return out;
+// Whether actual matches the reference value: NaN where it is NaN, the same infinity, or
+// within tolerance * max(1, |expected|).
+bool matches(float actual, double expected, double tolerance) {
+  if (std::isnan(expected)) return std::isnan(actual);
+  if (std::isinf(expected)) return actual == expected;
+  return std::abs(actual - expected) <= tolerance * scale_of(expected);
 }
-
-Values ref_linear(const Values& x, const Values& w, const Values& b, int64_t N, int64_t in, int64_t out_f) {
-  Values out(N * out_f, 0.0);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t o = 0; o < out_f; ++o) {
-      double acc = b.empty() ? 0.0 : b[o];
-      for (int64_t k = 0; k < in; ++k) acc += x[n * in + k] * w[o * in + k];
-      out[n * out_f + o] = acc;
-    }
-  return out;
-}
-
-Values ref_binary(const Values& a, const Values& b, char op) {
-  Values out(a.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double y = b[i % b.size()];  // b is a.size() long or one row, repeated
-    out[i] = op == '+' ? a[i] + y : op == '-' ? a[i] - y : a[i] * y;
-  }
-  return out;
-}
-
-Values ref_mse(const Values& x, const Values& t, Reduction r) {
-  Values out;
-  double total = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    const double d = (x[i] - t[i]) * (x[i] - t[i]);
-    out.push_back(d);
-    total += d;
-  }
-  if (r == Reduction::None) return out;
-  return {r == Reduction::Mean ? total / x.size() : total};
-}
-
-Values ref_cross_entropy(const Values& logits, const Values& target, int64_t N, int64_t C, Reduction r) {
-  Values out;
-  double total = 0;
-  for (int64_t n = 0; n < N; ++n) {
-    double max = logits[n * C];
-    for (int64_t c = 1; c < C; ++c) max = std::max(max, logits[n * C + c]);
-    double s = 0;
-    for (int64_t c = 0; c < C; ++c) s += std::exp(logits[n * C + c] - max);
-    const double loss = max + std::log(s) - logits[n * C + static_cast<int64_t>(target[n])];
-    out.push_back(loss);
-    total += loss;
-  }
-  if (r == Reduction::None) return out;
-  return {r == Reduction::Mean ? total / N : total};
-}
-
-double ref_sum(const Values& a) {
-  double s = 0;
-  for (double v : a) s += v;
-  return s;
-}
-
-// ---- the table ----------------------------------------------------------------------------
-std::vector<OpCase> cases() {
-  std::vector<OpCase> rows;
-  rows.push_back({"matmul 5x7 . 7x3", {{{5, 7}}, {{7, 3}}},
-                  [](auto& in) { return matmul(in[0], in[1]); },
-                  [](auto& in) { return ref_matmul(in[0], in[1], 5, 7, 3); }});
-  rows.push_back({"matmul 33x17 . 17x5", {{{33, 17}}, {{17, 5}}},
-                  [](auto& in) { return matmul(in[0], in[1]); },
-                  [](auto& in) { return ref_matmul(in[0], in[1], 33, 17, 5); }});
-  rows.push_back({"linear [4,6] -> [4,3]", {{{4, 6}}, {{3, 6}}, {{3}}},
-                  [](auto& in) { return linear(in[0], in[1], in[2]); },
-                  [](auto& in) { return ref_linear(in[0], in[1], in[2], 4, 6, 3); }});
-  rows.push_back({"linear without bias", {{{4, 6}}, {{3, 6}}},
-                  [](auto& in) { return linear(in[0], in[1], Tensor()); },
-                  [](auto& in) { return ref_linear(in[0], in[1], {}, 4, 6, 3); }});
-  rows.push_back({"add", {{{3, 4}}, {{3, 4}}}, [](auto& in) { return in[0] + in[1]; },
-                  [](auto& in) { return ref_binary(in[0], in[1], '+'); }});
-  rows.push_back({"add bias broadcast [3,4]+[4]", {{{3, 4}}, {{4}}}, [](auto& in) { return in[0] + in[1]; },
-                  [](auto& in) { return ref_binary(in[0], in[1], '+'); }});
-  rows.push_back({"sub", {{{3, 4}}, {{3, 4}}}, [](auto& in) { return in[0] - in[1]; },
-                  [](auto& in) { return ref_binary(in[0], in[1], '-'); }});
-  rows.push_back({"sub broadcast", {{{2, 3, 4}}, {{4}}}, [](auto& in) { return in[0] - in[1]; },
-                  [](auto& in) { return ref_binary(in[0], in[1], '-'); }});
-  rows.push_back({"mul", {{{3, 4}}, {{3, 4}}}, [](auto& in) { return in[0] * in[1]; },
-                  [](auto& in) { return ref_binary(in[0], in[1], '*'); }});
-  rows.push_back({"mul broadcast", {{{3, 4}}, {{4}}}, [](auto& in) { return in[0] * in[1]; },
-                  [](auto& in) { return ref_binary(in[0], in[1], '*'); }});
-  rows.push_back({"mul scalar", {{{3, 4}}}, [](auto& in) { return in[0] * 2.5f; },
-                  [](auto& in) { Values o = in[0]; for (double& v : o) v *= 2.5; return o; }});
-  rows.push_back({"div scalar", {{{3, 4}}}, [](auto& in) { return in[0] / 3.0f; },
-                  [](auto& in) { Values o = in[0]; for (double& v : o) v /= 3.0; return o; }});
-  rows.push_back({"sum", {{{5, 6}}}, [](auto& in) { return sum(in[0]); },
-                  [](auto& in) { return Values{ref_sum(in[0])}; }});
-  rows.push_back({"mean", {{{5, 6}}}, [](auto& in) { return mean(in[0]); },
-                  [](auto& in) { return Values{ref_sum(in[0]) / in[0].size()}; }});
-  rows.push_back({"relu", {{{4, 5}}}, [](auto& in) { return relu(in[0]); },
-                  [](auto& in) { Values o = in[0]; for (double& v : o) v = v > 0 ? v : 0; return o; }});
-  for (Reduction r : {Reduction::Mean, Reduction::Sum, Reduction::None}) {
-    const std::string suffix = r == Reduction::Mean ? "mean" : r == Reduction::Sum ? "sum" : "none";
-    rows.push_back({"mse_loss " + suffix, {{{4, 3}}, {{4, 3}}},
-                    [r](auto& in) { return mse_loss(in[0], in[1], r); },
-                    [r](auto& in) { return ref_mse(in[0], in[1], r); }});
-    rows.push_back({"cross_entropy " + suffix, {{{6, 5}}, {{6}, Kind::Labels, 5}},
-                    [r](auto& in) { return cross_entropy(in[0], in[1], r); },
-                    [r](auto& in) { return ref_cross_entropy(in[0], in[1], 6, 5, r); }});
-  }
-  rows.push_back({"reshape", {{{2, 6}}}, [](auto& in) { return in[0].reshape({3, -1}) * 1.0f; },
-                  [](auto& in) { return in[0]; }});
-  rows.push_back({"two-layer MLP", {{{4, 5}}, {{6, 5}}, {{6}}, {{3, 6}}, {{3}}, {{4}, Kind::Labels, 3}},
-                  [](auto& in) { return cross_entropy(linear(relu(linear(in[0], in[1], in[2])), in[3], in[4]), in[5]); },
-                  [](auto& in) {
-                    Values h = ref_linear(in[0], in[1], in[2], 4, 5, 6);
-                    for (double& v : h) v = v > 0 ? v : 0;
-                    return ref_cross_entropy(ref_linear(h, in[3], in[4], 4, 6, 3), in[5], 4, 3, Reduction::Mean);
-                  }});
-  return rows;
-}
-
-std::vector<Values> make_inputs(const OpCase& c, Generator& gen) {
-  std::vector<Values> values;
-  for (const InputSpec& spec : c.inputs) {
-    Values v(spec.shape.numel());
-    for (double& x : v)
-      x = spec.kind == Kind::Labels ? static_cast<double>(gen.randint(spec.classes)) : static_cast<double>(gen.normal());
-    values.push_back(v);
-  }
-  return values;
-}
-
-std::vector<Tensor> to_tensors(const OpCase& c, const std::vector<Values>& values) {
-  std::vector<Tensor> tensors;
-  for (size_t i = 0; i < values.size(); ++i) {
-    const InputSpec& spec = c.inputs[i];
-    if (spec.kind == Kind::Labels) {
-      std::vector<int64_t> labels(values[i].begin(), values[i].end());
-      tensors.push_back(Tensor::from_vector(labels, spec.shape));
-    } else {
-      std::vector<float> floats(values[i].begin(), values[i].end());
-      tensors.push_back(Tensor::from_vector(floats, spec.shape).set_requires_grad(true));
-    }
-  }
-  return tensors;
-}
-
-double scale_of(double reference) { return std::max(1.0, std::abs(reference)); }
 
 }  // namespace
 
 TEST_CASE("op harness: forward vs float64, backward vs central differences") {
   Generator gen(1234);
-  for (const OpCase& c : cases()) {
+  for (const OpCase& c : op_cases()) {
     CAPTURE(c.name);
-    // Inputs are rounded to float32 first, so both sides see the same numbers.
     std::vector<Values> values = make_inputs(c, gen);
-    for (Values& v : values)
-      for (double& x : v) x = static_cast<float>(x);
     std::vector<Tensor> inputs = to_tensors(c, values);
 
     const Tensor out = c.op(inputs);
@@ -231,6 +70,37 @@ TEST_CASE("op harness: forward vs float64, backward vs central differences") {
         minus[k][j] -= h;
         const double numeric = (projected(plus) - projected(minus)) / (2 * h);
         CHECK(std::abs(grad[j] - numeric) <= c.backward_tolerance * scale_of(numeric));
+      }
+    }
+  }
+}
+
+TEST_CASE("op harness: NaN, +inf and -inf inputs give what the reference (PyTorch's rule) gives") {
+  // One special value in the first input at a time: at its first element, and for inputs of
+  // more than one element also at its last, so NaN must reach exactly the outputs that
+  // depend on it and no others.
+  const double specials[] = {std::nan(""), HUGE_VAL, -HUGE_VAL};
+  Generator gen(99);
+  for (const OpCase& c : op_cases()) {
+    CAPTURE(c.name);
+    const std::vector<Values> values = make_inputs(c, gen);
+    if (c.inputs[0].kind == Kind::Labels || values[0].empty()) continue;
+    for (double special : specials) {
+      for (size_t position : {size_t(0), values[0].size() - 1}) {
+        CAPTURE(special);
+        CAPTURE(position);
+        std::vector<Values> changed = values;
+        changed[0][position] = special;
+        const Values expected = c.reference(changed);
+        NoGradGuard no_grad;
+        const std::vector<float> actual = c.op(to_tensors(c, changed)).to_vector();
+        REQUIRE(actual.size() == expected.size());
+        for (size_t i = 0; i < expected.size(); ++i) {
+          CAPTURE(i);
+          CAPTURE(expected[i]);
+          CAPTURE(actual[i]);
+          CHECK(matches(actual[i], expected[i], c.forward_tolerance));
+        }
       }
     }
   }

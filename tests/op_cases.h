@@ -1,0 +1,347 @@
+// The op table: one row per differentiable op, read by three harnesses.
+//   tests/test_ops.cpp       forward vs a float64 reference, backward vs central differences
+//                            of it, and NaN/±inf inputs against the reference's own NaN/±inf
+//   tests/test_gpu_ops.cpp   CUDA vs CPU, forward and gradients (SKIP without a GPU)
+//   tests/test_ops_ddp.cpp   2-rank DDP vs 1-rank training on a small model around the op
+// To add an op, add a row to op_cases(): its call, its float64 reference, and (for a layer) a
+// model builder with .in_model(sample_shape, builder).
+#pragma once
+
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/ops.h"
+#include "core/random.h"
+#include "nn/activations.h"
+#include "nn/conv.h"
+#include "nn/dropout.h"
+#include "nn/normalization.h"
+#include "nn/layers.h"
+
+namespace nanoddp::testing {
+
+using Values = std::vector<double>;
+
+enum class Kind { Normal, Labels };
+
+struct InputSpec {
+  Shape shape;
+  Kind kind = Kind::Normal;
+  int64_t classes = 0;  // for Labels
+};
+
+// Builds a model around the op from gen: input [N, sample...] -> logits [N, 3].
+using ModelBuilder = std::function<std::shared_ptr<nn::Module>(Generator& gen)>;
+
+struct OpCase {
+  std::string name;
+  std::vector<InputSpec> inputs;
+  std::function<Tensor(const std::vector<Tensor>&)> op;
+  // float64 forward on the same (flattened) inputs; returns the flattened output. It also
+  // defines the NaN/±inf behaviour (PyTorch's), so write it as PyTorch computes.
+  std::function<Values(const std::vector<Values>&)> reference;
+  double forward_tolerance = 1e-5;   // relative to max(1, |reference|)
+  double backward_tolerance = 1e-4;
+  bool differentiable = true;
+  Shape sample{};        // the DDP model's per-sample input shape
+  ModelBuilder model{};  // empty: no DDP check (a plain op, or one ranks cannot reproduce)
+
+  OpCase& in_model(Shape sample_shape, ModelBuilder builder) {
+    sample = sample_shape;
+    model = std::move(builder);
+    return *this;
+  }
+};
+
+// Linear(F, 8) -> layer -> Linear(8, 3): a model around a layer that keeps its input's shape.
+inline ModelBuilder mlp_around(std::function<std::shared_ptr<nn::Module>()> layer, int64_t F = 5) {
+  return [layer, F](Generator& gen) -> std::shared_ptr<nn::Module> {
+    auto model = std::make_shared<nn::Sequential>();
+    model->add(nn::Linear(F, 8, gen));
+    model->add(layer());
+    model->add(nn::Linear(8, 3, gen));
+    return model;
+  };
+}
+
+// f applied to each element (a pointwise op's reference).
+template <typename F>
+Values pointwise(const Values& in, F f) {
+  Values out(in.size());
+  for (size_t i = 0; i < in.size(); ++i) out[i] = f(in[i]);
+  return out;
+}
+
+// ---- float64 references -----------------------------------------------------------------
+inline Values ref_matmul(const Values& a, const Values& b, int64_t M, int64_t K, int64_t N) {
+  Values out(M * N, 0.0);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j)
+      for (int64_t k = 0; k < K; ++k) out[i * N + j] += a[i * K + k] * b[k * N + j];
+  return out;
+}
+
+inline Values ref_linear(const Values& x, const Values& w, const Values& b, int64_t N, int64_t in, int64_t out_f) {
+  Values out(N * out_f, 0.0);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < out_f; ++o) {
+      double acc = b.empty() ? 0.0 : b[o];
+      for (int64_t k = 0; k < in; ++k) acc += x[n * in + k] * w[o * in + k];
+      out[n * out_f + o] = acc;
+    }
+  return out;
+}
+
+inline Values ref_binary(const Values& a, const Values& b, char op) {
+  Values out(a.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double y = b[i % b.size()];  // b is a.size() long or one row, repeated
+    out[i] = op == '+' ? a[i] + y : op == '-' ? a[i] - y : a[i] * y;
+  }
+  return out;
+}
+
+inline Values ref_mse(const Values& x, const Values& t, Reduction r) {
+  Values out;
+  double total = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double d = (x[i] - t[i]) * (x[i] - t[i]);
+    out.push_back(d);
+    total += d;
+  }
+  if (r == Reduction::None) return out;
+  return {r == Reduction::Mean ? total / x.size() : total};
+}
+
+inline Values ref_cross_entropy(const Values& logits, const Values& target, int64_t N, int64_t C, Reduction r) {
+  Values out;
+  double total = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    double max = logits[n * C];
+    for (int64_t c = 1; c < C; ++c) max = std::max(max, logits[n * C + c]);
+    double s = 0;
+    for (int64_t c = 0; c < C; ++c) s += std::exp(logits[n * C + c] - max);
+    const double loss = max + std::log(s) - logits[n * C + static_cast<int64_t>(target[n])];
+    out.push_back(loss);
+    total += loss;
+  }
+  if (r == Reduction::None) return out;
+  return {r == Reduction::Mean ? total / N : total};
+}
+
+inline double ref_sum(const Values& a) {
+  double s = 0;
+  for (double v : a) s += v;
+  return s;
+}
+
+// conv2d over x [N, C, H, W], w [OC, C, kh, kw], b [OC] or empty, as torch computes it.
+inline Values ref_conv2d(const Values& x, const Values& w, const Values& b, Shape in, Shape weight, Size2 stride,
+                         Size2 padding, Size2 dilation) {
+  const int64_t N = in[0], C = in[1], H = in[2], W = in[3], OC = weight[0], KH = weight[2], KW = weight[3];
+  const int64_t OH = (H + 2 * padding.h - dilation.h * (KH - 1) - 1) / stride.h + 1;
+  const int64_t OW = (W + 2 * padding.w - dilation.w * (KW - 1) - 1) / stride.w + 1;
+  Values out;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < OC; ++o)
+      for (int64_t oh = 0; oh < OH; ++oh)
+        for (int64_t ow = 0; ow < OW; ++ow) {
+          double acc = b.empty() ? 0.0 : b[o];
+          for (int64_t c = 0; c < C; ++c)
+            for (int64_t i = 0; i < KH; ++i)
+              for (int64_t j = 0; j < KW; ++j) {
+                const int64_t h = oh * stride.h - padding.h + i * dilation.h;
+                const int64_t v = ow * stride.w - padding.w + j * dilation.w;
+                if (h >= 0 && h < H && v >= 0 && v < W)
+                  acc += x[((n * C + c) * H + h) * W + v] * w[((o * C + c) * KH + i) * KW + j];
+              }
+          out.push_back(acc);
+        }
+  return out;
+}
+
+// max_pool2d over x [N, C, H, W]: padding never wins; a NaN in a window is its maximum.
+inline Values ref_max_pool2d(const Values& x, Shape in, Size2 kernel, Size2 stride, Size2 padding) {
+  const int64_t planes = in[0] * in[1], H = in[2], W = in[3];
+  const int64_t OH = (H + 2 * padding.h - kernel.h) / stride.h + 1, OW = (W + 2 * padding.w - kernel.w) / stride.w + 1;
+  Values out;
+  for (int64_t p = 0; p < planes; ++p)
+    for (int64_t oh = 0; oh < OH; ++oh)
+      for (int64_t ow = 0; ow < OW; ++ow) {
+        double best = -HUGE_VAL;
+        for (int64_t i = 0; i < kernel.h; ++i)
+          for (int64_t j = 0; j < kernel.w; ++j) {
+            const int64_t h = oh * stride.h - padding.h + i, v = ow * stride.w - padding.w + j;
+            if (h < 0 || h >= H || v < 0 || v >= W) continue;
+            const double value = x[(p * H + h) * W + v];
+            if (value > best || std::isnan(value)) best = value;
+          }
+        out.push_back(best);
+      }
+  return out;
+}
+
+// layer_norm over rows of D elements, with weight and bias (either may be empty).
+inline Values ref_layer_norm(const Values& x, const Values& w, const Values& b, int64_t D, double eps = 1e-5) {
+  Values out(x.size());
+  for (size_t r = 0; r * D < x.size(); ++r) {
+    double mean = 0, var = 0;
+    for (int64_t d = 0; d < D; ++d) mean += x[r * D + d] / D;
+    for (int64_t d = 0; d < D; ++d) var += (x[r * D + d] - mean) * (x[r * D + d] - mean) / D;
+    for (int64_t d = 0; d < D; ++d)
+      out[r * D + d] = (x[r * D + d] - mean) / std::sqrt(var + eps) * (w.empty() ? 1.0 : w[d]) + (b.empty() ? 0.0 : b[d]);
+  }
+  return out;
+}
+
+// A small CNN on [1, 6, 6] images: Conv2d(1, 2, 3, padding 1) - ReLU - MaxPool2d(2) -
+// Flatten - Linear(18, 3).
+inline std::shared_ptr<nn::Module> small_cnn(Generator& gen) {
+  auto model = std::make_shared<nn::Sequential>();
+  model->add(nn::Conv2d(1, 2, 3, gen, /*stride=*/1, /*padding=*/1));
+  model->add(nn::ReLU());
+  model->add(nn::MaxPool2d(2));
+  model->add(nn::Flatten());
+  model->add(nn::Linear(18, 3, gen));
+  return model;
+}
+
+// ---- the table ----------------------------------------------------------------------------
+inline std::vector<OpCase> op_cases() {
+  std::vector<OpCase> rows;
+  rows.push_back({"matmul 5x7 . 7x3", {{{5, 7}}, {{7, 3}}},
+                  [](auto& in) { return matmul(in[0], in[1]); },
+                  [](auto& in) { return ref_matmul(in[0], in[1], 5, 7, 3); }});
+  rows.push_back({"matmul 33x17 . 17x5", {{{33, 17}}, {{17, 5}}},
+                  [](auto& in) { return matmul(in[0], in[1]); },
+                  [](auto& in) { return ref_matmul(in[0], in[1], 33, 17, 5); }});
+  rows.push_back({"linear [4,6] -> [4,3]", {{{4, 6}}, {{3, 6}}, {{3}}},
+                  [](auto& in) { return linear(in[0], in[1], in[2]); },
+                  [](auto& in) { return ref_linear(in[0], in[1], in[2], 4, 6, 3); }});
+  rows.push_back({"linear without bias", {{{4, 6}}, {{3, 6}}},
+                  [](auto& in) { return linear(in[0], in[1], Tensor()); },
+                  [](auto& in) { return ref_linear(in[0], in[1], {}, 4, 6, 3); }});
+  rows.push_back({"add", {{{3, 4}}, {{3, 4}}}, [](auto& in) { return in[0] + in[1]; },
+                  [](auto& in) { return ref_binary(in[0], in[1], '+'); }});
+  rows.push_back({"add bias broadcast [3,4]+[4]", {{{3, 4}}, {{4}}}, [](auto& in) { return in[0] + in[1]; },
+                  [](auto& in) { return ref_binary(in[0], in[1], '+'); }});
+  rows.push_back({"sub", {{{3, 4}}, {{3, 4}}}, [](auto& in) { return in[0] - in[1]; },
+                  [](auto& in) { return ref_binary(in[0], in[1], '-'); }});
+  rows.push_back({"sub broadcast", {{{2, 3, 4}}, {{4}}}, [](auto& in) { return in[0] - in[1]; },
+                  [](auto& in) { return ref_binary(in[0], in[1], '-'); }});
+  rows.push_back({"mul", {{{3, 4}}, {{3, 4}}}, [](auto& in) { return in[0] * in[1]; },
+                  [](auto& in) { return ref_binary(in[0], in[1], '*'); }});
+  rows.push_back({"mul broadcast", {{{3, 4}}, {{4}}}, [](auto& in) { return in[0] * in[1]; },
+                  [](auto& in) { return ref_binary(in[0], in[1], '*'); }});
+  rows.push_back({"mul scalar", {{{3, 4}}}, [](auto& in) { return in[0] * 2.5f; },
+                  [](auto& in) { Values o = in[0]; for (double& v : o) v *= 2.5; return o; }});
+  rows.push_back({"div scalar", {{{3, 4}}}, [](auto& in) { return in[0] / 3.0f; },
+                  [](auto& in) { Values o = in[0]; for (double& v : o) v /= 3.0; return o; }});
+  rows.push_back({"sum", {{{5, 6}}}, [](auto& in) { return sum(in[0]); },
+                  [](auto& in) { return Values{ref_sum(in[0])}; }});
+  rows.push_back({"mean", {{{5, 6}}}, [](auto& in) { return mean(in[0]); },
+                  [](auto& in) { return Values{ref_sum(in[0]) / in[0].size()}; }});
+  rows.push_back(OpCase{"relu", {{{4, 5}}}, [](auto& in) { return relu(in[0]); },
+                        [](auto& in) { return pointwise(in[0], [](double v) { return v > 0 || std::isnan(v) ? v : 0; }); }}
+                     .in_model({5}, mlp_around([] { return std::make_shared<nn::ReLU>(); })));
+  rows.push_back(OpCase{"sigmoid", {{{4, 5}}}, [](auto& in) { return sigmoid(in[0]); },
+                        [](auto& in) { return pointwise(in[0], [](double v) { return 1 / (1 + std::exp(-v)); }); }}
+                     .in_model({5}, mlp_around([] { return std::make_shared<nn::Sigmoid>(); })));
+  rows.push_back(OpCase{"gelu", {{{4, 5}}}, [](auto& in) { return gelu(in[0]); },
+                        [](auto& in) { return pointwise(in[0], [](double v) { return 0.5 * v * (1 + std::erf(v / std::sqrt(2.0))); }); }}
+                     .in_model({5}, mlp_around([] { return std::make_shared<nn::GELU>(); })));
+  rows.push_back(OpCase{"gelu tanh", {{{4, 5}}}, [](auto& in) { return gelu(in[0], "tanh"); },
+                        [](auto& in) {
+                          return pointwise(in[0], [](double v) {
+                            return 0.5 * v * (1 + std::tanh(std::sqrt(2 / M_PI) * (v + 0.044715 * v * v * v)));
+                          });
+                        }}
+                     .in_model({5}, mlp_around([] { return std::make_shared<nn::GELU>("tanh"); })));
+  rows.push_back(OpCase{"conv2d stride 2x1, padding 1x0, dilation 1x2, bias", {{{2, 3, 6, 5}}, {{4, 3, 3, 2}}, {{4}}},
+                        [](auto& in) { return conv2d(in[0], in[1], in[2], {2, 1}, {1, 0}, {1, 2}); },
+                        [](auto& in) { return ref_conv2d(in[0], in[1], in[2], {2, 3, 6, 5}, {4, 3, 3, 2}, {2, 1}, {1, 0}, {1, 2}); }}
+                     .in_model({1, 6, 6}, small_cnn));
+  rows.push_back({"conv2d 3x3 padding 1, no bias", {{{1, 2, 4, 4}}, {{3, 2, 3, 3}}},
+                  [](auto& in) { return conv2d(in[0], in[1], Tensor(), 1, 1); },
+                  [](auto& in) { return ref_conv2d(in[0], in[1], {}, {1, 2, 4, 4}, {3, 2, 3, 3}, 1, 1, 1); }});
+  rows.push_back(OpCase{"max_pool2d 2, stride 2", {{{2, 2, 5, 5}}},
+                        [](auto& in) { return max_pool2d(in[0], 2, 2); },
+                        [](auto& in) { return ref_max_pool2d(in[0], {2, 2, 5, 5}, 2, 2, 0); }}
+                     .in_model({1, 6, 6}, small_cnn));
+  rows.push_back({"max_pool2d 3, stride 2, padding 1 (overlapping)", {{{1, 3, 5, 6}}},
+                  [](auto& in) { return max_pool2d(in[0], 3, 2, 1); },
+                  [](auto& in) { return ref_max_pool2d(in[0], {1, 3, 5, 6}, 3, 2, 1); }});
+  rows.push_back(OpCase{"layer_norm [3,4,5] over [5]", {{{3, 4, 5}}, {{5}}, {{5}}},
+                        [](auto& in) { return layer_norm(in[0], {5}, in[1], in[2]); },
+                        [](auto& in) { return ref_layer_norm(in[0], in[1], in[2], 5); }}
+                     .in_model({5}, mlp_around([] { return std::make_shared<nn::LayerNorm>(std::vector<int64_t>{8}); })));
+  rows.push_back({"layer_norm over [4,5], no affine", {{{3, 4, 5}}},
+                  [](auto& in) { return layer_norm(in[0], {4, 5}, Tensor(), Tensor()); },
+                  [](auto& in) { return ref_layer_norm(in[0], {}, {}, 20); }});
+  // Dropout has no DDP row: each rank draws the masks of its own samples.
+  rows.push_back({"dropout p=0.3", {{{4, 6}}},
+                  [](auto& in) { Generator gen(5); return dropout(in[0], 0.3f, /*training=*/true, gen); },
+                  [](auto& in) {
+                    Generator gen(5);
+                    const double scale = 1.0f / (1.0f - 0.3f);  // as dropout computes it, in float
+                    return pointwise(in[0], [&](double v) { return v * (gen.uniform() >= 0.3f ? scale : 0.0); });
+                  }});
+  rows.push_back({"flatten [2,3,4] -> [2,12]", {{{2, 3, 4}}},
+                  [](auto& in) { return nn::Flatten()(in[0]); }, [](auto& in) { return in[0]; }});
+  for (Reduction r : {Reduction::Mean, Reduction::Sum, Reduction::None}) {
+    const std::string suffix = r == Reduction::Mean ? "mean" : r == Reduction::Sum ? "sum" : "none";
+    rows.push_back({"mse_loss " + suffix, {{{4, 3}}, {{4, 3}}},
+                    [r](auto& in) { return mse_loss(in[0], in[1], r); },
+                    [r](auto& in) { return ref_mse(in[0], in[1], r); }});
+    rows.push_back({"cross_entropy " + suffix, {{{6, 5}}, {{6}, Kind::Labels, 5}},
+                    [r](auto& in) { return cross_entropy(in[0], in[1], r); },
+                    [r](auto& in) { return ref_cross_entropy(in[0], in[1], 6, 5, r); }});
+  }
+  rows.push_back({"reshape", {{{2, 6}}}, [](auto& in) { return in[0].reshape({3, -1}) * 1.0f; },
+                  [](auto& in) { return in[0]; }});
+  rows.push_back({"two-layer MLP", {{{4, 5}}, {{6, 5}}, {{6}}, {{3, 6}}, {{3}}, {{4}, Kind::Labels, 3}},
+                  [](auto& in) { return cross_entropy(linear(relu(linear(in[0], in[1], in[2])), in[3], in[4]), in[5]); },
+                  [](auto& in) {
+                    Values h = ref_linear(in[0], in[1], in[2], 4, 5, 6);
+                    for (double& v : h) v = v > 0 || std::isnan(v) ? v : 0;  // relu keeps NaN
+                    return ref_cross_entropy(ref_linear(h, in[3], in[4], 4, 6, 3), in[5], 4, 3, Reduction::Mean);
+                  }});
+  return rows;
+}
+
+// Random inputs for a row: standard normals rounded to float32 (so the reference sees the
+// float inputs exactly), or labels.
+inline std::vector<Values> make_inputs(const OpCase& c, Generator& gen) {
+  std::vector<Values> values;
+  for (const InputSpec& spec : c.inputs) {
+    Values v(spec.shape.numel());
+    for (double& x : v)
+      x = spec.kind == Kind::Labels ? static_cast<double>(gen.randint(spec.classes)) : static_cast<double>(gen.normal());
+    for (double& x : v) x = static_cast<float>(x);
+    values.push_back(v);
+  }
+  return values;
+}
+
+// The inputs as tensors on device; float inputs require grad.
+inline std::vector<Tensor> to_tensors(const OpCase& c, const std::vector<Values>& values, Device device = Device::cpu()) {
+  std::vector<Tensor> tensors;
+  for (size_t i = 0; i < values.size(); ++i) {
+    const InputSpec& spec = c.inputs[i];
+    if (spec.kind == Kind::Labels) {
+      std::vector<int64_t> labels(values[i].begin(), values[i].end());
+      tensors.push_back(Tensor::from_vector(labels, spec.shape, device));
+    } else {
+      std::vector<float> floats(values[i].begin(), values[i].end());
+      tensors.push_back(Tensor::from_vector(floats, spec.shape, device).set_requires_grad(true));
+    }
+  }
+  return tensors;
+}
+
+inline double scale_of(double reference) { return std::max(1.0, std::abs(reference)); }
+
+}  // namespace nanoddp::testing

@@ -1,0 +1,108 @@
+// The op harness, DDP column: for every row of tests/op_cases.h with a model builder, 2 ranks
+// (Gloo, forked) x 8 samples train exactly like 1 rank on the 16-sample batch. Rank 1 starts
+// from other weights, so DDP's broadcast is part of what is checked.
+#include <doctest/doctest.h>
+
+#include <sstream>
+
+#include "dist/ddp.h"
+#include "dist/init.h"
+#include "nn/optim.h"
+#include "tests/multiprocess.h"
+#include "tests/op_cases.h"
+
+using namespace nanoddp;
+using namespace nanoddp::testing;
+
+namespace {
+
+constexpr int kSteps = 3;
+constexpr int64_t kGlobalBatch = 16;
+constexpr float kTolerance = 2e-5f;  // float rounding: the ranks sum in another order
+
+struct Batch {
+  Tensor x, y;
+};
+
+// Step s's global batch: [16, sample...] normals and labels in [0, 3).
+Batch global_batch(const Shape& sample, int step) {
+  Generator gen(500 + step);
+  std::vector<int64_t> sizes{kGlobalBatch};
+  for (int64_t s : sample.sizes()) sizes.push_back(s);
+  Tensor x = Tensor::randn(Shape(sizes), gen);
+  std::vector<int64_t> labels;
+  for (int64_t i = 0; i < kGlobalBatch; ++i) labels.push_back(static_cast<int64_t>(gen.randint(3)));
+  return {x, Tensor::from_vector(labels)};
+}
+
+// Samples [begin, end) of a batch.
+Batch slice(const Batch& b, int64_t begin, int64_t end) {
+  const int64_t per_sample = b.x.numel() / kGlobalBatch;
+  std::vector<int64_t> sizes = b.x.shape().sizes();
+  sizes[0] = end - begin;
+  const std::vector<float> xs = b.x.to_vector();
+  const std::vector<int64_t> ys = b.y.to_int_vector();
+  return {Tensor::from_vector(std::vector<float>(xs.begin() + begin * per_sample, xs.begin() + end * per_sample),
+                              Shape(sizes)),
+          Tensor::from_vector(std::vector<int64_t>(ys.begin() + begin, ys.begin() + end))};
+}
+
+std::vector<Tensor> train_one_rank(const OpCase& c) {
+  Generator gen(7);
+  auto model = c.model(gen);
+  nn::SGD opt(model->parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+  for (int s = 0; s < kSteps; ++s) {
+    const Batch b = global_batch(c.sample, s);
+    opt.zero_grad();
+    cross_entropy((*model)(b.x), b.y).backward();
+    opt.step();
+  }
+  return model->parameters();
+}
+
+}  // namespace
+
+TEST_CASE("op harness: 2-rank DDP equals 1-rank training on a model around each op") {
+  int checked = 0;
+  for (const OpCase& c : op_cases()) {
+    if (!c.model) continue;
+    ++checked;
+    CAPTURE(c.name);
+    const int port = free_port();
+    const std::string failures = run_ranks(2, [&](int rank) {
+      dist::InitOptions options;
+      options.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+      options.rank = rank;
+      options.world_size = 2;
+      options.backend = dist::Backend::Gloo;
+      options.timeout = std::chrono::seconds(30);
+      auto pg = dist::init_process_group(options);
+      Generator gen(rank == 0 ? 7 : 99);
+      dist::DistributedDataParallel ddp(c.model(gen), pg);
+      nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+      const int64_t half = kGlobalBatch / 2;
+      for (int s = 0; s < kSteps; ++s) {
+        const Batch b = slice(global_batch(c.sample, s), half * rank, half * (rank + 1));
+        opt.zero_grad();
+        cross_entropy(ddp(b.x), b.y).backward();
+        opt.step();
+      }
+      const std::vector<Tensor> want = train_one_rank(c);
+      const auto got = ddp.module().named_parameters();
+      std::ostringstream report;
+      bool ok = got.size() == want.size();
+      for (size_t i = 0; ok && i < want.size(); ++i) {
+        const std::vector<float> a = got[i].second.to_vector(), b = want[i].to_vector();
+        float worst = 0;
+        for (size_t j = 0; j < a.size(); ++j) worst = std::max(worst, std::abs(a[j] - b[j]));
+        report << got[i].first << ": max |diff| " << worst << "\n";
+        ok = ok && worst <= kTolerance;
+      }
+      pg->barrier()->wait();
+      dist::destroy_process_group();
+      expect(ok, "rank ", rank, " differs from the 1-rank reference:\n", report.str());
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+  CHECK(checked >= 4);
+}
