@@ -38,6 +38,24 @@ inline Tensor sigmoid(const Tensor& x) {
   });
 }
 
+// ---- tanh ---------------------------------------------------------------------------------
+// y = tanh(x) (torch.tanh): tanh(±inf) = ±1. Backward from the saved output:
+// dx = dy * (1 - y^2). One tanh + 3 FLOPs per element.
+NANODDP_DECLARE_KERNEL(tanh_forward, float* y, const float* x, int64_t n)
+NANODDP_DECLARE_KERNEL(tanh_backward, float* dx, const float* dy, const float* y, int64_t n)  // WRITES
+
+inline Tensor tanh(const Tensor& x) {
+  check_float("tanh", x, "input");
+  Tensor y = empty_like(x);
+  NANODDP_DISPATCH(x.device(), tanh_forward, ptr(y), ptr(x), x.numel());
+  return record("TanhBackward", y, {x}, {y}, [](const Node& node, const Tensor& dy) {
+    const Tensor& y = node.saved(0);
+    Tensor dx = empty_like(y);
+    NANODDP_DISPATCH(y.device(), tanh_backward, ptr(dx), ptr(dy), ptr(y), y.numel());
+    return std::vector<Tensor>{dx};
+  });
+}
+
 // ---- gelu ---------------------------------------------------------------------------------
 // approximate "none": y = x * Phi(x) = x/2 * (1 + erf(x / sqrt 2));
 // approximate "tanh": y = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))
@@ -69,6 +87,12 @@ namespace nn {
 class Sigmoid : public Module {
  public:
   Tensor forward(const Tensor& input) override { return sigmoid(input); }
+};
+
+// tanh(x), any shape (torch.nn.Tanh).
+class Tanh : public Module {
+ public:
+  Tensor forward(const Tensor& input) override { return tanh(input); }
 };
 
 // gelu(x, approximate), any shape (torch.nn.GELU). approximate: "none" or "tanh"

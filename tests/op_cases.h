@@ -250,6 +250,9 @@ inline std::vector<OpCase> op_cases() {
   rows.push_back(OpCase{"sigmoid", {{{4, 5}}}, [](auto& in) { return sigmoid(in[0]); },
                         [](auto& in) { return pointwise(in[0], [](double v) { return 1 / (1 + std::exp(-v)); }); }}
                      .in_model({5}, mlp_around([] { return std::make_shared<nn::Sigmoid>(); })));
+  rows.push_back(OpCase{"tanh", {{{4, 5}}}, [](auto& in) { return tanh(in[0]); },
+                        [](auto& in) { return pointwise(in[0], [](double v) { return std::tanh(v); }); }}
+                     .in_model({5}, mlp_around([] { return std::make_shared<nn::Tanh>(); })));
   rows.push_back(OpCase{"gelu", {{{4, 5}}}, [](auto& in) { return gelu(in[0]); },
                         [](auto& in) { return pointwise(in[0], [](double v) { return 0.5 * v * (1 + std::erf(v / std::sqrt(2.0))); }); }}
                      .in_model({5}, mlp_around([] { return std::make_shared<nn::GELU>(); })));

@@ -26,6 +26,14 @@ void sigmoid_backward(float* dx, const float* dy, const float* y, int64_t n) {
   vec(dx, n).array() = vec(dy, n).array() * s * (1.0f - s);
 }
 
+// ---- tanh ---------------------------------------------------------------------------------
+
+void tanh_forward(float* y, const float* x, int64_t n) { vec(y, n).array() = vec(x, n).array().tanh(); }
+
+void tanh_backward(float* dx, const float* dy, const float* y, int64_t n) {
+  vec(dx, n).array() = vec(dy, n).array() * (1.0f - vec(y, n).array().square());
+}
+
 // ---- gelu ---------------------------------------------------------------------------------
 
 void gelu_forward(float* y, const float* x, bool tanh_approximation, int64_t n) {

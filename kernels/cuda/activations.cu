@@ -34,6 +34,28 @@ void sigmoid_backward(float* dx, const float* dy, const float* y, int64_t n) {
   NANODDP_CUDA_CHECK_LAUNCH("sigmoid_backward_kernel");
 }
 
+// ---- tanh ---------------------------------------------------------------------------------
+
+__global__ void tanh_forward_kernel(float* y, const float* x, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) y[i] = tanhf(x[i]);
+}
+
+void tanh_forward(float* y, const float* x, int64_t n) {
+  if (n <= 0) return;
+  tanh_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(y, x, n);
+  NANODDP_CUDA_CHECK_LAUNCH("tanh_forward_kernel");
+}
+
+__global__ void tanh_backward_kernel(float* dx, const float* dy, const float* y, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) dx[i] = dy[i] * (1.0f - y[i] * y[i]);
+}
+
+void tanh_backward(float* dx, const float* dy, const float* y, int64_t n) {
+  if (n <= 0) return;
+  tanh_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(dx, dy, y, n);
+  NANODDP_CUDA_CHECK_LAUNCH("tanh_backward_kernel");
+}
+
 // ---- gelu ---------------------------------------------------------------------------------
 
 __global__ void gelu_forward_kernel(float* y, const float* x, bool tanh_approximation, int64_t n) {
