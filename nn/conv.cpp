@@ -1,4 +1,4 @@
-// Conv2d and MaxPool2d: forward, then backward right below, each over one image at a time.
+// Conv2d and MaxPool2d: forward, then backward right below; the convolution as one GEMM per batch.
 #include "nn/conv.h"
 
 #include <cmath>
@@ -11,12 +11,15 @@ namespace nanoddp {
 
 using kernels::Window2d;
 
-// Kernels of this file (kernels/{cpu,cuda}/conv.*). One image: [C, H, W].
-// cols [C kh kw, OH OW]: row (c kh + i) kw + j holds image[c, oh sh - ph + i dh,
-// ow sw - pw + j dw] at column oh OW + ow, 0 where that falls in the padding.
-NANODDP_DECLARE_KERNEL(im2col, float* cols, const float* image, Window2d window)
-// dimage = the sum, over the cols entries that read each pixel, of dcols. WRITES.
-NANODDP_DECLARE_KERNEL(col2im, float* dimage, const float* dcols, Window2d window)
+// Kernels of this file (kernels/{cpu,cuda}/conv.*). images: N of [C, H, W].
+// cols [C kh kw, N OH OW]: row (c kh + i) kw + j holds images[n, c, oh sh - ph + i dh,
+// ow sw - pw + j dw] at column (n OH + oh) OW + ow, 0 where that falls in the padding.
+NANODDP_DECLARE_KERNEL(im2col, float* cols, const float* images, int64_t N, Window2d window)
+// dimages = the sum, over the cols entries that read each pixel, of dcols. WRITES.
+NANODDP_DECLARE_KERNEL(col2im, float* dimages, const float* dcols, int64_t N, Window2d window)
+// out[b, a, :] = in[a, b, :]: in [A, B, C] -> out [B, A, C] (the GEMM's [OC, N, OH OW]
+// to NCHW, and back for the gradient).
+NANODDP_DECLARE_KERNEL(swap_leading_dims, float* out, const float* in, int64_t A, int64_t B, int64_t C)
 // out[n, c, :] += bias[c]; out: [N, C, HW].
 NANODDP_DECLARE_KERNEL(channel_bias_forward, float* out, const float* bias, int64_t N, int64_t C, int64_t HW)
 // dbias[c] = sum over n and hw of dout[n, c, hw]. WRITES. Deterministic.
@@ -82,40 +85,36 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
     NANODDP_CHECK(bias.dim() == 1 && bias.size(0) == OC, ShapeError, "conv2d: bias ", bias.shape(),
                   " does not fit weight ", weight.shape(), " (expected [", OC, "])");
   }
-  const int64_t image = g.channels * g.height * g.width, CKK = g.channels * g.kernel_h * g.kernel_w;
-  const int64_t OHW = g.out_h * g.out_w;
+  // One GEMM for the batch: out^T [OC, N OH OW] = weight [OC, C kh kw] · cols [C kh kw, N OH OW].
+  const int64_t CKK = g.channels * g.kernel_h * g.kernel_w, NOHW = N * g.out_h * g.out_w;
   const Device device = input.device();
+  Tensor cols = Tensor::empty({CKK, NOHW}, DType::Float32, device);
+  Tensor out_t = Tensor::empty({OC, NOHW}, DType::Float32, device);
   Tensor out = Tensor::empty({N, OC, g.out_h, g.out_w}, DType::Float32, device);
-  Tensor cols = Tensor::empty({CKK, OHW}, DType::Float32, device);
-  for (int64_t n = 0; n < N; ++n) {
-    NANODDP_DISPATCH(device, im2col, ptr(cols), ptr(input) + n * image, g);
-    NANODDP_DISPATCH(device, matmul, ptr(out) + n * OC * OHW, ptr(weight), ptr(cols), OC, CKK, OHW, false, false,
-                     0.0f);
-  }
-  if (bias.defined()) NANODDP_DISPATCH(device, channel_bias_forward, ptr(out), ptr(bias), N, OC, OHW);
+  NANODDP_DISPATCH(device, im2col, ptr(cols), ptr(input), N, g);
+  NANODDP_DISPATCH(device, matmul, ptr(out_t), ptr(weight), ptr(cols), OC, CKK, NOHW, false, false, 0.0f);
+  NANODDP_DISPATCH(device, swap_leading_dims, ptr(out), ptr(out_t), OC, N, g.out_h * g.out_w);
+  if (bias.defined()) NANODDP_DISPATCH(device, channel_bias_forward, ptr(out), ptr(bias), N, OC, g.out_h * g.out_w);
 
-  return record("Conv2dBackward", out, {input, weight, bias}, {input, weight},
-                [g, N, OC, image, CKK, OHW](const Node& node, const Tensor& dout) {
-    const Tensor& x = node.saved(0);
+  // Backward reads cols (not the input: dweight needs the patches) and the weight.
+  return record("Conv2dBackward", out, {input, weight, bias}, {cols, weight},
+                [g, N, OC, CKK, NOHW](const Node& node, const Tensor& dout) {
+    const Tensor& cols = node.saved(0);
     const Tensor& w = node.saved(1);
-    const Device device = x.device();
+    const Device device = cols.device();
+    const int64_t OHW = g.out_h * g.out_w;
+    Tensor dout_t = Tensor::empty({OC, NOHW}, DType::Float32, device);  // [OC, N OH OW]
+    NANODDP_DISPATCH(device, swap_leading_dims, ptr(dout_t), ptr(dout), N, OC, OHW);
     Tensor dx, dw, db;
-    Tensor scratch = Tensor::empty({CKK, OHW}, DType::Float32, device);
-    if (node.inputs[1].requires_grad()) {  // dw = sum over images of dout_n · cols_n^T
-      dw = Tensor::zeros(w.shape(), DType::Float32, device);
-      for (int64_t n = 0; n < N; ++n) {
-        NANODDP_DISPATCH(device, im2col, ptr(scratch), ptr(x) + n * image, g);
-        NANODDP_DISPATCH(device, matmul, ptr(dw), ptr(dout) + n * OC * OHW, ptr(scratch), OC, OHW, CKK, false, true,
-                         1.0f);
-      }
+    if (node.inputs[1].requires_grad()) {  // dw = dout^T · cols^T
+      dw = empty_like(w);
+      NANODDP_DISPATCH(device, matmul, ptr(dw), ptr(dout_t), ptr(cols), OC, NOHW, CKK, false, true, 0.0f);
     }
-    if (node.inputs[0].requires_grad()) {  // dx_n = col2im(w^T · dout_n)
-      dx = empty_like(x);
-      for (int64_t n = 0; n < N; ++n) {
-        NANODDP_DISPATCH(device, matmul, ptr(scratch), ptr(w), ptr(dout) + n * OC * OHW, CKK, OC, OHW, true, false,
-                         0.0f);
-        NANODDP_DISPATCH(device, col2im, ptr(dx) + n * image, ptr(scratch), g);
-      }
+    if (node.inputs[0].requires_grad()) {  // dx = col2im(w^T · dout^T)
+      Tensor dcols = Tensor::empty({CKK, NOHW}, DType::Float32, device);
+      NANODDP_DISPATCH(device, matmul, ptr(dcols), ptr(w), ptr(dout_t), CKK, OC, NOHW, true, false, 0.0f);
+      dx = Tensor::empty(node.inputs[0].shape(), DType::Float32, device);
+      NANODDP_DISPATCH(device, col2im, ptr(dx), ptr(dcols), N, g);
     }
     if (node.inputs[2].defined() && node.inputs[2].requires_grad()) {
       db = Tensor::empty({OC}, DType::Float32, device);

@@ -28,11 +28,11 @@ struct Size2 {
 };
 
 // input: [N, C, H, W], weight: [OC, C, kh, kw], bias: [OC] or undefined
-// -> [N, OC, OH, OW] (torch.nn.functional.conv2d with groups=1). Computed per image as
-// im2col + one GEMM: cols [C kh kw, OH OW], out = weight [OC, C kh kw] · cols.
-// Cost: forward 2 N OC OH OW C kh kw FLOPs (+ N OC OH OW for the bias); backward twice
-// that. Memory: one image's cols (C kh kw OH OW floats) at a time; keeps input and weight
-// (no copies) for backward.
+// -> [N, OC, OH, OW] (torch.nn.functional.conv2d with groups=1). Computed as im2col + one
+// GEMM for the whole batch: cols [C kh kw, N OH OW], weight [OC, C kh kw] · cols, then
+// reordered to NCHW. Cost: forward 2 N OC OH OW C kh kw FLOPs (+ N OC OH OW for the bias);
+// backward twice that. Memory: cols (C kh kw N OH OW floats), kept for backward with the
+// weight; the output twice while reordering.
 Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Size2 stride = 1, Size2 padding = 0,
               Size2 dilation = 1);
 

@@ -1,5 +1,6 @@
 // CPU kernels of Conv2d and MaxPool2d (declared in nn/conv.cpp): im2col / col2im around
 // Eigen's GEMM, the per-channel bias, and max pooling. Loops run in memory order.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -8,45 +9,55 @@
 
 namespace nanoddp::kernels::cpu {
 
-void im2col(float* cols, const float* image, Window2d g) {
-  const int64_t OHW = g.out_h * g.out_w;
+void im2col(float* cols, const float* images, int64_t N, Window2d g) {
+  const int64_t OHW = g.out_h * g.out_w, image = g.channels * g.height * g.width;
   for (int64_t c = 0; c < g.channels; ++c)
     for (int64_t i = 0; i < g.kernel_h; ++i)
       for (int64_t j = 0; j < g.kernel_w; ++j) {
-        float* row = cols + ((c * g.kernel_h + i) * g.kernel_w + j) * OHW;
-        const float* plane = image + c * g.height * g.width;
-        for (int64_t oh = 0; oh < g.out_h; ++oh) {
-          const int64_t h = oh * g.stride_h - g.pad_h + i * g.dilation_h;
-          float* out = row + oh * g.out_w;
-          if (h < 0 || h >= g.height) {
-            std::fill(out, out + g.out_w, 0.0f);
-            continue;
-          }
-          for (int64_t ow = 0; ow < g.out_w; ++ow) {
-            const int64_t w = ow * g.stride_w - g.pad_w + j * g.dilation_w;
-            out[ow] = w >= 0 && w < g.width ? plane[h * g.width + w] : 0.0f;
+        float* row = cols + ((c * g.kernel_h + i) * g.kernel_w + j) * N * OHW;
+        for (int64_t n = 0; n < N; ++n) {
+          const float* plane = images + n * image + c * g.height * g.width;
+          for (int64_t oh = 0; oh < g.out_h; ++oh) {
+            const int64_t h = oh * g.stride_h - g.pad_h + i * g.dilation_h;
+            float* out = row + n * OHW + oh * g.out_w;
+            if (h < 0 || h >= g.height) {
+              std::fill(out, out + g.out_w, 0.0f);
+              continue;
+            }
+            for (int64_t ow = 0; ow < g.out_w; ++ow) {
+              const int64_t w = ow * g.stride_w - g.pad_w + j * g.dilation_w;
+              out[ow] = w >= 0 && w < g.width ? plane[h * g.width + w] : 0.0f;
+            }
           }
         }
       }
 }
 
-void col2im(float* dimage, const float* dcols, Window2d g) {
-  const int64_t OHW = g.out_h * g.out_w;
-  std::fill(dimage, dimage + g.channels * g.height * g.width, 0.0f);
+void col2im(float* dimages, const float* dcols, int64_t N, Window2d g) {
+  const int64_t OHW = g.out_h * g.out_w, image = g.channels * g.height * g.width;
+  std::fill(dimages, dimages + N * image, 0.0f);
   for (int64_t c = 0; c < g.channels; ++c)
     for (int64_t i = 0; i < g.kernel_h; ++i)
       for (int64_t j = 0; j < g.kernel_w; ++j) {
-        const float* row = dcols + ((c * g.kernel_h + i) * g.kernel_w + j) * OHW;
-        float* plane = dimage + c * g.height * g.width;
-        for (int64_t oh = 0; oh < g.out_h; ++oh) {
-          const int64_t h = oh * g.stride_h - g.pad_h + i * g.dilation_h;
-          if (h < 0 || h >= g.height) continue;
-          for (int64_t ow = 0; ow < g.out_w; ++ow) {
-            const int64_t w = ow * g.stride_w - g.pad_w + j * g.dilation_w;
-            if (w >= 0 && w < g.width) plane[h * g.width + w] += row[oh * g.out_w + ow];
+        const float* row = dcols + ((c * g.kernel_h + i) * g.kernel_w + j) * N * OHW;
+        for (int64_t n = 0; n < N; ++n) {
+          float* plane = dimages + n * image + c * g.height * g.width;
+          for (int64_t oh = 0; oh < g.out_h; ++oh) {
+            const int64_t h = oh * g.stride_h - g.pad_h + i * g.dilation_h;
+            if (h < 0 || h >= g.height) continue;
+            const float* in = row + n * OHW + oh * g.out_w;
+            for (int64_t ow = 0; ow < g.out_w; ++ow) {
+              const int64_t w = ow * g.stride_w - g.pad_w + j * g.dilation_w;
+              if (w >= 0 && w < g.width) plane[h * g.width + w] += in[ow];
+            }
           }
         }
       }
+}
+
+void swap_leading_dims(float* out, const float* in, int64_t A, int64_t B, int64_t C) {
+  for (int64_t a = 0; a < A; ++a)
+    for (int64_t b = 0; b < B; ++b) std::copy(in + (a * B + b) * C, in + (a * B + b + 1) * C, out + (b * A + a) * C);
 }
 
 void channel_bias_forward(float* out, const float* bias, int64_t N, int64_t C, int64_t HW) {

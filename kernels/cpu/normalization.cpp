@@ -1,7 +1,6 @@
 // CPU kernels of LayerNorm (declared in nn/normalization.cpp): two passes per row (mean, then
 // variance about it) in double, so a row of large equal values has variance 0, not noise.
 #include <cmath>
-#include <vector>
 
 #include "kernels/cpu/eigen_maps.h"
 
@@ -25,22 +24,20 @@ void layer_norm_forward(float* out, float* mean, float* rstd, const float* in, c
 
 void layer_norm_backward(float* din, float* dweight, float* dbias, const float* dout, const float* in,
                          const float* mean, const float* rstd, const float* weight, int64_t N, int64_t D) {
-  std::vector<double> dweight_sum(dweight ? D : 0, 0.0), dbias_sum(dbias ? D : 0, 0.0);
-  Eigen::ArrayXd xhat(D), g(D);
+  Eigen::ArrayXd dweight_sum = Eigen::ArrayXd::Zero(dweight ? D : 0), dbias_sum = Eigen::ArrayXd::Zero(dbias ? D : 0);
+  Eigen::ArrayXd dy(D), xhat(D), g(D);
   for (int64_t r = 0; r < N; ++r) {
-    const auto dy = vec(dout + r * D, D).cast<double>().array();
+    dy = vec(dout + r * D, D).cast<double>().array();
     xhat = (vec(in + r * D, D).cast<double>().array() - double(mean[r])) * double(rstd[r]);
-    if (dweight != nullptr)
-      for (int64_t d = 0; d < D; ++d) dweight_sum[d] += dy[d] * xhat[d];
-    if (dbias != nullptr)
-      for (int64_t d = 0; d < D; ++d) dbias_sum[d] += dy[d];
+    if (dweight != nullptr) dweight_sum += dy * xhat;
+    if (dbias != nullptr) dbias_sum += dy;
     if (din == nullptr) continue;
-    g = weight != nullptr ? (dy * vec(weight, D).cast<double>().array()).eval() : dy.eval();
+    g = weight != nullptr ? (dy * vec(weight, D).cast<double>().array()).eval() : dy;
     const double g_mean = g.mean(), gx_mean = (g * xhat).mean();
     vec(din + r * D, D).array() = (double(rstd[r]) * (g - g_mean - xhat * gx_mean)).cast<float>();
   }
-  for (int64_t d = 0; dweight != nullptr && d < D; ++d) dweight[d] = static_cast<float>(dweight_sum[d]);
-  for (int64_t d = 0; dbias != nullptr && d < D; ++d) dbias[d] = static_cast<float>(dbias_sum[d]);
+  if (dweight != nullptr) vec(dweight, D).array() = dweight_sum.cast<float>();
+  if (dbias != nullptr) vec(dbias, D).array() = dbias_sum.cast<float>();
 }
 
 }  // namespace nanoddp::kernels::cpu

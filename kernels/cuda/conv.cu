@@ -12,31 +12,34 @@ namespace nanoddp::kernels::cuda {
 
 // ---- im2col / col2im ----------------------------------------------------------------------
 
-// One thread per cols element [C kh kw, OH OW].
-__global__ void im2col_forward_kernel(float* cols, const float* image, Window2d g, int64_t n) {
-  const int64_t OHW = g.out_h * g.out_w;
+// One thread per cols element [C kh kw, N OH OW].
+__global__ void im2col_forward_kernel(float* cols, const float* images, int64_t N, Window2d g, int64_t n) {
+  const int64_t OHW = g.out_h * g.out_w, NOHW = N * OHW;
   for (int64_t e = first_index(); e < n; e += grid_stride()) {
-    const int64_t row = e / OHW, col = e % OHW;
+    const int64_t row = e / NOHW, col = e % NOHW, image = col / OHW, pixel = col % OHW;
     const int64_t j = row % g.kernel_w, i = (row / g.kernel_w) % g.kernel_h, c = row / (g.kernel_w * g.kernel_h);
-    const int64_t h = (col / g.out_w) * g.stride_h - g.pad_h + i * g.dilation_h;
-    const int64_t w = (col % g.out_w) * g.stride_w - g.pad_w + j * g.dilation_w;
-    cols[e] = h >= 0 && h < g.height && w >= 0 && w < g.width ? image[(c * g.height + h) * g.width + w] : 0.0f;
+    const int64_t h = (pixel / g.out_w) * g.stride_h - g.pad_h + i * g.dilation_h;
+    const int64_t w = (pixel % g.out_w) * g.stride_w - g.pad_w + j * g.dilation_w;
+    cols[e] = h >= 0 && h < g.height && w >= 0 && w < g.width
+                  ? images[((image * g.channels + c) * g.height + h) * g.width + w]
+                  : 0.0f;
   }
 }
 
-void im2col(float* cols, const float* image, Window2d g) {
-  const int64_t n = g.channels * g.kernel_h * g.kernel_w * g.out_h * g.out_w;
+void im2col(float* cols, const float* images, int64_t N, Window2d g) {
+  const int64_t n = g.channels * g.kernel_h * g.kernel_w * N * g.out_h * g.out_w;
   if (n <= 0) return;
-  im2col_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(cols, image, g, n);
+  im2col_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(cols, images, N, g, n);
   NANODDP_CUDA_CHECK_LAUNCH("im2col_forward_kernel");
 }
 
-// One thread per pixel [C, H, W]: sums the cols entries that read it. Kernel tap i reads
+// One thread per pixel [N, C, H, W]: sums the cols entries that read it. Kernel tap i reads
 // pixel h from output row oh when oh stride = h + pad - i dilation.
-__global__ void col2im_backward_kernel(float* dimage, const float* dcols, Window2d g, int64_t n) {
-  const int64_t OHW = g.out_h * g.out_w;
+__global__ void col2im_backward_kernel(float* dimages, const float* dcols, int64_t N, Window2d g, int64_t n) {
+  const int64_t OHW = g.out_h * g.out_w, NOHW = N * OHW;
   for (int64_t e = first_index(); e < n; e += grid_stride()) {
-    const int64_t w = e % g.width, h = (e / g.width) % g.height, c = e / (g.width * g.height);
+    const int64_t w = e % g.width, h = (e / g.width) % g.height, c = (e / (g.width * g.height)) % g.channels;
+    const int64_t image = e / (g.width * g.height * g.channels);
     float total = 0.0f;
     for (int64_t i = 0; i < g.kernel_h; ++i) {
       const int64_t oh_stride = h + g.pad_h - i * g.dilation_h;
@@ -45,18 +48,34 @@ __global__ void col2im_backward_kernel(float* dimage, const float* dcols, Window
         const int64_t ow_stride = w + g.pad_w - j * g.dilation_w;
         if (ow_stride < 0 || ow_stride % g.stride_w != 0 || ow_stride / g.stride_w >= g.out_w) continue;
         const int64_t row = (c * g.kernel_h + i) * g.kernel_w + j;
-        total += dcols[row * OHW + (oh_stride / g.stride_h) * g.out_w + ow_stride / g.stride_w];
+        total += dcols[row * NOHW + image * OHW + (oh_stride / g.stride_h) * g.out_w + ow_stride / g.stride_w];
       }
     }
-    dimage[e] = total;
+    dimages[e] = total;
   }
 }
 
-void col2im(float* dimage, const float* dcols, Window2d g) {
-  const int64_t n = g.channels * g.height * g.width;
+void col2im(float* dimages, const float* dcols, int64_t N, Window2d g) {
+  const int64_t n = N * g.channels * g.height * g.width;
   if (n <= 0) return;
-  col2im_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(dimage, dcols, g, n);
+  col2im_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(dimages, dcols, N, g, n);
   NANODDP_CUDA_CHECK_LAUNCH("col2im_backward_kernel");
+}
+
+// One thread per element of out [B, A, C].
+__global__ void swap_leading_dims_forward_kernel(float* out, const float* in, int64_t A, int64_t B, int64_t C,
+                                                 int64_t n) {
+  for (int64_t e = first_index(); e < n; e += grid_stride()) {
+    const int64_t c = e % C, a = (e / C) % A, b = e / (C * A);
+    out[e] = in[(a * B + b) * C + c];
+  }
+}
+
+void swap_leading_dims(float* out, const float* in, int64_t A, int64_t B, int64_t C) {
+  const int64_t n = A * B * C;
+  if (n <= 0) return;
+  swap_leading_dims_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(out, in, A, B, C, n);
+  NANODDP_CUDA_CHECK_LAUNCH("swap_leading_dims_forward_kernel");
 }
 
 // ---- per-channel bias ---------------------------------------------------------------------
