@@ -86,10 +86,11 @@ TEST_CASE("toy_ddp --raw stops with an error naming the epoch and step where the
   CHECK(std::regex_search(r.err, std::regex("loss became (inf|nan|-inf) at epoch [0-9]+, step [0-9]+ on rank 0")));
 }
 
-TEST_CASE("fashion_mnist: resuming from a checkpoint equals an uninterrupted run") {
+// Both builds of the job: the MLP, and the CNN whose Dropout masks must repeat after a resume.
+void check_resume_equals_uninterrupted(const std::string& example) {
   TempDir dir;
   write_small_fashion_mnist(dir.path, 640, 200);
-  const std::string program = built("examples/fashion_mnist");
+  const std::string program = built("examples/" + example);
   const std::vector<std::string> common = {"--data-dir", dir.path, "--batch-size", "32", "--quiet"};
   auto args = [&](std::vector<std::string> extra) {
     std::vector<std::string> all = {launcher_path(), "--nproc-per-node", "2", "--backend", "gloo", program};
@@ -108,6 +109,7 @@ TEST_CASE("fashion_mnist: resuming from a checkpoint equals an uninterrupted run
   const auto a = json_lines(straight.out), b = json_lines(rest.out);
   REQUIRE(a.size() == 1);
   REQUIRE(b.size() == 1);
+  CHECK(a[0].find("\"example\":\"" + example + "\"") != std::string::npos);
   CHECK(json_field(a[0], "test_accuracy") == json_field(b[0], "test_accuracy"));
   CHECK(json_field(a[0], "train_loss") == json_field(b[0], "train_loss"));
   // The saved weights and momentum buffers are the same, bit for bit.
@@ -122,6 +124,14 @@ TEST_CASE("fashion_mnist: resuming from a checkpoint equals an uninterrupted run
       CHECK(tensor.to_int_vector() == y.at(name).to_int_vector());
     }
   }
+}
+
+TEST_CASE("fashion_mnist: resuming from a checkpoint equals an uninterrupted run") {
+  check_resume_equals_uninterrupted("fashion_mnist");
+}
+
+TEST_CASE("fashion_mnist_cnn: resuming from a checkpoint equals an uninterrupted run") {
+  check_resume_equals_uninterrupted("fashion_mnist_cnn");
 }
 
 TEST_CASE("fashion_mnist: a missing data folder is a clear error, not a crash") {
