@@ -1,17 +1,18 @@
-// Extending nanoddp with a layer of your own, in one file: a LeakyReLU op with its forward,
-// its backward (a Node, right below), a Module that uses it, a gradient check by central
-// differences, and a short DDP-ready training run.
+// Extending nanoddp with a layer of your own, in one file outside the library's folders: a
+// LeakyReLU op with its forward and its backward (record(), right below), a Module that uses
+// it, a gradient check by central differences, and a short DDP-ready training run.
 //
 //   build/examples/custom_layer                  # or under nanoddp-run: DDP works unchanged
 //
-// Inside the library an op also gets a kernel per device (kernels/kernel_list.inc) and a row
-// in the op harness (tests/test_ops.cpp); docs/adding-a-layer.md walks through that. Here the
+// Inside the library a layer also gets a kernel per device and a row in the op harness
+// (tests/op_cases.h); docs/adding-a-layer.md walks through that. Here the
 // kernel is a plain host loop, so the layer runs on the CPU only and says so on a GPU tensor.
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstdio>
 
 #include "core/autograd.h"
+#include "core/op_helpers.h"
 #include "dist/ddp.h"
 #include "dist/init.h"
 #include "examples/example_utils.h"
@@ -23,33 +24,27 @@ using namespace nanoddp;
 
 // ---- the op: y = x if x > 0 else slope * x ---------------------------------------------
 
-struct LeakyReluBackward : Node {
-  float slope;
-  // dx = dy where x > 0, slope * dy elsewhere. inputs[0] is x.
-  std::vector<Tensor> apply(const Tensor& dy) override {
-    const Tensor& x = inputs[0];
-    Tensor dx = Tensor::empty(x.shape());
+// x: any shape, float32, CPU -> same shape (torch.nn.functional.leaky_relu).
+Tensor leaky_relu(const Tensor& x, float slope) {
+  check_float("leaky_relu", x, "input");
+  NANODDP_CHECK(x.device().is_cpu(), DeviceError, "leaky_relu: this example's kernel is CPU-only, got a ", x.device(),
+                " tensor");
+  Tensor y = empty_like(x);
+  const float* xs = x.data<float>();
+  float* ys = y.data<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) ys[i] = xs[i] > 0.0f ? xs[i] : slope * xs[i];
+  // The backward, right below: dx = dy where x > 0, slope * dy elsewhere. x is saved for it
+  // (save what backward reads; capture only plain values such as slope). record() keeps
+  // nothing when no input requires grad.
+  return record("LeakyReluBackward", y, /*inputs=*/{x}, /*saved=*/{x}, [slope](const Node& node, const Tensor& dy) {
+    const Tensor& x = node.saved(0);
+    Tensor dx = empty_like(x);
     const float* xs = x.data<float>();
     const float* g = dy.data<float>();
     float* out = dx.data<float>();
     for (int64_t i = 0; i < x.numel(); ++i) out[i] = xs[i] > 0.0f ? g[i] : slope * g[i];
-    return {dx};
-  }
-  const char* name() const override { return "LeakyReluBackward"; }
-};
-
-// x: any shape, float32, CPU -> same shape (torch.nn.functional.leaky_relu).
-Tensor leaky_relu(const Tensor& x, float slope) {
-  NANODDP_CHECK(x.device().is_cpu(), DeviceError, "leaky_relu: this example's kernel is CPU-only, got a ", x.device(),
-                " tensor");
-  Tensor y = Tensor::empty(x.shape());
-  const float* xs = x.data<float>();
-  float* ys = y.data<float>();
-  for (int64_t i = 0; i < x.numel(); ++i) ys[i] = xs[i] > 0.0f ? xs[i] : slope * xs[i];
-  auto node = std::make_shared<LeakyReluBackward>();
-  node->inputs = {x};
-  node->slope = slope;
-  return make_result(y, node);  // records the node only when x requires grad
+    return std::vector<Tensor>{dx};
+  });
 }
 
 // ---- the layer ------------------------------------------------------------------------------
