@@ -19,6 +19,15 @@ namespace {
 std::mutex default_mutex;
 std::shared_ptr<ProcessGroup> default_group;
 
+// Note [NCCL shutdown] (dist/process_group_nccl.cpp): a default group still alive at exit is
+// dropped by an exit handler registered once the group (and so CUDA) is up. Exit handlers
+// run in reverse order of registration, so this one runs before the CUDA runtime's teardown,
+// unlike the destructor of default_group itself.
+void register_exit_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] { std::atexit([] { destroy_process_group(); }); });
+}
+
 // The first of names that is set, parsed as an int in [lo, hi]; -1 when none is set.
 int env_int(std::initializer_list<const char*> names, long lo, long hi) {
   for (const char* name : names) {
@@ -147,6 +156,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                   " but the options/environment say rank ", rank, " of ", world_size,
                   "; launch with mpirun -np ", world_size < 0 ? group->size() : world_size);
     default_group = checked(group, options);
+    register_exit_handler();
     return default_group;
   }
 
@@ -217,6 +227,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     group = make_gloo_process_group(store, gloo);
   }
   default_group = checked(group, options);
+  register_exit_handler();
   return default_group;
 }
 

@@ -24,6 +24,7 @@
 #include "data/idx.h"
 #include "data/sampler.h"
 #include "dist/ddp.h"
+#include "dist/host_collectives.h"
 #include "dist/init.h"
 #include "dist/launch.h"
 #include "dist/process_group.h"
