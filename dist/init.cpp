@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "dist/detail.h"
+#include "dist/host_staging.h"
 #include "dist/launcher_link.h"
 #include "kernels/kernels.h"
 
@@ -155,7 +156,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                   ": MPI says rank ", group->rank(), " of ", group->size(),
                   " but the options/environment say rank ", rank, " of ", world_size,
                   "; launch with mpirun -np ", world_size < 0 ? group->size() : world_size);
-    default_group = checked(group, options);
+    // CUDA tensors through host memory (dist/host_staging.h), then the collective check.
+    default_group = checked(stage_device_tensors(group), options);
     register_exit_handler();
     return default_group;
   }
@@ -226,7 +228,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     gloo.timeout = options.timeout;
     group = make_gloo_process_group(store, gloo);
   }
-  default_group = checked(group, options);
+  // A CPU group takes CUDA tensors too (dist/host_staging.h); then the collective check.
+  default_group = checked(stage_device_tensors(group), options);
   register_exit_handler();
   return default_group;
 }

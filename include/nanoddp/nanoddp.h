@@ -25,6 +25,7 @@
 #include "data/sampler.h"
 #include "dist/ddp.h"
 #include "dist/host_collectives.h"
+#include "dist/host_staging.h"
 #include "dist/init.h"
 #include "dist/launch.h"
 #include "dist/process_group.h"
