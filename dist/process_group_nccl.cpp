@@ -166,16 +166,27 @@ class ProcessGroupNccl : public ProcessGroup {
     NANODDP_NCCL_DIST_CUDA(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device_.index), where());
     const std::string mine = detail::host_name() + " " + bus_id;
     store_->set(prefix + "gpu/" + std::to_string(rank_), mine);
-    for (int r = 0; r < world_size_; ++r) {
-      if (r == rank_) continue;
-      std::string theirs = store_->get_string(prefix + "gpu/" + std::to_string(r));
-      NANODDP_CHECK(theirs != mine, DistError, where(), ": ranks ", std::min(r, rank_), " and ",
-                    std::max(r, rank_), " both use the GPU at PCI ", bus_id, " on ",
-                    detail::host_name(), " (duplicate GPU). NCCL needs one GPU per rank: give "
-                    "each rank Device::cuda(get_local_rank()), and start at most as many ranks "
-                    "per host as it has GPUs; to run several ranks on one GPU, use --backend "
-                    "gloo (or mpi), which stage CUDA tensors through host memory");
+    int same_gpu = -1;  // a rank that names this rank's GPU too
+    for (int r = 0; r < world_size_ && same_gpu < 0; ++r)
+      if (r != rank_ && store_->get_string(prefix + "gpu/" + std::to_string(r)) == mine) same_gpu = r;
+    // Rank 0 serves the store: it gives up only once every rank has read the others' GPUs,
+    // so that they all report the duplicate rather than a store that went away.
+    store_->set(prefix + "gpu_read/" + std::to_string(rank_), std::string("1"));
+    if (same_gpu >= 0 && rank_ == 0) {
+      std::vector<std::string> keys;
+      for (int r = 0; r < world_size_; ++r) keys.push_back(prefix + "gpu_read/" + std::to_string(r));
+      try {
+        store_->wait(keys, timeout_);
+      } catch (const DistError&) {
+        // A rank that never reads: report the duplicate all the same.
+      }
     }
+    NANODDP_CHECK(same_gpu < 0, DistError, where(), ": ranks ", std::min(same_gpu, rank_), " and ",
+                  std::max(same_gpu, rank_), " both use the GPU at PCI ", bus_id, " on ", detail::host_name(),
+                  " (duplicate GPU). NCCL needs one GPU per rank: give each rank "
+                  "Device::cuda(get_local_rank()), and start at most as many ranks per host as it has GPUs; "
+                  "to run several ranks on one GPU, use --backend gloo (or mpi), which stage CUDA tensors "
+                  "through host memory");
 
     // Step 2: the unique id.
     ncclUniqueId id;
