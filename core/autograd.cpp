@@ -108,6 +108,12 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
   } else {
     NANODDP_CHECK(seed.shape() == root.shape(), ShapeError, "backward: gradient ", seed.shape(),
                   " does not match output ", root.shape());
+    NANODDP_CHECK(seed.dtype() == DType::Float32, ValueError, "backward: gradient must be float32, got ",
+                  seed.dtype());
+    // torch.autograd.backward refuses a gradient on another device than its output.
+    NANODDP_CHECK(seed.device() == root.device(), DeviceError, "backward: gradient on ", seed.device(),
+                  " for an output on ", root.device(), " (shape ", root.shape(), "); move it with .to(",
+                  root.device(), ")");
   }
 
   // 1. Count, for every tensor in the graph, how many graph edges point at it.

@@ -16,7 +16,10 @@ Device Device::parse(const std::string& text) {
   NANODDP_THROW(ValueError, "unknown device '", text, "': expected cpu, cuda or cuda:N");
 }
 
-std::string Device::str() const { return is_cpu() ? "cpu" : "cuda:" + std::to_string(index); }
+std::string Device::str() const {
+  if (is_cpu()) return index == 0 ? "cpu" : "cpu:" + std::to_string(index);
+  return "cuda:" + std::to_string(index);
+}
 
 std::ostream& operator<<(std::ostream& out, const Device& device) { return out << device.str(); }
 

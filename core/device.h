@@ -15,7 +15,10 @@ namespace nanoddp {
 struct Device {
   enum class Type { CPU, CUDA };
   Type type = Type::CPU;
-  int index = 0;  // GPU ordinal; always 0 for the CPU
+  // GPU ordinal; 0 for the CPU. Tests use a second host device, {CPU, 1} ("cpu:1"), as a
+  // stand-in for a GPU: host memory the CPU kernels run on, yet not Device::cpu(), so code that
+  // hands a host tensor where the device's tensor belongs fails without a GPU.
+  int index = 0;
 
   static Device cpu() { return {Type::CPU, 0}; }
   static Device cuda(int index = 0) { return {Type::CUDA, index}; }
@@ -24,7 +27,7 @@ struct Device {
 
   bool is_cpu() const { return type == Type::CPU; }
   bool is_cuda() const { return type == Type::CUDA; }
-  std::string str() const;  // "cpu" or "cuda:N", as torch.device prints
+  std::string str() const;  // "cpu" or "cuda:N", as torch.device prints ("cpu:1" for the stand-in)
   bool operator==(const Device& other) const { return type == other.type && index == other.index; }
   bool operator!=(const Device& other) const { return !(*this == other); }
 };

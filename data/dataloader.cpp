@@ -129,9 +129,10 @@ class DataLoader::PinnedStaging {
  public:
   static constexpr size_t kSlots = 8;
 
-  PinnedStaging() : slots_(kSlots) {}
+  explicit PinnedStaging(int device) : device_(device), slots_(kSlots) {}
   ~PinnedStaging() {
     try {
+      kernels::cuda::set_device(device_);
       kernels::cuda::synchronize();  // no copy may still read a buffer we free
       for (Slot& slot : slots_)
         if (slot.data != nullptr) kernels::cuda::free_pinned(slot.data);
@@ -144,6 +145,7 @@ class DataLoader::PinnedStaging {
 
   // Copies host (nbytes at src) to dst on the device, asynchronously on the compute stream.
   void copy_to_device(void* dst, const void* src, size_t nbytes) {
+    kernels::cuda::set_device(device_);  // that GPU's compute stream, whichever GPU is current
     Slot& slot = acquire(nbytes);
     std::memcpy(slot.data, src, nbytes);
     kernels::cuda::copy_async(dst, slot.data, nbytes, kernels::cuda::CopyKind::HostToDevice);
@@ -177,6 +179,7 @@ class DataLoader::PinnedStaging {
     return *it;
   }
 
+  int device_;
   std::vector<Slot> slots_;
 };
 
@@ -226,7 +229,7 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_siz
     NANODDP_CHECK(options.device.index < count, DeviceError, "DataLoader: device ", options.device,
                   " requested, but ", count, " GPU(s) are usable",
                   count == 0 ? " (" + kernels::cuda::unavailable_reason() + ")" : std::string());
-    staging_ = std::make_unique<PinnedStaging>();
+    staging_ = std::make_unique<PinnedStaging>(options.device.index);
   }
 }
 

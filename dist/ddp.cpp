@@ -4,6 +4,7 @@
 
 #include "core/autograd.h"
 #include "core/hash.h"
+#include "dist/host_collectives.h"
 
 namespace nanoddp::dist {
 
@@ -32,7 +33,7 @@ std::string signature_shape(const int64_t* sig) {
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> module, std::shared_ptr<ProcessGroup> pg,
                                                  DDPOptions options)
-    : module_(register_module("module", std::move(module))), pg_(std::move(pg)) {
+    : module_(register_module("module", std::move(module))), pg_(std::move(pg)), timeout_(options.timeout) {
   NANODDP_CHECK(module_ != nullptr && pg_ != nullptr, ValueError, "DistributedDataParallel needs a module and a process group");
   verify_parameters_match();
   broadcast_parameters();
@@ -44,28 +45,24 @@ void DistributedDataParallel::verify_parameters_match() {
   const int world = pg_->size();
   const std::string who = "DDP on rank " + std::to_string(pg_->rank()) + "/" + std::to_string(world);
 
-  // 1a. The same number of parameters everywhere.
-  Tensor count = Tensor::from_vector(std::vector<int64_t>{static_cast<int64_t>(named.size())});
-  std::vector<Tensor> counts;
-  for (int r = 0; r < world; ++r) counts.push_back(Tensor::zeros({1}, DType::Int64));
-  pg_->all_gather(counts, count)->wait();
+  // 1a. The same number of parameters everywhere. (all_gather_host builds its tensors on the
+  // group's device: NCCL takes only GPU tensors.)
+  const auto counts = all_gather_host(*pg_, {static_cast<int64_t>(named.size())}, timeout_);
   for (int r = 0; r < world; ++r)
-    NANODDP_CHECK(counts[r].at_int({0}) == static_cast<int64_t>(named.size()), DistError, who, ": this rank has ",
-                  named.size(), " parameters but rank ", r, " has ", counts[r].at_int({0}),
+    NANODDP_CHECK(counts[r][0] == static_cast<int64_t>(named.size()), DistError, who, ": this rank has ",
+                  named.size(), " parameters but rank ", r, " has ", counts[r][0],
                   "; every rank must build the same model");
   if (named.empty()) return;
 
   // 1b. The same names and shapes, in the same order.
   const int64_t P = static_cast<int64_t>(named.size());
-  Tensor mine = Tensor::zeros({P, kSignatureWidth}, DType::Int64);
-  for (int64_t i = 0; i < P; ++i) write_signature(mine.data<int64_t>() + i * kSignatureWidth, named[i].first, named[i].second.shape());
-  std::vector<Tensor> all;
-  for (int r = 0; r < world; ++r) all.push_back(Tensor::zeros({P, kSignatureWidth}, DType::Int64));
-  pg_->all_gather(all, mine)->wait();
+  std::vector<int64_t> mine(static_cast<size_t>(P * kSignatureWidth));
+  for (int64_t i = 0; i < P; ++i) write_signature(mine.data() + i * kSignatureWidth, named[i].first, named[i].second.shape());
+  const auto all = all_gather_host(*pg_, mine, timeout_);
   for (int64_t i = 0; i < P; ++i) {
-    const int64_t* own = mine.data<int64_t>() + i * kSignatureWidth;
+    const int64_t* own = mine.data() + i * kSignatureWidth;
     for (int r = 0; r < world; ++r) {
-      const int64_t* theirs = all[r].data<int64_t>() + i * kSignatureWidth;
+      const int64_t* theirs = all[r].data() + i * kSignatureWidth;
       const bool same_name = own[0] == theirs[0];
       const bool same_shape = std::equal(own + 1, own + kSignatureWidth, theirs + 1);
       NANODDP_CHECK(same_name && same_shape, DistError, who, ": parameter #", i, " '", named[i].first, "' ",
@@ -83,7 +80,7 @@ void DistributedDataParallel::broadcast_parameters() {
     Tensor data = p.detach();  // same storage: the broadcast writes the parameter itself
     works.push_back(pg_->broadcast(data, 0));
   }
-  for (auto& work : works) work->wait();
+  for (auto& work : works) work->wait(timeout_);
 }
 
 }  // namespace nanoddp::dist

@@ -69,6 +69,7 @@ class DistributedDataParallel : public nn::Module {
 
   std::shared_ptr<nn::Module> module_;
   std::shared_ptr<ProcessGroup> pg_;
+  std::chrono::milliseconds timeout_;
   std::unique_ptr<Reducer> reducer_;
 };
 

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "dist/detail.h"
+#include "dist/host_staging.h"
 #include "dist/launcher_link.h"
 #include "kernels/kernels.h"
 
@@ -18,6 +19,15 @@ namespace {
 
 std::mutex default_mutex;
 std::shared_ptr<ProcessGroup> default_group;
+
+// Note [NCCL shutdown] (dist/process_group_nccl.cpp): a default group still alive at exit is
+// dropped by an exit handler registered once the group (and so CUDA) is up. Exit handlers
+// run in reverse order of registration, so this one runs before the CUDA runtime's teardown,
+// unlike the destructor of default_group itself.
+void register_exit_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] { std::atexit([] { destroy_process_group(); }); });
+}
 
 // The first of names that is set, parsed as an int in [lo, hi]; -1 when none is set.
 int env_int(std::initializer_list<const char*> names, long lo, long hi) {
@@ -146,7 +156,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                   ": MPI says rank ", group->rank(), " of ", group->size(),
                   " but the options/environment say rank ", rank, " of ", world_size,
                   "; launch with mpirun -np ", world_size < 0 ? group->size() : world_size);
-    default_group = checked(group, options);
+    // CUDA tensors through host memory (dist/host_staging.h), then the collective check.
+    default_group = checked(stage_device_tensors(group), options);
+    register_exit_handler();
     return default_group;
   }
 
@@ -216,7 +228,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     gloo.timeout = options.timeout;
     group = make_gloo_process_group(store, gloo);
   }
-  default_group = checked(group, options);
+  // A CPU group takes CUDA tensors too (dist/host_staging.h); then the collective check.
+  default_group = checked(stage_device_tensors(group), options);
+  register_exit_handler();
   return default_group;
 }
 

@@ -55,10 +55,12 @@ struct InitOptions {
 };
 
 // Builds the store and the group and makes it the default group
-// (torch.distributed.init_process_group). Under a launcher, also ends this process when the
-// launcher dies (Note [Launcher link] in dist/launcher_link.h). Throws ValueError for a missing
-// or malformed variable (named), rank outside [0, world_size), or a backend that contradicts
-// the launcher's; DeviceError for a CUDA device in a build without CUDA; DistError when already initialised, when
+// (torch.distributed.init_process_group). A CPU group (Gloo, MPI) also takes CUDA tensors,
+// staged through pinned host memory (dist/host_staging.h), so several ranks can share a GPU.
+// Under a launcher, also ends this process when the launcher dies (Note [Launcher link] in
+// dist/launcher_link.h). Throws ValueError for a missing or malformed variable (named), rank
+// outside [0, world_size), or a backend that contradicts the launcher's; DeviceError for a
+// CUDA device in a build without CUDA; DistError when already initialised, when
 // MASTER_PORT is in use on rank 0, when the backend is not built in, or when the ranks
 // cannot meet within the timeout (TimeoutError).
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options = {});

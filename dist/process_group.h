@@ -27,7 +27,9 @@
 //  - Max and Min propagate NaN whichever rank holds it (torch.maximum/torch.minimum).
 //  - Every message names the rank, world size, host, backend, the collective and its sizes.
 //  - Tensors: dense, contiguous; float32 or int64 (UInt8 is refused: sums would wrap);
-//    CPU tensors on Gloo and MPI, CUDA tensors of the group's device on NCCL.
+//    CUDA tensors of the group's device on NCCL; CPU tensors on Gloo and MPI, and CUDA ones
+//    too when the group comes from init_process_group (staged through pinned host memory,
+//    dist/host_staging.h). device() says which device a group's own tensors should be on.
 #pragma once
 
 #include <chrono>
@@ -86,6 +88,11 @@ class ProcessGroup {
   int rank() const { return rank_; }
   int size() const { return world_size_; }
   virtual std::string backend_name() const = 0;  // "gloo", "mpi", "nccl"
+  // The device whose tensors this group's collectives take: cuda:N for NCCL (the GPU it was
+  // built on), cpu for Gloo and MPI (which also take CUDA tensors, staged through host
+  // memory). Code that reduces numbers of its own (counts, losses, DDP's checks) builds its
+  // tensors here: dist/host_collectives.h does it for host values.
+  virtual Device device() const { return Device::cpu(); }
 
   // tensor: any shape, float32 or int64 (Avg: float32 only), reduced in place across ranks;
   // every rank ends with the same values (torch.distributed.all_reduce).

@@ -75,7 +75,6 @@ struct CheckState {
   std::mutex mutex;  // one caller at a time issues, compares and starts
   std::deque<std::shared_ptr<CheckedWork>> unresolved;
   int64_t seq = 0;
-  Device last_device = Device::cpu();
   std::chrono::milliseconds timeout{};  // the group's: no wait through this group lasts longer
 
   // Compares and starts unresolved calls from the oldest through `last` (all when null).
@@ -208,6 +207,7 @@ class CheckedProcessGroup : public ProcessGroup {
   }
 
   std::string backend_name() const override { return state_->inner->backend_name(); }
+  Device device() const override { return state_->inner->device(); }
   Store& store() override { return state_->inner->store(); }
 
   // Arguments are checked here, at the call, as the backends do; the backend checks the device.
@@ -267,9 +267,9 @@ class CheckedProcessGroup : public ProcessGroup {
                                  tensor.defined() ? static_cast<int64_t>(tensor.dtype()) : -1,
                                  tensor.defined() ? tensor.numel() : 0,
                                  extra};
-    // The fingerprint lives where the group's tensors live (a CUDA group takes CUDA tensors).
-    const Device device = tensor.defined() ? tensor.device() : state_->last_device;
-    state_->last_device = device;
+    // The fingerprint lives on the backend's device (NCCL takes only its GPU's tensors; a CPU
+    // group's stays on the host even when the collective's tensors are on a GPU).
+    const Device device = state_->inner->device();
     auto work =
         std::make_shared<CheckedWork>(describe(what, tensor), std::move(mine), std::move(start), state_);
     work->exchange(world_size_, device);

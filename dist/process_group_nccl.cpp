@@ -4,20 +4,32 @@
 //   1. Every rank publishes "<host> <PCI bus id>" of its GPU in the store and reads all the
 //      others'. Two ranks on one GPU is refused here, with both ranks named: NCCL cannot
 //      hold two ranks of a communicator on one device ("duplicate GPU" / ncclInvalidUsage).
+//      The error points to Gloo or MPI, which run several ranks on one GPU by staging its
+//      tensors through host memory.
 //   2. Rank 0 creates the unique id (ncclGetUniqueId) and sets it; the others get it.
 //   3. Every rank builds its communicator non-blocking (config.blocking = 0) and polls
 //      ncclCommGetAsyncError, so a rank that never arrives ends in TimeoutError and
-//      ncclCommAbort instead of a hang.
+//      ncclCommAbort instead of a hang. Every later call follows Note [NCCL non-blocking]
+//      (dist/nccl_protocol.h): it may answer ncclInProgress, and is polled until enqueued.
 //
 // Note [NCCL streams]
 // Collectives run on the group's own stream. Each one first waits (cudaStreamWaitEvent) for
 // an event recorded on the compute stream, so it sees every kernel issued before it; its end
-// is another event. Work::wait makes the compute stream wait for that event, then polls it
-// from the host until the timeout, aborting the communicator on timeout or NCCL error so that
-// no kernel spins forever. The Work holds the tensors until then, so the caching allocator
-// cannot reuse their memory while NCCL reads it.
+// is another event, recorded once every call of the collective is enqueued. Work::wait makes
+// the compute stream wait for that event, then polls it from the host until the timeout,
+// aborting the communicator on timeout or NCCL error so that no kernel spins forever. The Work
+// holds the tensors until the event has passed, even when dropped without wait(), so the
+// caching allocator cannot reuse their memory while NCCL uses it.
+//
+// Note [NCCL shutdown]
+// A communicator is finalized (ncclCommFinalize, polled like any call) and then destroyed when
+// its group goes, or aborted when finalizing fails or times out, so exit never hangs on a peer
+// that is gone. The default group is dropped by destroy_process_group() or, failing that, by an
+// exit handler that init_process_group registers after CUDA is up: exit handlers run in
+// reverse order, so it runs before the CUDA runtime unloads (dist/init.cpp).
 #include "core/error.h"
 #include "dist/detail.h"
+#include "dist/nccl_protocol.h"
 #include "dist/process_group.h"
 
 #if NANODDP_WITH_NCCL
@@ -26,8 +38,8 @@
 #include <nccl.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstring>
-#include <thread>
 
 #include "kernels/device_memory.h"
 
@@ -35,7 +47,6 @@ namespace nanoddp::dist {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
 #define NANODDP_NCCL_DIST_CUDA(call, what)                                                  \
   do {                                                                                      \
@@ -44,47 +55,71 @@ using Clock = std::chrono::steady_clock;
                   cudaGetErrorName(status_), " (", cudaGetErrorString(status_), ")");       \
   } while (0)
 
-// ncclInProgress is success for a non-blocking communicator: the call is queued.
-#define NANODDP_NCCL_DIST_NCCL(call, comm, what)                                            \
-  do {                                                                                      \
-    ncclResult_t status_ = (call);                                                          \
-    NANODDP_CHECK(status_ == ncclSuccess || status_ == ncclInProgress, DistError, what, ": ", \
-                  #call, " failed: ", ncclGetErrorString(status_), " (",                   \
-                  (comm) ? ncclGetLastError(comm) : "", ")");                              \
-  } while (0)
+using detail::AsyncState;
 
-// An NCCL communicator: destroyed normally, or aborted after a timeout or error (RAII).
-class NcclComm {
+AsyncState async_state(ncclResult_t result) {
+  return result == ncclSuccess ? AsyncState::Done : result == ncclInProgress ? AsyncState::InProgress : AsyncState::Failed;
+}
+
+// An NCCL communicator (RAII): finalized and destroyed, or aborted (Note [NCCL shutdown]).
+class NcclComm : public detail::AsyncComm {
  public:
-  explicit NcclComm(ncclComm_t comm) : comm_(comm) {}
-  ~NcclComm() {
+  NcclComm(ncclComm_t comm, std::chrono::milliseconds timeout) : comm_(comm), timeout_(timeout) {}
+  ~NcclComm() override {
     if (aborted_.load()) return;
-    ncclCommDestroy(comm_);
+    try {
+      detail::issue_and_wait_enqueued(*this, "ncclCommFinalize", timeout_, [&](std::string* error) {
+        return checked(ncclCommFinalize(comm_), error);
+      });
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "nanoddp: %s; aborting the NCCL communicator instead\n", e.what());
+      abort();
+      return;
+    }
+    if (aborted_.load()) return;
+    const ncclResult_t result = ncclCommDestroy(comm_);
+    if (result != ncclSuccess)
+      std::fprintf(stderr, "nanoddp: ncclCommDestroy failed: %s\n", ncclGetErrorString(result));
   }
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
   ncclComm_t get() const { return comm_; }
-  void abort() {
+
+  void abort() override {
     if (!aborted_.exchange(true)) ncclCommAbort(comm_);
   }
-  bool aborted() const { return aborted_.load(); }
-  // ncclSuccess, ncclInProgress, or the error that broke the communicator.
-  ncclResult_t async_error() const {
-    ncclResult_t result = ncclSuccess;
-    if (aborted_.load()) return ncclInvalidUsage;
-    ncclCommGetAsyncError(comm_, &result);
-    return result;
+  bool aborted() const override { return aborted_.load(); }
+  AsyncState state(std::string* error) override {
+    if (aborted_.load()) {
+      *error = "an abort (earlier timeout or error)";
+      return AsyncState::Failed;
+    }
+    ncclResult_t async = ncclSuccess;
+    const ncclResult_t result = ncclCommGetAsyncError(comm_, &async);
+    if (result != ncclSuccess) return checked(result, error);
+    return checked(async, error);
+  }
+
+  // What a call's result says, with the library's text for an error.
+  AsyncState checked(ncclResult_t result, std::string* error) const {
+    const AsyncState state = async_state(result);
+    if (state == AsyncState::Failed)
+      *error = std::string(ncclGetErrorString(result)) + " (" + ncclGetLastError(comm_) + ")";
+    return state;
   }
 
  private:
   ncclComm_t comm_;
+  std::chrono::milliseconds timeout_;
   std::atomic<bool> aborted_{false};
 };
 
 class CudaEvent {
  public:
-  CudaEvent() { cudaEventCreateWithFlags(&event_, cudaEventDisableTiming); }
-  ~CudaEvent() { cudaEventDestroy(event_); }
+  CudaEvent() {
+    NANODDP_NCCL_DIST_CUDA(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "nccl group");
+  }
+  ~CudaEvent() { cudaEventDestroy(event_); }  // never throws; nothing to do about a failure here
   CudaEvent(const CudaEvent&) = delete;
   CudaEvent& operator=(const CudaEvent&) = delete;
   cudaEvent_t get() const { return event_; }
@@ -106,58 +141,6 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 }
 
 cudaStream_t compute_stream() { return static_cast<cudaStream_t>(kernels::cuda::compute_stream()); }
-
-class NcclWork : public Work {
- public:
-  NcclWork(std::string description, std::shared_ptr<NcclComm> comm, int device,
-           std::vector<Tensor> keep_alive)
-      : description_(std::move(description)),
-        comm_(std::move(comm)),
-        device_(device),
-        keep_alive_(std::move(keep_alive)) {}
-
-  cudaEvent_t done_event() const { return done_.get(); }
-
-  void wait(std::chrono::milliseconds timeout) override {
-    if (!waited_) {
-      kernels::cuda::set_device(device_);
-      NANODDP_NCCL_DIST_CUDA(cudaStreamWaitEvent(compute_stream(), done_.get(), 0), description_);
-      waited_ = true;
-    }
-    auto deadline = Clock::now() + timeout;
-    while (!is_completed()) {
-      ncclResult_t error = comm_->async_error();
-      if (error != ncclSuccess && error != ncclInProgress) {
-        comm_->abort();
-        NANODDP_THROW(DistError, description_, ": NCCL reported ", ncclGetErrorString(error),
-                      "; the communicator was aborted");
-      }
-      if (Clock::now() > deadline) {
-        comm_->abort();
-        NANODDP_THROW(TimeoutError, description_, ": did not complete within ", timeout.count(),
-                      " ms (a peer may have exited or be out of step); the communicator was "
-                      "aborted");
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
-    keep_alive_.clear();
-  }
-
-  bool is_completed() override {
-    cudaError_t status = cudaEventQuery(done_.get());
-    if (status == cudaErrorNotReady) return false;
-    NANODDP_NCCL_DIST_CUDA(status, description_);
-    return true;
-  }
-
- private:
-  std::string description_;
-  std::shared_ptr<NcclComm> comm_;
-  int device_;
-  std::vector<Tensor> keep_alive_;
-  CudaEvent done_;
-  bool waited_ = false;
-};
 
 std::atomic<int> next_group_id{0};
 
@@ -183,20 +166,34 @@ class ProcessGroupNccl : public ProcessGroup {
     NANODDP_NCCL_DIST_CUDA(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device_.index), where());
     const std::string mine = detail::host_name() + " " + bus_id;
     store_->set(prefix + "gpu/" + std::to_string(rank_), mine);
-    for (int r = 0; r < world_size_; ++r) {
-      if (r == rank_) continue;
-      std::string theirs = store_->get_string(prefix + "gpu/" + std::to_string(r));
-      NANODDP_CHECK(theirs != mine, DistError, where(), ": ranks ", std::min(r, rank_), " and ",
-                    std::max(r, rank_), " both use the GPU at PCI ", bus_id, " on ",
-                    detail::host_name(), " (duplicate GPU). NCCL needs one GPU per rank: give "
-                    "each rank Device::cuda(get_local_rank()), and start at most as many ranks "
-                    "per host as it has GPUs");
+    int same_gpu = -1;  // a rank that names this rank's GPU too
+    for (int r = 0; r < world_size_ && same_gpu < 0; ++r)
+      if (r != rank_ && store_->get_string(prefix + "gpu/" + std::to_string(r)) == mine) same_gpu = r;
+    // Rank 0 serves the store: it gives up only once every rank has read the others' GPUs,
+    // so that they all report the duplicate rather than a store that went away.
+    store_->set(prefix + "gpu_read/" + std::to_string(rank_), std::string("1"));
+    if (same_gpu >= 0 && rank_ == 0) {
+      std::vector<std::string> keys;
+      for (int r = 0; r < world_size_; ++r) keys.push_back(prefix + "gpu_read/" + std::to_string(r));
+      try {
+        store_->wait(keys, timeout_);
+      } catch (const DistError&) {
+        // A rank that never reads: report the duplicate all the same.
+      }
     }
+    NANODDP_CHECK(same_gpu < 0, DistError, where(), ": ranks ", std::min(same_gpu, rank_), " and ",
+                  std::max(same_gpu, rank_), " both use the GPU at PCI ", bus_id, " on ", detail::host_name(),
+                  " (duplicate GPU). NCCL needs one GPU per rank: give each rank "
+                  "Device::cuda(get_local_rank()), and start at most as many ranks per host as it has GPUs; "
+                  "to run several ranks on one GPU, use --backend gloo (or mpi), which stage CUDA tensors "
+                  "through host memory");
 
     // Step 2: the unique id.
     ncclUniqueId id;
     if (rank_ == 0) {
-      NANODDP_NCCL_DIST_NCCL(ncclGetUniqueId(&id), nullptr, where());
+      const ncclResult_t got = ncclGetUniqueId(&id);
+      NANODDP_CHECK(got == ncclSuccess, DistError, where(), ": ncclGetUniqueId failed: ", ncclGetErrorString(got),
+                    " (", ncclGetLastError(nullptr), ")");
       store_->set(prefix + "unique_id",
                   std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&id),
                                        reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
@@ -207,37 +204,30 @@ class ProcessGroupNccl : public ProcessGroup {
       std::memcpy(&id, bytes.data(), sizeof(id));
     }
 
-    // Step 3: a non-blocking init we can time out.
+    // Step 3: a non-blocking init we can time out (Note [NCCL non-blocking]).
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t raw = nullptr;
-    NANODDP_NCCL_DIST_NCCL(ncclCommInitRankConfig(&raw, world_size_, id, rank_, &config), raw,
-                           where() + ": ncclCommInitRankConfig on " + device_.str());
-    comm_ = std::make_shared<NcclComm>(raw);
-    auto deadline = Clock::now() + timeout_;
-    while (true) {
-      ncclResult_t state = comm_->async_error();
-      if (state == ncclSuccess) break;
-      if (state != ncclInProgress) {
-        comm_->abort();
-        NANODDP_THROW(DistError, where(), ": NCCL communicator init on ", device_, " failed: ",
-                      ncclGetErrorString(state));
-      }
-      if (Clock::now() > deadline) {
-        comm_->abort();
-        NANODDP_THROW(TimeoutError, where(), ": NCCL communicator init did not finish within ",
-                      timeout_.count(), " ms (did every rank start?)");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const ncclResult_t started = ncclCommInitRankConfig(&raw, world_size_, id, rank_, &config);
+    if (async_state(started) == AsyncState::Failed || raw == nullptr) {
+      const std::string error = std::string(ncclGetErrorString(started)) + " (" + ncclGetLastError(raw) + ")";
+      if (raw != nullptr) ncclCommAbort(raw);
+      NANODDP_THROW(DistError, where(), ": ncclCommInitRankConfig on ", device_, " failed: ", error);
     }
+    comm_ = std::make_shared<NcclComm>(raw, timeout_);
+    detail::issue_and_wait_enqueued(
+        *comm_, where() + ": NCCL communicator init on " + device_.str() + " (did every rank start?)", timeout_,
+        [&](std::string* error) { return comm_->checked(started, error); });
     NANODDP_NCCL_DIST_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), where());
   }
 
   ~ProcessGroupNccl() override {
+    cudaSetDevice(device_.index);  // Note [NCCL shutdown]; destructors never throw
     comm_.reset();
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
+  Device device() const override { return device_; }
   std::string backend_name() const override { return "nccl"; }
   Store& store() override { return *store_; }
 
@@ -247,9 +237,9 @@ class ProcessGroupNccl : public ProcessGroup {
     check_reduce("all_reduce", tensor, op);
     void* data = tensor.impl()->storage->data();
     return launch(what, {tensor}, [&](cudaStream_t s) {
-      NANODDP_NCCL_DIST_NCCL(ncclAllReduce(data, data, tensor.numel(), nccl_type(tensor.dtype()),
-                                           nccl_op(op), comm_->get(), s),
-                             comm_->get(), what);
+      enqueue(what, [&] {
+        return ncclAllReduce(data, data, tensor.numel(), nccl_type(tensor.dtype()), nccl_op(op), comm_->get(), s);
+      });
     });
   }
 
@@ -260,9 +250,9 @@ class ProcessGroupNccl : public ProcessGroup {
                   " is not a rank of this group");
     void* data = tensor.impl()->storage->data();
     return launch(what, {tensor}, [&](cudaStream_t s) {
-      NANODDP_NCCL_DIST_NCCL(ncclBroadcast(data, data, tensor.numel(), nccl_type(tensor.dtype()),
-                                           root, comm_->get(), s),
-                             comm_->get(), what);
+      enqueue(what, [&] {
+        return ncclBroadcast(data, data, tensor.numel(), nccl_type(tensor.dtype()), root, comm_->get(), s);
+      });
     });
   }
 
@@ -276,9 +266,10 @@ class ProcessGroupNccl : public ProcessGroup {
     keep.push_back(gathered);
     return launch(what, keep, [&](cudaStream_t s) {
       auto* dst = static_cast<uint8_t*>(gathered.impl()->storage->data());
-      NANODDP_NCCL_DIST_NCCL(ncclAllGather(input.impl()->storage->data(), dst, input.numel(),
-                                           nccl_type(input.dtype()), comm_->get(), s),
-                             comm_->get(), what);
+      enqueue(what, [&] {
+        return ncclAllGather(input.impl()->storage->data(), dst, input.numel(), nccl_type(input.dtype()),
+                             comm_->get(), s);
+      });
       for (int r = 0; r < world_size_; ++r)
         NANODDP_NCCL_DIST_CUDA(cudaMemcpyAsync(outputs[r].impl()->storage->data(),
                                                dst + r * input.nbytes(), input.nbytes(),
@@ -305,10 +296,10 @@ class ProcessGroupNccl : public ProcessGroup {
                                                inputs[r].impl()->storage->data(), output.nbytes(),
                                                cudaMemcpyDeviceToDevice, s),
                                what);
-      NANODDP_NCCL_DIST_NCCL(ncclReduceScatter(dst, output.impl()->storage->data(),
-                                               output.numel(), nccl_type(output.dtype()),
-                                               nccl_op(op), comm_->get(), s),
-                             comm_->get(), what);
+      enqueue(what, [&] {
+        return ncclReduceScatter(dst, output.impl()->storage->data(), output.numel(), nccl_type(output.dtype()),
+                                 nccl_op(op), comm_->get(), s);
+      });
     });
   }
 
@@ -319,6 +310,14 @@ class ProcessGroupNccl : public ProcessGroup {
   }
 
  private:
+  // One NCCL call: issued, then polled until it is enqueued (Note [NCCL non-blocking]), so
+  // whatever the caller queues next on the stream really follows it.
+  template <typename Call>
+  void enqueue(const std::string& what, Call&& call) {
+    detail::issue_and_wait_enqueued(*comm_, what, timeout_,
+                                    [&](std::string* error) { return comm_->checked(call(), error); });
+  }
+
   // Note [NCCL streams]: order after the compute stream, run body on ours, record the end.
   template <typename Body>
   std::shared_ptr<Work> launch(const std::string& what, std::vector<Tensor> keep, Body&& body) {
@@ -328,10 +327,23 @@ class ProcessGroupNccl : public ProcessGroup {
     CudaEvent ready;
     NANODDP_NCCL_DIST_CUDA(cudaEventRecord(ready.get(), compute_stream()), what);
     NANODDP_NCCL_DIST_CUDA(cudaStreamWaitEvent(stream_, ready.get(), 0), what);
-    body(stream_);
-    auto work = std::make_shared<NcclWork>(what, comm_, device_.index, std::move(keep));
-    NANODDP_NCCL_DIST_CUDA(cudaEventRecord(work->done_event(), stream_), what);
-    return work;
+    body(stream_);  // every NCCL call in it is enqueued when it returns
+    auto done = std::make_shared<CudaEvent>();
+    NANODDP_NCCL_DIST_CUDA(cudaEventRecord(done->get(), stream_), what);
+    detail::EventWork::Event event;
+    event.query = [done](std::string* error) {
+      const cudaError_t status = cudaEventQuery(done->get());
+      if (status == cudaSuccess) return AsyncState::Done;
+      if (status == cudaErrorNotReady) return AsyncState::InProgress;
+      *error = std::string("cudaEventQuery: ") + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")";
+      return AsyncState::Failed;
+    };
+    const int device = device_.index;
+    event.order_compute_stream = [done, device, what] {
+      kernels::cuda::set_device(device);
+      NANODDP_NCCL_DIST_CUDA(cudaStreamWaitEvent(compute_stream(), done->get(), 0), what);
+    };
+    return std::make_shared<detail::EventWork>(what, comm_, std::move(event), std::move(keep), timeout_);
   }
 
   std::shared_ptr<Store> store_;

@@ -3,6 +3,7 @@
 #include <sstream>
 
 #include "core/autograd.h"
+#include "dist/host_collectives.h"
 #include "kernels/kernels.h"
 
 namespace nanoddp::dist {
@@ -168,9 +169,7 @@ void Reducer::finalize() {
   if (options_.find_unused_parameters) {
     std::vector<int64_t> used_here(params_.size());
     for (size_t k = 0; k < params_.size(); ++k) used_here[k] = ready_[k] ? 1 : 0;
-    Tensor used = Tensor::from_vector(used_here).to(buckets_[0].flat.device());
-    pg_->all_reduce(used, ReduceOp::Max)->wait(options_.timeout);
-    used_anywhere = used.to(Device::cpu()).to_int_vector();
+    used_anywhere = all_reduce_host(*pg_, used_here, ReduceOp::Max, options_.timeout);  // on the group's device
   }
   for (Bucket& bucket : buckets_) {
     bucket.work->wait(options_.timeout);

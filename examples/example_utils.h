@@ -15,13 +15,19 @@
 
 #include "core/device.h"
 #include "dist/init.h"
+#include "kernels/device_memory.h"
 
 namespace nanoddp::examples {
 
 // --device as the examples take it: "cuda" means this rank's GPU, cuda:LOCAL_RANK (one GPU
-// per rank); anything else is parsed as written ("cpu", "cuda:3").
+// per rank), wrapping around when there are more ranks on the host than GPUs: ranks then share
+// a GPU, which Gloo and MPI allow (they stage CUDA tensors through host memory) and NCCL
+// refuses with an error that says so. Anything else is parsed as written ("cpu", "cuda:3").
 inline Device rank_device(const std::string& name) {
-  return name == "cuda" ? Device::cuda(dist::get_local_rank()) : Device::parse(name);
+  if (name != "cuda") return Device::parse(name);
+  const int gpus = kernels::cuda::device_count();
+  const int local_rank = dist::get_local_rank();
+  return Device::cuda(gpus > 0 ? local_rank % gpus : local_rank);
 }
 
 // This process's peak resident set size in MiB (getrusage reports KiB on Linux).

@@ -26,6 +26,7 @@
 #include "data/dataloader.h"
 #include "data/fashion_mnist.h"
 #include "dist/ddp.h"
+#include "dist/host_collectives.h"
 #include "dist/init.h"
 #include "examples/example_utils.h"
 #include "examples/metrics.h"
@@ -138,9 +139,8 @@ double evaluate(nn::Module& model, data::DataLoader& loader, dist::ProcessGroup&
     seen += static_cast<int64_t>(labels.size());
   }
   model.train();
-  Tensor counts = Tensor::from_vector(std::vector<int64_t>{correct, seen});
-  pg.all_reduce(counts, dist::ReduceOp::Sum)->wait();
-  return static_cast<double>(counts.at_int({0})) / static_cast<double>(counts.at_int({1}));
+  const std::vector<int64_t> totals = dist::all_reduce_host(pg, std::vector<int64_t>{correct, seen}, dist::ReduceOp::Sum);
+  return static_cast<double>(totals[0]) / static_cast<double>(totals[1]);
 }
 
 void save(const std::string& path, int epochs_done, nn::Module& model, const nn::SGD& optimizer) {
@@ -262,14 +262,13 @@ int run(const Config& config) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
     // Mean loss over ranks; all ranks' samples over the slowest rank's time.
-    Tensor stats = Tensor::from_vector({loss_sum.item() / static_cast<float>(std::max<int64_t>(steps, 1)),
-                                        static_cast<float>(samples)});
-    pg->all_reduce(stats, dist::ReduceOp::Sum)->wait();
-    Tensor slowest = Tensor::from_vector({static_cast<float>(seconds)});
-    pg->all_reduce(slowest, dist::ReduceOp::Max)->wait();
-    train_loss = stats.at({0}) / world_size;
+    const std::vector<float> stats = dist::all_reduce_host(
+        *pg, std::vector<float>{loss_sum.item() / static_cast<float>(std::max<int64_t>(steps, 1)), static_cast<float>(samples)},
+        dist::ReduceOp::Sum);
+    const std::vector<float> slowest = dist::all_reduce_host(*pg, std::vector<float>{static_cast<float>(seconds)}, dist::ReduceOp::Max);
+    train_loss = stats[0] / world_size;
     check_finite(static_cast<float>(train_loss), rank, epoch, steps);
-    samples_per_s = stats.at({1}) / slowest.at({0});
+    samples_per_s = stats[1] / slowest[0];
     accuracy = evaluate(*model, test_loader, *pg);
     if (chatty)
       std::printf("epoch %d/%d: train loss %.4f, test accuracy %.4f, %.0f samples/s\n", epoch + 1, config.epochs,
@@ -297,14 +296,14 @@ int run(const Config& config) {
                           {"epochs", std::to_string(epochs_done)},
                           {"test_accuracy", examples::json_number(accuracy)}});
 
-  Tensor rss = Tensor::from_vector({static_cast<float>(examples::peak_rss_mb())});
-  pg->all_reduce(rss, dist::ReduceOp::Max)->wait();
+  const std::vector<float> rss =
+      dist::all_reduce_host(*pg, std::vector<float>{static_cast<float>(examples::peak_rss_mb())}, dist::ReduceOp::Max);
   if (rank == 0) {
     std::printf(
         "{\"example\":\"%s\",\"world_size\":%d,\"epochs\":%d,\"test_accuracy\":%s,\"train_loss\":%s,"
         "\"samples_per_s\":%s,\"peak_rss_mb\":%s,\"backend\":\"%s\",\"device\":\"%s\"}\n",
         kExample, world_size, epochs_done, examples::json_number(accuracy).c_str(), examples::json_number(train_loss).c_str(),
-        examples::json_number(samples_per_s).c_str(), examples::json_number(rss.at({0})).c_str(),
+        examples::json_number(samples_per_s).c_str(), examples::json_number(rss[0]).c_str(),
         pg->backend_name().c_str(), device.str().c_str());
     std::fflush(stdout);
   }

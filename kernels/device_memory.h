@@ -15,7 +15,8 @@ namespace nanoddp::kernels::cuda {
 int device_count();
 // Why device_count() is 0, e.g. "CUDA driver not found (cudaErrorInsufficientDriver)".
 std::string unavailable_reason();
-// Makes device the current GPU of this thread; throws DeviceError if it does not exist.
+// Makes device the current GPU of this thread (no CUDA call when it already is); throws
+// DeviceError if it does not exist.
 void set_device(int device);
 
 // Caching allocator: blocks are kept per device and reused by size; memory is returned to

@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "core/error.h"
+#include "kernels/device_memory.h"
 
 namespace nanoddp::kernels {
 
@@ -72,9 +73,14 @@ bool cuda_built();
   void name(__VA_ARGS__);                        \
   }
 
+// A CUDA kernel runs on the GPU that holds its tensors, whichever GPU this thread used last:
+// the dispatch makes device current first (a no-op when it already is), so its compute stream,
+// cuBLAS handle and scratch memory are that GPU's. Ops check beforehand that all their
+// operands are on one device (core/ops.cpp).
 #if NANODDP_WITH_CUDA
 #define NANODDP_DISPATCH(device, kernel, ...)                                       \
-  ((device).is_cuda() ? ::nanoddp::kernels::cuda::kernel(__VA_ARGS__)               \
+  ((device).is_cuda() ? (::nanoddp::kernels::cuda::set_device((device).index),      \
+                         ::nanoddp::kernels::cuda::kernel(__VA_ARGS__))              \
                       : ::nanoddp::kernels::cpu::kernel(__VA_ARGS__))
 #else
 #define NANODDP_DISPATCH(device, kernel, ...)                                       \

@@ -1,18 +1,51 @@
-// NCCL and DDP on one GPU (world size 1: one GPU cannot hold two NCCL ranks). The collectives
-// must give exact results on CUDA tensors, and DDP on CUDA must train like the CPU reference.
+// Collectives and DDP on CUDA tensors. On one GPU: NCCL at world size 1, and two ranks
+// sharing the GPU over Gloo (which stages CUDA tensors through host memory), started as fresh
+// processes by nanoddp-run running cases of this file again (a forked child cannot use CUDA
+// once its parent has). With two GPUs or more: NCCL at world size 2, where collectives take
+// NCCL's non-blocking in-progress path, and kernels on a GPU that is not the current one.
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdlib>
 
 #include "core/ops.h"
 #include "dist/ddp.h"
+#include "dist/host_collectives.h"
 #include "dist/init.h"
+#include "kernels/device_memory.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
+#include "tests/staging_cases.h"
+#include "tests/subprocess.h"
 
 using namespace nanoddp;
+using namespace std::chrono_literals;
 
 namespace {
+
+// Set in the ranks that run_ranks_of_this_file starts; a case meant for them does nothing
+// elsewhere.
+bool in_launched_rank() { return std::getenv("NANODDP_GPU_TEST_RANKS") != nullptr; }
+
+// Runs the test cases matching `cases` of this executable as 2 ranks under nanoddp-run with
+// `backend`, each rank's ranks and master address in its environment. Fails with their output.
+void run_ranks_of_this_file(const std::string& cases, const std::string& backend) {
+  ::setenv("NANODDP_GPU_TEST_RANKS", "1", 1);
+  const testing::RunResult r = testing::run({testing::launcher_path(), "--nproc-per-node", "2", "--backend", backend,
+                                             testing::built("tests/test_gpu_dist"), "-tc=" + cases},
+                                            240s);
+  ::unsetenv("NANODDP_GPU_TEST_RANKS");
+  CHECK_MESSAGE(r.code() == 0, "the ranks failed:\n", r.out, r.err);
+}
+
+// This launched rank's group: env:// from nanoddp-run, the given backend and device.
+std::shared_ptr<dist::ProcessGroup> join_launched(dist::Backend backend, Device device) {
+  dist::InitOptions options;
+  options.backend = backend;
+  options.device = device;
+  options.timeout = 60s;
+  return dist::init_process_group(options);
+}
 
 std::shared_ptr<dist::ProcessGroup> nccl_group() {
   if (dist::is_initialized()) return dist::default_process_group();
@@ -37,6 +70,7 @@ std::shared_ptr<nn::Sequential> mlp() {
 }  // namespace
 
 TEST_CASE("NCCL collectives on a CUDA tensor, world size 1: exact values") {
+  if (in_launched_rank()) return;
 #if !NANODDP_WITH_NCCL
   MESSAGE("this build has no NCCL: nothing to check");
   return;
@@ -65,6 +99,7 @@ TEST_CASE("NCCL collectives on a CUDA tensor, world size 1: exact values") {
 }
 
 TEST_CASE("DDP on a GPU (NCCL, world size 1) trains like the same model on the CPU") {
+  if (in_launched_rank()) return;
 #if !NANODDP_WITH_NCCL
   MESSAGE("this build has no NCCL: nothing to check");
   return;
@@ -96,4 +131,97 @@ TEST_CASE("DDP on a GPU (NCCL, world size 1) trains like the same model on the C
     for (size_t j = 0; j < a.size(); ++j) worst = std::max(worst, std::abs(a[j] - b[j]));
     CHECK(worst < 1e-4f);
   }
+}
+
+TEST_CASE("two ranks share one GPU over Gloo: collectives on CUDA tensors are exact") {
+#if !NANODDP_WITH_GLOO
+  MESSAGE("skipped: this build has no Gloo (tools/gpu-check carries it when prepare found libgloo-dev)");
+  return;
+#endif
+  if (!in_launched_rank()) return run_ranks_of_this_file("*share one GPU over Gloo: collectives*", "gloo");
+  auto pg = join_launched(dist::Backend::Gloo, Device::cuda(0));
+  testing::check_staged_collectives(*pg, Device::cuda(0));
+  // What examples do with their metrics: host numbers through the group's device.
+  const auto totals = dist::all_reduce_host(*pg, std::vector<int64_t>{pg->rank() + 1, 10}, dist::ReduceOp::Sum);
+  CHECK(totals == std::vector<int64_t>{3, 20});
+  dist::destroy_process_group();
+}
+
+TEST_CASE("two ranks share one GPU over Gloo: DDP on CUDA tensors equals 1-rank training") {
+#if !NANODDP_WITH_GLOO
+  MESSAGE("skipped: this build has no Gloo (tools/gpu-check carries it when prepare found libgloo-dev)");
+  return;
+#endif
+  if (!in_launched_rank()) return run_ranks_of_this_file("*share one GPU over Gloo: DDP*", "gloo");
+  auto pg = join_launched(dist::Backend::Gloo, Device::cuda(0));
+  testing::check_ddp_matches_one_rank(pg, Device::cuda(0), /*tolerance=*/1e-4f);
+  pg.reset();
+  dist::destroy_process_group();
+}
+
+TEST_CASE("NCCL refuses two ranks on one GPU and says to use Gloo") {
+#if !NANODDP_WITH_NCCL
+  MESSAGE("this build has no NCCL: nothing to check");
+  return;
+#endif
+  if (!in_launched_rank()) return run_ranks_of_this_file("*NCCL refuses two ranks*", "nccl");
+  std::string message;
+  try {
+    join_launched(dist::Backend::Nccl, Device::cuda(0));
+  } catch (const DistError& e) {
+    message = e.what();
+  }
+  CHECK_MESSAGE(message.find("duplicate GPU") != std::string::npos, message);
+  CHECK_MESSAGE(message.find("--backend gloo") != std::string::npos, message);
+}
+
+TEST_CASE("NCCL at world size 2 (two GPUs): collectives and DDP") {
+#if !NANODDP_WITH_NCCL
+  MESSAGE("this build has no NCCL: nothing to check");
+  return;
+#endif
+  if (kernels::cuda::device_count() < 2) {
+    MESSAGE("skipped: needs two GPUs (this machine has ", kernels::cuda::device_count(), ")");
+    return;
+  }
+  if (!in_launched_rank()) return run_ranks_of_this_file("*NCCL at world size 2*", "nccl");
+  const Device gpu = Device::cuda(dist::get_local_rank());
+  auto pg = join_launched(dist::Backend::Nccl, gpu);
+  // Every collective on the group's own device; results must follow the non-blocking calls.
+  const int rank = pg->rank();
+  for (int64_t n : {int64_t(1), int64_t(65537), (int64_t(1) << 22) + 3}) {
+    Tensor t = Tensor::full({n}, static_cast<float>(rank + 1), gpu);
+    pg->all_reduce(t, dist::ReduceOp::Sum)->wait();
+    const std::vector<float> v = t.to_vector();
+    CHECK(v.front() == 3.0f);
+    CHECK(v.back() == 3.0f);
+  }
+  testing::check_ddp_matches_one_rank(pg, gpu, /*tolerance=*/1e-4f);
+  pg.reset();
+  dist::destroy_process_group();
+}
+
+TEST_CASE("kernels run on their tensors' GPU, not the current one (two GPUs)") {
+  if (kernels::cuda::device_count() < 2) {
+    MESSAGE("skipped: needs two GPUs (this machine has ", kernels::cuda::device_count(), ")");
+    return;
+  }
+  kernels::cuda::set_device(0);
+  const int64_t n = 1 << 20;
+  Tensor a = Tensor::full({n}, 1.0f, Device::cuda(1));
+  kernels::cuda::set_device(0);
+  Tensor b = a * 3.0f + a;
+  kernels::cuda::set_device(0);
+  CHECK(b.device() == Device::cuda(1));
+  const std::vector<float> v = b.to_vector();
+  CHECK(v.front() == 4.0f);
+  CHECK(v.back() == 4.0f);
+  CHECK(sum(b).item() == 4.0f * n);
+  CHECK_THROWS_AS(a + Tensor::ones({n}, DType::Float32, Device::cuda(0)), DeviceError);
+}
+
+TEST_CASE("backward refuses a CPU gradient for a CUDA output") {
+  Tensor w = Tensor::ones({3}, DType::Float32, Device::cuda(0)).set_requires_grad(true);
+  Tensor out = w * 2.0f;
+  CHECK_THROWS_AS(out.backward(Tensor::ones({3})), DeviceError);
 }

@@ -1,6 +1,8 @@
 // The op harness's CUDA column: every kernel of kernels/kernel_list.inc on CUDA against the
 // CPU kernel on the same random inputs. Sizes straddle block and tile edges (255, 256, 257,
-// 1025, 65537) and one exceeds 2^24, so int32 index overflow and grid-stride tails show up.
+// 1025, 65537) and one exceeds 2^24, so grid-stride tails show up; one case runs the
+// elementwise, reduction and argmax kernels on 2^31 + 7 elements, where int32 index math
+// would overflow.
 // Outputs are poisoned (NaN) before each run: an element a kernel forgets fails.
 // To add a kernel: add a TEST_CASE below that runs it on both devices over kSizes/kShapes.
 #include "tests/test_gpu_util.h"
@@ -8,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -376,6 +379,53 @@ TEST_CASE("sgd_step matches the CPU for every option, first and later steps") {
       }
     }
   }
+}
+
+TEST_CASE("kernels index past 2^31 elements") {
+  const int64_t edge = int64_t(1) << 31;
+  const int64_t n = edge + 7;  // 8 GiB of float32
+  std::unique_ptr<DeviceArray<float>> array;
+  try {
+    array = std::make_unique<DeviceArray<float>>(static_cast<size_t>(n));
+  } catch (const DeviceError& e) {
+    MESSAGE("skipped: this GPU cannot hold 8 GiB: ", e.what());
+    return;
+  }
+  float* a = array->data();
+  // Elements [first, first + count) back on the host.
+  auto read = [&](int64_t first, int64_t count) {
+    std::vector<float> host(static_cast<size_t>(count));
+    gpu::copy(host.data(), a + first, host.size() * sizeof(float), gpu::CopyKind::DeviceToHost);
+    return host;
+  };
+  auto write = [&](int64_t index, float value) {
+    gpu::copy(a + index, &value, sizeof(float), gpu::CopyKind::HostToDevice);
+  };
+  const std::vector<int64_t> probes = {0, edge - 1, edge, edge + 1, n - 1};
+
+  gpu::fill(a, 1.5f, n);
+  for (int64_t i : probes) CHECK_MESSAGE(read(i, 1)[0] == 1.5f, "fill at ", i);
+  gpu::scalar_forward(a, a, ScalarOp::Mul, 2.0f, n);
+  for (int64_t i : probes) CHECK_MESSAGE(read(i, 1)[0] == 3.0f, "scalar_forward at ", i);
+  gpu::accumulate(a, a, 1.0f, n);  // a += a
+  for (int64_t i : probes) CHECK_MESSAGE(read(i, 1)[0] == 6.0f, "accumulate at ", i);
+  CHECK(read(edge - 3, 10) == std::vector<float>(10, 6.0f));
+
+  // Zeros but for three ones, two of them past 2^31: the sum is exactly 3, and the largest of
+  // one row of n columns is the last.
+  gpu::fill(a, 0.0f, n);
+  write(5, 1.0f);
+  write(edge + 1, 1.0f);
+  write(n - 1, 1.0f);
+  DeviceArray<float> total(1);
+  gpu::sum_forward(total.data(), a, n);
+  CHECK(total.to_host()[0] == 3.0f);
+  write(n - 1, 2.0f);
+  DeviceArray<int64_t> index(1);
+  gpu::argmax_forward(index.data(), a, 1, n);
+  CHECK(index.to_host()[0] == n - 1);
+  gpu::relu_forward(a, a, n);
+  CHECK(read(n - 2, 2) == std::vector<float>{0.0f, 2.0f});
 }
 
 }  // namespace

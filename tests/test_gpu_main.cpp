@@ -1,10 +1,13 @@
 // main() of the GPU test executables (suite gpu): runs doctest only when a GPU is usable.
-// Otherwise it says why and returns 77, which Meson reports as SKIP instead of FAIL.
+// Otherwise it says why and returns 77, which Meson reports as SKIP instead of FAIL. A test
+// may leave its process group as the default for the next; it is destroyed once all have run,
+// while CUDA is still up (Note [NCCL shutdown]).
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include <cstdio>
 
+#include "dist/init.h"
 #include "kernels/device_memory.h"
 #include "kernels/kernels.h"
 
@@ -22,5 +25,7 @@ int main(int argc, char** argv) {
     return kSkipExitCode;
   }
   doctest::Context context(argc, argv);
-  return context.run();
+  const int result = context.run();
+  if (nanoddp::dist::is_initialized()) nanoddp::dist::destroy_process_group();
+  return result;
 }

@@ -24,6 +24,8 @@
 #include "data/idx.h"
 #include "data/sampler.h"
 #include "dist/ddp.h"
+#include "dist/host_collectives.h"
+#include "dist/host_staging.h"
 #include "dist/init.h"
 #include "dist/launch.h"
 #include "dist/process_group.h"

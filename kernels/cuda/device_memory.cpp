@@ -148,7 +148,9 @@ std::string unavailable_reason() { return availability().reason; }
 
 void set_device(int device) {
   check_device(device);
-  NANODDP_CUDA_CHECK(cudaSetDevice(device));
+  int current = -1;
+  NANODDP_CUDA_CHECK(cudaGetDevice(&current));
+  if (current != device) NANODDP_CUDA_CHECK(cudaSetDevice(device));
 }
 
 int current_device() {

@@ -1,0 +1,166 @@
+#include "dist/host_staging.h"
+
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "kernels/device_memory.h"
+
+namespace nanoddp::dist {
+
+namespace {
+
+// Page-locked host blocks for staging, kept by exact size and reused: cudaMallocHost costs
+// far more than a copy, and DDP stages the same few bucket sizes every step. Each block
+// holds a reference to the pool, so the pool outlives every staging tensor.
+class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
+ public:
+  ~PinnedPool() {
+    for (auto& [nbytes, block] : free_) kernels::cuda::free_pinned(block);
+  }
+
+  // An uninitialised host tensor of this shape and dtype in pinned memory.
+  Tensor take(const Shape& shape, DType dtype) {
+    const size_t nbytes = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
+    void* block = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = free_.find(nbytes);
+      if (it != free_.end()) {
+        block = it->second;
+        free_.erase(it);
+        cached_bytes_ -= nbytes;
+      }
+    }
+    if (block == nullptr && nbytes > 0) block = kernels::cuda::allocate_pinned(nbytes);
+    auto impl = std::make_shared<TensorImpl>();
+    impl->shape = shape;
+    impl->dtype = dtype;
+    impl->storage = std::make_shared<Storage>(block, nbytes, Device::cpu(),
+                                              [pool = shared_from_this(), nbytes](void* p) { pool->give(p, nbytes); });
+    return Tensor(impl);
+  }
+
+ private:
+  static constexpr size_t kMaxCachedBytes = size_t(1) << 30;
+
+  void give(void* block, size_t nbytes) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (cached_bytes_ + nbytes <= kMaxCachedBytes) {
+        free_.emplace(nbytes, block);
+        cached_bytes_ += nbytes;
+        return;
+      }
+    }
+    kernels::cuda::free_pinned(block);
+  }
+
+  std::mutex mutex_;
+  std::multimap<size_t, void*> free_;
+  size_t cached_bytes_ = 0;
+};
+
+// The collective's Work, then the copies of its results back to the device tensors.
+class StagedWork : public Work {
+ public:
+  // copy_back: (device tensor, host tensor holding its result)
+  StagedWork(std::shared_ptr<Work> inner, std::vector<std::pair<Tensor, Tensor>> copy_back)
+      : inner_(std::move(inner)), copy_back_(std::move(copy_back)) {}
+
+  void wait(std::chrono::milliseconds timeout) override {
+    inner_->wait(timeout);
+    for (auto& [device_tensor, host] : copy_back_) device_tensor.copy_(host);
+    copy_back_.clear();
+  }
+  bool is_completed() override { return inner_->is_completed(); }
+
+ private:
+  std::shared_ptr<Work> inner_;
+  std::vector<std::pair<Tensor, Tensor>> copy_back_;
+};
+
+class StagingGroup : public ProcessGroup {
+ public:
+  explicit StagingGroup(std::shared_ptr<ProcessGroup> inner)
+      : ProcessGroup(inner->rank(), inner->size()), inner_(std::move(inner)), pool_(std::make_shared<PinnedPool>()) {}
+
+  std::string backend_name() const override { return inner_->backend_name(); }
+  Device device() const override { return inner_->device(); }
+  Store& store() override { return inner_->store(); }
+
+  std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
+    if (!staged({tensor})) return inner_->all_reduce(tensor, op);
+    Tensor host = copy_in(tensor);
+    return std::make_shared<StagedWork>(inner_->all_reduce(host, op), Pairs{{tensor, host}});
+  }
+
+  std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
+    if (!staged({tensor})) return inner_->broadcast(tensor, root);
+    Tensor host = copy_in(tensor);
+    return std::make_shared<StagedWork>(inner_->broadcast(host, root), Pairs{{tensor, host}});
+  }
+
+  std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
+    std::vector<Tensor> all = outputs;
+    all.push_back(input);
+    if (!staged(all)) return inner_->all_gather(outputs, input);
+    const Tensor host_input = copy_in(input);
+    std::vector<Tensor> host_outputs;
+    Pairs back;
+    for (Tensor& out : outputs) {
+      host_outputs.push_back(host_like(out));
+      back.emplace_back(out, host_outputs.back());
+    }
+    return std::make_shared<StagedWork>(inner_->all_gather(host_outputs, host_input), std::move(back));
+  }
+
+  std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs, ReduceOp op) override {
+    std::vector<Tensor> all = inputs;
+    all.push_back(output);
+    if (!staged(all)) return inner_->reduce_scatter(output, inputs, op);
+    std::vector<Tensor> host_inputs;
+    for (const Tensor& in : inputs) host_inputs.push_back(copy_in(in));
+    Tensor host_output = host_like(output);
+    return std::make_shared<StagedWork>(inner_->reduce_scatter(host_output, host_inputs, op),
+                                        Pairs{{output, host_output}});
+  }
+
+  std::shared_ptr<Work> barrier() override { return inner_->barrier(); }
+
+ private:
+  using Pairs = std::vector<std::pair<Tensor, Tensor>>;
+
+  // Staged when every tensor is defined and on one device other than the CPU. Anything else
+  // goes to the backend untouched, whose checks name what is wrong (a mixed list, a dtype).
+  static bool staged(const std::vector<Tensor>& tensors) {
+    if (tensors.empty()) return false;
+    for (const Tensor& t : tensors)
+      if (!t.defined() || t.device() != tensors.front().device()) return false;
+    return tensors.front().device() != Device::cpu();
+  }
+
+  Tensor host_like(const Tensor& t) {
+    return t.device().is_cuda() ? pool_->take(t.shape(), t.dtype()) : Tensor::empty(t.shape(), t.dtype());
+  }
+
+  // A host copy of t, made after every kernel already queued on t's device.
+  Tensor copy_in(const Tensor& t) {
+    Tensor host = host_like(t);
+    host.copy_(t);
+    return host;
+  }
+
+  std::shared_ptr<ProcessGroup> inner_;
+  std::shared_ptr<PinnedPool> pool_;
+};
+
+}  // namespace
+
+std::shared_ptr<ProcessGroup> stage_device_tensors(std::shared_ptr<ProcessGroup> group) {
+  if (group == nullptr || group->device() != Device::cpu() || std::dynamic_pointer_cast<StagingGroup>(group)) return group;
+  return std::make_shared<StagingGroup>(std::move(group));
+}
+
+}  // namespace nanoddp::dist

@@ -1,0 +1,105 @@
+// When an NCCL collective is issued, finished, and safe to release: the NCCL process group's
+// protocol, written against a two-function view of the communicator so that a test can drive
+// it without a GPU by answering "in progress" from a script (tests/test_nccl_protocol.cpp).
+// Internal to dist/ (not a public header); compiled in every build.
+//
+//   detail::issue_and_wait_enqueued(comm, what, timeout, [&](std::string* error) { ... ncclAllReduce ... });
+//   cudaEventRecord(done, stream);                   // only now: the collective is on the stream
+//   auto work = std::make_shared<detail::EventWork>(what, comm_ptr, event, keep_alive, timeout);
+//
+// Note [NCCL non-blocking]
+// The group builds its communicator with config.blocking = 0, so that no NCCL call can block
+// the host forever (a peer that never arrives ends in TimeoutError and ncclCommAbort, not a
+// hang). The contract this relies on, from NCCL's user guide (communicator options, error
+// handling and fault tolerance; NCCL 2.14 to 2.28):
+//   (a) on such a communicator any call may return ncclInProgress: it was accepted but has not
+//       finished; for a collective, its kernel may not be on the stream yet (NCCL finishes the
+//       launch from its own thread);
+//   (b) ncclCommGetAsyncError(comm) then reports ncclInProgress until that call has finished,
+//       ncclSuccess once it has (for a collective: enqueued, and ordinary CUDA stream semantics
+//       apply from there), or the error that broke the communicator;
+//   (c) the application must not issue the next call on the communicator while (b) still says
+//       ncclInProgress;
+//   (d) ncclCommAbort and ncclCommDestroy block; ncclCommFinalize may return ncclInProgress.
+// Hence the order, for every NCCL call the group makes:
+//   1. issue the call; an immediate error other than ncclInProgress throws DistError;
+//   2. on ncclInProgress, poll (b) until it is not in progress, up to the group's timeout;
+//      an error or the timeout aborts the communicator and throws (DistError / TimeoutError);
+//   3. only then queue what must follow the collective on its stream: a copy out of its
+//      buffer, the next NCCL call, the done event that Work::wait and the release wait for.
+// Recording the done event right after step 1 would let wait() return before the reduction
+// ran (DDP would copy un-reduced gradients), and the next call could be refused.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dist/process_group.h"
+
+namespace nanoddp::dist::detail {
+
+// What an asynchronous library call or device event says about itself.
+enum class AsyncState { Done, InProgress, Failed };
+
+// A communicator as the protocol sees it: ncclCommGetAsyncError and ncclCommAbort in the NCCL
+// group, a script in tests.
+class AsyncComm {
+ public:
+  virtual ~AsyncComm() = default;
+  // Done (nothing pending), InProgress (the last call has not finished) or Failed, with
+  // *error set to the library's text. After abort(): Failed.
+  virtual AsyncState state(std::string* error) = 0;
+  // Stops everything in flight on the communicator; idempotent; never throws.
+  virtual void abort() = 0;
+  virtual bool aborted() const = 0;
+};
+
+// Note [NCCL non-blocking] steps 1-2. issue makes the call and returns its immediate state
+// (setting *error when Failed). Returns once the call is no longer in progress. Throws
+// DistError naming `what` when the call or the communicator failed, TimeoutError after
+// timeout; both abort comm, except an immediate failure of the call itself (NCCL reports a
+// bad argument that way, and the communicator stays usable).
+void issue_and_wait_enqueued(AsyncComm& comm, const std::string& what, std::chrono::milliseconds timeout,
+                             const std::function<AsyncState(std::string* error)>& issue);
+
+// A collective that is finished when a device event is (the NCCL group's done event, recorded
+// after Note [NCCL non-blocking] step 3).
+class EventWork : public Work {
+ public:
+  struct Event {
+    // cudaEventQuery: Done, InProgress (cudaErrorNotReady) or Failed with *error set.
+    std::function<AsyncState(std::string* error)> query;
+    // cudaStreamWaitEvent(compute stream, event): later kernels see the result.
+    std::function<void()> order_compute_stream;
+  };
+
+  // keep_alive: the tensors the collective reads and writes. release_timeout bounds how long
+  // dropping an unfinished Work may block (see ~EventWork).
+  EventWork(std::string what, std::shared_ptr<AsyncComm> comm, Event event, std::vector<Tensor> keep_alive,
+            std::chrono::milliseconds release_timeout);
+  // A Work dropped without wait() still holds its tensors until the event has passed, since
+  // NCCL may still write them and the caching allocator would hand their memory out again.
+  // Past release_timeout it aborts the communicator (which stops NCCL's kernels) and says so
+  // on stderr. Never throws.
+  ~EventWork() override;
+
+  // Orders the compute stream after the event, then polls it from the host: returns once it
+  // has passed; TimeoutError after timeout, DistError when the communicator or the device
+  // reports an error (both abort the communicator). Then releases the tensors.
+  void wait(std::chrono::milliseconds timeout) override;
+  bool is_completed() override;
+
+ private:
+  std::string what_;
+  std::shared_ptr<AsyncComm> comm_;
+  Event event_;
+  std::vector<Tensor> keep_alive_;
+  std::chrono::milliseconds release_timeout_;
+  bool ordered_ = false;
+  bool completed_ = false;
+};
+
+}  // namespace nanoddp::dist::detail

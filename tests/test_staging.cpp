@@ -1,0 +1,133 @@
+// A CPU group takes tensors of another device by staging them through host memory
+// (dist/host_staging.h): forked Gloo ranks on the host stand-in device cpu:1, so the path that
+// lets several ranks share one GPU runs without one (the gpu suite runs it on cuda:0).
+#include <doctest/doctest.h>
+
+#include "dist/host_staging.h"
+#include "dist/init.h"
+#include "tests/staging_cases.h"
+
+using namespace nanoddp;
+using namespace std::chrono_literals;
+
+namespace {
+
+const Device kStandIn{Device::Type::CPU, 1};
+
+std::shared_ptr<dist::ProcessGroup> join(int port, int rank, int world_size) {
+  dist::InitOptions options;
+  options.backend = dist::Backend::Gloo;
+  options.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+  options.rank = rank;
+  options.world_size = world_size;
+  options.timeout = 30000ms;
+  return dist::init_process_group(options);
+}
+
+}  // namespace
+
+#if NANODDP_WITH_GLOO
+
+TEST_CASE("gloo: every collective on stand-in device tensors is exact and stays on that device") {
+  for (int world_size : {1, 2, 3}) {
+    CAPTURE(world_size);
+    const int port = testing::free_port();
+    const std::string failures = testing::run_ranks(world_size, [&](int rank) {
+      auto pg = join(port, rank, world_size);
+      testing::expect(pg->device() == Device::cpu(), "a Gloo group's device is ", pg->device());
+      testing::check_staged_collectives(*pg, kStandIn);
+      dist::destroy_process_group();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("gloo: 2-rank DDP on stand-in device tensors equals 1-rank training") {
+  const int port = testing::free_port();
+  const std::string failures = testing::run_ranks(2, [&](int rank) {
+    auto pg = join(port, rank, 2);
+    testing::check_ddp_matches_one_rank(pg, kStandIn);
+    dist::destroy_process_group();
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("gloo: mixed devices in one collective are refused by the backend, naming them") {
+  const int port = testing::free_port();
+  const std::string failures = testing::run_ranks(1, [&](int rank) {
+    auto pg = join(port, rank, 1);
+    std::vector<Tensor> outputs{Tensor::zeros({3})};
+    bool refused = false;
+    try {
+      pg->all_gather(outputs, Tensor::ones({3}, DType::Float32, kStandIn));
+    } catch (const Error& e) {
+      refused = std::string(e.what()).find("cpu:1") != std::string::npos;
+    }
+    testing::expect(refused, "an all_gather from cpu:1 into cpu was not refused with the devices named");
+    dist::destroy_process_group();
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+#endif
+
+namespace {
+
+// One rank whose all_reduce doubles its tensor (as a sum over two equal ranks would) and
+// records every tensor it was handed.
+class RecordingGroup : public dist::ProcessGroup {
+ public:
+  explicit RecordingGroup(Device device) : ProcessGroup(0, 1), device_(device) {}
+  std::string backend_name() const override { return "recording"; }
+  Device device() const override { return device_; }
+  std::vector<Tensor> seen;
+  std::shared_ptr<dist::Work> all_reduce(Tensor& tensor, dist::ReduceOp) override {
+    seen.push_back(tensor);
+    float* p = tensor.data<float>();
+    for (int64_t i = 0; i < tensor.numel(); ++i) p[i] *= 2;
+    return std::make_shared<dist::CompletedWork>();
+  }
+  std::shared_ptr<dist::Work> broadcast(Tensor&, int) override { NANODDP_THROW(DistError, "unused"); }
+  std::shared_ptr<dist::Work> all_gather(std::vector<Tensor>&, const Tensor&) override {
+    NANODDP_THROW(DistError, "unused");
+  }
+  std::shared_ptr<dist::Work> reduce_scatter(Tensor&, const std::vector<Tensor>&, dist::ReduceOp) override {
+    NANODDP_THROW(DistError, "unused");
+  }
+  std::shared_ptr<dist::Work> barrier() override { return std::make_shared<dist::CompletedWork>(); }
+
+ private:
+  Device device_;
+};
+
+}  // namespace
+
+TEST_CASE("staging hands the backend a host copy and writes the result back at wait()") {
+  auto inner = std::make_shared<RecordingGroup>(Device::cpu());
+  auto pg = dist::stage_device_tensors(inner);
+  REQUIRE(pg != inner);
+  CHECK(dist::stage_device_tensors(pg) == pg);  // staged once only
+  CHECK(pg->backend_name() == "recording");
+  CHECK(pg->device() == Device::cpu());
+
+  Tensor t = Tensor::from_vector({1.0f, 2.0f, 3.0f}, {}, kStandIn);
+  auto work = pg->all_reduce(t, dist::ReduceOp::Sum);
+  REQUIRE(inner->seen.size() == 1);
+  CHECK(inner->seen[0].device() == Device::cpu());
+  CHECK(t.to_vector() == std::vector<float>{1, 2, 3});  // not before wait()
+  work->wait(1000ms);
+  CHECK(t.device() == kStandIn);
+  CHECK(t.to_vector() == std::vector<float>{2, 4, 6});
+
+  Tensor host = Tensor::from_vector({5.0f});
+  pg->all_reduce(host, dist::ReduceOp::Sum)->wait(1000ms);
+  REQUIRE(inner->seen.size() == 2);
+  CHECK(inner->seen[1].is_same(host));  // a CPU tensor passes straight through
+  CHECK(host.to_vector() == std::vector<float>{10});
+}
+
+TEST_CASE("stage_device_tensors leaves a group alone whose device is not the CPU") {
+  auto device_group = std::make_shared<RecordingGroup>(kStandIn);
+  CHECK(dist::stage_device_tensors(device_group) == device_group);
+  CHECK(dist::stage_device_tensors(nullptr) == nullptr);
+}
