@@ -11,6 +11,7 @@
 #include "data/idx.h"
 #include "nn/checkpoint.h"
 #include "nn/safetensors.h"
+#include "tests/small_fashion_mnist.h"
 #include "tests/subprocess.h"
 
 using namespace nanoddp;
@@ -41,21 +42,6 @@ std::vector<std::pair<double, double>> toy_results(const RunResult& r) {
   std::vector<std::pair<double, double>> results;
   for (const std::string& line : json_lines(r.out)) results.emplace_back(json_field(line, "weight"), json_field(line, "bias"));
   return results;
-}
-
-// A Fashion-MNIST-shaped folder: n_train / n_test random 28x28 images with labels in [0, 10).
-void write_small_fashion_mnist(const std::string& dir, int64_t n_train, int64_t n_test) {
-  Generator gen(5);
-  auto write = [&](const std::string& prefix, int64_t n) {
-    Tensor images = Tensor::empty({n, 28, 28}, DType::UInt8);
-    Tensor labels = Tensor::empty({n}, DType::UInt8);
-    for (int64_t i = 0; i < images.numel(); ++i) images.data<uint8_t>()[i] = static_cast<uint8_t>(gen.randint(256));
-    for (int64_t i = 0; i < n; ++i) labels.data<uint8_t>()[i] = static_cast<uint8_t>(gen.randint(10));
-    data::write_idx(dir + "/" + prefix + "-images-idx3-ubyte.gz", images, true);
-    data::write_idx(dir + "/" + prefix + "-labels-idx1-ubyte.gz", labels, true);
-  };
-  write("train", n_train);
-  write("t10k", n_test);
 }
 
 }  // namespace
