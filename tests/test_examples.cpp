@@ -66,6 +66,27 @@ TEST_CASE("toy_ddp: 2 ranks end with equal parameters, equal to 1 rank with the 
   }
 }
 
+TEST_CASE("toy_ddp's defaults reach w = 2, b = 0 at world sizes 1 to 8, and its three checks pass") {
+  for (int world = 1; world <= 8; ++world) {
+    CAPTURE(world);
+    const RunResult r = run({launcher_path(), "--nproc-per-node", std::to_string(world), "--backend", "gloo",
+                             built("examples/toy_ddp")},
+                            60s);
+    REQUIRE_MESSAGE(r.code() == 0, r.out, r.err);
+    const auto ranks = toy_results(r);
+    REQUIRE(ranks.size() == static_cast<size_t>(world));
+    for (const auto& [weight, bias] : ranks) {
+      CHECK(std::abs(weight - 2.0) < 0.01);
+      CHECK(std::abs(bias) < 0.01);
+    }
+    CHECK(r.out.find("check 1: every rank ends with the same parameters (all " + std::to_string(world) +
+                     " equal, bit for bit): yes") != std::string::npos);
+    CHECK(std::regex_search(r.out, std::regex("check 2: one process on the global batch of " +
+                                              std::to_string(8 * world) + " .*: yes")));
+    CHECK(std::regex_search(r.out, std::regex("check 3: the fit is y = 2x: .*: yes")));
+  }
+}
+
 TEST_CASE("toy_ddp --raw stops with an error naming the epoch and step where the loss diverged") {
   const RunResult r = run({built("examples/toy_ddp"), "--raw"});
   CHECK(r.code() != 0);
@@ -264,7 +285,7 @@ TEST_CASE("toy_ddp --metrics: one line per epoch with the epoch's mean loss") {
     CAPTURE(lines[i]);
     CHECK(json_field(lines[i], "epoch") == static_cast<double>(i + 1));
     CHECK(json_field(lines[i], "step") == static_cast<double>(13 * (i + 1)));  // ceil(100 / 8) steps per epoch
-    CHECK(json_field(lines[i], "lr") == doctest::Approx(0.1));
+    CHECK(json_field(lines[i], "lr") == doctest::Approx(0.4));  // toy_ddp's default
     CHECK(is_null(lines[i], "test_accuracy"));
   }
   // Training converges: each epoch's mean loss below the one before.
