@@ -59,6 +59,20 @@ void accumulate_leaf_grad(const Tensor& leaf, Tensor g) {
 
 bool is_grad_enabled() { return grad_mode_enabled; }
 
+std::string trace_shapes(std::initializer_list<const Tensor*> tensors) {
+  std::string shapes;
+  for (const Tensor* t : tensors) {
+    if (!shapes.empty()) shapes += ' ';
+    shapes += t->defined() ? t->shape().str() : std::string("-");
+  }
+  return "\"shapes\":" + trace::json_string(shapes);
+}
+
+ForwardSpan::ForwardSpan(const char* op, std::initializer_list<const Tensor*> inputs)
+    : span_(trace::Lane::Compute, op) {
+  if (span_.active()) span_.set_args(trace_shapes(inputs));
+}
+
 NoGradGuard::NoGradGuard() : previous_(grad_mode_enabled) { grad_mode_enabled = false; }
 NoGradGuard::~NoGradGuard() { grad_mode_enabled = previous_; }
 
@@ -98,6 +112,7 @@ void queue_callback(std::function<void()> callback) {
 
 void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph) {
   BackwardScope scope;
+  trace::Span backward_span(trace::Lane::Compute, "backward");  // every node and callback below
   NANODDP_CHECK(root.requires_grad(), ValueError,
                 "backward() on a tensor that does not require grad and has no grad_fn");
   Tensor seed = grad_root;
@@ -172,6 +187,8 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
     // counts of the tensors it was made from reach zero.
     std::vector<Tensor> input_grads(fn->inputs.size());
     if (g.defined()) {
+      trace::Span span(trace::Lane::Compute, fn->name());
+      if (span.active()) span.set_args(trace_shapes({&g}));
       NoGradGuard no_grad;  // backward formulas are not themselves recorded
       input_grads = fn->apply(g);
     }

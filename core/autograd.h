@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "core/trace.h"
 
 namespace nanoddp {
 
@@ -108,6 +109,21 @@ Tensor record(const char* name, Tensor output, std::vector<Tensor> inputs, const
 // "wait for every bucket" step here. Throws ValueError when no backward is running.
 // An exception thrown by a callback propagates out of backward().
 void queue_callback(std::function<void()> callback);
+
+// Times a differentiable op's forward as one event on the trace's compute lane, named by the
+// op, with its inputs' shapes as args. Declared first thing in each op of core/ops.cpp; when
+// tracing is off it costs one branch (Note [Trace cost] in core/trace.h).
+//   ForwardSpan span("linear", {&input, &weight, &bias});
+class ForwardSpan {
+ public:
+  ForwardSpan(const char* op, std::initializer_list<const Tensor*> inputs);
+
+ private:
+  trace::Span span_;
+};
+
+// "\"shapes\":\"[64, 784] [256, 784]\"": trace args naming tensors' shapes (undefined: "-").
+std::string trace_shapes(std::initializer_list<const Tensor*> tensors);
 
 // Runs the engine (see top of file). Called by Tensor::backward.
 void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph);

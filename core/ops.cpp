@@ -83,6 +83,7 @@ struct MatmulBackward : Node {
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
+  ForwardSpan span("matmul", {&a, &b});
   check_float("matmul", a, "a");
   check_float("matmul", b, "b");
   check_same_device("matmul", a, b);
@@ -126,6 +127,7 @@ struct LinearBackward : Node {
 }  // namespace
 
 Tensor linear(const Tensor& input, const Tensor& weight, const Tensor& bias) {
+  ForwardSpan span("linear", {&input, &weight, &bias});
   check_float("linear", input, "input");
   check_float("linear", weight, "weight");
   check_same_device("linear", input, weight);
@@ -191,6 +193,7 @@ struct BinaryBackward : Node {
 };
 
 Tensor binary_op(const char* name, const Tensor& a, const Tensor& b, BinaryOp op) {
+  ForwardSpan span(name, {&a, &b});
   const bool broadcast = broadcast_of(name, a, b);
   Tensor out = binary(a, b, op, broadcast);
   auto node = std::make_shared<BinaryBackward>();
@@ -216,6 +219,7 @@ struct ScalarBackward : Node {
 };
 
 Tensor scalar_op(const Tensor& a, ScalarOp op, float s) {
+  ForwardSpan span(op == ScalarOp::Mul ? "mul" : "div", {&a});
   check_float(op == ScalarOp::Mul ? "mul" : "div", a, "a");
   auto node = std::make_shared<ScalarBackward>();
   node->inputs = {a};
@@ -250,6 +254,7 @@ struct SumBackward : Node {
 };
 
 Tensor reduce_all(const char* name, const Tensor& a, bool mean) {
+  ForwardSpan span(name, {&a});
   check_float(name, a, "input");
   Tensor out = Tensor::empty({}, DType::Float32, a.device());
   NANODDP_DISPATCH(a.device(), sum_forward, ptr(out), ptr(a), a.numel());
@@ -268,6 +273,7 @@ Tensor mean(const Tensor& a) { return reduce_all("mean", a, true); }
 // ---- relu ---------------------------------------------------------------------------------
 
 Tensor relu(const Tensor& a) {
+  ForwardSpan span("relu", {&a});
   check_float("relu", a, "input");
   Tensor out = empty_like(a);
   NANODDP_DISPATCH(a.device(), relu_forward, ptr(out), ptr(a), a.numel());
@@ -300,6 +306,7 @@ struct MseBackward : Node {
 }  // namespace
 
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) {
+  ForwardSpan span("mse_loss", {&input, &target});
   check_float("mse_loss", input, "input");
   check_float("mse_loss", target, "target");
   check_same_device("mse_loss", input, target);
@@ -316,6 +323,7 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) 
 // ---- cross_entropy ------------------------------------------------------------------------
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction) {
+  ForwardSpan span("cross_entropy", {&logits, &target});
   check_float("cross_entropy", logits, "logits");
   NANODDP_CHECK(target.defined() && target.dtype() == DType::Int64, ValueError,
                 "cross_entropy: target must be int64 class indices");

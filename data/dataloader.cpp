@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/trace.h"
 #include "kernels/device_memory.h"
 #include "kernels/kernels.h"
 
@@ -254,6 +255,7 @@ DataLoader::Iterator DataLoader::begin() {
 
 bool DataLoader::next(Batch& out) {
   NANODDP_ASSERT(pass_ != nullptr);
+  trace::Span span(trace::Lane::Data, "next batch");  // waiting for it, collating it, copying it
   Batch host;
   if (!pass_->next(host)) {
     pass_.reset();

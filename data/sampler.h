@@ -4,6 +4,7 @@
 //   for (int64_t epoch = 0; epoch < epochs; ++epoch) { sampler.set_epoch(epoch); sampler.indices(); }
 //   auto eval = DistributedSampler::for_evaluation(test->size(), world_size, rank);
 //
+// Note [Sharding]
 // Training mode follows torch.utils.data.DistributedSampler exactly, for N examples and
 // W = num_replicas ranks:
 //   1. order: 0..N-1, or, with shuffle, one permutation drawn from seed + epoch: every rank

@@ -5,6 +5,7 @@
 //   dist::DistributedDataParallel ddp(model, pg);          // model: shared_ptr<nn::Module>
 //   loss_fn(ddp(x), y).backward();  opt.step();            // .grad = mean over ranks
 //
+// Note [DDP construction]
 // Construction (collective: every rank must construct it, in the same order):
 //   1. checks that every rank has the same parameters: count, names and shapes. The error
 //      names the first mismatching parameter, this rank and rank 0;

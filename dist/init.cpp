@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "core/error.h"
+#include "core/trace.h"
 #include "dist/detail.h"
 #include "dist/host_staging.h"
 #include "dist/launcher_link.h"
@@ -16,6 +17,56 @@
 namespace nanoddp::dist {
 
 namespace {
+
+// Rounds of the clock exchange below; the one with the shortest round trip is kept.
+constexpr int kClockRounds = 8;
+
+// This rank's clock minus rank 0's, estimated through the store (Note [Trace clocks] in
+// core/trace_merge.cpp). Rank 0 answers each peer in turn; groups are built in the same order
+// on every rank, so `prefix` names the same exchange everywhere.
+double clock_offset_to_rank0(ProcessGroup& group, Store& store, const std::string& prefix) {
+  double best_offset = 0, best_round_trip = -1;
+  for (int peer = 1; peer < group.size(); ++peer) {
+    if (group.rank() != 0 && group.rank() != peer) continue;
+    for (int round = 0; round < kClockRounds; ++round) {
+      const std::string key = prefix + std::to_string(peer) + "/" + std::to_string(round);
+      if (group.rank() == 0) {
+        store.wait({key + "/ask"});
+        store.set(key + "/answer", std::to_string(trace::now_us()));
+        continue;
+      }
+      const double asked = trace::now_us();
+      store.set(key + "/ask", std::vector<uint8_t>{1});
+      store.wait({key + "/answer"});
+      const double answered = trace::now_us();
+      const std::vector<uint8_t> bytes = store.get(key + "/answer");
+      const double rank0 = std::stod(std::string(bytes.begin(), bytes.end()));
+      if (best_round_trip < 0 || answered - asked < best_round_trip) {
+        best_round_trip = answered - asked;
+        best_offset = (asked + answered) / 2 - rank0;
+      }
+    }
+  }
+  return best_offset;
+}
+
+// When a trace is being recorded: names this process's rank in it and aligns its clock with
+// rank 0's. Without a store (MPI) the ranks leave one barrier together instead, which is as
+// exact as the barrier's exit is simultaneous.
+void join_trace(ProcessGroup& group, Store* store) {
+  if (!trace::enabled()) return;
+  static int generation = 0;
+  trace::set_rank(group.rank(), group.size());
+  if (group.size() == 1) return;
+  if (store != nullptr) {
+    const std::string prefix = "trace/clock/" + std::to_string(generation++) + "/";
+    // The common instant is 0 on rank 0's clock: rank r's clock read -offset then.
+    trace::set_clock_sync(-clock_offset_to_rank0(group, *store, prefix));
+  } else {
+    group.barrier()->wait();
+    trace::set_clock_sync(trace::now_us());
+  }
+}
 
 std::mutex default_mutex;
 std::shared_ptr<ProcessGroup> default_group;
@@ -159,6 +210,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     // CUDA tensors through host memory (dist/host_staging.h), then the collective check.
     default_group = checked(stage_device_tensors(group), options);
     register_exit_handler();
+    join_trace(*default_group, nullptr);
     return default_group;
   }
 
@@ -231,6 +283,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   // A CPU group takes CUDA tensors too (dist/host_staging.h); then the collective check.
   default_group = checked(stage_device_tensors(group), options);
   register_exit_handler();
+  join_trace(*default_group, store.get());
   return default_group;
 }
 

@@ -40,6 +40,43 @@ Backend parse_backend(const std::string& text) {
   NANODDP_THROW(ValueError, "unknown backend '", text, "' (expected gloo, mpi, nccl or auto)");
 }
 
+const char* collective_name(Collective collective) {
+  switch (collective) {
+    case Collective::AllReduce: return "all_reduce";
+    case Collective::Broadcast: return "broadcast";
+    case Collective::AllGather: return "all_gather";
+    case Collective::ReduceScatter: return "reduce_scatter";
+    case Collective::Barrier: return "barrier";
+  }
+  return "?";
+}
+
+// Note [Collective counters]
+// A learner should be able to check claims such as "DDP issues one all-reduce per bucket per
+// optimizer step, none inside no_sync" by reading numbers, not code. Each backend reports
+// every collective to count_call() before doing anything else, so the counters are kept in
+// this one place and mean the same whatever the backend. Relaxed atomics: the counters order
+// nothing; they are read by tests and --explain after the collectives they count have been
+// waited for.
+void ProcessGroup::count_call(Collective collective, const Tensor& payload) {
+  const auto i = static_cast<size_t>(collective);
+  calls_[i].fetch_add(1, std::memory_order_relaxed);
+  if (payload.defined())
+    bytes_[i].fetch_add(static_cast<int64_t>(payload.nbytes()), std::memory_order_relaxed);
+}
+
+CollectiveCount ProcessGroup::count(Collective collective) const {
+  const auto i = static_cast<size_t>(collective);
+  return {calls_[i].load(std::memory_order_relaxed), bytes_[i].load(std::memory_order_relaxed)};
+}
+
+void ProcessGroup::reset_counts() {
+  for (int i = 0; i < kNumCollectives; ++i) {
+    calls_[i].store(0, std::memory_order_relaxed);
+    bytes_[i].store(0, std::memory_order_relaxed);
+  }
+}
+
 Store& ProcessGroup::store() {
   NANODDP_THROW(DistError, where(), ": the ", backend_name(), " process group has no store");
 }

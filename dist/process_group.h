@@ -32,7 +32,10 @@
 //    dist/host_staging.h). device() says which device a group's own tensors should be on.
 #pragma once
 
+#include <array>
+#include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -56,6 +59,21 @@ enum class Backend { Auto, Gloo, Mpi, Nccl };
 const char* backend_name(Backend backend);  // "auto", "gloo", "mpi", "nccl"
 // "gloo", "mpi", "nccl" or "auto" (case-insensitive); throws ValueError on anything else.
 Backend parse_backend(const std::string& text);
+
+// The collectives a ProcessGroup counts (see ProcessGroup::count).
+enum class Collective { AllReduce, Broadcast, AllGather, ReduceScatter, Barrier };
+constexpr int kNumCollectives = 5;
+const char* collective_name(Collective collective);  // "all_reduce", "broadcast", ...
+
+// What one rank has issued of one collective since the group was built (or reset_counts).
+// bytes: the payload this rank passed in, summed over calls (all_reduce and broadcast: the
+// tensor; all_gather: the input; reduce_scatter: the output, i.e. this rank's share of the
+// reduced result; barrier: 0). It is what the caller asked for, not what the backend's
+// algorithm puts on the wire: a ring all-reduce of S bytes sends 2(N-1)/N * S per rank.
+struct CollectiveCount {
+  int64_t calls = 0;
+  int64_t bytes = 0;
+};
 
 // The default timeout of every collective and every store wait. PyTorch uses 30 minutes; we
 // use 5: a healthy step of this framework takes milliseconds and even a checkpoint or an
@@ -113,7 +131,22 @@ class ProcessGroup {
   // The rendezvous store the group was built on. Throws DistError for MPI, which needs none.
   virtual Store& store();
 
+  // The all-reduce algorithm whose traffic formula describes this backend: "ring" (each rank
+  // sends 2(N-1)/N of the payload). Gloo's all-reduce is a ring; Open MPI and NCCL choose per
+  // size and report it as the library's choice.
+  virtual std::string all_reduce_algorithm() const { return "ring"; }
+
+  // Counters (Note [Collective counters]): calls and bytes of each collective this rank has
+  // issued, including those a world of one completes at once. Safe to read from any thread.
+  CollectiveCount count(Collective collective) const;
+  void reset_counts();
+
  protected:
+  // Every backend calls this once at the top of each collective; it is the only place that
+  // counts, so the counters mean the same on every backend.
+  // payload: the tensor whose bytes are counted (see CollectiveCount); none for barrier.
+  void count_call(Collective collective, const Tensor& payload = Tensor());
+
   // "rank 1/4 on host: gloo all_reduce(sum) of [1048579] float32" and the like.
   std::string describe(const std::string& collective, const Tensor& tensor) const;
   std::string where() const;  // "rank 1/4 on host"
@@ -125,6 +158,10 @@ class ProcessGroup {
 
   int rank_;
   int world_size_;
+
+ private:
+  std::array<std::atomic<int64_t>, kNumCollectives> calls_{};
+  std::array<std::atomic<int64_t>, kNumCollectives> bytes_{};
 };
 
 // A Work that is finished when created: world size 1, or backends that ran synchronously.

@@ -39,29 +39,29 @@ namespace nanoddp::dist {
 
 namespace {
 
-enum class Collective : int64_t { AllReduce = 1, Broadcast, AllGather, ReduceScatter, Barrier };
+enum class CallKind : int64_t { AllReduce = 1, Broadcast, AllGather, ReduceScatter, Barrier };
 
 // A fingerprint: what a rank is about to call, as int64s on the wire:
-//   [seq (1 for the group's first collective), Collective, ReduceOp or -1, DType or -1,
+//   [seq (1 for the group's first collective), CallKind, ReduceOp or -1, DType or -1,
 //    elements per tensor, broadcast root or list length or 0]
 constexpr int64_t kFingerprintFields = 6;
 
 std::string describe_call(const int64_t* f) {
   std::ostringstream out;
-  const auto kind = static_cast<Collective>(f[1]);
+  const auto kind = static_cast<CallKind>(f[1]);
   const auto op = static_cast<ReduceOp>(f[2]);
   switch (kind) {
-    case Collective::AllReduce: out << "all_reduce(" << reduce_op_name(op) << ")"; break;
-    case Collective::Broadcast: out << "broadcast from rank " << f[5]; break;
-    case Collective::AllGather: out << "all_gather"; break;
-    case Collective::ReduceScatter: out << "reduce_scatter(" << reduce_op_name(op) << ")"; break;
-    case Collective::Barrier: out << "barrier"; break;
+    case CallKind::AllReduce: out << "all_reduce(" << reduce_op_name(op) << ")"; break;
+    case CallKind::Broadcast: out << "broadcast from rank " << f[5]; break;
+    case CallKind::AllGather: out << "all_gather"; break;
+    case CallKind::ReduceScatter: out << "reduce_scatter(" << reduce_op_name(op) << ")"; break;
+    case CallKind::Barrier: out << "barrier"; break;
     default: out << "collective " << f[1]; break;
   }
   out << " #" << f[0];
-  if (kind == Collective::Barrier) return out.str();
+  if (kind == CallKind::Barrier) return out.str();
   out << ", ";
-  if (kind == Collective::AllGather || kind == Collective::ReduceScatter) out << f[5] << " x ";
+  if (kind == CallKind::AllGather || kind == CallKind::ReduceScatter) out << f[5] << " x ";
   out << f[4] << " " << (f[3] < 0 ? "undefined" : dtype_name(static_cast<DType>(f[3])));
   return out.str();
 }
@@ -209,44 +209,50 @@ class CheckedProcessGroup : public ProcessGroup {
   std::string backend_name() const override { return state_->inner->backend_name(); }
   Device device() const override { return state_->inner->device(); }
   Store& store() override { return state_->inner->store(); }
+  std::string all_reduce_algorithm() const override { return state_->inner->all_reduce_algorithm(); }
 
   // Arguments are checked here, at the call, as the backends do; the backend checks the device.
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
+    count_call(Collective::AllReduce, tensor);
     const std::string what = std::string("all_reduce(") + reduce_op_name(op) + ")";
     check_tensor(what, tensor, device_of(tensor));
     check_reduce(what, tensor, op);
-    return checked(Collective::AllReduce, what, tensor, static_cast<int64_t>(op), 0,
+    return checked(CallKind::AllReduce, what, tensor, static_cast<int64_t>(op), 0,
                    [inner = state_->inner, tensor, op]() mutable { return inner->all_reduce(tensor, op); });
   }
   std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
+    count_call(Collective::Broadcast, tensor);
     check_tensor("broadcast", tensor, device_of(tensor));
     NANODDP_CHECK(root >= 0 && root < world_size_, ValueError, describe("broadcast", tensor), ": root ", root,
                   " is not a rank of this group");
     return checked(
-        Collective::Broadcast, "broadcast from rank " + std::to_string(root), tensor, -1, root,
+        CallKind::Broadcast, "broadcast from rank " + std::to_string(root), tensor, -1, root,
         [inner = state_->inner, tensor, root]() mutable { return inner->broadcast(tensor, root); });
   }
   std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
+    count_call(Collective::AllGather, input);
     check_tensor("all_gather", input, device_of(input));
     check_list("all_gather", outputs, input);
     return checked(
-        Collective::AllGather, "all_gather", input, -1, static_cast<int64_t>(outputs.size()),
+        CallKind::AllGather, "all_gather", input, -1, static_cast<int64_t>(outputs.size()),
         [inner = state_->inner, outputs, input]() mutable { return inner->all_gather(outputs, input); });
   }
   std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
                                        ReduceOp op) override {
+    count_call(Collective::ReduceScatter, output);
     const std::string what = std::string("reduce_scatter(") + reduce_op_name(op) + ")";
     check_tensor(what, output, device_of(output));
     check_reduce(what, output, op);
     check_list(what, inputs, output);
-    return checked(Collective::ReduceScatter, what, output, static_cast<int64_t>(op),
+    return checked(CallKind::ReduceScatter, what, output, static_cast<int64_t>(op),
                    static_cast<int64_t>(inputs.size()),
                    [inner = state_->inner, output, inputs, op]() mutable {
                      return inner->reduce_scatter(output, inputs, op);
                    });
   }
   std::shared_ptr<Work> barrier() override {
-    return checked(Collective::Barrier, "barrier", Tensor(), -1, 0,
+    count_call(Collective::Barrier);
+    return checked(CallKind::Barrier, "barrier", Tensor(), -1, 0,
                    [inner = state_->inner] { return inner->barrier(); });
   }
 
@@ -256,7 +262,7 @@ class CheckedProcessGroup : public ProcessGroup {
   // Note [Deferred check]: settles the calls before this one, issues this call's fingerprint
   // all-gather and returns at once; the comparison and the collective itself start at the
   // latest when this work is waited on, or when the next collective is called.
-  std::shared_ptr<Work> checked(Collective kind, const std::string& what, const Tensor& tensor, int64_t op,
+  std::shared_ptr<Work> checked(CallKind kind, const std::string& what, const Tensor& tensor, int64_t op,
                                 int64_t extra, std::function<std::shared_ptr<Work>()> start) {
     if (world_size_ == 1) return start();
     std::lock_guard<std::mutex> lock(state_->mutex);

@@ -377,6 +377,7 @@ class ProcessGroupGloo : public ProcessGroup {
   Store& store() override { return *store_; }
 
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
+    count_call(Collective::AllReduce, tensor);
     std::string what = std::string("all_reduce(") + reduce_op_name(op) + ")";
     check_tensor(what, tensor, Device::cpu());
     check_reduce(what, tensor, op);
@@ -386,6 +387,7 @@ class ProcessGroupGloo : public ProcessGroup {
   }
 
   std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
+    count_call(Collective::Broadcast, tensor);
     check_tensor("broadcast", tensor, Device::cpu());
     NANODDP_CHECK(root >= 0 && root < world_size_, ValueError, describe("broadcast", tensor),
                   ": root ", root, " is not a rank of this group");
@@ -405,6 +407,7 @@ class ProcessGroupGloo : public ProcessGroup {
   }
 
   std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
+    count_call(Collective::AllGather, input);
     check_tensor("all_gather", input, Device::cpu());
     check_list("all_gather", outputs, input);
     std::vector<Tensor> outs = outputs;
@@ -435,6 +438,7 @@ class ProcessGroupGloo : public ProcessGroup {
 
   std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
                                        ReduceOp op) override {
+    count_call(Collective::ReduceScatter, output);
     std::string what = std::string("reduce_scatter(") + reduce_op_name(op) + ")";
     check_tensor(what, output, Device::cpu());
     check_reduce(what, output, op);
@@ -459,6 +463,7 @@ class ProcessGroupGloo : public ProcessGroup {
   }
 
   std::shared_ptr<Work> barrier() override {
+    count_call(Collective::Barrier);
     if (world_size_ == 1) return std::make_shared<CompletedWork>();
     return enqueue(where() + ": gloo barrier", [](GlooRunner& runner) {
       gloo::BarrierOptions opts(runner.context);

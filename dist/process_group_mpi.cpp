@@ -245,8 +245,11 @@ class ProcessGroupMpi : public ProcessGroup {
   }
 
   std::string backend_name() const override { return "mpi"; }
+  // Open MPI's tuned component picks ring, recursive doubling or others by size and world.
+  std::string all_reduce_algorithm() const override { return "open-mpi-tuned"; }
 
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
+    count_call(Collective::AllReduce, tensor);
     std::string what = describe(std::string("all_reduce(") + reduce_op_name(op) + ")", tensor);
     check_tensor("all_reduce", tensor, Device::cpu());
     check_reduce("all_reduce", tensor, op);
@@ -266,6 +269,7 @@ class ProcessGroupMpi : public ProcessGroup {
   }
 
   std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
+    count_call(Collective::Broadcast, tensor);
     std::string what = describe("broadcast from rank " + std::to_string(root), tensor);
     check_tensor("broadcast", tensor, Device::cpu());
     NANODDP_CHECK(root >= 0 && root < world_size_, ValueError, what, ": root ", root,
@@ -279,6 +283,7 @@ class ProcessGroupMpi : public ProcessGroup {
   }
 
   std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
+    count_call(Collective::AllGather, input);
     std::string what = describe("all_gather", input);
     check_tensor("all_gather", input, Device::cpu());
     check_list("all_gather", outputs, input);
@@ -300,6 +305,7 @@ class ProcessGroupMpi : public ProcessGroup {
 
   std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
                                        ReduceOp op) override {
+    count_call(Collective::ReduceScatter, output);
     std::string what =
         describe(std::string("reduce_scatter(") + reduce_op_name(op) + ")", output);
     check_tensor("reduce_scatter", output, Device::cpu());
@@ -326,6 +332,7 @@ class ProcessGroupMpi : public ProcessGroup {
   }
 
   std::shared_ptr<Work> barrier() override {
+    count_call(Collective::Barrier);
     std::string what = where() + ": mpi barrier";
     auto start = [&](MPI_Request* request) { return MPI_Ibarrier(comm_, request); };
     return issue(what, "MPI_Ibarrier", start, nullptr);

@@ -232,6 +232,7 @@ class ProcessGroupNccl : public ProcessGroup {
   Store& store() override { return *store_; }
 
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
+    count_call(Collective::AllReduce, tensor);
     std::string what = describe(std::string("all_reduce(") + reduce_op_name(op) + ")", tensor);
     check_tensor("all_reduce", tensor, device_);
     check_reduce("all_reduce", tensor, op);
@@ -244,6 +245,7 @@ class ProcessGroupNccl : public ProcessGroup {
   }
 
   std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
+    count_call(Collective::Broadcast, tensor);
     std::string what = describe("broadcast from rank " + std::to_string(root), tensor);
     check_tensor("broadcast", tensor, device_);
     NANODDP_CHECK(root >= 0 && root < world_size_, ValueError, what, ": root ", root,
@@ -257,6 +259,7 @@ class ProcessGroupNccl : public ProcessGroup {
   }
 
   std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
+    count_call(Collective::AllGather, input);
     std::string what = describe("all_gather", input);
     check_tensor("all_gather", input, device_);
     check_list("all_gather", outputs, input);
@@ -280,6 +283,7 @@ class ProcessGroupNccl : public ProcessGroup {
 
   std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
                                        ReduceOp op) override {
+    count_call(Collective::ReduceScatter, output);
     std::string what =
         describe(std::string("reduce_scatter(") + reduce_op_name(op) + ")", output);
     check_tensor("reduce_scatter", output, device_);
@@ -304,6 +308,7 @@ class ProcessGroupNccl : public ProcessGroup {
   }
 
   std::shared_ptr<Work> barrier() override {
+    count_call(Collective::Barrier);
     // NCCL has no barrier: an all-reduce of one element has the same effect.
     Tensor token = Tensor::zeros({1}, DType::Float32, device_);
     return all_reduce(token, ReduceOp::Sum);

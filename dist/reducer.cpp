@@ -4,6 +4,7 @@
 
 #include "core/autograd.h"
 #include "dist/host_collectives.h"
+#include "core/trace.h"
 #include "kernels/kernels.h"
 
 namespace nanoddp::dist {
@@ -29,6 +30,19 @@ namespace nanoddp::dist {
 // accumulation window: a parameter whose gradient was accumulated in a backward under
 // no_sync counts as used at the next synced backward, and its accumulated .grad is what it
 // contributes (with or without find_unused_parameters).
+
+// Note [Averaging in the copy]
+// DDP's gradient is the mean over ranks. Each rank divides its gradient by world_size while
+// copying it into the bucket, and the all-reduce sums: sum_r (g_r / N) is the mean, with no
+// pass over the bucket after the collective. PyTorch's reducer folds it into the same copy
+// (it multiplies by 1/world_size); dividing keeps an exactly representable mean exact.
+
+// Note [no_sync]
+// Under no_sync the hooks only note that the parameter was used (Note [Unused parameters])
+// and return: gradients accumulate in .grad as in a plain model, no bucket is touched and
+// nothing is launched. The first backward with sync on then copies
+// the accumulated .grad (every micro-batch's sum) into the buckets, so one all-reduce per
+// bucket carries them all: the counters show exactly that (tests/test_ddp.cpp).
 
 Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared_ptr<ProcessGroup> pg,
                  ReducerOptions options)
@@ -87,6 +101,7 @@ void Reducer::reset_iteration() {
   for (Bucket& b : buckets_) {
     b.pending = b.params.size();
     b.work.reset();
+    b.launched_us = -1;
   }
   next_bucket_to_launch_ = 0;
   finalize_queued_ = false;
@@ -114,9 +129,17 @@ void Reducer::copy_into_bucket(size_t k) {
   Bucket& bucket = buckets_[b];
   const Tensor grad = params_[k].second.grad();
   const float world = static_cast<float>(pg_->size());
+  const double ready_us = trace::enabled() ? trace::now_us() : 0;
   NANODDP_DISPATCH(grad.device(), scalar_forward, bucket.flat.data<float>() + bucket.offsets[slot],
                    grad.data<float>(), kernels::ScalarOp::Div, world, grad.numel());
   --bucket.pending;
+  if (trace::enabled()) {
+    trace::complete(trace::Lane::DDP, params_[k].first + " ready -> bucket " + std::to_string(b), ready_us,
+                    trace::now_us(),
+                    "\"param\":" + trace::json_string(params_[k].first) + ",\"bucket\":" + std::to_string(b) +
+                        ",\"bytes\":" + std::to_string(grad.nbytes()));
+    trace_completions();
+  }
 }
 
 void Reducer::launch_ready_buckets() {
@@ -124,7 +147,27 @@ void Reducer::launch_ready_buckets() {
     launch(buckets_[next_bucket_to_launch_++]);
 }
 
-void Reducer::launch(Bucket& bucket) { bucket.work = pg_->all_reduce(bucket.flat, ReduceOp::Sum); }
+void Reducer::launch(Bucket& bucket) {
+  if (trace::enabled()) bucket.launched_us = trace::now_us();
+  bucket.work = pg_->all_reduce(bucket.flat, ReduceOp::Sum);
+}
+
+// When tracing: each launched bucket's all-reduce becomes one event on its own lane, from launch
+// to the first moment it is seen complete (at a later hook, or when finalize waits for it).
+void Reducer::trace_completions() {
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    if (bucket.launched_us < 0 || !bucket.work->is_completed()) continue;
+    trace::complete(trace::kAllReduceLane + static_cast<int>(b), "all_reduce bucket " + std::to_string(b),
+                    bucket.launched_us, trace::now_us(),
+                    "\"bucket\":" + std::to_string(b) + ",\"bytes\":" + std::to_string(bucket.flat.nbytes()) +
+                        ",\"params\":" + std::to_string(bucket.params.size()) + ",\"backend\":" +
+                        trace::json_string(pg_->backend_name()) + ",\"algorithm\":" +
+                        trace::json_string(pg_->all_reduce_algorithm()) + ",\"world_size\":" +
+                        std::to_string(pg_->size()));
+    bucket.launched_us = -1;
+  }
+}
 
 // 3. Backward has ended.
 void Reducer::finalize() {
@@ -172,7 +215,13 @@ void Reducer::finalize() {
     used_anywhere = all_reduce_host(*pg_, used_here, ReduceOp::Max, options_.timeout);  // on the group's device
   }
   for (Bucket& bucket : buckets_) {
-    bucket.work->wait(options_.timeout);
+    {
+      // The exposed communication: backward is over and this rank can only wait.
+      trace::Span waiting(trace::Lane::DDP, "wait for all_reduce");
+      if (waiting.active()) waiting.set_args("\"bucket\":" + std::to_string(&bucket - buckets_.data()));
+      bucket.work->wait(options_.timeout);
+    }
+    if (trace::enabled()) trace_completions();
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
       const size_t k = bucket.params[slot];
       if (used_anywhere[k] == 0) continue;  // no rank used it: .grad untouched, as in PyTorch

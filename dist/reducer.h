@@ -66,6 +66,7 @@ class Reducer {
 
   // The plan: bucket b holds these parameter indices (into the constructor's list).
   std::vector<std::vector<size_t>> bucket_plan() const;
+  const ReducerOptions& options() const { return options_; }
 
  private:
   struct Bucket {
@@ -74,6 +75,7 @@ class Reducer {
     Tensor flat;                   // [sum of numel] float32 on the parameters' device
     size_t pending = 0;            // parameters not yet ready in this iteration
     std::shared_ptr<Work> work;    // the in-flight all-reduce, if launched
+    double launched_us = -1;       // when tracing: launch time until its completion is recorded
   };
 
   void mark_ready(size_t param_index);
@@ -82,6 +84,7 @@ class Reducer {
   void launch(Bucket& bucket);
   void finalize();
   void reset_iteration();
+  void trace_completions();
 
   std::vector<std::pair<std::string, Tensor>> params_;
   std::shared_ptr<ProcessGroup> pg_;

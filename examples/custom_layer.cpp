@@ -10,10 +10,13 @@
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 
 #include "core/autograd.h"
 #include "core/op_helpers.h"
+#include "core/trace.h"
 #include "dist/ddp.h"
+#include "dist/explain.h"
 #include "dist/init.h"
 #include "examples/example_utils.h"
 #include "tools/cli_checks.h"
@@ -78,9 +81,15 @@ double gradient_check(float slope) {
 int main(int argc, char** argv) {
   CLI::App app{"custom_layer: a user-defined LeakyReLU, gradient-checked and trained with DDP"};
   int steps = 300;
+  std::string trace_file;
+  bool explain = false;
   app.add_option("--steps", steps, "SGD steps")->check(cli::integer_in(1));
+  app.add_option("--trace", trace_file, "write a Chrome trace (ui.perfetto.dev) of the run to FILE");
+  app.add_flag("--explain", explain, "print the bucket plan, then per step the all-reduces and exposed communication");
   CLI11_PARSE(app, argc, argv);
   try {
+    if (!trace_file.empty()) trace::start(trace_file);
+    explain = explain || dist::explain_from_environment();
     const double error = gradient_check(0.1f);
     auto pg = dist::init_process_group();
     if (pg->rank() == 0) std::printf("gradient check: max |analytic - numeric| = %.2e\n", error);
@@ -93,6 +102,7 @@ int main(int argc, char** argv) {
     model->add(LeakyReLU(0.1f));
     model->add(nn::Linear(16, 1, gen));
     dist::DistributedDataParallel ddp(model, pg);
+    if (explain && pg->rank() == 0) std::printf("%s", dist::explain_plan(ddp).c_str());
     nn::SGD opt(ddp.parameters(), {/*lr=*/0.05f, /*momentum=*/0.9f});
     Generator data_gen(100 + pg->rank());
     const Tensor x = Tensor::rand({64, 1}, data_gen) * 4.0f - Tensor::full({1}, 2.0f);
@@ -100,6 +110,8 @@ int main(int argc, char** argv) {
     for (float v : x.to_vector()) targets.push_back(std::abs(v));
     const Tensor y = Tensor::from_vector(targets, {64, 1});
     float loss_value = 0;
+    std::optional<dist::ExplainWindow> explained;
+    if (explain) explained.emplace(*pg);
     for (int step = 0; step < steps; ++step) {
       opt.zero_grad();
       Tensor loss = mse_loss(ddp(x), y);
@@ -107,6 +119,7 @@ int main(int argc, char** argv) {
       opt.step();
       loss_value = loss.item();
     }
+    if (explained && pg->rank() == 0) std::printf("%s", explained->report("training", steps).c_str());
     std::printf("rank %d: loss after %d steps %.5f\n", pg->rank(), steps, loss_value);
     pg->barrier()->wait();
     dist::destroy_process_group();

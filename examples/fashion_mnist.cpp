@@ -5,6 +5,8 @@
 //
 //   nanoddp-run --nproc-per-node 2 --backend mpi build/examples/fashion_mnist --epochs 10
 //   nanoddp-run --nproc-per-node 2 --backend mpi build/examples/fashion_mnist_cnn --epochs 5
+//   nanoddp-run --nproc-per-node 2 build/examples/fashion_mnist --explain --trace run.json
+//       --hidden 1024,1024,512 --bucket-cap-mb 4      # several buckets, overlapping backward
 //
 // Each epoch: every rank trains on its DistributedSampler share (batch_size per rank, so the
 // global batch is batch_size * world_size); the mean training loss is averaged over ranks;
@@ -21,12 +23,14 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 
 #include "core/autograd.h"
 #include "data/dataloader.h"
 #include "data/fashion_mnist.h"
 #include "dist/ddp.h"
 #include "dist/host_collectives.h"
+#include "dist/explain.h"
 #include "dist/init.h"
 #include "examples/example_utils.h"
 #include "examples/metrics.h"
@@ -60,7 +64,15 @@ struct Config {
   bool prefetch = false;
   bool quiet = false;
   int timeout_s = 300;
+  std::vector<int64_t> hidden = {256, 128};  // widths of the hidden layers
+  double bucket_cap_mb = static_cast<double>(dist::kDefaultBucketCapBytes) / (1 << 20);
+  double first_bucket_cap_mb = static_cast<double>(dist::kDefaultFirstBucketCapBytes) / (1 << 20);
+  std::string trace;  // file for the trace; "" = none (NANODDP_TRACE still works)
+  bool explain = false;
 };
+
+// DDP's bucket caps are given in MiB, as torch's bucket_cap_mb is (bytes = mb * 1024 * 1024).
+size_t mib_to_bytes(double mb) { return static_cast<size_t>(mb * 1024.0 * 1024.0); }
 
 #ifndef NANODDP_FASHION_MNIST_CNN
 #define NANODDP_FASHION_MNIST_CNN 0
@@ -76,7 +88,8 @@ class ToImages : public nn::Module {
 };
 
 // Dropout draws from its own generator (seeded per rank by the caller), not the weights'.
-std::shared_ptr<nn::Sequential> make_model(uint64_t seed, Generator& dropout_gen) {
+std::shared_ptr<nn::Sequential> make_model(uint64_t seed, const std::vector<int64_t>& /*hidden: MLP only*/,
+                                           Generator& dropout_gen) {
   Generator gen(seed);
   auto model = std::make_shared<nn::Sequential>();
   model->add(ToImages());
@@ -96,14 +109,18 @@ std::shared_ptr<nn::Sequential> make_model(uint64_t seed, Generator& dropout_gen
 #else
 constexpr const char* kExample = "fashion_mnist";
 
-std::shared_ptr<nn::Sequential> make_model(uint64_t seed, Generator& /*dropout_gen: no dropout*/) {
+// 784 -> hidden[0] -> ... -> 10, a ReLU after every hidden layer.
+std::shared_ptr<nn::Sequential> make_model(uint64_t seed, const std::vector<int64_t>& hidden,
+                                           Generator& /*dropout_gen: no dropout*/) {
   Generator gen(seed);
   auto model = std::make_shared<nn::Sequential>();
-  model->add(nn::Linear(data::FashionMNIST::kFeatures, 256, gen));
-  model->add(nn::ReLU());
-  model->add(nn::Linear(256, 128, gen));
-  model->add(nn::ReLU());
-  model->add(nn::Linear(128, data::FashionMNIST::kClasses, gen));
+  int64_t in = data::FashionMNIST::kFeatures;
+  for (int64_t width : hidden) {
+    model->add(nn::Linear(in, width, gen));
+    model->add(nn::ReLU());
+    in = width;
+  }
+  model->add(nn::Linear(in, data::FashionMNIST::kClasses, gen));
   return model;
 }
 #endif
@@ -170,6 +187,8 @@ int restore(const std::string& path, int epochs, nn::Module& model, nn::SGD& opt
 }
 
 int run(const Config& config) {
+  if (!config.trace.empty()) trace::start(config.trace);
+  const bool explain = config.explain || dist::explain_from_environment();
   const Device device = examples::rank_device(config.device);
   dist::InitOptions init;
   init.backend = dist::parse_backend(config.backend);
@@ -200,7 +219,7 @@ int run(const Config& config) {
   // Reseeded per rank and epoch (below): ranks drop different units, and a resumed run draws
   // the masks an uninterrupted one would.
   Generator dropout_gen;
-  auto model = make_model(config.seed, dropout_gen);
+  auto model = make_model(config.seed, config.hidden, dropout_gen);
   model->to(device);
   nn::SGD optimizer(model->parameters(), {config.lr, config.momentum, /*dampening=*/0.0f, config.weight_decay});
   int first_epoch = 0;
@@ -213,7 +232,10 @@ int run(const Config& config) {
   }
   dist::DDPOptions ddp_options;
   ddp_options.overlap = !config.no_overlap;
+  ddp_options.bucket_cap_bytes = mib_to_bytes(config.bucket_cap_mb);
+  ddp_options.first_bucket_cap_bytes = mib_to_bytes(config.first_bucket_cap_mb);
   dist::DistributedDataParallel ddp(model, pg, ddp_options);
+  if (explain && rank == 0) std::printf("%s", dist::explain_plan(ddp).c_str());
   nn::CrossEntropyLoss loss_fn;
 
   double train_loss = NAN, accuracy = NAN, samples_per_s = NAN;
@@ -226,6 +248,8 @@ int run(const Config& config) {
     examples::Progress progress(epoch + 1, config.epochs, train_loader.size(), chatty);
     Tensor loss_sum = Tensor::zeros({}, DType::Float32, device);
     int64_t steps = 0, samples = 0;
+    std::optional<dist::ExplainWindow> explained;
+    if (explain) explained.emplace(*pg);
     const auto start = std::chrono::steady_clock::now();
     float lr = config.lr;
     for (const data::Batch& batch : train_loader) {
@@ -260,6 +284,8 @@ int run(const Config& config) {
       }
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (explained && rank == 0 && steps > 0)
+      std::printf("%s", explained->report("epoch " + std::to_string(epoch + 1), steps).c_str());
 
     // Mean loss over ranks; all ranks' samples over the slowest rank's time.
     const std::vector<float> stats = dist::all_reduce_host(
@@ -345,7 +371,18 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"cosine", "constant"}));
   app.add_flag("--no-overlap", config.no_overlap, "all-reduce after backward instead of during it");
   app.add_flag("--prefetch", config.prefetch, "collate batches on a background thread");
-  app.add_flag("--quiet", config.quiet, "only the final JSON line");
+  app.add_flag("--quiet", config.quiet, "only the final JSON line (and what --explain asks for)");
+  app.add_option("--hidden", config.hidden, "widths of the hidden layers, comma-separated (e.g. 1024,1024,512)")
+      ->delimiter(',')
+      ->check(cli::integer_in(1));
+  app.add_option("--bucket-cap-mb", config.bucket_cap_mb, "DDP bucket size cap in MiB (torch's bucket_cap_mb)")
+      ->check(cli::number_in(1e-6));
+  app.add_option("--first-bucket-cap-mb", config.first_bucket_cap_mb, "cap of the first bucket in MiB")
+      ->check(cli::number_in(1e-6));
+  app.add_option("--trace", config.trace,
+                 "write a Chrome trace (ui.perfetto.dev) of the run to FILE; nanoddp-run merges the ranks' files");
+  app.add_flag("--explain", config.explain,
+               "print the bucket plan, then per step of each epoch the all-reduces, bytes and exposed communication");
   CLI11_PARSE(app, argc, argv);
   try {
     return run(config);

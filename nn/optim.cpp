@@ -27,6 +27,7 @@ SGD::SGD(std::vector<Tensor> params, SGDOptions options) : params_(std::move(par
 
 void SGD::step() {
   NoGradGuard no_grad;
+  trace::Span span(trace::Lane::Optimizer, "optimizer.step");
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = params_[i];
     const Tensor g = p.grad();

@@ -165,6 +165,39 @@ TEST_CASE("no_sync accumulation equals one rank accumulating all micro-batches")
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE("counters: one all-reduce per bucket per optimizer step, none inside no_sync") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [port](int rank) {
+    auto pg = join(rank, 2, port);
+    dist::DDPOptions options;
+    options.first_bucket_cap_bytes = 100;  // two buckets: 2.bias + 2.weight (108 B), 0.bias + 0.weight (192 B)
+    options.bucket_cap_bytes = 150;
+    dist::DistributedDataParallel ddp(make_mlp(7), pg, options);
+    nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f});
+    pg->reset_counts();  // construction's all_gathers and broadcasts are not part of a step
+    auto all_reduces = [&] { return pg->count(dist::Collective::AllReduce); };
+    for (int s = 0; s < 3; ++s) {
+      const Batch b = global_batch(s);
+      const Batch first = rows(b, 8 * rank, 8 * rank + 4), second = rows(b, 8 * rank + 4, 8 * rank + 8);
+      opt.zero_grad();
+      {
+        auto guard = ddp.no_sync();
+        cross_entropy(ddp(first.x), first.y).backward();
+      }
+      expect(all_reduces().calls == 2 * s, "rank ", rank, " step ", s, ": ", all_reduces().calls,
+             " all-reduces after the no_sync backward, expected ", 2 * s);
+      cross_entropy(ddp(second.x), second.y).backward();
+      opt.step();
+      expect(all_reduces().calls == 2 * (s + 1) && all_reduces().bytes == 300 * (s + 1), "rank ", rank, " step ",
+             s, ": ", all_reduces().calls, " all-reduces of ", all_reduces().bytes, " bytes, expected ",
+             2 * (s + 1), " of ", 300 * (s + 1));
+    }
+    expect(pg->count(dist::Collective::Broadcast).calls == 0 && pg->count(dist::Collective::Barrier).calls == 0,
+           "rank ", rank, ": training issued collectives other than all-reduce");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("the reduced gradient is the mean over ranks, not the sum") {
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [port](int rank) {

@@ -11,6 +11,7 @@
 #include "data/idx.h"
 #include "nn/checkpoint.h"
 #include "nn/safetensors.h"
+#include "tests/small_fashion_mnist.h"
 #include "tests/subprocess.h"
 
 using namespace nanoddp;
@@ -43,21 +44,6 @@ std::vector<std::pair<double, double>> toy_results(const RunResult& r) {
   return results;
 }
 
-// A Fashion-MNIST-shaped folder: n_train / n_test random 28x28 images with labels in [0, 10).
-void write_small_fashion_mnist(const std::string& dir, int64_t n_train, int64_t n_test) {
-  Generator gen(5);
-  auto write = [&](const std::string& prefix, int64_t n) {
-    Tensor images = Tensor::empty({n, 28, 28}, DType::UInt8);
-    Tensor labels = Tensor::empty({n}, DType::UInt8);
-    for (int64_t i = 0; i < images.numel(); ++i) images.data<uint8_t>()[i] = static_cast<uint8_t>(gen.randint(256));
-    for (int64_t i = 0; i < n; ++i) labels.data<uint8_t>()[i] = static_cast<uint8_t>(gen.randint(10));
-    data::write_idx(dir + "/" + prefix + "-images-idx3-ubyte.gz", images, true);
-    data::write_idx(dir + "/" + prefix + "-labels-idx1-ubyte.gz", labels, true);
-  };
-  write("train", n_train);
-  write("t10k", n_test);
-}
-
 }  // namespace
 
 TEST_CASE("toy_ddp: 2 ranks end with equal parameters, equal to 1 rank with the global batch") {
@@ -77,6 +63,27 @@ TEST_CASE("toy_ddp: 2 ranks end with equal parameters, equal to 1 rank with the 
     CHECK(ranks[0].first == doctest::Approx(single[0].first).epsilon(1e-5));
     CHECK(ranks[0].second == doctest::Approx(single[0].second).epsilon(1e-5));
     CHECK(two.out.find("Rank 1, Epoch [5], Loss: ") != std::string::npos);
+  }
+}
+
+TEST_CASE("toy_ddp's defaults reach w = 2, b = 0 at world sizes 1 to 8, and its three checks pass") {
+  for (int world = 1; world <= 8; ++world) {
+    CAPTURE(world);
+    const RunResult r = run({launcher_path(), "--nproc-per-node", std::to_string(world), "--backend", "gloo",
+                             built("examples/toy_ddp")},
+                            60s);
+    REQUIRE_MESSAGE(r.code() == 0, r.out, r.err);
+    const auto ranks = toy_results(r);
+    REQUIRE(ranks.size() == static_cast<size_t>(world));
+    for (const auto& [weight, bias] : ranks) {
+      CHECK(std::abs(weight - 2.0) < 0.01);
+      CHECK(std::abs(bias) < 0.01);
+    }
+    CHECK(r.out.find("check 1: every rank ends with the same parameters (all " + std::to_string(world) +
+                     " equal, bit for bit): yes") != std::string::npos);
+    CHECK(std::regex_search(r.out, std::regex("check 2: one process on the global batch of " +
+                                              std::to_string(8 * world) + " .*: yes")));
+    CHECK(std::regex_search(r.out, std::regex("check 3: the fit is y = 2x: .*: yes")));
   }
 }
 
@@ -278,7 +285,7 @@ TEST_CASE("toy_ddp --metrics: one line per epoch with the epoch's mean loss") {
     CAPTURE(lines[i]);
     CHECK(json_field(lines[i], "epoch") == static_cast<double>(i + 1));
     CHECK(json_field(lines[i], "step") == static_cast<double>(13 * (i + 1)));  // ceil(100 / 8) steps per epoch
-    CHECK(json_field(lines[i], "lr") == doctest::Approx(0.1));
+    CHECK(json_field(lines[i], "lr") == doctest::Approx(0.4));  // toy_ddp's default
     CHECK(is_null(lines[i], "test_accuracy"));
   }
   // Training converges: each epoch's mean loss below the one before.

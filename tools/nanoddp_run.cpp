@@ -8,13 +8,18 @@
 // (dist/launch.h: the env each rank gets, output prefixes, fail-fast and signal handling).
 #include <CLI/CLI.hpp>
 
+#include <dirent.h>
+#include <unistd.h>
+
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "core/error.h"
+#include "core/trace.h"
 #include "dist/launch.h"
 #include "tools/cli_checks.h"
 
@@ -44,6 +49,47 @@ std::string closest_option(const CLI::App& app, const std::string& given) {
   }
   return "";
 }
+
+// The folder where ranks that record a trace (--trace FILE or NANODDP_TRACE) leave their parts
+// (core/trace.h); merged into FILE when the job ends, then removed.
+class TraceParts {
+ public:
+  TraceParts() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/nanoddp-trace-XXXXXX";
+    if (::mkdtemp(pattern.data()) != nullptr) {
+      dir_ = pattern;
+      ::setenv("NANODDP_TRACE_PARTS", dir_.c_str(), 1);
+    }
+  }
+  ~TraceParts() {
+    if (dir_.empty()) return;
+    if (DIR* dir = ::opendir(dir_.c_str())) {
+      while (dirent* entry = ::readdir(dir)) {
+        const std::string name = entry->d_name;
+        if (name != "." && name != "..") ::unlink((dir_ + "/" + name).c_str());
+      }
+      ::closedir(dir);
+    }
+    ::rmdir(dir_.c_str());
+  }
+  TraceParts(const TraceParts&) = delete;
+  TraceParts& operator=(const TraceParts&) = delete;
+
+  // Merges what the ranks left, reporting on stderr; never throws.
+  void merge() const {
+    if (dir_.empty()) return;
+    try {
+      const std::string path = nanoddp::trace::merge_parts(dir_);
+      if (!path.empty()) std::cerr << "nanoddp-run: trace of this node's ranks written to " << path << "\n";
+    } catch (const std::exception& e) {
+      std::cerr << "nanoddp-run: the ranks' traces were not merged: " << e.what() << "\n";
+    }
+  }
+
+ private:
+  std::string dir_;
+};
 
 }  // namespace
 
@@ -117,8 +163,13 @@ int main(int argc, char** argv) {
   options.grace_period = std::chrono::milliseconds(static_cast<long long>(grace_s * 1000));
   options.timeout = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000));
 
+  // The launcher runs no training: if NANODDP_TRACE is set, only its ranks record.
+  nanoddp::trace::stop();
   try {
-    return dist::launch(options, program);
+    const TraceParts trace_parts;
+    const int code = dist::launch(options, program);
+    trace_parts.merge();
+    return code;
   } catch (const nanoddp::ValueError& e) {
     std::cerr << "nanoddp-run: " << e.what() << "\n";
     return 2;

@@ -7,10 +7,10 @@ wall time, `import torch` included) and whose final parameters it compares with 
     /usr/bin/python3 benchmarks/torch_reference/toy_ddp.py --world-size 2
     /usr/bin/python3 benchmarks/torch_reference/toy_ddp.py --init-weight 0.5 --init-bias 0
 
-The work, identical to ours: ToyDataset of 100 pairs x = i/100, y = 2i/100 (the tutorial's
+The work, identical to ours: ToyDataset of 100 pairs x = (i - 50)/50, y = 2x (the tutorial's
 raw (i, 2i) with lr 0.01 diverges); Linear(1, 1) (the tutorial's Linear(2, 1) is a shape
 error on 1-feature inputs); DistributedSampler without shuffle; batch 8 per rank; MSELoss;
-SGD lr 0.1; 5 epochs; gloo. Each rank prints `Rank r, Epoch [e], Loss: v` per epoch and
+SGD lr 0.4; 10 epochs (benchmarks/run passes its own); gloo. Each rank prints `Rank r, Epoch [e], Loss: v` per epoch and
 ends with one JSON line
     {"example":"toy_ddp","rank":r,"world_size":W,"weight":w,"bias":b,"loss":l}
 where loss is the last batch's loss on that rank.
@@ -35,8 +35,9 @@ from launch import emit, run_ranks
 
 class ToyDataset(Dataset):
     def __init__(self, size=100):
-        self.x = torch.arange(size, dtype=torch.float32).unsqueeze(1) / 100.0
-        self.y = 2.0 * torch.arange(size, dtype=torch.float32).unsqueeze(1) / 100.0
+        half = size // 2
+        self.x = (torch.arange(size, dtype=torch.float32).unsqueeze(1) - half) / half
+        self.y = 2.0 * self.x
 
     def __len__(self):
         return self.x.shape[0]
@@ -81,8 +82,8 @@ def train(rank, world_size, args):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--lr", type=float, default=0.4)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--init-weight", type=float, default=None)
     p.add_argument("--init-bias", type=float, default=None)

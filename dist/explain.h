@@ -1,0 +1,59 @@
+// Explain: what DDP does in a run, in numbers a learner can check (--explain on the examples,
+// NANODDP_EXPLAIN=1): the bucket plan before training, and per step of each epoch the
+// all-reduces issued, the bytes they moved, and how much communication backward hid.
+//
+//   std::printf("%s", dist::explain_plan(ddp).c_str());        // before training
+//   dist::ExplainWindow window(*pg);   ... one epoch of steps ...
+//   std::printf("%s", window.report("epoch 1", steps).c_str()); // before any other collective
+//
+// Where the numbers come from (so that they can be checked):
+//  - calls and bytes: the process group's counters (ProcessGroup::count), the difference
+//    between the window's start and report();
+//  - bytes sent per rank: the all-reduce algorithm's formula, ring: 2(N-1)/N * S for S bytes
+//    on N ranks (each rank sends S/N bytes N-1 times to reduce, N-1 times to share);
+//  - times: the trace's events (core/trace.h), recorded in memory when no trace file is asked
+//    for: compute = the time some forward op or backward node runs, communication = the time
+//    some bucket's all-reduce is in flight (launch to completion), exposed = communication
+//    time during which no compute runs. Exposed / communication is the share of communication
+//    that computation did not hide; with one bucket it is all of it, since the bucket is
+//    complete only when backward's last node is done.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "dist/ddp.h"
+
+namespace nanoddp::dist {
+
+// Bytes one rank sends in a ring all-reduce of `bytes` over `world_size` ranks:
+// 2 (N - 1) / N * S (reduce-scatter, then all-gather, each N - 1 chunks of S / N); 0 for N = 1.
+double ring_bytes_sent_per_rank(double bytes, int world_size);
+
+// True when NANODDP_EXPLAIN is set to anything but "" or "0".
+bool explain_from_environment();
+
+// The bucket plan, one block per bucket: its index, its parameters by name and shape in plan
+// order, its bytes, and why it closed (it reached the first-bucket cap, the bucket cap, or
+// the parameters ran out). Lines end in '\n'.
+std::string explain_plan(DistributedDataParallel& ddp);
+
+// Counters and trace events from construction to report(). Construct it when an epoch starts;
+// call report() when its last step has ended and before the epoch's own collectives (loss
+// averaging, evaluation), which are not steps. Starts recording trace events in memory if
+// nothing records them yet.
+class ExplainWindow {
+ public:
+  explicit ExplainWindow(const ProcessGroup& pg);
+  // Per step over `steps` steps (> 0): all-reduce calls, bytes reduced, bytes sent per rank,
+  // and compute / communication / exposed times in ms with exposed as a percentage. Three
+  // lines, "explain: <what>: ...".
+  std::string report(const std::string& what, int64_t steps) const;
+
+ private:
+  const ProcessGroup& pg_;
+  CollectiveCount start_count_;
+  double start_us_;
+};
+
+}  // namespace nanoddp::dist

@@ -1,0 +1,235 @@
+// The docs stay true: every link in README.md and docs/ resolves (a code link must name a
+// `Note [...]` anchor comment in its file, so that it survives edits around it), every page of
+// docs/ddp/ ends with questions whose answers name a test that exists, and the answers that
+// no other test asserts are asserted here.
+#include <doctest/doctest.h>
+
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include <cctype>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "dist/ddp.h"
+#include "dist/explain.h"
+#include "dist/init.h"
+#include "nn/layers.h"
+#include "tests/subprocess.h"
+
+using namespace nanoddp;
+
+namespace {
+
+std::string source_dir() {
+  const char* dir = std::getenv("NANODDP_SOURCE_DIR");
+  REQUIRE_MESSAGE(dir != nullptr, "NANODDP_SOURCE_DIR is not set (meson test sets it)");
+  return dir;
+}
+
+std::string read(const std::string& path) {
+  std::ifstream in(path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+bool is_file(const std::string& path) {
+  struct stat info {};
+  return ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode);
+}
+
+bool is_directory(const std::string& path) {
+  struct stat info {};
+  return ::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode);
+}
+
+// GitHub's anchor for a heading or a note: lower case, spaces to '-', other punctuation dropped.
+std::string slug(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if (std::isalnum(u) || c == '-' || c == '_') out += static_cast<char>(std::tolower(u));
+    else if (c == ' ') out += '-';
+  }
+  return out;
+}
+
+// The anchors a source file offers: "note-bucket-order" for a comment "Note [Bucket order]".
+std::set<std::string> note_anchors(const std::string& text) {
+  std::set<std::string> anchors;
+  const std::regex note(R"(Note \[([^\]]+)\])");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), note); it != std::sregex_iterator(); ++it)
+    anchors.insert("note-" + slug((*it)[1].str()));
+  return anchors;
+}
+
+// A page's anchors: its headings' slugs and explicit <a id="..."> targets.
+std::set<std::string> heading_anchors(const std::string& text) {
+  std::set<std::string> anchors;
+  const std::regex heading(R"((?:^|\n)#+ ([^\n]+))");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), heading); it != std::sregex_iterator(); ++it)
+    anchors.insert(slug((*it)[1].str()));
+  const std::regex id(R"re(<a id="([^"]+)")re");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), id); it != std::sregex_iterator(); ++it)
+    anchors.insert((*it)[1].str());
+  return anchors;
+}
+
+std::vector<std::string> markdown_pages() {
+  const std::string root = source_dir();
+  std::vector<std::string> pages = {"README.md"};
+  for (const std::string folder : {"docs", "docs/ddp"}) {
+    if (DIR* dir = ::opendir((root + "/" + folder).c_str())) {
+      while (dirent* entry = ::readdir(dir)) {
+        const std::string name = entry->d_name;
+        if (name.size() > 3 && name.compare(name.size() - 3, 3, ".md") == 0) pages.push_back(folder + "/" + name);
+      }
+      ::closedir(dir);
+    }
+  }
+  return pages;
+}
+
+std::string folder_of(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "" : path.substr(0, slash + 1);
+}
+
+// The series (docs/ddp/ and its index) links code only through Note anchors; other pages may
+// link a whole file.
+bool anchors_required(const std::string& page) {
+  return page.rfind("docs/ddp/", 0) == 0 || page == "docs/how-ddp-works.md";
+}
+
+// Every problem with one page's links, one per line.
+std::string dangling_links(const std::string& page) {
+  const std::string root = source_dir();
+  const std::string text = read(root + "/" + page);
+  std::ostringstream problems;
+  const std::regex link(R"(\]\(([^)\s]+)\))");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), link); it != std::sregex_iterator(); ++it) {
+    const std::string target = (*it)[1].str();
+    if (target.rfind("http://", 0) == 0 || target.rfind("https://", 0) == 0) continue;
+    const size_t hash = target.find('#');
+    const std::string file = target.substr(0, hash);
+    const std::string anchor = hash == std::string::npos ? "" : target.substr(hash + 1);
+    const std::string path = file.empty() ? root + "/" + page : root + "/" + folder_of(page) + file;
+    const bool is_markdown = file.empty() || (file.size() > 3 && file.compare(file.size() - 3, 3, ".md") == 0);
+    const bool is_folder = !file.empty() && file.back() == '/';
+    if (is_folder) {
+      if (!is_directory(path)) problems << page << ": link to " << target << ": no folder " << path << "\n";
+      continue;
+    }
+    if (!is_file(path)) {
+      problems << page << ": link to " << target << ": no file " << path << "\n";
+      continue;
+    }
+    if (is_markdown) {
+      if (!anchor.empty() && heading_anchors(read(path)).count(anchor) == 0)
+        problems << page << ": link to " << target << ": no heading with that anchor\n";
+    } else if (anchor.empty()) {
+      if (!anchors_required(page)) continue;
+      problems << page << ": link to " << target << ": a code link must name a Note anchor (file#note-...)\n";
+    } else if (note_anchors(read(path)).count(anchor) == 0) {
+      problems << page << ": link to " << target << ": no \"Note [...]\" comment with that anchor in " << file
+               << "\n";
+    }
+  }
+  return problems.str();
+}
+
+}  // namespace
+
+TEST_CASE("docs: every link resolves, and every code link names a Note anchor in its file") {
+  const auto pages = markdown_pages();
+  REQUIRE(pages.size() >= 12);  // README, how-ddp-works, adding-a-layer and the series
+  std::string problems;
+  for (const std::string& page : pages) problems += dangling_links(page);
+  CHECK_MESSAGE(problems.empty(), problems);
+}
+
+TEST_CASE("docs: the link checker catches a dangling file, a missing anchor and an anchorless code link") {
+  const std::string notes = "// Note [Bucket order]\n// Note [Gloo worker thread]\n";
+  CHECK(note_anchors(notes) == std::set<std::string>{"note-bucket-order", "note-gloo-worker-thread"});
+  CHECK(heading_anchors("# How DDP works\n## 3. A process group: the collectives\n<a id=\"who-may-join\"></a>\n") ==
+        std::set<std::string>{"how-ddp-works", "3-a-process-group-the-collectives", "who-may-join"});
+  testing::TempDir dir;
+  ::mkdir((dir.path + "/docs").c_str(), 0700);
+  ::mkdir((dir.path + "/docs/ddp").c_str(), 0700);
+  std::ofstream(dir.path + "/code.cpp") << "// Note [Real one]\nint x;\n";
+  std::ofstream(dir.path + "/docs/ddp/page.md") << "[a](../../code.cpp#note-real-one) [b](../../missing.cpp#note-x) "
+                                                   "[c](../../code.cpp#note-not-there) [d](../../code.cpp) [e](#nowhere) "
+                                                   "[f](../) [g](../../gone/)\n";
+  const std::string saved = source_dir();
+  ::setenv("NANODDP_SOURCE_DIR", dir.path.c_str(), 1);
+  const std::string problems = dangling_links("docs/ddp/page.md");
+  ::setenv("NANODDP_SOURCE_DIR", saved.c_str(), 1);
+  CHECK(problems.find("note-real-one") == std::string::npos);
+  CHECK(problems.find("link to ../../missing.cpp#note-x: no file") != std::string::npos);
+  CHECK(problems.find("link to ../../code.cpp#note-not-there: no \"Note") != std::string::npos);
+  CHECK(problems.find("link to ../../code.cpp: a code link must name a Note anchor") != std::string::npos);
+  CHECK(problems.find("link to #nowhere: no heading") != std::string::npos);
+  CHECK(problems.find("link to ../: no folder") == std::string::npos);
+  CHECK(problems.find("link to ../../gone/: no folder") != std::string::npos);
+}
+
+TEST_CASE("docs: every page of the series ends with questions whose answers name an existing test") {
+  const std::string root = source_dir();
+  int pages = 0;
+  for (const std::string& page : markdown_pages()) {
+    if (page.rfind("docs/ddp/", 0) != 0) continue;
+    ++pages;
+    CAPTURE(page);
+    const std::string text = read(root + "/" + page);
+    const size_t check = text.find("## Check yourself");
+    REQUIRE_MESSAGE(check != std::string::npos, page, " has no \"## Check yourself\" section");
+    // Each answer: Asserted by `tests/FILE.cpp`, "TEST CASE NAME".
+    const std::string questions = text.substr(check);
+    const std::regex asserted(R"re(Asserted by\s+`(tests/[a-z_]+\.cpp)`,\s+"([^"]+)")re");
+    int answers = 0;
+    for (auto it = std::sregex_iterator(questions.begin(), questions.end(), asserted); it != std::sregex_iterator();
+         ++it) {
+      ++answers;
+      const std::string file = (*it)[1].str(), test = (*it)[2].str();
+      const std::string source = read(root + "/" + file);
+      CHECK_MESSAGE(source.find("TEST_CASE(\"" + test + "\")") != std::string::npos, page, ": no test \"", test,
+                    "\" in ", file);
+    }
+    CHECK_MESSAGE(answers >= 1, page, ": no answer names the test that asserts it");
+  }
+  CHECK(pages == 11);
+}
+
+// docs/ddp/04-hooks-and-buckets.md and 05-all-reduce-algorithms.md.
+TEST_CASE("docs answers: the default MLP is one bucket of 940584 bytes; a ring sends 2(N-1)/N of it per rank") {
+  dist::InitOptions options;
+  options.backend = dist::Backend::Gloo;
+  options.rank = 0;
+  options.world_size = 1;
+  options.init_method = "tcp://127.0.0.1:0";
+  auto pg = dist::init_process_group(options);
+  Generator gen(0);
+  auto model = std::make_shared<nn::Sequential>();  // fashion_mnist's default
+  model->add(nn::Linear(784, 256, gen));
+  model->add(nn::ReLU());
+  model->add(nn::Linear(256, 128, gen));
+  model->add(nn::ReLU());
+  model->add(nn::Linear(128, 10, gen));
+  dist::DistributedDataParallel ddp(model, pg);
+  const auto plan = ddp.reducer().bucket_plan();
+  REQUIRE(plan.size() == 1);
+  int64_t bytes = 0;
+  for (const Tensor& p : model->parameters()) bytes += static_cast<int64_t>(p.nbytes());
+  CHECK(bytes == 940584);  // under the first bucket's 1 MiB cap (1048576 bytes)
+  CHECK(dist::explain_plan(ddp).find("explain: bucket 0: 940584 bytes, 6 parameters: 4.bias [10], 4.weight [10, 128]") !=
+        std::string::npos);
+  dist::destroy_process_group();
+
+  CHECK(dist::ring_bytes_sent_per_rank(940584, 1) == 0);
+  CHECK(dist::ring_bytes_sent_per_rank(940584, 2) == 940584);
+  CHECK(dist::ring_bytes_sent_per_rank(940584, 4) == 1410876);  // 2 * 3 / 4 * 940584
+  CHECK(dist::ring_bytes_sent_per_rank(940584, 8) == 1646022);  // 2 * 7 / 8 * 940584
+}

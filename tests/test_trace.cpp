@@ -1,0 +1,244 @@
+// Seeing DDP run: the merged trace of a 2-rank fashion_mnist run (per rank and step: the
+// backward nodes, one all-reduce per bucket with its bytes, the optimizer step), overlap on and
+// off as the trace shows it, --explain's counts against the counters and the trace, and
+// NANODDP_TRACE on a program that has no --trace flag.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
+
+#include "tests/small_fashion_mnist.h"
+#include "tests/subprocess.h"
+
+using namespace nanoddp;
+using namespace nanoddp::testing;
+using nlohmann::json;
+
+namespace {
+
+// The model of these runs is fashion_mnist's default MLP, 784-256-128-10, with bucket caps that
+// give one bucket per layer (reverse order, Note [Bucket order]):
+//   bucket 0: 4.bias [10] + 4.weight [10, 128]    =     40 +   5120 =   5160 bytes >= 0.004 MiB
+//   bucket 1: 2.bias [128] + 2.weight [128, 256]  =    512 + 131072 = 131584 bytes >= 0.1 MiB
+//   bucket 2: 0.bias [256] + 0.weight [256, 784]  =   1024 + 802816 = 803840 bytes (the rest)
+const std::vector<int64_t> kBucketBytes = {5160, 131584, 803840};
+constexpr int64_t kStepsPerRank = 10;  // 640 images / 2 ranks / batch 32
+
+struct Event {
+  int rank = 0, lane = 0;
+  std::string name;
+  double begin = 0, end = 0;
+  json args;
+};
+
+std::vector<Event> read_trace(const std::string& path) {
+  const std::string text = read_file(path);
+  REQUIRE_MESSAGE(!text.empty(), "no trace at ", path);
+  const json trace = json::parse(text);
+  std::vector<Event> events;
+  for (const json& e : trace.at("traceEvents")) {
+    if (e.at("ph") != "X") continue;
+    events.push_back({e.at("pid").get<int>(), e.at("tid").get<int>(), e.at("name").get<std::string>(),
+                      e.at("ts").get<double>(), e.at("ts").get<double>() + e.at("dur").get<double>(), e.at("args")});
+  }
+  std::sort(events.begin(), events.end(), [](const Event& a, const Event& b) { return a.begin < b.begin; });
+  return events;
+}
+
+bool ends_with(const std::string& text, const std::string& tail) {
+  return text.size() >= tail.size() && text.compare(text.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+constexpr int kAllReduceLane = 10;  // core/trace.h: kAllReduceLane + bucket index
+
+// One rank's events split into steps: step k is everything after step k-1's optimizer.step
+// and up to the end of step k's optimizer.step.
+std::vector<std::vector<Event>> steps_of(const std::vector<Event>& events, int rank) {
+  std::vector<std::vector<Event>> steps(1);
+  for (const Event& e : events) {
+    if (e.rank != rank) continue;
+    steps.back().push_back(e);
+    if (e.name == "optimizer.step") steps.emplace_back();
+  }
+  steps.pop_back();  // after the last step: evaluation, not a step
+  return steps;
+}
+
+struct FashionRun {
+  TempDir dir;
+  std::string program = built("examples/fashion_mnist");
+  FashionRun() { write_small_fashion_mnist(dir.path, 640, 200); }
+
+  // Three buckets (see kBucketBytes) unless one_bucket: the default caps, one bucket of all.
+  RunResult run_2_ranks(std::vector<std::string> extra, bool one_bucket = false) const {
+    std::vector<std::string> args = {launcher_path(), "--nproc-per-node", "2", "--backend", "gloo", program,
+                                     "--data-dir", dir.path, "--batch-size", "32", "--epochs", "1", "--quiet"};
+    if (!one_bucket) {
+      for (const char* flag : {"--first-bucket-cap-mb", "0.004", "--bucket-cap-mb", "0.1"}) args.push_back(flag);
+    }
+    args.insert(args.end(), extra.begin(), extra.end());
+    RunResult r = run(args, 120s);
+    REQUIRE_MESSAGE(r.code() == 0, r.err);
+    return r;
+  }
+};
+
+// The JSON line's "key":number.
+double json_field(const std::string& out, const std::string& key) {
+  std::smatch match;
+  REQUIRE_MESSAGE(std::regex_search(out, match, std::regex("\"" + key + "\":(-?[0-9.eE+-]+)")), "no ", key, " in ", out);
+  return std::stod(match[1].str());
+}
+
+// --explain's "exposed ... (P% of communication not hidden by compute)".
+double exposed_percent(const std::string& out) {
+  std::smatch exposed;
+  REQUIRE_MESSAGE(std::regex_search(out, exposed, std::regex("exposed [0-9.]+ ms \\(([0-9.]+)% of communication")),
+                  out);
+  return std::stod(exposed[1].str());
+}
+
+}  // namespace
+
+TEST_CASE("a 2-rank fashion_mnist trace shows, per rank and step, backward, one all-reduce per bucket, the step") {
+  FashionRun fashion;
+  const std::string path = fashion.dir.path + "/run.json";
+  const RunResult traced = fashion.run_2_ranks({"--trace", path});
+  CHECK(traced.err.find("trace of this node's ranks written to " + path) != std::string::npos);
+  const std::vector<Event> events = read_trace(path);
+
+  for (int rank = 0; rank < 2; ++rank) {
+    CAPTURE(rank);
+    const auto steps = steps_of(events, rank);
+    REQUIRE(steps.size() == kStepsPerRank);
+    for (size_t k = 0; k < steps.size(); ++k) {
+      CAPTURE(k);
+      std::map<std::string, int> backward_nodes;
+      std::map<int, std::vector<const Event*>> all_reduces;  // bucket -> events
+      int optimizer_steps = 0, grads_ready = 0, batches = 0;
+      for (const Event& e : steps[k]) {
+        if (e.lane == 2 && ends_with(e.name, "Backward")) ++backward_nodes[e.name];
+        if (e.lane >= kAllReduceLane) all_reduces[e.lane - kAllReduceLane].push_back(&e);
+        if (e.lane == 3 && e.name.find(" ready -> bucket ") != std::string::npos) ++grads_ready;
+        if (e.lane == 4 && e.name == "optimizer.step") ++optimizer_steps;
+        if (e.lane == 1 && e.name == "next batch") ++batches;
+      }
+      // Linear -> ReLU -> Linear -> ReLU -> Linear -> cross_entropy, backwards.
+      CHECK(backward_nodes == std::map<std::string, int>{
+                                  {"CrossEntropyBackward", 1}, {"LinearBackward", 3}, {"ReluBackward", 2}});
+      CHECK(grads_ready == 6);
+      CHECK(optimizer_steps == 1);
+      CHECK(batches == 1);
+      REQUIRE(all_reduces.size() == kBucketBytes.size());
+      for (size_t b = 0; b < kBucketBytes.size(); ++b) {
+        CAPTURE(b);
+        REQUIRE(all_reduces[static_cast<int>(b)].size() == 1);
+        const json& args = all_reduces[static_cast<int>(b)][0]->args;
+        CHECK(args.at("bytes").get<int64_t>() == kBucketBytes[b]);
+        CHECK(args.at("backend") == "gloo");
+        CHECK(args.at("algorithm") == "ring");
+        CHECK(args.at("world_size") == 2);
+      }
+    }
+  }
+
+  // Clocks aligned: an all-reduce cannot finish on one rank before the other has launched it,
+  // so the two ranks' spans of the same bucket and step overlap on the merged time line (up
+  // to the alignment's error, half the best round trip through the store: well under 0.5 ms).
+  constexpr double kAlignmentUs = 500;
+  const auto steps0 = steps_of(events, 0), steps1 = steps_of(events, 1);
+  for (size_t k = 0; k < steps0.size(); ++k) {
+    for (const Event& a : steps0[k]) {
+      if (a.lane < kAllReduceLane) continue;
+      for (const Event& b : steps1[k]) {
+        if (b.lane != a.lane) continue;
+        CHECK_MESSAGE(a.begin <= b.end + kAlignmentUs, "step ", k, " ", a.name, ": rank 0 launched after rank 1 finished");
+        CHECK_MESSAGE(b.begin <= a.end + kAlignmentUs, "step ", k, " ", a.name, ": rank 1 launched after rank 0 finished");
+      }
+    }
+  }
+
+  // Tracing reads shapes and clocks, never values: the run computes what an untraced run does.
+  const RunResult plain = fashion.run_2_ranks({});
+  CHECK(json_field(plain.out, "train_loss") == json_field(traced.out, "train_loss"));
+  CHECK(json_field(plain.out, "test_accuracy") == json_field(traced.out, "test_accuracy"));
+}
+
+TEST_CASE("with overlap some all-reduce starts before backward's last node ends; with --no-overlap none does") {
+  FashionRun fashion;
+  for (const bool overlap : {true, false}) {
+    CAPTURE(overlap);
+    const std::string path = fashion.dir.path + (overlap ? "/overlap.json" : "/no_overlap.json");
+    std::vector<std::string> extra = {"--trace", path};
+    if (!overlap) extra.push_back("--no-overlap");
+    fashion.run_2_ranks(extra);
+    const std::vector<Event> events = read_trace(path);
+    int early_launches = 0;
+    for (int rank = 0; rank < 2; ++rank) {
+      for (const auto& step : steps_of(events, rank)) {
+        double last_node_end = 0;
+        for (const Event& e : step)
+          if (e.lane == 2 && ends_with(e.name, "Backward")) last_node_end = std::max(last_node_end, e.end);
+        REQUIRE(last_node_end > 0);
+        for (const Event& e : step)
+          if (e.lane >= kAllReduceLane && e.begin < last_node_end) ++early_launches;
+      }
+    }
+    if (overlap) {
+      // Buckets 0 and 1 fill before the first layer's backward: 2 per step and rank.
+      CHECK(early_launches == 2 * 2 * kStepsPerRank);
+    } else {
+      CHECK(early_launches == 0);
+    }
+  }
+}
+
+TEST_CASE("--explain prints the bucket plan and per-step counts that match the counters and the trace") {
+  FashionRun fashion;
+  const std::string path = fashion.dir.path + "/explain.json";
+  const RunResult r = fashion.run_2_ranks({"--explain", "--trace", path});
+  // The plan: three buckets, their bytes, parameters in reverse order, and why each closed.
+  CHECK(r.out.find("explain: DDP bucket plan, 3 buckets (world size 2, gloo;") != std::string::npos);
+  CHECK(r.out.find("explain: bucket 0: 5160 bytes, 2 parameters: 4.bias [10], 4.weight [10, 128]; closed: reached "
+                   "the first-bucket cap (4194 bytes)") != std::string::npos);
+  CHECK(r.out.find("explain: bucket 1: 131584 bytes, 2 parameters: 2.bias [128], 2.weight [128, 256]; closed: "
+                   "reached the bucket cap (104857 bytes)") != std::string::npos);
+  CHECK(r.out.find("explain: bucket 2: 803840 bytes, 2 parameters: 0.bias [256], 0.weight [256, 784]; closed: "
+                   "reached the bucket cap (104857 bytes)") != std::string::npos);
+  // Per step: one all-reduce per bucket, the buckets' bytes; on 2 ranks a ring sends
+  // 2(N-1)/N * S = S bytes per rank.
+  CHECK(r.out.find("explain: epoch 1: 10 steps; per step: 3.00 all_reduce calls, 940584 bytes reduced, 940584 bytes sent per "
+                   "rank (ring formula 2(N-1)/N * S with N = 2)") != std::string::npos);
+  // The counters' totals, and the trace holds as many all-reduce events for rank 0.
+  CHECK(r.out.find("explain: epoch 1: counters over these steps: all_reduce 30 calls, 9405840 bytes") !=
+        std::string::npos);
+  int traced_all_reduces = 0;
+  for (const Event& e : read_trace(path)) traced_all_reduces += e.rank == 0 && e.lane >= kAllReduceLane;
+  CHECK(traced_all_reduces == 30);
+  // Buckets 0 and 1 are in flight while the first layer's backward runs: some communication
+  // is hidden. One bucket is complete only when backward's last node is done: none is.
+  CHECK(exposed_percent(r.out) < 100.0);
+  const RunResult one = fashion.run_2_ranks({"--explain"}, /*one_bucket=*/true);
+  CHECK(one.out.find("explain: DDP bucket plan, 1 bucket (world size 2, gloo;") != std::string::npos);
+  CHECK(one.out.find("explain: epoch 1: 10 steps; per step: 1.00 all_reduce calls, 940584 bytes reduced") !=
+        std::string::npos);
+  CHECK(exposed_percent(one.out) == 100.0);
+}
+
+TEST_CASE("NANODDP_TRACE traces a program without a --trace flag; world size 1 writes the named file") {
+  TempDir dir;
+  const std::string path = dir.path + "/toy.json";
+  const RunResult r = run({"/usr/bin/env", "NANODDP_TRACE=" + path, built("examples/toy_ddp"), "--epochs", "2"});
+  REQUIRE_MESSAGE(r.code() == 0, r.err);
+  int steps = 0, backward_nodes = 0, all_reduces = 0;
+  for (const Event& e : read_trace(path)) {
+    steps += e.name == "optimizer.step";
+    backward_nodes += e.lane == 2 && e.name == "LinearBackward";
+    all_reduces += e.lane >= kAllReduceLane;
+  }
+  CHECK(steps == 2 * 13);  // 100 pairs in batches of 8: 13 per epoch
+  CHECK(backward_nodes == 2 * 13);
+  CHECK(all_reduces == 0);  // one rank: the gradient is already the mean
+}
