@@ -56,7 +56,7 @@ std::vector<std::string> temporaries_of(const std::string& path) {
 TEST_CASE("two processes saving the same path at once: every save succeeds, every load is whole") {
   testing::TempDir dir;
   const std::string path = dir.path + "/run.ckpt";
-  constexpr int64_t kNumel = 1 << 16;  // 256 KiB a save: long enough for saves to overlap
+  constexpr int64_t kNumel = 1 << 12;  // 16 KiB a save; the fsync makes saves overlap
   constexpr int kSaves = 40;
   save_checkpoint(path, writer_state(0, kNumel));
   // Ranks 0 and 1 save kSaves times each (every failure is thrown, so reported); rank 2 loads
@@ -81,7 +81,7 @@ TEST_CASE("two processes saving the same path at once: every save succeeds, ever
 TEST_CASE("kill -9 during a save leaves the previous checkpoint loadable") {
   testing::TempDir dir;
   const std::string path = dir.path + "/run.ckpt";
-  constexpr int64_t kSmall = 4, kLarge = int64_t{1} << 24;  // the new one: 64 MiB, a long write
+  constexpr int64_t kSmall = 4, kLarge = int64_t{1} << 22;  // the new one: 16 MiB, a long write
   save_checkpoint(path, writer_state(0, kSmall));
   // Kill the writer as soon as its temporary file appears. When the kill lands before the
   // rename, path must still be the previous checkpoint, whole; a kill that comes too late

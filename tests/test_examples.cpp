@@ -115,7 +115,10 @@ void check_resume_equals_uninterrupted(const std::string& example) {
   // The saved weights and momentum buffers are the same, bit for bit.
   const nn::StateDict x = nn::load_checkpoint(straight_ckpt), y = nn::load_checkpoint(resumed_ckpt);
   REQUIRE(x.size() == y.size());
-  for (const auto& [name, tensor] : x) {
+  for (const auto& entry : x) {
+    // Not a structured binding: CAPTURE's lambda cannot capture one (C++17, clang).
+    const std::string& name = entry.first;
+    const Tensor& tensor = entry.second;
     CAPTURE(name);
     REQUIRE(y.count(name) == 1);
     if (tensor.dtype() == DType::Float32) {

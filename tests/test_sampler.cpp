@@ -278,7 +278,10 @@ TEST_CASE("against torch.utils.data.DistributedSampler itself (skipped without t
     return;
   }
   std::istringstream lines(out);
-  for (const auto& [N, W, drop_last] : cases) {
+  for (const auto& one_case : cases) {
+    // Plain variables, not structured bindings: CAPTURE's lambdas cannot capture those (C++17).
+    const int N = std::get<0>(one_case), W = std::get<1>(one_case);
+    const bool drop_last = std::get<2>(one_case);
     for (int r = 0; r < W; ++r) {
       CAPTURE(N);
       CAPTURE(W);
