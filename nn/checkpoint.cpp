@@ -106,17 +106,26 @@ StateDict parse_checkpoint(const std::string& bytes, const std::string& path) {
     const size_t sizes_offset = in.offset();
     std::vector<int64_t> sizes(dim);
     for (auto& size : sizes) size = in.get<int64_t>("size");
-    int64_t expected_bytes = static_cast<int64_t>(dtype_size(static_cast<DType>(dtype)));
-    for (const int64_t size : sizes)
-      NANODDP_CHECK(size >= 0 && !__builtin_mul_overflow(expected_bytes, size, &expected_bytes), IOError,
-                    "checkpoint ", path, ": sizes of '", name, "' at byte offset ", sizes_offset,
-                    " are negative or multiply past int64");
+    // Shape checks each size and their product, a zero size included (the other sizes must
+    // still multiply within int64); its error becomes one naming the file and the offset.
+    Shape shape;
+    try {
+      shape = Shape(sizes);
+    } catch (const ShapeError& e) {
+      NANODDP_THROW(IOError, "checkpoint ", path, ": sizes of '", name, "' at byte offset ", sizes_offset, ": ",
+                    e.what());
+    }
+    int64_t expected_bytes = 0;
+    NANODDP_CHECK(!__builtin_mul_overflow(shape.numel(), static_cast<int64_t>(dtype_size(static_cast<DType>(dtype))),
+                                          &expected_bytes),
+                  IOError, "checkpoint ", path, ": sizes of '", name, "' at byte offset ", sizes_offset, ": shape ",
+                  shape, " of ", static_cast<DType>(dtype), " needs more bytes than int64 can count");
     const uint64_t nbytes = in.get<uint64_t>("byte count");
     NANODDP_CHECK(nbytes == static_cast<uint64_t>(expected_bytes), IOError, "checkpoint ", path, ": '", name,
-                  "' at byte offset ", entry_offset, " claims ", nbytes, " bytes for shape ", Shape(sizes), " of ",
+                  "' at byte offset ", entry_offset, " claims ", nbytes, " bytes for shape ", shape, " of ",
                   static_cast<DType>(dtype), " (", expected_bytes, " bytes)");
     const char* data = in.take(nbytes, "tensor data");  // checks nbytes against the bytes left
-    Tensor t = Tensor::empty(Shape(sizes), static_cast<DType>(dtype));
+    Tensor t = Tensor::empty(shape, static_cast<DType>(dtype));
     if (nbytes > 0) std::memcpy(t.impl()->storage->data(), data, nbytes);
     state[name] = t;
   }
