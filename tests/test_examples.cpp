@@ -304,7 +304,9 @@ TEST_CASE("fashion_mnist --export: the trained weights under PyTorch's names, as
                                                      {"2.weight", {128, 256}}, {"2.bias", {128}},
                                                      {"4.weight", {10, 128}},  {"4.bias", {10}}};
   REQUIRE(weights.size() == torch_shapes.size());
-  for (const auto& [name, shape] : torch_shapes) {
+  for (const auto& entry : torch_shapes) {
+    const std::string& name = entry.first;  // not a structured binding: CAPTURE cannot capture one (clang, C++17)
+    const Shape& shape = entry.second;
     CAPTURE(name);
     REQUIRE(weights.count(name) == 1);
     CHECK(weights.at(name).shape() == shape);
