@@ -1,5 +1,7 @@
 #include "core/shape.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 
 namespace nanoddp {
@@ -14,12 +16,22 @@ Shape::Shape(const std::vector<int64_t>& sizes) {
     sizes_[d] = sizes[d];
   }
   dim_ = static_cast<int>(sizes.size());
+  // A zero anywhere makes the product 0, but the other sizes must still multiply without
+  // wrapping: every partial product (a row, a plane) is an element count some kernel uses.
+  int64_t nonzero = 1;
+  for (int d = 0; d < dim_; ++d)
+    if (sizes_[d] != 0) {
+      NANODDP_CHECK(!__builtin_mul_overflow(nonzero, sizes_[d], &nonzero), ShapeError, "shape ", str(),
+                    " has more elements than int64 can count");
+    }
+  numel_ = std::find(sizes.begin(), sizes.end(), 0) != sizes.end() ? 0 : nonzero;
 }
 
-int64_t Shape::numel() const {
-  int64_t n = 1;
-  for (int d = 0; d < dim_; ++d) n *= sizes_[d];
-  return n;
+int64_t checked_mul(int64_t a, int64_t b, const char* what) {
+  int64_t product = 0;
+  NANODDP_CHECK(a >= 0 && b >= 0 && !__builtin_mul_overflow(a, b, &product), ShapeError, what, ": ", a, " x ",
+                b, " does not fit in int64");
+  return product;
 }
 
 std::string Shape::str() const {

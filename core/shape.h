@@ -17,13 +17,14 @@ class Shape {
   static constexpr int kMaxDims = 4;
 
   Shape() = default;  // zero dimensions: a scalar with numel() == 1
-  // Throws ShapeError on more than kMaxDims dimensions or a negative size.
+  // Throws ShapeError on more than kMaxDims dimensions, a negative size, or sizes whose
+  // product (the element count) does not fit in int64, as torch.empty refuses it.
   Shape(std::initializer_list<int64_t> sizes);
   explicit Shape(const std::vector<int64_t>& sizes);
 
   int dim() const { return dim_; }
   int64_t operator[](int d) const { return sizes_[d]; }
-  int64_t numel() const;
+  int64_t numel() const { return numel_; }  // the product of the sizes, computed (and checked) once
   std::vector<int64_t> sizes() const { return {sizes_.begin(), sizes_.begin() + dim_}; }
   std::string str() const;  // "[2, 3]"; a scalar prints "[]"
 
@@ -33,7 +34,12 @@ class Shape {
  private:
   std::array<int64_t, kMaxDims> sizes_{};
   int dim_ = 0;
+  int64_t numel_ = 1;
 };
+
+// a * b for element and byte counts (a, b >= 0). Throws ShapeError "<what>: a x b does not
+// fit in int64" instead of wrapping around.
+int64_t checked_mul(int64_t a, int64_t b, const char* what);
 
 std::ostream& operator<<(std::ostream& out, const Shape& shape);
 

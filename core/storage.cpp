@@ -1,5 +1,6 @@
 #include "core/storage.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -69,6 +70,8 @@ std::shared_ptr<Storage> Storage::allocate(size_t nbytes, Device device) {
     return std::make_shared<Storage>(data, nbytes, device,
                                      [index](void* p) { kernels::cuda::deallocate(p, index); });
   }
+  NANODDP_CHECK(nbytes <= SIZE_MAX - kCpuAlignmentBytes, ValueError, "out of host memory allocating ", nbytes,
+                " bytes");
   const size_t rounded = (nbytes + kCpuAlignmentBytes - 1) / kCpuAlignmentBytes * kCpuAlignmentBytes;
   const bool cached = rounded >= kMinCachedBytes;
   void* data = cached ? host_block_cache().take(rounded) : nullptr;

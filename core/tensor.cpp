@@ -17,7 +17,10 @@ std::shared_ptr<TensorImpl> new_impl(const Shape& shape, DType dtype, Device dev
   auto impl = std::make_shared<TensorImpl>();
   impl->shape = shape;
   impl->dtype = dtype;
-  impl->storage = Storage::allocate(static_cast<size_t>(shape.numel()) * dtype_size(dtype), device);
+  int64_t nbytes = 0;
+  NANODDP_CHECK(!__builtin_mul_overflow(shape.numel(), static_cast<int64_t>(dtype_size(dtype)), &nbytes), ShapeError,
+                "a ", dtype, " tensor of shape ", shape, " needs more bytes than int64 can count");
+  impl->storage = Storage::allocate(static_cast<size_t>(nbytes), device);
   return impl;
 }
 
@@ -201,7 +204,8 @@ Tensor Tensor::reshape(const std::vector<int64_t>& requested) const {
                     ": only one size may be -1");
       inferred = d;
     } else {
-      known *= sizes[d];
+      NANODDP_CHECK(sizes[d] >= 0 && !__builtin_mul_overflow(known, sizes[d], &known), ShapeError, "reshape ",
+                    self.shape, " to ", requested_str(), ": sizes must be >= 0 (or one -1) and multiply within int64");
     }
   }
   if (inferred >= 0) {

@@ -17,6 +17,14 @@
 
 namespace nanoddp::data {
 
+namespace {
+// len(DataLoader): ceil(n / batch_size), or floor with drop_last. Formed without
+// n + batch_size - 1, which wraps for a batch_size near 2^63.
+int64_t batches_in(int64_t n, int64_t batch_size, bool drop_last) {
+  return n / batch_size + (!drop_last && n % batch_size != 0 ? 1 : 0);
+}
+}  // namespace
+
 // ---- Pass: one pass over the sampler's indices ------------------------------------------
 //
 // Without prefetch, next() collates on the calling thread. With prefetch, a worker thread
@@ -32,7 +40,7 @@ class DataLoader::Pass {
         batch_size_(batch_size),
         depth_(static_cast<size_t>(depth)) {
     const auto n = static_cast<int64_t>(indices_.size());
-    num_batches_ = drop_last ? n / batch_size_ : (n + batch_size_ - 1) / batch_size_;
+    num_batches_ = batches_in(n, batch_size_, drop_last);
     if (prefetch && num_batches_ > 0) worker_ = std::thread([this] { produce(); });
   }
 
@@ -76,7 +84,8 @@ class DataLoader::Pass {
  private:
   Batch collate(int64_t b) const {
     const auto begin = indices_.begin() + b * batch_size_;
-    const auto end = indices_.begin() + std::min<int64_t>((b + 1) * batch_size_, indices_.size());
+    const auto end = indices_.begin() + b * batch_size_ +
+                     std::min<int64_t>(batch_size_, static_cast<int64_t>(indices_.size()) - b * batch_size_);
     return dataset_->get_batch(std::vector<int64_t>(begin, end));
   }
 
@@ -240,7 +249,7 @@ DataLoader::~DataLoader() {
 
 int64_t DataLoader::size() const {
   const int64_t n = sampler_.num_samples();
-  return options_.drop_last ? n / batch_size_ : (n + batch_size_ - 1) / batch_size_;
+  return batches_in(n, batch_size_, options_.drop_last);
 }
 
 DataLoader::Iterator DataLoader::begin() {

@@ -1,9 +1,11 @@
 #include "data/idx.h"
 
+#include <sys/stat.h>
 #include <zlib.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -36,7 +38,10 @@ class IdxStream {
     file_.reset(gzopen(path.c_str(), "rb"));
     NANODDP_CHECK(file_ != nullptr, IOError, "cannot open IDX file '", path_,
                   "': ", errno != 0 ? std::strerror(errno) : "out of memory");
-    gzbuffer(file_.get(), kGzBufferBytes);
+    struct stat info {};
+    if (::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode)) file_bytes_ = static_cast<uint64_t>(info.st_size);
+    // No larger than the file: a small file then costs no 768 KiB of zlib buffers.
+    gzbuffer(file_.get(), static_cast<unsigned>(std::clamp<uint64_t>(file_bytes_, 8192, kGzBufferBytes)));
   }
 
   // Reads up to n bytes into out; returns how many arrived (< n only at the end of the data).
@@ -72,6 +77,15 @@ class IdxStream {
   uint64_t offset() const { return offset_; }
   const std::string& path() const { return path_; }
 
+  // The most data bytes the file can hold after a header of header_bytes: exact for a raw
+  // file, 1032 x its size for gzip (deflate never expands a byte past that ratio).
+  uint64_t most_data_bytes(size_t header_bytes) const {
+    if (file_bytes_ == UINT64_MAX) return UINT64_MAX;  // not a regular file (a pipe): unknown
+    if (gzdirect(file_.get())) return file_bytes_ > header_bytes ? file_bytes_ - header_bytes : 0;
+    constexpr uint64_t kMaxDeflateRatio = 1032;
+    return file_bytes_ <= UINT64_MAX / kMaxDeflateRatio ? file_bytes_ * kMaxDeflateRatio : UINT64_MAX;
+  }
+
  private:
   [[noreturn]] void fail_stream() const {
     int errnum = Z_OK;
@@ -82,6 +96,7 @@ class IdxStream {
 
   std::string path_;
   GzFile file_;
+  uint64_t file_bytes_ = UINT64_MAX;  // the file's size on disk; UINT64_MAX when unknown
   uint64_t offset_ = 0;
 };
 
@@ -166,10 +181,18 @@ Tensor read_idx(const std::string& path, int dims) {
   constexpr uint64_t kEagerBytes = uint64_t{1} << 30;
   std::vector<uint8_t> spill;
   Tensor out;
-  if (data_bytes <= kEagerBytes) out = Tensor::empty(Shape(sizes), DType::UInt8);
+  // The file's own size bounds what it can hold: the bytes after the header of a raw file, or
+  // 1032 times a gzip file's size (deflate's largest ratio). A header promising more than that
+  // lies; it is read in chunks, so the error comes at the real end without a huge allocation.
+  const uint64_t holdable = stream.most_data_bytes(header_bytes);
+  if (data_bytes <= kEagerBytes && data_bytes <= holdable) out = Tensor::empty(Shape(sizes), DType::UInt8);
   uint64_t done = 0;
   while (done < data_bytes) {
-    const size_t want = static_cast<size_t>(std::min<uint64_t>(data_bytes - done, kChunkBytes));
+    // Past what the file can hold, ask for one byte more than it can: the read comes up short
+    // at the real end (the error below) without growing the buffer for bytes that cannot come.
+    const uint64_t can_come = holdable > done ? holdable - done : 0;
+    const uint64_t ask = can_come == UINT64_MAX ? can_come : can_come + 1;
+    const size_t want = static_cast<size_t>(std::min<uint64_t>({data_bytes - done, kChunkBytes, ask}));
     uint8_t* target = nullptr;
     if (out.defined()) {
       target = out.data<uint8_t>() + done;

@@ -50,8 +50,10 @@ DistributedSampler::DistributedSampler(int64_t size, int num_replicas, int rank,
   } else {
     // torch: drop_last and N % W != 0 -> ceil((N - W) / W), which is floor(N / W) (0 when
     // N < W); otherwise ceil(N / W).
-    num_samples_ = drop_last ? size / W : (size + W - 1) / W;
-    total_size_ = num_samples_ * W;
+    // The ceiling is formed without size + W - 1, which wraps for a size near 2^63.
+    num_samples_ = size / W + (!drop_last && size % W != 0 ? 1 : 0);
+    NANODDP_CHECK(!__builtin_mul_overflow(num_samples_, W, &total_size_), ValueError, "DistributedSampler: size ",
+                  size, " padded to a multiple of num_replicas ", W, " does not fit in int64");
   }
 }
 

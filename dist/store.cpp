@@ -23,6 +23,7 @@
 //      str = u32 length <= kMaxKeyBytes, then bytes; bytes = u32 length <= kMaxValueBytes,
 //      then bytes; n <= kMaxKeysPerRequest. A length over its limit is a protocol error at
 //      once, before any byte of the body is awaited or allocated.
+//      ADD answers u8 kOverflow when the sum would not fit in int64.
 //   4. WAIT's deadline is kept by the server (it answers kTimeout when it passes), so a
 //      client never abandons a request half-way and the stream stays in step.
 #include "dist/store.h"
@@ -39,6 +40,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -47,6 +49,7 @@
 #include "core/error.h"
 #include "dist/detail.h"
 #include "dist/launcher_link.h"
+#include "dist/store_wire.h"
 
 namespace nanoddp::dist {
 
@@ -60,8 +63,7 @@ constexpr uint32_t kMaxIdentityBytes = 256;  // a job id or a token in the hello
 
 enum Hello : uint8_t { kWelcome = 0, kWrongJob = 1, kBadToken = 2 };
 
-enum Verb : uint8_t { kSet = 1, kGet = 2, kAdd = 3, kCheck = 4, kWait = 5 };
-enum Status : uint8_t { kOk = 0, kMissing = 1, kNotCounter = 2, kTimeout = 3 };
+enum Status : uint8_t { kOk = 0, kMissing = 1, kNotCounter = 2, kTimeout = 3, kOverflow = 4 };
 
 // How long past a WAIT's own deadline a client gives the server to answer before it calls the
 // server dead.
@@ -122,6 +124,65 @@ struct Reader {
     return s;
   }
 };
+
+}  // namespace
+
+StoreDecode decode_store_request(const uint8_t* bytes, size_t nbytes, StoreRequest& request, size_t& consumed,
+                                 std::string& error) {
+  Reader r{bytes, nbytes};
+  request = StoreRequest{};
+  request.verb = static_cast<uint8_t>(r.uint(1));
+  switch (request.verb) {
+    case kSet:
+      request.keys.push_back(r.blob(kMaxKeyBytes, "key"));
+      request.value = r.blob(kMaxValueBytes, "value");
+      break;
+    case kGet:
+      request.keys.push_back(r.blob(kMaxKeyBytes, "key"));
+      break;
+    case kAdd:
+      request.keys.push_back(r.blob(kMaxKeyBytes, "key"));
+      request.delta = static_cast<int64_t>(r.uint(8));
+      break;
+    case kCheck:
+    case kWait: {
+      const auto n = static_cast<uint32_t>(r.uint(4));
+      if (r.ok() && n > kMaxKeysPerRequest)
+        r.error = "a request for " + std::to_string(n) + " keys exceeds the limit of " +
+                  std::to_string(kMaxKeysPerRequest);
+      for (uint32_t i = 0; i < n && r.ok(); ++i) request.keys.push_back(r.blob(kMaxKeyBytes, "key"));
+      if (request.verb == kWait) request.timeout_ms = r.uint(8);
+      break;
+    }
+    default:
+      if (r.ok()) r.error = "unknown verb " + std::to_string(request.verb);
+  }
+  if (!r.error.empty()) {
+    error = r.error;
+    return StoreDecode::kError;
+  }
+  if (r.need_more) return StoreDecode::kNeedMore;
+  consumed = r.pos;
+  return StoreDecode::kRequest;
+}
+
+CounterAdd add_to_counter(const std::vector<uint8_t>* stored, int64_t delta, int64_t& value) {
+  int64_t counter = 0;
+  if (stored != nullptr) {
+    const std::string text(stored->begin(), stored->end());
+    if (text.empty() || text.size() > 20) return CounterAdd::kNotCounter;
+    char* end = nullptr;
+    errno = 0;
+    const long long parsed = std::strtoll(text.c_str(), &end, 10);
+    if (errno != 0 || end != text.c_str() + text.size()) return CounterAdd::kNotCounter;
+    counter = parsed;
+  }
+  if (__builtin_add_overflow(counter, delta, &counter)) return CounterAdd::kOverflow;
+  value = counter;
+  return CounterAdd::kOk;
+}
+
+namespace {
 
 void set_nodelay(int fd) {
   int one = 1;
@@ -381,25 +442,29 @@ class TCPStore::Server {
     return false;  // read_from sends the refusal and closes
   }
 
-  // Parses one request; serves it only when it is complete. False: a protocol error.
+  // Serves the first request in r once it is complete. False: a protocol error.
   bool serve_one(int id, Reader& r) {
-    uint8_t verb = static_cast<uint8_t>(r.uint(1));
-    if (!r.ok()) return true;
+    StoreRequest request;
+    size_t consumed = 0;
+    switch (decode_store_request(r.data, r.size, request, consumed, r.error)) {
+      case StoreDecode::kNeedMore:
+        r.need_more = true;
+        return true;
+      case StoreDecode::kError:
+        return false;
+      case StoreDecode::kRequest:
+        r.pos = consumed;
+        break;
+    }
     std::vector<uint8_t>& out = conns_[id].out;
-    switch (verb) {
-      case kSet: {
-        std::string key = r.blob(kMaxKeyBytes, "key");
-        std::string value = r.blob(kMaxValueBytes, "value");
-        if (!r.ok()) return true;
-        data_[key].assign(value.begin(), value.end());
+    switch (request.verb) {
+      case kSet:
+        data_[request.keys[0]].assign(request.value.begin(), request.value.end());
         put_u8(out, kOk);
         wake_waiters();
         return true;
-      }
       case kGet: {
-        std::string key = r.blob(kMaxKeyBytes, "key");
-        if (!r.ok()) return true;
-        auto it = data_.find(key);
+        auto it = data_.find(request.keys[0]);
         if (it == data_.end()) {
           put_u8(out, kMissing);
         } else {
@@ -409,60 +474,37 @@ class TCPStore::Server {
         return true;
       }
       case kAdd: {
-        std::string key = r.blob(kMaxKeyBytes, "key");
-        int64_t delta = static_cast<int64_t>(r.uint(8));
-        if (!r.ok()) return true;
+        auto it = data_.find(request.keys[0]);
         int64_t value = 0;
-        auto it = data_.find(key);
-        if (it != data_.end() && !parse_counter(it->second, value)) {
-          put_u8(out, kNotCounter);
-          return true;
+        switch (add_to_counter(it == data_.end() ? nullptr : &it->second, request.delta, value)) {
+          case CounterAdd::kNotCounter:
+            put_u8(out, kNotCounter);
+            return true;
+          case CounterAdd::kOverflow:
+            put_u8(out, kOverflow);
+            return true;
+          case CounterAdd::kOk:
+            break;
         }
-        value += delta;
         std::string text = std::to_string(value);
-        data_[key].assign(text.begin(), text.end());
+        data_[request.keys[0]].assign(text.begin(), text.end());
         put_u8(out, kOk);
         put_u64(out, static_cast<uint64_t>(value));
         wake_waiters();
         return true;
       }
-      case kCheck:
-      case kWait: {
-        uint32_t n = static_cast<uint32_t>(r.uint(4));
-        if (!r.ok()) return true;
-        if (n > kMaxKeysPerRequest) {
-          r.error = "too many keys";
-          return false;
-        }
-        std::vector<std::string> keys;
-        for (uint32_t i = 0; i < n && r.ok(); ++i) keys.push_back(r.blob(kMaxKeyBytes, "key"));
-        uint64_t timeout_ms = verb == kWait ? r.uint(8) : 0;
-        if (!r.ok()) return true;
-        bool ready = all_set(keys);
-        if (verb == kCheck || ready) {
+      default: {  // kCheck, kWait: decode_store_request admits no other verb
+        bool ready = all_set(request.keys);
+        if (request.verb == kCheck || ready) {
           put_u8(out, ready ? kOk : kMissing);
         } else {
           // Clamp so a huge timeout cannot overflow the clock.
-          auto ms = std::chrono::milliseconds(std::min<uint64_t>(timeout_ms, uint64_t(1) << 40));
-          waiters_.push_back({id, std::move(keys), Clock::now() + ms});
+          auto ms = std::chrono::milliseconds(std::min<uint64_t>(request.timeout_ms, uint64_t(1) << 40));
+          waiters_.push_back({id, std::move(request.keys), Clock::now() + ms});
         }
         return true;
       }
-      default:
-        r.error = "unknown verb " + std::to_string(verb);
-        return false;
     }
-  }
-
-  static bool parse_counter(const std::vector<uint8_t>& bytes, int64_t& value) {
-    std::string text(bytes.begin(), bytes.end());
-    if (text.empty() || text.size() > 20) return false;
-    char* end = nullptr;
-    errno = 0;
-    long long v = std::strtoll(text.c_str(), &end, 10);
-    if (errno != 0 || end != text.c_str() + text.size()) return false;
-    value = v;
-    return true;
   }
 
   bool all_set(const std::vector<std::string>& keys) const {
@@ -856,6 +898,8 @@ int64_t TCPStore::add(const std::string& key, int64_t delta) {
                                     });
   NANODDP_CHECK(status != kNotCounter, DistError, client_->context(), ": add('", key,
                 "'): the key holds a value that is not an int64 counter");
+  NANODDP_CHECK(status != kOverflow, DistError, client_->context(), ": add('", key, "', ", delta,
+                "): the counter would overflow int64");
   NANODDP_CHECK(status == kOk, DistError, client_->context(), ": add('", key,
                 "'): unexpected status ", int(status));
   return value;

@@ -69,6 +69,10 @@ void check_checkpoint_writable(const std::string& path) { check_writable(path, "
 
 StateDict load_checkpoint(const std::string& path) {
   const std::string bytes = read_regular_file(path, "checkpoint");
+  return parse_checkpoint(bytes, path);
+}
+
+StateDict parse_checkpoint(const std::string& bytes, const std::string& path) {
   NANODDP_CHECK(bytes.size() >= sizeof(kMagic) + sizeof(uint64_t), IOError, "checkpoint ", path, ": only ",
                 bytes.size(), " bytes, too short to be a checkpoint");
   const size_t body = bytes.size() - sizeof(uint64_t);
@@ -76,9 +80,11 @@ StateDict load_checkpoint(const std::string& path) {
                 ": bad magic at byte offset 0 (not a nanoddp checkpoint)");
   uint64_t stored_sum;
   std::memcpy(&stored_sum, bytes.data() + body, sizeof(stored_sum));
-  NANODDP_CHECK(stored_sum == fnv1a(bytes.substr(0, body)), IOError, "checkpoint ", path,
+  NANODDP_CHECK(stored_sum == fnv1a(std::string_view(bytes).substr(0, body)), IOError, "checkpoint ", path,
                 ": checksum mismatch (checksum at byte offset ", body, "): the file is corrupt");
 
+  // The checksum proves the bytes are what some writer wrote, not that the writer was sane:
+  // every size is still checked against the bytes present before it is trusted.
   Reader in(path, bytes, body);
   in.take(sizeof(kMagic), "magic");
   const uint32_t version = in.get<uint32_t>("version");
@@ -90,20 +96,35 @@ StateDict load_checkpoint(const std::string& path) {
     const size_t entry_offset = in.offset();
     const uint32_t name_bytes = in.get<uint32_t>("name length");
     NANODDP_CHECK(name_bytes <= kMaxNameBytes, IOError, "checkpoint ", path, ": name length ", name_bytes,
-                  " at byte offset ", entry_offset);
+                  " at byte offset ", entry_offset, " exceeds the limit of ", kMaxNameBytes);
     const std::string name(in.take(name_bytes, "name"), name_bytes);
+    const size_t dtype_offset = in.offset();
     const uint8_t dtype = in.get<uint8_t>("dtype");
     const uint8_t dim = in.get<uint8_t>("dim");
     NANODDP_CHECK(dtype <= static_cast<uint8_t>(DType::UInt8) && dim <= Shape::kMaxDims, IOError, "checkpoint ", path,
-                  ": bad dtype/dim of '", name, "' at byte offset ", entry_offset);
+                  ": bad dtype ", int(dtype), " or dim ", int(dim), " of '", name, "' at byte offset ", dtype_offset);
+    const size_t sizes_offset = in.offset();
     std::vector<int64_t> sizes(dim);
     for (auto& size : sizes) size = in.get<int64_t>("size");
-    const Shape shape(sizes);
+    // Shape checks each size and their product, a zero size included (the other sizes must
+    // still multiply within int64); its error becomes one naming the file and the offset.
+    Shape shape;
+    try {
+      shape = Shape(sizes);
+    } catch (const ShapeError& e) {
+      NANODDP_THROW(IOError, "checkpoint ", path, ": sizes of '", name, "' at byte offset ", sizes_offset, ": ",
+                    e.what());
+    }
+    int64_t expected_bytes = 0;
+    NANODDP_CHECK(!__builtin_mul_overflow(shape.numel(), static_cast<int64_t>(dtype_size(static_cast<DType>(dtype))),
+                                          &expected_bytes),
+                  IOError, "checkpoint ", path, ": sizes of '", name, "' at byte offset ", sizes_offset, ": shape ",
+                  shape, " of ", static_cast<DType>(dtype), " needs more bytes than int64 can count");
     const uint64_t nbytes = in.get<uint64_t>("byte count");
-    NANODDP_CHECK(nbytes == static_cast<uint64_t>(shape.numel()) * dtype_size(static_cast<DType>(dtype)), IOError,
-                  "checkpoint ", path, ": '", name, "' at byte offset ", entry_offset, " claims ", nbytes,
-                  " bytes for shape ", shape);
-    const char* data = in.take(nbytes, "tensor data");
+    NANODDP_CHECK(nbytes == static_cast<uint64_t>(expected_bytes), IOError, "checkpoint ", path, ": '", name,
+                  "' at byte offset ", entry_offset, " claims ", nbytes, " bytes for shape ", shape, " of ",
+                  static_cast<DType>(dtype), " (", expected_bytes, " bytes)");
+    const char* data = in.take(nbytes, "tensor data");  // checks nbytes against the bytes left
     Tensor t = Tensor::empty(shape, static_cast<DType>(dtype));
     if (nbytes > 0) std::memcpy(t.impl()->storage->data(), data, nbytes);
     state[name] = t;

@@ -5,9 +5,14 @@
 //
 // Format (little-endian): magic "NDDPCKPT", u32 version = 1, u64 count, then per tensor:
 // u32 name length, name bytes, u8 dtype, u8 dim, dim x i64 sizes, u64 nbytes, data; finally
-// a u64 FNV-1a checksum of everything before it. save writes "<path>.tmp", fsyncs it, renames
-// it over path and fsyncs the folder: a crash leaves the old file or the new one, never half.
-// load throws IOError naming the file and byte offset on a missing, truncated or corrupt file.
+// a u64 FNV-1a checksum of everything before it.
+//
+// save writes the file through write_file_atomically (nn/file_io.h): a temporary file of its
+// own, fsynced, renamed over path. A crash or kill -9 leaves the old file or the new one,
+// never half of one, and processes saving the same path at once all succeed, the last rename
+// winning (torch.save promises neither). load throws IOError naming the file and byte offset
+// on a missing, truncated or corrupt file, and checks every size against int64 and the bytes
+// present before trusting it.
 //
 // Why a format of our own for training checkpoints, next to safetensors (nn/safetensors.h)
 // for weights: a checkpoint resumes a run, so it must notice any damaged byte (the checksum;
@@ -27,6 +32,9 @@ void save_checkpoint(const std::string& path, const StateDict& tensors);
 // long work (an epoch of training) and should fail before it.
 void check_checkpoint_writable(const std::string& path);
 StateDict load_checkpoint(const std::string& path);
+// The tensors in bytes, the whole content of a checkpoint file; path only names it in errors.
+// Throws IOError as load_checkpoint does. For readers that have the bytes already (and fuzzing).
+StateDict parse_checkpoint(const std::string& bytes, const std::string& path);
 
 // Adds every entry of part to into with prefix + name ("model." + "0.weight").
 void merge_prefixed(StateDict& into, const std::string& prefix, const StateDict& part);

@@ -42,10 +42,16 @@ void check_writable(const std::string& path, const char* what) {
 }
 
 void write_file_atomically(const std::string& path, const std::string& bytes, const char* what) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  NANODDP_CHECK(fd >= 0, IOError, what, ": cannot create ", tmp, ": ", std::strerror(errno));
+  // Each write has a temporary file of its own (mkstemp's unique name) in path's folder, so
+  // processes writing the same path at once never truncate or rename away each other's file:
+  // the last rename wins and path always holds one whole file.
+  std::string tmp = path + ".tmp.XXXXXX";
+  const int fd = ::mkostemp(tmp.data(), O_CLOEXEC);
+  NANODDP_CHECK(fd >= 0, IOError, what, ": cannot create a temporary file ", tmp, " next to ", path, ": ",
+                std::strerror(errno));
   try {
+    // mkstemp creates 0600; the file is as readable as any other the program writes.
+    NANODDP_CHECK(::fchmod(fd, 0644) == 0, IOError, what, ": chmod ", tmp, ": ", std::strerror(errno));
     write_all(fd, bytes, tmp, what);
     NANODDP_CHECK(::fsync(fd) == 0, IOError, what, ": fsync ", tmp, ": ", std::strerror(errno));
   } catch (...) {

@@ -16,9 +16,11 @@ std::string folder_of(const std::string& path);
 // there: path is absent or a regular file, and its folder exists and is writable.
 void check_writable(const std::string& path, const char* what);
 
-// Writes bytes to "<path>.tmp", fsyncs it, renames it over path and fsyncs the folder: a
-// crash leaves the old file or the new one. Throws IOError (starting with what: "checkpoint")
-// naming the file and the failed call; the .tmp file is removed on failure.
+// Writes bytes to a temporary file of its own ("<path>.tmp.XXXXXX", mkstemp), fsyncs it,
+// renames it over path and fsyncs the folder: a crash or kill -9 leaves the old file or the
+// new one (a kill mid-write may leave the temporary file behind), and writers of the same
+// path at once all succeed, the last rename winning. Throws IOError (starting with what:
+// "checkpoint") naming the file and the failed call; the temporary file is removed on failure.
 void write_file_atomically(const std::string& path, const std::string& bytes, const char* what);
 
 // The whole content of path. Throws IOError (starting with what) when path is missing, not a

@@ -399,6 +399,15 @@ TEST_CASE("DataLoader: batch shapes, values, the last partial batch, drop_last")
   DataLoader none(ds, 64, options);
   CHECK(none.size() == 0);
   CHECK(none.begin() == none.end());
+
+  // The largest batch size: ceil(10 / (2^63 - 1)) is 1 (it used to be formed as
+  // 10 + 2^63 - 2, which wraps negative).
+  DataLoader huge(ds, INT64_MAX);
+  CHECK(huge.size() == 1);
+  batches = collect(huge);
+  REQUIRE(batches.size() == 1);
+  CHECK(batches[0].target.shape() == Shape{10});
+  CHECK(DataLoader(ds, INT64_MAX, options).size() == 0);
 }
 
 TEST_CASE("DataLoader with a DistributedSampler: this rank's indices, batched in order") {

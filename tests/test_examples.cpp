@@ -122,7 +122,10 @@ void check_resume_equals_uninterrupted(const std::string& example) {
   // The saved weights and momentum buffers are the same, bit for bit.
   const nn::StateDict x = nn::load_checkpoint(straight_ckpt), y = nn::load_checkpoint(resumed_ckpt);
   REQUIRE(x.size() == y.size());
-  for (const auto& [name, tensor] : x) {
+  for (const auto& entry : x) {
+    // Not a structured binding: CAPTURE's lambda cannot capture one (C++17, clang).
+    const std::string& name = entry.first;
+    const Tensor& tensor = entry.second;
     CAPTURE(name);
     REQUIRE(y.count(name) == 1);
     if (tensor.dtype() == DType::Float32) {
@@ -308,7 +311,9 @@ TEST_CASE("fashion_mnist --export: the trained weights under PyTorch's names, as
                                                      {"2.weight", {128, 256}}, {"2.bias", {128}},
                                                      {"4.weight", {10, 128}},  {"4.bias", {10}}};
   REQUIRE(weights.size() == torch_shapes.size());
-  for (const auto& [name, shape] : torch_shapes) {
+  for (const auto& entry : torch_shapes) {
+    const std::string& name = entry.first;  // not a structured binding: CAPTURE cannot capture one (clang, C++17)
+    const Shape& shape = entry.second;
     CAPTURE(name);
     REQUIRE(weights.count(name) == 1);
     CHECK(weights.at(name).shape() == shape);

@@ -1,11 +1,14 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <unistd.h>
 
+#include "core/hash.h"
 #include "nn/checkpoint.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
@@ -117,7 +120,11 @@ TEST_CASE("checkpoints round-trip, replace atomically and reject corrupt files")
   CHECK(loaded["w"].to_vector() == state["w"].to_vector());
   CHECK(loaded["labels"].to_int_vector() == std::vector<int64_t>{7, -1});
   CHECK(loaded["empty"].shape() == Shape{0, 4});
-  CHECK(std::ifstream(path + ".tmp").good() == false);
+  // No temporary file is left behind.
+  const std::string folder = path.substr(0, path.find_last_of('/'));
+  const std::string base = path.substr(folder.size() + 1);
+  for (const auto& entry : std::filesystem::directory_iterator(folder))
+    CHECK(entry.path().filename().string().rfind(base + ".tmp", 0) != 0);
 
   std::string bytes;
   {
@@ -148,6 +155,76 @@ TEST_CASE("checkpoints round-trip, replace atomically and reject corrupt files")
   CHECK(error_of().find("magic") != std::string::npos);
   std::remove(path.c_str());
   CHECK(error_of().find("cannot open") != std::string::npos);
+}
+
+namespace {
+// A checkpoint file written field by field (the format in nn/checkpoint.h), with a valid
+// checksum, so a test can say what a dishonest but well-checksummed writer would.
+struct CheckpointBytes {
+  std::string bytes = std::string("NDDPCKPT");
+  template <typename T>
+  CheckpointBytes& put(T value) {
+    bytes.append(reinterpret_cast<const char*>(&value), sizeof(T));
+    return *this;
+  }
+  std::string sealed() const {
+    std::string out = bytes;
+    const uint64_t sum = fnv1a(out);
+    out.append(reinterpret_cast<const char*>(&sum), sizeof(sum));
+    return out;
+  }
+};
+
+std::string parse_error(const std::string& bytes) {
+  try {
+    parse_checkpoint(bytes, "crafted.ckpt");
+  } catch (const IOError& e) {
+    return e.what();
+  }
+  return "no IOError";
+}
+}  // namespace
+
+TEST_CASE("checkpoint sizes are checked against int64 and the bytes present, naming the offset") {
+  // One float32 tensor "w" of shape [2^62, 4]: 2^64 elements, 2^66 bytes, which wrap to 0,
+  // so a byte count of 0 used to be accepted for a tensor that claimed 2^64 elements.
+  auto entry = [](std::vector<int64_t> sizes, uint64_t nbytes) {
+    CheckpointBytes file;
+    file.put<uint32_t>(1).put<uint64_t>(1).put<uint32_t>(1);
+    file.bytes += "w";
+    file.put<uint8_t>(0).put<uint8_t>(static_cast<uint8_t>(sizes.size()));
+    for (int64_t size : sizes) file.put<int64_t>(size);
+    file.put<uint64_t>(nbytes);
+    return file;
+  };
+  // Entry at offset 20 (8 magic + 4 version + 8 count); its sizes at 20 + 4 + 1 + 2 = 27.
+  std::string m = parse_error(entry({int64_t{1} << 62, 4}, 0).sealed());
+  CHECK(m.find("crafted.ckpt") != std::string::npos);
+  CHECK(m.find("byte offset 27") != std::string::npos);
+  CHECK(m.find("int64") != std::string::npos);
+  m = parse_error(entry({-1, 4}, 0).sealed());
+  CHECK(m.find("byte offset 27") != std::string::npos);
+  // A zero size makes the product 0, but the others must still multiply within int64 (found
+  // by fuzz_checkpoint: the loader accepted what Shape then refused with a ShapeError).
+  m = parse_error(entry({0, int64_t{1} << 62, 4}, 0).sealed());
+  CHECK(m.find("byte offset 27") != std::string::npos);
+  CHECK(m.find("int64") != std::string::npos);
+  // Elements that fit in int64 whose bytes do not: 2^62 float32 elements are 2^64 bytes.
+  m = parse_error(entry({int64_t{1} << 62}, 0).sealed());
+  CHECK(m.find("needs more bytes than int64 can count") != std::string::npos);
+  // An honest size whose data is not there: the byte count is checked before any allocation.
+  m = parse_error(entry({int64_t{1} << 40}, uint64_t{1} << 42).sealed());
+  CHECK(m.find("truncated at byte offset 43") != std::string::npos);
+  CHECK(m.find("4398046511104 bytes wanted, 0 left") != std::string::npos);
+  // A byte count that disagrees with the shape names both.
+  m = parse_error(entry({2, 3}, 20).sealed());
+  CHECK(m.find("claims 20 bytes for shape [2, 3] of float32 (24 bytes)") != std::string::npos);
+  // A well-formed crafted file parses to what it says.
+  CheckpointBytes good = entry({2}, 8);
+  good.put<float>(1.5f).put<float>(-2.0f);
+  const StateDict state = parse_checkpoint(good.sealed(), "crafted.ckpt");
+  REQUIRE(state.count("w") == 1);
+  CHECK(state.at("w").to_vector() == std::vector<float>{1.5f, -2.0f});
 }
 
 TEST_CASE("a single process learns y = 2x with Linear(1, 1) and SGD") {

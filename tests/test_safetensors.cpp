@@ -80,7 +80,9 @@ TEST_CASE("safetensors round-trip every dtype, empty tensors, scalars and metada
   SafetensorsMetadata metadata;
   const StateDict loaded = load_safetensors(path, &metadata);
   REQUIRE(loaded.size() == state.size());
-  for (const auto& [name, tensor] : state) {
+  for (const auto& entry : state) {
+    const std::string& name = entry.first;  // not a structured binding: CAPTURE cannot capture one (clang, C++17)
+    const Tensor& tensor = entry.second;
     CAPTURE(name);
     REQUIRE(loaded.count(name) == 1);
     CHECK(loaded.at(name).dtype() == tensor.dtype());

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <map>
 #include <set>
@@ -143,6 +144,17 @@ TEST_CASE("lengths: ceil(N / W) without drop_last, floor(N / W) with it") {
   CHECK(DistributedSampler(60000, 7, 6, true, 0, true).total_size() == 59997);
 }
 
+TEST_CASE("lengths near 2^63 do not wrap: exact, or a ValueError when the padded total cannot fit") {
+  const int64_t max = INT64_MAX;  // 9223372036854775807 = 2 * 4611686018427387903 + 1
+  // ceil(N / W) used to be formed as N + W - 1, which wraps negative here.
+  CHECK(DistributedSampler(max, 1, 0, false, 0, false).num_samples() == max);
+  CHECK(DistributedSampler(max, 2, 1, false, 0, true).num_samples() == 4611686018427387903);
+  CHECK(DistributedSampler(max, 2, 1, false, 0, true).total_size() == max - 1);
+  CHECK(DistributedSampler::for_evaluation(max, 2, 0).num_samples() == 4611686018427387904);
+  // Padding to 2 * 4611686018427387904 = 2^63 does not fit in int64.
+  CHECK_THROWS_AS(DistributedSampler(max, 2, 0, false, 0, false), ValueError);
+}
+
 TEST_CASE("random_permutation is a permutation, fixed by its seed") {
   for (int64_t n : {0, 1, 2, 17, 1000}) {
     Indices p = random_permutation(n, 42);
@@ -266,7 +278,10 @@ TEST_CASE("against torch.utils.data.DistributedSampler itself (skipped without t
     return;
   }
   std::istringstream lines(out);
-  for (const auto& [N, W, drop_last] : cases) {
+  for (const auto& one_case : cases) {
+    // Plain variables, not structured bindings: CAPTURE's lambdas cannot capture those (C++17).
+    const int N = std::get<0>(one_case), W = std::get<1>(one_case);
+    const bool drop_last = std::get<2>(one_case);
     for (int r = 0; r < W; ++r) {
       CAPTURE(N);
       CAPTURE(W);

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -199,6 +200,21 @@ TEST_CASE("store: set, get, add, check and wait between a server and a client") 
   // add() on a key holding text that is not a number is refused, and the store still works.
   CHECK_THROWS_AS(client.add("greeting", 1), DistError);
   CHECK(client.add("counter", 1) == 4);
+
+  // A sum past int64 is refused (it used to wrap: signed overflow, undefined in C++), the
+  // counter keeps its value, and the connection stays usable.
+  CHECK(client.add("big", INT64_MAX - 1) == INT64_MAX - 1);
+  try {
+    client.add("big", 2);
+    FAIL("expected DistError");
+  } catch (const DistError& e) {
+    CHECK(std::string(e.what()).find("add('big', 2): the counter would overflow int64") != std::string::npos);
+  }
+  CHECK_THROWS_AS(client.add("big", INT64_MAX), DistError);
+  CHECK(client.add("big", 1) == INT64_MAX);
+  CHECK(client.add("big", INT64_MIN) == -1);
+  CHECK(server.add("below", INT64_MIN) == INT64_MIN);
+  CHECK_THROWS_AS(server.add("below", -1), DistError);
 }
 
 TEST_CASE("store: four processes meet through add and wait") {

@@ -1,5 +1,6 @@
 #include <doctest/doctest.h>
 
+#include <cstdint>
 #include <string>
 
 #include "core/random.h"
@@ -50,6 +51,32 @@ TEST_CASE("reshape shares storage and checks the element count") {
   CHECK(a.to_vector() == std::vector<float>(6, 1.0f));
   CHECK_THROWS_AS(a.reshape({4, 2}), ShapeError);
   CHECK_THROWS_AS(a.reshape({-1, -1}), ShapeError);
+  // The known sizes multiply past int64 (2^62 * 4 wraps to 0); -1 must not be inferred from that.
+  CHECK_THROWS_AS(a.reshape({int64_t{1} << 62, 4, -1}), ShapeError);
+  CHECK_THROWS_AS(a.reshape({-1, -2}), ShapeError);
+}
+
+TEST_CASE("element counts and byte sizes never wrap around") {
+  // 2^32 x 2^32 = 2^64 used to wrap to numel 0: a tensor that claimed 2^64 elements in 0 bytes.
+  CHECK_THROWS_AS(Tensor::zeros({int64_t{1} << 32, int64_t{1} << 32}), ShapeError);
+  // 2^62 x 3 wraps to a negative product.
+  CHECK_THROWS_AS(Shape({int64_t{1} << 62, 3}), ShapeError);
+  // A zero size makes the product 0, but the other sizes must still multiply within int64.
+  CHECK_THROWS_AS(Shape({0, int64_t{1} << 32, int64_t{1} << 32}), ShapeError);
+  try {
+    Shape({int64_t{1} << 40, int64_t{1} << 40});
+    FAIL("expected ShapeError");
+  } catch (const ShapeError& e) {
+    CHECK(std::string(e.what()).find("[1099511627776, 1099511627776]") != std::string::npos);
+  }
+  // The largest products that fit are exact.
+  CHECK(Shape({int64_t{1} << 31, int64_t{1} << 31}).numel() == int64_t{1} << 62);
+  CHECK(Shape({0, int64_t{1} << 31, int64_t{1} << 31}).numel() == 0);
+  CHECK(Shape({3, 5, 7, 11}).numel() == 1155);
+  // Elements fit but bytes do not: 2^61 int64 elements are 2^64 bytes.
+  CHECK_THROWS_AS(Tensor::empty({int64_t{1} << 61}, DType::Int64), ShapeError);
+  CHECK(checked_mul(int64_t{1} << 31, int64_t{1} << 31, "test") == int64_t{1} << 62);
+  CHECK_THROWS_AS(checked_mul(int64_t{1} << 32, int64_t{1} << 31, "test"), ShapeError);
 }
 
 TEST_CASE("element access is checked") {

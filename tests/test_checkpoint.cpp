@@ -1,0 +1,122 @@
+// Checkpoint files under real processes: writers that save the same path at once, and a
+// writer killed with SIGKILL in the middle of a save.
+#include <doctest/doctest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "nn/checkpoint.h"
+#include "tests/multiprocess.h"
+#include "tests/subprocess.h"
+
+using namespace nanoddp;
+using namespace nanoddp::nn;
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+
+namespace {
+
+// Writer w's checkpoint: "w" holds numel copies of w + 1, "writer" holds w. A load that mixed
+// two writers' bytes, or cut one short, fails its checksum or these values.
+StateDict writer_state(int writer, int64_t numel) {
+  StateDict state;
+  state["w"] = Tensor::full({numel}, static_cast<float>(writer + 1));
+  state["writer"] = Tensor::from_vector(std::vector<int64_t>{writer});
+  return state;
+}
+
+// Which writer's complete checkpoint path holds; throws if it is neither.
+int writer_of(const std::string& path, int64_t numel) {
+  const StateDict state = load_checkpoint(path);
+  const int writer = static_cast<int>(state.at("writer").to_int_vector().at(0));
+  const std::vector<float> values = state.at("w").to_vector();
+  if (static_cast<int64_t>(values.size()) != numel ||
+      values != std::vector<float>(static_cast<size_t>(numel), static_cast<float>(writer + 1)))
+    throw std::runtime_error("checkpoint " + path + " mixes writers");
+  return writer;
+}
+
+std::vector<std::string> temporaries_of(const std::string& path) {
+  std::vector<std::string> found;
+  const std::string base = fs::path(path).filename().string() + ".tmp";
+  for (const auto& entry : fs::directory_iterator(fs::path(path).parent_path()))
+    if (entry.path().filename().string().rfind(base, 0) == 0) found.push_back(entry.path().string());
+  return found;
+}
+
+}  // namespace
+
+TEST_CASE("two processes saving the same path at once: every save succeeds, every load is whole") {
+  testing::TempDir dir;
+  const std::string path = dir.path + "/run.ckpt";
+  constexpr int64_t kNumel = 1 << 12;  // 16 KiB a save; the fsync makes saves overlap
+  constexpr int kSaves = 40;
+  save_checkpoint(path, writer_state(0, kNumel));
+  // Ranks 0 and 1 save kSaves times each (every failure is thrown, so reported); rank 2 loads
+  // all the while and checks each file is one writer's complete checkpoint.
+  const std::string failures = testing::run_ranks(
+      3,
+      [&](int rank) {
+        if (rank < 2) {
+          const StateDict mine = writer_state(rank, kNumel);
+          for (int i = 0; i < kSaves; ++i) save_checkpoint(path, mine);
+          return;
+        }
+        for (int i = 0; i < 2 * kSaves; ++i) writer_of(path, kNumel);
+      },
+      120s);
+  CHECK_MESSAGE(failures.empty(), failures);
+  const int last = writer_of(path, kNumel);
+  CHECK((last == 0 || last == 1));
+  CHECK(temporaries_of(path).empty());
+}
+
+TEST_CASE("kill -9 during a save leaves the previous checkpoint loadable") {
+  testing::TempDir dir;
+  const std::string path = dir.path + "/run.ckpt";
+  constexpr int64_t kSmall = 4, kLarge = int64_t{1} << 22;  // the new one: 16 MiB, a long write
+  save_checkpoint(path, writer_state(0, kSmall));
+  // Kill the writer as soon as its temporary file appears. When the kill lands before the
+  // rename, path must still be the previous checkpoint, whole; a kill that comes too late
+  // finds the new one, whole. Some trial must land mid-save, or the test proved nothing.
+  int killed_mid_save = 0;
+  for (int trial = 0; trial < 5 && killed_mid_save < 2; ++trial) {
+    for (const auto& stale : temporaries_of(path)) fs::remove(stale);
+    std::fflush(nullptr);
+    const pid_t writer = ::fork();
+    REQUIRE(writer >= 0);
+    if (writer == 0) {
+      try {
+        save_checkpoint(path, writer_state(1, kLarge));
+      } catch (...) {
+        ::_exit(1);
+      }
+      ::_exit(0);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + 60s;
+    while (temporaries_of(path).empty() && std::chrono::steady_clock::now() < deadline) {
+      int status = 0;
+      if (::waitpid(writer, &status, WNOHANG) == writer) break;  // finished before we saw it
+      std::this_thread::sleep_for(100us);
+    }
+    ::kill(writer, SIGKILL);
+    int status = 0;
+    REQUIRE(::waitpid(writer, &status, 0) == writer);
+    const bool mid_save = !temporaries_of(path).empty();
+    const int found = writer_of(path, mid_save ? kSmall : kLarge);  // throws unless whole
+    CHECK(found == (mid_save ? 0 : 1));
+    if (mid_save) {
+      ++killed_mid_save;
+    } else {
+      save_checkpoint(path, writer_state(0, kSmall));  // back to the small one for the next trial
+    }
+  }
+  CHECK(killed_mid_save > 0);
+}
