@@ -131,8 +131,10 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
 
   Backend backend = requested_backend(options.backend, where);
   if (backend == Backend::Auto) {
+    const bool one_machine = env.world_size > 0 && env.local_world_size == env.world_size;
     backend = options.device.is_cuda() ? Backend::Nccl
               : launched_by_mpi()      ? Backend::Mpi
+              : one_machine            ? Backend::Shm
                                        : Backend::Gloo;
   }
 
@@ -207,6 +209,12 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                                            : Device::cuda(env.local_rank < 0 ? 0 : env.local_rank);
     nccl.timeout = options.timeout;
     group = make_nccl_process_group(store, nccl);
+  } else if (backend == Backend::Shm) {
+    ShmOptions shm;
+    shm.rank = rank;
+    shm.world_size = world_size;
+    shm.timeout = options.timeout;
+    group = make_shm_process_group(store, shm);
   } else {
     GlooOptions gloo;
     gloo.rank = rank;

@@ -1,6 +1,6 @@
 // ProcessGroup: the collectives every rank of a job calls together, one backend per file.
 //
-//   auto pg = dist::init_process_group();                  // dist/init.h: Gloo, MPI or NCCL
+//   auto pg = dist::init_process_group();                  // dist/init.h: shm, Gloo, MPI or NCCL
 //   pg->all_reduce(grad, dist::ReduceOp::Avg)->wait();      // grad: any shape, in place
 //   pg->barrier()->wait(std::chrono::seconds(30));
 //
@@ -27,7 +27,7 @@
 //  - Max and Min propagate NaN whichever rank holds it (torch.maximum/torch.minimum).
 //  - Every message names the rank, world size, host, backend, the collective and its sizes.
 //  - Tensors: dense, contiguous; float32 or int64 (UInt8 is refused: sums would wrap);
-//    CPU tensors on Gloo and MPI, CUDA tensors of the group's device on NCCL.
+//    CPU tensors on shm, Gloo and MPI, CUDA tensors of the group's device on NCCL.
 #pragma once
 
 #include <chrono>
@@ -49,10 +49,12 @@ const char* reduce_op_name(ReduceOp op);  // "sum", "avg", "max", "min"
 
 // Which library runs the collectives. Auto: NCCL for a CUDA device; MPI when the process was
 // started by mpirun or srun (OMPI_COMM_WORLD_SIZE, PMIX_RANK or PMI_RANK is set, RANK is not)
-// and MPI is built in; Gloo otherwise. init_process_group resolves Auto from NANODDP_BACKEND first.
-enum class Backend { Auto, Gloo, Mpi, Nccl };
-const char* backend_name(Backend backend);  // "auto", "gloo", "mpi", "nccl"
-// "gloo", "mpi", "nccl" or "auto" (case-insensitive); throws ValueError on anything else.
+// and MPI is built in; shm when every rank is on this machine (LOCAL_WORLD_SIZE == WORLD_SIZE,
+// as nanoddp-run and torchrun set them on one node); Gloo otherwise. init_process_group
+// resolves Auto from NANODDP_BACKEND first.
+enum class Backend { Auto, Gloo, Mpi, Nccl, Shm };
+const char* backend_name(Backend backend);  // "auto", "gloo", "mpi", "nccl", "shm"
+// "gloo", "mpi", "nccl", "shm" or "auto" (case-insensitive); throws ValueError on anything else.
 Backend parse_backend(const std::string& text);
 
 // The default timeout of every collective and every store wait. PyTorch uses 30 minutes; we
@@ -85,7 +87,7 @@ class ProcessGroup {
 
   int rank() const { return rank_; }
   int size() const { return world_size_; }
-  virtual std::string backend_name() const = 0;  // "gloo", "mpi", "nccl"
+  virtual std::string backend_name() const = 0;  // "gloo", "mpi", "nccl", "shm"
 
   // tensor: any shape, float32 or int64 (Avg: float32 only), reduced in place across ranks;
   // every rank ends with the same values (torch.distributed.all_reduce).
@@ -102,6 +104,15 @@ class ProcessGroup {
                                                ReduceOp op = ReduceOp::Sum) = 0;
   // Completes once every rank has called it (torch.distributed.barrier).
   virtual std::shared_ptr<Work> barrier() = 0;
+
+  // Point-to-point (torch.distributed.isend / irecv; wait() on the Work for send / recv).
+  // tensor: any shape; recv's tensor must have the shape and dtype of the matching send.
+  // Messages between two ranks arrive in the order sent; tag must match too. Throws
+  // ValueError when dst/src is not another rank of the group; a mismatch in size, dtype or
+  // tag is a DistError on the receiving side (shm) or, where the library cannot tell, data
+  // cut short. The base class throws DistError: the backend has no point-to-point.
+  virtual std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag = 0);
+  virtual std::shared_ptr<Work> recv(Tensor& tensor, int src, int tag = 0);
 
   // The rendezvous store the group was built on. Throws DistError for MPI, which needs none.
   virtual Store& store();
@@ -151,6 +162,18 @@ std::shared_ptr<ProcessGroup> make_mpi_process_group(std::chrono::milliseconds t
 // True when MPI is built in and the process looks launched by mpirun/srun, and not by a
 // torchrun-style launcher inside them (RANK set: the innermost launcher wins).
 bool launched_by_mpi();
+
+struct ShmOptions {
+  int rank = 0;
+  int world_size = 1;
+  std::chrono::milliseconds timeout = kDefaultTimeout;  // store waits while the segment is made
+};
+// Ranks on one machine meet in one shared-memory segment, made through store and unnamed as
+// soon as every rank has mapped it (Note [Shm segment] in process_group_shm.cpp). all_reduce
+// is a ring reduce-scatter + all-gather; works run on the thread that waits for them (Note
+// [Shm progress]). Throws DistError when a rank is on another machine or /dev/shm is full.
+std::shared_ptr<ProcessGroup> make_shm_process_group(std::shared_ptr<Store> store,
+                                                     const ShmOptions& options);
 
 struct NcclOptions {
   int rank = 0;

@@ -65,7 +65,7 @@ TEST_CASE("toy_ddp: 2 ranks end with equal parameters, equal to 1 rank with the 
   // rank's make up exactly the single rank's batch of 16, step for step.
   const RunResult one = run({built("examples/toy_ddp"), "--batch-size", "16", "--init-weight", "0.5", "--init-bias", "0"});
   REQUIRE_MESSAGE(one.code() == 0, one.err);
-  for (const char* backend : {"gloo", "mpi"}) {
+  for (const char* backend : {"gloo", "mpi", "shm"}) {
     CAPTURE(backend);
     const RunResult two = run({launcher_path(), "--nproc-per-node", "2", "--backend", backend, built("examples/toy_ddp"),
                                "--init-weight", "0.5", "--init-bias", "0"},
