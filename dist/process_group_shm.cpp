@@ -339,8 +339,10 @@ class ShmSegment {
   // This rank's doorbell count: read it before looking for progress, then doze(count) sleeps
   // only if nobody rang since (send/recv progress).
   uint32_t rings() { return info(rank_).bell.rings.load(); }
-  void doze(uint32_t since, Clock::time_point deadline, const std::string& what) {
-    wait_until([&] { return info(rank_).bell.rings.load() != since; }, -1, deadline, what);
+  // peer: the rank whose progress is awaited, watched for liveness (not every rank: one that
+  // has finished its part may have exited already).
+  void doze(uint32_t since, int peer, Clock::time_point deadline, const std::string& what) {
+    wait_until([&] { return info(rank_).bell.rings.load() != since; }, peer, deadline, what);
   }
 
   // Marks the group aborted with why (the first reason wins) and wakes every rank.
@@ -652,13 +654,16 @@ class ShmEngine;
 
 class ShmWork : public Work {
  public:
-  // collective: runs to its end (blocking until deadline). Otherwise step() is called
-  // repeatedly and returns true once finished, never blocking.
-  ShmWork(std::shared_ptr<ShmEngine> engine, std::string description, bool collective,
+  // peer == kCollective: step() runs the collective to its end (blocking until the
+  // deadline). Otherwise it is a send/recv with rank peer: step() moves what it can and
+  // returns true once finished, never blocking.
+  static constexpr int kCollective = -1;
+  ShmWork(std::shared_ptr<ShmEngine> engine, std::string description, int peer,
           std::function<bool(Clock::time_point)> step)
       : engine_(std::move(engine)),
         description_(std::move(description)),
-        collective_(collective),
+        collective_(peer == kCollective),
+        peer_(peer),
         step_(std::move(step)) {}
 
   void wait(std::chrono::milliseconds timeout) override;
@@ -669,6 +674,7 @@ class ShmWork : public Work {
   std::shared_ptr<ShmEngine> engine_;
   std::string description_;
   bool collective_;
+  int peer_;
   std::function<bool(Clock::time_point)> step_;
   bool done_ = false;  // guarded by the engine's mutex
   std::exception_ptr error_;
@@ -680,7 +686,7 @@ class ShmEngine {
 
   ShmSegment& segment() { return *segment_; }
 
-  std::shared_ptr<Work> issue(std::shared_ptr<ShmEngine> self, std::string description, bool collective,
+  std::shared_ptr<Work> issue(std::shared_ptr<ShmEngine> self, std::string description, int peer,
                               std::function<bool(Clock::time_point)> step) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (failure_) {
@@ -690,8 +696,7 @@ class ShmEngine {
         NANODDP_THROW(DistError, description, ": the group is unusable after an earlier error: ", e.what());
       }
     }
-    auto work =
-        std::make_shared<ShmWork>(std::move(self), std::move(description), collective, std::move(step));
+    auto work = std::make_shared<ShmWork>(std::move(self), std::move(description), peer, std::move(step));
     pending_.push_back(work);
     return work;
   }
@@ -721,7 +726,7 @@ class ShmEngine {
           }
         }
         while (!pending_.empty() && pending_.front()->done_) pending_.pop_front();
-        if (!progressed && !target.done_) segment_->doze(rings, deadline, target.description_);
+        if (!progressed && !target.done_) segment_->doze(rings, target.peer_, deadline, target.description_);
       }
     } catch (...) {
       // The group is out of step now: every unfinished work fails with this error.
@@ -881,7 +886,7 @@ class ProcessGroupShm : public ProcessGroup {
                       tensor.numel()};
     auto pieces = std::make_shared<int64_t>(0);
     ShmSegment& shm = engine_->segment();
-    return engine_->issue(engine_, describe("send to rank " + std::to_string(dst), tensor), false,
+    return engine_->issue(engine_, describe("send to rank " + std::to_string(dst), tensor), dst,
                           [&shm, tensor, dst, envelope, pieces](Clock::time_point) {
                             return piecewise(tensor, *pieces, [&](uint8_t* data, size_t nbytes) {
                               return shm.try_post(dst, envelope, data, nbytes);
@@ -896,17 +901,16 @@ class ProcessGroupShm : public ProcessGroup {
     auto pieces = std::make_shared<int64_t>(0);
     ShmSegment& shm = engine_->segment();
     std::string what = describe("recv from rank " + std::to_string(src), tensor);
-    return engine_->issue(engine_, what, false,
-                          [&shm, tensor, src, envelope, pieces, what](Clock::time_point) {
-                            return piecewise(tensor, *pieces, [&](uint8_t* data, size_t nbytes) {
-                              const SlotHeader* slot = shm.try_peek(src);
-                              if (slot == nullptr) return false;
-                              shm.check_envelope(src, *slot, envelope, nbytes, what);
-                              if (nbytes > 0) std::memcpy(data, ShmSegment::payload(slot), nbytes);
-                              shm.release(src);
-                              return true;
-                            });
-                          });
+    return engine_->issue(engine_, what, src, [&shm, tensor, src, envelope, pieces, what](Clock::time_point) {
+      return piecewise(tensor, *pieces, [&](uint8_t* data, size_t nbytes) {
+        const SlotHeader* slot = shm.try_peek(src);
+        if (slot == nullptr) return false;
+        shm.check_envelope(src, *slot, envelope, nbytes, what);
+        if (nbytes > 0) std::memcpy(data, ShmSegment::payload(slot), nbytes);
+        shm.release(src);
+        return true;
+      });
+    });
   }
 
  private:
@@ -940,7 +944,7 @@ class ProcessGroupShm : public ProcessGroup {
   std::shared_ptr<Work> collective(std::string description, std::function<void(Ring&)> body) {
     ShmSegment& shm = engine_->segment();
     auto what = std::make_shared<std::string>(description);
-    return engine_->issue(engine_, std::move(description), true,
+    return engine_->issue(engine_, std::move(description), ShmWork::kCollective,
                           [&shm, body = std::move(body), what](Clock::time_point deadline) {
                             Ring ring{shm, Envelope{}, deadline, *what};
                             body(ring);
