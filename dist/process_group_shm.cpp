@@ -28,7 +28,11 @@
 //
 // Note [Shm waiting]
 // A rank that waits spins for kSpinTime (a peer usually answers within microseconds), then
-// sleeps on a futex in its own Doorbell. A rank that changes a counter somebody may wait on
+// sleeps on a futex in its own Doorbell. The spin calls sched_yield(), not a pause
+// instruction: when the peer it waits for shares its core (more ranks than free cores, a
+// busy machine) the peer runs at once instead of after our time slice. Measured on a loaded
+// 2-core machine, 2 ranks, 4 KB: ~60 us with yield, ~400 us with pause (and ~2 ms when the
+// pause spin lasted 200 us). A rank that changes a counter somebody may wait on
 // rings that rank's doorbell: a fetch_add, plus a FUTEX_WAKE only when the rank says it is
 // asleep. So 2 ranks on 2 cores never take the core that the other needs for its part of the
 // work. Sleeps are cut into kWatchInterval slices to check the deadline, the abort flag and
@@ -52,6 +56,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sched.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -304,8 +309,8 @@ class ShmSegment {
     const auto spin_end = Clock::now() + kSpinTime;
     for (int i = 0;; ++i) {
       if (ready()) return;
-      if ((i & 63) == 63 && Clock::now() > spin_end) break;
-      cpu_relax();
+      if ((i & 15) == 15 && Clock::now() > spin_end) break;
+      ::sched_yield();
     }
     Doorbell& bell = info(rank_).bell;
     while (true) {
