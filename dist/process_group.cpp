@@ -26,6 +26,7 @@ const char* backend_name(Backend backend) {
     case Backend::Mpi: return "mpi";
     case Backend::Nccl: return "nccl";
     case Backend::Shm: return "shm";
+    case Backend::ShmGloo: return "shm+gloo";
   }
   return "?";
 }
@@ -39,7 +40,9 @@ Backend parse_backend(const std::string& text) {
   if (lower == "mpi") return Backend::Mpi;
   if (lower == "nccl") return Backend::Nccl;
   if (lower == "shm") return Backend::Shm;
-  NANODDP_THROW(ValueError, "unknown backend '", text, "' (expected gloo, mpi, nccl, shm or auto)");
+  if (lower == "shm+gloo") return Backend::ShmGloo;
+  NANODDP_THROW(ValueError, "unknown backend '", text,
+                "' (expected gloo, mpi, nccl, shm, shm+gloo or auto)");
 }
 
 std::shared_ptr<Work> ProcessGroup::send(const Tensor& tensor, int dst, int) {

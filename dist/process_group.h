@@ -50,11 +50,13 @@ const char* reduce_op_name(ReduceOp op);  // "sum", "avg", "max", "min"
 // Which library runs the collectives. Auto: NCCL for a CUDA device; MPI when the process was
 // started by mpirun or srun (OMPI_COMM_WORLD_SIZE, PMIX_RANK or PMI_RANK is set, RANK is not)
 // and MPI is built in; shm when every rank is on this machine (LOCAL_WORLD_SIZE == WORLD_SIZE,
-// as nanoddp-run and torchrun set them on one node); Gloo otherwise. init_process_group
-// resolves Auto from NANODDP_BACKEND first.
-enum class Backend { Auto, Gloo, Mpi, Nccl, Shm };
-const char* backend_name(Backend backend);  // "auto", "gloo", "mpi", "nccl", "shm"
-// "gloo", "mpi", "nccl", "shm" or "auto" (case-insensitive); throws ValueError on anything else.
+// as nanoddp-run and torchrun set them on one node); ShmGloo ("shm+gloo") when
+// LOCAL_WORLD_SIZE < WORLD_SIZE and GROUP_RANK (the node's index, set by nanoddp-run) is
+// known (see make_two_level_process_group); Gloo otherwise. init_process_group resolves Auto
+// from NANODDP_BACKEND first.
+enum class Backend { Auto, Gloo, Mpi, Nccl, Shm, ShmGloo };
+const char* backend_name(Backend backend);  // "auto", "gloo", "mpi", "nccl", "shm", "shm+gloo"
+// One of those names (case-insensitive); throws ValueError on anything else.
 Backend parse_backend(const std::string& text);
 
 // The default timeout of every collective and every store wait. PyTorch uses 30 minutes; we
@@ -147,6 +149,9 @@ struct GlooOptions {
   std::string master_addr = "127.0.0.1";  // Gloo listens on the interface that reaches it
   int master_port = 29500;
   std::chrono::milliseconds timeout = kDefaultTimeout;
+  // Store keys of this group start with this; "" = "gloo/<n>/", n counting the groups this
+  // process made (the same on every rank when all ranks make the same groups in order).
+  std::string store_prefix;
 };
 // Connects a full mesh of TCP pairs among the ranks through store (each rank publishes its
 // address, then connects to every other). One worker thread per group runs the collectives
@@ -167,6 +172,7 @@ struct ShmOptions {
   int rank = 0;
   int world_size = 1;
   std::chrono::milliseconds timeout = kDefaultTimeout;  // store waits while the segment is made
+  std::string store_prefix;  // as GlooOptions::store_prefix; "" = "shm/<n>/"
 };
 // Ranks on one machine meet in one shared-memory segment, made through store and unnamed as
 // soon as every rank has mapped it (Note [Shm segment] in process_group_shm.cpp). all_reduce
@@ -174,6 +180,25 @@ struct ShmOptions {
 // [Shm progress]). Throws DistError when a rank is on another machine or /dev/shm is full.
 std::shared_ptr<ProcessGroup> make_shm_process_group(std::shared_ptr<Store> store,
                                                      const ShmOptions& options);
+
+struct TwoLevelOptions {
+  int rank = 0;
+  int world_size = 1;
+  int node_rank = 0;         // this node's index (GROUP_RANK, from the launcher)
+  int local_rank = 0;        // this rank's index on its node (LOCAL_RANK)
+  int local_world_size = 1;  // ranks per node (LOCAL_WORLD_SIZE), the same on every node
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  std::chrono::milliseconds timeout = kDefaultTimeout;
+};
+// Two levels, as NCCL and Horovod's hierarchical all-reduce: all_reduce reduces among the
+// ranks of a node through shared memory, all-reduces across nodes between one leader per
+// node (local rank 0) over Gloo, then broadcasts the result on each node. Other collectives
+// and send/recv run on a Gloo group of all ranks. Ranks must be numbered node by node (rank =
+// node_rank * local_world_size + local_rank, as nanoddp-run and torchrun do); ValueError
+// otherwise.
+std::shared_ptr<ProcessGroup> make_two_level_process_group(std::shared_ptr<Store> store,
+                                                           const TwoLevelOptions& options);
 
 struct NcclOptions {
   int rank = 0;

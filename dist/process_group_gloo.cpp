@@ -350,7 +350,9 @@ class ProcessGroupGloo : public ProcessGroup {
     runner_->rank = rank_;
     runner_->world_size = world_size_;
     // Groups are built in the same order on every rank, so the counter names the same group.
-    std::string prefix = "gloo/" + std::to_string(next_group_id++) + "/";
+    std::string prefix = !options.store_prefix.empty()
+                             ? options.store_prefix
+                             : "gloo/" + std::to_string(next_group_id++) + "/";
     try {
       gloo::transport::tcp::attr attr;
       attr.hostname = detail::local_address_towards(options.master_addr, options.master_port);

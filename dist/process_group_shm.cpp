@@ -787,7 +787,9 @@ class ProcessGroupShm : public ProcessGroup {
         sent_messages_(static_cast<size_t>(options.world_size), 0),
         received_messages_(static_cast<size_t>(options.world_size), 0) {
     // Groups are built in the same order on every rank, so the counter names the same group.
-    std::string prefix = "shm/" + std::to_string(next_group_id++) + "/";
+    std::string prefix = !options.store_prefix.empty()
+                             ? options.store_prefix
+                             : "shm/" + std::to_string(next_group_id++) + "/";
     if (world_size_ > 1)
       engine_ = std::make_shared<ShmEngine>(
           std::make_unique<ShmSegment>(*store_, prefix, rank_, world_size_, options.timeout));

@@ -339,3 +339,28 @@ TEST_CASE("shm: send and recv, in order, both ways at once, with the wrong tag n
   });
   CHECK_MESSAGE(failures.empty(), failures);
 }
+
+#if NANODDP_WITH_GLOO
+TEST_CASE("shm+gloo: auto picks two levels for 2 nodes x 2 ranks, and every collective is exact") {
+  int port = testing::free_port();
+  std::string failures = testing::run_ranks(4, [&](int rank) {
+    // What nanoddp-run --nnodes 2 --node-rank k --nproc-per-node 2 sets (node = GROUP_RANK).
+    ::setenv("RANK", std::to_string(rank).c_str(), 1);
+    ::setenv("WORLD_SIZE", "4", 1);
+    ::setenv("LOCAL_RANK", std::to_string(rank % 2).c_str(), 1);
+    ::setenv("LOCAL_WORLD_SIZE", "2", 1);
+    ::setenv("GROUP_RANK", std::to_string(rank / 2).c_str(), 1);
+    ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+    ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+    ::unsetenv("NANODDP_BACKEND");
+    InitOptions o;
+    o.timeout = 30000ms;
+    auto pg = init_process_group(o);
+    testing::expect(pg->backend_name() == "shm+gloo", "auto picked ", pg->backend_name());
+    testing::check_collectives(*pg, {1, 7, 1000, 65537});
+    testing::check_large_collectives(*pg);
+    destroy_process_group();
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+#endif
