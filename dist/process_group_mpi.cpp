@@ -349,16 +349,11 @@ class ProcessGroupMpi : public ProcessGroup {
     NANODDP_CHECK(tag >= 0, ValueError, what, ": MPI tags are >= 0, got ", tag);
     int count = checked_count(what, tensor.numel());
     void* data = tensor.impl()->storage->data();
-    MPI_Request request;
-    if (is_send)
-      call(what, "MPI_Isend", [&] {
-        return MPI_Isend(data, count, mpi_type(tensor.dtype()), peer, tag, comm_, &request);
-      });
-    else
-      call(what, "MPI_Irecv", [&] {
-        return MPI_Irecv(data, count, mpi_type(tensor.dtype()), peer, tag, comm_, &request);
-      });
-    return std::make_shared<MpiWork>(what, request, [tensor] {});
+    auto start = [&](MPI_Request* request) {
+      return is_send ? MPI_Isend(data, count, mpi_type(tensor.dtype()), peer, tag, comm_, request)
+                     : MPI_Irecv(data, count, mpi_type(tensor.dtype()), peer, tag, comm_, request);
+    };
+    return issue(what, is_send ? "MPI_Isend" : "MPI_Irecv", start, [tensor] {});
   }
 
   static int checked_count(const std::string& what, int64_t numel) {
