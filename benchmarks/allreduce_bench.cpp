@@ -1,7 +1,8 @@
 // All-reduce bandwidth in the nccl-tests form: one row per message size, the time of one
 // in-place float32 sum all-reduce, its algorithm bandwidth and its bus bandwidth.
 //
-//   allreduce_bench --nproc 2 --backend gloo          # forks 2 ranks on this host
+//   allreduce_bench --nproc 2 --backend shm           # forks 2 ranks on this host
+//   allreduce_bench --nproc 2 --backend shm --ring    # dist::ring_all_reduce on send/recv
 //   mpirun -np 2 allreduce_bench                       # MPI (auto under mpirun)
 //   nanoddp-run --nproc-per-node 8 allreduce_bench --backend nccl   # GPU = LOCAL_RANK
 //
@@ -10,6 +11,11 @@
 // buffer through every rank's link, so busbw is comparable across world sizes and with the
 // link's peak (nccl-tests, doc/PERFORMANCE.md). time is the mean over iterations of the
 // slowest rank (a max all-reduce of the per-rank means).
+//
+// Below the table, a fit time = alpha + beta * bytes: alpha is the fixed cost of one
+// all-reduce (latency: hand-offs, wake-ups), 1/beta the bandwidth a large one reaches. It is
+// a least-squares fit of relative errors (each size weighs the same, so the small sizes set
+// alpha and the large ones beta).
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -24,6 +30,7 @@
 
 #include "core/tensor.h"
 #include "dist/init.h"
+#include "dist/ring.h"
 #include "tools/cli_checks.h"
 #include "tests/multiprocess.h"
 
@@ -59,7 +66,25 @@ struct Config {
   bool compare_blocking_mpi = false;
   bool csv = false;  // one CSV row per size instead of the table (tools/plot allreduce reads it)
   bool check_collectives = false;  // the table is the backend's own bandwidth unless asked
+  bool ring = false;  // time dist::ring_all_reduce (send/recv) instead of pg.all_reduce
 };
+
+// alpha, beta of time = alpha + beta * bytes, minimising sum ((alpha + beta b - t) / t)^2.
+std::pair<double, double> fit_alpha_beta(const std::vector<double>& bytes,
+                                         const std::vector<double>& seconds) {
+  double s00 = 0, s01 = 0, s11 = 0, r0 = 0, r1 = 0;
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    const double w = 1.0 / (seconds[i] * seconds[i]);
+    s00 += w;
+    s01 += w * bytes[i];
+    s11 += w * bytes[i] * bytes[i];
+    r0 += w * seconds[i];
+    r1 += w * bytes[i] * seconds[i];
+  }
+  const double det = s00 * s11 - s01 * s01;
+  if (bytes.size() < 2 || det == 0) return {seconds.empty() ? 0 : seconds[0], 0};
+  return {(r0 * s11 - r1 * s01) / det, (s00 * r1 - s01 * r0) / det};
+}
 
 void synchronize(const Device& device) {
 #if NANODDP_WITH_CUDA
@@ -70,11 +95,17 @@ void synchronize(const Device& device) {
 }
 
 // Mean seconds of one all-reduce on this rank.
-double time_all_reduce(dist::ProcessGroup& pg, Tensor& t, int iters, int warmup) {
-  for (int i = 0; i < warmup; ++i) pg.all_reduce(t)->wait();
+double time_all_reduce(dist::ProcessGroup& pg, Tensor& t, int iters, int warmup, bool ring) {
+  auto all_reduce = [&] {
+    if (ring)
+      dist::ring_all_reduce(pg, t);
+    else
+      pg.all_reduce(t)->wait();
+  };
+  for (int i = 0; i < warmup; ++i) all_reduce();
   pg.barrier()->wait();
   auto start = Clock::now();
-  for (int i = 0; i < iters; ++i) pg.all_reduce(t)->wait();
+  for (int i = 0; i < iters; ++i) all_reduce();
   synchronize(t.device());
   return std::chrono::duration<double>(Clock::now() - start).count() / iters;
 }
@@ -131,21 +162,25 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
     std::printf("backend,world_size,device,bytes,count,iters,time_us,algbw_gbps,busbw_gbps%s\n",
                 blocking_mpi ? ",mpi_allreduce_us" : "");
   } else if (print) {
-    std::printf("# nanoddp all_reduce: backend %s, %d ranks, float32 sum in place, device %s\n",
-                pg->backend_name().c_str(), n, device.str().c_str());
+    std::printf("# nanoddp %s: backend %s, %d ranks, float32 sum in place, device %s\n",
+                c.ring ? "ring_all_reduce (send/recv)" : "all_reduce", pg->backend_name().c_str(), n,
+                device.str().c_str());
     std::printf("# algbw = size / time;  busbw = algbw * 2(n-1)/n = algbw * %.3f  (n = %d)\n",
                 2.0 * (n - 1) / n, n);
     std::printf("# time: mean over iterations of the slowest rank\n");
     std::printf("%14s %12s %7s %12s %12s %12s%s\n", "size(B)", "count(el)", "iters", "time(us)",
                 "algbw(GB/s)", "busbw(GB/s)", blocking_mpi ? "  MPI_Allreduce(us)" : "");
   }
+  std::vector<double> sizes, times;
   for (int64_t bytes = c.min_bytes; bytes <= c.max_bytes; bytes *= 2) {
     const int64_t count = bytes / 4;
     Tensor t = Tensor::ones({count}, DType::Float32, device);
     // Every rank must run the same number of iterations: agree on the estimate first.
-    double estimate = max_over_ranks(*pg, time_all_reduce(*pg, t, 1, 1), device);
+    double estimate = max_over_ranks(*pg, time_all_reduce(*pg, t, 1, 1, c.ring), device);
     int iters = static_cast<int>(std::clamp(c.seconds_per_size / std::max(estimate, 1e-7), 5.0, 1000.0));
-    double seconds = max_over_ranks(*pg, time_all_reduce(*pg, t, iters, c.warmup), device);
+    double seconds = max_over_ranks(*pg, time_all_reduce(*pg, t, iters, c.warmup, c.ring), device);
+    sizes.push_back(static_cast<double>(bytes));
+    times.push_back(seconds);
     double algbw = static_cast<double>(bytes) / seconds / 1e9;
     double busbw = algbw * 2.0 * (n - 1) / n;
     std::string extra;
@@ -171,6 +206,12 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
       std::fflush(stdout);
     }
   }
+  if (print && !c.csv) {  // the CSV stays one row per size
+    auto [alpha, beta] = fit_alpha_beta(sizes, times);
+    std::printf("# fit: time = alpha + beta * bytes;  alpha = %.1f us, beta = %.4f us/KB "
+                "(1/beta = %.2f GB/s algbw)\n",
+                alpha * 1e6, beta * 1e6 * 1024, beta > 0 ? 1e-9 / beta : 0.0);
+  }
   pg->barrier()->wait();
   dist::destroy_process_group();
 }
@@ -179,10 +220,12 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
 
 int main(int argc, char** argv) {
   Config c;
-  CLI::App app{"All-reduce bandwidth table (nccl-tests style) for the gloo, mpi or nccl backend"};
+  CLI::App app{"All-reduce bandwidth table (nccl-tests style) for the shm, gloo, mpi or nccl backend"};
   app.add_option("--backend", c.backend,
-                 "gloo, mpi, nccl or auto; nccl runs rank r on GPU LOCAL_RANK (nanoddp-run sets it)")
-      ->check(CLI::IsMember({"auto", "gloo", "mpi", "nccl"}));
+                 "shm, gloo, mpi, nccl or auto; nccl runs rank r on GPU LOCAL_RANK (nanoddp-run sets it)")
+      ->check(CLI::IsMember({"auto", "shm", "gloo", "mpi", "nccl"}));
+  app.add_flag("--ring", c.ring,
+               "time dist::ring_all_reduce, the textbook ring on the backend's send/recv");
   app.add_option("--nproc", c.nproc, "fork this many ranks on this host (2..64); 0: launched by "
                  "nanoddp-run/mpirun")
       ->check(cli::integer_where("0 or an integer between 2 and 64", "0 or 2..64", [](long long v) { return v == 0 || (v >= 2 && v <= 64); }))

@@ -129,6 +129,19 @@ class StagingGroup : public ProcessGroup {
 
   std::shared_ptr<Work> barrier() override { return inner_->barrier(); }
 
+  std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {
+    if (!staged({tensor})) return inner_->send(tensor, dst, tag);
+    return std::make_shared<StagedWork>(inner_->send(copy_in(tensor), dst, tag), Pairs{});
+  }
+
+  std::shared_ptr<Work> recv(Tensor& tensor, int src, int tag) override {
+    if (!staged({tensor})) return inner_->recv(tensor, src, tag);
+    Tensor host = host_like(tensor);
+    return std::make_shared<StagedWork>(inner_->recv(host, src, tag), Pairs{{tensor, host}});
+  }
+
+  std::string all_reduce_algorithm() const override { return inner_->all_reduce_algorithm(); }
+
  private:
   using Pairs = std::vector<std::pair<Tensor, Tensor>>;
 

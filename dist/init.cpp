@@ -171,6 +171,7 @@ LaunchEnv read_launch_env() {
   env.local_rank = env_int({"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"}, 0, INT_MAX);
   env.local_world_size = env_int(
       {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"}, 1, INT_MAX);
+  env.node_rank = env_int({"GROUP_RANK"}, 0, INT_MAX);
   if (const char* addr = std::getenv("MASTER_ADDR")) env.master_addr = addr;
   int port = env_int({"MASTER_PORT"}, 0, 65535);
   env.master_port = port < 0 ? 0 : port;
@@ -192,8 +193,12 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
 
   Backend backend = requested_backend(options.backend, where);
   if (backend == Backend::Auto) {
+    const bool one_machine = env.world_size > 0 && env.local_world_size == env.world_size;
+    const bool nodes_known = env.world_size > 0 && env.local_world_size > 0 && env.node_rank >= 0;
     backend = options.device.is_cuda() ? Backend::Nccl
               : launched_by_mpi()      ? Backend::Mpi
+              : one_machine            ? Backend::Shm
+              : nodes_known            ? Backend::ShmGloo
                                        : Backend::Gloo;
   }
 
@@ -271,6 +276,26 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                                            : Device::cuda(env.local_rank < 0 ? 0 : env.local_rank);
     nccl.timeout = options.timeout;
     group = make_nccl_process_group(store, nccl);
+  } else if (backend == Backend::Shm) {
+    ShmOptions shm;
+    shm.rank = rank;
+    shm.world_size = world_size;
+    shm.timeout = options.timeout;
+    group = make_shm_process_group(store, shm);
+  } else if (backend == Backend::ShmGloo) {
+    NANODDP_CHECK(env.node_rank >= 0 && env.local_rank >= 0 && env.local_world_size > 0, ValueError,
+                  detail::where(rank, world_size),
+                  ": shm+gloo needs GROUP_RANK, LOCAL_RANK and LOCAL_WORLD_SIZE (nanoddp-run sets them)");
+    TwoLevelOptions two;
+    two.rank = rank;
+    two.world_size = world_size;
+    two.node_rank = env.node_rank;
+    two.local_rank = env.local_rank;
+    two.local_world_size = env.local_world_size;
+    two.master_addr = master.host;
+    two.master_port = store->port();
+    two.timeout = options.timeout;
+    group = make_two_level_process_group(store, two);
   } else {
     GlooOptions gloo;
     gloo.rank = rank;

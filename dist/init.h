@@ -87,6 +87,7 @@ struct LaunchEnv {
   int world_size = -1;
   int local_rank = -1;
   int local_world_size = -1;
+  int node_rank = -1;  // GROUP_RANK (nanoddp-run, torchrun): this node's index
   std::string master_addr;
   int master_port = 0;
 };

@@ -258,8 +258,9 @@ void check_options(const LaunchOptions& o, const std::vector<std::string>& progr
   NANODDP_CHECK(o.master_port >= 0 && o.master_port <= 65535, ValueError, "launch: --master-port ",
                 o.master_port, " is not a TCP port");
   NANODDP_CHECK(o.backend.empty() || o.backend == "auto" || o.backend == "gloo" || o.backend == "mpi" ||
-                    o.backend == "nccl",
-                ValueError, "launch: --backend must be auto, gloo, mpi or nccl, got '", o.backend, "'");
+                    o.backend == "nccl" || o.backend == "shm" || o.backend == "shm+gloo",
+                ValueError, "launch: --backend must be auto, shm, shm+gloo, gloo, mpi or nccl, got '", o.backend,
+                "'");
   NANODDP_CHECK(o.grace_period.count() >= 0, ValueError, "launch: negative grace period");
   // Each node's launcher would pick a different free port: they must be told one.
   NANODDP_CHECK(o.master_port != 0 || o.nnodes == 1, ValueError,

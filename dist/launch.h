@@ -59,7 +59,7 @@ struct LaunchOptions {
   int node_rank = 0;                      // this node's index, 0..nnodes-1 (GROUP_RANK)
   std::string master_addr = "127.0.0.1";  // where rank 0 serves the Store
   int master_port = 0;                    // 0 = pick a free port (single node only)
-  std::string backend;                    // "" (not given), "auto", "gloo", "mpi", "nccl"
+  std::string backend;                    // "" (not given), "auto", "shm", "shm+gloo", "gloo", "mpi", "nccl"
   std::string job_id;                     // NANODDP_JOB_ID for the ranks ("": none); see
   std::string store_token;                // NANODDP_STORE_TOKEN     give_job_identity()
   std::chrono::milliseconds grace_period = kDefaultGracePeriod;

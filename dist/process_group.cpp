@@ -25,6 +25,8 @@ const char* backend_name(Backend backend) {
     case Backend::Gloo: return "gloo";
     case Backend::Mpi: return "mpi";
     case Backend::Nccl: return "nccl";
+    case Backend::Shm: return "shm";
+    case Backend::ShmGloo: return "shm+gloo";
   }
   return "?";
 }
@@ -37,7 +39,20 @@ Backend parse_backend(const std::string& text) {
   if (lower == "gloo") return Backend::Gloo;
   if (lower == "mpi") return Backend::Mpi;
   if (lower == "nccl") return Backend::Nccl;
-  NANODDP_THROW(ValueError, "unknown backend '", text, "' (expected gloo, mpi, nccl or auto)");
+  if (lower == "shm") return Backend::Shm;
+  if (lower == "shm+gloo") return Backend::ShmGloo;
+  NANODDP_THROW(ValueError, "unknown backend '", text,
+                "' (expected gloo, mpi, nccl, shm, shm+gloo or auto)");
+}
+
+std::shared_ptr<Work> ProcessGroup::send(const Tensor& tensor, int dst, int) {
+  NANODDP_THROW(DistError, describe("send to rank " + std::to_string(dst), tensor),
+                ": this backend has no point-to-point");
+}
+
+std::shared_ptr<Work> ProcessGroup::recv(Tensor& tensor, int src, int) {
+  NANODDP_THROW(DistError, describe("recv from rank " + std::to_string(src), tensor),
+                ": this backend has no point-to-point");
 }
 
 const char* collective_name(Collective collective) {

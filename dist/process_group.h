@@ -1,6 +1,6 @@
 // ProcessGroup: the collectives every rank of a job calls together, one backend per file.
 //
-//   auto pg = dist::init_process_group();                  // dist/init.h: Gloo, MPI or NCCL
+//   auto pg = dist::init_process_group();                  // dist/init.h: shm, Gloo, MPI or NCCL
 //   pg->all_reduce(grad, dist::ReduceOp::Avg)->wait();      // grad: any shape, in place
 //   pg->barrier()->wait(std::chrono::seconds(30));
 //
@@ -27,9 +27,9 @@
 //  - Max and Min propagate NaN whichever rank holds it (torch.maximum/torch.minimum).
 //  - Every message names the rank, world size, host, backend, the collective and its sizes.
 //  - Tensors: dense, contiguous; float32 or int64 (UInt8 is refused: sums would wrap);
-//    CUDA tensors of the group's device on NCCL; CPU tensors on Gloo and MPI, and CUDA ones
-//    too when the group comes from init_process_group (staged through pinned host memory,
-//    dist/host_staging.h). device() says which device a group's own tensors should be on.
+//    CUDA tensors of the group's device on NCCL; CPU tensors on shm, Gloo and MPI, and CUDA
+//    ones too when the group comes from init_process_group (staged through pinned host
+//    memory, dist/host_staging.h). device() says which device a group's own tensors should be on.
 #pragma once
 
 #include <array>
@@ -54,10 +54,14 @@ const char* reduce_op_name(ReduceOp op);  // "sum", "avg", "max", "min"
 
 // Which library runs the collectives. Auto: NCCL for a CUDA device; MPI when the process was
 // started by mpirun or srun (OMPI_COMM_WORLD_SIZE, PMIX_RANK or PMI_RANK is set, RANK is not)
-// and MPI is built in; Gloo otherwise. init_process_group resolves Auto from NANODDP_BACKEND first.
-enum class Backend { Auto, Gloo, Mpi, Nccl };
-const char* backend_name(Backend backend);  // "auto", "gloo", "mpi", "nccl"
-// "gloo", "mpi", "nccl" or "auto" (case-insensitive); throws ValueError on anything else.
+// and MPI is built in; shm when every rank is on this machine (LOCAL_WORLD_SIZE == WORLD_SIZE,
+// as nanoddp-run and torchrun set them on one node); ShmGloo ("shm+gloo") when
+// LOCAL_WORLD_SIZE < WORLD_SIZE and GROUP_RANK (the node's index, set by nanoddp-run) is
+// known (see make_two_level_process_group); Gloo otherwise. init_process_group resolves Auto
+// from NANODDP_BACKEND first.
+enum class Backend { Auto, Gloo, Mpi, Nccl, Shm, ShmGloo };
+const char* backend_name(Backend backend);  // "auto", "gloo", "mpi", "nccl", "shm", "shm+gloo"
+// One of those names (case-insensitive); throws ValueError on anything else.
 Backend parse_backend(const std::string& text);
 
 // The collectives a ProcessGroup counts (see ProcessGroup::count).
@@ -105,7 +109,7 @@ class ProcessGroup {
 
   int rank() const { return rank_; }
   int size() const { return world_size_; }
-  virtual std::string backend_name() const = 0;  // "gloo", "mpi", "nccl"
+  virtual std::string backend_name() const = 0;  // "gloo", "mpi", "nccl", "shm", "shm+gloo"
   // The device whose tensors this group's collectives take: cuda:N for NCCL (the GPU it was
   // built on), cpu for Gloo and MPI (which also take CUDA tensors, staged through host
   // memory). Code that reduces numbers of its own (counts, losses, DDP's checks) builds its
@@ -127,6 +131,15 @@ class ProcessGroup {
                                                ReduceOp op = ReduceOp::Sum) = 0;
   // Completes once every rank has called it (torch.distributed.barrier).
   virtual std::shared_ptr<Work> barrier() = 0;
+
+  // Point-to-point (torch.distributed.isend / irecv; wait() on the Work for send / recv).
+  // tensor: any shape; recv's tensor must have the shape and dtype of the matching send.
+  // Messages between two ranks arrive in the order sent; tag must match too. Throws
+  // ValueError when dst/src is not another rank of the group; a mismatch in size, dtype or
+  // tag is a DistError on the receiving side (shm) or, where the library cannot tell, data
+  // cut short. The base class throws DistError: the backend has no point-to-point.
+  virtual std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag = 0);
+  virtual std::shared_ptr<Work> recv(Tensor& tensor, int src, int tag = 0);
 
   // The rendezvous store the group was built on. Throws DistError for MPI, which needs none.
   virtual Store& store();
@@ -180,6 +193,9 @@ struct GlooOptions {
   std::string master_addr = "127.0.0.1";  // Gloo listens on the interface that reaches it
   int master_port = 29500;
   std::chrono::milliseconds timeout = kDefaultTimeout;
+  // Store keys of this group start with this; "" = "gloo/<n>/", n counting the groups this
+  // process made (the same on every rank when all ranks make the same groups in order).
+  std::string store_prefix;
 };
 // Connects a full mesh of TCP pairs among the ranks through store (each rank publishes its
 // address, then connects to every other). One worker thread per group runs the collectives
@@ -195,6 +211,38 @@ std::shared_ptr<ProcessGroup> make_mpi_process_group(std::chrono::milliseconds t
 // True when MPI is built in and the process looks launched by mpirun/srun, and not by a
 // torchrun-style launcher inside them (RANK set: the innermost launcher wins).
 bool launched_by_mpi();
+
+struct ShmOptions {
+  int rank = 0;
+  int world_size = 1;
+  std::chrono::milliseconds timeout = kDefaultTimeout;  // store waits while the segment is made
+  std::string store_prefix;  // as GlooOptions::store_prefix; "" = "shm/<n>/"
+};
+// Ranks on one machine meet in one shared-memory segment, made through store and unnamed as
+// soon as every rank has mapped it (Note [Shm segment] in process_group_shm.cpp). all_reduce
+// is a ring reduce-scatter + all-gather; works run on the thread that waits for them (Note
+// [Shm progress]). Throws DistError when a rank is on another machine or /dev/shm is full.
+std::shared_ptr<ProcessGroup> make_shm_process_group(std::shared_ptr<Store> store,
+                                                     const ShmOptions& options);
+
+struct TwoLevelOptions {
+  int rank = 0;
+  int world_size = 1;
+  int node_rank = 0;         // this node's index (GROUP_RANK, from the launcher)
+  int local_rank = 0;        // this rank's index on its node (LOCAL_RANK)
+  int local_world_size = 1;  // ranks per node (LOCAL_WORLD_SIZE), the same on every node
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  std::chrono::milliseconds timeout = kDefaultTimeout;
+};
+// Two levels, as NCCL and Horovod's hierarchical all-reduce: all_reduce reduces among the
+// ranks of a node through shared memory, all-reduces across nodes between one leader per
+// node (local rank 0) over Gloo, then broadcasts the result on each node. Other collectives
+// and send/recv run on a Gloo group of all ranks. Ranks must be numbered node by node (rank =
+// node_rank * local_world_size + local_rank, as nanoddp-run and torchrun do); ValueError
+// otherwise.
+std::shared_ptr<ProcessGroup> make_two_level_process_group(std::shared_ptr<Store> store,
+                                                           const TwoLevelOptions& options);
 
 struct NcclOptions {
   int rank = 0;

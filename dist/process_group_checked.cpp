@@ -255,6 +255,13 @@ class CheckedProcessGroup : public ProcessGroup {
     return checked(CallKind::Barrier, "barrier", Tensor(), -1, 0,
                    [inner = state_->inner] { return inner->barrier(); });
   }
+  // Point-to-point is between two ranks, not a collective: no fingerprint, straight through.
+  std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {
+    return state_->inner->send(tensor, dst, tag);
+  }
+  std::shared_ptr<Work> recv(Tensor& tensor, int src, int tag) override {
+    return state_->inner->recv(tensor, src, tag);
+  }
 
  private:
   static Device device_of(const Tensor& t) { return t.defined() ? t.device() : Device::cpu(); }

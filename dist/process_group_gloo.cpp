@@ -32,6 +32,7 @@
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
 
 #include <algorithm>
 #include <atomic>
@@ -301,6 +302,44 @@ class GlooQueue {
   bool stop_ = false;
 };
 
+// A send or recv on the caller's thread (not the worker: point-to-point does not wait for
+// the collectives queued before it, as in PyTorch's ProcessGroupGloo). Gloo's pair threads
+// move the bytes; wait() waits on the unbound buffer.
+class GlooPointToPointWork : public Work {
+ public:
+  GlooPointToPointWork(std::string description, Tensor tensor,
+                       std::unique_ptr<gloo::transport::UnboundBuffer> buffer, bool is_send)
+      : description_(std::move(description)),
+        tensor_(std::move(tensor)),
+        buffer_(std::move(buffer)),
+        is_send_(is_send) {}
+
+  void wait(std::chrono::milliseconds timeout) override {
+    if (done_) return;
+    try {
+      const bool completed = is_send_ ? buffer_->waitSend(timeout) : buffer_->waitRecv(timeout);
+      NANODDP_CHECK(completed, DistError, description_, ": aborted");
+    } catch (const gloo::IoException& e) {
+      if (std::string(e.what()).find("Timed out") != std::string::npos)
+        NANODDP_THROW(TimeoutError, description_, ": did not complete within ", timeout.count(),
+                      " ms (a peer may have exited or be out of step): ", e.what());
+      NANODDP_THROW(DistError, description_, ": Gloo failed: ", e.what());
+    } catch (const gloo::Exception& e) {
+      NANODDP_THROW(DistError, description_, ": Gloo failed: ", e.what());
+    }
+    done_ = true;
+  }
+  // Gloo's unbound buffer cannot be polled; a work is known complete once waited for.
+  bool is_completed() override { return done_; }
+
+ private:
+  std::string description_;
+  Tensor tensor_;  // kept alive while Gloo reads or writes it
+  std::unique_ptr<gloo::transport::UnboundBuffer> buffer_;
+  bool is_send_;
+  bool done_ = false;
+};
+
 std::atomic<int> next_group_id{0};
 
 class ProcessGroupGloo : public ProcessGroup {
@@ -311,7 +350,9 @@ class ProcessGroupGloo : public ProcessGroup {
     runner_->rank = rank_;
     runner_->world_size = world_size_;
     // Groups are built in the same order on every rank, so the counter names the same group.
-    std::string prefix = "gloo/" + std::to_string(next_group_id++) + "/";
+    std::string prefix = !options.store_prefix.empty()
+                             ? options.store_prefix
+                             : "gloo/" + std::to_string(next_group_id++) + "/";
     try {
       gloo::transport::tcp::attr attr;
       attr.hostname = detail::local_address_towards(options.master_addr, options.master_port);
@@ -462,6 +503,13 @@ class ProcessGroupGloo : public ProcessGroup {
     });
   }
 
+  std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {
+    return point_to_point(tensor, dst, tag, true);
+  }
+  std::shared_ptr<Work> recv(Tensor& tensor, int src, int tag) override {
+    return point_to_point(tensor, src, tag, false);
+  }
+
   std::shared_ptr<Work> barrier() override {
     count_call(Collective::Barrier);
     if (world_size_ == 1) return std::make_shared<CompletedWork>();
@@ -473,6 +521,30 @@ class ProcessGroupGloo : public ProcessGroup {
   }
 
  private:
+  std::shared_ptr<Work> point_to_point(const Tensor& tensor, int peer, int tag, bool is_send) {
+    const std::string what = describe(
+        (is_send ? "send to rank " : "recv from rank ") + std::to_string(peer), tensor);
+    check_tensor(is_send ? "send" : "recv", tensor, Device::cpu());
+    NANODDP_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, ValueError, what, ": rank ",
+                  peer, " must be another rank of this group (0..", world_size_ - 1, ", not ",
+                  rank_, ")");
+    NANODDP_CHECK(!runner_->broken, DistError, what,
+                  ": the group is unusable after an earlier timeout");
+    // The tag is the slot, as in PyTorch; collectives use slots with a prefix above 32 bits.
+    const uint64_t slot = static_cast<uint32_t>(tag);
+    try {
+      auto buffer = runner_->context->createUnboundBuffer(tensor.impl()->storage->data(),
+                                                          tensor.nbytes());
+      if (is_send)
+        buffer->send(peer, slot);
+      else
+        buffer->recv(peer, slot);
+      return std::make_shared<GlooPointToPointWork>(what, tensor, std::move(buffer), is_send);
+    } catch (const gloo::Exception& e) {
+      NANODDP_THROW(DistError, what, ": Gloo failed: ", e.what());
+    }
+  }
+
   std::shared_ptr<Work> enqueue(std::string description, GlooTask task) {
     NANODDP_CHECK(!runner_->broken, DistError, description,
                   ": the group is unusable after an earlier timeout");

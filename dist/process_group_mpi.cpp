@@ -331,6 +331,13 @@ class ProcessGroupMpi : public ProcessGroup {
     });
   }
 
+  std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {
+    return point_to_point(tensor, dst, tag, true);
+  }
+  std::shared_ptr<Work> recv(Tensor& tensor, int src, int tag) override {
+    return point_to_point(tensor, src, tag, false);
+  }
+
   std::shared_ptr<Work> barrier() override {
     count_call(Collective::Barrier);
     std::string what = where() + ": mpi barrier";
@@ -339,6 +346,23 @@ class ProcessGroupMpi : public ProcessGroup {
   }
 
  private:
+  std::shared_ptr<Work> point_to_point(const Tensor& tensor, int peer, int tag, bool is_send) {
+    std::string what = describe(
+        (is_send ? "send to rank " : "recv from rank ") + std::to_string(peer), tensor);
+    check_tensor(is_send ? "send" : "recv", tensor, Device::cpu());
+    NANODDP_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, ValueError, what, ": rank ",
+                  peer, " must be another rank of this group (0..", world_size_ - 1, ", not ",
+                  rank_, ")");
+    NANODDP_CHECK(tag >= 0, ValueError, what, ": MPI tags are >= 0, got ", tag);
+    int count = checked_count(what, tensor.numel());
+    void* data = tensor.impl()->storage->data();
+    auto start = [&](MPI_Request* request) {
+      return is_send ? MPI_Isend(data, count, mpi_type(tensor.dtype()), peer, tag, comm_, request)
+                     : MPI_Irecv(data, count, mpi_type(tensor.dtype()), peer, tag, comm_, request);
+    };
+    return issue(what, is_send ? "MPI_Isend" : "MPI_Irecv", start, [tensor] {});
+  }
+
   static int checked_count(const std::string& what, int64_t numel) {
     NANODDP_CHECK(numel <= INT_MAX, ValueError, what, ": MPI counts are int; ", numel,
                   " elements is more than ", INT_MAX);

@@ -354,7 +354,7 @@ int main(int argc, char** argv) {
       ->check(cli::integer_in(1));
   app.add_option("--seed", config.seed, "seed of the weights and of the data order");
   app.add_option("--device", config.device, "cpu or cuda (rank r uses cuda:LOCAL_RANK)");
-  app.add_option("--backend", config.backend, "auto, gloo, mpi or nccl");
+  app.add_option("--backend", config.backend, "auto, shm, gloo, mpi or nccl");
   app.add_option("--data-dir", config.data_dir, "folder with the four Fashion-MNIST IDX files");
   app.add_option("--checkpoint", config.checkpoint, "file rank 0 writes after every epoch");
   app.add_option("--export", config.export_path,

@@ -100,7 +100,7 @@ int main(int argc, char** argv) {
   app.add_option("--init-bias", init_bias, "start from this bias instead of a random one");
   app.add_option("--seed", seed, "seed of the initial weights");
   app.add_option("--device", device_name, "cpu or cuda (rank r uses cuda:LOCAL_RANK)");
-  app.add_option("--backend", backend, "auto, gloo, mpi or nccl");
+  app.add_option("--backend", backend, "auto, shm, gloo, mpi or nccl");
   app.add_option("--metrics", metrics_path, "JSON-lines file rank 0 writes one line per epoch to (examples/metrics.h)");
   app.add_option("--trace", trace_file, "write a Chrome trace (ui.perfetto.dev) of the run to FILE");
   app.add_flag("--explain", explain, "print the bucket plan, then per step of each epoch the all-reduces");

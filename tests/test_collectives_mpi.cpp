@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "dist/init.h"
+#include "dist/ring.h"
 #include "tests/collectives_cases.h"
 
 extern char** environ;
@@ -69,7 +70,14 @@ TEST_CASE("mpi child: collectives inside one mpirun rank") {
   int rank = pg->rank();
   REQUIRE(world_size == std::atoi(std::getenv("OMPI_COMM_WORLD_SIZE")));
   testing::check_collectives(*pg, {1, 7, 1000, 65537});
-  if (world_size > 1) testing::check_large_collectives(*pg);
+  if (world_size > 1) {
+    testing::check_large_collectives(*pg);
+    // send/recv, through the textbook ring built on them (tests/test_ring.cpp counts its bytes).
+    Tensor t = testing::make_tensor(DType::Float32, 100003, [&](int64_t i) { return (rank + 1) * testing::pattern(i); });
+    ring_all_reduce(*pg, t);
+    const double s = world_size * (world_size + 1) / 2.0;
+    testing::expect_values(t, [&](int64_t i) { return s * testing::pattern(i); }, "mpi ring_all_reduce");
+  }
   // A collective nobody else joins: the wait times out instead of hanging.
   if (world_size == 2) {
     if (rank == 0) {

@@ -1,7 +1,8 @@
 // DistributedDataParallel on real process groups: N ranks must train exactly like one rank on
 // the concatenated batch. Each case runs its ranks on Gloo, forked (tests/multiprocess.h);
-// the last case runs this same file again under `mpirun -np 2`, where every 2-rank case runs
-// on the MPI backend with MPI's ranks.
+// the last cases run this same file again with NANODDP_TEST_BACKEND=shm (every case on the
+// shared-memory group) and under `mpirun -np 2`, where every 2-rank case runs on the MPI
+// backend with MPI's ranks.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -66,8 +67,8 @@ std::string on_ranks(int world, const std::function<void(int rank)>& fn) {
   return "";
 }
 
-// This rank's process group: a fresh Gloo group on a forked rank, the one MPI group under
-// mpirun (MPI is initialised once per process).
+// This rank's process group: a fresh Gloo (or NANODDP_TEST_BACKEND) group on a forked rank,
+// the one MPI group under mpirun (MPI is initialised once per process).
 std::shared_ptr<dist::ProcessGroup> join(int rank, int world, int port) {
   dist::InitOptions options;
   options.timeout = std::chrono::seconds(30);
@@ -79,7 +80,8 @@ std::shared_ptr<dist::ProcessGroup> join(int rank, int world, int port) {
   options.init_method = "tcp://127.0.0.1:" + std::to_string(port);
   options.rank = rank;
   options.world_size = world;
-  options.backend = dist::Backend::Gloo;
+  const char* backend = std::getenv("NANODDP_TEST_BACKEND");
+  options.backend = backend != nullptr ? dist::parse_backend(backend) : dist::Backend::Gloo;
   return dist::init_process_group(options);
 }
 
@@ -294,4 +296,14 @@ TEST_CASE("the 2-rank cases pass on the MPI backend too (this file under mpirun 
                     testing::built("tests/test_ddp")},
                    120s);
   CHECK_MESSAGE(r.code() == 0, "mpirun run failed:\n", r.out, r.err);
+}
+
+TEST_CASE("every case passes on the shm backend too (this file with NANODDP_TEST_BACKEND=shm)") {
+  if (under_mpirun() || std::getenv("NANODDP_TEST_BACKEND") != nullptr) return;
+  const testing::RunResult r =
+      testing::run({"/bin/sh", "-c",
+                    "NANODDP_TEST_BACKEND=shm exec \"$0\" --test-case-exclude='*mpirun*,*NANODDP_TEST_BACKEND*'",
+                    testing::built("tests/test_ddp")},
+                   120s);
+  CHECK_MESSAGE(r.code() == 0, "shm run failed:\n", r.out, r.err);
 }

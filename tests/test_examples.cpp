@@ -1,6 +1,7 @@
-// The examples, run as a user runs them: toy_ddp under the launcher (Gloo and MPI), the
-// tutorial's divergence reported, and fashion_mnist's resume equal to an uninterrupted run
-// (on a small Fashion-MNIST-shaped data set written here, so it does not need the package).
+// The examples, run as a user runs them: toy_ddp under the launcher (shm, Gloo and MPI, and
+// two "nodes" on this machine), the tutorial's divergence reported, and fashion_mnist's
+// resume equal to an uninterrupted run (on a small Fashion-MNIST-shaped data set written
+// here, so it does not need the package).
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -9,6 +10,7 @@
 
 #include "core/random.h"
 #include "data/idx.h"
+#include "dist/launch.h"
 #include "nn/checkpoint.h"
 #include "nn/safetensors.h"
 #include "tests/small_fashion_mnist.h"
@@ -51,7 +53,7 @@ TEST_CASE("toy_ddp: 2 ranks end with equal parameters, equal to 1 rank with the 
   // rank's make up exactly the single rank's batch of 16, step for step.
   const RunResult one = run({built("examples/toy_ddp"), "--batch-size", "16", "--init-weight", "0.5", "--init-bias", "0"});
   REQUIRE_MESSAGE(one.code() == 0, one.err);
-  for (const char* backend : {"gloo", "mpi"}) {
+  for (const char* backend : {"gloo", "mpi", "shm"}) {
     CAPTURE(backend);
     const RunResult two = run({launcher_path(), "--nproc-per-node", "2", "--backend", backend, built("examples/toy_ddp"),
                                "--init-weight", "0.5", "--init-bias", "0"},
@@ -84,6 +86,29 @@ TEST_CASE("toy_ddp's defaults reach w = 2, b = 0 at world sizes 1 to 8, and its 
     CHECK(std::regex_search(r.out, std::regex("check 2: one process on the global batch of " +
                                               std::to_string(8 * world) + " .*: yes")));
     CHECK(std::regex_search(r.out, std::regex("check 3: the fit is y = 2x: .*: yes")));
+  }
+}
+
+TEST_CASE("toy_ddp: two nodes on this machine (nanoddp-run --nnodes 2) train like 1 rank with the global batch") {
+  // 2 launchers x 2 ranks, node identity from the launcher (GROUP_RANK): auto picks shm+gloo.
+  // Rank r of 4 takes indices r, r+4, ...: the 4 batches of 8 make up the single rank's 32.
+  const RunResult one = run({built("examples/toy_ddp"), "--batch-size", "32", "--init-weight", "0.5", "--init-bias", "0"});
+  REQUIRE_MESSAGE(one.code() == 0, one.err);
+  const int port = dist::pick_free_port("127.0.0.1");
+  const std::string node = "\"$0\" --nnodes 2 --nproc-per-node 2 --master-port $1 --node-rank";
+  const std::string job = "\"$2\" --init-weight 0.5 --init-bias 0";
+  const RunResult four = run({"/bin/sh", "-c",
+                              node + " 1 " + job + " & other=$!; " + node + " 0 " + job +
+                                  "; mine=$?; wait $other; exit $((mine | $?))",
+                              launcher_path(), std::to_string(port), built("examples/toy_ddp")},
+                             90s);
+  REQUIRE_MESSAGE(four.code() == 0, four.out, four.err);
+  const auto ranks = toy_results(four), single = toy_results(one);
+  REQUIRE(ranks.size() == 4);
+  for (const auto& r : ranks) {
+    CHECK(r == ranks[0]);
+    CHECK(r.first == doctest::Approx(single[0].first).epsilon(1e-5));
+    CHECK(r.second == doctest::Approx(single[0].second).epsilon(1e-5));
   }
 }
 

@@ -130,7 +130,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--backend", options.backend,
                  "exported as NANODDP_BACKEND; mpi starts the ranks through mpirun")
-      ->check(CLI::IsMember({"auto", "gloo", "mpi", "nccl"}));
+      ->check(CLI::IsMember({"auto", "shm", "shm+gloo", "gloo", "mpi", "nccl"}));
   app.add_option("--grace-period", grace_s, "seconds between SIGTERM and SIGKILL when ranks are stopped")
       ->check(nanoddp::cli::number_in(0, kMaxSeconds))
       ->capture_default_str();

@@ -32,6 +32,7 @@
 #include "dist/launch.h"
 #include "dist/process_group.h"
 #include "dist/reducer.h"
+#include "dist/ring.h"
 #include "dist/spawn.h"
 #include "dist/store.h"
 #include "nn/checkpoint.h"

@@ -1,0 +1,977 @@
+// The shared-memory process group: CPU tensors between ranks on one machine, through one
+// segment of shared memory that every rank maps. The all-reduce is the textbook ring, written
+// out here so that it can be read; it is also the fast path on one machine (no sockets, no
+// threads: Note [Shm progress]).
+//
+// Note [Shm segment]
+// One POSIX shared-memory segment per group, laid out as
+//
+//   | Header | RankInfo x N | Channel x N*N | Slot x N*N*kSlotsPerChannel |
+//
+// Channel (src, dst) is a one-way mailbox of kSlotsPerChannel slots from rank src to rank dst,
+// with two counters: `posted` (written only by src) and `consumed` (written only by dst).
+// src may fill a slot while posted - consumed < kSlotsPerChannel; dst may read one while
+// posted != consumed. The ring uses channel (r, r+1); send/recv use any (src, dst). Every slot
+// carries an Envelope (which collective, its sequence number, dtype, size, op, root or tag) that
+// the reader checks against its own: ranks out of step are reported at the first slot read,
+// instead of mixing data (mismatch detection, as c10d's sequence numbers do).
+//
+// The segment is made through the store, in numbered steps (ShmSegment::open):
+//   1. Rank 0 removes segments left by jobs whose rank 0 died (the name holds its pid), then
+//      creates "/nanoddp.<pid>.<group>", sized and zeroed, and publishes the name with this
+//      machine's boot id.
+//   2. Every other rank reads the name, checks the boot id (the backend needs one machine),
+//      maps the segment and writes its pid into its RankInfo.
+//   3. Every rank sets "mapped/<rank>" and waits for all of them; rank 0 then unlinks the name.
+// From step 3 on, the segment has no name: the kernel frees it when the last rank unmaps it
+// or dies, so no exit path, however abrupt, leaves it behind in /dev/shm.
+//
+// Note [Shm waiting]
+// A rank that waits spins for kSpinTime (a peer usually answers within microseconds), then
+// sleeps on a futex in its own Doorbell. The spin calls sched_yield(), not a pause
+// instruction: when the peer it waits for shares its core (more ranks than free cores, a
+// busy machine) the peer runs at once instead of after our time slice. Measured on a loaded
+// 2-core machine, 2 ranks, 4 KB: ~60 us with yield, ~400 us with pause (and ~2 ms when the
+// pause spin lasted 200 us). A rank that changes a counter somebody may wait on
+// rings that rank's doorbell: a fetch_add, plus a FUTEX_WAKE only when the rank says it is
+// asleep. So 2 ranks on 2 cores never take the core that the other needs for its part of the
+// work. Sleeps are cut into kWatchInterval slices to check the deadline, the abort flag and
+// whether the awaited peer is still alive (a dead peer is reported within a slice, not after
+// the whole timeout).
+//
+// Note [Shm progress]
+// A collective or send/recv returns its Work at once and runs when some wait() needs it, on
+// the waiting thread (as MPI without a progress thread: "the collective moves only while
+// some rank sits in an MPI call"). wait() runs the pending works in issue order: a collective
+// runs to its end before anything after it, so works complete in the order issued; sends and
+// receives issued before it progress together, piece by piece, so that an exchange (rank 0
+// sends to 1 while 1 sends to 0) does not deadlock on full slots. On a CPU there is no
+// overlap to win by a thread of our own (DESIGN.md), and not having one is what keeps a
+// small all-reduce in microseconds (Note [Gloo worker thread] is the other side of that).
+// is_completed() does not run anything: it reports, and stays false until some wait() ran it.
+#include <dirent.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sched.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <functional>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "core/error.h"
+#include "dist/detail.h"
+#include "dist/process_group.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace nanoddp::dist {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// One slot's payload. 256 KiB keeps a slot in L2 while it is written and read, and makes the
+// per-slot hand-off (two counter updates) negligible next to the copy from 64 KiB up.
+constexpr size_t kSlotBytes = 256u << 10;
+// Two slots per channel: a rank fills the next slot while its neighbour reads the last one.
+constexpr uint32_t kSlotsPerChannel = 2;
+constexpr std::chrono::microseconds kSpinTime{20};
+constexpr std::chrono::milliseconds kWatchInterval{50};
+constexpr uint64_t kMagic = 0x6e616e6f64647073ull;  // "nanoddps"
+constexpr size_t kAbortMessageBytes = 1024;
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "futexes need lock-free 32-bit atomics");
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "a futex word is 32 bits");
+
+enum class Kind : uint32_t { AllReduce = 1, Broadcast, AllGather, ReduceScatter, Barrier, Send };
+
+const char* kind_name(Kind kind) {
+  switch (kind) {
+    case Kind::AllReduce:
+      return "all_reduce";
+    case Kind::Broadcast:
+      return "broadcast";
+    case Kind::AllGather:
+      return "all_gather";
+    case Kind::ReduceScatter:
+      return "reduce_scatter";
+    case Kind::Barrier:
+      return "barrier";
+    case Kind::Send:
+      return "send/recv";
+  }
+  return "?";
+}
+
+// What a slot belongs to. Equal on both ends of a channel when the ranks are in step.
+struct Envelope {
+  uint64_t seq = 0;  // collectives: the group's count; send/recv: the channel's message count
+  Kind kind = Kind::AllReduce;
+  int32_t dtype = 0;  // DType as int
+  int32_t op = 0;     // ReduceOp as int (reductions only)
+  int32_t root = 0;   // broadcast root, or send/recv tag
+  int64_t numel = 0;  // elements of the tensor (per rank for all_gather/reduce_scatter)
+
+  bool operator==(const Envelope& o) const {
+    return seq == o.seq && kind == o.kind && dtype == o.dtype && op == o.op && root == o.root &&
+           numel == o.numel;
+  }
+  std::string str() const {
+    std::ostringstream out;
+    out << kind_name(kind);
+    if (kind == Kind::AllReduce || kind == Kind::ReduceScatter)
+      out << "(" << reduce_op_name(static_cast<ReduceOp>(op)) << ")";
+    if (kind == Kind::Broadcast) out << " from rank " << root;
+    if (kind == Kind::Send) out << " tag " << root;
+    out << " #" << seq << " of " << numel << " " << dtype_name(static_cast<DType>(dtype));
+    return out.str();
+  }
+};
+
+// ---- the segment's layout (Note [Shm segment]) ---------------------------------------------
+
+struct Doorbell {
+  alignas(64) std::atomic<uint32_t> rings{0};  // the futex word
+  std::atomic<uint32_t> sleepers{0};
+};
+
+struct RankInfo {
+  alignas(64) int32_t pid = 0;
+  Doorbell bell;
+};
+
+struct Channel {
+  alignas(64) std::atomic<uint32_t> posted{0};    // written by the sender only
+  alignas(64) std::atomic<uint32_t> consumed{0};  // written by the receiver only
+};
+
+struct SlotHeader {
+  Envelope envelope;
+  uint64_t nbytes = 0;
+};
+constexpr size_t kSlotHeaderBytes = 64;
+static_assert(sizeof(SlotHeader) <= kSlotHeaderBytes, "slot header outgrew its room");
+constexpr size_t kSlotStride = kSlotHeaderBytes + kSlotBytes;
+
+struct Header {
+  uint64_t magic = 0;
+  int32_t world_size = 0;
+  // 0: running; 1: a rank is writing why it aborted; 2: aborted, message complete.
+  alignas(64) std::atomic<uint32_t> abort_state{0};
+  int32_t abort_rank = -1;
+  char abort_message[kAbortMessageBytes] = {};
+};
+
+size_t align_up(size_t n) { return (n + 63) / 64 * 64; }
+
+struct Layout {
+  size_t ranks, channels, slots, total;
+  explicit Layout(int n) {
+    const size_t w = static_cast<size_t>(n);
+    ranks = align_up(sizeof(Header));
+    channels = ranks + align_up(w * sizeof(RankInfo));
+    slots = channels + align_up(w * w * sizeof(Channel));
+    total = slots + w * w * kSlotsPerChannel * kSlotStride;
+  }
+};
+
+long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
+  // Not FUTEX_PRIVATE_FLAG: the word is shared between processes.
+  return ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
+}
+
+void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#else
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+#endif
+}
+
+// False once pid has exited, even while it is an unreaped zombie (a launcher may keep
+// exited ranks as zombies until the job ends).
+bool process_alive(int pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  if (!std::getline(stat, text)) return ::kill(pid, 0) == 0 || errno == EPERM;
+  size_t paren = text.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= text.size()) return true;
+  char state = text[paren + 2];
+  return state != 'Z' && state != 'X';
+}
+
+std::string boot_id() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(in, id);
+  return id;
+}
+
+// Step 1 of Note [Shm segment]: unlink "nanoddp.<pid>.*" segments whose creator is gone.
+void remove_stale_segments() {
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) return;
+  while (dirent* entry = ::readdir(dir)) {
+    int pid = 0, group = 0;
+    if (std::sscanf(entry->d_name, "nanoddp.%d.%d", &pid, &group) == 2 && pid > 0 && ::kill(pid, 0) != 0 &&
+        errno == ESRCH)
+      ::shm_unlink(("/" + std::string(entry->d_name)).c_str());
+  }
+  ::closedir(dir);
+}
+
+// The mapped segment and the waiting, posting and reading every collective is built from.
+class ShmSegment {
+ public:
+  ShmSegment(Store& store, const std::string& prefix, int rank, int world_size,
+             std::chrono::milliseconds timeout);
+  ~ShmSegment() {
+    if (base_ != nullptr) ::munmap(base_, layout_.total);
+  }
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+
+  // ---- posting and reading one slot of a channel (Note [Shm segment]) ----
+  // Fills the next slot of channel (rank, dst); false when both are still unread.
+  bool try_post(int dst, const Envelope& envelope, const void* data, size_t nbytes) {
+    Channel& c = channel(rank_, dst);
+    const uint32_t posted = c.posted.load(std::memory_order_relaxed);
+    if (posted - c.consumed.load(std::memory_order_acquire) >= kSlotsPerChannel) return false;
+    uint8_t* s = slot(rank_, dst, posted % kSlotsPerChannel);
+    auto* header = reinterpret_cast<SlotHeader*>(s);
+    header->envelope = envelope;
+    header->nbytes = nbytes;
+    if (nbytes > 0) std::memcpy(s + kSlotHeaderBytes, data, nbytes);
+    c.posted.store(posted + 1, std::memory_order_release);
+    ring(dst);
+    return true;
+  }
+  // The oldest unread slot of channel (src, rank), or nullptr when there is none.
+  const SlotHeader* try_peek(int src) {
+    Channel& c = channel(src, rank_);
+    const uint32_t consumed = c.consumed.load(std::memory_order_relaxed);
+    if (c.posted.load(std::memory_order_acquire) == consumed) return nullptr;
+    return reinterpret_cast<const SlotHeader*>(slot(src, rank_, consumed % kSlotsPerChannel));
+  }
+  static const uint8_t* payload(const SlotHeader* header) {
+    return reinterpret_cast<const uint8_t*>(header) + kSlotHeaderBytes;
+  }
+  // Hands the slot try_peek returned back to src.
+  void release(int src) {
+    Channel& c = channel(src, rank_);
+    c.consumed.store(c.consumed.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+    ring(src);
+  }
+
+  // Blocking forms for the collectives: wait (Note [Shm waiting]) for a free slot / a slot.
+  void post(int dst, const Envelope& envelope, const void* data, size_t nbytes, Clock::time_point deadline,
+            const std::string& what) {
+    wait_until([&] { return try_post(dst, envelope, data, nbytes); }, dst, deadline, what);
+  }
+  // Waits for the next slot from src and checks that it belongs to `expected` and holds nbytes.
+  const SlotHeader* receive(int src, const Envelope& expected, size_t nbytes, Clock::time_point deadline,
+                            const std::string& what) {
+    const SlotHeader* header = nullptr;
+    wait_until([&] { return (header = try_peek(src)) != nullptr; }, src, deadline, what);
+    check_envelope(src, *header, expected, nbytes, what);
+    return header;
+  }
+  void check_envelope(int src, const SlotHeader& header, const Envelope& expected, size_t nbytes,
+                      const std::string& what) {
+    if (header.envelope == expected && header.nbytes == nbytes) return;
+    abort(what + ": rank " + std::to_string(src) + " is at " + header.envelope.str() +
+          " while this rank is at " + expected.str() +
+          " (every rank must issue the same collectives in the same order, with the same "
+          "dtype, size, op and root)");
+  }
+
+  // Spins, then sleeps on this rank's doorbell, until ready() is true. `peer` is the rank
+  // being waited for (-1: any), checked for liveness. Throws TimeoutError after deadline and
+  // DistError when the group was aborted or the peer died.
+  template <typename Ready>
+  void wait_until(Ready&& ready, int peer, Clock::time_point deadline, const std::string& what) {
+    const auto spin_end = Clock::now() + kSpinTime;
+    for (int i = 0;; ++i) {
+      if (ready()) return;
+      if ((i & 15) == 15 && Clock::now() > spin_end) break;
+      ::sched_yield();
+    }
+    Doorbell& bell = info(rank_).bell;
+    while (true) {
+      // First: a peer may have posted its last piece and exited; what it left still counts.
+      if (ready()) return;
+      check_abort(what);
+      auto now = Clock::now();
+      if (now >= deadline) {
+        std::string waited = peer >= 0 ? "rank " + std::to_string(peer) : "a peer";
+        mark_aborted(what + ": rank " + std::to_string(rank_) + " timed out waiting for " + waited);
+        NANODDP_THROW(TimeoutError, what, ": did not complete within ", wait_timeout.count(),
+                      " ms (waiting for ", waited, "; a peer may have exited or be out of step)");
+      }
+      check_alive(peer, what);
+      const uint32_t rings = bell.rings.load();
+      bell.sleepers.fetch_add(1);
+      if (ready()) {
+        bell.sleepers.fetch_sub(1);
+        return;
+      }
+      auto slice = std::min<Clock::duration>(deadline - now, kWatchInterval);
+      auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(slice).count();
+      timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+      // Returns at once if a ring came after `rings` was read: no wake-up is lost.
+      futex(&bell.rings, FUTEX_WAIT, rings, &ts);
+      bell.sleepers.fetch_sub(1);
+      if (ready()) return;
+    }
+  }
+
+  // This rank's doorbell count: read it before looking for progress, then doze(count) sleeps
+  // only if nobody rang since (send/recv progress).
+  uint32_t rings() { return info(rank_).bell.rings.load(); }
+  // peer: the rank whose progress is awaited, watched for liveness (not every rank: one that
+  // has finished its part may have exited already).
+  void doze(uint32_t since, int peer, Clock::time_point deadline, const std::string& what) {
+    wait_until([&] { return info(rank_).bell.rings.load() != since; }, peer, deadline, what);
+  }
+
+  // Marks the group aborted with why (the first reason wins) and wakes every rank.
+  void mark_aborted(const std::string& why) {
+    uint32_t expected = 0;
+    if (header_->abort_state.compare_exchange_strong(expected, 1)) {
+      std::snprintf(header_->abort_message, kAbortMessageBytes, "%s", why.c_str());
+      header_->abort_rank = rank_;
+      header_->abort_state.store(2);
+      for (int r = 0; r < world_size_; ++r)
+        if (r != rank_) ring(r, /*always_wake=*/true);
+    }
+  }
+  [[noreturn]] void abort(const std::string& why) {
+    mark_aborted(why);
+    NANODDP_THROW(DistError, why);
+  }
+
+  void check_abort(const std::string& what) {
+    if (header_->abort_state.load(std::memory_order_acquire) == 0) return;
+    while (header_->abort_state.load() != 2) cpu_relax();  // the message is being written
+    NANODDP_THROW(DistError, what, ": the group was aborted by rank ", header_->abort_rank, ": ",
+                  header_->abort_message);
+  }
+
+  void check_alive(int peer, const std::string& what) {
+    for (int r = peer < 0 ? 0 : peer; r < (peer < 0 ? world_size_ : peer + 1); ++r) {
+      if (r == rank_ || !watch_pids_ || process_alive(info(r).pid)) continue;
+      abort(what + ": rank " + std::to_string(r) + " (pid " + std::to_string(info(r).pid) +
+            ") exited in the middle of the job");
+    }
+  }
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+
+  // The timeout the running wait() was given, for messages.
+  std::chrono::milliseconds wait_timeout{0};
+
+ private:
+  void map(int fd, const std::string& name, const std::string& where);
+  void ring(int r, bool always_wake = false) {
+    Doorbell& bell = info(r).bell;
+    bell.rings.fetch_add(1);
+    if (always_wake || bell.sleepers.load() > 0) futex(&bell.rings, FUTEX_WAKE, INT32_MAX, nullptr);
+  }
+
+  RankInfo& info(int r) { return reinterpret_cast<RankInfo*>(base_ + layout_.ranks)[r]; }
+  Channel& channel(int src, int dst) {
+    return reinterpret_cast<Channel*>(base_ + layout_.channels)[src * world_size_ + dst];
+  }
+  uint8_t* slot(int src, int dst, uint32_t index) {
+    const size_t n = (static_cast<size_t>(src) * world_size_ + dst) * kSlotsPerChannel + index;
+    return base_ + layout_.slots + n * kSlotStride;
+  }
+
+  int rank_;
+  int world_size_;
+  Layout layout_;
+  uint8_t* base_ = nullptr;
+  Header* header_ = nullptr;
+  bool watch_pids_ = true;
+};
+
+ShmSegment::ShmSegment(Store& store, const std::string& prefix, int rank, int world_size,
+                       std::chrono::milliseconds timeout)
+    : rank_(rank), world_size_(world_size), layout_(world_size) {
+  const std::string where = detail::where(rank, world_size) + ": shm";
+  const std::string machine = boot_id() + " " + detail::host_name();
+  std::string name;
+  detail::Fd fd;
+  if (rank == 0) {
+    // Step 1 (Note [Shm segment]).
+    remove_stale_segments();
+    static std::atomic<int> created{0};
+    name = "/nanoddp." + std::to_string(::getpid()) + "." + std::to_string(created++);
+    fd = detail::Fd(::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600));
+    NANODDP_CHECK(fd.valid(), DistError, where, ": shm_open(", name, ") failed: ", detail::errno_text(errno));
+  }
+  // Rank 0 unlinks the name whatever happens from here on (step 3).
+  struct Unlinker {
+    std::string name;
+    ~Unlinker() {
+      if (!name.empty()) ::shm_unlink(name.c_str());
+    }
+  } unlinker{rank == 0 ? name : std::string()};
+
+  if (rank == 0) {
+    NANODDP_CHECK(::ftruncate(fd.get(), static_cast<off_t>(layout_.total)) == 0, DistError, where,
+                  ": sizing the segment ", name, " to ", layout_.total,
+                  " bytes failed: ", detail::errno_text(errno), " (is /dev/shm full?)");
+    map(fd.get(), name, where);
+    new (header_) Header();
+    for (int r = 0; r < world_size; ++r) new (&info(r)) RankInfo();
+    for (int c = 0; c < world_size * world_size; ++c)
+      new (&reinterpret_cast<Channel*>(base_ + layout_.channels)[c]) Channel();
+    header_->world_size = world_size;
+    header_->magic = kMagic;
+    store.set(prefix + "segment", name + "\n" + machine);  // only now may the others map it
+  } else {
+    // Step 2.
+    std::string published = store.get_string(prefix + "segment");
+    size_t newline = published.find('\n');
+    name = published.substr(0, newline);
+    std::string theirs = newline == std::string::npos ? "" : published.substr(newline + 1);
+    NANODDP_CHECK(theirs == machine, DistError, where,
+                  ": the shm backend needs every rank on one machine, but rank 0 runs on '", theirs,
+                  "' and this rank on '", machine, "' (use gloo or mpi across machines)");
+    fd = detail::Fd(::shm_open(name.c_str(), O_RDWR, 0600));
+    NANODDP_CHECK(fd.valid(), DistError, where, ": shm_open(", name,
+                  ") published by rank 0 failed: ", detail::errno_text(errno));
+    map(fd.get(), name, where);
+    NANODDP_CHECK(header_->magic == kMagic && header_->world_size == world_size, DistError, where,
+                  ": segment ", name, " is not this group's (world size ", header_->world_size, ", expected ",
+                  world_size, ")");
+  }
+  info(rank).pid = ::getpid();
+
+  // Step 3.
+  store.set(prefix + "mapped/" + std::to_string(rank), std::string("1"));
+  std::vector<std::string> keys;
+  for (int r = 0; r < world_size; ++r) keys.push_back(prefix + "mapped/" + std::to_string(r));
+  store.wait(keys, timeout);
+  // Peers in another pid namespace show foreign pids: then liveness cannot be watched.
+  for (int r = 0; r < world_size; ++r) watch_pids_ = watch_pids_ && process_alive(info(r).pid);
+}
+
+void ShmSegment::map(int fd, const std::string& name, const std::string& where) {
+  void* mapped = ::mmap(nullptr, layout_.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  NANODDP_CHECK(mapped != MAP_FAILED, DistError, where, ": mapping ", layout_.total, " bytes of ", name,
+                " failed: ", detail::errno_text(errno));
+  base_ = static_cast<uint8_t*>(mapped);
+  header_ = reinterpret_cast<Header*>(base_);
+}
+
+// ---- element-wise reductions -------------------------------------------------------------
+
+// out[i] = out[i] (op) in[i]. Max and Min propagate NaN (as torch.maximum/minimum and
+// PyTorch's reductions do): a NaN on any rank makes the result NaN.
+template <typename T, ReduceOp Op>
+void reduce_into(void* out_bytes, const void* in_bytes, int64_t n) {
+  T* __restrict out = static_cast<T*>(out_bytes);
+  const T* __restrict in = static_cast<const T*>(in_bytes);
+  for (int64_t i = 0; i < n; ++i) {
+    const T a = out[i], b = in[i];
+    if constexpr (Op == ReduceOp::Sum || Op == ReduceOp::Avg) {
+      out[i] = a + b;
+    } else if constexpr (Op == ReduceOp::Max) {
+      out[i] = (a > b || a != a) ? a : b;  // a != a: a is NaN
+    } else {
+      out[i] = (a < b || a != a) ? a : b;
+    }
+  }
+}
+
+using ReduceFn = void (*)(void*, const void*, int64_t);
+
+template <typename T>
+ReduceFn reduce_fn(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Avg:
+      return reduce_into<T, ReduceOp::Sum>;  // Avg divides at the end
+    case ReduceOp::Max:
+      return reduce_into<T, ReduceOp::Max>;
+    case ReduceOp::Min:
+      return reduce_into<T, ReduceOp::Min>;
+  }
+  return nullptr;
+}
+
+ReduceFn reduce_fn(DType dtype, ReduceOp op) {
+  return dtype == DType::Float32 ? reduce_fn<float>(op) : reduce_fn<int64_t>(op);
+}
+
+void divide(Tensor& tensor, int world_size) {
+  float* p = tensor.data<float>();
+  const float w = static_cast<float>(world_size);
+  for (int64_t i = 0; i < tensor.numel(); ++i) p[i] /= w;  // division: exact when representable
+}
+
+uint8_t* bytes_of(const Tensor& t) { return static_cast<uint8_t*>(t.impl()->storage->data()); }
+
+// ---- the ring ------------------------------------------------------------------------------
+//
+// N ranks in a ring, each sending to its right neighbour r+1 and receiving from its left r-1.
+// The buffer is cut into N parts; part p may be shorter at the end. Every "step" moves one part
+// per rank, in pieces of at most kSlotBytes, so the ring is a pipeline: while rank r+1 reduces
+// piece i, rank r already copies piece i+1 into the other slot.
+//
+//   reduce-scatter, N = 3 (a,b,c: the ranks' parts; step s: rank r sends part r-s-1, adds part
+//   r-s-2 into its own)
+//            part 0       part 1       part 2
+//   rank 0   a0           a1           a2  ─┐ step 0: rank 0 sends part 2 to rank 1
+//   rank 1   b0 ─┐        b1           b2 <─┘         rank 1 adds it: b2+a2
+//   rank 2   c0 <┘        c1           c2
+//   after step 1, rank r holds the sum over all ranks of part r:
+//   rank 0 a0+b0+c0, rank 1 a1+b1+c1, rank 2 a2+b2+c2
+//
+//   all-gather: step s: rank r sends part r-s (complete), copies part r-s-1 from its left.
+//   After N-1 steps every rank holds every complete part.
+//
+// Each rank sends N-1 parts in each phase: 2(N-1)/N of the buffer in all, whatever N is. That
+// is the whole point of the ring: passing the whole buffer around (N-1 times the buffer per
+// rank) is the mistake it avoids. tests/test_collectives_shm.cpp ("bytes") counts it.
+
+// The N parts a ring works on: part p is numel[p] elements at data[p].
+struct Parts {
+  std::vector<uint8_t*> data;
+  std::vector<int64_t> numel;
+  size_t element_size = 4;
+
+  // One buffer cut into N parts of ceil(numel / N) elements (the last ones shorter or empty).
+  static Parts of_buffer(uint8_t* data, int64_t numel, size_t element_size, int n) {
+    Parts parts;
+    parts.element_size = element_size;
+    const int64_t part = (numel + n - 1) / n;
+    for (int p = 0; p < n; ++p) {
+      const int64_t begin = std::min(numel, p * part);
+      parts.data.push_back(data + begin * element_size);
+      parts.numel.push_back(std::min(numel, begin + part) - begin);
+    }
+    return parts;
+  }
+  // Every step moves this many pieces (the same on every rank; pieces past a short part's end
+  // are empty but still travel, which keeps the channel counters in step).
+  int64_t pieces() const {
+    const int64_t piece = static_cast<int64_t>(kSlotBytes / element_size);
+    const int64_t largest = *std::max_element(numel.begin(), numel.end());
+    return std::max<int64_t>(1, (largest + piece - 1) / piece);
+  }
+  // Elements [first, first + count) of piece i of part p.
+  std::pair<int64_t, int64_t> piece(int p, int64_t i) const {
+    const int64_t size = static_cast<int64_t>(kSlotBytes / element_size);
+    const int64_t first = std::min(numel[p], i * size);
+    return {first, std::min(numel[p], first + size) - first};
+  }
+};
+
+int mod(int a, int n) { return ((a % n) + n) % n; }
+
+struct Ring {
+  ShmSegment& shm;
+  Envelope envelope;
+  Clock::time_point deadline;
+  const std::string& what;
+
+  int rank() const { return shm.rank(); }
+  int n() const { return shm.world_size(); }
+  int right() const { return mod(rank() + 1, n()); }
+  int left() const { return mod(rank() - 1, n()); }
+
+  // One step: send part `out` to the right, fold part `in` from the left into ours with
+  // `combine` (a reduction, or a copy).
+  void step(Parts& parts, int out, int in,
+            const std::function<void(uint8_t*, const uint8_t*, int64_t)>& combine) {
+    const size_t es = parts.element_size;
+    for (int64_t i = 0; i < parts.pieces(); ++i) {
+      auto [out_first, out_count] = parts.piece(out, i);
+      shm.post(right(), envelope, parts.data[out] + out_first * es, out_count * es, deadline, what);
+      auto [in_first, in_count] = parts.piece(in, i);
+      const SlotHeader* slot = shm.receive(left(), envelope, in_count * es, deadline, what);
+      combine(parts.data[in] + in_first * es, ShmSegment::payload(slot), in_count);
+      shm.release(left());
+    }
+  }
+
+  // Afterwards rank r holds part r reduced over all ranks: N-1 steps, (N-1)/N of the data sent.
+  void reduce_scatter(Parts& parts, ReduceFn reduce) {
+    for (int s = 0; s < n() - 1; ++s)
+      step(parts, mod(rank() - s - 1, n()), mod(rank() - s - 2, n()),
+           [reduce](uint8_t* mine, const uint8_t* theirs, int64_t count) { reduce(mine, theirs, count); });
+  }
+
+  // Starting from rank r holding part r, every rank gets every part: N-1 steps, (N-1)/N sent.
+  void all_gather(Parts& parts) {
+    const size_t es = parts.element_size;
+    for (int s = 0; s < n() - 1; ++s)
+      step(parts, mod(rank() - s, n()), mod(rank() - s - 1, n()),
+           [es](uint8_t* mine, const uint8_t* theirs, int64_t count) {
+             if (count > 0) std::memcpy(mine, theirs, count * es);
+           });
+  }
+
+  // root's buffer travels the ring root -> root+1 -> ... -> root-1, piece by piece.
+  void broadcast(uint8_t* data, int64_t numel, size_t element_size, int root) {
+    Parts whole;
+    whole.data = {data};
+    whole.numel = {numel};
+    whole.element_size = element_size;
+    const int position = mod(rank() - root, n());
+    for (int64_t i = 0; i < whole.pieces(); ++i) {
+      auto [first, count] = whole.piece(0, i);
+      uint8_t* piece = data + first * element_size;
+      const size_t nbytes = count * element_size;
+      if (position != 0) {
+        const SlotHeader* slot = shm.receive(left(), envelope, nbytes, deadline, what);
+        if (nbytes > 0) std::memcpy(piece, ShmSegment::payload(slot), nbytes);
+        shm.release(left());
+      }
+      if (position != n() - 1) shm.post(right(), envelope, piece, nbytes, deadline, what);
+    }
+  }
+};
+
+// ---- works and their progress (Note [Shm progress]) ------------------------------------------
+
+class ShmEngine;
+
+class ShmWork : public Work {
+ public:
+  // peer == kCollective: step() runs the collective to its end (blocking until the
+  // deadline). Otherwise it is a send/recv with rank peer: step() moves what it can and
+  // returns true once finished, never blocking.
+  static constexpr int kCollective = -1;
+  ShmWork(std::shared_ptr<ShmEngine> engine, std::string description, int peer,
+          std::function<bool(Clock::time_point)> step)
+      : engine_(std::move(engine)),
+        description_(std::move(description)),
+        collective_(peer == kCollective),
+        peer_(peer),
+        step_(std::move(step)) {}
+
+  void wait(std::chrono::milliseconds timeout) override;
+  bool is_completed() override;
+
+ private:
+  friend class ShmEngine;
+  std::shared_ptr<ShmEngine> engine_;
+  std::string description_;
+  bool collective_;
+  int peer_;
+  std::function<bool(Clock::time_point)> step_;
+  bool done_ = false;  // guarded by the engine's mutex
+  std::exception_ptr error_;
+};
+
+class ShmEngine {
+ public:
+  explicit ShmEngine(std::unique_ptr<ShmSegment> segment) : segment_(std::move(segment)) {}
+
+  ShmSegment& segment() { return *segment_; }
+
+  std::shared_ptr<Work> issue(std::shared_ptr<ShmEngine> self, std::string description, int peer,
+                              std::function<bool(Clock::time_point)> step) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_) {
+      try {
+        std::rethrow_exception(failure_);
+      } catch (const std::exception& e) {
+        NANODDP_THROW(DistError, description, ": the group is unusable after an earlier error: ", e.what());
+      }
+    }
+    auto work = std::make_shared<ShmWork>(std::move(self), std::move(description), peer, std::move(step));
+    pending_.push_back(work);
+    return work;
+  }
+
+  // Runs pending works in issue order until `target` is done (Note [Shm progress]).
+  void run_until(ShmWork& target, std::chrono::milliseconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    std::lock_guard<std::mutex> lock(mutex_);
+    try {
+      segment_->wait_timeout = timeout;
+      while (!target.done_) {
+        const uint32_t rings = segment_->rings();
+        bool progressed = false;
+        for (auto& work : pending_) {
+          if (work->done_) continue;
+          if (work->collective_) {
+            if (work == first_unfinished()) {
+              work->step_(deadline);
+              finish(*work);
+              progressed = true;
+            }
+            break;  // nothing after a collective starts before it has finished
+          }
+          if (work->step_(deadline)) {
+            finish(*work);
+            progressed = true;
+          }
+        }
+        while (!pending_.empty() && pending_.front()->done_) pending_.pop_front();
+        if (!progressed && !target.done_) segment_->doze(rings, target.peer_, deadline, target.description_);
+      }
+    } catch (...) {
+      // The group is out of step now: every unfinished work fails with this error.
+      failure_ = std::current_exception();
+      for (auto& work : pending_) {
+        if (work->done_) continue;
+        work->error_ = failure_;
+        finish(*work);
+      }
+      pending_.clear();
+    }
+  }
+
+  bool done(const ShmWork& work) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return work.done_;
+  }
+
+ private:
+  std::shared_ptr<ShmWork> first_unfinished() {
+    for (auto& work : pending_)
+      if (!work->done_) return work;
+    return nullptr;
+  }
+  static void finish(ShmWork& work) {
+    work.done_ = true;
+    work.step_ = nullptr;  // lets go of the tensors
+  }
+
+  std::unique_ptr<ShmSegment> segment_;
+  std::mutex mutex_;
+  std::deque<std::shared_ptr<ShmWork>> pending_;
+  std::exception_ptr failure_;
+};
+
+void ShmWork::wait(std::chrono::milliseconds timeout) {
+  if (!engine_->done(*this)) engine_->run_until(*this, timeout);
+  // This work's own error, or the earlier one that left the group out of step.
+  if (error_) std::rethrow_exception(error_);
+}
+
+bool ShmWork::is_completed() { return engine_->done(*this); }
+
+// ---- the group ---------------------------------------------------------------------------
+
+std::atomic<int> next_group_id{0};
+
+class ProcessGroupShm : public ProcessGroup {
+ public:
+  ProcessGroupShm(std::shared_ptr<Store> store, const ShmOptions& options)
+      : ProcessGroup(options.rank, options.world_size),
+        store_(std::move(store)),
+        sent_messages_(static_cast<size_t>(options.world_size), 0),
+        received_messages_(static_cast<size_t>(options.world_size), 0) {
+    // Groups are built in the same order on every rank, so the counter names the same group.
+    std::string prefix = !options.store_prefix.empty()
+                             ? options.store_prefix
+                             : "shm/" + std::to_string(next_group_id++) + "/";
+    if (world_size_ > 1)
+      engine_ = std::make_shared<ShmEngine>(
+          std::make_unique<ShmSegment>(*store_, prefix, rank_, world_size_, options.timeout));
+  }
+
+  std::string backend_name() const override { return "shm"; }
+  Store& store() override { return *store_; }
+
+  std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
+    std::string name = std::string("all_reduce(") + reduce_op_name(op) + ")";
+    check_tensor(name, tensor, Device::cpu());
+    check_reduce(name, tensor, op);
+    if (world_size_ == 1 || tensor.numel() == 0) return std::make_shared<CompletedWork>();
+    Envelope envelope = next_envelope(Kind::AllReduce, tensor, op, 0);
+    return collective(describe(name, tensor), [tensor, op, envelope](Ring& ring) mutable {
+      ring.envelope = envelope;
+      // Reduce-scatter then all-gather, in place: each rank sends 2(N-1)/N of the buffer.
+      Parts parts = Parts::of_buffer(bytes_of(tensor), tensor.numel(), dtype_size(tensor.dtype()), ring.n());
+      ring.reduce_scatter(parts, reduce_fn(tensor.dtype(), op));
+      ring.all_gather(parts);
+      if (op == ReduceOp::Avg) divide(tensor, ring.n());
+    });
+  }
+
+  std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
+    check_tensor("broadcast", tensor, Device::cpu());
+    NANODDP_CHECK(root >= 0 && root < world_size_, ValueError, describe("broadcast", tensor), ": root ", root,
+                  " is not a rank of this group");
+    if (world_size_ == 1 || tensor.numel() == 0) return std::make_shared<CompletedWork>();
+    Envelope envelope = next_envelope(Kind::Broadcast, tensor, ReduceOp::Sum, root);
+    return collective(describe("broadcast from rank " + std::to_string(root), tensor),
+                      [tensor, root, envelope](Ring& ring) {
+                        ring.envelope = envelope;
+                        ring.broadcast(bytes_of(tensor), tensor.numel(), dtype_size(tensor.dtype()), root);
+                      });
+  }
+
+  std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
+    check_tensor("all_gather", input, Device::cpu());
+    check_list("all_gather", outputs, input);
+    std::vector<Tensor> outs = outputs;
+    if (world_size_ == 1 || input.numel() == 0) {
+      outs[rank_].copy_(input);
+      return std::make_shared<CompletedWork>();
+    }
+    Envelope envelope = next_envelope(Kind::AllGather, input, ReduceOp::Sum, 0);
+    return collective(describe("all_gather", input), [outs, input, envelope](Ring& ring) {
+      ring.envelope = envelope;
+      Parts parts;
+      parts.element_size = dtype_size(input.dtype());
+      for (const Tensor& t : outs) {
+        parts.data.push_back(bytes_of(t));
+        parts.numel.push_back(input.numel());
+      }
+      std::memcpy(parts.data[ring.rank()], bytes_of(input), input.nbytes());
+      ring.all_gather(parts);
+    });
+  }
+
+  std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
+                                       ReduceOp op) override {
+    std::string name = std::string("reduce_scatter(") + reduce_op_name(op) + ")";
+    check_tensor(name, output, Device::cpu());
+    check_reduce(name, output, op);
+    check_list(name, inputs, output);
+    if (world_size_ == 1 || output.numel() == 0) {
+      output.copy_(inputs[0]);
+      return std::make_shared<CompletedWork>();
+    }
+    Envelope envelope = next_envelope(Kind::ReduceScatter, output, op, 0);
+    // The ring reduces in place, and inputs are the caller's: reduce a copy of them.
+    Tensor flat = Tensor::empty({output.numel() * world_size_}, output.dtype());
+    const size_t nbytes = output.nbytes();
+    for (int r = 0; r < world_size_; ++r)
+      std::memcpy(bytes_of(flat) + r * nbytes, bytes_of(inputs[r]), nbytes);
+    return collective(describe(name, output), [flat, output, op, nbytes, envelope](Ring& ring) mutable {
+      ring.envelope = envelope;
+      Parts parts = Parts::of_buffer(bytes_of(flat), flat.numel(), dtype_size(flat.dtype()), ring.n());
+      ring.reduce_scatter(parts, reduce_fn(flat.dtype(), op));
+      std::memcpy(bytes_of(output), parts.data[ring.rank()], nbytes);
+      if (op == ReduceOp::Avg) divide(output, ring.n());
+    });
+  }
+
+  std::shared_ptr<Work> barrier() override {
+    if (world_size_ == 1) return std::make_shared<CompletedWork>();
+    // A one-element all-reduce: along the ring every rank hears, transitively, from all.
+    Tensor token = Tensor::zeros({1}, DType::Int64);
+    Envelope envelope = next_envelope(Kind::Barrier, token, ReduceOp::Sum, 0);
+    return collective(where() + ": shm barrier", [token, envelope](Ring& ring) {
+      ring.envelope = envelope;
+      Parts parts = Parts::of_buffer(bytes_of(token), 1, sizeof(int64_t), ring.n());
+      ring.reduce_scatter(parts, reduce_fn(DType::Int64, ReduceOp::Sum));
+      ring.all_gather(parts);
+    });
+  }
+
+  std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {
+    check_peer("send", tensor, dst, "destination");
+    Envelope envelope{sent_messages_[dst]++, Kind::Send, static_cast<int32_t>(tensor.dtype()), 0, tag,
+                      tensor.numel()};
+    auto pieces = std::make_shared<int64_t>(0);
+    ShmSegment& shm = engine_->segment();
+    return engine_->issue(engine_, describe("send to rank " + std::to_string(dst), tensor), dst,
+                          [&shm, tensor, dst, envelope, pieces](Clock::time_point) {
+                            return piecewise(tensor, *pieces, [&](uint8_t* data, size_t nbytes) {
+                              return shm.try_post(dst, envelope, data, nbytes);
+                            });
+                          });
+  }
+
+  std::shared_ptr<Work> recv(Tensor& tensor, int src, int tag) override {
+    check_peer("recv", tensor, src, "source");
+    Envelope envelope{
+        received_messages_[src]++, Kind::Send, static_cast<int32_t>(tensor.dtype()), 0, tag, tensor.numel()};
+    auto pieces = std::make_shared<int64_t>(0);
+    ShmSegment& shm = engine_->segment();
+    std::string what = describe("recv from rank " + std::to_string(src), tensor);
+    return engine_->issue(engine_, what, src, [&shm, tensor, src, envelope, pieces, what](Clock::time_point) {
+      return piecewise(tensor, *pieces, [&](uint8_t* data, size_t nbytes) {
+        const SlotHeader* slot = shm.try_peek(src);
+        if (slot == nullptr) return false;
+        shm.check_envelope(src, *slot, envelope, nbytes, what);
+        if (nbytes > 0) std::memcpy(data, ShmSegment::payload(slot), nbytes);
+        shm.release(src);
+        return true;
+      });
+    });
+  }
+
+ private:
+  // Moves the pieces of tensor from *done on while move(piece, nbytes) succeeds; true when all
+  // have moved. An empty tensor still moves one empty piece (its envelope is checked).
+  template <typename Move>
+  static bool piecewise(const Tensor& tensor, int64_t& done, Move&& move) {
+    const int64_t total =
+        std::max<int64_t>(1, (static_cast<int64_t>(tensor.nbytes()) + kSlotBytes - 1) / kSlotBytes);
+    while (done < total) {
+      const size_t first = static_cast<size_t>(done) * kSlotBytes;
+      const size_t nbytes = std::min(kSlotBytes, tensor.nbytes() - first);
+      if (!move(bytes_of(tensor) + first, nbytes)) return false;
+      ++done;
+    }
+    return true;
+  }
+
+  void check_peer(const std::string& name, const Tensor& tensor, int peer, const char* role) const {
+    check_tensor(name, tensor, Device::cpu());
+    NANODDP_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, ValueError, describe(name, tensor), ": ",
+                  role, " rank ", peer, " must be another rank of this group (0..", world_size_ - 1, ", not ",
+                  rank_, ")");
+  }
+
+  Envelope next_envelope(Kind kind, const Tensor& tensor, ReduceOp op, int root) {
+    return Envelope{collective_seq_++,        kind, static_cast<int32_t>(tensor.dtype()),
+                    static_cast<int32_t>(op), root, tensor.numel()};
+  }
+
+  std::shared_ptr<Work> collective(std::string description, std::function<void(Ring&)> body) {
+    ShmSegment& shm = engine_->segment();
+    auto what = std::make_shared<std::string>(description);
+    return engine_->issue(engine_, std::move(description), ShmWork::kCollective,
+                          [&shm, body = std::move(body), what](Clock::time_point deadline) {
+                            Ring ring{shm, Envelope{}, deadline, *what};
+                            body(ring);
+                            return true;
+                          });
+  }
+
+  std::shared_ptr<Store> store_;
+  std::shared_ptr<ShmEngine> engine_;
+  uint64_t collective_seq_ = 0;
+  std::vector<uint64_t> sent_messages_;
+  std::vector<uint64_t> received_messages_;
+};
+
+}  // namespace
+
+std::shared_ptr<ProcessGroup> make_shm_process_group(std::shared_ptr<Store> store,
+                                                     const ShmOptions& options) {
+  NANODDP_CHECK(store != nullptr || options.world_size == 1, ValueError, "make_shm_process_group: no store");
+  return std::make_shared<ProcessGroupShm>(std::move(store), options);
+}
+
+}  // namespace nanoddp::dist

@@ -1,0 +1,368 @@
+// The shared-memory group between forked ranks on this host: the cases every CPU backend
+// passes (tests/collectives_cases.h), then what is particular to it: ranks out of step are
+// named, a dead peer is reported at once, the segment leaves nothing in /dev/shm, waiting
+// ranks sleep, Max/Min propagate NaN, send/recv, and the bytes each rank sends in a ring.
+#include <dirent.h>
+#include <doctest/doctest.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+
+#include "core/error.h"
+#include "dist/init.h"
+#include "dist/ring.h"
+#include "tests/collectives_cases.h"
+
+using namespace nanoddp;
+using namespace nanoddp::dist;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::shared_ptr<ProcessGroup> join(int port, int rank, int world_size,
+                                   std::chrono::milliseconds timeout = 30000ms,
+                                   bool check_collectives = true) {
+  InitOptions o;
+  o.backend = Backend::Shm;
+  // false: the backend alone, to test its own detection (the check would catch it first).
+  o.check_collectives = check_collectives;
+  o.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+  o.rank = rank;
+  o.world_size = world_size;
+  o.timeout = timeout;
+  return init_process_group(o);
+}
+
+// Names in /dev/shm that start with prefix.
+std::vector<std::string> shm_entries(const std::string& prefix) {
+  std::vector<std::string> names;
+  if (DIR* dir = ::opendir("/dev/shm")) {
+    while (dirent* e = ::readdir(dir))
+      if (std::string(e->d_name).rfind(prefix, 0) == 0) names.push_back(e->d_name);
+    ::closedir(dir);
+  }
+  return names;
+}
+
+double cpu_seconds() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("shm: every collective is exact for world sizes 1 to 4") {
+  for (int world_size = 1; world_size <= 4; ++world_size) {
+    CAPTURE(world_size);
+    int port = testing::free_port();
+    std::string failures = testing::run_ranks(world_size, [&](int rank) {
+      auto pg = join(port, rank, world_size);
+      testing::expect(pg->backend_name() == "shm", "backend is ", pg->backend_name());
+      testing::check_collectives(*pg, {1, 7, 1000, 65537});
+      destroy_process_group();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("shm: all_reduce and broadcast of 2^20 + 3 elements") {
+  for (int world_size : {2, 3, 4}) {
+    CAPTURE(world_size);
+    int port = testing::free_port();
+    std::string failures = testing::run_ranks(world_size, [&](int rank) {
+      auto pg = join(port, rank, world_size);
+      testing::check_large_collectives(*pg);
+      destroy_process_group();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("auto picks shm when every rank is on this machine, unless NANODDP_BACKEND says") {
+  for (const char* launcher_backend : {"", "gloo"}) {
+    CAPTURE(launcher_backend);
+    int port = testing::free_port();
+    std::string failures = testing::run_ranks(2, [&](int rank) {
+      ::setenv("RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("WORLD_SIZE", "2", 1);
+      ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", "2", 1);
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      ::setenv("NANODDP_BACKEND", launcher_backend, 1);
+      InitOptions o;
+      o.timeout = 30000ms;
+      auto pg = init_process_group(o);
+      std::string want = *launcher_backend ? launcher_backend : "shm";
+      testing::expect(pg->backend_name() == want, "auto picked ", pg->backend_name());
+      Tensor t = testing::make_tensor(DType::Float32, 3, [&](int64_t) { return rank + 1.0; });
+      pg->all_reduce(t)->wait();
+      testing::expect_values(
+          t, [](int64_t) { return 3.0; }, "env all_reduce");
+      destroy_process_group();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("shm: a rank that never joins gives a TimeoutError naming the collective and the peer") {
+  int port = testing::free_port();
+  std::string failures = testing::run_ranks(2, [&](int rank) {
+    auto pg = join(port, rank, 2, 20000ms, /*check_collectives=*/false);
+    if (rank == 1) {
+      std::this_thread::sleep_for(1500ms);  // alive, but never calls all_reduce
+      return;
+    }
+    Tensor t = Tensor::ones({4});
+    auto work = pg->all_reduce(t);
+    auto start = std::chrono::steady_clock::now();
+    try {
+      work->wait(300ms);
+      testing::expect(false, "wait returned without the peer");
+    } catch (const TimeoutError& e) {
+      std::string what = e.what();
+      for (const char* part :
+           {"rank 0/2", "shm", "all_reduce(sum)", "[4]", "float32", "300 ms", "waiting for rank 1"})
+        testing::expect(what.find(part) != std::string::npos, "message lacks '", part, "': ", what);
+    }
+    auto elapsed = std::chrono::steady_clock::now() - start;
+    testing::expect(elapsed >= 290ms && elapsed < 3000ms, "timeout took ",
+                    std::chrono::duration_cast<std::chrono::milliseconds>(elapsed).count(), " ms");
+    // The group is unusable now, and says so.
+    std::string later = error_of([&] { pg->all_reduce(t); });
+    testing::expect(later.find("unusable") != std::string::npos, "later issue: '", later, "'");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("shm: ranks out of step are named on both sides, at once") {
+  struct Mismatch {
+    const char* name;
+    std::function<void(ProcessGroup&, int)> call;
+    const char* expected;  // in every rank's message
+  };
+  const std::vector<Mismatch> cases = {
+      {"sizes",
+       [](ProcessGroup& pg, int rank) {
+         Tensor t = Tensor::ones({4 + rank});
+         pg.all_reduce(t)->wait(20000ms);
+       },
+       "all_reduce(sum) #1 of 5 float32"},
+      {"collectives",
+       [](ProcessGroup& pg, int rank) {
+         Tensor t = Tensor::ones({4});
+         if (rank == 0)
+           pg.all_reduce(t)->wait(20000ms);
+         else
+           pg.broadcast(t, 0)->wait(20000ms);
+       },
+       "broadcast from rank 0 #1"},
+      {"ops",
+       [](ProcessGroup& pg, int rank) {
+         Tensor t = Tensor::ones({4});
+         pg.all_reduce(t, rank == 0 ? ReduceOp::Sum : ReduceOp::Max)->wait(20000ms);
+       },
+       "all_reduce(max) #1"},
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.name);
+    int port = testing::free_port();
+    std::string failures = testing::run_ranks(2, [&](int rank) {
+      auto pg = join(port, rank, 2, 20000ms, /*check_collectives=*/false);
+      Tensor warm = Tensor::ones({3});
+      pg->all_reduce(warm)->wait();  // collective #0 agrees
+      auto start = std::chrono::steady_clock::now();
+      std::string what;
+      try {
+        c.call(*pg, rank);
+      } catch (const DistError& e) {
+        what = e.what();
+      }
+      testing::expect(!what.empty(), "the mismatch went unnoticed");
+      testing::expect(what.find(c.expected) != std::string::npos, "message lacks '", c.expected, "': ", what);
+      testing::expect(what.find("same order") != std::string::npos, "no advice: ", what);
+      testing::expect(std::chrono::steady_clock::now() - start < 2000ms, "noticed late");
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("shm: a peer that exits is reported within a fraction of the timeout") {
+  int port = testing::free_port();
+  std::string failures = testing::run_ranks(2, [&](int rank) {
+    auto pg = join(port, rank, 2, 20000ms, /*check_collectives=*/false);
+    pg->barrier()->wait();
+    if (rank == 1) ::_exit(0);  // gone without a word
+    Tensor t = Tensor::ones({1000});
+    auto start = std::chrono::steady_clock::now();
+    std::string what = error_of([&] { pg->all_reduce(t)->wait(20000ms); });
+    testing::expect(what.find("rank 1 (pid") != std::string::npos && what.find("exited") != std::string::npos,
+                    "message: '", what, "'");
+    testing::expect(std::chrono::steady_clock::now() - start < 2000ms, "noticed late");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("shm: the segment has no name once the group is up, and stale ones are removed") {
+  // A segment named as if its creator (a reaped child, so a pid that no longer runs) died
+  // between creating it and the unlink.
+  pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  ::waitpid(dead, nullptr, 0);
+  const std::string stale = "nanoddp." + std::to_string(dead) + ".0";
+  int fd = ::shm_open(("/" + stale).c_str(), O_CREAT | O_RDWR, 0600);
+  REQUIRE(fd >= 0);
+  ::close(fd);
+  REQUIRE(shm_entries(stale).size() == 1);
+
+  int port = testing::free_port();
+  std::string failures = testing::run_ranks(3, [&](int rank) {
+    auto pg = join(port, rank, 3);
+    pg->barrier()->wait();
+    // Every rank has mapped it, so rank 0 has unlinked its name.
+    if (rank == 0)
+      testing::expect(shm_entries("nanoddp." + std::to_string(::getpid()) + ".").empty(),
+                      "rank 0's segment still has a name in /dev/shm");
+    testing::expect(shm_entries(stale).empty(), "the stale segment ", stale, " is still there");
+    Tensor t = Tensor::ones({10});
+    pg->all_reduce(t)->wait();
+    testing::expect_values(
+        t, [](int64_t) { return 3.0; }, "all_reduce after setup");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("shm: a waiting rank sleeps instead of spinning") {
+  int port = testing::free_port();
+  std::string failures = testing::run_ranks(2, [&](int rank) {
+    auto pg = join(port, rank, 2);
+    pg->barrier()->wait();
+    if (rank == 1) std::this_thread::sleep_for(800ms);
+    const double cpu_before = cpu_seconds();
+    Tensor t = Tensor::ones({16});
+    pg->all_reduce(t)->wait();
+    const double cpu = cpu_seconds() - cpu_before;
+    testing::expect_values(
+        t, [](int64_t) { return 2.0; }, "all_reduce");
+    // Rank 0 waited ~800 ms; spinning would have cost as much CPU time.
+    if (rank == 0) testing::expect(cpu < 0.1, "rank 0 used ", cpu, " s of CPU while waiting");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("shm: max and min propagate NaN; sum carries it") {
+  for (int world_size : {2, 3}) {
+    CAPTURE(world_size);
+    int port = testing::free_port();
+    std::string failures = testing::run_ranks(world_size, [&](int rank) {
+      auto pg = join(port, rank, world_size);
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      for (ReduceOp op : {ReduceOp::Max, ReduceOp::Min, ReduceOp::Sum}) {
+        // Element i is NaN on rank i % world_size only (the first, a middle or the last rank);
+        // element 3 is NaN nowhere.
+        std::vector<float> v = {1.0f + rank, 1.0f + rank, 1.0f + rank, 1.0f + rank};
+        if (rank < 3) v[rank] = nan;
+        Tensor t = Tensor::from_vector(v);
+        pg->all_reduce(t, op)->wait();
+        auto out = t.to_vector();
+        for (int i = 0; i < 3; ++i)
+          testing::expect(i >= world_size || std::isnan(out[i]), reduce_op_name(op), ": element ", i, " is ",
+                          out[i], ", expected NaN");
+        const double want = op == ReduceOp::Max   ? world_size
+                            : op == ReduceOp::Min ? 1.0
+                                                  : world_size * (world_size + 1) / 2.0;
+        testing::expect(out[3] == want, reduce_op_name(op), ": element 3 is ", out[3]);
+      }
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("shm: send and recv, in order, both ways at once, with the wrong tag named") {
+  int port = testing::free_port();
+  std::string failures = testing::run_ranks(3, [&](int rank) {
+    auto pg = join(port, rank, 3, 20000ms);
+    // An exchange of 3 MB each way between ranks 0 and 1, far more than the channel holds:
+    // it completes only if both sends progress while both receives do.
+    if (rank < 2) {
+      const int peer = 1 - rank;
+      const int64_t n = 3 << 18;
+      Tensor out =
+          testing::make_tensor(DType::Float32, n, [&](int64_t i) { return rank * 1e6 + (i % 1000); });
+      Tensor in = Tensor::zeros({n});
+      auto sent = pg->send(out, peer);
+      auto received = pg->recv(in, peer);
+      received->wait();
+      sent->wait();
+      testing::expect_values(
+          in, [&](int64_t i) { return peer * 1e6 + (i % 1000); }, "exchange");
+    }
+    // Three messages from 2 to 0 arrive in the order sent; an int64 one keeps its values.
+    if (rank == 2) {
+      for (int k = 0; k < 3; ++k) {
+        Tensor m = testing::make_tensor(DType::Int64, 5, [&](int64_t i) { return 10 * k + i; });
+        pg->send(m, 0, /*tag=*/7)->wait();
+      }
+    }
+    if (rank == 0) {
+      for (int k = 0; k < 3; ++k) {
+        Tensor m = Tensor::zeros({5}, DType::Int64);
+        pg->recv(m, 2, 7)->wait();
+        testing::expect_values(
+            m, [&](int64_t i) { return 10.0 * k + i; }, "message " + std::to_string(k));
+      }
+    }
+    Tensor t = Tensor::ones({2});
+    testing::expect(!error_of([&] { pg->send(t, rank); }).empty(), "a send to itself was accepted");
+    testing::expect(!error_of([&] { pg->recv(t, 3); }).empty(), "a recv from rank 3 was accepted");
+    pg->barrier()->wait();
+    // A tag that does not match is reported by the receiver.
+    if (rank == 1) pg->send(t, 0, /*tag=*/1)->wait();
+    if (rank == 0) {
+      std::string what = error_of([&] { pg->recv(t, 1, /*tag=*/2)->wait(); });
+      testing::expect(what.find("tag 1") != std::string::npos && what.find("tag 2") != std::string::npos,
+                      "message: '", what, "'");
+    }
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+#if NANODDP_WITH_GLOO
+TEST_CASE("shm+gloo: auto picks two levels for 2 nodes x 2 ranks, and every collective is exact") {
+  int port = testing::free_port();
+  std::string failures = testing::run_ranks(4, [&](int rank) {
+    // What nanoddp-run --nnodes 2 --node-rank k --nproc-per-node 2 sets (node = GROUP_RANK).
+    ::setenv("RANK", std::to_string(rank).c_str(), 1);
+    ::setenv("WORLD_SIZE", "4", 1);
+    ::setenv("LOCAL_RANK", std::to_string(rank % 2).c_str(), 1);
+    ::setenv("LOCAL_WORLD_SIZE", "2", 1);
+    ::setenv("GROUP_RANK", std::to_string(rank / 2).c_str(), 1);
+    ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+    ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+    ::unsetenv("NANODDP_BACKEND");
+    InitOptions o;
+    o.timeout = 30000ms;
+    auto pg = init_process_group(o);
+    testing::expect(pg->backend_name() == "shm+gloo", "auto picked ", pg->backend_name());
+    testing::check_collectives(*pg, {1, 7, 1000, 65537});
+    testing::check_large_collectives(*pg);
+    destroy_process_group();
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+#endif
