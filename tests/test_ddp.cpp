@@ -14,11 +14,14 @@
 #include "dist/init.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
+#include "tests/dist_ranks.h"
 #include "tests/multiprocess.h"
 #include "tests/subprocess.h"
 
 using namespace nanoddp;
 using nanoddp::testing::expect;
+using nanoddp::testing::on_ranks;
+using nanoddp::testing::under_mpirun;
 using namespace std::chrono_literals;
 
 namespace {
@@ -49,22 +52,6 @@ Batch rows(const Batch& b, int64_t begin, int64_t end) {
   std::vector<int64_t> ys = b.y.to_int_vector();
   return {Tensor::from_vector(std::vector<float>(xs.begin() + begin * F, xs.begin() + end * F), {end - begin, F}),
           Tensor::from_vector(std::vector<int64_t>(ys.begin() + begin, ys.begin() + end))};
-}
-
-bool under_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr; }
-
-// Runs fn(rank) on `world` ranks: forked Gloo ranks, or, under mpirun, this process's rank
-// (cases for another world size than mpirun's do nothing there). Returns the failures.
-std::string on_ranks(int world, const std::function<void(int rank)>& fn) {
-  if (!under_mpirun()) return testing::run_ranks(world, fn);
-  if (std::atoi(std::getenv("OMPI_COMM_WORLD_SIZE")) != world) return "";
-  const int rank = std::atoi(std::getenv("OMPI_COMM_WORLD_RANK"));
-  try {
-    fn(rank);
-  } catch (const std::exception& e) {
-    return "rank " + std::to_string(rank) + ": " + e.what();
-  }
-  return "";
 }
 
 // This rank's process group: a fresh Gloo (or NANODDP_TEST_BACKEND) group on a forked rank,
