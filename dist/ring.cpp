@@ -57,7 +57,9 @@ void ring_all_reduce(ProcessGroup& pg, Tensor& tensor, ReduceOp op, std::chrono:
   for (int p = 0; p < n; ++p) {
     const int64_t begin = std::min(numel, p * chunk), end = std::min(numel, begin + chunk);
     parts.push_back(Tensor::empty({end - begin}, tensor.dtype()));
-    std::memcpy(bytes_of(parts[p]), bytes_of(tensor) + begin * element_size, (end - begin) * element_size);
+    // An empty part has no storage (a null pointer), which memcpy may not be given even for 0 bytes.
+    if (end > begin)
+      std::memcpy(bytes_of(parts[p]), bytes_of(tensor) + begin * element_size, (end - begin) * element_size);
   }
   auto part = [n](int p) { return ((p % n) + n) % n; };
 
