@@ -11,6 +11,9 @@
 //      names the first mismatching parameter, this rank and rank 0;
 //   2. broadcasts rank 0's parameter values to every rank, so all start equal;
 //   3. plans the gradient buckets and registers one hook per parameter (dist/reducer.h).
+// Parameters with requires_grad false (frozen) are checked and broadcast but get no bucket and
+// no hook (Note [Frozen parameters] in ddp.cpp); freeze them before constructing DDP, the same
+// on every rank (a difference is a DistError naming the parameter and both ranks).
 // Then every backward through the model all-reduces the gradients (mean over ranks) before
 // backward() returns, with buckets overlapping the rest of backward.
 //

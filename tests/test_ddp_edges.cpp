@@ -196,6 +196,67 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("a frozen parameter gets no bucket and no update, but rank 0's value everywhere") {
+  // Sequential(F, T), both Linear(1, 1); F (frozen) is w = 2 + rank, b = 0 as built, rank 0's
+  // w = 2 after DDP's broadcast. T: w = 1, b = 0. Rank r feeds x = r + 1, loss = sum, so
+  // dL/dT.w = F(x) = 2x and dL/dT.b = 1. Mean over ranks: T.w.grad = 2 * mean(x) = W + 1 at
+  // world W (x = 1..W), T.b.grad = 1; SGD lr 1: T = (1 - (W + 1), -1) = (-W, -1).
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    const int port = testing::free_port();
+    const std::string failures = testing::on_ranks(world, [&](int rank) {
+      auto pg = testing::join(rank, world, port);
+      auto frozen = linear_1x1(2.0f + rank, 0);
+      frozen->weight.set_requires_grad(false);
+      frozen->bias.set_requires_grad(false);
+      auto trained = linear_1x1(1, 0);
+      auto model = std::make_shared<nn::Sequential>();
+      model->add(frozen);
+      model->add(trained);
+      dist::DistributedDataParallel ddp(model, pg);
+      expect(value(frozen->weight) == 2, "rank ", rank, ": frozen weight ", frozen->weight,
+             " after construction, want rank 0's 2");
+      const auto plan = ddp.reducer().bucket_plan();
+      expect(plan == std::vector<std::vector<size_t>>{{1, 0}}, "rank ", rank,
+             ": the plan should hold T's two parameters only");
+      nn::SGD opt(ddp.parameters(), {/*lr=*/1.0f});
+      opt.zero_grad();
+      sum(ddp(Tensor::full({1, 1}, static_cast<float>(rank + 1)))).backward();
+      expect(value(trained->weight.grad()) == world + 1 && value(trained->bias.grad()) == 1, "rank ", rank,
+             ": T's grad is (", trained->weight.grad(), ", ", trained->bias.grad(), ")");
+      expect(!frozen->weight.grad().defined(), "rank ", rank, ": the frozen weight got a .grad");
+      opt.step();
+      expect(value(trained->weight) == -world && value(trained->bias) == -1, "rank ", rank, ": T is (",
+             trained->weight, ", ", trained->bias, ")");
+      expect(value(frozen->weight) == 2 && value(frozen->bias) == 0, "rank ", rank, ": F changed");
+      testing::leave();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("ranks that freeze different parameters fail at construction, naming the parameter") {
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    const int port = testing::free_port();
+    const std::string failures = testing::on_ranks(world, [&](int rank) {
+      auto pg = testing::join(rank, world, port, std::chrono::seconds(20));
+      auto layer = linear_1x1(1, 0);
+      if (rank == world - 1) layer->bias.set_requires_grad(false);
+      std::string message;
+      try {
+        dist::DistributedDataParallel ddp(layer, pg);
+      } catch (const DistError& e) {
+        message = e.what();
+      }
+      expect(message.find("'bias'") != std::string::npos && message.find("frozen") != std::string::npos,
+             "rank ", rank, ": want a DistError naming the frozen 'bias', got: ", message);
+      testing::leave();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
 TEST_CASE("the DDP edge cases pass on MPI too (this file under mpirun -np 2 and -np 4)") {
   if (testing::under_mpirun()) return;
   if (!testing::have_mpirun()) {
