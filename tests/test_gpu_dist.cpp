@@ -72,7 +72,7 @@ std::shared_ptr<nn::Sequential> mlp() {
 TEST_CASE("NCCL collectives on a CUDA tensor, world size 1: exact values") {
   if (in_launched_rank()) return;
 #if !NANODDP_WITH_NCCL
-  MESSAGE("this build has no NCCL: nothing to check");
+  testing::not_in_this_build("NCCL");
   return;
 #endif
   auto pg = nccl_group();
@@ -101,7 +101,7 @@ TEST_CASE("NCCL collectives on a CUDA tensor, world size 1: exact values") {
 TEST_CASE("DDP on a GPU (NCCL, world size 1) trains like the same model on the CPU") {
   if (in_launched_rank()) return;
 #if !NANODDP_WITH_NCCL
-  MESSAGE("this build has no NCCL: nothing to check");
+  testing::not_in_this_build("NCCL");
   return;
 #endif
   auto pg = nccl_group();
@@ -135,7 +135,7 @@ TEST_CASE("DDP on a GPU (NCCL, world size 1) trains like the same model on the C
 
 TEST_CASE("two ranks share one GPU over Gloo: collectives on CUDA tensors are exact") {
 #if !NANODDP_WITH_GLOO
-  MESSAGE("skipped: this build has no Gloo (tools/gpu-check carries it when prepare found libgloo-dev)");
+  testing::not_in_this_build("Gloo (tools/gpu-check carries it when prepare finds libgloo-dev)");
   return;
 #endif
   if (!in_launched_rank()) return run_ranks_of_this_file("*share one GPU over Gloo: collectives*", "gloo");
@@ -149,7 +149,7 @@ TEST_CASE("two ranks share one GPU over Gloo: collectives on CUDA tensors are ex
 
 TEST_CASE("two ranks share one GPU over Gloo: DDP on CUDA tensors equals 1-rank training") {
 #if !NANODDP_WITH_GLOO
-  MESSAGE("skipped: this build has no Gloo (tools/gpu-check carries it when prepare found libgloo-dev)");
+  testing::not_in_this_build("Gloo (tools/gpu-check carries it when prepare finds libgloo-dev)");
   return;
 #endif
   if (!in_launched_rank()) return run_ranks_of_this_file("*share one GPU over Gloo: DDP*", "gloo");
@@ -161,7 +161,7 @@ TEST_CASE("two ranks share one GPU over Gloo: DDP on CUDA tensors equals 1-rank 
 
 TEST_CASE("NCCL refuses two ranks on one GPU and says to use Gloo") {
 #if !NANODDP_WITH_NCCL
-  MESSAGE("this build has no NCCL: nothing to check");
+  testing::not_in_this_build("NCCL");
   return;
 #endif
   if (!in_launched_rank()) return run_ranks_of_this_file("*NCCL refuses two ranks*", "nccl");
@@ -177,7 +177,7 @@ TEST_CASE("NCCL refuses two ranks on one GPU and says to use Gloo") {
 
 TEST_CASE("NCCL at world size 2 (two GPUs): collectives and DDP") {
 #if !NANODDP_WITH_NCCL
-  MESSAGE("this build has no NCCL: nothing to check");
+  testing::not_in_this_build("NCCL");
   return;
 #endif
   if (kernels::cuda::device_count() < 2) {

@@ -411,8 +411,7 @@ TEST_CASE("kernels index past 2^31 elements") {
   for (int64_t i : probes) CHECK_MESSAGE(read(i, 1)[0] == 6.0f, "accumulate at ", i);
   CHECK(read(edge - 3, 10) == std::vector<float>(10, 6.0f));
 
-  // Zeros but for three ones, two of them past 2^31: the sum is exactly 3, and the largest of
-  // one row of n columns is the last.
+  // Zeros but for three ones, two of them past 2^31: the sum is exactly 3.
   gpu::fill(a, 0.0f, n);
   write(5, 1.0f);
   write(edge + 1, 1.0f);
@@ -420,10 +419,18 @@ TEST_CASE("kernels index past 2^31 elements") {
   DeviceArray<float> total(1);
   gpu::sum_forward(total.data(), a, n);
   CHECK(total.to_host()[0] == 3.0f);
+  // argmax over rows that end past 2^31: 2^31 + 2 = 812825 rows of 2642 columns, so the last
+  // row ends at element edge + 1, which holds a one. Many short rows keep every warp busy (one
+  // row of n columns would be one warp walking 8 GiB).
+  const int64_t rows = 812825, cols = 2642;
+  static_assert(812825LL * 2642 == (1LL << 31) + 2);
+  DeviceArray<int64_t> index(static_cast<size_t>(rows));
+  gpu::argmax_forward(index.data(), a, rows, cols);
+  const std::vector<int64_t> argmax = index.to_host();
+  CHECK(argmax[0] == 5);
+  CHECK(argmax[static_cast<size_t>(rows / 2)] == 0);
+  CHECK(argmax[static_cast<size_t>(rows - 1)] == cols - 1);
   write(n - 1, 2.0f);
-  DeviceArray<int64_t> index(1);
-  gpu::argmax_forward(index.data(), a, 1, n);
-  CHECK(index.to_host()[0] == n - 1);
   gpu::relu_forward(a, a, n);
   CHECK(read(n - 2, 2) == std::vector<float>{0.0f, 2.0f});
 }
