@@ -52,7 +52,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
     : module_(register_module("module", std::move(module))), pg_(std::move(pg)), timeout_(options.timeout) {
   NANODDP_CHECK(module_ != nullptr && pg_ != nullptr, ValueError, "DistributedDataParallel needs a module and a process group");
   verify_parameters_match();
-  broadcast_parameters();
+  broadcast_parameters(/*root=*/0);
   reducer_ = std::make_unique<Reducer>(trainable(module_->named_parameters()), pg_, options);
 }
 
@@ -93,14 +93,63 @@ void DistributedDataParallel::verify_parameters_match() {
   }
 }
 
-void DistributedDataParallel::broadcast_parameters() {
+void DistributedDataParallel::broadcast_parameters(int root) {
   NoGradGuard no_grad;
   std::vector<std::shared_ptr<Work>> works;
   for (Tensor& p : module_->parameters()) {
     Tensor data = p.detach();  // same storage: the broadcast writes the parameter itself
-    works.push_back(pg_->broadcast(data, 0));
+    works.push_back(pg_->broadcast(data, root));
   }
   for (auto& work : works) work->wait(timeout_);
+}
+
+Tensor DistributedDataParallel::forward(const Tensor& input) {
+  // Note [Join], steps 1 to 3.
+  if (const auto not_joined = Join::notify_join_context(*this))
+    reducer_->set_divide_factor(divide_by_initial_world_size_ ? pg_->size() : *not_joined);
+  if (join_config().enable) {
+    const bool will_sync = reducer_->sync() && is_grad_enabled();
+    all_reduce_host(*pg_, std::vector<int64_t>{will_sync ? 1 : 0}, ReduceOp::Sum, timeout_);
+  }
+  return module_->forward(input);
+}
+
+// What a joined rank does in place of DDP's iterations (PyTorch's _DDPJoinHook).
+class DDPJoinHook : public JoinHook {
+ public:
+  DDPJoinHook(DistributedDataParallel& ddp, bool divide_by_initial_world_size) : ddp_(ddp) {
+    ddp_.divide_by_initial_world_size_ = divide_by_initial_world_size;
+  }
+  // When the Join ends, DDP divides by the world size again.
+  ~DDPJoinHook() override {
+    ddp_.divide_by_initial_world_size_ = true;
+    ddp_.reducer_->set_divide_factor(ddp_.pg_->size());
+  }
+
+  // Note [Join], steps 3' and 4'.
+  void main_hook() override {
+    const int64_t syncing =
+        all_reduce_host(*ddp_.pg_, std::vector<int64_t>{0}, ReduceOp::Sum, ddp_.timeout_)[0];
+    if (syncing > 0) ddp_.reducer_->shadow_synced_backward();
+  }
+  void post_hook(bool is_last_joiner) override { ddp_.sync_final_model(is_last_joiner); }
+
+ private:
+  DistributedDataParallel& ddp_;
+};
+
+std::unique_ptr<JoinHook> DistributedDataParallel::join_hook(const JoinOptions& options) {
+  return std::make_unique<DDPJoinHook>(*this, options.divide_by_initial_world_size);
+}
+
+// The ranks that joined last ran every iteration; the others stopped stepping when they
+// joined. All take the parameters of the highest-numbered last joiner (PyTorch's
+// _sync_final_model).
+void DistributedDataParallel::sync_final_model(bool is_last_joiner) {
+  const int64_t candidate = is_last_joiner ? pg_->rank() : -1;
+  const int64_t authoritative_rank =
+      all_reduce_host(*pg_, std::vector<int64_t>{candidate}, ReduceOp::Max, timeout_)[0];
+  broadcast_parameters(static_cast<int>(authoritative_rank));
 }
 
 }  // namespace nanoddp::dist

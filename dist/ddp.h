@@ -17,18 +17,28 @@
 // Then every backward through the model all-reduces the gradients (mean over ranks) before
 // backward() returns, with buckets overlapping the rest of backward.
 //
+// Uneven inputs: DDP is a Joinable (dist/join.h), as in PyTorch. Inside a dist::Join every
+// forward first tells the Join this rank has not joined, and then whether its backward will
+// sync; a rank that has joined shadows the bucket all-reduces and, at the end, the
+// parameters of a rank that joined last are broadcast to all (Note [Join] in join.cpp):
+//   dist::Join join({ddp}, join_options);   // dist::JoinOptions: divide_by_initial_world_size, ...
+//   for (auto& [x, y] : my_batches) { opt.zero_grad(); loss_fn(ddp(x), y).backward(); opt.step(); }
+//   join.finish();
+//
 // state_dict: DDP is itself a Module whose only child is the model, registered as "module",
 // so ddp.state_dict() names parameters "module.0.weight" exactly as PyTorch does. Save
 // ddp.module().state_dict() (no prefix) to load the weights into an unwrapped model, and load
 // into ddp.module() likewise.
 //
 // Errors: DistError for parameter mismatches across ranks, for a parameter that got no
-// gradient in an iteration (unless find_unused_parameters), and for collective failures;
+// gradient in an iteration (unless find_unused_parameters), for collective failures, and
+// (Join with throw_on_early_termination) from forward when a rank ran out of inputs;
 // TimeoutError when a peer does not answer within options.timeout.
 #pragma once
 
 #include <memory>
 
+#include "dist/join.h"
 #include "dist/process_group.h"
 #include "dist/reducer.h"
 #include "nn/module.h"
@@ -37,15 +47,16 @@ namespace nanoddp::dist {
 
 using DDPOptions = ReducerOptions;  // bucket_cap_bytes, first_bucket_cap_bytes, find_unused_parameters, overlap, timeout
 
-class DistributedDataParallel : public nn::Module {
+class DistributedDataParallel : public nn::Module, public Joinable {
  public:
   DistributedDataParallel(std::shared_ptr<nn::Module> module, std::shared_ptr<ProcessGroup> pg,
                           DDPOptions options = {});
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
-  // The wrapped model's forward.
-  Tensor forward(const Tensor& input) override { return module_->forward(input); }
+  // The wrapped model's forward. Inside a Join, first the join protocol's two 8-byte
+  // all-reduces (Note [Join]), so every forward is an iteration there.
+  Tensor forward(const Tensor& input) override;
 
   nn::Module& module() { return *module_; }
   const ProcessGroup& process_group() const { return *pg_; }
@@ -67,14 +78,23 @@ class DistributedDataParallel : public nn::Module {
   };
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*reducer_); }
 
+  // Joinable (PyTorch's DDP join_hook): the hook reads options.divide_by_initial_world_size
+  // and applies it while the Join lasts. join_device is the group's device.
+  std::unique_ptr<JoinHook> join_hook(const JoinOptions& options) override;
+  Device join_device() const override { return pg_->device(); }
+  std::shared_ptr<ProcessGroup> join_process_group() const override { return pg_; }
+
  private:
+  friend class DDPJoinHook;
   void verify_parameters_match();
-  void broadcast_parameters();
+  void broadcast_parameters(int root);
+  void sync_final_model(bool is_last_joiner);
 
   std::shared_ptr<nn::Module> module_;
   std::shared_ptr<ProcessGroup> pg_;
   std::chrono::milliseconds timeout_;
   std::unique_ptr<Reducer> reducer_;
+  bool divide_by_initial_world_size_ = true;  // set by the join hook while a Join lasts
 };
 
 }  // namespace nanoddp::dist

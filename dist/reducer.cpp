@@ -48,6 +48,7 @@ Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared
                  ReducerOptions options)
     : params_(std::move(params)), pg_(std::move(pg)), options_(options) {
   NANODDP_CHECK(pg_ != nullptr, ValueError, "Reducer: no process group");
+  divide_factor_ = pg_->size();
   NANODDP_CHECK(options_.bucket_cap_bytes > 0 && options_.first_bucket_cap_bytes > 0, ValueError,
                 "Reducer: bucket caps must be > 0 bytes");
   const Device device = params_.empty() ? Device::cpu() : params_[0].second.device();
@@ -128,10 +129,10 @@ void Reducer::copy_into_bucket(size_t k) {
   auto [b, slot] = location_[k];
   Bucket& bucket = buckets_[b];
   const Tensor grad = params_[k].second.grad();
-  const float world = static_cast<float>(pg_->size());
+  const float divisor = static_cast<float>(divide_factor_);  // world_size unless Join says otherwise
   const double ready_us = trace::enabled() ? trace::now_us() : 0;
   NANODDP_DISPATCH(grad.device(), scalar_forward, bucket.flat.data<float>() + bucket.offsets[slot],
-                   grad.data<float>(), kernels::ScalarOp::Div, world, grad.numel());
+                   grad.data<float>(), kernels::ScalarOp::Div, divisor, grad.numel());
   --bucket.pending;
   if (trace::enabled()) {
     trace::complete(trace::Lane::DDP, params_[k].first + " ready -> bucket " + std::to_string(b), ready_us,
@@ -232,6 +233,27 @@ void Reducer::finalize() {
                  bucket.flat.device(), grad.nbytes());
     }
   }
+}
+
+// ---- dist::Join (Note [Join] in dist/join.cpp) ----
+
+void Reducer::set_divide_factor(int64_t ranks) {
+  NANODDP_CHECK(ranks >= 1 && ranks <= pg_->size(), ValueError, "Reducer: divide factor ", ranks,
+                " is not a number of ranks in [1, ", pg_->size(), "]");
+  divide_factor_ = ranks;
+}
+
+void Reducer::shadow_synced_backward() {
+  if (pg_->size() == 1) return;  // a synced backward issues nothing either
+  std::vector<Tensor> zeros;
+  std::vector<std::shared_ptr<Work>> works;
+  for (const Bucket& bucket : buckets_) {  // step 3's launch, in plan order
+    zeros.push_back(Tensor::zeros(bucket.flat.shape(), DType::Float32, bucket.flat.device()));
+    works.push_back(pg_->all_reduce(zeros.back(), ReduceOp::Sum));
+  }
+  if (options_.find_unused_parameters)  // this rank used nothing
+    all_reduce_host(*pg_, std::vector<int64_t>(params_.size(), 0), ReduceOp::Max, options_.timeout);
+  for (auto& work : works) work->wait(options_.timeout);
 }
 
 }  // namespace nanoddp::dist

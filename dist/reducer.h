@@ -68,6 +68,18 @@ class Reducer {
   std::vector<std::vector<size_t>> bucket_plan() const;
   const ReducerOptions& options() const { return options_; }
 
+  // ---- For dist::Join (Note [Join] in dist/join.cpp); nothing else here depends on them ----
+  // The divisor of the gradients in the coming synced backward(s): world_size (the default)
+  // or, under Join with divide_by_initial_world_size = false, the number of ranks still
+  // training. Throws ValueError outside [1, world_size].
+  void set_divide_factor(int64_t ranks);
+  int64_t divide_factor() const { return divide_factor_; }
+  // On a rank that has joined: issues exactly the collectives of one synced backward (an
+  // all-reduce of zeros per bucket, in plan order; with find_unused_parameters the used map,
+  // all zeros) and waits for them (options.timeout). The results are dropped: .grad and the
+  // buckets are untouched.
+  void shadow_synced_backward();
+
  private:
   struct Bucket {
     std::vector<size_t> params;    // indices into params_, in plan order
@@ -97,6 +109,7 @@ class Reducer {
   size_t next_bucket_to_launch_ = 0;
   bool finalize_queued_ = false;
   bool sync_ = true;
+  int64_t divide_factor_;  // Join: see set_divide_factor
 };
 
 }  // namespace nanoddp::dist

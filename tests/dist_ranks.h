@@ -36,8 +36,9 @@ inline std::string on_ranks(int world, const std::function<void(int rank)>& fn,
   return "";
 }
 
-// This rank's default group, made fresh: Gloo on a forked rank, MPI under mpirun (a new
-// communicator each time; MPI itself is initialised once per process).
+// This rank's default group, made fresh: Gloo on a forked rank (or NANODDP_TEST_BACKEND's
+// backend, e.g. shm), MPI under mpirun (a new communicator each time; MPI itself is
+// initialised once per process).
 inline std::shared_ptr<dist::ProcessGroup> join(int rank, int world, int port,
                                                 std::chrono::milliseconds timeout = std::chrono::seconds(30),
                                                 bool check_collectives = true) {
@@ -51,7 +52,8 @@ inline std::shared_ptr<dist::ProcessGroup> join(int rank, int world, int port,
   options.init_method = "tcp://127.0.0.1:" + std::to_string(port);
   options.rank = rank;
   options.world_size = world;
-  options.backend = dist::Backend::Gloo;
+  const char* backend = std::getenv("NANODDP_TEST_BACKEND");  // a file's shm rerun sets it
+  options.backend = backend != nullptr ? dist::parse_backend(backend) : dist::Backend::Gloo;
   return dist::init_process_group(options);
 }
 

@@ -1,10 +1,23 @@
 // DDP at the edges, on 2 and 4 ranks, on Gloo (forked ranks) and MPI (this file again under
-// mpirun -np 2 and -np 4): parameters used on some ranks only, used only inside no_sync, and
-// tied parameters. Inputs are the small ones of the bug reports, results computed by hand.
+// mpirun -np 2 and -np 4): parameters used on some ranks only, used only inside no_sync, tied
+// parameters, and ranks with uneven inputs, with and without dist::Join (whose cases also run
+// on shm: this file again with NANODDP_TEST_BACKEND=shm). Inputs are the small ones of the bug
+// reports, results computed by hand.
 #include <doctest/doctest.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 
 #include "core/ops.h"
 #include "dist/ddp.h"
+#include "dist/join.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
 #include "tests/dist_ranks.h"
@@ -196,6 +209,11 @@ TEST_CASE(
   }
 }
 
+// ---- dist::Join: uneven inputs (Note [Join] in dist/join.cpp) --------------------------------
+// Each rank r trains a bias-free Linear(1, 1) (w = 0) on its own batches, x = [[1]] and target
+// t_r, loss mse (dL/dw = 2(w - t_r)), SGD lr 0.25. Rank r has batches_of(r) batches: 3 on even
+// ranks, 5 on odd ones, so the even ranks run out after 3 iterations. Target t_r = 2r + 1.
+
 TEST_CASE("a frozen parameter gets no bucket and no update, but rank 0's value everywhere") {
   // Sequential(F, T), both Linear(1, 1); F (frozen) is w = 2 + rank, b = 0 as built, rank 0's
   // w = 2 after DDP's broadcast. T: w = 1, b = 0. Rank r feeds x = r + 1, loss = sum, so
@@ -257,6 +275,218 @@ TEST_CASE("ranks that freeze different parameters fail at construction, naming t
   }
 }
 
+namespace {
+
+constexpr float kJoinLr = 0.25f;
+int batches_of(int rank) { return rank % 2 == 0 ? 3 : 5; }
+float target_of(int rank) { return 2.0f * rank + 1.0f; }
+
+// The float64 reference of what Join must produce: in iteration s the ranks with more than s
+// batches train; their gradients are summed (a joined rank adds 0) and divided by the world
+// size (divide_by_initial_world_size) or by their number.
+double joined_training_reference(int world, bool divide_by_initial_world_size) {
+  double w = 0;
+  for (int s = 0; s < batches_of(1); ++s) {
+    double sum = 0;
+    int active = 0;
+    for (int r = 0; r < world; ++r)
+      if (batches_of(r) > s) sum += 2 * (w - target_of(r)), ++active;
+    w -= kJoinLr * sum / (divide_by_initial_world_size ? world : active);
+  }
+  return w;
+}
+
+// This rank's loop over its batches; returns the weight's .grad of each iteration.
+std::vector<float> train_uneven(int rank, dist::DistributedDataParallel& ddp, nn::Linear& model, nn::SGD& opt) {
+  std::vector<float> grads;
+  for (int b = 0; b < batches_of(rank); ++b) {
+    opt.zero_grad();
+    mse_loss(ddp(Tensor::ones({1, 1})), Tensor::full({1, 1}, target_of(rank))).backward();
+    grads.push_back(value(model.weight.grad()));
+    opt.step();
+  }
+  return grads;
+}
+
+}  // namespace
+
+TEST_CASE("Join: ranks with 3 and 5 batches end with the hand-computed weight, divide_by_initial_world_size on and off") {
+  // World 2, t = (1, 3), computed by hand in float64 (every value is a dyadic fraction, so
+  // float32 holds it exactly and the test compares with ==):
+  //   iterations 1-3, both ranks: mean grad = (2(w - 1) + 2(w - 3)) / 2 = 2w - 4,
+  //     w <- w - 0.25 (2w - 4) = w/2 + 1:                  0 -> 1 -> 1.5 -> 1.75
+  //   iterations 4-5, rank 1 alone (rank 0 all-reduces zeros): summed grad 2(w - 3)
+  //     divide_by_initial_world_size = true,  grad = w - 3: w <- 0.75 w + 0.75
+  //       1.75 -> 2.0625 -> 2.296875   (rank 1's grad in iteration 4: -1.25)
+  //     divide_by_initial_world_size = false, grad = 2(w - 3): w <- 0.5 w + 1.5
+  //       1.75 -> 2.375 -> 2.6875      (rank 1's grad in iteration 4: -2.5)
+  // Rank 0 stops stepping at 1.75; finish() broadcasts rank 1's weight, the last joiner's.
+  // World 4 (batches 3, 5, 3, 5; t = 1, 3, 5, 7) is checked against joined_training_reference.
+  CHECK(joined_training_reference(2, true) == 2.296875);
+  CHECK(joined_training_reference(2, false) == 2.6875);
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    const int port = testing::free_port();
+    const std::string failures = testing::on_ranks(world, [&](int rank) {
+      auto pg = testing::join(rank, world, port);
+      for (bool divide_by_initial_world_size : {true, false}) {
+        auto model = linear_1x1(0, 0, /*bias=*/false);
+        dist::DistributedDataParallel ddp(model, pg);
+        nn::SGD opt(ddp.parameters(), {kJoinLr});
+        dist::JoinOptions options;
+        options.divide_by_initial_world_size = divide_by_initial_world_size;
+        dist::Join join({ddp}, options);
+        const std::vector<float> grads = train_uneven(rank, ddp, *model, opt);
+        if (world == 2 && rank == 0)
+          expect(value(model->weight) == 1.75f, "rank 0 before finish(): w = ", model->weight, ", want 1.75");
+        if (world == 2 && rank == 1)
+          expect(grads[3] == (divide_by_initial_world_size ? -1.25f : -2.5f), "rank 1, divide_by_initial_world_size ",
+                 divide_by_initial_world_size, ": grad in iteration 4 = ", grads[3]);
+        join.finish();
+        const double want = joined_training_reference(world, divide_by_initial_world_size);
+        expect(std::abs(value(model->weight) - want) <= 1e-6 * std::abs(want), "rank ", rank,
+               ", divide_by_initial_world_size ", divide_by_initial_world_size, ": final w = ", model->weight,
+               ", want ", want);
+        // The Join is over: DDP divides by the world size again.
+        expect(ddp.reducer().divide_factor() == world, "rank ", rank, ": divide factor ",
+               ddp.reducer().divide_factor(), " after the Join");
+      }
+      testing::leave();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("Join: without it, the same loop fails on every rank with the collective-mismatch DistError") {
+  // The even ranks finish their 3 batches and reach the barrier that ends the loop while the
+  // odd ranks all-reduce their bucket (1 float32) in iteration 4: the collective check stops
+  // both sides with one DistError; nobody hangs or dies, and the group stays usable.
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    const int port = testing::free_port();
+    const std::string failures = testing::on_ranks(world, [&](int rank) {
+      auto pg = testing::join(rank, world, port, std::chrono::seconds(20));
+      auto model = linear_1x1(0, 0, /*bias=*/false);
+      dist::DistributedDataParallel ddp(model, pg);
+      nn::SGD opt(ddp.parameters(), {kJoinLr});
+      std::string message;
+      try {
+        train_uneven(rank, ddp, *model, opt);
+        pg->barrier()->wait();
+      } catch (const TimeoutError& e) {
+        expect(false, "rank ", rank, ": a timeout instead of the mismatch error: ", e.what());
+      } catch (const DistError& e) {
+        message = e.what();
+      }
+      for (const std::string& part : {std::string("rank 0: barrier #"), std::string("rank 1: all_reduce(sum) #"),
+                                      std::string(", 1 float32")})
+        expect(message.find(part) != std::string::npos, "rank ", rank, ": the error lacks '", part, "': ", message);
+      Tensor t = Tensor::full({1}, 1.0f);
+      pg->all_reduce(t)->wait();
+      expect(value(t) == world, "rank ", rank, ": the group is out of step after the error: ", t);
+      testing::leave();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("Join: throw_on_early_termination: every rank throws a DistError naming the ranks that ran out") {
+  // The even ranks run out after iteration 3: they throw from finish(), the odd ranks from
+  // the forward of iteration 4, before any gradient of it is reduced. So every rank ends at
+  // iteration 3's weight: 1.75 at world 2 (see the first Join case); the world-4 weight
+  // after 3 iterations of t = 1, 3, 5, 7: w <- w - 0.25 (2w - 8) = w/2 + 2: 0 -> 2 -> 3 -> 3.5.
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    const int port = testing::free_port();
+    const std::string failures = testing::on_ranks(world, [&](int rank) {
+      auto pg = testing::join(rank, world, port);
+      auto model = linear_1x1(0, 0, /*bias=*/false);
+      dist::DistributedDataParallel ddp(model, pg);
+      nn::SGD opt(ddp.parameters(), {kJoinLr});
+      dist::JoinOptions options;
+      options.throw_on_early_termination = true;
+      std::string message;
+      try {
+        dist::Join join({ddp}, options);
+        train_uneven(rank, ddp, *model, opt);
+        join.finish();
+      } catch (const DistError& e) {
+        message = e.what();
+      }
+      const std::string ran_out = world == 2 ? "rank 0 has exhausted all inputs" : "ranks 0, 2 have exhausted all inputs";
+      expect(message.find(ran_out) != std::string::npos, "rank ", rank, ": want '", ran_out, "' in: ", message);
+      const float want = world == 2 ? 1.75f : 3.5f;
+      expect(value(model->weight) == want, "rank ", rank, ": w = ", model->weight, ", want ", want);
+      Tensor t = Tensor::full({1}, 1.0f);
+      pg->all_reduce(t)->wait();
+      expect(value(t) == world, "rank ", rank, ": the group is out of step after the error: ", t);
+      testing::leave();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("Join: with find_unused_parameters, a parameter only joined ranks used is stepped by nobody") {
+  // Pair's bias-free A and B, both w = 0, x = [[1]], SGD lr 0.25, divide_by_initial_world_size.
+  // Even ranks use A (target 1, 2 batches), odd ranks B (target 3, 3 batches); half the ranks
+  // use each, so the mean grads are A: (W/2) 2(w_A - 1) / W = w_A - 1, and B: w_B - 3.
+  //   iterations 1-2: w_A 0 -> 0.25 -> 0.4375;  w_B 0 -> 0.75 -> 1.3125
+  //   iteration 3, even ranks joined: B's grad is still (W/2) 2(w_B - 3) / W = -1.6875,
+  //     w_B -> 1.734375; A is used by no rank still training: its .grad stays undefined and
+  //     w_A stays 0.4375.
+  // finish() broadcasts an odd rank's (0.4375, 1.734375) to every rank.
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    const int port = testing::free_port();
+    const std::string failures = testing::on_ranks(world, [&](int rank) {
+      auto pg = testing::join(rank, world, port);
+      auto model = std::make_shared<Pair>();
+      model->A->weight.copy_(Tensor::zeros({1, 1}));
+      model->B->weight.copy_(Tensor::zeros({1, 1}));
+      model->use_A = rank % 2 == 0;
+      dist::DDPOptions ddp_options;
+      ddp_options.find_unused_parameters = true;
+      dist::DistributedDataParallel ddp(model, pg, ddp_options);
+      nn::SGD opt(ddp.parameters(), {kJoinLr});
+      dist::Join join({ddp});
+      const int batches = model->use_A ? 2 : 3;
+      const float target = model->use_A ? 1.0f : 3.0f;
+      for (int b = 0; b < batches; ++b) {
+        opt.zero_grad();
+        mse_loss(ddp(Tensor::ones({1, 1})), Tensor::full({1, 1}, target)).backward();
+        if (b == 2)
+          expect(!model->A->weight.grad().defined(), "rank ", rank, ": A got a .grad after every user of A joined");
+        opt.step();
+      }
+      join.finish();
+      expect(value(model->A->weight) == 0.4375f && value(model->B->weight) == 1.734375f, "rank ", rank,
+             ": (w_A, w_B) = (", model->A->weight, ", ", model->B->weight, "), want (0.4375, 1.734375)");
+      testing::leave();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("Join: destroyed without finish(), it says what to fix and terminates instead of leaving peers waiting") {
+  if (testing::under_mpirun()) return;  // forks a rank of its own
+  const std::string log =
+      (std::filesystem::temp_directory_path() / ("nanoddp_join_" + std::to_string(::getpid()) + ".log")).string();
+  const int port = testing::free_port();
+  const std::string failures = testing::run_ranks(1, [&](int rank) {
+    auto pg = testing::join(rank, 1, port);
+    dist::DistributedDataParallel ddp(linear_1x1(0, 0, /*bias=*/false), pg);
+    if (std::freopen(log.c_str(), "w", stderr) == nullptr) throw std::runtime_error("cannot open " + log);
+    std::signal(SIGABRT, SIG_DFL);  // doctest's crash report is for the parent's cases
+    dist::Join join({ddp});
+  });
+  std::ifstream in(log);
+  const std::string printed((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::remove(log.c_str());
+  CHECK_MESSAGE(failures.find("killed by signal 6") != std::string::npos, "want SIGABRT (std::terminate), got: ", failures);
+  CHECK_MESSAGE(printed.find("destroyed without finish(): the other ranks would wait") != std::string::npos, printed);
+  CHECK_MESSAGE(printed.find("Call join.finish()") != std::string::npos, printed);
+}
+
 TEST_CASE("the DDP edge cases pass on MPI too (this file under mpirun -np 2 and -np 4)") {
   if (testing::under_mpirun()) return;
   if (!testing::have_mpirun()) {
@@ -269,4 +499,12 @@ TEST_CASE("the DDP edge cases pass on MPI too (this file under mpirun -np 2 and 
         testing::mpirun_self("tests/test_ddp_edges", np, "--test-case-exclude='*mpirun*'");
     CHECK_MESSAGE(r.code() == 0, "mpirun -np ", np, " failed:\n", r.out, r.err);
   }
+}
+
+TEST_CASE("the Join cases pass on the shm backend too (this file with NANODDP_TEST_BACKEND=shm)") {
+  if (testing::under_mpirun() || std::getenv("NANODDP_TEST_BACKEND") != nullptr) return;
+  const testing::RunResult r = testing::run(
+      {"/bin/sh", "-c", "NANODDP_TEST_BACKEND=shm exec \"$0\" --test-case='Join:*'", testing::built("tests/test_ddp_edges")},
+      std::chrono::seconds(120));
+  CHECK_MESSAGE(r.code() == 0, "shm run failed:\n", r.out, r.err);
 }

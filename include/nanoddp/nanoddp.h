@@ -29,6 +29,7 @@
 #include "dist/host_staging.h"
 #include "dist/explain.h"
 #include "dist/init.h"
+#include "dist/join.h"
 #include "dist/launch.h"
 #include "dist/process_group.h"
 #include "dist/reducer.h"
