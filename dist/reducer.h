@@ -11,7 +11,7 @@
 //      rank, and so is the order of the all-reduces.
 //   2. mark_ready(i), called when parameter i's gradient is final for this backward: copy it
 //      into its bucket's flat buffer, divided by world_size (the averaging folded into the
-//      copy). When a bucket's last parameter is in, and overlap is on, launch the all-reduces
+//      copy; under dist::Join, possibly by the ranks still training: set_divide_factor). When a bucket's last parameter is in, and overlap is on, launch the all-reduces
 //      of every complete bucket in plan order (never out of order: ranks must agree). With
 //      one rank the mean is the gradient itself: nothing is copied or reduced.
 //   3. finalize(), queued to run when backward ends: a parameter not ready in this backward
