@@ -15,6 +15,7 @@
 #include <fstream>
 #include <iterator>
 
+#include "core/autograd.h"
 #include "core/ops.h"
 #include "dist/ddp.h"
 #include "dist/join.h"
@@ -465,6 +466,47 @@ TEST_CASE("Join: with find_unused_parameters, a parameter only joined ranks used
     });
     CHECK_MESSAGE(failures.empty(), failures);
   }
+}
+
+TEST_CASE("Join: a no_sync micro-step and a no-grad forward are shadowed without bucket all-reduces") {
+  // World 2, the first case's model and targets (t = 1, 3), lr 0.25. Rank 0 has 1 batch.
+  // Rank 1: iteration 1 synced; 2 under no_sync; 3 a forward under NoGradGuard (evaluation);
+  // 4 synced, no zero_grad since 2. The joined rank 0 must issue bucket all-reduces in
+  // iteration 4 only (DDP's forward tells it whether backward will sync).
+  //   iteration 1: mean of 2(0 - 1) and 2(0 - 3) = -4, w = 0 - 0.25 (-4) = 1
+  //   iteration 2: rank 1's local grad 2(1 - 3) = -4, kept in .grad
+  //   iteration 4: .grad = -4 + -4 = -8, divided by the initial world size: -4, w = 2
+  const int port = testing::free_port();
+  const std::string failures = testing::on_ranks(2, [&](int rank) {
+    auto pg = testing::join(rank, 2, port);
+    auto model = linear_1x1(0, 0, /*bias=*/false);
+    dist::DistributedDataParallel ddp(model, pg);
+    nn::SGD opt(ddp.parameters(), {kJoinLr});
+    dist::Join join({ddp});
+    const Tensor x = Tensor::ones({1, 1}), target = Tensor::full({1, 1}, target_of(rank));
+    opt.zero_grad();
+    mse_loss(ddp(x), target).backward();
+    opt.step();
+    if (rank == 1) {
+      opt.zero_grad();
+      {
+        auto guard = ddp.no_sync();
+        mse_loss(ddp(x), target).backward();
+      }
+      {
+        NoGradGuard evaluation;
+        ddp(x);
+      }
+      mse_loss(ddp(x), target).backward();
+      expect(value(model->weight.grad()) == -4, "rank 1: grad after the synced step ", model->weight.grad(),
+             ", want -4");
+      opt.step();
+    }
+    join.finish();
+    expect(value(model->weight) == 2, "rank ", rank, ": w = ", model->weight, ", want 2");
+    testing::leave();
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
 }
 
 TEST_CASE("Join: destroyed without finish(), it says what to fix and terminates instead of leaving peers waiting") {
