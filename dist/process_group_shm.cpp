@@ -324,6 +324,9 @@ class ShmSegment {
         NANODDP_THROW(TimeoutError, what, ": did not complete within ", wait_timeout.count(),
                       " ms (waiting for ", waited, "; a peer may have exited or be out of step)");
       }
+      // A peer may also post its last piece and exit between the ready() above and this
+      // check: look again before calling it dead (it posts before it exits).
+      if (!peers_alive(peer) && ready()) return;
       check_alive(peer, what);
       const uint32_t rings = bell.rings.load();
       bell.sleepers.fetch_add(1);
@@ -371,6 +374,12 @@ class ShmSegment {
     while (header_->abort_state.load() != 2) cpu_relax();  // the message is being written
     NANODDP_THROW(DistError, what, ": the group was aborted by rank ", header_->abort_rank, ": ",
                   header_->abort_message);
+  }
+
+  bool peers_alive(int peer) {
+    for (int r = peer < 0 ? 0 : peer; r < (peer < 0 ? world_size_ : peer + 1); ++r)
+      if (r != rank_ && watch_pids_ && !process_alive(info(r).pid)) return false;
+    return true;
   }
 
   void check_alive(int peer, const std::string& what) {
