@@ -17,6 +17,7 @@
 #include "nn/optim.h"
 #include "tests/staging_cases.h"
 #include "tests/subprocess.h"
+#include "tests/test_gpu_util.h"
 
 using namespace nanoddp;
 using namespace std::chrono_literals;
