@@ -38,6 +38,9 @@ namespace nanoddp::dist {
 // matched their collectives, so the group stays usable after the error.
 // Cost on the ranks still training: steps 1 and 3 (and 2) are 8-byte all-reduces, waited for
 // in forward, every iteration while the Join is active.
+// Any collective DDP adds to its forward or backward (a buffer broadcast, a bucket re-plan)
+// needs its shadow in DDP's main_hook at the same place in this order, or a joined rank's
+// peers fail with the collective check's mismatch error.
 
 namespace {
 
