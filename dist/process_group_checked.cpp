@@ -19,13 +19,18 @@
 // InitOptions::check_collectives = false or NANODDP_CHECK_COLLECTIVES=0.
 //
 // Note [Deferred check]
-// A collective still returns its Work at once: it issues only its fingerprint all-gather.
-// The comparison, and the real collective when every rank agrees, happen when the work is
-// waited on (or tested and its fingerprints have arrived), or when the next collective of
-// the group is called, whichever comes first; calls are settled oldest first. So the
-// backend always sees fingerprint k, then collective k, then fingerprint k+1, on every
-// rank, whoever waits when, and a rank blocks at most on the previous call's fingerprints.
-// A mismatch is reported by the mismatched work's wait(), on every rank.
+// A collective returns its Work at once and never waits for the peers: the call joins the
+// group's queue of unsettled calls. The queue moves whenever this group is touched (a call,
+// is_completed(), wait()), oldest first, one call at a time: the oldest call's fingerprint
+// all-gather is issued; once it has arrived the fingerprints are compared and, when every
+// rank agrees, the real collective is issued at once, and the next call's fingerprint after
+// it. So the backend sees fingerprint k, collective k, fingerprint k+1 on every rank, whoever
+// polls or waits when. A DDP hook that issues bucket k+1 while bucket k's fingerprints are
+// still in flight does not stall (that stall was what cost overlap); the hooks' polls of
+// earlier buckets start their collectives as soon as the fingerprints are there, so a
+// collective starts near the moment the last rank called it, not when somebody waits on it.
+// wait() moves the queue up to its own call, waiting (up to the timeout) on each fingerprint
+// on the way. A mismatch is reported by the mismatched work's wait(), on every rank.
 #include <algorithm>
 #include <deque>
 #include <functional>
@@ -68,18 +73,20 @@ std::string describe_call(const int64_t* f) {
 
 class CheckedWork;
 
-// What the group and its works share: the backend, and the calls whose fingerprints are not
-// yet compared, oldest first (Note [Deferred check]).
+// What the group and its works share: the backend, and the calls not yet settled, oldest
+// first (Note [Deferred check]).
 struct CheckState {
   std::shared_ptr<ProcessGroup> inner;
-  std::mutex mutex;  // one caller at a time issues, compares and starts
-  std::deque<std::shared_ptr<CheckedWork>> unresolved;
+  std::mutex mutex;  // one caller at a time moves the queue
+  std::deque<std::shared_ptr<CheckedWork>> unsettled;
   int64_t seq = 0;
   std::chrono::milliseconds timeout{};  // the group's: no wait through this group lasts longer
 
-  // Compares and starts unresolved calls from the oldest through `last` (all when null).
-  // block: wait for each fingerprint (up to timeout); else stop at the first still in flight.
-  void resolve(const CheckedWork* last, bool block, std::chrono::milliseconds timeout);
+  // Moves the queue: issues the oldest call's fingerprints, settles it once they arrived,
+  // and goes on with the next. until == null: never waits, stops at the first fingerprint
+  // still in flight. Otherwise waits (up to timeout) on each fingerprint until `until` is
+  // settled, then goes on without waiting. Held: mutex.
+  void advance(const CheckedWork* until, std::chrono::milliseconds timeout);
 };
 
 class CheckedWork : public Work {
@@ -96,10 +103,10 @@ class CheckedWork : public Work {
     const auto begin = std::chrono::steady_clock::now();
     {
       std::lock_guard<std::mutex> lock(state_->mutex);
-      state_->resolve(this, /*block=*/true, timeout);
+      if (!settled_) state_->advance(this, timeout);
     }
     if (error_) std::rethrow_exception(error_);
-    NANODDP_CHECK(resolved_, DistError, description_,
+    NANODDP_CHECK(settled_, DistError, description_,
                   ": the group was destroyed before this collective started");
     auto spent =
         std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - begin);
@@ -109,31 +116,46 @@ class CheckedWork : public Work {
   bool is_completed() override {
     {
       std::lock_guard<std::mutex> lock(state_->mutex);
-      state_->resolve(this, /*block=*/false, std::chrono::milliseconds(0));
-      if (!resolved_) return false;
+      state_->advance(nullptr, std::chrono::milliseconds(0));
+      if (!settled_) return false;
     }
     return error_ != nullptr || real_ == nullptr || real_->is_completed();
   }
 
-  // Issues the fingerprint all-gather (CheckState::mutex held).
-  void exchange(int world_size, Device device) {
-    Tensor send = Tensor::from_vector(mine_).to(device);
-    for (int r = 0; r < world_size; ++r)
-      received_.push_back(Tensor::empty({kFingerprintFields}, DType::Int64, device));
-    fingerprints_ = state_->inner->all_gather(received_, send);
+  // Issues the fingerprint all-gather, once (CheckState::mutex held).
+  void exchange() {
+    if (fingerprints_ || settled_) return;
+    const int world = state_->inner->size();
+    // The fingerprint lives on the backend's device (NCCL takes only its GPU's tensors; a CPU
+    // group's stays on the host even when the collective's tensors are on a GPU).
+    const Device device = state_->inner->device();
+    try {
+      Tensor send = Tensor::from_vector(mine_).to(device);
+      for (int r = 0; r < world; ++r)
+        received_.push_back(Tensor::empty({kFingerprintFields}, DType::Int64, device));
+      fingerprints_ = state_->inner->all_gather(received_, send);
+    } catch (...) {
+      fail(std::current_exception());
+    }
   }
 
+  bool fingerprints_arrived() { return settled_ || (fingerprints_ && fingerprints_->is_completed()); }
+
   // Waits for the fingerprints, compares them and starts the collective, or records the
-  // mismatch (CheckState::mutex held). TimeoutError leaves the call unresolved: a later wait
+  // mismatch (CheckState::mutex held). TimeoutError leaves the call unsettled: a later wait
   // may still see the peers arrive.
   void settle(std::chrono::milliseconds timeout) {
+    if (settled_) return;
     try {
       fingerprints_->wait(timeout);
     } catch (const TimeoutError& e) {
       NANODDP_THROW(TimeoutError, description_, ": not every rank reached a collective to compare #",
                     mine_[0], " with (a peer exited, is stuck, or issues fewer collectives): ", e.what());
+    } catch (...) {
+      fail(std::current_exception());
+      return;
     }
-    resolved_ = true;
+    settled_ = true;
     const int world = static_cast<int>(received_.size());
     std::vector<int64_t> table;
     bool same = true;
@@ -143,6 +165,7 @@ class CheckedWork : public Work {
       table.insert(table.end(), theirs.begin(), theirs.end());
     }
     received_.clear();
+    fingerprints_ = nullptr;
     if (same) {
       try {
         real_ = start_();
@@ -167,28 +190,38 @@ class CheckedWork : public Work {
     }
   }
 
-  bool fingerprints_arrived() { return fingerprints_->is_completed(); }
-  bool resolved() const { return resolved_; }
+  bool settled() const { return settled_; }
 
  private:
+  // The backend refused the fingerprint all-gather: the call is over, with that error.
+  void fail(std::exception_ptr error) {
+    error_ = std::move(error);
+    settled_ = true;
+    start_ = nullptr;
+    received_.clear();
+    fingerprints_ = nullptr;
+  }
+
   std::string description_;
   std::vector<int64_t> mine_;
   std::function<std::shared_ptr<Work>()> start_;
   std::shared_ptr<CheckState> state_;
   std::vector<Tensor> received_;
-  std::shared_ptr<Work> fingerprints_;
-  bool resolved_ = false;
+  std::shared_ptr<Work> fingerprints_;  // in flight between exchange() and settle()
+  bool settled_ = false;
   std::shared_ptr<Work> real_;  // the collective, once started
   std::exception_ptr error_;    // the mismatch, when there was one
 };
 
-void CheckState::resolve(const CheckedWork* last, bool block, std::chrono::milliseconds timeout) {
-  while (!unresolved.empty()) {
-    const std::shared_ptr<CheckedWork> work = unresolved.front();
-    if (!block && !work->fingerprints_arrived()) return;
+void CheckState::advance(const CheckedWork* until, std::chrono::milliseconds timeout) {
+  bool waiting = until != nullptr;
+  while (!unsettled.empty()) {
+    const std::shared_ptr<CheckedWork> work = unsettled.front();
+    work->exchange();
+    if (!waiting && !work->fingerprints_arrived()) return;
     work->settle(timeout);
-    unresolved.pop_front();
-    if (work.get() == last) return;
+    unsettled.pop_front();
+    if (work.get() == until) waiting = false;
   }
 }
 
@@ -203,7 +236,7 @@ class CheckedProcessGroup : public ProcessGroup {
   // the state: this also breaks that cycle).
   ~CheckedProcessGroup() override {
     std::lock_guard<std::mutex> lock(state_->mutex);
-    state_->unresolved.clear();
+    state_->unsettled.clear();
   }
 
   std::string backend_name() const override { return state_->inner->backend_name(); }
@@ -266,27 +299,22 @@ class CheckedProcessGroup : public ProcessGroup {
  private:
   static Device device_of(const Tensor& t) { return t.defined() ? t.device() : Device::cpu(); }
 
-  // Note [Deferred check]: settles the calls before this one, issues this call's fingerprint
-  // all-gather and returns at once; the comparison and the collective itself start at the
-  // latest when this work is waited on, or when the next collective is called.
+  // Note [Deferred check]: queues the call and moves the queue without waiting; the
+  // comparison and the collective itself start as soon as the fingerprints are there.
   std::shared_ptr<Work> checked(CallKind kind, const std::string& what, const Tensor& tensor, int64_t op,
                                 int64_t extra, std::function<std::shared_ptr<Work>()> start) {
     if (world_size_ == 1) return start();
     std::lock_guard<std::mutex> lock(state_->mutex);
-    state_->resolve(nullptr, /*block=*/true, state_->timeout);
     std::vector<int64_t> mine = {++state_->seq,
                                  static_cast<int64_t>(kind),
                                  op,
                                  tensor.defined() ? static_cast<int64_t>(tensor.dtype()) : -1,
                                  tensor.defined() ? tensor.numel() : 0,
                                  extra};
-    // The fingerprint lives on the backend's device (NCCL takes only its GPU's tensors; a CPU
-    // group's stays on the host even when the collective's tensors are on a GPU).
-    const Device device = state_->inner->device();
     auto work =
         std::make_shared<CheckedWork>(describe(what, tensor), std::move(mine), std::move(start), state_);
-    work->exchange(world_size_, device);
-    state_->unresolved.push_back(work);
+    state_->unsettled.push_back(work);
+    state_->advance(nullptr, std::chrono::milliseconds(0));
     return work;
   }
 

@@ -135,6 +135,25 @@ TEST_CASE("works complete in issue order, and a barrier completes every earlier 
       expect(first_work->is_completed(), "the later work completed before the earlier one");
       expect(first.to_vector()[12345] == (world + 1) / 2.0f,
              "the earlier avg is not final: ", first.to_vector()[12345]);
+
+      // A collective call never waits for the peers, check or no check (Note [Deferred
+      // check]): rank 0 issues three while the others are still 400 ms away, as DDP's hooks
+      // issue bucket after bucket during backward. Polling alone then finishes them.
+      if (rank != 0) std::this_thread::sleep_for(400ms);
+      std::vector<Tensor> buckets;
+      for (int b = 0; b < 3; ++b) buckets.push_back(Tensor::full({1000 * (b + 1)}, static_cast<float>(rank + 1)));
+      const auto issued = std::chrono::steady_clock::now();
+      std::vector<std::shared_ptr<Work>> works;
+      for (Tensor& bucket : buckets) works.push_back(pg->all_reduce(bucket));
+      const double issue_ms = milliseconds_since(issued);
+      if (rank == 0) expect(issue_ms < 200, "issuing 3 all_reduces took ", issue_ms, " ms: a call waited for the peers");
+      for (auto& work : works)
+        while (!work->is_completed()) {
+          expect(milliseconds_since(issued) < 20000, "polling is_completed() never finished the all_reduce");
+          std::this_thread::yield();
+        }
+      for (const Tensor& bucket : buckets)
+        expect_floats(bucket, std::vector<double>(bucket.numel(), sum), "polled all_reduce");
       testing::leave();
     });
   }
