@@ -6,7 +6,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <memory>
 #include <mutex>
 #include <sstream>
 
@@ -20,9 +22,89 @@ std::atomic<bool> recording{false};
 
 namespace {
 
+// Note [Trace storage]
+// Events live until the file is written, while training allocates and frees a batch's
+// tensors every step. Kept as one heap object per string, they sat between those tensors'
+// blocks: the allocator could not reuse the holes for the next step's tensors and the heap
+// grew by about a batch's worth each step (a 1-epoch Fashion-MNIST run went from 76 to
+// 165 MB peak RSS for 15,000 events of ~130 bytes). So events are fixed-size records in
+// blocks of kRecordsPerBlock, and their text (name, args) is appended to text blocks of
+// kTextBlockBytes: one allocation per few thousand events, none freed until the trace is.
+// Records point into the text blocks, which never move.
+struct Record {
+  int lane;
+  uint32_t name_size;
+  uint32_t args_size;
+  const char* name;
+  const char* args;
+  double begin_us;
+  double end_us;
+};
+
+class EventStore {
+ public:
+  void add(int lane, const std::string& name, double begin_us, double end_us, const std::string& args) {
+    if (records_.empty() || used_in_last_ == kRecordsPerBlock) {
+      records_.push_back(std::make_unique<Record[]>(kRecordsPerBlock));
+      used_in_last_ = 0;
+    }
+    records_.back()[used_in_last_++] = Record{lane,
+                                               static_cast<uint32_t>(name.size()),
+                                               static_cast<uint32_t>(args.size()),
+                                               keep(name),
+                                               keep(args),
+                                               begin_us,
+                                               end_us};
+  }
+  void clear() {
+    records_.clear();
+    text_.clear();
+    used_in_last_ = 0;
+    text_left_ = 0;
+  }
+  // Calls fn(record) for every event, in recording order.
+  template <typename Fn>
+  void for_each(Fn&& fn) const {
+    for (size_t b = 0; b < records_.size(); ++b) {
+      const size_t used = b + 1 == records_.size() ? used_in_last_ : kRecordsPerBlock;
+      for (size_t i = 0; i < used; ++i) fn(records_[b][i]);
+    }
+  }
+
+ private:
+  static constexpr size_t kRecordsPerBlock = 4096;
+  static constexpr size_t kTextBlockBytes = 1 << 20;
+
+  // A copy of text in the current text block (a new block when it does not fit).
+  const char* keep(const std::string& text) {
+    if (text.empty()) return "";
+    if (text.size() > text_left_) {
+      const size_t bytes = std::max(kTextBlockBytes, text.size());
+      text_.push_back(std::make_unique<char[]>(bytes));
+      text_next_ = text_.back().get();
+      text_left_ = bytes;
+    }
+    char* copy = text_next_;
+    std::memcpy(copy, text.data(), text.size());
+    text_next_ += text.size();
+    text_left_ -= text.size();
+    return copy;
+  }
+
+  std::vector<std::unique_ptr<Record[]>> records_;
+  size_t used_in_last_ = 0;
+  std::vector<std::unique_ptr<char[]>> text_;
+  char* text_next_ = nullptr;
+  size_t text_left_ = 0;
+};
+
+Event to_event(const Record& r) {
+  return Event{r.lane, std::string(r.name, r.name_size), r.begin_us, r.end_us, std::string(r.args, r.args_size)};
+}
+
 struct Recorder {
   std::mutex mutex;
-  std::vector<Event> events;
+  EventStore events;
   std::string path;  // "" = in memory only
   int rank = 0;
   int world_size = 1;
@@ -77,10 +159,12 @@ const bool started_from_environment = [] {
   return true;
 }();
 
-void write_event(std::ostream& out, const Event& e, int pid) {
-  out << "{\"name\":" << json_string(e.name) << ",\"cat\":" << json_string(lane_name(e.lane))
+void write_event(std::ostream& out, const Record& e, int pid) {
+  out << "{\"name\":" << json_string(std::string(e.name, e.name_size)) << ",\"cat\":" << json_string(lane_name(e.lane))
       << ",\"ph\":\"X\",\"pid\":" << pid << ",\"tid\":" << e.lane << ",\"ts\":" << e.begin_us
-      << ",\"dur\":" << (e.end_us - e.begin_us) << ",\"args\":{" << e.args_json << "}}";
+      << ",\"dur\":" << (e.end_us - e.begin_us) << ",\"args\":{";
+  out.write(e.args, e.args_size);
+  out << "}}";
 }
 
 }  // namespace
@@ -150,15 +234,16 @@ void complete(int lane, std::string name, double begin_us, double end_us, std::s
   if (!enabled()) return;
   Recorder& r = recorder();
   std::lock_guard<std::mutex> lock(r.mutex);
-  r.events.push_back(Event{lane, std::move(name), begin_us, end_us, std::move(args_json)});
+  r.events.add(lane, name, begin_us, end_us, args_json);
 }
 
 std::vector<Event> events_since(double since_us) {
   Recorder& r = recorder();
   std::lock_guard<std::mutex> lock(r.mutex);
   std::vector<Event> found;
-  for (const Event& e : r.events)
-    if (e.begin_us >= since_us) found.push_back(e);
+  r.events.for_each([&](const Record& e) {
+    if (e.begin_us >= since_us) found.push_back(to_event(e));
+  });
   return found;
 }
 
@@ -188,18 +273,19 @@ std::string write() {
     out << "{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":" << pid << ",\"args\":{\"sort_index\":" << r.rank
         << "}}";
     std::vector<int> lanes;
-    for (const Event& e : r.events)
+    r.events.for_each([&](const Record& e) {
       if (std::find(lanes.begin(), lanes.end(), e.lane) == lanes.end()) lanes.push_back(e.lane);
+    });
     for (int lane : lanes) {
       out << ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" << pid << ",\"tid\":" << lane
           << ",\"args\":{\"name\":" << json_string(lane_name(lane)) << "}}";
       out << ",\n{\"name\":\"thread_sort_index\",\"ph\":\"M\",\"pid\":" << pid << ",\"tid\":" << lane
           << ",\"args\":{\"sort_index\":" << lane << "}}";
     }
-    for (const Event& e : r.events) {
+    r.events.for_each([&](const Record& e) {
       out << ",\n";
       write_event(out, e, pid);
-    }
+    });
     out << "\n]}\n";
     out.flush();
     NANODDP_CHECK(out.good(), IOError, "writing the trace file ", temporary, " failed (disk full?)");

@@ -1,7 +1,7 @@
 // Seeing DDP run: the merged trace of a 2-rank fashion_mnist run (per rank and step: the
 // backward nodes, one all-reduce per bucket with its bytes, the optimizer step), overlap on and
 // off as the trace shows it, --explain's counts against the counters and the trace, and
-// NANODDP_TRACE on a program that has no --trace flag.
+// NANODDP_TRACE on a program that has no --trace flag; the recorder's storage itself.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <regex>
 
+#include "core/trace.h"
 #include "tests/small_fashion_mnist.h"
 #include "tests/subprocess.h"
 
@@ -241,4 +242,34 @@ TEST_CASE("NANODDP_TRACE traces a program without a --trace flag; world size 1 w
   CHECK(steps == 2 * 13);  // 100 pairs in batches of 8: 13 per epoch
   CHECK(backward_nodes == 2 * 13);
   CHECK(all_reduces == 0);  // one rank: the gradient is already the mean
+}
+
+TEST_CASE("the recorder gives back every event exactly, across its record and text blocks") {
+  // Note [Trace storage]: 4096 records and 1 MiB of text per block; these 10,000 events fill
+  // three record blocks, and their text (one string larger than a whole block) several text
+  // blocks.
+  trace::start("");  // in memory only
+  const double t0 = trace::now_us();
+  std::vector<std::string> names, args;
+  for (int i = 0; i < 10000; ++i) {
+    names.push_back("event " + std::to_string(i) + std::string(static_cast<size_t>(i % 7), 'x'));
+    args.push_back(i == 5000 ? "\"big\":\"" + std::string(3 << 20, 'b') + "\""
+                             : "\"i\":" + std::to_string(i) + (i % 3 ? "" : ",\"shapes\":\"[64, 784]\""));
+    trace::complete(i % 5, names.back(), t0 + i, t0 + i + 0.5, args.back());
+  }
+  trace::complete(trace::Lane::Data, "", t0 + 20000, t0 + 20000);  // empty name and args
+  const std::vector<trace::Event> events = trace::events_since(t0);
+  trace::stop();
+  REQUIRE(events.size() == 10001);
+  for (size_t i = 0; i < names.size(); ++i) {
+    CAPTURE(i);
+    REQUIRE(events[i].name == names[i]);
+    REQUIRE(events[i].args_json == args[i]);
+    REQUIRE(events[i].lane == static_cast<int>(i % 5));
+    REQUIRE(events[i].begin_us == t0 + static_cast<double>(i));
+    REQUIRE(events[i].end_us == t0 + static_cast<double>(i) + 0.5);
+  }
+  CHECK(events.back().name.empty());
+  CHECK(events.back().args_json.empty());
+  CHECK(trace::events_since(t0).empty());  // stop() forgot them
 }
