@@ -137,7 +137,10 @@ class ProcessGroup {
   // Messages between two ranks arrive in the order sent; tag must match too. Throws
   // ValueError when dst/src is not another rank of the group; a mismatch in size, dtype or
   // tag is a DistError on the receiving side (shm) or, where the library cannot tell, data
-  // cut short. The base class throws DistError: the backend has no point-to-point.
+  // cut short. NCCL queues send/recv and issues them together, as one NCCL group, when one
+  // of them is waited on or tested or a collective is called (so an exchange cannot
+  // deadlock), and takes tag 0 only (ValueError otherwise: NCCL has no tags). The base
+  // class throws DistError: the backend has no point-to-point.
   virtual std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag = 0);
   virtual std::shared_ptr<Work> recv(Tensor& tensor, int src, int tag = 0);
 

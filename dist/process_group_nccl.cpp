@@ -21,6 +21,20 @@
 // holds the tensors until the event has passed, even when dropped without wait(), so the
 // caching allocator cannot reuse their memory while NCCL uses it.
 //
+// Note [NCCL point-to-point]
+// ncclSend and ncclRecv block their stream until the peer posts the matching call, and every
+// call of a communicator runs in issue order. So two ranks that each send, then receive (an
+// exchange, every step of a ring) would each wait in their send for a receive queued behind
+// the peer's own send: a deadlock once the message outgrows NCCL's buffers. NCCL's answer is
+// a group (ncclGroupStart ... ncclGroupEnd): the calls in it progress together. Here send()
+// and recv() only queue the call and return their Work; the queued calls are issued as one
+// NCCL group when any of their Works is waited on or tested, or when the next collective is
+// called (which keeps issue order). What torch.distributed.batch_isend_irecv asks its user
+// to do, then, happens by itself. NCCL has no tags: messages between two ranks match by
+// order, so a tag other than 0 is refused rather than ignored; a receive of a different size
+// or dtype than the send is not detected by NCCL (Note [Collective check] covers
+// collectives only).
+//
 // Note [NCCL shutdown]
 // A communicator is finalized (ncclCommFinalize, polled like any call) and then destroyed when
 // its group goes, or aborted when finalizing fails or times out, so exit never hangs on a peer
@@ -40,7 +54,10 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <exception>
+#include <mutex>
 
+#include "kernels/cuda/nan_ordered.h"
 #include "kernels/device_memory.h"
 
 namespace nanoddp::dist {
@@ -140,6 +157,27 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   return ncclSum;
 }
 
+// Note [NCCL NaN]
+// ncclMax/ncclMin on floats drop a NaN (as a hardware max does); torch.maximum/minimum, and
+// every other backend here, propagate it whichever rank holds it. So a float32 Max or Min
+// reduces ordered integer keys instead (kernels/cuda/nan_ordered.h): the buffer is turned
+// into keys on the group's stream, reduced as ncclUint32, and turned back. Two elementwise
+// passes, on Max/Min only; int64 and Sum/Avg go straight to NCCL.
+struct NanSafeReduction {
+  bool keyed = false;
+  kernels::cuda::NanAt nan_at = kernels::cuda::NanAt::Top;
+  ncclDataType_t type = ncclFloat32;
+  ncclRedOp_t op = ncclSum;
+};
+NanSafeReduction nan_safe(DType dtype, ReduceOp op) {
+  NanSafeReduction r;
+  r.keyed = dtype == DType::Float32 && (op == ReduceOp::Max || op == ReduceOp::Min);
+  r.nan_at = op == ReduceOp::Min ? kernels::cuda::NanAt::Bottom : kernels::cuda::NanAt::Top;
+  r.type = r.keyed ? ncclUint32 : nccl_type(dtype);
+  r.op = nccl_op(op);
+  return r;
+}
+
 cudaStream_t compute_stream() { return static_cast<cudaStream_t>(kernels::cuda::compute_stream()); }
 
 std::atomic<int> next_group_id{0};
@@ -222,7 +260,25 @@ class ProcessGroupNccl : public ProcessGroup {
   }
 
   ~ProcessGroupNccl() override {
-    cudaSetDevice(device_.index);  // Note [NCCL shutdown]; destructors never throw
+    {
+      std::lock_guard<std::mutex> lock(*p2p_mutex_);
+      for (auto& work : queued_works_) work->dropped = true;  // never issued: nothing was sent
+    }
+    cudaSetDevice(device_.index);  // Note [NCCL point-to-point]
+// ncclSend and ncclRecv block their stream until the peer posts the matching call, and every
+// call of a communicator runs in issue order. So two ranks that each send, then receive (an
+// exchange, every step of a ring) would each wait in their send for a receive queued behind
+// the peer's own send: a deadlock once the message outgrows NCCL's buffers. NCCL's answer is
+// a group (ncclGroupStart ... ncclGroupEnd): the calls in it progress together. Here send()
+// and recv() only queue the call and return their Work; the queued calls are issued as one
+// NCCL group when any of their Works is waited on or tested, or when the next collective is
+// called (which keeps issue order). What torch.distributed.batch_isend_irecv asks its user
+// to do, then, happens by itself. NCCL has no tags: messages between two ranks match by
+// order, so a tag other than 0 is refused rather than ignored; a receive of a different size
+// or dtype than the send is not detected by NCCL (Note [Collective check] covers
+// collectives only).
+//
+// Note [NCCL shutdown]; destructors never throw
     comm_.reset();
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
@@ -236,11 +292,15 @@ class ProcessGroupNccl : public ProcessGroup {
     std::string what = describe(std::string("all_reduce(") + reduce_op_name(op) + ")", tensor);
     check_tensor("all_reduce", tensor, device_);
     check_reduce("all_reduce", tensor, op);
+    issue_queued_point_to_point();
     void* data = tensor.impl()->storage->data();
+    const NanSafeReduction reduction = nan_safe(tensor.dtype(), op);  // Note [NCCL NaN]
     return launch(what, {tensor}, [&](cudaStream_t s) {
+      if (reduction.keyed) kernels::cuda::floats_to_ordered_keys(data, tensor.numel(), reduction.nan_at, s);
       enqueue(what, [&] {
-        return ncclAllReduce(data, data, tensor.numel(), nccl_type(tensor.dtype()), nccl_op(op), comm_->get(), s);
+        return ncclAllReduce(data, data, tensor.numel(), reduction.type, reduction.op, comm_->get(), s);
       });
+      if (reduction.keyed) kernels::cuda::ordered_keys_to_floats(data, tensor.numel(), reduction.nan_at, s);
     });
   }
 
@@ -250,6 +310,7 @@ class ProcessGroupNccl : public ProcessGroup {
     check_tensor("broadcast", tensor, device_);
     NANODDP_CHECK(root >= 0 && root < world_size_, ValueError, what, ": root ", root,
                   " is not a rank of this group");
+    issue_queued_point_to_point();
     void* data = tensor.impl()->storage->data();
     return launch(what, {tensor}, [&](cudaStream_t s) {
       enqueue(what, [&] {
@@ -263,6 +324,7 @@ class ProcessGroupNccl : public ProcessGroup {
     std::string what = describe("all_gather", input);
     check_tensor("all_gather", input, device_);
     check_list("all_gather", outputs, input);
+    issue_queued_point_to_point();
     Tensor gathered = Tensor::empty({input.numel() * world_size_}, input.dtype(), device_);
     std::vector<Tensor> keep = outputs;
     keep.push_back(input);
@@ -289,6 +351,7 @@ class ProcessGroupNccl : public ProcessGroup {
     check_tensor("reduce_scatter", output, device_);
     check_reduce("reduce_scatter", output, op);
     check_list("reduce_scatter", inputs, output);
+    issue_queued_point_to_point();
     Tensor flat = Tensor::empty({output.numel() * world_size_}, output.dtype(), device_);
     std::vector<Tensor> keep = inputs;
     keep.push_back(output);
@@ -300,10 +363,13 @@ class ProcessGroupNccl : public ProcessGroup {
                                                inputs[r].impl()->storage->data(), output.nbytes(),
                                                cudaMemcpyDeviceToDevice, s),
                                what);
+      const NanSafeReduction reduction = nan_safe(output.dtype(), op);  // Note [NCCL NaN]
+      void* out = output.impl()->storage->data();
+      if (reduction.keyed) kernels::cuda::floats_to_ordered_keys(dst, flat.numel(), reduction.nan_at, s);
       enqueue(what, [&] {
-        return ncclReduceScatter(dst, output.impl()->storage->data(), output.numel(), nccl_type(output.dtype()),
-                                 nccl_op(op), comm_->get(), s);
+        return ncclReduceScatter(dst, out, output.numel(), reduction.type, reduction.op, comm_->get(), s);
       });
+      if (reduction.keyed) kernels::cuda::ordered_keys_to_floats(out, output.numel(), reduction.nan_at, s);
     });
   }
 
@@ -314,7 +380,106 @@ class ProcessGroupNccl : public ProcessGroup {
     return all_reduce(token, ReduceOp::Sum);
   }
 
+  // Note [NCCL point-to-point]: queued here, issued as one NCCL group later.
+  std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {
+    return queue_point_to_point(tensor, dst, tag, /*is_send=*/true);
+  }
+  std::shared_ptr<Work> recv(Tensor& tensor, int src, int tag) override {
+    return queue_point_to_point(tensor, src, tag, /*is_send=*/false);
+  }
+
  private:
+  // A send or recv waiting in the queue for its NCCL group.
+  struct QueuedPointToPoint {
+    Tensor tensor;
+    int peer;
+    bool is_send;
+  };
+
+  // The Work of a queued send/recv: issues the queue (its own call included) when first
+  // waited on or tested, then follows the group's device event.
+  class PointToPointWork : public Work {
+   public:
+    PointToPointWork(ProcessGroupNccl* group, std::shared_ptr<std::mutex> mutex)
+        : group_(group), mutex_(std::move(mutex)) {}
+    void wait(std::chrono::milliseconds timeout) override { issued()->wait(timeout); }
+    bool is_completed() override { return issued()->is_completed(); }
+    // Set under the mutex when the queue is issued: the group's Work, or why there is none.
+    std::shared_ptr<Work> issued_work;
+    std::exception_ptr error;
+    bool dropped = false;  // the group went away before issuing it
+
+   private:
+    std::shared_ptr<Work> issued() {
+      std::lock_guard<std::mutex> lock(*mutex_);
+      if (!issued_work && !error && !dropped) group_->issue_point_to_point_locked();
+      if (error) std::rethrow_exception(error);
+      NANODDP_CHECK(issued_work != nullptr, DistError,
+                    "nccl send/recv: the group was destroyed before the call was issued");
+      return issued_work;
+    }
+    ProcessGroupNccl* group_;
+    std::shared_ptr<std::mutex> mutex_;
+  };
+
+  std::shared_ptr<Work> queue_point_to_point(const Tensor& tensor, int peer, int tag, bool is_send) {
+    const std::string what = describe((is_send ? "send to rank " : "recv from rank ") + std::to_string(peer), tensor);
+    check_tensor(is_send ? "send" : "recv", tensor, device_);
+    NANODDP_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, ValueError, what, ": rank ", peer,
+                  " must be another rank of this group (0..", world_size_ - 1, ", not ", rank_, ")");
+    NANODDP_CHECK(tag == 0, ValueError, what, ": NCCL has no message tags (messages between two ranks match by "
+                  "order), so tag must be 0, got ", tag);
+    auto work = std::make_shared<PointToPointWork>(this, p2p_mutex_);
+    std::lock_guard<std::mutex> lock(*p2p_mutex_);
+    queued_.push_back(QueuedPointToPoint{tensor, peer, is_send});
+    queued_works_.push_back(work);
+    return work;
+  }
+
+  // Issues every queued send/recv as one NCCL group (Note [NCCL point-to-point]) and hands
+  // each of their Works the group's done event. Held: *p2p_mutex_.
+  void issue_point_to_point_locked() {
+    if (queued_.empty()) return;
+    std::vector<QueuedPointToPoint> calls;
+    calls.swap(queued_);
+    std::vector<std::shared_ptr<PointToPointWork>> works;
+    works.swap(queued_works_);
+    std::vector<Tensor> keep;
+    for (const QueuedPointToPoint& call : calls) keep.push_back(call.tensor);
+    const std::string what = where() + ": nccl group of " + std::to_string(calls.size()) + " send/recv";
+    std::shared_ptr<Work> done;
+    try {
+      done = launch(what, keep, [&](cudaStream_t s) {
+        enqueue(what, [&] {
+          ncclResult_t result = ncclGroupStart();
+          if (result != ncclSuccess) return result;
+          for (const QueuedPointToPoint& call : calls) {
+            void* data = call.tensor.impl()->storage->data();
+            const ncclDataType_t type = nccl_type(call.tensor.dtype());
+            const size_t count = static_cast<size_t>(call.tensor.numel());
+            result = call.is_send ? ncclSend(data, count, type, call.peer, comm_->get(), s)
+                                  : ncclRecv(data, count, type, call.peer, comm_->get(), s);
+            if (result != ncclSuccess && result != ncclInProgress) {
+              ncclGroupEnd();
+              return result;
+            }
+          }
+          return ncclGroupEnd();
+        });
+      });
+    } catch (...) {
+      for (auto& work : works) work->error = std::current_exception();  // each Work's wait reports it
+      throw;
+    }
+    for (auto& work : works) work->issued_work = done;
+  }
+
+  // A collective follows every send/recv queued before it (issue order).
+  void issue_queued_point_to_point() {
+    std::lock_guard<std::mutex> lock(*p2p_mutex_);
+    issue_point_to_point_locked();
+  }
+
   // One NCCL call: issued, then polled until it is enqueued (Note [NCCL non-blocking]), so
   // whatever the caller queues next on the stream really follows it.
   template <typename Call>
@@ -356,6 +521,10 @@ class ProcessGroupNccl : public ProcessGroup {
   std::chrono::milliseconds timeout_;
   std::shared_ptr<NcclComm> comm_;
   cudaStream_t stream_ = nullptr;
+  // Note [NCCL point-to-point]: calls not yet issued, and their Works.
+  std::shared_ptr<std::mutex> p2p_mutex_ = std::make_shared<std::mutex>();
+  std::vector<QueuedPointToPoint> queued_;
+  std::vector<std::shared_ptr<PointToPointWork>> queued_works_;
 };
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 
 #include "core/ops.h"
 #include "dist/ddp.h"
@@ -97,6 +98,19 @@ TEST_CASE("NCCL collectives on a CUDA tensor, world size 1: exact values") {
   pg->all_gather(gathered, Tensor::full({3}, 2.0f, gpu))->wait();
   CHECK(gathered[0].to_vector() == std::vector<float>{2, 2, 2});
   pg->barrier()->wait();
+  // Max/Min go through ordered integer keys (Note [NCCL NaN]): every float comes back as it was.
+  const float nan = std::nanf("");
+  const float inf = std::numeric_limits<float>::infinity();
+  for (dist::ReduceOp op : {dist::ReduceOp::Max, dist::ReduceOp::Min}) {
+    Tensor values = Tensor::from_vector(std::vector<float>{nan, 1.5f, -0.25f, inf, -inf, 0.0f, -3e38f}, {}, gpu);
+    pg->all_reduce(values, op)->wait();
+    const std::vector<float> v = values.to_vector();
+    CHECK(std::isnan(v[0]));
+    CHECK(std::vector<float>(v.begin() + 1, v.end()) == std::vector<float>{1.5f, -0.25f, inf, -inf, 0.0f, -3e38f});
+  }
+  // Point-to-point needs another rank; a tag NCCL cannot honour is refused, not ignored.
+  CHECK_THROWS_AS(pg->send(b, 0), ValueError);
+  CHECK_THROWS_AS(pg->recv(b, 0, 0), ValueError);
 }
 
 TEST_CASE("DDP on a GPU (NCCL, world size 1) trains like the same model on the CPU") {
@@ -176,7 +190,7 @@ TEST_CASE("NCCL refuses two ranks on one GPU and says to use Gloo") {
   CHECK_MESSAGE(message.find("--backend gloo") != std::string::npos, message);
 }
 
-TEST_CASE("NCCL at world size 2 (two GPUs): collectives and DDP") {
+TEST_CASE("NCCL at world size 2 (two GPUs): collectives, send/recv and DDP") {
 #if !NANODDP_WITH_NCCL
   testing::not_in_this_build("NCCL");
   return;
@@ -197,6 +211,57 @@ TEST_CASE("NCCL at world size 2 (two GPUs): collectives and DDP") {
     CHECK(v.front() == 3.0f);
     CHECK(v.back() == 3.0f);
   }
+  // NaN wins in Max and Min whichever rank holds it (torch.maximum; Note [NCCL NaN]).
+  for (dist::ReduceOp op : {dist::ReduceOp::Max, dist::ReduceOp::Min}) {
+    const float nan = std::nanf("");
+    Tensor values = Tensor::from_vector(rank == 0 ? std::vector<float>{nan, 1.0f, 2.0f, -3.0f}
+                                                  : std::vector<float>{1.0f, nan, 1.0f, -4.0f},
+                                        {}, gpu);
+    pg->all_reduce(values, op)->wait();
+    const std::vector<float> v = values.to_vector();
+    CHECK(std::isnan(v[0]));
+    CHECK(std::isnan(v[1]));
+    CHECK(v[2] == (op == dist::ReduceOp::Max ? 2.0f : 1.0f));
+    CHECK(v[3] == (op == dist::ReduceOp::Max ? -3.0f : -4.0f));
+    Tensor out = Tensor::zeros({2}, DType::Float32, gpu);
+    std::vector<Tensor> inputs{Tensor::from_vector(std::vector<float>{rank == 0 ? nan : 5.0f, 6.0f}, {}, gpu),
+                               Tensor::from_vector(std::vector<float>{7.0f, rank == 1 ? nan : 8.0f}, {}, gpu)};
+    pg->reduce_scatter(out, inputs, op)->wait();
+    // Rank 0 gets part 0: (NaN, 6) from rank 0 and (5, 6) from rank 1; rank 1 gets part 1:
+    // (7, 8) from rank 0 and (7, NaN) from rank 1.
+    const std::vector<float> mine = out.to_vector();
+    CHECK(std::isnan(mine[rank == 0 ? 0 : 1]));
+    CHECK(mine[rank == 0 ? 1 : 0] == (rank == 0 ? 6.0f : 7.0f));
+  }
+  // send/recv (Note [NCCL point-to-point]): an exchange larger than NCCL's buffers, each rank
+  // sending before it receives, must not deadlock; two messages arrive in the order sent.
+  const int peer = 1 - rank;
+  const int64_t big = (int64_t(1) << 22) + 3;
+  Tensor out_first = Tensor::full({big}, static_cast<float>(10 * (rank + 1)), gpu);
+  Tensor out_second = Tensor::full({5}, static_cast<float>(rank + 1), gpu);
+  Tensor in_first = Tensor::zeros({big}, DType::Float32, gpu);
+  Tensor in_second = Tensor::zeros({5}, DType::Float32, gpu);
+  auto sent_first = pg->send(out_first, peer);
+  auto sent_second = pg->send(out_second, peer);
+  auto got_first = pg->recv(in_first, peer);
+  auto got_second = pg->recv(in_second, peer);
+  got_second->wait();
+  got_first->wait();
+  sent_first->wait();
+  sent_second->wait();
+  const std::vector<float> first = in_first.to_vector();
+  CHECK(first.front() == 10.0f * (peer + 1));
+  CHECK(first.back() == 10.0f * (peer + 1));
+  CHECK(in_second.to_vector() == std::vector<float>(5, static_cast<float>(peer + 1)));
+  CHECK_THROWS_AS(pg->send(out_second, peer, 3), ValueError);
+  // A collective after a send/recv that nobody waited on issues it first.
+  Tensor lone = Tensor::zeros({3}, DType::Float32, gpu);
+  auto unwaited = rank == 0 ? pg->send(Tensor::full({3}, 7.0f, gpu), 1) : pg->recv(lone, 0);
+  Tensor sum = Tensor::full({1}, 1.0f, gpu);
+  pg->all_reduce(sum)->wait();
+  CHECK(sum.to_vector() == std::vector<float>{2.0f});
+  unwaited->wait();
+  if (rank == 1) CHECK(lone.to_vector() == std::vector<float>{7, 7, 7});
   testing::check_ddp_matches_one_rank(pg, gpu, /*tolerance=*/1e-4f);
   pg.reset();
   dist::destroy_process_group();
