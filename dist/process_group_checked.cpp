@@ -14,9 +14,13 @@
 // rank that issues no collective at all (it exited, or is stuck) leaves the others in the
 // fingerprint all-gather until the group's timeout: TimeoutError.
 // PyTorch does the same only with TORCH_DISTRIBUTED_DEBUG=DETAIL (its ProcessGroupWrapper);
-// here it is on by default. Cost: one small all-gather per collective, waited for before the
-// collective starts (benchmarks/run, "collective check" rows). Turn it off with
-// InitOptions::check_collectives = false or NANODDP_CHECK_COLLECTIVES=0.
+// here it is on by default. Cost: one small all-gather per collective, whose arrival the
+// collective waits for: one more rendezvous of the ranks per collective (the copies, the
+// comparison and the message text are microseconds). On an idle machine that is a few
+// microseconds next to a millisecond step; on a loaded 2-core machine every rendezvous can
+// cost a scheduler time slice, and the check's cost is that (benchmarks/run, "collective
+// check" rows). Turn it off with InitOptions::check_collectives = false or
+// NANODDP_CHECK_COLLECTIVES=0.
 //
 // Note [Deferred check]
 // A collective returns its Work at once and never waits for the peers: the call joins the
