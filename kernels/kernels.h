@@ -35,6 +35,24 @@ struct SgdConfig {
   bool nesterov = false;
 };
 
+// Hyper-parameters of one torch.optim.Adam / AdamW step, with the step-dependent factors
+// already computed on the host in double precision, as PyTorch computes them in Python floats:
+//   step_size = lr / (1 - beta1^step), bias_correction2_sqrt = sqrt(1 - beta2^step),
+//   param_scale = 1 - lr * weight_decay for AdamW (decoupled decay), 1 for Adam.
+// l2 is Adam's weight_decay, added to the gradient (0 for AdamW).
+struct AdamConfig {
+  float beta1 = 0.9f;
+  float one_minus_beta1 = 0.1f;  // 1 - beta1 in double, then rounded (PyTorch's alpha)
+  float beta2 = 0.999f;
+  float one_minus_beta2 = 0.001f;
+  float eps = 1e-8f;
+  float l2 = 0.0f;
+  float param_scale = 1.0f;
+  float step_size = 0.0f;
+  float bias_correction2_sqrt = 1.0f;
+  bool amsgrad = false;
+};
+
 // A sliding window over one [C, H, W] image (Conv2d's im2col, MaxPool2d): kernel, stride,
 // zero padding on both sides and dilation per axis, and the output size they give:
 // out = (in + 2 pad - dilation (kernel - 1) - 1) / stride + 1 (torch.nn.Conv2d's formula).

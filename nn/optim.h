@@ -1,4 +1,5 @@
-// SGD: torch.optim.SGD, one fused kernel per parameter.
+// SGD: torch.optim.SGD, one fused kernel per parameter. Adam and AdamW are in nn/adam.h;
+// the interface they share (step, zero_grad, lr, state_dict) in nn/optimizer.h.
 //
 //   SGD opt(model.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
 //   opt.zero_grad();  loss.backward();  opt.step();
@@ -16,32 +17,31 @@
 #include "core/tensor.h"
 #include "kernels/kernels.h"
 #include "nn/module.h"
+#include "nn/optimizer.h"
 
 namespace nanoddp::nn {
 
 using SGDOptions = kernels::SgdConfig;  // lr, momentum, dampening, weight_decay, nesterov
 
-class SGD {
+class SGD : public Optimizer {
  public:
   // Throws ValueError for lr < 0, momentum < 0, weight_decay < 0, or nesterov without
   // momentum > 0 and dampening == 0 (PyTorch's checks), and for a parameter listed twice
   // (PyTorch warns that this will become an error; stepping it twice is never meant).
   SGD(std::vector<Tensor> params, SGDOptions options);
 
-  void step();
-  void zero_grad();  // clears every parameter's .grad (set_to_none)
+  void step() override;
 
   const SGDOptions& options() const { return options_; }
-  void set_lr(float lr) { options_.lr = lr; }
-  const std::vector<Tensor>& params() const { return params_; }
+  float lr() const override { return options_.lr; }
+  void set_lr(float lr) override;
 
   // Momentum buffers keyed "momentum_buffer.<index>" (index into params), for checkpoints.
   // Parameters that have no buffer yet are absent, as in torch.optim's state.
-  StateDict state_dict() const;
-  void load_state_dict(const StateDict& state);
+  StateDict state_dict() const override;
+  void load_state_dict(const StateDict& state) override;
 
  private:
-  std::vector<Tensor> params_;
   std::vector<Tensor> momentum_buffers_;  // undefined until a parameter's first step
   SGDOptions options_;
 };

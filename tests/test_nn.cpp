@@ -9,8 +9,10 @@
 #include <unistd.h>
 
 #include "core/hash.h"
+#include "nn/adam.h"
 #include "nn/checkpoint.h"
 #include "nn/layers.h"
+#include "nn/lr_scheduler.h"
 #include "nn/optim.h"
 
 using namespace nanoddp;
@@ -305,4 +307,47 @@ TEST_CASE("load_state_dict(strict = false) returns the missing and unexpected ke
   CHECK(keys.missing_keys == std::vector<std::string>{"2.bias"});
   CHECK(keys.unexpected_keys == std::vector<std::string>{"3.weight"});
   CHECK(b.parameters()[0].to_vector() == a.parameters()[0].to_vector());
+}
+
+TEST_CASE("a checkpoint of model, Adam and scheduler resumes to the identical trajectory") {
+  // Linear(3, 2) fitted to fixed targets with AdamW (amsgrad) under a LinearLR warm-up: 6
+  // steps straight, or 3 steps, a checkpoint file, fresh objects loaded from it, 3 more.
+  struct Run {
+    const Tensor x = Tensor::from_vector({1, -2, 0.5f, 0.25f, 3, -1}, {2, 3});
+    const Tensor y = Tensor::from_vector({0.5f, -1, 2, 0}, {2, 2});
+    Generator gen{5};
+    Linear model{3, 2, gen};
+    AdamW opt{model.parameters(), {/*lr=*/0.05f, {0.9f, 0.99f}, 1e-8f, /*weight_decay=*/0.01f, /*amsgrad=*/true}};
+    LinearLR schedule{opt, /*start_factor=*/0.25, /*end_factor=*/1.0, /*total_iters=*/4};
+    void train(int steps) {
+      for (int i = 0; i < steps; ++i) {
+        opt.zero_grad();
+        mse_loss(model(x), y).backward();
+        opt.step();
+        schedule.step();
+      }
+    }
+  };
+  Run straight;
+  straight.train(6);
+  Run first;
+  first.train(3);
+  StateDict state;
+  merge_prefixed(state, "model.", first.model.state_dict());
+  merge_prefixed(state, "optimizer.", first.opt.state_dict());
+  merge_prefixed(state, "scheduler.", first.schedule.state_dict());
+  const std::string path = temp_path("adam_ckpt");
+  save_checkpoint(path, state);
+  const StateDict loaded = load_checkpoint(path);
+  std::remove(path.c_str());
+  Run resumed;
+  resumed.model.load_state_dict(strip_prefix(loaded, "model."));
+  resumed.opt.load_state_dict(strip_prefix(loaded, "optimizer."));
+  resumed.schedule.load_state_dict(strip_prefix(loaded, "scheduler."));
+  CHECK(resumed.opt.lr() == first.opt.lr());
+  resumed.train(3);
+  for (size_t i = 0; i < 2; ++i) CHECK(resumed.model.parameters()[i].to_vector() == straight.model.parameters()[i].to_vector());
+  CHECK(resumed.opt.state_dict().at("exp_avg_sq.0").to_vector() == straight.opt.state_dict().at("exp_avg_sq.0").to_vector());
+  CHECK(resumed.schedule.get_last_lr() == straight.schedule.get_last_lr());
+  CHECK(resumed.schedule.last_epoch() == 6);
 }

@@ -1,7 +1,17 @@
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <memory>
 #include <vector>
 
+#include "core/ops.h"
+#include "core/random.h"
+#include "nn/adam.h"
+#include "nn/clip_grad.h"
+#include "nn/lr_scheduler.h"
 #include "nn/optim.h"
 
 using namespace nanoddp;
@@ -103,4 +113,353 @@ TEST_CASE("SGD refuses a parameter listed twice instead of stepping it twice") {
   } catch (const ValueError& e) {
     CHECK(std::string(e.what()).find("parameter 2 is parameter 0 again") != std::string::npos);
   }
+}
+
+// ---- Adam and AdamW -------------------------------------------------------------------------
+
+namespace {
+// The gradients of the three PyTorch runs below, one row per step.
+const std::vector<std::vector<float>> kAdamGrads = {{0.5f, 1.0f, -0.25f}, {-0.3f, 0.8f, 0.0f}, {0.1f, -1.5f, 2.0f}};
+
+// Steps opt over kAdamGrads from p = [1, -2, 0.5] and returns p after each step.
+std::vector<std::vector<float>> adam_trajectory(const std::function<std::unique_ptr<Optimizer>(Tensor)>& make) {
+  Tensor p = Tensor::from_vector({1.0f, -2.0f, 0.5f}).set_requires_grad(true);
+  std::unique_ptr<Optimizer> opt = make(p);
+  std::vector<std::vector<float>> out;
+  for (const std::vector<float>& g : kAdamGrads) {
+    p.set_grad(Tensor::from_vector(g));
+    opt->step();
+    out.push_back(p.to_vector());
+  }
+  return out;
+}
+
+void check_trajectory(const std::vector<std::vector<float>>& got, const std::vector<std::vector<double>>& expected) {
+  REQUIRE(got.size() == expected.size());
+  for (size_t s = 0; s < got.size(); ++s)
+    for (size_t i = 0; i < got[s].size(); ++i) {
+      INFO("step " << s + 1 << " element " << i);
+      CHECK(got[s][i] == doctest::Approx(expected[s][i]).epsilon(2e-7));
+    }
+}
+
+// torch.optim.Adam / AdamW's single-tensor update in float64, written from the formulas in
+// nn/adam.h: the reference the fused float32 kernel is held to.
+struct AdamReference {
+  double lr, beta1, beta2, eps, weight_decay;
+  bool decoupled, amsgrad;
+  std::vector<double> p, m, v, vmax;
+  int64_t t = 0;
+  void step(const std::vector<double>& grad) {
+    ++t;
+    const double bc1 = 1.0 - std::pow(beta1, t), bc2_sqrt = std::sqrt(1.0 - std::pow(beta2, t));
+    for (size_t i = 0; i < p.size(); ++i) {
+      if (decoupled) p[i] *= 1.0 - lr * weight_decay;
+      const double g = decoupled ? grad[i] : grad[i] + weight_decay * p[i];
+      m[i] = beta1 * m[i] + (1.0 - beta1) * g;
+      v[i] = beta2 * v[i] + (1.0 - beta2) * g * g;
+      vmax[i] = std::max(vmax[i], v[i]);
+      p[i] -= lr / bc1 * m[i] / (std::sqrt(amsgrad ? vmax[i] : v[i]) / bc2_sqrt + eps);
+    }
+  }
+};
+}  // namespace
+
+// Expected values: PyTorch 1.13 (torch.optim.Adam / AdamW, CPU, float32, default
+// foreach=None, so the single-tensor path), run offline on p = [1, -2, 0.5] with the grads of
+// kAdamGrads, printed with 9 significant digits after each step.
+TEST_CASE("Adam matches PyTorch 1.13 step by step") {
+  check_trajectory(adam_trajectory([](Tensor p) { return std::make_unique<Adam>(std::vector<Tensor>{p}, AdamOptions{0.1f}); }),
+                   {{0.900000036, -2.0999999, 0.599999964},
+                    {0.880850255, -2.19881248, 0.667005777},
+                    {0.85545373, -2.19978452, 0.610034883}});
+}
+
+TEST_CASE("Adam with L2 weight decay and amsgrad matches PyTorch 1.13") {
+  AdamOptions options;
+  options.lr = 0.1f;
+  options.weight_decay = 0.1f;
+  options.amsgrad = true;
+  check_trajectory(adam_trajectory([&](Tensor p) { return std::make_unique<Adam>(std::vector<Tensor>{p}, options); }),
+                   {{0.900000036, -2.0999999, 0.600000024},
+                    {0.86135304, -2.1980989, 0.642784894},
+                    {0.81471777, -2.1807034, 0.582552493}});
+}
+
+TEST_CASE("AdamW's decoupled weight decay matches PyTorch 1.13") {
+  AdamWOptions options;
+  options.lr = 0.1f;
+  options.weight_decay = 0.1f;
+  check_trajectory(adam_trajectory([&](Tensor p) { return std::make_unique<AdamW>(std::vector<Tensor>{p}, options); }),
+                   {{0.890000045, -2.07999992, 0.594999969},
+                    {0.861950278, -2.15801263, 0.656055808},
+                    {0.827934265, -2.13740444, 0.59252435}});
+}
+
+TEST_CASE("AdamW with its default weight decay, other betas, eps and amsgrad matches PyTorch 1.13") {
+  AdamWOptions options;  // weight_decay stays at AdamW's default 1e-2
+  options.lr = 0.1f;
+  options.betas = {0.8f, 0.9f};
+  options.eps = 1e-3f;
+  options.amsgrad = true;
+  CHECK(options.weight_decay == 1e-2f);
+  Tensor p = Tensor::from_vector({1.0f, -2.0f, 0.5f}).set_requires_grad(true);
+  AdamW opt({p}, options);
+  for (const std::vector<float>& g : kAdamGrads) {
+    p.set_grad(Tensor::from_vector(g));
+    opt.step();
+  }
+  // PyTorch 1.13, as above: p after step 3 and the state (max_exp_avg_sq[0] is step 2's v).
+  const std::vector<double> p3 = {0.86223048, -2.18445444, 0.597139001};
+  const std::vector<double> exp_avg = {0.0360000022, -0.0439999923, 0.368000001};
+  const std::vector<double> exp_avg_sq = {0.0293499995, 0.363600016, 0.405062497};
+  const std::vector<double> max_exp_avg_sq = {0.0315000005, 0.363600016, 0.405062497};
+  const StateDict state = opt.state_dict();
+  REQUIRE(state.size() == 4);
+  CHECK(state.at("step.0").to_int_vector() == std::vector<int64_t>{3});
+  for (size_t i = 0; i < 3; ++i) {
+    CHECK(p.to_vector()[i] == doctest::Approx(p3[i]).epsilon(2e-7));
+    CHECK(state.at("exp_avg.0").to_vector()[i] == doctest::Approx(exp_avg[i]).epsilon(2e-7));
+    CHECK(state.at("exp_avg_sq.0").to_vector()[i] == doctest::Approx(exp_avg_sq[i]).epsilon(2e-7));
+    CHECK(state.at("max_exp_avg_sq.0").to_vector()[i] == doctest::Approx(max_exp_avg_sq[i]).epsilon(2e-7));
+  }
+}
+
+TEST_CASE("the fused Adam and AdamW kernels follow a float64 reference over 20 steps") {
+  Generator gen(7);
+  for (bool decoupled : {false, true})
+    for (bool amsgrad : {false, true}) {
+      INFO((decoupled ? "AdamW" : "Adam") << (amsgrad ? " amsgrad" : ""));
+      const int64_t n = 64;
+      Tensor p = Tensor::randn({n}, gen).set_requires_grad(true);
+      const std::vector<float> p0 = p.to_vector();
+      AdamReference ref{0.01, 0.9, 0.99, 1e-6, 0.05, decoupled, amsgrad,
+                        std::vector<double>(p0.begin(), p0.end()), std::vector<double>(n, 0.0),
+                        std::vector<double>(n, 0.0), std::vector<double>(n, 0.0)};
+      AdamOptions options{0.01f, {0.9f, 0.99f}, 1e-6f, 0.05f, amsgrad};
+      std::unique_ptr<Optimizer> opt;
+      if (decoupled)
+        opt = std::make_unique<AdamW>(std::vector<Tensor>{p}, AdamWOptions{0.01f, {0.9f, 0.99f}, 1e-6f, 0.05f, amsgrad});
+      else
+        opt = std::make_unique<Adam>(std::vector<Tensor>{p}, options);
+      for (int step = 0; step < 20; ++step) {
+        // Gradients that shrink over time, so that amsgrad's maximum differs from v.
+        const Tensor g = Tensor::randn({n}, gen) * (1.0f / static_cast<float>(1 + step));
+        p.set_grad(g);
+        const std::vector<float> gv = g.to_vector();
+        opt->step();
+        ref.step(std::vector<double>(gv.begin(), gv.end()));
+      }
+      const std::vector<float> got = p.to_vector();
+      double worst = 0.0;
+      for (int64_t i = 0; i < n; ++i) worst = std::max(worst, std::abs(got[i] - ref.p[i]));
+      CHECK(worst < 2e-6);  // float32 rounding over 20 steps of size ~lr
+    }
+}
+
+TEST_CASE("Adam skips a parameter without a gradient and checks its arguments as PyTorch does") {
+  Tensor a = Tensor::from_vector({1.0f}).set_requires_grad(true);
+  Tensor b = Tensor::from_vector({1.0f}).set_requires_grad(true);
+  Adam opt({a, b}, AdamOptions{});
+  b.set_grad(Tensor::from_vector({2.0f}));
+  opt.step();
+  CHECK(a.item() == 1.0f);
+  // Step 1 moves by lr * sign(g) (up to eps): m / sqrt(v) = g / |g| after bias correction.
+  CHECK(b.item() == doctest::Approx(1.0f - 1e-3f).epsilon(1e-6));
+  CHECK(opt.state_dict().count("step.0") == 0);
+  CHECK(opt.state_dict().at("step.1").to_int_vector() == std::vector<int64_t>{1});
+  CHECK(opt.name() == "Adam");
+  auto message = [&](AdamOptions o) {
+    try {
+      Adam bad({a}, o);
+    } catch (const ValueError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK(message({-1.0f}).find("Invalid learning rate: -1") != std::string::npos);
+  CHECK(message({1e-3f, {1.0f, 0.999f}}).find("Invalid beta parameter at index 0: 1") != std::string::npos);
+  CHECK(message({1e-3f, {0.9f, -0.1f}}).find("Invalid beta parameter at index 1") != std::string::npos);
+  CHECK(message({1e-3f, {0.9f, 0.999f}, -1e-8f}).find("Invalid epsilon value") != std::string::npos);
+  CHECK(message({1e-3f, {0.9f, 0.999f}, 1e-8f, -0.1f}).find("Invalid weight_decay value") != std::string::npos);
+  CHECK_THROWS_AS(AdamW({a, a}, AdamWOptions{}), ValueError);
+  CHECK_THROWS_AS(opt.set_lr(-0.5f), ValueError);
+}
+
+TEST_CASE("Adam state_dict resumes to the identical trajectory and rejects partial state") {
+  AdamOptions options{0.05f, {0.9f, 0.999f}, 1e-8f, 0.0f, /*amsgrad=*/true};
+  Tensor p = Tensor::from_vector({1.0f, -2.0f, 0.5f}).set_requires_grad(true);
+  Tensor q = Tensor::from_vector({1.0f, -2.0f, 0.5f}).set_requires_grad(true);
+  Adam straight({p}, options), first({q}, options);
+  for (int i = 0; i < 3; ++i) {
+    p.set_grad(Tensor::from_vector(kAdamGrads[i]));
+    straight.step();
+  }
+  q.set_grad(Tensor::from_vector(kAdamGrads[0]));
+  first.step();
+  Adam resumed({q}, options);
+  resumed.load_state_dict(first.state_dict());
+  for (int i = 1; i < 3; ++i) {
+    q.set_grad(Tensor::from_vector(kAdamGrads[i]));
+    resumed.step();
+  }
+  CHECK(q.to_vector() == p.to_vector());
+  StateDict partial = first.state_dict();
+  partial.erase("exp_avg_sq.0");
+  CHECK_THROWS_AS(resumed.load_state_dict(partial), ValueError);
+  StateDict wrong_shape = first.state_dict();
+  wrong_shape["exp_avg.0"] = Tensor::zeros({2});
+  CHECK_THROWS_AS(resumed.load_state_dict(wrong_shape), ShapeError);
+  StateDict unknown = first.state_dict();
+  unknown["momentum_buffer.0"] = Tensor::zeros({3});
+  CHECK_THROWS_AS(resumed.load_state_dict(unknown), ValueError);
+  CHECK(resumed.state_nbytes() == 3 * 3 * 4);  // exp_avg, exp_avg_sq, max_exp_avg_sq of 3 floats
+}
+
+// ---- learning-rate schedulers ---------------------------------------------------------------
+
+namespace {
+// get_last_lr() after construction and after each of `steps` steps.
+std::vector<double> schedule_values(LRScheduler& schedule, int steps) {
+  std::vector<double> values = {schedule.get_last_lr()};
+  for (int i = 0; i < steps; ++i) {
+    schedule.step();
+    values.push_back(schedule.get_last_lr());
+  }
+  return values;
+}
+
+void check_schedule(const std::vector<double>& got, const std::vector<double>& expected, const Optimizer& opt) {
+  REQUIRE(got.size() == expected.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    INFO("last_epoch " << i);
+    CHECK(got[i] == expected[i]);  // bit-exact: the same double operations as PyTorch's
+  }
+  CHECK(opt.lr() == static_cast<float>(got.back()));
+}
+}  // namespace
+
+// Every expected list below but LambdaLR's is PyTorch 1.13's get_last_lr()[0] after
+// construction and after each step(), printed with repr(), run offline: torch.optim.SGD([p],
+// lr=0.125), then the scheduler with the same arguments, stepped after each optimizer.step().
+TEST_CASE("StepLR matches PyTorch 1.13 over 13 steps") {
+  Tensor p = param_with_grad();
+  // From 0.125, which float and double hold exactly, so PyTorch's doubles are reproduced.
+  SGD opt({p}, {/*lr=*/0.125f});
+  StepLR schedule(opt, /*step_size=*/3, /*gamma=*/0.1);
+  check_schedule(schedule_values(schedule, 13),
+                 {0.125, 0.125, 0.125, 0.0125, 0.0125, 0.0125, 0.0012500000000000002, 0.0012500000000000002,
+                  0.0012500000000000002, 0.00012500000000000003, 0.00012500000000000003, 0.00012500000000000003,
+                  1.2500000000000004e-05, 1.2500000000000004e-05},
+                 opt);
+}
+
+TEST_CASE("CosineAnnealingLR matches PyTorch 1.13's recursion, down to eta_min and back up past T_max") {
+  Tensor p = param_with_grad();
+  SGD opt({p}, {/*lr=*/0.125f});
+  CosineAnnealingLR schedule(opt, /*T_max=*/5, /*eta_min=*/0.01);
+  check_schedule(schedule_values(schedule, 13),
+                 {0.125, 0.11401847717655948, 0.08526847717655947, 0.049731522823440524, 0.020981522823440527,
+                  0.01, 0.020981522823440523, 0.049731522823440545, 0.08526847717655951, 0.11401847717655954,
+                  0.12500000000000006, 0.11401847717655957, 0.08526847717655953, 0.04973152282344056},
+                 opt);
+}
+
+TEST_CASE("LinearLR warms up over total_iters with PyTorch 1.13's defaults, then holds") {
+  Tensor p = param_with_grad();
+  SGD opt({p}, {/*lr=*/0.125f});
+  LinearLR schedule(opt);  // start_factor 1/3, end_factor 1, total_iters 5
+  check_schedule(schedule_values(schedule, 8),
+                 {0.041666666666666664, 0.058333333333333334, 0.07500000000000001, 0.09166666666666669,
+                  0.10833333333333336, 0.12500000000000003, 0.12500000000000003, 0.12500000000000003,
+                  0.12500000000000003},
+                 opt);
+  CHECK_THROWS_AS(LinearLR(opt, 0.0), ValueError);
+  CHECK_THROWS_AS(LinearLR(opt, 0.5, 1.5), ValueError);
+}
+
+TEST_CASE("LambdaLR is base_lr times the lambda at last_epoch") {
+  Tensor p = param_with_grad();
+  SGD opt({p}, {/*lr=*/0.125f});
+  LambdaLR schedule(opt, [](int64_t epoch) { return std::pow(0.95, static_cast<double>(epoch)); });
+  // By hand: 0.125 * 0.95^e, e = 0..10.
+  std::vector<double> expected;
+  for (int e = 0; e <= 10; ++e) expected.push_back(0.125 * std::pow(0.95, e));
+  check_schedule(schedule_values(schedule, 10), expected, opt);
+  CHECK_THROWS_AS(StepLR(opt, 0), ValueError);
+  CHECK_THROWS_AS(CosineAnnealingLR(opt, 0), ValueError);
+}
+
+TEST_CASE("a scheduler's state_dict resumes the same values and restores the optimizer's lr") {
+  Tensor p = param_with_grad(), q = param_with_grad();
+  Adam straight_opt({p}, AdamOptions{0.125f});
+  CosineAnnealingLR straight(straight_opt, 7);
+  const std::vector<double> values = schedule_values(straight, 10);
+  Adam first_opt({q}, AdamOptions{0.125f});
+  CosineAnnealingLR first(first_opt, 7);
+  schedule_values(first, 4);
+  Adam resumed_opt({q}, AdamOptions{0.125f});
+  CosineAnnealingLR resumed(resumed_opt, 7);
+  resumed.load_state_dict(first.state_dict());
+  CHECK(resumed.last_epoch() == 4);
+  CHECK(resumed_opt.lr() == static_cast<float>(values[4]));
+  const std::vector<double> rest = schedule_values(resumed, 6);
+  for (size_t i = 0; i < rest.size(); ++i) CHECK(rest[i] == values[4 + i]);  // bit-exact
+  StateDict bad = first.state_dict();
+  bad.erase("last_lr");
+  CHECK_THROWS_AS(resumed.load_state_dict(bad), ValueError);
+  CHECK(resumed.last_epoch() == 10);  // unchanged by the failed load
+}
+
+// ---- clip_grad_norm_ ------------------------------------------------------------------------
+
+TEST_CASE("clip_grad_norm_ scales by max_norm / (total + 1e-6) and returns the norm before") {
+  // Gradients [3, 4] and [12]: 2-norm sqrt(9 + 16 + 144) = 13; inf norm 12; 1-norm 19.
+  auto make = [] {
+    Tensor a = Tensor::from_vector({0.0f, 0.0f}).set_requires_grad(true);
+    Tensor b = Tensor::from_vector({0.0f}).set_requires_grad(true);
+    Tensor none = Tensor::from_vector({0.0f}).set_requires_grad(true);  // no grad: skipped
+    a.set_grad(Tensor::from_vector({3.0f, 4.0f}));
+    b.set_grad(Tensor::from_vector({12.0f}));
+    return std::vector<Tensor>{a, none, b};
+  };
+  std::vector<Tensor> params = make();
+  CHECK(clip_grad_norm_(params, 1.0) == doctest::Approx(13.0).epsilon(1e-7));
+  const double coef = 1.0 / (13.0 + 1e-6);
+  CHECK(params[0].grad().at({0}) == doctest::Approx(3.0 * coef).epsilon(1e-7));
+  CHECK(params[0].grad().at({1}) == doctest::Approx(4.0 * coef).epsilon(1e-7));
+  CHECK(params[2].grad().at({0}) == doctest::Approx(12.0 * coef).epsilon(1e-7));
+  CHECK_FALSE(params[1].grad().defined());
+
+  params = make();  // under max_norm: the coefficient clamps to 1 and nothing moves
+  CHECK(clip_grad_norm_(params, 20.0) == doctest::Approx(13.0).epsilon(1e-7));
+  CHECK(params[0].grad().to_vector() == std::vector<float>{3.0f, 4.0f});
+
+  params = make();
+  CHECK(clip_grad_norm_(params, 6.0, std::numeric_limits<double>::infinity()) == 12.0f);
+  CHECK(params[2].grad().at({0}) == doctest::Approx(12.0 * 6.0 / (12.0 + 1e-6)).epsilon(1e-7));
+  params = make();
+  CHECK(clip_grad_norm_(params, 100.0, 1.0) == 19.0f);
+
+  CHECK(clip_grad_norm_({Tensor::from_vector({1.0f})}, 1.0) == 0.0f);  // no gradients at all
+  CHECK_THROWS_AS(clip_grad_norm_(make(), -1.0), ValueError);
+  CHECK_THROWS_AS(clip_grad_norm_(make(), 1.0, 0.0), ValueError);
+}
+
+TEST_CASE("clip_grad_norm_ with a non-finite gradient: an error before any change, or PyTorch's scaling") {
+  auto make = [](float bad) {
+    Tensor a = Tensor::from_vector({0.0f, 0.0f}).set_requires_grad(true);
+    a.set_grad(Tensor::from_vector({bad, 2.0f}));
+    return std::vector<Tensor>{a};
+  };
+  std::vector<Tensor> params = make(std::numeric_limits<float>::infinity());
+  CHECK_THROWS_AS(clip_grad_norm_(params, 1.0, 2.0, /*error_if_nonfinite=*/true), ValueError);
+  CHECK(params[0].grad().at({1}) == 2.0f);
+  // PyTorch 1.13: coef = 1 / (inf + 1e-6) = 0, so inf * 0 = NaN and 2 * 0 = 0.
+  CHECK(std::isinf(clip_grad_norm_(params, 1.0)));
+  CHECK(std::isnan(params[0].grad().at({0})));
+  CHECK(params[0].grad().at({1}) == 0.0f);
+  params = make(std::numeric_limits<float>::quiet_NaN());
+  CHECK(std::isnan(clip_grad_norm_(params, 1.0, std::numeric_limits<double>::infinity())));
+  CHECK(std::isnan(params[0].grad().at({1})));  // a NaN coefficient reaches every gradient
 }

@@ -1,0 +1,52 @@
+#include "nn/clip_grad.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "core/autograd.h"
+#include "kernels/kernels.h"
+
+namespace nanoddp::nn {
+
+float clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type, bool error_if_nonfinite) {
+  NANODDP_CHECK(max_norm >= 0.0, ValueError, "clip_grad_norm_: max_norm must be >= 0, got ", max_norm);
+  NANODDP_CHECK(norm_type > 0.0, ValueError, "clip_grad_norm_: norm_type must be > 0 (or infinity), got ", norm_type);
+  NoGradGuard no_grad;
+  std::vector<Tensor> grads;
+  for (const Tensor& p : params)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  if (grads.empty()) return 0.0f;
+
+  const bool inf_norm = std::isinf(norm_type);
+  double accumulated = 0.0;  // the largest |g| for the inf norm, else the sum of |g|^norm_type
+  for (const Tensor& g : grads) {
+    NANODDP_CHECK(g.dtype() == DType::Float32, ValueError, "clip_grad_norm_: gradients must be float32, got ",
+                  dtype_name(g.dtype()));
+    const Tensor host = g.device().is_cuda() ? g.to(Device::cpu()) : g;
+    const float* data = host.data<float>();
+    for (int64_t i = 0, n = host.numel(); i < n; ++i) {
+      const double a = std::fabs(static_cast<double>(data[i]));
+      if (inf_norm) {
+        accumulated = std::isnan(a) || std::isnan(accumulated) ? std::numeric_limits<double>::quiet_NaN()
+                                                               : std::max(accumulated, a);
+      } else {
+        accumulated += norm_type == 2.0 ? a * a : norm_type == 1.0 ? a : std::pow(a, norm_type);
+      }
+    }
+  }
+  const double total = inf_norm ? accumulated : std::pow(accumulated, 1.0 / norm_type);
+  NANODDP_CHECK(!error_if_nonfinite || std::isfinite(total), ValueError, "clip_grad_norm_: the total norm of order ",
+                norm_type, " for gradients from `parameters` is non-finite, so it cannot be clipped. To disable "
+                "this error and scale the gradients by the non-finite norm anyway, set error_if_nonfinite=false");
+  // PyTorch clamps with torch.clamp(max=1.0), which passes a NaN through: so does this.
+  const double coef = max_norm / (total + 1e-6);
+  const float scale = static_cast<float>(coef > 1.0 ? 1.0 : coef);
+  if (scale != 1.0f)
+    for (Tensor& g : grads)
+      NANODDP_DISPATCH(g.device(), scalar_forward, g.data<float>(), g.data<float>(), kernels::ScalarOp::Mul, scale,
+                       g.numel());
+  return static_cast<float>(total);
+}
+
+}  // namespace nanoddp::nn

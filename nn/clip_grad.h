@@ -1,0 +1,33 @@
+// Gradient clipping by total norm: torch.nn.utils.clip_grad_norm_ (PyTorch 1.13).
+//
+//   loss.backward();
+//   const float total = nn::clip_grad_norm_(model.parameters(), /*max_norm=*/1.0);
+//   optimizer.step();
+//
+// Call it after backward (with DDP: after the all-reduce, so every rank clips the same
+// averaged gradients by the same factor) and before step.
+#pragma once
+
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace nanoddp::nn {
+
+// Scales the .grad of every parameter in params (float32 tensors of any shape, any device) in
+// place so that their joint norm is at most max_norm, and returns that norm as it was before
+// scaling. Parameters whose .grad is undefined are skipped; with none left it returns 0.
+//   total = (sum over all gradient elements of |g|^norm_type)^(1 / norm_type)
+//           (norm_type = infinity: the largest |g|), summed in double precision;
+//   every gradient is multiplied by min(max_norm / (total + 1e-6), 1), as PyTorch does: the
+//   1e-6 keeps the division finite, so a clipped norm lands just under max_norm.
+// A non-finite total (a NaN or infinite gradient) throws ValueError when error_if_nonfinite
+// is true, before any gradient changes; otherwise the gradients are scaled by the resulting
+// factor (0 for an infinite total, NaN for a NaN one) exactly as PyTorch 1.13 does.
+// Throws ValueError for max_norm < 0 or NaN, and for norm_type <= 0 or NaN (PyTorch accepts
+// norm_type 0, a count of non-zero per-parameter norms, which nobody clips by).
+// On CUDA each gradient is copied to the host to be summed: one synchronisation per call.
+float clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0,
+                      bool error_if_nonfinite = false);
+
+}  // namespace nanoddp::nn

@@ -1,0 +1,130 @@
+// The schedules must equal PyTorch's doubles bit for bit, and Python rounds every product:
+// keep the compiler from fusing a * b + c into one FMA here (-mfma builds would).
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include "nn/lr_scheduler.h"
+
+#include <cmath>
+#include <cstring>
+
+namespace nanoddp::nn {
+
+namespace {
+// A double kept bit-exactly in an int64 scalar tensor (tensors have no float64).
+static_assert(sizeof(double) == sizeof(int64_t), "double bits must fit an int64");
+Tensor double_bits(double value) {
+  int64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof bits);
+  return Tensor::from_vector(std::vector<int64_t>{bits});
+}
+
+int64_t int64_entry(const StateDict& state, const std::string& key, const std::string& scheduler) {
+  const auto it = state.find(key);
+  NANODDP_CHECK(it != state.end(), ValueError, scheduler, ".load_state_dict: no '", key, "' entry");
+  const Tensor& t = it->second;
+  NANODDP_CHECK(t.defined() && t.dtype() == DType::Int64 && t.numel() == 1, ValueError, scheduler,
+                ".load_state_dict: '", key, "' must be one int64");
+  return t.to(Device::cpu()).to_int_vector()[0];
+}
+
+double double_entry(const StateDict& state, const std::string& key, const std::string& scheduler) {
+  const int64_t bits = int64_entry(state, key, scheduler);
+  double value = 0.0;
+  std::memcpy(&value, &bits, sizeof value);
+  NANODDP_CHECK(std::isfinite(value) && value >= 0.0, ValueError, scheduler, ".load_state_dict: '", key, "' is ",
+                value, ", not a learning rate");
+  return value;
+}
+
+// Python's a % b for b > 0: never negative.
+int64_t floor_mod(int64_t a, int64_t b) { return ((a % b) + b) % b; }
+}  // namespace
+
+LRScheduler::LRScheduler(Optimizer& optimizer, std::string name)
+    : optimizer_(optimizer), name_(std::move(name)), base_lr_(optimizer.lr()), last_lr_(optimizer.lr()) {}
+
+void LRScheduler::initial_step() { step(); }
+
+void LRScheduler::step() {
+  ++last_epoch_;
+  last_lr_ = get_lr();
+  optimizer_.set_lr(static_cast<float>(last_lr_));
+}
+
+StateDict LRScheduler::state_dict() const {
+  return {{"last_epoch", Tensor::from_vector(std::vector<int64_t>{last_epoch_})},
+          {"base_lr", double_bits(base_lr_)},
+          {"last_lr", double_bits(last_lr_)}};
+}
+
+void LRScheduler::load_state_dict(const StateDict& state) {
+  for (const auto& [key, t] : state)
+    NANODDP_CHECK(key == "last_epoch" || key == "base_lr" || key == "last_lr", ValueError, name_,
+                  ".load_state_dict: unexpected key '", key, "'");
+  const int64_t last_epoch = int64_entry(state, "last_epoch", name_);
+  NANODDP_CHECK(last_epoch >= 0, ValueError, name_, ".load_state_dict: 'last_epoch' is ", last_epoch);
+  const double base_lr = double_entry(state, "base_lr", name_);
+  const double last_lr = double_entry(state, "last_lr", name_);
+  optimizer_.set_lr(static_cast<float>(last_lr));
+  last_epoch_ = last_epoch;
+  base_lr_ = base_lr;
+  last_lr_ = last_lr;
+}
+
+StepLR::StepLR(Optimizer& optimizer, int64_t step_size, double gamma)
+    : LRScheduler(optimizer, "StepLR"), step_size_(step_size), gamma_(gamma) {
+  NANODDP_CHECK(step_size >= 1, ValueError, "StepLR: step_size must be >= 1, got ", step_size);
+  initial_step();
+}
+
+double StepLR::get_lr() const {
+  if (last_epoch_ == 0 || last_epoch_ % step_size_ != 0) return last_lr_;
+  return last_lr_ * gamma_;
+}
+
+CosineAnnealingLR::CosineAnnealingLR(Optimizer& optimizer, int64_t T_max, double eta_min)
+    : LRScheduler(optimizer, "CosineAnnealingLR"), T_max_(T_max), eta_min_(eta_min) {
+  NANODDP_CHECK(T_max >= 1, ValueError, "CosineAnnealingLR: T_max must be >= 1, got ", T_max);
+  initial_step();
+}
+
+double CosineAnnealingLR::get_lr() const {
+  const double T = static_cast<double>(T_max_), e = static_cast<double>(last_epoch_);
+  if (last_epoch_ == 0) return last_lr_;
+  // One step past a minimum, where the ratio below would divide by 1 + cos(pi) = 0.
+  if (floor_mod(last_epoch_ - 1 - T_max_, 2 * T_max_) == 0)
+    return last_lr_ + (base_lr_ - eta_min_) * (1.0 - std::cos(M_PI / T)) / 2.0;
+  return (1.0 + std::cos(M_PI * e / T)) / (1.0 + std::cos(M_PI * (e - 1.0) / T)) * (last_lr_ - eta_min_) + eta_min_;
+}
+
+LinearLR::LinearLR(Optimizer& optimizer, double start_factor, double end_factor, int64_t total_iters)
+    : LRScheduler(optimizer, "LinearLR"), start_factor_(start_factor), end_factor_(end_factor), total_iters_(total_iters) {
+  NANODDP_CHECK(start_factor > 0.0 && start_factor <= 1.0, ValueError,
+                "LinearLR: start_factor must be in (0, 1], got ", start_factor);
+  NANODDP_CHECK(end_factor >= 0.0 && end_factor <= 1.0, ValueError, "LinearLR: end_factor must be in [0, 1], got ",
+                end_factor);
+  NANODDP_CHECK(total_iters >= 1, ValueError, "LinearLR: total_iters must be >= 1, got ", total_iters);
+  initial_step();
+}
+
+double LinearLR::get_lr() const {
+  if (last_epoch_ == 0) return last_lr_ * start_factor_;
+  if (last_epoch_ > total_iters_) return last_lr_;
+  const double slope = end_factor_ - start_factor_;
+  return last_lr_ * (1.0 + slope / (static_cast<double>(total_iters_) * start_factor_ +
+                                    static_cast<double>(last_epoch_ - 1) * slope));
+}
+
+LambdaLR::LambdaLR(Optimizer& optimizer, std::function<double(int64_t)> lr_lambda)
+    : LRScheduler(optimizer, "LambdaLR"), lr_lambda_(std::move(lr_lambda)) {
+  NANODDP_CHECK(static_cast<bool>(lr_lambda_), ValueError, "LambdaLR: lr_lambda is empty");
+  initial_step();
+}
+
+double LambdaLR::get_lr() const { return base_lr_ * lr_lambda_(last_epoch_); }
+
+}  // namespace nanoddp::nn

@@ -1,0 +1,126 @@
+// Learning-rate schedulers: torch.optim.lr_scheduler's StepLR, CosineAnnealingLR, LinearLR
+// and LambdaLR (PyTorch 1.13), for any nn::Optimizer.
+//
+//   nn::CosineAnnealingLR schedule(optimizer, /*T_max=*/epochs);   // sets optimizer.lr() now
+//   for (epoch ...) { train_one_epoch(optimizer); schedule.step(); }
+//   state["scheduler.*"] = schedule.state_dict();                  // resumes exactly
+//
+// As in PyTorch: the constructor takes the optimizer's current lr as base_lr and applies
+// step 0 (last_epoch becomes 0; LinearLR already multiplies by start_factor); each step()
+// adds one to last_epoch and sets the optimizer's lr. Call step() after optimizer.step().
+// A step is whatever the caller counts: an epoch, or a batch for warm-up.
+//
+// Values are computed in double precision by PyTorch's own recursive formulas (get_lr(),
+// which multiply the previous lr), so they equal PyTorch's to the last bit, including
+// CosineAnnealingLR's rise back after T_max. The previous lr is the scheduler's own last
+// value: an lr set on the optimizer by hand between steps is overwritten at the next step
+// (PyTorch would build on it). The optimizer holds the lr as a float.
+//
+// state_dict(): "last_epoch" (int64) and "base_lr", "last_lr" (the doubles' bits in int64
+// scalars: tensors here have no float64, and a rounded lr would not resume bit-exactly).
+// The hyper-parameters (step_size, T_max, ...) are the constructor's, not saved.
+// load_state_dict() also sets the optimizer's lr to last_lr, which PyTorch leaves to the
+// optimizer's own state_dict (ours keeps only per-parameter state).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "nn/module.h"
+#include "nn/optimizer.h"
+
+namespace nanoddp::nn {
+
+class LRScheduler {
+ public:
+  virtual ~LRScheduler() = default;
+  LRScheduler(const LRScheduler&) = delete;
+  LRScheduler& operator=(const LRScheduler&) = delete;
+
+  // last_epoch += 1, then the optimizer's lr = the schedule's value there.
+  void step();
+  // The lr the last step() (or the constructor) set (torch's get_last_lr()[0]).
+  double get_last_lr() const { return last_lr_; }
+  int64_t last_epoch() const { return last_epoch_; }
+  double base_lr() const { return base_lr_; }
+  const std::string& name() const { return name_; }
+
+  StateDict state_dict() const;
+  // Throws ValueError naming the entry when one is missing or malformed (nothing changes).
+  void load_state_dict(const StateDict& state);
+
+ protected:
+  LRScheduler(Optimizer& optimizer, std::string name);
+  // PyTorch's _initial_step(): derived constructors call it once their fields are set.
+  void initial_step();
+  // PyTorch's get_lr() at last_epoch_, from last_lr_ (its group['lr']) and base_lr_.
+  virtual double get_lr() const = 0;
+
+  Optimizer& optimizer_;
+  std::string name_;
+  double base_lr_ = 0.0;
+  double last_lr_ = 0.0;
+  int64_t last_epoch_ = -1;
+};
+
+// lr = base_lr * gamma^(last_epoch / step_size), integer division (torch.optim.lr_scheduler.StepLR).
+// Throws ValueError for step_size < 1.
+class StepLR : public LRScheduler {
+ public:
+  StepLR(Optimizer& optimizer, int64_t step_size, double gamma = 0.1);
+
+ protected:
+  double get_lr() const override;
+
+ private:
+  int64_t step_size_;
+  double gamma_;
+};
+
+// lr = eta_min + (base_lr - eta_min) * (1 + cos(pi * last_epoch / T_max)) / 2 for
+// last_epoch <= T_max, reached at T_max; after it PyTorch's recursion continues the cosine
+// back up (period 2 T_max), and so does this (torch.optim.lr_scheduler.CosineAnnealingLR).
+// Throws ValueError for T_max < 1.
+class CosineAnnealingLR : public LRScheduler {
+ public:
+  CosineAnnealingLR(Optimizer& optimizer, int64_t T_max, double eta_min = 0.0);
+
+ protected:
+  double get_lr() const override;
+
+ private:
+  int64_t T_max_;
+  double eta_min_;
+};
+
+// Linear warm-up: lr = base_lr * (start_factor + (end_factor - start_factor) *
+// min(last_epoch, total_iters) / total_iters) (torch.optim.lr_scheduler.LinearLR, defaults
+// 1/3, 1, 5). Throws ValueError for start_factor outside (0, 1] (PyTorch 1.13 admits 0 and
+// then divides by zero), end_factor outside [0, 1], total_iters < 1.
+class LinearLR : public LRScheduler {
+ public:
+  LinearLR(Optimizer& optimizer, double start_factor = 1.0 / 3, double end_factor = 1.0, int64_t total_iters = 5);
+
+ protected:
+  double get_lr() const override;
+
+ private:
+  double start_factor_, end_factor_;
+  int64_t total_iters_;
+};
+
+// lr = base_lr * lr_lambda(last_epoch) (torch.optim.lr_scheduler.LambdaLR). Throws
+// ValueError for an empty lr_lambda.
+class LambdaLR : public LRScheduler {
+ public:
+  LambdaLR(Optimizer& optimizer, std::function<double(int64_t epoch)> lr_lambda);
+
+ protected:
+  double get_lr() const override;
+
+ private:
+  std::function<double(int64_t)> lr_lambda_;
+};
+
+}  // namespace nanoddp::nn

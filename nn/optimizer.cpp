@@ -1,0 +1,58 @@
+#include "nn/optimizer.h"
+
+#include <unordered_map>
+
+namespace nanoddp::nn {
+
+Optimizer::Optimizer(std::string name, std::vector<Tensor> params) : params_(std::move(params)), name_(std::move(name)) {
+  std::unordered_map<const TensorImpl*, size_t> index_of;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& p = params_[i];
+    NANODDP_CHECK(p.defined() && p.dtype() == DType::Float32, ValueError, name_,
+                  ": parameters must be float32 tensors (parameter ", i, " is not)");
+    auto [it, inserted] = index_of.emplace(p.impl(), i);
+    NANODDP_CHECK(inserted, ValueError, name_, ": parameter ", i, " is parameter ", it->second,
+                  " again; a parameter listed twice would be stepped twice (pass model.parameters(), "
+                  "which lists a tied parameter once)");
+  }
+}
+
+void Optimizer::zero_grad() {
+  for (Tensor& p : params_) p.set_grad(Tensor());
+}
+
+Optimizer::StateKey Optimizer::parse_state_key(const std::string& key, const std::vector<std::string>& buffers) const {
+  const size_t dot = key.rfind('.');
+  StateKey parsed;
+  parsed.buffer = dot == std::string::npos ? key : key.substr(0, dot);
+  bool known = false;
+  for (const std::string& b : buffers) known = known || b == parsed.buffer;
+  NANODDP_CHECK(known && dot != std::string::npos, ValueError, name_, ".load_state_dict: unexpected key '", key, "'");
+  const std::string digits = key.substr(dot + 1);
+  NANODDP_CHECK(!digits.empty() && digits.size() < 19 && digits.find_first_not_of("0123456789") == std::string::npos,
+                ValueError, name_, ".load_state_dict: bad key '", key, "'");
+  parsed.index = std::stoul(digits);
+  NANODDP_CHECK(parsed.index < params_.size(), ValueError, name_, ".load_state_dict: '", key, "' but only ",
+                params_.size(), " parameters");
+  return parsed;
+}
+
+Tensor Optimizer::load_state_tensor(const std::string& key, const Tensor& t, size_t index, const Shape& expected_shape,
+                                    DType expected_dtype) const {
+  NANODDP_CHECK(t.defined() && t.shape() == expected_shape, ShapeError, name_, ".load_state_dict: '", key, "' is ",
+                t.defined() ? t.shape() : Shape{}, " but parameter ", index, " needs ", expected_shape);
+  NANODDP_CHECK(t.dtype() == expected_dtype, ValueError, name_, ".load_state_dict: '", key, "' is ",
+                dtype_name(t.dtype()), ", expected ", dtype_name(expected_dtype));
+  return t.to(params_[index].device()).clone();
+}
+
+Tensor Optimizer::checked_grad(size_t index) const {
+  const Tensor& p = params_[index];
+  Tensor g = p.grad();
+  if (g.defined())
+    NANODDP_CHECK(g.device() == p.device() && g.shape() == p.shape(), ShapeError, name_, ": parameter ", index,
+                  " is ", p.shape(), " on ", p.device(), " but its grad is ", g.shape(), " on ", g.device());
+  return g;
+}
+
+}  // namespace nanoddp::nn

@@ -1,0 +1,73 @@
+// Optimizer: what every optimizer shares (torch.optim.Optimizer's shape), so that schedulers,
+// checkpoints, gradient clipping and training loops take any of them: SGD (nn/optim.h), Adam
+// and AdamW (nn/adam.h), and dist::ZeroRedundancyOptimizer.
+//
+//   std::unique_ptr<nn::Optimizer> opt = std::make_unique<nn::Adam>(model.parameters(), nn::AdamOptions{});
+//   opt->zero_grad();  loss.backward();  opt->step();
+//   nn::StepLR schedule(*opt, /*step_size=*/30);   // reads and sets opt->lr()
+//
+// One parameter group: every parameter shares the hyper-parameters (torch's param_groups[0]).
+// State is kept per parameter, created on the parameter's first step with a defined .grad;
+// state_dict() names it "<buffer>.<index>" with index into params() ("exp_avg.3"), on the CPU.
+// The learning rate is not in state_dict(): a scheduler owns it (its state_dict restores it).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "nn/module.h"
+
+namespace nanoddp::nn {
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  // One update of every parameter whose .grad is defined (the others are skipped, their
+  // state untouched). Throws ShapeError when a .grad's shape or device differs from its
+  // parameter's.
+  virtual void step() = 0;
+  // Clears every parameter's .grad (torch's zero_grad(set_to_none=True), 1.13's default is
+  // False but the effect on the next step is the same, and no memory is kept).
+  void zero_grad();
+
+  virtual float lr() const = 0;
+  // Throws ValueError for lr < 0.
+  virtual void set_lr(float lr) = 0;
+  const std::vector<Tensor>& params() const { return params_; }
+  // "SGD", "Adam", "AdamW": names errors and the examples' JSON line.
+  const std::string& name() const { return name_; }
+
+  // Per-parameter state as CPU copies ("momentum_buffer.0", "exp_avg.2", ...).
+  virtual StateDict state_dict() const = 0;
+  // Replaces the state with copies of state's tensors on the parameters' devices. Throws
+  // ValueError for an unknown key or an index past params(), ShapeError for a tensor whose
+  // shape differs from its parameter's; the state is unchanged when it throws.
+  virtual void load_state_dict(const StateDict& state) = 0;
+
+ protected:
+  // Throws ValueError unless every parameter is a defined float32 tensor listed once (a
+  // parameter listed twice would be stepped twice; PyTorch warns that this will be an error).
+  Optimizer(std::string name, std::vector<Tensor> params);
+
+  // A key of state_dict split into its buffer name and parameter index, both checked:
+  // the buffer must be one of buffers and the index below params().size().
+  struct StateKey {
+    std::string buffer;
+    size_t index = 0;
+  };
+  StateKey parse_state_key(const std::string& key, const std::vector<std::string>& buffers) const;
+  // t copied onto parameter index's device, after checking its shape and dtype.
+  Tensor load_state_tensor(const std::string& key, const Tensor& t, size_t index, const Shape& expected_shape,
+                           DType expected_dtype = DType::Float32) const;
+  // The .grad of parameter index, checked against the parameter; undefined when it has none.
+  Tensor checked_grad(size_t index) const;
+
+  std::vector<Tensor> params_;
+  std::string name_;
+};
+
+}  // namespace nanoddp::nn
