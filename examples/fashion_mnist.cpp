@@ -13,8 +13,12 @@
 // the test set is split with the evaluation sampler (every image counted exactly once) and
 // the correct counts are summed with all_reduce; rank 0 prints the epoch and saves a
 // checkpoint atomically. --resume continues from that checkpoint so that the result equals
-// an uninterrupted run: the weights, the momentum buffers and the epoch are restored, and the
-// data order and learning rate depend only on seed, epoch and step. --stop-after N ends a run
+// an uninterrupted run: the weights, the optimizer's state (momentum buffers, or Adam's
+// moments and step counts), the schedulers and the epoch are restored, and the data order
+// depends only on seed and epoch. --optimizer picks SGD, Adam or AdamW; the learning rate
+// follows --warmup-epochs of linear warm-up (LinearLR, stepped per batch), then the
+// --schedule (CosineAnnealingLR per batch over the remaining steps, or constant), as
+// torch.optim.lr_scheduler.SequentialLR would chain them. --stop-after N ends a run
 // early as a time-limited job would. --export FILE.safetensors writes the trained weights
 // for PyTorch (benchmarks/torch_reference/load_safetensors.py). Rank 0 ends with one JSON
 // line (see README).
@@ -23,6 +27,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <optional>
 
 #include "core/autograd.h"
@@ -35,8 +40,10 @@
 #include "examples/example_utils.h"
 #include "examples/metrics.h"
 #include "tools/cli_checks.h"
+#include "nn/adam.h"
 #include "nn/checkpoint.h"
 #include "nn/layers.h"
+#include "nn/lr_scheduler.h"
 #include "nn/optim.h"
 #include "nn/safetensors.h"
 
@@ -46,9 +53,11 @@ namespace {
 
 struct Config {
   int epochs = 10;
-  float lr = 0.05f;
-  float momentum = 0.9f;
-  float weight_decay = 0.0f;
+  std::string optimizer = "sgd";
+  std::optional<float> lr;            // default: 0.05 for sgd, 1e-3 (PyTorch's) for adam and adamw
+  std::optional<float> momentum;      // sgd only; default 0.9
+  std::optional<float> weight_decay;  // default: 0, or 1e-2 for adamw (PyTorch's)
+  int warmup_epochs = 0;
   int64_t batch_size = 64;
   uint64_t seed = 0;
   std::string device = "cpu";
@@ -136,15 +145,74 @@ void check_finite(float mean_loss, int rank, int epoch, int64_t step) {
                 " in epoch ", epoch + 1, " by step ", step, "; lower --lr or --momentum");
 }
 
-// Test accuracy over the whole test set, each image counted once across ranks.
-// The learning rate at global step t of T: constant, or cosine annealing from lr to 0
-// (torch.optim.lr_scheduler.CosineAnnealingLR with T_max = T, eta_min = 0, stepped per batch).
-// It depends only on t, so a resumed run follows the same schedule.
-float learning_rate(const Config& config, int64_t t, int64_t T) {
-  if (config.schedule == "constant" || T == 0) return config.lr;
-  return 0.5f * config.lr * (1.0f + std::cos(static_cast<float>(M_PI) * static_cast<float>(t) / static_cast<float>(T)));
+float default_lr(const Config& config) { return config.optimizer == "sgd" ? 0.05f : 1e-3f; }
+
+std::unique_ptr<nn::Optimizer> make_optimizer(const Config& config, std::vector<Tensor> params) {
+  const float lr = config.lr.value_or(default_lr(config));
+  if (config.optimizer == "adam") {
+    nn::AdamOptions options;
+    options.lr = lr;
+    options.weight_decay = config.weight_decay.value_or(options.weight_decay);
+    return std::make_unique<nn::Adam>(std::move(params), options);
+  }
+  if (config.optimizer == "adamw") {
+    nn::AdamWOptions options;
+    options.lr = lr;
+    options.weight_decay = config.weight_decay.value_or(options.weight_decay);
+    return std::make_unique<nn::AdamW>(std::move(params), options);
+  }
+  return std::make_unique<nn::SGD>(std::move(params), nn::SGDOptions{lr, config.momentum.value_or(0.9f),
+                                                                     /*dampening=*/0.0f, config.weight_decay.value_or(0.0f)});
 }
 
+// The learning rate per batch: warm-up over the first warmup_steps, then the schedule.
+// Both schedulers are built at the start (the cosine first, so that both take the
+// configured lr as base_lr); at the switch the cosine's lr at its epoch 0 applies, as
+// torch.optim.lr_scheduler.SequentialLR restarts the next scheduler there.
+class Schedule {
+ public:
+  Schedule(nn::Optimizer& optimizer, const Config& config, int64_t steps_per_epoch)
+      : optimizer_(optimizer),
+        warmup_steps_(config.warmup_epochs * steps_per_epoch),
+        total_steps_(config.epochs * steps_per_epoch) {
+    if (config.schedule == "cosine")
+      cosine_.emplace(optimizer, /*T_max=*/std::max<int64_t>(total_steps_ - warmup_steps_, 1));
+    if (warmup_steps_ > 0) warmup_.emplace(optimizer, 1.0 / 3, 1.0, warmup_steps_);
+  }
+  // After optimizer.step() of global step t (0-based): the lr for step t + 1.
+  void step(int64_t t) {
+    if (t + 1 < warmup_steps_) {
+      warmup_->step();
+    } else if (t + 1 == warmup_steps_) {
+      optimizer_.set_lr(static_cast<float>(cosine_ ? cosine_->get_last_lr() : warmup_->base_lr()));
+    } else if (cosine_) {
+      cosine_->step();
+    }
+  }
+  nn::StateDict state_dict() const {
+    nn::StateDict state;
+    if (warmup_) nn::merge_prefixed(state, "warmup.", warmup_->state_dict());
+    if (cosine_) nn::merge_prefixed(state, "cosine.", cosine_->state_dict());
+    return state;
+  }
+  // Restores both schedulers, then the lr of the one in charge at global step t.
+  void load_state_dict(const nn::StateDict& state, int64_t t) {
+    if (warmup_) warmup_->load_state_dict(nn::strip_prefix(state, "warmup."));
+    if (cosine_) cosine_->load_state_dict(nn::strip_prefix(state, "cosine."));
+    if (t < warmup_steps_)
+      optimizer_.set_lr(static_cast<float>(warmup_->get_last_lr()));
+    else if (warmup_)
+      optimizer_.set_lr(static_cast<float>(cosine_ ? cosine_->get_last_lr() : warmup_->base_lr()));
+  }
+
+ private:
+  nn::Optimizer& optimizer_;
+  int64_t warmup_steps_, total_steps_;
+  std::optional<nn::CosineAnnealingLR> cosine_;
+  std::optional<nn::LinearLR> warmup_;
+};
+
+// Test accuracy over the whole test set, each image counted once across ranks.
 double evaluate(nn::Module& model, data::DataLoader& loader, dist::ProcessGroup& pg) {
   NoGradGuard no_grad;
   model.eval();
@@ -160,16 +228,19 @@ double evaluate(nn::Module& model, data::DataLoader& loader, dist::ProcessGroup&
   return static_cast<double>(totals[0]) / static_cast<double>(totals[1]);
 }
 
-void save(const std::string& path, int epochs_done, nn::Module& model, const nn::SGD& optimizer) {
+void save(const std::string& path, int epochs_done, nn::Module& model, const nn::Optimizer& optimizer,
+          const Schedule& schedule) {
   nn::StateDict state;
   nn::merge_prefixed(state, "model.", model.state_dict());
   nn::merge_prefixed(state, "optimizer.", optimizer.state_dict());
+  nn::merge_prefixed(state, "scheduler.", schedule.state_dict());
   state["epochs_done"] = Tensor::from_vector(std::vector<int64_t>{epochs_done});
   nn::save_checkpoint(path, state);
 }
 
 // Returns the number of epochs the checkpoint had completed. Errors name the file.
-int restore(const std::string& path, int epochs, nn::Module& model, nn::SGD& optimizer) {
+int restore(const std::string& path, int epochs, int64_t steps_per_epoch, nn::Module& model, nn::Optimizer& optimizer,
+            Schedule& schedule) {
   try {
     const nn::StateDict state = nn::load_checkpoint(path);
     NANODDP_CHECK(state.count("epochs_done") == 1 && state.at("epochs_done").dtype() == DType::Int64 &&
@@ -180,6 +251,7 @@ int restore(const std::string& path, int epochs, nn::Module& model, nn::SGD& opt
     NANODDP_CHECK(done <= epochs, ValueError, "it has ", done, " epochs done, more than --epochs ", epochs);
     model.load_state_dict(nn::strip_prefix(state, "model."));
     optimizer.load_state_dict(nn::strip_prefix(state, "optimizer."));
+    schedule.load_state_dict(nn::strip_prefix(state, "scheduler."), done * steps_per_epoch);
     return static_cast<int>(done);
   } catch (const Error& e) {
     throw IOError("cannot resume from checkpoint " + path + ": " + e.what());
@@ -198,6 +270,8 @@ int run(const Config& config) {
   const int rank = pg->rank(), world_size = pg->size();
   const bool chatty = rank == 0 && !config.quiet;
   NANODDP_CHECK(!config.resume || !config.checkpoint.empty(), ValueError, "--resume needs --checkpoint FILE");
+  NANODDP_CHECK(config.warmup_epochs < config.epochs, ValueError, "--warmup-epochs ", config.warmup_epochs,
+                " leaves no epoch after the warm-up of --epochs ", config.epochs);
   // Rank 0 saves after every epoch: find out now, not after an epoch of training, if it can.
   if (rank == 0 && !config.checkpoint.empty()) nn::check_checkpoint_writable(config.checkpoint);
   if (rank == 0 && !config.export_path.empty()) nn::check_safetensors_writable(config.export_path);
@@ -221,13 +295,14 @@ int run(const Config& config) {
   Generator dropout_gen;
   auto model = make_model(config.seed, config.hidden, dropout_gen);
   model->to(device);
-  nn::SGD optimizer(model->parameters(), {config.lr, config.momentum, /*dampening=*/0.0f, config.weight_decay});
+  std::unique_ptr<nn::Optimizer> optimizer = make_optimizer(config, model->parameters());
+  Schedule schedule(*optimizer, config, train_loader.size());
   int first_epoch = 0;
   if (config.resume && !config.checkpoint.empty() && file_exists(config.checkpoint)) {
     // Every rank reads the file (it must be on a filesystem they share); DDP's broadcast then
-    // makes the weights identical anyway, and the momentum buffers are identical because
-    // they were built from all-reduced gradients.
-    first_epoch = restore(config.checkpoint, config.epochs, *model, optimizer);
+    // makes the weights identical anyway, and the optimizer's state is identical because it
+    // was built from all-reduced gradients.
+    first_epoch = restore(config.checkpoint, config.epochs, train_loader.size(), *model, *optimizer, schedule);
     if (chatty) std::printf("resumed from %s after epoch %d\n", config.checkpoint.c_str(), first_epoch);
   }
   dist::DDPOptions ddp_options;
@@ -251,14 +326,14 @@ int run(const Config& config) {
     std::optional<dist::ExplainWindow> explained;
     if (explain) explained.emplace(*pg);
     const auto start = std::chrono::steady_clock::now();
-    float lr = config.lr;
+    float lr = optimizer->lr();
     for (const data::Batch& batch : train_loader) {
-      lr = learning_rate(config, epoch * train_loader.size() + steps, config.epochs * train_loader.size());
-      optimizer.set_lr(lr);
-      optimizer.zero_grad();
+      lr = optimizer->lr();
+      optimizer->zero_grad();
       Tensor loss = loss_fn(ddp(batch.input), batch.target);
       loss.backward();
-      optimizer.step();
+      optimizer->step();
+      schedule.step(epoch * train_loader.size() + steps);
       {
         NoGradGuard no_grad;
         loss_sum = loss_sum + loss;  // stays on the device: no sync per step
@@ -307,7 +382,7 @@ int run(const Config& config) {
     record.samples_per_s = samples_per_s;
     record.test_accuracy = accuracy;
     metrics.write(record);
-    if (rank == 0 && !config.checkpoint.empty()) save(config.checkpoint, epoch + 1, *model, optimizer);
+    if (rank == 0 && !config.checkpoint.empty()) save(config.checkpoint, epoch + 1, *model, *optimizer, schedule);
     epochs_done = epoch + 1;
     std::fflush(stdout);
   }
@@ -327,10 +402,10 @@ int run(const Config& config) {
   if (rank == 0) {
     std::printf(
         "{\"example\":\"%s\",\"world_size\":%d,\"epochs\":%d,\"test_accuracy\":%s,\"train_loss\":%s,"
-        "\"samples_per_s\":%s,\"peak_rss_mb\":%s,\"backend\":\"%s\",\"device\":\"%s\"}\n",
+        "\"samples_per_s\":%s,\"peak_rss_mb\":%s,\"backend\":\"%s\",\"device\":\"%s\",\"optimizer\":\"%s\"}\n",
         kExample, world_size, epochs_done, examples::json_number(accuracy).c_str(), examples::json_number(train_loss).c_str(),
         examples::json_number(samples_per_s).c_str(), examples::json_number(rss[0]).c_str(),
-        pg->backend_name().c_str(), device.str().c_str());
+        pg->backend_name().c_str(), device.str().c_str(), config.optimizer.c_str());
     std::fflush(stdout);
   }
   pg->barrier()->wait();  // rank 0 serves the store: let every rank finish first
@@ -346,9 +421,17 @@ int main(int argc, char** argv) {
                (NANODDP_FASHION_MNIST_CNN ? "a CNN" : "an MLP") + " on Fashion-MNIST with DistributedDataParallel"};
   app.option_defaults()->always_capture_default();
   app.add_option("--epochs", config.epochs, "epochs to train (in all, counting resumed ones)")->check(cli::integer_in(1));
-  app.add_option("--lr", config.lr, "SGD learning rate")->check(cli::number_in(0));
-  app.add_option("--momentum", config.momentum, "SGD momentum")->check(cli::number_in(0));
-  app.add_option("--weight-decay", config.weight_decay, "SGD weight decay")->check(cli::number_in(0));
+  app.add_option("--optimizer", config.optimizer,
+                 "sgd (with --momentum), adam (L2 --weight-decay) or adamw (decoupled --weight-decay)")
+      ->check(CLI::IsMember({"sgd", "adam", "adamw"}));
+  app.add_option("--lr", config.lr, "peak learning rate (default 0.05 for sgd, 1e-3 for adam and adamw)")
+      ->check(cli::number_in(0));
+  app.add_option("--momentum", config.momentum, "SGD momentum (default 0.9; sgd only)")->check(cli::number_in(0));
+  app.add_option("--weight-decay", config.weight_decay, "weight decay (default 0, or 1e-2 for adamw)")
+      ->check(cli::number_in(0));
+  app.add_option("--warmup-epochs", config.warmup_epochs,
+                 "epochs of linear warm-up from lr/3 to lr, stepped per batch (LinearLR), before --schedule")
+      ->check(cli::integer_in(0));
   app.add_option("--batch-size", config.batch_size, "examples per rank per step")->check(cli::integer_in(1));
   app.add_option("--timeout", config.timeout_s, "seconds to wait for other ranks (rendezvous, each collective)")
       ->check(cli::integer_in(1));
@@ -384,6 +467,10 @@ int main(int argc, char** argv) {
   app.add_flag("--explain", config.explain,
                "print the bucket plan, then per step of each epoch the all-reduces, bytes and exposed communication");
   CLI11_PARSE(app, argc, argv);
+  if (config.momentum && config.optimizer != "sgd") {
+    std::fprintf(stderr, "%s: --momentum applies to --optimizer sgd only (Adam's betas play its part)\n", kExample);
+    return 1;
+  }
   try {
     return run(config);
   } catch (const std::exception& e) {

@@ -119,11 +119,13 @@ TEST_CASE("toy_ddp --raw stops with an error naming the epoch and step where the
 }
 
 // Both builds of the job: the MLP, and the CNN whose Dropout masks must repeat after a resume.
-void check_resume_equals_uninterrupted(const std::string& example) {
+// extra_flags pick another optimizer or schedule, whose state the checkpoint must carry.
+void check_resume_equals_uninterrupted(const std::string& example, const std::vector<std::string>& extra_flags = {}) {
   TempDir dir;
   write_small_fashion_mnist(dir.path, 640, 200);
   const std::string program = built("examples/" + example);
-  const std::vector<std::string> common = {"--data-dir", dir.path, "--batch-size", "32", "--quiet"};
+  std::vector<std::string> common = {"--data-dir", dir.path, "--batch-size", "32", "--quiet"};
+  common.insert(common.end(), extra_flags.begin(), extra_flags.end());
   auto args = [&](std::vector<std::string> extra) {
     std::vector<std::string> all = {launcher_path(), "--nproc-per-node", "2", "--backend", "gloo", program};
     all.insert(all.end(), common.begin(), common.end());
@@ -165,6 +167,12 @@ TEST_CASE("fashion_mnist: resuming from a checkpoint equals an uninterrupted run
   check_resume_equals_uninterrupted("fashion_mnist");
 }
 
+TEST_CASE("fashion_mnist --optimizer adamw --warmup-epochs 1: the resumed run equals an uninterrupted one") {
+  // The checkpoint after epoch 1 holds AdamW's moments and step counts and both schedulers,
+  // with the switch from warm-up to cosine at the resume point.
+  check_resume_equals_uninterrupted("fashion_mnist", {"--optimizer", "adamw", "--warmup-epochs", "1", "--lr", "0.002"});
+}
+
 TEST_CASE("fashion_mnist_cnn: resuming from a checkpoint equals an uninterrupted run") {
   check_resume_equals_uninterrupted("fashion_mnist_cnn");
 }
@@ -201,6 +209,18 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   CHECK(r.code() == 1);
   CHECK(r.err.find("cannot resume from checkpoint " + ckpt) != std::string::npos);
   CHECK(r.err.find("2 epochs done, more than --epochs 1") != std::string::npos);
+  r = run_with({"--optimizer", "rmsprop"});
+  CHECK(r.code() != 0);
+  CHECK(r.err.find("--optimizer") != std::string::npos);
+  r = run_with({"--optimizer", "adam", "--momentum", "0.9"});
+  CHECK(r.code() == 1);
+  CHECK(r.err.find("--momentum applies to --optimizer sgd only") != std::string::npos);
+  r = run_with({"--epochs", "2", "--warmup-epochs", "2"});
+  CHECK(r.code() == 1);
+  CHECK(r.err.find("--warmup-epochs 2 leaves no epoch after the warm-up of --epochs 2") != std::string::npos);
+  r = run_with({"--epochs", "1", "--optimizer", "adam"});
+  REQUIRE_MESSAGE(r.code() == 0, r.err);
+  CHECK(r.out.find("\"optimizer\":\"adam\"") != std::string::npos);
   r = run_with({"--batch-size", "0"});
   CHECK(r.code() != 0);
   CHECK(r.err.find("--batch-size: must be an integer >= 1, got '0'") != std::string::npos);
