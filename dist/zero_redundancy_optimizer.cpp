@@ -1,0 +1,96 @@
+#include "dist/zero_redundancy_optimizer.h"
+
+#include <algorithm>
+#include <numeric>
+#include <string>
+
+#include "core/autograd.h"
+
+namespace nanoddp::dist {
+
+namespace {
+// "exp_avg.5" -> ("exp_avg", 5); false when the key has no numeric suffix.
+bool split_key(const std::string& key, std::string& buffer, size_t& index) {
+  const size_t dot = key.rfind('.');
+  if (dot == std::string::npos || dot + 1 == key.size() || key.size() - dot > 19) return false;
+  const std::string digits = key.substr(dot + 1);
+  if (digits.find_first_not_of("0123456789") != std::string::npos) return false;
+  buffer = key.substr(0, dot);
+  index = std::stoul(digits);
+  return true;
+}
+}  // namespace
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params, std::shared_ptr<ProcessGroup> pg,
+                                                 const LocalOptimizerFactory& make_local_optimizer)
+    : Optimizer("ZeroRedundancyOptimizer", std::move(params)), pg_(std::move(pg)) {
+  NANODDP_CHECK(pg_ != nullptr, ValueError, name_, ": no process group");
+  NANODDP_CHECK(static_cast<bool>(make_local_optimizer), ValueError, name_, ": no local optimizer factory");
+  // Largest first; each to the rank with the fewest elements so far (torch's _partition_parameters).
+  std::vector<size_t> order(params_.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return params_[a].numel() > params_[b].numel(); });
+  std::vector<int64_t> assigned(static_cast<size_t>(pg_->size()), 0);
+  owner_.assign(params_.size(), 0);
+  for (size_t i : order) {
+    const auto least = std::min_element(assigned.begin(), assigned.end());
+    owner_[i] = static_cast<int>(least - assigned.begin());
+    *least += params_[i].numel();
+  }
+  std::vector<Tensor> local_params;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (owner_[i] == pg_->rank()) {
+      local_indices_.push_back(i);
+      local_params.push_back(params_[i]);
+    }
+  local_ = make_local_optimizer(std::move(local_params));
+  NANODDP_CHECK(local_ != nullptr, ValueError, name_, ": the factory returned no optimizer");
+  name_ = "ZeroRedundancyOptimizer(" + local_->name() + ")";
+}
+
+void ZeroRedundancyOptimizer::step() {
+  local_->step();
+  NoGradGuard no_grad;
+  trace::Span span(trace::Lane::Optimizer, "zero.broadcast");
+  std::vector<std::shared_ptr<Work>> works;
+  works.reserve(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) works.push_back(pg_->broadcast(params_[i], owner_[i]));
+  for (auto& work : works) work->wait();
+}
+
+nn::StateDict ZeroRedundancyOptimizer::state_dict() const {
+  nn::StateDict global;
+  for (const auto& [key, t] : local_->state_dict()) {
+    std::string buffer;
+    size_t local = 0;
+    NANODDP_CHECK(split_key(key, buffer, local) && local < local_indices_.size(), ValueError, name_,
+                  ": the local optimizer's state key '", key, "' names no parameter");
+    global[buffer + "." + std::to_string(local_indices_[local])] = t;
+  }
+  return global;
+}
+
+void ZeroRedundancyOptimizer::load_state_dict(const nn::StateDict& state) {
+  std::vector<size_t> local_of(params_.size(), SIZE_MAX);
+  for (size_t j = 0; j < local_indices_.size(); ++j) local_of[local_indices_[j]] = j;
+  nn::StateDict local;
+  for (const auto& [key, t] : state) {
+    std::string buffer;
+    size_t index = 0;
+    NANODDP_CHECK(split_key(key, buffer, index), ValueError, name_, ".load_state_dict: bad key '", key, "'");
+    NANODDP_CHECK(index < params_.size(), ValueError, name_, ".load_state_dict: '", key, "' but only ",
+                  params_.size(), " parameters");
+    if (local_of[index] != SIZE_MAX) local[buffer + "." + std::to_string(local_of[index])] = t;
+  }
+  local_->load_state_dict(local);
+}
+
+int64_t ZeroRedundancyOptimizer::state_nbytes() const {
+  int64_t total = 0;
+  for (const auto& [key, t] : local_->state_dict())
+    if (t.dtype() == DType::Float32) total += static_cast<int64_t>(t.nbytes());
+  return total;
+}
+
+}  // namespace nanoddp::dist

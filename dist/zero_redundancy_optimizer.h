@@ -1,0 +1,77 @@
+// ZeroRedundancyOptimizer: ZeRO stage 1, as torch.distributed.optim.ZeroRedundancyOptimizer.
+// Each rank keeps the optimizer state (momentum buffers, Adam's moments) of a share of the
+// parameters only, steps that share, then every parameter is broadcast from its owner.
+//
+//   dist::DistributedDataParallel ddp(model, pg);
+//   dist::ZeroRedundancyOptimizer opt(ddp.parameters(), pg, [](std::vector<Tensor> p) {
+//     return std::make_unique<nn::Adam>(std::move(p), nn::AdamOptions{1e-3f}); });
+//   opt.zero_grad();  loss.backward();  opt.step();      // gradients averaged by DDP first
+//
+// Contract (every rank): the same parameters in the same order, the same local optimizer;
+// step() is a collective (one broadcast per parameter, issued in parameter order, then
+// waited), so every rank calls it at the same point. After step() every rank holds the same
+// parameters as an unsharded optimizer would give, and 1/W of its state (for parameters
+// of similar size).
+//
+// Partition (PyTorch 1.13's _partition_parameters): parameters sorted by numel, largest
+// first (a stable sort: ties keep their order), each to the rank whose assigned numel is
+// smallest so far (the lowest rank on ties).
+//
+// Why one broadcast per parameter, not per owner's flat buffer: our parameters each own
+// their storage, so a flat buffer would add a copy in and a copy out of every parameter on
+// every rank per step; per-parameter broadcasts are what PyTorch does by default
+// (parameters_as_bucket_view=False) and send the same bytes. A model of many tiny
+// parameters would pay per-call latency instead (docs/zero.md).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "dist/process_group.h"
+#include "nn/optimizer.h"
+
+namespace nanoddp::dist {
+
+class ZeroRedundancyOptimizer : public nn::Optimizer {
+ public:
+  // Builds the local optimizer over this rank's share (torch's optimizer_class + defaults).
+  using LocalOptimizerFactory = std::function<std::unique_ptr<nn::Optimizer>(std::vector<Tensor> params)>;
+
+  // Throws ValueError for an empty factory or one that returns no optimizer, and as
+  // nn::Optimizer does for bad parameters. Parameters must be on the group's device (or on
+  // the CPU for groups that stage CUDA tensors).
+  ZeroRedundancyOptimizer(std::vector<Tensor> params, std::shared_ptr<ProcessGroup> pg,
+                          const LocalOptimizerFactory& make_local_optimizer);
+
+  // The local optimizer steps this rank's share; then each parameter is broadcast from its
+  // owner. Throws what the local step or the broadcasts throw (DistError, TimeoutError).
+  void step() override;
+  float lr() const override { return local_->lr(); }
+  void set_lr(float lr) override { local_->set_lr(lr); }
+
+  // The rank that owns parameter i (index into params()).
+  int owner(size_t index) const { return owner_[index]; }
+  // This rank's share, in params() order.
+  const std::vector<size_t>& local_indices() const { return local_indices_; }
+  const nn::Optimizer& local_optimizer() const { return *local_; }
+
+  // This rank's shard of the state, keyed by index into params() ("exp_avg.5"), so that the
+  // union of every rank's state_dict is the unsharded optimizer's (torch's
+  // consolidate_state_dict gathers it; here each rank saves its own).
+  nn::StateDict state_dict() const override;
+  // Takes the entries of parameters this rank owns and ignores the others, so a full or a
+  // per-rank state loads alike. Throws as the local optimizer's load_state_dict does.
+  void load_state_dict(const nn::StateDict& state) override;
+
+  // Bytes of float32 state this rank holds (momentum buffers, moments; not step counts).
+  int64_t state_nbytes() const;
+
+ private:
+  std::shared_ptr<ProcessGroup> pg_;
+  std::vector<int> owner_;
+  std::vector<size_t> local_indices_;
+  std::unique_ptr<nn::Optimizer> local_;
+};
+
+}  // namespace nanoddp::dist
