@@ -1,5 +1,6 @@
-// nanoddp in one include: tensors and autograd, layers and SGD, checkpoints, datasets and
-// DistributedSampler, process groups and DistributedDataParallel, the launcher as a library.
+// nanoddp in one include: tensors and autograd, layers, optimizers and schedules, checkpoints,
+// datasets and DistributedSampler, process groups and DistributedDataParallel, ZeRO, the
+// launcher as a library.
 //
 //   #include <nanoddp/nanoddp.h>      // or one module: #include <nanoddp/nn/layers.h>
 //   auto pg = nanoddp::dist::init_process_group();
@@ -36,7 +37,12 @@
 #include "dist/ring.h"
 #include "dist/spawn.h"
 #include "dist/store.h"
+#include "dist/zero_redundancy_optimizer.h"
+#include "nn/adam.h"
 #include "nn/checkpoint.h"
+#include "nn/clip_grad.h"
 #include "nn/layers.h"
+#include "nn/lr_scheduler.h"
 #include "nn/module.h"
 #include "nn/optim.h"
+#include "nn/optimizer.h"
