@@ -27,6 +27,7 @@ using namespace nanoddp::testing;
 using kernels::BinaryOp;
 using kernels::Reduction;
 using kernels::ScalarOp;
+using kernels::AdamConfig;
 using kernels::SgdConfig;
 namespace cpu = nanoddp::kernels::cpu;
 namespace gpu = nanoddp::kernels::cuda;
@@ -376,6 +377,38 @@ TEST_CASE("sgd_step matches the CPU for every option, first and later steps") {
         // Either compiler may fuse a*b + c into an fma: a rounding of a term of size ~1 apart.
         expect_close(what + " param", dparam.to_host(), param, 1e-6, 1e-6);
         if (with_buffer) expect_close(what + " buffer", dbuffer.to_host(), buffer, 1e-6, 1e-6);
+      }
+    }
+  }
+}
+
+TEST_CASE("adam_step matches the CPU for Adam, AdamW and amsgrad over three steps") {
+  struct Case { const char* name; float l2, param_scale; bool amsgrad; };
+  const std::vector<Case> cases = {
+      {"adam", 0.0f, 1.0f, false}, {"adam l2 amsgrad", 1e-2f, 1.0f, true}, {"adamw", 0.0f, 1.0f - 1e-3f * 1e-2f, false},
+  };
+  for (int64_t n : kSizes) {
+    const auto param0 = normals(n, 27);
+    for (const Case& c : cases) {
+      auto param = param0;
+      std::vector<float> m(static_cast<size_t>(n), 0.0f), v = m, vmax = m;
+      DeviceArray<float> dparam(param), dm(m), dv(v), dvmax(vmax);
+      for (int t = 1; t <= 3; ++t) {
+        const auto grad = normals(n, 28 + static_cast<uint64_t>(t), 1.0f / static_cast<float>(t));
+        DeviceArray<float> dgrad(grad);
+        AdamConfig config;
+        config.l2 = c.l2;
+        config.param_scale = c.param_scale;
+        config.amsgrad = c.amsgrad;
+        config.step_size = static_cast<float>(1e-3 / (1.0 - std::pow(0.9, t)));
+        config.bias_correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(0.999, t)));
+        cpu::adam_step(param.data(), m.data(), v.data(), c.amsgrad ? vmax.data() : nullptr, grad.data(), n, config);
+        gpu::adam_step(dparam.data(), dm.data(), dv.data(), c.amsgrad ? dvmax.data() : nullptr, dgrad.data(), n, config);
+        const std::string what = label("adam_step", n) + " " + c.name + " step " + std::to_string(t);
+        // fma contraction may differ between the compilers: a rounding or two of each term.
+        expect_close(what + " param", dparam.to_host(), param, 1e-6, 1e-6);
+        expect_close(what + " exp_avg", dm.to_host(), m, 1e-6, 1e-7);
+        expect_close(what + " exp_avg_sq", dv.to_host(), v, 1e-6, 1e-9);
       }
     }
   }
