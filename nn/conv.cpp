@@ -72,6 +72,7 @@ Window2d make_window(const char* op, const Tensor& input, Size2 kernel, Size2 st
 
 Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Size2 stride, Size2 padding,
               Size2 dilation) {
+  ForwardSpan span("conv2d", {&input, &weight, &bias});
   check_float("conv2d", weight, "weight");
   NANODDP_CHECK(weight.dim() == 4, ShapeError, "conv2d: weight ", weight.shape(), " must be [OC, C, kh, kw]");
   const Window2d g = make_window("conv2d", input, {weight.size(2), weight.size(3)}, stride, padding, dilation);
@@ -127,6 +128,7 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
 // ---- max_pool2d ---------------------------------------------------------------------------
 
 Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 padding, Size2 dilation) {
+  ForwardSpan span("max_pool2d", {&input});
   Window2d g = make_window("max_pool2d", input, kernel_size, stride, padding, dilation);
   NANODDP_CHECK(2 * padding.h <= kernel_size.h && 2 * padding.w <= kernel_size.w, ValueError,
                 "max_pool2d: padding (", padding.h, ", ", padding.w, ") must be at most half the kernel (",

@@ -3,6 +3,7 @@
 // inputs against the reference. To add an op, add a row to op_cases().
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -12,6 +13,7 @@
 #include "core/autograd.h"
 #include "core/ops.h"
 #include "core/random.h"
+#include "core/trace.h"
 #include "tests/op_cases.h"
 
 using namespace nanoddp;
@@ -103,6 +105,22 @@ TEST_CASE("op harness: NaN, +inf and -inf inputs give what the reference (PyTorc
         }
       }
     }
+  }
+}
+
+TEST_CASE("op harness: every op's forward records a span on the trace's compute lane") {
+  Generator gen(99);
+  for (const OpCase& c : op_cases()) {
+    CAPTURE(c.name);
+    const std::vector<Tensor> inputs = to_tensors(c, make_inputs(c, gen));
+    trace::start("");  // in memory
+    const double before = trace::now_us();
+    const Tensor out = c.op(inputs);
+    const std::vector<trace::Event> events = trace::events_since(before);
+    trace::stop();
+    if (out.numel() > 0 && out.data<float>() == inputs[0].data<float>()) continue;  // a view: no forward work
+    CHECK(std::any_of(events.begin(), events.end(),
+                      [](const trace::Event& e) { return e.lane == static_cast<int>(trace::Lane::Compute); }));
   }
 }
 
