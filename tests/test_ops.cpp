@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
@@ -224,4 +225,24 @@ TEST_CASE("argmax: first index wins ties, NaN counts as the largest") {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const Tensor a = Tensor::from_vector({1, 3, 3, 0, 5, nan, 2, 9, -1, -2, -3, -1}, {3, 4});
   CHECK(argmax(a).to_int_vector() == std::vector<int64_t>{1, 1, 0});
+}
+
+TEST_CASE("conv2d under no_grad (im2col in chunks of images) equals conv2d recording a graph, bit for bit") {
+  // 300 images whose cols take 144 * 15 * 15 floats (130 kB) each: no_grad runs them in chunks
+  // of 128 (128 + 128 + 44) under the 16 MB bound, the graph-recording call in one GEMM. 225
+  // columns per image is odd, so only the chunks' alignment keeps each column's rounding.
+  Generator gen(7);
+  const Tensor x = Tensor::randn({300, 16, 17, 17}, gen);
+  const Tensor w = Tensor::randn({8, 16, 3, 3}, gen).set_requires_grad(true);
+  const Tensor b = Tensor::randn({8}, gen).set_requires_grad(true);
+  const std::vector<float> recorded = conv2d(x, w, b).to_vector();
+  std::vector<float> chunked;
+  {
+    NoGradGuard no_grad;
+    chunked = conv2d(x, w, b).to_vector();
+  }
+  REQUIRE(chunked.size() == recorded.size());
+  size_t differing = 0;
+  for (size_t i = 0; i < recorded.size(); ++i) differing += std::memcmp(&chunked[i], &recorded[i], sizeof(float)) != 0;
+  CHECK(differing == 0);
 }
