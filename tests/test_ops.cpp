@@ -15,6 +15,7 @@
 #include "core/ops.h"
 #include "core/random.h"
 #include "core/trace.h"
+#include "kernels/cpu/conv.h"
 #include "tests/op_cases.h"
 
 using namespace nanoddp;
@@ -245,4 +246,41 @@ TEST_CASE("conv2d under no_grad (im2col in chunks of images) equals conv2d recor
   size_t differing = 0;
   for (size_t i = 0; i < recorded.size(); ++i) differing += std::memcmp(&chunked[i], &recorded[i], sizeof(float)) != 0;
   CHECK(differing == 0);
+}
+
+TEST_CASE("im2col / col2im for stride_w 1 equal the general reference loops bit for bit") {
+  // Windows that put a row's run at the left edge, the right edge, inside, and nowhere
+  // (padding wider than the image); dilation and a vertical stride the runs do not see.
+  struct Case {
+    int64_t C, H, W, kh, kw, stride_h, pad_h, pad_w, dilation_h, dilation_w;
+  };
+  const Case cases[] = {{16, 8, 8, 3, 3, 1, 1, 1, 1, 1}, {3, 7, 9, 3, 2, 2, 0, 0, 1, 1}, {2, 6, 5, 2, 3, 1, 2, 2, 2, 2},
+                        {1, 2, 2, 1, 4, 1, 0, 3, 1, 1}, {4, 5, 6, 3, 3, 1, 0, 1, 1, 3}};
+  Generator gen(11);
+  for (const Case& k : cases) {
+    kernels::Window2d g;
+    g.channels = k.C, g.height = k.H, g.width = k.W, g.kernel_h = k.kh, g.kernel_w = k.kw;
+    g.stride_h = k.stride_h, g.pad_h = k.pad_h, g.pad_w = k.pad_w, g.dilation_h = k.dilation_h;
+    g.dilation_w = k.dilation_w;
+    g.out_h = (k.H + 2 * k.pad_h - k.dilation_h * (k.kh - 1) - 1) / k.stride_h + 1;
+    g.out_w = k.W + 2 * k.pad_w - k.dilation_w * (k.kw - 1);
+    CAPTURE(k.W);
+    CAPTURE(k.kw);
+    CAPTURE(k.pad_w);
+    CAPTURE(k.dilation_w);
+    REQUIRE(g.out_h >= 1);
+    REQUIRE(g.out_w >= 1);
+    const int64_t N = 3, cols_size = k.C * k.kh * k.kw * N * g.out_h * g.out_w, images_size = N * k.C * k.H * k.W;
+    const std::vector<float> images = Tensor::randn({images_size}, gen).to_vector();
+    std::vector<float> fast(cols_size, -1.0f), reference(cols_size, -2.0f);
+    kernels::cpu::im2col(fast.data(), images.data(), N, g);
+    kernels::cpu::im2col_reference(reference.data(), images.data(), N, g);
+    CHECK(std::memcmp(fast.data(), reference.data(), fast.size() * sizeof(float)) == 0);
+
+    const std::vector<float> dcols = Tensor::randn({cols_size}, gen).to_vector();
+    std::vector<float> dfast(images_size, -1.0f), dreference(images_size, -2.0f);
+    kernels::cpu::col2im(dfast.data(), dcols.data(), N, g);
+    kernels::cpu::col2im_reference(dreference.data(), dcols.data(), N, g);
+    CHECK(std::memcmp(dfast.data(), dreference.data(), dfast.size() * sizeof(float)) == 0);
+  }
 }
