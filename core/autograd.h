@@ -111,8 +111,11 @@ Tensor record(const char* name, Tensor output, std::vector<Tensor> inputs, const
 void queue_callback(std::function<void()> callback);
 
 // Times a differentiable op's forward as one event on the trace's compute lane, named by the
-// op, with its inputs' shapes as args. Declared first thing in each op of core/ops.cpp; when
-// tracing is off it costs one branch (Note [Trace cost] in core/trace.h).
+// op, with its inputs' shapes as args. Declared first thing in every op (core/ops.cpp, the
+// layers in nn/, a user's op such as examples/custom_layer.cpp's), so that --trace shows the
+// forward as well as the backward nodes; the op harness (tests/test_ops.cpp) checks that every
+// row's forward records one. When tracing is off it costs one branch (Note [Trace cost] in
+// core/trace.h).
 //   ForwardSpan span("linear", {&input, &weight, &bias});
 class ForwardSpan {
  public:

@@ -29,6 +29,7 @@ using namespace nanoddp;
 
 // x: any shape, float32, CPU -> same shape (torch.nn.functional.leaky_relu).
 Tensor leaky_relu(const Tensor& x, float slope) {
+  ForwardSpan span("leaky_relu", {&x});  // its forward on the trace's compute lane (--trace)
   check_float("leaky_relu", x, "input");
   NANODDP_CHECK(x.device().is_cpu(), DeviceError, "leaky_relu: this example's kernel is CPU-only, got a ", x.device(),
                 " tensor");

@@ -27,6 +27,7 @@ NANODDP_DECLARE_KERNEL(sigmoid_forward, float* y, const float* x, int64_t n)
 NANODDP_DECLARE_KERNEL(sigmoid_backward, float* dx, const float* dy, const float* y, int64_t n)  // WRITES
 
 inline Tensor sigmoid(const Tensor& x) {
+  ForwardSpan span("sigmoid", {&x});
   check_float("sigmoid", x, "input");
   Tensor y = empty_like(x);
   NANODDP_DISPATCH(x.device(), sigmoid_forward, ptr(y), ptr(x), x.numel());
@@ -45,6 +46,7 @@ NANODDP_DECLARE_KERNEL(tanh_forward, float* y, const float* x, int64_t n)
 NANODDP_DECLARE_KERNEL(tanh_backward, float* dx, const float* dy, const float* y, int64_t n)  // WRITES
 
 inline Tensor tanh(const Tensor& x) {
+  ForwardSpan span("tanh", {&x});
   check_float("tanh", x, "input");
   Tensor y = empty_like(x);
   NANODDP_DISPATCH(x.device(), tanh_forward, ptr(y), ptr(x), x.numel());
@@ -67,6 +69,7 @@ NANODDP_DECLARE_KERNEL(gelu_backward, float* dx, const float* dy, const float* x
                        int64_t n)  // WRITES
 
 inline Tensor gelu(const Tensor& x, const std::string& approximate = "none") {
+  ForwardSpan span("gelu", {&x});
   check_float("gelu", x, "input");
   NANODDP_CHECK(approximate == "none" || approximate == "tanh", ValueError, "gelu: approximate must be 'none' or ",
                 "'tanh', got '", approximate, "'");

@@ -1,7 +1,9 @@
 // Conv2d and MaxPool2d: forward, then backward right below; the convolution as one GEMM per batch.
 #include "nn/conv.h"
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "core/autograd.h"
 #include "core/op_helpers.h"
@@ -66,12 +68,29 @@ Window2d make_window(const char* op, const Tensor& input, Size2 kernel, Size2 st
   return w;
 }
 
+// Images per chunk of an unsaved im2col (the batch N when one chunk holds them all): as many
+// as fit in kMaxUnsavedColsBytes, and a multiple of 48 columns. Our row-major out^T is Eigen's
+// column-major out, so Eigen's GEMM takes our columns as its rows, in panels of 3 packets (24
+// floats with AVX, 48 with AVX-512) and the remainder in smaller panels whose accumulation
+// rounds differently; chunks that start on a multiple of 48 put every column in the kind of
+// panel one GEMM over the batch would, so the output is the same bit for bit (tests/test_ops.cpp
+// checks it). Images of fewer than 32 output positions are not chunked: a last chunk that small
+// could take Eigen's matrix-vector or small-product path instead.
+constexpr int64_t kMaxUnsavedColsBytes = 16 << 20;
+int64_t images_per_chunk(int64_t N, int64_t CKK, int64_t OHW) {
+  if (OHW < 32) return N;
+  const int64_t align = 48 / std::gcd<int64_t>(OHW, 48);  // images per 48-column boundary
+  const int64_t fit = kMaxUnsavedColsBytes / (CKK * OHW * int64_t{sizeof(float)});
+  return std::min(N, std::max(align, fit / align * align));
+}
+
 }  // namespace
 
 // ---- conv2d -------------------------------------------------------------------------------
 
 Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Size2 stride, Size2 padding,
               Size2 dilation) {
+  ForwardSpan span("conv2d", {&input, &weight, &bias});
   check_float("conv2d", weight, "weight");
   NANODDP_CHECK(weight.dim() == 4, ShapeError, "conv2d: weight ", weight.shape(), " must be [OC, C, kh, kw]");
   const Window2d g = make_window("conv2d", input, {weight.size(2), weight.size(3)}, stride, padding, dilation);
@@ -86,15 +105,26 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
                   " does not fit weight ", weight.shape(), " (expected [", OC, "])");
   }
   // One GEMM for the batch: out^T [OC, N OH OW] = weight [OC, C kh kw] · cols [C kh kw, N OH OW].
-  const int64_t CKK = g.channels * g.kernel_h * g.kernel_w, NOHW = N * g.out_h * g.out_w;
+  // When no graph is recorded (evaluation under no_grad) cols is not kept, so the batch goes
+  // through in chunks of images whose cols stay near kMaxUnsavedColsBytes: a 1000-image test
+  // batch of the example's second convolution would otherwise need 139 MB of cols. The result
+  // is the same bit for bit (see images_per_chunk).
+  const int64_t CKK = g.channels * g.kernel_h * g.kernel_w, OHW = g.out_h * g.out_w, NOHW = N * OHW;
+  const bool keeps_graph = is_grad_enabled() && (input.requires_grad() || weight.requires_grad() ||
+                                                 (bias.defined() && bias.requires_grad()));
+  const int64_t chunk = keeps_graph ? N : images_per_chunk(N, CKK, OHW);
+  const int64_t image_size = g.channels * g.height * g.width;
   const Device device = input.device();
-  Tensor cols = Tensor::empty({CKK, NOHW}, DType::Float32, device);
-  Tensor out_t = Tensor::empty({OC, NOHW}, DType::Float32, device);
+  Tensor cols = Tensor::empty({CKK, chunk * OHW}, DType::Float32, device);
+  Tensor out_t = Tensor::empty({OC, chunk * OHW}, DType::Float32, device);
   Tensor out = Tensor::empty({N, OC, g.out_h, g.out_w}, DType::Float32, device);
-  NANODDP_DISPATCH(device, im2col, ptr(cols), ptr(input), N, g);
-  NANODDP_DISPATCH(device, matmul, ptr(out_t), ptr(weight), ptr(cols), OC, CKK, NOHW, false, false, 0.0f);
-  NANODDP_DISPATCH(device, swap_leading_dims, ptr(out), ptr(out_t), OC, N, g.out_h * g.out_w);
-  if (bias.defined()) NANODDP_DISPATCH(device, channel_bias_forward, ptr(out), ptr(bias), N, OC, g.out_h * g.out_w);
+  for (int64_t first = 0; first < N; first += chunk) {
+    const int64_t n = std::min(chunk, N - first);
+    NANODDP_DISPATCH(device, im2col, ptr(cols), ptr(input) + first * image_size, n, g);
+    NANODDP_DISPATCH(device, matmul, ptr(out_t), ptr(weight), ptr(cols), OC, CKK, n * OHW, false, false, 0.0f);
+    NANODDP_DISPATCH(device, swap_leading_dims, ptr(out) + first * OC * OHW, ptr(out_t), OC, n, OHW);
+  }
+  if (bias.defined()) NANODDP_DISPATCH(device, channel_bias_forward, ptr(out), ptr(bias), N, OC, OHW);
 
   // Backward reads cols (not the input: dweight needs the patches) and the weight.
   return record("Conv2dBackward", out, {input, weight, bias}, {cols, weight},
@@ -127,6 +157,7 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
 // ---- max_pool2d ---------------------------------------------------------------------------
 
 Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 padding, Size2 dilation) {
+  ForwardSpan span("max_pool2d", {&input});
   Window2d g = make_window("max_pool2d", input, kernel_size, stride, padding, dilation);
   NANODDP_CHECK(2 * padding.h <= kernel_size.h && 2 * padding.w <= kernel_size.w, ValueError,
                 "max_pool2d: padding (", padding.h, ", ", padding.w, ") must be at most half the kernel (",

@@ -32,7 +32,9 @@ struct Size2 {
 // GEMM for the whole batch: cols [C kh kw, N OH OW], weight [OC, C kh kw] · cols, then
 // reordered to NCHW. Cost: forward 2 N OC OH OW C kh kw FLOPs (+ N OC OH OW for the bias);
 // backward twice that. Memory: cols (C kh kw N OH OW floats), kept for backward with the
-// weight; the output twice while reordering.
+// weight; the output twice while reordering. When no graph is recorded (no_grad, or no input
+// requires grad) nothing is kept and the images go through in chunks whose cols take at most
+// about 16 MB (one image at least), with the same result bit for bit.
 Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Size2 stride = 1, Size2 padding = 0,
               Size2 dilation = 1);
 

@@ -3,6 +3,7 @@
 
 #include <vector>
 
+#include "core/autograd.h"
 #include "core/ops.h"
 #include "core/op_helpers.h"
 
@@ -15,6 +16,7 @@ void check_probability(const char* op, float p) {
 }  // namespace
 
 Tensor dropout(const Tensor& x, float p, bool training, Generator& gen) {
+  ForwardSpan span("dropout", {&x});  // the mask drawn on the host, then mul
   check_float("dropout", x, "input");
   check_probability("dropout", p);
   if (!training || p == 0.0f) return x;

@@ -25,6 +25,7 @@ float* ptr_or_null(const Tensor& t) { return t.defined() ? ptr(t) : nullptr; }
 
 Tensor layer_norm(const Tensor& input, const std::vector<int64_t>& normalized_shape, const Tensor& weight,
                   const Tensor& bias, float eps) {
+  ForwardSpan span("layer_norm", {&input, &weight, &bias});
   check_float("layer_norm", input, "input");
   NANODDP_CHECK(!normalized_shape.empty(), ValueError, "layer_norm: normalized_shape is empty");
   NANODDP_CHECK(eps >= 0.0f, ValueError, "layer_norm: eps must be >= 0, got ", eps);

@@ -3,7 +3,9 @@
 // inputs against the reference. To add an op, add a row to op_cases().
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
@@ -12,6 +14,8 @@
 #include "core/autograd.h"
 #include "core/ops.h"
 #include "core/random.h"
+#include "core/trace.h"
+#include "kernels/cpu/conv.h"
 #include "tests/op_cases.h"
 
 using namespace nanoddp;
@@ -103,6 +107,22 @@ TEST_CASE("op harness: NaN, +inf and -inf inputs give what the reference (PyTorc
         }
       }
     }
+  }
+}
+
+TEST_CASE("op harness: every op's forward records a span on the trace's compute lane") {
+  Generator gen(99);
+  for (const OpCase& c : op_cases()) {
+    CAPTURE(c.name);
+    const std::vector<Tensor> inputs = to_tensors(c, make_inputs(c, gen));
+    trace::start("");  // in memory
+    const double before = trace::now_us();
+    const Tensor out = c.op(inputs);
+    const std::vector<trace::Event> events = trace::events_since(before);
+    trace::stop();
+    if (out.numel() > 0 && out.data<float>() == inputs[0].data<float>()) continue;  // a view: no forward work
+    CHECK(std::any_of(events.begin(), events.end(),
+                      [](const trace::Event& e) { return e.lane == static_cast<int>(trace::Lane::Compute); }));
   }
 }
 
@@ -206,4 +226,61 @@ TEST_CASE("argmax: first index wins ties, NaN counts as the largest") {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const Tensor a = Tensor::from_vector({1, 3, 3, 0, 5, nan, 2, 9, -1, -2, -3, -1}, {3, 4});
   CHECK(argmax(a).to_int_vector() == std::vector<int64_t>{1, 1, 0});
+}
+
+TEST_CASE("conv2d under no_grad (im2col in chunks of images) equals conv2d recording a graph, bit for bit") {
+  // 300 images whose cols take 144 * 15 * 15 floats (130 kB) each: no_grad runs them in chunks
+  // of 128 (128 + 128 + 44) under the 16 MB bound, the graph-recording call in one GEMM. 225
+  // columns per image is odd, so only the chunks' alignment keeps each column's rounding.
+  Generator gen(7);
+  const Tensor x = Tensor::randn({300, 16, 17, 17}, gen);
+  const Tensor w = Tensor::randn({8, 16, 3, 3}, gen).set_requires_grad(true);
+  const Tensor b = Tensor::randn({8}, gen).set_requires_grad(true);
+  const std::vector<float> recorded = conv2d(x, w, b).to_vector();
+  std::vector<float> chunked;
+  {
+    NoGradGuard no_grad;
+    chunked = conv2d(x, w, b).to_vector();
+  }
+  REQUIRE(chunked.size() == recorded.size());
+  size_t differing = 0;
+  for (size_t i = 0; i < recorded.size(); ++i) differing += std::memcmp(&chunked[i], &recorded[i], sizeof(float)) != 0;
+  CHECK(differing == 0);
+}
+
+TEST_CASE("im2col / col2im for stride_w 1 equal the general reference loops bit for bit") {
+  // Windows that put a row's run at the left edge, the right edge, inside, and nowhere
+  // (padding wider than the image); dilation and a vertical stride the runs do not see.
+  struct Case {
+    int64_t C, H, W, kh, kw, stride_h, pad_h, pad_w, dilation_h, dilation_w;
+  };
+  const Case cases[] = {{16, 8, 8, 3, 3, 1, 1, 1, 1, 1}, {3, 7, 9, 3, 2, 2, 0, 0, 1, 1}, {2, 6, 5, 2, 3, 1, 2, 2, 2, 2},
+                        {1, 2, 2, 1, 4, 1, 0, 3, 1, 1}, {4, 5, 6, 3, 3, 1, 0, 1, 1, 3}};
+  Generator gen(11);
+  for (const Case& k : cases) {
+    kernels::Window2d g;
+    g.channels = k.C, g.height = k.H, g.width = k.W, g.kernel_h = k.kh, g.kernel_w = k.kw;
+    g.stride_h = k.stride_h, g.pad_h = k.pad_h, g.pad_w = k.pad_w, g.dilation_h = k.dilation_h;
+    g.dilation_w = k.dilation_w;
+    g.out_h = (k.H + 2 * k.pad_h - k.dilation_h * (k.kh - 1) - 1) / k.stride_h + 1;
+    g.out_w = k.W + 2 * k.pad_w - k.dilation_w * (k.kw - 1);
+    CAPTURE(k.W);
+    CAPTURE(k.kw);
+    CAPTURE(k.pad_w);
+    CAPTURE(k.dilation_w);
+    REQUIRE(g.out_h >= 1);
+    REQUIRE(g.out_w >= 1);
+    const int64_t N = 3, cols_size = k.C * k.kh * k.kw * N * g.out_h * g.out_w, images_size = N * k.C * k.H * k.W;
+    const std::vector<float> images = Tensor::randn({images_size}, gen).to_vector();
+    std::vector<float> fast(cols_size, -1.0f), reference(cols_size, -2.0f);
+    kernels::cpu::im2col(fast.data(), images.data(), N, g);
+    kernels::cpu::im2col_reference(reference.data(), images.data(), N, g);
+    CHECK(std::memcmp(fast.data(), reference.data(), fast.size() * sizeof(float)) == 0);
+
+    const std::vector<float> dcols = Tensor::randn({cols_size}, gen).to_vector();
+    std::vector<float> dfast(images_size, -1.0f), dreference(images_size, -2.0f);
+    kernels::cpu::col2im(dfast.data(), dcols.data(), N, g);
+    kernels::cpu::col2im_reference(dreference.data(), dcols.data(), N, g);
+    CHECK(std::memcmp(dfast.data(), dreference.data(), dfast.size() * sizeof(float)) == 0);
+  }
 }

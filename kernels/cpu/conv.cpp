@@ -1,15 +1,22 @@
 // CPU kernels of Conv2d and MaxPool2d (declared in nn/conv.cpp): im2col / col2im around
 // Eigen's GEMM, the per-channel bias, and max pooling. Loops run in memory order.
+//
+// im2col and col2im come twice: the *_reference loops test every element's bounds and take
+// any window; for stride_w == 1 (the usual convolution) im2col / col2im hoist those tests out
+// of the innermost loop, where a row of the window becomes one contiguous run of an input row
+// (copied, or added, at once) between the padding. Same loop order, so the same values and
+// the same order of additions: tests/test_ops.cpp checks both paths are equal bit for bit.
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "kernels/cpu/eigen_maps.h"
+#include "kernels/cpu/conv.h"
 #include "kernels/kernels.h"
 
 namespace nanoddp::kernels::cpu {
 
-void im2col(float* cols, const float* images, int64_t N, Window2d g) {
+void im2col_reference(float* cols, const float* images, int64_t N, Window2d g) {
   const int64_t OHW = g.out_h * g.out_w, image = g.channels * g.height * g.width;
   for (int64_t c = 0; c < g.channels; ++c)
     for (int64_t i = 0; i < g.kernel_h; ++i)
@@ -33,7 +40,7 @@ void im2col(float* cols, const float* images, int64_t N, Window2d g) {
       }
 }
 
-void col2im(float* dimages, const float* dcols, int64_t N, Window2d g) {
+void col2im_reference(float* dimages, const float* dcols, int64_t N, Window2d g) {
   const int64_t OHW = g.out_h * g.out_w, image = g.channels * g.height * g.width;
   std::fill(dimages, dimages + N * image, 0.0f);
   for (int64_t c = 0; c < g.channels; ++c)
@@ -50,6 +57,69 @@ void col2im(float* dimages, const float* dcols, int64_t N, Window2d g) {
               const int64_t w = ow * g.stride_w - g.pad_w + j * g.dilation_w;
               if (w >= 0 && w < g.width) plane[h * g.width + w] += in[ow];
             }
+          }
+        }
+      }
+}
+
+namespace {
+
+// For stride_w == 1, output column ow of kernel column j reads input column ow + offset, with
+// offset = j dw - pw; [lo, hi) are the output columns whose input column lies in [0, W).
+struct ColumnRun {
+  int64_t offset, lo, hi;
+};
+ColumnRun column_run(const Window2d& g, int64_t j) {
+  const int64_t offset = j * g.dilation_w - g.pad_w;
+  const int64_t lo = std::clamp<int64_t>(-offset, 0, g.out_w);
+  return {offset, lo, std::clamp<int64_t>(g.width - offset, lo, g.out_w)};
+}
+
+}  // namespace
+
+void im2col(float* cols, const float* images, int64_t N, Window2d g) {
+  if (g.stride_w != 1) return im2col_reference(cols, images, N, g);
+  const int64_t OHW = g.out_h * g.out_w, image = g.channels * g.height * g.width;
+  for (int64_t c = 0; c < g.channels; ++c)
+    for (int64_t i = 0; i < g.kernel_h; ++i)
+      for (int64_t j = 0; j < g.kernel_w; ++j) {
+        float* row = cols + ((c * g.kernel_h + i) * g.kernel_w + j) * N * OHW;
+        const ColumnRun run = column_run(g, j);
+        for (int64_t n = 0; n < N; ++n) {
+          const float* plane = images + n * image + c * g.height * g.width;
+          for (int64_t oh = 0; oh < g.out_h; ++oh) {
+            const int64_t h = oh * g.stride_h - g.pad_h + i * g.dilation_h;
+            float* out = row + n * OHW + oh * g.out_w;
+            if (h < 0 || h >= g.height) {
+              std::fill(out, out + g.out_w, 0.0f);
+              continue;
+            }
+            const float* in = plane + h * g.width + run.offset;
+            std::fill(out, out + run.lo, 0.0f);
+            std::copy(in + run.lo, in + run.hi, out + run.lo);
+            std::fill(out + run.hi, out + g.out_w, 0.0f);
+          }
+        }
+      }
+}
+
+void col2im(float* dimages, const float* dcols, int64_t N, Window2d g) {
+  if (g.stride_w != 1) return col2im_reference(dimages, dcols, N, g);
+  const int64_t OHW = g.out_h * g.out_w, image = g.channels * g.height * g.width;
+  std::fill(dimages, dimages + N * image, 0.0f);
+  for (int64_t c = 0; c < g.channels; ++c)
+    for (int64_t i = 0; i < g.kernel_h; ++i)
+      for (int64_t j = 0; j < g.kernel_w; ++j) {
+        const float* row = dcols + ((c * g.kernel_h + i) * g.kernel_w + j) * N * OHW;
+        const ColumnRun run = column_run(g, j);
+        for (int64_t n = 0; n < N; ++n) {
+          float* plane = dimages + n * image + c * g.height * g.width;
+          for (int64_t oh = 0; oh < g.out_h; ++oh) {
+            const int64_t h = oh * g.stride_h - g.pad_h + i * g.dilation_h;
+            if (h < 0 || h >= g.height) continue;
+            const float* in = row + n * OHW + oh * g.out_w;
+            float* out = plane + h * g.width + run.offset;
+            for (int64_t ow = run.lo; ow < run.hi; ++ow) out[ow] += in[ow];
           }
         }
       }
