@@ -12,6 +12,7 @@
 #include "nn/checkpoint.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
+#include "nn/safetensors.h"
 
 using namespace nanoddp;
 using namespace nanoddp::nn;
@@ -305,4 +306,109 @@ TEST_CASE("load_state_dict(strict = false) returns the missing and unexpected ke
   CHECK(keys.missing_keys == std::vector<std::string>{"2.bias"});
   CHECK(keys.unexpected_keys == std::vector<std::string>{"3.weight"});
   CHECK(b.parameters()[0].to_vector() == a.parameters()[0].to_vector());
+}
+
+namespace {
+// A layer with state of both kinds: "steps" (int64 scalar, saved, as BatchNorm's
+// num_batches_tracked) and "scratch" (float, not saved: persistent = false).
+class Counted : public Module {
+ public:
+  explicit Counted(Generator& gen) : linear_(register_module("linear", std::make_shared<Linear>(2, 2, gen))) {
+    steps = register_buffer("steps", Tensor::zeros(Shape{}, DType::Int64));
+    scratch = register_buffer("scratch", Tensor::full({3}, 1.5f), /*persistent=*/false);
+  }
+  Tensor forward(const Tensor& x) override { return (*linear_)(x); }
+  Tensor steps, scratch;
+
+ private:
+  std::shared_ptr<Linear> linear_;
+};
+}  // namespace
+
+TEST_CASE("buffers: dotted names depth-first, listed once, persistent ones in state_dict with their dtype") {
+  Generator gen(3);
+  auto shared = std::make_shared<Counted>(gen);
+  Sequential model;
+  model.add(shared);
+  model.add(ReLU());
+  model.add(std::make_shared<Counted>(gen));
+  model.add(shared);  // reachable twice: one set of buffers, under its first name
+  std::vector<std::string> names;
+  for (auto& [name, b] : model.named_buffers()) names.push_back(name);
+  CHECK(names == std::vector<std::string>{"0.steps", "0.scratch", "2.steps", "2.scratch"});
+  CHECK(model.buffers().size() == 4);
+  CHECK(model.buffers()[0].is_same(shared->steps));
+
+  shared->steps.data<int64_t>()[0] = 1LL << 40;
+  const StateDict state = model.state_dict();
+  std::vector<std::string> keys;
+  for (auto& [name, t] : state) keys.push_back(name);
+  CHECK(keys == std::vector<std::string>{"0.linear.bias", "0.linear.weight", "0.steps", "2.linear.bias",
+                                         "2.linear.weight", "2.steps"});
+  CHECK(state.at("0.steps").dtype() == DType::Int64);
+  CHECK(state.at("0.steps").dim() == 0);
+  CHECK(state.at("0.steps").to_int_vector() == std::vector<int64_t>{1LL << 40});
+  CHECK_FALSE(state.at("0.steps").is_same(shared->steps));  // a copy, as torch's detach().clone()
+
+  // load_state_dict writes into the registered handles and reports a missing buffer.
+  StateDict changed = state;
+  changed["2.steps"] = Tensor::from_vector(std::vector<int64_t>{9}).reshape(Shape{});
+  Generator other(4);
+  Sequential target;
+  auto first = std::make_shared<Counted>(other), second = std::make_shared<Counted>(other);
+  target.add(first);
+  target.add(ReLU());
+  target.add(second);
+  target.add(first);
+  target.load_state_dict(changed);
+  CHECK(first->steps.to_int_vector() == std::vector<int64_t>{1LL << 40});
+  CHECK(second->steps.to_int_vector() == std::vector<int64_t>{9});
+  changed.erase("2.steps");
+  CHECK(target.load_state_dict(changed, /*strict=*/false).missing_keys == std::vector<std::string>{"2.steps"});
+  changed["2.steps"] = Tensor::zeros(Shape{});  // float32 where int64 is registered
+  CHECK_THROWS_AS(target.load_state_dict(changed), ShapeError);
+  CHECK(second->steps.to_int_vector() == std::vector<int64_t>{9});  // untouched
+
+  // to() keeps the handles of buffers as of parameters.
+  const Tensor before = shared->steps;
+  model.to(Device::cpu());
+  CHECK(model.buffers()[0].is_same(before));
+}
+
+TEST_CASE("buffers survive a checkpoint file and a safetensors file (int64 as I64) into a fresh model") {
+  Generator g1(5), g2(6);
+  Counted a(g1), b(g2);
+  a.steps.data<int64_t>()[0] = 42;
+  const std::string path = temp_path("buffers.ckpt");
+  save_checkpoint(path, a.state_dict());
+  b.load_state_dict(load_checkpoint(path));
+  CHECK(b.steps.to_int_vector() == std::vector<int64_t>{42});
+  CHECK(b.steps.dim() == 0);
+  CHECK(b.scratch.to_vector() == std::vector<float>{1.5f, 1.5f, 1.5f});  // not persistent: not in the file
+  CHECK(load_checkpoint(path).count("scratch") == 0);
+  std::remove(path.c_str());
+
+  Generator g3(7);
+  Counted c(g3);
+  a.steps.data<int64_t>()[0] = -3;
+  const std::string exported = temp_path("buffers.safetensors");
+  save_safetensors(exported, a.state_dict());
+  c.load_state_dict(load_safetensors(exported));
+  CHECK(c.steps.dtype() == DType::Int64);
+  CHECK(c.steps.to_int_vector() == std::vector<int64_t>{-3});
+  CHECK(c.state_dict().at("linear.weight").to_vector() == a.state_dict().at("linear.weight").to_vector());
+  std::remove(exported.c_str());
+}
+
+TEST_CASE("register_buffer refuses undefined tensors, dotted and taken names") {
+  struct Probe : Module {
+    Probe() { register_parameter("w", Tensor::zeros({1})); }
+    Tensor forward(const Tensor& x) override { return x; }
+  } probe;
+  CHECK_THROWS_AS(probe.register_buffer("b", Tensor()), ValueError);
+  CHECK_THROWS_AS(probe.register_buffer("a.b", Tensor::zeros({1})), ValueError);
+  CHECK_THROWS_AS(probe.register_buffer("", Tensor::zeros({1})), ValueError);
+  CHECK_THROWS_AS(probe.register_buffer("w", Tensor::zeros({1})), ValueError);
+  probe.register_buffer("b", Tensor::zeros({1}));
+  CHECK_THROWS_AS(probe.register_buffer("b", Tensor::zeros({1})), ValueError);
 }
