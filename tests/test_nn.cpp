@@ -412,3 +412,83 @@ TEST_CASE("register_buffer refuses undefined tensors, dotted and taken names") {
   probe.register_buffer("b", Tensor::zeros({1}));
   CHECK_THROWS_AS(probe.register_buffer("b", Tensor::zeros({1})), ValueError);
 }
+
+namespace {
+void check_close(const std::vector<float>& got, const std::vector<double>& want) {
+  REQUIRE(got.size() == want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got[i] == doctest::Approx(want[i]).epsilon(1e-6));
+  }
+}
+}  // namespace
+
+TEST_CASE("BatchNorm1d running statistics after 2 steps, by hand in float64 (momentum 0.1, unbiased var)") {
+  // Step 1, x [3, 2]: channel 0 = {1, 3, 5}: mean 3, biased var 8/3, unbiased 4;
+  //                   channel 1 = {2, 6, 10}: mean 6, biased var 32/3, unbiased 16.
+  // Step 2, x [2, 2]: channel 0 = {0, 4}: mean 2, unbiased var 8; channel 1 = {-1, 3}: mean 1, unbiased 8.
+  // running_mean: 0.9 * 0 + 0.1 * 3 = 0.3, then 0.9 * 0.3 + 0.1 * 2 = 0.47; channel 1: 0.6, then 0.64.
+  // running_var:  0.9 * 1 + 0.1 * 4 = 1.3, then 0.9 * 1.3 + 0.1 * 8 = 1.97; channel 1: 2.5, then 3.05.
+  BatchNorm1d norm(2);
+  CHECK(norm.running_mean.to_vector() == std::vector<float>{0, 0});
+  CHECK(norm.running_var.to_vector() == std::vector<float>{1, 1});
+  const Tensor y = norm(Tensor::from_vector({1, 2, 3, 6, 5, 10}, {3, 2}));
+  const double s0 = std::sqrt(8.0 / 3 + 1e-5), s1 = std::sqrt(32.0 / 3 + 1e-5);
+  check_close(y.to_vector(), {-2 / s0, -4 / s1, 0, 0, 2 / s0, 4 / s1});  // normalised by the biased var
+  check_close(norm.running_mean.to_vector(), {0.3, 0.6});
+  check_close(norm.running_var.to_vector(), {1.3, 2.5});
+  norm(Tensor::from_vector({0, -1, 4, 3}, {2, 2}));
+  check_close(norm.running_mean.to_vector(), {0.47, 0.64});
+  check_close(norm.running_var.to_vector(), {1.97, 3.05});
+  CHECK(norm.num_batches_tracked.to_int_vector() == std::vector<int64_t>{2});
+
+  // eval: the running statistics, and nothing is updated.
+  norm.eval();
+  check_close(norm(Tensor::from_vector({1, 1}, {1, 2})).to_vector(),
+              {(1 - 0.47) / std::sqrt(1.97 + 1e-5), (1 - 0.64) / std::sqrt(3.05 + 1e-5)});
+  check_close(norm.running_mean.to_vector(), {0.47, 0.64});
+  CHECK(norm.num_batches_tracked.to_int_vector() == std::vector<int64_t>{2});
+
+  const StateDict state = norm.state_dict();
+  CHECK(state.size() == 5);  // weight, bias, running_mean, running_var, num_batches_tracked
+  CHECK(state.at("num_batches_tracked").dtype() == DType::Int64);
+}
+
+TEST_CASE("BatchNorm1d momentum = nullopt is the cumulative average; [N, C, L] counts N * L values") {
+  // The same two steps: running_mean = mean of the batch means = (3 + 2) / 2, (6 + 1) / 2;
+  // running_var = mean of the unbiased vars = (4 + 8) / 2, (16 + 8) / 2.
+  BatchNorm1d cumulative(2, 1e-5f, std::nullopt);
+  cumulative(Tensor::from_vector({1, 2, 3, 6, 5, 10}, {3, 2}));
+  cumulative(Tensor::from_vector({0, -1, 4, 3}, {2, 2}));
+  check_close(cumulative.running_mean.to_vector(), {2.5, 3.5});
+  check_close(cumulative.running_var.to_vector(), {6, 12});
+
+  // x [2, 1, 2]: channel 0 = {1, 3, 5, 7}: mean 4, biased var 5, unbiased 20/3.
+  BatchNorm1d sequence(1);
+  const Tensor y = sequence(Tensor::from_vector({1, 3, 5, 7}, {2, 1, 2}));
+  CHECK(y.shape() == Shape{2, 1, 2});
+  const double s = std::sqrt(5 + 1e-5);
+  check_close(y.to_vector(), {-3 / s, -1 / s, 1 / s, 3 / s});
+  check_close(sequence.running_mean.to_vector(), {0.4});
+  check_close(sequence.running_var.to_vector(), {0.9 + 0.1 * 20.0 / 3});
+}
+
+TEST_CASE("BatchNorm1d without running stats normalises with the batch in eval too; bad input is refused") {
+  BatchNorm1d norm(2, 1e-5f, 0.1f, /*affine=*/false, /*track_running_stats=*/false);
+  CHECK(norm.parameters().empty());
+  CHECK(norm.buffers().empty());
+  CHECK(norm.state_dict().empty());
+  const Tensor x = Tensor::from_vector({1, 2, 3, 6, 5, 10}, {3, 2});
+  const std::vector<float> training = norm(x).to_vector();
+  norm.eval();
+  CHECK(norm(x).to_vector() == training);
+
+  BatchNorm1d tracked(2);
+  CHECK_THROWS_AS(tracked(Tensor::from_vector({1, 2}, {1, 2})), ValueError);  // one value per channel
+  CHECK_THROWS_AS(tracked(Tensor::zeros({4, 3})), ShapeError);                // 3 channels, not 2
+  CHECK_THROWS_AS(tracked(Tensor::zeros({2, 2, 2, 2})), ShapeError);          // 4-d
+  tracked.eval();
+  CHECK(tracked(Tensor::from_vector({1, 2}, {1, 2})).to_vector() ==  // eval: one sample is fine
+        std::vector<float>{static_cast<float>(1 / std::sqrt(1 + 1e-5)), static_cast<float>(2 / std::sqrt(1 + 1e-5))});
+  CHECK_THROWS_AS(BatchNorm1d(0), ValueError);
+}
