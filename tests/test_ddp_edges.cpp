@@ -1,6 +1,6 @@
 // DDP at the edges, on 2 and 4 ranks, on Gloo (forked ranks) and MPI (this file again under
 // mpirun -np 2 and -np 4): parameters used on some ranks only, used only inside no_sync, tied
-// parameters, and ranks with uneven inputs, with and without dist::Join (whose cases also run
+// parameters, buffers (broadcast_buffers), and ranks with uneven inputs, with and without dist::Join (whose cases also run
 // on shm: this file again with NANODDP_TEST_BACKEND=shm). Inputs are the small ones of the bug
 // reports, results computed by hand.
 #include <doctest/doctest.h>
@@ -527,6 +527,90 @@ TEST_CASE("Join: destroyed without finish(), it says what to fix and terminates 
   CHECK_MESSAGE(failures.find("killed by signal 6") != std::string::npos, "want SIGABRT (std::terminate), got: ", failures);
   CHECK_MESSAGE(printed.find("destroyed without finish(): the other ranks would wait") != std::string::npos, printed);
   CHECK_MESSAGE(printed.find("Call join.finish()") != std::string::npos, printed);
+}
+
+namespace {
+// |got - want| <= 1e-5 max(1, |want|) everywhere, else a message naming what and where.
+void expect_close(const std::vector<float>& got, const std::vector<double>& want, const std::string& what, int rank) {
+  expect(got.size() == want.size(), "rank ", rank, ": ", what, " has ", got.size(), " values, expected ", want.size());
+  for (size_t i = 0; i < want.size(); ++i)
+    expect(std::abs(got[i] - want[i]) <= 1e-5 * std::max(1.0, std::abs(want[i])), "rank ", rank, ": ", what, "[", i,
+           "] = ", got[i], ", expected ", want[i]);
+}
+}  // namespace
+
+TEST_CASE("broadcast_buffers: every forward starts from rank 0's running stats; off, each rank keeps its own") {
+  // BatchNorm1d(2) alone; rank r at step s sees x = [[r + s, 2r], [r + s + 2, 2r + 4]]: batch
+  // means (r + s + 1, 2r + 2), unbiased vars (2, 8). With broadcast_buffers, rank r ends step s
+  // with 0.9 R0 + 0.1 mean_r, R0 being rank 0's running stats after step s - 1 (its own
+  // recurrence); without, with 0.9 R_r + 0.1 mean_r, its own.
+  constexpr int kSteps = 3;
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    const int port = testing::free_port();
+    const std::string failures = testing::on_ranks(world, [&](int rank) {
+      auto pg = testing::join(rank, world, port);
+      for (bool broadcast : {true, false}) {
+        dist::DDPOptions options;
+        options.broadcast_buffers = broadcast;
+        auto norm = std::make_shared<nn::BatchNorm1d>(2);
+        dist::DistributedDataParallel ddp(norm, pg, options);
+        double rank0_mean[2] = {0, 0}, rank0_var[2] = {1, 1}, own_mean[2] = {0, 0}, own_var[2] = {1, 1};
+        for (int s = 0; s < kSteps; ++s) {
+          const float r = static_cast<float>(rank);
+          sum(ddp(Tensor::from_vector({r + s, 2 * r, r + s + 2, 2 * r + 4}, {2, 2}))).backward();
+          const double mean_r[2] = {rank + s + 1.0, 2.0 * rank + 2}, mean_0[2] = {s + 1.0, 2}, var[2] = {2, 8};
+          const double* start_mean = broadcast ? rank0_mean : own_mean;
+          const double* start_var = broadcast ? rank0_var : own_var;
+          const std::vector<double> want_mean = {0.9 * start_mean[0] + 0.1 * mean_r[0], 0.9 * start_mean[1] + 0.1 * mean_r[1]};
+          const std::vector<double> want_var = {0.9 * start_var[0] + 0.1 * var[0], 0.9 * start_var[1] + 0.1 * var[1]};
+          const std::string what = std::string(broadcast ? "with" : "without") + " broadcast, step " + std::to_string(s);
+          expect_close(norm->running_mean.to_vector(), want_mean, "running_mean " + what, rank);
+          expect_close(norm->running_var.to_vector(), want_var, "running_var " + what, rank);
+          expect(norm->num_batches_tracked.to_int_vector() == std::vector<int64_t>{s + 1}, "rank ", rank, ": ", what,
+                 ": num_batches_tracked ", norm->num_batches_tracked);
+          for (int c = 0; c < 2; ++c) {
+            rank0_mean[c] = 0.9 * rank0_mean[c] + 0.1 * mean_0[c];
+            rank0_var[c] = 0.9 * rank0_var[c] + 0.1 * var[c];
+            own_mean[c] = want_mean[c];
+            own_var[c] = want_var[c];
+          }
+        }
+      }
+      testing::leave();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("Join: buffers come from the highest rank still training, and the last joiner's at the end") {
+  // BatchNorm1d(1) alone, 2 ranks: rank 0 has 1 batch, rank 1 has 3. Rank r's batch s is
+  // {a, a + 2}, a = 10 r + s: mean a + 1, unbiased var 2. Inside the Join the broadcast source
+  // is rank 1 (the highest rank training), so rank 1 updates only its own running stats:
+  //   running_mean 0.1 * 11 = 1.1, then 0.9 * 1.1 + 0.1 * 12 = 2.19, then 0.9 * 2.19 + 1.3 = 3.271
+  //   running_var  0.9 + 0.2 = 1.1, then 1.19, then 1.271; num_batches_tracked 3.
+  // Rank 0, joined, shadows the broadcasts (else: the collective-mismatch error) and ends with
+  // rank 1's buffers from the final model sync.
+  const int port = testing::free_port();
+  const std::string failures = testing::on_ranks(2, [&](int rank) {
+    auto pg = testing::join(rank, 2, port);
+    auto norm = std::make_shared<nn::BatchNorm1d>(1);
+    dist::DistributedDataParallel ddp(norm, pg);
+    {
+      dist::Join join({ddp});
+      for (int s = 0; s < (rank == 0 ? 1 : 3); ++s) {
+        const float a = 10.0f * rank + s;
+        sum(ddp(Tensor::from_vector({a, a + 2}, {2, 1}))).backward();
+      }
+      join.finish();
+    }
+    expect_close(norm->running_mean.to_vector(), {3.271}, "running_mean", rank);
+    expect_close(norm->running_var.to_vector(), {1.271}, "running_var", rank);
+    expect(norm->num_batches_tracked.to_int_vector() == std::vector<int64_t>{3}, "rank ", rank,
+           ": num_batches_tracked ", norm->num_batches_tracked);
+    testing::leave();
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
 }
 
 TEST_CASE("the DDP edge cases pass on MPI too (this file under mpirun -np 2 and -np 4)") {
