@@ -1,8 +1,9 @@
 // DDP at the edges, on 2 and 4 ranks, on Gloo (forked ranks) and MPI (this file again under
 // mpirun -np 2 and -np 4): parameters used on some ranks only, used only inside no_sync, tied
-// parameters, buffers (broadcast_buffers), and ranks with uneven inputs, with and without dist::Join (whose cases also run
-// on shm: this file again with NANODDP_TEST_BACKEND=shm). Inputs are the small ones of the bug
-// reports, results computed by hand.
+// parameters, buffers (broadcast_buffers), BatchNorm vs SyncBatchNorm, and ranks with uneven
+// inputs, with and without dist::Join (whose cases also run on shm: this file again with
+// NANODDP_TEST_BACKEND=shm). Inputs are the small ones of the bug reports, results computed by
+// hand or by a float64 reference.
 #include <doctest/doctest.h>
 
 #include <unistd.h>
@@ -19,9 +20,11 @@
 #include "core/ops.h"
 #include "dist/ddp.h"
 #include "dist/join.h"
+#include "dist/sync_batch_norm.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
 #include "tests/dist_ranks.h"
+#include "tests/op_cases.h"
 
 using namespace nanoddp;
 using nanoddp::testing::expect;
@@ -608,6 +611,106 @@ TEST_CASE("Join: buffers come from the highest rank still training, and the last
     expect_close(norm->running_var.to_vector(), {1.271}, "running_var", rank);
     expect(norm->num_batches_tracked.to_int_vector() == std::vector<int64_t>{3}, "rank ", rank,
            ": num_batches_tracked ", norm->num_batches_tracked);
+    testing::leave();
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("SyncBatchNorm on 2 and 4 ranks equals BatchNorm1d on the global batch: output, gradients, running stats") {
+  // The global batch x [8, 3, 2] and an output gradient g of the same shape; rank r of W takes
+  // samples [8r/W, 8(r+1)/W). Loss = sum(y * g), so the gradient of the sum of every rank's
+  // loss is the 1-rank gradient: dx must match the float64 reference on each rank's rows, and
+  // the ranks' weight and bias gradients must sum to the reference's.
+  constexpr int64_t N = 8, C = 3, L = 2;
+  Generator gen(42);
+  const std::vector<float> x = Tensor::randn({N, C, L}, gen).to_vector(), g = Tensor::randn({N, C, L}, gen).to_vector();
+  const std::vector<float> weight = {1.5f, -0.5f, 2.0f}, bias = {0.25f, 0.0f, -1.0f};
+  // float64 reference: y from op_cases.h's ref_batch_norm; dx = w invstd (g - mean(g) - xhat mean(g xhat)).
+  const testing::Values xs(x.begin(), x.end()), ws(weight.begin(), weight.end()), bs(bias.begin(), bias.end());
+  const testing::Values want_y = testing::ref_batch_norm(xs, ws, bs, N, C, L);
+  testing::Values want_dx(x.size()), want_dw(C), want_db(C), mean(C), var(C);
+  for (int64_t c = 0; c < C; ++c) {
+    double s = 0, s2 = 0;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t l = 0; l < L; ++l) s += xs[(n * C + c) * L + l];
+    mean[c] = s / (N * L);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t l = 0; l < L; ++l) s2 += std::pow(xs[(n * C + c) * L + l] - mean[c], 2);
+    var[c] = s2 / (N * L);
+    const double invstd = 1 / std::sqrt(var[c] + 1e-5);
+    double g_sum = 0, gx_sum = 0;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t l = 0; l < L; ++l) {
+        const size_t i = (n * C + c) * L + l;
+        g_sum += g[i];
+        gx_sum += g[i] * (xs[i] - mean[c]) * invstd;
+      }
+    want_dw[c] = gx_sum;
+    want_db[c] = g_sum;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t l = 0; l < L; ++l) {
+        const size_t i = (n * C + c) * L + l;
+        want_dx[i] = ws[c] * invstd * (g[i] - g_sum / (N * L) - (xs[i] - mean[c]) * invstd * gx_sum / (N * L));
+      }
+  }
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    const int port = testing::free_port();
+    const std::string failures = testing::on_ranks(world, [&](int rank) {
+      auto pg = testing::join(rank, world, port);
+      const int64_t rows = N / world, begin = rows * rank * C * L, end = rows * (rank + 1) * C * L;
+      dist::SyncBatchNorm norm(C, pg);
+      norm.weight.copy_(Tensor::from_vector(weight));
+      norm.bias.copy_(Tensor::from_vector(bias));
+      const Tensor input =
+          Tensor::from_vector(std::vector<float>(x.begin() + begin, x.begin() + end), {rows, C, L}).set_requires_grad(true);
+      const Tensor y = norm(input);
+      sum(y * Tensor::from_vector(std::vector<float>(g.begin() + begin, g.begin() + end), {rows, C, L})).backward();
+      expect_close(y.to_vector(), testing::Values(want_y.begin() + begin, want_y.begin() + end), "y", rank);
+      expect_close(input.grad().to_vector(), testing::Values(want_dx.begin() + begin, want_dx.begin() + end), "dx", rank);
+      Tensor dw = norm.weight.grad().clone(), db = norm.bias.grad().clone();
+      pg->all_reduce(dw)->wait();
+      pg->all_reduce(db)->wait();
+      expect_close(dw.to_vector(), want_dw, "sum of dweight", rank);
+      expect_close(db.to_vector(), want_db, "sum of dbias", rank);
+      const double unbiased = double(N * L) / (N * L - 1);
+      expect_close(norm.running_mean.to_vector(), {0.1 * mean[0], 0.1 * mean[1], 0.1 * mean[2]}, "running_mean", rank);
+      expect_close(norm.running_var.to_vector(),
+                   {0.9 + 0.1 * var[0] * unbiased, 0.9 + 0.1 * var[1] * unbiased, 0.9 + 0.1 * var[2] * unbiased},
+                   "running_var", rank);
+      testing::leave();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("per-rank BatchNorm1d and SyncBatchNorm on the same data: the statistics differ, by hand") {
+  // Rank 0 holds x = {1, 3}, rank 1 holds {5, 7} (one channel).
+  //   BatchNorm1d, per rank: rank 0 mean 2, biased var 1 (y = -1, 1), rank 1 mean 6, var 1 (y = -1, 1);
+  //     running_mean 0.2 and 0.6, running_var 0.9 + 0.1 * 2 = 1.1 on both.
+  //   SyncBatchNorm: {1, 3, 5, 7}: mean 4, biased var 5 (rank 0: y = -3/sqrt5, -1/sqrt5;
+  //     rank 1: 1/sqrt5, 3/sqrt5), unbiased 20/3: running_mean 0.4 and running_var
+  //     0.9 + 0.1 * 20/3 = 1.5667 on both ranks.
+  const int port = testing::free_port();
+  const std::string failures = testing::on_ranks(2, [&](int rank) {
+    auto pg = testing::join(rank, 2, port);
+    const float first = rank == 0 ? 1.0f : 5.0f;
+    const Tensor x = Tensor::from_vector({first, first + 2}, {2, 1});
+    nn::BatchNorm1d local(1);
+    const double e = 1e-5;
+    expect_close(local(x).to_vector(), {-1 / std::sqrt(1 + e), 1 / std::sqrt(1 + e)}, "BatchNorm1d y", rank);
+    expect_close(local.running_mean.to_vector(), {rank == 0 ? 0.2 : 0.6}, "BatchNorm1d running_mean", rank);
+    expect_close(local.running_var.to_vector(), {1.1}, "BatchNorm1d running_var", rank);
+    dist::SyncBatchNorm synced(1, pg);
+    const double d = std::sqrt(5 + e), a = rank == 0 ? -3 : 1;
+    expect_close(synced(x).to_vector(), {a / d, (a + 2) / d}, "SyncBatchNorm y", rank);
+    expect_close(synced.running_mean.to_vector(), {0.4}, "SyncBatchNorm running_mean", rank);
+    expect_close(synced.running_var.to_vector(), {0.9 + 0.1 * 20.0 / 3}, "SyncBatchNorm running_var", rank);
+    // convert_sync_batchnorm makes a model's BatchNorm1d the synced one.
+    auto model = std::make_shared<nn::Sequential>();
+    model->add(std::make_shared<nn::BatchNorm1d>(1));
+    dist::convert_sync_batchnorm(model, pg);
+    expect_close((*model)(x).to_vector(), {a / d, (a + 2) / d}, "converted y", rank);
     testing::leave();
   });
   CHECK_MESSAGE(failures.empty(), failures);

@@ -36,6 +36,7 @@
 #include "dist/ring.h"
 #include "dist/spawn.h"
 #include "dist/store.h"
+#include "dist/sync_batch_norm.h"
 #include "nn/checkpoint.h"
 #include "nn/layers.h"
 #include "nn/module.h"
