@@ -5,7 +5,7 @@
 //   dist::DistributedDataParallel ddp(model, pg);        // then train as usual
 //   auto norm = std::make_shared<dist::SyncBatchNorm>(64, pg);   // or build one directly
 //
-// Algorithm, per layer and training step (Note [SyncBatchNorm]):
+// Note [SyncBatchNorm] The algorithm, per layer and training step:
 //   forward  1. each rank sums x and x^2 per channel (in double, rounded to float32) and counts
 //               its values M_r = N_r * L: [2 C + 1] floats;
 //            2. one all_reduce(sum) of them;
