@@ -16,7 +16,8 @@
 //            5. one all_reduce(sum) of them; dx uses the totals and M, so it is the gradient
 //               of the sum of every rank's loss. The weight and bias gradients stay this rank's
 //               share: DDP averages them as any parameter's, as PyTorch does.
-// eval() uses the running statistics and communicates nothing (as PyTorch).
+// eval() communicates nothing (as PyTorch): it uses the running statistics, or without
+// track_running_stats this rank's own batch.
 //
 // Contract: every rank runs forward and backward of each SyncBatchNorm in the same order (they
 // are collectives); a rank may hold 0 samples, but all ranks together need more than 1 value

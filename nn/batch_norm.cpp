@@ -154,9 +154,11 @@ Tensor BatchNorm1d::forward(const Tensor& input) {
     num_batches_tracked.copy_(count);
     if (!momentum_) factor = 1.0f / static_cast<float>(batches);
   }
+  // Statistics cross processes in training only: in eval without running stats each process
+  // normalises its own batch (SyncBatchNorm's need_sync in PyTorch).
   const bool batch_statistics = is_training() || !track_running_stats_;
   return batch_norm(input, running_mean, running_var, weight, bias, batch_statistics, factor, eps_,
-                    batch_statistics ? all_reduce_ : nullptr);
+                    is_training() ? all_reduce_ : nullptr);
 }
 
 }  // namespace nn

@@ -330,7 +330,9 @@ inline std::vector<OpCase> op_cases() {
                   [](auto& in) { return ref_batch_norm(in[0], {}, {}, 4, 3, 2); }});
   rows.push_back({"batch_norm eval [5,3,4] (running statistics)", {{{5, 3, 4}}, {{3}}, {{3}}},
                   [](auto& in) {
-                    const Tensor running_mean = Tensor::from_vector({0.5f, -1, 2}), running_var = Tensor::from_vector({0.25f, 2, 1});
+                    const Device device = in[0].device();  // the GPU column runs this row on CUDA
+                    const Tensor running_mean = Tensor::from_vector({0.5f, -1, 2}, {}, device);
+                    const Tensor running_var = Tensor::from_vector({0.25f, 2, 1}, {}, device);
                     return batch_norm(in[0], running_mean, running_var, in[1], in[2], /*training=*/false);
                   },
                   [](auto& in) { return ref_batch_norm(in[0], in[1], in[2], 5, 3, 4, {0.5, -1, 2}, {0.25, 2, 1}); }});

@@ -1,5 +1,6 @@
-// CPU kernels of BatchNorm (declared in nn/batch_norm.cpp). A channel's values are N runs of L
-// contiguous floats, C * L apart; every per-channel sum is kept in double, in a fixed order.
+// CPU kernels of BatchNorm (declared in nn/batch_norm.cpp). Each sample is a [C, L] block
+// (row c: channel c's L values); per-channel sums add the blocks' row sums in double, in a
+// fixed order, so the result does not depend on timing.
 #include <algorithm>
 #include <cmath>
 
@@ -8,30 +9,30 @@
 namespace nanoddp::kernels::cpu {
 
 namespace {
-// f(run) summed over channel c's N runs of L values, where run is an Eigen array of doubles.
-template <typename F>
-double channel_sum(const float* in, int64_t N, int64_t C, int64_t L, int64_t c, F f) {
-  double total = 0.0;
-  for (int64_t n = 0; n < N; ++n) total += f(vec(in + (n * C + c) * L, L).cast<double>().array());
-  return total;
-}
+using Doubles = Eigen::ArrayXd;
+// Sample n's [C, L] values as a C x L array of doubles: row c holds channel c's L values.
+auto sample(const float* in, int64_t n, int64_t C, int64_t L) { return mat(in + n * C * L, C, L).cast<double>().array(); }
+Doubles doubles(const float* p, int64_t C) { return vec(p, C).cast<double>().array(); }
 }  // namespace
 
 void batch_norm_stats(float* mean, float* var, const float* in, int64_t N, int64_t C, int64_t L) {
   const double count = static_cast<double>(N * L);
-  for (int64_t c = 0; c < C; ++c) {
-    const double m = channel_sum(in, N, C, L, c, [](const auto& x) { return x.sum(); }) / count;
-    const double v = channel_sum(in, N, C, L, c, [m](const auto& x) { return (x - m).square().sum(); }) / count;
-    mean[c] = static_cast<float>(m);
-    var[c] = static_cast<float>(v);
-  }
+  Doubles sum = Doubles::Zero(C), squares = Doubles::Zero(C);
+  for (int64_t n = 0; n < N; ++n) sum += sample(in, n, C, L).rowwise().sum();
+  const Doubles m = sum / count;
+  for (int64_t n = 0; n < N; ++n) squares += (sample(in, n, C, L).colwise() - m).square().rowwise().sum();
+  vec(mean, C).array() = m.cast<float>();
+  vec(var, C).array() = (squares / count).cast<float>();
 }
 
 void batch_norm_sums(float* sums, const float* in, int64_t N, int64_t C, int64_t L) {
-  for (int64_t c = 0; c < C; ++c) {
-    sums[c] = static_cast<float>(channel_sum(in, N, C, L, c, [](const auto& x) { return x.sum(); }));
-    sums[C + c] = static_cast<float>(channel_sum(in, N, C, L, c, [](const auto& x) { return x.square().sum(); }));
+  Doubles sum = Doubles::Zero(C), squares = Doubles::Zero(C);
+  for (int64_t n = 0; n < N; ++n) {
+    sum += sample(in, n, C, L).rowwise().sum();
+    squares += sample(in, n, C, L).square().rowwise().sum();
   }
+  vec(sums, C).array() = sum.cast<float>();
+  vec(sums + C, C).array() = squares.cast<float>();
   sums[2 * C] = static_cast<float>(N * L);
 }
 
@@ -59,48 +60,42 @@ void batch_norm_update_running(float* running_mean, float* running_var, const fl
 
 void batch_norm_forward(float* out, const float* in, const float* mean, const float* invstd, const float* weight,
                         const float* bias, int64_t N, int64_t C, int64_t L) {
+  const Doubles m = doubles(mean, C);
+  const Doubles scale = doubles(invstd, C) * (weight ? doubles(weight, C) : Doubles::Ones(C));
+  const Doubles shift = bias ? doubles(bias, C) : Doubles::Zero(C);
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t c = 0; c < C; ++c) {
-      const double scale = double(invstd[c]) * (weight ? weight[c] : 1.0f);
-      const double shift = bias ? bias[c] : 0.0f;
-      const int64_t at = (n * C + c) * L;
-      vec(out + at, L).array() = ((vec(in + at, L).cast<double>().array() - double(mean[c])) * scale + shift).cast<float>();
-    }
+    mat(out + n * C * L, C, L).array() =
+        (((sample(in, n, C, L).colwise() - m).colwise() * scale).colwise() + shift).cast<float>();
 }
 
 void batch_norm_backward_reduce(float* sums, const float* dout, const float* in, const float* mean,
                                 const float* invstd, int64_t N, int64_t C, int64_t L) {
-  for (int64_t c = 0; c < C; ++c) {
-    double dy_sum = 0.0, dy_xhat_sum = 0.0;
-    for (int64_t n = 0; n < N; ++n) {
-      const int64_t at = (n * C + c) * L;
-      const auto dy = vec(dout + at, L).cast<double>().array();
-      dy_sum += dy.sum();
-      dy_xhat_sum += (dy * (vec(in + at, L).cast<double>().array() - double(mean[c]))).sum() * double(invstd[c]);
-    }
-    sums[c] = static_cast<float>(dy_sum);
-    sums[C + c] = static_cast<float>(dy_xhat_sum);
+  const Doubles m = doubles(mean, C);
+  Doubles dy_sum = Doubles::Zero(C), dy_centered_sum = Doubles::Zero(C);
+  for (int64_t n = 0; n < N; ++n) {
+    const auto dy = sample(dout, n, C, L);
+    dy_sum += dy.rowwise().sum();
+    dy_centered_sum += (dy * (sample(in, n, C, L).colwise() - m)).rowwise().sum();
   }
+  vec(sums, C).array() = dy_sum.cast<float>();
+  vec(sums + C, C).array() = (dy_centered_sum * doubles(invstd, C)).cast<float>();
 }
 
 void batch_norm_backward(float* din, float* dweight, float* dbias, const float* dout, const float* in,
                          const float* mean, const float* invstd, const float* weight, const float* local_sums,
                          const float* total_sums, double count, int64_t N, int64_t C, int64_t L) {
-  for (int64_t c = 0; c < C; ++c) {
-    if (dweight != nullptr) dweight[c] = local_sums[C + c];
-    if (dbias != nullptr) dbias[c] = local_sums[c];
-  }
+  if (dweight != nullptr) vec(dweight, C) = vec(local_sums + C, C);
+  if (dbias != nullptr) vec(dbias, C) = vec(local_sums, C);
   if (din == nullptr) return;
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t c = 0; c < C; ++c) {
-      const double s = invstd[c], g = s * (weight ? weight[c] : 1.0f);
-      const double dy_mean = count > 0 ? total_sums[c] / count : 0.0;
-      const double dy_xhat_mean = count > 0 ? total_sums[C + c] / count : 0.0;
-      const int64_t at = (n * C + c) * L;
-      const auto xhat = (vec(in + at, L).cast<double>().array() - double(mean[c])) * s;
-      vec(din + at, L).array() =
-          (g * (vec(dout + at, L).cast<double>().array() - dy_mean - xhat * dy_xhat_mean)).cast<float>();
-    }
+  const Doubles m = doubles(mean, C), s = doubles(invstd, C);
+  const Doubles g = s * (weight ? doubles(weight, C) : Doubles::Ones(C));
+  const Doubles dy_mean = count > 0 ? (doubles(total_sums, C) / count).eval() : Doubles::Zero(C);
+  const Doubles dy_xhat_mean = count > 0 ? (doubles(total_sums + C, C) / count).eval() : Doubles::Zero(C);
+  for (int64_t n = 0; n < N; ++n) {
+    const auto xhat = (sample(in, n, C, L).colwise() - m).colwise() * s;
+    mat(din + n * C * L, C, L).array() =
+        (((sample(dout, n, C, L).colwise() - dy_mean) - xhat.colwise() * dy_xhat_mean).colwise() * g).cast<float>();
+  }
 }
 
 }  // namespace nanoddp::kernels::cpu
