@@ -6,7 +6,7 @@
 //
 // One iteration: y = layer(x); y.backward(g) with x requiring grad (and the layer's
 // parameters, if any, accumulating theirs), g a fixed tensor of y's shape. Pointwise layers
-// and LayerNorm take x: [64, 1024]; Conv2d(16, 16, 3, padding 1), MaxPool2d(2) and Flatten
+// LayerNorm and BatchNorm1d (training mode) take x: [64, 1024]; Conv2d(16, 16, 3, padding 1), MaxPool2d(2) and Flatten
 // take the same 65,536 values as [64, 16, 8, 8]. After 3 warm-up iterations, iterations run
 // until --min-time seconds have passed; us_per_iter is the median over 5 such rounds of
 // (round time / iterations). Each line:
@@ -44,6 +44,7 @@ std::vector<LayerCase> layer_cases() {
       {"Dropout(0.5)", rows, [](Generator& gen) { return std::make_shared<nn::Dropout>(0.5f, gen); }},
       {"LayerNorm(1024)", rows,
        [](Generator&) { return std::make_shared<nn::LayerNorm>(std::vector<int64_t>{1024}); }},
+      {"BatchNorm1d(1024)", rows, [](Generator&) { return std::make_shared<nn::BatchNorm1d>(1024); }},
       {"Conv2d(16,16,3,p=1)", images,
        [](Generator& gen) { return std::make_shared<nn::Conv2d>(16, 16, 3, gen, 1, 1); }},
       {"MaxPool2d(2)", images, [](Generator&) { return std::make_shared<nn::MaxPool2d>(2); }},

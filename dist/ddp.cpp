@@ -49,10 +49,14 @@ std::vector<std::pair<std::string, Tensor>> trainable(std::vector<std::pair<std:
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> module, std::shared_ptr<ProcessGroup> pg,
                                                  DDPOptions options)
-    : module_(register_module("module", std::move(module))), pg_(std::move(pg)), timeout_(options.timeout) {
+    : module_(register_module("module", std::move(module))),
+      pg_(std::move(pg)),
+      timeout_(options.timeout),
+      broadcast_buffers_(options.broadcast_buffers) {
   NANODDP_CHECK(module_ != nullptr && pg_ != nullptr, ValueError, "DistributedDataParallel needs a module and a process group");
   verify_parameters_match();
   broadcast_parameters(/*root=*/0);
+  broadcast_buffers(/*root=*/0);
   reducer_ = std::make_unique<Reducer>(trainable(module_->named_parameters()), pg_, options);
 }
 
@@ -107,11 +111,54 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
   // Note [Join], steps 1 to 3.
   if (const auto not_joined = Join::notify_join_context(*this))
     reducer_->set_divide_factor(divide_by_initial_world_size_ ? pg_->size() : *not_joined);
-  if (join_config().enable) {
-    const bool will_sync = reducer_->sync() && is_grad_enabled();
+  const bool will_sync = reducer_->sync() && is_grad_enabled();
+  if (join_config().enable)
     all_reduce_host(*pg_, std::vector<int64_t>{will_sync ? 1 : 0}, ReduceOp::Sum, timeout_);
+  if (will_sync && syncs_buffers()) {
+    // Note [Join] step 3b: inside a Join rank 0 may have stopped; the highest rank still
+    // training is the source instead (PyTorch's _find_common_rank).
+    int64_t root = 0;
+    if (join_config().enable)
+      root = all_reduce_host(*pg_, std::vector<int64_t>{pg_->rank()}, ReduceOp::Max, timeout_)[0];
+    broadcast_buffers(static_cast<int>(root));
   }
   return module_->forward(input);
+}
+
+void DistributedDataParallel::broadcast_buffers(int root) {
+  NoGradGuard no_grad;
+  const auto named = module_->named_buffers();
+  const bool is_root = pg_->rank() == root;
+  for (DType dtype : {DType::Float32, DType::Int64}) {
+    std::vector<Tensor> group;
+    int64_t numel = 0;
+    for (const auto& [name, b] : named) {
+      NANODDP_CHECK(b.dtype() == DType::Float32 || b.dtype() == DType::Int64, ValueError, "DDP on rank ",
+                    pg_->rank(), ": buffer '", name, "' is ", b.dtype(),
+                    "; broadcast_buffers sends float32 and int64 buffers only");
+      if (b.dtype() != dtype) continue;
+      NANODDP_CHECK(group.empty() || b.device() == group[0].device(), DeviceError, "DDP on rank ", pg_->rank(),
+                    ": buffer '", name, "' is on ", b.device(), " but other buffers are on ", group[0].device());
+      group.push_back(b);
+      numel += b.numel();
+    }
+    if (group.empty()) continue;
+    const Device device = group[0].device();
+    Tensor flat = Tensor::empty({numel}, dtype, device);
+    auto* base = static_cast<char*>(flat.impl()->storage->data());
+    size_t offset = 0;
+    for (const Tensor& b : group) {
+      if (is_root) copy_bytes(base + offset, device, b.impl()->storage->data(), device, b.nbytes());
+      offset += b.nbytes();
+    }
+    pg_->broadcast(flat, root)->wait(timeout_);
+    if (is_root) continue;
+    offset = 0;
+    for (const Tensor& b : group) {
+      copy_bytes(b.impl()->storage->data(), device, base + offset, device, b.nbytes());
+      offset += b.nbytes();
+    }
+  }
 }
 
 // What a joined rank does in place of DDP's iterations (PyTorch's _DDPJoinHook).
@@ -130,6 +177,10 @@ class DDPJoinHook : public JoinHook {
   void main_hook() override {
     const int64_t syncing =
         all_reduce_host(*ddp_.pg_, std::vector<int64_t>{0}, ReduceOp::Sum, ddp_.timeout_)[0];
+    if (syncing > 0 && ddp_.syncs_buffers()) {  // 3b': this rank is never the source
+      const int64_t root = all_reduce_host(*ddp_.pg_, std::vector<int64_t>{-1}, ReduceOp::Max, ddp_.timeout_)[0];
+      ddp_.broadcast_buffers(static_cast<int>(root));
+    }
     if (syncing > 0) ddp_.reducer_->shadow_synced_backward();
   }
   void post_hook(bool is_last_joiner) override { ddp_.sync_final_model(is_last_joiner); }
@@ -150,6 +201,7 @@ void DistributedDataParallel::sync_final_model(bool is_last_joiner) {
   const int64_t authoritative_rank =
       all_reduce_host(*pg_, std::vector<int64_t>{candidate}, ReduceOp::Max, timeout_)[0];
   broadcast_parameters(static_cast<int>(authoritative_rank));
+  broadcast_buffers(static_cast<int>(authoritative_rank));
 }
 
 }  // namespace nanoddp::dist

@@ -9,13 +9,31 @@
 // Construction (collective: every rank must construct it, in the same order):
 //   1. checks that every rank has the same parameters: count, names and shapes. The error
 //      names the first mismatching parameter, this rank and rank 0;
-//   2. broadcasts rank 0's parameter values to every rank, so all start equal;
+//   2. broadcasts rank 0's parameter and buffer values to every rank, so all start equal
+//      (buffers always, as PyTorch's _sync_module_states, whatever broadcast_buffers says);
 //   3. plans the gradient buckets and registers one hook per parameter (dist/reducer.h).
 // Parameters with requires_grad false (frozen) are checked and broadcast but get no bucket and
 // no hook (Note [Frozen parameters] in ddp.cpp); freeze them before constructing DDP, the same
 // on every rank (a difference is a DistError naming the parameter and both ranks).
 // Then every backward through the model all-reduces the gradients (mean over ranks) before
 // backward() returns, with buckets overlapping the rest of backward.
+//
+// Note [Buffer broadcast]
+// Buffers (BatchNorm's running statistics) are not gradients: each rank updates its own from
+// its own batch, so they drift apart. With broadcast_buffers (PyTorch's default) every
+// forward that will sync gradients (grad enabled, not under no_sync, world > 1) first
+// overwrites every rank's buffers with rank 0's, as PyTorch's _sync_buffers does: every rank
+// then works from rank 0's running stats, and after training the ranks' buffers differ only
+// by the last step's own update. Inside a Join the source is the highest rank still training
+// (one more 8-byte all-reduce(max) finds it, and a joined rank shadows both), and the final
+// model sync sends the buffers with the parameters (PyTorch's _sync_final_model). Cost: one
+// broadcast per buffer dtype (float32, int64), of all buffers of that dtype packed into one
+// flat tensor, so a model with 50 BatchNorm layers pays 2 collectives per step, not 150.
+// Packing copies the buffers (2 C floats + 1 int64 per BatchNorm, kilobytes) and a broadcast
+// costs a collective's latency (Gloo: ~ms on one machine), so the flat packing is what keeps
+// it small. Turn it off when buffers need no agreement: SyncBatchNorm (its statistics are
+// already global, and the running stats it computes are equal on every rank). A model
+// without buffers sends nothing.
 //
 // Uneven inputs: DDP is a Joinable (dist/join.h), as in PyTorch. Inside a dist::Join every
 // forward first tells the Join this rank has not joined, and then whether its backward will
@@ -45,7 +63,13 @@
 
 namespace nanoddp::dist {
 
-using DDPOptions = ReducerOptions;  // bucket_cap_bytes, first_bucket_cap_bytes, find_unused_parameters, overlap, timeout
+// The reducer's options (bucket_cap_bytes, first_bucket_cap_bytes, find_unused_parameters,
+// overlap, timeout) and DDP's own.
+struct DDPOptions : ReducerOptions {
+  // Broadcast rank 0's buffers before each forward that syncs (Note [Buffer broadcast]),
+  // as torch's DistributedDataParallel(broadcast_buffers=True).
+  bool broadcast_buffers = true;
+};
 
 class DistributedDataParallel : public nn::Module, public Joinable {
  public:
@@ -55,7 +79,8 @@ class DistributedDataParallel : public nn::Module, public Joinable {
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
   // The wrapped model's forward. Inside a Join, first the join protocol's two 8-byte
-  // all-reduces (Note [Join]), so every forward is an iteration there.
+  // all-reduces (Note [Join]), so every forward is an iteration there; then the buffer
+  // broadcast (Note [Buffer broadcast]).
   Tensor forward(const Tensor& input) override;
 
   nn::Module& module() { return *module_; }
@@ -89,10 +114,15 @@ class DistributedDataParallel : public nn::Module, public Joinable {
   void verify_parameters_match();
   void broadcast_parameters(int root);
   void sync_final_model(bool is_last_joiner);
+  // root's buffers to every rank, one flat broadcast per dtype.
+  void broadcast_buffers(int root);
+  // Whether a forward that syncs gradients broadcasts buffers first (the same on every rank).
+  bool syncs_buffers() const { return broadcast_buffers_ && pg_->size() > 1 && !module_->buffers().empty(); }
 
   std::shared_ptr<nn::Module> module_;
   std::shared_ptr<ProcessGroup> pg_;
   std::chrono::milliseconds timeout_;
+  bool broadcast_buffers_;
   std::unique_ptr<Reducer> reducer_;
   bool divide_by_initial_world_size_ = true;  // set by the join hook while a Join lasts
 };

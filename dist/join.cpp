@@ -22,6 +22,9 @@ namespace nanoddp::dist {
 //   3. DDP: all_reduce(sum) of 1 int64: does this          | 3'. DDP's main_hook: the same
 //      iteration's backward sync? (grad mode, no no_sync)  |     with 0; when the sum is 0
 //                                                          |     it stops here
+//   3b. DDP with buffers to broadcast, when syncing:       | 3b'. the same with -1, then
+//      all_reduce(max) of its rank = the source; then one  |     the same broadcasts
+//      broadcast per buffer dtype (Note [Buffer broadcast])|
 //   4. backward: one all_reduce(sum) per bucket, in plan   | 4'. shadow_synced_backward:
 //      order; find_unused_parameters: the used map,        |     zeros in every bucket, a
 //      all_reduce(max) of one int64 per parameter          |     used map of zeros

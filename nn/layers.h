@@ -12,6 +12,7 @@
 #include "core/ops.h"
 #include "core/random.h"
 #include "nn/activations.h"
+#include "nn/batch_norm.h"
 #include "nn/conv.h"
 #include "nn/dropout.h"
 #include "nn/module.h"

@@ -1,6 +1,7 @@
 #include "nn/module.h"
 
 #include <algorithm>
+#include <functional>
 #include <sstream>
 
 #include "core/autograd.h"
@@ -13,20 +14,74 @@ Tensor Module::register_parameter(const std::string& name, Tensor tensor) {
   return tensor;
 }
 
+Tensor Module::register_buffer(const std::string& name, Tensor tensor, bool persistent) {
+  NANODDP_CHECK(tensor.defined(), ValueError, "register_buffer: buffer '", name, "' is an undefined tensor");
+  NANODDP_CHECK(!name.empty() && name.find('.') == std::string::npos, ValueError, "register_buffer: name '", name,
+                "' must be non-empty and contain no '.'");
+  bool taken = false;
+  for (const auto& [own, p] : parameters_) taken |= own == name;
+  for (const Buffer& b : buffers_) taken |= b.name == name;
+  for (const auto& [own, child] : children_) taken |= own == name;
+  NANODDP_CHECK(!taken, ValueError, "register_buffer: '", name, "' is already a parameter, buffer or submodule");
+  buffers_.push_back({name, tensor, persistent});
+  return tensor;
+}
+
 std::vector<std::pair<std::string, Tensor>> Module::named_parameters() const {
   std::vector<std::pair<std::string, Tensor>> named;
   std::unordered_set<const TensorImpl*> seen;
-  collect_parameters("", named, seen);
+  collect(Which::Parameters, "", named, seen);
   return named;
 }
 
-void Module::collect_parameters(const std::string& prefix, std::vector<std::pair<std::string, Tensor>>& named,
-                                std::unordered_set<const TensorImpl*>& seen) const {
+std::vector<std::pair<std::string, Tensor>> Module::named_buffers() const {
+  std::vector<std::pair<std::string, Tensor>> named;
+  std::unordered_set<const TensorImpl*> seen;
+  collect(Which::Buffers, "", named, seen);
+  return named;
+}
+
+std::vector<std::pair<std::string, Module*>> Module::named_modules() {
+  std::vector<std::pair<std::string, Module*>> named{{"", this}};
+  std::unordered_set<const Module*> seen{this};
+  std::function<void(Module&, const std::string&)> visit = [&](Module& m, const std::string& prefix) {
+    for (auto& [name, child] : m.children_) {
+      if (!seen.insert(child.get()).second) continue;
+      named.emplace_back(prefix + name, child.get());
+      visit(*child, prefix + name + ".");
+    }
+  };
+  visit(*this, "");
+  return named;
+}
+
+std::vector<Tensor> Module::buffers() const {
+  std::vector<Tensor> result;
+  for (auto& [name, b] : named_buffers()) result.push_back(b);
+  return result;
+}
+
+std::vector<std::pair<std::string, Tensor>> Module::named_state() const {
+  std::vector<std::pair<std::string, Tensor>> named;
+  std::unordered_set<const TensorImpl*> seen;
+  collect(Which::Parameters, "", named, seen);
+  collect(Which::PersistentBuffers, "", named, seen);
+  return named;
+}
+
+void Module::collect(Which which, const std::string& prefix, std::vector<std::pair<std::string, Tensor>>& named,
+                     std::unordered_set<const TensorImpl*>& seen) const {
   // Identity is the handle's impl, which to() keeps (it swaps storage), so a tied parameter
   // stays one parameter across device moves.
-  for (const auto& [name, p] : parameters_)
-    if (seen.insert(p.impl()).second) named.emplace_back(prefix + name, p);
-  for (const auto& [child_name, child] : children_) child->collect_parameters(prefix + child_name + ".", named, seen);
+  if (which == Which::Parameters) {
+    for (const auto& [name, p] : parameters_)
+      if (seen.insert(p.impl()).second) named.emplace_back(prefix + name, p);
+  } else {
+    for (const Buffer& b : buffers_)
+      if ((b.persistent || which == Which::Buffers) && seen.insert(b.tensor.impl()).second)
+        named.emplace_back(prefix + b.name, b.tensor);
+  }
+  for (const auto& [child_name, child] : children_) child->collect(which, prefix + child_name + ".", named, seen);
 }
 
 std::vector<Tensor> Module::parameters() const {
@@ -45,20 +100,22 @@ void Module::train(bool mode) {
 }
 
 void Module::to(Device device) {
-  for (Tensor& p : parameters()) {
-    if (p.device() == device) continue;
-    p.set_data(p.detach().to(device));
+  std::vector<Tensor> tensors = parameters();
+  for (Tensor& b : buffers()) tensors.push_back(b);
+  for (Tensor& t : tensors) {
+    if (t.device() == device) continue;
+    t.set_data(t.detach().to(device));
   }
 }
 
 StateDict Module::state_dict() const {
   StateDict state;
-  for (auto& [name, p] : named_parameters()) state[name] = p.detach().to(Device::cpu()).clone();
+  for (auto& [name, t] : named_state()) state[name] = t.detach().to(Device::cpu()).clone();
   return state;
 }
 
 Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool strict) {
-  const auto named = named_parameters();
+  const auto named = named_state();
   std::vector<std::string> missing, unexpected;
   for (auto& [name, p] : named)
     if (state.count(name) == 0) missing.push_back(name);

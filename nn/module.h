@@ -1,13 +1,14 @@
-// Module: the base of every layer and model (torch.nn.Module), with parameters, submodules,
-// train/eval, device moves and state_dict.
+// Module: the base of every layer and model (torch.nn.Module), with parameters, buffers,
+// submodules, train/eval, device moves and state_dict.
 //
 //   auto model = std::make_shared<Sequential>();  model->add(Linear(784, 256, gen)); ...
 //   for (auto& [name, p] : model->named_parameters()) std::cout << name << p.shape();  // "0.weight"
 //   model->load_state_dict(model->state_dict());
 //
-// Ownership: a Module owns its parameters (Tensors that require grad) and its submodules
-// (shared_ptr). Parameter handles stay valid for the module's life, across to(): moving
-// swaps their storage (as `param.data = ...`), so an optimizer built before to() still works.
+// Ownership: a Module owns its parameters (Tensors that require grad), its buffers (state
+// that is not trained: BatchNorm's running statistics) and its submodules (shared_ptr).
+// Parameter and buffer handles stay valid for the module's life, across to(): moving swaps
+// their storage (as `param.data = ...`), so an optimizer built before to() still works.
 #pragma once
 
 #include <map>
@@ -39,6 +40,20 @@ class Module {
   std::vector<Tensor> parameters() const;
   // The same with dotted names ("0.weight"), in the same order.
   std::vector<std::pair<std::string, Tensor>> named_parameters() const;
+  // All buffers, persistent or not, depth-first in registration order, each listed once
+  // under its first name (torch.nn.Module.buffers / named_buffers, remove_duplicate=True).
+  std::vector<Tensor> buffers() const;
+  std::vector<std::pair<std::string, Tensor>> named_buffers() const;
+  // This module and every submodule, depth-first, each once, with dotted names (this one
+  // is "") (torch.nn.Module.named_modules). The pointers live as long as this module.
+  std::vector<std::pair<std::string, Module*>> named_modules();
+  // Registers state that is saved and moved with the module but not trained
+  // (torch.nn.Module.register_buffer): buffers(), to() and DDP's broadcast_buffers see it;
+  // state_dict and load_state_dict see it when persistent. Any dtype (num_batches_tracked is
+  // int64). Returns the stored handle: keep it, it stays valid across to(). ValueError for an
+  // undefined tensor, an empty name, a name with '.', or a name this module already uses for
+  // a parameter, buffer or submodule.
+  Tensor register_buffer(const std::string& name, Tensor tensor, bool persistent = true);
   // Clears every parameter's .grad (set_to_none=True, PyTorch 2's default).
   void zero_grad();
   // train(false) == eval(). Propagates to submodules. Layers here behave the same in both;
@@ -46,15 +61,16 @@ class Module {
   void train(bool mode = true);
   void eval() { train(false); }
   bool is_training() const { return training_; }
-  // Moves every parameter to device, keeping the handles (torch.nn.Module.to).
+  // Moves every parameter and buffer to device, keeping the handles (torch.nn.Module.to).
   void to(Device device);
 
-  // Copies of the parameters keyed by dotted name, on the CPU (torch's state_dict, detached).
-  // A tied parameter appears once, under its first name, as in named_parameters().
+  // Copies of the parameters and persistent buffers keyed by dotted name, on the CPU, in
+  // their own dtypes (torch's state_dict, detached). A tied parameter or buffer appears once,
+  // under its first name, as in named_parameters().
   StateDict state_dict() const;
   // The keys load_state_dict did not match (torch.nn.modules.module._IncompatibleKeys):
-  // missing = the model's parameters absent from the state (left unchanged), unexpected =
-  // the state's keys the model has no parameter for (ignored). Both sorted by name.
+  // missing = the model's parameters and persistent buffers absent from the state (left
+  // unchanged), unexpected = the state's keys the model has no such entry for (ignored). Both sorted by name.
   struct IncompatibleKeys {
     std::vector<std::string> missing_keys;
     std::vector<std::string> unexpected_keys;
@@ -78,11 +94,21 @@ class Module {
   }
 
  private:
-  // Appends this module's parameters, then its children's, skipping any already in seen.
-  void collect_parameters(const std::string& prefix, std::vector<std::pair<std::string, Tensor>>& named,
-                          std::unordered_set<const TensorImpl*>& seen) const;
+  struct Buffer {
+    std::string name;
+    Tensor tensor;
+    bool persistent;
+  };
+  enum class Which { Parameters, Buffers, PersistentBuffers };
+  // Appends this module's tensors of one kind, then its children's, skipping any already in
+  // seen.
+  void collect(Which which, const std::string& prefix, std::vector<std::pair<std::string, Tensor>>& named,
+               std::unordered_set<const TensorImpl*>& seen) const;
+  // What state_dict and load_state_dict cover: parameters, then persistent buffers.
+  std::vector<std::pair<std::string, Tensor>> named_state() const;
 
   std::vector<std::pair<std::string, Tensor>> parameters_;
+  std::vector<Buffer> buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
   bool training_ = true;
 };

@@ -16,6 +16,7 @@
 #include "core/ops.h"
 #include "core/random.h"
 #include "nn/activations.h"
+#include "nn/batch_norm.h"
 #include "nn/conv.h"
 #include "nn/dropout.h"
 #include "nn/normalization.h"
@@ -48,10 +49,17 @@ struct OpCase {
   bool differentiable = true;
   Shape sample{};        // the DDP model's per-sample input shape
   ModelBuilder model{};  // empty: no DDP check (a plain op, or one ranks cannot reproduce)
+  // The op computes statistics over the batch (BatchNorm): each rank sees only its share, so
+  // 2-rank DDP does NOT equal 1-rank training; test_ops_ddp checks that it differs.
+  bool batch_statistics = false;
 
   OpCase& in_model(Shape sample_shape, ModelBuilder builder) {
     sample = sample_shape;
     model = std::move(builder);
+    return *this;
+  }
+  OpCase& with_batch_statistics() {
+    batch_statistics = true;
     return *this;
   }
 };
@@ -197,6 +205,31 @@ inline Values ref_layer_norm(const Values& x, const Values& w, const Values& b, 
   return out;
 }
 
+// batch_norm over x [N, C, L] (L = 1 for [N, C]) as torch computes it: the batch's mean and
+// biased variance per channel (two passes), or running_mean/running_var when not empty.
+inline Values ref_batch_norm(const Values& x, const Values& w, const Values& b, int64_t N, int64_t C, int64_t L,
+                             const Values& running_mean = {}, const Values& running_var = {}, double eps = 1e-5) {
+  Values out(x.size());
+  for (int64_t c = 0; c < C; ++c) {
+    double mean = 0, var = 0;
+    const double count = static_cast<double>(N * L);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t l = 0; l < L; ++l) mean += x[(n * C + c) * L + l] / count;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t l = 0; l < L; ++l) var += (x[(n * C + c) * L + l] - mean) * (x[(n * C + c) * L + l] - mean) / count;
+    if (!running_mean.empty()) {
+      mean = running_mean[c];
+      var = running_var[c];
+    }
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t l = 0; l < L; ++l) {
+        const size_t i = (n * C + c) * L + l;
+        out[i] = (x[i] - mean) / std::sqrt(var + eps) * (w.empty() ? 1.0 : w[c]) + (b.empty() ? 0.0 : b[c]);
+      }
+  }
+  return out;
+}
+
 // A small CNN on [1, 6, 6] images: Conv2d(1, 2, 3, padding 1) - ReLU - MaxPool2d(2) -
 // Flatten - Linear(18, 3).
 inline std::shared_ptr<nn::Module> small_cnn(Generator& gen) {
@@ -284,6 +317,25 @@ inline std::vector<OpCase> op_cases() {
   rows.push_back({"layer_norm over [4,5], no affine", {{{3, 4, 5}}},
                   [](auto& in) { return layer_norm(in[0], {4, 5}, Tensor(), Tensor()); },
                   [](auto& in) { return ref_layer_norm(in[0], {}, {}, 20); }});
+  rows.push_back(OpCase{"batch_norm training [6,4]", {{{6, 4}}, {{4}}, {{4}}},
+                        [](auto& in) { return batch_norm(in[0], Tensor(), Tensor(), in[1], in[2], /*training=*/true); },
+                        [](auto& in) { return ref_batch_norm(in[0], in[1], in[2], 6, 4, 1); }}
+                     .in_model({5}, mlp_around([] { return std::make_shared<nn::BatchNorm1d>(8); }))
+                     .with_batch_statistics());
+  rows.push_back({"batch_norm training [5,3,4]", {{{5, 3, 4}}, {{3}}, {{3}}},
+                  [](auto& in) { return batch_norm(in[0], Tensor(), Tensor(), in[1], in[2], /*training=*/true); },
+                  [](auto& in) { return ref_batch_norm(in[0], in[1], in[2], 5, 3, 4); }});
+  rows.push_back({"batch_norm training [4,3,2], no affine", {{{4, 3, 2}}},
+                  [](auto& in) { return batch_norm(in[0], Tensor(), Tensor(), Tensor(), Tensor(), /*training=*/true); },
+                  [](auto& in) { return ref_batch_norm(in[0], {}, {}, 4, 3, 2); }});
+  rows.push_back({"batch_norm eval [5,3,4] (running statistics)", {{{5, 3, 4}}, {{3}}, {{3}}},
+                  [](auto& in) {
+                    const Device device = in[0].device();  // the GPU column runs this row on CUDA
+                    const Tensor running_mean = Tensor::from_vector({0.5f, -1, 2}, {}, device);
+                    const Tensor running_var = Tensor::from_vector({0.25f, 2, 1}, {}, device);
+                    return batch_norm(in[0], running_mean, running_var, in[1], in[2], /*training=*/false);
+                  },
+                  [](auto& in) { return ref_batch_norm(in[0], in[1], in[2], 5, 3, 4, {0.5, -1, 2}, {0.25, 2, 1}); }});
   // Dropout has no DDP row: each rank draws the masks of its own samples.
   rows.push_back({"dropout p=0.3", {{{4, 6}}},
                   [](auto& in) { Generator gen(5); return dropout(in[0], 0.3f, /*training=*/true, gen); },

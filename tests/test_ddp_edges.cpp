@@ -1,8 +1,9 @@
 // DDP at the edges, on 2 and 4 ranks, on Gloo (forked ranks) and MPI (this file again under
 // mpirun -np 2 and -np 4): parameters used on some ranks only, used only inside no_sync, tied
-// parameters, and ranks with uneven inputs, with and without dist::Join (whose cases also run
-// on shm: this file again with NANODDP_TEST_BACKEND=shm). Inputs are the small ones of the bug
-// reports, results computed by hand.
+// parameters, buffers (broadcast_buffers), BatchNorm vs SyncBatchNorm, and ranks with uneven
+// inputs, with and without dist::Join (whose cases also run on shm: this file again with
+// NANODDP_TEST_BACKEND=shm). Inputs are the small ones of the bug reports, results computed by
+// hand or by a float64 reference.
 #include <doctest/doctest.h>
 
 #include <unistd.h>
@@ -19,9 +20,11 @@
 #include "core/ops.h"
 #include "dist/ddp.h"
 #include "dist/join.h"
+#include "dist/sync_batch_norm.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
 #include "tests/dist_ranks.h"
+#include "tests/op_cases.h"
 
 using namespace nanoddp;
 using nanoddp::testing::expect;
@@ -527,6 +530,190 @@ TEST_CASE("Join: destroyed without finish(), it says what to fix and terminates 
   CHECK_MESSAGE(failures.find("killed by signal 6") != std::string::npos, "want SIGABRT (std::terminate), got: ", failures);
   CHECK_MESSAGE(printed.find("destroyed without finish(): the other ranks would wait") != std::string::npos, printed);
   CHECK_MESSAGE(printed.find("Call join.finish()") != std::string::npos, printed);
+}
+
+namespace {
+// |got - want| <= 1e-5 max(1, |want|) everywhere, else a message naming what and where.
+void expect_close(const std::vector<float>& got, const std::vector<double>& want, const std::string& what, int rank) {
+  expect(got.size() == want.size(), "rank ", rank, ": ", what, " has ", got.size(), " values, expected ", want.size());
+  for (size_t i = 0; i < want.size(); ++i)
+    expect(std::abs(got[i] - want[i]) <= 1e-5 * std::max(1.0, std::abs(want[i])), "rank ", rank, ": ", what, "[", i,
+           "] = ", got[i], ", expected ", want[i]);
+}
+}  // namespace
+
+TEST_CASE("broadcast_buffers: every forward starts from rank 0's running stats; off, each rank keeps its own") {
+  // BatchNorm1d(2) alone; rank r at step s sees x = [[r + s, 2r], [r + s + 2, 2r + 4]]: batch
+  // means (r + s + 1, 2r + 2), unbiased vars (2, 8). With broadcast_buffers, rank r ends step s
+  // with 0.9 R0 + 0.1 mean_r, R0 being rank 0's running stats after step s - 1 (its own
+  // recurrence); without, with 0.9 R_r + 0.1 mean_r, its own.
+  constexpr int kSteps = 3;
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    const int port = testing::free_port();
+    const std::string failures = testing::on_ranks(world, [&](int rank) {
+      auto pg = testing::join(rank, world, port);
+      for (bool broadcast : {true, false}) {
+        dist::DDPOptions options;
+        options.broadcast_buffers = broadcast;
+        auto norm = std::make_shared<nn::BatchNorm1d>(2);
+        dist::DistributedDataParallel ddp(norm, pg, options);
+        double rank0_mean[2] = {0, 0}, rank0_var[2] = {1, 1}, own_mean[2] = {0, 0}, own_var[2] = {1, 1};
+        for (int s = 0; s < kSteps; ++s) {
+          const float r = static_cast<float>(rank);
+          sum(ddp(Tensor::from_vector({r + s, 2 * r, r + s + 2, 2 * r + 4}, {2, 2}))).backward();
+          const double mean_r[2] = {rank + s + 1.0, 2.0 * rank + 2}, mean_0[2] = {s + 1.0, 2}, var[2] = {2, 8};
+          const double* start_mean = broadcast ? rank0_mean : own_mean;
+          const double* start_var = broadcast ? rank0_var : own_var;
+          const std::vector<double> want_mean = {0.9 * start_mean[0] + 0.1 * mean_r[0], 0.9 * start_mean[1] + 0.1 * mean_r[1]};
+          const std::vector<double> want_var = {0.9 * start_var[0] + 0.1 * var[0], 0.9 * start_var[1] + 0.1 * var[1]};
+          const std::string what = std::string(broadcast ? "with" : "without") + " broadcast, step " + std::to_string(s);
+          expect_close(norm->running_mean.to_vector(), want_mean, "running_mean " + what, rank);
+          expect_close(norm->running_var.to_vector(), want_var, "running_var " + what, rank);
+          expect(norm->num_batches_tracked.to_int_vector() == std::vector<int64_t>{s + 1}, "rank ", rank, ": ", what,
+                 ": num_batches_tracked ", norm->num_batches_tracked);
+          for (int c = 0; c < 2; ++c) {
+            rank0_mean[c] = 0.9 * rank0_mean[c] + 0.1 * mean_0[c];
+            rank0_var[c] = 0.9 * rank0_var[c] + 0.1 * var[c];
+            own_mean[c] = want_mean[c];
+            own_var[c] = want_var[c];
+          }
+        }
+      }
+      testing::leave();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("Join: buffers come from the highest rank still training, and the last joiner's at the end") {
+  // BatchNorm1d(1) alone, 2 ranks: rank 0 has 1 batch, rank 1 has 3. Rank r's batch s is
+  // {a, a + 2}, a = 10 r + s: mean a + 1, unbiased var 2. Inside the Join the broadcast source
+  // is rank 1 (the highest rank training), so rank 1 updates only its own running stats:
+  //   running_mean 0.1 * 11 = 1.1, then 0.9 * 1.1 + 0.1 * 12 = 2.19, then 0.9 * 2.19 + 1.3 = 3.271
+  //   running_var  0.9 + 0.2 = 1.1, then 1.19, then 1.271; num_batches_tracked 3.
+  // Rank 0, joined, shadows the broadcasts (else: the collective-mismatch error) and ends with
+  // rank 1's buffers from the final model sync.
+  const int port = testing::free_port();
+  const std::string failures = testing::on_ranks(2, [&](int rank) {
+    auto pg = testing::join(rank, 2, port);
+    auto norm = std::make_shared<nn::BatchNorm1d>(1);
+    dist::DistributedDataParallel ddp(norm, pg);
+    {
+      dist::Join join({ddp});
+      for (int s = 0; s < (rank == 0 ? 1 : 3); ++s) {
+        const float a = 10.0f * rank + s;
+        sum(ddp(Tensor::from_vector({a, a + 2}, {2, 1}))).backward();
+      }
+      join.finish();
+    }
+    expect_close(norm->running_mean.to_vector(), {3.271}, "running_mean", rank);
+    expect_close(norm->running_var.to_vector(), {1.271}, "running_var", rank);
+    expect(norm->num_batches_tracked.to_int_vector() == std::vector<int64_t>{3}, "rank ", rank,
+           ": num_batches_tracked ", norm->num_batches_tracked);
+    testing::leave();
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("SyncBatchNorm on 2 and 4 ranks equals BatchNorm1d on the global batch: output, gradients, running stats") {
+  // The global batch x [8, 3, 2] and an output gradient g of the same shape; rank r of W takes
+  // samples [8r/W, 8(r+1)/W). Loss = sum(y * g), so the gradient of the sum of every rank's
+  // loss is the 1-rank gradient: dx must match the float64 reference on each rank's rows, and
+  // the ranks' weight and bias gradients must sum to the reference's.
+  constexpr int64_t N = 8, C = 3, L = 2;
+  Generator gen(42);
+  const std::vector<float> x = Tensor::randn({N, C, L}, gen).to_vector(), g = Tensor::randn({N, C, L}, gen).to_vector();
+  const std::vector<float> weight = {1.5f, -0.5f, 2.0f}, bias = {0.25f, 0.0f, -1.0f};
+  // float64 reference: y from op_cases.h's ref_batch_norm; dx = w invstd (g - mean(g) - xhat mean(g xhat)).
+  const testing::Values xs(x.begin(), x.end()), ws(weight.begin(), weight.end()), bs(bias.begin(), bias.end());
+  const testing::Values want_y = testing::ref_batch_norm(xs, ws, bs, N, C, L);
+  testing::Values want_dx(x.size()), want_dw(C), want_db(C), mean(C), var(C);
+  for (int64_t c = 0; c < C; ++c) {
+    double s = 0, s2 = 0;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t l = 0; l < L; ++l) s += xs[(n * C + c) * L + l];
+    mean[c] = s / (N * L);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t l = 0; l < L; ++l) s2 += std::pow(xs[(n * C + c) * L + l] - mean[c], 2);
+    var[c] = s2 / (N * L);
+    const double invstd = 1 / std::sqrt(var[c] + 1e-5);
+    double g_sum = 0, gx_sum = 0;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t l = 0; l < L; ++l) {
+        const size_t i = (n * C + c) * L + l;
+        g_sum += g[i];
+        gx_sum += g[i] * (xs[i] - mean[c]) * invstd;
+      }
+    want_dw[c] = gx_sum;
+    want_db[c] = g_sum;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t l = 0; l < L; ++l) {
+        const size_t i = (n * C + c) * L + l;
+        want_dx[i] = ws[c] * invstd * (g[i] - g_sum / (N * L) - (xs[i] - mean[c]) * invstd * gx_sum / (N * L));
+      }
+  }
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    const int port = testing::free_port();
+    const std::string failures = testing::on_ranks(world, [&](int rank) {
+      auto pg = testing::join(rank, world, port);
+      const int64_t rows = N / world, begin = rows * rank * C * L, end = rows * (rank + 1) * C * L;
+      dist::SyncBatchNorm norm(C, pg);
+      norm.weight.copy_(Tensor::from_vector(weight));
+      norm.bias.copy_(Tensor::from_vector(bias));
+      const Tensor input =
+          Tensor::from_vector(std::vector<float>(x.begin() + begin, x.begin() + end), {rows, C, L}).set_requires_grad(true);
+      const Tensor y = norm(input);
+      sum(y * Tensor::from_vector(std::vector<float>(g.begin() + begin, g.begin() + end), {rows, C, L})).backward();
+      expect_close(y.to_vector(), testing::Values(want_y.begin() + begin, want_y.begin() + end), "y", rank);
+      expect_close(input.grad().to_vector(), testing::Values(want_dx.begin() + begin, want_dx.begin() + end), "dx", rank);
+      Tensor dw = norm.weight.grad().clone(), db = norm.bias.grad().clone();
+      pg->all_reduce(dw)->wait();
+      pg->all_reduce(db)->wait();
+      expect_close(dw.to_vector(), want_dw, "sum of dweight", rank);
+      expect_close(db.to_vector(), want_db, "sum of dbias", rank);
+      const double unbiased = double(N * L) / (N * L - 1);
+      expect_close(norm.running_mean.to_vector(), {0.1 * mean[0], 0.1 * mean[1], 0.1 * mean[2]}, "running_mean", rank);
+      expect_close(norm.running_var.to_vector(),
+                   {0.9 + 0.1 * var[0] * unbiased, 0.9 + 0.1 * var[1] * unbiased, 0.9 + 0.1 * var[2] * unbiased},
+                   "running_var", rank);
+      testing::leave();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("per-rank BatchNorm1d and SyncBatchNorm on the same data: the statistics differ, by hand") {
+  // Rank 0 holds x = {1, 3}, rank 1 holds {5, 7} (one channel).
+  //   BatchNorm1d, per rank: rank 0 mean 2, biased var 1 (y = -1, 1), rank 1 mean 6, var 1 (y = -1, 1);
+  //     running_mean 0.2 and 0.6, running_var 0.9 + 0.1 * 2 = 1.1 on both.
+  //   SyncBatchNorm: {1, 3, 5, 7}: mean 4, biased var 5 (rank 0: y = -3/sqrt5, -1/sqrt5;
+  //     rank 1: 1/sqrt5, 3/sqrt5), unbiased 20/3: running_mean 0.4 and running_var
+  //     0.9 + 0.1 * 20/3 = 1.5667 on both ranks.
+  const int port = testing::free_port();
+  const std::string failures = testing::on_ranks(2, [&](int rank) {
+    auto pg = testing::join(rank, 2, port);
+    const float first = rank == 0 ? 1.0f : 5.0f;
+    const Tensor x = Tensor::from_vector({first, first + 2}, {2, 1});
+    nn::BatchNorm1d local(1);
+    const double e = 1e-5;
+    expect_close(local(x).to_vector(), {-1 / std::sqrt(1 + e), 1 / std::sqrt(1 + e)}, "BatchNorm1d y", rank);
+    expect_close(local.running_mean.to_vector(), {rank == 0 ? 0.2 : 0.6}, "BatchNorm1d running_mean", rank);
+    expect_close(local.running_var.to_vector(), {1.1}, "BatchNorm1d running_var", rank);
+    dist::SyncBatchNorm synced(1, pg);
+    const double d = std::sqrt(5 + e), a = rank == 0 ? -3 : 1;
+    expect_close(synced(x).to_vector(), {a / d, (a + 2) / d}, "SyncBatchNorm y", rank);
+    expect_close(synced.running_mean.to_vector(), {0.4}, "SyncBatchNorm running_mean", rank);
+    expect_close(synced.running_var.to_vector(), {0.9 + 0.1 * 20.0 / 3}, "SyncBatchNorm running_var", rank);
+    // convert_sync_batchnorm makes a model's BatchNorm1d the synced one.
+    auto model = std::make_shared<nn::Sequential>();
+    model->add(std::make_shared<nn::BatchNorm1d>(1));
+    dist::convert_sync_batchnorm(model, pg);
+    expect_close((*model)(x).to_vector(), {a / d, (a + 2) / d}, "converted y", rank);
+    testing::leave();
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
 }
 
 TEST_CASE("the DDP edge cases pass on MPI too (this file under mpirun -np 2 and -np 4)") {

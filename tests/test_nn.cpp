@@ -14,6 +14,7 @@
 #include "nn/layers.h"
 #include "nn/lr_scheduler.h"
 #include "nn/optim.h"
+#include "nn/safetensors.h"
 
 using namespace nanoddp;
 using namespace nanoddp::nn;
@@ -350,4 +351,189 @@ TEST_CASE("a checkpoint of model, Adam and scheduler resumes to the identical tr
   CHECK(resumed.opt.state_dict().at("exp_avg_sq.0").to_vector() == straight.opt.state_dict().at("exp_avg_sq.0").to_vector());
   CHECK(resumed.schedule.get_last_lr() == straight.schedule.get_last_lr());
   CHECK(resumed.schedule.last_epoch() == 6);
+}
+
+namespace {
+// A layer with state of both kinds: "steps" (int64 scalar, saved, as BatchNorm's
+// num_batches_tracked) and "scratch" (float, not saved: persistent = false).
+class Counted : public Module {
+ public:
+  explicit Counted(Generator& gen) : linear_(register_module("linear", std::make_shared<Linear>(2, 2, gen))) {
+    steps = register_buffer("steps", Tensor::zeros(Shape{}, DType::Int64));
+    scratch = register_buffer("scratch", Tensor::full({3}, 1.5f), /*persistent=*/false);
+  }
+  Tensor forward(const Tensor& x) override { return (*linear_)(x); }
+  Tensor steps, scratch;
+
+ private:
+  std::shared_ptr<Linear> linear_;
+};
+}  // namespace
+
+TEST_CASE("buffers: dotted names depth-first, listed once, persistent ones in state_dict with their dtype") {
+  Generator gen(3);
+  auto shared = std::make_shared<Counted>(gen);
+  Sequential model;
+  model.add(shared);
+  model.add(ReLU());
+  model.add(std::make_shared<Counted>(gen));
+  model.add(shared);  // reachable twice: one set of buffers, under its first name
+  std::vector<std::string> names;
+  for (auto& [name, b] : model.named_buffers()) names.push_back(name);
+  CHECK(names == std::vector<std::string>{"0.steps", "0.scratch", "2.steps", "2.scratch"});
+  CHECK(model.buffers().size() == 4);
+  CHECK(model.buffers()[0].is_same(shared->steps));
+
+  shared->steps.data<int64_t>()[0] = 1LL << 40;
+  const StateDict state = model.state_dict();
+  std::vector<std::string> keys;
+  for (auto& [name, t] : state) keys.push_back(name);
+  CHECK(keys == std::vector<std::string>{"0.linear.bias", "0.linear.weight", "0.steps", "2.linear.bias",
+                                         "2.linear.weight", "2.steps"});
+  CHECK(state.at("0.steps").dtype() == DType::Int64);
+  CHECK(state.at("0.steps").dim() == 0);
+  CHECK(state.at("0.steps").to_int_vector() == std::vector<int64_t>{1LL << 40});
+  CHECK_FALSE(state.at("0.steps").is_same(shared->steps));  // a copy, as torch's detach().clone()
+
+  // load_state_dict writes into the registered handles and reports a missing buffer.
+  StateDict changed = state;
+  changed["2.steps"] = Tensor::from_vector(std::vector<int64_t>{9}).reshape(Shape{});
+  Generator other(4);
+  Sequential target;
+  auto first = std::make_shared<Counted>(other), second = std::make_shared<Counted>(other);
+  target.add(first);
+  target.add(ReLU());
+  target.add(second);
+  target.add(first);
+  target.load_state_dict(changed);
+  CHECK(first->steps.to_int_vector() == std::vector<int64_t>{1LL << 40});
+  CHECK(second->steps.to_int_vector() == std::vector<int64_t>{9});
+  changed.erase("2.steps");
+  CHECK(target.load_state_dict(changed, /*strict=*/false).missing_keys == std::vector<std::string>{"2.steps"});
+  changed["2.steps"] = Tensor::zeros(Shape{});  // float32 where int64 is registered
+  CHECK_THROWS_AS(target.load_state_dict(changed), ShapeError);
+  CHECK(second->steps.to_int_vector() == std::vector<int64_t>{9});  // untouched
+
+  // to() keeps the handles of buffers as of parameters.
+  const Tensor before = shared->steps;
+  model.to(Device::cpu());
+  CHECK(model.buffers()[0].is_same(before));
+}
+
+TEST_CASE("buffers survive a checkpoint file and a safetensors file (int64 as I64) into a fresh model") {
+  Generator g1(5), g2(6);
+  Counted a(g1), b(g2);
+  a.steps.data<int64_t>()[0] = 42;
+  const std::string path = temp_path("buffers.ckpt");
+  save_checkpoint(path, a.state_dict());
+  b.load_state_dict(load_checkpoint(path));
+  CHECK(b.steps.to_int_vector() == std::vector<int64_t>{42});
+  CHECK(b.steps.dim() == 0);
+  CHECK(b.scratch.to_vector() == std::vector<float>{1.5f, 1.5f, 1.5f});  // not persistent: not in the file
+  CHECK(load_checkpoint(path).count("scratch") == 0);
+  std::remove(path.c_str());
+
+  Generator g3(7);
+  Counted c(g3);
+  a.steps.data<int64_t>()[0] = -3;
+  const std::string exported = temp_path("buffers.safetensors");
+  save_safetensors(exported, a.state_dict());
+  c.load_state_dict(load_safetensors(exported));
+  CHECK(c.steps.dtype() == DType::Int64);
+  CHECK(c.steps.to_int_vector() == std::vector<int64_t>{-3});
+  CHECK(c.state_dict().at("linear.weight").to_vector() == a.state_dict().at("linear.weight").to_vector());
+  std::remove(exported.c_str());
+}
+
+TEST_CASE("register_buffer refuses undefined tensors, dotted and taken names") {
+  struct Probe : Module {
+    Probe() { register_parameter("w", Tensor::zeros({1})); }
+    Tensor forward(const Tensor& x) override { return x; }
+  } probe;
+  CHECK_THROWS_AS(probe.register_buffer("b", Tensor()), ValueError);
+  CHECK_THROWS_AS(probe.register_buffer("a.b", Tensor::zeros({1})), ValueError);
+  CHECK_THROWS_AS(probe.register_buffer("", Tensor::zeros({1})), ValueError);
+  CHECK_THROWS_AS(probe.register_buffer("w", Tensor::zeros({1})), ValueError);
+  probe.register_buffer("b", Tensor::zeros({1}));
+  CHECK_THROWS_AS(probe.register_buffer("b", Tensor::zeros({1})), ValueError);
+}
+
+namespace {
+void check_close(const std::vector<float>& got, const std::vector<double>& want) {
+  REQUIRE(got.size() == want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got[i] == doctest::Approx(want[i]).epsilon(1e-6));
+  }
+}
+}  // namespace
+
+TEST_CASE("BatchNorm1d running statistics after 2 steps, by hand in float64 (momentum 0.1, unbiased var)") {
+  // Step 1, x [3, 2]: channel 0 = {1, 3, 5}: mean 3, biased var 8/3, unbiased 4;
+  //                   channel 1 = {2, 6, 10}: mean 6, biased var 32/3, unbiased 16.
+  // Step 2, x [2, 2]: channel 0 = {0, 4}: mean 2, unbiased var 8; channel 1 = {-1, 3}: mean 1, unbiased 8.
+  // running_mean: 0.9 * 0 + 0.1 * 3 = 0.3, then 0.9 * 0.3 + 0.1 * 2 = 0.47; channel 1: 0.6, then 0.64.
+  // running_var:  0.9 * 1 + 0.1 * 4 = 1.3, then 0.9 * 1.3 + 0.1 * 8 = 1.97; channel 1: 2.5, then 3.05.
+  BatchNorm1d norm(2);
+  CHECK(norm.running_mean.to_vector() == std::vector<float>{0, 0});
+  CHECK(norm.running_var.to_vector() == std::vector<float>{1, 1});
+  const Tensor y = norm(Tensor::from_vector({1, 2, 3, 6, 5, 10}, {3, 2}));
+  const double s0 = std::sqrt(8.0 / 3 + 1e-5), s1 = std::sqrt(32.0 / 3 + 1e-5);
+  check_close(y.to_vector(), {-2 / s0, -4 / s1, 0, 0, 2 / s0, 4 / s1});  // normalised by the biased var
+  check_close(norm.running_mean.to_vector(), {0.3, 0.6});
+  check_close(norm.running_var.to_vector(), {1.3, 2.5});
+  norm(Tensor::from_vector({0, -1, 4, 3}, {2, 2}));
+  check_close(norm.running_mean.to_vector(), {0.47, 0.64});
+  check_close(norm.running_var.to_vector(), {1.97, 3.05});
+  CHECK(norm.num_batches_tracked.to_int_vector() == std::vector<int64_t>{2});
+
+  // eval: the running statistics, and nothing is updated.
+  norm.eval();
+  check_close(norm(Tensor::from_vector({1, 1}, {1, 2})).to_vector(),
+              {(1 - 0.47) / std::sqrt(1.97 + 1e-5), (1 - 0.64) / std::sqrt(3.05 + 1e-5)});
+  check_close(norm.running_mean.to_vector(), {0.47, 0.64});
+  CHECK(norm.num_batches_tracked.to_int_vector() == std::vector<int64_t>{2});
+
+  const StateDict state = norm.state_dict();
+  CHECK(state.size() == 5);  // weight, bias, running_mean, running_var, num_batches_tracked
+  CHECK(state.at("num_batches_tracked").dtype() == DType::Int64);
+}
+
+TEST_CASE("BatchNorm1d momentum = nullopt is the cumulative average; [N, C, L] counts N * L values") {
+  // The same two steps: running_mean = mean of the batch means = (3 + 2) / 2, (6 + 1) / 2;
+  // running_var = mean of the unbiased vars = (4 + 8) / 2, (16 + 8) / 2.
+  BatchNorm1d cumulative(2, 1e-5f, std::nullopt);
+  cumulative(Tensor::from_vector({1, 2, 3, 6, 5, 10}, {3, 2}));
+  cumulative(Tensor::from_vector({0, -1, 4, 3}, {2, 2}));
+  check_close(cumulative.running_mean.to_vector(), {2.5, 3.5});
+  check_close(cumulative.running_var.to_vector(), {6, 12});
+
+  // x [2, 1, 2]: channel 0 = {1, 3, 5, 7}: mean 4, biased var 5, unbiased 20/3.
+  BatchNorm1d sequence(1);
+  const Tensor y = sequence(Tensor::from_vector({1, 3, 5, 7}, {2, 1, 2}));
+  CHECK(y.shape() == Shape{2, 1, 2});
+  const double s = std::sqrt(5 + 1e-5);
+  check_close(y.to_vector(), {-3 / s, -1 / s, 1 / s, 3 / s});
+  check_close(sequence.running_mean.to_vector(), {0.4});
+  check_close(sequence.running_var.to_vector(), {0.9 + 0.1 * 20.0 / 3});
+}
+
+TEST_CASE("BatchNorm1d without running stats normalises with the batch in eval too; bad input is refused") {
+  BatchNorm1d norm(2, 1e-5f, 0.1f, /*affine=*/false, /*track_running_stats=*/false);
+  CHECK(norm.parameters().empty());
+  CHECK(norm.buffers().empty());
+  CHECK(norm.state_dict().empty());
+  const Tensor x = Tensor::from_vector({1, 2, 3, 6, 5, 10}, {3, 2});
+  const std::vector<float> training = norm(x).to_vector();
+  norm.eval();
+  CHECK(norm(x).to_vector() == training);
+
+  BatchNorm1d tracked(2);
+  CHECK_THROWS_AS(tracked(Tensor::from_vector({1, 2}, {1, 2})), ValueError);  // one value per channel
+  CHECK_THROWS_AS(tracked(Tensor::zeros({4, 3})), ShapeError);                // 3 channels, not 2
+  CHECK_THROWS_AS(tracked(Tensor::zeros({2, 2, 2, 2})), ShapeError);          // 4-d
+  tracked.eval();
+  CHECK(tracked(Tensor::from_vector({1, 2}, {1, 2})).to_vector() ==  // eval: one sample is fine
+        std::vector<float>{static_cast<float>(1 / std::sqrt(1 + 1e-5)), static_cast<float>(2 / std::sqrt(1 + 1e-5))});
+  CHECK_THROWS_AS(BatchNorm1d(0), ValueError);
 }

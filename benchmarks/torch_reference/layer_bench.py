@@ -26,6 +26,7 @@ def layer_cases():
         ("GELU(tanh)", rows, lambda: nn.GELU(approximate="tanh")),
         ("Dropout(0.5)", rows, lambda: nn.Dropout(0.5)),
         ("LayerNorm(1024)", rows, lambda: nn.LayerNorm(1024)),
+        ("BatchNorm1d(1024)", rows, lambda: nn.BatchNorm1d(1024)),
         ("Conv2d(16,16,3,p=1)", images, lambda: nn.Conv2d(16, 16, 3, padding=1)),
         ("MaxPool2d(2)", images, lambda: nn.MaxPool2d(2)),
         ("Flatten", images, nn.Flatten),

@@ -39,6 +39,7 @@
 #include "dist/store.h"
 #include "dist/zero_redundancy_optimizer.h"
 #include "nn/adam.h"
+#include "dist/sync_batch_norm.h"
 #include "nn/checkpoint.h"
 #include "nn/clip_grad.h"
 #include "nn/layers.h"

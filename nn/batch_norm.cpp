@@ -1,0 +1,165 @@
+// BatchNorm: forward, then backward right below, then the Module.
+#include "nn/batch_norm.h"
+
+#include "core/autograd.h"
+#include "core/op_helpers.h"
+#include "kernels/kernels.h"
+
+namespace nanoddp {
+
+// Kernels of this file (kernels/{cpu,cuda}/batch_norm.*). in, out, dout, din: [N, C, L]
+// (L = 1 for a 2-d input); every other array is per channel, [C], unless said otherwise.
+// mean[c] and the biased var[c] over the N * L values of channel c, two passes in double. WRITES.
+NANODDP_DECLARE_KERNEL(batch_norm_stats, float* mean, float* var, const float* in, int64_t N, int64_t C, int64_t L)
+// sums [2 C + 1]: sums[c] = sum of x, sums[C + c] = sum of x^2 (in double, then rounded),
+// sums[2 C] = N * L: what SyncBatchNorm all-reduces. WRITES.
+NANODDP_DECLARE_KERNEL(batch_norm_sums, float* sums, const float* in, int64_t N, int64_t C, int64_t L)
+// From all-reduced sums: mean = sum / count, var = max(sum of squares / count - mean^2, 0). WRITES.
+NANODDP_DECLARE_KERNEL(batch_norm_stats_from_sums, float* mean, float* var, const float* sums, int64_t C,
+                       double count)
+// invstd = 1 / sqrt(var + eps). WRITES.
+NANODDP_DECLARE_KERNEL(batch_norm_invstd, float* invstd, const float* var, int64_t C, float eps)
+// running_mean = (1 - momentum) running_mean + momentum mean; running_var the same with
+// var * unbiased_scale. UPDATES in place.
+NANODDP_DECLARE_KERNEL(batch_norm_update_running, float* running_mean, float* running_var, const float* mean,
+                       const float* var, int64_t C, float momentum, double unbiased_scale)
+// out = (in - mean) invstd weight + bias, per channel; weight and bias may be null. WRITES.
+NANODDP_DECLARE_KERNEL(batch_norm_forward, float* out, const float* in, const float* mean, const float* invstd,
+                       const float* weight, const float* bias, int64_t N, int64_t C, int64_t L)
+// sums [2 C]: sums[c] = sum of dout, sums[C + c] = sum of dout xhat, xhat = (in - mean)
+// invstd, in double. WRITES.
+NANODDP_DECLARE_KERNEL(batch_norm_backward_reduce, float* sums, const float* dout, const float* in,
+                       const float* mean, const float* invstd, int64_t N, int64_t C, int64_t L)
+// din = weight invstd (dout - total_sums[c] / count - xhat total_sums[C + c] / count): the
+// gradient through batch statistics of count values, whose sums (every process's) are
+// total_sums; count == 0: the statistics were constants (running ones), din = weight invstd
+// dout. dweight = local_sums[C + c], dbias = local_sums[c] (this process's share). weight may
+// be null (1); WRITES each non-null output.
+NANODDP_DECLARE_KERNEL(batch_norm_backward, float* din, float* dweight, float* dbias, const float* dout,
+                       const float* in, const float* mean, const float* invstd, const float* weight,
+                       const float* local_sums, const float* total_sums, double count, int64_t N, int64_t C,
+                       int64_t L)
+
+namespace {
+float* ptr_or_null(const Tensor& t) { return t.defined() ? ptr(t) : nullptr; }
+
+void check_channels(const Tensor& input, const Tensor& t, const char* what, int64_t C) {
+  if (!t.defined()) return;
+  check_float("batch_norm", t, what);
+  check_same_device("batch_norm", input, t);
+  NANODDP_CHECK(t.shape() == Shape{C}, ShapeError, "batch_norm: ", what, " is ", t.shape(), " but input ",
+                input.shape(), " has ", C, " channels");
+}
+}  // namespace
+
+Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                  const Tensor& bias, bool training, float momentum, float eps,
+                  std::shared_ptr<BatchStatsAllReduce> all_reduce) {
+  check_float("batch_norm", input, "input");
+  NANODDP_CHECK(input.dim() == 2 || input.dim() == 3, ShapeError,
+                "batch_norm: expected a 2-d [N, C] or 3-d [N, C, L] input, got ", input.shape());
+  NANODDP_CHECK(eps >= 0.0f, ValueError, "batch_norm: eps must be >= 0, got ", eps);
+  const int64_t N = input.size(0), C = input.size(1), L = input.dim() == 3 ? input.size(2) : 1;
+  check_channels(input, running_mean, "running_mean", C);
+  check_channels(input, running_var, "running_var", C);
+  check_channels(input, weight, "weight", C);
+  check_channels(input, bias, "bias", C);
+  NANODDP_CHECK(running_mean.defined() == running_var.defined(), ValueError,
+                "batch_norm: running_mean and running_var must be both defined or both undefined");
+  const Device device = input.device();
+
+  Tensor mean, var;
+  double count = 0;  // values per channel behind the batch statistics; 0 = running statistics
+  if (training) {
+    mean = Tensor::empty({C}, DType::Float32, device);
+    var = Tensor::empty({C}, DType::Float32, device);
+    if (all_reduce) {
+      Tensor sums = Tensor::empty({2 * C + 1}, DType::Float32, device);
+      NANODDP_DISPATCH(device, batch_norm_sums, ptr(sums), ptr(input), N, C, L);
+      all_reduce->all_reduce_sum(sums);
+      count = sums.to(Device::cpu()).data<float>()[2 * C];
+      NANODDP_DISPATCH(device, batch_norm_stats_from_sums, ptr(mean), ptr(var), ptr(sums), C, count);
+    } else {
+      count = static_cast<double>(N * L);
+      NANODDP_DISPATCH(device, batch_norm_stats, ptr(mean), ptr(var), ptr(input), N, C, L);
+    }
+    NANODDP_CHECK(count > 1, ValueError, "batch_norm: expected more than 1 value per channel when training, got input ",
+                  input.shape(), all_reduce ? " (all processes together: " : "",
+                  all_reduce ? std::to_string(static_cast<int64_t>(count)) + " values)" : "");
+    if (running_mean.defined())
+      NANODDP_DISPATCH(device, batch_norm_update_running, ptr(running_mean), ptr(running_var), ptr(mean), ptr(var),
+                       C, momentum, count / (count - 1));
+  } else {
+    NANODDP_CHECK(running_mean.defined(), ValueError,
+                  "batch_norm: evaluation (training = false) needs running_mean and running_var");
+    mean = running_mean.detach();
+    var = running_var.detach();
+  }
+  Tensor invstd = Tensor::empty({C}, DType::Float32, device);
+  NANODDP_DISPATCH(device, batch_norm_invstd, ptr(invstd), ptr(var), C, eps);
+  Tensor out = empty_like(input);
+  NANODDP_DISPATCH(device, batch_norm_forward, ptr(out), ptr(input), ptr(mean), ptr(invstd), ptr_or_null(weight),
+                   ptr_or_null(bias), N, C, L);
+
+  // mean is saved as a copy in eval: the running buffers change under the graph otherwise.
+  if (!training) mean = mean.clone();
+  return record("BatchNormBackward", out, {input, weight, bias}, {input, weight, mean, invstd},
+                [N, C, L, count, all_reduce](const Node& node, const Tensor& dout) {
+    const Tensor& x = node.saved(0);
+    const Tensor& w = node.saved(1);
+    const Tensor& mean = node.saved(2);
+    const Tensor& invstd = node.saved(3);
+    auto wanted = [&](size_t i) { return node.inputs[i].defined() && node.inputs[i].requires_grad(); };
+    Tensor dx = wanted(0) ? empty_like(x) : Tensor();
+    Tensor dw = wanted(1) ? empty_like(node.inputs[1]) : Tensor();
+    Tensor db = wanted(2) ? empty_like(node.inputs[2]) : Tensor();
+    Tensor local = Tensor::empty({2 * C}, DType::Float32, x.device());
+    NANODDP_DISPATCH(x.device(), batch_norm_backward_reduce, ptr(local), ptr(dout), ptr(x), ptr(mean), ptr(invstd), N,
+                     C, L);
+    Tensor total = local;
+    if (all_reduce && count > 0) {  // every process calls this once per backward, dx wanted or not
+      total = local.clone();
+      all_reduce->all_reduce_sum(total);
+    }
+    NANODDP_DISPATCH(x.device(), batch_norm_backward, ptr_or_null(dx), ptr_or_null(dw), ptr_or_null(db), ptr(dout),
+                     ptr(x), ptr(mean), ptr(invstd), ptr_or_null(w), ptr(local), ptr(total), count, N, C, L);
+    return std::vector<Tensor>{dx, dw, db};
+  });
+}
+
+namespace nn {
+
+BatchNorm1d::BatchNorm1d(int64_t num_features, float eps, std::optional<float> momentum, bool affine,
+                         bool track_running_stats)
+    : num_features_(num_features), eps_(eps), momentum_(momentum), track_running_stats_(track_running_stats) {
+  NANODDP_CHECK(num_features >= 1, ValueError, "BatchNorm1d: num_features must be >= 1, got ", num_features);
+  NANODDP_CHECK(eps >= 0.0f, ValueError, "BatchNorm1d: eps must be >= 0, got ", eps);
+  if (affine) {
+    weight = register_parameter("weight", Tensor::ones({num_features}));
+    bias = register_parameter("bias", Tensor::zeros({num_features}));
+  }
+  if (track_running_stats) {
+    running_mean = register_buffer("running_mean", Tensor::zeros({num_features}));
+    running_var = register_buffer("running_var", Tensor::ones({num_features}));
+    num_batches_tracked = register_buffer("num_batches_tracked", Tensor::zeros(Shape{}, DType::Int64));
+  }
+}
+
+Tensor BatchNorm1d::forward(const Tensor& input) {
+  // As torch's _BatchNorm.forward: count the batch first, then pick the averaging factor.
+  float factor = momentum_.value_or(0.0f);
+  if (is_training() && track_running_stats_) {
+    Tensor count = num_batches_tracked.to(Device::cpu()).clone();
+    const int64_t batches = ++count.data<int64_t>()[0];
+    num_batches_tracked.copy_(count);
+    if (!momentum_) factor = 1.0f / static_cast<float>(batches);
+  }
+  // Statistics cross processes in training only: in eval without running stats each process
+  // normalises its own batch (SyncBatchNorm's need_sync in PyTorch).
+  const bool batch_statistics = is_training() || !track_running_stats_;
+  return batch_norm(input, running_mean, running_var, weight, bias, batch_statistics, factor, eps_,
+                    is_training() ? all_reduce_ : nullptr);
+}
+
+}  // namespace nn
+}  // namespace nanoddp
