@@ -26,14 +26,14 @@ const char* safetensors_dtype(DType dtype) {
     case DType::Float32: return "F32";
     case DType::Int64: return "I64";
     case DType::UInt8: return "U8";
-    case DType::Float16: return "F16";
-    case DType::BFloat16: return "BF16";
+    case DType::Float16:
+    case DType::BFloat16: break;  // communication only (core/half.h): never saved
   }
   NANODDP_THROW(ValueError, "safetensors: no safetensors name for dtype ", dtype);
 }
 
 bool parse_dtype(const std::string& name, DType* dtype) {
-  for (DType candidate : {DType::Float32, DType::Int64, DType::UInt8, DType::Float16, DType::BFloat16}) {
+  for (DType candidate : {DType::Float32, DType::Int64, DType::UInt8}) {
     if (name == safetensors_dtype(candidate)) {
       *dtype = candidate;
       return true;
