@@ -28,6 +28,8 @@ const char* dtype_name(DType dtype) {
     case DType::Float32: return "float32";
     case DType::Int64: return "int64";
     case DType::UInt8: return "uint8";
+    case DType::Float16: return "float16";
+    case DType::BFloat16: return "bfloat16";
   }
   return "?";
 }

@@ -10,6 +10,8 @@
 #include <ostream>
 #include <string>
 
+#include "core/half.h"
+
 namespace nanoddp {
 
 struct Device {
@@ -35,19 +37,24 @@ struct Device {
 std::ostream& operator<<(std::ostream& out, const Device& device);
 
 // Element types. Float32 is the default for everything; Int64 holds class labels (as
-// torch.long); UInt8 holds raw image bytes.
-enum class DType { Float32, Int64, UInt8 };
+// torch.long); UInt8 holds raw image bytes. Float16 and BFloat16 (core/half.h) are storage
+// for compressed communication only: collectives sum them, no op computes in them.
+enum class DType { Float32, Int64, UInt8, Float16, BFloat16 };
 
 inline size_t dtype_size(DType dtype) {
   switch (dtype) {
     case DType::Float32: return 4;
     case DType::Int64: return 8;
     case DType::UInt8: return 1;
+    case DType::Float16: return 2;
+    case DType::BFloat16: return 2;
   }
   return 0;
 }
 
-const char* dtype_name(DType dtype);  // "float32", "int64", "uint8"
+inline bool is_16bit_float(DType dtype) { return dtype == DType::Float16 || dtype == DType::BFloat16; }
+
+const char* dtype_name(DType dtype);  // "float32", "int64", "uint8", "float16", "bfloat16"
 std::ostream& operator<<(std::ostream& out, DType dtype);
 
 // The C++ type for each DType, used by Tensor::data<T>() to check the dtype.
@@ -55,5 +62,7 @@ template <typename T> constexpr DType dtype_of();
 template <> constexpr DType dtype_of<float>() { return DType::Float32; }
 template <> constexpr DType dtype_of<int64_t>() { return DType::Int64; }
 template <> constexpr DType dtype_of<uint8_t>() { return DType::UInt8; }
+template <> constexpr DType dtype_of<Float16>() { return DType::Float16; }
+template <> constexpr DType dtype_of<BFloat16>() { return DType::BFloat16; }
 
 }  // namespace nanoddp

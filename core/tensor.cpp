@@ -79,6 +79,11 @@ Tensor Tensor::ones(const Shape& shape, DType dtype, Device device) {
   if (dtype == DType::Float32) return full(shape, 1.0f, device);
   if (dtype == DType::Int64)
     return host_built<int64_t>(shape, device, [](int64_t* p, int64_t n) { std::fill(p, p + n, 1); });
+  if (dtype == DType::Float16)
+    return host_built<Float16>(shape, device, [](Float16* p, int64_t n) { std::fill(p, p + n, Float16::from_float(1)); });
+  if (dtype == DType::BFloat16)
+    return host_built<BFloat16>(shape, device,
+                                [](BFloat16* p, int64_t n) { std::fill(p, p + n, BFloat16::from_float(1)); });
   return host_built<uint8_t>(shape, device, [](uint8_t* p, int64_t n) { std::fill(p, p + n, 1); });
 }
 
@@ -154,6 +159,8 @@ float Tensor::item() const {
     case DType::Float32: return *host.data<float>();
     case DType::Int64: return static_cast<float>(*host.data<int64_t>());
     case DType::UInt8: return static_cast<float>(*host.data<uint8_t>());
+    case DType::Float16: return host.data<Float16>()->to_float();
+    case DType::BFloat16: return host.data<BFloat16>()->to_float();
   }
   return 0.0f;
 }
@@ -341,6 +348,8 @@ std::string Tensor::str() const {
       case DType::Float32: out << std::setprecision(6) << host.data<float>()[i]; break;
       case DType::Int64: out << host.data<int64_t>()[i]; break;
       case DType::UInt8: out << static_cast<int>(host.data<uint8_t>()[i]); break;
+      case DType::Float16: out << std::setprecision(6) << host.data<Float16>()[i].to_float(); break;
+      case DType::BFloat16: out << std::setprecision(6) << host.data<BFloat16>()[i].to_float(); break;
     }
   }
   if (numel() > shown) out << ", ... (" << numel() << " in all)";

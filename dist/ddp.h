@@ -55,7 +55,9 @@
 #pragma once
 
 #include <memory>
+#include <type_traits>
 
+#include "dist/comm_hooks.h"
 #include "dist/join.h"
 #include "dist/process_group.h"
 #include "dist/reducer.h"
@@ -108,6 +110,22 @@ class DistributedDataParallel : public nn::Module, public Joinable {
   std::unique_ptr<JoinHook> join_hook(const JoinOptions& options) override;
   Device join_device() const override { return pg_->device(); }
   std::shared_ptr<ProcessGroup> join_process_group() const override { return pg_; }
+
+  // Every gradient bucket is reduced by hook(state, bucket) instead of the built-in
+  // all-reduce (DistributedDataParallel.register_comm_hook; dist/comm_hooks.h has the
+  // contract and the built-ins allreduce_hook, fp16_compress_hook, bf16_compress_hook).
+  // hook: callable as std::shared_ptr<Future>(State&, GradBucket&); state is kept with it.
+  // A null std::shared_ptr<ProcessGroup> state stands for this DDP's group (PyTorch's None).
+  // Call it once, on every rank, before the first backward; ValueError otherwise.
+  //   ddp.register_comm_hook(pg, dist::fp16_compress_hook);
+  template <typename State, typename Hook>
+  void register_comm_hook(State state, Hook hook) {
+    if constexpr (std::is_same_v<State, std::shared_ptr<ProcessGroup>>) {
+      if (state == nullptr) state = pg_;
+    }
+    reducer_->register_comm_hook(
+        [state = std::move(state), hook = std::move(hook)](GradBucket& bucket) mutable { return hook(state, bucket); });
+  }
 
  private:
   friend class DDPJoinHook;

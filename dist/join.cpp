@@ -43,7 +43,9 @@ namespace nanoddp::dist {
 // in forward, every iteration while the Join is active.
 // Any collective DDP adds to its forward or backward (a buffer broadcast, a bucket re-plan)
 // needs its shadow in DDP's main_hook at the same place in this order, or a joined rank's
-// peers fail with the collective check's mismatch error.
+// peers fail with the collective check's mismatch error. With a comm hook (dist/comm_hooks.h)
+// step 4 is whatever the hook issues per bucket (a 16-bit all-reduce, say), and step 4' calls
+// the same hook on buckets of zeros; the hook divides by its own group's size.
 
 namespace {
 

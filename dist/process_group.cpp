@@ -112,8 +112,8 @@ void ProcessGroup::check_tensor(const std::string& collective, const Tensor& ten
                                 Device device) const {
   NANODDP_CHECK(tensor.defined(), ValueError, describe(collective, tensor),
                 ": the tensor is undefined");
-  NANODDP_CHECK(tensor.dtype() == DType::Float32 || tensor.dtype() == DType::Int64, ValueError,
-                describe(collective, tensor), ": only float32 and int64 tensors are supported");
+  NANODDP_CHECK(tensor.dtype() != DType::UInt8, ValueError, describe(collective, tensor),
+                ": only float32, int64, float16 and bfloat16 tensors are supported");
   NANODDP_CHECK(tensor.device() == device, DeviceError, describe(collective, tensor),
                 ": this ", backend_name(), " group works on ", device, " tensors");
 }
@@ -123,6 +123,9 @@ void ProcessGroup::check_reduce(const std::string& collective, const Tensor& ten
   NANODDP_CHECK(op != ReduceOp::Avg || tensor.dtype() == DType::Float32, ValueError,
                 describe(collective, tensor),
                 ": avg needs float32 (an int64 average would round); use sum");
+  NANODDP_CHECK(!is_16bit_float(tensor.dtype()) || op == ReduceOp::Sum, ValueError, describe(collective, tensor),
+                ": ", dtype_name(tensor.dtype()), " tensors can only be summed (", reduce_op_name(op),
+                " asked); they exist for compressed gradients");
 }
 
 void ProcessGroup::check_list(const std::string& collective, const std::vector<Tensor>& list,

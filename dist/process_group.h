@@ -27,6 +27,9 @@
 //  - Max and Min propagate NaN whichever rank holds it (torch.maximum/torch.minimum).
 //  - Every message names the rank, world size, host, backend, the collective and its sizes.
 //  - Tensors: dense, contiguous; float32 or int64 (UInt8 is refused: sums would wrap);
+//    float16 and bfloat16 too, reduced with Sum only: each backend widens every element to
+//    float32, adds, and rounds the sum back to 16 bits (to nearest, ties to even), as Gloo's
+//    and NCCL's half sums do; DDP's compression hooks use them (dist/comm_hooks.h);
 //    CUDA tensors of the group's device on NCCL; CPU tensors on shm, Gloo and MPI, and CUDA
 //    ones too when the group comes from init_process_group (staged through pinned host
 //    memory, dist/host_staging.h). device() says which device a group's own tensors should be on.
@@ -116,7 +119,8 @@ class ProcessGroup {
   // tensors here: dist/host_collectives.h does it for host values.
   virtual Device device() const { return Device::cpu(); }
 
-  // tensor: any shape, float32 or int64 (Avg: float32 only), reduced in place across ranks;
+  // tensor: any shape, float32 or int64 (Avg: float32 only) or float16/bfloat16 (Sum only),
+  // reduced in place across ranks;
   // every rank ends with the same values (torch.distributed.all_reduce).
   virtual std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op = ReduceOp::Sum) = 0;
   // tensor: any shape; root's values are copied into every rank's tensor

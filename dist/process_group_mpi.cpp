@@ -91,7 +91,24 @@ std::string mpi_error_text(int rc) {
   return std::string(text, static_cast<size_t>(len));
 }
 
-MPI_Datatype mpi_type(DType dtype) { return dtype == DType::Float32 ? MPI_FLOAT : MPI_INT64_T; }
+// MPI has no 16-bit float type: float16 and bfloat16 travel as MPI_UINT16_T and are summed
+// by our own MPI_Op (sum_16bit below), one per format.
+MPI_Datatype mpi_type(DType dtype) {
+  switch (dtype) {
+    case DType::Float32: return MPI_FLOAT;
+    case DType::Float16:
+    case DType::BFloat16: return MPI_UINT16_T;
+    default: return MPI_INT64_T;
+  }
+}
+
+// Widen to float32, add, round back (to nearest, ties to even), as Gloo's float16 sum does.
+template <typename T>
+void sum_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
+  const T* a = static_cast<const T*>(in);
+  T* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = T::from_float(a[i].to_float() + b[i].to_float());
+}
 
 // MPI_MAX and MPI_MIN on floats drop a NaN or keep it depending on which rank holds it;
 // torch.maximum/minimum propagate it. These keep a NaN whichever side it is on.
@@ -111,6 +128,8 @@ void float_min_nan(void* in, void* inout, int* len, MPI_Datatype*) {
 struct NanOps {
   MPI_Op max = MPI_OP_NULL;
   MPI_Op min = MPI_OP_NULL;
+  MPI_Op sum_float16 = MPI_OP_NULL;
+  MPI_Op sum_bfloat16 = MPI_OP_NULL;
 };
 // Created once, after MPI_Init, under mpi_mutex() (make_mpi_process_group).
 NanOps& nan_ops() {
@@ -121,7 +140,10 @@ NanOps& nan_ops() {
 MPI_Op mpi_op(ReduceOp op, DType dtype) {
   switch (op) {
     case ReduceOp::Sum:
-    case ReduceOp::Avg: return MPI_SUM;  // Avg divides after the sum
+    case ReduceOp::Avg:  // Avg divides after the sum
+      if (dtype == DType::Float16) return nan_ops().sum_float16;
+      if (dtype == DType::BFloat16) return nan_ops().sum_bfloat16;
+      return MPI_SUM;
     case ReduceOp::Max: return dtype == DType::Float32 ? nan_ops().max : MPI_MAX;
     case ReduceOp::Min: return dtype == DType::Float32 ? nan_ops().min : MPI_MIN;
   }
@@ -406,6 +428,8 @@ std::shared_ptr<ProcessGroup> make_mpi_process_group(std::chrono::milliseconds t
   if (ops.max == MPI_OP_NULL) {
     MPI_Op_create(&float_max_nan, /*commute=*/1, &ops.max);
     MPI_Op_create(&float_min_nan, /*commute=*/1, &ops.min);
+    MPI_Op_create(&sum_16bit<Float16>, /*commute=*/1, &ops.sum_float16);
+    MPI_Op_create(&sum_16bit<BFloat16>, /*commute=*/1, &ops.sum_bfloat16);
   }
   int rank = 0, world_size = 1;
   MPI_Comm_rank(comm, &rank);

@@ -145,7 +145,14 @@ class CudaEvent {
   cudaEvent_t event_ = nullptr;
 };
 
-ncclDataType_t nccl_type(DType dtype) { return dtype == DType::Float32 ? ncclFloat32 : ncclInt64; }
+ncclDataType_t nccl_type(DType dtype) {
+  switch (dtype) {
+    case DType::Float32: return ncclFloat32;
+    case DType::Float16: return ncclFloat16;
+    case DType::BFloat16: return ncclBfloat16;
+    default: return ncclInt64;
+  }
+}
 
 ncclRedOp_t nccl_op(ReduceOp op) {
   switch (op) {

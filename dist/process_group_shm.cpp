@@ -528,8 +528,22 @@ ReduceFn reduce_fn(ReduceOp op) {
   return nullptr;
 }
 
+// Float16 / BFloat16 (Sum only: ProcessGroup::check_reduce): widen to float32, add, round
+// back to nearest even, as Gloo's and NCCL's half sums do.
+template <typename T>
+void sum_16bit_into(void* out_bytes, const void* in_bytes, int64_t n) {
+  T* __restrict out = static_cast<T*>(out_bytes);
+  const T* __restrict in = static_cast<const T*>(in_bytes);
+  for (int64_t i = 0; i < n; ++i) out[i] = T::from_float(out[i].to_float() + in[i].to_float());
+}
+
 ReduceFn reduce_fn(DType dtype, ReduceOp op) {
-  return dtype == DType::Float32 ? reduce_fn<float>(op) : reduce_fn<int64_t>(op);
+  switch (dtype) {
+    case DType::Float32: return reduce_fn<float>(op);
+    case DType::Float16: return sum_16bit_into<Float16>;
+    case DType::BFloat16: return sum_16bit_into<BFloat16>;
+    default: return reduce_fn<int64_t>(op);
+  }
 }
 
 void divide(Tensor& tensor, int world_size) {

@@ -96,12 +96,22 @@ std::vector<std::vector<size_t>> Reducer::bucket_plan() const {
   return plan;
 }
 
+void Reducer::register_comm_hook(CommHook hook) {
+  NANODDP_CHECK(hook != nullptr, ValueError, "register_comm_hook: the hook is empty");
+  NANODDP_CHECK(comm_hook_ == nullptr, ValueError,
+                "register_comm_hook can only be called once (a hook is already registered)");
+  NANODDP_CHECK(!backward_seen_, ValueError,
+                "register_comm_hook must be called before the first backward: the gradients of earlier "
+                "iterations were averaged without it");
+  comm_hook_ = std::move(hook);
+}
+
 void Reducer::reset_iteration() {
   ready_.assign(params_.size(), false);
   used_in_window_.assign(params_.size(), false);
   for (Bucket& b : buckets_) {
     b.pending = b.params.size();
-    b.work.reset();
+    b.reduced.reset();
     b.launched_us = -1;
   }
   next_bucket_to_launch_ = 0;
@@ -111,6 +121,7 @@ void Reducer::reset_iteration() {
 // 2. A parameter's gradient is final for this backward.
 void Reducer::mark_ready(size_t k) {
   used_in_window_[k] = true;  // also inside no_sync: see Note [Unused parameters]
+  backward_seen_ = true;
   if (!sync_) return;
   if (!finalize_queued_) {
     queue_callback([this] { finalize(); });
@@ -125,14 +136,19 @@ void Reducer::mark_ready(size_t k) {
 
 void Reducer::copy_into_bucket(size_t k) {
   ready_[k] = true;
-  if (pg_->size() == 1) return;  // the mean over one rank is the gradient itself
+  if (!reduces()) return;  // the mean over one rank is the gradient itself
   auto [b, slot] = location_[k];
   Bucket& bucket = buckets_[b];
   const Tensor grad = params_[k].second.grad();
-  const float divisor = static_cast<float>(divide_factor_);  // world_size unless Join says otherwise
   const double ready_us = trace::enabled() ? trace::now_us() : 0;
-  NANODDP_DISPATCH(grad.device(), scalar_forward, bucket.flat.data<float>() + bucket.offsets[slot],
-                   grad.data<float>(), kernels::ScalarOp::Div, divisor, grad.numel());
+  float* into = bucket.flat.data<float>() + bucket.offsets[slot];
+  if (comm_hook_) {  // the hook averages
+    copy_bytes(into, bucket.flat.device(), grad.data<float>(), grad.device(), grad.nbytes());
+  } else {
+    const float divisor = static_cast<float>(divide_factor_);  // world_size unless Join says otherwise
+    NANODDP_DISPATCH(grad.device(), scalar_forward, into, grad.data<float>(), kernels::ScalarOp::Div, divisor,
+                     grad.numel());
+  }
   --bucket.pending;
   if (trace::enabled()) {
     trace::complete(trace::Lane::DDP, params_[k].first + " ready -> bucket " + std::to_string(b), ready_us,
@@ -150,7 +166,16 @@ void Reducer::launch_ready_buckets() {
 
 void Reducer::launch(Bucket& bucket) {
   if (trace::enabled()) bucket.launched_us = trace::now_us();
-  bucket.work = pg_->all_reduce(bucket.flat, ReduceOp::Sum);
+  if (!comm_hook_) {
+    bucket.reduced = std::make_shared<Future>(pg_->all_reduce(bucket.flat, ReduceOp::Sum), bucket.flat);
+    return;
+  }
+  const size_t index = static_cast<size_t>(&bucket - buckets_.data());
+  std::vector<Tensor> parameters;
+  for (size_t k : bucket.params) parameters.push_back(params_[k].second);
+  GradBucket grad_bucket(index, bucket.flat, std::move(parameters), bucket.offsets, index + 1 == buckets_.size());
+  bucket.reduced = comm_hook_(grad_bucket);
+  NANODDP_CHECK(bucket.reduced != nullptr, ValueError, "DDP comm hook returned no future for bucket ", index);
 }
 
 // When tracing: each launched bucket's all-reduce becomes one event on its own lane, from launch
@@ -158,7 +183,7 @@ void Reducer::launch(Bucket& bucket) {
 void Reducer::trace_completions() {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
-    if (bucket.launched_us < 0 || !bucket.work->is_completed()) continue;
+    if (bucket.launched_us < 0 || !bucket.reduced->is_completed()) continue;
     trace::complete(trace::kAllReduceLane + static_cast<int>(b), "all_reduce bucket " + std::to_string(b),
                     bucket.launched_us, trace::now_us(),
                     "\"bucket\":" + std::to_string(b) + ",\"bytes\":" + std::to_string(bucket.flat.nbytes()) +
@@ -189,7 +214,7 @@ void Reducer::finalize() {
       unready.push_back(params_[k].first);
       continue;
     }
-    if (pg_->size() == 1) continue;
+    if (!reduces()) continue;
     // Unused here: contribute zeros, another rank may have used it.
     auto [b, slot] = location_[k];
     Bucket& bucket = buckets_[b];
@@ -204,7 +229,7 @@ void Reducer::finalize() {
                   ": these parameters received no gradient in this iteration: ", names.str(),
                   ". Make every parameter take part in the loss, or pass find_unused_parameters = true");
   }
-  if (pg_->size() == 1) return;
+  if (!reduces()) return;
   launch_ready_buckets();
   NANODDP_ASSERT(next_bucket_to_launch_ == buckets_.size());
   // Note [Unused parameters]: which parameters did any rank use? Issued after every bucket,
@@ -216,12 +241,20 @@ void Reducer::finalize() {
     used_anywhere = all_reduce_host(*pg_, used_here, ReduceOp::Max, options_.timeout);  // on the group's device
   }
   for (Bucket& bucket : buckets_) {
+    const size_t index = static_cast<size_t>(&bucket - buckets_.data());
+    Tensor mean;
     {
       // The exposed communication: backward is over and this rank can only wait.
       trace::Span waiting(trace::Lane::DDP, "wait for all_reduce");
-      if (waiting.active()) waiting.set_args("\"bucket\":" + std::to_string(&bucket - buckets_.data()));
-      bucket.work->wait(options_.timeout);
+      if (waiting.active()) waiting.set_args("\"bucket\":" + std::to_string(index));
+      mean = bucket.reduced->wait(options_.timeout);
     }
+    NANODDP_CHECK(mean.defined() && mean.dtype() == DType::Float32 && mean.numel() == bucket.flat.numel() &&
+                      mean.device() == bucket.flat.device(),
+                  ValueError, "DDP comm hook: the future of bucket ", index, " holds ",
+                  mean.defined() ? mean.shape().str() + " " + dtype_name(mean.dtype()) + " on " + mean.device().str()
+                                 : std::string("an undefined tensor"),
+                  "; expected its buffer's ", bucket.flat.numel(), " float32 values on ", bucket.flat.device());
     if (trace::enabled()) trace_completions();
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
       const size_t k = bucket.params[slot];
@@ -229,8 +262,8 @@ void Reducer::finalize() {
       Tensor& p = params_[k].second;
       if (!p.grad().defined()) p.set_grad(Tensor::empty(p.shape(), DType::Float32, p.device()));
       Tensor grad = p.grad();
-      copy_bytes(grad.data<float>(), grad.device(), bucket.flat.data<float>() + bucket.offsets[slot],
-                 bucket.flat.device(), grad.nbytes());
+      copy_bytes(grad.data<float>(), grad.device(), mean.data<float>() + bucket.offsets[slot], mean.device(),
+                 grad.nbytes());
     }
   }
 }
@@ -245,15 +278,25 @@ void Reducer::set_divide_factor(int64_t ranks) {
 
 void Reducer::shadow_synced_backward() {
   if (pg_->size() == 1) return;  // a synced backward issues nothing either
-  std::vector<Tensor> zeros;
-  std::vector<std::shared_ptr<Work>> works;
+  std::vector<std::shared_ptr<Future>> futures;
   for (const Bucket& bucket : buckets_) {  // step 3's launch, in plan order
-    zeros.push_back(Tensor::zeros(bucket.flat.shape(), DType::Float32, bucket.flat.device()));
-    works.push_back(pg_->all_reduce(zeros.back(), ReduceOp::Sum));
+    Tensor zeros = Tensor::zeros(bucket.flat.shape(), DType::Float32, bucket.flat.device());
+    if (comm_hook_) {
+      // The others' hooks issue the hook's collectives (16-bit ones, say): so does this rank,
+      // on a bucket of zeros, as PyTorch's join hook does (_match_all_reduce_for_bwd_pass).
+      const size_t index = static_cast<size_t>(&bucket - buckets_.data());
+      std::vector<Tensor> parameters;
+      for (size_t k : bucket.params) parameters.push_back(params_[k].second);
+      GradBucket zero_bucket(index, zeros, std::move(parameters), bucket.offsets, index + 1 == buckets_.size());
+      futures.push_back(comm_hook_(zero_bucket));
+      NANODDP_CHECK(futures.back() != nullptr, ValueError, "DDP comm hook returned no future for bucket ", index);
+    } else {
+      futures.push_back(std::make_shared<Future>(pg_->all_reduce(zeros, ReduceOp::Sum), zeros));
+    }
   }
   if (options_.find_unused_parameters)  // this rank used nothing
     all_reduce_host(*pg_, std::vector<int64_t>(params_.size(), 0), ReduceOp::Max, options_.timeout);
-  for (auto& work : works) work->wait(options_.timeout);
+  for (auto& future : futures) future->wait(options_.timeout);
 }
 
 }  // namespace nanoddp::dist

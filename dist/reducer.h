@@ -14,12 +14,15 @@
 //      copy; under dist::Join, possibly by the ranks still training: set_divide_factor). When a bucket's last parameter is in, and overlap is on, launch the all-reduces
 //      of every complete bucket in plan order (never out of order: ranks must agree). With
 //      one rank the mean is the gradient itself: nothing is copied or reduced.
+//      With a comm hook (dist/comm_hooks.h) the copy does not divide, and launching a bucket
+//      calls the hook, which reduces and averages (set_divide_factor does not apply); this
+//      holds at one rank too.
 //   3. finalize(), queued to run when backward ends: a parameter not ready in this backward
 //      but used in an earlier no_sync backward contributes its accumulated .grad; any other
 //      is an error naming it, or (find_unused_parameters) contributes zeros; launch what is
 //      left in order; with find_unused_parameters, all-reduce which parameters each rank
-//      used (Note [Unused parameters] in reducer.cpp); wait for every bucket with the
-//      timeout; copy each bucket's means into .grad of every parameter some rank used (a
+//      used (Note [Unused parameters] in reducer.cpp); wait for every bucket (its all-reduce,
+//      or its hook's future) with the timeout, in plan order; copy each bucket's means into .grad of every parameter some rank used (a
 //      .grad is created where this rank had none). A parameter no rank used keeps its .grad,
 //      so the optimizer skips it on every rank, as in PyTorch.
 #pragma once
@@ -30,6 +33,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "dist/comm_hooks.h"
 #include "dist/process_group.h"
 
 namespace nanoddp::dist {
@@ -64,6 +68,13 @@ class Reducer {
   void set_sync(bool sync) { sync_ = sync; }
   bool sync() const { return sync_; }
 
+  // Every bucket goes through hook instead of the built-in divide-and-all-reduce
+  // (DistributedDataParallel::register_comm_hook). Throws ValueError when a hook is already
+  // registered or a backward has already run: every rank must reduce every iteration the
+  // same way, and PyTorch allows one hook, registered once.
+  void register_comm_hook(CommHook hook);
+  bool has_comm_hook() const { return comm_hook_ != nullptr; }
+
   // The plan: bucket b holds these parameter indices (into the constructor's list).
   std::vector<std::vector<size_t>> bucket_plan() const;
   const ReducerOptions& options() const { return options_; }
@@ -75,7 +86,8 @@ class Reducer {
   void set_divide_factor(int64_t ranks);
   int64_t divide_factor() const { return divide_factor_; }
   // On a rank that has joined: issues exactly the collectives of one synced backward (an
-  // all-reduce of zeros per bucket, in plan order; with find_unused_parameters the used map,
+  // all-reduce of zeros per bucket, in plan order, or the comm hook called on a bucket of
+  // zeros; with find_unused_parameters the used map,
   // all zeros) and waits for them (options.timeout). The results are dropped: .grad and the
   // buckets are untouched.
   void shadow_synced_backward();
@@ -86,7 +98,7 @@ class Reducer {
     std::vector<int64_t> offsets;  // element offset of each parameter in flat
     Tensor flat;                   // [sum of numel] float32 on the parameters' device
     size_t pending = 0;            // parameters not yet ready in this iteration
-    std::shared_ptr<Work> work;    // the in-flight all-reduce, if launched
+    std::shared_ptr<Future> reduced;  // the in-flight all-reduce (or hook), if launched
     double launched_us = -1;       // when tracing: launch time until its completion is recorded
   };
 
@@ -97,6 +109,8 @@ class Reducer {
   void finalize();
   void reset_iteration();
   void trace_completions();
+  // Whether buckets are used at all: not at one rank without a hook (the mean is the gradient).
+  bool reduces() const { return pg_->size() > 1 || comm_hook_ != nullptr; }
 
   std::vector<std::pair<std::string, Tensor>> params_;
   std::shared_ptr<ProcessGroup> pg_;
@@ -110,6 +124,8 @@ class Reducer {
   bool finalize_queued_ = false;
   bool sync_ = true;
   int64_t divide_factor_;  // Join: see set_divide_factor
+  CommHook comm_hook_;
+  bool backward_seen_ = false;  // a synced backward has run (hooks must come before)
 };
 
 }  // namespace nanoddp::dist

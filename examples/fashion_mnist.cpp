@@ -7,6 +7,7 @@
 //   nanoddp-run --nproc-per-node 2 --backend mpi build/examples/fashion_mnist_cnn --epochs 5
 //   nanoddp-run --nproc-per-node 2 build/examples/fashion_mnist --explain --trace run.json
 //       --hidden 1024,1024,512 --bucket-cap-mb 4      # several buckets, overlapping backward
+//   nanoddp-run --nproc-per-node 2 build/examples/fashion_mnist --comm-hook bf16   # half the bytes
 //
 // Each epoch: every rank trains on its DistributedSampler share (batch_size per rank, so the
 // global batch is batch_size * world_size); the mean training loss is averaged over ranks;
@@ -77,6 +78,7 @@ struct Config {
   int stop_after = 0;  // 0: train every epoch
   std::string schedule = "cosine";
   bool no_overlap = false;
+  std::string comm_hook = "none";  // none | allreduce | fp16 | bf16 (dist/comm_hooks.h)
   bool prefetch = false;
   bool quiet = false;
   int timeout_s = 300;
@@ -331,6 +333,9 @@ int run(const Config& config) {
   ddp_options.bucket_cap_bytes = mib_to_bytes(config.bucket_cap_mb);
   ddp_options.first_bucket_cap_bytes = mib_to_bytes(config.first_bucket_cap_mb);
   dist::DistributedDataParallel ddp(model, pg, ddp_options);
+  if (config.comm_hook == "allreduce") ddp.register_comm_hook(pg, dist::allreduce_hook);
+  if (config.comm_hook == "fp16") ddp.register_comm_hook(pg, dist::fp16_compress_hook);
+  if (config.comm_hook == "bf16") ddp.register_comm_hook(pg, dist::bf16_compress_hook);
   if (explain && rank == 0) std::printf("%s", dist::explain_plan(ddp).c_str());
   nn::CrossEntropyLoss loss_fn;
 
@@ -473,6 +478,10 @@ int main(int argc, char** argv) {
   app.add_option("--schedule", config.schedule, "learning rate over training: cosine (to 0) or constant")
       ->check(CLI::IsMember({"cosine", "constant"}));
   app.add_flag("--no-overlap", config.no_overlap, "all-reduce after backward instead of during it");
+  app.add_option("--comm-hook", config.comm_hook,
+                 "how DDP reduces each gradient bucket: none (built in), allreduce (allreduce_hook), fp16 or bf16 "
+                 "(compressed to 16 bits: half the bytes)")
+      ->check(CLI::IsMember({"none", "allreduce", "fp16", "bf16"}));
   app.add_flag("--prefetch", config.prefetch, "collate batches on a background thread");
   app.add_flag("--quiet", config.quiet, "only the final JSON line (and what --explain asks for)");
   app.add_option("--hidden", config.hidden, "widths of the hidden layers, comma-separated (e.g. 1024,1024,512)")

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "kernels/device_memory.h"
 

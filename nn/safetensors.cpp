@@ -26,6 +26,8 @@ const char* safetensors_dtype(DType dtype) {
     case DType::Float32: return "F32";
     case DType::Int64: return "I64";
     case DType::UInt8: return "U8";
+    case DType::Float16:
+    case DType::BFloat16: break;  // communication only (core/half.h): never saved
   }
   NANODDP_THROW(ValueError, "safetensors: no safetensors name for dtype ", dtype);
 }

@@ -8,8 +8,11 @@
 #include <cmath>
 #include <cstdlib>
 #include <sstream>
+#include <tuple>
 
+#include "core/half.h"
 #include "core/ops.h"
+#include "dist/comm_hooks.h"
 #include "dist/ddp.h"
 #include "dist/init.h"
 #include "dist/zero_redundancy_optimizer.h"
@@ -267,6 +270,172 @@ TEST_CASE("buckets follow reverse registration order and the caps") {
     dist::DistributedDataParallel ddp(model, pg, options);
     const auto plan = ddp.reducer().bucket_plan();
     expect(plan == std::vector<std::vector<size_t>>{{3, 2}, {1, 0}}, "unexpected bucket plan");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+namespace {
+
+// What a compression hook must produce, computed here from the rule: each rank rounds its
+// values to 16 bits and divides by world size in 16 bits; the ranks' results are summed in
+// 16 bits (widen, add, round: exact whatever the order when no sum needs rounding, and for
+// two ranks a single rounding of a + b).
+template <typename T>
+std::vector<float> compressed_mean(const std::vector<std::vector<float>>& per_rank) {
+  const float world = static_cast<float>(per_rank.size());
+  std::vector<float> mean(per_rank[0].size(), 0.0f);
+  for (const auto& values : per_rank)
+    for (size_t i = 0; i < values.size(); ++i) {
+      const float part = T::from_float(T::from_float(values[i]).to_float() / world).to_float();
+      mean[i] = T::from_float(mean[i] + part).to_float();
+    }
+  return mean;
+}
+
+// Rank r's gradients of make_mlp(7) on its 8 rows of global batch 0, in registration order.
+std::vector<std::vector<float>> local_gradients(int rank, int world) {
+  auto model = make_mlp(7);
+  const int64_t per_rank = 16 / world;
+  const Batch b = rows(global_batch(0), per_rank * rank, per_rank * rank + per_rank);
+  cross_entropy((*model)(b.x), b.y).backward();
+  std::vector<std::vector<float>> grads;
+  for (Tensor& p : model->parameters()) grads.push_back(p.grad().to_vector());
+  return grads;
+}
+
+}  // namespace
+
+TEST_CASE("comm hooks: allreduce_hook equals the default path; a hook sees each bucket once, in plan order") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [port](int rank) {
+    auto pg = join(rank, 2, port);
+    dist::DDPOptions options;
+    options.first_bucket_cap_bytes = 100;  // buckets {2.bias, 2.weight} and {0.bias, 0.weight}
+    options.bucket_cap_bytes = 150;
+    dist::DistributedDataParallel plain(make_mlp(7), pg, options), hooked(make_mlp(7), pg, options);
+    struct Seen {
+      size_t index;
+      std::vector<int64_t> offsets;
+      int64_t numel;
+      size_t parameters;
+      bool is_last;
+    };
+    auto seen = std::make_shared<std::vector<Seen>>();
+    hooked.register_comm_hook(std::shared_ptr<dist::ProcessGroup>(),  // null: DDP's own group
+                              [seen](std::shared_ptr<dist::ProcessGroup>& group, dist::GradBucket& bucket) {
+                                seen->push_back({bucket.index(), bucket.offsets(), bucket.buffer().numel(),
+                                                 bucket.parameters().size(), bucket.is_last()});
+                                return dist::allreduce_hook(group, bucket);
+                              });
+    bool threw_twice = false;
+    try {
+      hooked.register_comm_hook(pg, dist::allreduce_hook);
+    } catch (const ValueError& e) {
+      threw_twice = std::string(e.what()).find("only be called once") != std::string::npos;
+    }
+    expect(threw_twice, "rank ", rank, ": a second register_comm_hook was accepted");
+    nn::SGD plain_opt(plain.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+    nn::SGD hooked_opt(hooked.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+    for (int s = 0; s < 3; ++s) {
+      const Batch b = rows(global_batch(s), 8 * rank, 8 * rank + 8);
+      for (auto [ddp, opt] : {std::pair{&plain, &plain_opt}, std::pair{&hooked, &hooked_opt}}) {
+        opt->zero_grad();
+        cross_entropy((*ddp)(b.x), b.y).backward();
+        opt->step();
+      }
+    }
+    const auto want = plain.module().parameters();
+    const auto got = hooked.module().parameters();
+    for (size_t i = 0; i < want.size(); ++i)
+      expect(got[i].to_vector() == want[i].to_vector(), "rank ", rank, ": parameter ", i,
+             " differs between allreduce_hook and the default path");
+    expect(seen->size() == 6, "rank ", rank, ": the hook ran ", seen->size(), " times in 3 steps, expected 6");
+    for (size_t call = 0; call < seen->size(); ++call) {
+      const Seen& bucket = (*seen)[call];
+      const bool first = call % 2 == 0;  // bucket 0 = 2.bias (3) + 2.weight (24); 1 = 0.bias (8) + 0.weight (40)
+      const std::vector<int64_t> offsets = first ? std::vector<int64_t>{0, 3} : std::vector<int64_t>{0, 8};
+      expect(bucket.index == (first ? 0u : 1u) && bucket.offsets == offsets && bucket.numel == (first ? 27 : 48) &&
+                 bucket.parameters == 2 && bucket.is_last == !first,
+             "rank ", rank, ": hook call ", call, " saw bucket ", bucket.index, " of ", bucket.numel,
+             " elements, is_last ", bucket.is_last);
+    }
+    bool threw_late = false;
+    try {
+      plain.register_comm_hook(pg, dist::allreduce_hook);
+    } catch (const ValueError& e) {
+      threw_late = std::string(e.what()).find("before the first backward") != std::string::npos;
+    }
+    expect(threw_late, "rank ", rank, ": register_comm_hook after a backward was accepted");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("fp16 and bf16 compression hooks: the mean of the rounded values, in half the bytes") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [port](int rank) {
+    auto pg = join(rank, 2, port);
+    dist::DDPOptions options;
+    options.first_bucket_cap_bytes = 100;
+    options.bucket_cap_bytes = 150;
+    std::vector<std::vector<float>> grads[2] = {local_gradients(0, 2), local_gradients(1, 2)};
+    using Hook = std::shared_ptr<dist::Future> (*)(std::shared_ptr<dist::ProcessGroup>&, dist::GradBucket&);
+    for (const auto& [name, hook, bfloat] : {std::tuple{"fp16", Hook{dist::fp16_compress_hook}, false},
+                                            std::tuple{"bf16", Hook{dist::bf16_compress_hook}, true}}) {
+      auto model = make_mlp(7);
+      dist::DistributedDataParallel ddp(model, pg, options);
+      ddp.register_comm_hook(pg, hook);
+      pg->reset_counts();
+      const Batch b = rows(global_batch(0), 8 * rank, 8 * rank + 8);
+      cross_entropy(ddp(b.x), b.y).backward();
+      // The uncompressed step moves 300 bytes in 2 all-reduces (the counters case above).
+      const dist::CollectiveCount count = pg->count(dist::Collective::AllReduce);
+      expect(count.calls == 2 && count.bytes == 150, "rank ", rank, " ", name, ": ", count.calls,
+             " all-reduces of ", count.bytes, " bytes, expected 2 of 150");
+      const auto params = model->parameters();
+      bool rounding_showed = false;
+      for (size_t i = 0; i < params.size(); ++i) {
+        const std::vector<float> want = bfloat ? compressed_mean<BFloat16>({grads[0][i], grads[1][i]})
+                                               : compressed_mean<Float16>({grads[0][i], grads[1][i]});
+        const std::vector<float> got = params[i].grad().to_vector();
+        expect(got == want, "rank ", rank, " ", name, ": parameter ", i, "'s gradient is not the 16-bit mean");
+        for (size_t j = 0; j < got.size(); ++j)
+          rounding_showed |= got[j] != (grads[0][i][j] / 2 + grads[1][i][j] / 2);
+      }
+      expect(rounding_showed, "rank ", rank, " ", name, ": no gradient differs from the float32 mean");
+    }
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("compression hooks at 4 ranks: each rank's rounded share, summed in 16 bits") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(4, [port](int rank) {
+    auto pg = join(rank, 4, port);
+    // Rank r holds (i + r) / 4 plus a part below half a 16-bit unit, which rounding drops;
+    // every partial sum of the shares is a multiple of 1/16 below 3, exact in both formats,
+    // so the result does not depend on the order the backend adds the ranks in.
+    auto values = [](int r) {
+      std::vector<float> v;
+      for (int i = 0; i < 8; ++i) v.push_back(static_cast<float>(i + r) / 4 + std::ldexp(1.0f, -20) * (i % 3));
+      return v;
+    };
+    const std::vector<std::vector<float>> all = {values(0), values(1), values(2), values(3)};
+    for (DType format : {DType::Float16, DType::BFloat16}) {
+      Tensor buffer = Tensor::from_vector(values(rank));
+      dist::GradBucket bucket(0, buffer, {}, {0}, true);
+      pg->reset_counts();
+      auto future = format == DType::Float16 ? dist::fp16_compress_hook(pg, bucket) : dist::bf16_compress_hook(pg, bucket);
+      const std::vector<float> got = future->wait(std::chrono::seconds(30)).to_vector();
+      const std::vector<float> want =
+          format == DType::Float16 ? compressed_mean<Float16>(all) : compressed_mean<BFloat16>(all);
+      expect(got == want && buffer.to_vector() == want, "rank ", rank, " ", format, ": not the 16-bit mean");
+      std::vector<float> exact(8, 0.0f);
+      for (const auto& v : all)
+        for (size_t i = 0; i < 8; ++i) exact[i] += v[i] / 4;
+      expect(got != exact, "rank ", rank, " ", format, ": equals the float32 mean; the rounding did not show");
+      expect(pg->count(dist::Collective::AllReduce).bytes == 16, "rank ", rank, " ", format, ": ",
+             pg->count(dist::Collective::AllReduce).bytes, " bytes all-reduced, expected 8 x 2");
+    }
   });
   CHECK_MESSAGE(failures.empty(), failures);
 }

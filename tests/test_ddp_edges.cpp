@@ -18,6 +18,7 @@
 
 #include "core/autograd.h"
 #include "core/ops.h"
+#include "dist/comm_hooks.h"
 #include "dist/ddp.h"
 #include "dist/join.h"
 #include "dist/sync_batch_norm.h"
@@ -359,6 +360,26 @@ TEST_CASE("Join: ranks with 3 and 5 batches end with the hand-computed weight, d
     });
     CHECK_MESSAGE(failures.empty(), failures);
   }
+}
+
+TEST_CASE("Join with a comm hook: the joined rank runs the hook on zeros, and the weights are the hand-computed ones") {
+  // The first Join case with fp16_compress_hook: every gradient and mean there (2w - 4, w - 3
+  // at w = 0 ... 2.0625, halved) has few enough bits for float16, so compression changes
+  // nothing, while a joined rank that shadowed with float32 all-reduces would fail the check.
+  const int port = testing::free_port();
+  const std::string failures = testing::on_ranks(2, [&](int rank) {
+    auto pg = testing::join(rank, 2, port);
+    auto model = linear_1x1(0, 0, /*bias=*/false);
+    dist::DistributedDataParallel ddp(model, pg);
+    ddp.register_comm_hook(pg, dist::fp16_compress_hook);
+    nn::SGD opt(ddp.parameters(), {kJoinLr});
+    dist::Join join({ddp});
+    train_uneven(rank, ddp, *model, opt);
+    join.finish();
+    expect(value(model->weight) == 2.296875f, "rank ", rank, ": final w = ", model->weight, ", want 2.296875");
+    testing::leave();
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
 }
 
 TEST_CASE("Join: without it, the same loop fails on every rank with the collective-mismatch DistError") {

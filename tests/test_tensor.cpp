@@ -1,5 +1,6 @@
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -125,4 +126,35 @@ TEST_CASE("a CUDA tensor in a build or machine without a GPU gives a clear Devic
   } catch (const DeviceError& e) {
     CHECK(std::string(e.what()).size() > 10);
   }
+}
+
+TEST_CASE("float16 and bfloat16 round to nearest, ties to even, as torch's .to(float16/bfloat16)") {
+  // Bit patterns of 0.1 as torch prints them (torch.tensor(0.1).half().view(torch.int16)).
+  CHECK(Float16::from_float(0.1f).bits == 0x2e66);
+  CHECK(BFloat16::from_float(0.1f).bits == 0x3dcd);
+  const float u = std::ldexp(1.0f, -10);  // float16's spacing at 1: 10 mantissa bits
+  CHECK(Float16::from_float(1 + u / 2).to_float() == 1.0f);            // tie: stays even
+  CHECK(Float16::from_float(1 + 3 * u / 2).to_float() == 1 + 2 * u);   // tie: rounds up to even
+  CHECK(Float16::from_float(1 + u / 2 + u / 64).to_float() == 1 + u);  // above the tie
+  CHECK(Float16::from_float(65519.0f).to_float() == 65504.0f);         // largest finite
+  CHECK(std::isinf(Float16::from_float(65520.0f).to_float()));         // the tie above it
+  CHECK(Float16::from_float(std::ldexp(1.0f, -25)).to_float() == 0.0f);                  // half the smallest subnormal
+  CHECK(Float16::from_float(std::ldexp(3.0f, -25)).to_float() == std::ldexp(1.0f, -23));  // 1.5 of it: to even
+  CHECK(Float16::from_float(-std::ldexp(1.0f, -14)).to_float() == -std::ldexp(1.0f, -14));  // smallest normal
+  CHECK(std::isnan(Float16::from_float(std::nanf("")).to_float()));
+  const float v = std::ldexp(1.0f, -7);  // bfloat16's spacing at 1: 7 mantissa bits
+  CHECK(BFloat16::from_float(1 + v / 2).to_float() == 1.0f);
+  CHECK(BFloat16::from_float(1 + 3 * v / 2).to_float() == 1 + 2 * v);
+  CHECK(BFloat16::from_float(3.0e38f).to_float() == std::ldexp(1.0f, 127) * 1.765625f);  // float32's range
+  CHECK(std::isnan(BFloat16::from_float(std::nanf("")).to_float()));
+  // Every float16 survives the round trip through float32.
+  int mismatches = 0;
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {
+    const Float16 h{static_cast<uint16_t>(bits)};
+    const float f = h.to_float();
+    if (!std::isnan(f) && Float16::from_float(f).bits != h.bits) ++mismatches;
+  }
+  CHECK(mismatches == 0);
+  CHECK(Tensor::ones({3}, DType::Float16).nbytes() == 6);
+  CHECK(Tensor::ones({1}, DType::BFloat16).item() == 1.0f);
 }

@@ -1,4 +1,4 @@
-// CPU elementwise kernels: fill, conversions, binary and scalar ops, relu, column sums.
+// CPU elementwise kernels: fill, conversions (bytes, 16-bit floats), binary and scalar ops, relu, column sums.
 #include <cmath>
 
 #include "kernels/cpu/eigen_maps.h"
@@ -11,6 +11,31 @@ void fill(float* out, float value, int64_t n) { vec(out, n).setConstant(value); 
 void bytes_to_unit_float(float* out, const uint8_t* in, int64_t n) {
   // A true division, as torchvision's ToTensor (byte / 255) does.
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]) / 255.0f;
+}
+
+namespace {
+template <typename T>
+void to_16bit(uint16_t* out, const float* in, float divisor, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = T::from_float(T::from_float(in[i]).to_float() / divisor).bits;
+}
+template <typename T>
+void from_16bit(float* out, const uint16_t* in, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = T{in[i]}.to_float();
+}
+}  // namespace
+
+void float_to_16bit(uint16_t* out, const float* in, DType format, float divisor, int64_t n) {
+  if (format == DType::BFloat16)
+    to_16bit<BFloat16>(out, in, divisor, n);
+  else
+    to_16bit<Float16>(out, in, divisor, n);
+}
+
+void float_from_16bit(float* out, const uint16_t* in, DType format, int64_t n) {
+  if (format == DType::BFloat16)
+    from_16bit<BFloat16>(out, in, n);
+  else
+    from_16bit<Float16>(out, in, n);
 }
 
 void binary_forward(float* out, const float* a, const float* b, BinaryOp op, int64_t N, int64_t F,

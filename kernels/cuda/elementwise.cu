@@ -1,6 +1,9 @@
-// Elementwise CUDA kernels: fill, byte-to-float conversion, binary and scalar ops, gradient
+// Elementwise CUDA kernels: fill, byte-to-float and 16-bit float conversions, binary and scalar ops, gradient
 // accumulation, relu. One thread per element with grid-stride loops; each kernel is followed
 // by its host launcher. Contracts (shapes, aliasing) are in kernels/kernel_list.inc.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include "kernels/cuda/launch.cuh"
 #include "kernels/kernels.h"
@@ -27,6 +30,35 @@ void bytes_to_unit_float(float* out, const uint8_t* in, int64_t n) {
   if (n <= 0) return;
   bytes_to_unit_float_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(out, in, n);
   NANODDP_CUDA_CHECK_LAUNCH("bytes_to_unit_float_forward_kernel");
+}
+
+// 16-bit floats: the intrinsics round to nearest, ties to even, like core/half.h on the CPU.
+__device__ __forceinline__ uint16_t round_to_16bit(float x, bool bfloat) {
+  return bfloat ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
+}
+__device__ __forceinline__ float widen_16bit(uint16_t bits, bool bfloat) {
+  return bfloat ? __bfloat162float(__ushort_as_bfloat16(bits)) : __half2float(__ushort_as_half(bits));
+}
+
+__global__ void float_to_16bit_forward_kernel(uint16_t* out, const float* in, bool bfloat, float divisor, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride())
+    out[i] = round_to_16bit(widen_16bit(round_to_16bit(in[i], bfloat), bfloat) / divisor, bfloat);
+}
+
+void float_to_16bit(uint16_t* out, const float* in, DType format, float divisor, int64_t n) {
+  if (n <= 0) return;
+  float_to_16bit_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(out, in, format == DType::BFloat16, divisor, n);
+  NANODDP_CUDA_CHECK_LAUNCH("float_to_16bit_forward_kernel");
+}
+
+__global__ void float_from_16bit_forward_kernel(float* out, const uint16_t* in, bool bfloat, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = widen_16bit(in[i], bfloat);
+}
+
+void float_from_16bit(float* out, const uint16_t* in, DType format, int64_t n) {
+  if (n <= 0) return;
+  float_from_16bit_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(out, in, format == DType::BFloat16, n);
+  NANODDP_CUDA_CHECK_LAUNCH("float_from_16bit_forward_kernel");
 }
 
 // ---- elementwise -----------------------------------------------------------------------------
