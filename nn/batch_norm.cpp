@@ -55,6 +55,7 @@ void check_channels(const Tensor& input, const Tensor& t, const char* what, int6
 Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                   const Tensor& bias, bool training, float momentum, float eps,
                   std::shared_ptr<BatchStatsAllReduce> all_reduce) {
+  ForwardSpan span("batch_norm", {&input, &weight, &bias});
   check_float("batch_norm", input, "input");
   NANODDP_CHECK(input.dim() == 2 || input.dim() == 3, ShapeError,
                 "batch_norm: expected a 2-d [N, C] or 3-d [N, C, L] input, got ", input.shape());
