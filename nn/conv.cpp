@@ -162,6 +162,30 @@ Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 pa
   NANODDP_CHECK(2 * padding.h <= kernel_size.h && 2 * padding.w <= kernel_size.w, ValueError,
                 "max_pool2d: padding (", padding.h, ", ", padding.w, ") must be at most half the kernel (",
                 kernel_size.h, ", ", kernel_size.w, ")");
+  // Note [Windows of padding only]
+  // With dilation, a window can fall entirely on padding (kernel 2, dilation 2, padding 1 over
+  // one row: it looks at rows -1 and 1). It has no maximum and no input element to send its
+  // gradient to: PyTorch returns -inf there with an index outside the input, and its backward
+  // writes out of bounds. Such a geometry is refused here, before any kernel runs.
+  const auto first_empty_window = [](int64_t out, int64_t size, int64_t kernel, int64_t stride, int64_t pad,
+                                     int64_t dilation) -> int64_t {
+    for (int64_t o = 0; o < out; ++o) {
+      bool sees_input = false;
+      for (int64_t i = 0; i < kernel && !sees_input; ++i) {
+        const int64_t x = o * stride - pad + i * dilation;
+        sees_input = x >= 0 && x < size;
+      }
+      if (!sees_input) return o;
+    }
+    return -1;
+  };
+  const int64_t empty_row = first_empty_window(g.out_h, g.height, g.kernel_h, g.stride_h, g.pad_h, g.dilation_h);
+  const int64_t empty_col = first_empty_window(g.out_w, g.width, g.kernel_w, g.stride_w, g.pad_w, g.dilation_w);
+  NANODDP_CHECK(empty_row < 0 && empty_col < 0, ValueError, "max_pool2d: the window of output ",
+                empty_row >= 0 ? "row " : "column ", empty_row >= 0 ? empty_row : empty_col,
+                " covers only padding (input ", input.shape(), ", kernel (", kernel_size.h, ", ", kernel_size.w,
+                "), stride (", stride.h, ", ", stride.w, "), padding (", padding.h, ", ", padding.w, "), dilation (",
+                dilation.h, ", ", dilation.w, ")); use less padding or dilation");
   const int64_t planes = input.size(0) * input.size(1);
   const Device device = input.device();
   Tensor out = Tensor::empty({input.size(0), input.size(1), g.out_h, g.out_w}, DType::Float32, device);

@@ -537,3 +537,24 @@ TEST_CASE("BatchNorm1d without running stats normalises with the batch in eval t
         std::vector<float>{static_cast<float>(1 / std::sqrt(1 + 1e-5)), static_cast<float>(2 / std::sqrt(1 + 1e-5))});
   CHECK_THROWS_AS(BatchNorm1d(0), ValueError);
 }
+
+TEST_CASE("max_pool2d refuses a window that covers only padding, naming it (no write outside the input)") {
+  // Kernel 2, dilation 2, padding 1 over a 1x1 input: the one window looks at -1 and 1.
+  const Tensor one = Tensor::ones({1, 1, 1, 1}).set_requires_grad(true);
+  try {
+    MaxPool2d(2, /*stride=*/1, /*padding=*/1, /*dilation=*/2)(one);
+    FAIL("max_pool2d accepted a window of padding only");
+  } catch (const ValueError& e) {
+    CHECK(std::string(e.what()).find("output row 0 covers only padding") != std::string::npos);
+  }
+  // The same layer over a 3x3 input: output 3x3, window rows (and columns) {1}, {0, 2}, {1};
+  // every window sees an element. By hand: 9 4 times, 6 and 8 twice, 7 once.
+  //   1 2 3        9 6 9
+  //   4 9 6   ->   8 7 8
+  //   7 8 5        9 6 9
+  const Tensor x = Tensor::from_vector({1, 2, 3, 4, 9, 6, 7, 8, 5}, {1, 1, 3, 3}).set_requires_grad(true);
+  const Tensor y = MaxPool2d(2, 1, 1, 2)(x);
+  CHECK(y.to_vector() == std::vector<float>{9, 6, 9, 8, 7, 8, 9, 6, 9});
+  sum(y).backward();
+  CHECK(x.grad().to_vector() == std::vector<float>{0, 0, 0, 0, 4, 2, 1, 2, 0});
+}
