@@ -463,3 +463,17 @@ TEST_CASE("clip_grad_norm_ with a non-finite gradient: an error before any chang
   CHECK(std::isnan(clip_grad_norm_(params, 1.0, std::numeric_limits<double>::infinity())));
   CHECK(std::isnan(params[0].grad().at({1})));  // a NaN coefficient reaches every gradient
 }
+
+TEST_CASE("amsgrad keeps a NaN second moment, as torch.maximum does (it is not hidden by the max)") {
+  // Step 1: gradient NaN -> exp_avg_sq NaN; max(0, NaN) is NaN. Step 2: a finite gradient
+  // leaves exp_avg_sq NaN (0.999 * NaN + ...), and the max stays NaN on both sides of it.
+  Tensor p = Tensor::from_vector({1.0f}).set_requires_grad(true);
+  AdamOptions options;
+  options.amsgrad = true;
+  Adam opt({p}, options);
+  for (float g : {std::nanf(""), 1.0f}) {
+    p.set_grad(Tensor::from_vector({g}));
+    opt.step();
+    CHECK(std::isnan(opt.state_dict().at("max_exp_avg_sq.0").to_vector()[0]));
+  }
+}

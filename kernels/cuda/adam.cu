@@ -2,8 +2,8 @@
 // kernels/kernel_list.inc). Memory-bound: it reads param, grad and both moments and writes
 // param and both moments, 7 floats per parameter (9 with amsgrad).
 
+#include "kernels/adam_update.h"
 #include "kernels/cuda/launch.cuh"
-#include "kernels/kernels.h"
 
 namespace nanoddp::kernels::cuda {
 
@@ -11,21 +11,8 @@ namespace nanoddp::kernels::cuda {
 __global__ void adam_step_forward_kernel(float* __restrict__ param, float* __restrict__ exp_avg,
                                          float* __restrict__ exp_avg_sq, float* __restrict__ max_exp_avg_sq,
                                          const float* __restrict__ grad, int64_t n, AdamConfig c) {
-  for (int64_t i = first_index(); i < n; i += grid_stride()) {
-    float p = param[i];
-    if (c.param_scale != 1.0f) p *= c.param_scale;
-    const float g = c.l2 != 0.0f ? grad[i] + c.l2 * p : grad[i];
-    const float m = exp_avg[i] * c.beta1 + c.one_minus_beta1 * g;
-    float v = exp_avg_sq[i] * c.beta2 + c.one_minus_beta2 * g * g;
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
-    if (c.amsgrad) {
-      v = fmaxf(max_exp_avg_sq[i], v);
-      max_exp_avg_sq[i] = v;
-    }
-    const float denom = sqrtf(v) / c.bias_correction2_sqrt + c.eps;
-    param[i] = p - c.step_size * m / denom;
-  }
+  for (int64_t i = first_index(); i < n; i += grid_stride())
+    adam_update(param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, i, c);
 }
 
 void adam_step(float* param, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, const float* grad,

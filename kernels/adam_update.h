@@ -1,0 +1,40 @@
+// One element of the fused Adam / AdamW step (torch.optim.Adam / AdamW, PyTorch 1.13's
+// single-tensor update; the constants are folded into AdamConfig, see kernels.h). The CPU loop
+// (kernels/cpu/adam.cpp) and the CUDA kernel (kernels/cuda/adam.cu) both call it, so the two
+// devices compute the same expression.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/kernels.h"
+
+#ifdef __CUDACC__
+#define NANODDP_HOST_DEVICE __host__ __device__
+#else
+#define NANODDP_HOST_DEVICE
+#endif
+
+namespace nanoddp::kernels {
+
+// max_exp_avg_sq is read and written only with amsgrad. amsgrad keeps the larger second moment
+// as torch.maximum does: a NaN on either side wins, so a NaN gradient is not hidden.
+NANODDP_HOST_DEVICE inline void adam_update(float* param, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
+                                            const float* grad, int64_t i, const AdamConfig& c) {
+  float p = param[i];
+  if (c.param_scale != 1.0f) p *= c.param_scale;
+  const float g = c.l2 != 0.0f ? grad[i] + c.l2 * p : grad[i];
+  const float m = exp_avg[i] * c.beta1 + c.one_minus_beta1 * g;
+  float v = exp_avg_sq[i] * c.beta2 + c.one_minus_beta2 * g * g;
+  exp_avg[i] = m;
+  exp_avg_sq[i] = v;
+  if (c.amsgrad) {
+    const float kept = max_exp_avg_sq[i];
+    if (kept > v || kept != kept) v = kept;
+    max_exp_avg_sq[i] = v;
+  }
+  const float denom = sqrtf(v) / c.bias_correction2_sqrt + c.eps;
+  param[i] = p - c.step_size * m / denom;
+}
+
+}  // namespace nanoddp::kernels
