@@ -7,13 +7,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/host_device.h"
 #include "kernels/kernels.h"
-
-#ifdef __CUDACC__
-#define NANODDP_HOST_DEVICE __host__ __device__
-#else
-#define NANODDP_HOST_DEVICE
-#endif
 
 namespace nanoddp::kernels {
 

@@ -3,16 +3,10 @@
 #include <cmath>
 #include <unsupported/Eigen/SpecialFunctions>
 
+#include "kernels/activation_constants.h"
 #include "kernels/cpu/eigen_maps.h"
 
 namespace nanoddp::kernels::cpu {
-
-namespace {
-constexpr float kSqrt1_2 = 0.70710678118654752f;   // 1 / sqrt(2)
-constexpr float kInvSqrt2Pi = 0.39894228040143268f;  // 1 / sqrt(2 pi)
-constexpr float kSqrt2OverPi = 0.79788456080286536f; // sqrt(2 / pi)
-constexpr float kGeluCubic = 0.044715f;
-}  // namespace
 
 // ---- sigmoid ------------------------------------------------------------------------------
 

@@ -8,11 +8,11 @@
 // the same order of additions: tests/test_ops.cpp checks both paths are equal bit for bit.
 #include <algorithm>
 #include <cmath>
-#include <limits>
 
 #include "kernels/cpu/eigen_maps.h"
 #include "kernels/cpu/conv.h"
 #include "kernels/kernels.h"
+#include "kernels/pool_window.h"
 
 namespace nanoddp::kernels::cpu {
 
@@ -148,24 +148,9 @@ void max_pool2d_forward(float* out, int64_t* indices, const float* in, int64_t p
   for (int64_t p = 0; p < planes; ++p)
     for (int64_t oh = 0; oh < g.out_h; ++oh)
       for (int64_t ow = 0; ow < g.out_w; ++ow) {
-        float best = -std::numeric_limits<float>::infinity();
-        int64_t best_index = -1;
-        for (int64_t i = 0; i < g.kernel_h; ++i) {
-          const int64_t h = oh * g.stride_h - g.pad_h + i * g.dilation_h;
-          if (h < 0 || h >= g.height) continue;
-          for (int64_t j = 0; j < g.kernel_w; ++j) {
-            const int64_t w = ow * g.stride_w - g.pad_w + j * g.dilation_w;
-            if (w < 0 || w >= g.width) continue;
-            const float v = in[p * in_plane + h * g.width + w];
-            // A NaN wins (the last one, as torch); a window of -inf still gets an index.
-            if (best_index < 0 || v > best || std::isnan(v)) {
-              best = v;
-              best_index = h * g.width + w;
-            }
-          }
-        }
-        out[p * out_plane + oh * g.out_w + ow] = best;
-        indices[p * out_plane + oh * g.out_w + ow] = best_index;
+        const WindowMax best = max_pool2d_window(in + p * in_plane, g, oh, ow);
+        out[p * out_plane + oh * g.out_w + ow] = best.value;
+        indices[p * out_plane + oh * g.out_w + ow] = best.index;
       }
 }
 

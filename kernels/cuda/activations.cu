@@ -1,16 +1,10 @@
 // CUDA kernels of the pointwise activations in nn/activations.h (declared there): one thread
 // per element with grid-stride loops, each kernel followed by its checked host launcher.
 
+#include "kernels/activation_constants.h"
 #include "kernels/cuda/launch.cuh"
 
 namespace nanoddp::kernels::cuda {
-
-namespace {
-constexpr float kSqrt1_2 = 0.70710678118654752f;   // 1 / sqrt(2)
-constexpr float kInvSqrt2Pi = 0.39894228040143268f;  // 1 / sqrt(2 pi)
-constexpr float kSqrt2OverPi = 0.79788456080286536f; // sqrt(2 / pi)
-constexpr float kGeluCubic = 0.044715f;
-}  // namespace
 
 // ---- sigmoid ------------------------------------------------------------------------------
 

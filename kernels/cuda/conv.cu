@@ -7,6 +7,7 @@
 
 #include "kernels/cuda/launch.cuh"
 #include "kernels/kernels.h"
+#include "kernels/pool_window.h"
 
 namespace nanoddp::kernels::cuda {
 
@@ -108,29 +109,15 @@ void channel_sum(float* dbias, const float* dout, int64_t N, int64_t C, int64_t 
 
 // ---- max pooling --------------------------------------------------------------------------
 
-// One thread per output element [planes, OH, OW]. Same rule as the CPU: a NaN wins (the last
-// one), a window of -inf still gets an index.
+// One thread per output element [planes, OH, OW]; the window's rule is the CPU's
+// (kernels/pool_window.h).
 __global__ void max_pool2d_forward_kernel(float* out, int64_t* indices, const float* in, Window2d g, int64_t n) {
   const int64_t in_plane = g.height * g.width, out_plane = g.out_h * g.out_w;
   for (int64_t e = first_index(); e < n; e += grid_stride()) {
     const int64_t p = e / out_plane, oh = (e % out_plane) / g.out_w, ow = e % g.out_w;
-    float best = -INFINITY;
-    int64_t best_index = -1;
-    for (int64_t i = 0; i < g.kernel_h; ++i) {
-      const int64_t h = oh * g.stride_h - g.pad_h + i * g.dilation_h;
-      if (h < 0 || h >= g.height) continue;
-      for (int64_t j = 0; j < g.kernel_w; ++j) {
-        const int64_t w = ow * g.stride_w - g.pad_w + j * g.dilation_w;
-        if (w < 0 || w >= g.width) continue;
-        const float v = in[p * in_plane + h * g.width + w];
-        if (best_index < 0 || v > best || isnan(v)) {
-          best = v;
-          best_index = h * g.width + w;
-        }
-      }
-    }
-    out[e] = best;
-    indices[e] = best_index;
+    const WindowMax best = max_pool2d_window(in + p * in_plane, g, oh, ow);
+    out[e] = best.value;
+    indices[e] = best.index;
   }
 }
 
