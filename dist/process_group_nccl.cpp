@@ -304,9 +304,16 @@ class ProcessGroupNccl : public ProcessGroup {
     const NanSafeReduction reduction = nan_safe(tensor.dtype(), op);  // Note [NCCL NaN]
     return launch(what, {tensor}, [&](cudaStream_t s) {
       if (reduction.keyed) kernels::cuda::floats_to_ordered_keys(data, tensor.numel(), reduction.nan_at, s);
-      enqueue(what, [&] {
-        return ncclAllReduce(data, data, tensor.numel(), reduction.type, reduction.op, comm_->get(), s);
-      });
+      try {
+        enqueue(what, [&] {
+          return ncclAllReduce(data, data, tensor.numel(), reduction.type, reduction.op, comm_->get(), s);
+        });
+      } catch (...) {
+        // NCCL refused the call and the group stays usable: the caller's tensor must hold its
+        // floats again, not the keys, when the error reaches it.
+        if (reduction.keyed) kernels::cuda::ordered_keys_to_floats(data, tensor.numel(), reduction.nan_at, s);
+        throw;
+      }
       if (reduction.keyed) kernels::cuda::ordered_keys_to_floats(data, tensor.numel(), reduction.nan_at, s);
     });
   }
