@@ -67,6 +67,7 @@ struct Config {
   bool csv = false;  // one CSV row per size instead of the table (tools/plot allreduce reads it)
   bool check_collectives = false;  // the table is the backend's own bandwidth unless asked
   bool ring = false;  // time dist::ring_all_reduce (send/recv) instead of pg.all_reduce
+  bool collective_buffer = false;  // all-reduce a ProcessGroup::new_collective_buffer, as DDP's buckets
 };
 
 // alpha, beta of time = alpha + beta * bytes, minimising sum ((alpha + beta b - t) / t)^2.
@@ -162,9 +163,9 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
     std::printf("backend,world_size,device,bytes,count,iters,time_us,algbw_gbps,busbw_gbps%s\n",
                 blocking_mpi ? ",mpi_allreduce_us" : "");
   } else if (print) {
-    std::printf("# nanoddp %s: backend %s, %d ranks, float32 sum in place, device %s\n",
+    std::printf("# nanoddp %s: backend %s, %d ranks, float32 sum in place, device %s%s\n",
                 c.ring ? "ring_all_reduce (send/recv)" : "all_reduce", pg->backend_name().c_str(), n,
-                device.str().c_str());
+                device.str().c_str(), c.collective_buffer ? ", on collective buffers" : "");
     std::printf("# algbw = size / time;  busbw = algbw * 2(n-1)/n = algbw * %.3f  (n = %d)\n",
                 2.0 * (n - 1) / n, n);
     std::printf("# time: mean over iterations of the slowest rank\n");
@@ -175,6 +176,7 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
   for (int64_t bytes = c.min_bytes; bytes <= c.max_bytes; bytes *= 2) {
     const int64_t count = bytes / 4;
     Tensor t = Tensor::ones({count}, DType::Float32, device);
+    if (c.collective_buffer) t = pg->new_collective_buffer(count, DType::Float32, device).copy_(t);
     // Every rank must run the same number of iterations: agree on the estimate first.
     double estimate = max_over_ranks(*pg, time_all_reduce(*pg, t, 1, 1, c.ring), device);
     int iters = static_cast<int>(std::clamp(c.seconds_per_size / std::max(estimate, 1e-7), 5.0, 1000.0));
@@ -226,6 +228,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "shm", "gloo", "mpi", "nccl"}));
   app.add_flag("--ring", c.ring,
                "time dist::ring_all_reduce, the textbook ring on the backend's send/recv");
+  app.add_flag("--collective-buffer", c.collective_buffer,
+               "all-reduce tensors made by ProcessGroup::new_collective_buffer, as DDP's buckets are (shm: the "
+               "direct all-reduce, no copies through slots)");
   app.add_option("--nproc", c.nproc, "fork this many ranks on this host (2..64); 0: launched by "
                  "nanoddp-run/mpirun")
       ->check(cli::integer_where("0 or an integer between 2 and 64", "0 or 2..64", [](long long v) { return v == 0 || (v >= 2 && v <= 64); }))

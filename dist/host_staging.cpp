@@ -89,6 +89,9 @@ class StagingGroup : public ProcessGroup {
   std::string backend_name() const override { return inner_->backend_name(); }
   Device device() const override { return inner_->device(); }
   Store& store() override { return inner_->store(); }
+  Tensor new_collective_buffer(int64_t numel, DType dtype, Device device) override {
+    return inner_->new_collective_buffer(numel, dtype, device);
+  }
 
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
     if (!staged({tensor})) return inner_->all_reduce(tensor, op);

@@ -92,6 +92,10 @@ void ProcessGroup::reset_counts() {
   }
 }
 
+Tensor ProcessGroup::new_collective_buffer(int64_t numel, DType dtype, Device device) {
+  return Tensor::zeros({numel}, dtype, device);
+}
+
 Store& ProcessGroup::store() {
   NANODDP_THROW(DistError, where(), ": the ", backend_name(), " process group has no store");
 }

@@ -151,6 +151,17 @@ class ProcessGroup {
   // The rendezvous store the group was built on. Throws DistError for MPI, which needs none.
   virtual Store& store();
 
+  // A zeroed [numel] tensor of dtype on device for collectives this group runs on again and
+  // again (DDP's buckets). Collective: every rank calls it in the same order with the same
+  // numel and dtype. shm places a CPU buffer in memory that every rank of the group maps, so
+  // an all_reduce of the whole buffer reads the peers' buffers directly instead of copying
+  // through its ring slots (Note [Shm direct all-reduce] in process_group_shm.cpp); the base
+  // class returns Tensor::zeros. Either way it is an ordinary tensor: any collective takes
+  // it, and it stays valid after the group is gone. Like torch.distributed's
+  // _symmetric_memory.empty followed by rendezvous. Throws DistError when ranks ask for
+  // different sizes (shm), or TimeoutError when a rank does not call it within the timeout.
+  virtual Tensor new_collective_buffer(int64_t numel, DType dtype, Device device);
+
   // The all-reduce algorithm whose traffic formula describes this backend: "ring" (each rank
   // sends 2(N-1)/N of the payload). Gloo's all-reduce is a ring; Open MPI and NCCL choose per
   // size and report it as the library's choice.

@@ -246,6 +246,9 @@ class CheckedProcessGroup : public ProcessGroup {
   std::string backend_name() const override { return state_->inner->backend_name(); }
   Device device() const override { return state_->inner->device(); }
   Store& store() override { return state_->inner->store(); }
+  Tensor new_collective_buffer(int64_t numel, DType dtype, Device device) override {
+    return state_->inner->new_collective_buffer(numel, dtype, device);
+  }
   std::string all_reduce_algorithm() const override { return state_->inner->all_reduce_algorithm(); }
 
   // Arguments are checked here, at the call, as the backends do; the backend checks the device.

@@ -49,6 +49,27 @@
 // overlap to win by a thread of our own (DESIGN.md), and not having one is what keeps a
 // small all-reduce in microseconds (Note [Gloo worker thread] is the other side of that).
 // is_completed() does not run anything: it reports, and stays false until some wait() ran it.
+//
+// Note [Shm direct all-reduce]
+// The ring moves data through slots: each rank copies a piece into the slot, its neighbour
+// reads it from there. When the tensor is a collective buffer (ProcessGroup::
+// new_collective_buffer: DDP's buckets), every rank has mapped every rank's buffer, and the
+// all-reduce needs no slot at all:
+//
+//   rank 0's buffer  [ a0 | a1 ]      1. every rank's input is in its buffer (rendezvous)
+//   rank 1's buffer  [ b0 | b1 ]      2. rank r sums part r from all buffers into its own:
+//                                        rank 0: a0 += b0     rank 1: b1 += a1 (rendezvous)
+//                                     3. rank r copies part p from rank p's buffer:
+//                                        rank 0: a1 = b1      rank 1: b0 = a0  (rendezvous)
+//
+// It is the ring's reduce-scatter and all-gather with the neighbour's buffer read in place:
+// each rank still reads 2(N-1)/N of the buffer from its peers, but nothing is copied into a
+// slot first. Per rank at N = 2 that is 2.5 buffer-sizes of memory traffic instead of the
+// ring's 4.5, on a machine where memory bandwidth is the cost (benchmarks/run, "shm direct"
+// row). The sums run in the ring's order, so the result has the ring's bits. Envelopes are
+// compared at the first rendezvous; a rank that passed an ordinary tensor (and so runs the
+// ring) shows up there as a slot from it, and both are told. The last rendezvous is why a
+// rank may change its buffer once wait() returns: nobody reads it any more.
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/futex.h>
@@ -68,6 +89,7 @@
 #include <deque>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -127,10 +149,11 @@ struct Envelope {
   int32_t op = 0;     // ReduceOp as int (reductions only)
   int32_t root = 0;   // broadcast root, or send/recv tag
   int64_t numel = 0;  // elements of the tensor (per rank for all_gather/reduce_scatter)
+  int64_t buffer = -1;  // the collective buffer all_reduce runs on directly, or -1
 
   bool operator==(const Envelope& o) const {
     return seq == o.seq && kind == o.kind && dtype == o.dtype && op == o.op && root == o.root &&
-           numel == o.numel;
+           numel == o.numel && buffer == o.buffer;
   }
   std::string str() const {
     std::ostringstream out;
@@ -140,6 +163,7 @@ struct Envelope {
     if (kind == Kind::Broadcast) out << " from rank " << root;
     if (kind == Kind::Send) out << " tag " << root;
     out << " #" << seq << " of " << numel << " " << dtype_name(static_cast<DType>(dtype));
+    if (buffer >= 0) out << " in collective buffer #" << buffer;
     return out.str();
   }
 };
@@ -154,6 +178,10 @@ struct Doorbell {
 struct RankInfo {
   alignas(64) int32_t pid = 0;
   Doorbell bell;
+  // The direct all-reduce's rendezvous (Note [Shm direct all-reduce]): how far this rank got,
+  // 4 * seq + phase, and what it is running.
+  alignas(64) std::atomic<uint64_t> direct_phase{0};
+  Envelope direct_envelope;
 };
 
 struct Channel {
@@ -221,6 +249,13 @@ std::string boot_id() {
   std::string id;
   std::getline(in, id);
   return id;
+}
+
+// "/nanoddp.<pid>.<n>": unique on this machine while this process lives, and recognisable by
+// remove_stale_segments once it is gone.
+std::string new_segment_name() {
+  static std::atomic<int> created{0};
+  return "/nanoddp." + std::to_string(::getpid()) + "." + std::to_string(created++);
 }
 
 // Step 1 of Note [Shm segment]: unlink "nanoddp.<pid>.*" segments whose creator is gone.
@@ -344,6 +379,34 @@ class ShmSegment {
     }
   }
 
+  // ---- the direct all-reduce's rendezvous (Note [Shm direct all-reduce]) ----
+  void announce(const Envelope& envelope) { info(rank_).direct_envelope = envelope; }
+  const Envelope& announced(int r) { return info(r).direct_envelope; }
+  // Publishes that this rank reached `phase` and rings every peer.
+  void reach(uint64_t phase) {
+    info(rank_).direct_phase.store(phase, std::memory_order_release);
+    for (int r = 0; r < world_size_; ++r)
+      if (r != rank_) ring(r);
+  }
+  bool all_reached(uint64_t phase) {
+    for (int r = 0; r < world_size_; ++r)
+      if (r != rank_ && info(r).direct_phase.load(std::memory_order_acquire) < phase) return false;
+    return true;
+  }
+  // A collective's slot from some peer: that peer runs the ring where this rank runs the
+  // direct all-reduce (their tensors differ in being collective buffers). -1: none.
+  int peer_in_ring(const SlotHeader** header) {
+    for (int r = 0; r < world_size_; ++r) {
+      if (r == rank_) continue;
+      const SlotHeader* h = try_peek(r);
+      if (h != nullptr && h->envelope.kind != Kind::Send) {
+        *header = h;
+        return r;
+      }
+    }
+    return -1;
+  }
+
   // This rank's doorbell count: read it before looking for progress, then doze(count) sleeps
   // only if nobody rang since (send/recv progress).
   uint32_t rings() { return info(rank_).bell.rings.load(); }
@@ -431,8 +494,7 @@ ShmSegment::ShmSegment(Store& store, const std::string& prefix, int rank, int wo
   if (rank == 0) {
     // Step 1 (Note [Shm segment]).
     remove_stale_segments();
-    static std::atomic<int> created{0};
-    name = "/nanoddp." + std::to_string(::getpid()) + "." + std::to_string(created++);
+    name = new_segment_name();
     fd = detail::Fd(::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600));
     NANODDP_CHECK(fd.valid(), DistError, where, ": shm_open(", name, ") failed: ", detail::errno_text(errno));
   }
@@ -676,6 +738,79 @@ struct Ring {
   }
 };
 
+// ---- collective buffers and the direct all-reduce (Note [Shm direct all-reduce]) -------------
+
+// One collective buffer as this rank sees it: region[r] is rank r's buffer, mapped here; the
+// caller's tensor wraps region[rank]. Unmapped when the last tensor on it is gone.
+struct SharedBuffer {
+  int64_t id = 0;
+  size_t nbytes = 0;
+  std::vector<uint8_t*> region;
+  ~SharedBuffer() {
+    for (uint8_t* r : region)
+      if (r != nullptr) ::munmap(r, nbytes);
+  }
+};
+
+// Every rank's buffer holds its input; afterwards every rank's holds the reduced result.
+// Three rendezvous: all inputs are there; every part is reduced; every rank has copied.
+void direct_all_reduce(ShmSegment& shm, const Envelope& envelope, SharedBuffer& buffer, DType dtype, ReduceOp op,
+                       Clock::time_point deadline, const std::string& what) {
+  const int n = shm.world_size(), rank = shm.rank();
+  const uint64_t phase = 4 * envelope.seq;
+  const size_t es = dtype_size(dtype);
+  // Rank r owns part r, cut as the ring cuts it.
+  std::vector<Parts> parts;
+  for (int r = 0; r < n; ++r) parts.push_back(Parts::of_buffer(buffer.region[r], envelope.numel, es, n));
+
+  // 1. Everyone's input is in place. A rank in the ring instead, or at another collective,
+  //    is reported here, as the ring reports it at its first slot.
+  shm.announce(envelope);
+  shm.reach(phase + 1);
+  const SlotHeader* stray = nullptr;
+  int ring_peer = -1;
+  shm.wait_until([&] { return shm.all_reached(phase + 1) || (ring_peer = shm.peer_in_ring(&stray)) >= 0; }, -1,
+                 deadline, what);
+  if (ring_peer >= 0)
+    shm.abort(what + ": rank " + std::to_string(ring_peer) + " is at " + stray->envelope.str() +
+              " while this rank is at " + envelope.str() +
+              " (every rank must pass its collective buffer, or every rank an ordinary tensor)");
+  for (int r = 0; r < n; ++r)
+    if (r != rank && !(shm.announced(r) == envelope))
+      shm.abort(what + ": rank " + std::to_string(r) + " is at " + shm.announced(r).str() +
+                " while this rank is at " + envelope.str() +
+                " (every rank must issue the same collectives in the same order, with the same dtype, size, "
+                "op and root)");
+
+  // 2. Reduce part `rank` straight from every rank's buffer, in the ring's order (so the
+  //    result has the ring's bits, rounding included): the part starts at rank+1 and each
+  //    next rank q folds what came before into its own values, B_q = B_q (op) B_prev. The
+  //    peers' copies of this part are scratch: they are overwritten in step 3.
+  const ReduceFn reduce = reduce_fn(dtype, op);
+  const int64_t count = parts[rank].numel[rank];
+  if (count > 0) {
+    const uint8_t* previous = parts[(rank + 1) % n].data[rank];
+    for (int j = 2; j <= n; ++j) {
+      uint8_t* mine = parts[(rank + j) % n].data[rank];
+      reduce(mine, previous, count);
+      previous = mine;
+    }
+    if (op == ReduceOp::Avg) {
+      float* p = reinterpret_cast<float*>(parts[rank].data[rank]);
+      for (int64_t i = 0; i < count; ++i) p[i] /= static_cast<float>(n);
+    }
+  }
+  shm.reach(phase + 2);
+  shm.wait_until([&] { return shm.all_reached(phase + 2); }, -1, deadline, what);
+
+  // 3. Copy every other part from its owner.
+  for (int p = 0; p < n; ++p)
+    if (p != rank && parts[p].numel[p] > 0) std::memcpy(parts[rank].data[p], parts[p].data[p], parts[p].numel[p] * es);
+  // The peers read this rank's part until they pass here: only then may its owner change it.
+  shm.reach(phase + 3);
+  shm.wait_until([&] { return shm.all_reached(phase + 3); }, -1, deadline, what);
+}
+
 // ---- works and their progress (Note [Shm progress]) ------------------------------------------
 
 class ShmEngine;
@@ -807,15 +942,15 @@ class ProcessGroupShm : public ProcessGroup {
   ProcessGroupShm(std::shared_ptr<Store> store, const ShmOptions& options)
       : ProcessGroup(options.rank, options.world_size),
         store_(std::move(store)),
+        timeout_(options.timeout),
         sent_messages_(static_cast<size_t>(options.world_size), 0),
         received_messages_(static_cast<size_t>(options.world_size), 0) {
     // Groups are built in the same order on every rank, so the counter names the same group.
-    std::string prefix = !options.store_prefix.empty()
-                             ? options.store_prefix
-                             : "shm/" + std::to_string(next_group_id++) + "/";
+    prefix_ = !options.store_prefix.empty() ? options.store_prefix
+                                            : "shm/" + std::to_string(next_group_id++) + "/";
     if (world_size_ > 1)
       engine_ = std::make_shared<ShmEngine>(
-          std::make_unique<ShmSegment>(*store_, prefix, rank_, world_size_, options.timeout));
+          std::make_unique<ShmSegment>(*store_, prefix_, rank_, world_size_, options.timeout));
   }
 
   std::string backend_name() const override { return "shm"; }
@@ -827,6 +962,12 @@ class ProcessGroupShm : public ProcessGroup {
     check_reduce(name, tensor, op);
     if (world_size_ == 1 || tensor.numel() == 0) return std::make_shared<CompletedWork>();
     Envelope envelope = next_envelope(Kind::AllReduce, tensor, op, 0);
+    if (auto buffer = shared_buffer_of(tensor)) {
+      envelope.buffer = buffer->id;
+      return collective(describe(name, tensor), [tensor, buffer, op, envelope](Ring& ring) {
+        direct_all_reduce(ring.shm, envelope, *buffer, tensor.dtype(), op, ring.deadline, ring.what);
+      });
+    }
     return collective(describe(name, tensor), [tensor, op, envelope](Ring& ring) mutable {
       ring.envelope = envelope;
       // Reduce-scatter then all-gather, in place: each rank sends 2(N-1)/N of the buffer.
@@ -835,6 +976,83 @@ class ProcessGroupShm : public ProcessGroup {
       ring.all_gather(parts);
       if (op == ReduceOp::Avg) divide(tensor, ring.n());
     });
+  }
+
+  // Note [Shm direct all-reduce]: each rank makes its buffer a named segment, publishes the
+  // name through the store and maps every peer's; once all are mapped the names go, as in
+  // Note [Shm segment], so no exit path leaves one behind.
+  Tensor new_collective_buffer(int64_t numel, DType dtype, Device device) override {
+    if (world_size_ == 1 || device != Device::cpu() || numel <= 0)
+      return ProcessGroup::new_collective_buffer(numel, dtype, device);
+    const int64_t id = next_buffer_id_++;
+    const size_t nbytes = static_cast<size_t>(numel) * dtype_size(dtype);
+    const std::string what = where() + ": shm collective buffer #" + std::to_string(id) + " of " +
+                             std::to_string(numel) + " " + dtype_name(dtype);
+    const std::string key = prefix_ + "buffer/" + std::to_string(id) + "/";
+    auto buffer = std::make_shared<SharedBuffer>();
+    buffer->id = id;
+    buffer->nbytes = nbytes;
+    buffer->region.assign(static_cast<size_t>(world_size_), nullptr);
+
+    const std::string name = new_segment_name();
+    detail::Fd fd(::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600));
+    NANODDP_CHECK(fd.valid(), DistError, what, ": shm_open(", name, ") failed: ", detail::errno_text(errno));
+    struct Unlinker {
+      const std::string& name;
+      ~Unlinker() { ::shm_unlink(name.c_str()); }
+    } unlinker{name};
+    NANODDP_CHECK(::ftruncate(fd.get(), static_cast<off_t>(nbytes)) == 0, DistError, what, ": sizing ", name, " to ",
+                  nbytes, " bytes failed: ", detail::errno_text(errno), " (is /dev/shm full?)");
+    buffer->region[rank_] = map_region(fd.get(), nbytes, name, what);
+    store_->set(key + std::to_string(rank_), name + "\n" + std::to_string(nbytes));
+
+    std::vector<std::string> published;
+    for (int r = 0; r < world_size_; ++r)
+      if (r != rank_) published.push_back(key + std::to_string(r));
+    store_->wait(published, timeout_);
+    std::vector<std::string> names(static_cast<size_t>(world_size_));
+    std::string mismatch;
+    for (int r = 0; r < world_size_; ++r) {
+      if (r == rank_) continue;
+      const std::string entry = store_->get_string(key + std::to_string(r));
+      const size_t newline = entry.find('\n');
+      names[r] = entry.substr(0, newline);
+      const size_t their_bytes = newline == std::string::npos ? 0 : std::stoull(entry.substr(newline + 1));
+      if (their_bytes != nbytes && mismatch.empty())
+        mismatch = "rank " + std::to_string(r) + " made its buffer #" + std::to_string(id) + " " +
+                   std::to_string(their_bytes) + " bytes, this rank " + std::to_string(nbytes);
+    }
+    // Every rank has read every entry before any throws: each gets the message, not a store
+    // that went away with a rank that threw first.
+    store_->set(key + "read/" + std::to_string(rank_), std::string("1"));
+    std::vector<std::string> read;
+    for (int r = 0; r < world_size_; ++r) read.push_back(key + "read/" + std::to_string(r));
+    store_->wait(read, timeout_);
+    NANODDP_CHECK(mismatch.empty(), DistError, what, ": ", mismatch,
+                  " (every rank must make the same collective buffers, in the same order)");
+    for (int r = 0; r < world_size_; ++r) {
+      if (r == rank_) continue;
+      detail::Fd peer(::shm_open(names[r].c_str(), O_RDWR, 0600));
+      NANODDP_CHECK(peer.valid(), DistError, what, ": shm_open(", names[r], ") published by rank ", r,
+                    " failed: ", detail::errno_text(errno));
+      buffer->region[r] = map_region(peer.get(), nbytes, names[r], what);
+    }
+    store_->set(key + "mapped/" + std::to_string(rank_), std::string("1"));
+    std::vector<std::string> mapped;
+    for (int r = 0; r < world_size_; ++r) mapped.push_back(key + "mapped/" + std::to_string(r));
+    store_->wait(mapped, timeout_);
+
+    {
+      std::lock_guard<std::mutex> lock(buffers_mutex_);
+      for (auto it = buffers_.begin(); it != buffers_.end();) it = it->second.expired() ? buffers_.erase(it) : ++it;
+      buffers_[buffer->region[rank_]] = buffer;
+    }
+    auto impl = std::make_shared<TensorImpl>();
+    impl->storage = std::make_shared<Storage>(buffer->region[rank_], nbytes, Device::cpu(),
+                                              [buffer](void*) mutable { buffer.reset(); });
+    impl->shape = Shape{numel};
+    impl->dtype = dtype;
+    return Tensor(std::move(impl));
   }
 
   std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
@@ -966,9 +1184,25 @@ class ProcessGroupShm : public ProcessGroup {
                   rank_, ")");
   }
 
+  static uint8_t* map_region(int fd, size_t nbytes, const std::string& name, const std::string& what) {
+    void* mapped = ::mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    NANODDP_CHECK(mapped != MAP_FAILED, DistError, what, ": mapping ", nbytes, " bytes of ", name,
+                  " failed: ", detail::errno_text(errno));
+    return static_cast<uint8_t*>(mapped);
+  }
+
+  // The collective buffer that tensor is, whole; null for any other tensor.
+  std::shared_ptr<SharedBuffer> shared_buffer_of(const Tensor& tensor) {
+    std::lock_guard<std::mutex> lock(buffers_mutex_);
+    auto it = buffers_.find(bytes_of(tensor));
+    if (it == buffers_.end()) return nullptr;
+    auto buffer = it->second.lock();
+    return buffer != nullptr && buffer->nbytes == tensor.nbytes() ? buffer : nullptr;
+  }
+
   Envelope next_envelope(Kind kind, const Tensor& tensor, ReduceOp op, int root) {
     return Envelope{collective_seq_++,        kind, static_cast<int32_t>(tensor.dtype()),
-                    static_cast<int32_t>(op), root, tensor.numel()};
+                    static_cast<int32_t>(op), root, tensor.numel(), -1};
   }
 
   std::shared_ptr<Work> collective(std::string description, std::function<void(Ring&)> body) {
@@ -983,8 +1217,13 @@ class ProcessGroupShm : public ProcessGroup {
   }
 
   std::shared_ptr<Store> store_;
+  std::string prefix_;
+  std::chrono::milliseconds timeout_;
   std::shared_ptr<ShmEngine> engine_;
   uint64_t collective_seq_ = 0;
+  int64_t next_buffer_id_ = 0;
+  std::mutex buffers_mutex_;
+  std::map<const uint8_t*, std::weak_ptr<SharedBuffer>> buffers_;  // by region[rank]
   std::vector<uint64_t> sent_messages_;
   std::vector<uint64_t> received_messages_;
 };

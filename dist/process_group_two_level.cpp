@@ -129,6 +129,10 @@ class ProcessGroupTwoLevel : public ProcessGroup {
 
   std::string backend_name() const override { return "shm+gloo"; }
   Store& store() override { return *store_; }
+  // The local all-reduce (step 1) then runs on it directly (Note [Shm direct all-reduce]).
+  Tensor new_collective_buffer(int64_t numel, DType dtype, Device device) override {
+    return local_->new_collective_buffer(numel, dtype, device);
+  }
 
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
     const std::string name = std::string("all_reduce(") + reduce_op_name(op) + ")";

@@ -64,7 +64,9 @@ Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared
   Bucket current;
   size_t current_bytes = 0;
   auto close_bucket = [&] {
-    current.flat = Tensor::zeros({static_cast<int64_t>(current_bytes / sizeof(float))}, DType::Float32, device);
+    // Buckets are all-reduced every step: the group may place them where that is fastest.
+    current.flat = pg_->new_collective_buffer(static_cast<int64_t>(current_bytes / sizeof(float)), DType::Float32,
+                                              device);
     buckets_.push_back(std::move(current));
     current = Bucket();
     current_bytes = 0;
@@ -279,8 +281,11 @@ void Reducer::set_divide_factor(int64_t ranks) {
 void Reducer::shadow_synced_backward() {
   if (pg_->size() == 1) return;  // a synced backward issues nothing either
   std::vector<std::shared_ptr<Future>> futures;
-  for (const Bucket& bucket : buckets_) {  // step 3's launch, in plan order
-    Tensor zeros = Tensor::zeros(bucket.flat.shape(), DType::Float32, bucket.flat.device());
+  for (Bucket& bucket : buckets_) {  // step 3's launch, in plan order
+    // The bucket itself, zeroed: the others all-reduce their buckets, and on shm a bucket
+    // must meet a bucket (Note [Shm direct all-reduce]). This rank's gradients are not used.
+    Tensor zeros = bucket.flat;
+    zeros.zero_();
     if (comm_hook_) {
       // The others' hooks issue the hook's collectives (16-bit ones, say): so does this rank,
       // on a bucket of zeros, as PyTorch's join hook does (_match_all_reduce_for_bwd_pass).

@@ -10,9 +10,12 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 
 #include "core/error.h"
+#include "core/random.h"
+#include "core/half.h"
 #include "dist/init.h"
 #include "dist/ring.h"
 #include "tests/collectives_cases.h"
@@ -47,6 +50,8 @@ std::vector<std::string> shm_entries(const std::string& prefix) {
   }
   return names;
 }
+
+uint8_t* bytes(const Tensor& t) { return static_cast<uint8_t*>(t.impl()->storage->data()); }
 
 double cpu_seconds() {
   timespec ts{};
@@ -200,6 +205,96 @@ TEST_CASE("shm: ranks out of step are named on both sides, at once") {
     });
     CHECK_MESSAGE(failures.empty(), failures);
   }
+}
+
+// Note [Shm direct all-reduce]: the same bits as the ring, for every op and dtype the ring
+// takes, with parts of unequal length (65,537 elements) and a part that is empty (3 elements
+// at world size 4).
+TEST_CASE("shm: all_reduce of collective buffers gives the ring's bits, and leaves nothing behind") {
+  for (int world_size : {2, 3, 4}) {
+    CAPTURE(world_size);
+    int port = testing::free_port();
+    std::string failures = testing::run_ranks(world_size, [&](int rank) {
+      auto pg = join(port, rank, world_size);
+      struct Case {
+        DType dtype;
+        ReduceOp op;
+        int64_t numel;
+      };
+      for (Case c : {Case{DType::Float32, ReduceOp::Sum, 65537}, Case{DType::Float32, ReduceOp::Avg, 65537},
+                     Case{DType::Float32, ReduceOp::Max, 3}, Case{DType::Int64, ReduceOp::Min, 1000},
+                     Case{DType::BFloat16, ReduceOp::Sum, 4097}}) {
+        const std::string what = std::string(dtype_name(c.dtype)) + " " + reduce_op_name(c.op);
+        Tensor buffer = pg->new_collective_buffer(c.numel, c.dtype, Device::cpu());
+        testing::expect(buffer.numel() == c.numel && buffer.dtype() == c.dtype, what, ": buffer is ", buffer.str());
+        // Values whose float32 sums round differently in different orders; NaN on the last rank.
+        Generator gen(1000 + rank);
+        Tensor values = Tensor::randn({c.numel}, gen);
+        if (c.op == ReduceOp::Max && rank == world_size - 1) values.data<float>()[1] = NAN;
+        Tensor ring = c.dtype == DType::Int64       ? Tensor::from_vector([&] {
+                                                      std::vector<int64_t> v(c.numel);
+                                                      for (int64_t i = 0; i < c.numel; ++i) v[i] = (i * 7 + rank * 13) % 101 - 50;
+                                                      return v;
+                                                    }())
+                      : c.dtype == DType::BFloat16 ? Tensor::empty({c.numel}, DType::BFloat16)
+                                                   : values.clone();
+        if (c.dtype == DType::BFloat16)
+          for (int64_t i = 0; i < c.numel; ++i) ring.data<BFloat16>()[i] = BFloat16::from_float(values.data<float>()[i]);
+        std::memcpy(bytes(buffer), bytes(ring), ring.nbytes());
+        pg->all_reduce(ring, c.op)->wait();
+        pg->all_reduce(buffer, c.op)->wait();
+        testing::expect(std::memcmp(bytes(buffer), bytes(ring), ring.nbytes()) == 0, what,
+                        ": the direct all-reduce differs from the ring");
+        if (c.op == ReduceOp::Max) testing::expect(std::isnan(buffer.data<float>()[1]), what, ": NaN lost");
+      }
+      // Twice in a row on one buffer: the last rendezvous keeps a rank from overwriting what a
+      // peer still reads.
+      Tensor counts = pg->new_collective_buffer(4096, DType::Int64, Device::cpu());
+      for (int64_t step = 1; step <= 20; ++step) {
+        for (int64_t i = 0; i < 4096; ++i) counts.data<int64_t>()[i] = step * (rank + 1) + i;
+        pg->all_reduce(counts)->wait();
+        const int64_t ranks_sum = world_size * (world_size + 1) / 2;
+        for (int64_t i : {int64_t{0}, int64_t{2047}, int64_t{4095}})
+          testing::expect(counts.data<int64_t>()[i] == step * ranks_sum + world_size * i, "step ", step,
+                          ": element ", i, " is ", counts.data<int64_t>()[i]);
+      }
+      pg->barrier()->wait();
+      testing::expect(shm_entries("nanoddp." + std::to_string(::getpid()) + ".").empty(),
+                      "a collective buffer still has a name in /dev/shm");
+      destroy_process_group();
+      counts.data<int64_t>()[0] = 1;  // still mapped: the tensor owns its buffer
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("shm: collective buffers that ranks disagree on are named on both sides") {
+  int port = testing::free_port();
+  std::string failures = testing::run_ranks(2, [&](int rank) {
+    auto pg = join(port, rank, 2, 20000ms, /*check_collectives=*/false);
+    // One rank passes its buffer, the other an ordinary tensor of the same size: the ring
+    // and the direct all-reduce must not wait for each other until the timeout.
+    Tensor buffer = pg->new_collective_buffer(1000, DType::Float32, Device::cpu());
+    Tensor plain = Tensor::ones({1000});
+    auto start = std::chrono::steady_clock::now();
+    std::string what = error_of([&] { pg->all_reduce(rank == 0 ? buffer : plain)->wait(20000ms); });
+    testing::expect(what.find("in collective buffer #0") != std::string::npos, "message: ", what);
+    testing::expect(std::chrono::steady_clock::now() - start < 2000ms, "noticed late");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+
+  port = testing::free_port();
+  failures = testing::run_ranks(2, [&](int rank) {
+    auto pg = join(port, rank, 2, 20000ms);
+    std::string what = error_of([&] { pg->new_collective_buffer(4 + rank, DType::Float32, Device::cpu()); });
+    testing::expect(what.find(rank == 0 ? "rank 1 made its buffer #0 20 bytes, this rank 16"
+                                        : "rank 0 made its buffer #0 16 bytes, this rank 20") != std::string::npos,
+                    "message: ", what);
+    // Nothing was mapped: the group is still usable, and this keeps rank 0 (the store's
+    // server) alive until rank 1 has its message.
+    pg->barrier()->wait();
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
 }
 
 TEST_CASE("shm: a peer that exits is reported within a fraction of the timeout") {
