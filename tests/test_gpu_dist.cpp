@@ -10,6 +10,8 @@
 #include <limits>
 
 #include "core/ops.h"
+#include "core/half.h"
+#include "dist/comm_hooks.h"
 #include "dist/ddp.h"
 #include "dist/host_collectives.h"
 #include "dist/init.h"
@@ -145,6 +147,49 @@ TEST_CASE("DDP on a GPU (NCCL, world size 1) trains like the same model on the C
     float worst = 0;
     for (size_t j = 0; j < a.size(); ++j) worst = std::max(worst, std::abs(a[j] - b[j]));
     CHECK(worst < 1e-4f);
+  }
+}
+
+// The compression hooks on CUDA buckets over NCCL: the 16-bit conversion kernels, NCCL's
+// Float16/BFloat16 sum and the decompression. At world size 1 the reduced gradient is this
+// rank's, rounded to 16 bits: every value must be representable in 16 bits, and within one
+// 16-bit step of the same model's float32 gradient on the CPU.
+TEST_CASE("DDP compression hooks on a GPU (NCCL, world size 1) round every gradient to 16 bits") {
+  if (in_launched_rank()) return;
+#if !NANODDP_WITH_NCCL
+  testing::not_in_this_build("NCCL");
+  return;
+#endif
+  auto pg = nccl_group();
+  for (const bool bf16 : {false, true}) {
+    CAPTURE(bf16);
+    auto cpu_model = mlp(), gpu_model = mlp();
+    gpu_model->to(Device::cuda(0));
+    dist::DistributedDataParallel ddp(gpu_model, pg);
+    ddp.register_comm_hook(pg, bf16 ? dist::bf16_compress_hook : dist::fp16_compress_hook);
+    Generator gen(5);
+    const Tensor x = Tensor::randn({32, 6}, gen);
+    std::vector<int64_t> labels;
+    for (int i = 0; i < 32; ++i) labels.push_back(static_cast<int64_t>(gen.randint(4)));
+    const Tensor y = Tensor::from_vector(labels);
+    cross_entropy((*cpu_model)(x), y).backward();
+    cross_entropy(ddp(x.to(Device::cuda(0))), y.to(Device::cuda(0))).backward();
+    const auto cpu_params = cpu_model->named_parameters(), gpu_params = gpu_model->named_parameters();
+    for (size_t i = 0; i < cpu_params.size(); ++i) {
+      CAPTURE(cpu_params[i].first);
+      const std::vector<float> want = cpu_params[i].second.grad().to_vector();
+      const std::vector<float> got = gpu_params[i].second.grad().to_vector();
+      REQUIRE(got.size() == want.size());
+      for (size_t j = 0; j < got.size(); ++j) {
+        const float rounded = bf16 ? BFloat16::from_float(got[j]).to_float() : Float16::from_float(got[j]).to_float();
+        CHECK_MESSAGE(rounded == got[j], "element ", j, " = ", got[j], " is not a 16-bit value");
+        // One step of the 16-bit format at this magnitude: 2^-7 (bf16) or 2^-10 (fp16)
+        // relative, plus fp16's smallest subnormal step.
+        const float step = std::abs(want[j]) * (bf16 ? 1.0f / 128 : 1.0f / 1024) + (bf16 ? 0.0f : 6e-8f);
+        CHECK_MESSAGE(std::abs(got[j] - want[j]) <= step + 1e-6f, "element ", j, ": ", got[j], " vs the CPU's ",
+                      want[j]);
+      }
+    }
   }
 }
 
