@@ -15,8 +15,13 @@
 #include "dist/ddp.h"
 #include "dist/host_collectives.h"
 #include "dist/init.h"
+#include "dist/sync_batch_norm.h"
+#include "dist/zero_redundancy_optimizer.h"
 #include "kernels/device_memory.h"
 #include "nn/layers.h"
+#include "nn/adam.h"
+#include "nn/batch_norm.h"
+#include "nn/clip_grad.h"
 #include "nn/optim.h"
 #include "tests/staging_cases.h"
 #include "tests/subprocess.h"
@@ -191,6 +196,74 @@ TEST_CASE("DDP compression hooks on a GPU (NCCL, world size 1) round every gradi
       }
     }
   }
+}
+
+// ZeRO over Adam, SyncBatchNorm and clip_grad_norm_ on CUDA tensors over NCCL, against the
+// same model with BatchNorm1d and a plain Adam on the CPU: 5 steps, then the parameters, the
+// running statistics and every step's total norm agree to float32 noise.
+TEST_CASE("ZeRO (Adam), SyncBatchNorm and clip_grad_norm_ on a GPU (NCCL, world size 1) train like the CPU") {
+  if (in_launched_rank()) return;
+#if !NANODDP_WITH_NCCL
+  testing::not_in_this_build("NCCL");
+  return;
+#endif
+  auto pg = nccl_group();
+  auto with_batch_norm = [] {
+    Generator gen(3);
+    auto model = std::make_shared<nn::Sequential>();
+    // Normalising the input: behind a Linear, BatchNorm would cancel that Linear's bias, whose
+    // gradient would then be rounding noise that Adam scales up to whole steps.
+    model->add(nn::BatchNorm1d(6));
+    model->add(nn::Linear(6, 16, gen));
+    model->add(nn::ReLU());
+    model->add(nn::Linear(16, 4, gen));
+    return model;
+  };
+  auto cpu_model = with_batch_norm(), gpu_model = with_batch_norm();
+  dist::convert_sync_batchnorm(gpu_model, pg);
+  gpu_model->to(Device::cuda(0));
+  dist::DistributedDataParallel ddp(gpu_model, pg);
+  const nn::AdamOptions adam{/*lr=*/0.01f};
+  nn::Adam cpu_opt(cpu_model->parameters(), adam);
+  dist::ZeroRedundancyOptimizer gpu_opt(ddp.parameters(), pg, [&](std::vector<Tensor> params) {
+    return std::unique_ptr<nn::Optimizer>(new nn::Adam(std::move(params), adam));
+  });
+  Generator gen(11);
+  for (int step = 0; step < 5; ++step) {
+    CAPTURE(step);
+    const Tensor x = Tensor::randn({32, 6}, gen);
+    std::vector<int64_t> labels;
+    for (int i = 0; i < 32; ++i) labels.push_back(static_cast<int64_t>(gen.randint(4)));
+    const Tensor y = Tensor::from_vector(labels);
+    cpu_opt.zero_grad();
+    cross_entropy((*cpu_model)(x), y).backward();
+    const float cpu_norm = nn::clip_grad_norm_(cpu_model->parameters(), 0.5);
+    cpu_opt.step();
+    gpu_opt.zero_grad();
+    cross_entropy(ddp(x.to(Device::cuda(0))), y.to(Device::cuda(0))).backward();
+    const float gpu_norm = nn::clip_grad_norm_(ddp.parameters(), 0.5);
+    gpu_opt.step();
+    CHECK(std::abs(gpu_norm - cpu_norm) <= 1e-4f * cpu_norm);
+  }
+  auto compare = [](const std::vector<std::pair<std::string, Tensor>>& cpu,
+                    const std::vector<std::pair<std::string, Tensor>>& gpu) {
+    REQUIRE(cpu.size() == gpu.size());
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      CAPTURE(cpu[i].first);
+      CHECK(gpu[i].second.device() == Device::cuda(0));
+      const std::vector<float> a = cpu[i].second.to_vector(), b = gpu[i].second.to_vector();
+      float worst = 0;
+      for (size_t j = 0; j < a.size(); ++j) worst = std::max(worst, std::abs(a[j] - b[j]));
+      CHECK(worst < 1e-4f);
+    }
+  };
+  compare(cpu_model->named_parameters(), gpu_model->named_parameters());
+  std::vector<std::pair<std::string, Tensor>> cpu_stats, gpu_stats;
+  for (const auto& [name, b] : cpu_model->named_buffers())
+    if (b.dtype() == DType::Float32) cpu_stats.emplace_back(name, b);
+  for (const auto& [name, b] : gpu_model->named_buffers())
+    if (b.dtype() == DType::Float32) gpu_stats.emplace_back(name, b);
+  compare(cpu_stats, gpu_stats);
 }
 
 TEST_CASE("two ranks share one GPU over Gloo: collectives on CUDA tensors are exact") {
