@@ -76,6 +76,14 @@ std::shared_ptr<nn::Sequential> mlp() {
   return model;
 }
 
+// 32 samples of 6 features (standard normal) and their labels in [0, 4), drawn from gen.
+std::pair<Tensor, Tensor> random_batch(Generator& gen) {
+  Tensor x = Tensor::randn({32, 6}, gen);
+  std::vector<int64_t> labels;
+  for (int i = 0; i < 32; ++i) labels.push_back(static_cast<int64_t>(gen.randint(4)));
+  return {x, Tensor::from_vector(labels)};
+}
+
 }  // namespace
 
 TEST_CASE("NCCL collectives on a CUDA tensor, world size 1: exact values") {
@@ -134,10 +142,7 @@ TEST_CASE("DDP on a GPU (NCCL, world size 1) trains like the same model on the C
   nn::SGD gpu_opt(ddp.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
   Generator gen(11);
   for (int step = 0; step < 10; ++step) {
-    const Tensor x = Tensor::randn({32, 6}, gen);
-    std::vector<int64_t> labels;
-    for (int i = 0; i < 32; ++i) labels.push_back(static_cast<int64_t>(gen.randint(4)));
-    const Tensor y = Tensor::from_vector(labels);
+    const auto [x, y] = random_batch(gen);
     cpu_opt.zero_grad();
     cross_entropy((*cpu_model)(x), y).backward();
     cpu_opt.step();
@@ -173,10 +178,7 @@ TEST_CASE("DDP compression hooks on a GPU (NCCL, world size 1) round every gradi
     dist::DistributedDataParallel ddp(gpu_model, pg);
     ddp.register_comm_hook(pg, bf16 ? dist::bf16_compress_hook : dist::fp16_compress_hook);
     Generator gen(5);
-    const Tensor x = Tensor::randn({32, 6}, gen);
-    std::vector<int64_t> labels;
-    for (int i = 0; i < 32; ++i) labels.push_back(static_cast<int64_t>(gen.randint(4)));
-    const Tensor y = Tensor::from_vector(labels);
+    const auto [x, y] = random_batch(gen);
     cross_entropy((*cpu_model)(x), y).backward();
     cross_entropy(ddp(x.to(Device::cuda(0))), y.to(Device::cuda(0))).backward();
     const auto cpu_params = cpu_model->named_parameters(), gpu_params = gpu_model->named_parameters();
@@ -231,10 +233,7 @@ TEST_CASE("ZeRO (Adam), SyncBatchNorm and clip_grad_norm_ on a GPU (NCCL, world 
   Generator gen(11);
   for (int step = 0; step < 5; ++step) {
     CAPTURE(step);
-    const Tensor x = Tensor::randn({32, 6}, gen);
-    std::vector<int64_t> labels;
-    for (int i = 0; i < 32; ++i) labels.push_back(static_cast<int64_t>(gen.randint(4)));
-    const Tensor y = Tensor::from_vector(labels);
+    const auto [x, y] = random_batch(gen);
     cpu_opt.zero_grad();
     cross_entropy((*cpu_model)(x), y).backward();
     const float cpu_norm = nn::clip_grad_norm_(cpu_model->parameters(), 0.5);
