@@ -122,6 +122,9 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
       root = all_reduce_host(*pg_, std::vector<int64_t>{pg_->rank()}, ReduceOp::Max, timeout_)[0];
     broadcast_buffers(static_cast<int>(root));
   }
+  // Note [Bucket rebuild] in reducer.cpp: once, before the second synced backward (a broadcast
+  // from rank 0); Note [Join] step 3c. A joined rank does the same in DDPJoinHook::main_hook.
+  if (will_sync) reducer_->rebuild_buckets();
   return module_->forward(input);
 }
 
@@ -173,7 +176,7 @@ class DDPJoinHook : public JoinHook {
     ddp_.reducer_->set_divide_factor(ddp_.pg_->size());
   }
 
-  // Note [Join], steps 3' and 4'.
+  // Note [Join], steps 3' to 4'.
   void main_hook() override {
     const int64_t syncing =
         all_reduce_host(*ddp_.pg_, std::vector<int64_t>{0}, ReduceOp::Sum, ddp_.timeout_)[0];
@@ -181,7 +184,10 @@ class DDPJoinHook : public JoinHook {
       const int64_t root = all_reduce_host(*ddp_.pg_, std::vector<int64_t>{-1}, ReduceOp::Max, ddp_.timeout_)[0];
       ddp_.broadcast_buffers(static_cast<int>(root));
     }
-    if (syncing > 0) ddp_.reducer_->shadow_synced_backward();
+    if (syncing > 0) {
+      ddp_.reducer_->rebuild_buckets();  // 3c': as the others' forward
+      ddp_.reducer_->shadow_synced_backward();
+    }
   }
   void post_hook(bool is_last_joiner) override { ddp_.sync_final_model(is_last_joiner); }
 

@@ -11,7 +11,9 @@
 //      names the first mismatching parameter, this rank and rank 0;
 //   2. broadcasts rank 0's parameter and buffer values to every rank, so all start equal
 //      (buffers always, as PyTorch's _sync_module_states, whatever broadcast_buffers says);
-//   3. plans the gradient buckets and registers one hook per parameter (dist/reducer.h).
+//   3. plans the gradient buckets and registers one hook per parameter (dist/reducer.h; the
+//      plan is redone once, from the order gradients became ready, after the first synced
+//      backward).
 // Parameters with requires_grad false (frozen) are checked and broadcast but get no bucket and
 // no hook (Note [Frozen parameters] in ddp.cpp); freeze them before constructing DDP, the same
 // on every rank (a difference is a DistError naming the parameter and both ranks).
@@ -66,7 +68,7 @@
 namespace nanoddp::dist {
 
 // The reducer's options (bucket_cap_bytes, first_bucket_cap_bytes, find_unused_parameters,
-// overlap, timeout) and DDP's own.
+// overlap, static_graph, timeout) and DDP's own.
 struct DDPOptions : ReducerOptions {
   // Broadcast rank 0's buffers before each forward that syncs (Note [Buffer broadcast]),
   // as torch's DistributedDataParallel(broadcast_buffers=True).
@@ -82,7 +84,8 @@ class DistributedDataParallel : public nn::Module, public Joinable {
 
   // The wrapped model's forward. Inside a Join, first the join protocol's two 8-byte
   // all-reduces (Note [Join]), so every forward is an iteration there; then the buffer
-  // broadcast (Note [Buffer broadcast]).
+  // broadcast (Note [Buffer broadcast]); then, once, before the second synced backward, the
+  // bucket re-plan (Reducer::rebuild_buckets, one broadcast of an int64 per parameter).
   Tensor forward(const Tensor& input) override;
 
   nn::Module& module() { return *module_; }

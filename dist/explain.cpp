@@ -67,7 +67,10 @@ std::string explain_plan(DistributedDataParallel& ddp) {
   std::ostringstream out;
   out << "explain: DDP bucket plan, " << plan.size() << (plan.size() == 1 ? " bucket" : " buckets") << " (world size "
       << pg.size() << ", " << pg.backend_name() << "; first bucket cap " << options.first_bucket_cap_bytes
-      << " bytes, bucket cap " << options.bucket_cap_bytes << " bytes; parameters in reverse order)\n";
+      << " bytes, bucket cap " << options.bucket_cap_bytes << " bytes; "
+      << (ddp.reducer().buckets_rebuilt() ? "rebuilt from the order gradients became ready on rank 0"
+                                          : "parameters in reverse order")
+      << ")\n";
   for (size_t b = 0; b < plan.size(); ++b) {
     size_t bytes = 0;
     std::ostringstream names;

@@ -35,7 +35,8 @@ bool explain_from_environment();
 
 // The bucket plan, one block per bucket: its index, its parameters by name and shape in plan
 // order, its bytes, and why it closed (it reached the first-bucket cap, the bucket cap, or
-// the parameters ran out). Lines end in '\n'.
+// the parameters ran out); the header says whether it is the first plan or the one rebuilt
+// after the first step (Reducer::rebuild_buckets). Lines end in '\n'.
 std::string explain_plan(DistributedDataParallel& ddp);
 
 // Counters and trace events from construction to report(). Construct it when an epoch starts;

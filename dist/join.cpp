@@ -25,9 +25,13 @@ namespace nanoddp::dist {
 //   3b. DDP with buffers to broadcast, when syncing:       | 3b'. the same with -1, then
 //      all_reduce(max) of its rank = the source; then one  |     the same broadcasts
 //      broadcast per buffer dtype (Note [Buffer broadcast])|
+//   3c. DDP, when syncing, once, after the first synced    | 3c'. the same (rebuild_buckets;
+//      backward: broadcast of rank 0's ready order, one    |     a 4' counts as a synced
+//      int64 per parameter (Note [Bucket rebuild])         |     backward, as a 4 does)
 //   4. backward: one all_reduce(sum) per bucket, in plan   | 4'. shadow_synced_backward:
 //      order; find_unused_parameters: the used map,        |     zeros in every bucket, a
-//      all_reduce(max) of one int64 per parameter          |     used map of zeros
+//      all_reduce(max) of one int64 per parameter (with    |     used map of zeros when the
+//      static_graph in the first synced backward only)     |     others send theirs
 // A joined rank contributes zeros, so the sums are those of the ranks still training. DDP
 // divides them by the world size (divide_by_initial_world_size, PyTorch's default: a joined
 // rank weighs as a zero gradient) or by the count from step 1. A parameter that only joined

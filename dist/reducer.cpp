@@ -16,8 +16,38 @@ namespace nanoddp::dist {
 // (the first to fill) is kept small (1 MiB) so the first all-reduce starts early. Every rank
 // computes the same plan from the same parameter list and launches buckets strictly in plan
 // order, so the collectives match across ranks even if one rank's hooks fire in a different
-// order. PyTorch additionally re-plans after the first iteration from the observed order; we
-// keep the static plan, which is what that re-plan finds for a sequential model.
+// order. Reverse registration order is only a guess at the ready order: Note [Bucket rebuild].
+
+// Note [Bucket rebuild]
+// A model may register its layers in another order than it uses them (a head defined before
+// its trunk, a shared embedding); then the first plan's bucket 0 fills late, and since
+// buckets launch strictly in order, little overlaps. So, as PyTorch's reducer does, the first
+// synced backward records the order in which gradients became ready, and the forward before
+// the next synced backward re-plans once from it, under the same caps (first bucket
+// first_bucket_cap_bytes, then bucket_cap_bytes). Ranks may observe different orders, and the
+// plan must be the same everywhere: rank 0's order is broadcast (one int64 per parameter) and
+// every rank plans from it. Parameters that were not ready there (unused) go last, in reverse
+// registration order. The same caps over another order can cut other buckets: our
+// LinearBackward gives a layer's weight before its bias (the reverse of registration order),
+// so with caps of 100 and 150 bytes make_mlp's {2.bias, 2.weight}, {0.bias, 0.weight} become
+// {2.weight, 2.bias}, {0.weight}, {0.bias}: 0.weight alone reaches the cap
+// (tests/test_ddp.cpp counts it). With the default caps a small model stays one bucket.
+// Skipped with find_unused_parameters (the used set may change from one iteration to the
+// next, so the first order says little), unless static_graph, as in PyTorch. Nothing else
+// changes: the hooks are per parameter, and a parameter's gradient is the same whichever
+// bucket carries it. Called between backwards only, so no bucket is in flight, and what a
+// no_sync backward noted (used_in_window_) is kept.
+
+// Note [Static graph]
+// static_graph promises that every iteration uses the same parameters (PyTorch's flag). The
+// first synced backward runs as with find_unused_parameters: unused parameters contribute
+// zeros, and one all-reduce (max) of a flag per parameter finds which ones some rank used.
+// That answer is kept, and later backwards skip the all-reduce: a parameter unused here
+// contributes zeros, a parameter no rank used keeps its .grad. A parameter that gets a
+// gradient although no rank used it in the first iteration breaks the promise (its mean
+// would be dropped): DistError. PyTorch's static_graph also lets a parameter's hook fire
+// several times in one backward (reentrant activation checkpointing); our engine has no
+// reentrant backward, so a second gradient in one backward stays an error.
 
 // Note [Unused parameters]
 // With find_unused_parameters, a parameter may be used on one rank and not on another (a
@@ -59,8 +89,24 @@ Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared
                   " but '", params_[0].first, "' is on ", device, "; move the whole model first");
   }
 
-  // 1. Plan: reverse registration order; a bucket closes once it reaches its cap.
-  location_.resize(params_.size());
+  // 1. Plan: reverse registration order.
+  std::vector<size_t> reverse_registration;
+  for (size_t k = params_.size(); k-- > 0;) reverse_registration.push_back(k);
+  plan_buckets(reverse_registration);
+
+  for (size_t k = 0; k < params_.size(); ++k) {
+    Tensor& p = params_[k].second;
+    hook_ids_.push_back(p.register_post_accumulate_grad_hook([this, k](Tensor&) { mark_ready(k); }));
+  }
+  reset_iteration();
+}
+
+// A bucket closes once it reaches its cap: the first bucket's, then bucket_cap_bytes.
+void Reducer::plan_buckets(const std::vector<size_t>& order) {
+  NANODDP_ASSERT(order.size() == params_.size());
+  const Device device = params_.empty() ? Device::cpu() : params_[0].second.device();
+  buckets_.clear();
+  location_.assign(params_.size(), {0, 0});
   Bucket current;
   size_t current_bytes = 0;
   auto close_bucket = [&] {
@@ -71,7 +117,7 @@ Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared
     current = Bucket();
     current_bytes = 0;
   };
-  for (size_t k = params_.size(); k-- > 0;) {
+  for (size_t k : order) {
     location_[k] = {buckets_.size(), current.params.size()};
     current.offsets.push_back(current_bytes / sizeof(float));
     current.params.push_back(k);
@@ -80,12 +126,40 @@ Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared
     if (current_bytes >= cap) close_bucket();
   }
   if (!current.params.empty()) close_bucket();
+  for (Bucket& b : buckets_) b.pending = b.params.size();
+  next_bucket_to_launch_ = 0;
+}
 
-  for (size_t k = 0; k < params_.size(); ++k) {
-    Tensor& p = params_[k].second;
-    hook_ids_.push_back(p.register_post_accumulate_grad_hook([this, k](Tensor&) { mark_ready(k); }));
+bool Reducer::should_rebuild() const {
+  return !rebuilt_ && (options_.static_graph || !options_.find_unused_parameters);
+}
+
+// Note [Bucket rebuild]
+bool Reducer::rebuild_buckets() {
+  if (!should_rebuild() || synced_backwards_ == 0) return false;
+  NANODDP_ASSERT(!finalize_queued_);  // between backwards: nothing in flight
+  rebuilt_ = true;
+  std::vector<int64_t> order;
+  std::vector<bool> placed(params_.size(), false);
+  for (size_t k : ready_order_) {
+    order.push_back(static_cast<int64_t>(k));
+    placed[k] = true;
   }
-  reset_iteration();
+  for (size_t k = params_.size(); k-- > 0;)
+    if (!placed[k]) order.push_back(static_cast<int64_t>(k));
+  ready_order_.clear();
+  if (pg_->size() > 1) {
+    Tensor rank0_order = Tensor::from_vector(order, {}, pg_->device());  // NCCL takes device tensors only
+    pg_->broadcast(rank0_order, /*root=*/0)->wait(options_.timeout);
+    order = rank0_order.to_int_vector();
+  }
+  std::vector<size_t> plan_order;
+  for (int64_t k : order) {
+    NANODDP_ASSERT(k >= 0 && static_cast<size_t>(k) < params_.size());  // the same parameters everywhere
+    plan_order.push_back(static_cast<size_t>(k));
+  }
+  plan_buckets(plan_order);
+  return true;
 }
 
 Reducer::~Reducer() {
@@ -109,6 +183,7 @@ void Reducer::register_comm_hook(CommHook hook) {
 }
 
 void Reducer::reset_iteration() {
+  if (synced_backwards_ == 0) ready_order_.clear();  // a first backward that failed records again
   ready_.assign(params_.size(), false);
   used_in_window_.assign(params_.size(), false);
   for (Bucket& b : buckets_) {
@@ -138,6 +213,7 @@ void Reducer::mark_ready(size_t k) {
 
 void Reducer::copy_into_bucket(size_t k) {
   ready_[k] = true;
+  if (synced_backwards_ == 0 && should_rebuild()) ready_order_.push_back(k);  // Note [Bucket rebuild]
   if (!reduces()) return;  // the mean over one rank is the gradient itself
   auto [b, slot] = location_[k];
   Bucket& bucket = buckets_[b];
@@ -205,6 +281,10 @@ void Reducer::finalize() {
     Reducer& reducer;
     ~ResetAtExit() { reducer.reset_iteration(); }
   } reset_at_exit{*this};
+  // Note [Static graph]: unused parameters are allowed; after the first synced backward,
+  // which ones some rank used is known.
+  const bool allow_unused = options_.find_unused_parameters || options_.static_graph;
+  const bool used_known = options_.static_graph && !static_used_anywhere_.empty();
   std::vector<std::string> unready;
   for (size_t k = 0; k < params_.size(); ++k) {
     if (ready_[k]) continue;
@@ -212,7 +292,7 @@ void Reducer::finalize() {
       copy_into_bucket(k);  // used only in an earlier no_sync backward: its sum is in .grad
       continue;
     }
-    if (!options_.find_unused_parameters) {
+    if (!allow_unused) {
       unready.push_back(params_[k].first);
       continue;
     }
@@ -231,16 +311,20 @@ void Reducer::finalize() {
                   ": these parameters received no gradient in this iteration: ", names.str(),
                   ". Make every parameter take part in the loss, or pass find_unused_parameters = true");
   }
+  ++synced_backwards_;
   if (!reduces()) return;
   launch_ready_buckets();
   NANODDP_ASSERT(next_bucket_to_launch_ == buckets_.size());
   // Note [Unused parameters]: which parameters did any rank use? Issued after every bucket,
   // so the order of collectives is the same on every rank.
   std::vector<int64_t> used_anywhere(params_.size(), 1);
-  if (options_.find_unused_parameters) {
+  if (used_known) {
+    used_anywhere = static_used_anywhere_;  // Note [Static graph]
+  } else if (allow_unused) {
     std::vector<int64_t> used_here(params_.size());
     for (size_t k = 0; k < params_.size(); ++k) used_here[k] = ready_[k] ? 1 : 0;
     used_anywhere = all_reduce_host(*pg_, used_here, ReduceOp::Max, options_.timeout);  // on the group's device
+    if (options_.static_graph) static_used_anywhere_ = used_anywhere;
   }
   for (Bucket& bucket : buckets_) {
     const size_t index = static_cast<size_t>(&bucket - buckets_.data());
@@ -268,6 +352,19 @@ void Reducer::finalize() {
                  grad.nbytes());
     }
   }
+  // Note [Static graph]: a gradient no rank had in the first iteration was just dropped. Said
+  // after the collectives, so that the ranks stay in step.
+  if (used_known) {
+    std::ostringstream newly_used;
+    int count = 0;
+    for (size_t k = 0; k < params_.size(); ++k)
+      if (ready_[k] && used_anywhere[k] == 0) newly_used << (count++ ? ", " : "") << params_[k].first;
+    NANODDP_CHECK(count == 0, DistError, "DDP on rank ", pg_->rank(), "/", pg_->size(),
+                  " with static_graph: these parameters received a gradient, but no rank used them in the first "
+                  "iteration: ",
+                  newly_used.str(), ". The set of used parameters changed; pass find_unused_parameters = true "
+                  "instead of static_graph");
+  }
 }
 
 // ---- dist::Join (Note [Join] in dist/join.cpp) ----
@@ -279,6 +376,7 @@ void Reducer::set_divide_factor(int64_t ranks) {
 }
 
 void Reducer::shadow_synced_backward() {
+  ++synced_backwards_;  // as the others' finalize counts theirs: Note [Bucket rebuild] waits for one
   if (pg_->size() == 1) return;  // a synced backward issues nothing either
   std::vector<std::shared_ptr<Future>> futures;
   for (Bucket& bucket : buckets_) {  // step 3's launch, in plan order
@@ -299,8 +397,13 @@ void Reducer::shadow_synced_backward() {
       futures.push_back(std::make_shared<Future>(pg_->all_reduce(zeros, ReduceOp::Sum), zeros));
     }
   }
-  if (options_.find_unused_parameters)  // this rank used nothing
-    all_reduce_host(*pg_, std::vector<int64_t>(params_.size(), 0), ReduceOp::Max, options_.timeout);
+  // This rank used nothing. Note [Static graph]: the others ask once, and keep the answer;
+  // so does this rank.
+  const bool used_known = options_.static_graph && !static_used_anywhere_.empty();
+  if ((options_.find_unused_parameters || options_.static_graph) && !used_known) {
+    auto used_anywhere = all_reduce_host(*pg_, std::vector<int64_t>(params_.size(), 0), ReduceOp::Max, options_.timeout);
+    if (options_.static_graph) static_used_anywhere_ = std::move(used_anywhere);
+  }
   for (auto& future : futures) future->wait(options_.timeout);
 }
 

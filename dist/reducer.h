@@ -8,7 +8,9 @@
 //   1. Plan (Note [Bucket order]): parameters in reverse registration order are packed into
 //      buckets; the first holds up to first_bucket_cap_bytes, the others bucket_cap_bytes.
 //      The plan depends only on the parameters' order and sizes, so it is the same on every
-//      rank, and so is the order of the all-reduces.
+//      rank, and so is the order of the all-reduces. Once, after the first synced backward,
+//      rebuild_buckets() re-plans under the same caps from the order in which gradients
+//      became ready on rank 0 (Note [Bucket rebuild] in reducer.cpp).
 //   2. mark_ready(i), called when parameter i's gradient is final for this backward: copy it
 //      into its bucket's flat buffer, divided by world_size (the averaging folded into the
 //      copy; under dist::Join, possibly by the ranks still training: set_divide_factor). When a bucket's last parameter is in, and overlap is on, launch the all-reduces
@@ -21,7 +23,8 @@
 //      but used in an earlier no_sync backward contributes its accumulated .grad; any other
 //      is an error naming it, or (find_unused_parameters) contributes zeros; launch what is
 //      left in order; with find_unused_parameters, all-reduce which parameters each rank
-//      used (Note [Unused parameters] in reducer.cpp); wait for every bucket (its all-reduce,
+//      used (Note [Unused parameters] in reducer.cpp; with static_graph only in the first
+//      synced backward, Note [Static graph]); wait for every bucket (its all-reduce,
 //      or its hook's future) with the timeout, in plan order; copy each bucket's means into .grad of every parameter some rank used (a
 //      .grad is created where this rank had none). A parameter no rank used keeps its .grad,
 //      so the optimizer skips it on every rank, as in PyTorch.
@@ -52,6 +55,13 @@ struct ReducerOptions {
   // behaviour, and what pays on GPUs). false: launch all buckets when backward ends, which
   // costs less CPU time on machines with few cores (see benchmarks/).
   bool overlap = true;
+  // Every iteration uses the same parameters (PyTorch's static_graph): parameters may go
+  // unused, as with find_unused_parameters, but which ones some rank used is all-reduced in
+  // the first synced backward only and kept; and the buckets are rebuilt even when parameters
+  // go unused. Takes precedence over find_unused_parameters, as in PyTorch. A later backward
+  // in which a parameter gets a gradient that no rank's gradient reached in the first is a
+  // DistError (the graph was not static). Note [Static graph] in reducer.cpp.
+  bool static_graph = false;
   std::chrono::milliseconds timeout = kDefaultTimeout;
 };
 
@@ -75,6 +85,17 @@ class Reducer {
   void register_comm_hook(CommHook hook);
   bool has_comm_hook() const { return comm_hook_ != nullptr; }
 
+  // Note [Bucket rebuild] in reducer.cpp (PyTorch's Reducer::rebuild_buckets): once, after
+  // the first synced backward, re-plans the buckets under the same caps from the order in
+  // which gradients became ready on rank 0 (broadcast: one int64 per parameter), so every
+  // rank gets the same plan. Not with find_unused_parameters unless static_graph. Collective
+  // when it re-plans: every rank calls it at the same point between two backwards (DDP's
+  // forward does, when that forward's backward will sync; a joined rank's DDP join hook at
+  // the same step). Returns true when it re-planned; false, issuing nothing, when no
+  // re-plan is due. Throws what the broadcast throws (DistError, TimeoutError).
+  bool rebuild_buckets();
+  bool buckets_rebuilt() const { return rebuilt_; }
+
   // The plan: bucket b holds these parameter indices (into the constructor's list).
   std::vector<std::vector<size_t>> bucket_plan() const;
   const ReducerOptions& options() const { return options_; }
@@ -87,9 +108,9 @@ class Reducer {
   int64_t divide_factor() const { return divide_factor_; }
   // On a rank that has joined: issues exactly the collectives of one synced backward (an
   // all-reduce of zeros per bucket, in plan order, or the comm hook called on a bucket of
-  // zeros; with find_unused_parameters the used map,
-  // all zeros) and waits for them (options.timeout). The results are dropped: .grad and the
-  // buckets are untouched.
+  // zeros; with find_unused_parameters the used map, all zeros, with static_graph only the
+  // first time, as the others) and waits for them (options.timeout). The results are dropped: .grad and the buckets are untouched. It
+  // counts as a synced backward for rebuild_buckets, as it does on the others.
   void shadow_synced_backward();
 
  private:
@@ -102,6 +123,9 @@ class Reducer {
     double launched_us = -1;       // when tracing: launch time until its completion is recorded
   };
 
+  // Step 1: packs the parameters, in this order, into buckets under the caps.
+  void plan_buckets(const std::vector<size_t>& order);
+  bool should_rebuild() const;
   void mark_ready(size_t param_index);
   void copy_into_bucket(size_t param_index);
   void launch_ready_buckets();
@@ -126,6 +150,10 @@ class Reducer {
   int64_t divide_factor_;  // Join: see set_divide_factor
   CommHook comm_hook_;
   bool backward_seen_ = false;  // a synced backward has run (hooks must come before)
+  int64_t synced_backwards_ = 0;     // finalized (or shadowed under Join) so far
+  std::vector<size_t> ready_order_;  // Note [Bucket rebuild]: recorded in the first synced backward
+  bool rebuilt_ = false;
+  std::vector<int64_t> static_used_anywhere_;  // Note [Static graph]: learnt in the first synced backward
 };
 
 }  // namespace nanoddp::dist

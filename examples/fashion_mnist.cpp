@@ -341,6 +341,7 @@ int run(const Config& config) {
 
   double train_loss = NAN, accuracy = NAN, samples_per_s = NAN;
   int epochs_done = first_epoch;
+  bool rebuilt_plan_explained = false;
   if (first_epoch >= config.epochs) accuracy = evaluate(*model, test_loader, *pg);
   const int last_epoch = config.stop_after > 0 ? std::min(config.stop_after, config.epochs) : config.epochs;
   for (int epoch = first_epoch; epoch < last_epoch; ++epoch) {
@@ -387,6 +388,10 @@ int run(const Config& config) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (explained && rank == 0 && steps > 0)
       std::printf("%s", explained->report("epoch " + std::to_string(epoch + 1), steps).c_str());
+    if (explain && rank == 0 && ddp.reducer().buckets_rebuilt() && !rebuilt_plan_explained) {
+      std::printf("%s", dist::explain_plan(ddp).c_str());  // re-planned after the first step
+      rebuilt_plan_explained = true;
+    }
 
     // Mean loss over ranks; all ranks' samples over the slowest rank's time.
     const std::vector<float> stats = dist::all_reduce_host(

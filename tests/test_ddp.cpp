@@ -5,6 +5,7 @@
 // backend with MPI's ranks.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <sstream>
@@ -159,17 +160,24 @@ TEST_CASE("no_sync accumulation equals one rank accumulating all micro-batches")
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+// make_mlp's gradients become ready 2.weight, 2.bias, 0.weight, 0.bias (LinearBackward hands
+// the engine a layer's weight before its bias), so with caps of 100 and 150 bytes the plan
+// rebuilt after the first synced backward (Note [Bucket rebuild]) cuts other buckets than the
+// first plan: {2.weight, 2.bias} (108 B >= 100), {0.weight} (160 B >= 150), {0.bias} (32 B).
+const std::vector<std::vector<size_t>> kMlpFirstPlan = {{3, 2}, {1, 0}}, kMlpRebuiltPlan = {{2, 3}, {0}, {1}};
+
 TEST_CASE("counters: one all-reduce per bucket per optimizer step, none inside no_sync") {
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [port](int rank) {
     auto pg = join(rank, 2, port);
     dist::DDPOptions options;
     options.first_bucket_cap_bytes = 100;  // two buckets: 2.bias + 2.weight (108 B), 0.bias + 0.weight (192 B)
-    options.bucket_cap_bytes = 150;
+    options.bucket_cap_bytes = 150;        // then three, from step 1: kMlpRebuiltPlan
     dist::DistributedDataParallel ddp(make_mlp(7), pg, options);
     nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f});
     pg->reset_counts();  // construction's all_gathers and broadcasts are not part of a step
     auto all_reduces = [&] { return pg->count(dist::Collective::AllReduce); };
+    auto calls_after_step = [](int s) { return s < 0 ? 0 : 2 + 3 * s; };  // 2 buckets in step 0, then 3
     for (int s = 0; s < 3; ++s) {
       const Batch b = global_batch(s);
       const Batch first = rows(b, 8 * rank, 8 * rank + 4), second = rows(b, 8 * rank + 4, 8 * rank + 8);
@@ -178,16 +186,21 @@ TEST_CASE("counters: one all-reduce per bucket per optimizer step, none inside n
         auto guard = ddp.no_sync();
         cross_entropy(ddp(first.x), first.y).backward();
       }
-      expect(all_reduces().calls == 2 * s, "rank ", rank, " step ", s, ": ", all_reduces().calls,
-             " all-reduces after the no_sync backward, expected ", 2 * s);
+      expect(all_reduces().calls == calls_after_step(s - 1), "rank ", rank, " step ", s, ": ", all_reduces().calls,
+             " all-reduces after the no_sync backward, expected ", calls_after_step(s - 1));
       cross_entropy(ddp(second.x), second.y).backward();
       opt.step();
-      expect(all_reduces().calls == 2 * (s + 1) && all_reduces().bytes == 300 * (s + 1), "rank ", rank, " step ",
-             s, ": ", all_reduces().calls, " all-reduces of ", all_reduces().bytes, " bytes, expected ",
-             2 * (s + 1), " of ", 300 * (s + 1));
+      expect(all_reduces().calls == calls_after_step(s) && all_reduces().bytes == 300 * (s + 1), "rank ", rank,
+             " step ", s, ": ", all_reduces().calls, " all-reduces of ", all_reduces().bytes, " bytes, expected ",
+             calls_after_step(s), " of ", 300 * (s + 1));
+      expect(ddp.reducer().bucket_plan() == (s == 0 ? kMlpFirstPlan : kMlpRebuiltPlan), "rank ", rank, " step ", s,
+             ": unexpected bucket plan");
     }
-    expect(pg->count(dist::Collective::Broadcast).calls == 0 && pg->count(dist::Collective::Barrier).calls == 0,
-           "rank ", rank, ": training issued collectives other than all-reduce");
+    // The one broadcast: rank 0's ready order (4 int64) for the re-plan, in step 1's synced forward.
+    const dist::CollectiveCount broadcasts = pg->count(dist::Collective::Broadcast);
+    expect(broadcasts.calls == 1 && broadcasts.bytes == 32 && pg->count(dist::Collective::Barrier).calls == 0,
+           "rank ", rank, ": training issued ", broadcasts.calls, " broadcasts of ", broadcasts.bytes,
+           " bytes (expected the re-plan's 1 of 32) or a barrier");
   });
   CHECK_MESSAGE(failures.empty(), failures);
 }
@@ -310,7 +323,7 @@ TEST_CASE("comm hooks: allreduce_hook equals the default path; a hook sees each 
   const std::string failures = on_ranks(2, [port](int rank) {
     auto pg = join(rank, 2, port);
     dist::DDPOptions options;
-    options.first_bucket_cap_bytes = 100;  // buckets {2.bias, 2.weight} and {0.bias, 0.weight}
+    options.first_bucket_cap_bytes = 100;  // kMlpFirstPlan in step 0, kMlpRebuiltPlan after
     options.bucket_cap_bytes = 150;
     dist::DistributedDataParallel plain(make_mlp(7), pg, options), hooked(make_mlp(7), pg, options);
     struct Seen {
@@ -349,15 +362,23 @@ TEST_CASE("comm hooks: allreduce_hook equals the default path; a hook sees each 
     for (size_t i = 0; i < want.size(); ++i)
       expect(got[i].to_vector() == want[i].to_vector(), "rank ", rank, ": parameter ", i,
              " differs between allreduce_hook and the default path");
-    expect(seen->size() == 6, "rank ", rank, ": the hook ran ", seen->size(), " times in 3 steps, expected 6");
-    for (size_t call = 0; call < seen->size(); ++call) {
+    // Step 0, kMlpFirstPlan: bucket 0 = 2.bias (3) + 2.weight (24), 1 = 0.bias (8) + 0.weight (40).
+    // Steps 1 and 2, kMlpRebuiltPlan: 0 = 2.weight (24) + 2.bias (3), 1 = 0.weight (40), 2 = 0.bias (8).
+    const std::vector<Seen> want_seen = {{0, {0, 3}, 27, 2, false}, {1, {0, 8}, 48, 2, true},
+                                         {0, {0, 24}, 27, 2, false}, {1, {0}, 40, 1, false},
+                                         {2, {0}, 8, 1, true},       {0, {0, 24}, 27, 2, false},
+                                         {1, {0}, 40, 1, false},     {2, {0}, 8, 1, true}};
+    expect(seen->size() == want_seen.size(), "rank ", rank, ": the hook ran ", seen->size(),
+           " times in 3 steps, expected ", want_seen.size(), " (2 buckets, then 3 after the re-plan)");
+    for (size_t call = 0; call < std::min(seen->size(), want_seen.size()); ++call) {
       const Seen& bucket = (*seen)[call];
-      const bool first = call % 2 == 0;  // bucket 0 = 2.bias (3) + 2.weight (24); 1 = 0.bias (8) + 0.weight (40)
-      const std::vector<int64_t> offsets = first ? std::vector<int64_t>{0, 3} : std::vector<int64_t>{0, 8};
-      expect(bucket.index == (first ? 0u : 1u) && bucket.offsets == offsets && bucket.numel == (first ? 27 : 48) &&
-                 bucket.parameters == 2 && bucket.is_last == !first,
-             "rank ", rank, ": hook call ", call, " saw bucket ", bucket.index, " of ", bucket.numel,
-             " elements, is_last ", bucket.is_last);
+      const Seen& want_bucket = want_seen[call];
+      expect(bucket.index == want_bucket.index && bucket.offsets == want_bucket.offsets &&
+                 bucket.numel == want_bucket.numel && bucket.parameters == want_bucket.parameters &&
+                 bucket.is_last == want_bucket.is_last,
+             "rank ", rank, ": hook call ", call, " saw bucket ", bucket.index, " of ", bucket.numel, " elements in ",
+             bucket.parameters, " parameters, is_last ", bucket.is_last, "; expected bucket ", want_bucket.index,
+             " of ", want_bucket.numel, " in ", want_bucket.parameters);
     }
     bool threw_late = false;
     try {
@@ -504,6 +525,149 @@ TEST_CASE("ZeroRedundancyOptimizer on 2 and 4 ranks equals the unsharded SGD and
   // 1 rank holds all 75 elements: 300 bytes of momentum. Per rank at 2: 160, 140; at 4: 160, 96, 32, 12.
   check_zero(2, {0, 1, 1, 1}, {160, 140});
   if (!under_mpirun()) check_zero(4, {0, 2, 1, 3}, {160, 96, 32, 12});
+}
+
+// ---- Bucket rebuild and static_graph (Note [Bucket rebuild], Note [Static graph]) -----------
+
+namespace {
+
+// Registers its head before its trunk and uses them the other way round, so the first plan
+// (reverse registration order) has the head's gradients, ready first, in the last bucket.
+// Parameters: 0 head.weight [1, 4] 16 B, 1 head.bias 4 B, 2 trunk.weight [4, 2] 32 B,
+// 3 trunk.bias 16 B; with an aux head, registered last and used only when asked:
+// 4 aux.weight [1, 2] 8 B, 5 aux.bias 4 B.
+struct HeadFirst : nn::Module {
+  explicit HeadFirst(bool with_aux) {
+    if (with_aux) aux = register_module("aux", std::make_shared<nn::Linear>(2, 1));
+    const std::vector<std::pair<Tensor*, std::vector<float>>> values = {
+        {&head->weight, {0.5f, -1, 0.5f, 1}}, {&head->bias, {0}},
+        {&trunk->weight, {1, -1, 0.5f, 1, -1, 0.5f, 1, 0}}, {&trunk->bias, {0, 0.5f, 1, -0.5f}}};
+    for (const auto& [p, v] : values) p->copy_(Tensor::from_vector(v, p->shape()));
+  }
+  std::shared_ptr<nn::Linear> head = register_module("head", std::make_shared<nn::Linear>(4, 1));
+  std::shared_ptr<nn::Linear> trunk = register_module("trunk", std::make_shared<nn::Linear>(2, 4));
+  std::shared_ptr<nn::Linear> aux;
+  bool use_aux = false;
+  Tensor forward(const Tensor& x) override {
+    Tensor y = (*head)(relu((*trunk)(x)));
+    return use_aux ? y + (*aux)(x) : y;
+  }
+};
+
+// Step s's global batch: 4 rows of small integers; rank r of 2 takes rows 2r, 2r + 1.
+// With the dyadic weights above and lr 1/4, every value of two steps (outputs, gradients,
+// their sums over 2 or 4 rows, the updates) is a dyadic fraction of at most 23 significant
+// bits (checked in exact rational arithmetic), so float32 holds it exactly and DDP's result
+// equals the 1-rank one bit for bit.
+Batch head_first_batch(int step, int64_t begin, int64_t end) {
+  const std::vector<std::vector<float>> x = {{1, 2, -1, 1, 2, 0, 0, -2}, {2, 1, 1, -1, -2, 1, 1, 1}};
+  const std::vector<std::vector<float>> t = {{1, -1, 2, 0}, {0, 2, -1, 1}};
+  const auto& xs = x[static_cast<size_t>(step)];
+  const auto& ts = t[static_cast<size_t>(step)];
+  return {Tensor::from_vector(std::vector<float>(xs.begin() + 2 * begin, xs.begin() + 2 * end), {end - begin, 2}),
+          Tensor::from_vector(std::vector<float>(ts.begin() + begin, ts.begin() + end), {end - begin, 1})};
+}
+constexpr float kHeadFirstLr = 0.25f;
+
+}  // namespace
+
+TEST_CASE("bucket rebuild: after the first backward every rank plans from rank 0's ready order; 2 ranks == 1 rank") {
+  // Caps 20 and 48 bytes. First plan, reverse registration: trunk.bias + trunk.weight (48 B
+  // >= 20), then head.bias + head.weight (20 B, no parameters left). Gradients become ready
+  // head.weight, head.bias, trunk.weight, trunk.bias (the head runs last in forward, and
+  // LinearBackward gives a weight before its bias), so the rebuilt plan is head.weight +
+  // head.bias (20 B >= 20), then trunk.weight + trunk.bias (48 B >= 48): the head's bucket,
+  // complete first, now launches first. With static_graph and the unused aux head, the aux
+  // parameters (not ready on rank 0) go last, in reverse registration order.
+  const std::vector<std::vector<size_t>> first_plan = {{3, 2}, {1, 0}}, rebuilt_plan = {{0, 1}, {2, 3}};
+  const std::vector<std::vector<size_t>> aux_first_plan = {{5, 4, 3}, {2, 1, 0}},
+                                         aux_rebuilt_plan = {{0, 1}, {2, 3}, {5, 4}};
+  dist::DDPOptions caps;
+  caps.first_bucket_cap_bytes = 20;
+  caps.bucket_cap_bytes = 48;
+  // The reference: one rank, the whole batch of 4, two SGD steps.
+  HeadFirst reference(false);
+  nn::SGD reference_opt(reference.parameters(), {kHeadFirstLr});
+  for (int s = 0; s < 2; ++s) {
+    const Batch b = head_first_batch(s, 0, 4);
+    reference_opt.zero_grad();
+    mse_loss(reference(b.x), b.y).backward();
+    reference_opt.step();
+  }
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = join(rank, 2, port);
+    // Two steps of 2 rows per rank; the second runs on the rebuilt plan. Checks the plan
+    // before and after each step, and the result against the reference, exactly.
+    auto train = [&](const std::string& what, HeadFirst& model, dist::DistributedDataParallel& ddp,
+                     const std::vector<std::vector<size_t>>& before, const std::vector<std::vector<size_t>>& after) {
+      nn::SGD opt(ddp.parameters(), {kHeadFirstLr});
+      expect(ddp.reducer().bucket_plan() == before, what, " rank ", rank, ": unexpected first plan");
+      for (int s = 0; s < 2; ++s) {
+        const Batch b = head_first_batch(s, 2 * rank, 2 * rank + 2);
+        opt.zero_grad();
+        mse_loss(ddp(b.x), b.y).backward();
+        opt.step();
+        expect(ddp.reducer().bucket_plan() == (s == 0 ? before : after), what, " rank ", rank, " after step ", s,
+               ": the plan is not the ", s == 0 ? "first" : "rebuilt", " one");
+      }
+      const auto got = model.parameters(), want = reference.parameters();
+      for (size_t i = 0; i < want.size(); ++i)
+        expect(got[i].to_vector() == want[i].to_vector(), what, " rank ", rank, ": parameter ", i, " is ", got[i],
+               ", the 1-rank reference ", want[i]);
+    };
+
+    {  // Default options: the re-plan costs one broadcast of rank 0's order (4 int64).
+      auto model = std::make_shared<HeadFirst>(false);
+      dist::DistributedDataParallel ddp(model, pg, caps);
+      pg->reset_counts();
+      train("default", *model, ddp, first_plan, rebuilt_plan);
+      const dist::CollectiveCount broadcasts = pg->count(dist::Collective::Broadcast);
+      expect(broadcasts.calls == 1 && broadcasts.bytes == 32, "rank ", rank, ": ", broadcasts.calls,
+             " broadcasts of ", broadcasts.bytes, " bytes, expected 1 of 32");
+      expect(pg->count(dist::Collective::AllReduce).calls == 4, "rank ", rank, ": ",
+             pg->count(dist::Collective::AllReduce).calls, " all-reduces in 2 steps of 2 buckets");
+    }
+    {  // find_unused_parameters without static_graph: the used set may change, no re-plan.
+      dist::DDPOptions options = caps;
+      options.find_unused_parameters = true;
+      auto model = std::make_shared<HeadFirst>(true);
+      dist::DistributedDataParallel ddp(model, pg, options);
+      pg->reset_counts();
+      train("find_unused_parameters", *model, ddp, aux_first_plan, aux_first_plan);
+      expect(pg->count(dist::Collective::Broadcast).calls == 0, "rank ", rank,
+             ": find_unused_parameters re-planned the buckets");
+    }
+    // static_graph: aux unused is allowed; the used map is all-reduced in the first step only:
+    // 2 buckets + the map, then 3 buckets.
+    dist::DDPOptions options = caps;
+    options.static_graph = true;
+    auto model = std::make_shared<HeadFirst>(true);
+    dist::DistributedDataParallel ddp(model, pg, options);
+    pg->reset_counts();
+    train("static_graph", *model, ddp, aux_first_plan, aux_rebuilt_plan);
+    expect(pg->count(dist::Collective::AllReduce).calls == 6, "rank ", rank, ": ",
+           pg->count(dist::Collective::AllReduce).calls, " all-reduces in 2 static_graph steps, expected 2 + 1 + 3");
+    expect(!model->aux->weight.grad().defined() && !model->aux->bias.grad().defined(), "rank ", rank,
+           ": the unused aux head got a .grad");
+    // Breaking the promise: aux gets gradients that no rank had in the first iteration.
+    model->use_aux = true;
+    std::string message;
+    try {
+      const Batch b = head_first_batch(0, 2 * rank, 2 * rank + 2);
+      mse_loss(ddp(b.x), b.y).backward();
+    } catch (const DistError& e) {
+      message = e.what();
+    }
+    expect(message.find("static_graph") != std::string::npos &&
+               message.find("aux.weight, aux.bias") != std::string::npos,
+           "rank ", rank, ": no DistError naming aux.weight, aux.bias: '", message, "'");
+    // The error comes after the step's collectives: the group is still in step.
+    Tensor t = Tensor::full({1}, 1.0f);
+    pg->all_reduce(t)->wait();
+    expect(t.item() == 2.0f, "rank ", rank, ": the group is out of step after the error: ", t);
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
 }
 
 TEST_CASE("the 2-rank cases pass on the MPI backend too (this file under mpirun -np 2)") {

@@ -382,6 +382,39 @@ TEST_CASE("Join with a comm hook: the joined rank runs the hook on zeros, and th
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE("Join: a rank with no batch at all shadows the first backward, the static_graph map and the re-plan") {
+  // World 2, static_graph: rank 0 has no batch, rank 1 has 3 (t = 3). Rank 1's first backward
+  // all-reduces the used map (static_graph, first iteration only) and its second forward
+  // re-plans the buckets (Note [Bucket rebuild]: a broadcast of rank 0's order); joined rank 0
+  // must issue both, although it never ran a backward, or the collective check stops the
+  // ranks. By hand, rank 0 adding zeros and the sum divided by 2: grad = w - 3,
+  // w <- 0.75 w + 0.75: 0 -> 0.75 -> 1.3125 -> 1.734375 on both ranks after finish().
+  const int port = testing::free_port();
+  const std::string failures = testing::on_ranks(2, [&](int rank) {
+    auto pg = testing::join(rank, 2, port);
+    auto model = linear_1x1(0, 0, /*bias=*/false);
+    dist::DDPOptions options;
+    options.static_graph = true;
+    dist::DistributedDataParallel ddp(model, pg, options);
+    nn::SGD opt(ddp.parameters(), {kJoinLr});
+    pg->reset_counts();
+    dist::Join join({ddp});
+    for (int b = 0; b < (rank == 0 ? 0 : 3); ++b) {
+      opt.zero_grad();
+      mse_loss(ddp(Tensor::ones({1, 1})), Tensor::full({1, 1}, 3.0f)).backward();
+      opt.step();
+    }
+    join.finish();
+    expect(value(model->weight) == 1.734375f, "rank ", rank, ": final w = ", model->weight, ", want 1.734375");
+    expect(ddp.reducer().buckets_rebuilt(), "rank ", rank, ": the buckets were not re-planned");
+    // The re-plan's broadcast, then finish()'s of the final parameters.
+    expect(pg->count(dist::Collective::Broadcast).calls == 2, "rank ", rank, ": ",
+           pg->count(dist::Collective::Broadcast).calls, " broadcasts, expected 2");
+    testing::leave();
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("Join: without it, the same loop fails on every rank with the collective-mismatch DistError") {
   // The even ranks finish their 3 batches and reach the barrier that ends the loop while the
   // odd ranks all-reduce their bucket (1 float32) in iteration 4: the collective check stops

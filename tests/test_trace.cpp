@@ -24,7 +24,14 @@ namespace {
 //   bucket 0: 4.bias [10] + 4.weight [10, 128]    =     40 +   5120 =   5160 bytes >= 0.004 MiB
 //   bucket 1: 2.bias [128] + 2.weight [128, 256]  =    512 + 131072 = 131584 bytes >= 0.1 MiB
 //   bucket 2: 0.bias [256] + 0.weight [256, 784]  =   1024 + 802816 = 803840 bytes (the rest)
+// From step 1 on, the plan rebuilt from the order gradients became ready (Note [Bucket
+// rebuild]: a layer's weight before its bias), under the same caps:
+//   bucket 0: 4.weight                            =   5120 bytes >= 0.004 MiB
+//   bucket 1: 4.bias + 2.weight                   =     40 + 131072 = 131112 bytes >= 0.1 MiB
+//   bucket 2: 2.bias + 0.weight                   =    512 + 802816 = 803328 bytes >= 0.1 MiB
+//   bucket 3: 0.bias                              =   1024 bytes (the rest)
 const std::vector<int64_t> kBucketBytes = {5160, 131584, 803840};
+const std::vector<int64_t> kRebuiltBucketBytes = {5120, 131112, 803328, 1024};
 constexpr int64_t kStepsPerRank = 10;  // 640 images / 2 ranks / batch 32
 
 struct Event {
@@ -132,12 +139,13 @@ TEST_CASE("a 2-rank fashion_mnist trace shows, per rank and step, backward, one 
       CHECK(grads_ready == 6);
       CHECK(optimizer_steps == 1);
       CHECK(batches == 1);
-      REQUIRE(all_reduces.size() == kBucketBytes.size());
-      for (size_t b = 0; b < kBucketBytes.size(); ++b) {
+      const std::vector<int64_t>& bucket_bytes = k == 0 ? kBucketBytes : kRebuiltBucketBytes;
+      REQUIRE(all_reduces.size() == bucket_bytes.size());
+      for (size_t b = 0; b < bucket_bytes.size(); ++b) {
         CAPTURE(b);
         REQUIRE(all_reduces[static_cast<int>(b)].size() == 1);
         const json& args = all_reduces[static_cast<int>(b)][0]->args;
-        CHECK(args.at("bytes").get<int64_t>() == kBucketBytes[b]);
+        CHECK(args.at("bytes").get<int64_t>() == bucket_bytes[b]);
         CHECK(args.at("backend") == "gloo");
         CHECK(args.at("algorithm") == "ring");
         CHECK(args.at("world_size") == 2);
@@ -208,22 +216,30 @@ TEST_CASE("--explain prints the bucket plan and per-step counts that match the c
                    "reached the bucket cap (104857 bytes)") != std::string::npos);
   CHECK(r.out.find("explain: bucket 2: 803840 bytes, 2 parameters: 0.bias [256], 0.weight [256, 784]; closed: "
                    "reached the bucket cap (104857 bytes)") != std::string::npos);
-  // Per step: one all-reduce per bucket, the buckets' bytes; on 2 ranks a ring sends
-  // 2(N-1)/N * S = S bytes per rank.
-  CHECK(r.out.find("explain: epoch 1: 10 steps; per step: 3.00 all_reduce calls, 940584 bytes reduced, 940584 bytes sent per "
+  // After the first step the plan is rebuilt from the ready order: four buckets.
+  CHECK(r.out.find("explain: DDP bucket plan, 4 buckets (world size 2, gloo; first bucket cap 4194 bytes, bucket cap "
+                   "104857 bytes; rebuilt from the order gradients became ready on rank 0)") != std::string::npos);
+  CHECK(r.out.find("explain: bucket 0: 5120 bytes, 1 parameters: 4.weight [10, 128]; closed: reached the "
+                   "first-bucket cap (4194 bytes)") != std::string::npos);
+  // Per step: one all-reduce per bucket (3 in step 1, then 4), the buckets' bytes; on 2 ranks
+  // a ring sends 2(N-1)/N * S = S bytes per rank.
+  CHECK(r.out.find("explain: epoch 1: 10 steps; per step: 3.90 all_reduce calls, 940584 bytes reduced, 940584 bytes sent per "
                    "rank (ring formula 2(N-1)/N * S with N = 2)") != std::string::npos);
   // The counters' totals, and the trace holds as many all-reduce events for rank 0.
-  CHECK(r.out.find("explain: epoch 1: counters over these steps: all_reduce 30 calls, 9405840 bytes") !=
+  CHECK(r.out.find("explain: epoch 1: counters over these steps: all_reduce 39 calls, 9405840 bytes") !=
         std::string::npos);
   int traced_all_reduces = 0;
   for (const Event& e : read_trace(path)) traced_all_reduces += e.rank == 0 && e.lane >= kAllReduceLane;
-  CHECK(traced_all_reduces == 30);
+  CHECK(traced_all_reduces == 39);
   // Buckets 0 and 1 are in flight while the first layer's backward runs: some communication
   // is hidden. One bucket is complete only when backward's last node is done: none is.
   CHECK(exposed_percent(r.out) < 100.0);
   const RunResult one = fashion.run_2_ranks({"--explain"}, /*one_bucket=*/true);
   CHECK(one.out.find("explain: DDP bucket plan, 1 bucket (world size 2, gloo;") != std::string::npos);
   CHECK(one.out.find("explain: epoch 1: 10 steps; per step: 1.00 all_reduce calls, 940584 bytes reduced") !=
+        std::string::npos);
+  CHECK(one.out.find("explain: DDP bucket plan, 1 bucket (world size 2, gloo; first bucket cap 1048576 bytes, bucket "
+                     "cap 26214400 bytes; rebuilt from the order gradients became ready on rank 0)") !=
         std::string::npos);
   CHECK(exposed_percent(one.out) == 100.0);
 }
