@@ -80,8 +80,8 @@ std::string explain_plan(DistributedDataParallel& ddp) {
       names << (i ? ", " : "") << name << " " << p.shape();
     }
     const size_t cap = b == 0 ? options.first_bucket_cap_bytes : options.bucket_cap_bytes;
-    out << "explain: bucket " << b << ": " << bytes << " bytes, " << plan[b].size() << " parameters: " << names.str()
-        << "; closed: ";
+    out << "explain: bucket " << b << ": " << bytes << " bytes, " << plan[b].size()
+        << (plan[b].size() == 1 ? " parameter: " : " parameters: ") << names.str() << "; closed: ";
     if (bytes >= cap)
       out << "reached the " << (b == 0 ? "first-bucket" : "bucket") << " cap (" << cap << " bytes)\n";
     else

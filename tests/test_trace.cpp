@@ -219,7 +219,7 @@ TEST_CASE("--explain prints the bucket plan and per-step counts that match the c
   // After the first step the plan is rebuilt from the ready order: four buckets.
   CHECK(r.out.find("explain: DDP bucket plan, 4 buckets (world size 2, gloo; first bucket cap 4194 bytes, bucket cap "
                    "104857 bytes; rebuilt from the order gradients became ready on rank 0)") != std::string::npos);
-  CHECK(r.out.find("explain: bucket 0: 5120 bytes, 1 parameters: 4.weight [10, 128]; closed: reached the "
+  CHECK(r.out.find("explain: bucket 0: 5120 bytes, 1 parameter: 4.weight [10, 128]; closed: reached the "
                    "first-bucket cap (4194 bytes)") != std::string::npos);
   // Per step: one all-reduce per bucket (3 in step 1, then 4), the buckets' bytes; on 2 ranks
   // a ring sends 2(N-1)/N * S = S bytes per rank.
