@@ -94,6 +94,7 @@ class Reducer {
   // the same step). Returns true when it re-planned; false, issuing nothing, when no
   // re-plan is due. Throws what the broadcast throws (DistError, TimeoutError).
   bool rebuild_buckets();
+  // Whether rebuild_buckets has re-planned: bucket_plan() is then the rebuilt plan, final.
   bool buckets_rebuilt() const { return rebuilt_; }
 
   // The plan: bucket b holds these parameter indices (into the constructor's list).
