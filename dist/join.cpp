@@ -27,7 +27,8 @@ namespace nanoddp::dist {
 //      broadcast per buffer dtype (Note [Buffer broadcast])|
 //   3c. DDP, when syncing, once, after the first synced    | 3c'. the same (rebuild_buckets;
 //      backward: broadcast of rank 0's ready order, one    |     a 4' counts as a synced
-//      int64 per parameter (Note [Bucket rebuild])         |     backward, as a 4 does)
+//      int64 per parameter, then the new buckets from the  |     backward, as a 4 does)
+//      group (Note [Bucket rebuild])                       |
 //   4. backward: one all_reduce(sum) per bucket, in plan   | 4'. shadow_synced_backward:
 //      order; find_unused_parameters: the used map,        |     zeros in every bucket, a
 //      all_reduce(max) of one int64 per parameter (with    |     used map of zeros when the

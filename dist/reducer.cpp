@@ -35,8 +35,10 @@ namespace nanoddp::dist {
 // Skipped with find_unused_parameters (the used set may change from one iteration to the
 // next, so the first order says little), unless static_graph, as in PyTorch. Nothing else
 // changes: the hooks are per parameter, and a parameter's gradient is the same whichever
-// bucket carries it. Called between backwards only, so no bucket is in flight, and what a
-// no_sync backward noted (used_in_window_) is kept.
+// bucket carries it. The new buckets come from the group (new_collective_buffer, itself a
+// collective on shm), in plan order, which is the same on every rank; the old ones are
+// released first, so the peak stays one set of buckets. Called between backwards only, so no
+// bucket is in flight, and what a no_sync backward noted (used_in_window_) is kept.
 
 // Note [Static graph]
 // static_graph promises that every iteration uses the same parameters (PyTorch's flag). The
