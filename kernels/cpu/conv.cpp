@@ -11,6 +11,7 @@
 
 #include "kernels/cpu/eigen_maps.h"
 #include "kernels/cpu/conv.h"
+#include "kernels/cpu/double_sums.h"
 #include "kernels/kernels.h"
 #include "kernels/pool_window.h"
 
@@ -138,7 +139,10 @@ void channel_bias_forward(float* out, const float* bias, int64_t N, int64_t C, i
 void channel_sum(float* dbias, const float* dout, int64_t N, int64_t C, int64_t HW) {
   for (int64_t c = 0; c < C; ++c) {
     double total = 0.0;  // in double, as every sum here: the result does not depend on N
-    for (int64_t n = 0; n < N; ++n) total += vec(dout + (n * C + c) * HW, HW).cast<double>().sum();
+    for (int64_t n = 0; n < N; ++n) {
+      const float* plane = dout + (n * C + c) * HW;
+      total += lane_sum(HW, [plane](int64_t i) { return double(plane[i]); });
+    }
     dbias[c] = static_cast<float>(total);
   }
 }
