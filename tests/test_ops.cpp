@@ -16,6 +16,7 @@
 #include "core/random.h"
 #include "core/trace.h"
 #include "kernels/cpu/conv.h"
+#include "kernels/pool_window.h"
 #include "tests/op_cases.h"
 
 using namespace nanoddp;
@@ -282,5 +283,41 @@ TEST_CASE("im2col / col2im for stride_w 1 equal the general reference loops bit 
     kernels::cpu::col2im(dfast.data(), dcols.data(), N, g);
     kernels::cpu::col2im_reference(dreference.data(), dcols.data(), N, g);
     CHECK(std::memcmp(dfast.data(), dreference.data(), dfast.size() * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("max_pool2d without padding (no bounds tests) equals max_pool2d_window bit for bit: ties, NaN, inf") {
+  // Values from {-2, ..., 2} so that windows hold ties (the first maximum wins), with NaN
+  // (the last one wins), +inf and -inf among them; overlapping, dilated and strided windows.
+  struct Case {
+    int64_t H, W, kh, kw, stride_h, stride_w, dilation_h, dilation_w;
+  };
+  const Case cases[] = {{6, 6, 2, 2, 2, 2, 1, 1}, {7, 5, 3, 3, 1, 1, 1, 1}, {8, 9, 2, 3, 1, 2, 2, 2}, {5, 4, 1, 1, 3, 2, 1, 1}};
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(), INFINITY, -INFINITY};
+  Generator gen(5);
+  for (const Case& k : cases) {
+    kernels::Window2d g;
+    g.channels = 1, g.height = k.H, g.width = k.W, g.kernel_h = k.kh, g.kernel_w = k.kw;
+    g.stride_h = k.stride_h, g.stride_w = k.stride_w, g.dilation_h = k.dilation_h, g.dilation_w = k.dilation_w;
+    g.out_h = (k.H - k.dilation_h * (k.kh - 1) - 1) / k.stride_h + 1;
+    g.out_w = (k.W - k.dilation_w * (k.kw - 1) - 1) / k.stride_w + 1;
+    CAPTURE(k.kh);
+    CAPTURE(k.stride_w);
+    CAPTURE(k.dilation_w);
+    const int64_t planes = 3, in_plane = k.H * k.W, out_plane = g.out_h * g.out_w;
+    std::vector<float> in = Tensor::randn({planes * in_plane}, gen).to_vector();
+    for (size_t i = 0; i < in.size(); ++i) in[i] = i % 11 == 4 ? specials[i % 3] : std::round(in[i] * 1.5f);
+    std::vector<float> out(planes * out_plane, -7.0f);
+    std::vector<int64_t> indices(planes * out_plane, -7);
+    kernels::cpu::max_pool2d_forward(out.data(), indices.data(), in.data(), planes, g);
+    size_t differing = 0;
+    for (int64_t p = 0; p < planes; ++p)
+      for (int64_t oh = 0; oh < g.out_h; ++oh)
+        for (int64_t ow = 0; ow < g.out_w; ++ow) {
+          const kernels::WindowMax want = kernels::max_pool2d_window(in.data() + p * in_plane, g, oh, ow);
+          const int64_t o = p * out_plane + oh * g.out_w + ow;
+          differing += std::memcmp(&out[o], &want.value, sizeof(float)) != 0 || indices[o] != want.index;
+        }
+    CHECK(differing == 0);
   }
 }

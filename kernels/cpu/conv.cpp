@@ -147,15 +147,42 @@ void channel_sum(float* dbias, const float* dout, int64_t N, int64_t C, int64_t 
   }
 }
 
+namespace {
+
+// max_pool2d_window for a window that lies inside the plane (no padding): the same scan in the
+// same order with the same rule, without the bounds tests, so the same value and index.
+inline WindowMax inside_window_max(const float* plane, const Window2d& g, int64_t oh, int64_t ow) {
+  const int64_t first = oh * g.stride_h * g.width + ow * g.stride_w;
+  WindowMax best{plane[first], first};
+  for (int64_t i = 0; i < g.kernel_h; ++i) {
+    const int64_t row = first + i * g.dilation_h * g.width;
+    for (int64_t j = 0; j < g.kernel_w; ++j) {
+      const int64_t at = row + j * g.dilation_w;
+      const float v = plane[at];
+      if (v > best.value || v != v) best = {v, at};
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
 void max_pool2d_forward(float* out, int64_t* indices, const float* in, int64_t planes, Window2d g) {
   const int64_t in_plane = g.height * g.width, out_plane = g.out_h * g.out_w;
-  for (int64_t p = 0; p < planes; ++p)
+  // Without padding every window lies inside the plane (out_h and out_w are computed so);
+  // MaxPool2d(2) in a CNN is that case (this loop was 15% of fashion_mnist_cnn's step in perf).
+  const bool inside = g.pad_h == 0 && g.pad_w == 0;
+  for (int64_t p = 0; p < planes; ++p) {
+    const float* plane = in + p * in_plane;
+    float* plane_out = out + p * out_plane;
+    int64_t* plane_indices = indices + p * out_plane;
     for (int64_t oh = 0; oh < g.out_h; ++oh)
       for (int64_t ow = 0; ow < g.out_w; ++ow) {
-        const WindowMax best = max_pool2d_window(in + p * in_plane, g, oh, ow);
-        out[p * out_plane + oh * g.out_w + ow] = best.value;
-        indices[p * out_plane + oh * g.out_w + ow] = best.index;
+        const WindowMax best = inside ? inside_window_max(plane, g, oh, ow) : max_pool2d_window(plane, g, oh, ow);
+        plane_out[oh * g.out_w + ow] = best.value;
+        plane_indices[oh * g.out_w + ow] = best.index;
       }
+  }
 }
 
 void max_pool2d_backward(float* din, const float* dout, const int64_t* indices, int64_t planes, int64_t in_plane,

@@ -1,7 +1,7 @@
-// Conv2d's im2col / col2im on the CPU (kernels/cpu/conv.cpp), for tests: the kernels nn/conv.cpp
-// dispatches to (fast for stride_w == 1) and the general loops they fall back to otherwise
-// (any stride, padding and dilation, every element's bounds tested), which tests compare
-// them with.
+// Conv2d's im2col / col2im and MaxPool2d's forward on the CPU (kernels/cpu/conv.cpp), for
+// tests: the kernels nn/conv.cpp dispatches to (im2col / col2im fast for stride_w == 1,
+// max pooling fast without padding) and the general code they fall back to otherwise (any
+// stride, padding and dilation, every element's bounds tested), which tests compare them with.
 //
 //   kernels::cpu::im2col_reference(cols, images, N, window);   // cols [C kh kw, N OH OW]
 //   kernels::cpu::col2im_reference(dimages, dcols, N, window);  // dimages [N, C, H, W], written
@@ -16,6 +16,9 @@ namespace nanoddp::kernels::cpu {
 // The kernels, as NANODDP_DECLARE_KERNEL declares them in nn/conv.cpp.
 void im2col(float* cols, const float* images, int64_t N, Window2d window);
 void col2im(float* dimages, const float* dcols, int64_t N, Window2d window);
+// Per plane: out = each window's maximum, indices = its position (kernels/pool_window.h's
+// max_pool2d_window is the rule and the fallback).
+void max_pool2d_forward(float* out, int64_t* indices, const float* in, int64_t planes, Window2d window);
 
 // cols [C kh kw, N OH OW] from images N of [C, H, W]; layout as nn/conv.cpp's im2col.
 void im2col_reference(float* cols, const float* images, int64_t N, Window2d g);
