@@ -44,11 +44,14 @@ void accumulate_into(Tensor& slot, const Tensor& g) {
 
 // A leaf's .grad accumulates across backward calls, as in PyTorch. The first gradient is
 // taken over without a copy when nothing else can see it (PyTorch "steals" it the same way):
-// no other handle to the tensor and no other tensor on its storage.
+// no other handle to the tensor and no other tensor on its storage, which is not a view of
+// another's (Note [Storage views]). A .grad that exists is accumulated into in place, so a
+// .grad that is a view of a DDP bucket (gradient_as_bucket_view) stays one.
 void accumulate_leaf_grad(const Tensor& leaf, Tensor g) {
   Tensor current = leaf.grad();
   if (!current.defined()) {
-    const bool unshared = g.use_count() == 1 && g.impl()->storage.use_count() == 1 && g.is_leaf();
+    const bool unshared =
+        g.use_count() == 1 && g.impl()->storage.use_count() == 1 && g.impl()->storage->base() == nullptr && g.is_leaf();
     const_cast<Tensor&>(leaf).set_grad(unshared ? g : g.clone());
   } else {
     NANODDP_DISPATCH(current.device(), accumulate, current.data<float>(), g.data<float>(), 1.0f, g.numel());

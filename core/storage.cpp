@@ -81,6 +81,19 @@ std::shared_ptr<Storage> Storage::allocate(size_t nbytes, Device device) {
   return std::make_shared<Storage>(data, nbytes, device, [rounded](void* p) { host_block_cache().give(p, rounded); });
 }
 
+std::shared_ptr<Storage> Storage::view(const std::shared_ptr<Storage>& of, size_t offset_bytes, size_t nbytes) {
+  NANODDP_CHECK(of != nullptr, ValueError, "Storage::view of no storage");
+  NANODDP_CHECK(offset_bytes <= of->nbytes() && nbytes <= of->nbytes() - offset_bytes, IndexError,
+                "Storage::view of ", nbytes, " bytes at offset ", offset_bytes, " of a storage of ", of->nbytes(),
+                " bytes");
+  // data_ is null only for an empty storage, where offset and size are 0 too.
+  void* data = of->data() == nullptr ? nullptr : static_cast<char*>(of->data()) + offset_bytes;
+  auto view = std::make_shared<Storage>(data, nbytes, of->device(), Deleter());
+  view->base_ = of->base_ != nullptr ? of->base_ : of;
+  view->offset_bytes_ = of->offset_bytes_ + offset_bytes;
+  return view;
+}
+
 Storage::Storage(void* data, size_t nbytes, Device device, Deleter deleter)
     : data_(data), nbytes_(nbytes), device_(device), deleter_(std::move(deleter)) {}
 

@@ -1,11 +1,22 @@
-// Storage: one allocation of bytes on one device, shared by every Tensor that views it.
+// Storage: one allocation of bytes on one device, shared by every Tensor that views it, or a
+// view of a byte range of another storage.
 //
 //   auto s = Storage::allocate(1024, Device::cpu());   // 64-byte aligned, uninitialised
-//   s->data();  s->nbytes();
+//   auto part = Storage::view(s, 256, 128);            // bytes [256, 384) of s; keeps s alive
+//   part->data() == static_cast<char*>(s->data()) + 256;
 //
 // CPU memory is 64-byte aligned (Eigen and AVX-512 friendly). CUDA memory comes from the
 // caching allocator in kernels/cuda (see kernels/device_memory.h); in a build without CUDA,
 // asking for it throws DeviceError.
+//
+// Note [Storage views]
+// A tensor that lives inside another one's memory (a DDP gradient inside its bucket, with
+// gradient_as_bucket_view) is a Tensor whose Storage is a view: data() points at the view's
+// first byte, and the view holds the storage it was cut from. Every kernel launch, collective,
+// copy and file write reaches a tensor's bytes through Storage::data() (Tensor::data<T>() calls
+// it too), so the offset is applied once, here, and no call site can forget it: kernels,
+// backends and CUDA paths work on views unchanged. A view of a view is a view of the
+// allocation itself (base() is never a view), so base() tells whether two tensors can alias.
 #pragma once
 
 #include <cstddef>
@@ -22,6 +33,9 @@ class Storage {
 
   // Allocates nbytes on device. nbytes == 0 gives a valid storage with data() == nullptr.
   static std::shared_ptr<Storage> allocate(size_t nbytes, Device device);
+  // nbytes of of's memory starting at offset_bytes (Note [Storage views]); of stays alive as
+  // long as the view. Throws IndexError when the range does not fit in of.
+  static std::shared_ptr<Storage> view(const std::shared_ptr<Storage>& of, size_t offset_bytes, size_t nbytes);
   // Wraps memory owned elsewhere; deleter runs when the last Tensor lets go.
   Storage(void* data, size_t nbytes, Device device, Deleter deleter);
   ~Storage();
@@ -31,12 +45,18 @@ class Storage {
   void* data() const { return data_; }
   size_t nbytes() const { return nbytes_; }
   Device device() const { return device_; }
+  // The allocation this storage views (null when it is one itself), and where in it this
+  // storage starts.
+  const std::shared_ptr<Storage>& base() const { return base_; }
+  size_t offset_bytes() const { return offset_bytes_; }
 
  private:
   void* data_;
   size_t nbytes_;
   Device device_;
   Deleter deleter_;
+  std::shared_ptr<Storage> base_;
+  size_t offset_bytes_ = 0;
 };
 
 // Copies nbytes between any two devices (host<->host, host<->device, device<->device).

@@ -261,6 +261,33 @@ Tensor Tensor::detach() const {
   return Tensor(impl);
 }
 
+Tensor Tensor::slice_view(int64_t offset, const Shape& shape) const {
+  const TensorImpl& self = checked_impl();
+  const int64_t count = shape.numel();
+  NANODDP_CHECK(offset >= 0 && offset <= numel() && count <= numel() - offset, IndexError, "slice_view of elements [",
+                offset, ", ", offset + count, ") as ", shape, " of a tensor of ", numel(), " elements ", self.shape);
+  const size_t item = dtype_size(self.dtype);
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = Storage::view(self.storage, static_cast<size_t>(offset) * item, static_cast<size_t>(count) * item);
+  impl->shape = shape;
+  impl->dtype = self.dtype;
+  return Tensor(impl);
+}
+
+int64_t Tensor::storage_offset() const {
+  const TensorImpl& self = checked_impl();
+  return static_cast<int64_t>(self.storage->offset_bytes() / dtype_size(self.dtype));
+}
+
+bool Tensor::is_alias_of(const Tensor& other) const {
+  if (!defined() || !other.defined()) return false;
+  auto allocation = [](const Tensor& t) {
+    const std::shared_ptr<Storage>& s = t.impl()->storage;
+    return s->base() != nullptr ? s->base().get() : s.get();
+  };
+  return allocation(*this) == allocation(other);
+}
+
 Tensor& Tensor::copy_(const Tensor& src) {
   NANODDP_CHECK(shape() == src.shape() && dtype() == src.dtype(), ShapeError, "copy_: destination ", shape(), " ",
                 dtype(), " and source ", src.shape(), " ", src.dtype(), " differ");

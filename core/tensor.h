@@ -5,8 +5,9 @@
 //   Tensor loss = sum(relu(matmul(x, w)));  loss.backward();  w.grad();   // [3, 2]
 //
 // A Tensor is a value handle: copies share the same TensorImpl (data, grad, graph), as a
-// Python reference to a torch.Tensor does. There are no strides and no views other than
-// reshape, which shares storage. float32 is the default dtype; int64 holds class labels;
+// Python reference to a torch.Tensor does. There are no strides; the only views are reshape,
+// which shares storage, and slice_view, a contiguous range of another tensor's memory (a DDP
+// gradient inside its bucket). float32 is the default dtype; int64 holds class labels;
 // uint8 holds raw bytes (images). Only float32 tensors take part in autograd.
 //
 // Errors: ShapeError for shapes that do not fit, ValueError for bad arguments, DeviceError
@@ -91,6 +92,21 @@ class Tensor {
   Tensor reshape(const std::vector<int64_t>& sizes) const;
   // A copy on device; returns *this when already there (torch.Tensor.to).
   Tensor to(Device device) const;
+
+  // ---- views of a range (not recorded by autograd) ----------------------------------------
+  // A tensor of `shape` whose elements are this tensor's elements [offset, offset +
+  // shape.numel()) in row-major order, in the same memory: a write through either is seen by
+  // the other. Detached (requires_grad false, as detach()): torch's
+  // t.detach().flatten().narrow(0, offset, shape.numel()).view(shape). DDP's
+  // gradient_as_bucket_view makes each .grad one of these over its bucket (Note [Storage views]
+  // in core/storage.h). Throws IndexError when the range leaves this tensor.
+  Tensor slice_view(int64_t offset, const Shape& shape) const;
+  // Elements from the start of the allocation this tensor lives in to its first element
+  // (torch.Tensor.storage_offset): 0 except for slice_view (and reshapes of one).
+  int64_t storage_offset() const;
+  // Whether both live in the same allocation, so a write to one may change the other
+  // (torch.Tensor.is_alias_of). False when either is undefined.
+  bool is_alias_of(const Tensor& other) const;
 
   // ---- copies and in-place updates (not recorded by autograd) ----------------------------
   Tensor clone() const;   // a deep copy, detached from the graph

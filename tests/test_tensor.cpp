@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/ops.h"
 #include "core/random.h"
 #include "core/tensor.h"
 #include "kernels/device_memory.h"
@@ -55,6 +56,58 @@ TEST_CASE("reshape shares storage and checks the element count") {
   // The known sizes multiply past int64 (2^62 * 4 wraps to 0); -1 must not be inferred from that.
   CHECK_THROWS_AS(a.reshape({int64_t{1} << 62, 4, -1}), ShapeError);
   CHECK_THROWS_AS(a.reshape({-1, -2}), ShapeError);
+}
+
+TEST_CASE("slice_view: a range of another tensor's memory, at its offset for ops, copies and backward") {
+  Tensor flat = Tensor::arange(12);
+  Tensor v = flat.slice_view(2, {2, 3});  // elements 2..7
+  CHECK(v.shape() == Shape{2, 3});
+  CHECK(v.to_vector() == std::vector<float>{2, 3, 4, 5, 6, 7});
+  CHECK(v.at({1, 0}) == 5.0f);
+  CHECK(v.storage_offset() == 2);
+  CHECK(v.reshape({6}).storage_offset() == 2);
+  CHECK(flat.storage_offset() == 0);
+  CHECK(v.is_alias_of(flat));
+  CHECK(flat.is_alias_of(v));
+  CHECK_FALSE(v.is_alias_of(Tensor::arange(12)));
+  CHECK_FALSE(v.clone().is_alias_of(flat));
+  CHECK_FALSE(v.requires_grad());
+  // A view of a view counts from the allocation.
+  Tensor w = v.slice_view(3, {2});  // elements 5, 6
+  CHECK(w.storage_offset() == 5);
+  CHECK(w.to_vector() == std::vector<float>{5, 6});
+  CHECK(w.is_alias_of(flat));
+  // Writes go both ways, and only into the range.
+  w.fill_(-1.0f);
+  CHECK(flat.to_vector() == std::vector<float>{0, 1, 2, 3, 4, -1, -1, 7, 8, 9, 10, 11});
+  v.copy_(Tensor::full({2, 3}, 9.0f));
+  CHECK(flat.to_vector() == std::vector<float>{0, 1, 9, 9, 9, 9, 9, 9, 8, 9, 10, 11});
+  flat.copy_(Tensor::arange(12));
+  CHECK(v.to_vector() == std::vector<float>{2, 3, 4, 5, 6, 7});
+  // Kernels read from the view's first element: rows (2, 3, 4) and (5, 6, 7).
+  CHECK(matmul(v, Tensor::ones({3, 1})).to_vector() == std::vector<float>{9, 18});
+  CHECK(sum(w).item() == 11.0f);
+  CHECK((v + v).to_vector() == std::vector<float>{4, 6, 8, 10, 12, 14});
+  // The view keeps the memory alive after the tensor it was cut from is gone.
+  Tensor survivor = Tensor::arange(4).slice_view(1, {2});
+  CHECK(survivor.to_vector() == std::vector<float>{1, 2});
+  CHECK_THROWS_AS(flat.slice_view(10, {3}), IndexError);
+  CHECK_THROWS_AS(flat.slice_view(-1, {2}), IndexError);
+  CHECK_THROWS_AS(flat.slice_view(0, {13}), IndexError);
+}
+
+TEST_CASE("a .grad that is a slice_view accumulates in place; a view is never taken over as a first .grad") {
+  Tensor buffer = Tensor::full({8}, 100.0f);
+  Tensor x = Tensor::from_vector({1, 2, 3}).set_requires_grad(true);
+  x.set_grad(buffer.slice_view(4, {3}));
+  sum(x * x).backward();  // d/dx = 2x, added to the 100s already there
+  CHECK(x.grad().is_alias_of(buffer));
+  CHECK(buffer.to_vector() == std::vector<float>{100, 100, 100, 100, 102, 104, 106, 100});
+  // A gradient handed over as a view of someone's memory is copied into a .grad of its own.
+  Tensor y = Tensor::from_vector({1, 2}).set_requires_grad(true);
+  y.backward(buffer.slice_view(0, {2}));
+  CHECK(y.grad().to_vector() == std::vector<float>{100, 100});
+  CHECK_FALSE(y.grad().is_alias_of(buffer));
 }
 
 TEST_CASE("element counts and byte sizes never wrap around") {
