@@ -90,8 +90,16 @@ std::vector<Tensor> Module::parameters() const {
   return params;
 }
 
-void Module::zero_grad() {
-  for (Tensor& p : parameters()) p.set_grad(Tensor());
+void zero_grad_of(Tensor& param, bool set_to_none) {
+  if (set_to_none) {
+    param.set_grad(Tensor());
+  } else if (param.grad().defined()) {
+    param.grad().zero_();  // in place: a .grad that views a DDP bucket stays one
+  }
+}
+
+void Module::zero_grad(bool set_to_none) {
+  for (Tensor& p : parameters()) zero_grad_of(p, set_to_none);
 }
 
 void Module::train(bool mode) {

@@ -54,8 +54,9 @@ class Module {
   // undefined tensor, an empty name, a name with '.', or a name this module already uses for
   // a parameter, buffer or submodule.
   Tensor register_buffer(const std::string& name, Tensor tensor, bool persistent = true);
-  // Clears every parameter's .grad (set_to_none=True, PyTorch 2's default).
-  void zero_grad();
+  // Clears every parameter's .grad: undefined with set_to_none (PyTorch 2's default), else
+  // filled with zeros in place (torch 1.13's default); see Optimizer::zero_grad.
+  void zero_grad(bool set_to_none = true);
   // train(false) == eval(). Propagates to submodules. Layers here behave the same in both;
   // the flag exists for layers that do not (dropout, batch norm).
   void train(bool mode = true);
@@ -112,5 +113,9 @@ class Module {
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
   bool training_ = true;
 };
+
+// What Module::zero_grad and Optimizer::zero_grad do to one parameter: its .grad undefined
+// (set_to_none) or, when defined, filled with zeros in place.
+void zero_grad_of(Tensor& param, bool set_to_none);
 
 }  // namespace nanoddp::nn

@@ -17,8 +17,8 @@ Optimizer::Optimizer(std::string name, std::vector<Tensor> params) : params_(std
   }
 }
 
-void Optimizer::zero_grad() {
-  for (Tensor& p : params_) p.set_grad(Tensor());
+void Optimizer::zero_grad(bool set_to_none) {
+  for (Tensor& p : params_) zero_grad_of(p, set_to_none);
 }
 
 Optimizer::StateKey Optimizer::parse_state_key(const std::string& key, const std::vector<std::string>& buffers) const {

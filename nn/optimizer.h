@@ -30,9 +30,12 @@ class Optimizer {
   // state untouched). Throws ShapeError when a .grad's shape or device differs from its
   // parameter's.
   virtual void step() = 0;
-  // Clears every parameter's .grad (torch's zero_grad(set_to_none=True), 1.13's default is
-  // False but the effect on the next step is the same, and no memory is kept).
-  void zero_grad();
+  // set_to_none (torch 2's default): every parameter's .grad becomes undefined, so no memory
+  // is kept and the next step skips a parameter that gets no gradient. false (torch 1.13's
+  // default, zero_grad(set_to_none=False)): each defined .grad is filled with zeros in place
+  // and stays the same tensor: what keeps a .grad that is a view of a DDP bucket one
+  // (DDPOptions::gradient_as_bucket_view), so the next backward writes straight into it.
+  void zero_grad(bool set_to_none = true);
 
   virtual float lr() const = 0;
   // Throws ValueError for lr < 0.

@@ -84,6 +84,68 @@ TEST_CASE("a parameter with no gradient is skipped") {
   CHECK_FALSE(b.grad().defined());
 }
 
+TEST_CASE("zero_grad(set_to_none=false) zeroes each .grad in place, as torch 1.13's default") {
+  Tensor a = Tensor::from_vector({1.0f, 2.0f}).set_requires_grad(true);
+  Tensor b = Tensor::from_vector({1.0f}).set_requires_grad(true);  // no .grad: stays without one
+  Tensor grad = Tensor::from_vector({3.0f, 4.0f});
+  a.set_grad(grad);
+  SGD opt({a, b}, {/*lr=*/0.5f});
+  opt.zero_grad(/*set_to_none=*/false);
+  CHECK(a.grad().is_same(grad));
+  CHECK(grad.to_vector() == std::vector<float>{0.0f, 0.0f});
+  CHECK_FALSE(b.grad().defined());
+  opt.zero_grad();
+  CHECK_FALSE(a.grad().defined());
+}
+
+// Gradients that are slice_views of one flat buffer (what DDP's gradient_as_bucket_view
+// makes) must give every optimizer and clip_grad_norm_ exactly what separate tensors give,
+// and nothing outside a view's range may change.
+TEST_CASE("SGD, Adam, AdamW, clip_grad_norm_ and zero_grad work through gradients that view one buffer") {
+  const float sentinel = 1234.5f;
+  const std::vector<std::function<std::unique_ptr<Optimizer>(std::vector<Tensor>)>> makers = {
+      [](std::vector<Tensor> p) {
+        return std::make_unique<SGD>(std::move(p), SGDOptions{/*lr=*/0.1f, /*momentum=*/0.9f, /*dampening=*/0.0f,
+                                                              /*weight_decay=*/0.1f});
+      },
+      [](std::vector<Tensor> p) {
+        return std::make_unique<Adam>(std::move(p), AdamOptions{/*lr=*/0.1f, {0.9f, 0.999f}, 1e-8f, 0.1f, true});
+      },
+      [](std::vector<Tensor> p) { return std::make_unique<AdamW>(std::move(p), AdamWOptions{/*lr=*/0.1f}); },
+  };
+  for (size_t which = 0; which < makers.size(); ++which) {
+    CAPTURE(which);
+    auto make_params = [] {
+      return std::vector<Tensor>{Tensor::from_vector({1.0f, -2.0f}).set_requires_grad(true),
+                                 Tensor::from_vector({3.0f}).set_requires_grad(true)};
+    };
+    std::vector<Tensor> plain = make_params(), viewed = make_params();
+    // [sentinel, a0, a1, b0, sentinel]: a's gradient at offset 1, b's at 3.
+    Tensor flat = Tensor::full({5}, sentinel);
+    viewed[0].set_grad(flat.slice_view(1, {2}));
+    viewed[1].set_grad(flat.slice_view(3, {1}));
+    auto opt_plain = makers[which](plain);
+    auto opt_viewed = makers[which](viewed);
+    for (int step = 0; step < 3; ++step) {
+      const float g = 0.5f + static_cast<float>(step);
+      plain[0].set_grad(Tensor::from_vector({g, -2 * g}));
+      plain[1].set_grad(Tensor::from_vector({3 * g}));
+      flat.copy_(Tensor::from_vector({sentinel, g, -2 * g, 3 * g, sentinel}));
+      CHECK(clip_grad_norm_(plain, 1.0) == clip_grad_norm_(viewed, 1.0));
+      opt_plain->step();
+      opt_viewed->step();
+      for (size_t i = 0; i < plain.size(); ++i) CHECK(viewed[i].to_vector() == plain[i].to_vector());
+    }
+    const std::vector<float> clipped = flat.to_vector();
+    CHECK(clipped[0] == sentinel);
+    CHECK(clipped[4] == sentinel);
+    CHECK(clipped[1] == plain[0].grad().at({0}));  // clipped in place, through the view
+    opt_viewed->zero_grad(/*set_to_none=*/false);
+    CHECK(flat.to_vector() == std::vector<float>{sentinel, 0, 0, 0, sentinel});
+    CHECK(viewed[0].grad().is_alias_of(flat));
+  }
+}
+
 TEST_CASE("SGD state_dict restores momentum so a resumed run matches an uninterrupted one") {
   Tensor p = param_with_grad(), q = param_with_grad();
   const SGDOptions options{/*lr=*/0.1f, /*momentum=*/0.9f};
