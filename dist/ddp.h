@@ -68,7 +68,7 @@
 namespace nanoddp::dist {
 
 // The reducer's options (bucket_cap_bytes, first_bucket_cap_bytes, find_unused_parameters,
-// overlap, static_graph, timeout) and DDP's own.
+// overlap, static_graph, gradient_as_bucket_view, timeout) and DDP's own.
 struct DDPOptions : ReducerOptions {
   // Broadcast rank 0's buffers before each forward that syncs (Note [Buffer broadcast]),
   // as torch's DistributedDataParallel(broadcast_buffers=True).

@@ -76,6 +76,28 @@ namespace nanoddp::dist {
 // the accumulated .grad (every micro-batch's sum) into the buckets, so one all-reduce per
 // bucket carries them all: the counters show exactly that (tests/test_ddp.cpp).
 
+// Note [Gradient as bucket view]
+// With gradient_as_bucket_view, a parameter's .grad is a slice_view of its slot in its
+// bucket (core/storage.h, Note [Storage views]), as PyTorch's bucket views, so the gradients
+// exist once, in the buckets:
+//   - bind_grads_to_buckets makes the views once the plan exists, and points every .grad that
+//     is already defined at its view, copying its values in; after a re-plan it runs again;
+//   - backward adds into an existing .grad in place (core/autograd.cpp), so it writes into the
+//     bucket; mark_ready then only divides the slot by world_size, in place;
+//   - a .grad that is not the view (none before the first backward, or after
+//     zero_grad(set_to_none=true)) is copied into its slot as without the flag, and .grad is
+//     then replaced by the view: from that backward on it lives in the bucket;
+//   - after the all-reduce the bucket holds the means, which .grad shows: no copy out (a comm
+//     hook whose future holds another tensor is copied into the bucket once).
+// zero_grad(/*set_to_none=*/false) (torch 1.13's default) keeps the views, so a step copies
+// nothing; set_to_none=true makes every backward pay the copy in again, as in PyTorch. The one
+// visible difference from copies: with find_unused_parameters, a parameter this rank did not
+// use has its slot, hence its .grad, set to the zeros it contributes, so one that no rank
+// used ends with a .grad of zeros where without views it would keep its .grad (which is
+// zeros anyway after zero_grad(false), and undefined, as without views, after zero_grad()).
+// The flag also binds at one rank, where nothing is reduced, so .grad is the same kind of
+// tensor at every world size.
+
 Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared_ptr<ProcessGroup> pg,
                  ReducerOptions options)
     : params_(std::move(params)), pg_(std::move(pg)), options_(options) {
@@ -130,6 +152,7 @@ void Reducer::plan_buckets(const std::vector<size_t>& order) {
   if (!current.params.empty()) close_bucket();
   for (Bucket& b : buckets_) b.pending = b.params.size();
   next_bucket_to_launch_ = 0;
+  if (options_.gradient_as_bucket_view) bind_grads_to_buckets();  // .grad follows the plan
 }
 
 bool Reducer::should_rebuild() const {
@@ -174,6 +197,32 @@ std::vector<std::vector<size_t>> Reducer::bucket_plan() const {
   return plan;
 }
 
+void Reducer::bind_grads_to_buckets() {
+  for (Bucket& bucket : buckets_) {
+    bucket.views.clear();
+    for (size_t slot = 0; slot < bucket.params.size(); ++slot)
+      bucket.views.push_back(bucket.flat.slice_view(bucket.offsets[slot], params_[bucket.params[slot]].second.shape()));
+  }
+  // Read every .grad before writing any slot: after a re-plan that kept a buffer, one
+  // parameter's new slot may overlap another's old one.
+  std::vector<Tensor> sources(params_.size());
+  for (size_t k = 0; k < params_.size(); ++k) {
+    const Tensor grad = params_[k].second.grad();
+    auto [b, slot] = location_[k];
+    if (!grad.defined() || grad.is_same(buckets_[b].views[slot])) continue;
+    bool in_a_bucket = false;
+    for (const Bucket& bucket : buckets_) in_a_bucket = in_a_bucket || grad.is_alias_of(bucket.flat);
+    sources[k] = in_a_bucket ? grad.clone() : grad;
+  }
+  for (size_t k = 0; k < params_.size(); ++k) {
+    if (!sources[k].defined()) continue;
+    auto [b, slot] = location_[k];
+    Tensor& view = buckets_[b].views[slot];
+    view.copy_(sources[k]);
+    params_[k].second.set_grad(view);
+  }
+}
+
 void Reducer::register_comm_hook(CommHook hook) {
   NANODDP_CHECK(hook != nullptr, ValueError, "register_comm_hook: the hook is empty");
   NANODDP_CHECK(comm_hook_ == nullptr, ValueError,
@@ -216,19 +265,26 @@ void Reducer::mark_ready(size_t k) {
 void Reducer::copy_into_bucket(size_t k) {
   ready_[k] = true;
   if (synced_backwards_ == 0 && should_rebuild()) ready_order_.push_back(k);  // Note [Bucket rebuild]
-  if (!reduces()) return;  // the mean over one rank is the gradient itself
+  // The mean over one rank is the gradient itself; views are still bound (Note [Gradient as
+  // bucket view]).
+  if (!reduces() && !options_.gradient_as_bucket_view) return;
   auto [b, slot] = location_[k];
   Bucket& bucket = buckets_[b];
-  const Tensor grad = params_[k].second.grad();
+  Tensor& param = params_[k].second;
+  const Tensor grad = param.grad();
   const double ready_us = trace::enabled() ? trace::now_us() : 0;
   float* into = bucket.flat.data<float>() + bucket.offsets[slot];
-  if (comm_hook_) {  // the hook averages
+  const bool in_bucket = options_.gradient_as_bucket_view && grad.is_same(bucket.views[slot]);
+  // world_size unless Join says otherwise; a hook averages itself, and one rank has no mean to take.
+  const bool divides = reduces() && !comm_hook_;
+  if (divides) {  // out of place, or in place when .grad is the slot
+    NANODDP_DISPATCH(grad.device(), scalar_forward, into, grad.data<float>(), kernels::ScalarOp::Div,
+                     static_cast<float>(divide_factor_), grad.numel());
+  } else if (!in_bucket) {
     copy_bytes(into, bucket.flat.device(), grad.data<float>(), grad.device(), grad.nbytes());
-  } else {
-    const float divisor = static_cast<float>(divide_factor_);  // world_size unless Join says otherwise
-    NANODDP_DISPATCH(grad.device(), scalar_forward, into, grad.data<float>(), kernels::ScalarOp::Div, divisor,
-                     grad.numel());
   }
+  if (options_.gradient_as_bucket_view && !in_bucket) param.set_grad(bucket.views[slot]);
+  if (!reduces()) return;
   --bucket.pending;
   if (trace::enabled()) {
     trace::complete(trace::Lane::DDP, params_[k].first + " ready -> bucket " + std::to_string(b), ready_us,
@@ -344,6 +400,17 @@ void Reducer::finalize() {
                                  : std::string("an undefined tensor"),
                   "; expected its buffer's ", bucket.flat.numel(), " float32 values on ", bucket.flat.device());
     if (trace::enabled()) trace_completions();
+    if (options_.gradient_as_bucket_view) {  // Note [Gradient as bucket view]: no copy out
+      if (mean.data<float>() != bucket.flat.data<float>())
+        copy_bytes(bucket.flat.data<float>(), bucket.flat.device(), mean.data<float>(), mean.device(),
+                   bucket.flat.nbytes());
+      for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+        const size_t k = bucket.params[slot];
+        Tensor& p = params_[k].second;
+        if (used_anywhere[k] != 0 && !p.grad().is_same(bucket.views[slot])) p.set_grad(bucket.views[slot]);
+      }
+      continue;
+    }
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
       const size_t k = bucket.params[slot];
       if (used_anywhere[k] == 0) continue;  // no rank used it: .grad untouched, as in PyTorch

@@ -13,7 +13,9 @@
 //      became ready on rank 0 (Note [Bucket rebuild] in reducer.cpp).
 //   2. mark_ready(i), called when parameter i's gradient is final for this backward: copy it
 //      into its bucket's flat buffer, divided by world_size (the averaging folded into the
-//      copy; under dist::Join, possibly by the ranks still training: set_divide_factor). When a bucket's last parameter is in, and overlap is on, launch the all-reduces
+//      copy; under dist::Join, possibly by the ranks still training: set_divide_factor); with
+//      gradient_as_bucket_view the .grad already is its slot of the buffer, divided there in
+//      place (Note [Gradient as bucket view] in reducer.cpp). When a bucket's last parameter is in, and overlap is on, launch the all-reduces
 //      of every complete bucket in plan order (never out of order: ranks must agree). With
 //      one rank the mean is the gradient itself: nothing is copied or reduced.
 //      With a comm hook (dist/comm_hooks.h) the copy does not divide, and launching a bucket
@@ -26,7 +28,8 @@
 //      used (Note [Unused parameters] in reducer.cpp; with static_graph only in the first
 //      synced backward, Note [Static graph]); wait for every bucket (its all-reduce,
 //      or its hook's future) with the timeout, in plan order; copy each bucket's means into .grad of every parameter some rank used (a
-//      .grad is created where this rank had none). A parameter no rank used keeps its .grad,
+//      .grad is created where this rank had none; with gradient_as_bucket_view nothing is
+//      copied: each such .grad is its slot of the bucket, which holds the means). A parameter no rank used keeps its .grad,
 //      so the optimizer skips it on every rank, as in PyTorch.
 #pragma once
 
@@ -62,6 +65,11 @@ struct ReducerOptions {
   // in which a parameter gets a gradient that no rank's gradient reached in the first is a
   // DistError (the graph was not static). Note [Static graph] in reducer.cpp.
   bool static_graph = false;
+  // Each parameter's .grad becomes a view of its slot in its bucket (PyTorch's flag, default
+  // false there too): no copy into the bucket before the all-reduce, none out after, and one
+  // copy of the gradients in memory instead of two. Keep the views with
+  // zero_grad(/*set_to_none=*/false); Note [Gradient as bucket view] in reducer.cpp.
+  bool gradient_as_bucket_view = false;
   std::chrono::milliseconds timeout = kDefaultTimeout;
 };
 
@@ -119,6 +127,7 @@ class Reducer {
     std::vector<size_t> params;    // indices into params_, in plan order
     std::vector<int64_t> offsets;  // element offset of each parameter in flat
     Tensor flat;                   // [sum of numel] float32 on the parameters' device
+    std::vector<Tensor> views;     // gradient_as_bucket_view: each parameter's slot of flat
     size_t pending = 0;            // parameters not yet ready in this iteration
     std::shared_ptr<Future> reduced;  // the in-flight all-reduce (or hook), if launched
     double launched_us = -1;       // when tracing: launch time until its completion is recorded
@@ -127,6 +136,10 @@ class Reducer {
   // Step 1: packs the parameters, in this order, into buckets under the caps.
   void plan_buckets(const std::vector<size_t>& order);
   bool should_rebuild() const;
+  // gradient_as_bucket_view: makes each bucket's views of the current plan and points every
+  // parameter's defined .grad at its view, copying its values there (PyTorch's
+  // initialize_bucket_views). Run after planning; a new plan runs it again, and .grad follows.
+  void bind_grads_to_buckets();
   void mark_ready(size_t param_index);
   void copy_into_bucket(size_t param_index);
   void launch_ready_buckets();

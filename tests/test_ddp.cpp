@@ -116,46 +116,62 @@ std::vector<Tensor> train_reference(int steps, bool accumulate) {
 
 }  // namespace
 
-TEST_CASE("2 ranks x batch 8 train exactly like 1 rank on the batch of 16 (10 SGD steps)") {
+TEST_CASE("2 ranks x batch 8 train exactly like 1 rank on the batch of 16 (10 SGD steps), gradients as bucket views or not") {
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [port](int rank) {
     auto pg = join(rank, 2, port);
-    // Rank 1 starts from other weights: wrapping must replace them with rank 0's.
-    dist::DistributedDataParallel ddp(make_mlp(rank == 0 ? 7 : 99), pg);
-    nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
-    for (int s = 0; s < 10; ++s) {
-      const Batch b = rows(global_batch(s), 8 * rank, 8 * rank + 8);
-      opt.zero_grad();
-      cross_entropy(ddp(b.x), b.y).backward();
-      opt.step();
+    std::vector<std::vector<float>> trained[2];
+    for (const bool views : {false, true}) {
+      dist::DDPOptions options;
+      options.gradient_as_bucket_view = views;
+      // Rank 1 starts from other weights: wrapping must replace them with rank 0's.
+      dist::DistributedDataParallel ddp(make_mlp(rank == 0 ? 7 : 99), pg, options);
+      nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+      for (int s = 0; s < 10; ++s) {
+        const Batch b = rows(global_batch(s), 8 * rank, 8 * rank + 8);
+        // With views, .grad is zeroed in place (torch 1.13's default) and stays the bucket's,
+        // except at step 5, where set_to_none makes the next backward copy into the bucket
+        // and bind .grad to it again (Note [Gradient as bucket view]).
+        opt.zero_grad(/*set_to_none=*/!views || s == 5);
+        cross_entropy(ddp(b.x), b.y).backward();
+        opt.step();
+      }
+      bool ok = false;
+      const std::string report = compare(ddp.module().named_parameters(), train_reference(10, false), 1e-5f, &ok);
+      expect(ok, "rank ", rank, (views ? " with" : " without"), " gradient_as_bucket_view differs from the 1-rank reference:\n", report);
+      for (const Tensor& p : ddp.parameters()) trained[views].push_back(p.to_vector());
     }
-    bool ok = false;
-    const std::string report = compare(ddp.module().named_parameters(), train_reference(10, false), 1e-5f, &ok);
-    expect(ok, "rank ", rank, " differs from the 1-rank reference:\n", report);
+    // In place or copied, the same float operations in the same order.
+    expect(trained[0] == trained[1], "rank ", rank, ": gradient_as_bucket_view changed the trained parameters");
   });
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
-TEST_CASE("no_sync accumulation equals one rank accumulating all micro-batches") {
+TEST_CASE("no_sync accumulation equals one rank accumulating all micro-batches, into bucket views too") {
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [port](int rank) {
     auto pg = join(rank, 2, port);
-    dist::DistributedDataParallel ddp(make_mlp(7), pg);
-    nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
-    for (int s = 0; s < 5; ++s) {
-      const Batch b = global_batch(s);
-      const Batch first = rows(b, 8 * rank, 8 * rank + 4), second = rows(b, 8 * rank + 4, 8 * rank + 8);
-      opt.zero_grad();
-      {
-        auto guard = ddp.no_sync();
-        cross_entropy(ddp(first.x), first.y).backward();
+    for (const bool views : {false, true}) {
+      dist::DDPOptions options;
+      options.gradient_as_bucket_view = views;
+      dist::DistributedDataParallel ddp(make_mlp(7), pg, options);
+      nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+      for (int s = 0; s < 5; ++s) {
+        const Batch b = global_batch(s);
+        const Batch first = rows(b, 8 * rank, 8 * rank + 4), second = rows(b, 8 * rank + 4, 8 * rank + 8);
+        opt.zero_grad(/*set_to_none=*/!views);
+        {
+          auto guard = ddp.no_sync();
+          cross_entropy(ddp(first.x), first.y).backward();
+        }
+        cross_entropy(ddp(second.x), second.y).backward();
+        opt.step();
       }
-      cross_entropy(ddp(second.x), second.y).backward();
-      opt.step();
+      bool ok = false;
+      const std::string report = compare(ddp.module().named_parameters(), train_reference(5, true), 1e-5f, &ok);
+      expect(ok, "rank ", rank, (views ? " with" : " without"),
+             " gradient_as_bucket_view differs from the accumulating reference:\n", report);
     }
-    bool ok = false;
-    const std::string report = compare(ddp.module().named_parameters(), train_reference(5, true), 1e-5f, &ok);
-    expect(ok, "rank ", rank, " differs from the accumulating reference:\n", report);
   });
   CHECK_MESSAGE(failures.empty(), failures);
 }
@@ -461,6 +477,113 @@ TEST_CASE("compression hooks at 4 ranks: each rank's rounded share, summed in 16
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE("gradient_as_bucket_view: each .grad is its slot of the buffer a comm hook sees, across steps") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [port](int rank) {
+    auto pg = join(rank, 2, port);
+    const std::vector<std::vector<float>> grads[2] = {local_gradients(0, 2), local_gradients(1, 2)};
+    dist::DDPOptions options;
+    options.first_bucket_cap_bytes = 100;  // buckets {2.bias, 2.weight} and {0.bias, 0.weight}
+    options.bucket_cap_bytes = 150;
+    options.gradient_as_bucket_view = true;
+    auto model = make_mlp(7);
+    dist::DistributedDataParallel ddp(model, pg, options);
+    auto buffers = std::make_shared<std::vector<dist::GradBucket>>();
+    ddp.register_comm_hook(pg, [buffers](std::shared_ptr<dist::ProcessGroup>& group, dist::GradBucket& bucket) {
+      buffers->push_back(bucket);
+      return dist::allreduce_hook(group, bucket);
+    });
+    const auto params = model->parameters();
+    const Batch b = rows(global_batch(0), 8 * rank, 8 * rank + 8);
+    cross_entropy(ddp(b.x), b.y).backward();
+    expect(buffers->size() == 2, "rank ", rank, ": the hook saw ", buffers->size(), " buckets, expected 2");
+    std::vector<Tensor> first_grads;
+    for (const Tensor& p : params) first_grads.push_back(p.grad());
+    for (const dist::GradBucket& bucket : *buffers) {
+      std::vector<float> concatenated;
+      for (size_t i = 0; i < bucket.parameters().size(); ++i) {
+        const Tensor grad = bucket.parameters()[i].grad();
+        expect(grad.is_alias_of(bucket.buffer()) &&
+                   grad.storage_offset() == bucket.buffer().storage_offset() + bucket.offsets()[i],
+               "rank ", rank, ": bucket ", bucket.index(), " parameter ", i, "'s .grad is not its slot of the buffer");
+        const std::vector<float> g = grad.to_vector();
+        concatenated.insert(concatenated.end(), g.begin(), g.end());
+      }
+      expect(bucket.buffer().to_vector() == concatenated, "rank ", rank, ": bucket ", bucket.index(),
+             "'s buffer is not its gradients side by side");
+    }
+    for (size_t i = 0; i < params.size(); ++i) {  // allreduce_hook: a / 2 + b / 2, exactly
+      std::vector<float> mean;
+      for (size_t j = 0; j < grads[0][i].size(); ++j) mean.push_back(grads[0][i][j] / 2 + grads[1][i][j] / 2);
+      expect(params[i].grad().to_vector() == mean, "rank ", rank, ": parameter ", i, "'s .grad is not the mean");
+    }
+    // Writes go both ways: through a .grad into the buffer, through the buffer into every .grad.
+    const dist::GradBucket last = buffers->back();  // {0.bias (8), 0.weight (40)}
+    params[1].grad().fill_(7.0f);                   // 0.bias: the first 8 elements
+    const std::vector<float> seen = last.buffer().to_vector();
+    expect(std::vector<float>(seen.begin(), seen.begin() + 8) == std::vector<float>(8, 7.0f), "rank ", rank,
+           ": a write through .grad did not reach the buffer");
+    Tensor(last.buffer()).fill_(3.0f);
+    expect(params[0].grad().to_vector() == std::vector<float>(40, 3.0f), "rank ", rank,
+           ": a write through the buffer did not reach .grad");
+    // The next step keeps the same tensors: zeroed in place, filled by backward, reduced there.
+    nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f});
+    opt.zero_grad(/*set_to_none=*/false);
+    cross_entropy(ddp(b.x), b.y).backward();
+    for (size_t i = 0; i < params.size(); ++i)
+      expect(params[i].grad().is_same(first_grads[i]), "rank ", rank, ": parameter ", i,
+             "'s .grad was replaced in the second step");
+    expect(buffers->size() == 4 && (*buffers)[3].buffer().is_same(last.buffer()), "rank ", rank,
+           ": the second step's hook saw another buffer");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("gradient_as_bucket_view with find_unused_parameters and a frozen layer") {
+  // always: used on both ranks; rank1_only: used by rank 1 only; never: unused; frozen: no grad.
+  struct Branches : nn::Module {
+    std::shared_ptr<nn::Linear> always = register_module("always", std::make_shared<nn::Linear>(2, 1));
+    std::shared_ptr<nn::Linear> rank1_only = register_module("rank1_only", std::make_shared<nn::Linear>(2, 1));
+    std::shared_ptr<nn::Linear> never = register_module("never", std::make_shared<nn::Linear>(2, 1));
+    std::shared_ptr<nn::Linear> frozen = register_module("frozen", std::make_shared<nn::Linear>(2, 1));
+    bool use_rank1_only = false;
+    Tensor forward(const Tensor& x) override {
+      Tensor y = (*always)(x) + (*frozen)(x);
+      return use_rank1_only ? y + (*rank1_only)(x) : y;
+    }
+  };
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [port](int rank) {
+    auto pg = join(rank, 2, port);
+    auto model = std::make_shared<Branches>();
+    model->frozen->weight.set_requires_grad(false);
+    model->frozen->bias.set_requires_grad(false);
+    model->use_rank1_only = rank == 1;
+    dist::DDPOptions options;
+    options.find_unused_parameters = true;
+    options.gradient_as_bucket_view = true;
+    dist::DistributedDataParallel ddp(model, pg, options);
+    nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f});
+    for (int step = 0; step < 2; ++step) {
+      opt.zero_grad(/*set_to_none=*/false);
+      const float x = static_cast<float>(rank + 1);  // 1 and 2
+      sum(ddp(Tensor::full({1, 2}, x))).backward();
+      // d sum / d weight = x: mean 1.5; rank1_only's: (0 + 2) / 2 = 1, its bias (0 + 1) / 2.
+      expect(model->always->weight.grad().to_vector() == std::vector<float>{1.5f, 1.5f} &&
+                 model->rank1_only->weight.grad().to_vector() == std::vector<float>{1.0f, 1.0f} &&
+                 model->rank1_only->bias.grad().to_vector() == std::vector<float>{0.5f},
+             "rank ", rank, " step ", step, ": always.weight.grad ", model->always->weight.grad(),
+             " rank1_only.weight.grad ", model->rank1_only->weight.grad());
+      expect(model->rank1_only->weight.grad().is_alias_of(model->always->weight.grad()), "rank ", rank,
+             ": rank1_only.weight.grad is not in the bucket");
+      expect(!model->never->weight.grad().defined() && !model->frozen->weight.grad().defined(), "rank ", rank,
+             ": an unused or frozen parameter got a .grad");
+      opt.step();
+    }
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 // ---- ZeroRedundancyOptimizer (ZeRO stage 1) --------------------------------------------------
 
 namespace {
@@ -496,13 +619,17 @@ void check_zero(int world, const std::vector<int>& owners, const std::vector<int
   const std::string failures = on_ranks(world, [&](int rank) {
     auto pg = join(rank, world, port);
     for (const bool adam : {false, true}) {
-      dist::DistributedDataParallel ddp(make_mlp(7), pg);
+      // The Adam run keeps its gradients in the buckets (gradient_as_bucket_view, zeroed in
+      // place): the sharded step must read them there the same.
+      dist::DDPOptions options;
+      options.gradient_as_bucket_view = adam;
+      dist::DistributedDataParallel ddp(make_mlp(7), pg, options);
       dist::ZeroRedundancyOptimizer opt(ddp.parameters(), pg, adam ? kAdam : kSgdMomentum);
       for (size_t i = 0; i < owners.size(); ++i) expect(opt.owner(i) == owners[i], "parameter ", i, " owned by ", opt.owner(i));
       const int64_t per_row = 16 / world;
       for (int s = 0; s < 5; ++s) {
         const Batch b = rows(global_batch(s), per_row * rank, per_row * rank + per_row);
-        opt.zero_grad();
+        opt.zero_grad(/*set_to_none=*/!adam);
         cross_entropy(ddp(b.x), b.y).backward();
         opt.step();
       }
