@@ -8,6 +8,7 @@
 //   nanoddp-run --nproc-per-node 2 build/examples/fashion_mnist --explain --trace run.json
 //       --hidden 1024,1024,512 --bucket-cap-mb 4      # several buckets, overlapping backward
 //   nanoddp-run --nproc-per-node 2 build/examples/fashion_mnist --comm-hook bf16   # half the bytes
+//   nanoddp-run --nproc-per-node 2 build/examples/fashion_mnist --gradient-as-bucket-view
 //
 // Each epoch: every rank trains on its DistributedSampler share (batch_size per rank, so the
 // global batch is batch_size * world_size); the mean training loss is averaged over ranks;
@@ -79,6 +80,7 @@ struct Config {
   int stop_after = 0;  // 0: train every epoch
   std::string schedule = "cosine";
   bool no_overlap = false;
+  bool gradient_as_bucket_view = false;  // .grad lives in DDP's buckets; zero_grad keeps it there
   std::string comm_hook = "none";  // none | allreduce | fp16 | bf16 (dist/comm_hooks.h)
   bool prefetch = false;
   bool quiet = false;
@@ -336,6 +338,7 @@ int run(const Config& config) {
   ddp_options.overlap = !config.no_overlap;
   ddp_options.bucket_cap_bytes = mib_to_bytes(config.bucket_cap_mb);
   ddp_options.first_bucket_cap_bytes = mib_to_bytes(config.first_bucket_cap_mb);
+  ddp_options.gradient_as_bucket_view = config.gradient_as_bucket_view;
   dist::DistributedDataParallel ddp(model, pg, ddp_options);
   if (config.comm_hook == "allreduce") ddp.register_comm_hook(pg, dist::allreduce_hook);
   if (config.comm_hook == "fp16") ddp.register_comm_hook(pg, dist::fp16_compress_hook);
@@ -360,7 +363,9 @@ int run(const Config& config) {
     float lr = optimizer->lr();
     for (const data::Batch& batch : train_loader) {
       lr = optimizer->lr();
-      optimizer->zero_grad();
+      // With bucket views, zeroing in place (torch 1.13's default) keeps .grad in the buckets;
+      // set_to_none would make every backward copy into them again.
+      optimizer->zero_grad(/*set_to_none=*/!config.gradient_as_bucket_view);
       Tensor loss = loss_fn(ddp(batch.input), batch.target);
       loss.backward();
       optimizer->step();
@@ -487,6 +492,9 @@ int main(int argc, char** argv) {
   app.add_option("--schedule", config.schedule, "learning rate over training: cosine (to 0) or constant")
       ->check(CLI::IsMember({"cosine", "constant"}));
   app.add_flag("--no-overlap", config.no_overlap, "all-reduce after backward instead of during it");
+  app.add_flag("--gradient-as-bucket-view", config.gradient_as_bucket_view,
+               "each .grad is a view of its DDP bucket (torch's gradient_as_bucket_view): no gradient copies, "
+               "one copy of the gradients in memory");
   app.add_option("--comm-hook", config.comm_hook,
                  "how DDP reduces each gradient bucket: none (built in), allreduce (allreduce_hook), fp16 or bf16 "
                  "(compressed to 16 bits: half the bytes)")

@@ -89,16 +89,19 @@ inline std::shared_ptr<nn::Sequential> staging_mlp() {
 // DDP over pg with the model on `device`, rank r taking its share of each global batch of 16,
 // against one process training the same model on the whole batch on the CPU: the parameters
 // must agree within tolerance after every one of 5 SGD steps with momentum (float rounding;
-// cuBLAS rounds otherwise than Eigen).
-inline void check_ddp_matches_one_rank(const std::shared_ptr<dist::ProcessGroup>& pg, Device device,
-                                       float tolerance = 1e-5f) {
+// cuBLAS rounds otherwise than Eigen). Run once with gradients copied into the buckets and
+// once with gradient_as_bucket_view (each .grad a view of its bucket on `device`).
+inline void check_ddp_matches_one_rank(const std::shared_ptr<dist::ProcessGroup>& pg, Device device, float tolerance,
+                                       bool gradient_as_bucket_view) {
   const int world = pg->size(), rank = pg->rank();
   constexpr int64_t kBatch = 16;
   expect(kBatch % world == 0, "world size ", world, " does not divide the batch");
   const int64_t share = kBatch / world;
   auto reference = staging_mlp(), model = staging_mlp();
   model->to(device);
-  dist::DistributedDataParallel ddp(model, pg);
+  dist::DDPOptions options;
+  options.gradient_as_bucket_view = gradient_as_bucket_view;
+  dist::DistributedDataParallel ddp(model, pg, options);
   nn::SGD reference_opt(reference->parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
   nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
   for (int step = 0; step < 5; ++step) {
@@ -115,9 +118,15 @@ inline void check_ddp_matches_one_rank(const std::shared_ptr<dist::ProcessGroup>
                                             {share, 5}, device);
     const Tensor my_y = Tensor::from_vector(
         std::vector<int64_t>(labels.begin() + rank * share, labels.begin() + (rank + 1) * share), {}, device);
-    opt.zero_grad();
+    opt.zero_grad(/*set_to_none=*/!gradient_as_bucket_view);
     cross_entropy(ddp(my_x), my_y).backward();
     opt.step();
+    if (gradient_as_bucket_view) {  // one bucket: every .grad in the same memory, on device
+      const auto params = model->parameters();
+      for (const Tensor& p : params)
+        expect(p.grad().is_alias_of(params[0].grad()) && p.grad().device() == device, "rank ", rank,
+               ": a .grad is not in the bucket on ", device);
+    }
 
     const auto want = reference->named_parameters(), got = model->named_parameters();
     for (size_t p = 0; p < want.size(); ++p) {
@@ -126,9 +135,14 @@ inline void check_ddp_matches_one_rank(const std::shared_ptr<dist::ProcessGroup>
       float worst = 0;
       for (size_t j = 0; j < a.size(); ++j) worst = std::max(worst, std::abs(a[j] - b[j]));
       expect(worst <= tolerance, "step ", step, " rank ", rank, ": ", got[p].first, " differs from 1-rank training by ",
-             worst);
+             worst, gradient_as_bucket_view ? " (gradient_as_bucket_view)" : "");
     }
   }
+}
+
+inline void check_ddp_matches_one_rank(const std::shared_ptr<dist::ProcessGroup>& pg, Device device,
+                                       float tolerance = 1e-5f) {
+  for (const bool views : {false, true}) check_ddp_matches_one_rank(pg, device, tolerance, views);
 }
 
 }  // namespace nanoddp::testing
