@@ -96,7 +96,8 @@ namespace nanoddp::dist {
 // used ends with a .grad of zeros where without views it would keep its .grad (which is
 // zeros anyway after zero_grad(false), and undefined, as without views, after zero_grad()).
 // The flag also binds at one rank, where nothing is reduced, so .grad is the same kind of
-// tensor at every world size.
+// tensor at every world size. On shm the buckets are memory every rank maps (Note [Shm direct
+// all-reduce]); a view of one is an ordinary tensor in that memory, so .grad lives there too.
 
 Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared_ptr<ProcessGroup> pg,
                  ReducerOptions options)

@@ -116,7 +116,7 @@ std::vector<Tensor> train_reference(int steps, bool accumulate) {
 
 }  // namespace
 
-TEST_CASE("2 ranks x batch 8 train exactly like 1 rank on the batch of 16 (10 SGD steps), gradients as bucket views or not") {
+TEST_CASE("2 ranks x batch 8 train exactly like 1 rank on the batch of 16 (10 SGD steps)") {
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [port](int rank) {
     auto pg = join(rank, 2, port);
