@@ -81,7 +81,10 @@ namespace nanoddp::dist {
 // bucket (core/storage.h, Note [Storage views]), as PyTorch's bucket views, so the gradients
 // exist once, in the buckets:
 //   - bind_grads_to_buckets makes the views once the plan exists, and points every .grad that
-//     is already defined at its view, copying its values in; after a re-plan it runs again;
+//     is already defined at its view, copying its values in; plan_buckets runs it, so after
+//     the re-plan (Note [Bucket rebuild]) every .grad moves into its new slot with its values.
+//     Until then the views keep the old buckets alive: the re-plan holds two sets of buckets
+//     for that moment instead of one;
 //   - backward adds into an existing .grad in place (core/autograd.cpp), so it writes into the
 //     bucket; mark_ready then only divides the slot by world_size, in place;
 //   - a .grad that is not the view (none before the first backward, or after

@@ -477,7 +477,7 @@ TEST_CASE("compression hooks at 4 ranks: each rank's rounded share, summed in 16
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
-TEST_CASE("gradient_as_bucket_view: each .grad is its slot of the buffer a comm hook sees, across steps") {
+TEST_CASE("gradient_as_bucket_view: each .grad is its slot of the buffer a comm hook sees, across steps and the bucket rebuild") {
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [port](int rank) {
     auto pg = join(rank, 2, port);
@@ -494,29 +494,36 @@ TEST_CASE("gradient_as_bucket_view: each .grad is its slot of the buffer a comm 
       return dist::allreduce_hook(group, bucket);
     });
     const auto params = model->parameters();
+    // Every .grad is its slot of the buffer its hook saw: same memory, at its offset, and the
+    // buffer is the gradients side by side; each .grad holds the exact mean a / 2 + b / 2.
+    auto check_buckets = [&](size_t first, size_t count, const char* when) {
+      expect(buffers->size() == first + count, "rank ", rank, " ", when, ": the hook saw ", buffers->size() - first,
+             " buckets, expected ", count);
+      for (size_t call = first; call < buffers->size(); ++call) {
+        const dist::GradBucket& bucket = (*buffers)[call];
+        std::vector<float> concatenated;
+        for (size_t i = 0; i < bucket.parameters().size(); ++i) {
+          const Tensor grad = bucket.parameters()[i].grad();
+          expect(grad.is_alias_of(bucket.buffer()) &&
+                     grad.storage_offset() == bucket.buffer().storage_offset() + bucket.offsets()[i],
+                 "rank ", rank, " ", when, ": bucket ", bucket.index(), " parameter ", i,
+                 "'s .grad is not its slot of the buffer");
+          const std::vector<float> g = grad.to_vector();
+          concatenated.insert(concatenated.end(), g.begin(), g.end());
+        }
+        expect(bucket.buffer().to_vector() == concatenated, "rank ", rank, " ", when, ": bucket ", bucket.index(),
+               "'s buffer is not its gradients side by side");
+      }
+      for (size_t i = 0; i < params.size(); ++i) {
+        std::vector<float> mean;
+        for (size_t j = 0; j < grads[0][i].size(); ++j) mean.push_back(grads[0][i][j] / 2 + grads[1][i][j] / 2);
+        expect(params[i].grad().to_vector() == mean, "rank ", rank, " ", when, ": parameter ", i,
+               "'s .grad is not the mean");
+      }
+    };
     const Batch b = rows(global_batch(0), 8 * rank, 8 * rank + 8);
     cross_entropy(ddp(b.x), b.y).backward();
-    expect(buffers->size() == 2, "rank ", rank, ": the hook saw ", buffers->size(), " buckets, expected 2");
-    std::vector<Tensor> first_grads;
-    for (const Tensor& p : params) first_grads.push_back(p.grad());
-    for (const dist::GradBucket& bucket : *buffers) {
-      std::vector<float> concatenated;
-      for (size_t i = 0; i < bucket.parameters().size(); ++i) {
-        const Tensor grad = bucket.parameters()[i].grad();
-        expect(grad.is_alias_of(bucket.buffer()) &&
-                   grad.storage_offset() == bucket.buffer().storage_offset() + bucket.offsets()[i],
-               "rank ", rank, ": bucket ", bucket.index(), " parameter ", i, "'s .grad is not its slot of the buffer");
-        const std::vector<float> g = grad.to_vector();
-        concatenated.insert(concatenated.end(), g.begin(), g.end());
-      }
-      expect(bucket.buffer().to_vector() == concatenated, "rank ", rank, ": bucket ", bucket.index(),
-             "'s buffer is not its gradients side by side");
-    }
-    for (size_t i = 0; i < params.size(); ++i) {  // allreduce_hook: a / 2 + b / 2, exactly
-      std::vector<float> mean;
-      for (size_t j = 0; j < grads[0][i].size(); ++j) mean.push_back(grads[0][i][j] / 2 + grads[1][i][j] / 2);
-      expect(params[i].grad().to_vector() == mean, "rank ", rank, ": parameter ", i, "'s .grad is not the mean");
-    }
+    check_buckets(0, 2, "step 1");
     // Writes go both ways: through a .grad into the buffer, through the buffer into every .grad.
     const dist::GradBucket last = buffers->back();  // {0.bias (8), 0.weight (40)}
     params[1].grad().fill_(7.0f);                   // 0.bias: the first 8 elements
@@ -526,15 +533,26 @@ TEST_CASE("gradient_as_bucket_view: each .grad is its slot of the buffer a comm 
     Tensor(last.buffer()).fill_(3.0f);
     expect(params[0].grad().to_vector() == std::vector<float>(40, 3.0f), "rank ", rank,
            ": a write through the buffer did not reach .grad");
-    // The next step keeps the same tensors: zeroed in place, filled by backward, reduced there.
+    // The next forward re-plans the buckets ({2.weight, 2.bias}, {0.weight}, {0.bias}: Note
+    // [Bucket rebuild]); each .grad moves into its new slot with its values.
+    std::vector<std::vector<float>> before;
+    for (const Tensor& p : params) before.push_back(p.grad().to_vector());
+    const Tensor out = ddp(b.x);
+    expect(ddp.reducer().buckets_rebuilt(), "rank ", rank, ": the buckets were not rebuilt");
+    std::vector<Tensor> rebound;
+    for (size_t i = 0; i < params.size(); ++i) {
+      rebound.push_back(params[i].grad());
+      expect(params[i].grad().to_vector() == before[i] && !params[i].grad().is_alias_of(last.buffer()), "rank ", rank,
+             ": parameter ", i, "'s .grad did not move into the new buckets with its values");
+    }
+    // The next step keeps those tensors: zeroed in place, filled by backward, reduced there.
     nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f});
     opt.zero_grad(/*set_to_none=*/false);
-    cross_entropy(ddp(b.x), b.y).backward();
+    cross_entropy(out, b.y).backward();
+    check_buckets(2, 3, "step 2, rebuilt");
     for (size_t i = 0; i < params.size(); ++i)
-      expect(params[i].grad().is_same(first_grads[i]), "rank ", rank, ": parameter ", i,
+      expect(params[i].grad().is_same(rebound[i]), "rank ", rank, ": parameter ", i,
              "'s .grad was replaced in the second step");
-    expect(buffers->size() == 4 && (*buffers)[3].buffer().is_same(last.buffer()), "rank ", rank,
-           ": the second step's hook saw another buffer");
   });
   CHECK_MESSAGE(failures.empty(), failures);
 }
