@@ -48,8 +48,8 @@ EventWork::EventWork(std::string what, std::shared_ptr<AsyncComm> comm, Event ev
     : what_(std::move(what)),
       comm_(std::move(comm)),
       event_(std::move(event)),
-      keep_alive_(std::move(keep_alive)),
-      release_timeout_(release_timeout) {}
+      release_timeout_(release_timeout),
+      keep_alive_(std::move(keep_alive)) {}
 
 EventWork::~EventWork() {
   if (completed_ || keep_alive_.empty()) return;
@@ -78,12 +78,18 @@ EventWork::~EventWork() {
 }
 
 void EventWork::wait(std::chrono::milliseconds timeout) {
-  if (completed_) return;
-  NANODDP_CHECK(!comm_->aborted(), DistError, what_,
-                ": the communicator was aborted after an earlier timeout or error; this work did not finish");
-  if (!ordered_) {
-    event_.order_compute_stream();
-    ordered_ = true;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (completed_) {
+      keep_alive_.clear();
+      return;
+    }
+    NANODDP_CHECK(!comm_->aborted(), DistError, what_,
+                  ": the communicator was aborted after an earlier timeout or error; this work did not finish");
+    if (!ordered_) {
+      event_.order_compute_stream();
+      ordered_ = true;
+    }
   }
   const auto deadline = Clock::now() + timeout;
   std::string error;
@@ -99,10 +105,12 @@ void EventWork::wait(std::chrono::milliseconds timeout) {
     }
     std::this_thread::sleep_for(kPollInterval);
   }
+  std::lock_guard<std::mutex> lock(mutex_);
   keep_alive_.clear();
 }
 
 bool EventWork::is_completed() {
+  std::lock_guard<std::mutex> lock(mutex_);
   if (completed_) return true;
   std::string error;
   const AsyncState state = event_.query(&error);
@@ -112,6 +120,105 @@ bool EventWork::is_completed() {
   }
   completed_ = state == AsyncState::Done;
   return completed_;
+}
+
+// The Work of one queued call: it shares the queue, so it may outlive the process group.
+class PointToPointQueue::QueuedWork : public Work {
+ public:
+  QueuedWork(std::shared_ptr<PointToPointQueue> queue, std::shared_ptr<Outcome> outcome)
+      : queue_(std::move(queue)), outcome_(std::move(outcome)) {}
+  // Fire and forget (torch.distributed.isend without wait()): the call still goes out.
+  ~QueuedWork() override {
+    try {
+      std::lock_guard<std::mutex> lock(queue_->mutex_);
+      if (!outcome_->issued && !outcome_->error) queue_->issue_locked();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "nanoddp: a send/recv dropped without wait() could not be issued: %s\n", e.what());
+    } catch (...) {
+    }
+  }
+  void wait(std::chrono::milliseconds timeout) override { queue_->issued(*outcome_)->wait(timeout); }
+  bool is_completed() override { return queue_->issued(*outcome_)->is_completed(); }
+
+ private:
+  std::shared_ptr<PointToPointQueue> queue_;
+  std::shared_ptr<Outcome> outcome_;
+};
+
+std::shared_ptr<Work> PointToPointQueue::add(const std::shared_ptr<PointToPointQueue>& queue, Call call) {
+  auto outcome = std::make_shared<Outcome>();
+  {
+    std::lock_guard<std::mutex> lock(queue->mutex_);
+    queue->calls_.push_back(std::move(call));
+    queue->outcomes_.push_back(outcome);
+  }
+  return std::make_shared<QueuedWork>(queue, std::move(outcome));
+}
+
+void PointToPointQueue::issue() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  issue_locked();
+}
+
+void PointToPointQueue::issue_locked() {
+  if (calls_.empty()) return;
+  std::vector<Call> calls;
+  calls.swap(calls_);
+  std::vector<std::shared_ptr<Outcome>> outcomes;
+  outcomes.swap(outcomes_);
+  // Let go of the groups that have finished (a failed one has aborted its communicator, and
+  // its Work's release does not wait either).
+  std::vector<std::shared_ptr<Work>> unfinished;
+  for (auto& group : in_flight_) {
+    try {
+      if (!group->is_completed()) unfinished.push_back(std::move(group));
+    } catch (...) {
+    }
+  }
+  in_flight_.swap(unfinished);
+  std::shared_ptr<Work> group;
+  try {
+    group = issue_group_(calls);
+  } catch (...) {
+    for (auto& outcome : outcomes) outcome->error = std::current_exception();
+    throw;
+  }
+  for (auto& outcome : outcomes) outcome->issued = group;
+  in_flight_.push_back(std::move(group));
+}
+
+std::shared_ptr<Work> PointToPointQueue::issued(Outcome& outcome) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!outcome.issued && !outcome.error) {
+    try {
+      issue_locked();
+    } catch (...) {
+      // Recorded in outcome.error (this call was in the group), rethrown below.
+    }
+  }
+  if (outcome.error) std::rethrow_exception(outcome.error);
+  return outcome.issued;
+}
+
+void PointToPointQueue::close() {
+  std::vector<std::shared_ptr<Work>> in_flight;
+  try {
+    std::lock_guard<std::mutex> lock(mutex_);
+    try {
+      issue_locked();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "nanoddp: send/recv still queued at the group's end could not be issued: %s\n",
+                   e.what());
+    }
+    in_flight.swap(in_flight_);
+  } catch (...) {
+  }
+  in_flight.clear();  // outside the lock: each release may wait for its group to finish
+}
+
+size_t PointToPointQueue::groups_in_flight() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return in_flight_.size();
 }
 
 }  // namespace nanoddp::dist::detail

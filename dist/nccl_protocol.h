@@ -1,7 +1,8 @@
-// When an NCCL collective is issued, finished, and safe to release: the NCCL process group's
-// protocol, written against a two-function view of the communicator so that a test can drive
-// it without a GPU by answering "in progress" from a script (tests/test_nccl_protocol.cpp).
-// Internal to dist/ (not a public header); compiled in every build.
+// When an NCCL collective is issued, finished, and safe to release, and when a queued
+// send/recv goes out: the NCCL process group's protocol, written against a two-function view
+// of the communicator so that a test can drive it without a GPU by answering "in progress"
+// from a script (tests/test_nccl_protocol.cpp). Internal to dist/ (not a public header);
+// compiled in every build.
 //
 //   detail::issue_and_wait_enqueued(comm, what, timeout, [&](std::string* error) { ... ncclAllReduce ... });
 //   cudaEventRecord(done, stream);                   // only now: the collective is on the stream
@@ -33,7 +34,9 @@
 
 #include <chrono>
 #include <functional>
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -66,7 +69,8 @@ void issue_and_wait_enqueued(AsyncComm& comm, const std::string& what, std::chro
                              const std::function<AsyncState(std::string* error)>& issue);
 
 // A collective that is finished when a device event is (the NCCL group's done event, recorded
-// after Note [NCCL non-blocking] step 3).
+// after Note [NCCL non-blocking] step 3). One EventWork may stand behind several Works (every
+// send/recv of one NCCL group), so wait() and is_completed() may run on several threads at once.
 class EventWork : public Work {
  public:
   struct Event {
@@ -86,9 +90,10 @@ class EventWork : public Work {
   // on stderr. Never throws.
   ~EventWork() override;
 
-  // Orders the compute stream after the event, then polls it from the host: returns once it
-  // has passed; TimeoutError after timeout, DistError when the communicator or the device
-  // reports an error (both abort the communicator). Then releases the tensors.
+  // Orders the compute stream after the event (once, whichever thread comes first), then polls
+  // it from the host: returns once it has passed; TimeoutError after timeout, DistError when
+  // the communicator or the device reports an error (both abort the communicator). Then
+  // releases the tensors.
   void wait(std::chrono::milliseconds timeout) override;
   bool is_completed() override;
 
@@ -96,10 +101,62 @@ class EventWork : public Work {
   std::string what_;
   std::shared_ptr<AsyncComm> comm_;
   Event event_;
-  std::vector<Tensor> keep_alive_;
   std::chrono::milliseconds release_timeout_;
+  std::mutex mutex_;  // guards the three below; never held while sleeping between polls
+  std::vector<Tensor> keep_alive_;
   bool ordered_ = false;
   bool completed_ = false;
+};
+
+// Note [NCCL point-to-point]: send() and recv() add their call here; the calls go out together,
+// as one NCCL group, when the first of these happens: a Work of theirs is waited on, tested or
+// dropped, issue() is called (the group does before every collective), or close() (the group's
+// end). So calls made one after another form one group, as torch.distributed.batch_isend_irecv
+// would make them, and none is left behind. The issued group's Work is also held here until it
+// has finished, so that dropping a send's Work does not block until the peer has received it.
+class PointToPointQueue {
+ public:
+  struct Call {
+    Tensor tensor;
+    int peer;
+    bool is_send;
+  };
+  // Enqueues calls as one NCCL group (on the point-to-point communicator and stream) and
+  // returns the Work that finishes with all of them; throws when that fails.
+  using IssueGroup = std::function<std::shared_ptr<Work>(const std::vector<Call>& calls)>;
+
+  explicit PointToPointQueue(IssueGroup issue_group) : issue_group_(std::move(issue_group)) {}
+
+  // Queues call and returns its Work. The Work's wait() and is_completed() issue the queue if
+  // it has not gone out yet and then follow the group's Work; both rethrow the error that
+  // issuing met. Dropping the Work issues the queue too (errors go to stderr: destructors
+  // never throw).
+  static std::shared_ptr<Work> add(const std::shared_ptr<PointToPointQueue>& queue, Call call);
+  // Issues every queued call as one group; nothing when the queue is empty. Throws what
+  // issue_group throws (every Work of those calls then reports it).
+  void issue();
+  // The group's end: issues what is still queued (errors to stderr), then lets go of the
+  // issued groups, each of which holds its tensors until it has finished or its release
+  // timeout has passed (~EventWork). Never throws.
+  void close();
+  // Issued groups still held because they may not have finished (for tests).
+  size_t groups_in_flight();
+
+ private:
+  class QueuedWork;
+  // What a queued call's Work learns when its group goes out. Guarded by mutex_.
+  struct Outcome {
+    std::shared_ptr<Work> issued;
+    std::exception_ptr error;
+  };
+  void issue_locked();
+  std::shared_ptr<Work> issued(Outcome& outcome);
+
+  IssueGroup issue_group_;
+  std::mutex mutex_;
+  std::vector<Call> calls_;
+  std::vector<std::shared_ptr<Outcome>> outcomes_;
+  std::vector<std::shared_ptr<Work>> in_flight_;
 };
 
 }  // namespace nanoddp::dist::detail

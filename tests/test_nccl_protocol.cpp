@@ -1,12 +1,15 @@
-// Note [NCCL non-blocking] (dist/nccl_protocol.h), driven without a GPU: a scripted
-// communicator answers "in progress" as NCCL's non-blocking one does, and a scripted event
-// stands in for the collective's done event.
+// Note [NCCL non-blocking] and the send/recv queue of Note [NCCL point-to-point]
+// (dist/nccl_protocol.h), driven without a GPU: a scripted communicator answers "in progress" as
+// NCCL's non-blocking one does, a scripted event stands in for the collective's done event, and
+// a recorder stands in for the NCCL group that the queue issues.
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dist/nccl_protocol.h"
@@ -188,4 +191,160 @@ TEST_CASE("wait() times out, or reports NCCL's asynchronous error, and aborts") 
     CHECK_THROWS_WITH_AS(work.wait(5s), doctest::Contains("remote peer closed"), DistError);
     CHECK(count(comm->log, "abort") == 1);
   }
+}
+
+namespace {
+
+// A communicator that is always fine (safe to ask from several threads).
+class HealthyComm : public dist::detail::AsyncComm {
+ public:
+  AsyncState state(std::string*) override { return aborted_ ? AsyncState::Failed : AsyncState::Done; }
+  void abort() override { aborted_ = true; }
+  bool aborted() const override { return aborted_; }
+
+ private:
+  std::atomic<bool> aborted_{false};
+};
+
+// Stands in for issuing an NCCL group: records the calls of each group and returns `next_work`
+// (a finished Work when empty), or throws when `fail` is set.
+struct GroupRecorder {
+  std::vector<std::vector<std::string>> groups;  // "send 1", "recv 1", ... per group
+  std::function<std::shared_ptr<dist::Work>()> next_work;
+  bool fail = false;
+  std::shared_ptr<dist::detail::PointToPointQueue> queue() {
+    return std::make_shared<dist::detail::PointToPointQueue>(
+        [this](const std::vector<dist::detail::PointToPointQueue::Call>& calls) -> std::shared_ptr<dist::Work> {
+          if (fail) NANODDP_THROW(DistError, "nccl group of ", calls.size(), " send/recv: invalid usage");
+          std::vector<std::string> names;
+          for (const auto& call : calls) names.push_back((call.is_send ? "send " : "recv ") + std::to_string(call.peer));
+          groups.push_back(names);
+          return next_work ? next_work() : std::make_shared<dist::CompletedWork>();
+        });
+  }
+};
+
+using Groups = std::vector<std::vector<std::string>>;
+
+}  // namespace
+
+TEST_CASE("send/recv queue: a send whose Work is dropped goes out at once (torch isend without wait)") {
+  GroupRecorder recorder;
+  auto queue = recorder.queue();
+  Tensor t = Tensor::zeros({4});
+  dist::detail::PointToPointQueue::add(queue, {t, 1, true});  // fire and forget
+  CHECK(recorder.groups == Groups{{"send 1"}});
+  // Nothing is issued twice, and the group's end finds nothing left.
+  queue->close();
+  CHECK(recorder.groups.size() == 1);
+}
+
+TEST_CASE("send/recv queue: calls made back to back go out as one group at the first wait, test, collective or end") {
+  GroupRecorder recorder;
+  auto queue = recorder.queue();
+  Tensor a = Tensor::zeros({4}), b = Tensor::zeros({4});
+  auto sent = dist::detail::PointToPointQueue::add(queue, {a, 1, true});
+  auto received = dist::detail::PointToPointQueue::add(queue, {b, 1, false});
+  CHECK(recorder.groups.empty());
+  received->wait(5s);  // an exchange: both in one group, whichever is waited on first
+  CHECK(recorder.groups == Groups{{"send 1", "recv 1"}});
+  sent->wait(5s);
+  CHECK(recorder.groups.size() == 1);
+
+  auto tested = dist::detail::PointToPointQueue::add(queue, {a, 2, true});
+  CHECK(tested->is_completed());
+  CHECK(recorder.groups.back() == std::vector<std::string>{"send 2"});
+
+  auto before_collective = dist::detail::PointToPointQueue::add(queue, {a, 3, true});
+  queue->issue();  // what the NCCL group does before each collective
+  CHECK(recorder.groups.back() == std::vector<std::string>{"send 3"});
+
+  auto held = dist::detail::PointToPointQueue::add(queue, {b, 3, false});
+  queue->close();  // the group's end: a held, unwaited call still goes out
+  CHECK(recorder.groups == Groups{{"send 1", "recv 1"}, {"send 2"}, {"send 3"}, {"recv 3"}});
+  held->wait(5s);
+  CHECK(recorder.groups.size() == 4);
+}
+
+TEST_CASE("send/recv queue: when the group cannot be issued, every Work of it reports the error") {
+  GroupRecorder recorder;
+  recorder.fail = true;
+  auto queue = recorder.queue();
+  Tensor t = Tensor::zeros({2});
+  auto first = dist::detail::PointToPointQueue::add(queue, {t, 1, true});
+  auto second = dist::detail::PointToPointQueue::add(queue, {t, 1, false});
+  CHECK_THROWS_WITH_AS(second->wait(5s), doctest::Contains("nccl group of 2 send/recv: invalid usage"), DistError);
+  CHECK_THROWS_WITH_AS(first->is_completed(), doctest::Contains("invalid usage"), DistError);
+  CHECK_THROWS_AS(first->wait(5s), DistError);
+  // The failed calls left the queue: later calls form a group of their own.
+  recorder.fail = false;
+  dist::detail::PointToPointQueue::add(queue, {t, 2, true});
+  CHECK(recorder.groups == Groups{{"send 2"}});
+}
+
+TEST_CASE("send/recv queue: a dropped send does not block until received; the queue holds it until it has finished") {
+  auto comm = std::make_shared<HealthyComm>();
+  Tensor buffer = Tensor::zeros({64});
+  ScriptedEvent event;
+  event.pending = 2;
+  GroupRecorder recorder;
+  recorder.next_work = [&] {
+    return std::make_shared<dist::detail::EventWork>("nccl group of 1 send/recv", comm, event.make(),
+                                                     std::vector<Tensor>{buffer}, 5s);
+  };
+  auto queue = recorder.queue();
+  dist::detail::PointToPointQueue::add(queue, {buffer, 1, true});
+  CHECK(event.queries == 0);  // dropping it did not wait for the peer
+  CHECK(queue->groups_in_flight() == 1);
+  CHECK(buffer.use_count() == 2);  // the caller's and the group's Work's
+  // The group's end waits for it (each poll here is one "not yet"), then lets the tensor go.
+  queue->close();
+  CHECK(event.queries == 3);
+  CHECK(queue->groups_in_flight() == 0);
+  CHECK(buffer.use_count() == 1);
+  CHECK(!comm->aborted());
+}
+
+TEST_CASE("two threads wait on the send and the recv of one group (one EventWork behind both)") {
+  auto comm = std::make_shared<HealthyComm>();
+  for (int round = 0; round < 200; ++round) {
+    CAPTURE(round);
+    Tensor out = Tensor::zeros({32}), in = Tensor::zeros({32});
+    ScriptedEvent event;
+    event.pending = 20;
+    GroupRecorder recorder;
+    recorder.next_work = [&] {
+      auto scripted = event.make();
+      // A slow cudaStreamWaitEvent widens the window in which both threads could order it.
+      scripted.order_compute_stream = [order = scripted.order_compute_stream] {
+        std::this_thread::sleep_for(50us);
+        order();
+      };
+      return std::make_shared<dist::detail::EventWork>("nccl group of 2 send/recv", comm, std::move(scripted),
+                                                       std::vector<Tensor>{out, in}, 5s);
+    };
+    auto queue = recorder.queue();
+    auto sent = dist::detail::PointToPointQueue::add(queue, {out, 1, true});
+    auto received = dist::detail::PointToPointQueue::add(queue, {in, 1, false});
+    std::atomic<int> finished{0};
+    std::thread sender([&] {
+      sent->wait(5s);
+      ++finished;
+    });
+    std::thread receiver([&] {
+      received->wait(5s);
+      ++finished;
+    });
+    sender.join();
+    receiver.join();
+    REQUIRE(finished == 2);
+    REQUIRE(recorder.groups.size() == 1);
+    REQUIRE(event.orderings == 1);  // the compute stream is ordered once, by whichever came first
+    queue->close();
+    sent.reset();
+    received.reset();
+    REQUIRE(out.use_count() == 1);
+    REQUIRE(in.use_count() == 1);
+  }
+  CHECK(!comm->aborted());
 }
