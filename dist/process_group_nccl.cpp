@@ -11,36 +11,65 @@
 //      ncclCommGetAsyncError, so a rank that never arrives ends in TimeoutError and
 //      ncclCommAbort instead of a hang. Every later call follows Note [NCCL non-blocking]
 //      (dist/nccl_protocol.h): it may answer ncclInProgress, and is polled until enqueued.
+//   Steps 2 and 3 run twice when the world has more than one rank: once for the collectives'
+//   communicator, once for the send/recv one (Note [NCCL point-to-point]).
 //
 // Note [NCCL streams]
-// Collectives run on the group's own stream. Each one first waits (cudaStreamWaitEvent) for
-// an event recorded on the compute stream, so it sees every kernel issued before it; its end
-// is another event, recorded once every call of the collective is enqueued. Work::wait makes
-// the compute stream wait for that event, then polls it from the host until the timeout,
-// aborting the communicator on timeout or NCCL error so that no kernel spins forever. The Work
-// holds the tensors until the event has passed, even when dropped without wait(), so the
-// caching allocator cannot reuse their memory while NCCL uses it.
+// Collectives run on the group's collective stream, send/recv on a stream of their own (Note
+// [NCCL point-to-point]). Each call first waits (cudaStreamWaitEvent) for an event recorded on
+// the compute stream, so it sees every kernel issued before it; its end is another event,
+// recorded once every NCCL call of it is enqueued. Work::wait makes the compute stream wait for
+// that event, then polls it from the host until the timeout, aborting the call's communicator
+// on timeout or NCCL error so that no kernel spins forever. The Work holds the tensors until
+// the event has passed, even when dropped without wait(), so the caching allocator cannot
+// reuse their memory while NCCL uses it.
 //
 // Note [NCCL point-to-point]
-// ncclSend and ncclRecv block their stream until the peer posts the matching call, and every
-// call of a communicator runs in issue order. So two ranks that each send, then receive (an
-// exchange, every step of a ring) would each wait in their send for a receive queued behind
-// the peer's own send: a deadlock once the message outgrows NCCL's buffers. NCCL's answer is
-// a group (ncclGroupStart ... ncclGroupEnd): the calls in it progress together. Here send()
-// and recv() only queue the call and return their Work; the queued calls are issued as one
-// NCCL group when any of their Works is waited on or tested, or when the next collective is
-// called (which keeps issue order). What torch.distributed.batch_isend_irecv asks its user
-// to do, then, happens by itself. NCCL has no tags: messages between two ranks match by
-// order, so a tag other than 0 is refused rather than ignored; a receive of a different size
-// or dtype than the send is not detected by NCCL (Note [Collective check] covers
-// collectives only).
+// ncclSend and ncclRecv hold their stream until the peer posts the matching call, and NCCL runs
+// the calls of one communicator in the order issued. Two consequences shape send() and recv().
+//
+// Their own communicator and stream. Were send/recv on the collectives' communicator, rank 0
+// running send(t, 1), all_reduce(x) against rank 1 running all_reduce(x), recv(t, 0).wait()
+// would wait in a circle once t outgrows NCCL's buffers: rank 0's send for a recv queued behind
+// rank 1's all_reduce, which waits for rank 0's all_reduce, queued behind the send. So send/recv
+// get a second communicator of the same ranks, with its own stream, and the two progress
+// independently (PyTorch's ProcessGroupNCCL keeps point-to-point apart in the same way, with a
+// communicator per pair of ranks). It is built with the group, not at the first send: building
+// a communicator is a rendezvous of all its ranks, so a lazy one would make a send wait on the
+// host for its peer to call send/recv too. A world of one has no peer and builds none.
+// Ordering: a send/recv group follows the compute stream, and its Work's wait() orders the
+// compute stream after it; it is not ordered after a collective still in flight, so, as for
+// every asynchronous call, wait on a collective before sending its result. A timeout or an
+// NCCL error in send/recv aborts the send/recv communicator: every later send/recv throws
+// DistError, while collectives go on.
+//
+// Grouping. Two ranks that each send, then receive (an exchange, every step of a ring in
+// dist/ring.cpp) would each wait in their send for a receive queued behind the peer's own
+// send. NCCL's answer is a group (ncclGroupStart ... ncclGroupEnd): its calls progress
+// together. So send() and recv() queue their call (detail::PointToPointQueue), and the queued
+// calls go out as one NCCL group at the first of: a Work of theirs is waited on, tested or
+// dropped; this group runs a collective; the group ends. Calls made back to back therefore form
+// one group, which torch.distributed.batch_isend_irecv asks its user to build by hand, and no
+// call is left unsent: a send whose Work is dropped goes out at once, as
+// torch.distributed.isend's does, also when only a store barrier or exit follows. Issuing each
+// call at once instead would deadlock the exchange, which the Gloo, MPI and shm groups run as
+// written. What remains for the caller: a send/recv Work that is held, neither waited on nor
+// dropped, stays queued while this rank blocks outside the group (a store wait, another
+// group); wait on it or drop it first. And an exchange stays one group only while both Works
+// are held: dropping the send's Work before calling recv issues the send alone.
+//
+// NCCL has no tags: messages between two ranks match by order, so a tag other than 0 is
+// refused rather than ignored; a receive of a different size or dtype than the send is not
+// detected by NCCL (Note [Collective check] covers collectives only).
 //
 // Note [NCCL shutdown]
-// A communicator is finalized (ncclCommFinalize, polled like any call) and then destroyed when
-// its group goes, or aborted when finalizing fails or times out, so exit never hangs on a peer
-// that is gone. The default group is dropped by destroy_process_group() or, failing that, by an
-// exit handler that init_process_group registers after CUDA is up: exit handlers run in
-// reverse order, so it runs before the CUDA runtime unloads (dist/init.cpp).
+// When the group goes, send/recv still queued are issued, and issued ones whose Works were
+// dropped are waited for (each up to the timeout), so a last send reaches its peer. Then each
+// communicator is finalized (ncclCommFinalize, polled like any call) and destroyed, or aborted
+// when finalizing fails or times out, so exit never hangs on a peer that is gone. The default
+// group is dropped by destroy_process_group() or, failing that, by an exit handler that
+// init_process_group registers after CUDA is up: exit handlers run in reverse order, so it runs
+// before the CUDA runtime unloads (dist/init.cpp).
 #include "core/error.h"
 #include "dist/detail.h"
 #include "dist/nccl_protocol.h"
@@ -55,7 +84,6 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
-#include <mutex>
 
 #include "kernels/cuda/nan_ordered.h"
 #include "kernels/device_memory.h"
@@ -145,6 +173,68 @@ class CudaEvent {
   cudaEvent_t event_ = nullptr;
 };
 
+// A communicator and the stream its calls run on (Note [NCCL streams]). The group has two:
+// one for collectives, one for send/recv (Note [NCCL point-to-point]).
+struct NcclLane {
+  NcclLane(Device device, std::chrono::milliseconds timeout, std::shared_ptr<NcclComm> comm, const std::string& what)
+      : device(device), timeout(timeout), comm(std::move(comm)) {
+    NANODDP_NCCL_DIST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), what);
+  }
+  // The communicator is finalized (or aborted) before its stream goes; a stream destroyed with
+  // work still on it is released by CUDA once that work is done.
+  ~NcclLane() {
+    cudaSetDevice(device.index);
+    comm.reset();
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+  NcclLane(const NcclLane&) = delete;
+  NcclLane& operator=(const NcclLane&) = delete;
+
+  Device device;
+  std::chrono::milliseconds timeout;
+  std::shared_ptr<NcclComm> comm;  // shared with every Work issued on it, which may abort it
+  cudaStream_t stream = nullptr;
+};
+
+// One NCCL call: issued, then polled until it is enqueued (Note [NCCL non-blocking]), so
+// whatever the caller queues next on the stream really follows it.
+template <typename Call>
+void enqueue(const NcclLane& lane, const std::string& what, Call&& call) {
+  detail::issue_and_wait_enqueued(*lane.comm, what, lane.timeout,
+                                  [&](std::string* error) { return lane.comm->checked(call(), error); });
+}
+
+cudaStream_t compute_stream() { return static_cast<cudaStream_t>(kernels::cuda::compute_stream()); }
+
+// Note [NCCL streams]: order after the compute stream, run body on the lane's stream, record
+// the end. The Work aborts the lane's communicator when it times out or NCCL reports an error.
+template <typename Body>
+std::shared_ptr<Work> launch(const NcclLane& lane, const std::string& what, std::vector<Tensor> keep, Body&& body) {
+  NANODDP_CHECK(!lane.comm->aborted(), DistError, what, ": the communicator was aborted after an "
+                "earlier timeout or error");
+  kernels::cuda::set_device(lane.device.index);
+  CudaEvent ready;
+  NANODDP_NCCL_DIST_CUDA(cudaEventRecord(ready.get(), compute_stream()), what);
+  NANODDP_NCCL_DIST_CUDA(cudaStreamWaitEvent(lane.stream, ready.get(), 0), what);
+  body(lane.stream);  // every NCCL call in it is enqueued when it returns
+  auto done = std::make_shared<CudaEvent>();
+  NANODDP_NCCL_DIST_CUDA(cudaEventRecord(done->get(), lane.stream), what);
+  detail::EventWork::Event event;
+  event.query = [done](std::string* error) {
+    const cudaError_t status = cudaEventQuery(done->get());
+    if (status == cudaSuccess) return AsyncState::Done;
+    if (status == cudaErrorNotReady) return AsyncState::InProgress;
+    *error = std::string("cudaEventQuery: ") + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")";
+    return AsyncState::Failed;
+  };
+  const int device = lane.device.index;
+  event.order_compute_stream = [done, device, what] {
+    kernels::cuda::set_device(device);
+    NANODDP_NCCL_DIST_CUDA(cudaStreamWaitEvent(compute_stream(), done->get(), 0), what);
+  };
+  return std::make_shared<detail::EventWork>(what, lane.comm, std::move(event), std::move(keep), lane.timeout);
+}
+
 ncclDataType_t nccl_type(DType dtype) {
   switch (dtype) {
     case DType::Float32: return ncclFloat32;
@@ -185,7 +275,31 @@ NanSafeReduction nan_safe(DType dtype, ReduceOp op) {
   return r;
 }
 
-cudaStream_t compute_stream() { return static_cast<cudaStream_t>(kernels::cuda::compute_stream()); }
+// Note [NCCL point-to-point]: the queued calls as one NCCL group on the point-to-point lane.
+std::shared_ptr<Work> issue_point_to_point_group(const NcclLane& lane, const std::string& where,
+                                                 const std::vector<detail::PointToPointQueue::Call>& calls) {
+  std::vector<Tensor> keep;
+  for (const auto& call : calls) keep.push_back(call.tensor);
+  const std::string what = where + ": nccl group of " + std::to_string(calls.size()) + " send/recv";
+  return launch(lane, what, keep, [&](cudaStream_t s) {
+    enqueue(lane, what, [&] {
+      ncclResult_t result = ncclGroupStart();
+      if (result != ncclSuccess) return result;
+      for (const auto& call : calls) {
+        void* data = call.tensor.impl()->storage->data();
+        const ncclDataType_t type = nccl_type(call.tensor.dtype());
+        const size_t count = static_cast<size_t>(call.tensor.numel());
+        result = call.is_send ? ncclSend(data, count, type, call.peer, lane.comm->get(), s)
+                              : ncclRecv(data, count, type, call.peer, lane.comm->get(), s);
+        if (result != ncclSuccess && result != ncclInProgress) {
+          ncclGroupEnd();
+          return result;
+        }
+      }
+      return ncclGroupEnd();
+    });
+  });
+}
 
 std::atomic<int> next_group_id{0};
 
@@ -204,22 +318,22 @@ class ProcessGroupNccl : public ProcessGroup {
     NANODDP_CHECK(device_.index < count, DeviceError, where(), ": ", device_,
                   " does not exist; this host has ", count, " GPU(s) (LOCAL_RANK too high?)");
     kernels::cuda::set_device(device_.index);
-    const std::string prefix = "nccl/" + std::to_string(next_group_id++) + "/";
+    prefix_ = "nccl/" + std::to_string(next_group_id++) + "/";
 
     // Note [NCCL rendezvous], step 1: one GPU per rank.
     char bus_id[64] = {};
     NANODDP_NCCL_DIST_CUDA(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device_.index), where());
     const std::string mine = detail::host_name() + " " + bus_id;
-    store_->set(prefix + "gpu/" + std::to_string(rank_), mine);
+    store_->set(prefix_ + "gpu/" + std::to_string(rank_), mine);
     int same_gpu = -1;  // a rank that names this rank's GPU too
     for (int r = 0; r < world_size_ && same_gpu < 0; ++r)
-      if (r != rank_ && store_->get_string(prefix + "gpu/" + std::to_string(r)) == mine) same_gpu = r;
+      if (r != rank_ && store_->get_string(prefix_ + "gpu/" + std::to_string(r)) == mine) same_gpu = r;
     // Rank 0 serves the store: it gives up only once every rank has read the others' GPUs,
     // so that they all report the duplicate rather than a store that went away.
-    store_->set(prefix + "gpu_read/" + std::to_string(rank_), std::string("1"));
+    store_->set(prefix_ + "gpu_read/" + std::to_string(rank_), std::string("1"));
     if (same_gpu >= 0 && rank_ == 0) {
       std::vector<std::string> keys;
-      for (int r = 0; r < world_size_; ++r) keys.push_back(prefix + "gpu_read/" + std::to_string(r));
+      for (int r = 0; r < world_size_; ++r) keys.push_back(prefix_ + "gpu_read/" + std::to_string(r));
       try {
         store_->wait(keys, timeout_);
       } catch (const DistError&) {
@@ -233,61 +347,27 @@ class ProcessGroupNccl : public ProcessGroup {
                   "to run several ranks on one GPU, use --backend gloo (or mpi), which stage CUDA tensors "
                   "through host memory");
 
-    // Step 2: the unique id.
-    ncclUniqueId id;
-    if (rank_ == 0) {
-      const ncclResult_t got = ncclGetUniqueId(&id);
-      NANODDP_CHECK(got == ncclSuccess, DistError, where(), ": ncclGetUniqueId failed: ", ncclGetErrorString(got),
-                    " (", ncclGetLastError(nullptr), ")");
-      store_->set(prefix + "unique_id",
-                  std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&id),
-                                       reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
-    } else {
-      auto bytes = store_->get(prefix + "unique_id");
-      NANODDP_CHECK(bytes.size() == sizeof(id), DistError, where(), ": the NCCL unique id from "
-                    "the store has ", bytes.size(), " bytes, expected ", sizeof(id));
-      std::memcpy(&id, bytes.data(), sizeof(id));
+    // Steps 2 and 3, for the collectives' communicator and, with a peer to talk to, the
+    // point-to-point one (Note [NCCL point-to-point]).
+    collectives_ = std::make_shared<NcclLane>(device_, timeout_, init_communicator("unique_id", "collectives"),
+                                              where());
+    if (world_size_ > 1) {
+      point_to_point_ = std::make_shared<NcclLane>(
+          device_, timeout_, init_communicator("point_to_point/unique_id", "send/recv"), where());
+      point_to_point_queue_ = std::make_shared<detail::PointToPointQueue>(
+          [lane = point_to_point_, where = where()](const std::vector<detail::PointToPointQueue::Call>& calls) {
+            return issue_point_to_point_group(*lane, where, calls);
+          });
     }
-
-    // Step 3: a non-blocking init we can time out (Note [NCCL non-blocking]).
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    ncclComm_t raw = nullptr;
-    const ncclResult_t started = ncclCommInitRankConfig(&raw, world_size_, id, rank_, &config);
-    if (async_state(started) == AsyncState::Failed || raw == nullptr) {
-      const std::string error = std::string(ncclGetErrorString(started)) + " (" + ncclGetLastError(raw) + ")";
-      if (raw != nullptr) ncclCommAbort(raw);
-      NANODDP_THROW(DistError, where(), ": ncclCommInitRankConfig on ", device_, " failed: ", error);
-    }
-    comm_ = std::make_shared<NcclComm>(raw, timeout_);
-    detail::issue_and_wait_enqueued(
-        *comm_, where() + ": NCCL communicator init on " + device_.str() + " (did every rank start?)", timeout_,
-        [&](std::string* error) { return comm_->checked(started, error); });
-    NANODDP_NCCL_DIST_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), where());
   }
 
+  // Note [NCCL shutdown]; destructors never throw.
   ~ProcessGroupNccl() override {
-    {
-      std::lock_guard<std::mutex> lock(*p2p_mutex_);
-      for (auto& work : queued_works_) work->dropped = true;  // never issued: nothing was sent
-    }
-    cudaSetDevice(device_.index);  // Note [NCCL point-to-point]
-// ncclSend and ncclRecv block their stream until the peer posts the matching call, and every
-// call of a communicator runs in issue order. So two ranks that each send, then receive (an
-// exchange, every step of a ring) would each wait in their send for a receive queued behind
-// the peer's own send: a deadlock once the message outgrows NCCL's buffers. NCCL's answer is
-// a group (ncclGroupStart ... ncclGroupEnd): the calls in it progress together. Here send()
-// and recv() only queue the call and return their Work; the queued calls are issued as one
-// NCCL group when any of their Works is waited on or tested, or when the next collective is
-// called (which keeps issue order). What torch.distributed.batch_isend_irecv asks its user
-// to do, then, happens by itself. NCCL has no tags: messages between two ranks match by
-// order, so a tag other than 0 is refused rather than ignored; a receive of a different size
-// or dtype than the send is not detected by NCCL (Note [Collective check] covers
-// collectives only).
-//
-// Note [NCCL shutdown]; destructors never throw
-    comm_.reset();
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    cudaSetDevice(device_.index);
+    if (point_to_point_queue_) point_to_point_queue_->close();  // nothing queued is left behind
+    point_to_point_queue_.reset();
+    point_to_point_.reset();
+    collectives_.reset();
   }
 
   Device device() const override { return device_; }
@@ -302,11 +382,11 @@ class ProcessGroupNccl : public ProcessGroup {
     issue_queued_point_to_point();
     void* data = tensor.impl()->storage->data();
     const NanSafeReduction reduction = nan_safe(tensor.dtype(), op);  // Note [NCCL NaN]
-    return launch(what, {tensor}, [&](cudaStream_t s) {
+    return launch(*collectives_, what, {tensor}, [&](cudaStream_t s) {
       if (reduction.keyed) kernels::cuda::floats_to_ordered_keys(data, tensor.numel(), reduction.nan_at, s);
       try {
-        enqueue(what, [&] {
-          return ncclAllReduce(data, data, tensor.numel(), reduction.type, reduction.op, comm_->get(), s);
+        enqueue(*collectives_, what, [&] {
+          return ncclAllReduce(data, data, tensor.numel(), reduction.type, reduction.op, collectives_->comm->get(), s);
         });
       } catch (...) {
         // NCCL refused the call and the group stays usable: the caller's tensor must hold its
@@ -326,9 +406,9 @@ class ProcessGroupNccl : public ProcessGroup {
                   " is not a rank of this group");
     issue_queued_point_to_point();
     void* data = tensor.impl()->storage->data();
-    return launch(what, {tensor}, [&](cudaStream_t s) {
-      enqueue(what, [&] {
-        return ncclBroadcast(data, data, tensor.numel(), nccl_type(tensor.dtype()), root, comm_->get(), s);
+    return launch(*collectives_, what, {tensor}, [&](cudaStream_t s) {
+      enqueue(*collectives_, what, [&] {
+        return ncclBroadcast(data, data, tensor.numel(), nccl_type(tensor.dtype()), root, collectives_->comm->get(), s);
       });
     });
   }
@@ -343,11 +423,11 @@ class ProcessGroupNccl : public ProcessGroup {
     std::vector<Tensor> keep = outputs;
     keep.push_back(input);
     keep.push_back(gathered);
-    return launch(what, keep, [&](cudaStream_t s) {
+    return launch(*collectives_, what, keep, [&](cudaStream_t s) {
       auto* dst = static_cast<uint8_t*>(gathered.impl()->storage->data());
-      enqueue(what, [&] {
+      enqueue(*collectives_, what, [&] {
         return ncclAllGather(input.impl()->storage->data(), dst, input.numel(), nccl_type(input.dtype()),
-                             comm_->get(), s);
+                             collectives_->comm->get(), s);
       });
       for (int r = 0; r < world_size_; ++r)
         NANODDP_NCCL_DIST_CUDA(cudaMemcpyAsync(outputs[r].impl()->storage->data(),
@@ -370,7 +450,7 @@ class ProcessGroupNccl : public ProcessGroup {
     std::vector<Tensor> keep = inputs;
     keep.push_back(output);
     keep.push_back(flat);
-    return launch(what, keep, [&](cudaStream_t s) {
+    return launch(*collectives_, what, keep, [&](cudaStream_t s) {
       auto* dst = static_cast<uint8_t*>(flat.impl()->storage->data());
       for (int r = 0; r < world_size_; ++r)
         NANODDP_NCCL_DIST_CUDA(cudaMemcpyAsync(dst + r * output.nbytes(),
@@ -380,8 +460,8 @@ class ProcessGroupNccl : public ProcessGroup {
       const NanSafeReduction reduction = nan_safe(output.dtype(), op);  // Note [NCCL NaN]
       void* out = output.impl()->storage->data();
       if (reduction.keyed) kernels::cuda::floats_to_ordered_keys(dst, flat.numel(), reduction.nan_at, s);
-      enqueue(what, [&] {
-        return ncclReduceScatter(dst, out, output.numel(), reduction.type, reduction.op, comm_->get(), s);
+      enqueue(*collectives_, what, [&] {
+        return ncclReduceScatter(dst, out, output.numel(), reduction.type, reduction.op, collectives_->comm->get(), s);
       });
       if (reduction.keyed) kernels::cuda::ordered_keys_to_floats(out, output.numel(), reduction.nan_at, s);
     });
@@ -403,38 +483,39 @@ class ProcessGroupNccl : public ProcessGroup {
   }
 
  private:
-  // A send or recv waiting in the queue for its NCCL group.
-  struct QueuedPointToPoint {
-    Tensor tensor;
-    int peer;
-    bool is_send;
-  };
-
-  // The Work of a queued send/recv: issues the queue (its own call included) when first
-  // waited on or tested, then follows the group's device event.
-  class PointToPointWork : public Work {
-   public:
-    PointToPointWork(ProcessGroupNccl* group, std::shared_ptr<std::mutex> mutex)
-        : group_(group), mutex_(std::move(mutex)) {}
-    void wait(std::chrono::milliseconds timeout) override { issued()->wait(timeout); }
-    bool is_completed() override { return issued()->is_completed(); }
-    // Set under the mutex when the queue is issued: the group's Work, or why there is none.
-    std::shared_ptr<Work> issued_work;
-    std::exception_ptr error;
-    bool dropped = false;  // the group went away before issuing it
-
-   private:
-    std::shared_ptr<Work> issued() {
-      std::lock_guard<std::mutex> lock(*mutex_);
-      if (!issued_work && !error && !dropped) group_->issue_point_to_point_locked();
-      if (error) std::rethrow_exception(error);
-      NANODDP_CHECK(issued_work != nullptr, DistError,
-                    "nccl send/recv: the group was destroyed before the call was issued");
-      return issued_work;
+  // Note [NCCL rendezvous] steps 2-3 for one communicator of the group; id_key names its
+  // unique id in the store.
+  std::shared_ptr<NcclComm> init_communicator(const std::string& id_key, const std::string& purpose) {
+    const std::string what = where() + ": NCCL communicator for " + purpose + " on " + device_.str();
+    // Step 2: the unique id.
+    ncclUniqueId id;
+    if (rank_ == 0) {
+      const ncclResult_t got = ncclGetUniqueId(&id);
+      NANODDP_CHECK(got == ncclSuccess, DistError, what, ": ncclGetUniqueId failed: ", ncclGetErrorString(got), " (",
+                    ncclGetLastError(nullptr), ")");
+      store_->set(prefix_ + id_key, std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&id),
+                                                         reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
+    } else {
+      auto bytes = store_->get(prefix_ + id_key);
+      NANODDP_CHECK(bytes.size() == sizeof(id), DistError, what, ": the NCCL unique id from the store has ",
+                    bytes.size(), " bytes, expected ", sizeof(id));
+      std::memcpy(&id, bytes.data(), sizeof(id));
     }
-    ProcessGroupNccl* group_;
-    std::shared_ptr<std::mutex> mutex_;
-  };
+    // Step 3: a non-blocking init we can time out (Note [NCCL non-blocking]).
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t raw = nullptr;
+    const ncclResult_t started = ncclCommInitRankConfig(&raw, world_size_, id, rank_, &config);
+    if (async_state(started) == AsyncState::Failed || raw == nullptr) {
+      const std::string error = std::string(ncclGetErrorString(started)) + " (" + ncclGetLastError(raw) + ")";
+      if (raw != nullptr) ncclCommAbort(raw);
+      NANODDP_THROW(DistError, what, ": ncclCommInitRankConfig failed: ", error);
+    }
+    auto comm = std::make_shared<NcclComm>(raw, timeout_);
+    detail::issue_and_wait_enqueued(*comm, what + " (did every rank start?)", timeout_,
+                                    [&](std::string* error) { return comm->checked(started, error); });
+    return comm;
+  }
 
   std::shared_ptr<Work> queue_point_to_point(const Tensor& tensor, int peer, int tag, bool is_send) {
     const std::string what = describe((is_send ? "send to rank " : "recv from rank ") + std::to_string(peer), tensor);
@@ -443,102 +524,29 @@ class ProcessGroupNccl : public ProcessGroup {
                   " must be another rank of this group (0..", world_size_ - 1, ", not ", rank_, ")");
     NANODDP_CHECK(tag == 0, ValueError, what, ": NCCL has no message tags (messages between two ranks match by "
                   "order), so tag must be 0, got ", tag);
-    auto work = std::make_shared<PointToPointWork>(this, p2p_mutex_);
-    std::lock_guard<std::mutex> lock(*p2p_mutex_);
-    queued_.push_back(QueuedPointToPoint{tensor, peer, is_send});
-    queued_works_.push_back(work);
-    return work;
+    return detail::PointToPointQueue::add(point_to_point_queue_, {tensor, peer, is_send});
   }
 
-  // Issues every queued send/recv as one NCCL group (Note [NCCL point-to-point]) and hands
-  // each of their Works the group's done event. Held: *p2p_mutex_.
-  void issue_point_to_point_locked() {
-    if (queued_.empty()) return;
-    std::vector<QueuedPointToPoint> calls;
-    calls.swap(queued_);
-    std::vector<std::shared_ptr<PointToPointWork>> works;
-    works.swap(queued_works_);
-    std::vector<Tensor> keep;
-    for (const QueuedPointToPoint& call : calls) keep.push_back(call.tensor);
-    const std::string what = where() + ": nccl group of " + std::to_string(calls.size()) + " send/recv";
-    std::shared_ptr<Work> done;
-    try {
-      done = launch(what, keep, [&](cudaStream_t s) {
-        enqueue(what, [&] {
-          ncclResult_t result = ncclGroupStart();
-          if (result != ncclSuccess) return result;
-          for (const QueuedPointToPoint& call : calls) {
-            void* data = call.tensor.impl()->storage->data();
-            const ncclDataType_t type = nccl_type(call.tensor.dtype());
-            const size_t count = static_cast<size_t>(call.tensor.numel());
-            result = call.is_send ? ncclSend(data, count, type, call.peer, comm_->get(), s)
-                                  : ncclRecv(data, count, type, call.peer, comm_->get(), s);
-            if (result != ncclSuccess && result != ncclInProgress) {
-              ncclGroupEnd();
-              return result;
-            }
-          }
-          return ncclGroupEnd();
-        });
-      });
-    } catch (...) {
-      for (auto& work : works) work->error = std::current_exception();  // each Work's wait reports it
-      throw;
-    }
-    for (auto& work : works) work->issued_work = done;
-  }
-
-  // A collective follows every send/recv queued before it (issue order).
+  // Before a collective: send/recv called before it go out no later than it does, so that a
+  // send followed by a collective (and no wait) is not held back until the next wait. A
+  // failure belongs to those calls (their Works report it), not to the collective.
   void issue_queued_point_to_point() {
-    std::lock_guard<std::mutex> lock(*p2p_mutex_);
-    issue_point_to_point_locked();
-  }
-
-  // One NCCL call: issued, then polled until it is enqueued (Note [NCCL non-blocking]), so
-  // whatever the caller queues next on the stream really follows it.
-  template <typename Call>
-  void enqueue(const std::string& what, Call&& call) {
-    detail::issue_and_wait_enqueued(*comm_, what, timeout_,
-                                    [&](std::string* error) { return comm_->checked(call(), error); });
-  }
-
-  // Note [NCCL streams]: order after the compute stream, run body on ours, record the end.
-  template <typename Body>
-  std::shared_ptr<Work> launch(const std::string& what, std::vector<Tensor> keep, Body&& body) {
-    NANODDP_CHECK(!comm_->aborted(), DistError, what, ": the communicator was aborted after an "
-                  "earlier timeout or error");
-    kernels::cuda::set_device(device_.index);
-    CudaEvent ready;
-    NANODDP_NCCL_DIST_CUDA(cudaEventRecord(ready.get(), compute_stream()), what);
-    NANODDP_NCCL_DIST_CUDA(cudaStreamWaitEvent(stream_, ready.get(), 0), what);
-    body(stream_);  // every NCCL call in it is enqueued when it returns
-    auto done = std::make_shared<CudaEvent>();
-    NANODDP_NCCL_DIST_CUDA(cudaEventRecord(done->get(), stream_), what);
-    detail::EventWork::Event event;
-    event.query = [done](std::string* error) {
-      const cudaError_t status = cudaEventQuery(done->get());
-      if (status == cudaSuccess) return AsyncState::Done;
-      if (status == cudaErrorNotReady) return AsyncState::InProgress;
-      *error = std::string("cudaEventQuery: ") + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")";
-      return AsyncState::Failed;
-    };
-    const int device = device_.index;
-    event.order_compute_stream = [done, device, what] {
-      kernels::cuda::set_device(device);
-      NANODDP_NCCL_DIST_CUDA(cudaStreamWaitEvent(compute_stream(), done->get(), 0), what);
-    };
-    return std::make_shared<detail::EventWork>(what, comm_, std::move(event), std::move(keep), timeout_);
+    if (!point_to_point_queue_) return;
+    try {
+      point_to_point_queue_->issue();
+    } catch (const std::exception&) {
+    }
   }
 
   std::shared_ptr<Store> store_;
   Device device_;
   std::chrono::milliseconds timeout_;
-  std::shared_ptr<NcclComm> comm_;
-  cudaStream_t stream_ = nullptr;
-  // Note [NCCL point-to-point]: calls not yet issued, and their Works.
-  std::shared_ptr<std::mutex> p2p_mutex_ = std::make_shared<std::mutex>();
-  std::vector<QueuedPointToPoint> queued_;
-  std::vector<std::shared_ptr<PointToPointWork>> queued_works_;
+  std::string prefix_;  // this group's keys in the store
+  std::shared_ptr<NcclLane> collectives_;
+  // Note [NCCL point-to-point]: its own communicator and stream, and the queue of calls not yet
+  // issued. Empty at world size 1 (no peer).
+  std::shared_ptr<NcclLane> point_to_point_;
+  std::shared_ptr<detail::PointToPointQueue> point_to_point_queue_;
 };
 
 }  // namespace
