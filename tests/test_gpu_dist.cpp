@@ -2,12 +2,14 @@
 // sharing the GPU over Gloo (which stages CUDA tensors through host memory), started as fresh
 // processes by nanoddp-run running cases of this file again (a forked child cannot use CUDA
 // once its parent has). With two GPUs or more: NCCL at world size 2, where collectives take
-// NCCL's non-blocking in-progress path, and kernels on a GPU that is not the current one.
+// NCCL's non-blocking in-progress path, send/recv run beside them (Note [NCCL point-to-point]),
+// and kernels run on a GPU that is not the current one.
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <thread>
 
 #include "core/ops.h"
 #include "core/half.h"
@@ -82,6 +84,76 @@ std::pair<Tensor, Tensor> random_batch(Generator& gen) {
   std::vector<int64_t> labels;
   for (int i = 0; i < 32; ++i) labels.push_back(static_cast<int64_t>(gen.randint(4)));
   return {x, Tensor::from_vector(labels)};
+}
+
+// Note [NCCL point-to-point], at world size 2: send/recv beside collectives, a send whose Work
+// is dropped, and the Works of one NCCL group waited on from two threads.
+void check_point_to_point_beside_collectives(dist::ProcessGroup& pg, Device gpu) {
+  const int rank = pg.rank(), peer = 1 - rank;
+  // Rank 0 sends, then all-reduces; rank 1 all-reduces (and waits), then receives. 64 MB is far
+  // beyond NCCL's point-to-point buffers: were the send on the collectives' stream, it would wait
+  // for a recv that waits for an all-reduce queued behind the send.
+  const int64_t huge = int64_t(16) << 20;  // float32 elements: 64 MB
+  Tensor message = rank == 0 ? Tensor::full({huge}, 5.0f, gpu) : Tensor::zeros({huge}, DType::Float32, gpu);
+  Tensor token = Tensor::full({1}, static_cast<float>(rank + 1), gpu);
+  if (rank == 0) {
+    auto sent = pg.send(message, 1);
+    pg.all_reduce(token)->wait(30s);
+    sent->wait(30s);
+  } else {
+    pg.all_reduce(token)->wait(30s);
+    pg.recv(message, 0)->wait(30s);
+    const std::vector<float> got = message.to_vector();
+    CHECK(got.front() == 5.0f);
+    CHECK(got.back() == 5.0f);
+  }
+  CHECK(token.to_vector() == std::vector<float>{3.0f});
+
+  // Fire and forget (torch.distributed.isend without wait): rank 0 drops the send's Work, and only
+  // a barrier through the store follows, which rank 1 passes once it has received.
+  Tensor note = rank == 0 ? Tensor::full({1 << 20}, 9.0f, gpu) : Tensor::zeros({1 << 20}, DType::Float32, gpu);
+  if (rank == 0) {
+    pg.send(note, 1);
+    pg.store().wait({"test_gpu_dist/note_received"}, 30s);
+  } else {
+    pg.recv(note, 0)->wait(30s);
+    const std::vector<float> got = note.to_vector();
+    CHECK(got.front() == 9.0f);
+    CHECK(got.back() == 9.0f);
+    pg.store().set("test_gpu_dist/note_received", std::string("1"));
+  }
+
+  // The send and the recv of one exchange share one NCCL group and its Work; one thread waits on
+  // each, many times over.
+  for (int round = 0; round < 20; ++round) {
+    CAPTURE(round);
+    Tensor out = Tensor::full({1 << 18}, static_cast<float>(100 * rank + round), gpu);
+    Tensor in = Tensor::zeros({1 << 18}, DType::Float32, gpu);
+    auto sent = pg.send(out, peer);
+    auto received = pg.recv(in, peer);
+    std::string send_error, recv_error;
+    std::thread sender([&] {
+      try {
+        sent->wait(30s);
+      } catch (const std::exception& e) {
+        send_error = e.what();
+      }
+    });
+    std::thread receiver([&] {
+      try {
+        received->wait(30s);
+      } catch (const std::exception& e) {
+        recv_error = e.what();
+      }
+    });
+    sender.join();
+    receiver.join();
+    REQUIRE_MESSAGE(send_error.empty(), send_error);
+    REQUIRE_MESSAGE(recv_error.empty(), recv_error);
+    const std::vector<float> got = in.to_vector();
+    CHECK(got.front() == static_cast<float>(100 * peer + round));
+    CHECK(got.back() == static_cast<float>(100 * peer + round));
+  }
 }
 
 }  // namespace
@@ -379,9 +451,23 @@ TEST_CASE("NCCL at world size 2 (two GPUs): collectives, send/recv and DDP") {
   CHECK(sum.to_vector() == std::vector<float>{2.0f});
   unwaited->wait();
   if (rank == 1) CHECK(lone.to_vector() == std::vector<float>{7, 7, 7});
+  check_point_to_point_beside_collectives(*pg, gpu);
   testing::check_ddp_matches_one_rank(pg, gpu, /*tolerance=*/1e-4f);
+  // A send still queued when the group goes is issued by its end, and the end waits for it:
+  // rank 0 holds its send's Work unwaited through destroy_process_group.
+  Tensor last = rank == 0 ? Tensor::full({1 << 20}, 11.0f, gpu) : Tensor::zeros({1 << 20}, DType::Float32, gpu);
+  std::shared_ptr<dist::Work> held_through_exit;
+  if (rank == 0) held_through_exit = pg->send(last, 1);
+  if (rank == 1) pg->recv(last, 0)->wait(30s);
   pg.reset();
   dist::destroy_process_group();
+  if (rank == 0) {
+    held_through_exit->wait(30s);  // already issued and finished: returns at once
+  } else {
+    const std::vector<float> got = last.to_vector();
+    CHECK(got.front() == 11.0f);
+    CHECK(got.back() == 11.0f);
+  }
 }
 
 TEST_CASE("kernels run on their tensors' GPU, not the current one (two GPUs)") {
