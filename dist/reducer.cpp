@@ -451,24 +451,13 @@ void Reducer::set_divide_factor(int64_t ranks) {
 void Reducer::shadow_synced_backward() {
   ++synced_backwards_;  // as the others' finalize counts theirs: Note [Bucket rebuild] waits for one
   if (pg_->size() == 1) return;  // a synced backward issues nothing either
-  std::vector<std::shared_ptr<Future>> futures;
   for (Bucket& bucket : buckets_) {  // step 3's launch, in plan order
-    // The bucket itself, zeroed: the others all-reduce their buckets, and on shm a bucket
-    // must meet a bucket (Note [Shm direct all-reduce]). This rank's gradients are not used.
-    Tensor zeros = bucket.flat;
-    zeros.zero_();
-    if (comm_hook_) {
-      // The others' hooks issue the hook's collectives (16-bit ones, say): so does this rank,
-      // on a bucket of zeros, as PyTorch's join hook does (_match_all_reduce_for_bwd_pass).
-      const size_t index = static_cast<size_t>(&bucket - buckets_.data());
-      std::vector<Tensor> parameters;
-      for (size_t k : bucket.params) parameters.push_back(params_[k].second);
-      GradBucket zero_bucket(index, zeros, std::move(parameters), bucket.offsets, index + 1 == buckets_.size());
-      futures.push_back(comm_hook_(zero_bucket));
-      NANODDP_CHECK(futures.back() != nullptr, ValueError, "DDP comm hook returned no future for bucket ", index);
-    } else {
-      futures.push_back(std::make_shared<Future>(pg_->all_reduce(zeros, ReduceOp::Sum), zeros));
-    }
+    // The bucket itself, zeroed, through the others' launch: on shm a bucket must meet a
+    // bucket (Note [Shm direct all-reduce]), and a comm hook issues its collectives (16-bit
+    // ones, say) here too, on zeros, as PyTorch's join hook does
+    // (_match_all_reduce_for_bwd_pass). This rank's gradients are not used.
+    bucket.flat.zero_();
+    launch(bucket);
   }
   // This rank used nothing. Note [Static graph]: the others ask once, and keep the answer;
   // so does this rank.
@@ -477,7 +466,11 @@ void Reducer::shadow_synced_backward() {
     auto used_anywhere = all_reduce_host(*pg_, std::vector<int64_t>(params_.size(), 0), ReduceOp::Max, options_.timeout);
     if (options_.static_graph) static_used_anywhere_ = std::move(used_anywhere);
   }
-  for (auto& future : futures) future->wait(options_.timeout);
+  for (Bucket& bucket : buckets_) {
+    bucket.reduced->wait(options_.timeout);
+    bucket.reduced.reset();
+    bucket.launched_us = -1;  // a shadow is not traced
+  }
 }
 
 }  // namespace nanoddp::dist
