@@ -274,6 +274,23 @@ void remove_stale_segments() {
   ::closedir(dir);
 }
 
+// Maps nbytes of the shared-memory object fd (named name, for messages) read-write.
+uint8_t* map_region(int fd, size_t nbytes, const std::string& name, const std::string& what) {
+  void* mapped = ::mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  NANODDP_CHECK(mapped != MAP_FAILED, DistError, what, ": mapping ", nbytes, " bytes of ", name,
+                " failed: ", detail::errno_text(errno));
+  return static_cast<uint8_t*>(mapped);
+}
+
+// Sets "<key><rank>" and waits until every rank has set its own.
+void arrive_and_wait(Store& store, const std::string& key, int rank, int world_size,
+                     std::chrono::milliseconds timeout) {
+  store.set(key + std::to_string(rank), std::string("1"));
+  std::vector<std::string> keys;
+  for (int r = 0; r < world_size; ++r) keys.push_back(key + std::to_string(r));
+  store.wait(keys, timeout);
+}
+
 // The mapped segment and the waiting, posting and reading every collective is built from.
 class ShmSegment {
  public:
@@ -541,19 +558,13 @@ ShmSegment::ShmSegment(Store& store, const std::string& prefix, int rank, int wo
   info(rank).pid = ::getpid();
 
   // Step 3.
-  store.set(prefix + "mapped/" + std::to_string(rank), std::string("1"));
-  std::vector<std::string> keys;
-  for (int r = 0; r < world_size; ++r) keys.push_back(prefix + "mapped/" + std::to_string(r));
-  store.wait(keys, timeout);
+  arrive_and_wait(store, prefix + "mapped/", rank, world_size, timeout);
   // Peers in another pid namespace show foreign pids: then liveness cannot be watched.
   for (int r = 0; r < world_size; ++r) watch_pids_ = watch_pids_ && process_alive(info(r).pid);
 }
 
 void ShmSegment::map(int fd, const std::string& name, const std::string& where) {
-  void* mapped = ::mmap(nullptr, layout_.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  NANODDP_CHECK(mapped != MAP_FAILED, DistError, where, ": mapping ", layout_.total, " bytes of ", name,
-                " failed: ", detail::errno_text(errno));
-  base_ = static_cast<uint8_t*>(mapped);
+  base_ = map_region(fd, layout_.total, name, where);
   header_ = reinterpret_cast<Header*>(base_);
 }
 
@@ -1027,10 +1038,7 @@ class ProcessGroupShm : public ProcessGroup {
     }
     // Every rank has read every entry before any throws: each gets the message, not a store
     // that went away with a rank that threw first.
-    store_->set(key + "read/" + std::to_string(rank_), std::string("1"));
-    std::vector<std::string> read;
-    for (int r = 0; r < world_size_; ++r) read.push_back(key + "read/" + std::to_string(r));
-    store_->wait(read, timeout_);
+    arrive_and_wait(*store_, key + "read/", rank_, world_size_, timeout_);
     NANODDP_CHECK(mismatch.empty(), DistError, what, ": ", mismatch,
                   " (every rank must make the same collective buffers, in the same order)");
     for (int r = 0; r < world_size_; ++r) {
@@ -1040,10 +1048,7 @@ class ProcessGroupShm : public ProcessGroup {
                     " failed: ", detail::errno_text(errno));
       buffer->region[r] = map_region(peer.get(), nbytes, names[r], what);
     }
-    store_->set(key + "mapped/" + std::to_string(rank_), std::string("1"));
-    std::vector<std::string> mapped;
-    for (int r = 0; r < world_size_; ++r) mapped.push_back(key + "mapped/" + std::to_string(r));
-    store_->wait(mapped, timeout_);
+    arrive_and_wait(*store_, key + "mapped/", rank_, world_size_, timeout_);
 
     {
       std::lock_guard<std::mutex> lock(buffers_mutex_);
@@ -1185,13 +1190,6 @@ class ProcessGroupShm : public ProcessGroup {
     NANODDP_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, ValueError, describe(name, tensor), ": ",
                   role, " rank ", peer, " must be another rank of this group (0..", world_size_ - 1, ", not ",
                   rank_, ")");
-  }
-
-  static uint8_t* map_region(int fd, size_t nbytes, const std::string& name, const std::string& what) {
-    void* mapped = ::mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    NANODDP_CHECK(mapped != MAP_FAILED, DistError, what, ": mapping ", nbytes, " bytes of ", name,
-                  " failed: ", detail::errno_text(errno));
-    return static_cast<uint8_t*>(mapped);
   }
 
   // The collective buffer that tensor is, whole; null for any other tensor.
