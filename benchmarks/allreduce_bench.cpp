@@ -1,7 +1,7 @@
 // All-reduce bandwidth in the nccl-tests form: one row per message size, the time of one
 // in-place float32 sum all-reduce, its algorithm bandwidth and its bus bandwidth.
 //
-//   allreduce_bench --nproc 2 --backend shm           # forks 2 ranks on this host
+//   allreduce_bench --nproc 2 --backend shm           # forks 2 ranks on this host (nccl: rank r on cuda:r)
 //   allreduce_bench --nproc 2 --backend shm --ring    # dist::ring_all_reduce on send/recv
 //   mpirun -np 2 allreduce_bench                       # MPI (auto under mpirun)
 //   nanoddp-run --nproc-per-node 8 allreduce_bench --backend nccl   # GPU = LOCAL_RANK
@@ -24,12 +24,15 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "core/tensor.h"
 #include "dist/init.h"
+#include "dist/launch.h"
 #include "dist/ring.h"
 #include "tools/cli_checks.h"
 #include "tests/multiprocess.h"
@@ -39,9 +42,7 @@
 #include <mpi.h>
 #endif
 
-#if NANODDP_WITH_CUDA
 #include "kernels/device_memory.h"
-#endif
 
 using namespace nanoddp;
 using Clock = std::chrono::steady_clock;
@@ -58,7 +59,7 @@ struct UsageError : std::runtime_error {
 
 struct Config {
   std::string backend = "auto";
-  int nproc = 0;  // > 0: fork this many ranks here (Gloo), no launcher needed
+  int nproc = 0;  // > 0: fork this many ranks here, no launcher needed
   int64_t min_bytes = 4 << 10;
   int64_t max_bytes = 64 << 20;
   int warmup = 3;
@@ -132,6 +133,8 @@ double max_over_ranks(dist::ProcessGroup& pg, double seconds, Device device) {
   return v.to(Device::cpu()).item();
 }
 
+// rank, world_size: a rank forked by --nproc (all on this host, so its local rank is its
+// rank), or -1 under a launcher, which says both (and LOCAL_RANK) in the environment.
 void run_rank(const Config& c, int rank, int world_size, int port) {
   dist::InitOptions options;
   options.backend = dist::parse_backend(c.backend);
@@ -140,8 +143,8 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
     options.rank = rank;
     options.world_size = world_size;
   }
-  Device device = options.backend == dist::Backend::Nccl ? Device::cuda(dist::get_local_rank())
-                                                         : Device::cpu();
+  const int local_rank = c.nproc > 0 ? rank : dist::get_local_rank();
+  Device device = options.backend == dist::Backend::Nccl ? Device::cuda(local_rank) : Device::cpu();
   options.device = device;
   options.check_collectives = c.check_collectives;
   auto pg = dist::init_process_group(options);
@@ -218,21 +221,50 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
   dist::destroy_process_group();
 }
 
+// --nproc forks the ranks here: refuses, before anything starts, the jobs it cannot make.
+// Throws UsageError naming --nproc.
+void check_forking(const Config& c) {
+  const dist::LaunchEnv env = dist::read_launch_env();
+  if (env.world_size > 0 || dist::launched_by_mpi())
+    throw UsageError("--nproc " + std::to_string(c.nproc) + " forks ranks itself, but this process is already " +
+                     (env.rank >= 0 ? "rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size)
+                                    : std::string("a rank")) +
+                     " started by a launcher (RANK and WORLD_SIZE are set): drop --nproc, the launcher's ranks "
+                     "make the job");
+  const dist::Backend backend = dist::parse_backend(c.backend);
+  if (backend == dist::Backend::Mpi)
+    throw UsageError("--nproc forks ranks itself, but --backend mpi needs its ranks started by mpirun: mpirun -np " +
+                     std::to_string(c.nproc) + " allreduce_bench --backend mpi (or nanoddp-run --nproc-per-node " +
+                     std::to_string(c.nproc) + " --backend mpi allreduce_bench)");
+  if (backend == dist::Backend::ShmGloo)
+    throw UsageError("--nproc forks ranks itself, but --backend shm+gloo needs the node layout a launcher gives "
+                     "(GROUP_RANK, LOCAL_RANK, LOCAL_WORLD_SIZE): nanoddp-run --nproc-per-node " +
+                     std::to_string(c.nproc) + " --backend shm+gloo allreduce_bench, or --backend shm with --nproc");
+  if (backend == dist::Backend::Nccl) {
+    const int gpus = kernels::cuda::device_count();
+    if (gpus < c.nproc)
+      throw UsageError("--nproc " + std::to_string(c.nproc) + " --backend nccl puts rank r on cuda:r and needs " +
+                       std::to_string(c.nproc) + " GPUs (NCCL refuses two ranks on one GPU); this machine has " +
+                       std::to_string(gpus));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Config c;
   CLI::App app{"All-reduce bandwidth table (nccl-tests style) for the shm, gloo, mpi or nccl backend"};
   app.add_option("--backend", c.backend,
-                 "shm, gloo, mpi, nccl or auto; nccl runs rank r on GPU LOCAL_RANK (nanoddp-run sets it)")
-      ->check(CLI::IsMember({"auto", "shm", "gloo", "mpi", "nccl"}));
+                 "auto, shm, shm+gloo, gloo, mpi or nccl; nccl runs rank r on GPU LOCAL_RANK (nanoddp-run sets "
+                 "it; --nproc: GPU r); mpi needs mpirun (or nanoddp-run --backend mpi), not --nproc")
+      ->check(cli::backend());
   app.add_flag("--ring", c.ring,
                "time dist::ring_all_reduce, the textbook ring on the backend's send/recv");
   app.add_flag("--collective-buffer", c.collective_buffer,
                "all-reduce tensors made by ProcessGroup::new_collective_buffer, as DDP's buckets are (shm: the "
                "direct all-reduce, no copies through slots)");
   app.add_option("--nproc", c.nproc, "fork this many ranks on this host (2..64); 0: launched by "
-                 "nanoddp-run/mpirun")
+                 "nanoddp-run/mpirun (which refuse --nproc)")
       ->check(cli::integer_where("0 or an integer between 2 and 64", "0 or 2..64", [](long long v) { return v == 0 || (v >= 2 && v <= 64); }))
       ->capture_default_str();
   const std::string message_size = "a positive multiple of 4 up to " + std::to_string(kMaxMessageBytes);
@@ -257,6 +289,7 @@ int main(int argc, char** argv) {
                "time each all-reduce with the check that all ranks call the same collective "
                "(dist/process_group_checked.cpp, on by default in programs); off: the backend alone");
   const Config defaults;
+  if (!cli::values_given(argc, argv, "allreduce_bench")) return 2;
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -279,11 +312,19 @@ int main(int argc, char** argv) {
       run_rank(c, -1, -1, 0);
       return 0;
     }
+    check_forking(c);
+    // The store is ours: admit only our ranks, as nanoddp-run does (a fresh job id and token,
+    // inherited by the forked ranks).
+    dist::LaunchOptions identity;
+    dist::give_job_identity(identity);
+    ::setenv(dist::kJobIdEnv, identity.job_id.c_str(), 1);
+    ::setenv(dist::kStoreTokenEnv, identity.store_token.c_str(), 1);
     int port = testing::free_port();
     std::string failures = testing::run_ranks(
         c.nproc, [&](int rank) { run_rank(c, rank, c.nproc, port); }, std::chrono::seconds(600));
     if (!failures.empty()) {
-      std::fprintf(stderr, "allreduce_bench: %s", failures.c_str());
+      std::istringstream lines(failures);
+      for (std::string line; std::getline(lines, line);) std::fprintf(stderr, "allreduce_bench: %s\n", line.c_str());
       return 1;
     }
   } catch (const UsageError& e) {

@@ -85,8 +85,9 @@ int main(int argc, char** argv) {
   std::string trace_file;
   bool explain = false;
   app.add_option("--steps", steps, "SGD steps")->check(cli::integer_in(1));
-  app.add_option("--trace", trace_file, "write a Chrome trace (ui.perfetto.dev) of the run to FILE");
+  app.add_option("--trace", trace_file, "write a Chrome trace (ui.perfetto.dev) of the run to FILE")->check(cli::path());
   app.add_flag("--explain", explain, "print the bucket plan, then per step the all-reduces and exposed communication");
+  if (!cli::values_given(argc, argv, "custom_layer")) return static_cast<int>(CLI::ExitCodes::ValidationError);
   CLI11_PARSE(app, argc, argv);
   try {
     if (!trace_file.empty()) trace::start(trace_file);

@@ -1,7 +1,8 @@
 // The main job: an MLP (784-256-128-10, ReLU) trained on Fashion-MNIST with DDP; built a
 // second time as fashion_mnist_cnn (NANODDP_FASHION_MNIST_CNN=1), the same job on a CNN:
 // Conv(1->32, 3)-ReLU-MaxPool(2)-Conv(32->64, 3)-ReLU-MaxPool(2)-Flatten-Linear(1600, 128)-
-// ReLU-Dropout(0.1)-Linear(128, 10). Everything else (flags, JSON line) is shared.
+// ReLU-Dropout(0.1)-Linear(128, 10). Everything else (flags, JSON line) is shared, but for
+// --hidden (the MLP's widths), which the CNN refuses.
 //
 //   nanoddp-run --nproc-per-node 2 --backend mpi build/examples/fashion_mnist --epochs 10
 //   nanoddp-run --nproc-per-node 2 --backend mpi build/examples/fashion_mnist_cnn --epochs 5
@@ -441,10 +442,12 @@ int run(const Config& config) {
   if (rank == 0) {
     std::printf(
         "{\"example\":\"%s\",\"world_size\":%d,\"epochs\":%d,\"test_accuracy\":%s,\"train_loss\":%s,"
-        "\"samples_per_s\":%s,\"peak_rss_mb\":%s,\"backend\":\"%s\",\"device\":\"%s\",\"optimizer\":\"%s\"}\n",
+        "\"samples_per_s\":%s,\"peak_rss_mb\":%s,\"backend\":\"%s\",\"device\":\"%s\",\"optimizer\":\"%s\","
+        "\"comm_hook\":\"%s\",\"gradient_as_bucket_view\":%s}\n",
         kExample, world_size, epochs_done, examples::json_number(accuracy).c_str(), examples::json_number(train_loss).c_str(),
         examples::json_number(samples_per_s).c_str(), examples::json_number(rss[0]).c_str(),
-        pg->backend_name().c_str(), device.str().c_str(), config.optimizer.c_str());
+        pg->backend_name().c_str(), device.str().c_str(), config.optimizer.c_str(), config.comm_hook.c_str(),
+        config.gradient_as_bucket_view ? "true" : "false");
     std::fflush(stdout);
   }
   pg->barrier()->wait();  // rank 0 serves the store: let every rank finish first
@@ -475,15 +478,20 @@ int main(int argc, char** argv) {
   app.add_option("--timeout", config.timeout_s, "seconds to wait for other ranks (rendezvous, each collective)")
       ->check(cli::integer_in(1));
   app.add_option("--seed", config.seed, "seed of the weights and of the data order");
-  app.add_option("--device", config.device, "cpu or cuda (rank r uses cuda:LOCAL_RANK)");
-  app.add_option("--backend", config.backend, "auto, shm, gloo, mpi or nccl");
-  app.add_option("--data-dir", config.data_dir, "folder with the four Fashion-MNIST IDX files");
-  app.add_option("--checkpoint", config.checkpoint, "file rank 0 writes after every epoch");
+  app.add_option("--device", config.device, "cpu, cuda (rank r uses cuda:LOCAL_RANK) or cuda:N")->check(cli::device());
+  app.add_option("--backend", config.backend,
+                 "auto, shm, shm+gloo, gloo, mpi or nccl (auto: nccl on cuda, else mpi under mpirun, shm on one node, "
+                 "shm+gloo across nodes)")
+      ->check(cli::backend());
+  app.add_option("--data-dir", config.data_dir, "folder with the four Fashion-MNIST IDX files")->check(cli::path());
+  app.add_option("--checkpoint", config.checkpoint, "file rank 0 writes after every epoch")->check(cli::path());
   app.add_option("--export", config.export_path,
-                 "safetensors file rank 0 writes the trained weights to, with PyTorch's names (0.weight, ...)");
+                 "safetensors file rank 0 writes the trained weights to, with PyTorch's names (0.weight, ...)")
+      ->check(cli::path());
   app.add_option("--metrics", config.metrics,
                  "JSON-lines file rank 0 writes step, epoch, loss, lr, samples/s, test accuracy and wall time to "
-                 "(tools/plot draws it); --resume appends");
+                 "(tools/plot draws it); --resume appends")
+      ->check(cli::path());
   app.add_flag("--resume", config.resume, "continue from --checkpoint if it exists");
   app.add_option("--stop-after", config.stop_after,
                  "stop after this epoch, as a job with a time limit would (the schedule still spans --epochs; "
@@ -501,17 +509,34 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "allreduce", "fp16", "bf16"}));
   app.add_flag("--prefetch", config.prefetch, "collate batches on a background thread");
   app.add_flag("--quiet", config.quiet, "only the final JSON line (and what --explain asks for)");
+#if NANODDP_FASHION_MNIST_CNN
+  // The CNN's layers are fixed (the model PyTorch's recipes train), so it has no --hidden;
+  // one given is refused by name rather than taken and ignored.
+  for (int i = 1; i < argc && std::string(argv[i]) != "--"; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--hidden" || arg.rfind("--hidden=", 0) == 0) {
+      std::fprintf(stderr,
+                   "%s: --hidden sets the widths of fashion_mnist's MLP; this CNN's layers are fixed (its hidden "
+                   "layer is Linear(1600, 128))\nRun with --help for more information.\n",
+                   kExample);
+      return static_cast<int>(CLI::ExitCodes::ValidationError);
+    }
+  }
+#else
   app.add_option("--hidden", config.hidden, "widths of the hidden layers, comma-separated (e.g. 1024,1024,512)")
       ->delimiter(',')
       ->check(cli::integer_in(1));
+#endif
   app.add_option("--bucket-cap-mb", config.bucket_cap_mb, "DDP bucket size cap in MiB (torch's bucket_cap_mb)")
       ->check(cli::number_in(1e-6));
   app.add_option("--first-bucket-cap-mb", config.first_bucket_cap_mb, "cap of the first bucket in MiB")
       ->check(cli::number_in(1e-6));
   app.add_option("--trace", config.trace,
-                 "write a Chrome trace (ui.perfetto.dev) of the run to FILE; nanoddp-run merges the ranks' files");
+                 "write a Chrome trace (ui.perfetto.dev) of the run to FILE; nanoddp-run merges the ranks' files")
+      ->check(cli::path());
   app.add_flag("--explain", config.explain,
                "print the bucket plan, then per step of each epoch the all-reduces, bytes and exposed communication");
+  if (!cli::values_given(argc, argv, kExample)) return static_cast<int>(CLI::ExitCodes::ValidationError);
   CLI11_PARSE(app, argc, argv);
   if (config.momentum && config.optimizer != "sgd") {
     std::fprintf(stderr, "%s: --momentum applies to --optimizer sgd only (Adam's betas play its part)\n", kExample);

@@ -99,11 +99,13 @@ int main(int argc, char** argv) {
   app.add_option("--init-weight", init_weight, "start from this weight instead of a random one");
   app.add_option("--init-bias", init_bias, "start from this bias instead of a random one");
   app.add_option("--seed", seed, "seed of the initial weights");
-  app.add_option("--device", device_name, "cpu or cuda (rank r uses cuda:LOCAL_RANK)");
-  app.add_option("--backend", backend, "auto, shm, gloo, mpi or nccl");
-  app.add_option("--metrics", metrics_path, "JSON-lines file rank 0 writes one line per epoch to (examples/metrics.h)");
-  app.add_option("--trace", trace_file, "write a Chrome trace (ui.perfetto.dev) of the run to FILE");
+  app.add_option("--device", device_name, "cpu, cuda (rank r uses cuda:LOCAL_RANK) or cuda:N")->check(cli::device());
+  app.add_option("--backend", backend, "auto, shm, shm+gloo, gloo, mpi or nccl")->check(cli::backend());
+  app.add_option("--metrics", metrics_path, "JSON-lines file rank 0 writes one line per epoch to (examples/metrics.h)")
+      ->check(cli::path());
+  app.add_option("--trace", trace_file, "write a Chrome trace (ui.perfetto.dev) of the run to FILE")->check(cli::path());
   app.add_flag("--explain", explain, "print the bucket plan, then per step of each epoch the all-reduces");
+  if (!cli::values_given(argc, argv, "toy_ddp")) return static_cast<int>(CLI::ExitCodes::ValidationError);
   CLI11_PARSE(app, argc, argv);
 
   try {

@@ -218,9 +218,11 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   r = run_with({"--epochs", "2", "--warmup-epochs", "2"});
   CHECK(r.code() == 1);
   CHECK(r.err.find("--warmup-epochs 2 leaves no epoch after the warm-up of --epochs 2") != std::string::npos);
-  r = run_with({"--epochs", "1", "--optimizer", "adam"});
+  r = run_with({"--epochs", "1", "--optimizer", "adam", "--comm-hook", "bf16", "--gradient-as-bucket-view"});
   REQUIRE_MESSAGE(r.code() == 0, r.err);
-  CHECK(r.out.find("\"optimizer\":\"adam\"") != std::string::npos);
+  // The result line says how the run was made: two runs that differ in a flag are told apart.
+  CHECK(r.out.find("\"optimizer\":\"adam\",\"comm_hook\":\"bf16\",\"gradient_as_bucket_view\":true}") !=
+        std::string::npos);
   r = run_with({"--batch-size", "0"});
   CHECK(r.code() != 0);
   CHECK(r.err.find("--batch-size: must be an integer >= 1, got '0'") != std::string::npos);
@@ -230,6 +232,37 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   r = run({program, "--data-dir", empty.path, "--quiet"}, 60s);
   CHECK(r.code() == 1);
   CHECK(r.err.find("0 training and 10 test images") != std::string::npos);
+}
+
+TEST_CASE("fashion_mnist, fashion_mnist_cnn, toy_ddp: flags they cannot use are refused by name before anything runs") {
+  const std::string mlp = built("examples/fashion_mnist"), cnn = built("examples/fashion_mnist_cnn");
+  const std::string backends = "must be one of auto, shm, shm+gloo, gloo, mpi or nccl";
+  const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
+      // The CNN's layers are fixed: --hidden would otherwise be taken and ignored.
+      {{cnn, "--hidden", "5"}, "fashion_mnist_cnn: --hidden sets the widths of fashion_mnist's MLP; this CNN's layers are fixed"},
+      {{mlp, "--backend", "bogus"}, "--backend: " + backends + ", got 'bogus'"},
+      {{cnn, "--backend", ""}, "--backend: " + backends + ", got ''"},
+      {{built("examples/toy_ddp"), "--backend", "tcp"}, "--backend: " + backends + ", got 'tcp'"},
+      {{mlp, "--device", "gpu"}, "--device: must be cpu, cuda or cuda:N, got 'gpu'"},
+      {{built("examples/toy_ddp"), "--device", "cuda:"}, "--device: must be cpu, cuda or cuda:N, got 'cuda:'"},
+      {{mlp, "--data-dir", ""}, "--data-dir: must name a file or folder, got ''"},
+      {{mlp, "--checkpoint", ""}, "--checkpoint: must name a file or folder, got ''"},
+      // CLI11 reads `--flag=` as `--flag`, and `--option=` as a missing value without saying why.
+      {{mlp, "--gradient-as-bucket-view="}, "fashion_mnist: --gradient-as-bucket-view= has no value after '='"},
+      {{cnn, "--metrics="}, "fashion_mnist_cnn: --metrics= has no value after '='"},
+  };
+  for (const auto& [args, message] : bad) {
+    CAPTURE(args[1]);
+    const RunResult r = run(args);
+    CHECK(r.code() == 105);  // CLI11's ValidationError
+    CHECK_MESSAGE(r.err.find(message) != std::string::npos, r.err);
+    CHECK(r.out.empty());
+  }
+  // --help lists --hidden for the MLP only, and every backend the runtime takes.
+  const RunResult mlp_help = run({mlp, "--help"}), cnn_help = run({cnn, "--help"});
+  CHECK(mlp_help.out.find("--hidden") != std::string::npos);
+  CHECK(cnn_help.out.find("--hidden") == std::string::npos);
+  CHECK(cnn_help.out.find("auto, shm, shm+gloo, gloo, mpi or nccl") != std::string::npos);
 }
 
 // ---- files the examples write: --metrics, --export; the live progress line ----------------

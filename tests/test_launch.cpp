@@ -350,6 +350,8 @@ TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
       {{"--master-port", "70000"}, "--master-port: must be an integer between 0 and 65535, got '70000'"},
       {{"--grace-period", "-1"}, "--grace-period: must be a finite number between 0 and 1e+09, got '-1'"},
       {{"--timeout", "1e99"}, "--timeout: must be a finite number between 0 and 1e+09, got '1e99'"},
+      {{"--backend", "tcp"}, "--backend: must be one of auto, shm, shm+gloo, gloo, mpi or nccl, got 'tcp'"},
+      {{"--master-addr", ""}, "--master-addr: must name a host, got ''"},
   };
   for (const auto& [flags, message] : bad) {
     std::vector<std::string> args = {launcher_path()};
@@ -369,7 +371,7 @@ TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
   CHECK(contains(missing.err, "cannot execute '/nonexistent/program'"));
 }
 
-TEST_CASE("allreduce_bench: one rank, empty size ranges and bad numbers are refused with a message") {
+TEST_CASE("allreduce_bench: one rank, empty size ranges, bad numbers and jobs --nproc cannot make are refused") {
   using nanoddp::testing::built;
   const std::string bench = built("benchmarks/allreduce_bench");
   const RunResult alone = run({bench});  // no launcher: a world of one
@@ -384,6 +386,16 @@ TEST_CASE("allreduce_bench: one rank, empty size ranges and bad numbers are refu
       {{"--warmup", "-1"}, "--warmup: must be an integer between 0 and 1000000, got '-1'"},
       {{"--nproc", "1"}, "--nproc: must be 0 or an integer between 2 and 64, got '1'"},
       {{"--seconds-per-size", "0"}, "--seconds-per-size must be a number of seconds"},
+      {{"--backend", "bogus"}, "--backend: must be one of auto, shm, shm+gloo, gloo, mpi or nccl, got 'bogus'"},
+      {{"--backend", ""}, "--backend: must be one of auto, shm, shm+gloo, gloo, mpi or nccl, got ''"},
+      {{"--ring="}, "--ring= has no value after '='"},
+      {{"--backend="}, "--backend= has no value after '='"},
+      // Refused before a rank is forked: MPI's ranks come from mpirun, and NCCL takes one GPU
+      // per rank (rank r on cuda:r; no machine has 64).
+      {{"--nproc", "2", "--backend", "mpi"}, "--nproc forks ranks itself, but --backend mpi needs its ranks started "
+                                             "by mpirun: mpirun -np 2 allreduce_bench --backend mpi"},
+      {{"--nproc", "64", "--backend", "nccl"}, "--nproc 64 --backend nccl puts rank r on cuda:r and needs 64 GPUs"},
+      {{"--nproc", "2", "--backend", "shm+gloo"}, "--backend shm+gloo needs the node layout a launcher gives"},
   };
   for (const auto& [flags, message] : bad) {
     std::vector<std::string> args = {bench};
@@ -393,6 +405,12 @@ TEST_CASE("allreduce_bench: one rank, empty size ranges and bad numbers are refu
     CHECK_MESSAGE(contains(r.err, message), r.err);
     CHECK(r.out.empty());
   }
+  // Under a launcher (RANK and WORLD_SIZE set) --nproc would start a second job per rank.
+  const RunResult nested = run({"/usr/bin/env", "RANK=1", "WORLD_SIZE=2", bench, "--nproc", "2"});
+  CHECK(nested.code() == 2);
+  CHECK_MESSAGE(contains(nested.err, "--nproc 2 forks ranks itself, but this process is already rank 1 of 2"),
+                nested.err);
+  CHECK(nested.out.empty());
 }
 
 TEST_CASE("allreduce_bench --csv: a header and one row per size, busbw = algbw * 2(n-1)/n = size / time") {
@@ -401,6 +419,8 @@ TEST_CASE("allreduce_bench --csv: a header and one row per size, busbw = algbw *
                            "--min-bytes", "4096", "--max-bytes", "16384", "--seconds-per-size", "0.01"},
                           60s);
   REQUIRE_MESSAGE(r.code() == 0, r.err);
+  // The store is the bench's own: it admits only its ranks (a token, as nanoddp-run makes).
+  CHECK_MESSAGE(!contains(r.err, "NANODDP_STORE_TOKEN is not set"), r.err);
   const std::vector<std::string> lines = lines_of(r.out);
   REQUIRE(lines.size() == 4);
   CHECK(lines[0] == "backend,world_size,device,bytes,count,iters,time_us,algbw_gbps,busbw_gbps");

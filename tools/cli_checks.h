@@ -3,16 +3,19 @@
 // Range prints its bounds as doubles with hundreds of digits. CLI11 prefixes the flag name.
 //
 //   app.add_option("--nproc-per-node", n)->check(cli::integer_in(1, 1024));
-//   app.add_option("--lr", lr)->check(cli::number_in(0));
+//   app.add_option("--backend", backend)->check(cli::backend());
+//   if (!cli::values_given(argc, argv, "fashion_mnist")) return 2;   // before app.parse
 #pragma once
 
 #include <CLI/CLI.hpp>
 #include <climits>
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <limits>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace nanoddp::cli {
 
@@ -67,6 +70,69 @@ inline CLI::Validator number_in(double min, double max = std::numeric_limits<dou
         return "";
       },
       range.str());
+}
+
+// One of values, spelt exactly; otherwise "must be one of a, b or c, got '<text>'".
+inline CLI::Validator one_of(const std::vector<std::string>& values) {
+  std::string listed, short_listed;
+  for (size_t i = 0; i < values.size(); ++i) {
+    listed += (i == 0 ? "" : i + 1 == values.size() ? " or " : ", ") + values[i];
+    short_listed += (i == 0 ? "" : "|") + values[i];
+  }
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        for (const std::string& value : values)
+          if (text == value) return "";
+        return "must be one of " + listed + ", got '" + text + "'";
+      },
+      short_listed);
+}
+
+// --backend: the names dist::parse_backend takes (dist/process_group.h), so that a bad one is
+// refused before anything starts. shm+gloo is what auto picks across nodes.
+inline CLI::Validator backend() { return one_of({"auto", "shm", "shm+gloo", "gloo", "mpi", "nccl"}); }
+
+// --device as the examples take it: cpu, cuda (this rank's GPU) or cuda:N (Device::parse).
+inline CLI::Validator device() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        const std::string prefix = "cuda:";
+        const bool indexed = text.rfind(prefix, 0) == 0 && text.size() > prefix.size() &&
+                             text.size() <= prefix.size() + 5 &&
+                             text.find_first_not_of("0123456789", prefix.size()) == std::string::npos;
+        if (text == "cpu" || text == "cuda" || indexed) return "";
+        return "must be cpu, cuda or cuda:N, got '" + text + "'";
+      },
+      "cpu|cuda|cuda:N");
+}
+
+// Anything but the empty string, which would otherwise read as "not given" (`--checkpoint
+// "$CKPT"` with CKPT unset: no checkpoint) or fail later, far from the flag.
+inline CLI::Validator non_empty(const std::string& what, const std::string& short_what) {
+  return CLI::Validator(
+      [=](std::string& text) -> std::string { return text.empty() ? "must name " + what + ", got ''" : ""; },
+      short_what);
+}
+
+// A file or folder name.
+inline CLI::Validator path() { return non_empty("a file or folder", "PATH"); }
+
+// CLI11 takes `--flag=` (nothing after '=') as `--flag` for a flag, and as a missing value
+// ("1 required TEXT missing") for an option. Refuses both before parsing, naming the argument;
+// returns false after printing "<program>: --flag= has no value ..." to stderr.
+inline bool values_given(int argc, const char* const* argv, const std::string& program) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") break;
+    if (arg.size() > 3 && arg.compare(0, 2, "--") == 0 && arg.back() == '=' && arg.find('=') == arg.size() - 1) {
+      std::fprintf(stderr,
+                   "%s: %s has no value after '=': give one (%sVALUE) or leave the flag out\n"
+                   "Run with --help for more information.\n",
+                   program.c_str(), arg.c_str(), arg.c_str());
+      return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace nanoddp::cli

@@ -124,13 +124,14 @@ int main(int argc, char** argv) {
       ->check(nanoddp::cli::integer_in(0))
       ->capture_default_str();
   app.add_option("--master-addr,--master_addr", options.master_addr, "address of rank 0's node (its Store)")
+      ->check(nanoddp::cli::non_empty("a host", "HOST"))
       ->capture_default_str();
   app.add_option("--master-port,--master_port", options.master_port, "rank 0's Store port; 0 = pick a free one (one node)")
       ->check(nanoddp::cli::integer_in(0, 65535))
       ->capture_default_str();
   app.add_option("--backend", options.backend,
                  "exported as NANODDP_BACKEND; mpi starts the ranks through mpirun")
-      ->check(CLI::IsMember({"auto", "shm", "shm+gloo", "gloo", "mpi", "nccl"}));
+      ->check(nanoddp::cli::backend());
   app.add_option("--grace-period", grace_s, "seconds between SIGTERM and SIGKILL when ranks are stopped")
       ->check(nanoddp::cli::number_in(0, kMaxSeconds))
       ->capture_default_str();
