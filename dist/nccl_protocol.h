@@ -48,7 +48,9 @@ namespace nanoddp::dist::detail {
 enum class AsyncState { Done, InProgress, Failed };
 
 // A communicator as the protocol sees it: ncclCommGetAsyncError and ncclCommAbort in the NCCL
-// group, a script in tests.
+// group, a script in tests. Works call state() and abort() from any thread, so an
+// implementation serialises them with its other calls (the NCCL group: Note [NCCL threads] in
+// dist/process_group_nccl.cpp).
 class AsyncComm {
  public:
   virtual ~AsyncComm() = default;

@@ -37,11 +37,31 @@
 // communicator per pair of ranks). It is built with the group, not at the first send: building
 // a communicator is a rendezvous of all its ranks, so a lazy one would make a send wait on the
 // host for its peer to call send/recv too. A world of one has no peer and builds none.
+//
+// Connections. NCCL connects a pair of ranks lazily, at their first send/recv in each
+// direction, and that set-up is a host-side exchange with the peer: a non-blocking
+// communicator reports the first call in progress until the peer has posted its side. So the
+// first send to a rank, issued before a collective or by a dropped Work, would wait on the
+// host (up to the timeout, then abort the communicator) for a peer that may itself be waiting
+// in that collective. The group therefore connects at construction, when every rank is there
+// anyway: one NCCL group of a 1-element send and recv with each peer, waited for. That costs
+// NCCL's per-connection buffers for every peer, so beyond 8 ranks only the ring neighbours
+// (rank ± 1, what dist::ring_all_reduce uses) are connected, and a first send/recv with any
+// other rank is such a rendezvous: make it where the peer is sure to post its side (an
+// exchange in one group, or before any collective).
 // Ordering: a send/recv group follows the compute stream, and its Work's wait() orders the
 // compute stream after it; it is not ordered after a collective still in flight, so, as for
 // every asynchronous call, wait on a collective before sending its result. A timeout or an
 // NCCL error in send/recv aborts the send/recv communicator: every later send/recv throws
 // DistError, while collectives go on.
+// Two communicators also bring NCCL's documented hazard ("Using multiple NCCL communicators
+// concurrently"): a send/recv kernel spinning for its peer beside a collective kernel works
+// while both fit on the GPU at once (a few blocks each: they do), but any call that
+// synchronizes the whole device meanwhile, such as the cudaFree of the caching allocator's
+// empty_cache() or of its retry after an out-of-memory, waits for the spinning kernel, whose
+// peer may be waiting for this rank's collective: a deadlock, ended only by the timeout. So do
+// not empty the cache while a send/recv is in flight. PyTorch's ProcessGroupNCCL makes the same
+// trade-off.
 //
 // Grouping. Two ranks that each send, then receive (an exchange, every step of a ring in
 // dist/ring.cpp) would each wait in their send for a receive queued behind the peer's own
@@ -66,7 +86,9 @@
 // When the group goes, send/recv still queued are issued, and issued ones whose Works were
 // dropped are waited for (each up to the timeout), so a last send reaches its peer. Then each
 // communicator is finalized (ncclCommFinalize, polled like any call) and destroyed, or aborted
-// when finalizing fails or times out, so exit never hangs on a peer that is gone. The default
+// when finalizing fails or times out, so exit never hangs on a peer that is gone: the
+// send/recv one first, then the collectives', on every rank, whatever Works the user still
+// holds (finalizing completes their calls, and a held Work then finds its event passed). The default
 // group is dropped by destroy_process_group() or, failing that, by an exit handler that
 // init_process_group registers after CUDA is up: exit handlers run in reverse order, so it runs
 // before the CUDA runtime unloads (dist/init.cpp).
@@ -81,9 +103,12 @@
 #include <nccl.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <mutex>
+#include <thread>
 
 #include "kernels/cuda/nan_ordered.h"
 #include "kernels/device_memory.h"
@@ -106,57 +131,105 @@ AsyncState async_state(ncclResult_t result) {
   return result == ncclSuccess ? AsyncState::Done : result == ncclInProgress ? AsyncState::InProgress : AsyncState::Failed;
 }
 
+// Note [NCCL threads]
+// NCCL's calls are not thread-safe (NCCL user guide, "Thread Safety"): one communicator must not
+// be called from two threads at once, nor two communicators of one device, and the calls of an
+// ncclGroupStart/End group must all come from one thread. Here several threads do call in: a
+// Work's wait() or is_completed() on any thread polls ncclCommGetAsyncError and may abort; a
+// dropped send's Work issues its group from whichever thread drops it; the main thread issues
+// collectives (on the other communicator of the same device) meanwhile. So every NCCL call of
+// every communicator in this process runs under one mutex, held for that single call (or one
+// whole group, start to end), never across a sleep between polls; in non-blocking mode
+// (Note [NCCL non-blocking]) no call waits on a peer, so the mutex is held briefly. It also
+// orders ncclCommAbort against a poll on another thread: the handle is never used after the
+// abort freed it. PyTorch's NCCLComm serialises the same calls with a mutex of its own.
+std::mutex& nccl_call_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
 // An NCCL communicator (RAII): finalized and destroyed, or aborted (Note [NCCL shutdown]).
+// Every NCCL call on it goes through call(), under nccl_call_mutex() (Note [NCCL threads]).
 class NcclComm : public detail::AsyncComm {
  public:
   NcclComm(ncclComm_t comm, std::chrono::milliseconds timeout) : comm_(comm), timeout_(timeout) {}
-  ~NcclComm() override {
-    if (aborted_.load()) return;
+  ~NcclComm() override { close(); }
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+
+  // Runs nccl_call(comm) under the mutex and returns what its result says, with the library's
+  // text in *error for a failure. Failed without calling when the communicator was aborted or
+  // closed.
+  template <typename NcclCall>
+  AsyncState call(NcclCall&& nccl_call, std::string* error) {
+    std::lock_guard<std::mutex> lock(nccl_call_mutex());
+    if (aborted_.load() || closed_) {
+      *error = aborted_.load() ? "the communicator was aborted (earlier timeout or error)"
+                               : "the communicator was finalized (its process group was destroyed)";
+      return AsyncState::Failed;
+    }
+    return checked_locked(nccl_call(comm_), error);
+  }
+
+  // Finalizes (polled up to the timeout) and destroys the communicator, or aborts it when that
+  // fails: ncclCommFinalize completes every call issued on it, so a Work that outlives its group
+  // still sees its event pass. Idempotent; never throws.
+  void close() {
+    {
+      std::lock_guard<std::mutex> lock(nccl_call_mutex());
+      if (aborted_.load() || closed_) return;
+    }
     try {
       detail::issue_and_wait_enqueued(*this, "ncclCommFinalize", timeout_, [&](std::string* error) {
-        return checked(ncclCommFinalize(comm_), error);
+        return call([](ncclComm_t comm) { return ncclCommFinalize(comm); }, error);
       });
     } catch (const std::exception& e) {
       std::fprintf(stderr, "nanoddp: %s; aborting the NCCL communicator instead\n", e.what());
       abort();
       return;
     }
-    if (aborted_.load()) return;
+    std::lock_guard<std::mutex> lock(nccl_call_mutex());
+    if (aborted_.load() || closed_) return;
     const ncclResult_t result = ncclCommDestroy(comm_);
     if (result != ncclSuccess)
       std::fprintf(stderr, "nanoddp: ncclCommDestroy failed: %s\n", ncclGetErrorString(result));
+    closed_ = true;
   }
-  NcclComm(const NcclComm&) = delete;
-  NcclComm& operator=(const NcclComm&) = delete;
-  ncclComm_t get() const { return comm_; }
 
   void abort() override {
-    if (!aborted_.exchange(true)) ncclCommAbort(comm_);
+    std::lock_guard<std::mutex> lock(nccl_call_mutex());
+    if (aborted_.load() || closed_) return;
+    ncclCommAbort(comm_);
+    aborted_.store(true);
   }
   bool aborted() const override { return aborted_.load(); }
+  // Done once closed: finalizing completed every call.
   AsyncState state(std::string* error) override {
+    std::lock_guard<std::mutex> lock(nccl_call_mutex());
     if (aborted_.load()) {
       *error = "an abort (earlier timeout or error)";
       return AsyncState::Failed;
     }
+    if (closed_) return AsyncState::Done;
     ncclResult_t async = ncclSuccess;
     const ncclResult_t result = ncclCommGetAsyncError(comm_, &async);
-    if (result != ncclSuccess) return checked(result, error);
-    return checked(async, error);
+    if (result != ncclSuccess) return checked_locked(result, error);
+    return checked_locked(async, error);
   }
 
-  // What a call's result says, with the library's text for an error.
-  AsyncState checked(ncclResult_t result, std::string* error) const {
+ private:
+  // What a call's result says, with the library's text for an error. Under the mutex.
+  AsyncState checked_locked(ncclResult_t result, std::string* error) const {
     const AsyncState state = async_state(result);
     if (state == AsyncState::Failed)
       *error = std::string(ncclGetErrorString(result)) + " (" + ncclGetLastError(comm_) + ")";
     return state;
   }
 
- private:
   ncclComm_t comm_;
   std::chrono::milliseconds timeout_;
-  std::atomic<bool> aborted_{false};
+  std::atomic<bool> aborted_{false};  // written under the mutex; read without it by aborted()
+  bool closed_ = false;               // under the mutex
 };
 
 class CudaEvent {
@@ -180,10 +253,13 @@ struct NcclLane {
       : device(device), timeout(timeout), comm(std::move(comm)) {
     NANODDP_NCCL_DIST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), what);
   }
-  // The communicator is finalized (or aborted) before its stream goes; a stream destroyed with
+  // The communicator is finalized (or aborted) before its stream goes, also while Works issued
+  // on it still hold it: so every rank finalizes its communicators in the group's order, not
+  // in the order its user happens to drop Works (Note [NCCL shutdown]). A stream destroyed with
   // work still on it is released by CUDA once that work is done.
   ~NcclLane() {
     cudaSetDevice(device.index);
+    comm->close();
     comm.reset();
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
@@ -196,15 +272,38 @@ struct NcclLane {
   cudaStream_t stream = nullptr;
 };
 
-// One NCCL call: issued, then polled until it is enqueued (Note [NCCL non-blocking]), so
-// whatever the caller queues next on the stream really follows it.
+// One NCCL call, call(ncclComm_t) -> ncclResult_t: issued (under the mutex of Note [NCCL
+// threads]), then polled until it is enqueued (Note [NCCL non-blocking]), so whatever the
+// caller queues next on the stream really follows it.
 template <typename Call>
 void enqueue(const NcclLane& lane, const std::string& what, Call&& call) {
   detail::issue_and_wait_enqueued(*lane.comm, what, lane.timeout,
-                                  [&](std::string* error) { return lane.comm->checked(call(), error); });
+                                  [&](std::string* error) { return lane.comm->call(call, error); });
 }
 
 cudaStream_t compute_stream() { return static_cast<cudaStream_t>(kernels::cuda::compute_stream()); }
+
+// A call failed after queuing work on the lane's stream: waits (polling, up to the lane's
+// timeout) until that work has run, with keep's tensors held. An NCCL error or timeout has
+// already aborted the communicator, which stops its kernels; should the stream still not
+// drain, the tensors are kept for the life of the process rather than handed back to the
+// caching allocator while the device may still write them. Never throws.
+void finish_after_error(const NcclLane& lane, const std::string& what, std::vector<Tensor> keep) {
+  const auto deadline = std::chrono::steady_clock::now() + lane.timeout;
+  cudaError_t status = cudaErrorNotReady;
+  while ((status = cudaStreamQuery(lane.stream)) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  if (status == cudaSuccess) return;
+  const std::string stream_state = status == cudaErrorNotReady
+                                       ? "had not drained after " + std::to_string(lane.timeout.count()) + " ms"
+                                       : std::string("reported ") + cudaGetErrorName(status);
+  std::fprintf(stderr, "nanoddp: %s failed, and its stream %s; its tensors are kept until exit\n", what.c_str(),
+               stream_state.c_str());
+  static auto* kept = new std::vector<Tensor>();  // leaked on purpose: see above
+  static std::mutex kept_mutex;
+  std::lock_guard<std::mutex> lock(kept_mutex);
+  kept->insert(kept->end(), keep.begin(), keep.end());
+}
 
 // Note [NCCL streams]: order after the compute stream, run body on the lane's stream, record
 // the end. The Work aborts the lane's communicator when it times out or NCCL reports an error.
@@ -216,18 +315,29 @@ std::shared_ptr<Work> launch(const NcclLane& lane, const std::string& what, std:
   CudaEvent ready;
   NANODDP_NCCL_DIST_CUDA(cudaEventRecord(ready.get(), compute_stream()), what);
   NANODDP_NCCL_DIST_CUDA(cudaStreamWaitEvent(lane.stream, ready.get(), 0), what);
-  body(lane.stream);  // every NCCL call in it is enqueued when it returns
+  try {
+    body(lane.stream);  // every NCCL call in it is enqueued when it returns
+  } catch (...) {
+    // No Work will order the compute stream after the lane's stream or hold keep: what body
+    // queued before it failed (a kernel that restores a buffer, the wait on `ready`) must be
+    // finished before the error reaches a caller who may read or free the tensors.
+    finish_after_error(lane, what, std::move(keep));
+    throw;
+  }
   auto done = std::make_shared<CudaEvent>();
   NANODDP_NCCL_DIST_CUDA(cudaEventRecord(done->get(), lane.stream), what);
   detail::EventWork::Event event;
-  event.query = [done](std::string* error) {
+  const int device = lane.device.index;
+  // Set the device first: a poll from a fresh thread would otherwise make device 0's context
+  // current, creating one on GPU 0 in a process that uses another GPU.
+  event.query = [done, device](std::string* error) {
+    kernels::cuda::set_device(device);
     const cudaError_t status = cudaEventQuery(done->get());
     if (status == cudaSuccess) return AsyncState::Done;
     if (status == cudaErrorNotReady) return AsyncState::InProgress;
     *error = std::string("cudaEventQuery: ") + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")";
     return AsyncState::Failed;
   };
-  const int device = lane.device.index;
   event.order_compute_stream = [done, device, what] {
     kernels::cuda::set_device(device);
     NANODDP_NCCL_DIST_CUDA(cudaStreamWaitEvent(compute_stream(), done->get(), 0), what);
@@ -282,15 +392,15 @@ std::shared_ptr<Work> issue_point_to_point_group(const NcclLane& lane, const std
   for (const auto& call : calls) keep.push_back(call.tensor);
   const std::string what = where + ": nccl group of " + std::to_string(calls.size()) + " send/recv";
   return launch(lane, what, keep, [&](cudaStream_t s) {
-    enqueue(lane, what, [&] {
+    enqueue(lane, what, [&](ncclComm_t comm) {
       ncclResult_t result = ncclGroupStart();
       if (result != ncclSuccess) return result;
       for (const auto& call : calls) {
         void* data = call.tensor.impl()->storage->data();
         const ncclDataType_t type = nccl_type(call.tensor.dtype());
         const size_t count = static_cast<size_t>(call.tensor.numel());
-        result = call.is_send ? ncclSend(data, count, type, call.peer, lane.comm->get(), s)
-                              : ncclRecv(data, count, type, call.peer, lane.comm->get(), s);
+        result = call.is_send ? ncclSend(data, count, type, call.peer, comm, s)
+                              : ncclRecv(data, count, type, call.peer, comm, s);
         if (result != ncclSuccess && result != ncclInProgress) {
           ncclGroupEnd();
           return result;
@@ -299,6 +409,16 @@ std::shared_ptr<Work> issue_point_to_point_group(const NcclLane& lane, const std
       return ncclGroupEnd();
     });
   });
+}
+
+// Note [NCCL point-to-point], connections: every pair up to this world size, beyond it the ring
+// neighbours only (NCCL's buffers for a connection cost device memory per peer).
+constexpr int kConnectEveryPeerUpToWorldSize = 8;
+
+// Whether rank and peer connect when the group is built: symmetric, so both sides agree.
+bool connect_at_start(int rank, int peer, int world_size) {
+  if (world_size <= kConnectEveryPeerUpToWorldSize) return true;
+  return peer == (rank + 1) % world_size || rank == (peer + 1) % world_size;
 }
 
 std::atomic<int> next_group_id{0};
@@ -354,8 +474,14 @@ class ProcessGroupNccl : public ProcessGroup {
     if (world_size_ > 1) {
       point_to_point_ = std::make_shared<NcclLane>(
           device_, timeout_, init_communicator("point_to_point/unique_id", "send/recv"), where());
+      connect_point_to_point();
+      // The queue (which a send/recv Work shares) does not keep the lane: the group's end
+      // finalizes it (Note [NCCL shutdown]), and close() has issued every call made before.
       point_to_point_queue_ = std::make_shared<detail::PointToPointQueue>(
-          [lane = point_to_point_, where = where()](const std::vector<detail::PointToPointQueue::Call>& calls) {
+          [weak_lane = std::weak_ptr<NcclLane>(point_to_point_),
+           where = where()](const std::vector<detail::PointToPointQueue::Call>& calls) {
+            const std::shared_ptr<NcclLane> lane = weak_lane.lock();
+            NANODDP_CHECK(lane != nullptr, DistError, where, ": send/recv after the process group was destroyed");
             return issue_point_to_point_group(*lane, where, calls);
           });
     }
@@ -385,12 +511,12 @@ class ProcessGroupNccl : public ProcessGroup {
     return launch(*collectives_, what, {tensor}, [&](cudaStream_t s) {
       if (reduction.keyed) kernels::cuda::floats_to_ordered_keys(data, tensor.numel(), reduction.nan_at, s);
       try {
-        enqueue(*collectives_, what, [&] {
-          return ncclAllReduce(data, data, tensor.numel(), reduction.type, reduction.op, collectives_->comm->get(), s);
+        enqueue(*collectives_, what, [&](ncclComm_t comm) {
+          return ncclAllReduce(data, data, tensor.numel(), reduction.type, reduction.op, comm, s);
         });
       } catch (...) {
         // NCCL refused the call and the group stays usable: the caller's tensor must hold its
-        // floats again, not the keys, when the error reaches it.
+        // floats again, not the keys, when the error reaches it (launch waits for this kernel).
         if (reduction.keyed) kernels::cuda::ordered_keys_to_floats(data, tensor.numel(), reduction.nan_at, s);
         throw;
       }
@@ -407,8 +533,8 @@ class ProcessGroupNccl : public ProcessGroup {
     issue_queued_point_to_point();
     void* data = tensor.impl()->storage->data();
     return launch(*collectives_, what, {tensor}, [&](cudaStream_t s) {
-      enqueue(*collectives_, what, [&] {
-        return ncclBroadcast(data, data, tensor.numel(), nccl_type(tensor.dtype()), root, collectives_->comm->get(), s);
+      enqueue(*collectives_, what, [&](ncclComm_t comm) {
+        return ncclBroadcast(data, data, tensor.numel(), nccl_type(tensor.dtype()), root, comm, s);
       });
     });
   }
@@ -425,9 +551,9 @@ class ProcessGroupNccl : public ProcessGroup {
     keep.push_back(gathered);
     return launch(*collectives_, what, keep, [&](cudaStream_t s) {
       auto* dst = static_cast<uint8_t*>(gathered.impl()->storage->data());
-      enqueue(*collectives_, what, [&] {
+      enqueue(*collectives_, what, [&](ncclComm_t comm) {
         return ncclAllGather(input.impl()->storage->data(), dst, input.numel(), nccl_type(input.dtype()),
-                             collectives_->comm->get(), s);
+                             comm, s);
       });
       for (int r = 0; r < world_size_; ++r)
         NANODDP_NCCL_DIST_CUDA(cudaMemcpyAsync(outputs[r].impl()->storage->data(),
@@ -460,8 +586,8 @@ class ProcessGroupNccl : public ProcessGroup {
       const NanSafeReduction reduction = nan_safe(output.dtype(), op);  // Note [NCCL NaN]
       void* out = output.impl()->storage->data();
       if (reduction.keyed) kernels::cuda::floats_to_ordered_keys(dst, flat.numel(), reduction.nan_at, s);
-      enqueue(*collectives_, what, [&] {
-        return ncclReduceScatter(dst, out, output.numel(), reduction.type, reduction.op, collectives_->comm->get(), s);
+      enqueue(*collectives_, what, [&](ncclComm_t comm) {
+        return ncclReduceScatter(dst, out, output.numel(), reduction.type, reduction.op, comm, s);
       });
       if (reduction.keyed) kernels::cuda::ordered_keys_to_floats(out, output.numel(), reduction.nan_at, s);
     });
@@ -505,16 +631,35 @@ class ProcessGroupNccl : public ProcessGroup {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t raw = nullptr;
-    const ncclResult_t started = ncclCommInitRankConfig(&raw, world_size_, id, rank_, &config);
-    if (async_state(started) == AsyncState::Failed || raw == nullptr) {
-      const std::string error = std::string(ncclGetErrorString(started)) + " (" + ncclGetLastError(raw) + ")";
-      if (raw != nullptr) ncclCommAbort(raw);
-      NANODDP_THROW(DistError, what, ": ncclCommInitRankConfig failed: ", error);
+    ncclResult_t started = ncclSuccess;
+    {
+      std::lock_guard<std::mutex> lock(nccl_call_mutex());  // Note [NCCL threads]
+      started = ncclCommInitRankConfig(&raw, world_size_, id, rank_, &config);
+      if (async_state(started) == AsyncState::Failed || raw == nullptr) {
+        const std::string error = std::string(ncclGetErrorString(started)) + " (" + ncclGetLastError(raw) + ")";
+        if (raw != nullptr) ncclCommAbort(raw);
+        NANODDP_THROW(DistError, what, ": ncclCommInitRankConfig failed: ", error);
+      }
     }
     auto comm = std::make_shared<NcclComm>(raw, timeout_);
     detail::issue_and_wait_enqueued(*comm, what + " (did every rank start?)", timeout_,
-                                    [&](std::string* error) { return comm->checked(started, error); });
+                                    [&](std::string* error) { return comm->call([&](ncclComm_t) { return started; }, error); });
     return comm;
+  }
+
+  // Note [NCCL point-to-point], connections: one group of a 1-element send and recv with each
+  // peer that connect_at_start names, waited for here.
+  void connect_point_to_point() {
+    std::vector<detail::PointToPointQueue::Call> calls;
+    const Tensor one = Tensor::zeros({1}, DType::Float32, device_);
+    for (int peer = 0; peer < world_size_; ++peer) {
+      if (peer == rank_ || !connect_at_start(rank_, peer, world_size_)) continue;
+      calls.push_back({one, peer, /*is_send=*/true});
+      calls.push_back({Tensor::zeros({1}, DType::Float32, device_), peer, /*is_send=*/false});
+    }
+    issue_point_to_point_group(*point_to_point_, where() + " (connecting send/recv with the peers at the start)",
+                               calls)
+        ->wait(timeout_);
   }
 
   std::shared_ptr<Work> queue_point_to_point(const Tensor& tensor, int peer, int tag, bool is_send) {

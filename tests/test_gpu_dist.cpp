@@ -391,6 +391,10 @@ TEST_CASE("NCCL at world size 2 (two GPUs): collectives, send/recv and DDP") {
   if (!in_launched_rank()) return run_ranks_of_this_file("*NCCL at world size 2*", "nccl");
   const Device gpu = Device::cuda(dist::get_local_rank());
   auto pg = join_launched(dist::Backend::Nccl, gpu);
+  // First, on the fresh group: the first send between the two ranks comes before a collective
+  // that the peer waits in. Without the connections made when the group was built, that send
+  // would wait on the host for the peer's recv (Note [NCCL point-to-point], connections).
+  check_point_to_point_beside_collectives(*pg, gpu);
   // Every collective on the group's own device; results must follow the non-blocking calls.
   const int rank = pg->rank();
   for (int64_t n : {int64_t(1), int64_t(65537), (int64_t(1) << 22) + 3}) {
@@ -451,10 +455,10 @@ TEST_CASE("NCCL at world size 2 (two GPUs): collectives, send/recv and DDP") {
   CHECK(sum.to_vector() == std::vector<float>{2.0f});
   unwaited->wait();
   if (rank == 1) CHECK(lone.to_vector() == std::vector<float>{7, 7, 7});
-  check_point_to_point_beside_collectives(*pg, gpu);
   testing::check_ddp_matches_one_rank(pg, gpu, /*tolerance=*/1e-4f);
-  // A send still queued when the group goes is issued by its end, and the end waits for it:
-  // rank 0 holds its send's Work unwaited through destroy_process_group.
+  // A send still queued when the group goes is issued by its end, which finalizes the send/recv
+  // communicator (completing the send) although rank 0 still holds the send's Work, unwaited,
+  // through destroy_process_group (Note [NCCL shutdown]).
   Tensor last = rank == 0 ? Tensor::full({1 << 20}, 11.0f, gpu) : Tensor::zeros({1 << 20}, DType::Float32, gpu);
   std::shared_ptr<dist::Work> held_through_exit;
   if (rank == 0) held_through_exit = pg->send(last, 1);
@@ -462,7 +466,8 @@ TEST_CASE("NCCL at world size 2 (two GPUs): collectives, send/recv and DDP") {
   pg.reset();
   dist::destroy_process_group();
   if (rank == 0) {
-    held_through_exit->wait(30s);  // already issued and finished: returns at once
+    held_through_exit->wait(30s);  // issued and finished by the group's end: returns at once
+    CHECK(held_through_exit->is_completed());
   } else {
     const std::vector<float> got = last.to_vector();
     CHECK(got.front() == 11.0f);
