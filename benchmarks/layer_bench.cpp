@@ -63,7 +63,10 @@ int main(int argc, char** argv) {
   double min_time = 0.2;
   std::string only;
   app.add_option("--min-time", min_time, "seconds per timed round")->check(cli::number_in(0));
-  app.add_option("--only", only, "one layer's name, as printed");
+  std::vector<std::string> names;
+  for (const LayerCase& c : layer_cases()) names.push_back(c.name);
+  // A name that matches no layer is refused, not an empty table.
+  app.add_option("--only", only, "one layer's name, as printed")->check(cli::one_of(names));
   CLI11_PARSE(app, argc, argv);
   try {
     for (const LayerCase& c : layer_cases()) {

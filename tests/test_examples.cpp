@@ -234,7 +234,7 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   CHECK(r.err.find("0 training and 10 test images") != std::string::npos);
 }
 
-TEST_CASE("fashion_mnist, fashion_mnist_cnn, toy_ddp: flags they cannot use are refused by name before anything runs") {
+TEST_CASE("examples and layer_bench: flags they cannot use are refused by name before anything runs") {
   const std::string mlp = built("examples/fashion_mnist"), cnn = built("examples/fashion_mnist_cnn");
   const std::string backends = "must be one of auto, shm, shm+gloo, gloo, mpi or nccl";
   const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
@@ -250,6 +250,9 @@ TEST_CASE("fashion_mnist, fashion_mnist_cnn, toy_ddp: flags they cannot use are 
       // CLI11 reads `--flag=` as `--flag`, and `--option=` as a missing value without saying why.
       {{mlp, "--gradient-as-bucket-view="}, "fashion_mnist: --gradient-as-bucket-view= has no value after '='"},
       {{cnn, "--metrics="}, "fashion_mnist_cnn: --metrics= has no value after '='"},
+      {{built("examples/custom_layer"), "--trace", ""}, "--trace: must name a file or folder, got ''"},
+      // A layer name that matches none would print an empty table.
+      {{built("benchmarks/layer_bench"), "--only", "Relu"}, "--only: must be one of ReLU, Sigmoid"},
   };
   for (const auto& [args, message] : bad) {
     CAPTURE(args[1]);
