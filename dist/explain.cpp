@@ -87,7 +87,11 @@ std::string explain_plan(DistributedDataParallel& ddp) {
     else
       out << "no parameters left (under its cap of " << cap << " bytes)\n";
   }
-  if (pg.size() == 1) out << "explain: world size 1: gradients are already the mean; no bucket is all-reduced\n";
+  if (pg.size() == 1 && ddp.reducer().has_comm_hook())
+    out << "explain: world size 1: gradients are already the mean, but the comm hook still runs on every bucket "
+           "(a compression hook rounds it to 16 bits, as torch's Reducer does)\n";
+  else if (pg.size() == 1)
+    out << "explain: world size 1: gradients are already the mean; no bucket is all-reduced\n";
   return out.str();
 }
 

@@ -226,6 +226,12 @@ TEST_CASE("docs answers: the default MLP is one bucket of 940584 bytes; a ring s
   CHECK(bytes == 940584);  // under the first bucket's 1 MiB cap (1048576 bytes)
   CHECK(dist::explain_plan(ddp).find("explain: bucket 0: 940584 bytes, 6 parameters: 4.bias [10], 4.weight [10, 128]") !=
         std::string::npos);
+  CHECK(dist::explain_plan(ddp).find("world size 1: gradients are already the mean; no bucket is all-reduced") !=
+        std::string::npos);
+  // At world size 1 a compression hook still rounds every bucket, so the plan does not say "nothing happens".
+  ddp.register_comm_hook(pg, dist::bf16_compress_hook);
+  CHECK(dist::explain_plan(ddp).find("world size 1: gradients are already the mean, but the comm hook still runs") !=
+        std::string::npos);
   dist::destroy_process_group();
 
   CHECK(dist::ring_bytes_sent_per_rank(940584, 1) == 0);
