@@ -223,6 +223,35 @@ TEST_CASE("NaN and Inf propagate as in PyTorch") {
   CHECK(std::isnan(mean(Tensor::zeros({0})).item()));  // mean of nothing
 }
 
+TEST_CASE("div by a float is a true division, bit for bit, also where it multiplies by an exact reciprocal") {
+  // The kernel multiplies when 1/s is exact (s = 2^e): the rounded result must still be a / s.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  const float tiny = std::numeric_limits<float>::denorm_min(), least_normal = std::numeric_limits<float>::min();
+  const float largest = std::numeric_limits<float>::max();
+  const std::vector<float> values{1.0f, -3.0f, 0.1f, 1.0f / 3.0f, 7e-39f, tiny, 3 * tiny, least_normal, largest,
+                                  -largest, 0.0f, -0.0f, nan, inf, -inf, 16777215.0f};
+  const Tensor a = Tensor::from_vector(values);
+  for (const float s : {2.0f, 4.0f, 0.5f, -8.0f, 3.0f, 0.1f, 1024.0f, std::ldexp(1.0f, -126), std::ldexp(1.0f, -127),
+                        std::ldexp(1.0f, 127), std::ldexp(1.0f, -149), inf, 0.0f}) {
+    CAPTURE(s);
+    const std::vector<float> got = div(a, s).to_vector();
+    for (size_t i = 0; i < values.size(); ++i) {
+      CAPTURE(values[i]);
+      const volatile float expected = values[i] / s;  // one scalar IEEE division
+      if (std::isnan(expected)) {
+        CHECK(std::isnan(got[i]));
+      } else {
+        uint32_t got_bits = 0, expected_bits = 0;
+        const float e = expected;
+        std::memcpy(&got_bits, &got[i], 4);
+        std::memcpy(&expected_bits, &e, 4);
+        CHECK(got_bits == expected_bits);
+      }
+    }
+  }
+}
+
 TEST_CASE("argmax: first index wins ties, NaN counts as the largest") {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const Tensor a = Tensor::from_vector({1, 3, 3, 0, 5, nan, 2, 9, -1, -2, -3, -1}, {3, 4});

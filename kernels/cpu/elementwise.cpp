@@ -59,9 +59,21 @@ void binary_forward(float* out, const float* a, const float* b, BinaryOp op, int
   }
 }
 
+namespace {
+// Whether 1/s is a float exactly: s = ±2^e with 2^-e a normal float. Then a * (1/s) and a / s
+// are the same real number, so they round to the same float, NaN, inf and subnormals included.
+bool has_exact_reciprocal(float s) {
+  int exponent = 0;
+  const float mantissa = std::frexp(s, &exponent);  // s = mantissa * 2^exponent, |mantissa| in [0.5, 1)
+  return std::isfinite(s) && std::fabs(mantissa) == 0.5f && exponent >= -126 && exponent <= 127;  // 1/s = 2^(1 - exponent)
+}
+}  // namespace
+
 void scalar_forward(float* out, const float* a, ScalarOp op, float s, int64_t n) {
-  if (op == ScalarOp::Mul) {
-    vec(out, n) = vec(a, n) * s;
+  // DDP divides every gradient by world_size (Note [Averaging in the copy] in dist/reducer.cpp):
+  // a vector division costs about 1.5x a multiplication here, and world sizes are often powers of two.
+  if (op == ScalarOp::Mul || has_exact_reciprocal(s)) {
+    vec(out, n) = vec(a, n) * (op == ScalarOp::Mul ? s : 1.0f / s);
   } else {
     vec(out, n) = vec(a, n) / s;
   }
