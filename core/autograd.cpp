@@ -58,6 +58,23 @@ void accumulate_leaf_grad(const Tensor& leaf, Tensor g) {
   }
 }
 
+// Note [Accumulating into .grad]: input i's .grad is offered when i is a leaf, this node is
+// its last consumer in this backward and no other consumer gave it a gradient (so this one is
+// its whole gradient), and .grad can take it in place (float32, same shape and device).
+void offer_accumulation_targets(Node& fn, const std::unordered_map<TensorImpl*, int>& pending,
+                                const std::unordered_map<TensorImpl*, Tensor>& grads) {
+  fn.accumulation_targets.assign(fn.inputs.size(), Tensor());
+  for (size_t i = 0; i < fn.inputs.size(); ++i) {
+    const Tensor& input = fn.inputs[i];
+    if (!input.defined() || !input.requires_grad() || input.grad_fn()) continue;
+    if (pending.at(input.impl()) != 1 || grads.count(input.impl()) > 0) continue;
+    const Tensor grad = input.grad();
+    if (grad.defined() && grad.dtype() == DType::Float32 && grad.shape() == input.shape() &&
+        grad.device() == input.device())
+      fn.accumulation_targets[i] = grad;
+  }
+}
+
 }  // namespace
 
 bool is_grad_enabled() { return grad_mode_enabled; }
@@ -88,6 +105,11 @@ Tensor make_result(Tensor result, std::shared_ptr<Node> node) {
   result.impl()->grad_fn = std::move(node);
   result.impl()->requires_grad = true;
   return result;
+}
+
+const Tensor& Node::accumulation_target(size_t i) const {
+  static const Tensor none;
+  return i < accumulation_targets.size() ? accumulation_targets[i] : none;
 }
 
 const Tensor& Node::saved(size_t i) const {
@@ -169,6 +191,7 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
   grads[root.impl()] = seed;
   ready.push(root);
   std::vector<std::shared_ptr<Node>> visited;
+  std::unordered_set<TensorImpl*> accumulated_in_place;  // leaves whose node added into .grad
 
   while (!ready.empty()) {
     Tensor t = ready.top();
@@ -180,10 +203,10 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
     }
     const std::shared_ptr<Node> fn = t.grad_fn();
     if (!fn) {
-      if (g.defined()) {
-        accumulate_leaf_grad(t, std::move(g));
+      const bool has_gradient = g.defined() || accumulated_in_place.erase(t.impl()) > 0;
+      if (g.defined()) accumulate_leaf_grad(t, std::move(g));
+      if (has_gradient)
         for (auto& [id, hook] : t.impl()->post_accumulate_grad_hooks) hook(t);
-      }
       continue;
     }
     // A tensor whose consumers all returned no gradient still runs, with none, so that the
@@ -193,18 +216,23 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
       trace::Span span(trace::Lane::Compute, fn->name());
       if (span.active()) span.set_args(trace_shapes({&g}));
       NoGradGuard no_grad;  // backward formulas are not themselves recorded
+      offer_accumulation_targets(*fn, pending, grads);
       input_grads = fn->apply(g);
     }
     NANODDP_ASSERT(input_grads.size() == fn->inputs.size());
     for (size_t i = 0; i < fn->inputs.size(); ++i) {
       const Tensor& input = fn->inputs[i];
       if (!input.defined() || !input.requires_grad()) continue;
-      if (input_grads[i].defined()) {
+      const Tensor& target = fn->accumulation_target(i);
+      if (target.defined() && input_grads[i].defined() && input_grads[i].is_same(target)) {
+        accumulated_in_place.insert(input.impl());  // Note [Accumulating into .grad]
+      } else if (input_grads[i].defined()) {
         NANODDP_ASSERT(input_grads[i].shape() == input.shape());
         accumulate_into(grads[input.impl()], input_grads[i]);
       }
       if (--pending[input.impl()] == 0) ready.push(input);
     }
+    fn->accumulation_targets.clear();
     visited.push_back(fn);
   }
 

@@ -56,6 +56,18 @@ struct Node {
   // The i-th saved tensor, in save_for_backward order. Throws ValueError after release().
   const Tensor& saved(size_t i) const;
 
+  // Note [Accumulating into .grad]
+  // A leaf's .grad that already exists (zero_grad() without set_to_none, accumulation over
+  // micro-batches, DDP's gradient_as_bucket_view) receives its new gradient by an add. When
+  // this node's gradient is the only one input i gets in this backward, the engine offers
+  // that .grad here during apply(): a node that can compute its gradient straight into it
+  // (a GEMM with beta = 1, kernels::matmul) adds into it and returns it as input i's
+  // gradient; the engine then runs the leaf's hooks without adding again. That saves the
+  // temporary gradient and one pass over it. A node may ignore the offer and return a fresh
+  // tensor as always. Undefined when nothing is offered.
+  const Tensor& accumulation_target(size_t i) const;
+  std::vector<Tensor> accumulation_targets;  // set by the engine around apply() only
+
   std::vector<Tensor> inputs;  // the op's tensor inputs: the graph's edges
   uint64_t sequence_nr = 0;    // creation order; later nodes run first
   bool released = false;

@@ -117,3 +117,73 @@ TEST_CASE("queue_callback runs once at the end of backward, after every hook") {
   CHECK(events == std::vector<std::string>{"hook", "callback"});
   CHECK_THROWS_AS(queue_callback([] {}), ValueError);
 }
+
+namespace {
+// y = 3 w, recorded with a backward that notes whether w's .grad was offered (Note
+// [Accumulating into .grad]) and, when take is set, adds into it and returns it.
+Tensor triple_noting_offers(const Tensor& w, std::vector<bool>& offered, bool take) {
+  Tensor y = Tensor::from_vector({3 * w.to_vector()[0], 3 * w.to_vector()[1]}, w.shape());
+  return record("TripleBackward", y, {w}, {}, [&offered, take](const Node& node, const Tensor& dy) {
+    const Tensor& into = node.accumulation_target(0);
+    offered.push_back(into.defined());
+    if (take && into.defined()) {
+      Tensor grad = into;
+      {
+        NoGradGuard no_grad;
+        grad.copy_(into + dy * 3.0f);
+      }
+      return std::vector<Tensor>{grad};
+    }
+    return std::vector<Tensor>{dy * 3.0f};
+  });
+}
+}  // namespace
+
+TEST_CASE("an existing .grad is offered to the node that gives its whole gradient, and taking it adds once") {
+  for (const bool take : {true, false}) {
+    CAPTURE(take);
+    Tensor w = Tensor::from_vector({1.0f, 2.0f}).set_requires_grad(true);
+    int hooks = 0;
+    std::vector<float> seen;
+    w.register_post_accumulate_grad_hook([&](Tensor& p) {
+      ++hooks;
+      seen = p.grad().to_vector();
+    });
+    std::vector<bool> offered;
+    sum(triple_noting_offers(w, offered, take) * Tensor::from_vector({1.0f, 10.0f})).backward();
+    CHECK(offered == std::vector<bool>{false});  // no .grad yet: nothing to add into
+    const Tensor first = w.grad();
+    CHECK(first.to_vector() == std::vector<float>{3, 30});
+
+    offered.clear();
+    sum(triple_noting_offers(w, offered, take) * Tensor::from_vector({2.0f, 5.0f})).backward();
+    CHECK(offered == std::vector<bool>{true});
+    CHECK(w.grad().is_same(first));  // in place, as before
+    CHECK(w.grad().to_vector() == std::vector<float>{3 + 6, 30 + 15});
+    CHECK(hooks == 2);
+    CHECK(seen == std::vector<float>{9, 45});
+
+    // Used twice: neither use has the whole gradient, so nothing is offered; the sum is added once.
+    offered.clear();
+    sum(triple_noting_offers(w, offered, take) + triple_noting_offers(w, offered, take)).backward();
+    CHECK(offered == std::vector<bool>{false, false});
+    CHECK(w.grad().to_vector() == std::vector<float>{9 + 6, 45 + 6});
+    CHECK(hooks == 3);
+  }
+}
+
+TEST_CASE("linear's weight gradient added straight into an existing .grad: exact values") {
+  // x = [[1, 2], [3, 4]], dy = 1: dW[o][i] = sum_n x[n][i] = [4, 6] per output row; db = [2, 2].
+  Tensor w = Tensor::from_vector({0.5f, -1.0f, 2.0f, 0.25f}, {2, 2}).set_requires_grad(true);
+  Tensor b = Tensor::from_vector({0.0f, 1.0f}).set_requires_grad(true);
+  const Tensor x = Tensor::from_vector({1, 2, 3, 4}, {2, 2});
+  w.set_grad(Tensor::from_vector({100, 200, 300, 400}, {2, 2}));
+  const Tensor grad_before = w.grad();
+  sum(linear(x, w, b)).backward();
+  CHECK(w.grad().is_same(grad_before));
+  CHECK(w.grad().to_vector() == std::vector<float>{104, 206, 304, 406});
+  CHECK(b.grad().to_vector() == std::vector<float>{2, 2});
+  sum(linear(x, w, b)).backward();
+  CHECK(w.grad().to_vector() == std::vector<float>{108, 212, 308, 412});
+  CHECK(b.grad().to_vector() == std::vector<float>{4, 4});
+}
