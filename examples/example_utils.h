@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "core/device.h"
 #include "dist/init.h"
@@ -35,6 +36,15 @@ inline double peak_rss_mb() {
   rusage usage{};
   ::getrusage(RUSAGE_SELF, &usage);
   return static_cast<double>(usage.ru_maxrss) / 1024.0;
+}
+
+// The median of values (the mean of the two middle ones for an even count); NaN when empty.
+inline double median_of(std::vector<double> values) {
+  if (values.empty()) return NAN;
+  const auto middle = values.begin() + static_cast<std::ptrdiff_t>(values.size() / 2);
+  std::nth_element(values.begin(), middle, values.end());
+  if (values.size() % 2 == 1) return *middle;
+  return (*middle + *std::max_element(values.begin(), middle)) / 2;
 }
 
 // A number as JSON: finite values with enough digits to round-trip a float, else null.

@@ -348,6 +348,9 @@ int run(const Config& config) {
   nn::CrossEntropyLoss loss_fn;
 
   double train_loss = NAN, accuracy = NAN, samples_per_s = NAN;
+  // Every training step's wall time on this rank, all epochs: their median is a step's cost
+  // that a burst of other work on the machine does not move (benchmarks/run's step ratio).
+  std::vector<double> step_seconds;
   int epochs_done = first_epoch;
   bool rebuilt_plan_explained = false;
   if (first_epoch >= config.epochs) accuracy = evaluate(*model, test_loader, *pg);
@@ -361,6 +364,7 @@ int run(const Config& config) {
     std::optional<dist::ExplainWindow> explained;
     if (explain) explained.emplace(*pg);
     const auto start = std::chrono::steady_clock::now();
+    auto step_start = start;
     float lr = optimizer->lr();
     for (const data::Batch& batch : train_loader) {
       lr = optimizer->lr();
@@ -377,6 +381,9 @@ int run(const Config& config) {
       }
       ++steps;
       samples += batch.input.size(0);
+      const auto step_end = std::chrono::steady_clock::now();
+      step_seconds.push_back(std::chrono::duration<double>(step_end - step_start).count());
+      step_start = step_end;
       if (steps % kCheckEverySteps == 0 || steps == train_loader.size()) {
         const float mean_loss = loss_sum.item() / static_cast<float>(steps);
         check_finite(mean_loss, rank, epoch, steps);
@@ -437,17 +444,19 @@ int run(const Config& config) {
                           {"epochs", std::to_string(epochs_done)},
                           {"test_accuracy", examples::json_number(accuracy)}});
 
-  const std::vector<float> rss =
-      dist::all_reduce_host(*pg, std::vector<float>{static_cast<float>(examples::peak_rss_mb())}, dist::ReduceOp::Max);
+  // Peak RSS and median step time: the largest over ranks.
+  const std::vector<float> slowest_rank = dist::all_reduce_host(
+      *pg, std::vector<float>{static_cast<float>(examples::peak_rss_mb()), static_cast<float>(1e3 * examples::median_of(step_seconds))},
+      dist::ReduceOp::Max);
   if (rank == 0) {
     std::printf(
         "{\"example\":\"%s\",\"world_size\":%d,\"epochs\":%d,\"test_accuracy\":%s,\"train_loss\":%s,"
-        "\"samples_per_s\":%s,\"peak_rss_mb\":%s,\"backend\":\"%s\",\"device\":\"%s\",\"optimizer\":\"%s\","
-        "\"comm_hook\":\"%s\",\"gradient_as_bucket_view\":%s}\n",
+        "\"samples_per_s\":%s,\"step_ms_median\":%s,\"peak_rss_mb\":%s,\"backend\":\"%s\",\"device\":\"%s\","
+        "\"optimizer\":\"%s\",\"comm_hook\":\"%s\",\"gradient_as_bucket_view\":%s}\n",
         kExample, world_size, epochs_done, examples::json_number(accuracy).c_str(), examples::json_number(train_loss).c_str(),
-        examples::json_number(samples_per_s).c_str(), examples::json_number(rss[0]).c_str(),
-        pg->backend_name().c_str(), device.str().c_str(), config.optimizer.c_str(), config.comm_hook.c_str(),
-        config.gradient_as_bucket_view ? "true" : "false");
+        examples::json_number(samples_per_s).c_str(), examples::json_number(slowest_rank[1]).c_str(),
+        examples::json_number(slowest_rank[0]).c_str(), pg->backend_name().c_str(), device.str().c_str(),
+        config.optimizer.c_str(), config.comm_hook.c_str(), config.gradient_as_bucket_view ? "true" : "false");
     std::fflush(stdout);
   }
   pg->barrier()->wait();  // rank 0 serves the store: let every rank finish first

@@ -11,6 +11,7 @@
 #include "core/random.h"
 #include "data/idx.h"
 #include "dist/launch.h"
+#include "examples/example_utils.h"
 #include "nn/checkpoint.h"
 #include "nn/safetensors.h"
 #include "tests/small_fashion_mnist.h"
@@ -47,6 +48,14 @@ std::vector<std::pair<double, double>> toy_results(const RunResult& r) {
 }
 
 }  // namespace
+
+TEST_CASE("median_of: the middle value, or the mean of the two middle ones") {
+  CHECK(examples::median_of({4.0, 1.0, 3.0}) == 3.0);
+  CHECK(examples::median_of({4.0, 1.0, 3.0, 2.0}) == 2.5);
+  CHECK(examples::median_of({7.0}) == 7.0);
+  CHECK(examples::median_of({5.0, 5.0, 1.0, 9.0, 5.0, 0.5}) == 5.0);
+  CHECK(std::isnan(examples::median_of({})));
+}
 
 TEST_CASE("toy_ddp: 2 ranks end with equal parameters, equal to 1 rank with the global batch") {
   // Without shuffling, rank r of 2 takes the even or odd indices; its batch of 8 and the other
@@ -320,6 +329,9 @@ TEST_CASE("fashion_mnist --metrics: a line per progress update and per epoch tha
   CHECK(json_field(lines[3], "test_accuracy") == json_field(result[0], "test_accuracy"));
   CHECK(json_field(lines[3], "loss") == json_field(result[0], "train_loss"));
   CHECK(json_field(lines[3], "samples_per_s") == json_field(result[0], "samples_per_s"));
+  // The median step is a step of this run: longer than nothing, shorter than the whole run.
+  CHECK(json_field(result[0], "step_ms_median") > 0);
+  CHECK(json_field(result[0], "step_ms_median") <= 1000 * json_field(lines[3], "wall_s"));
 
   // An unwritable --metrics file stops the run before training, naming the file.
   const RunResult bad = run({built("examples/fashion_mnist"), "--data-dir", dir.path, "--metrics",
