@@ -60,8 +60,11 @@ void accumulate_leaf_grad(const Tensor& leaf, Tensor g) {
 
 // Note [Accumulating into .grad]: input i's .grad is offered when i is a leaf, this node is
 // its last consumer in this backward and no other consumer gave it a gradient (so this one is
-// its whole gradient), and .grad can take it in place (float32, same shape and device).
-void offer_accumulation_targets(Node& fn, const std::unordered_map<TensorImpl*, int>& pending,
+// its whole gradient), .grad can take it in place (float32, same shape and device), and
+// .grad shares no memory with what the node reads (its inputs, saved tensors, the incoming
+// gradient): writing into it must not change an operand of the same product.
+void offer_accumulation_targets(Node& fn, const Tensor& grad_output,
+                                const std::unordered_map<TensorImpl*, int>& pending,
                                 const std::unordered_map<TensorImpl*, Tensor>& grads) {
   fn.accumulation_targets.assign(fn.inputs.size(), Tensor());
   for (size_t i = 0; i < fn.inputs.size(); ++i) {
@@ -69,9 +72,13 @@ void offer_accumulation_targets(Node& fn, const std::unordered_map<TensorImpl*, 
     if (!input.defined() || !input.requires_grad() || input.grad_fn()) continue;
     if (pending.at(input.impl()) != 1 || grads.count(input.impl()) > 0) continue;
     const Tensor grad = input.grad();
-    if (grad.defined() && grad.dtype() == DType::Float32 && grad.shape() == input.shape() &&
-        grad.device() == input.device())
-      fn.accumulation_targets[i] = grad;
+    if (!grad.defined() || grad.dtype() != DType::Float32 || grad.shape() != input.shape() ||
+        grad.device() != input.device() || grad.is_alias_of(grad_output))
+      continue;
+    bool read_by_node = false;
+    for (const Tensor& operand : fn.inputs) read_by_node = read_by_node || grad.is_alias_of(operand);
+    for (const Tensor& operand : fn.saved_tensors()) read_by_node = read_by_node || grad.is_alias_of(operand);
+    if (!read_by_node) fn.accumulation_targets[i] = grad;
   }
 }
 
@@ -212,11 +219,15 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
     // A tensor whose consumers all returned no gradient still runs, with none, so that the
     // counts of the tensors it was made from reach zero.
     std::vector<Tensor> input_grads(fn->inputs.size());
+    struct ClearTargets {  // the offer ends with this node's turn, however it ends
+      Node& node;
+      ~ClearTargets() { node.accumulation_targets.clear(); }
+    } clear_targets{*fn};
     if (g.defined()) {
       trace::Span span(trace::Lane::Compute, fn->name());
       if (span.active()) span.set_args(trace_shapes({&g}));
       NoGradGuard no_grad;  // backward formulas are not themselves recorded
-      offer_accumulation_targets(*fn, pending, grads);
+      offer_accumulation_targets(*fn, g, pending, grads);
       input_grads = fn->apply(g);
     }
     NANODDP_ASSERT(input_grads.size() == fn->inputs.size());
@@ -232,7 +243,6 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
       }
       if (--pending[input.impl()] == 0) ready.push(input);
     }
-    fn->accumulation_targets.clear();
     visited.push_back(fn);
   }
 

@@ -55,6 +55,7 @@ struct Node {
   }
   // The i-th saved tensor, in save_for_backward order. Throws ValueError after release().
   const Tensor& saved(size_t i) const;
+  const std::vector<Tensor>& saved_tensors() const { return saved_; }
 
   // Note [Accumulating into .grad]
   // A leaf's .grad that already exists (zero_grad() without set_to_none, accumulation over
@@ -64,7 +65,13 @@ struct Node {
   // (a GEMM with beta = 1, kernels::matmul) adds into it and returns it as input i's
   // gradient; the engine then runs the leaf's hooks without adding again. That saves the
   // temporary gradient and one pass over it. A node may ignore the offer and return a fresh
-  // tensor as always. Undefined when nothing is offered.
+  // tensor as always. Undefined when nothing is offered, and never a tensor that shares
+  // memory with the node's inputs, saved tensors or incoming gradient (a node that takes the
+  // offer reads nothing else). A node that takes it writes .grad last, after every step of
+  // apply() that can throw, so a failed backward leaves .grad as it was. The sum is
+  // .grad + (this gradient), rounded as the GEMM accumulates: bit for bit a temporary then
+  // an add when .grad is zero or the GEMM's inner dimension fits one Eigen block (on the
+  // CPU: same bits for batches of 64 and 256 rows, not for 300), within rounding otherwise.
   const Tensor& accumulation_target(size_t i) const;
   std::vector<Tensor> accumulation_targets;  // set by the engine around apply() only
 

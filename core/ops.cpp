@@ -114,13 +114,13 @@ struct LinearBackward : Node {
       NANODDP_DISPATCH(input.device(), matmul, ptr(dinput), ptr(dout), ptr(weight), N, out_features, in_features,
                        false, false, 0.0f);
     }
-    if (weight.requires_grad()) {  // dweight = dout^T · input, added into .grad when offered
+    if (bias.defined() && bias.requires_grad()) dbias = column_sum(dout, out_features);
+    if (weight.requires_grad()) {  // dweight = dout^T · input, added into .grad when offered, last
       const Tensor& into = accumulation_target(1);  // Note [Accumulating into .grad]
       dweight = into.defined() ? into : empty_like(weight);
       NANODDP_DISPATCH(input.device(), matmul, ptr(dweight), ptr(dout), ptr(input), out_features, N, in_features,
                        true, false, into.defined() ? 1.0f : 0.0f);
     }
-    if (bias.defined() && bias.requires_grad()) dbias = column_sum(dout, out_features);
     return {dinput, dweight, dbias};
   }
   const char* name() const override { return "LinearBackward"; }

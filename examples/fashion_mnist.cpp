@@ -350,6 +350,7 @@ int run(const Config& config) {
   double train_loss = NAN, accuracy = NAN, samples_per_s = NAN;
   // Every training step's wall time on this rank, all epochs: their median is a step's cost
   // that a burst of other work on the machine does not move (benchmarks/run's step ratio).
+  // On a GPU, where a step does not wait for its kernels, it is the host's time per step.
   std::vector<double> step_seconds;
   int epochs_done = first_epoch;
   bool rebuilt_plan_explained = false;
@@ -381,9 +382,6 @@ int run(const Config& config) {
       }
       ++steps;
       samples += batch.input.size(0);
-      const auto step_end = std::chrono::steady_clock::now();
-      step_seconds.push_back(std::chrono::duration<double>(step_end - step_start).count());
-      step_start = step_end;
       if (steps % kCheckEverySteps == 0 || steps == train_loader.size()) {
         const float mean_loss = loss_sum.item() / static_cast<float>(steps);
         check_finite(mean_loss, rank, epoch, steps);
@@ -401,6 +399,10 @@ int run(const Config& config) {
           metrics.write(record);
         }
       }
+      // From the end of the previous step: the batch's loading and every sync in this one.
+      const auto step_end = std::chrono::steady_clock::now();
+      step_seconds.push_back(std::chrono::duration<double>(step_end - step_start).count());
+      step_start = step_end;
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (explained && rank == 0 && steps > 0)

@@ -186,4 +186,19 @@ TEST_CASE("linear's weight gradient added straight into an existing .grad: exact
   sum(linear(x, w, b)).backward();
   CHECK(w.grad().to_vector() == std::vector<float>{108, 212, 308, 412});
   CHECK(b.grad().to_vector() == std::vector<float>{4, 4});
+
+  // A .grad that is the layer's own input is not written while the product reads it: the
+  // gradient is computed from x as it was, then added (PyTorch gives the same).
+  Tensor v = Tensor::from_vector({1, 0, 0, 1}, {2, 2}).set_requires_grad(true);
+  Tensor x2 = Tensor::from_vector({1, 2, 3, 4}, {2, 2});
+  v.set_grad(x2);
+  sum(linear(x2, v, Tensor())).backward();  // dV = ones^T x2 = [[4, 6], [4, 6]]
+  CHECK(v.grad().is_same(x2));
+  CHECK(x2.to_vector() == std::vector<float>{5, 8, 7, 10});
+  // Nor when .grad is the incoming gradient.
+  Tensor u = Tensor::from_vector({2}, {1, 1}).set_requires_grad(true);
+  Tensor seed = Tensor::from_vector({3}, {1, 1});
+  u.set_grad(seed);
+  linear(Tensor::from_vector({5}, {1, 1}), u, Tensor()).backward(seed);  // dU = seed^T [5] = 15
+  CHECK(seed.item() == 18.0f);
 }
