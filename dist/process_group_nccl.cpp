@@ -105,9 +105,11 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include "kernels/cuda/nan_ordered.h"
@@ -141,11 +143,14 @@ AsyncState async_state(ncclResult_t result) {
 // every communicator in this process runs under one mutex, held for that single call (or one
 // whole group, start to end), never across a sleep between polls; in non-blocking mode
 // (Note [NCCL non-blocking]) no call waits on a peer, so the mutex is held briefly. It also
-// orders ncclCommAbort against a poll on another thread: the handle is never used after the
-// abort freed it. PyTorch's NCCLComm serialises the same calls with a mutex of its own.
+// orders ncclCommAbort against a poll on another thread: the communicator is marked aborted
+// (or closed) under the mutex, so no call uses the handle after that, and ncclCommAbort /
+// ncclCommDestroy themselves run outside it, because freeing a communicator can wait for the
+// device, hence for a kernel of the other communicator that only another thread's abort would
+// stop. PyTorch's NCCLComm serialises the same calls with a mutex of its own.
 std::mutex& nccl_call_mutex() {
-  static std::mutex mutex;
-  return mutex;
+  static std::mutex* mutex = new std::mutex;  // never destroyed: Works may close after static destructors
+  return *mutex;
 }
 
 // An NCCL communicator (RAII): finalized and destroyed, or aborted (Note [NCCL shutdown]).
@@ -188,19 +193,30 @@ class NcclComm : public detail::AsyncComm {
       abort();
       return;
     }
-    std::lock_guard<std::mutex> lock(nccl_call_mutex());
-    if (aborted_.load() || closed_) return;
-    const ncclResult_t result = ncclCommDestroy(comm_);
+    ncclComm_t comm = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(nccl_call_mutex());
+      if (aborted_.load() || closed_) return;
+      closed_ = true;  // from here no call() touches comm_
+      comm = comm_;
+    }
+    // Outside the mutex: freeing the communicator's memory can wait for the device, i.e. for a
+    // kernel of the other communicator that only an abort on another thread (which needs the
+    // mutex) would stop.
+    const ncclResult_t result = ncclCommDestroy(comm);
     if (result != ncclSuccess)
       std::fprintf(stderr, "nanoddp: ncclCommDestroy failed: %s\n", ncclGetErrorString(result));
-    closed_ = true;
   }
 
   void abort() override {
-    std::lock_guard<std::mutex> lock(nccl_call_mutex());
-    if (aborted_.load() || closed_) return;
-    ncclCommAbort(comm_);
-    aborted_.store(true);
+    ncclComm_t comm = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(nccl_call_mutex());
+      if (aborted_.load() || closed_) return;
+      aborted_.store(true);  // from here no call() touches comm_
+      comm = comm_;
+    }
+    ncclCommAbort(comm);  // outside the mutex, as ncclCommDestroy in close()
   }
   bool aborted() const override { return aborted_.load(); }
   // Done once closed: finalizing completed every call.
@@ -300,8 +316,8 @@ void finish_after_error(const NcclLane& lane, const std::string& what, std::vect
   std::fprintf(stderr, "nanoddp: %s failed, and its stream %s; its tensors are kept until exit\n", what.c_str(),
                stream_state.c_str());
   static auto* kept = new std::vector<Tensor>();  // leaked on purpose: see above
-  static std::mutex kept_mutex;
-  std::lock_guard<std::mutex> lock(kept_mutex);
+  static auto* kept_mutex = new std::mutex();
+  std::lock_guard<std::mutex> lock(*kept_mutex);
   kept->insert(kept->end(), keep.begin(), keep.end());
 }
 
@@ -627,7 +643,13 @@ class ProcessGroupNccl : public ProcessGroup {
                     bytes.size(), " bytes, expected ", sizeof(id));
       std::memcpy(&id, bytes.data(), sizeof(id));
     }
-    // Step 3: a non-blocking init we can time out (Note [NCCL non-blocking]).
+    // Step 3: a non-blocking init we can time out (Note [NCCL non-blocking]). NCCL lets the
+    // environment override config.blocking; blocking calls would wait for peers with no timeout.
+    const char* blocking = std::getenv("NCCL_COMM_BLOCKING");
+    NANODDP_CHECK(blocking == nullptr || std::string(blocking) == "0", DistError, what, ": NCCL_COMM_BLOCKING=",
+                  blocking == nullptr ? "" : blocking,
+                  " would make NCCL calls wait for the peers without a timeout; unset it (this group polls "
+                  "non-blocking communicators and times them out)");
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t raw = nullptr;

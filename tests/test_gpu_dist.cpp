@@ -17,6 +17,7 @@
 #include "dist/ddp.h"
 #include "dist/host_collectives.h"
 #include "dist/init.h"
+#include "dist/store.h"
 #include "dist/sync_batch_norm.h"
 #include "dist/zero_redundancy_optimizer.h"
 #include "kernels/device_memory.h"
@@ -198,6 +199,31 @@ TEST_CASE("NCCL collectives on a CUDA tensor, world size 1: exact values") {
   // Point-to-point needs another rank; a tag NCCL cannot honour is refused, not ignored.
   CHECK_THROWS_AS(pg->send(b, 0), ValueError);
   CHECK_THROWS_AS(pg->recv(b, 0, 0), ValueError);
+}
+
+TEST_CASE("NCCL refuses NCCL_COMM_BLOCKING=1, which would make its waits untimed") {
+  if (in_launched_rank()) return;
+#if !NANODDP_WITH_NCCL
+  testing::not_in_this_build("NCCL");
+  return;
+#endif
+  dist::TCPStoreOptions store_options;
+  store_options.host = "127.0.0.1";
+  store_options.port = 0;
+  store_options.is_server = true;
+  store_options.world_size = 1;
+  auto store = std::make_shared<dist::TCPStore>(store_options);
+  ::setenv("NCCL_COMM_BLOCKING", "1", 1);
+  dist::NcclOptions options;
+  options.device = Device::cuda(0);
+  std::string message;
+  try {
+    dist::make_nccl_process_group(store, options);
+  } catch (const DistError& e) {
+    message = e.what();
+  }
+  ::unsetenv("NCCL_COMM_BLOCKING");
+  CHECK_MESSAGE(message.find("NCCL_COMM_BLOCKING=1") != std::string::npos, message);
 }
 
 TEST_CASE("DDP on a GPU (NCCL, world size 1) trains like the same model on the CPU") {
