@@ -6,12 +6,14 @@
 //   auto norm = std::make_shared<dist::SyncBatchNorm>(64, pg);   // or build one directly
 //
 // Note [SyncBatchNorm] The algorithm, per layer and training step:
-//   forward  1. each rank sums x and x^2 per channel (in double, rounded to float32) and counts
-//               its values M_r = N_r * L: [2 C + 1] floats;
-//            2. one all_reduce(sum) of them;
-//            3. mean = sum x / M, var = sum x^2 / M - mean^2 (biased, to normalise; the running
-//               var takes M / (M - 1) of it), M = sum of M_r: every rank normalises with the
-//               same statistics, and its running statistics get the same update.
+//   forward  1. each rank takes its own mean_r and biased var_r per channel (two passes in
+//               double) and counts its values M_r = N_r * L;
+//            2. all_reduce(sum) of [M_r mean_r, M_r] ([C + 1] floats): M = sum of M_r and
+//               mean = sum of M_r mean_r / M;
+//            3. all_reduce(sum) of M_r var_r + M_r (mean_r - mean)^2 ([C] floats): var = that / M
+//               (biased, to normalise; the running var takes M / (M - 1) of it). Every rank
+//               normalises with the same statistics, and its running statistics get the same
+//               update (Note [SyncBatchNorm statistics] in nn/batch_norm.cpp);
 //   backward 4. each rank sums dy and dy * xhat per channel: [2 C] floats;
 //            5. one all_reduce(sum) of them; dx uses the totals and M, so it is the gradient
 //               of the sum of every rank's loss. The weight and bias gradients stay this rank's
@@ -21,12 +23,12 @@
 //
 // Contract: every rank runs forward and backward of each SyncBatchNorm in the same order (they
 // are collectives); a rank may hold 0 samples, but all ranks together need more than 1 value
-// per channel. Cost: two all-reduces of ~2 C floats per layer per step, in forward and inside
-// backward, where they cannot overlap with compute: latency-bound (Gloo: ~ms each).
-// Precision: sum x^2 / M - mean^2 cancels when |mean| >> std; with float32 sums the variance
-// keeps about 7 - 2 log10(|mean| / std) significant digits. PyTorch all-gathers each rank's
-// mean and invstd and merges them (Welford), which does not cancel; we follow the simpler sums
-// because a BatchNorm's input is usually near zero mean (it follows a Linear or a norm).
+// per channel. Cost: three all-reduces of at most 2 C + 1 floats per layer per step, two in
+// forward and one inside backward, where they cannot overlap with compute: latency-bound
+// (Gloo: ~ms each). PyTorch does one all_gather of every rank's mean, invstd and count in
+// forward instead of two all-reduces; the merge is the same in spirit, and neither cancels
+// when |mean| >> std (sum x^2 / M - mean^2 from float32 sums, what this did before, kept
+// about 7 - 2 log10(|mean| / std) digits of the variance).
 // Differences from PyTorch: CPU tensors work too (PyTorch's needs CUDA), and
 // convert_sync_batchnorm converts in place (same Module objects and parameter handles, so an
 // optimizer built before still works) instead of returning a new module tree.

@@ -1,6 +1,9 @@
 // BatchNorm: forward, then backward right below, then the Module.
 #include "nn/batch_norm.h"
 
+#include <cmath>
+#include <vector>
+
 #include "core/autograd.h"
 #include "core/op_helpers.h"
 #include "kernels/kernels.h"
@@ -11,12 +14,6 @@ namespace nanoddp {
 // (L = 1 for a 2-d input); every other array is per channel, [C], unless said otherwise.
 // mean[c] and the biased var[c] over the N * L values of channel c, two passes in double. WRITES.
 NANODDP_DECLARE_KERNEL(batch_norm_stats, float* mean, float* var, const float* in, int64_t N, int64_t C, int64_t L)
-// sums [2 C + 1]: sums[c] = sum of x, sums[C + c] = sum of x^2 (in double, then rounded),
-// sums[2 C] = N * L: what SyncBatchNorm all-reduces. WRITES.
-NANODDP_DECLARE_KERNEL(batch_norm_sums, float* sums, const float* in, int64_t N, int64_t C, int64_t L)
-// From all-reduced sums: mean = sum / count, var = max(sum of squares / count - mean^2, 0). WRITES.
-NANODDP_DECLARE_KERNEL(batch_norm_stats_from_sums, float* mean, float* var, const float* sums, int64_t C,
-                       double count)
 // invstd = 1 / sqrt(var + eps). WRITES.
 NANODDP_DECLARE_KERNEL(batch_norm_invstd, float* invstd, const float* var, int64_t C, float eps)
 // running_mean = (1 - momentum) running_mean + momentum mean; running_var the same with
@@ -42,6 +39,52 @@ NANODDP_DECLARE_KERNEL(batch_norm_backward, float* din, float* dweight, float* d
 
 namespace {
 float* ptr_or_null(const Tensor& t) { return t.defined() ? ptr(t) : nullptr; }
+
+// Note [SyncBatchNorm statistics]: every process's batch together. Each process takes its own
+// mean and biased variance (batch_norm_stats: two passes in double), and two all-reduces of
+// sums merge them (Chan, Golub and LeVeque's parallel variance):
+//   1. [M_r mean_r (C values), M_r]             -> M, and mean = sum of M_r mean_r / M;
+//   2. [M_r var_r + M_r (mean_r - mean)^2 (C)]  -> M2, and var = M2 / M.
+// Every term of step 2 is >= 0, so nothing cancels: sum x^2 / M - mean^2 from float32 sums
+// lost every digit of the variance once |mean| / std passed ~3000 (PyTorch merges each rank's
+// mean and invstd in the same spirit, after one all_gather). A process with no values sends
+// zeros. Returns M; mean and var are written on the input's device.
+double synced_batch_stats(const Tensor& input, int64_t N, int64_t C, int64_t L, BatchStatsAllReduce& all_reduce,
+                          Tensor& mean, Tensor& var) {
+  const Device device = input.device();
+  const double local_count = static_cast<double>(N * L);
+  std::vector<float> local_mean(static_cast<size_t>(C), 0.0f), local_var(static_cast<size_t>(C), 0.0f);
+  if (local_count > 0) {
+    NANODDP_DISPATCH(device, batch_norm_stats, ptr(mean), ptr(var), ptr(input), N, C, L);
+    local_mean = mean.to_vector();
+    local_var = var.to_vector();
+  }
+  std::vector<float> first(static_cast<size_t>(C) + 1);
+  for (int64_t c = 0; c < C; ++c) first[c] = static_cast<float>(local_count * local_mean[c]);
+  first[C] = static_cast<float>(local_count);
+  Tensor sums = Tensor::from_vector(first).to(device);
+  all_reduce.all_reduce_sum(sums);
+  const std::vector<float> totals = sums.to_vector();
+  const double count = totals[C];
+  std::vector<double> global_mean(static_cast<size_t>(C));
+  std::vector<float> second(static_cast<size_t>(C));
+  for (int64_t c = 0; c < C; ++c) {
+    global_mean[c] = count > 0 ? totals[c] / count : NAN;
+    const double apart = local_mean[c] - global_mean[c];
+    second[c] = static_cast<float>(local_count * local_var[c] + (local_count > 0 ? local_count * apart * apart : 0.0));
+  }
+  Tensor squares = Tensor::from_vector(second).to(device);
+  all_reduce.all_reduce_sum(squares);
+  const std::vector<float> m2 = squares.to_vector();
+  std::vector<float> mean_values(static_cast<size_t>(C)), var_values(static_cast<size_t>(C));
+  for (int64_t c = 0; c < C; ++c) {
+    mean_values[c] = static_cast<float>(global_mean[c]);
+    var_values[c] = static_cast<float>(count > 0 ? m2[c] / count : NAN);
+  }
+  mean = Tensor::from_vector(mean_values).to(device);
+  var = Tensor::from_vector(var_values).to(device);
+  return count;
+}
 
 void check_channels(const Tensor& input, const Tensor& t, const char* what, int64_t C) {
   if (!t.defined()) return;
@@ -75,11 +118,7 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
     mean = Tensor::empty({C}, DType::Float32, device);
     var = Tensor::empty({C}, DType::Float32, device);
     if (all_reduce) {
-      Tensor sums = Tensor::empty({2 * C + 1}, DType::Float32, device);
-      NANODDP_DISPATCH(device, batch_norm_sums, ptr(sums), ptr(input), N, C, L);
-      all_reduce->all_reduce_sum(sums);
-      count = sums.to(Device::cpu()).data<float>()[2 * C];
-      NANODDP_DISPATCH(device, batch_norm_stats_from_sums, ptr(mean), ptr(var), ptr(sums), C, count);
+      count = synced_batch_stats(input, N, C, L, *all_reduce, mean, var);
     } else {
       count = static_cast<double>(N * L);
       NANODDP_DISPATCH(device, batch_norm_stats, ptr(mean), ptr(var), ptr(input), N, C, L);

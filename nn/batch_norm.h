@@ -27,7 +27,8 @@ class BatchStatsAllReduce {
  public:
   virtual ~BatchStatsAllReduce() = default;
   // Sums t (float32, any device) over every process, in place. Every process calls it in the
-  // same order: once per training forward ([2 C + 1] floats) and once per backward ([2 C]).
+  // same order: twice per training forward ([C + 1] floats, then [C]) and once per backward
+  // ([2 C]).
   virtual void all_reduce_sum(Tensor& t) = 0;
 };
 
@@ -38,10 +39,10 @@ class BatchStatsAllReduce {
 //     running_var are defined they are updated in place, not recorded by autograd:
 //     running = (1 - momentum) running + momentum batch, with the unbiased var (M / (M - 1)).
 //   !training: mean and var are running_mean and running_var (both must be defined).
-//   all_reduce (training only): the batch is every process's batch together: the per-channel
-//     sum, sum of squares and count are all-reduced in forward, the two gradient sums in
-//     backward (torch.nn.SyncBatchNorm). var = E[x^2] - mean^2 then loses digits when
-//     |mean| >> std (float32 sums): see dist/sync_batch_norm.h.
+//   all_reduce (training only): the batch is every process's batch together: each process's
+//     mean and variance are merged in forward (two all-reduces, Note [SyncBatchNorm
+//     statistics] in batch_norm.cpp: no cancellation however large |mean| / std), the two
+//     gradient sums in backward (torch.nn.SyncBatchNorm).
 // NaN or inf in a channel makes that channel NaN in training (its mean is NaN); in eval only
 // the element itself. Errors: ShapeError for another input rank or a [C] tensor of another
 // shape; ValueError for training with one value per channel (M = 1, as PyTorch), for eval

@@ -765,6 +765,14 @@ TEST_CASE("per-rank BatchNorm1d and SyncBatchNorm on the same data: the statisti
     model->add(std::make_shared<nn::BatchNorm1d>(1));
     dist::convert_sync_batchnorm(model, pg);
     expect_close((*model)(x).to_vector(), {a / d, (a + 2) / d}, "converted y", rank);
+    // The same data shifted by 2^16: the statistics move by the shift only. Merging the ranks'
+    // own means and variances keeps var = 5 exactly; sum x^2 / M - mean^2 from float32 sums
+    // (x^2 ~ 4.3e9, one float step 512) did not keep a digit of it.
+    const Tensor shifted = Tensor::from_vector({65536 + first, 65536 + first + 2}, {2, 1});
+    dist::SyncBatchNorm far(1, pg);
+    expect_close(far(shifted).to_vector(), {a / d, (a + 2) / d}, "shifted SyncBatchNorm y", rank);
+    expect_close(far.running_mean.to_vector(), {0.1 * 65540}, "shifted SyncBatchNorm running_mean", rank);
+    expect_close(far.running_var.to_vector(), {0.9 + 0.1 * 20.0 / 3}, "shifted SyncBatchNorm running_var", rank);
     testing::leave();
   });
   CHECK_MESSAGE(failures.empty(), failures);

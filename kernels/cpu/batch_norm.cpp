@@ -63,29 +63,6 @@ void batch_norm_stats(float* mean, float* var, const float* in, int64_t N, int64
   }
 }
 
-void batch_norm_sums(float* sums, const float* in, int64_t N, int64_t C, int64_t L) {
-  Doubles sum(C, 0.0), squares(C, 0.0);
-  for (int64_t n = 0; n < N; ++n) {
-    const float* x = in + n * C * L;
-    add_row_sums(sum.data(), C, L, [x](int64_t, int64_t i) { return double(x[i]); });
-    add_row_sums(squares.data(), C, L, [x](int64_t, int64_t i) { return double(x[i]) * double(x[i]); });
-  }
-  for (int64_t c = 0; c < C; ++c) {
-    sums[c] = static_cast<float>(sum[c]);
-    sums[C + c] = static_cast<float>(squares[c]);
-  }
-  sums[2 * C] = static_cast<float>(N * L);
-}
-
-void batch_norm_stats_from_sums(float* mean, float* var, const float* sums, int64_t C, double count) {
-  for (int64_t c = 0; c < C; ++c) {
-    const double m = sums[c] / count;
-    const double v = sums[C + c] / count - m * m;
-    mean[c] = static_cast<float>(m);
-    var[c] = static_cast<float>(std::isnan(v) ? v : std::max(v, 0.0));  // rounding can dip below 0
-  }
-}
-
 void batch_norm_invstd(float* invstd, const float* var, int64_t C, float eps) {
   for (int64_t c = 0; c < C; ++c) invstd[c] = static_cast<float>(1.0 / std::sqrt(double(var[c]) + eps));
 }

@@ -42,39 +42,6 @@ void batch_norm_stats(float* mean, float* var, const float* in, int64_t N, int64
   NANODDP_CUDA_CHECK_LAUNCH("batch_norm_stats_kernel");
 }
 
-__global__ void batch_norm_sums_kernel(float* sums, const float* in, int64_t N, int64_t C, int64_t L) {
-  const int64_t c = blockIdx.x;
-  const double s = channel_block_sum(N, C, L, c, [&](int64_t i) { return double(in[i]); });
-  const double s2 = channel_block_sum(N, C, L, c, [&](int64_t i) { return double(in[i]) * in[i]; });
-  if (threadIdx.x == 0) {
-    sums[c] = static_cast<float>(s);
-    sums[C + c] = static_cast<float>(s2);
-    if (c == 0) sums[2 * C] = static_cast<float>(N * L);
-  }
-}
-
-void batch_norm_sums(float* sums, const float* in, int64_t N, int64_t C, int64_t L) {
-  if (C <= 0) return;
-  batch_norm_sums_kernel<<<channel_blocks(C), kBlock, 0, stream()>>>(sums, in, N, C, L);
-  NANODDP_CUDA_CHECK_LAUNCH("batch_norm_sums_kernel");
-}
-
-__global__ void batch_norm_stats_from_sums_kernel(float* mean, float* var, const float* sums, int64_t C,
-                                                  double count) {
-  for (int64_t c = first_index(); c < C; c += grid_stride()) {
-    const double m = sums[c] / count;
-    const double v = sums[C + c] / count - m * m;
-    mean[c] = static_cast<float>(m);
-    var[c] = static_cast<float>(isnan(v) ? v : fmax(v, 0.0));  // rounding can dip below 0
-  }
-}
-
-void batch_norm_stats_from_sums(float* mean, float* var, const float* sums, int64_t C, double count) {
-  if (C <= 0) return;
-  batch_norm_stats_from_sums_kernel<<<grid_for(C), kBlock, 0, stream()>>>(mean, var, sums, C, count);
-  NANODDP_CUDA_CHECK_LAUNCH("batch_norm_stats_from_sums_kernel");
-}
-
 __global__ void batch_norm_invstd_kernel(float* invstd, const float* var, int64_t C, float eps) {
   for (int64_t c = first_index(); c < C; c += grid_stride())
     invstd[c] = static_cast<float>(1.0 / sqrt(double(var[c]) + eps));
