@@ -773,6 +773,14 @@ TEST_CASE("per-rank BatchNorm1d and SyncBatchNorm on the same data: the statisti
     expect_close(far(shifted).to_vector(), {a / d, (a + 2) / d}, "shifted SyncBatchNorm y", rank);
     expect_close(far.running_mean.to_vector(), {0.1 * 65540}, "shifted SyncBatchNorm running_mean", rank);
     expect_close(far.running_var.to_vector(), {0.9 + 0.1 * 20.0 / 3}, "shifted SyncBatchNorm running_var", rank);
+    // Rank 1 with no rows at all: the statistics are rank 0's {1, 3} (mean 2, biased var 1).
+    dist::SyncBatchNorm uneven(1, pg);
+    const Tensor rows = rank == 0 ? Tensor::from_vector({1.0f, 3.0f}, {2, 1}) : Tensor::zeros({0, 1});
+    const std::vector<double> want_rows =
+        rank == 0 ? std::vector<double>{-1 / std::sqrt(1 + e), 1 / std::sqrt(1 + e)} : std::vector<double>{};
+    expect_close(uneven(rows).to_vector(), want_rows, "SyncBatchNorm y with an empty rank", rank);
+    expect_close(uneven.running_mean.to_vector(), {0.2}, "SyncBatchNorm running_mean with an empty rank", rank);
+    expect_close(uneven.running_var.to_vector(), {0.9 + 0.1 * 2}, "SyncBatchNorm running_var with an empty rank", rank);
     testing::leave();
   });
   CHECK_MESSAGE(failures.empty(), failures);
