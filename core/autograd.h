@@ -56,6 +56,9 @@ struct Node {
   // The i-th saved tensor, in save_for_backward order. Throws ValueError after release().
   const Tensor& saved(size_t i) const;
   const std::vector<Tensor>& saved_tensors() const { return saved_; }
+  // Whether input i wants a gradient: defined and requiring grad (torch's
+  // ctx.needs_input_grad[i]). A backward may skip computing the others.
+  bool needs_input_grad(size_t i) const { return i < inputs.size() && inputs[i].defined() && inputs[i].requires_grad(); }
 
   // Note [Accumulating into .grad]
   // A leaf's .grad that already exists (zero_grad() without set_to_none, accumulation over

@@ -149,10 +149,9 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
     const Tensor& w = node.saved(1);
     const Tensor& mean = node.saved(2);
     const Tensor& invstd = node.saved(3);
-    auto wanted = [&](size_t i) { return node.inputs[i].defined() && node.inputs[i].requires_grad(); };
-    Tensor dx = wanted(0) ? empty_like(x) : Tensor();
-    Tensor dw = wanted(1) ? empty_like(node.inputs[1]) : Tensor();
-    Tensor db = wanted(2) ? empty_like(node.inputs[2]) : Tensor();
+    Tensor dx = node.needs_input_grad(0) ? empty_like(x) : Tensor();
+    Tensor dw = node.needs_input_grad(1) ? empty_like(node.inputs[1]) : Tensor();
+    Tensor db = node.needs_input_grad(2) ? empty_like(node.inputs[2]) : Tensor();
     Tensor local = Tensor::empty({2 * C}, DType::Float32, x.device());
     NANODDP_DISPATCH(x.device(), batch_norm_backward_reduce, ptr(local), ptr(dout), ptr(x), ptr(mean), ptr(invstd), N,
                      C, L);

@@ -55,10 +55,9 @@ Tensor layer_norm(const Tensor& input, const std::vector<int64_t>& normalized_sh
     const Tensor& w = node.saved(1);
     const Tensor& mean = node.saved(2);
     const Tensor& rstd = node.saved(3);
-    auto wanted = [&](size_t i) { return node.inputs[i].defined() && node.inputs[i].requires_grad(); };
-    Tensor dx = wanted(0) ? empty_like(x) : Tensor();
-    Tensor dw = wanted(1) ? empty_like(node.inputs[1]) : Tensor();
-    Tensor db = wanted(2) ? empty_like(node.inputs[2]) : Tensor();
+    Tensor dx = node.needs_input_grad(0) ? empty_like(x) : Tensor();
+    Tensor dw = node.needs_input_grad(1) ? empty_like(node.inputs[1]) : Tensor();
+    Tensor db = node.needs_input_grad(2) ? empty_like(node.inputs[2]) : Tensor();
     NANODDP_DISPATCH(x.device(), layer_norm_backward, ptr_or_null(dx), ptr_or_null(dw), ptr_or_null(db), ptr(dout),
                      ptr(x), ptr(mean), ptr(rstd), ptr_or_null(w), N, D);
     return std::vector<Tensor>{dx, dw, db};
