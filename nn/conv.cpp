@@ -1,4 +1,5 @@
-// Conv2d and MaxPool2d: forward, then backward right below; the convolution as one GEMM per batch.
+// Conv2d and MaxPool2d: forward, then backward right below; the convolution as im2col + GEMM per
+// image on the CPU, per batch on CUDA (Note [Images per GEMM]).
 #include "nn/conv.h"
 
 #include <algorithm>
@@ -68,17 +69,23 @@ Window2d make_window(const char* op, const Tensor& input, Size2 kernel, Size2 st
   return w;
 }
 
-// Images per chunk of an unsaved im2col (the batch N when one chunk holds them all): as many
-// as fit in kMaxUnsavedColsBytes, and a multiple of 48 columns. Our row-major out^T is Eigen's
-// column-major out, so Eigen's GEMM takes our columns as its rows, in panels of 3 packets (24
-// floats with AVX, 48 with AVX-512) and the remainder in smaller panels whose accumulation
-// rounds differently; chunks that start on a multiple of 48 put every column in the kind of
-// panel one GEMM over the batch would, so the output is the same bit for bit (tests/test_ops.cpp
-// checks it). Images of fewer than 32 output positions are not chunked: a last chunk that small
-// could take Eigen's matrix-vector or small-product path instead.
+// Note [Images per GEMM]
+// conv2d runs im2col and the GEMM per group of images. On the CPU a group is one image: its
+// cols [C kh kw, OH OW] are still in cache when the GEMM reads them, its output [OC, OH OW] is
+// already the image's NCHW plane (no reordering pass, no zeroing of a batch-sized buffer), and
+// in backward its dcols are still in cache for col2im. On CUDA a group is the batch (small
+// GEMMs would leave the GPU idle) or, when cols are not kept for backward, a chunk of images
+// whose cols take about kMaxUnsavedColsBytes: a 1000-image test batch of the example's second
+// convolution would otherwise need 139 MB of cols. Chunks start on a multiple of 48 columns,
+// so that a GEMM that splits its columns into panels of up to 48 gives every column the panel,
+// and so the rounding, it gets in one GEMM over the batch; images of fewer than 32 positions
+// are not chunked (a last chunk that small could take a matrix-vector path). On the CPU the
+// grouping is the same with or without a graph: tests/test_ops.cpp checks that a no_grad call
+// equals one that records a graph, bit for bit.
 constexpr int64_t kMaxUnsavedColsBytes = 16 << 20;
-int64_t images_per_chunk(int64_t N, int64_t CKK, int64_t OHW) {
-  if (OHW < 32) return N;
+int64_t images_per_gemm(Device device, bool keeps_cols, int64_t N, int64_t CKK, int64_t OHW) {
+  if (!device.is_cuda()) return 1;
+  if (keeps_cols || OHW < 32) return N;
   const int64_t align = 48 / std::gcd<int64_t>(OHW, 48);  // images per 48-column boundary
   const int64_t fit = kMaxUnsavedColsBytes / (CKK * OHW * int64_t{sizeof(float)});
   return std::min(N, std::max(align, fit / align * align));
@@ -104,47 +111,66 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
     NANODDP_CHECK(bias.dim() == 1 && bias.size(0) == OC, ShapeError, "conv2d: bias ", bias.shape(),
                   " does not fit weight ", weight.shape(), " (expected [", OC, "])");
   }
-  // One GEMM for the batch: out^T [OC, N OH OW] = weight [OC, C kh kw] · cols [C kh kw, N OH OW].
-  // When no graph is recorded (evaluation under no_grad) cols is not kept, so the batch goes
-  // through in chunks of images whose cols stay near kMaxUnsavedColsBytes: a 1000-image test
-  // batch of the example's second convolution would otherwise need 139 MB of cols. The result
-  // is the same bit for bit (see images_per_chunk).
-  const int64_t CKK = g.channels * g.kernel_h * g.kernel_w, OHW = g.out_h * g.out_w, NOHW = N * OHW;
+  // Per group of n images (Note [Images per GEMM]): out^T [OC, n OH OW] = weight [OC, C kh kw]
+  // · cols [C kh kw, n OH OW], reordered to [n, OC, OH, OW] (which for n == 1 it already is).
+  const int64_t CKK = g.channels * g.kernel_h * g.kernel_w, OHW = g.out_h * g.out_w;
   const bool keeps_graph = is_grad_enabled() && (input.requires_grad() || weight.requires_grad() ||
                                                  (bias.defined() && bias.requires_grad()));
-  const int64_t chunk = keeps_graph ? N : images_per_chunk(N, CKK, OHW);
-  const int64_t image_size = g.channels * g.height * g.width;
   const Device device = input.device();
-  Tensor cols = Tensor::empty({CKK, chunk * OHW}, DType::Float32, device);
-  Tensor out_t = Tensor::empty({OC, chunk * OHW}, DType::Float32, device);
+  const int64_t group = images_per_gemm(device, keeps_graph, N, CKK, OHW);
+  const int64_t image_size = g.channels * g.height * g.width;
+  // Kept for backward: every image's cols, [N / group groups of [C kh kw, group OH OW]] (for
+  // group == N the layout of cols [C kh kw, N OH OW]); otherwise one group's.
+  Tensor cols = Tensor::empty({keeps_graph ? N * CKK * OHW : group * CKK * OHW}, DType::Float32, device);
+  Tensor out_t = group > 1 ? Tensor::empty({OC, group * OHW}, DType::Float32, device) : Tensor();
   Tensor out = Tensor::empty({N, OC, g.out_h, g.out_w}, DType::Float32, device);
-  for (int64_t first = 0; first < N; first += chunk) {
-    const int64_t n = std::min(chunk, N - first);
-    NANODDP_DISPATCH(device, im2col, ptr(cols), ptr(input) + first * image_size, n, g);
-    NANODDP_DISPATCH(device, matmul, ptr(out_t), ptr(weight), ptr(cols), OC, CKK, n * OHW, false, false, 0.0f);
-    NANODDP_DISPATCH(device, swap_leading_dims, ptr(out) + first * OC * OHW, ptr(out_t), OC, n, OHW);
+  for (int64_t first = 0; first < N; first += group) {
+    const int64_t n = std::min(group, N - first);
+    float* group_cols = ptr(cols) + (keeps_graph ? first * CKK * OHW : 0);
+    float* group_out = ptr(out) + first * OC * OHW;
+    NANODDP_DISPATCH(device, im2col, group_cols, ptr(input) + first * image_size, n, g);
+    NANODDP_DISPATCH(device, matmul, group > 1 ? ptr(out_t) : group_out, ptr(weight), group_cols, OC, CKK, n * OHW,
+                     false, false, 0.0f);
+    if (group > 1) NANODDP_DISPATCH(device, swap_leading_dims, group_out, ptr(out_t), OC, n, OHW);
+    // Added while the group's output is still in cache.
+    if (bias.defined()) NANODDP_DISPATCH(device, channel_bias_forward, group_out, ptr(bias), n, OC, OHW);
   }
-  if (bias.defined()) NANODDP_DISPATCH(device, channel_bias_forward, ptr(out), ptr(bias), N, OC, OHW);
 
   // Backward reads cols (not the input: dweight needs the patches) and the weight.
   return record("Conv2dBackward", out, {input, weight, bias}, {cols, weight},
-                [g, N, OC, CKK, NOHW](const Node& node, const Tensor& dout) {
+                [g, N, OC, CKK, group](const Node& node, const Tensor& dout) {
     const Tensor& cols = node.saved(0);
     const Tensor& w = node.saved(1);
     const Device device = cols.device();
-    const int64_t OHW = g.out_h * g.out_w;
-    Tensor dout_t = Tensor::empty({OC, NOHW}, DType::Float32, device);  // [OC, N OH OW]
-    NANODDP_DISPATCH(device, swap_leading_dims, ptr(dout_t), ptr(dout), N, OC, OHW);
+    const int64_t OHW = g.out_h * g.out_w, image_size = g.channels * g.height * g.width;
+    const bool needs_dx = node.inputs[0].requires_grad(), needs_dw = node.inputs[1].requires_grad();
     Tensor dx, dw, db;
-    if (node.inputs[1].requires_grad()) {  // dw = dout^T · cols^T
-      dw = empty_like(w);
-      NANODDP_DISPATCH(device, matmul, ptr(dw), ptr(dout_t), ptr(cols), OC, NOHW, CKK, false, true, 0.0f);
+    if (needs_dx) dx = Tensor::empty(node.inputs[0].shape(), DType::Float32, device);
+    // dw^T [C kh kw, OC], summed over the groups, then transposed once: Eigen packs the GEMM's
+    // left operand with a transposing copy, and for dw^T that operand is the group's dout, not
+    // its cols (4.5 times larger in the example's second convolution).
+    Tensor dw_t = needs_dw ? Tensor::zeros({CKK, OC}, DType::Float32, device) : Tensor();
+    // The group's dout^T [OC, n OH OW]: dout itself for one image, else reordered.
+    Tensor dout_t = group > 1 ? Tensor::empty({OC, group * OHW}, DType::Float32, device) : Tensor();
+    Tensor dcols = needs_dx ? Tensor::empty({CKK, group * OHW}, DType::Float32, device) : Tensor();
+    for (int64_t first = 0; first < N; first += group) {
+      const int64_t n = std::min(group, N - first);
+      const float* group_dout = ptr(dout) + first * OC * OHW;
+      if (group > 1) {
+        NANODDP_DISPATCH(device, swap_leading_dims, ptr(dout_t), group_dout, n, OC, OHW);
+        group_dout = ptr(dout_t);
+      }
+      const float* group_cols = ptr(cols) + first * CKK * OHW;
+      if (needs_dw)  // dw^T += cols · dout
+        NANODDP_DISPATCH(device, matmul, ptr(dw_t), group_cols, group_dout, CKK, n * OHW, OC, false, true, 1.0f);
+      if (needs_dx) {  // dx = col2im(w^T · dout^T)
+        NANODDP_DISPATCH(device, matmul, ptr(dcols), ptr(w), group_dout, CKK, OC, n * OHW, true, false, 0.0f);
+        NANODDP_DISPATCH(device, col2im, ptr(dx) + first * image_size, ptr(dcols), n, g);
+      }
     }
-    if (node.inputs[0].requires_grad()) {  // dx = col2im(w^T · dout^T)
-      Tensor dcols = Tensor::empty({CKK, NOHW}, DType::Float32, device);
-      NANODDP_DISPATCH(device, matmul, ptr(dcols), ptr(w), ptr(dout_t), CKK, OC, NOHW, true, false, 0.0f);
-      dx = Tensor::empty(node.inputs[0].shape(), DType::Float32, device);
-      NANODDP_DISPATCH(device, col2im, ptr(dx), ptr(dcols), N, g);
+    if (needs_dw) {
+      dw = empty_like(w);
+      NANODDP_DISPATCH(device, swap_leading_dims, ptr(dw), ptr(dw_t), CKK, OC, 1);
     }
     if (node.inputs[2].defined() && node.inputs[2].requires_grad()) {
       db = Tensor::empty({OC}, DType::Float32, device);
