@@ -285,9 +285,12 @@ void max_pool2d_forward(float* out, int64_t* indices, const float* in, int64_t p
 
 void max_pool2d_backward(float* din, const float* dout, const int64_t* indices, int64_t planes, int64_t in_plane,
                          int64_t out_plane) {
-  std::fill(din, din + planes * in_plane, 0.0f);
-  for (int64_t p = 0; p < planes; ++p)
-    for (int64_t o = 0; o < out_plane; ++o) din[p * in_plane + indices[p * out_plane + o]] += dout[p * out_plane + o];
+  // Plane by plane, so the plane just zeroed is still in cache when its maxima are added.
+  for (int64_t p = 0; p < planes; ++p) {
+    float* plane = din + p * in_plane;
+    std::fill(plane, plane + in_plane, 0.0f);
+    for (int64_t o = 0; o < out_plane; ++o) plane[indices[p * out_plane + o]] += dout[p * out_plane + o];
+  }
 }
 
 }  // namespace nanoddp::kernels::cpu
