@@ -50,6 +50,11 @@ LRScheduler::LRScheduler(Optimizer& optimizer, std::string name)
 void LRScheduler::initial_step() { step(); }
 
 void LRScheduler::step() {
+  // PyTorch's recursive get_lr() builds on group['lr']: an lr set by hand since the last step,
+  // or by another scheduler on the same optimizer (chaining), is what this step builds on.
+  // The double is kept for bit-exact schedules; the optimizer's float stands in only when it
+  // no longer matches.
+  if (optimizer_.lr() != static_cast<float>(last_lr_)) last_lr_ = optimizer_.lr();
   ++last_epoch_;
   last_lr_ = get_lr();
   optimizer_.set_lr(static_cast<float>(last_lr_));

@@ -13,8 +13,10 @@
 // Values are computed in double precision by PyTorch's own recursive formulas (get_lr(),
 // which multiply the previous lr), so they equal PyTorch's to the last bit, including
 // CosineAnnealingLR's rise back after T_max. The previous lr is the scheduler's own last
-// value: an lr set on the optimizer by hand between steps is overwritten at the next step
-// (PyTorch would build on it). The optimizer holds the lr as a float.
+// value, kept in double; when the optimizer's lr no longer matches it (set by hand between
+// steps, or by another scheduler on the same optimizer) the next step builds on the
+// optimizer's lr instead, as PyTorch's does, so schedulers chain (torch's ChainedScheduler
+// order: step them one after the other). The optimizer holds the lr as a float.
 //
 // state_dict(): "last_epoch" (int64) and "base_lr", "last_lr" (the doubles' bits in int64
 // scalars: tensors here have no float64, and a rounded lr would not resume bit-exactly).

@@ -452,6 +452,32 @@ TEST_CASE("LambdaLR is base_lr times the lambda at last_epoch") {
   CHECK_THROWS_AS(CosineAnnealingLR(opt, 0), ValueError);
 }
 
+TEST_CASE("schedulers build on an lr set by hand and chain on one optimizer, as PyTorch's do") {
+  Tensor p = param_with_grad();
+  SGD opt({p}, {/*lr=*/0.125f});
+  StepLR halving(opt, /*step_size=*/2, /*gamma=*/0.5);
+  halving.step();  // epoch 1: unchanged
+  CHECK(opt.lr() == 0.125f);
+  opt.set_lr(1.0f);  // by hand
+  halving.step();    // epoch 2: group['lr'] * gamma = 0.5, not 0.125 * 0.5
+  CHECK(opt.lr() == 0.5f);
+  CHECK(halving.get_last_lr() == 0.5);
+  halving.step();  // epoch 3: unchanged
+  CHECK(opt.lr() == 0.5f);
+
+  // Two schedulers stepped one after the other (torch's ChainedScheduler): every step halves,
+  // every second step also quarters. By hand from 0.125: 0.0625, 0.0078125, 0.00390625, 0.00048828125.
+  SGD chained({p}, {/*lr=*/0.125f});
+  StepLR every(chained, 1, 0.5), second(chained, 2, 0.25);
+  std::vector<float> lrs;
+  for (int i = 0; i < 4; ++i) {
+    every.step();
+    second.step();
+    lrs.push_back(chained.lr());
+  }
+  CHECK(lrs == std::vector<float>{0.0625f, 0.0078125f, 0.00390625f, 0.00048828125f});
+}
+
 TEST_CASE("a scheduler's state_dict resumes the same values and restores the optimizer's lr") {
   Tensor p = param_with_grad(), q = param_with_grad();
   Adam straight_opt({p}, AdamOptions{0.125f});
