@@ -1,10 +1,13 @@
 #include "dist/zero_redundancy_optimizer.h"
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <string>
 
 #include "core/autograd.h"
+#include "dist/host_collectives.h"
+#include "nn/checkpoint.h"
 
 namespace nanoddp::dist {
 
@@ -50,6 +53,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params, std
 }
 
 void ZeroRedundancyOptimizer::step() {
+  consolidated_.reset();  // the state moves on: a gathered copy would be stale
   local_->step();
   NoGradGuard no_grad;
   trace::Span span(trace::Lane::Optimizer, "zero.broadcast");
@@ -59,7 +63,32 @@ void ZeroRedundancyOptimizer::step() {
   for (auto& work : works) work->wait();
 }
 
+void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
+  NANODDP_CHECK(to >= 0 && to < pg_->size(), ValueError, name_, ".consolidate_state_dict: rank ", to,
+                " is not in the group of ", pg_->size());
+  consolidated_.reset();
+  // This rank's shard as checkpoint bytes, packed into int64 words, every rank's padded to the
+  // longest: all_gather needs one size.
+  const std::string bytes = nn::checkpoint_bytes(state_dict());
+  const int64_t length = static_cast<int64_t>(bytes.size());
+  const std::vector<std::vector<int64_t>> lengths = all_gather_host(*pg_, {length});
+  int64_t longest = 0;
+  for (const auto& l : lengths) longest = std::max(longest, l[0]);
+  std::vector<int64_t> words(static_cast<size_t>((longest + 7) / 8), 0);
+  std::memcpy(words.data(), bytes.data(), bytes.size());
+  const std::vector<std::vector<int64_t>> shards = all_gather_host(*pg_, words);
+  if (pg_->rank() != to) return;
+  nn::StateDict whole;
+  for (int r = 0; r < pg_->size(); ++r) {
+    const std::string shard(reinterpret_cast<const char*>(shards[r].data()), static_cast<size_t>(lengths[r][0]));
+    for (auto& [key, t] : nn::parse_checkpoint(shard, "rank " + std::to_string(r) + "'s optimizer shard"))
+      whole[key] = t.to(params_.empty() ? Device::cpu() : params_[0].device());
+  }
+  consolidated_ = std::move(whole);
+}
+
 nn::StateDict ZeroRedundancyOptimizer::state_dict() const {
+  if (consolidated_) return *consolidated_;
   nn::StateDict global;
   for (const auto& [key, t] : local_->state_dict()) {
     std::string buffer;
@@ -72,6 +101,7 @@ nn::StateDict ZeroRedundancyOptimizer::state_dict() const {
 }
 
 void ZeroRedundancyOptimizer::load_state_dict(const nn::StateDict& state) {
+  consolidated_.reset();
   std::vector<size_t> local_of(params_.size(), SIZE_MAX);
   for (size_t j = 0; j < local_indices_.size(); ++j) local_of[local_indices_[j]] = j;
   nn::StateDict local;

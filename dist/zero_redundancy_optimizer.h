@@ -26,6 +26,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "dist/process_group.h"
@@ -56,9 +57,18 @@ class ZeroRedundancyOptimizer : public nn::Optimizer {
   const std::vector<size_t>& local_indices() const { return local_indices_; }
   const nn::Optimizer& local_optimizer() const { return *local_; }
 
+  // Gathers every rank's shard of the state onto rank `to`
+  // (torch.distributed.optim.ZeroRedundancyOptimizer.consolidate_state_dict): a collective,
+  // every rank calls it. Each shard crosses as checkpoint bytes through all_gather (as torch
+  // broadcasts each rank's shard to every rank in turn). Until the next step() or
+  // load_state_dict(), state_dict() on rank `to` is then the whole state, the unsharded
+  // optimizer's. Throws ValueError for `to` outside the group, DistError/TimeoutError from
+  // the collectives.
+  void consolidate_state_dict(int to = 0);
   // This rank's shard of the state, keyed by index into params() ("exp_avg.5"), so that the
-  // union of every rank's state_dict is the unsharded optimizer's (torch's
-  // consolidate_state_dict gathers it; here each rank saves its own).
+  // union of every rank's state_dict is the unsharded optimizer's; or, on the rank a
+  // consolidate_state_dict gathered to, since then, that union. Each rank may also save its own
+  // shard, and load_state_dict takes a shard or the whole.
   nn::StateDict state_dict() const override;
   // Takes the entries of parameters this rank owns and ignores the others, so a full or a
   // per-rank state loads alike. Throws as the local optimizer's load_state_dict does.
@@ -72,6 +82,7 @@ class ZeroRedundancyOptimizer : public nn::Optimizer {
   std::vector<int> owner_;
   std::vector<size_t> local_indices_;
   std::unique_ptr<nn::Optimizer> local_;
+  std::optional<nn::StateDict> consolidated_;  // on the rank consolidate_state_dict gathered to
 };
 
 }  // namespace nanoddp::dist

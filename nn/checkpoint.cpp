@@ -47,6 +47,10 @@ class Reader {
 }  // namespace
 
 void save_checkpoint(const std::string& path, const StateDict& tensors) {
+  write_file_atomically(path, checkpoint_bytes(tensors), "checkpoint");
+}
+
+std::string checkpoint_bytes(const StateDict& tensors) {
   std::string bytes(kMagic, sizeof(kMagic));
   put<uint32_t>(bytes, kVersion);
   put<uint64_t>(bytes, tensors.size());
@@ -62,7 +66,7 @@ void save_checkpoint(const std::string& path, const StateDict& tensors) {
     if (host.nbytes() > 0) bytes.append(static_cast<const char*>(host.impl()->storage->data()), host.nbytes());
   }
   put<uint64_t>(bytes, fnv1a(bytes));
-  write_file_atomically(path, bytes, "checkpoint");
+  return bytes;
 }
 
 void check_checkpoint_writable(const std::string& path) { check_writable(path, "checkpoint"); }

@@ -32,6 +32,9 @@ void save_checkpoint(const std::string& path, const StateDict& tensors);
 // long work (an epoch of training) and should fail before it.
 void check_checkpoint_writable(const std::string& path);
 StateDict load_checkpoint(const std::string& path);
+// The bytes save_checkpoint writes for tensors (to send a state elsewhere than to a file).
+// Throws ValueError for a name longer than 4096 bytes.
+std::string checkpoint_bytes(const StateDict& tensors);
 // The tensors in bytes, the whole content of a checkpoint file; path only names it in errors.
 // Throws IOError as load_checkpoint does. For readers that have the bytes already (and fuzzing).
 StateDict parse_checkpoint(const std::string& bytes, const std::string& path);

@@ -614,7 +614,7 @@ const LocalFactory kAdam = [](std::vector<Tensor> p) {
 };
 
 // One rank with the unsharded optimizer on the whole batch of 16, 5 steps.
-std::vector<Tensor> train_unsharded(const LocalFactory& make) {
+std::vector<Tensor> train_unsharded(const LocalFactory& make, nn::StateDict* state = nullptr) {
   auto model = make_mlp(7);
   std::unique_ptr<nn::Optimizer> opt = make(model->parameters());
   for (int s = 0; s < 5; ++s) {
@@ -623,6 +623,7 @@ std::vector<Tensor> train_unsharded(const LocalFactory& make) {
     cross_entropy((*model)(b.x), b.y).backward();
     opt->step();
   }
+  if (state) *state = opt->state_dict();
   return model->parameters();
 }
 
@@ -632,7 +633,9 @@ std::vector<Tensor> train_unsharded(const LocalFactory& make) {
 // and {0, 2, 1, 3} at 4 ranks; state bytes per rank follow (4 bytes per element for SGD's
 // momentum, 8 for Adam's two moments).
 void check_zero(int world, const std::vector<int>& owners, const std::vector<int64_t>& sgd_bytes) {
-  const std::vector<Tensor> want_sgd = train_unsharded(kSgdMomentum), want_adam = train_unsharded(kAdam);
+  nn::StateDict sgd_state, adam_state;
+  const std::vector<Tensor> want_sgd = train_unsharded(kSgdMomentum, &sgd_state),
+                            want_adam = train_unsharded(kAdam, &adam_state);
   const int port = testing::free_port();
   const std::string failures = on_ranks(world, [&](int rank) {
     auto pg = join(rank, world, port);
@@ -659,6 +662,31 @@ void check_zero(int world, const std::vector<int>& owners, const std::vector<int
       for (const auto& entry : opt.state_dict()) {
         const size_t index = std::stoul(entry.first.substr(entry.first.rfind('.') + 1));
         expect(opt.owner(index) == rank, "rank ", rank, " has state ", entry.first, " of a parameter it does not own");
+      }
+      // consolidate_state_dict onto the last rank: there, the unsharded optimizer's state, key
+      // for key; elsewhere still the shard.
+      const size_t shard_entries = opt.state_dict().size();
+      opt.consolidate_state_dict(world - 1);
+      const nn::StateDict& want_state = adam ? adam_state : sgd_state;
+      const nn::StateDict got_state = opt.state_dict();
+      if (rank == world - 1) {
+        expect(got_state.size() == want_state.size(), "rank ", rank, ": consolidated ", got_state.size(),
+               " entries, the unsharded optimizer has ", want_state.size());
+        for (const auto& [key, want] : want_state) {
+          const auto it = got_state.find(key);
+          expect(it != got_state.end(), "rank ", rank, ": no consolidated entry ", key);
+          if (it == got_state.end()) continue;
+          const std::vector<float> g = it->second.dtype() == DType::Float32 ? it->second.to_vector() : std::vector<float>{};
+          const std::vector<float> w = want.dtype() == DType::Float32 ? want.to_vector() : std::vector<float>{};
+          expect(it->second.shape() == want.shape() && g.size() == w.size(), "rank ", rank, ": entry ", key, " is ",
+                 it->second.shape(), ", not ", want.shape());
+          for (size_t i = 0; i < std::min(g.size(), w.size()); ++i)
+            expect(std::abs(g[i] - w[i]) <= 1e-5f * std::max(1.0f, std::abs(w[i])), "rank ", rank, ": ", key, "[", i,
+                   "] = ", g[i], ", unsharded ", w[i]);
+        }
+      } else {
+        expect(got_state.size() == shard_entries, "rank ", rank, " is not the target but holds ", got_state.size(),
+               " entries after consolidating");
       }
     }
   });
