@@ -264,7 +264,8 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
       {{built("benchmarks/layer_bench"), "--only", "Relu"}, "--only: must be one of ReLU, Sigmoid"},
   };
   for (const auto& [args, message] : bad) {
-    CAPTURE(args[1]);
+    const std::string flag = args[1];  // CAPTURE's lambda cannot name a structured binding (C++17)
+    CAPTURE(flag);
     const RunResult r = run(args);
     CHECK(r.code() == 105);  // CLI11's ValidationError
     CHECK_MESSAGE(r.err.find(message) != std::string::npos, r.err);
