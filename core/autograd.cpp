@@ -69,7 +69,7 @@ void offer_accumulation_targets(Node& fn, const Tensor& grad_output,
   fn.accumulation_targets.assign(fn.inputs.size(), Tensor());
   for (size_t i = 0; i < fn.inputs.size(); ++i) {
     const Tensor& input = fn.inputs[i];
-    if (!input.defined() || !input.requires_grad() || input.grad_fn()) continue;
+    if (!fn.needs_input_grad(i) || input.grad_fn()) continue;
     if (pending.at(input.impl()) != 1 || grads.count(input.impl()) > 0) continue;
     const Tensor grad = input.grad();
     if (!grad.defined() || grad.dtype() != DType::Float32 || grad.shape() != input.shape() ||
@@ -233,7 +233,7 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
     NANODDP_ASSERT(input_grads.size() == fn->inputs.size());
     for (size_t i = 0; i < fn->inputs.size(); ++i) {
       const Tensor& input = fn->inputs[i];
-      if (!input.defined() || !input.requires_grad()) continue;
+      if (!fn->needs_input_grad(i)) continue;
       const Tensor& target = fn->accumulation_target(i);
       if (target.defined() && input_grads[i].defined() && input_grads[i].is_same(target)) {
         accumulated_in_place.insert(input.impl());  // Note [Accumulating into .grad]

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <iterator>
 #include <sstream>
 
 #include "core/error.h"
@@ -31,18 +32,29 @@ const char* backend_name(Backend backend) {
   return "?";
 }
 
+namespace {
+// Every backend, in the order flags and messages list them.
+constexpr Backend kBackends[] = {Backend::Auto, Backend::Shm, Backend::ShmGloo, Backend::Gloo, Backend::Mpi,
+                                 Backend::Nccl};
+}  // namespace
+
+std::vector<std::string> backend_names() {
+  std::vector<std::string> names;
+  for (Backend backend : kBackends) names.push_back(backend_name(backend));
+  return names;
+}
+
 Backend parse_backend(const std::string& text) {
   std::string lower = text;
   std::transform(lower.begin(), lower.end(), lower.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  if (lower == "auto") return Backend::Auto;
-  if (lower == "gloo") return Backend::Gloo;
-  if (lower == "mpi") return Backend::Mpi;
-  if (lower == "nccl") return Backend::Nccl;
-  if (lower == "shm") return Backend::Shm;
-  if (lower == "shm+gloo") return Backend::ShmGloo;
-  NANODDP_THROW(ValueError, "unknown backend '", text,
-                "' (expected gloo, mpi, nccl, shm, shm+gloo or auto)");
+  std::string expected;
+  for (Backend backend : kBackends) {
+    if (lower == backend_name(backend)) return backend;
+    expected += std::string(expected.empty() ? "" : backend == kBackends[std::size(kBackends) - 1] ? " or " : ", ") +
+                backend_name(backend);
+  }
+  NANODDP_THROW(ValueError, "unknown backend '", text, "' (expected ", expected, ")");
 }
 
 std::shared_ptr<Work> ProcessGroup::send(const Tensor& tensor, int dst, int) {

@@ -66,6 +66,8 @@ enum class Backend { Auto, Gloo, Mpi, Nccl, Shm, ShmGloo };
 const char* backend_name(Backend backend);  // "auto", "gloo", "mpi", "nccl", "shm", "shm+gloo"
 // One of those names (case-insensitive); throws ValueError on anything else.
 Backend parse_backend(const std::string& text);
+// Those names, in the order --backend flags list them: auto, shm, shm+gloo, gloo, mpi, nccl.
+std::vector<std::string> backend_names();
 
 // The collectives a ProcessGroup counts (see ProcessGroup::count).
 enum class Collective { AllReduce, Broadcast, AllGather, ReduceScatter, Barrier };

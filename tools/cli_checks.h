@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "dist/process_group.h"
+
 namespace nanoddp::cli {
 
 // An integer for which ok(value) holds; otherwise "must be <what>, got '<text>'".
@@ -88,9 +90,9 @@ inline CLI::Validator one_of(const std::vector<std::string>& values) {
       short_listed);
 }
 
-// --backend: the names dist::parse_backend takes (dist/process_group.h), so that a bad one is
+// --backend: the names dist::parse_backend takes (dist::backend_names), so that a bad one is
 // refused before anything starts. shm+gloo is what auto picks across nodes.
-inline CLI::Validator backend() { return one_of({"auto", "shm", "shm+gloo", "gloo", "mpi", "nccl"}); }
+inline CLI::Validator backend() { return one_of(dist::backend_names()); }
 
 // --device as the examples take it: cpu, cuda (this rank's GPU) or cuda:N (Device::parse).
 inline CLI::Validator device() {
