@@ -352,6 +352,9 @@ TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
       {{"--timeout", "1e99"}, "--timeout: must be a finite number between 0 and 1e+09, got '1e99'"},
       {{"--backend", "tcp"}, "--backend: must be one of auto, shm, shm+gloo, gloo, mpi or nccl, got 'tcp'"},
       {{"--master-addr", ""}, "--master-addr: must name a host, got ''"},
+      // `--flag=` with nothing after '=' would take the program as its value.
+      {{"--backend="}, "nanoddp-run: --backend= has no value after '='"},
+      {{"--nproc-per-node", "2", "--master-port="}, "nanoddp-run: --master-port= has no value after '='"},
   };
   for (const auto& [flags, message] : bad) {
     std::vector<std::string> args = {launcher_path()};

@@ -139,6 +139,15 @@ int main(int argc, char** argv) {
       ->check(nanoddp::cli::number_in(0, kMaxSeconds))
       ->capture_default_str();
 
+  // `--backend= PROGRAM` would take PROGRAM as the value: refuse an empty `--flag=` among our
+  // own arguments. They end at PROGRAM, the first argument that is neither an option nor the
+  // value of one (every option of ours takes a value).
+  int own_end = 1;
+  while (own_end < argc && argv[own_end][0] == '-' && std::string(argv[own_end]) != "--") {
+    const std::string arg = argv[own_end];
+    own_end += arg.find('=') != std::string::npos || arg == "--help" || arg == "-h" ? 1 : 2;
+  }
+  if (!nanoddp::cli::values_given(std::min(own_end, argc), argv, "nanoddp-run")) return 2;
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
