@@ -654,14 +654,16 @@ class ProcessGroupNccl : public ProcessGroup {
     config.blocking = 0;
     ncclComm_t raw = nullptr;
     ncclResult_t started = ncclSuccess;
+    std::string init_error;
     {
       std::lock_guard<std::mutex> lock(nccl_call_mutex());  // Note [NCCL threads]
       started = ncclCommInitRankConfig(&raw, world_size_, id, rank_, &config);
-      if (async_state(started) == AsyncState::Failed || raw == nullptr) {
-        const std::string error = std::string(ncclGetErrorString(started)) + " (" + ncclGetLastError(raw) + ")";
-        if (raw != nullptr) ncclCommAbort(raw);
-        NANODDP_THROW(DistError, what, ": ncclCommInitRankConfig failed: ", error);
-      }
+      if (async_state(started) == AsyncState::Failed || raw == nullptr)
+        init_error = std::string(ncclGetErrorString(started)) + " (" + ncclGetLastError(raw) + ")";
+    }
+    if (!init_error.empty()) {
+      if (raw != nullptr) ncclCommAbort(raw);  // outside the mutex, as NcclComm::abort
+      NANODDP_THROW(DistError, what, ": ncclCommInitRankConfig failed: ", init_error);
     }
     auto comm = std::make_shared<NcclComm>(raw, timeout_);
     detail::issue_and_wait_enqueued(*comm, what + " (did every rank start?)", timeout_,
