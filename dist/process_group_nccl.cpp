@@ -181,6 +181,7 @@ class NcclComm : public detail::AsyncComm {
   // still sees its event pass. Idempotent; never throws.
   void close() {
     {
+      std::lock_guard<std::mutex> releasing(release_mutex_);  // an abort under way finishes first
       std::lock_guard<std::mutex> lock(nccl_call_mutex());
       if (aborted_.load() || closed_) return;
     }
@@ -193,6 +194,7 @@ class NcclComm : public detail::AsyncComm {
       abort();
       return;
     }
+    std::lock_guard<std::mutex> releasing(release_mutex_);
     ncclComm_t comm = nullptr;
     {
       std::lock_guard<std::mutex> lock(nccl_call_mutex());
@@ -209,6 +211,7 @@ class NcclComm : public detail::AsyncComm {
   }
 
   void abort() override {
+    std::lock_guard<std::mutex> releasing(release_mutex_);
     ncclComm_t comm = nullptr;
     {
       std::lock_guard<std::mutex> lock(nccl_call_mutex());
@@ -246,6 +249,10 @@ class NcclComm : public detail::AsyncComm {
   std::chrono::milliseconds timeout_;
   std::atomic<bool> aborted_{false};  // written under the mutex; read without it by aborted()
   bool closed_ = false;               // under the mutex
+  // Held while ncclCommAbort or ncclCommDestroy runs, and taken before nccl_call_mutex(): a
+  // close() or abort() that finds another thread releasing the communicator returns only once
+  // it is gone, so that "closed" means the device resources are free.
+  std::mutex release_mutex_;
 };
 
 class CudaEvent {
