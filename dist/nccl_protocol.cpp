@@ -1,6 +1,8 @@
 #include "dist/nccl_protocol.h"
 
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <thread>
 
 #include "core/error.h"
@@ -219,6 +221,36 @@ void PointToPointQueue::close() {
 size_t PointToPointQueue::groups_in_flight() {
   std::lock_guard<std::mutex> lock(mutex_);
   return in_flight_.size();
+}
+
+std::vector<std::string> nccl_conf_files() {
+  std::vector<std::string> files;
+  if (const char* file = std::getenv("NCCL_CONF_FILE"); file != nullptr && *file != '\0')
+    files.emplace_back(file);
+  else if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0')
+    files.push_back(std::string(home) + "/.nccl.conf");
+  files.emplace_back("/etc/nccl.conf");
+  return files;
+}
+
+std::optional<NcclSetting> nccl_setting(const std::string& name, const std::vector<std::string>& conf_files) {
+  if (const char* value = std::getenv(name.c_str())) return NcclSetting{value, "the environment"};
+  const auto trimmed = [](const std::string& text) {
+    const size_t begin = text.find_first_not_of(" \t\r");
+    if (begin == std::string::npos) return std::string();
+    return text.substr(begin, text.find_last_not_of(" \t\r") - begin + 1);
+  };
+  for (const std::string& path : conf_files) {
+    std::ifstream file(path);
+    std::string line;
+    while (std::getline(file, line)) {
+      const std::string text = trimmed(line);
+      const size_t equals = text.find('=');
+      if (text.empty() || text[0] == '#' || equals == std::string::npos) continue;
+      if (trimmed(text.substr(0, equals)) == name) return NcclSetting{trimmed(text.substr(equals + 1)), path};
+    }
+  }
+  return std::nullopt;
 }
 
 }  // namespace nanoddp::dist::detail

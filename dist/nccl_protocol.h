@@ -37,6 +37,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -160,5 +161,18 @@ class PointToPointQueue {
   std::vector<std::shared_ptr<Outcome>> outcomes_;
   std::vector<std::shared_ptr<Work>> in_flight_;
 };
+
+// An NCCL setting as NCCL itself resolves it: the environment first, then the user's file
+// (NCCL_CONF_FILE, else ~/.nccl.conf), then /etc/nccl.conf; NCCL copies the files' lines into
+// the environment when it initialises, without overwriting what is set (NCCL's user guide,
+// "Environment Variables"). A file line is NAME=VALUE; blank lines and lines starting with '#'
+// are skipped. conf_files replaces the two files (tests). No value: nullopt.
+struct NcclSetting {
+  std::string value;
+  std::string source;  // "the environment" or the file's path
+};
+std::vector<std::string> nccl_conf_files();
+std::optional<NcclSetting> nccl_setting(const std::string& name,
+                                        const std::vector<std::string>& conf_files = nccl_conf_files());
 
 }  // namespace nanoddp::dist::detail

@@ -636,6 +636,14 @@ class ProcessGroupNccl : public ProcessGroup {
   // unique id in the store.
   std::shared_ptr<NcclComm> init_communicator(const std::string& id_key, const std::string& purpose) {
     const std::string what = where() + ": NCCL communicator for " + purpose + " on " + device_.str();
+    // NCCL lets the environment or its configuration files override config.blocking (step 3);
+    // blocking calls would wait for peers with no timeout. Checked before the first NCCL call,
+    // which copies the files' settings into the environment.
+    const auto blocking = detail::nccl_setting("NCCL_COMM_BLOCKING");
+    NANODDP_CHECK(!blocking || blocking->value == "0", DistError, what, ": NCCL_COMM_BLOCKING=", blocking->value,
+                  " (from ", blocking->source,
+                  ") would make NCCL calls wait for the peers without a timeout; remove it (this group polls "
+                  "non-blocking communicators and times them out)");
     // Step 2: the unique id.
     ncclUniqueId id;
     if (rank_ == 0) {
@@ -650,13 +658,7 @@ class ProcessGroupNccl : public ProcessGroup {
                     bytes.size(), " bytes, expected ", sizeof(id));
       std::memcpy(&id, bytes.data(), sizeof(id));
     }
-    // Step 3: a non-blocking init we can time out (Note [NCCL non-blocking]). NCCL lets the
-    // environment override config.blocking; blocking calls would wait for peers with no timeout.
-    const char* blocking = std::getenv("NCCL_COMM_BLOCKING");
-    NANODDP_CHECK(blocking == nullptr || std::string(blocking) == "0", DistError, what, ": NCCL_COMM_BLOCKING=",
-                  blocking == nullptr ? "" : blocking,
-                  " would make NCCL calls wait for the peers without a timeout; unset it (this group polls "
-                  "non-blocking communicators and times them out)");
+    // Step 3: a non-blocking init we can time out (Note [NCCL non-blocking]).
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t raw = nullptr;

@@ -223,7 +223,21 @@ TEST_CASE("NCCL refuses NCCL_COMM_BLOCKING=1, which would make its waits untimed
     message = e.what();
   }
   ::unsetenv("NCCL_COMM_BLOCKING");
-  CHECK_MESSAGE(message.find("NCCL_COMM_BLOCKING=1") != std::string::npos, message);
+  CHECK_MESSAGE(message.find("NCCL_COMM_BLOCKING=1 (from the environment)") != std::string::npos, message);
+
+  // The same from NCCL's configuration file, which NCCL reads into its settings at init.
+  const std::string conf = "/tmp/nanoddp_blocking_" + std::to_string(::getpid()) + ".conf";
+  std::ofstream(conf) << "NCCL_COMM_BLOCKING=1\n";
+  ::setenv("NCCL_CONF_FILE", conf.c_str(), 1);
+  message.clear();
+  try {
+    dist::make_nccl_process_group(store, options);
+  } catch (const DistError& e) {
+    message = e.what();
+  }
+  ::unsetenv("NCCL_CONF_FILE");
+  std::remove(conf.c_str());
+  CHECK_MESSAGE(message.find("NCCL_COMM_BLOCKING=1 (from " + conf + ")") != std::string::npos, message);
 }
 
 TEST_CASE("DDP on a GPU (NCCL, world size 1) trains like the same model on the CPU") {

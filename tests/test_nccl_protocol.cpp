@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <deque>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <thread>
@@ -347,4 +349,43 @@ TEST_CASE("two threads wait on the send and the recv of one group (one EventWork
     REQUIRE(in.use_count() == 1);
   }
   CHECK(!comm->aborted());
+}
+
+TEST_CASE("NCCL settings resolve as NCCL does: environment, then the user's file, then the system's") {
+  char folder[] = "/tmp/nanoddp_nccl_conf_XXXXXX";
+  REQUIRE(mkdtemp(folder) != nullptr);
+  const std::string user = std::string(folder) + "/user.conf", system = std::string(folder) + "/system.conf";
+  std::ofstream(user) << "# a comment\n\n  NCCL_DEBUG = WARN \nNCCL_COMM_BLOCKING=1\n";
+  std::ofstream(system) << "NCCL_COMM_BLOCKING=0\nNCCL_SOCKET_IFNAME==eth0\nNOT_A_SETTING\n";
+  ::unsetenv("NCCL_COMM_BLOCKING");
+  ::unsetenv("NCCL_SOCKET_IFNAME");
+  ::unsetenv("NCCL_DEBUG");
+
+  auto blocking = dist::detail::nccl_setting("NCCL_COMM_BLOCKING", {user, system});
+  REQUIRE(blocking.has_value());
+  CHECK(blocking->value == "1");  // the user's file comes before the system's
+  CHECK(blocking->source == user);
+  auto debug = dist::detail::nccl_setting("NCCL_DEBUG", {user, system});
+  REQUIRE(debug.has_value());
+  CHECK(debug->value == "WARN");  // spaces around the name and the value are not part of them
+  auto interface = dist::detail::nccl_setting("NCCL_SOCKET_IFNAME", {user, system});
+  REQUIRE(interface.has_value());
+  CHECK(interface->value == "=eth0");  // only the first '=' separates
+  CHECK(interface->source == system);
+  CHECK_FALSE(dist::detail::nccl_setting("NOT_A_SETTING", {user, system}).has_value());
+  CHECK_FALSE(dist::detail::nccl_setting("NCCL_COMM_BLOCKING", {folder + std::string("/missing.conf")}));
+
+  ::setenv("NCCL_COMM_BLOCKING", "0", 1);  // the environment wins over every file
+  blocking = dist::detail::nccl_setting("NCCL_COMM_BLOCKING", {user, system});
+  ::unsetenv("NCCL_COMM_BLOCKING");
+  REQUIRE(blocking.has_value());
+  CHECK(blocking->value == "0");
+  CHECK(blocking->source == "the environment");
+
+  // Without a list: NCCL_CONF_FILE replaces ~/.nccl.conf, and /etc/nccl.conf comes last.
+  ::setenv("NCCL_CONF_FILE", user.c_str(), 1);
+  const std::vector<std::string> files = dist::detail::nccl_conf_files();
+  ::unsetenv("NCCL_CONF_FILE");
+  CHECK(files == std::vector<std::string>{user, "/etc/nccl.conf"});
+  std::system(("rm -rf '" + std::string(folder) + "'").c_str());
 }
