@@ -65,24 +65,14 @@ void check_device(int device) {
                 " GPU", a.count == 1 ? "" : "s", " visible)");
 }
 
-// Makes device current for a scope and restores the previous one after.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    NANODDP_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) NANODDP_CUDA_CHECK(cudaSetDevice(device));
-    device_ = device;
-  }
-  ~DeviceGuard() {
-    if (previous_ != device_) cudaSetDevice(previous_);  // destructors never throw
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-  int device_ = 0;
-};
+// Note [Current device]
+// cudaSetDevice is not free: it initialises the device's primary context (cuda_runtime_api.h),
+// hundreds of MiB on the GPU, and in EXCLUSIVE_PROCESS mode it fails once another process owns
+// the device. So nothing here switches to a device this process has not used, not even to
+// restore the "previous" one: on a thread that never set one, cudaGetDevice reports 0, and a
+// restoring guard would open a context on GPU 0 in every rank (a job on gloo/mpi/shm with
+// --device cuda sets no device before its first allocation). The allocator makes the block's
+// device current and leaves it so, as NANODDP_DISPATCH does for a kernel's device.
 
 // Blocks are rounded so that the few sizes a training loop asks for map to few cache keys:
 // to 512 bytes up to 1 MiB (cudaMalloc's own alignment is 256), to 1 MiB above.
@@ -171,7 +161,7 @@ void* allocate(size_t nbytes, int device) {
     ptr = cached->second;
     pool.free_blocks.erase(cached);
   } else {
-    DeviceGuard guard(device);
+    set_device(device);  // Note [Current device]
     cudaError_t error = cudaMalloc(&ptr, size);
     if (error == cudaErrorMemoryAllocation && !pool.free_blocks.empty()) {
       cudaGetLastError();
@@ -214,14 +204,27 @@ void deallocate(void* ptr, int device) {
 }
 
 void empty_cache() {
-  for (int device = 0; device < device_count(); ++device) {
+  const int devices = device_count();
+  if (devices == 0) return;
+  int current = 0;
+  NANODDP_CUDA_CHECK(cudaGetDevice(&current));
+  bool current_in_use = false;
+  for (int device = 0; device < devices; ++device) {
     DeviceState& state = device_state(device);
-    DeviceGuard guard(device);
+    {
+      std::lock_guard<std::mutex> lock(state.pool.mutex);
+      if (device == current) current_in_use = state.stream != nullptr || !state.pool.live.empty();
+      if (state.pool.free_blocks.empty()) continue;  // nothing cached; maybe never used (Note [Current device])
+    }
+    NANODDP_CUDA_CHECK(cudaSetDevice(device));
     // Queued kernels may still use a cached block (Note [Scratch on one stream]).
     if (state.stream != nullptr) NANODDP_CUDA_CHECK(cudaStreamSynchronize(state.stream));
     std::lock_guard<std::mutex> lock(state.pool.mutex);
     state.pool.release_cached();
+    if (device == current) current_in_use = true;
   }
+  // Back to the caller's device, unless that one was never used here.
+  if (current_in_use) NANODDP_CUDA_CHECK(cudaSetDevice(current));
 }
 
 AllocatorStats allocator_stats(int device) {
