@@ -88,7 +88,10 @@
 // communicator is finalized (ncclCommFinalize, polled like any call) and destroyed, or aborted
 // when finalizing fails or times out, so exit never hangs on a peer that is gone: the
 // send/recv one first, then the collectives', on every rank, whatever Works the user still
-// holds (finalizing completes their calls, and a held Work then finds its event passed). The default
+// holds (finalizing completes their calls, and a held Work then finds its event passed).
+// Before that, a lane whose stream is still busy after the timeout (a kernel waiting for a
+// peer that is gone) is aborted: freeing the other communicator could wait for that kernel,
+// and nothing else would stop it. The default
 // group is dropped by destroy_process_group() or, failing that, by an exit handler that
 // init_process_group registers after CUDA is up: exit handlers run in reverse order, so it runs
 // before the CUDA runtime unloads (dist/init.cpp).
@@ -311,11 +314,17 @@ cudaStream_t compute_stream() { return static_cast<cudaStream_t>(kernels::cuda::
 // already aborted the communicator, which stops its kernels; should the stream still not
 // drain, the tensors are kept for the life of the process rather than handed back to the
 // caching allocator while the device may still write them. Never throws.
-void finish_after_error(const NcclLane& lane, const std::string& what, std::vector<Tensor> keep) {
-  const auto deadline = std::chrono::steady_clock::now() + lane.timeout;
+// Polls the lane's stream until the work on it has run or the deadline passes: cudaSuccess,
+// cudaErrorNotReady (still running) or the error the stream reports.
+cudaError_t drain(const NcclLane& lane, std::chrono::steady_clock::time_point deadline) {
   cudaError_t status = cudaErrorNotReady;
   while ((status = cudaStreamQuery(lane.stream)) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::microseconds(20));
+  return status;
+}
+
+void finish_after_error(const NcclLane& lane, const std::string& what, std::vector<Tensor> keep) {
+  const cudaError_t status = drain(lane, std::chrono::steady_clock::now() + lane.timeout);
   if (status == cudaSuccess) return;
   const std::string stream_state = status == cudaErrorNotReady
                                        ? "had not drained after " + std::to_string(lane.timeout.count()) + " ms"
@@ -515,6 +524,17 @@ class ProcessGroupNccl : public ProcessGroup {
     cudaSetDevice(device_.index);
     if (point_to_point_queue_) point_to_point_queue_->close();  // nothing queued is left behind
     point_to_point_queue_.reset();
+    // A kernel still running on one lane (its peer gone) can keep the other lane's finalize or
+    // destroy waiting on the device for ever, and only an abort stops it: every lane whose
+    // stream has not drained within the timeout is aborted before any is finalized.
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    for (NcclLane* lane : {collectives_.get(), point_to_point_.get()}) {
+      if (lane == nullptr || drain(*lane, deadline) != cudaErrorNotReady) continue;
+      std::fprintf(stderr, "nanoddp: %s: NCCL work was still running %lld ms after the group was destroyed; "
+                   "aborting its communicator\n", where().c_str(), static_cast<long long>(timeout_.count()));
+      lane->comm->abort();
+    }
+    cudaGetLastError();  // a stream error is the communicator's to report; clear it for later calls
     point_to_point_.reset();
     collectives_.reset();
   }
