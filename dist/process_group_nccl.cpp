@@ -660,7 +660,9 @@ class ProcessGroupNccl : public ProcessGroup {
     // blocking calls would wait for peers with no timeout. Checked before the first NCCL call,
     // which copies the files' settings into the environment.
     const auto blocking = detail::nccl_setting("NCCL_COMM_BLOCKING");
-    NANODDP_CHECK(!blocking || blocking->value == "0", DistError, what, ": NCCL_COMM_BLOCKING=", blocking->value,
+    // NCCL reads the value as an integer (strtoll) and ignores an empty one.
+    NANODDP_CHECK(!blocking || blocking->value.empty() || std::strtoll(blocking->value.c_str(), nullptr, 0) == 0,
+                  DistError, what, ": NCCL_COMM_BLOCKING=", blocking->value,
                   " (from ", blocking->source,
                   ") would make NCCL calls wait for the peers without a timeout; remove it (this group polls "
                   "non-blocking communicators and times them out)");
