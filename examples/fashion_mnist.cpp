@@ -18,7 +18,8 @@
 // checkpoint atomically. --resume continues from that checkpoint so that the result equals
 // an uninterrupted run: the weights, the optimizer's state (momentum buffers, or Adam's
 // moments and step counts), the schedulers and the epoch are restored, and the data order
-// depends only on seed and epoch. --optimizer picks SGD, Adam or AdamW; the learning rate
+// depends only on seed and epoch; on another number of ranks or another batch size the
+// schedule is replayed over the new steps (Note [Resuming elsewhere]). --optimizer picks SGD, Adam or AdamW; the learning rate
 // follows --warmup-epochs of linear warm-up (LinearLR, stepped per batch), then the
 // --schedule (CosineAnnealingLR per batch over the remaining steps, or constant), as
 // torch.optim.lr_scheduler.SequentialLR would chain them. --stop-after N ends a run
@@ -26,12 +27,16 @@
 // for PyTorch (benchmarks/torch_reference/load_safetensors.py). Rank 0 ends with one JSON
 // line (see README).
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "core/autograd.h"
 #include "data/dataloader.h"
@@ -219,6 +224,13 @@ class Schedule {
       cosine_->step();
     }
   }
+  // Steps a schedule that has not stepped yet through global steps 0..t-1, as an uninterrupted
+  // run would have: where a checkpoint comes from a run with other steps per epoch (another
+  // world size or batch size), its schedulers' state belongs to another curve, and the
+  // cosine's recursive step continued from there would run away (Note [Resuming elsewhere]).
+  void replay(int64_t t) {
+    for (int64_t step_index = 0; step_index < t; ++step_index) step(step_index);
+  }
   nn::StateDict state_dict() const {
     nn::StateDict state;
     if (warmup_) nn::merge_prefixed(state, "warmup.", warmup_->state_dict());
@@ -258,34 +270,75 @@ double evaluate(nn::Module& model, data::DataLoader& loader, dist::ProcessGroup&
   return static_cast<double>(totals[0]) / static_cast<double>(totals[1]);
 }
 
-void save(const std::string& path, int epochs_done, nn::Module& model, const nn::Optimizer& optimizer,
-          const Schedule& schedule) {
+void save(const std::string& path, int epochs_done, int64_t steps_per_epoch, nn::Module& model,
+          const nn::Optimizer& optimizer, const Schedule& schedule) {
   nn::StateDict state;
   nn::merge_prefixed(state, "model.", model.state_dict());
   nn::merge_prefixed(state, "optimizer.", optimizer.state_dict());
   nn::merge_prefixed(state, "scheduler.", schedule.state_dict());
   state["epochs_done"] = Tensor::from_vector(std::vector<int64_t>{epochs_done});
+  state["steps_per_epoch"] = Tensor::from_vector(std::vector<int64_t>{steps_per_epoch});
   nn::save_checkpoint(path, state);
 }
 
+// One int64 entry of a checkpoint, or `missing` when it has none (an older checkpoint).
+int64_t int64_entry(const nn::StateDict& state, const std::string& key, std::optional<int64_t> missing) {
+  const auto it = state.find(key);
+  if (it == state.end() && missing) return *missing;
+  NANODDP_CHECK(it != state.end() && it->second.dtype() == DType::Int64 && it->second.numel() == 1, IOError, "no '",
+                key, "' entry of one int64");
+  return it->second.to_int_vector()[0];
+}
+
+// Note [Resuming elsewhere]
+// A checkpoint is written at the end of an epoch, so a run resumes at an epoch boundary,
+// which means the same thing at any world size or batch size: the data order of every epoch
+// depends only on the seed and the epoch (DistributedSampler.set_epoch), and the weights and
+// the optimizer's state do not depend on how a step was split across ranks. The learning
+// rate does: it follows global steps, and there are fewer of them per epoch on more ranks.
+// With the checkpoint's steps per epoch, its schedulers are loaded and go on exactly; with
+// others, the schedule is replayed over this run's steps, so that it ends at --epochs as an
+// uninterrupted run of this shape would (the checkpoint's own step counters would leave the
+// cosine off its curve and its recursive step diverging).
+//
 // Returns the number of epochs the checkpoint had completed. Errors name the file.
 int restore(const std::string& path, int epochs, int64_t steps_per_epoch, nn::Module& model, nn::Optimizer& optimizer,
-            Schedule& schedule) {
+            Schedule& schedule, bool chatty) {
   try {
     const nn::StateDict state = nn::load_checkpoint(path);
-    NANODDP_CHECK(state.count("epochs_done") == 1 && state.at("epochs_done").dtype() == DType::Int64 &&
-                      state.at("epochs_done").numel() == 1,
-                  IOError, "no 'epochs_done' entry");
-    const int64_t done = state.at("epochs_done").to_int_vector()[0];
+    const int64_t done = int64_entry(state, "epochs_done", std::nullopt);
     NANODDP_CHECK(done >= 0, IOError, "'epochs_done' is ", done);
     NANODDP_CHECK(done <= epochs, ValueError, "it has ", done, " epochs done, more than --epochs ", epochs);
+    const int64_t saved_steps_per_epoch = int64_entry(state, "steps_per_epoch", /*missing=*/steps_per_epoch);
     model.load_state_dict(nn::strip_prefix(state, "model."));
     optimizer.load_state_dict(nn::strip_prefix(state, "optimizer."));
-    schedule.load_state_dict(nn::strip_prefix(state, "scheduler."), done * steps_per_epoch);
+    if (saved_steps_per_epoch == steps_per_epoch) {
+      schedule.load_state_dict(nn::strip_prefix(state, "scheduler."), done * steps_per_epoch);
+    } else {
+      schedule.replay(done * steps_per_epoch);
+      if (chatty)
+        std::printf("the checkpoint's run had %lld steps per epoch and this one has %lld (another world size or "
+                    "batch size): the learning-rate schedule is replayed over this run's steps\n",
+                    static_cast<long long>(saved_steps_per_epoch), static_cast<long long>(steps_per_epoch));
+    }
     return static_cast<int>(done);
   } catch (const Error& e) {
     throw IOError("cannot resume from checkpoint " + path + ": " + e.what());
   }
+}
+
+// Every rank must resume from the same epoch: a rank that found no checkpoint (a disk of its
+// own) would start over while the others go on, and the ranks would part ways a whole epoch
+// later, in the middle of a collective.
+void check_same_start(dist::ProcessGroup& pg, const std::string& checkpoint, int first_epoch) {
+  const std::vector<std::vector<int64_t>> starts = dist::all_gather_host(pg, {first_epoch});
+  if (std::all_of(starts.begin(), starts.end(), [&](const auto& start) { return start[0] == starts[0][0]; })) return;
+  std::ostringstream ranks;
+  for (size_t r = 0; r < starts.size(); ++r)
+    ranks << (r ? ", " : "") << "rank " << r
+          << (starts[r][0] == 0 ? " starts at epoch 1" : " resumes after epoch " + std::to_string(starts[r][0]));
+  NANODDP_THROW(ValueError, "--resume: the ranks do not agree where to start (", ranks.str(), "): ", checkpoint,
+                " must be one file that every rank reads (a filesystem they share), as rank 0 writes it for all");
 }
 
 int run(const Config& config) {
@@ -332,9 +385,10 @@ int run(const Config& config) {
     // Every rank reads the file (it must be on a filesystem they share); DDP's broadcast then
     // makes the weights identical anyway, and the optimizer's state is identical because it
     // was built from all-reduced gradients.
-    first_epoch = restore(config.checkpoint, config.epochs, train_loader.size(), *model, *optimizer, schedule);
+    first_epoch = restore(config.checkpoint, config.epochs, train_loader.size(), *model, *optimizer, schedule, chatty);
     if (chatty) std::printf("resumed from %s after epoch %d\n", config.checkpoint.c_str(), first_epoch);
   }
+  if (config.resume) check_same_start(*pg, config.checkpoint, first_epoch);
   dist::DDPOptions ddp_options;
   ddp_options.overlap = !config.no_overlap;
   ddp_options.bucket_cap_bytes = mib_to_bytes(config.bucket_cap_mb);
@@ -432,7 +486,7 @@ int run(const Config& config) {
     record.samples_per_s = samples_per_s;
     record.test_accuracy = accuracy;
     metrics.write(record);
-    if (rank == 0 && !config.checkpoint.empty()) save(config.checkpoint, epoch + 1, *model, *optimizer, schedule);
+    if (rank == 0 && !config.checkpoint.empty()) save(config.checkpoint, epoch + 1, train_loader.size(), *model, *optimizer, schedule);
     epochs_done = epoch + 1;
     std::fflush(stdout);
   }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <map>
 #include <regex>
+#include <thread>
 
 #include "core/random.h"
 #include "data/idx.h"
@@ -368,6 +369,70 @@ TEST_CASE("fashion_mnist --metrics with --resume appends: the interrupted run's 
     CHECK(json_field(lines[i], "epoch") == epochs[i]);
   }
   CHECK(json_field(lines[3], "test_accuracy") == json_field(json_lines(rest.out).at(0), "test_accuracy"));
+}
+
+TEST_CASE("fashion_mnist --resume on another world size: the schedule is this run's, as if never interrupted") {
+  // 640 images, batch 32: 20 steps per epoch on 1 rank, 10 on 2. Continued from the 1-rank
+  // checkpoint's own step count, the cosine would leave its curve (and diverge at batch 128).
+  TempDir dir;
+  write_small_fashion_mnist(dir.path, 640, 200);
+  const std::string program = built("examples/fashion_mnist"), checkpoint = dir.path + "/run.ckpt";
+  auto job = [&](int ranks, const std::string& metrics, std::vector<std::string> extra) {
+    std::vector<std::string> all = {launcher_path(), "--nproc-per-node", std::to_string(ranks), program, "--data-dir",
+                                    dir.path, "--batch-size", "32", "--epochs", "3", "--metrics", metrics};
+    all.insert(all.end(), extra.begin(), extra.end());
+    return all;
+  };
+  const std::string resumed = dir.path + "/resumed.jsonl", straight = dir.path + "/straight.jsonl";
+  const RunResult first = run(job(1, resumed, {"--stop-after", "1", "--checkpoint", checkpoint}), 120s);
+  REQUIRE_MESSAGE(first.code() == 0, first.err);
+  const RunResult rest = run(job(2, resumed, {"--checkpoint", checkpoint, "--resume"}), 120s);
+  REQUIRE_MESSAGE(rest.code() == 0, rest.err);
+  CHECK(rest.out.find("the checkpoint's run had 20 steps per epoch and this one has 10") != std::string::npos);
+  const RunResult whole = run(job(2, straight, {}), 120s);
+  REQUIRE_MESSAGE(whole.code() == 0, whole.err);
+
+  // Epochs 2 and 3: the same learning rate at the same points as the uninterrupted 2-rank run.
+  std::vector<std::pair<double, double>> after_resume, uninterrupted;
+  for (const std::string& line : metrics_lines(resumed))
+    if (json_field(line, "epoch") > 1) after_resume.emplace_back(json_field(line, "epoch"), json_field(line, "lr"));
+  for (const std::string& line : metrics_lines(straight))
+    if (json_field(line, "epoch") > 1) uninterrupted.emplace_back(json_field(line, "epoch"), json_field(line, "lr"));
+  REQUIRE(after_resume.size() == 4);
+  CHECK(after_resume == uninterrupted);
+  CHECK(after_resume.back().second < after_resume.front().second);
+}
+
+TEST_CASE("fashion_mnist --resume: ranks that found different checkpoints stop at the start, saying so") {
+  TempDir dir;
+  write_small_fashion_mnist(dir.path, 640, 200);
+  const std::string program = built("examples/fashion_mnist"), shared = dir.path + "/run.ckpt";
+  const std::vector<std::string> common = {program, "--data-dir", dir.path, "--batch-size", "32", "--epochs", "2",
+                                           "--quiet", "--timeout", "30"};
+  std::vector<std::string> first_args = common;
+  first_args.insert(first_args.end(), {"--stop-after", "1", "--checkpoint", shared});
+  const RunResult first = run(first_args, 120s);
+  REQUIRE_MESSAGE(first.code() == 0, first.err);
+  // Two ranks started by hand, as on two nodes with disks of their own: rank 1's file is missing.
+  const std::string port = std::to_string(dist::pick_free_port("127.0.0.1"));
+  RunResult results[2];
+  std::thread ranks[2];
+  for (int rank = 0; rank < 2; ++rank)
+    ranks[rank] = std::thread([&, rank] {
+      std::vector<std::string> args = {"/usr/bin/env", "RANK=" + std::to_string(rank), "WORLD_SIZE=2",
+                                       "LOCAL_RANK=" + std::to_string(rank), "LOCAL_WORLD_SIZE=2",
+                                       "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port};
+      args.insert(args.end(), common.begin(), common.end());
+      args.insert(args.end(), {"--resume", "--checkpoint", rank == 0 ? shared : dir.path + "/elsewhere.ckpt"});
+      results[rank] = run(args, 60s);
+    });
+  for (std::thread& rank : ranks) rank.join();
+  for (const RunResult& result : results) {
+    CHECK_MESSAGE(result.code() != 0, result.out);
+    CHECK_MESSAGE(result.err.find("--resume: the ranks do not agree where to start (rank 0 resumes after epoch 1, "
+                                  "rank 1 starts at epoch 1)") != std::string::npos,
+                  result.err);
+  }
 }
 
 TEST_CASE("toy_ddp --metrics: one line per epoch with the epoch's mean loss") {
