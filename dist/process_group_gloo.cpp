@@ -61,8 +61,11 @@ namespace {
 // address it was given as its peer's in its errors. A value in another layout is ignored.
 class GlooStore : public gloo::rendezvous::Store {
  public:
-  GlooStore(std::shared_ptr<dist::Store> store, std::string prefix, int rank, int world_size)
-      : store_(std::move(store)), prefix_(std::move(prefix)), rank_(rank), world_size_(world_size) {}
+  // timeout: how long a wait for the peers' keys may last, whatever Gloo asks for (it passes
+  // its context's timeout, which connecting the mesh sets to a fifth of the group's).
+  GlooStore(std::shared_ptr<dist::Store> store, std::string prefix, int rank, int world_size,
+            std::chrono::milliseconds timeout)
+      : store_(std::move(store)), prefix_(std::move(prefix)), rank_(rank), world_size_(world_size), timeout_(timeout) {}
 
   // Rank -> the address of its pair with this rank, as this rank's pair prints it.
   const std::map<int, std::string>& peer_addresses() const { return peer_addresses_; }
@@ -76,12 +79,11 @@ class GlooStore : public gloo::rendezvous::Store {
     note_peer_address(key, value);
     return value;
   }
-  void wait(const std::vector<std::string>& keys) override { wait(keys, store_->timeout()); }
-  void wait(const std::vector<std::string>& keys,
-            const std::chrono::milliseconds& timeout) override {
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& /*gloo's*/) override {
     std::vector<std::string> prefixed;
     for (const auto& key : keys) prefixed.push_back(prefix_ + key);
-    store_->wait(prefixed, timeout);
+    store_->wait(prefixed, timeout_);  // a rank that starts late has the group's whole timeout to arrive
   }
 
  private:
@@ -104,6 +106,7 @@ class GlooStore : public gloo::rendezvous::Store {
   std::shared_ptr<dist::Store> store_;
   std::string prefix_;
   int rank_, world_size_;
+  std::chrono::milliseconds timeout_;
   std::map<int, std::string> peer_addresses_;
 };
 
@@ -382,9 +385,10 @@ class ProcessGroupGloo : public ProcessGroup {
       auto context = std::make_shared<gloo::rendezvous::Context>(rank_, world_size_);
       // Gloo's TCP pairs wait 5x the context's timeout for their initial connect
       // (gloo/transport/tcp/pair.h, waitUntil); give them a fifth so that connecting the
-      // mesh, like every other wait, ends by the group's timeout.
+      // pairs, like every other wait, ends by the group's timeout. The wait for the peers'
+      // addresses before that keeps the whole timeout (GlooStore).
       context->setTimeout(std::max(options.timeout / 5, std::chrono::milliseconds(1)));
-      GlooStore gloo_store(store_, prefix, rank_, world_size_);
+      GlooStore gloo_store(store_, prefix, rank_, world_size_, options.timeout);
       context->connectFullMesh(gloo_store, device);
       context->setTimeout(options.timeout);
       runner_->context = context;

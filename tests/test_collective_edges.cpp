@@ -255,6 +255,20 @@ TEST_CASE("gloo: a rank that never joins ends init_process_group by the timeout"
   }
 }
 
+TEST_CASE("a rank that starts late, within the timeout, still joins the group") {
+  // Gloo's mesh connect once waited only a fifth of the timeout for the peers' addresses.
+  if (testing::under_mpirun()) return;
+  const int port = testing::free_port();
+  const std::string failures = testing::run_ranks(2, [&](int rank) {
+    if (rank == 1) std::this_thread::sleep_for(1200ms);  // 3/5 of the timeout
+    auto pg = testing::join(rank, 2, port, 2000ms);
+    Tensor t = Tensor::full({3}, static_cast<float>(rank + 1));
+    pg->all_reduce(t)->wait();
+    expect(t.to_vector() == std::vector<float>{3, 3, 3}, "rank ", rank, ": the sum after a late join is wrong");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 // Started by the case below inside `mpirun -np N`: rank 1 never calls the all_reduce.
 TEST_CASE("mpi timeout child: a peer that never calls the collective") {
   if (std::getenv("NANODDP_EDGE_TIMEOUT_CHILD") == nullptr) return;
