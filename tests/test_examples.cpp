@@ -482,6 +482,18 @@ TEST_CASE("fashion_mnist --export: the trained weights under PyTorch's names, as
   CHECK(metadata.at("epochs") == "1");
   CHECK(std::stod(metadata.at("test_accuracy")) == json_field(json_lines(r.out).at(0), "test_accuracy"));
 
+  // The README's PyTorch check of the file, where torch is installed (it is optional).
+  if (run({"/usr/bin/python3", "-c", "import torch"}, 60s).code() == 0) {
+    const char* source = std::getenv("NANODDP_SOURCE_DIR");
+    REQUIRE_MESSAGE(source != nullptr, "NANODDP_SOURCE_DIR is not set (meson test sets it)");
+    const std::string script = std::string(source) + "/benchmarks/torch_reference/load_safetensors.py";
+    const RunResult torch_check = run({"/usr/bin/python3", script, exported, "--data-dir", dir.path}, 120s);
+    CHECK_MESSAGE(torch_check.code() == 0, torch_check.out, torch_check.err);
+    CHECK(torch_check.out.find("\"torch_test_accuracy\"") != std::string::npos);
+  } else {
+    MESSAGE("benchmarks/torch_reference/load_safetensors.py not run: /usr/bin/python3 has no torch");
+  }
+
   // An export path in a missing folder fails before training, naming it.
   const RunResult bad = run({built("examples/fashion_mnist"), "--data-dir", dir.path, "--export",
                              dir.path + "/missing/mlp.safetensors"},

@@ -1,6 +1,7 @@
 #!/usr/bin/python3
-"""Loads weights that `fashion_mnist --export FILE.safetensors` wrote into the PyTorch MLP
-and reports its test accuracy next to the one nanoddp measured (stored in the file's
+"""Loads weights that `fashion_mnist --export FILE.safetensors` (or fashion_mnist_cnn's) wrote
+into the same PyTorch model (the MLP, or the CNN when the file holds convolution weights) and
+reports its test accuracy next to the one nanoddp measured (stored in the file's
 metadata): the same weights must classify the test set the same way.
 
     build/examples/fashion_mnist --epochs 2 --export /tmp/mlp.safetensors
@@ -56,7 +57,7 @@ def main():
     args = p.parse_args()
 
     tensors, metadata = read_safetensors(args.path)
-    model = make_model()
+    model = make_model("cnn" if any(t.dim() == 4 for t in tensors.values()) else "mlp")
     model.load_state_dict(tensors, strict=True)
     model.eval()
     test_x, test_y = load(args.data_dir, train=False)
