@@ -1,13 +1,16 @@
 #include "nn/file_io.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <mutex>
 
 #include "core/error.h"
 
@@ -24,6 +27,83 @@ void write_all(int fd, const std::string& bytes, const std::string& path, const 
     done += static_cast<size_t>(n);
   }
 }
+
+// Note [Temporary files and signals]
+// Ctrl-C (SIGINT), SIGTERM or SIGHUP in the middle of a write would end the process with the
+// temporary file half written next to the target. While a write is under way, each of these
+// signals that nothing else handles (its action is the default: end the process) runs
+// remove_temporaries_and_die instead: it removes the temporary files being written (unlink is
+// async-signal-safe) and ends the process by the same signal, as it would have ended. The
+// target is untouched either way (the rename is what replaces it). SIGKILL cannot be caught:
+// kill -9 may still leave a temporary file.
+constexpr int kCleanedSignals[] = {SIGINT, SIGTERM, SIGHUP};
+constexpr size_t kNumCleaned = sizeof(kCleanedSignals) / sizeof(kCleanedSignals[0]);
+
+struct Temporary {
+  std::atomic<bool> claimed{false};  // by a writer
+  std::atomic<bool> ready{false};    // path is written: the handler may remove it
+  char path[4096];
+};
+Temporary g_temporaries[16];  // writes under way at once; more are written, just not cleaned
+
+std::mutex g_signals_mutex;
+int g_writers = 0;                           // under g_signals_mutex
+struct sigaction g_saved[kNumCleaned];       // under g_signals_mutex
+bool g_installed[kNumCleaned] = {};          // under g_signals_mutex
+
+extern "C" void remove_temporaries_and_die(int signal_number) {
+  for (Temporary& temporary : g_temporaries)
+    if (temporary.ready.load(std::memory_order_acquire)) ::unlink(temporary.path);
+  struct sigaction default_action {};
+  default_action.sa_handler = SIG_DFL;
+  ::sigaction(signal_number, &default_action, nullptr);
+  ::raise(signal_number);  // blocked while this handler runs: delivered, by default, when it returns
+}
+
+// Registers a temporary file for removal by remove_temporaries_and_die while it lives.
+class TemporaryFileGuard {
+ public:
+  explicit TemporaryFileGuard(const std::string& path) {
+    for (Temporary& temporary : g_temporaries) {
+      bool expected = false;
+      if (path.size() >= sizeof temporary.path) break;
+      if (!temporary.claimed.compare_exchange_strong(expected, true)) continue;
+      std::memcpy(temporary.path, path.c_str(), path.size() + 1);
+      temporary.ready.store(true, std::memory_order_release);
+      slot_ = &temporary;
+      break;
+    }
+    std::lock_guard<std::mutex> lock(g_signals_mutex);
+    if (g_writers++ > 0) return;
+    for (size_t i = 0; i < kNumCleaned; ++i) {
+      struct sigaction current {};
+      g_installed[i] = ::sigaction(kCleanedSignals[i], nullptr, &current) == 0 &&
+                       !(current.sa_flags & SA_SIGINFO) && current.sa_handler == SIG_DFL;
+      if (!g_installed[i]) continue;
+      g_saved[i] = current;
+      struct sigaction cleanup {};
+      cleanup.sa_handler = remove_temporaries_and_die;
+      sigemptyset(&cleanup.sa_mask);
+      ::sigaction(kCleanedSignals[i], &cleanup, nullptr);
+    }
+  }
+  ~TemporaryFileGuard() {
+    {
+      std::lock_guard<std::mutex> lock(g_signals_mutex);
+      if (--g_writers == 0)
+        for (size_t i = 0; i < kNumCleaned; ++i)
+          if (g_installed[i]) ::sigaction(kCleanedSignals[i], &g_saved[i], nullptr);
+    }
+    if (slot_ == nullptr) return;
+    slot_->ready.store(false, std::memory_order_release);
+    slot_->claimed.store(false, std::memory_order_release);
+  }
+  TemporaryFileGuard(const TemporaryFileGuard&) = delete;
+  TemporaryFileGuard& operator=(const TemporaryFileGuard&) = delete;
+
+ private:
+  Temporary* slot_ = nullptr;
+};
 
 }  // namespace
 
@@ -49,6 +129,7 @@ void write_file_atomically(const std::string& path, const std::string& bytes, co
   const int fd = ::mkostemp(tmp.data(), O_CLOEXEC);
   NANODDP_CHECK(fd >= 0, IOError, what, ": cannot create a temporary file ", tmp, " next to ", path, ": ",
                 std::strerror(errno));
+  const TemporaryFileGuard removed_on_signal(tmp);  // Note [Temporary files and signals]
   try {
     // mkstemp creates 0600; the file is as readable as any other the program writes.
     NANODDP_CHECK(::fchmod(fd, 0644) == 0, IOError, what, ": chmod ", tmp, ": ", std::strerror(errno));

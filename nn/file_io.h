@@ -18,7 +18,8 @@ void check_writable(const std::string& path, const char* what);
 
 // Writes bytes to a temporary file of its own ("<path>.tmp.XXXXXX", mkstemp), fsyncs it,
 // renames it over path and fsyncs the folder: a crash or kill -9 leaves the old file or the
-// new one (a kill mid-write may leave the temporary file behind), and writers of the same
+// new one (SIGINT, SIGTERM or SIGHUP mid-write remove the temporary file and then end the
+// process as before; a kill -9 mid-write may leave it behind), and writers of the same
 // path at once all succeed, the last rename winning. Throws IOError (starting with what:
 // "checkpoint") naming the file and the failed call; the temporary file is removed on failure.
 void write_file_atomically(const std::string& path, const std::string& bytes, const char* what);
