@@ -3,11 +3,14 @@
 // Note [Store wire format]
 // Integers are little-endian, as on every host we build for (x86-64, AArch64).
 //   1. The client connects and sends a hello: u32 kMagic ("NDDP"), u32 kVersion, str job_id,
-//      str token (each <= kMaxIdentityBytes).
+//      str token (each <= kMaxIdentityBytes), i32 rank, i32 world_size (-1: not a rank).
 //   2. The server answers u32 kMagic, u32 kVersion, then one status byte:
 //        kWelcome   then u32 server pid, str server host: the verbs may follow;
 //        kWrongJob  then str the server's job id: another job's rank reached this store;
-//        kBadToken  nothing: the client does not know the job's secret token.
+//        kBadToken  nothing: the client does not know the job's secret token;
+//        kWrongWorld then u32 the server's world size: a rank of this job with another world
+//                   size (nodes started with different --nproc-per-node); the server also
+//                   keeps the refusal under kRefusedKey, which a rank's timed-out wait quotes.
 //      After a refusal, and after a wrong magic or version, the server closes the connection,
 //      so a port scanner, an HTTP client, a stranger without the token or another job's rank
 //      never reaches the verbs (no key can be read or written), and a client that reached
@@ -58,10 +61,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kMagic = 0x5044444E;  // bytes 'N' 'D' 'D' 'P'
-constexpr uint32_t kVersion = 2;         // 2: the hello carries the job id and the token
+constexpr uint32_t kVersion = 3;  // 2: the hello carries the job id and the token; 3: the rank and world size
 constexpr uint32_t kMaxIdentityBytes = 256;  // a job id or a token in the hello
 
-enum Hello : uint8_t { kWelcome = 0, kWrongJob = 1, kBadToken = 2 };
+enum Hello : uint8_t { kWelcome = 0, kWrongJob = 1, kBadToken = 2, kWrongWorld = 3 };
+// Where the server notes the ranks it refused for another world size (Note [Store wire format]).
+const char* const kRefusedKey = "nanoddp/refused";
 
 enum Status : uint8_t { kOk = 0, kMissing = 1, kNotCounter = 2, kTimeout = 3, kOverflow = 4 };
 
@@ -210,7 +215,7 @@ bool same_secret(const std::string& a, const std::string& b) {
 class TCPStore::Server {
  public:
   Server(const TCPStoreOptions& options, const std::string& context)
-      : context_(context), job_id_(options.job_id), token_(options.token) {
+      : context_(context), job_id_(options.job_id), token_(options.token), world_size_(options.world_size) {
     listen_ = bind_listen(options.listen_on_all_interfaces ? std::string() : options.host, options.port);
     int fds[2];
     NANODDP_CHECK(::pipe(fds) == 0, DistError, context_, ": store: pipe: ",
@@ -424,6 +429,7 @@ class TCPStore::Server {
     if (r.ok() && (magic != kMagic || version != kVersion)) return false;  // before any length
     std::string job_id = r.blob(kMaxIdentityBytes, "job id");
     std::string token = r.blob(kMaxIdentityBytes, "token");
+    const auto rank = static_cast<int32_t>(r.uint(4)), world_size = static_cast<int32_t>(r.uint(4));
     if (!r.ok()) return true;
     put_u32(conn.out, kMagic);
     put_u32(conn.out, kVersion);
@@ -432,6 +438,13 @@ class TCPStore::Server {
       put_str(conn.out, job_id_);
     } else if (!token_.empty() && !same_secret(token, token_)) {
       put_u8(conn.out, kBadToken);
+    } else if (world_size_ > 0 && world_size > 0 && world_size != world_size_) {
+      put_u8(conn.out, kWrongWorld);
+      put_u32(conn.out, static_cast<uint32_t>(world_size_));
+      std::vector<uint8_t>& refused = data_[kRefusedKey];
+      const std::string note = std::string(refused.empty() ? "" : "; ") + "rank " + std::to_string(rank) +
+                               " with WORLD_SIZE=" + std::to_string(world_size);
+      if (refused.size() < 4096) refused.insert(refused.end(), note.begin(), note.end());
     } else {
       put_u8(conn.out, kWelcome);
       put_u32(conn.out, static_cast<uint32_t>(::getpid()));
@@ -568,6 +581,7 @@ class TCPStore::Server {
 
   std::string context_;
   std::string job_id_, token_;  // empty: not checked
+  int world_size_;              // < 1: not checked
   detail::Fd listen_, wake_read_, wake_write_;
   int port_ = 0;
   std::atomic<bool> stop_{false};
@@ -696,6 +710,8 @@ class TCPStore::Client {
     put_u32(message, kVersion);
     put_str(message, options.job_id);
     put_str(message, options.token);
+    put_u32(message, static_cast<uint32_t>(options.rank));
+    put_u32(message, static_cast<uint32_t>(options.world_size));
     send_all(message, "hello");
     const auto deadline = Clock::now() + std::min(options.timeout, kReplyGrace);
     uint8_t reply[8];
@@ -721,6 +737,14 @@ class TCPStore::Client {
                     options.job_id.empty() ? std::string("this rank's job, which has no id") : "this rank's job '" + options.job_id + "'",
                     " (NANODDP_JOB_ID): two jobs use MASTER_PORT ", options.port,
                     "; give each job its own --master-port, or 0 to pick a free one");
+    }
+    if (status == kWrongWorld) {
+      uint8_t theirs[4];
+      recv_exact(theirs, 4, deadline, "hello");
+      NANODDP_THROW(DistError, context_, ": refused: this rank is in a job of WORLD_SIZE=", options.world_size,
+                    ", but rank 0, which serves the store, has WORLD_SIZE=", Reader{theirs, 4}.uint(4),
+                    ": every node must start the same number of ranks (nanoddp-run --nproc-per-node) and agree "
+                    "on --nnodes");
     }
     NANODDP_CHECK(status != kBadToken, DistError, context_,
                   ": refused: this rank does not have the job's secret token (NANODDP_STORE_TOKEN ",
@@ -920,8 +944,17 @@ void TCPStore::wait(const std::vector<std::string>& keys, std::chrono::milliseco
   if (status == kTimeout) {
     std::string names;
     for (const auto& key : keys) names += (names.empty() ? "'" : ", '") + key + "'";
+    std::string refused;
+    try {
+      if (check({kRefusedKey})) refused = get_string(kRefusedKey);
+    } catch (const Error&) {  // the message goes out without it
+    }
     NANODDP_THROW(TimeoutError, client_->context(), ": wait for ", names, " timed out after ",
-                  timeout.count(), " ms (a rank did not arrive or failed before setting it)");
+                  timeout.count(), " ms (a rank did not arrive or failed before setting it)",
+                  refused.empty() ? std::string()
+                                  : "; the store refused " + refused +
+                                        ", which does not match this job: every node must start the same "
+                                        "number of ranks (nanoddp-run --nproc-per-node)");
   }
   NANODDP_CHECK(status == kOk, DistError, client_->context(), ": wait: unexpected status ",
                 int(status));

@@ -115,23 +115,28 @@ std::vector<uint8_t> le32(uint32_t v) {
   return {uint8_t(v), uint8_t(v >> 8), uint8_t(v >> 16), uint8_t(v >> 24)};
 }
 
-// A client's hello (Note [Store wire format]): magic, version 2, job id, token.
+// A client's hello (Note [Store wire format]): magic, version 3, job id, token, rank and world
+// size (-1: not a rank).
 std::vector<uint8_t> hello(const std::string& job_id = "", const std::string& token = "") {
   auto h = le32(0x5044444E);
-  auto v = le32(2);
+  auto v = le32(3);
   h.insert(h.end(), v.begin(), v.end());
   for (const std::string& text : {job_id, token}) {
     auto n = le32(static_cast<uint32_t>(text.size()));
     h.insert(h.end(), n.begin(), n.end());
     h.insert(h.end(), text.begin(), text.end());
   }
+  for (int i = 0; i < 2; ++i) {
+    auto none = le32(0xFFFFFFFFu);
+    h.insert(h.end(), none.begin(), none.end());
+  }
   return h;
 }
 
-// A server's welcome: magic, version 2, status ok, pid 4242, host "fake".
+// A server's welcome: magic, version 3, status ok, pid 4242, host "fake".
 std::vector<uint8_t> welcome() {
   auto w = le32(0x5044444E);
-  auto v = le32(2);
+  auto v = le32(3);
   w.insert(w.end(), v.begin(), v.end());
   w.push_back(0);
   auto pid = le32(4242), n = le32(4);
@@ -407,8 +412,8 @@ TEST_CASE("store: a client refuses a server that is not a nanoddp store or sends
     std::atomic<bool> release{false};
     std::thread peer([&] {
       int fd = ::accept(fake.fd, nullptr, nullptr);
-      char buf[16];  // the client's hello with no job id and no token
-      [[maybe_unused]] auto n = ::recv(fd, buf, 16, MSG_WAITALL);
+      char buf[24];  // the client's hello with no job id and no token
+      [[maybe_unused]] auto n = ::recv(fd, buf, 24, MSG_WAITALL);
       auto reply = welcome();
       reply.push_back(0);  // WAIT: ok
       reply.push_back(0);  // GET: ok, then the length
@@ -496,6 +501,36 @@ TEST_CASE("store: only clients with the job's id and secret token get in") {
   good.token = "s3cret-token";
   TCPStore client(good);
   CHECK(client.get_string("key") == "value");  // never overwritten by a refused client
+}
+
+TEST_CASE("store: a rank of another world size (nodes started with different --nproc-per-node) is refused, and "
+          "the ranks waiting for it are told") {
+  TCPStore server(server_options(400ms));  // rank 0 of WORLD_SIZE=2
+  TCPStoreOptions stranger = client_options(server.port());
+  stranger.rank = 3;
+  stranger.world_size = 4;
+  std::string why;
+  try {
+    TCPStore client(stranger);
+  } catch (const DistError& e) {
+    why = e.what();
+  }
+  CHECK_MESSAGE(why.find("refused: this rank is in a job of WORLD_SIZE=4, but rank 0, which serves the store, has "
+                         "WORLD_SIZE=2: every node must start the same number of ranks") != std::string::npos,
+                why);
+  // Rank 0 waits for rank 1, which never comes: its timeout names the rank it had to refuse.
+  std::string timeout;
+  try {
+    server.wait({"ready/1"}, 400ms);
+  } catch (const TimeoutError& e) {
+    timeout = e.what();
+  }
+  CHECK_MESSAGE(timeout.find("the store refused rank 3 with WORLD_SIZE=4, which does not match this job") !=
+                    std::string::npos,
+                timeout);
+  TCPStore member(client_options(server.port()));  // WORLD_SIZE=2, as the server: admitted
+  member.set("ready/1", std::string("yes"));
+  CHECK(server.get_string("ready/1") == "yes");
 }
 
 TEST_CASE("store: garbage on the port never crashes the server") {
