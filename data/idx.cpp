@@ -87,11 +87,20 @@ class IdxStream {
   }
 
  private:
+  // zlib reads ahead (a whole small file at once) and checks the trailer's CRC only at the
+  // end, so the error can come before gzread delivered a byte: the message gives both how far
+  // the decompressed data got and how far into the file zlib had read when it stopped.
   [[noreturn]] void fail_stream() const {
     int errnum = Z_OK;
     const char* message = gzerror(file_.get(), &errnum);
-    NANODDP_THROW(IOError, "IDX file '", path_, "': corrupt or truncated gzip data at ", where(offset_),
-                  " (zlib: ", errnum == Z_ERRNO ? std::strerror(errno) : message, ")");
+    const std::string reason = errnum == Z_ERRNO ? std::strerror(errno) : message;
+    const z_off_t read_to = gzoffset(file_.get());
+    const std::string file_position =
+        read_to < 0 ? std::string()
+                    : ", zlib having read the file to byte offset " + std::to_string(read_to) +
+                          (file_bytes_ != UINT64_MAX ? " of " + std::to_string(file_bytes_) : std::string());
+    NANODDP_THROW(IOError, "IDX file '", path_, "': corrupt or truncated gzip data after ", where(offset_),
+                  file_position, " (zlib: ", reason, ")");
   }
 
   std::string path_;

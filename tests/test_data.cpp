@@ -254,6 +254,13 @@ TEST_CASE("corrupt gzip: a cut stream and a wrong checksum are IOErrors naming t
   message = io_error([&] { read_idx_images(crc); });
   CHECK(contains(message, crc));
   CHECK(contains(message, "corrupt or truncated gzip data"));
+  // The checksum is in the 8-byte trailer: zlib stopped there, whatever it had delivered.
+  const std::string at = "zlib having read the file to byte offset ";
+  REQUIRE_MESSAGE(contains(message, at), message);
+  const size_t stopped = std::stoul(message.substr(message.find(at) + at.size()));
+  CHECK(stopped >= bad_crc.size() - 8);
+  CHECK(stopped <= bad_crc.size());
+  CHECK(contains(message, " of " + std::to_string(bad_crc.size()) + " (zlib: "));
 }
 
 TEST_CASE("a missing file: IOError with the path and the system's reason") {
