@@ -1,8 +1,10 @@
 #include "core/trace.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -192,6 +194,9 @@ void start(const std::string& path) {
   if (!full.empty()) {
     NANODDP_CHECK(::access(folder_of(full).c_str(), W_OK) == 0, IOError, "cannot write the trace file ", full,
                   ": its folder ", folder_of(full), " is missing or not writable");
+    struct stat info {};
+    NANODDP_CHECK(::stat(full.c_str(), &info) != 0 || S_ISREG(info.st_mode), IOError, "cannot write the trace file ",
+                  full, ": it exists and is not a regular file (a folder?); give a file name");
   }
   std::lock_guard<std::mutex> lock(r.mutex);
   r.events.clear();
@@ -288,10 +293,17 @@ std::string write() {
     });
     out << "\n]}\n";
     out.flush();
-    NANODDP_CHECK(out.good(), IOError, "writing the trace file ", temporary, " failed (disk full?)");
+    if (!out.good()) {
+      out.close();
+      std::remove(temporary.c_str());
+      NANODDP_THROW(IOError, "writing the trace file ", temporary, " failed (disk full?)");
+    }
   }
-  NANODDP_CHECK(std::rename(temporary.c_str(), target.c_str()) == 0, IOError, "cannot rename ", temporary, " to ",
-                target);
+  if (std::rename(temporary.c_str(), target.c_str()) != 0) {
+    const int error = errno;
+    std::remove(temporary.c_str());  // a whole trace under a name nobody asked for is litter
+    NANODDP_THROW(IOError, "cannot rename ", temporary, " to ", target, ": ", std::strerror(error));
+  }
   return target;
 }
 

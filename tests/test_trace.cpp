@@ -258,6 +258,15 @@ TEST_CASE("NANODDP_TRACE traces a program without a --trace flag; world size 1 w
   CHECK(steps == 2 * 13);  // 100 pairs in batches of 8: 13 per epoch
   CHECK(backward_nodes == 2 * 13);
   CHECK(all_reduces == 0);  // one rank: the gradient is already the mean
+
+  // A trace path that is a folder is refused before any training, and nothing is left behind.
+  const RunResult folder = run({built("examples/toy_ddp"), "--epochs", "2", "--trace", dir.path});
+  CHECK(folder.code() != 0);
+  CHECK_MESSAGE(folder.err.find("cannot write the trace file " + dir.path + ": it exists and is not a regular file") !=
+                    std::string::npos,
+                folder.err);
+  CHECK(folder.out.find("epoch") == std::string::npos);
+  CHECK(read_file(dir.path + ".tmp").empty());
 }
 
 TEST_CASE("the recorder gives back every event exactly, across its record and text blocks") {
