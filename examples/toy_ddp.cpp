@@ -198,11 +198,16 @@ int main(int argc, char** argv) {
       const float difference = std::max(std::abs(w - one.weight), std::abs(b - one.bias));
       const bool equal_to_one = difference <= 1e-5f * std::max(1.0f, std::abs(one.weight));
       const bool fits = std::abs(w - 2.0f) < 0.01f && std::abs(b) < 0.01f;
+      // A rank's share is the data set over the ranks, padded (DistributedSampler): with more
+      // ranks than data/batch, a rank's batch is its whole share.
+      const int64_t share = (static_cast<int64_t>(dataset->size()) + world_size - 1) / world_size;
+      const int64_t first_batch = std::min<int64_t>(batch_size, share);
       std::printf("check 1: every rank ends with the same parameters (all %d equal, bit for bit): %s\n", world_size,
                   same ? "yes" : "NO");
-      std::printf("check 2: one process on the global batch of %lld (%lld per rank x %d ranks) ends with weight %.6f,"
+      std::printf("check 2: one process on the global batch of %lld (%lld per rank x %d rank%s) ends with weight %.6f,"
                   " bias %.6f; largest difference %.2g: %s\n",
-                  static_cast<long long>(batch_size * world_size), static_cast<long long>(batch_size), world_size,
+                  static_cast<long long>(first_batch * world_size), static_cast<long long>(first_batch), world_size,
+                  world_size == 1 ? "" : "s",
                   one.weight, one.bias, difference, equal_to_one ? "yes" : "NO");
       std::printf("check 3: the fit is y = 2x: |weight - 2| = %.2g and |bias| = %.2g, both < 0.01: %s\n",
                   std::abs(w - 2.0f), std::abs(b), fits ? "yes" : "not yet (more --epochs or a larger --lr)");
