@@ -60,19 +60,12 @@ extern "C" void remove_temporaries_and_die(int signal_number) {
   ::raise(signal_number);  // blocked while this handler runs: delivered, by default, when it returns
 }
 
-// Registers a temporary file for removal by remove_temporaries_and_die while it lives.
+// While it lives, the cleaned signals run remove_temporaries_and_die, and the file given to
+// track() is removed by it. Made before the file is created: a signal between the creation and
+// track() would otherwise find the handlers missing or the file not yet registered.
 class TemporaryFileGuard {
  public:
-  explicit TemporaryFileGuard(const std::string& path) {
-    for (Temporary& temporary : g_temporaries) {
-      bool expected = false;
-      if (path.size() >= sizeof temporary.path) break;
-      if (!temporary.claimed.compare_exchange_strong(expected, true)) continue;
-      std::memcpy(temporary.path, path.c_str(), path.size() + 1);
-      temporary.ready.store(true, std::memory_order_release);
-      slot_ = &temporary;
-      break;
-    }
+  TemporaryFileGuard() {
     std::lock_guard<std::mutex> lock(g_signals_mutex);
     if (g_writers++ > 0) return;
     for (size_t i = 0; i < kNumCleaned; ++i) {
@@ -85,6 +78,17 @@ class TemporaryFileGuard {
       cleanup.sa_handler = remove_temporaries_and_die;
       sigemptyset(&cleanup.sa_mask);
       ::sigaction(kCleanedSignals[i], &cleanup, nullptr);
+    }
+  }
+  void track(const std::string& path) {
+    for (Temporary& temporary : g_temporaries) {
+      bool expected = false;
+      if (path.size() >= sizeof temporary.path) break;
+      if (!temporary.claimed.compare_exchange_strong(expected, true)) continue;
+      std::memcpy(temporary.path, path.c_str(), path.size() + 1);
+      temporary.ready.store(true, std::memory_order_release);
+      slot_ = &temporary;
+      break;
     }
   }
   ~TemporaryFileGuard() {
@@ -126,10 +130,18 @@ void write_file_atomically(const std::string& path, const std::string& bytes, co
   // processes writing the same path at once never truncate or rename away each other's file:
   // the last rename wins and path always holds one whole file.
   std::string tmp = path + ".tmp.XXXXXX";
+  TemporaryFileGuard removed_on_signal;  // Note [Temporary files and signals]
+  // The signals wait on this thread from the file's creation until it is registered.
+  sigset_t cleaned, previous;
+  sigemptyset(&cleaned);
+  for (int signal_number : kCleanedSignals) sigaddset(&cleaned, signal_number);
+  ::pthread_sigmask(SIG_BLOCK, &cleaned, &previous);
   const int fd = ::mkostemp(tmp.data(), O_CLOEXEC);
+  const int create_error = errno;
+  if (fd >= 0) removed_on_signal.track(tmp);
+  ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
   NANODDP_CHECK(fd >= 0, IOError, what, ": cannot create a temporary file ", tmp, " next to ", path, ": ",
-                std::strerror(errno));
-  const TemporaryFileGuard removed_on_signal(tmp);  // Note [Temporary files and signals]
+                std::strerror(create_error));
   try {
     // mkstemp creates 0600; the file is as readable as any other the program writes.
     NANODDP_CHECK(::fchmod(fd, 0644) == 0, IOError, what, ": chmod ", tmp, ": ", std::strerror(errno));

@@ -132,6 +132,7 @@ TEST_CASE("Ctrl-C (SIGINT) or SIGTERM during a save: the process ends by the sig
   for (int trial = 0; trial < 6 && signalled_mid_save < 2; ++trial) {
     const int signal_number = trial % 2 == 0 ? SIGINT : SIGTERM;
     CAPTURE(signal_number);
+    for (const auto& stale : temporaries_of(path)) fs::remove(stale);
     std::fflush(nullptr);
     const pid_t writer = ::fork();
     REQUIRE(writer >= 0);
