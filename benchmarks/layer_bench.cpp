@@ -67,7 +67,7 @@ int main(int argc, char** argv) {
   for (const LayerCase& c : layer_cases()) names.push_back(c.name);
   // A name that matches no layer is refused, not an empty table.
   app.add_option("--only", only, "one layer's name, as printed")->check(cli::one_of(names));
-  CLI11_PARSE(app, argc, argv);
+  if (auto code = cli::parse(app, argc, argv, "layer_bench")) return *code;
   try {
     for (const LayerCase& c : layer_cases()) {
       if (!only.empty() && c.name != only) continue;

@@ -87,8 +87,7 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "SGD steps")->check(cli::integer_in(1));
   app.add_option("--trace", trace_file, "write a Chrome trace (ui.perfetto.dev) of the run to FILE")->check(cli::path());
   app.add_flag("--explain", explain, "print the bucket plan, then per step the all-reduces and exposed communication");
-  if (!cli::values_given(argc, argv, "custom_layer")) return static_cast<int>(CLI::ExitCodes::ValidationError);
-  CLI11_PARSE(app, argc, argv);
+  if (auto code = cli::parse(app, argc, argv, "custom_layer")) return *code;
   try {
     if (!trace_file.empty()) trace::start(trace_file);
     explain = explain || dist::explain_from_environment();

@@ -341,6 +341,17 @@ void check_same_start(dist::ProcessGroup& pg, const std::string& checkpoint, int
                 " must be one file that every rank reads (a filesystem they share), as rank 0 writes it for all");
 }
 
+// What is wrong with a combination of flags that each parsed, or "" when nothing is.
+std::string flags_problem(const Config& config) {
+  if (config.momentum && config.optimizer != "sgd")
+    return "--momentum applies to --optimizer sgd only (Adam's betas play its part)";
+  if (config.resume && config.checkpoint.empty()) return "--resume needs --checkpoint FILE";
+  if (config.warmup_epochs >= config.epochs)
+    return "--warmup-epochs " + std::to_string(config.warmup_epochs) + " leaves no epoch after the warm-up of --epochs " +
+           std::to_string(config.epochs);
+  return "";
+}
+
 int run(const Config& config) {
   if (!config.trace.empty()) trace::start(config.trace);
   const bool explain = config.explain || dist::explain_from_environment();
@@ -352,9 +363,6 @@ int run(const Config& config) {
   auto pg = dist::init_process_group(init);
   const int rank = pg->rank(), world_size = pg->size();
   const bool chatty = rank == 0 && !config.quiet;
-  NANODDP_CHECK(!config.resume || !config.checkpoint.empty(), ValueError, "--resume needs --checkpoint FILE");
-  NANODDP_CHECK(config.warmup_epochs < config.epochs, ValueError, "--warmup-epochs ", config.warmup_epochs,
-                " leaves no epoch after the warm-up of --epochs ", config.epochs);
   // Rank 0 saves after every epoch: find out now, not after an epoch of training, if it can.
   if (rank == 0 && !config.checkpoint.empty()) nn::check_checkpoint_writable(config.checkpoint);
   if (rank == 0 && !config.export_path.empty()) nn::check_safetensors_writable(config.export_path);
@@ -580,11 +588,9 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc && std::string(argv[i]) != "--"; ++i) {
     const std::string arg = argv[i];
     if (arg == "--hidden" || arg.rfind("--hidden=", 0) == 0) {
-      std::fprintf(stderr,
-                   "%s: --hidden sets the widths of fashion_mnist's MLP; this CNN's layers are fixed (its hidden "
-                   "layer is Linear(1600, 128))\nRun with --help for more information.\n",
-                   kExample);
-      return static_cast<int>(CLI::ExitCodes::ValidationError);
+      return cli::usage_error(kExample,
+                              "--hidden sets the widths of fashion_mnist's MLP; this CNN's layers are fixed (its "
+                              "hidden layer is Linear(1600, 128))");
     }
   }
 #else
@@ -601,12 +607,8 @@ int main(int argc, char** argv) {
       ->check(cli::path());
   app.add_flag("--explain", config.explain,
                "print the bucket plan, then per step of each epoch the all-reduces, bytes and exposed communication");
-  if (!cli::values_given(argc, argv, kExample)) return static_cast<int>(CLI::ExitCodes::ValidationError);
-  CLI11_PARSE(app, argc, argv);
-  if (config.momentum && config.optimizer != "sgd") {
-    std::fprintf(stderr, "%s: --momentum applies to --optimizer sgd only (Adam's betas play its part)\n", kExample);
-    return 1;
-  }
+  if (auto code = cli::parse(app, argc, argv, kExample)) return *code;
+  if (const std::string problem = flags_problem(config); !problem.empty()) return cli::usage_error(kExample, problem);
   try {
     return run(config);
   } catch (const std::exception& e) {

@@ -105,8 +105,7 @@ int main(int argc, char** argv) {
       ->check(cli::path());
   app.add_option("--trace", trace_file, "write a Chrome trace (ui.perfetto.dev) of the run to FILE")->check(cli::path());
   app.add_flag("--explain", explain, "print the bucket plan, then per step of each epoch the all-reduces");
-  if (!cli::values_given(argc, argv, "toy_ddp")) return static_cast<int>(CLI::ExitCodes::ValidationError);
-  CLI11_PARSE(app, argc, argv);
+  if (auto code = cli::parse(app, argc, argv, "toy_ddp")) return *code;
 
   try {
     if (!trace_file.empty()) trace::start(trace_file);

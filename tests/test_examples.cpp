@@ -207,7 +207,7 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   CHECK(r.code() == 1);
   CHECK(std::regex_search(r.err, std::regex("loss became -?nan in epoch 1 by step [0-9]+")));
   r = run_with({"--resume"});
-  CHECK(r.code() == 1);
+  CHECK(r.code() == 2);  // a usage error: argparse's status
   CHECK(r.err.find("--resume needs --checkpoint") != std::string::npos);
   r = run_with({"--checkpoint", dir.path + "/missing/folder/run.ckpt"});
   CHECK(r.code() == 1);
@@ -220,13 +220,13 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   CHECK(r.err.find("cannot resume from checkpoint " + ckpt) != std::string::npos);
   CHECK(r.err.find("2 epochs done, more than --epochs 1") != std::string::npos);
   r = run_with({"--optimizer", "rmsprop"});
-  CHECK(r.code() != 0);
+  CHECK(r.code() == 2);
   CHECK(r.err.find("--optimizer") != std::string::npos);
   r = run_with({"--optimizer", "adam", "--momentum", "0.9"});
-  CHECK(r.code() == 1);
+  CHECK(r.code() == 2);
   CHECK(r.err.find("--momentum applies to --optimizer sgd only") != std::string::npos);
   r = run_with({"--epochs", "2", "--warmup-epochs", "2"});
-  CHECK(r.code() == 1);
+  CHECK(r.code() == 2);
   CHECK(r.err.find("--warmup-epochs 2 leaves no epoch after the warm-up of --epochs 2") != std::string::npos);
   r = run_with({"--epochs", "1", "--optimizer", "adam", "--comm-hook", "bf16", "--gradient-as-bucket-view"});
   REQUIRE_MESSAGE(r.code() == 0, r.err);
@@ -234,7 +234,7 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   CHECK(r.out.find("\"optimizer\":\"adam\",\"comm_hook\":\"bf16\",\"gradient_as_bucket_view\":true}") !=
         std::string::npos);
   r = run_with({"--batch-size", "0"});
-  CHECK(r.code() != 0);
+  CHECK(r.code() == 2);
   CHECK(r.err.find("--batch-size: must be an integer >= 1, got '0'") != std::string::npos);
 
   TempDir empty;
@@ -263,12 +263,16 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
       {{built("examples/custom_layer"), "--trace", ""}, "--trace: must name a file or folder, got ''"},
       // A layer name that matches none would print an empty table.
       {{built("benchmarks/layer_bench"), "--only", "Relu"}, "--only: must be one of ReLU, Sigmoid"},
+      // CLI11's other parse errors (its own exit codes 109, 114) are usage errors like the rest.
+      {{built("examples/toy_ddp"), "--bogus"}, "toy_ddp: The following argument was not expected: --bogus"},
+      {{built("examples/custom_layer"), "--steps"}, "custom_layer: --steps: 1 required"},
+      {{mlp, "--epochs", "x"}, "fashion_mnist: --epochs: must be an integer >= 1, got 'x'"},
   };
   for (const auto& [args, message] : bad) {
     const std::string flag = args[1];  // CAPTURE's lambda cannot name a structured binding (C++17)
     CAPTURE(flag);
     const RunResult r = run(args);
-    CHECK(r.code() == 105);  // CLI11's ValidationError
+    CHECK(r.code() == 2);  // argparse's status for every usage error
     CHECK_MESSAGE(r.err.find(message) != std::string::npos, r.err);
     CHECK(r.out.empty());
   }
@@ -277,6 +281,7 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
   CHECK(mlp_help.out.find("--hidden") != std::string::npos);
   CHECK(cnn_help.out.find("--hidden") == std::string::npos);
   CHECK(cnn_help.out.find("auto, shm, shm+gloo, gloo, mpi or nccl") != std::string::npos);
+  CHECK(mlp_help.code() == 0);
 }
 
 // ---- files the examples write: --metrics, --export; the live progress line ----------------
