@@ -263,6 +263,8 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
       {{built("examples/custom_layer"), "--trace", ""}, "--trace: must name a file or folder, got ''"},
       // A layer name that matches none would print an empty table.
       {{built("benchmarks/layer_bench"), "--only", "Relu"}, "--only: must be one of ReLU, Sigmoid"},
+      {{built("benchmarks/layer_bench"), "--only", ""}, "layer_bench: --only: must be one of ReLU, Sigmoid"},
+      {{built("benchmarks/layer_bench"), "--only="}, "layer_bench: --only= has no value after '='"},
       // CLI11's other parse errors (its own exit codes 109, 114) are usage errors like the rest.
       {{built("examples/toy_ddp"), "--bogus"}, "toy_ddp: The following argument was not expected: --bogus"},
       {{built("examples/custom_layer"), "--steps"}, "custom_layer: --steps: 1 required"},
