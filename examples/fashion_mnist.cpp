@@ -47,6 +47,7 @@
 #include "dist/init.h"
 #include "examples/example_utils.h"
 #include "examples/metrics.h"
+#include "examples/process_group_flags.h"
 #include "tools/cli_checks.h"
 #include "nn/adam.h"
 #include "nn/checkpoint.h"
@@ -76,8 +77,7 @@ struct Config {
   // benchmarks/run passes its own recipe (batch 64) to both frameworks.
   int64_t batch_size = NANODDP_FASHION_MNIST_CNN ? 32 : 64;
   uint64_t seed = 0;
-  std::string device = "cpu";
-  std::string backend = "auto";
+  examples::ProcessGroupFlags group;  // --backend, --device, --timeout
   std::string data_dir = data::FashionMNIST::kDefaultRoot;
   std::string checkpoint;
   std::string export_path;
@@ -90,7 +90,6 @@ struct Config {
   std::string comm_hook = "none";  // none | allreduce | fp16 | bf16 (dist/comm_hooks.h)
   bool prefetch = false;
   bool quiet = false;
-  int timeout_s = 300;
   std::vector<int64_t> hidden = {256, 128};  // widths of the hidden layers
   double bucket_cap_mb = static_cast<double>(dist::kDefaultBucketCapBytes) / (1 << 20);
   double first_bucket_cap_mb = static_cast<double>(dist::kDefaultFirstBucketCapBytes) / (1 << 20);
@@ -355,11 +354,8 @@ std::string flags_problem(const Config& config) {
 int run(const Config& config) {
   if (!config.trace.empty()) trace::start(config.trace);
   const bool explain = config.explain || dist::explain_from_environment();
-  const Device device = examples::rank_device(config.device);
-  dist::InitOptions init;
-  init.backend = dist::parse_backend(config.backend);
-  init.device = device;
-  init.timeout = std::chrono::seconds(config.timeout_s);
+  const dist::InitOptions init = config.group.init_options();
+  const Device device = init.device;
   auto pg = dist::init_process_group(init);
   const int rank = pg->rank(), world_size = pg->size();
   const bool chatty = rank == 0 && !config.quiet;
@@ -548,14 +544,8 @@ int main(int argc, char** argv) {
                  "epochs of linear warm-up from lr/3 to lr, stepped per batch (LinearLR), before --schedule")
       ->check(cli::integer_in(0));
   app.add_option("--batch-size", config.batch_size, "examples per rank per step")->check(cli::integer_in(1));
-  app.add_option("--timeout", config.timeout_s, "seconds to wait for other ranks (rendezvous, each collective)")
-      ->check(cli::integer_in(1));
   app.add_option("--seed", config.seed, "seed of the weights and of the data order");
-  app.add_option("--device", config.device, "cpu, cuda (rank r uses cuda:LOCAL_RANK) or cuda:N")->check(cli::device());
-  app.add_option("--backend", config.backend,
-                 "auto, shm, shm+gloo, gloo, mpi or nccl (auto: nccl on cuda, else mpi under mpirun, shm on one node, "
-                 "shm+gloo across nodes)")
-      ->check(cli::backend());
+  config.group.add_to(app);
   app.add_option("--data-dir", config.data_dir, "folder with the four Fashion-MNIST IDX files")->check(cli::path());
   app.add_option("--checkpoint", config.checkpoint, "file rank 0 writes after every epoch")->check(cli::path());
   app.add_option("--export", config.export_path,

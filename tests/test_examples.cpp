@@ -78,6 +78,20 @@ TEST_CASE("toy_ddp: 2 ranks end with equal parameters, equal to 1 rank with the 
   }
 }
 
+TEST_CASE("custom_layer takes --backend, --device and --timeout as the other examples do, and fits y = |x| on 2 ranks") {
+  const RunResult r = run({launcher_path(), "--nproc-per-node", "2", built("examples/custom_layer"), "--backend", "gloo",
+                           "--device", "cpu", "--timeout", "30", "--steps", "60"},
+                          60s);
+  REQUIRE_MESSAGE(r.code() == 0, r.out, r.err);
+  CHECK(std::regex_search(r.out, std::regex("gradient check: max \\|analytic - numeric\\| = [0-9.]+e-(0[5-9]|[1-9][0-9])")));
+  for (const std::string rank : {"0", "1"}) {
+    CAPTURE(rank);
+    std::smatch match;
+    REQUIRE_MESSAGE(std::regex_search(r.out, match, std::regex("rank " + rank + ": loss after 60 steps ([0-9.]+)")), r.out);
+    CHECK(std::stod(match[1].str()) < 0.05);  // an untrained output near 0 costs E[x^2] = 4/3 on [-2, 2]
+  }
+}
+
 TEST_CASE("toy_ddp's defaults reach w = 2, b = 0 at world sizes 1 to 8, and its three checks pass") {
   for (int world = 1; world <= 8; ++world) {
     CAPTURE(world);
