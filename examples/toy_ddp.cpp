@@ -93,6 +93,7 @@ int main(int argc, char** argv) {
   std::string metrics_path;
   std::string trace_file;
   bool explain = false;
+  app.option_defaults()->always_capture_default();  // --help shows each default, as fashion_mnist's does
   app.add_option("--epochs", epochs, "passes over the data")->check(cli::integer_in(1));
   app.add_option("--lr", lr, "SGD learning rate")->check(cli::number_in(0));
   app.add_option("--batch-size", batch_size, "examples per rank per step")->check(cli::integer_in(1));

@@ -298,6 +298,21 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
   CHECK(cnn_help.out.find("--hidden") == std::string::npos);
   CHECK(cnn_help.out.find("auto, shm, shm+gloo, gloo, mpi or nccl") != std::string::npos);
   CHECK(mlp_help.code() == 0);
+  // Every option with a default shows it in --help (CLI11's "=value").
+  const std::vector<std::pair<std::string, std::string>> defaults = {
+      {"examples/toy_ddp", "--epochs INT:1 or more=10 "},      {"examples/toy_ddp", "--lr FLOAT:>= 0=0.4 "},
+      {"examples/toy_ddp", "--batch-size INT:1 or more=8"},     {"examples/toy_ddp", "--timeout INT:1 or more=300 "},
+      {"examples/custom_layer", "--steps INT:1 or more=300 "}, {"examples/custom_layer", "=auto\n"},
+      {"examples/fashion_mnist", "--epochs INT:1 or more=10 "}, {"benchmarks/layer_bench", "--min-time FLOAT:>= 0=0.2 "},
+      {"benchmarks/allreduce_bench", "|nccl=auto\n"},         {"benchmarks/allreduce_bench", "--warmup INT:0..1000000=3 "},
+  };
+  for (const auto& [program, shown] : defaults) {
+    const std::string wanted = shown;  // CAPTURE's lambda cannot name a structured binding (C++17)
+    CAPTURE(wanted);
+    const RunResult help = run({built(program), "--help"});
+    CHECK(help.code() == 0);
+    CHECK_MESSAGE(help.out.find(shown) != std::string::npos, help.out);
+  }
 }
 
 // ---- files the examples write: --metrics, --export; the live progress line ----------------

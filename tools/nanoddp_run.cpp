@@ -130,7 +130,8 @@ int main(int argc, char** argv) {
       ->check(nanoddp::cli::integer_in(0, 65535))
       ->capture_default_str();
   app.add_option("--backend", options.backend,
-                 "exported as NANODDP_BACKEND; mpi starts the ranks through mpirun")
+                 "exported as NANODDP_BACKEND; mpi starts the ranks through mpirun (default: none exported, each "
+                 "program picks its own)")
       ->check(nanoddp::cli::backend());
   app.add_option("--grace-period", grace_s, "seconds between SIGTERM and SIGKILL when ranks are stopped")
       ->check(nanoddp::cli::number_in(0, kMaxSeconds))
