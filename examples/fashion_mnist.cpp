@@ -348,6 +348,12 @@ std::string flags_problem(const Config& config) {
   if (config.warmup_epochs >= config.epochs)
     return "--warmup-epochs " + std::to_string(config.warmup_epochs) + " leaves no epoch after the warm-up of --epochs " +
            std::to_string(config.epochs);
+  // A stop past the end is a typo or a mix-up of epochs-done with epochs-to-run, not a
+  // request: --epochs is the whole run's length, resumed or not, and the schedule spans it.
+  if (config.stop_after > config.epochs)
+    return "--stop-after " + std::to_string(config.stop_after) + " is past --epochs " + std::to_string(config.epochs) +
+           " (the whole run, resumed epochs included): give an epoch from 1 to " + std::to_string(config.epochs) +
+           ", or 0 to train every epoch";
   return "";
 }
 
@@ -413,7 +419,7 @@ int run(const Config& config) {
   int epochs_done = first_epoch;
   bool rebuilt_plan_explained = false;
   if (first_epoch >= config.epochs) accuracy = evaluate(*model, test_loader, *pg);
-  const int last_epoch = config.stop_after > 0 ? std::min(config.stop_after, config.epochs) : config.epochs;
+  const int last_epoch = config.stop_after > 0 ? config.stop_after : config.epochs;  // stop_after <= epochs
   for (int epoch = first_epoch; epoch < last_epoch; ++epoch) {
     train_loader.set_epoch(epoch);
     dropout_gen.manual_seed((config.seed * 1000003 + static_cast<uint64_t>(epoch)) * 1024 + static_cast<uint64_t>(rank));
@@ -557,7 +563,7 @@ int main(int argc, char** argv) {
       ->check(cli::path());
   app.add_flag("--resume", config.resume, "continue from --checkpoint if it exists");
   app.add_option("--stop-after", config.stop_after,
-                 "stop after this epoch, as a job with a time limit would (the schedule still spans --epochs; "
+                 "stop after this epoch (1..--epochs), as a job with a time limit would (the schedule still spans --epochs; "
                  "0: never); rerun with --resume to go on")
       ->check(cli::integer_in(0));
   app.add_option("--schedule", config.schedule, "learning rate over training: cosine (to 0) or constant")

@@ -242,6 +242,14 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   r = run_with({"--epochs", "2", "--warmup-epochs", "2"});
   CHECK(r.code() == 2);
   CHECK(r.err.find("--warmup-epochs 2 leaves no epoch after the warm-up of --epochs 2") != std::string::npos);
+  // --epochs is the whole run's length, resumed or not: a stop past it is refused either way.
+  for (const std::vector<std::string>& flags : {std::vector<std::string>{"--epochs", "2", "--stop-after", "3"},
+                                                {"--epochs", "2", "--stop-after", "3", "--checkpoint", ckpt, "--resume"}}) {
+    r = run_with(flags);
+    CHECK(r.code() == 2);
+    CHECK_MESSAGE(r.err.find("--stop-after 3 is past --epochs 2") != std::string::npos, r.err);
+    CHECK(r.out.empty());
+  }
   r = run_with({"--epochs", "1", "--optimizer", "adam", "--comm-hook", "bf16", "--gradient-as-bucket-view"});
   REQUIRE_MESSAGE(r.code() == 0, r.err);
   // The result line says how the run was made: two runs that differ in a flag are told apart.
