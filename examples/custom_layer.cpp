@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
   app.option_defaults()->always_capture_default();
   app.add_option("--steps", steps, "SGD steps")->check(cli::integer_in(1));
   group.add_to(app);
-  app.add_option("--trace", trace_file, "write a Chrome trace (ui.perfetto.dev) of the run to FILE")->check(cli::path());
+  app.add_option("--trace", trace_file, "write a Chrome trace (ui.perfetto.dev) of the run to FILE")->check(cli::file_path());
   app.add_flag("--explain", explain, "print the bucket plan, then per step the all-reduces and exposed communication");
   if (auto code = cli::parse(app, argc, argv, "custom_layer")) return *code;
   try {

@@ -552,15 +552,15 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", config.batch_size, "examples per rank per step")->check(cli::integer_in(1));
   app.add_option("--seed", config.seed, "seed of the weights and of the data order");
   config.group.add_to(app);
-  app.add_option("--data-dir", config.data_dir, "folder with the four Fashion-MNIST IDX files")->check(cli::path());
-  app.add_option("--checkpoint", config.checkpoint, "file rank 0 writes after every epoch")->check(cli::path());
+  app.add_option("--data-dir", config.data_dir, "folder with the four Fashion-MNIST IDX files")->check(cli::folder_path());
+  app.add_option("--checkpoint", config.checkpoint, "file rank 0 writes after every epoch")->check(cli::file_path());
   app.add_option("--export", config.export_path,
                  "safetensors file rank 0 writes the trained weights to, with PyTorch's names (0.weight, ...)")
-      ->check(cli::path());
+      ->check(cli::file_path());
   app.add_option("--metrics", config.metrics,
                  "JSON-lines file rank 0 writes step, epoch, loss, lr, samples/s, test accuracy and wall time to "
                  "(tools/plot draws it); --resume appends")
-      ->check(cli::path());
+      ->check(cli::file_path());
   app.add_flag("--resume", config.resume, "continue from --checkpoint if it exists");
   app.add_option("--stop-after", config.stop_after,
                  "stop after this epoch (1..--epochs), as a job with a time limit would (the schedule still spans --epochs; "
@@ -600,7 +600,7 @@ int main(int argc, char** argv) {
       ->check(cli::number_in(1e-6));
   app.add_option("--trace", config.trace,
                  "write a Chrome trace (ui.perfetto.dev) of the run to FILE; nanoddp-run merges the ranks' files")
-      ->check(cli::path());
+      ->check(cli::file_path());
   app.add_flag("--explain", config.explain,
                "print the bucket plan, then per step of each epoch the all-reduces, bytes and exposed communication");
   if (auto code = cli::parse(app, argc, argv, kExample)) return *code;

@@ -103,8 +103,8 @@ int main(int argc, char** argv) {
   app.add_option("--seed", seed, "seed of the initial weights");
   group.add_to(app);
   app.add_option("--metrics", metrics_path, "JSON-lines file rank 0 writes one line per epoch to (examples/metrics.h)")
-      ->check(cli::path());
-  app.add_option("--trace", trace_file, "write a Chrome trace (ui.perfetto.dev) of the run to FILE")->check(cli::path());
+      ->check(cli::file_path());
+  app.add_option("--trace", trace_file, "write a Chrome trace (ui.perfetto.dev) of the run to FILE")->check(cli::file_path());
   app.add_flag("--explain", explain, "print the bucket plan, then per step of each epoch the all-reduces");
   if (auto code = cli::parse(app, argc, argv, "toy_ddp")) return *code;
 

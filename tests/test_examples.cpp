@@ -277,12 +277,14 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
       {{built("examples/toy_ddp"), "--backend", "tcp"}, "--backend: " + backends + ", got 'tcp'"},
       {{mlp, "--device", "gpu"}, "--device: must be cpu, cuda or cuda:N, got 'gpu'"},
       {{built("examples/toy_ddp"), "--device", "cuda:"}, "--device: must be cpu, cuda or cuda:N, got 'cuda:'"},
-      {{mlp, "--data-dir", ""}, "--data-dir: must name a file or folder, got ''"},
-      {{mlp, "--checkpoint", ""}, "--checkpoint: must name a file or folder, got ''"},
+      {{mlp, "--data-dir", ""}, "fashion_mnist: --data-dir: got an empty path; give a folder name"},
+      {{mlp, "--checkpoint", ""}, "fashion_mnist: --checkpoint: got an empty path; give a file name"},
+      {{cnn, "--export", ""}, "fashion_mnist_cnn: --export: got an empty path; give a file name"},
+      {{built("examples/toy_ddp"), "--metrics", ""}, "toy_ddp: --metrics: got an empty path; give a file name"},
       // CLI11 reads `--flag=` as `--flag`, and `--option=` as a missing value without saying why.
       {{mlp, "--gradient-as-bucket-view="}, "fashion_mnist: --gradient-as-bucket-view= has no value after '='"},
       {{cnn, "--metrics="}, "fashion_mnist_cnn: --metrics= has no value after '='"},
-      {{built("examples/custom_layer"), "--trace", ""}, "--trace: must name a file or folder, got ''"},
+      {{built("examples/custom_layer"), "--trace", ""}, "custom_layer: --trace: got an empty path; give a file name"},
       // A layer name that matches none would print an empty table.
       {{built("benchmarks/layer_bench"), "--only", "Relu"}, "--only: must be one of ReLU, Sigmoid"},
       {{built("benchmarks/layer_bench"), "--only", ""}, "layer_bench: --only: must be one of ReLU, Sigmoid"},

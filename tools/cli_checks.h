@@ -131,8 +131,19 @@ inline CLI::Validator non_empty(const std::string& what, const std::string& shor
       short_what);
 }
 
-// A file or folder name.
-inline CLI::Validator path() { return non_empty("a file or folder", "PATH"); }
+// A path that is not empty: "got an empty path; give <names>" says what is wrong with '', which
+// no file system opens (and `--checkpoint "$CKPT"` with CKPT unset passes).
+inline CLI::Validator non_empty_path(const std::string& names, const std::string& short_what) {
+  return CLI::Validator(
+      [=](std::string& text) -> std::string { return text.empty() ? "got an empty path; give " + names : ""; },
+      short_what);
+}
+
+// A file to read or write (--checkpoint, --metrics, --trace ...).
+inline CLI::Validator file_path() { return non_empty_path("a file name", "FILE"); }
+
+// A folder (--data-dir).
+inline CLI::Validator folder_path() { return non_empty_path("a folder name", "DIR"); }
 
 // CLI11 takes `--flag=` (nothing after '=') as `--flag` for a flag, and as a missing value
 // ("1 required TEXT missing") for an option. Refuses both before parsing, naming the argument;
