@@ -254,6 +254,7 @@ void check_forking(const Config& c) {
 int main(int argc, char** argv) {
   Config c;
   CLI::App app{"All-reduce bandwidth table (nccl-tests style) for the shm, gloo, mpi or nccl backend"};
+  app.option_defaults()->always_capture_default();  // --help shows each default
   app.add_option("--backend", c.backend,
                  "auto, shm, shm+gloo, gloo, mpi or nccl; nccl runs rank r on GPU LOCAL_RANK (nanoddp-run sets "
                  "it; --nproc: GPU r); mpi needs mpirun (or nanoddp-run --backend mpi), not --nproc")
@@ -289,23 +290,19 @@ int main(int argc, char** argv) {
                "time each all-reduce with the check that all ranks call the same collective "
                "(dist/process_group_checked.cpp, on by default in programs); off: the backend alone");
   const Config defaults;
-  if (!cli::values_given(argc, argv, "allreduce_bench")) return 2;
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : 2;  // --help is 0; every usage error is 2
-  }
-  if (c.min_bytes > c.max_bytes) {
-    std::fprintf(stderr, "allreduce_bench: --min-bytes %lld is larger than --max-bytes %lld: no size to time%s\n",
-                 static_cast<long long>(c.min_bytes), static_cast<long long>(c.max_bytes),
-                 c.min_bytes == defaults.min_bytes ? " (--min-bytes defaults to 4096: lower it too)" : "");
-    return 2;
-  }
+  if (auto code = cli::parse(app, argc, argv, "allreduce_bench")) return *code;
+  if (c.min_bytes > c.max_bytes)
+    return cli::usage_error("allreduce_bench", "--min-bytes " + std::to_string(c.min_bytes) +
+                                                   " is larger than --max-bytes " + std::to_string(c.max_bytes) +
+                                                   ": no size to time" +
+                                                   (c.min_bytes == defaults.min_bytes
+                                                        ? " (--min-bytes defaults to 4096: lower it too)"
+                                                        : ""));
   if (!std::isfinite(c.seconds_per_size) || c.seconds_per_size <= 0 || c.seconds_per_size > 3600) {
-    std::fprintf(stderr, "allreduce_bench: --seconds-per-size must be a number of seconds in (0, 3600], got %g\n",
-                 c.seconds_per_size);
-    return 2;
+    std::ostringstream given;
+    given << c.seconds_per_size;
+    return cli::usage_error("allreduce_bench",
+                            "--seconds-per-size must be a number of seconds in (0, 3600], got " + given.str());
   }
   try {
     if (c.nproc == 0) {
@@ -328,8 +325,7 @@ int main(int argc, char** argv) {
       return 1;
     }
   } catch (const UsageError& e) {
-    std::fprintf(stderr, "allreduce_bench: %s\n", e.what());
-    return 2;
+    return cli::usage_error("allreduce_bench", e.what());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "allreduce_bench: %s\n", e.what());
     return 1;

@@ -62,12 +62,13 @@ int main(int argc, char** argv) {
   CLI::App app{"layer_bench: forward + backward time per layer on a 64 x 1024 input"};
   double min_time = 0.2;
   std::string only;
+  app.option_defaults()->always_capture_default();  // --help shows each default
   app.add_option("--min-time", min_time, "seconds per timed round")->check(cli::number_in(0));
   std::vector<std::string> names;
   for (const LayerCase& c : layer_cases()) names.push_back(c.name);
   // A name that matches no layer is refused, not an empty table.
-  app.add_option("--only", only, "one layer's name, as printed")->check(cli::one_of(names));
-  CLI11_PARSE(app, argc, argv);
+  app.add_option("--only", only, "one layer's name, as printed (default: every layer)")->check(cli::one_of(names));
+  if (auto code = cli::parse(app, argc, argv, "layer_bench")) return *code;
   try {
     for (const LayerCase& c : layer_cases()) {
       if (!only.empty() && c.name != only) continue;

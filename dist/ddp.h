@@ -7,8 +7,9 @@
 //
 // Note [DDP construction]
 // Construction (collective: every rank must construct it, in the same order):
-//   1. checks that every rank has the same parameters: count, names and shapes. The error
-//      names the first mismatching parameter, this rank and rank 0;
+//   1. checks that every rank has the same parameters and buffers: count, names and shapes
+//      (and each parameter's requires_grad, each buffer's dtype). The error names the first
+//      mismatching parameter or buffer, this rank and the other rank;
 //   2. broadcasts rank 0's parameter and buffer values to every rank, so all start equal
 //      (buffers always, as PyTorch's _sync_module_states, whatever broadcast_buffers says);
 //   3. plans the gradient buckets and registers one hook per parameter (dist/reducer.h; the
@@ -50,7 +51,7 @@
 // ddp.module().state_dict() (no prefix) to load the weights into an unwrapped model, and load
 // into ddp.module() likewise.
 //
-// Errors: DistError for parameter mismatches across ranks, for a parameter that got no
+// Errors: DistError for parameter or buffer mismatches across ranks, for a parameter that got no
 // gradient in an iteration (unless find_unused_parameters), for collective failures, and
 // (Join with throw_on_early_termination) from forward when a rank ran out of inputs;
 // TimeoutError when a peer does not answer within options.timeout.
@@ -132,7 +133,7 @@ class DistributedDataParallel : public nn::Module, public Joinable {
 
  private:
   friend class DDPJoinHook;
-  void verify_parameters_match();
+  void verify_model_matches();
   void broadcast_parameters(int root);
   void sync_final_model(bool is_last_joiner);
   // root's buffers to every rank, one flat broadcast per dtype.

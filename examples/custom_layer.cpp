@@ -3,10 +3,12 @@
 // it, a gradient check by central differences, and a short DDP-ready training run.
 //
 //   build/examples/custom_layer                  # or under nanoddp-run: DDP works unchanged
+//   build/tools/nanoddp-run --nproc-per-node 2 build/examples/custom_layer --backend gloo
 //
 // Inside the library a layer also gets a kernel per device and a row in the op harness
-// (tests/op_cases.h); docs/adding-a-layer.md walks through that. Here the
-// kernel is a plain host loop, so the layer runs on the CPU only and says so on a GPU tensor.
+// (tests/op_cases.h); docs/adding-a-layer.md walks through that. Here the kernel is a plain
+// host loop: on a GPU tensor (--device cuda) the op copies its input to host memory and its
+// result back, which is correct but slow; a CUDA kernel is what removes those copies.
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstdio>
@@ -19,6 +21,7 @@
 #include "dist/explain.h"
 #include "dist/init.h"
 #include "examples/example_utils.h"
+#include "examples/process_group_flags.h"
 #include "tools/cli_checks.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
@@ -27,28 +30,36 @@ using namespace nanoddp;
 
 // ---- the op: y = x if x > 0 else slope * x ---------------------------------------------
 
-// x: any shape, float32, CPU -> same shape (torch.nn.functional.leaky_relu).
+// x: any shape, float32, any device -> same shape and device
+// (torch.nn.functional.leaky_relu). The kernels run on the host (see the top of the file).
 Tensor leaky_relu(const Tensor& x, float slope) {
   ForwardSpan span("leaky_relu", {&x});  // its forward on the trace's compute lane (--trace)
   check_float("leaky_relu", x, "input");
-  NANODDP_CHECK(x.device().is_cpu(), DeviceError, "leaky_relu: this example's kernel is CPU-only, got a ", x.device(),
-                " tensor");
-  Tensor y = empty_like(x);
-  const float* xs = x.data<float>();
-  float* ys = y.data<float>();
-  for (int64_t i = 0; i < x.numel(); ++i) ys[i] = xs[i] > 0.0f ? xs[i] : slope * xs[i];
+  const Device device = x.device();
+  Tensor host_x, y;
+  {
+    NoGradGuard plain_copies;  // the copies are part of this op, not ops of their own in the graph
+    host_x = x.to(Device::cpu());  // x itself on the CPU: no copy
+    Tensor host_y = empty_like(host_x);
+    const float* xs = host_x.data<float>();
+    float* ys = host_y.data<float>();
+    for (int64_t i = 0; i < x.numel(); ++i) ys[i] = xs[i] > 0.0f ? xs[i] : slope * xs[i];
+    y = host_y.to(device);
+  }
   // The backward, right below: dx = dy where x > 0, slope * dy elsewhere. x is saved for it
   // (save what backward reads; capture only plain values such as slope). record() keeps
   // nothing when no input requires grad.
-  return record("LeakyReluBackward", y, /*inputs=*/{x}, /*saved=*/{x}, [slope](const Node& node, const Tensor& dy) {
-    const Tensor& x = node.saved(0);
-    Tensor dx = empty_like(x);
-    const float* xs = x.data<float>();
-    const float* g = dy.data<float>();
-    float* out = dx.data<float>();
-    for (int64_t i = 0; i < x.numel(); ++i) out[i] = xs[i] > 0.0f ? g[i] : slope * g[i];
-    return std::vector<Tensor>{dx};
-  });
+  return record("LeakyReluBackward", y, /*inputs=*/{x}, /*saved=*/{host_x},
+                [slope, device](const Node& node, const Tensor& dy) {
+                  const Tensor& x = node.saved(0);
+                  const Tensor host_dy = dy.to(Device::cpu());
+                  Tensor dx = empty_like(x);
+                  const float* xs = x.data<float>();
+                  const float* g = host_dy.data<float>();
+                  float* out = dx.data<float>();
+                  for (int64_t i = 0; i < x.numel(); ++i) out[i] = xs[i] > 0.0f ? g[i] : slope * g[i];
+                  return std::vector<Tensor>{dx.to(device)};
+                });
 }
 
 // ---- the layer ------------------------------------------------------------------------------
@@ -84,16 +95,19 @@ int main(int argc, char** argv) {
   int steps = 300;
   std::string trace_file;
   bool explain = false;
+  examples::ProcessGroupFlags group;
+  app.option_defaults()->always_capture_default();
   app.add_option("--steps", steps, "SGD steps")->check(cli::integer_in(1));
-  app.add_option("--trace", trace_file, "write a Chrome trace (ui.perfetto.dev) of the run to FILE")->check(cli::path());
+  group.add_to(app);
+  app.add_option("--trace", trace_file, "write a Chrome trace (ui.perfetto.dev) of the run to FILE")->check(cli::file_path());
   app.add_flag("--explain", explain, "print the bucket plan, then per step the all-reduces and exposed communication");
-  if (!cli::values_given(argc, argv, "custom_layer")) return static_cast<int>(CLI::ExitCodes::ValidationError);
-  CLI11_PARSE(app, argc, argv);
+  if (auto code = cli::parse(app, argc, argv, "custom_layer")) return *code;
   try {
     if (!trace_file.empty()) trace::start(trace_file);
     explain = explain || dist::explain_from_environment();
     const double error = gradient_check(0.1f);
-    auto pg = dist::init_process_group();
+    const dist::InitOptions init = group.init_options();
+    auto pg = dist::init_process_group(init);
     if (pg->rank() == 0) std::printf("gradient check: max |analytic - numeric| = %.2e\n", error);
     NANODDP_CHECK(error < 1e-4, ValueError, "gradient check failed: ", error);
 
@@ -103,14 +117,15 @@ int main(int argc, char** argv) {
     model->add(nn::Linear(1, 16, gen));
     model->add(LeakyReLU(0.1f));
     model->add(nn::Linear(16, 1, gen));
+    model->to(init.device);
     dist::DistributedDataParallel ddp(model, pg);
     if (explain && pg->rank() == 0) std::printf("%s", dist::explain_plan(ddp).c_str());
     nn::SGD opt(ddp.parameters(), {/*lr=*/0.05f, /*momentum=*/0.9f});
     Generator data_gen(100 + pg->rank());
-    const Tensor x = Tensor::rand({64, 1}, data_gen) * 4.0f - Tensor::full({1}, 2.0f);
+    const Tensor host_x = Tensor::rand({64, 1}, data_gen) * 4.0f - Tensor::full({1}, 2.0f);
     std::vector<float> targets;
-    for (float v : x.to_vector()) targets.push_back(std::abs(v));
-    const Tensor y = Tensor::from_vector(targets, {64, 1});
+    for (float v : host_x.to_vector()) targets.push_back(std::abs(v));
+    const Tensor x = host_x.to(init.device), y = Tensor::from_vector(targets, {64, 1}).to(init.device);
     float loss_value = 0;
     std::optional<dist::ExplainWindow> explained;
     if (explain) explained.emplace(*pg);

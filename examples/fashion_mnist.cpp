@@ -47,6 +47,7 @@
 #include "dist/init.h"
 #include "examples/example_utils.h"
 #include "examples/metrics.h"
+#include "examples/process_group_flags.h"
 #include "tools/cli_checks.h"
 #include "nn/adam.h"
 #include "nn/checkpoint.h"
@@ -76,8 +77,7 @@ struct Config {
   // benchmarks/run passes its own recipe (batch 64) to both frameworks.
   int64_t batch_size = NANODDP_FASHION_MNIST_CNN ? 32 : 64;
   uint64_t seed = 0;
-  std::string device = "cpu";
-  std::string backend = "auto";
+  examples::ProcessGroupFlags group;  // --backend, --device, --timeout
   std::string data_dir = data::FashionMNIST::kDefaultRoot;
   std::string checkpoint;
   std::string export_path;
@@ -90,7 +90,6 @@ struct Config {
   std::string comm_hook = "none";  // none | allreduce | fp16 | bf16 (dist/comm_hooks.h)
   bool prefetch = false;
   bool quiet = false;
-  int timeout_s = 300;
   std::vector<int64_t> hidden = {256, 128};  // widths of the hidden layers
   double bucket_cap_mb = static_cast<double>(dist::kDefaultBucketCapBytes) / (1 << 20);
   double first_bucket_cap_mb = static_cast<double>(dist::kDefaultFirstBucketCapBytes) / (1 << 20);
@@ -341,20 +340,31 @@ void check_same_start(dist::ProcessGroup& pg, const std::string& checkpoint, int
                 " must be one file that every rank reads (a filesystem they share), as rank 0 writes it for all");
 }
 
+// What is wrong with a combination of flags that each parsed, or "" when nothing is.
+std::string flags_problem(const Config& config) {
+  if (config.momentum && config.optimizer != "sgd")
+    return "--momentum applies to --optimizer sgd only (Adam's betas play its part)";
+  if (config.resume && config.checkpoint.empty()) return "--resume needs --checkpoint FILE";
+  if (config.warmup_epochs >= config.epochs)
+    return "--warmup-epochs " + std::to_string(config.warmup_epochs) + " leaves no epoch after the warm-up of --epochs " +
+           std::to_string(config.epochs);
+  // A stop past the end is a typo or a mix-up of epochs-done with epochs-to-run, not a
+  // request: --epochs is the whole run's length, resumed or not, and the schedule spans it.
+  if (config.stop_after > config.epochs)
+    return "--stop-after " + std::to_string(config.stop_after) + " is past --epochs " + std::to_string(config.epochs) +
+           " (the whole run, resumed epochs included): give an epoch from 1 to " + std::to_string(config.epochs) +
+           ", or 0 to train every epoch";
+  return "";
+}
+
 int run(const Config& config) {
   if (!config.trace.empty()) trace::start(config.trace);
   const bool explain = config.explain || dist::explain_from_environment();
-  const Device device = examples::rank_device(config.device);
-  dist::InitOptions init;
-  init.backend = dist::parse_backend(config.backend);
-  init.device = device;
-  init.timeout = std::chrono::seconds(config.timeout_s);
+  const dist::InitOptions init = config.group.init_options();
+  const Device device = init.device;
   auto pg = dist::init_process_group(init);
   const int rank = pg->rank(), world_size = pg->size();
   const bool chatty = rank == 0 && !config.quiet;
-  NANODDP_CHECK(!config.resume || !config.checkpoint.empty(), ValueError, "--resume needs --checkpoint FILE");
-  NANODDP_CHECK(config.warmup_epochs < config.epochs, ValueError, "--warmup-epochs ", config.warmup_epochs,
-                " leaves no epoch after the warm-up of --epochs ", config.epochs);
   // Rank 0 saves after every epoch: find out now, not after an epoch of training, if it can.
   if (rank == 0 && !config.checkpoint.empty()) nn::check_checkpoint_writable(config.checkpoint);
   if (rank == 0 && !config.export_path.empty()) nn::check_safetensors_writable(config.export_path);
@@ -409,7 +419,7 @@ int run(const Config& config) {
   int epochs_done = first_epoch;
   bool rebuilt_plan_explained = false;
   if (first_epoch >= config.epochs) accuracy = evaluate(*model, test_loader, *pg);
-  const int last_epoch = config.stop_after > 0 ? std::min(config.stop_after, config.epochs) : config.epochs;
+  const int last_epoch = config.stop_after > 0 ? config.stop_after : config.epochs;  // stop_after <= epochs
   for (int epoch = first_epoch; epoch < last_epoch; ++epoch) {
     train_loader.set_epoch(epoch);
     dropout_gen.manual_seed((config.seed * 1000003 + static_cast<uint64_t>(epoch)) * 1024 + static_cast<uint64_t>(rank));
@@ -540,26 +550,20 @@ int main(int argc, char** argv) {
                  "epochs of linear warm-up from lr/3 to lr, stepped per batch (LinearLR), before --schedule")
       ->check(cli::integer_in(0));
   app.add_option("--batch-size", config.batch_size, "examples per rank per step")->check(cli::integer_in(1));
-  app.add_option("--timeout", config.timeout_s, "seconds to wait for other ranks (rendezvous, each collective)")
-      ->check(cli::integer_in(1));
   app.add_option("--seed", config.seed, "seed of the weights and of the data order");
-  app.add_option("--device", config.device, "cpu, cuda (rank r uses cuda:LOCAL_RANK) or cuda:N")->check(cli::device());
-  app.add_option("--backend", config.backend,
-                 "auto, shm, shm+gloo, gloo, mpi or nccl (auto: nccl on cuda, else mpi under mpirun, shm on one node, "
-                 "shm+gloo across nodes)")
-      ->check(cli::backend());
-  app.add_option("--data-dir", config.data_dir, "folder with the four Fashion-MNIST IDX files")->check(cli::path());
-  app.add_option("--checkpoint", config.checkpoint, "file rank 0 writes after every epoch")->check(cli::path());
+  config.group.add_to(app);
+  app.add_option("--data-dir", config.data_dir, "folder with the four Fashion-MNIST IDX files")->check(cli::folder_path());
+  app.add_option("--checkpoint", config.checkpoint, "file rank 0 writes after every epoch")->check(cli::file_path());
   app.add_option("--export", config.export_path,
                  "safetensors file rank 0 writes the trained weights to, with PyTorch's names (0.weight, ...)")
-      ->check(cli::path());
+      ->check(cli::file_path());
   app.add_option("--metrics", config.metrics,
                  "JSON-lines file rank 0 writes step, epoch, loss, lr, samples/s, test accuracy and wall time to "
                  "(tools/plot draws it); --resume appends")
-      ->check(cli::path());
+      ->check(cli::file_path());
   app.add_flag("--resume", config.resume, "continue from --checkpoint if it exists");
   app.add_option("--stop-after", config.stop_after,
-                 "stop after this epoch, as a job with a time limit would (the schedule still spans --epochs; "
+                 "stop after this epoch (1..--epochs), as a job with a time limit would (the schedule still spans --epochs; "
                  "0: never); rerun with --resume to go on")
       ->check(cli::integer_in(0));
   app.add_option("--schedule", config.schedule, "learning rate over training: cosine (to 0) or constant")
@@ -580,11 +584,9 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc && std::string(argv[i]) != "--"; ++i) {
     const std::string arg = argv[i];
     if (arg == "--hidden" || arg.rfind("--hidden=", 0) == 0) {
-      std::fprintf(stderr,
-                   "%s: --hidden sets the widths of fashion_mnist's MLP; this CNN's layers are fixed (its hidden "
-                   "layer is Linear(1600, 128))\nRun with --help for more information.\n",
-                   kExample);
-      return static_cast<int>(CLI::ExitCodes::ValidationError);
+      return cli::usage_error(kExample,
+                              "--hidden sets the widths of fashion_mnist's MLP; this CNN's layers are fixed (its "
+                              "hidden layer is Linear(1600, 128))");
     }
   }
 #else
@@ -598,15 +600,11 @@ int main(int argc, char** argv) {
       ->check(cli::number_in(1e-6));
   app.add_option("--trace", config.trace,
                  "write a Chrome trace (ui.perfetto.dev) of the run to FILE; nanoddp-run merges the ranks' files")
-      ->check(cli::path());
+      ->check(cli::file_path());
   app.add_flag("--explain", config.explain,
                "print the bucket plan, then per step of each epoch the all-reduces, bytes and exposed communication");
-  if (!cli::values_given(argc, argv, kExample)) return static_cast<int>(CLI::ExitCodes::ValidationError);
-  CLI11_PARSE(app, argc, argv);
-  if (config.momentum && config.optimizer != "sgd") {
-    std::fprintf(stderr, "%s: --momentum applies to --optimizer sgd only (Adam's betas play its part)\n", kExample);
-    return 1;
-  }
+  if (auto code = cli::parse(app, argc, argv, kExample)) return *code;
+  if (const std::string problem = flags_problem(config); !problem.empty()) return cli::usage_error(kExample, problem);
   try {
     return run(config);
   } catch (const std::exception& e) {

@@ -27,6 +27,7 @@
 #include "dist/init.h"
 #include "examples/example_utils.h"
 #include "examples/metrics.h"
+#include "examples/process_group_flags.h"
 #include "tools/cli_checks.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
@@ -87,11 +88,12 @@ int main(int argc, char** argv) {
   int64_t batch_size = 8;
   bool raw = false;
   std::optional<float> init_weight, init_bias;
-  std::string device_name = "cpu", backend = "auto";
+  examples::ProcessGroupFlags group;
   uint64_t seed = 0;
   std::string metrics_path;
   std::string trace_file;
   bool explain = false;
+  app.option_defaults()->always_capture_default();  // --help shows each default, as fashion_mnist's does
   app.add_option("--epochs", epochs, "passes over the data")->check(cli::integer_in(1));
   app.add_option("--lr", lr, "SGD learning rate")->check(cli::number_in(0));
   app.add_option("--batch-size", batch_size, "examples per rank per step")->check(cli::integer_in(1));
@@ -99,22 +101,18 @@ int main(int argc, char** argv) {
   app.add_option("--init-weight", init_weight, "start from this weight instead of a random one");
   app.add_option("--init-bias", init_bias, "start from this bias instead of a random one");
   app.add_option("--seed", seed, "seed of the initial weights");
-  app.add_option("--device", device_name, "cpu, cuda (rank r uses cuda:LOCAL_RANK) or cuda:N")->check(cli::device());
-  app.add_option("--backend", backend, "auto, shm, shm+gloo, gloo, mpi or nccl")->check(cli::backend());
+  group.add_to(app);
   app.add_option("--metrics", metrics_path, "JSON-lines file rank 0 writes one line per epoch to (examples/metrics.h)")
-      ->check(cli::path());
-  app.add_option("--trace", trace_file, "write a Chrome trace (ui.perfetto.dev) of the run to FILE")->check(cli::path());
+      ->check(cli::file_path());
+  app.add_option("--trace", trace_file, "write a Chrome trace (ui.perfetto.dev) of the run to FILE")->check(cli::file_path());
   app.add_flag("--explain", explain, "print the bucket plan, then per step of each epoch the all-reduces");
-  if (!cli::values_given(argc, argv, "toy_ddp")) return static_cast<int>(CLI::ExitCodes::ValidationError);
-  CLI11_PARSE(app, argc, argv);
+  if (auto code = cli::parse(app, argc, argv, "toy_ddp")) return *code;
 
   try {
     if (!trace_file.empty()) trace::start(trace_file);
     explain = explain || dist::explain_from_environment();
-    const Device device = examples::rank_device(device_name);
-    dist::InitOptions init;
-    init.backend = dist::parse_backend(backend);
-    init.device = device;
+    const dist::InitOptions init = group.init_options();
+    const Device device = init.device;
     auto pg = dist::init_process_group(init);
     const int rank = pg->rank(), world_size = pg->size();
     examples::MetricsLog metrics(rank == 0 ? metrics_path : "");

@@ -28,7 +28,8 @@ NANODDP_DECLARE_KERNEL(channel_bias_forward, float* out, const float* bias, int6
 // dbias[c] = sum over n and hw of dout[n, c, hw]. WRITES. Deterministic.
 NANODDP_DECLARE_KERNEL(channel_sum, float* dbias, const float* dout, int64_t N, int64_t C, int64_t HW)
 // Per plane p of planes [H, W] -> [OH, OW]: out = the window's maximum (NaN wins), indices =
-// its position h W + w in the plane (the first maximum on ties). window.channels is unused.
+// its position h W + w in the plane (the first maximum on ties); indices may be null, then
+// only out is written (a forward that keeps no graph). window.channels is unused.
 NANODDP_DECLARE_KERNEL(max_pool2d_forward, float* out, int64_t* indices, const float* in, int64_t planes,
                        Window2d window)
 // din[p, indices[p, o]] += dout[p, o] over every output o of plane p. WRITES (zeroes din
@@ -215,6 +216,12 @@ Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 pa
   const int64_t planes = input.size(0) * input.size(1);
   const Device device = input.device();
   Tensor out = Tensor::empty({input.size(0), input.size(1), g.out_h, g.out_w}, DType::Float32, device);
+  // The argmax indices serve backward only: under no_grad (evaluation) or for an input that
+  // needs no gradient, none are made (8 bytes per output element, twice the output itself).
+  if (!is_grad_enabled() || !input.requires_grad()) {
+    NANODDP_DISPATCH(device, max_pool2d_forward, ptr(out), static_cast<int64_t*>(nullptr), ptr(input), planes, g);
+    return out;
+  }
   Tensor indices = Tensor::empty(out.shape(), DType::Int64, device);
   NANODDP_DISPATCH(device, max_pool2d_forward, ptr(out), indices.data<int64_t>(), ptr(input), planes, g);
 

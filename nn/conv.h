@@ -43,8 +43,9 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
 // input: [N, C, H, W] -> [N, C, OH, OW], the maximum of each window; padding counts as -inf
 // and is at most half the kernel (ValueError otherwise), as in torch.nn.functional.max_pool2d.
 // A NaN in a window is its maximum. The gradient goes to the window's maximum (the first one
-// on ties). Cost: N C OH OW kh kw comparisons; keeps the argmax of each output (int64, 8 bytes
-// per output element) for backward.
+// on ties). Cost: N C OH OW kh kw comparisons; when it records a graph (grad enabled and input
+// requires grad) it also keeps the argmax of each output (int64, 8 bytes per output element)
+// for backward, and otherwise (torch.no_grad(), evaluation) computes none.
 Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 padding = 0, Size2 dilation = 1);
 
 namespace nn {

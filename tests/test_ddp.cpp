@@ -269,21 +269,76 @@ TEST_CASE("an unused parameter is an error naming it, or zeros with find_unused_
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
-TEST_CASE("ranks with different models get an error naming the parameter") {
+namespace {
+
+// A module with only buffers, registered per rank by the test.
+struct BuffersOnly : nn::Module {
+  Tensor forward(const Tensor& input) override { return input; }
+};
+
+// Constructs DDP over model and returns the DistError's text ("" when construction succeeds).
+std::string construction_error(std::shared_ptr<nn::Module> model, std::shared_ptr<dist::ProcessGroup> pg) {
+  try {
+    dist::DistributedDataParallel ddp(std::move(model), std::move(pg));
+  } catch (const DistError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("ranks with different models get an error naming the parameter or buffer and the other rank") {
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [port](int rank) {
     auto pg = join(rank, 2, port);
+    const int other = 1 - rank;
+    auto contains = [](const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; };
     Generator gen(0);
     auto model = std::make_shared<nn::Sequential>();
     model->add(nn::Linear(4, rank == 0 ? 3 : 5, gen));
-    bool named = false;
-    try {
-      dist::DistributedDataParallel ddp(model, pg);
-    } catch (const DistError& e) {
-      const std::string m = e.what();
-      named = m.find("0.weight") != std::string::npos && m.find(rank == 0 ? "[5, 4]" : "[3, 4]") != std::string::npos;
-    }
-    expect(named, "rank ", rank, ": no DistError naming 0.weight and the other rank's shape");
+    std::string m = construction_error(model, pg);
+    expect(contains(m, "0.weight") && contains(m, rank == 0 ? "[5, 4]" : "[3, 4]"),
+           "rank ", rank, ": no DistError naming 0.weight and the other rank's shape: ", m);
+
+    // Buffers are checked as parameters are (every case in this one launch: a failed
+    // construction leaves both ranks after the same collectives). BatchNorm's running stats of
+    // 3 and 4 features: the flat broadcast would have had 7 and 9 floats.
+    auto norm = std::make_shared<nn::Sequential>();
+    norm->add(nn::BatchNorm1d(rank == 0 ? 3 : 4, 1e-5f, 0.1f, /*affine=*/false));
+    m = construction_error(norm, pg);
+    expect(contains(m, "DDP on rank " + std::to_string(rank) + "/2: buffer #0 '0.running_mean' [" +
+                           (rank == 0 ? "3" : "4") + "] differs from rank " + std::to_string(other) +
+                           "'s buffer #0 of shape [" + (rank == 0 ? "4" : "3") + "]"),
+           "rank ", rank, ": ", m);
+    // The same number of values in another shape: the broadcast would have gone through and
+    // filled each rank's buffer with the other's values in the wrong places.
+    auto transposed = std::make_shared<BuffersOnly>();
+    transposed->register_buffer("stats", rank == 0 ? Tensor::zeros({2, 3}) : Tensor::zeros({3, 2}));
+    m = construction_error(transposed, pg);
+    expect(contains(m, "buffer #0 'stats' [" + std::string(rank == 0 ? "2, 3" : "3, 2") + "] differs from rank " +
+                           std::to_string(other) + "'s buffer #0 of shape [" + (rank == 0 ? "3, 2" : "2, 3") + "]"),
+           "rank ", rank, ": ", m);
+    auto counted = std::make_shared<BuffersOnly>();
+    counted->register_buffer("stats", Tensor::zeros({2}));
+    if (rank == 1) counted->register_buffer("extra", Tensor::zeros({2}));
+    m = construction_error(counted, pg);
+    expect(contains(m, rank == 0 ? "this rank has 1 buffers but rank 1 has 2" : "this rank has 2 buffers but rank 0 has 1"),
+           "rank ", rank, ": ", m);
+    auto typed = std::make_shared<BuffersOnly>();
+    typed->register_buffer("steps", rank == 0 ? Tensor::zeros({2}) : Tensor::zeros({2}, DType::Int64));
+    m = construction_error(typed, pg);
+    expect(contains(m, rank == 0 ? "buffer #0 'steps' is float32 here but int64 on rank 1"
+                                 : "buffer #0 'steps' is int64 here but float32 on rank 0"),
+           "rank ", rank, ": ", m);
+
+    // Matching buffers still pass, and rank 0's values reach rank 1.
+    auto same = std::make_shared<BuffersOnly>();
+    same->register_buffer("stats", Tensor::full({2, 3}, rank == 0 ? 1.5f : -1.0f));
+    m = construction_error(same, pg);
+    expect(m.empty(), "rank ", rank, ": ", m);
+    expect(same->named_buffers()[0].second.to_vector() == std::vector<float>(6, 1.5f), "rank ", rank,
+           ": buffer not rank 0's");
   });
   CHECK_MESSAGE(failures.empty(), failures);
 }

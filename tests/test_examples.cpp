@@ -78,6 +78,20 @@ TEST_CASE("toy_ddp: 2 ranks end with equal parameters, equal to 1 rank with the 
   }
 }
 
+TEST_CASE("custom_layer takes --backend, --device and --timeout as the other examples do, and fits y = |x| on 2 ranks") {
+  const RunResult r = run({launcher_path(), "--nproc-per-node", "2", built("examples/custom_layer"), "--backend", "gloo",
+                           "--device", "cpu", "--timeout", "30", "--steps", "60"},
+                          60s);
+  REQUIRE_MESSAGE(r.code() == 0, r.out, r.err);
+  CHECK(std::regex_search(r.out, std::regex("gradient check: max \\|analytic - numeric\\| = [0-9.]+e-(0[5-9]|[1-9][0-9])")));
+  for (const std::string rank : {"0", "1"}) {
+    CAPTURE(rank);
+    std::smatch match;
+    REQUIRE_MESSAGE(std::regex_search(r.out, match, std::regex("rank " + rank + ": loss after 60 steps ([0-9.]+)")), r.out);
+    CHECK(std::stod(match[1].str()) < 0.05);  // an untrained output near 0 costs E[x^2] = 4/3 on [-2, 2]
+  }
+}
+
 TEST_CASE("toy_ddp's defaults reach w = 2, b = 0 at world sizes 1 to 8, and its three checks pass") {
   for (int world = 1; world <= 8; ++world) {
     CAPTURE(world);
@@ -207,7 +221,7 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   CHECK(r.code() == 1);
   CHECK(std::regex_search(r.err, std::regex("loss became -?nan in epoch 1 by step [0-9]+")));
   r = run_with({"--resume"});
-  CHECK(r.code() == 1);
+  CHECK(r.code() == 2);  // a usage error: argparse's status
   CHECK(r.err.find("--resume needs --checkpoint") != std::string::npos);
   r = run_with({"--checkpoint", dir.path + "/missing/folder/run.ckpt"});
   CHECK(r.code() == 1);
@@ -220,21 +234,29 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   CHECK(r.err.find("cannot resume from checkpoint " + ckpt) != std::string::npos);
   CHECK(r.err.find("2 epochs done, more than --epochs 1") != std::string::npos);
   r = run_with({"--optimizer", "rmsprop"});
-  CHECK(r.code() != 0);
+  CHECK(r.code() == 2);
   CHECK(r.err.find("--optimizer") != std::string::npos);
   r = run_with({"--optimizer", "adam", "--momentum", "0.9"});
-  CHECK(r.code() == 1);
+  CHECK(r.code() == 2);
   CHECK(r.err.find("--momentum applies to --optimizer sgd only") != std::string::npos);
   r = run_with({"--epochs", "2", "--warmup-epochs", "2"});
-  CHECK(r.code() == 1);
+  CHECK(r.code() == 2);
   CHECK(r.err.find("--warmup-epochs 2 leaves no epoch after the warm-up of --epochs 2") != std::string::npos);
+  // --epochs is the whole run's length, resumed or not: a stop past it is refused either way.
+  for (const std::vector<std::string>& flags : {std::vector<std::string>{"--epochs", "2", "--stop-after", "3"},
+                                                {"--epochs", "2", "--stop-after", "3", "--checkpoint", ckpt, "--resume"}}) {
+    r = run_with(flags);
+    CHECK(r.code() == 2);
+    CHECK_MESSAGE(r.err.find("--stop-after 3 is past --epochs 2") != std::string::npos, r.err);
+    CHECK(r.out.empty());
+  }
   r = run_with({"--epochs", "1", "--optimizer", "adam", "--comm-hook", "bf16", "--gradient-as-bucket-view"});
   REQUIRE_MESSAGE(r.code() == 0, r.err);
   // The result line says how the run was made: two runs that differ in a flag are told apart.
   CHECK(r.out.find("\"optimizer\":\"adam\",\"comm_hook\":\"bf16\",\"gradient_as_bucket_view\":true}") !=
         std::string::npos);
   r = run_with({"--batch-size", "0"});
-  CHECK(r.code() != 0);
+  CHECK(r.code() == 2);
   CHECK(r.err.find("--batch-size: must be an integer >= 1, got '0'") != std::string::npos);
 
   TempDir empty;
@@ -255,20 +277,28 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
       {{built("examples/toy_ddp"), "--backend", "tcp"}, "--backend: " + backends + ", got 'tcp'"},
       {{mlp, "--device", "gpu"}, "--device: must be cpu, cuda or cuda:N, got 'gpu'"},
       {{built("examples/toy_ddp"), "--device", "cuda:"}, "--device: must be cpu, cuda or cuda:N, got 'cuda:'"},
-      {{mlp, "--data-dir", ""}, "--data-dir: must name a file or folder, got ''"},
-      {{mlp, "--checkpoint", ""}, "--checkpoint: must name a file or folder, got ''"},
+      {{mlp, "--data-dir", ""}, "fashion_mnist: --data-dir: got an empty path; give a folder name"},
+      {{mlp, "--checkpoint", ""}, "fashion_mnist: --checkpoint: got an empty path; give a file name"},
+      {{cnn, "--export", ""}, "fashion_mnist_cnn: --export: got an empty path; give a file name"},
+      {{built("examples/toy_ddp"), "--metrics", ""}, "toy_ddp: --metrics: got an empty path; give a file name"},
       // CLI11 reads `--flag=` as `--flag`, and `--option=` as a missing value without saying why.
       {{mlp, "--gradient-as-bucket-view="}, "fashion_mnist: --gradient-as-bucket-view= has no value after '='"},
       {{cnn, "--metrics="}, "fashion_mnist_cnn: --metrics= has no value after '='"},
-      {{built("examples/custom_layer"), "--trace", ""}, "--trace: must name a file or folder, got ''"},
+      {{built("examples/custom_layer"), "--trace", ""}, "custom_layer: --trace: got an empty path; give a file name"},
       // A layer name that matches none would print an empty table.
       {{built("benchmarks/layer_bench"), "--only", "Relu"}, "--only: must be one of ReLU, Sigmoid"},
+      {{built("benchmarks/layer_bench"), "--only", ""}, "layer_bench: --only: must be one of ReLU, Sigmoid"},
+      {{built("benchmarks/layer_bench"), "--only="}, "layer_bench: --only= has no value after '='"},
+      // CLI11's other parse errors (its own exit codes 109, 114) are usage errors like the rest.
+      {{built("examples/toy_ddp"), "--bogus"}, "toy_ddp: The following argument was not expected: --bogus"},
+      {{built("examples/custom_layer"), "--steps"}, "custom_layer: --steps: 1 required"},
+      {{mlp, "--epochs", "x"}, "fashion_mnist: --epochs: must be an integer >= 1, got 'x'"},
   };
   for (const auto& [args, message] : bad) {
     const std::string flag = args[1];  // CAPTURE's lambda cannot name a structured binding (C++17)
     CAPTURE(flag);
     const RunResult r = run(args);
-    CHECK(r.code() == 105);  // CLI11's ValidationError
+    CHECK(r.code() == 2);  // argparse's status for every usage error
     CHECK_MESSAGE(r.err.find(message) != std::string::npos, r.err);
     CHECK(r.out.empty());
   }
@@ -277,6 +307,22 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
   CHECK(mlp_help.out.find("--hidden") != std::string::npos);
   CHECK(cnn_help.out.find("--hidden") == std::string::npos);
   CHECK(cnn_help.out.find("auto, shm, shm+gloo, gloo, mpi or nccl") != std::string::npos);
+  CHECK(mlp_help.code() == 0);
+  // Every option with a default shows it in --help (CLI11's "=value").
+  const std::vector<std::pair<std::string, std::string>> defaults = {
+      {"examples/toy_ddp", "--epochs INT:1 or more=10 "},      {"examples/toy_ddp", "--lr FLOAT:>= 0=0.4 "},
+      {"examples/toy_ddp", "--batch-size INT:1 or more=8"},     {"examples/toy_ddp", "--timeout INT:1 or more=300 "},
+      {"examples/custom_layer", "--steps INT:1 or more=300 "}, {"examples/custom_layer", "=auto\n"},
+      {"examples/fashion_mnist", "--epochs INT:1 or more=10 "}, {"benchmarks/layer_bench", "--min-time FLOAT:>= 0=0.2 "},
+      {"benchmarks/allreduce_bench", "|nccl=auto\n"},         {"benchmarks/allreduce_bench", "--warmup INT:0..1000000=3 "},
+  };
+  for (const auto& [program, shown] : defaults) {
+    const std::string wanted = shown;  // CAPTURE's lambda cannot name a structured binding (C++17)
+    CAPTURE(wanted);
+    const RunResult help = run({built(program), "--help"});
+    CHECK(help.code() == 0);
+    CHECK_MESSAGE(help.out.find(shown) != std::string::npos, help.out);
+  }
 }
 
 // ---- files the examples write: --metrics, --export; the live progress line ----------------

@@ -355,6 +355,7 @@ TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
       // `--flag=` with nothing after '=' would take the program as its value.
       {{"--backend="}, "nanoddp-run: --backend= has no value after '='"},
       {{"--nproc-per-node", "2", "--master-port="}, "nanoddp-run: --master-port= has no value after '='"},
+      {{"--nnodes", "0"}, "nanoddp-run: --nnodes: must be an integer >= 1, got '0'"},
   };
   for (const auto& [flags, message] : bad) {
     std::vector<std::string> args = {launcher_path()};
@@ -393,6 +394,7 @@ TEST_CASE("allreduce_bench: one rank, empty size ranges, bad numbers and jobs --
       {{"--backend", ""}, "--backend: must be one of auto, shm, shm+gloo, gloo, mpi or nccl, got ''"},
       {{"--ring="}, "--ring= has no value after '='"},
       {{"--backend="}, "--backend= has no value after '='"},
+      {{"--bogus"}, "allreduce_bench: The following argument was not expected: --bogus"},
       // Refused before a rank is forked: MPI's ranks come from mpirun, and NCCL takes one GPU
       // per rank (rank r on cuda:r; no machine has 64).
       {{"--nproc", "2", "--backend", "mpi"}, "--nproc forks ranks itself, but --backend mpi needs its ranks started "

@@ -558,3 +558,35 @@ TEST_CASE("max_pool2d refuses a window that covers only padding, naming it (no w
   sum(y).backward();
   CHECK(x.grad().to_vector() == std::vector<float>{0, 0, 0, 0, 4, 2, 1, 2, 0});
 }
+
+TEST_CASE("MaxPool2d under no_grad, or on an input that needs no gradient, keeps no graph and gives the same values") {
+  // The padded, dilated case above (the kernel's general path), by hand; then MaxPool2d(2) and
+  // an overlapping MaxPool2d(3, 1) on random values (its two fast paths), against the output
+  // of the forward that records a graph and keeps the argmax.
+  const Tensor x = Tensor::from_vector({1, 2, 3, 4, 9, 6, 7, 8, 5}, {1, 1, 3, 3});
+  {
+    NoGradGuard no_grad;
+    const Tensor y = MaxPool2d(2, 1, 1, 2)(x.clone().set_requires_grad(true));
+    CHECK_FALSE(y.requires_grad());
+    CHECK(y.to_vector() == std::vector<float>{9, 6, 9, 8, 7, 8, 9, 6, 9});
+  }
+  Generator gen(4);
+  const Tensor images = Tensor::randn({2, 3, 7, 20}, gen);
+  for (const int64_t kernel : {2, 3}) {
+    CAPTURE(kernel);
+    MaxPool2d pool(kernel, /*stride=*/kernel == 2 ? 2 : 1);
+    const Tensor trainable = images.clone().set_requires_grad(true);
+    const Tensor recorded = pool(trainable);
+    REQUIRE(recorded.requires_grad());
+    Tensor under_no_grad;
+    {
+      NoGradGuard no_grad;
+      under_no_grad = pool(trainable);
+    }
+    const Tensor frozen = pool(images);  // grad mode on, but nothing to differentiate
+    CHECK_FALSE(under_no_grad.requires_grad());
+    CHECK_FALSE(frozen.requires_grad());
+    CHECK(under_no_grad.to_vector() == recorded.to_vector());
+    CHECK(frozen.to_vector() == recorded.to_vector());
+  }
+}

@@ -316,7 +316,7 @@ TEST_CASE("im2col / col2im for stride_w 1 equal the general reference loops bit 
   }
 }
 
-TEST_CASE("max_pool2d without padding (no bounds tests) equals max_pool2d_window bit for bit: ties, NaN, inf") {
+TEST_CASE("max_pool2d without padding (no bounds tests) equals max_pool2d_window bit for bit, with or without indices: ties, NaN, inf") {
   // Values from {-2, ..., 2} so that windows hold ties (the first maximum wins), with NaN
   // (the last one wins), +inf and -inf among them; overlapping, dilated and strided windows.
   struct Case {
@@ -353,5 +353,9 @@ TEST_CASE("max_pool2d without padding (no bounds tests) equals max_pool2d_window
           differing += std::memcmp(&out[o], &want.value, sizeof(float)) != 0 || indices[o] != want.index;
         }
     CHECK(differing == 0);
+    // Without indices (a forward that keeps no graph): the same values, from the same paths.
+    std::vector<float> values_only(planes * out_plane, -7.0f);
+    kernels::cpu::max_pool2d_forward(values_only.data(), nullptr, in.data(), planes, g);
+    CHECK(std::memcmp(values_only.data(), out.data(), out.size() * sizeof(float)) == 0);
   }
 }

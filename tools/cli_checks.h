@@ -1,18 +1,22 @@
 // Flag validators for the command-line programs (examples, tools, benchmarks) whose messages
 // name what a flag accepts: "--batch-size: must be an integer >= 1, got '0'". CLI11's own
 // Range prints its bounds as doubles with hundreds of digits. CLI11 prefixes the flag name.
+// cli::parse and cli::usage_error give every program argparse's convention: a usage error is
+// "<program>: <message naming the flag>" on stderr and exit status 2; --help exits 0.
 //
 //   app.add_option("--nproc-per-node", n)->check(cli::integer_in(1, 1024));
-//   app.add_option("--backend", backend)->check(cli::backend());
-//   if (!cli::values_given(argc, argv, "fashion_mnist")) return 2;   // before app.parse
+//   if (auto code = cli::parse(app, argc, argv, "fashion_mnist")) return *code;
+//   if (a > b) return cli::usage_error("fashion_mnist", "--stop-after 5 is past --epochs 2");
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdio>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -20,6 +24,17 @@
 #include "dist/process_group.h"
 
 namespace nanoddp::cli {
+
+// The exit status of a usage error (a bad flag, value or combination of flags), as argparse's
+// parser.error() and most Unix tools use; CLI11's own codes (105, 109, 114...) vary by error.
+inline constexpr int kUsageErrorExit = 2;
+
+// Prints "<program>: <message>" and a pointer to --help on stderr; returns kUsageErrorExit, so
+// that `return cli::usage_error(...)` ends main.
+inline int usage_error(const std::string& program, const std::string& message) {
+  std::fprintf(stderr, "%s: %s\nRun with --help for more information.\n", program.c_str(), message.c_str());
+  return kUsageErrorExit;
+}
 
 // An integer for which ok(value) holds; otherwise "must be <what>, got '<text>'".
 // short_what is the hint CLI11 shows in --help.
@@ -116,8 +131,19 @@ inline CLI::Validator non_empty(const std::string& what, const std::string& shor
       short_what);
 }
 
-// A file or folder name.
-inline CLI::Validator path() { return non_empty("a file or folder", "PATH"); }
+// A path that is not empty: "got an empty path; give <names>" says what is wrong with '', which
+// no file system opens (and `--checkpoint "$CKPT"` with CKPT unset passes).
+inline CLI::Validator non_empty_path(const std::string& names, const std::string& short_what) {
+  return CLI::Validator(
+      [=](std::string& text) -> std::string { return text.empty() ? "got an empty path; give " + names : ""; },
+      short_what);
+}
+
+// A file to read or write (--checkpoint, --metrics, --trace ...).
+inline CLI::Validator file_path() { return non_empty_path("a file name", "FILE"); }
+
+// A folder (--data-dir).
+inline CLI::Validator folder_path() { return non_empty_path("a folder name", "DIR"); }
 
 // CLI11 takes `--flag=` (nothing after '=') as `--flag` for a flag, and as a missing value
 // ("1 required TEXT missing") for an option. Refuses both before parsing, naming the argument;
@@ -127,14 +153,29 @@ inline bool values_given(int argc, const char* const* argv, const std::string& p
     const std::string arg = argv[i];
     if (arg == "--") break;
     if (arg.size() > 3 && arg.compare(0, 2, "--") == 0 && arg.back() == '=' && arg.find('=') == arg.size() - 1) {
-      std::fprintf(stderr,
-                   "%s: %s has no value after '=': give one (%sVALUE) or leave the flag out\n"
-                   "Run with --help for more information.\n",
-                   program.c_str(), arg.c_str(), arg.c_str());
+      usage_error(program, arg + " has no value after '=': give one (" + arg + "VALUE) or leave the flag out");
       return false;
     }
   }
   return true;
+}
+
+// Parses argv[1..argc) into app, after values_given over argv[1..flags_end) (all of argv when
+// flags_end < 0; a launcher passes where its own flags end). Returns nullopt when the program
+// goes on, else the status main returns: 0 after --help (printed on stdout), kUsageErrorExit
+// after any usage error, printed by usage_error with CLI11's message (which names the flag:
+// "--epochs: must be an integer >= 1, got '0'", "The following argument was not expected:
+// --bogus", "--epochs: 1 required INT missing").
+inline std::optional<int> parse(CLI::App& app, int argc, const char* const* argv, const std::string& program,
+                                int flags_end = -1) {
+  if (!values_given(flags_end < 0 ? argc : std::min(flags_end, argc), argv, program)) return kUsageErrorExit;
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);  // --help
+    return usage_error(program, e.what());
+  }
+  return std::nullopt;
 }
 
 }  // namespace nanoddp::cli

@@ -130,7 +130,8 @@ int main(int argc, char** argv) {
       ->check(nanoddp::cli::integer_in(0, 65535))
       ->capture_default_str();
   app.add_option("--backend", options.backend,
-                 "exported as NANODDP_BACKEND; mpi starts the ranks through mpirun")
+                 "exported as NANODDP_BACKEND; mpi starts the ranks through mpirun (default: none exported, each "
+                 "program picks its own)")
       ->check(nanoddp::cli::backend());
   app.add_option("--grace-period", grace_s, "seconds between SIGTERM and SIGKILL when ranks are stopped")
       ->check(nanoddp::cli::number_in(0, kMaxSeconds))
@@ -147,13 +148,7 @@ int main(int argc, char** argv) {
     const std::string arg = argv[own_end];
     own_end += arg.find('=') != std::string::npos || arg == "--help" || arg == "-h" ? 1 : 2;
   }
-  if (!nanoddp::cli::values_given(std::min(own_end, argc), argv, "nanoddp-run")) return 2;
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : 2;  // --help is 0; every usage error is 2, as for other CLIs
-  }
+  if (auto code = nanoddp::cli::parse(app, argc, argv, "nanoddp-run", own_end)) return *code;
   std::vector<std::string> program = app.remaining();
   // prefix_command() stops at the first argument that is not one of our options, which would
   // make a misspelt option (--nproc 2) the program to execute. An argument that looks like an
@@ -161,14 +156,13 @@ int main(int argc, char** argv) {
   if (!program.empty() && program.front() == "--") {
     program.erase(program.begin());
   } else if (!program.empty() && program.front().size() > 1 && program.front()[0] == '-') {
-    std::cerr << "nanoddp-run: unknown option '" << program.front() << "'" << closest_option(app, program.front())
-              << "; options must come before PROGRAM (use -- before a PROGRAM whose name starts with '-')\n"
-              << "Run with --help for more information.\n";
-    return 2;
+    return nanoddp::cli::usage_error(
+        "nanoddp-run", "unknown option '" + program.front() + "'" + closest_option(app, program.front()) +
+                           "; options must come before PROGRAM (use -- before a PROGRAM whose name starts with '-')");
   }
   if (program.empty()) {
     std::cerr << "nanoddp-run: no PROGRAM given\n" << app.help();
-    return 2;
+    return nanoddp::cli::kUsageErrorExit;
   }
   options.grace_period = std::chrono::milliseconds(static_cast<long long>(grace_s * 1000));
   options.timeout = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000));
@@ -180,9 +174,8 @@ int main(int argc, char** argv) {
     const int code = dist::launch(options, program);
     trace_parts.merge();
     return code;
-  } catch (const nanoddp::ValueError& e) {
-    std::cerr << "nanoddp-run: " << e.what() << "\n";
-    return 2;
+  } catch (const nanoddp::ValueError& e) {  // a combination of flags that cannot run
+    return nanoddp::cli::usage_error("nanoddp-run", e.what());
   } catch (const std::exception& e) {
     std::cerr << "nanoddp-run: " << e.what() << "\n";
     return 1;

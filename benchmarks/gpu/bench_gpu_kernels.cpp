@@ -224,7 +224,8 @@ int main(int argc, char** argv) {
       g_warmup = 2;
       g_repeats = 5;
     } else {
-      std::fprintf(stderr, "usage: %s [--quick]\n", argv[0]);
+      // A usage error as argparse reports one: named, exit status 2 (tools/cli_checks.h).
+      std::fprintf(stderr, "bench_gpu_kernels: unknown argument '%s'; usage: %s [--quick]\n", argv[i], argv[0]);
       return 2;
     }
   }

@@ -186,13 +186,15 @@ namespace {
 // (a larger value or a NaN replaces the best), so the same value and index. The loops run
 // across the row's windows, one window element at a time, and choose with selects instead of
 // branches: a branch per element mispredicted on about half of the data (this loop was 15% of
-// fashion_mnist_cnn's step), and the selects vectorise.
+// fashion_mnist_cnn's step), and the selects vectorise. kWithIndices false: values only (at
+// is unused), for a forward that keeps no graph.
+template <bool kWithIndices>
 void max_pool2d_row(float* __restrict best, int64_t* __restrict at, const float* __restrict plane, const Window2d& g,
                     int64_t oh) {
   const int64_t sw = g.stride_w, top = oh * g.stride_h * g.width;
   for (int64_t ow = 0; ow < g.out_w; ++ow) {
     best[ow] = plane[top + ow * sw];
-    at[ow] = top + ow * sw;
+    if constexpr (kWithIndices) at[ow] = top + ow * sw;
   }
   for (int64_t i = 0; i < g.kernel_h; ++i)
     for (int64_t j = i == 0 ? 1 : 0; j < g.kernel_w; ++j) {
@@ -201,7 +203,7 @@ void max_pool2d_row(float* __restrict best, int64_t* __restrict at, const float*
         const float v = plane[first + ow * sw];
         const bool take = (v > best[ow]) | (v != v);
         best[ow] = take ? v : best[ow];
-        at[ow] = take ? first + ow * sw : at[ow];
+        if constexpr (kWithIndices) at[ow] = take ? first + ow * sw : at[ow];
       }
     }
 }
@@ -240,6 +242,8 @@ class StrideTwoPoolRows {
   // Indices are computed in 32 bits: planes of at most 2^31 elements.
   static bool fits(const Window2d& g) { return g.height * g.width <= INT32_MAX; }
 
+  // indices null: values only.
+  template <bool kWithIndices>
   void pool(float* out, int64_t* indices, const float* plane, const Window2d& g, int64_t oh) {
     const int64_t copied = std::min(g.width, row_len_);
     for (int64_t i = 0; i < g.kernel_h; ++i) {
@@ -255,19 +259,21 @@ class StrideTwoPoolRows {
           const float* element = rows_.data() + i * row_len_ + j * g.dilation_w + 2 * kPoolLanes * b;
           Floats8 v;
           load_even_lanes(v, element);
-          const Ints8 index = static_cast<int32_t>((oh * g.stride_h + i * g.dilation_h) * g.width + j * g.dilation_w +
-                                                   2 * kPoolLanes * b) + lane_offsets;
           // The window's first element starts the scan; then a larger value or a NaN wins.
           const Ints8 take = i == 0 && j == 0 ? ~Ints8{} : (v > best) | (v != v);
           best = reinterpret_cast<Floats8>((reinterpret_cast<Ints8>(v) & take) |
                                            (reinterpret_cast<Ints8>(best) & ~take));
-          at = (index & take) | (at & ~take);
+          if constexpr (kWithIndices) {
+            const Ints8 index = static_cast<int32_t>((oh * g.stride_h + i * g.dilation_h) * g.width +
+                                                     j * g.dilation_w + 2 * kPoolLanes * b) + lane_offsets;
+            at = (index & take) | (at & ~take);
+          }
         }
       std::memcpy(best_.data() + b * kPoolLanes, &best, sizeof best);
-      std::memcpy(at_.data() + b * kPoolLanes, &at, sizeof at);
+      if constexpr (kWithIndices) std::memcpy(at_.data() + b * kPoolLanes, &at, sizeof at);
     }
     std::copy(best_.begin(), best_.begin() + g.out_w, out);
-    std::copy(at_.begin(), at_.begin() + g.out_w, indices);
+    if constexpr (kWithIndices) std::copy(at_.begin(), at_.begin() + g.out_w, indices);
   }
 
  private:
@@ -279,35 +285,48 @@ class StrideTwoPoolRows {
 
 }  // namespace
 
-void max_pool2d_forward(float* out, int64_t* indices, const float* in, int64_t planes, Window2d g) {
+namespace {
+
+template <bool kWithIndices>
+void max_pool2d_planes(float* out, int64_t* indices, const float* in, int64_t planes, const Window2d& g) {
   const int64_t in_plane = g.height * g.width, out_plane = g.out_h * g.out_w;
   // Without padding every window lies inside the plane (out_h and out_w are computed so);
   // MaxPool2d(2) in a CNN is that case.
   const bool inside = g.pad_h == 0 && g.pad_w == 0;
+  // The index row of output row oh of plane p (null without indices).
+  auto at_row = [&](int64_t p, int64_t oh) { return kWithIndices ? indices + p * out_plane + oh * g.out_w : nullptr; };
   if (inside && g.stride_w == 2 && StrideTwoPoolRows::fits(g)) {
     StrideTwoPoolRows rows(g);
     for (int64_t p = 0; p < planes; ++p)
       for (int64_t oh = 0; oh < g.out_h; ++oh)
-        rows.pool(out + p * out_plane + oh * g.out_w, indices + p * out_plane + oh * g.out_w, in + p * in_plane, g, oh);
+        rows.pool<kWithIndices>(out + p * out_plane + oh * g.out_w, at_row(p, oh), in + p * in_plane, g, oh);
     return;
   }
   for (int64_t p = 0; p < planes; ++p) {
     const float* plane = in + p * in_plane;
-    float* plane_out = out + p * out_plane;
-    int64_t* plane_indices = indices + p * out_plane;
     for (int64_t oh = 0; oh < g.out_h; ++oh) {
-      float* best = plane_out + oh * g.out_w;
-      int64_t* at = plane_indices + oh * g.out_w;
+      float* best = out + p * out_plane + oh * g.out_w;
+      int64_t* at = at_row(p, oh);
       if (inside) {
-        max_pool2d_row(best, at, plane, g, oh);
+        max_pool2d_row<kWithIndices>(best, at, plane, g, oh);
       } else {
         for (int64_t ow = 0; ow < g.out_w; ++ow) {
           const WindowMax window = max_pool2d_window(plane, g, oh, ow);
           best[ow] = window.value;
-          at[ow] = window.index;
+          if constexpr (kWithIndices) at[ow] = window.index;
         }
       }
     }
+  }
+}
+
+}  // namespace
+
+void max_pool2d_forward(float* out, int64_t* indices, const float* in, int64_t planes, Window2d g) {
+  if (indices != nullptr) {
+    max_pool2d_planes<true>(out, indices, in, planes, g);
+  } else {
+    max_pool2d_planes<false>(out, nullptr, in, planes, g);
   }
 }
 

@@ -17,7 +17,7 @@ namespace nanoddp::kernels::cpu {
 void im2col(float* cols, const float* images, int64_t N, Window2d window);
 void col2im(float* dimages, const float* dcols, int64_t N, Window2d window);
 // Per plane: out = each window's maximum, indices = its position (kernels/pool_window.h's
-// max_pool2d_window is the rule and the fallback).
+// max_pool2d_window is the rule and the fallback); indices null: out only.
 void max_pool2d_forward(float* out, int64_t* indices, const float* in, int64_t planes, Window2d window);
 
 // cols [C kh kw, N OH OW] from images N of [C, H, W]; layout as nn/conv.cpp's im2col.

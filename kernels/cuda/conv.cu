@@ -117,7 +117,7 @@ __global__ void max_pool2d_forward_kernel(float* out, int64_t* indices, const fl
     const int64_t p = e / out_plane, oh = (e % out_plane) / g.out_w, ow = e % g.out_w;
     const WindowMax best = max_pool2d_window(in + p * in_plane, g, oh, ow);
     out[e] = best.value;
-    indices[e] = best.index;
+    if (indices != nullptr) indices[e] = best.index;  // the same for every thread: no divergence
   }
 }
 
