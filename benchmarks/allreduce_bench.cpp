@@ -254,7 +254,7 @@ void check_forking(const Config& c) {
 int main(int argc, char** argv) {
   Config c;
   CLI::App app{"All-reduce bandwidth table (nccl-tests style) for the shm, gloo, mpi or nccl backend"};
-  app.option_defaults()->always_capture_default();  // --help shows each default
+  cli::set_option_defaults(app);
   app.add_option("--backend", c.backend,
                  "auto, shm, shm+gloo, gloo, mpi or nccl; nccl runs rank r on GPU LOCAL_RANK (nanoddp-run sets "
                  "it; --nproc: GPU r); mpi needs mpirun (or nanoddp-run --backend mpi), not --nproc")

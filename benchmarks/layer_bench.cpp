@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
   CLI::App app{"layer_bench: forward + backward time per layer on a 64 x 1024 input"};
   double min_time = 0.2;
   std::string only;
-  app.option_defaults()->always_capture_default();  // --help shows each default
+  cli::set_option_defaults(app);
   app.add_option("--min-time", min_time, "seconds per timed round")->check(cli::number_in(0));
   std::vector<std::string> names;
   for (const LayerCase& c : layer_cases()) names.push_back(c.name);

@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
   std::string trace_file;
   bool explain = false;
   examples::ProcessGroupFlags group;
-  app.option_defaults()->always_capture_default();
+  cli::set_option_defaults(app);
   app.add_option("--steps", steps, "SGD steps")->check(cli::integer_in(1));
   group.add_to(app);
   app.add_option("--trace", trace_file, "write a Chrome trace (ui.perfetto.dev) of the run to FILE")->check(cli::file_path());

@@ -31,6 +31,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -341,7 +342,38 @@ void check_same_start(dist::ProcessGroup& pg, const std::string& checkpoint, int
 }
 
 // What is wrong with a combination of flags that each parsed, or "" when nothing is.
+// The files the run writes, by flag: two with one name would overwrite each other, and one
+// among the data files would overwrite the data (a checkpoint written over train-labels...).
+std::string outputs_problem(const Config& config) {
+  namespace fs = std::filesystem;
+  const auto resolved = [](const std::string& path) {
+    std::error_code ignored;
+    const fs::path full = fs::weakly_canonical(fs::absolute(path, ignored), ignored);
+    return full.empty() ? fs::path(path).lexically_normal() : full;
+  };
+  const std::vector<std::pair<std::string, std::string>> outputs = {
+      {"--checkpoint", config.checkpoint}, {"--export", config.export_path}, {"--metrics", config.metrics},
+      {"--trace", config.trace}};
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (outputs[i].second.empty()) continue;
+    for (size_t j = i + 1; j < outputs.size(); ++j)
+      if (!outputs[j].second.empty() && resolved(outputs[i].second) == resolved(outputs[j].second))
+        return outputs[i].first + " and " + outputs[j].first + " name the same file (" + outputs[i].second +
+               "): each needs its own, or one overwrites the other";
+    for (const char* set : {"train", "t10k"})
+      for (const char* kind : {"-images-idx3-ubyte", "-labels-idx1-ubyte"})
+        for (const char* suffix : {"", ".gz"}) {
+          const std::string data = config.data_dir + "/" + set + kind + suffix;
+          if (resolved(outputs[i].second) == resolved(data))
+            return outputs[i].first + " " + outputs[i].second + " is one of the data files in --data-dir " +
+                   config.data_dir + ": writing it would overwrite the data";
+        }
+  }
+  return "";
+}
+
 std::string flags_problem(const Config& config) {
+  if (const std::string problem = outputs_problem(config); !problem.empty()) return problem;
   if (config.momentum && config.optimizer != "sgd")
     return "--momentum applies to --optimizer sgd only (Adam's betas play its part)";
   if (config.resume && config.checkpoint.empty()) return "--resume needs --checkpoint FILE";
@@ -536,7 +568,7 @@ int main(int argc, char** argv) {
   Config config;
   CLI::App app{std::string(kExample) + ": " +
                (NANODDP_FASHION_MNIST_CNN ? "a CNN" : "an MLP") + " on Fashion-MNIST with DistributedDataParallel"};
-  app.option_defaults()->always_capture_default();
+  cli::set_option_defaults(app);
   app.add_option("--epochs", config.epochs, "epochs to train (in all, counting resumed ones)")->check(cli::integer_in(1));
   app.add_option("--optimizer", config.optimizer,
                  "sgd (with --momentum), adam (L2 --weight-decay) or adamw (decoupled --weight-decay)")
@@ -550,7 +582,7 @@ int main(int argc, char** argv) {
                  "epochs of linear warm-up from lr/3 to lr, stepped per batch (LinearLR), before --schedule")
       ->check(cli::integer_in(0));
   app.add_option("--batch-size", config.batch_size, "examples per rank per step")->check(cli::integer_in(1));
-  app.add_option("--seed", config.seed, "seed of the weights and of the data order");
+  app.add_option("--seed", config.seed, "seed of the weights and of the data order")->check(cli::seed());
   config.group.add_to(app);
   app.add_option("--data-dir", config.data_dir, "folder with the four Fashion-MNIST IDX files")->check(cli::folder_path());
   app.add_option("--checkpoint", config.checkpoint, "file rank 0 writes after every epoch")->check(cli::file_path());
@@ -594,15 +626,20 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->check(cli::integer_in(1));
 #endif
+  // Up to 1e6 MiB: the cap becomes a byte count, which a much larger number would overflow.
   app.add_option("--bucket-cap-mb", config.bucket_cap_mb, "DDP bucket size cap in MiB (torch's bucket_cap_mb)")
-      ->check(cli::number_in(1e-6));
+      ->check(cli::number_in(1e-6, 1e6));
   app.add_option("--first-bucket-cap-mb", config.first_bucket_cap_mb, "cap of the first bucket in MiB")
-      ->check(cli::number_in(1e-6));
+      ->check(cli::number_in(1e-6, 1e6));
   app.add_option("--trace", config.trace,
                  "write a Chrome trace (ui.perfetto.dev) of the run to FILE; nanoddp-run merges the ranks' files")
       ->check(cli::file_path());
   app.add_flag("--explain", config.explain,
                "print the bucket plan, then per step of each epoch the all-reduces, bytes and exposed communication");
+#if !NANODDP_FASHION_MNIST_CNN
+  if (const std::string problem = cli::empty_list_item(argc, argv, "--hidden"); !problem.empty())
+    return cli::usage_error(kExample, problem);
+#endif
   if (auto code = cli::parse(app, argc, argv, kExample)) return *code;
   if (const std::string problem = flags_problem(config); !problem.empty()) return cli::usage_error(kExample, problem);
   try {

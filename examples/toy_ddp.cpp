@@ -93,14 +93,14 @@ int main(int argc, char** argv) {
   std::string metrics_path;
   std::string trace_file;
   bool explain = false;
-  app.option_defaults()->always_capture_default();  // --help shows each default, as fashion_mnist's does
+  cli::set_option_defaults(app);
   app.add_option("--epochs", epochs, "passes over the data")->check(cli::integer_in(1));
   app.add_option("--lr", lr, "SGD learning rate")->check(cli::number_in(0));
   app.add_option("--batch-size", batch_size, "examples per rank per step")->check(cli::integer_in(1));
   app.add_flag("--raw", raw, "the tutorial's unscaled data (x up to 99): SGD diverges");
   app.add_option("--init-weight", init_weight, "start from this weight instead of a random one");
   app.add_option("--init-bias", init_bias, "start from this bias instead of a random one");
-  app.add_option("--seed", seed, "seed of the initial weights");
+  app.add_option("--seed", seed, "seed of the initial weights")->check(cli::seed());
   group.add_to(app);
   app.add_option("--metrics", metrics_path, "JSON-lines file rank 0 writes one line per epoch to (examples/metrics.h)")
       ->check(cli::file_path());

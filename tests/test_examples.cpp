@@ -293,6 +293,22 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
       {{built("examples/toy_ddp"), "--bogus"}, "toy_ddp: The following argument was not expected: --bogus"},
       {{built("examples/custom_layer"), "--steps"}, "custom_layer: --steps: 1 required"},
       {{mlp, "--epochs", "x"}, "fashion_mnist: --epochs: must be an integer >= 1, got 'x'"},
+      // Past what an int holds: once CLI11's bare "Could not convert".
+      {{mlp, "--epochs", "99999999999"}, "--epochs: must be an integer between 1 and 2147483647, got '99999999999'"},
+      // -1 and 2^64 + anything were both read as 2^64 - 1: two "different" seeds, one run.
+      {{mlp, "--seed", "-1"}, "--seed: must be an integer from 0 to 18446744073709551615, got '-1'"},
+      {{built("examples/toy_ddp"), "--seed", "18446744073709551616"},
+       "--seed: must be an integer from 0 to 18446744073709551615, got '18446744073709551616'"},
+      {{mlp, "--hidden", "64,,32"}, "fashion_mnist: --hidden: an empty item in '64,,32'"},
+      {{mlp, "--quiet=3"}, "fashion_mnist: --quiet is a switch and takes no value"},
+      {{mlp, "--bucket-cap-mb", "1e30"}, "--bucket-cap-mb: must be a finite number between 1e-06 and 1e+06"},
+      // Two outputs on one file, or an output over the data, would overwrite each other.
+      {{mlp, "--checkpoint", "/tmp/nanoddp-run.x", "--export", "/tmp/nanoddp-run.x"},
+       "fashion_mnist: --checkpoint and --export name the same file (/tmp/nanoddp-run.x)"},
+      {{cnn, "--metrics", "/tmp/m.jsonl", "--trace", "/tmp/./m.jsonl"},
+       "fashion_mnist_cnn: --metrics and --trace name the same file (/tmp/m.jsonl)"},
+      {{mlp, "--data-dir", "/tmp/data", "--checkpoint", "/tmp/data/train-labels-idx1-ubyte.gz"},
+       "--checkpoint /tmp/data/train-labels-idx1-ubyte.gz is one of the data files in --data-dir /tmp/data"},
   };
   for (const auto& [args, message] : bad) {
     const std::string flag = args[1];  // CAPTURE's lambda cannot name a structured binding (C++17)

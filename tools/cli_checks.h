@@ -55,13 +55,37 @@ inline CLI::Validator integer_where(const std::string& what, const std::string& 
       short_what);
 }
 
-// An integer in [min, max].
-inline CLI::Validator integer_in(long long min, long long max = LLONG_MAX) {
+// An integer in [min, max]. The default max is what an int holds, the type of these flags'
+// variables: a larger value would otherwise pass here and fail in CLI11's conversion with only
+// "Could not convert".
+inline CLI::Validator integer_in(long long min, long long max = INT_MAX) {
   const std::string lo = std::to_string(min), hi = std::to_string(max);
-  const bool open = max == LLONG_MAX;
-  return integer_where(open ? "an integer >= " + lo : "an integer between " + lo + " and " + hi,
-                       open ? lo + " or more" : lo + ".." + hi,
-                       [min, max](long long v) { return v >= min && v <= max; });
+  const bool open = max == INT_MAX;
+  const CLI::Validator in_range =
+      integer_where(open ? "an integer >= " + lo : "an integer between " + lo + " and " + hi,
+                    open ? lo + " or more" : lo + ".." + hi, [min](long long v) { return v >= min; });
+  const CLI::Validator at_most =
+      integer_where("an integer between " + lo + " and " + hi, "", [max](long long v) { return v <= max; });
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        std::string problem = in_range(text);
+        return problem.empty() ? at_most(text) : problem;
+      },
+      open ? lo + " or more" : lo + ".." + hi);
+}
+
+// A seed: an integer from 0 to 2^64 - 1, written in decimal. CLI11 alone reads "-1" and any
+// number past 2^64 as 2^64 - 1, so that different seeds gave the same run.
+inline CLI::Validator seed() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        const bool digits = !text.empty() && text.size() <= 20 &&
+                            std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+        if (!digits || (text.size() == 20 && text > "18446744073709551615"))
+          return "must be an integer from 0 to 18446744073709551615, got '" + text + "'";
+        return "";
+      },
+      "0..2^64-1");
 }
 
 // A finite number in [min, max].
@@ -139,6 +163,33 @@ inline CLI::Validator non_empty_path(const std::string& names, const std::string
       short_what);
 }
 
+// Every program's option defaults: --help shows each default value, and a flag takes no value
+// (CLI11 would read --quiet=3 as --quiet, and --quiet=0 as its absence).
+inline void set_option_defaults(CLI::App& app) {
+  app.option_defaults()->always_capture_default()->disable_flag_override();
+}
+
+// A list flag's raw values with no empty item: CLI11 splits "--hidden 1,,2" at the commas and
+// drops the empty item, so the run would quietly use 1,2. Returns "" or the problem.
+inline std::string empty_list_item(int argc, const char* const* argv, const std::string& flag) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") break;
+    std::string value;
+    if (arg == flag && i + 1 < argc) {
+      value = argv[i + 1];
+    } else if (arg.rfind(flag + "=", 0) == 0) {
+      value = arg.substr(flag.size() + 1);
+    } else {
+      continue;
+    }
+    if (value.empty()) continue;  // the validators refuse an empty value by name
+    if (value.front() == ',' || value.back() == ',' || value.find(",,") != std::string::npos)
+      return flag + ": an empty item in '" + value + "': give numbers separated by single commas";
+  }
+  return "";
+}
+
 // A file to read or write (--checkpoint, --metrics, --trace ...).
 inline CLI::Validator file_path() { return non_empty_path("a file name", "FILE"); }
 
@@ -173,7 +224,13 @@ inline std::optional<int> parse(CLI::App& app, int argc, const char* const* argv
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);  // --help
-    return usage_error(program, e.what());
+    const std::string what = e.what();
+    const size_t override_at = what.find(" was given a disallowed flag override");
+    if (override_at != std::string::npos) {  // CLI11 names the flag without its dashes
+      const std::string flag = "--" + what.substr(0, override_at);
+      return usage_error(program, flag + " is a switch and takes no value: give " + flag + " alone, or leave it out");
+    }
+    return usage_error(program, what);
   }
   return std::nullopt;
 }
