@@ -154,6 +154,12 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
     // The group's dout^T [OC, n OH OW]: dout itself for one image, else reordered.
     Tensor dout_t = group > 1 ? Tensor::empty({OC, group * OHW}, DType::Float32, device) : Tensor();
     Tensor dcols = needs_dx ? Tensor::empty({CKK, group * OHW}, DType::Float32, device) : Tensor();
+    // db is summed per group while the group's dout is still in cache (on the CPU, a 5.5 MB
+    // dout for the example's first convolution is otherwise read again from memory), then over
+    // the groups; both sums run in double.
+    const bool needs_db = node.inputs[2].defined() && node.inputs[2].requires_grad();
+    const int64_t groups = (N + group - 1) / group;
+    Tensor db_groups = needs_db ? Tensor::empty({groups, OC}, DType::Float32, device) : Tensor();
     for (int64_t first = 0; first < N; first += group) {
       const int64_t n = std::min(group, N - first);
       const float* group_dout = ptr(dout) + first * OC * OHW;
@@ -168,14 +174,17 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
         NANODDP_DISPATCH(device, matmul, ptr(dcols), ptr(w), group_dout, CKK, OC, n * OHW, true, false, 0.0f);
         NANODDP_DISPATCH(device, col2im, ptr(dx) + first * image_size, ptr(dcols), n, g);
       }
+      if (needs_db)
+        NANODDP_DISPATCH(device, channel_sum, ptr(db_groups) + first / group * OC, ptr(dout) + first * OC * OHW, n,
+                         OC, OHW);
     }
     if (needs_dw) {
       dw = empty_like(w);
       NANODDP_DISPATCH(device, swap_leading_dims, ptr(dw), ptr(dw_t), CKK, OC, 1);
     }
-    if (node.inputs[2].defined() && node.inputs[2].requires_grad()) {
+    if (needs_db) {  // db [OC] = the sum over groups of db_groups [groups, OC]
       db = Tensor::empty({OC}, DType::Float32, device);
-      NANODDP_DISPATCH(device, channel_sum, ptr(db), ptr(dout), N, OC, OHW);
+      NANODDP_DISPATCH(device, channel_sum, ptr(db), ptr(db_groups), groups, OC, 1);
     }
     return std::vector<Tensor>{dx, dw, db};
   });
