@@ -179,11 +179,8 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
         group_dout = ptr(dout_t);
       }
       if (needs_dw) {  // dw^T += cols · dout
-        const float* group_cols = ptr(patches) + first * CKK * OHW;
-        if (!keeps_cols) {
-          NANODDP_DISPATCH(device, im2col, ptr(cols), ptr(patches) + first * image_size, n, g);
-          group_cols = ptr(cols);
-        }
+        if (!keeps_cols) NANODDP_DISPATCH(device, im2col, ptr(cols), ptr(patches) + first * image_size, n, g);
+        const float* group_cols = keeps_cols ? ptr(patches) + first * CKK * OHW : ptr(cols);
         NANODDP_DISPATCH(device, matmul, ptr(dw_t), group_cols, group_dout, CKK, n * OHW, OC, false, true, 1.0f);
       }
       if (needs_dx) {  // dx = col2im(w^T · dout^T)
