@@ -83,6 +83,14 @@ Window2d make_window(const char* op, const Tensor& input, Size2 kernel, Size2 st
 // are not chunked (a last chunk that small could take a matrix-vector path). On the CPU the
 // grouping is the same with or without a graph: tests/test_ops.cpp checks that a no_grad call
 // equals one that records a graph, bit for bit.
+//
+// Backward needs each image's cols again (dweight = dout · cols^T). CUDA keeps them from
+// forward. The CPU keeps the input instead and runs im2col again, one image at a time, into
+// a buffer that stays in cache: the batch's cols are 4.5 times the input in the example's
+// second convolution (8.9 MB against 1.4 MB at batch 64), and writing them in forward only to
+// read them back from memory in backward cost more than the second im2col (and kept the
+// working set of a training step larger than the L3 cache). PyTorch's CPU convolution
+// (slow_conv2d) recomputes its columns in backward the same way.
 constexpr int64_t kMaxUnsavedColsBytes = 16 << 20;
 int64_t images_per_gemm(Device device, bool keeps_cols, int64_t N, int64_t CKK, int64_t OHW) {
   if (!device.is_cuda()) return 1;
@@ -120,14 +128,15 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
   const Device device = input.device();
   const int64_t group = images_per_gemm(device, keeps_graph, N, CKK, OHW);
   const int64_t image_size = g.channels * g.height * g.width;
-  // Kept for backward: every image's cols, [N / group groups of [C kh kw, group OH OW]] (for
-  // group == N the layout of cols [C kh kw, N OH OW]); otherwise one group's.
-  Tensor cols = Tensor::empty({keeps_graph ? N * CKK * OHW : group * CKK * OHW}, DType::Float32, device);
+  // Kept for backward on CUDA: every image's cols, [N / group groups of [C kh kw, group OH OW]]
+  // (for group == N the layout of cols [C kh kw, N OH OW]); otherwise one group's.
+  const bool keeps_cols = keeps_graph && device.is_cuda();
+  Tensor cols = Tensor::empty({keeps_cols ? N * CKK * OHW : group * CKK * OHW}, DType::Float32, device);
   Tensor out_t = group > 1 ? Tensor::empty({OC, group * OHW}, DType::Float32, device) : Tensor();
   Tensor out = Tensor::empty({N, OC, g.out_h, g.out_w}, DType::Float32, device);
   for (int64_t first = 0; first < N; first += group) {
     const int64_t n = std::min(group, N - first);
-    float* group_cols = ptr(cols) + (keeps_graph ? first * CKK * OHW : 0);
+    float* group_cols = ptr(cols) + (keeps_cols ? first * CKK * OHW : 0);
     float* group_out = ptr(out) + first * OC * OHW;
     NANODDP_DISPATCH(device, im2col, group_cols, ptr(input) + first * image_size, n, g);
     NANODDP_DISPATCH(device, matmul, group > 1 ? ptr(out_t) : group_out, ptr(weight), group_cols, OC, CKK, n * OHW,
@@ -137,12 +146,13 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
     if (bias.defined()) NANODDP_DISPATCH(device, channel_bias_forward, group_out, ptr(bias), n, OC, OHW);
   }
 
-  // Backward reads cols (not the input: dweight needs the patches) and the weight.
-  return record("Conv2dBackward", out, {input, weight, bias}, {cols, weight},
-                [g, N, OC, CKK, group](const Node& node, const Tensor& dout) {
-    const Tensor& cols = node.saved(0);
+  // Backward reads the weight and, for dweight, the patches: the saved cols, or (on the CPU)
+  // the input, whose cols it computes again (Note [Images per GEMM]).
+  return record("Conv2dBackward", out, {input, weight, bias}, {keeps_cols ? cols : input, weight},
+                [g, N, OC, CKK, group, keeps_cols](const Node& node, const Tensor& dout) {
+    const Tensor& patches = node.saved(0);  // cols, or the input
     const Tensor& w = node.saved(1);
-    const Device device = cols.device();
+    const Device device = w.device();
     const int64_t OHW = g.out_h * g.out_w, image_size = g.channels * g.height * g.width;
     const bool needs_dx = node.inputs[0].requires_grad(), needs_dw = node.inputs[1].requires_grad();
     Tensor dx, dw, db;
@@ -154,6 +164,13 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
     // The group's dout^T [OC, n OH OW]: dout itself for one image, else reordered.
     Tensor dout_t = group > 1 ? Tensor::empty({OC, group * OHW}, DType::Float32, device) : Tensor();
     Tensor dcols = needs_dx ? Tensor::empty({CKK, group * OHW}, DType::Float32, device) : Tensor();
+    Tensor cols = needs_dw && !keeps_cols ? Tensor::empty({CKK, group * OHW}, DType::Float32, device) : Tensor();
+    // db is summed per group while the group's dout is still in cache (on the CPU, a 5.5 MB
+    // dout for the example's first convolution is otherwise read again from memory), then over
+    // the groups; both sums run in double.
+    const bool needs_db = node.inputs[2].defined() && node.inputs[2].requires_grad();
+    const int64_t groups = (N + group - 1) / group;
+    Tensor db_groups = needs_db ? Tensor::empty({groups, OC}, DType::Float32, device) : Tensor();
     for (int64_t first = 0; first < N; first += group) {
       const int64_t n = std::min(group, N - first);
       const float* group_dout = ptr(dout) + first * OC * OHW;
@@ -161,21 +178,26 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
         NANODDP_DISPATCH(device, swap_leading_dims, ptr(dout_t), group_dout, n, OC, OHW);
         group_dout = ptr(dout_t);
       }
-      const float* group_cols = ptr(cols) + first * CKK * OHW;
-      if (needs_dw)  // dw^T += cols · dout
+      if (needs_dw) {  // dw^T += cols · dout
+        if (!keeps_cols) NANODDP_DISPATCH(device, im2col, ptr(cols), ptr(patches) + first * image_size, n, g);
+        const float* group_cols = keeps_cols ? ptr(patches) + first * CKK * OHW : ptr(cols);
         NANODDP_DISPATCH(device, matmul, ptr(dw_t), group_cols, group_dout, CKK, n * OHW, OC, false, true, 1.0f);
+      }
       if (needs_dx) {  // dx = col2im(w^T · dout^T)
         NANODDP_DISPATCH(device, matmul, ptr(dcols), ptr(w), group_dout, CKK, OC, n * OHW, true, false, 0.0f);
         NANODDP_DISPATCH(device, col2im, ptr(dx) + first * image_size, ptr(dcols), n, g);
       }
+      if (needs_db)
+        NANODDP_DISPATCH(device, channel_sum, ptr(db_groups) + first / group * OC, ptr(dout) + first * OC * OHW, n,
+                         OC, OHW);
     }
     if (needs_dw) {
       dw = empty_like(w);
       NANODDP_DISPATCH(device, swap_leading_dims, ptr(dw), ptr(dw_t), CKK, OC, 1);
     }
-    if (node.inputs[2].defined() && node.inputs[2].requires_grad()) {
+    if (needs_db) {  // db [OC] = the sum over groups of db_groups [groups, OC]
       db = Tensor::empty({OC}, DType::Float32, device);
-      NANODDP_DISPATCH(device, channel_sum, ptr(db), ptr(dout), N, OC, OHW);
+      NANODDP_DISPATCH(device, channel_sum, ptr(db), ptr(db_groups), groups, OC, 1);
     }
     return std::vector<Tensor>{dx, dw, db};
   });

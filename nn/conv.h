@@ -32,11 +32,12 @@ struct Size2 {
 // weight [OC, C kh kw] · cols [C kh kw, OH OW], one image at a time on the CPU (the GEMM writes
 // the image's NCHW output), for the whole batch on CUDA (cols [C kh kw, N OH OW], then
 // reordered to NCHW). Cost: forward 2 N OC OH OW C kh kw FLOPs (+ N OC OH OW for the bias);
-// backward twice that. Memory: cols (C kh kw N OH OW floats), kept for backward with the
-// weight; on CUDA the output twice while reordering. When no graph is recorded (no_grad, or no
-// input requires grad) nothing is kept: the CPU needs one image's cols, CUDA goes through the
-// images in chunks whose cols take at most about 16 MB (one image at least), with the same
-// result bit for bit.
+// backward twice that (on the CPU, plus im2col again for the weight gradient). Memory: on the
+// CPU one image's cols (C kh kw OH OW floats), and the input and weight kept for backward; on
+// CUDA cols (C kh kw N OH OW floats) kept for backward with the weight, and the output twice
+// while reordering. When no graph is recorded (no_grad, or no input requires grad) nothing is
+// kept: CUDA goes through the images in chunks whose cols take at most about 16 MB (one image
+// at least), with the same result bit for bit.
 Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Size2 stride = 1, Size2 padding = 0,
               Size2 dilation = 1);
 

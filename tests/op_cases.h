@@ -300,6 +300,12 @@ inline std::vector<OpCase> op_cases() {
                         [](auto& in) { return conv2d(in[0], in[1], in[2], {2, 1}, {1, 0}, {1, 2}); },
                         [](auto& in) { return ref_conv2d(in[0], in[1], in[2], {2, 3, 6, 5}, {4, 3, 3, 2}, {2, 1}, {1, 0}, {1, 2}); }}
                      .in_model({1, 6, 6}, small_cnn));
+  // One input channel: the GEMMs have an inner size (forward) or a row count (weight gradient)
+  // of 9, the thin loops of kernels/cpu/matmul.cpp (Note [Thin matmuls]); 15 positions per image
+  // leave remainders of their 8-float vectors.
+  rows.push_back({"conv2d one input channel, bias", {{{2, 1, 5, 7}}, {{3, 1, 3, 3}}, {{3}}},
+                  [](auto& in) { return conv2d(in[0], in[1], in[2]); },
+                  [](auto& in) { return ref_conv2d(in[0], in[1], in[2], {2, 1, 5, 7}, {3, 1, 3, 3}, 1, 0, 1); }});
   rows.push_back({"conv2d 3x3 padding 1, no bias", {{{1, 2, 4, 4}}, {{3, 2, 3, 3}}},
                   [](auto& in) { return conv2d(in[0], in[1], Tensor(), 1, 1); },
                   [](auto& in) { return ref_conv2d(in[0], in[1], {}, {1, 2, 4, 4}, {3, 2, 3, 3}, 1, 1, 1); }});

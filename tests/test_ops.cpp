@@ -277,6 +277,49 @@ TEST_CASE("conv2d under no_grad (cols not kept) equals conv2d recording a graph,
   CHECK(differing == 0);
 }
 
+TEST_CASE("cpu matmul's thin paths (inner size or row count up to 16) match a float64 reference") {
+  // Note [Thin matmuls]: K <= 16 without transposes, and M <= 16 with b transposed, run direct
+  // loops in blocks of 8 rows x 8 columns and of 4 x 2 dot products over 8 lanes. The sizes
+  // leave every remainder (rows, columns, lanes) and cross the 16 limit into Eigen's GEMM.
+  struct Case {
+    int64_t M, K, N;
+    bool trans_b;
+  };
+  const Case cases[] = {{1, 1, 1, false},  {13, 9, 27, false}, {8, 16, 8, false},  {32, 9, 676, false},
+                        {3, 17, 5, false}, {1, 1, 1, true},    {9, 676, 32, true}, {5, 21, 7, true},
+                        {16, 8, 3, true},  {4, 3, 2, true},    {17, 9, 3, true}};
+  Generator gen(21);
+  for (const Case& k : cases) {
+    for (const float beta : {0.0f, 1.0f}) {
+      CAPTURE(k.M);
+      CAPTURE(k.K);
+      CAPTURE(k.N);
+      CAPTURE(k.trans_b);
+      CAPTURE(beta);
+      const std::vector<float> a = Tensor::randn({k.M * k.K}, gen).to_vector();
+      const std::vector<float> b = Tensor::randn({k.K * k.N}, gen).to_vector();
+      // beta 0 ignores out's old contents, even NaN; beta 1 adds to them.
+      std::vector<float> out = beta == 0.0f ? std::vector<float>(k.M * k.N, std::nanf(""))
+                                            : Tensor::randn({k.M * k.N}, gen).to_vector();
+      const std::vector<float> old = out;
+      kernels::cpu::matmul(out.data(), a.data(), b.data(), k.M, k.K, k.N, false, k.trans_b, beta);
+      size_t wrong = 0;
+      for (int64_t m = 0; m < k.M; ++m)
+        for (int64_t n = 0; n < k.N; ++n) {
+          double want = beta == 0.0f ? 0.0 : old[m * k.N + n], magnitude = std::abs(want);
+          for (int64_t i = 0; i < k.K; ++i) {
+            const double product = double(a[m * k.K + i]) * (k.trans_b ? b[n * k.K + i] : b[i * k.N + n]);
+            want += product;
+            magnitude += std::abs(product);
+          }
+          // float32 sums of K + 1 terms: within a few units of rounding of the terms' magnitude.
+          wrong += !(std::abs(out[m * k.N + n] - want) <= 1e-6 * (k.K + 1) * magnitude);
+        }
+      CHECK(wrong == 0);
+    }
+  }
+}
+
 TEST_CASE("im2col / col2im for stride_w 1 equal the general reference loops bit for bit") {
   // Windows that put a row's run at the left edge, the right edge, inside, and nowhere
   // (padding wider than the image); dilation and a vertical stride the runs do not see.

@@ -1,8 +1,123 @@
-// CPU matmul on Eigen's GEMM (row-major maps; see eigen_maps.h).
+// CPU matmul on Eigen's GEMM (row-major maps; see eigen_maps.h), with two direct loops for
+// products that have one tiny dimension (Note [Thin matmuls]).
+#include <algorithm>
+#include <cstring>
+
 #include "kernels/cpu/eigen_maps.h"
 #include "kernels/kernels.h"
 
 namespace nanoddp::kernels::cpu {
+
+namespace {
+
+// Note [Thin matmuls]
+// Eigen's GEMM zero-fills out (for beta 0), copies both operands into packed panels, then runs
+// a kernel tuned for large tiles (24 x 4 floats). When the inner size K or the output's row
+// count M is tiny, that work is out of proportion: a Conv2d over one input channel with a 3x3
+// kernel (fashion_mnist_cnn's first layer) multiplies weight [32, 9] by cols [9, 676] per
+// image, and its weight gradient is cols [9, 676] times dout^T [676, 32]. The two loops below
+// read each operand in place and write each output once:
+//   K <= kThinSize, no transposes: a block of kBlockRows rows of out, 8 columns at a time, is
+//     a sum of K rows of b scaled by a's entries (the K rows of b stay in L1);
+//   M <= kThinSize, b transposed: out[m, n] is the dot product of row m of a and row n of b,
+//     for kDotRows rows of a and kDotCols rows of b at a time.
+// Each block keeps 8 independent vector sums: one running sum would wait for its previous
+// fused multiply-add (4 cycles) every time. A block that runs past the last row repeats that
+// row and drops the extra sums, so that the block's size, and its registers, stay fixed.
+// Sums run in a fixed order (the same result on every run), not Eigen's order; both paths are
+// tested against a float64 reference at sizes with remainders (tests/test_ops.cpp).
+constexpr int64_t kThinSize = 16;
+constexpr int64_t kBlockRows = 8;
+constexpr int64_t kDotRows = 4, kDotCols = 2;
+
+// 8 floats (GCC's and Clang's vector extensions: one AVX register with -mavx2, two SSE ones
+// without). Loads and stores go through memcpy: unaligned, and no aliasing assumptions.
+using Floats8 = float __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 8;
+
+inline void load(Floats8& v, const float* p) { std::memcpy(&v, p, sizeof v); }
+inline void store(float* p, const Floats8& v) { std::memcpy(p, &v, sizeof v); }
+
+// out [M, N] = beta out + a [M, K] · b [K, N], for small K.
+[[gnu::noinline]] void thin_inner_matmul(float* out, const float* a, const float* b, int64_t M, int64_t K, int64_t N, float beta) {
+  for (int64_t first = 0; first < M; first += kBlockRows) {
+    // Row r of the block, or the last row again past M: such a row computes and stores row
+    // M - 1's value a second time (every old value is read before any is stored).
+    const float* scales[kBlockRows];
+    float* rows[kBlockRows];
+    for (int64_t r = 0; r < kBlockRows; ++r) {
+      const int64_t m = std::min(first + r, M - 1);
+      scales[r] = a + m * K;
+      rows[r] = out + m * N;
+    }
+    int64_t n = 0;
+    for (; n + kLanes <= N; n += kLanes) {
+      Floats8 sums[kBlockRows];
+      for (Floats8& sum : sums) sum = Floats8{};
+      for (int64_t k = 0; k < K; ++k) {
+        Floats8 bk;
+        load(bk, b + k * N + n);
+        for (int64_t r = 0; r < kBlockRows; ++r) sums[r] += scales[r][k] * bk;
+      }
+      if (beta != 0.0f)
+        for (int64_t r = 0; r < kBlockRows; ++r) {
+          Floats8 old;
+          load(old, rows[r] + n);
+          sums[r] += old;
+        }
+      for (int64_t r = 0; r < kBlockRows; ++r) store(rows[r] + n, sums[r]);
+    }
+    for (; n < N; ++n)
+      for (int64_t r = 0; r < std::min(kBlockRows, M - first); ++r) {
+        float sum = 0.0f;
+        for (int64_t k = 0; k < K; ++k) sum += scales[r][k] * b[k * N + n];
+        rows[r][n] = beta != 0.0f ? rows[r][n] + sum : sum;
+      }
+  }
+}
+
+// out [M, N] = beta out + a [M, K] · b^T, b stored [N, K], for small M.
+[[gnu::noinline]] void thin_outer_matmul(float* out, const float* a, const float* b, int64_t M, int64_t K, int64_t N, float beta) {
+  for (int64_t first_m = 0; first_m < M; first_m += kDotRows) {
+    const int64_t rows = std::min(kDotRows, M - first_m);
+    const float* a_rows[kDotRows];  // (the last row again past M)
+    for (int64_t r = 0; r < kDotRows; ++r) a_rows[r] = a + (first_m + std::min(r, rows - 1)) * K;
+    for (int64_t first_n = 0; first_n < N; first_n += kDotCols) {
+      const int64_t cols = std::min(kDotCols, N - first_n);
+      const float* b_rows[kDotCols];  // (the last row again past N)
+      for (int64_t c = 0; c < kDotCols; ++c) b_rows[c] = b + (first_n + std::min(c, cols - 1)) * K;
+      Floats8 sums[kDotRows * kDotCols];  // (one dimension: GCC keeps it in registers)
+      for (Floats8& sum : sums) sum = Floats8{};
+      int64_t k = 0;
+      for (; k + kLanes <= K; k += kLanes) {
+        Floats8 bk[kDotCols];
+        for (int64_t c = 0; c < kDotCols; ++c) load(bk[c], b_rows[c] + k);
+        for (int64_t r = 0; r < kDotRows; ++r) {
+          Floats8 ak;
+          load(ak, a_rows[r] + k);
+          for (int64_t c = 0; c < kDotCols; ++c) sums[r * kDotCols + c] += ak * bk[c];
+        }
+      }
+      float lanes[kDotRows * kDotCols][kLanes];
+      std::memcpy(lanes, sums, sizeof lanes);
+      float dots[kDotRows][kDotCols];
+      for (int64_t r = 0; r < kDotRows; ++r)
+        for (int64_t c = 0; c < kDotCols; ++c) {
+          float dot = 0.0f;
+          for (float lane : lanes[r * kDotCols + c]) dot += lane;
+          for (int64_t rest = k; rest < K; ++rest) dot += a_rows[r][rest] * b_rows[c][rest];
+          dots[r][c] = dot;
+        }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          float& o = out[(first_m + r) * N + first_n + c];
+          o = beta != 0.0f ? o + dots[r][c] : dots[r][c];
+        }
+    }
+  }
+}
+
+}  // namespace
 
 void matmul(float* out, const float* a, const float* b, int64_t M, int64_t K, int64_t N, bool trans_a, bool trans_b,
             float beta) {
@@ -11,6 +126,8 @@ void matmul(float* out, const float* a, const float* b, int64_t M, int64_t K, in
     if (beta == 0.0f) o.setZero();
     return;
   }
+  if (!trans_a && !trans_b && K <= kThinSize) return thin_inner_matmul(out, a, b, M, K, N, beta);
+  if (!trans_a && trans_b && M <= kThinSize) return thin_outer_matmul(out, a, b, M, K, N, beta);
   const auto A = trans_a ? mat(a, K, M) : mat(a, M, K);
   const auto B = trans_b ? mat(b, N, K) : mat(b, K, N);
   // Each branch names its transposes so Eigen picks a GEMM without temporaries.
