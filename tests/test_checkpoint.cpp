@@ -51,6 +51,42 @@ std::vector<std::string> temporaries_of(const std::string& path) {
   return found;
 }
 
+// Forks a process that saves writer 1's checkpoint of numel values at path (SIGINT and SIGTERM
+// at their defaults, as in a program that handles neither) and sends it signal_number as soon
+// as its temporary file appears. Returns the process's wait status, and whether the signal went
+// out while the temporary file was there (false: the save ended first).
+std::pair<int, bool> save_and_signal(const std::string& path, int64_t numel, int signal_number) {
+  for (const auto& stale : temporaries_of(path)) fs::remove(stale);
+  std::fflush(nullptr);
+  const pid_t writer = ::fork();
+  REQUIRE(writer >= 0);
+  if (writer == 0) {
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
+    try {
+      save_checkpoint(path, writer_state(1, numel));
+    } catch (...) {
+      ::_exit(1);
+    }
+    ::_exit(0);
+  }
+  int status = 0;
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (!temporaries_of(path).empty()) {
+      ::kill(writer, signal_number);
+      REQUIRE(::waitpid(writer, &status, 0) == writer);
+      return {status, true};
+    }
+    if (::waitpid(writer, &status, WNOHANG) == writer) return {status, false};  // finished before we saw it
+    std::this_thread::sleep_for(100us);
+  }
+  ::kill(writer, SIGKILL);
+  REQUIRE(::waitpid(writer, &status, 0) == writer);
+  FAIL("the save neither showed its temporary file nor ended in 60 s");
+  return {status, false};
+}
+
 }  // namespace
 
 TEST_CASE("two processes saving the same path at once: every save succeeds, every load is whole") {
@@ -88,27 +124,7 @@ TEST_CASE("kill -9 during a save leaves the previous checkpoint loadable") {
   // finds the new one, whole. Some trial must land mid-save, or the test proved nothing.
   int killed_mid_save = 0;
   for (int trial = 0; trial < 5 && killed_mid_save < 2; ++trial) {
-    for (const auto& stale : temporaries_of(path)) fs::remove(stale);
-    std::fflush(nullptr);
-    const pid_t writer = ::fork();
-    REQUIRE(writer >= 0);
-    if (writer == 0) {
-      try {
-        save_checkpoint(path, writer_state(1, kLarge));
-      } catch (...) {
-        ::_exit(1);
-      }
-      ::_exit(0);
-    }
-    const auto deadline = std::chrono::steady_clock::now() + 60s;
-    while (temporaries_of(path).empty() && std::chrono::steady_clock::now() < deadline) {
-      int status = 0;
-      if (::waitpid(writer, &status, WNOHANG) == writer) break;  // finished before we saw it
-      std::this_thread::sleep_for(100us);
-    }
-    ::kill(writer, SIGKILL);
-    int status = 0;
-    REQUIRE(::waitpid(writer, &status, 0) == writer);
+    save_and_signal(path, kLarge, SIGKILL);
     const bool mid_save = !temporaries_of(path).empty();
     const int found = writer_of(path, mid_save ? kSmall : kLarge);  // throws unless whole
     CHECK(found == (mid_save ? 0 : 1));
@@ -132,30 +148,7 @@ TEST_CASE("Ctrl-C (SIGINT) or SIGTERM during a save: the process ends by the sig
   for (int trial = 0; trial < 6 && signalled_mid_save < 2; ++trial) {
     const int signal_number = trial % 2 == 0 ? SIGINT : SIGTERM;
     CAPTURE(signal_number);
-    for (const auto& stale : temporaries_of(path)) fs::remove(stale);
-    std::fflush(nullptr);
-    const pid_t writer = ::fork();
-    REQUIRE(writer >= 0);
-    if (writer == 0) {
-      ::signal(SIGINT, SIG_DFL);  // as in a program that handles neither
-      ::signal(SIGTERM, SIG_DFL);
-      try {
-        save_checkpoint(path, writer_state(1, kLarge));
-      } catch (...) {
-        ::_exit(1);
-      }
-      ::_exit(0);
-    }
-    const auto deadline = std::chrono::steady_clock::now() + 60s;
-    bool seen = false;
-    while (!(seen = !temporaries_of(path).empty()) && std::chrono::steady_clock::now() < deadline) {
-      int status = 0;
-      if (::waitpid(writer, &status, WNOHANG) == writer) break;  // finished before we saw it
-      std::this_thread::sleep_for(100us);
-    }
-    ::kill(writer, signal_number);
-    int status = 0;
-    REQUIRE(::waitpid(writer, &status, 0) == writer);
+    const auto [status, seen] = save_and_signal(path, kLarge, signal_number);
     CHECK(temporaries_of(path).empty());
     if (WIFSIGNALED(status)) {
       CHECK(WTERMSIG(status) == signal_number);  // ended as the signal ends it, not with an exit code
