@@ -64,4 +64,7 @@ with tempfile.TemporaryDirectory() as folder:
     assert wrong.returncode != 0 and "not allreduce_bench --csv output" in wrong.stderr, wrong.stderr
     missing = run("metrics", os.path.join(folder, "none.jsonl"), "-o", os.path.join(folder, "x.png"))
     assert missing.returncode != 0 and "no such file" in missing.stderr, missing.stderr
+    nowhere = run("metrics", metrics, "-o", os.path.join(folder, "missing", "x.png"))
+    assert nowhere.returncode != 0 and "cannot write a PNG file there" in nowhere.stderr, nowhere.stderr
+    assert "Traceback" not in nowhere.stderr, nowhere.stderr
 print("tools/plot draws all three kinds and fits alpha + beta * bytes exactly")
