@@ -452,6 +452,10 @@ int run(const Config& config) {
   bool rebuilt_plan_explained = false;
   if (first_epoch >= config.epochs) accuracy = evaluate(*model, test_loader, *pg);
   const int last_epoch = config.stop_after > 0 ? config.stop_after : config.epochs;  // stop_after <= epochs
+  if (rank == 0 && first_epoch >= last_epoch)
+    std::fprintf(stderr, "%s: nothing to train: the checkpoint has %d epoch%s done, and this run ends after epoch %d (%s)\n",
+                 kExample, first_epoch, first_epoch == 1 ? "" : "s", last_epoch,
+                 config.stop_after > 0 ? "--stop-after" : "--epochs");
   for (int epoch = first_epoch; epoch < last_epoch; ++epoch) {
     train_loader.set_epoch(epoch);
     dropout_gen.manual_seed((config.seed * 1000003 + static_cast<uint64_t>(epoch)) * 1024 + static_cast<uint64_t>(rank));

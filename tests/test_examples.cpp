@@ -250,6 +250,12 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
     CHECK_MESSAGE(r.err.find("--stop-after 3 is past --epochs 2") != std::string::npos, r.err);
     CHECK(r.out.empty());
   }
+  // A stop at or before the checkpoint's epochs trains nothing, and says so.
+  r = run_with({"--epochs", "3", "--stop-after", "1", "--checkpoint", ckpt, "--resume"});
+  CHECK(r.code() == 0);
+  CHECK_MESSAGE(r.err.find("fashion_mnist: nothing to train: the checkpoint has 2 epochs done, and this run ends "
+                           "after epoch 1 (--stop-after)") != std::string::npos,
+                r.err);
   r = run_with({"--epochs", "1", "--optimizer", "adam", "--comm-hook", "bf16", "--gradient-as-bucket-view"});
   REQUIRE_MESSAGE(r.code() == 0, r.err);
   // The result line says how the run was made: two runs that differ in a flag are told apart.
