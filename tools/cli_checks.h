@@ -36,20 +36,27 @@ inline int usage_error(const std::string& program, const std::string& message) {
   return kUsageErrorExit;
 }
 
+// text as a whole decimal integer that fits a long long, or nullopt.
+inline std::optional<long long> whole_integer(const std::string& text) {
+  size_t used = 0;
+  long long value = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  if (used == 0 || used != text.size()) return std::nullopt;
+  return value;
+}
+
 // An integer for which ok(value) holds; otherwise "must be <what>, got '<text>'".
 // short_what is the hint CLI11 shows in --help.
 inline CLI::Validator integer_where(const std::string& what, const std::string& short_what,
                                     std::function<bool(long long)> ok) {
   return CLI::Validator(
       [=](std::string& text) -> std::string {
-        size_t used = 0;
-        long long value = 0;
-        try {
-          value = std::stoll(text, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        if (used == 0 || used != text.size() || !ok(value)) return "must be " + what + ", got '" + text + "'";
+        const std::optional<long long> value = whole_integer(text);
+        if (!value || !ok(*value)) return "must be " + what + ", got '" + text + "'";
         return "";
       },
       short_what);
@@ -57,19 +64,17 @@ inline CLI::Validator integer_where(const std::string& what, const std::string& 
 
 // An integer in [min, max]. The default max is what an int holds, the type of these flags'
 // variables: a larger value would otherwise pass here and fail in CLI11's conversion with only
-// "Could not convert".
+// "Could not convert". With that default the message names only min, unless the value is past max.
 inline CLI::Validator integer_in(long long min, long long max = INT_MAX) {
   const std::string lo = std::to_string(min), hi = std::to_string(max);
   const bool open = max == INT_MAX;
-  const CLI::Validator in_range =
-      integer_where(open ? "an integer >= " + lo : "an integer between " + lo + " and " + hi,
-                    open ? lo + " or more" : lo + ".." + hi, [min](long long v) { return v >= min; });
-  const CLI::Validator at_most =
-      integer_where("an integer between " + lo + " and " + hi, "", [max](long long v) { return v <= max; });
+  const std::string what = open ? "an integer >= " + lo : "an integer between " + lo + " and " + hi;
   return CLI::Validator(
       [=](std::string& text) -> std::string {
-        std::string problem = in_range(text);
-        return problem.empty() ? at_most(text) : problem;
+        const std::optional<long long> value = whole_integer(text);
+        if (!value || *value < min) return "must be " + what + ", got '" + text + "'";
+        if (*value > max) return "must be an integer between " + lo + " and " + hi + ", got '" + text + "'";
+        return "";
       },
       open ? lo + " or more" : lo + ".." + hi);
 }
