@@ -1,5 +1,8 @@
 #include "dist/nccl_protocol.h"
 
+#include <pwd.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -225,29 +228,32 @@ size_t PointToPointQueue::groups_in_flight() {
 
 std::vector<std::string> nccl_conf_files() {
   std::vector<std::string> files;
-  if (const char* file = std::getenv("NCCL_CONF_FILE"); file != nullptr && *file != '\0')
+  if (const char* file = std::getenv("NCCL_CONF_FILE"); file != nullptr && *file != '\0') {
     files.emplace_back(file);
-  else if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0')
-    files.push_back(std::string(home) + "/.nccl.conf");
+  } else {
+    // The passwd entry's home, as NCCL's userHomeDir() takes it: NCCL does not read $HOME.
+    std::vector<char> buffer(16384);
+    passwd entry{};
+    passwd* found = nullptr;
+    if (::getpwuid_r(::getuid(), &entry, buffer.data(), buffer.size(), &found) == 0 && found != nullptr &&
+        found->pw_dir != nullptr)
+      files.push_back(std::string(found->pw_dir) + "/.nccl.conf");
+  }
   files.emplace_back("/etc/nccl.conf");
   return files;
 }
 
 std::optional<NcclSetting> nccl_setting(const std::string& name, const std::vector<std::string>& conf_files) {
   if (const char* value = std::getenv(name.c_str())) return NcclSetting{value, "the environment"};
-  const auto trimmed = [](const std::string& text) {
-    const size_t begin = text.find_first_not_of(" \t\r");
-    if (begin == std::string::npos) return std::string();
-    return text.substr(begin, text.find_last_not_of(" \t\r") - begin + 1);
-  };
   for (const std::string& path : conf_files) {
     std::ifstream file(path);
     std::string line;
+    // As NCCL reads a line: the name is everything before the first '=', the value everything
+    // after it, neither trimmed (so " NCCL_X = 1" names another variable, which NCCL ignores).
     while (std::getline(file, line)) {
-      const std::string text = trimmed(line);
-      const size_t equals = text.find('=');
-      if (text.empty() || text[0] == '#' || equals == std::string::npos) continue;
-      if (trimmed(text.substr(0, equals)) == name) return NcclSetting{trimmed(text.substr(equals + 1)), path};
+      const size_t equals = line.find('=');
+      if (line.empty() || line[0] == '#' || equals == std::string::npos) continue;
+      if (line.compare(0, equals, name) == 0 && equals == name.size()) return NcclSetting{line.substr(equals + 1), path};
     }
   }
   return std::nullopt;

@@ -163,10 +163,10 @@ class PointToPointQueue {
 };
 
 // An NCCL setting as NCCL itself resolves it: the environment first, then the user's file
-// (NCCL_CONF_FILE, else ~/.nccl.conf), then /etc/nccl.conf; NCCL copies the files' lines into
-// the environment when it initialises, without overwriting what is set (NCCL's user guide,
-// "Environment Variables"). A file line is NAME=VALUE; blank lines and lines starting with '#'
-// are skipped. conf_files replaces the two files (tests). No value: nullopt.
+// (NCCL_CONF_FILE, else .nccl.conf in the passwd entry's home), then /etc/nccl.conf; NCCL copies
+// the files' lines into the environment when it initialises, without overwriting what is set
+// (NCCL's user guide, "Environment Variables"). A file line is NAME=VALUE, read as NCCL reads it:
+// split at the first '=', nothing trimmed; lines starting with '#' are skipped. conf_files replaces the two files (tests). No value: nullopt.
 struct NcclSetting {
   std::string value;
   std::string source;  // "the environment" or the file's path

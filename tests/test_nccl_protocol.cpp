@@ -355,7 +355,7 @@ TEST_CASE("NCCL settings resolve as NCCL does: environment, then the user's file
   char folder[] = "/tmp/nanoddp_nccl_conf_XXXXXX";
   REQUIRE(mkdtemp(folder) != nullptr);
   const std::string user = std::string(folder) + "/user.conf", system = std::string(folder) + "/system.conf";
-  std::ofstream(user) << "# a comment\n\n  NCCL_DEBUG = WARN \nNCCL_COMM_BLOCKING=1\n";
+  std::ofstream(user) << "# a comment\n\n NCCL_DEBUG = INFO\nNCCL_DEBUG=WARN\nNCCL_COMM_BLOCKING=1\n";
   std::ofstream(system) << "NCCL_COMM_BLOCKING=0\nNCCL_SOCKET_IFNAME==eth0\nNOT_A_SETTING\n";
   ::unsetenv("NCCL_COMM_BLOCKING");
   ::unsetenv("NCCL_SOCKET_IFNAME");
@@ -367,7 +367,8 @@ TEST_CASE("NCCL settings resolve as NCCL does: environment, then the user's file
   CHECK(blocking->source == user);
   auto debug = dist::detail::nccl_setting("NCCL_DEBUG", {user, system});
   REQUIRE(debug.has_value());
-  CHECK(debug->value == "WARN");  // spaces around the name and the value are not part of them
+  // NCCL trims nothing: " NCCL_DEBUG " is another name, so the next line is the one it reads.
+  CHECK(debug->value == "WARN");
   auto interface = dist::detail::nccl_setting("NCCL_SOCKET_IFNAME", {user, system});
   REQUIRE(interface.has_value());
   CHECK(interface->value == "=eth0");  // only the first '=' separates
@@ -387,5 +388,16 @@ TEST_CASE("NCCL settings resolve as NCCL does: environment, then the user's file
   const std::vector<std::string> files = dist::detail::nccl_conf_files();
   ::unsetenv("NCCL_CONF_FILE");
   CHECK(files == std::vector<std::string>{user, "/etc/nccl.conf"});
+  // Without NCCL_CONF_FILE, the passwd entry's home, whatever $HOME says (as NCCL's userHomeDir).
+  const char* home = std::getenv("HOME");
+  const std::string saved_home = home != nullptr ? home : "";
+  ::setenv("HOME", "/nowhere", 1);
+  const std::vector<std::string> default_files = dist::detail::nccl_conf_files();
+  if (home != nullptr) ::setenv("HOME", saved_home.c_str(), 1); else ::unsetenv("HOME");
+  REQUIRE(default_files.size() == 2);
+  CHECK(default_files[0] != "/nowhere/.nccl.conf");
+  CHECK(default_files[0].size() > std::string("/.nccl.conf").size());
+  CHECK(default_files[0].substr(default_files[0].size() - 11) == "/.nccl.conf");
+  CHECK(default_files[1] == "/etc/nccl.conf");
   std::system(("rm -rf '" + std::string(folder) + "'").c_str());
 }
