@@ -114,6 +114,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "kernels/cuda/nan_ordered.h"
 #include "kernels/device_memory.h"
@@ -525,15 +526,27 @@ class ProcessGroupNccl : public ProcessGroup {
     if (point_to_point_queue_) point_to_point_queue_->close();  // nothing queued is left behind
     point_to_point_queue_.reset();
     // A kernel still running on one lane (its peer gone) can keep the other lane's finalize or
-    // destroy waiting on the device for ever, and only an abort stops it: every lane whose
-    // stream has not drained within the timeout is aborted before any is finalized.
+    // destroy waiting on the device for ever, and only an abort stops it. Both lanes drain
+    // together (one deadline); those still busy after it are aborted at once, each on a thread
+    // of its own, since freeing one communicator can wait for the other's kernel.
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    for (NcclLane* lane : {collectives_.get(), point_to_point_.get()}) {
-      if (lane == nullptr || drain(*lane, deadline) != cudaErrorNotReady) continue;
+    std::vector<NcclLane*> busy;
+    for (NcclLane* lane : {collectives_.get(), point_to_point_.get()})
+      if (lane != nullptr && drain(*lane, deadline) == cudaErrorNotReady) busy.push_back(lane);
+    std::vector<std::thread> aborts;
+    for (NcclLane* lane : busy) {
       std::fprintf(stderr, "nanoddp: %s: NCCL work was still running %lld ms after the group was destroyed; "
                    "aborting its communicator\n", where().c_str(), static_cast<long long>(timeout_.count()));
-      lane->comm->abort();
+      try {
+        aborts.emplace_back([lane] {
+          cudaSetDevice(lane->device.index);
+          lane->comm->abort();
+        });
+      } catch (const std::exception&) {  // no thread to be had: abort here (never throws)
+        lane->comm->abort();
+      }
     }
+    for (std::thread& abort : aborts) abort.join();
     cudaGetLastError();  // a stream error is the communicator's to report; clear it for later calls
     point_to_point_.reset();
     collectives_.reset();
