@@ -167,7 +167,8 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
     Tensor cols = needs_dw && !keeps_cols ? Tensor::empty({CKK, group * OHW}, DType::Float32, device) : Tensor();
     // db is summed per group while the group's dout is still in cache (on the CPU, a 5.5 MB
     // dout for the example's first convolution is otherwise read again from memory), then over
-    // the groups; both sums run in double.
+    // the groups: each group's sum runs in double and is kept as float, the sum over the groups
+    // runs in double again.
     const bool needs_db = node.inputs[2].defined() && node.inputs[2].requires_grad();
     const int64_t groups = (N + group - 1) / group;
     Tensor db_groups = needs_db ? Tensor::empty({groups, OC}, DType::Float32, device) : Tensor();
