@@ -32,10 +32,10 @@ NANODDP_DECLARE_KERNEL(channel_sum, float* dbias, const float* dout, int64_t N, 
 // only out is written (a forward that keeps no graph). window.channels is unused.
 NANODDP_DECLARE_KERNEL(max_pool2d_forward, float* out, int64_t* indices, const float* in, int64_t planes,
                        Window2d window)
-// din[p, indices[p, o]] += dout[p, o] over every output o of plane p. WRITES (zeroes din
-// first). Deterministic.
+// din[p, indices[p, o]] += dout[p, o] over every output o of plane p, din 0 elsewhere. WRITES.
+// Deterministic.
 NANODDP_DECLARE_KERNEL(max_pool2d_backward, float* din, const float* dout, const int64_t* indices, int64_t planes,
-                       int64_t in_plane, int64_t out_plane)
+                       Window2d window)
 
 namespace {
 
@@ -248,13 +248,11 @@ Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 pa
   Tensor indices = Tensor::empty(out.shape(), DType::Int64, device);
   NANODDP_DISPATCH(device, max_pool2d_forward, ptr(out), indices.data<int64_t>(), ptr(input), planes, g);
 
-  const int64_t in_plane = g.height * g.width, out_plane = g.out_h * g.out_w;
   return record("MaxPool2dBackward", out, {input}, {indices},
-                [input_shape = input.shape(), planes, in_plane, out_plane](const Node& node, const Tensor& dout) {
+                [input_shape = input.shape(), planes, g](const Node& node, const Tensor& dout) {
     const Tensor& indices = node.saved(0);
     Tensor dx = Tensor::empty(input_shape, DType::Float32, dout.device());
-    NANODDP_DISPATCH(dout.device(), max_pool2d_backward, ptr(dx), ptr(dout), indices.data<int64_t>(), planes,
-                     in_plane, out_plane);
+    NANODDP_DISPATCH(dout.device(), max_pool2d_backward, ptr(dx), ptr(dout), indices.data<int64_t>(), planes, g);
     return std::vector<Tensor>{dx};
   });
 }

@@ -359,7 +359,7 @@ TEST_CASE("im2col / col2im for stride_w 1 equal the general reference loops bit 
   }
 }
 
-TEST_CASE("max_pool2d without padding (no bounds tests) equals max_pool2d_window bit for bit, with or without indices: ties, NaN, inf") {
+TEST_CASE("max_pool2d without padding (no bounds tests) equals max_pool2d_window bit for bit, with or without indices: ties, NaN, inf; backward equals the zero-fill-and-add scatter") {
   // Values from {-2, ..., 2} so that windows hold ties (the first maximum wins), with NaN
   // (the last one wins), +inf and -inf among them; overlapping, dilated and strided windows.
   struct Case {
@@ -369,7 +369,7 @@ TEST_CASE("max_pool2d without padding (no bounds tests) equals max_pool2d_window
   // padded (kernels/cpu/conv.cpp's StrideTwoPoolRows).
   const Case cases[] = {{6, 6, 2, 2, 2, 2, 1, 1},   {7, 5, 3, 3, 1, 1, 1, 1},   {8, 9, 2, 3, 1, 2, 2, 2},
                         {5, 4, 1, 1, 3, 2, 1, 1},   {26, 26, 2, 2, 2, 2, 1, 1}, {6, 40, 3, 3, 2, 2, 1, 2},
-                        {9, 38, 2, 2, 2, 2, 1, 1}};
+                        {9, 38, 2, 2, 2, 2, 1, 1}, {11, 10, 3, 3, 3, 3, 1, 1}};
   const float specials[] = {std::numeric_limits<float>::quiet_NaN(), INFINITY, -INFINITY};
   Generator gen(5);
   for (const Case& k : cases) {
@@ -400,5 +400,14 @@ TEST_CASE("max_pool2d without padding (no bounds tests) equals max_pool2d_window
     std::vector<float> values_only(planes * out_plane, -7.0f);
     kernels::cpu::max_pool2d_forward(values_only.data(), nullptr, in.data(), planes, g);
     CHECK(std::memcmp(values_only.data(), out.data(), out.size() * sizeof(float)) == 0);
+    // Backward: disjoint windows (stride >= kernel) store each gradient, overlapping ones add
+    // them; both must give the sum, bit for bit (a -0 gradient lands as +0, as 0 + -0 does).
+    std::vector<float> dout = Tensor::randn({planes * out_plane}, gen).to_vector();
+    dout[0] = -0.0f;
+    std::vector<float> want(planes * in_plane, 0.0f), din(planes * in_plane, -7.0f);
+    for (int64_t p = 0; p < planes; ++p)
+      for (int64_t o = 0; o < out_plane; ++o) want[p * in_plane + indices[p * out_plane + o]] += dout[p * out_plane + o];
+    kernels::cpu::max_pool2d_backward(din.data(), dout.data(), indices.data(), planes, g);
+    CHECK(std::memcmp(din.data(), want.data(), din.size() * sizeof(float)) == 0);
   }
 }

@@ -330,13 +330,24 @@ void max_pool2d_forward(float* out, int64_t* indices, const float* in, int64_t p
   }
 }
 
-void max_pool2d_backward(float* din, const float* dout, const int64_t* indices, int64_t planes, int64_t in_plane,
-                         int64_t out_plane) {
-  // Plane by plane, so the plane just zeroed is still in cache when its maxima are added.
+void max_pool2d_backward(float* din, const float* dout, const int64_t* indices, int64_t planes, Window2d g) {
+  const int64_t in_plane = g.height * g.width, out_plane = g.out_h * g.out_w;
+  // Windows that do not overlap (stride >= the kernel's extent: MaxPool2d(2)) send their
+  // gradients to distinct elements, so each is stored, not added: no load waits for the
+  // store before it. 0 + dout keeps the sum's sign rule (+0 for a -0 gradient).
+  const bool disjoint = g.stride_h >= g.dilation_h * (g.kernel_h - 1) + 1 &&
+                        g.stride_w >= g.dilation_w * (g.kernel_w - 1) + 1;
+  // Plane by plane, so the plane just zeroed is still in cache when its maxima land.
   for (int64_t p = 0; p < planes; ++p) {
     float* plane = din + p * in_plane;
+    const float* grad = dout + p * out_plane;
+    const int64_t* at = indices + p * out_plane;
     std::fill(plane, plane + in_plane, 0.0f);
-    for (int64_t o = 0; o < out_plane; ++o) plane[indices[p * out_plane + o]] += dout[p * out_plane + o];
+    if (disjoint) {
+      for (int64_t o = 0; o < out_plane; ++o) plane[at[o]] = 0.0f + grad[o];
+    } else {
+      for (int64_t o = 0; o < out_plane; ++o) plane[at[o]] += grad[o];
+    }
   }
 }
 

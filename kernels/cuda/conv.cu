@@ -138,8 +138,8 @@ __global__ void max_pool2d_backward_kernel(float* din, const float* dout, const 
   }
 }
 
-void max_pool2d_backward(float* din, const float* dout, const int64_t* indices, int64_t planes, int64_t in_plane,
-                         int64_t out_plane) {
+void max_pool2d_backward(float* din, const float* dout, const int64_t* indices, int64_t planes, Window2d window) {
+  const int64_t in_plane = window.height * window.width, out_plane = window.out_h * window.out_w;
   if (planes <= 0 || in_plane <= 0) return;
   max_pool2d_backward_kernel<<<grid_for(planes), kBlock, 0, stream()>>>(din, dout, indices, planes, in_plane,
                                                                         out_plane);
