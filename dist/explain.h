@@ -13,7 +13,8 @@
 //    on N ranks (each rank sends S/N bytes N-1 times to reduce, N-1 times to share);
 //  - times: the trace's events (core/trace.h), recorded in memory when no trace file is asked
 //    for: compute = the time some forward op or backward node runs, communication = the time
-//    some bucket's all-reduce is in flight (launch to completion), exposed = communication
+//    some bucket's all-reduce is in flight (launch to completion; from DDP's first wait on
+//    backends that run collectives in wait(), shm and shm+gloo), exposed = communication
 //    time during which no compute runs. Exposed / communication is the share of communication
 //    that computation did not hide; with one bucket it is all of it, since the bucket is
 //    complete only when backward's last node is done.

@@ -171,6 +171,13 @@ class ProcessGroup {
   // size and report it as the library's choice.
   virtual std::string all_reduce_algorithm() const { return "ring"; }
 
+  // True when a collective moves only while some thread waits on it: shm and shm+gloo run it
+  // on the waiting thread (Note [Shm progress]). False when it runs after the call returns,
+  // on the backend's own thread (Gloo), the device (NCCL), or at each poll (MPI's test).
+  // DDP's trace and --explain then time a bucket's all-reduce from the wait that runs it,
+  // not from its launch: launched early, it still hides nothing.
+  virtual bool collectives_run_in_wait() const { return false; }
+
   // Counters (Note [Collective counters]): calls and bytes of each collective this rank has
   // issued, including those a world of one completes at once. Safe to read from any thread.
   CollectiveCount count(Collective collective) const;
@@ -282,7 +289,7 @@ std::shared_ptr<ProcessGroup> make_nccl_process_group(std::shared_ptr<Store> sto
 // or corrupt data. Every wait through it also ends by timeout, the group's (whatever the
 // backend does). init_process_group wraps every group with it unless
 // InitOptions::check_collectives is false. A virtual added to ProcessGroup must also be
-// forwarded there.
+// forwarded there, and by host_staging.cpp's StagingGroup, which every CPU group is wrapped in.
 std::shared_ptr<ProcessGroup> make_checked_process_group(std::shared_ptr<ProcessGroup> inner,
                                                          std::chrono::milliseconds timeout);
 

@@ -968,6 +968,7 @@ class ProcessGroupShm : public ProcessGroup {
   }
 
   std::string backend_name() const override { return "shm"; }
+  bool collectives_run_in_wait() const override { return true; }
   Store& store() override { return *store_; }
 
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {

@@ -128,6 +128,7 @@ class ProcessGroupTwoLevel : public ProcessGroup {
   }
 
   std::string backend_name() const override { return "shm+gloo"; }
+  bool collectives_run_in_wait() const override { return true; }
   Store& store() override { return *store_; }
   // The local all-reduce (step 1) then runs on it directly (Note [Shm direct all-reduce]).
   Tensor new_collective_buffer(int64_t numel, DType dtype, Device device) override {

@@ -319,7 +319,8 @@ void Reducer::launch(Bucket& bucket) {
 }
 
 // When tracing: each launched bucket's all-reduce becomes one event on its own lane, from launch
-// to the first moment it is seen complete (at a later hook, or when finalize waits for it).
+// (or, on a backend that runs collectives in wait(), from finalize's first wait) to the first
+// moment it is seen complete (at a later hook, or when finalize waits for it).
 void Reducer::trace_completions() {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
@@ -377,6 +378,13 @@ void Reducer::finalize() {
   if (!reduces()) return;
   launch_ready_buckets();
   NANODDP_ASSERT(next_bucket_to_launch_ == buckets_.size());
+  // A backend that runs collectives in wait() has run none of the buckets yet, however early
+  // they were launched: their events begin at the first wait below, and none counts as hidden.
+  if (trace::enabled() && pg_->collectives_run_in_wait()) {
+    const double now = trace::now_us();
+    for (Bucket& bucket : buckets_)
+      if (bucket.launched_us >= 0) bucket.launched_us = now;
+  }
   // Note [Unused parameters]: which parameters did any rank use? Issued after every bucket,
   // so the order of collectives is the same on every rank.
   std::vector<int64_t> used_anywhere(params_.size(), 1);

@@ -80,8 +80,9 @@ struct FashionRun {
   FashionRun() { write_small_fashion_mnist(dir.path, 640, 200); }
 
   // Three buckets (see kBucketBytes) unless one_bucket: the default caps, one bucket of all.
-  RunResult run_2_ranks(std::vector<std::string> extra, bool one_bucket = false) const {
-    std::vector<std::string> args = {launcher_path(), "--nproc-per-node", "2", "--backend", "gloo", program,
+  RunResult run_2_ranks(std::vector<std::string> extra, bool one_bucket = false,
+                        const std::string& backend = "gloo") const {
+    std::vector<std::string> args = {launcher_path(), "--nproc-per-node", "2", "--backend", backend, program,
                                      "--data-dir", dir.path, "--batch-size", "32", "--epochs", "1", "--quiet"};
     if (!one_bucket) {
       for (const char* flag : {"--first-bucket-cap-mb", "0.004", "--bucket-cap-mb", "0.1"}) args.push_back(flag);
@@ -175,7 +176,7 @@ TEST_CASE("a 2-rank fashion_mnist trace shows, per rank and step, backward, one 
   CHECK(json_field(plain.out, "test_accuracy") == json_field(traced.out, "test_accuracy"));
 }
 
-TEST_CASE("with overlap some all-reduce starts before backward's last node ends; with --no-overlap none does") {
+TEST_CASE("with overlap some all-reduce starts before backward's last node ends; with --no-overlap, or on shm, none does") {
   FashionRun fashion;
   for (const bool overlap : {true, false}) {
     CAPTURE(overlap);
@@ -202,6 +203,26 @@ TEST_CASE("with overlap some all-reduce starts before backward's last node ends;
       CHECK(early_launches == 0);
     }
   }
+  // shm runs a collective on the thread that waits for it (Note [Shm progress]): buckets
+  // launched during backward start only at DDP's wait after it, and --explain counts all of
+  // their communication as exposed.
+  const std::string path = fashion.dir.path + "/shm.json";
+  const RunResult shm = fashion.run_2_ranks({"--trace", path, "--explain"}, /*one_bucket=*/false, "shm");
+  CHECK(shm.out.find("explain: DDP bucket plan, 4 buckets (world size 2, shm;") != std::string::npos);
+  CHECK(exposed_percent(shm.out) == 100.0);
+  const std::vector<Event> events = read_trace(path);
+  int all_reduces = 0, early = 0;
+  for (const auto& step : steps_of(events, 0)) {
+    double last_node_end = 0;
+    for (const Event& e : step)
+      if (e.lane == 2 && ends_with(e.name, "Backward")) last_node_end = std::max(last_node_end, e.end);
+    for (const Event& e : step) {
+      all_reduces += e.lane >= kAllReduceLane;
+      early += e.lane >= kAllReduceLane && e.begin < last_node_end;
+    }
+  }
+  CHECK(all_reduces == 3 + 4 * (kStepsPerRank - 1));
+  CHECK(early == 0);
 }
 
 TEST_CASE("--explain prints the bucket plan and per-step counts that match the counters and the trace") {
