@@ -265,6 +265,20 @@ TEST_CASE("--explain prints the bucket plan and per-step counts that match the c
   CHECK(exposed_percent(one.out) == 100.0);
 }
 
+TEST_CASE("--explain on the CNN with a 0.25 MiB first bucket: the Linear layers' bucket is reduced during the convolutions' backward") {
+  FashionRun fashion;
+  fashion.program = built("examples/fashion_mnist_cnn");
+  const RunResult r = fashion.run_2_ranks({"--explain", "--first-bucket-cap-mb", "0.25"}, /*one_bucket=*/true);
+  // docs/ddp/06-overlap.md shows this plan.
+  CHECK(r.out.find("explain: bucket 0: 824872 bytes, 4 parameters: 11.bias [10], 11.weight [10, 128], 8.bias [128], "
+                   "8.weight [128, 1600]; closed: reached the first-bucket cap (262144 bytes)") != std::string::npos);
+  CHECK(r.out.find("explain: bucket 1: 75264 bytes, 4 parameters: 4.bias [64], 4.weight [64, 32, 3, 3], 1.bias [32], "
+                   "1.weight [32, 1, 3, 3]; closed: no parameters left") != std::string::npos);
+  CHECK(r.out.find("explain: epoch 1: 10 steps; per step: 2.00 all_reduce calls, 900136 bytes reduced") !=
+        std::string::npos);
+  CHECK(exposed_percent(r.out) < 100.0);
+}
+
 TEST_CASE("NANODDP_TRACE traces a program without a --trace flag; world size 1 writes the named file") {
   TempDir dir;
   const std::string path = dir.path + "/toy.json";
