@@ -109,6 +109,26 @@ double exposed_percent(const std::string& out) {
   return std::stod(exposed[1].str());
 }
 
+// A rank's all-reduce events, and how many of them start before the last backward node of
+// their step ends (overlap).
+struct AllReduceCount {
+  int all = 0, early = 0;
+};
+AllReduceCount all_reduces_of(const std::vector<Event>& events, int rank) {
+  AllReduceCount count;
+  for (const auto& step : steps_of(events, rank)) {
+    double last_node_end = 0;
+    for (const Event& e : step)
+      if (e.lane == 2 && ends_with(e.name, "Backward")) last_node_end = std::max(last_node_end, e.end);
+    REQUIRE(last_node_end > 0);
+    for (const Event& e : step) {
+      count.all += e.lane >= kAllReduceLane;
+      count.early += e.lane >= kAllReduceLane && e.begin < last_node_end;
+    }
+  }
+  return count;
+}
+
 }  // namespace
 
 TEST_CASE("a 2-rank fashion_mnist trace shows, per rank and step, backward, one all-reduce per bucket, the step") {
@@ -185,17 +205,7 @@ TEST_CASE("with overlap some all-reduce starts before backward's last node ends;
     if (!overlap) extra.push_back("--no-overlap");
     fashion.run_2_ranks(extra);
     const std::vector<Event> events = read_trace(path);
-    int early_launches = 0;
-    for (int rank = 0; rank < 2; ++rank) {
-      for (const auto& step : steps_of(events, rank)) {
-        double last_node_end = 0;
-        for (const Event& e : step)
-          if (e.lane == 2 && ends_with(e.name, "Backward")) last_node_end = std::max(last_node_end, e.end);
-        REQUIRE(last_node_end > 0);
-        for (const Event& e : step)
-          if (e.lane >= kAllReduceLane && e.begin < last_node_end) ++early_launches;
-      }
-    }
+    const int early_launches = all_reduces_of(events, 0).early + all_reduces_of(events, 1).early;
     if (overlap) {
       // Buckets 0 and 1 fill before the first layer's backward: 2 per step and rank.
       CHECK(early_launches == 2 * 2 * kStepsPerRank);
@@ -210,19 +220,9 @@ TEST_CASE("with overlap some all-reduce starts before backward's last node ends;
   const RunResult shm = fashion.run_2_ranks({"--trace", path, "--explain"}, /*one_bucket=*/false, "shm");
   CHECK(shm.out.find("explain: DDP bucket plan, 4 buckets (world size 2, shm;") != std::string::npos);
   CHECK(exposed_percent(shm.out) == 100.0);
-  const std::vector<Event> events = read_trace(path);
-  int all_reduces = 0, early = 0;
-  for (const auto& step : steps_of(events, 0)) {
-    double last_node_end = 0;
-    for (const Event& e : step)
-      if (e.lane == 2 && ends_with(e.name, "Backward")) last_node_end = std::max(last_node_end, e.end);
-    for (const Event& e : step) {
-      all_reduces += e.lane >= kAllReduceLane;
-      early += e.lane >= kAllReduceLane && e.begin < last_node_end;
-    }
-  }
-  CHECK(all_reduces == 3 + 4 * (kStepsPerRank - 1));
-  CHECK(early == 0);
+  const AllReduceCount rank0 = all_reduces_of(read_trace(path), 0);
+  CHECK(rank0.all == 3 + 4 * (kStepsPerRank - 1));
+  CHECK(rank0.early == 0);
 }
 
 TEST_CASE("--explain prints the bucket plan and per-step counts that match the counters and the trace") {
