@@ -40,6 +40,10 @@ std::string signature_shape(const int64_t* sig) {
 // require grad only. It still takes part in construction: its shape is checked and rank 0's
 // value broadcast like any other, and whether it requires grad must agree across ranks (else
 // the ranks would plan different buckets, and their all-reduces would not match).
+// The plan is fixed at construction, so requires_grad must not change afterwards: a parameter
+// unfrozen later has no hook and no bucket, and each rank would step it with its own
+// gradient, drifting apart without any error (what PyTorch's DDP does); one frozen later
+// never becomes ready. forward() compares each parameter's flag with construction's.
 std::vector<std::pair<std::string, Tensor>> trainable(std::vector<std::pair<std::string, Tensor>> named) {
   named.erase(std::remove_if(named.begin(), named.end(), [](const auto& np) { return !np.second.requires_grad(); }),
               named.end());
@@ -59,6 +63,26 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
   broadcast_parameters(/*root=*/0);
   broadcast_buffers(/*root=*/0);
   reducer_ = std::make_unique<Reducer>(trainable(module_->named_parameters()), pg_, options);
+  for (const Tensor& p : module_->parameters()) requires_grad_at_construction_.emplace_back(p, p.requires_grad());
+}
+
+void DistributedDataParallel::check_requires_grad_unchanged() const {
+  bool changed = false;
+  for (const auto& [p, required] : requires_grad_at_construction_) changed |= p.requires_grad() != required;
+  if (!changed) return;
+  std::ostringstream names;
+  int count = 0;
+  for (const auto& [name, p] : module_->named_parameters()) {
+    for (const auto& [q, required] : requires_grad_at_construction_) {
+      if (q.impl() != p.impl() || p.requires_grad() == required) continue;
+      names << (count++ ? ", " : "") << name << (required ? " (frozen since)" : " (unfrozen since)");
+    }
+  }
+  NANODDP_THROW(ValueError, "DDP on rank ", pg_->rank(), "/", pg_->size(),
+                ": requires_grad changed after DistributedDataParallel was constructed: ", names.str(),
+                ". DDP plans its gradient buckets from the parameters that require grad at construction, so an "
+                "unfrozen parameter's gradient would not be averaged across ranks. Set requires_grad before "
+                "wrapping the model, or construct a new DistributedDataParallel after changing it");
 }
 
 void DistributedDataParallel::verify_model_matches() {
@@ -130,6 +154,7 @@ void DistributedDataParallel::broadcast_parameters(int root) {
 }
 
 Tensor DistributedDataParallel::forward(const Tensor& input) {
+  if (is_grad_enabled()) check_requires_grad_unchanged();  // Note [Frozen parameters]
   // Note [Join], steps 1 to 3.
   if (const auto not_joined = Join::notify_join_context(*this))
     reducer_->set_divide_factor(divide_by_initial_world_size_ ? pg_->size() : *not_joined);

@@ -17,7 +17,11 @@
 //      backward).
 // Parameters with requires_grad false (frozen) are checked and broadcast but get no bucket and
 // no hook (Note [Frozen parameters] in ddp.cpp); freeze them before constructing DDP, the same
-// on every rank (a difference is a DistError naming the parameter and both ranks).
+// on every rank (a difference is a DistError naming the parameter and both ranks). Freezing or
+// unfreezing a parameter after construction is a ValueError at the next forward with grad
+// enabled, naming it: PyTorch's DDP silently leaves an unfrozen parameter's gradient
+// un-averaged (each rank steps its own), and reports a frozen one as unused. To change what
+// trains (fine-tuning schedules), construct a new DistributedDataParallel over the model.
 // Then every backward through the model all-reduces the gradients (mean over ranks) before
 // backward() returns, with buckets overlapping the rest of backward.
 //
@@ -59,6 +63,8 @@
 
 #include <memory>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "dist/comm_hooks.h"
 #include "dist/join.h"
@@ -83,7 +89,9 @@ class DistributedDataParallel : public nn::Module, public Joinable {
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
-  // The wrapped model's forward. Inside a Join, first the join protocol's two 8-byte
+  // The wrapped model's forward. With grad enabled, first checks that no parameter's
+  // requires_grad changed since construction (ValueError naming them, see above; one bool
+  // per parameter, no collective). Inside a Join, first the join protocol's two 8-byte
   // all-reduces (Note [Join]), so every forward is an iteration there; then the buffer
   // broadcast (Note [Buffer broadcast]); then, once, before the second synced backward, the
   // bucket re-plan (Reducer::rebuild_buckets, one broadcast of an int64 per parameter).
@@ -134,6 +142,8 @@ class DistributedDataParallel : public nn::Module, public Joinable {
  private:
   friend class DDPJoinHook;
   void verify_model_matches();
+  // ValueError naming every parameter whose requires_grad differs from construction.
+  void check_requires_grad_unchanged() const;
   void broadcast_parameters(int root);
   void sync_final_model(bool is_last_joiner);
   // root's buffers to every rank, one flat broadcast per dtype.
@@ -146,6 +156,8 @@ class DistributedDataParallel : public nn::Module, public Joinable {
   std::chrono::milliseconds timeout_;
   bool broadcast_buffers_;
   std::unique_ptr<Reducer> reducer_;
+  // Every parameter and whether it required grad at construction (Note [Frozen parameters]).
+  std::vector<std::pair<Tensor, bool>> requires_grad_at_construction_;
   bool divide_by_initial_world_size_ = true;  // set by the join hook while a Join lasts
 };
 

@@ -258,6 +258,52 @@ TEST_CASE("a frozen parameter gets no bucket and no update, but rank 0's value e
   }
 }
 
+TEST_CASE("requires_grad changed after construction: a ValueError naming it, not un-averaged gradients") {
+  // Sequential(a, b), both Linear(1, 1) with w = 1, b = 0; rank r feeds x = r + 1, loss sum.
+  // dL/d(b.w) = a(x) = x, dL/d(a.w) = b.w * x = x: the means over ranks 1 and 2 are 1.5. Built
+  // with b frozen and b unfrozen afterwards, b has no hook: each rank would keep its own x.
+  const int port = testing::free_port();
+  const std::string failures = testing::on_ranks(2, [&](int rank) {
+    auto pg = testing::join(rank, 2, port);
+    auto a = linear_1x1(1, 0), b = linear_1x1(1, 0);
+    auto model = std::make_shared<nn::Sequential>();
+    model->add(a);
+    model->add(b);
+    const Tensor x = Tensor::full({1, 1}, static_cast<float>(rank + 1));
+    auto forward_error = [&](dist::DistributedDataParallel& ddp) -> std::string {
+      try {
+        ddp(x);
+      } catch (const ValueError& e) {
+        return e.what();
+      }
+      return "";
+    };
+    {
+      b->weight.set_requires_grad(false);
+      b->bias.set_requires_grad(false);
+      dist::DistributedDataParallel ddp(model, pg);
+      b->weight.set_requires_grad(true);
+      b->bias.set_requires_grad(true);
+      const std::string message = forward_error(ddp);
+      expect(message.find("requires_grad changed after DistributedDataParallel was constructed: "
+                          "1.weight (unfrozen since), 1.bias (unfrozen since)") != std::string::npos,
+             "rank ", rank, ": unfreezing gave '", message, "'");
+      NoGradGuard no_grad;  // evaluation reduces nothing: allowed
+      expect(value(ddp(x)) == rank + 1, "rank ", rank, ": the no-grad forward");
+    }
+    dist::DistributedDataParallel ddp(model, pg);  // rebuilt after unfreezing: b is averaged
+    sum(ddp(x)).backward();
+    expect(value(b->weight.grad()) == 1.5f && value(b->bias.grad()) == 1 && value(a->weight.grad()) == 1.5f, "rank ",
+           rank, ": grads b.w ", b->weight.grad(), " b.b ", b->bias.grad(), " a.w ", a->weight.grad(), ", want 1.5, 1, 1.5");
+    a->weight.set_requires_grad(false);
+    const std::string message = forward_error(ddp);
+    expect(message.find("constructed: 0.weight (frozen since)") != std::string::npos, "rank ", rank,
+           ": freezing gave '", message, "'");
+    testing::leave();
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("ranks that freeze different parameters fail at construction, naming the parameter") {
   for (int world : {2, 4}) {
     CAPTURE(world);
