@@ -216,13 +216,18 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_siz
   options_.shuffle = options.shuffle;
 }
 
-DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_size, DistributedSampler sampler,
+DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_size, DistributedSampler&& sampler,
                        DataLoaderOptions options)
+    : DataLoader(std::move(dataset), batch_size, std::make_shared<DistributedSampler>(std::move(sampler)), options) {}
+
+DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_size,
+                       std::shared_ptr<DistributedSampler> sampler, DataLoaderOptions options)
     : dataset_(std::move(dataset)),
       batch_size_(batch_size),
       sampler_(std::move(sampler)),
       options_(options),
       advance_epoch_per_pass_(false) {
+  NANODDP_CHECK(sampler_ != nullptr, ValueError, "DataLoader: sampler is null");
   const int64_t N = dataset_size(dataset_);
   NANODDP_CHECK(batch_size >= 1, ValueError, "DataLoader: batch_size must be >= 1, got ", batch_size);
   NANODDP_CHECK(options.prefetch_depth >= 1, ValueError, "DataLoader: prefetch_depth must be >= 1, got ",
@@ -230,7 +235,7 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_siz
   NANODDP_CHECK(!options.shuffle, ValueError,
                 "DataLoader: shuffle cannot be combined with a sampler (the sampler decides the order; "
                 "use DistributedSampler's shuffle)");
-  NANODDP_CHECK(sampler_.size() == N, ValueError, "DataLoader: the sampler covers ", sampler_.size(),
+  NANODDP_CHECK(sampler_->size() == N, ValueError, "DataLoader: the sampler covers ", sampler_->size(),
                 " examples but the dataset has ", N);
   if (options.device.is_cuda()) {
     NANODDP_CHECK(kernels::cuda_built(), DeviceError, "DataLoader: device ", options.device,
@@ -248,14 +253,14 @@ DataLoader::~DataLoader() {
 }
 
 int64_t DataLoader::size() const {
-  const int64_t n = sampler_.num_samples();
+  const int64_t n = sampler_->num_samples();
   return batches_in(n, batch_size_, options_.drop_last);
 }
 
 DataLoader::Iterator DataLoader::begin() {
   pass_.reset();
-  std::vector<int64_t> indices = sampler_.indices();
-  if (advance_epoch_per_pass_) sampler_.set_epoch(sampler_.epoch() + 1);
+  std::vector<int64_t> indices = sampler_->indices();
+  if (advance_epoch_per_pass_) sampler_->set_epoch(sampler_->epoch() + 1);
   pass_ = std::make_unique<Pass>(dataset_, std::move(indices), batch_size_, options_.drop_last,
                                  options_.prefetch, options_.prefetch_depth);
   ++pass_id_;

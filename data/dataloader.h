@@ -55,8 +55,19 @@ class DataLoader {
   // Batches of sampler.indices() for the sampler's epoch (set it with set_epoch). Throws as
   // above, and ValueError when sampler.size() != dataset->size() or options.shuffle is set
   // (torch: "sampler option is mutually exclusive with shuffle").
-  DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_size, DistributedSampler sampler,
+  // Which sampler set_epoch must reach: the loader's own (a temporary or std::move'd sampler;
+  // call loader.set_epoch), or one shared with the caller (shared_ptr: the caller's
+  // sampler->set_epoch(epoch) is the loader's, as torch's DataLoader(sampler=sampler) keeps
+  // the caller's object). A named sampler passed by value would be a copy that the caller's
+  // set_epoch never reaches, so every epoch would silently repeat one order: that overload
+  // is deleted, and it does not compile.
+  DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_size, DistributedSampler&& sampler,
              DataLoaderOptions options = {});
+  // ValueError also when sampler is null.
+  DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_size, std::shared_ptr<DistributedSampler> sampler,
+             DataLoaderOptions options = {});
+  DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_size, const DistributedSampler& sampler,
+             DataLoaderOptions options = {}) = delete;
   ~DataLoader();
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
@@ -68,10 +79,11 @@ class DataLoader {
   const DataLoaderOptions& options() const { return options_; }
 
   // Sets the sampler's epoch for the next pass (DistributedSampler.set_epoch). With a
-  // sampler, call it every epoch or each epoch repeats the same order, as in PyTorch.
-  void set_epoch(int64_t epoch) { sampler_.set_epoch(epoch); }
-  DistributedSampler& sampler() { return sampler_; }
-  const DistributedSampler& sampler() const { return sampler_; }
+  // sampler, call it (or the shared sampler's) every epoch or each epoch repeats the same
+  // order, as in PyTorch.
+  void set_epoch(int64_t epoch) { sampler_->set_epoch(epoch); }
+  DistributedSampler& sampler() { return *sampler_; }
+  const DistributedSampler& sampler() const { return *sampler_; }
 
   // An input iterator over one pass. operator++ and begin() may throw whatever the dataset
   // throws (IOError, IndexError, ...) or DeviceError from the copy to the GPU.
@@ -115,7 +127,7 @@ class DataLoader {
 
   std::shared_ptr<const Dataset> dataset_;
   int64_t batch_size_;
-  DistributedSampler sampler_;
+  std::shared_ptr<DistributedSampler> sampler_;  // never null
   DataLoaderOptions options_;
   bool advance_epoch_per_pass_;  // shuffle without a user sampler: reshuffle every pass
   std::unique_ptr<Pass> pass_;

@@ -8,9 +8,11 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <fstream>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/error.h"
@@ -436,6 +438,32 @@ TEST_CASE("DataLoader with a DistributedSampler: this rank's indices, batched in
     for (int64_t i : reference.indices()) expected.push_back(100 + i);
     CHECK(targets_of(collect(shuffled)) == expected);
   }
+}
+
+// A named sampler copied into the loader would never see the caller's set_epoch: every epoch
+// would repeat epoch 0's order (torch keeps the caller's object, so its idiom works there).
+static_assert(!std::is_constructible_v<DataLoader, std::shared_ptr<const Dataset>, int64_t, DistributedSampler&>,
+              "a named sampler must be shared (shared_ptr) or moved, never copied");
+static_assert(!std::is_constructible_v<DataLoader, std::shared_ptr<const Dataset>, int64_t, const DistributedSampler&>);
+
+TEST_CASE("DataLoader with a shared sampler: the caller's set_epoch picks the loader's order (torch's idiom)") {
+  auto ds = numbered(10);
+  auto sampler = std::make_shared<DistributedSampler>(10, 2, 1, /*shuffle=*/true, /*seed=*/9);
+  DataLoader loader(ds, 3, sampler);
+  std::vector<std::vector<int64_t>> orders;
+  for (int64_t epoch : {0, 1, 0}) {
+    sampler->set_epoch(epoch);
+    DistributedSampler reference(10, 2, 1, true, 9);
+    reference.set_epoch(epoch);
+    std::vector<int64_t> expected;
+    for (int64_t i : reference.indices()) expected.push_back(100 + i);
+    orders.push_back(targets_of(collect(loader)));
+    CHECK(orders.back() == expected);
+    CHECK(loader.sampler().epoch() == epoch);
+  }
+  CHECK(orders[0] != orders[1]);  // seed 9: epochs 0 and 1 differ on rank 1, and epoch 0 comes back
+  CHECK(orders[2] == orders[0]);
+  CHECK_THROWS_AS(DataLoader(ds, 3, std::shared_ptr<DistributedSampler>()), ValueError);
 }
 
 TEST_CASE("DataLoader shuffle without a sampler: a new permutation each pass, seeded") {
