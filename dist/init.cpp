@@ -80,6 +80,31 @@ void register_exit_handler() {
   std::call_once(once, [] { std::atexit([] { destroy_process_group(); }); });
 }
 
+// Where each field of LaunchEnv comes from, the first one set winning (dist/init.h).
+constexpr std::initializer_list<const char*> kRankVars = {"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"};
+constexpr std::initializer_list<const char*> kWorldSizeVars = {"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"};
+constexpr std::initializer_list<const char*> kLocalRankVars = {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                                               "SLURM_LOCALID"};
+constexpr std::initializer_list<const char*> kLocalWorldSizeVars = {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                                                    "SLURM_NTASKS_PER_NODE"};
+
+// The first of names that is set (non-empty), or nullptr.
+const char* env_source(std::initializer_list<const char*> names) {
+  for (const char* name : names) {
+    const char* text = std::getenv(name);
+    if (text != nullptr && *text != '\0') return name;
+  }
+  return nullptr;
+}
+
+// "RANK=3" for a value read from the environment (sources: the names it is read from), else
+// the InitOptions field that gave it.
+std::string value_source(std::initializer_list<const char*> sources, int value, bool from_env, const char* option) {
+  const char* name = from_env ? env_source(sources) : nullptr;
+  return name != nullptr ? std::string(name) + "=" + std::to_string(value)
+                         : std::string(option) + " = " + std::to_string(value);
+}
+
 // The first of names that is set, parsed as an int in [lo, hi]; -1 when none is set.
 int env_int(std::initializer_list<const char*> names, long lo, long hi) {
   for (const char* name : names) {
@@ -166,11 +191,24 @@ std::shared_ptr<ProcessGroup> checked(std::shared_ptr<ProcessGroup> group, const
 
 LaunchEnv read_launch_env() {
   LaunchEnv env;
-  env.rank = env_int({"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"}, 0, INT_MAX);
-  env.world_size = env_int({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"}, 1, INT_MAX);
-  env.local_rank = env_int({"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"}, 0, INT_MAX);
-  env.local_world_size = env_int(
-      {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"}, 1, INT_MAX);
+  env.rank = env_int(kRankVars, 0, INT_MAX);
+  env.world_size = env_int(kWorldSizeVars, 1, INT_MAX);
+  env.local_rank = env_int(kLocalRankVars, 0, INT_MAX);
+  env.local_world_size = env_int(kLocalWorldSizeVars, 1, INT_MAX);
+  // Variables left over from another job, or set by hand, that cannot describe one process of
+  // one job: refused here, before they pick a GPU (get_local_rank) or a rendezvous.
+  if (env.local_rank >= 0 && env.local_world_size > 0) {
+    NANODDP_CHECK(env.local_rank < env.local_world_size, ValueError, "environment: ",
+                  value_source(kLocalRankVars, env.local_rank, true, ""), " is not below ",
+                  value_source(kLocalWorldSizeVars, env.local_world_size, true, ""),
+                  " (local ranks are 0..local world size - 1); were they left over from another job?");
+  }
+  if (env.local_world_size > 0 && env.world_size > 0) {
+    NANODDP_CHECK(env.local_world_size <= env.world_size, ValueError, "environment: ",
+                  value_source(kLocalWorldSizeVars, env.local_world_size, true, ""), " is more than ",
+                  value_source(kWorldSizeVars, env.world_size, true, ""),
+                  " (a host cannot run more ranks than the job has); were they left over from another job?");
+  }
   env.node_rank = env_int({"GROUP_RANK"}, 0, INT_MAX);
   if (const char* addr = std::getenv("MASTER_ADDR")) env.master_addr = addr;
   int port = env_int({"MASTER_PORT"}, 0, 65535);
@@ -226,8 +264,11 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                 ": world size unknown: set WORLD_SIZE (or pass InitOptions::world_size)");
   NANODDP_CHECK(rank >= 0, ValueError, detail::where(rank, world_size),
                 ": rank unknown: set RANK (or pass InitOptions::rank)");
-  NANODDP_CHECK(rank < world_size, ValueError, detail::where(rank, world_size), ": rank ", rank,
-                " is not in [0, ", world_size, ")");
+  NANODDP_CHECK(rank < world_size, ValueError, detail::where(rank, world_size), ": ",
+                value_source(kRankVars, rank, options.rank < 0, "InitOptions::rank"), " is not below ",
+                value_source(kWorldSizeVars, world_size, options.world_size < 0, "InitOptions::world_size"),
+                " (ranks are 0..world size - 1)",
+                options.rank < 0 && options.world_size < 0 ? "; were they left over from another job?" : "");
 
   Address master;
   if (options.init_method.rfind("tcp://", 0) == 0) {

@@ -59,7 +59,9 @@ struct InitOptions {
 // staged through pinned host memory (dist/host_staging.h), so several ranks can share a GPU.
 // Under a launcher, also ends this process when the launcher dies (Note [Launcher link] in
 // dist/launcher_link.h). Throws ValueError for a missing or malformed variable (named), rank
-// outside [0, world_size), or a backend that contradicts the launcher's; DeviceError for a
+// outside [0, world_size) (naming where each came from: "RANK=1 is not below WORLD_SIZE=1",
+// or the InitOptions field), the inconsistent local variables read_launch_env refuses, or a
+// backend that contradicts the launcher's; DeviceError for a
 // CUDA device in a build without CUDA; DistError when already initialised, when
 // MASTER_PORT is in use on rank 0, when the backend is not built in, or when the ranks
 // cannot meet within the timeout (TimeoutError).
@@ -79,6 +81,7 @@ int get_rank();
 int get_world_size();
 // This process's index among the ranks on its host, from the environment (0 when no variable
 // is set); readable before init_process_group, to pick the GPU: Device::cuda(get_local_rank()).
+// Throws as read_launch_env.
 int get_local_rank();
 
 // What the environment says, for init_process_group and for tests. -1 / "" / 0 when unset.
@@ -91,7 +94,10 @@ struct LaunchEnv {
   std::string master_addr;
   int master_port = 0;
 };
-// Reads the variables above; throws ValueError naming a variable that is not a number in range.
+// Reads the variables above; throws ValueError naming a variable that is not a number in range,
+// and naming both variables when local rank >= local world size or local world size > world
+// size (left over from an outer job, say). torch.distributed checks neither pair: a leaked
+// LOCAL_RANK there picks a wrong GPU, or hangs the rendezvous.
 LaunchEnv read_launch_env();
 
 }  // namespace nanoddp::dist

@@ -3,6 +3,9 @@
 #include <doctest/doctest.h>
 
 #include <cstdlib>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "core/error.h"
 #include "dist/init.h"
@@ -157,6 +160,53 @@ TEST_CASE("init: malformed environment and arguments are named") {
   ::unsetenv("OMPI_COMM_WORLD_RANK");
   ::unsetenv("OMPI_COMM_WORLD_SIZE");
   ::unsetenv("SLURM_LOCALID");
+
+  // Leftovers of another job: each pair that cannot describe one process is named, both sides.
+  auto env_error = [](const std::vector<std::pair<const char*, const char*>>& vars) {
+    for (auto& [name, value] : vars) ::setenv(name, value, 1);
+    std::string message;
+    try {
+      get_local_rank();
+    } catch (const ValueError& e) {
+      message = e.what();
+    }
+    for (auto& [name, value] : vars) ::unsetenv(name);
+    return message;
+  };
+  CHECK_MESSAGE(env_error({{"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "2"}}).find("LOCAL_RANK=3 is not below "
+                                                                               "LOCAL_WORLD_SIZE=2") != std::string::npos,
+                env_error({{"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "2"}}));
+  CHECK(env_error({{"OMPI_COMM_WORLD_LOCAL_RANK", "2"}, {"SLURM_NTASKS_PER_NODE", "2"}})
+            .find("OMPI_COMM_WORLD_LOCAL_RANK=2 is not below SLURM_NTASKS_PER_NODE=2") != std::string::npos);
+  CHECK(env_error({{"LOCAL_WORLD_SIZE", "4"}, {"WORLD_SIZE", "2"}})
+            .find("LOCAL_WORLD_SIZE=4 is more than WORLD_SIZE=2") != std::string::npos);
+  CHECK(env_error({{"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"}, {"WORLD_SIZE", "2"}}).empty());
+  ::setenv("LOCAL_RANK", "1", 1);
+  CHECK(get_local_rank() == 1);  // no local world size to check it against
+  ::unsetenv("LOCAL_RANK");
+  ::setenv("RANK", "1", 1);
+  ::setenv("WORLD_SIZE", "1", 1);
+  {
+    InitOptions from_env;
+    from_env.backend = Backend::Gloo;
+    std::string message;
+    try {
+      init_process_group(from_env);
+    } catch (const ValueError& e) {
+      message = e.what();
+    }
+    CHECK_MESSAGE(message.find("RANK=1 is not below WORLD_SIZE=1") != std::string::npos, message);
+    from_env.world_size = 1;  // an explicit value is named as such
+    message.clear();
+    try {
+      init_process_group(from_env);
+    } catch (const ValueError& e) {
+      message = e.what();
+    }
+    CHECK_MESSAGE(message.find("RANK=1 is not below InitOptions::world_size = 1") != std::string::npos, message);
+  }
+  ::unsetenv("RANK");
+  ::unsetenv("WORLD_SIZE");
 
   InitOptions o;
   o.backend = Backend::Gloo;
