@@ -122,6 +122,31 @@ StateDict Module::state_dict() const {
   return state;
 }
 
+namespace {
+
+// True when every key of `prefixed` is "module." + a key of `plain`.
+bool all_prefixed(const std::vector<std::string>& prefixed, const std::vector<std::string>& plain) {
+  const std::string prefix = "module.";
+  for (const std::string& key : prefixed)
+    if (key.rfind(prefix, 0) != 0 || std::find(plain.begin(), plain.end(), key.substr(prefix.size())) == plain.end())
+      return false;
+  return !prefixed.empty();
+}
+
+// What to do when the keys differ only by DistributedDataParallel's "module." prefix, the
+// mismatch PyTorch users meet as "Missing key(s) ... Unexpected key(s) module.0.weight".
+std::string ddp_prefix_hint(const std::vector<std::string>& missing, const std::vector<std::string>& unexpected) {
+  if (all_prefixed(unexpected, missing))
+    return ". The state's keys carry the 'module.' prefix of a DistributedDataParallel's state_dict: load "
+           "nn::strip_prefix(state, \"module.\") (nn/checkpoint.h), or save ddp.module().state_dict() instead";
+  if (all_prefixed(missing, unexpected))
+    return ". This model is a DistributedDataParallel (keys 'module.*') and the state has no such prefix: load it "
+           "into ddp.module() instead";
+  return "";
+}
+
+}  // namespace
+
 Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool strict) {
   const auto named = named_state();
   std::vector<std::string> missing, unexpected;
@@ -138,7 +163,7 @@ Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool st
     for (size_t i = 0; i < missing.size(); ++i) message << (i ? ", " : "") << missing[i];
     message << "], unexpected: [";
     for (size_t i = 0; i < unexpected.size(); ++i) message << (i ? ", " : "") << unexpected[i];
-    message << "]";
+    message << "]" << ddp_prefix_hint(missing, unexpected);
     NANODDP_THROW(ValueError, message.str());
   }
   for (auto& [name, p] : named) {

@@ -78,7 +78,9 @@ class Module {
     bool empty() const { return missing_keys.empty() && unexpected_keys.empty(); }
   };
   // Copies values in and returns the keys that did not match. strict: the key sets must
-  // match exactly, else ValueError listing the missing and the unexpected keys; !strict:
+  // match exactly, else ValueError listing the missing and the unexpected keys (as
+  // torch.nn.Module.load_state_dict), and, when they differ only by DistributedDataParallel's
+  // 'module.' prefix (in either direction), saying which of the two to unwrap; !strict:
   // loads the keys that match and returns the rest, so a 'module.' prefix mistake (every key
   // missing and unexpected) is visible to the caller. A shape or dtype mismatch is a
   // ShapeError naming the key and both shapes, strict or not. Nothing is modified unless

@@ -299,6 +299,39 @@ TEST_CASE("load_state_dict(strict = false) returns the missing and unexpected ke
   CHECK(keys.unexpected_keys ==
         std::vector<std::string>{"module.0.bias", "module.0.weight", "module.2.bias", "module.2.weight"});
   CHECK(b.parameters()[0].to_vector() == before);  // nothing matched, nothing loaded
+  // Strict, the same mistake is named, in both directions, with what to do.
+  auto strict_error = [](Module& model, const StateDict& state) {
+    try {
+      model.load_state_dict(state);
+    } catch (const ValueError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  std::string message = strict_error(b, prefixed);
+  CHECK_MESSAGE(message.find("missing: [0.weight, 0.bias, 2.weight, 2.bias], unexpected: [module.0.bias, "
+                             "module.0.weight, module.2.bias, module.2.weight]. The state's keys carry the "
+                             "'module.' prefix") != std::string::npos,
+                message);
+  CHECK(strict_error(b, strip_prefix(prefixed, "module.")).empty());
+  CHECK(b.parameters()[0].to_vector() == a.parameters()[0].to_vector());
+  struct Wrapper : Module {  // names its child "module", as DistributedDataParallel does
+    std::shared_ptr<Sequential> inner;
+    explicit Wrapper(std::shared_ptr<Sequential> model) : inner(register_module("module", std::move(model))) {}
+    Tensor forward(const Tensor& x) override { return (*inner)(x); }
+  };
+  Generator g3(3);
+  Wrapper wrapped(std::make_shared<Sequential>(mlp(g3)));
+  message = strict_error(wrapped, a.state_dict());
+  CHECK_MESSAGE(message.find("]. This model is a DistributedDataParallel (keys 'module.*')") != std::string::npos,
+                message);
+  message = strict_error(b, [&] {
+    StateDict mixed = prefixed;
+    mixed["module.3.weight"] = Tensor::zeros({1});  // not a model key once unprefixed: no hint
+    return mixed;
+  }());
+  CHECK(message.find("missing: [") != std::string::npos);
+  CHECK(message.find("prefix") == std::string::npos);
 
   // A partial state loads what matches and names the rest.
   StateDict partial = a.state_dict();
