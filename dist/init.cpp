@@ -278,7 +278,10 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                   ": init_method '", options.init_method, "' is neither env:// nor tcp://host:port");
     master.host = env.master_addr;
     master.port = env.master_port;
-    if (world_size == 1 && master.host.empty()) master.host = "127.0.0.1";  // port 0: any
+    // A 1-rank job's store is reached by no other process: it listens on a free loopback port,
+    // so MASTER_ADDR/MASTER_PORT left over from an outer job (whose store may hold that port)
+    // cannot make a single process fail.
+    if (world_size == 1) master.host = "127.0.0.1", master.port = 0;
     NANODDP_CHECK(!master.host.empty(), ValueError, detail::where(rank, world_size),
                   ": MASTER_ADDR is not set (the address of rank 0's host; nanoddp-run sets it)");
     NANODDP_CHECK(world_size == 1 || master.port > 0, ValueError,

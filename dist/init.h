@@ -19,7 +19,9 @@
 // dist/launch.cpp), and Auto picks MPI only when no torchrun-style RANK is set.
 // So nanoddp-run, torchrun-style launchers, mpirun and srun can all start a job. The MPI
 // backend ignores the store: mpirun already wired the ranks, and rank/size come from MPI
-// (checked against the variables when both are set). A 1-rank job needs no MASTER_* at all.
+// (checked against the variables when both are set). A 1-rank env:// job ignores MASTER_ADDR
+// and MASTER_PORT (its store is its own, on a free loopback port), so a port still held by the
+// job that exported them does not stop it; torch binds MASTER_PORT even at world size 1.
 #pragma once
 
 #include <chrono>

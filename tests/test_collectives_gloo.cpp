@@ -116,7 +116,7 @@ TEST_CASE("gloo: a rank that never joins the collective gives a TimeoutError tha
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
-TEST_CASE("gloo: a busy MASTER_PORT fails fast on rank 0 and names the port") {
+TEST_CASE("gloo: a busy MASTER_PORT fails fast on rank 0 and names the port; a 1-rank job does not use it") {
   int port = testing::free_port();
   InitOptions o;
   o.backend = Backend::Gloo;
@@ -137,6 +137,23 @@ TEST_CASE("gloo: a busy MASTER_PORT fails fast on rank 0 and names the port") {
   }
   CHECK(std::chrono::steady_clock::now() - start < 1000ms);
   CHECK_FALSE(is_initialized());
+
+  // MASTER_* left over from that other job do not concern a 1-rank job: it needs no rendezvous.
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  for (bool plain : {true, false}) {
+    CAPTURE(plain);
+    if (!plain) ::setenv("RANK", "0", 1), ::setenv("WORLD_SIZE", "1", 1);
+    InitOptions single;
+    single.backend = Backend::Gloo;
+    auto group = init_process_group(single);
+    Tensor t = Tensor::full({2}, 3.0f);
+    group->all_reduce(t)->wait();
+    CHECK(t.to_vector() == std::vector<float>{3, 3});
+    CHECK(get_world_size() == 1);
+    destroy_process_group();
+  }
+  for (const char* name : {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"}) ::unsetenv(name);
 }
 
 #endif
