@@ -1,5 +1,7 @@
 #include "dist/init.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -78,6 +80,20 @@ std::shared_ptr<ProcessGroup> default_group;
 void register_exit_handler() {
   static std::once_flag once;
   std::call_once(once, [] { std::atexit([] { destroy_process_group(); }); });
+}
+
+// A yes/no variable: unset or "" -> fallback; 1/true/yes/on or 0/false/no/off (any case);
+// anything else is a ValueError naming the variable, since a misspelt value silently keeping
+// the default (NANODDP_STORE_LISTEN_ALL=ture: the other nodes then wait out the timeout) is
+// worse than stopping.
+bool env_flag(const char* name, bool fallback) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return fallback;
+  std::string value(text);
+  std::transform(value.begin(), value.end(), value.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (value == "1" || value == "true" || value == "yes" || value == "on") return true;
+  if (value == "0" || value == "false" || value == "no" || value == "off") return false;
+  NANODDP_THROW(ValueError, "environment variable ", name, "='", text, "' is neither 1 (true, yes, on) nor 0 (false, no, off)");
 }
 
 // Where each field of LaunchEnv comes from, the first one set winning (dist/init.h).
@@ -181,10 +197,11 @@ Backend requested_backend(Backend asked, const std::string& where) {
 }
 
 // The group as init_process_group hands it out: with the collective check unless turned off
-// (InitOptions::check_collectives, NANODDP_CHECK_COLLECTIVES=0).
-std::shared_ptr<ProcessGroup> checked(std::shared_ptr<ProcessGroup> group, const InitOptions& options) {
-  if (!options.check_collectives || env_text("NANODDP_CHECK_COLLECTIVES") == "0") return group;
-  return make_checked_process_group(std::move(group), options.timeout);
+// (InitOptions::check_collectives, NANODDP_CHECK_COLLECTIVES=0; read before any rendezvous).
+std::shared_ptr<ProcessGroup> checked(std::shared_ptr<ProcessGroup> group, bool check_collectives,
+                                      std::chrono::milliseconds timeout) {
+  if (!check_collectives) return group;
+  return make_checked_process_group(std::move(group), timeout);
 }
 
 }  // namespace
@@ -222,6 +239,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                 default_group->size()), ": init_process_group called twice; call "
                 "destroy_process_group first");
   LaunchEnv env = read_launch_env();
+  // Every variable is read, and refused if malformed, before anything waits for a peer.
+  const bool check_collectives = options.check_collectives && env_flag("NANODDP_CHECK_COLLECTIVES", true);
+  const bool listen_on_all_interfaces = env_flag(kStoreListenAllEnv, false);
   const std::string where = detail::where(options.rank >= 0 ? options.rank : env.rank,
                                           options.world_size >= 0 ? options.world_size : env.world_size);
   NANODDP_CHECK(!options.device.is_cuda() || kernels::cuda_built(), DeviceError, where, ": device ",
@@ -251,7 +271,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                   " but the options/environment say rank ", rank, " of ", world_size,
                   "; launch with mpirun -np ", world_size < 0 ? group->size() : world_size);
     // CUDA tensors through host memory (dist/host_staging.h), then the collective check.
-    default_group = checked(stage_device_tensors(group), options);
+    default_group = checked(stage_device_tensors(group), check_collectives, options.timeout);
     register_exit_handler();
     join_trace(*default_group, nullptr);
     return default_group;
@@ -300,7 +320,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   store_options.timeout = options.timeout;
   store_options.job_id = env_text(kJobIdEnv);
   store_options.token = env_text(kStoreTokenEnv);
-  store_options.listen_on_all_interfaces = env_text(kStoreListenAllEnv) == "1";
+  store_options.listen_on_all_interfaces = listen_on_all_interfaces;
   if (rank == 0 && world_size > 1 && store_options.token.empty()) {
     const std::string warning = detail::where(rank, world_size) + ": warning: the store at " + master.host + ":" +
                                 std::to_string(master.port) + " admits any client that reaches it: " +
@@ -350,7 +370,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     group = make_gloo_process_group(store, gloo);
   }
   // A CPU group takes CUDA tensors too (dist/host_staging.h); then the collective check.
-  default_group = checked(stage_device_tensors(group), options);
+  default_group = checked(stage_device_tensors(group), check_collectives, options.timeout);
   register_exit_handler();
   join_trace(*default_group, store.get());
   return default_group;

@@ -41,6 +41,8 @@ inline constexpr const char* kLauncherBackendEnv = "NANODDP_BACKEND";
 inline constexpr const char* kJobIdEnv = "NANODDP_JOB_ID";
 inline constexpr const char* kStoreTokenEnv = "NANODDP_STORE_TOKEN";
 // "1": the store listens on every interface instead of MASTER_ADDR only (behind NAT).
+// This and NANODDP_CHECK_COLLECTIVES take 1/true/yes/on or 0/false/no/off; any other value
+// is a ValueError from init_process_group naming the variable.
 inline constexpr const char* kStoreListenAllEnv = "NANODDP_STORE_LISTEN_ALL";
 
 struct InitOptions {

@@ -201,6 +201,25 @@ TEST_CASE("init: malformed environment and arguments are named") {
   ::setenv("LOCAL_RANK", "1", 1);
   CHECK(get_local_rank() == 1);  // no local world size to check it against
   ::unsetenv("LOCAL_RANK");
+  for (const char* name : {"NANODDP_STORE_LISTEN_ALL", "NANODDP_CHECK_COLLECTIVES"}) {
+    ::setenv(name, "ture", 1);  // misspelt: refused, not read as the default
+    std::string message;
+    try {
+      InitOptions single;
+      single.backend = Backend::Gloo;
+      init_process_group(single);
+    } catch (const ValueError& e) {
+      message = e.what();
+    }
+    CHECK_MESSAGE(message.find(std::string(name) + "='ture' is neither 1") != std::string::npos, message);
+    CHECK_FALSE(is_initialized());
+    ::setenv(name, "Off", 1);
+    InitOptions single;
+    single.backend = Backend::Gloo;
+    init_process_group(single);
+    destroy_process_group();
+    ::unsetenv(name);
+  }
   ::setenv("RANK", "1", 1);
   ::setenv("WORLD_SIZE", "1", 1);
   {
