@@ -216,9 +216,10 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_siz
   options_.shuffle = options.shuffle;
 }
 
-DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_size, DistributedSampler&& sampler,
-                       DataLoaderOptions options)
-    : DataLoader(std::move(dataset), batch_size, std::make_shared<DistributedSampler>(std::move(sampler)), options) {}
+DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_size,
+                       DistributedSampler&& sampler, DataLoaderOptions options)
+    : DataLoader(std::move(dataset), batch_size, std::make_shared<DistributedSampler>(std::move(sampler)),
+                 options) {}
 
 DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_size,
                        std::shared_ptr<DistributedSampler> sampler, DataLoaderOptions options)

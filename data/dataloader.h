@@ -64,8 +64,8 @@ class DataLoader {
   DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_size, DistributedSampler&& sampler,
              DataLoaderOptions options = {});
   // ValueError also when sampler is null.
-  DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_size, std::shared_ptr<DistributedSampler> sampler,
-             DataLoaderOptions options = {});
+  DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_size,
+             std::shared_ptr<DistributedSampler> sampler, DataLoaderOptions options = {});
   DataLoader(std::shared_ptr<const Dataset> dataset, int64_t batch_size, const DistributedSampler& sampler,
              DataLoaderOptions options = {}) = delete;
   ~DataLoader();

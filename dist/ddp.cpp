@@ -63,7 +63,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
   broadcast_parameters(/*root=*/0);
   broadcast_buffers(/*root=*/0);
   reducer_ = std::make_unique<Reducer>(trainable(module_->named_parameters()), pg_, options);
-  for (const Tensor& p : module_->parameters()) requires_grad_at_construction_.emplace_back(p, p.requires_grad());
+  for (const Tensor& p : module_->parameters())
+    requires_grad_at_construction_.emplace_back(p, p.requires_grad());
 }
 
 void DistributedDataParallel::check_requires_grad_unchanged() const {
@@ -78,11 +79,12 @@ void DistributedDataParallel::check_requires_grad_unchanged() const {
       names << (count++ ? ", " : "") << name << (required ? " (frozen since)" : " (unfrozen since)");
     }
   }
-  NANODDP_THROW(ValueError, "DDP on rank ", pg_->rank(), "/", pg_->size(),
-                ": requires_grad changed after DistributedDataParallel was constructed: ", names.str(),
-                ". DDP plans its gradient buckets from the parameters that require grad at construction, so an "
-                "unfrozen parameter's gradient would not be averaged across ranks. Set requires_grad before "
-                "wrapping the model, or construct a new DistributedDataParallel after changing it");
+  NANODDP_THROW(
+      ValueError, "DDP on rank ", pg_->rank(), "/", pg_->size(),
+      ": requires_grad changed after DistributedDataParallel was constructed: ", names.str(),
+      ". DDP plans its gradient buckets from the parameters that require grad at construction, so an "
+      "unfrozen parameter's gradient would not be averaged across ranks. Set requires_grad before "
+      "wrapping the model, or construct a new DistributedDataParallel after changing it");
 }
 
 void DistributedDataParallel::verify_model_matches() {

@@ -1,13 +1,13 @@
 #include "dist/init.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
 #include <mutex>
-
-#include <unistd.h>
 
 #include "core/error.h"
 #include "core/trace.h"
@@ -93,16 +93,18 @@ bool env_flag(const char* name, bool fallback) {
   std::transform(value.begin(), value.end(), value.begin(), [](unsigned char c) { return std::tolower(c); });
   if (value == "1" || value == "true" || value == "yes" || value == "on") return true;
   if (value == "0" || value == "false" || value == "no" || value == "off") return false;
-  NANODDP_THROW(ValueError, "environment variable ", name, "='", text, "' is neither 1 (true, yes, on) nor 0 (false, no, off)");
+  NANODDP_THROW(ValueError, "environment variable ", name, "='", text,
+                "' is neither 1 (true, yes, on) nor 0 (false, no, off)");
 }
 
 // Where each field of LaunchEnv comes from, the first one set winning (dist/init.h).
 constexpr std::initializer_list<const char*> kRankVars = {"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"};
-constexpr std::initializer_list<const char*> kWorldSizeVars = {"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"};
+constexpr std::initializer_list<const char*> kWorldSizeVars = {"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE",
+                                                               "SLURM_NTASKS"};
 constexpr std::initializer_list<const char*> kLocalRankVars = {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
                                                                "SLURM_LOCALID"};
-constexpr std::initializer_list<const char*> kLocalWorldSizeVars = {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
-                                                                    "SLURM_NTASKS_PER_NODE"};
+constexpr std::initializer_list<const char*> kLocalWorldSizeVars = {
+    "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"};
 
 // The first of names that is set (non-empty), or nullptr.
 const char* env_source(std::initializer_list<const char*> names) {
@@ -115,7 +117,8 @@ const char* env_source(std::initializer_list<const char*> names) {
 
 // "RANK=3" for a value read from the environment (sources: the names it is read from), else
 // the InitOptions field that gave it.
-std::string value_source(std::initializer_list<const char*> sources, int value, bool from_env, const char* option) {
+std::string value_source(std::initializer_list<const char*> sources, int value, bool from_env,
+                         const char* option) {
   const char* name = from_env ? env_source(sources) : nullptr;
   return name != nullptr ? std::string(name) + "=" + std::to_string(value)
                          : std::string(option) + " = " + std::to_string(value);
@@ -215,15 +218,15 @@ LaunchEnv read_launch_env() {
   // Variables left over from another job, or set by hand, that cannot describe one process of
   // one job: refused here, before they pick a GPU (get_local_rank) or a rendezvous.
   if (env.local_rank >= 0 && env.local_world_size > 0) {
-    NANODDP_CHECK(env.local_rank < env.local_world_size, ValueError, "environment: ",
-                  value_source(kLocalRankVars, env.local_rank, true, ""), " is not below ",
+    NANODDP_CHECK(env.local_rank < env.local_world_size, ValueError,
+                  "environment: ", value_source(kLocalRankVars, env.local_rank, true, ""), " is not below ",
                   value_source(kLocalWorldSizeVars, env.local_world_size, true, ""),
                   " (local ranks are 0..local world size - 1); were they left over from another job?");
   }
   if (env.local_world_size > 0 && env.world_size > 0) {
-    NANODDP_CHECK(env.local_world_size <= env.world_size, ValueError, "environment: ",
-                  value_source(kLocalWorldSizeVars, env.local_world_size, true, ""), " is more than ",
-                  value_source(kWorldSizeVars, env.world_size, true, ""),
+    NANODDP_CHECK(env.local_world_size <= env.world_size, ValueError,
+                  "environment: ", value_source(kLocalWorldSizeVars, env.local_world_size, true, ""),
+                  " is more than ", value_source(kWorldSizeVars, env.world_size, true, ""),
                   " (a host cannot run more ranks than the job has); were they left over from another job?");
   }
   env.node_rank = env_int({"GROUP_RANK"}, 0, INT_MAX);

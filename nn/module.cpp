@@ -128,19 +128,23 @@ namespace {
 bool all_prefixed(const std::vector<std::string>& prefixed, const std::vector<std::string>& plain) {
   const std::string prefix = "module.";
   for (const std::string& key : prefixed)
-    if (key.rfind(prefix, 0) != 0 || std::find(plain.begin(), plain.end(), key.substr(prefix.size())) == plain.end())
+    if (key.rfind(prefix, 0) != 0 ||
+        std::find(plain.begin(), plain.end(), key.substr(prefix.size())) == plain.end())
       return false;
   return !prefixed.empty();
 }
 
 // What to do when the keys differ only by DistributedDataParallel's "module." prefix, the
 // mismatch PyTorch users meet as "Missing key(s) ... Unexpected key(s) module.0.weight".
-std::string ddp_prefix_hint(const std::vector<std::string>& missing, const std::vector<std::string>& unexpected) {
+std::string ddp_prefix_hint(const std::vector<std::string>& missing,
+                            const std::vector<std::string>& unexpected) {
   if (all_prefixed(unexpected, missing))
     return ". The state's keys carry the 'module.' prefix of a DistributedDataParallel's state_dict: load "
-           "nn::strip_prefix(state, \"module.\") (nn/checkpoint.h), or save ddp.module().state_dict() instead";
+           "nn::strip_prefix(state, \"module.\") (nn/checkpoint.h), or save ddp.module().state_dict() "
+           "instead";
   if (all_prefixed(missing, unexpected))
-    return ". This model is a DistributedDataParallel (keys 'module.*') and the state has no such prefix: load it "
+    return ". This model is a DistributedDataParallel (keys 'module.*') and the state has no such prefix: "
+           "load it "
            "into ddp.module() instead";
   return "";
 }

@@ -190,8 +190,9 @@ TEST_CASE("init: malformed environment and arguments are named") {
     for (auto& [name, value] : vars) ::unsetenv(name);
     return message;
   };
-  CHECK_MESSAGE(env_error({{"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "2"}}).find("LOCAL_RANK=3 is not below "
-                                                                               "LOCAL_WORLD_SIZE=2") != std::string::npos,
+  CHECK_MESSAGE(env_error({{"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "2"}})
+                        .find("LOCAL_RANK=3 is not below "
+                              "LOCAL_WORLD_SIZE=2") != std::string::npos,
                 env_error({{"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "2"}}));
   CHECK(env_error({{"OMPI_COMM_WORLD_LOCAL_RANK", "2"}, {"SLURM_NTASKS_PER_NODE", "2"}})
             .find("OMPI_COMM_WORLD_LOCAL_RANK=2 is not below SLURM_NTASKS_PER_NODE=2") != std::string::npos);
@@ -239,7 +240,8 @@ TEST_CASE("init: malformed environment and arguments are named") {
     } catch (const ValueError& e) {
       message = e.what();
     }
-    CHECK_MESSAGE(message.find("RANK=1 is not below InitOptions::world_size = 1") != std::string::npos, message);
+    CHECK_MESSAGE(message.find("RANK=1 is not below InitOptions::world_size = 1") != std::string::npos,
+                  message);
   }
   ::unsetenv("RANK");
   ::unsetenv("WORLD_SIZE");

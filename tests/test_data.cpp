@@ -8,8 +8,8 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
-#include <memory>
 #include <fstream>
+#include <memory>
 #include <set>
 #include <string>
 #include <type_traits>
@@ -442,11 +442,14 @@ TEST_CASE("DataLoader with a DistributedSampler: this rank's indices, batched in
 
 // A named sampler copied into the loader would never see the caller's set_epoch: every epoch
 // would repeat epoch 0's order (torch keeps the caller's object, so its idiom works there).
-static_assert(!std::is_constructible_v<DataLoader, std::shared_ptr<const Dataset>, int64_t, DistributedSampler&>,
-              "a named sampler must be shared (shared_ptr) or moved, never copied");
-static_assert(!std::is_constructible_v<DataLoader, std::shared_ptr<const Dataset>, int64_t, const DistributedSampler&>);
+static_assert(
+    !std::is_constructible_v<DataLoader, std::shared_ptr<const Dataset>, int64_t, DistributedSampler&>,
+    "a named sampler must be shared (shared_ptr) or moved, never copied");
+static_assert(
+    !std::is_constructible_v<DataLoader, std::shared_ptr<const Dataset>, int64_t, const DistributedSampler&>);
 
-TEST_CASE("DataLoader with a shared sampler: the caller's set_epoch picks the loader's order (torch's idiom)") {
+TEST_CASE(
+    "DataLoader with a shared sampler: the caller's set_epoch picks the loader's order (torch's idiom)") {
   auto ds = numbered(10);
   auto sampler = std::make_shared<DistributedSampler>(10, 2, 1, /*shuffle=*/true, /*seed=*/9);
   DataLoader loader(ds, 3, sampler);

@@ -293,8 +293,9 @@ TEST_CASE("requires_grad changed after construction: a ValueError naming it, not
     }
     dist::DistributedDataParallel ddp(model, pg);  // rebuilt after unfreezing: b is averaged
     sum(ddp(x)).backward();
-    expect(value(b->weight.grad()) == 1.5f && value(b->bias.grad()) == 1 && value(a->weight.grad()) == 1.5f, "rank ",
-           rank, ": grads b.w ", b->weight.grad(), " b.b ", b->bias.grad(), " a.w ", a->weight.grad(), ", want 1.5, 1, 1.5");
+    expect(value(b->weight.grad()) == 1.5f && value(b->bias.grad()) == 1 && value(a->weight.grad()) == 1.5f,
+           "rank ", rank, ": grads b.w ", b->weight.grad(), " b.b ", b->bias.grad(), " a.w ",
+           a->weight.grad(), ", want 1.5, 1, 1.5");
     a->weight.set_requires_grad(false);
     const std::string message = forward_error(ddp);
     expect(message.find("constructed: 0.weight (frozen since)") != std::string::npos, "rank ", rank,

@@ -317,14 +317,16 @@ TEST_CASE("load_state_dict(strict = false) returns the missing and unexpected ke
   CHECK(b.parameters()[0].to_vector() == a.parameters()[0].to_vector());
   struct Wrapper : Module {  // names its child "module", as DistributedDataParallel does
     std::shared_ptr<Sequential> inner;
-    explicit Wrapper(std::shared_ptr<Sequential> model) : inner(register_module("module", std::move(model))) {}
+    explicit Wrapper(std::shared_ptr<Sequential> model)
+        : inner(register_module("module", std::move(model))) {}
     Tensor forward(const Tensor& x) override { return (*inner)(x); }
   };
   Generator g3(3);
   Wrapper wrapped(std::make_shared<Sequential>(mlp(g3)));
   message = strict_error(wrapped, a.state_dict());
-  CHECK_MESSAGE(message.find("]. This model is a DistributedDataParallel (keys 'module.*')") != std::string::npos,
-                message);
+  CHECK_MESSAGE(
+      message.find("]. This model is a DistributedDataParallel (keys 'module.*')") != std::string::npos,
+      message);
   message = strict_error(b, [&] {
     StateDict mixed = prefixed;
     mixed["module.3.weight"] = Tensor::zeros({1});  // not a model key once unprefixed: no hint
