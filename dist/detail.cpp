@@ -5,6 +5,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
 #include <cstring>
 
 #include "core/error.h"
@@ -29,6 +32,17 @@ std::string where(int rank, int world_size) {
 }
 
 std::string errno_text(int err) { return std::strerror(err); }
+
+bool env_flag(const char* name, bool fallback) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return fallback;
+  std::string value(text);
+  std::transform(value.begin(), value.end(), value.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (value == "1" || value == "true" || value == "yes" || value == "on") return true;
+  if (value == "0" || value == "false" || value == "no" || value == "off") return false;
+  NANODDP_THROW(ValueError, "environment variable ", name, "='", text,
+                "' is neither 1 (true, yes, on) nor 0 (false, no, off)");
+}
 
 std::string local_address_towards(const std::string& host, int port) {
   addrinfo hints{};

@@ -46,6 +46,12 @@ std::string host_name();
 // "rank 1/4 on node7" (or "rank ?/? on node7" when unknown): the prefix of every dist error.
 std::string where(int rank, int world_size);
 
+// A yes/no environment variable: unset or "" -> fallback; 1/true/yes/on or 0/false/no/off
+// (any case). Anything else is a ValueError naming the variable: a misspelt value silently
+// keeping the default (NANODDP_STORE_LISTEN_ALL=ture: the other nodes then wait out the
+// timeout) is worse than stopping.
+bool env_flag(const char* name, bool fallback);
+
 // strerror(errno) as a string, for messages.
 std::string errno_text(int err);
 

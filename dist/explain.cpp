@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/trace.h"
+#include "dist/detail.h"
 
 namespace nanoddp::dist {
 
@@ -54,10 +55,7 @@ double ring_bytes_sent_per_rank(double bytes, int world_size) {
   return 2.0 * (world_size - 1) / world_size * bytes;
 }
 
-bool explain_from_environment() {
-  const char* value = std::getenv("NANODDP_EXPLAIN");
-  return value != nullptr && *value != '\0' && std::string(value) != "0";
-}
+bool explain_from_environment() { return detail::env_flag("NANODDP_EXPLAIN", false); }
 
 std::string explain_plan(DistributedDataParallel& ddp) {
   const auto named = ddp.module().named_parameters();

@@ -31,7 +31,8 @@ namespace nanoddp::dist {
 // 2 (N - 1) / N * S (reduce-scatter, then all-gather, each N - 1 chunks of S / N); 0 for N = 1.
 double ring_bytes_sent_per_rank(double bytes, int world_size);
 
-// True when NANODDP_EXPLAIN is set to anything but "" or "0".
+// NANODDP_EXPLAIN as a yes/no: 1/true/yes/on or 0/false/no/off (any case), unset or "" is no;
+// any other value is a ValueError naming the variable (NANODDP_EXPLAIN=false used to turn it on).
 bool explain_from_environment();
 
 // The bucket plan, one block per bucket: its index, its parameters by name and shape in plan

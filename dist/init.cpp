@@ -2,8 +2,6 @@
 
 #include <unistd.h>
 
-#include <algorithm>
-#include <cctype>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -80,21 +78,6 @@ std::shared_ptr<ProcessGroup> default_group;
 void register_exit_handler() {
   static std::once_flag once;
   std::call_once(once, [] { std::atexit([] { destroy_process_group(); }); });
-}
-
-// A yes/no variable: unset or "" -> fallback; 1/true/yes/on or 0/false/no/off (any case);
-// anything else is a ValueError naming the variable, since a misspelt value silently keeping
-// the default (NANODDP_STORE_LISTEN_ALL=ture: the other nodes then wait out the timeout) is
-// worse than stopping.
-bool env_flag(const char* name, bool fallback) {
-  const char* text = std::getenv(name);
-  if (text == nullptr || *text == '\0') return fallback;
-  std::string value(text);
-  std::transform(value.begin(), value.end(), value.begin(), [](unsigned char c) { return std::tolower(c); });
-  if (value == "1" || value == "true" || value == "yes" || value == "on") return true;
-  if (value == "0" || value == "false" || value == "no" || value == "off") return false;
-  NANODDP_THROW(ValueError, "environment variable ", name, "='", text,
-                "' is neither 1 (true, yes, on) nor 0 (false, no, off)");
 }
 
 // Where each field of LaunchEnv comes from, the first one set winning (dist/init.h).
@@ -243,8 +226,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                 "destroy_process_group first");
   LaunchEnv env = read_launch_env();
   // Every variable is read, and refused if malformed, before anything waits for a peer.
-  const bool check_collectives = options.check_collectives && env_flag("NANODDP_CHECK_COLLECTIVES", true);
-  const bool listen_on_all_interfaces = env_flag(kStoreListenAllEnv, false);
+  const bool check_collectives =
+      options.check_collectives && detail::env_flag("NANODDP_CHECK_COLLECTIVES", true);
+  const bool listen_on_all_interfaces = detail::env_flag(kStoreListenAllEnv, false);
   const std::string where = detail::where(options.rank >= 0 ? options.rank : env.rank,
                                           options.world_size >= 0 ? options.world_size : env.world_size);
   NANODDP_CHECK(!options.device.is_cuda() || kernels::cuda_built(), DeviceError, where, ": device ",

@@ -2,12 +2,12 @@
 // `Note [...]` anchor comment in its file, so that it survives edits around it), every page of
 // docs/ddp/ ends with questions whose answers name a test that exists, and the answers that
 // no other test asserts are asserted here.
-#include <doctest/doctest.h>
-
 #include <dirent.h>
+#include <doctest/doctest.h>
 #include <sys/stat.h>
 
 #include <cctype>
+#include <cstdlib>
 #include <fstream>
 #include <regex>
 #include <set>
@@ -233,6 +233,17 @@ TEST_CASE("docs answers: the default MLP is one bucket of 940584 bytes; a ring s
   CHECK(dist::explain_plan(ddp).find("world size 1: gradients are already the mean, but the comm hook still runs") !=
         std::string::npos);
   dist::destroy_process_group();
+
+  // NANODDP_EXPLAIN is a yes/no like the other NANODDP_* switches: "false" means no.
+  for (const auto& [text, on] : std::vector<std::pair<const char*, bool>>{
+           {"", false}, {"0", false}, {"false", false}, {"Off", false}, {"1", true}, {"yes", true}}) {
+    ::setenv("NANODDP_EXPLAIN", text, 1);
+    CHECK_MESSAGE(dist::explain_from_environment() == on, "NANODDP_EXPLAIN='", text, "'");
+  }
+  ::setenv("NANODDP_EXPLAIN", "maybe", 1);
+  CHECK_THROWS_WITH_AS(dist::explain_from_environment(),
+                       doctest::Contains("NANODDP_EXPLAIN='maybe' is neither 1"), ValueError);
+  ::unsetenv("NANODDP_EXPLAIN");
 
   CHECK(dist::ring_bytes_sent_per_rank(940584, 1) == 0);
   CHECK(dist::ring_bytes_sent_per_rank(940584, 2) == 940584);
