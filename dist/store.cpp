@@ -319,8 +319,16 @@ class TCPStore::Server {
       NANODDP_THROW(DistError, context_, ": store: bind to port ", port, ": ",
                     detail::errno_text(err));
     }
-    NANODDP_CHECK(::listen(fd.get(), 1024) == 0, DistError, context_, ": store: listen on port ",
-                  port, ": ", detail::errno_text(errno));
+    // Two stores binding one port at once may both succeed (SO_REUSEADDR, neither listening
+    // yet); the second then finds the port taken here, which is the same user error as above.
+    if (::listen(fd.get(), 1024) != 0) {
+      err = errno;
+      NANODDP_CHECK(err != EADDRINUSE, DistError, context_, ": MASTER_PORT ", port, " is already in use on ",
+                    detail::host_name(),
+                    " (another job took it while this store was starting); choose another port, "
+                    "or 0 to let the launcher pick a free one");
+      NANODDP_THROW(DistError, context_, ": store: listen on port ", port, ": ", detail::errno_text(err));
+    }
     sockaddr_storage bound{};
     socklen_t len = sizeof(bound);
     ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len);
