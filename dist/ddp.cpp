@@ -76,7 +76,7 @@ void DistributedDataParallel::check_requires_grad_unchanged() const {
   for (const auto& [name, p] : module_->named_parameters()) {
     for (const auto& [q, required] : requires_grad_at_construction_) {
       if (q.impl() != p.impl() || p.requires_grad() == required) continue;
-      names << (count++ ? ", " : "") << name << (required ? " (frozen since)" : " (unfrozen since)");
+      names << (count++ ? ", " : "") << name << (required ? " (frozen after wrapping)" : " (unfrozen after wrapping)");
     }
   }
   NANODDP_THROW(

@@ -286,7 +286,7 @@ TEST_CASE("requires_grad changed after construction: a ValueError naming it, not
       b->bias.set_requires_grad(true);
       const std::string message = forward_error(ddp);
       expect(message.find("requires_grad changed after DistributedDataParallel was constructed: "
-                          "1.weight (unfrozen since), 1.bias (unfrozen since)") != std::string::npos,
+                          "1.weight (unfrozen after wrapping), 1.bias (unfrozen after wrapping)") != std::string::npos,
              "rank ", rank, ": unfreezing gave '", message, "'");
       NoGradGuard no_grad;  // evaluation reduces nothing: allowed
       expect(value(ddp(x)) == rank + 1, "rank ", rank, ": the no-grad forward");
@@ -298,7 +298,7 @@ TEST_CASE("requires_grad changed after construction: a ValueError naming it, not
            a->weight.grad(), ", want 1.5, 1, 1.5");
     a->weight.set_requires_grad(false);
     const std::string message = forward_error(ddp);
-    expect(message.find("constructed: 0.weight (frozen since)") != std::string::npos, "rank ", rank,
+    expect(message.find("constructed: 0.weight (frozen after wrapping)") != std::string::npos, "rank ", rank,
            ": freezing gave '", message, "'");
     testing::leave();
   });
