@@ -74,6 +74,19 @@ enum Status : uint8_t { kOk = 0, kMissing = 1, kNotCounter = 2, kTimeout = 3, kO
 // server dead.
 constexpr std::chrono::milliseconds kReplyGrace{10000};
 
+// Note [Store drain]
+// The server lives in rank 0's process and goes when rank 0's store does, often as rank 0
+// returns from main. Its peers may still be one request behind: in a barrier (set my key,
+// then wait for everyone's), rank 0's wait is answered by the last peer's set, and rank 0 can
+// be gone before that peer's own wait arrives. The kernel then resets the connection and
+// the peer fails in a barrier that every rank passed (one run in three, 2 ranks on shm).
+// So a stopping server stops accepting and drains: it keeps answering its open connections
+// until every peer has closed its own (its process ended or destroyed its store), or none
+// has sent anything for kDrainQuiet, or kDrainLimit has passed. A peer that asks later than
+// that meets a closed connection, and is told it lost the process that serves the store.
+constexpr std::chrono::milliseconds kDrainQuiet{500};
+constexpr std::chrono::milliseconds kDrainLimit{5000};
+
 void put_u8(std::vector<uint8_t>& out, uint8_t v) { out.push_back(v); }
 void put_u32(std::vector<uint8_t>& out, uint32_t v) {
   for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
@@ -341,10 +354,26 @@ class TCPStore::Server {
 
   void loop() {
     std::vector<pollfd> fds;
-    while (!stop_) {
+    // Set once stop_ is seen (Note [Store drain]).
+    bool draining = false;
+    Clock::time_point drain_end, quiet_end;
+    while (true) {
+      if (stop_ && !draining) {
+        draining = true;
+        listen_ = detail::Fd();  // no new connections
+        drain_end = Clock::now() + kDrainLimit;
+        quiet_end = Clock::now() + kDrainQuiet;
+      }
+      if (draining) {
+        const bool unsent = std::any_of(conns_.begin(), conns_.end(), [](const auto& c) { return !c.second.out.empty(); });
+        const Clock::time_point now = Clock::now();
+        if (conns_.empty() || now >= drain_end || (now >= quiet_end && !unsent)) break;
+      }
       fds.clear();
-      fds.push_back({wake_read_.get(), POLLIN, 0});
-      fds.push_back({listen_.get(), POLLIN, 0});
+      // While draining, the wake pipe stays readable (stop_ wrote to it) and the listening
+      // socket is closed: both are left out, and the connections follow at index 2 as always.
+      fds.push_back({draining ? -1 : wake_read_.get(), POLLIN, 0});
+      fds.push_back({draining ? -1 : listen_.get(), POLLIN, 0});
       for (auto& [id, conn] : conns_) {
         short events = POLLIN;
         if (!conn.out.empty()) events |= POLLOUT;
@@ -359,9 +388,14 @@ class TCPStore::Server {
         auto left = std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now());
         timeout_ms = static_cast<int>(std::max<int64_t>(0, left.count()) + 1);
       }
+      if (draining) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(std::min(drain_end, quiet_end) - Clock::now());
+        const int drain_ms = static_cast<int>(std::max<int64_t>(0, left.count()) + 1);
+        timeout_ms = timeout_ms < 0 ? drain_ms : std::min(timeout_ms, drain_ms);
+      }
       int n = ::poll(fds.data(), fds.size(), timeout_ms);
       if (n < 0 && errno != EINTR) break;  // cannot happen with valid fds; stop serving
-      if (stop_) break;
+      if (stop_ && !draining) continue;  // start draining first
       if (n > 0) {
         if (fds[1].revents & POLLIN) accept_all();
         for (size_t i = 2; i < fds.size(); ++i) {
@@ -369,7 +403,10 @@ class TCPStore::Server {
           int id = fds[i].fd;
           if (!conns_.count(id)) continue;
           bool alive = true;
-          if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) alive = read_from(id);
+          if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) {
+            alive = read_from(id);
+            if (draining) quiet_end = Clock::now() + kDrainQuiet;  // a peer still talks
+          }
           if (alive && (fds[i].revents & POLLOUT)) alive = flush(id);
           if (!alive) drop(id);
         }
@@ -836,6 +873,8 @@ class TCPStore::Client {
       if (ready == 0) continue;  // the deadline check above reports it
       ssize_t n = ::recv(fd_.get(), p + got, nbytes - got, 0);
       if (n < 0 && errno == EINTR) continue;
+      // A reset is a close too: the server's process ended with our request unread.
+      if (n < 0 && errno == ECONNRESET) n = 0;
       if (n == 0 && server_pid_ > 0) {
         report_lost_peer(rank_, 0);  // Note [Launcher link]
         NANODDP_THROW(DistError, context_, ": ", verb, ": lost ", server(),

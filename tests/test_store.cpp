@@ -590,6 +590,25 @@ TEST_CASE("store: the server listens on the master address only, unless told oth
   }
 }
 
+TEST_CASE("store: a stopping server still answers a peer one request behind (rank 0 leaves a barrier first)") {
+  // Note [Store drain]: rank 0's wait is answered by rank 1's set, and rank 0 returns from
+  // main at once; rank 1, descheduled between its set and its wait, must still pass.
+  for (int trial = 0; trial < 3; ++trial) {
+    CAPTURE(trial);
+    auto server = std::make_unique<TCPStore>(server_options());
+    TCPStore client(client_options(server->port()));
+    std::thread rank0([&] {
+      server->set("mapped/0", std::string("1"));
+      server->wait({"mapped/0", "mapped/1"});
+      server.reset();
+    });
+    client.set("mapped/1", std::string("1"));
+    std::this_thread::sleep_for(50ms * (trial + 1));
+    CHECK_NOTHROW(client.wait({"mapped/0", "mapped/1"}));
+    rank0.join();
+  }
+}
+
 TEST_CASE("store: a client that loses the server names rank 0, its pid and host") {
   auto server = std::make_unique<TCPStore>(server_options(3000ms));
   TCPStore client(client_options(server->port(), 3000ms));
