@@ -206,6 +206,15 @@ LaunchEnv read_launch_env() {
                   value_source(kLocalWorldSizeVars, env.local_world_size, true, ""),
                   " (local ranks are 0..local world size - 1); were they left over from another job?");
   }
+  if (env.local_rank >= 0 && env.local_world_size < 0) {
+    // No local world size: the local rank is bounded by the job's size, 1 for a process with
+    // no WORLD_SIZE (a plain single process is local rank 0).
+    NANODDP_CHECK(env.local_rank < std::max(env.world_size, 1), ValueError, "environment: ",
+                  value_source(kLocalRankVars, env.local_rank, true, ""), " is not below ",
+                  env.world_size > 0 ? value_source(kWorldSizeVars, env.world_size, true, "")
+                                     : std::string("the world size 1 of a process without WORLD_SIZE"),
+                  " (a host cannot run more ranks than the job has); was it left over from another job?");
+  }
   if (env.local_world_size > 0 && env.world_size > 0) {
     NANODDP_CHECK(env.local_world_size <= env.world_size, ValueError,
                   "environment: ", value_source(kLocalWorldSizeVars, env.local_world_size, true, ""),

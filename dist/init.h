@@ -99,8 +99,9 @@ struct LaunchEnv {
   int master_port = 0;
 };
 // Reads the variables above; throws ValueError naming a variable that is not a number in range,
-// and naming both variables when local rank >= local world size or local world size > world
-// size (left over from an outer job, say). torch.distributed checks neither pair: a leaked
+// and naming both variables when local rank >= local world size, local world size > world
+// size, or (with no local world size) local rank >= world size, 1 when WORLD_SIZE is unset
+// (left over from an outer job, say). torch.distributed checks neither pair: a leaked
 // LOCAL_RANK there picks a wrong GPU, or hangs the rendezvous.
 LaunchEnv read_launch_env();
 

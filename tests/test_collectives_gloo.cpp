@@ -199,9 +199,18 @@ TEST_CASE("init: malformed environment and arguments are named") {
   CHECK(env_error({{"LOCAL_WORLD_SIZE", "4"}, {"WORLD_SIZE", "2"}})
             .find("LOCAL_WORLD_SIZE=4 is more than WORLD_SIZE=2") != std::string::npos);
   CHECK(env_error({{"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"}, {"WORLD_SIZE", "2"}}).empty());
+  // With no local world size, the job's size bounds the local rank; a process with no
+  // WORLD_SIZE is a single process, local rank 0 (a leaked LOCAL_RANK=3 would pick cuda:3).
+  CHECK(env_error({{"LOCAL_RANK", "3"}}).find("LOCAL_RANK=3 is not below the world size 1 of a process without "
+                                              "WORLD_SIZE") != std::string::npos);
+  CHECK(env_error({{"LOCAL_RANK", "3"}, {"WORLD_SIZE", "1"}, {"RANK", "0"}})
+            .find("LOCAL_RANK=3 is not below WORLD_SIZE=1") != std::string::npos);
+  CHECK(env_error({{"LOCAL_RANK", "0"}}).empty());
   ::setenv("LOCAL_RANK", "1", 1);
-  CHECK(get_local_rank() == 1);  // no local world size to check it against
+  ::setenv("WORLD_SIZE", "2", 1);
+  CHECK(get_local_rank() == 1);
   ::unsetenv("LOCAL_RANK");
+  ::unsetenv("WORLD_SIZE");
   for (const char* name : {"NANODDP_STORE_LISTEN_ALL", "NANODDP_CHECK_COLLECTIVES"}) {
     ::setenv(name, "ture", 1);  // misspelt: refused, not read as the default
     std::string message;
