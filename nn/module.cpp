@@ -124,14 +124,15 @@ StateDict Module::state_dict() const {
 
 namespace {
 
-// True when every key of `prefixed` is "module." + a key of `plain`.
+// True when the keys of `prefixed` are exactly "module." + the keys of `plain` (both lists
+// hold distinct keys, so one inclusion and equal sizes make them the same set).
 bool all_prefixed(const std::vector<std::string>& prefixed, const std::vector<std::string>& plain) {
   const std::string prefix = "module.";
   for (const std::string& key : prefixed)
     if (key.rfind(prefix, 0) != 0 ||
         std::find(plain.begin(), plain.end(), key.substr(prefix.size())) == plain.end())
       return false;
-  return !prefixed.empty();
+  return !prefixed.empty() && prefixed.size() == plain.size();
 }
 
 // What to do when the keys differ only by DistributedDataParallel's "module." prefix, the
@@ -161,6 +162,7 @@ Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool st
     for (auto& [own, p] : named) known |= own == name;
     if (!known) unexpected.push_back(name);
   }
+  std::sort(missing.begin(), missing.end());
   if (strict && (!missing.empty() || !unexpected.empty())) {
     std::ostringstream message;
     message << "load_state_dict: keys do not match. missing: [";
@@ -182,7 +184,6 @@ Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool st
     auto it = state.find(name);
     if (it != state.end()) Tensor(p).copy_(it->second);
   }
-  std::sort(missing.begin(), missing.end());
   return {missing, unexpected};  // unexpected is already sorted: StateDict is ordered by name
 }
 

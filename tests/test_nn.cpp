@@ -309,7 +309,7 @@ TEST_CASE("load_state_dict(strict = false) returns the missing and unexpected ke
     return std::string();
   };
   std::string message = strict_error(b, prefixed);
-  CHECK_MESSAGE(message.find("missing: [0.weight, 0.bias, 2.weight, 2.bias], unexpected: [module.0.bias, "
+  CHECK_MESSAGE(message.find("missing: [0.bias, 0.weight, 2.bias, 2.weight], unexpected: [module.0.bias, "
                              "module.0.weight, module.2.bias, module.2.weight]. The state's keys carry the "
                              "'module.' prefix") != std::string::npos,
                 message);
@@ -333,6 +333,15 @@ TEST_CASE("load_state_dict(strict = false) returns the missing and unexpected ke
     return mixed;
   }());
   CHECK(message.find("missing: [") != std::string::npos);
+  CHECK(message.find("prefix") == std::string::npos);
+  message = strict_error(b, [&] {
+    StateDict short_one = prefixed;
+    short_one.erase("module.0.bias");  // stripping the prefix would still leave 0.bias missing: no hint
+    return short_one;
+  }());
+  CHECK_MESSAGE(message.find("missing: [0.bias, 0.weight, 2.bias, 2.weight], unexpected: [module.0.weight, "
+                             "module.2.bias, module.2.weight]") != std::string::npos,
+                message);
   CHECK(message.find("prefix") == std::string::npos);
 
   // A partial state loads what matches and names the rest.
