@@ -235,10 +235,11 @@ TEST_CASE("docs answers: the default MLP is one bucket of 940584 bytes; a ring s
   dist::destroy_process_group();
 
   // NANODDP_EXPLAIN is a yes/no like the other NANODDP_* switches: "false" means no.
-  for (const auto& [text, on] : std::vector<std::pair<const char*, bool>>{
+  // (a pair, not a structured binding: clang refuses one inside doctest's CHECK_MESSAGE)
+  for (const std::pair<const char*, bool>& value : std::vector<std::pair<const char*, bool>>{
            {"", false}, {"0", false}, {"false", false}, {"Off", false}, {"1", true}, {"yes", true}}) {
-    ::setenv("NANODDP_EXPLAIN", text, 1);
-    CHECK_MESSAGE(dist::explain_from_environment() == on, "NANODDP_EXPLAIN='", text, "'");
+    ::setenv("NANODDP_EXPLAIN", value.first, 1);
+    CHECK_MESSAGE(dist::explain_from_environment() == value.second, "NANODDP_EXPLAIN='", value.first, "'");
   }
   ::setenv("NANODDP_EXPLAIN", "maybe", 1);
   CHECK_THROWS_WITH_AS(dist::explain_from_environment(),
