@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
-from launch import emit, run_ranks
+from launch import emit, run_ranks, set_threads
 
 
 IMAGES_MAGIC = 0x00000803
@@ -101,7 +101,7 @@ def make_model(kind):
 
 
 def train(rank, world_size, args):
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     distributed = world_size > 1
     if distributed:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -191,7 +191,7 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch.set_num_threads per rank (see benchmarks/README.md)")
+                   help="torch and OpenBLAS threads per rank (launch.set_threads; see benchmarks/README.md)")
     p.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
     args = p.parse_args()
     run_ranks(train, args.world_size, args)

@@ -1,9 +1,12 @@
-"""What both PyTorch reference scripts need to start and report: one-write output lines and
-a fork-based launch of the ranks (mp.spawn's job, after `import torch` so ranks skip it)."""
+"""What the PyTorch reference scripts need to start and report: one-write output lines, a
+fork-based launch of the ranks (mp.spawn's job, after `import torch` so ranks skip it), and
+a thread count that holds for OpenBLAS too."""
+import ctypes
 import os
 import socket
 import sys
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -12,6 +15,20 @@ def emit(line):
     shorter than PIPE_BUF written at once is never interleaved with another rank's."""
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), (line + "\n").encode())
+
+
+def set_threads(n):
+    """torch.set_num_threads(n), and the same limit for OpenBLAS's own thread pool.
+
+    Debian's torch is built with BLAS_INFO=generic, so torch.set_num_threads does not reach
+    OpenBLAS (libopenblas0-pthread), which keeps one thread per core: a "1 thread" rank then
+    runs its GEMMs on both cores at world size 1, and 2 ranks oversubscribe the 2 cores at
+    world size 2 (4 BLAS threads). Called in each rank, after the fork."""
+    torch.set_num_threads(n)
+    with open("/proc/self/maps") as maps:
+        libraries = {line.split()[-1] for line in maps if "libopenblas" in line}
+    for path in sorted(libraries):
+        ctypes.CDLL(path).openblas_set_num_threads(n)
 
 
 def free_port():

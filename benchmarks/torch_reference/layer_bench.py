@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from launch import emit
+from launch import emit, set_threads
 
 
 def layer_cases():
@@ -38,7 +38,7 @@ def main():
     p.add_argument("--min-time", type=float, default=0.2, help="seconds per timed round")
     p.add_argument("--only", help="one layer's name, as printed")
     args = p.parse_args()
-    torch.set_num_threads(1)
+    set_threads(1)
     torch.manual_seed(0)
     for name, shape, make in layer_cases():
         if args.only and name != args.only:

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from launch import emit, run_ranks
+from launch import emit, run_ranks, set_threads
 
 
 
@@ -48,7 +48,7 @@ class ToyDataset(Dataset):
 
 def train(rank, world_size, args):
     # Torch's default intra-op pool would oversubscribe 2 cores with 2 ranks.
-    torch.set_num_threads(1)
+    set_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.manual_seed(0)
     model = torch.nn.Linear(1, 1)
