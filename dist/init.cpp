@@ -109,18 +109,16 @@ std::string value_source(std::initializer_list<const char*> sources, int value, 
 
 // The first of names that is set, parsed as an int in [lo, hi]; -1 when none is set.
 int env_int(std::initializer_list<const char*> names, long lo, long hi) {
-  for (const char* name : names) {
-    const char* text = std::getenv(name);
-    if (text == nullptr || *text == '\0') continue;
-    char* end = nullptr;
-    errno = 0;
-    long value = std::strtol(text, &end, 10);
-    NANODDP_CHECK(errno == 0 && *end == '\0' && value >= lo && value <= hi, ValueError,
-                  "environment variable ", name, "='", text, "' is not an integer in [", lo, ", ",
-                  hi, "]");
-    return static_cast<int>(value);
-  }
-  return -1;
+  const char* name = env_source(names);
+  if (name == nullptr) return -1;
+  const char* text = std::getenv(name);
+  char* end = nullptr;
+  errno = 0;
+  long value = std::strtol(text, &end, 10);
+  NANODDP_CHECK(errno == 0 && *end == '\0' && value >= lo && value <= hi, ValueError,
+                "environment variable ", name, "='", text, "' is not an integer in [", lo, ", ", hi,
+                "]");
+  return static_cast<int>(value);
 }
 
 struct Address {
