@@ -60,11 +60,16 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
       broadcast_buffers_(options.broadcast_buffers) {
   NANODDP_CHECK(module_ != nullptr && pg_ != nullptr, ValueError, "DistributedDataParallel needs a module and a process group");
   verify_model_matches();
+  // After the check, which makes requires_grad agree across ranks: every rank throws or none.
+  const std::vector<Tensor> params = module_->parameters();
+  NANODDP_CHECK(std::any_of(params.begin(), params.end(), [](const Tensor& p) { return p.requires_grad(); }),
+                ValueError, "DistributedDataParallel is not needed when a module has no parameter that requires a "
+                "gradient (it has ", params.size(), params.size() == 1 ? " parameter" : " parameters",
+                params.empty() ? "" : ", all frozen", "): there is nothing to average. Call the module directly");
   broadcast_parameters(/*root=*/0);
   broadcast_buffers(/*root=*/0);
   reducer_ = std::make_unique<Reducer>(trainable(module_->named_parameters()), pg_, options);
-  for (const Tensor& p : module_->parameters())
-    requires_grad_at_construction_.emplace_back(p, p.requires_grad());
+  for (const Tensor& p : params) requires_grad_at_construction_.emplace_back(p, p.requires_grad());
 }
 
 void DistributedDataParallel::check_requires_grad_unchanged() const {

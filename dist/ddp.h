@@ -55,7 +55,9 @@
 // ddp.module().state_dict() (no prefix) to load the weights into an unwrapped model, and load
 // into ddp.module() likewise.
 //
-// Errors: DistError for parameter or buffer mismatches across ranks, for a parameter that got no
+// Errors: ValueError at construction when no parameter requires grad (all frozen, or none),
+// as torch's "DistributedDataParallel is not needed when a module doesn't have any parameter
+// that requires a gradient"; DistError for parameter or buffer mismatches across ranks, for a parameter that got no
 // gradient in an iteration (unless find_unused_parameters), for collective failures, and
 // (Join with throw_on_early_termination) from forward when a rank ran out of inputs;
 // TimeoutError when a peer does not answer within options.timeout.

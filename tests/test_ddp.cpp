@@ -271,8 +271,10 @@ TEST_CASE("an unused parameter is an error naming it, or zeros with find_unused_
 
 namespace {
 
-// A module with only buffers, registered per rank by the test.
+// A module whose buffers are registered per rank by the test, and one parameter that is the
+// same everywhere (DDP refuses a module with nothing to train).
 struct BuffersOnly : nn::Module {
+  BuffersOnly() { register_parameter("scale", Tensor::ones({1}).set_requires_grad(true)); }
   Tensor forward(const Tensor& input) override { return input; }
 };
 
@@ -306,6 +308,7 @@ TEST_CASE("ranks with different models get an error naming the parameter or buff
     // 3 and 4 features: the flat broadcast would have had 7 and 9 floats.
     auto norm = std::make_shared<nn::Sequential>();
     norm->add(nn::BatchNorm1d(rank == 0 ? 3 : 4, 1e-5f, 0.1f, /*affine=*/false));
+    norm->add(nn::Linear(1, 1, gen));
     m = construction_error(norm, pg);
     expect(contains(m, "DDP on rank " + std::to_string(rank) + "/2: buffer #0 '0.running_mean' [" +
                            (rank == 0 ? "3" : "4") + "] differs from rank " + std::to_string(other) +

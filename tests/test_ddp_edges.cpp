@@ -305,6 +305,38 @@ TEST_CASE("requires_grad changed after construction: a ValueError naming it, not
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE("a model with nothing to train is a ValueError on every rank, as in PyTorch, and the ranks stay in step") {
+  const int port = testing::free_port();
+  const std::string failures = testing::on_ranks(2, [&](int rank) {
+    auto pg = testing::join(rank, 2, port, std::chrono::seconds(20));
+    auto construction_error = [&](std::shared_ptr<nn::Module> model) -> std::string {
+      try {
+        dist::DistributedDataParallel ddp(std::move(model), pg);
+      } catch (const ValueError& e) {
+        return e.what();
+      }
+      return "";
+    };
+    auto frozen = linear_1x1(1, 0);
+    frozen->weight.set_requires_grad(false);
+    frozen->bias.set_requires_grad(false);
+    std::string message = construction_error(frozen);
+    expect(message.find("no parameter that requires a gradient (it has 2 parameters, all frozen)") != std::string::npos,
+           "rank ", rank, ": all frozen gave '", message, "'");
+    message = construction_error(std::make_shared<nn::ReLU>());
+    expect(message.find("no parameter that requires a gradient (it has 0 parameters)") != std::string::npos, "rank ",
+           rank, ": no parameters gave '", message, "'");
+    // One trainable parameter is enough; the refusals left both ranks at the same collective.
+    frozen->bias.set_requires_grad(true);
+    dist::DistributedDataParallel ddp(frozen, pg);
+    sum(ddp(Tensor::full({1, 1}, static_cast<float>(rank + 1)))).backward();
+    expect(value(frozen->bias.grad()) == 1 && !frozen->weight.grad().defined(), "rank ", rank, ": bias grad ",
+           frozen->bias.grad());
+    testing::leave();
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("ranks that freeze different parameters fail at construction, naming the parameter") {
   for (int world : {2, 4}) {
     CAPTURE(world);
