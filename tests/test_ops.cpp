@@ -326,10 +326,12 @@ TEST_CASE("im2col / col2im for stride_w 1 equal the general reference loops bit 
   struct Case {
     int64_t C, H, W, kh, kw, stride_h, pad_h, pad_w, dilation_h, dilation_w;
   };
-  // Runs of 11, 19 and 20 floats too: whole vectors of 8 and a remainder (copy_run, add_run).
+  // Runs of every length from 1 to 8 (copy_run's overlapping pieces of 1, 2, 4 and 8), and of
+  // 11 and 20: whole vectors of 8 and a remainder (copy_run, add_run).
   const Case cases[] = {{16, 8, 8, 3, 3, 1, 1, 1, 1, 1}, {3, 7, 9, 3, 2, 2, 0, 0, 1, 1}, {2, 6, 5, 2, 3, 1, 2, 2, 2, 2},
                         {1, 2, 2, 1, 4, 1, 0, 3, 1, 1},  {4, 5, 6, 3, 3, 1, 0, 1, 1, 3}, {4, 13, 13, 3, 3, 1, 0, 0, 1, 1},
-                        {2, 6, 20, 3, 3, 1, 1, 1, 1, 1}};
+                        {2, 6, 20, 3, 3, 1, 1, 1, 1, 1}, {2, 5, 3, 3, 3, 1, 0, 0, 1, 1}, {2, 4, 5, 2, 3, 1, 1, 0, 1, 1},
+                        {3, 6, 6, 3, 3, 2, 1, 0, 1, 1},  {2, 7, 7, 3, 3, 1, 1, 1, 1, 1}, {1, 3, 6, 2, 1, 1, 0, 0, 1, 1}};
   Generator gen(11);
   for (const Case& k : cases) {
     kernels::Window2d g;
