@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "core/autograd.h"
+#include "core/half.h"
 
 namespace nanoddp::nn {
 
@@ -150,6 +151,34 @@ std::string ddp_prefix_hint(const std::vector<std::string>& missing,
   return "";
 }
 
+bool is_floating(DType dtype) {
+  return dtype == DType::Float32 || dtype == DType::Float16 || dtype == DType::BFloat16;
+}
+
+// src's values in the floating dtype `to`, on the CPU, as torch's copy_ converts them: exact
+// when widening, rounded to nearest (ties to even) when narrowing.
+Tensor converted(const Tensor& src, DType to) {
+  const Tensor host = src.to(Device::cpu());
+  const int64_t n = host.numel();
+  std::vector<float> values(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    switch (host.dtype()) {
+      case DType::Float16: values[i] = host.data<Float16>()[i].to_float(); break;
+      case DType::BFloat16: values[i] = host.data<BFloat16>()[i].to_float(); break;
+      default: values[i] = host.data<float>()[i]; break;
+    }
+  }
+  Tensor out = Tensor::empty(src.shape(), to);
+  for (int64_t i = 0; i < n; ++i) {
+    switch (to) {
+      case DType::Float16: out.data<Float16>()[i] = Float16::from_float(values[i]); break;
+      case DType::BFloat16: out.data<BFloat16>()[i] = BFloat16::from_float(values[i]); break;
+      default: out.data<float>()[i] = values[i]; break;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool strict) {
@@ -175,14 +204,18 @@ Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool st
   for (auto& [name, p] : named) {
     auto it = state.find(name);
     if (it == state.end()) continue;
-    NANODDP_CHECK(it->second.shape() == p.shape() && it->second.dtype() == p.dtype(), ShapeError,
-                  "load_state_dict: '", name, "' is ", it->second.shape(), " ", it->second.dtype(),
-                  " in the state but ", p.shape(), " ", p.dtype(), " in the model");
+    const DType from = it->second.dtype(), to = p.dtype();
+    NANODDP_CHECK(it->second.shape() == p.shape() && (from == to || (is_floating(from) && is_floating(to))),
+                  ShapeError, "load_state_dict: '", name, "' is ", it->second.shape(), " ", from, " in the state but ",
+                  p.shape(), " ", to, " in the model",
+                  it->second.shape() == p.shape() ? " (only float32, float16 and bfloat16 convert into each other)"
+                                                  : "");
   }
   NoGradGuard no_grad;
   for (auto& [name, p] : named) {
     auto it = state.find(name);
-    if (it != state.end()) Tensor(p).copy_(it->second);
+    if (it == state.end()) continue;
+    Tensor(p).copy_(it->second.dtype() == p.dtype() ? it->second : converted(it->second, p.dtype()));
   }
   return {missing, unexpected};  // unexpected is already sorted: StateDict is ordered by name
 }

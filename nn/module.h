@@ -82,9 +82,13 @@ class Module {
   // torch.nn.Module.load_state_dict), and, when they differ only by DistributedDataParallel's
   // 'module.' prefix (in either direction), saying which of the two to unwrap; !strict:
   // loads the keys that match and returns the rest, so a 'module.' prefix mistake (every key
-  // missing and unexpected) is visible to the caller. A shape or dtype mismatch is a
-  // ShapeError naming the key and both shapes, strict or not. Nothing is modified unless
-  // every check passes.
+  // missing and unexpected) is visible to the caller. A shape mismatch is a ShapeError naming
+  // the key and both shapes, strict or not. Values in another floating dtype (float32,
+  // float16, bfloat16: a half-precision safetensors file into a float32 model) are converted
+  // as torch's copy_ does: exactly when widening, rounded to nearest even when narrowing.
+  // Between an integer and a floating dtype, where torch's copy_ would convert silently (a
+  // float step counter truncated into int64), it is a ShapeError naming both. Nothing is
+  // modified unless every check passes.
   IncompatibleKeys load_state_dict(const StateDict& state, bool strict = true);
 
  protected:

@@ -8,6 +8,7 @@
 #include <string>
 #include <unistd.h>
 
+#include "core/half.h"
 #include "core/hash.h"
 #include "nn/adam.h"
 #include "nn/checkpoint.h"
@@ -108,6 +109,51 @@ TEST_CASE("state_dict round-trips and load_state_dict checks keys strictly") {
     CHECK(std::string(e.what()).find("0.weight") != std::string::npos);
   }
   CHECK(b.parameters()[1].to_vector() == before);  // nothing half-loaded
+}
+
+TEST_CASE("load_state_dict converts between float32, float16 and bfloat16 as torch's copy_, and refuses int64 <-> float") {
+  Generator gen(3);
+  Linear layer(2, 1, gen);
+  // Widening is exact: bf16(1/3) = 0.333984375, f16(0.1) = 0.0999755859375, -0 stays -0.
+  StateDict half;
+  half["weight"] = Tensor::empty({1, 2}, DType::BFloat16);
+  half["weight"].data<BFloat16>()[0] = BFloat16::from_float(1.0f / 3);
+  half["weight"].data<BFloat16>()[1] = BFloat16::from_float(-0.0f);
+  half["bias"] = Tensor::empty({1}, DType::Float16);
+  half["bias"].data<Float16>()[0] = Float16::from_float(0.1f);
+  layer.load_state_dict(half);
+  CHECK(layer.weight.to_vector() == std::vector<float>{0.333984375f, -0.0f});
+  CHECK(std::signbit(layer.weight.to_vector()[1]));
+  CHECK(layer.bias.to_vector() == std::vector<float>{0.0999755859375f});
+  CHECK(layer.weight.dtype() == DType::Float32);
+
+  // Narrowing rounds to nearest, ties to even: into a bfloat16 buffer, 1 + 2^-8 (a tie) -> 1,
+  // 1 + 3 * 2^-8 (a tie) -> 1 + 2^-6 (even), 1 + 2^-7 + 2^-9 -> 1 + 2^-7.
+  struct Stats : Module {
+    Tensor stats = register_buffer("stats", Tensor::zeros({3}, DType::BFloat16));
+    Tensor forward(const Tensor& x) override { return x; }
+  } narrow;
+  StateDict wide;
+  wide["stats"] = Tensor::from_vector({1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, 1.0f + 0x1p-7f + 0x1p-9f}, {3});
+  narrow.load_state_dict(wide);
+  const BFloat16* got = narrow.stats.data<BFloat16>();
+  CHECK(got[0].to_float() == 1.0f);
+  CHECK(got[1].to_float() == 1.0f + 0x1p-6f);
+  CHECK(got[2].to_float() == 1.0f + 0x1p-7f);
+
+  // int64 into float32 is refused by name, and nothing is loaded.
+  StateDict counts;
+  counts["weight"] = Tensor::from_vector(std::vector<int64_t>{1, 2}).reshape({1, 2});
+  counts["bias"] = Tensor::full({1}, 7.0f);
+  try {
+    layer.load_state_dict(counts);
+    FAIL("expected ShapeError");
+  } catch (const ShapeError& e) {
+    CHECK(std::string(e.what()).find(
+              "load_state_dict: 'weight' is [1, 2] int64 in the state but [1, 2] float32 in the model (only "
+              "float32, float16 and bfloat16 convert into each other)") == 0);
+  }
+  CHECK(layer.bias.to_vector() == std::vector<float>{0.0999755859375f});
 }
 
 TEST_CASE("checkpoints round-trip, replace atomically and reject corrupt files") {
