@@ -1,11 +1,13 @@
 // Checkpoint files under real processes: writers that save the same path at once, and a
-// writer killed with SIGKILL in the middle of a save.
+// writer killed with SIGKILL in the middle of a save, and one stopped by the file size limit.
 #include <doctest/doctest.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <stdexcept>
 #include <string>
@@ -168,4 +170,39 @@ TEST_CASE("Ctrl-C (SIGINT) or SIGTERM during a save: the process ends by the sig
     }
   }
   CHECK(signalled_mid_save > 0);
+}
+
+TEST_CASE("a save past the file size limit (ulimit -f) is an IOError naming it; the old checkpoint stays") {
+  testing::TempDir dir;
+  const std::string path = dir.path + "/run.ckpt", message_path = dir.path + "/message";
+  constexpr int64_t kSmall = 4, kLarge = 16384;  // the new one: 64 KiB, past the 32 KiB limit
+  save_checkpoint(path, writer_state(0, kSmall));
+  std::fflush(nullptr);
+  // In a child: the limit is the whole process's. Exit 0: the save threw; 1: it succeeded.
+  const pid_t writer = ::fork();
+  REQUIRE(writer >= 0);
+  if (writer == 0) {
+    ::signal(SIGXFSZ, SIG_DFL);
+    const rlimit limit{32768, 32768};
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+    try {
+      save_checkpoint(path, writer_state(1, kLarge));
+    } catch (const IOError& e) {
+      FILE* out = std::fopen(message_path.c_str(), "w");
+      if (out != nullptr) std::fputs(e.what(), out), std::fclose(out);
+      ::_exit(0);
+    }
+    ::_exit(1);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(writer, &status, 0) == writer);
+  // Before: killed by SIGXFSZ, with the temporary file left next to the checkpoint.
+  REQUIRE_MESSAGE(WIFEXITED(status), "the writer was killed by signal ", WTERMSIG(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  const std::string message = testing::read_file(message_path);
+  CHECK_MESSAGE(message.find("File too large") != std::string::npos, message);
+  CHECK_MESSAGE(message.find("ulimit -f, is 32768 bytes") != std::string::npos, message);
+  CHECK_MESSAGE(message.find(path + ".tmp.") != std::string::npos, message);
+  CHECK(temporaries_of(path).empty());
+  CHECK(writer_of(path, kSmall) == 0);
 }
