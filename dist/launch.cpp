@@ -9,6 +9,7 @@
 #include <sys/prctl.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -307,14 +308,45 @@ std::vector<char*> to_argv(std::vector<std::string>& args) {
   return argv;
 }
 
-// Runs in the child: replaces it with argv, or reports why not and exits 127 (the shell's
-// "command not found" code).
+// The shell's exit code for a program that cannot be run: 127 "command not found", 126 found
+// but not executable (EACCES: no x permission, a folder; ENOEXEC).
+int exec_failure_code(int error) { return error == ENOENT || error == ENOTDIR ? 127 : 126; }
+
+// Runs in the child: replaces it with argv, or reports why not and exits with
+// exec_failure_code.
 [[noreturn]] void exec_or_die(const std::vector<char*>& argv, const std::string& reporter) {
   execvp(argv[0], argv.data());
+  const int error = errno;
   const std::string message =
-      reporter + ": cannot execute '" + argv[0] + "': " + std::strerror(errno) + "\n";
+      reporter + ": cannot execute '" + argv[0] + "': " + std::strerror(error) + "\n";
   write_all(2, message);
-  _exit(127);
+  _exit(exec_failure_code(error));
+}
+
+// 0 when execvp(program) would find an executable regular file, else why not (ENOENT, EACCES),
+// by execvp's search: a name with '/' as is, else each folder of PATH in turn (an empty entry
+// is the current folder), an executable one winning over a non-executable one found earlier.
+int program_unrunnable(const std::string& program) {
+  const auto check = [](const std::string& path) {
+    struct stat info {};
+    if (::stat(path.c_str(), &info) != 0) return errno == ENOTDIR ? ENOENT : errno;
+    if (!S_ISREG(info.st_mode) || ::access(path.c_str(), X_OK) != 0) return EACCES;
+    return 0;
+  };
+  if (program.find('/') != std::string::npos) return check(program);
+  const char* path_env = std::getenv("PATH");
+  const std::string path = path_env != nullptr ? path_env : "/bin:/usr/bin";  // glibc's default
+  int error = ENOENT;
+  size_t begin = 0;
+  while (true) {
+    const size_t end = std::min(path.find(':', begin), path.size());
+    const std::string folder = path.substr(begin, end - begin);
+    const int found = check((folder.empty() ? "." : folder) + "/" + program);
+    if (found == 0) return 0;
+    if (found == EACCES) error = EACCES;
+    if (end == path.size()) return error;
+    begin = end + 1;
+  }
 }
 
 }  // namespace
@@ -342,6 +374,13 @@ int launch(const LaunchOptions& given, const std::vector<std::string>& program) 
   give_job_identity(options);
   const bool use_mpi = options.backend == "mpi";
   if (use_mpi) mpirun_command(options, program, 1);  // validates before anything starts
+  // Every rank would fail the same way, some before the first failure stops the others and
+  // some not: say it once, and start nothing.
+  if (const int error = program_unrunnable(program[0]); error != 0) {
+    write_all(2, "nanoddp-run: cannot execute '" + program[0] + "': " + std::strerror(error) +
+                     (program[0].find('/') == std::string::npos ? " (searched PATH)" : "") + "; no rank was started\n");
+    return exec_failure_code(error);
+  }
   const int port = options.master_port != 0 ? options.master_port : pick_free_port(options.master_addr);
 
   ChildGroup::Options group_options;

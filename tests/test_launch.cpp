@@ -375,6 +375,35 @@ TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
   CHECK(contains(missing.err, "cannot execute '/nonexistent/program'"));
 }
 
+TEST_CASE("nanoddp-run: a program that cannot be run is named once, with the shell's code, and no rank starts") {
+  TempDir dir;
+  const std::string plain = dir.path + "/not-executable";
+  std::ofstream(plain) << "#!/bin/sh\nexit 0\n";
+  ::chmod(plain.c_str(), 0644);
+  struct Case {
+    std::string program, message;
+    int code;
+  };
+  // Every rank used to fail by itself: as many reports as ranks got to exec before the first
+  // failure stopped the others, a "rank N failed" per rank, and 127 even for no permission.
+  const std::vector<Case> cases = {
+      {"/nonexistent/program", "cannot execute '/nonexistent/program': No such file or directory; no rank", 127},
+      {"nanoddp-no-such-program", "cannot execute 'nanoddp-no-such-program': No such file or directory "
+                                  "(searched PATH); no rank was started", 127},
+      {plain, "cannot execute '" + plain + "': Permission denied; no rank was started", 126},
+      {dir.path, "cannot execute '" + dir.path + "': Permission denied; no rank was started", 126},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.program);
+    const RunResult r = run({launcher_path(), "--nproc-per-node", "4", c.program, "--flag"});
+    CHECK(r.code() == c.code);
+    CHECK_MESSAGE(contains(r.err, c.message), r.err);
+    CHECK_MESSAGE(r.err.find("cannot execute") == r.err.rfind("cannot execute"), r.err);  // once
+    CHECK_MESSAGE(!contains(r.err, "[rank"), r.err);
+    CHECK(r.out.empty());
+  }
+}
+
 TEST_CASE("allreduce_bench: one rank, empty size ranges, bad numbers and jobs --nproc cannot make are refused") {
   using nanoddp::testing::built;
   const std::string bench = built("benchmarks/allreduce_bench");
