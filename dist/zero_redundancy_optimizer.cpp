@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <numeric>
 #include <string>
 
@@ -102,18 +103,55 @@ nn::StateDict ZeroRedundancyOptimizer::state_dict() const {
 
 void ZeroRedundancyOptimizer::load_state_dict(const nn::StateDict& state) {
   consolidated_.reset();
-  std::vector<size_t> local_of(params_.size(), SIZE_MAX);
-  for (size_t j = 0; j < local_indices_.size(); ++j) local_of[local_indices_[j]] = j;
-  nn::StateDict local;
-  for (const auto& [key, t] : state) {
-    std::string buffer;
-    size_t index = 0;
-    NANODDP_CHECK(split_key(key, buffer, index), ValueError, name_, ".load_state_dict: bad key '", key, "'");
-    NANODDP_CHECK(index < params_.size(), ValueError, name_, ".load_state_dict: '", key, "' but only ",
-                  params_.size(), " parameters");
-    if (local_of[index] != SIZE_MAX) local[buffer + "." + std::to_string(local_of[index])] = t;
+  // Note [ZeRO load agreement] A rank checks what it can of every entry (the key, the index,
+  // a float32 entry's shape, which is its parameter's) but only the owner can check its
+  // parameters' entries in full (Adam's step goes with its moments), and per-rank shards differ
+  // by rank. One rank throwing while the others go on would leave them waiting for it in the
+  // next step's broadcasts; so the ranks agree (one all_gather of a flag) and all load, or all
+  // throw and keep the state they had.
+  std::exception_ptr error;
+  const nn::StateDict before = local_->state_dict();
+  try {
+    std::vector<size_t> local_of(params_.size(), SIZE_MAX);
+    for (size_t j = 0; j < local_indices_.size(); ++j) local_of[local_indices_[j]] = j;
+    nn::StateDict local;
+    for (const auto& [key, t] : state) {
+      std::string buffer;
+      size_t index = 0;
+      NANODDP_CHECK(split_key(key, buffer, index), ValueError, name_, ".load_state_dict: bad key '", key, "'");
+      NANODDP_CHECK(index < params_.size(), ValueError, name_, ".load_state_dict: '", key, "' but only ",
+                    params_.size(), " parameters");
+      NANODDP_CHECK(!t.defined() || t.dtype() != DType::Float32 || t.shape() == params_[index].shape(), ShapeError,
+                    name_, ".load_state_dict: '", key, "' is ", t.shape(), " but parameter ", index, " needs ",
+                    params_[index].shape());
+      if (local_of[index] != SIZE_MAX) local[buffer + "." + std::to_string(local_of[index])] = t;
+    }
+    try {
+      local_->load_state_dict(local);
+    } catch (const Error& e) {
+      // The local optimizer numbers its parameters apart: say which of params() they are.
+      std::string numbers;
+      for (size_t j = 0; j < local_indices_.size(); ++j)
+        numbers += (j == 0 ? "" : ", ") + std::to_string(j) + " -> " + std::to_string(local_indices_[j]);
+      const std::string context = name_ + ".load_state_dict on rank " + std::to_string(pg_->rank()) +
+                                  " (its local parameters are " + numbers + "): ";
+      if (dynamic_cast<const ShapeError*>(&e) != nullptr) NANODDP_THROW(ShapeError, context, e.what());
+      NANODDP_THROW(ValueError, context, e.what());
+    }
+  } catch (const ShapeError&) {
+    error = std::current_exception();
+  } catch (const ValueError&) {
+    error = std::current_exception();
   }
-  local_->load_state_dict(local);
+  const std::vector<std::vector<int64_t>> failed = all_gather_host(*pg_, {error ? 1 : 0});
+  std::string failed_ranks;
+  for (size_t r = 0; r < failed.size(); ++r)
+    if (failed[r][0] != 0) failed_ranks += (failed_ranks.empty() ? "" : ", ") + std::to_string(r);
+  if (failed_ranks.empty()) return;
+  if (error) std::rethrow_exception(error);
+  local_->load_state_dict(before);  // this rank loaded its share: put the old state back
+  NANODDP_THROW(ValueError, name_, ".load_state_dict on rank ", pg_->rank(), ": rank(s) ", failed_ranks,
+                " could not load their share of the state (their errors say why); no rank loaded it");
 }
 
 int64_t ZeroRedundancyOptimizer::state_nbytes() const {

@@ -71,7 +71,14 @@ class ZeroRedundancyOptimizer : public nn::Optimizer {
   // shard, and load_state_dict takes a shard or the whole.
   nn::StateDict state_dict() const override;
   // Takes the entries of parameters this rank owns and ignores the others, so a full or a
-  // per-rank state loads alike. Throws as the local optimizer's load_state_dict does.
+  // per-rank state loads alike: the whole state saved at another world size loads too. A
+  // collective (one all_gather of a flag): every rank calls it, and either every rank loads
+  // or every rank throws and keeps its state (Note [ZeRO load agreement] in the .cpp).
+  // Throws ValueError for a malformed key or an index past params(), ShapeError for a float32
+  // entry whose shape differs from its parameter's (any rank's parameter), or as the local
+  // optimizer's load_state_dict does, its message saying how its parameter numbers map to
+  // params(); on the other ranks ValueError naming the ranks that failed. DistError or
+  // TimeoutError from the collective.
   void load_state_dict(const nn::StateDict& state) override;
 
   // Bytes of float32 state this rank holds (momentum buffers, moments; not step counts).

@@ -18,6 +18,7 @@
 #include "dist/init.h"
 #include "dist/zero_redundancy_optimizer.h"
 #include "nn/adam.h"
+#include "nn/checkpoint.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
 #include "tests/dist_ranks.h"
@@ -756,6 +757,91 @@ TEST_CASE("ZeroRedundancyOptimizer on 2 and 4 ranks equals the unsharded SGD and
   // 1 rank holds all 75 elements: 300 bytes of momentum. Per rank at 2: 160, 140; at 4: 160, 96, 32, 12.
   check_zero(2, {0, 1, 1, 1}, {160, 140});
   if (!under_mpirun()) check_zero(4, {0, 2, 1, 3}, {160, 96, 32, 12});
+}
+
+namespace {
+// Runs fn on a rank; throws unless it throws an E whose message contains part.
+template <typename E>
+void expect_throws(const std::function<void()>& fn, const std::string& part) {
+  try {
+    fn();
+  } catch (const E& e) {
+    expect(std::string(e.what()).find(part) != std::string::npos, "expected '", part, "' in: ", e.what());
+    return;
+  }
+  expect(false, "no exception; expected one with '", part, "'");
+}
+
+// The gradient of make_mlp's parameter i at step s: small values that differ per element.
+void set_zero_test_grads(const std::vector<Tensor>& params, int s) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    std::vector<float> g(static_cast<size_t>(params[i].numel()));
+    for (size_t k = 0; k < g.size(); ++k) g[k] = 0.125f * static_cast<float>((s + 1) * (k % 5)) - 0.25f * i;
+    Tensor p = params[i];
+    p.set_grad(Tensor::from_vector(g, p.shape()));
+  }
+}
+}  // namespace
+
+TEST_CASE("ZeroRedundancyOptimizer state round trip: resumes bit for bit at 2 ranks and 1; a bad state fails every rank alike") {
+  // Reference: unsharded Adam, 5 steps, uninterrupted.
+  auto reference = make_mlp(7);
+  std::unique_ptr<nn::Optimizer> reference_opt = kAdam(reference->parameters());
+  for (int s = 0; s < 5; ++s) {
+    set_zero_test_grads(reference->parameters(), s);
+    reference_opt->step();
+  }
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = join(rank, 2, port);
+    // 2 steps of ZeRO (owners {0, 1, 1, 1}), then the whole state gathered onto each rank.
+    auto model = make_mlp(7);
+    dist::ZeroRedundancyOptimizer opt(model->parameters(), pg, kAdam);
+    for (int s = 0; s < 2; ++s) {
+      set_zero_test_grads(model->parameters(), s);
+      opt.step();
+    }
+    nn::StateDict whole;
+    for (int to = 0; to < 2; ++to) {
+      opt.consolidate_state_dict(to);
+      if (rank == to) whole = nn::parse_checkpoint(nn::checkpoint_bytes(opt.state_dict()), "whole");
+    }
+    const nn::StateDict two_steps = model->state_dict();
+    const auto resume_and_compare = [&](nn::Optimizer& resumed, nn::Module& resumed_model, const char* what) {
+      for (int s = 2; s < 5; ++s) {
+        set_zero_test_grads(resumed_model.parameters(), s);
+        resumed.step();
+      }
+      const auto got = resumed_model.named_parameters(), want = reference->named_parameters();
+      for (size_t i = 0; i < want.size(); ++i)
+        expect(got[i].second.to_vector() == want[i].second.to_vector(), "rank ", rank, " ", what, ": ",
+               want[i].first, " is ", got[i].second, ", uninterrupted ", want[i].second);
+    };
+    // A state of another model: exp_avg.2 belongs to rank 1's parameter 2 ([3, 8]), yet rank 0
+    // must refuse it too, or it would wait for rank 1 in the next step. Then a partial state
+    // (no step.3), which only rank 1 can see: both throw, neither loads.
+    nn::StateDict other_shape = whole, partial = whole;
+    other_shape["exp_avg.2"] = Tensor::zeros({3});
+    partial.erase("step.3");
+    auto fresh = make_mlp(7);
+    fresh->load_state_dict(two_steps);
+    dist::ZeroRedundancyOptimizer resumed(fresh->parameters(), pg, kAdam);
+    expect_throws<ShapeError>([&] { resumed.load_state_dict(other_shape); }, "'exp_avg.2' is [3] but parameter 2 needs [3, 8]");
+    expect_throws<ValueError>([&] { resumed.load_state_dict(partial); },
+                              rank == 1 ? "on rank 1 (its local parameters are 0 -> 1, 1 -> 2, 2 -> 3): "
+                                          "Adam.load_state_dict: parameter 2 has only part of its state"
+                                        : "on rank 0: rank(s) 1 could not load their share");
+    expect(resumed.local_optimizer().state_dict().empty(), "rank ", rank, ": a refused state was partly loaded");
+    // The whole state resumes at 2 ranks, and at 1 rank (another world size), bit for bit.
+    resumed.load_state_dict(whole);
+    resume_and_compare(resumed, *fresh, "ZeRO at 2 ranks");
+    auto alone = make_mlp(7);
+    alone->load_state_dict(two_steps);
+    std::unique_ptr<nn::Optimizer> unsharded = kAdam(alone->parameters());
+    unsharded->load_state_dict(whole);
+    resume_and_compare(*unsharded, *alone, "unsharded Adam");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
 }
 
 // ---- Bucket rebuild and static_graph (Note [Bucket rebuild], Note [Static graph]) -----------
