@@ -166,16 +166,50 @@ std::string folder_of(const std::string& path) {
   return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
 }
 
-void check_writable(const std::string& path, const char* what) {
+// Note [Save target] The file a save replaces, checked before any byte is written. A symlink
+// is followed to the file it names (as open() would, and torch.save does): renaming over the
+// link itself would turn it into a regular file in the link's folder and leave its target
+// stale. What is there must be absent or a regular file: a rename over a folder fails only
+// after the whole temporary file is written, and over a device or a pipe (say /dev/null) it
+// would replace the device. The folder must exist (torch.save: "Parent directory ... does not
+// exist"). Throws IOError naming path (and where its links lead).
+std::string save_target(const std::string& path, const char* what) {
+  NANODDP_CHECK(!path.empty(), IOError, what, ": the path is empty");
+  std::string target = path;
+  for (int hops = 0;; ++hops) {
+    struct stat info {};
+    if (::lstat(target.c_str(), &info) != 0) break;  // absent: created by the rename
+    if (S_ISLNK(info.st_mode)) {
+      NANODDP_CHECK(hops < 40, IOError, what, " ", path, ": too many levels of symbolic links");
+      std::string link(4096, '\0');
+      const ssize_t n = ::readlink(target.c_str(), link.data(), link.size());
+      NANODDP_CHECK(n > 0 && static_cast<size_t>(n) < link.size(), IOError, what, " ", path, ": cannot read link ",
+                    target, ": ", std::strerror(errno));
+      link.resize(static_cast<size_t>(n));
+      target = link[0] == '/' ? link : folder_of(target) + "/" + link;
+      continue;
+    }
+    NANODDP_CHECK(S_ISREG(info.st_mode), IOError, what, " ", path, (target == path ? "" : " (a link to " + target + ")"),
+                  " exists but is ", S_ISDIR(info.st_mode) ? "a folder" : "not a regular file (a device, pipe or socket)",
+                  "; a save replaces a regular file only");
+    break;
+  }
+  const std::string dir = folder_of(target);
   struct stat info {};
-  NANODDP_CHECK(::stat(path.c_str(), &info) != 0 || S_ISREG(info.st_mode), IOError, what, " ", path,
-                " exists but is not a regular file");
-  const std::string dir = folder_of(path);
+  NANODDP_CHECK(::stat(dir.c_str(), &info) == 0, IOError, what, " ", path, ": folder ", dir, " does not exist (",
+                std::strerror(errno), "); create it first");
+  NANODDP_CHECK(S_ISDIR(info.st_mode), IOError, what, " ", path, ": ", dir, " is not a folder");
+  return target;
+}
+
+void check_writable(const std::string& path, const char* what) {
+  const std::string dir = folder_of(save_target(path, what));
   NANODDP_CHECK(::access(dir.c_str(), W_OK) == 0, IOError, what, " ", path, ": cannot write in folder ", dir, ": ",
                 std::strerror(errno));
 }
 
-void write_file_atomically(const std::string& path, const std::string& bytes, const char* what) {
+void write_file_atomically(const std::string& given_path, const std::string& bytes, const char* what) {
+  const std::string path = save_target(given_path, what);  // Note [Save target]
   // Each write has a temporary file of its own (mkstemp's unique name) in path's folder, so
   // processes writing the same path at once never truncate or rename away each other's file:
   // the last rename wins and path always holds one whole file.

@@ -13,11 +13,15 @@ namespace nanoddp::nn {
 std::string folder_of(const std::string& path);
 
 // Throws IOError (starting with what) unless write_file_atomically(path, ...) could write
-// there: path is absent or a regular file, and its folder exists and is writable.
+// there: path is absent or a regular file (after following symlinks), and its folder exists
+// and is writable.
 void check_writable(const std::string& path, const char* what);
 
-// Writes bytes to a temporary file of its own ("<path>.tmp.XXXXXX", mkstemp), fsyncs it,
-// renames it over path and fsyncs the folder: a crash or kill -9 leaves the old file or the
+// First checks path as check_writable does, but for the permission (Note [Save target] in
+// file_io.cpp): an empty path, a missing folder, a folder or a device in path's place are
+// IOErrors before anything is written; a symlink is followed, and the file it names is
+// replaced (the link stays). Then writes bytes to a temporary file of its own
+// ("<path>.tmp.XXXXXX", mkstemp), fsyncs it, renames it over path and fsyncs the folder: a crash or kill -9 leaves the old file or the
 // new one (SIGINT, SIGTERM or SIGHUP mid-write remove the temporary file and then end the
 // process as before; a kill -9 mid-write may leave it behind), and writers of the same
 // path at once all succeed, the last rename winning. Throws IOError (starting with what:

@@ -1,20 +1,25 @@
 // Checkpoint files under real processes: writers that save the same path at once, and a
-// writer killed with SIGKILL in the middle of a save, and one stopped by the file size limit.
+// writer killed with SIGKILL in the middle of a save, one stopped by the file size limit, and
+// targets a save must refuse (a folder, a pipe) or follow (a symlink).
 #include <doctest/doctest.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "nn/checkpoint.h"
+#include "nn/safetensors.h"
 #include "tests/multiprocess.h"
 #include "tests/subprocess.h"
 
@@ -205,4 +210,56 @@ TEST_CASE("a save past the file size limit (ulimit -f) is an IOError naming it; 
   CHECK_MESSAGE(message.find(path + ".tmp.") != std::string::npos, message);
   CHECK(temporaries_of(path).empty());
   CHECK(writer_of(path, kSmall) == 0);
+}
+
+TEST_CASE("saves check their target first: no folder, a folder, a pipe, an empty path are IOErrors; a symlink is written through") {
+  testing::TempDir dir;
+  const std::string fifo = dir.path + "/pipe", real = dir.path + "/real.ckpt", link = dir.path + "/run.ckpt";
+  REQUIRE(::mkfifo(fifo.c_str(), 0644) == 0);
+  const StateDict state = writer_state(1, 4);
+  using Save = std::function<void(const std::string&)>;
+  const std::vector<std::pair<const char*, Save>> saves = {
+      {"checkpoint", [&](const std::string& path) { save_checkpoint(path, state); }},
+      {"safetensors", [&](const std::string& path) { save_safetensors(path, state); }},
+  };
+  for (const auto& [what, save] : saves) {
+    CAPTURE(what);
+    // Before: a missing folder named only a temporary file; a folder was refused by the rename
+    // after the whole temporary file was written; a pipe or device (as root, /dev/full) was
+    // replaced by a regular file; an empty path wrote ".tmp.XXXXXX" in the working folder.
+    const std::vector<std::pair<std::string, std::string>> refused = {
+        {dir.path + "/missing/run.ckpt", ": folder " + dir.path + "/missing does not exist"},
+        {dir.path, " exists but is a folder"},
+        {fifo, " exists but is not a regular file"},
+        {"", ": the path is empty"},
+    };
+    for (const auto& [path, message] : refused) {
+      CAPTURE(path);
+      try {
+        save(path);
+        FAIL("expected IOError");
+      } catch (const IOError& e) {
+        CHECK_MESSAGE(std::string(e.what()).find(std::string(what) + (path.empty() ? "" : " " + path) + message) !=
+                          std::string::npos,
+                      e.what());
+      }
+    }
+    struct stat info {};
+    CHECK((::lstat(fifo.c_str(), &info) == 0 && S_ISFIFO(info.st_mode)));
+    CHECK(fs::directory_iterator(dir.path) != fs::directory_iterator());
+    // A symlink (to a file not there yet, then to the file) stays a link; its target is saved.
+    fs::remove(real);
+    fs::remove(link);
+    fs::create_symlink("real.ckpt", link);
+    save(link);
+    save(link);
+    CHECK(fs::is_symlink(link));
+    CHECK(fs::is_regular_file(real));
+    CHECK(temporaries_of(real).empty());
+    if (std::string(what) == "checkpoint") CHECK(writer_of(link, 4) == 1);
+  }
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir.path)) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{"pipe", "real.ckpt", "run.ckpt"});  // no temporary left
 }
