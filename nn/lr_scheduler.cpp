@@ -40,6 +40,14 @@ double double_entry(const StateDict& state, const std::string& key, const std::s
   return value;
 }
 
+// Which scheduler's state has each hyper-parameter, to name it when one turns up in another's.
+const char* scheduler_with(const std::string& key) {
+  if (key == "step_size" || key == "gamma") return "StepLR";
+  if (key == "T_max" || key == "eta_min") return "CosineAnnealingLR";
+  if (key == "start_factor" || key == "end_factor" || key == "total_iters") return "LinearLR";
+  return nullptr;
+}
+
 // Python's a % b for b > 0: never negative.
 int64_t floor_mod(int64_t a, int64_t b) { return ((a % b) + b) % b; }
 }  // namespace
@@ -61,15 +69,33 @@ void LRScheduler::step() {
 }
 
 StateDict LRScheduler::state_dict() const {
-  return {{"last_epoch", Tensor::from_vector(std::vector<int64_t>{last_epoch_})},
-          {"base_lr", double_bits(base_lr_)},
-          {"last_lr", double_bits(last_lr_)}};
+  StateDict state = {{"last_epoch", Tensor::from_vector(std::vector<int64_t>{last_epoch_})},
+                     {"base_lr", double_bits(base_lr_)},
+                     {"last_lr", double_bits(last_lr_)}};
+  for (const auto& [key, value] : hyper_parameters()) state[key] = double_bits(value);
+  return state;
 }
 
 void LRScheduler::load_state_dict(const StateDict& state) {
-  for (const auto& [key, t] : state)
-    NANODDP_CHECK(key == "last_epoch" || key == "base_lr" || key == "last_lr", ValueError, name_,
-                  ".load_state_dict: unexpected key '", key, "'");
+  // Note [Scheduler state kind] The hyper-parameters' names tell one scheduler's state from
+  // another's: loaded into another scheduler, a StepLR's last_lr would silently start a cosine
+  // from the wrong place. Their values are not taken (see the header).
+  const std::vector<std::pair<std::string, double>> own = hyper_parameters();
+  const auto is_own = [&](const std::string& key) {
+    for (const auto& [name, value] : own)
+      if (name == key) return true;
+    return key == "last_epoch" || key == "base_lr" || key == "last_lr";
+  };
+  for (const auto& [key, t] : state) {
+    const char* other = scheduler_with(key);
+    NANODDP_CHECK(is_own(key), ValueError, name_, ".load_state_dict: unexpected key '", key, "'",
+                  other != nullptr ? std::string(": this is a ") + other + "'s state, not a " + name_ + "'s" : "");
+  }
+  for (const auto& [key, value] : own)
+    NANODDP_CHECK(state.count(key) != 0, ValueError, name_, ".load_state_dict: no '", key, "' entry: ",
+                  state.count("step_size") + state.count("T_max") + state.count("start_factor") == 0
+                      ? "a LambdaLR's state, or one saved before schedulers saved their hyper-parameters?"
+                      : "another scheduler's state?");
   const int64_t last_epoch = int64_entry(state, "last_epoch", name_);
   NANODDP_CHECK(last_epoch >= 0, ValueError, name_, ".load_state_dict: 'last_epoch' is ", last_epoch);
   const double base_lr = double_entry(state, "base_lr", name_);
@@ -86,6 +112,10 @@ StepLR::StepLR(Optimizer& optimizer, int64_t step_size, double gamma)
   initial_step();
 }
 
+std::vector<std::pair<std::string, double>> StepLR::hyper_parameters() const {
+  return {{"step_size", static_cast<double>(step_size_)}, {"gamma", gamma_}};
+}
+
 double StepLR::get_lr() const {
   if (last_epoch_ == 0 || last_epoch_ % step_size_ != 0) return last_lr_;
   return last_lr_ * gamma_;
@@ -95,6 +125,10 @@ CosineAnnealingLR::CosineAnnealingLR(Optimizer& optimizer, int64_t T_max, double
     : LRScheduler(optimizer, "CosineAnnealingLR"), T_max_(T_max), eta_min_(eta_min) {
   NANODDP_CHECK(T_max >= 1, ValueError, "CosineAnnealingLR: T_max must be >= 1, got ", T_max);
   initial_step();
+}
+
+std::vector<std::pair<std::string, double>> CosineAnnealingLR::hyper_parameters() const {
+  return {{"T_max", static_cast<double>(T_max_)}, {"eta_min", eta_min_}};
 }
 
 double CosineAnnealingLR::get_lr() const {
@@ -114,6 +148,10 @@ LinearLR::LinearLR(Optimizer& optimizer, double start_factor, double end_factor,
                 end_factor);
   NANODDP_CHECK(total_iters >= 1, ValueError, "LinearLR: total_iters must be >= 1, got ", total_iters);
   initial_step();
+}
+
+std::vector<std::pair<std::string, double>> LinearLR::hyper_parameters() const {
+  return {{"start_factor", start_factor_}, {"end_factor", end_factor_}, {"total_iters", static_cast<double>(total_iters_)}};
 }
 
 double LinearLR::get_lr() const {

@@ -19,15 +19,21 @@
 // order: step them one after the other). The optimizer holds the lr as a float.
 //
 // state_dict(): "last_epoch" (int64) and "base_lr", "last_lr" (the doubles' bits in int64
-// scalars: tensors here have no float64, and a rounded lr would not resume bit-exactly).
-// The hyper-parameters (step_size, T_max, ...) are the constructor's, not saved.
-// load_state_dict() also sets the optimizer's lr to last_lr, which PyTorch leaves to the
-// optimizer's own state_dict (ours keeps only per-parameter state).
+// scalars: tensors here have no float64, and a rounded lr would not resume bit-exactly), and
+// the hyper-parameters under PyTorch's names, as doubles' bits too ("step_size", "gamma";
+// "T_max", "eta_min"; "start_factor", "end_factor", "total_iters"; LambdaLR has none).
+// load_state_dict() refuses another scheduler's state by those names (Note [Scheduler state
+// kind]), but keeps the constructor's values, where PyTorch takes the saved ones: a run
+// resumed with a longer schedule (T_max) gets the one it asked for. It also sets the
+// optimizer's lr to last_lr, which PyTorch leaves to the optimizer's own state_dict (ours
+// keeps only per-parameter state).
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "nn/module.h"
 #include "nn/optimizer.h"
@@ -49,7 +55,8 @@ class LRScheduler {
   const std::string& name() const { return name_; }
 
   StateDict state_dict() const;
-  // Throws ValueError naming the entry when one is missing or malformed (nothing changes).
+  // Throws ValueError naming the entry when one is missing, malformed or another scheduler's
+  // (a StepLR's "step_size" in a CosineAnnealingLR's load, naming StepLR); nothing changes.
   void load_state_dict(const StateDict& state);
 
  protected:
@@ -58,6 +65,8 @@ class LRScheduler {
   void initial_step();
   // PyTorch's get_lr() at last_epoch_, from last_lr_ (its group['lr']) and base_lr_.
   virtual double get_lr() const = 0;
+  // The constructor's arguments by PyTorch's names, in state_dict() (Note [Scheduler state kind]).
+  virtual std::vector<std::pair<std::string, double>> hyper_parameters() const = 0;
 
   Optimizer& optimizer_;
   std::string name_;
@@ -74,6 +83,7 @@ class StepLR : public LRScheduler {
 
  protected:
   double get_lr() const override;
+  std::vector<std::pair<std::string, double>> hyper_parameters() const override;
 
  private:
   int64_t step_size_;
@@ -90,6 +100,7 @@ class CosineAnnealingLR : public LRScheduler {
 
  protected:
   double get_lr() const override;
+  std::vector<std::pair<std::string, double>> hyper_parameters() const override;
 
  private:
   int64_t T_max_;
@@ -106,6 +117,7 @@ class LinearLR : public LRScheduler {
 
  protected:
   double get_lr() const override;
+  std::vector<std::pair<std::string, double>> hyper_parameters() const override;
 
  private:
   double start_factor_, end_factor_;
@@ -120,6 +132,7 @@ class LambdaLR : public LRScheduler {
 
  protected:
   double get_lr() const override;
+  std::vector<std::pair<std::string, double>> hyper_parameters() const override { return {}; }
 
  private:
   std::function<double(int64_t)> lr_lambda_;

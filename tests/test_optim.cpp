@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/ops.h"
@@ -497,6 +500,54 @@ TEST_CASE("a scheduler's state_dict resumes the same values and restores the opt
   bad.erase("last_lr");
   CHECK_THROWS_AS(resumed.load_state_dict(bad), ValueError);
   CHECK(resumed.last_epoch() == 10);  // unchanged by the failed load
+}
+
+TEST_CASE("a scheduler refuses another scheduler's state, naming it, and nothing changes") {
+  Tensor p = param_with_grad();
+  SGD opt({p}, SGDOptions{0.5f});
+  StepLR step_lr(opt, 2, 0.5);
+  CosineAnnealingLR cosine(opt, 7);
+  LinearLR linear(opt);
+  LambdaLR lambda(opt, [](int64_t epoch) { return 1.0 / static_cast<double>(epoch + 1); });
+  for (LRScheduler* s : std::vector<LRScheduler*>{&step_lr, &cosine, &linear, &lambda}) s->step();
+  // The hyper-parameters are saved under PyTorch's names, as exact doubles.
+  const StateDict cosine_state = cosine.state_dict();
+  double t_max = 0;
+  const int64_t bits = cosine_state.at("T_max").to_int_vector().at(0);
+  std::memcpy(&t_max, &bits, sizeof t_max);
+  CHECK(t_max == 7.0);
+  CHECK(lambda.state_dict().size() == 3);  // last_epoch, base_lr, last_lr: a lambda is not saved
+  // Before, each of these loaded: the cosine went on from a StepLR's last_lr and last_epoch.
+  const std::vector<std::tuple<LRScheduler*, StateDict, std::string>> cases = {
+      {&cosine, step_lr.state_dict(), "CosineAnnealingLR.load_state_dict: unexpected key 'gamma': this is a StepLR's "
+                                      "state, not a CosineAnnealingLR's"},
+      {&linear, cosine_state, "LinearLR.load_state_dict: unexpected key 'T_max': this is a CosineAnnealingLR's state"},
+      {&lambda, step_lr.state_dict(), "LambdaLR.load_state_dict: unexpected key 'gamma': this is a StepLR's state"},
+      {&step_lr, lambda.state_dict(), "StepLR.load_state_dict: no 'step_size' entry: a LambdaLR's state"},
+  };
+  for (const auto& [scheduler, state, message] : cases) {
+    CAPTURE(message);
+    const int64_t epoch = scheduler->last_epoch();
+    const double last_lr = scheduler->get_last_lr();
+    opt.set_lr(0.25f);
+    try {
+      scheduler->load_state_dict(state);
+      FAIL("expected ValueError");
+    } catch (const ValueError& e) {
+      CHECK_MESSAGE(std::string(e.what()).find(message) != std::string::npos, e.what());
+    }
+    CHECK(scheduler->last_epoch() == epoch);
+    CHECK(scheduler->get_last_lr() == last_lr);
+    CHECK(opt.lr() == 0.25f);
+  }
+  // Its own kind loads; the constructor's T_max stays (a resumed run may lengthen its schedule).
+  CosineAnnealingLR longer(opt, 14);
+  longer.load_state_dict(cosine_state);
+  CHECK(longer.last_epoch() == 1);
+  double saved_t_max = 0;
+  const int64_t saved_bits = longer.state_dict().at("T_max").to_int_vector().at(0);
+  std::memcpy(&saved_t_max, &saved_bits, sizeof saved_t_max);
+  CHECK(saved_t_max == 14.0);
 }
 
 // ---- clip_grad_norm_ ------------------------------------------------------------------------
