@@ -136,11 +136,10 @@ void ZeroRedundancyOptimizer::load_state_dict(const nn::StateDict& state) {
       const std::string context = name_ + ".load_state_dict on rank " + std::to_string(pg_->rank()) +
                                   " (its local parameters are " + numbers + "): ";
       if (dynamic_cast<const ShapeError*>(&e) != nullptr) NANODDP_THROW(ShapeError, context, e.what());
-      NANODDP_THROW(ValueError, context, e.what());
+      if (dynamic_cast<const ValueError*>(&e) != nullptr) NANODDP_THROW(ValueError, context, e.what());
+      throw;  // another kind (a failed copy to the device): as it is, after the agreement
     }
-  } catch (const ShapeError&) {
-    error = std::current_exception();
-  } catch (const ValueError&) {
+  } catch (const Error&) {
     error = std::current_exception();
   }
   const std::vector<std::vector<int64_t>> failed = all_gather_host(*pg_, {error ? 1 : 0});
