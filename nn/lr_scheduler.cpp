@@ -79,7 +79,9 @@ StateDict LRScheduler::state_dict() const {
 void LRScheduler::load_state_dict(const StateDict& state) {
   // Note [Scheduler state kind] The hyper-parameters' names tell one scheduler's state from
   // another's: loaded into another scheduler, a StepLR's last_lr would silently start a cosine
-  // from the wrong place. Their values are not taken (see the header).
+  // from the wrong place. Their values are not taken (see the header). A state without any
+  // (a LambdaLR's, or one saved before schedulers saved them) loads into every scheduler, as
+  // all states did before: a checkpoint of an earlier version still resumes.
   const std::vector<std::pair<std::string, double>> own = hyper_parameters();
   const auto is_own = [&](const std::string& key) {
     for (const auto& [name, value] : own)
@@ -91,11 +93,6 @@ void LRScheduler::load_state_dict(const StateDict& state) {
     NANODDP_CHECK(is_own(key), ValueError, name_, ".load_state_dict: unexpected key '", key, "'",
                   other != nullptr ? std::string(": this is a ") + other + "'s state, not a " + name_ + "'s" : "");
   }
-  for (const auto& [key, value] : own)
-    NANODDP_CHECK(state.count(key) != 0, ValueError, name_, ".load_state_dict: no '", key, "' entry: ",
-                  state.count("step_size") + state.count("T_max") + state.count("start_factor") == 0
-                      ? "a LambdaLR's state, or one saved before schedulers saved their hyper-parameters?"
-                      : "another scheduler's state?");
   const int64_t last_epoch = int64_entry(state, "last_epoch", name_);
   NANODDP_CHECK(last_epoch >= 0, ValueError, name_, ".load_state_dict: 'last_epoch' is ", last_epoch);
   const double base_lr = double_entry(state, "base_lr", name_);

@@ -23,10 +23,11 @@
 // the hyper-parameters under PyTorch's names, as doubles' bits too ("step_size", "gamma";
 // "T_max", "eta_min"; "start_factor", "end_factor", "total_iters"; LambdaLR has none).
 // load_state_dict() refuses another scheduler's state by those names (Note [Scheduler state
-// kind]), but keeps the constructor's values, where PyTorch takes the saved ones: a run
-// resumed with a longer schedule (T_max) gets the one it asked for. It also sets the
-// optimizer's lr to last_lr, which PyTorch leaves to the optimizer's own state_dict (ours
-// keeps only per-parameter state).
+// kind]; a state with none, a LambdaLR's or one saved by an earlier version, loads), but keeps
+// the constructor's values, where PyTorch takes the saved ones: a run resumed with a longer
+// schedule (T_max) gets the one it asked for. It also sets the optimizer's lr to last_lr,
+// which PyTorch leaves to the optimizer's own state_dict (ours keeps only per-parameter
+// state).
 #pragma once
 
 #include <cstdint>
