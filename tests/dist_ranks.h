@@ -25,7 +25,18 @@ inline bool under_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") != nullp
 
 inline std::string on_ranks(int world, const std::function<void(int rank)>& fn,
                             std::chrono::seconds timeout = std::chrono::seconds(60)) {
-  if (!under_mpirun()) return run_ranks(world, fn, timeout);
+  if (!under_mpirun())
+    return run_ranks(
+        world,
+        [&fn](int rank) {
+          fn(rank);
+          // A forked rank _exit()s: without this, rank 0 would take the store it serves with it
+          // while a peer's last store call (shm's buffer registration barrier) is still in
+          // flight. Destroying the group drains the store first (Note [Store drain]), as a
+          // program's exit does.
+          dist::destroy_process_group();
+        },
+        timeout);
   if (std::atoi(std::getenv("OMPI_COMM_WORLD_SIZE")) != world) return "";
   const int rank = std::atoi(std::getenv("OMPI_COMM_WORLD_RANK"));
   try {
