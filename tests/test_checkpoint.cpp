@@ -222,7 +222,10 @@ TEST_CASE("saves check their target first: no folder, a folder, a pipe, an empty
       {"checkpoint", [&](const std::string& path) { save_checkpoint(path, state); }},
       {"safetensors", [&](const std::string& path) { save_safetensors(path, state); }},
   };
-  for (const auto& [what, save] : saves) {
+  for (const auto& one_save : saves) {
+    // Named copies, not structured bindings: clang refuses bindings inside doctest's macros.
+    const char* const what = one_save.first;
+    const Save& save = one_save.second;
     CAPTURE(what);
     // Before: a missing folder named only a temporary file; a folder was refused by the rename
     // after the whole temporary file was written; a pipe or device (as root, /dev/full) was
@@ -233,7 +236,9 @@ TEST_CASE("saves check their target first: no folder, a folder, a pipe, an empty
         {fifo, " exists but is not a regular file"},
         {"", ": the path is empty"},
     };
-    for (const auto& [path, message] : refused) {
+    for (const auto& one_refused : refused) {
+      const std::string& path = one_refused.first;
+      const std::string& message = one_refused.second;
       CAPTURE(path);
       try {
         save(path);

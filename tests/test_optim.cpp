@@ -524,7 +524,11 @@ TEST_CASE("a scheduler refuses another scheduler's state, naming it, and nothing
       {&linear, cosine_state, "LinearLR.load_state_dict: unexpected key 'T_max': this is a CosineAnnealingLR's state"},
       {&lambda, step_lr.state_dict(), "LambdaLR.load_state_dict: unexpected key 'gamma': this is a StepLR's state"},
   };
-  for (const auto& [scheduler, state, message] : cases) {
+  for (const auto& one_case : cases) {
+    // Named copies, not a structured binding: clang refuses bindings inside doctest's macros.
+    LRScheduler* const scheduler = std::get<0>(one_case);
+    const StateDict& state = std::get<1>(one_case);
+    const std::string& message = std::get<2>(one_case);
     CAPTURE(message);
     const int64_t epoch = scheduler->last_epoch();
     const double last_lr = scheduler->get_last_lr();
