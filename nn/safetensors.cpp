@@ -26,14 +26,14 @@ const char* safetensors_dtype(DType dtype) {
     case DType::Float32: return "F32";
     case DType::Int64: return "I64";
     case DType::UInt8: return "U8";
-    case DType::Float16:
-    case DType::BFloat16: break;  // communication only (core/half.h): never saved
+    case DType::Float16: return "F16";  // IEEE half, core/half.h
+    case DType::BFloat16: return "BF16";
   }
   NANODDP_THROW(ValueError, "safetensors: no safetensors name for dtype ", dtype);
 }
 
 bool parse_dtype(const std::string& name, DType* dtype) {
-  for (DType candidate : {DType::Float32, DType::Int64, DType::UInt8}) {
+  for (DType candidate : {DType::Float32, DType::Int64, DType::UInt8, DType::Float16, DType::BFloat16}) {
     if (name == safetensors_dtype(candidate)) {
       *dtype = candidate;
       return true;
@@ -63,7 +63,7 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
   const json& dtype = value["dtype"];
   if (!dtype.is_string()) fail("\"dtype\" is not a string");
   if (!parse_dtype(dtype.get<std::string>(), &entry.dtype))
-    fail("dtype " + dtype.get<std::string>() + " is not supported (nanoddp reads F32, I64 and U8)");
+    fail("dtype " + dtype.get<std::string>() + " is not supported (nanoddp reads F32, F16, BF16, I64 and U8)");
 
   const json& shape = value["shape"];
   if (!shape.is_array()) fail("\"shape\" is not an array");

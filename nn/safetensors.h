@@ -11,9 +11,11 @@
 // little-endian bytes, dense and row-major. Offsets count from the first data byte; the
 // tensors cover the data exactly, with no overlap and no gap.
 //
-// dtypes: Float32 <-> "F32", Int64 <-> "I64", UInt8 <-> "U8". Files holding other dtypes
-// (F16, BF16, ...) or more than Shape::kMaxDims dimensions are refused with an error naming
-// the tensor. For training checkpoints (optimizer state, epoch, checksum) see nn/checkpoint.h.
+// dtypes: Float32 <-> "F32", Float16 <-> "F16", BFloat16 <-> "BF16", Int64 <-> "I64",
+// UInt8 <-> "U8". A half-precision file (weights shared in BF16) loads as such, and
+// Module::load_state_dict converts it into a float32 model as torch's copy_ does. Files holding
+// other dtypes (F64, I32, ...) or more than Shape::kMaxDims dimensions are refused with an
+// error naming the tensor. For training checkpoints (optimizer state, epoch, checksum) see nn/checkpoint.h.
 #pragma once
 
 #include <map>
