@@ -5,7 +5,8 @@
 //
 // Format (little-endian): magic "NDDPCKPT", u32 version = 1, u64 count, then per tensor:
 // u32 name length, name bytes, u8 dtype, u8 dim, dim x i64 sizes, u64 nbytes, data; finally
-// a u64 FNV-1a checksum of everything before it.
+// a u64 FNV-1a checksum of everything before it. dtype is DType's number (core/device.h):
+// 0 float32, 1 int64, 2 uint8, 3 float16, 4 bfloat16.
 //
 // save writes the file through write_file_atomically (nn/file_io.h): a temporary file of its
 // own, fsynced, renamed over path. A crash or kill -9 leaves the old file or the new one,

@@ -204,6 +204,25 @@ TEST_CASE("checkpoints round-trip, replace atomically and reject corrupt files")
   CHECK(error_of().find("magic") != std::string::npos);
   std::remove(path.c_str());
   CHECK(error_of().find("cannot open") != std::string::npos);
+
+  // Every dtype a save writes loads back, bit for bit (float16 and bfloat16 were written, then
+  // refused on load as a "bad dtype").
+  StateDict every;
+  every["half"] = Tensor::empty({2}, DType::Float16);
+  every["half"].data<Float16>()[0] = Float16::from_float(0.1f);
+  every["half"].data<Float16>()[1] = Float16::from_float(-65504.0f);
+  every["brain"] = Tensor::empty({1}, DType::BFloat16);
+  every["brain"].data<BFloat16>()[0] = BFloat16::from_float(1.0f / 3);
+  every["pixels"] = Tensor::zeros({2}, DType::UInt8);
+  every["pixels"].data<uint8_t>()[1] = 255;
+  save_checkpoint(path, every);
+  const StateDict back = load_checkpoint(path);
+  CHECK(back.at("half").dtype() == DType::Float16);
+  CHECK(back.at("half").data<Float16>()[0].bits == Float16::from_float(0.1f).bits);
+  CHECK(back.at("half").data<Float16>()[1].to_float() == -65504.0f);
+  CHECK(back.at("brain").data<BFloat16>()[0].to_float() == 0.333984375f);
+  CHECK(back.at("pixels").data<uint8_t>()[1] == 255);
+  std::remove(path.c_str());
 }
 
 namespace {
@@ -265,6 +284,13 @@ TEST_CASE("checkpoint sizes are checked against int64 and the bytes present, nam
   m = parse_error(entry({int64_t{1} << 40}, uint64_t{1} << 42).sealed());
   CHECK(m.find("truncated at byte offset 43") != std::string::npos);
   CHECK(m.find("4398046511104 bytes wanted, 0 left") != std::string::npos);
+  // A dtype number past bfloat16 (4) is no DType.
+  CheckpointBytes unknown;
+  unknown.put<uint32_t>(1).put<uint64_t>(1).put<uint32_t>(1);
+  unknown.bytes += "w";
+  unknown.put<uint8_t>(5).put<uint8_t>(1).put<int64_t>(2).put<uint64_t>(8).put<float>(0).put<float>(0);
+  m = parse_error(unknown.sealed());
+  CHECK(m.find("bad dtype 5 or dim 1 of 'w' at byte offset 25") != std::string::npos);
   // A byte count that disagrees with the shape names both.
   m = parse_error(entry({2, 3}, 20).sealed());
   CHECK(m.find("claims 20 bytes for shape [2, 3] of float32 (24 bytes)") != std::string::npos);
