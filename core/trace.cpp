@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/file_size_limit.h"
 
 namespace nanoddp::trace {
 
@@ -265,8 +266,9 @@ std::string write() {
 
   const std::string temporary = target + ".tmp";
   {
+    const FileSizeSignalHeld held;  // Note [File size limit]: past `ulimit -f`, an IOError
     std::ofstream out(temporary);
-    NANODDP_CHECK(out.good(), IOError, "cannot write the trace file ", temporary);
+    NANODDP_CHECK(out.good(), IOError, "cannot write the trace file ", temporary, ": ", std::strerror(errno));
     out.precision(3);
     out << std::fixed;
     const int pid = r.rank;
@@ -294,9 +296,11 @@ std::string write() {
     out << "\n]}\n";
     out.flush();
     if (!out.good()) {
+      const int error = errno;
       out.close();
       std::remove(temporary.c_str());
-      NANODDP_THROW(IOError, "writing the trace file ", temporary, " failed (disk full?)");
+      NANODDP_THROW(IOError, "writing the trace file ", temporary, " failed: ", std::strerror(error),
+                    file_size_limit_hint(error));
     }
   }
   if (std::rename(temporary.c_str(), target.c_str()) != 0) {

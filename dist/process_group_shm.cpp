@@ -98,6 +98,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/file_size_limit.h"
 #include "dist/detail.h"
 #include "dist/process_group.h"
 
@@ -221,6 +222,16 @@ struct Layout {
     total = slots + w * w * kSlotsPerChannel * kSlotStride;
   }
 };
+
+// Sizes a new segment; "" on success, else why not. With SIGXFSZ held (Note [File size limit]
+// in core/file_size_limit.h): /dev/shm counts against `ulimit -f`, whose signal would end the
+// process here.
+std::string segment_sizing_failure(int fd, size_t bytes) {
+  const FileSizeSignalHeld held;
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) == 0) return "";
+  const int error = errno;
+  return detail::errno_text(error) + (error == EFBIG ? file_size_limit_hint(error) : " (is /dev/shm full?)");
+}
 
 long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
   // Not FUTEX_PRIVATE_FLAG: the word is shared between processes.
@@ -527,9 +538,9 @@ ShmSegment::ShmSegment(Store& store, const std::string& prefix, int rank, int wo
   } unlinker{rank == 0 ? name : std::string()};
 
   if (rank == 0) {
-    NANODDP_CHECK(::ftruncate(fd.get(), static_cast<off_t>(layout_.total)) == 0, DistError, where,
-                  ": sizing the segment ", name, " to ", layout_.total,
-                  " bytes failed: ", detail::errno_text(errno), " (is /dev/shm full?)");
+    const std::string failure = segment_sizing_failure(fd.get(), layout_.total);
+    NANODDP_CHECK(failure.empty(), DistError, where, ": sizing the segment ", name, " to ", layout_.total,
+                  " bytes failed: ", failure);
     map(fd.get(), name, where);
     new (header_) Header();
     for (int r = 0; r < world_size; ++r) new (&info(r)) RankInfo();
@@ -1016,8 +1027,8 @@ class ProcessGroupShm : public ProcessGroup {
       const std::string& name;
       ~Unlinker() { ::shm_unlink(name.c_str()); }
     } unlinker{name};
-    NANODDP_CHECK(::ftruncate(fd.get(), static_cast<off_t>(nbytes)) == 0, DistError, what, ": sizing ", name, " to ",
-                  nbytes, " bytes failed: ", detail::errno_text(errno), " (is /dev/shm full?)");
+    const std::string failure = segment_sizing_failure(fd.get(), nbytes);
+    NANODDP_CHECK(failure.empty(), DistError, what, ": sizing ", name, " to ", nbytes, " bytes failed: ", failure);
     buffer->region[rank_] = map_region(fd.get(), nbytes, name, what);
     store_->set(key + std::to_string(rank_), name + "\n" + std::to_string(nbytes));
 

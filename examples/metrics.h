@@ -16,6 +16,7 @@
 //   wall_s         seconds since the log was opened
 #pragma once
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -23,6 +24,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/file_size_limit.h"
 #include "examples/example_utils.h"
 
 namespace nanoddp::examples {
@@ -43,6 +45,7 @@ class MetricsLog {
   // IOError naming the file when it cannot be opened.
   explicit MetricsLog(const std::string& path, bool append = false) : start_(std::chrono::steady_clock::now()) {
     if (path.empty()) return;
+    path_ = path;
     file_ = std::fopen(path.c_str(), append ? "a" : "w");
     NANODDP_CHECK(file_ != nullptr, IOError, "--metrics ", path, ": cannot create: ", std::strerror(errno));
   }
@@ -54,19 +57,26 @@ class MetricsLog {
 
   bool enabled() const { return file_ != nullptr; }
 
+  // Appends one JSON line and flushes it. Throws IOError naming the file when the write fails
+  // (a full disk, or `ulimit -f`: Note [File size limit]).
   void write(const MetricsRecord& r) {
     if (file_ == nullptr) return;
     const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    const FileSizeSignalHeld held;  // Note [File size limit]: past `ulimit -f`, an IOError
     std::fprintf(file_,
                  "{\"step\":%lld,\"epoch\":%d,\"loss\":%s,\"lr\":%s,\"samples_per_s\":%s,\"test_accuracy\":%s,"
                  "\"wall_s\":%s}\n",
                  static_cast<long long>(r.step), r.epoch, json_number(r.loss).c_str(), json_number(r.lr).c_str(),
                  json_number(r.samples_per_s).c_str(), json_number(r.test_accuracy).c_str(),
                  json_number(wall_s).c_str());
-    std::fflush(file_);
+    const bool written = std::fflush(file_) == 0 && !std::ferror(file_);
+    const int error = errno;
+    NANODDP_CHECK(written, IOError, "--metrics ", path_, ": write failed: ", std::strerror(error),
+                  file_size_limit_hint(error));
   }
 
  private:
+  std::string path_;
   std::FILE* file_ = nullptr;
   std::chrono::steady_clock::time_point start_;
 };

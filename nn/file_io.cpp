@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -14,56 +13,11 @@
 #include <mutex>
 
 #include "core/error.h"
+#include "core/file_size_limit.h"
 
 namespace nanoddp::nn {
 
 namespace {
-
-// Note [File size limit]
-// A write past RLIMIT_FSIZE (`ulimit -f`, a batch system's quota) raises SIGXFSZ, whose default
-// action ends the process at once: no IOError, and the temporary file left half written. Python
-// ignores SIGXFSZ, so torch.save gets "OSError: [Errno 27] File too large" instead. While it
-// lives, this guard blocks SIGXFSZ on the writing thread (the kernel sends it to the thread that
-// wrote), so write() fails with EFBIG and the error path runs; a SIGXFSZ that the write raised
-// meanwhile is taken off the thread before the old mask returns, so it does not end the process
-// after all.
-class FileSizeSignalHeld {
- public:
-  FileSizeSignalHeld() {
-    sigset_t xfsz;
-    sigemptyset(&xfsz);
-    sigaddset(&xfsz, SIGXFSZ);
-    ::pthread_sigmask(SIG_BLOCK, &xfsz, &previous_);
-    sigset_t pending;
-    sigemptyset(&pending);
-    already_pending_ = ::sigpending(&pending) == 0 && sigismember(&pending, SIGXFSZ) == 1;
-  }
-  ~FileSizeSignalHeld() {
-    sigset_t pending;
-    sigemptyset(&pending);
-    if (!already_pending_ && ::sigpending(&pending) == 0 && sigismember(&pending, SIGXFSZ) == 1) {
-      sigset_t xfsz;
-      sigemptyset(&xfsz);
-      sigaddset(&xfsz, SIGXFSZ);
-      const timespec now{0, 0};
-      ::sigtimedwait(&xfsz, nullptr, &now);
-    }
-    ::pthread_sigmask(SIG_SETMASK, &previous_, nullptr);
-  }
-  FileSizeSignalHeld(const FileSizeSignalHeld&) = delete;
-  FileSizeSignalHeld& operator=(const FileSizeSignalHeld&) = delete;
-
- private:
-  sigset_t previous_;
-  bool already_pending_ = false;
-};
-
-// " (the file size limit, ulimit -f, is N bytes)" after EFBIG, else "".
-std::string file_size_limit_hint(int error) {
-  rlimit limit{};
-  if (error != EFBIG || ::getrlimit(RLIMIT_FSIZE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return "";
-  return " (the file size limit, ulimit -f, is " + std::to_string(limit.rlim_cur) + " bytes)";
-}
 
 void write_all(int fd, const std::string& bytes, const std::string& path, const char* what) {
   const FileSizeSignalHeld file_size_signal_held;  // Note [File size limit]

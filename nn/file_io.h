@@ -28,7 +28,8 @@ void check_writable(const std::string& path, const char* what);
 // winning. Throws IOError (starting with what: "checkpoint") naming the file and the failed
 // call; the temporary file is removed on failure. A full disk (ENOSPC) or a write past the
 // file size limit (RLIMIT_FSIZE, EFBIG) is such an IOError, as torch.save's OSError: the
-// limit's SIGXFSZ does not end the process (Note [File size limit] in file_io.cpp).
+// limit's SIGXFSZ does not end the process (Note [File size limit] in
+// core/file_size_limit.h).
 void write_file_atomically(const std::string& path, const std::string& bytes, const char* what);
 
 // The whole content of path. Throws IOError (starting with what) when path is missing, not a

@@ -5,6 +5,8 @@
 #include <dirent.h>
 #include <doctest/doctest.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <sys/mman.h>
 #include <time.h>
 
@@ -309,6 +311,27 @@ TEST_CASE("shm: a peer that exits is reported within a fraction of the timeout")
     testing::expect(what.find("rank 1 (pid") != std::string::npos && what.find("exited") != std::string::npos,
                     "message: '", what, "'");
     testing::expect(std::chrono::steady_clock::now() - start < 2000ms, "noticed late");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("shm: a segment past the file size limit (ulimit -f) is an error naming the limit, not SIGXFSZ") {
+  // /dev/shm counts against RLIMIT_FSIZE; sizing the segment past it raised SIGXFSZ, which
+  // ended rank 0 before it could say why (Note [File size limit]).
+  const int port = testing::free_port();
+  const std::string failures = testing::run_ranks(2, [&](int rank) {
+    ::signal(SIGXFSZ, SIG_DFL);
+    const rlimit limit{65536, 65536};
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+    const std::string what = error_of([&] { join(port, rank, 2, 10000ms); });
+    if (rank == 0) {  // rank 0 makes the segment; rank 1 then loses the store it served
+      testing::expect(what.find("sizing the segment") != std::string::npos &&
+                          what.find("File too large (the file size limit, ulimit -f, is 65536 bytes)") !=
+                              std::string::npos,
+                      "message: '", what, "'");
+    } else {
+      testing::expect(what.find("rank 0") != std::string::npos, "rank 1's message: '", what, "'");
+    }
   });
   CHECK_MESSAGE(failures.empty(), failures);
 }
