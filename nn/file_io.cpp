@@ -19,7 +19,9 @@ namespace nanoddp::nn {
 
 namespace {
 
-void write_all(int fd, const std::string& bytes, const std::string& path, const char* what) {
+// Writes bytes into fd, the temporary file tmp that will become path; errors name path, the
+// file the caller asked for, and then the temporary (removed by the caller on the way out).
+void write_all(int fd, const std::string& bytes, const std::string& path, const std::string& tmp, const char* what) {
   const FileSizeSignalHeld file_size_signal_held;  // Note [File size limit]
   size_t done = 0;
   while (done < bytes.size()) {
@@ -27,7 +29,8 @@ void write_all(int fd, const std::string& bytes, const std::string& path, const 
     if (n < 0 && errno == EINTR) continue;
     const int error = n < 0 ? errno : ENOSPC;  // write() returning 0 for a regular file: no room
     NANODDP_CHECK(n > 0, IOError, what, " ", path, ": write failed at byte offset ", done, " of ", bytes.size(),
-                  ": ", std::strerror(error), file_size_limit_hint(error));
+                  " (into the temporary file ", tmp, ", removed; ", path, " is as it was): ", std::strerror(error),
+                  file_size_limit_hint(error));
     done += static_cast<size_t>(n);
   }
 }
@@ -183,7 +186,7 @@ void write_file_atomically(const std::string& given_path, const std::string& byt
   try {
     // mkstemp creates 0600; the file is as readable as any other the program writes.
     NANODDP_CHECK(::fchmod(fd, 0644) == 0, IOError, what, ": chmod ", tmp, ": ", std::strerror(errno));
-    write_all(fd, bytes, tmp, what);
+    write_all(fd, bytes, path, tmp, what);
     NANODDP_CHECK(::fsync(fd) == 0, IOError, what, ": fsync ", tmp, ": ", std::strerror(errno));
   } catch (...) {
     ::close(fd);

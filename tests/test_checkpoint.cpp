@@ -207,7 +207,8 @@ TEST_CASE("a save past the file size limit (ulimit -f) is an IOError naming it; 
   const std::string message = testing::read_file(message_path);
   CHECK_MESSAGE(message.find("File too large") != std::string::npos, message);
   CHECK_MESSAGE(message.find("ulimit -f, is 32768 bytes") != std::string::npos, message);
-  CHECK_MESSAGE(message.find(path + ".tmp.") != std::string::npos, message);
+  CHECK_MESSAGE(message.find("checkpoint " + path + ": write failed at byte offset 32768 of ") == 0, message);
+  CHECK_MESSAGE(message.find("(into the temporary file " + path + ".tmp.") != std::string::npos, message);
   CHECK(temporaries_of(path).empty());
   CHECK(writer_of(path, kSmall) == 0);
 }
