@@ -326,11 +326,12 @@ int exec_failure_code(int error) { return error == ENOENT || error == ENOTDIR ? 
 // 0 when execvp(program) would find an executable regular file, else why not (ENOENT, EACCES),
 // by execvp's search: a name with '/' as is, else each folder of PATH in turn (an empty entry
 // is the current folder), an executable one winning over a non-executable one found earlier.
-int program_unrunnable(const std::string& program) {
-  const auto check = [](const std::string& path) {
+int program_unrunnable(const std::string& program, std::string* found_at) {
+  const auto check = [found_at](const std::string& path) {
     struct stat info {};
     if (::stat(path.c_str(), &info) != 0) return errno == ENOTDIR ? ENOENT : errno;
     if (!S_ISREG(info.st_mode) || ::access(path.c_str(), X_OK) != 0) return EACCES;
+    *found_at = path;
     return 0;
   };
   if (program.find('/') != std::string::npos) return check(program);
@@ -347,6 +348,19 @@ int program_unrunnable(const std::string& program) {
     if (end == path.size()) return error;
     begin = end + 1;
   }
+}
+
+// The interpreter a script's "#!" line names, when it cannot run (missing, or not
+// executable); "" for a script whose interpreter can, and for a binary. execve fails with
+// ENOENT for such a script, which would read as the script itself missing.
+std::string unrunnable_interpreter(const std::string& script) {
+  std::ifstream in(script, std::ios::binary);
+  std::string line;
+  if (!std::getline(in, line) || line.rfind("#!", 0) != 0) return "";
+  const size_t begin = line.find_first_not_of(" \t", 2);
+  if (begin == std::string::npos) return "";
+  const std::string interpreter = line.substr(begin, line.find_first_of(" \t\r", begin) - begin);
+  return ::access(interpreter.c_str(), X_OK) == 0 ? "" : interpreter;
 }
 
 }  // namespace
@@ -376,10 +390,16 @@ int launch(const LaunchOptions& given, const std::vector<std::string>& program) 
   if (use_mpi) mpirun_command(options, program, 1);  // validates before anything starts
   // Every rank would fail the same way, some before the first failure stops the others and
   // some not: say it once, and start nothing.
-  if (const int error = program_unrunnable(program[0]); error != 0) {
+  std::string found_at;
+  if (const int error = program_unrunnable(program[0], &found_at); error != 0) {
     write_all(2, "nanoddp-run: cannot execute '" + program[0] + "': " + std::strerror(error) +
                      (program[0].find('/') == std::string::npos ? " (searched PATH)" : "") + "; no rank was started\n");
     return exec_failure_code(error);
+  }
+  if (const std::string interpreter = unrunnable_interpreter(found_at); !interpreter.empty()) {
+    write_all(2, "nanoddp-run: cannot execute '" + program[0] + "': its #! line names " + interpreter +
+                     ", which does not exist or cannot run; no rank was started\n");
+    return exec_failure_code(ENOENT);  // the shell's 127 for a missing interpreter
   }
   const int port = options.master_port != 0 ? options.master_port : pick_free_port(options.master_addr);
 

@@ -120,8 +120,9 @@ std::vector<std::string> mpirun_command(const LaunchOptions& options, const std:
 
 // Starts options.nproc_per_node ranks of `program` (argv, passed untouched; program[0] is
 // looked up in PATH) and supervises them as Note [Launch contract] says. A program that execvp
-// would not find, or not be allowed to run, is reported once and nothing is started: the code
-// is the shell's, 127 (not found) or 126 (not executable, a folder). With backend "mpi"
+// would not find, or not be allowed to run, or a script whose #! interpreter is missing, is
+// reported once and nothing is started: the code is the shell's, 127 (not found, no
+// interpreter) or 126 (not executable, a folder). With backend "mpi"
 // it runs mpirun_command() as the one child instead (as root it sets OMPI_ALLOW_RUN_AS_ROOT=1
 // and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 for it). Returns the launcher's exit code: 0 when every
 // rank exited 0, else the first failure's shell_code() (128 + signal for a forwarded

@@ -380,6 +380,9 @@ TEST_CASE("nanoddp-run: a program that cannot be run is named once, with the she
   const std::string plain = dir.path + "/not-executable";
   std::ofstream(plain) << "#!/bin/sh\nexit 0\n";
   ::chmod(plain.c_str(), 0644);
+  const std::string orphan = dir.path + "/orphan.sh";  // its interpreter is missing
+  std::ofstream(orphan) << "#!/nonexistent/interpreter -e\necho hi\n";
+  ::chmod(orphan.c_str(), 0755);
   struct Case {
     std::string program, message;
     int code;
@@ -392,6 +395,8 @@ TEST_CASE("nanoddp-run: a program that cannot be run is named once, with the she
                                   "(searched PATH); no rank was started", 127},
       {plain, "cannot execute '" + plain + "': Permission denied; no rank was started", 126},
       {dir.path, "cannot execute '" + dir.path + "': Permission denied; no rank was started", 126},
+      {orphan, "cannot execute '" + orphan + "': its #! line names /nonexistent/interpreter, which does not exist "
+               "or cannot run; no rank was started", 127},
   };
   for (const Case& c : cases) {
     CAPTURE(c.program);
