@@ -45,6 +45,7 @@ const char* scheduler_with(const std::string& key) {
   if (key == "step_size" || key == "gamma") return "StepLR";
   if (key == "T_max" || key == "eta_min") return "CosineAnnealingLR";
   if (key == "start_factor" || key == "end_factor" || key == "total_iters") return "LinearLR";
+  if (key == "lr_lambdas") return "LambdaLR";
   return nullptr;
 }
 
@@ -80,8 +81,8 @@ void LRScheduler::load_state_dict(const StateDict& state) {
   // Note [Scheduler state kind] The hyper-parameters' names tell one scheduler's state from
   // another's: loaded into another scheduler, a StepLR's last_lr would silently start a cosine
   // from the wrong place. Their values are not taken (see the header). A state without any
-  // (a LambdaLR's, or one saved before schedulers saved them) loads into every scheduler, as
-  // all states did before: a checkpoint of an earlier version still resumes.
+  // (one saved before schedulers saved them) loads into every scheduler, as all states did
+  // before: a checkpoint of an earlier version still resumes.
   const std::vector<std::pair<std::string, double>> own = hyper_parameters();
   const auto is_own = [&](const std::string& key) {
     for (const auto& [name, value] : own)

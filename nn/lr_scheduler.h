@@ -21,9 +21,10 @@
 // state_dict(): "last_epoch" (int64) and "base_lr", "last_lr" (the doubles' bits in int64
 // scalars: tensors here have no float64, and a rounded lr would not resume bit-exactly), and
 // the hyper-parameters under PyTorch's names, as doubles' bits too ("step_size", "gamma";
-// "T_max", "eta_min"; "start_factor", "end_factor", "total_iters"; LambdaLR has none).
+// "T_max", "eta_min"; "start_factor", "end_factor", "total_iters"; LambdaLR: "lr_lambdas",
+// the number of lambdas, 1, as torch keeps an entry per lambda but not the function).
 // load_state_dict() refuses another scheduler's state by those names (Note [Scheduler state
-// kind]; a state with none, a LambdaLR's or one saved by an earlier version, loads), but keeps
+// kind]; a state with none, one saved by an earlier version, loads), but keeps
 // the constructor's values, where PyTorch takes the saved ones: a run resumed with a longer
 // schedule (T_max) gets the one it asked for. It also sets the optimizer's lr to last_lr,
 // which PyTorch leaves to the optimizer's own state_dict (ours keeps only per-parameter
@@ -133,7 +134,7 @@ class LambdaLR : public LRScheduler {
 
  protected:
   double get_lr() const override;
-  std::vector<std::pair<std::string, double>> hyper_parameters() const override { return {}; }
+  std::vector<std::pair<std::string, double>> hyper_parameters() const override { return {{"lr_lambdas", 1.0}}; }
 
  private:
   std::function<double(int64_t)> lr_lambda_;

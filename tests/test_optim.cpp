@@ -516,13 +516,14 @@ TEST_CASE("a scheduler refuses another scheduler's state, naming it, and nothing
   const int64_t bits = cosine_state.at("T_max").to_int_vector().at(0);
   std::memcpy(&t_max, &bits, sizeof t_max);
   CHECK(t_max == 7.0);
-  CHECK(lambda.state_dict().size() == 3);  // last_epoch, base_lr, last_lr: a lambda is not saved
+  CHECK(lambda.state_dict().size() == 4);  // last_epoch, base_lr, last_lr, lr_lambdas: not the function
   // Before, each of these loaded: the cosine went on from a StepLR's last_lr and last_epoch.
   const std::vector<std::tuple<LRScheduler*, StateDict, std::string>> cases = {
       {&cosine, step_lr.state_dict(), "CosineAnnealingLR.load_state_dict: unexpected key 'gamma': this is a StepLR's "
                                       "state, not a CosineAnnealingLR's"},
       {&linear, cosine_state, "LinearLR.load_state_dict: unexpected key 'T_max': this is a CosineAnnealingLR's state"},
       {&lambda, step_lr.state_dict(), "LambdaLR.load_state_dict: unexpected key 'gamma': this is a StepLR's state"},
+      {&step_lr, lambda.state_dict(), "StepLR.load_state_dict: unexpected key 'lr_lambdas': this is a LambdaLR's state"},
   };
   for (const auto& one_case : cases) {
     // Named copies, not a structured binding: clang refuses bindings inside doctest's macros.
@@ -543,9 +544,10 @@ TEST_CASE("a scheduler refuses another scheduler's state, naming it, and nothing
     CHECK(scheduler->get_last_lr() == last_lr);
     CHECK(opt.lr() == 0.25f);
   }
-  // A state without hyper-parameters (a LambdaLR's, or one saved before they were) still
-  // loads: its last_epoch and last_lr are taken.
+  // A state without hyper-parameters (one saved before they were) still loads: its last_epoch
+  // and last_lr are taken.
   StateDict legacy = lambda.state_dict();
+  legacy.erase("lr_lambdas");
   legacy.at("last_epoch") = Tensor::from_vector(std::vector<int64_t>{4});
   step_lr.load_state_dict(legacy);
   CHECK(step_lr.last_epoch() == 4);
