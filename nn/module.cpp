@@ -6,6 +6,7 @@
 
 #include "core/autograd.h"
 #include "core/half.h"
+#include "kernels/kernels.h"
 
 namespace nanoddp::nn {
 
@@ -155,27 +156,25 @@ bool is_floating(DType dtype) {
   return dtype == DType::Float32 || dtype == DType::Float16 || dtype == DType::BFloat16;
 }
 
-// src's values in the floating dtype `to`, on the CPU, as torch's copy_ converts them: exact
-// when widening, rounded to nearest (ties to even) when narrowing.
+// The raw bits of a float16 or bfloat16 tensor, for the conversion kernels.
+uint16_t* bits_of(const Tensor& t) {
+  return t.dtype() == DType::Float16 ? &t.data<Float16>()->bits : &t.data<BFloat16>()->bits;
+}
+
+// src's values in the floating dtype `to`, on src's device, as torch's copy_ converts them:
+// exact when widening, rounded to nearest (ties to even) when narrowing. Through float32 with
+// the fp16/bf16 comm hooks' kernels (float_from_16bit, float_to_16bit with divisor 1).
 Tensor converted(const Tensor& src, DType to) {
-  const Tensor host = src.to(Device::cpu());
-  const int64_t n = host.numel();
-  std::vector<float> values(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    switch (host.dtype()) {
-      case DType::Float16: values[i] = host.data<Float16>()[i].to_float(); break;
-      case DType::BFloat16: values[i] = host.data<BFloat16>()[i].to_float(); break;
-      default: values[i] = host.data<float>()[i]; break;
-    }
+  const Device device = src.device();
+  Tensor wide = src;
+  if (src.dtype() != DType::Float32) {
+    wide = Tensor::empty(src.shape(), DType::Float32, device);
+    NANODDP_DISPATCH(device, float_from_16bit, wide.data<float>(), bits_of(src), src.dtype(), src.numel());
   }
-  Tensor out = Tensor::empty(src.shape(), to);
-  for (int64_t i = 0; i < n; ++i) {
-    switch (to) {
-      case DType::Float16: out.data<Float16>()[i] = Float16::from_float(values[i]); break;
-      case DType::BFloat16: out.data<BFloat16>()[i] = BFloat16::from_float(values[i]); break;
-      default: out.data<float>()[i] = values[i]; break;
-    }
-  }
+  if (to == DType::Float32) return wide;
+  Tensor out = Tensor::empty(src.shape(), to, device);
+  NANODDP_DISPATCH(device, float_to_16bit, bits_of(out), wide.data<float>(), to, 1.0f,
+                   src.numel());
   return out;
 }
 
