@@ -64,9 +64,19 @@ void LRScheduler::step() {
   // The double is kept for bit-exact schedules; the optimizer's float stands in only when it
   // no longer matches.
   if (optimizer_.lr() != static_cast<float>(last_lr_)) last_lr_ = optimizer_.lr();
+  // The step counts only once the optimizer took its rate: a rate it refuses (a LambdaLR whose
+  // lambda went negative) or a lambda that throws leaves the scheduler and the optimizer as
+  // they were, so a state_dict saved after the error still resumes the same schedule.
   ++last_epoch_;
-  last_lr_ = get_lr();
-  optimizer_.set_lr(static_cast<float>(last_lr_));
+  double lr = 0.0;
+  try {
+    lr = get_lr();
+    optimizer_.set_lr(static_cast<float>(lr));
+  } catch (...) {
+    --last_epoch_;
+    throw;
+  }
+  last_lr_ = lr;
 }
 
 StateDict LRScheduler::state_dict() const {

@@ -48,7 +48,9 @@ class LRScheduler {
   LRScheduler(const LRScheduler&) = delete;
   LRScheduler& operator=(const LRScheduler&) = delete;
 
-  // last_epoch += 1, then the optimizer's lr = the schedule's value there.
+  // last_epoch += 1, then the optimizer's lr = the schedule's value there. Throws what the
+  // optimizer's set_lr throws (ValueError for a negative rate) or the LambdaLR's lambda
+  // throws; the scheduler and the optimizer are then as they were before the call.
   void step();
   // The lr the last step() (or the constructor) set (torch's get_last_lr()[0]).
   double get_last_lr() const { return last_lr_; }

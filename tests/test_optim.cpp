@@ -455,6 +455,35 @@ TEST_CASE("LambdaLR is base_lr times the lambda at last_epoch") {
   CHECK_THROWS_AS(CosineAnnealingLR(opt, 0), ValueError);
 }
 
+TEST_CASE("a step the optimizer refuses leaves the scheduler where it was: its state resumes the same schedule") {
+  Tensor p = param_with_grad();
+  SGD opt({p}, {/*lr=*/0.5f});
+  // 1 - e/2: 1, 0.5, 0, then -0.5 at epoch 3, which SGD refuses.
+  LambdaLR schedule(opt, [](int64_t epoch) { return 1.0 - 0.5 * static_cast<double>(epoch); });
+  schedule.step();
+  schedule.step();
+  CHECK(opt.lr() == 0.0f);
+  const StateDict before = schedule.state_dict();
+  CHECK_THROWS_WITH_AS(schedule.step(), doctest::Contains("SGD: invalid learning rate -0.25"), ValueError);
+  CHECK(schedule.last_epoch() == 2);
+  CHECK(schedule.get_last_lr() == 0.0);
+  CHECK(opt.lr() == 0.0f);
+  const StateDict after = schedule.state_dict();
+  REQUIRE(after.size() == before.size());
+  for (const auto& [key, t] : before) {
+    CAPTURE(key);
+    CHECK(after.at(key).to_int_vector() == t.to_int_vector());
+  }
+  // A lambda that throws is the same.
+  LambdaLR throwing(opt, [](int64_t epoch) -> double {
+    if (epoch == 1) throw std::runtime_error("no rate for epoch 1");
+    return 1.0;
+  });
+  CHECK_THROWS_WITH_AS(throwing.step(), "no rate for epoch 1", std::runtime_error);
+  CHECK(throwing.last_epoch() == 0);
+  CHECK(opt.lr() == 0.0f);
+}
+
 TEST_CASE("schedulers build on an lr set by hand and chain on one optimizer, as PyTorch's do") {
   Tensor p = param_with_grad();
   SGD opt({p}, {/*lr=*/0.125f});
