@@ -368,7 +368,8 @@ TEST_CASE("max_pool2d without padding (no bounds tests) equals max_pool2d_window
     int64_t H, W, kh, kw, stride_h, stride_w, dilation_h, dilation_w;
   };
   // Rows of 3, 13, 18 and 19 windows of horizontal stride 2: the vectors of 8 windows, whole and
-  // padded (kernels/cpu/conv.cpp's StrideTwoPoolRows).
+  // partial, read in place and, for the last plane's last rows, through scratch rows
+  // (kernels/cpu/conv.cpp's StrideTwoPoolRows); 2 x 2 windows take its unrolled path.
   const Case cases[] = {{6, 6, 2, 2, 2, 2, 1, 1},   {7, 5, 3, 3, 1, 1, 1, 1},   {8, 9, 2, 3, 1, 2, 2, 2},
                         {5, 4, 1, 1, 3, 2, 1, 1},   {26, 26, 2, 2, 2, 2, 1, 1}, {6, 40, 3, 3, 2, 2, 1, 2},
                         {9, 38, 2, 2, 2, 2, 1, 1}, {11, 10, 3, 3, 3, 3, 1, 1}};

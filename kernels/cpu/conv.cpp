@@ -234,9 +234,17 @@ void max_pool2d_row(float* __restrict best, int64_t* __restrict at, const float*
 // 8 windows (GCC's and Clang's vector extensions: AVX with -mavx2, two SSE halves without).
 // The compiler's own vectorisation of max_pool2d_row leaves each row's last windows to a
 // remainder loop that branches again, and rows are short (13 and 5 windows in the example).
-// Here a row is padded to whole vectors: its input rows are copied into zero-padded scratch
-// rows, and a vector of element j of 8 windows is the even lanes of 16 consecutive floats.
-// Same scan, order and rule as max_pool2d_row, so the same values and indices.
+// Here a row is worked in whole vectors: a vector of element j of 8 windows is the even lanes
+// of 16 consecutive floats. Same scan, order and rule as max_pool2d_row, so the same values
+// and indices.
+//
+// A row's last vector reads past the row's end and computes windows that do not exist. Where
+// those reads stay inside the input, they are made in place (they see the next row, or the
+// next plane), and the made-up windows' results, written past the output row's end, are
+// overwritten when the next output row is written. Only the last rows of the batch, whose
+// reads or writes would leave the tensors, go through zero-padded scratch rows. Copying every
+// row into scratch, and the results out of it, took more time than the pooling (a memmove
+// call per input row and two per output row).
 constexpr int64_t kPoolLanes = 8;
 
 // v = the even lanes of the 16 floats at p. (An out-parameter: a function that returns a
@@ -252,11 +260,25 @@ inline void load_even_lanes(Floats8& v, const float* p) {
 #endif
 }
 
+// The 8 indices of at, widened to int64, at p.
+inline void store_indices(int64_t* p, const Ints8& at) {
+  using Ints4 = int32_t __attribute__((vector_size(16)));
+  using Longs4 = int64_t __attribute__((vector_size(32)));
+  Ints4 low, high;
+  std::memcpy(&low, &at, sizeof low);
+  std::memcpy(&high, reinterpret_cast<const char*>(&at) + sizeof low, sizeof high);
+  const Longs4 wide_low = __builtin_convertvector(low, Longs4), wide_high = __builtin_convertvector(high, Longs4);
+  std::memcpy(p, &wide_low, sizeof wide_low);
+  std::memcpy(p + kPoolLanes / 2, &wide_high, sizeof wide_high);
+}
+
 class StrideTwoPoolRows {
  public:
-  explicit StrideTwoPoolRows(const Window2d& g)
+  StrideTwoPoolRows(const Window2d& g, int64_t planes)
       : blocks_((g.out_w + kPoolLanes - 1) / kPoolLanes),
         row_len_(2 * kPoolLanes * blocks_ + (g.kernel_w - 1) * g.dilation_w),
+        in_size_(planes * g.height * g.width),
+        out_size_(planes * g.out_h * g.out_w),
         rows_(g.kernel_h * row_len_, 0.0f),
         best_(blocks_ * kPoolLanes),
         at_(blocks_ * kPoolLanes) {}
@@ -264,45 +286,76 @@ class StrideTwoPoolRows {
   // Indices are computed in 32 bits: planes of at most 2^31 elements.
   static bool fits(const Window2d& g) { return g.height * g.width <= INT32_MAX; }
 
-  // indices null: values only.
+  // Output row oh of plane p; indices null: values only.
   template <bool kWithIndices>
-  void pool(float* out, int64_t* indices, const float* plane, const Window2d& g, int64_t oh) {
-    const int64_t copied = std::min(g.width, row_len_);
-    for (int64_t i = 0; i < g.kernel_h; ++i) {
-      const float* row = plane + (oh * g.stride_h + i * g.dilation_h) * g.width;
-      std::copy(row, row + copied, rows_.data() + i * row_len_);
+  void pool(float* out, int64_t* indices, const float* in, const Window2d& g, int64_t p, int64_t oh) {
+    const int64_t top = (oh * g.stride_h) * g.width;  // the window row's first element in its plane
+    const float* plane = in + p * g.height * g.width;
+    const int64_t row_at = p * g.out_h * g.out_w + oh * g.out_w;
+    const int64_t last_read = p * g.height * g.width + top + (g.kernel_h - 1) * g.dilation_h * g.width + row_len_;
+    if (last_read <= in_size_ && row_at + blocks_ * kPoolLanes <= out_size_) {
+      pool_from<kWithIndices>(out + row_at, kWithIndices ? indices + row_at : nullptr, plane + top,
+                              g.dilation_h * g.width, top, g);
+      return;
     }
+    for (int64_t i = 0; i < g.kernel_h; ++i) {
+      const float* row = plane + top + i * g.dilation_h * g.width;
+      std::copy(row, row + std::min(g.width, row_len_), rows_.data() + i * row_len_);
+    }
+    pool_from<kWithIndices>(best_.data(), kWithIndices ? at_.data() : nullptr, rows_.data(), row_len_, top, g);
+    std::copy(best_.begin(), best_.begin() + g.out_w, out + row_at);
+    if constexpr (kWithIndices) std::copy(at_.begin(), at_.begin() + g.out_w, indices + row_at);
+  }
+
+ private:
+  // blocks_ vectors of windows into best and at, from the kernel_h input rows at rows, each
+  // kernel_row_step floats after the one before; top: where the first of them starts in its
+  // plane (for the indices).
+  template <bool kWithIndices>
+  void pool_from(float* best_out, int64_t* at_out, const float* rows, int64_t kernel_row_step, int64_t top,
+                 const Window2d& g) const {
+    // MaxPool2d(2)'s window as constants, so that its four elements' loop unrolls.
+    if (g.kernel_h == 2 && g.kernel_w == 2 && g.dilation_w == 1) {
+      pool_from<kWithIndices, 2, 2>(best_out, at_out, rows, kernel_row_step, top, g);
+    } else {
+      pool_from<kWithIndices, 0, 0>(best_out, at_out, rows, kernel_row_step, top, g);
+    }
+  }
+
+  // kKernelH, kKernelW: the window's size if known here (then dilation_w is 1), else 0.
+  template <bool kWithIndices, int64_t kKernelH, int64_t kKernelW>
+  void pool_from(float* best_out, int64_t* at_out, const float* rows, int64_t kernel_row_step, int64_t top,
+                 const Window2d& g) const {
+    const int64_t kernel_h = kKernelH > 0 ? kKernelH : g.kernel_h, kernel_w = kKernelW > 0 ? kKernelW : g.kernel_w;
+    const int64_t dilation_w = kKernelW > 0 ? 1 : g.dilation_w;
     const Ints8 lane_offsets{0, 2, 4, 6, 8, 10, 12, 14};
     for (int64_t b = 0; b < blocks_; ++b) {
       Floats8 best{};
       Ints8 at{};
-      for (int64_t i = 0; i < g.kernel_h; ++i)
-        for (int64_t j = 0; j < g.kernel_w; ++j) {
-          const float* element = rows_.data() + i * row_len_ + j * g.dilation_w + 2 * kPoolLanes * b;
+      for (int64_t i = 0; i < kernel_h; ++i)
+        for (int64_t j = 0; j < kernel_w; ++j) {
           Floats8 v;
-          load_even_lanes(v, element);
+          load_even_lanes(v, rows + i * kernel_row_step + j * dilation_w + 2 * kPoolLanes * b);
           // The window's first element starts the scan; then a larger value or a NaN wins.
           const Ints8 take = i == 0 && j == 0 ? ~Ints8{} : (v > best) | (v != v);
           best = reinterpret_cast<Floats8>((reinterpret_cast<Ints8>(v) & take) |
                                            (reinterpret_cast<Ints8>(best) & ~take));
           if constexpr (kWithIndices) {
-            const Ints8 index = static_cast<int32_t>((oh * g.stride_h + i * g.dilation_h) * g.width +
-                                                     j * g.dilation_w + 2 * kPoolLanes * b) + lane_offsets;
+            const Ints8 index =
+                static_cast<int32_t>(top + i * g.dilation_h * g.width + j * dilation_w + 2 * kPoolLanes * b) +
+                lane_offsets;
             at = (index & take) | (at & ~take);
           }
         }
-      std::memcpy(best_.data() + b * kPoolLanes, &best, sizeof best);
-      if constexpr (kWithIndices) std::memcpy(at_.data() + b * kPoolLanes, &at, sizeof at);
+      std::memcpy(best_out + b * kPoolLanes, &best, sizeof best);
+      if constexpr (kWithIndices) store_indices(at_out + b * kPoolLanes, at);
     }
-    std::copy(best_.begin(), best_.begin() + g.out_w, out);
-    if constexpr (kWithIndices) std::copy(at_.begin(), at_.begin() + g.out_w, indices);
   }
 
- private:
-  int64_t blocks_, row_len_;
+  int64_t blocks_, row_len_, in_size_, out_size_;
   std::vector<float> rows_;  // kernel_h input rows of row_len_ floats; the padding stays 0
   std::vector<float> best_;
-  std::vector<int32_t> at_;
+  std::vector<int64_t> at_;
 };
 
 }  // namespace
@@ -318,10 +371,9 @@ void max_pool2d_planes(float* out, int64_t* indices, const float* in, int64_t pl
   // The index row of output row oh of plane p (null without indices).
   auto at_row = [&](int64_t p, int64_t oh) { return kWithIndices ? indices + p * out_plane + oh * g.out_w : nullptr; };
   if (inside && g.stride_w == 2 && StrideTwoPoolRows::fits(g)) {
-    StrideTwoPoolRows rows(g);
+    StrideTwoPoolRows rows(g, planes);
     for (int64_t p = 0; p < planes; ++p)
-      for (int64_t oh = 0; oh < g.out_h; ++oh)
-        rows.pool<kWithIndices>(out + p * out_plane + oh * g.out_w, at_row(p, oh), in + p * in_plane, g, oh);
+      for (int64_t oh = 0; oh < g.out_h; ++oh) rows.pool<kWithIndices>(out, indices, in, g, p, oh);
     return;
   }
   for (int64_t p = 0; p < planes; ++p) {
