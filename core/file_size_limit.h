@@ -13,7 +13,7 @@
 // before the old mask returns, so it does not end the process after all. Every writer in the
 // library holds one: checkpoints and safetensors (nn/file_io.cpp), shared-memory segments
 // (dist/process_group_shm.cpp, which /dev/shm counts against the limit), trace files
-// (core/trace.cpp, core/trace_merge.cpp) and the examples' --metrics log.
+// (core/replace_file.cpp) and the examples' --metrics log.
 #pragma once
 
 #include <signal.h>

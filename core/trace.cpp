@@ -4,7 +4,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -15,7 +14,7 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "core/file_size_limit.h"
+#include "core/replace_file.h"
 
 namespace nanoddp::trace {
 
@@ -264,11 +263,7 @@ std::string write() {
   else
     target = r.world_size > 1 ? rank_path(r.path, r.rank) : r.path;
 
-  const std::string temporary = target + ".tmp";
-  {
-    const FileSizeSignalHeld held;  // Note [File size limit]: past `ulimit -f`, an IOError
-    std::ofstream out(temporary);
-    NANODDP_CHECK(out.good(), IOError, "cannot write the trace file ", temporary, ": ", std::strerror(errno));
+  replace_file(target, "the trace file", [&](std::ostream& out) {
     out.precision(3);
     out << std::fixed;
     const int pid = r.rank;
@@ -294,20 +289,7 @@ std::string write() {
       write_event(out, e, pid);
     });
     out << "\n]}\n";
-    out.flush();
-    if (!out.good()) {
-      const int error = errno;
-      out.close();
-      std::remove(temporary.c_str());
-      NANODDP_THROW(IOError, "writing the trace file ", temporary, " failed: ", std::strerror(error),
-                    file_size_limit_hint(error));
-    }
-  }
-  if (std::rename(temporary.c_str(), target.c_str()) != 0) {
-    const int error = errno;
-    std::remove(temporary.c_str());  // a whole trace under a name nobody asked for is litter
-    NANODDP_THROW(IOError, "cannot rename ", temporary, " to ", target, ": ", std::strerror(error));
-  }
+  });
   return target;
 }
 

@@ -15,14 +15,11 @@
 #include <dirent.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "core/file_size_limit.h"
+#include "core/replace_file.h"
 #include "core/trace.h"
 
 namespace nanoddp::trace {
@@ -74,23 +71,7 @@ std::string merge_parts(const std::string& parts_dir) {
     }
   }
 
-  const std::string temporary = target + ".tmp";
-  {
-    const FileSizeSignalHeld held;  // Note [File size limit]: past `ulimit -f`, an IOError
-    std::ofstream out(temporary);
-    NANODDP_CHECK(out.good(), IOError, "cannot write the merged trace ", temporary, ": ", std::strerror(errno));
-    out << merged.dump() << "\n";
-    out.flush();
-    const int error = errno;
-    if (!out.good()) {
-      out.close();
-      std::remove(temporary.c_str());
-      NANODDP_THROW(IOError, "writing the merged trace ", temporary, " failed: ", std::strerror(error),
-                    file_size_limit_hint(error));
-    }
-  }
-  NANODDP_CHECK(std::rename(temporary.c_str(), target.c_str()) == 0, IOError, "cannot rename ", temporary, " to ",
-                target);
+  replace_file(target, "the merged trace", [&](std::ostream& out) { out << merged.dump() << "\n"; });
   return target;
 }
 

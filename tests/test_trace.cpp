@@ -3,12 +3,17 @@
 // off as the trace shows it, --explain's counts against the counters and the trace, and
 // NANODDP_TRACE on a program that has no --trace flag; the recorder's storage itself.
 #include <doctest/doctest.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
 
+#include "core/replace_file.h"
 #include "core/trace.h"
 #include "tests/small_fashion_mnist.h"
 #include "tests/subprocess.h"
@@ -302,6 +307,61 @@ TEST_CASE("NANODDP_TRACE traces a program without a --trace flag; world size 1 w
                 folder.err);
   CHECK(folder.out.find("epoch") == std::string::npos);
   CHECK(read_file(dir.path + ".tmp").empty());
+}
+
+TEST_CASE("replace_file, which writes trace files: past ulimit -f, or when the writer throws, the old file stays and no temporary is left") {
+  TempDir dir;
+  const std::string path = dir.path + "/trace.json", message_path = dir.path + "/message";
+  replace_file(path, "the trace file", [](std::ostream& out) { out << "old"; });
+  CHECK(read_file(path) == "old");
+  std::fflush(nullptr);
+  // In a child: the limit is the whole process's. Exit 0: an IOError; 1: no error.
+  const pid_t writer = ::fork();
+  REQUIRE(writer >= 0);
+  if (writer == 0) {
+    ::signal(SIGXFSZ, SIG_DFL);
+    const rlimit limit{4096, 4096};
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+    try {
+      replace_file(path, "the trace file", [](std::ostream& out) { out << std::string(65536, 'x'); });
+    } catch (const IOError& e) {
+      FILE* out = std::fopen(message_path.c_str(), "w");
+      if (out != nullptr) std::fputs(e.what(), out), std::fclose(out);
+      ::_exit(0);
+    }
+    ::_exit(1);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(writer, &status, 0) == writer);
+  REQUIRE_MESSAGE(WIFEXITED(status), "the writer was killed by signal ", WTERMSIG(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  const std::string message = read_file(message_path);
+  CHECK_MESSAGE(message.find("writing the trace file " + path + " failed (into " + path + ".tmp, removed): File too large "
+                             "(the file size limit, ulimit -f, is 4096 bytes)") == 0,
+                message);
+  CHECK(read_file(path) == "old");
+  CHECK(::access((path + ".tmp").c_str(), F_OK) != 0);
+
+  // The writer's own exception passes through, after the temporary file is removed.
+  CHECK_THROWS_WITH_AS(replace_file(path, "the trace file",
+                                    [](std::ostream& out) {
+                                      out << "partial";
+                                      throw ValueError("no more events");
+                                    }),
+                       "no more events", ValueError);
+  CHECK(read_file(path) == "old");
+  CHECK(::access((path + ".tmp").c_str(), F_OK) != 0);
+
+  // A path in a folder that does not exist: an IOError that names it.
+  const std::string missing = dir.path + "/missing/trace.json";
+  std::string error;
+  try {
+    replace_file(missing, "the trace file", [](std::ostream&) {});
+  } catch (const IOError& e) {
+    error = e.what();
+  }
+  CHECK_MESSAGE(error.find("cannot write the trace file " + missing + " (into " + missing + ".tmp): No such file") == 0,
+                error);
 }
 
 TEST_CASE("the recorder gives back every event exactly, across its record and text blocks") {
