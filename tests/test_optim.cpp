@@ -470,9 +470,10 @@ TEST_CASE("a step the optimizer refuses leaves the scheduler where it was: its s
   CHECK(opt.lr() == 0.0f);
   const StateDict after = schedule.state_dict();
   REQUIRE(after.size() == before.size());
-  for (const auto& [key, t] : before) {
+  for (const auto& entry : before) {
+    const std::string& key = entry.first;
     CAPTURE(key);
-    CHECK(after.at(key).to_int_vector() == t.to_int_vector());
+    CHECK(after.at(key).to_int_vector() == entry.second.to_int_vector());
   }
   // A lambda that throws is the same.
   LambdaLR throwing(opt, [](int64_t epoch) -> double {
