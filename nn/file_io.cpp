@@ -159,6 +159,22 @@ std::string save_target(const std::string& path, const char* what) {
   return target;
 }
 
+// Note [Saved file mode] torch.save opens its path with open(path, "wb"): a new file gets
+// 0666 less the process's umask, and a file it overwrites keeps its mode. A save here writes
+// a temporary file (mkstemp makes it 0600) and renames it over the path, so the temporary file
+// is given that mode first: a checkpoint kept private (chmod 600, or umask 077) stays private,
+// and a new one is as readable as any other file the program creates.
+mode_t saved_file_mode(const std::string& target) {
+  struct stat info {};
+  if (::stat(target.c_str(), &info) == 0) return info.st_mode & 0777;
+  // The umask, read without changing it (umask() would, for every thread, for a moment).
+  mode_t mask = 022;
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("Umask:", 0) == 0) mask = static_cast<mode_t>(std::stoul(line.substr(6), nullptr, 8)) & 0777;
+  return 0666 & ~mask;
+}
+
 void check_writable(const std::string& path, const char* what) {
   const std::string dir = folder_of(save_target(path, what));
   NANODDP_CHECK(::access(dir.c_str(), W_OK) == 0, IOError, what, " ", path, ": cannot write in folder ", dir, ": ",
@@ -184,8 +200,8 @@ void write_file_atomically(const std::string& given_path, const std::string& byt
   NANODDP_CHECK(fd >= 0, IOError, what, ": cannot create a temporary file ", tmp, " next to ", path, ": ",
                 std::strerror(create_error));
   try {
-    // mkstemp creates 0600; the file is as readable as any other the program writes.
-    NANODDP_CHECK(::fchmod(fd, 0644) == 0, IOError, what, ": chmod ", tmp, ": ", std::strerror(errno));
+    NANODDP_CHECK(::fchmod(fd, saved_file_mode(path)) == 0, IOError, what, ": chmod ", tmp, ": ",
+                  std::strerror(errno));  // Note [Saved file mode]
     write_all(fd, bytes, path, tmp, what);
     NANODDP_CHECK(::fsync(fd) == 0, IOError, what, ": fsync ", tmp, ": ", std::strerror(errno));
   } catch (...) {

@@ -213,6 +213,30 @@ TEST_CASE("a save past the file size limit (ulimit -f) is an IOError naming it; 
   CHECK(writer_of(path, kSmall) == 0);
 }
 
+TEST_CASE("a saved file's mode is torch.save's: 0666 less the umask when new, the old file's mode when it replaces one") {
+  testing::TempDir dir;
+  const StateDict state = writer_state(1, 4);
+  const auto mode_of = [](const std::string& path) {
+    struct stat info {};
+    REQUIRE(::stat(path.c_str(), &info) == 0);
+    return info.st_mode & 07777;
+  };
+  const mode_t old_mask = ::umask(077);
+  save_checkpoint(dir.path + "/private.ckpt", state);
+  save_safetensors(dir.path + "/private.safetensors", state);
+  ::umask(022);
+  save_checkpoint(dir.path + "/shared.ckpt", state);
+  ::umask(old_mask);
+  CHECK(mode_of(dir.path + "/private.ckpt") == 0600);  // before: 0644 whatever the umask
+  CHECK(mode_of(dir.path + "/private.safetensors") == 0600);
+  CHECK(mode_of(dir.path + "/shared.ckpt") == 0644);
+  // Replacing a file keeps its mode, as writing it in place would.
+  REQUIRE(::chmod((dir.path + "/shared.ckpt").c_str(), 0640) == 0);
+  save_checkpoint(dir.path + "/shared.ckpt", state);
+  CHECK(mode_of(dir.path + "/shared.ckpt") == 0640);
+  CHECK(writer_of(dir.path + "/shared.ckpt", 4) == 1);
+}
+
 TEST_CASE("saves check their target first: no folder, a folder, a pipe, an empty path are IOErrors; a symlink is written through") {
   testing::TempDir dir;
   const std::string fifo = dir.path + "/pipe", real = dir.path + "/real.ckpt", link = dir.path + "/run.ckpt";
