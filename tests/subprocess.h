@@ -9,10 +9,13 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -20,6 +23,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "core/error.h"
 
 namespace nanoddp::testing {
 
@@ -103,6 +108,47 @@ inline std::vector<std::string> lines_of(const std::string& text) {
   std::istringstream in(text);
   for (std::string line; std::getline(in, line);) lines.push_back(line);
   return lines;
+}
+
+// The message of the IOError that `write` throws in a forked child whose file size limit
+// (ulimit -f) is `limit_bytes`, with SIGXFSZ at its default action, which would kill it: the
+// limit is the whole process's, so it is set where nothing else runs. The test fails when the
+// child is killed or `write` returns without throwing.
+inline std::string io_error_past_file_size_limit(rlim_t limit_bytes, const std::function<void()>& write) {
+  int message_pipe[2];
+  REQUIRE(::pipe(message_pipe) == 0);
+  std::fflush(nullptr);
+  const pid_t writer = ::fork();
+  REQUIRE(writer >= 0);
+  if (writer == 0) {
+    ::close(message_pipe[0]);
+    ::signal(SIGXFSZ, SIG_DFL);
+    const rlimit limit{limit_bytes, limit_bytes};
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+    try {
+      write();
+    } catch (const IOError& e) {
+      const std::string message = e.what();
+      const bool sent = ::write(message_pipe[1], message.data(), message.size()) ==
+                        static_cast<ssize_t>(message.size());
+      ::_exit(sent ? 0 : 2);
+    }
+    ::_exit(1);
+  }
+  ::close(message_pipe[1]);
+  std::string message;
+  char chunk[4096];
+  for (ssize_t n; (n = ::read(message_pipe[0], chunk, sizeof chunk)) != 0;) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) break;
+    message.append(chunk, static_cast<size_t>(n));
+  }
+  ::close(message_pipe[0]);
+  int status = 0;
+  REQUIRE(::waitpid(writer, &status, 0) == writer);
+  REQUIRE_MESSAGE(WIFEXITED(status), "the writer was killed by signal ", WTERMSIG(status));
+  REQUIRE_MESSAGE(WEXITSTATUS(status) == 0, "the write did not throw an IOError (exit ", WEXITSTATUS(status), ")");
+  return message;
 }
 
 }  // namespace nanoddp::testing

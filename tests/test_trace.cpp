@@ -3,9 +3,6 @@
 // off as the trace shows it, --explain's counts against the counters and the trace, and
 // NANODDP_TRACE on a program that has no --trace flag; the recorder's storage itself.
 #include <doctest/doctest.h>
-#include <signal.h>
-#include <sys/resource.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -311,31 +308,12 @@ TEST_CASE("NANODDP_TRACE traces a program without a --trace flag; world size 1 w
 
 TEST_CASE("replace_file, which writes trace files: past ulimit -f, or when the writer throws, the old file stays and no temporary is left") {
   TempDir dir;
-  const std::string path = dir.path + "/trace.json", message_path = dir.path + "/message";
+  const std::string path = dir.path + "/trace.json";
   replace_file(path, "the trace file", [](std::ostream& out) { out << "old"; });
   CHECK(read_file(path) == "old");
-  std::fflush(nullptr);
-  // In a child: the limit is the whole process's. Exit 0: an IOError; 1: no error.
-  const pid_t writer = ::fork();
-  REQUIRE(writer >= 0);
-  if (writer == 0) {
-    ::signal(SIGXFSZ, SIG_DFL);
-    const rlimit limit{4096, 4096};
-    ::setrlimit(RLIMIT_FSIZE, &limit);
-    try {
-      replace_file(path, "the trace file", [](std::ostream& out) { out << std::string(65536, 'x'); });
-    } catch (const IOError& e) {
-      FILE* out = std::fopen(message_path.c_str(), "w");
-      if (out != nullptr) std::fputs(e.what(), out), std::fclose(out);
-      ::_exit(0);
-    }
-    ::_exit(1);
-  }
-  int status = 0;
-  REQUIRE(::waitpid(writer, &status, 0) == writer);
-  REQUIRE_MESSAGE(WIFEXITED(status), "the writer was killed by signal ", WTERMSIG(status));
-  CHECK(WEXITSTATUS(status) == 0);
-  const std::string message = read_file(message_path);
+  const std::string message = io_error_past_file_size_limit(4096, [&] {
+    replace_file(path, "the trace file", [](std::ostream& out) { out << std::string(65536, 'x'); });
+  });
   CHECK_MESSAGE(message.find("writing the trace file " + path + " failed (into " + path + ".tmp, removed): File too large "
                              "(the file size limit, ulimit -f, is 4096 bytes)") == 0,
                 message);
