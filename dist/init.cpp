@@ -258,12 +258,19 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     auto group = make_mpi_process_group(options.timeout);
     int rank = options.rank >= 0 ? options.rank : env.rank;
     int world_size = options.world_size >= 0 ? options.world_size : env.world_size;
+    // Without mpirun MPI sees one process; say where the mpi choice came from, which is then
+    // the mistake more often than the missing mpirun.
+    const bool from_launcher_env = options.backend == Backend::Auto && !launched_by_mpi() &&
+                                   std::getenv(kLauncherBackendEnv) != nullptr;
     NANODDP_CHECK((rank < 0 || rank == group->rank()) &&
                       (world_size < 0 || world_size == group->size()),
-                  DistError, detail::where(group->rank(), group->size()),
+                  DistError, where,
                   ": MPI says rank ", group->rank(), " of ", group->size(),
                   " but the options/environment say rank ", rank, " of ", world_size,
-                  "; launch with mpirun -np ", world_size < 0 ? group->size() : world_size);
+                  "; launch with mpirun -np ", world_size < 0 ? group->size() : world_size,
+                  from_launcher_env ? std::string(" (the mpi backend came from ") + kLauncherBackendEnv +
+                                          "=mpi in the environment; unset it to let the program pick)"
+                                    : std::string());
     // CUDA tensors through host memory (dist/host_staging.h), then the collective check.
     default_group = checked(stage_device_tensors(group), check_collectives, options.timeout);
     register_exit_handler();

@@ -276,7 +276,10 @@ void check_options(const LaunchOptions& o, const std::vector<std::string>& progr
 // even try to join the outer job). So before setting its own, the launcher removes every
 // variable by which a launcher tells a process its rank: torchrun's (RANK ...), Open MPI's
 // (OMPI_COMM_WORLD_*, its runtime's OMPI_MCA_orte_* and OMPI_MCA_ess*), PMIx/PMI's, and
-// Slurm's per-task ones. User settings such as OMPI_MCA_btl and the rest of SLURM_* stay.
+// Slurm's per-task ones, and an outer nanoddp-run's NANODDP_BACKEND (this launcher exports its
+// own --backend, and without one its ranks pick theirs: a stale value left in a shell would
+// otherwise choose for them, MPI without mpirun included). User settings such as
+// OMPI_MCA_btl and the rest of SLURM_* stay.
 bool is_outer_launcher_variable(const std::string& name) {
   static const char* const kPrefixes[] = {"OMPI_COMM_WORLD_", "OMPI_MCA_orte_", "OMPI_MCA_ess", "PMIX_", "PMI_"};
   static const std::set<std::string> kNames = {
@@ -284,7 +287,7 @@ bool is_outer_launcher_variable(const std::string& name) {
       "OMPI_UNIVERSE_SIZE", "OMPI_FIRST_RANKS", "OMPI_APP_CTX_NUM_PROCS", "OMPI_NUM_APP_CTX", "OMPI_COMMAND",
       "OMPI_ARGV", "OMPI_FILE_LOCATION", "OMPI_MCA_pmix", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID",
       "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_STEP_NUM_TASKS",
-      "SLURM_STEP_TASKS_PER_NODE", "SLURM_GTIDS"};
+      "SLURM_STEP_TASKS_PER_NODE", "SLURM_GTIDS", "NANODDP_BACKEND"};
   for (const char* prefix : kPrefixes)
     if (name.rfind(prefix, 0) == 0) return true;
   return kNames.count(name) > 0;

@@ -22,11 +22,14 @@
 //        GET   str key                          -> u8 kOk, bytes value | u8 kMissing
 //        ADD   str key, i64 delta               -> u8 kOk, i64 value   | u8 kNotCounter
 //        CHECK u32 n, n * str key               -> u8 kOk (all set)    | u8 kMissing
-//        WAIT  u32 n, n * str key, u64 timeout_ms -> u8 kOk | u8 kTimeout
+//        WAIT  u32 n, n * str key, u64 timeout_ms -> u8 kOk | u8 kTimeout | u8 kJobBroken
 //      str = u32 length <= kMaxKeyBytes, then bytes; bytes = u32 length <= kMaxValueBytes,
 //      then bytes; n <= kMaxKeysPerRequest. A length over its limit is a protocol error at
 //      once, before any byte of the body is awaited or allocated.
 //      ADD answers u8 kOverflow when the sum would not fit in int64.
+//      WAIT answers u8 kJobBroken, at once and to every pending WAIT, once the server has
+//      refused a rank for another world size: that rank's keys will never come, and the
+//      waiters learn why from kRefusedKey instead of sitting out their timeout.
 //   4. WAIT's deadline is kept by the server (it answers kTimeout when it passes), so a
 //      client never abandons a request half-way and the stream stays in step.
 #include "dist/store.h"
@@ -68,7 +71,7 @@ enum Hello : uint8_t { kWelcome = 0, kWrongJob = 1, kBadToken = 2, kWrongWorld =
 // Where the server notes the ranks it refused for another world size (Note [Store wire format]).
 const char* const kRefusedKey = "nanoddp/refused";
 
-enum Status : uint8_t { kOk = 0, kMissing = 1, kNotCounter = 2, kTimeout = 3, kOverflow = 4 };
+enum Status : uint8_t { kOk = 0, kMissing = 1, kNotCounter = 2, kTimeout = 3, kOverflow = 4, kJobBroken = 5 };
 
 // How long past a WAIT's own deadline a client gives the server to answer before it calls the
 // server dead.
@@ -490,6 +493,7 @@ class TCPStore::Server {
       const std::string note = std::string(refused.empty() ? "" : "; ") + "rank " + std::to_string(rank) +
                                " with WORLD_SIZE=" + std::to_string(world_size);
       if (refused.size() < 4096) refused.insert(refused.end(), note.begin(), note.end());
+      fail_waiters(kJobBroken);
     } else {
       put_u8(conn.out, kWelcome);
       put_u32(conn.out, static_cast<uint32_t>(::getpid()));
@@ -555,6 +559,8 @@ class TCPStore::Server {
         bool ready = all_set(request.keys);
         if (request.verb == kCheck || ready) {
           put_u8(out, ready ? kOk : kMissing);
+        } else if (data_.count(kRefusedKey) > 0) {
+          put_u8(out, kJobBroken);
         } else {
           // Clamp so a huge timeout cannot overflow the clock.
           auto ms = std::chrono::milliseconds(std::min<uint64_t>(request.timeout_ms, uint64_t(1) << 40));
@@ -579,6 +585,11 @@ class TCPStore::Server {
         ++it;
       }
     }
+  }
+
+  void fail_waiters(Status status) {
+    for (const Waiter& w : waiters_) answer(w.conn, status);
+    waiters_.clear();
   }
 
   void expire_waiters() {
@@ -988,9 +999,20 @@ void TCPStore::wait(const std::vector<std::string>& keys, std::chrono::milliseco
   }
   put_u64(msg, static_cast<uint64_t>(std::max<int64_t>(0, timeout.count())));
   uint8_t status = client_->request(msg, timeout + kReplyGrace, "wait", [](uint8_t, auto) {});
+  std::string names;
+  for (const auto& key : keys) names += (names.empty() ? "'" : ", '") + key + "'";
+  if (status == kJobBroken) {
+    std::string refused = "a rank";
+    try {
+      refused = get_string(kRefusedKey);
+    } catch (const Error&) {  // the message goes out without it
+    }
+    NANODDP_THROW(DistError, client_->context(), ": wait for ", names, " cannot end: the store refused ", refused,
+                  ", which does not match this job",
+                  options_.world_size > 0 ? " (WORLD_SIZE=" + std::to_string(options_.world_size) + ")" : "",
+                  ": every node must start the same number of ranks (nanoddp-run --nproc-per-node)");
+  }
   if (status == kTimeout) {
-    std::string names;
-    for (const auto& key : keys) names += (names.empty() ? "'" : ", '") + key + "'";
     std::string refused;
     try {
       if (check({kRefusedKey})) refused = get_string(kRefusedKey);

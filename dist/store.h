@@ -37,7 +37,8 @@ class Store {
   // (torch.distributed.Store.add). Throws DistError if key holds something not a counter.
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
   // Returns once every key is set; throws TimeoutError naming the missing keys after
-  // timeout (torch.distributed.Store.wait).
+  // timeout (torch.distributed.Store.wait). TCPStore throws DistError at once instead when
+  // the server has refused a rank of another world size: the job cannot complete.
   virtual void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) = 0;
   void wait(const std::vector<std::string>& keys) { wait(keys, timeout()); }
   // True when every key is set; never blocks on other ranks (torch.distributed.Store.check).

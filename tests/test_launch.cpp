@@ -711,7 +711,9 @@ TEST_CASE("nanoddp-run: an outer launcher's variables never override the launche
   // Slurm all say "rank 0 of 1" (or 5 of 9) about the launcher process itself.
   ScopedEnv outer({{"OMPI_COMM_WORLD_SIZE", "1"}, {"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
                    {"PMIX_RANK", "0"}, {"PMI_RANK", "0"}, {"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "9"},
-                   {"SLURM_LOCALID", "5"}, {"RANK", "3"}, {"WORLD_SIZE", "9"}});
+                   {"SLURM_LOCALID", "5"}, {"RANK", "3"}, {"WORLD_SIZE", "9"},
+                   // An outer nanoddp-run --backend mpi's, or a stale export in the shell.
+                   {"NANODDP_BACKEND", "mpi"}});
   for (const std::string& backend : {std::string("gloo"), std::string("")}) {  // given, and auto
     CAPTURE(backend);
     std::vector<std::string> args = {launcher_path(), "--nproc-per-node", "2"};
@@ -723,8 +725,9 @@ TEST_CASE("nanoddp-run: an outer launcher's variables never override the launche
     CHECK(probe_reports(r.out) == expected_reports(2, backend.empty() ? "shm" : backend));
   }
   const RunResult vars = run({launcher_path(), "--nproc-per-node", "1", "sh", "-c",
-                              "echo ${PMIX_RANK-unset} ${OMPI_COMM_WORLD_SIZE-unset} ${SLURM_PROCID-unset} $RANK"});
-  CHECK(vars.out == "[rank 0] unset unset unset 0\n");
+                              "echo ${PMIX_RANK-unset} ${OMPI_COMM_WORLD_SIZE-unset} ${SLURM_PROCID-unset} $RANK "
+                              "${NANODDP_BACKEND-unset}"});
+  CHECK(vars.out == "[rank 0] unset unset unset 0 unset\n");
 }
 
 TEST_CASE("nanoddp-run under a real mpirun -np 1: the ranks still use the launcher's backend") {

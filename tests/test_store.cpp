@@ -504,8 +504,21 @@ TEST_CASE("store: only clients with the job's id and secret token get in") {
 }
 
 TEST_CASE("store: a rank of another world size (nodes started with different --nproc-per-node) is refused, and "
-          "the ranks waiting for it are told") {
+          "the ranks waiting for it are told at once") {
   TCPStore server(server_options(400ms));  // rank 0 of WORLD_SIZE=2
+  // A wait already pending when the stranger arrives; its own timeout is far off.
+  std::string pending_why;
+  std::thread pending([&] {
+    TCPStore member(client_options(server.port()));
+    member.set("member/waiting", std::string("yes"));
+    try {
+      member.wait({"ready/2"}, 120s);
+    } catch (const Error& e) {
+      pending_why = e.what();
+    }
+  });
+  server.wait({"member/waiting"}, 10s);
+  std::this_thread::sleep_for(100ms);  // its wait is most likely queued now; if not, it is refused on arrival
   TCPStoreOptions stranger = client_options(server.port());
   stranger.rank = 3;
   stranger.world_size = 4;
@@ -518,19 +531,23 @@ TEST_CASE("store: a rank of another world size (nodes started with different --n
   CHECK_MESSAGE(why.find("refused: this rank is in a job of WORLD_SIZE=4, but rank 0, which serves the store, has "
                          "WORLD_SIZE=2: every node must start the same number of ranks") != std::string::npos,
                 why);
-  // Rank 0 waits for rank 1, which never comes: its timeout names the rank it had to refuse.
-  std::string timeout;
+  pending.join();
+  const std::string told = "the store refused rank 3 with WORLD_SIZE=4, which does not match this job";
+  CHECK_MESSAGE(pending_why.find("wait for 'ready/2' cannot end: " + told) != std::string::npos, pending_why);
+  // A wait that starts after the refusal ends at once too, as a DistError, not a TimeoutError.
+  std::string later_why;
   try {
-    server.wait({"ready/1"}, 400ms);
+    server.wait({"ready/1"}, 120s);
   } catch (const TimeoutError& e) {
-    timeout = e.what();
+    later_why = std::string("TimeoutError: ") + e.what();
+  } catch (const DistError& e) {
+    later_why = e.what();
   }
-  CHECK_MESSAGE(timeout.find("the store refused rank 3 with WORLD_SIZE=4, which does not match this job") !=
-                    std::string::npos,
-                timeout);
+  CHECK_MESSAGE(later_why.find("cannot end: " + told + " (WORLD_SIZE=2)") != std::string::npos, later_why);
   TCPStore member(client_options(server.port()));  // WORLD_SIZE=2, as the server: admitted
   member.set("ready/1", std::string("yes"));
   CHECK(server.get_string("ready/1") == "yes");
+  server.wait({"ready/1"}, 400ms);  // keys that are set still answer
 }
 
 TEST_CASE("store: garbage on the port never crashes the server") {
