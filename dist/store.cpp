@@ -70,6 +70,9 @@ constexpr uint32_t kMaxIdentityBytes = 256;  // a job id or a token in the hello
 enum Hello : uint8_t { kWelcome = 0, kWrongJob = 1, kBadToken = 2, kWrongWorld = 3 };
 // Where the server notes the ranks it refused for another world size (Note [Store wire format]).
 const char* const kRefusedKey = "nanoddp/refused";
+// Where it notes the rank of every client it admitted ("0,1,3,"), so that a wait that times out
+// can name the ranks that never reached the store rather than a key only the backend knows.
+const char* const kArrivedKey = "nanoddp/arrived";
 
 enum Status : uint8_t { kOk = 0, kMissing = 1, kNotCounter = 2, kTimeout = 3, kOverflow = 4, kJobBroken = 5 };
 
@@ -495,6 +498,11 @@ class TCPStore::Server {
       if (refused.size() < 4096) refused.insert(refused.end(), note.begin(), note.end());
       fail_waiters(kJobBroken);
     } else {
+      if (rank >= 0) {
+        const std::string note = std::to_string(rank) + ",";
+        std::vector<uint8_t>& arrived = data_[kArrivedKey];
+        if (arrived.size() < (size_t(1) << 20)) arrived.insert(arrived.end(), note.begin(), note.end());
+      }
       put_u8(conn.out, kWelcome);
       put_u32(conn.out, static_cast<uint32_t>(::getpid()));
       put_str(conn.out, detail::host_name());
@@ -987,6 +995,36 @@ int64_t TCPStore::add(const std::string& key, int64_t delta) {
   return value;
 }
 
+namespace {
+
+// For a wait's timeout: the ranks in 0..world_size-1 missing from `arrived` ("0,1,3,"), or,
+// when all came, that one of them failed or is stuck before setting the key.
+std::string who_is_missing(const std::string& arrived, int world_size) {
+  if (world_size <= 0 || arrived.empty()) return "a rank did not arrive or failed before setting it";
+  std::vector<bool> seen(static_cast<size_t>(world_size), false);
+  size_t begin = 0;
+  while (begin < arrived.size()) {
+    const size_t comma = arrived.find(',', begin);
+    const std::string number = arrived.substr(begin, comma - begin);
+    const long rank = std::strtol(number.c_str(), nullptr, 10);
+    if (rank >= 0 && rank < world_size) seen[static_cast<size_t>(rank)] = true;
+    if (comma == std::string::npos) break;
+    begin = comma + 1;
+  }
+  std::vector<int> missing;
+  for (int r = 0; r < world_size; ++r)
+    if (!seen[static_cast<size_t>(r)]) missing.push_back(r);
+  if (missing.empty())
+    return "all " + std::to_string(world_size) + " ranks reached the store: one failed or is stuck before setting it";
+  constexpr size_t kNamed = 8;
+  std::string text = missing.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < std::min(missing.size(), kNamed); ++i) text += (i ? ", " : "") + std::to_string(missing[i]);
+  if (missing.size() > kNamed) text += " and " + std::to_string(missing.size() - kNamed) + " more";
+  return text + " never reached the store: not started, or started with another MASTER_ADDR/MASTER_PORT";
+}
+
+}  // namespace
+
 void TCPStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
   NANODDP_CHECK(keys.size() <= kMaxKeysPerRequest, ValueError, client_->context(), ": wait on ",
                 keys.size(), " keys exceeds the limit of ", kMaxKeysPerRequest);
@@ -1013,13 +1051,14 @@ void TCPStore::wait(const std::vector<std::string>& keys, std::chrono::milliseco
                   ": every node must start the same number of ranks (nanoddp-run --nproc-per-node)");
   }
   if (status == kTimeout) {
-    std::string refused;
+    std::string refused, arrived;
     try {
       if (check({kRefusedKey})) refused = get_string(kRefusedKey);
+      if (check({kArrivedKey})) arrived = get_string(kArrivedKey);
     } catch (const Error&) {  // the message goes out without it
     }
     NANODDP_THROW(TimeoutError, client_->context(), ": wait for ", names, " timed out after ",
-                  timeout.count(), " ms (a rank did not arrive or failed before setting it)",
+                  timeout.count(), " ms (", who_is_missing(arrived, options_.world_size), ")",
                   refused.empty() ? std::string()
                                   : "; the store refused " + refused +
                                         ", which does not match this job: every node must start the same "

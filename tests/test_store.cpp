@@ -550,6 +550,36 @@ TEST_CASE("store: a rank of another world size (nodes started with different --n
   server.wait({"ready/1"}, 400ms);  // keys that are set still answer
 }
 
+TEST_CASE("store: a wait that times out names the ranks that never reached the store") {
+  TCPStoreOptions opts = server_options(300ms);
+  opts.world_size = 4;
+  TCPStore server(opts);  // rank 0
+  TCPStoreOptions two = client_options(server.port(), 300ms);
+  two.rank = 2;
+  two.world_size = 4;
+  TCPStore rank2(two);
+  auto timeout_text = [&](TCPStore& store) {
+    try {
+      store.wait({"gloo/0/1"}, 300ms);
+    } catch (const TimeoutError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no timeout");
+  };
+  std::string text = timeout_text(rank2);
+  CHECK_MESSAGE(text.find("wait for 'gloo/0/1' timed out after 300 ms (ranks 1, 3 never reached the store") !=
+                    std::string::npos,
+                text);
+  TCPStoreOptions one = two, three = two;
+  one.rank = 1;
+  three.rank = 3;
+  TCPStore rank1(one), rank3(three);
+  text = timeout_text(server);
+  CHECK_MESSAGE(text.find("(all 4 ranks reached the store: one failed or is stuck before setting it)") !=
+                    std::string::npos,
+                text);
+}
+
 TEST_CASE("store: garbage on the port never crashes the server") {
   TCPStore server(server_options());
   server.set("key", std::string("value"));
