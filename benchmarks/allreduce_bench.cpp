@@ -213,9 +213,19 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
   }
   if (print && !c.csv) {  // the CSV stays one row per size
     auto [alpha, beta] = fit_alpha_beta(sizes, times);
-    std::printf("# fit: time = alpha + beta * bytes;  alpha = %.1f us, beta = %.4f us/KB "
-                "(1/beta = %.2f GB/s algbw)\n",
-                alpha * 1e6, beta * 1e6 * 1024, beta > 0 ? 1e-9 / beta : 0.0);
+    if (sizes.size() < 2) {
+      std::printf("# fit: needs two sizes or more (--min-bytes < --max-bytes)\n");
+    } else if (alpha <= 0 || beta <= 0) {
+      // Time that does not grow with size (or a negative fixed cost) is noise, not a link.
+      std::printf("# fit: time = alpha + beta * bytes does not fit these times (alpha = %.1f us, beta = %.4f "
+                  "us/KB); the machine was busy, or the sizes are too few or too close: rerun on an idle "
+                  "machine over a wider range\n",
+                  alpha * 1e6, beta * 1e6 * 1024);
+    } else {
+      std::printf("# fit: time = alpha + beta * bytes;  alpha = %.1f us, beta = %.4f us/KB "
+                  "(1/beta = %.2f GB/s algbw)\n",
+                  alpha * 1e6, beta * 1e6 * 1024, 1e-9 / beta);
+    }
   }
   pg->barrier()->wait();
   dist::destroy_process_group();
