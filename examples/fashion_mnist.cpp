@@ -429,6 +429,7 @@ int run(const Config& config) {
     // was built from all-reduced gradients.
     first_epoch = restore(config.checkpoint, config.epochs, train_loader.size(), *model, *optimizer, schedule, chatty);
     if (chatty) std::printf("resumed from %s after epoch %d\n", config.checkpoint.c_str(), first_epoch);
+    std::fflush(stdout);  // before anything said on stderr about the run, as it happened
   }
   if (config.resume) check_same_start(*pg, config.checkpoint, first_epoch);
   dist::DDPOptions ddp_options;
@@ -450,8 +451,10 @@ int run(const Config& config) {
   std::vector<double> step_seconds;
   int epochs_done = first_epoch;
   bool rebuilt_plan_explained = false;
-  if (first_epoch >= config.epochs) accuracy = evaluate(*model, test_loader, *pg);
   const int last_epoch = config.stop_after > 0 ? config.stop_after : config.epochs;  // stop_after <= epochs
+  // Nothing to train (--epochs or --stop-after already reached): the result line still
+  // reports the resumed model's accuracy.
+  if (first_epoch >= last_epoch) accuracy = evaluate(*model, test_loader, *pg);
   if (rank == 0 && first_epoch >= last_epoch)
     std::fprintf(stderr, "%s: nothing to train: the checkpoint has %d epoch%s done, and this run ends after epoch %d (%s)\n",
                  kExample, first_epoch, first_epoch == 1 ? "" : "s", last_epoch,

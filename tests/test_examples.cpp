@@ -229,6 +229,12 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   const std::string ckpt = dir.path + "/run.ckpt";
   r = run_with({"--epochs", "2", "--checkpoint", ckpt});
   REQUIRE_MESSAGE(r.code() == 0, r.err);
+  auto accuracy_field = [](const std::string& out) {
+    const std::string key = "\"test_accuracy\":";
+    const size_t at = out.rfind(key);
+    return at == std::string::npos ? std::string("none") : out.substr(at + key.size(), out.find(',', at) - at - key.size());
+  };
+  const std::string trained_accuracy = accuracy_field(r.out);
   r = run_with({"--epochs", "1", "--checkpoint", ckpt, "--resume"});
   CHECK(r.code() == 1);
   CHECK(r.err.find("cannot resume from checkpoint " + ckpt) != std::string::npos);
@@ -256,6 +262,9 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   CHECK_MESSAGE(r.err.find("fashion_mnist: nothing to train: the checkpoint has 2 epochs done, and this run ends "
                            "after epoch 1 (--stop-after)") != std::string::npos,
                 r.err);
+  // ... and its result line reports the resumed model, whose accuracy is the run's that saved it.
+  CHECK(trained_accuracy != "null");
+  CHECK(accuracy_field(r.out) == trained_accuracy);
   r = run_with({"--epochs", "1", "--optimizer", "adam", "--comm-hook", "bf16", "--gradient-as-bucket-view"});
   REQUIRE_MESSAGE(r.code() == 0, r.err);
   // The result line says how the run was made: two runs that differ in a flag are told apart.
