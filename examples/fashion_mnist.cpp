@@ -310,7 +310,12 @@ int restore(const std::string& path, int epochs, int64_t steps_per_epoch, nn::Mo
     NANODDP_CHECK(done >= 0, IOError, "'epochs_done' is ", done);
     NANODDP_CHECK(done <= epochs, ValueError, "it has ", done, " epochs done, more than --epochs ", epochs);
     const int64_t saved_steps_per_epoch = int64_entry(state, "steps_per_epoch", /*missing=*/steps_per_epoch);
-    model.load_state_dict(nn::strip_prefix(state, "model."));
+    try {
+      model.load_state_dict(nn::strip_prefix(state, "model."));
+    } catch (const Error& e) {
+      throw ValueError(std::string(e.what()) + "; the checkpoint holds another model than this run builds: was it "
+                       "saved with other --hidden sizes, or by the other Fashion-MNIST example?");
+    }
     optimizer.load_state_dict(nn::strip_prefix(state, "optimizer."));
     if (saved_steps_per_epoch == steps_per_epoch) {
       schedule.load_state_dict(nn::strip_prefix(state, "scheduler."), done * steps_per_epoch);

@@ -239,6 +239,13 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   CHECK(r.code() == 1);
   CHECK(r.err.find("cannot resume from checkpoint " + ckpt) != std::string::npos);
   CHECK(r.err.find("2 epochs done, more than --epochs 1") != std::string::npos);
+  for (const char* hidden : {"64", "64,64,64"}) {  // one width other, one layer more: the model cannot take it
+    r = run_with({"--epochs", "2", "--hidden", hidden, "--checkpoint", ckpt, "--resume"});
+    CHECK(r.code() == 1);
+    CHECK_MESSAGE(r.err.find("the checkpoint holds another model than this run builds: was it saved with other "
+                             "--hidden sizes") != std::string::npos,
+                  r.err);
+  }
   r = run_with({"--optimizer", "rmsprop"});
   CHECK(r.code() == 2);
   CHECK(r.err.find("--optimizer") != std::string::npos);
