@@ -169,7 +169,14 @@ std::shared_ptr<nn::Sequential> make_model(uint64_t seed, const std::vector<int6
 }
 #endif
 
-bool file_exists(const std::string& path) { return std::ifstream(path).good(); }
+// False only when nothing is there: a checkpoint that exists but cannot be read must stop
+// --resume with its error, not start over and overwrite it.
+bool file_exists(const std::string& path) {
+  std::error_code error;
+  const bool exists = std::filesystem::exists(path, error);
+  NANODDP_CHECK(!error, IOError, "cannot look for ", path, ": ", error.message());
+  return exists;
+}
 
 // Loss checks read the device's running sum this often (a sync on a GPU).
 constexpr int64_t kCheckEverySteps = 50;
@@ -231,8 +238,12 @@ class Schedule {
   void replay(int64_t t) {
     for (int64_t step_index = 0; step_index < t; ++step_index) step(step_index);
   }
+  int64_t total_steps() const { return total_steps_; }
+  int64_t warmup_steps() const { return warmup_steps_; }
   nn::StateDict state_dict() const {
     nn::StateDict state;
+    state["total_steps"] = Tensor::from_vector(std::vector<int64_t>{total_steps_});
+    state["warmup_steps"] = Tensor::from_vector(std::vector<int64_t>{warmup_steps_});
     if (warmup_) nn::merge_prefixed(state, "warmup.", warmup_->state_dict());
     if (cosine_) nn::merge_prefixed(state, "cosine.", cosine_->state_dict());
     return state;
@@ -296,10 +307,12 @@ int64_t int64_entry(const nn::StateDict& state, const std::string& key, std::opt
 // depends only on the seed and the epoch (DistributedSampler.set_epoch), and the weights and
 // the optimizer's state do not depend on how a step was split across ranks. The learning
 // rate does: it follows global steps, and there are fewer of them per epoch on more ranks.
-// With the checkpoint's steps per epoch, its schedulers are loaded and go on exactly; with
-// others, the schedule is replayed over this run's steps, so that it ends at --epochs as an
-// uninterrupted run of this shape would (the checkpoint's own step counters would leave the
-// cosine off its curve and its recursive step diverging).
+// With the checkpoint's steps per epoch and schedule length, its schedulers are loaded and go
+// on exactly; with others (another world size or batch size, or another --epochs or
+// --warmup-epochs), the schedule is replayed over this run's steps, so that it ends at
+// --epochs as an uninterrupted run of this shape would (the checkpoint's own step counters
+// would leave the cosine off its curve and its recursive step diverging; a finished cosine
+// resumed for more epochs would stay at lr 0).
 //
 // Returns the number of epochs the checkpoint had completed. Errors name the file.
 int restore(const std::string& path, int epochs, int64_t steps_per_epoch, nn::Module& model, nn::Optimizer& optimizer,
@@ -310,6 +323,8 @@ int restore(const std::string& path, int epochs, int64_t steps_per_epoch, nn::Mo
     NANODDP_CHECK(done >= 0, IOError, "'epochs_done' is ", done);
     NANODDP_CHECK(done <= epochs, ValueError, "it has ", done, " epochs done, more than --epochs ", epochs);
     const int64_t saved_steps_per_epoch = int64_entry(state, "steps_per_epoch", /*missing=*/steps_per_epoch);
+    const int64_t saved_total_steps = int64_entry(state, "scheduler.total_steps", schedule.total_steps());
+    const int64_t saved_warmup_steps = int64_entry(state, "scheduler.warmup_steps", schedule.warmup_steps());
     try {
       model.load_state_dict(nn::strip_prefix(state, "model."));
     } catch (const Error& e) {
@@ -317,14 +332,22 @@ int restore(const std::string& path, int epochs, int64_t steps_per_epoch, nn::Mo
                        "saved with other --hidden sizes, or by the other Fashion-MNIST example?");
     }
     optimizer.load_state_dict(nn::strip_prefix(state, "optimizer."));
-    if (saved_steps_per_epoch == steps_per_epoch) {
-      schedule.load_state_dict(nn::strip_prefix(state, "scheduler."), done * steps_per_epoch);
-    } else {
+    if (saved_steps_per_epoch != steps_per_epoch) {
       schedule.replay(done * steps_per_epoch);
       if (chatty)
         std::printf("the checkpoint's run had %lld steps per epoch and this one has %lld (another world size or "
                     "batch size): the learning-rate schedule is replayed over this run's steps\n",
                     static_cast<long long>(saved_steps_per_epoch), static_cast<long long>(steps_per_epoch));
+    } else if (saved_total_steps != schedule.total_steps() || saved_warmup_steps != schedule.warmup_steps()) {
+      schedule.replay(done * steps_per_epoch);
+      if (chatty)
+        std::printf("the checkpoint's run scheduled the learning rate over %lld steps (%lld of warm-up) and this one "
+                    "over %lld (%lld) (another --epochs or --warmup-epochs): the schedule is replayed over this "
+                    "run's steps\n",
+                    static_cast<long long>(saved_total_steps), static_cast<long long>(saved_warmup_steps),
+                    static_cast<long long>(schedule.total_steps()), static_cast<long long>(schedule.warmup_steps()));
+    } else {
+      schedule.load_state_dict(nn::strip_prefix(state, "scheduler."), done * steps_per_epoch);
     }
     return static_cast<int>(done);
   } catch (const Error& e) {

@@ -41,6 +41,16 @@ std::vector<std::string> json_lines(const std::string& out) {
   return found;
 }
 
+// The JSON objects of a --metrics file, one per line, as key -> raw value text ("null" kept).
+std::vector<std::string> metrics_lines(const std::string& path) {
+  std::vector<std::string> found;
+  for (const std::string& line : lines_of(read_file(path))) {
+    REQUIRE_MESSAGE(line.front() == '{', "not a JSON line: ", line);
+    found.push_back(line);
+  }
+  return found;
+}
+
 // Parameters of toy_ddp runs: one (weight, bias) per JSON line.
 std::vector<std::pair<double, double>> toy_results(const RunResult& r) {
   std::vector<std::pair<double, double>> results;
@@ -195,6 +205,35 @@ TEST_CASE("fashion_mnist --optimizer adamw --warmup-epochs 1: the resumed run eq
   // The checkpoint after epoch 1 holds AdamW's moments and step counts and both schedulers,
   // with the switch from warm-up to cosine at the resume point.
   check_resume_equals_uninterrupted("fashion_mnist", {"--optimizer", "adamw", "--warmup-epochs", "1", "--lr", "0.002"});
+}
+
+TEST_CASE("fashion_mnist: a run resumed with more --epochs follows this run's learning-rate schedule") {
+  // A finished 1-epoch cosine run ends at lr 0; resumed for --epochs 2, its second epoch must
+  // use the lr of an uninterrupted 2-epoch run, not go on from the saved 0.
+  TempDir dir;
+  write_small_fashion_mnist(dir.path, 640, 200);
+  const std::string program = built("examples/fashion_mnist"), ckpt = dir.path + "/run.ckpt";
+  auto run_with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> all = {program, "--data-dir", dir.path, "--batch-size", "32", "--quiet"};
+    all.insert(all.end(), extra.begin(), extra.end());
+    const RunResult r = run(all, 120s);
+    REQUIRE_MESSAGE(r.code() == 0, r.err);
+  };
+  run_with({"--epochs", "2", "--metrics", dir.path + "/straight.jsonl"});
+  run_with({"--epochs", "1", "--checkpoint", ckpt});
+  run_with({"--epochs", "2", "--checkpoint", ckpt, "--resume", "--metrics", dir.path + "/resumed.jsonl"});
+  auto epoch_2_lrs = [](const std::vector<std::string>& lines) {
+    std::vector<double> lrs;
+    for (const std::string& line : lines)
+      if (json_field(line, "epoch") == 2) lrs.push_back(json_field(line, "lr"));
+    return lrs;
+  };
+  const std::vector<double> straight = epoch_2_lrs(metrics_lines(dir.path + "/straight.jsonl"));
+  const std::vector<double> resumed = epoch_2_lrs(metrics_lines(dir.path + "/resumed.jsonl"));
+  REQUIRE(straight.size() == 2);  // 20 steps per epoch: the update at step 40 and the epoch's line
+  CHECK(resumed == straight);
+  // Step 39 of 40 on the cosine: 0.05 * (1 + cos(pi * 39 / 40)) / 2.
+  CHECK(straight[0] == doctest::Approx(0.05 * (1 + std::cos(M_PI * 39 / 40)) / 2).epsilon(1e-5));
 }
 
 TEST_CASE("fashion_mnist_cnn: resuming from a checkpoint equals an uninterrupted run") {
@@ -366,16 +405,6 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
 // ---- files the examples write: --metrics, --export; the live progress line ----------------
 
 namespace {
-
-// The JSON objects of a --metrics file, one per line, as key -> raw value text ("null" kept).
-std::vector<std::string> metrics_lines(const std::string& path) {
-  std::vector<std::string> found;
-  for (const std::string& line : lines_of(read_file(path))) {
-    REQUIRE_MESSAGE(line.front() == '{', "not a JSON line: ", line);
-    found.push_back(line);
-  }
-  return found;
-}
 
 bool is_null(const std::string& line, const std::string& key) {
   return line.find("\"" + key + "\":null") != std::string::npos;
