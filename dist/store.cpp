@@ -46,10 +46,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "core/error.h"
@@ -73,6 +75,10 @@ const char* const kRefusedKey = "nanoddp/refused";
 // Where it notes the rank of every client it admitted ("0,1,3,"), so that a wait that times out
 // can name the ranks that never reached the store rather than a key only the backend knows.
 const char* const kArrivedKey = "nanoddp/arrived";
+// Where it notes the ranks claimed by clients of this job id that it refused for their token:
+// a hint for a timeout (a node given another NANODDP_STORE_TOKEN), never a reason to stop,
+// since a client without the token is not trusted.
+const char* const kBadTokenKey = "nanoddp/bad_token";
 
 enum Status : uint8_t { kOk = 0, kMissing = 1, kNotCounter = 2, kTimeout = 3, kOverflow = 4, kJobBroken = 5 };
 
@@ -489,6 +495,9 @@ class TCPStore::Server {
       put_str(conn.out, job_id_);
     } else if (!token_.empty() && !same_secret(token, token_)) {
       put_u8(conn.out, kBadToken);
+      std::vector<uint8_t>& claimed = data_[kBadTokenKey];
+      const std::string note = std::to_string(rank) + ",";
+      if (claimed.size() < 4096) claimed.insert(claimed.end(), note.begin(), note.end());
     } else if (world_size_ > 0 && world_size > 0 && world_size != world_size_) {
       put_u8(conn.out, kWrongWorld);
       put_u32(conn.out, static_cast<uint32_t>(world_size_));
@@ -997,30 +1006,40 @@ int64_t TCPStore::add(const std::string& key, int64_t delta) {
 
 namespace {
 
-// For a wait's timeout: the ranks in 0..world_size-1 missing from `arrived` ("0,1,3,"), or,
-// when all came, that one of them failed or is stuck before setting the key.
-std::string who_is_missing(const std::string& arrived, int world_size) {
-  if (world_size <= 0 || arrived.empty()) return "a rank did not arrive or failed before setting it";
-  std::vector<bool> seen(static_cast<size_t>(world_size), false);
+// The ranks in a server's note ("0,1,3,"), each once.
+std::set<int> ranks_in(const std::string& note) {
+  std::set<int> ranks;
   size_t begin = 0;
-  while (begin < arrived.size()) {
-    const size_t comma = arrived.find(',', begin);
-    const std::string number = arrived.substr(begin, comma - begin);
-    const long rank = std::strtol(number.c_str(), nullptr, 10);
-    if (rank >= 0 && rank < world_size) seen[static_cast<size_t>(rank)] = true;
+  while (begin < note.size()) {
+    const size_t comma = note.find(',', begin);
+    const long rank = std::strtol(note.substr(begin, comma - begin).c_str(), nullptr, 10);
+    if (rank >= 0 && rank <= INT_MAX) ranks.insert(static_cast<int>(rank));
     if (comma == std::string::npos) break;
     begin = comma + 1;
   }
+  return ranks;
+}
+
+// "rank 3" or "ranks 1, 2 and 7 more": the first few of a set of ranks.
+std::string name_ranks(const std::vector<int>& ranks) {
+  constexpr size_t kNamed = 8;
+  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < std::min(ranks.size(), kNamed); ++i) text += (i ? ", " : "") + std::to_string(ranks[i]);
+  if (ranks.size() > kNamed) text += " and " + std::to_string(ranks.size() - kNamed) + " more";
+  return text;
+}
+
+// For a wait's timeout: the ranks in 0..world_size-1 missing from `arrived`, or, when all
+// came, that one of them failed or is stuck before setting the key.
+std::string who_is_missing(const std::string& arrived, int world_size) {
+  if (world_size <= 0 || arrived.empty()) return "a rank did not arrive or failed before setting it";
+  const std::set<int> seen = ranks_in(arrived);
   std::vector<int> missing;
   for (int r = 0; r < world_size; ++r)
-    if (!seen[static_cast<size_t>(r)]) missing.push_back(r);
+    if (seen.count(r) == 0) missing.push_back(r);
   if (missing.empty())
     return "all " + std::to_string(world_size) + " ranks reached the store: one failed or is stuck before setting it";
-  constexpr size_t kNamed = 8;
-  std::string text = missing.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < std::min(missing.size(), kNamed); ++i) text += (i ? ", " : "") + std::to_string(missing[i]);
-  if (missing.size() > kNamed) text += " and " + std::to_string(missing.size() - kNamed) + " more";
-  return text + " never reached the store: not started, or started with another MASTER_ADDR/MASTER_PORT";
+  return name_ranks(missing) + " never reached the store: not started, or started with another MASTER_ADDR/MASTER_PORT";
 }
 
 }  // namespace
@@ -1051,14 +1070,22 @@ void TCPStore::wait(const std::vector<std::string>& keys, std::chrono::milliseco
                   ": every node must start the same number of ranks (nanoddp-run --nproc-per-node)");
   }
   if (status == kTimeout) {
-    std::string refused, arrived;
+    std::string refused, arrived, bad_token;
     try {
       if (check({kRefusedKey})) refused = get_string(kRefusedKey);
       if (check({kArrivedKey})) arrived = get_string(kArrivedKey);
+      if (check({kBadTokenKey})) bad_token = get_string(kBadTokenKey);
     } catch (const Error&) {  // the message goes out without it
     }
+    const std::set<int> claimed = ranks_in(bad_token);
+    const std::string token_hint =
+        claimed.empty() ? std::string()
+                        : "; the store refused clients of this job for a wrong token, claiming " +
+                              name_ranks({claimed.begin(), claimed.end()}) +
+                              ": every node must export the same NANODDP_STORE_TOKEN";
     NANODDP_THROW(TimeoutError, client_->context(), ": wait for ", names, " timed out after ",
                   timeout.count(), " ms (", who_is_missing(arrived, options_.world_size), ")",
+                  token_hint,
                   refused.empty() ? std::string()
                                   : "; the store refused " + refused +
                                         ", which does not match this job: every node must start the same "

@@ -474,6 +474,19 @@ TEST_CASE("store: only clients with the job's id and secret token get in") {
                   wrong);
     const std::string missing = refusal("job-a", "");
     CHECK_MESSAGE(missing.find("NANODDP_STORE_TOKEN is not set") != std::string::npos, missing);
+    // Rank 0's wait for that rank's key times out (a client without the token cannot stop the
+    // job), and says which rank the refused clients claimed to be.
+    std::string timeout;
+    try {
+      server.wait({"gloo/0/1"}, 200ms);
+    } catch (const TimeoutError& e) {
+      timeout = e.what();
+    }
+    CHECK_MESSAGE(timeout.find("(rank 1 never reached the store: not started, or started with another "
+                               "MASTER_ADDR/MASTER_PORT); the store refused clients of this job for a wrong token, claiming "
+                               "rank 1: every node must export the same NANODDP_STORE_TOKEN") !=
+                      std::string::npos,
+                  timeout);
   }
   SUBCASE("a raw client without the token reads and writes nothing") {
     for (const std::string& token : {std::string(), std::string("guess")}) {
