@@ -495,23 +495,17 @@ class TCPStore::Server {
       put_str(conn.out, job_id_);
     } else if (!token_.empty() && !same_secret(token, token_)) {
       put_u8(conn.out, kBadToken);
-      std::vector<uint8_t>& claimed = data_[kBadTokenKey];
-      const std::string note = std::to_string(rank) + ",";
-      if (claimed.size() < 4096) claimed.insert(claimed.end(), note.begin(), note.end());
+      append_note(kBadTokenKey, std::to_string(rank) + ",", 4096);
     } else if (world_size_ > 0 && world_size > 0 && world_size != world_size_) {
       put_u8(conn.out, kWrongWorld);
       put_u32(conn.out, static_cast<uint32_t>(world_size_));
-      std::vector<uint8_t>& refused = data_[kRefusedKey];
-      const std::string note = std::string(refused.empty() ? "" : "; ") + "rank " + std::to_string(rank) +
-                               " with WORLD_SIZE=" + std::to_string(world_size);
-      if (refused.size() < 4096) refused.insert(refused.end(), note.begin(), note.end());
+      append_note(kRefusedKey,
+                  std::string(data_.count(kRefusedKey) > 0 ? "; " : "") + "rank " + std::to_string(rank) +
+                      " with WORLD_SIZE=" + std::to_string(world_size),
+                  4096);
       fail_waiters(kJobBroken);
     } else {
-      if (rank >= 0) {
-        const std::string note = std::to_string(rank) + ",";
-        std::vector<uint8_t>& arrived = data_[kArrivedKey];
-        if (arrived.size() < (size_t(1) << 20)) arrived.insert(arrived.end(), note.begin(), note.end());
-      }
+      if (rank >= 0) append_note(kArrivedKey, std::to_string(rank) + ",", size_t(1) << 20);
       put_u8(conn.out, kWelcome);
       put_u32(conn.out, static_cast<uint32_t>(::getpid()));
       put_str(conn.out, detail::host_name());
@@ -602,6 +596,13 @@ class TCPStore::Server {
         ++it;
       }
     }
+  }
+
+  // Appends to one of the server's own notes (kRefusedKey, kArrivedKey, kBadTokenKey) while it
+  // holds fewer than max_bytes: clients flooding the hello cannot grow it without bound.
+  void append_note(const char* key, const std::string& text, size_t max_bytes) {
+    std::vector<uint8_t>& note = data_[key];
+    if (note.size() < max_bytes) note.insert(note.end(), text.begin(), text.end());
   }
 
   void fail_waiters(Status status) {
@@ -1070,9 +1071,9 @@ void TCPStore::wait(const std::vector<std::string>& keys, std::chrono::milliseco
                   ": every node must start the same number of ranks (nanoddp-run --nproc-per-node)");
   }
   if (status == kTimeout) {
-    std::string refused, arrived, bad_token;
+    // No refusal to report here: the server answers every wait kJobBroken once it has one.
+    std::string arrived, bad_token;
     try {
-      if (check({kRefusedKey})) refused = get_string(kRefusedKey);
       if (check({kArrivedKey})) arrived = get_string(kArrivedKey);
       if (check({kBadTokenKey})) bad_token = get_string(kBadTokenKey);
     } catch (const Error&) {  // the message goes out without it
@@ -1085,11 +1086,7 @@ void TCPStore::wait(const std::vector<std::string>& keys, std::chrono::milliseco
                               ": every node must export the same NANODDP_STORE_TOKEN";
     NANODDP_THROW(TimeoutError, client_->context(), ": wait for ", names, " timed out after ",
                   timeout.count(), " ms (", who_is_missing(arrived, options_.world_size), ")",
-                  token_hint,
-                  refused.empty() ? std::string()
-                                  : "; the store refused " + refused +
-                                        ", which does not match this job: every node must start the same "
-                                        "number of ranks (nanoddp-run --nproc-per-node)");
+                  token_hint);
   }
   NANODDP_CHECK(status == kOk, DistError, client_->context(), ": wait: unexpected status ",
                 int(status));
