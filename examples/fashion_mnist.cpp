@@ -332,22 +332,21 @@ int restore(const std::string& path, int epochs, int64_t steps_per_epoch, nn::Mo
                        "saved with other --hidden sizes, or by the other Fashion-MNIST example?");
     }
     optimizer.load_state_dict(nn::strip_prefix(state, "optimizer."));
-    if (saved_steps_per_epoch != steps_per_epoch) {
-      schedule.replay(done * steps_per_epoch);
-      if (chatty)
-        std::printf("the checkpoint's run had %lld steps per epoch and this one has %lld (another world size or "
-                    "batch size): the learning-rate schedule is replayed over this run's steps\n",
-                    static_cast<long long>(saved_steps_per_epoch), static_cast<long long>(steps_per_epoch));
-    } else if (saved_total_steps != schedule.total_steps() || saved_warmup_steps != schedule.warmup_steps()) {
-      schedule.replay(done * steps_per_epoch);
-      if (chatty)
-        std::printf("the checkpoint's run scheduled the learning rate over %lld steps (%lld of warm-up) and this one "
-                    "over %lld (%lld) (another --epochs or --warmup-epochs): the schedule is replayed over this "
-                    "run's steps\n",
-                    static_cast<long long>(saved_total_steps), static_cast<long long>(saved_warmup_steps),
-                    static_cast<long long>(schedule.total_steps()), static_cast<long long>(schedule.warmup_steps()));
-    } else {
+    // Why this run's schedule differs from the checkpoint's, or "" when it is the same.
+    std::ostringstream other_schedule;
+    if (saved_steps_per_epoch != steps_per_epoch)
+      other_schedule << "the checkpoint's run had " << saved_steps_per_epoch << " steps per epoch and this one has "
+                     << steps_per_epoch << " (another world size or batch size)";
+    else if (saved_total_steps != schedule.total_steps() || saved_warmup_steps != schedule.warmup_steps())
+      other_schedule << "the checkpoint's run scheduled the learning rate over " << saved_total_steps << " steps ("
+                     << saved_warmup_steps << " of warm-up) and this one over " << schedule.total_steps() << " ("
+                     << schedule.warmup_steps() << ") (another --epochs or --warmup-epochs)";
+    if (other_schedule.str().empty()) {
       schedule.load_state_dict(nn::strip_prefix(state, "scheduler."), done * steps_per_epoch);
+    } else {
+      schedule.replay(done * steps_per_epoch);
+      if (chatty)
+        std::printf("%s: the learning-rate schedule is replayed over this run's steps\n", other_schedule.str().c_str());
     }
     return static_cast<int>(done);
   } catch (const Error& e) {

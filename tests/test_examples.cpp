@@ -41,7 +41,7 @@ std::vector<std::string> json_lines(const std::string& out) {
   return found;
 }
 
-// The JSON objects of a --metrics file, one per line, as key -> raw value text ("null" kept).
+// The lines of a --metrics file, each one JSON object ("null" values kept as written).
 std::vector<std::string> metrics_lines(const std::string& path) {
   std::vector<std::string> found;
   for (const std::string& line : lines_of(read_file(path))) {
@@ -268,12 +268,13 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   const std::string ckpt = dir.path + "/run.ckpt";
   r = run_with({"--epochs", "2", "--checkpoint", ckpt});
   REQUIRE_MESSAGE(r.code() == 0, r.err);
-  auto accuracy_field = [](const std::string& out) {
-    const std::string key = "\"test_accuracy\":";
-    const size_t at = out.rfind(key);
-    return at == std::string::npos ? std::string("none") : out.substr(at + key.size(), out.find(',', at) - at - key.size());
+  // The result line's accuracy (json_field stops the test if it is null).
+  auto result_accuracy = [](const RunResult& result) {
+    const auto lines = json_lines(result.out);
+    REQUIRE(lines.size() == 1);
+    return json_field(lines[0], "test_accuracy");
   };
-  const std::string trained_accuracy = accuracy_field(r.out);
+  const double trained_accuracy = result_accuracy(r);
   r = run_with({"--epochs", "1", "--checkpoint", ckpt, "--resume"});
   CHECK(r.code() == 1);
   CHECK(r.err.find("cannot resume from checkpoint " + ckpt) != std::string::npos);
@@ -309,8 +310,7 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
                            "after epoch 1 (--stop-after)") != std::string::npos,
                 r.err);
   // ... and its result line reports the resumed model, whose accuracy is the run's that saved it.
-  CHECK(trained_accuracy != "null");
-  CHECK(accuracy_field(r.out) == trained_accuracy);
+  CHECK(result_accuracy(r) == trained_accuracy);
   r = run_with({"--epochs", "1", "--optimizer", "adam", "--comm-hook", "bf16", "--gradient-as-bucket-view"});
   REQUIRE_MESSAGE(r.code() == 0, r.err);
   // The result line says how the run was made: two runs that differ in a flag are told apart.
