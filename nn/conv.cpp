@@ -8,6 +8,7 @@
 
 #include "core/autograd.h"
 #include "core/op_helpers.h"
+#include "kernels/cpu/winograd.h"
 #include "kernels/kernels.h"
 
 namespace nanoddp {
@@ -92,6 +93,15 @@ Window2d make_window(const char* op, const Tensor& input, Size2 kernel, Size2 st
 // working set of a training step larger than the L3 cache). PyTorch's CPU convolution
 // (slow_conv2d) recomputes its columns in backward the same way.
 constexpr int64_t kMaxUnsavedColsBytes = 16 << 20;
+
+// On the CPU a 3x3 convolution at stride 1 runs as Winograd F(2x2, 3x3) instead
+// (kernels/cpu/winograd.h): forward, input gradient (such a convolution of dout) and weight
+// gradient. Operands with NaN or inf keep im2col + GEMM, whose values for them are torch's.
+bool uses_winograd(Device device, const Window2d& g, const Tensor& images, const Tensor& weight) {
+  return !device.is_cuda() && kernels::cpu::winograd_applies(g, weight.size(0)) &&
+         kernels::cpu::all_finite(ptr(images), images.numel()) &&
+         kernels::cpu::all_finite(ptr(weight), weight.numel());
+}
 int64_t images_per_gemm(Device device, bool keeps_cols, int64_t N, int64_t CKK, int64_t OHW) {
   if (!device.is_cuda()) return 1;
   if (keeps_cols || OHW < 32) return N;
@@ -126,15 +136,21 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
   const bool keeps_graph = is_grad_enabled() && (input.requires_grad() || weight.requires_grad() ||
                                                  (bias.defined() && bias.requires_grad()));
   const Device device = input.device();
+  const bool winograd = uses_winograd(device, g, input, weight);
   const int64_t group = images_per_gemm(device, keeps_graph, N, CKK, OHW);
   const int64_t image_size = g.channels * g.height * g.width;
   // Kept for backward on CUDA: every image's cols, [N / group groups of [C kh kw, group OH OW]]
   // (for group == N the layout of cols [C kh kw, N OH OW]); otherwise one group's.
   const bool keeps_cols = keeps_graph && device.is_cuda();
-  Tensor cols = Tensor::empty({keeps_cols ? N * CKK * OHW : group * CKK * OHW}, DType::Float32, device);
-  Tensor out_t = group > 1 ? Tensor::empty({OC, group * OHW}, DType::Float32, device) : Tensor();
   Tensor out = Tensor::empty({N, OC, g.out_h, g.out_w}, DType::Float32, device);
-  for (int64_t first = 0; first < N; first += group) {
+  if (winograd) {
+    kernels::cpu::conv3x3_winograd(ptr(out), ptr(input), ptr(weight), N, OC, g);
+    if (bias.defined()) NANODDP_DISPATCH(device, channel_bias_forward, ptr(out), ptr(bias), N, OC, OHW);
+  }
+  Tensor cols = winograd ? Tensor()
+                         : Tensor::empty({keeps_cols ? N * CKK * OHW : group * CKK * OHW}, DType::Float32, device);
+  Tensor out_t = !winograd && group > 1 ? Tensor::empty({OC, group * OHW}, DType::Float32, device) : Tensor();
+  for (int64_t first = 0; first < N && !winograd; first += group) {
     const int64_t n = std::min(group, N - first);
     float* group_cols = ptr(cols) + (keeps_cols ? first * CKK * OHW : 0);
     float* group_out = ptr(out) + first * OC * OHW;
@@ -157,14 +173,22 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
     const bool needs_dx = node.inputs[0].requires_grad(), needs_dw = node.inputs[1].requires_grad();
     Tensor dx, dw, db;
     if (needs_dx) dx = Tensor::empty(node.inputs[0].shape(), DType::Float32, device);
+    // Winograd on the CPU (uses_winograd) when the input (patches), weight and dout are finite.
+    const bool winograd = !keeps_cols && (needs_dx || needs_dw) && uses_winograd(device, g, patches, w) &&
+                          kernels::cpu::all_finite(ptr(dout), dout.numel());
+    if (winograd && needs_dx) kernels::cpu::conv3x3_winograd_input_grad(ptr(dx), ptr(dout), ptr(w), N, OC, g);
+    if (winograd && needs_dw) {
+      dw = empty_like(w);
+      kernels::cpu::conv3x3_winograd_weight_grad(ptr(dw), ptr(patches), ptr(dout), N, OC, g);
+    }
     // dw^T [C kh kw, OC], summed over the groups, then transposed once: Eigen packs the GEMM's
     // left operand with a transposing copy, and for dw^T that operand is the group's dout, not
     // its cols (4.5 times larger in the example's second convolution).
-    Tensor dw_t = needs_dw ? Tensor::zeros({CKK, OC}, DType::Float32, device) : Tensor();
+    Tensor dw_t = needs_dw && !winograd ? Tensor::zeros({CKK, OC}, DType::Float32, device) : Tensor();
     // The group's dout^T [OC, n OH OW]: dout itself for one image, else reordered.
     Tensor dout_t = group > 1 ? Tensor::empty({OC, group * OHW}, DType::Float32, device) : Tensor();
-    Tensor dcols = needs_dx ? Tensor::empty({CKK, group * OHW}, DType::Float32, device) : Tensor();
-    Tensor cols = needs_dw && !keeps_cols ? Tensor::empty({CKK, group * OHW}, DType::Float32, device) : Tensor();
+    Tensor dcols = needs_dx && !winograd ? Tensor::empty({CKK, group * OHW}, DType::Float32, device) : Tensor();
+    Tensor cols = needs_dw && !keeps_cols && !winograd ? Tensor::empty({CKK, group * OHW}, DType::Float32, device) : Tensor();
     // db is summed per group while the group's dout is still in cache (on the CPU, a 5.5 MB
     // dout for the example's first convolution is otherwise read again from memory), then over
     // the groups: each group's sum runs in double and is kept as float, the sum over the groups
@@ -179,12 +203,12 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
         NANODDP_DISPATCH(device, swap_leading_dims, ptr(dout_t), group_dout, n, OC, OHW);
         group_dout = ptr(dout_t);
       }
-      if (needs_dw) {  // dw^T += cols · dout
+      if (needs_dw && !winograd) {  // dw^T += cols · dout
         if (!keeps_cols) NANODDP_DISPATCH(device, im2col, ptr(cols), ptr(patches) + first * image_size, n, g);
         const float* group_cols = keeps_cols ? ptr(patches) + first * CKK * OHW : ptr(cols);
         NANODDP_DISPATCH(device, matmul, ptr(dw_t), group_cols, group_dout, CKK, n * OHW, OC, false, true, 1.0f);
       }
-      if (needs_dx) {  // dx = col2im(w^T · dout^T)
+      if (needs_dx && !winograd) {  // dx = col2im(w^T · dout^T)
         NANODDP_DISPATCH(device, matmul, ptr(dcols), ptr(w), group_dout, CKK, OC, n * OHW, true, false, 0.0f);
         NANODDP_DISPATCH(device, col2im, ptr(dx) + first * image_size, ptr(dcols), n, g);
       }
@@ -192,7 +216,7 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
         NANODDP_DISPATCH(device, channel_sum, ptr(db_groups) + first / group * OC, ptr(dout) + first * OC * OHW, n,
                          OC, OHW);
     }
-    if (needs_dw) {
+    if (needs_dw && !winograd) {
       dw = empty_like(w);
       NANODDP_DISPATCH(device, swap_leading_dims, ptr(dw), ptr(dw_t), CKK, OC, 1);
     }

@@ -37,7 +37,12 @@ struct Size2 {
 // CUDA cols (C kh kw N OH OW floats) kept for backward with the weight, and the output twice
 // while reordering. When no graph is recorded (no_grad, or no input requires grad) nothing is
 // kept: CUDA goes through the images in chunks whose cols take at most about 16 MB (one image
-// at least), with the same result bit for bit.
+// at least), with the same result bit for bit. On the CPU a 3x3 kernel at stride 1 and
+// dilation 1 with C, OC >= 8 and padding <= 2 runs as Winograd F(2x2, 3x3) instead, forward
+// and both gradients (kernels/cpu/winograd.h): 16/36 of those FLOPs per 2x2 outputs (rounded
+// up to whole tiles) plus additions, and 16 (C + OC) floats per tile of about 256 tiles of
+// scratch; its rounding differs from im2col + GEMM within float32 error, and inputs, weights
+// or gradients with NaN or inf use im2col + GEMM, whose values for them are torch's.
 Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Size2 stride = 1, Size2 padding = 0,
               Size2 dilation = 1);
 

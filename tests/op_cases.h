@@ -242,6 +242,19 @@ inline std::shared_ptr<nn::Module> small_cnn(Generator& gen) {
   return model;
 }
 
+// A CNN on [8, 5, 5] samples whose convolutions take the CPU's Winograd path (8 channels in
+// and out, 3x3, stride 1): Conv2d(8, 8, 3, padding 1) - ReLU - Conv2d(8, 8, 3) - Flatten -
+// Linear(72, 3). The second convolution's input gradient runs too.
+inline std::shared_ptr<nn::Module> winograd_cnn(Generator& gen) {
+  auto model = std::make_shared<nn::Sequential>();
+  model->add(nn::Conv2d(8, 8, 3, gen, /*stride=*/1, /*padding=*/1));
+  model->add(nn::ReLU());
+  model->add(nn::Conv2d(8, 8, 3, gen));
+  model->add(nn::Flatten());
+  model->add(nn::Linear(72, 3, gen));
+  return model;
+}
+
 // ---- the table ----------------------------------------------------------------------------
 inline std::vector<OpCase> op_cases() {
   std::vector<OpCase> rows;
@@ -309,6 +322,17 @@ inline std::vector<OpCase> op_cases() {
   rows.push_back({"conv2d 3x3 padding 1, no bias", {{{1, 2, 4, 4}}, {{3, 2, 3, 3}}},
                   [](auto& in) { return conv2d(in[0], in[1], Tensor(), 1, 1); },
                   [](auto& in) { return ref_conv2d(in[0], in[1], {}, {1, 2, 4, 4}, {3, 2, 3, 3}, 1, 1, 1); }});
+  // 3x3 at stride 1 with 8 or more channels: Winograd F(2x2, 3x3) on the CPU, forward and both
+  // gradients (kernels/cpu/winograd.h; NaN and inf inputs take im2col + GEMM). 9 and 10 channels
+  // leave a remainder of its 8-channel vectors; odd output sizes leave half tiles; the input
+  // gradient runs at padding 2 - pad, so 0, 1 and 2 each appear.
+  rows.push_back(OpCase{"conv2d 3x3 Winograd, 9 channels, padding 0, bias", {{{2, 9, 6, 7}}, {{10, 9, 3, 3}}, {{10}}},
+                        [](auto& in) { return conv2d(in[0], in[1], in[2]); },
+                        [](auto& in) { return ref_conv2d(in[0], in[1], in[2], {2, 9, 6, 7}, {10, 9, 3, 3}, 1, 0, 1); }}
+                     .in_model({8, 5, 5}, winograd_cnn));
+  rows.push_back({"conv2d 3x3 Winograd, 8 channels, padding (2, 1)", {{{1, 8, 5, 4}}, {{3, 8, 3, 3}}},
+                  [](auto& in) { return conv2d(in[0], in[1], Tensor(), 1, {2, 1}); },
+                  [](auto& in) { return ref_conv2d(in[0], in[1], {}, {1, 8, 5, 4}, {3, 8, 3, 3}, 1, {2, 1}, 1); }});
   rows.push_back(OpCase{"max_pool2d 2, stride 2", {{{2, 2, 5, 5}}},
                         [](auto& in) { return max_pool2d(in[0], 2, 2); },
                         [](auto& in) { return ref_max_pool2d(in[0], {2, 2, 5, 5}, 2, 2, 0); }}
