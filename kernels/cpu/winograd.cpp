@@ -204,30 +204,39 @@ void transform_output(float* tiled, const float* M, int64_t columns, int64_t col
 // kernel's zeroing of their pages on first touch cost as much as the transforms.
 struct Scratch {
   std::vector<float> V;       // [16, columns, inputs]
-  std::vector<float> M;       // [16, columns, outputs]
+  std::vector<float> M;       // [16, columns, outputs] (or its gradient)
   std::vector<float> padded;  // one input image, channels last, zero-bordered
   std::vector<float> tiled;   // one output image (or its gradient), channels last, whole tiles
+
+  // Sized for chunks of images_per_chunk(t) images; padded and tiled all zeros.
+  void fit(const Tiling& t) {
+    const int64_t chunk_columns = images_per_chunk(t) * t.tiles;
+    V.resize(kPositions * chunk_columns * t.inputs);
+    M.resize(kPositions * chunk_columns * t.outputs);
+    padded.assign(t.padded_h * t.padded_w * t.inputs, 0.0f);
+    tiled.assign(4 * t.tiles * t.outputs, 0.0f);
+  }
+
+  // V[xi, column + tile, :] for every tile of image [inputs, H, W], through padded, whose
+  // border stays 0.
+  void transform_image(int64_t columns, int64_t column, const float* image, const Tiling& t) {
+    to_channels_last(padded.data(), t.padded_w, image, t.inputs, t.height, t.width, t.pad_h, t.pad_w);
+    transform_input(V.data(), columns, column, padded.data(), t);
+  }
+
+  static int64_t images_per_chunk(const Tiling& t) { return std::max<int64_t>(1, kChunkColumns / t.tiles); }
 };
 thread_local Scratch scratch;
 
 // out [N, outputs, OH, OW] = the convolution of in [N, inputs, H, W] with the filters U.
 void winograd_conv(float* out, const float* in, const std::vector<float>& U, int64_t N, const Tiling& t) {
-  const int64_t images_per_chunk = std::max<int64_t>(1, kChunkColumns / t.tiles);
-  const int64_t chunk_columns = images_per_chunk * t.tiles;
-  const int64_t C = t.inputs, OC = t.outputs;
-  auto& [V, M, padded, tiled] = scratch;
-  V.resize(kPositions * chunk_columns * C);
-  M.resize(kPositions * chunk_columns * OC);
-  padded.assign(t.padded_h * t.padded_w * C, 0.0f);  // the border stays 0
-  tiled.resize(4 * t.tiles * OC);
+  const int64_t C = t.inputs, OC = t.outputs, images_per_chunk = Scratch::images_per_chunk(t);
+  scratch.fit(t);
+  std::vector<float>&V = scratch.V, &M = scratch.M, &tiled = scratch.tiled;
   const int64_t in_image = C * t.height * t.width, out_plane = t.out_h * t.out_w;
   for (int64_t first = 0; first < N; first += images_per_chunk) {
     const int64_t images = std::min(images_per_chunk, N - first), columns = images * t.tiles;
-    for (int64_t k = 0; k < images; ++k) {
-      to_channels_last(padded.data(), t.padded_w, in + (first + k) * in_image, C, t.height, t.width, t.pad_h,
-                       t.pad_w);
-      transform_input(V.data(), columns, k * t.tiles, padded.data(), t);
-    }
+    for (int64_t k = 0; k < images; ++k) scratch.transform_image(columns, k * t.tiles, in + (first + k) * in_image, t);
     for (int64_t xi = 0; xi < kPositions; ++xi)
       matmul(M.data() + xi * columns * OC, V.data() + xi * columns * C, U.data() + xi * C * OC, columns, C, OC,
              false, false, 0.0f);
@@ -305,21 +314,15 @@ void conv3x3_winograd_weight_grad(float* dweight, const float* images, const flo
   // (per position, over channels a GEMM: dU[xi] [C, OC] = V[xi]^T · dM[xi]), and dw = G^T dU G.
   const Tiling t{g.channels, OC, g.height, g.width, g.pad_h, g.pad_w};
   const int64_t C = t.inputs;
-  const int64_t images_per_chunk = std::max<int64_t>(1, kChunkColumns / t.tiles);
-  const int64_t chunk_columns = images_per_chunk * t.tiles;
-  auto& [V, dM, padded, tiled] = scratch;
-  V.resize(kPositions * chunk_columns * C);
-  dM.resize(kPositions * chunk_columns * OC);
-  padded.assign(t.padded_h * t.padded_w * C, 0.0f);  // the border stays 0
-  tiled.assign(4 * t.tiles * OC, 0.0f);               // past OH, OW: no outputs, gradient 0
+  const int64_t images_per_chunk = Scratch::images_per_chunk(t);
+  scratch.fit(t);  // tiled stays 0 past OH, OW: outputs that do not exist have no gradient
+  std::vector<float>&V = scratch.V, &dM = scratch.M, &tiled = scratch.tiled;
   std::vector<float> dU(kPositions * C * OC);
   const int64_t in_image = C * t.height * t.width, out_image = OC * t.out_h * t.out_w;
   for (int64_t first = 0; first < N; first += images_per_chunk) {
     const int64_t count = std::min(images_per_chunk, N - first), columns = count * t.tiles;
     for (int64_t k = 0; k < count; ++k) {
-      to_channels_last(padded.data(), t.padded_w, images + (first + k) * in_image, C, t.height, t.width, t.pad_h,
-                       t.pad_w);
-      transform_input(V.data(), columns, k * t.tiles, padded.data(), t);
+      scratch.transform_image(columns, k * t.tiles, images + (first + k) * in_image, t);
       to_channels_last(tiled.data(), 2 * t.tiles_w, dout + (first + k) * out_image, OC, t.out_h, t.out_w, 0, 0);
       transform_gradient(dM.data(), columns, k * t.tiles, tiled.data(), t);
     }
