@@ -330,6 +330,9 @@ inline std::vector<OpCase> op_cases() {
                         [](auto& in) { return conv2d(in[0], in[1], in[2]); },
                         [](auto& in) { return ref_conv2d(in[0], in[1], in[2], {2, 9, 6, 7}, {10, 9, 3, 3}, 1, 0, 1); }}
                      .in_model({8, 5, 5}, winograd_cnn));
+  rows.push_back({"conv2d 3x3 Winograd, 1 x 2 images, padding 2", {{{2, 8, 1, 2}}, {{8, 8, 3, 3}}, {{8}}},
+                  [](auto& in) { return conv2d(in[0], in[1], in[2], 1, 2); },
+                  [](auto& in) { return ref_conv2d(in[0], in[1], in[2], {2, 8, 1, 2}, {8, 8, 3, 3}, 1, 2, 1); }});
   rows.push_back({"conv2d 3x3 Winograd, 8 channels, padding (2, 1)", {{{1, 8, 5, 4}}, {{3, 8, 3, 3}}},
                   [](auto& in) { return conv2d(in[0], in[1], Tensor(), 1, {2, 1}); },
                   [](auto& in) { return ref_conv2d(in[0], in[1], {}, {1, 8, 5, 4}, {3, 8, 3, 3}, 1, {2, 1}, 1); }});
