@@ -188,7 +188,8 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
     // The group's dout^T [OC, n OH OW]: dout itself for one image, else reordered.
     Tensor dout_t = group > 1 ? Tensor::empty({OC, group * OHW}, DType::Float32, device) : Tensor();
     Tensor dcols = needs_dx && !winograd ? Tensor::empty({CKK, group * OHW}, DType::Float32, device) : Tensor();
-    Tensor cols = needs_dw && !keeps_cols && !winograd ? Tensor::empty({CKK, group * OHW}, DType::Float32, device) : Tensor();
+    Tensor cols = needs_dw && !keeps_cols && !winograd ? Tensor::empty({CKK, group * OHW}, DType::Float32, device)
+                                                       : Tensor();
     // db is summed per group while the group's dout is still in cache (on the CPU, a 5.5 MB
     // dout for the example's first convolution is otherwise read again from memory), then over
     // the groups: each group's sum runs in double and is kept as float, the sum over the groups

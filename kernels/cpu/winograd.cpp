@@ -147,6 +147,20 @@ void to_channels_last(float* block, int64_t block_w, const float* image, int64_t
   }
 }
 
+// image [C, H, W] = the first H x W pixels of block [.., block_w, C] (channels last), kLanes
+// channels at a time, as to_channels_last.
+void to_channels_first(float* image, int64_t C, int64_t H, int64_t W, const float* block, int64_t block_w) {
+  for (int64_t c0 = 0; c0 < C; c0 += kLanes) {
+    const int64_t lanes = std::min(kLanes, C - c0);
+    for (int64_t h = 0; h < H; ++h) {
+      float* to = image + (c0 * H + h) * W;
+      const float* from = block + h * block_w * C + c0;
+      for (int64_t w = 0; w < W; ++w)
+        for (int64_t c = 0; c < lanes; ++c) to[c * H * W + w] = from[w * C + c];
+    }
+  }
+}
+
 // dy[xi * position_step] = (A g A^T)[xi] for the 2 x 2 block g of output gradients at y (pixel
 // (i, j) at y + i row + j pixel), for one Vec of channels: the gradient of the GEMMs' M for
 // that tile, as y = A^T M A.
@@ -242,17 +256,7 @@ void winograd_conv(float* out, const float* in, const std::vector<float>& U, int
              false, false, 0.0f);
     for (int64_t k = 0; k < images; ++k) {
       transform_output(tiled.data(), M.data(), columns, k * t.tiles, t);
-      float* image = out + (first + k) * OC * out_plane;
-      const int64_t tiled_w = 2 * t.tiles_w;
-      for (int64_t o0 = 0; o0 < OC; o0 += kLanes) {  // back to channels first, likewise
-        const int64_t lanes = std::min(kLanes, OC - o0);
-        for (int64_t h = 0; h < t.out_h; ++h) {
-          float* to = image + o0 * out_plane + h * t.out_w;
-          const float* from = tiled.data() + h * tiled_w * OC + o0;
-          for (int64_t w = 0; w < t.out_w; ++w)
-            for (int64_t o = 0; o < lanes; ++o) to[o * out_plane + w] = from[w * OC + o];
-        }
-      }
+      to_channels_first(out + (first + k) * OC * out_plane, OC, t.out_h, t.out_w, tiled.data(), 2 * t.tiles_w);
     }
   }
 }

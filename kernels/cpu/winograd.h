@@ -1,8 +1,9 @@
-// Conv2d on the CPU for 3x3 kernels at stride 1 and dilation 1 (both of the example CNN's
-// convolutions), forward and input gradient, by Winograd's minimal filtering F(2x2, 3x3)
-// (Lavin and Gray, "Fast Algorithms for Convolutional Neural Networks", 2016): 16
-// multiplications per 2 x 2 outputs and input channel instead of 36 (Note [Winograd F(2x2,
-// 3x3)] in winograd.cpp). nn/conv.cpp uses it instead of im2col + GEMM where it applies.
+// Conv2d on the CPU for 3x3 kernels at stride 1 and dilation 1 with 8 or more channels (the
+// example CNN's second convolution), forward and both gradients, by Winograd's minimal
+// filtering F(2x2, 3x3) (Lavin and Gray, "Fast Algorithms for Convolutional Neural Networks",
+// 2016): 16 multiplications per 2 x 2 outputs and input channel instead of 36 (Note
+// [Winograd F(2x2, 3x3)] in winograd.cpp). nn/conv.cpp uses it instead of im2col + GEMM where
+// it applies.
 //
 //   if (winograd_applies(window, OC) && all_finite(images, n) && all_finite(weight, m))
 //     conv3x3_winograd(out, images, weight, N, OC, window);
