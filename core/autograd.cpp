@@ -5,6 +5,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "core/memory.h"
 #include "core/ops.h"
 
 namespace nanoddp {
@@ -52,7 +53,9 @@ void accumulate_leaf_grad(const Tensor& leaf, Tensor g) {
   if (!current.defined()) {
     const bool unshared =
         g.use_count() == 1 && g.impl()->storage.use_count() == 1 && g.impl()->storage->base() == nullptr && g.is_leaf();
-    const_cast<Tensor&>(leaf).set_grad(unshared ? g : g.clone());
+    Tensor grad = unshared ? g : g.clone();
+    set_memory_category(grad, MemoryCategory::Gradients);
+    const_cast<Tensor&>(leaf).set_grad(grad);
   } else {
     NANODDP_DISPATCH(current.device(), accumulate, current.data<float>(), g.data<float>(), 1.0f, g.numel());
   }

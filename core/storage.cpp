@@ -62,13 +62,14 @@ HostBlockCache& host_block_cache() {
 
 }  // namespace
 
-std::shared_ptr<Storage> Storage::allocate(size_t nbytes, Device device) {
-  if (nbytes == 0) return std::make_shared<Storage>(nullptr, 0, device, [](void*) {});
+namespace {
+
+// The memory and the deleter of one allocation of nbytes (> 0) on device.
+std::pair<void*, Storage::Deleter> allocate_memory(size_t nbytes, Device device) {
   if (device.is_cuda()) {
     void* data = kernels::cuda::allocate(nbytes, device.index);
     const int index = device.index;
-    return std::make_shared<Storage>(data, nbytes, device,
-                                     [index](void* p) { kernels::cuda::deallocate(p, index); });
+    return {data, [index](void* p) { kernels::cuda::deallocate(p, index); }};
   }
   NANODDP_CHECK(nbytes <= SIZE_MAX - kCpuAlignmentBytes, ValueError, "out of host memory allocating ", nbytes,
                 " bytes");
@@ -77,8 +78,20 @@ std::shared_ptr<Storage> Storage::allocate(size_t nbytes, Device device) {
   void* data = cached ? host_block_cache().take(rounded) : nullptr;
   if (data == nullptr) data = std::aligned_alloc(kCpuAlignmentBytes, rounded);
   NANODDP_CHECK(data != nullptr, ValueError, "out of host memory allocating ", nbytes, " bytes");
-  if (!cached) return std::make_shared<Storage>(data, nbytes, device, [](void* p) { std::free(p); });
-  return std::make_shared<Storage>(data, nbytes, device, [rounded](void* p) { host_block_cache().give(p, rounded); });
+  if (!cached) return {data, [](void* p) { std::free(p); }};
+  return {data, [rounded](void* p) { host_block_cache().give(p, rounded); }};
+}
+
+}  // namespace
+
+std::shared_ptr<Storage> Storage::allocate(size_t nbytes, Device device) {
+  if (nbytes == 0) return std::make_shared<Storage>(nullptr, 0, device, [](void*) {});
+  auto [data, deleter] = allocate_memory(nbytes, device);
+  auto storage = std::make_shared<Storage>(data, nbytes, device, std::move(deleter));
+  storage->category_ = current_memory_category();
+  storage->counted_ = true;
+  detail::count_allocation(device, storage->category_, static_cast<int64_t>(nbytes));
+  return storage;
 }
 
 std::shared_ptr<Storage> Storage::view(const std::shared_ptr<Storage>& of, size_t offset_bytes, size_t nbytes) {
@@ -86,9 +99,9 @@ std::shared_ptr<Storage> Storage::view(const std::shared_ptr<Storage>& of, size_
   NANODDP_CHECK(offset_bytes <= of->nbytes() && nbytes <= of->nbytes() - offset_bytes, IndexError,
                 "Storage::view of ", nbytes, " bytes at offset ", offset_bytes, " of a storage of ", of->nbytes(),
                 " bytes");
-  // data_ is null only for an empty storage, where offset and size are 0 too.
-  void* data = of->data() == nullptr ? nullptr : static_cast<char*>(of->data()) + offset_bytes;
-  auto view = std::make_shared<Storage>(data, nbytes, of->device(), Deleter());
+  // A view's data() is computed from its base (data_ stays null), so it follows the base
+  // through free_memory and reallocate.
+  auto view = std::make_shared<Storage>(nullptr, nbytes, of->device(), Deleter());
   view->base_ = of->base_ != nullptr ? of->base_ : of;
   view->offset_bytes_ = of->offset_bytes_ + offset_bytes;
   return view;
@@ -99,6 +112,37 @@ Storage::Storage(void* data, size_t nbytes, Device device, Deleter deleter)
 
 Storage::~Storage() {
   if (data_ != nullptr && deleter_) deleter_(data_);
+  if (counted_ && data_ != nullptr) detail::count_allocation(device_, category_, -static_cast<int64_t>(nbytes_));
+}
+
+void Storage::free_memory() {
+  NANODDP_CHECK(base_ == nullptr, ValueError, "free_memory on a view of ", nbytes_, " bytes: free its base");
+  if (data_ == nullptr) return;
+  if (deleter_) deleter_(data_);
+  data_ = nullptr;
+  if (counted_) detail::count_allocation(device_, category_, -static_cast<int64_t>(nbytes_));
+}
+
+void Storage::reallocate() {
+  NANODDP_CHECK(base_ == nullptr, ValueError, "reallocate on a view of ", nbytes_, " bytes: reallocate its base");
+  if (data_ != nullptr || nbytes_ == 0) return;
+  auto [data, deleter] = allocate_memory(nbytes_, device_);
+  data_ = data;
+  deleter_ = std::move(deleter);
+  counted_ = true;
+  detail::count_allocation(device_, category_, static_cast<int64_t>(nbytes_));
+}
+
+void Storage::set_category(MemoryCategory category) {
+  NANODDP_CHECK(base_ == nullptr, ValueError, "set_category on a view: set its base's");
+  // Memory wrapped from elsewhere (a shared-memory bucket) is counted from the moment it is
+  // said to be model state: it is this rank's memory as much as an allocation is.
+  if (data_ != nullptr) {
+    if (counted_) detail::count_allocation(device_, category_, -static_cast<int64_t>(nbytes_));
+    detail::count_allocation(device_, category, static_cast<int64_t>(nbytes_));
+    counted_ = true;
+  }
+  category_ = category;
 }
 
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes) {

@@ -24,6 +24,7 @@
 #include <memory>
 
 #include "core/device.h"
+#include "core/memory.h"
 
 namespace nanoddp {
 
@@ -42,13 +43,35 @@ class Storage {
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 
-  void* data() const { return data_; }
+  // A view reads its base's pointer each time, so it follows free_memory and reallocate.
+  // nullptr while the allocation is freed.
+  void* data() const {
+    if (base_ == nullptr) return data_;
+    return base_->data_ == nullptr ? nullptr : static_cast<char*>(base_->data_) + offset_bytes_;
+  }
   size_t nbytes() const { return nbytes_; }
   Device device() const { return device_; }
   // The allocation this storage views (null when it is one itself), and where in it this
   // storage starts.
   const std::shared_ptr<Storage>& base() const { return base_; }
   size_t offset_bytes() const { return offset_bytes_; }
+
+  // Note [Freeing a storage in place]
+  // FSDP keeps a unit's full parameters only while the unit computes (dist/fsdp.h). The
+  // module's parameters and the tensors autograd saved for backward all view one allocation,
+  // so instead of replacing their storages it frees that allocation's memory and later
+  // allocates it again in the same Storage object: every view sees the new memory (torch's
+  // FSDP does the same with storage().resize_(0) and resize_(n)). While freed, data() is
+  // nullptr and is_freed() true; nbytes() keeps the size. An allocation only (not a view);
+  // free_memory on a freed one and reallocate on a live one do nothing. reallocate's memory
+  // is uninitialised. Throws ValueError on a view.
+  void free_memory();
+  void reallocate();
+  bool is_freed() const { return data() == nullptr && nbytes_ > 0; }
+
+  // What this allocation is counted as (Note [Memory categories]); views report their base's.
+  MemoryCategory category() const { return base_ != nullptr ? base_->category_ : category_; }
+  void set_category(MemoryCategory category);
 
  private:
   void* data_;
@@ -57,6 +80,8 @@ class Storage {
   Deleter deleter_;
   std::shared_ptr<Storage> base_;
   size_t offset_bytes_ = 0;
+  MemoryCategory category_ = MemoryCategory::Other;
+  bool counted_ = false;  // an allocation whose bytes are in the memory counters
 };
 
 // Copies nbytes between any two devices (host<->host, host<->device, device<->device).

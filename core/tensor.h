@@ -167,6 +167,9 @@ T* Tensor::data() const {
   const TensorImpl& self = checked_impl();
   NANODDP_CHECK(self.dtype == dtype_of<T>(), ValueError, "data<", dtype_name(dtype_of<T>()),
                 ">() on a ", dtype_name(self.dtype), " tensor");
+  NANODDP_CHECK(!self.storage->is_freed(), ValueError, "data<", dtype_name(dtype_of<T>()), ">() on a ", self.shape,
+                " tensor whose memory is freed (Note [Freeing a storage in place]: an FSDP unit's parameters "
+                "outside its forward and backward)");
   return static_cast<T*>(self.storage->data());
 }
 

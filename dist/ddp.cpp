@@ -179,7 +179,7 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
   // Note [Bucket rebuild] in reducer.cpp: once, before the second synced backward (a broadcast
   // from rank 0); Note [Join] step 3c. A joined rank does the same in DDPJoinHook::main_hook.
   if (will_sync) reducer_->rebuild_buckets();
-  return module_->forward(input);
+  return (*module_)(input);
 }
 
 void DistributedDataParallel::broadcast_buffers(int root) {

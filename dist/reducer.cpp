@@ -3,6 +3,7 @@
 #include <sstream>
 
 #include "core/autograd.h"
+#include "core/memory.h"
 #include "dist/host_collectives.h"
 #include "core/trace.h"
 #include "kernels/kernels.h"
@@ -141,6 +142,7 @@ void Reducer::plan_buckets(const std::vector<size_t>& order) {
     // Buckets are all-reduced every step: the group may place them where that is fastest.
     current.flat = pg_->new_collective_buffer(static_cast<int64_t>(current_bytes / sizeof(float)), DType::Float32,
                                               device);
+    set_memory_category(current.flat, MemoryCategory::CommBuffers);
     buckets_.push_back(std::move(current));
     current = Bucket();
     current_bytes = 0;
@@ -427,7 +429,10 @@ void Reducer::finalize() {
       const size_t k = bucket.params[slot];
       if (used_anywhere[k] == 0) continue;  // no rank used it: .grad untouched, as in PyTorch
       Tensor& p = params_[k].second;
-      if (!p.grad().defined()) p.set_grad(Tensor::empty(p.shape(), DType::Float32, p.device()));
+      if (!p.grad().defined()) {
+        p.set_grad(Tensor::empty(p.shape(), DType::Float32, p.device()));
+        set_memory_category(p.grad(), MemoryCategory::Gradients);
+      }
       Tensor grad = p.grad();
       copy_bytes(grad.data<float>(), grad.device(), mean.data<float>() + bucket.offsets[slot], mean.device(),
                  grad.nbytes());

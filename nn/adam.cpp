@@ -4,6 +4,7 @@
 #include <string>
 
 #include "core/autograd.h"
+#include "core/memory.h"
 #include "kernels/kernels.h"
 
 namespace nanoddp::nn {
@@ -38,6 +39,7 @@ void Adam::set_lr(float lr) {
 void Adam::step() {
   NoGradGuard no_grad;
   trace::Span span(trace::Lane::Optimizer, "optimizer.step");
+  MemoryCategoryScope state_memory(MemoryCategory::OptimizerState);  // the moments made here
   // The hyper-parameters are floats (as they reach PyTorch's kernels); the step-dependent
   // factors are computed from them in double, as PyTorch does in Python.
   const double lr = options_.lr, beta1 = options_.betas.first, beta2 = options_.betas.second;

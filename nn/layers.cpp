@@ -48,7 +48,7 @@ Sequential& Sequential::add(std::shared_ptr<Module> module) {
 
 Tensor Sequential::forward(const Tensor& input) {
   Tensor x = input;
-  for (auto& layer : layers_) x = layer->forward(x);
+  for (auto& layer : layers_) x = (*layer)(x);
   return x;
 }
 

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "core/autograd.h"
+#include "core/memory.h"
 #include "core/half.h"
 #include "kernels/kernels.h"
 
@@ -12,8 +13,33 @@ namespace nanoddp::nn {
 
 Tensor Module::register_parameter(const std::string& name, Tensor tensor) {
   tensor.set_requires_grad(true);
+  set_memory_category(tensor, MemoryCategory::Parameters);
   parameters_.emplace_back(name, tensor);
   return tensor;
+}
+
+Tensor Module::operator()(const Tensor& input) {
+  for (auto& [id, hook] : forward_pre_hooks_) hook(*this, input);
+  Tensor output = forward(input);
+  for (auto& [id, hook] : forward_hooks_) output = hook(*this, input, output);
+  return output;
+}
+
+int Module::register_forward_pre_hook(ForwardPreHook hook) {
+  forward_pre_hooks_.emplace_back(next_hook_id_, std::move(hook));
+  return next_hook_id_++;
+}
+
+int Module::register_forward_hook(ForwardHook hook) {
+  forward_hooks_.emplace_back(next_hook_id_, std::move(hook));
+  return next_hook_id_++;
+}
+
+void Module::remove_forward_hook(int id) {
+  const auto has_id = [id](const auto& entry) { return entry.first == id; };
+  forward_pre_hooks_.erase(std::remove_if(forward_pre_hooks_.begin(), forward_pre_hooks_.end(), has_id),
+                           forward_pre_hooks_.end());
+  forward_hooks_.erase(std::remove_if(forward_hooks_.begin(), forward_hooks_.end(), has_id), forward_hooks_.end());
 }
 
 Tensor Module::register_buffer(const std::string& name, Tensor tensor, bool persistent) {
@@ -111,10 +137,13 @@ void Module::train(bool mode) {
 
 void Module::to(Device device) {
   std::vector<Tensor> tensors = parameters();
+  const size_t num_parameters = tensors.size();
   for (Tensor& b : buffers()) tensors.push_back(b);
-  for (Tensor& t : tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    Tensor& t = tensors[i];
     if (t.device() == device) continue;
     t.set_data(t.detach().to(device));
+    if (i < num_parameters) set_memory_category(t, MemoryCategory::Parameters);
   }
 }
 

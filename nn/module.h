@@ -11,6 +11,7 @@
 // their storage (as `param.data = ...`), so an optimizer built before to() still works.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -31,7 +32,22 @@ class Module {
 
   // x -> y; shapes are documented by each layer.
   virtual Tensor forward(const Tensor& input) = 0;
-  Tensor operator()(const Tensor& input) { return forward(input); }
+  // forward with this module's hooks around it (torch.nn.Module.__call__): the forward
+  // pre-hooks, forward, then the forward hooks, each in registration order. Containers call
+  // their children this way, so hooks on a submodule run inside the model's forward.
+  Tensor operator()(const Tensor& input);
+
+  // fn(module, input) runs before every forward through operator()
+  // (torch.nn.Module.register_forward_pre_hook). Returns an id for remove_forward_hook.
+  using ForwardPreHook = std::function<void(Module& module, const Tensor& input)>;
+  int register_forward_pre_hook(ForwardPreHook hook);
+  // fn(module, input, output) runs after every forward through operator() and returns the
+  // output the caller gets: output itself, or a tensor that replaces it
+  // (torch.nn.Module.register_forward_hook, whose hook may return a new output).
+  using ForwardHook = std::function<Tensor(Module& module, const Tensor& input, const Tensor& output)>;
+  int register_forward_hook(ForwardHook hook);
+  // Removes a pre-hook or hook by id; an unknown id does nothing.
+  void remove_forward_hook(int id);
 
   // All parameters, depth-first in registration order (torch.nn.Module.parameters). A
   // parameter reachable twice (a module registered in two places: tied weights) is one
@@ -117,6 +133,9 @@ class Module {
   std::vector<std::pair<std::string, Tensor>> parameters_;
   std::vector<Buffer> buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  std::vector<std::pair<int, ForwardPreHook>> forward_pre_hooks_;
+  std::vector<std::pair<int, ForwardHook>> forward_hooks_;
+  int next_hook_id_ = 0;
   bool training_ = true;
 };
 

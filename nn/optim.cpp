@@ -3,6 +3,7 @@
 #include <string>
 
 #include "core/autograd.h"
+#include "core/memory.h"
 
 namespace nanoddp::nn {
 
@@ -23,6 +24,7 @@ void SGD::set_lr(float lr) {
 void SGD::step() {
   NoGradGuard no_grad;
   trace::Span span(trace::Lane::Optimizer, "optimizer.step");
+  MemoryCategoryScope state_memory(MemoryCategory::OptimizerState);  // the buffers made here
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = params_[i];
     const Tensor g = checked_grad(i);

@@ -2,6 +2,8 @@
 
 #include <unordered_map>
 
+#include "core/memory.h"
+
 namespace nanoddp::nn {
 
 Optimizer::Optimizer(std::string name, std::vector<Tensor> params) : params_(std::move(params)), name_(std::move(name)) {
@@ -43,6 +45,7 @@ Tensor Optimizer::load_state_tensor(const std::string& key, const Tensor& t, siz
                 t.defined() ? t.shape() : Shape{}, " but parameter ", index, " needs ", expected_shape);
   NANODDP_CHECK(t.dtype() == expected_dtype, ValueError, name_, ".load_state_dict: '", key, "' is ",
                 dtype_name(t.dtype()), ", expected ", dtype_name(expected_dtype));
+  MemoryCategoryScope state_memory(MemoryCategory::OptimizerState);
   return t.to(params_[index].device()).clone();
 }
 

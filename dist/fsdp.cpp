@@ -1,0 +1,549 @@
+#include "dist/fsdp.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <sstream>
+#include <unordered_map>
+
+#include "core/autograd.h"
+#include "core/memory.h"
+#include "core/ops.h"
+#include "core/trace.h"
+#include "dist/host_collectives.h"
+#include "kernels/kernels.h"
+
+namespace nanoddp::dist {
+
+const char* sharding_strategy_name(ShardingStrategy strategy) {
+  switch (strategy) {
+    case ShardingStrategy::FULL_SHARD: return "FULL_SHARD";
+    case ShardingStrategy::SHARD_GRAD_OP: return "SHARD_GRAD_OP";
+    case ShardingStrategy::NO_SHARD: return "NO_SHARD";
+  }
+  return "?";
+}
+
+// One unit of Note [FSDP units].
+struct FullyShardedDataParallel::Unit {
+  std::string name;              // the module's dotted name; "" for the root
+  nn::Module* module = nullptr;  // null for the root, whose forward is this wrapper's
+  std::vector<std::pair<std::string, Tensor>> params;  // the model's own, in model order
+  std::vector<int64_t> offsets;                        // each one's first element in full
+  int64_t numel = 0;        // the parameters' elements
+  int64_t shard_numel = 0;  // S; full holds W * S (NO_SHARD: S = numel, full is shard)
+  Tensor shard;             // this rank's [S], a parameter of the wrapper
+  Tensor full;              // [W * S], freed between uses unless NO_SHARD
+  Tensor full_grad;         // [W * S] while a backward accumulates into it
+  std::shared_ptr<Work> gather_work;
+  double gather_issued_us = 0;
+  bool gathered = false;
+  bool prepared = false;  // this backward made .grad views of full_grad
+  size_t pending = 0;     // parameters whose gradient this backward has not accumulated yet
+  bool reduced = false;   // this backward issued the reduction
+  std::shared_ptr<Work> reduce_work;
+  Tensor reduce_output;   // the shard's mean gradient once reduce_work completes
+  double reduce_issued_us = 0;
+  std::vector<int> hook_ids;  // each parameter's post-accumulate-grad hook
+};
+
+namespace {
+
+// Units get trace lanes of their own, after DDP's bucket lanes.
+constexpr int kFsdpLane = trace::kAllReduceLane + 1000;
+
+std::string unit_label(const std::string& name) { return name.empty() ? "root" : "'" + name + "'"; }
+
+}  // namespace
+
+// The node FSDP puts on a unit's output: identity in value; its backward runs first among the
+// unit's nodes, so it is where the unit's parameters are gathered again (step 3).
+struct FSDPBackwardMarker {
+  static Tensor apply(FullyShardedDataParallel& fsdp, size_t u, const Tensor& output) {
+    FullyShardedDataParallel* self = &fsdp;
+    return record("FSDPPreBackward", output.detach(), {output}, {}, [self, u](const Node&, const Tensor& dy) {
+      self->on_unit_backward_pre(u);
+      return std::vector<Tensor>{dy};
+    });
+  }
+};
+
+FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<nn::Module> module, std::shared_ptr<ProcessGroup> pg,
+                                                   FSDPOptions options)
+    : module_(std::move(module)), pg_(std::move(pg)), options_(std::move(options)) {
+  NANODDP_CHECK(module_ != nullptr && pg_ != nullptr, ValueError, "FullyShardedDataParallel needs a model and a group");
+  build_units();
+}
+
+FullyShardedDataParallel::~FullyShardedDataParallel() {
+  for (auto& [module, ids] : hooks_)
+    for (int id : ids) module->remove_forward_hook(id);
+  for (auto& unit : units_)
+    for (size_t i = 0; i < unit->hook_ids.size(); ++i) unit->params[i].second.remove_hook(unit->hook_ids[i]);
+  // A prefetch still in flight writes into memory the model's parameters keep alive; wait for
+  // it so that nothing writes after the wrapper is gone.
+  for (auto& unit : units_) {
+    try {
+      if (unit->gather_work) unit->gather_work->wait(options_.timeout);
+    } catch (...) {  // destructors never throw; the group reports the failure to its next user
+    }
+  }
+}
+
+void FullyShardedDataParallel::build_units() {
+  const int world = pg_->size();
+  const int rank = pg_->rank();
+  // Every parameter goes to the deepest unit module that holds it (pre-order: a nested unit
+  // comes after its parent and takes its parameters).
+  std::vector<std::pair<std::string, nn::Module*>> unit_modules = {{"", nullptr}};
+  if (options_.auto_wrap_policy) {
+    for (auto& [name, m] : module_->named_modules())
+      if (!name.empty() && options_.auto_wrap_policy(name, *m)) unit_modules.emplace_back(name, m);
+  }
+  std::unordered_map<const TensorImpl*, size_t> owner;
+  const auto contains = [](const std::string& outer, const std::string& inner) {
+    return outer.empty() || inner.rfind(outer + ".", 0) == 0;
+  };
+  for (size_t u = 1; u < unit_modules.size(); ++u) {
+    for (auto& [pname, p] : unit_modules[u].second->named_parameters()) {
+      auto [it, fresh] = owner.emplace(p.impl(), u);
+      if (fresh) continue;
+      const std::string& other = unit_modules[it->second].first;
+      NANODDP_CHECK(contains(other, unit_modules[u].first), ValueError, "FullyShardedDataParallel: parameter '",
+                    unit_modules[u].first, ".", pname, "' is shared by units ", unit_label(other), " and ",
+                    unit_label(unit_modules[u].first),
+                    ": a unit's parameters are flattened and sharded together, so a tied parameter must belong to "
+                    "one unit (wrap a module that holds both users, or leave both to the root)");
+      it->second = u;
+    }
+  }
+  std::vector<std::unique_ptr<Unit>> units(unit_modules.size());
+  for (size_t u = 0; u < units.size(); ++u) {
+    units[u] = std::make_unique<Unit>();
+    units[u]->name = unit_modules[u].first;
+    units[u]->module = unit_modules[u].second;
+  }
+  const auto named = module_->named_parameters();
+  NANODDP_CHECK(!named.empty(), ValueError, "FullyShardedDataParallel: the model has no parameter to shard");
+  for (auto& [pname, p] : named) {
+    NANODDP_CHECK(p.requires_grad(), ValueError, "FullyShardedDataParallel: parameter '", pname,
+                  "' does not require grad; frozen parameters are not sharded here (unfreeze it, or keep it out of "
+                  "the model)");
+    NANODDP_CHECK(p.dtype() == DType::Float32, ValueError, "FullyShardedDataParallel: parameter '", pname, "' is ",
+                  dtype_name(p.dtype()), ", float32 expected");
+    const auto it = owner.find(p.impl());
+    Unit& unit = *units[it == owner.end() ? 0 : it->second];
+    unit.offsets.push_back(unit.numel);
+    unit.params.emplace_back(pname, p);
+    unit.numel += p.numel();
+  }
+  // Units in the order of their first parameter, the root first; units without parameters
+  // (every parameter taken by nested units) are dropped.
+  for (auto& unit : units)
+    if (!unit->params.empty()) units_.push_back(std::move(unit));
+
+  const Device device = named[0].second.device();
+  const bool no_shard = options_.sharding_strategy == ShardingStrategy::NO_SHARD;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = *units_[u];
+    unit.shard_numel = no_shard ? unit.numel : (unit.numel + world - 1) / world;
+    const int64_t padded = no_shard ? unit.numel : unit.shard_numel * world;
+    Tensor full;
+    {
+      MemoryCategoryScope parameters(MemoryCategory::Parameters);
+      full = Tensor::zeros({padded}, DType::Float32, device);
+    }
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      Tensor& p = unit.params[i].second;
+      NANODDP_CHECK(p.device() == device, DeviceError, "FullyShardedDataParallel: parameter '", unit.params[i].first,
+                    "' is on ", p.device(), ", the first on ", device);
+      copy_bytes(full.data<float>() + unit.offsets[i], device, p.data<float>(), p.device(), p.nbytes());
+    }
+    // sync_module_states: every rank starts from rank 0's values.
+    if (world > 1) pg_->broadcast(full, 0)->wait(options_.timeout);
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      Tensor& p = unit.params[i].second;
+      p.set_grad(Tensor());
+      p.set_data(full.slice_view(unit.offsets[i], p.shape()));
+    }
+    unit.full = full;
+    if (no_shard) {
+      unit.shard = register_parameter(unit.name.empty() ? "_flat_param" : unit.name + "._flat_param", full);
+      unit.gathered = true;
+    } else {
+      Tensor shard;
+      {
+        MemoryCategoryScope parameters(MemoryCategory::Parameters);
+        shard = full.slice_view(rank * unit.shard_numel, {unit.shard_numel}).clone();
+      }
+      unit.shard = register_parameter(unit.name.empty() ? "_flat_param" : unit.name + "._flat_param", shard);
+      unit.full.impl()->storage->free_memory();
+    }
+    // Step 4 of Note [FSDP units]: count each parameter's accumulated gradient.
+    for (auto& [pname, p] : unit.params)
+      unit.hook_ids.push_back(p.register_post_accumulate_grad_hook([this, u](Tensor&) { on_param_ready(u); }));
+    if (unit.module != nullptr) {
+      const int pre = unit.module->register_forward_pre_hook(
+          [this, u](nn::Module&, const Tensor&) { on_unit_forward_pre(u); });
+      const int post = unit.module->register_forward_hook(
+          [this, u](nn::Module&, const Tensor&, const Tensor& output) { return on_unit_forward_post(u, output); });
+      hooks_.emplace_back(unit.module, std::vector<int>{pre, post});
+    }
+  }
+  // Buffers (BatchNorm's running statistics) start as rank 0's, as DDP's do.
+  if (world > 1)
+    for (Tensor& b : module_->buffers()) pg_->broadcast(b, 0)->wait(options_.timeout);
+}
+
+std::vector<FullyShardedDataParallel::UnitInfo> FullyShardedDataParallel::units() const {
+  std::vector<UnitInfo> infos;
+  for (const auto& unit : units_) {
+    UnitInfo info;
+    info.name = unit->name;
+    for (auto& [pname, p] : unit->params) info.parameter_names.push_back(pname);
+    info.numel = unit->numel;
+    info.shard_numel = unit->shard_numel;
+    infos.push_back(std::move(info));
+  }
+  return infos;
+}
+
+bool FullyShardedDataParallel::frees_after_forward(size_t u) const {
+  if (options_.sharding_strategy == ShardingStrategy::NO_SHARD) return false;
+  if (!is_grad_enabled() || !is_training()) return true;
+  // The root's backward comes first, so it keeps its parameters (torch's root does too).
+  return options_.sharding_strategy == ShardingStrategy::FULL_SHARD && units_[u]->module != nullptr;
+}
+
+void FullyShardedDataParallel::gather(size_t u) {
+  Unit& unit = *units_[u];
+  if (unit.gathered || unit.gather_work) return;
+  const int world = pg_->size();
+  unit.full.impl()->storage->reallocate();
+  std::vector<Tensor> outputs;
+  for (int r = 0; r < world; ++r) outputs.push_back(unit.full.slice_view(r * unit.shard_numel, {unit.shard_numel}));
+  if (trace::enabled()) unit.gather_issued_us = trace::now_us();
+  unit.gather_work = pg_->all_gather(outputs, unit.shard.detach());
+}
+
+void FullyShardedDataParallel::wait_gathered(size_t u) {
+  Unit& unit = *units_[u];
+  if (unit.gathered) return;
+  gather(u);
+  if (pg_->collectives_run_in_wait() && trace::enabled()) unit.gather_issued_us = trace::now_us();
+  unit.gather_work->wait(options_.timeout);
+  unit.gather_work.reset();
+  unit.gathered = true;
+  if (trace::enabled())
+    trace::complete(kFsdpLane + static_cast<int>(u), "all_gather " + unit_label(unit.name), unit.gather_issued_us,
+                    trace::now_us(),
+                    "\"unit\":" + std::to_string(u) + ",\"bytes\":" + std::to_string(unit.shard.nbytes()) +
+                        ",\"world_size\":" + std::to_string(pg_->size()));
+}
+
+void FullyShardedDataParallel::reshard(size_t u) {
+  Unit& unit = *units_[u];
+  if (options_.sharding_strategy == ShardingStrategy::NO_SHARD || !unit.gathered) return;
+  unit.full.impl()->storage->free_memory();
+  unit.gathered = false;
+}
+
+void FullyShardedDataParallel::prefetch_after(const std::vector<size_t>& order, size_t u) {
+  const auto it = std::find(order.begin(), order.end(), u);
+  if (it != order.end() && it + 1 != order.end()) gather(*(it + 1));
+}
+
+void FullyShardedDataParallel::on_unit_forward_pre(size_t u) {
+  const bool training = is_grad_enabled() && is_training();
+  if (training && !forward_order_known_) forward_order_.push_back(u);
+  wait_gathered(u);
+  if (training && options_.forward_prefetch && forward_order_known_) prefetch_after(forward_order_, u);
+}
+
+Tensor FullyShardedDataParallel::on_unit_forward_post(size_t u, const Tensor& output) {
+  if (frees_after_forward(u)) reshard(u);
+  if (!is_grad_enabled() || !output.defined() || !output.requires_grad()) return output;
+  return FSDPBackwardMarker::apply(*this, u, output);
+}
+
+Tensor FullyShardedDataParallel::forward(const Tensor& input) {
+  module_->train(is_training());  // the model is not a registered child (its parameters are views)
+  const bool training = is_grad_enabled() && is_training();
+  if (training && !forward_order_.empty()) forward_order_known_ = true;  // the first forward recorded it
+  const bool has_root = units_[0]->module == nullptr;
+  if (has_root) on_unit_forward_pre(0);
+  Tensor output = (*module_)(input);
+  if (!has_root) return output;
+  return on_unit_forward_post(0, output);
+}
+
+void FullyShardedDataParallel::on_unit_backward_pre(size_t u) {
+  if (!in_backward_) {
+    in_backward_ = true;
+    reduce_order_.clear();
+    queue_callback([this] { finish_backward(); });
+  }
+  Unit& unit = *units_[u];
+  if (!backward_order_known_ && std::find(backward_order_.begin(), backward_order_.end(), u) == backward_order_.end())
+    backward_order_.push_back(u);
+  wait_gathered(u);
+  if (!unit.prepared) {
+    if (!unit.full_grad.defined()) {
+      MemoryCategoryScope gradients(MemoryCategory::Gradients);
+      unit.full_grad = Tensor::zeros(unit.full.shape(), DType::Float32, unit.full.device());
+    }
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      Tensor& p = unit.params[i].second;
+      Tensor view = unit.full_grad.slice_view(unit.offsets[i], p.shape());
+      if (!p.grad().is_alias_of(unit.full_grad)) p.set_grad(view);
+    }
+    unit.pending = unit.params.size();
+    unit.reduced = false;
+    unit.prepared = true;
+  }
+  if (options_.backward_prefetch && backward_order_known_) prefetch_after(backward_order_, u);
+}
+
+void FullyShardedDataParallel::on_param_ready(size_t u) {
+  Unit& unit = *units_[u];
+  if (!in_backward_ || !unit.prepared || unit.pending == 0) return;
+  if (--unit.pending == 0) reduce(u);
+}
+
+// Step 4: the unit's gradient is complete on this rank.
+void FullyShardedDataParallel::reduce(size_t u) {
+  Unit& unit = *units_[u];
+  if (unit.reduced) return;
+  unit.reduced = true;
+  if (sync_) {
+    if (trace::enabled()) unit.reduce_issued_us = trace::now_us();
+    if (options_.sharding_strategy == ShardingStrategy::NO_SHARD) {
+      unit.reduce_output = unit.full_grad;
+      unit.reduce_work = pg_->all_reduce(unit.reduce_output, ReduceOp::Avg);
+    } else {
+      {
+        MemoryCategoryScope gradients(MemoryCategory::Gradients);
+        unit.reduce_output = Tensor::empty({unit.shard_numel}, DType::Float32, unit.full.device());
+      }
+      std::vector<Tensor> inputs;
+      for (int r = 0; r < pg_->size(); ++r)
+        inputs.push_back(unit.full_grad.slice_view(r * unit.shard_numel, {unit.shard_numel}));
+      unit.reduce_work = pg_->reduce_scatter(unit.reduce_output, inputs, ReduceOp::Avg);
+    }
+    reduce_order_.push_back(u);
+  }
+  reshard(u);
+}
+
+// Step 5, queued by the first unit's backward: runs once every node and hook is done.
+void FullyShardedDataParallel::finish_backward() {
+  in_backward_ = false;
+  if (!backward_order_.empty()) backward_order_known_ = true;
+  // A unit no gradient reached (its output unused) is reduced now, in unit order, so that
+  // every rank issues the same collectives.
+  for (size_t u = 0; u < units_.size(); ++u)
+    if (units_[u]->prepared && !units_[u]->reduced) reduce(u);
+  for (size_t u : reduce_order_) {
+    Unit& unit = *units_[u];
+    if (pg_->collectives_run_in_wait() && trace::enabled()) unit.reduce_issued_us = trace::now_us();
+    unit.reduce_work->wait(options_.timeout);
+    unit.reduce_work.reset();
+    if (trace::enabled())
+      trace::complete(kFsdpLane + static_cast<int>(u),
+                      std::string(options_.sharding_strategy == ShardingStrategy::NO_SHARD ? "all_reduce "
+                                                                                           : "reduce_scatter ") +
+                          unit_label(unit.name),
+                      unit.reduce_issued_us, trace::now_us(),
+                      "\"unit\":" + std::to_string(u) + ",\"bytes\":" + std::to_string(unit.reduce_output.nbytes()));
+    Tensor grad = unit.shard.grad();
+    if (!grad.defined()) {
+      unit.shard.set_grad(unit.reduce_output);
+    } else {
+      NANODDP_DISPATCH(grad.device(), accumulate, grad.data<float>(), unit.reduce_output.data<float>(), 1.0f,
+                       grad.numel());
+    }
+    unit.reduce_output = Tensor();
+    for (auto& [pname, p] : unit.params) p.set_grad(Tensor());
+    unit.full_grad = Tensor();
+  }
+  reduce_order_.clear();
+  for (size_t u = 0; u < units_.size(); ++u) {
+    units_[u]->prepared = false;
+    reshard(u);
+  }
+}
+
+float FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_type, bool error_if_nonfinite) {
+  const bool infinity = std::isinf(norm_type) && norm_type > 0;
+  NANODDP_CHECK(norm_type == 2.0 || infinity, ValueError,
+                "FullyShardedDataParallel.clip_grad_norm_: norm_type must be 2 or infinity, got ", norm_type);
+  NANODDP_CHECK(max_norm >= 0, ValueError, "FullyShardedDataParallel.clip_grad_norm_: max_norm must be >= 0, got ",
+                max_norm);
+  double local = 0;
+  for (const auto& unit : units_) {
+    const Tensor grad = unit->shard.grad();
+    if (!grad.defined()) continue;
+    for (float g : grad.to_vector()) {
+      const double a = std::fabs(static_cast<double>(g));
+      if (infinity)
+        local = std::isnan(a) || std::isnan(local) ? NAN : std::max(local, a);
+      else
+        local += a * a;
+    }
+  }
+  double total = local;
+  if (options_.sharding_strategy != ShardingStrategy::NO_SHARD && pg_->size() > 1) {
+    // float32 on the wire: the groups reduce float32 and int64 only.
+    const std::vector<float> reduced =
+        all_reduce_host(*pg_, std::vector<float>{static_cast<float>(local)}, infinity ? ReduceOp::Max : ReduceOp::Sum);
+    total = reduced[0];
+  }
+  const float norm = static_cast<float>(infinity ? total : std::sqrt(total));
+  NANODDP_CHECK(std::isfinite(norm) || !error_if_nonfinite, ValueError,
+                "FullyShardedDataParallel.clip_grad_norm_: the total norm of order ", norm_type, " is ", norm,
+                " (a NaN or infinite gradient); with error_if_nonfinite=false the gradients are scaled anyway");
+  const float coef = static_cast<float>(max_norm / (static_cast<double>(norm) + 1e-6));
+  if (coef < 1.0f || std::isnan(coef)) {
+    NoGradGuard no_grad;
+    for (const auto& unit : units_) {
+      Tensor grad = unit->shard.grad();
+      if (grad.defined()) grad.copy_(grad * coef);
+    }
+  }
+  return norm;
+}
+
+nn::StateDict FullyShardedDataParallel::full_state_dict(bool rank0_only) {
+  for (size_t u = 0; u < units_.size(); ++u) gather(u);
+  for (size_t u = 0; u < units_.size(); ++u) wait_gathered(u);
+  nn::StateDict state;
+  if (!rank0_only || pg_->rank() == 0) state = module_->state_dict();
+  for (size_t u = 0; u < units_.size(); ++u) reshard(u);
+  return state;
+}
+
+void FullyShardedDataParallel::load_full_state_dict(const nn::StateDict& state) {
+  for (size_t u = 0; u < units_.size(); ++u) gather(u);
+  for (size_t u = 0; u < units_.size(); ++u) wait_gathered(u);
+  try {
+    module_->load_state_dict(state);
+  } catch (...) {
+    for (size_t u = 0; u < units_.size(); ++u) reshard(u);
+    throw;
+  }
+  if (options_.sharding_strategy != ShardingStrategy::NO_SHARD) {
+    for (auto& unit : units_) {
+      const Tensor mine = unit->full.slice_view(pg_->rank() * unit->shard_numel, {unit->shard_numel});
+      unit->shard.detach().copy_(mine);
+    }
+  }
+  for (size_t u = 0; u < units_.size(); ++u) reshard(u);
+}
+
+namespace {
+
+// "exp_avg.3" -> {"exp_avg", 3}; ValueError otherwise.
+std::pair<std::string, size_t> split_state_key(const std::string& key) {
+  const size_t dot = key.rfind('.');
+  NANODDP_CHECK(dot != std::string::npos && dot + 1 < key.size() &&
+                    key.find_first_not_of("0123456789", dot + 1) == std::string::npos,
+                ValueError, "FullyShardedDataParallel: optimizer state key '", key,
+                "' is not <buffer>.<parameter index>");
+  return {key.substr(0, dot), static_cast<size_t>(std::stoull(key.substr(dot + 1)))};
+}
+
+}  // namespace
+
+nn::StateDict FullyShardedDataParallel::full_optim_state_dict(const nn::Optimizer& optimizer) {
+  const std::vector<Tensor> shards = parameters();
+  NANODDP_CHECK(optimizer.params().size() == shards.size(), ValueError,
+                "FullyShardedDataParallel.full_optim_state_dict: the optimizer has ", optimizer.params().size(),
+                " parameters; one built on this wrapper's parameters() has ", shards.size());
+  const nn::StateDict local = optimizer.state_dict();
+  // The model's parameter index of each unit's parameters.
+  std::unordered_map<const TensorImpl*, size_t> model_index;
+  const auto model_params = module_->parameters();
+  for (size_t j = 0; j < model_params.size(); ++j) model_index[model_params[j].impl()] = j;
+  nn::StateDict full;
+  for (const auto& [key, value] : local) {  // the same keys in the same order on every rank
+    const auto [buffer, i] = split_state_key(key);
+    NANODDP_CHECK(i < units_.size(), ValueError, "FullyShardedDataParallel.full_optim_state_dict: key '", key,
+                  "' names parameter ", i, " of ", units_.size());
+    const Unit& unit = *units_[i];
+    const bool flat = value.dtype() == DType::Float32 && value.numel() == unit.shard_numel && value.dim() == 1;
+    Tensor gathered;
+    if (flat && options_.sharding_strategy != ShardingStrategy::NO_SHARD) {
+      gathered = Tensor::empty({unit.shard_numel * pg_->size()}, DType::Float32, Device::cpu());
+      std::vector<Tensor> outputs;
+      for (int r = 0; r < pg_->size(); ++r)
+        outputs.push_back(gathered.slice_view(r * unit.shard_numel, {unit.shard_numel}));
+      const Tensor input = value.to(pg_->device());
+      if (pg_->device() == Device::cpu()) {
+        pg_->all_gather(outputs, input)->wait(options_.timeout);
+      } else {
+        Tensor on_device = gathered.to(pg_->device());
+        std::vector<Tensor> device_outputs;
+        for (int r = 0; r < pg_->size(); ++r)
+          device_outputs.push_back(on_device.slice_view(r * unit.shard_numel, {unit.shard_numel}));
+        pg_->all_gather(device_outputs, input)->wait(options_.timeout);
+        gathered = on_device.to(Device::cpu());
+      }
+    } else if (flat) {
+      gathered = value;
+    }
+    for (size_t k = 0; k < unit.params.size(); ++k) {
+      const Tensor& p = unit.params[k].second;
+      const std::string name = buffer + "." + std::to_string(model_index.at(p.impl()));
+      full[name] = flat ? gathered.slice_view(unit.offsets[k], p.shape()).clone() : value.clone();
+    }
+  }
+  return full;
+}
+
+nn::StateDict FullyShardedDataParallel::shard_full_optim_state_dict(const nn::StateDict& full) const {
+  const auto model_params = module_->parameters();
+  std::unordered_map<const TensorImpl*, size_t> model_index;
+  for (size_t j = 0; j < model_params.size(); ++j) model_index[model_params[j].impl()] = j;
+  std::vector<std::pair<size_t, size_t>> where(model_params.size());  // model index -> (unit, k)
+  for (size_t u = 0; u < units_.size(); ++u)
+    for (size_t k = 0; k < units_[u]->params.size(); ++k)
+      where[model_index.at(units_[u]->params[k].second.impl())] = {u, k};
+  // buffer -> unit -> entries found
+  std::map<std::string, std::map<size_t, std::vector<std::pair<size_t, Tensor>>>> grouped;
+  for (const auto& [key, value] : full) {
+    const auto [buffer, j] = split_state_key(key);
+    NANODDP_CHECK(j < model_params.size(), ValueError, "FullyShardedDataParallel.shard_full_optim_state_dict: key '",
+                  key, "' names parameter ", j, " but the model has ", model_params.size());
+    grouped[buffer][where[j].first].emplace_back(where[j].second, value);
+  }
+  nn::StateDict sharded;
+  const bool no_shard = options_.sharding_strategy == ShardingStrategy::NO_SHARD;
+  for (const auto& [buffer, by_unit] : grouped) {
+    for (const auto& [u, entries] : by_unit) {
+      const Unit& unit = *units_[u];
+      const std::string key = buffer + "." + std::to_string(u);
+      const Tensor& first_param = unit.params[entries[0].first].second;
+      const bool per_element = entries[0].second.dtype() == DType::Float32 &&
+                               entries[0].second.shape() == first_param.shape();
+      if (!per_element) {
+        sharded[key] = entries[0].second.clone();
+        continue;
+      }
+      const int64_t padded = no_shard ? unit.numel : unit.shard_numel * pg_->size();
+      Tensor flat = Tensor::zeros({padded});
+      for (const auto& [k, value] : entries) {
+        const Tensor& p = unit.params[k].second;
+        NANODDP_CHECK(value.shape() == p.shape() && value.dtype() == DType::Float32, ShapeError,
+                      "FullyShardedDataParallel.shard_full_optim_state_dict: '", buffer, "' of parameter '",
+                      unit.params[k].first, "' is ", value.shape(), " ", dtype_name(value.dtype()), ", expected ",
+                      p.shape(), " float32");
+        flat.slice_view(unit.offsets[k], p.shape()).copy_(value.to(Device::cpu()));
+      }
+      sharded[key] = no_shard ? flat : flat.slice_view(pg_->rank() * unit.shard_numel, {unit.shard_numel}).clone();
+    }
+  }
+  return sharded;
+}
+
+}  // namespace nanoddp::dist

@@ -1,0 +1,198 @@
+// FullyShardedDataParallel: data parallelism that shards the model state itself
+// (torch.distributed.fsdp.FullyShardedDataParallel; ZeRO stages 2 and 3).
+//
+//   auto pg = dist::init_process_group();
+//   dist::FSDPOptions options;
+//   options.auto_wrap_policy = dist::module_wrap_policy<nn::Linear, nn::Conv2d>();
+//   dist::FullyShardedDataParallel fsdp(model, pg, options);      // model: shared_ptr<nn::Module>
+//   nn::AdamW opt(fsdp.parameters(), {});                          // steps this rank's shards
+//   opt.zero_grad();  loss_fn(fsdp(x), y).backward();  opt.step();
+//
+// Note [FSDP units]
+// The model is split into units: every submodule the auto-wrap policy picks (each one's
+// parameters, less those of units nested in it) and the root (every parameter no unit
+// claimed). A unit's parameters are flattened into one vector of numel elements, padded to
+// W * S with S = ceil(numel / W), and rank r keeps elements [r S, (r + 1) S): its shard, a
+// parameter of this module named "<unit>._flat_param" ("_flat_param" for the root). That is
+// what parameters() returns and what an optimizer steps, so its state is sharded with it.
+// A unit's life in one step, with FULL_SHARD (ZeRO-3):
+//   1. before the unit's forward: all_gather the shards into the full flat vector; the
+//      module's own parameters are views of it (Note [Freeing a storage in place]);
+//   2. after its forward: free the full vector (the root keeps it until backward, as torch's
+//      root does: its backward comes first);
+//   3. before its backward (an autograd node on the unit's output): all_gather again, and
+//      make every parameter's .grad a view of one zeroed full-size gradient vector;
+//   4. once every parameter's gradient is accumulated (post-accumulate-grad hooks):
+//      reduce_scatter(avg) the gradient vector, so this rank holds the mean gradient of its
+//      shard only, and free the full parameters;
+//   5. at the end of backward: wait for every reduce_scatter in the order issued, add each
+//      result into its shard's .grad, free the full gradient vectors.
+// SHARD_GRAD_OP (ZeRO-2) keeps the full parameters from step 1 to step 4 (one all_gather per
+// step); NO_SHARD keeps everything full and replaces step 4's reduce_scatter by an
+// all_reduce(avg): DDP's behaviour through the same code. A forward without grad (eval)
+// frees the full parameters after every unit's forward whatever the strategy (but NO_SHARD).
+//
+// Prefetch (torch's forward_prefetch / backward_prefetch=BACKWARD_PRE): the next unit's
+// all_gather is issued before this unit computes, in the order units ran in the first
+// forward and the first backward, so that communication overlaps computation where the
+// backend moves data while no thread waits (Gloo's worker, NCCL, MPI). It costs one more
+// unit's full parameters in memory.
+//
+// Communication per step (Ψ parameters in units the root does not hold, float32): FULL_SHARD
+// all_gathers Ψ twice and reduce_scatters Ψ once, 3Ψ·4 bytes of payload against DDP's
+// all-reduce of Ψ (2Ψ as a ring: a reduce-scatter plus an all-gather); SHARD_GRAD_OP 2Ψ.
+// The process group's counters count each all_gather's input and each reduce_scatter's
+// output, S·4 bytes per unit (docs/ddp/12-sharding.md works the numbers).
+//
+// Contract: every rank builds the same model and calls forward and backward in the same
+// order (every rank's backward reaches the same units: a unit no gradient reaches is reduced
+// at the end of backward, in unit order). Construction broadcasts rank 0's parameters and
+// buffers (torch's sync_module_states=True), as DDP's does. Errors: ValueError for a model
+// with no parameter, a parameter that does not require grad (frozen parameters are not
+// sharded here), a parameter two units share (named, with both units), or a parameter used
+// through the module outside forward; DistError and TimeoutError from the collectives; a
+// parameter read while its unit is resharded throws ValueError from Tensor::data.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dist/process_group.h"
+#include "nn/module.h"
+#include "nn/optimizer.h"
+
+namespace nanoddp::dist {
+
+// torch.distributed.fsdp.ShardingStrategy.
+enum class ShardingStrategy { FULL_SHARD, SHARD_GRAD_OP, NO_SHARD };
+const char* sharding_strategy_name(ShardingStrategy strategy);  // "FULL_SHARD", ...
+
+// Which submodules become units: called on every module below the root, depth-first, with
+// its dotted name. torch's auto_wrap_policy.
+using AutoWrapPolicy = std::function<bool(const std::string& name, nn::Module& module)>;
+
+// Every module of one of the given types is a unit (torch's ModuleWrapPolicy({nn.Linear})).
+template <typename... Modules>
+AutoWrapPolicy module_wrap_policy() {
+  return [](const std::string&, nn::Module& module) { return ((dynamic_cast<Modules*>(&module) != nullptr) || ...); };
+}
+
+struct FSDPOptions {
+  ShardingStrategy sharding_strategy = ShardingStrategy::FULL_SHARD;
+  // Empty: the root is the only unit.
+  AutoWrapPolicy auto_wrap_policy;
+  // Issue the next unit's all_gather before this unit's forward (torch's default: false).
+  bool forward_prefetch = false;
+  // Issue the next unit's all_gather before this unit's backward (torch's BACKWARD_PRE, its
+  // default).
+  bool backward_prefetch = true;
+  std::chrono::milliseconds timeout = kDefaultTimeout;
+};
+
+class FullyShardedDataParallel : public nn::Module {
+ public:
+  // Collective: every rank constructs it in the same order over the same model. The model's
+  // parameters become views of the units' full vectors, which hold memory only while their
+  // unit is gathered (always with NO_SHARD): use the model through this wrapper, and take its
+  // weights out with full_state_dict().
+  FullyShardedDataParallel(std::shared_ptr<nn::Module> module, std::shared_ptr<ProcessGroup> pg,
+                           FSDPOptions options = {});
+  ~FullyShardedDataParallel() override;
+  FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
+  FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
+
+  // The model's forward with the units gathered around their own forwards (Note [FSDP units]).
+  Tensor forward(const Tensor& input) override;
+
+  nn::Module& module() { return *module_; }
+  const ProcessGroup& process_group() const { return *pg_; }
+  ShardingStrategy sharding_strategy() const { return options_.sharding_strategy; }
+
+  // While the guard lives, backward keeps each unit's full gradient and reduces nothing; the
+  // first backward after it reduce-scatters the accumulated sum (torch's fsdp.no_sync()).
+  // The full gradients stay in memory meanwhile: 4 bytes per parameter.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(FullyShardedDataParallel& fsdp) : fsdp_(fsdp), previous_(fsdp.sync_) { fsdp_.sync_ = false; }
+    ~NoSyncGuard() { fsdp_.sync_ = previous_; }
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    FullyShardedDataParallel& fsdp_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  // Scales the shards' gradients so that the norm of the whole gradient is at most max_norm,
+  // and returns that norm (torch's FullyShardedDataParallel.clip_grad_norm_): each rank sums
+  // its shards' |g|^2 (or takes the max for norm_type infinity), one all_reduce combines them
+  // (none for NO_SHARD, where every rank holds all of it). norm_type 2 or infinity; ValueError
+  // otherwise, or for max_norm < 0; and as nn::clip_grad_norm_ for a non-finite norm with
+  // error_if_nonfinite. A collective.
+  float clip_grad_norm_(double max_norm, double norm_type = 2.0, bool error_if_nonfinite = false);
+
+  // The model's state_dict with its own names ("0.weight"), gathered: on rank 0 only when
+  // rank0_only (torch's FULL_STATE_DICT with rank0_only=True; other ranks get {}). Loads
+  // into the unwrapped model. A collective: every unit's all_gather, in unit order.
+  nn::StateDict full_state_dict(bool rank0_only = true);
+  // Loads a full state (the model's names and shapes; every rank passes the same) into the
+  // shards, as Module::load_state_dict with strict does (same errors). A collective.
+  void load_full_state_dict(const nn::StateDict& state);
+  // state_dict() itself is this rank's shards ("0._flat_param", torch's LOCAL_STATE_DICT):
+  // save one file per rank, load at the same world size (a shard of another size is a
+  // ShapeError naming it).
+
+  // The state of an optimizer built on parameters(), gathered and unflattened into the model's
+  // parameters: keys "<buffer>.<i>" with i indexing module().parameters(), as a plain optimizer
+  // over the unwrapped model would have it (torch's FSDP.full_optim_state_dict). A state
+  // entry of a shard's size is gathered and cut per parameter; any other entry (a step count)
+  // is given to each parameter of its unit. Every rank gets it. A collective.
+  nn::StateDict full_optim_state_dict(const nn::Optimizer& optimizer);
+  // The reverse, with no collective: this rank's share of such a full state, to pass to the
+  // optimizer's load_state_dict (torch's FSDP.shard_full_optim_state_dict). ValueError for a
+  // key of no parameter, ShapeError for an entry of the wrong shape.
+  nn::StateDict shard_full_optim_state_dict(const nn::StateDict& full) const;
+
+  // What --explain prints: per unit its name, its parameters (elements, before padding) and
+  // this rank's shard (elements).
+  struct UnitInfo {
+    std::string name;  // "" for the root
+    std::vector<std::string> parameter_names;
+    int64_t numel = 0;
+    int64_t shard_numel = 0;
+  };
+  std::vector<UnitInfo> units() const;
+
+ private:
+  struct Unit;
+  friend struct FSDPBackwardMarker;
+  void build_units();
+  void gather(size_t u);         // issue the all_gather unless gathered or in flight
+  void wait_gathered(size_t u);  // issue if needed, then wait
+  void reshard(size_t u);
+  void prefetch_after(const std::vector<size_t>& order, size_t u);
+  void on_unit_forward_pre(size_t u);
+  Tensor on_unit_forward_post(size_t u, const Tensor& output);
+  void on_unit_backward_pre(size_t u);
+  void on_param_ready(size_t u);
+  void reduce(size_t u);
+  void finish_backward();
+  bool frees_after_forward(size_t u) const;
+
+  std::shared_ptr<nn::Module> module_;
+  std::shared_ptr<ProcessGroup> pg_;
+  FSDPOptions options_;
+  std::vector<std::unique_ptr<Unit>> units_;  // the root is units_[0] when it holds parameters
+  std::vector<std::pair<nn::Module*, std::vector<int>>> hooks_;  // to remove at destruction
+  std::vector<size_t> forward_order_, backward_order_;
+  bool forward_order_known_ = false, backward_order_known_ = false;
+  bool in_backward_ = false;
+  bool sync_ = true;
+  std::vector<size_t> reduce_order_;  // units whose reduction was issued this backward
+};
+
+}  // namespace nanoddp::dist

@@ -1,0 +1,510 @@
+// FullyShardedDataParallel on real process groups. The property that proves it: FULL_SHARD,
+// SHARD_GRAD_OP, NO_SHARD and DDP on W ranks all train like one process on the global batch,
+// for an MLP and a CNN, with SGD + momentum and AdamW. Cases run their ranks on Gloo, forked;
+// the last cases rerun this file with NANODDP_TEST_BACKEND=shm and under `mpirun -np 2`.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <unistd.h>
+#include <sstream>
+
+#include "core/memory.h"
+#include "core/ops.h"
+#include "dist/ddp.h"
+#include "dist/fsdp.h"
+#include "dist/init.h"
+#include "nn/adam.h"
+#include "nn/checkpoint.h"
+#include "nn/clip_grad.h"
+#include "nn/conv.h"
+#include "nn/layers.h"
+#include "nn/optim.h"
+#include "tests/dist_ranks.h"
+#include "tests/multiprocess.h"
+#include "tests/subprocess.h"
+
+using namespace nanoddp;
+using nanoddp::testing::expect;
+using nanoddp::testing::on_ranks;
+using nanoddp::testing::under_mpirun;
+using namespace std::chrono_literals;
+using dist::ShardingStrategy;
+
+namespace {
+
+constexpr int64_t kGlobalBatch = 12;  // splits evenly over 1, 2, 3 and 4 ranks
+
+// 5 -> 6 -> 3: units of 36 and 21 elements, so shards are padded at 2 and 4 ranks (18 + 11,
+// 9 + 6) and uneven at none; at 3 ranks 12 + 7.
+std::shared_ptr<nn::Module> make_mlp(uint64_t seed) {
+  Generator gen(seed);
+  auto model = std::make_shared<nn::Sequential>();
+  model->add(nn::Linear(5, 6, gen));
+  model->add(nn::ReLU());
+  model->add(nn::Linear(6, 3, gen));
+  return model;
+}
+
+// [N, 1, 6, 6] images as rows of 36: Conv(1->2, 3) -> [N, 2, 4, 4], MaxPool(2) -> [N, 2, 2, 2],
+// Linear(8, 3).
+class SmallCnn : public nn::Module {
+ public:
+  explicit SmallCnn(uint64_t seed) {
+    Generator gen(seed);
+    body_ = register_module("body", std::make_shared<nn::Sequential>());
+    body_->add(nn::Conv2d(1, 2, 3, gen));
+    body_->add(nn::ReLU());
+    body_->add(nn::MaxPool2d(2));
+    body_->add(nn::Flatten());
+    body_->add(nn::Linear(8, 3, gen));
+  }
+  Tensor forward(const Tensor& input) override { return (*body_)(input.reshape({input.size(0), 1, 6, 6})); }
+
+ private:
+  std::shared_ptr<nn::Sequential> body_;
+};
+
+struct ModelKind {
+  const char* name;
+  int64_t features;
+  std::function<std::shared_ptr<nn::Module>(uint64_t)> make;
+  dist::AutoWrapPolicy policy;
+};
+
+std::vector<ModelKind> model_kinds() {
+  return {
+      {"MLP, every Linear a unit", 5, make_mlp, dist::module_wrap_policy<nn::Linear>()},
+      // The root keeps the last Linear: a unit of its own that is gathered once per step.
+      {"MLP, the root holds the last layer", 5, make_mlp,
+       [](const std::string& name, nn::Module&) { return name == "0"; }},
+      {"CNN, Conv2d and Linear units", 36, [](uint64_t seed) { return std::make_shared<SmallCnn>(seed); },
+       dist::module_wrap_policy<nn::Conv2d, nn::Linear>()},
+  };
+}
+
+struct Batch {
+  Tensor x, y;
+};
+Batch global_batch(int step, int64_t features) {
+  Generator gen(500 + step);
+  Tensor x = Tensor::randn({kGlobalBatch, features}, gen);
+  std::vector<int64_t> labels;
+  for (int i = 0; i < kGlobalBatch; ++i) labels.push_back(static_cast<int64_t>(gen.randint(3)));
+  return {x, Tensor::from_vector(labels)};
+}
+Batch rows(const Batch& b, int64_t begin, int64_t end) {
+  const int64_t F = b.x.size(1);
+  std::vector<float> xs = b.x.to_vector();
+  std::vector<int64_t> ys = b.y.to_int_vector();
+  return {Tensor::from_vector(std::vector<float>(xs.begin() + begin * F, xs.begin() + end * F), {end - begin, F}),
+          Tensor::from_vector(std::vector<int64_t>(ys.begin() + begin, ys.begin() + end))};
+}
+Batch share(const Batch& b, int rank, int world) {
+  const int64_t per_rank = kGlobalBatch / world;
+  return rows(b, rank * per_rank, (rank + 1) * per_rank);
+}
+
+std::unique_ptr<nn::Optimizer> make_optimizer(bool adamw, std::vector<Tensor> params) {
+  if (adamw) {
+    nn::AdamWOptions options;
+    options.lr = 0.05f;
+    return std::make_unique<nn::AdamW>(std::move(params), options);
+  }
+  return std::make_unique<nn::SGD>(std::move(params), nn::SGDOptions{/*lr=*/0.1f, /*momentum=*/0.9f});
+}
+
+// One process on the global batch: the reference.
+nn::StateDict train_reference(const ModelKind& kind, bool adamw, int steps) {
+  auto model = kind.make(7);
+  auto opt = make_optimizer(adamw, model->parameters());
+  for (int s = 0; s < steps; ++s) {
+    const Batch b = global_batch(s, kind.features);
+    opt->zero_grad();
+    cross_entropy((*model)(b.x), b.y).backward();
+    opt->step();
+  }
+  return model->state_dict();
+}
+
+// Largest |a - b| of any entry, and which.
+std::string worst_difference(const nn::StateDict& got, const nn::StateDict& want, float tolerance, bool* ok) {
+  std::ostringstream report;
+  *ok = got.size() == want.size();
+  if (!*ok) report << got.size() << " entries, expected " << want.size() << "\n";
+  for (const auto& [key, w] : want) {
+    const auto it = got.find(key);
+    if (it == got.end()) {
+      report << key << ": missing\n";
+      *ok = false;
+      continue;
+    }
+    if (w.dtype() == DType::Int64) {  // step counts: equal or not
+      const bool same = it->second.dtype() == DType::Int64 && it->second.to_int_vector() == w.to_int_vector();
+      report << key << (same ? ": equal\n" : ": differs\n");
+      *ok = *ok && same;
+      continue;
+    }
+    const std::vector<float> a = it->second.to_vector(), b = w.to_vector();
+    float worst = a.size() == b.size() ? 0.0f : INFINITY;
+    for (size_t j = 0; j < std::min(a.size(), b.size()); ++j) worst = std::max(worst, std::abs(a[j] - b[j]));
+    report << key << ": max |diff| " << worst << "\n";
+    if (!(worst <= tolerance)) *ok = false;
+  }
+  return report.str();
+}
+
+constexpr float kTolerance = 2e-5f;  // float sums in another order: 4 steps of lr 0.1 / 0.05
+constexpr int kSteps = 4;
+
+dist::FSDPOptions fsdp_options(ShardingStrategy strategy, const dist::AutoWrapPolicy& policy) {
+  dist::FSDPOptions options;
+  options.sharding_strategy = strategy;
+  options.auto_wrap_policy = policy;
+  options.forward_prefetch = true;
+  return options;
+}
+
+// Every strategy and DDP, every model kind and both optimizers, on `world` ranks.
+void check_exactness(int world) {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(world, [&](int rank) {
+    auto pg = testing::join(rank, world, port);
+    for (const ModelKind& kind : model_kinds()) {
+      for (const bool adamw : {false, true}) {
+        const nn::StateDict want = train_reference(kind, adamw, kSteps);
+        for (const char* strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "DDP"}) {
+          nn::StateDict got;
+          // Rank 1 starts from other weights: construction must replace them with rank 0's.
+          auto model = kind.make(rank == 0 ? 7 : 99);
+          if (std::string(strategy) == "DDP") {
+            auto ddp = std::make_shared<dist::DistributedDataParallel>(model, pg);
+            auto opt = make_optimizer(adamw, ddp->parameters());
+            for (int s = 0; s < kSteps; ++s) {
+              const Batch b = share(global_batch(s, kind.features), rank, world);
+              opt->zero_grad();
+              cross_entropy((*ddp)(b.x), b.y).backward();
+              opt->step();
+            }
+            got = model->state_dict();
+          } else {
+            const ShardingStrategy which = std::string(strategy) == "FULL_SHARD"      ? ShardingStrategy::FULL_SHARD
+                                           : std::string(strategy) == "SHARD_GRAD_OP" ? ShardingStrategy::SHARD_GRAD_OP
+                                                                                      : ShardingStrategy::NO_SHARD;
+            dist::FullyShardedDataParallel fsdp(model, pg, fsdp_options(which, kind.policy));
+            auto opt = make_optimizer(adamw, fsdp.parameters());
+            for (int s = 0; s < kSteps; ++s) {
+              const Batch b = share(global_batch(s, kind.features), rank, world);
+              opt->zero_grad();
+              cross_entropy(fsdp(b.x), b.y).backward();
+              opt->step();
+            }
+            got = fsdp.full_state_dict(/*rank0_only=*/false);
+          }
+          bool ok = false;
+          const std::string report = worst_difference(got, want, kTolerance, &ok);
+          expect(ok, "rank ", rank, "/", world, " ", strategy, ", ", kind.name, ", ", adamw ? "AdamW" : "SGD",
+                 " differs from one process on the global batch:\n", report);
+        }
+      }
+    }
+  }, 240s);
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+}  // namespace
+
+TEST_CASE("2 ranks: FULL_SHARD == SHARD_GRAD_OP == NO_SHARD == DDP == one process (MLP, CNN; SGD, AdamW)") {
+  check_exactness(2);
+}
+
+TEST_CASE("3 and 4 ranks: every strategy equals one process (uneven and padded shards)") {
+  if (under_mpirun()) return;
+  check_exactness(3);
+  check_exactness(4);
+}
+
+TEST_CASE("units, shards and the bytes each collective moves per step equal the formulas") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = testing::join(rank, 2, port);
+    const ModelKind kind = model_kinds()[0];
+    // Units 36 and 21 elements: shards of 18 and 11 (one padding element), 29 floats per rank.
+    const int64_t shard_bytes = (18 + 11) * 4;
+    for (const auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD}) {
+      const int64_t params_before = memory_stats(Device::cpu()).live[static_cast<int>(MemoryCategory::Parameters)];
+      auto model = kind.make(7);
+      dist::FullyShardedDataParallel fsdp(model, pg, fsdp_options(strategy, kind.policy));
+      const auto units = fsdp.units();
+      expect(units.size() == 2 && units[0].name == "0" && units[1].name == "2" && units[0].numel == 36 &&
+                 units[1].numel == 21,
+             "rank ", rank, ": units are not Linear 0 (36) and Linear 2 (21)");
+      const bool sharded = strategy != ShardingStrategy::NO_SHARD;
+      expect(units[0].shard_numel == (sharded ? 18 : 36) && units[1].shard_numel == (sharded ? 11 : 21), "rank ", rank,
+             ": shards of ", units[0].shard_numel, " and ", units[1].shard_numel);
+      // Between steps a rank holds its shards only (Note [Memory categories]).
+      const int64_t params_now = memory_stats(Device::cpu()).live[static_cast<int>(MemoryCategory::Parameters)];
+      const int64_t expected_params = sharded ? shard_bytes : (36 + 21) * 4;
+      expect(params_now - params_before == expected_params, "rank ", rank, " ", dist::sharding_strategy_name(strategy),
+             ": parameters hold ", params_now - params_before, " bytes between steps, expected ", expected_params);
+      auto opt = make_optimizer(false, fsdp.parameters());
+      const Batch b = share(global_batch(0, kind.features), rank, 2);
+      pg->reset_counts();
+      opt->zero_grad();
+      cross_entropy(fsdp(b.x), b.y).backward();
+      opt->step();
+      const auto gathers = pg->count(dist::Collective::AllGather);
+      const auto scatters = pg->count(dist::Collective::ReduceScatter);
+      const auto reduces = pg->count(dist::Collective::AllReduce);
+      if (strategy == ShardingStrategy::FULL_SHARD) {
+        // Ψ gathered for forward, again for backward, reduce-scattered once: 3 × 29 floats.
+        expect(gathers.calls == 4 && gathers.bytes == 2 * shard_bytes, "rank ", rank, ": FULL_SHARD all_gathers ",
+               gathers.calls, " calls, ", gathers.bytes, " bytes; expected 4, ", 2 * shard_bytes);
+        expect(scatters.calls == 2 && scatters.bytes == shard_bytes && reduces.calls == 0, "rank ", rank,
+               ": FULL_SHARD reduce_scatters ", scatters.calls, " calls, ", scatters.bytes, " bytes");
+      } else if (strategy == ShardingStrategy::SHARD_GRAD_OP) {
+        expect(gathers.calls == 2 && gathers.bytes == shard_bytes, "rank ", rank, ": SHARD_GRAD_OP all_gathers ",
+               gathers.calls, " calls, ", gathers.bytes, " bytes; expected 2, ", shard_bytes);
+        expect(scatters.calls == 2 && scatters.bytes == shard_bytes, "rank ", rank, ": SHARD_GRAD_OP reduce_scatters ",
+               scatters.calls, ", ", scatters.bytes, " bytes");
+      } else {
+        expect(gathers.calls == 0 && scatters.calls == 0 && reduces.calls == 2 && reduces.bytes == (36 + 21) * 4,
+               "rank ", rank, ": NO_SHARD: ", reduces.calls, " all_reduces of ", reduces.bytes, " bytes");
+      }
+    }
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("no_sync accumulates full gradients and the next backward reduces their sum") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = testing::join(rank, 2, port);
+    const ModelKind kind = model_kinds()[0];
+    const nn::StateDict want = train_reference(kind, false, 2);
+    for (const auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::NO_SHARD}) {
+      dist::FullyShardedDataParallel fsdp(kind.make(7), pg, fsdp_options(strategy, kind.policy));
+      auto opt = make_optimizer(false, fsdp.parameters());
+      for (int s = 0; s < 2; ++s) {
+        const Batch mine = share(global_batch(s, kind.features), rank, 2);  // 6 rows: two micro-batches of 3
+        opt->zero_grad();
+        pg->reset_counts();
+        {
+          auto guard = fsdp.no_sync();
+          (cross_entropy(fsdp(rows(mine, 0, 3).x), rows(mine, 0, 3).y) * 0.5f).backward();
+        }
+        const int64_t inside = pg->count(dist::Collective::ReduceScatter).calls + pg->count(dist::Collective::AllReduce).calls;
+        expect(inside == 0, "rank ", rank, ": no_sync reduced ", inside, " times");
+        (cross_entropy(fsdp(rows(mine, 3, 6).x), rows(mine, 3, 6).y) * 0.5f).backward();
+        opt->step();
+      }
+      bool ok = false;
+      const std::string report = worst_difference(fsdp.full_state_dict(false), want, kTolerance, &ok);
+      expect(ok, "rank ", rank, " ", dist::sharding_strategy_name(strategy), " with no_sync:\n", report);
+    }
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("clip_grad_norm_ over shards is the norm of the whole gradient, and clips it as one") {
+  const ModelKind kind = model_kinds()[0];
+  // One process: the whole gradient's norm, and the clipped parameters after one SGD step.
+  auto reference = kind.make(7);
+  nn::SGD reference_opt(reference->parameters(), {/*lr=*/0.1f});
+  const Batch b = global_batch(0, kind.features);
+  cross_entropy((*reference)(b.x), b.y).backward();
+  const float want_norm = nn::clip_grad_norm_(reference->parameters(), 0.05);
+  reference_opt.step();
+  const nn::StateDict want = reference->state_dict();
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = testing::join(rank, 2, port);
+    for (const auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::NO_SHARD}) {
+      dist::FullyShardedDataParallel fsdp(kind.make(7), pg, fsdp_options(strategy, kind.policy));
+      nn::SGD opt(fsdp.parameters(), {/*lr=*/0.1f});
+      const Batch mine = share(b, rank, 2);
+      cross_entropy(fsdp(mine.x), mine.y).backward();
+      const float norm = fsdp.clip_grad_norm_(0.05);
+      expect(std::abs(norm - want_norm) <= 1e-5f * want_norm, "rank ", rank, " ", dist::sharding_strategy_name(strategy),
+             ": norm ", norm, ", one process ", want_norm);
+      opt.step();
+      bool ok = false;
+      const std::string report = worst_difference(fsdp.full_state_dict(false), want, 1e-6f, &ok);
+      expect(ok, "rank ", rank, ": clipped step differs:\n", report);
+    }
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("a full checkpoint (model + optimizer) saved at 2 ranks resumes at 3 and 1 exactly as if uninterrupted") {
+  if (under_mpirun()) return;
+  const ModelKind kind = model_kinds()[0];
+  const nn::StateDict want = train_reference(kind, /*adamw=*/true, kSteps);
+  // A plain AdamW's state after 2 steps: what full_optim_state_dict must give.
+  auto plain = kind.make(7);
+  auto plain_opt = make_optimizer(true, plain->parameters());
+  for (int s = 0; s < 2; ++s) {
+    const Batch b = global_batch(s, kind.features);
+    plain_opt->zero_grad();
+    cross_entropy((*plain)(b.x), b.y).backward();
+    plain_opt->step();
+  }
+  const nn::StateDict plain_state = plain_opt->state_dict();
+  char path_template[] = "/tmp/nanoddp-fsdp-XXXXXX";
+  const int fd = ::mkstemp(path_template);
+  REQUIRE(fd >= 0);
+  ::close(fd);
+  const std::string path = path_template;
+  int port = testing::free_port();
+  std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = testing::join(rank, 2, port);
+    dist::FullyShardedDataParallel fsdp(kind.make(7), pg, fsdp_options(ShardingStrategy::FULL_SHARD, kind.policy));
+    auto opt = make_optimizer(true, fsdp.parameters());
+    for (int s = 0; s < 2; ++s) {
+      const Batch b = share(global_batch(s, kind.features), rank, 2);
+      opt->zero_grad();
+      cross_entropy(fsdp(b.x), b.y).backward();
+      opt->step();
+    }
+    const nn::StateDict optim = fsdp.full_optim_state_dict(*opt);
+    bool ok = false;
+    const std::string report = worst_difference(optim, plain_state, kTolerance, &ok);
+    expect(ok, "rank ", rank, ": full_optim_state_dict differs from a plain AdamW's state_dict:\n", report);
+    const nn::StateDict model = fsdp.full_state_dict();
+    if (rank == 0) {
+      nn::StateDict all;
+      nn::merge_prefixed(all, "model.", model);
+      nn::merge_prefixed(all, "optimizer.", optim);
+      nn::save_checkpoint(path, all);
+    }
+    pg->barrier()->wait();
+  });
+  REQUIRE_MESSAGE(failures.empty(), failures);
+  for (const int world : {3, 1}) {
+    port = testing::free_port();
+    failures = on_ranks(world, [&](int rank) {
+      auto pg = testing::join(rank, world, port);
+      const nn::StateDict saved = nn::load_checkpoint(path);
+      dist::FullyShardedDataParallel fsdp(kind.make(99), pg, fsdp_options(ShardingStrategy::FULL_SHARD, kind.policy));
+      fsdp.load_full_state_dict(nn::strip_prefix(saved, "model."));
+      auto opt = make_optimizer(true, fsdp.parameters());
+      opt->load_state_dict(fsdp.shard_full_optim_state_dict(nn::strip_prefix(saved, "optimizer.")));
+      for (int s = 2; s < kSteps; ++s) {
+        const Batch b = share(global_batch(s, kind.features), rank, world);
+        opt->zero_grad();
+        cross_entropy(fsdp(b.x), b.y).backward();
+        opt->step();
+      }
+      bool ok = false;
+      const std::string report = worst_difference(fsdp.full_state_dict(false), want, kTolerance, &ok);
+      expect(ok, "rank ", rank, "/", world, ": resumed from 2 ranks, differs from the uninterrupted run:\n", report);
+    });
+    CHECK_MESSAGE(failures.empty(), "resumed at world size ", world, ": ", failures);
+  }
+  std::remove(path.c_str());
+}
+
+TEST_CASE("the local state_dict is this rank's shards and loads back at the same world size") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = testing::join(rank, 2, port);
+    const ModelKind kind = model_kinds()[0];
+    dist::FullyShardedDataParallel trained(kind.make(7), pg, fsdp_options(ShardingStrategy::FULL_SHARD, kind.policy));
+    nn::SGD opt(trained.parameters(), {/*lr=*/0.1f});
+    const Batch b = share(global_batch(0, kind.features), rank, 2);
+    cross_entropy(trained(b.x), b.y).backward();
+    opt.step();
+    const nn::StateDict local = trained.state_dict();
+    expect(local.size() == 2 && local.count("0._flat_param") == 1 && local.at("0._flat_param").numel() == 18 &&
+               local.at("2._flat_param").numel() == 11,
+           "rank ", rank, ": local state_dict is not the two shards of 18 and 11");
+    dist::FullyShardedDataParallel fresh(kind.make(99), pg, fsdp_options(ShardingStrategy::FULL_SHARD, kind.policy));
+    fresh.load_state_dict(local);
+    bool ok = false;
+    const std::string report = worst_difference(fresh.full_state_dict(false), trained.full_state_dict(false), 0.0f, &ok);
+    expect(ok, "rank ", rank, ": loading the local state did not restore the model:\n", report);
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+namespace {
+// Two blocks that both hold one Linear: a parameter two units share.
+class Block : public nn::Module {
+ public:
+  explicit Block(std::shared_ptr<nn::Linear> shared) { shared_ = register_module("shared", std::move(shared)); }
+  Tensor forward(const Tensor& input) override { return (*shared_)(input); }
+
+ private:
+  std::shared_ptr<nn::Linear> shared_;
+};
+class TiedBlocks : public nn::Module {
+ public:
+  TiedBlocks() {
+    auto linear = std::make_shared<nn::Linear>(3, 3);
+    a_ = register_module("a", std::make_shared<Block>(linear));
+    b_ = register_module("b", std::make_shared<Block>(linear));
+  }
+  Tensor forward(const Tensor& input) override { return (*b_)((*a_)(input)); }
+
+ private:
+  std::shared_ptr<Block> a_, b_;
+};
+}  // namespace
+
+TEST_CASE("a parameter shared by two units is an error naming it and both units; a frozen one too") {
+  if (under_mpirun()) return;
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(1, [&](int rank) {
+    auto pg = testing::join(rank, 1, port);
+    dist::FSDPOptions options;
+    options.auto_wrap_policy = [](const std::string& name, nn::Module&) { return name == "a" || name == "b"; };
+    std::string message = "no error";
+    try {
+      dist::FullyShardedDataParallel fsdp(std::make_shared<TiedBlocks>(), pg, options);
+    } catch (const ValueError& e) {
+      message = e.what();
+    }
+    expect(message.find("'b.shared.weight' is shared by units 'a' and 'b'") != std::string::npos,
+           "a parameter two units share: ", message);
+    // Left to the root (no policy), the tied Linear is one parameter of one unit: fine.
+    dist::FullyShardedDataParallel root_only(std::make_shared<TiedBlocks>(), pg);
+    expect(root_only.units().size() == 1 && root_only.units()[0].numel == 12, "the root unit is not the 12 elements");
+    auto frozen = make_mlp(1);
+    frozen->parameters()[1].set_requires_grad(false);
+    message = "no error";
+    try {
+      dist::FullyShardedDataParallel fsdp(frozen, pg);
+    } catch (const ValueError& e) {
+      message = e.what();
+    }
+    expect(message.find("'0.bias' does not require grad") != std::string::npos, "a frozen parameter: ", message);
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("the 2-rank cases pass on the MPI backend too (this file under mpirun -np 2)") {
+  if (under_mpirun()) return;
+  if (!testing::have_mpirun()) {
+    MESSAGE("mpirun not found: the MPI half of this file did not run");
+    return;
+  }
+  ::setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  ::setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  const testing::RunResult r =
+      testing::run({"/bin/sh", "-c",
+                    "exec mpirun -np 2 --oversubscribe --bind-to none \"$0\" --test-case-exclude='*mpirun*'",
+                    testing::built("tests/test_fsdp")},
+                   180s);
+  CHECK_MESSAGE(r.code() == 0, "mpirun run failed:\n", r.out, r.err);
+}
+
+TEST_CASE("every case passes on the shm backend too (this file with NANODDP_TEST_BACKEND=shm)") {
+  if (under_mpirun() || std::getenv("NANODDP_TEST_BACKEND") != nullptr) return;
+  const testing::RunResult r =
+      testing::run({"/bin/sh", "-c",
+                    "NANODDP_TEST_BACKEND=shm exec \"$0\" --test-case-exclude='*mpirun*,*NANODDP_TEST_BACKEND*'",
+                    testing::built("tests/test_fsdp")},
+                   240s);
+  CHECK_MESSAGE(r.code() == 0, "shm run failed:\n", r.out, r.err);
+}
