@@ -1,5 +1,11 @@
 #include "dist/explain.h"
 
+#include "dist/zero_redundancy_optimizer.h"
+#include "nn/adam.h"
+#include "nn/conv.h"
+#include "nn/layers.h"
+#include "nn/optim.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <iomanip>
@@ -94,7 +100,11 @@ std::string explain_plan(DistributedDataParallel& ddp) {
 }
 
 ExplainWindow::ExplainWindow(const ProcessGroup& pg)
-    : pg_(pg), start_count_(pg.count(Collective::AllReduce)), start_us_(trace::now_us()) {
+    : pg_(pg),
+      start_count_(pg.count(Collective::AllReduce)),
+      start_gather_(pg.count(Collective::AllGather)),
+      start_scatter_(pg.count(Collective::ReduceScatter)),
+      start_us_(trace::now_us()) {
   if (!trace::enabled())
     trace::start("");
   else
@@ -139,6 +149,161 @@ std::string ExplainWindow::report(const std::string& what, int64_t steps) const 
   else
     out << " (no communication)\n";
   out << "explain: " << what << ": counters over these steps: all_reduce " << calls << " calls, " << bytes << " bytes\n";
+  // FSDP's collectives: each all_gather sends this rank's shard to N - 1 ranks, each
+  // reduce_scatter sends N - 1 shards of the gradient (the ring's two halves).
+  const CollectiveCount gather = pg_.count(Collective::AllGather), scatter = pg_.count(Collective::ReduceScatter);
+  const int64_t gather_calls = gather.calls - start_gather_.calls, gather_bytes = gather.bytes - start_gather_.bytes;
+  const int64_t scatter_calls = scatter.calls - start_scatter_.calls, scatter_bytes = scatter.bytes - start_scatter_.bytes;
+  if (gather_calls > 0 || scatter_calls > 0) {
+    const double gathered = static_cast<double>(gather_bytes) / s, scattered = static_cast<double>(scatter_bytes) / s;
+    out << "explain: " << what << ": per step: all_gather " << std::setprecision(2)
+        << static_cast<double>(gather_calls) / s << " calls of " << std::setprecision(0) << gathered
+        << " shard bytes, reduce_scatter " << std::setprecision(2) << static_cast<double>(scatter_calls) / s
+        << " calls of " << std::setprecision(0) << scattered << " shard bytes; "
+        << (N - 1) * (gathered + scattered) << " bytes sent per rank (ring: N - 1 shards each)\n";
+  }
+  return out.str();
+}
+
+}  // namespace nanoddp::dist
+
+namespace nanoddp::dist {
+
+int64_t numel_of(const std::vector<Tensor>& tensors) {
+  int64_t numel = 0;
+  for (const Tensor& t : tensors) numel += t.numel();
+  return numel;
+}
+
+int optimizer_state_bytes_per_element(const nn::Optimizer& optimizer) {
+  const nn::Optimizer* plain = &optimizer;
+  if (const auto* zero = dynamic_cast<const ZeroRedundancyOptimizer*>(&optimizer)) plain = &zero->local_optimizer();
+  if (const auto* sgd = dynamic_cast<const nn::SGD*>(plain)) return sgd->options().momentum != 0.0f ? 4 : 0;
+  if (const auto* adam = dynamic_cast<const nn::Adam*>(plain)) return adam->options().amsgrad ? 12 : 8;
+  return 0;
+}
+
+std::vector<int64_t> unit_numels(const FullyShardedDataParallel& fsdp) {
+  std::vector<int64_t> numels;
+  for (const auto& unit : fsdp.units()) numels.push_back(unit.numel);
+  return numels;
+}
+
+std::vector<int64_t> layer_numels(nn::Module& model) {
+  std::vector<int64_t> numels;
+  for (auto& [name, m] : model.named_modules()) {
+    if (dynamic_cast<nn::Linear*>(m) == nullptr && dynamic_cast<nn::Conv2d*>(m) == nullptr) continue;
+    numels.push_back(numel_of(m->parameters()));
+  }
+  return numels;
+}
+
+namespace {
+
+// The model state of one rank at one moment, in bytes.
+struct Moment {
+  double parameters = 0, gradients = 0, optimizer_state = 0, comm_buffers = 0;
+  double total() const { return parameters + gradients + optimizer_state + comm_buffers; }
+};
+
+// Walks FSDP's schedule (Note [FSDP units]) over units that each hold `numels` elements and
+// returns the moment the model state peaks: a unit in forward order, backward in reverse,
+// backward prefetch, at most two units' full gradients alive (this one's and the one being
+// reduced), the optimizer's state already made by an earlier step.
+Moment fsdp_peak(const ModelStateShape& shape, bool full_shard) {
+  const int W = shape.world_size;
+  std::vector<double> full, shard;  // bytes per unit
+  for (int64_t n : shape.unit_numels) {
+    const double s = static_cast<double>((n + W - 1) / W);
+    shard.push_back(4.0 * s);
+    full.push_back(4.0 * s * W);
+  }
+  const size_t n = full.size();
+  Moment now, peak;
+  for (double s : shard) {
+    now.parameters += s;
+    now.optimizer_state += s / 4.0 * shape.optimizer_state_bytes_per_element;
+  }
+  const auto see = [&] {
+    if (now.total() > peak.total()) peak = now;
+  };
+  std::vector<bool> gathered(n, false);
+  for (size_t u = 0; u < n; ++u) {  // forward
+    now.parameters += full[u];
+    gathered[u] = true;
+    see();
+    if (full_shard) {
+      now.parameters -= full[u];
+      gathered[u] = false;
+    }
+  }
+  double in_flight = 0;  // the full gradient being reduced
+  for (size_t i = n; i-- > 0;) {  // backward
+    if (!gathered[i]) now.parameters += full[i], gathered[i] = true;
+    now.gradients += full[i];  // the unit's full gradient, zeroed
+    if (full_shard && i > 0 && !gathered[i - 1]) now.parameters += full[i - 1], gathered[i - 1] = true;
+    see();
+    now.gradients += shard[i];  // the reduce_scatter's output: this shard's gradient
+    see();
+    now.parameters -= full[i];  // resharded
+    gathered[i] = false;
+    now.gradients -= in_flight;  // the previous unit's reduction finished
+    in_flight = full[i];
+  }
+  return peak;
+}
+
+}  // namespace
+
+std::string explain_memory(const ModelStateShape& shape, const std::string& strategy, const MemoryStats& measured) {
+  const double psi = static_cast<double>(shape.numel);
+  const double W = shape.world_size;
+  const double k = shape.optimizer_state_bytes_per_element;
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(0);
+  out << "explain: memory per rank, predicted at the peak of a step (bytes; Ψ = " << shape.numel
+      << " parameters, W = " << shape.world_size << ", optimizer state " << shape.optimizer_state_bytes_per_element
+      << " bytes per parameter; docs/ddp/12-sharding.md):\n";
+  out << "explain:   stage   parameters   gradients  optimizer  comm_buffers       total\n";
+  const auto row = [&](const char* stage, const Moment& m) {
+    out << "explain:   " << std::left << std::setw(6) << stage << std::right << std::setw(12) << m.parameters
+        << std::setw(12) << m.gradients << std::setw(11) << m.optimizer_state << std::setw(14) << m.comm_buffers
+        << std::setw(12) << m.total() << (strategy == stage ? "   <- this run" : "") << "\n";
+  };
+  Moment ddp;
+  ddp.parameters = 4 * psi;
+  ddp.gradients = shape.gradient_as_bucket_view ? 0 : 4 * psi;  // views of the buckets
+  ddp.optimizer_state = k * psi;
+  ddp.comm_buffers = 4 * psi;  // the buckets
+  Moment zero1 = ddp;
+  zero1.optimizer_state = k * psi / W;
+  row("ddp", ddp);
+  row("zero1", zero1);
+  row("zero2", fsdp_peak(shape, /*full_shard=*/false));
+  row("fsdp", fsdp_peak(shape, /*full_shard=*/true));
+  out << "explain:   measured (this run, from the allocator): peak model state " << measured.peak_model_state
+      << " bytes; peaks by category: parameters " << measured.peak[static_cast<int>(MemoryCategory::Parameters)]
+      << ", gradients " << measured.peak[static_cast<int>(MemoryCategory::Gradients)] << ", optimizer "
+      << measured.peak[static_cast<int>(MemoryCategory::OptimizerState)] << ", comm_buffers "
+      << measured.peak[static_cast<int>(MemoryCategory::CommBuffers)] << "\n";
+  return out.str();
+}
+
+std::string explain_units(const FullyShardedDataParallel& fsdp) {
+  std::ostringstream out;
+  const auto units = fsdp.units();
+  const int W = fsdp.process_group().size();
+  out << "explain: FSDP " << sharding_strategy_name(fsdp.sharding_strategy()) << ", " << units.size()
+      << " units on " << W << " ranks (Note [FSDP units]):\n";
+  for (size_t u = 0; u < units.size(); ++u) {
+    out << "explain:   unit " << u << " " << (units[u].name.empty() ? "(root)" : "'" + units[u].name + "'") << ": "
+        << units[u].numel << " elements";
+    for (const std::string& name : units[u].parameter_names) out << " " << name;
+    out << "; shard " << units[u].shard_numel << " elements (" << units[u].shard_numel * 4 << " bytes) per rank";
+    if (units[u].shard_numel * W > units[u].numel && fsdp.sharding_strategy() != ShardingStrategy::NO_SHARD)
+      out << ", " << units[u].shard_numel * W - units[u].numel << " of padding";
+    out << "\n";
+  }
   return out.str();
 }
 

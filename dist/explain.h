@@ -23,7 +23,10 @@
 #include <cstdint>
 #include <string>
 
+#include "core/memory.h"
 #include "dist/ddp.h"
+#include "dist/fsdp.h"
+#include "nn/optimizer.h"
 
 namespace nanoddp::dist {
 
@@ -55,8 +58,43 @@ class ExplainWindow {
 
  private:
   const ProcessGroup& pg_;
-  CollectiveCount start_count_;
+  CollectiveCount start_count_, start_gather_, start_scatter_;
   double start_us_;
 };
+
+// ---- memory (Note [Memory categories], docs/ddp/12-sharding.md) ---------------------------
+
+// Elements of all the tensors.
+int64_t numel_of(const std::vector<Tensor>& tensors);
+// k: bytes of state per parameter element: SGD 4 with momentum (0 without), Adam and AdamW 8
+// (12 with amsgrad); a ZeroRedundancyOptimizer's local optimizer's.
+int optimizer_state_bytes_per_element(const nn::Optimizer& optimizer);
+// The elements of each FSDP unit, in unit order; and of each Linear and Conv2d of a model,
+// depth-first (the units --strategy zero2 and fsdp would make).
+std::vector<int64_t> unit_numels(const FullyShardedDataParallel& fsdp);
+std::vector<int64_t> layer_numels(nn::Module& model);
+
+// What the prediction needs to know of a run.
+struct ModelStateShape {
+  int64_t numel = 0;  // Ψ
+  int world_size = 1;
+  int optimizer_state_bytes_per_element = 0;  // k
+  std::vector<int64_t> unit_numels;           // FSDP's units, in forward order
+  bool gradient_as_bucket_view = false;
+};
+
+// A table: per stage (ddp, zero1, zero2, fsdp) the parameters, gradients, optimizer state and
+// communication buffers one rank holds at the peak of a step, predicted from shape (float32):
+//   ddp    4Ψ + 4Ψ + kΨ + 4Ψ of buckets (gradients 0 with gradient_as_bucket_view)
+//   zero1  4Ψ + 4Ψ + kΨ/W + 4Ψ
+//   zero2  FSDP's schedule with SHARD_GRAD_OP: shards (4 + k)Ψ/W, every unit's full
+//          parameters gathered at the start of backward, full gradients of two units at most
+//   fsdp   FULL_SHARD: shards, the unit computing and the one prefetched, two full gradients
+// then the measured peak of this run (the allocator's model-state peak and each category's).
+// The row of `strategy` is marked. Lines end in '\n'.
+std::string explain_memory(const ModelStateShape& shape, const std::string& strategy, const MemoryStats& measured);
+
+// FSDP's units: name, parameters, elements, shard size and padding per rank.
+std::string explain_units(const FullyShardedDataParallel& fsdp);
 
 }  // namespace nanoddp::dist

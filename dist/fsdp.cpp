@@ -282,6 +282,7 @@ void FullyShardedDataParallel::on_unit_backward_pre(size_t u) {
   if (!in_backward_) {
     in_backward_ = true;
     reduce_order_.clear();
+    reductions_finished_ = 0;
     queue_callback([this] { finish_backward(); });
   }
   Unit& unit = *units_[u];
@@ -332,8 +333,38 @@ void FullyShardedDataParallel::reduce(size_t u) {
       unit.reduce_work = pg_->reduce_scatter(unit.reduce_output, inputs, ReduceOp::Avg);
     }
     reduce_order_.push_back(u);
+    // Finish every earlier reduction now, so that at most two units' full gradients are
+    // alive at once (this one's, being reduced, and the next one's, accumulating) instead
+    // of every unit's until backward ends. Works complete in issue order, so this waits for
+    // the previous unit's only.
+    while (reduce_order_.size() - reductions_finished_ > 1) finish_reduction(reduce_order_[reductions_finished_++]);
   }
   reshard(u);
+}
+
+// Adds a finished reduction into the shard's .grad and drops the unit's full gradient.
+void FullyShardedDataParallel::finish_reduction(size_t u) {
+  Unit& unit = *units_[u];
+  if (pg_->collectives_run_in_wait() && trace::enabled()) unit.reduce_issued_us = trace::now_us();
+  unit.reduce_work->wait(options_.timeout);
+  unit.reduce_work.reset();
+  if (trace::enabled())
+    trace::complete(kFsdpLane + static_cast<int>(u),
+                    std::string(options_.sharding_strategy == ShardingStrategy::NO_SHARD ? "all_reduce "
+                                                                                         : "reduce_scatter ") +
+                        unit_label(unit.name),
+                    unit.reduce_issued_us, trace::now_us(),
+                    "\"unit\":" + std::to_string(u) + ",\"bytes\":" + std::to_string(unit.reduce_output.nbytes()));
+  Tensor grad = unit.shard.grad();
+  if (!grad.defined()) {
+    unit.shard.set_grad(unit.reduce_output);
+  } else {
+    NANODDP_DISPATCH(grad.device(), accumulate, grad.data<float>(), unit.reduce_output.data<float>(), 1.0f,
+                     grad.numel());
+  }
+  unit.reduce_output = Tensor();
+  for (auto& [pname, p] : unit.params) p.set_grad(Tensor());
+  unit.full_grad = Tensor();
 }
 
 // Step 5, queued by the first unit's backward: runs once every node and hook is done.
@@ -344,30 +375,9 @@ void FullyShardedDataParallel::finish_backward() {
   // every rank issues the same collectives.
   for (size_t u = 0; u < units_.size(); ++u)
     if (units_[u]->prepared && !units_[u]->reduced) reduce(u);
-  for (size_t u : reduce_order_) {
-    Unit& unit = *units_[u];
-    if (pg_->collectives_run_in_wait() && trace::enabled()) unit.reduce_issued_us = trace::now_us();
-    unit.reduce_work->wait(options_.timeout);
-    unit.reduce_work.reset();
-    if (trace::enabled())
-      trace::complete(kFsdpLane + static_cast<int>(u),
-                      std::string(options_.sharding_strategy == ShardingStrategy::NO_SHARD ? "all_reduce "
-                                                                                           : "reduce_scatter ") +
-                          unit_label(unit.name),
-                      unit.reduce_issued_us, trace::now_us(),
-                      "\"unit\":" + std::to_string(u) + ",\"bytes\":" + std::to_string(unit.reduce_output.nbytes()));
-    Tensor grad = unit.shard.grad();
-    if (!grad.defined()) {
-      unit.shard.set_grad(unit.reduce_output);
-    } else {
-      NANODDP_DISPATCH(grad.device(), accumulate, grad.data<float>(), unit.reduce_output.data<float>(), 1.0f,
-                       grad.numel());
-    }
-    unit.reduce_output = Tensor();
-    for (auto& [pname, p] : unit.params) p.set_grad(Tensor());
-    unit.full_grad = Tensor();
-  }
+  while (reductions_finished_ < reduce_order_.size()) finish_reduction(reduce_order_[reductions_finished_++]);
   reduce_order_.clear();
+  reductions_finished_ = 0;
   for (size_t u = 0; u < units_.size(); ++u) {
     units_[u]->prepared = false;
     reshard(u);

@@ -25,8 +25,9 @@
 //   4. once every parameter's gradient is accumulated (post-accumulate-grad hooks):
 //      reduce_scatter(avg) the gradient vector, so this rank holds the mean gradient of its
 //      shard only, and free the full parameters;
-//   5. at the end of backward: wait for every reduce_scatter in the order issued, add each
-//      result into its shard's .grad, free the full gradient vectors.
+//   5. when the next unit's reduction is issued, or at the end of backward: wait for the
+//      reduce_scatter, add its result into the shard's .grad, free the full gradient vector
+//      (so at most two units' full gradients live at once).
 // SHARD_GRAD_OP (ZeRO-2) keeps the full parameters from step 1 to step 4 (one all_gather per
 // step); NO_SHARD keeps everything full and replaces step 4's reduce_scatter by an
 // all_reduce(avg): DDP's behaviour through the same code. A forward without grad (eval)
@@ -180,6 +181,7 @@ class FullyShardedDataParallel : public nn::Module {
   void on_unit_backward_pre(size_t u);
   void on_param_ready(size_t u);
   void reduce(size_t u);
+  void finish_reduction(size_t u);
   void finish_backward();
   bool frees_after_forward(size_t u) const;
 
@@ -193,6 +195,7 @@ class FullyShardedDataParallel : public nn::Module {
   bool in_backward_ = false;
   bool sync_ = true;
   std::vector<size_t> reduce_order_;  // units whose reduction was issued this backward
+  size_t reductions_finished_ = 0;    // how many of them are finished
 };
 
 }  // namespace nanoddp::dist

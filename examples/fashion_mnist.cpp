@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "core/autograd.h"
+#include "core/memory.h"
 #include "data/dataloader.h"
 #include "data/fashion_mnist.h"
 #include "dist/ddp.h"
@@ -48,6 +49,7 @@
 #include "dist/init.h"
 #include "examples/example_utils.h"
 #include "examples/metrics.h"
+#include "examples/parallel_strategy.h"
 #include "examples/process_group_flags.h"
 #include "tools/cli_checks.h"
 #include "nn/adam.h"
@@ -94,6 +96,7 @@ struct Config {
   std::vector<int64_t> hidden = {256, 128};  // widths of the hidden layers
   double bucket_cap_mb = static_cast<double>(dist::kDefaultBucketCapBytes) / (1 << 20);
   double first_bucket_cap_mb = static_cast<double>(dist::kDefaultFirstBucketCapBytes) / (1 << 20);
+  std::string strategy = "ddp";  // ddp | zero1 | zero2 | fsdp (examples/parallel_strategy.h)
   std::string trace;  // file for the trace; "" = none (NANODDP_TRACE still works)
   bool explain = false;
 };
@@ -281,11 +284,15 @@ double evaluate(nn::Module& model, data::DataLoader& loader, dist::ProcessGroup&
   return static_cast<double>(totals[0]) / static_cast<double>(totals[1]);
 }
 
-void save(const std::string& path, int epochs_done, int64_t steps_per_epoch, nn::Module& model,
-          const nn::Optimizer& optimizer, const Schedule& schedule) {
+// A collective (the sharded strategies gather the state); rank 0 writes.
+void save(const std::string& path, int epochs_done, int64_t steps_per_epoch, examples::ParallelModel& parallel,
+          nn::Optimizer& optimizer, const Schedule& schedule, int rank) {
+  nn::StateDict model_state = parallel.model_state_dict();
+  nn::StateDict optimizer_state = parallel.optimizer_state_dict(optimizer);
+  if (rank != 0) return;
   nn::StateDict state;
-  nn::merge_prefixed(state, "model.", model.state_dict());
-  nn::merge_prefixed(state, "optimizer.", optimizer.state_dict());
+  nn::merge_prefixed(state, "model.", model_state);
+  nn::merge_prefixed(state, "optimizer.", optimizer_state);
   nn::merge_prefixed(state, "scheduler.", schedule.state_dict());
   state["epochs_done"] = Tensor::from_vector(std::vector<int64_t>{epochs_done});
   state["steps_per_epoch"] = Tensor::from_vector(std::vector<int64_t>{steps_per_epoch});
@@ -315,8 +322,8 @@ int64_t int64_entry(const nn::StateDict& state, const std::string& key, std::opt
 // resumed for more epochs would stay at lr 0).
 //
 // Returns the number of epochs the checkpoint had completed. Errors name the file.
-int restore(const std::string& path, int epochs, int64_t steps_per_epoch, nn::Module& model, nn::Optimizer& optimizer,
-            Schedule& schedule, bool chatty) {
+int restore(const std::string& path, int epochs, int64_t steps_per_epoch, examples::ParallelModel& parallel,
+            nn::Optimizer& optimizer, Schedule& schedule, bool chatty) {
   try {
     const nn::StateDict state = nn::load_checkpoint(path);
     const int64_t done = int64_entry(state, "epochs_done", std::nullopt);
@@ -326,12 +333,12 @@ int restore(const std::string& path, int epochs, int64_t steps_per_epoch, nn::Mo
     const int64_t saved_total_steps = int64_entry(state, "scheduler.total_steps", schedule.total_steps());
     const int64_t saved_warmup_steps = int64_entry(state, "scheduler.warmup_steps", schedule.warmup_steps());
     try {
-      model.load_state_dict(nn::strip_prefix(state, "model."));
+      parallel.load_model_state_dict(nn::strip_prefix(state, "model."));
     } catch (const Error& e) {
       throw ValueError(std::string(e.what()) + "; the checkpoint holds another model than this run builds: was it "
                        "saved with other --hidden sizes, or by the other Fashion-MNIST example?");
     }
-    optimizer.load_state_dict(nn::strip_prefix(state, "optimizer."));
+    parallel.load_optimizer_state_dict(optimizer, nn::strip_prefix(state, "optimizer."));
     // Why this run's schedule differs from the checkpoint's, or "" when it is the same.
     std::ostringstream other_schedule;
     if (saved_steps_per_epoch != steps_per_epoch)
@@ -404,6 +411,11 @@ std::string flags_problem(const Config& config) {
   if (config.momentum && config.optimizer != "sgd")
     return "--momentum applies to --optimizer sgd only (Adam's betas play its part)";
   if (config.resume && config.checkpoint.empty()) return "--resume needs --checkpoint FILE";
+  const bool sharded = config.strategy == "zero2" || config.strategy == "fsdp";
+  if (sharded && (config.comm_hook != "none" || config.gradient_as_bucket_view || config.no_overlap))
+    return std::string(config.comm_hook != "none" ? "--comm-hook" : config.gradient_as_bucket_view ? "--gradient-as-bucket-view" : "--no-overlap") +
+           " is a DDP bucket option: it applies to --strategy ddp and zero1, not " + config.strategy +
+           " (FSDP reduces per unit, overlapping backward)";
   if (config.warmup_epochs >= config.epochs)
     return "--warmup-epochs " + std::to_string(config.warmup_epochs) + " leaves no epoch after the warm-up of --epochs " +
            std::to_string(config.epochs);
@@ -447,28 +459,37 @@ int run(const Config& config) {
   Generator dropout_gen;
   auto model = make_model(config.seed, config.hidden, dropout_gen);
   model->to(device);
-  std::unique_ptr<nn::Optimizer> optimizer = make_optimizer(config, model->parameters());
-  Schedule schedule(*optimizer, config, train_loader.size());
-  int first_epoch = 0;
-  if (config.resume && !config.checkpoint.empty() && file_exists(config.checkpoint)) {
-    // Every rank reads the file (it must be on a filesystem they share); DDP's broadcast then
-    // makes the weights identical anyway, and the optimizer's state is identical because it
-    // was built from all-reduced gradients.
-    first_epoch = restore(config.checkpoint, config.epochs, train_loader.size(), *model, *optimizer, schedule, chatty);
-    if (chatty) std::printf("resumed from %s after epoch %d\n", config.checkpoint.c_str(), first_epoch);
-    std::fflush(stdout);  // before anything said on stderr about the run, as it happened
-  }
-  if (config.resume) check_same_start(*pg, config.checkpoint, first_epoch);
   dist::DDPOptions ddp_options;
   ddp_options.overlap = !config.no_overlap;
   ddp_options.bucket_cap_bytes = mib_to_bytes(config.bucket_cap_mb);
   ddp_options.first_bucket_cap_bytes = mib_to_bytes(config.first_bucket_cap_mb);
   ddp_options.gradient_as_bucket_view = config.gradient_as_bucket_view;
-  dist::DistributedDataParallel ddp(model, pg, ddp_options);
-  if (config.comm_hook == "allreduce") ddp.register_comm_hook(pg, dist::allreduce_hook);
-  if (config.comm_hook == "fp16") ddp.register_comm_hook(pg, dist::fp16_compress_hook);
-  if (config.comm_hook == "bf16") ddp.register_comm_hook(pg, dist::bf16_compress_hook);
-  if (explain && rank == 0) std::printf("%s", dist::explain_plan(ddp).c_str());
+  ddp_options.timeout = init.timeout;
+  const int64_t model_numel = dist::numel_of(model->parameters());
+  examples::ParallelModel parallel(model, pg, config.strategy, ddp_options);
+  std::unique_ptr<nn::Optimizer> optimizer =
+      parallel.make_optimizer([&](std::vector<Tensor> params) { return make_optimizer(config, std::move(params)); });
+  Schedule schedule(*optimizer, config, train_loader.size());
+  int first_epoch = 0;
+  if (config.resume && !config.checkpoint.empty() && file_exists(config.checkpoint)) {
+    // Every rank reads the file (it must be on a filesystem they share) and loads the same
+    // weights and optimizer state (the sharded strategies each take their share of it).
+    first_epoch = restore(config.checkpoint, config.epochs, train_loader.size(), parallel, *optimizer, schedule, chatty);
+    if (chatty) std::printf("resumed from %s after epoch %d\n", config.checkpoint.c_str(), first_epoch);
+    std::fflush(stdout);  // before anything said on stderr about the run, as it happened
+  }
+  if (config.resume) check_same_start(*pg, config.checkpoint, first_epoch);
+  if (dist::DistributedDataParallel* ddp = parallel.ddp()) {
+    if (config.comm_hook == "allreduce") ddp->register_comm_hook(pg, dist::allreduce_hook);
+    if (config.comm_hook == "fp16") ddp->register_comm_hook(pg, dist::fp16_compress_hook);
+    if (config.comm_hook == "bf16") ddp->register_comm_hook(pg, dist::bf16_compress_hook);
+    if (explain && rank == 0) std::printf("%s", dist::explain_plan(*ddp).c_str());
+  }
+  if (explain && rank == 0 && parallel.fsdp()) std::printf("%s", dist::explain_units(*parallel.fsdp()).c_str());
+  nn::Module& trained = parallel.forward_module();
+  // The model state's peak is measured over training (construction briefly holds the whole
+  // model before sharding it, as torch's FSDP does without meta-device initialisation).
+  reset_peak_memory();
   nn::CrossEntropyLoss loss_fn;
 
   double train_loss = NAN, accuracy = NAN, samples_per_s = NAN;
@@ -481,7 +502,7 @@ int run(const Config& config) {
   const int last_epoch = config.stop_after > 0 ? config.stop_after : config.epochs;  // stop_after <= epochs
   // Nothing to train (--epochs or --stop-after already reached): the result line still
   // reports the resumed model's accuracy.
-  if (first_epoch >= last_epoch) accuracy = evaluate(*model, test_loader, *pg);
+  if (first_epoch >= last_epoch) accuracy = evaluate(trained, test_loader, *pg);
   if (rank == 0 && first_epoch >= last_epoch)
     std::fprintf(stderr, "%s: nothing to train: the checkpoint has %d epoch%s done, and this run ends after epoch %d (%s)\n",
                  kExample, first_epoch, first_epoch == 1 ? "" : "s", last_epoch,
@@ -502,7 +523,7 @@ int run(const Config& config) {
       // With bucket views, zeroing in place (torch 1.13's default) keeps .grad in the buckets;
       // set_to_none would make every backward copy into them again.
       optimizer->zero_grad(/*set_to_none=*/!config.gradient_as_bucket_view);
-      Tensor loss = loss_fn(ddp(batch.input), batch.target);
+      Tensor loss = loss_fn(trained(batch.input), batch.target);
       loss.backward();
       optimizer->step();
       schedule.step(epoch * train_loader.size() + steps);
@@ -537,9 +558,20 @@ int run(const Config& config) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (explained && rank == 0 && steps > 0)
       std::printf("%s", explained->report("epoch " + std::to_string(epoch + 1), steps).c_str());
-    if (explain && rank == 0 && ddp.reducer().buckets_rebuilt() && !rebuilt_plan_explained) {
-      std::printf("%s", dist::explain_plan(ddp).c_str());  // re-planned after the first step
+    if (explain && rank == 0 && parallel.ddp() && parallel.ddp()->reducer().buckets_rebuilt() &&
+        !rebuilt_plan_explained) {
+      std::printf("%s", dist::explain_plan(*parallel.ddp()).c_str());  // re-planned after the first step
       rebuilt_plan_explained = true;
+    }
+    if (explain && rank == 0 && epoch == first_epoch) {
+      dist::ModelStateShape shape;
+      shape.numel = model_numel;
+      shape.world_size = world_size;
+      shape.optimizer_state_bytes_per_element = dist::optimizer_state_bytes_per_element(*optimizer);
+      if (parallel.fsdp()) shape.unit_numels = dist::unit_numels(*parallel.fsdp());
+      else shape.unit_numels = dist::layer_numels(*model);
+      shape.gradient_as_bucket_view = config.gradient_as_bucket_view;
+      std::printf("%s", dist::explain_memory(shape, config.strategy, memory_stats(device)).c_str());
     }
 
     // Mean loss over ranks; all ranks' samples over the slowest rank's time.
@@ -550,7 +582,7 @@ int run(const Config& config) {
     train_loss = stats[0] / world_size;
     check_finite(static_cast<float>(train_loss), rank, epoch, steps);
     samples_per_s = stats[1] / slowest[0];
-    accuracy = evaluate(*model, test_loader, *pg);
+    accuracy = evaluate(trained, test_loader, *pg);
     if (chatty)
       std::printf("epoch %d/%d: train loss %.4f, test accuracy %.4f, %.0f samples/s\n", epoch + 1, config.epochs,
                   train_loss, accuracy, samples_per_s);
@@ -562,15 +594,17 @@ int run(const Config& config) {
     record.samples_per_s = samples_per_s;
     record.test_accuracy = accuracy;
     metrics.write(record);
-    if (rank == 0 && !config.checkpoint.empty()) save(config.checkpoint, epoch + 1, train_loader.size(), *model, *optimizer, schedule);
+    if (!config.checkpoint.empty())
+      save(config.checkpoint, epoch + 1, train_loader.size(), parallel, *optimizer, schedule, rank);
     epochs_done = epoch + 1;
     std::fflush(stdout);
   }
 
   // The model is the same torch.nn.Sequential in PyTorch (kModelDescription), so our
   // state_dict names ("0.weight", "2.bias", ...) and shapes are PyTorch's.
+  const nn::StateDict exported = config.export_path.empty() ? nn::StateDict() : parallel.model_state_dict();
   if (rank == 0 && !config.export_path.empty())
-    nn::save_safetensors(config.export_path, model->state_dict(),
+    nn::save_safetensors(config.export_path, exported,
                          {{"format", "pt"},
                           {"model", kModelDescription},
                           {"epochs", std::to_string(epochs_done)},
@@ -580,15 +614,20 @@ int run(const Config& config) {
   const std::vector<float> slowest_rank = dist::all_reduce_host(
       *pg, std::vector<float>{static_cast<float>(examples::peak_rss_mb()), static_cast<float>(1e3 * examples::median_of(step_seconds))},
       dist::ReduceOp::Max);
+  // Bytes, exactly: int64 on the wire.
+  const int64_t peak_model_state_bytes = dist::all_reduce_host(
+      *pg, std::vector<int64_t>{memory_stats(device).peak_model_state}, dist::ReduceOp::Max)[0];
   if (rank == 0) {
     std::printf(
         "{\"example\":\"%s\",\"world_size\":%d,\"epochs\":%d,\"test_accuracy\":%s,\"train_loss\":%s,"
         "\"samples_per_s\":%s,\"step_ms_median\":%s,\"peak_rss_mb\":%s,\"backend\":\"%s\",\"device\":\"%s\","
-        "\"optimizer\":\"%s\",\"comm_hook\":\"%s\",\"gradient_as_bucket_view\":%s}\n",
+        "\"optimizer\":\"%s\",\"comm_hook\":\"%s\",\"gradient_as_bucket_view\":%s,\"strategy\":\"%s\","
+        "\"peak_model_state_bytes\":%lld}\n",
         kExample, world_size, epochs_done, examples::json_number(accuracy).c_str(), examples::json_number(train_loss).c_str(),
         examples::json_number(samples_per_s).c_str(), examples::json_number(slowest_rank[1]).c_str(),
         examples::json_number(slowest_rank[0]).c_str(), pg->backend_name().c_str(), device.str().c_str(),
-        config.optimizer.c_str(), config.comm_hook.c_str(), config.gradient_as_bucket_view ? "true" : "false");
+        config.optimizer.c_str(), config.comm_hook.c_str(), config.gradient_as_bucket_view ? "true" : "false",
+        config.strategy.c_str(), static_cast<long long>(peak_model_state_bytes));
     std::fflush(stdout);
   }
   pg->barrier()->wait();  // rank 0 serves the store: let every rank finish first
@@ -642,6 +681,10 @@ int main(int argc, char** argv) {
                  "how DDP reduces each gradient bucket: none (built in), allreduce (allreduce_hook), fp16 or bf16 "
                  "(compressed to 16 bits: half the bytes)")
       ->check(CLI::IsMember({"none", "allreduce", "fp16", "bf16"}));
+  app.add_option("--strategy", config.strategy,
+                 "data parallelism: ddp (everything replicated), zero1 (optimizer state sharded), zero2 (gradients "
+                 "too: FSDP SHARD_GRAD_OP), fsdp (parameters too: FULL_SHARD); docs/ddp/12-sharding.md")
+      ->check(CLI::IsMember(examples::strategy_names()));
   app.add_flag("--prefetch", config.prefetch, "collate batches on a background thread");
   app.add_flag("--quiet", config.quiet, "only the final JSON line (and what --explain asks for)");
 #if NANODDP_FASHION_MNIST_CNN
