@@ -253,12 +253,30 @@ Moment fsdp_peak(const ModelStateShape& shape, bool full_shard) {
   return peak;
 }
 
-}  // namespace
-
-std::string explain_memory(const ModelStateShape& shape, const std::string& strategy, const MemoryStats& measured) {
+// The peak moment of one stage.
+Moment predict(const ModelStateShape& shape, const std::string& stage) {
   const double psi = static_cast<double>(shape.numel);
   const double W = shape.world_size;
   const double k = shape.optimizer_state_bytes_per_element;
+  if (stage == "zero2") return fsdp_peak(shape, /*full_shard=*/false);
+  if (stage == "fsdp") return fsdp_peak(shape, /*full_shard=*/true);
+  NANODDP_CHECK(stage == "ddp" || stage == "zero1", ValueError, "no memory prediction for stage '", stage,
+                "' (ddp, zero1, zero2, fsdp)");
+  Moment m;
+  m.parameters = 4 * psi;
+  m.gradients = shape.gradient_as_bucket_view ? 0 : 4 * psi;  // views of the buckets
+  m.optimizer_state = stage == "ddp" ? k * psi : k * psi / W;
+  m.comm_buffers = 4 * psi;  // the buckets
+  return m;
+}
+
+}  // namespace
+
+int64_t predicted_peak_model_state(const ModelStateShape& shape, const std::string& stage) {
+  return static_cast<int64_t>(predict(shape, stage).total());
+}
+
+std::string explain_memory(const ModelStateShape& shape, const std::string& strategy, const MemoryStats& measured) {
   std::ostringstream out;
   out << std::fixed << std::setprecision(0);
   out << "explain: memory per rank, predicted at the peak of a step (bytes; Ψ = " << shape.numel
@@ -270,17 +288,7 @@ std::string explain_memory(const ModelStateShape& shape, const std::string& stra
         << std::setw(12) << m.gradients << std::setw(11) << m.optimizer_state << std::setw(14) << m.comm_buffers
         << std::setw(12) << m.total() << (strategy == stage ? "   <- this run" : "") << "\n";
   };
-  Moment ddp;
-  ddp.parameters = 4 * psi;
-  ddp.gradients = shape.gradient_as_bucket_view ? 0 : 4 * psi;  // views of the buckets
-  ddp.optimizer_state = k * psi;
-  ddp.comm_buffers = 4 * psi;  // the buckets
-  Moment zero1 = ddp;
-  zero1.optimizer_state = k * psi / W;
-  row("ddp", ddp);
-  row("zero1", zero1);
-  row("zero2", fsdp_peak(shape, /*full_shard=*/false));
-  row("fsdp", fsdp_peak(shape, /*full_shard=*/true));
+  for (const char* stage : {"ddp", "zero1", "zero2", "fsdp"}) row(stage, predict(shape, stage));
   out << "explain:   measured (this run, from the allocator): peak model state " << measured.peak_model_state
       << " bytes; peaks by category: parameters " << measured.peak[static_cast<int>(MemoryCategory::Parameters)]
       << ", gradients " << measured.peak[static_cast<int>(MemoryCategory::Gradients)] << ", optimizer "

@@ -93,6 +93,9 @@ struct ModelStateShape {
 // then the measured peak of this run (the allocator's model-state peak and each category's).
 // The row of `strategy` is marked. Lines end in '\n'.
 std::string explain_memory(const ModelStateShape& shape, const std::string& strategy, const MemoryStats& measured);
+// The total of one stage's row: bytes of model state one rank holds at the peak of a step.
+// ValueError for a stage other than ddp, zero1, zero2, fsdp.
+int64_t predicted_peak_model_state(const ModelStateShape& shape, const std::string& stage);
 
 // FSDP's units: name, parameters, elements, shard size and padding per rank.
 std::string explain_units(const FullyShardedDataParallel& fsdp);

@@ -13,6 +13,7 @@
 #include "core/memory.h"
 #include "core/ops.h"
 #include "dist/ddp.h"
+#include "dist/explain.h"
 #include "dist/fsdp.h"
 #include "dist/init.h"
 #include "nn/adam.h"
@@ -33,6 +34,12 @@ using namespace std::chrono_literals;
 using dist::ShardingStrategy;
 
 namespace {
+
+// This rank's group: a fresh one on a forked rank; under mpirun the one MPI group, made once.
+std::shared_ptr<dist::ProcessGroup> join(int rank, int world, int port) {
+  if (under_mpirun() && dist::is_initialized()) return dist::default_process_group();
+  return testing::join(rank, world, port);
+}
 
 constexpr int64_t kGlobalBatch = 12;  // splits evenly over 1, 2, 3 and 4 ranks
 
@@ -170,7 +177,7 @@ dist::FSDPOptions fsdp_options(ShardingStrategy strategy, const dist::AutoWrapPo
 void check_exactness(int world) {
   const int port = testing::free_port();
   const std::string failures = on_ranks(world, [&](int rank) {
-    auto pg = testing::join(rank, world, port);
+    auto pg = join(rank, world, port);
     for (const ModelKind& kind : model_kinds()) {
       for (const bool adamw : {false, true}) {
         const nn::StateDict want = train_reference(kind, adamw, kSteps);
@@ -228,7 +235,7 @@ TEST_CASE("3 and 4 ranks: every strategy equals one process (uneven and padded s
 TEST_CASE("units, shards and the bytes each collective moves per step equal the formulas") {
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [&](int rank) {
-    auto pg = testing::join(rank, 2, port);
+    auto pg = join(rank, 2, port);
     const ModelKind kind = model_kinds()[0];
     // Units 36 and 21 elements: shards of 18 and 11 (one padding element), 29 floats per rank.
     const int64_t shard_bytes = (18 + 11) * 4;
@@ -277,10 +284,67 @@ TEST_CASE("units, shards and the bytes each collective moves per step equal the 
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE("the allocator's peak model state in a step equals --explain's prediction, per stage (2 ranks, AdamW)") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = join(rank, 2, port);
+    const ModelKind kind = model_kinds()[0];
+    for (const char* stage : {"ddp", "zero2", "fsdp"}) {
+      const int64_t baseline = memory_stats(Device::cpu()).live_model_state;
+      int64_t peak = 0;
+      {
+        auto model = kind.make(7);
+        std::unique_ptr<dist::DistributedDataParallel> ddp;
+        std::unique_ptr<dist::FullyShardedDataParallel> fsdp;
+        if (std::string(stage) == "ddp")
+          ddp = std::make_unique<dist::DistributedDataParallel>(model, pg);
+        else
+          fsdp = std::make_unique<dist::FullyShardedDataParallel>(
+              model, pg,
+              fsdp_options(std::string(stage) == "fsdp" ? ShardingStrategy::FULL_SHARD : ShardingStrategy::SHARD_GRAD_OP,
+                           kind.policy));
+        nn::Module& wrapped = ddp ? static_cast<nn::Module&>(*ddp) : *fsdp;
+        auto opt = make_optimizer(true, wrapped.parameters());
+        for (int s = 0; s < 2; ++s) {  // the second step, with the optimizer's state made
+          const Batch b = share(global_batch(s, kind.features), rank, 2);
+          opt->zero_grad();
+          if (s == 1) reset_peak_memory();
+          cross_entropy(wrapped(b.x), b.y).backward();
+          opt->step();
+        }
+        peak = memory_stats(Device::cpu()).peak_model_state - baseline;
+      }
+      dist::ModelStateShape shape;
+      shape.numel = 36 + 21;
+      shape.world_size = 2;
+      shape.optimizer_state_bytes_per_element = 8;
+      shape.unit_numels = {36, 21};
+      const int64_t predicted = dist::predicted_peak_model_state(shape, stage);
+      expect(peak == predicted, "rank ", rank, " ", stage, ": measured peak model state ", peak, " bytes, predicted ",
+             predicted);
+    }
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("docs answers: the deep MLP's model state per rank at 2 ranks with AdamW, by stage") {
+  // --hidden 1024,1024,1024,1024: Ψ = 3,962,890 in five units (docs/ddp/12-sharding.md).
+  dist::ModelStateShape shape;
+  shape.unit_numels = {784 * 1024 + 1024, 1024 * 1024 + 1024, 1024 * 1024 + 1024, 1024 * 1024 + 1024, 1024 * 10 + 10};
+  for (int64_t n : shape.unit_numels) shape.numel += n;
+  shape.world_size = 2;
+  shape.optimizer_state_bytes_per_element = 8;
+  CHECK(shape.numel == 3962890);
+  CHECK(dist::predicted_peak_model_state(shape, "ddp") == 20 * 3962890);
+  CHECK(dist::predicted_peak_model_state(shape, "zero1") == 16 * 3962890);
+  CHECK(dist::predicted_peak_model_state(shape, "zero2") == 48005200);
+  CHECK(dist::predicted_peak_model_state(shape, "fsdp") == 45906000);
+}
+
 TEST_CASE("no_sync accumulates full gradients and the next backward reduces their sum") {
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [&](int rank) {
-    auto pg = testing::join(rank, 2, port);
+    auto pg = join(rank, 2, port);
     const ModelKind kind = model_kinds()[0];
     const nn::StateDict want = train_reference(kind, false, 2);
     for (const auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::NO_SHARD}) {
@@ -319,7 +383,7 @@ TEST_CASE("clip_grad_norm_ over shards is the norm of the whole gradient, and cl
   const nn::StateDict want = reference->state_dict();
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [&](int rank) {
-    auto pg = testing::join(rank, 2, port);
+    auto pg = join(rank, 2, port);
     for (const auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::NO_SHARD}) {
       dist::FullyShardedDataParallel fsdp(kind.make(7), pg, fsdp_options(strategy, kind.policy));
       nn::SGD opt(fsdp.parameters(), {/*lr=*/0.1f});
@@ -358,7 +422,7 @@ TEST_CASE("a full checkpoint (model + optimizer) saved at 2 ranks resumes at 3 a
   const std::string path = path_template;
   int port = testing::free_port();
   std::string failures = on_ranks(2, [&](int rank) {
-    auto pg = testing::join(rank, 2, port);
+    auto pg = join(rank, 2, port);
     dist::FullyShardedDataParallel fsdp(kind.make(7), pg, fsdp_options(ShardingStrategy::FULL_SHARD, kind.policy));
     auto opt = make_optimizer(true, fsdp.parameters());
     for (int s = 0; s < 2; ++s) {
@@ -384,7 +448,7 @@ TEST_CASE("a full checkpoint (model + optimizer) saved at 2 ranks resumes at 3 a
   for (const int world : {3, 1}) {
     port = testing::free_port();
     failures = on_ranks(world, [&](int rank) {
-      auto pg = testing::join(rank, world, port);
+      auto pg = join(rank, world, port);
       const nn::StateDict saved = nn::load_checkpoint(path);
       dist::FullyShardedDataParallel fsdp(kind.make(99), pg, fsdp_options(ShardingStrategy::FULL_SHARD, kind.policy));
       fsdp.load_full_state_dict(nn::strip_prefix(saved, "model."));
@@ -408,7 +472,7 @@ TEST_CASE("a full checkpoint (model + optimizer) saved at 2 ranks resumes at 3 a
 TEST_CASE("the local state_dict is this rank's shards and loads back at the same world size") {
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [&](int rank) {
-    auto pg = testing::join(rank, 2, port);
+    auto pg = join(rank, 2, port);
     const ModelKind kind = model_kinds()[0];
     dist::FullyShardedDataParallel trained(kind.make(7), pg, fsdp_options(ShardingStrategy::FULL_SHARD, kind.policy));
     nn::SGD opt(trained.parameters(), {/*lr=*/0.1f});
