@@ -12,11 +12,10 @@
 //
 // Values are computed in double precision by PyTorch's own recursive formulas (get_lr(),
 // which multiply the previous lr), so they equal PyTorch's to the last bit, including
-// CosineAnnealingLR's rise back after T_max. The previous lr is the scheduler's own last
-// value, kept in double; when the optimizer's lr no longer matches it (set by hand between
-// steps, or by another scheduler on the same optimizer) the next step builds on the
-// optimizer's lr instead, as PyTorch's does, so schedulers chain (torch's ChainedScheduler
-// order: step them one after the other). The optimizer holds the lr as a float.
+// CosineAnnealingLR's rise back after T_max. The previous lr is the optimizer's lr (a double,
+// torch's group['lr']), so a step builds on a rate set by hand between steps or by another
+// scheduler on the same optimizer, as PyTorch's does, and schedulers chain (torch's
+// ChainedScheduler order: step them one after the other).
 //
 // state_dict(): "last_epoch" (int64) and "base_lr", "last_lr" (the doubles' bits in int64
 // scalars: tensors here have no float64, and a rounded lr would not resume bit-exactly), and
@@ -67,7 +66,7 @@ class LRScheduler {
   LRScheduler(Optimizer& optimizer, std::string name);
   // PyTorch's _initial_step(): derived constructors call it once their fields are set.
   void initial_step();
-  // PyTorch's get_lr() at last_epoch_, from last_lr_ (its group['lr']) and base_lr_.
+  // PyTorch's get_lr() at last_epoch_, from the optimizer's lr (its group['lr']) and base_lr_.
   virtual double get_lr() const = 0;
   // The constructor's arguments by PyTorch's names, in state_dict() (Note [Scheduler state kind]).
   virtual std::vector<std::pair<std::string, double>> hyper_parameters() const = 0;

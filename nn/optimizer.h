@@ -37,9 +37,12 @@ class Optimizer {
   // (DDPOptions::gradient_as_bucket_view), so the next backward writes straight into it.
   void zero_grad(bool set_to_none = true);
 
-  virtual float lr() const = 0;
+  // The learning rate, a double as torch's param_groups[0]['lr'] (a Python float): schedulers
+  // compute in double and a rate read back is the one set. The kernels take it as float32, as
+  // PyTorch's do, rounded at each step.
+  virtual double lr() const = 0;
   // Throws ValueError for lr < 0.
-  virtual void set_lr(float lr) = 0;
+  virtual void set_lr(double lr) = 0;
   const std::vector<Tensor>& params() const { return params_; }
   // "SGD", "Adam", "AdamW": names errors and the examples' JSON line.
   const std::string& name() const { return name_; }
