@@ -208,8 +208,9 @@ std::unique_ptr<nn::Optimizer> make_optimizer(const Config& config, std::vector<
 }
 
 // The learning rate per batch: warm-up over the first warmup_steps, then the schedule.
-// Both schedulers are built at the start (the cosine first, so that both take the
-// configured lr as base_lr); at the switch the cosine's lr at its epoch 0 applies, as
+// Both schedulers are built at the start and take the configured lr (the optimizer's
+// initial_lr) as base_lr; the cosine first, so that the warm-up's first rate is the one set.
+// At the switch the cosine's lr at its epoch 0 applies, as
 // torch.optim.lr_scheduler.SequentialLR restarts the next scheduler there.
 class Schedule {
  public:

@@ -54,9 +54,15 @@ int64_t floor_mod(int64_t a, int64_t b) { return ((a % b) + b) % b; }
 }  // namespace
 
 LRScheduler::LRScheduler(Optimizer& optimizer, std::string name)
-    : optimizer_(optimizer), name_(std::move(name)), base_lr_(optimizer.lr()), last_lr_(optimizer.lr()) {}
+    : optimizer_(optimizer), name_(std::move(name)), last_lr_(optimizer.lr()) {}
 
-void LRScheduler::initial_step() { step(); }
+void LRScheduler::initial_step() {
+  // torch's group.setdefault('initial_lr', group['lr']): the first scheduler on the optimizer
+  // records its rate, and every scheduler, chained after it or not, starts from that.
+  if (!optimizer_.initial_lr()) optimizer_.set_initial_lr(optimizer_.lr());
+  base_lr_ = *optimizer_.initial_lr();
+  step();
+}
 
 void LRScheduler::step() {
   // The step counts only once the optimizer took its rate: a rate it refuses (a LambdaLR whose
@@ -104,6 +110,7 @@ void LRScheduler::load_state_dict(const StateDict& state) {
   const double base_lr = double_entry(state, "base_lr", name_);
   const double last_lr = double_entry(state, "last_lr", name_);
   optimizer_.set_lr(last_lr);
+  optimizer_.set_initial_lr(base_lr);
   last_epoch_ = last_epoch;
   base_lr_ = base_lr;
   last_lr_ = last_lr;
@@ -165,7 +172,7 @@ double LinearLR::get_lr() const {
   if (last_epoch_ > total_iters_) return lr;
   const double slope = end_factor_ - start_factor_;
   return lr * (1.0 + slope / (static_cast<double>(total_iters_) * start_factor_ +
-                                    static_cast<double>(last_epoch_ - 1) * slope));
+                               static_cast<double>(last_epoch_ - 1) * slope));
 }
 
 LambdaLR::LambdaLR(Optimizer& optimizer, std::function<double(int64_t)> lr_lambda)

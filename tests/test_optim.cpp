@@ -480,9 +480,10 @@ TEST_CASE("a step the optimizer refuses leaves the scheduler where it was: its s
     if (epoch == 1) throw std::runtime_error("no rate for epoch 1");
     return 1.0;
   });
+  CHECK(opt.lr() == 0.5);  // epoch 0: the optimizer's initial_lr 0.5 times 1
   CHECK_THROWS_WITH_AS(throwing.step(), "no rate for epoch 1", std::runtime_error);
   CHECK(throwing.last_epoch() == 0);
-  CHECK(opt.lr() == 0.0f);
+  CHECK(opt.lr() == 0.5);
 }
 
 TEST_CASE("the learning rate is a double, as torch's: a schedule from lr 0.1 is PyTorch's float64 values") {
@@ -531,6 +532,36 @@ TEST_CASE("schedulers build on an lr set by hand and chain on one optimizer, as 
     lrs.push_back(chained.lr());
   }
   CHECK(lrs == std::vector<double>{0.0625, 0.0078125, 0.00390625, 0.00048828125});
+}
+
+TEST_CASE("a scheduler chained after another takes the optimizer's initial_lr as base_lr, as PyTorch's") {
+  Tensor p = param_with_grad();
+  SGD opt({p}, {/*lr=*/1.0});
+  CHECK_FALSE(opt.initial_lr().has_value());
+  LinearLR warmup(opt, /*start_factor=*/0.5, /*end_factor=*/1.0, /*total_iters=*/1);
+  CHECK(opt.lr() == 0.5);
+  REQUIRE(opt.initial_lr().has_value());
+  CHECK(*opt.initial_lr() == 1.0);
+  // PyTorch 1.13: base_lrs come from group['initial_lr'], set by the first scheduler, so the
+  // LambdaLR starts from 1.0, not from the 0.5 the warm-up set, and its epoch 0 sets 1.0 * 1.0.
+  LambdaLR constant(opt, [](int64_t) { return 1.0; });
+  CHECK(constant.base_lr() == 1.0);
+  CHECK(constant.get_last_lr() == 1.0);
+  CHECK(opt.lr() == 1.0);
+  CHECK(*opt.initial_lr() == 1.0);
+  CHECK(warmup.base_lr() == 1.0);
+
+  // A load restores initial_lr with base_lr, as torch's optimizer.load_state_dict restores
+  // param_groups: a scheduler built afterwards starts from the saved run's rate.
+  SGD resumed_opt({param_with_grad()}, {/*lr=*/0.25});
+  LinearLR resumed(resumed_opt, 0.5, 1.0, 1);
+  CHECK(*resumed_opt.initial_lr() == 0.25);
+  resumed.load_state_dict(warmup.state_dict());
+  CHECK(*resumed_opt.initial_lr() == 1.0);
+  CHECK(resumed_opt.lr() == 0.5);
+  CHECK(resumed.base_lr() == 1.0);
+  StepLR after_load(resumed_opt, /*step_size=*/1, /*gamma=*/0.5);
+  CHECK(after_load.base_lr() == 1.0);
 }
 
 TEST_CASE("a scheduler's state_dict resumes the same values and restores the optimizer's lr") {
