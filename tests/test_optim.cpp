@@ -698,6 +698,28 @@ TEST_CASE("clip_grad_norm_ with a non-finite gradient: an error before any chang
   CHECK(std::isnan(params[0].grad().at({1})));  // a NaN coefficient reaches every gradient
 }
 
+TEST_CASE("clip_grad_norm_ of finite gradients whose norm overflows float32: it throws, or returns inf") {
+  // Gradients [3e38, 3e38]: 2-norm 4.24e38 past FLT_MAX (3.40e38). PyTorch 1.13's float32 norm
+  // is inf, so error_if_nonfinite raises, and without it the coefficient 1 / (inf + 1e-6) = 0
+  // zeroes both gradients.
+  auto make = [] {
+    Tensor a = Tensor::from_vector({0.0f, 0.0f}).set_requires_grad(true);
+    a.set_grad(Tensor::from_vector({3e38f, 3e38f}));
+    return std::vector<Tensor>{a};
+  };
+  std::vector<Tensor> params = make();
+  CHECK_THROWS_WITH_AS(clip_grad_norm_(params, 1.0, 2.0, /*error_if_nonfinite=*/true),
+                       doctest::Contains("is non-finite"), ValueError);
+  CHECK(params[0].grad().to_vector() == std::vector<float>{3e38f, 3e38f});  // unchanged by the error
+  const float total = clip_grad_norm_(params, 1.0);
+  CHECK(total == std::numeric_limits<float>::infinity());
+  CHECK(params[0].grad().to_vector() == std::vector<float>{0.0f, 0.0f});
+  // The 1-norm 6e38 overflows alike; the inf norm, 3e38, does not.
+  CHECK(clip_grad_norm_(make(), 1.0, 1.0) == std::numeric_limits<float>::infinity());
+  const double inf_norm_type = std::numeric_limits<double>::infinity();
+  CHECK(clip_grad_norm_(make(), 1.0, inf_norm_type, /*error_if_nonfinite=*/true) == 3e38f);
+}
+
 TEST_CASE("amsgrad keeps a NaN second moment, as torch.maximum does (it is not hidden by the max)") {
   // Step 1: gradient NaN -> exp_avg_sq NaN; max(0, NaN) is NaN. Step 2: a finite gradient
   // leaves exp_avg_sq NaN (0.999 * NaN + ...), and the max stays NaN on both sides of it.
