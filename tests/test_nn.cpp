@@ -302,6 +302,22 @@ TEST_CASE("checkpoint sizes are checked against int64 and the bytes present, nam
   CHECK(state.at("w").to_vector() == std::vector<float>{1.5f, -2.0f});
 }
 
+TEST_CASE("a checkpoint with two entries of one name is refused, naming it and both offsets") {
+  // Two float32 [1] tensors named "w", 1.0 then 2.0. Each entry is 4 + 1 + 1 + 1 + 8 + 8 + 4 = 27
+  // bytes: the first at byte offset 20 (8 magic + 4 version + 8 count), the second at 47.
+  CheckpointBytes file;
+  file.put<uint32_t>(1).put<uint64_t>(2);
+  for (float value : {1.0f, 2.0f}) {
+    file.put<uint32_t>(1);
+    file.bytes += "w";
+    file.put<uint8_t>(0).put<uint8_t>(1).put<int64_t>(1).put<uint64_t>(4).put<float>(value);
+  }
+  const std::string m = parse_error(file.sealed());
+  const std::string expected =
+      "checkpoint crafted.ckpt: a second entry for 'w' at byte offset 47 (the first is at byte offset 20)";
+  CHECK_MESSAGE(m.rfind(expected, 0) == 0, m);
+}
+
 TEST_CASE("a single process learns y = 2x with Linear(1, 1) and SGD") {
   Generator gen(0);
   Linear model(1, 1, gen);
