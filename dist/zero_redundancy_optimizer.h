@@ -4,7 +4,7 @@
 //
 //   dist::DistributedDataParallel ddp(model, pg);
 //   dist::ZeroRedundancyOptimizer opt(ddp.parameters(), pg, [](std::vector<Tensor> p) {
-//     return std::make_unique<nn::Adam>(std::move(p), nn::AdamOptions{1e-3f}); });
+//     return std::make_unique<nn::Adam>(std::move(p), nn::AdamOptions{1e-3}); });
 //   opt.zero_grad();  loss.backward();  opt.step();      // gradients averaged by DDP first
 //
 // Contract (every rank): the same parameters in the same order, the same local optimizer;
@@ -48,8 +48,8 @@ class ZeroRedundancyOptimizer : public nn::Optimizer {
   // The local optimizer steps this rank's share; then each parameter is broadcast from its
   // owner. Throws what the local step or the broadcasts throw (DistError, TimeoutError).
   void step() override;
-  float lr() const override { return local_->lr(); }
-  void set_lr(float lr) override { local_->set_lr(lr); }
+  double lr() const override { return local_->lr(); }
+  void set_lr(double lr) override { local_->set_lr(lr); }
 
   // The rank that owns parameter i (index into params()).
   int owner(size_t index) const { return owner_[index]; }

@@ -120,7 +120,7 @@ int main(int argc, char** argv) {
     model->to(init.device);
     dist::DistributedDataParallel ddp(model, pg);
     if (explain && pg->rank() == 0) std::printf("%s", dist::explain_plan(ddp).c_str());
-    nn::SGD opt(ddp.parameters(), {/*lr=*/0.05f, /*momentum=*/0.9f});
+    nn::SGD opt(ddp.parameters(), {/*lr=*/0.05, /*momentum=*/0.9f});
     Generator data_gen(100 + pg->rank());
     const Tensor host_x = Tensor::rand({64, 1}, data_gen) * 4.0f - Tensor::full({1}, 2.0f);
     std::vector<float> targets;

@@ -70,7 +70,7 @@ namespace {
 struct Config {
   int epochs = 10;
   std::string optimizer = "sgd";
-  std::optional<float> lr;            // default: 0.05 for sgd, 1e-3 (PyTorch's) for adam and adamw
+  std::optional<double> lr;           // default: 0.05 for sgd, 1e-3 (PyTorch's) for adam and adamw
   std::optional<float> momentum;      // sgd only; default 0.9
   std::optional<float> weight_decay;  // default: 0, or 1e-2 for adamw (PyTorch's)
   int warmup_epochs = 0;
@@ -190,10 +190,10 @@ void check_finite(float mean_loss, int rank, int epoch, int64_t step) {
                 " in epoch ", epoch + 1, " by step ", step, "; lower --lr or --momentum");
 }
 
-float default_lr(const Config& config) { return config.optimizer == "sgd" ? 0.05f : 1e-3f; }
+double default_lr(const Config& config) { return config.optimizer == "sgd" ? 0.05 : 1e-3; }
 
 std::unique_ptr<nn::Optimizer> make_optimizer(const Config& config, std::vector<Tensor> params) {
-  const float lr = config.lr.value_or(default_lr(config));
+  const double lr = config.lr.value_or(default_lr(config));
   if (config.optimizer == "adam") {
     nn::AdamOptions options;
     options.lr = lr;
@@ -211,8 +211,9 @@ std::unique_ptr<nn::Optimizer> make_optimizer(const Config& config, std::vector<
 }
 
 // The learning rate per batch: warm-up over the first warmup_steps, then the schedule.
-// Both schedulers are built at the start (the cosine first, so that both take the
-// configured lr as base_lr); at the switch the cosine's lr at its epoch 0 applies, as
+// Both schedulers are built at the start and take the configured lr (the optimizer's
+// initial_lr) as base_lr; the cosine first, so that the warm-up's first rate is the one set.
+// At the switch the cosine's lr at its epoch 0 applies, as
 // torch.optim.lr_scheduler.SequentialLR restarts the next scheduler there.
 class Schedule {
  public:
@@ -229,7 +230,7 @@ class Schedule {
     if (t + 1 < warmup_steps_) {
       warmup_->step();
     } else if (t + 1 == warmup_steps_) {
-      optimizer_.set_lr(static_cast<float>(cosine_ ? cosine_->get_last_lr() : warmup_->base_lr()));
+      optimizer_.set_lr(cosine_ ? cosine_->get_last_lr() : warmup_->base_lr());
     } else if (cosine_) {
       cosine_->step();
     }
@@ -256,9 +257,9 @@ class Schedule {
     if (warmup_) warmup_->load_state_dict(nn::strip_prefix(state, "warmup."));
     if (cosine_) cosine_->load_state_dict(nn::strip_prefix(state, "cosine."));
     if (t < warmup_steps_)
-      optimizer_.set_lr(static_cast<float>(warmup_->get_last_lr()));
+      optimizer_.set_lr(warmup_->get_last_lr());
     else if (warmup_)
-      optimizer_.set_lr(static_cast<float>(cosine_ ? cosine_->get_last_lr() : warmup_->base_lr()));
+      optimizer_.set_lr(cosine_ ? cosine_->get_last_lr() : warmup_->base_lr());
   }
 
  private:
@@ -517,7 +518,7 @@ int run(const Config& config) {
     if (explain) explained.emplace(*pg);
     const auto start = std::chrono::steady_clock::now();
     auto step_start = start;
-    float lr = optimizer->lr();
+    double lr = optimizer->lr();
     for (const data::Batch& batch : train_loader) {
       lr = optimizer->lr();
       // With bucket views, zeroing in place (torch 1.13's default) keeps .grad in the buckets;

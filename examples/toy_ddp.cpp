@@ -56,8 +56,8 @@ struct Fit {
 // that step together (each rank's DistributedSampler built here, as the ranks build theirs).
 // The ranks' batches have equal sizes (the sampler pads), so the mean over this batch is the
 // mean over ranks of their means: the gradient DDP computes.
-Fit train_one_process(const data::TensorDataset& dataset, int world_size, int64_t batch_size, int epochs, float lr,
-                      nn::Linear& model) {
+Fit train_one_process(const data::TensorDataset& dataset, int world_size, int64_t batch_size, int epochs,
+                      double lr, nn::Linear& model) {
   nn::SGD optimizer(model.parameters(), {lr});
   nn::MSELoss loss_fn;
   std::vector<std::vector<int64_t>> shards;
@@ -84,7 +84,7 @@ Fit train_one_process(const data::TensorDataset& dataset, int world_size, int64_
 int main(int argc, char** argv) {
   CLI::App app{"toy_ddp: the classic DDP tutorial, corrected (Linear(1, 1) on y = 2x)"};
   int epochs = 10;
-  float lr = 0.4f;
+  double lr = 0.4;
   int64_t batch_size = 8;
   bool raw = false;
   std::optional<float> init_weight, init_bias;

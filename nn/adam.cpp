@@ -22,7 +22,7 @@ AdamW::AdamW(std::vector<Tensor> params, AdamWOptions o)
 
 void Adam::check_options() const {
   const AdamOptions& o = options_;
-  NANODDP_CHECK(o.lr >= 0.0f, ValueError, name_, ": Invalid learning rate: ", o.lr);
+  NANODDP_CHECK(o.lr >= 0.0, ValueError, name_, ": Invalid learning rate: ", o.lr);
   NANODDP_CHECK(o.eps >= 0.0f, ValueError, name_, ": Invalid epsilon value: ", o.eps);
   NANODDP_CHECK(o.betas.first >= 0.0f && o.betas.first < 1.0f, ValueError, name_,
                 ": Invalid beta parameter at index 0: ", o.betas.first);
@@ -31,8 +31,8 @@ void Adam::check_options() const {
   NANODDP_CHECK(o.weight_decay >= 0.0f, ValueError, name_, ": Invalid weight_decay value: ", o.weight_decay);
 }
 
-void Adam::set_lr(float lr) {
-  NANODDP_CHECK(lr >= 0.0f, ValueError, name_, ": Invalid learning rate: ", lr);
+void Adam::set_lr(double lr) {
+  NANODDP_CHECK(lr >= 0.0, ValueError, name_, ": Invalid learning rate: ", lr);
   options_.lr = lr;
 }
 
@@ -40,8 +40,9 @@ void Adam::step() {
   NoGradGuard no_grad;
   trace::Span span(trace::Lane::Optimizer, "optimizer.step");
   MemoryCategoryScope state_memory(MemoryCategory::OptimizerState);  // the moments made here
-  // The hyper-parameters are floats (as they reach PyTorch's kernels); the step-dependent
-  // factors are computed from them in double, as PyTorch does in Python.
+  // lr is a double, as PyTorch's Python float; the other hyper-parameters are floats (as they
+  // reach PyTorch's kernels). The step-dependent factors are computed in double, as PyTorch
+  // does in Python, and rounded to float for the kernel.
   const double lr = options_.lr, beta1 = options_.betas.first, beta2 = options_.betas.second;
   const double weight_decay = options_.weight_decay;
   kernels::AdamConfig config;

@@ -1,7 +1,7 @@
 // Adam and AdamW: torch.optim.Adam and torch.optim.AdamW (PyTorch 1.13), one fused kernel
 // per parameter (kernels/cpu/adam.cpp, kernels/cuda/adam.cu).
 //
-//   nn::AdamW opt(model.parameters(), {/*lr=*/1e-3f});      // weight_decay 1e-2 by default
+//   nn::AdamW opt(model.parameters(), {/*lr=*/1e-3});      // weight_decay 1e-2 by default
 //   opt.zero_grad();  loss.backward();  opt.step();
 //   nn::save_checkpoint("run.ckpt", opt.state_dict());      // step, exp_avg, exp_avg_sq
 //
@@ -32,8 +32,9 @@
 
 namespace nanoddp::nn {
 
+// lr is a double, as torch's; the other hyper-parameters reach the kernel as float32.
 struct AdamOptions {
-  float lr = 1e-3f;
+  double lr = 1e-3;
   std::pair<float, float> betas = {0.9f, 0.999f};
   float eps = 1e-8f;
   float weight_decay = 0.0f;
@@ -42,7 +43,7 @@ struct AdamOptions {
 
 // AdamW's defaults differ from Adam's only in weight_decay (1e-2, torch.optim.AdamW's).
 struct AdamWOptions {
-  float lr = 1e-3f;
+  double lr = 1e-3;
   std::pair<float, float> betas = {0.9f, 0.999f};
   float eps = 1e-8f;
   float weight_decay = 1e-2f;
@@ -56,8 +57,8 @@ class Adam : public Optimizer {
   Adam(std::vector<Tensor> params, AdamOptions options);
 
   void step() override;
-  float lr() const override { return options_.lr; }
-  void set_lr(float lr) override;
+  double lr() const override { return options_.lr; }
+  void set_lr(double lr) override;
   const AdamOptions& options() const { return options_; }
 
   // Per parameter that has stepped: "step.<i>" (int64, one element: the number of steps taken),

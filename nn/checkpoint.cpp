@@ -1,6 +1,7 @@
 #include "nn/checkpoint.h"
 
 #include <cstring>
+#include <unordered_map>
 
 #include "core/hash.h"
 #include "nn/file_io.h"
@@ -96,12 +97,19 @@ StateDict parse_checkpoint(const std::string& bytes, const std::string& path) {
                 kVersion);
   const uint64_t count = in.get<uint64_t>("tensor count");
   StateDict state;
+  // Where each name's entry starts: a second entry of one name would replace the first
+  // silently, and which one a reader keeps is not the file's to leave open (save never
+  // writes one).
+  std::unordered_map<std::string, size_t> entry_offset_of;
   for (uint64_t i = 0; i < count; ++i) {
     const size_t entry_offset = in.offset();
     const uint32_t name_bytes = in.get<uint32_t>("name length");
     NANODDP_CHECK(name_bytes <= kMaxNameBytes, IOError, "checkpoint ", path, ": name length ", name_bytes,
                   " at byte offset ", entry_offset, " exceeds the limit of ", kMaxNameBytes);
     const std::string name(in.take(name_bytes, "name"), name_bytes);
+    const auto [first, inserted] = entry_offset_of.emplace(name, entry_offset);
+    NANODDP_CHECK(inserted, IOError, "checkpoint ", path, ": a second entry for '", name, "' at byte offset ",
+                  entry_offset, " (the first is at byte offset ", first->second, ")");
     const size_t dtype_offset = in.offset();
     const uint8_t dtype = in.get<uint8_t>("dtype");
     const uint8_t dim = in.get<uint8_t>("dim");

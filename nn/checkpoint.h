@@ -12,8 +12,9 @@
 // own, fsynced, renamed over path. A crash or kill -9 leaves the old file or the new one,
 // never half of one, and processes saving the same path at once all succeed, the last rename
 // winning (torch.save promises neither). load throws IOError naming the file and byte offset
-// on a missing, truncated or corrupt file, and checks every size against int64 and the bytes
-// present before trusting it.
+// on a missing, truncated or corrupt file, or one with two entries of one name (ambiguous:
+// save never writes one), and checks every size against int64 and the bytes present before
+// trusting it.
 //
 // Why a format of our own for training checkpoints, next to safetensors (nn/safetensors.h)
 // for weights: a checkpoint resumes a run, so it must notice any damaged byte (the checksum;

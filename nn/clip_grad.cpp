@@ -35,18 +35,21 @@ float clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double
       }
     }
   }
-  const double total = inf_norm ? accumulated : std::pow(accumulated, 1.0 / norm_type);
+  // The norm is a float32, the gradients' dtype, as torch's is: a sum past float's range is an
+  // infinite norm. One value is checked, clipped by and returned, so a norm returned as inf
+  // never passes the check.
+  const float total = static_cast<float>(inf_norm ? accumulated : std::pow(accumulated, 1.0 / norm_type));
   NANODDP_CHECK(!error_if_nonfinite || std::isfinite(total), ValueError, "clip_grad_norm_: the total norm of order ",
                 norm_type, " for gradients from `parameters` is non-finite, so it cannot be clipped. To disable "
                 "this error and scale the gradients by the non-finite norm anyway, set error_if_nonfinite=false");
   // PyTorch clamps with torch.clamp(max=1.0), which passes a NaN through: so does this.
-  const double coef = max_norm / (total + 1e-6);
+  const double coef = max_norm / (static_cast<double>(total) + 1e-6);
   const float scale = static_cast<float>(coef > 1.0 ? 1.0 : coef);
   if (scale != 1.0f)
     for (Tensor& g : grads)
       NANODDP_DISPATCH(g.device(), scalar_forward, g.data<float>(), g.data<float>(), kernels::ScalarOp::Mul, scale,
                        g.numel());
-  return static_cast<float>(total);
+  return total;
 }
 
 }  // namespace nanoddp::nn

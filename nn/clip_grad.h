@@ -18,12 +18,15 @@ namespace nanoddp::nn {
 // place so that their joint norm is at most max_norm, and returns that norm as it was before
 // scaling. Parameters whose .grad is undefined are skipped; with none left it returns 0.
 //   total = (sum over all gradient elements of |g|^norm_type)^(1 / norm_type)
-//           (norm_type = infinity: the largest |g|), summed in double precision;
+//           (norm_type = infinity: the largest |g|), summed in double precision, then
+//           rounded to float32, the gradients' dtype, as PyTorch's norm is: a norm past
+//           float's range (gradients [3e38, 3e38]) is inf;
 //   every gradient is multiplied by min(max_norm / (total + 1e-6), 1), as PyTorch does: the
 //   1e-6 keeps the division finite, so a clipped norm lands just under max_norm.
-// A non-finite total (a NaN or infinite gradient) throws ValueError when error_if_nonfinite
-// is true, before any gradient changes; otherwise the gradients are scaled by the resulting
-// factor (0 for an infinite total, NaN for a NaN one) exactly as PyTorch 1.13 does.
+// A non-finite total (a NaN or infinite gradient, or a norm past float's range) throws
+// ValueError when error_if_nonfinite is true, before any gradient changes; otherwise the
+// gradients are scaled by the resulting factor (0 for an infinite total, NaN for a NaN one)
+// exactly as PyTorch 1.13 does. The norm checked, clipped by and returned is the one float.
 // Throws ValueError for max_norm < 0 or NaN, and for norm_type <= 0 or NaN (PyTorch accepts
 // norm_type 0, a count of non-zero per-parameter norms, which nobody clips by).
 // On CUDA each gradient is copied to the host to be summed: one synchronisation per call.

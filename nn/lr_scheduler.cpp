@@ -54,16 +54,17 @@ int64_t floor_mod(int64_t a, int64_t b) { return ((a % b) + b) % b; }
 }  // namespace
 
 LRScheduler::LRScheduler(Optimizer& optimizer, std::string name)
-    : optimizer_(optimizer), name_(std::move(name)), base_lr_(optimizer.lr()), last_lr_(optimizer.lr()) {}
+    : optimizer_(optimizer), name_(std::move(name)), last_lr_(optimizer.lr()) {}
 
-void LRScheduler::initial_step() { step(); }
+void LRScheduler::initial_step() {
+  // torch's group.setdefault('initial_lr', group['lr']): the first scheduler on the optimizer
+  // records its rate, and every scheduler, chained after it or not, starts from that.
+  if (!optimizer_.initial_lr()) optimizer_.set_initial_lr(optimizer_.lr());
+  base_lr_ = *optimizer_.initial_lr();
+  step();
+}
 
 void LRScheduler::step() {
-  // PyTorch's recursive get_lr() builds on group['lr']: an lr set by hand since the last step,
-  // or by another scheduler on the same optimizer (chaining), is what this step builds on.
-  // The double is kept for bit-exact schedules; the optimizer's float stands in only when it
-  // no longer matches.
-  if (optimizer_.lr() != static_cast<float>(last_lr_)) last_lr_ = optimizer_.lr();
   // The step counts only once the optimizer took its rate: a rate it refuses (a LambdaLR whose
   // lambda went negative) or a lambda that throws leaves the scheduler and the optimizer as
   // they were, so a state_dict saved after the error still resumes the same schedule.
@@ -71,7 +72,7 @@ void LRScheduler::step() {
   double lr = 0.0;
   try {
     lr = get_lr();
-    optimizer_.set_lr(static_cast<float>(lr));
+    optimizer_.set_lr(lr);
   } catch (...) {
     --last_epoch_;
     throw;
@@ -108,7 +109,8 @@ void LRScheduler::load_state_dict(const StateDict& state) {
   NANODDP_CHECK(last_epoch >= 0, ValueError, name_, ".load_state_dict: 'last_epoch' is ", last_epoch);
   const double base_lr = double_entry(state, "base_lr", name_);
   const double last_lr = double_entry(state, "last_lr", name_);
-  optimizer_.set_lr(static_cast<float>(last_lr));
+  optimizer_.set_lr(last_lr);
+  optimizer_.set_initial_lr(base_lr);
   last_epoch_ = last_epoch;
   base_lr_ = base_lr;
   last_lr_ = last_lr;
@@ -125,8 +127,9 @@ std::vector<std::pair<std::string, double>> StepLR::hyper_parameters() const {
 }
 
 double StepLR::get_lr() const {
-  if (last_epoch_ == 0 || last_epoch_ % step_size_ != 0) return last_lr_;
-  return last_lr_ * gamma_;
+  const double lr = optimizer_.lr();
+  if (last_epoch_ == 0 || last_epoch_ % step_size_ != 0) return lr;
+  return lr * gamma_;
 }
 
 CosineAnnealingLR::CosineAnnealingLR(Optimizer& optimizer, int64_t T_max, double eta_min)
@@ -141,11 +144,12 @@ std::vector<std::pair<std::string, double>> CosineAnnealingLR::hyper_parameters(
 
 double CosineAnnealingLR::get_lr() const {
   const double T = static_cast<double>(T_max_), e = static_cast<double>(last_epoch_);
-  if (last_epoch_ == 0) return last_lr_;
+  const double lr = optimizer_.lr();
+  if (last_epoch_ == 0) return lr;
   // One step past a minimum, where the ratio below would divide by 1 + cos(pi) = 0.
   if (floor_mod(last_epoch_ - 1 - T_max_, 2 * T_max_) == 0)
-    return last_lr_ + (base_lr_ - eta_min_) * (1.0 - std::cos(M_PI / T)) / 2.0;
-  return (1.0 + std::cos(M_PI * e / T)) / (1.0 + std::cos(M_PI * (e - 1.0) / T)) * (last_lr_ - eta_min_) + eta_min_;
+    return lr + (base_lr_ - eta_min_) * (1.0 - std::cos(M_PI / T)) / 2.0;
+  return (1.0 + std::cos(M_PI * e / T)) / (1.0 + std::cos(M_PI * (e - 1.0) / T)) * (lr - eta_min_) + eta_min_;
 }
 
 LinearLR::LinearLR(Optimizer& optimizer, double start_factor, double end_factor, int64_t total_iters)
@@ -163,11 +167,12 @@ std::vector<std::pair<std::string, double>> LinearLR::hyper_parameters() const {
 }
 
 double LinearLR::get_lr() const {
-  if (last_epoch_ == 0) return last_lr_ * start_factor_;
-  if (last_epoch_ > total_iters_) return last_lr_;
+  const double lr = optimizer_.lr();
+  if (last_epoch_ == 0) return lr * start_factor_;
+  if (last_epoch_ > total_iters_) return lr;
   const double slope = end_factor_ - start_factor_;
-  return last_lr_ * (1.0 + slope / (static_cast<double>(total_iters_) * start_factor_ +
-                                    static_cast<double>(last_epoch_ - 1) * slope));
+  return lr * (1.0 + slope / (static_cast<double>(total_iters_) * start_factor_ +
+                               static_cast<double>(last_epoch_ - 1) * slope));
 }
 
 LambdaLR::LambdaLR(Optimizer& optimizer, std::function<double(int64_t)> lr_lambda)

@@ -5,18 +5,18 @@
 //   for (epoch ...) { train_one_epoch(optimizer); schedule.step(); }
 //   state["scheduler.*"] = schedule.state_dict();                  // resumes exactly
 //
-// As in PyTorch: the constructor takes the optimizer's current lr as base_lr and applies
+// As in PyTorch: the constructor takes the optimizer's initial_lr as base_lr (the lr when the
+// first scheduler was built on it, recorded then: torch's group['initial_lr']) and applies
 // step 0 (last_epoch becomes 0; LinearLR already multiplies by start_factor); each step()
 // adds one to last_epoch and sets the optimizer's lr. Call step() after optimizer.step().
 // A step is whatever the caller counts: an epoch, or a batch for warm-up.
 //
 // Values are computed in double precision by PyTorch's own recursive formulas (get_lr(),
 // which multiply the previous lr), so they equal PyTorch's to the last bit, including
-// CosineAnnealingLR's rise back after T_max. The previous lr is the scheduler's own last
-// value, kept in double; when the optimizer's lr no longer matches it (set by hand between
-// steps, or by another scheduler on the same optimizer) the next step builds on the
-// optimizer's lr instead, as PyTorch's does, so schedulers chain (torch's ChainedScheduler
-// order: step them one after the other). The optimizer holds the lr as a float.
+// CosineAnnealingLR's rise back after T_max. The previous lr is the optimizer's lr (a double,
+// torch's group['lr']), so a step builds on a rate set by hand between steps or by another
+// scheduler on the same optimizer, as PyTorch's does, and schedulers chain (torch's
+// ChainedScheduler order: step them one after the other).
 //
 // state_dict(): "last_epoch" (int64) and "base_lr", "last_lr" (the doubles' bits in int64
 // scalars: tensors here have no float64, and a rounded lr would not resume bit-exactly), and
@@ -26,9 +26,9 @@
 // load_state_dict() refuses another scheduler's state by those names (Note [Scheduler state
 // kind]; a state with none, one saved by an earlier version, loads), but keeps
 // the constructor's values, where PyTorch takes the saved ones: a run resumed with a longer
-// schedule (T_max) gets the one it asked for. It also sets the optimizer's lr to last_lr,
-// which PyTorch leaves to the optimizer's own state_dict (ours keeps only per-parameter
-// state).
+// schedule (T_max) gets the one it asked for. It also sets the optimizer's lr to last_lr and
+// its initial_lr to base_lr, which PyTorch leaves to the optimizer's own state_dict (its
+// param_groups; ours keeps only per-parameter state).
 #pragma once
 
 #include <cstdint>
@@ -65,9 +65,11 @@ class LRScheduler {
 
  protected:
   LRScheduler(Optimizer& optimizer, std::string name);
-  // PyTorch's _initial_step(): derived constructors call it once their fields are set.
+  // Records the optimizer's initial_lr if no scheduler has, takes it as base_lr, then steps to
+  // epoch 0 (PyTorch's __init__ tail and _initial_step()): derived constructors call it once
+  // their fields are set and checked.
   void initial_step();
-  // PyTorch's get_lr() at last_epoch_, from last_lr_ (its group['lr']) and base_lr_.
+  // PyTorch's get_lr() at last_epoch_, from the optimizer's lr (its group['lr']) and base_lr_.
   virtual double get_lr() const = 0;
   // The constructor's arguments by PyTorch's names, in state_dict() (Note [Scheduler state kind]).
   virtual std::vector<std::pair<std::string, double>> hyper_parameters() const = 0;

@@ -8,7 +8,7 @@
 namespace nanoddp::nn {
 
 SGD::SGD(std::vector<Tensor> params, SGDOptions options) : Optimizer("SGD", std::move(params)), options_(options) {
-  NANODDP_CHECK(options.lr >= 0.0f, ValueError, "SGD: invalid learning rate ", options.lr);
+  NANODDP_CHECK(options.lr >= 0.0, ValueError, "SGD: invalid learning rate ", options.lr);
   NANODDP_CHECK(options.momentum >= 0.0f, ValueError, "SGD: invalid momentum ", options.momentum);
   NANODDP_CHECK(options.weight_decay >= 0.0f, ValueError, "SGD: invalid weight_decay ", options.weight_decay);
   NANODDP_CHECK(!options.nesterov || (options.momentum > 0.0f && options.dampening == 0.0f), ValueError,
@@ -16,8 +16,8 @@ SGD::SGD(std::vector<Tensor> params, SGDOptions options) : Optimizer("SGD", std:
   momentum_buffers_.resize(params_.size());
 }
 
-void SGD::set_lr(float lr) {
-  NANODDP_CHECK(lr >= 0.0f, ValueError, "SGD: invalid learning rate ", lr);
+void SGD::set_lr(double lr) {
+  NANODDP_CHECK(lr >= 0.0, ValueError, "SGD: invalid learning rate ", lr);
   options_.lr = lr;
 }
 
@@ -25,6 +25,9 @@ void SGD::step() {
   NoGradGuard no_grad;
   trace::Span span(trace::Lane::Optimizer, "optimizer.step");
   MemoryCategoryScope state_memory(MemoryCategory::OptimizerState);  // the buffers made here
+  // The kernel's hyper-parameters are float32, as the scalars reach PyTorch's float kernels.
+  const kernels::SgdConfig config{static_cast<float>(options_.lr), options_.momentum, options_.dampening,
+                                  options_.weight_decay, options_.nesterov};
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = params_[i];
     const Tensor g = checked_grad(i);
@@ -41,7 +44,8 @@ void SGD::step() {
       }
       buffer = buf.data<float>();
     }
-    NANODDP_DISPATCH(p.device(), sgd_step, p.data<float>(), buffer, g.data<float>(), p.numel(), options_, first_step);
+    NANODDP_DISPATCH(p.device(), sgd_step, p.data<float>(), buffer, g.data<float>(), p.numel(), config,
+                     first_step);
   }
 }
 

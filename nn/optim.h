@@ -1,7 +1,7 @@
 // SGD: torch.optim.SGD, one fused kernel per parameter. Adam and AdamW are in nn/adam.h;
 // the interface they share (step, zero_grad, lr, state_dict) in nn/optimizer.h.
 //
-//   SGD opt(model.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+//   SGD opt(model.parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
 //   opt.zero_grad();  loss.backward();  opt.step();
 //
 // The update, for each parameter p with gradient g (exactly PyTorch's):
@@ -21,7 +21,14 @@
 
 namespace nanoddp::nn {
 
-using SGDOptions = kernels::SgdConfig;  // lr, momentum, dampening, weight_decay, nesterov
+// torch.optim.SGD's arguments. lr is a double, as torch's (the kernel takes it as float32).
+struct SGDOptions {
+  double lr = 0.0;
+  float momentum = 0.0f;
+  float dampening = 0.0f;
+  float weight_decay = 0.0f;
+  bool nesterov = false;
+};
 
 class SGD : public Optimizer {
  public:
@@ -33,8 +40,8 @@ class SGD : public Optimizer {
   void step() override;
 
   const SGDOptions& options() const { return options_; }
-  float lr() const override { return options_.lr; }
-  void set_lr(float lr) override;
+  double lr() const override { return options_.lr; }
+  void set_lr(double lr) override;
 
   // Momentum buffers keyed "momentum_buffer.<index>" (index into params), for checkpoints.
   // Parameters that have no buffer yet are absent, as in torch.optim's state.

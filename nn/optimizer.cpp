@@ -19,6 +19,11 @@ Optimizer::Optimizer(std::string name, std::vector<Tensor> params) : params_(std
   }
 }
 
+void Optimizer::set_initial_lr(double lr) {
+  NANODDP_CHECK(lr >= 0.0, ValueError, name_, ": invalid initial learning rate ", lr);
+  initial_lr_ = lr;
+}
+
 void Optimizer::zero_grad(bool set_to_none) {
   for (Tensor& p : params_) zero_grad_of(p, set_to_none);
 }

@@ -9,9 +9,11 @@
 // One parameter group: every parameter shares the hyper-parameters (torch's param_groups[0]).
 // State is kept per parameter, created on the parameter's first step with a defined .grad;
 // state_dict() names it "<buffer>.<index>" with index into params() ("exp_avg.3"), on the CPU.
-// The learning rate is not in state_dict(): a scheduler owns it (its state_dict restores it).
+// The learning rate and initial_lr are not in state_dict(): a scheduler owns them (its
+// state_dict restores both).
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,9 +39,19 @@ class Optimizer {
   // (DDPOptions::gradient_as_bucket_view), so the next backward writes straight into it.
   void zero_grad(bool set_to_none = true);
 
-  virtual float lr() const = 0;
+  // The learning rate, a double as torch's param_groups[0]['lr'] (a Python float): schedulers
+  // compute in double and a rate read back is the one set. The kernels take it as float32, as
+  // PyTorch's do, rounded at each step.
+  virtual double lr() const = 0;
   // Throws ValueError for lr < 0.
-  virtual void set_lr(float lr) = 0;
+  virtual void set_lr(double lr) = 0;
+  // torch's param_groups[0]['initial_lr']: the lr when the first scheduler was built on this
+  // optimizer (empty until then), or the base_lr a scheduler's load_state_dict restored. Every
+  // scheduler takes it as its base_lr, so one built after another changed the lr (a LinearLR
+  // warm-up) still starts from the configured rate.
+  const std::optional<double>& initial_lr() const { return initial_lr_; }
+  // Throws ValueError for lr < 0.
+  void set_initial_lr(double lr);
   const std::vector<Tensor>& params() const { return params_; }
   // "SGD", "Adam", "AdamW": names errors and the examples' JSON line.
   const std::string& name() const { return name_; }
@@ -71,6 +83,9 @@ class Optimizer {
 
   std::vector<Tensor> params_;
   std::string name_;
+
+ private:
+  std::optional<double> initial_lr_;
 };
 
 }  // namespace nanoddp::nn

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <vector>
 
 #include "nn/file_io.h"
@@ -99,6 +100,39 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
   return entry;
 }
 
+// The header's JSON, refusing a key that appears twice in one object. JSON leaves duplicate
+// names undefined and readers differ: nlohmann keeps the last, others the first. A file with
+// two entries for one tensor (or two "__metadata__") would load whichever this reader picks,
+// silently, so it is refused instead. Throws IOError naming the key, or as json::parse does.
+json parse_header(const std::string& path, const std::string& bytes, size_t begin, size_t end) {
+  struct OpenObject {
+    std::string name;  // the key whose value it is ("" for the header itself)
+    std::set<std::string> keys;
+  };
+  std::vector<OpenObject> open_objects;
+  std::string last_key;
+  const auto refuse_duplicate_keys = [&](int /*depth*/, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) {
+      open_objects.push_back({open_objects.empty() ? "" : last_key, {}});
+    } else if (event == json::parse_event_t::object_end) {
+      open_objects.pop_back();
+    } else if (event == json::parse_event_t::key) {
+      last_key = parsed.get<std::string>();
+      OpenObject& object = open_objects.back();
+      if (!object.keys.insert(last_key).second) {
+        if (open_objects.size() == 1)
+          NANODDP_THROW(IOError, "safetensors ", path, ": the header (bytes 8 to ", end, ") lists '",
+                        last_key, "' twice; a file with two entries for one name is ambiguous");
+        NANODDP_THROW(IOError, "safetensors ", path, ": the header (bytes 8 to ", end, ") has key '",
+                      last_key, "' twice in the entry '", object.name, "'");
+      }
+    }
+    return true;
+  };
+  return json::parse(bytes.begin() + static_cast<std::ptrdiff_t>(begin),
+                     bytes.begin() + static_cast<std::ptrdiff_t>(end), refuse_duplicate_keys);
+}
+
 }  // namespace
 
 void save_safetensors(const std::string& path, const StateDict& tensors, const SafetensorsMetadata& metadata) {
@@ -145,7 +179,7 @@ StateDict load_safetensors(const std::string& path, SafetensorsMetadata* metadat
 
   json header;
   try {
-    header = json::parse(bytes.begin() + sizeof(header_bytes), bytes.begin() + static_cast<std::ptrdiff_t>(data_start));
+    header = parse_header(path, bytes, sizeof(header_bytes), data_start);
   } catch (const json::parse_error& e) {
     NANODDP_THROW(IOError, "safetensors ", path, ": the header (bytes 8 to ", data_start, ") is not valid JSON: ",
                   e.what());

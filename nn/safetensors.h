@@ -42,7 +42,9 @@ void check_safetensors_writable(const std::string& path);
 // Reads every tensor of path onto the CPU; with metadata non-null, also its "__metadata__"
 // (empty when absent). Checks everything before trusting it: the header length against the
 // file size, the JSON, each dtype, shape and data_offsets, that each tensor's byte count is
-// its numel * dtype size (overflow-checked), and that the tensors tile the data exactly.
+// its numel * dtype size (overflow-checked), that no name appears twice in one JSON object
+// (two entries for a tensor or two "__metadata__": which one a reader takes is undefined),
+// and that the tensors tile the data exactly.
 // Throws IOError naming the file (and the tensor and byte offsets) on any violation, and
 // on a missing or unreadable file.
 StateDict load_safetensors(const std::string& path, SafetensorsMetadata* metadata = nullptr);

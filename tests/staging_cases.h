@@ -102,8 +102,8 @@ inline void check_ddp_matches_one_rank(const std::shared_ptr<dist::ProcessGroup>
   dist::DDPOptions options;
   options.gradient_as_bucket_view = gradient_as_bucket_view;
   dist::DistributedDataParallel ddp(model, pg, options);
-  nn::SGD reference_opt(reference->parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
-  nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+  nn::SGD reference_opt(reference->parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
+  nn::SGD opt(ddp.parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
   for (int step = 0; step < 5; ++step) {
     Generator gen(700 + step);
     const Tensor x = Tensor::randn({kBatch, 5}, gen);

@@ -97,7 +97,7 @@ std::string compare(const std::vector<std::pair<std::string, Tensor>>& got, cons
 // One rank trained on the whole 16-sample batch: the reference.
 std::vector<Tensor> train_reference(int steps, bool accumulate) {
   auto model = make_mlp(7);
-  nn::SGD opt(model->parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+  nn::SGD opt(model->parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
   for (int s = 0; s < steps; ++s) {
     const Batch b = global_batch(s);
     opt.zero_grad();
@@ -127,7 +127,7 @@ TEST_CASE("2 ranks x batch 8 train exactly like 1 rank on the batch of 16 (10 SG
       options.gradient_as_bucket_view = views;
       // Rank 1 starts from other weights: wrapping must replace them with rank 0's.
       dist::DistributedDataParallel ddp(make_mlp(rank == 0 ? 7 : 99), pg, options);
-      nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+      nn::SGD opt(ddp.parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
       for (int s = 0; s < 10; ++s) {
         const Batch b = rows(global_batch(s), 8 * rank, 8 * rank + 8);
         // With views, .grad is zeroed in place (torch 1.13's default) and stays the bucket's,
@@ -156,7 +156,7 @@ TEST_CASE("no_sync accumulation equals one rank accumulating all micro-batches, 
       dist::DDPOptions options;
       options.gradient_as_bucket_view = views;
       dist::DistributedDataParallel ddp(make_mlp(7), pg, options);
-      nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+      nn::SGD opt(ddp.parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
       for (int s = 0; s < 5; ++s) {
         const Batch b = global_batch(s);
         const Batch first = rows(b, 8 * rank, 8 * rank + 4), second = rows(b, 8 * rank + 4, 8 * rank + 8);
@@ -191,7 +191,7 @@ TEST_CASE("counters: one all-reduce per bucket per optimizer step, none inside n
     options.first_bucket_cap_bytes = 100;  // two buckets: 2.bias + 2.weight (108 B), 0.bias + 0.weight (192 B)
     options.bucket_cap_bytes = 150;        // then three, from step 1: kMlpRebuiltPlan
     dist::DistributedDataParallel ddp(make_mlp(7), pg, options);
-    nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f});
+    nn::SGD opt(ddp.parameters(), {/*lr=*/0.1});
     pg->reset_counts();  // construction's all_gathers and broadcasts are not part of a step
     auto all_reduces = [&] { return pg->count(dist::Collective::AllReduce); };
     auto calls_after_step = [](int s) { return s < 0 ? 0 : 2 + 3 * s; };  // 2 buckets in step 0, then 3
@@ -422,8 +422,8 @@ TEST_CASE("comm hooks: allreduce_hook equals the default path; a hook sees each 
       threw_twice = std::string(e.what()).find("only be called once") != std::string::npos;
     }
     expect(threw_twice, "rank ", rank, ": a second register_comm_hook was accepted");
-    nn::SGD plain_opt(plain.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
-    nn::SGD hooked_opt(hooked.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+    nn::SGD plain_opt(plain.parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
+    nn::SGD hooked_opt(hooked.parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
     for (int s = 0; s < 3; ++s) {
       const Batch b = rows(global_batch(s), 8 * rank, 8 * rank + 8);
       for (auto [ddp, opt] : {std::pair{&plain, &plain_opt}, std::pair{&hooked, &hooked_opt}}) {
@@ -605,7 +605,7 @@ TEST_CASE("gradient_as_bucket_view: each .grad is its slot of the buffer a comm 
              ": parameter ", i, "'s .grad did not move into the new buckets with its values");
     }
     // The next step keeps those tensors: zeroed in place, filled by backward, reduced there.
-    nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f});
+    nn::SGD opt(ddp.parameters(), {/*lr=*/0.1});
     opt.zero_grad(/*set_to_none=*/false);
     cross_entropy(out, b.y).backward();
     check_buckets(2, 3, "step 2, rebuilt");
@@ -640,7 +640,7 @@ TEST_CASE("gradient_as_bucket_view with find_unused_parameters and a frozen laye
     options.find_unused_parameters = true;
     options.gradient_as_bucket_view = true;
     dist::DistributedDataParallel ddp(model, pg, options);
-    nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f});
+    nn::SGD opt(ddp.parameters(), {/*lr=*/0.1});
     for (int step = 0; step < 2; ++step) {
       opt.zero_grad(/*set_to_none=*/false);
       const float x = static_cast<float>(rank + 1);  // 1 and 2
@@ -666,10 +666,10 @@ TEST_CASE("gradient_as_bucket_view with find_unused_parameters and a frozen laye
 namespace {
 using LocalFactory = dist::ZeroRedundancyOptimizer::LocalOptimizerFactory;
 const LocalFactory kSgdMomentum = [](std::vector<Tensor> p) {
-  return std::make_unique<nn::SGD>(std::move(p), nn::SGDOptions{/*lr=*/0.1f, /*momentum=*/0.9f});
+  return std::make_unique<nn::SGD>(std::move(p), nn::SGDOptions{/*lr=*/0.1, /*momentum=*/0.9f});
 };
 const LocalFactory kAdam = [](std::vector<Tensor> p) {
-  return std::make_unique<nn::Adam>(std::move(p), nn::AdamOptions{/*lr=*/0.01f});
+  return std::make_unique<nn::Adam>(std::move(p), nn::AdamOptions{/*lr=*/0.01});
 };
 
 // One rank with the unsharded optimizer on the whole batch of 16, 5 steps.

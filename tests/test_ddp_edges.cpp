@@ -76,7 +76,7 @@ TEST_CASE("find_unused_parameters: a parameter used on some ranks gets the same 
       dist::DDPOptions options;
       options.find_unused_parameters = true;
       dist::DistributedDataParallel ddp(model, pg, options);
-      nn::SGD opt(ddp.parameters(), {/*lr=*/1.0f});
+      nn::SGD opt(ddp.parameters(), {/*lr=*/1.0});
       model->use_a = rank % 2 == 0;
       const Tensor x =
           model->use_a ? Tensor::from_vector({1, 3}, {2, 1}) : Tensor::from_vector({2, 4}, {2, 1});
@@ -164,7 +164,7 @@ TEST_CASE("a tied parameter is reduced once and stepped once") {
       const auto plan = ddp.reducer().bucket_plan();
       expect(plan == std::vector<std::vector<size_t>>{{0}}, "rank ", rank, ": DDP planned ", plan.size(),
              " buckets for one tied parameter");
-      nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f});
+      nn::SGD opt(ddp.parameters(), {/*lr=*/0.1});
       sum(ddp(Tensor::ones({1, 2}))).backward();
       opt.step();
       const std::vector<float> w = shared->weight.to_vector(), want = {0.03f, 0.09f, 0.21f, 0.27f};
@@ -242,7 +242,7 @@ TEST_CASE("a frozen parameter gets no bucket and no update, but rank 0's value e
       const auto plan = ddp.reducer().bucket_plan();
       expect(plan == std::vector<std::vector<size_t>>{{1, 0}}, "rank ", rank,
              ": the plan should hold T's two parameters only");
-      nn::SGD opt(ddp.parameters(), {/*lr=*/1.0f});
+      nn::SGD opt(ddp.parameters(), {/*lr=*/1.0});
       opt.zero_grad();
       sum(ddp(Tensor::full({1, 1}, static_cast<float>(rank + 1)))).backward();
       expect(value(trained->weight.grad()) == world + 1 && value(trained->bias.grad()) == 1, "rank ", rank,

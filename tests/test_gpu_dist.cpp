@@ -250,8 +250,8 @@ TEST_CASE("DDP on a GPU (NCCL, world size 1) trains like the same model on the C
   auto cpu_model = mlp(), gpu_model = mlp();
   gpu_model->to(Device::cuda(0));
   dist::DistributedDataParallel ddp(gpu_model, pg);
-  nn::SGD cpu_opt(cpu_model->parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
-  nn::SGD gpu_opt(ddp.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+  nn::SGD cpu_opt(cpu_model->parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
+  nn::SGD gpu_opt(ddp.parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
   Generator gen(11);
   for (int step = 0; step < 10; ++step) {
     const auto [x, y] = random_batch(gen);
@@ -337,7 +337,7 @@ TEST_CASE("ZeRO (Adam), SyncBatchNorm and clip_grad_norm_ on a GPU (NCCL, world 
   dist::convert_sync_batchnorm(gpu_model, pg);
   gpu_model->to(Device::cuda(0));
   dist::DistributedDataParallel ddp(gpu_model, pg);
-  const nn::AdamOptions adam{/*lr=*/0.01f};
+  const nn::AdamOptions adam{/*lr=*/0.01};
   nn::Adam cpu_opt(cpu_model->parameters(), adam);
   dist::ZeroRedundancyOptimizer gpu_opt(ddp.parameters(), pg, [&](std::vector<Tensor> params) {
     return std::unique_ptr<nn::Optimizer>(new nn::Adam(std::move(params), adam));

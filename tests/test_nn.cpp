@@ -302,10 +302,26 @@ TEST_CASE("checkpoint sizes are checked against int64 and the bytes present, nam
   CHECK(state.at("w").to_vector() == std::vector<float>{1.5f, -2.0f});
 }
 
+TEST_CASE("a checkpoint with two entries of one name is refused, naming it and both offsets") {
+  // Two float32 [1] tensors named "w", 1.0 then 2.0. Each entry is 4 + 1 + 1 + 1 + 8 + 8 + 4 = 27
+  // bytes: the first at byte offset 20 (8 magic + 4 version + 8 count), the second at 47.
+  CheckpointBytes file;
+  file.put<uint32_t>(1).put<uint64_t>(2);
+  for (float value : {1.0f, 2.0f}) {
+    file.put<uint32_t>(1);
+    file.bytes += "w";
+    file.put<uint8_t>(0).put<uint8_t>(1).put<int64_t>(1).put<uint64_t>(4).put<float>(value);
+  }
+  const std::string m = parse_error(file.sealed());
+  const std::string expected =
+      "checkpoint crafted.ckpt: a second entry for 'w' at byte offset 47 (the first is at byte offset 20)";
+  CHECK_MESSAGE(m.rfind(expected, 0) == 0, m);
+}
+
 TEST_CASE("a single process learns y = 2x with Linear(1, 1) and SGD") {
   Generator gen(0);
   Linear model(1, 1, gen);
-  SGD opt(model.parameters(), {/*lr=*/0.1f});
+  SGD opt(model.parameters(), {/*lr=*/0.1});
   MSELoss loss_fn;
   std::vector<float> xs, ys;
   for (int i = 0; i < 16; ++i) {
@@ -341,7 +357,7 @@ TEST_CASE("a module registered twice is one parameter: listed, saved and stepped
   CHECK(state.size() == 1);
   CHECK(state.count("0.weight") == 1);
 
-  SGD opt(model.parameters(), {/*lr=*/0.1f});
+  SGD opt(model.parameters(), {/*lr=*/0.1});
   sum(model(Tensor::ones({1, 2}))).backward();
   const std::vector<float> grad = shared->weight.grad().to_vector();
   const std::vector<float> want_grad = {0.7f, 1.1f, 0.9f, 1.3f};
@@ -434,7 +450,7 @@ TEST_CASE("a checkpoint of model, Adam and scheduler resumes to the identical tr
     const Tensor y = Tensor::from_vector({0.5f, -1, 2, 0}, {2, 2});
     Generator gen{5};
     Linear model{3, 2, gen};
-    AdamW opt{model.parameters(), {/*lr=*/0.05f, {0.9f, 0.99f}, 1e-8f, /*weight_decay=*/0.01f, /*amsgrad=*/true}};
+    AdamW opt{model.parameters(), {/*lr=*/0.05, {0.9f, 0.99f}, 1e-8f, /*weight_decay=*/0.01f, /*amsgrad=*/true}};
     LinearLR schedule{opt, /*start_factor=*/0.25, /*end_factor=*/1.0, /*total_iters=*/4};
     void train(int steps) {
       for (int i = 0; i < steps; ++i) {

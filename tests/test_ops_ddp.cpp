@@ -82,7 +82,7 @@ std::vector<std::pair<std::string, Tensor>> named_state(const nn::Module& model)
 std::vector<Tensor> train_one_rank(const OpCase& c) {
   Generator gen(7);
   auto model = c.model(gen);
-  nn::SGD opt(model->parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+  nn::SGD opt(model->parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
   for (int s = 0; s < kSteps; ++s) {
     const Batch b = global_batch(c.sample, s);
     opt.zero_grad();
@@ -102,7 +102,7 @@ std::vector<std::pair<std::string, Tensor>> train_ddp(const OpCase& c, int rank,
   auto model = c.model(gen);
   if (sync) dist::convert_sync_batchnorm(model, pg);
   dist::DistributedDataParallel ddp(model, pg);
-  nn::SGD opt(ddp.parameters(), {/*lr=*/0.1f, /*momentum=*/0.9f});
+  nn::SGD opt(ddp.parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
   const int64_t half = kGlobalBatch / 2;
   for (int s = 0; s < kSteps; ++s) {
     const Batch b = slice(global_batch(c.sample, s), half * rank, half * (rank + 1));

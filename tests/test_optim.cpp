@@ -47,7 +47,7 @@ TEST_CASE("SGD with momentum and weight decay over three steps matches hand-comp
   //   step 2: d = 1 - 0.208 = 0.792;       buf = 0.72 + 0.792 = 1.512;      p = -2.2312
   //   step 3: d = 1 - 0.22312 = 0.77688;   buf = 1.3608 + 0.77688 = 2.13768; p = -2.444968
   Tensor p = param_with_grad();
-  SGD opt({p}, {/*lr=*/0.1f, /*momentum=*/0.9f, /*dampening=*/0.0f, /*weight_decay=*/0.1f});
+  SGD opt({p}, {/*lr=*/0.1, /*momentum=*/0.9f, /*dampening=*/0.0f, /*weight_decay=*/0.1f});
   step_times(opt, p, 1);
   CHECK(p.at({0}) == doctest::Approx(0.94).epsilon(1e-6));
   CHECK(p.at({1}) == doctest::Approx(-2.08).epsilon(1e-6));
@@ -63,13 +63,13 @@ TEST_CASE("SGD with dampening and nesterov") {
   // dampening 0.5, momentum 0.5, lr 1, p = 1, g = 0.5: step 1 buf = g = 0.5 (no dampening on
   // the first step), p = 0.5; step 2 buf = 0.25 + 0.25 = 0.5, p = 0.
   Tensor p = param_with_grad();
-  SGD damped({p}, {/*lr=*/1.0f, /*momentum=*/0.5f, /*dampening=*/0.5f});
+  SGD damped({p}, {/*lr=*/1.0, /*momentum=*/0.5f, /*dampening=*/0.5f});
   step_times(damped, p, 2);
   CHECK(p.at({0}) == doctest::Approx(0.0).epsilon(1e-7));
   // nesterov, momentum 0.5, lr 1, g = 0.5: step 1 buf = 0.5, d = 0.5 + 0.25 = 0.75, p = 0.25;
   // step 2 buf = 0.25 + 0.5 = 0.75, d = 0.5 + 0.375 = 0.875, p = -0.625.
   Tensor q = param_with_grad();
-  SGD nesterov({q}, {/*lr=*/1.0f, /*momentum=*/0.5f, /*dampening=*/0.0f, /*weight_decay=*/0.0f, /*nesterov=*/true});
+  SGD nesterov({q}, {/*lr=*/1.0, /*momentum=*/0.5f, /*dampening=*/0.0f, /*weight_decay=*/0.0f, /*nesterov=*/true});
   step_times(nesterov, q, 2);
   CHECK(q.at({0}) == doctest::Approx(-0.625).epsilon(1e-7));
 }
@@ -78,7 +78,7 @@ TEST_CASE("a parameter with no gradient is skipped") {
   Tensor a = Tensor::from_vector({1.0f}).set_requires_grad(true);
   Tensor b = Tensor::from_vector({1.0f}).set_requires_grad(true);
   b.set_grad(Tensor::from_vector({1.0f}));
-  SGD opt({a, b}, {/*lr=*/0.5f, /*momentum=*/0.9f});
+  SGD opt({a, b}, {/*lr=*/0.5, /*momentum=*/0.9f});
   opt.step();
   CHECK(a.item() == 1.0f);
   CHECK(b.item() == 0.5f);
@@ -92,7 +92,7 @@ TEST_CASE("zero_grad(set_to_none=false) zeroes each .grad in place, as torch 1.1
   Tensor b = Tensor::from_vector({1.0f}).set_requires_grad(true);  // no .grad: stays without one
   Tensor grad = Tensor::from_vector({3.0f, 4.0f});
   a.set_grad(grad);
-  SGD opt({a, b}, {/*lr=*/0.5f});
+  SGD opt({a, b}, {/*lr=*/0.5});
   opt.zero_grad(/*set_to_none=*/false);
   CHECK(a.grad().is_same(grad));
   CHECK(grad.to_vector() == std::vector<float>{0.0f, 0.0f});
@@ -108,13 +108,13 @@ TEST_CASE("SGD, Adam, AdamW, clip_grad_norm_ and zero_grad work through gradient
   const float sentinel = 1234.5f;
   const std::vector<std::function<std::unique_ptr<Optimizer>(std::vector<Tensor>)>> makers = {
       [](std::vector<Tensor> p) {
-        return std::make_unique<SGD>(std::move(p), SGDOptions{/*lr=*/0.1f, /*momentum=*/0.9f, /*dampening=*/0.0f,
+        return std::make_unique<SGD>(std::move(p), SGDOptions{/*lr=*/0.1, /*momentum=*/0.9f, /*dampening=*/0.0f,
                                                               /*weight_decay=*/0.1f});
       },
       [](std::vector<Tensor> p) {
-        return std::make_unique<Adam>(std::move(p), AdamOptions{/*lr=*/0.1f, {0.9f, 0.999f}, 1e-8f, 0.1f, true});
+        return std::make_unique<Adam>(std::move(p), AdamOptions{/*lr=*/0.1, {0.9f, 0.999f}, 1e-8f, 0.1f, true});
       },
-      [](std::vector<Tensor> p) { return std::make_unique<AdamW>(std::move(p), AdamWOptions{/*lr=*/0.1f}); },
+      [](std::vector<Tensor> p) { return std::make_unique<AdamW>(std::move(p), AdamWOptions{/*lr=*/0.1}); },
   };
   for (size_t which = 0; which < makers.size(); ++which) {
     CAPTURE(which);
@@ -151,7 +151,7 @@ TEST_CASE("SGD, Adam, AdamW, clip_grad_norm_ and zero_grad work through gradient
 
 TEST_CASE("SGD state_dict restores momentum so a resumed run matches an uninterrupted one") {
   Tensor p = param_with_grad(), q = param_with_grad();
-  const SGDOptions options{/*lr=*/0.1f, /*momentum=*/0.9f};
+  const SGDOptions options{/*lr=*/0.1, /*momentum=*/0.9f};
   SGD straight({p}, options);
   step_times(straight, p, 4);
   SGD first({q}, options);
@@ -164,16 +164,16 @@ TEST_CASE("SGD state_dict restores momentum so a resumed run matches an uninterr
 
 TEST_CASE("SGD rejects bad hyper-parameters as PyTorch does") {
   Tensor p = param_with_grad();
-  CHECK_THROWS_AS(SGD({p}, {/*lr=*/-1.0f}), ValueError);
-  CHECK_THROWS_AS(SGD({p}, {/*lr=*/0.1f, /*momentum=*/-0.1f}), ValueError);
-  CHECK_THROWS_AS(SGD({p}, {0.1f, 0.0f, 0.0f, 0.0f, /*nesterov=*/true}), ValueError);
+  CHECK_THROWS_AS(SGD({p}, {/*lr=*/-1.0}), ValueError);
+  CHECK_THROWS_AS(SGD({p}, {/*lr=*/0.1, /*momentum=*/-0.1f}), ValueError);
+  CHECK_THROWS_AS(SGD({p}, {0.1, 0.0f, 0.0f, 0.0f, /*nesterov=*/true}), ValueError);
 }
 
 TEST_CASE("SGD refuses a parameter listed twice instead of stepping it twice") {
   Tensor p = param_with_grad();
   Tensor q = param_with_grad();
   try {
-    SGD opt({p, q, p}, {/*lr=*/0.1f});
+    SGD opt({p, q, p}, {/*lr=*/0.1});
     FAIL("SGD accepted a duplicate parameter");
   } catch (const ValueError& e) {
     CHECK(std::string(e.what()).find("parameter 2 is parameter 0 again") != std::string::npos);
@@ -234,7 +234,7 @@ struct AdamReference {
 // foreach=None, so the single-tensor path), run offline on p = [1, -2, 0.5] with the grads of
 // kAdamGrads, printed with 9 significant digits after each step.
 TEST_CASE("Adam matches PyTorch 1.13 step by step") {
-  check_trajectory(adam_trajectory([](Tensor p) { return std::make_unique<Adam>(std::vector<Tensor>{p}, AdamOptions{0.1f}); }),
+  check_trajectory(adam_trajectory([](Tensor p) { return std::make_unique<Adam>(std::vector<Tensor>{p}, AdamOptions{0.1}); }),
                    {{0.900000036, -2.0999999, 0.599999964},
                     {0.880850255, -2.19881248, 0.667005777},
                     {0.85545373, -2.19978452, 0.610034883}});
@@ -242,7 +242,7 @@ TEST_CASE("Adam matches PyTorch 1.13 step by step") {
 
 TEST_CASE("Adam with L2 weight decay and amsgrad matches PyTorch 1.13") {
   AdamOptions options;
-  options.lr = 0.1f;
+  options.lr = 0.1;
   options.weight_decay = 0.1f;
   options.amsgrad = true;
   check_trajectory(adam_trajectory([&](Tensor p) { return std::make_unique<Adam>(std::vector<Tensor>{p}, options); }),
@@ -253,7 +253,7 @@ TEST_CASE("Adam with L2 weight decay and amsgrad matches PyTorch 1.13") {
 
 TEST_CASE("AdamW's decoupled weight decay matches PyTorch 1.13") {
   AdamWOptions options;
-  options.lr = 0.1f;
+  options.lr = 0.1;
   options.weight_decay = 0.1f;
   check_trajectory(adam_trajectory([&](Tensor p) { return std::make_unique<AdamW>(std::vector<Tensor>{p}, options); }),
                    {{0.890000045, -2.07999992, 0.594999969},
@@ -263,7 +263,7 @@ TEST_CASE("AdamW's decoupled weight decay matches PyTorch 1.13") {
 
 TEST_CASE("AdamW with its default weight decay, other betas, eps and amsgrad matches PyTorch 1.13") {
   AdamWOptions options;  // weight_decay stays at AdamW's default 1e-2
-  options.lr = 0.1f;
+  options.lr = 0.1;
   options.betas = {0.8f, 0.9f};
   options.eps = 1e-3f;
   options.amsgrad = true;
@@ -304,7 +304,7 @@ TEST_CASE("the fused Adam and AdamW kernels follow a float64 reference over 20 s
       AdamOptions options{0.01f, {0.9f, 0.99f}, 1e-6f, 0.05f, amsgrad};
       std::unique_ptr<Optimizer> opt;
       if (decoupled)
-        opt = std::make_unique<AdamW>(std::vector<Tensor>{p}, AdamWOptions{0.01f, {0.9f, 0.99f}, 1e-6f, 0.05f, amsgrad});
+        opt = std::make_unique<AdamW>(std::vector<Tensor>{p}, AdamWOptions{0.01, {0.9f, 0.99f}, 1e-6f, 0.05f, amsgrad});
       else
         opt = std::make_unique<Adam>(std::vector<Tensor>{p}, options);
       for (int step = 0; step < 20; ++step) {
@@ -400,7 +400,7 @@ void check_schedule(const std::vector<double>& got, const std::vector<double>& e
     INFO("last_epoch " << i);
     CHECK(got[i] == expected[i]);  // bit-exact: the same double operations as PyTorch's
   }
-  CHECK(opt.lr() == static_cast<float>(got.back()));
+  CHECK(opt.lr() == got.back());  // the optimizer holds the scheduler's double
 }
 }  // namespace
 
@@ -410,7 +410,7 @@ void check_schedule(const std::vector<double>& got, const std::vector<double>& e
 TEST_CASE("StepLR matches PyTorch 1.13 over 13 steps") {
   Tensor p = param_with_grad();
   // From 0.125, which float and double hold exactly, so PyTorch's doubles are reproduced.
-  SGD opt({p}, {/*lr=*/0.125f});
+  SGD opt({p}, {/*lr=*/0.125});
   StepLR schedule(opt, /*step_size=*/3, /*gamma=*/0.1);
   check_schedule(schedule_values(schedule, 13),
                  {0.125, 0.125, 0.125, 0.0125, 0.0125, 0.0125, 0.0012500000000000002, 0.0012500000000000002,
@@ -421,7 +421,7 @@ TEST_CASE("StepLR matches PyTorch 1.13 over 13 steps") {
 
 TEST_CASE("CosineAnnealingLR matches PyTorch 1.13's recursion, down to eta_min and back up past T_max") {
   Tensor p = param_with_grad();
-  SGD opt({p}, {/*lr=*/0.125f});
+  SGD opt({p}, {/*lr=*/0.125});
   CosineAnnealingLR schedule(opt, /*T_max=*/5, /*eta_min=*/0.01);
   check_schedule(schedule_values(schedule, 13),
                  {0.125, 0.11401847717655948, 0.08526847717655947, 0.049731522823440524, 0.020981522823440527,
@@ -432,7 +432,7 @@ TEST_CASE("CosineAnnealingLR matches PyTorch 1.13's recursion, down to eta_min a
 
 TEST_CASE("LinearLR warms up over total_iters with PyTorch 1.13's defaults, then holds") {
   Tensor p = param_with_grad();
-  SGD opt({p}, {/*lr=*/0.125f});
+  SGD opt({p}, {/*lr=*/0.125});
   LinearLR schedule(opt);  // start_factor 1/3, end_factor 1, total_iters 5
   check_schedule(schedule_values(schedule, 10),
                  {0.041666666666666664, 0.058333333333333334, 0.07500000000000001, 0.09166666666666669,
@@ -445,7 +445,7 @@ TEST_CASE("LinearLR warms up over total_iters with PyTorch 1.13's defaults, then
 
 TEST_CASE("LambdaLR is base_lr times the lambda at last_epoch") {
   Tensor p = param_with_grad();
-  SGD opt({p}, {/*lr=*/0.125f});
+  SGD opt({p}, {/*lr=*/0.125});
   LambdaLR schedule(opt, [](int64_t epoch) { return std::pow(0.95, static_cast<double>(epoch)); });
   // By hand: 0.125 * 0.95^e, e = 0..10.
   std::vector<double> expected;
@@ -457,7 +457,7 @@ TEST_CASE("LambdaLR is base_lr times the lambda at last_epoch") {
 
 TEST_CASE("a step the optimizer refuses leaves the scheduler where it was: its state resumes the same schedule") {
   Tensor p = param_with_grad();
-  SGD opt({p}, {/*lr=*/0.5f});
+  SGD opt({p}, {/*lr=*/0.5});
   // 1 - e/2: 1, 0.5, 0, then -0.5 at epoch 3, which SGD refuses.
   LambdaLR schedule(opt, [](int64_t epoch) { return 1.0 - 0.5 * static_cast<double>(epoch); });
   schedule.step();
@@ -480,14 +480,37 @@ TEST_CASE("a step the optimizer refuses leaves the scheduler where it was: its s
     if (epoch == 1) throw std::runtime_error("no rate for epoch 1");
     return 1.0;
   });
+  CHECK(opt.lr() == 0.5);  // epoch 0: the optimizer's initial_lr 0.5 times 1
   CHECK_THROWS_WITH_AS(throwing.step(), "no rate for epoch 1", std::runtime_error);
   CHECK(throwing.last_epoch() == 0);
-  CHECK(opt.lr() == 0.0f);
+  CHECK(opt.lr() == 0.5);
+}
+
+TEST_CASE("the learning rate is a double, as torch's: a schedule from lr 0.1 is PyTorch's float64 values") {
+  Tensor p = param_with_grad();
+  SGD opt({p}, {/*lr=*/0.1});
+  CHECK(opt.lr() == 0.1);  // not 0.10000000149011612, 0.1 rounded to float
+  StepLR decay(opt, /*step_size=*/1, /*gamma=*/0.1);
+  CHECK(decay.base_lr() == 0.1);
+  CHECK(decay.get_last_lr() == 0.1);
+  decay.step();
+  // PyTorch: 0.1 * 0.1 in float64 (from a float lr it would be 0.010000000149011612).
+  CHECK(decay.get_last_lr() == 0.010000000000000002);
+  CHECK(opt.lr() == 0.010000000000000002);
+  decay.step();
+  CHECK(decay.get_last_lr() == 0.0010000000000000002);  // 0.1 * 0.1 * 0.1
+
+  // LinearLR's recursion in float64: 0.1 * 0.5 = 0.05, 0.05 * (1 + 0.5 / 1) = 0.07500000000000001,
+  // then 0.07500000000000001 * (1 + 0.5 / 1.5) = 0.1.
+  Adam adam({param_with_grad()}, AdamOptions{/*lr=*/0.1});
+  LinearLR warmup(adam, /*start_factor=*/0.5, /*end_factor=*/1.0, /*total_iters=*/2);
+  CHECK(schedule_values(warmup, 3) == std::vector<double>{0.05, 0.07500000000000001, 0.1, 0.1});
+  CHECK(adam.lr() == 0.1);
 }
 
 TEST_CASE("schedulers build on an lr set by hand and chain on one optimizer, as PyTorch's do") {
   Tensor p = param_with_grad();
-  SGD opt({p}, {/*lr=*/0.125f});
+  SGD opt({p}, {/*lr=*/0.125});
   StepLR halving(opt, /*step_size=*/2, /*gamma=*/0.5);
   halving.step();  // epoch 1: unchanged
   CHECK(opt.lr() == 0.125f);
@@ -500,30 +523,60 @@ TEST_CASE("schedulers build on an lr set by hand and chain on one optimizer, as 
 
   // Two schedulers stepped one after the other (torch's ChainedScheduler): every step halves,
   // every second step also quarters. By hand from 0.125: 0.0625, 0.0078125, 0.00390625, 0.00048828125.
-  SGD chained({p}, {/*lr=*/0.125f});
+  SGD chained({p}, {/*lr=*/0.125});
   StepLR every(chained, 1, 0.5), second(chained, 2, 0.25);
-  std::vector<float> lrs;
+  std::vector<double> lrs;
   for (int i = 0; i < 4; ++i) {
     every.step();
     second.step();
     lrs.push_back(chained.lr());
   }
-  CHECK(lrs == std::vector<float>{0.0625f, 0.0078125f, 0.00390625f, 0.00048828125f});
+  CHECK(lrs == std::vector<double>{0.0625, 0.0078125, 0.00390625, 0.00048828125});
+}
+
+TEST_CASE("a scheduler chained after another takes the optimizer's initial_lr as base_lr, as PyTorch's") {
+  Tensor p = param_with_grad();
+  SGD opt({p}, {/*lr=*/1.0});
+  CHECK_FALSE(opt.initial_lr().has_value());
+  LinearLR warmup(opt, /*start_factor=*/0.5, /*end_factor=*/1.0, /*total_iters=*/1);
+  CHECK(opt.lr() == 0.5);
+  REQUIRE(opt.initial_lr().has_value());
+  CHECK(*opt.initial_lr() == 1.0);
+  // PyTorch 1.13: base_lrs come from group['initial_lr'], set by the first scheduler, so the
+  // LambdaLR starts from 1.0, not from the 0.5 the warm-up set, and its epoch 0 sets 1.0 * 1.0.
+  LambdaLR constant(opt, [](int64_t) { return 1.0; });
+  CHECK(constant.base_lr() == 1.0);
+  CHECK(constant.get_last_lr() == 1.0);
+  CHECK(opt.lr() == 1.0);
+  CHECK(*opt.initial_lr() == 1.0);
+  CHECK(warmup.base_lr() == 1.0);
+
+  // A load restores initial_lr with base_lr, as torch's optimizer.load_state_dict restores
+  // param_groups: a scheduler built afterwards starts from the saved run's rate.
+  SGD resumed_opt({param_with_grad()}, {/*lr=*/0.25});
+  LinearLR resumed(resumed_opt, 0.5, 1.0, 1);
+  CHECK(*resumed_opt.initial_lr() == 0.25);
+  resumed.load_state_dict(warmup.state_dict());
+  CHECK(*resumed_opt.initial_lr() == 1.0);
+  CHECK(resumed_opt.lr() == 0.5);
+  CHECK(resumed.base_lr() == 1.0);
+  StepLR after_load(resumed_opt, /*step_size=*/1, /*gamma=*/0.5);
+  CHECK(after_load.base_lr() == 1.0);
 }
 
 TEST_CASE("a scheduler's state_dict resumes the same values and restores the optimizer's lr") {
   Tensor p = param_with_grad(), q = param_with_grad();
-  Adam straight_opt({p}, AdamOptions{0.125f});
+  Adam straight_opt({p}, AdamOptions{0.125});
   CosineAnnealingLR straight(straight_opt, 7);
   const std::vector<double> values = schedule_values(straight, 10);
-  Adam first_opt({q}, AdamOptions{0.125f});
+  Adam first_opt({q}, AdamOptions{0.125});
   CosineAnnealingLR first(first_opt, 7);
   schedule_values(first, 4);
-  Adam resumed_opt({q}, AdamOptions{0.125f});
+  Adam resumed_opt({q}, AdamOptions{0.125});
   CosineAnnealingLR resumed(resumed_opt, 7);
   resumed.load_state_dict(first.state_dict());
   CHECK(resumed.last_epoch() == 4);
-  CHECK(resumed_opt.lr() == static_cast<float>(values[4]));
+  CHECK(resumed_opt.lr() == values[4]);
   const std::vector<double> rest = schedule_values(resumed, 6);
   for (size_t i = 0; i < rest.size(); ++i) CHECK(rest[i] == values[4 + i]);  // bit-exact
   StateDict bad = first.state_dict();
@@ -534,7 +587,7 @@ TEST_CASE("a scheduler's state_dict resumes the same values and restores the opt
 
 TEST_CASE("a scheduler refuses another scheduler's state, naming it, and nothing changes") {
   Tensor p = param_with_grad();
-  SGD opt({p}, SGDOptions{0.5f});
+  SGD opt({p}, SGDOptions{0.5});
   StepLR step_lr(opt, 2, 0.5);
   CosineAnnealingLR cosine(opt, 7);
   LinearLR linear(opt);
@@ -643,6 +696,28 @@ TEST_CASE("clip_grad_norm_ with a non-finite gradient: an error before any chang
   params = make(std::numeric_limits<float>::quiet_NaN());
   CHECK(std::isnan(clip_grad_norm_(params, 1.0, std::numeric_limits<double>::infinity())));
   CHECK(std::isnan(params[0].grad().at({1})));  // a NaN coefficient reaches every gradient
+}
+
+TEST_CASE("clip_grad_norm_ of finite gradients whose norm overflows float32: it throws, or returns inf") {
+  // Gradients [3e38, 3e38]: 2-norm 4.24e38 past FLT_MAX (3.40e38). PyTorch 1.13's float32 norm
+  // is inf, so error_if_nonfinite raises, and without it the coefficient 1 / (inf + 1e-6) = 0
+  // zeroes both gradients.
+  auto make = [] {
+    Tensor a = Tensor::from_vector({0.0f, 0.0f}).set_requires_grad(true);
+    a.set_grad(Tensor::from_vector({3e38f, 3e38f}));
+    return std::vector<Tensor>{a};
+  };
+  std::vector<Tensor> params = make();
+  CHECK_THROWS_WITH_AS(clip_grad_norm_(params, 1.0, 2.0, /*error_if_nonfinite=*/true),
+                       doctest::Contains("is non-finite"), ValueError);
+  CHECK(params[0].grad().to_vector() == std::vector<float>{3e38f, 3e38f});  // unchanged by the error
+  const float total = clip_grad_norm_(params, 1.0);
+  CHECK(total == std::numeric_limits<float>::infinity());
+  CHECK(params[0].grad().to_vector() == std::vector<float>{0.0f, 0.0f});
+  // The 1-norm 6e38 overflows alike; the inf norm, 3e38, does not.
+  CHECK(clip_grad_norm_(make(), 1.0, 1.0) == std::numeric_limits<float>::infinity());
+  const double inf_norm_type = std::numeric_limits<double>::infinity();
+  CHECK(clip_grad_norm_(make(), 1.0, inf_norm_type, /*error_if_nonfinite=*/true) == 3e38f);
 }
 
 TEST_CASE("amsgrad keeps a NaN second moment, as torch.maximum does (it is not hidden by the max)") {

@@ -199,6 +199,21 @@ TEST_CASE("load_safetensors refuses malformed files, naming the file and the pro
       {"trailing bytes", file_bytes(good, eight_bytes + "xx"), "data bytes [8, 10) belong to no tensor"},
       {"metadata that is not text", file_bytes(R"({"__metadata__":{"epochs":10}})", ""),
        "__metadata__ value of 'epochs' is not a string"},
+      // JSON leaves a repeated name undefined (nlohmann keeps the last, other readers the
+      // first): "a" would load as the first 4 bytes or the last.
+      {"a tensor listed twice",
+       file_bytes(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                  R"("a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+                  eight_bytes),
+       "lists 'a' twice"},
+      {"two __metadata__",
+       file_bytes(R"({"__metadata__":{"epochs":"10"},"__metadata__":{"epochs":"20"}})", ""),
+       "lists '__metadata__' twice"},
+      {"a field twice in a tensor's entry",
+       file_bytes(R"({"a":{"dtype":"F32","shape":[2],"dtype":"I64","data_offsets":[0,8]}})", eight_bytes),
+       "has key 'dtype' twice in the entry 'a'"},
+      {"a metadata key twice", file_bytes(R"({"__metadata__":{"epochs":"10","epochs":"20"}})", ""),
+       "has key 'epochs' twice in the entry '__metadata__'"},
   };
   for (const Case& c : cases) {
     CAPTURE(c.what);

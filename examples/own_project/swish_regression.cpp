@@ -115,7 +115,7 @@ int main() {
     model->add(Swish());
     model->add(nn::Linear(32, 1, gen));
     dist::DistributedDataParallel ddp(model, pg);
-    nn::SGD optimizer(ddp.parameters(), {/*lr=*/0.05f, /*momentum=*/0.9f});
+    nn::SGD optimizer(ddp.parameters(), {/*lr=*/0.05, /*momentum=*/0.9f});
 
     float first_loss = 0, last_loss = 0;
     constexpr int kSteps = 300;
