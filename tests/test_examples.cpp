@@ -314,8 +314,8 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   r = run_with({"--epochs", "1", "--optimizer", "adam", "--comm-hook", "bf16", "--gradient-as-bucket-view"});
   REQUIRE_MESSAGE(r.code() == 0, r.err);
   // The result line says how the run was made: two runs that differ in a flag are told apart.
-  CHECK(r.out.find("\"optimizer\":\"adam\",\"comm_hook\":\"bf16\",\"gradient_as_bucket_view\":true}") !=
-        std::string::npos);
+  CHECK(r.out.find("\"optimizer\":\"adam\",\"comm_hook\":\"bf16\",\"gradient_as_bucket_view\":true,\"strategy\":\"ddp\","
+                   "\"peak_model_state_bytes\":") != std::string::npos);
   r = run_with({"--batch-size", "0"});
   CHECK(r.code() == 2);
   CHECK(r.err.find("--batch-size: must be an integer >= 1, got '0'") != std::string::npos);
