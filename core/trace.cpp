@@ -179,6 +179,7 @@ std::string lane_name(int lane) {
     case static_cast<int>(Lane::Optimizer): return "optimizer";
     default: break;
   }
+  if (lane >= kFsdpUnitLane) return "fsdp unit " + std::to_string(lane - kFsdpUnitLane);
   if (lane >= kAllReduceLane) return "all_reduce bucket " + std::to_string(lane - kAllReduceLane);
   return "lane " + std::to_string(lane);
 }

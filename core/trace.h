@@ -32,6 +32,9 @@ namespace nanoddp::trace {
 // launch, so their spans overlap and cannot share a lane.
 enum class Lane : int { Data = 1, Compute = 2, DDP = 3, Optimizer = 4 };
 constexpr int kAllReduceLane = 10;
+// FSDP gets one lane per unit (kFsdpUnitLane + unit index): a unit's all_gathers and its
+// reduce_scatter, so a prefetched gather shows as a span that starts before its unit computes.
+constexpr int kFsdpUnitLane = 10000;
 std::string lane_name(int lane);  // "data", "compute", "ddp", "optimizer", "all_reduce bucket 0"
 
 namespace detail {

@@ -50,8 +50,7 @@ struct FullyShardedDataParallel::Unit {
 
 namespace {
 
-// Units get trace lanes of their own, after DDP's bucket lanes.
-constexpr int kFsdpLane = trace::kAllReduceLane + 1000;
+constexpr int kFsdpLane = trace::kFsdpUnitLane;
 
 std::string unit_label(const std::string& name) { return name.empty() ? "root" : "'" + name + "'"; }
 

@@ -13,8 +13,10 @@
 
 #include "core/ops.h"
 #include "core/half.h"
+#include "core/memory.h"
 #include "dist/comm_hooks.h"
 #include "dist/ddp.h"
+#include "dist/fsdp.h"
 #include "dist/host_collectives.h"
 #include "dist/init.h"
 #include "dist/store.h"
@@ -375,6 +377,94 @@ TEST_CASE("ZeRO (Adam), SyncBatchNorm and clip_grad_norm_ on a GPU (NCCL, world 
   for (const auto& [name, b] : gpu_model->named_buffers())
     if (b.dtype() == DType::Float32) gpu_stats.emplace_back(name, b);
   compare(cpu_stats, gpu_stats);
+}
+
+// FSDP on CUDA tensors over NCCL: the all_gather into the unit's flat vector (freed and
+// allocated again by the caching allocator), the reduce_scatter out of the full gradient, and
+// the shards an optimizer steps. At world size 1 a shard is the whole unit, so the model must
+// train exactly as the same model on the CPU, with only the shards alive between steps.
+TEST_CASE("FSDP on a GPU (NCCL, world size 1): FULL_SHARD and SHARD_GRAD_OP train like the CPU, holding only shards between steps") {
+  if (in_launched_rank()) return;
+#if !NANODDP_WITH_NCCL
+  testing::not_in_this_build("NCCL");
+  return;
+#endif
+  auto pg = nccl_group();
+  for (const auto strategy : {dist::ShardingStrategy::FULL_SHARD, dist::ShardingStrategy::SHARD_GRAD_OP}) {
+    CAPTURE(dist::sharding_strategy_name(strategy));
+    auto cpu_model = mlp(), gpu_model = mlp();
+    gpu_model->to(Device::cuda(0));
+    const int64_t params_before = memory_stats(Device::cuda(0)).live[static_cast<int>(MemoryCategory::Parameters)];
+    dist::FSDPOptions options;
+    options.sharding_strategy = strategy;
+    options.auto_wrap_policy = dist::module_wrap_policy<nn::Linear>();
+    options.forward_prefetch = true;
+    dist::FullyShardedDataParallel fsdp(gpu_model, pg, options);
+    nn::Adam cpu_opt(cpu_model->parameters(), {});
+    nn::Adam gpu_opt(fsdp.parameters(), {});
+    Generator gen(11);
+    for (int step = 0; step < 5; ++step) {
+      const auto [x, y] = random_batch(gen);
+      cpu_opt.zero_grad();
+      cross_entropy((*cpu_model)(x), y).backward();
+      cpu_opt.step();
+      gpu_opt.zero_grad();
+      cross_entropy(fsdp(x.to(Device::cuda(0))), y.to(Device::cuda(0))).backward();
+      gpu_opt.step();
+    }
+    // Between steps the full vectors are freed: the shards (here whole units) remain.
+    const int64_t params_now = memory_stats(Device::cuda(0)).live[static_cast<int>(MemoryCategory::Parameters)];
+    int64_t shard_bytes = 0;
+    for (const Tensor& shard : fsdp.parameters()) shard_bytes += static_cast<int64_t>(shard.nbytes());
+    CHECK(params_now - params_before <= shard_bytes);
+    const nn::StateDict got = fsdp.full_state_dict();
+    for (const auto& [name, want] : cpu_model->state_dict()) {
+      CAPTURE(name);
+      const std::vector<float> a = want.to_vector(), b = got.at(name).to_vector();
+      float worst = 0;
+      for (size_t j = 0; j < a.size(); ++j) worst = std::max(worst, std::abs(a[j] - b[j]));
+      CHECK(worst < 1e-4f);
+    }
+  }
+}
+
+TEST_CASE("two ranks share one GPU over Gloo: FSDP FULL_SHARD on CUDA tensors equals DDP") {
+#if !NANODDP_WITH_GLOO
+  testing::not_in_this_build("Gloo (tools/gpu-check carries it when prepare finds libgloo-dev)");
+  return;
+#endif
+  if (!in_launched_rank()) return run_ranks_of_this_file("*share one GPU over Gloo: FSDP*", "gloo");
+  auto pg = join_launched(dist::Backend::Gloo, Device::cuda(0));
+  auto ddp_model = mlp(), fsdp_model = mlp();
+  ddp_model->to(Device::cuda(0));
+  fsdp_model->to(Device::cuda(0));
+  dist::DistributedDataParallel ddp(ddp_model, pg);
+  dist::FSDPOptions options;
+  options.auto_wrap_policy = dist::module_wrap_policy<nn::Linear>();
+  dist::FullyShardedDataParallel fsdp(fsdp_model, pg, options);
+  nn::SGD ddp_opt(ddp.parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
+  nn::SGD fsdp_opt(fsdp.parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
+  Generator gen(21 + static_cast<uint64_t>(pg->rank()));  // each rank its own batches
+  for (int step = 0; step < 5; ++step) {
+    const auto [x, y] = random_batch(gen);
+    const Tensor xd = x.to(Device::cuda(0)), yd = y.to(Device::cuda(0));
+    ddp_opt.zero_grad();
+    cross_entropy(ddp(xd), yd).backward();
+    ddp_opt.step();
+    fsdp_opt.zero_grad();
+    cross_entropy(fsdp(xd), yd).backward();
+    fsdp_opt.step();
+  }
+  const nn::StateDict got = fsdp.full_state_dict(/*rank0_only=*/false);
+  for (const auto& [name, want] : ddp_model->state_dict()) {
+    CAPTURE(name);
+    const std::vector<float> a = want.to_vector(), b = got.at(name).to_vector();
+    float worst = 0;
+    for (size_t j = 0; j < a.size(); ++j) worst = std::max(worst, std::abs(a[j] - b[j]));
+    CHECK(worst < 1e-5f);
+  }
+  pg.reset();
+  dist::destroy_process_group();
 }
 
 TEST_CASE("two ranks share one GPU over Gloo: collectives on CUDA tensors are exact") {
