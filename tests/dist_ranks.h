@@ -86,4 +86,13 @@ inline RunResult mpirun_self(const std::string& program, int np, const std::stri
       timeout);
 }
 
+// Runs program (relative to the build folder) again with NANODDP_TEST_BACKEND=backend, so that
+// every case of a file written for Gloo runs on that backend too (join() reads it).
+inline RunResult rerun_with_backend(const std::string& program, const std::string& backend,
+                                    const std::string& doctest_args,
+                                    std::chrono::seconds timeout = std::chrono::seconds(180)) {
+  return run({"/bin/sh", "-c", "NANODDP_TEST_BACKEND=" + backend + " exec \"$0\" " + doctest_args, built(program)},
+             timeout);
+}
+
 }  // namespace nanoddp::testing

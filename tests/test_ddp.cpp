@@ -21,12 +21,15 @@
 #include "nn/checkpoint.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
+#include "tests/batches.h"
 #include "tests/dist_ranks.h"
 #include "tests/multiprocess.h"
 #include "tests/subprocess.h"
 
 using namespace nanoddp;
+using nanoddp::testing::Batch;
 using nanoddp::testing::expect;
+using nanoddp::testing::rows;
 using nanoddp::testing::on_ranks;
 using nanoddp::testing::under_mpirun;
 using namespace std::chrono_literals;
@@ -43,23 +46,7 @@ std::shared_ptr<nn::Sequential> make_mlp(uint64_t seed) {
 }
 
 // The global batch of step s: 16 samples; rank r of W takes rows [r*16/W, (r+1)*16/W).
-struct Batch {
-  Tensor x, y;
-};
-Batch global_batch(int step) {
-  Generator gen(1000 + step);
-  Tensor x = Tensor::randn({16, 5}, gen);
-  std::vector<int64_t> labels;
-  for (int i = 0; i < 16; ++i) labels.push_back(static_cast<int64_t>(gen.randint(3)));
-  return {x, Tensor::from_vector(labels)};
-}
-Batch rows(const Batch& b, int64_t begin, int64_t end) {
-  const int64_t F = b.x.size(1);
-  std::vector<float> xs = b.x.to_vector();
-  std::vector<int64_t> ys = b.y.to_int_vector();
-  return {Tensor::from_vector(std::vector<float>(xs.begin() + begin * F, xs.begin() + end * F), {end - begin, F}),
-          Tensor::from_vector(std::vector<int64_t>(ys.begin() + begin, ys.begin() + end))};
-}
+Batch global_batch(int step) { return testing::random_batch(1000 + static_cast<uint64_t>(step), 16, 5, 3); }
 
 // This rank's process group: a fresh Gloo (or NANODDP_TEST_BACKEND) group on a forked rank,
 // the one MPI group under mpirun (MPI is initialised once per process).
@@ -989,26 +976,17 @@ TEST_CASE("bucket rebuild: after the first backward every rank plans from rank 0
 
 TEST_CASE("the 2-rank cases pass on the MPI backend too (this file under mpirun -np 2)") {
   if (under_mpirun()) return;
-  if (testing::run({"/bin/sh", "-c", "command -v mpirun"}).code() != 0) {
+  if (!testing::have_mpirun()) {
     MESSAGE("mpirun not found: the MPI half of this file did not run");
     return;
   }
-  ::setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-  ::setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
-  const testing::RunResult r =
-      testing::run({"/bin/sh", "-c",
-                    "exec mpirun -np 2 --oversubscribe --bind-to none \"$0\" --test-case-exclude='*mpirun*'",
-                    testing::built("tests/test_ddp")},
-                   120s);
+  const testing::RunResult r = testing::mpirun_self("tests/test_ddp", 2, "--test-case-exclude='*mpirun*'", 120s);
   CHECK_MESSAGE(r.code() == 0, "mpirun run failed:\n", r.out, r.err);
 }
 
 TEST_CASE("every case passes on the shm backend too (this file with NANODDP_TEST_BACKEND=shm)") {
   if (under_mpirun() || std::getenv("NANODDP_TEST_BACKEND") != nullptr) return;
-  const testing::RunResult r =
-      testing::run({"/bin/sh", "-c",
-                    "NANODDP_TEST_BACKEND=shm exec \"$0\" --test-case-exclude='*mpirun*,*NANODDP_TEST_BACKEND*'",
-                    testing::built("tests/test_ddp")},
-                   120s);
+  const testing::RunResult r = testing::rerun_with_backend(
+      "tests/test_ddp", "shm", "--test-case-exclude='*mpirun*,*NANODDP_TEST_BACKEND*'", 120s);
   CHECK_MESSAGE(r.code() == 0, "shm run failed:\n", r.out, r.err);
 }

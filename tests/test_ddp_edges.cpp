@@ -881,8 +881,7 @@ TEST_CASE("the DDP edge cases pass on MPI too (this file under mpirun -np 2 and 
 
 TEST_CASE("the Join cases pass on the shm backend too (this file with NANODDP_TEST_BACKEND=shm)") {
   if (testing::under_mpirun() || std::getenv("NANODDP_TEST_BACKEND") != nullptr) return;
-  const testing::RunResult r = testing::run(
-      {"/bin/sh", "-c", "NANODDP_TEST_BACKEND=shm exec \"$0\" --test-case='Join:*'", testing::built("tests/test_ddp_edges")},
-      std::chrono::seconds(120));
+  const testing::RunResult r =
+      testing::rerun_with_backend("tests/test_ddp_edges", "shm", "--test-case='Join:*'", std::chrono::seconds(120));
   CHECK_MESSAGE(r.code() == 0, "shm run failed:\n", r.out, r.err);
 }

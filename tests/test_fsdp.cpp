@@ -22,12 +22,15 @@
 #include "nn/conv.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
+#include "tests/batches.h"
 #include "tests/dist_ranks.h"
 #include "tests/multiprocess.h"
 #include "tests/subprocess.h"
 
 using namespace nanoddp;
+using nanoddp::testing::Batch;
 using nanoddp::testing::expect;
+using nanoddp::testing::rows;
 using nanoddp::testing::on_ranks;
 using nanoddp::testing::under_mpirun;
 using namespace std::chrono_literals;
@@ -91,22 +94,8 @@ std::vector<ModelKind> model_kinds() {
   };
 }
 
-struct Batch {
-  Tensor x, y;
-};
 Batch global_batch(int step, int64_t features) {
-  Generator gen(500 + step);
-  Tensor x = Tensor::randn({kGlobalBatch, features}, gen);
-  std::vector<int64_t> labels;
-  for (int i = 0; i < kGlobalBatch; ++i) labels.push_back(static_cast<int64_t>(gen.randint(3)));
-  return {x, Tensor::from_vector(labels)};
-}
-Batch rows(const Batch& b, int64_t begin, int64_t end) {
-  const int64_t F = b.x.size(1);
-  std::vector<float> xs = b.x.to_vector();
-  std::vector<int64_t> ys = b.y.to_int_vector();
-  return {Tensor::from_vector(std::vector<float>(xs.begin() + begin * F, xs.begin() + end * F), {end - begin, F}),
-          Tensor::from_vector(std::vector<int64_t>(ys.begin() + begin, ys.begin() + end))};
+  return testing::random_batch(500 + static_cast<uint64_t>(step), kGlobalBatch, features, 3);
 }
 Batch share(const Batch& b, int rank, int world) {
   const int64_t per_rank = kGlobalBatch / world;
@@ -553,22 +542,13 @@ TEST_CASE("the 2-rank cases pass on the MPI backend too (this file under mpirun 
     MESSAGE("mpirun not found: the MPI half of this file did not run");
     return;
   }
-  ::setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-  ::setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
-  const testing::RunResult r =
-      testing::run({"/bin/sh", "-c",
-                    "exec mpirun -np 2 --oversubscribe --bind-to none \"$0\" --test-case-exclude='*mpirun*'",
-                    testing::built("tests/test_fsdp")},
-                   180s);
+  const testing::RunResult r = testing::mpirun_self("tests/test_fsdp", 2, "--test-case-exclude='*mpirun*'");
   CHECK_MESSAGE(r.code() == 0, "mpirun run failed:\n", r.out, r.err);
 }
 
 TEST_CASE("every case passes on the shm backend too (this file with NANODDP_TEST_BACKEND=shm)") {
   if (under_mpirun() || std::getenv("NANODDP_TEST_BACKEND") != nullptr) return;
-  const testing::RunResult r =
-      testing::run({"/bin/sh", "-c",
-                    "NANODDP_TEST_BACKEND=shm exec \"$0\" --test-case-exclude='*mpirun*,*NANODDP_TEST_BACKEND*'",
-                    testing::built("tests/test_fsdp")},
-                   240s);
+  const testing::RunResult r = testing::rerun_with_backend(
+      "tests/test_fsdp", "shm", "--test-case-exclude='*mpirun*,*NANODDP_TEST_BACKEND*'", 240s);
   CHECK_MESSAGE(r.code() == 0, "shm run failed:\n", r.out, r.err);
 }

@@ -159,6 +159,32 @@ void check_point_to_point_beside_collectives(dist::ProcessGroup& pg, Device gpu)
   }
 }
 
+// steps of the same batches (seed 11) through a CPU model and a wrapped CUDA one.
+void train_side_by_side(nn::Module& cpu_model, nn::Optimizer& cpu_opt, nn::Module& gpu_model, nn::Optimizer& gpu_opt,
+                        int steps) {
+  Generator gen(11);
+  for (int step = 0; step < steps; ++step) {
+    const auto [x, y] = random_batch(gen);
+    cpu_opt.zero_grad();
+    cross_entropy(cpu_model(x), y).backward();
+    cpu_opt.step();
+    gpu_opt.zero_grad();
+    cross_entropy(gpu_model(x.to(Device::cuda(0))), y.to(Device::cuda(0))).backward();
+    gpu_opt.step();
+  }
+}
+
+// Largest |a - b| of each entry of want, printed per entry when a check fails.
+void check_state_close(const nn::StateDict& got, const nn::StateDict& want, float tolerance) {
+  for (const auto& [name, expected] : want) {
+    CAPTURE(name);
+    const std::vector<float> a = expected.to_vector(), b = got.at(name).to_vector();
+    float worst = 0;
+    for (size_t j = 0; j < a.size(); ++j) worst = std::max(worst, std::abs(a[j] - b[j]));
+    CHECK(worst < tolerance);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("NCCL collectives on a CUDA tensor, world size 1: exact values") {
@@ -254,24 +280,8 @@ TEST_CASE("DDP on a GPU (NCCL, world size 1) trains like the same model on the C
   dist::DistributedDataParallel ddp(gpu_model, pg);
   nn::SGD cpu_opt(cpu_model->parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
   nn::SGD gpu_opt(ddp.parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
-  Generator gen(11);
-  for (int step = 0; step < 10; ++step) {
-    const auto [x, y] = random_batch(gen);
-    cpu_opt.zero_grad();
-    cross_entropy((*cpu_model)(x), y).backward();
-    cpu_opt.step();
-    gpu_opt.zero_grad();
-    cross_entropy(ddp(x.to(Device::cuda(0))), y.to(Device::cuda(0))).backward();
-    gpu_opt.step();
-  }
-  const auto cpu_params = cpu_model->named_parameters(), gpu_params = gpu_model->named_parameters();
-  for (size_t i = 0; i < cpu_params.size(); ++i) {
-    CAPTURE(cpu_params[i].first);
-    const std::vector<float> a = cpu_params[i].second.to_vector(), b = gpu_params[i].second.to_vector();
-    float worst = 0;
-    for (size_t j = 0; j < a.size(); ++j) worst = std::max(worst, std::abs(a[j] - b[j]));
-    CHECK(worst < 1e-4f);
-  }
+  train_side_by_side(*cpu_model, cpu_opt, ddp, gpu_opt, 10);
+  check_state_close(gpu_model->state_dict(), cpu_model->state_dict(), 1e-4f);
 }
 
 // The compression hooks on CUDA buckets over NCCL: the 16-bit conversion kernels, NCCL's
@@ -402,29 +412,13 @@ TEST_CASE("FSDP on a GPU (NCCL, world size 1): FULL_SHARD and SHARD_GRAD_OP trai
     dist::FullyShardedDataParallel fsdp(gpu_model, pg, options);
     nn::Adam cpu_opt(cpu_model->parameters(), {});
     nn::Adam gpu_opt(fsdp.parameters(), {});
-    Generator gen(11);
-    for (int step = 0; step < 5; ++step) {
-      const auto [x, y] = random_batch(gen);
-      cpu_opt.zero_grad();
-      cross_entropy((*cpu_model)(x), y).backward();
-      cpu_opt.step();
-      gpu_opt.zero_grad();
-      cross_entropy(fsdp(x.to(Device::cuda(0))), y.to(Device::cuda(0))).backward();
-      gpu_opt.step();
-    }
+    train_side_by_side(*cpu_model, cpu_opt, fsdp, gpu_opt, 5);
     // Between steps the full vectors are freed: the shards (here whole units) remain.
     const int64_t params_now = memory_stats(Device::cuda(0)).live[static_cast<int>(MemoryCategory::Parameters)];
     int64_t shard_bytes = 0;
     for (const Tensor& shard : fsdp.parameters()) shard_bytes += static_cast<int64_t>(shard.nbytes());
     CHECK(params_now - params_before <= shard_bytes);
-    const nn::StateDict got = fsdp.full_state_dict();
-    for (const auto& [name, want] : cpu_model->state_dict()) {
-      CAPTURE(name);
-      const std::vector<float> a = want.to_vector(), b = got.at(name).to_vector();
-      float worst = 0;
-      for (size_t j = 0; j < a.size(); ++j) worst = std::max(worst, std::abs(a[j] - b[j]));
-      CHECK(worst < 1e-4f);
-    }
+    check_state_close(fsdp.full_state_dict(), cpu_model->state_dict(), 1e-4f);
   }
 }
 
@@ -455,14 +449,7 @@ TEST_CASE("two ranks share one GPU over Gloo: FSDP FULL_SHARD on CUDA tensors eq
     cross_entropy(fsdp(xd), yd).backward();
     fsdp_opt.step();
   }
-  const nn::StateDict got = fsdp.full_state_dict(/*rank0_only=*/false);
-  for (const auto& [name, want] : ddp_model->state_dict()) {
-    CAPTURE(name);
-    const std::vector<float> a = want.to_vector(), b = got.at(name).to_vector();
-    float worst = 0;
-    for (size_t j = 0; j < a.size(); ++j) worst = std::max(worst, std::abs(a[j] - b[j]));
-    CHECK(worst < 1e-5f);
-  }
+  check_state_close(fsdp.full_state_dict(/*rank0_only=*/false), ddp_model->state_dict(), 1e-5f);
   pg.reset();
   dist::destroy_process_group();
 }

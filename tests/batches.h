@@ -1,0 +1,38 @@
+// Labelled batches for the multi-rank tests: a global batch drawn from a seed, and the rows
+// one rank takes of it, so that N ranks and one process see the same samples.
+//
+//   const Batch global = random_batch(/*seed=*/1000 + step, /*rows=*/16, /*features=*/5, /*classes=*/3);
+//   const Batch mine = rows(global, 8 * rank, 8 * rank + 8);
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/random.h"
+#include "core/tensor.h"
+
+namespace nanoddp::testing {
+
+struct Batch {
+  Tensor x;  // [rows, features] float32, standard normal
+  Tensor y;  // [rows] int64 labels in [0, classes)
+};
+
+inline Batch random_batch(uint64_t seed, int64_t rows, int64_t features, int classes) {
+  Generator gen(seed);
+  Tensor x = Tensor::randn({rows, features}, gen);
+  std::vector<int64_t> labels;
+  for (int64_t i = 0; i < rows; ++i) labels.push_back(static_cast<int64_t>(gen.randint(classes)));
+  return {x, Tensor::from_vector(labels)};
+}
+
+// Rows [begin, end) of b.
+inline Batch rows(const Batch& b, int64_t begin, int64_t end) {
+  const int64_t F = b.x.size(1);
+  const std::vector<float> xs = b.x.to_vector();
+  const std::vector<int64_t> ys = b.y.to_int_vector();
+  return {Tensor::from_vector(std::vector<float>(xs.begin() + begin * F, xs.begin() + end * F), {end - begin, F}),
+          Tensor::from_vector(std::vector<int64_t>(ys.begin() + begin, ys.begin() + end))};
+}
+
+}  // namespace nanoddp::testing
