@@ -216,7 +216,6 @@ TEST_CASE("2 ranks: FULL_SHARD == SHARD_GRAD_OP == NO_SHARD == DDP == one proces
 }
 
 TEST_CASE("3 and 4 ranks: every strategy equals one process (uneven and padded shards)") {
-  if (under_mpirun()) return;
   check_exactness(3);
   check_exactness(4);
 }
@@ -544,6 +543,18 @@ TEST_CASE("the 2-rank cases pass on the MPI backend too (this file under mpirun 
   }
   const testing::RunResult r = testing::mpirun_self("tests/test_fsdp", 2, "--test-case-exclude='*mpirun*'");
   CHECK_MESSAGE(r.code() == 0, "mpirun run failed:\n", r.out, r.err);
+}
+
+TEST_CASE("3 and 4 ranks on the MPI backend too (the exactness case under mpirun -np 3 and -np 4)") {
+  if (under_mpirun()) return;
+  if (!testing::have_mpirun()) {
+    MESSAGE("mpirun not found: the MPI half of this file did not run");
+    return;
+  }
+  for (const int np : {3, 4}) {
+    const testing::RunResult r = testing::mpirun_self("tests/test_fsdp", np, "--test-case='3 and 4 ranks: every*'", 240s);
+    CHECK_MESSAGE(r.code() == 0, "mpirun -np ", np, " failed:\n", r.out, r.err);
+  }
 }
 
 TEST_CASE("every case passes on the shm backend too (this file with NANODDP_TEST_BACKEND=shm)") {
