@@ -95,10 +95,12 @@ struct FSDPOptions {
 
 class FullyShardedDataParallel : public nn::Module {
  public:
-  // Collective: every rank constructs it in the same order over the same model. The model's
-  // parameters become views of the units' full vectors, which hold memory only while their
-  // unit is gathered (always with NO_SHARD): use the model through this wrapper, and take its
-  // weights out with full_state_dict().
+  // Collective: every rank constructs it in the same order over the same model, already on
+  // its device (to() after wrapping would move the shards, not the units' full vectors). The
+  // model's parameters become views of the units' full vectors, which hold memory only while
+  // their unit is gathered (always with NO_SHARD): use the model through this wrapper, and
+  // take its weights out with full_state_dict(). train() and eval() on the wrapper reach the
+  // model at its next forward.
   FullyShardedDataParallel(std::shared_ptr<nn::Module> module, std::shared_ptr<ProcessGroup> pg,
                            FSDPOptions options = {});
   ~FullyShardedDataParallel() override;
