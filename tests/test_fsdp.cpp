@@ -7,11 +7,13 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <unistd.h>
 #include <sstream>
 
 #include "core/memory.h"
 #include "core/ops.h"
+#include "core/trace.h"
 #include "dist/ddp.h"
 #include "dist/explain.h"
 #include "dist/fsdp.h"
@@ -327,6 +329,39 @@ TEST_CASE("docs answers: the deep MLP's model state per rank at 2 ranks with Ada
   CHECK(dist::predicted_peak_model_state(shape, "zero1") == 16 * 3962890);
   CHECK(dist::predicted_peak_model_state(shape, "zero2") == 48005200);
   CHECK(dist::predicted_peak_model_state(shape, "fsdp") == 45906000);
+}
+
+TEST_CASE("the trace shows each unit's all_gathers and reduce_scatter on the unit's own lane, with their bytes") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = join(rank, 2, port);
+    const ModelKind kind = model_kinds()[0];
+    dist::FullyShardedDataParallel fsdp(kind.make(7), pg, fsdp_options(ShardingStrategy::FULL_SHARD, kind.policy));
+    nn::SGD opt(fsdp.parameters(), {/*lr=*/0.1});
+    trace::start("");  // in memory only
+    const double t0 = trace::now_us();
+    const Batch b = share(global_batch(0, kind.features), rank, 2);
+    cross_entropy(fsdp(b.x), b.y).backward();
+    opt.step();
+    // Units 0 (shard 18 floats = 72 bytes) and 1 (11 floats = 44 bytes).
+    std::map<std::string, int> spans;
+    for (const trace::Event& e : trace::events_since(t0)) {
+      if (e.lane < trace::kFsdpUnitLane) continue;
+      const int unit = e.lane - trace::kFsdpUnitLane;
+      const std::string bytes = unit == 0 ? "\"bytes\":72" : "\"bytes\":44";
+      expect(e.args_json.find(bytes) != std::string::npos, "rank ", rank, ": ", e.name, " on unit ", unit,
+             "'s lane has args ", e.args_json);
+      expect(trace::lane_name(e.lane) == "fsdp unit " + std::to_string(unit), "rank ", rank, ": lane named ",
+             trace::lane_name(e.lane));
+      ++spans[e.name];
+    }
+    trace::stop();
+    const std::map<std::string, int> want = {{"all_gather '0'", 2}, {"all_gather '2'", 2},
+                                             {"reduce_scatter '0'", 1}, {"reduce_scatter '2'", 1}};
+    expect(spans == want, "rank ", rank, ": FSDP spans per step are not two all_gathers and one reduce_scatter "
+           "per unit (", spans.size(), " kinds)");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
 }
 
 TEST_CASE("no_sync accumulates full gradients and the next backward reduces their sum") {
