@@ -104,6 +104,7 @@ ExplainWindow::ExplainWindow(const ProcessGroup& pg)
       start_count_(pg.count(Collective::AllReduce)),
       start_gather_(pg.count(Collective::AllGather)),
       start_scatter_(pg.count(Collective::ReduceScatter)),
+      start_moved_(pg.moved_bytes()),
       start_us_(trace::now_us()) {
   if (!trace::enabled())
     trace::start("");
@@ -148,7 +149,24 @@ std::string ExplainWindow::report(const std::string& what, int64_t steps) const 
         << "% of communication not hidden by compute)\n";
   else
     out << " (no communication)\n";
-  out << "explain: " << what << ": counters over these steps: all_reduce " << calls << " calls, " << bytes << " bytes\n";
+  out << "explain: " << what << ": counters over these steps: all_reduce " << calls << " calls, " << bytes
+      << " bytes (training steps only: the epoch's loss and accuracy reductions come after)\n";
+  const MovedBytes moved = pg_.moved_bytes();
+  if (moved.measured) {
+    out << "explain: " << what << ": measured by " << pg_.backend_name() << ": " << std::setprecision(0)
+        << static_cast<double>(moved.bytes - start_moved_.bytes) / s
+        << " bytes moved per rank per step (written to peers or read from their buffers, the collective check's "
+           "fingerprints included); all_reduce by algorithm:";
+    for (const auto& [algorithm, count] : moved.all_reduces_by_algorithm) {
+      const auto before = start_moved_.all_reduces_by_algorithm.find(algorithm);
+      const int64_t earlier = before == start_moved_.all_reduces_by_algorithm.end() ? 0 : before->second;
+      out << " " << algorithm << " " << std::setprecision(2) << static_cast<double>(count - earlier) / s;
+    }
+    out << " per step\n";
+  } else {
+    out << "explain: " << what << ": " << pg_.backend_name()
+        << " runs its algorithms inside the library: bytes moved are not measured, the formula above is the ring's\n";
+  }
   // FSDP's collectives: each all_gather sends this rank's shard to N - 1 ranks, each
   // reduce_scatter sends N - 1 shards of the gradient (the ring's two halves).
   const CollectiveCount gather = pg_.count(Collective::AllGather), scatter = pg_.count(Collective::ReduceScatter);

@@ -10,7 +10,11 @@
 //  - calls and bytes: the process group's counters (ProcessGroup::count), the difference
 //    between the window's start and report();
 //  - bytes sent per rank: the all-reduce algorithm's formula, ring: 2(N-1)/N * S for S bytes
-//    on N ranks (each rank sends S/N bytes N-1 times to reduce, N-1 times to share);
+//    on N ranks (each rank sends S/N bytes N-1 times to reduce, N-1 times to share); beside
+//    it, where the backend measures it (shm: Note [Bytes moved]), the bytes this rank really
+//    moved and the algorithm each all-reduce ran;
+//  - the window covers the training steps only: the epoch's loss and accuracy reductions
+//    come after report() and are not counted;
 //  - times: the trace's events (core/trace.h), recorded in memory when no trace file is asked
 //    for: compute = the time some forward op or backward node runs, communication = the time
 //    some bucket's all-reduce is in flight (launch to completion; from DDP's first wait on
@@ -59,6 +63,7 @@ class ExplainWindow {
  private:
   const ProcessGroup& pg_;
   CollectiveCount start_count_, start_gather_, start_scatter_;
+  MovedBytes start_moved_;
   double start_us_;
 };
 

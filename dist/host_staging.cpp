@@ -145,6 +145,7 @@ class StagingGroup : public ProcessGroup {
 
   std::string all_reduce_algorithm() const override { return inner_->all_reduce_algorithm(); }
   bool collectives_run_in_wait() const override { return inner_->collectives_run_in_wait(); }
+  MovedBytes moved_bytes() const override { return inner_->moved_bytes(); }
 
  private:
   using Pairs = std::vector<std::pair<Tensor, Tensor>>;

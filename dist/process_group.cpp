@@ -85,6 +85,17 @@ const char* collective_name(Collective collective) {
 // this one place and mean the same whatever the backend. Relaxed atomics: the counters order
 // nothing; they are read by tests and --explain after the collectives they count have been
 // waited for.
+//
+// Note [Bytes moved]
+// The counters above say what the caller asked for. What crosses between ranks depends on the
+// algorithm: a ring all-reduce of S bytes sends 2(N-1)/N S per rank, but with pieces cut
+// from whole elements (8 bytes on 3 ranks: 4, 4 and 0 per piece, so a rank sends 8 or 12,
+// not 10.7), and shm's direct all-reduce over collective buffers posts nothing at all: each
+// rank reads its peers' buffers in place. Where the data goes through our own code (shm),
+// the backend counts it as it moves: every byte written into a peer's slot, every byte read
+// from a peer's buffer (ProcessGroup::moved_bytes), including the collective check's
+// fingerprints and send/recv. Gloo, MPI and NCCL choose and run their algorithms inside the
+// library, so for them only the formula is printed, named as such (dist/explain.h).
 void ProcessGroup::count_call(Collective collective, const Tensor& payload) {
   const auto i = static_cast<size_t>(collective);
   calls_[i].fetch_add(1, std::memory_order_relaxed);

@@ -39,6 +39,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -82,6 +83,19 @@ const char* collective_name(Collective collective);  // "all_reduce", "broadcast
 struct CollectiveCount {
   int64_t calls = 0;
   int64_t bytes = 0;
+};
+
+// What one rank's collectives and sends really moved, where the backend can see it (Note
+// [Bytes moved] in process_group.cpp), since the group was built.
+struct MovedBytes {
+  // false where the library moves the data out of our sight (Gloo, MPI, NCCL choose and run
+  // their own algorithms): bytes and the algorithm counts are then empty.
+  bool measured = false;
+  // Bytes this rank wrote into peers' memory or read from it (shm: slots written, peers'
+  // collective buffers read), collectives and send/recv together.
+  int64_t bytes = 0;
+  // All-reduce calls by the algorithm that ran them ("ring", "direct").
+  std::map<std::string, int64_t> all_reduces_by_algorithm;
 };
 
 // The default timeout of every collective and every store wait. PyTorch uses 30 minutes; we
@@ -177,6 +191,10 @@ class ProcessGroup {
   // DDP's trace and --explain then time a bucket's all-reduce from the wait that runs it,
   // not from its launch: launched early, it still hides nothing.
   virtual bool collectives_run_in_wait() const { return false; }
+
+  // Bytes this rank really moved, and which all-reduce algorithm ran (MovedBytes); the base
+  // class measures nothing.
+  virtual MovedBytes moved_bytes() const { return {}; }
 
   // Counters (Note [Collective counters]): calls and bytes of each collective this rank has
   // issued, including those a world of one completes at once. Safe to read from any thread.

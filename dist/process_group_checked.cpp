@@ -251,6 +251,7 @@ class CheckedProcessGroup : public ProcessGroup {
   }
   std::string all_reduce_algorithm() const override { return state_->inner->all_reduce_algorithm(); }
   bool collectives_run_in_wait() const override { return state_->inner->collectives_run_in_wait(); }
+  MovedBytes moved_bytes() const override { return state_->inner->moved_bytes(); }
 
   // Arguments are checked here, at the call, as the backends do; the backend checks the device.
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {

@@ -313,6 +313,10 @@ class ShmSegment {
   ShmSegment(const ShmSegment&) = delete;
   ShmSegment& operator=(const ShmSegment&) = delete;
 
+  // Bytes this rank wrote into its peers' slots or read from their collective buffers
+  // (ProcessGroup::moved_bytes).
+  std::atomic<int64_t> moved_bytes{0};
+
   // ---- posting and reading one slot of a channel (Note [Shm segment]) ----
   // Fills the next slot of channel (rank, dst); false when both are still unread.
   bool try_post(int dst, const Envelope& envelope, const void* data, size_t nbytes) {
@@ -324,6 +328,7 @@ class ShmSegment {
     header->envelope = envelope;
     header->nbytes = nbytes;
     if (nbytes > 0) std::memcpy(s + kSlotHeaderBytes, data, nbytes);
+    moved_bytes.fetch_add(static_cast<int64_t>(nbytes), std::memory_order_relaxed);
     c.posted.store(posted + 1, std::memory_order_release);
     ring(dst);
     return true;
@@ -813,6 +818,12 @@ void direct_all_reduce(ShmSegment& shm, const Envelope& envelope, SharedBuffer& 
   //    peers' copies of this part are scratch: they are overwritten in step 3.
   const ReduceFn reduce = reduce_fn(dtype, op);
   const int64_t count = parts[rank].numel[rank];
+  // What crosses between ranks: part `rank` of each peer's buffer is read (and written back
+  // in place) here, and every other part is read from its owner in step 3.
+  int64_t read_from_peers = (n - 1) * count;
+  for (int p = 0; p < n; ++p)
+    if (p != rank) read_from_peers += parts[p].numel[p];
+  shm.moved_bytes.fetch_add(read_from_peers * static_cast<int64_t>(es), std::memory_order_relaxed);
   if (count > 0) {
     const uint8_t* previous = parts[(rank + 1) % n].data[rank];
     for (int j = 2; j <= n; ++j) {
@@ -980,6 +991,14 @@ class ProcessGroupShm : public ProcessGroup {
 
   std::string backend_name() const override { return "shm"; }
   bool collectives_run_in_wait() const override { return true; }
+  MovedBytes moved_bytes() const override {
+    MovedBytes moved;
+    moved.measured = true;
+    moved.bytes = engine_ != nullptr ? engine_->segment().moved_bytes.load(std::memory_order_relaxed) : 0;
+    moved.all_reduces_by_algorithm = {{"ring", ring_all_reduces_.load(std::memory_order_relaxed)},
+                                      {"direct", direct_all_reduces_.load(std::memory_order_relaxed)}};
+    return moved;
+  }
   Store& store() override { return *store_; }
 
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
@@ -989,11 +1008,13 @@ class ProcessGroupShm : public ProcessGroup {
     if (world_size_ == 1 || tensor.numel() == 0) return std::make_shared<CompletedWork>();
     Envelope envelope = next_envelope(Kind::AllReduce, tensor, op, 0);
     if (auto buffer = shared_buffer_of(tensor)) {
+      direct_all_reduces_.fetch_add(1, std::memory_order_relaxed);
       envelope.buffer = buffer->id;
       return collective(describe(name, tensor), [tensor, buffer, op, envelope](Ring& ring) {
         direct_all_reduce(ring.shm, envelope, *buffer, tensor.dtype(), op, ring.deadline, ring.what);
       });
     }
+    ring_all_reduces_.fetch_add(1, std::memory_order_relaxed);
     return collective(describe(name, tensor), [tensor, op, envelope](Ring& ring) mutable {
       ring.envelope = envelope;
       // Reduce-scatter then all-gather, in place: each rank sends 2(N-1)/N of the buffer.
@@ -1233,6 +1254,7 @@ class ProcessGroupShm : public ProcessGroup {
   std::string prefix_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<ShmEngine> engine_;
+  std::atomic<int64_t> ring_all_reduces_{0}, direct_all_reduces_{0};
   uint64_t collective_seq_ = 0;
   int64_t next_buffer_id_ = 0;
   std::mutex buffers_mutex_;

@@ -270,6 +270,36 @@ TEST_CASE("shm: all_reduce of collective buffers gives the ring's bits, and leav
   }
 }
 
+// Note [Bytes moved]: the ring cuts 2 floats on 3 ranks into parts of 1, 1 and 0 elements, so
+// rank 0 sends 8 bytes and ranks 1 and 2 send 12 (the formula's 10.7 is nobody's); the direct
+// all-reduce posts nothing and reads 12, 12 and 8 bytes from its peers' buffers.
+TEST_CASE("shm: bytes moved are measured as they cross: 8 or 12 for the ring's 8 bytes on 3 ranks, read in place by direct") {
+  const int port = testing::free_port();
+  const std::string failures = testing::run_ranks(3, [port](int rank) {
+    auto pg = join(port, rank, 3, 30000ms, /*check_collectives=*/false);  // no fingerprints in the count
+    Tensor plain = Tensor::from_vector({1.0f, 2.0f});
+    const MovedBytes before = pg->moved_bytes();
+    testing::expect(before.measured, "rank ", rank, ": shm does not measure");
+    pg->all_reduce(plain)->wait();
+    const MovedBytes after_ring = pg->moved_bytes();
+    const int64_t ring_bytes = after_ring.bytes - before.bytes;
+    testing::expect(ring_bytes == (rank == 0 ? 8 : 12), "rank ", rank, ": the ring moved ", ring_bytes, " bytes");
+    testing::expect(after_ring.all_reduces_by_algorithm.at("ring") == 1, "rank ", rank, ": ring all-reduces ",
+                    after_ring.all_reduces_by_algorithm.at("ring"));
+    Tensor buffer = pg->new_collective_buffer(2, DType::Float32, Device::cpu());
+    buffer.copy_(Tensor::from_vector({1.0f, 2.0f}));
+    const MovedBytes before_direct = pg->moved_bytes();
+    pg->all_reduce(buffer)->wait();
+    const MovedBytes after_direct = pg->moved_bytes();
+    const int64_t direct_bytes = after_direct.bytes - before_direct.bytes;
+    testing::expect(direct_bytes == (rank == 2 ? 8 : 12), "rank ", rank, ": the direct all-reduce moved ",
+                    direct_bytes, " bytes");
+    testing::expect(after_direct.all_reduces_by_algorithm.at("direct") == 1 && buffer.to_vector()[1] == 6.0f,
+                    "rank ", rank, ": direct all-reduces ", after_direct.all_reduces_by_algorithm.at("direct"));
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("shm: collective buffers that ranks disagree on are named on both sides") {
   int port = testing::free_port();
   std::string failures = testing::run_ranks(2, [&](int rank) {
