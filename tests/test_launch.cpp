@@ -706,6 +706,48 @@ TEST_CASE("nanoddp-run: the rank that failed first is named and decides the exit
   }
 }
 
+TEST_CASE("nanoddp-run: a rank killed with SIGKILL is named and its 137 returned, on every backend, never a peer") {
+  // The killed rank's peers fail by their own error at once (they ignore SIGTERM), often
+  // before the launcher has seen the killed rank end: only their reports of whom they lost
+  // let it name the right rank (Note [Launcher link]). Each rank is killed in turn.
+  struct Setup {
+    std::string backend;
+    int trials;
+  };
+  for (const Setup& setup : {Setup{"shm", 3}, Setup{"gloo", 1}}) {
+    for (int world : {2, 3}) {
+      for (int victim = 0; victim < world; ++victim) {
+        for (int trial = 0; trial < setup.trials; ++trial) {
+          CAPTURE(setup.backend);
+          CAPTURE(world);
+          CAPTURE(victim);
+          const RunResult r = run({launcher_path(), "--nproc-per-node", std::to_string(world), "--backend",
+                                   setup.backend, probe_path(), "die", std::to_string(victim), std::to_string(3 + trial)},
+                                  60s);
+          CHECK_MESSAGE(r.code() == 137, r.err);
+          CHECK_MESSAGE(contains(r.err, "nanoddp-run: rank " + std::to_string(victim) + " (pid "), r.err);
+          const size_t named = r.err.find("nanoddp-run: rank " + std::to_string(victim) + " (pid ");
+          const std::string line = r.err.substr(named, r.err.find('\n', named) - named);
+          CHECK_MESSAGE(contains(line, ") failed: killed by signal SIGKILL"), r.err);
+          // A peer that failed did so by losing the killed rank, directly or through the group's
+          // abort. On shm every peer fails so (the abort reaches all); on Gloo a peer that was not
+          // waiting on the killed rank may be ended by the launcher instead, and is not named.
+          for (int peer = 0; peer < world; ++peer) {
+            if (peer == victim) continue;
+            CAPTURE(peer);
+            const size_t at = r.err.find("nanoddp-run: rank " + std::to_string(peer) + " (pid ");
+            if (setup.backend == "gloo" && at == std::string::npos) continue;
+            REQUIRE_MESSAGE(at != std::string::npos, r.err);
+            CHECK_MESSAGE(contains(r.err.substr(at, r.err.find('\n', at) - at),
+                                   "also failed: exit code 1 (it lost rank " + std::to_string(victim) + ")"),
+                          r.err);
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("nanoddp-run: an outer launcher's variables never override the launcher's own") {
   // As if nanoddp-run ran inside `mpirun -np 1` or an srun step: Open MPI, PMIx, PMI and
   // Slurm all say "rank 0 of 1" (or 5 of 9) about the launcher process itself.
