@@ -437,10 +437,11 @@ int run(const Config& config) {
   auto pg = dist::init_process_group(init);
   const int rank = pg->rank(), world_size = pg->size();
   const bool chatty = rank == 0 && !config.quiet;
-  // Rank 0 saves after every epoch: find out now, not after an epoch of training, if it can.
+  // Rank 0 saves after every epoch: find out now, not after an epoch of training, if it can,
+  // and that each file it would replace is its own earlier output.
   if (rank == 0 && !config.checkpoint.empty()) nn::check_checkpoint_writable(config.checkpoint);
   if (rank == 0 && !config.export_path.empty()) nn::check_safetensors_writable(config.export_path);
-  examples::MetricsLog metrics(rank == 0 ? config.metrics : "", /*append=*/config.resume);
+  if (rank == 0) examples::check_metrics_replaceable(config.metrics);
 
   auto train_set = std::make_shared<data::FashionMNIST>(config.data_dir, /*train=*/true);
   auto test_set = std::make_shared<data::FashionMNIST>(config.data_dir, /*train=*/false);
@@ -480,6 +481,8 @@ int run(const Config& config) {
     std::fflush(stdout);  // before anything said on stderr about the run, as it happened
   }
   if (config.resume) check_same_start(*pg, config.checkpoint, first_epoch);
+  // Resumed: the log keeps the checkpoint's epochs and the steps past them are written again.
+  examples::MetricsLog metrics(rank == 0 ? config.metrics : "", /*epochs_kept=*/first_epoch);
   if (dist::DistributedDataParallel* ddp = parallel.ddp()) {
     if (config.comm_hook == "allreduce") ddp->register_comm_hook(pg, dist::allreduce_hook);
     if (config.comm_hook == "fp16") ddp->register_comm_hook(pg, dist::fp16_compress_hook);
@@ -665,7 +668,7 @@ int main(int argc, char** argv) {
       ->check(cli::file_path());
   app.add_option("--metrics", config.metrics,
                  "JSON-lines file rank 0 writes step, epoch, loss, lr, samples/s, test accuracy and wall time to "
-                 "(tools/plot draws it); --resume appends")
+                 "(tools/plot draws it); --resume keeps the lines of the checkpoint's epochs")
       ->check(cli::file_path());
   app.add_flag("--resume", config.resume, "continue from --checkpoint if it exists");
   app.add_option("--stop-after", config.stop_after,

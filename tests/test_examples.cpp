@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <fstream>
 #include <map>
 #include <regex>
 #include <thread>
@@ -456,7 +457,7 @@ TEST_CASE("fashion_mnist --metrics: a line per progress update and per epoch tha
   CHECK(bad.err.find(dir.path + "/missing/run.jsonl") != std::string::npos);
 }
 
-TEST_CASE("fashion_mnist --metrics with --resume appends: the interrupted run's file reads as one run") {
+TEST_CASE("fashion_mnist --metrics with --resume: the file reads as one run, without the killed run's extra steps") {
   TempDir dir;
   write_small_fashion_mnist(dir.path, 640, 200);
   const std::string metrics = dir.path + "/run.jsonl", checkpoint = dir.path + "/run.ckpt";
@@ -471,6 +472,13 @@ TEST_CASE("fashion_mnist --metrics with --resume appends: the interrupted run's 
   const RunResult first = run(with({"--stop-after", "1"}), 120s);
   REQUIRE_MESSAGE(first.code() == 0, first.err);
   REQUIRE(metrics_lines(metrics).size() == 2);
+  // What a run killed in epoch 2 leaves past its checkpoint of epoch 1: a progress line of
+  // epoch 2 and a line cut short. The resumed run takes those steps again: they must go.
+  {
+    std::ofstream killed_run(metrics, std::ios::app);
+    killed_run << "{\"step\":15,\"epoch\":2,\"loss\":0.5,\"lr\":0.01,\"samples_per_s\":100,"
+                  "\"test_accuracy\":null,\"wall_s\":1}\n{\"step\":17,\"ep";
+  }
   const RunResult rest = run(with({"--resume"}), 120s);
   REQUIRE_MESSAGE(rest.code() == 0, rest.err);
   const auto lines = metrics_lines(metrics);
@@ -566,6 +574,68 @@ TEST_CASE("toy_ddp --metrics: one line per epoch with the epoch's mean loss") {
   // Training converges: each epoch's mean loss below the one before.
   CHECK(json_field(lines[1], "loss") < json_field(lines[0], "loss"));
   CHECK(json_field(lines[2], "loss") < json_field(lines[1], "loss"));
+}
+
+TEST_CASE("--checkpoint, --export and --metrics never replace a file the program did not write; its own output, yes") {
+  TempDir dir;
+  write_small_fashion_mnist(dir.path, 320, 100);
+  const std::string notes = dir.path + "/README.md";
+  const std::string notes_text = "# My notes\nnot a checkpoint\n";
+  const std::string ckpt = dir.path + "/run.ckpt", exported = dir.path + "/w.safetensors", metrics = dir.path + "/m.jsonl";
+  const std::vector<std::string> fashion = {built("examples/fashion_mnist"), "--data-dir", dir.path, "--epochs", "1",
+                                            "--quiet"};
+  auto fashion_with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> all = fashion;
+    all.insert(all.end(), extra.begin(), extra.end());
+    return all;
+  };
+  // The first run writes all three; a second run replaces them: they are its own.
+  for (int round = 0; round < 2; ++round) {
+    const RunResult r = run(fashion_with({"--checkpoint", ckpt, "--export", exported, "--metrics", metrics}), 120s);
+    REQUIRE_MESSAGE(r.code() == 0, r.err);
+  }
+  CHECK(nn::load_checkpoint(ckpt).size() > 0);
+  CHECK(nn::load_safetensors(exported).size() == 6);
+  CHECK(metrics_lines(metrics).size() == 2);  // one run's lines: replaced, not appended to
+
+  struct Case {
+    std::vector<std::string> args;  // the flag and the file it must not replace
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{"--checkpoint", notes}, "checkpoint " + notes + ": refusing to replace " + notes +
+                                    ": it is not a nanoddp checkpoint (it begins \"# My notes\")"},
+      {{"--export", notes}, "safetensors " + notes + ": refusing to replace " + notes +
+                                ": it is not a safetensors file (it begins \"# My notes\")"},
+      {{"--export", ckpt}, "safetensors " + ckpt + ": refusing to replace " + ckpt +
+                               ": it is not a safetensors file (it begins \"NDDPCKPT"},
+      {{"--checkpoint", exported}, "checkpoint " + exported + ": refusing to replace " + exported +
+                                       ": it is not a nanoddp checkpoint"},
+      {{"--metrics", notes}, "--metrics " + notes + ": refusing to replace " + notes +
+                                 ": line 1 is not a metrics line (it begins \"# My not\")"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.args[0]);
+    CAPTURE(c.args[1]);
+    std::ofstream(notes) << notes_text;
+    const std::string ckpt_bytes = read_file(ckpt), exported_bytes = read_file(exported);
+    const RunResult r = run(fashion_with(c.args), 120s);
+    CHECK(r.code() == 1);
+    CHECK_MESSAGE(r.err.find(c.message) != std::string::npos, r.err);
+    CHECK_MESSAGE(r.err.find("so this program did not write it; move it away or name another file") !=
+                      std::string::npos,
+                  r.err);
+    CHECK(r.out.find("test_accuracy") == std::string::npos);  // stopped before training
+    CHECK(read_file(notes) == notes_text);
+    CHECK(read_file(ckpt) == ckpt_bytes);
+    CHECK(read_file(exported) == exported_bytes);
+  }
+  // toy_ddp's --metrics likewise, under the launcher.
+  std::ofstream(notes) << notes_text;
+  const RunResult toy = run({launcher_path(), "--nproc-per-node", "2", built("examples/toy_ddp"), "--metrics", notes}, 120s);
+  CHECK(toy.code() == 1);
+  CHECK_MESSAGE(toy.err.find("--metrics " + notes + ": refusing to replace " + notes) != std::string::npos, toy.err);
+  CHECK(read_file(notes) == notes_text);
 }
 
 TEST_CASE("fashion_mnist --export: the trained weights under PyTorch's names, as the checkpoint has them") {
