@@ -320,6 +320,17 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   r = run_with({"--batch-size", "0"});
   CHECK(r.code() == 2);
   CHECK(r.err.find("--batch-size: must be an integer >= 1, got '0'") != std::string::npos);
+  r = run_with({"--batch-size", "257"});
+  CHECK(r.code() == 1);
+  CHECK_MESSAGE(r.err.find("--batch-size 257 is more than the 256 training images in " + dir.path + ": give at most 256") !=
+                    std::string::npos,
+                r.err);
+  // The checkpoint is SGD's (the default): another --optimizer is named, with the one to give.
+  r = run_with({"--epochs", "3", "--optimizer", "adamw", "--checkpoint", ckpt, "--resume"});
+  CHECK(r.code() == 1);
+  CHECK_MESSAGE(r.err.find("cannot resume from checkpoint " + ckpt + ": its run used --optimizer sgd and this one "
+                           "--optimizer adamw: resume with --optimizer sgd") != std::string::npos,
+                r.err);
 
   TempDir empty;
   write_small_fashion_mnist(empty.path, 0, 10);
@@ -352,7 +363,10 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
       {{built("benchmarks/layer_bench"), "--only", ""}, "layer_bench: --only: must be one of ReLU, Sigmoid"},
       {{built("benchmarks/layer_bench"), "--only="}, "layer_bench: --only= has no value after '='"},
       // CLI11's other parse errors (its own exit codes 109, 114) are usage errors like the rest.
-      {{built("examples/toy_ddp"), "--bogus"}, "toy_ddp: The following argument was not expected: --bogus"},
+      {{built("examples/toy_ddp"), "--bogus"}, "toy_ddp: The following argument was not expected: --bogus\n"},
+      // A misspelt flag gets the flag it most likely meant.
+      {{mlp, "--epoch=3"}, "fashion_mnist: The following argument was not expected: --epoch=3 (did you mean --epochs?)"},
+      {{built("examples/toy_ddp"), "--metric", "m.jsonl"}, "(did you mean --metrics?)"},
       {{built("examples/custom_layer"), "--steps"}, "custom_layer: --steps: 1 required"},
       {{mlp, "--epochs", "x"}, "fashion_mnist: --epochs: must be an integer >= 1, got 'x'"},
       // Past what an int holds: once CLI11's bare "Could not convert".
@@ -698,6 +712,16 @@ TEST_CASE("fashion_mnist progress: redrawn in place on a terminal with samples/s
                           std::regex("\repoch 1/2 \\[#{12}\\.{8}\\] 50/80 loss [0-9.]+ [0-9]+ samples/s ETA [0-9]+:[0-9]{2}")));
   CHECK(std::regex_search(on_terminal.out, std::regex("\repoch 2/2 \\[#{20}\\] 80/80 loss [0-9.]+ [0-9]+ samples/s ETA 0:00")));
   CHECK(on_terminal.out.find("epoch 1/2 step 50/80") == std::string::npos);
+
+  // Ctrl-C mid-epoch: the drawn line is ended before the process ends by the signal, so what
+  // follows (the shell's prompt) starts on a line of its own.
+  const std::string interrupted_command = "(sleep 4; kill -INT $$) & exec " + built("examples/fashion_mnist") +
+                                          " --data-dir " + dir.path + " --batch-size 8 --epochs 1000";
+  const RunResult interrupted = run({"/usr/bin/script", "-qec", interrupted_command, "/dev/null"}, 120s);
+  CHECK(interrupted.code() == 128 + SIGINT);
+  const size_t last_draw = interrupted.out.rfind("\repoch ");
+  REQUIRE_MESSAGE(last_draw != std::string::npos, interrupted.out);
+  CHECK_MESSAGE(interrupted.out.find('\n', last_draw) != std::string::npos, interrupted.out.substr(last_draw));
 
   const RunResult piped = run({built("examples/fashion_mnist"), "--data-dir", dir.path, "--batch-size", "8",
                                "--epochs", "2"},
