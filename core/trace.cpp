@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -259,9 +260,20 @@ std::string write() {
   if (!enabled() || r.path.empty()) return "";
   const char* parts_dir = std::getenv("NANODDP_TRACE_PARTS");
   std::string target;
-  if (parts_dir != nullptr && *parts_dir != '\0')
+  if (parts_dir != nullptr && *parts_dir != '\0') {
+    // nanoddp-run names the folder and the first rank to write a part creates it (a job
+    // without a trace leaves none behind). A folder already there must be this user's.
+    if (::mkdir(parts_dir, 0700) != 0) {
+      const int error = errno;
+      struct stat info {};
+      NANODDP_CHECK(error == EEXIST && ::lstat(parts_dir, &info) == 0 && S_ISDIR(info.st_mode) &&
+                        info.st_uid == ::geteuid(),
+                    IOError, "the trace file: cannot create the folder for this node's trace parts ", parts_dir,
+                    " (NANODDP_TRACE_PARTS): ",
+                    error == EEXIST ? std::string("it exists and is not a folder of this user") : std::strerror(error));
+    }
     target = std::string(parts_dir) + "/rank" + std::to_string(r.rank) + ".json";
-  else
+  } else
     target = r.world_size > 1 ? rank_path(r.path, r.rank) : r.path;
 
   replace_file(target, "the trace file", [&](std::ostream& out) {

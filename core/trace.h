@@ -16,8 +16,9 @@
 //
 // Files. A process of world size 1 writes exactly the path it was given. Rank r of a larger
 // job writes path with ".rank<r>" before its extension (run.rank1.json), or, under
-// nanoddp-run (which sets NANODDP_TRACE_PARTS to a folder of its own), its part into that
-// folder, and nanoddp-run merges the parts into the one file `path` when the job ends.
+// nanoddp-run (which sets NANODDP_TRACE_PARTS to the name of a folder of its own, created by
+// the first rank that writes a part), its part into that folder, and nanoddp-run merges the
+// parts into the one file `path` when the job ends.
 #pragma once
 
 #include <atomic>

@@ -236,8 +236,11 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   const bool check_collectives =
       options.check_collectives && detail::env_flag("NANODDP_CHECK_COLLECTIVES", true);
   const bool listen_on_all_interfaces = detail::env_flag(kStoreListenAllEnv, false);
-  const std::string where = detail::where(options.rank >= 0 ? options.rank : env.rank,
-                                          options.world_size >= 0 ? options.world_size : env.world_size);
+  const int given_rank = options.rank >= 0 ? options.rank : env.rank;
+  const int given_world_size = options.world_size >= 0 ? options.world_size : env.world_size;
+  // Neither given: a plain single process, rank 0 of 1 (as below), not an unknown rank.
+  const bool single_process = given_rank < 0 && given_world_size < 0 && !launched_by_mpi();
+  const std::string where = single_process ? detail::where(0, 1) : detail::where(given_rank, given_world_size);
   NANODDP_CHECK(!options.device.is_cuda() || kernels::cuda_built(), DeviceError, where, ": device ",
                 options.device, " was asked for, but this build of nanoddp has no CUDA (configure with "
                 "-Dcuda=enabled on a machine with the CUDA toolkit); use the cpu device");
@@ -245,7 +248,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
 
   Backend backend = requested_backend(options.backend, where);
   if (backend == Backend::Auto) {
-    const bool one_machine = env.world_size > 0 && env.local_world_size == env.world_size;
+    // A plain single process is a group of one, on one machine: shm, as for a launched job
+    // on one node (so a lone run reports the backend a one-node job uses).
+    const bool one_machine = single_process || (env.world_size > 0 && env.local_world_size == env.world_size);
     const bool nodes_known = env.world_size > 0 && env.local_world_size > 0 && env.node_rank >= 0;
     backend = options.device.is_cuda() ? Backend::Nccl
               : launched_by_mpi()      ? Backend::Mpi
@@ -267,7 +272,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                   DistError, where,
                   ": MPI says rank ", group->rank(), " of ", group->size(),
                   " but the options/environment say rank ", rank, " of ", world_size,
-                  "; launch with mpirun -np ", world_size < 0 ? group->size() : world_size,
+                  "; launch with nanoddp-run --nproc-per-node ", world_size < 0 ? group->size() : world_size,
+                  " --backend mpi (it starts the ranks through mpirun)",
                   from_launcher_env ? std::string(" (the mpi backend came from ") + kLauncherBackendEnv +
                                           "=mpi in the environment; unset it to let the program pick)"
                                     : std::string());

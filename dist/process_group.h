@@ -59,7 +59,8 @@ const char* reduce_op_name(ReduceOp op);  // "sum", "avg", "max", "min"
 // Which library runs the collectives. Auto: NCCL for a CUDA device; MPI when the process was
 // started by mpirun or srun (OMPI_COMM_WORLD_SIZE, PMIX_RANK or PMI_RANK is set, RANK is not)
 // and MPI is built in; shm when every rank is on this machine (LOCAL_WORLD_SIZE == WORLD_SIZE,
-// as nanoddp-run and torchrun set them on one node); ShmGloo ("shm+gloo") when
+// as nanoddp-run and torchrun set them on one node, or a plain single process with no rank or
+// world size given anywhere); ShmGloo ("shm+gloo") when
 // LOCAL_WORLD_SIZE < WORLD_SIZE and GROUP_RANK (the node's index, set by nanoddp-run) is
 // known (see make_two_level_process_group); Gloo otherwise. init_process_group resolves Auto
 // from NANODDP_BACKEND first.

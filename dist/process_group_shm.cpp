@@ -96,10 +96,13 @@
 #include <mutex>
 #include <sstream>
 #include <thread>
+#include <type_traits>
 
 #include "core/error.h"
 #include "core/file_size_limit.h"
+#include "core/half_convert.h"
 #include "dist/detail.h"
+#include "dist/launcher_link.h"
 #include "dist/process_group.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -207,6 +210,9 @@ struct Header {
   // 0: running; 1: a rank is writing why it aborted; 2: aborted, message complete.
   alignas(64) std::atomic<uint32_t> abort_state{0};
   int32_t abort_rank = -1;
+  // The rank whose death made abort_rank abort, or -1: every rank that fails on the abort
+  // reports that rank to the launcher, not the one that noticed first (Note [Launcher link]).
+  int32_t abort_lost_rank = -1;
   char abort_message[kAbortMessageBytes] = {};
 };
 
@@ -452,25 +458,29 @@ class ShmSegment {
     wait_until([&] { return info(rank_).bell.rings.load() != since; }, peer, deadline, what);
   }
 
-  // Marks the group aborted with why (the first reason wins) and wakes every rank.
-  void mark_aborted(const std::string& why) {
+  // Marks the group aborted with why (the first reason wins) and wakes every rank. lost_rank:
+  // the dead rank that is the reason, or -1.
+  void mark_aborted(const std::string& why, int lost_rank = -1) {
     uint32_t expected = 0;
     if (header_->abort_state.compare_exchange_strong(expected, 1)) {
       std::snprintf(header_->abort_message, kAbortMessageBytes, "%s", why.c_str());
       header_->abort_rank = rank_;
+      header_->abort_lost_rank = lost_rank;
       header_->abort_state.store(2);
       for (int r = 0; r < world_size_; ++r)
         if (r != rank_) ring(r, /*always_wake=*/true);
     }
   }
-  [[noreturn]] void abort(const std::string& why) {
-    mark_aborted(why);
+  [[noreturn]] void abort(const std::string& why, int lost_rank = -1) {
+    mark_aborted(why, lost_rank);
     NANODDP_THROW(DistError, why);
   }
 
   void check_abort(const std::string& what) {
     if (header_->abort_state.load(std::memory_order_acquire) == 0) return;
     while (header_->abort_state.load() != 2) cpu_relax();  // the message is being written
+    // Said before the throw, as Note [Launcher link] needs: this rank fails by that loss too.
+    if (header_->abort_lost_rank >= 0) report_lost_peer(rank_, header_->abort_lost_rank);
     NANODDP_THROW(DistError, what, ": the group was aborted by rank ", header_->abort_rank, ": ",
                   header_->abort_message);
   }
@@ -484,8 +494,9 @@ class ShmSegment {
   void check_alive(int peer, const std::string& what) {
     for (int r = peer < 0 ? 0 : peer; r < (peer < 0 ? world_size_ : peer + 1); ++r) {
       if (r == rank_ || !watch_pids_ || process_alive(info(r).pid)) continue;
+      report_lost_peer(rank_, r);  // before the throw: Note [Launcher link]
       abort(what + ": rank " + std::to_string(r) + " (pid " + std::to_string(info(r).pid) +
-            ") exited in the middle of the job");
+            ") exited in the middle of the job", r);
     }
   }
 
@@ -626,7 +637,11 @@ template <typename T>
 void sum_16bit_into(void* out_bytes, const void* in_bytes, int64_t n) {
   T* __restrict out = static_cast<T*>(out_bytes);
   const T* __restrict in = static_cast<const T*>(in_bytes);
-  for (int64_t i = 0; i < n; ++i) out[i] = T::from_float(out[i].to_float() + in[i].to_float());
+  if constexpr (std::is_same_v<T, Float16>) {
+    float16_add(out, out, in, n);  // F16C where the CPU has it (core/half_convert.h)
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = T::from_float(out[i].to_float() + in[i].to_float());
+  }
 }
 
 ReduceFn reduce_fn(DType dtype, ReduceOp op) {

@@ -883,8 +883,11 @@ class TCPStore::Client {
     while (sent < bytes.size()) {
       ssize_t n = ::send(fd_.get(), bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
       if (n < 0 && errno == EINTR) continue;
+      // A closed connection to rank 0's server: rank 0 is gone (Note [Launcher link]).
+      const int error = errno;
+      if (n < 0 && (error == EPIPE || error == ECONNRESET) && server_pid_ > 0) report_lost_peer(rank_, 0);
       NANODDP_CHECK(n > 0, DistError, context_, ": ", verb, ": send failed (",
-                    detail::errno_text(errno), "); the store server (rank 0) may have exited");
+                    detail::errno_text(error), "); the store server (rank 0) may have exited");
       sent += static_cast<size_t>(n);
     }
   }

@@ -2,12 +2,14 @@
 // numbers.
 #pragma once
 
+#include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -15,6 +17,7 @@
 #include <vector>
 
 #include "core/device.h"
+#include "core/trace.h"
 #include "dist/init.h"
 #include "kernels/device_memory.h"
 
@@ -32,6 +35,14 @@ inline Device rank_device(const std::string& name) {
 }
 
 // This process's peak resident set size in MiB (getrusage reports KiB on Linux).
+// Writes --trace's file (or this rank's part of it) now and stops recording: a write that
+// fails throws IOError, so the run exits 1 as for a failed checkpoint, where the write at
+// exit (core/trace.h) could only say so on stderr. Nothing is recorded after this.
+inline void finish_trace() {
+  trace::write();
+  trace::stop();
+}
+
 inline double peak_rss_mb() {
   rusage usage{};
   ::getrusage(RUSAGE_SELF, &usage);
@@ -80,7 +91,10 @@ class Progress {
         steps_(steps),
         enabled_(enabled),
         terminal_(redraw_in_place()),
-        start_(std::chrono::steady_clock::now()) {}
+        start_(std::chrono::steady_clock::now()) {
+    if (enabled_ && terminal_) end_line_on_signal();
+  }
+  ~Progress() { mid_line() = 0; }
 
   // A terminal that is ours alone: mpirun hands its ranks a pseudo-terminal but prefixes and
   // interleaves their lines, where a carriage return would only garble the output.
@@ -122,6 +136,37 @@ class Progress {
                 clock_text(step > 0 ? elapsed / static_cast<double>(step) * static_cast<double>(steps_left) : 0).c_str());
     if (step == steps_) std::printf("\n");
     std::fflush(stdout);
+    mid_line() = step != steps_;
+  }
+
+  // Set while the terminal's cursor is after a drawn line.
+  static volatile std::sig_atomic_t& mid_line() {
+    static volatile std::sig_atomic_t flag = 0;
+    return flag;
+  }
+
+  // Ctrl-C (or SIGTERM, SIGHUP) in the middle of an epoch: the line is ended first, so the
+  // shell's prompt or the error that follows starts on a line of its own; then the signal
+  // ends the process as it would have. Only signals left at their default are taken.
+  static void end_line_on_signal() {
+    static bool installed = false;
+    if (installed) return;
+    installed = true;
+    for (int signal_number : {SIGINT, SIGTERM, SIGHUP}) {
+      struct sigaction current {};
+      if (::sigaction(signal_number, nullptr, &current) != 0 || current.sa_handler != SIG_DFL) continue;
+      struct sigaction ending {};
+      ending.sa_handler = [](int received) {
+        if (mid_line()) {
+          ssize_t ignored = ::write(STDOUT_FILENO, "\n", 1);
+          (void)ignored;
+        }
+        ::signal(received, SIG_DFL);
+        ::raise(received);
+      };
+      sigemptyset(&ending.sa_mask);
+      ::sigaction(signal_number, &ending, nullptr);
+    }
   }
 
   int epoch_, epochs_;

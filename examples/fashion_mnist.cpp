@@ -285,9 +285,16 @@ double evaluate(nn::Module& model, data::DataLoader& loader, dist::ProcessGroup&
   return static_cast<double>(totals[0]) / static_cast<double>(totals[1]);
 }
 
+// --optimizer's choices; a checkpoint's "optimizer_kind" entry is the index of its run's.
+const std::vector<std::string> kOptimizers = {"sgd", "adam", "adamw"};
+
+int64_t optimizer_kind(const std::string& name) {
+  return std::find(kOptimizers.begin(), kOptimizers.end(), name) - kOptimizers.begin();
+}
+
 // A collective (the sharded strategies gather the state); rank 0 writes.
 void save(const std::string& path, int epochs_done, int64_t steps_per_epoch, examples::ParallelModel& parallel,
-          nn::Optimizer& optimizer, const Schedule& schedule, int rank) {
+          nn::Optimizer& optimizer, const std::string& optimizer_name, const Schedule& schedule, int rank) {
   nn::StateDict model_state = parallel.model_state_dict();
   nn::StateDict optimizer_state = parallel.optimizer_state_dict(optimizer);
   if (rank != 0) return;
@@ -297,6 +304,7 @@ void save(const std::string& path, int epochs_done, int64_t steps_per_epoch, exa
   nn::merge_prefixed(state, "scheduler.", schedule.state_dict());
   state["epochs_done"] = Tensor::from_vector(std::vector<int64_t>{epochs_done});
   state["steps_per_epoch"] = Tensor::from_vector(std::vector<int64_t>{steps_per_epoch});
+  state["optimizer_kind"] = Tensor::from_vector(std::vector<int64_t>{optimizer_kind(optimizer_name)});
   nn::save_checkpoint(path, state);
 }
 
@@ -324,7 +332,7 @@ int64_t int64_entry(const nn::StateDict& state, const std::string& key, std::opt
 //
 // Returns the number of epochs the checkpoint had completed. Errors name the file.
 int restore(const std::string& path, int epochs, int64_t steps_per_epoch, examples::ParallelModel& parallel,
-            nn::Optimizer& optimizer, Schedule& schedule, bool chatty) {
+            nn::Optimizer& optimizer, const std::string& optimizer_name, Schedule& schedule, bool chatty) {
   try {
     const nn::StateDict state = nn::load_checkpoint(path);
     const int64_t done = int64_entry(state, "epochs_done", std::nullopt);
@@ -339,7 +347,18 @@ int restore(const std::string& path, int epochs, int64_t steps_per_epoch, exampl
       throw ValueError(std::string(e.what()) + "; the checkpoint holds another model than this run builds: was it "
                        "saved with other --hidden sizes, or by the other Fashion-MNIST example?");
     }
-    parallel.load_optimizer_state_dict(optimizer, nn::strip_prefix(state, "optimizer."));
+    // Another optimizer's state has other entries: name both optimizers, not an entry.
+    const int64_t saved_kind = int64_entry(state, "optimizer_kind", /*missing=*/-1);
+    if (saved_kind >= 0 && saved_kind < static_cast<int64_t>(kOptimizers.size()))
+      NANODDP_CHECK(saved_kind == optimizer_kind(optimizer_name), ValueError, "its run used --optimizer ",
+                    kOptimizers[static_cast<size_t>(saved_kind)], " and this one --optimizer ", optimizer_name,
+                    ": resume with --optimizer ", kOptimizers[static_cast<size_t>(saved_kind)]);
+    try {
+      parallel.load_optimizer_state_dict(optimizer, nn::strip_prefix(state, "optimizer."));
+    } catch (const Error& e) {
+      throw ValueError(std::string(e.what()) + "; the checkpoint holds another optimizer's state than --optimizer " +
+                       optimizer_name + "'s: was it saved with another --optimizer?");
+    }
     // Why this run's schedule differs from the checkpoint's, or "" when it is the same.
     std::ostringstream other_schedule;
     if (saved_steps_per_epoch != steps_per_epoch)
@@ -437,15 +456,21 @@ int run(const Config& config) {
   auto pg = dist::init_process_group(init);
   const int rank = pg->rank(), world_size = pg->size();
   const bool chatty = rank == 0 && !config.quiet;
-  // Rank 0 saves after every epoch: find out now, not after an epoch of training, if it can.
+  // Rank 0 saves after every epoch: find out now, not after an epoch of training, if it can,
+  // and that each file it would replace is its own earlier output.
   if (rank == 0 && !config.checkpoint.empty()) nn::check_checkpoint_writable(config.checkpoint);
   if (rank == 0 && !config.export_path.empty()) nn::check_safetensors_writable(config.export_path);
-  examples::MetricsLog metrics(rank == 0 ? config.metrics : "", /*append=*/config.resume);
+  if (rank == 0) examples::check_metrics_replaceable(config.metrics);
 
   auto train_set = std::make_shared<data::FashionMNIST>(config.data_dir, /*train=*/true);
   auto test_set = std::make_shared<data::FashionMNIST>(config.data_dir, /*train=*/false);
   NANODDP_CHECK(train_set->size() > 0 && test_set->size() > 0, ValueError, "the data in ", config.data_dir,
                 " has ", train_set->size(), " training and ", test_set->size(), " test images: nothing to learn from");
+  // Such a batch would be cut to the whole data set without a word: the run would not be the
+  // one asked for.
+  NANODDP_CHECK(config.batch_size <= static_cast<int64_t>(train_set->size()), ValueError, "--batch-size ",
+                config.batch_size, " is more than the ", train_set->size(), " training images in ", config.data_dir,
+                ": give at most ", train_set->size());
   data::DataLoaderOptions loader_options;
   loader_options.device = device;
   loader_options.prefetch = config.prefetch;
@@ -475,11 +500,14 @@ int run(const Config& config) {
   if (config.resume && !config.checkpoint.empty() && file_exists(config.checkpoint)) {
     // Every rank reads the file (it must be on a filesystem they share) and loads the same
     // weights and optimizer state (the sharded strategies each take their share of it).
-    first_epoch = restore(config.checkpoint, config.epochs, train_loader.size(), parallel, *optimizer, schedule, chatty);
+    first_epoch = restore(config.checkpoint, config.epochs, train_loader.size(), parallel, *optimizer, config.optimizer,
+                          schedule, chatty);
     if (chatty) std::printf("resumed from %s after epoch %d\n", config.checkpoint.c_str(), first_epoch);
     std::fflush(stdout);  // before anything said on stderr about the run, as it happened
   }
   if (config.resume) check_same_start(*pg, config.checkpoint, first_epoch);
+  // Resumed: the log keeps the checkpoint's epochs and the steps past them are written again.
+  examples::MetricsLog metrics(rank == 0 ? config.metrics : "", /*epochs_kept=*/first_epoch);
   if (dist::DistributedDataParallel* ddp = parallel.ddp()) {
     if (config.comm_hook == "allreduce") ddp->register_comm_hook(pg, dist::allreduce_hook);
     if (config.comm_hook == "fp16") ddp->register_comm_hook(pg, dist::fp16_compress_hook);
@@ -596,7 +624,7 @@ int run(const Config& config) {
     record.test_accuracy = accuracy;
     metrics.write(record);
     if (!config.checkpoint.empty())
-      save(config.checkpoint, epoch + 1, train_loader.size(), parallel, *optimizer, schedule, rank);
+      save(config.checkpoint, epoch + 1, train_loader.size(), parallel, *optimizer, config.optimizer, schedule, rank);
     epochs_done = epoch + 1;
     std::fflush(stdout);
   }
@@ -633,6 +661,7 @@ int run(const Config& config) {
   }
   pg->barrier()->wait();  // rank 0 serves the store: let every rank finish first
   dist::destroy_process_group();
+  examples::finish_trace();
   return 0;
 }
 
@@ -646,7 +675,7 @@ int main(int argc, char** argv) {
   app.add_option("--epochs", config.epochs, "epochs to train (in all, counting resumed ones)")->check(cli::integer_in(1));
   app.add_option("--optimizer", config.optimizer,
                  "sgd (with --momentum), adam (L2 --weight-decay) or adamw (decoupled --weight-decay)")
-      ->check(CLI::IsMember({"sgd", "adam", "adamw"}));
+      ->check(CLI::IsMember(kOptimizers));
   app.add_option("--lr", config.lr, "peak learning rate (default 0.05 for sgd, 1e-3 for adam and adamw)")
       ->check(cli::number_in(0));
   app.add_option("--momentum", config.momentum, "SGD momentum (default 0.9; sgd only)")->check(cli::number_in(0));
@@ -665,7 +694,7 @@ int main(int argc, char** argv) {
       ->check(cli::file_path());
   app.add_option("--metrics", config.metrics,
                  "JSON-lines file rank 0 writes step, epoch, loss, lr, samples/s, test accuracy and wall time to "
-                 "(tools/plot draws it); --resume appends")
+                 "(tools/plot draws it); --resume keeps the lines of the checkpoint's epochs")
       ->check(cli::file_path());
   app.add_flag("--resume", config.resume, "continue from --checkpoint if it exists");
   app.add_option("--stop-after", config.stop_after,

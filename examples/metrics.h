@@ -2,7 +2,7 @@
 // is written (follow it with tail -f; plot it with tools/plot; pandas.read_json(lines=True)
 // reads it too). Rank 0 writes; every other rank passes an empty path and writes nothing.
 //
-//   examples::MetricsLog metrics(rank == 0 ? config.metrics : "");   // throws if unwritable
+//   examples::MetricsLog metrics(rank == 0 ? config.metrics : "");   // throws if unwritable or not a log
 //   examples::MetricsRecord r;  r.step = 50;  r.epoch = 1;  r.loss = 0.61;  metrics.write(r);
 //
 // Fields (null when not measured at that point):
@@ -16,10 +16,14 @@
 //   wall_s         seconds since the log was opened
 #pragma once
 
+#include <unistd.h>
+
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -38,16 +42,63 @@ struct MetricsRecord {
   double test_accuracy = NAN;
 };
 
+// Throws IOError naming path when it is a non-empty file that is not a metrics log (every
+// line a JSON object that begins {"step":): a run replaces its own earlier log, never a file
+// it did not write. A last line cut short (a run killed mid-write) still counts as ours.
+inline void check_metrics_replaceable(const std::string& path) {
+  std::FILE* file = path.empty() ? nullptr : std::fopen(path.c_str(), "r");
+  if (file == nullptr) return;  // absent (or unreadable: opening it to write says why)
+  static const std::string kStart = "{\"step\":";
+  std::string line;  // the current line's first kStart.size() bytes at most
+  int line_number = 1;
+  bool ours = true;
+  for (int c = std::fgetc(file); c != EOF; c = std::fgetc(file)) {
+    if (c == '\n') {
+      if (line != kStart) {
+        ours = false;
+        break;
+      }
+      ++line_number;
+      line.clear();
+    } else if (line.size() < kStart.size()) {
+      line += static_cast<char>(c);
+      if (line.size() == kStart.size() && line != kStart) {
+        ours = false;
+        break;
+      }
+    }
+  }
+  // A last line without its newline: a prefix of a line's start is a write cut short.
+  if (ours && kStart.compare(0, line.size(), line) != 0) ours = false;
+  std::fclose(file);
+  for (char& c : line)
+    if (!std::isprint(static_cast<unsigned char>(c))) c = '.';  // a binary file's bytes, shown
+  NANODDP_CHECK(ours, IOError, "--metrics ", path, ": refusing to replace ", path, ": line ", line_number,
+                " is not a metrics line (it begins \"", line, "\"), so this program did not write it; move it away "
+                "or name another file");
+}
+
 class MetricsLog {
  public:
-  // Creates path (truncating it), or with append (a resumed run: steps go on where the
-  // file's left off) adds to its end. An empty path makes a log that writes nothing. Throws
-  // IOError naming the file when it cannot be opened.
-  explicit MetricsLog(const std::string& path, bool append = false) : start_(std::chrono::steady_clock::now()) {
+  // Creates path, replacing a log an earlier run wrote (check_metrics_replaceable). With
+  // epochs_kept > 0 (a run resumed from a checkpoint of that many epochs) the lines of epochs
+  // 1..epochs_kept stay and the rest go: those are steps a killed run took past its last
+  // checkpoint, which the resumed run takes again. An empty path makes a log that writes
+  // nothing. Throws IOError naming the file when it is not a log or cannot be opened.
+  explicit MetricsLog(const std::string& path, int epochs_kept = 0) : start_(std::chrono::steady_clock::now()) {
     if (path.empty()) return;
+    check_metrics_replaceable(path);
     path_ = path;
-    file_ = std::fopen(path.c_str(), append ? "a" : "w");
+    const long kept_bytes = epochs_kept > 0 ? bytes_of_epochs(path, epochs_kept) : 0;
+    file_ = std::fopen(path.c_str(), kept_bytes > 0 ? "r+" : "w");
     NANODDP_CHECK(file_ != nullptr, IOError, "--metrics ", path, ": cannot create: ", std::strerror(errno));
+    if (kept_bytes > 0) {
+      const bool cut = ::ftruncate(::fileno(file_), kept_bytes) == 0 && std::fseek(file_, 0, SEEK_END) == 0;
+      const int error = errno;
+      if (!cut) std::fclose(file_);
+      NANODDP_CHECK(cut, IOError, "--metrics ", path, ": cannot drop the lines past epoch ", epochs_kept, ": ",
+                    std::strerror(error));
+    }
   }
   ~MetricsLog() {
     if (file_ != nullptr) std::fclose(file_);
@@ -76,6 +127,28 @@ class MetricsLog {
   }
 
  private:
+  // The length of path's leading complete lines whose epoch is at most epochs (0 when it is
+  // absent): lines are written in step order, so they are a prefix.
+  static long bytes_of_epochs(const std::string& path, int epochs) {
+    std::FILE* file = std::fopen(path.c_str(), "r");
+    if (file == nullptr) return 0;
+    long kept = 0, at = 0;
+    std::string line;
+    for (int c = std::fgetc(file); c != EOF; c = std::fgetc(file)) {
+      ++at;
+      if (c != '\n') {
+        line += static_cast<char>(c);
+        continue;
+      }
+      const size_t field = line.find("\"epoch\":");
+      if (field == std::string::npos || std::atoi(line.c_str() + field + 8) > epochs) break;
+      kept = at;
+      line.clear();
+    }
+    std::fclose(file);
+    return kept;
+  }
+
   std::string path_;
   std::FILE* file_ = nullptr;
   std::chrono::steady_clock::time_point start_;

@@ -214,6 +214,7 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     pg->barrier()->wait();  // rank 0 serves the store: let every rank finish first
     dist::destroy_process_group();
+    examples::finish_trace();
     if (!all_passed) return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "toy_ddp: %s\n", e.what());

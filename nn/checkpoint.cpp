@@ -70,7 +70,12 @@ std::string checkpoint_bytes(const StateDict& tensors) {
   return bytes;
 }
 
-void check_checkpoint_writable(const std::string& path) { check_writable(path, "checkpoint"); }
+void check_checkpoint_writable(const std::string& path) {
+  check_writable(path, "checkpoint");
+  check_replaces_only(path, "checkpoint", "a nanoddp checkpoint", [](const std::string& head, uint64_t) {
+    return head.compare(0, sizeof(kMagic), kMagic, sizeof(kMagic)) == 0;
+  });
+}
 
 StateDict load_checkpoint(const std::string& path) {
   const std::string bytes = read_regular_file(path, "checkpoint");

@@ -31,7 +31,10 @@ namespace nanoddp::nn {
 void save_checkpoint(const std::string& path, const StateDict& tensors);
 // Throws IOError unless save_checkpoint(path, ...) could write there: path is absent or a
 // regular file, and its folder exists and is writable. For programs that save only after
-// long work (an epoch of training) and should fail before it.
+// long work (an epoch of training) and should fail before it. Also throws IOError, naming
+// path, when path is a non-empty file that is not a nanoddp checkpoint: a program replaces
+// its own earlier checkpoint, never a file it did not write (save_checkpoint itself, like
+// torch.save, replaces whatever is there).
 void check_checkpoint_writable(const std::string& path);
 StateDict load_checkpoint(const std::string& path);
 // The bytes save_checkpoint writes for tensors (to send a state elsewhere than to a file).

@@ -161,7 +161,17 @@ void save_safetensors(const std::string& path, const StateDict& tensors, const S
   write_file_atomically(path, bytes, "safetensors");
 }
 
-void check_safetensors_writable(const std::string& path) { check_writable(path, "safetensors"); }
+void check_safetensors_writable(const std::string& path) {
+  check_writable(path, "safetensors");
+  // The format's own start: an 8-byte little-endian header length that fits in the file, then
+  // the JSON header's '{'.
+  check_replaces_only(path, "safetensors", "a safetensors file", [](const std::string& head, uint64_t size_bytes) {
+    uint64_t header_bytes = 0;
+    if (head.size() < sizeof(header_bytes) + 1) return false;
+    std::memcpy(&header_bytes, head.data(), sizeof(header_bytes));
+    return header_bytes > 0 && header_bytes <= size_bytes - sizeof(header_bytes) && head[sizeof(header_bytes)] == '{';
+  });
+}
 
 StateDict load_safetensors(const std::string& path, SafetensorsMetadata* metadata) {
   const std::string bytes = read_regular_file(path, "safetensors");

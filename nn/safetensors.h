@@ -36,7 +36,9 @@ using SafetensorsMetadata = std::map<std::string, std::string>;
 void save_safetensors(const std::string& path, const StateDict& tensors, const SafetensorsMetadata& metadata = {});
 
 // Throws IOError naming path unless save_safetensors(path, ...) could write there (path is
-// absent or a regular file in a writable folder). For programs that export after long work.
+// absent or a regular file in a writable folder), or when path is a non-empty file that is not
+// a safetensors file (a program replaces its own earlier export, never a file it did not
+// write). For programs that export after long work.
 void check_safetensors_writable(const std::string& path);
 
 // Reads every tensor of path onto the CPU; with metadata non-null, also its "__metadata__"

@@ -4,6 +4,7 @@
 //   nanoddp-run --nproc-per-node 2 launch_probe report            # prints rank, backend, sum
 //   nanoddp-run --nproc-per-node 4 launch_probe fail 3 7          # rank 3 exits 7, peers lose it
 //   nanoddp-run --nproc-per-node 2 launch_probe sleep DIR         # writes DIR/pid.RANK, sleeps, silent
+//   nanoddp-run --nproc-per-node 3 launch_probe die 0 5           # rank 0 SIGKILLs itself mid-job
 //
 // report [--backend B] [--hold-ms N]: init_process_group (backend B, default auto), all_reduce
 //         of rank + 1, "rank R of W backend B sum S" on stdout (S = W(W+1)/2), N ms of doing
@@ -14,6 +15,9 @@
 //         an all_reduce that R never joins, so they fail by losing R, before R has exited. They
 //         ignore SIGTERM (as a rank deep in a collective may not stop at once), so each always
 //         fails by its own error: the launcher must tell the first failure from those it caused.
+// die:    every rank runs all_reduces back to back; rank R sends itself SIGKILL after its Nth
+//         (kill -9 in the middle of a job). The others ignore SIGTERM and fail by losing R, by
+//         their own error, at once: the launcher must still name R and return 137.
 // sleep:  after init, writes its pid and sleeps 60 s without a word (a --quiet training run).
 #include <unistd.h>
 
@@ -31,7 +35,8 @@ using namespace nanoddp;
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: launch_probe report [--backend B] [--hold-ms N] | fail RANK CODE | sleep DIR\n");
+    std::fprintf(stderr,
+                 "usage: launch_probe report [--backend B] [--hold-ms N] | fail RANK CODE | die RANK N | sleep DIR\n");
     return 2;
   }
   const std::string mode = argv[1];
@@ -68,6 +73,17 @@ int main(int argc, char** argv) {
       Tensor t = Tensor::from_vector({1.0f}, {1});
       pg->all_reduce(t)->wait();
       std::fprintf(stderr, "rank %d: the all_reduce without rank %d completed\n", rank, culprit);
+      return 3;
+    } else if (mode == "die" && argc == 4) {
+      const int victim = std::atoi(argv[2]), reductions = std::atoi(argv[3]);
+      if (rank != victim) std::signal(SIGTERM, SIG_IGN);
+      Tensor t = Tensor::from_vector({1.0f}, {1});
+      // Bounded: a group that never notices the death ends here, not at the test's timeout.
+      for (int i = 0; i < 100000; ++i) {
+        if (rank == victim && i == reductions) ::kill(::getpid(), SIGKILL);
+        pg->all_reduce(t)->wait(std::chrono::seconds(20));
+      }
+      std::fprintf(stderr, "rank %d: 100000 all_reduces completed without rank %d\n", rank, victim);
       return 3;
     } else if (mode == "sleep" && argc == 3) {
       std::ofstream(std::string(argv[2]) + "/pid." + std::to_string(rank)) << ::getpid() << "\n";

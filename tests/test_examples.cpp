@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <fstream>
 #include <map>
 #include <regex>
 #include <thread>
@@ -319,6 +320,17 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   r = run_with({"--batch-size", "0"});
   CHECK(r.code() == 2);
   CHECK(r.err.find("--batch-size: must be an integer >= 1, got '0'") != std::string::npos);
+  r = run_with({"--batch-size", "257"});
+  CHECK(r.code() == 1);
+  CHECK_MESSAGE(r.err.find("--batch-size 257 is more than the 256 training images in " + dir.path + ": give at most 256") !=
+                    std::string::npos,
+                r.err);
+  // The checkpoint is SGD's (the default): another --optimizer is named, with the one to give.
+  r = run_with({"--epochs", "3", "--optimizer", "adamw", "--checkpoint", ckpt, "--resume"});
+  CHECK(r.code() == 1);
+  CHECK_MESSAGE(r.err.find("cannot resume from checkpoint " + ckpt + ": its run used --optimizer sgd and this one "
+                           "--optimizer adamw: resume with --optimizer sgd") != std::string::npos,
+                r.err);
 
   TempDir empty;
   write_small_fashion_mnist(empty.path, 0, 10);
@@ -351,7 +363,10 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
       {{built("benchmarks/layer_bench"), "--only", ""}, "layer_bench: --only: must be one of ReLU, Sigmoid"},
       {{built("benchmarks/layer_bench"), "--only="}, "layer_bench: --only= has no value after '='"},
       // CLI11's other parse errors (its own exit codes 109, 114) are usage errors like the rest.
-      {{built("examples/toy_ddp"), "--bogus"}, "toy_ddp: The following argument was not expected: --bogus"},
+      {{built("examples/toy_ddp"), "--bogus"}, "toy_ddp: The following argument was not expected: --bogus\n"},
+      // A misspelt flag gets the flag it most likely meant.
+      {{mlp, "--epoch=3"}, "fashion_mnist: The following argument was not expected: --epoch=3 (did you mean --epochs?)"},
+      {{built("examples/toy_ddp"), "--metric", "m.jsonl"}, "(did you mean --metrics?)"},
       {{built("examples/custom_layer"), "--steps"}, "custom_layer: --steps: 1 required"},
       {{mlp, "--epochs", "x"}, "fashion_mnist: --epochs: must be an integer >= 1, got 'x'"},
       // Past what an int holds: once CLI11's bare "Could not convert".
@@ -456,7 +471,7 @@ TEST_CASE("fashion_mnist --metrics: a line per progress update and per epoch tha
   CHECK(bad.err.find(dir.path + "/missing/run.jsonl") != std::string::npos);
 }
 
-TEST_CASE("fashion_mnist --metrics with --resume appends: the interrupted run's file reads as one run") {
+TEST_CASE("fashion_mnist --metrics with --resume: the file reads as one run, without the killed run's extra steps") {
   TempDir dir;
   write_small_fashion_mnist(dir.path, 640, 200);
   const std::string metrics = dir.path + "/run.jsonl", checkpoint = dir.path + "/run.ckpt";
@@ -471,6 +486,13 @@ TEST_CASE("fashion_mnist --metrics with --resume appends: the interrupted run's 
   const RunResult first = run(with({"--stop-after", "1"}), 120s);
   REQUIRE_MESSAGE(first.code() == 0, first.err);
   REQUIRE(metrics_lines(metrics).size() == 2);
+  // What a run killed in epoch 2 leaves past its checkpoint of epoch 1: a progress line of
+  // epoch 2 and a line cut short. The resumed run takes those steps again: they must go.
+  {
+    std::ofstream killed_run(metrics, std::ios::app);
+    killed_run << "{\"step\":15,\"epoch\":2,\"loss\":0.5,\"lr\":0.01,\"samples_per_s\":100,"
+                  "\"test_accuracy\":null,\"wall_s\":1}\n{\"step\":17,\"ep";
+  }
   const RunResult rest = run(with({"--resume"}), 120s);
   REQUIRE_MESSAGE(rest.code() == 0, rest.err);
   const auto lines = metrics_lines(metrics);
@@ -568,6 +590,68 @@ TEST_CASE("toy_ddp --metrics: one line per epoch with the epoch's mean loss") {
   CHECK(json_field(lines[2], "loss") < json_field(lines[1], "loss"));
 }
 
+TEST_CASE("--checkpoint, --export and --metrics never replace a file the program did not write; its own output, yes") {
+  TempDir dir;
+  write_small_fashion_mnist(dir.path, 320, 100);
+  const std::string notes = dir.path + "/README.md";
+  const std::string notes_text = "# My notes\nnot a checkpoint\n";
+  const std::string ckpt = dir.path + "/run.ckpt", exported = dir.path + "/w.safetensors", metrics = dir.path + "/m.jsonl";
+  const std::vector<std::string> fashion = {built("examples/fashion_mnist"), "--data-dir", dir.path, "--epochs", "1",
+                                            "--quiet"};
+  auto fashion_with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> all = fashion;
+    all.insert(all.end(), extra.begin(), extra.end());
+    return all;
+  };
+  // The first run writes all three; a second run replaces them: they are its own.
+  for (int round = 0; round < 2; ++round) {
+    const RunResult r = run(fashion_with({"--checkpoint", ckpt, "--export", exported, "--metrics", metrics}), 120s);
+    REQUIRE_MESSAGE(r.code() == 0, r.err);
+  }
+  CHECK(nn::load_checkpoint(ckpt).size() > 0);
+  CHECK(nn::load_safetensors(exported).size() == 6);
+  CHECK(metrics_lines(metrics).size() == 2);  // one run's lines: replaced, not appended to
+
+  struct Case {
+    std::vector<std::string> args;  // the flag and the file it must not replace
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{"--checkpoint", notes}, "checkpoint " + notes + ": refusing to replace " + notes +
+                                    ": it is not a nanoddp checkpoint (it begins \"# My notes\")"},
+      {{"--export", notes}, "safetensors " + notes + ": refusing to replace " + notes +
+                                ": it is not a safetensors file (it begins \"# My notes\")"},
+      {{"--export", ckpt}, "safetensors " + ckpt + ": refusing to replace " + ckpt +
+                               ": it is not a safetensors file (it begins \"NDDPCKPT"},
+      {{"--checkpoint", exported}, "checkpoint " + exported + ": refusing to replace " + exported +
+                                       ": it is not a nanoddp checkpoint"},
+      {{"--metrics", notes}, "--metrics " + notes + ": refusing to replace " + notes +
+                                 ": line 1 is not a metrics line (it begins \"# My not\")"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.args[0]);
+    CAPTURE(c.args[1]);
+    std::ofstream(notes) << notes_text;
+    const std::string ckpt_bytes = read_file(ckpt), exported_bytes = read_file(exported);
+    const RunResult r = run(fashion_with(c.args), 120s);
+    CHECK(r.code() == 1);
+    CHECK_MESSAGE(r.err.find(c.message) != std::string::npos, r.err);
+    CHECK_MESSAGE(r.err.find("so this program did not write it; move it away or name another file") !=
+                      std::string::npos,
+                  r.err);
+    CHECK(r.out.find("test_accuracy") == std::string::npos);  // stopped before training
+    CHECK(read_file(notes) == notes_text);
+    CHECK(read_file(ckpt) == ckpt_bytes);
+    CHECK(read_file(exported) == exported_bytes);
+  }
+  // toy_ddp's --metrics likewise, under the launcher.
+  std::ofstream(notes) << notes_text;
+  const RunResult toy = run({launcher_path(), "--nproc-per-node", "2", built("examples/toy_ddp"), "--metrics", notes}, 120s);
+  CHECK(toy.code() == 1);
+  CHECK_MESSAGE(toy.err.find("--metrics " + notes + ": refusing to replace " + notes) != std::string::npos, toy.err);
+  CHECK(read_file(notes) == notes_text);
+}
+
 TEST_CASE("fashion_mnist --export: the trained weights under PyTorch's names, as the checkpoint has them") {
   TempDir dir;
   write_small_fashion_mnist(dir.path, 320, 100);
@@ -628,6 +712,16 @@ TEST_CASE("fashion_mnist progress: redrawn in place on a terminal with samples/s
                           std::regex("\repoch 1/2 \\[#{12}\\.{8}\\] 50/80 loss [0-9.]+ [0-9]+ samples/s ETA [0-9]+:[0-9]{2}")));
   CHECK(std::regex_search(on_terminal.out, std::regex("\repoch 2/2 \\[#{20}\\] 80/80 loss [0-9.]+ [0-9]+ samples/s ETA 0:00")));
   CHECK(on_terminal.out.find("epoch 1/2 step 50/80") == std::string::npos);
+
+  // Ctrl-C mid-epoch: the drawn line is ended before the process ends by the signal, so what
+  // follows (the shell's prompt) starts on a line of its own.
+  const std::string interrupted_command = "(sleep 4; kill -INT $$) & exec " + built("examples/fashion_mnist") +
+                                          " --data-dir " + dir.path + " --batch-size 8 --epochs 1000";
+  const RunResult interrupted = run({"/usr/bin/script", "-qec", interrupted_command, "/dev/null"}, 120s);
+  CHECK(interrupted.code() == 128 + SIGINT);
+  const size_t last_draw = interrupted.out.rfind("\repoch ");
+  REQUIRE_MESSAGE(last_draw != std::string::npos, interrupted.out);
+  CHECK_MESSAGE(interrupted.out.find('\n', last_draw) != std::string::npos, interrupted.out.substr(last_draw));
 
   const RunResult piped = run({built("examples/fashion_mnist"), "--data-dir", dir.path, "--batch-size", "8",
                                "--epochs", "2"},

@@ -7,8 +7,9 @@
 # Before that it checks the installed headers: every public header of core/ kernels/ nn/
 # data/ dist/ is there, and a file including all of them as <nanoddp/...> compiles with only
 # `pkg-config --cflags nanoddp` (so their own includes resolve from the prefix).
-# Both builds must train to the same loss, below a tenth of the first, with identical
-# replicas. Usage: test_install.sh SOURCE_ROOT BUILD_ROOT
+# The installed programs run without LD_LIBRARY_PATH, and the subproject leaves CUDA out when no
+# GPU answers. Both builds must train to the same loss, below a tenth of the first, with
+# identical replicas. Usage: test_install.sh SOURCE_ROOT BUILD_ROOT
 set -euo pipefail
 src=$(realpath "$1")
 build=$(realpath "$2")
@@ -17,7 +18,7 @@ trap 'rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
 # Headers that stay internal: included only by the library's own .cpp files.
-private_headers=(core/replace_file.h dist/detail.h dist/nccl_protocol.h dist/store_wire.h nn/file_io.h)
+private_headers=(core/half_convert.h core/replace_file.h dist/detail.h dist/nccl_protocol.h dist/store_wire.h nn/file_io.h)
 
 echo "== meson install into a staging folder"
 meson install -C "$build" --no-rebuild --destdir "$work/stage" >"$work/install.log" ||
@@ -60,7 +61,19 @@ meson setup "$work/installed/build" "$work/installed" --wrap-mode=nofallback >"$
   { cat "$work/setup.log"; fail "meson setup against the installed nanoddp failed"; }
 grep -q "Run-time dependency nanoddp found: YES" "$work/setup.log" || fail "nanoddp not found through pkg-config"
 ninja -C "$work/installed/build" -j2 >/dev/null || fail "own_project did not build against the installed nanoddp"
-installed_result=$(LD_LIBRARY_PATH="$libdir" run_two_ranks "$launcher" "$work/installed/build/swish_regression")
+# Neither the installed nanoddp-run nor the program gets LD_LIBRARY_PATH: their run paths find
+# libnanoddp.so (nanoddp-run's relative to its folder, the program's from nanoddp.pc's libdir,
+# here mapped into the staging folder as the -L path is).
+unset LD_LIBRARY_PATH
+for program in "$launcher" "$work/installed/build/swish_regression"; do
+  loaded=$(ldd "$program" | awk '$1 == "libnanoddp.so" { print $3 }')
+  [[ "$loaded" == /* ]] ||
+    fail "$program cannot find libnanoddp.so without LD_LIBRARY_PATH: $(ldd "$program" | grep libnanoddp)"
+  [[ "$(realpath "$loaded")" == "$(realpath "$libdir/libnanoddp.so")" ]] ||
+    fail "$program loads $loaded, not the installed $libdir/libnanoddp.so"
+done
+"$launcher" --help >/dev/null || fail "the installed nanoddp-run does not start"
+installed_result=$(run_two_ranks "$launcher" "$work/installed/build/swish_regression")
 echo "$installed_result"
 
 echo "== own_project with nanoddp as a subproject"
@@ -68,11 +81,18 @@ unset PKG_CONFIG_PATH PKG_CONFIG_SYSROOT_DIR
 cp -r "$src/examples/own_project" "$work/subproject"
 mkdir "$work/subproject/subprojects"
 ln -s "$src" "$work/subproject/subprojects/nanoddp"
-# Without CUDA, Gloo and MPI: the job runs on shm either way, and the subproject compiles the
-# whole library a second time, the longest part of this test.
-meson setup "$work/subproject/build" "$work/subproject" --force-fallback-for=nanoddp -Dnanoddp:cuda=disabled \
+# Without Gloo and MPI: the job runs on shm either way, and the subproject compiles the whole
+# library a second time, the longest part of this test. CUDA is left to the subproject's own
+# decision: built only when a GPU answers, as tools/build decides.
+meson setup "$work/subproject/build" "$work/subproject" --force-fallback-for=nanoddp \
   -Dnanoddp:gloo=disabled -Dnanoddp:mpi=disabled \
   >"$work/setup.log" || { cat "$work/setup.log"; fail "meson setup with nanoddp as a subproject failed"; }
+if nvidia-smi -L >/dev/null 2>&1; then expected_cuda="a GPU answered"; else expected_cuda="no GPU answered"; fi
+grep -q "cuda decided by *: *$expected_cuda nvidia-smi -L" "$work/setup.log" ||
+  { cat "$work/setup.log"; fail "the subproject did not decide CUDA by the GPU (expected: $expected_cuda)"; }
+if [[ $expected_cuda == "no GPU answered" ]]; then
+  grep -Eq "^ *cuda *: *(NO|False)$" "$work/setup.log" || { cat "$work/setup.log"; fail "the subproject built CUDA without a GPU"; }
+fi
 ninja -C "$work/subproject/build" -j2 swish_regression subprojects/nanoddp/tools/nanoddp-run >/dev/null ||
   fail "own_project did not build with nanoddp as a subproject"
 subproject_result=$(run_two_ranks "$work/subproject/build/subprojects/nanoddp/tools/nanoddp-run" \

@@ -706,6 +706,78 @@ TEST_CASE("nanoddp-run: the rank that failed first is named and decides the exit
   }
 }
 
+TEST_CASE("nanoddp-run leaves nothing in $TMPDIR: jobs with and without a trace, a launcher killed by SIGKILL") {
+  TempDir tmp, out;
+  const ScopedEnv env({{"TMPDIR", tmp.path}});
+  auto tmp_entries = [&] {
+    std::vector<std::string> names;
+    if (DIR* dir = ::opendir(tmp.path.c_str())) {
+      while (dirent* entry = ::readdir(dir))
+        if (std::string(entry->d_name) != "." && std::string(entry->d_name) != "..") names.push_back(entry->d_name);
+      ::closedir(dir);
+    }
+    return names;
+  };
+  const RunResult plain = run({launcher_path(), "--nproc-per-node", "2", "true"}, 60s);
+  CHECK(plain.code() == 0);
+  CHECK(tmp_entries().empty());
+  // Each rank kills the launcher: nothing of the launcher's own cleanup runs.
+  const RunResult killed = run({launcher_path(), "--nproc-per-node", "2", "sh", "-c", "kill -KILL $PPID; sleep 5"}, 60s);
+  CHECK(killed.code() == 128 + SIGKILL);
+  CHECK(tmp_entries().empty());
+  // A traced job: the ranks' parts go through $TMPDIR and are merged into the file; then gone.
+  const std::string trace_path = out.path + "/toy.json";
+  const RunResult traced =
+      run({launcher_path(), "--nproc-per-node", "2", nanoddp::testing::built("examples/toy_ddp"), "--epochs", "1",
+           "--trace", trace_path},
+          120s);
+  CHECK_MESSAGE(traced.code() == 0, traced.err);
+  CHECK(::access(trace_path.c_str(), F_OK) == 0);
+  CHECK(tmp_entries().empty());
+}
+
+TEST_CASE("nanoddp-run: a rank killed with SIGKILL is named and its 137 returned, on every backend, never a peer") {
+  // The killed rank's peers fail by their own error at once (they ignore SIGTERM), often
+  // before the launcher has seen the killed rank end: only their reports of whom they lost
+  // let it name the right rank (Note [Launcher link]). Each rank is killed in turn.
+  struct Setup {
+    std::string backend;
+    int trials;
+  };
+  for (const Setup& setup : {Setup{"shm", 3}, Setup{"gloo", 1}}) {
+    for (int world : {2, 3}) {
+      for (int victim = 0; victim < world; ++victim) {
+        for (int trial = 0; trial < setup.trials; ++trial) {
+          CAPTURE(setup.backend);
+          CAPTURE(world);
+          CAPTURE(victim);
+          const RunResult r = run({launcher_path(), "--nproc-per-node", std::to_string(world), "--backend",
+                                   setup.backend, probe_path(), "die", std::to_string(victim), std::to_string(3 + trial)},
+                                  60s);
+          CHECK_MESSAGE(r.code() == 137, r.err);
+          CHECK_MESSAGE(contains(r.err, "nanoddp-run: rank " + std::to_string(victim) + " (pid "), r.err);
+          const size_t named = r.err.find("nanoddp-run: rank " + std::to_string(victim) + " (pid ");
+          const std::string line = r.err.substr(named, r.err.find('\n', named) - named);
+          CHECK_MESSAGE(contains(line, ") failed: killed by signal SIGKILL"), r.err);
+          // A peer that failed did so by losing the killed rank, directly or through the group's
+          // abort. On shm every peer fails so (the abort reaches all); on Gloo a peer that was not
+          // waiting on the killed rank may be ended by the launcher instead, and is not named.
+          for (int peer = 0; peer < world; ++peer) {
+            if (peer == victim) continue;
+            CAPTURE(peer);
+            const size_t at = r.err.find("nanoddp-run: rank " + std::to_string(peer) + " (pid ");
+            if (setup.backend == "gloo" && at == std::string::npos) continue;
+            REQUIRE_MESSAGE(at != std::string::npos, r.err);
+            CHECK_MESSAGE(contains(r.err.substr(at, r.err.find('\n', at) - at),
+                                   "also failed: exit code 1 (it lost rank " + std::to_string(victim) + ")"),
+                          r.err);
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("nanoddp-run: an outer launcher's variables never override the launcher's own") {
   // As if nanoddp-run ran inside `mpirun -np 1` or an srun step: Open MPI, PMIx, PMI and
   // Slurm all say "rank 0 of 1" (or 5 of 9) about the launcher process itself.
@@ -754,6 +826,15 @@ TEST_CASE("nanoddp-run --backend takes effect; a program flag that contradicts i
   CHECK(clash.code() == 1);
   CHECK_MESSAGE(contains(clash.err, "the program asks for backend mpi but the launcher was given --backend gloo"),
                 clash.err);
+#if NANODDP_WITH_MPI
+  // The program's own --backend mpi under a launcher that starts ranks itself: each MPI sees a
+  // world of 1. The advice is the README's way to run MPI, the launcher's --backend mpi.
+  const RunResult mpi = run({launcher_path(), "--nproc-per-node", "2", probe_path(), "report", "--backend", "mpi"}, 60s);
+  CHECK(mpi.code() == 1);
+  CHECK_MESSAGE(contains(mpi.err, "launch with nanoddp-run --nproc-per-node 2 --backend mpi (it starts the ranks "
+                                  "through mpirun)"),
+                mpi.err);
+#endif
   // A CPU-only build has no NCCL: --backend nccl must fail saying so, not run Gloo quietly.
   const RunResult nccl = run({launcher_path(), "--nproc-per-node", "2", "--backend", "nccl", probe_path(), "report"},
                              60s);
@@ -771,6 +852,15 @@ TEST_CASE("toy_ddp --device cuda in a build without CUDA says the build has no C
   CHECK(r.code() == 1);
   CHECK_MESSAGE(contains(r.err, "this build of nanoddp has no CUDA"), r.err);
   CHECK_FALSE(contains(r.err, "NCCL"));
+  // A lone process is rank 0 of 1, not an unknown rank.
+  CHECK_MESSAGE(contains(r.err, "rank 0/1 on "), r.err);
+  CHECK_FALSE(contains(r.err, "rank ?/?"));
+}
+
+TEST_CASE("a lone process picks shm, the backend of a one-node job, and is rank 0 of 1") {
+  const RunResult r = run({probe_path(), "report"}, 60s);
+  CHECK_MESSAGE(r.code() == 0, r.err);
+  CHECK(r.out == "rank 0 of 1 backend shm sum 1\n");
 }
 
 TEST_CASE("nanoddp-run: unknown options are errors, torchrun's spellings work, -- ends the options") {

@@ -2,8 +2,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <vector>
 
+#include "core/half_convert.h"
 #include "core/ops.h"
 #include "core/random.h"
 #include "core/tensor.h"
@@ -179,6 +182,72 @@ TEST_CASE("a CUDA tensor in a build or machine without a GPU gives a clear Devic
   } catch (const DeviceError& e) {
     CHECK(std::string(e.what()).size() > 10);
   }
+}
+
+TEST_CASE("bulk float16 conversions and sums equal the scalar ones bit for bit: every half, every rounding edge") {
+  const std::string path = float16_uses_f16c() ? "F16C" : "scalar code";
+  MESSAGE("bulk float16 conversions run on ", path);
+  auto bits = [](float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, sizeof x);
+    return x;
+  };
+  // Every one of the 65,536 halves to float32 (+3: a tail past the 8-wide loop).
+  std::vector<Float16> halves(0x10000 + 3);
+  for (size_t i = 0; i < halves.size(); ++i) halves[i].bits = static_cast<uint16_t>(i);
+  std::vector<float> widened(halves.size());
+  floats_from_float16(widened.data(), halves.data(), static_cast<int64_t>(halves.size()));
+  int widen_mismatches = 0;
+  for (size_t i = 0; i < halves.size(); ++i) {
+    const float scalar = halves[i].to_float();
+    widen_mismatches += std::isnan(scalar) ? !std::isnan(widened[i]) : bits(widened[i]) != bits(scalar);
+  }
+  CHECK(widen_mismatches == 0);
+  // Back to float16: each finite half's value, its float32 neighbours, the exact midpoint to
+  // the next half (a tie) and that midpoint's neighbours; then the ends of the range.
+  std::vector<float> floats;
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const Float16 half{static_cast<uint16_t>(h)};
+    const float f = half.to_float();
+    if (!std::isfinite(f)) continue;
+    const float next = Float16{static_cast<uint16_t>(h + 1)}.to_float();
+    floats.push_back(f);
+    floats.push_back(std::nextafter(f, INFINITY));
+    floats.push_back(std::nextafter(f, -INFINITY));
+    if (std::isfinite(next) && std::abs(next) > std::abs(f)) {
+      const float tie = f + (next - f) / 2;  // exact: one more mantissa bit than a half has
+      floats.push_back(tie);
+      floats.push_back(std::nextafter(tie, INFINITY));
+      floats.push_back(std::nextafter(tie, -INFINITY));
+    }
+  }
+  for (float f : {65504.0f, 65519.996f, 65520.0f, 65536.0f, 1e30f, INFINITY, std::ldexp(1.0f, -25),
+                  std::ldexp(1.0f, -26), std::ldexp(3.0f, -26), 1e-30f, 0.0f})
+    for (float sign : {1.0f, -1.0f}) floats.push_back(sign * f);
+  floats.push_back(std::nanf(""));
+  std::vector<Float16> rounded(floats.size());
+  float16_from_floats(rounded.data(), floats.data(), static_cast<int64_t>(floats.size()));
+  int round_mismatches = 0;
+  for (size_t i = 0; i < floats.size(); ++i) {
+    const Float16 scalar = Float16::from_float(floats[i]);
+    round_mismatches += std::isnan(floats[i]) ? !std::isnan(rounded[i].to_float()) : rounded[i].bits != scalar.bits;
+  }
+  CHECK(floats.size() > 6 * 60000);
+  CHECK(round_mismatches == 0);
+  // Sums of two halves, in place as the backends do them: every finite half plus a spread of others.
+  std::vector<Float16> a, b;
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    if (!std::isfinite(Float16{static_cast<uint16_t>(h)}.to_float())) continue;
+    a.push_back(Float16{static_cast<uint16_t>(h)});
+    b.push_back(Float16{static_cast<uint16_t>((h * 40503u + 7u) & 0xffffu)});
+  }
+  std::vector<Float16> expected(a.size());
+  for (size_t i = 0; i < a.size(); ++i) expected[i] = Float16::from_float(a[i].to_float() + b[i].to_float());
+  float16_add(a.data(), a.data(), b.data(), static_cast<int64_t>(a.size()));
+  int sum_mismatches = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    sum_mismatches += std::isnan(expected[i].to_float()) ? !std::isnan(a[i].to_float()) : a[i].bits != expected[i].bits;
+  CHECK(sum_mismatches == 0);
 }
 
 TEST_CASE("float16 and bfloat16 round to nearest, ties to even, as torch's .to(float16/bfloat16)") {

@@ -306,6 +306,17 @@ TEST_CASE("NANODDP_TRACE traces a program without a --trace flag; world size 1 w
   CHECK(read_file(dir.path + ".tmp").empty());
 }
 
+TEST_CASE("a trace that cannot be written at the end fails the run with exit 1, as a failed checkpoint does") {
+  TempDir dir;
+  const std::string path = dir.path + "/toy.json";
+  // 1 block (512 bytes) of file: the trace is larger. stdout goes to /dev/null, which has no limit.
+  const RunResult r = run({"/bin/sh", "-c", "ulimit -f 1; exec \"$0\" --epochs 1 --trace \"$1\" >/dev/null",
+                           built("examples/toy_ddp"), path});
+  CHECK(r.code() == 1);
+  CHECK_MESSAGE(r.err.find("toy_ddp: writing the trace file " + path + " failed") != std::string::npos, r.err);
+  CHECK(::access(path.c_str(), F_OK) != 0);
+}
+
 TEST_CASE("replace_file, which writes trace files: past ulimit -f, or when the writer throws, the old file stays and no temporary is left") {
   TempDir dir;
   const std::string path = dir.path + "/trace.json";

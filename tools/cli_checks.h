@@ -216,6 +216,38 @@ inline bool values_given(int argc, const char* const* argv, const std::string& p
   return true;
 }
 
+// The long option of app closest to `given` ("--epoch=3" -> "--epochs"): at most two letters
+// added, dropped or changed, and fewer than half of them; "" when none is that close.
+inline std::string closest_long_option(const CLI::App& app, const std::string& given) {
+  std::string word = given.substr(0, given.find('='));
+  if (word.compare(0, 2, "--") != 0) return "";
+  word = word.substr(2);
+  std::string best;
+  size_t best_distance = 3;
+  for (const CLI::Option* option : app.get_options()) {
+    for (const std::string& name : option->get_lnames()) {
+      // Levenshtein distance, one row at a time.
+      std::vector<size_t> row(name.size() + 1);
+      for (size_t j = 0; j <= name.size(); ++j) row[j] = j;
+      for (size_t i = 1; i <= word.size(); ++i) {
+        size_t diagonal = row[0];
+        row[0] = i;
+        for (size_t j = 1; j <= name.size(); ++j) {
+          const size_t above = row[j];
+          row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (word[i - 1] == name[j - 1] ? 0 : 1)});
+          diagonal = above;
+        }
+      }
+      const size_t distance = row[name.size()];
+      if (distance < best_distance && 2 * distance < std::max(word.size(), name.size())) {
+        best_distance = distance;
+        best = "--" + name;
+      }
+    }
+  }
+  return best;
+}
+
 // Parses argv[1..argc) into app, after values_given over argv[1..flags_end) (all of argv when
 // flags_end < 0; a launcher passes where its own flags end). Returns nullopt when the program
 // goes on, else the status main returns: 0 after --help (printed on stdout), kUsageErrorExit
@@ -235,7 +267,15 @@ inline std::optional<int> parse(CLI::App& app, int argc, const char* const* argv
       const std::string flag = "--" + what.substr(0, override_at);
       return usage_error(program, flag + " is a switch and takes no value: give " + flag + " alone, or leave it out");
     }
-    return usage_error(program, what);
+    std::string hint;
+    if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) {  // a misspelt flag, most often
+      std::istringstream words(what.substr(what.find(':') + 1));
+      for (std::string word; hint.empty() && words >> word;) {
+        const std::string known = closest_long_option(app, word);
+        if (!known.empty()) hint = " (did you mean " + known + "?)";
+      }
+    }
+    return usage_error(program, what + hint);
   }
   return std::nullopt;
 }

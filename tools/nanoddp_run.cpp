@@ -13,8 +13,10 @@
 
 #include <climits>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -51,16 +53,18 @@ std::string closest_option(const CLI::App& app, const std::string& given) {
 }
 
 // The folder where ranks that record a trace (--trace FILE or NANODDP_TRACE) leave their parts
-// (core/trace.h); merged into FILE when the job ends, then removed.
+// (core/trace.h); merged into FILE when the job ends, then removed. Only its name is made
+// here: the first rank that writes a part creates it, so a job that records no trace leaves
+// nothing in $TMPDIR, even when the launcher is killed with SIGKILL.
 class TraceParts {
  public:
   TraceParts() {
     const char* tmp = std::getenv("TMPDIR");
-    std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/nanoddp-trace-XXXXXX";
-    if (::mkdtemp(pattern.data()) != nullptr) {
-      dir_ = pattern;
-      ::setenv("NANODDP_TRACE_PARTS", dir_.c_str(), 1);
-    }
+    std::random_device random;
+    char suffix[32];
+    std::snprintf(suffix, sizeof(suffix), "%d-%08x%08x", static_cast<int>(::getpid()), random(), random());
+    dir_ = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/nanoddp-trace-" + suffix;
+    ::setenv("NANODDP_TRACE_PARTS", dir_.c_str(), 1);
   }
   ~TraceParts() {
     if (dir_.empty()) return;
@@ -76,14 +80,16 @@ class TraceParts {
   TraceParts(const TraceParts&) = delete;
   TraceParts& operator=(const TraceParts&) = delete;
 
-  // Merges what the ranks left, reporting on stderr; never throws.
-  void merge() const {
-    if (dir_.empty()) return;
+  // Merges what the ranks left, reporting on stderr; false when that failed. Never throws.
+  bool merge() const {
+    if (dir_.empty()) return true;
     try {
       const std::string path = nanoddp::trace::merge_parts(dir_);
       if (!path.empty()) std::cerr << "nanoddp-run: trace of this node's ranks written to " << path << "\n";
+      return true;
     } catch (const std::exception& e) {
       std::cerr << "nanoddp-run: the ranks' traces were not merged: " << e.what() << "\n";
+      return false;
     }
   }
 
@@ -172,8 +178,9 @@ int main(int argc, char** argv) {
   try {
     const TraceParts trace_parts;
     const int code = dist::launch(options, program);
-    trace_parts.merge();
-    return code;
+    // A trace that was asked for and not written fails a job that succeeded otherwise, as a
+    // rank's failed trace write does.
+    return trace_parts.merge() ? code : (code == 0 ? 1 : code);
   } catch (const nanoddp::ValueError& e) {  // a combination of flags that cannot run
     return nanoddp::cli::usage_error("nanoddp-run", e.what());
   } catch (const std::exception& e) {

@@ -1,6 +1,8 @@
 // CPU elementwise kernels: fill, conversions (bytes, 16-bit floats), binary and scalar ops, relu, column sums.
+#include <algorithm>
 #include <cmath>
 
+#include "core/half_convert.h"
 #include "kernels/cpu/eigen_maps.h"
 #include "kernels/kernels.h"
 
@@ -22,20 +24,35 @@ template <typename T>
 void from_16bit(float* out, const uint16_t* in, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = T{in[i]}.to_float();
 }
+
+// The same as to_16bit<Float16>, element for element, through the bulk conversions
+// (core/half_convert.h) a block at a time: round, widen, divide, round.
+void to_float16(uint16_t* out, const float* in, float divisor, int64_t n) {
+  constexpr int64_t kBlock = 1024;  // a float block in L1
+  float widened[kBlock];
+  auto* halves = reinterpret_cast<Float16*>(out);
+  for (int64_t begin = 0; begin < n; begin += kBlock) {
+    const int64_t count = std::min(kBlock, n - begin);
+    float16_from_floats(halves + begin, in + begin, count);
+    floats_from_float16(widened, halves + begin, count);
+    for (int64_t i = 0; i < count; ++i) widened[i] /= divisor;
+    float16_from_floats(halves + begin, widened, count);
+  }
+}
 }  // namespace
 
 void float_to_16bit(uint16_t* out, const float* in, DType format, float divisor, int64_t n) {
   if (format == DType::BFloat16)
     to_16bit<BFloat16>(out, in, divisor, n);
   else
-    to_16bit<Float16>(out, in, divisor, n);
+    to_float16(out, in, divisor, n);
 }
 
 void float_from_16bit(float* out, const uint16_t* in, DType format, int64_t n) {
   if (format == DType::BFloat16)
     from_16bit<BFloat16>(out, in, n);
   else
-    from_16bit<Float16>(out, in, n);
+    floats_from_float16(out, reinterpret_cast<const Float16*>(in), n);
 }
 
 void binary_forward(float* out, const float* a, const float* b, BinaryOp op, int64_t N, int64_t F,

@@ -1,0 +1,88 @@
+#include "core/half_convert.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace nanoddp {
+
+namespace {
+
+void float16_from_floats_scalar(Float16* halves, const float* floats, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) halves[i] = Float16::from_float(floats[i]);
+}
+void floats_from_float16_scalar(float* floats, const Float16* halves, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) floats[i] = halves[i].to_float();
+}
+void float16_add_scalar(Float16* sums, const Float16* a, const Float16* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) sums[i] = Float16::from_float(a[i].to_float() + b[i].to_float());
+}
+
+#if defined(__x86_64__)
+// Compiled for AVX + F16C whatever the build's -m flags; called only where the CPU has both.
+#define NANODDP_F16C __attribute__((target("avx,f16c")))
+
+constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // ties to even, as from_float
+
+NANODDP_F16C void float16_from_floats_f16c(Float16* halves, const float* floats, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(halves + i), _mm256_cvtps_ph(_mm256_loadu_ps(floats + i), kRound));
+  float16_from_floats_scalar(halves + i, floats + i, n - i);
+}
+
+NANODDP_F16C void floats_from_float16_f16c(float* floats, const Float16* halves, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(floats + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + i))));
+  floats_from_float16_scalar(floats + i, halves + i, n - i);
+}
+
+NANODDP_F16C void float16_add_f16c(Float16* sums, const Float16* a, const Float16* b, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i)));
+    const __m256 y = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(sums + i), _mm256_cvtps_ph(_mm256_add_ps(x, y), kRound));
+  }
+  float16_add_scalar(sums + i, a + i, b + i, n - i);
+}
+
+#endif
+
+}  // namespace
+
+bool float16_uses_f16c() {
+#if defined(__x86_64__)
+  static const bool has_f16c = [] {
+    __builtin_cpu_init();  // may run before the library's own CPU check has (a static initialiser)
+    return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  }();
+  return has_f16c;
+#else
+  return false;
+#endif
+}
+
+void float16_from_floats(Float16* halves, const float* floats, int64_t n) {
+#if defined(__x86_64__)
+  if (float16_uses_f16c()) return float16_from_floats_f16c(halves, floats, n);
+#endif
+  float16_from_floats_scalar(halves, floats, n);
+}
+
+void floats_from_float16(float* floats, const Float16* halves, int64_t n) {
+#if defined(__x86_64__)
+  if (float16_uses_f16c()) return floats_from_float16_f16c(floats, halves, n);
+#endif
+  floats_from_float16_scalar(floats, halves, n);
+}
+
+void float16_add(Float16* sums, const Float16* a, const Float16* b, int64_t n) {
+#if defined(__x86_64__)
+  if (float16_uses_f16c()) return float16_add_f16c(sums, a, b, n);
+#endif
+  float16_add_scalar(sums, a, b, n);
+}
+
+}  // namespace nanoddp
