@@ -323,6 +323,9 @@ inline std::vector<OpCase> op_cases() {
                           });
                         }}
                      .in_model({5}, mlp_around([] { return std::make_shared<nn::GELU>("tanh"); })));
+  add_activation(OpCase{"softplus beta 2, threshold 10", {{{4, 5}}}, [](auto& in) { return softplus(in[0], 2, 10); },
+                        [](auto& in) { return pointwise(in[0], [](double v) { return 2 * v > 10 ? v : std::log1p(std::exp(2 * v)) / 2; }); }}
+                     .in_model({5}, mlp_around([] { return std::make_shared<nn::Softplus>(2, 10); })));
   rows.push_back(OpCase{"conv2d stride 2x1, padding 1x0, dilation 1x2, bias", {{{2, 3, 6, 5}}, {{4, 3, 3, 2}}, {{4}}},
                         [](auto& in) { return conv2d(in[0], in[1], in[2], {2, 1}, {1, 0}, {1, 2}); },
                         [](auto& in) { return ref_conv2d(in[0], in[1], in[2], {2, 3, 6, 5}, {4, 3, 3, 2}, {2, 1}, {1, 0}, {1, 2}); }}
