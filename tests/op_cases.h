@@ -4,7 +4,8 @@
 //   tests/test_gpu_ops.cpp   CUDA vs CPU, forward and gradients (SKIP without a GPU)
 //   tests/test_ops_ddp.cpp   2-rank DDP vs 1-rank training on a small model around the op
 // To add an op, add a row to op_cases(): its call, its float64 reference, and (for a layer) a
-// model builder with .in_model(sample_shape, builder).
+// model builder with .in_model(sample_shape, builder); a pointwise activation goes through
+// add_activation, which also runs it on [-100, 100].
 #pragma once
 
 #include <cmath>
