@@ -55,9 +55,10 @@ namespace nanoddp::dist {
 //     which momentum and weight decay would then apply). Its .grad is left as it was.
 // The second is checked per rank, against what this rank used first, as PyTorch's reducer
 // counts each rank's own hooks (it reports "Your training graph has changed in this
-// iteration"). Both hold at one rank too, where nothing is all-reduced. PyTorch's static_graph also lets a parameter's hook fire
-// several times in one backward (reentrant activation checkpointing); our engine has no
-// reentrant backward, so a second gradient in one backward stays an error.
+// iteration"). Both hold at one rank too, where nothing is all-reduced. PyTorch's
+// static_graph also lets a parameter's hook fire several times in one backward (reentrant
+// activation checkpointing); our engine has no reentrant backward, so a second gradient in
+// one backward stays an error.
 
 // Note [Unused parameters]
 // With find_unused_parameters, a parameter may be used on one rank and not on another (a
@@ -452,7 +453,7 @@ void Reducer::finalize() {
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
       const size_t k = bucket.params[slot];
       if (used_anywhere[k] == 0) continue;  // no rank used it: .grad untouched, as in PyTorch
-      if (dropped[k]) continue;              // an error below: .grad untouched
+      if (dropped[k]) continue;             // an error below: .grad untouched
       Tensor& p = params_[k].second;
       if (!p.grad().defined()) {
         p.set_grad(Tensor::empty(p.shape(), DType::Float32, p.device()));
@@ -472,7 +473,8 @@ void Reducer::check_static_graph(const std::vector<bool>& dropped) const {
   std::ostringstream newly_used, now_unused;
   int newly_used_count = 0, now_unused_count = 0;
   for (size_t k = 0; k < params_.size(); ++k) {
-    if (ready_[k] && static_used_anywhere_[k] == 0) newly_used << (newly_used_count++ ? ", " : "") << params_[k].first;
+    if (ready_[k] && static_used_anywhere_[k] == 0)
+      newly_used << (newly_used_count++ ? ", " : "") << params_[k].first;
     if (dropped[k]) now_unused << (now_unused_count++ ? ", " : "") << params_[k].first;
   }
   NANODDP_CHECK(newly_used_count == 0, DistError, "DDP on rank ", pg_->rank(), "/", pg_->size(),
