@@ -49,8 +49,9 @@
 // runs to its end before anything after it, so works complete in the order issued; sends and
 // receives issued before it progress together, piece by piece, so that an exchange (rank 0
 // sends to 1 while 1 sends to 0) does not deadlock on full slots. On a CPU there is no
-// overlap to win by a thread of our own (DESIGN.md), and not having one is what keeps a
-// small all-reduce in microseconds (Note [Gloo worker thread] is the other side of that).
+// overlap to win by a thread of our own (it would take its cycles from backward's cores),
+// and not having one is what keeps a small all-reduce in microseconds
+// (Note [Gloo worker thread] is the other side of that).
 // is_completed() does not run anything: it reports, and stays false until some wait() ran it.
 //
 // Note [Shm direct all-reduce]

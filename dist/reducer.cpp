@@ -46,11 +46,19 @@ namespace nanoddp::dist {
 // first synced backward runs as with find_unused_parameters: unused parameters contribute
 // zeros, and one all-reduce (max) of a flag per parameter finds which ones some rank used.
 // That answer is kept, and later backwards skip the all-reduce: a parameter unused here
-// contributes zeros, a parameter no rank used keeps its .grad. A parameter that gets a
-// gradient although no rank used it in the first iteration breaks the promise (its mean
-// would be dropped): DistError. PyTorch's static_graph also lets a parameter's hook fire
-// several times in one backward (reentrant activation checkpointing); our engine has no
-// reentrant backward, so a second gradient in one backward stays an error.
+// contributes zeros, a parameter no rank used keeps its .grad. The promise can break two
+// ways, and each is a DistError naming the parameters, raised after the step's collectives
+// so that the ranks stay in step:
+//   - a parameter gets a gradient although no rank used it in the first iteration (its mean
+//     would be dropped);
+//   - a parameter this rank used in the first iteration gets none (its mean would be zeros,
+//     which momentum and weight decay would then apply). Its .grad is left as it was.
+// The second is checked per rank, against what this rank used first, as PyTorch's reducer
+// counts each rank's own hooks (it reports "Your training graph has changed in this
+// iteration"). Both hold at one rank too, where nothing is all-reduced. PyTorch's
+// static_graph also lets a parameter's hook fire several times in one backward (reentrant
+// activation checkpointing); our engine has no reentrant backward, so a second gradient in
+// one backward stays an error.
 
 // Note [Unused parameters]
 // With find_unused_parameters, a parameter may be used on one rank and not on another (a
@@ -376,8 +384,24 @@ void Reducer::finalize() {
                   ": these parameters received no gradient in this iteration: ", names.str(),
                   ". Make every parameter take part in the loss, or pass find_unused_parameters = true");
   }
+  // Note [Static graph]: what this rank uses in its first synced backward it must use in all.
+  std::vector<bool> dropped(params_.size(), false);
+  if (options_.static_graph) {
+    if (static_used_here_.empty()) {
+      static_used_here_ = ready_;
+    } else {
+      for (size_t k = 0; k < params_.size(); ++k) dropped[k] = static_used_here_[k] && !ready_[k];
+    }
+  }
   ++synced_backwards_;
-  if (!reduces()) return;
+  if (!reduces()) {
+    if (options_.static_graph) {
+      // One rank: what it used is what any rank used, learnt without an all-reduce.
+      if (static_used_anywhere_.empty()) static_used_anywhere_.assign(ready_.begin(), ready_.end());
+      check_static_graph(dropped);
+    }
+    return;
+  }
   launch_ready_buckets();
   NANODDP_ASSERT(next_bucket_to_launch_ == buckets_.size());
   // A backend that runs collectives in wait() has run none of the buckets yet, however early
@@ -421,13 +445,15 @@ void Reducer::finalize() {
       for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
         const size_t k = bucket.params[slot];
         Tensor& p = params_[k].second;
-        if (used_anywhere[k] != 0 && !p.grad().is_same(bucket.views[slot])) p.set_grad(bucket.views[slot]);
+        if (used_anywhere[k] != 0 && !dropped[k] && !p.grad().is_same(bucket.views[slot]))
+          p.set_grad(bucket.views[slot]);
       }
       continue;
     }
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
       const size_t k = bucket.params[slot];
       if (used_anywhere[k] == 0) continue;  // no rank used it: .grad untouched, as in PyTorch
+      if (dropped[k]) continue;             // an error below: .grad untouched
       Tensor& p = params_[k].second;
       if (!p.grad().defined()) {
         p.set_grad(Tensor::empty(p.shape(), DType::Float32, p.device()));
@@ -438,19 +464,29 @@ void Reducer::finalize() {
                  grad.nbytes());
     }
   }
-  // Note [Static graph]: a gradient no rank had in the first iteration was just dropped. Said
-  // after the collectives, so that the ranks stay in step.
-  if (used_known) {
-    std::ostringstream newly_used;
-    int count = 0;
-    for (size_t k = 0; k < params_.size(); ++k)
-      if (ready_[k] && used_anywhere[k] == 0) newly_used << (count++ ? ", " : "") << params_[k].first;
-    NANODDP_CHECK(count == 0, DistError, "DDP on rank ", pg_->rank(), "/", pg_->size(),
-                  " with static_graph: these parameters received a gradient, but no rank used them in the first "
-                  "iteration: ",
-                  newly_used.str(), ". The set of used parameters changed; pass find_unused_parameters = true "
-                  "instead of static_graph");
+  if (options_.static_graph) check_static_graph(dropped);
+}
+
+// Note [Static graph]: throws, naming the parameters, when this backward broke the promise.
+// Called after the step's collectives, so that the ranks stay in step.
+void Reducer::check_static_graph(const std::vector<bool>& dropped) const {
+  std::ostringstream newly_used, now_unused;
+  int newly_used_count = 0, now_unused_count = 0;
+  for (size_t k = 0; k < params_.size(); ++k) {
+    if (ready_[k] && static_used_anywhere_[k] == 0)
+      newly_used << (newly_used_count++ ? ", " : "") << params_[k].first;
+    if (dropped[k]) now_unused << (now_unused_count++ ? ", " : "") << params_[k].first;
   }
+  NANODDP_CHECK(newly_used_count == 0, DistError, "DDP on rank ", pg_->rank(), "/", pg_->size(),
+                " with static_graph: these parameters received a gradient, but no rank used them in the first "
+                "iteration: ",
+                newly_used.str(), ". The set of used parameters changed; pass find_unused_parameters = true "
+                "instead of static_graph");
+  NANODDP_CHECK(now_unused_count == 0, DistError, "DDP on rank ", pg_->rank(), "/", pg_->size(),
+                " with static_graph: these parameters were used in the first iteration but received no gradient "
+                "in this one: ",
+                now_unused.str(), ". Your training graph has changed in this iteration; pass "
+                "find_unused_parameters = true instead of static_graph");
 }
 
 // ---- dist::Join (Note [Join] in dist/join.cpp) ----

@@ -62,8 +62,9 @@ struct ReducerOptions {
   // unused, as with find_unused_parameters, but which ones some rank used is all-reduced in
   // the first synced backward only and kept; and the buckets are rebuilt even when parameters
   // go unused. Takes precedence over find_unused_parameters, as in PyTorch. A later backward
-  // in which a parameter gets a gradient that no rank's gradient reached in the first is a
-  // DistError (the graph was not static). Note [Static graph] in reducer.cpp.
+  // in which a parameter gets a gradient that no rank's gradient reached in the first, or in
+  // which a parameter this rank used in the first gets none, is a DistError (the graph was not
+  // static), also at one rank. Note [Static graph] in reducer.cpp.
   bool static_graph = false;
   // Each parameter's .grad becomes a view of its slot in its bucket (PyTorch's flag, default
   // false there too): no copy into the bucket before the all-reduce, none out after, and one
@@ -148,6 +149,7 @@ class Reducer {
   void launch_ready_buckets();
   void launch(Bucket& bucket);
   void finalize();
+  void check_static_graph(const std::vector<bool>& dropped) const;
   void reset_iteration();
   void trace_completions();
   // Whether buckets are used at all: not at one rank without a hook (the mean is the gradient).
@@ -171,6 +173,7 @@ class Reducer {
   std::vector<size_t> ready_order_;  // Note [Bucket rebuild]: recorded in the first synced backward
   bool rebuilt_ = false;
   std::vector<int64_t> static_used_anywhere_;  // Note [Static graph]: learnt in the first synced backward
+  std::vector<bool> static_used_here_;         // Note [Static graph]: this rank's, from the same backward
 };
 
 }  // namespace nanoddp::dist

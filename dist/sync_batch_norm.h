@@ -27,8 +27,8 @@
 // forward and one inside backward, where they cannot overlap with compute: latency-bound
 // (Gloo: ~ms each). PyTorch does one all_gather of every rank's mean, invstd and count in
 // forward instead of two all-reduces; the merge is the same in spirit, and neither cancels
-// when |mean| >> std (sum x^2 / M - mean^2 from float32 sums, what this did before, kept
-// about 7 - 2 log10(|mean| / std) digits of the variance).
+// when |mean| >> std (sum x^2 / M - mean^2 from float32 sums would keep about
+// 7 - 2 log10(|mean| / std) digits of the variance).
 // Differences from PyTorch: CPU tensors work too (PyTorch's needs CUDA), and
 // convert_sync_batchnorm converts in place (same Module objects and parameter handles, so an
 // optimizer built before still works) instead of returning a new module tree.

@@ -1,8 +1,9 @@
 // The main job: an MLP (784-256-128-10, ReLU) trained on Fashion-MNIST with DDP; built a
 // second time as fashion_mnist_cnn (NANODDP_FASHION_MNIST_CNN=1), the same job on a CNN:
 // Conv(1->32, 3)-ReLU-MaxPool(2)-Conv(32->64, 3)-ReLU-MaxPool(2)-Flatten-Linear(1600, 128)-
-// ReLU-Dropout(0.1)-Linear(128, 10). Everything else (flags, JSON line) is shared, but for
-// --hidden (the MLP's widths), which the CNN refuses.
+// ReLU-Dropout(0.1)-Linear(128, 10), with --batch-norm a BatchNorm2d after each Conv
+// (--sync-batch-norm: a SyncBatchNorm, docs/batch-norm.md). Everything else (flags, JSON line)
+// is shared, but for --hidden (the MLP's widths), which the CNN refuses.
 //
 //   nanoddp-run --nproc-per-node 2 --backend mpi build/examples/fashion_mnist --epochs 10
 //   nanoddp-run --nproc-per-node 2 --backend mpi build/examples/fashion_mnist_cnn --epochs 5
@@ -10,6 +11,8 @@
 //       --hidden 1024,1024,512 --bucket-cap-mb 4      # several buckets, overlapping backward
 //   nanoddp-run --nproc-per-node 2 build/examples/fashion_mnist --comm-hook bf16   # half the bytes
 //   nanoddp-run --nproc-per-node 2 build/examples/fashion_mnist --gradient-as-bucket-view
+//   nanoddp-run --nproc-per-node 2 build/examples/fashion_mnist --find-unused-parameters --explain
+//   nanoddp-run --nproc-per-node 2 build/examples/fashion_mnist_cnn --sync-batch-norm --explain
 //
 // Each epoch: every rank trains on its DistributedSampler share (batch_size per rank, so the
 // global batch is batch_size * world_size); the mean training loss is averaged over ranks;
@@ -47,6 +50,7 @@
 #include "dist/host_collectives.h"
 #include "dist/explain.h"
 #include "dist/init.h"
+#include "dist/sync_batch_norm.h"
 #include "examples/example_utils.h"
 #include "examples/metrics.h"
 #include "examples/parallel_strategy.h"
@@ -91,6 +95,9 @@ struct Config {
   bool no_overlap = false;
   bool gradient_as_bucket_view = false;  // .grad lives in DDP's buckets; zero_grad keeps it there
   std::string comm_hook = "none";  // none | allreduce | fp16 | bf16 (dist/comm_hooks.h)
+  bool find_unused_parameters = false;  // DDPOptions: one more all-reduce per step (a flag per parameter)
+  bool batch_norm = false;              // CNN: a BatchNorm2d after each Conv2d
+  bool sync_batch_norm = false;         // CNN: the same as SyncBatchNorm (statistics over every rank)
   bool prefetch = false;
   bool quiet = false;
   std::vector<int64_t> hidden = {256, 128};  // widths of the hidden layers
@@ -129,16 +136,33 @@ class NormalizedImages : public nn::Module {
   Tensor shift_;  // [784] of -mean / std, added to every row
 };
 
+// torch.nn.BatchNorm2d(C) for --batch-norm: [N, C, H, W] normalised per channel over N, H and
+// W, which is BatchNorm1d over [N, C, H * W]. Its "norm" is a BatchNorm1d, so
+// dist::convert_sync_batchnorm turns it into a SyncBatchNorm for --sync-batch-norm.
+class BatchNorm2d : public nn::Module {
+ public:
+  explicit BatchNorm2d(int64_t channels) : norm(register_module("norm", std::make_shared<nn::BatchNorm1d>(channels))) {}
+  Tensor forward(const Tensor& input) override {
+    const Shape shape = input.shape();
+    return (*norm)(input.reshape({shape[0], shape[1], -1})).reshape(shape);
+  }
+  std::shared_ptr<nn::BatchNorm1d> norm;
+};
+
 // Dropout draws from its own generator (seeded per rank by the caller), not the weights'.
+// batch_norm: a BatchNorm2d after each Conv2d (the convolutions keep their biases, as in
+// PyTorch's module when nobody turns them off).
 std::shared_ptr<nn::Sequential> make_model(uint64_t seed, const std::vector<int64_t>& /*hidden: MLP only*/,
-                                           Generator& dropout_gen) {
+                                           Generator& dropout_gen, bool batch_norm) {
   Generator gen(seed);
   auto model = std::make_shared<nn::Sequential>();
   model->add(NormalizedImages());
   model->add(nn::Conv2d(1, 32, 3, gen));   // [N, 32, 26, 26]
+  if (batch_norm) model->add(std::make_shared<BatchNorm2d>(32));
   model->add(nn::ReLU());
   model->add(nn::MaxPool2d(2));            // [N, 32, 13, 13]
   model->add(nn::Conv2d(32, 64, 3, gen));  // [N, 64, 11, 11]
+  if (batch_norm) model->add(std::make_shared<BatchNorm2d>(64));
   model->add(nn::ReLU());
   model->add(nn::MaxPool2d(2));            // [N, 64, 5, 5]
   model->add(nn::Flatten());               // [N, 1600]
@@ -158,7 +182,7 @@ constexpr const char* kModelDescription =
 
 // 784 -> hidden[0] -> ... -> 10, a ReLU after every hidden layer.
 std::shared_ptr<nn::Sequential> make_model(uint64_t seed, const std::vector<int64_t>& hidden,
-                                           Generator& /*dropout_gen: no dropout*/) {
+                                           Generator& /*dropout_gen: no dropout*/, bool /*batch_norm: CNN only*/) {
   Generator gen(seed);
   auto model = std::make_shared<nn::Sequential>();
   int64_t in = data::FashionMNIST::kFeatures;
@@ -431,6 +455,11 @@ std::string flags_problem(const Config& config) {
   if (config.momentum && config.optimizer != "sgd")
     return "--momentum applies to --optimizer sgd only (Adam's betas play its part)";
   if (config.resume && config.checkpoint.empty()) return "--resume needs --checkpoint FILE";
+  if ((config.batch_norm || config.sync_batch_norm) && !config.export_path.empty())
+    return std::string(config.sync_batch_norm ? "--sync-batch-norm" : "--batch-norm") +
+           " adds layers that --export's model description (PyTorch's recipe) does not have";
+  if (config.find_unused_parameters && config.strategy != "ddp" && config.strategy != "zero1")
+    return "--find-unused-parameters is a DDP option: it applies to --strategy ddp and zero1, not " + config.strategy;
   const bool sharded = config.strategy == "zero2" || config.strategy == "fsdp";
   if (sharded && (config.comm_hook != "none" || config.gradient_as_bucket_view || config.no_overlap))
     return std::string(config.comm_hook != "none" ? "--comm-hook" : config.gradient_as_bucket_view ? "--gradient-as-bucket-view" : "--no-overlap") +
@@ -483,9 +512,14 @@ int run(const Config& config) {
   // Reseeded per rank and epoch (below): ranks drop different units, and a resumed run draws
   // the masks an uninterrupted one would.
   Generator dropout_gen;
-  auto model = make_model(config.seed, config.hidden, dropout_gen);
+  auto model = make_model(config.seed, config.hidden, dropout_gen, config.batch_norm || config.sync_batch_norm);
   model->to(device);
   dist::DDPOptions ddp_options;
+  if (config.sync_batch_norm) {
+    dist::convert_sync_batchnorm(model, pg);
+    ddp_options.broadcast_buffers = false;  // the running statistics are equal on every rank already
+  }
+  ddp_options.find_unused_parameters = config.find_unused_parameters;
   ddp_options.overlap = !config.no_overlap;
   ddp_options.bucket_cap_bytes = mib_to_bytes(config.bucket_cap_mb);
   ddp_options.first_bucket_cap_bytes = mib_to_bytes(config.first_bucket_cap_mb);
@@ -715,9 +749,16 @@ int main(int argc, char** argv) {
                  "data parallelism: ddp (everything replicated), zero1 (optimizer state sharded), zero2 (gradients "
                  "too: FSDP SHARD_GRAD_OP), fsdp (parameters too: FULL_SHARD); docs/ddp/12-sharding.md")
       ->check(CLI::IsMember(examples::strategy_names()));
+  app.add_flag("--find-unused-parameters", config.find_unused_parameters,
+               "DDP's find_unused_parameters: parameters may go unused; one more all-reduce per step "
+               "(docs/ddp/04-hooks-and-buckets.md)");
   app.add_flag("--prefetch", config.prefetch, "collate batches on a background thread");
   app.add_flag("--quiet", config.quiet, "only the final JSON line (and what --explain asks for)");
 #if NANODDP_FASHION_MNIST_CNN
+  app.add_flag("--batch-norm", config.batch_norm, "a BatchNorm2d after each convolution, statistics of this rank's batch");
+  app.add_flag("--sync-batch-norm", config.sync_batch_norm,
+               "the same as SyncBatchNorm: statistics of every rank's batch together, three all-reduces per "
+               "layer per step (docs/batch-norm.md)");
   // The CNN's layers are fixed (the model PyTorch's recipes train), so it has no --hidden;
   // one given is refused by name rather than taken and ignored.
   for (int i = 1; i < argc && std::string(argv[i]) != "--"; ++i) {

@@ -84,6 +84,28 @@ inline Tensor gelu(const Tensor& x, const std::string& approximate = "none") {
   });
 }
 
+// ---- softplus -----------------------------------------------------------------------------
+// y = log(1 + e^(beta x)) / beta, and y = x where beta x > threshold (torch.nn.functional.
+// softplus): there the two agree to float precision, and e^(beta x) would overflow past 88.
+// softplus(-inf) = 0, softplus(inf) = inf. Backward from the saved input: dx = dy where
+// beta x > threshold, else dy * sigmoid(beta x). One exp + one log1p per element.
+NANODDP_DECLARE_KERNEL(softplus_forward, float* y, const float* x, float beta, float threshold, int64_t n)
+NANODDP_DECLARE_KERNEL(softplus_backward, float* dx, const float* dy, const float* x, float beta, float threshold,
+                       int64_t n)  // WRITES
+
+inline Tensor softplus(const Tensor& x, float beta = 1.0f, float threshold = 20.0f) {
+  ForwardSpan span("softplus", {&x});
+  check_float("softplus", x, "input");
+  Tensor y = empty_like(x);
+  NANODDP_DISPATCH(x.device(), softplus_forward, ptr(y), ptr(x), beta, threshold, x.numel());
+  return record("SoftplusBackward", y, {x}, {x}, [beta, threshold](const Node& node, const Tensor& dy) {
+    const Tensor& x = node.saved(0);
+    Tensor dx = empty_like(x);
+    NANODDP_DISPATCH(x.device(), softplus_backward, ptr(dx), ptr(dy), ptr(x), beta, threshold, x.numel());
+    return std::vector<Tensor>{dx};
+  });
+}
+
 namespace nn {
 
 // sigmoid(x), any shape (torch.nn.Sigmoid).
@@ -110,6 +132,16 @@ class GELU : public Module {
 
  private:
   std::string approximate_;
+};
+
+// softplus(x, beta, threshold), any shape (torch.nn.Softplus, defaults beta 1, threshold 20).
+class Softplus : public Module {
+ public:
+  explicit Softplus(float beta = 1.0f, float threshold = 20.0f) : beta_(beta), threshold_(threshold) {}
+  Tensor forward(const Tensor& input) override { return softplus(input, beta_, threshold_); }
+
+ private:
+  float beta_, threshold_;
 };
 
 }  // namespace nn

@@ -46,7 +46,7 @@ float* ptr_or_null(const Tensor& t) { return t.defined() ? ptr(t) : nullptr; }
 //   1. [M_r mean_r (C values), M_r]             -> M, and mean = sum of M_r mean_r / M;
 //   2. [M_r var_r + M_r (mean_r - mean)^2 (C)]  -> M2, and var = M2 / M.
 // Every term of step 2 is >= 0, so nothing cancels: sum x^2 / M - mean^2 from float32 sums
-// lost every digit of the variance once |mean| / std passed ~3000 (PyTorch merges each rank's
+// would lose every digit of the variance once |mean| / std passes ~3000 (PyTorch merges each rank's
 // mean and invstd in the same spirit, after one all_gather). A process with no values sends
 // zeros. Returns M; mean and var are written on the input's device.
 double synced_batch_stats(const Tensor& input, int64_t N, int64_t C, int64_t L, BatchStatsAllReduce& all_reduce,

@@ -22,7 +22,8 @@
 namespace nanoddp {
 
 // How batch statistics cross processes. dist::SyncBatchNorm plugs in one that all-reduces over
-// a process group; nn itself never knows dist (DESIGN.md: dependencies point downward).
+// a process group; nn/ includes nothing from dist/, as dependencies point down README's layout
+// (core, kernels, nn, then dist), so the layer asks for this interface instead.
 class BatchStatsAllReduce {
  public:
   virtual ~BatchStatsAllReduce() = default;

@@ -4,7 +4,8 @@
 //   tests/test_gpu_ops.cpp   CUDA vs CPU, forward and gradients (SKIP without a GPU)
 //   tests/test_ops_ddp.cpp   2-rank DDP vs 1-rank training on a small model around the op
 // To add an op, add a row to op_cases(): its call, its float64 reference, and (for a layer) a
-// model builder with .in_model(sample_shape, builder).
+// model builder with .in_model(sample_shape, builder); a pointwise activation goes through
+// add_activation, which also runs it on [-100, 100].
 #pragma once
 
 #include <cmath>
@@ -52,6 +53,10 @@ struct OpCase {
   // The op computes statistics over the batch (BatchNorm): each rank sees only its share, so
   // 2-rank DDP does NOT equal 1-rank training; test_ops_ddp checks that it differs.
   bool batch_statistics = false;
+  // The first input's values: standard normals, or, when low < high, uniform in [low, high]
+  // with low and high themselves at its first and last elements (the far ends of an op's
+  // branches: where exp overflows in float, or a threshold switches formulas).
+  double input_low = 0, input_high = 0;
 
   OpCase& in_model(Shape sample_shape, ModelBuilder builder) {
     sample = sample_shape;
@@ -258,6 +263,16 @@ inline std::shared_ptr<nn::Module> winograd_cnn(Generator& gen) {
 // ---- the table ----------------------------------------------------------------------------
 inline std::vector<OpCase> op_cases() {
   std::vector<OpCase> rows;
+  // A pointwise activation: its row on standard normals, and a twin on [-100, 100] (the DDP
+  // check runs once, on the first).
+  auto add_activation = [&rows](OpCase row) {
+    OpCase wide = row;
+    wide.name += " on [-100, 100]";
+    wide.input_low = -100, wide.input_high = 100;
+    wide.model = nullptr;
+    rows.push_back(std::move(row));
+    rows.push_back(std::move(wide));
+  };
   rows.push_back({"matmul 5x7 . 7x3", {{{5, 7}}, {{7, 3}}},
                   [](auto& in) { return matmul(in[0], in[1]); },
                   [](auto& in) { return ref_matmul(in[0], in[1], 5, 7, 3); }});
@@ -290,25 +305,28 @@ inline std::vector<OpCase> op_cases() {
                   [](auto& in) { return Values{ref_sum(in[0])}; }});
   rows.push_back({"mean", {{{5, 6}}}, [](auto& in) { return mean(in[0]); },
                   [](auto& in) { return Values{ref_sum(in[0]) / in[0].size()}; }});
-  rows.push_back(OpCase{"relu", {{{4, 5}}}, [](auto& in) { return relu(in[0]); },
+  add_activation(OpCase{"relu", {{{4, 5}}}, [](auto& in) { return relu(in[0]); },
                         [](auto& in) { return pointwise(in[0], [](double v) { return v > 0 || std::isnan(v) ? v : 0; }); }}
                      .in_model({5}, mlp_around([] { return std::make_shared<nn::ReLU>(); })));
-  rows.push_back(OpCase{"sigmoid", {{{4, 5}}}, [](auto& in) { return sigmoid(in[0]); },
+  add_activation(OpCase{"sigmoid", {{{4, 5}}}, [](auto& in) { return sigmoid(in[0]); },
                         [](auto& in) { return pointwise(in[0], [](double v) { return 1 / (1 + std::exp(-v)); }); }}
                      .in_model({5}, mlp_around([] { return std::make_shared<nn::Sigmoid>(); })));
-  rows.push_back(OpCase{"tanh", {{{4, 5}}}, [](auto& in) { return tanh(in[0]); },
+  add_activation(OpCase{"tanh", {{{4, 5}}}, [](auto& in) { return tanh(in[0]); },
                         [](auto& in) { return pointwise(in[0], [](double v) { return std::tanh(v); }); }}
                      .in_model({5}, mlp_around([] { return std::make_shared<nn::Tanh>(); })));
-  rows.push_back(OpCase{"gelu", {{{4, 5}}}, [](auto& in) { return gelu(in[0]); },
+  add_activation(OpCase{"gelu", {{{4, 5}}}, [](auto& in) { return gelu(in[0]); },
                         [](auto& in) { return pointwise(in[0], [](double v) { return 0.5 * v * (1 + std::erf(v / std::sqrt(2.0))); }); }}
                      .in_model({5}, mlp_around([] { return std::make_shared<nn::GELU>(); })));
-  rows.push_back(OpCase{"gelu tanh", {{{4, 5}}}, [](auto& in) { return gelu(in[0], "tanh"); },
+  add_activation(OpCase{"gelu tanh", {{{4, 5}}}, [](auto& in) { return gelu(in[0], "tanh"); },
                         [](auto& in) {
                           return pointwise(in[0], [](double v) {
                             return 0.5 * v * (1 + std::tanh(std::sqrt(2 / M_PI) * (v + 0.044715 * v * v * v)));
                           });
                         }}
                      .in_model({5}, mlp_around([] { return std::make_shared<nn::GELU>("tanh"); })));
+  add_activation(OpCase{"softplus beta 2, threshold 10", {{{4, 5}}}, [](auto& in) { return softplus(in[0], 2, 10); },
+                        [](auto& in) { return pointwise(in[0], [](double v) { return 2 * v > 10 ? v : std::log1p(std::exp(2 * v)) / 2; }); }}
+                     .in_model({5}, mlp_around([] { return std::make_shared<nn::Softplus>(2, 10); })));
   rows.push_back(OpCase{"conv2d stride 2x1, padding 1x0, dilation 1x2, bias", {{{2, 3, 6, 5}}, {{4, 3, 3, 2}}, {{4}}},
                         [](auto& in) { return conv2d(in[0], in[1], in[2], {2, 1}, {1, 0}, {1, 2}); },
                         [](auto& in) { return ref_conv2d(in[0], in[1], in[2], {2, 3, 6, 5}, {4, 3, 3, 2}, {2, 1}, {1, 0}, {1, 2}); }}
@@ -400,14 +418,19 @@ inline std::vector<OpCase> op_cases() {
   return rows;
 }
 
-// Random inputs for a row: standard normals rounded to float32 (so the reference sees the
-// float inputs exactly), or labels.
+// Random inputs for a row: standard normals, or the first input over the row's range
+// (OpCase::input_low/high), rounded to float32 (so the reference sees the float inputs
+// exactly), or labels.
 inline std::vector<Values> make_inputs(const OpCase& c, Generator& gen) {
   std::vector<Values> values;
   for (const InputSpec& spec : c.inputs) {
     Values v(spec.shape.numel());
+    const bool ranged = values.empty() && c.input_low < c.input_high && spec.kind == Kind::Normal;
     for (double& x : v)
-      x = spec.kind == Kind::Labels ? static_cast<double>(gen.randint(spec.classes)) : static_cast<double>(gen.normal());
+      x = spec.kind == Kind::Labels ? static_cast<double>(gen.randint(spec.classes))
+          : ranged                  ? c.input_low + (c.input_high - c.input_low) * gen.uniform()
+                                    : static_cast<double>(gen.normal());
+    if (ranged && !v.empty()) v.front() = c.input_low, v.back() = c.input_high;
     for (double& x : v) x = static_cast<float>(x);
     values.push_back(v);
   }

@@ -974,6 +974,69 @@ TEST_CASE("bucket rebuild: after the first backward every rank plans from rank 0
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE("static_graph: a parameter used in the first iteration and by no rank later is a DistError, not a zero gradient") {
+  // Note [Static graph], the other way round: aux is used on every rank in the first step and
+  // on none in the second. Its mean would be zeros, which SGD's momentum and weight decay would
+  // then apply; PyTorch reports the broken promise instead, on every rank that dropped it. One
+  // rank (no all-reduce at all) and two ranks.
+  for (const int world : {1, 2}) {
+    const int port = testing::free_port();
+    const std::string failures = on_ranks(world, [&](int rank) {
+      auto pg = join(rank, world, port);
+      dist::DDPOptions options;
+      options.static_graph = true;
+      auto model = std::make_shared<HeadFirst>(true);
+      model->use_aux = true;
+      dist::DistributedDataParallel ddp(model, pg, options);
+      nn::SGD opt(ddp.parameters(), {kHeadFirstLr, /*momentum=*/0.5f, /*dampening=*/0, /*weight_decay=*/0.5f});
+      const Batch b = head_first_batch(0, 2 * rank, 2 * rank + 2);
+      opt.zero_grad();
+      mse_loss(ddp(b.x), b.y).backward();
+      opt.step();
+      const std::vector<float> aux_weight = model->aux->weight.to_vector();
+      model->use_aux = false;
+      opt.zero_grad();
+      std::string message;
+      try {
+        mse_loss(ddp(b.x), b.y).backward();
+      } catch (const DistError& e) {
+        message = e.what();
+      }
+      expect(message.find("used in the first iteration but received no gradient in this one: aux.weight, aux.bias") !=
+                     std::string::npos &&
+                 message.find("static_graph") != std::string::npos,
+             "world ", world, " rank ", rank, ": no DistError naming aux.weight, aux.bias: '", message, "'");
+      expect(!model->aux->weight.grad().defined() && !model->aux->bias.grad().defined(), "world ", world, " rank ",
+             rank, ": the dropped aux head got a .grad (", model->aux->weight.grad(), ")");
+      // A loop that catches the error and steps anyway: SGD skips a parameter without .grad; a
+      // .grad of zeros would move aux.weight by its momentum and weight decay.
+      opt.step();
+      expect(model->aux->weight.to_vector() == aux_weight, "world ", world, " rank ", rank, ": aux.weight moved to ",
+             model->aux->weight);
+      // The error comes after the step's collectives: the group is still in step.
+      Tensor t = Tensor::full({1}, 1.0f);
+      pg->all_reduce(t)->wait();
+      expect(t.item() == static_cast<float>(world), "world ", world, " rank ", rank,
+             ": the group is out of step after the error: ", t);
+      if (world == 1) {  // a newly used parameter, which at one rank has no all-reduce to learn from
+        auto other = std::make_shared<HeadFirst>(true);
+        dist::DistributedDataParallel other_ddp(other, pg, options);
+        mse_loss(other_ddp(b.x), b.y).backward();
+        other->use_aux = true;
+        message.clear();
+        try {
+          mse_loss(other_ddp(b.x), b.y).backward();
+        } catch (const DistError& e) {
+          message = e.what();
+        }
+        expect(message.find("no rank used them in the first iteration: aux.weight, aux.bias") != std::string::npos,
+               "world 1: no DistError for the newly used aux head: '", message, "'");
+      }
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
 TEST_CASE("the 2-rank cases pass on the MPI backend too (this file under mpirun -np 2)") {
   if (under_mpirun()) return;
   if (!testing::have_mpirun()) {

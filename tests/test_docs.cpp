@@ -6,7 +6,9 @@
 #include <doctest/doctest.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cctype>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <regex>
@@ -141,6 +143,78 @@ std::string dangling_links(const std::string& page) {
   return problems.str();
 }
 
+// The files whose text names other files: sources, scripts and docs, not build output.
+std::vector<std::string> repository_files(const std::string& folder = "") {
+  std::vector<std::string> files;
+  const std::string root = source_dir();
+  DIR* dir = ::opendir((root + "/" + folder).c_str());
+  if (dir == nullptr) return files;
+  static const std::regex text_file(R"(.*\.(h|cpp|cu|cuh|inc|md|py|sh)|meson\.build)");
+  while (dirent* entry = ::readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (name[0] == '.' || name.rfind("build", 0) == 0 || name == "subprojects") continue;
+    const std::string path = folder.empty() ? name : folder + "/" + name;
+    struct stat link {};
+    if (::lstat((root + "/" + path).c_str(), &link) != 0 || S_ISLNK(link.st_mode)) continue;  // include/nanoddp/
+    if (is_directory(root + "/" + path)) {
+      for (std::string& inner : repository_files(path)) files.push_back(std::move(inner));
+    } else if (std::regex_match(name, text_file) || folder.rfind("tools", 0) == 0) {
+      files.push_back(path);
+    }
+  }
+  ::closedir(dir);
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+int series_pages() {
+  int pages = 0;
+  for (const std::string& page : markdown_pages()) pages += page.rfind("docs/ddp/", 0) == 0 ? 1 : 0;
+  return pages;
+}
+
+// Every stale cross-reference in one file, one per line:
+//   - a path from the repository's root (dist/reducer.cpp, DESIGN.md) that names no file; a
+//     name in capitals inside a folder (tests/FILE.cpp) is a placeholder;
+//   - in a page of docs, a link "[page N](...)" whose target is not docs/ddp/NN-*.md, and a
+//     "page N" that is no link (outside the series, where a bare number cannot be checked)
+//     or names no page of the series.
+std::string stale_references(const std::string& file) {
+  const std::string root = source_dir();
+  const std::string text = read(root + "/" + file);
+  std::ostringstream problems;
+  static const std::regex path(
+      R"((?:^|[^A-Za-z0-9_./-])((?:core|dist|nn|kernels|tests|examples|benchmarks|tools|docs|data|include)/)"
+      R"([A-Za-z0-9_./-]*[A-Za-z0-9_]\.(?:h|cpp|cuh|cu|inc|md|py|sh|json)|[A-Z][A-Z_]*\.md)\b)");
+  static const std::regex placeholder(R"(.*/[A-Z_]+\.[a-z]+)");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), path); it != std::sregex_iterator(); ++it) {
+    const std::string named = (*it)[1].str();
+    if (!std::regex_match(named, placeholder) && !is_file(root + "/" + named))
+      problems << file << ": names " << named << ", which does not exist\n";
+  }
+  if (file.size() < 3 || file.compare(file.size() - 3, 3, ".md") != 0) return problems.str();
+  const bool in_series = file.rfind("docs/ddp/", 0) == 0 || file == "docs/how-ddp-works.md";
+  const int pages = series_pages();
+  static const std::regex page(R"((\[)?\bpages? (\d+)([^\]\n]*\]\(([^)\s]*)\))?)");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), page); it != std::sregex_iterator(); ++it) {
+    const int number = std::stoi((*it)[2].str());
+    const bool linked = (*it)[1].matched && (*it)[3].matched;
+    if (linked) {
+      const std::string target = (*it)[4].str();
+      const std::string name = target.substr(target.rfind('/') == std::string::npos ? 0 : target.rfind('/') + 1);
+      char prefix[8];
+      std::snprintf(prefix, sizeof prefix, "%02d-", number);
+      if (name.rfind(prefix, 0) != 0)
+        problems << file << ": \"" << (*it)[0].str() << "\" links a page other than page " << number << "\n";
+    } else if (!in_series) {
+      problems << file << ": \"page " << number << "\" is no link; write [page " << number << "](ddp/...)\n";
+    } else if (number < 1 || number > pages) {
+      problems << file << ": \"page " << number << "\": the series has pages 1 to " << pages << "\n";
+    }
+  }
+  return problems.str();
+}
+
 }  // namespace
 
 TEST_CASE("docs: every link resolves, and every code link names a Note anchor in its file") {
@@ -174,6 +248,38 @@ TEST_CASE("docs: the link checker catches a dangling file, a missing anchor and 
   CHECK(problems.find("link to #nowhere: no heading") != std::string::npos);
   CHECK(problems.find("link to ../: no folder") == std::string::npos);
   CHECK(problems.find("link to ../../gone/: no folder") != std::string::npos);
+}
+
+TEST_CASE("docs and comments: every file path names a file, every \"page N\" names page N of the series") {
+  const std::vector<std::string> files = repository_files();
+  REQUIRE(files.size() >= 100);
+  std::string problems;
+  for (const std::string& file : files)
+    if (file != "tests/test_docs.cpp") problems += stale_references(file);  // its fixtures name no files
+  CHECK_MESSAGE(problems.empty(), problems);
+}
+
+TEST_CASE("docs: the cross-reference checker catches a missing file, a wrong page and an unchecked page number") {
+  testing::TempDir dir;
+  for (const char* folder : {"/docs", "/docs/ddp", "/dist", "/build"}) ::mkdir((dir.path + folder).c_str(), 0700);
+  std::ofstream(dir.path + "/docs/ddp/01-launch.md") << "# 1\n";
+  std::ofstream(dir.path + "/docs/ddp/02-sharding.md") << "Back to page 1, on to page 3 (there is none).\n";
+  std::ofstream(dir.path + "/dist/code.cpp") << "// As dist/code.cpp and DESIGN.md say; see tests/FILE.cpp.\n";
+  std::ofstream(dir.path + "/build/generated.h") << "// dist/not_checked.h\n";
+  std::ofstream(dir.path + "/docs/hooks.md") << "See [page 1](ddp/01-launch.md), [page 2](ddp/01-launch.md) and "
+                                               "page 2, and ../dist/code.cpp.\n";
+  const std::string saved = source_dir();
+  ::setenv("NANODDP_SOURCE_DIR", dir.path.c_str(), 1);
+  std::string problems;
+  const std::vector<std::string> files = repository_files();
+  for (const std::string& file : files) problems += stale_references(file);
+  ::setenv("NANODDP_SOURCE_DIR", saved.c_str(), 1);
+  CHECK(files.size() == 4);  // not build/
+  CHECK(problems ==
+        "dist/code.cpp: names DESIGN.md, which does not exist\n"
+        "docs/ddp/02-sharding.md: \"page 3\": the series has pages 1 to 2\n"
+        "docs/hooks.md: \"[page 2](ddp/01-launch.md)\" links a page other than page 2\n"
+        "docs/hooks.md: \"page 2\" is no link; write [page 2](ddp/...)\n");
 }
 
 TEST_CASE("docs: every page of the series ends with questions whose answers name an existing test") {

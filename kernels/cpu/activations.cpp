@@ -54,4 +54,17 @@ void gelu_backward(float* dx, const float* dy, const float* x, bool tanh_approxi
   }
 }
 
+// ---- softplus -----------------------------------------------------------------------------
+
+void softplus_forward(float* y, const float* x, float beta, float threshold, int64_t n) {
+  const auto bx = vec(x, n).array() * beta;
+  vec(y, n).array() = (bx > threshold).select(vec(x, n).array(), bx.exp().log1p() / beta);
+}
+
+void softplus_backward(float* dx, const float* dy, const float* x, float beta, float threshold, int64_t n) {
+  const auto bx = vec(x, n).array() * beta;
+  const auto g = vec(dy, n).array();
+  vec(dx, n).array() = (bx > threshold).select(g, g / (1.0f + (-bx).exp()));
+}
+
 }  // namespace nanoddp::kernels::cpu

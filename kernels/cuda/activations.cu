@@ -87,4 +87,29 @@ void gelu_backward(float* dx, const float* dy, const float* x, bool tanh_approxi
   NANODDP_CUDA_CHECK_LAUNCH("gelu_backward_kernel");
 }
 
+// ---- softplus -----------------------------------------------------------------------------
+
+__global__ void softplus_forward_kernel(float* y, const float* x, float beta, float threshold, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride())
+    y[i] = x[i] * beta > threshold ? x[i] : log1pf(expf(x[i] * beta)) / beta;
+}
+
+void softplus_forward(float* y, const float* x, float beta, float threshold, int64_t n) {
+  if (n <= 0) return;
+  softplus_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(y, x, beta, threshold, n);
+  NANODDP_CUDA_CHECK_LAUNCH("softplus_forward_kernel");
+}
+
+__global__ void softplus_backward_kernel(float* dx, const float* dy, const float* x, float beta, float threshold,
+                                         int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride())
+    dx[i] = x[i] * beta > threshold ? dy[i] : dy[i] / (1.0f + expf(-x[i] * beta));
+}
+
+void softplus_backward(float* dx, const float* dy, const float* x, float beta, float threshold, int64_t n) {
+  if (n <= 0) return;
+  softplus_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(dx, dy, x, beta, threshold, n);
+  NANODDP_CUDA_CHECK_LAUNCH("softplus_backward_kernel");
+}
+
 }  // namespace nanoddp::kernels::cuda
