@@ -249,4 +249,51 @@ inline std::string counts_match(const std::string& rung, const std::shared_ptr<d
   return report.str();
 }
 
+// One step of the MLP on this rank's share, then finish_gradient_sync(): "" when every
+// gradient equals one process's on the global batch (within kLadderTolerance). Otherwise names
+// the parameter, the element and both values, and the mistake the values look like: W times
+// the mean (summed, not divided), this rank's own gradient (never reduced), or it divided by W
+// (divided, then the all_reduce was not waited for).
+inline std::string gradient_matches(const std::string& rung, const std::shared_ptr<dist::ProcessGroup>& pg) {
+  const int rank = pg->rank(), world = pg->size();
+  const Batch global = global_batch(0, 5), mine = share(global, rank, world);
+  auto reference = make_mlp(7), own = make_mlp(7), model = make_mlp(rank == 0 ? 7 : 99);
+  cross_entropy((*reference)(global.x), global.y).backward();
+  cross_entropy((*own)(mine.x), mine.y).backward();
+  auto dp = make_rung(rung, model, pg);
+  cross_entropy((*dp)(mine.x), mine.y).backward();
+  dp->finish_gradient_sync();
+  const auto want = reference->named_parameters(), local = own->named_parameters(), got = model->named_parameters();
+  std::ostringstream report;
+  for (size_t p = 0; p < want.size(); ++p) {
+    const Tensor grad = got[p].second.grad();
+    if (!grad.defined()) {
+      report << "rank " << rank << "/" << world << " " << rung << ": " << got[p].first << " has no gradient after finish_gradient_sync()\n";
+      continue;
+    }
+    const std::vector<float> g = grad.to_vector(), w = want[p].second.grad().to_vector(),
+                             l = local[p].second.grad().to_vector();
+    auto all_near = [&](auto expected) {
+      for (size_t j = 0; j < g.size(); ++j)
+        if (!(std::abs(g[j] - expected(j)) <= kLadderTolerance)) return false;
+      return true;
+    };
+    if (all_near([&](size_t j) { return w[j]; })) continue;
+    size_t worst = 0;
+    for (size_t j = 0; j < g.size(); ++j)
+      if (std::abs(g[j] - w[j]) > std::abs(g[worst] - w[worst])) worst = j;
+    report << "rank " << rank << "/" << world << " " << rung << ": " << got[p].first << ".grad[" << worst
+           << "] = " << g[worst] << ", expected " << w[worst] << " (one process on the global batch)";
+    if (all_near([&](size_t j) { return w[j] * static_cast<float>(world); }))
+      report << ": every value is " << world << " times the mean: summed over ranks but not divided by the world size";
+    else if (all_near([&](size_t j) { return l[j]; }))
+      report << ": this rank's own gradient: it was never reduced (no all_reduce, or one not waited for)";
+    else if (all_near([&](size_t j) { return l[j] / static_cast<float>(world); }))
+      report << ": this rank's own gradient divided by " << world
+             << ": divided, but the sum never arrived (an all_reduce not waited for)";
+    report << "\n";
+  }
+  return report.str();
+}
+
 }  // namespace nanoddp::ladder_checks
