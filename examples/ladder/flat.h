@@ -37,7 +37,9 @@ class FlatDataParallel : public Rung {
       flat_.slice_view(offset, param.shape()).copy_(grad_of(name, param));
       offset += param.numel();
     }
+    const double begin_us = trace_now();
     pg_->all_reduce(flat_, dist::ReduceOp::Sum)->wait(timeout_);
+    trace_all_reduce(0, "of every gradient", begin_us);
     flat_.copy_(flat_ * (1.0f / static_cast<float>(pg_->size())));
     offset = 0;
     for (auto& [name, param] : params_) {

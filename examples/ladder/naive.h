@@ -24,10 +24,13 @@ class NaiveDataParallel : public Rung {
 
   void finish_gradient_sync() override {
     NoGradGuard no_grad;
-    for (auto& [name, param] : params_) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto& [name, param] = params_[i];
       Tensor grad = grad_of(name, param);  // the same memory as param's .grad
+      const double begin_us = trace_now();
       // Collectives sum; the mean needs the division (ReduceOp::Avg would fold it in).
       pg_->all_reduce(grad, dist::ReduceOp::Sum)->wait(timeout_);
+      trace_all_reduce(i, name, begin_us);
       grad.copy_(grad * (1.0f / static_cast<float>(pg_->size())));
     }
   }

@@ -55,18 +55,26 @@ class OverlapDataParallel : public Rung {
     Tensor grad = param.grad();
     // Divide first, then sum: the mean arrives in place, with nothing left to do after the wait.
     grad.copy_(grad * (1.0f / static_cast<float>(pg_->size())));
+    launched_us_.push_back(trace_now());
     in_flight_.push_back(pg_->all_reduce(grad, dist::ReduceOp::Sum));
   }
 
   // Queued by the first hook of a backward; runs when backward has finished.
   void wait_for_all() {
-    for (const auto& work : in_flight_) work->wait(timeout_);
+    for (size_t i = 0; i < in_flight_.size(); ++i) {
+      // Where collectives run only inside wait() (shm), one launched early still starts here.
+      const double begin_us = pg_->collectives_run_in_wait() ? trace_now() : launched_us_[i];
+      in_flight_[i]->wait(timeout_);
+      trace_all_reduce(i, "#" + std::to_string(i), begin_us);
+    }
     reduced_in_last_backward_ = in_flight_.size();
     in_flight_.clear();
+    launched_us_.clear();
   }
 
   std::vector<int> hook_ids_;
   std::vector<std::shared_ptr<dist::Work>> in_flight_;  // this backward's all_reduces, in issue order
+  std::vector<double> launched_us_;                     // when each was launched (when tracing)
   size_t reduced_in_last_backward_ = 0;
 };
 

@@ -30,6 +30,7 @@
 
 #include "core/autograd.h"
 #include "core/error.h"
+#include "core/trace.h"
 #include "dist/process_group.h"
 #include "nn/module.h"
 
@@ -84,6 +85,16 @@ class Rung : public nn::Module {
     NANODDP_CHECK(grad.defined(), DistError, "rank ", pg_->rank(), "/", pg_->size(), ": parameter ", name,
                   " got no gradient in this backward; every rung reduces every parameter");
     return grad;
+  }
+
+  // Tracing, so that --trace draws the all_reduces and --explain counts their time as
+  // communication (dist/explain.h): the time now, and all_reduce number `index` of this step,
+  // from begin_us to now, on a lane of its own (spans that overlap cannot share one). Nothing
+  // happens when no trace is recorded.
+  static double trace_now() { return trace::enabled() ? trace::now_us() : 0; }
+  static void trace_all_reduce(size_t index, const std::string& what, double begin_us) {
+    if (trace::enabled())
+      trace::complete(trace::kAllReduceLane + static_cast<int>(index), "all_reduce " + what, begin_us, trace::now_us());
   }
 
   std::shared_ptr<nn::Module> model_;
