@@ -200,16 +200,18 @@ struct StepCount {
   int64_t bytes = 0;
   int64_t other_collectives = 0;  // broadcast, all_gather, reduce_scatter, barrier calls
 };
+// model: the MLP above unless given, taking rows of `features`.
 inline StepCount count_one_step(const std::string& rung, const std::shared_ptr<dist::ProcessGroup>& pg,
-                                int micro_batches = 1) {
-  auto model = make_mlp(7);
+                                int micro_batches = 1, std::shared_ptr<nn::Module> model = nullptr,
+                                int64_t features = 5) {
+  if (!model) model = make_mlp(7);
   std::unique_ptr<ladder::Rung> ladder_rung;
   std::unique_ptr<dist::DistributedDataParallel> ddp;
   if (rung == "buckets")
     ddp = std::make_unique<dist::DistributedDataParallel>(model, pg);
   else
     ladder_rung = make_rung(rung, model, pg);
-  const Batch b = share(global_batch(0, 5), pg->rank(), pg->size());
+  const Batch b = share(global_batch(0, features), pg->rank(), pg->size());
   pg->reset_counts();
   if (micro_batches == 1) {
     cross_entropy(ddp ? (*ddp)(b.x) : (*ladder_rung)(b.x), b.y).backward();

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "core/memory.h"
 #include "core/ops.h"
 #include "examples/ladder/rung.h"
 
@@ -28,6 +29,7 @@ class FlatDataParallel : public Rung {
     for (auto& [name, param] : params_) numel += param.numel();
     // Made once: a buffer per step would cost an allocation as large as the model.
     flat_ = Tensor::zeros({numel}, DType::Float32, params_.front().second.device());
+    set_memory_category(flat_, MemoryCategory::CommBuffers);  // counted as DDP's buckets are
   }
 
   void finish_gradient_sync() override {
