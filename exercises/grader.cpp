@@ -45,7 +45,8 @@ std::string ring_problems(const std::shared_ptr<dist::ProcessGroup>& pg) {
       }
     }
     if (pg->count(dist::Collective::AllReduce).calls != 0)
-      problems += "rank " + std::to_string(rank) + ": ring_all_reduce called the group's all_reduce; use send and recv\n";
+      problems += "rank " + std::to_string(rank) +
+                  ": ring_all_reduce called the group's all_reduce; use send and recv\n";
   }
   return problems;
 }
@@ -65,14 +66,17 @@ std::string grade(const std::string& name) {
     for (int repeat = 1; repeat <= kRepeats; ++repeat) {
       for (const int world : name == "ring" ? std::vector<int>{2, 3} : std::vector<int>{2}) {
         const int port = testing::free_port();
-        const std::string failures = testing::on_ranks(world, [&](int rank) {
-          auto pg = testing::join(rank, world, port);
-          const std::string problems = name == "ring" ? ring_problems(pg) : rung_problems(name, pg);
-          testing::expect(problems.empty(), problems);
-        }, std::chrono::seconds(120));
+        const std::string failures = testing::on_ranks(
+            world,
+            [&](int rank) {
+              auto pg = testing::join(rank, world, port);
+              const std::string problems = name == "ring" ? ring_problems(pg) : rung_problems(name, pg);
+              testing::expect(problems.empty(), problems);
+            },
+            std::chrono::seconds(120));
         if (!failures.empty())
-          return std::string(backend) + ", " + std::to_string(world) + " ranks, run " + std::to_string(repeat) + " of " +
-                 std::to_string(kRepeats) + ":\n" + failures;
+          return std::string(backend) + ", " + std::to_string(world) + " ranks, run " +
+                 std::to_string(repeat) + " of " + std::to_string(kRepeats) + ":\n" + failures;
       }
     }
   }

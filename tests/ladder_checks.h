@@ -87,8 +87,9 @@ inline Batch rows(const Batch& b, int64_t begin, int64_t end) {
   const int64_t F = b.x.size(1);
   std::vector<float> xs = b.x.to_vector();
   std::vector<int64_t> ys = b.y.to_int_vector();
-  return {Tensor::from_vector(std::vector<float>(xs.begin() + begin * F, xs.begin() + end * F), {end - begin, F}),
-          Tensor::from_vector(std::vector<int64_t>(ys.begin() + begin, ys.begin() + end))};
+  return {
+      Tensor::from_vector(std::vector<float>(xs.begin() + begin * F, xs.begin() + end * F), {end - begin, F}),
+      Tensor::from_vector(std::vector<int64_t>(ys.begin() + begin, ys.begin() + end))};
 }
 inline Batch share(const Batch& b, int rank, int world) {
   const int64_t per_rank = kGlobalBatch / world;
@@ -104,7 +105,8 @@ inline std::unique_ptr<ladder::Rung> make_rung(const std::string& name, std::sha
                                                std::shared_ptr<dist::ProcessGroup> pg) {
   if (name == "naive") return std::make_unique<ladder::NaiveDataParallel>(std::move(model), std::move(pg));
   if (name == "flat") return std::make_unique<ladder::FlatDataParallel>(std::move(model), std::move(pg));
-  if (name == "overlap") return std::make_unique<ladder::OverlapDataParallel>(std::move(model), std::move(pg));
+  if (name == "overlap")
+    return std::make_unique<ladder::OverlapDataParallel>(std::move(model), std::move(pg));
   NANODDP_CHECK(false, ValueError, "no ladder rung named ", name, " (naive, flat, overlap)");
   return nullptr;
 }
@@ -150,7 +152,8 @@ inline std::string differences(const nn::StateDict& got, const nn::StateDict& wa
 // rung: naive, flat, overlap, buckets (DDP), zero1 (DDP + ZeroRedundancyOptimizer) or fsdp.
 // Trains kSteps steps of every model on this rank's share, rank 1 starting from other weights
 // (construction must replace them by rank 0's); "" when the parameters equal one process's.
-inline std::string equals_one_process(const std::string& rung, const std::shared_ptr<dist::ProcessGroup>& pg) {
+inline std::string equals_one_process(const std::string& rung,
+                                      const std::shared_ptr<dist::ProcessGroup>& pg) {
   const int rank = pg->rank(), world = pg->size();
   std::string problems;
   for (const Model& kind : models()) {
@@ -187,9 +190,9 @@ inline std::string equals_one_process(const std::string& rung, const std::shared
     const nn::StateDict got = fsdp ? fsdp->full_state_dict(/*rank0_only=*/false) : model->state_dict();
     const std::string report = differences(got, want, kLadderTolerance);
     if (!report.empty())
-      problems += "rank " + std::to_string(rank) + "/" + std::to_string(world) + " " + rung + ", " + kind.name +
-                  ": after " + std::to_string(kSteps) + " steps the parameters differ from one process on the global batch:\n" +
-                  report;
+      problems += "rank " + std::to_string(rank) + "/" + std::to_string(world) + " " + rung + ", " +
+                  kind.name + ": after " + std::to_string(kSteps) +
+                  " steps the parameters differ from one process on the global batch:\n" + report;
   }
   return problems;
 }
@@ -236,7 +239,7 @@ inline StepCount count_one_step(const std::string& rung, const std::shared_ptr<d
 // What each rung's header promises for one step of the MLP (4 parameters, 228 bytes).
 inline StepCount expected_step_count(const std::string& rung) {
   if (rung == "flat" || rung == "buckets") return {1, kMlpGradientBytes, 0};  // DDP: one bucket under 1 MiB
-  return {kMlpParameters, kMlpGradientBytes, 0};                                // naive, overlap
+  return {kMlpParameters, kMlpGradientBytes, 0};                              // naive, overlap
 }
 
 inline std::string counts_match(const std::string& rung, const std::shared_ptr<dist::ProcessGroup>& pg,
@@ -246,8 +249,9 @@ inline std::string counts_match(const std::string& rung, const std::shared_ptr<d
   std::ostringstream report;
   report << "rank " << pg->rank() << "/" << pg->size() << " " << rung << ": one step of the MLP"
          << (micro_batches > 1 ? " accumulated over " + std::to_string(micro_batches) + " micro-batches" : "")
-         << " issued " << got.calls << " all_reduce calls of " << got.bytes << " bytes and " << got.other_collectives
-         << " other collectives; expected " << want.calls << " calls of " << want.bytes << " bytes and none\n";
+         << " issued " << got.calls << " all_reduce calls of " << got.bytes << " bytes and "
+         << got.other_collectives << " other collectives; expected " << want.calls << " calls of "
+         << want.bytes << " bytes and none\n";
   return report.str();
 }
 
@@ -265,12 +269,14 @@ inline std::string gradient_matches(const std::string& rung, const std::shared_p
   auto dp = make_rung(rung, model, pg);
   cross_entropy((*dp)(mine.x), mine.y).backward();
   dp->finish_gradient_sync();
-  const auto want = reference->named_parameters(), local = own->named_parameters(), got = model->named_parameters();
+  const auto want = reference->named_parameters(), local = own->named_parameters(),
+             got = model->named_parameters();
   std::ostringstream report;
   for (size_t p = 0; p < want.size(); ++p) {
     const Tensor grad = got[p].second.grad();
     if (!grad.defined()) {
-      report << "rank " << rank << "/" << world << " " << rung << ": " << got[p].first << " has no gradient after finish_gradient_sync()\n";
+      report << "rank " << rank << "/" << world << " " << rung << ": " << got[p].first
+             << " has no gradient after finish_gradient_sync()\n";
       continue;
     }
     const std::vector<float> g = grad.to_vector(), w = want[p].second.grad().to_vector(),
@@ -287,7 +293,8 @@ inline std::string gradient_matches(const std::string& rung, const std::shared_p
     report << "rank " << rank << "/" << world << " " << rung << ": " << got[p].first << ".grad[" << worst
            << "] = " << g[worst] << ", expected " << w[worst] << " (one process on the global batch)";
     if (all_near([&](size_t j) { return w[j] * static_cast<float>(world); }))
-      report << ": every value is " << world << " times the mean: summed over ranks but not divided by the world size";
+      report << ": every value is " << world
+             << " times the mean: summed over ranks but not divided by the world size";
     else if (all_near([&](size_t j) { return l[j]; }))
       report << ": this rank's own gradient: it was never reduced (no all_reduce, or one not waited for)";
     else if (all_near([&](size_t j) { return l[j] / static_cast<float>(world); }))

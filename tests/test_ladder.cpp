@@ -6,8 +6,8 @@
 
 #include <cstdlib>
 
-#include "dist/gradient_accumulation.h"
 #include "dist/explain.h"
+#include "dist/gradient_accumulation.h"
 #include "dist/init.h"
 #include "tests/dist_ranks.h"
 #include "tests/ladder_checks.h"
@@ -60,19 +60,26 @@ Tensor cross_entropy_loss(const Tensor& out, const Tensor& y) { return cross_ent
 
 }  // namespace
 
-TEST_CASE("2 ranks: every rung (naive, flat, overlap, buckets, zero1, fsdp) equals one process on the global batch within 2e-5 (MLP, CNN; 4 SGD steps)") {
+TEST_CASE(
+    "2 ranks: every rung (naive, flat, overlap, buckets, zero1, fsdp) equals one process on the global batch "
+    "within 2e-5 (MLP, CNN; 4 SGD steps)") {
   const int port = testing::free_port();
-  const std::string failures = on_ranks(2, [&](int rank) {
-    auto pg = testing::join(rank, 2, port);
-    for (const char* rung : kRungs) {
-      const std::string problem = equals_one_process(rung, pg);
-      expect(problem.empty(), problem);
-    }
-  }, 240s);
+  const std::string failures = on_ranks(
+      2,
+      [&](int rank) {
+        auto pg = testing::join(rank, 2, port);
+        for (const char* rung : kRungs) {
+          const std::string problem = equals_one_process(rung, pg);
+          expect(problem.empty(), problem);
+        }
+      },
+      240s);
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
-TEST_CASE("one step of the MLP: naive 4 all_reduces, flat 1, overlap 4, buckets 1, of 228 bytes in all; the same accumulated over 3 micro-batches") {
+TEST_CASE(
+    "one step of the MLP: naive 4 all_reduces, flat 1, overlap 4, buckets 1, of 228 bytes in all; the same "
+    "accumulated over 3 micro-batches") {
   // The MLP's 4 parameters hold 57 floats: 228 bytes, whatever the number of calls.
   CHECK(kMlpGradientBytes == 228);
   const int port = testing::free_port();
@@ -81,9 +88,10 @@ TEST_CASE("one step of the MLP: naive 4 all_reduces, flat 1, overlap 4, buckets 
     for (const char* rung : {"naive", "flat", "overlap", "buckets"}) {
       const StepCount got = count_one_step(rung, pg);
       const StepCount want = expected_step_count(rung);
-      expect(got.calls == want.calls && got.bytes == want.bytes && got.other_collectives == 0, "rank ", rank, " ",
-             rung, ": ", got.calls, " all_reduce calls of ", got.bytes, " bytes and ", got.other_collectives,
-             " other collectives; expected ", want.calls, " calls of ", want.bytes, " bytes");
+      expect(got.calls == want.calls && got.bytes == want.bytes && got.other_collectives == 0, "rank ", rank,
+             " ", rung, ": ", got.calls, " all_reduce calls of ", got.bytes, " bytes and ",
+             got.other_collectives, " other collectives; expected ", want.calls, " calls of ", want.bytes,
+             " bytes");
       // no_sync on the first two micro-batches: the step still reduces once per parameter or bucket.
       const std::string accumulated = counts_match(rung, pg, /*micro_batches=*/3);
       expect(accumulated.empty(), accumulated);
@@ -95,7 +103,9 @@ TEST_CASE("one step of the MLP: naive 4 all_reduces, flat 1, overlap 4, buckets 
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
-TEST_CASE("uneven micro-batches (5, 3, 4 rows) weighted by their share of the samples give the big batch's gradient; weights of 1/k do not") {
+TEST_CASE(
+    "uneven micro-batches (5, 3, 4 rows) weighted by their share of the samples give the big batch's "
+    "gradient; weights of 1/k do not") {
   const Batch b = global_batch(0, 5);
   const nn::StateDict want = big_batch_gradient(b);
 
@@ -110,12 +120,16 @@ TEST_CASE("uneven micro-batches (5, 3, 4 rows) weighted by their share of the sa
 
   // The bug this guards against: a mean of the micro-batch means.
   auto wrong = make_mlp(7);
-  for (const dist::MicroBatch& m : micro_batches(b, {5, 3, 4})) (cross_entropy((*wrong)(m.input), m.target) * (1.0f / 3)).backward();
-  CHECK_MESSAGE(!differences(gradients_of(*wrong), want, 1e-4f).empty(),
-                "weights of 1/k matched the big batch: the micro-batches are not uneven enough to test anything");
+  for (const dist::MicroBatch& m : micro_batches(b, {5, 3, 4}))
+    (cross_entropy((*wrong)(m.input), m.target) * (1.0f / 3)).backward();
+  CHECK_MESSAGE(
+      !differences(gradients_of(*wrong), want, 1e-4f).empty(),
+      "weights of 1/k matched the big batch: the micro-batches are not uneven enough to test anything");
 }
 
-TEST_CASE("split_micro_batches: 12 rows in 5 micro-batches are 3, 3, 2, 2, 2 consecutive rows; 13 micro-batches is a ValueError") {
+TEST_CASE(
+    "split_micro_batches: 12 rows in 5 micro-batches are 3, 3, 2, 2, 2 consecutive rows; 13 micro-batches is "
+    "a ValueError") {
   const Batch b = global_batch(0, 5);
   const auto micro = dist::split_micro_batches(b.x, b.y, 5);
   REQUIRE(micro.size() == 5);
@@ -132,7 +146,9 @@ TEST_CASE("split_micro_batches: 12 rows in 5 micro-batches are 3, 3, 2, 2, 2 con
   CHECK_THROWS_AS(dist::split_micro_batches(b.x, b.y, 0), ValueError);
 }
 
-TEST_CASE("2 ranks: every rung accumulating uneven micro-batches (3, 1, 2 rows per rank) gives one process's big-batch gradient") {
+TEST_CASE(
+    "2 ranks: every rung accumulating uneven micro-batches (3, 1, 2 rows per rank) gives one process's "
+    "big-batch gradient") {
   const Batch global = global_batch(0, 5);
   const nn::StateDict want = big_batch_gradient(global);
   const int port = testing::free_port();
@@ -178,7 +194,9 @@ TEST_CASE("a rung whose parameter got no gradient throws a DistError naming it")
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
-TEST_CASE("docs answers: one step of fashion_mnist's MLP (235146 parameters) at 2 ranks: naive 6 all_reduces, flat 1, overlap 6, buckets 1, each step 940584 bytes") {
+TEST_CASE(
+    "docs answers: one step of fashion_mnist's MLP (235146 parameters) at 2 ranks: naive 6 all_reduces, flat "
+    "1, overlap 6, buckets 1, each step 940584 bytes") {
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [&](int rank) {
     auto pg = testing::join(rank, 2, port);
@@ -191,8 +209,8 @@ TEST_CASE("docs answers: one step of fashion_mnist's MLP (235146 parameters) at 
       model->add(nn::Linear(256, 128, gen));
       model->add(nn::ReLU());
       model->add(nn::Linear(128, 10, gen));
-      expect(dist::numel_of(model->parameters()) == 235146, "the MLP has ", dist::numel_of(model->parameters()),
-             " parameters");
+      expect(dist::numel_of(model->parameters()) == 235146, "the MLP has ",
+             dist::numel_of(model->parameters()), " parameters");
       const StepCount got = count_one_step(rung, pg, 1, model, 784);
       const int64_t calls = std::string(rung) == "flat" || std::string(rung) == "buckets" ? 1 : 6;
       expect(got.calls == calls && got.bytes == 940584, "rank ", rank, " ", rung, ": ", got.calls,
@@ -204,9 +222,9 @@ TEST_CASE("docs answers: one step of fashion_mnist's MLP (235146 parameters) at 
 
 TEST_CASE("every case passes on the shm backend too (this file with NANODDP_TEST_BACKEND=shm)") {
   if (std::getenv("NANODDP_TEST_BACKEND") != nullptr) return;
-  const testing::RunResult r =
-      testing::run({"/bin/sh", "-c", "NANODDP_TEST_BACKEND=shm exec \"$0\" --test-case-exclude='*NANODDP_TEST_BACKEND*'",
-                    testing::built("tests/test_ladder")},
-                   300s);
+  const testing::RunResult r = testing::run(
+      {"/bin/sh", "-c", "NANODDP_TEST_BACKEND=shm exec \"$0\" --test-case-exclude='*NANODDP_TEST_BACKEND*'",
+       testing::built("tests/test_ladder")},
+      300s);
   CHECK_MESSAGE(r.code() == 0, "shm run failed:\n", r.out, r.err);
 }

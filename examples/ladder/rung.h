@@ -94,7 +94,8 @@ class Rung : public nn::Module {
   static double trace_now() { return trace::enabled() ? trace::now_us() : 0; }
   static void trace_all_reduce(size_t index, const std::string& what, double begin_us) {
     if (trace::enabled())
-      trace::complete(trace::kAllReduceLane + static_cast<int>(index), "all_reduce " + what, begin_us, trace::now_us());
+      trace::complete(trace::kAllReduceLane + static_cast<int>(index), "all_reduce " + what, begin_us,
+                      trace::now_us());
   }
 
   std::shared_ptr<nn::Module> model_;

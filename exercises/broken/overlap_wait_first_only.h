@@ -19,7 +19,8 @@ class OverlapDataParallel : public Rung {
                       std::chrono::milliseconds timeout = dist::kDefaultTimeout)
       : Rung(std::move(model), std::move(pg), timeout) {
     for (auto& [name, param] : params_)
-      hook_ids_.push_back(param.register_post_accumulate_grad_hook([this](Tensor& p) { on_gradient_ready(p); }));
+      hook_ids_.push_back(
+          param.register_post_accumulate_grad_hook([this](Tensor& p) { on_gradient_ready(p); }));
   }
   ~OverlapDataParallel() override {
     for (size_t i = 0; i < params_.size(); ++i) params_[i].second.remove_hook(hook_ids_[i]);
@@ -28,9 +29,10 @@ class OverlapDataParallel : public Rung {
   // The waiting happened at the end of backward: here only the check that every parameter
   // was reduced.
   void finish_gradient_sync() override {
-    NANODDP_CHECK(reduced_in_last_backward_ == params_.size(), DistError, "rank ", pg_->rank(), "/", pg_->size(),
-                  ": ", reduced_in_last_backward_, " of ", params_.size(),
-                  " parameters were reduced since the last finish_gradient_sync; every rung reduces every parameter");
+    NANODDP_CHECK(
+        reduced_in_last_backward_ == params_.size(), DistError, "rank ", pg_->rank(), "/", pg_->size(), ": ",
+        reduced_in_last_backward_, " of ", params_.size(),
+        " parameters were reduced since the last finish_gradient_sync; every rung reduces every parameter");
     reduced_in_last_backward_ = 0;
   }
 
