@@ -3,7 +3,7 @@
 // on 2 ranks (the ring: 2 and 3), on Gloo and on shm, each check repeated 5 times to catch
 // races. tools/exercise builds it with a learner's file in place of the ladder's.
 // Prints what was expected and what came back (rank, parameter, value); exit 0 when all pass.
-// The test helpers below include doctest; the grader is a program of its own, not a test suite.
+// The tests/ headers below include doctest; the grader is a program of its own, not a test suite.
 #define DOCTEST_CONFIG_DISABLE
 #include <cstdio>
 #include <cstdlib>
