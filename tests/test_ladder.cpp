@@ -60,9 +60,7 @@ Tensor cross_entropy_loss(const Tensor& out, const Tensor& y) { return cross_ent
 
 }  // namespace
 
-TEST_CASE(
-    "2 ranks: every rung (naive, flat, overlap, buckets, zero1, fsdp) equals one process on the global batch "
-    "within 2e-5 (MLP, CNN; 4 SGD steps)") {
+TEST_CASE("2 ranks: every rung (naive, flat, overlap, buckets, zero1, fsdp) equals one process on the global batch within 2e-5 (MLP, CNN; 4 SGD steps)") {
   const int port = testing::free_port();
   const std::string failures = on_ranks(
       2,
@@ -77,9 +75,7 @@ TEST_CASE(
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
-TEST_CASE(
-    "one step of the MLP: naive 4 all_reduces, flat 1, overlap 4, buckets 1, of 228 bytes in all; the same "
-    "accumulated over 3 micro-batches") {
+TEST_CASE("one step of the MLP: naive 4 all_reduces, flat 1, overlap 4, buckets 1, of 228 bytes in all; the same accumulated over 3 micro-batches") {
   // The MLP's 4 parameters hold 57 floats: 228 bytes, whatever the number of calls.
   CHECK(kMlpGradientBytes == 228);
   const int port = testing::free_port();
@@ -103,9 +99,7 @@ TEST_CASE(
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
-TEST_CASE(
-    "uneven micro-batches (5, 3, 4 rows) weighted by their share of the samples give the big batch's "
-    "gradient; weights of 1/k do not") {
+TEST_CASE("uneven micro-batches (5, 3, 4 rows) weighted by their share of the samples give the big batch's gradient; weights of 1/k do not") {
   const Batch b = global_batch(0, 5);
   const nn::StateDict want = big_batch_gradient(b);
 
@@ -127,9 +121,7 @@ TEST_CASE(
       "weights of 1/k matched the big batch: the micro-batches are not uneven enough to test anything");
 }
 
-TEST_CASE(
-    "split_micro_batches: 12 rows in 5 micro-batches are 3, 3, 2, 2, 2 consecutive rows; 13 micro-batches is "
-    "a ValueError") {
+TEST_CASE("split_micro_batches: 12 rows in 5 micro-batches are 3, 3, 2, 2, 2 consecutive rows; 13 micro-batches is a ValueError") {
   const Batch b = global_batch(0, 5);
   const auto micro = dist::split_micro_batches(b.x, b.y, 5);
   REQUIRE(micro.size() == 5);
@@ -146,9 +138,7 @@ TEST_CASE(
   CHECK_THROWS_AS(dist::split_micro_batches(b.x, b.y, 0), ValueError);
 }
 
-TEST_CASE(
-    "2 ranks: every rung accumulating uneven micro-batches (3, 1, 2 rows per rank) gives one process's "
-    "big-batch gradient") {
+TEST_CASE("2 ranks: every rung accumulating uneven micro-batches (3, 1, 2 rows per rank) gives one process's big-batch gradient") {
   const Batch global = global_batch(0, 5);
   const nn::StateDict want = big_batch_gradient(global);
   const int port = testing::free_port();
@@ -194,9 +184,7 @@ TEST_CASE("a rung whose parameter got no gradient throws a DistError naming it")
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
-TEST_CASE(
-    "docs answers: one step of fashion_mnist's MLP (235146 parameters) at 2 ranks: naive 6 all_reduces, flat "
-    "1, overlap 6, buckets 1, each step 940584 bytes") {
+TEST_CASE("docs answers: one step of fashion_mnist's MLP (235146 parameters) at 2 ranks: naive 6 all_reduces, flat 1, overlap 6, buckets 1, each step 940584 bytes") {
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [&](int rank) {
     auto pg = testing::join(rank, 2, port);
