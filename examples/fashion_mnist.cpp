@@ -49,6 +49,7 @@
 #include "dist/ddp.h"
 #include "dist/host_collectives.h"
 #include "dist/explain.h"
+#include "dist/gradient_accumulation.h"
 #include "dist/init.h"
 #include "dist/sync_batch_norm.h"
 #include "examples/example_utils.h"
@@ -103,7 +104,11 @@ struct Config {
   std::vector<int64_t> hidden = {256, 128};  // widths of the hidden layers
   double bucket_cap_mb = static_cast<double>(dist::kDefaultBucketCapBytes) / (1 << 20);
   double first_bucket_cap_mb = static_cast<double>(dist::kDefaultFirstBucketCapBytes) / (1 << 20);
-  std::string strategy = "ddp";  // ddp | zero1 | zero2 | fsdp (examples/parallel_strategy.h)
+  std::string strategy = "ddp";  // ddp | zero1 | zero2 | fsdp | naive | flat | overlap (examples/parallel_strategy.h)
+  std::string dp;                // --dp: a ladder rung; sets strategy (examples::strategy_of_dp)
+  bool strategy_given = false;   // --strategy on the command line
+  bool bucket_caps_given = false;  // --bucket-cap-mb or --first-bucket-cap-mb on the command line
+  int64_t accumulate = 1;        // micro-batches per step (dist/gradient_accumulation.h)
   std::string trace;  // file for the trace; "" = none (NANODDP_TRACE still works)
   bool explain = false;
 };
@@ -460,6 +465,19 @@ std::string flags_problem(const Config& config) {
            " adds layers that --export's model description (PyTorch's recipe) does not have";
   if (config.find_unused_parameters && config.strategy != "ddp" && config.strategy != "zero1")
     return "--find-unused-parameters is a DDP option: it applies to --strategy ddp and zero1, not " + config.strategy;
+  if (!config.dp.empty() && config.strategy_given && config.strategy != examples::strategy_of_dp(config.dp))
+    return examples::is_ladder_rung(config.dp)
+               ? "--dp " + config.dp + " is a ladder rung, which --strategy " + config.strategy +
+                     " would replace: give one of the two"
+               : "--dp " + config.dp + " means --strategy " + examples::strategy_of_dp(config.dp) +
+                     ", not --strategy " + config.strategy + ": give one of the two";
+  if (examples::is_ladder_rung(config.strategy) &&
+      (config.comm_hook != "none" || config.gradient_as_bucket_view || config.no_overlap || config.bucket_caps_given))
+    return std::string(config.comm_hook != "none"              ? "--comm-hook"
+                       : config.gradient_as_bucket_view        ? "--gradient-as-bucket-view"
+                       : config.no_overlap                     ? "--no-overlap"
+                                                               : "--bucket-cap-mb") +
+           " is a DDP bucket option: --dp " + config.strategy + " is a ladder rung without buckets (use --dp buckets)";
   const bool sharded = config.strategy == "zero2" || config.strategy == "fsdp";
   if (sharded && (config.comm_hook != "none" || config.gradient_as_bucket_view || config.no_overlap))
     return std::string(config.comm_hook != "none" ? "--comm-hook" : config.gradient_as_bucket_view ? "--gradient-as-bucket-view" : "--no-overlap") +
@@ -586,8 +604,17 @@ int run(const Config& config) {
       // With bucket views, zeroing in place (torch 1.13's default) keeps .grad in the buckets;
       // set_to_none would make every backward copy into them again.
       optimizer->zero_grad(/*set_to_none=*/!config.gradient_as_bucket_view);
-      Tensor loss = loss_fn(trained(batch.input), batch.target);
-      loss.backward();
+      Tensor loss;
+      if (config.accumulate > 1) {
+        // The step's batch in micro-batches, each loss weighted by its share of the samples:
+        // the same gradient, 1/K of the activations (Note [Micro-batch weights]).
+        const int64_t micro = std::min<int64_t>(config.accumulate, batch.input.size(0));
+        loss = dist::accumulate_gradients(parallel, dist::split_micro_batches(batch.input, batch.target, micro), loss_fn);
+      } else {
+        loss = loss_fn(trained(batch.input), batch.target);
+        loss.backward();
+      }
+      parallel.finish_gradient_sync();
       optimizer->step();
       schedule.step(epoch * train_loader.size() + steps);
       {
@@ -634,7 +661,9 @@ int run(const Config& config) {
       if (parallel.fsdp()) shape.unit_numels = dist::unit_numels(*parallel.fsdp());
       else shape.unit_numels = dist::layer_numels(*model);
       shape.gradient_as_bucket_view = config.gradient_as_bucket_view;
-      std::printf("%s", dist::explain_memory(shape, config.strategy, memory_stats(device)).c_str());
+      // A ladder rung keeps what DDP keeps (flat: plus one flat copy of the gradients).
+      const std::string stage = examples::is_ladder_rung(config.strategy) ? "ddp" : config.strategy;
+      std::printf("%s", dist::explain_memory(shape, stage, memory_stats(device)).c_str());
     }
 
     // Mean loss over ranks; all ranks' samples over the slowest rank's time.
@@ -752,6 +781,14 @@ int main(int argc, char** argv) {
   app.add_flag("--find-unused-parameters", config.find_unused_parameters,
                "DDP's find_unused_parameters: parameters may go unused; one more all-reduce per step "
                "(docs/ddp/04-hooks-and-buckets.md)");
+  app.add_option("--dp", config.dp,
+                 "the ladder's rung (docs/ladder.md): naive, flat, overlap (examples/ladder/), buckets (= --strategy "
+                 "ddp), zero1, fsdp (= --strategy zero1, fsdp)")
+      ->check(CLI::IsMember(examples::dp_names()));
+  app.add_option("--accumulate", config.accumulate,
+                 "split each step's batch into K micro-batches, reduced once (no_sync on the first K-1; each loss "
+                 "weighted by its share of the samples): the same step, 1/K of the activations")
+      ->check(cli::integer_in(1));
   app.add_flag("--prefetch", config.prefetch, "collate batches on a background thread");
   app.add_flag("--quiet", config.quiet, "only the final JSON line (and what --explain asks for)");
 #if NANODDP_FASHION_MNIST_CNN
@@ -789,6 +826,9 @@ int main(int argc, char** argv) {
     return cli::usage_error(kExample, problem);
 #endif
   if (auto code = cli::parse(app, argc, argv, kExample)) return *code;
+  config.strategy_given = app.count("--strategy") > 0;
+  config.bucket_caps_given = app.count("--bucket-cap-mb") + app.count("--first-bucket-cap-mb") > 0;
+  if (!config.dp.empty() && !config.strategy_given) config.strategy = examples::strategy_of_dp(config.dp);
   if (const std::string problem = flags_problem(config); !problem.empty()) return cli::usage_error(kExample, problem);
   try {
     return run(config);

@@ -3,13 +3,14 @@
 //
 //   examples::ParallelModel parallel(model, pg, "fsdp", ddp_options);
 //   auto opt = parallel.make_optimizer([&](std::vector<Tensor> p) { return make_sgd(std::move(p)); });
-//   loss_fn(parallel.forward_module()(x), y).backward();  opt->step();
+//   loss_fn(parallel(x), y).backward();  parallel.finish_gradient_sync();  opt->step();
 //   nn::StateDict weights = parallel.model_state_dict();   // a collective; full on rank 0
 //
 // ddp    DistributedDataParallel: every rank holds everything (dist/ddp.h)
 // zero1  DDP + ZeroRedundancyOptimizer: optimizer state sharded (dist/zero_redundancy_optimizer.h)
 // zero2  FullyShardedDataParallel SHARD_GRAD_OP: gradients and optimizer state sharded
 // fsdp   FullyShardedDataParallel FULL_SHARD: parameters too (dist/fsdp.h)
+// naive, flat, overlap: the ladder's rungs (examples/ladder/rung.h), the steps from nothing to DDP
 // Every Linear and Conv2d is an FSDP unit. Checkpoints hold the full model and the full
 // optimizer state with the unwrapped model's names and indices, whatever the strategy, so a
 // run resumes under another strategy or world size.
@@ -23,6 +24,9 @@
 #include "dist/ddp.h"
 #include "dist/fsdp.h"
 #include "dist/zero_redundancy_optimizer.h"
+#include "examples/ladder/flat.h"
+#include "examples/ladder/naive.h"
+#include "examples/ladder/overlap.h"
 #include "nn/conv.h"
 #include "nn/layers.h"
 
@@ -33,11 +37,34 @@ inline const std::vector<std::string>& strategy_names() {
   return names;
 }
 
+inline const std::vector<std::string>& ladder_rung_names() {
+  static const std::vector<std::string> names = {"naive", "flat", "overlap"};
+  return names;
+}
+inline bool is_ladder_rung(const std::string& strategy) {
+  for (const std::string& name : ladder_rung_names())
+    if (name == strategy) return true;
+  return false;
+}
+
+// --dp names the ladder's rungs in order: naive, flat, overlap (the ladder's own files), then
+// buckets, zero1, fsdp (the library's DDP, DDP + ZeroRedundancyOptimizer, FSDP FULL_SHARD).
+inline const std::vector<std::string>& dp_names() {
+  static const std::vector<std::string> names = {"naive", "flat", "overlap", "buckets", "zero1", "fsdp"};
+  return names;
+}
+// The strategy a --dp rung trains with: buckets is ddp, the others keep their name.
+inline std::string strategy_of_dp(const std::string& dp) { return dp == "buckets" ? "ddp" : dp; }
+
 class ParallelModel {
  public:
   ParallelModel(std::shared_ptr<nn::Module> model, std::shared_ptr<dist::ProcessGroup> pg, const std::string& strategy,
                 const dist::DDPOptions& ddp_options)
       : model_(std::move(model)), pg_(std::move(pg)), strategy_(strategy) {
+    if (strategy == "naive") rung_ = std::make_unique<ladder::NaiveDataParallel>(model_, pg_, ddp_options.timeout);
+    if (strategy == "flat") rung_ = std::make_unique<ladder::FlatDataParallel>(model_, pg_, ddp_options.timeout);
+    if (strategy == "overlap") rung_ = std::make_unique<ladder::OverlapDataParallel>(model_, pg_, ddp_options.timeout);
+    if (rung_) return;
     if (strategy == "ddp" || strategy == "zero1") {
       ddp_ = std::make_unique<dist::DistributedDataParallel>(model_, pg_, ddp_options);
       return;
@@ -52,9 +79,27 @@ class ParallelModel {
 
   const std::string& strategy() const { return strategy_; }
   // What the training loop and the evaluation call.
-  nn::Module& forward_module() { return ddp_ ? static_cast<nn::Module&>(*ddp_) : *fsdp_; }
+  nn::Module& forward_module() {
+    if (rung_) return *rung_;
+    return ddp_ ? static_cast<nn::Module&>(*ddp_) : *fsdp_;
+  }
+  Tensor operator()(const Tensor& input) { return forward_module()(input); }
   dist::DistributedDataParallel* ddp() { return ddp_.get(); }
   dist::FullyShardedDataParallel* fsdp() { return fsdp_.get(); }
+  ladder::Rung* rung() { return rung_.get(); }
+
+  // After backward, before the optimizer's step: a ladder rung reduces the gradients here;
+  // DDP and FSDP already did, inside backward.
+  void finish_gradient_sync() {
+    if (rung_) rung_->finish_gradient_sync();
+  }
+
+  // While the returned handle lives, backward keeps gradients local (the wrapper's no_sync()).
+  [[nodiscard]] std::shared_ptr<void> no_sync() {
+    if (rung_) return std::make_shared<Holder<ladder::Rung>>(*rung_);
+    if (ddp_) return std::make_shared<Holder<dist::DistributedDataParallel>>(*ddp_);
+    return std::make_shared<Holder<dist::FullyShardedDataParallel>>(*fsdp_);
+  }
 
   // make(params) builds the plain optimizer; zero1 wraps it in a ZeroRedundancyOptimizer.
   using OptimizerFactory = std::function<std::unique_ptr<nn::Optimizer>(std::vector<Tensor>)>;
@@ -88,6 +133,14 @@ class ParallelModel {
   std::string strategy_;
   std::unique_ptr<dist::DistributedDataParallel> ddp_;
   std::unique_ptr<dist::FullyShardedDataParallel> fsdp_;
+  std::unique_ptr<ladder::Rung> rung_;
+
+  // Keeps a wrapper's NoSyncGuard (which cannot move) alive on the heap.
+  template <typename Wrapper>
+  struct Holder {
+    explicit Holder(Wrapper& wrapper) : guard(wrapper.no_sync()) {}
+    typename Wrapper::NoSyncGuard guard;
+  };
 };
 
 }  // namespace nanoddp::examples

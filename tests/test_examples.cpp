@@ -785,3 +785,42 @@ TEST_CASE("fashion_mnist progress: redrawn in place on a terminal with samples/s
   CHECK(piped.out.find("epoch 1/2 step 50/80 loss ") != std::string::npos);
   CHECK(piped.out.find("epoch 2/2 step 80/80 loss ") != std::string::npos);
 }
+
+TEST_CASE("fashion_mnist --dp naive, flat, overlap train like --dp buckets (2 ranks); --accumulate 3 like one batch; conflicting flags are refused") {
+  TempDir dir;
+  write_small_fashion_mnist(dir.path, 640, 200);
+  const std::string program = built("examples/fashion_mnist");
+  auto train = [&](std::vector<std::string> extra) {
+    std::vector<std::string> all = {launcher_path(), "--nproc-per-node", "2", "--backend", "gloo", program,
+                                    "--data-dir", dir.path, "--batch-size", "32", "--epochs", "2", "--quiet"};
+    all.insert(all.end(), extra.begin(), extra.end());
+    const RunResult r = run(all, 120s);
+    REQUIRE_MESSAGE(r.code() == 0, r.err);
+    const auto lines = json_lines(r.out);
+    REQUIRE(lines.size() == 1);
+    return lines[0];
+  };
+  const std::string buckets = train({"--dp", "buckets"});
+  CHECK(buckets.find("\"strategy\":\"ddp\"") != std::string::npos);
+  // The same sums in another order: equal to float rounding (the printed loss has 9 digits).
+  for (const char* rung : {"naive", "flat", "overlap"}) {
+    CAPTURE(rung);
+    const std::string line = train({"--dp", rung});
+    CHECK(line.find(std::string("\"strategy\":\"") + rung + "\"") != std::string::npos);
+    CHECK(json_field(line, "train_loss") == doctest::Approx(json_field(buckets, "train_loss")).epsilon(1e-5));
+    CHECK(std::abs(json_field(line, "test_accuracy") - json_field(buckets, "test_accuracy")) <= 0.005);
+  }
+  // Each batch of 32 in 3 micro-batches of 11, 11, 10 rows weighted by their share: the same step.
+  const std::string accumulated = train({"--dp", "overlap", "--accumulate", "3"});
+  CHECK(json_field(accumulated, "train_loss") == doctest::Approx(json_field(buckets, "train_loss")).epsilon(1e-5));
+
+  const RunResult conflict = run({program, "--data-dir", dir.path, "--dp", "naive", "--strategy", "fsdp"}, 60s);
+  CHECK(conflict.code() != 0);
+  CHECK(conflict.err.find("--dp naive is a ladder rung, which --strategy fsdp would replace") != std::string::npos);
+  const RunResult mapped = run({program, "--data-dir", dir.path, "--dp", "buckets", "--strategy", "zero1"}, 60s);
+  CHECK(mapped.code() != 0);
+  CHECK(mapped.err.find("--dp buckets means --strategy ddp, not --strategy zero1") != std::string::npos);
+  const RunResult bucket_flag = run({program, "--data-dir", dir.path, "--dp", "flat", "--bucket-cap-mb", "1"}, 60s);
+  CHECK(bucket_flag.code() != 0);
+  CHECK(bucket_flag.err.find("--bucket-cap-mb is a DDP bucket option: --dp flat is a ladder rung") != std::string::npos);
+}

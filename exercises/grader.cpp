@@ -1,0 +1,112 @@
+// The exercises' grader: grader NAME... checks the ladder rungs naive, flat, overlap
+// (examples/ladder/NAME.h as compiled in) and the ring (dist::ring_all_reduce as linked in)
+// on 2 ranks (the ring: 2 and 3), on Gloo and on shm, each check repeated 5 times to catch
+// races. tools/exercise builds it with a learner's file in place of the ladder's.
+// Prints what was expected and what came back (rank, parameter, value); exit 0 when all pass.
+// The tests/ headers below include doctest; the grader is a program of its own, not a test suite.
+#define DOCTEST_CONFIG_DISABLE
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "dist/ring.h"
+#include "tests/dist_ranks.h"
+#include "tests/ladder_checks.h"
+#include "tests/multiprocess.h"
+
+using namespace nanoddp;
+
+namespace {
+
+constexpr int kRepeats = 5;
+
+// What the ring must give at world ranks: element i of rank r is (r + 1) * (i + 1), 10 of
+// them (not a multiple of 3); Sum and Avg; and no all_reduce collective is used.
+std::string ring_problems(const std::shared_ptr<dist::ProcessGroup>& pg) {
+  const int rank = pg->rank(), world = pg->size();
+  const float rank_sum = static_cast<float>(world * (world + 1) / 2);
+  std::string problems;
+  for (const dist::ReduceOp op : {dist::ReduceOp::Sum, dist::ReduceOp::Avg}) {
+    std::vector<float> values;
+    for (int i = 0; i < 10; ++i) values.push_back(static_cast<float>((rank + 1) * (i + 1)));
+    Tensor t = Tensor::from_vector(values, {2, 5});
+    pg->reset_counts();
+    dist::ring_all_reduce(*pg, t, op, std::chrono::seconds(30));
+    const std::vector<float> got = t.to_vector();
+    for (int i = 0; i < 10; ++i) {
+      const float want = rank_sum * static_cast<float>(i + 1) / (op == dist::ReduceOp::Avg ? world : 1);
+      if (got.size() != 10 || std::abs(got[i] - want) > 1e-4f * std::abs(want)) {
+        problems += "rank " + std::to_string(rank) + "/" + std::to_string(world) + " ring_all_reduce(" +
+                    dist::reduce_op_name(op) + "): element " + std::to_string(i) + " = " +
+                    (got.size() == 10 ? std::to_string(got[i]) : "(shape changed)") + ", expected " +
+                    std::to_string(want) + "\n";
+        break;
+      }
+    }
+    if (pg->count(dist::Collective::AllReduce).calls != 0)
+      problems += "rank " + std::to_string(rank) +
+                  ": ring_all_reduce called the group's all_reduce; use send and recv\n";
+  }
+  return problems;
+}
+
+std::string rung_problems(const std::string& rung, const std::shared_ptr<dist::ProcessGroup>& pg) {
+  std::string problems = ladder_checks::gradient_matches(rung, pg);
+  if (problems.empty()) problems = ladder_checks::counts_match(rung, pg);
+  if (problems.empty()) problems = ladder_checks::counts_match(rung, pg, /*micro_batches=*/3);
+  if (problems.empty()) problems = ladder_checks::equals_one_process(rung, pg);
+  return problems;
+}
+
+// "" when NAME passes every check on both backends, every repeat; else the first failure.
+std::string grade(const std::string& name) {
+  for (const char* backend : {"gloo", "shm"}) {
+    ::setenv("NANODDP_TEST_BACKEND", backend, 1);  // read by testing::join in the forked ranks
+    for (int repeat = 1; repeat <= kRepeats; ++repeat) {
+      for (const int world : name == "ring" ? std::vector<int>{2, 3} : std::vector<int>{2}) {
+        const int port = testing::free_port();
+        const std::string failures = testing::on_ranks(
+            world,
+            [&](int rank) {
+              auto pg = testing::join(rank, world, port);
+              const std::string problems = name == "ring" ? ring_problems(pg) : rung_problems(name, pg);
+              testing::expect(problems.empty(), problems);
+            },
+            std::chrono::seconds(120));
+        if (!failures.empty())
+          return std::string(backend) + ", " + std::to_string(world) + " ranks, run " +
+                 std::to_string(repeat) + " of " + std::to_string(kRepeats) + ":\n" + failures;
+      }
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: %s NAME... (naive, flat, overlap, ring)\n", argv[0]);
+    return 2;
+  }
+  // The ranks are forked from this process and share its environment: one secret for the store.
+  ::setenv("NANODDP_STORE_TOKEN", "exercise-grader", 0);
+  int failed = 0;
+  for (int i = 1; i < argc; ++i) {
+    const std::string name = argv[i];
+    if (name != "naive" && name != "flat" && name != "overlap" && name != "ring") {
+      std::fprintf(stderr, "%s: no exercise named %s (naive, flat, overlap, ring)\n", argv[0], name.c_str());
+      return 2;
+    }
+    const std::string problems = grade(name);
+    if (problems.empty()) {
+      std::printf("%s: passed (gloo and shm, %d runs each)\n", name.c_str(), kRepeats);
+    } else {
+      std::printf("%s: FAILED on %s", name.c_str(), problems.c_str());
+      ++failed;
+    }
+    std::fflush(stdout);
+  }
+  return failed == 0 ? 0 : 1;
+}

@@ -1,0 +1,308 @@
+// The ladder's checks, shared by tests/test_ladder.cpp and the exercise grader
+// (exercises/grader.cpp): each runs on one rank of a group and returns "" or what went wrong,
+// naming the rank, the parameter and the values expected and found.
+//
+//   const std::string problem = ladder_checks::equals_one_process("flat", pg);   // "" when right
+//
+// The property (Note [Ladder exactness]): every rung on W ranks, each rank on its 1/W of the
+// global batch, leaves every parameter equal to one process's on the whole batch, within
+// kLadderTolerance; and a step issues exactly the all_reduces its header says.
+#pragma once
+
+#include <cmath>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/ops.h"
+#include "dist/ddp.h"
+#include "dist/fsdp.h"
+#include "dist/gradient_accumulation.h"
+#include "dist/zero_redundancy_optimizer.h"
+#include "examples/ladder/flat.h"
+#include "examples/ladder/naive.h"
+#include "examples/ladder/overlap.h"
+#include "nn/conv.h"
+#include "nn/layers.h"
+#include "nn/optim.h"
+
+namespace nanoddp::ladder_checks {
+
+// Float sums in another order over 4 SGD steps (lr 0.1, momentum 0.9) on small models: the
+// rungs differ from one process by ~1e-7; a rung that forgets to divide is off by ~1e-2.
+constexpr float kLadderTolerance = 2e-5f;
+constexpr int64_t kGlobalBatch = 12;  // splits evenly over 1, 2, 3, 4 ranks
+constexpr int kSteps = 4;
+
+// 5 -> 6 -> 3: 4 parameters, 30 + 6 + 18 + 3 = 57 elements, 228 bytes.
+inline std::shared_ptr<nn::Module> make_mlp(uint64_t seed) {
+  Generator gen(seed);
+  auto model = std::make_shared<nn::Sequential>();
+  model->add(nn::Linear(5, 6, gen));
+  model->add(nn::ReLU());
+  model->add(nn::Linear(6, 3, gen));
+  return model;
+}
+constexpr int64_t kMlpParameters = 4;
+constexpr int64_t kMlpGradientBytes = 57 * 4;
+
+// Rows of 36 pixels -> [N, 1, 6, 6] images.
+class Images6x6 : public nn::Module {
+ public:
+  Tensor forward(const Tensor& input) override { return input.reshape({input.size(0), 1, 6, 6}); }
+};
+
+// Images6x6, Conv(1->2, 3), ReLU, MaxPool(2), Flatten, Linear(8, 3).
+inline std::shared_ptr<nn::Module> make_cnn(uint64_t seed) {
+  Generator gen(seed);
+  auto model = std::make_shared<nn::Sequential>();
+  model->add(Images6x6());
+  model->add(nn::Conv2d(1, 2, 3, gen));
+  model->add(nn::ReLU());
+  model->add(nn::MaxPool2d(2));
+  model->add(nn::Flatten());
+  model->add(nn::Linear(8, 3, gen));
+  return model;
+}
+
+struct Model {
+  const char* name;
+  int64_t features;
+  std::shared_ptr<nn::Module> (*make)(uint64_t);
+};
+inline std::vector<Model> models() { return {{"MLP", 5, make_mlp}, {"CNN", 36, make_cnn}}; }
+
+struct Batch {
+  Tensor x, y;
+};
+inline Batch global_batch(int step, int64_t features) {
+  Generator gen(500 + step);
+  Tensor x = Tensor::randn({kGlobalBatch, features}, gen);
+  std::vector<int64_t> labels;
+  for (int i = 0; i < kGlobalBatch; ++i) labels.push_back(static_cast<int64_t>(gen.randint(3)));
+  return {x, Tensor::from_vector(labels)};
+}
+inline Batch rows(const Batch& b, int64_t begin, int64_t end) {
+  const int64_t F = b.x.size(1);
+  std::vector<float> xs = b.x.to_vector();
+  std::vector<int64_t> ys = b.y.to_int_vector();
+  return {
+      Tensor::from_vector(std::vector<float>(xs.begin() + begin * F, xs.begin() + end * F), {end - begin, F}),
+      Tensor::from_vector(std::vector<int64_t>(ys.begin() + begin, ys.begin() + end))};
+}
+inline Batch share(const Batch& b, int rank, int world) {
+  const int64_t per_rank = kGlobalBatch / world;
+  return rows(b, rank * per_rank, (rank + 1) * per_rank);
+}
+
+inline std::unique_ptr<nn::Optimizer> make_sgd(std::vector<Tensor> params) {
+  return std::make_unique<nn::SGD>(std::move(params), nn::SGDOptions{/*lr=*/0.1f, /*momentum=*/0.9f});
+}
+
+// The ladder's own rungs by name: naive, flat, overlap. Throws ValueError for another name.
+inline std::unique_ptr<ladder::Rung> make_rung(const std::string& name, std::shared_ptr<nn::Module> model,
+                                               std::shared_ptr<dist::ProcessGroup> pg) {
+  if (name == "naive") return std::make_unique<ladder::NaiveDataParallel>(std::move(model), std::move(pg));
+  if (name == "flat") return std::make_unique<ladder::FlatDataParallel>(std::move(model), std::move(pg));
+  if (name == "overlap")
+    return std::make_unique<ladder::OverlapDataParallel>(std::move(model), std::move(pg));
+  NANODDP_CHECK(false, ValueError, "no ladder rung named ", name, " (naive, flat, overlap)");
+  return nullptr;
+}
+
+// One process on the global batch: the reference.
+inline nn::StateDict train_one_process(const Model& kind) {
+  auto model = kind.make(7);
+  auto opt = make_sgd(model->parameters());
+  for (int s = 0; s < kSteps; ++s) {
+    const Batch b = global_batch(s, kind.features);
+    opt->zero_grad();
+    cross_entropy((*model)(b.x), b.y).backward();
+    opt->step();
+  }
+  return model->state_dict();
+}
+
+// "" when every entry of got is within tolerance of want; otherwise the worst entry of each
+// parameter that is not, with both values.
+inline std::string differences(const nn::StateDict& got, const nn::StateDict& want, float tolerance) {
+  std::ostringstream report;
+  for (const auto& [key, w] : want) {
+    const auto it = got.find(key);
+    if (it == got.end()) {
+      report << "  " << key << ": missing\n";
+      continue;
+    }
+    const std::vector<float> a = it->second.to_vector(), b = w.to_vector();
+    if (a.size() != b.size()) {
+      report << "  " << key << ": " << a.size() << " elements, expected " << b.size() << "\n";
+      continue;
+    }
+    size_t worst = 0;
+    for (size_t j = 0; j < a.size(); ++j)
+      if (!(std::abs(a[j] - b[j]) <= std::abs(a[worst] - b[worst]))) worst = j;
+    if (!(std::abs(a[worst] - b[worst]) <= tolerance))
+      report << "  " << key << "[" << worst << "] = " << a[worst] << ", expected " << b[worst] << " (|diff| "
+             << std::abs(a[worst] - b[worst]) << " > " << tolerance << ")\n";
+  }
+  return report.str();
+}
+
+// rung: naive, flat, overlap, buckets (DDP), zero1 (DDP + ZeroRedundancyOptimizer) or fsdp.
+// Trains kSteps steps of every model on this rank's share, rank 1 starting from other weights
+// (construction must replace them by rank 0's); "" when the parameters equal one process's.
+inline std::string equals_one_process(const std::string& rung,
+                                      const std::shared_ptr<dist::ProcessGroup>& pg) {
+  const int rank = pg->rank(), world = pg->size();
+  std::string problems;
+  for (const Model& kind : models()) {
+    const nn::StateDict want = train_one_process(kind);
+    auto model = kind.make(rank == 0 ? 7 : 99);
+    std::unique_ptr<ladder::Rung> ladder_rung;
+    std::unique_ptr<dist::DistributedDataParallel> ddp;
+    std::unique_ptr<dist::FullyShardedDataParallel> fsdp;
+    std::unique_ptr<nn::Optimizer> opt;
+    nn::Module* wrapped = nullptr;
+    if (rung == "buckets" || rung == "zero1") {
+      ddp = std::make_unique<dist::DistributedDataParallel>(model, pg);
+      wrapped = ddp.get();
+      opt = rung == "zero1" ? std::make_unique<dist::ZeroRedundancyOptimizer>(ddp->parameters(), pg, make_sgd)
+                            : make_sgd(ddp->parameters());
+    } else if (rung == "fsdp") {
+      dist::FSDPOptions options;
+      options.auto_wrap_policy = dist::module_wrap_policy<nn::Linear, nn::Conv2d>();
+      fsdp = std::make_unique<dist::FullyShardedDataParallel>(model, pg, options);
+      wrapped = fsdp.get();
+      opt = make_sgd(fsdp->parameters());
+    } else {
+      ladder_rung = make_rung(rung, model, pg);
+      wrapped = ladder_rung.get();
+      opt = make_sgd(ladder_rung->parameters());
+    }
+    for (int s = 0; s < kSteps; ++s) {
+      const Batch b = share(global_batch(s, kind.features), rank, world);
+      opt->zero_grad();
+      cross_entropy((*wrapped)(b.x), b.y).backward();
+      if (ladder_rung) ladder_rung->finish_gradient_sync();
+      opt->step();
+    }
+    const nn::StateDict got = fsdp ? fsdp->full_state_dict(/*rank0_only=*/false) : model->state_dict();
+    const std::string report = differences(got, want, kLadderTolerance);
+    if (!report.empty())
+      problems += "rank " + std::to_string(rank) + "/" + std::to_string(world) + " " + rung + ", " +
+                  kind.name + ": after " + std::to_string(kSteps) +
+                  " steps the parameters differ from one process on the global batch:\n" + report;
+  }
+  return problems;
+}
+
+// The all_reduce calls and bytes one step of the MLP issues, read from the group's counters.
+struct StepCount {
+  int64_t calls = 0;
+  int64_t bytes = 0;
+  int64_t other_collectives = 0;  // broadcast, all_gather, reduce_scatter, barrier calls
+};
+// model: the MLP above unless given, taking rows of `features`.
+inline StepCount count_one_step(const std::string& rung, const std::shared_ptr<dist::ProcessGroup>& pg,
+                                int micro_batches = 1, std::shared_ptr<nn::Module> model = nullptr,
+                                int64_t features = 5) {
+  if (!model) model = make_mlp(7);
+  std::unique_ptr<ladder::Rung> ladder_rung;
+  std::unique_ptr<dist::DistributedDataParallel> ddp;
+  if (rung == "buckets")
+    ddp = std::make_unique<dist::DistributedDataParallel>(model, pg);
+  else
+    ladder_rung = make_rung(rung, model, pg);
+  const Batch b = share(global_batch(0, features), pg->rank(), pg->size());
+  pg->reset_counts();
+  if (micro_batches == 1) {
+    cross_entropy(ddp ? (*ddp)(b.x) : (*ladder_rung)(b.x), b.y).backward();
+  } else {
+    const auto micro = dist::split_micro_batches(b.x, b.y, micro_batches);
+    auto loss = [](const Tensor& out, const Tensor& y) { return cross_entropy(out, y); };
+    if (ddp)
+      dist::accumulate_gradients(*ddp, micro, loss);
+    else
+      dist::accumulate_gradients(*ladder_rung, micro, loss);
+  }
+  if (ladder_rung) ladder_rung->finish_gradient_sync();
+  StepCount count;
+  count.calls = pg->count(dist::Collective::AllReduce).calls;
+  count.bytes = pg->count(dist::Collective::AllReduce).bytes;
+  for (auto c : {dist::Collective::Broadcast, dist::Collective::AllGather, dist::Collective::ReduceScatter,
+                 dist::Collective::Barrier})
+    count.other_collectives += pg->count(c).calls;
+  return count;
+}
+
+// What each rung's header promises for one step of the MLP (4 parameters, 228 bytes).
+inline StepCount expected_step_count(const std::string& rung) {
+  if (rung == "flat" || rung == "buckets") return {1, kMlpGradientBytes, 0};  // DDP: one bucket under 1 MiB
+  return {kMlpParameters, kMlpGradientBytes, 0};                              // naive, overlap
+}
+
+inline std::string counts_match(const std::string& rung, const std::shared_ptr<dist::ProcessGroup>& pg,
+                                int micro_batches = 1) {
+  const StepCount got = count_one_step(rung, pg, micro_batches), want = expected_step_count(rung);
+  if (got.calls == want.calls && got.bytes == want.bytes && got.other_collectives == 0) return "";
+  std::ostringstream report;
+  report << "rank " << pg->rank() << "/" << pg->size() << " " << rung << ": one step of the MLP"
+         << (micro_batches > 1 ? " accumulated over " + std::to_string(micro_batches) + " micro-batches" : "")
+         << " issued " << got.calls << " all_reduce calls of " << got.bytes << " bytes and "
+         << got.other_collectives << " other collectives; expected " << want.calls << " calls of "
+         << want.bytes << " bytes and none\n";
+  return report.str();
+}
+
+// One step of the MLP on this rank's share, then finish_gradient_sync(): "" when every
+// gradient equals one process's on the global batch (within kLadderTolerance). Otherwise names
+// the parameter, the element and both values, and the mistake the values look like: W times
+// the mean (summed, not divided), this rank's own gradient (never reduced), or it divided by W
+// (divided, then the all_reduce was not waited for).
+inline std::string gradient_matches(const std::string& rung, const std::shared_ptr<dist::ProcessGroup>& pg) {
+  const int rank = pg->rank(), world = pg->size();
+  const Batch global = global_batch(0, 5), mine = share(global, rank, world);
+  auto reference = make_mlp(7), own = make_mlp(7), model = make_mlp(rank == 0 ? 7 : 99);
+  cross_entropy((*reference)(global.x), global.y).backward();
+  cross_entropy((*own)(mine.x), mine.y).backward();
+  auto dp = make_rung(rung, model, pg);
+  cross_entropy((*dp)(mine.x), mine.y).backward();
+  dp->finish_gradient_sync();
+  const auto want = reference->named_parameters(), local = own->named_parameters(),
+             got = model->named_parameters();
+  std::ostringstream report;
+  for (size_t p = 0; p < want.size(); ++p) {
+    const Tensor grad = got[p].second.grad();
+    if (!grad.defined()) {
+      report << "rank " << rank << "/" << world << " " << rung << ": " << got[p].first
+             << " has no gradient after finish_gradient_sync()\n";
+      continue;
+    }
+    const std::vector<float> g = grad.to_vector(), w = want[p].second.grad().to_vector(),
+                             l = local[p].second.grad().to_vector();
+    auto all_near = [&](auto expected) {
+      for (size_t j = 0; j < g.size(); ++j)
+        if (!(std::abs(g[j] - expected(j)) <= kLadderTolerance)) return false;
+      return true;
+    };
+    if (all_near([&](size_t j) { return w[j]; })) continue;
+    size_t worst = 0;
+    for (size_t j = 0; j < g.size(); ++j)
+      if (std::abs(g[j] - w[j]) > std::abs(g[worst] - w[worst])) worst = j;
+    report << "rank " << rank << "/" << world << " " << rung << ": " << got[p].first << ".grad[" << worst
+           << "] = " << g[worst] << ", expected " << w[worst] << " (one process on the global batch)";
+    if (all_near([&](size_t j) { return w[j] * static_cast<float>(world); }))
+      report << ": every value is " << world
+             << " times the mean: summed over ranks but not divided by the world size";
+    else if (all_near([&](size_t j) { return l[j]; }))
+      report << ": this rank's own gradient: it was never reduced (no all_reduce, or one not waited for)";
+    else if (all_near([&](size_t j) { return l[j] / static_cast<float>(world); }))
+      report << ": this rank's own gradient divided by " << world
+             << ": divided, but the sum never arrived (an all_reduce not waited for)";
+    report << "\n";
+  }
+  return report.str();
+}
+
+}  // namespace nanoddp::ladder_checks
