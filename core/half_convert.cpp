@@ -1,6 +1,7 @@
 #include "core/half_convert.h"
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -54,9 +55,15 @@ NANODDP_F16C void float16_add_f16c(Float16* sums, const Float16* a, const Float1
 
 bool float16_uses_f16c() {
 #if defined(__x86_64__)
+  // CPUID leaf 1 names AVX and F16C; XCR0 says the OS saves the AVX registers (bits 1 and 2).
+  // Asked directly: not every compiler's __builtin_cpu_supports knows "f16c" (clang 14).
   static const bool has_f16c = [] {
-    __builtin_cpu_init();  // may run before the library's own CPU check has (a static initialiser)
-    return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
+    if ((ecx & bit_OSXSAVE) == 0 || (ecx & bit_AVX) == 0 || (ecx & bit_F16C) == 0) return false;
+    unsigned xcr0_low = 0, xcr0_high = 0;
+    __asm__("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
+    return (xcr0_low & 0x6) == 0x6;
   }();
   return has_f16c;
 #else
