@@ -176,9 +176,10 @@ void train_side_by_side(nn::Module& cpu_model, nn::Optimizer& cpu_opt, nn::Modul
 
 // Largest |a - b| of each entry of want, printed per entry when a check fails.
 void check_state_close(const nn::StateDict& got, const nn::StateDict& want, float tolerance) {
-  for (const auto& [name, expected] : want) {
+  for (const auto& entry : want) {
+    const std::string& name = entry.first;  // a structured binding cannot be captured (clang)
     CAPTURE(name);
-    const std::vector<float> a = expected.to_vector(), b = got.at(name).to_vector();
+    const std::vector<float> a = entry.second.to_vector(), b = got.at(name).to_vector();
     float worst = 0;
     for (size_t j = 0; j < a.size(); ++j) worst = std::max(worst, std::abs(a[j] - b[j]));
     CHECK(worst < tolerance);
