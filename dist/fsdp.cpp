@@ -248,6 +248,16 @@ void FullyShardedDataParallel::reshard(size_t u) {
   unit.gathered = false;
 }
 
+// Every unit's all_gather issued first, then waited in order: they run back to back.
+void FullyShardedDataParallel::gather_all() {
+  for (size_t u = 0; u < units_.size(); ++u) gather(u);
+  for (size_t u = 0; u < units_.size(); ++u) wait_gathered(u);
+}
+
+void FullyShardedDataParallel::reshard_all() {
+  for (size_t u = 0; u < units_.size(); ++u) reshard(u);
+}
+
 void FullyShardedDataParallel::prefetch_after(const std::vector<size_t>& order, size_t u) {
   const auto it = std::find(order.begin(), order.end(), u);
   if (it != order.end() && it + 1 != order.end()) gather(*(it + 1));
@@ -424,21 +434,19 @@ float FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_typ
 }
 
 nn::StateDict FullyShardedDataParallel::full_state_dict(bool rank0_only) {
-  for (size_t u = 0; u < units_.size(); ++u) gather(u);
-  for (size_t u = 0; u < units_.size(); ++u) wait_gathered(u);
+  gather_all();
   nn::StateDict state;
   if (!rank0_only || pg_->rank() == 0) state = module_->state_dict();
-  for (size_t u = 0; u < units_.size(); ++u) reshard(u);
+  reshard_all();
   return state;
 }
 
 void FullyShardedDataParallel::load_full_state_dict(const nn::StateDict& state) {
-  for (size_t u = 0; u < units_.size(); ++u) gather(u);
-  for (size_t u = 0; u < units_.size(); ++u) wait_gathered(u);
+  gather_all();
   try {
     module_->load_state_dict(state);
   } catch (...) {
-    for (size_t u = 0; u < units_.size(); ++u) reshard(u);
+    reshard_all();
     throw;
   }
   if (options_.sharding_strategy != ShardingStrategy::NO_SHARD) {
@@ -447,7 +455,7 @@ void FullyShardedDataParallel::load_full_state_dict(const nn::StateDict& state) 
       unit->shard.detach().copy_(mine);
     }
   }
-  for (size_t u = 0; u < units_.size(); ++u) reshard(u);
+  reshard_all();
 }
 
 namespace {
@@ -464,16 +472,20 @@ std::pair<std::string, size_t> split_state_key(const std::string& key) {
 
 }  // namespace
 
+std::unordered_map<const TensorImpl*, size_t> FullyShardedDataParallel::model_parameter_index() const {
+  std::unordered_map<const TensorImpl*, size_t> index;
+  const auto model_params = module_->parameters();
+  for (size_t j = 0; j < model_params.size(); ++j) index[model_params[j].impl()] = j;
+  return index;
+}
+
 nn::StateDict FullyShardedDataParallel::full_optim_state_dict(const nn::Optimizer& optimizer) {
   const std::vector<Tensor> shards = parameters();
   NANODDP_CHECK(optimizer.params().size() == shards.size(), ValueError,
                 "FullyShardedDataParallel.full_optim_state_dict: the optimizer has ", optimizer.params().size(),
                 " parameters; one built on this wrapper's parameters() has ", shards.size());
   const nn::StateDict local = optimizer.state_dict();
-  // The model's parameter index of each unit's parameters.
-  std::unordered_map<const TensorImpl*, size_t> model_index;
-  const auto model_params = module_->parameters();
-  for (size_t j = 0; j < model_params.size(); ++j) model_index[model_params[j].impl()] = j;
+  const auto model_index = model_parameter_index();
   nn::StateDict full;
   for (const auto& [key, value] : local) {  // the same keys in the same order on every rank
     const auto [buffer, i] = split_state_key(key);
@@ -512,8 +524,7 @@ nn::StateDict FullyShardedDataParallel::full_optim_state_dict(const nn::Optimize
 
 nn::StateDict FullyShardedDataParallel::shard_full_optim_state_dict(const nn::StateDict& full) const {
   const auto model_params = module_->parameters();
-  std::unordered_map<const TensorImpl*, size_t> model_index;
-  for (size_t j = 0; j < model_params.size(); ++j) model_index[model_params[j].impl()] = j;
+  const auto model_index = model_parameter_index();
   std::vector<std::pair<size_t, size_t>> where(model_params.size());  // model index -> (unit, k)
   for (size_t u = 0; u < units_.size(); ++u)
     for (size_t k = 0; k < units_[u]->params.size(); ++k)

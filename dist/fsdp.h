@@ -59,6 +59,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "dist/process_group.h"
@@ -177,6 +178,10 @@ class FullyShardedDataParallel : public nn::Module {
   void gather(size_t u);         // issue the all_gather unless gathered or in flight
   void wait_gathered(size_t u);  // issue if needed, then wait
   void reshard(size_t u);
+  void gather_all();
+  void reshard_all();
+  // Each of the model's parameters (by TensorImpl) -> its index in module().parameters().
+  std::unordered_map<const TensorImpl*, size_t> model_parameter_index() const;
   void prefetch_after(const std::vector<size_t>& order, size_t u);
   void on_unit_forward_pre(size_t u);
   Tensor on_unit_forward_post(size_t u, const Tensor& output);

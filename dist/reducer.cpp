@@ -51,8 +51,8 @@ namespace nanoddp::dist {
 // so that the ranks stay in step:
 //   - a parameter gets a gradient although no rank used it in the first iteration (its mean
 //     would be dropped);
-//   - a parameter this rank used in the first iteration gets none (its mean would be zeros,
-//     which momentum and weight decay would then apply). Its .grad is left as it was.
+//   - a parameter this rank used in the first iteration gets none (a mean of zeros, which
+//     momentum and weight decay would move it by). Its .grad is left untouched.
 // The second is checked per rank, against what this rank used first, as PyTorch's reducer
 // counts each rank's own hooks (it reports "Your training graph has changed in this
 // iteration"). Both hold at one rank too, where nothing is all-reduced. PyTorch's
