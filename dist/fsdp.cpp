@@ -249,6 +249,20 @@ void FullyShardedDataParallel::reshard(size_t u) {
 }
 
 // Every unit's all_gather issued first, then waited in order: they run back to back.
+// A prefetched all_gather whose unit this iteration never reached read the shard before the
+// coming optimizer step: finish it and free its result, so that the next gather reads the
+// stepped shard.
+void FullyShardedDataParallel::drop_unused_prefetches() {
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = *units_[u];
+    if (!unit.gather_work) continue;
+    unit.gather_work->wait(options_.timeout);
+    unit.gather_work.reset();
+    unit.gathered = true;
+    reshard(u);
+  }
+}
+
 void FullyShardedDataParallel::gather_all() {
   for (size_t u = 0; u < units_.size(); ++u) gather(u);
   for (size_t u = 0; u < units_.size(); ++u) wait_gathered(u);
@@ -278,6 +292,7 @@ Tensor FullyShardedDataParallel::on_unit_forward_post(size_t u, const Tensor& ou
 
 Tensor FullyShardedDataParallel::forward(const Tensor& input) {
   module_->train(is_training());  // the model is not a registered child (its parameters are views)
+  drop_unused_prefetches();  // a forward with no backward after it may have left one
   const bool training = is_grad_enabled() && is_training();
   if (training && !forward_order_.empty()) forward_order_known_ = true;  // the first forward recorded it
   const bool has_root = units_[0]->module == nullptr;
@@ -387,6 +402,7 @@ void FullyShardedDataParallel::finish_backward() {
   while (reductions_finished_ < reduce_order_.size()) finish_reduction(reduce_order_[reductions_finished_++]);
   reduce_order_.clear();
   reductions_finished_ = 0;
+  drop_unused_prefetches();
   for (size_t u = 0; u < units_.size(); ++u) {
     units_[u]->prepared = false;
     reshard(u);
@@ -495,28 +511,20 @@ nn::StateDict FullyShardedDataParallel::full_optim_state_dict(const nn::Optimize
     const bool flat = value.dtype() == DType::Float32 && value.numel() == unit.shard_numel && value.dim() == 1;
     Tensor gathered;
     if (flat && options_.sharding_strategy != ShardingStrategy::NO_SHARD) {
-      gathered = Tensor::empty({unit.shard_numel * pg_->size()}, DType::Float32, Device::cpu());
+      // Gathered where the group's collectives run, then brought to the CPU like every entry.
+      Tensor on_group_device = Tensor::empty({unit.shard_numel * pg_->size()}, DType::Float32, pg_->device());
       std::vector<Tensor> outputs;
       for (int r = 0; r < pg_->size(); ++r)
-        outputs.push_back(gathered.slice_view(r * unit.shard_numel, {unit.shard_numel}));
-      const Tensor input = value.to(pg_->device());
-      if (pg_->device() == Device::cpu()) {
-        pg_->all_gather(outputs, input)->wait(options_.timeout);
-      } else {
-        Tensor on_device = gathered.to(pg_->device());
-        std::vector<Tensor> device_outputs;
-        for (int r = 0; r < pg_->size(); ++r)
-          device_outputs.push_back(on_device.slice_view(r * unit.shard_numel, {unit.shard_numel}));
-        pg_->all_gather(device_outputs, input)->wait(options_.timeout);
-        gathered = on_device.to(Device::cpu());
-      }
+        outputs.push_back(on_group_device.slice_view(r * unit.shard_numel, {unit.shard_numel}));
+      pg_->all_gather(outputs, value.to(pg_->device()))->wait(options_.timeout);
+      gathered = on_group_device.to(Device::cpu());
     } else if (flat) {
-      gathered = value;
+      gathered = value.to(Device::cpu());
     }
     for (size_t k = 0; k < unit.params.size(); ++k) {
       const Tensor& p = unit.params[k].second;
       const std::string name = buffer + "." + std::to_string(model_index.at(p.impl()));
-      full[name] = flat ? gathered.slice_view(unit.offsets[k], p.shape()).clone() : value.clone();
+      full[name] = flat ? gathered.slice_view(unit.offsets[k], p.shape()).clone() : value.to(Device::cpu()).clone();
     }
   }
   return full;

@@ -179,6 +179,7 @@ class FullyShardedDataParallel : public nn::Module {
   void wait_gathered(size_t u);  // issue if needed, then wait
   void reshard(size_t u);
   void gather_all();
+  void drop_unused_prefetches();
   void reshard_all();
   // Each of the model's parameters (by TensorImpl) -> its index in module().parameters().
   std::unordered_map<const TensorImpl*, size_t> model_parameter_index() const;

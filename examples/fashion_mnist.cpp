@@ -107,7 +107,7 @@ struct Config {
   std::string strategy = "ddp";  // ddp | zero1 | zero2 | fsdp | naive | flat | overlap (examples/parallel_strategy.h)
   std::string dp;                // --dp: a ladder rung; sets strategy (examples::strategy_of_dp)
   bool strategy_given = false;   // --strategy on the command line
-  bool bucket_caps_given = false;  // --bucket-cap-mb or --first-bucket-cap-mb on the command line
+  std::string bucket_cap_flag;     // "--bucket-cap-mb" or "--first-bucket-cap-mb" when given, else ""
   int64_t accumulate = 1;        // micro-batches per step (dist/gradient_accumulation.h)
   std::string trace;  // file for the trace; "" = none (NANODDP_TRACE still works)
   bool explain = false;
@@ -471,18 +471,20 @@ std::string flags_problem(const Config& config) {
                      " would replace: give one of the two"
                : "--dp " + config.dp + " means --strategy " + examples::strategy_of_dp(config.dp) +
                      ", not --strategy " + config.strategy + ": give one of the two";
-  if (examples::is_ladder_rung(config.strategy) &&
-      (config.comm_hook != "none" || config.gradient_as_bucket_view || config.no_overlap || config.bucket_caps_given))
-    return std::string(config.comm_hook != "none"              ? "--comm-hook"
-                       : config.gradient_as_bucket_view        ? "--gradient-as-bucket-view"
-                       : config.no_overlap                     ? "--no-overlap"
-                                                               : "--bucket-cap-mb") +
-           " is a DDP bucket option: --dp " + config.strategy + " is a ladder rung without buckets (use --dp buckets)";
+  // The first DDP bucket option given, for the runs that have no buckets.
+  const std::string bucket_flag = config.comm_hook != "none"       ? "--comm-hook"
+                                  : config.gradient_as_bucket_view ? "--gradient-as-bucket-view"
+                                  : config.no_overlap              ? "--no-overlap"
+                                                                   : config.bucket_cap_flag;
+  if (examples::is_ladder_rung(config.strategy) && !bucket_flag.empty())
+    return bucket_flag + " is a DDP bucket option: --dp " + config.strategy +
+           " is a ladder rung without buckets (use --dp buckets)";
   const bool sharded = config.strategy == "zero2" || config.strategy == "fsdp";
-  if (sharded && (config.comm_hook != "none" || config.gradient_as_bucket_view || config.no_overlap))
-    return std::string(config.comm_hook != "none" ? "--comm-hook" : config.gradient_as_bucket_view ? "--gradient-as-bucket-view" : "--no-overlap") +
-           " is a DDP bucket option: it applies to --strategy ddp and zero1, not " + config.strategy +
+  if (sharded && !bucket_flag.empty())
+    return bucket_flag + " is a DDP bucket option: it applies to --strategy ddp and zero1, not " + config.strategy +
            " (FSDP reduces per unit, overlapping backward)";
+  if (config.batch_norm && config.sync_batch_norm)
+    return "--batch-norm and --sync-batch-norm: give one (--sync-batch-norm is BatchNorm with statistics over every rank)";
   if (config.warmup_epochs >= config.epochs)
     return "--warmup-epochs " + std::to_string(config.warmup_epochs) + " leaves no epoch after the warm-up of --epochs " +
            std::to_string(config.epochs);
@@ -827,7 +829,9 @@ int main(int argc, char** argv) {
 #endif
   if (auto code = cli::parse(app, argc, argv, kExample)) return *code;
   config.strategy_given = app.count("--strategy") > 0;
-  config.bucket_caps_given = app.count("--bucket-cap-mb") + app.count("--first-bucket-cap-mb") > 0;
+  config.bucket_cap_flag = app.count("--bucket-cap-mb") > 0         ? "--bucket-cap-mb"
+                           : app.count("--first-bucket-cap-mb") > 0 ? "--first-bucket-cap-mb"
+                                                                     : "";
   if (!config.dp.empty() && !config.strategy_given) config.strategy = examples::strategy_of_dp(config.dp);
   if (const std::string problem = flags_problem(config); !problem.empty()) return cli::usage_error(kExample, problem);
   try {

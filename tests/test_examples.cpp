@@ -823,4 +823,12 @@ TEST_CASE("fashion_mnist --dp naive, flat, overlap train like --dp buckets (2 ra
   const RunResult bucket_flag = run({program, "--data-dir", dir.path, "--dp", "flat", "--bucket-cap-mb", "1"}, 60s);
   CHECK(bucket_flag.code() != 0);
   CHECK(bucket_flag.err.find("--bucket-cap-mb is a DDP bucket option: --dp flat is a ladder rung") != std::string::npos);
+  // The flag given is the one named, and FSDP has no buckets either.
+  const RunResult first_cap = run({program, "--data-dir", dir.path, "--dp", "naive", "--first-bucket-cap-mb", "1"}, 60s);
+  CHECK(first_cap.code() == 2);
+  CHECK(first_cap.err.find("--first-bucket-cap-mb is a DDP bucket option: --dp naive") != std::string::npos);
+  const RunResult sharded_cap = run({program, "--data-dir", dir.path, "--strategy", "fsdp", "--bucket-cap-mb", "1"}, 60s);
+  CHECK(sharded_cap.code() == 2);
+  CHECK(sharded_cap.err.find("--bucket-cap-mb is a DDP bucket option: it applies to --strategy ddp and zero1, not "
+                             "fsdp") != std::string::npos);
 }
