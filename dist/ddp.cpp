@@ -161,6 +161,7 @@ void DistributedDataParallel::broadcast_parameters(int root) {
 }
 
 Tensor DistributedDataParallel::forward(const Tensor& input) {
+  reducer_->abandon_interrupted_backward();  // Note [Interrupted backward] in reducer.cpp
   if (is_grad_enabled()) check_requires_grad_unchanged();  // Note [Frozen parameters]
   // Note [Join], steps 1 to 3.
   if (const auto not_joined = Join::notify_join_context(*this))

@@ -292,6 +292,7 @@ Tensor FullyShardedDataParallel::on_unit_forward_post(size_t u, const Tensor& ou
 
 Tensor FullyShardedDataParallel::forward(const Tensor& input) {
   module_->train(is_training());  // the model is not a registered child (its parameters are views)
+  abandon_interrupted_backward();
   drop_unused_prefetches();  // a forward with no backward after it may have left one
   const bool training = is_grad_enabled() && is_training();
   if (training && !forward_order_.empty()) forward_order_known_ = true;  // the first forward recorded it
@@ -407,6 +408,31 @@ void FullyShardedDataParallel::finish_backward() {
     units_[u]->prepared = false;
     reshard(u);
   }
+}
+
+// The engine dropped finish_backward: the reductions issued so far are waited for (every rank
+// whose backward got as far issued them too) and their results dropped; what earlier ones
+// added to the shards' .grad is a partial sum that zero_grad clears.
+void FullyShardedDataParallel::abandon_interrupted_backward() {
+  if (!in_backward_) return;
+  in_backward_ = false;
+  if (!backward_order_known_) backward_order_.clear();  // the first backward records again
+  std::vector<std::shared_ptr<Work>> issued;
+  for (size_t i = reductions_finished_; i < reduce_order_.size(); ++i)
+    issued.push_back(std::move(units_[reduce_order_[i]]->reduce_work));
+  reduce_order_.clear();
+  reductions_finished_ = 0;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = *units_[u];
+    for (auto& [pname, p] : unit.params)
+      if (p.grad().is_alias_of(unit.full_grad)) p.set_grad(Tensor());
+    unit.full_grad = Tensor();
+    unit.prepared = false;
+    unit.pending = 0;
+    reshard(u);
+  }
+  for (auto& work : issued) work->wait(options_.timeout);
+  for (auto& unit : units_) unit->reduce_output = Tensor();
 }
 
 float FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_type, bool error_if_nonfinite) {

@@ -191,6 +191,9 @@ class FullyShardedDataParallel : public nn::Module {
   void reduce(size_t u);
   void finish_reduction(size_t u);
   void finish_backward();
+  // Note [Interrupted backward] in reducer.cpp: after a backward that ended by an exception,
+  // waits for the reductions it issued, drops them and every unit's full gradient, reshards.
+  void abandon_interrupted_backward();
   bool frees_after_forward(size_t u) const;
 
   std::shared_ptr<nn::Module> module_;

@@ -260,6 +260,28 @@ void Reducer::reset_iteration() {
   finalize_queued_ = false;
 }
 
+// Note [Interrupted backward]
+// An exception inside backward (a user's hook, an op, a comm hook) ends the pass, and the
+// engine drops the callbacks queued for its end: finalize never runs. The buckets launched
+// before the exception are in flight, and this Reducer still counts them as pending. The next
+// forward calls abandon_interrupted_backward: it waits for each launched bucket (every rank
+// whose backward got as far issued the same ones, so the group stays in step), drops the
+// results (the iteration failed; .grad holds partial sums, which zero_grad clears) and resets.
+// A rank whose backward did not throw is waiting in finalize for buckets the failed rank never
+// launched: it gets a TimeoutError that names the bucket. PyTorch's Reducer raises "Expected
+// to have finished reduction in the prior iteration" instead, and the process cannot train on.
+void Reducer::abandon_interrupted_backward() {
+  if (!finalize_queued_) return;
+  try {
+    for (Bucket& bucket : buckets_)
+      if (bucket.reduced) bucket.reduced->wait(options_.timeout);
+  } catch (...) {
+    reset_iteration();
+    throw;
+  }
+  reset_iteration();
+}
+
 // 2. A parameter's gradient is final for this backward.
 void Reducer::mark_ready(size_t k) {
   used_in_window_[k] = true;  // also inside no_sync: see Note [Unused parameters]

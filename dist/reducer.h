@@ -103,6 +103,12 @@ class Reducer {
   // the same step). Returns true when it re-planned; false, issuing nothing, when no
   // re-plan is due. Throws what the broadcast throws (DistError, TimeoutError).
   bool rebuild_buckets();
+  // Note [Interrupted backward] in reducer.cpp: when the last synced backward ended by an
+  // exception (its end-of-backward callback never ran), waits for the buckets it launched,
+  // drops their results and starts a fresh iteration; does nothing otherwise. DDP's forward
+  // calls it first. Throws what the waits throw (DistError, TimeoutError: a rank that did not
+  // launch the same buckets).
+  void abandon_interrupted_backward();
   // Whether rebuild_buckets has re-planned: bucket_plan() is then the rebuilt plan, final.
   bool buckets_rebuilt() const { return rebuilt_; }
 

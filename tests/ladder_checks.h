@@ -12,6 +12,7 @@
 #include <cmath>
 #include <memory>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -149,11 +150,31 @@ inline std::string differences(const nn::StateDict& got, const nn::StateDict& wa
   return report.str();
 }
 
+// Runs one forward and a backward that a hook on the model's first parameter (the last
+// gradient backward computes, after the others were handed to the wrapper) ends by an
+// exception, on every rank; true when that exception came out of backward.
+inline bool interrupted_backward(nn::Module& wrapped, nn::Module& model, const Batch& b) {
+  Tensor first = model.parameters().front();
+  const int hook = first.register_post_accumulate_grad_hook(
+      [](Tensor&) { throw std::runtime_error("injected: backward interrupted"); });
+  bool thrown = false;
+  try {
+    cross_entropy(wrapped(b.x), b.y).backward();
+  } catch (const std::runtime_error& e) {
+    thrown = std::string(e.what()) == "injected: backward interrupted";
+  }
+  first.remove_hook(hook);
+  return thrown;
+}
+
 // rung: naive, flat, overlap, buckets (DDP), zero1 (DDP + ZeroRedundancyOptimizer) or fsdp.
 // Trains kSteps steps of every model on this rank's share, rank 1 starting from other weights
 // (construction must replace them by rank 0's); "" when the parameters equal one process's.
-inline std::string equals_one_process(const std::string& rung,
-                                      const std::shared_ptr<dist::ProcessGroup>& pg) {
+// interrupt_first: the first step is preceded by a backward that a hook ends by an exception
+// on every rank (Note [Interrupted backward] in dist/reducer.cpp); the steps after it must
+// not notice.
+inline std::string equals_one_process(const std::string& rung, const std::shared_ptr<dist::ProcessGroup>& pg,
+                                      bool interrupt_first = false) {
   const int rank = pg->rank(), world = pg->size();
   std::string problems;
   for (const Model& kind : models()) {
@@ -180,6 +201,10 @@ inline std::string equals_one_process(const std::string& rung,
       wrapped = ladder_rung.get();
       opt = make_sgd(ladder_rung->parameters());
     }
+    if (interrupt_first &&
+        !interrupted_backward(*wrapped, *model, share(global_batch(kSteps, kind.features), rank, world)))
+      problems += "rank " + std::to_string(rank) + " " + rung + ", " + kind.name +
+                  ": the hook's exception did not come out of backward\n";
     for (int s = 0; s < kSteps; ++s) {
       const Batch b = share(global_batch(s, kind.features), rank, world);
       opt->zero_grad();

@@ -75,6 +75,21 @@ TEST_CASE("2 ranks: every rung (naive, flat, overlap, buckets, zero1, fsdp) equa
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE("2 ranks: after a backward that a hook ends by an exception on every rank, every rung trains on as if it had not happened") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(
+      2,
+      [&](int rank) {
+        auto pg = testing::join(rank, 2, port);
+        for (const char* rung : kRungs) {
+          const std::string problem = equals_one_process(rung, pg, /*interrupt_first=*/true);
+          expect(problem.empty(), problem);
+        }
+      },
+      240s);
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("one step of the MLP: naive 4 all_reduces, flat 1, overlap 4, buckets 1, of 228 bytes in all; the same accumulated over 3 micro-batches") {
   // The MLP's 4 parameters hold 57 floats: 228 bytes, whatever the number of calls.
   CHECK(kMlpGradientBytes == 228);

@@ -38,6 +38,19 @@ class OverlapDataParallel : public Rung {
     for (size_t i = 0; i < params_.size(); ++i) params_[i].second.remove_hook(hook_ids_[i]);
   }
 
+  // A backward that ended by an exception never ran wait_for_all (the engine drops the
+  // callbacks of a failed pass): its all_reduces are waited for here, and dropped, so that
+  // every rank that got as far stays in step (Note [Interrupted backward] in dist/reducer.cpp).
+  Tensor forward(const Tensor& input) override {
+    if (!in_flight_.empty()) {
+      std::vector<std::shared_ptr<dist::Work>> interrupted;
+      interrupted.swap(in_flight_);
+      launched_us_.clear();
+      for (auto& work : interrupted) work->wait(timeout_);
+    }
+    return Rung::forward(input);
+  }
+
   // The waiting happened at the end of backward: here only the check that every parameter
   // was reduced.
   void finish_gradient_sync() override {
