@@ -93,6 +93,12 @@ class StagingGroup : public ProcessGroup {
     return inner_->new_collective_buffer(numel, dtype, device);
   }
 
+  // Staging issues the inner collective within the call: the guard reaches the inner one.
+  std::shared_ptr<Work> start_guarded(CollectiveGuard guard,
+                                      const std::function<std::shared_ptr<Work>()>& start) override {
+    return inner_->start_guarded(std::move(guard), start);
+  }
+
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
     if (!staged({tensor})) return inner_->all_reduce(tensor, op);
     Tensor host = copy_in(tensor);

@@ -39,6 +39,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -107,6 +108,15 @@ struct MovedBytes {
 constexpr std::chrono::milliseconds kDefaultTimeout = std::chrono::minutes(5);
 
 // One issued collective (c10d::Work).
+// What the collective check hands a backend that runs the check itself (Note [Fused collective
+// check] in dist/process_group_checked.cpp): this rank's fingerprint of the coming collective,
+// and what to do with the table of every rank's fingerprints (rank-major, as many int64s per
+// rank as `fingerprint` holds). verify throws DistError when the ranks disagree.
+struct CollectiveGuard {
+  std::vector<int64_t> fingerprint;
+  std::function<void(const std::vector<int64_t>& table)> verify;
+};
+
 class Work {
  public:
   virtual ~Work() = default;
@@ -192,6 +202,19 @@ class ProcessGroup {
   // DDP's trace and --explain then time a bucket's all-reduce from the wait that runs it,
   // not from its launch: launched early, it still hides nothing.
   virtual bool collectives_run_in_wait() const { return false; }
+
+  // Note [Fused collective check] in dist/process_group_checked.cpp: issues the collective
+  // that `start` issues on this group, preceded, in the same unit of the backend's progress,
+  // by an all-gather of guard.fingerprint and guard.verify on the table. When verify throws,
+  // the collective does not run and the returned Work's wait() rethrows it. Returns null,
+  // without calling start, where the backend cannot (the default): the check then exchanges
+  // the fingerprints with a collective of its own. One caller at a time.
+  virtual std::shared_ptr<Work> start_guarded(CollectiveGuard guard,
+                                              const std::function<std::shared_ptr<Work>()>& start) {
+    (void)guard;
+    (void)start;
+    return nullptr;
+  }
 
   // Bytes this rank really moved, and which all-reduce algorithm ran (MovedBytes); the base
   // class measures nothing.

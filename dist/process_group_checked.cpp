@@ -22,6 +22,17 @@
 // check" rows). Turn it off with InitOptions::check_collectives = false or
 // NANODDP_CHECK_COLLECTIVES=0.
 //
+// Note [Fused collective check]
+// Where the backend runs its collectives in order on a thread of its own (Gloo), the
+// fingerprint all-gather, the comparison and the collective run as one task there
+// (ProcessGroup::start_guarded): the caller's thread takes no part between them, and the
+// collective starts the moment the fingerprints are in, instead of at the caller's next poll
+// or wait. The guarantees are the same: every rank all-gathers the same fixed-size
+// fingerprint, sees the same table, and on a mismatch none runs the collective. A rank
+// whose peer never arrives waits in that task until the group's timeout. Other backends
+// return null and keep the deferred exchange below: shm and MPI run a collective on the
+// caller's thread, where the two steps cost no hand-off.
+//
 // Note [Deferred check]
 // A collective returns its Work at once and never waits for the peers: the call joins the
 // group's queue of unsettled calls. The queue moves whenever this group is touched (a call,
@@ -73,6 +84,23 @@ std::string describe_call(const int64_t* f) {
   if (kind == CallKind::AllGather || kind == CallKind::ReduceScatter) out << f[5] << " x ";
   out << f[4] << " " << (f[3] < 0 ? "undefined" : dtype_name(static_cast<DType>(f[3])));
   return out.str();
+}
+
+// Throws the DistError every rank reports when the table (every rank's fingerprint, rank-major)
+// holds one that differs from `mine`; returns when all are the same.
+void throw_on_mismatch(const std::string& description, const std::vector<int64_t>& mine,
+                       const std::vector<int64_t>& table) {
+  const int world = static_cast<int>(table.size() / kFingerprintFields);
+  bool same = true;
+  for (int r = 0; r < world; ++r)
+    same = same && std::equal(mine.begin(), mine.end(), table.begin() + r * kFingerprintFields);
+  if (same) return;
+  std::ostringstream calls;
+  for (int r = 0; r < world; ++r)
+    calls << (r ? "; " : "") << "rank " << r << ": " << describe_call(table.data() + r * kFingerprintFields);
+  NANODDP_THROW(DistError, description, ": ranks called different collectives as #", mine[0], " (", calls.str(),
+                "). Every rank must issue the same collectives in the same order, with the same sizes, "
+                "dtypes and ops; none of these calls was started, so the group is still in step");
 }
 
 class CheckedWork;
@@ -160,38 +188,22 @@ class CheckedWork : public Work {
       return;
     }
     settled_ = true;
-    const int world = static_cast<int>(received_.size());
     std::vector<int64_t> table;
-    bool same = true;
-    for (int r = 0; r < world; ++r) {
-      const std::vector<int64_t> theirs = received_[r].to(Device::cpu()).to_int_vector();
-      same = same && theirs == mine_;
-      table.insert(table.end(), theirs.begin(), theirs.end());
+    for (const Tensor& theirs : received_) {
+      const std::vector<int64_t> fields = theirs.to(Device::cpu()).to_int_vector();
+      table.insert(table.end(), fields.begin(), fields.end());
     }
     received_.clear();
     fingerprints_ = nullptr;
-    if (same) {
-      try {
-        real_ = start_();
-      } catch (...) {
-        error_ = std::current_exception();  // the backend refused it: this work's wait reports it
-      }
-      start_ = nullptr;
-      return;
-    }
-    start_ = nullptr;  // no rank starts it: the group stays in step
-    std::ostringstream calls;
-    for (int r = 0; r < world; ++r)
-      calls << (r ? "; " : "") << "rank " << r << ": "
-            << describe_call(table.data() + r * kFingerprintFields);
+    // On a mismatch no rank starts the call, so the group stays in step; when the backend
+    // refuses the call, this work's wait reports that.
     try {
-      NANODDP_THROW(DistError, description_, ": ranks called different collectives as #", mine_[0], " (",
-                    calls.str(),
-                    "). Every rank must issue the same collectives in the same order, with the same sizes, "
-                    "dtypes and ops; none of these calls was started, so the group is still in step");
+      throw_on_mismatch(description_, mine_, table);
+      real_ = start_();
     } catch (...) {
       error_ = std::current_exception();
     }
+    start_ = nullptr;
   }
 
   bool settled() const { return settled_; }
@@ -320,6 +332,13 @@ class CheckedProcessGroup : public ProcessGroup {
                                  tensor.defined() ? static_cast<int64_t>(tensor.dtype()) : -1,
                                  tensor.defined() ? tensor.numel() : 0,
                                  extra};
+    // Note [Fused collective check]. Nothing is ever queued here on such a backend.
+    if (state_->unsettled.empty()) {
+      CollectiveGuard guard{mine, [description = describe(what, tensor), mine](const std::vector<int64_t>& table) {
+                              throw_on_mismatch(description, mine, table);
+                            }};
+      if (auto fused = state_->inner->start_guarded(std::move(guard), start)) return fused;
+    }
     auto work =
         std::make_shared<CheckedWork>(describe(what, tensor), std::move(mine), std::move(start), state_);
     state_->unsettled.push_back(work);

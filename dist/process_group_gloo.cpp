@@ -44,6 +44,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <type_traits>
@@ -206,6 +207,17 @@ struct GlooRunner {
   }
 
   uint32_t next_tag() { return tag++; }
+
+  // Every rank's `mine` (all the same length), rank-major.
+  std::vector<int64_t> all_gather(const std::vector<int64_t>& mine) {
+    std::vector<int64_t> table(mine.size() * static_cast<size_t>(world_size));
+    gloo::AllgatherOptions opts(context);
+    opts.setInput(const_cast<int64_t*>(mine.data()), mine.size());
+    opts.setOutput(table.data(), table.size());
+    prepare(opts);
+    gloo::allgather(opts);
+    return table;
+  }
 
   template <typename Options>
   void prepare(Options& opts) {
@@ -527,6 +539,23 @@ class ProcessGroupGloo : public ProcessGroup {
     });
   }
 
+  // Note [Fused collective check]: the collective's task first all-gathers the fingerprints
+  // and verifies them. A call that queues nothing (an empty tensor) still queues the guard:
+  // the peers' tasks wait for this rank's fingerprint.
+  std::shared_ptr<Work> start_guarded(CollectiveGuard guard,
+                                      const std::function<std::shared_ptr<Work>()>& start) override {
+    guard_ = std::move(guard);
+    std::shared_ptr<Work> work;
+    try {
+      work = start();
+    } catch (...) {
+      guard_.reset();
+      throw;
+    }
+    if (guard_) work = enqueue(where() + ": collective check", [](GlooRunner&) {});
+    return work;
+  }
+
   std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {
     return point_to_point(tensor, dst, tag, true);
   }
@@ -572,6 +601,13 @@ class ProcessGroupGloo : public ProcessGroup {
   std::shared_ptr<Work> enqueue(std::string description, GlooTask task) {
     NANODDP_CHECK(!runner_->broken, DistError, description,
                   ": the group is unusable after an earlier timeout");
+    if (guard_) {
+      task = [guard = std::move(*guard_), task = std::move(task)](GlooRunner& runner) {
+        guard.verify(runner.all_gather(guard.fingerprint));
+        task(runner);
+      };
+      guard_.reset();
+    }
     auto work = std::make_shared<GlooWork>(std::move(description), std::move(task), runner_);
     queue_->push(work);
     return work;
@@ -581,6 +617,7 @@ class ProcessGroupGloo : public ProcessGroup {
   std::shared_ptr<GlooRunner> runner_ = std::make_shared<GlooRunner>();
   std::shared_ptr<GlooQueue> queue_ = std::make_shared<GlooQueue>();
   std::thread worker_;
+  std::optional<CollectiveGuard> guard_;  // set only inside start_guarded: the next task's
 };
 
 }  // namespace
