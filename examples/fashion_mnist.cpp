@@ -460,6 +460,9 @@ std::string flags_problem(const Config& config) {
   if (config.momentum && config.optimizer != "sgd")
     return "--momentum applies to --optimizer sgd only (Adam's betas play its part)";
   if (config.resume && config.checkpoint.empty()) return "--resume needs --checkpoint FILE";
+  if (config.accumulate > config.batch_size)
+    return "--accumulate " + std::to_string(config.accumulate) + " is more micro-batches than --batch-size " +
+           std::to_string(config.batch_size) + " has examples: each micro-batch needs at least one";
   if ((config.batch_norm || config.sync_batch_norm) && !config.export_path.empty())
     return std::string(config.sync_batch_norm ? "--sync-batch-norm" : "--batch-norm") +
            " adds layers that --export's model description (PyTorch's recipe) does not have";

@@ -346,6 +346,9 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   r = run_with({"--optimizer", "adam", "--momentum", "0.9"});
   CHECK(r.code() == 2);
   CHECK(r.err.find("--momentum applies to --optimizer sgd only") != std::string::npos);
+  r = run_with({"--batch-size", "4", "--accumulate", "5"});
+  CHECK(r.code() == 2);
+  CHECK(r.err.find("--accumulate 5 is more micro-batches than --batch-size 4 has examples") != std::string::npos);
   r = run_with({"--epochs", "2", "--warmup-epochs", "2"});
   CHECK(r.code() == 2);
   CHECK(r.err.find("--warmup-epochs 2 leaves no epoch after the warm-up of --epochs 2") != std::string::npos);
