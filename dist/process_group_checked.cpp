@@ -47,12 +47,15 @@
 // wait() moves the queue up to its own call, waiting (up to the timeout) on each fingerprint
 // on the way. A mismatch is reported by the mismatched work's wait(), on every rank.
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <functional>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
 #include "core/error.h"
+#include "dist/launcher_link.h"
 #include "dist/process_group.h"
 
 namespace nanoddp::dist {
@@ -113,6 +116,14 @@ struct CheckState {
   std::deque<std::shared_ptr<CheckedWork>> unsettled;
   int64_t seq = 0;
   std::chrono::milliseconds timeout{};  // the group's: no wait through this group lasts longer
+  std::string store_prefix;             // this group's keys in the store (Note [Naming the straggler])
+
+  // Note [Naming the straggler]: " rank 1 did not reach <call> ..." for the ranks that did
+  // not say within kStragglerGrace that they reached call #mine[0], or "" (all did, or the
+  // group has no store).
+  std::string stragglers(const std::vector<int64_t>& mine);
+  // Writes that this rank reached call #mine[0]; never throws.
+  void say_reached(const std::vector<int64_t>& mine);
 
   // Moves the queue: issues the oldest call's fingerprints, settles it once they arrived,
   // and goes on with the next. until == null: never waits, stops at the first fingerprint
@@ -120,6 +131,21 @@ struct CheckState {
   // settled, then goes on without waiting. Held: mutex.
   void advance(const CheckedWork* until, std::chrono::milliseconds timeout);
 };
+
+// Rethrows the error a wait on call `mine` ended with (the current exception); a TimeoutError
+// gains the ranks that never reached the call (Note [Naming the straggler]).
+[[noreturn]] void rethrow_naming_stragglers(CheckState& state, const std::vector<int64_t>& mine) {
+  try {
+    throw;
+  } catch (const TimeoutError& e) {
+    const std::string named = state.stragglers(mine);
+    if (named.empty()) throw;
+    NANODDP_THROW(TimeoutError, e.what(), ";", named);
+  } catch (const DistError&) {
+    state.say_reached(mine);  // failed here for another reason (the group aborted): not a straggler
+    throw;
+  }
+}
 
 class CheckedWork : public Work {
  public:
@@ -131,6 +157,14 @@ class CheckedWork : public Work {
         state_(std::move(state)) {}
 
   void wait(std::chrono::milliseconds timeout) override {
+    try {
+      wait_for_call(timeout);
+    } catch (const DistError&) {
+      rethrow_naming_stragglers(*state_, mine_);
+    }
+  }
+
+  void wait_for_call(std::chrono::milliseconds timeout) {
     timeout = std::min(timeout, state_->timeout);
     const auto begin = std::chrono::steady_clock::now();
     {
@@ -229,6 +263,78 @@ class CheckedWork : public Work {
   std::exception_ptr error_;    // the mismatch, when there was one
 };
 
+// The fused path's work (Note [Fused collective check]): the backend's, with stragglers named.
+class FusedWork : public Work {
+ public:
+  FusedWork(std::shared_ptr<Work> inner, std::vector<int64_t> mine, std::shared_ptr<CheckState> state)
+      : inner_(std::move(inner)), mine_(std::move(mine)), state_(std::move(state)) {}
+  void wait(std::chrono::milliseconds timeout) override {
+    try {
+      inner_->wait(std::min(timeout, state_->timeout));
+    } catch (const DistError&) {
+      rethrow_naming_stragglers(*state_, mine_);
+    }
+  }
+  bool is_completed() override { return inner_->is_completed(); }
+
+ private:
+  std::shared_ptr<Work> inner_;
+  std::vector<int64_t> mine_;
+  std::shared_ptr<CheckState> state_;
+};
+
+// Note [Naming the straggler]
+// A collective that times out names the waiting rank; the rank at fault is the one that did
+// not come (stopped by SIGSTOP, stuck in a deadlock of its own, or on a slow disk): it is
+// alive, so no connection closes and nothing else names it. So a rank whose wait on call #k
+// timed out writes "reached" for #k into the store, and waits up to kStragglerGrace for every
+// other rank's key: the ranks that reached #k time out within a moment of each other and
+// write theirs. The ranks whose key is missing are named in the TimeoutError, with the call,
+// and the first of them is reported to the launcher as the rank this one lost (Note
+// [Launcher link]). A rank that dies is still named the way it was (a closed connection, a
+// pid gone); MPI has no store, and its timeout stays as it was.
+constexpr std::chrono::milliseconds kStragglerGrace{1000};
+
+std::string reached_key(const std::string& prefix, int64_t seq) { return prefix + "reached/" + std::to_string(seq) + "/"; }
+
+void CheckState::say_reached(const std::vector<int64_t>& mine) {
+  try {
+    inner->store().set(reached_key(store_prefix, mine[0]) + std::to_string(inner->rank()), std::string("1"));
+  } catch (const std::exception&) {
+    // no store (MPI), or it is gone too: nobody can read it
+  }
+}
+
+std::string CheckState::stragglers(const std::vector<int64_t>& mine) {
+  const int rank = inner->rank(), world = inner->size();
+  std::vector<int> missing;
+  say_reached(mine);
+  try {
+    Store& store = inner->store();
+    const std::string call = reached_key(store_prefix, mine[0]);
+    const auto deadline = std::chrono::steady_clock::now() + std::min(kStragglerGrace, timeout);
+    while (true) {
+      missing.clear();
+      for (int r = 0; r < world; ++r)
+        if (r != rank && !store.check({call + std::to_string(r)})) missing.push_back(r);
+      if (missing.empty() || std::chrono::steady_clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  } catch (const std::exception&) {
+    return "";  // no store, or the store is gone too: nothing more to say
+  }
+  if (missing.empty()) return "";
+  report_lost_peer(rank, missing.front());
+  std::ostringstream ranks;
+  for (size_t i = 0; i < missing.size(); ++i) ranks << (i ? ", " : "") << missing[i];
+  std::ostringstream text;
+  text << " straggler: " << (missing.size() == 1 ? "rank " : "ranks ") << ranks.str() << " never reached "
+       << describe_call(mine.data()) << " (the ranks waiting there said so in the store within "
+       << std::min(kStragglerGrace, timeout).count() << " ms; " << (missing.size() == 1 ? "it" : "they")
+       << " did not: stopped, stuck elsewhere, or slow)";
+  return text.str();
+}
+
 void CheckState::advance(const CheckedWork* until, std::chrono::milliseconds timeout) {
   bool waiting = until != nullptr;
   while (!unsettled.empty()) {
@@ -241,12 +347,16 @@ void CheckState::advance(const CheckedWork* until, std::chrono::milliseconds tim
   }
 }
 
+std::atomic<int> next_checked_group_id{0};
+
 class CheckedProcessGroup : public ProcessGroup {
  public:
   CheckedProcessGroup(std::shared_ptr<ProcessGroup> inner, std::chrono::milliseconds timeout)
       : ProcessGroup(inner->rank(), inner->size()) {
     state_->inner = std::move(inner);
     state_->timeout = timeout;
+    // Checked groups are made in the same order on every rank: the count names the same one.
+    state_->store_prefix = "check/" + std::to_string(next_checked_group_id++) + "/";
   }
   // Calls never waited on and not yet settled are dropped, never started (their works hold
   // the state: this also breaks that cycle).
@@ -337,7 +447,8 @@ class CheckedProcessGroup : public ProcessGroup {
       CollectiveGuard guard{mine, [description = describe(what, tensor), mine](const std::vector<int64_t>& table) {
                               throw_on_mismatch(description, mine, table);
                             }};
-      if (auto fused = state_->inner->start_guarded(std::move(guard), start)) return fused;
+      if (auto fused = state_->inner->start_guarded(std::move(guard), start))
+        return std::make_shared<FusedWork>(std::move(fused), std::move(mine), state_);
     }
     auto work =
         std::make_shared<CheckedWork>(describe(what, tensor), std::move(mine), std::move(start), state_);
