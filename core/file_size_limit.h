@@ -12,7 +12,7 @@
 // caller's error path runs; a SIGXFSZ that the call raised meanwhile is taken off the thread
 // before the old mask returns, so it does not end the process after all. Every writer in the
 // library holds one: checkpoints and safetensors (nn/file_io.cpp), shared-memory segments
-// (dist/process_group_shm.cpp, which /dev/shm counts against the limit), trace files
+// (dist/shm_segment.cpp, which /dev/shm counts against the limit), trace files
 // (core/replace_file.cpp) and the examples' --metrics log.
 #pragma once
 

@@ -184,7 +184,7 @@ class ProcessGroup {
   // again (DDP's buckets). Collective: every rank calls it in the same order with the same
   // numel and dtype. shm places a CPU buffer in memory that every rank of the group maps, so
   // an all_reduce of the whole buffer reads the peers' buffers directly instead of copying
-  // through its ring slots (Note [Shm direct all-reduce] in process_group_shm.cpp); the base
+  // through its ring slots (Note [Shm direct all-reduce] in ring_shm.cpp); the base
   // class returns Tensor::zeros. Either way it is an ordinary tensor: any collective takes
   // it, and it stays valid after the group is gone. Like torch.distributed's
   // _symmetric_memory.empty followed by rendezvous. Throws DistError when ranks ask for
@@ -290,7 +290,7 @@ struct ShmOptions {
   std::string store_prefix;  // as GlooOptions::store_prefix; "" = "shm/<n>/"
 };
 // Ranks on one machine meet in one shared-memory segment, made through store and unnamed as
-// soon as every rank has mapped it (Note [Shm segment] in process_group_shm.cpp). all_reduce
+// soon as every rank has mapped it (Note [Shm segment] in shm_segment.h). all_reduce
 // is a ring reduce-scatter + all-gather; works run on the thread that waits for them (Note
 // [Shm progress]). Throws DistError when a rank is on another machine or /dev/shm is full.
 std::shared_ptr<ProcessGroup> make_shm_process_group(std::shared_ptr<Store> store,

@@ -13,7 +13,7 @@
 // ProcessGroupTwoLevel's constructor), each with store keys of its own: "shm/node<k>/" for
 // node k's shared-memory group, "gloo/leaders/" for the leaders, "gloo/world/" for all ranks.
 // Works run on the waiting thread in issue order, as the shm group's do (Note [Shm progress]
-// in process_group_shm.cpp).
+// in shm_progress.cpp).
 #include <deque>
 #include <functional>
 #include <mutex>

@@ -1,7 +1,7 @@
 // The ring all-reduce written on send and recv only: the algorithm every fast all-reduce
 // builds on, small enough to read in one sitting. For learning and for tests; the process
 // groups' own all_reduce is what DDP uses (the shm group runs the same ring over shared
-// memory, dist/process_group_shm.cpp).
+// memory, dist/ring_shm.cpp).
 //
 //   auto pg = dist::init_process_group();
 //   Tensor t = Tensor::ones({1000});

@@ -828,7 +828,7 @@ TEST_CASE("nanoddp-run --backend takes effect; a program flag that contradicts i
                 clash.err);
 #if NANODDP_WITH_MPI
   // The program's own --backend mpi under a launcher that starts ranks itself: each MPI sees a
-  // world of 1. The advice is the README's way to run MPI, the launcher's --backend mpi.
+  // world of 1. The advice is docs/backends.md's way to run MPI, the launcher's --backend mpi.
   const RunResult mpi = run({launcher_path(), "--nproc-per-node", "2", probe_path(), "report", "--backend", "mpi"}, 60s);
   CHECK(mpi.code() == 1);
   CHECK_MESSAGE(contains(mpi.err, "launch with nanoddp-run --nproc-per-node 2 --backend mpi (it starts the ranks "

@@ -9,7 +9,7 @@
 // Build flags: `pkg-config --cflags --libs nanoddp` for an installed copy, or
 // `dependency('nanoddp')` in Meson (installed, or nanoddp as a subproject). Both put
 // <prefix>/include/nanoddp on the include path too, because the headers include each other
-// as "core/tensor.h"; README "Use nanoddp in your own project" has a whole example.
+// as "core/tensor.h"; docs/install.md, "Use nanoddp in your own project", has a whole example.
 #pragma once
 
 #include "core/autograd.h"

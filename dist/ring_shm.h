@@ -1,0 +1,80 @@
+// The shared-memory group's algorithms, as process_group_shm.cpp calls them: the ring
+// (all-reduce, reduce-scatter, all-gather, broadcast over the segment's slots) and the direct
+// in-place all-reduce of a collective buffer. Their text is in ring_shm.cpp. Internal: not a
+// public header.
+//
+//   Ring ring{shm, envelope, deadline, what};
+//   ring.all_reduce(tensor, ReduceOp::Sum);                // reduce-scatter, then all-gather
+//   direct_all_reduce(shm, envelope, *buffer, dtype, op, deadline, what);
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/tensor.h"
+#include "dist/process_group.h"
+#include "dist/shm_segment.h"
+
+namespace nanoddp::dist::shm {
+
+// out[i] = out[i] (op) in[i] for n elements of one dtype.
+using ReduceFn = void (*)(void*, const void*, int64_t);
+// The element-wise reduction for dtype and op (Avg sums; the caller divides at the end).
+ReduceFn reduce_fn(DType dtype, ReduceOp op);
+// tensor (float32) /= world_size, element by element.
+void divide(Tensor& tensor, int world_size);
+
+inline uint8_t* bytes_of(const Tensor& t) { return static_cast<uint8_t*>(t.impl()->storage->data()); }
+
+// The N parts a ring works on: part p is numel[p] elements at data[p].
+struct Parts {
+  std::vector<uint8_t*> data;
+  std::vector<int64_t> numel;
+  size_t element_size = 4;
+
+  // One buffer cut into N parts of ceil(numel / N) elements (the last ones shorter or empty).
+  static Parts of_buffer(uint8_t* data, int64_t numel, size_t element_size, int n);
+  // Every step moves this many pieces (the same on every rank; pieces past a short part's end
+  // are empty but still travel, which keeps the channel counters in step).
+  int64_t pieces() const;
+  // Elements [first, first + count) of piece i of part p.
+  std::pair<int64_t, int64_t> piece(int p, int64_t i) const;
+};
+
+// One collective's run of the ring on this rank: its envelope, its deadline, and `what`, the
+// text every error opens with.
+struct Ring {
+  ShmSegment& shm;
+  Envelope envelope;
+  Clock::time_point deadline;
+  const std::string& what;
+
+  int rank() const { return shm.rank(); }
+  int n() const { return shm.world_size(); }
+  int right() const;
+  int left() const;
+
+  // Afterwards rank r holds part r reduced over all ranks: N-1 steps, (N-1)/N of the data sent.
+  void reduce_scatter(Parts& parts, ReduceFn reduce);
+  // Starting from rank r holding part r, every rank gets every part: N-1 steps, (N-1)/N sent.
+  void all_gather(Parts& parts);
+  // tensor reduced in place over all ranks: reduce_scatter, then all_gather.
+  void all_reduce(Tensor& tensor, ReduceOp op);
+  // root's buffer travels the ring root -> root+1 -> ... -> root-1, piece by piece.
+  void broadcast(uint8_t* data, int64_t numel, size_t element_size, int root);
+
+ private:
+  void step(Parts& parts, int out, int in,
+            const std::function<void(uint8_t*, const uint8_t*, int64_t)>& combine);
+};
+
+// Every rank's buffer holds its input; afterwards every rank's holds the reduced result
+// (Note [Shm direct all-reduce]). Throws as ShmSegment's waits do, and DistError when the
+// ranks are not at the same all-reduce of the same buffer.
+void direct_all_reduce(ShmSegment& shm, const Envelope& envelope, SharedBuffer& buffer, DType dtype,
+                       ReduceOp op, Clock::time_point deadline, const std::string& what);
+
+}  // namespace nanoddp::dist::shm

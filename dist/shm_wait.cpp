@@ -1,0 +1,101 @@
+// What the shared-memory group's waiting is made of (Note [Shm waiting] in shm_wait.h): the
+// futex doorbells a rank rings and sleeps on, the abort flag that ends every rank's wait with
+// the first rank's reason, and the checks that a peer is still alive.
+#include "dist/shm_wait.h"
+
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <fstream>
+
+#include "dist/launcher_link.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace nanoddp::dist::shm {
+
+namespace {
+
+void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#else
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+#endif
+}
+
+}  // namespace
+
+long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
+  // Not FUTEX_PRIVATE_FLAG: the word is shared between processes.
+  return ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
+}
+
+bool process_alive(int pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  if (!std::getline(stat, text)) return ::kill(pid, 0) == 0 || errno == EPERM;
+  size_t paren = text.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= text.size()) return true;
+  char state = text[paren + 2];
+  return state != 'Z' && state != 'X';
+}
+
+void ShmSegment::ring(int r, bool always_wake) {
+  Doorbell& bell = info(r).bell;
+  bell.rings.fetch_add(1);
+  if (always_wake || bell.sleepers.load() > 0) futex(&bell.rings, FUTEX_WAKE, INT32_MAX, nullptr);
+}
+
+void ShmSegment::doze(uint32_t since, int peer, Clock::time_point deadline, const std::string& what) {
+  wait_until([&] { return info(rank_).bell.rings.load() != since; }, peer, deadline, what);
+}
+
+void ShmSegment::mark_aborted(const std::string& why, int lost_rank) {
+  uint32_t expected = 0;
+  if (header_->abort_state.compare_exchange_strong(expected, 1)) {
+    std::snprintf(header_->abort_message, kAbortMessageBytes, "%s", why.c_str());
+    header_->abort_rank = rank_;
+    header_->abort_lost_rank = lost_rank;
+    header_->abort_state.store(2);
+    for (int r = 0; r < world_size_; ++r)
+      if (r != rank_) ring(r, /*always_wake=*/true);
+  }
+}
+
+void ShmSegment::abort(const std::string& why, int lost_rank) {
+  mark_aborted(why, lost_rank);
+  NANODDP_THROW(DistError, why);
+}
+
+void ShmSegment::check_abort(const std::string& what) {
+  if (header_->abort_state.load(std::memory_order_acquire) == 0) return;
+  while (header_->abort_state.load() != 2) cpu_relax();  // the message is being written
+  // Said before the throw, as Note [Launcher link] needs: this rank fails by that loss too.
+  if (header_->abort_lost_rank >= 0) report_lost_peer(rank_, header_->abort_lost_rank);
+  NANODDP_THROW(DistError, what, ": the group was aborted by rank ", header_->abort_rank, ": ",
+                header_->abort_message);
+}
+
+bool ShmSegment::peers_alive(int peer) {
+  for (int r = peer < 0 ? 0 : peer; r < (peer < 0 ? world_size_ : peer + 1); ++r)
+    if (r != rank_ && watch_pids_ && !process_alive(info(r).pid)) return false;
+  return true;
+}
+
+void ShmSegment::check_alive(int peer, const std::string& what) {
+  for (int r = peer < 0 ? 0 : peer; r < (peer < 0 ? world_size_ : peer + 1); ++r) {
+    if (r == rank_ || !watch_pids_ || process_alive(info(r).pid)) continue;
+    report_lost_peer(rank_, r);  // before the throw: Note [Launcher link]
+    abort(what + ": rank " + std::to_string(r) + " (pid " + std::to_string(info(r).pid) +
+          ") exited in the middle of the job", r);
+  }
+}
+
+}  // namespace nanoddp::dist::shm
