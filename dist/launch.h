@@ -92,7 +92,7 @@ std::string signal_name(int signal);
 int pick_free_port(const std::string& addr);
 
 // Sets options.job_id and options.store_token, which the ranks' store checks (Note [Store wire
-// format] in dist/store.cpp): each from NANODDP_JOB_ID / NANODDP_STORE_TOKEN when the launcher's
+// format] in dist/store_wire.cpp): each from NANODDP_JOB_ID / NANODDP_STORE_TOKEN when the launcher's
 // own environment has it (every node of a multi-node job must be given the same) and was not
 // inherited from an outer launcher, else, for a one-node job, a fresh random one (64 and 256 bits from getrandom). A multi-node job without
 // them runs unchecked, and rank 0 warns. Throws DistError when getrandom fails.
