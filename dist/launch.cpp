@@ -112,7 +112,7 @@ int pick_free_port(const std::string& addr) {
 }
 
 std::vector<std::pair<std::string, std::string>> rank_env(const LaunchOptions& options, int local_rank,
-                                                          int master_port) {
+                                                          int master_port, int restart_count) {
   const int rank = options.node_rank * options.nproc_per_node + local_rank;
   std::vector<std::pair<std::string, std::string>> env = {
       {"RANK", std::to_string(rank)},
@@ -126,6 +126,7 @@ std::vector<std::pair<std::string, std::string>> rank_env(const LaunchOptions& o
   if (!options.backend.empty()) env.emplace_back("NANODDP_BACKEND", options.backend);
   if (!options.job_id.empty()) env.emplace_back("NANODDP_JOB_ID", options.job_id);
   if (!options.store_token.empty()) env.emplace_back("NANODDP_STORE_TOKEN", options.store_token);
+  env.emplace_back("NANODDP_RESTART_COUNT", std::to_string(restart_count));
   return env;
 }
 
@@ -197,6 +198,7 @@ void check_options(const LaunchOptions& o, const std::vector<std::string>& progr
                 ValueError, "launch: --backend must be auto, shm, shm+gloo, gloo, mpi or nccl, got '", o.backend,
                 "'");
   NANODDP_CHECK(o.grace_period.count() >= 0, ValueError, "launch: negative grace period");
+  NANODDP_CHECK(o.max_restarts >= 0, ValueError, "launch: --max-restarts must be >= 0, got ", o.max_restarts);
   // Each node's launcher would pick a different free port: they must be told one.
   NANODDP_CHECK(o.master_port != 0 || o.nnodes == 1, ValueError,
                 "launch: with --nnodes ", o.nnodes, " every node must use the same port: pass --master-port");
@@ -326,6 +328,65 @@ std::vector<std::string> mpirun_command(const LaunchOptions& options, const std:
   return cmd;
 }
 
+// Note [Restart rounds]
+// With --max-restarts N (torchrun's flag and meaning) a failed group is stopped as after any
+// failure, then started again, whole, with the same ranks and world size, up to N times. Each
+// start is a round: its ranks see NANODDP_RESTART_COUNT = the round (torchrun's
+// TORCHELASTIC_RESTART_COUNT), and rank 0's store admits only ranks of its own round
+// (TCPStoreOptions::round). A rank left from an older start is refused at once; a rank of a
+// newer start that reaches the old group's server (still going on another node) connects again
+// until the new server is up. Nodes restart together because a failure ends every node's
+// group: a rank that loses a peer on another node fails too, and its own launcher restarts. A
+// node that does not restart (out of restarts, its launcher gone) leaves the new round short,
+// and the store's timeout names the ranks that never came. Only a failed rank restarts the
+// group: a signal to the launcher, its --timeout and a failed start end the job, as in
+// torchrun. The program resumes from its own checkpoint; the launcher keeps no state. Under
+// --backend mpi mpirun is the one child, and a restart starts mpirun again.
+namespace {
+
+// Starts one round of the group and supervises it until it ends.
+Outcome run_round(const LaunchOptions& options, const std::vector<std::string>& program, int port, int round,
+                  std::chrono::milliseconds timeout) {
+  ChildGroup::Options group_options;
+  group_options.grace_period = options.grace_period;
+  group_options.timeout = timeout;
+  ChildGroup group(group_options);
+
+  if (options.backend == "mpi") {
+    std::vector<std::string> cmd = mpirun_command(options, program, port);
+    const std::string restart_count = "NANODDP_RESTART_COUNT=" + std::to_string(round);
+    cmd.insert(cmd.begin() + 1, {"-x", restart_count});
+    const std::vector<char*> argv = to_argv(cmd);
+    const bool as_root = geteuid() == 0;
+    // false: the start failed or a signal came first; wait() reports it
+    (void)group.start(0, "mpirun", "", [&](int) {
+      // SIGTERM, not SIGKILL, when we die: mpirun then stops the ranks it started itself.
+      prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (as_root) {
+        setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+        setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+      }
+      exec_or_die(argv, "nanoddp-run");
+    });
+  } else {
+    std::vector<std::string> args = program;
+    const std::vector<char*> argv = to_argv(args);
+    for (int local = 0; local < options.nproc_per_node; ++local) {
+      const auto env = rank_env(options, local, port, round);
+      const int rank = options.node_rank * options.nproc_per_node + local;
+      const std::string name = "rank " + std::to_string(rank);
+      const bool started = group.start(rank, name, "[" + name + "] ", [&](int) {
+        for (const auto& [key, value] : env) setenv(key.c_str(), value.c_str(), 1);
+        exec_or_die(argv, "nanoddp-run");
+      });
+      if (!started) break;  // wait() terminates the ranks already started and says why
+    }
+  }
+  return group.wait();
+}
+
+}  // namespace
+
 int launch(const LaunchOptions& given, const std::vector<std::string>& program) {
   check_options(given, program);
   LaunchOptions options = given;
@@ -345,51 +406,41 @@ int launch(const LaunchOptions& given, const std::vector<std::string>& program) 
                      ", which does not exist or cannot run; no rank was started\n");
     return exec_failure_code(ENOENT);  // the shell's 127 for a missing interpreter
   }
-  const int port = options.master_port != 0 ? options.master_port : pick_free_port(options.master_addr);
 
-  ChildGroup::Options group_options;
-  group_options.grace_period = options.grace_period;
-  group_options.timeout = options.timeout;
-  ChildGroup group(group_options);
-
-  if (use_mpi) {
-    std::vector<std::string> cmd = mpirun_command(options, program, port);
-    const std::vector<char*> argv = to_argv(cmd);
-    const bool as_root = geteuid() == 0;
-    // false: the start failed or a signal came first; wait() reports it
-    (void)group.start(0, "mpirun", "", [&](int) {
-      // SIGTERM, not SIGKILL, when we die: mpirun then stops the ranks it started itself.
-      prctl(PR_SET_PDEATHSIG, SIGTERM);
-      if (as_root) {
-        setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-        setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  // The job's --timeout spans every round (Note [Restart rounds]).
+  const auto started = Clock::now();
+  for (int round = 0;; ++round) {
+    std::chrono::milliseconds timeout{0};
+    if (options.timeout.count() > 0) {
+      timeout = options.timeout - std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started);
+      if (timeout.count() <= 0) {
+        write_all(2, "nanoddp-run: the job's timeout of " + format_ms(options.timeout) +
+                         " passed before restart " + std::to_string(round) + "\n");
+        return 124;
       }
-      exec_or_die(argv, "nanoddp-run");
-    });
-  } else {
-    std::vector<std::string> args = program;
-    const std::vector<char*> argv = to_argv(args);
-    for (int local = 0; local < options.nproc_per_node; ++local) {
-      const auto env = rank_env(options, local, port);
-      const int rank = options.node_rank * options.nproc_per_node + local;
-      const std::string name = "rank " + std::to_string(rank);
-      const bool started = group.start(rank, name, "[" + name + "] ", [&](int) {
-        for (const auto& [key, value] : env) setenv(key.c_str(), value.c_str(), 1);
-        exec_or_die(argv, "nanoddp-run");
-      });
-      if (!started) break;  // wait() terminates the ranks already started and says why
     }
+    // A fresh port for each round of a one-node job: the old rank 0's port may still be held.
+    const int port = options.master_port != 0 ? options.master_port : pick_free_port(options.master_addr);
+    const Outcome outcome = run_round(options, program, port, round, timeout);
+    switch (outcome.kind) {
+      case Outcome::Kind::AllSucceeded: return 0;
+      case Outcome::Kind::ChildFailed:
+        if (round < options.max_restarts) {
+          write_all(2, "nanoddp-run: restarting every rank (restart " + std::to_string(round + 1) + " of " +
+                           std::to_string(options.max_restarts) + ", NANODDP_RESTART_COUNT=" +
+                           std::to_string(round + 1) + ")\n");
+          continue;
+        }
+        if (options.max_restarts > 0)
+          write_all(2, "nanoddp-run: no restart left (--max-restarts " + std::to_string(options.max_restarts) +
+                           "): the job fails\n");
+        return outcome.failed_status.shell_code();
+      case Outcome::Kind::StartFailed: return 1;
+      case Outcome::Kind::TimedOut: return 124;
+      case Outcome::Kind::Interrupted: return 128 + outcome.signal;
+    }
+    return 1;
   }
-
-  const Outcome outcome = group.wait();
-  switch (outcome.kind) {
-    case Outcome::Kind::AllSucceeded: return 0;
-    case Outcome::Kind::ChildFailed: return outcome.failed_status.shell_code();
-    case Outcome::Kind::StartFailed: return 1;
-    case Outcome::Kind::TimedOut: return 124;
-    case Outcome::Kind::Interrupted: return 128 + outcome.signal;
-  }
-  return 1;
 }
 
 }  // namespace nanoddp::dist

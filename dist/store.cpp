@@ -27,6 +27,8 @@ TCPStore::TCPStore(const TCPStoreOptions& options) : options_(options) {
   NANODDP_CHECK(options.is_server || options.port != 0, ValueError,
                 detail::where(options.rank, options.world_size),
                 ": a store client needs the server's port, not 0");
+  NANODDP_CHECK(options.round >= 0, ValueError, detail::where(options.rank, options.world_size),
+                ": store round ", options.round, " is negative");
   std::string context = detail::where(options.rank, options.world_size);
   port_ = options.port;
   if (options.is_server) {

@@ -85,6 +85,11 @@ struct TCPStoreOptions {
   // init_process_group takes them from NANODDP_JOB_ID and NANODDP_STORE_TOKEN.
   std::string job_id;
   std::string token;
+  // Which start of the group this is (NANODDP_RESTART_COUNT, Note [Restart rounds] in
+  // launch.cpp), 0..INT_MAX. The server admits only clients of its own round: a client of an
+  // older round gets DistError at once; one of a newer round reached the old group's server,
+  // which is about to go, and connects again until `timeout` (then TimeoutError).
+  int round = 0;
   // The server listens on `host`'s address only (it must be an address of this machine); true:
   // on every interface, as PyTorch's TCPStore always does.
   bool listen_on_all_interfaces = false;

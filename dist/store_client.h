@@ -36,8 +36,21 @@ class TCPStore::Client {
  public:
   Client(const TCPStoreOptions& options, int port, const std::string& context)
       : context_(context + ": store " + options.host + ":" + std::to_string(port)), rank_(options.rank) {
-    connect(options.host, port, options.timeout, options.connect_notice_after, context);
-    hello(options);
+    // A newer round's rank may reach the old group's server while that one is still going
+    // (Note [Restart rounds]): it connects again until the timeout.
+    const auto deadline = Clock::now() + options.timeout;
+    uint32_t server_round = 0;
+    while (true) {
+      connect(options.host, port, options.timeout, options.connect_notice_after, context);
+      if (hello(options, server_round)) return;
+      fd_.reset();
+      NANODDP_CHECK(Clock::now() < deadline, TimeoutError, context_, ": this rank is of restart round ",
+                    options.round, " (NANODDP_RESTART_COUNT), but the store still serves round ", server_round,
+                    " after ", options.timeout.count(),
+                    " ms: the launcher of rank 0's node did not restart the group (every node's nanoddp-run "
+                    "needs the same --max-restarts)");
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
   }
 
   // Sends one request and returns its status byte; reply_tail(status, deadline) reads the
@@ -139,8 +152,9 @@ class TCPStore::Client {
     set_nodelay(fd_.get());
   }
 
-  // Steps 1-2 of Note [Store wire format].
-  void hello(const TCPStoreOptions& options) {
+  // Steps 1-2 of Note [Store wire format]. False: the server is of an older round
+  // (server_round), which is about to go; connect again.
+  bool hello(const TCPStoreOptions& options, uint32_t& server_round) {
     NANODDP_CHECK(options.job_id.size() <= kMaxIdentityBytes && options.token.size() <= kMaxIdentityBytes,
                   ValueError, context_, ": a job id or token longer than ", kMaxIdentityBytes, " bytes");
     std::vector<uint8_t> message;
@@ -150,6 +164,7 @@ class TCPStore::Client {
     put_str(message, options.token);
     put_u32(message, static_cast<uint32_t>(options.rank));
     put_u32(message, static_cast<uint32_t>(options.world_size));
+    put_u32(message, static_cast<uint32_t>(options.round));
     send_all(message, "hello");
     const auto deadline = Clock::now() + std::min(options.timeout, kReplyGrace);
     uint8_t reply[8];
@@ -184,6 +199,16 @@ class TCPStore::Client {
                     ": every node must start the same number of ranks (nanoddp-run --nproc-per-node) and agree "
                     "on --nnodes");
     }
+    if (status == kWrongRound) {
+      uint8_t theirs[4];
+      recv_exact(theirs, 4, deadline, "hello");
+      server_round = static_cast<uint32_t>(Reader{theirs, 4}.uint(4));
+      NANODDP_CHECK(server_round < static_cast<uint32_t>(options.round), DistError, context_,
+                    ": refused: this rank is of restart round ", options.round,
+                    " (NANODDP_RESTART_COUNT), but the group was restarted and the store serves round ",
+                    server_round, ": a rank of an earlier start must not join the new one");
+      return false;
+    }
     NANODDP_CHECK(status != kBadToken, DistError, context_,
                   ": refused: this rank does not have the job's secret token (NANODDP_STORE_TOKEN ",
                   options.token.empty() ? "is not set" : "differs", "); nanoddp-run gives its ranks one; "
@@ -193,6 +218,7 @@ class TCPStore::Client {
     recv_exact(pid, 4, deadline, "hello");
     server_pid_ = static_cast<int>(Reader{pid, 4}.uint(4));
     server_host_ = recv_identity(deadline);
+    return true;
   }
 
   std::string recv_identity(Clock::time_point deadline) {

@@ -4,14 +4,19 @@
 // Note [Store wire format]
 // Integers are little-endian, as on every host we build for (x86-64, AArch64).
 //   1. The client connects and sends a hello: u32 kMagic ("NDDP"), u32 kVersion, str job_id,
-//      str token (each <= kMaxIdentityBytes), i32 rank, i32 world_size (-1: not a rank).
+//      str token (each <= kMaxIdentityBytes), i32 rank, i32 world_size (-1: not a rank),
+//      u32 round (NANODDP_RESTART_COUNT: how many times the launcher restarted the group).
 //   2. The server answers u32 kMagic, u32 kVersion, then one status byte:
 //        kWelcome   then u32 server pid, str server host: the verbs may follow;
 //        kWrongJob  then str the server's job id: another job's rank reached this store;
 //        kBadToken  nothing: the client does not know the job's secret token;
 //        kWrongWorld then u32 the server's world size: a rank of this job with another world
 //                   size (nodes started with different --nproc-per-node); the server also
-//                   keeps the refusal under kRefusedKey, which a rank's timed-out wait quotes.
+//                   keeps the refusal under kRefusedKey, which a rank's timed-out wait quotes;
+//        kWrongRound then u32 the server's round: a rank of another start of the group. A rank
+//                   of an older round is stale (its launcher did not restart) and fails at
+//                   once; a rank of a newer round met the old group's server, which is about
+//                   to go, and retries until its connect timeout (Note [Restart rounds]).
 //      After a refusal, and after a wrong magic or version, the server closes the connection,
 //      so a port scanner, an HTTP client, a stranger without the token or another job's rank
 //      never reaches the verbs (no key can be read or written), and a client that reached

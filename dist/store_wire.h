@@ -56,10 +56,10 @@ namespace store_detail {
 using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kMagic = 0x5044444E;  // bytes 'N' 'D' 'D' 'P'
-constexpr uint32_t kVersion = 3;  // 2: the hello carries the job id and the token; 3: the rank and world size
+constexpr uint32_t kVersion = 4;  // 2: the hello carries the job id and the token; 3: the rank and world size; 4: the round
 constexpr uint32_t kMaxIdentityBytes = 256;  // a job id or a token in the hello
 
-enum Hello : uint8_t { kWelcome = 0, kWrongJob = 1, kBadToken = 2, kWrongWorld = 3 };
+enum Hello : uint8_t { kWelcome = 0, kWrongJob = 1, kBadToken = 2, kWrongWorld = 3, kWrongRound = 4 };
 // Where the server notes the ranks it refused for another world size (Note [Store wire format]).
 inline const char* const kRefusedKey = "nanoddp/refused";
 // Where it notes the rank of every client it admitted ("0,1,3,"), so that a wait that times out
