@@ -328,8 +328,9 @@ struct EpochProgress {
   std::vector<int64_t> samples;     // one per rank (steps > 0)
 };
 
-// A collective (the sharded strategies gather the state, and the ranks' progress is
-// gathered); rank 0 writes. `progress` is this rank's: loss_sum and samples are its own.
+// A collective (the sharded strategies gather the state; during an epoch, steps_in_epoch > 0,
+// the ranks' loss sums and samples are gathered too); rank 0 writes. loss_sum and samples are
+// this rank's.
 void save(const std::string& path, int epochs_done, int64_t steps_per_epoch, examples::ParallelModel& parallel,
           nn::Optimizer& optimizer, const std::string& optimizer_name, const Schedule& schedule, int rank,
           dist::ProcessGroup& pg, int64_t steps_in_epoch = 0, float loss_sum = 0, int64_t samples = 0) {
@@ -381,7 +382,6 @@ int64_t int64_entry(const nn::StateDict& state, const std::string& key, std::opt
 // --epochs as an uninterrupted run of this shape would (the checkpoint's own step counters
 // would leave the cosine off its curve and its recursive step diverging; a finished cosine
 // resumed for more epochs would stay at lr 0).
-//
 //
 // Note [Resuming mid-epoch]
 // A checkpoint saved during an epoch (--checkpoint-every) also holds the steps done in it and
