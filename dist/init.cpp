@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -327,6 +328,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   store_options.timeout = options.timeout;
   store_options.job_id = env_text(kJobIdEnv);
   store_options.token = env_text(kStoreTokenEnv);
+  store_options.round = std::max(0, env_int({kRestartCountEnv}, 0, INT_MAX));
   store_options.listen_on_all_interfaces = listen_on_all_interfaces;
   if (rank == 0 && world_size > 1 && store_options.token.empty()) {
     const std::string warning = detail::where(rank, world_size) + ": warning: the store at " + master.host + ":" +

@@ -40,6 +40,9 @@ inline constexpr const char* kLauncherBackendEnv = "NANODDP_BACKEND";
 // rank 0 warns that any client reaching the port is admitted.
 inline constexpr const char* kJobIdEnv = "NANODDP_JOB_ID";
 inline constexpr const char* kStoreTokenEnv = "NANODDP_STORE_TOKEN";
+// How many times the launcher restarted the group (nanoddp-run --max-restarts; torchrun's
+// TORCHELASTIC_RESTART_COUNT); the store's round (Note [Restart rounds] in dist/launch.cpp).
+inline constexpr const char* kRestartCountEnv = "NANODDP_RESTART_COUNT";
 // "1": the store listens on every interface instead of MASTER_ADDR only (behind NAT).
 // This and NANODDP_CHECK_COLLECTIVES take 1/true/yes/on or 0/false/no/off; any other value
 // is a ValueError from init_process_group naming the variable.

@@ -1,5 +1,6 @@
-// The launcher: child processes, their output, their failures. See Note [Launch contract] in
-// dist/launch.h.
+// The launcher's option handling: checks the options, picks the port, builds each rank's
+// environment (or the mpirun command line) and hands the ranks to a ChildGroup
+// (child_group.cpp). See Note [Launch contract] in dist/launch.h.
 #include "dist/launch.h"
 
 #include <fcntl.h>
@@ -26,78 +27,11 @@
 
 #include "core/error.h"
 #include "dist/launcher_link.h"
+#include "dist/launch_detail.h"
 
 namespace nanoddp::dist {
 
-namespace {
-
-using Clock = std::chrono::steady_clock;
-
-// The signals a supervising ChildGroup handles, and what it does with them: SIGCHLD wakes the
-// loop; SIGINT/SIGTERM/SIGHUP are forwarded; SIGPIPE is ignored so that a closed stdout (say,
-// `nanoddp-run ... | head`) cannot kill the launcher and orphan the ranks.
-constexpr int kHandledSignals[] = {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGPIPE};
-constexpr size_t kNumHandled = sizeof(kHandledSignals) / sizeof(kHandledSignals[0]);
-
-// Self-pipe: the handler writes the signal number, the poll loop reads it. -1 when no
-// ChildGroup is alive.
-int g_signal_pipe[2] = {-1, -1};
-struct sigaction g_saved_actions[kNumHandled];
-
-bool is_forwarded(int signal) { return signal == SIGINT || signal == SIGTERM || signal == SIGHUP; }
-
-void on_signal(int signal) {
-  const int saved_errno = errno;
-  const unsigned char byte = static_cast<unsigned char>(signal);
-  ssize_t ignored = write(g_signal_pipe[1], &byte, 1);  // full pipe: a wake-up is pending anyway
-  (void)ignored;
-  errno = saved_errno;
-}
-
-// Writes all of `data` to `fd`; gives up quietly when the reader is gone (EPIPE) or the fd is
-// broken, because losing output must never stop supervision.
-void write_all(int fd, const std::string& data) {
-  size_t done = 0;
-  while (done < data.size()) {
-    const ssize_t n = write(fd, data.data() + done, data.size() - done);
-    if (n > 0) {
-      done += static_cast<size_t>(n);
-    } else if (n < 0 && errno == EINTR) {
-      continue;
-    } else if (n < 0 && errno == EAGAIN) {
-      pollfd p{fd, POLLOUT, 0};
-      poll(&p, 1, 100);
-    } else {
-      return;
-    }
-  }
-}
-
-void close_fd(int& fd) {
-  if (fd >= 0) close(fd);
-  fd = -1;
-}
-
-// Largest amount of a line kept while waiting for its '\n'; beyond it the text is printed as
-// a line of its own so a child that never writes '\n' cannot grow our memory without bound.
-constexpr size_t kMaxPendingLine = 64 * 1024;
-constexpr size_t kMaxMessage = 64 * 1024;
-// After the last child has exited, how long to keep reading pipes still held open by
-// processes that escaped their rank's group (setsid).
-constexpr std::chrono::milliseconds kDrainTimeout{1000};
-
-struct Stream {
-  int fd = -1;       // read end of the child's pipe; -1 once at EOF
-  int dst = -1;      // 1 or 2: where its lines go; -1: kept as the child's message
-  std::string pending;
-};
-
-std::string format_ms(std::chrono::milliseconds ms) {
-  if (ms.count() % 1000 == 0) return std::to_string(ms.count() / 1000) + " s";
-  return std::to_string(ms.count()) + " ms";
-}
-
-}  // namespace
+using namespace launch_detail;
 
 // ---- ExitStatus ---------------------------------------------------------------------------------
 
@@ -178,7 +112,7 @@ int pick_free_port(const std::string& addr) {
 }
 
 std::vector<std::pair<std::string, std::string>> rank_env(const LaunchOptions& options, int local_rank,
-                                                          int master_port) {
+                                                          int master_port, int restart_count) {
   const int rank = options.node_rank * options.nproc_per_node + local_rank;
   std::vector<std::pair<std::string, std::string>> env = {
       {"RANK", std::to_string(rank)},
@@ -192,6 +126,7 @@ std::vector<std::pair<std::string, std::string>> rank_env(const LaunchOptions& o
   if (!options.backend.empty()) env.emplace_back("NANODDP_BACKEND", options.backend);
   if (!options.job_id.empty()) env.emplace_back("NANODDP_JOB_ID", options.job_id);
   if (!options.store_token.empty()) env.emplace_back("NANODDP_STORE_TOKEN", options.store_token);
+  env.emplace_back("NANODDP_RESTART_COUNT", std::to_string(restart_count));
   return env;
 }
 
@@ -263,6 +198,7 @@ void check_options(const LaunchOptions& o, const std::vector<std::string>& progr
                 ValueError, "launch: --backend must be auto, shm, shm+gloo, gloo, mpi or nccl, got '", o.backend,
                 "'");
   NANODDP_CHECK(o.grace_period.count() >= 0, ValueError, "launch: negative grace period");
+  NANODDP_CHECK(o.max_restarts >= 0, ValueError, "launch: --max-restarts must be >= 0, got ", o.max_restarts);
   // Each node's launcher would pick a different free port: they must be told one.
   NANODDP_CHECK(o.master_port != 0 || o.nnodes == 1, ValueError,
                 "launch: with --nnodes ", o.nnodes, " every node must use the same port: pass --master-port");
@@ -293,7 +229,10 @@ bool is_outer_launcher_variable(const std::string& name) {
   return kNames.count(name) > 0;
 }
 
-// Runs in a child before it sets its own variables (Note [Innermost launcher wins]).
+}  // namespace
+
+namespace launch_detail {
+
 void clear_outer_launcher_env() {
   std::vector<std::string> names;
   for (char** entry = environ; *entry != nullptr; ++entry) {
@@ -303,6 +242,10 @@ void clear_outer_launcher_env() {
   }
   for (const std::string& name : names) unsetenv(name.c_str());
 }
+
+}  // namespace launch_detail
+
+namespace {
 
 std::vector<char*> to_argv(std::vector<std::string>& args) {
   std::vector<char*> argv;
@@ -385,6 +328,65 @@ std::vector<std::string> mpirun_command(const LaunchOptions& options, const std:
   return cmd;
 }
 
+// Note [Restart rounds]
+// With --max-restarts N (torchrun's flag and meaning) a failed group is stopped as after any
+// failure, then started again, whole, with the same ranks and world size, up to N times. Each
+// start is a round: its ranks see NANODDP_RESTART_COUNT = the round (torchrun's
+// TORCHELASTIC_RESTART_COUNT), and rank 0's store admits only ranks of its own round
+// (TCPStoreOptions::round). A rank left from an older start is refused at once; a rank of a
+// newer start that reaches the old group's server (still going on another node) connects again
+// until the new server is up. Nodes restart together because a failure ends every node's
+// group: a rank that loses a peer on another node fails too, and its own launcher restarts. A
+// node that does not restart (out of restarts, its launcher gone) leaves the new round short,
+// and the store's timeout names the ranks that never came. Only a failed rank restarts the
+// group: a signal to the launcher, its --timeout and a failed start end the job, as in
+// torchrun. The program resumes from its own checkpoint; the launcher keeps no state. Under
+// --backend mpi mpirun is the one child, and a restart starts mpirun again.
+namespace {
+
+// Starts one round of the group and supervises it until it ends.
+Outcome run_round(const LaunchOptions& options, const std::vector<std::string>& program, int port, int round,
+                  std::chrono::milliseconds timeout) {
+  ChildGroup::Options group_options;
+  group_options.grace_period = options.grace_period;
+  group_options.timeout = timeout;
+  ChildGroup group(group_options);
+
+  if (options.backend == "mpi") {
+    std::vector<std::string> cmd = mpirun_command(options, program, port);
+    const std::string restart_count = "NANODDP_RESTART_COUNT=" + std::to_string(round);
+    cmd.insert(cmd.begin() + 1, {"-x", restart_count});
+    const std::vector<char*> argv = to_argv(cmd);
+    const bool as_root = geteuid() == 0;
+    // false: the start failed or a signal came first; wait() reports it
+    (void)group.start(0, "mpirun", "", [&](int) {
+      // SIGTERM, not SIGKILL, when we die: mpirun then stops the ranks it started itself.
+      prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (as_root) {
+        setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+        setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+      }
+      exec_or_die(argv, "nanoddp-run");
+    });
+  } else {
+    std::vector<std::string> args = program;
+    const std::vector<char*> argv = to_argv(args);
+    for (int local = 0; local < options.nproc_per_node; ++local) {
+      const auto env = rank_env(options, local, port, round);
+      const int rank = options.node_rank * options.nproc_per_node + local;
+      const std::string name = "rank " + std::to_string(rank);
+      const bool started = group.start(rank, name, "[" + name + "] ", [&](int) {
+        for (const auto& [key, value] : env) setenv(key.c_str(), value.c_str(), 1);
+        exec_or_die(argv, "nanoddp-run");
+      });
+      if (!started) break;  // wait() terminates the ranks already started and says why
+    }
+  }
+  return group.wait();
+}
+
+}  // namespace
+
 int launch(const LaunchOptions& given, const std::vector<std::string>& program) {
   check_options(given, program);
   LaunchOptions options = given;
@@ -404,499 +406,41 @@ int launch(const LaunchOptions& given, const std::vector<std::string>& program) 
                      ", which does not exist or cannot run; no rank was started\n");
     return exec_failure_code(ENOENT);  // the shell's 127 for a missing interpreter
   }
-  const int port = options.master_port != 0 ? options.master_port : pick_free_port(options.master_addr);
 
-  ChildGroup::Options group_options;
-  group_options.grace_period = options.grace_period;
-  group_options.timeout = options.timeout;
-  ChildGroup group(group_options);
-
-  if (use_mpi) {
-    std::vector<std::string> cmd = mpirun_command(options, program, port);
-    const std::vector<char*> argv = to_argv(cmd);
-    const bool as_root = geteuid() == 0;
-    // false: the start failed or a signal came first; wait() reports it
-    (void)group.start(0, "mpirun", "", [&](int) {
-      // SIGTERM, not SIGKILL, when we die: mpirun then stops the ranks it started itself.
-      prctl(PR_SET_PDEATHSIG, SIGTERM);
-      if (as_root) {
-        setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-        setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
-      }
-      exec_or_die(argv, "nanoddp-run");
-    });
-  } else {
-    std::vector<std::string> args = program;
-    const std::vector<char*> argv = to_argv(args);
-    for (int local = 0; local < options.nproc_per_node; ++local) {
-      const auto env = rank_env(options, local, port);
-      const int rank = options.node_rank * options.nproc_per_node + local;
-      const std::string name = "rank " + std::to_string(rank);
-      const bool started = group.start(rank, name, "[" + name + "] ", [&](int) {
-        for (const auto& [key, value] : env) setenv(key.c_str(), value.c_str(), 1);
-        exec_or_die(argv, "nanoddp-run");
-      });
-      if (!started) break;  // wait() terminates the ranks already started and says why
-    }
-  }
-
-  const Outcome outcome = group.wait();
-  switch (outcome.kind) {
-    case Outcome::Kind::AllSucceeded: return 0;
-    case Outcome::Kind::ChildFailed: return outcome.failed_status.shell_code();
-    case Outcome::Kind::StartFailed: return 1;
-    case Outcome::Kind::TimedOut: return 124;
-    case Outcome::Kind::Interrupted: return 128 + outcome.signal;
-  }
-  return 1;
-}
-
-// ---- ChildGroup -------------------------------------------------------------------------------
-
-struct ChildGroup::Child {
-  int rank = 0;
-  std::string name;
-  std::string prefix;
-  pid_t pid = -1;
-  Stream out, err, msg;
-  bool exited = false;  // seen by waitid(WNOWAIT): a zombie, not yet reaped
-  bool reaped = false;
-  bool failed = false;  // exited by a failure of its own (see poll_exit in wait())
-  bool named = false;   // its failure has been reported
-  ExitStatus status;
-};
-
-ChildGroup::ChildGroup(Options options) : options_(std::move(options)), created_(Clock::now()) {
-  NANODDP_CHECK(g_signal_pipe[0] < 0, DistError,
-                "launch: another launch or spawn is already supervising children in this process");
-  NANODDP_CHECK(pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) == 0, DistError, "launch: pipe2 failed: ",
-                std::strerror(errno));
-  // Note [Launcher link] in dist/launcher_link.h. Both pipes are close-on-exec here; a child
-  // clears the flag on the ends it inherits.
-  if (pipe2(alive_pipe_, O_CLOEXEC) != 0 || pipe2(failure_pipe_, O_CLOEXEC | O_NONBLOCK) != 0) {
-    const int err = errno;
-    for (int* fd : {&alive_pipe_[0], &alive_pipe_[1], &failure_pipe_[0], &failure_pipe_[1], &g_signal_pipe[0],
-                    &g_signal_pipe[1]})
-      close_fd(*fd);
-    NANODDP_THROW(DistError, "launch: pipe2 failed: ", std::strerror(err));
-  }
-  for (size_t i = 0; i < kNumHandled; ++i) {
-    struct sigaction action {};
-    sigemptyset(&action.sa_mask);
-    action.sa_flags = SA_RESTART;
-    action.sa_handler = kHandledSignals[i] == SIGPIPE ? SIG_IGN : on_signal;
-    if (kHandledSignals[i] == SIGCHLD) action.sa_flags |= SA_NOCLDSTOP;
-    sigaction(kHandledSignals[i], nullptr, &g_saved_actions[i]);
-    // An ignored SIGINT/SIGTERM/SIGHUP (nohup, a background job) stays ignored: we must not
-    // turn a hang-up the user asked to ignore into the end of the job.
-    if (is_forwarded(kHandledSignals[i]) && g_saved_actions[i].sa_handler == SIG_IGN) continue;
-    sigaction(kHandledSignals[i], &action, nullptr);
-  }
-}
-
-ChildGroup::~ChildGroup() {
-  // Whatever wait() did not finish (an exception, or wait() never called): kill and reap.
-  for (Child& c : children_) {
-    if (!c.reaped && c.pid > 0) {
-      kill(-c.pid, SIGKILL);
-      kill(c.pid, SIGKILL);
-      int status = 0;
-      while (waitpid(c.pid, &status, 0) < 0 && errno == EINTR) {
+  // The job's --timeout spans every round (Note [Restart rounds]).
+  const auto started = Clock::now();
+  for (int round = 0;; ++round) {
+    std::chrono::milliseconds timeout{0};
+    if (options.timeout.count() > 0) {
+      timeout = options.timeout - std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started);
+      if (timeout.count() <= 0) {
+        write_all(2, "nanoddp-run: the job's timeout of " + format_ms(options.timeout) +
+                         " passed before restart " + std::to_string(round) + "\n");
+        return 124;
       }
     }
-    close_fd(c.out.fd);
-    close_fd(c.err.fd);
-    close_fd(c.msg.fd);
-  }
-  for (size_t i = 0; i < kNumHandled; ++i) sigaction(kHandledSignals[i], &g_saved_actions[i], nullptr);
-  close_fd(g_signal_pipe[0]);
-  close_fd(g_signal_pipe[1]);
-  for (int* fd : {&alive_pipe_[0], &alive_pipe_[1], &failure_pipe_[0], &failure_pipe_[1]}) close_fd(*fd);
-}
-
-// Between two starts, whatever would make wait() end the job: a failed start, a forwarded
-// signal (read from the self-pipe and kept for wait()), the timeout, or a child that has
-// already failed (looked for only after a SIGCHLD; wait() looks at every child anyway, so
-// consuming the SIGCHLD bytes here loses nothing).
-bool ChildGroup::must_stop_starting() {
-  if (!start_error_.empty() || pending_signal_ != 0) return true;
-  if (options_.timeout.count() > 0 && Clock::now() >= created_ + options_.timeout) return true;
-  bool child_exited = false;
-  unsigned char bytes[64];
-  ssize_t n;
-  while ((n = read(g_signal_pipe[0], bytes, sizeof(bytes))) > 0)
-    for (ssize_t i = 0; i < n; ++i) {
-      if (bytes[i] == SIGCHLD) {
-        child_exited = true;
-      } else if (pending_signal_ == 0) {
-        pending_signal_ = bytes[i];
-      }
-    }
-  if (pending_signal_ != 0) return true;
-  if (!child_exited) return false;
-  for (const Child& c : children_) {
-    siginfo_t info{};
-    if (waitid(P_PID, static_cast<id_t>(c.pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == c.pid &&
-        !(info.si_code == CLD_EXITED && info.si_status == 0))
-      return true;
-  }
-  return false;
-}
-
-bool ChildGroup::start(int rank, std::string name, std::string prefix,
-                       const std::function<void(int msg_fd)>& child_main) {
-  NANODDP_CHECK(!waited_, DistError, "launch: start() after wait()");
-  if (must_stop_starting()) return false;
-  auto fail = [&](const std::string& why) {
-    start_error_ = why;
-    start_error_name_ = name;
-    return false;
-  };
-  int out[2] = {-1, -1}, err[2] = {-1, -1}, msg[2] = {-1, -1};
-  for (int* fds : {out, err, msg}) {
-    if (pipe2(fds, O_CLOEXEC) == 0) continue;
-    const int pipe_errno = errno;
-    for (int* opened : {out, err, msg}) {
-      close_fd(opened[0]);
-      close_fd(opened[1]);
-    }
-    return fail(std::string("pipe2 failed: ") + std::strerror(pipe_errno) +
-                (pipe_errno == EMFILE ? " (each rank holds 3 descriptors in the launcher: raise `ulimit -n`)" : ""));
-  }
-
-  // Signals stay blocked across fork so that the child cannot run our handler (and write into
-  // our self-pipe) before it has restored the handlers it should have.
-  sigset_t all, previous;
-  sigfillset(&all);
-  sigprocmask(SIG_BLOCK, &all, &previous);
-  fflush(nullptr);  // or the child would print the parent's buffered output a second time
-  const pid_t parent = getpid();
-  const pid_t pid = fork();
-  if (pid == 0) {
-    setpgid(0, 0);
-    // No orphans (Note [Launcher link]): SIGKILL when we die. Had we died before the prctl,
-    // the child has been reparented already and must not start at all.
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (getppid() != parent) _exit(128 + SIGKILL);
-    close(alive_pipe_[1]);
-    close(failure_pipe_[0]);
-    for (int fd : {alive_pipe_[0], failure_pipe_[1]}) fcntl(fd, F_SETFD, 0);
-    clear_outer_launcher_env();  // child_main sets this launcher's variables
-    setenv(kLauncherFdEnv, describe_pipe_end(alive_pipe_[0]).c_str(), 1);
-    setenv(kFailureFdEnv, describe_pipe_end(failure_pipe_[1]).c_str(), 1);
-    // A rank starts as a fresh program would: SIGINT/SIGTERM/SIGHUP at their defaults (unless
-    // the launcher was told to ignore them), so that our SIGTERM terminates it even when it is
-    // a fork of a program with handlers of its own (spawn); SIGCHLD and SIGPIPE as they were.
-    for (size_t i = 0; i < kNumHandled; ++i) {
-      struct sigaction action = g_saved_actions[i];
-      if (is_forwarded(kHandledSignals[i]) && action.sa_handler != SIG_IGN) {
-        action = {};
-        action.sa_handler = SIG_DFL;
-      }
-      sigaction(kHandledSignals[i], &action, nullptr);
-    }
-    close(g_signal_pipe[0]);
-    close(g_signal_pipe[1]);
-    for (Child& other : children_) {
-      close(other.out.fd);
-      close(other.err.fd);
-      close(other.msg.fd);
-    }
-    const int devnull = open("/dev/null", O_RDONLY);
-    if (devnull >= 0) dup2(devnull, 0);
-    dup2(out[1], 1);
-    dup2(err[1], 2);
-    close(out[0]);
-    close(err[0]);
-    close(msg[0]);
-    sigprocmask(SIG_SETMASK, &previous, nullptr);
-    child_main(msg[1]);
-    _exit(127);
-  }
-  const int fork_errno = errno;
-  if (pid > 0) setpgid(pid, pid);  // also here: kill(-pid) must work as soon as fork returns
-  sigprocmask(SIG_SETMASK, &previous, nullptr);
-  close(out[1]);
-  close(err[1]);
-  close(msg[1]);
-  if (pid < 0) {
-    close(out[0]);
-    close(err[0]);
-    close(msg[0]);
-    return fail(std::string("fork failed: ") + std::strerror(fork_errno));
-  }
-  Child c;
-  c.rank = rank;
-  c.name = std::move(name);
-  c.prefix = std::move(prefix);
-  c.pid = pid;
-  c.out = {out[0], 1, {}};
-  c.err = {err[0], 2, {}};
-  c.msg = {msg[0], -1, {}};
-  for (int fd : {out[0], err[0], msg[0]}) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
-  children_.push_back(std::move(c));
-  return true;
-}
-
-void ChildGroup::terminate_all(int signal) {
-  for (Child& c : children_) {
-    if (c.reaped) continue;
-    // The whole group: the rank and whatever it started. An exited rank's zombie still holds
-    // its pgid, so leftovers of a finished rank are reached too.
-    if (kill(-c.pid, signal) != 0 && !c.exited) kill(c.pid, signal);
-  }
-}
-
-void ChildGroup::read_failure_reports() {
-  char buffer[4096];
-  ssize_t n;
-  while ((n = read(failure_pipe_[0], buffer, sizeof(buffer))) > 0) failure_text_.append(buffer, static_cast<size_t>(n));
-  const size_t complete = failure_text_.rfind('\n');
-  if (complete == std::string::npos) return;
-  // A rank's first report counts: what it lost first is why it failed.
-  for (const auto& [rank, lost] : parse_lost_peer_reports(failure_text_.substr(0, complete + 1)))
-    lost_peer_.emplace(rank, lost);
-  failure_text_.erase(0, complete + 1);
-}
-
-Outcome ChildGroup::wait() {
-  NANODDP_CHECK(!waited_, DistError, "launch: wait() called twice");
-  waited_ = true;
-  Outcome outcome;
-  const auto never = Clock::time_point::max();
-  const auto deadline = options_.timeout.count() > 0 ? created_ + options_.timeout : never;
-  auto kill_at = never;
-  bool terminating = false, killed = false;
-
-  auto report = [&](const std::string& text) {
-    if (options_.report) write_all(2, options_.reporter + ": " + text + "\n");
-  };
-  auto begin_termination = [&](int signal, const std::string& why) {
-    size_t alive = 0;
-    for (const Child& c : children_) alive += c.exited ? 0 : 1;
-    report(why + (alive > 0 ? "; sending " + signal_name(signal) + " to the " + std::to_string(alive) +
-                                  " remaining process(es), SIGKILL after " + format_ms(options_.grace_period)
-                            : ""));
-    terminating = true;
-    terminate_all(signal);
-    kill_at = Clock::now() + options_.grace_period;
-  };
-
-  // Emits every complete line of `s` (all of it at EOF) with the child's prefix.
-  auto emit = [&](Child& c, Stream& s, bool at_eof) {
-    if (s.dst < 0) return;
-    std::string out;
-    size_t begin = 0;
-    for (size_t nl; (nl = s.pending.find('\n', begin)) != std::string::npos; begin = nl + 1)
-      out += c.prefix + s.pending.substr(begin, nl + 1 - begin);
-    s.pending.erase(0, begin);
-    if (!s.pending.empty() && (at_eof || s.pending.size() >= kMaxPendingLine)) {
-      out += c.prefix + s.pending + "\n";
-      s.pending.clear();
-    }
-    if (!out.empty()) write_all(s.dst, out);
-  };
-  auto read_stream = [&](Child& c, Stream& s) {
-    char buffer[65536];
-    while (s.fd >= 0) {
-      const ssize_t n = read(s.fd, buffer, sizeof(buffer));
-      if (n > 0) {
-        if (s.dst < 0) {
-          if (s.pending.size() < kMaxMessage) s.pending.append(buffer, static_cast<size_t>(n));
-        } else {
-          s.pending.append(buffer, static_cast<size_t>(n));
-          emit(c, s, false);
+    // A fresh port for each round of a one-node job: the old rank 0's port may still be held.
+    const int port = options.master_port != 0 ? options.master_port : pick_free_port(options.master_addr);
+    const Outcome outcome = run_round(options, program, port, round, timeout);
+    switch (outcome.kind) {
+      case Outcome::Kind::AllSucceeded: return 0;
+      case Outcome::Kind::ChildFailed:
+        if (round < options.max_restarts) {
+          write_all(2, "nanoddp-run: restarting every rank (restart " + std::to_string(round + 1) + " of " +
+                           std::to_string(options.max_restarts) + ", NANODDP_RESTART_COUNT=" +
+                           std::to_string(round + 1) + ")\n");
+          continue;
         }
-      } else if (n < 0 && errno == EINTR) {
-        continue;
-      } else if (n < 0 && errno == EAGAIN) {
-        return;
-      } else {  // EOF or a broken pipe
-        close_fd(s.fd);
-        emit(c, s, true);
-      }
+        if (options.max_restarts > 0)
+          write_all(2, "nanoddp-run: no restart left (--max-restarts " + std::to_string(options.max_restarts) +
+                           "): the job fails\n");
+        return outcome.failed_status.shell_code();
+      case Outcome::Kind::StartFailed: return 1;
+      case Outcome::Kind::TimedOut: return 124;
+      case Outcome::Kind::Interrupted: return 128 + outcome.signal;
     }
-  };
-  // One poll round over the self-pipe and every open stream; returns the signals received.
-  auto poll_once = [&](std::chrono::milliseconds wait) {
-    std::vector<pollfd> fds{{g_signal_pipe[0], POLLIN, 0}, {failure_pipe_[0], POLLIN, 0}};
-    std::vector<std::pair<Child*, Stream*>> owners{{nullptr, nullptr}, {nullptr, nullptr}};
-    for (Child& c : children_)
-      for (Stream* s : {&c.out, &c.err, &c.msg})
-        if (s->fd >= 0) {
-          fds.push_back({s->fd, POLLIN, 0});
-          owners.emplace_back(&c, s);
-        }
-    std::vector<int> signals;
-    const int ready = poll(fds.data(), fds.size(), static_cast<int>(std::max<long long>(0, wait.count())));
-    if (ready <= 0) return signals;
-    if (fds[1].revents != 0) read_failure_reports();
-    for (size_t i = 2; i < fds.size(); ++i)
-      if (fds[i].revents != 0) read_stream(*owners[i].first, *owners[i].second);
-    if (fds[0].revents != 0) {
-      unsigned char bytes[64];
-      ssize_t n;
-      while ((n = read(g_signal_pipe[0], bytes, sizeof(bytes))) > 0)
-        for (ssize_t i = 0; i < n; ++i)
-          if (bytes[i] != SIGCHLD) signals.push_back(bytes[i]);
-    }
-    return signals;
-  };
-
-  // 0. What stopped the starts (see must_stop_starting) ends the job like a failure after start.
-  if (!start_error_.empty()) {
-    outcome.kind = Outcome::Kind::StartFailed;
-    outcome.failed_name = start_error_name_;
-    outcome.failed_message = start_error_;
-    begin_termination(SIGTERM, "could not start " + start_error_name_ + ": " + start_error_);
-  } else if (pending_signal_ != 0) {
-    outcome.kind = Outcome::Kind::Interrupted;
-    outcome.signal = pending_signal_;
-    begin_termination(pending_signal_, "received " + signal_name(pending_signal_) + " while starting ranks");
+    return 1;
   }
-
-  // Whether c has exited (a zombie now); records how, and whether that is a failure of its own
-  // (any failure before we stop the job; a non-zero exit code while we do). WNOWAIT leaves the
-  // zombie (and with it the pgid) in place until the end.
-  auto poll_exit = [&](Child& c) {
-    if (c.exited) return true;
-    siginfo_t info{};
-    if (waitid(P_PID, static_cast<id_t>(c.pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid != c.pid)
-      return false;
-    c.exited = true;
-    if (info.si_code == CLD_EXITED) {
-      c.status.exited = true;
-      c.status.code = info.si_status;
-    } else {
-      c.status.signal = info.si_status;
-    }
-    c.failed = !c.status.ok() && (!terminating || c.status.exited);
-    return true;
-  };
-  auto child_of_rank = [&](int rank) -> Child* {
-    for (Child& c : children_)
-      if (c.rank == rank) return &c;
-    return nullptr;
-  };
-  // The failure that came first (Note [Launcher link], item 2): from a failed rank, follow
-  // "lost rank R" to R while R failed too; R's failure caused the others'. *running is set to
-  // the lost rank the chain stops at when that one is still running: its own failure may be
-  // under way (a rank's sockets close before it has exited, say while it writes a checkpoint).
-  auto first_failure = [&](Child* failed, Child** running) {
-    read_failure_reports();
-    *running = nullptr;
-    std::set<int> seen{failed->rank};
-    for (auto lost = lost_peer_.find(failed->rank); lost != lost_peer_.end(); lost = lost_peer_.find(failed->rank)) {
-      Child* peer = child_of_rank(lost->second);
-      if (peer == nullptr || !seen.insert(peer->rank).second) break;
-      if (!poll_exit(*peer)) {
-        *running = peer;
-        break;
-      }
-      if (!peer->failed) break;
-      failed = peer;
-    }
-    return failed;
-  };
-  auto describe_failure = [&](const Child& c) {
-    std::string text = c.name + " (pid " + std::to_string(c.pid) + ") ";
-    text += (c.pid == outcome.failed_pid ? "failed: " : "also failed: ") + c.status.describe();
-    const auto lost = lost_peer_.find(c.rank);
-    if (lost != lost_peer_.end()) text += " (it lost rank " + std::to_string(lost->second) + ")";
-    return text;
-  };
-  Child* first_seen = nullptr;  // the first failed child we saw, while its blame is pending
-  auto blame_until = never;     // until then, wait for the rank it lost to end by itself
-
-  while (true) {
-    // 1. Who has exited? The first failure ends the job once we know whose it is: a rank that
-    //    failed by losing a rank still running is not blamed before that one has ended too
-    //    (for up to a grace period). Every other rank that fails on its own is named after it.
-    bool any_failed = false;
-    for (Child& c : children_)
-      if (!c.exited && poll_exit(c) && c.failed) any_failed = true;
-    if (any_failed && !terminating && first_seen == nullptr) {
-      for (Child& c : children_)
-        if (first_seen == nullptr && c.failed) first_seen = &c;
-      blame_until = Clock::now() + options_.grace_period;
-    }
-    if (first_seen != nullptr && !terminating) {
-      Child* running = nullptr;
-      Child* first = first_failure(first_seen, &running);
-      if (running == nullptr || Clock::now() >= blame_until) {
-        outcome.kind = Outcome::Kind::ChildFailed;
-        outcome.failed_name = first->name;
-        outcome.failed_rank = first->rank;
-        outcome.failed_pid = first->pid;
-        outcome.failed_status = first->status;
-        first->named = true;
-        begin_termination(SIGTERM, describe_failure(*first));
-      }
-    }
-    if (terminating) {
-      read_failure_reports();
-      for (Child& c : children_)
-        if (c.exited && c.failed && !c.named) {
-          c.named = true;
-          report(describe_failure(c));
-        }
-    }
-    if (std::all_of(children_.begin(), children_.end(), [](const Child& c) { return c.exited; })) break;
-
-    // 2. Clocks: the job's timeout, then the grace period.
-    const auto now = Clock::now();
-    if (!terminating && now >= deadline) {
-      outcome.kind = Outcome::Kind::TimedOut;
-      begin_termination(SIGTERM, "timed out after " + format_ms(options_.timeout));
-    }
-    if (terminating && !killed && Clock::now() >= kill_at) {
-      terminate_all(SIGKILL);
-      killed = true;
-    }
-
-    // 3. Output and signals, until the next event or clock.
-    auto next = std::min(terminating && !killed ? kill_at : never, terminating ? never : std::min(deadline, blame_until));
-    auto wait = std::chrono::milliseconds(1000);  // SIGCHLD wakes us; this is only a backstop
-    if (next != never)
-      wait = std::min(wait, std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now()) +
-                                std::chrono::milliseconds(1));
-    for (int signal : poll_once(wait)) {
-      if (!terminating) {
-        outcome.kind = Outcome::Kind::Interrupted;
-        outcome.signal = signal;
-        begin_termination(signal, "received " + signal_name(signal));
-      } else if (!killed) {  // a second Ctrl-C: stop waiting politely
-        terminate_all(SIGKILL);
-        killed = true;
-      }
-    }
-  }
-
-  // 4. Leftovers in the ranks' groups die now; then read what is still in the pipes.
-  terminate_all(SIGKILL);
-  const auto drain_until = Clock::now() + kDrainTimeout;
-  auto any_open = [&] {
-    for (const Child& c : children_)
-      if (c.out.fd >= 0 || c.err.fd >= 0 || c.msg.fd >= 0) return true;
-    return false;
-  };
-  while (any_open() && Clock::now() < drain_until)
-    poll_once(std::chrono::duration_cast<std::chrono::milliseconds>(drain_until - Clock::now()) +
-              std::chrono::milliseconds(1));
-  for (Child& c : children_) {
-    for (Stream* s : {&c.out, &c.err, &c.msg}) {
-      close_fd(s->fd);
-      emit(c, *s, true);
-    }
-    int status = 0;
-    while (waitpid(c.pid, &status, 0) < 0 && errno == EINTR) {
-    }
-    c.reaped = true;
-    outcome.statuses.push_back(c.status);
-    if (outcome.kind == Outcome::Kind::ChildFailed && c.pid == outcome.failed_pid)
-      outcome.failed_message = c.msg.pending;
-  }
-  return outcome;
 }
 
 }  // namespace nanoddp::dist

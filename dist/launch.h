@@ -63,8 +63,12 @@ struct LaunchOptions {
   std::string job_id;                     // NANODDP_JOB_ID for the ranks ("": none); see
   std::string store_token;                // NANODDP_STORE_TOKEN     give_job_identity()
   std::chrono::milliseconds grace_period = kDefaultGracePeriod;
-  std::chrono::milliseconds timeout{0};   // whole job; 0 = no limit (a training run's length is
-                                          // the user's; failures and Ctrl-C still end it)
+  std::chrono::milliseconds timeout{0};   // whole job, restarts included; 0 = no limit (a
+                                          // training run's length is the user's; failures and
+                                          // Ctrl-C still end it)
+  int max_restarts = 0;                   // torchrun's --max-restarts: how many times a failed
+                                          // group is started again (Note [Restart rounds] in
+                                          // launch.cpp); 0 = a failure ends the job
 };
 
 // How one child process ended, from its wait status.
@@ -92,7 +96,7 @@ std::string signal_name(int signal);
 int pick_free_port(const std::string& addr);
 
 // Sets options.job_id and options.store_token, which the ranks' store checks (Note [Store wire
-// format] in dist/store.cpp): each from NANODDP_JOB_ID / NANODDP_STORE_TOKEN when the launcher's
+// format] in dist/store_wire.cpp): each from NANODDP_JOB_ID / NANODDP_STORE_TOKEN when the launcher's
 // own environment has it (every node of a multi-node job must be given the same) and was not
 // inherited from an outer launcher, else, for a one-node job, a fresh random one (64 and 256 bits from getrandom). A multi-node job without
 // them runs unchecked, and rank 0 warns. Throws DistError when getrandom fails.
@@ -100,11 +104,12 @@ void give_job_identity(LaunchOptions& options);
 
 // The environment of one rank, in the order it is set: RANK, LOCAL_RANK, WORLD_SIZE,
 // LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT and, when options.backend is given,
-// NANODDP_BACKEND, then NANODDP_JOB_ID and NANODDP_STORE_TOKEN when set.
+// NANODDP_BACKEND, then NANODDP_JOB_ID and NANODDP_STORE_TOKEN when set, then
+// NANODDP_RESTART_COUNT (torchrun's TORCHELASTIC_RESTART_COUNT: 0 on the first start).
 // RANK = node_rank * nproc_per_node + local_rank, as torchrun numbers ranks.
 // `master_port` is the resolved port (never 0).
 std::vector<std::pair<std::string, std::string>> rank_env(const LaunchOptions& options, int local_rank,
-                                                          int master_port);
+                                                          int master_port, int restart_count = 0);
 
 // The command line that delegates a launch to Open MPI (--backend mpi):
 //   mpirun -np N --bind-to none [--oversubscribe] --tag-output -x NANODDP_BACKEND=mpi
@@ -126,7 +131,10 @@ std::vector<std::string> mpirun_command(const LaunchOptions& options, const std:
 // it runs mpirun_command() as the one child instead (as root it sets OMPI_ALLOW_RUN_AS_ROOT=1
 // and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 for it). Returns the launcher's exit code: 0 when every
 // rank exited 0, else the first failure's shell_code() (128 + signal for a forwarded
-// SIGINT/SIGTERM, 124 on timeout). Progress and failures are reported on stderr, prefixed
+// SIGINT/SIGTERM, 124 on timeout). With options.max_restarts > 0, a failed rank stops the
+// group and starts it again, whole, on a fresh store round, up to max_restarts times (Note
+// [Restart rounds] in launch.cpp): "nanoddp-run: restarting every rank (restart 1 of 2, ...)"
+// on stderr; the code is then the last round's. Progress and failures are reported on stderr, prefixed
 // "nanoddp-run: ". When starting a rank fails (fork or pipe: EAGAIN, ENOMEM, EMFILE), or a
 // signal, a failed rank or the timeout arrives while ranks are still being started, no more are
 // started, the started ones are terminated as after any failure, and the code is 1 for a failed

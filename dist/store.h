@@ -11,7 +11,7 @@
 // Contract: every verb that can block takes at most the store's timeout and then throws
 // TimeoutError; a dead or foreign server gives DistError. Every length read from the wire is
 // checked against kMaxKeyBytes / kMaxValueBytes / kMaxKeysPerRequest before anything is
-// allocated (see Note [Store wire format] in store.cpp), so a stray client (a port scanner,
+// allocated (see Note [Store wire format] in store_wire.cpp), so a stray client (a port scanner,
 // an HTTP request) is dropped by the server and a stray server is reported by the client.
 // Every message names the store's host:port and the rank, world size and host it runs on.
 #pragma once
@@ -79,12 +79,17 @@ struct TCPStoreOptions {
   // After this long without a connection the client prints, once, "rank 1/2 on host: still
   // waiting for the store at 10.0.0.1:29500 (served by rank 0; ...); giving up after 300 s".
   std::chrono::milliseconds connect_notice_after = kStoreConnectNoticeAfter;
-  // Who may use the store (Note [Store wire format] in store.cpp). The server refuses a client
+  // Who may use the store (Note [Store wire format] in store_wire.cpp). The server refuses a client
   // whose job id differs ("this store serves job X, not Y": two jobs on one port) or whose
   // token differs (a stranger); "" on the server turns that check off. At most 256 bytes each.
   // init_process_group takes them from NANODDP_JOB_ID and NANODDP_STORE_TOKEN.
   std::string job_id;
   std::string token;
+  // Which start of the group this is (NANODDP_RESTART_COUNT, Note [Restart rounds] in
+  // launch.cpp), 0..INT_MAX. The server admits only clients of its own round: a client of an
+  // older round gets DistError at once; one of a newer round reached the old group's server,
+  // which is about to go, and connects again until `timeout` (then TimeoutError).
+  int round = 0;
   // The server listens on `host`'s address only (it must be an address of this machine); true:
   // on every interface, as PyTorch's TCPStore always does.
   bool listen_on_all_interfaces = false;

@@ -22,7 +22,10 @@
 // an uninterrupted run: the weights, the optimizer's state (momentum buffers, or Adam's
 // moments and step counts), the schedulers and the epoch are restored, and the data order
 // depends only on seed and epoch; on another number of ranks or another batch size the
-// schedule is replayed over the new steps (Note [Resuming elsewhere]). --optimizer picks SGD, Adam or AdamW; the learning rate
+// schedule is replayed over the new steps (Note [Resuming elsewhere]). --checkpoint-every N
+// also saves during the epoch, every N steps, with the position in the epoch; a group that
+// `nanoddp-run --max-restarts` starts again resumes from it by itself (Note [Resuming
+// mid-epoch]). --optimizer picks SGD, Adam or AdamW; the learning rate
 // follows --warmup-epochs of linear warm-up (LinearLR, stepped per batch), then the
 // --schedule (CosineAnnealingLR per batch over the remaining steps, or constant), as
 // torch.optim.lr_scheduler.SequentialLR would chain them. --stop-after N ends a run
@@ -40,6 +43,8 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "core/autograd.h"
@@ -52,7 +57,9 @@
 #include "dist/gradient_accumulation.h"
 #include "dist/init.h"
 #include "dist/sync_batch_norm.h"
+#include "examples/checkpoint_files.h"
 #include "examples/example_utils.h"
+#include "examples/fault_injection.h"
 #include "examples/metrics.h"
 #include "examples/parallel_strategy.h"
 #include "examples/process_group_flags.h"
@@ -91,6 +98,7 @@ struct Config {
   std::string export_path;
   std::string metrics;
   bool resume = false;
+  int64_t checkpoint_every = 0;  // 0: save at epoch ends only
   int stop_after = 0;  // 0: train every epoch
   std::string schedule = "cosine";
   bool no_overlap = false;
@@ -200,15 +208,6 @@ std::shared_ptr<nn::Sequential> make_model(uint64_t seed, const std::vector<int6
   return model;
 }
 #endif
-
-// False only when nothing is there: a checkpoint that exists but cannot be read must stop
-// --resume with its error, not start over and overwrite it.
-bool file_exists(const std::string& path) {
-  std::error_code error;
-  const bool exists = std::filesystem::exists(path, error);
-  NANODDP_CHECK(!error, IOError, "cannot look for ", path, ": ", error.message());
-  return exists;
-}
 
 // Loss checks read the device's running sum this often (a sync on a GPU).
 constexpr int64_t kCheckEverySteps = 50;
@@ -321,11 +320,31 @@ int64_t optimizer_kind(const std::string& name) {
   return std::find(kOptimizers.begin(), kOptimizers.end(), name) - kOptimizers.begin();
 }
 
-// A collective (the sharded strategies gather the state); rank 0 writes.
+// Where a run is within an epoch: steps done and, per rank, its running loss sum and samples,
+// so that a run resumed there reports the epoch's loss as an uninterrupted one does.
+struct EpochProgress {
+  int64_t steps = 0;                // 0: at the epoch's start
+  std::vector<float> loss_sums;     // one per rank (steps > 0)
+  std::vector<int64_t> samples;     // one per rank (steps > 0)
+};
+
+// A collective (the sharded strategies gather the state; during an epoch, steps_in_epoch > 0,
+// the ranks' loss sums and samples are gathered too); rank 0 writes. loss_sum and samples are
+// this rank's.
 void save(const std::string& path, int epochs_done, int64_t steps_per_epoch, examples::ParallelModel& parallel,
-          nn::Optimizer& optimizer, const std::string& optimizer_name, const Schedule& schedule, int rank) {
+          nn::Optimizer& optimizer, const std::string& optimizer_name, const Schedule& schedule, int rank,
+          dist::ProcessGroup& pg, int64_t steps_in_epoch = 0, float loss_sum = 0, int64_t samples = 0) {
   nn::StateDict model_state = parallel.model_state_dict();
   nn::StateDict optimizer_state = parallel.optimizer_state_dict(optimizer);
+  std::vector<float> loss_sums;
+  std::vector<int64_t> all_samples;
+  if (steps_in_epoch > 0) {
+    // Each rank fills its own slot: a sum with zeros elsewhere is exact.
+    loss_sums.assign(static_cast<size_t>(pg.size()), 0.0f);
+    loss_sums[static_cast<size_t>(rank)] = loss_sum;
+    loss_sums = dist::all_reduce_host(pg, loss_sums, dist::ReduceOp::Sum);
+    for (const auto& one : dist::all_gather_host(pg, std::vector<int64_t>{samples})) all_samples.push_back(one[0]);
+  }
   if (rank != 0) return;
   nn::StateDict state;
   nn::merge_prefixed(state, "model.", model_state);
@@ -334,7 +353,12 @@ void save(const std::string& path, int epochs_done, int64_t steps_per_epoch, exa
   state["epochs_done"] = Tensor::from_vector(std::vector<int64_t>{epochs_done});
   state["steps_per_epoch"] = Tensor::from_vector(std::vector<int64_t>{steps_per_epoch});
   state["optimizer_kind"] = Tensor::from_vector(std::vector<int64_t>{optimizer_kind(optimizer_name)});
-  nn::save_checkpoint(path, state);
+  if (steps_in_epoch > 0) {
+    state["epoch_progress.steps"] = Tensor::from_vector(std::vector<int64_t>{steps_in_epoch});
+    state["epoch_progress.loss_sums"] = Tensor::from_vector(loss_sums);
+    state["epoch_progress.samples"] = Tensor::from_vector(all_samples);
+  }
+  examples::save_keeping_previous(path, state);
 }
 
 // One int64 entry of a checkpoint, or `missing` when it has none (an older checkpoint).
@@ -359,15 +383,43 @@ int64_t int64_entry(const nn::StateDict& state, const std::string& key, std::opt
 // would leave the cosine off its curve and its recursive step diverging; a finished cosine
 // resumed for more epochs would stay at lr 0).
 //
-// Returns the number of epochs the checkpoint had completed. Errors name the file.
-int restore(const std::string& path, int epochs, int64_t steps_per_epoch, examples::ParallelModel& parallel,
-            nn::Optimizer& optimizer, const std::string& optimizer_name, Schedule& schedule, bool chatty) {
+// Note [Resuming mid-epoch]
+// A checkpoint saved during an epoch (--checkpoint-every) also holds the steps done in it and
+// each rank's running loss sum and samples. The resumed run sets the sampler's epoch, passes
+// over the batches already taken (the order depends only on seed and epoch, so they are the
+// same batches), and goes on from the next one; Dropout's generator is reseeded per rank and
+// step, so its masks need no saved state. Positions within an epoch mean something only for
+// the same world size and steps per epoch: such a checkpoint resumes only there.
+//
+// Returns how many epochs the checkpoint had completed, and where it is in the next one; sets
+// used_path to the file it came from (path, or path's previous one when path is damaged:
+// examples/checkpoint_files.h). Errors name the file.
+std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64_t steps_per_epoch, int world_size,
+                                      examples::ParallelModel& parallel, nn::Optimizer& optimizer,
+                                      const std::string& optimizer_name, Schedule& schedule, bool chatty,
+                                      std::string& used_path) {
   try {
-    const nn::StateDict state = nn::load_checkpoint(path);
+    nn::StateDict state;
+    std::tie(state, used_path) = examples::load_newest_readable(path);
     const int64_t done = int64_entry(state, "epochs_done", std::nullopt);
     NANODDP_CHECK(done >= 0, IOError, "'epochs_done' is ", done);
     NANODDP_CHECK(done <= epochs, ValueError, "it has ", done, " epochs done, more than --epochs ", epochs);
     const int64_t saved_steps_per_epoch = int64_entry(state, "steps_per_epoch", /*missing=*/steps_per_epoch);
+    EpochProgress progress;
+    progress.steps = int64_entry(state, "epoch_progress.steps", /*missing=*/0);
+    if (progress.steps > 0) {
+      progress.loss_sums = state.at("epoch_progress.loss_sums").to_vector();
+      progress.samples = state.at("epoch_progress.samples").to_int_vector();
+      NANODDP_CHECK(progress.loss_sums.size() == static_cast<size_t>(world_size) &&
+                        progress.samples.size() == static_cast<size_t>(world_size) &&
+                        saved_steps_per_epoch == steps_per_epoch,
+                    ValueError, "it was saved during epoch ", done + 1, ", after step ", progress.steps, " of ",
+                    saved_steps_per_epoch, ", by ", progress.samples.size(),
+                    " ranks; a checkpoint from the middle of an epoch resumes only at the same world size and "
+                    "--batch-size (this run: ",
+                    world_size, " ranks, ", steps_per_epoch, " steps per epoch)");
+      NANODDP_CHECK(progress.steps < steps_per_epoch, IOError, "'epoch_progress.steps' is ", progress.steps);
+    }
     const int64_t saved_total_steps = int64_entry(state, "scheduler.total_steps", schedule.total_steps());
     const int64_t saved_warmup_steps = int64_entry(state, "scheduler.warmup_steps", schedule.warmup_steps());
     try {
@@ -397,14 +449,15 @@ int restore(const std::string& path, int epochs, int64_t steps_per_epoch, exampl
       other_schedule << "the checkpoint's run scheduled the learning rate over " << saved_total_steps << " steps ("
                      << saved_warmup_steps << " of warm-up) and this one over " << schedule.total_steps() << " ("
                      << schedule.warmup_steps() << ") (another --epochs or --warmup-epochs)";
+    const int64_t steps_done = done * steps_per_epoch + progress.steps;
     if (other_schedule.str().empty()) {
-      schedule.load_state_dict(nn::strip_prefix(state, "scheduler."), done * steps_per_epoch);
+      schedule.load_state_dict(nn::strip_prefix(state, "scheduler."), steps_done);
     } else {
-      schedule.replay(done * steps_per_epoch);
+      schedule.replay(steps_done);
       if (chatty)
         std::printf("%s: the learning-rate schedule is replayed over this run's steps\n", other_schedule.str().c_str());
     }
-    return static_cast<int>(done);
+    return {static_cast<int>(done), progress};
   } catch (const Error& e) {
     throw IOError("cannot resume from checkpoint " + path + ": " + e.what());
   }
@@ -413,13 +466,17 @@ int restore(const std::string& path, int epochs, int64_t steps_per_epoch, exampl
 // Every rank must resume from the same epoch: a rank that found no checkpoint (a disk of its
 // own) would start over while the others go on, and the ranks would part ways a whole epoch
 // later, in the middle of a collective.
-void check_same_start(dist::ProcessGroup& pg, const std::string& checkpoint, int first_epoch) {
-  const std::vector<std::vector<int64_t>> starts = dist::all_gather_host(pg, {first_epoch});
-  if (std::all_of(starts.begin(), starts.end(), [&](const auto& start) { return start[0] == starts[0][0]; })) return;
+void check_same_start(dist::ProcessGroup& pg, const std::string& checkpoint, int first_epoch, int64_t first_step) {
+  const std::vector<std::vector<int64_t>> starts = dist::all_gather_host(pg, {first_epoch, first_step});
+  if (std::all_of(starts.begin(), starts.end(), [&](const auto& start) { return start == starts[0]; })) return;
   std::ostringstream ranks;
   for (size_t r = 0; r < starts.size(); ++r)
     ranks << (r ? ", " : "") << "rank " << r
-          << (starts[r][0] == 0 ? " starts at epoch 1" : " resumes after epoch " + std::to_string(starts[r][0]));
+          << (starts[r][0] == 0 && starts[r][1] == 0 ? " starts at epoch 1"
+                                                     : " resumes after epoch " + std::to_string(starts[r][0]) +
+                                                           (starts[r][1] > 0 ? " and " + std::to_string(starts[r][1]) +
+                                                                                   " steps of the next"
+                                                                             : ""));
   NANODDP_THROW(ValueError, "--resume: the ranks do not agree where to start (", ranks.str(), "): ", checkpoint,
                 " must be one file that every rank reads (a filesystem they share), as rank 0 writes it for all");
 }
@@ -463,6 +520,7 @@ std::string flags_problem(const Config& config) {
   if (config.accumulate > config.batch_size)
     return "--accumulate " + std::to_string(config.accumulate) + " is more micro-batches than --batch-size " +
            std::to_string(config.batch_size) + " has examples: each micro-batch needs at least one";
+  if (config.checkpoint_every > 0 && config.checkpoint.empty()) return "--checkpoint-every needs --checkpoint FILE";
   if ((config.batch_norm || config.sync_batch_norm) && !config.export_path.empty())
     return std::string(config.sync_batch_norm ? "--sync-batch-norm" : "--batch-norm") +
            " adds layers that --export's model description (PyTorch's recipe) does not have";
@@ -532,8 +590,7 @@ int run(const Config& config) {
   data::DataLoader test_loader(test_set, 1000, data::DistributedSampler::for_evaluation(test_set->size(), world_size, rank),
                                loader_options);
 
-  // Reseeded per rank and epoch (below): ranks drop different units, and a resumed run draws
-  // the masks an uninterrupted one would.
+  // Reseeded per rank and step (below).
   Generator dropout_gen;
   auto model = make_model(config.seed, config.hidden, dropout_gen, config.batch_norm || config.sync_batch_norm);
   model->to(device);
@@ -554,15 +611,25 @@ int run(const Config& config) {
       parallel.make_optimizer([&](std::vector<Tensor> params) { return make_optimizer(config, std::move(params)); });
   Schedule schedule(*optimizer, config, train_loader.size());
   int first_epoch = 0;
-  if (config.resume && !config.checkpoint.empty() && file_exists(config.checkpoint)) {
+  EpochProgress resumed;  // where in first_epoch the run goes on
+  // A group that nanoddp-run --max-restarts started again resumes by itself (Note [Restart
+  // rounds] in dist/launch.cpp): the launcher gives it the same command line.
+  const int restarts = examples::restart_count();
+  const bool resume = config.resume || (restarts > 0 && !config.checkpoint.empty());
+  if (resume && examples::checkpoint_exists(config.checkpoint)) {
     // Every rank reads the file (it must be on a filesystem they share) and loads the same
     // weights and optimizer state (the sharded strategies each take their share of it).
-    first_epoch = restore(config.checkpoint, config.epochs, train_loader.size(), parallel, *optimizer, config.optimizer,
-                          schedule, chatty);
-    if (chatty) std::printf("resumed from %s after epoch %d\n", config.checkpoint.c_str(), first_epoch);
+    std::string used;
+    std::tie(first_epoch, resumed) = restore(config.checkpoint, config.epochs, train_loader.size(), world_size, parallel,
+                                             *optimizer, config.optimizer, schedule, chatty, used);
+    if (rank == 0 && (chatty || restarts > 0))
+      std::printf("%sresumed from %s after epoch %d%s\n",
+                  restarts > 0 ? ("restart " + std::to_string(restarts) + ": ").c_str() : "", used.c_str(),
+                  first_epoch, resumed.steps > 0 ? (" and " + std::to_string(resumed.steps) + " steps of the next").c_str() : "");
     std::fflush(stdout);  // before anything said on stderr about the run, as it happened
   }
-  if (config.resume) check_same_start(*pg, config.checkpoint, first_epoch);
+  if (resume) check_same_start(*pg, config.checkpoint, first_epoch, resumed.steps);
+  const int64_t kill_step = examples::fault_kill_step(rank);
   // Resumed: the log keeps the checkpoint's epochs and the steps past them are written again.
   examples::MetricsLog metrics(rank == 0 ? config.metrics : "", /*epochs_kept=*/first_epoch);
   if (dist::DistributedDataParallel* ddp = parallel.ddp()) {
@@ -595,16 +662,33 @@ int run(const Config& config) {
                  config.stop_after > 0 ? "--stop-after" : "--epochs");
   for (int epoch = first_epoch; epoch < last_epoch; ++epoch) {
     train_loader.set_epoch(epoch);
-    dropout_gen.manual_seed((config.seed * 1000003 + static_cast<uint64_t>(epoch)) * 1024 + static_cast<uint64_t>(rank));
     examples::Progress progress(epoch + 1, config.epochs, train_loader.size(), chatty);
     Tensor loss_sum = Tensor::zeros({}, DType::Float32, device);
     int64_t steps = 0, samples = 0;
+    // Resumed mid-epoch (Note [Resuming mid-epoch]): the batches already taken are passed over.
+    const int64_t skip = epoch == first_epoch ? resumed.steps : 0;
+    if (skip > 0) {
+      loss_sum = Tensor::full({}, resumed.loss_sums[static_cast<size_t>(rank)], device);
+      samples = resumed.samples[static_cast<size_t>(rank)];
+    }
+    int64_t passed = 0;
     std::optional<dist::ExplainWindow> explained;
     if (explain) explained.emplace(*pg);
     const auto start = std::chrono::steady_clock::now();
     auto step_start = start;
     double lr = optimizer->lr();
     for (const data::Batch& batch : train_loader) {
+      if (passed < skip) {
+        ++passed;
+        steps = passed;
+        continue;
+      }
+      examples::kill_if_fault_injected(kill_step, rank, epoch * train_loader.size() + steps);
+      // Reseeded per rank and step: ranks drop different units, and a run resumed at any step
+      // draws the masks an uninterrupted one would.
+      dropout_gen.manual_seed(((config.seed * 1000003 + static_cast<uint64_t>(epoch)) * 1024 + static_cast<uint64_t>(rank)) *
+                                  1000003 +
+                              static_cast<uint64_t>(steps));
       lr = optimizer->lr();
       // With bucket views, zeroing in place (torch 1.13's default) keeps .grad in the buckets;
       // set_to_none would make every backward copy into them again.
@@ -628,6 +712,12 @@ int run(const Config& config) {
       }
       ++steps;
       samples += batch.input.size(0);
+      if (config.checkpoint_every > 0 && (epoch * train_loader.size() + steps) % config.checkpoint_every == 0 &&
+          steps < train_loader.size()) {
+        NoGradGuard no_grad;
+        save(config.checkpoint, epoch, train_loader.size(), parallel, *optimizer, config.optimizer, schedule, rank, *pg,
+             steps, loss_sum.item(), samples);
+      }
       if (steps % kCheckEverySteps == 0 || steps == train_loader.size()) {
         const float mean_loss = loss_sum.item() / static_cast<float>(steps);
         check_finite(mean_loss, rank, epoch, steps);
@@ -692,7 +782,7 @@ int run(const Config& config) {
     record.test_accuracy = accuracy;
     metrics.write(record);
     if (!config.checkpoint.empty())
-      save(config.checkpoint, epoch + 1, train_loader.size(), parallel, *optimizer, config.optimizer, schedule, rank);
+      save(config.checkpoint, epoch + 1, train_loader.size(), parallel, *optimizer, config.optimizer, schedule, rank, *pg);
     epochs_done = epoch + 1;
     std::fflush(stdout);
   }
@@ -765,6 +855,10 @@ int main(int argc, char** argv) {
                  "(tools/plot draws it); --resume keeps the lines of the checkpoint's epochs")
       ->check(cli::file_path());
   app.add_flag("--resume", config.resume, "continue from --checkpoint if it exists");
+  app.add_option("--checkpoint-every", config.checkpoint_every,
+                 "also save --checkpoint every this many optimizer steps during an epoch (0: at epoch ends only); a "
+                 "group restarted by nanoddp-run --max-restarts resumes from it by itself")
+      ->check(cli::integer_in(0));
   app.add_option("--stop-after", config.stop_after,
                  "stop after this epoch (1..--epochs), as a job with a time limit would (the schedule still spans --epochs; "
                  "0: never); rerun with --resume to go on")

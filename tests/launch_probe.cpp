@@ -5,6 +5,7 @@
 //   nanoddp-run --nproc-per-node 4 launch_probe fail 3 7          # rank 3 exits 7, peers lose it
 //   nanoddp-run --nproc-per-node 2 launch_probe sleep DIR         # writes DIR/pid.RANK, sleeps, silent
 //   nanoddp-run --nproc-per-node 3 launch_probe die 0 5           # rank 0 SIGKILLs itself mid-job
+//   nanoddp-run --max-restarts 2 --nproc-per-node 2 launch_probe restart 1 2   # dies in 2 rounds
 //
 // report [--backend B] [--hold-ms N]: init_process_group (backend B, default auto), all_reduce
 //         of rank + 1, "rank R of W backend B sum S" on stdout (S = W(W+1)/2), N ms of doing
@@ -18,6 +19,11 @@
 // die:    every rank runs all_reduces back to back; rank R sends itself SIGKILL after its Nth
 //         (kill -9 in the middle of a job). The others ignore SIGTERM and fail by losing R, by
 //         their own error, at once: the launcher must still name R and return 137.
+// restart: under --max-restarts. Every rank prints "rank R of W round K sum S" (K =
+//         NANODDP_RESTART_COUNT, S from an all_reduce of rank + 1) and "rank R round K first
+//         step at T" (T: CLOCK_REALTIME in ms); then rank R SIGKILLs itself after a barrier
+//         in every round below ROUNDS ("rank R round K killed at T" first) while the others
+//         wait in an all_reduce and fail by losing it. Round ROUNDS ends cleanly.
 // sleep:  after init, writes its pid and sleeps 60 s without a word (a --quiet training run).
 #include <unistd.h>
 
@@ -33,10 +39,20 @@
 
 using namespace nanoddp;
 
+namespace {
+
+long long realtime_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr,
-                 "usage: launch_probe report [--backend B] [--hold-ms N] | fail RANK CODE | die RANK N | sleep DIR\n");
+                 "usage: launch_probe report [--backend B] [--hold-ms N] | fail RANK CODE | die RANK N | "
+                 "restart RANK ROUNDS | sleep DIR\n");
     return 2;
   }
   const std::string mode = argv[1];
@@ -85,6 +101,27 @@ int main(int argc, char** argv) {
       }
       std::fprintf(stderr, "rank %d: 100000 all_reduces completed without rank %d\n", rank, victim);
       return 3;
+    } else if (mode == "restart" && argc == 4) {
+      const int victim = std::atoi(argv[2]), rounds = std::atoi(argv[3]);
+      const char* count = std::getenv("NANODDP_RESTART_COUNT");
+      const int round = count != nullptr ? std::atoi(count) : -1;
+      Tensor t = Tensor::from_vector({static_cast<float>(rank + 1)}, {1});
+      pg->all_reduce(t)->wait(std::chrono::seconds(20));
+      std::printf("rank %d of %d round %d sum %g\n", rank, world_size, round, t.item());
+      std::printf("rank %d round %d first step at %lld\n", rank, round, realtime_ms());
+      std::fflush(stdout);
+      if (round < rounds && rank != victim) std::signal(SIGTERM, SIG_IGN);
+      pg->barrier()->wait(std::chrono::seconds(20));
+      if (round < rounds) {
+        if (rank == victim) {
+          std::printf("rank %d round %d killed at %lld\n", rank, round, realtime_ms());
+          std::fflush(stdout);
+          ::kill(::getpid(), SIGKILL);
+        }
+        pg->all_reduce(t)->wait(std::chrono::seconds(20));
+        std::fprintf(stderr, "rank %d: an all_reduce without rank %d completed\n", rank, victim);
+        return 3;
+      }
     } else if (mode == "sleep" && argc == 3) {
       std::ofstream(std::string(argv[2]) + "/pid." + std::to_string(rank)) << ::getpid() << "\n";
       std::this_thread::sleep_for(std::chrono::seconds(60));

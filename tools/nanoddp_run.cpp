@@ -113,8 +113,9 @@ int main(int argc, char** argv) {
       "rank 0's store (made fresh for a one-node job; across nodes, export the same on every node).\n"
       "Its output lines are prefixed \"[rank N] \". When a rank fails the others get SIGTERM, then\n"
       "SIGKILL after the grace period; the exit code is the failed rank's (128 + signal for a signal),\n"
-      "and a rank that failed because it lost another is not the one named. Ctrl-C is forwarded to every\n"
-      "rank; if nanoddp-run dies, so do they. Options end at PROGRAM (or at --); an unknown option is an\n"
+      "and a rank that failed because it lost another is not the one named. With --max-restarts N the\n"
+      "group is then started again, whole, up to N times (the program resumes from its checkpoint).\n"
+      "Ctrl-C is forwarded to every rank; if nanoddp-run dies, so do they. Options end at PROGRAM (or at --); an unknown option is an\n"
       "error. An outer launcher's rank variables (OMPI_*, PMIX_*, SLURM_*) never reach the ranks.");
   // Options end at PROGRAM: everything after it belongs to PROGRAM, even what looks like a flag.
   app.prefix_command();
@@ -142,7 +143,12 @@ int main(int argc, char** argv) {
   app.add_option("--grace-period", grace_s, "seconds between SIGTERM and SIGKILL when ranks are stopped")
       ->check(nanoddp::cli::number_in(0, kMaxSeconds))
       ->capture_default_str();
-  app.add_option("--timeout", timeout_s, "stop the job after this many seconds; 0 = no limit")
+  app.add_option("--max-restarts,--max_restarts", options.max_restarts,
+                 "when a rank fails, stop every rank and start the group again, up to this many times "
+                 "(NANODDP_RESTART_COUNT tells the ranks which start this is)")
+      ->check(nanoddp::cli::integer_in(0))
+      ->capture_default_str();
+  app.add_option("--timeout", timeout_s, "stop the job after this many seconds (restarts included); 0 = no limit")
       ->check(nanoddp::cli::number_in(0, kMaxSeconds))
       ->capture_default_str();
 

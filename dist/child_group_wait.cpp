@@ -1,0 +1,288 @@
+// The launcher's supervision loop and failure chain: ChildGroup::wait() relays the ranks'
+// output, names the first failure (following "rank N lost rank M" reports to the rank that
+// failed first) and stops the rest. See Note [Launch contract] in dist/launch.h.
+#include "dist/launch.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <netinet/in.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <dirent.h>
+#include <fstream>
+#include <set>
+#include <thread>
+
+#include "core/error.h"
+#include "dist/launcher_link.h"
+#include "dist/launch_detail.h"
+
+namespace nanoddp::dist {
+
+using namespace launch_detail;
+
+void ChildGroup::read_failure_reports() {
+  char buffer[4096];
+  ssize_t n;
+  while ((n = read(failure_pipe_[0], buffer, sizeof(buffer))) > 0) failure_text_.append(buffer, static_cast<size_t>(n));
+  const size_t complete = failure_text_.rfind('\n');
+  if (complete == std::string::npos) return;
+  // A rank's first report counts: what it lost first is why it failed.
+  for (const auto& [rank, lost] : parse_lost_peer_reports(failure_text_.substr(0, complete + 1)))
+    lost_peer_.emplace(rank, lost);
+  failure_text_.erase(0, complete + 1);
+}
+
+Outcome ChildGroup::wait() {
+  NANODDP_CHECK(!waited_, DistError, "launch: wait() called twice");
+  waited_ = true;
+  Outcome outcome;
+  const auto never = Clock::time_point::max();
+  const auto deadline = options_.timeout.count() > 0 ? created_ + options_.timeout : never;
+  auto kill_at = never;
+  bool terminating = false, killed = false;
+
+  auto report = [&](const std::string& text) {
+    if (options_.report) write_all(2, options_.reporter + ": " + text + "\n");
+  };
+  auto begin_termination = [&](int signal, const std::string& why) {
+    size_t alive = 0;
+    for (const Child& c : children_) alive += c.exited ? 0 : 1;
+    report(why + (alive > 0 ? "; sending " + signal_name(signal) + " to the " + std::to_string(alive) +
+                                  " remaining process(es), SIGKILL after " + format_ms(options_.grace_period)
+                            : ""));
+    terminating = true;
+    terminate_all(signal);
+    kill_at = Clock::now() + options_.grace_period;
+  };
+
+  // Emits every complete line of `s` (all of it at EOF) with the child's prefix.
+  auto emit = [&](Child& c, Stream& s, bool at_eof) {
+    if (s.dst < 0) return;
+    std::string out;
+    size_t begin = 0;
+    for (size_t nl; (nl = s.pending.find('\n', begin)) != std::string::npos; begin = nl + 1)
+      out += c.prefix + s.pending.substr(begin, nl + 1 - begin);
+    s.pending.erase(0, begin);
+    if (!s.pending.empty() && (at_eof || s.pending.size() >= kMaxPendingLine)) {
+      out += c.prefix + s.pending + "\n";
+      s.pending.clear();
+    }
+    if (!out.empty()) write_all(s.dst, out);
+  };
+  auto read_stream = [&](Child& c, Stream& s) {
+    char buffer[65536];
+    while (s.fd >= 0) {
+      const ssize_t n = read(s.fd, buffer, sizeof(buffer));
+      if (n > 0) {
+        if (s.dst < 0) {
+          if (s.pending.size() < kMaxMessage) s.pending.append(buffer, static_cast<size_t>(n));
+        } else {
+          s.pending.append(buffer, static_cast<size_t>(n));
+          emit(c, s, false);
+        }
+      } else if (n < 0 && errno == EINTR) {
+        continue;
+      } else if (n < 0 && errno == EAGAIN) {
+        return;
+      } else {  // EOF or a broken pipe
+        close_fd(s.fd);
+        emit(c, s, true);
+      }
+    }
+  };
+  // One poll round over the self-pipe and every open stream; returns the signals received.
+  auto poll_once = [&](std::chrono::milliseconds wait) {
+    std::vector<pollfd> fds{{g_signal_pipe[0], POLLIN, 0}, {failure_pipe_[0], POLLIN, 0}};
+    std::vector<std::pair<Child*, Stream*>> owners{{nullptr, nullptr}, {nullptr, nullptr}};
+    for (Child& c : children_)
+      for (Stream* s : {&c.out, &c.err, &c.msg})
+        if (s->fd >= 0) {
+          fds.push_back({s->fd, POLLIN, 0});
+          owners.emplace_back(&c, s);
+        }
+    std::vector<int> signals;
+    const int ready = poll(fds.data(), fds.size(), static_cast<int>(std::max<long long>(0, wait.count())));
+    if (ready <= 0) return signals;
+    if (fds[1].revents != 0) read_failure_reports();
+    for (size_t i = 2; i < fds.size(); ++i)
+      if (fds[i].revents != 0) read_stream(*owners[i].first, *owners[i].second);
+    if (fds[0].revents != 0) {
+      unsigned char bytes[64];
+      ssize_t n;
+      while ((n = read(g_signal_pipe[0], bytes, sizeof(bytes))) > 0)
+        for (ssize_t i = 0; i < n; ++i)
+          if (bytes[i] != SIGCHLD) signals.push_back(bytes[i]);
+    }
+    return signals;
+  };
+
+  // 0. What stopped the starts (see must_stop_starting) ends the job like a failure after start.
+  if (!start_error_.empty()) {
+    outcome.kind = Outcome::Kind::StartFailed;
+    outcome.failed_name = start_error_name_;
+    outcome.failed_message = start_error_;
+    begin_termination(SIGTERM, "could not start " + start_error_name_ + ": " + start_error_);
+  } else if (pending_signal_ != 0) {
+    outcome.kind = Outcome::Kind::Interrupted;
+    outcome.signal = pending_signal_;
+    begin_termination(pending_signal_, "received " + signal_name(pending_signal_) + " while starting ranks");
+  }
+
+  // Whether c has exited (a zombie now); records how, and whether that is a failure of its own
+  // (any failure before we stop the job; a non-zero exit code while we do). WNOWAIT leaves the
+  // zombie (and with it the pgid) in place until the end.
+  auto poll_exit = [&](Child& c) {
+    if (c.exited) return true;
+    siginfo_t info{};
+    if (waitid(P_PID, static_cast<id_t>(c.pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid != c.pid)
+      return false;
+    c.exited = true;
+    if (info.si_code == CLD_EXITED) {
+      c.status.exited = true;
+      c.status.code = info.si_status;
+    } else {
+      c.status.signal = info.si_status;
+    }
+    c.failed = !c.status.ok() && (!terminating || c.status.exited);
+    return true;
+  };
+  auto child_of_rank = [&](int rank) -> Child* {
+    for (Child& c : children_)
+      if (c.rank == rank) return &c;
+    return nullptr;
+  };
+  // The failure that came first (Note [Launcher link], item 2): from a failed rank, follow
+  // "lost rank R" to R while R failed too; R's failure caused the others'. *running is set to
+  // the lost rank the chain stops at when that one is still running: its own failure may be
+  // under way (a rank's sockets close before it has exited, say while it writes a checkpoint).
+  auto first_failure = [&](Child* failed, Child** running) {
+    read_failure_reports();
+    *running = nullptr;
+    std::set<int> seen{failed->rank};
+    for (auto lost = lost_peer_.find(failed->rank); lost != lost_peer_.end(); lost = lost_peer_.find(failed->rank)) {
+      Child* peer = child_of_rank(lost->second);
+      if (peer == nullptr || !seen.insert(peer->rank).second) break;
+      if (!poll_exit(*peer)) {
+        *running = peer;
+        break;
+      }
+      if (!peer->failed) break;
+      failed = peer;
+    }
+    return failed;
+  };
+  auto describe_failure = [&](const Child& c) {
+    std::string text = c.name + " (pid " + std::to_string(c.pid) + ") ";
+    text += (c.pid == outcome.failed_pid ? "failed: " : "also failed: ") + c.status.describe();
+    const auto lost = lost_peer_.find(c.rank);
+    if (lost != lost_peer_.end()) text += " (it lost rank " + std::to_string(lost->second) + ")";
+    return text;
+  };
+  Child* first_seen = nullptr;  // the first failed child we saw, while its blame is pending
+  auto blame_until = never;     // until then, wait for the rank it lost to end by itself
+
+  while (true) {
+    // 1. Who has exited? The first failure ends the job once we know whose it is: a rank that
+    //    failed by losing a rank still running is not blamed before that one has ended too
+    //    (for up to a grace period). Every other rank that fails on its own is named after it.
+    bool any_failed = false;
+    for (Child& c : children_)
+      if (!c.exited && poll_exit(c) && c.failed) any_failed = true;
+    if (any_failed && !terminating && first_seen == nullptr) {
+      for (Child& c : children_)
+        if (first_seen == nullptr && c.failed) first_seen = &c;
+      blame_until = Clock::now() + options_.grace_period;
+    }
+    if (first_seen != nullptr && !terminating) {
+      Child* running = nullptr;
+      Child* first = first_failure(first_seen, &running);
+      if (running == nullptr || Clock::now() >= blame_until) {
+        outcome.kind = Outcome::Kind::ChildFailed;
+        outcome.failed_name = first->name;
+        outcome.failed_rank = first->rank;
+        outcome.failed_pid = first->pid;
+        outcome.failed_status = first->status;
+        first->named = true;
+        begin_termination(SIGTERM, describe_failure(*first));
+      }
+    }
+    if (terminating) {
+      read_failure_reports();
+      for (Child& c : children_)
+        if (c.exited && c.failed && !c.named) {
+          c.named = true;
+          report(describe_failure(c));
+        }
+    }
+    if (std::all_of(children_.begin(), children_.end(), [](const Child& c) { return c.exited; })) break;
+
+    // 2. Clocks: the job's timeout, then the grace period.
+    const auto now = Clock::now();
+    if (!terminating && now >= deadline) {
+      outcome.kind = Outcome::Kind::TimedOut;
+      begin_termination(SIGTERM, "timed out after " + format_ms(options_.timeout));
+    }
+    if (terminating && !killed && Clock::now() >= kill_at) {
+      terminate_all(SIGKILL);
+      killed = true;
+    }
+
+    // 3. Output and signals, until the next event or clock.
+    auto next = std::min(terminating && !killed ? kill_at : never, terminating ? never : std::min(deadline, blame_until));
+    auto wait = std::chrono::milliseconds(1000);  // SIGCHLD wakes us; this is only a backstop
+    if (next != never)
+      wait = std::min(wait, std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now()) +
+                                std::chrono::milliseconds(1));
+    for (int signal : poll_once(wait)) {
+      if (!terminating) {
+        outcome.kind = Outcome::Kind::Interrupted;
+        outcome.signal = signal;
+        begin_termination(signal, "received " + signal_name(signal));
+      } else if (!killed) {  // a second Ctrl-C: stop waiting politely
+        terminate_all(SIGKILL);
+        killed = true;
+      }
+    }
+  }
+
+  // 4. Leftovers in the ranks' groups die now; then read what is still in the pipes.
+  terminate_all(SIGKILL);
+  const auto drain_until = Clock::now() + kDrainTimeout;
+  auto any_open = [&] {
+    for (const Child& c : children_)
+      if (c.out.fd >= 0 || c.err.fd >= 0 || c.msg.fd >= 0) return true;
+    return false;
+  };
+  while (any_open() && Clock::now() < drain_until)
+    poll_once(std::chrono::duration_cast<std::chrono::milliseconds>(drain_until - Clock::now()) +
+              std::chrono::milliseconds(1));
+  for (Child& c : children_) {
+    for (Stream* s : {&c.out, &c.err, &c.msg}) {
+      close_fd(s->fd);
+      emit(c, *s, true);
+    }
+    int status = 0;
+    while (waitpid(c.pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    c.reaped = true;
+    outcome.statuses.push_back(c.status);
+    if (outcome.kind == Outcome::Kind::ChildFailed && c.pid == outcome.failed_pid)
+      outcome.failed_message = c.msg.pending;
+  }
+  return outcome;
+}
+
+}  // namespace nanoddp::dist

@@ -1,0 +1,76 @@
+// Internal to the launcher (launch.cpp, child_group.cpp, child_group_wait.cpp): the signal
+// self-pipe, output streams and the record of one child. Not a public header.
+#pragma once
+
+#include <signal.h>
+
+#include <chrono>
+#include <cstddef>
+#include <string>
+
+#include "dist/launch.h"
+
+namespace nanoddp::dist {
+namespace launch_detail {
+
+using Clock = std::chrono::steady_clock;
+
+// The signals a supervising ChildGroup handles, and what it does with them: SIGCHLD wakes the
+// loop; SIGINT/SIGTERM/SIGHUP are forwarded; SIGPIPE is ignored so that a closed stdout (say,
+// `nanoddp-run ... | head`) cannot kill the launcher and orphan the ranks.
+constexpr int kHandledSignals[] = {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGPIPE};
+constexpr size_t kNumHandled = sizeof(kHandledSignals) / sizeof(kHandledSignals[0]);
+
+// Self-pipe: the handler writes the signal number, the poll loop reads it. -1 when no
+// ChildGroup is alive.
+extern int g_signal_pipe[2];
+extern struct sigaction g_saved_actions[kNumHandled];
+
+inline bool is_forwarded(int signal) { return signal == SIGINT || signal == SIGTERM || signal == SIGHUP; }
+
+// The handler of every signal in kHandledSignals but SIGPIPE.
+void on_signal(int signal);
+
+// Writes all of `data` to `fd`; gives up quietly when the reader is gone (EPIPE) or the fd is
+// broken, because losing output must never stop supervision.
+void write_all(int fd, const std::string& data);
+
+void close_fd(int& fd);
+
+// Largest amount of a line kept while waiting for its '\n'; beyond it the text is printed as
+// a line of its own so a child that never writes '\n' cannot grow our memory without bound.
+constexpr size_t kMaxPendingLine = 64 * 1024;
+constexpr size_t kMaxMessage = 64 * 1024;
+// After the last child has exited, how long to keep reading pipes still held open by
+// processes that escaped their rank's group (setsid).
+constexpr std::chrono::milliseconds kDrainTimeout{1000};
+
+struct Stream {
+  int fd = -1;       // read end of the child's pipe; -1 once at EOF
+  int dst = -1;      // 1 or 2: where its lines go; -1: kept as the child's message
+  std::string pending;
+};
+
+// Runs in a child before it sets its own variables (Note [Innermost launcher wins] in
+// launch.cpp).
+void clear_outer_launcher_env();
+
+// "5 s" for whole seconds, else "1500 ms".
+std::string format_ms(std::chrono::milliseconds ms);
+
+}  // namespace launch_detail
+
+struct ChildGroup::Child {
+  int rank = 0;
+  std::string name;
+  std::string prefix;
+  pid_t pid = -1;
+  launch_detail::Stream out, err, msg;
+  bool exited = false;  // seen by waitid(WNOWAIT): a zombie, not yet reaped
+  bool reaped = false;
+  bool failed = false;  // exited by a failure of its own (see poll_exit in wait())
+  bool named = false;   // its failure has been reported
+  ExitStatus status;
+};
+
+}  // namespace nanoddp::dist

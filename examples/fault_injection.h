@@ -1,0 +1,60 @@
+// Fault injection for the restart tests: NANODDP_FAULT_KILL_AT=RANK:STEP makes rank RANK send
+// itself SIGKILL (kill -9, no cleanup) when it is about to take global optimizer step STEP
+// (0-based: after STEP steps are done), in the group's first start only (NANODDP_RESTART_COUNT
+// unset or 0), so that a group restarted by `nanoddp-run --max-restarts` runs past it.
+//
+//   NANODDP_FAULT_KILL_AT=1:13 nanoddp-run --max-restarts 1 --nproc-per-node 2
+//       build/examples/fashion_mnist --checkpoint run.ckpt --checkpoint-every 5   (one line)
+#pragma once
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "core/error.h"
+#include "dist/init.h"
+
+namespace nanoddp::examples {
+
+inline constexpr const char* kFaultKillAtEnv = "NANODDP_FAULT_KILL_AT";
+
+// Which start of the group this is: NANODDP_RESTART_COUNT, 0 when unset. Throws ValueError
+// naming the variable when it is not a non-negative integer.
+inline int restart_count() {
+  const char* text = std::getenv(dist::kRestartCountEnv);
+  if (text == nullptr || *text == '\0') return 0;
+  char* end = nullptr;
+  const long value = std::strtol(text, &end, 10);
+  NANODDP_CHECK(*end == '\0' && value >= 0 && value < (1L << 30), ValueError, dist::kRestartCountEnv, "='", text,
+                "' is not a restart count (0, 1, ...)");
+  return static_cast<int>(value);
+}
+
+// The step at which `rank` must die, or -1. Throws ValueError naming the variable when it is
+// not RANK:STEP.
+inline int64_t fault_kill_step(int rank) {
+  const char* text = std::getenv(kFaultKillAtEnv);
+  if (text == nullptr || *text == '\0' || restart_count() > 0) return -1;
+  char* end = nullptr;
+  const long victim = std::strtol(text, &end, 10);
+  NANODDP_CHECK(*end == ':', ValueError, kFaultKillAtEnv, "='", text, "' is not RANK:STEP");
+  const char* step_text = end + 1;
+  const long long step = std::strtoll(step_text, &end, 10);
+  NANODDP_CHECK(*end == '\0' && end != step_text && victim >= 0 && step >= 0, ValueError, kFaultKillAtEnv, "='",
+                text, "' is not RANK:STEP (two non-negative integers)");
+  return victim == rank ? static_cast<int64_t>(step) : -1;
+}
+
+// Called before each step: dies as NANODDP_FAULT_KILL_AT asks (kill_step from fault_kill_step).
+inline void kill_if_fault_injected(int64_t kill_step, int rank, int64_t step) {
+  if (kill_step < 0 || step != kill_step) return;
+  std::fprintf(stderr, "rank %d: %s: SIGKILL before step %lld\n", rank, kFaultKillAtEnv, static_cast<long long>(step));
+  std::fflush(stderr);
+  ::kill(::getpid(), SIGKILL);
+}
+
+}  // namespace nanoddp::examples
