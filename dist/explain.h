@@ -39,7 +39,7 @@ namespace nanoddp::dist {
 double ring_bytes_sent_per_rank(double bytes, int world_size);
 
 // NANODDP_EXPLAIN as a yes/no: 1/true/yes/on or 0/false/no/off (any case), unset or "" is no;
-// any other value is a ValueError naming the variable (NANODDP_EXPLAIN=false used to turn it on).
+// any other value is a ValueError naming the variable, so that no value is taken for yes by guess.
 bool explain_from_environment();
 
 // The bucket plan, one block per bucket: its index, its parameters by name and shape in plan

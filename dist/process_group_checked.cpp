@@ -41,7 +41,7 @@
 // rank agrees, the real collective is issued at once, and the next call's fingerprint after
 // it. So the backend sees fingerprint k, collective k, fingerprint k+1 on every rank, whoever
 // polls or waits when. A DDP hook that issues bucket k+1 while bucket k's fingerprints are
-// still in flight does not stall (that stall was what cost overlap); the hooks' polls of
+// still in flight does not stall (a stall there would cost the overlap); the hooks' polls of
 // earlier buckets start their collectives as soon as the fingerprints are there, so a
 // collective starts near the moment the last rank called it, not when somebody waits on it.
 // wait() moves the queue up to its own call, waiting (up to the timeout) on each fingerprint

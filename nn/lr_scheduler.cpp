@@ -92,8 +92,8 @@ void LRScheduler::load_state_dict(const StateDict& state) {
   // Note [Scheduler state kind] The hyper-parameters' names tell one scheduler's state from
   // another's: loaded into another scheduler, a StepLR's last_lr would silently start a cosine
   // from the wrong place. Their values are not taken (see the header). A state without any
-  // (one saved before schedulers saved them) loads into every scheduler, as all states did
-  // before: a checkpoint of an earlier version still resumes.
+  // (one saved by a version whose schedulers saved none) loads into every scheduler, so that
+  // such a checkpoint still resumes.
   const std::vector<std::pair<std::string, double>> own = hyper_parameters();
   const auto is_own = [&](const std::string& key) {
     for (const auto& [name, value] : own)

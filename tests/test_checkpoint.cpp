@@ -181,7 +181,7 @@ TEST_CASE("a save past the file size limit (ulimit -f) is an IOError naming it; 
   const std::string path = dir.path + "/run.ckpt";
   constexpr int64_t kSmall = 4, kLarge = 16384;  // the new one: 64 KiB, past the 32 KiB limit
   save_checkpoint(path, writer_state(0, kSmall));
-  // Before: killed by SIGXFSZ, with the temporary file left next to the checkpoint.
+  // Not killed by SIGXFSZ, and no temporary file left next to the checkpoint.
   const std::string message =
       testing::io_error_past_file_size_limit(32768, [&] { save_checkpoint(path, writer_state(1, kLarge)); });
   CHECK_MESSAGE(message.find("File too large") != std::string::npos, message);
@@ -206,7 +206,7 @@ TEST_CASE("a saved file's mode is torch.save's: 0666 less the umask when new, th
   ::umask(022);
   save_checkpoint(dir.path + "/shared.ckpt", state);
   ::umask(old_mask);
-  CHECK(mode_of(dir.path + "/private.ckpt") == 0600);  // before: 0644 whatever the umask
+  CHECK(mode_of(dir.path + "/private.ckpt") == 0600);  // not a fixed 0644: the umask counts
   CHECK(mode_of(dir.path + "/private.safetensors") == 0600);
   CHECK(mode_of(dir.path + "/shared.ckpt") == 0644);
   // Replacing a file keeps its mode, as writing it in place would.
@@ -231,9 +231,10 @@ TEST_CASE("saves check their target first: no folder, a folder, a pipe, an empty
     const char* const what = one_save.first;
     const Save& save = one_save.second;
     CAPTURE(what);
-    // Before: a missing folder named only a temporary file; a folder was refused by the rename
-    // after the whole temporary file was written; a pipe or device (as root, /dev/full) was
-    // replaced by a regular file; an empty path wrote ".tmp.XXXXXX" in the working folder.
+    // Each is refused up front, naming the problem: a missing folder by its name (not a
+    // temporary file's), a folder before any temporary file is written, a pipe or device (as
+    // root, /dev/full) without being replaced by a regular file, an empty path without a
+    // ".tmp.XXXXXX" in the working folder.
     const std::vector<std::pair<std::string, std::string>> refused = {
         {dir.path + "/missing/run.ckpt", ": folder " + dir.path + "/missing does not exist"},
         {dir.path, " exists but is a folder"},

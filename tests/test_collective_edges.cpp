@@ -162,7 +162,7 @@ TEST_CASE("works complete in issue order, and a barrier completes every earlier 
 TEST_CASE("ranks that call different collectives all get a DistError naming each call, and stay in step") {
   on_2_and_4_ranks([](int rank, int world, int port) {
     auto pg = testing::join(rank, world, port, 20s);
-    // The group's first collective is #1. 1. Sizes (Gloo used to abort the process): rank 0
+    // The group's first collective is #1. 1. Sizes (Gloo by itself would abort the process): rank 0
     // reduces 64000 floats, the others 32000.
     Tensor t = Tensor::zeros({rank == 0 ? 64000 : 32000});
     expect_mismatch(
@@ -172,7 +172,7 @@ TEST_CASE("ranks that call different collectives all get a DistError naming each
         rank);
     expect_in_step(*pg, rank, world);  // #2
 
-    // 2. 3 vs 2 elements (Gloo used to report half-reduced data as success).
+    // 2. 3 vs 2 elements (Gloo by itself would report half-reduced data as success).
     Tensor small = Tensor::ones({rank == 0 ? 3 : 2});
     expect_mismatch([&] { pg->all_reduce(small)->wait(); },
                     {"rank 0: all_reduce(sum) #3, 3 float32", "rank 1: all_reduce(sum) #3, 2 float32"}, rank);

@@ -409,8 +409,8 @@ TEST_CASE("DataLoader: batch shapes, values, the last partial batch, drop_last")
   CHECK(none.size() == 0);
   CHECK(none.begin() == none.end());
 
-  // The largest batch size: ceil(10 / (2^63 - 1)) is 1 (it used to be formed as
-  // 10 + 2^63 - 2, which wraps negative).
+  // The largest batch size: ceil(10 / (2^63 - 1)) is 1 (formed as (10 + 2^63 - 2) / (2^63 - 1)
+  // it would wrap negative).
   DataLoader huge(ds, INT64_MAX);
   CHECK(huge.size() == 1);
   batches = collect(huge);

@@ -387,8 +387,8 @@ TEST_CASE("nanoddp-run: a program that cannot be run is named once, with the she
     std::string program, message;
     int code;
   };
-  // Every rank used to fail by itself: as many reports as ranks got to exec before the first
-  // failure stopped the others, a "rank N failed" per rank, and 127 even for no permission.
+  // A program that cannot run is one report, not one per rank that got to exec before the
+  // others were stopped: no "rank N failed" lines, and 126 (not 127) for no permission.
   const std::vector<Case> cases = {
       {"/nonexistent/program", "cannot execute '/nonexistent/program': No such file or directory; no rank", 127},
       {"nanoddp-no-such-program", "cannot execute 'nanoddp-no-such-program': No such file or directory "

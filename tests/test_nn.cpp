@@ -205,8 +205,8 @@ TEST_CASE("checkpoints round-trip, replace atomically and reject corrupt files")
   std::remove(path.c_str());
   CHECK(error_of().find("cannot open") != std::string::npos);
 
-  // Every dtype a save writes loads back, bit for bit (float16 and bfloat16 were written, then
-  // refused on load as a "bad dtype").
+  // Every dtype a save writes loads back, bit for bit (float16 and bfloat16 included: a file
+  // that saves but does not load is lost).
   StateDict every;
   every["half"] = Tensor::empty({2}, DType::Float16);
   every["half"].data<Float16>()[0] = Float16::from_float(0.1f);
@@ -255,7 +255,7 @@ std::string parse_error(const std::string& bytes) {
 
 TEST_CASE("checkpoint sizes are checked against int64 and the bytes present, naming the offset") {
   // One float32 tensor "w" of shape [2^62, 4]: 2^64 elements, 2^66 bytes, which wrap to 0,
-  // so a byte count of 0 used to be accepted for a tensor that claimed 2^64 elements.
+  // so without the checks a byte count of 0 would pass for a tensor of 2^64 elements.
   auto entry = [](std::vector<int64_t> sizes, uint64_t nbytes) {
     CheckpointBytes file;
     file.put<uint32_t>(1).put<uint64_t>(1).put<uint32_t>(1);

@@ -146,7 +146,7 @@ TEST_CASE("lengths: ceil(N / W) without drop_last, floor(N / W) with it") {
 
 TEST_CASE("lengths near 2^63 do not wrap: exact, or a ValueError when the padded total cannot fit") {
   const int64_t max = INT64_MAX;  // 9223372036854775807 = 2 * 4611686018427387903 + 1
-  // ceil(N / W) used to be formed as N + W - 1, which wraps negative here.
+  // ceil(N / W) formed as (N + W - 1) / W would wrap negative here.
   CHECK(DistributedSampler(max, 1, 0, false, 0, false).num_samples() == max);
   CHECK(DistributedSampler(max, 2, 1, false, 0, true).num_samples() == 4611686018427387903);
   CHECK(DistributedSampler(max, 2, 1, false, 0, true).total_size() == max - 1);

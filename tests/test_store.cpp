@@ -208,7 +208,7 @@ TEST_CASE("store: set, get, add, check and wait between a server and a client") 
   CHECK_THROWS_AS(client.add("greeting", 1), DistError);
   CHECK(client.add("counter", 1) == 4);
 
-  // A sum past int64 is refused (it used to wrap: signed overflow, undefined in C++), the
+  // A sum past int64 is refused (not wrapped: signed overflow is undefined in C++), the
   // counter keeps its value, and the connection stays usable.
   CHECK(client.add("big", INT64_MAX - 1) == INT64_MAX - 1);
   try {

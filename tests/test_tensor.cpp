@@ -114,7 +114,7 @@ TEST_CASE("a .grad that is a slice_view accumulates in place; a view is never ta
 }
 
 TEST_CASE("element counts and byte sizes never wrap around") {
-  // 2^32 x 2^32 = 2^64 used to wrap to numel 0: a tensor that claimed 2^64 elements in 0 bytes.
+  // 2^32 x 2^32 = 2^64 wraps to 0: unchecked, a tensor would claim 2^64 elements in 0 bytes.
   CHECK_THROWS_AS(Tensor::zeros({int64_t{1} << 32, int64_t{1} << 32}), ShapeError);
   // 2^62 x 3 wraps to a negative product.
   CHECK_THROWS_AS(Shape({int64_t{1} << 62, 3}), ShapeError);

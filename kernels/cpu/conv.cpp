@@ -207,8 +207,8 @@ namespace {
 // max_pool2d_window scans each window: the same elements in the same order with the same rule
 // (a larger value or a NaN replaces the best), so the same value and index. The loops run
 // across the row's windows, one window element at a time, and choose with selects instead of
-// branches: a branch per element mispredicted on about half of the data (this loop was 15% of
-// fashion_mnist_cnn's step), and the selects vectorise. kWithIndices false: values only (at
+// branches: a branch per element mispredicts on about half of the data (with branches this loop
+// took 15% of fashion_mnist_cnn's step), and the selects vectorise. kWithIndices false: values only (at
 // is unused), for a forward that keeps no graph.
 template <bool kWithIndices>
 void max_pool2d_row(float* __restrict best, int64_t* __restrict at, const float* __restrict plane, const Window2d& g,
