@@ -18,7 +18,8 @@ trap 'rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
 # Headers that stay internal: included only by the library's own .cpp files.
-private_headers=(core/half_convert.h core/replace_file.h dist/detail.h dist/nccl_protocol.h dist/store_wire.h nn/file_io.h)
+private_headers=(core/half_convert.h core/replace_file.h dist/detail.h dist/launch_detail.h dist/nccl_protocol.h dist/store_client.h
+                 dist/store_server.h dist/store_wire.h nn/file_io.h)
 
 echo "== meson install into a staging folder"
 meson install -C "$build" --no-rebuild --destdir "$work/stage" >"$work/install.log" ||
