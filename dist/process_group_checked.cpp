@@ -118,7 +118,7 @@ struct CheckState {
   std::chrono::milliseconds timeout{};  // the group's: no wait through this group lasts longer
   std::string store_prefix;             // this group's keys in the store (Note [Naming the straggler])
 
-  // Note [Naming the straggler]: " rank 1 did not reach <call> ..." for the ranks that did
+  // Note [Naming the straggler]: " straggler: rank 1 never reached <call> ..." for the ranks that did
   // not say within kStragglerGrace that they reached call #mine[0], or "" (all did, or the
   // group has no store).
   std::string stragglers(const std::vector<int64_t>& mine);

@@ -630,6 +630,7 @@ int run(const Config& config) {
   }
   if (resume) check_same_start(*pg, config.checkpoint, first_epoch, resumed.steps);
   const int64_t kill_step = examples::fault_kill_step(rank);
+  const int64_t stop_step = examples::fault_stop_step(rank);
   // Resumed: the log keeps the checkpoint's epochs and the steps past them are written again.
   examples::MetricsLog metrics(rank == 0 ? config.metrics : "", /*epochs_kept=*/first_epoch);
   if (dist::DistributedDataParallel* ddp = parallel.ddp()) {
@@ -684,6 +685,7 @@ int run(const Config& config) {
         continue;
       }
       examples::kill_if_fault_injected(kill_step, rank, epoch * train_loader.size() + steps);
+      examples::stop_if_fault_injected(stop_step, rank, epoch * train_loader.size() + steps);
       // Reseeded per rank and step: ranks drop different units, and a run resumed at any step
       // draws the masks an uninterrupted one would.
       dropout_gen.manual_seed(((config.seed * 1000003 + static_cast<uint64_t>(epoch)) * 1024 + static_cast<uint64_t>(rank)) *
