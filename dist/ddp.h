@@ -102,6 +102,8 @@ class DistributedDataParallel : public nn::Module, public Joinable {
   nn::Module& module() { return *module_; }
   const ProcessGroup& process_group() const { return *pg_; }
   const Reducer& reducer() const { return *reducer_; }
+  // Reducer::load_bucket_order: a resumed run takes the bucket plan of the run it resumes.
+  void load_bucket_order(const std::vector<int64_t>& order) { reducer_->load_bucket_order(order); }
 
   // While the guard lives, backward does not all-reduce: gradients accumulate locally, and
   // the first backward after it reduces the accumulated sum (torch's ddp.no_sync()).

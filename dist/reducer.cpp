@@ -35,8 +35,10 @@ namespace nanoddp::dist {
 // (tests/test_ddp.cpp counts it). With the default caps a small model stays one bucket.
 // Skipped with find_unused_parameters (the used set may change from one iteration to the
 // next, so the first order says little), unless static_graph, as in PyTorch. Nothing else
-// changes: the hooks are per parameter, and a parameter's gradient is the same whichever
-// bucket carries it. The new buckets come from the group (new_collective_buffer, itself a
+// changes: the hooks are per parameter, and a parameter's gradient is the same mean whichever
+// bucket carries it, equal to float rounding (at 3 ranks or more the ring's pieces fall
+// elsewhere in another bucket, so its sums may run in another order: a resumed run loads the
+// order, load_bucket_order, to reduce bit for bit as the run it resumes). The new buckets come from the group (new_collective_buffer, itself a
 // collective on shm), in plan order, which is the same on every rank; the old ones are
 // released first, so the peak stays one set of buckets. Called between backwards only, so no
 // bucket is in flight, and what a no_sync backward noted (used_in_window_) is kept.
@@ -141,6 +143,7 @@ Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared
 // A bucket closes once it reaches its cap: the first bucket's, then bucket_cap_bytes.
 void Reducer::plan_buckets(const std::vector<size_t>& order) {
   NANODDP_ASSERT(order.size() == params_.size());
+  plan_order_.assign(order.begin(), order.end());
   const Device device = params_.empty() ? Device::cpu() : params_[0].second.device();
   buckets_.clear();
   location_.assign(params_.size(), {0, 0});
@@ -199,6 +202,22 @@ bool Reducer::rebuild_buckets() {
   }
   plan_buckets(plan_order);
   return true;
+}
+
+void Reducer::load_bucket_order(const std::vector<int64_t>& order) {
+  NANODDP_CHECK(!finalize_queued_, ValueError, "DDP: load_bucket_order during a backward pass");
+  std::vector<bool> seen(params_.size(), false);
+  bool permutation = order.size() == params_.size();
+  for (int64_t k : order) {
+    permutation = permutation && k >= 0 && static_cast<size_t>(k) < params_.size() && !seen[static_cast<size_t>(k)];
+    if (permutation) seen[static_cast<size_t>(k)] = true;
+  }
+  NANODDP_CHECK(permutation, ValueError, "DDP: a bucket order of ", order.size(),
+                " entries is not an order of this model's ", params_.size(),
+                " parameters (was it saved with another model?)");
+  rebuilt_ = true;
+  ready_order_.clear();
+  plan_buckets(std::vector<size_t>(order.begin(), order.end()));
 }
 
 Reducer::~Reducer() {

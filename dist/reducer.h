@@ -111,6 +111,15 @@ class Reducer {
   void abandon_interrupted_backward();
   // Whether rebuild_buckets has re-planned: bucket_plan() is then the rebuilt plan, final.
   bool buckets_rebuilt() const { return rebuilt_; }
+  // The order the current plan packs the parameters in (indices into the constructor's list).
+  // A checkpoint keeps it so that a resumed run reduces in the buckets of the run it resumes.
+  const std::vector<int64_t>& bucket_order() const { return plan_order_; }
+  // Re-plans the buckets from `order` (what bucket_order() gave, on the same model) and counts
+  // as the re-plan: rebuild_buckets will not re-plan again. Collective like rebuild_buckets
+  // (every rank, the same order, between two backwards), but issues no collective itself on
+  // CPU backends other than shm (which maps the new buckets). Throws ValueError when order is
+  // not a permutation of the parameter indices.
+  void load_bucket_order(const std::vector<int64_t>& order);
 
   // The plan: bucket b holds these parameter indices (into the constructor's list).
   std::vector<std::vector<size_t>> bucket_plan() const;
@@ -177,6 +186,7 @@ class Reducer {
   bool backward_seen_ = false;  // a synced backward has run (hooks must come before)
   int64_t synced_backwards_ = 0;     // finalized (or shadowed under Join) so far
   std::vector<size_t> ready_order_;  // Note [Bucket rebuild]: recorded in the first synced backward
+  std::vector<int64_t> plan_order_;  // what plan_buckets packed, in order
   bool rebuilt_ = false;
   std::vector<int64_t> static_used_anywhere_;  // Note [Static graph]: learnt in the first synced backward
   std::vector<bool> static_used_here_;         // Note [Static graph]: this rank's, from the same backward

@@ -353,6 +353,10 @@ void save(const std::string& path, int epochs_done, int64_t steps_per_epoch, exa
   state["epochs_done"] = Tensor::from_vector(std::vector<int64_t>{epochs_done});
   state["steps_per_epoch"] = Tensor::from_vector(std::vector<int64_t>{steps_per_epoch});
   state["optimizer_kind"] = Tensor::from_vector(std::vector<int64_t>{optimizer_kind(optimizer_name)});
+  // DDP's re-planned buckets (Note [Bucket rebuild]): the resumed run reduces in the same
+  // buckets, so its sums run in the same order as this run's.
+  if (parallel.ddp() != nullptr && parallel.ddp()->reducer().buckets_rebuilt())
+    state["ddp.bucket_order"] = Tensor::from_vector(parallel.ddp()->reducer().bucket_order());
   if (steps_in_epoch > 0) {
     state["epoch_progress.steps"] = Tensor::from_vector(std::vector<int64_t>{steps_in_epoch});
     state["epoch_progress.loss_sums"] = Tensor::from_vector(loss_sums);
@@ -422,6 +426,8 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
     }
     const int64_t saved_total_steps = int64_entry(state, "scheduler.total_steps", schedule.total_steps());
     const int64_t saved_warmup_steps = int64_entry(state, "scheduler.warmup_steps", schedule.warmup_steps());
+    if (state.count("ddp.bucket_order") != 0 && parallel.ddp() != nullptr)
+      parallel.ddp()->load_bucket_order(state.at("ddp.bucket_order").to_int_vector());
     try {
       parallel.load_model_state_dict(nn::strip_prefix(state, "model."));
     } catch (const Error& e) {
