@@ -49,7 +49,7 @@ TEST_CASE("op harness on CUDA: NaN and ±inf inputs give the CPU's outputs") {
   for (const OpCase& c : op_cases()) {
     CAPTURE(c.name);
     std::vector<Values> values = make_inputs(c, gen);
-    if (c.inputs[0].kind == Kind::Labels) continue;
+    if (c.inputs[0].kind == Kind::Labels || values[0].empty()) continue;
     for (double special : {std::nan(""), HUGE_VAL, -HUGE_VAL}) {
       values[0][0] = special;
       NoGradGuard no_grad;

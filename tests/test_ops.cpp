@@ -47,7 +47,7 @@ TEST_CASE("op harness: forward vs float64, backward vs central differences") {
     REQUIRE(actual.size() == expected.size());
     for (size_t i = 0; i < expected.size(); ++i) {
       CAPTURE(i);
-      CHECK(std::abs(actual[i] - expected[i]) <= c.forward_tolerance * scale_of(expected[i]));
+      CHECK(matches(actual[i], expected[i], c.forward_tolerance));  // NaN: a mean of an empty batch
     }
     if (!c.differentiable) continue;
 
@@ -121,7 +121,7 @@ TEST_CASE("op harness: every op's forward records a span on the trace's compute 
     const Tensor out = c.op(inputs);
     const std::vector<trace::Event> events = trace::events_since(before);
     trace::stop();
-    if (out.numel() > 0 && out.data<float>() == inputs[0].data<float>()) continue;  // a view: no forward work
+    if (out.impl()->storage == inputs[0].impl()->storage) continue;  // a view: no forward work
     CHECK(std::any_of(events.begin(), events.end(),
                       [](const trace::Event& e) { return e.lane == static_cast<int>(trace::Lane::Compute); }));
   }
