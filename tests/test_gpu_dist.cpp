@@ -16,6 +16,7 @@
 #include "core/memory.h"
 #include "dist/comm_hooks.h"
 #include "dist/ddp.h"
+#include "dist/detail.h"
 #include "dist/fsdp.h"
 #include "dist/host_collectives.h"
 #include "dist/init.h"
@@ -157,6 +158,41 @@ void check_point_to_point_beside_collectives(dist::ProcessGroup& pg, Device gpu)
     CHECK(got.front() == static_cast<float>(100 * peer + round));
     CHECK(got.back() == static_cast<float>(100 * peer + round));
   }
+}
+
+// Note [NCCL point-to-point], module loading and memory, in a fresh process: rank 0's send
+// waits for rank 1's recv, which comes after three collectives. Rank 0 runs them meanwhile: Max
+// and Min launch the NaN-ordered key kernels for the first time, all_gather and reduce_scatter
+// allocate their temporaries from an emptied cache (cudaMalloc). A first launch that loaded a
+// module, or an allocation, that waited for the device would wait for the send: a deadlock.
+void check_collectives_beside_a_pending_send(dist::ProcessGroup& pg, Device gpu) {
+  const int rank = pg.rank();
+  const int64_t huge = int64_t(16) << 20;  // float32 elements: 64 MB, beyond NCCL's buffers
+  Tensor message = rank == 0 ? Tensor::full({huge}, 4.0f, gpu) : Tensor::zeros({huge}, DType::Float32, gpu);
+  Tensor values = Tensor::full({3}, static_cast<float>(rank + 1), gpu);
+  std::vector<Tensor> gathered{Tensor::zeros({3}, DType::Float32, gpu), Tensor::zeros({3}, DType::Float32, gpu)};
+  Tensor part = Tensor::zeros({2}, DType::Float32, gpu);
+  std::vector<Tensor> parts{Tensor::full({2}, static_cast<float>(rank + 1), gpu),
+                            Tensor::full({2}, static_cast<float>(10 * (rank + 1)), gpu)};
+  kernels::cuda::empty_cache();  // before any send: the temporaries below come from cudaMalloc
+  std::shared_ptr<dist::Work> sent;
+  if (rank == 0) sent = pg.send(message, 1);
+  pg.all_reduce(values, dist::ReduceOp::Max)->wait(30s);  // {2, 2, 2} on both ranks
+  pg.all_gather(gathered, values)->wait(30s);
+  pg.reduce_scatter(part, parts, dist::ReduceOp::Min)->wait(30s);
+  if (rank == 0) {
+    sent->wait(30s);
+  } else {
+    pg.recv(message, 0)->wait(30s);
+    const std::vector<float> got = message.to_vector();
+    CHECK(got.front() == 4.0f);
+    CHECK(got.back() == 4.0f);
+  }
+  CHECK(values.to_vector() == std::vector<float>{2, 2, 2});
+  CHECK(gathered[0].to_vector() == std::vector<float>{2, 2, 2});
+  CHECK(gathered[1].to_vector() == std::vector<float>{2, 2, 2});
+  // Part r is the minimum over the ranks of their parts[r]: min(1, 2) and min(10, 20).
+  CHECK(part.to_vector() == std::vector<float>(2, rank == 0 ? 1.0f : 10.0f));
 }
 
 // steps of the same batches (seed 11) through a CPU model and a wrapped CUDA one.
@@ -463,6 +499,9 @@ TEST_CASE("two ranks share one GPU over Gloo: collectives on CUDA tensors are ex
   if (!in_launched_rank()) return run_ranks_of_this_file("*share one GPU over Gloo: collectives*", "gloo");
   auto pg = join_launched(dist::Backend::Gloo, Device::cuda(0));
   testing::check_staged_collectives(*pg, Device::cuda(0));
+  // The staging pool took pinned memory, so CUDA is up: an exit handler registered from then on
+  // drops a group still alive at exit before the CUDA runtime's teardown (Note [NCCL shutdown]).
+  CHECK(dist::detail::exit_handler_after_cuda_registered());
   // What examples do with their metrics: host numbers through the group's device.
   const auto totals = dist::all_reduce_host(*pg, std::vector<int64_t>{pg->rank() + 1, 10}, dist::ReduceOp::Sum);
   CHECK(totals == std::vector<int64_t>{3, 20});
@@ -509,9 +548,10 @@ TEST_CASE("NCCL at world size 2 (two GPUs): collectives, send/recv and DDP") {
   if (!in_launched_rank()) return run_ranks_of_this_file("*NCCL at world size 2*", "nccl");
   const Device gpu = Device::cuda(dist::get_local_rank());
   auto pg = join_launched(dist::Backend::Nccl, gpu);
-  // First, on the fresh group: the first send between the two ranks comes before a collective
+  // First, on the fresh group: the first send between the two ranks comes before collectives
   // that the peer waits in. Without the connections made when the group was built, that send
   // would wait on the host for the peer's recv (Note [NCCL point-to-point], connections).
+  check_collectives_beside_a_pending_send(*pg, gpu);
   check_point_to_point_beside_collectives(*pg, gpu);
   // Every collective on the group's own device; results must follow the non-blocking calls.
   const int rank = pg->rank();
