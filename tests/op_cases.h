@@ -449,6 +449,15 @@ inline std::vector<OpCase> op_cases() {
   rows.push_back({"max_pool2d 3, stride 2, padding 1 (overlapping)", {{{1, 3, 5, 6}}},
                   [](auto& in) { return max_pool2d(in[0], 3, 2, 1); },
                   [](auto& in) { return ref_max_pool2d(in[0], {1, 3, 5, 6}, 3, 2, 1); }});
+  // Large planes: the CUDA backward spreads a plane's elements over the grid; overlapping
+  // windows (kernel 3, stride 2) give elements several gradients to add, in the CPU's order.
+  rows.push_back({"max_pool2d 3, stride 2, padding 1 on 40x40 planes", {{{1, 2, 40, 40}}},
+                  [](auto& in) { return max_pool2d(in[0], 3, 2, 1); },
+                  [](auto& in) { return ref_max_pool2d(in[0], {1, 2, 40, 40}, 3, 2, 1); }});
+  // Many rows: the CUDA weight and bias gradients split 600 rows into chunks over the grid.
+  rows.push_back({"layer_norm [600,6] over [6], affine (many rows)", {{{600, 6}}, {{6}}, {{6}}},
+                  [](auto& in) { return layer_norm(in[0], {6}, in[1], in[2]); },
+                  [](auto& in) { return ref_layer_norm(in[0], in[1], in[2], 6); }});
   rows.push_back(OpCase{"layer_norm [3,4,5] over [5]", {{{3, 4, 5}}, {{5}}, {{5}}},
                         [](auto& in) { return layer_norm(in[0], {5}, in[1], in[2]); },
                         [](auto& in) { return ref_layer_norm(in[0], in[1], in[2], 5); }}
