@@ -261,6 +261,19 @@ TEST_CASE("NCCL collectives on a CUDA tensor, world size 1: exact values") {
     CHECK(std::isnan(v[0]));
     CHECK(std::vector<float>(v.begin() + 1, v.end()) == std::vector<float>{1.5f, -0.25f, inf, -inf, 0.0f, -3e38f});
   }
+  // reduce_scatter of one rank: the output is its one input, also through Max's keys with NaN
+  // and for an empty tensor.
+  for (dist::ReduceOp op : {dist::ReduceOp::Sum, dist::ReduceOp::Max, dist::ReduceOp::Min}) {
+    Tensor part = Tensor::full({4}, -7.0f, gpu);
+    std::vector<Tensor> parts{Tensor::from_vector(std::vector<float>{nan, 2.5f, -inf, -0.5f}, {}, gpu)};
+    pg->reduce_scatter(part, parts, op)->wait();
+    const std::vector<float> got = part.to_vector();
+    CHECK(std::isnan(got[0]));
+    CHECK(std::vector<float>(got.begin() + 1, got.end()) == std::vector<float>{2.5f, -inf, -0.5f});
+    Tensor none = Tensor::zeros({0}, DType::Float32, gpu);
+    std::vector<Tensor> no_parts{Tensor::zeros({0}, DType::Float32, gpu)};
+    CHECK_NOTHROW(pg->reduce_scatter(none, no_parts, op)->wait());
+  }
   // Point-to-point needs another rank; a tag NCCL cannot honour is refused, not ignored.
   CHECK_THROWS_AS(pg->send(b, 0), ValueError);
   CHECK_THROWS_AS(pg->recv(b, 0, 0), ValueError);
