@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <memory>
 #include <thread>
 
 #include "core/ops.h"
@@ -277,6 +278,55 @@ TEST_CASE("NCCL collectives on a CUDA tensor, world size 1: exact values") {
   // Point-to-point needs another rank; a tag NCCL cannot honour is refused, not ignored.
   CHECK_THROWS_AS(pg->send(b, 0), ValueError);
   CHECK_THROWS_AS(pg->recv(b, 0, 0), ValueError);
+}
+
+// Note [Host syncs] (kernels/device_memory.h): one counter of the host's waits for the device.
+TEST_CASE("host syncs: every wait for the device is counted, and a DDP step's count is steady") {
+  if (in_launched_rank()) return;
+  namespace gpu = kernels::cuda;
+  const Device cuda = Device::cuda(0);
+  const Tensor t = Tensor::full({4}, 1.5f, cuda);
+  const uint64_t before = gpu::host_syncs();
+  const Tensor doubled = t * 2.0f;  // a kernel launch: queued, no wait
+  CHECK(gpu::host_syncs() == before);
+  gpu::synchronize();
+  CHECK(gpu::host_syncs() == before + 1);
+  CHECK(doubled.to_vector() == std::vector<float>(4, 3.0f));  // one copy to the host
+  CHECK(gpu::host_syncs() == before + 2);
+#if !NANODDP_WITH_NCCL
+  testing::not_in_this_build("NCCL");
+  return;
+#endif
+  // The MLP with SGD and with AdamW under DDP (NCCL, world size 1), the loss never read:
+  // every step after the first (which builds buckets and optimizer state) waits the same
+  // number of times. The count is printed: the goal is 0 (one wait, where the loss is read).
+  auto pg = nccl_group();
+  for (const bool adamw : {false, true}) {
+    CAPTURE(adamw);
+    auto model = mlp();
+    model->to(cuda);
+    dist::DistributedDataParallel ddp(model, pg);
+    std::unique_ptr<nn::Optimizer> opt;
+    if (adamw)
+      opt = std::make_unique<nn::AdamW>(model->parameters(), nn::AdamWOptions{});
+    else
+      opt = std::make_unique<nn::SGD>(model->parameters(), nn::SGDOptions{/*lr=*/0.1});
+    Generator gen(5);
+    std::vector<uint64_t> per_step;
+    for (int step = 0; step < 4; ++step) {
+      const auto [x, y] = random_batch(gen);
+      const Tensor xg = x.to(cuda), yg = y.to(cuda);  // the input's copies are not the step's
+      const uint64_t start = gpu::host_syncs();
+      opt->zero_grad();
+      cross_entropy(ddp(xg), yg).backward();
+      opt->step();
+      per_step.push_back(gpu::host_syncs() - start);
+    }
+    MESSAGE("host syncs per DDP step (", adamw ? "AdamW" : "SGD", "): ", per_step[1], ", ", per_step[2], ", ",
+            per_step[3]);
+    CHECK(per_step[2] == per_step[1]);
+    CHECK(per_step[3] == per_step[1]);
+  }
 }
 
 TEST_CASE("NCCL refuses NCCL_COMM_BLOCKING=1, which would make its waits untimed") {
