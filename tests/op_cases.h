@@ -17,6 +17,7 @@
 
 #include "core/ops.h"
 #include "core/random.h"
+#include "kernels/dropout_mask.h"
 #include "nn/activations.h"
 #include "nn/batch_norm.h"
 #include "nn/conv.h"
@@ -489,8 +490,12 @@ inline std::vector<OpCase> op_cases() {
                   [](auto& in) { Generator gen(5); return dropout(in[0], 0.3f, /*training=*/true, gen); },
                   [](auto& in) {
                     Generator gen(5);
+                    const uint64_t key = dropout_key(gen);  // one key per call (nn/dropout.h)
                     const double scale = 1.0f / (1.0f - 0.3f);  // as dropout computes it, in float
-                    return pointwise(in[0], [&](double v) { return v * (gen.uniform() >= 0.3f ? scale : 0.0); });
+                    Values out(in[0].size());
+                    for (size_t i = 0; i < out.size(); ++i)
+                      out[i] = in[0][i] * (kernels::dropout_uniform(key, int64_t(i)) >= 0.3f ? scale : 0.0);
+                    return out;
                   }});
   rows.push_back({"flatten [2,3,4] -> [2,12]", {{{2, 3, 4}}},
                   [](auto& in) { return nn::Flatten()(in[0]); }, [](auto& in) { return in[0]; }});

@@ -414,3 +414,27 @@ TEST_CASE("max_pool2d without padding (no bounds tests) equals max_pool2d_window
     CHECK(std::memcmp(din.data(), want.data(), din.size() * sizeof(float)) == 0);
   }
 }
+
+TEST_CASE("dropout's counter-based draw: splitmix64's outputs, about 1 - p kept, a new key per call") {
+  // splitmix64 from state 0 gives 0xe220a8397b1dcdaf, 0x6e789e6aa1b965f4, 0x06c45d188009454f;
+  // their top 24 bits over 2^24 are the first three draws of key 0.
+  CHECK(kernels::dropout_uniform(0, 0) == 0xe220a8 / 16777216.0f);
+  CHECK(kernels::dropout_uniform(0, 1) == 0x6e789e / 16777216.0f);
+  CHECK(kernels::dropout_uniform(0, 2) == 0x06c45d / 16777216.0f);
+  // 100000 elements at p = 0.25: kept ones are 4/3, about 75000 of them (binomial standard
+  // deviation 137, so 1000 off is over 7 deviations).
+  Generator gen(8);
+  const Tensor ones = Tensor::ones({100000});
+  const std::vector<float> first = dropout(ones, 0.25f, /*training=*/true, gen).to_vector();
+  int64_t kept = 0;
+  for (float v : first) {
+    REQUIRE((v == 0.0f || v == 1.0f / 0.75f));
+    kept += v != 0.0f;
+  }
+  CHECK(std::abs(kept - 75000) < 1000);
+  // The next call draws a new key, so another mask (two equal ones by chance: 0.625^100000).
+  CHECK(dropout(ones, 0.25f, /*training=*/true, gen).to_vector() != first);
+  // The same seed gives the same mask.
+  Generator again(8);
+  CHECK(dropout(ones, 0.25f, /*training=*/true, again).to_vector() == first);
+}
