@@ -1,5 +1,11 @@
 // The NCCL process group: CUDA tensors, one GPU per rank.
 //
+// One file, though long: its helpers (the communicator under one mutex, Note [NCCL threads];
+// the lane and launch(), Note [NCCL streams]) serve this group only, and each collective below
+// is correct only through their contracts, so a reader checks the one against the other here,
+// in one place, as in PyTorch's ProcessGroupNCCL.cpp. What other groups share lives apart
+// (dist/nccl_protocol.h: the polling, the Work, the point-to-point queue, tested without a GPU).
+//
 // Note [NCCL rendezvous]
 //   1. Every rank publishes "<host> <PCI bus id>" of its GPU in the store and reads all the
 //      others'. Two ranks on one GPU is refused here, with both ranks named: NCCL cannot
