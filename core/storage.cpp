@@ -160,7 +160,7 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
     NANODDP_CHECK(dst_device == src_device, DeviceError, "copy between ", src_device, " and ", dst_device,
                   " is not supported; go through the CPU");
     kernels::cuda::set_device(dst_device.index);
-    kernels::cuda::copy(dst, src, nbytes, CopyKind::DeviceToDevice);
+    kernels::cuda::copy_async(dst, src, nbytes, CopyKind::DeviceToDevice);
   }
 }
 

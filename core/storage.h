@@ -85,7 +85,11 @@ class Storage {
 };
 
 // Copies nbytes between any two devices (host<->host, host<->device, device<->device).
-// Copies that touch a GPU are ordered on the compute stream and complete before return.
+// Copies that touch a GPU are ordered on the compute stream. One between host and device
+// completes before return (the host side may be pageable memory); one within a GPU is only
+// queued, with no host sync (Note [Host syncs]): whatever reads or frees either buffer later
+// runs on that stream, or waits for it, as every kernel and collective does (Note [Scratch on
+// one stream]).
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes);
 
 }  // namespace nanoddp

@@ -60,4 +60,12 @@ std::string errno_text(int err);
 // host does not resolve.
 std::string local_address_towards(const std::string& host, int port);
 
+// Note [NCCL shutdown] for the groups that stage CUDA tensors (dist/host_staging.h): a Gloo,
+// MPI or shm group may be made before CUDA is, and then the exit handler that init_process_group
+// registers runs after the CUDA runtime's teardown. So the staging pool calls this when it first
+// takes pinned memory (CUDA is up then): it registers, once, one more handler that drops the
+// default group, which then runs before that teardown. Defined in dist/init.cpp.
+void register_exit_handler_after_cuda();
+bool exit_handler_after_cuda_registered();
+
 }  // namespace nanoddp::dist::detail

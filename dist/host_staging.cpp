@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "dist/detail.h"
 #include "kernels/device_memory.h"
 
 namespace nanoddp::dist {
@@ -33,7 +34,10 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
         cached_bytes_ -= nbytes;
       }
     }
-    if (block == nullptr && nbytes > 0) block = kernels::cuda::allocate_pinned(nbytes);
+    if (block == nullptr && nbytes > 0) {
+      block = kernels::cuda::allocate_pinned(nbytes);
+      detail::register_exit_handler_after_cuda();  // CUDA is up now (Note [NCCL shutdown])
+    }
     auto impl = std::make_shared<TensorImpl>();
     impl->shape = shape;
     impl->dtype = dtype;

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -80,6 +81,8 @@ void register_exit_handler() {
   static std::once_flag once;
   std::call_once(once, [] { std::atexit([] { destroy_process_group(); }); });
 }
+
+std::atomic<bool> after_cuda_registered{false};
 
 // Where each field of LaunchEnv comes from, the first one set winning (dist/init.h).
 constexpr std::initializer_list<const char*> kRankVars = {"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"};
@@ -406,6 +409,15 @@ void destroy_process_group() {
   }
   // group (and its store) is destroyed here, outside the lock, unless a DDP still holds it.
 }
+
+void detail::register_exit_handler_after_cuda() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::atexit([] { destroy_process_group(); });
+    after_cuda_registered.store(true);
+  });
+}
+bool detail::exit_handler_after_cuda_registered() { return after_cuda_registered.load(); }
 
 int get_rank() { return default_process_group()->rank(); }
 int get_world_size() { return default_process_group()->size(); }

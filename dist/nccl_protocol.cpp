@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "kernels/device_memory.h"
 
 namespace nanoddp::dist::detail {
 
@@ -96,6 +97,7 @@ void EventWork::wait(std::chrono::milliseconds timeout) {
       ordered_ = true;
     }
   }
+  kernels::cuda::count_host_sync();  // the polls below wait for the device (Note [Host syncs])
   const auto deadline = Clock::now() + timeout;
   std::string error;
   while (!is_completed()) {

@@ -1,5 +1,11 @@
 // The NCCL process group: CUDA tensors, one GPU per rank.
 //
+// One file, though long: its helpers (the communicator under one mutex, Note [NCCL threads];
+// the lane and launch(), Note [NCCL streams]) serve this group only, and each collective below
+// is correct only through their contracts, so a reader checks the one against the other here,
+// in one place, as in PyTorch's ProcessGroupNCCL.cpp. What other groups share lives apart
+// (dist/nccl_protocol.h: the polling, the Work, the point-to-point queue, tested without a GPU).
+//
 // Note [NCCL rendezvous]
 //   1. Every rank publishes "<host> <PCI bus id>" of its GPU in the store and reads all the
 //      others'. Two ranks on one GPU is refused here, with both ranks named: NCCL cannot
@@ -49,6 +55,16 @@
 // (rank ± 1, what dist::ring_all_reduce uses) are connected, and a first send/recv with any
 // other rank is such a rendezvous: make it where the peer is sure to post its side (an
 // exchange in one group, or before any collective).
+// Module loading and memory. A host call that waits for the whole device, while a send/recv
+// kernel spins for a peer that waits for this rank, never returns, and no timeout reaches a
+// thread stuck inside CUDA. Two such calls hide in ordinary code. (1) With CUDA's lazy module
+// loading (the default since CUDA 12.2), the first launch of a kernel loads it, and loading may
+// synchronize the context. So the group loads, when it is built, the kernels its collectives
+// launch (the NaN-ordered keys of Max/Min, Note [NCCL NaN]); a kernel of the caller's own first
+// launched after an unwaited send can still wait so: run each kernel once before, or set
+// CUDA_MODULE_LOADING=EAGER. (2) An allocation the cache cannot serve calls cudaMalloc, and
+// after an out-of-memory the cache frees its blocks (cudaFree synchronizes the device). So every
+// collective allocates its temporaries before it issues the queued send/recv.
 // Ordering: a send/recv group follows the compute stream, and its Work's wait() orders the
 // compute stream after it; it is not ordered after a collective still in flight, so, as for
 // every asynchronous call, wait on a collective before sending its result. A timeout or an
@@ -94,7 +110,9 @@
 // and nothing else would stop it. The default
 // group is dropped by destroy_process_group() or, failing that, by an exit handler that
 // init_process_group registers after CUDA is up: exit handlers run in reverse order, so it runs
-// before the CUDA runtime unloads (dist/init.cpp).
+// before the CUDA runtime unloads (dist/init.cpp). A CPU group that stages CUDA tensors may come
+// before CUDA does: its staging pool registers the handler again when it first takes pinned
+// memory (detail::register_exit_handler_after_cuda).
 #include "core/error.h"
 #include "dist/detail.h"
 #include "dist/nccl_protocol.h"
@@ -471,6 +489,7 @@ class ProcessGroupNccl : public ProcessGroup {
     NANODDP_CHECK(device_.index < count, DeviceError, where(), ": ", device_,
                   " does not exist; this host has ", count, " GPU(s) (LOCAL_RANK too high?)");
     kernels::cuda::set_device(device_.index);
+    kernels::cuda::preload_ordered_key_kernels();  // Note [NCCL point-to-point], module loading
     prefix_ = "nccl/" + std::to_string(next_group_id++) + "/";
 
     // Note [NCCL rendezvous], step 1: one GPU per rank.
@@ -600,8 +619,10 @@ class ProcessGroupNccl : public ProcessGroup {
     std::string what = describe("all_gather", input);
     check_tensor("all_gather", input, device_);
     check_list("all_gather", outputs, input);
-    issue_queued_point_to_point();
+    // Allocated before the queued send/recv go out (Note [NCCL point-to-point], module loading
+    // and memory).
     Tensor gathered = Tensor::empty({input.numel() * world_size_}, input.dtype(), device_);
+    issue_queued_point_to_point();
     std::vector<Tensor> keep = outputs;
     keep.push_back(input);
     keep.push_back(gathered);
@@ -627,8 +648,8 @@ class ProcessGroupNccl : public ProcessGroup {
     check_tensor("reduce_scatter", output, device_);
     check_reduce("reduce_scatter", output, op);
     check_list("reduce_scatter", inputs, output);
+    Tensor flat = Tensor::empty({output.numel() * world_size_}, output.dtype(), device_);  // as all_gather's
     issue_queued_point_to_point();
-    Tensor flat = Tensor::empty({output.numel() * world_size_}, output.dtype(), device_);
     std::vector<Tensor> keep = inputs;
     keep.push_back(output);
     keep.push_back(flat);

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace nanoddp::kernels::cuda {
@@ -38,13 +39,24 @@ void free_pinned(void* ptr);
 enum class CopyKind { HostToDevice, DeviceToHost, DeviceToDevice };
 // Copies on the compute stream and waits for it (synchronous).
 void copy(void* dst, const void* src, size_t nbytes, CopyKind kind);
-// Enqueues the copy on the compute stream and returns at once; src must be pinned and must
-// stay alive until the stream has passed the copy.
+// Enqueues the copy on the compute stream and returns at once; host memory on either side
+// must be pinned, and both buffers must stay alive until the stream has passed the copy
+// (device memory from the caching allocator does: Note [Scratch on one stream]).
 void copy_async(void* dst, const void* src, size_t nbytes, CopyKind kind);
 
 // The one compute stream of this process (a cudaStream_t, as void* to keep CUDA headers out
 // of C++ code). Every kernel runs on it.
 void* compute_stream();
 void synchronize();  // waits for the compute stream
+
+// Note [Host syncs]
+// Every place where the host waits for the device (synchronize(), the synchronous copy(), the
+// stream drain of empty_cache(), an NCCL Work's wait(), which polls its event) calls
+// count_host_sync(), and host_syncs() says how many there were in this process, over every
+// thread and device. A training step should wait once, where the loss is read: the difference
+// of host_syncs() around a step is what tests/test_gpu_dist.cpp and benchmarks/gpu report.
+// Without CUDA the count stays 0.
+void count_host_sync();
+uint64_t host_syncs();
 
 }  // namespace nanoddp::kernels::cuda

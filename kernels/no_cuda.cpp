@@ -27,6 +27,8 @@ void copy(void*, const void*, size_t, CopyKind) { no_cuda("copy"); }
 void copy_async(void*, const void*, size_t, CopyKind) { no_cuda("copy_async"); }
 void* compute_stream() { no_cuda("compute_stream"); }
 void synchronize() {}
+void count_host_sync() {}
+uint64_t host_syncs() { return 0; }
 }  // namespace cuda
 
 }  // namespace nanoddp::kernels

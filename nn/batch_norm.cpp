@@ -123,10 +123,16 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
       count = static_cast<double>(N * L);
       NANODDP_DISPATCH(device, batch_norm_stats, ptr(mean), ptr(var), ptr(input), N, C, L);
     }
-    NANODDP_CHECK(count > 1, ValueError, "batch_norm: expected more than 1 value per channel when training, got input ",
+    // An empty batch normalises nothing and leaves the running statistics as they are, as
+    // torch.batch_norm does for an input of no elements; one value has no variance to take.
+    NANODDP_CHECK(count != 1, ValueError, "batch_norm: expected more than 1 value per channel when training, got input ",
                   input.shape(), all_reduce ? " (all processes together: " : "",
                   all_reduce ? std::to_string(static_cast<int64_t>(count)) + " values)" : "");
-    if (running_mean.defined())
+    if (count == 0) {  // no statistics (0/0): finite stand-ins keep backward's empty sums at 0
+      mean = Tensor::zeros({C}, DType::Float32, device);
+      var = Tensor::ones({C}, DType::Float32, device);
+    }
+    if (running_mean.defined() && count > 0)
       NANODDP_DISPATCH(device, batch_norm_update_running, ptr(running_mean), ptr(running_var), ptr(mean), ptr(var),
                        C, momentum, count / (count - 1));
   } else {

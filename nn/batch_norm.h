@@ -39,6 +39,8 @@ class BatchStatsAllReduce {
 //   training: mean and the biased var are the batch's, over N (and L); when running_mean and
 //     running_var are defined they are updated in place, not recorded by autograd:
 //     running = (1 - momentum) running + momentum batch, with the unbiased var (M / (M - 1)).
+//     An empty batch (M = 0) gives an empty output, zero weight and bias gradients, and leaves
+//     the running statistics unchanged (torch.batch_norm on an input of no elements).
 //   !training: mean and var are running_mean and running_var (both must be defined).
 //   all_reduce (training only): the batch is every process's batch together: each process's
 //     mean and variance are merged in forward (two all-reduces, Note [SyncBatchNorm

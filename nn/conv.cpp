@@ -102,8 +102,9 @@ bool uses_winograd(Device device, const Window2d& g, const Tensor& images, const
          kernels::cpu::all_finite(ptr(images), images.numel()) &&
          kernels::cpu::all_finite(ptr(weight), weight.numel());
 }
+// At least 1 for an empty batch too: backward divides by the group to count the groups.
 int64_t images_per_gemm(Device device, bool keeps_cols, int64_t N, int64_t CKK, int64_t OHW) {
-  if (!device.is_cuda()) return 1;
+  if (!device.is_cuda() || N == 0) return 1;
   if (keeps_cols || OHW < 32) return N;
   const int64_t align = 48 / std::gcd<int64_t>(OHW, 48);  // images per 48-column boundary
   const int64_t fit = kMaxUnsavedColsBytes / (CKK * OHW * int64_t{sizeof(float)});

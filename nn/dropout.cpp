@@ -1,13 +1,18 @@
 // Dropout as a composite: a mask tensor times x, so its gradient is mul's.
 #include "nn/dropout.h"
 
-#include <vector>
+#include <cstdint>
 
 #include "core/autograd.h"
 #include "core/ops.h"
 #include "core/op_helpers.h"
+#include "kernels/kernels.h"
 
 namespace nanoddp {
+
+// mask[i] = keep_scale where kernels::dropout_uniform(key, i) >= p, else 0; n floats. WRITES.
+// The same mask on both devices for one key (kernels/dropout_mask.h).
+NANODDP_DECLARE_KERNEL(dropout_mask, float* mask, uint64_t key, float p, float keep_scale, int64_t n)
 
 namespace {
 void check_probability(const char* op, float p) {
@@ -15,15 +20,21 @@ void check_probability(const char* op, float p) {
 }
 }  // namespace
 
+uint64_t dropout_key(Generator& gen) {
+  const uint64_t high = gen.randint(uint64_t(1) << 32);
+  return (high << 32) | gen.randint(uint64_t(1) << 32);
+}
+
 Tensor dropout(const Tensor& x, float p, bool training, Generator& gen) {
-  ForwardSpan span("dropout", {&x});  // the mask drawn on the host, then mul
+  ForwardSpan span("dropout", {&x});  // the mask drawn on x's device, then mul
   check_float("dropout", x, "input");
   check_probability("dropout", p);
   if (!training || p == 0.0f) return x;
   const float keep_scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
-  std::vector<float> mask(static_cast<size_t>(x.numel()));
-  for (float& m : mask) m = gen.uniform() >= p ? keep_scale : 0.0f;
-  return x * Tensor::from_vector(mask, Shape{x.numel()}, x.device()).reshape(x.shape());
+  const uint64_t key = dropout_key(gen);
+  Tensor mask = Tensor::empty(x.shape(), DType::Float32, x.device());
+  NANODDP_DISPATCH(x.device(), dropout_mask, ptr(mask), key, p, keep_scale, x.numel());
+  return x * mask;
 }
 
 namespace nn {

@@ -4,11 +4,11 @@
 //   nn::Dropout drop(0.5, gen);   Tensor y = drop(x);     // model.eval() turns it off
 //   Tensor z = dropout(x, 0.5, /*training=*/true, gen);
 //
-// The mask is drawn from a Generator on the host, one draw per element in row-major order
-// (kept when gen.uniform() >= p), then copied to x's device: the same seed gives the same
-// mask on every device. Cost: n draws and a host-to-device copy of n floats per call; the
-// product is one elementwise multiply whose backward (dx = dy * mask) keeps the mask
-// (4 bytes per element).
+// Each call takes one key from its Generator (dropout_key: two draws), and element i (row-major)
+// is kept when kernels::dropout_uniform(key, i) >= p (kernels/dropout_mask.h, a counter-based
+// draw). The mask is computed on x's device: no host work per element and no copy, and the
+// same seed gives the same mask on every device. The product is one elementwise multiply
+// whose backward (dx = dy * mask) keeps the mask (4 bytes per element).
 #pragma once
 
 #include "core/random.h"
@@ -21,6 +21,10 @@ namespace nanoddp {
 // (ValueError otherwise); p = 1 gives x * 0 (NaN stays NaN, as in torch). When not training,
 // or p = 0, returns x itself.
 Tensor dropout(const Tensor& x, float p, bool training, Generator& gen = default_generator());
+
+// The key of one dropout call: (gen.randint(2^32) << 32) | gen.randint(2^32), the high word drawn
+// first. Advances gen by those two draws.
+uint64_t dropout_key(Generator& gen);
 
 namespace nn {
 

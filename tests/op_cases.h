@@ -11,11 +11,13 @@
 #include <cmath>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <string>
 #include <vector>
 
 #include "core/ops.h"
 #include "core/random.h"
+#include "kernels/dropout_mask.h"
 #include "nn/activations.h"
 #include "nn/batch_norm.h"
 #include "nn/conv.h"
@@ -260,6 +262,93 @@ inline std::shared_ptr<nn::Module> winograd_cnn(Generator& gen) {
   return model;
 }
 
+// ---- empty batches ------------------------------------------------------------------------
+// Every op on a batch of N = 0 samples: an empty output (or the reduction of nothing: a sum
+// of 0, a mean of NaN, as torch), empty input gradients, and exactly zero gradients for the
+// parameters (weight, bias, the other matmul operand), which no sample reached. A rank whose
+// share of a dataset is empty runs these. The references are the ones above at N = 0.
+inline void add_empty_batch_rows(std::vector<OpCase>& rows) {
+  using Unary = Tensor (*)(const Tensor&);
+  const std::pair<const char*, Unary> activations[] = {
+      {"relu", [](const Tensor& x) { return relu(x); }},
+      {"sigmoid", [](const Tensor& x) { return sigmoid(x); }},
+      {"tanh", [](const Tensor& x) { return tanh(x); }},
+      {"gelu", [](const Tensor& x) { return gelu(x); }},
+      {"gelu tanh", [](const Tensor& x) { return gelu(x, "tanh"); }},
+      {"softplus", [](const Tensor& x) { return softplus(x, 2, 10); }}};
+  for (const auto& activation : activations)
+    rows.push_back({std::string("N = 0: ") + activation.first + " [0,5]", {{{0, 5}}},
+                    [f = activation.second](auto& in) { return f(in[0]); }, [](auto&) { return Values{}; }});
+  rows.push_back({"N = 0: matmul 0x7 . 7x3", {{{0, 7}}, {{7, 3}}}, [](auto& in) { return matmul(in[0], in[1]); },
+                  [](auto& in) { return ref_matmul(in[0], in[1], 0, 7, 3); }});
+  rows.push_back({"N = 0: linear [0,6] -> [0,3]", {{{0, 6}}, {{3, 6}}, {{3}}},
+                  [](auto& in) { return linear(in[0], in[1], in[2]); },
+                  [](auto& in) { return ref_linear(in[0], in[1], in[2], 0, 6, 3); }});
+  rows.push_back({"N = 0: add bias broadcast [0,4]+[4]", {{{0, 4}}, {{4}}}, [](auto& in) { return in[0] + in[1]; },
+                  [](auto& in) { return ref_binary(in[0], in[1], '+'); }});
+  rows.push_back({"N = 0: sub", {{{0, 4}}, {{0, 4}}}, [](auto& in) { return in[0] - in[1]; },
+                  [](auto&) { return Values{}; }});
+  rows.push_back({"N = 0: mul broadcast", {{{0, 4}}, {{4}}}, [](auto& in) { return in[0] * in[1]; },
+                  [](auto&) { return Values{}; }});
+  rows.push_back({"N = 0: mul scalar, div scalar", {{{0, 4}}}, [](auto& in) { return in[0] * 2.5f / 3.0f; },
+                  [](auto&) { return Values{}; }});
+  rows.push_back({"N = 0: sum", {{{0, 6}}}, [](auto& in) { return sum(in[0]); }, [](auto&) { return Values{0.0}; }});
+  rows.push_back({"N = 0: mean (NaN)", {{{0, 6}}}, [](auto& in) { return mean(in[0]); },
+                  [](auto&) { return Values{std::nan("")}; }});
+  rows.push_back({"N = 0: conv2d stride 2x1, padding 1x0, dilation 1x2, bias", {{{0, 3, 6, 5}}, {{4, 3, 3, 2}}, {{4}}},
+                  [](auto& in) { return conv2d(in[0], in[1], in[2], {2, 1}, {1, 0}, {1, 2}); },
+                  [](auto&) { return Values{}; }});
+  rows.push_back({"N = 0: conv2d 3x3 Winograd, 8 channels, padding 1", {{{0, 8, 5, 4}}, {{3, 8, 3, 3}}, {{3}}},
+                  [](auto& in) { return conv2d(in[0], in[1], in[2], 1, 1); }, [](auto&) { return Values{}; }});
+  rows.push_back({"N = 0: max_pool2d 2, stride 2", {{{0, 2, 5, 5}}}, [](auto& in) { return max_pool2d(in[0], 2, 2); },
+                  [](auto&) { return Values{}; }});
+  rows.push_back({"N = 0: layer_norm [0,4,5] over [5]", {{{0, 4, 5}}, {{5}}, {{5}}},
+                  [](auto& in) { return layer_norm(in[0], {5}, in[1], in[2]); }, [](auto&) { return Values{}; }});
+  rows.push_back({"N = 0: batch_norm training [0,4]", {{{0, 4}}, {{4}}, {{4}}},
+                  [](auto& in) {
+                    const Device device = in[0].device();
+                    const Tensor running_mean = Tensor::from_vector({0.5f, -1, 2, 0}, {}, device);
+                    const Tensor running_var = Tensor::from_vector({0.25f, 2, 1, 3}, {}, device);
+                    const Tensor out =
+                        batch_norm(in[0], running_mean, running_var, in[1], in[2], /*training=*/true);
+                    // Nothing to average: the running statistics stay exactly as they were.
+                    NANODDP_CHECK(running_mean.to_vector() == std::vector<float>({0.5f, -1, 2, 0}) &&
+                                      running_var.to_vector() == std::vector<float>({0.25f, 2, 1, 3}),
+                                  ValueError, "batch_norm on an empty batch changed the running statistics");
+                    return out;
+                  },
+                  [](auto&) { return Values{}; }});
+  rows.push_back({"N = 0: batch_norm eval [0,3,4]", {{{0, 3, 4}}, {{3}}, {{3}}},
+                  [](auto& in) {
+                    const Device device = in[0].device();
+                    const Tensor running_mean = Tensor::from_vector({0.5f, -1, 2}, {}, device);
+                    const Tensor running_var = Tensor::from_vector({0.25f, 2, 1}, {}, device);
+                    return batch_norm(in[0], running_mean, running_var, in[1], in[2], /*training=*/false);
+                  },
+                  [](auto&) { return Values{}; }});
+  rows.push_back({"N = 0: dropout p=0.3", {{{0, 6}}},
+                  [](auto& in) { Generator gen(5); return dropout(in[0], 0.3f, /*training=*/true, gen); },
+                  [](auto&) { return Values{}; }});
+  rows.push_back({"N = 0: flatten [0,3,4] -> [0,12]", {{{0, 3, 4}}}, [](auto& in) { return nn::Flatten()(in[0]); },
+                  [](auto&) { return Values{}; }});
+  rows.push_back({"N = 0: reshape [0,6] -> [0,2,3]", {{{0, 6}}},
+                  [](auto& in) { return in[0].reshape({0, 2, 3}) * 1.0f; }, [](auto&) { return Values{}; }});
+  for (Reduction r : {Reduction::Mean, Reduction::Sum, Reduction::None}) {
+    const std::string suffix = r == Reduction::Mean ? "mean (NaN)" : r == Reduction::Sum ? "sum" : "none";
+    rows.push_back({"N = 0: mse_loss " + suffix, {{{0, 3}}, {{0, 3}}},
+                    [r](auto& in) { return mse_loss(in[0], in[1], r); },
+                    [r](auto& in) { return ref_mse(in[0], in[1], r); }});
+    rows.push_back({"N = 0: cross_entropy " + suffix, {{{0, 5}}, {{0}, Kind::Labels, 5}},
+                    [r](auto& in) { return cross_entropy(in[0], in[1], r); },
+                    [r](auto& in) { return ref_cross_entropy(in[0], in[1], 0, 5, r); }});
+  }
+  rows.push_back({"N = 0: two-layer MLP, summed loss", {{{0, 5}}, {{6, 5}}, {{6}}, {{3, 6}}, {{3}}, {{0}, Kind::Labels, 3}},
+                  [](auto& in) {
+                    return cross_entropy(linear(relu(linear(in[0], in[1], in[2])), in[3], in[4]), in[5], Reduction::Sum);
+                  },
+                  [](auto&) { return Values{0.0}; }});
+}
+
 // ---- the table ----------------------------------------------------------------------------
 inline std::vector<OpCase> op_cases() {
   std::vector<OpCase> rows;
@@ -361,6 +450,15 @@ inline std::vector<OpCase> op_cases() {
   rows.push_back({"max_pool2d 3, stride 2, padding 1 (overlapping)", {{{1, 3, 5, 6}}},
                   [](auto& in) { return max_pool2d(in[0], 3, 2, 1); },
                   [](auto& in) { return ref_max_pool2d(in[0], {1, 3, 5, 6}, 3, 2, 1); }});
+  // Large planes: the CUDA backward spreads a plane's elements over the grid; overlapping
+  // windows (kernel 3, stride 2) give elements several gradients to add, in the CPU's order.
+  rows.push_back({"max_pool2d 3, stride 2, padding 1 on 40x40 planes", {{{1, 2, 40, 40}}},
+                  [](auto& in) { return max_pool2d(in[0], 3, 2, 1); },
+                  [](auto& in) { return ref_max_pool2d(in[0], {1, 2, 40, 40}, 3, 2, 1); }});
+  // Many rows: the CUDA weight and bias gradients split 600 rows into chunks over the grid.
+  rows.push_back({"layer_norm [600,6] over [6], affine (many rows)", {{{600, 6}}, {{6}}, {{6}}},
+                  [](auto& in) { return layer_norm(in[0], {6}, in[1], in[2]); },
+                  [](auto& in) { return ref_layer_norm(in[0], in[1], in[2], 6); }});
   rows.push_back(OpCase{"layer_norm [3,4,5] over [5]", {{{3, 4, 5}}, {{5}}, {{5}}},
                         [](auto& in) { return layer_norm(in[0], {5}, in[1], in[2]); },
                         [](auto& in) { return ref_layer_norm(in[0], in[1], in[2], 5); }}
@@ -392,8 +490,12 @@ inline std::vector<OpCase> op_cases() {
                   [](auto& in) { Generator gen(5); return dropout(in[0], 0.3f, /*training=*/true, gen); },
                   [](auto& in) {
                     Generator gen(5);
+                    const uint64_t key = dropout_key(gen);  // one key per call (nn/dropout.h)
                     const double scale = 1.0f / (1.0f - 0.3f);  // as dropout computes it, in float
-                    return pointwise(in[0], [&](double v) { return v * (gen.uniform() >= 0.3f ? scale : 0.0); });
+                    Values out(in[0].size());
+                    for (size_t i = 0; i < out.size(); ++i)
+                      out[i] = in[0][i] * (kernels::dropout_uniform(key, int64_t(i)) >= 0.3f ? scale : 0.0);
+                    return out;
                   }});
   rows.push_back({"flatten [2,3,4] -> [2,12]", {{{2, 3, 4}}},
                   [](auto& in) { return nn::Flatten()(in[0]); }, [](auto& in) { return in[0]; }});
@@ -415,6 +517,7 @@ inline std::vector<OpCase> op_cases() {
                     for (double& v : h) v = v > 0 || std::isnan(v) ? v : 0;  // relu keeps NaN
                     return ref_cross_entropy(ref_linear(h, in[3], in[4], 4, 6, 3), in[5], 4, 3, Reduction::Mean);
                   }});
+  add_empty_batch_rows(rows);
   return rows;
 }
 

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <memory>
 #include <thread>
 
 #include "core/ops.h"
@@ -16,6 +17,7 @@
 #include "core/memory.h"
 #include "dist/comm_hooks.h"
 #include "dist/ddp.h"
+#include "dist/detail.h"
 #include "dist/fsdp.h"
 #include "dist/host_collectives.h"
 #include "dist/init.h"
@@ -159,6 +161,41 @@ void check_point_to_point_beside_collectives(dist::ProcessGroup& pg, Device gpu)
   }
 }
 
+// Note [NCCL point-to-point], module loading and memory, in a fresh process: rank 0's send
+// waits for rank 1's recv, which comes after three collectives. Rank 0 runs them meanwhile: Max
+// and Min launch the NaN-ordered key kernels for the first time, all_gather and reduce_scatter
+// allocate their temporaries from an emptied cache (cudaMalloc). A first launch that loaded a
+// module, or an allocation, that waited for the device would wait for the send: a deadlock.
+void check_collectives_beside_a_pending_send(dist::ProcessGroup& pg, Device gpu) {
+  const int rank = pg.rank();
+  const int64_t huge = int64_t(16) << 20;  // float32 elements: 64 MB, beyond NCCL's buffers
+  Tensor message = rank == 0 ? Tensor::full({huge}, 4.0f, gpu) : Tensor::zeros({huge}, DType::Float32, gpu);
+  Tensor values = Tensor::full({3}, static_cast<float>(rank + 1), gpu);
+  std::vector<Tensor> gathered{Tensor::zeros({3}, DType::Float32, gpu), Tensor::zeros({3}, DType::Float32, gpu)};
+  Tensor part = Tensor::zeros({2}, DType::Float32, gpu);
+  std::vector<Tensor> parts{Tensor::full({2}, static_cast<float>(rank + 1), gpu),
+                            Tensor::full({2}, static_cast<float>(10 * (rank + 1)), gpu)};
+  kernels::cuda::empty_cache();  // before any send: the temporaries below come from cudaMalloc
+  std::shared_ptr<dist::Work> sent;
+  if (rank == 0) sent = pg.send(message, 1);
+  pg.all_reduce(values, dist::ReduceOp::Max)->wait(30s);  // {2, 2, 2} on both ranks
+  pg.all_gather(gathered, values)->wait(30s);
+  pg.reduce_scatter(part, parts, dist::ReduceOp::Min)->wait(30s);
+  if (rank == 0) {
+    sent->wait(30s);
+  } else {
+    pg.recv(message, 0)->wait(30s);
+    const std::vector<float> got = message.to_vector();
+    CHECK(got.front() == 4.0f);
+    CHECK(got.back() == 4.0f);
+  }
+  CHECK(values.to_vector() == std::vector<float>{2, 2, 2});
+  CHECK(gathered[0].to_vector() == std::vector<float>{2, 2, 2});
+  CHECK(gathered[1].to_vector() == std::vector<float>{2, 2, 2});
+  // Part r is the minimum over the ranks of their parts[r]: min(1, 2) and min(10, 20).
+  CHECK(part.to_vector() == std::vector<float>(2, rank == 0 ? 1.0f : 10.0f));
+}
+
 // steps of the same batches (seed 11) through a CPU model and a wrapped CUDA one.
 void train_side_by_side(nn::Module& cpu_model, nn::Optimizer& cpu_opt, nn::Module& gpu_model, nn::Optimizer& gpu_opt,
                         int steps) {
@@ -225,9 +262,71 @@ TEST_CASE("NCCL collectives on a CUDA tensor, world size 1: exact values") {
     CHECK(std::isnan(v[0]));
     CHECK(std::vector<float>(v.begin() + 1, v.end()) == std::vector<float>{1.5f, -0.25f, inf, -inf, 0.0f, -3e38f});
   }
+  // reduce_scatter of one rank: the output is its one input, also through Max's keys with NaN
+  // and for an empty tensor.
+  for (dist::ReduceOp op : {dist::ReduceOp::Sum, dist::ReduceOp::Max, dist::ReduceOp::Min}) {
+    Tensor part = Tensor::full({4}, -7.0f, gpu);
+    std::vector<Tensor> parts{Tensor::from_vector(std::vector<float>{nan, 2.5f, -inf, -0.5f}, {}, gpu)};
+    pg->reduce_scatter(part, parts, op)->wait();
+    const std::vector<float> got = part.to_vector();
+    CHECK(std::isnan(got[0]));
+    CHECK(std::vector<float>(got.begin() + 1, got.end()) == std::vector<float>{2.5f, -inf, -0.5f});
+    Tensor none = Tensor::zeros({0}, DType::Float32, gpu);
+    std::vector<Tensor> no_parts{Tensor::zeros({0}, DType::Float32, gpu)};
+    CHECK_NOTHROW(pg->reduce_scatter(none, no_parts, op)->wait());
+  }
   // Point-to-point needs another rank; a tag NCCL cannot honour is refused, not ignored.
   CHECK_THROWS_AS(pg->send(b, 0), ValueError);
   CHECK_THROWS_AS(pg->recv(b, 0, 0), ValueError);
+}
+
+// Note [Host syncs] (kernels/device_memory.h): one counter of the host's waits for the device.
+TEST_CASE("host syncs: every wait for the device is counted, and a DDP step's count is steady") {
+  if (in_launched_rank()) return;
+  namespace gpu = kernels::cuda;
+  const Device cuda = Device::cuda(0);
+  const Tensor t = Tensor::full({4}, 1.5f, cuda);
+  const uint64_t before = gpu::host_syncs();
+  const Tensor doubled = t * 2.0f;  // a kernel launch: queued, no wait
+  CHECK(gpu::host_syncs() == before);
+  gpu::synchronize();
+  CHECK(gpu::host_syncs() == before + 1);
+  CHECK(doubled.to_vector() == std::vector<float>(4, 3.0f));  // one copy to the host
+  CHECK(gpu::host_syncs() == before + 2);
+#if !NANODDP_WITH_NCCL
+  testing::not_in_this_build("NCCL");
+  return;
+#endif
+  // The MLP with SGD and with AdamW under DDP (NCCL, world size 1), the loss never read:
+  // every step after the first (which builds buckets and optimizer state) waits the same
+  // number of times. The count is printed: the goal is 0 (one wait, where the loss is read).
+  auto pg = nccl_group();
+  for (const bool adamw : {false, true}) {
+    CAPTURE(adamw);
+    auto model = mlp();
+    model->to(cuda);
+    dist::DistributedDataParallel ddp(model, pg);
+    std::unique_ptr<nn::Optimizer> opt;
+    if (adamw)
+      opt = std::make_unique<nn::AdamW>(model->parameters(), nn::AdamWOptions{});
+    else
+      opt = std::make_unique<nn::SGD>(model->parameters(), nn::SGDOptions{/*lr=*/0.1});
+    Generator gen(5);
+    std::vector<uint64_t> per_step;
+    for (int step = 0; step < 4; ++step) {
+      const auto [x, y] = random_batch(gen);
+      const Tensor xg = x.to(cuda), yg = y.to(cuda);  // the input's copies are not the step's
+      const uint64_t start = gpu::host_syncs();
+      opt->zero_grad();
+      cross_entropy(ddp(xg), yg).backward();
+      opt->step();
+      per_step.push_back(gpu::host_syncs() - start);
+    }
+    MESSAGE("host syncs per DDP step (", adamw ? "AdamW" : "SGD", "): ", per_step[1], ", ", per_step[2], ", ",
+            per_step[3]);
+    CHECK(per_step[2] == per_step[1]);
+    CHECK(per_step[3] == per_step[1]);
+  }
 }
 
 TEST_CASE("NCCL refuses NCCL_COMM_BLOCKING=1, which would make its waits untimed") {
@@ -463,6 +562,9 @@ TEST_CASE("two ranks share one GPU over Gloo: collectives on CUDA tensors are ex
   if (!in_launched_rank()) return run_ranks_of_this_file("*share one GPU over Gloo: collectives*", "gloo");
   auto pg = join_launched(dist::Backend::Gloo, Device::cuda(0));
   testing::check_staged_collectives(*pg, Device::cuda(0));
+  // The staging pool took pinned memory, so CUDA is up: an exit handler registered from then on
+  // drops a group still alive at exit before the CUDA runtime's teardown (Note [NCCL shutdown]).
+  CHECK(dist::detail::exit_handler_after_cuda_registered());
   // What examples do with their metrics: host numbers through the group's device.
   const auto totals = dist::all_reduce_host(*pg, std::vector<int64_t>{pg->rank() + 1, 10}, dist::ReduceOp::Sum);
   CHECK(totals == std::vector<int64_t>{3, 20});
@@ -509,9 +611,10 @@ TEST_CASE("NCCL at world size 2 (two GPUs): collectives, send/recv and DDP") {
   if (!in_launched_rank()) return run_ranks_of_this_file("*NCCL at world size 2*", "nccl");
   const Device gpu = Device::cuda(dist::get_local_rank());
   auto pg = join_launched(dist::Backend::Nccl, gpu);
-  // First, on the fresh group: the first send between the two ranks comes before a collective
+  // First, on the fresh group: the first send between the two ranks comes before collectives
   // that the peer waits in. Without the connections made when the group was built, that send
   // would wait on the host for the peer's recv (Note [NCCL point-to-point], connections).
+  check_collectives_beside_a_pending_send(*pg, gpu);
   check_point_to_point_beside_collectives(*pg, gpu);
   // Every collective on the group's own device; results must follow the non-blocking calls.
   const int rank = pg->rank();

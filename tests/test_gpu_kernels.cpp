@@ -69,6 +69,42 @@ TEST_CASE("fill and bytes_to_unit_float match the CPU") {
   }
 }
 
+TEST_CASE("float_to_16bit and float_from_16bit match the CPU bit for bit, for both formats") {
+  // Normals over many binades, then the values where rounding decides: ties to even, the
+  // largest half (65504) and what overflows it, subnormals of both formats, zeros of both signs,
+  // infinities and NaN.
+  const float tiny = std::numeric_limits<float>::denorm_min();
+  const std::vector<float> edges = {0.0f, -0.0f, 1.0f + 1.0f / 2048, 1.0f + 3.0f / 2048, 65504.0f, 65519.0f,
+                                    65520.0f, 1e5f, -1e5f, 5.96e-8f, 2.98e-8f, 1e-40f, tiny, -tiny, 3.0e38f,
+                                    std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                                    kNaN};
+  for (DType format : {DType::Float16, DType::BFloat16}) {
+    for (float divisor : {1.0f, 3.0f}) {
+      for (int64_t n : {int64_t(0), int64_t(1), int64_t(257), int64_t(65537)}) {
+        std::vector<float> in = normals(n, static_cast<uint64_t>(n) + 7, 100.0f);
+        for (size_t i = 0; i < in.size() && i < edges.size(); ++i) in[i] = edges[i];
+        const std::string what = std::string(format == DType::Float16 ? "float16" : "bfloat16") + " divisor " +
+                                 std::to_string(divisor) + " n=" + std::to_string(n);
+        std::vector<uint16_t> want(static_cast<size_t>(n));
+        cpu::float_to_16bit(want.data(), in.data(), format, divisor, n);
+        DeviceArray<float> in_gpu(in);
+        DeviceArray<uint16_t> bits(static_cast<size_t>(n));
+        bits.poison();
+        gpu::float_to_16bit(bits.data(), in_gpu.data(), format, divisor, n);
+        const std::vector<uint16_t> got = bits.to_host();
+        CHECK_MESSAGE(got == want, what, ": 16-bit values differ");
+
+        std::vector<float> back(static_cast<size_t>(n));
+        cpu::float_from_16bit(back.data(), want.data(), format, n);
+        DeviceArray<float> back_gpu(static_cast<size_t>(n));
+        back_gpu.poison();
+        gpu::float_from_16bit(back_gpu.data(), bits.data(), format, n);
+        expect_close(what + " back to float32", back_gpu.to_host(), back, 0.0, 0.0);
+      }
+    }
+  }
+}
+
 TEST_CASE("binary_forward matches the CPU, plain and with a broadcast row") {
   const BinaryOp ops[] = {BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul};
   const char* op_names[] = {"add", "sub", "mul"};

@@ -58,6 +58,37 @@ TEST_CASE("the caching allocator reuses freed blocks of the same size and keeps 
   gpu::deallocate(nullptr, 0);  // a no-op
 }
 
+TEST_CASE("the caching allocator releases its cached blocks and retries when cudaMalloc runs out") {
+  gpu::synchronize();
+  gpu::empty_cache();
+  const gpu::AllocatorStats before = gpu::allocator_stats(0);
+  // Fill the device with 1 GiB blocks until cudaMalloc fails, then give them all back to the
+  // cache: the device stays full, the blocks held by nanoddp.
+  const size_t block = size_t(1) << 30;
+  std::vector<void*> blocks;
+  std::string error;
+  try {
+    while (blocks.size() < 4096) blocks.push_back(gpu::allocate(block, 0));
+  } catch (const DeviceError& e) {
+    error = e.what();
+  }
+  CHECK(error.find("out of memory") != std::string::npos);
+  REQUIRE(blocks.size() >= 2);
+  for (void* p : blocks) gpu::deallocate(p, 0);
+  const size_t reserved_full = gpu::allocator_stats(0).reserved_bytes;
+  CHECK(reserved_full == before.reserved_bytes + blocks.size() * block);
+  // A size no cached block has: cudaMalloc fails, the cache is released, and the retry succeeds.
+  const size_t larger = block + block / 2;
+  void* p = gpu::allocate(larger, 0);
+  CHECK(p != nullptr);
+  const gpu::AllocatorStats after = gpu::allocator_stats(0);
+  CHECK(after.reserved_bytes == before.reserved_bytes + larger);
+  CHECK(after.allocated_bytes == before.allocated_bytes + larger);
+  gpu::deallocate(p, 0);
+  gpu::empty_cache();
+  CHECK(gpu::allocator_stats(0).reserved_bytes == before.reserved_bytes);
+}
+
 TEST_CASE("device errors are DeviceError with a message, never a crash") {
   CHECK_THROWS_AS(gpu::set_device(gpu::device_count()), DeviceError);
   CHECK_THROWS_AS(gpu::allocate(16, -1), DeviceError);

@@ -3,6 +3,8 @@
 // first input. Exits 77 (SKIP) without a GPU (tests/test_gpu_main.cpp).
 #include "tests/test_gpu_util.h"
 
+#include <optional>
+
 #include "core/autograd.h"
 #include "tests/op_cases.h"
 
@@ -49,7 +51,7 @@ TEST_CASE("op harness on CUDA: NaN and ±inf inputs give the CPU's outputs") {
   for (const OpCase& c : op_cases()) {
     CAPTURE(c.name);
     std::vector<Values> values = make_inputs(c, gen);
-    if (c.inputs[0].kind == Kind::Labels) continue;
+    if (c.inputs[0].kind == Kind::Labels || values[0].empty()) continue;
     for (double special : {std::nan(""), HUGE_VAL, -HUGE_VAL}) {
       values[0][0] = special;
       NoGradGuard no_grad;
@@ -62,5 +64,46 @@ TEST_CASE("op harness on CUDA: NaN and ±inf inputs give the CPU's outputs") {
       }
       expect_close(c.name + " with " + std::to_string(special), gpu_finite, cpu_finite, kRtol, kAtol);
     }
+  }
+}
+
+// Note [Images per GEMM] (nn/conv.cpp): without a graph, CUDA runs a large batch in chunks of
+// images whose cols fit kMaxUnsavedColsBytes (16 MiB). Here 72 x 784 floats of cols per image
+// give chunks of 72 images: 72, 72 and 56 for 200. The chunks' outputs must equal one GEMM
+// over the batch (the graph-keeping forward) and the CPU's.
+TEST_CASE("conv2d on CUDA without a graph runs in chunks of images and equals the whole-batch forward") {
+  Generator gen(21);
+  const Tensor x = Tensor::randn({200, 8, 28, 28}, gen), w = Tensor::randn({4, 8, 3, 3}, gen) * 0.3f;
+  const Tensor b = Tensor::randn({4}, gen);
+  const Device cuda = Device::cuda(0);
+  const Tensor xg = x.to(cuda), wg = w.to(cuda).detach().set_requires_grad(true), bg = b.to(cuda);
+  const std::vector<float> whole = conv2d(xg, wg, bg, 1, 1).to_vector();  // keeps cols: one GEMM
+  std::vector<float> chunked;
+  {
+    NoGradGuard no_grad;
+    chunked = conv2d(xg, wg, bg, 1, 1).to_vector();
+  }
+  expect_close("chunked vs whole-batch conv2d on CUDA", chunked, whole, 1e-6, 1e-6);
+  NoGradGuard no_grad;
+  expect_close("chunked conv2d on CUDA vs the CPU", chunked, conv2d(x, w, b, 1, 1).to_vector(), 1e-4, 1e-4);
+}
+
+// torch.nn.BatchNorm1d's running statistics: with momentum 0.1, and with momentum None (the
+// cumulative average over num_batches_tracked), three training steps on CUDA end with the
+// CPU's running_mean, running_var (unbiased) and count.
+TEST_CASE("BatchNorm1d updates its running statistics on CUDA as on the CPU") {
+  for (const std::optional<float> momentum : {std::optional<float>(0.1f), std::optional<float>()}) {
+    CAPTURE(momentum.has_value());
+    nn::BatchNorm1d cpu_bn(5, 1e-5f, momentum), gpu_bn(5, 1e-5f, momentum);
+    gpu_bn.to(Device::cuda(0));
+    Generator gen(22);
+    for (int step = 0; step < 3; ++step) {
+      const Tensor x = Tensor::randn({7, 5, 3}, gen) * 2.0f + Tensor::full({3}, 1.5f);
+      cpu_bn(x);
+      gpu_bn(x.to(Device::cuda(0)));
+    }
+    expect_close("running_mean", gpu_bn.running_mean.to_vector(), cpu_bn.running_mean.to_vector(), 1e-5, 1e-6);
+    expect_close("running_var", gpu_bn.running_var.to_vector(), cpu_bn.running_var.to_vector(), 1e-5, 1e-6);
+    CHECK(gpu_bn.num_batches_tracked.to(Device::cpu()).to_int_vector() == std::vector<int64_t>{3});
   }
 }

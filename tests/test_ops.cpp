@@ -47,7 +47,7 @@ TEST_CASE("op harness: forward vs float64, backward vs central differences") {
     REQUIRE(actual.size() == expected.size());
     for (size_t i = 0; i < expected.size(); ++i) {
       CAPTURE(i);
-      CHECK(std::abs(actual[i] - expected[i]) <= c.forward_tolerance * scale_of(expected[i]));
+      CHECK(matches(actual[i], expected[i], c.forward_tolerance));  // NaN: a mean of an empty batch
     }
     if (!c.differentiable) continue;
 
@@ -121,7 +121,7 @@ TEST_CASE("op harness: every op's forward records a span on the trace's compute 
     const Tensor out = c.op(inputs);
     const std::vector<trace::Event> events = trace::events_since(before);
     trace::stop();
-    if (out.numel() > 0 && out.data<float>() == inputs[0].data<float>()) continue;  // a view: no forward work
+    if (out.impl()->storage == inputs[0].impl()->storage) continue;  // a view: no forward work
     CHECK(std::any_of(events.begin(), events.end(),
                       [](const trace::Event& e) { return e.lane == static_cast<int>(trace::Lane::Compute); }));
   }
@@ -413,4 +413,28 @@ TEST_CASE("max_pool2d without padding (no bounds tests) equals max_pool2d_window
     kernels::cpu::max_pool2d_backward(din.data(), dout.data(), indices.data(), planes, g);
     CHECK(std::memcmp(din.data(), want.data(), din.size() * sizeof(float)) == 0);
   }
+}
+
+TEST_CASE("dropout's counter-based draw: splitmix64's outputs, about 1 - p kept, a new key per call") {
+  // splitmix64 from state 0 gives 0xe220a8397b1dcdaf, 0x6e789e6aa1b965f4, 0x06c45d188009454f;
+  // their top 24 bits over 2^24 are the first three draws of key 0.
+  CHECK(kernels::dropout_uniform(0, 0) == 0xe220a8 / 16777216.0f);
+  CHECK(kernels::dropout_uniform(0, 1) == 0x6e789e / 16777216.0f);
+  CHECK(kernels::dropout_uniform(0, 2) == 0x06c45d / 16777216.0f);
+  // 100000 elements at p = 0.25: kept ones are 4/3, about 75000 of them (binomial standard
+  // deviation 137, so 1000 off is over 7 deviations).
+  Generator gen(8);
+  const Tensor ones = Tensor::ones({100000});
+  const std::vector<float> first = dropout(ones, 0.25f, /*training=*/true, gen).to_vector();
+  int64_t kept = 0;
+  for (float v : first) {
+    REQUIRE((v == 0.0f || v == 1.0f / 0.75f));
+    kept += v != 0.0f;
+  }
+  CHECK(std::abs(kept - 75000) < 1000);
+  // The next call draws a new key, so another mask (two equal ones by chance: 0.625^100000).
+  CHECK(dropout(ones, 0.25f, /*training=*/true, gen).to_vector() != first);
+  // The same seed gives the same mask.
+  Generator again(8);
+  CHECK(dropout(ones, 0.25f, /*training=*/true, again).to_vector() == first);
 }

@@ -1,5 +1,6 @@
 // GPU kernel benchmark: each CUDA kernel's achieved bandwidth against a device-to-device
-// copy measured in the same run, and Linear forward+backward against bare cuBLAS.
+// copy measured in the same run, Linear forward+backward against bare cuBLAS, and the host
+// syncs of a training step (MLP with SGD and AdamW, a small CNN).
 //
 //   bench_gpu_kernels              # markdown tables on stdout
 //   bench_gpu_kernels --quick      # fewer repetitions (a smoke run)
@@ -19,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -27,6 +29,10 @@
 #include "core/tensor.h"
 #include "kernels/device_memory.h"
 #include "kernels/kernels.h"
+#include "nn/adam.h"
+#include "nn/conv.h"
+#include "nn/layers.h"
+#include "nn/optim.h"
 
 namespace {
 
@@ -216,6 +222,64 @@ void bench_linear() {
   BENCH_CUBLAS(cublasDestroy(handle));
 }
 
+// Host syncs per training step (Note [Host syncs], kernels/device_memory.h): the difference of
+// host_syncs() around forward, backward and the optimizer step, the loss never read, in the
+// steady state (the second step: the first builds optimizer state). The goal is 0.
+void bench_host_syncs() {
+  const Device cuda = Device::cuda(0);
+  struct Case {
+    const char* name;
+    std::function<std::shared_ptr<nn::Module>(Generator&)> model;
+    std::vector<int64_t> sample;
+    bool adamw;
+  };
+  const auto mlp = [](Generator& gen) -> std::shared_ptr<nn::Module> {
+    auto model = std::make_shared<nn::Sequential>();
+    model->add(nn::Linear(784, 256, gen));
+    model->add(nn::ReLU());
+    model->add(nn::Linear(256, 10, gen));
+    return model;
+  };
+  const auto cnn = [](Generator& gen) -> std::shared_ptr<nn::Module> {
+    auto model = std::make_shared<nn::Sequential>();
+    model->add(nn::Conv2d(1, 8, 3, gen, /*stride=*/1, /*padding=*/1));
+    model->add(nn::ReLU());
+    model->add(nn::MaxPool2d(2));
+    model->add(nn::Flatten());
+    model->add(nn::Linear(8 * 14 * 14, 10, gen));
+    return model;
+  };
+  const Case cases[] = {{"MLP 784-256-10, SGD", mlp, {784}, false},
+                        {"MLP 784-256-10, AdamW", mlp, {784}, true},
+                        {"CNN conv-relu-pool-linear, SGD", cnn, {1, 28, 28}, false}};
+  std::printf("\n## Host syncs per training step (batch 64, loss not read; goal 0)\n\n");
+  std::printf("| model | host syncs per step |\n| --- | ---: |\n");
+  for (const Case& c : cases) {
+    Generator gen(1);
+    std::shared_ptr<nn::Module> model = c.model(gen);
+    model->to(cuda);
+    std::unique_ptr<nn::Optimizer> opt;
+    if (c.adamw)
+      opt = std::make_unique<nn::AdamW>(model->parameters(), nn::AdamWOptions{});
+    else
+      opt = std::make_unique<nn::SGD>(model->parameters(), nn::SGDOptions{/*lr=*/0.01});
+    std::vector<int64_t> batch_shape{64};
+    batch_shape.insert(batch_shape.end(), c.sample.begin(), c.sample.end());
+    const Tensor x = Tensor::randn(Shape(batch_shape), gen).to(cuda);
+    const Tensor y = Tensor::from_vector(std::vector<int64_t>(64, 3)).to(cuda);
+    uint64_t syncs = 0;
+    for (int step = 0; step < 2; ++step) {
+      const uint64_t start = gpu::host_syncs();
+      opt->zero_grad();
+      cross_entropy((*model)(x), y).backward();
+      opt->step();
+      syncs = gpu::host_syncs() - start;
+    }
+    gpu::synchronize();
+    std::printf("| %s | %llu |\n", c.name, static_cast<unsigned long long>(syncs));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -239,5 +303,6 @@ int main(int argc, char** argv) {
               prop.multiProcessorCount, prop.totalGlobalMem / 1e9, g_repeats, g_warmup);
   bench_kernels();
   bench_linear();
+  bench_host_syncs();
   return 0;
 }

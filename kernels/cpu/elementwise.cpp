@@ -1,14 +1,21 @@
-// CPU elementwise kernels: fill, conversions (bytes, 16-bit floats), binary and scalar ops, relu, column sums.
+// CPU elementwise kernels: fill, dropout masks, conversions (bytes, 16-bit floats), binary and scalar ops, relu,
+// column sums.
 #include <algorithm>
 #include <cmath>
 
 #include "core/half_convert.h"
+#include "kernels/dropout_mask.h"
 #include "kernels/cpu/eigen_maps.h"
 #include "kernels/kernels.h"
 
 namespace nanoddp::kernels::cpu {
 
 void fill(float* out, float value, int64_t n) { vec(out, n).setConstant(value); }
+
+// Declared in nn/dropout.cpp: mask[i] = keep_scale where dropout_uniform(key, i) >= p, else 0.
+void dropout_mask(float* mask, uint64_t key, float p, float keep_scale, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) mask[i] = dropout_uniform(key, i) >= p ? keep_scale : 0.0f;
+}
 
 void bytes_to_unit_float(float* out, const uint8_t* in, int64_t n) {
   // A true division, as torchvision's ToTensor (byte / 255) does.

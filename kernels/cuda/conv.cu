@@ -128,21 +128,38 @@ void max_pool2d_forward(float* out, int64_t* indices, const float* in, int64_t p
   NANODDP_CUDA_CHECK_LAUNCH("max_pool2d_forward_kernel");
 }
 
-// One thread per plane: adds its outputs' gradients in order (windows may overlap).
-__global__ void max_pool2d_backward_kernel(float* din, const float* dout, const int64_t* indices, int64_t planes,
-                                           int64_t in_plane, int64_t out_plane) {
-  for (int64_t p = first_index(); p < planes; p += grid_stride()) {
-    float* plane = din + p * in_plane;
-    for (int64_t k = 0; k < in_plane; ++k) plane[k] = 0.0f;
-    for (int64_t o = 0; o < out_plane; ++o) plane[indices[p * out_plane + o]] += dout[p * out_plane + o];
+// One thread per input element [planes, H, W]: it gathers the gradients of the outputs whose
+// maximum it is (windows may overlap, so there can be several). No atomics, and all the work
+// of a large plane spreads over the grid. The outputs that can see element (h, w) are those
+// whose window has a tap on it, found as in col2im; they are visited in increasing output
+// order (tap i descending gives oh ascending), so the float sum is the CPU's, bit for bit.
+__global__ void max_pool2d_backward_kernel(float* din, const float* dout, const int64_t* indices, Window2d g,
+                                           int64_t n) {
+  const int64_t in_plane = g.height * g.width, out_plane = g.out_h * g.out_w;
+  for (int64_t e = first_index(); e < n; e += grid_stride()) {
+    const int64_t p = e / in_plane, k = e % in_plane, h = k / g.width, w = k % g.width;
+    const int64_t* at = indices + p * out_plane;
+    const float* grad = dout + p * out_plane;
+    float total = 0.0f;
+    for (int64_t i = g.kernel_h - 1; i >= 0; --i) {
+      const int64_t oh_stride = h + g.pad_h - i * g.dilation_h;
+      if (oh_stride < 0 || oh_stride % g.stride_h != 0 || oh_stride / g.stride_h >= g.out_h) continue;
+      const int64_t row = (oh_stride / g.stride_h) * g.out_w;
+      for (int64_t j = g.kernel_w - 1; j >= 0; --j) {
+        const int64_t ow_stride = w + g.pad_w - j * g.dilation_w;
+        if (ow_stride < 0 || ow_stride % g.stride_w != 0 || ow_stride / g.stride_w >= g.out_w) continue;
+        const int64_t o = row + ow_stride / g.stride_w;
+        if (at[o] == k) total += grad[o];
+      }
+    }
+    din[e] = total;
   }
 }
 
 void max_pool2d_backward(float* din, const float* dout, const int64_t* indices, int64_t planes, Window2d window) {
-  const int64_t in_plane = window.height * window.width, out_plane = window.out_h * window.out_w;
-  if (planes <= 0 || in_plane <= 0) return;
-  max_pool2d_backward_kernel<<<grid_for(planes), kBlock, 0, stream()>>>(din, dout, indices, planes, in_plane,
-                                                                        out_plane);
+  const int64_t n = planes * window.height * window.width;
+  if (n <= 0) return;
+  max_pool2d_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(din, dout, indices, window, n);
   NANODDP_CUDA_CHECK_LAUNCH("max_pool2d_backward_kernel");
 }
 

@@ -6,6 +6,7 @@
 // Static destructors run after the CUDA runtime may have shut down, where cudaFree and
 // cublasDestroy fail or crash; the driver releases everything when the process ends.
 
+#include <atomic>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -218,7 +219,10 @@ void empty_cache() {
     }
     NANODDP_CUDA_CHECK(cudaSetDevice(device));
     // Queued kernels may still use a cached block (Note [Scratch on one stream]).
-    if (state.stream != nullptr) NANODDP_CUDA_CHECK(cudaStreamSynchronize(state.stream));
+    if (state.stream != nullptr) {
+      count_host_sync();
+      NANODDP_CUDA_CHECK(cudaStreamSynchronize(state.stream));
+    }
     std::lock_guard<std::mutex> lock(state.pool.mutex);
     state.pool.release_cached();
     if (device == current) current_in_use = true;
@@ -254,6 +258,7 @@ void copy(void* dst, const void* src, size_t nbytes, CopyKind kind) {
   if (nbytes == 0) return;
   cudaStream_t s = stream();
   NANODDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, to_cuda(kind), s));
+  count_host_sync();
   NANODDP_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
@@ -270,7 +275,17 @@ void* compute_stream() {
   return state.stream;
 }
 
-void synchronize() { NANODDP_CUDA_CHECK(cudaStreamSynchronize(stream())); }
+void synchronize() {
+  count_host_sync();
+  NANODDP_CUDA_CHECK(cudaStreamSynchronize(stream()));
+}
+
+// Note [Host syncs]: one counter for the process.
+namespace {
+std::atomic<uint64_t> host_sync_count{0};
+}  // namespace
+void count_host_sync() { host_sync_count.fetch_add(1, std::memory_order_relaxed); }
+uint64_t host_syncs() { return host_sync_count.load(std::memory_order_relaxed); }
 
 cublasHandle_t cublas_handle() {
   DeviceState& state = device_state(current_device());

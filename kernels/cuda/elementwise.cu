@@ -1,4 +1,4 @@
-// Elementwise CUDA kernels: fill, byte-to-float and 16-bit float conversions, binary and scalar ops, gradient
+// Elementwise CUDA kernels: fill, dropout masks, byte-to-float and 16-bit float conversions, binary and scalar ops, gradient
 // accumulation, relu. One thread per element with grid-stride loops; each kernel is followed
 // by its host launcher. Contracts (shapes, aliasing) are in kernels/kernel_list.inc.
 
@@ -6,11 +6,23 @@
 #include <cuda_fp16.h>
 
 #include "kernels/cuda/launch.cuh"
+#include "kernels/dropout_mask.h"
 #include "kernels/kernels.h"
 
 namespace nanoddp::kernels::cuda {
 
 // ---- memory ----------------------------------------------------------------------------------
+
+// Declared in nn/dropout.cpp: the CPU's mask, drawn on the device (kernels/dropout_mask.h).
+__global__ void dropout_mask_forward_kernel(float* mask, uint64_t key, float p, float keep_scale, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) mask[i] = dropout_uniform(key, i) >= p ? keep_scale : 0.0f;
+}
+
+void dropout_mask(float* mask, uint64_t key, float p, float keep_scale, int64_t n) {
+  if (n <= 0) return;
+  dropout_mask_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(mask, key, p, keep_scale, n);
+  NANODDP_CUDA_CHECK_LAUNCH("dropout_mask_forward_kernel");
+}
 
 __global__ void fill_forward_kernel(float* out, float value, int64_t n) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = value;

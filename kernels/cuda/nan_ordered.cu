@@ -45,4 +45,10 @@ void ordered_keys_to_floats(void* data, int64_t n, NanAt nan_at, void* stream) {
   NANODDP_CUDA_CHECK_LAUNCH("ordered_keys_to_floats_kernel");
 }
 
+void preload_ordered_key_kernels() {
+  cudaFuncAttributes attributes;
+  NANODDP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, floats_to_ordered_keys_kernel));
+  NANODDP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, ordered_keys_to_floats_kernel));
+}
+
 }  // namespace nanoddp::kernels::cuda

@@ -24,4 +24,10 @@ enum class NanAt { Top, Bottom };  // Top: for a max; Bottom: for a min
 void floats_to_ordered_keys(void* data, int64_t n, NanAt nan_at, void* stream);
 void ordered_keys_to_floats(void* data, int64_t n, NanAt nan_at, void* stream);
 
+// Loads both kernels on the current GPU now (cudaFuncGetAttributes), so that their first
+// launch does not load a module. With CUDA's lazy loading that load may wait for the whole
+// device, including a send kernel spinning for its peer (Note [NCCL point-to-point], module
+// loading). Throws DeviceError when CUDA fails.
+void preload_ordered_key_kernels();
+
 }  // namespace nanoddp::kernels::cuda
