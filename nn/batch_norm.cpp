@@ -126,7 +126,7 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
     NANODDP_CHECK(count > 1, ValueError, "batch_norm: expected more than 1 value per channel when training, got input ",
                   input.shape(), all_reduce ? " (all processes together: " : "",
                   all_reduce ? std::to_string(static_cast<int64_t>(count)) + " values)" : "");
-    if (running_mean.defined())
+    if (running_mean.defined() && !is_recomputing())  // a checkpoint's rerun counts no second batch
       NANODDP_DISPATCH(device, batch_norm_update_running, ptr(running_mean), ptr(running_var), ptr(mean), ptr(var),
                        C, momentum, count / (count - 1));
   } else {
@@ -187,7 +187,7 @@ BatchNorm1d::BatchNorm1d(int64_t num_features, float eps, std::optional<float> m
 Tensor BatchNorm1d::forward(const Tensor& input) {
   // As torch's _BatchNorm.forward: count the batch first, then pick the averaging factor.
   float factor = momentum_.value_or(0.0f);
-  if (is_training() && track_running_stats_) {
+  if (is_training() && track_running_stats_ && !is_recomputing()) {  // a checkpoint's rerun counts no batch
     Tensor count = num_batches_tracked.to(Device::cpu()).clone();
     const int64_t batches = ++count.data<int64_t>()[0];
     num_batches_tracked.copy_(count);

@@ -22,7 +22,8 @@ Tensor dropout(const Tensor& x, float p, bool training, Generator& gen) {
   if (!training || p == 0.0f) return x;
   const float keep_scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
   std::vector<float> mask(static_cast<size_t>(x.numel()));
-  for (float& m : mask) m = gen.uniform() >= p ? keep_scale : 0.0f;
+  Generator& draw = checkpoint_generator(gen);  // a checkpoint's rerun draws the same mask
+  for (float& m : mask) m = draw.uniform() >= p ? keep_scale : 0.0f;
   return x * Tensor::from_vector(mask, Shape{x.numel()}, x.device()).reshape(x.shape());
 }
 

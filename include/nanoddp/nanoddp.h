@@ -41,6 +41,7 @@
 #include "dist/spawn.h"
 #include "dist/store.h"
 #include "dist/zero_redundancy_optimizer.h"
+#include "nn/activation_checkpoint.h"
 #include "nn/adam.h"
 #include "dist/sync_batch_norm.h"
 #include "nn/checkpoint.h"
