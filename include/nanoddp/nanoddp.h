@@ -31,6 +31,7 @@
 #include "dist/host_collectives.h"
 #include "dist/host_staging.h"
 #include "dist/explain.h"
+#include "dist/grad_scaler.h"
 #include "dist/gradient_accumulation.h"
 #include "dist/init.h"
 #include "dist/join.h"
