@@ -106,17 +106,20 @@ TEST_CASE("MLP with Dropout and BatchNorm1d: checkpointed gradients are bitwise 
   CHECK(forwards[0] == 3);
   CHECK(forwards[1] == 6);
   CHECK(ckpt_drop.next_u64() == plain_drop.next_u64());
-  for (const auto& [name, buffer] : plain->named_buffers()) {
+  // Not structured bindings: INFO's lambda cannot capture one (C++17, clang).
+  for (const auto& entry : plain->named_buffers()) {
+    const std::string& name = entry.first;
+    const Tensor& buffer = entry.second;
     INFO(name);
     bool found = false;
-    for (const auto& [ckpt_name, ckpt_buffer] : ckpt->named_buffers()) {
-      if (ckpt_name != name) continue;
+    for (const auto& other : ckpt->named_buffers()) {
+      if (other.first != name) continue;
       found = true;
       if (buffer.dtype() == DType::Int64) {
-        CHECK(ckpt_buffer.to_int_vector() == buffer.to_int_vector());
+        CHECK(other.second.to_int_vector() == buffer.to_int_vector());
         CHECK(buffer.to_int_vector() == std::vector<int64_t>{3});
       } else {
-        CHECK(ckpt_buffer.to_vector() == buffer.to_vector());
+        CHECK(other.second.to_vector() == buffer.to_vector());
       }
     }
     CHECK(found);
