@@ -1,18 +1,24 @@
 #include "core/autograd.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <queue>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "core/memory.h"
 #include "core/ops.h"
+#include "core/storage.h"
 
 namespace nanoddp {
 
 namespace {
 
 thread_local bool grad_mode_enabled = true;
+// Note [Checkpointed regions]: the region whose forward runs now, and the one being rerun.
+thread_local std::shared_ptr<CheckpointFrame> recording_frame;
+thread_local CheckpointFrame* rerunning_frame = nullptr;
 thread_local bool backward_running = false;
 thread_local std::vector<std::function<void()>> backward_callbacks;
 
@@ -85,7 +91,151 @@ void offer_accumulation_targets(Node& fn, const Tensor& grad_output,
   }
 }
 
+// A saved tensor: a detached handle (Note [Saved tensors]), its allocation counted as an
+// activation.
+Tensor keep_for_backward(const Tensor& t) {
+  if (!t.defined()) return t;
+  set_memory_category(t, MemoryCategory::Activations);
+  return t.detach();
+}
+
 }  // namespace
+
+// Note [Checkpointed regions]. Slot k is the k-th node the region's forward attached.
+struct CheckpointFrame {
+  std::function<std::vector<Tensor>(const std::vector<Tensor>&)> fn;
+  std::vector<Tensor> inputs;                // detached; requires_grad as the originals
+  std::vector<Generator> generators;         // each drawn-from generator, before the draw
+  uint64_t first_creation_nr = 0;            // tensors made from here on are the region's
+  std::vector<std::weak_ptr<Node>> nodes;    // per slot, attached in forward
+  std::unordered_set<TensorImpl*> dropped;   // the region's tensors whose memory step 1 let go
+  std::vector<std::shared_ptr<Node>> rerun;  // per slot, attached by the rerun
+  size_t rerun_draws = 0;
+  bool recomputed_done = false;
+
+  // End of step 1: the tensors the region made that its nodes hold as inputs, but for its
+  // outputs, give their memory back (their handles stay, so the graph's edges stay).
+  void drop_intermediates(const std::vector<Tensor>& outputs) {
+    std::unordered_set<const TensorImpl*> kept;
+    for (const Tensor& output : outputs) kept.insert(output.impl());
+    for (const std::weak_ptr<Node>& weak : nodes) {
+      const std::shared_ptr<Node> node = weak.lock();
+      if (!node) continue;
+      for (const Tensor& input : node->inputs) {
+        if (!input.defined() || input.impl()->creation_nr < first_creation_nr || kept.count(input.impl()) > 0 ||
+            !dropped.insert(input.impl()).second)
+          continue;
+        const Storage& memory = *input.impl()->storage;
+        // A stand-in of the same size with no memory: data() throws until step 2 fills it.
+        input.impl()->storage = std::make_shared<Storage>(nullptr, std::max<size_t>(memory.nbytes(), 1),
+                                                          memory.device(), Storage::Deleter());
+      }
+    }
+  }
+
+  // Step 2, once: rerun fn, then give each original node the rerun's saved tensors and the
+  // memory of the rerun's tensors in the place of those step 1 dropped.
+  void recompute() {
+    if (recomputed_done) return;
+    NANODDP_ASSERT(rerunning_frame == nullptr);
+    trace::Span span(trace::Lane::Compute, "checkpoint_recompute");
+    rerun.clear();
+    rerun_draws = 0;
+    {
+      struct Rerun {  // restores the thread's state however fn ends
+        std::shared_ptr<CheckpointFrame> recording = std::move(recording_frame);
+        GradModeGuard grad{true};
+        explicit Rerun(CheckpointFrame* frame) { rerunning_frame = frame; }
+        ~Rerun() {
+          rerunning_frame = nullptr;
+          recording_frame = std::move(recording);
+        }
+      } guard(this);
+      fn(inputs);  // its outputs go here; the rerun's nodes stay in `rerun`
+    }
+    NANODDP_CHECK(rerun.size() == nodes.size(), ValueError, "checkpoint: the recomputed region recorded ",
+                  rerun.size(), " autograd nodes, its forward ", nodes.size(),
+                  ": the function must run the same ops on the same inputs (torch.utils.checkpoint raises "
+                  "CheckpointError)");
+    for (size_t k = 0; k < nodes.size(); ++k) {
+      const std::shared_ptr<Node> original = nodes[k].lock();
+      const Node& again = *rerun[k];
+      if (!original || original->released) continue;
+      NANODDP_CHECK(std::string(original->name()) == again.name() && original->inputs.size() == again.inputs.size(),
+                    ValueError, "checkpoint: node ", k, " of the region is ", original->name(),
+                    " in forward and ", again.name(),
+                    " when recomputed: the function must run the same ops on the same inputs");
+      original->saved_ = again.saved_;
+      for (size_t j = 0; j < original->inputs.size(); ++j) {
+        const Tensor& input = original->inputs[j];
+        if (!input.defined() || dropped.count(input.impl()) == 0) continue;
+        const Tensor& value = again.inputs[j];
+        NANODDP_CHECK(value.defined() && value.shape() == input.shape() && value.dtype() == input.dtype(), ValueError,
+                      "checkpoint: input ", j, " of ", original->name(), " is ", input.shape(),
+                      " in forward and not when recomputed: the function must run the same ops on the same inputs");
+        input.impl()->storage = value.impl()->storage;
+      }
+    }
+    recomputed_done = true;
+    rerun.clear();
+    dropped.clear();
+    inputs.clear();
+    generators.clear();
+  }
+};
+
+void Node::save_for_backward(const std::vector<Tensor>& tensors) {
+  if (recording_frame) return;  // step 1: the rerun saves them (Note [Checkpointed regions])
+  for (const Tensor& t : tensors) saved_.push_back(keep_for_backward(t));
+}
+
+void Node::unpack_checkpointed() const {
+  if (!checkpoint_frame_) return;
+  checkpoint_frame_->recompute();
+  checkpoint_frame_.reset();  // the last node of the region to unpack frees the frame
+}
+
+const std::vector<Tensor>& Node::saved_tensors() const {
+  unpack_checkpointed();
+  return saved_;
+}
+
+std::vector<Tensor> run_checkpointed(const std::function<std::vector<Tensor>(const std::vector<Tensor>&)>& fn,
+                                     const std::vector<Tensor>& inputs) {
+  if (!grad_mode_enabled || recording_frame || rerunning_frame) return fn(inputs);
+  auto frame = std::make_shared<CheckpointFrame>();
+  frame->fn = fn;
+  for (const Tensor& input : inputs) {
+    Tensor kept = keep_for_backward(input);
+    if (input.defined() && input.requires_grad()) kept.set_requires_grad(true);
+    frame->inputs.push_back(kept);
+  }
+  frame->first_creation_nr = detail::next_tensor_creation_nr();
+  std::vector<Tensor> outputs;
+  {
+    struct Recording {  // step 1 for the region's forward, however fn ends
+      explicit Recording(std::shared_ptr<CheckpointFrame> frame) { recording_frame = std::move(frame); }
+      ~Recording() { recording_frame.reset(); }
+    } recording(frame);
+    outputs = fn(inputs);
+  }
+  frame->drop_intermediates(outputs);
+  return outputs;
+}
+
+Generator& checkpoint_generator(Generator& gen) {
+  if (rerunning_frame) {
+    CheckpointFrame& frame = *rerunning_frame;
+    NANODDP_CHECK(frame.rerun_draws < frame.generators.size(), ValueError,
+                  "checkpoint: the recomputed region draws random numbers more often than its forward (",
+                  frame.generators.size(), " times): the function must run the same ops on the same inputs");
+    return frame.generators[frame.rerun_draws++];
+  }
+  if (recording_frame) recording_frame->generators.push_back(gen);
+  return gen;
+}
+
+bool is_recomputing() { return rerunning_frame != nullptr; }
 
 bool is_grad_enabled() { return grad_mode_enabled; }
 
@@ -105,6 +255,8 @@ ForwardSpan::ForwardSpan(const char* op, std::initializer_list<const Tensor*> in
 
 NoGradGuard::NoGradGuard() : previous_(grad_mode_enabled) { grad_mode_enabled = false; }
 NoGradGuard::~NoGradGuard() { grad_mode_enabled = previous_; }
+GradModeGuard::GradModeGuard(bool enabled) : previous_(grad_mode_enabled) { grad_mode_enabled = enabled; }
+GradModeGuard::~GradModeGuard() { grad_mode_enabled = previous_; }
 
 Tensor make_result(Tensor result, std::shared_ptr<Node> node) {
   if (!grad_mode_enabled) return result;
@@ -112,6 +264,14 @@ Tensor make_result(Tensor result, std::shared_ptr<Node> node) {
   for (const Tensor& input : node->inputs) any_requires_grad |= input.defined() && input.requires_grad();
   if (!any_requires_grad) return result;
   node->sequence_nr = next_sequence_nr++;
+  // What the graph holds is activation memory: its edges and (save_for_backward) saved tensors.
+  for (const Tensor& input : node->inputs) set_memory_category(input, MemoryCategory::Activations);
+  if (recording_frame) {  // Note [Checkpointed regions], step 1
+    node->checkpoint_frame_ = recording_frame;
+    recording_frame->nodes.push_back(node);
+  } else if (rerunning_frame) {
+    rerunning_frame->rerun.push_back(node);
+  }
   result.impl()->grad_fn = std::move(node);
   result.impl()->requires_grad = true;
   return result;
@@ -124,6 +284,7 @@ const Tensor& Node::accumulation_target(size_t i) const {
 
 const Tensor& Node::saved(size_t i) const {
   NANODDP_CHECK(!released, ValueError, name(), ": saved tensors were freed by an earlier backward (pass retain_graph)");
+  unpack_checkpointed();
   NANODDP_ASSERT(i < saved_.size());
   return saved_[i];
 }
@@ -167,12 +328,12 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
   }
 
   // 1. Count, for every tensor in the graph, how many graph edges point at it.
+  // Only pointers are kept: holding every tensor would keep every activation alive to the
+  // end of the pass (the graph's edges keep a tensor while a consumer still needs it).
   std::unordered_map<TensorImpl*, int> pending;
-  std::unordered_map<TensorImpl*, Tensor> tensors;
   {
     std::vector<Tensor> stack{root};
     std::unordered_set<TensorImpl*> seen{root.impl()};
-    tensors[root.impl()] = root;
     while (!stack.empty()) {
       Tensor t = stack.back();
       stack.pop_back();
@@ -183,10 +344,7 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
       for (const Tensor& input : fn->inputs) {
         if (!input.defined() || !input.requires_grad()) continue;
         ++pending[input.impl()];
-        if (seen.insert(input.impl()).second) {
-          tensors[input.impl()] = input;
-          stack.push_back(input);
-        }
+        if (seen.insert(input.impl()).second) stack.push_back(input);
       }
     }
   }
@@ -200,7 +358,6 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
   std::unordered_map<TensorImpl*, Tensor> grads;
   grads[root.impl()] = seed;
   ready.push(root);
-  std::vector<std::shared_ptr<Node>> visited;
   std::unordered_set<TensorImpl*> accumulated_in_place;  // leaves whose node added into .grad
 
   while (!ready.empty()) {
@@ -230,6 +387,7 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
       trace::Span span(trace::Lane::Compute, fn->name());
       if (span.active()) span.set_args(trace_shapes({&g}));
       NoGradGuard no_grad;  // backward formulas are not themselves recorded
+      fn->unpack_checkpointed();  // a checkpointed region reruns here (Note [Checkpointed regions])
       offer_accumulation_targets(*fn, g, pending, grads);
       input_grads = fn->apply(g);
     }
@@ -246,12 +404,10 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
       }
       if (--pending[input.impl()] == 0) ready.push(input);
     }
-    visited.push_back(fn);
+    if (!retain_graph) fn->release();  // its saved activations go now, not at the end
   }
 
-  // 4. Free the graph, then run what hooks queued for the end of the pass.
-  if (!retain_graph)
-    for (auto& fn : visited) fn->release();
+  // 4. Run what hooks queued for the end of the pass.
   for (size_t i = 0; i < backward_callbacks.size(); ++i) {
     auto callback = std::move(backward_callbacks[i]);
     callback();

@@ -14,10 +14,11 @@
 //   2. pop ready tensors (all consumers done) in reverse creation order, as PyTorch's engine
 //      does, so a model's last layer gets its gradient first (Note [Bucket order] in dist/);
 //   3. a non-leaf calls its Node's apply() and adds the returned gradients into its inputs'
-//      buffers; a leaf that requires grad adds its (complete) buffer into .grad and then runs
-//      its post-accumulate-grad hooks: DDP's signal that this gradient is final;
-//   4. unless retain_graph, every visited Node is released (saved tensors dropped); then the
-//      callbacks queued during the pass run (queue_callback).
+//      buffers, then, unless retain_graph, releases the Node (saved tensors and edges
+//      dropped), so activations are freed as backward passes them; a leaf that requires grad
+//      adds its (complete) buffer into .grad and then runs its post-accumulate-grad hooks:
+//      DDP's signal that this gradient is final;
+//   4. the callbacks queued during the pass run (queue_callback).
 #pragma once
 
 #include <cstdint>
@@ -26,10 +27,13 @@
 #include <string>
 #include <vector>
 
+#include "core/random.h"
 #include "core/tensor.h"
 #include "core/trace.h"
 
 namespace nanoddp {
+
+struct CheckpointFrame;  // a checkpointed region's kept inputs and recomputed tensors
 
 struct Node {
   virtual ~Node() = default;
@@ -41,6 +45,7 @@ struct Node {
   virtual void release() {
     inputs.clear();
     saved_.clear();
+    checkpoint_frame_.reset();
     released = true;
   }
 
@@ -50,12 +55,18 @@ struct Node {
   // Node holding the output itself would be a reference cycle that never frees. What is kept
   // is a detached handle: the same storage and shape, no graph (torch's
   // ctx.save_for_backward keeps outputs the same way). Saved tensors go at release().
-  void save_for_backward(const std::vector<Tensor>& tensors) {
-    for (const Tensor& t : tensors) saved_.push_back(t.defined() ? t.detach() : t);
-  }
+  // Saved tensors are counted as activations (Note [Memory categories]). Inside a
+  // checkpointed region nothing is kept: the rerun saves them (Note [Checkpointed regions]).
+  void save_for_backward(const std::vector<Tensor>& tensors);
   // The i-th saved tensor, in save_for_backward order. Throws ValueError after release().
+  // In a checkpointed region the first read recomputes the region (Note [Checkpointed
+  // regions]), which may throw what its forward throws.
   const Tensor& saved(size_t i) const;
-  const std::vector<Tensor>& saved_tensors() const { return saved_; }
+  const std::vector<Tensor>& saved_tensors() const;
+  // For a node of a checkpointed region: reruns the region if no node of it has yet, which
+  // gives this node its saved tensors and its inputs' memory back (Note [Checkpointed
+  // regions]). The engine calls it before apply(); a no-op for any other node.
+  void unpack_checkpointed() const;
   // Whether input i wants a gradient: defined and requiring grad (torch's
   // ctx.needs_input_grad[i]). A backward may skip computing the others.
   bool needs_input_grad(size_t i) const { return i < inputs.size() && inputs[i].defined() && inputs[i].requires_grad(); }
@@ -83,7 +94,10 @@ struct Node {
   bool released = false;
 
  private:
+  friend struct CheckpointFrame;
+  friend Tensor make_result(Tensor result, std::shared_ptr<Node> node);
   std::vector<Tensor> saved_;
+  mutable std::shared_ptr<CheckpointFrame> checkpoint_frame_;  // set until unpacked
 };
 
 // A Node whose backward is a function: what record() builds.
@@ -115,6 +129,63 @@ class NoGradGuard {
  private:
   bool previous_;
 };
+
+// Sets grad mode on this thread for its lifetime (torch.enable_grad / set_grad_enabled).
+class GradModeGuard {
+ public:
+  explicit GradModeGuard(bool enabled);
+  ~GradModeGuard();
+  GradModeGuard(const GradModeGuard&) = delete;
+  GradModeGuard& operator=(const GradModeGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+// Note [Checkpointed regions]
+// Activation checkpointing (torch.utils.checkpoint with use_reentrant=False) trades compute
+// for memory: a region of the forward keeps only its inputs and outputs, and backward
+// recomputes the rest. Here a graph holds activations in two places: the tensors nodes save
+// (save_for_backward) and the inputs they hold as edges (a Node's inputs are full tensors;
+// Linear's backward reads its input from there). The region's graph is recorded as usual,
+// with the real edges to the real parameters, so the engine walks it in its normal order and
+// every leaf hook fires once, in the same backward: DDP's buckets and callbacks see nothing
+// different. What changes is where the memory is:
+//   1. forward: while the region runs, nodes save nothing, and each node attached is the
+//      region's next slot. The frame keeps the region's inputs (detached) and a copy of every
+//      Generator a random op draws from (checkpoint_generator), taken before the draw. When
+//      the region returns, every tensor it made (TensorImpl::creation_nr) that a node holds
+//      as an input, but for its outputs, gives its memory back: its handle stays, with a
+//      stand-in storage that throws on data();
+//   2. backward: the engine asks a node for its state before apply() (unpack_checkpointed).
+//      The region's first node to be asked reruns its function on the kept inputs, with grad
+//      mode on and the copied generators, so Dropout draws the same mask. The rerun records a
+//      throwaway graph of the same ops: slot k's saved tensors go to the original node k, and
+//      the memory of its inputs to the tensors step 1 emptied;
+//   3. a node is released right after its backward (unless retain_graph), so one region's
+//      activations are alive at a time. The frame goes with the region's last node.
+// This is torch's saved-tensor-hooks design: no nested backward runs, so nothing is reentrant.
+// Same kernels on the same inputs give the same bits, so gradients are bitwise those of the
+// run without checkpointing on the CPU. The rerun must record the same ops: one that records
+// others throws ValueError. BatchNorm does not count the batch again in the rerun
+// (is_recomputing). A tensor made inside the region and kept elsewhere (not returned) is
+// emptied too; an input changed in place between forward and backward is not detected
+// (torch checks a version counter, which tensors here do not have).
+
+// Runs fn(inputs) as a checkpointed region and returns its outputs (what nn::checkpoint
+// calls; see nn/activation_checkpoint.h for the contract). Without grad mode, or inside
+// another region (forward or rerun), it simply calls fn: the outer region covers it.
+std::vector<Tensor> run_checkpointed(const std::function<std::vector<Tensor>(const std::vector<Tensor>&)>& fn,
+                                     const std::vector<Tensor>& inputs);
+// The generator a random op must draw from: gen itself, except while a checkpointed region
+// is recomputed, where it is the copy of gen taken at the same draw in forward (so the rerun
+// draws the same numbers and gen itself does not move). Random ops call it once per draw
+// sequence, in the same order in forward and rerun. Throws ValueError when the rerun asks for
+// more draws than the forward made.
+Generator& checkpoint_generator(Generator& gen);
+// Whether this thread is rerunning a checkpointed region now: ops with side effects beyond
+// their output (BatchNorm's running statistics) skip them.
+bool is_recomputing();
 
 // Attaches node (with node->inputs already set) to result if grad mode is on and any input
 // requires grad; then result.requires_grad() is true. Returns result.

@@ -40,8 +40,13 @@ const char* memory_category_name(MemoryCategory category) {
     case MemoryCategory::Gradients: return "gradients";
     case MemoryCategory::OptimizerState: return "optimizer_state";
     case MemoryCategory::CommBuffers: return "comm_buffers";
+    case MemoryCategory::Activations: return "activations";
   }
   return "?";
+}
+
+bool is_model_state(MemoryCategory category) {
+  return category != MemoryCategory::Other && category != MemoryCategory::Activations;
 }
 
 MemoryStats memory_stats(Device device) {
@@ -78,6 +83,8 @@ void set_memory_category(const Tensor& tensor, MemoryCategory category, bool for
   Storage* storage = tensor.impl()->storage.get();
   if (storage->base() != nullptr) storage = storage->base().get();
   if (storage->category() == category || (!force && storage->category() != MemoryCategory::Other)) return;
+  // Memory wrapped from elsewhere (a batch in shared memory) is no activation of this rank's.
+  if (category == MemoryCategory::Activations && !storage->counted()) return;
   storage->set_category(category);
 }
 
@@ -88,7 +95,7 @@ void count_allocation(Device device, MemoryCategory category, int64_t nbytes) {
   const int i = static_cast<int>(category);
   raise_peak(c.peak[i], c.live[i].fetch_add(nbytes, std::memory_order_relaxed) + nbytes);
   raise_peak(c.peak_total, c.live_total.fetch_add(nbytes, std::memory_order_relaxed) + nbytes);
-  if (category != MemoryCategory::Other)
+  if (is_model_state(category))
     raise_peak(c.peak_model_state, c.live_model_state.fetch_add(nbytes, std::memory_order_relaxed) + nbytes);
 }
 

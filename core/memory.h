@@ -10,8 +10,10 @@
 // starts as the category of the MemoryCategoryScope open on the allocating thread (Other
 // when none: activations, temporaries, data) and moves when the code that owns it says what
 // it is (set_memory_category): a Module's parameters, a leaf's .grad, an optimizer's state,
-// a collective's buffers (DDP's buckets, FSDP's all-gather and reduce-scatter buffers). The
-// model state is the sum of the four named categories: what the ZeRO stages shard, and what
+// a collective's buffers (DDP's buckets, FSDP's all-gather and reduce-scatter buffers), or a
+// tensor autograd saves for backward (Activations: Node::save_for_backward, and the inputs a
+// checkpointed region keeps; an allocation wrapped from elsewhere is not counted there). The
+// model state is the sum of the four model-state categories: what the ZeRO stages shard, and what
 // --explain predicts per stage (docs/ddp/12-sharding.md). Counting is exact in bytes asked
 // for (not rounded to the allocator's blocks), per device type, and costs two relaxed
 // atomic adds per allocation (torch.cuda.memory_allocated and max_memory_allocated count the
@@ -29,15 +31,17 @@ namespace nanoddp {
 class Storage;
 class Tensor;
 
-enum class MemoryCategory : int { Other = 0, Parameters, Gradients, OptimizerState, CommBuffers };
-constexpr int kNumMemoryCategories = 5;
+enum class MemoryCategory : int { Other = 0, Parameters, Gradients, OptimizerState, CommBuffers, Activations };
+constexpr int kNumMemoryCategories = 6;
+// Parameters, gradients, optimizer state and communication buffers; not Other or Activations.
+bool is_model_state(MemoryCategory category);
 const char* memory_category_name(MemoryCategory category);  // "other", "parameters", ...
 
 struct MemoryStats {
   // Bytes allocated now and at most since the last reset_peak_memory(), by category.
   std::array<int64_t, kNumMemoryCategories> live{};
   std::array<int64_t, kNumMemoryCategories> peak{};
-  // Parameters + gradients + optimizer state + communication buffers: now, and the largest
+  // The model-state categories' sum (is_model_state): now, and the largest
   // that sum has been since the last reset (not the sum of the categories' peaks).
   int64_t live_model_state = 0;
   int64_t peak_model_state = 0;

@@ -72,6 +72,9 @@ class Storage {
   // What this allocation is counted as (Note [Memory categories]); views report their base's.
   MemoryCategory category() const { return base_ != nullptr ? base_->category_ : category_; }
   void set_category(MemoryCategory category);
+  // Whether this allocation's bytes are in the memory counters (false for wrapped memory
+  // until it is said to be model state).
+  bool counted() const { return base_ != nullptr ? base_->counted_ : counted_; }
 
  private:
   void* data_;

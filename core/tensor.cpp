@@ -1,6 +1,7 @@
 #include "core/tensor.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <iomanip>
 #include <sstream>
@@ -100,15 +101,24 @@ Tensor Tensor::arange(int64_t n, Device device) {
   });
 }
 
+namespace detail {
+uint64_t next_tensor_creation_nr() {
+  static std::atomic<uint64_t> next{0};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+}  // namespace detail
+
 Tensor Tensor::rand(const Shape& shape, Generator& gen, Device device) {
-  return host_built<float>(shape, device, [&gen](float* p, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) p[i] = gen.uniform();
+  Generator& draw = checkpoint_generator(gen);  // Note [Checkpointed regions]
+  return host_built<float>(shape, device, [&draw](float* p, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) p[i] = draw.uniform();
   });
 }
 
 Tensor Tensor::randn(const Shape& shape, Generator& gen, Device device) {
-  return host_built<float>(shape, device, [&gen](float* p, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) p[i] = gen.normal();
+  Generator& draw = checkpoint_generator(gen);  // Note [Checkpointed regions]
+  return host_built<float>(shape, device, [&draw](float* p, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) p[i] = draw.normal();
   });
 }
 

@@ -108,6 +108,7 @@ struct Config {
   bool batch_norm = false;              // CNN: a BatchNorm2d after each Conv2d
   bool sync_batch_norm = false;         // CNN: the same as SyncBatchNorm (statistics over every rank)
   bool prefetch = false;
+  bool checkpoint_activations = false;  // each block checkpointed (nn/activation_checkpoint.h)
   bool quiet = false;
   std::vector<int64_t> hidden = {256, 128};  // widths of the hidden layers
   double bucket_cap_mb = static_cast<double>(dist::kDefaultBucketCapBytes) / (1 << 20);
@@ -552,6 +553,14 @@ std::string flags_problem(const Config& config) {
            " (FSDP reduces per unit, overlapping backward)";
   if (config.batch_norm && config.sync_batch_norm)
     return "--batch-norm and --sync-batch-norm: give one (--sync-batch-norm is BatchNorm with statistics over every rank)";
+  // The rerun in backward would run an FSDP unit's forward hooks again (gather, then free the
+  // parameters its backward needs), and SyncBatchNorm's all-reduces among DDP's buckets.
+  if (config.checkpoint_activations && sharded)
+    return "--checkpoint-activations applies to --strategy ddp, zero1 and the ladder's rungs, not " + config.strategy +
+           " (a block's rerun in backward would reshard its FSDP units)";
+  if (config.checkpoint_activations && config.sync_batch_norm)
+    return "--checkpoint-activations with --sync-batch-norm: a block's rerun would all-reduce its statistics again "
+           "in backward; use --batch-norm";
   if (config.warmup_epochs >= config.epochs)
     return "--warmup-epochs " + std::to_string(config.warmup_epochs) + " leaves no epoch after the warm-up of --epochs " +
            std::to_string(config.epochs);
@@ -562,6 +571,18 @@ std::string flags_problem(const Config& config) {
            " (the whole run, resumed epochs included): give an epoch from 1 to " + std::to_string(config.epochs) +
            ", or 0 to train every epoch";
   return "";
+}
+
+// --checkpoint-activations: a block starts at each Conv2d and Linear, except that the last
+// layer joins the block before it (alone, its activation is its input, kept anyway). The
+// CNN: [Conv ReLU Pool] [Conv ReLU Pool Flatten] [Linear ReLU Dropout Linear]; the MLP:
+// [Linear ReLU] ... [Linear ReLU Linear]. docs/checkpointing.md measures the trade.
+std::vector<size_t> checkpoint_block_starts(nn::Sequential& model) {
+  std::vector<size_t> starts;
+  for (size_t i = 0; i + 1 < model.size(); ++i)
+    if (dynamic_cast<nn::Conv2d*>(&model[i]) != nullptr || dynamic_cast<nn::Linear*>(&model[i]) != nullptr)
+      starts.push_back(i);
+  return starts;
 }
 
 int run(const Config& config) {
@@ -599,6 +620,7 @@ int run(const Config& config) {
   // Reseeded per rank and step (below).
   Generator dropout_gen;
   auto model = make_model(config.seed, config.hidden, dropout_gen, config.batch_norm || config.sync_batch_norm);
+  if (config.checkpoint_activations) model->checkpoint_blocks(checkpoint_block_starts(*model));
   model->to(device);
   dist::DDPOptions ddp_options;
   if (config.sync_batch_norm) {
@@ -810,19 +832,23 @@ int run(const Config& config) {
       *pg, std::vector<float>{static_cast<float>(examples::peak_rss_mb()), static_cast<float>(1e3 * examples::median_of(step_seconds))},
       dist::ReduceOp::Max);
   // Bytes, exactly: int64 on the wire.
-  const int64_t peak_model_state_bytes = dist::all_reduce_host(
-      *pg, std::vector<int64_t>{memory_stats(device).peak_model_state}, dist::ReduceOp::Max)[0];
+  const MemoryStats memory = memory_stats(device);
+  const std::vector<int64_t> peak_bytes = dist::all_reduce_host(
+      *pg,
+      std::vector<int64_t>{memory.peak_model_state, memory.peak[static_cast<int>(MemoryCategory::Activations)]},
+      dist::ReduceOp::Max);
   if (rank == 0) {
     std::printf(
         "{\"example\":\"%s\",\"world_size\":%d,\"epochs\":%d,\"test_accuracy\":%s,\"train_loss\":%s,"
         "\"samples_per_s\":%s,\"step_ms_median\":%s,\"peak_rss_mb\":%s,\"backend\":\"%s\",\"device\":\"%s\","
         "\"optimizer\":\"%s\",\"comm_hook\":\"%s\",\"gradient_as_bucket_view\":%s,\"strategy\":\"%s\","
-        "\"peak_model_state_bytes\":%lld}\n",
+        "\"peak_model_state_bytes\":%lld,\"checkpoint_activations\":%s,\"peak_activation_bytes\":%lld}\n",
         kExample, world_size, epochs_done, examples::json_number(accuracy).c_str(), examples::json_number(train_loss).c_str(),
         examples::json_number(samples_per_s).c_str(), examples::json_number(slowest_rank[1]).c_str(),
         examples::json_number(slowest_rank[0]).c_str(), pg->backend_name().c_str(), device.str().c_str(),
         config.optimizer.c_str(), config.comm_hook.c_str(), config.gradient_as_bucket_view ? "true" : "false",
-        config.strategy.c_str(), static_cast<long long>(peak_model_state_bytes));
+        config.strategy.c_str(), static_cast<long long>(peak_bytes[0]), config.checkpoint_activations ? "true" : "false",
+        static_cast<long long>(peak_bytes[1]));
     std::fflush(stdout);
   }
   pg->barrier()->wait();  // rank 0 serves the store: let every rank finish first
@@ -898,6 +924,9 @@ int main(int argc, char** argv) {
       ->check(cli::integer_in(1));
   app.add_flag("--prefetch", config.prefetch, "collate batches on a background thread");
   app.add_flag("--quiet", config.quiet, "only the final JSON line (and what --explain asks for)");
+  app.add_flag("--checkpoint-activations", config.checkpoint_activations,
+               "checkpoint every block (nn::checkpoint): backward reruns each block's forward instead of keeping its "
+               "activations; the same gradients, bit for bit (docs/checkpointing.md)");
 #if NANODDP_FASHION_MNIST_CNN
   app.add_flag("--batch-norm", config.batch_norm, "a BatchNorm2d after each convolution, statistics of this rank's batch");
   app.add_flag("--sync-batch-norm", config.sync_batch_norm,

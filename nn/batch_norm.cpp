@@ -132,7 +132,7 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
       mean = Tensor::zeros({C}, DType::Float32, device);
       var = Tensor::ones({C}, DType::Float32, device);
     }
-    if (running_mean.defined() && count > 0)
+    if (running_mean.defined() && count > 0 && !is_recomputing())  // a checkpoint's rerun counts no second batch
       NANODDP_DISPATCH(device, batch_norm_update_running, ptr(running_mean), ptr(running_var), ptr(mean), ptr(var),
                        C, momentum, count / (count - 1));
   } else {
@@ -193,7 +193,7 @@ BatchNorm1d::BatchNorm1d(int64_t num_features, float eps, std::optional<float> m
 Tensor BatchNorm1d::forward(const Tensor& input) {
   // As torch's _BatchNorm.forward: count the batch first, then pick the averaging factor.
   float factor = momentum_.value_or(0.0f);
-  if (is_training() && track_running_stats_) {
+  if (is_training() && track_running_stats_ && !is_recomputing()) {  // a checkpoint's rerun counts no batch
     Tensor count = num_batches_tracked.to(Device::cpu()).clone();
     const int64_t batches = ++count.data<int64_t>()[0];
     num_batches_tracked.copy_(count);

@@ -31,7 +31,7 @@ Tensor dropout(const Tensor& x, float p, bool training, Generator& gen) {
   check_probability("dropout", p);
   if (!training || p == 0.0f) return x;
   const float keep_scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
-  const uint64_t key = dropout_key(gen);
+  const uint64_t key = dropout_key(checkpoint_generator(gen));  // a checkpoint's rerun draws the same mask
   Tensor mask = Tensor::empty(x.shape(), DType::Float32, x.device());
   NANODDP_DISPATCH(x.device(), dropout_mask, ptr(mask), key, p, keep_scale, x.numel());
   return x * mask;

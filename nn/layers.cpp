@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "nn/activation_checkpoint.h"
+
 namespace nanoddp::nn {
 
 Linear::Linear(int64_t in_features, int64_t out_features, Generator& gen, bool with_bias) {
@@ -46,9 +48,35 @@ Sequential& Sequential::add(std::shared_ptr<Module> module) {
   return *this;
 }
 
+Sequential& Sequential::checkpoint_blocks(std::vector<size_t> starts) {
+  for (size_t k = 0; k < starts.size(); ++k) {
+    NANODDP_CHECK(starts[k] < layers_.size(), ValueError, "Sequential::checkpoint_blocks: start ", starts[k],
+                  " is not a child index (the Sequential has ", layers_.size(), " children)");
+    NANODDP_CHECK(k == 0 || starts[k] > starts[k - 1], ValueError,
+                  "Sequential::checkpoint_blocks: starts must increase, got ", starts[k - 1], " then ", starts[k]);
+  }
+  checkpoint_starts_ = std::move(starts);
+  return *this;
+}
+
 Tensor Sequential::forward(const Tensor& input) {
   Tensor x = input;
-  for (auto& layer : layers_) x = (*layer)(x);
+  const size_t plain = checkpoint_starts_.empty() ? layers_.size() : checkpoint_starts_[0];
+  for (size_t i = 0; i < plain; ++i) x = (*layers_[i])(x);
+  for (size_t k = 0; k < checkpoint_starts_.size(); ++k) {
+    const size_t begin = checkpoint_starts_[k];
+    const size_t end = k + 1 < checkpoint_starts_.size() ? checkpoint_starts_[k + 1] : layers_.size();
+    // The block's layers are held by value: the rerun happens in backward.
+    std::vector<std::shared_ptr<Module>> block(layers_.begin() + static_cast<std::ptrdiff_t>(begin),
+                                               layers_.begin() + static_cast<std::ptrdiff_t>(end));
+    x = checkpoint(
+        [block](const Tensor& h) {
+          Tensor y = h;
+          for (auto& layer : block) y = (*layer)(y);
+          return y;
+        },
+        x);
+  }
   return x;
 }
 

@@ -71,9 +71,17 @@ class Sequential : public Module {
   Tensor forward(const Tensor& input) override;
   size_t size() const { return layers_.size(); }
   Module& operator[](size_t i) { return *layers_.at(i); }
+  // Runs children [starts[k], starts[k + 1]) (the last up to the end) as one checkpointed
+  // block each from now on (nn::checkpoint, nn/activation_checkpoint.h); children before
+  // starts[0] run as usual. Names and parameters do not change, so state_dict is the same (as
+  // torch's checkpoint_sequential, which keeps the module and splits only the run). Empty:
+  // no checkpointing. Throws ValueError unless starts are increasing and below size().
+  Sequential& checkpoint_blocks(std::vector<size_t> starts);
+  const std::vector<size_t>& checkpoint_block_starts() const { return checkpoint_starts_; }
 
  private:
   std::vector<std::shared_ptr<Module>> layers_;
+  std::vector<size_t> checkpoint_starts_;
 };
 
 // mse_loss(input, target, reduction) (torch.nn.MSELoss). Shapes must match exactly.

@@ -294,6 +294,42 @@ TEST_CASE("fashion_mnist_cnn --sync-batch-norm: three all-reduces per BatchNorm 
   }
 }
 
+TEST_CASE("--checkpoint-activations: the same training bit for bit on 2 ranks, fewer peak activation bytes") {
+  TempDir dir;
+  write_small_fashion_mnist(dir.path, 640, 200);
+  for (const std::string example : {"fashion_mnist", "fashion_mnist_cnn"}) {
+    CAPTURE(example);
+    auto run_with = [&](std::vector<std::string> extra) {
+      std::vector<std::string> args = {launcher_path(), "--nproc-per-node", "2", "--backend", "gloo",
+                                       built("examples/" + example), "--data-dir", dir.path, "--batch-size", "32",
+                                       "--epochs", "1", "--quiet"};
+      args.insert(args.end(), extra.begin(), extra.end());
+      return run(args, 120s);
+    };
+    const RunResult plain = run_with({}), checkpointed = run_with({"--checkpoint-activations"});
+    REQUIRE_MESSAGE(plain.code() == 0, plain.err);
+    REQUIRE_MESSAGE(checkpointed.code() == 0, checkpointed.err);
+    const auto a = json_lines(plain.out), b = json_lines(checkpointed.out);
+    REQUIRE(a.size() == 1);
+    REQUIRE(b.size() == 1);
+    CHECK(a[0].find("\"checkpoint_activations\":false") != std::string::npos);
+    CHECK(b[0].find("\"checkpoint_activations\":true") != std::string::npos);
+    // Dropout draws the same masks in the rerun: the same loss and accuracy, exactly.
+    CHECK(json_field(a[0], "train_loss") == json_field(b[0], "train_loss"));
+    CHECK(json_field(a[0], "test_accuracy") == json_field(b[0], "test_accuracy"));
+    const double plain_bytes = json_field(a[0], "peak_activation_bytes");
+    const double checkpointed_bytes = json_field(b[0], "peak_activation_bytes");
+    MESSAGE(example, " peak activation bytes at batch 32: ", plain_bytes, " plain, ", checkpointed_bytes, " checkpointed");
+    CHECK(plain_bytes > 0);
+    CHECK(checkpointed_bytes < plain_bytes);
+  }
+  const RunResult refused = run({built("examples/fashion_mnist"), "--data-dir", dir.path, "--checkpoint-activations",
+                                 "--strategy", "fsdp"},
+                                60s);
+  CHECK(refused.code() == 2);
+  CHECK_MESSAGE(refused.err.find("--checkpoint-activations applies to --strategy ddp") != std::string::npos, refused.err);
+}
+
 TEST_CASE("fashion_mnist: a missing data folder is a clear error, not a crash") {
   const RunResult r = run({built("examples/fashion_mnist"), "--data-dir", "/nonexistent/folder", "--epochs", "1"});
   CHECK(r.code() == 1);

@@ -1,0 +1,153 @@
+#include "dist/grad_scaler.h"
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/autograd.h"
+#include "core/ops.h"
+#include "dist/host_collectives.h"
+
+namespace nanoddp::dist {
+
+namespace {
+
+void check_options(const GradScalerOptions& options) {
+  NANODDP_CHECK(options.init_scale > 0.0f && std::isfinite(options.init_scale), ValueError,
+                "GradScaler: init_scale must be a positive finite number, got ", options.init_scale);
+  NANODDP_CHECK(options.growth_factor > 1.0f, ValueError, "GradScaler: growth_factor should be > 1, got ",
+                options.growth_factor);
+  NANODDP_CHECK(options.backoff_factor > 0.0f && options.backoff_factor < 1.0f, ValueError,
+                "GradScaler: backoff_factor should be in (0, 1), got ", options.backoff_factor);
+  NANODDP_CHECK(options.growth_interval >= 1, ValueError, "GradScaler: growth_interval should be >= 1, got ",
+                options.growth_interval);
+}
+
+bool any_non_finite(const Tensor& t) {
+  for (float v : t.to_vector())
+    if (!std::isfinite(v)) return true;
+  return false;
+}
+
+const Tensor& entry(const nn::StateDict& state, const char* key, DType dtype) {
+  const auto it = state.find(key);
+  NANODDP_CHECK(it != state.end(), ValueError, "GradScaler::load_state_dict: no \"", key, "\" in the state");
+  NANODDP_CHECK(it->second.dtype() == dtype && it->second.numel() == 1, ValueError,
+                "GradScaler::load_state_dict: \"", key, "\" must be one ", dtype, " value, got ", it->second.dtype(),
+                " ", it->second.shape());
+  return it->second;
+}
+
+}  // namespace
+
+GradScaler::GradScaler(GradScalerOptions options, std::shared_ptr<ProcessGroup> pg, std::chrono::milliseconds timeout)
+    : options_(options), pg_(std::move(pg)), timeout_(timeout), scale_(options.init_scale) {
+  check_options(options_);
+}
+
+Tensor GradScaler::scale(const Tensor& loss) const {
+  if (!options_.enabled) return loss;
+  return loss * scale_;
+}
+
+void GradScaler::unscale_(nn::Optimizer& optimizer) {
+  if (!options_.enabled) return;
+  OptimizerState& state = optimizers_[&optimizer];
+  NANODDP_CHECK(state.stage != Stage::Unscaled, ValueError,
+                "GradScaler::unscale_() has already been called on this optimizer since the last update()");
+  NANODDP_CHECK(state.stage != Stage::Stepped, ValueError, "GradScaler::unscale_() is being called after step()");
+  // 1 / scale in double, rounded once to float32: exact for a power of two (torch computes
+  // the reciprocal in float64 too).
+  const float inv_scale = static_cast<float>(1.0 / static_cast<double>(scale_));
+  bool found = false;
+  {
+    NoGradGuard no_grad;
+    for (const Tensor& param : optimizer.params()) {
+      Tensor grad = param.grad();
+      if (!grad.defined()) continue;
+      found = found || any_non_finite(grad);
+      grad.copy_(grad * inv_scale);
+    }
+  }
+  if (pg_ != nullptr) {
+    // Every rank reaches here once per optimizer per iteration: the same collective order.
+    found = all_reduce_host(*pg_, std::vector<int64_t>{found ? 1 : 0}, ReduceOp::Max, timeout_)[0] != 0;
+  }
+  state.found_inf = found;
+  state.stage = Stage::Unscaled;
+}
+
+bool GradScaler::step(nn::Optimizer& optimizer) {
+  if (!options_.enabled) {
+    optimizer.step();
+    return true;
+  }
+  NANODDP_CHECK(optimizers_[&optimizer].stage != Stage::Stepped, ValueError,
+                "GradScaler::step() has already been called since the last update()");
+  if (optimizers_[&optimizer].stage == Stage::Ready) unscale_(optimizer);
+  OptimizerState& state = optimizers_[&optimizer];
+  state.stage = Stage::Stepped;
+  if (state.found_inf) return false;  // every rank found the same flag: every rank skips
+  optimizer.step();
+  return true;
+}
+
+void GradScaler::update() {
+  if (!options_.enabled) return;
+  bool found = false, unscaled = false;
+  for (const auto& [optimizer, state] : optimizers_) {
+    found = found || state.found_inf;
+    unscaled = unscaled || state.stage != Stage::Ready;
+  }
+  NANODDP_CHECK(unscaled, ValueError, "GradScaler::update(): no inf checks were recorded prior to update()");
+  if (found) {
+    scale_ *= options_.backoff_factor;
+    growth_tracker_ = 0;
+  } else if (++growth_tracker_ == options_.growth_interval) {
+    scale_ *= options_.growth_factor;
+    growth_tracker_ = 0;
+  }
+  optimizers_.clear();
+}
+
+void GradScaler::update(float new_scale) {
+  if (!options_.enabled) return;
+  NANODDP_CHECK(new_scale > 0.0f && std::isfinite(new_scale), ValueError,
+                "GradScaler::update: new_scale must be a positive finite number, got ", new_scale);
+  scale_ = new_scale;
+  optimizers_.clear();
+}
+
+bool GradScaler::found_inf(const nn::Optimizer& optimizer) const {
+  const auto it = optimizers_.find(&optimizer);
+  return it != optimizers_.end() && it->second.found_inf;
+}
+
+nn::StateDict GradScaler::state_dict() const {
+  if (!options_.enabled) return {};
+  auto scalar = [](int64_t v) { return Tensor::from_vector(std::vector<int64_t>{v}, Shape{}); };
+  return {{"scale", Tensor::from_vector({scale_}, Shape{})},
+          {"growth_factor", Tensor::from_vector({options_.growth_factor}, Shape{})},
+          {"backoff_factor", Tensor::from_vector({options_.backoff_factor}, Shape{})},
+          {"growth_interval", scalar(options_.growth_interval)},
+          {"_growth_tracker", scalar(growth_tracker_)}};
+}
+
+void GradScaler::load_state_dict(const nn::StateDict& state) {
+  NANODDP_CHECK(!state.empty(), ValueError, "GradScaler::load_state_dict: the state is empty (saved disabled?)");
+  GradScalerOptions options = options_;
+  options.init_scale = entry(state, "scale", DType::Float32).to_vector()[0];
+  options.growth_factor = entry(state, "growth_factor", DType::Float32).to_vector()[0];
+  options.backoff_factor = entry(state, "backoff_factor", DType::Float32).to_vector()[0];
+  options.growth_interval = entry(state, "growth_interval", DType::Int64).to_int_vector()[0];
+  const int64_t tracker = entry(state, "_growth_tracker", DType::Int64).to_int_vector()[0];
+  check_options(options);
+  NANODDP_CHECK(tracker >= 0 && tracker < options.growth_interval, ValueError,
+                "GradScaler::load_state_dict: _growth_tracker ", tracker, " is outside [0, growth_interval ",
+                options.growth_interval, ")");
+  options_ = options;
+  scale_ = options.init_scale;
+  growth_tracker_ = tracker;
+}
+
+}  // namespace nanoddp::dist

@@ -1,0 +1,95 @@
+// GradScaler: loss scaling for float16 training (torch.amp.GradScaler), with the found-inf
+// flag agreed over a process group so that every rank skips the same steps.
+//
+//   dist::GradScaler scaler({}, pg);                      // init_scale 65536, as torch
+//   scaler.scale(loss).backward();  scaler.step(opt);  scaler.update();
+//   scaler.unscale_(opt);  nn::clip_grad_norm_(params, 1.0);   // before step, to clip true grads
+//
+// Why: float16's smallest normal is 6.1e-5, and small gradients round to zero. Multiplying
+// the loss by S multiplies every gradient by S (backward is linear in its seed), lifting
+// them into range; unscale_ multiplies them by 1/S before the step. A too large S overflows
+// to inf: then the step is skipped and S is halved (backoff_factor); after growth_interval
+// steps in a row without inf or NaN, S doubles (growth_factor). bfloat16 has float32's
+// exponent range and needs no scaler. Powers of two scale exactly, so with finite gradients
+// a scaled float32 step is bit for bit the unscaled one.
+//
+// Across ranks: each rank checks the gradients it holds (all of them under DDP, its shards
+// under ZeRO-2/FSDP), and the flag is all-reduced with MAX (torch's ShardedGradScaler does the
+// same for FSDP). So an inf on one rank makes every rank skip and back off: the replicas never
+// diverge, and every rank's scale stays the same. With a group, unscale_ (and step, when it
+// unscales) is a collective: every rank calls it in the same order.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+
+#include "dist/process_group.h"
+#include "nn/module.h"
+#include "nn/optimizer.h"
+
+namespace nanoddp::dist {
+
+// torch.amp.GradScaler's arguments and defaults.
+struct GradScalerOptions {
+  float init_scale = 65536.0f;   // 2^16
+  float growth_factor = 2.0f;    // > 1
+  float backoff_factor = 0.5f;   // in (0, 1)
+  int64_t growth_interval = 2000;  // finite steps in a row before the scale grows; >= 1
+  bool enabled = true;           // false: scale() returns the loss, step() steps, nothing else
+};
+
+class GradScaler {
+ public:
+  // pg: the group the found-inf flag is all-reduced over (MAX); null: this process only.
+  // Throws ValueError for init_scale <= 0, growth_factor <= 1, backoff_factor outside (0, 1)
+  // or growth_interval < 1 (torch checks the first two).
+  explicit GradScaler(GradScalerOptions options = {}, std::shared_ptr<ProcessGroup> pg = nullptr,
+                      std::chrono::milliseconds timeout = kDefaultTimeout);
+
+  // loss * scale, recorded in the graph (float32, any shape). The loss itself when disabled.
+  Tensor scale(const Tensor& loss) const;
+  // Multiplies every .grad of optimizer's parameters by 1 / scale in place and records whether
+  // any is inf or NaN, on this rank or (with a group) on any rank. Throws ValueError when
+  // called twice for one optimizer before update(), or after step() (torch's messages).
+  void unscale_(nn::Optimizer& optimizer);
+  // unscale_ unless already done; then optimizer.step() unless an inf or NaN was found.
+  // Returns whether it stepped. Throws ValueError when called twice before update().
+  bool step(nn::Optimizer& optimizer);
+  // After the step(s) of an iteration: backs the scale off if any optimizer found inf or NaN
+  // (and restarts the growth count), else counts a finite step and grows the scale every
+  // growth_interval of them. Forgets every optimizer's unscale/step state.
+  void update();
+  // Sets the scale (torch's update(new_scale)); the growth count is kept. ValueError for <= 0.
+  void update(float new_scale);
+
+  float get_scale() const { return options_.enabled ? scale_ : 1.0f; }
+  int64_t growth_tracker() const { return growth_tracker_; }
+  bool is_enabled() const { return options_.enabled; }
+  // Whether the last unscale_ of optimizer found inf or NaN (on any rank); false when not
+  // unscaled since the last update().
+  bool found_inf(const nn::Optimizer& optimizer) const;
+
+  // torch's keys: "scale", "growth_factor", "backoff_factor" (float32 scalars),
+  // "growth_interval", "_growth_tracker" (int64 scalars). Empty when disabled, as torch's.
+  nn::StateDict state_dict() const;
+  // Restores them. ValueError for a missing key, a wrong dtype, or values the constructor
+  // refuses; nothing changes then.
+  void load_state_dict(const nn::StateDict& state);
+
+ private:
+  enum class Stage { Ready, Unscaled, Stepped };
+  struct OptimizerState {
+    Stage stage = Stage::Ready;
+    bool found_inf = false;
+  };
+
+  GradScalerOptions options_;
+  std::shared_ptr<ProcessGroup> pg_;
+  std::chrono::milliseconds timeout_;
+  float scale_;
+  int64_t growth_tracker_ = 0;
+  std::unordered_map<const nn::Optimizer*, OptimizerState> optimizers_;
+};
+
+}  // namespace nanoddp::dist
