@@ -327,6 +327,7 @@ struct EpochProgress {
   int64_t steps = 0;                // 0: at the epoch's start
   std::vector<float> loss_sums;     // one per rank (steps > 0)
   std::vector<int64_t> samples;     // one per rank (steps > 0)
+  std::vector<int64_t> bucket_order;  // DDP's re-planned bucket order, when the checkpoint has one
 };
 
 // A collective (the sharded strategies gather the state; during an epoch, steps_in_epoch > 0,
@@ -427,8 +428,8 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
     }
     const int64_t saved_total_steps = int64_entry(state, "scheduler.total_steps", schedule.total_steps());
     const int64_t saved_warmup_steps = int64_entry(state, "scheduler.warmup_steps", schedule.warmup_steps());
-    if (state.count("ddp.bucket_order") != 0 && parallel.ddp() != nullptr)
-      parallel.ddp()->load_bucket_order(state.at("ddp.bucket_order").to_int_vector());
+    // Loaded once every rank agrees where to start: shm makes the new buckets collectively.
+    if (state.count("ddp.bucket_order") != 0) progress.bucket_order = state.at("ddp.bucket_order").to_int_vector();
     try {
       parallel.load_model_state_dict(nn::strip_prefix(state, "model."));
     } catch (const Error& e) {
@@ -603,11 +604,15 @@ int run(const Config& config) {
   auto test_set = std::make_shared<data::FashionMNIST>(config.data_dir, /*train=*/false);
   NANODDP_CHECK(train_set->size() > 0 && test_set->size() > 0, ValueError, "the data in ", config.data_dir,
                 " has ", train_set->size(), " training and ", test_set->size(), " test images: nothing to learn from");
-  // Such a batch would be cut to the whole data set without a word: the run would not be the
-  // one asked for.
-  NANODDP_CHECK(config.batch_size <= static_cast<int64_t>(train_set->size()), ValueError, "--batch-size ",
-                config.batch_size, " is more than the ", train_set->size(), " training images in ", config.data_dir,
-                ": give at most ", train_set->size());
+  // Such a batch would be cut to this rank's share of the data without a word: the run would
+  // not be the one asked for. Each rank draws from ceil(N / W) images (DistributedSampler).
+  const int64_t per_rank = (static_cast<int64_t>(train_set->size()) + world_size - 1) / world_size;
+  NANODDP_CHECK(config.batch_size <= per_rank, ValueError, "--batch-size ", config.batch_size, " is more than the ",
+                per_rank, " training images ",
+                world_size == 1 ? "in " + config.data_dir
+                                : "each of " + std::to_string(world_size) + " ranks gets (of " +
+                                      std::to_string(train_set->size()) + " in " + config.data_dir + ")",
+                ": give at most ", per_rank);
   data::DataLoaderOptions loader_options;
   loader_options.device = device;
   loader_options.prefetch = config.prefetch;
@@ -657,6 +662,7 @@ int run(const Config& config) {
     std::fflush(stdout);  // before anything said on stderr about the run, as it happened
   }
   if (resume) check_same_start(*pg, config.checkpoint, first_epoch, resumed.steps);
+  if (!resumed.bucket_order.empty() && parallel.ddp() != nullptr) parallel.ddp()->load_bucket_order(resumed.bucket_order);
   const int64_t kill_step = examples::fault_kill_step(rank);
   const int64_t stop_step = examples::fault_stop_step(rank);
   // Resumed: the log keeps the checkpoint's epochs and the steps past them are written again.

@@ -417,6 +417,14 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   CHECK_MESSAGE(r.err.find("--batch-size 257 is more than the 256 training images in " + dir.path + ": give at most 256") !=
                     std::string::npos,
                 r.err);
+  // Two ranks draw from 128 images each: 129 would be cut to 128 without a word.
+  r = run({launcher_path(), "--nproc-per-node", "2", built("examples/fashion_mnist"), "--data-dir", dir.path,
+           "--batch-size", "129", "--epochs", "1"},
+          60s);
+  CHECK(r.code() == 1);
+  CHECK_MESSAGE(r.err.find("--batch-size 129 is more than the 128 training images each of 2 ranks gets (of 256 in " +
+                           dir.path + "): give at most 128") != std::string::npos,
+                r.err);
   // The checkpoint is SGD's (the default): another --optimizer is named, with the one to give.
   r = run_with({"--epochs", "3", "--optimizer", "adamw", "--checkpoint", ckpt, "--resume"});
   CHECK(r.code() == 1);
