@@ -6,10 +6,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "core/random.h"
 #include "core/tensor.h"
+#include "nn/layers.h"
 
 namespace nanoddp::testing {
 
@@ -17,6 +19,16 @@ struct Batch {
   Tensor x;  // [rows, features] float32, standard normal
   Tensor y;  // [rows] int64 labels in [0, classes)
 };
+
+// The small model of the multi-rank tests: Linear(5, 8), ReLU, Linear(8, 3), drawn from seed.
+inline std::shared_ptr<nn::Sequential> make_mlp(uint64_t seed) {
+  Generator gen(seed);
+  auto model = std::make_shared<nn::Sequential>();
+  model->add(nn::Linear(5, 8, gen));
+  model->add(nn::ReLU());
+  model->add(nn::Linear(8, 3, gen));
+  return model;
+}
 
 inline Batch random_batch(uint64_t seed, int64_t rows, int64_t features, int classes) {
   Generator gen(seed);

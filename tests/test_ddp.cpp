@@ -29,21 +29,13 @@
 using namespace nanoddp;
 using nanoddp::testing::Batch;
 using nanoddp::testing::expect;
+using nanoddp::testing::make_mlp;
 using nanoddp::testing::rows;
 using nanoddp::testing::on_ranks;
 using nanoddp::testing::under_mpirun;
 using namespace std::chrono_literals;
 
 namespace {
-
-std::shared_ptr<nn::Sequential> make_mlp(uint64_t seed) {
-  Generator gen(seed);
-  auto model = std::make_shared<nn::Sequential>();
-  model->add(nn::Linear(5, 8, gen));
-  model->add(nn::ReLU());
-  model->add(nn::Linear(8, 3, gen));
-  return model;
-}
 
 // The global batch of step s: 16 samples; rank r of W takes rows [r*16/W, (r+1)*16/W).
 Batch global_batch(int step) { return testing::random_batch(1000 + static_cast<uint64_t>(step), 16, 5, 3); }

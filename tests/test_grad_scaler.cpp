@@ -23,20 +23,12 @@
 using namespace nanoddp;
 using nanoddp::testing::Batch;
 using nanoddp::testing::expect;
+using nanoddp::testing::make_mlp;
 using nanoddp::testing::on_ranks;
 using nanoddp::testing::under_mpirun;
 using namespace std::chrono_literals;
 
 namespace {
-
-std::shared_ptr<nn::Sequential> make_mlp(uint64_t seed) {
-  Generator gen(seed);
-  auto model = std::make_shared<nn::Sequential>();
-  model->add(nn::Linear(5, 8, gen));
-  model->add(nn::ReLU());
-  model->add(nn::Linear(8, 3, gen));
-  return model;
-}
 
 std::vector<std::vector<float>> values_of(const std::vector<Tensor>& params) {
   std::vector<std::vector<float>> values;
