@@ -45,6 +45,40 @@ class Reader {
   size_t offset_ = 0;
 };
 
+// When a file's checksum fails, whether it was cut short: walks the entries' headers, which
+// say how many bytes each entry takes, and names where the file ran out. A write cut short
+// (a full disk, a copy interrupted) is the common corruption, and "truncated" says what to
+// look for where "checksum mismatch" does not. Returns "" when the entries fit the file.
+std::string where_truncated(const std::string& bytes) {
+  size_t offset = sizeof(kMagic) + sizeof(uint32_t);
+  const auto read_u64 = [&](size_t at, uint64_t& value) {
+    if (at > bytes.size() || bytes.size() - at < sizeof(value)) return false;
+    std::memcpy(&value, bytes.data() + at, sizeof(value));
+    return true;
+  };
+  uint64_t count = 0;
+  if (!read_u64(offset, count)) return "in the header";
+  offset += sizeof(uint64_t);
+  for (uint64_t i = 0; i < count; ++i) {
+    const std::string entry = "entry " + std::to_string(i) + " of " + std::to_string(count);
+    uint32_t name_bytes = 0;
+    if (offset + sizeof(name_bytes) > bytes.size()) return "in " + entry;
+    std::memcpy(&name_bytes, bytes.data() + offset, sizeof(name_bytes));
+    const size_t dim_at = offset + sizeof(uint32_t) + name_bytes + sizeof(uint8_t);  // after the name and dtype
+    if (name_bytes > kMaxNameBytes || dim_at >= bytes.size()) return "in " + entry;
+    const uint8_t dim = static_cast<uint8_t>(bytes[dim_at]);
+    uint64_t nbytes = 0;
+    if (dim > Shape::kMaxDims || !read_u64(dim_at + 1 + dim * sizeof(int64_t), nbytes)) return "in " + entry;
+    const size_t data_at = dim_at + 1 + dim * sizeof(int64_t) + sizeof(uint64_t);
+    if (nbytes > bytes.size() - data_at)
+      return "in the data of " + entry + " (" + std::to_string(nbytes) + " bytes from byte offset " +
+             std::to_string(data_at) + ")";
+    offset = data_at + nbytes;
+  }
+  if (bytes.size() - offset < sizeof(uint64_t)) return "before the checksum";
+  return "";
+}
+
 }  // namespace
 
 void save_checkpoint(const std::string& path, const StateDict& tensors) {
@@ -90,8 +124,13 @@ StateDict parse_checkpoint(const std::string& bytes, const std::string& path) {
                 ": bad magic at byte offset 0 (not a nanoddp checkpoint)");
   uint64_t stored_sum;
   std::memcpy(&stored_sum, bytes.data() + body, sizeof(stored_sum));
-  NANODDP_CHECK(stored_sum == fnv1a(std::string_view(bytes).substr(0, body)), IOError, "checkpoint ", path,
-                ": checksum mismatch (checksum at byte offset ", body, "): the file is corrupt");
+  if (stored_sum != fnv1a(std::string_view(bytes).substr(0, body))) {
+    const std::string cut = where_truncated(bytes);
+    NANODDP_CHECK(cut.empty(), IOError, "checkpoint ", path, ": truncated: the file ends at byte offset ", bytes.size(),
+                  ", ", cut, " (was its write cut short?)");
+    NANODDP_THROW(IOError, "checkpoint ", path, ": checksum mismatch (checksum at byte offset ", body,
+                  "): the file is corrupt");
+  }
 
   // The checksum proves the bytes are what some writer wrote, not that the writer was sane:
   // every size is still checked against the bytes present before it is trusted.

@@ -318,6 +318,30 @@ TEST_CASE("a checkpoint with two entries of one name is refused, naming it and b
   CHECK_MESSAGE(m.rfind(expected, 0) == 0, m);
 }
 
+TEST_CASE("a checkpoint cut short is reported as truncated, naming where it ends; a flipped byte stays a checksum mismatch") {
+  // Two float32 tensors: "a" of 3 values at byte offset 20, its data at 20 + 4 + 1 + 1 + 1 + 8
+  // + 8 = 43 to 55; "b" of 2 values at 55, its data at 78 to 86; the checksum at 86.
+  StateDict state;
+  state["a"] = Tensor::from_vector({1.0f, 2.0f, 3.0f});
+  state["b"] = Tensor::from_vector({4.0f, 5.0f});
+  const std::string whole = checkpoint_bytes(state);
+  REQUIRE(whole.size() == 94);
+  std::string m = parse_error(whole.substr(0, 80));
+  CHECK_MESSAGE(m.find("checkpoint crafted.ckpt: truncated: the file ends at byte offset 80, in the data of entry 1 of 2 "
+                       "(8 bytes from byte offset 78)") != std::string::npos, m);
+  m = parse_error(whole.substr(0, 50));
+  CHECK_MESSAGE(m.find("ends at byte offset 50, in the data of entry 0 of 2 (12 bytes from byte offset 43)") !=
+                    std::string::npos, m);
+  m = parse_error(whole.substr(0, 60));
+  CHECK_MESSAGE(m.find("ends at byte offset 60, in entry 1 of 2") != std::string::npos, m);
+  m = parse_error(whole.substr(0, 90));
+  CHECK_MESSAGE(m.find("ends at byte offset 90, before the checksum") != std::string::npos, m);
+  std::string flipped = whole;
+  flipped[45] ^= 0x5a;
+  m = parse_error(flipped);
+  CHECK_MESSAGE(m.find("checksum mismatch (checksum at byte offset 86)") != std::string::npos, m);
+}
+
 TEST_CASE("a single process learns y = 2x with Linear(1, 1) and SGD") {
   Generator gen(0);
   Linear model(1, 1, gen);
