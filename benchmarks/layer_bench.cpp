@@ -20,7 +20,12 @@
 #include <string>
 #include <vector>
 
+#include "nn/activations.h"
+#include "nn/batch_norm.h"
+#include "nn/conv.h"
+#include "nn/dropout.h"
 #include "nn/layers.h"
+#include "nn/normalization.h"
 #include "tools/cli_checks.h"
 
 using namespace nanoddp;

@@ -1,6 +1,7 @@
-// Layers and losses: Linear, ReLU, Flatten, Sequential, MSELoss, CrossEntropyLoss (torch.nn's),
-// and every other layer's header: activations (Sigmoid, Tanh, GELU), Dropout, LayerNorm,
-// Conv2d and MaxPool2d.
+// Layers and losses: Linear, ReLU, Flatten, Sequential, MSELoss, CrossEntropyLoss (torch.nn's).
+// The other layers have a header each, included where they are used (nn/activations.h: Sigmoid,
+// Tanh, GELU; nn/conv.h: Conv2d, MaxPool2d; nn/dropout.h; nn/normalization.h: LayerNorm;
+// nn/batch_norm.h), so an edit to one of them rebuilds only its users; nanoddp.h has them all.
 //
 //   Generator gen(0);
 //   Sequential mlp;  mlp.add(Linear(784, 256, gen));  mlp.add(ReLU());  mlp.add(Linear(256, 10, gen));
@@ -11,12 +12,7 @@
 
 #include "core/ops.h"
 #include "core/random.h"
-#include "nn/activations.h"
-#include "nn/batch_norm.h"
-#include "nn/conv.h"
-#include "nn/dropout.h"
 #include "nn/module.h"
-#include "nn/normalization.h"
 
 namespace nanoddp::nn {
 

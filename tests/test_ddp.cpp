@@ -18,6 +18,7 @@
 #include "dist/init.h"
 #include "dist/zero_redundancy_optimizer.h"
 #include "nn/adam.h"
+#include "nn/batch_norm.h"
 #include "nn/checkpoint.h"
 #include "nn/layers.h"
 #include "nn/optim.h"

@@ -22,6 +22,7 @@
 #include "dist/ddp.h"
 #include "dist/join.h"
 #include "dist/sync_batch_norm.h"
+#include "nn/batch_norm.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
 #include "tests/dist_ranks.h"

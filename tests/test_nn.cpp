@@ -8,10 +8,13 @@
 #include <string>
 #include <unistd.h>
 
+#include "core/autograd.h"
 #include "core/half.h"
 #include "core/hash.h"
 #include "nn/adam.h"
+#include "nn/batch_norm.h"
 #include "nn/checkpoint.h"
+#include "nn/conv.h"
 #include "nn/layers.h"
 #include "nn/lr_scheduler.h"
 #include "nn/optim.h"
