@@ -673,11 +673,9 @@ ShardedStateDict FullyShardedDataParallel::sharded_optim_state_dict(const nn::Op
         entry.end = end;
         if (begin < end)
           entry.piece = value.to(Device::cpu()).slice_view(unit.offsets[k] + begin - shard_offset, {end - begin}).clone();
-      } else if (pg_->rank() == 0) {
-        entry = whole_entry(value);  // equal on every rank: rank 0 holds it
       } else {
-        entry.shape = value.shape();
-        entry.dtype = value.dtype();
+        // Equal on every rank (a step count): each saves it, so a reader finds it in any file.
+        entry = whole_entry(value);
       }
       out[name] = entry;
     }

@@ -170,8 +170,8 @@ class FullyShardedDataParallel : public nn::Module {
   ShardedStateDict sharded_model_state_dict() const;
   // The same for an optimizer built on parameters(): keys "<buffer>.<i>" as in
   // full_optim_state_dict, each float32 entry of a shard's size cut like its parameters; any
-  // other entry (a step count) held whole by rank 0, once per parameter of its unit. No
-  // collective. ValueError for an optimizer over other parameters.
+  // other entry (a step count, equal on every rank) saved whole by every rank, once per
+  // parameter of its unit. No collective. ValueError for an optimizer over other parameters.
   ShardedStateDict sharded_optim_state_dict(const nn::Optimizer& optimizer) const;
   // Reading a set saved by either at any world size: this rank's shards as state_dict() gives
   // them ("0._flat_param": [S] float32, padding zero), to pass to load_state_dict. Reads only

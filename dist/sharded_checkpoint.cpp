@@ -158,8 +158,21 @@ RankReport parse_report(const std::string& bytes, int rank) {
   return report;
 }
 
+// Whether every rank that holds part of a tensor holds all of it, and more than one does:
+// state every rank has alike, saved by each.
+bool is_replicated(const std::vector<std::pair<int64_t, int64_t>>& ranges, int64_t numel) {
+  int holders = 0;
+  for (const auto& [begin, end] : ranges) {
+    if (begin == end) continue;
+    if (begin != 0 || end != numel) return false;
+    ++holders;
+  }
+  return holders > 1;
+}
+
 // What is wrong with ranges, one per rank, as a split of numel elements ("" when nothing is):
-// the non-empty ones, in order of their starts, must follow each other from 0 to numel.
+// the non-empty ones, in order of their starts, must follow each other from 0 to numel, or
+// all be the whole tensor.
 std::string tiling_problem(const std::vector<std::pair<int64_t, int64_t>>& ranges, int64_t numel) {
   std::vector<std::pair<int64_t, int64_t>> held;
   for (size_t r = 0; r < ranges.size(); ++r) {
@@ -169,6 +182,7 @@ std::string tiling_problem(const std::vector<std::pair<int64_t, int64_t>>& range
              ") is not within its " + std::to_string(numel) + " elements";
     if (begin < end) held.emplace_back(begin, end);
   }
+  if (is_replicated(ranges, numel)) return "";
   std::sort(held.begin(), held.end());
   int64_t next = 0;
   for (const auto& [begin, end] : held) {
@@ -205,9 +219,11 @@ std::string shard_file_name(const std::string& path, int64_t generation, int ran
 bool is_sharded_manifest(const nn::StateDict& state) { return state.count(kVersionKey) != 0; }
 
 int remove_unused_shard_files(const std::string& path) {
+  const auto files = shard_files_in(folder_of(path), base_name(path));
+  if (files.empty()) return 0;  // the common case of full checkpoints: no manifest is read
   const int64_t current = manifest_generation(path), previous = manifest_generation(path + ".prev");
   int removed = 0;
-  for (const auto& [file, generation] : shard_files_in(folder_of(path), base_name(path)))
+  for (const auto& [file, generation] : files)
     if (generation != current && generation != previous && std::remove(file.c_str()) == 0) ++removed;
   return removed;
 }
@@ -375,11 +391,15 @@ void ShardedCheckpointReader::parse(const nn::StateDict& manifest) {
     NANODDP_CHECK(dtype >= 0 && dtype <= static_cast<int64_t>(DType::BFloat16), IOError, where, ": '", name,
                   "' has dtype number ", dtype);
     entry.dtype = static_cast<DType>(dtype);
+    int64_t nbytes = 0;
+    NANODDP_CHECK(!__builtin_mul_overflow(entry.shape.numel(), static_cast<int64_t>(dtype_size(entry.dtype)), &nbytes),
+                  IOError, where, ": '", name, "' of shape ", entry.shape, " needs more bytes than int64 can count");
     const std::vector<int64_t> flat = int64s(kRangesPrefix + name, static_cast<size_t>(2 * world));
     for (int r = 0; r < world_size_; ++r)
       entry.ranges.emplace_back(flat[static_cast<size_t>(2 * r)], flat[static_cast<size_t>(2 * r + 1)]);
     const std::string problem = tiling_problem(entry.ranges, entry.shape.numel());
     NANODDP_CHECK(problem.empty(), IOError, where, ": '", name, "': ", problem);
+    entry.replicated = is_replicated(entry.ranges, entry.shape.numel());
     entries_[name] = std::move(entry);
   }
 }
@@ -438,7 +458,16 @@ Tensor ShardedCheckpointReader::read_range(const std::string& name, int64_t begi
                 ": elements [", begin, ", ", end, ") of '", name, "', which has ", e.shape.numel());
   Tensor out = Tensor::empty(Shape({end - begin}), e.dtype);
   const size_t element = dtype_size(e.dtype);
+  // A replicated tensor is read from one holder: one whose file is open already if any.
+  int only = -1;
+  if (e.replicated) {
+    for (int r = 0; r < world_size_ && only < 0; ++r)
+      if (e.ranges[static_cast<size_t>(r)].second > 0 && shards_.count(r) != 0) only = r;
+    for (int r = 0; r < world_size_ && only < 0; ++r)
+      if (e.ranges[static_cast<size_t>(r)].second > 0) only = r;
+  }
   for (int r = 0; r < world_size_; ++r) {
+    if (only >= 0 && r != only) continue;
     const auto [held_begin, held_end] = e.ranges[static_cast<size_t>(r)];
     const int64_t lo = std::max(begin, held_begin), hi = std::min(end, held_end);
     if (lo >= hi) continue;

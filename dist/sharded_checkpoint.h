@@ -14,7 +14,9 @@
 // (possibly empty), and together the ranges tile [0, numel) exactly. FSDP's ranges come from
 // the flat parameters: rank r's shard [r S, (r + 1) S) of a unit cut at each parameter's
 // offset; ZeRO-1's from ownership: the owner holds all of a parameter, the others nothing.
-// State every rank holds alike (step counts, the schedule) is held by rank 0 alone.
+// State every rank holds alike (step counts, the schedule) is either held by one rank or saved
+// whole by several (replicated); a reader takes a replicated tensor from a file it has open
+// already, so that it opens no file for it alone.
 // Saving, in numbered steps:
 //   1. rank 0 picks G, one more than any generation of FILE's shard files on disk, and sends it;
 //   2. each rank writes its shard file atomically (nn::write_file_atomically);
@@ -65,8 +67,9 @@ void merge_prefixed(ShardedStateDict& into, const std::string& prefix, const Sha
 
 // Saves every rank's entries as one set (Note [Sharded checkpoint sets]). A collective: every
 // rank calls it with the same path, on a filesystem they all see. Entries of one name on
-// several ranks must agree on shape and dtype and their ranges must tile the tensor; a name
-// on some ranks only is held by those. Throws ValueError for a malformed entry (a piece of
+// several ranks must agree on shape and dtype, and their ranges must tile the tensor or each
+// be all of it (then their values must be equal: any one is read back); a name on some ranks
+// only is held by those. Throws ValueError for a malformed entry (a piece of
 // another length or dtype than its range; a range outside its tensor) on the rank that has
 // it, and for ranges that overlap or leave a gap on rank 0; IOError naming the file when a
 // write fails (a full disk, ulimit -f). Whatever fails, it fails on every rank (the others
@@ -125,6 +128,7 @@ class ShardedCheckpointReader {
     Shape shape;
     DType dtype;
     std::vector<std::pair<int64_t, int64_t>> ranges;  // [world_size]
+    bool replicated = false;                           // several ranks hold all of it
   };
   void parse(const nn::StateDict& manifest);
   const Entry& entry(const std::string& name) const;

@@ -375,9 +375,9 @@ void save(const std::string& path, bool sharded, int epochs_done, int64_t steps_
   }
   if (sharded) {
     dist::ShardedStateDict mine = parallel.sharded_state_dict(optimizer);
-    // What every rank holds alike, rank 0 saves.
-    if (rank == 0)
-      for (const auto& [name, tensor] : state) mine[name] = dist::whole_entry(tensor);
+    // What every rank holds alike (gathered above, where it differs by rank), every rank
+    // saves: a reader takes it from a file it opens anyway.
+    for (const auto& [name, tensor] : state) mine[name] = dist::whole_entry(tensor);
     dist::save_sharded_checkpoint(path, mine, pg, timeout);
     return;
   }
@@ -410,9 +410,10 @@ ReadCheckpoint read_checkpoint(const std::string& path, const examples::Parallel
     std::string error;
     try {
       dist::ShardedCheckpointReader reader(used_path, state);
+      // This rank's part first: the rest is then read from the files it opened.
+      read.local = parallel.read_sharded(reader, optimizer);
       for (const std::string& name : reader.names())
         if (!starts_with(name, "model.") && !starts_with(name, "optimizer.")) read.state[name] = reader.read(name);
-      read.local = parallel.read_sharded(reader, optimizer);
     } catch (const Error& e) {
       error = e.what();
     }
