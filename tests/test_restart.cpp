@@ -71,10 +71,17 @@ long long number_after(const std::string& out, const std::string& key) {
   return std::atoll(out.c_str() + at + key.size());
 }
 
-// Every entry of two checkpoints: bit for bit, or (tolerance > 0) each float within
+// Every entry of a checkpoint, full or a sharded set.
+nn::StateDict load_any(const std::string& path) {
+  const nn::StateDict state = nn::load_checkpoint(path);
+  if (!dist::is_sharded_manifest(state)) return state;
+  return dist::ShardedCheckpointReader(path, state).read_all();
+}
+
+// Every entry of two checkpoints (full or sharded sets): bit for bit, or (tolerance > 0) each float within
 // tolerance * (1 + |a|) of the other. Names the entry that differs.
 void check_same_checkpoint(const std::string& a_path, const std::string& b_path, double tolerance = 0) {
-  const nn::StateDict a = nn::load_checkpoint(a_path), b = nn::load_checkpoint(b_path);
+  const nn::StateDict a = load_any(a_path), b = load_any(b_path);
   CHECK(a.size() == b.size());
   for (const auto& entry : a) {
     const std::string& name = entry.first;  // CAPTURE cannot capture a structured binding (clang)
@@ -290,10 +297,13 @@ TEST_CASE("fashion_mnist --checkpoint-every: a rank killed mid-epoch and restart
     int world;
     std::string kill_at;  // RANK:STEP
     double tolerance;     // 0: bit for bit
+    std::vector<std::string> extra = {};
   };
   std::vector<Setup> setups = {Setup{"fashion_mnist", "shm", 2, "1:14", 0}, Setup{"fashion_mnist", "gloo", 2, "0:7", 0},
                                 Setup{"fashion_mnist_cnn", "shm", 2, "1:11", 0},
-                                Setup{"fashion_mnist", "gloo", 4, "3:8", 0}};
+                                Setup{"fashion_mnist", "gloo", 4, "3:8", 0},
+                                // A set per save, each rank writing its part, resumed as a full file is.
+                                Setup{"fashion_mnist", "shm", 4, "2:8", 0, {"--strategy", "fsdp", "--checkpoint-format", "sharded"}}};
   if (mpirun_found()) setups.push_back(Setup{"fashion_mnist", "mpi", 2, "1:14", 0});
   for (const Setup& s : setups) {
     CAPTURE(s.example);
@@ -315,6 +325,7 @@ TEST_CASE("fashion_mnist --checkpoint-every: a rank killed mid-epoch and restart
         all.push_back("--checkpoint-every");
         all.push_back("3");
       }
+      all.insert(all.end(), s.extra.begin(), s.extra.end());
       return all;
     };
     const RunResult straight = run(args({}, straight_ckpt, false), 120s);
@@ -418,13 +429,6 @@ TEST_CASE("fashion_mnist: a save past the file size limit (ulimit -f) fails nami
 }
 
 namespace {
-
-// Every entry of a checkpoint, full or a sharded set.
-nn::StateDict load_any(const std::string& path) {
-  const nn::StateDict state = nn::load_checkpoint(path);
-  if (!dist::is_sharded_manifest(state)) return state;
-  return dist::ShardedCheckpointReader(path, state).read_all();
-}
 
 // a and b hold the same entries, bit for bit; names the first that differs.
 void check_same_state(const nn::StateDict& a, const nn::StateDict& b) {
