@@ -600,12 +600,12 @@ nn::StateDict FullyShardedDataParallel::shard_full_optim_state_dict(const nn::St
   return sharded;
 }
 
-
 namespace {
 
 // The elements [begin, end) of a parameter at offset (numel elements) that fall inside
 // [shard_begin, shard_end) of its unit's flat vector; {0, 0} when none do.
-std::pair<int64_t, int64_t> part_in_shard(int64_t offset, int64_t numel, int64_t shard_begin, int64_t shard_end) {
+std::pair<int64_t, int64_t> part_in_shard(int64_t offset, int64_t numel, int64_t shard_begin,
+                                          int64_t shard_end) {
   const int64_t lo = std::max(offset, shard_begin), hi = std::min(offset + numel, shard_end);
   if (lo >= hi) return {0, 0};
   return {lo - offset, hi - offset};
@@ -617,20 +617,24 @@ std::pair<int64_t, int64_t> part_in_shard(int64_t offset, int64_t numel, int64_t
 // its shard, less the padding; under NO_SHARD, where every rank holds all, rank 0 alone.
 std::pair<int64_t, int64_t> FullyShardedDataParallel::saved_range(size_t u, int rank) const {
   const Unit& unit = *units_[u];
-  if (options_.sharding_strategy == ShardingStrategy::NO_SHARD) return rank == 0 ? std::make_pair(int64_t{0}, unit.numel) : std::make_pair(int64_t{0}, int64_t{0});
+  if (options_.sharding_strategy == ShardingStrategy::NO_SHARD)
+    return rank == 0 ? std::make_pair(int64_t{0}, unit.numel) : std::make_pair(int64_t{0}, int64_t{0});
   return {std::min(unit.numel, rank * unit.shard_numel), std::min(unit.numel, (rank + 1) * unit.shard_numel)};
 }
 
 ShardedStateDict FullyShardedDataParallel::sharded_model_state_dict() const {
-  NANODDP_CHECK(module_->named_buffers().empty(), ValueError, "FullyShardedDataParallel.sharded_model_state_dict: the "
-                "model has buffers (", module_->named_buffers()[0].first, ", ...), which a sharded set does not hold: "
-                "save it with full_state_dict");
+  const auto buffers = module_->named_buffers();
+  NANODDP_CHECK(buffers.empty(), ValueError,
+                "FullyShardedDataParallel.sharded_model_state_dict: the model has ", "buffers ('",
+                buffers.empty() ? "" : buffers[0].first, "', ...), which a sharded set does not ",
+                "hold: save it with full_state_dict");
   ShardedStateDict out;
   for (size_t u = 0; u < units_.size(); ++u) {
     const Unit& unit = *units_[u];
     const auto [shard_begin, shard_end] = saved_range(u, pg_->rank());
     // The shard starts at r S (0 under NO_SHARD, where it is the whole vector).
-    const int64_t shard_offset = options_.sharding_strategy == ShardingStrategy::NO_SHARD ? 0 : pg_->rank() * unit.shard_numel;
+    const int64_t shard_offset =
+        options_.sharding_strategy == ShardingStrategy::NO_SHARD ? 0 : pg_->rank() * unit.shard_numel;
     const Tensor shard = unit.shard.detach().to(Device::cpu());
     for (size_t k = 0; k < unit.params.size(); ++k) {
       const Tensor& p = unit.params[k].second;
@@ -639,7 +643,8 @@ ShardedStateDict FullyShardedDataParallel::sharded_model_state_dict() const {
       entry.shape = p.shape();
       entry.begin = begin;
       entry.end = end;
-      if (begin < end) entry.piece = shard.slice_view(unit.offsets[k] + begin - shard_offset, {end - begin}).clone();
+      if (begin < end)
+        entry.piece = shard.slice_view(unit.offsets[k] + begin - shard_offset, {end - begin}).clone();
       out[unit.params[k].first] = entry;
     }
   }
@@ -649,17 +654,19 @@ ShardedStateDict FullyShardedDataParallel::sharded_model_state_dict() const {
 ShardedStateDict FullyShardedDataParallel::sharded_optim_state_dict(const nn::Optimizer& optimizer) const {
   const std::vector<Tensor> shards = parameters();
   NANODDP_CHECK(optimizer.params().size() == shards.size(), ValueError,
-                "FullyShardedDataParallel.sharded_optim_state_dict: the optimizer has ", optimizer.params().size(),
-                " parameters; one built on this wrapper's parameters() has ", shards.size());
+                "FullyShardedDataParallel.sharded_optim_state_dict: the optimizer has ",
+                optimizer.params().size(), " parameters; one built on this wrapper's parameters() has ",
+                shards.size());
   const auto model_index = model_parameter_index();
   const bool no_shard = options_.sharding_strategy == ShardingStrategy::NO_SHARD;
   ShardedStateDict out;
   for (const auto& [key, value] : optimizer.state_dict()) {
     const auto [buffer, u] = split_state_key(key);
-    NANODDP_CHECK(u < units_.size(), ValueError, "FullyShardedDataParallel.sharded_optim_state_dict: key '", key,
-                  "' names parameter ", u, " of ", units_.size());
+    NANODDP_CHECK(u < units_.size(), ValueError, "FullyShardedDataParallel.sharded_optim_state_dict: key '",
+                  key, "' names parameter ", u, " of ", units_.size());
     const Unit& unit = *units_[u];
-    const bool flat = value.dtype() == DType::Float32 && value.numel() == unit.shard_numel && value.dim() == 1;
+    const bool flat =
+        value.dtype() == DType::Float32 && value.numel() == unit.shard_numel && value.dim() == 1;
     const auto [shard_begin, shard_end] = saved_range(u, pg_->rank());
     const int64_t shard_offset = no_shard ? 0 : pg_->rank() * unit.shard_numel;
     for (size_t k = 0; k < unit.params.size(); ++k) {
@@ -672,7 +679,9 @@ ShardedStateDict FullyShardedDataParallel::sharded_optim_state_dict(const nn::Op
         entry.begin = begin;
         entry.end = end;
         if (begin < end)
-          entry.piece = value.to(Device::cpu()).slice_view(unit.offsets[k] + begin - shard_offset, {end - begin}).clone();
+          entry.piece = value.to(Device::cpu())
+                            .slice_view(unit.offsets[k] + begin - shard_offset, {end - begin})
+                            .clone();
       } else {
         // Equal on every rank (a step count): each saves it, so a reader finds it in any file.
         entry = whole_entry(value);
@@ -694,15 +703,16 @@ nn::StateDict FullyShardedDataParallel::read_local_state_dict(ShardedCheckpointR
     for (size_t k = 0; k < unit->params.size(); ++k) {
       const Tensor& p = unit->params[k].second;
       const std::string name = prefix + unit->params[k].first;
-      NANODDP_CHECK(reader.contains(name), ValueError, "sharded checkpoint ", reader.path(), " holds no '", name,
-                    "': it was saved from another model");
+      NANODDP_CHECK(reader.contains(name), ValueError, "sharded checkpoint ", reader.path(), " holds no '",
+                    name, "': it was saved from another model");
       NANODDP_CHECK(reader.shape(name) == p.shape() && reader.dtype(name) == DType::Float32, ShapeError,
                     "sharded checkpoint ", reader.path(), ": '", name, "' is ", reader.shape(name), " ",
                     dtype_name(reader.dtype(name)), ", the model's parameter is ", p.shape(), " float32");
       const auto [begin, end] =
           part_in_shard(unit->offsets[k], p.numel(), shard_begin, shard_begin + unit->shard_numel);
       if (begin < end)
-        shard.slice_view(unit->offsets[k] + begin - shard_begin, {end - begin}).copy_(reader.read_range(name, begin, end));
+        shard.slice_view(unit->offsets[k] + begin - shard_begin, {end - begin})
+            .copy_(reader.read_range(name, begin, end));
     }
     out[unit->name.empty() ? "_flat_param" : unit->name + "._flat_param"] = shard;
   }
@@ -745,11 +755,13 @@ nn::StateDict FullyShardedDataParallel::read_local_optim_state_dict(ShardedCheck
         const Tensor& p = unit.params[k].second;
         NANODDP_CHECK(reader.shape(name) == p.shape() && reader.dtype(name) == DType::Float32, ShapeError,
                       "sharded checkpoint ", reader.path(), ": '", name, "' is ", reader.shape(name), " ",
-                      dtype_name(reader.dtype(name)), ", its parameter '", unit.params[k].first, "' is ", p.shape(),
-                      " float32");
-        const auto [begin, end] = part_in_shard(unit.offsets[k], p.numel(), shard_begin, shard_begin + unit.shard_numel);
+                      dtype_name(reader.dtype(name)), ", its parameter '", unit.params[k].first, "' is ",
+                      p.shape(), " float32");
+        const auto [begin, end] =
+            part_in_shard(unit.offsets[k], p.numel(), shard_begin, shard_begin + unit.shard_numel);
         if (begin < end)
-          flat.slice_view(unit.offsets[k] + begin - shard_begin, {end - begin}).copy_(reader.read_range(name, begin, end));
+          flat.slice_view(unit.offsets[k] + begin - shard_begin, {end - begin})
+              .copy_(reader.read_range(name, begin, end));
       }
       out[key] = flat;
     }

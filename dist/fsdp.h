@@ -182,7 +182,8 @@ class FullyShardedDataParallel : public nn::Module {
   // This rank's share of the optimizer state in the set (entries "<prefix><buffer>.<i>"), as
   // the optimizer built on parameters() takes it in load_state_dict (what
   // shard_full_optim_state_dict gives from a full state). No collective; errors as above.
-  nn::StateDict read_local_optim_state_dict(ShardedCheckpointReader& reader, const std::string& prefix = "") const;
+  nn::StateDict read_local_optim_state_dict(ShardedCheckpointReader& reader,
+                                            const std::string& prefix = "") const;
 
   // What --explain prints: per unit its name, its parameters (elements, before padding) and
   // this rank's shard (elements).

@@ -51,7 +51,8 @@ std::string base_name(const std::string& path) { return std::filesystem::path(pa
 
 // Every rank's bytes, [r] from rank r: lengths first, then the bytes padded to the longest
 // (all_gather needs one size), as int64 words.
-std::vector<std::string> all_gather_bytes(ProcessGroup& pg, const std::string& bytes, std::chrono::milliseconds timeout) {
+std::vector<std::string> all_gather_bytes(ProcessGroup& pg, const std::string& bytes,
+                                          std::chrono::milliseconds timeout) {
   const std::vector<std::vector<int64_t>> lengths =
       all_gather_host(pg, {static_cast<int64_t>(bytes.size())}, timeout);
   int64_t longest = 0;
@@ -71,14 +72,16 @@ int64_t generation_of_shard_name(const std::string& name, const std::string& bas
   const std::string head = base + ".g";
   if (name.compare(0, head.size(), head) != 0) return -1;
   const size_t digits_end = name.find(".shard-", head.size());
-  if (digits_end == std::string::npos || digits_end == head.size() || digits_end - head.size() > 18) return -1;
+  if (digits_end == std::string::npos || digits_end == head.size() || digits_end - head.size() > 18)
+    return -1;
   const std::string digits = name.substr(head.size(), digits_end - head.size());
   if (digits.find_first_not_of("0123456789") != std::string::npos) return -1;
   return std::stoll(digits);
 }
 
 // The names of base's shard files in folder, with their generations.
-std::vector<std::pair<std::string, int64_t>> shard_files_in(const std::string& folder, const std::string& base) {
+std::vector<std::pair<std::string, int64_t>> shard_files_in(const std::string& folder,
+                                                            const std::string& base) {
   std::vector<std::pair<std::string, int64_t>> found;
   std::error_code error;
   for (const auto& item : std::filesystem::directory_iterator(folder, error)) {
@@ -110,10 +113,11 @@ void keep_as_previous(const std::string& path) {
   if (::access(path.c_str(), F_OK) != 0) return;
   const std::string previous = path + ".prev", staged = previous + ".tmp";
   std::remove(staged.c_str());  // a leftover of a save that died here
-  NANODDP_CHECK(::link(path.c_str(), staged.c_str()) == 0, IOError, "cannot keep the previous checkpoint ", path,
-                " as ", previous, ": link: ", std::strerror(errno));
-  NANODDP_CHECK(std::rename(staged.c_str(), previous.c_str()) == 0, IOError, "cannot keep the previous checkpoint ",
-                path, " as ", previous, ": rename: ", std::strerror(errno));
+  NANODDP_CHECK(::link(path.c_str(), staged.c_str()) == 0, IOError, "cannot keep the previous checkpoint ",
+                path, " as ", previous, ": link: ", std::strerror(errno));
+  NANODDP_CHECK(std::rename(staged.c_str(), previous.c_str()) == 0, IOError,
+                "cannot keep the previous checkpoint ", path, " as ", previous,
+                ": rename: ", std::strerror(errno));
 }
 
 // One rank's account of its save: what it holds and whether its shard file was written.
@@ -191,7 +195,8 @@ std::string tiling_problem(const std::vector<std::pair<int64_t, int64_t>>& range
              std::to_string(std::min(begin, next)) + " (of " + std::to_string(numel) + ")";
     next = end;
   }
-  if (next != numel) return "no rank holds elements from " + std::to_string(next) + " (of " + std::to_string(numel) + ")";
+  if (next != numel)
+    return "no rank holds elements from " + std::to_string(next) + " (of " + std::to_string(numel) + ")";
   return "";
 }
 
@@ -237,7 +242,8 @@ void save_sharded_checkpoint(const std::string& path, const ShardedStateDict& mi
   int64_t generation = 0;
   if (rank == 0) {
     generation = std::max<int64_t>({0, manifest_generation(path), manifest_generation(path + ".prev")}) + 1;
-    for (const auto& [file, g] : shard_files_in(folder_of(path), base_name(path))) generation = std::max(generation, g + 1);
+    for (const auto& [file, g] : shard_files_in(folder_of(path), base_name(path)))
+      generation = std::max(generation, g + 1);
   }
   generation = all_gather_host(pg, {generation}, timeout)[0][0];
 
@@ -249,18 +255,19 @@ void save_sharded_checkpoint(const std::string& path, const ShardedStateDict& mi
     pieces[kGenerationKey] = int64_tensor({generation});
     pieces[kRankKey] = int64_tensor({rank});
     for (const auto& [name, entry] : mine) {
-      NANODDP_CHECK(name.compare(0, kManifestPrefix.size(), kManifestPrefix) != 0, ValueError, where, ": the name '",
-                    name, "' is reserved for the set's own records");
+      NANODDP_CHECK(name.compare(0, kManifestPrefix.size(), kManifestPrefix) != 0, ValueError, where,
+                    ": the name '", name, "' is reserved for the set's own records");
       const int64_t numel = entry.shape.numel(), length = entry.end - entry.begin;
-      NANODDP_CHECK(0 <= entry.begin && entry.begin <= entry.end && entry.end <= numel, ValueError, where, ": '", name,
-                    "' on rank ", rank, ": range [", entry.begin, ", ", entry.end, ") is not within its ", numel,
-                    " elements (shape ", entry.shape, ")");
+      NANODDP_CHECK(0 <= entry.begin && entry.begin <= entry.end && entry.end <= numel, ValueError, where,
+                    ": '", name, "' on rank ", rank, ": range [", entry.begin, ", ", entry.end,
+                    ") is not within its ", numel, " elements (shape ", entry.shape, ")");
       if (length == 0) continue;
-      NANODDP_CHECK(entry.piece.defined() && entry.piece.numel() == length && entry.piece.dtype() == entry.dtype,
-                    ValueError, where, ": '", name, "' on rank ", rank, ": the piece of [", entry.begin, ", ",
-                    entry.end, ") is ", entry.piece.defined() ? entry.piece.numel() : 0, " elements of ",
-                    entry.piece.defined() ? dtype_name(entry.piece.dtype()) : "nothing", ", expected ", length, " of ",
-                    dtype_name(entry.dtype));
+      NANODDP_CHECK(
+          entry.piece.defined() && entry.piece.numel() == length && entry.piece.dtype() == entry.dtype,
+          ValueError, where, ": '", name, "' on rank ", rank, ": the piece of [", entry.begin, ", ",
+          entry.end, ") is ", entry.piece.defined() ? entry.piece.numel() : 0, " elements of ",
+          entry.piece.defined() ? dtype_name(entry.piece.dtype()) : "nothing", ", expected ", length, " of ",
+          dtype_name(entry.dtype));
       pieces[name] = entry.piece.to(Device::cpu()).reshape({length});
     }
     const std::string bytes = nn::checkpoint_bytes(pieces);
@@ -284,7 +291,8 @@ void save_sharded_checkpoint(const std::string& path, const ShardedStateDict& mi
   std::string failed;
   for (int r = 0; r < world; ++r) {
     reports.push_back(parse_report(gathered[static_cast<size_t>(r)], r));
-    if (!reports.back().ok) failed += (failed.empty() ? "" : "; ") + ("rank " + std::to_string(r) + ": " + reports.back().error);
+    if (!reports.back().ok)
+      failed += (failed.empty() ? "" : "; ") + ("rank " + std::to_string(r) + ": " + reports.back().error);
   }
   if (error) std::rethrow_exception(error);
   NANODDP_CHECK(failed.empty(), IOError, where, ": not saved, other ranks failed (", failed, "); ", path,
@@ -316,9 +324,10 @@ void save_sharded_checkpoint(const std::string& path, const ShardedStateDict& mi
           const auto it = reports[static_cast<size_t>(r)].entries.find(name);
           if (it == reports[static_cast<size_t>(r)].entries.end()) continue;
           if (first == nullptr) first = &it->second;
-          NANODDP_CHECK(it->second.shape == first->shape && it->second.dtype == first->dtype, ValueError, where, ": '",
-                        name, "' is ", it->second.shape, " ", dtype_name(it->second.dtype), " on rank ", r, " but ",
-                        first->shape, " ", dtype_name(first->dtype), " on another rank");
+          NANODDP_CHECK(it->second.shape == first->shape && it->second.dtype == first->dtype, ValueError,
+                        where, ": '", name, "' is ", it->second.shape, " ", dtype_name(it->second.dtype),
+                        " on rank ", r, " but ", first->shape, " ", dtype_name(first->dtype),
+                        " on another rank");
           ranges[static_cast<size_t>(r)] = {it->second.begin, it->second.end};
         }
         const std::string problem = tiling_problem(ranges, first->shape.numel());
@@ -343,8 +352,8 @@ void save_sharded_checkpoint(const std::string& path, const ShardedStateDict& mi
   }
   const std::string rank0_error = all_gather_bytes(pg, manifest_error, timeout)[0];
   if (error) std::rethrow_exception(error);
-  NANODDP_CHECK(rank0_error.empty(), IOError, where, ": not saved, rank 0 could not write the manifest (", rank0_error,
-                ")");
+  NANODDP_CHECK(rank0_error.empty(), IOError, where, ": not saved, rank 0 could not write the manifest (",
+                rank0_error, ")");
 }
 
 ShardedCheckpointReader::ShardedCheckpointReader(const std::string& path)
@@ -365,7 +374,8 @@ void ShardedCheckpointReader::parse(const nn::StateDict& manifest) {
     return it->second.to_int_vector();
   };
   const int64_t version = int64s(kVersionKey, 1)[0];
-  NANODDP_CHECK(version == kVersion, IOError, where, ": manifest version ", version, ", this reader knows ", kVersion);
+  NANODDP_CHECK(version == kVersion, IOError, where, ": manifest version ", version, ", this reader knows ",
+                kVersion);
   const int64_t world = int64s(kWorldSizeKey, 1)[0];
   NANODDP_CHECK(world >= 1 && world <= (1 << 20), IOError, where, ": the manifest's world size is ", world);
   world_size_ = static_cast<int>(world);
@@ -392,8 +402,9 @@ void ShardedCheckpointReader::parse(const nn::StateDict& manifest) {
                   "' has dtype number ", dtype);
     entry.dtype = static_cast<DType>(dtype);
     int64_t nbytes = 0;
-    NANODDP_CHECK(!__builtin_mul_overflow(entry.shape.numel(), static_cast<int64_t>(dtype_size(entry.dtype)), &nbytes),
-                  IOError, where, ": '", name, "' of shape ", entry.shape, " needs more bytes than int64 can count");
+    NANODDP_CHECK(
+        !__builtin_mul_overflow(entry.shape.numel(), static_cast<int64_t>(dtype_size(entry.dtype)), &nbytes),
+        IOError, where, ": '", name, "' of shape ", entry.shape, " needs more bytes than int64 can count");
     const std::vector<int64_t> flat = int64s(kRangesPrefix + name, static_cast<size_t>(2 * world));
     for (int r = 0; r < world_size_; ++r)
       entry.ranges.emplace_back(flat[static_cast<size_t>(2 * r)], flat[static_cast<size_t>(2 * r + 1)]);
@@ -423,8 +434,8 @@ const nn::StateDict& ShardedCheckpointReader::shard(int rank) {
   const auto found = shards_.find(rank);
   if (found != shards_.end()) return found->second;
   const std::string file = folder_ + "/" + shard_file_name(prefix_, generation_, rank, world_size_);
-  const std::string where = "sharded checkpoint " + path_ + ": shard file " + file + " (rank " + std::to_string(rank) +
-                            " of " + std::to_string(world_size_) + ")";
+  const std::string where = "sharded checkpoint " + path_ + ": shard file " + file + " (rank " +
+                            std::to_string(rank) + " of " + std::to_string(world_size_) + ")";
   std::string bytes;
   try {
     bytes = nn::read_regular_file(file, "checkpoint shard");
@@ -435,10 +446,12 @@ const nn::StateDict& ShardedCheckpointReader::shard(int rank) {
   NANODDP_CHECK(static_cast<int64_t>(bytes.size()) >= expected, IOError, where, ": truncated at byte offset ",
                 bytes.size(), " (the manifest says ", expected, " bytes)");
   int64_t checksum = 0;
-  if (bytes.size() >= sizeof(int64_t)) std::memcpy(&checksum, bytes.data() + bytes.size() - sizeof(int64_t), sizeof(int64_t));
-  NANODDP_CHECK(static_cast<int64_t>(bytes.size()) == expected && checksum == shard_checksums_[static_cast<size_t>(rank)],
-                IOError, where, ": ", bytes.size(), " bytes with another checksum than the manifest's (", expected,
-                " bytes): it is not the file this set's save wrote");
+  if (bytes.size() >= sizeof(int64_t))
+    std::memcpy(&checksum, bytes.data() + bytes.size() - sizeof(int64_t), sizeof(int64_t));
+  NANODDP_CHECK(static_cast<int64_t>(bytes.size()) == expected &&
+                    checksum == shard_checksums_[static_cast<size_t>(rank)],
+                IOError, where, ": ", bytes.size(), " bytes with another checksum than the manifest's (",
+                expected, " bytes): it is not the file this set's save wrote");
   nn::StateDict state = nn::parse_checkpoint(bytes, file);
   const auto marker = [&](const std::string& key) {
     const auto it = state.find(key);
@@ -454,8 +467,8 @@ const nn::StateDict& ShardedCheckpointReader::shard(int rank) {
 
 Tensor ShardedCheckpointReader::read_range(const std::string& name, int64_t begin, int64_t end) {
   const Entry& e = entry(name);
-  NANODDP_CHECK(0 <= begin && begin <= end && end <= e.shape.numel(), ValueError, "sharded checkpoint ", path_,
-                ": elements [", begin, ", ", end, ") of '", name, "', which has ", e.shape.numel());
+  NANODDP_CHECK(0 <= begin && begin <= end && end <= e.shape.numel(), ValueError, "sharded checkpoint ",
+                path_, ": elements [", begin, ", ", end, ") of '", name, "', which has ", e.shape.numel());
   Tensor out = Tensor::empty(Shape({end - begin}), e.dtype);
   const size_t element = dtype_size(e.dtype);
   // A replicated tensor is read from one holder: one whose file is open already if any.
@@ -474,9 +487,10 @@ Tensor ShardedCheckpointReader::read_range(const std::string& name, int64_t begi
     const nn::StateDict& state = shard(r);
     const std::string file = folder_ + "/" + shard_file_name(prefix_, generation_, r, world_size_);
     const auto it = state.find(name);
-    NANODDP_CHECK(it != state.end() && it->second.dtype() == e.dtype && it->second.numel() == held_end - held_begin,
-                  IOError, "sharded checkpoint ", path_, ": shard file ", file, " lacks '", name, "' as the manifest describes it (",
-                  held_end - held_begin, " elements of ", dtype_name(e.dtype), ")");
+    NANODDP_CHECK(
+        it != state.end() && it->second.dtype() == e.dtype && it->second.numel() == held_end - held_begin,
+        IOError, "sharded checkpoint ", path_, ": shard file ", file, " lacks '", name,
+        "' as the manifest describes it (", held_end - held_begin, " elements of ", dtype_name(e.dtype), ")");
     std::memcpy(bytes_of(out) + static_cast<size_t>(lo - begin) * element,
                 bytes_of(it->second) + static_cast<size_t>(lo - held_begin) * element,
                 static_cast<size_t>(hi - lo) * element);
@@ -492,7 +506,8 @@ Tensor ShardedCheckpointReader::read(const std::string& name) {
 nn::StateDict ShardedCheckpointReader::read_all(const std::string& prefix) {
   nn::StateDict state;
   for (const auto& item : entries_)
-    if (item.first.compare(0, prefix.size(), prefix) == 0) state[item.first.substr(prefix.size())] = read(item.first);
+    if (item.first.compare(0, prefix.size(), prefix) == 0)
+      state[item.first.substr(prefix.size())] = read(item.first);
   return state;
 }
 

@@ -128,7 +128,7 @@ class ShardedCheckpointReader {
     Shape shape;
     DType dtype;
     std::vector<std::pair<int64_t, int64_t>> ranges;  // [world_size]
-    bool replicated = false;                           // several ranks hold all of it
+    bool replicated = false;                          // several ranks hold all of it
   };
   void parse(const nn::StateDict& manifest);
   const Entry& entry(const std::string& name) const;

@@ -169,8 +169,9 @@ ShardedStateDict ZeroRedundancyOptimizer::sharded_state_dict() const {
 
 ShardedStateDict ZeroRedundancyOptimizer::sharded_model_state_dict(const nn::Module& model) const {
   const auto named = model.named_parameters();
-  NANODDP_CHECK(named.size() == params_.size(), ValueError, name_, ".sharded_model_state_dict: the model has ",
-                named.size(), " parameters, this optimizer ", params_.size());
+  NANODDP_CHECK(named.size() == params_.size(), ValueError, name_,
+                ".sharded_model_state_dict: the model has ", named.size(), " parameters, this optimizer ",
+                params_.size());
   std::map<std::string, size_t> index_of;
   for (size_t i = 0; i < named.size(); ++i) {
     NANODDP_CHECK(named[i].second.impl() == params_[i].impl(), ValueError, name_,

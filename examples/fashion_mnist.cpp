@@ -102,7 +102,7 @@ struct Config {
   std::string metrics;
   bool resume = false;
   int64_t checkpoint_every = 0;  // 0: save at epoch ends only
-  std::string checkpoint_format = "full";  // full: one file rank 0 writes | sharded: a set (dist/sharded_checkpoint.h)
+  std::string checkpoint_format = "full";  // full | sharded (dist/sharded_checkpoint.h)
   int stop_after = 0;  // 0: train every epoch
   std::string schedule = "cosine";
   bool no_overlap = false;
@@ -336,7 +336,7 @@ struct EpochProgress {
 
 // A collective (the sharded strategies gather the state; during an epoch, steps_in_epoch > 0,
 // the ranks' loss sums and samples are gathered too); rank 0 writes, or with sharded every
-// rank writes its part of a set and rank 0 the rest. loss_sum and samples are this rank's.
+// rank writes its part of a set and rank 0 its manifest. loss_sum and samples are this rank's.
 void save(const std::string& path, bool sharded, int epochs_done, int64_t steps_per_epoch,
           examples::ParallelModel& parallel, nn::Optimizer& optimizer, const std::string& optimizer_name,
           const Schedule& schedule, int rank, dist::ProcessGroup& pg, std::chrono::milliseconds timeout,
@@ -393,7 +393,9 @@ struct ReadCheckpoint {
   std::optional<examples::ParallelModel::LocalState> local;  // from a set: this rank's part
 };
 
-bool starts_with(const std::string& text, const std::string& prefix) { return text.compare(0, prefix.size(), prefix) == 0; }
+bool starts_with(const std::string& text, const std::string& prefix) {
+  return text.compare(0, prefix.size(), prefix) == 0;
+}
 
 // Reads path (or path's previous checkpoint when path is damaged) and sets used_path to the
 // file read. A set is read by every rank, each its own part; when a rank cannot read its part
@@ -413,7 +415,8 @@ ReadCheckpoint read_checkpoint(const std::string& path, const examples::Parallel
       // This rank's part first: the rest is then read from the files it opened.
       read.local = parallel.read_sharded(reader, optimizer);
       for (const std::string& name : reader.names())
-        if (!starts_with(name, "model.") && !starts_with(name, "optimizer.")) read.state[name] = reader.read(name);
+        if (!starts_with(name, "model.") && !starts_with(name, "optimizer."))
+          read.state[name] = reader.read(name);
     } catch (const Error& e) {
       error = e.what();
     }

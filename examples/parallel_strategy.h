@@ -140,8 +140,8 @@ class ParallelModel {
       return state;
     }
     const auto* zero = dynamic_cast<const dist::ZeroRedundancyOptimizer*>(&optimizer);
-    NANODDP_CHECK(zero != nullptr, ValueError, "a sharded checkpoint needs --strategy zero1, zero2 or fsdp, not ",
-                  strategy_);
+    NANODDP_CHECK(zero != nullptr, ValueError,
+                  "a sharded checkpoint needs --strategy zero1, zero2 or fsdp, not ", strategy_);
     dist::merge_prefixed(state, "model.", zero->sharded_model_state_dict(*model_));
     dist::merge_prefixed(state, "optimizer.", zero->sharded_state_dict());
     return state;
@@ -155,7 +155,9 @@ class ParallelModel {
     nn::StateDict optimizer;  // what the optimizer's load_state_dict takes
   };
   LocalState read_sharded(dist::ShardedCheckpointReader& reader, const nn::Optimizer& optimizer) const {
-    if (fsdp_) return {fsdp_->read_local_state_dict(reader, "model."), fsdp_->read_local_optim_state_dict(reader, "optimizer.")};
+    if (fsdp_)
+      return {fsdp_->read_local_state_dict(reader, "model."),
+              fsdp_->read_local_optim_state_dict(reader, "optimizer.")};
     if (const auto* zero = dynamic_cast<const dist::ZeroRedundancyOptimizer*>(&optimizer))
       return {reader.read_all("model."), zero->read_local_state_dict(reader, "optimizer.")};
     return {reader.read_all("model."), reader.read_all("optimizer.")};
@@ -166,7 +168,9 @@ class ParallelModel {
     else
       model_->load_state_dict(local.model);
   }
-  void load_local_optimizer(nn::Optimizer& optimizer, const LocalState& local) { optimizer.load_state_dict(local.optimizer); }
+  void load_local_optimizer(nn::Optimizer& optimizer, const LocalState& local) {
+    optimizer.load_state_dict(local.optimizer);
+  }
 
  private:
   std::shared_ptr<nn::Module> model_;

@@ -299,11 +299,11 @@ TEST_CASE("fashion_mnist --checkpoint-every: a rank killed mid-epoch and restart
     double tolerance;     // 0: bit for bit
     std::vector<std::string> extra = {};
   };
-  std::vector<Setup> setups = {Setup{"fashion_mnist", "shm", 2, "1:14", 0}, Setup{"fashion_mnist", "gloo", 2, "0:7", 0},
-                                Setup{"fashion_mnist_cnn", "shm", 2, "1:11", 0},
-                                Setup{"fashion_mnist", "gloo", 4, "3:8", 0},
-                                // A set per save, each rank writing its part, resumed as a full file is.
-                                Setup{"fashion_mnist", "shm", 4, "2:8", 0, {"--strategy", "fsdp", "--checkpoint-format", "sharded"}}};
+  std::vector<Setup> setups = {
+      Setup{"fashion_mnist", "shm", 2, "1:14", 0}, Setup{"fashion_mnist", "gloo", 2, "0:7", 0},
+      Setup{"fashion_mnist_cnn", "shm", 2, "1:11", 0}, Setup{"fashion_mnist", "gloo", 4, "3:8", 0},
+      // A set per save, each rank writing its part, resumed as a full file is.
+      Setup{"fashion_mnist", "shm", 4, "2:8", 0, {"--strategy", "fsdp", "--checkpoint-format", "sharded"}}};
   if (mpirun_found()) setups.push_back(Setup{"fashion_mnist", "mpi", 2, "1:14", 0});
   for (const Setup& s : setups) {
     CAPTURE(s.example);
@@ -454,16 +454,32 @@ TEST_CASE("fashion_mnist --checkpoint-format sharded: a set saved at 4 ranks res
   const std::string program = nanoddp::testing::built("examples/fashion_mnist");
   auto job = [&](int ranks, const std::string& strategy, const std::string& format, const std::string& ckpt,
                  std::vector<std::string> extra) {
-    std::vector<std::string> all = {launcher_path(), "--nproc-per-node", std::to_string(ranks), program, "--data-dir",
-                                    dir.path, "--batch-size", "32", "--epochs", "2", "--quiet", "--optimizer",
-                                    "adamw", "--strategy", strategy, "--checkpoint", ckpt, "--checkpoint-format",
+    std::vector<std::string> all = {launcher_path(),
+                                    "--nproc-per-node",
+                                    std::to_string(ranks),
+                                    program,
+                                    "--data-dir",
+                                    dir.path,
+                                    "--batch-size",
+                                    "32",
+                                    "--epochs",
+                                    "2",
+                                    "--quiet",
+                                    "--optimizer",
+                                    "adamw",
+                                    "--strategy",
+                                    strategy,
+                                    "--checkpoint",
+                                    ckpt,
+                                    "--checkpoint-format",
                                     format};
     all.insert(all.end(), extra.begin(), extra.end());
     return all;
   };
   for (const std::string strategy : {"fsdp", "zero1"}) {
     CAPTURE(strategy);
-    const std::string set = dir.path + "/" + strategy + "-set.ckpt", full = dir.path + "/" + strategy + "-full.ckpt";
+    const std::string set = dir.path + "/" + strategy + "-set.ckpt",
+                      full = dir.path + "/" + strategy + "-full.ckpt";
     const RunResult saved_set = run(job(4, strategy, "sharded", set, {"--stop-after", "1"}), 120s);
     REQUIRE_MESSAGE(saved_set.code() == 0, saved_set.err);
     const RunResult saved_full = run(job(4, strategy, "full", full, {"--stop-after", "1"}), 120s);
@@ -474,8 +490,9 @@ TEST_CASE("fashion_mnist --checkpoint-format sharded: a set saved at 4 ranks res
     // A copy of both, for a ddp run below, which reads all of the set.
     const std::string copies = dir.path + "/" + strategy + "-copies";
     std::filesystem::create_directory(copies);
-    for (const std::string& file : {set, full, dist::shard_file_name(set, 1, 0, 4), dist::shard_file_name(set, 1, 1, 4),
-                                     dist::shard_file_name(set, 1, 2, 4), dist::shard_file_name(set, 1, 3, 4)})
+    for (const std::string& file :
+         {set, full, dist::shard_file_name(set, 1, 0, 4), dist::shard_file_name(set, 1, 1, 4),
+          dist::shard_file_name(set, 1, 2, 4), dist::shard_file_name(set, 1, 3, 4)})
       std::filesystem::copy_file(file, copies + "/" + std::filesystem::path(file).filename().string());
 
     const int world = strategy == "fsdp" ? 2 : 3;
@@ -487,7 +504,8 @@ TEST_CASE("fashion_mnist --checkpoint-format sharded: a set saved at 4 ranks res
     check_same_state(load_any(set), nn::load_checkpoint(full));
     CHECK(json_text(resumed_set.out, "train_loss") == json_text(resumed_full.out, "train_loss"));
 
-    const std::string copied_set = copies + "/" + strategy + "-set.ckpt", copied_full = copies + "/" + strategy + "-full.ckpt";
+    const std::string copied_set = copies + "/" + strategy + "-set.ckpt",
+                      copied_full = copies + "/" + strategy + "-full.ckpt";
     const RunResult set_into_ddp = run(job(2, "ddp", "full", copied_set, {"--resume"}), 120s);
     REQUIRE_MESSAGE(set_into_ddp.code() == 0, set_into_ddp.err);
     const RunResult full_into_ddp = run(job(2, "ddp", "full", copied_full, {"--resume"}), 120s);
@@ -509,28 +527,33 @@ TEST_CASE("fashion_mnist --checkpoint-format sharded: a missing shard file sends
   REQUIRE_MESSAGE(straight.code() == 0, straight.err);
   // Sets after steps 3, 6, 9 and 10 (the end of epoch 1): run.ckpt names the last, run.ckpt.prev
   // the one after step 9.
-  const RunResult first =
-      run(with({"--stop-after", "1", "--checkpoint", ckpt, "--checkpoint-format", "sharded", "--checkpoint-every", "3"}),
-          120s);
+  const RunResult first = run(with({"--stop-after", "1", "--checkpoint", ckpt, "--checkpoint-format",
+                                    "sharded", "--checkpoint-every", "3"}),
+                              120s);
   REQUIRE_MESSAGE(first.code() == 0, first.err);
   const int64_t generation = dist::ShardedCheckpointReader(ckpt).generation();
   CHECK(generation == 4);
   const std::string lost = dist::shard_file_name(ckpt, generation, 1, 2);
   REQUIRE(std::filesystem::remove(lost));
-  const RunResult resumed = run(with({"--checkpoint", ckpt, "--checkpoint-format", "sharded", "--resume"}), 120s);
+  const RunResult resumed =
+      run(with({"--checkpoint", ckpt, "--checkpoint-format", "sharded", "--resume"}), 120s);
   REQUIRE_MESSAGE(resumed.code() == 0, resumed.err);
-  CHECK_MESSAGE(contains(resumed.err, "warning: rank 1: checkpoint " + ckpt + " cannot be loaded (sharded checkpoint " +
-                                          ckpt + ": shard file " + lost + " (rank 1 of 2): "),
-                resumed.err);
+  CHECK_MESSAGE(
+      contains(resumed.err, "warning: rank 1: checkpoint " + ckpt + " cannot be loaded (sharded checkpoint " +
+                                ckpt + ": shard file " + lost + " (rank 1 of 2): "),
+      resumed.err);
   CHECK_MESSAGE(contains(resumed.err, "; using the previous one, " + ckpt + ".prev"), resumed.err);
-  CHECK_MESSAGE(contains(resumed.out, "resumed from " + ckpt + ".prev after epoch 0 and 9 steps of the next"), resumed.out);
+  CHECK_MESSAGE(contains(resumed.out, "resumed from " + ckpt + ".prev after epoch 0 and 9 steps of the next"),
+                resumed.out);
   check_same_state(load_any(ckpt), nn::load_checkpoint(straight_ckpt));
 
   // Under ddp rank 0 holds the whole state: a set is refused before anything runs.
-  const RunResult refused = run(small_run(dir.path, {"--checkpoint", ckpt, "--checkpoint-format", "sharded"}), 120s);
+  const RunResult refused =
+      run(small_run(dir.path, {"--checkpoint", ckpt, "--checkpoint-format", "sharded"}), 120s);
   CHECK(refused.code() != 0);
-  CHECK_MESSAGE(contains(refused.err, "--checkpoint-format sharded applies to --strategy zero1, zero2 and fsdp"),
-                refused.err);
+  CHECK_MESSAGE(
+      contains(refused.err, "--checkpoint-format sharded applies to --strategy zero1, zero2 and fsdp"),
+      refused.err);
 }
 
 TEST_CASE("a rank stopped by SIGSTOP mid-epoch is named as the straggler by the ranks that wait for it") {

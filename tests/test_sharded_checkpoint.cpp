@@ -4,7 +4,6 @@
 // previous set loadable; a damaged shard file is named. Ranks meet on shm (NANODDP_TEST_BACKEND
 // picks another; the last case reruns the resharding case on Gloo).
 #include <doctest/doctest.h>
-
 #include <unistd.h>
 
 #include <cstdio>
@@ -59,7 +58,7 @@ std::string on_ranks(int world, const std::function<void(int rank)>& fn) {
 constexpr int64_t kGlobalBatch = 12;  // splits evenly over 1, 2, 3 and 4 ranks
 constexpr int kSteps = 4;             // 2 before the save, 2 after the load
 constexpr int kSavedAfter = 2;
-constexpr float kTolerance = 2e-5f;   // float sums in another order than one process's
+constexpr float kTolerance = 2e-5f;  // float sums in another order than one process's
 
 // 5 -> 6 -> 3: FSDP units of 36 and 21 elements, shards of 9 and 6 at 4 ranks (padded), 12 and
 // 7 at 3, 18 and 11 at 2. ZeRO-1 owns its 4 parameters (30, 18, 6, 3 elements) one per rank at 4.
@@ -72,7 +71,9 @@ std::shared_ptr<nn::Sequential> make_mlp(uint64_t seed) {
   return model;
 }
 
-Batch global_batch(int step) { return testing::random_batch(500 + static_cast<uint64_t>(step), kGlobalBatch, 5, 3); }
+Batch global_batch(int step) {
+  return testing::random_batch(500 + static_cast<uint64_t>(step), kGlobalBatch, 5, 3);
+}
 Batch share(const Batch& b, int rank, int world) {
   const int64_t per_rank = kGlobalBatch / world;
   return testing::rows(b, rank * per_rank, (rank + 1) * per_rank);
@@ -116,7 +117,7 @@ std::pair<nn::StateDict, nn::StateDict> train_reference(bool adamw, int steps) {
 class Trainer {
  public:
   Trainer(const Config& config, std::shared_ptr<dist::ProcessGroup> pg, uint64_t seed)
-      : config_(config), pg_(std::move(pg)), model_(make_mlp(seed)) {
+      : pg_(std::move(pg)), model_(make_mlp(seed)) {
     if (config.strategy == Strategy::Fsdp) {
       dist::FSDPOptions options;
       options.auto_wrap_policy = dist::module_wrap_policy<nn::Linear>();
@@ -125,7 +126,8 @@ class Trainer {
     } else {
       ddp_ = std::make_unique<dist::DistributedDataParallel>(model_, pg_);
       opt_ = std::make_unique<dist::ZeroRedundancyOptimizer>(
-          ddp_->parameters(), pg_, [&](std::vector<Tensor> p) { return make_optimizer(config.adamw, std::move(p)); });
+          ddp_->parameters(), pg_,
+          [&](std::vector<Tensor> p) { return make_optimizer(config.adamw, std::move(p)); });
     }
   }
   nn::Module& forward() { return fsdp_ ? static_cast<nn::Module&>(*fsdp_) : *ddp_; }
@@ -141,8 +143,10 @@ class Trainer {
   dist::ShardedStateDict sharded() const {
     dist::ShardedStateDict state;
     auto* zero = dynamic_cast<dist::ZeroRedundancyOptimizer*>(opt_.get());
-    dist::merge_prefixed(state, "model.", fsdp_ ? fsdp_->sharded_model_state_dict() : zero->sharded_model_state_dict(*model_));
-    dist::merge_prefixed(state, "optimizer.", fsdp_ ? fsdp_->sharded_optim_state_dict(*opt_) : zero->sharded_state_dict());
+    dist::merge_prefixed(state, "model.",
+                         fsdp_ ? fsdp_->sharded_model_state_dict() : zero->sharded_model_state_dict(*model_));
+    dist::merge_prefixed(state, "optimizer.",
+                         fsdp_ ? fsdp_->sharded_optim_state_dict(*opt_) : zero->sharded_state_dict());
     return state;
   }
   void load(dist::ShardedCheckpointReader& reader) {
@@ -151,7 +155,8 @@ class Trainer {
       opt_->load_state_dict(fsdp_->read_local_optim_state_dict(reader, "optimizer."));
     } else {
       model_->load_state_dict(reader.read_all("model."));
-      opt_->load_state_dict(dynamic_cast<dist::ZeroRedundancyOptimizer&>(*opt_).read_local_state_dict(reader, "optimizer."));
+      opt_->load_state_dict(
+          dynamic_cast<dist::ZeroRedundancyOptimizer&>(*opt_).read_local_state_dict(reader, "optimizer."));
     }
   }
   void load_full(const nn::StateDict& model, const nn::StateDict& optimizer) {
@@ -164,7 +169,9 @@ class Trainer {
     }
   }
   // Collectives: the whole model and optimizer state (the optimizer's on rank 0 for ZeRO-1).
-  nn::StateDict full_model() { return fsdp_ ? fsdp_->full_state_dict(/*rank0_only=*/false) : model_->state_dict(); }
+  nn::StateDict full_model() {
+    return fsdp_ ? fsdp_->full_state_dict(/*rank0_only=*/false) : model_->state_dict();
+  }
   nn::StateDict full_optim() {
     if (fsdp_) return fsdp_->full_optim_state_dict(*opt_);
     auto& zero = dynamic_cast<dist::ZeroRedundancyOptimizer&>(*opt_);
@@ -173,7 +180,6 @@ class Trainer {
   }
 
  private:
-  Config config_;
   std::shared_ptr<dist::ProcessGroup> pg_;
   std::shared_ptr<nn::Sequential> model_;
   std::unique_ptr<dist::FullyShardedDataParallel> fsdp_;
@@ -209,7 +215,9 @@ std::string differences(const nn::StateDict& got, const nn::StateDict& want, flo
   return report.str();
 }
 
-std::string set_path(const std::string& dir, const Config& config) { return dir + "/" + config.name() + ".ckpt"; }
+std::string set_path(const std::string& dir, const Config& config) {
+  return dir + "/" + config.name() + ".ckpt";
+}
 
 // Every config trained kSavedAfter steps on 4 ranks and saved as a set in dir.
 void save_sets_at_4(const std::string& dir) {
@@ -235,7 +243,8 @@ dist::ShardedStateDict small_state(int rank, float value) {
   x.end = 2 * rank + 2;
   x.piece = Tensor::full({2}, value + static_cast<float>(rank));
   state["x"] = x;
-  if (rank == 0) state["step"] = dist::whole_entry(Tensor::from_vector(std::vector<int64_t>{static_cast<int64_t>(value)}));
+  if (rank == 0)
+    state["step"] = dist::whole_entry(Tensor::from_vector(std::vector<int64_t>{static_cast<int64_t>(value)}));
   return state;
 }
 std::vector<float> small_x(float value) {
@@ -264,7 +273,9 @@ std::vector<std::string> opened_shards(const dist::ShardedCheckpointReader& read
   return ranks;
 }
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
 
 std::string error_of(const std::function<void()>& fn) {
   try {
@@ -284,12 +295,17 @@ TEST_CASE("a set saved at 4 ranks loads at 2, 3 and 4 and trains on as the unsha
     // What was saved is the unsharded optimizer's state after 2 steps (float rounding apart).
     const std::string name = config.name();
     CAPTURE(name);
-    const auto [model_at_2, optim_at_2] = train_reference(config.adamw, kSavedAfter);
+    // No structured binding: CHECK_MESSAGE's message is a lambda, which cannot capture one in C++17.
+    const std::pair<nn::StateDict, nn::StateDict> at_2 = train_reference(config.adamw, kSavedAfter);
+    const nn::StateDict& model_at_2 = at_2.first;
+    const nn::StateDict& optim_at_2 = at_2.second;
     dist::ShardedCheckpointReader reader(set_path(dir.path, config));
     CHECK(reader.world_size() == 4);
     const nn::StateDict saved_model = reader.read_all("model."), saved_optim = reader.read_all("optimizer.");
-    CHECK_MESSAGE(differences(saved_model, model_at_2, kTolerance).empty(), differences(saved_model, model_at_2, kTolerance));
-    CHECK_MESSAGE(differences(saved_optim, optim_at_2, kTolerance).empty(), differences(saved_optim, optim_at_2, kTolerance));
+    CHECK_MESSAGE(differences(saved_model, model_at_2, kTolerance).empty(),
+                  differences(saved_model, model_at_2, kTolerance));
+    CHECK_MESSAGE(differences(saved_optim, optim_at_2, kTolerance).empty(),
+                  differences(saved_optim, optim_at_2, kTolerance));
   }
   for (const int world : {2, 3, 4}) {
     const int port = testing::free_port();
@@ -302,24 +318,25 @@ TEST_CASE("a set saved at 4 ranks loads at 2, 3 and 4 and trains on as the unsha
         if (config.strategy == Strategy::Fsdp && world == 2) {
           // Only the files that overlap its shards; AdamW's step counts, saved by every rank,
           // come from one of those.
-          const std::vector<std::string> want = rank == 0 ? std::vector<std::string>{"0", "1"}
-                                                          : std::vector<std::string>{"1", "2", "3"};
+          const std::vector<std::string> want =
+              rank == 0 ? std::vector<std::string>{"0", "1"} : std::vector<std::string>{"1", "2", "3"};
           const std::vector<std::string> got = opened_shards(reader);
-          expect(got == want, config.name(), " at 2 ranks, rank ", rank, " opened ", got.size(), " shard files");
+          expect(got == want, config.name(), " at 2 ranks, rank ", rank, " opened ", got.size(),
+                 " shard files");
         }
         // Resharded exactly: gathered back, the state is the set's, bit for bit.
         const nn::StateDict model = trainer.full_model(), optim = trainer.full_optim();
         const std::string model_diff = differences(model, reader.read_all("model."), 0);
-        expect(model_diff.empty(), config.name(), " at ", world, " ranks, rank ", rank, ": loaded model differs:\n",
-               model_diff);
+        expect(model_diff.empty(), config.name(), " at ", world, " ranks, rank ", rank,
+               ": loaded model differs:\n", model_diff);
         if (rank == 0 || config.strategy == Strategy::Fsdp) {
           const std::string optim_diff = differences(optim, reader.read_all("optimizer."), 0);
           expect(optim_diff.empty(), config.name(), " at ", world, " ranks, rank ", rank,
                  ": loaded optimizer state differs:\n", optim_diff);
         }
         trainer.train(kSavedAfter, kSteps);
-        const std::string final_diff = differences(trainer.full_model(), train_reference(config.adamw, kSteps).first,
-                                                   kTolerance);
+        const std::string final_diff =
+            differences(trainer.full_model(), train_reference(config.adamw, kSteps).first, kTolerance);
         expect(final_diff.empty(), config.name(), " at ", world, " ranks, rank ", rank,
                ": trained on from the set, differs from one process:\n", final_diff);
       }
@@ -426,7 +443,8 @@ TEST_CASE("a rank at W = 2 opens only the shard files of W = 4 that overlap its 
     dist::ShardedCheckpointReader reader(path);
     fsdp.load_state_dict(fsdp.read_local_state_dict(reader));
     std::vector<std::string> opened;
-    for (const std::string& file : reader.files_read()) opened.push_back(std::filesystem::path(file).filename());
+    for (const std::string& file : reader.files_read())
+      opened.push_back(std::filesystem::path(file).filename());
     std::sort(opened.begin(), opened.end());
     const std::vector<std::string> want =
         rank == 0 ? std::vector<std::string>{"model.ckpt.g1.shard-0-of-4", "model.ckpt.g1.shard-1-of-4"}
@@ -453,7 +471,8 @@ TEST_CASE("a save that fails on one rank, or a rank that dies mid-save, leaves t
     if (rank == 2) state["x"].piece = Tensor::full({1}, 0.0f);
     const std::string error = error_of([&] { dist::save_sharded_checkpoint(path, state, *pg); });
     if (rank == 2)
-      expect(contains(error, "'x' on rank 2: the piece of [4, 6) is 1 elements of float32, expected 2 of float32"),
+      expect(contains(error,
+                      "'x' on rank 2: the piece of [4, 6) is 1 elements of float32, expected 2 of float32"),
              "rank 2: ", error);
     else
       expect(contains(error, "sharded checkpoint " + path + ": not saved, other ranks failed (rank 2: ") &&
@@ -480,7 +499,8 @@ TEST_CASE("a save that fails on one rank, or a rank that dies mid-save, leaves t
   // those of a whole set (made here by saving elsewhere) under path's next generation.
   save_small(dir.path + "/crashed.ckpt", 30);
   for (int r = 0; r < 4; ++r)
-    std::filesystem::rename(dist::shard_file_name(dir.path + "/crashed.ckpt", 1, r, 4), dist::shard_file_name(path, 3, r, 4));
+    std::filesystem::rename(dist::shard_file_name(dir.path + "/crashed.ckpt", 1, r, 4),
+                            dist::shard_file_name(path, 3, r, 4));
   CHECK(std::filesystem::exists(path + ".g2.shard-0-of-4"));  // the failed save's
   {
     dist::ShardedCheckpointReader reader(path);
@@ -514,14 +534,17 @@ TEST_CASE("a missing, truncated, corrupt or foreign shard file is an IOError nam
 
   std::filesystem::remove(file(2));
   dist::ShardedCheckpointReader reader(path);
-  CHECK(reader.read_range("x", 0, 4).to_vector() == std::vector<float>{10, 10, 11, 11});  // files 0 and 1 only
+  CHECK(reader.read_range("x", 0, 4).to_vector() ==
+        std::vector<float>{10, 10, 11, 11});  // files 0 and 1 only
   std::string error = error_of([&] { reader.read("x"); });
-  CHECK_MESSAGE(contains(error, "sharded checkpoint " + path + ": shard file " + file(2) + " (rank 2 of 4): "), error);
+  CHECK_MESSAGE(
+      contains(error, "sharded checkpoint " + path + ": shard file " + file(2) + " (rank 2 of 4): "), error);
 
   const std::string bytes = testing::read_file(file(1));
   std::ofstream(file(1), std::ios::binary | std::ios::trunc) << bytes.substr(0, 20);
   error = error_of([&] { dist::ShardedCheckpointReader(path).read("x"); });
-  CHECK_MESSAGE(contains(error, "shard file " + file(1) + " (rank 1 of 4): truncated at byte offset 20 (the manifest says " +
+  CHECK_MESSAGE(contains(error, "shard file " + file(1) +
+                                    " (rank 1 of 4): truncated at byte offset 20 (the manifest says " +
                                     std::to_string(bytes.size()) + " bytes)"),
                 error);
   std::ofstream(file(1), std::ios::binary | std::ios::trunc) << bytes;
@@ -532,7 +555,8 @@ TEST_CASE("a missing, truncated, corrupt or foreign shard file is an IOError nam
   error = error_of([&] { dist::ShardedCheckpointReader(path).read_range("x", 0, 2); });
   CHECK_MESSAGE(contains(error, "checkpoint " + file(0) + ": checksum mismatch"), error);
 
-  std::filesystem::copy_file(dist::shard_file_name(other, 1, 3, 4), file(3), std::filesystem::copy_options::overwrite_existing);
+  std::filesystem::copy_file(dist::shard_file_name(other, 1, 3, 4), file(3),
+                             std::filesystem::copy_options::overwrite_existing);
   error = error_of([&] { dist::ShardedCheckpointReader(path).read_range("x", 6, 8); });
   const bool named_foreign = contains(error, "shard file " + file(3) + " (rank 3 of 4): ") &&
                              contains(error, "it is not the file this set's save wrote");
@@ -543,7 +567,8 @@ TEST_CASE("a missing, truncated, corrupt or foreign shard file is an IOError nam
   manifest["ranges/x"] = Tensor::from_vector(std::vector<int64_t>{0, 2, 2, 4, 4, 6, 7, 8}, Shape({4, 2}));
   nn::save_checkpoint(dir.path + "/gap.ckpt", manifest);
   error = error_of([&] { dist::ShardedCheckpointReader(dir.path + "/gap.ckpt"); });
-  CHECK_MESSAGE(contains(error, "sharded checkpoint " + dir.path + "/gap.ckpt: 'x': no rank holds elements from 6 (of 8)"),
+  CHECK_MESSAGE(contains(error, "sharded checkpoint " + dir.path +
+                                    "/gap.ckpt: 'x': no rank holds elements from 6 (of 8)"),
                 error);
 }
 
