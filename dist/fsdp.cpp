@@ -600,4 +600,173 @@ nn::StateDict FullyShardedDataParallel::shard_full_optim_state_dict(const nn::St
   return sharded;
 }
 
+namespace {
+
+// The elements [begin, end) of a parameter at offset (numel elements) that fall inside
+// [shard_begin, shard_end) of its unit's flat vector; {0, 0} when none do.
+std::pair<int64_t, int64_t> part_in_shard(int64_t offset, int64_t numel, int64_t shard_begin,
+                                          int64_t shard_end) {
+  const int64_t lo = std::max(offset, shard_begin), hi = std::min(offset + numel, shard_end);
+  if (lo >= hi) return {0, 0};
+  return {lo - offset, hi - offset};
+}
+
+}  // namespace
+
+// Elements [begin, end) of unit u's flat vector that rank holds in a sharded checkpoint:
+// its shard, less the padding; under NO_SHARD, where every rank holds all, rank 0 alone.
+std::pair<int64_t, int64_t> FullyShardedDataParallel::saved_range(size_t u, int rank) const {
+  const Unit& unit = *units_[u];
+  if (options_.sharding_strategy == ShardingStrategy::NO_SHARD)
+    return rank == 0 ? std::make_pair(int64_t{0}, unit.numel) : std::make_pair(int64_t{0}, int64_t{0});
+  return {std::min(unit.numel, rank * unit.shard_numel), std::min(unit.numel, (rank + 1) * unit.shard_numel)};
+}
+
+ShardedStateDict FullyShardedDataParallel::sharded_model_state_dict() const {
+  const auto buffers = module_->named_buffers();
+  NANODDP_CHECK(buffers.empty(), ValueError,
+                "FullyShardedDataParallel.sharded_model_state_dict: the model has ", "buffers ('",
+                buffers.empty() ? "" : buffers[0].first, "', ...), which a sharded set does not ",
+                "hold: save it with full_state_dict");
+  ShardedStateDict out;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const Unit& unit = *units_[u];
+    const auto [shard_begin, shard_end] = saved_range(u, pg_->rank());
+    // The shard starts at r S (0 under NO_SHARD, where it is the whole vector).
+    const int64_t shard_offset =
+        options_.sharding_strategy == ShardingStrategy::NO_SHARD ? 0 : pg_->rank() * unit.shard_numel;
+    const Tensor shard = unit.shard.detach().to(Device::cpu());
+    for (size_t k = 0; k < unit.params.size(); ++k) {
+      const Tensor& p = unit.params[k].second;
+      const auto [begin, end] = part_in_shard(unit.offsets[k], p.numel(), shard_begin, shard_end);
+      ShardedEntry entry;
+      entry.shape = p.shape();
+      entry.begin = begin;
+      entry.end = end;
+      if (begin < end)
+        entry.piece = shard.slice_view(unit.offsets[k] + begin - shard_offset, {end - begin}).clone();
+      out[unit.params[k].first] = entry;
+    }
+  }
+  return out;
+}
+
+ShardedStateDict FullyShardedDataParallel::sharded_optim_state_dict(const nn::Optimizer& optimizer) const {
+  const std::vector<Tensor> shards = parameters();
+  NANODDP_CHECK(optimizer.params().size() == shards.size(), ValueError,
+                "FullyShardedDataParallel.sharded_optim_state_dict: the optimizer has ",
+                optimizer.params().size(), " parameters; one built on this wrapper's parameters() has ",
+                shards.size());
+  const auto model_index = model_parameter_index();
+  const bool no_shard = options_.sharding_strategy == ShardingStrategy::NO_SHARD;
+  ShardedStateDict out;
+  for (const auto& [key, value] : optimizer.state_dict()) {
+    const auto [buffer, u] = split_state_key(key);
+    NANODDP_CHECK(u < units_.size(), ValueError, "FullyShardedDataParallel.sharded_optim_state_dict: key '",
+                  key, "' names parameter ", u, " of ", units_.size());
+    const Unit& unit = *units_[u];
+    const bool flat =
+        value.dtype() == DType::Float32 && value.numel() == unit.shard_numel && value.dim() == 1;
+    const auto [shard_begin, shard_end] = saved_range(u, pg_->rank());
+    const int64_t shard_offset = no_shard ? 0 : pg_->rank() * unit.shard_numel;
+    for (size_t k = 0; k < unit.params.size(); ++k) {
+      const Tensor& p = unit.params[k].second;
+      const std::string name = buffer + "." + std::to_string(model_index.at(p.impl()));
+      ShardedEntry entry;
+      if (flat) {
+        const auto [begin, end] = part_in_shard(unit.offsets[k], p.numel(), shard_begin, shard_end);
+        entry.shape = p.shape();
+        entry.begin = begin;
+        entry.end = end;
+        if (begin < end)
+          entry.piece = value.to(Device::cpu())
+                            .slice_view(unit.offsets[k] + begin - shard_offset, {end - begin})
+                            .clone();
+      } else {
+        // Equal on every rank (a step count): each saves it, so a reader finds it in any file.
+        entry = whole_entry(value);
+      }
+      out[name] = entry;
+    }
+  }
+  return out;
+}
+
+nn::StateDict FullyShardedDataParallel::read_local_state_dict(ShardedCheckpointReader& reader,
+                                                              const std::string& prefix) const {
+  const bool no_shard = options_.sharding_strategy == ShardingStrategy::NO_SHARD;
+  nn::StateDict out;
+  for (const auto& unit : units_) {
+    // This rank's shard [r S, (r + 1) S) of the flat vector; all of it under NO_SHARD.
+    const int64_t shard_begin = no_shard ? 0 : pg_->rank() * unit->shard_numel;
+    Tensor shard = Tensor::zeros({unit->shard_numel});
+    for (size_t k = 0; k < unit->params.size(); ++k) {
+      const Tensor& p = unit->params[k].second;
+      const std::string name = prefix + unit->params[k].first;
+      NANODDP_CHECK(reader.contains(name), ValueError, "sharded checkpoint ", reader.path(), " holds no '",
+                    name, "': it was saved from another model");
+      NANODDP_CHECK(reader.shape(name) == p.shape() && reader.dtype(name) == DType::Float32, ShapeError,
+                    "sharded checkpoint ", reader.path(), ": '", name, "' is ", reader.shape(name), " ",
+                    dtype_name(reader.dtype(name)), ", the model's parameter is ", p.shape(), " float32");
+      const auto [begin, end] =
+          part_in_shard(unit->offsets[k], p.numel(), shard_begin, shard_begin + unit->shard_numel);
+      if (begin < end)
+        shard.slice_view(unit->offsets[k] + begin - shard_begin, {end - begin})
+            .copy_(reader.read_range(name, begin, end));
+    }
+    out[unit->name.empty() ? "_flat_param" : unit->name + "._flat_param"] = shard;
+  }
+  return out;
+}
+
+nn::StateDict FullyShardedDataParallel::read_local_optim_state_dict(ShardedCheckpointReader& reader,
+                                                                    const std::string& prefix) const {
+  const auto model_params = module_->parameters();
+  const auto model_index = model_parameter_index();
+  std::vector<std::pair<size_t, size_t>> where(model_params.size());  // model index -> (unit, k)
+  for (size_t u = 0; u < units_.size(); ++u)
+    for (size_t k = 0; k < units_[u]->params.size(); ++k)
+      where[model_index.at(units_[u]->params[k].second.impl())] = {u, k};
+  // buffer -> unit -> (k, name in the set)
+  std::map<std::string, std::map<size_t, std::vector<std::pair<size_t, std::string>>>> grouped;
+  for (const std::string& name : reader.names()) {
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const auto [buffer, j] = split_state_key(name.substr(prefix.size()));
+    NANODDP_CHECK(j < model_params.size(), ValueError, "sharded checkpoint ", reader.path(), ": '", name,
+                  "' names parameter ", j, " but the model has ", model_params.size());
+    grouped[buffer][where[j].first].emplace_back(where[j].second, name);
+  }
+  const bool no_shard = options_.sharding_strategy == ShardingStrategy::NO_SHARD;
+  nn::StateDict out;
+  for (const auto& [buffer, by_unit] : grouped) {
+    for (const auto& [u, entries] : by_unit) {
+      const Unit& unit = *units_[u];
+      const std::string key = buffer + "." + std::to_string(u);
+      const std::string& first = entries[0].second;
+      const bool per_element = reader.dtype(first) == DType::Float32 &&
+                               reader.shape(first) == unit.params[entries[0].first].second.shape();
+      if (!per_element) {
+        out[key] = reader.read(first);  // a step count: the same for every parameter of the unit
+        continue;
+      }
+      const int64_t shard_begin = no_shard ? 0 : pg_->rank() * unit.shard_numel;
+      Tensor flat = Tensor::zeros({unit.shard_numel});
+      for (const auto& [k, name] : entries) {
+        const Tensor& p = unit.params[k].second;
+        NANODDP_CHECK(reader.shape(name) == p.shape() && reader.dtype(name) == DType::Float32, ShapeError,
+                      "sharded checkpoint ", reader.path(), ": '", name, "' is ", reader.shape(name), " ",
+                      dtype_name(reader.dtype(name)), ", its parameter '", unit.params[k].first, "' is ",
+                      p.shape(), " float32");
+        const auto [begin, end] =
+            part_in_shard(unit.offsets[k], p.numel(), shard_begin, shard_begin + unit.shard_numel);
+        if (begin < end)
+          flat.slice_view(unit.offsets[k] + begin - shard_begin, {end - begin})
+              .copy_(reader.read_range(name, begin, end));
+      }
+      out[key] = flat;
+    }
+  }
+  return out;
+}
+
 }  // namespace nanoddp::dist

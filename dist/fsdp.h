@@ -63,6 +63,7 @@
 #include <vector>
 
 #include "dist/process_group.h"
+#include "dist/sharded_checkpoint.h"
 #include "nn/module.h"
 #include "nn/optimizer.h"
 
@@ -161,6 +162,29 @@ class FullyShardedDataParallel : public nn::Module {
   // key of no parameter, ShapeError for an entry of the wrong shape.
   nn::StateDict shard_full_optim_state_dict(const nn::StateDict& full) const;
 
+  // torch's SHARDED_STATE_DICT, for save_sharded_checkpoint (dist/sharded_checkpoint.h): this
+  // rank's pieces of every parameter, under the model's names ("0.weight"), each piece the
+  // part of the parameter that falls in this rank's shard [r S, (r + 1) S) of its unit (no
+  // padding; NO_SHARD: rank 0 holds everything). No collective. ValueError for a model with
+  // buffers (a sharded set holds parameters only; save those models with full_state_dict).
+  ShardedStateDict sharded_model_state_dict() const;
+  // The same for an optimizer built on parameters(): keys "<buffer>.<i>" as in
+  // full_optim_state_dict, each float32 entry of a shard's size cut like its parameters; any
+  // other entry (a step count, equal on every rank) saved whole by every rank, once per
+  // parameter of its unit. No collective. ValueError for an optimizer over other parameters.
+  ShardedStateDict sharded_optim_state_dict(const nn::Optimizer& optimizer) const;
+  // Reading a set saved by either at any world size: this rank's shards as state_dict() gives
+  // them ("0._flat_param": [S] float32, padding zero), to pass to load_state_dict. Reads only
+  // the saved pieces inside [r S, (r + 1) S) of each unit, and so only the shard files that
+  // hold them. No collective. IOError as the reader throws; ValueError naming a parameter
+  // the set lacks (a set of another model) or whose shape differs.
+  nn::StateDict read_local_state_dict(ShardedCheckpointReader& reader, const std::string& prefix = "") const;
+  // This rank's share of the optimizer state in the set (entries "<prefix><buffer>.<i>"), as
+  // the optimizer built on parameters() takes it in load_state_dict (what
+  // shard_full_optim_state_dict gives from a full state). No collective; errors as above.
+  nn::StateDict read_local_optim_state_dict(ShardedCheckpointReader& reader,
+                                            const std::string& prefix = "") const;
+
   // What --explain prints: per unit its name, its parameters (elements, before padding) and
   // this rank's shard (elements).
   struct UnitInfo {
@@ -183,6 +207,8 @@ class FullyShardedDataParallel : public nn::Module {
   void reshard_all();
   // Each of the model's parameters (by TensorImpl) -> its index in module().parameters().
   std::unordered_map<const TensorImpl*, size_t> model_parameter_index() const;
+  // Elements [begin, end) of unit u's flat vector that rank holds in a sharded checkpoint.
+  std::pair<int64_t, int64_t> saved_range(size_t u, int rank) const;
   void prefetch_after(const std::vector<size_t>& order, size_t u);
   void on_unit_forward_pre(size_t u);
   Tensor on_unit_forward_post(size_t u, const Tensor& output);

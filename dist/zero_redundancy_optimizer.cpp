@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <map>
 #include <numeric>
 #include <string>
 
@@ -158,6 +159,55 @@ int64_t ZeroRedundancyOptimizer::state_nbytes() const {
   for (const auto& [key, t] : local_->state_dict())
     if (t.dtype() == DType::Float32) total += static_cast<int64_t>(t.nbytes());
   return total;
+}
+
+ShardedStateDict ZeroRedundancyOptimizer::sharded_state_dict() const {
+  ShardedStateDict out;
+  for (const auto& [key, t] : state_dict()) out[key] = whole_entry(t);
+  return out;
+}
+
+ShardedStateDict ZeroRedundancyOptimizer::sharded_model_state_dict(const nn::Module& model) const {
+  const auto named = model.named_parameters();
+  NANODDP_CHECK(named.size() == params_.size(), ValueError, name_,
+                ".sharded_model_state_dict: the model has ", named.size(), " parameters, this optimizer ",
+                params_.size());
+  std::map<std::string, size_t> index_of;
+  for (size_t i = 0; i < named.size(); ++i) {
+    NANODDP_CHECK(named[i].second.impl() == params_[i].impl(), ValueError, name_,
+                  ".sharded_model_state_dict: the model's parameter ", i, " ('", named[i].first,
+                  "') is not this optimizer's parameter ", i);
+    index_of[named[i].first] = i;
+  }
+  ShardedStateDict out;
+  for (const auto& [name, t] : model.state_dict()) {
+    const auto it = index_of.find(name);
+    const int holder = it == index_of.end() ? 0 : owner_[it->second];
+    if (holder == pg_->rank()) {
+      out[name] = whole_entry(t);
+    } else {
+      ShardedEntry nothing;  // described, so the set knows its shape on every rank
+      nothing.shape = t.shape();
+      nothing.dtype = t.dtype();
+      out[name] = nothing;
+    }
+  }
+  return out;
+}
+
+nn::StateDict ZeroRedundancyOptimizer::read_local_state_dict(ShardedCheckpointReader& reader,
+                                                             const std::string& prefix) const {
+  nn::StateDict out;
+  for (const std::string& name : reader.names()) {
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string key = name.substr(prefix.size());
+    std::string buffer;
+    size_t index = 0;
+    NANODDP_CHECK(split_key(key, buffer, index) && index < params_.size(), ValueError, "sharded checkpoint ",
+                  reader.path(), ": '", name, "' names no parameter of ", name_, "'s ", params_.size());
+    if (owner_[index] == pg_->rank()) out[key] = reader.read(name);
+  }
+  return out;
 }
 
 }  // namespace nanoddp::dist

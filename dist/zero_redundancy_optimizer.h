@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "dist/process_group.h"
+#include "dist/sharded_checkpoint.h"
 #include "nn/optimizer.h"
 
 namespace nanoddp::dist {
@@ -80,6 +81,20 @@ class ZeroRedundancyOptimizer : public nn::Optimizer {
   // params(); on the other ranks ValueError naming the ranks that failed. DistError or
   // TimeoutError from the collective.
   void load_state_dict(const nn::StateDict& state) override;
+
+  // For save_sharded_checkpoint (dist/sharded_checkpoint.h), torch.distributed.checkpoint's
+  // view of a ZeRO state: each entry of this rank's share whole, under its global key
+  // ("exp_avg.5"), so the set holds every parameter's state once, in its owner's file. No
+  // collective.
+  ShardedStateDict sharded_state_dict() const;
+  // The model's state_dict for such a set: each parameter whole on its owner, whatever else
+  // (buffers) whole on rank 0. model.parameters() must be params(), in order (DDP's are);
+  // ValueError otherwise. No collective.
+  ShardedStateDict sharded_model_state_dict(const nn::Module& model) const;
+  // The entries "<prefix><buffer>.<i>" of a set (saved at any world size, by this class or by
+  // FSDP) for the parameters this rank owns now, without the prefix: what load_state_dict
+  // takes. Opens only the files that hold them. No collective. IOError as the reader throws.
+  nn::StateDict read_local_state_dict(ShardedCheckpointReader& reader, const std::string& prefix = "") const;
 
   // Bytes of float32 state this rank holds (momentum buffers, moments; not step counts).
   int64_t state_nbytes() const;

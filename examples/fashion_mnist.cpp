@@ -25,7 +25,9 @@
 // schedule is replayed over the new steps (Note [Resuming elsewhere]). --checkpoint-every N
 // also saves during the epoch, every N steps, with the position in the epoch; a group that
 // `nanoddp-run --max-restarts` starts again resumes from it by itself (Note [Resuming
-// mid-epoch]). --optimizer picks SGD, Adam or AdamW; the learning rate
+// mid-epoch]). --checkpoint-format sharded (zero1, zero2, fsdp) saves a set instead: each rank
+// writes its part, rank 0 a manifest as FILE; either kind resumes at any world size and
+// strategy (Note [Sharded checkpoint sets]). --optimizer picks SGD, Adam or AdamW; the learning rate
 // follows --warmup-epochs of linear warm-up (LinearLR, stepped per batch), then the
 // --schedule (CosineAnnealingLR per batch over the remaining steps, or constant), as
 // torch.optim.lr_scheduler.SequentialLR would chain them. --stop-after N ends a run
@@ -56,6 +58,7 @@
 #include "dist/explain.h"
 #include "dist/gradient_accumulation.h"
 #include "dist/init.h"
+#include "dist/sharded_checkpoint.h"
 #include "dist/sync_batch_norm.h"
 #include "examples/checkpoint_files.h"
 #include "examples/example_utils.h"
@@ -102,6 +105,7 @@ struct Config {
   std::string metrics;
   bool resume = false;
   int64_t checkpoint_every = 0;  // 0: save at epoch ends only
+  std::string checkpoint_format = "full";  // full | sharded (dist/sharded_checkpoint.h)
   int stop_after = 0;  // 0: train every epoch
   std::string schedule = "cosine";
   bool no_overlap = false;
@@ -334,13 +338,18 @@ struct EpochProgress {
 };
 
 // A collective (the sharded strategies gather the state; during an epoch, steps_in_epoch > 0,
-// the ranks' loss sums and samples are gathered too); rank 0 writes. loss_sum and samples are
-// this rank's.
-void save(const std::string& path, int epochs_done, int64_t steps_per_epoch, examples::ParallelModel& parallel,
-          nn::Optimizer& optimizer, const std::string& optimizer_name, const Schedule& schedule, int rank,
-          dist::ProcessGroup& pg, int64_t steps_in_epoch = 0, float loss_sum = 0, int64_t samples = 0) {
-  nn::StateDict model_state = parallel.model_state_dict();
-  nn::StateDict optimizer_state = parallel.optimizer_state_dict(optimizer);
+// the ranks' loss sums and samples are gathered too); rank 0 writes, or with sharded every
+// rank writes its part of a set and rank 0 its manifest. loss_sum and samples are this rank's.
+void save(const std::string& path, bool sharded, int epochs_done, int64_t steps_per_epoch,
+          examples::ParallelModel& parallel, nn::Optimizer& optimizer, const std::string& optimizer_name,
+          const Schedule& schedule, int rank, dist::ProcessGroup& pg, std::chrono::milliseconds timeout,
+          int64_t steps_in_epoch = 0, float loss_sum = 0, int64_t samples = 0) {
+  // Sharded, nothing is gathered: each rank keeps its pieces.
+  nn::StateDict model_state, optimizer_state;
+  if (!sharded) {
+    model_state = parallel.model_state_dict();
+    optimizer_state = parallel.optimizer_state_dict(optimizer);
+  }
   std::vector<float> loss_sums;
   std::vector<int64_t> all_samples;
   if (steps_in_epoch > 0) {
@@ -350,7 +359,7 @@ void save(const std::string& path, int epochs_done, int64_t steps_per_epoch, exa
     loss_sums = dist::all_reduce_host(pg, loss_sums, dist::ReduceOp::Sum);
     for (const auto& one : dist::all_gather_host(pg, std::vector<int64_t>{samples})) all_samples.push_back(one[0]);
   }
-  if (rank != 0) return;
+  if (rank != 0 && !sharded) return;
   nn::StateDict state;
   nn::merge_prefixed(state, "model.", model_state);
   nn::merge_prefixed(state, "optimizer.", optimizer_state);
@@ -367,7 +376,69 @@ void save(const std::string& path, int epochs_done, int64_t steps_per_epoch, exa
     state["epoch_progress.loss_sums"] = Tensor::from_vector(loss_sums);
     state["epoch_progress.samples"] = Tensor::from_vector(all_samples);
   }
+  if (sharded) {
+    dist::ShardedStateDict mine = parallel.sharded_state_dict(optimizer);
+    // What every rank holds alike (gathered above, where it differs by rank), every rank
+    // saves: a reader takes it from a file it opens anyway.
+    for (const auto& [name, tensor] : state) mine[name] = dist::whole_entry(tensor);
+    dist::save_sharded_checkpoint(path, mine, pg, timeout);
+    return;
+  }
   examples::save_keeping_previous(path, state);
+  dist::remove_unused_shard_files(path);  // the sets of an earlier sharded run that this file replaced
+}
+
+// A checkpoint read for resuming, whichever its kind: a full checkpoint's entries, or a set's
+// (Note [Sharded checkpoint sets] in dist/sharded_checkpoint.h) with the model and optimizer
+// state as this rank loads it.
+struct ReadCheckpoint {
+  nn::StateDict state;  // every entry; from a set, every entry but the model's and the optimizer's
+  std::optional<examples::ParallelModel::LocalState> local;  // from a set: this rank's part
+};
+
+bool starts_with(const std::string& text, const std::string& prefix) {
+  return text.compare(0, prefix.size(), prefix) == 0;
+}
+
+// Reads path (or path's previous checkpoint when path is damaged) and sets used_path to the
+// file read. A set is read by every rank, each its own part; when a rank cannot read its part
+// (a missing or damaged shard file), every rank goes to the previous checkpoint together,
+// warning on stderr, or fails: ranks that resumed from different sets would part ways.
+// A collective for a set.
+ReadCheckpoint read_checkpoint(const std::string& path, const examples::ParallelModel& parallel,
+                               const nn::Optimizer& optimizer, dist::ProcessGroup& pg, std::string& used_path) {
+  nn::StateDict state;
+  std::tie(state, used_path) = examples::load_newest_readable(path);
+  while (true) {
+    if (!dist::is_sharded_manifest(state)) return {std::move(state), std::nullopt};
+    ReadCheckpoint read;
+    std::string error;
+    try {
+      dist::ShardedCheckpointReader reader(used_path, state);
+      // This rank's part first: the rest is then read from the files it opened.
+      read.local = parallel.read_sharded(reader, optimizer);
+      for (const std::string& name : reader.names())
+        if (!starts_with(name, "model.") && !starts_with(name, "optimizer."))
+          read.state[name] = reader.read(name);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    const std::vector<std::vector<int64_t>> failed = dist::all_gather_host(pg, {error.empty() ? 0 : 1});
+    std::string failed_ranks;
+    for (size_t r = 0; r < failed.size(); ++r)
+      if (failed[r][0] != 0) failed_ranks += (failed_ranks.empty() ? "" : ", ") + std::to_string(r);
+    if (failed_ranks.empty()) return read;
+    const std::string previous = examples::previous_checkpoint(path);
+    const std::string why = error.empty() ? "rank(s) " + failed_ranks + " could not read their part of it" : error;
+    NANODDP_CHECK(used_path == path && std::filesystem::exists(previous), IOError, why);
+    if (!error.empty()) {
+      std::fprintf(stderr, "warning: rank %d: checkpoint %s cannot be loaded (%s); using the previous one, %s\n",
+                   pg.rank(), path.c_str(), error.c_str(), previous.c_str());
+      std::fflush(stderr);
+    }
+    state = nn::load_checkpoint(previous);
+    used_path = previous;
+  }
 }
 
 // One int64 entry of a checkpoint, or `missing` when it has none (an older checkpoint).
@@ -406,10 +477,10 @@ int64_t int64_entry(const nn::StateDict& state, const std::string& key, std::opt
 std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64_t steps_per_epoch, int world_size,
                                       examples::ParallelModel& parallel, nn::Optimizer& optimizer,
                                       const std::string& optimizer_name, Schedule& schedule, bool chatty,
-                                      std::string& used_path) {
+                                      dist::ProcessGroup& pg, std::string& used_path) {
   try {
-    nn::StateDict state;
-    std::tie(state, used_path) = examples::load_newest_readable(path);
+    ReadCheckpoint read = read_checkpoint(path, parallel, optimizer, pg, used_path);
+    const nn::StateDict& state = read.state;
     const int64_t done = int64_entry(state, "epochs_done", std::nullopt);
     NANODDP_CHECK(done >= 0, IOError, "'epochs_done' is ", done);
     NANODDP_CHECK(done <= epochs, ValueError, "it has ", done, " epochs done, more than --epochs ", epochs);
@@ -434,7 +505,10 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
     // Loaded once every rank agrees where to start: shm makes the new buckets collectively.
     if (state.count("ddp.bucket_order") != 0) progress.bucket_order = state.at("ddp.bucket_order").to_int_vector();
     try {
-      parallel.load_model_state_dict(nn::strip_prefix(state, "model."));
+      if (read.local)
+        parallel.load_local_model(*read.local);
+      else
+        parallel.load_model_state_dict(nn::strip_prefix(state, "model."));
     } catch (const Error& e) {
       throw ValueError(std::string(e.what()) + "; the checkpoint holds another model than this run builds: was it "
                        "saved with other --hidden sizes, or by the other Fashion-MNIST example?");
@@ -446,7 +520,10 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
                     kOptimizers[static_cast<size_t>(saved_kind)], " and this one --optimizer ", optimizer_name,
                     ": resume with --optimizer ", kOptimizers[static_cast<size_t>(saved_kind)]);
     try {
-      parallel.load_optimizer_state_dict(optimizer, nn::strip_prefix(state, "optimizer."));
+      if (read.local)
+        parallel.load_local_optimizer(optimizer, *read.local);
+      else
+        parallel.load_optimizer_state_dict(optimizer, nn::strip_prefix(state, "optimizer."));
     } catch (const Error& e) {
       throw ValueError(std::string(e.what()) + "; the checkpoint holds another optimizer's state than --optimizer " +
                        optimizer_name + "'s: was it saved with another --optimizer?");
@@ -532,6 +609,15 @@ std::string flags_problem(const Config& config) {
     return "--accumulate " + std::to_string(config.accumulate) + " is more micro-batches than --batch-size " +
            std::to_string(config.batch_size) + " has examples: each micro-batch needs at least one";
   if (config.checkpoint_every > 0 && config.checkpoint.empty()) return "--checkpoint-every needs --checkpoint FILE";
+  if (config.checkpoint_format == "sharded") {
+    if (config.checkpoint.empty()) return "--checkpoint-format sharded needs --checkpoint FILE";
+    if (config.strategy != "zero1" && config.strategy != "zero2" && config.strategy != "fsdp")
+      return "--checkpoint-format sharded applies to --strategy zero1, zero2 and fsdp, whose ranks each hold part of "
+             "the state; under " + config.strategy + " rank 0 holds all of it: use full";
+    if ((config.batch_norm || config.sync_batch_norm) && config.strategy != "zero1")
+      return "--checkpoint-format sharded with --strategy " + config.strategy +
+             " holds parameters only, and BatchNorm's running statistics are buffers: use full";
+  }
   if ((config.batch_norm || config.sync_batch_norm) && !config.export_path.empty())
     return std::string(config.sync_batch_norm ? "--sync-batch-norm" : "--batch-norm") +
            " adds layers that --export's model description (PyTorch's recipe) does not have";
@@ -597,6 +683,7 @@ int run(const Config& config) {
   auto pg = dist::init_process_group(init);
   const int rank = pg->rank(), world_size = pg->size();
   const bool chatty = rank == 0 && !config.quiet;
+  const bool sharded_checkpoint = config.checkpoint_format == "sharded";
   // Rank 0 saves after every epoch: find out now, not after an epoch of training, if it can,
   // and that each file it would replace is its own earlier output.
   if (rank == 0 && !config.checkpoint.empty()) nn::check_checkpoint_writable(config.checkpoint);
@@ -657,7 +744,7 @@ int run(const Config& config) {
     // weights and optimizer state (the sharded strategies each take their share of it).
     std::string used;
     std::tie(first_epoch, resumed) = restore(config.checkpoint, config.epochs, train_loader.size(), world_size, parallel,
-                                             *optimizer, config.optimizer, schedule, chatty, used);
+                                             *optimizer, config.optimizer, schedule, chatty, *pg, used);
     if (rank == 0 && (chatty || restarts > 0))
       std::printf("%sresumed from %s after epoch %d%s\n",
                   restarts > 0 ? ("restart " + std::to_string(restarts) + ": ").c_str() : "", used.c_str(),
@@ -754,8 +841,8 @@ int run(const Config& config) {
       if (config.checkpoint_every > 0 && (epoch * train_loader.size() + steps) % config.checkpoint_every == 0 &&
           steps < train_loader.size()) {
         NoGradGuard no_grad;
-        save(config.checkpoint, epoch, train_loader.size(), parallel, *optimizer, config.optimizer, schedule, rank, *pg,
-             steps, loss_sum.item(), samples);
+        save(config.checkpoint, sharded_checkpoint, epoch, train_loader.size(), parallel, *optimizer, config.optimizer,
+             schedule, rank, *pg, init.timeout, steps, loss_sum.item(), samples);
       }
       if (steps % kCheckEverySteps == 0 || steps == train_loader.size()) {
         const float mean_loss = loss_sum.item() / static_cast<float>(steps);
@@ -821,7 +908,8 @@ int run(const Config& config) {
     record.test_accuracy = accuracy;
     metrics.write(record);
     if (!config.checkpoint.empty())
-      save(config.checkpoint, epoch + 1, train_loader.size(), parallel, *optimizer, config.optimizer, schedule, rank, *pg);
+      save(config.checkpoint, sharded_checkpoint, epoch + 1, train_loader.size(), parallel, *optimizer, config.optimizer,
+           schedule, rank, *pg, init.timeout);
     epochs_done = epoch + 1;
     std::fflush(stdout);
   }
@@ -898,6 +986,11 @@ int main(int argc, char** argv) {
                  "(tools/plot draws it); --resume keeps the lines of the checkpoint's epochs")
       ->check(cli::file_path());
   app.add_flag("--resume", config.resume, "continue from --checkpoint if it exists");
+  app.add_option("--checkpoint-format", config.checkpoint_format,
+                 "full: one file that rank 0 writes; sharded: FILE names a set of files, one per rank "
+                 "(FILE.g<N>.shard-<r>-of-<W>), each written by its rank (--strategy zero1, zero2, fsdp). Either "
+                 "resumes at any world size and strategy (docs/ddp/10-faults.md)")
+      ->check(CLI::IsMember({"full", "sharded"}));
   app.add_option("--checkpoint-every", config.checkpoint_every,
                  "also save --checkpoint every this many optimizer steps during an epoch (0: at epoch ends only); a "
                  "group restarted by nanoddp-run --max-restarts resumes from it by itself")

@@ -13,7 +13,8 @@
 // naive, flat, overlap: the ladder's rungs (examples/ladder/rung.h), the steps from nothing to DDP
 // Every Linear and Conv2d is an FSDP unit. Checkpoints hold the full model and the full
 // optimizer state with the unwrapped model's names and indices, whatever the strategy, so a
-// run resumes under another strategy or world size.
+// run resumes under another strategy or world size. A sharded checkpoint
+// (dist/sharded_checkpoint.h) holds the same entries, each rank's part in its own file.
 #pragma once
 
 #include <functional>
@@ -23,6 +24,7 @@
 
 #include "dist/ddp.h"
 #include "dist/fsdp.h"
+#include "dist/sharded_checkpoint.h"
 #include "dist/zero_redundancy_optimizer.h"
 #include "examples/ladder/flat.h"
 #include "examples/ladder/naive.h"
@@ -125,6 +127,49 @@ class ParallelModel {
   }
   void load_optimizer_state_dict(nn::Optimizer& optimizer, const nn::StateDict& state) {
     optimizer.load_state_dict(fsdp_ ? fsdp_->shard_full_optim_state_dict(state) : state);
+  }
+
+  // This rank's pieces of the model ("model.<name>") and of the optimizer state
+  // ("optimizer.<buffer>.<i>") for save_sharded_checkpoint, under the names a full checkpoint
+  // has. No collective. ValueError for ddp and the ladder's rungs, where rank 0 holds it all.
+  dist::ShardedStateDict sharded_state_dict(const nn::Optimizer& optimizer) const {
+    dist::ShardedStateDict state;
+    if (fsdp_) {
+      dist::merge_prefixed(state, "model.", fsdp_->sharded_model_state_dict());
+      dist::merge_prefixed(state, "optimizer.", fsdp_->sharded_optim_state_dict(optimizer));
+      return state;
+    }
+    const auto* zero = dynamic_cast<const dist::ZeroRedundancyOptimizer*>(&optimizer);
+    NANODDP_CHECK(zero != nullptr, ValueError,
+                  "a sharded checkpoint needs --strategy zero1, zero2 or fsdp, not ", strategy_);
+    dist::merge_prefixed(state, "model.", zero->sharded_model_state_dict(*model_));
+    dist::merge_prefixed(state, "optimizer.", zero->sharded_state_dict());
+    return state;
+  }
+
+  // What this rank loads of a sharded checkpoint: read by read_sharded (it may fail on one
+  // rank only, each rank reading other files), then loaded by load_local_state (a collective
+  // under zero1 and fsdp) once every rank has read its part.
+  struct LocalState {
+    nn::StateDict model;      // fsdp: this rank's shards ("0._flat_param"); else the whole model
+    nn::StateDict optimizer;  // what the optimizer's load_state_dict takes
+  };
+  LocalState read_sharded(dist::ShardedCheckpointReader& reader, const nn::Optimizer& optimizer) const {
+    if (fsdp_)
+      return {fsdp_->read_local_state_dict(reader, "model."),
+              fsdp_->read_local_optim_state_dict(reader, "optimizer.")};
+    if (const auto* zero = dynamic_cast<const dist::ZeroRedundancyOptimizer*>(&optimizer))
+      return {reader.read_all("model."), zero->read_local_state_dict(reader, "optimizer.")};
+    return {reader.read_all("model."), reader.read_all("optimizer.")};
+  }
+  void load_local_model(const LocalState& local) {
+    if (fsdp_)
+      fsdp_->load_state_dict(local.model);
+    else
+      model_->load_state_dict(local.model);
+  }
+  void load_local_optimizer(nn::Optimizer& optimizer, const LocalState& local) {
+    optimizer.load_state_dict(local.optimizer);
   }
 
  private:

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
@@ -16,6 +17,7 @@
 
 #include "core/error.h"
 #include "dist/launch.h"
+#include "dist/sharded_checkpoint.h"
 #include "dist/store.h"
 #include "nn/checkpoint.h"
 #include "tests/small_fashion_mnist.h"
@@ -69,10 +71,17 @@ long long number_after(const std::string& out, const std::string& key) {
   return std::atoll(out.c_str() + at + key.size());
 }
 
-// Every entry of two checkpoints: bit for bit, or (tolerance > 0) each float within
+// Every entry of a checkpoint, full or a sharded set.
+nn::StateDict load_any(const std::string& path) {
+  const nn::StateDict state = nn::load_checkpoint(path);
+  if (!dist::is_sharded_manifest(state)) return state;
+  return dist::ShardedCheckpointReader(path, state).read_all();
+}
+
+// Every entry of two checkpoints (full or sharded sets): bit for bit, or (tolerance > 0) each float within
 // tolerance * (1 + |a|) of the other. Names the entry that differs.
 void check_same_checkpoint(const std::string& a_path, const std::string& b_path, double tolerance = 0) {
-  const nn::StateDict a = nn::load_checkpoint(a_path), b = nn::load_checkpoint(b_path);
+  const nn::StateDict a = load_any(a_path), b = load_any(b_path);
   CHECK(a.size() == b.size());
   for (const auto& entry : a) {
     const std::string& name = entry.first;  // CAPTURE cannot capture a structured binding (clang)
@@ -288,10 +297,13 @@ TEST_CASE("fashion_mnist --checkpoint-every: a rank killed mid-epoch and restart
     int world;
     std::string kill_at;  // RANK:STEP
     double tolerance;     // 0: bit for bit
+    std::vector<std::string> extra = {};
   };
-  std::vector<Setup> setups = {Setup{"fashion_mnist", "shm", 2, "1:14", 0}, Setup{"fashion_mnist", "gloo", 2, "0:7", 0},
-                                Setup{"fashion_mnist_cnn", "shm", 2, "1:11", 0},
-                                Setup{"fashion_mnist", "gloo", 4, "3:8", 0}};
+  std::vector<Setup> setups = {
+      Setup{"fashion_mnist", "shm", 2, "1:14", 0}, Setup{"fashion_mnist", "gloo", 2, "0:7", 0},
+      Setup{"fashion_mnist_cnn", "shm", 2, "1:11", 0}, Setup{"fashion_mnist", "gloo", 4, "3:8", 0},
+      // A set per save, each rank writing its part, resumed as a full file is.
+      Setup{"fashion_mnist", "shm", 4, "2:8", 0, {"--strategy", "fsdp", "--checkpoint-format", "sharded"}}};
   if (mpirun_found()) setups.push_back(Setup{"fashion_mnist", "mpi", 2, "1:14", 0});
   for (const Setup& s : setups) {
     CAPTURE(s.example);
@@ -313,6 +325,7 @@ TEST_CASE("fashion_mnist --checkpoint-every: a rank killed mid-epoch and restart
         all.push_back("--checkpoint-every");
         all.push_back("3");
       }
+      all.insert(all.end(), s.extra.begin(), s.extra.end());
       return all;
     };
     const RunResult straight = run(args({}, straight_ckpt, false), 120s);
@@ -413,6 +426,134 @@ TEST_CASE("fashion_mnist: a save past the file size limit (ulimit -f) fails nami
   CHECK(nanoddp::testing::read_file(ckpt) == before);
   const nn::StateDict state = nn::load_checkpoint(ckpt);
   CHECK(state.at("epochs_done").to_int_vector() == std::vector<int64_t>{1});
+}
+
+namespace {
+
+// a and b hold the same entries, bit for bit; names the first that differs.
+void check_same_state(const nn::StateDict& a, const nn::StateDict& b) {
+  CHECK(a.size() == b.size());
+  for (const auto& entry : a) {
+    const std::string& name = entry.first;
+    CAPTURE(name);
+    REQUIRE(b.count(name) == 1);
+    if (entry.second.dtype() == DType::Float32)
+      CHECK(entry.second.to_vector() == b.at(name).to_vector());
+    else
+      CHECK(entry.second.to_int_vector() == b.at(name).to_int_vector());
+  }
+}
+
+}  // namespace
+
+TEST_CASE("fashion_mnist --checkpoint-format sharded: a set saved at 4 ranks resumes at 2 (fsdp), 3 (zero1) and in a ddp run as the full checkpoint does") {
+  // 640 images, 32 per rank per step: 5 steps per epoch at 4 ranks. Both formats save the
+  // same state; resumed at another world size, each run ends where the other does, bit for bit.
+  TempDir dir;
+  nanoddp::testing::write_small_fashion_mnist(dir.path, 640, 200);
+  const std::string program = nanoddp::testing::built("examples/fashion_mnist");
+  auto job = [&](int ranks, const std::string& strategy, const std::string& format, const std::string& ckpt,
+                 std::vector<std::string> extra) {
+    std::vector<std::string> all = {launcher_path(),
+                                    "--nproc-per-node",
+                                    std::to_string(ranks),
+                                    program,
+                                    "--data-dir",
+                                    dir.path,
+                                    "--batch-size",
+                                    "32",
+                                    "--epochs",
+                                    "2",
+                                    "--quiet",
+                                    "--optimizer",
+                                    "adamw",
+                                    "--strategy",
+                                    strategy,
+                                    "--checkpoint",
+                                    ckpt,
+                                    "--checkpoint-format",
+                                    format};
+    all.insert(all.end(), extra.begin(), extra.end());
+    return all;
+  };
+  for (const std::string strategy : {"fsdp", "zero1"}) {
+    CAPTURE(strategy);
+    const std::string set = dir.path + "/" + strategy + "-set.ckpt",
+                      full = dir.path + "/" + strategy + "-full.ckpt";
+    const RunResult saved_set = run(job(4, strategy, "sharded", set, {"--stop-after", "1"}), 120s);
+    REQUIRE_MESSAGE(saved_set.code() == 0, saved_set.err);
+    const RunResult saved_full = run(job(4, strategy, "full", full, {"--stop-after", "1"}), 120s);
+    REQUIRE_MESSAGE(saved_full.code() == 0, saved_full.err);
+    for (int r = 0; r < 4; ++r) CHECK(std::filesystem::exists(dist::shard_file_name(set, 1, r, 4)));
+    check_same_state(load_any(set), nn::load_checkpoint(full));
+
+    // A copy of both, for a ddp run below, which reads all of the set.
+    const std::string copies = dir.path + "/" + strategy + "-copies";
+    std::filesystem::create_directory(copies);
+    for (const std::string& file :
+         {set, full, dist::shard_file_name(set, 1, 0, 4), dist::shard_file_name(set, 1, 1, 4),
+          dist::shard_file_name(set, 1, 2, 4), dist::shard_file_name(set, 1, 3, 4)})
+      std::filesystem::copy_file(file, copies + "/" + std::filesystem::path(file).filename().string());
+
+    const int world = strategy == "fsdp" ? 2 : 3;
+    const RunResult resumed_set = run(job(world, strategy, "sharded", set, {"--resume"}), 120s);
+    REQUIRE_MESSAGE(resumed_set.code() == 0, resumed_set.err);
+    const RunResult resumed_full = run(job(world, strategy, "full", full, {"--resume"}), 120s);
+    REQUIRE_MESSAGE(resumed_full.code() == 0, resumed_full.err);
+    CHECK(dist::ShardedCheckpointReader(set).world_size() == world);
+    check_same_state(load_any(set), nn::load_checkpoint(full));
+    CHECK(json_text(resumed_set.out, "train_loss") == json_text(resumed_full.out, "train_loss"));
+
+    const std::string copied_set = copies + "/" + strategy + "-set.ckpt",
+                      copied_full = copies + "/" + strategy + "-full.ckpt";
+    const RunResult set_into_ddp = run(job(2, "ddp", "full", copied_set, {"--resume"}), 120s);
+    REQUIRE_MESSAGE(set_into_ddp.code() == 0, set_into_ddp.err);
+    const RunResult full_into_ddp = run(job(2, "ddp", "full", copied_full, {"--resume"}), 120s);
+    REQUIRE_MESSAGE(full_into_ddp.code() == 0, full_into_ddp.err);
+    check_same_state(nn::load_checkpoint(copied_set), nn::load_checkpoint(copied_full));
+  }
+}
+
+TEST_CASE("fashion_mnist --checkpoint-format sharded: a missing shard file sends every rank back to FILE.prev, with a warning naming it") {
+  TempDir dir;
+  nanoddp::testing::write_small_fashion_mnist(dir.path, 640, 200);
+  const std::string straight_ckpt = dir.path + "/straight.ckpt", ckpt = dir.path + "/run.ckpt";
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> all = {"--strategy", "fsdp", "--epochs", "2"};
+    all.insert(all.end(), extra.begin(), extra.end());
+    return small_run(dir.path, all);
+  };
+  const RunResult straight = run(with({"--checkpoint", straight_ckpt}), 120s);
+  REQUIRE_MESSAGE(straight.code() == 0, straight.err);
+  // Sets after steps 3, 6, 9 and 10 (the end of epoch 1): run.ckpt names the last, run.ckpt.prev
+  // the one after step 9.
+  const RunResult first = run(with({"--stop-after", "1", "--checkpoint", ckpt, "--checkpoint-format",
+                                    "sharded", "--checkpoint-every", "3"}),
+                              120s);
+  REQUIRE_MESSAGE(first.code() == 0, first.err);
+  const int64_t generation = dist::ShardedCheckpointReader(ckpt).generation();
+  CHECK(generation == 4);
+  const std::string lost = dist::shard_file_name(ckpt, generation, 1, 2);
+  REQUIRE(std::filesystem::remove(lost));
+  const RunResult resumed =
+      run(with({"--checkpoint", ckpt, "--checkpoint-format", "sharded", "--resume"}), 120s);
+  REQUIRE_MESSAGE(resumed.code() == 0, resumed.err);
+  CHECK_MESSAGE(
+      contains(resumed.err, "warning: rank 1: checkpoint " + ckpt + " cannot be loaded (sharded checkpoint " +
+                                ckpt + ": shard file " + lost + " (rank 1 of 2): "),
+      resumed.err);
+  CHECK_MESSAGE(contains(resumed.err, "; using the previous one, " + ckpt + ".prev"), resumed.err);
+  CHECK_MESSAGE(contains(resumed.out, "resumed from " + ckpt + ".prev after epoch 0 and 9 steps of the next"),
+                resumed.out);
+  check_same_state(load_any(ckpt), nn::load_checkpoint(straight_ckpt));
+
+  // Under ddp rank 0 holds the whole state: a set is refused before anything runs.
+  const RunResult refused =
+      run(small_run(dir.path, {"--checkpoint", ckpt, "--checkpoint-format", "sharded"}), 120s);
+  CHECK(refused.code() != 0);
+  CHECK_MESSAGE(
+      contains(refused.err, "--checkpoint-format sharded applies to --strategy zero1, zero2 and fsdp"),
+      refused.err);
 }
 
 TEST_CASE("a rank stopped by SIGSTOP mid-epoch is named as the straggler by the ranks that wait for it") {
