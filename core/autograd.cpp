@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "core/autocast.h"
 #include "core/memory.h"
 #include "core/ops.h"
 #include "core/storage.h"
@@ -42,6 +43,10 @@ std::atomic<uint64_t> next_sequence_nr{0};
 void accumulate_into(Tensor& slot, const Tensor& g) {
   if (!slot.defined()) {
     slot = g.is_leaf() && !g.requires_grad() ? g : g.detach();
+    return;
+  }
+  if (slot.dtype() != DType::Float32) {  // a 16-bit intermediate used twice: add in float32, round once
+    slot = add(slot, g);
     return;
   }
   Tensor sum = slot.clone();
@@ -106,6 +111,7 @@ struct CheckpointFrame {
   std::function<std::vector<Tensor>(const std::vector<Tensor>&)> fn;
   std::vector<Tensor> inputs;                // detached; requires_grad as the originals
   std::vector<Generator> generators;         // each drawn-from generator, before the draw
+  AutocastState autocast;                    // the forward's, so the rerun casts the same way
   uint64_t first_creation_nr = 0;            // tensors made from here on are the region's
   std::vector<std::weak_ptr<Node>> nodes;    // per slot, attached in forward
   std::unordered_set<TensorImpl*> dropped;   // the region's tensors whose memory step 1 let go
@@ -145,10 +151,15 @@ struct CheckpointFrame {
       struct Rerun {  // restores the thread's state however fn ends
         std::shared_ptr<CheckpointFrame> recording = std::move(recording_frame);
         GradModeGuard grad{true};
-        explicit Rerun(CheckpointFrame* frame) { rerunning_frame = frame; }
+        AutocastState autocast_outside = autocast_state();
+        explicit Rerun(CheckpointFrame* frame) {
+          rerunning_frame = frame;
+          set_autocast_state(frame->autocast);
+        }
         ~Rerun() {
           rerunning_frame = nullptr;
           recording_frame = std::move(recording);
+          set_autocast_state(autocast_outside);
         }
       } guard(this);
       fn(inputs);  // its outputs go here; the rerun's nodes stay in `rerun`
@@ -205,6 +216,7 @@ std::vector<Tensor> run_checkpointed(const std::function<std::vector<Tensor>(con
   if (!grad_mode_enabled || recording_frame || rerunning_frame) return fn(inputs);
   auto frame = std::make_shared<CheckpointFrame>();
   frame->fn = fn;
+  frame->autocast = autocast_state();
   for (const Tensor& input : inputs) {
     Tensor kept = keep_for_backward(input);
     if (input.defined() && input.requires_grad()) kept.set_requires_grad(true);
@@ -399,7 +411,7 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
       if (target.defined() && input_grads[i].defined() && input_grads[i].is_same(target)) {
         accumulated_in_place.insert(input.impl());  // Note [Accumulating into .grad]
       } else if (input_grads[i].defined()) {
-        NANODDP_ASSERT(input_grads[i].shape() == input.shape());
+        NANODDP_ASSERT(input_grads[i].shape() == input.shape() && input_grads[i].dtype() == input.dtype());
         accumulate_into(grads[input.impl()], input_grads[i]);
       }
       if (--pending[input.impl()] == 0) ready.push(input);

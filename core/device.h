@@ -37,8 +37,9 @@ struct Device {
 std::ostream& operator<<(std::ostream& out, const Device& device);
 
 // Element types. Float32 is the default for everything; Int64 holds class labels (as
-// torch.long); UInt8 holds raw image bytes. Float16 and BFloat16 (core/half.h) are storage
-// for compressed communication only: collectives sum them, no op computes in them.
+// torch.long); UInt8 holds raw image bytes. Float16 and BFloat16 (core/half.h) hold
+// compressed communication (collectives sum them) and what nn::autocast's matrix products
+// return; kernels widen them to float32 to compute (Note [Autocast] in core/autocast.h).
 enum class DType { Float32, Int64, UInt8, Float16, BFloat16 };
 
 inline size_t dtype_size(DType dtype) {

@@ -1,11 +1,12 @@
-// 16-bit floats: IEEE half (float16) and bfloat16, as storage types for communication.
+// 16-bit floats: IEEE half (float16) and bfloat16, as storage types for communication and
+// for autocast's low-precision outputs.
 //
 //   Float16 h = Float16::from_float(0.1f);       // rounded to nearest, ties to even
 //   float back = h.to_float();                   // 0.0999755859375f, exactly
 //   BFloat16 b = BFloat16::from_float(1.0f / 3);  // 8 bits of mantissa: 0.333984375f
 //
-// Tensors of DType::Float16 / BFloat16 hold these; no op computes in them. They exist so DDP's
-// compression hooks (dist/comm_hooks.h) can all-reduce half the bytes: every backend sums
+// Tensors of DType::Float16 / BFloat16 hold these; kernels widen them to float32 to compute.
+// DDP's compression hooks (dist/comm_hooks.h) all-reduce them at half the bytes: every backend sums
 // them by widening each element to float32, adding, and rounding the sum back (what Gloo's
 // float16 sum and NCCL's half sum do), so a sum of N values is rounded N-1 times.
 // Conversions follow torch's .to(torch.float16 / torch.bfloat16): round to nearest, ties to

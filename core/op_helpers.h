@@ -17,6 +17,19 @@ inline void check_float(const char* op, const Tensor& t, const char* what) {
                 " (shape ", t.shape(), ")");
 }
 
+// Throws ValueError unless t is a defined Float32, Float16 or BFloat16 tensor.
+inline void check_floating(const char* op, const Tensor& t, const char* what) {
+  NANODDP_CHECK(t.defined(), ValueError, op, ": ", what, " is undefined");
+  NANODDP_CHECK(t.dtype() == DType::Float32 || is_16bit_float(t.dtype()), ValueError, op, ": ", what,
+                " must be float32, float16 or bfloat16, got ", t.dtype(), " (shape ", t.shape(), ")");
+}
+
+// Throws ValueError unless a and b have one dtype (torch's matmul refuses mixed dtypes too).
+inline void check_same_dtype(const char* op, const Tensor& a, const Tensor& b) {
+  NANODDP_CHECK(a.dtype() == b.dtype(), ValueError, op, ": operands are ", a.dtype(), " and ", b.dtype(),
+                " (shapes ", a.shape(), " and ", b.shape(), "); cast one with .to(dtype), or run under nn::autocast");
+}
+
 // Throws DeviceError unless a and b live on one device.
 inline void check_same_device(const char* op, const Tensor& a, const Tensor& b) {
   NANODDP_CHECK(a.device() == b.device(), DeviceError, op, ": operands on ", a.device(), " and ", b.device(),
@@ -26,7 +39,38 @@ inline void check_same_device(const char* op, const Tensor& a, const Tensor& b) 
 // An uninitialised float32 tensor of t's shape on t's device.
 inline Tensor empty_like(const Tensor& t) { return Tensor::empty(t.shape(), DType::Float32, t.device()); }
 
+// An uninitialised tensor of t's shape, dtype and device.
+inline Tensor empty_same(const Tensor& t) { return Tensor::empty(t.shape(), t.dtype(), t.device()); }
+
 // t's float32 data (a kernel argument).
 inline float* ptr(const Tensor& t) { return t.data<float>(); }
+
+// t's 16-bit data as raw bits (a kernel argument, with t.dtype() naming the format).
+inline uint16_t* bits16(const Tensor& t) {
+  return t.dtype() == DType::BFloat16 ? reinterpret_cast<uint16_t*>(t.data<BFloat16>())
+                                      : reinterpret_cast<uint16_t*>(t.data<Float16>());
+}
+
+// Note [16-bit elementwise ops]
+// Kernels other than matrix products compute in float32 only. An elementwise op given a
+// 16-bit tensor widens it to float32, computes, and rounds its output back to the input's
+// dtype, each cast recorded (Tensor::to), so backward does the same in reverse. That is what
+// torch's CPU kernels do for bfloat16 on CPUs without 16-bit arithmetic: the output is
+// rounded once, as if computed in 16 bits and rounded. A binary op follows torch's type
+// promotion: two operands of one 16-bit dtype give that dtype; a 16-bit and a float32 operand
+// (a float16 and a bfloat16 one) give float32.
+
+// fn(t) for float32 t; for 16-bit t, fn(t in float32) rounded back to t's dtype.
+template <typename Fn>
+Tensor computed_in_float32(const Tensor& t, Fn&& fn) {
+  if (!t.defined() || !is_16bit_float(t.dtype())) return fn(t);
+  return fn(t.to(DType::Float32)).to(t.dtype());
+}
+
+// t, cast up to float32 (recorded) when it is 16-bit: the operand of an op that computes in
+// float32 and returns float32 (Note [Autocast] in core/autocast.h, group 2).
+inline Tensor as_float32(const Tensor& t) {
+  return t.defined() && is_16bit_float(t.dtype()) ? t.to(DType::Float32) : t;
+}
 
 }  // namespace nanoddp

@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "core/autocast.h"
 #include "core/autograd.h"
 #include "core/op_helpers.h"
 
@@ -56,6 +57,23 @@ bool broadcast_of(const char* op, const Tensor& a, const Tensor& b) {
   return true;
 }
 
+// out = op(a) · op(b) in out's dtype, which a and b share: float32 (beta as kernels::matmul) or
+// 16-bit (beta 0; summed in float32, rounded once: kernels::matmul_16bit).
+void gemm(const Tensor& out, const Tensor& a, const Tensor& b, int64_t M, int64_t K, int64_t N, bool trans_a,
+          bool trans_b, float beta) {
+  if (out.dtype() == DType::Float32) {
+    NANODDP_DISPATCH(a.device(), matmul, ptr(out), ptr(a), ptr(b), M, K, N, trans_a, trans_b, beta);
+  } else {
+    NANODDP_ASSERT(beta == 0.0f);
+    NANODDP_DISPATCH(a.device(), matmul_16bit, bits16(out), bits16(a), bits16(b), out.dtype(), M, K, N, trans_a,
+                     trans_b);
+  }
+}
+
+// The dtype of a binary op's output (Note [16-bit elementwise ops]): one dtype stays; mixed
+// float dtypes promote to float32.
+DType promoted(const Tensor& a, const Tensor& b) { return a.dtype() == b.dtype() ? a.dtype() : DType::Float32; }
+
 }  // namespace
 
 // ---- matmul -------------------------------------------------------------------------------
@@ -69,12 +87,12 @@ struct MatmulBackward : Node {
     const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
     Tensor da, db;
     if (a.requires_grad()) {  // da = dout · b^T
-      da = empty_like(a);
-      NANODDP_DISPATCH(a.device(), matmul, ptr(da), ptr(dout), ptr(b), M, N, K, false, true, 0.0f);
+      da = empty_same(a);
+      gemm(da, dout, b, M, N, K, false, true, 0.0f);
     }
     if (b.requires_grad()) {  // db = a^T · dout
-      db = empty_like(b);
-      NANODDP_DISPATCH(a.device(), matmul, ptr(db), ptr(a), ptr(dout), K, M, N, true, false, 0.0f);
+      db = empty_same(b);
+      gemm(db, a, dout, K, M, N, true, false, 0.0f);
     }
     return {da, db};
   }
@@ -82,16 +100,18 @@ struct MatmulBackward : Node {
 };
 }  // namespace
 
-Tensor matmul(const Tensor& a, const Tensor& b) {
-  ForwardSpan span("matmul", {&a, &b});
-  check_float("matmul", a, "a");
-  check_float("matmul", b, "b");
+Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
+  ForwardSpan span("matmul", {&a_in, &b_in});
+  const Tensor a = autocast_operand(a_in), b = autocast_operand(b_in);  // Note [Autocast]
+  check_floating("matmul", a, "a");
+  check_floating("matmul", b, "b");
+  check_same_dtype("matmul", a, b);
   check_same_device("matmul", a, b);
   NANODDP_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), ShapeError, "matmul: a ", a.shape(),
                 " and b ", b.shape(), " do not chain ([M, K] · [K, N])");
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
-  Tensor out = Tensor::empty({M, N}, DType::Float32, a.device());
-  NANODDP_DISPATCH(a.device(), matmul, ptr(out), ptr(a), ptr(b), M, K, N, false, false, 0.0f);
+  Tensor out = Tensor::empty({M, N}, a.dtype(), a.device());
+  gemm(out, a, b, M, K, N, false, false, 0.0f);
   auto node = std::make_shared<MatmulBackward>();
   node->inputs = {a, b};
   return make_result(out, node);
@@ -110,16 +130,14 @@ struct LinearBackward : Node {
     const int64_t N = leading_rows(input);
     Tensor dinput, dweight, dbias;
     if (input.requires_grad()) {  // dinput = dout · weight
-      dinput = empty_like(input);
-      NANODDP_DISPATCH(input.device(), matmul, ptr(dinput), ptr(dout), ptr(weight), N, out_features, in_features,
-                       false, false, 0.0f);
+      dinput = empty_same(input);
+      gemm(dinput, dout, weight, N, out_features, in_features, false, false, 0.0f);
     }
     if (bias.defined() && bias.requires_grad()) dbias = column_sum(dout, out_features);
     if (weight.requires_grad()) {  // dweight = dout^T · input, added into .grad when offered, last
       const Tensor& into = accumulation_target(1);  // Note [Accumulating into .grad]
-      dweight = into.defined() ? into : empty_like(weight);
-      NANODDP_DISPATCH(input.device(), matmul, ptr(dweight), ptr(dout), ptr(input), out_features, N, in_features,
-                       true, false, into.defined() ? 1.0f : 0.0f);
+      dweight = into.defined() ? into : empty_same(weight);
+      gemm(dweight, dout, input, out_features, N, in_features, true, false, into.defined() ? 1.0f : 0.0f);
     }
     return {dinput, dweight, dbias};
   }
@@ -127,10 +145,14 @@ struct LinearBackward : Node {
 };
 }  // namespace
 
-Tensor linear(const Tensor& input, const Tensor& weight, const Tensor& bias) {
-  ForwardSpan span("linear", {&input, &weight, &bias});
-  check_float("linear", input, "input");
-  check_float("linear", weight, "weight");
+Tensor linear(const Tensor& input_in, const Tensor& weight_in, const Tensor& bias_in) {
+  ForwardSpan span("linear", {&input_in, &weight_in, &bias_in});
+  // Note [Autocast]: float32 operands, master weights included, cast to the autocast dtype.
+  const Tensor input = autocast_operand(input_in), weight = autocast_operand(weight_in),
+               bias = autocast_operand(bias_in);
+  check_floating("linear", input, "input");
+  check_floating("linear", weight, "weight");
+  check_same_dtype("linear", input, weight);
   check_same_device("linear", input, weight);
   NANODDP_CHECK(weight.dim() == 2 && input.dim() >= 1 && input.size(-1) == weight.size(1), ShapeError,
                 "linear: input ", input.shape(), " does not fit weight ", weight.shape(),
@@ -138,17 +160,20 @@ Tensor linear(const Tensor& input, const Tensor& weight, const Tensor& bias) {
                 ")");
   const int64_t out_features = weight.size(0), in_features = weight.size(1);
   if (bias.defined()) {
-    check_float("linear", bias, "bias");
+    check_floating("linear", bias, "bias");
+    check_same_dtype("linear", input, bias);
     check_same_device("linear", input, bias);
     NANODDP_CHECK(bias.dim() == 1 && bias.size(0) == out_features, ShapeError, "linear: bias ", bias.shape(),
                   " does not fit weight ", weight.shape(), " (expected [", out_features, "])");
+    // In 16 bits the bias is a separate add (Note [16-bit elementwise ops]): the product is
+    // rounded once, then the sum, as torch's unfused CPU path does.
+    if (input.dtype() != DType::Float32) return add(linear(input, weight, Tensor()), bias);
   }
   const int64_t N = leading_rows(input);
   std::vector<int64_t> out_sizes = input.shape().sizes();
   out_sizes.back() = out_features;
-  Tensor out = Tensor::empty(Shape(out_sizes), DType::Float32, input.device());
-  NANODDP_DISPATCH(input.device(), matmul, ptr(out), ptr(input), ptr(weight), N, in_features, out_features, false,
-                   true, 0.0f);
+  Tensor out = Tensor::empty(Shape(out_sizes), input.dtype(), input.device());
+  gemm(out, input, weight, N, in_features, out_features, false, true, 0.0f);
   if (bias.defined())
     NANODDP_DISPATCH(input.device(), binary_forward, ptr(out), ptr(out), ptr(bias), BinaryOp::Add, N,
                      out_features, true);
@@ -194,6 +219,11 @@ struct BinaryBackward : Node {
 };
 
 Tensor binary_op(const char* name, const Tensor& a, const Tensor& b, BinaryOp op) {
+  if (a.defined() && b.defined() && (is_16bit_float(a.dtype()) || is_16bit_float(b.dtype()))) {
+    check_floating(name, a, "a");  // Note [16-bit elementwise ops]
+    check_floating(name, b, "b");
+    return binary_op(name, a.to(DType::Float32), b.to(DType::Float32), op).to(promoted(a, b));
+  }
   ForwardSpan span(name, {&a, &b});
   const bool broadcast = broadcast_of(name, a, b);
   Tensor out = binary(a, b, op, broadcast);
@@ -230,8 +260,13 @@ Tensor scalar_op(const Tensor& a, ScalarOp op, float s) {
 }
 }  // namespace
 
-Tensor mul(const Tensor& a, float s) { return scalar_op(a, ScalarOp::Mul, s); }
-Tensor div(const Tensor& a, float s) { return scalar_op(a, ScalarOp::Div, s); }
+// Note [16-bit elementwise ops]
+Tensor mul(const Tensor& a, float s) {
+  return computed_in_float32(a, [s](const Tensor& x) { return scalar_op(x, ScalarOp::Mul, s); });
+}
+Tensor div(const Tensor& a, float s) {
+  return computed_in_float32(a, [s](const Tensor& x) { return scalar_op(x, ScalarOp::Div, s); });
+}
 
 Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
 Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
@@ -268,12 +303,15 @@ Tensor reduce_all(const char* name, const Tensor& a, bool mean) {
 }
 }  // namespace
 
-Tensor sum(const Tensor& a) { return reduce_all("sum", a, false); }
-Tensor mean(const Tensor& a) { return reduce_all("mean", a, true); }
+// Note [Autocast], group 2: a 16-bit input is summed in float32.
+Tensor sum(const Tensor& a) { return reduce_all("sum", as_float32(a), false); }
+Tensor mean(const Tensor& a) { return reduce_all("mean", as_float32(a), true); }
 
 // ---- relu ---------------------------------------------------------------------------------
 
 Tensor relu(const Tensor& a) {
+  if (a.defined() && is_16bit_float(a.dtype()))  // Note [16-bit elementwise ops]
+    return computed_in_float32(a, [](const Tensor& x) { return relu(x); });
   ForwardSpan span("relu", {&a});
   check_float("relu", a, "input");
   Tensor out = empty_like(a);
@@ -306,8 +344,9 @@ struct MseBackward : Node {
 };
 }  // namespace
 
-Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) {
-  ForwardSpan span("mse_loss", {&input, &target});
+Tensor mse_loss(const Tensor& input_in, const Tensor& target_in, Reduction reduction) {
+  ForwardSpan span("mse_loss", {&input_in, &target_in});
+  const Tensor input = as_float32(input_in), target = as_float32(target_in);  // Note [Autocast], group 2
   check_float("mse_loss", input, "input");
   check_float("mse_loss", target, "target");
   check_same_device("mse_loss", input, target);
@@ -323,8 +362,9 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) 
 
 // ---- cross_entropy ------------------------------------------------------------------------
 
-Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction) {
-  ForwardSpan span("cross_entropy", {&logits, &target});
+Tensor cross_entropy(const Tensor& logits_in, const Tensor& target, Reduction reduction) {
+  ForwardSpan span("cross_entropy", {&logits_in, &target});
+  const Tensor logits = as_float32(logits_in);  // Note [Autocast], group 2: softmax in float32
   check_float("cross_entropy", logits, "logits");
   NANODDP_CHECK(target.defined() && target.dtype() == DType::Int64, ValueError,
                 "cross_entropy: target must be int64 class indices");
@@ -358,7 +398,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduc
 
 // ---- argmax -------------------------------------------------------------------------------
 
-Tensor argmax(const Tensor& a) {
+Tensor argmax(const Tensor& a_in) {
+  const Tensor a = a_in.defined() && is_16bit_float(a_in.dtype()) ? a_in.detach().to(DType::Float32) : a_in;
   check_float("argmax", a, "input");
   NANODDP_CHECK(a.dim() == 2, ShapeError, "argmax: input ", a.shape(), " must be [N, C]");
   NANODDP_CHECK(a.size(1) > 0 || a.size(0) == 0, ShapeError, "argmax: input ", a.shape(), " has no columns");

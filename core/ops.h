@@ -5,8 +5,12 @@
 //   Tensor loss = cross_entropy(linear(h, w2, b2), y);  // y: [N] int64 -> []
 //   loss.backward();
 //
-// All float inputs are float32 and on one device (DeviceError otherwise). Shape errors are
-// ShapeError with every shape in the message. NaN and Inf propagate as in PyTorch.
+// Float inputs are float32, float16 or bfloat16 (ValueError for other dtypes), all on one
+// device (DeviceError otherwise). Which dtype each op computes in and returns, inside and
+// outside nn::autocast, is Note [Autocast] in core/autocast.h: matmul and linear return their
+// operands' 16-bit dtype; sum, mean and the losses return float32; the elementwise ops keep
+// their input's dtype. Shape errors are ShapeError with every shape in the message. NaN and
+// Inf propagate as in PyTorch.
 #pragma once
 
 #include "core/tensor.h"
@@ -16,16 +20,22 @@ namespace nanoddp {
 
 using kernels::Reduction;
 
-// a: [M, K], b: [K, N] -> [M, N] (torch.matmul of two matrices).
+// a: [M, K], b: [K, N] -> [M, N] (torch.matmul of two matrices). a and b share one dtype
+// (ValueError otherwise, as torch); under nn::autocast both are first cast to its dtype. In 16
+// bits the products are summed in float32 and the output rounded once.
 Tensor matmul(const Tensor& a, const Tensor& b);
 
 // input: [N, in], weight: [out, in], bias: [out] or undefined -> [N, out]
 // = input · weight^T + bias (torch.nn.functional.linear). Backward skips the input gradient
-// when input does not require grad (a first layer).
+// when input does not require grad (a first layer). Operands share one dtype (ValueError
+// otherwise); under nn::autocast each float32 one, weight and bias included, is cast to the
+// autocast dtype by a recorded Tensor::to, so their gradients come back float32.
 Tensor linear(const Tensor& input, const Tensor& weight, const Tensor& bias);
 
 // Elementwise a (op) b. Shapes equal, or b: [F] broadcast over the rows of a: [..., F]
 // (the bias broadcast). Anything else throws ShapeError (we broadcast nothing else).
+// dtypes: one 16-bit dtype stays; mixed float dtypes give float32 (torch's promotion; Note
+// [16-bit elementwise ops] in core/op_helpers.h).
 Tensor add(const Tensor& a, const Tensor& b);
 Tensor sub(const Tensor& a, const Tensor& b);
 Tensor mul(const Tensor& a, const Tensor& b);
@@ -40,7 +50,8 @@ Tensor operator*(const Tensor& a, float s);
 Tensor operator*(float s, const Tensor& a);
 Tensor operator/(const Tensor& a, float s);
 
-// All elements -> [] (torch.sum / torch.mean with no dim). mean of no elements is NaN.
+// All elements -> [] float32 (torch.sum / torch.mean with no dim); a 16-bit input is summed in
+// float32, as autocast's float32 list. mean of no elements is NaN.
 Tensor sum(const Tensor& a);
 Tensor mean(const Tensor& a);
 
@@ -48,11 +59,13 @@ Tensor mean(const Tensor& a);
 Tensor relu(const Tensor& a);
 
 // input, target: same shape exactly (no broadcasting: ShapeError otherwise) -> [] for
-// Mean/Sum, input's shape for None (torch.nn.functional.mse_loss).
+// Mean/Sum, input's shape for None (torch.nn.functional.mse_loss). float32 out; 16-bit
+// operands are cast up first (autocast's float32 list).
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::Mean);
 
-// logits: [N, C] float32, target: [N] int64 class indices in [0, C) -> [] for Mean/Sum, [N]
-// for None (torch.nn.functional.cross_entropy). IndexError names the first bad target.
+// logits: [N, C] float32 (16-bit logits are cast up first: the softmax runs in float32),
+// target: [N] int64 class indices in [0, C) -> [] float32 for Mean/Sum, [N] for None
+// (torch.nn.functional.cross_entropy). IndexError names the first bad target.
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction = Reduction::Mean);
 
 // a: [N, C] -> [N] int64, index of each row's maximum (torch.argmax(a, dim=1)). Not

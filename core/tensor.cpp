@@ -61,6 +61,36 @@ struct ToDeviceBackward : Node {
   const char* name() const override { return "ToDeviceBackward"; }
 };
 
+// Writes src's values into out, both on one device, each Float32, Float16 or BFloat16.
+void cast_into(const Tensor& out, const Tensor& src) {
+  const int64_t n = src.numel();
+  const Device device = src.device();
+  auto bits = [](const Tensor& t) { return static_cast<uint16_t*>(t.impl()->storage->data()); };
+  if (src.dtype() == DType::Float32) {
+    NANODDP_DISPATCH(device, float_to_16bit, bits(out), src.data<float>(), out.dtype(), 1.0f, n);
+  } else if (out.dtype() == DType::Float32) {
+    NANODDP_DISPATCH(device, float_from_16bit, out.data<float>(), bits(src), src.dtype(), n);
+  } else {  // float16 <-> bfloat16 through float32, which holds either exactly
+    Tensor wide = Tensor::empty(src.shape(), DType::Float32, device);
+    cast_into(wide, src);
+    cast_into(out, wide);
+  }
+}
+
+Tensor cast(const Tensor& src, DType dtype) {
+  Tensor out(new_impl(src.shape(), dtype, src.device()));
+  cast_into(out, src);
+  return out;
+}
+
+struct ToDTypeBackward : Node {
+  DType input_dtype;
+  std::vector<Tensor> apply(const Tensor& grad_output) override { return {cast(grad_output, input_dtype)}; }
+  const char* name() const override { return "ToDTypeBackward"; }
+};
+
+bool is_float_dtype(DType dtype) { return dtype == DType::Float32 || is_16bit_float(dtype); }
+
 }  // namespace
 
 // ---- factories ----------------------------------------------------------------------------
@@ -252,6 +282,16 @@ Tensor Tensor::to(Device target) const {
   node->inputs = {*this};
   node->input_device = device();
   return make_result(moved, node);
+}
+
+Tensor Tensor::to(DType target) const {
+  if (dtype() == target) return *this;
+  NANODDP_CHECK(is_float_dtype(dtype()) && is_float_dtype(target), ValueError, "to: cannot cast a ", dtype(),
+                " tensor (shape ", shape(), ") to ", target, ": casts are between float32, float16 and bfloat16");
+  auto node = std::make_shared<ToDTypeBackward>();
+  node->inputs = {*this};
+  node->input_dtype = dtype();
+  return make_result(cast(*this, target), node);
 }
 
 // ---- copies and in-place updates ----------------------------------------------------------

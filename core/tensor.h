@@ -8,7 +8,9 @@
 // Python reference to a torch.Tensor does. There are no strides; the only views are reshape,
 // which shares storage, and slice_view, a contiguous range of another tensor's memory (a DDP
 // gradient inside its bucket). float32 is the default dtype; int64 holds class labels;
-// uint8 holds raw bytes (images). Only float32 tensors take part in autograd.
+// uint8 holds raw bytes (images). Float16 and BFloat16 hold what autocast's matrix products
+// make (Note [Autocast] in core/autocast.h). Only float tensors take part in autograd, and only
+// float32 ones can be leaves that require grad.
 //
 // Errors: ShapeError for shapes that do not fit, ValueError for bad arguments, DeviceError
 // for a CUDA tensor where host data is needed (copy with .to(Device::cpu()) first) or for
@@ -92,6 +94,12 @@ class Tensor {
   Tensor reshape(const std::vector<int64_t>& sizes) const;
   // A copy on device; returns *this when already there (torch.Tensor.to).
   Tensor to(Device device) const;
+  // A copy in dtype, among Float32, Float16 and BFloat16; returns *this when already so
+  // (torch.Tensor.to(dtype)). Narrowing rounds to nearest, ties to even (core/half.h);
+  // widening is exact. Recorded: backward casts the gradient back to this tensor's dtype,
+  // which is how a float32 parameter cast for autocast gets a float32 .grad (Note [Autocast]
+  // in core/autocast.h). Throws ValueError for Int64 or UInt8 on either side.
+  Tensor to(DType dtype) const;
 
   // ---- views of a range (not recorded by autograd) ----------------------------------------
   // A tensor of `shape` whose elements are this tensor's elements [offset, offset +

@@ -59,6 +59,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
       timeout_(options.timeout),
       broadcast_buffers_(options.broadcast_buffers) {
   NANODDP_CHECK(module_ != nullptr && pg_ != nullptr, ValueError, "DistributedDataParallel needs a module and a process group");
+  NANODDP_CHECK(options.reduce_dtype == DType::Float32 || is_16bit_float(options.reduce_dtype), ValueError,
+                "DistributedDataParallel: reduce_dtype must be float32, float16 or bfloat16, got ",
+                options.reduce_dtype);
   verify_model_matches();
   // After the check, which makes requires_grad agree across ranks: every rank throws or none.
   const std::vector<Tensor> params = module_->parameters();
@@ -69,6 +72,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
   broadcast_parameters(/*root=*/0);
   broadcast_buffers(/*root=*/0);
   reducer_ = std::make_unique<Reducer>(trainable(module_->named_parameters()), pg_, options);
+  if (options.reduce_dtype != DType::Float32) {
+    register_comm_hook(pg_, options.reduce_dtype == DType::BFloat16 ? bf16_compress_hook : fp16_compress_hook);
+    reduce_dtype_ = options.reduce_dtype;  // after: register_comm_hook refuses once it is set
+  }
   for (const Tensor& p : params) requires_grad_at_construction_.emplace_back(p, p.requires_grad());
 }
 

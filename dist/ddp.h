@@ -82,6 +82,13 @@ struct DDPOptions : ReducerOptions {
   // Broadcast rank 0's buffers before each forward that syncs (Note [Buffer broadcast]),
   // as torch's DistributedDataParallel(broadcast_buffers=True).
   bool broadcast_buffers = true;
+  // The dtype gradients are all-reduced in (torch FSDP's MixedPrecision.reduce_dtype; torch's
+  // DDP gets the same from bf16_compress_hook). Float16 or BFloat16 send half the bytes: each
+  // bucket is divided by world_size, rounded to 16 bits, summed in 16 bits and widened back
+  // into the float32 .grad, by the built-in fp16_compress_hook / bf16_compress_hook, which
+  // this option registers (one piece of code for both). Float32, the default, all-reduces
+  // float32. ValueError for another dtype; register_comm_hook then throws ValueError too.
+  DType reduce_dtype = DType::Float32;
 };
 
 class DistributedDataParallel : public nn::Module, public Joinable {
@@ -136,6 +143,8 @@ class DistributedDataParallel : public nn::Module, public Joinable {
   //   ddp.register_comm_hook(pg, dist::fp16_compress_hook);
   template <typename State, typename Hook>
   void register_comm_hook(State state, Hook hook) {
+    NANODDP_CHECK(reduce_dtype_ == DType::Float32, ValueError, "register_comm_hook: this DDP reduces in ",
+                  reduce_dtype_, " (DDPOptions::reduce_dtype), which is itself a comm hook; use one or the other");
     if constexpr (std::is_same_v<State, std::shared_ptr<ProcessGroup>>) {
       if (state == nullptr) state = pg_;
     }
@@ -159,6 +168,7 @@ class DistributedDataParallel : public nn::Module, public Joinable {
   std::shared_ptr<ProcessGroup> pg_;
   std::chrono::milliseconds timeout_;
   bool broadcast_buffers_;
+  DType reduce_dtype_ = DType::Float32;
   std::unique_ptr<Reducer> reducer_;
   // Every parameter and whether it required grad at construction (Note [Frozen parameters]).
   std::vector<std::pair<Tensor, bool>> requires_grad_at_construction_;

@@ -9,6 +9,7 @@
 
 #include "core/autograd.h"
 #include "core/memory.h"
+#include "core/op_helpers.h"
 #include "core/ops.h"
 #include "core/trace.h"
 #include "dist/host_collectives.h"
@@ -37,6 +38,10 @@ struct FullyShardedDataParallel::Unit {
   Tensor full;              // [W * S], freed between uses unless NO_SHARD
   Tensor full_grad;         // [W * S] while a backward accumulates into it
   std::shared_ptr<Work> gather_work;
+  // With MixedPrecision in 16 bits: the shard rounded for the all_gather and the gathered
+  // [W * S] it writes, until wait_gathered widens it into full; the rounded [W * S] gradient
+  // that the reduce_scatter reads, until it completes.
+  Tensor low_shard, low_full, low_grad;
   double gather_issued_us = 0;
   bool gathered = false;
   bool prepared = false;  // this backward made .grad views of full_grad
@@ -72,6 +77,9 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<nn::Module> m
                                                    FSDPOptions options)
     : module_(std::move(module)), pg_(std::move(pg)), options_(std::move(options)) {
   NANODDP_CHECK(module_ != nullptr && pg_ != nullptr, ValueError, "FullyShardedDataParallel needs a model and a group");
+  for (DType dtype : {options_.mixed_precision.param_dtype, options_.mixed_precision.reduce_dtype})
+    NANODDP_CHECK(dtype == DType::Float32 || is_16bit_float(dtype), ValueError,
+                  "FullyShardedDataParallel: MixedPrecision dtypes must be float32, float16 or bfloat16, got ", dtype);
   build_units();
 }
 
@@ -223,7 +231,21 @@ void FullyShardedDataParallel::gather(size_t u) {
   std::vector<Tensor> outputs;
   for (int r = 0; r < world; ++r) outputs.push_back(unit.full.slice_view(r * unit.shard_numel, {unit.shard_numel}));
   if (trace::enabled()) unit.gather_issued_us = trace::now_us();
-  unit.gather_work = pg_->all_gather(outputs, unit.shard.detach());
+  const DType param_dtype = options_.mixed_precision.param_dtype;
+  if (param_dtype == DType::Float32) {
+    unit.gather_work = pg_->all_gather(outputs, unit.shard.detach());
+    return;
+  }
+  // MixedPrecision.param_dtype: the same all_gather at half the bytes, into a 16-bit buffer.
+  const Device device = unit.full.device();
+  unit.low_shard = Tensor::empty({unit.shard_numel}, param_dtype, device);
+  unit.low_full = Tensor::empty({world * unit.shard_numel}, param_dtype, device);
+  NANODDP_DISPATCH(device, float_to_16bit, bits16(unit.low_shard), unit.shard.data<float>(), param_dtype, 1.0f,
+                   unit.shard_numel);
+  std::vector<Tensor> low_outputs;
+  for (int r = 0; r < world; ++r)
+    low_outputs.push_back(unit.low_full.slice_view(r * unit.shard_numel, {unit.shard_numel}));
+  unit.gather_work = pg_->all_gather(low_outputs, unit.low_shard);
 }
 
 void FullyShardedDataParallel::wait_gathered(size_t u) {
@@ -234,10 +256,17 @@ void FullyShardedDataParallel::wait_gathered(size_t u) {
   unit.gather_work->wait(options_.timeout);
   unit.gather_work.reset();
   unit.gathered = true;
+  const size_t gathered_bytes = unit.low_shard.defined() ? unit.low_shard.nbytes() : unit.shard.nbytes();
+  if (unit.low_full.defined()) {  // widened back: the forward's parameters are float32 again
+    NANODDP_DISPATCH(unit.full.device(), float_from_16bit, unit.full.data<float>(), bits16(unit.low_full),
+                     unit.low_full.dtype(), unit.low_full.numel());
+    unit.low_shard = Tensor();
+    unit.low_full = Tensor();
+  }
   if (trace::enabled())
     trace::complete(kFsdpLane + static_cast<int>(u), "all_gather " + unit_label(unit.name), unit.gather_issued_us,
                     trace::now_us(),
-                    "\"unit\":" + std::to_string(u) + ",\"bytes\":" + std::to_string(unit.shard.nbytes()) +
+                    "\"unit\":" + std::to_string(u) + ",\"bytes\":" + std::to_string(gathered_bytes) +
                         ",\"world_size\":" + std::to_string(pg_->size()));
 }
 
@@ -258,6 +287,8 @@ void FullyShardedDataParallel::drop_unused_prefetches() {
     if (!unit.gather_work) continue;
     unit.gather_work->wait(options_.timeout);
     unit.gather_work.reset();
+    unit.low_shard = Tensor();
+    unit.low_full = Tensor();
     unit.gathered = true;
     reshard(u);
   }
@@ -344,7 +375,28 @@ void FullyShardedDataParallel::reduce(size_t u) {
   unit.reduced = true;
   if (sync_) {
     if (trace::enabled()) unit.reduce_issued_us = trace::now_us();
-    if (options_.sharding_strategy == ShardingStrategy::NO_SHARD) {
+    const DType reduce_dtype = options_.mixed_precision.reduce_dtype;
+    if (reduce_dtype != DType::Float32) {
+      // MixedPrecision.reduce_dtype: divide by world_size and round (Avg is float32 only), then
+      // sum in 16 bits, as DDP's compression hooks do; finish_reduction widens the result.
+      const Device device = unit.full_grad.device();
+      const int64_t numel = unit.full_grad.numel(), world = pg_->size();
+      const bool sharded = options_.sharding_strategy != ShardingStrategy::NO_SHARD;
+      MemoryCategoryScope gradients(MemoryCategory::Gradients);
+      unit.low_grad = Tensor::empty({numel}, reduce_dtype, device);
+      NANODDP_DISPATCH(device, float_to_16bit, bits16(unit.low_grad), unit.full_grad.data<float>(), reduce_dtype,
+                       static_cast<float>(world), numel);
+      if (sharded) {
+        unit.reduce_output = Tensor::empty({unit.shard_numel}, reduce_dtype, device);
+        std::vector<Tensor> inputs;
+        for (int r = 0; r < world; ++r)
+          inputs.push_back(unit.low_grad.slice_view(r * unit.shard_numel, {unit.shard_numel}));
+        unit.reduce_work = pg_->reduce_scatter(unit.reduce_output, inputs, ReduceOp::Sum);
+      } else {
+        unit.reduce_output = unit.low_grad;
+        unit.reduce_work = pg_->all_reduce(unit.reduce_output, ReduceOp::Sum);
+      }
+    } else if (options_.sharding_strategy == ShardingStrategy::NO_SHARD) {
       unit.reduce_output = unit.full_grad;
       unit.reduce_work = pg_->all_reduce(unit.reduce_output, ReduceOp::Avg);
     } else {
@@ -380,6 +432,14 @@ void FullyShardedDataParallel::finish_reduction(size_t u) {
                         unit_label(unit.name),
                     unit.reduce_issued_us, trace::now_us(),
                     "\"unit\":" + std::to_string(u) + ",\"bytes\":" + std::to_string(unit.reduce_output.nbytes()));
+  if (unit.reduce_output.dtype() != DType::Float32) {  // MixedPrecision.reduce_dtype: widen
+    MemoryCategoryScope gradients(MemoryCategory::Gradients);
+    Tensor wide = Tensor::empty(unit.reduce_output.shape(), DType::Float32, unit.reduce_output.device());
+    NANODDP_DISPATCH(wide.device(), float_from_16bit, wide.data<float>(), bits16(unit.reduce_output),
+                     unit.reduce_output.dtype(), wide.numel());
+    unit.reduce_output = wide;
+    unit.low_grad = Tensor();
+  }
   Tensor grad = unit.shard.grad();
   if (!grad.defined()) {
     unit.shard.set_grad(unit.reduce_output);
@@ -432,7 +492,10 @@ void FullyShardedDataParallel::abandon_interrupted_backward() {
     reshard(u);
   }
   for (auto& work : issued) work->wait(options_.timeout);
-  for (auto& unit : units_) unit->reduce_output = Tensor();
+  for (auto& unit : units_) {
+    unit->reduce_output = Tensor();
+    unit->low_grad = Tensor();
+  }
 }
 
 float FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_type, bool error_if_nonfinite) {

@@ -83,8 +83,22 @@ AutoWrapPolicy module_wrap_policy() {
   return [](const std::string&, nn::Module& module) { return ((dynamic_cast<Modules*>(&module) != nullptr) || ...); };
 }
 
+// What FSDP communicates in (torch.distributed.fsdp.MixedPrecision). Float16 or BFloat16
+// halve the bytes; the shards, their gradients and the optimizer stay float32:
+//   param_dtype: each rank rounds its shard to it, the units are all-gathered in it, and the
+//     full parameters are widened back to float32, so a forward computes with rounded weights
+//     (under nn::autocast, Linear casts them to 16 bits anyway: the same values);
+//   reduce_dtype: each unit's gradient is divided by world_size, rounded to it, reduce-
+//     scattered (all-reduced with NO_SHARD) in it, and widened into the float32 shard .grad.
+// Float32, the default, sends float32. ValueError for another dtype.
+struct MixedPrecision {
+  DType param_dtype = DType::Float32;
+  DType reduce_dtype = DType::Float32;
+};
+
 struct FSDPOptions {
   ShardingStrategy sharding_strategy = ShardingStrategy::FULL_SHARD;
+  MixedPrecision mixed_precision;
   // Empty: the root is the only unit.
   AutoWrapPolicy auto_wrap_policy;
   // Issue the next unit's all_gather before this unit's forward (torch's default: false).

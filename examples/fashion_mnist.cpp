@@ -10,6 +10,7 @@
 //   nanoddp-run --nproc-per-node 2 build/examples/fashion_mnist --explain --trace run.json
 //       --hidden 1024,1024,512 --bucket-cap-mb 4      # several buckets, overlapping backward
 //   nanoddp-run --nproc-per-node 2 build/examples/fashion_mnist --comm-hook bf16   # half the bytes
+//   nanoddp-run --nproc-per-node 2 build/examples/fashion_mnist --precision bf16   # nn::autocast
 //   nanoddp-run --nproc-per-node 2 build/examples/fashion_mnist --gradient-as-bucket-view
 //   nanoddp-run --nproc-per-node 2 build/examples/fashion_mnist --find-unused-parameters --explain
 //   nanoddp-run --nproc-per-node 2 build/examples/fashion_mnist_cnn --sync-batch-norm --explain
@@ -56,6 +57,7 @@
 #include "dist/ddp.h"
 #include "dist/host_collectives.h"
 #include "dist/explain.h"
+#include "dist/grad_scaler.h"
 #include "dist/gradient_accumulation.h"
 #include "dist/init.h"
 #include "dist/sharded_checkpoint.h"
@@ -68,6 +70,7 @@
 #include "examples/process_group_flags.h"
 #include "tools/cli_checks.h"
 #include "nn/adam.h"
+#include "nn/autocast.h"
 #include "nn/batch_norm.h"
 #include "nn/checkpoint.h"
 #include "nn/conv.h"
@@ -116,6 +119,7 @@ struct Config {
   bool sync_batch_norm = false;         // CNN: the same as SyncBatchNorm (statistics over every rank)
   bool prefetch = false;
   bool checkpoint_activations = false;  // each block checkpointed (nn/activation_checkpoint.h)
+  std::string precision = "fp32";       // fp32 | bf16 | fp16: the forward under nn::autocast
   bool quiet = false;
   std::vector<int64_t> hidden = {256, 128};  // widths of the hidden layers
   double bucket_cap_mb = static_cast<double>(dist::kDefaultBucketCapBytes) / (1 << 20);
@@ -306,8 +310,9 @@ class Schedule {
 };
 
 // Test accuracy over the whole test set, each image counted once across ranks.
-double evaluate(nn::Module& model, data::DataLoader& loader, dist::ProcessGroup& pg) {
+double evaluate(nn::Module& model, data::DataLoader& loader, dist::ProcessGroup& pg, const std::string& precision) {
   NoGradGuard no_grad;
+  nn::autocast autocast(precision == "fp16" ? DType::Float16 : DType::BFloat16, precision != "fp32");
   model.eval();
   int64_t correct = 0, seen = 0;
   for (const data::Batch& batch : loader) {
@@ -651,6 +656,11 @@ std::string flags_problem(const Config& config) {
   if (config.checkpoint_activations && config.sync_batch_norm)
     return "--checkpoint-activations with --sync-batch-norm: a block's rerun would all-reduce its statistics again "
            "in backward; use --batch-norm";
+  // accumulate_gradients runs each micro-batch's backward itself, so the loss scale has no
+  // place to go in; bf16 needs no scale.
+  if (config.precision == "fp16" && config.accumulate > 1)
+    return "--precision fp16 with --accumulate: the micro-batches' backward cannot be loss-scaled; use --precision "
+           "bf16, which needs no GradScaler";
   if (config.warmup_epochs >= config.epochs)
     return "--warmup-epochs " + std::to_string(config.warmup_epochs) + " leaves no epoch after the warm-up of --epochs " +
            std::to_string(config.epochs);
@@ -769,6 +779,13 @@ int run(const Config& config) {
   // model before sharding it, as torch's FSDP does without meta-device initialisation).
   reset_peak_memory();
   nn::CrossEntropyLoss loss_fn;
+  // --precision: the forward under autocast (docs/mixed-precision.md). fp16 scales the loss
+  // so small gradients survive, and every rank skips the same steps (found-inf all-reduced).
+  const bool low_precision = config.precision != "fp32";
+  const DType low_dtype = config.precision == "fp16" ? DType::Float16 : DType::BFloat16;
+  dist::GradScalerOptions scaling;
+  scaling.enabled = config.precision == "fp16";
+  dist::GradScaler scaler(scaling, pg);
 
   double train_loss = NAN, accuracy = NAN, samples_per_s = NAN;
   // Every training step's wall time on this rank, all epochs: their median is a step's cost
@@ -780,7 +797,7 @@ int run(const Config& config) {
   const int last_epoch = config.stop_after > 0 ? config.stop_after : config.epochs;  // stop_after <= epochs
   // Nothing to train (--epochs or --stop-after already reached): the result line still
   // reports the resumed model's accuracy.
-  if (first_epoch >= last_epoch) accuracy = evaluate(trained, test_loader, *pg);
+  if (first_epoch >= last_epoch) accuracy = evaluate(trained, test_loader, *pg, config.precision);
   if (rank == 0 && first_epoch >= last_epoch)
     std::fprintf(stderr, "%s: nothing to train: the checkpoint has %d epoch%s done, and this run ends after epoch %d (%s)\n",
                  kExample, first_epoch, first_epoch == 1 ? "" : "s", last_epoch,
@@ -824,13 +841,20 @@ int run(const Config& config) {
         // The step's batch in micro-batches, each loss weighted by its share of the samples:
         // the same gradient, 1/K of the activations (Note [Micro-batch weights]).
         const int64_t micro = std::min<int64_t>(config.accumulate, batch.input.size(0));
+        nn::autocast autocast(low_dtype, low_precision);
         loss = dist::accumulate_gradients(parallel, dist::split_micro_batches(batch.input, batch.target, micro), loss_fn);
       } else {
-        loss = loss_fn(trained(batch.input), batch.target);
-        loss.backward();
+        Tensor logits;
+        {
+          nn::autocast autocast(low_dtype, low_precision);
+          logits = trained(batch.input);
+        }
+        loss = loss_fn(logits, batch.target);
+        scaler.scale(loss).backward();
       }
       parallel.finish_gradient_sync();
-      optimizer->step();
+      scaler.step(*optimizer);  // optimizer->step() unless fp16 found an inf
+      scaler.update();
       schedule.step(epoch * train_loader.size() + steps);
       {
         NoGradGuard no_grad;
@@ -895,7 +919,7 @@ int run(const Config& config) {
     train_loss = stats[0] / world_size;
     check_finite(static_cast<float>(train_loss), rank, epoch, steps);
     samples_per_s = stats[1] / slowest[0];
-    accuracy = evaluate(trained, test_loader, *pg);
+    accuracy = evaluate(trained, test_loader, *pg, config.precision);
     if (chatty)
       std::printf("epoch %d/%d: train loss %.4f, test accuracy %.4f, %.0f samples/s\n", epoch + 1, config.epochs,
                   train_loss, accuracy, samples_per_s);
@@ -939,13 +963,14 @@ int run(const Config& config) {
         "{\"example\":\"%s\",\"world_size\":%d,\"epochs\":%d,\"test_accuracy\":%s,\"train_loss\":%s,"
         "\"samples_per_s\":%s,\"step_ms_median\":%s,\"peak_rss_mb\":%s,\"backend\":\"%s\",\"device\":\"%s\","
         "\"optimizer\":\"%s\",\"comm_hook\":\"%s\",\"gradient_as_bucket_view\":%s,\"strategy\":\"%s\","
-        "\"peak_model_state_bytes\":%lld,\"checkpoint_activations\":%s,\"peak_activation_bytes\":%lld}\n",
+        "\"peak_model_state_bytes\":%lld,\"checkpoint_activations\":%s,\"peak_activation_bytes\":%lld,"
+        "\"precision\":\"%s\"}\n",
         kExample, world_size, epochs_done, examples::json_number(accuracy).c_str(), examples::json_number(train_loss).c_str(),
         examples::json_number(samples_per_s).c_str(), examples::json_number(slowest_rank[1]).c_str(),
         examples::json_number(slowest_rank[0]).c_str(), pg->backend_name().c_str(), device.str().c_str(),
         config.optimizer.c_str(), config.comm_hook.c_str(), config.gradient_as_bucket_view ? "true" : "false",
         config.strategy.c_str(), static_cast<long long>(peak_bytes[0]), config.checkpoint_activations ? "true" : "false",
-        static_cast<long long>(peak_bytes[1]));
+        static_cast<long long>(peak_bytes[1]), config.precision.c_str());
     std::fflush(stdout);
   }
   pg->barrier()->wait();  // rank 0 serves the store: let every rank finish first
@@ -1026,6 +1051,10 @@ int main(int argc, char** argv) {
       ->check(cli::integer_in(1));
   app.add_flag("--prefetch", config.prefetch, "collate batches on a background thread");
   app.add_flag("--quiet", config.quiet, "only the final JSON line (and what --explain asks for)");
+  app.add_option("--precision", config.precision,
+                 "fp32, or bf16 / fp16: the forward under nn::autocast (Linear and Conv2d in 16 bits, float32 "
+                 "master weights and optimizer); fp16 adds a GradScaler (docs/mixed-precision.md)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   app.add_flag("--checkpoint-activations", config.checkpoint_activations,
                "checkpoint every block (nn::checkpoint): backward reruns each block's forward instead of keeping its "
                "activations; the same gradients, bit for bit (docs/checkpointing.md)");

@@ -27,6 +27,8 @@ NANODDP_DECLARE_KERNEL(sigmoid_forward, float* y, const float* x, int64_t n)
 NANODDP_DECLARE_KERNEL(sigmoid_backward, float* dx, const float* dy, const float* y, int64_t n)  // WRITES
 
 inline Tensor sigmoid(const Tensor& x) {
+  if (x.defined() && is_16bit_float(x.dtype()))  // Note [16-bit elementwise ops]
+    return computed_in_float32(x, [&](const Tensor& wide) { return sigmoid(wide); });
   ForwardSpan span("sigmoid", {&x});
   check_float("sigmoid", x, "input");
   Tensor y = empty_like(x);
@@ -46,6 +48,8 @@ NANODDP_DECLARE_KERNEL(tanh_forward, float* y, const float* x, int64_t n)
 NANODDP_DECLARE_KERNEL(tanh_backward, float* dx, const float* dy, const float* y, int64_t n)  // WRITES
 
 inline Tensor tanh(const Tensor& x) {
+  if (x.defined() && is_16bit_float(x.dtype()))  // Note [16-bit elementwise ops]
+    return computed_in_float32(x, [&](const Tensor& wide) { return tanh(wide); });
   ForwardSpan span("tanh", {&x});
   check_float("tanh", x, "input");
   Tensor y = empty_like(x);
@@ -69,6 +73,8 @@ NANODDP_DECLARE_KERNEL(gelu_backward, float* dx, const float* dy, const float* x
                        int64_t n)  // WRITES
 
 inline Tensor gelu(const Tensor& x, const std::string& approximate = "none") {
+  if (x.defined() && is_16bit_float(x.dtype()))  // Note [16-bit elementwise ops]
+    return computed_in_float32(x, [&](const Tensor& wide) { return gelu(wide, approximate); });
   ForwardSpan span("gelu", {&x});
   check_float("gelu", x, "input");
   NANODDP_CHECK(approximate == "none" || approximate == "tanh", ValueError, "gelu: approximate must be 'none' or ",
@@ -94,6 +100,8 @@ NANODDP_DECLARE_KERNEL(softplus_backward, float* dx, const float* dy, const floa
                        int64_t n)  // WRITES
 
 inline Tensor softplus(const Tensor& x, float beta = 1.0f, float threshold = 20.0f) {
+  if (x.defined() && is_16bit_float(x.dtype()))  // Note [16-bit elementwise ops]
+    return computed_in_float32(x, [&](const Tensor& wide) { return softplus(wide, beta, threshold); });
   ForwardSpan span("softplus", {&x});
   check_float("softplus", x, "input");
   Tensor y = empty_like(x);

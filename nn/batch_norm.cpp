@@ -95,10 +95,11 @@ void check_channels(const Tensor& input, const Tensor& t, const char* what, int6
 }
 }  // namespace
 
-Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+Tensor batch_norm(const Tensor& input_in, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                   const Tensor& bias, bool training, float momentum, float eps,
                   std::shared_ptr<BatchStatsAllReduce> all_reduce) {
-  ForwardSpan span("batch_norm", {&input, &weight, &bias});
+  ForwardSpan span("batch_norm", {&input_in, &weight, &bias});
+  const Tensor input = as_float32(input_in);  // Note [Autocast], group 2: statistics in float32
   check_float("batch_norm", input, "input");
   NANODDP_CHECK(input.dim() == 2 || input.dim() == 3, ShapeError,
                 "batch_norm: expected a 2-d [N, C] or 3-d [N, C, L] input, got ", input.shape());

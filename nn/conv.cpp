@@ -6,6 +6,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "core/autocast.h"
 #include "core/autograd.h"
 #include "core/op_helpers.h"
 #include "kernels/cpu/winograd.h"
@@ -115,9 +116,9 @@ int64_t images_per_gemm(Device device, bool keeps_cols, int64_t N, int64_t CKK, 
 
 // ---- conv2d -------------------------------------------------------------------------------
 
-Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Size2 stride, Size2 padding,
-              Size2 dilation) {
-  ForwardSpan span("conv2d", {&input, &weight, &bias});
+namespace {
+Tensor conv2d_float32(const Tensor& input, const Tensor& weight, const Tensor& bias, Size2 stride, Size2 padding,
+                      Size2 dilation) {
   check_float("conv2d", weight, "weight");
   NANODDP_CHECK(weight.dim() == 4, ShapeError, "conv2d: weight ", weight.shape(), " must be [OC, C, kh, kw]");
   const Window2d g = make_window("conv2d", input, {weight.size(2), weight.size(3)}, stride, padding, dilation);
@@ -230,9 +231,32 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
   });
 }
 
+}  // namespace
+
+// Note [Autocast], group 1. There is no 16-bit convolution kernel here: the operands, cast to
+// 16 bits (recorded), are widened to float32, convolved, and the output rounded once. That is
+// the computation torch's CPU autocast does; on CUDA it costs float32 speed.
+Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Size2 stride, Size2 padding,
+              Size2 dilation) {
+  ForwardSpan span("conv2d", {&input, &weight, &bias});
+  const AutocastState autocast = autocast_state();
+  if (!autocast.enabled && !(input.defined() && is_16bit_float(input.dtype())))
+    return conv2d_float32(input, weight, bias, stride, padding, dilation);
+  check_floating("conv2d", input, "input");
+  check_floating("conv2d", weight, "weight");
+  if (!autocast.enabled) check_same_dtype("conv2d", input, weight);
+  if (!autocast.enabled && bias.defined()) check_same_dtype("conv2d", input, bias);
+  const DType dtype = autocast.enabled ? autocast.dtype : input.dtype();
+  auto widened = [dtype](const Tensor& t) { return t.defined() ? t.to(dtype).to(DType::Float32) : t; };
+  return conv2d_float32(widened(input), widened(weight), widened(bias), stride, padding, dilation).to(dtype);
+}
+
 // ---- max_pool2d ---------------------------------------------------------------------------
 
 Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 padding, Size2 dilation) {
+  if (input.defined() && is_16bit_float(input.dtype()))  // Note [16-bit elementwise ops]
+    return computed_in_float32(
+        input, [&](const Tensor& x) { return max_pool2d(x, kernel_size, stride, padding, dilation); });
   ForwardSpan span("max_pool2d", {&input});
   Window2d g = make_window("max_pool2d", input, kernel_size, stride, padding, dilation);
   NANODDP_CHECK(2 * padding.h <= kernel_size.h && 2 * padding.w <= kernel_size.w, ValueError,

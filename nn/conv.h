@@ -43,6 +43,10 @@ struct Size2 {
 // up to whole tiles) plus additions, and 16 (C + OC) floats per tile of about 256 tiles of
 // scratch; its rounding differs from im2col + GEMM within float32 error, and inputs, weights
 // or gradients with NaN or inf use im2col + GEMM, whose values for them are torch's.
+// dtypes: float32, or under nn::autocast its 16-bit dtype (every float32 operand cast by a
+// recorded op; the 16-bit operands widened and convolved in float32, the output rounded
+// once: torch's CPU autocast). A 16-bit input outside autocast needs the same dtype for
+// weight and bias (ValueError otherwise) and gives that dtype.
 Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Size2 stride = 1, Size2 padding = 0,
               Size2 dilation = 1);
 

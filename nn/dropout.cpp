@@ -26,6 +26,8 @@ uint64_t dropout_key(Generator& gen) {
 }
 
 Tensor dropout(const Tensor& x, float p, bool training, Generator& gen) {
+  if (x.defined() && is_16bit_float(x.dtype()))  // Note [16-bit elementwise ops]
+    return computed_in_float32(x, [&](const Tensor& wide) { return dropout(wide, p, training, gen); });
   ForwardSpan span("dropout", {&x});  // the mask drawn on x's device, then mul
   check_float("dropout", x, "input");
   check_probability("dropout", p);

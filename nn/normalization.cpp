@@ -23,9 +23,10 @@ namespace {
 float* ptr_or_null(const Tensor& t) { return t.defined() ? ptr(t) : nullptr; }
 }  // namespace
 
-Tensor layer_norm(const Tensor& input, const std::vector<int64_t>& normalized_shape, const Tensor& weight,
+Tensor layer_norm(const Tensor& input_in, const std::vector<int64_t>& normalized_shape, const Tensor& weight,
                   const Tensor& bias, float eps) {
-  ForwardSpan span("layer_norm", {&input, &weight, &bias});
+  ForwardSpan span("layer_norm", {&input_in, &weight, &bias});
+  const Tensor input = as_float32(input_in);  // Note [Autocast], group 2: statistics in float32
   check_float("layer_norm", input, "input");
   NANODDP_CHECK(!normalized_shape.empty(), ValueError, "layer_norm: normalized_shape is empty");
   NANODDP_CHECK(eps >= 0.0f, ValueError, "layer_norm: eps must be >= 0, got ", eps);

@@ -483,6 +483,54 @@ TEST_CASE("fp16 and bf16 compression hooks: the mean of the rounded values, in h
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE("DDPOptions::reduce_dtype: the compression hooks' 16-bit mean in half the bytes; no second hook") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [port](int rank) {
+    auto pg = join(rank, 2, port);
+    std::vector<std::vector<float>> grads[2] = {local_gradients(0, 2), local_gradients(1, 2)};
+    for (const DType dtype : {DType::Float16, DType::BFloat16}) {
+      dist::DDPOptions options;
+      options.first_bucket_cap_bytes = 100;
+      options.bucket_cap_bytes = 150;
+      options.reduce_dtype = dtype;
+      auto model = make_mlp(7);
+      dist::DistributedDataParallel ddp(model, pg, options);
+      pg->reset_counts();
+      const Batch b = rows(global_batch(0), 8 * rank, 8 * rank + 8);
+      cross_entropy(ddp(b.x), b.y).backward();
+      // 75 float32 gradients: 300 bytes in float32, 150 in 16 bits, in the same 2 buckets.
+      const dist::CollectiveCount count = pg->count(dist::Collective::AllReduce);
+      expect(count.calls == 2 && count.bytes == 150, "rank ", rank, " ", dtype, ": ", count.calls,
+             " all-reduces of ", count.bytes, " bytes, expected 2 of 150");
+      const auto params = model->parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        const std::vector<float> want = dtype == DType::BFloat16
+                                            ? compressed_mean<BFloat16>({grads[0][i], grads[1][i]})
+                                            : compressed_mean<Float16>({grads[0][i], grads[1][i]});
+        expect(params[i].grad().dtype() == DType::Float32 && params[i].grad().to_vector() == want, "rank ", rank,
+               " ", dtype, ": parameter ", i, "'s gradient is not the 16-bit mean");
+      }
+      bool refused = false;
+      try {
+        ddp.register_comm_hook(pg, dist::allreduce_hook);
+      } catch (const ValueError&) {
+        refused = true;
+      }
+      expect(refused, "rank ", rank, ": a comm hook was accepted on top of reduce_dtype ", dtype);
+    }
+    dist::DDPOptions bad;
+    bad.reduce_dtype = DType::Int64;
+    bool threw = false;
+    try {
+      dist::DistributedDataParallel ddp(make_mlp(7), pg, bad);
+    } catch (const ValueError&) {
+      threw = true;
+    }
+    expect(threw, "rank ", rank, ": reduce_dtype int64 was accepted");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("compression hooks at 4 ranks: each rank's rounded share, summed in 16 bits") {
   const int port = testing::free_port();
   const std::string failures = on_ranks(4, [port](int rank) {

@@ -15,9 +15,11 @@
 #include <set>
 #include <sstream>
 
+#include "core/ops.h"
 #include "dist/ddp.h"
 #include "dist/explain.h"
 #include "dist/init.h"
+#include "nn/autocast.h"
 #include "nn/layers.h"
 #include "tests/subprocess.h"
 
@@ -289,7 +291,9 @@ TEST_CASE("docs: every page of the series ends with questions whose answers name
     // The ladder's and checkpointing's pages ask the same way (what to predict, then a test
     // says what comes back).
     const bool in_series = page.rfind("docs/ddp/", 0) == 0;
-    if (!in_series && page != "docs/ladder.md" && page != "docs/checkpointing.md") continue;
+    if (!in_series && page != "docs/ladder.md" && page != "docs/checkpointing.md" &&
+        page != "docs/mixed-precision.md")
+      continue;
     if (in_series) ++pages;
     CAPTURE(page);
     const std::string text = read(root + "/" + page);
@@ -359,4 +363,50 @@ TEST_CASE("docs answers: the default MLP is one bucket of 940584 bytes; a ring s
   CHECK(dist::ring_bytes_sent_per_rank(940584, 2) == 940584);
   CHECK(dist::ring_bytes_sent_per_rank(940584, 4) == 1410876);  // 2 * 3 / 4 * 940584
   CHECK(dist::ring_bytes_sent_per_rank(940584, 8) == 1646022);  // 2 * 7 / 8 * 940584
+}
+
+// docs/mixed-precision.md, questions 1 and 2.
+TEST_CASE("docs answers: bf16 reduce_dtype sends 470292 bytes per step; a bf16 Linear(784, 256) output at batch 64 is 32768") {
+  dist::InitOptions options;
+  options.backend = dist::Backend::Gloo;
+  options.rank = 0;
+  options.world_size = 1;
+  options.init_method = "tcp://127.0.0.1:0";
+  auto pg = dist::init_process_group(options);
+  Generator gen(0);
+  auto model = std::make_shared<nn::Sequential>();  // fashion_mnist's default
+  model->add(nn::Linear(784, 256, gen));
+  model->add(nn::ReLU());
+  model->add(nn::Linear(256, 128, gen));
+  model->add(nn::ReLU());
+  model->add(nn::Linear(128, 10, gen));
+  dist::DDPOptions ddp_options;
+  ddp_options.reduce_dtype = DType::BFloat16;
+  dist::DistributedDataParallel ddp(model, pg, ddp_options);
+  const Tensor x = Tensor::ones({2, 784});
+  const Tensor y = Tensor::from_vector(std::vector<int64_t>{1, 2});
+  pg->reset_counts();
+  Tensor logits;
+  {
+    nn::autocast guard(DType::BFloat16);
+    logits = ddp(x);
+  }
+  CHECK(logits.dtype() == DType::BFloat16);
+  // Question 2: a Linear(784, 256) output at batch 64 under autocast: 64 x 256 x 2 bytes.
+  nn::Linear first(784, 256, gen);
+  Tensor hidden;
+  {
+    nn::autocast guard(DType::BFloat16);
+    hidden = first(Tensor::ones({64, 784}));
+  }
+  CHECK(hidden.dtype() == DType::BFloat16);
+  CHECK(hidden.nbytes() == 32768);  // float32: 65536
+  CHECK(first.weight.dtype() == DType::Float32);
+  cross_entropy(logits, y).backward();
+  // Question 1: 235146 gradients, 2 bytes each, in the one bucket (a comm hook runs at world 1).
+  const dist::CollectiveCount count = pg->count(dist::Collective::AllReduce);
+  CHECK(count.calls == 1);
+  CHECK(count.bytes == 470292);
+  for (const Tensor& p : model->parameters()) CHECK(p.grad().dtype() == DType::Float32);
+  dist::destroy_process_group();
 }

@@ -330,6 +330,36 @@ TEST_CASE("--checkpoint-activations: the same training bit for bit on 2 ranks, f
   CHECK_MESSAGE(refused.err.find("--checkpoint-activations applies to --strategy ddp") != std::string::npos, refused.err);
 }
 
+TEST_CASE("--precision bf16 and fp16 train and say so in the JSON line; a bad value is refused by name") {
+  TempDir dir;
+  write_small_fashion_mnist(dir.path, 640, 200);
+  const std::vector<std::pair<std::string, std::string>> runs = {
+      {"fashion_mnist", "fp32"}, {"fashion_mnist", "bf16"}, {"fashion_mnist", "fp16"}, {"fashion_mnist_cnn", "bf16"}};
+  for (const auto& [example, precision] : runs) {
+    const std::string name = example + " " + precision;  // CAPTURE cannot name a structured binding (C++17)
+    CAPTURE(name);
+    const RunResult r = run({launcher_path(), "--nproc-per-node", "2", "--backend", "gloo",
+                             built("examples/" + example), "--data-dir", dir.path, "--batch-size", "32", "--epochs", "1",
+                             "--quiet", "--precision", precision},
+                            120s);
+    REQUIRE_MESSAGE(r.code() == 0, r.err);
+    const auto lines = json_lines(r.out);
+    REQUIRE(lines.size() == 1);
+    CHECK(lines[0].find("\"precision\":\"" + precision + "\"") != std::string::npos);
+    CHECK(std::isfinite(json_field(lines[0], "train_loss")));
+    CHECK(json_field(lines[0], "peak_activation_bytes") > 0);
+  }
+  const RunResult bad = run({built("examples/fashion_mnist"), "--data-dir", dir.path, "--precision", "fp8"}, 60s);
+  CHECK(bad.code() == 2);
+  CHECK_MESSAGE(bad.err.find("--precision") != std::string::npos, bad.err);
+  CHECK_MESSAGE(bad.err.find("fp8") != std::string::npos, bad.err);
+  const RunResult unscaled = run({built("examples/fashion_mnist"), "--data-dir", dir.path, "--precision", "fp16",
+                                  "--accumulate", "2"},
+                                 60s);
+  CHECK(unscaled.code() == 2);
+  CHECK_MESSAGE(unscaled.err.find("--precision fp16 with --accumulate") != std::string::npos, unscaled.err);
+}
+
 TEST_CASE("fashion_mnist: a missing data folder is a clear error, not a crash") {
   const RunResult r = run({built("examples/fashion_mnist"), "--data-dir", "/nonexistent/folder", "--epochs", "1"});
   CHECK(r.code() == 1);

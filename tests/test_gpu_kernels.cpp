@@ -291,6 +291,48 @@ TEST_CASE("matmul matches the CPU for shapes off every tile, all transposes, bet
   }
 }
 
+TEST_CASE("matmul_16bit (cublasGemmEx, float32 sums) is the product of the rounded operands within a 16-bit rounding") {
+  struct Dims { int64_t M, K, N; };
+  const std::vector<Dims> dims = {{33, 17, 5}, {1, 1, 1}, {0, 3, 4}, {3, 0, 4}, {257, 255, 129}, {64, 784, 256}};
+  for (const DType format : {DType::BFloat16, DType::Float16}) {
+    // bfloat16 keeps 8 significant bits, float16 11: one rounding of the output is half a unit.
+    const float rounding = format == DType::BFloat16 ? 1.0f / 256 : 1.0f / 2048;
+    for (const Dims& d : dims) {
+      const auto a = normals(d.M * d.K, 24), b = normals(d.K * d.N, 25);
+      std::vector<uint16_t> a16(a.size()), b16(b.size());
+      cpu::float_to_16bit(a16.data(), a.data(), format, 1.0f, d.M * d.K);
+      cpu::float_to_16bit(b16.data(), b.data(), format, 1.0f, d.K * d.N);
+      std::vector<float> a_rounded(a.size()), b_rounded(b.size());
+      cpu::float_from_16bit(a_rounded.data(), a16.data(), format, d.M * d.K);
+      cpu::float_from_16bit(b_rounded.data(), b16.data(), format, d.K * d.N);
+      for (bool trans_a : {false, true}) {
+        for (bool trans_b : {false, true}) {
+          // The reference: float32 GEMM of the rounded operands; the bound: one output rounding
+          // plus float32 reordering, both relative to |a| . |b|.
+          std::vector<float> want(static_cast<size_t>(d.M * d.N)), bound(want.size());
+          cpu::matmul(want.data(), a_rounded.data(), b_rounded.data(), d.M, d.K, d.N, trans_a, trans_b, 0.0f);
+          std::vector<float> abs_a(a_rounded), abs_b(b_rounded);
+          for (float& v : abs_a) v = std::fabs(v);
+          for (float& v : abs_b) v = std::fabs(v);
+          cpu::matmul(bound.data(), abs_a.data(), abs_b.data(), d.M, d.K, d.N, trans_a, trans_b, 0.0f);
+          for (size_t i = 0; i < bound.size(); ++i) bound[i] = rounding * std::fabs(want[i]) + 1e-5f * bound[i];
+          DeviceArray<uint16_t> da(a16), db(b16), out(want.size());
+          out.poison();
+          gpu::matmul_16bit(out.data(), da.data(), db.data(), format, d.M, d.K, d.N, trans_a, trans_b);
+          const std::vector<uint16_t> got16 = out.to_host();
+          std::vector<float> got(got16.size());
+          cpu::float_from_16bit(got.data(), got16.data(), format, static_cast<int64_t>(got.size()));
+          expect_within(std::string(format == DType::BFloat16 ? "bf16" : "fp16") + " matmul_16bit [" +
+                            std::to_string(d.M) + "x" + std::to_string(d.K) + "] . [" + std::to_string(d.K) + "x" +
+                            std::to_string(d.N) + "] trans_a=" + std::to_string(trans_a) +
+                            " trans_b=" + std::to_string(trans_b),
+                        got, want, bound);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("mse forward and backward match the CPU for every reduction") {
   for (int64_t n : kSizes) {
     // 0/1 values: squared differences are 0 or 1 and their sum is exact in float32.

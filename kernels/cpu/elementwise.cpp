@@ -25,6 +25,10 @@ void bytes_to_unit_float(float* out, const uint8_t* in, int64_t n) {
 namespace {
 template <typename T>
 void to_16bit(uint16_t* out, const float* in, float divisor, int64_t n) {
+  if (divisor == 1.0f) {  // a plain cast (Tensor::to): x / 1 is x, so one rounding gives the same bits
+    for (int64_t i = 0; i < n; ++i) out[i] = T::from_float(in[i]).bits;
+    return;
+  }
   for (int64_t i = 0; i < n; ++i) out[i] = T::from_float(T::from_float(in[i]).to_float() / divisor).bits;
 }
 template <typename T>

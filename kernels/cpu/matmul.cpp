@@ -2,6 +2,7 @@
 // products that have one tiny dimension (Note [Thin matmuls]).
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "kernels/cpu/eigen_maps.h"
 #include "kernels/kernels.h"
@@ -142,6 +143,23 @@ void matmul(float* out, const float* a, const float* b, int64_t M, int64_t K, in
   if (!trans_a && trans_b) product(A, B.transpose());
   if (trans_a && !trans_b) product(A.transpose(), B);
   if (trans_a && trans_b) product(A.transpose(), B.transpose());
+}
+
+// The CPU has no 16-bit arithmetic to use here (Eigen would widen each element in the inner
+// loop), so the operands are widened once, multiplied by the float32 GEMM and rounded once.
+// That is the float32 sum autocast promises, at the cost of 4 bytes per operand element.
+void matmul_16bit(uint16_t* out, const uint16_t* a, const uint16_t* b, DType format, int64_t M, int64_t K,
+                  int64_t N, bool trans_a, bool trans_b) {
+  // Buffers kept per thread: a training step calls this with the same sizes every time, and
+  // fresh allocations of this size cost a page fault per 4 KiB, each step.
+  thread_local std::vector<float> wide_a, wide_b, wide_out;
+  wide_a.resize(static_cast<size_t>(M * K));
+  wide_b.resize(static_cast<size_t>(K * N));
+  wide_out.resize(static_cast<size_t>(M * N));
+  float_from_16bit(wide_a.data(), a, format, M * K);
+  float_from_16bit(wide_b.data(), b, format, K * N);
+  matmul(wide_out.data(), wide_a.data(), wide_b.data(), M, K, N, trans_a, trans_b, 0.0f);
+  float_to_16bit(out, wide_out.data(), format, 1.0f, M * N);
 }
 
 }  // namespace nanoddp::kernels::cpu

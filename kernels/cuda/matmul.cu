@@ -35,4 +35,24 @@ void matmul(float* out, const float* a, const float* b, int64_t M, int64_t K, in
                                    out, m));
 }
 
+// 16-bit operands and output, float32 accumulation: the tensor cores' bf16/fp16 path.
+void matmul_16bit(uint16_t* out, const uint16_t* a, const uint16_t* b, DType format, int64_t M, int64_t K,
+                  int64_t N, bool trans_a, bool trans_b) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {  // an empty sum; +0 has all bits clear in both formats
+    NANODDP_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(M * N) * sizeof(uint16_t), stream()));
+    return;
+  }
+  NANODDP_CHECK(M <= INT_MAX && K <= INT_MAX && N <= INT_MAX, ValueError, "matmul_16bit: [", M, ", ", K, "] x [",
+                K, ", ", N, "] has a size beyond cuBLAS's 32-bit int");
+  const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
+  const int ld_b = static_cast<int>(trans_b ? K : N);  // Note [Row-major through cuBLAS]
+  const int ld_a = static_cast<int>(trans_a ? M : K);
+  const cudaDataType type = format == DType::BFloat16 ? CUDA_R_16BF : CUDA_R_16F;
+  const float alpha = 1.0f, beta = 0.0f;  // float scalars: CUBLAS_COMPUTE_32F takes them as float
+  NANODDP_CUBLAS_CHECK(cublasGemmEx(cublas_handle(), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                    trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k, &alpha, b, type, ld_b, a, type,
+                                    ld_a, &beta, out, type, m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
 }  // namespace nanoddp::kernels::cuda
