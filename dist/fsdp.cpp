@@ -584,6 +584,15 @@ std::unordered_map<const TensorImpl*, size_t> FullyShardedDataParallel::model_pa
   return index;
 }
 
+std::vector<std::pair<size_t, size_t>> FullyShardedDataParallel::unit_place_of_parameters() const {
+  const auto model_index = model_parameter_index();
+  std::vector<std::pair<size_t, size_t>> where(module_->parameters().size());
+  for (size_t u = 0; u < units_.size(); ++u)
+    for (size_t k = 0; k < units_[u]->params.size(); ++k)
+      where[model_index.at(units_[u]->params[k].second.impl())] = {u, k};
+  return where;
+}
+
 nn::StateDict FullyShardedDataParallel::full_optim_state_dict(const nn::Optimizer& optimizer) {
   const std::vector<Tensor> shards = parameters();
   NANODDP_CHECK(optimizer.params().size() == shards.size(), ValueError,
@@ -620,18 +629,13 @@ nn::StateDict FullyShardedDataParallel::full_optim_state_dict(const nn::Optimize
 }
 
 nn::StateDict FullyShardedDataParallel::shard_full_optim_state_dict(const nn::StateDict& full) const {
-  const auto model_params = module_->parameters();
-  const auto model_index = model_parameter_index();
-  std::vector<std::pair<size_t, size_t>> where(model_params.size());  // model index -> (unit, k)
-  for (size_t u = 0; u < units_.size(); ++u)
-    for (size_t k = 0; k < units_[u]->params.size(); ++k)
-      where[model_index.at(units_[u]->params[k].second.impl())] = {u, k};
+  const std::vector<std::pair<size_t, size_t>> where = unit_place_of_parameters();  // model index -> (unit, k)
   // buffer -> unit -> entries found
   std::map<std::string, std::map<size_t, std::vector<std::pair<size_t, Tensor>>>> grouped;
   for (const auto& [key, value] : full) {
     const auto [buffer, j] = split_state_key(key);
-    NANODDP_CHECK(j < model_params.size(), ValueError, "FullyShardedDataParallel.shard_full_optim_state_dict: key '",
-                  key, "' names parameter ", j, " but the model has ", model_params.size());
+    NANODDP_CHECK(j < where.size(), ValueError, "FullyShardedDataParallel.shard_full_optim_state_dict: key '",
+                  key, "' names parameter ", j, " but the model has ", where.size());
     grouped[buffer][where[j].first].emplace_back(where[j].second, value);
   }
   nn::StateDict sharded;
@@ -784,19 +788,14 @@ nn::StateDict FullyShardedDataParallel::read_local_state_dict(ShardedCheckpointR
 
 nn::StateDict FullyShardedDataParallel::read_local_optim_state_dict(ShardedCheckpointReader& reader,
                                                                     const std::string& prefix) const {
-  const auto model_params = module_->parameters();
-  const auto model_index = model_parameter_index();
-  std::vector<std::pair<size_t, size_t>> where(model_params.size());  // model index -> (unit, k)
-  for (size_t u = 0; u < units_.size(); ++u)
-    for (size_t k = 0; k < units_[u]->params.size(); ++k)
-      where[model_index.at(units_[u]->params[k].second.impl())] = {u, k};
+  const std::vector<std::pair<size_t, size_t>> where = unit_place_of_parameters();  // model index -> (unit, k)
   // buffer -> unit -> (k, name in the set)
   std::map<std::string, std::map<size_t, std::vector<std::pair<size_t, std::string>>>> grouped;
   for (const std::string& name : reader.names()) {
     if (name.compare(0, prefix.size(), prefix) != 0) continue;
     const auto [buffer, j] = split_state_key(name.substr(prefix.size()));
-    NANODDP_CHECK(j < model_params.size(), ValueError, "sharded checkpoint ", reader.path(), ": '", name,
-                  "' names parameter ", j, " but the model has ", model_params.size());
+    NANODDP_CHECK(j < where.size(), ValueError, "sharded checkpoint ", reader.path(), ": '", name,
+                  "' names parameter ", j, " but the model has ", where.size());
     grouped[buffer][where[j].first].emplace_back(where[j].second, name);
   }
   const bool no_shard = options_.sharding_strategy == ShardingStrategy::NO_SHARD;

@@ -221,6 +221,8 @@ class FullyShardedDataParallel : public nn::Module {
   void reshard_all();
   // Each of the model's parameters (by TensorImpl) -> its index in module().parameters().
   std::unordered_map<const TensorImpl*, size_t> model_parameter_index() const;
+  // For each of module().parameters(), in that order: (its unit, its place in the unit).
+  std::vector<std::pair<size_t, size_t>> unit_place_of_parameters() const;
   // Elements [begin, end) of unit u's flat vector that rank holds in a sharded checkpoint.
   std::pair<int64_t, int64_t> saved_range(size_t u, int rank) const;
   void prefetch_after(const std::vector<size_t>& order, size_t u);

@@ -59,9 +59,12 @@ void ShmSegment::wait_until(Ready&& ready, int peer, Clock::time_point deadline,
                     " ms (waiting for ", waited, "; a peer may have exited or be out of step)");
     }
     // A peer may also post its last piece and exit between the ready() above and this
-    // check: look again before calling it dead (it posts before it exits).
-    if (!peers_alive(peer) && ready()) return;
-    check_alive(peer, what);
+    // check, or during it: once it is seen dead, everything it posted is visible, so look
+    // again then, and only then call it lost (it posts before it exits).
+    if (!peers_alive(peer)) {
+      if (ready()) return;
+      check_alive(peer, what);
+    }
     const uint32_t rings = bell.rings.load();
     bell.sleepers.fetch_add(1);
     if (ready()) {

@@ -30,6 +30,19 @@ inline std::shared_ptr<nn::Sequential> make_mlp(uint64_t seed) {
   return model;
 }
 
+// fashion_mnist's default MLP: Linear(784, 256), ReLU, Linear(256, 128), ReLU, Linear(128, 10)
+// (235,146 parameters, 940,584 bytes), drawn from seed as the example draws it.
+inline std::shared_ptr<nn::Sequential> make_fashion_mnist_mlp(uint64_t seed = 0) {
+  Generator gen(seed);
+  auto model = std::make_shared<nn::Sequential>();
+  model->add(nn::Linear(784, 256, gen));
+  model->add(nn::ReLU());
+  model->add(nn::Linear(256, 128, gen));
+  model->add(nn::ReLU());
+  model->add(nn::Linear(128, 10, gen));
+  return model;
+}
+
 inline Batch random_batch(uint64_t seed, int64_t rows, int64_t features, int classes) {
   Generator gen(seed);
   Tensor x = Tensor::randn({rows, features}, gen);

@@ -27,6 +27,7 @@
 #include "nn/layers.h"
 #include "nn/normalization.h"
 #include "nn/optim.h"
+#include "tests/batches.h"
 
 using namespace nanoddp;
 
@@ -343,13 +344,7 @@ struct TrainResult {
 // (Float32: no autocast).
 TrainResult train_fashion_mnist(DType precision, int64_t n_train, int epochs) {
   const data::FashionMNIST train, test(data::FashionMNIST::kDefaultRoot, false);
-  Generator gen(0);
-  auto model = std::make_shared<nn::Sequential>();
-  model->add(nn::Linear(784, 256, gen));
-  model->add(nn::ReLU());
-  model->add(nn::Linear(256, 128, gen));
-  model->add(nn::ReLU());
-  model->add(nn::Linear(128, 10, gen));
+  auto model = testing::make_fashion_mnist_mlp();  // fashion_mnist's default
   nn::SGDOptions sgd;
   sgd.lr = 0.05;
   sgd.momentum = 0.9f;

@@ -21,6 +21,7 @@
 #include "dist/init.h"
 #include "nn/autocast.h"
 #include "nn/layers.h"
+#include "tests/batches.h"
 #include "tests/subprocess.h"
 
 using namespace nanoddp;
@@ -324,13 +325,7 @@ TEST_CASE("docs answers: the default MLP is one bucket of 940584 bytes; a ring s
   options.world_size = 1;
   options.init_method = "tcp://127.0.0.1:0";
   auto pg = dist::init_process_group(options);
-  Generator gen(0);
-  auto model = std::make_shared<nn::Sequential>();  // fashion_mnist's default
-  model->add(nn::Linear(784, 256, gen));
-  model->add(nn::ReLU());
-  model->add(nn::Linear(256, 128, gen));
-  model->add(nn::ReLU());
-  model->add(nn::Linear(128, 10, gen));
+  auto model = testing::make_fashion_mnist_mlp();  // fashion_mnist's default
   dist::DistributedDataParallel ddp(model, pg);
   const auto plan = ddp.reducer().bucket_plan();
   REQUIRE(plan.size() == 1);
@@ -373,13 +368,7 @@ TEST_CASE("docs answers: bf16 reduce_dtype sends 470292 bytes per step; a bf16 L
   options.world_size = 1;
   options.init_method = "tcp://127.0.0.1:0";
   auto pg = dist::init_process_group(options);
-  Generator gen(0);
-  auto model = std::make_shared<nn::Sequential>();  // fashion_mnist's default
-  model->add(nn::Linear(784, 256, gen));
-  model->add(nn::ReLU());
-  model->add(nn::Linear(256, 128, gen));
-  model->add(nn::ReLU());
-  model->add(nn::Linear(128, 10, gen));
+  auto model = testing::make_fashion_mnist_mlp();  // fashion_mnist's default
   dist::DDPOptions ddp_options;
   ddp_options.reduce_dtype = DType::BFloat16;
   dist::DistributedDataParallel ddp(model, pg, ddp_options);
@@ -393,6 +382,7 @@ TEST_CASE("docs answers: bf16 reduce_dtype sends 470292 bytes per step; a bf16 L
   }
   CHECK(logits.dtype() == DType::BFloat16);
   // Question 2: a Linear(784, 256) output at batch 64 under autocast: 64 x 256 x 2 bytes.
+  Generator gen(0);
   nn::Linear first(784, 256, gen);
   Tensor hidden;
   {

@@ -9,6 +9,7 @@
 #include "dist/explain.h"
 #include "dist/gradient_accumulation.h"
 #include "dist/init.h"
+#include "tests/batches.h"
 #include "tests/dist_ranks.h"
 #include "tests/ladder_checks.h"
 #include "tests/multiprocess.h"
@@ -205,13 +206,7 @@ TEST_CASE("docs answers: one step of fashion_mnist's MLP (235146 parameters) at 
     auto pg = testing::join(rank, 2, port);
     for (const char* rung : {"naive", "flat", "overlap", "buckets"}) {
       // fashion_mnist's default MLP: 784 -> 256 -> 128 -> 10, 6 parameters.
-      Generator gen(0);
-      auto model = std::make_shared<nn::Sequential>();
-      model->add(nn::Linear(784, 256, gen));
-      model->add(nn::ReLU());
-      model->add(nn::Linear(256, 128, gen));
-      model->add(nn::ReLU());
-      model->add(nn::Linear(128, 10, gen));
+      auto model = testing::make_fashion_mnist_mlp();
       expect(dist::numel_of(model->parameters()) == 235146, "the MLP has ",
              dist::numel_of(model->parameters()), " parameters");
       const StepCount got = count_one_step(rung, pg, 1, model, 784);
