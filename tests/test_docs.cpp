@@ -28,6 +28,16 @@ using namespace nanoddp;
 
 namespace {
 
+// The default group of one rank over Gloo: the pages' single-process answers.
+std::shared_ptr<dist::ProcessGroup> init_gloo_world_of_one() {
+  dist::InitOptions options;
+  options.backend = dist::Backend::Gloo;
+  options.rank = 0;
+  options.world_size = 1;
+  options.init_method = "tcp://127.0.0.1:0";
+  return dist::init_process_group(options);
+}
+
 std::string source_dir() {
   const char* dir = std::getenv("NANODDP_SOURCE_DIR");
   REQUIRE_MESSAGE(dir != nullptr, "NANODDP_SOURCE_DIR is not set (meson test sets it)");
@@ -319,12 +329,7 @@ TEST_CASE("docs: every page of the series ends with questions whose answers name
 
 // docs/ddp/04-hooks-and-buckets.md and 05-all-reduce-algorithms.md.
 TEST_CASE("docs answers: the default MLP is one bucket of 940584 bytes; a ring sends 2(N-1)/N of it per rank") {
-  dist::InitOptions options;
-  options.backend = dist::Backend::Gloo;
-  options.rank = 0;
-  options.world_size = 1;
-  options.init_method = "tcp://127.0.0.1:0";
-  auto pg = dist::init_process_group(options);
+  auto pg = init_gloo_world_of_one();
   auto model = testing::make_fashion_mnist_mlp();  // fashion_mnist's default
   dist::DistributedDataParallel ddp(model, pg);
   const auto plan = ddp.reducer().bucket_plan();
@@ -362,12 +367,7 @@ TEST_CASE("docs answers: the default MLP is one bucket of 940584 bytes; a ring s
 
 // docs/mixed-precision.md, questions 1 and 2.
 TEST_CASE("docs answers: bf16 reduce_dtype sends 470292 bytes per step; a bf16 Linear(784, 256) output at batch 64 is 32768") {
-  dist::InitOptions options;
-  options.backend = dist::Backend::Gloo;
-  options.rank = 0;
-  options.world_size = 1;
-  options.init_method = "tcp://127.0.0.1:0";
-  auto pg = dist::init_process_group(options);
+  auto pg = init_gloo_world_of_one();
   auto model = testing::make_fashion_mnist_mlp();  // fashion_mnist's default
   dist::DDPOptions ddp_options;
   ddp_options.reduce_dtype = DType::BFloat16;
