@@ -107,19 +107,6 @@ int64_t manifest_generation(const std::string& path) {
   }
 }
 
-// path as it was kept as path.prev (the link under a temporary name, renamed over path.prev),
-// so that path.prev is never absent while path is replaced.
-void keep_as_previous(const std::string& path) {
-  if (::access(path.c_str(), F_OK) != 0) return;
-  const std::string previous = path + ".prev", staged = previous + ".tmp";
-  std::remove(staged.c_str());  // a leftover of a save that died here
-  NANODDP_CHECK(::link(path.c_str(), staged.c_str()) == 0, IOError, "cannot keep the previous checkpoint ",
-                path, " as ", previous, ": link: ", std::strerror(errno));
-  NANODDP_CHECK(std::rename(staged.c_str(), previous.c_str()) == 0, IOError,
-                "cannot keep the previous checkpoint ", path, " as ", previous,
-                ": rename: ", std::strerror(errno));
-}
-
 // One rank's account of its save: what it holds and whether its shard file was written.
 struct RankReport {
   bool ok = false;
@@ -341,7 +328,7 @@ void save_sharded_checkpoint(const std::string& path, const ShardedStateDict& mi
         manifest[kDtypePrefix + name] = int64_tensor({static_cast<int64_t>(first->dtype)});
         manifest[kRangesPrefix + name] = Tensor::from_vector(flat, Shape({world, 2}));
       }
-      keep_as_previous(path);
+      nn::keep_previous_checkpoint(path);
       nn::save_checkpoint(path, manifest);
       // 5. The sets that no manifest names any more.
       remove_unused_shard_files(path);

@@ -4,17 +4,14 @@
 //   examples::save_keeping_previous("run.ckpt", state);           // run.ckpt.prev: the last one
 //   auto [state, used] = examples::load_newest_readable("run.ckpt"); // falls back to run.ckpt.prev
 //
-// Saving hard-links the current file to PATH.prev (atomically: a link under a temporary name,
-// renamed over PATH.prev), then writes the new one with nn::save_checkpoint, which replaces
+// Saving keeps the current file as PATH.prev (nn::keep_previous_checkpoint), then writes the new one with nn::save_checkpoint, which replaces
 // PATH atomically. PATH itself is never absent or half-written: a save that fails (a full disk,
 // ulimit -f) leaves it as it was, and the error (IOError) names the file. Loading takes PATH
 // and, when PATH is missing, truncated or corrupt (every byte is checksummed), PATH.prev, with a
 // warning on stderr that names the damaged file and why.
 #pragma once
 
-#include <cerrno>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <string>
 #include <utility>
@@ -31,15 +28,7 @@ inline std::string previous_checkpoint(const std::string& path) { return path + 
 // Keeps the current PATH as PATH.prev, then saves `state` to PATH. Throws IOError naming the
 // file the failed step wrote.
 inline void save_keeping_previous(const std::string& path, const nn::StateDict& state) {
-  const std::string previous = previous_checkpoint(path);
-  if (::access(path.c_str(), F_OK) == 0) {
-    const std::string staged = previous + ".tmp";
-    std::remove(staged.c_str());  // a leftover of a save that died here
-    NANODDP_CHECK(::link(path.c_str(), staged.c_str()) == 0, IOError, "cannot keep the previous checkpoint ", path,
-                  " as ", previous, ": link: ", std::strerror(errno));
-    NANODDP_CHECK(std::rename(staged.c_str(), previous.c_str()) == 0, IOError, "cannot keep the previous checkpoint ",
-                  path, " as ", previous, ": rename: ", std::strerror(errno));
-  }
+  nn::keep_previous_checkpoint(path);
   nn::save_checkpoint(path, state);
 }
 

@@ -1,5 +1,9 @@
 #include "nn/checkpoint.h"
 
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <unordered_map>
 
@@ -45,10 +49,10 @@ class Reader {
   size_t offset_ = 0;
 };
 
-// When a file's checksum fails, whether it was cut short: walks the entries' headers, which
-// say how many bytes each entry takes, and names where the file ran out. A write cut short
-// (a full disk, a copy interrupted) is the common corruption, and "truncated" says what to
-// look for where "checksum mismatch" does not. Returns "" when the entries fit the file.
+// For a file whose checksum fails: where it was cut short, found by walking the entries'
+// headers (each says how many bytes its entry takes). A write cut short (a full disk, an
+// interrupted copy) is the usual damage, and the offset where the file ends tells the user
+// what to look for. Returns "" when the entries fit the file.
 std::string where_truncated(const std::string& bytes) {
   size_t offset = sizeof(kMagic) + sizeof(uint32_t);
   const auto read_u64 = [&](size_t at, uint64_t& value) {
@@ -102,6 +106,16 @@ std::string checkpoint_bytes(const StateDict& tensors) {
   }
   put<uint64_t>(bytes, fnv1a(bytes));
   return bytes;
+}
+
+void keep_previous_checkpoint(const std::string& path) {
+  if (::access(path.c_str(), F_OK) != 0) return;
+  const std::string previous = path + ".prev", staged = previous + ".tmp";
+  std::remove(staged.c_str());  // a leftover of a save that died here
+  NANODDP_CHECK(::link(path.c_str(), staged.c_str()) == 0, IOError, "cannot keep the previous checkpoint ", path,
+                " as ", previous, ": link: ", std::strerror(errno));
+  NANODDP_CHECK(std::rename(staged.c_str(), previous.c_str()) == 0, IOError, "cannot keep the previous checkpoint ",
+                path, " as ", previous, ": rename: ", std::strerror(errno));
 }
 
 void check_checkpoint_writable(const std::string& path) {

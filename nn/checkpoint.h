@@ -36,6 +36,11 @@ void save_checkpoint(const std::string& path, const StateDict& tensors);
 // its own earlier checkpoint, never a file it did not write (save_checkpoint itself, like
 // torch.save, replaces whatever is there).
 void check_checkpoint_writable(const std::string& path);
+// Keeps the file at path, if there is one, as path + ".prev", before path is replaced: a hard
+// link made under a temporary name and renamed over path.prev, so that path.prev is never
+// absent and path is never touched. Throws IOError naming both files and the step that failed
+// (link: another file system, no permission; rename).
+void keep_previous_checkpoint(const std::string& path);
 StateDict load_checkpoint(const std::string& path);
 // The bytes save_checkpoint writes for tensors (to send a state elsewhere than to a file).
 // Throws ValueError for a name longer than 4096 bytes.
