@@ -66,10 +66,14 @@ inline std::vector<MicroBatch> split_micro_batches(const Tensor& input, const Te
 // and the last backward reduces their sum once (torch's recipe). model: anything with
 // operator()(Tensor) and no_sync() (DistributedDataParallel, FullyShardedDataParallel, a
 // ladder rung; a ladder rung's finish_gradient_sync() is the caller's, after this returns).
-// .grad is added to, not replaced: zero it before. Returns the big batch's mean loss
-// (detached, 0-dim). Throws ValueError for no micro-batches, and what forward and backward throw.
+// .grad is added to, not replaced: zero it before. loss_scale multiplies each weighted loss
+// before its backward: pass a float16 GradScaler's get_scale(), as torch's recipe calls
+// scaler.scale(loss).backward() in every micro-step (1, the default, adds no op). Returns the
+// big batch's mean loss, unscaled (detached, 0-dim). Throws ValueError for no micro-batches,
+// and what forward and backward throw.
 template <typename Model, typename LossFn>
-Tensor accumulate_gradients(Model& model, const std::vector<MicroBatch>& micro_batches, LossFn&& loss_fn) {
+Tensor accumulate_gradients(Model& model, const std::vector<MicroBatch>& micro_batches, LossFn&& loss_fn,
+                            float loss_scale = 1.0f) {
   NANODDP_CHECK(!micro_batches.empty(), ValueError, "accumulate_gradients: no micro-batches");
   int64_t total = 0;
   for (const MicroBatch& m : micro_batches) total += m.input.size(0);
@@ -79,7 +83,7 @@ Tensor accumulate_gradients(Model& model, const std::vector<MicroBatch>& micro_b
     const float weight = static_cast<float>(m.input.size(0)) / static_cast<float>(total);
     auto run = [&] {
       Tensor loss = loss_fn(model(m.input), m.target) * weight;
-      loss.backward();
+      (loss_scale == 1.0f ? loss : loss * loss_scale).backward();
       NoGradGuard no_grad;
       batch_loss = batch_loss.defined() ? batch_loss + loss.detach() : loss.detach();
     };

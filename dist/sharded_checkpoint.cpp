@@ -216,7 +216,9 @@ int remove_unused_shard_files(const std::string& path) {
   const int64_t current = manifest_generation(path), previous = manifest_generation(path + ".prev");
   int removed = 0;
   for (const auto& [file, generation] : files)
-    if (generation != current && generation != previous && std::remove(file.c_str()) == 0) ++removed;
+    if (generation != current && generation != previous && nn::is_checkpoint_file(file) &&
+        std::remove(file.c_str()) == 0)
+      ++removed;
   return removed;
 }
 

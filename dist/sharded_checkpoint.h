@@ -87,9 +87,10 @@ std::string shard_file_name(const std::string& path, int64_t generation, int ran
 bool is_sharded_manifest(const nn::StateDict& state);
 
 // Removes the shard files in path's folder that belong to path's sets ("<basename>.g*.shard-*")
-// but that neither path nor path.prev names. Returns how many it removed. For a program that
-// saves a full checkpoint over a sharded one: the sets it replaced go. Files it cannot remove
-// are left (a later call tries again).
+// but that neither path nor path.prev names. Only nanoddp checkpoint files are removed
+// (nn::is_checkpoint_file): someone else's file that happens to have such a name stays.
+// Returns how many it removed. For a program that saves a full checkpoint over a sharded one:
+// the sets it replaced go. Files it cannot remove are left (a later call tries again).
 int remove_unused_shard_files(const std::string& path);
 
 // Reads a set at any world size: the manifest when built, each shard file when a read first

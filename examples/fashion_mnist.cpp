@@ -656,11 +656,6 @@ std::string flags_problem(const Config& config) {
   if (config.checkpoint_activations && config.sync_batch_norm)
     return "--checkpoint-activations with --sync-batch-norm: a block's rerun would all-reduce its statistics again "
            "in backward; use --batch-norm";
-  // accumulate_gradients runs each micro-batch's backward itself, so the loss scale has no
-  // place to go in; bf16 needs no scale.
-  if (config.precision == "fp16" && config.accumulate > 1)
-    return "--precision fp16 with --accumulate: the micro-batches' backward cannot be loss-scaled; use --precision "
-           "bf16, which needs no GradScaler";
   if (config.warmup_epochs >= config.epochs)
     return "--warmup-epochs " + std::to_string(config.warmup_epochs) + " leaves no epoch after the warm-up of --epochs " +
            std::to_string(config.epochs);
@@ -842,7 +837,8 @@ int run(const Config& config) {
         // the same gradient, 1/K of the activations (Note [Micro-batch weights]).
         const int64_t micro = std::min<int64_t>(config.accumulate, batch.input.size(0));
         nn::autocast autocast(low_dtype, low_precision);
-        loss = dist::accumulate_gradients(parallel, dist::split_micro_batches(batch.input, batch.target, micro), loss_fn);
+        loss = dist::accumulate_gradients(parallel, dist::split_micro_batches(batch.input, batch.target, micro), loss_fn,
+                                          scaler.get_scale());
       } else {
         Tensor logits;
         {

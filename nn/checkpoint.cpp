@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <unordered_map>
 
 #include "core/hash.h"
@@ -83,6 +84,11 @@ std::string where_truncated(const std::string& bytes) {
   return "";
 }
 
+// check_replaces_only's test for our format: the magic (the size is not needed).
+bool begins_as_checkpoint(const std::string& head, uint64_t) {
+  return head.compare(0, sizeof(kMagic), kMagic, sizeof(kMagic)) == 0;
+}
+
 }  // namespace
 
 void save_checkpoint(const std::string& path, const StateDict& tensors) {
@@ -120,9 +126,17 @@ void keep_previous_checkpoint(const std::string& path) {
 
 void check_checkpoint_writable(const std::string& path) {
   check_writable(path, "checkpoint");
-  check_replaces_only(path, "checkpoint", "a nanoddp checkpoint", [](const std::string& head, uint64_t) {
-    return head.compare(0, sizeof(kMagic), kMagic, sizeof(kMagic)) == 0;
-  });
+  check_replaces_only(path, "checkpoint", "a nanoddp checkpoint", begins_as_checkpoint);
+  // A save keeps the file it replaces as path.prev (keep_previous_checkpoint), which replaces
+  // that one in turn.
+  check_replaces_only(path + ".prev", "checkpoint", "a nanoddp checkpoint", begins_as_checkpoint);
+}
+
+bool is_checkpoint_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::string head(sizeof(kMagic), '\0');
+  in.read(head.data(), static_cast<std::streamsize>(head.size()));
+  return in.gcount() == static_cast<std::streamsize>(head.size()) && begins_as_checkpoint(head, 0);
 }
 
 StateDict load_checkpoint(const std::string& path) {

@@ -115,8 +115,11 @@ inline std::vector<std::string> lines_of(const std::string& text) {
 // limit is the whole process's, so it is set where nothing else runs. The test fails when the
 // child is killed or `write` returns without throwing.
 inline std::string io_error_past_file_size_limit(rlim_t limit_bytes, const std::function<void()>& write) {
+  // The calls stay outside the assertions: a build with DOCTEST_CONFIG_DISABLE (the exercises'
+  // grader includes this header) compiles the assertions away, and what is inside them.
   int message_pipe[2];
-  REQUIRE(::pipe(message_pipe) == 0);
+  [[maybe_unused]] const int piped = ::pipe(message_pipe);
+  REQUIRE(piped == 0);
   std::fflush(nullptr);
   const pid_t writer = ::fork();
   REQUIRE(writer >= 0);
@@ -145,7 +148,8 @@ inline std::string io_error_past_file_size_limit(rlim_t limit_bytes, const std::
   }
   ::close(message_pipe[0]);
   int status = 0;
-  REQUIRE(::waitpid(writer, &status, 0) == writer);
+  [[maybe_unused]] const pid_t waited = ::waitpid(writer, &status, 0);
+  REQUIRE(waited == writer);
   REQUIRE_MESSAGE(WIFEXITED(status), "the writer was killed by signal ", WTERMSIG(status));
   REQUIRE_MESSAGE(WEXITSTATUS(status) == 0, "the write did not throw an IOError (exit ", WEXITSTATUS(status), ")");
   return message;

@@ -137,6 +137,24 @@ TEST_CASE("uneven micro-batches (5, 3, 4 rows) weighted by their share of the sa
       "weights of 1/k matched the big batch: the micro-batches are not uneven enough to test anything");
 }
 
+TEST_CASE("accumulate_gradients with a loss scale of 1024: every gradient exactly 1024 times the unscaled one, the loss unscaled") {
+  const Batch b = global_batch(0, 5);
+  auto plain = make_mlp(7), scaled = make_mlp(7);
+  Local plain_local{*plain}, scaled_local{*scaled};
+  const Tensor plain_loss = dist::accumulate_gradients(plain_local, micro_batches(b, {5, 3, 4}), cross_entropy_loss);
+  const Tensor scaled_loss =
+      dist::accumulate_gradients(scaled_local, micro_batches(b, {5, 3, 4}), cross_entropy_loss, 1024.0f);
+  CHECK(scaled_loss.item() == plain_loss.item());
+  // A power of two scales every float exactly (none of these overflow or fall below normal).
+  const nn::StateDict want = gradients_of(*plain), got = gradients_of(*scaled);
+  for (const auto& [name, grad] : want) {
+    CAPTURE(name);
+    std::vector<float> times_1024 = grad.to_vector();
+    for (float& g : times_1024) g *= 1024.0f;
+    CHECK(got.at(name).to_vector() == times_1024);
+  }
+}
+
 TEST_CASE("split_micro_batches: 12 rows in 5 micro-batches are 3, 3, 2, 2, 2 consecutive rows; 13 micro-batches is a ValueError") {
   const Batch b = global_batch(0, 5);
   const auto micro = dist::split_micro_batches(b.x, b.y, 5);

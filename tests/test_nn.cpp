@@ -345,6 +345,39 @@ TEST_CASE("a checkpoint cut short is reported as truncated, naming where it ends
   CHECK_MESSAGE(m.find("checksum mismatch (checksum at byte offset 86)") != std::string::npos, m);
 }
 
+TEST_CASE("check_checkpoint_writable refuses a path, or a path.prev, that is someone else's file") {
+  const std::string path = temp_path("writable_ckpt"), previous = path + ".prev";
+  std::remove(path.c_str());
+  std::remove(previous.c_str());
+  auto error_of = [&]() {
+    try {
+      check_checkpoint_writable(path);
+    } catch (const IOError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK(error_of().empty());  // neither exists
+  StateDict state;
+  state["w"] = Tensor::from_vector({1, 2}, {2});
+  save_checkpoint(path, state);
+  save_checkpoint(previous, state);
+  CHECK(error_of().empty());  // both ours
+  CHECK(is_checkpoint_file(path));
+  {
+    std::ofstream out(previous, std::ios::trunc);
+    out << "# My notes\n";
+  }
+  CHECK(!is_checkpoint_file(previous));
+  CHECK(!is_checkpoint_file(path + ".absent"));
+  const std::string m = error_of();
+  CHECK_MESSAGE(m.find("refusing to replace " + previous + ": it is not a nanoddp checkpoint (it begins \"# My notes\")") !=
+                    std::string::npos,
+                m);
+  std::remove(path.c_str());
+  std::remove(previous.c_str());
+}
+
 TEST_CASE("a single process learns y = 2x with Linear(1, 1) and SGD") {
   Generator gen(0);
   Linear model(1, 1, gen);

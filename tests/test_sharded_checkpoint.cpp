@@ -523,6 +523,13 @@ TEST_CASE("a save that fails on one rank, or a rank that dies mid-save, leaves t
   CHECK(std::filesystem::exists(path + ".g4.shard-3-of-4"));
   CHECK(std::filesystem::exists(path + ".g5.shard-3-of-4"));
   CHECK(dist::remove_unused_shard_files(path) == 0);
+  // A file that only has a shard file's name is someone else's: it stays.
+  const std::string foreign = path + ".g2.shard-1-of-4";
+  std::ofstream(foreign) << "# My notes\n";
+  save_small(path, 60);
+  CHECK(!std::filesystem::exists(path + ".g4.shard-3-of-4"));
+  CHECK(std::filesystem::exists(foreign));
+  CHECK(dist::remove_unused_shard_files(path) == 0);
 }
 
 TEST_CASE("a missing, truncated, corrupt or foreign shard file is an IOError naming it; reads that do not need it go on") {

@@ -1,10 +1,10 @@
 // CPU kernels of the pointwise activations in nn/activations.h (declared there), as Eigen
 // array expressions: vectorised, including tanh, exp and erf.
 #include <cmath>
-#include <unsupported/Eigen/SpecialFunctions>
 
 #include "kernels/activation_constants.h"
-#include "kernels/cpu/eigen_maps.h"
+#include "kernels/cpu/eigen_maps.h"  // first of the Eigen headers: its GCC pragma must come first
+#include <unsupported/Eigen/SpecialFunctions>
 
 namespace nanoddp::kernels::cpu {
 

@@ -2,6 +2,14 @@
 // says RowMajor so that element (r, c) is at r * cols + c, as in a Tensor.
 #pragma once
 
+// GCC 12's AVX-512 intrinsics start from an undefined vector on purpose (_mm512_undefined_ps),
+// and -Wmaybe-uninitialized reports it at every use inlined from Eigen's packet math, about 150
+// times per build (GCC bug 105593). The state is looked up at the intrinsics' own lines, so
+// this must come before the first Eigen include of the file, and stays on for the rest of it.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 #include <Eigen/Core>
 #include <cstdint>
 
