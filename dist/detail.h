@@ -1,5 +1,5 @@
 // Internal helpers shared by dist/*.cpp (not a public header): an owned socket, the host
-// name, and the "rank r/world on host" text every dist error carries.
+// name, the "rank r/world on host" text every dist error carries, and a tensor's bytes.
 //
 //   detail::Fd fd(::socket(AF_INET, SOCK_STREAM, 0));   // closed when fd goes out of scope
 //   NANODDP_THROW(DistError, detail::where(rank, world_size), ": all_reduce ...");
@@ -7,10 +7,17 @@
 
 #include <unistd.h>
 
+#include <cstdint>
 #include <string>
 #include <utility>
 
+#include "core/storage.h"
+#include "core/tensor.h"
+
 namespace nanoddp::dist::detail {
+
+// The first byte of t's elements (any dtype, any device's pointer), for copies by byte offset.
+inline uint8_t* bytes_of(const Tensor& t) { return static_cast<uint8_t*>(t.impl()->storage->data()); }
 
 // An owned file descriptor (RAII): closed exactly once.
 class Fd {

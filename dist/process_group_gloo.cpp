@@ -107,7 +107,7 @@ gloo::AllreduceOptions::Func sum_16bit() {
 
 // Divides a float32 sum by world_size in place (Avg). Division, not multiplication by
 // 1/world_size, so an exactly representable average comes out exact.
-void divide(float* data, size_t n, int world_size) {
+void divide_by_world_size(float* data, size_t n, int world_size) {
   const float w = static_cast<float>(world_size);
   for (size_t i = 0; i < n; ++i) data[i] /= w;
 }
@@ -191,7 +191,7 @@ struct GlooRunner {
     }
     prepare(opts);
     gloo::allreduce(opts);
-    if (op == ReduceOp::Avg) divide(tensor.data<float>(), numel, world_size);
+    if (op == ReduceOp::Avg) divide_by_world_size(tensor.data<float>(), numel, world_size);
   }
 };
 
@@ -327,7 +327,7 @@ class GlooPointToPointWork : public Work {
   bool done_ = false;
 };
 
-std::atomic<int> next_group_id{0};
+std::atomic<int> next_gloo_group_id{0};
 
 class ProcessGroupGloo : public ProcessGroup {
  public:
@@ -339,7 +339,7 @@ class ProcessGroupGloo : public ProcessGroup {
     // Groups are built in the same order on every rank, so the counter names the same group.
     std::string prefix = !options.store_prefix.empty()
                              ? options.store_prefix
-                             : "gloo/" + std::to_string(next_group_id++) + "/";
+                             : "gloo/" + std::to_string(next_gloo_group_id++) + "/";
     try {
       gloo::transport::tcp::attr attr;
       attr.hostname = detail::local_address_towards(options.master_addr, options.master_port);

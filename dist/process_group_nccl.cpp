@@ -472,7 +472,7 @@ bool connect_at_start(int rank, int peer, int world_size) {
   return peer == (rank + 1) % world_size || rank == (peer + 1) % world_size;
 }
 
-std::atomic<int> next_group_id{0};
+std::atomic<int> next_nccl_group_id{0};
 
 class ProcessGroupNccl : public ProcessGroup {
  public:
@@ -490,7 +490,7 @@ class ProcessGroupNccl : public ProcessGroup {
                   " does not exist; this host has ", count, " GPU(s) (LOCAL_RANK too high?)");
     kernels::cuda::set_device(device_.index);
     kernels::cuda::preload_ordered_key_kernels();  // Note [NCCL point-to-point], module loading
-    prefix_ = "nccl/" + std::to_string(next_group_id++) + "/";
+    prefix_ = "nccl/" + std::to_string(next_nccl_group_id++) + "/";
 
     // Note [NCCL rendezvous], step 1: one GPU per rank.
     char bus_id[64] = {};

@@ -29,7 +29,7 @@ using namespace shm;
 
 // ---- the group ---------------------------------------------------------------------------
 
-std::atomic<int> next_group_id{0};
+std::atomic<int> next_shm_group_id{0};
 
 class ProcessGroupShm : public ProcessGroup {
  public:
@@ -41,7 +41,7 @@ class ProcessGroupShm : public ProcessGroup {
         received_messages_(static_cast<size_t>(options.world_size), 0) {
     // Groups are built in the same order on every rank, so the counter names the same group.
     prefix_ = !options.store_prefix.empty() ? options.store_prefix
-                                            : "shm/" + std::to_string(next_group_id++) + "/";
+                                            : "shm/" + std::to_string(next_shm_group_id++) + "/";
     if (world_size_ > 1)
       engine_ = std::make_shared<ShmEngine>(
           std::make_unique<ShmSegment>(*store_, prefix_, rank_, world_size_, options.timeout));

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "dist/detail.h"
 
 namespace nanoddp::dist {
 
@@ -36,8 +37,6 @@ void combine(Tensor& into, const Tensor& from, ReduceOp op) {
     combine(into.data<int64_t>(), from.data<int64_t>(), into.numel(), op);
 }
 
-uint8_t* bytes_of(const Tensor& t) { return static_cast<uint8_t*>(t.impl()->storage->data()); }
-
 }  // namespace
 
 void ring_all_reduce(ProcessGroup& pg, Tensor& tensor, ReduceOp op, std::chrono::milliseconds timeout) {
@@ -59,7 +58,8 @@ void ring_all_reduce(ProcessGroup& pg, Tensor& tensor, ReduceOp op, std::chrono:
     parts.push_back(Tensor::empty({end - begin}, tensor.dtype()));
     // An empty part has no storage (a null pointer), which memcpy may not be given even for 0 bytes.
     if (end > begin)
-      std::memcpy(bytes_of(parts[p]), bytes_of(tensor) + begin * element_size, (end - begin) * element_size);
+      std::memcpy(detail::bytes_of(parts[p]), detail::bytes_of(tensor) + begin * element_size,
+                  (end - begin) * element_size);
   }
   auto part = [n](int p) { return ((p % n) + n) % n; };
 
@@ -86,7 +86,8 @@ void ring_all_reduce(ProcessGroup& pg, Tensor& tensor, ReduceOp op, std::chrono:
 
   for (int p = 0; p < n; ++p) {
     if (parts[p].numel() > 0)
-      std::memcpy(bytes_of(tensor) + p * chunk * element_size, bytes_of(parts[p]), parts[p].nbytes());
+      std::memcpy(detail::bytes_of(tensor) + p * chunk * element_size, detail::bytes_of(parts[p]),
+                  parts[p].nbytes());
   }
   if (op == ReduceOp::Avg) {
     float* values = tensor.data<float>();

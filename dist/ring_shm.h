@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "dist/detail.h"
 #include "dist/process_group.h"
 #include "dist/shm_segment.h"
 
@@ -27,7 +28,7 @@ ReduceFn reduce_fn(DType dtype, ReduceOp op);
 // tensor (float32) /= world_size, element by element.
 void divide(Tensor& tensor, int world_size);
 
-inline uint8_t* bytes_of(const Tensor& t) { return static_cast<uint8_t*>(t.impl()->storage->data()); }
+using detail::bytes_of;
 
 // The N parts a ring works on: part p is numel[p] elements at data[p].
 struct Parts {

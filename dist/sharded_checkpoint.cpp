@@ -11,6 +11,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "dist/detail.h"
 #include "dist/host_collectives.h"
 #include "nn/checkpoint.h"
 #include "nn/file_io.h"
@@ -43,8 +44,6 @@ Tensor text_tensor(const std::string& text) {
 std::string text_of(const Tensor& t) {
   return std::string(static_cast<const char*>(t.impl()->storage->data()), t.nbytes());
 }
-
-char* bytes_of(const Tensor& t) { return static_cast<char*>(t.impl()->storage->data()); }
 
 std::string folder_of(const std::string& path) { return nn::folder_of(path); }
 std::string base_name(const std::string& path) { return std::filesystem::path(path).filename().string(); }
@@ -480,8 +479,8 @@ Tensor ShardedCheckpointReader::read_range(const std::string& name, int64_t begi
         it != state.end() && it->second.dtype() == e.dtype && it->second.numel() == held_end - held_begin,
         IOError, "sharded checkpoint ", path_, ": shard file ", file, " lacks '", name,
         "' as the manifest describes it (", held_end - held_begin, " elements of ", dtype_name(e.dtype), ")");
-    std::memcpy(bytes_of(out) + static_cast<size_t>(lo - begin) * element,
-                bytes_of(it->second) + static_cast<size_t>(lo - held_begin) * element,
+    std::memcpy(detail::bytes_of(out) + static_cast<size_t>(lo - begin) * element,
+                detail::bytes_of(it->second) + static_cast<size_t>(lo - held_begin) * element,
                 static_cast<size_t>(hi - lo) * element);
   }
   return out;

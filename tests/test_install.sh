@@ -88,7 +88,9 @@ ln -s "$src" "$work/subproject/subprojects/nanoddp"
 # decision: built only when a GPU answers, as tools/build decides.
 # --buildtype=plain (no -O): this part checks the wiring (options, CUDA's decision, linking,
 # a run), and the library's compile at -O0 takes half the time it does at -O3.
-meson setup "$work/subproject/build" "$work/subproject" --force-fallback-for=nanoddp --buildtype=plain \
+# --unity=subprojects: the library's files compiled a few to a translation unit, which at -O0
+# halves the time again (60 s against 106 s); the default build compiles them one by one.
+meson setup "$work/subproject/build" "$work/subproject" --force-fallback-for=nanoddp --buildtype=plain --unity=subprojects \
   -Dnanoddp:gloo=disabled -Dnanoddp:mpi=disabled \
   >"$work/setup.log" || { cat "$work/setup.log"; fail "meson setup with nanoddp as a subproject failed"; }
 if nvidia-smi -L >/dev/null 2>&1; then expected_cuda="a GPU answered"; else expected_cuda="no GPU answered"; fi
