@@ -87,7 +87,9 @@ AutoWrapPolicy module_wrap_policy() {
 // halve the bytes; the shards, their gradients and the optimizer stay float32:
 //   param_dtype: each rank rounds its shard to it, the units are all-gathered in it, and the
 //     full parameters are widened back to float32, so a forward computes with rounded weights
-//     (under nn::autocast, Linear casts them to 16 bits anyway: the same values);
+//     (under nn::autocast, Linear casts them to 16 bits anyway: the same values). NO_SHARD
+//     gathers nothing, so there param_dtype changes nothing and the forward computes with the
+//     float32 parameters (torch casts them to param_dtype there too): use nn::autocast;
 //   reduce_dtype: each unit's gradient is divided by world_size, rounded to it, reduce-
 //     scattered (all-reduced with NO_SHARD) in it, and widened into the float32 shard .grad.
 // Float32, the default, sends float32. ValueError for another dtype.

@@ -750,7 +750,8 @@ int run(const Config& config) {
     std::string used;
     std::tie(first_epoch, resumed) = restore(config.checkpoint, config.epochs, train_loader.size(), world_size, parallel,
                                              *optimizer, config.optimizer, schedule, chatty, *pg, used);
-    if (rank == 0 && (chatty || restarts > 0))
+    // Said even under --quiet when the previous checkpoint stood in: which epoch the run went back to.
+    if (rank == 0 && (chatty || restarts > 0 || used != config.checkpoint))
       std::printf("%sresumed from %s after epoch %d%s\n",
                   restarts > 0 ? ("restart " + std::to_string(restarts) + ": ").c_str() : "", used.c_str(),
                   first_epoch, resumed.steps > 0 ? (" and " + std::to_string(resumed.steps) + " steps of the next").c_str() : "");
