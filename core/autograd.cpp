@@ -219,7 +219,10 @@ std::vector<Tensor> run_checkpointed(const std::function<std::vector<Tensor>(con
   frame->autocast = autocast_state();
   for (const Tensor& input : inputs) {
     Tensor kept = keep_for_backward(input);
-    if (input.defined() && input.requires_grad()) kept.set_requires_grad(true);
+    // Set on the handle itself, not by set_requires_grad, whose float32 rule is for leaves
+    // that receive a .grad: a 16-bit input (an autocast output) must make the rerun record too,
+    // and nothing accumulates into this handle.
+    if (input.defined() && input.requires_grad()) kept.impl()->requires_grad = true;
     frame->inputs.push_back(kept);
   }
   frame->first_creation_nr = detail::next_tensor_creation_nr();

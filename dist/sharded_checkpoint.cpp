@@ -66,16 +66,29 @@ std::vector<std::string> all_gather_bytes(ProcessGroup& pg, const std::string& b
 }
 
 // The generation a shard file name under base carries ("run.ckpt.g12.shard-0-of-4" -> 12), or
-// -1 when the name is not one of base's shard files.
+// -1 when the name is not exactly one of base's shard file names (shard_file_name's
+// pattern, nothing before or after: "run.ckpt.g12.shard-0-of-4.bak" is someone's copy).
 int64_t generation_of_shard_name(const std::string& name, const std::string& base) {
   const std::string head = base + ".g";
   if (name.compare(0, head.size(), head) != 0) return -1;
-  const size_t digits_end = name.find(".shard-", head.size());
-  if (digits_end == std::string::npos || digits_end == head.size() || digits_end - head.size() > 18)
-    return -1;
-  const std::string digits = name.substr(head.size(), digits_end - head.size());
-  if (digits.find_first_not_of("0123456789") != std::string::npos) return -1;
-  return std::stoll(digits);
+  // Reads a run of 1 to 18 digits at `at`; -1 when there is none.
+  size_t at = head.size();
+  auto number = [&]() -> int64_t {
+    const size_t end = std::min(name.find_first_not_of("0123456789", at), name.size());
+    if (end == at || end - at > 18) return -1;
+    const int64_t value = std::stoll(name.substr(at, end - at));
+    at = end;
+    return value;
+  };
+  auto literal = [&](const char* text) {
+    const size_t n = std::strlen(text);
+    if (name.compare(at, n, text) != 0) return false;
+    at += n;
+    return true;
+  };
+  const int64_t generation = number();
+  if (generation < 0 || !literal(".shard-") || number() < 0 || !literal("-of-") || number() < 0) return -1;
+  return at == name.size() ? generation : -1;
 }
 
 // The names of base's shard files in folder, with their generations.
@@ -205,6 +218,10 @@ void merge_prefixed(ShardedStateDict& into, const std::string& prefix, const Sha
 std::string shard_file_name(const std::string& path, int64_t generation, int rank, int world_size) {
   return path + ".g" + std::to_string(generation) + ".shard-" + std::to_string(rank) + "-of-" +
          std::to_string(world_size);
+}
+
+bool is_shard_file_name(const std::string& path, const std::string& file) {
+  return folder_of(file) == folder_of(path) && generation_of_shard_name(base_name(file), base_name(path)) >= 0;
 }
 
 bool is_sharded_manifest(const nn::StateDict& state) { return state.count(kVersionKey) != 0; }

@@ -81,6 +81,10 @@ void save_sharded_checkpoint(const std::string& path, const ShardedStateDict& mi
 // The name of rank's shard file in a set of generation G saved by world_size ranks under
 // path: "<path>.g<G>.shard-<rank>-of-<world_size>".
 std::string shard_file_name(const std::string& path, int64_t generation, int rank, int world_size);
+// True when file has the name of one of path's shard files (shard_file_name's pattern, any
+// generation, rank and world size) in path's folder. Both as given: resolve them first to
+// compare files reached by different paths.
+bool is_shard_file_name(const std::string& path, const std::string& file);
 
 // True when state (a parsed nanoddp checkpoint) is a sharded set's manifest rather than a
 // full checkpoint.

@@ -500,9 +500,10 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
                         saved_steps_per_epoch == steps_per_epoch,
                     ValueError, "it was saved during epoch ", done + 1, ", after step ", progress.steps, " of ",
                     saved_steps_per_epoch, ", by ", progress.samples.size(),
-                    " ranks; a checkpoint from the middle of an epoch resumes only at the same world size and "
+                    progress.samples.size() == 1 ? " rank" : " ranks",
+                    "; a checkpoint from the middle of an epoch resumes only at the same world size and "
                     "--batch-size (this run: ",
-                    world_size, " ranks, ", steps_per_epoch, " steps per epoch)");
+                    world_size, world_size == 1 ? " rank, " : " ranks, ", steps_per_epoch, " steps per epoch)");
       NANODDP_CHECK(progress.steps < steps_per_epoch, IOError, "'epoch_progress.steps' is ", progress.steps);
     }
     const int64_t saved_total_steps = int64_entry(state, "scheduler.total_steps", schedule.total_steps());
@@ -593,6 +594,17 @@ std::string outputs_problem(const Config& config) {
       if (!outputs[j].second.empty() && resolved(outputs[i].second) == resolved(outputs[j].second))
         return outputs[i].first + " and " + outputs[j].first + " name the same file (" + outputs[i].second +
                "): each needs its own, or one overwrites the other";
+    // The checkpoint's other files: its previous one (and where that is staged) and, for a
+    // sharded set, the shard files.
+    if (i > 0 && !config.checkpoint.empty()) {
+      for (const char* kept : {".prev", ".prev.tmp"})
+        if (resolved(outputs[i].second) == resolved(config.checkpoint + kept))
+          return outputs[i].first + " " + outputs[i].second + " is where --checkpoint " + config.checkpoint +
+                 " keeps its previous checkpoint: name another file";
+      if (dist::is_shard_file_name(resolved(config.checkpoint).string(), resolved(outputs[i].second).string()))
+        return outputs[i].first + " " + outputs[i].second + " has the name of a shard file of --checkpoint " +
+               config.checkpoint + ": name another file";
+    }
     for (const char* set : {"train", "t10k"})
       for (const char* kind : {"-images-idx3-ubyte", "-labels-idx1-ubyte"})
         for (const char* suffix : {"", ".gz"}) {

@@ -53,7 +53,9 @@ class Reader {
 // For a file whose checksum fails: where it was cut short, found by walking the entries'
 // headers (each says how many bytes its entry takes). A write cut short (a full disk, an
 // interrupted copy) is the usual damage, and the offset where the file ends tells the user
-// what to look for. Returns "" when the entries fit the file.
+// what to look for. Returns "" when the entries fit the file, or when a header the walk
+// reads is not one a save writes (a name too long, a bad dtype or dim, a byte count that is
+// not the shape's): a changed byte, not an end, and the caller reports a corrupt file.
 std::string where_truncated(const std::string& bytes) {
   size_t offset = sizeof(kMagic) + sizeof(uint32_t);
   const auto read_u64 = [&](size_t at, uint64_t& value) {
@@ -70,10 +72,21 @@ std::string where_truncated(const std::string& bytes) {
     if (offset + sizeof(name_bytes) > bytes.size()) return "in " + entry;
     std::memcpy(&name_bytes, bytes.data() + offset, sizeof(name_bytes));
     const size_t dim_at = offset + sizeof(uint32_t) + name_bytes + sizeof(uint8_t);  // after the name and dtype
-    if (name_bytes > kMaxNameBytes || dim_at >= bytes.size()) return "in " + entry;
-    const uint8_t dim = static_cast<uint8_t>(bytes[dim_at]);
+    if (name_bytes > kMaxNameBytes) return "";
+    if (dim_at >= bytes.size()) return "in " + entry;
+    const uint8_t dtype = static_cast<uint8_t>(bytes[dim_at - 1]), dim = static_cast<uint8_t>(bytes[dim_at]);
+    if (dtype > static_cast<uint8_t>(DType::BFloat16) || dim > Shape::kMaxDims) return "";
+    uint64_t numel = 1;
+    for (uint8_t d = 0; d < dim; ++d) {
+      uint64_t size = 0;
+      if (!read_u64(dim_at + 1 + d * sizeof(int64_t), size)) return "in " + entry;
+      if (static_cast<int64_t>(size) < 0 || __builtin_mul_overflow(numel, size, &numel)) return "";
+    }
     uint64_t nbytes = 0;
-    if (dim > Shape::kMaxDims || !read_u64(dim_at + 1 + dim * sizeof(int64_t), nbytes)) return "in " + entry;
+    if (!read_u64(dim_at + 1 + dim * sizeof(int64_t), nbytes)) return "in " + entry;
+    uint64_t shape_bytes = 0;
+    if (__builtin_mul_overflow(numel, dtype_size(static_cast<DType>(dtype)), &shape_bytes) || nbytes != shape_bytes)
+      return "";
     const size_t data_at = dim_at + 1 + dim * sizeof(int64_t) + sizeof(uint64_t);
     if (nbytes > bytes.size() - data_at)
       return "in the data of " + entry + " (" + std::to_string(nbytes) + " bytes from byte offset " +
@@ -117,7 +130,12 @@ std::string checkpoint_bytes(const StateDict& tensors) {
 void keep_previous_checkpoint(const std::string& path) {
   if (::access(path.c_str(), F_OK) != 0) return;
   const std::string previous = path + ".prev", staged = previous + ".tmp";
-  std::remove(staged.c_str());  // a leftover of a save that died here
+  // A leftover of a save that died here is a link to a checkpoint; anything else is not ours.
+  if (::access(staged.c_str(), F_OK) == 0) {
+    NANODDP_CHECK(is_checkpoint_file(staged), IOError, "cannot keep the previous checkpoint ", path, " as ", previous,
+                  ": refusing to replace ", staged, ", which is not a nanoddp checkpoint; move it away");
+    std::remove(staged.c_str());
+  }
   NANODDP_CHECK(::link(path.c_str(), staged.c_str()) == 0, IOError, "cannot keep the previous checkpoint ", path,
                 " as ", previous, ": link: ", std::strerror(errno));
   NANODDP_CHECK(std::rename(staged.c_str(), previous.c_str()) == 0, IOError, "cannot keep the previous checkpoint ",
@@ -127,9 +145,12 @@ void keep_previous_checkpoint(const std::string& path) {
 void check_checkpoint_writable(const std::string& path) {
   check_writable(path, "checkpoint");
   check_replaces_only(path, "checkpoint", "a nanoddp checkpoint", begins_as_checkpoint);
-  // A save keeps the file it replaces as path.prev (keep_previous_checkpoint), which replaces
-  // that one in turn.
-  check_replaces_only(path + ".prev", "checkpoint", "a nanoddp checkpoint", begins_as_checkpoint);
+  // A save keeps the file it replaces as path.prev (keep_previous_checkpoint), staged as
+  // path.prev.tmp: it replaces those two in turn.
+  for (const std::string& kept : {path + ".prev", path + ".prev.tmp"}) {
+    check_writable(kept, "checkpoint");
+    check_replaces_only(kept, "checkpoint", "a nanoddp checkpoint", begins_as_checkpoint);
+  }
 }
 
 bool is_checkpoint_file(const std::string& path) {

@@ -34,8 +34,8 @@ void save_checkpoint(const std::string& path, const StateDict& tensors);
 // long work (an epoch of training) and should fail before it. Also throws IOError, naming
 // path, when path is a non-empty file that is not a nanoddp checkpoint: a program replaces
 // its own earlier checkpoint, never a file it did not write (save_checkpoint itself, like
-// torch.save, replaces whatever is there). path + ".prev", which a save that keeps the
-// previous checkpoint replaces, is checked the same way.
+// torch.save, replaces whatever is there). path + ".prev" and path + ".prev.tmp", which a
+// save that keeps the previous checkpoint replaces, are checked the same way.
 void check_checkpoint_writable(const std::string& path);
 // True when path can be read and begins as a nanoddp checkpoint does (its magic); nothing
 // past the magic is read or checked. For deciding whether a file is ours to remove.
@@ -43,7 +43,8 @@ bool is_checkpoint_file(const std::string& path);
 // Keeps the file at path, if there is one, as path + ".prev", before path is replaced: a hard
 // link made under a temporary name and renamed over path.prev, so that path.prev is never
 // absent and path is never touched. Throws IOError naming both files and the step that failed
-// (link: another file system, no permission; rename).
+// (link: another file system, no permission; rename), or a path.prev.tmp (a leftover of a
+// save that died there) that is not a nanoddp checkpoint.
 void keep_previous_checkpoint(const std::string& path);
 StateDict load_checkpoint(const std::string& path);
 // The bytes save_checkpoint writes for tensors (to send a state elsewhere than to a file).

@@ -317,6 +317,16 @@ TEST_CASE("--checkpoint-activations: the same training bit for bit on 2 ranks, f
     // Dropout draws the same masks in the rerun: the same loss and accuracy, exactly.
     CHECK(json_field(a[0], "train_loss") == json_field(b[0], "train_loss"));
     CHECK(json_field(a[0], "test_accuracy") == json_field(b[0], "test_accuracy"));
+    // Under bf16 autocast too, where a block's input is the 16-bit output of the one before.
+    const RunResult low = run_with({"--precision", "bf16"}),
+                    low_checkpointed = run_with({"--precision", "bf16", "--checkpoint-activations"});
+    REQUIRE_MESSAGE(low.code() == 0, low.err);
+    REQUIRE_MESSAGE(low_checkpointed.code() == 0, low_checkpointed.err);
+    const auto c = json_lines(low.out), d = json_lines(low_checkpointed.out);
+    REQUIRE(c.size() == 1);
+    REQUIRE(d.size() == 1);
+    CHECK(json_field(c[0], "train_loss") == json_field(d[0], "train_loss"));
+    CHECK(json_field(c[0], "test_accuracy") == json_field(d[0], "test_accuracy"));
     const double plain_bytes = json_field(a[0], "peak_activation_bytes");
     const double checkpointed_bytes = json_field(b[0], "peak_activation_bytes");
     MESSAGE(example, " peak activation bytes at batch 32: ", plain_bytes, " plain, ", checkpointed_bytes, " checkpointed");
@@ -520,6 +530,13 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
        "fashion_mnist_cnn: --metrics and --trace name the same file (/tmp/m.jsonl)"},
       {{mlp, "--data-dir", "/tmp/data", "--checkpoint", "/tmp/data/train-labels-idx1-ubyte.gz"},
        "--checkpoint /tmp/data/train-labels-idx1-ubyte.gz is one of the data files in --data-dir /tmp/data"},
+      // Nor over the checkpoint's other files: its previous one, and a set's shard files.
+      {{mlp, "--checkpoint", "/tmp/ck", "--metrics", "/tmp/ck.prev"},
+       "fashion_mnist: --metrics /tmp/ck.prev is where --checkpoint /tmp/ck keeps its previous checkpoint"},
+      {{mlp, "--checkpoint", "/tmp/ck", "--export", "/tmp/./ck.prev.tmp"},
+       "fashion_mnist: --export /tmp/./ck.prev.tmp is where --checkpoint /tmp/ck keeps its previous checkpoint"},
+      {{cnn, "--checkpoint", "/tmp/ck", "--trace", "/tmp/ck.g3.shard-1-of-4"},
+       "fashion_mnist_cnn: --trace /tmp/ck.g3.shard-1-of-4 has the name of a shard file of --checkpoint /tmp/ck"},
   };
   for (const auto& [args, message] : bad) {
     const std::string flag = args[1];  // CAPTURE's lambda cannot name a structured binding (C++17)

@@ -321,7 +321,7 @@ TEST_CASE("a checkpoint with two entries of one name is refused, naming it and b
   CHECK_MESSAGE(m.rfind(expected, 0) == 0, m);
 }
 
-TEST_CASE("a checkpoint cut short is reported as truncated, naming where it ends; a flipped byte stays a checksum mismatch") {
+TEST_CASE("a checkpoint cut short is reported as truncated, naming where it ends; a flipped byte, in data or a header, stays a checksum mismatch") {
   // Two float32 tensors: "a" of 3 values at byte offset 20, its data at 20 + 4 + 1 + 1 + 1 + 8
   // + 8 = 43 to 55; "b" of 2 values at 55, its data at 78 to 86; the checksum at 86.
   StateDict state;
@@ -339,10 +339,15 @@ TEST_CASE("a checkpoint cut short is reported as truncated, naming where it ends
   CHECK_MESSAGE(m.find("ends at byte offset 60, in entry 1 of 2") != std::string::npos, m);
   m = parse_error(whole.substr(0, 90));
   CHECK_MESSAGE(m.find("ends at byte offset 90, before the checksum") != std::string::npos, m);
-  std::string flipped = whole;
-  flipped[45] ^= 0x5a;
-  m = parse_error(flipped);
-  CHECK_MESSAGE(m.find("checksum mismatch (checksum at byte offset 86)") != std::string::npos, m);
+  // A changed byte in the data, or in a header (the name's length, the dim, a size, the byte
+  // count: a header no save writes), is corruption, not an end.
+  for (const size_t at : {45, 21, 26, 28, 36}) {
+    CAPTURE(at);
+    std::string flipped = whole;
+    flipped[at] ^= 0x5a;
+    m = parse_error(flipped);
+    CHECK_MESSAGE(m.find("checksum mismatch (checksum at byte offset 86)") != std::string::npos, m);
+  }
 }
 
 TEST_CASE("check_checkpoint_writable refuses a path, or a path.prev, that is someone else's file") {
@@ -374,6 +379,37 @@ TEST_CASE("check_checkpoint_writable refuses a path, or a path.prev, that is som
   CHECK_MESSAGE(m.find("refusing to replace " + previous + ": it is not a nanoddp checkpoint (it begins \"# My notes\")") !=
                     std::string::npos,
                 m);
+  std::remove(previous.c_str());
+  // path.prev.tmp, where keep_previous_checkpoint stages path.prev, is checked the same way;
+  // keep_previous_checkpoint itself leaves a foreign one alone and says so.
+  const std::string staged = previous + ".tmp";
+  {
+    std::ofstream out(staged, std::ios::trunc);
+    out << "# My notes\n";
+  }
+  CHECK(error_of().find("refusing to replace " + staged + ": it is not a nanoddp checkpoint") != std::string::npos);
+  std::string kept_error;
+  try {
+    keep_previous_checkpoint(path);
+  } catch (const IOError& e) {
+    kept_error = e.what();
+  }
+  CHECK_MESSAGE(kept_error.find("refusing to replace " + staged + ", which is not a nanoddp checkpoint") !=
+                    std::string::npos,
+                kept_error);
+  CHECK(!is_checkpoint_file(staged));  // still the notes
+  CHECK(std::filesystem::exists(staged));
+  std::remove(staged.c_str());
+  // A folder at path.prev is refused before any work, not when the save renames onto it.
+  std::filesystem::create_directory(previous);
+  CHECK(error_of().find("checkpoint " + previous + " exists but is a folder") != std::string::npos);
+  std::filesystem::remove(previous);
+  // A leftover of a save that died while keeping the previous checkpoint is ours to replace.
+  save_checkpoint(staged, state);
+  CHECK(error_of().empty());
+  keep_previous_checkpoint(path);
+  CHECK(!std::filesystem::exists(staged));
+  CHECK(load_checkpoint(previous).at("w").to_vector() == std::vector<float>{1, 2});
   std::remove(path.c_str());
   std::remove(previous.c_str());
 }

@@ -523,12 +523,20 @@ TEST_CASE("a save that fails on one rank, or a rank that dies mid-save, leaves t
   CHECK(std::filesystem::exists(path + ".g4.shard-3-of-4"));
   CHECK(std::filesystem::exists(path + ".g5.shard-3-of-4"));
   CHECK(dist::remove_unused_shard_files(path) == 0);
-  // A file that only has a shard file's name is someone else's: it stays.
+  // A file that only has a shard file's name is someone else's: it stays. So do copies of
+  // shard files under names that are not exactly a shard file's.
   const std::string foreign = path + ".g2.shard-1-of-4";
   std::ofstream(foreign) << "# My notes\n";
+  const std::vector<std::string> copies = {path + ".g4.shard-0-of-4.bak", path + ".g4.shard-mine",
+                                           path + ".g4.shard-0-of-4x", path + ".gx4.shard-0-of-4"};
+  for (const std::string& copy : copies) std::filesystem::copy_file(path + ".g4.shard-0-of-4", copy);
   save_small(path, 60);
   CHECK(!std::filesystem::exists(path + ".g4.shard-3-of-4"));
   CHECK(std::filesystem::exists(foreign));
+  for (const std::string& copy : copies) {
+    CAPTURE(copy);
+    CHECK(std::filesystem::exists(copy));
+  }
   CHECK(dist::remove_unused_shard_files(path) == 0);
 }
 
