@@ -515,6 +515,8 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
       {{mlp, "--epochs", "x"}, "fashion_mnist: --epochs: must be an integer >= 1, got 'x'"},
       // Past what an int holds: named, not CLI11's bare "Could not convert".
       {{mlp, "--epochs", "99999999999"}, "--epochs: must be an integer between 1 and 2147483647, got '99999999999'"},
+      {{mlp, "--checkpoint-every", "99999999999999999999"},
+       "--checkpoint-every: must be an integer between 0 and 2147483647, got '99999999999999999999'"},
       // A plain unsigned parse reads -1 and 2^64 + anything both as 2^64 - 1: two "different"
       // seeds, one run.
       {{mlp, "--seed", "-1"}, "--seed: must be an integer from 0 to 18446744073709551615, got '-1'"},

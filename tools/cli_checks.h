@@ -72,8 +72,13 @@ inline CLI::Validator integer_in(long long min, long long max = INT_MAX) {
   return CLI::Validator(
       [=](std::string& text) -> std::string {
         const std::optional<long long> value = whole_integer(text);
+        // Digits that no long long holds are past the top, which the message then names.
+        const size_t sign = !text.empty() && (text[0] == '-' || text[0] == '+') ? 1 : 0;
+        const bool too_long =
+            !value && text.size() > sign && text.find_first_not_of("0123456789", sign) == std::string::npos;
+        if (too_long || (value && *value > max))
+          return "must be an integer between " + lo + " and " + hi + ", got '" + text + "'";
         if (!value || *value < min) return "must be " + what + ", got '" + text + "'";
-        if (*value > max) return "must be an integer between " + lo + " and " + hi + ", got '" + text + "'";
         return "";
       },
       open ? lo + " or more" : lo + ".." + hi);
