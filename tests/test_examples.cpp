@@ -515,6 +515,8 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
       {{mlp, "--epochs", "x"}, "fashion_mnist: --epochs: must be an integer >= 1, got 'x'"},
       // Past what an int holds: named, not CLI11's bare "Could not convert".
       {{mlp, "--epochs", "99999999999"}, "--epochs: must be an integer between 1 and 2147483647, got '99999999999'"},
+      {{mlp, "--epochs", "1", "--epochs", "2"}, "fashion_mnist: --epochs is given 2 times: give it once"},
+      {{mlp, "--precision", ""}, "fashion_mnist: --precision: got '', expected one of {fp32,bf16,fp16}"},
       {{mlp, "--checkpoint-every", "99999999999999999999"},
        "--checkpoint-every: must be an integer between 0 and 2147483647, got '99999999999999999999'"},
       // A plain unsigned parse reads -1 and 2^64 + anything both as 2^64 - 1: two "different"

@@ -272,6 +272,18 @@ inline std::optional<int> parse(CLI::App& app, int argc, const char* const* argv
       const std::string flag = "--" + what.substr(0, override_at);
       return usage_error(program, flag + " is a switch and takes no value: give " + flag + " alone, or leave it out");
     }
+    // CLI11's "--epochs: At Most 1 required but received 2": the flag was given twice.
+    const std::string repeated = ": At Most 1 required but received ";
+    const size_t repeated_at = what.find(repeated);
+    if (repeated_at != std::string::npos)
+      return usage_error(program, what.substr(0, repeated_at) + " is given " + what.substr(repeated_at + repeated.size()) +
+                                      " times: give it once");
+    // CLI11's IsMember on an empty value: "--precision:  not in {fp32,bf16,fp16}".
+    const std::string empty_member = ":  not in ";
+    const size_t empty_at = what.find(empty_member);
+    if (empty_at != std::string::npos)
+      return usage_error(program, what.substr(0, empty_at) + ": got '', expected one of " +
+                                      what.substr(empty_at + empty_member.size()));
     std::string hint;
     if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) {  // a misspelt flag, most often
       std::istringstream words(what.substr(what.find(':') + 1));
