@@ -147,7 +147,8 @@ TEST_CASE("accumulate_gradients with a loss scale of 1024: every gradient exactl
   CHECK(scaled_loss.item() == plain_loss.item());
   // A power of two scales every float exactly (none of these overflow or fall below normal).
   const nn::StateDict want = gradients_of(*plain), got = gradients_of(*scaled);
-  for (const auto& [name, grad] : want) {
+  for (const auto& [key, grad] : want) {
+    const std::string name = key;  // CAPTURE cannot name a structured binding (C++17)
     CAPTURE(name);
     std::vector<float> times_1024 = grad.to_vector();
     for (float& g : times_1024) g *= 1024.0f;
