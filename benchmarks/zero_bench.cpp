@@ -21,21 +21,11 @@
 #include "dist/zero_redundancy_optimizer.h"
 #include "nn/adam.h"
 #include "nn/layers.h"
+#include "tests/batches.h"
 
 using namespace nanoddp;
 
 namespace {
-
-std::shared_ptr<nn::Sequential> make_mlp() {
-  Generator gen(0);
-  auto model = std::make_shared<nn::Sequential>();
-  model->add(nn::Linear(784, 256, gen));
-  model->add(nn::ReLU());
-  model->add(nn::Linear(256, 128, gen));
-  model->add(nn::ReLU());
-  model->add(nn::Linear(128, 10, gen));
-  return model;
-}
 
 // Median milliseconds of one step, over `steps` after `warmup`.
 double step_ms(dist::DistributedDataParallel& ddp, nn::Optimizer& opt, const Tensor& x, const Tensor& y) {
@@ -64,9 +54,9 @@ int main() {
     const Tensor y = Tensor::from_vector(labels);
     const auto adam = [](std::vector<Tensor> p) { return std::make_unique<nn::Adam>(std::move(p), nn::AdamOptions{}); };
 
-    dist::DistributedDataParallel zero_ddp(make_mlp(), pg);
+    dist::DistributedDataParallel zero_ddp(testing::make_fashion_mnist_mlp(), pg);
     dist::ZeroRedundancyOptimizer zero(zero_ddp.parameters(), pg, adam);
-    dist::DistributedDataParallel plain_ddp(make_mlp(), pg);
+    dist::DistributedDataParallel plain_ddp(testing::make_fashion_mnist_mlp(), pg);
     nn::Adam plain(plain_ddp.parameters(), nn::AdamOptions{});
     double zero_ms = 0, plain_ms = 0;
     for (int round = 0; round < 2; ++round) {  // alternated, so machine noise hits both
