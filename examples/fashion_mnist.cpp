@@ -590,18 +590,19 @@ std::string outputs_problem(const Config& config) {
       {"--trace", config.trace}};
   for (size_t i = 0; i < outputs.size(); ++i) {
     if (outputs[i].second.empty()) continue;
+    const fs::path file = resolved(outputs[i].second);
     for (size_t j = i + 1; j < outputs.size(); ++j)
-      if (!outputs[j].second.empty() && resolved(outputs[i].second) == resolved(outputs[j].second))
+      if (!outputs[j].second.empty() && file == resolved(outputs[j].second))
         return outputs[i].first + " and " + outputs[j].first + " name the same file (" + outputs[i].second +
                "): each needs its own, or one overwrites the other";
     // The checkpoint's other files: its previous one (and where that is staged) and, for a
     // sharded set, the shard files.
     if (i > 0 && !config.checkpoint.empty()) {
       for (const char* kept : {".prev", ".prev.tmp"})
-        if (resolved(outputs[i].second) == resolved(config.checkpoint + kept))
+        if (file == resolved(config.checkpoint + kept))
           return outputs[i].first + " " + outputs[i].second + " is where --checkpoint " + config.checkpoint +
                  " keeps its previous checkpoint: name another file";
-      if (dist::is_shard_file_name(resolved(config.checkpoint).string(), resolved(outputs[i].second).string()))
+      if (dist::is_shard_file_name(resolved(config.checkpoint).string(), file.string()))
         return outputs[i].first + " " + outputs[i].second + " has the name of a shard file of --checkpoint " +
                config.checkpoint + ": name another file";
     }
@@ -609,7 +610,7 @@ std::string outputs_problem(const Config& config) {
       for (const char* kind : {"-images-idx3-ubyte", "-labels-idx1-ubyte"})
         for (const char* suffix : {"", ".gz"}) {
           const std::string data = config.data_dir + "/" + set + kind + suffix;
-          if (resolved(outputs[i].second) == resolved(data))
+          if (file == resolved(data))
             return outputs[i].first + " " + outputs[i].second + " is one of the data files in --data-dir " +
                    config.data_dir + ": writing it would overwrite the data";
         }

@@ -143,13 +143,11 @@ void keep_previous_checkpoint(const std::string& path) {
 }
 
 void check_checkpoint_writable(const std::string& path) {
-  check_writable(path, "checkpoint");
-  check_replaces_only(path, "checkpoint", "a nanoddp checkpoint", begins_as_checkpoint);
   // A save keeps the file it replaces as path.prev (keep_previous_checkpoint), staged as
   // path.prev.tmp: it replaces those two in turn.
-  for (const std::string& kept : {path + ".prev", path + ".prev.tmp"}) {
-    check_writable(kept, "checkpoint");
-    check_replaces_only(kept, "checkpoint", "a nanoddp checkpoint", begins_as_checkpoint);
+  for (const std::string& replaced : {path, path + ".prev", path + ".prev.tmp"}) {
+    check_writable(replaced, "checkpoint");
+    check_replaces_only(replaced, "checkpoint", "a nanoddp checkpoint", begins_as_checkpoint);
   }
 }
 
