@@ -68,9 +68,10 @@ inline std::vector<MicroBatch> split_micro_batches(const Tensor& input, const Te
 // ladder rung; a ladder rung's finish_gradient_sync() is the caller's, after this returns).
 // .grad is added to, not replaced: zero it before. loss_scale multiplies each weighted loss
 // before its backward: pass a float16 GradScaler's get_scale(), as torch's recipe calls
-// scaler.scale(loss).backward() in every micro-step (1, the default, adds no op). Returns the
-// big batch's mean loss, unscaled (detached, 0-dim). Throws ValueError for no micro-batches,
-// and what forward and backward throw.
+// scaler.scale(loss).backward() in every micro-step (1, the default, adds no op); as there,
+// loss_fn should return float32 (autocast's losses do): a scaled 16-bit loss overflows.
+// Returns the big batch's mean loss, unscaled (detached, 0-dim). Throws ValueError for no
+// micro-batches, and what forward and backward throw.
 template <typename Model, typename LossFn>
 Tensor accumulate_gradients(Model& model, const std::vector<MicroBatch>& micro_batches, LossFn&& loss_fn,
                             float loss_scale = 1.0f) {
