@@ -14,6 +14,19 @@
 
 namespace nanoddp::dist::detail {
 
+void divide_by_world_size(float* data, int64_t n, int world_size) {
+  const float w = static_cast<float>(world_size);
+  for (int64_t i = 0; i < n; ++i) data[i] /= w;
+}
+
+uint8_t* back_to_back(const std::vector<Tensor>& parts) {
+  if (parts.empty()) return nullptr;
+  uint8_t* first = bytes_of(parts[0]);
+  for (size_t r = 0; r < parts.size(); ++r)
+    if (!parts[r].is_alias_of(parts[0]) || bytes_of(parts[r]) != first + r * parts[0].nbytes()) return nullptr;
+  return first;
+}
+
 std::string host_name() {
   // Read once: every collective's description names the host, and a system call per
   // collective showed up in the collective check's profile.

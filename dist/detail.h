@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "core/storage.h"
 #include "core/tensor.h"
@@ -18,6 +19,19 @@ namespace nanoddp::dist::detail {
 
 // The first byte of t's elements (any dtype, any device's pointer), for copies by byte offset.
 inline uint8_t* bytes_of(const Tensor& t) { return static_cast<uint8_t*>(t.impl()->storage->data()); }
+
+// ReduceOp::Avg's last step, on every CPU path: a float32 sum divided by world_size in place.
+// Division, not multiplication by 1/world_size, so an exactly representable mean is exact.
+void divide_by_world_size(float* data, int64_t n, int world_size);
+inline void divide_by_world_size(const Tensor& t, int world_size) {
+  divide_by_world_size(t.data<float>(), t.numel(), world_size);
+}
+
+// The first byte of `parts` when they lie end to end, in order, in one allocation, as the
+// per-rank slices of one flat vector do (FSDP's gathered parameters and gradients); null
+// otherwise. A backend then hands that one buffer to all_gather / reduce_scatter instead of
+// copying the parts through a buffer of its own.
+uint8_t* back_to_back(const std::vector<Tensor>& parts);
 
 // An owned file descriptor (RAII): closed exactly once.
 class Fd {

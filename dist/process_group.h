@@ -157,7 +157,9 @@ class ProcessGroup {
   // (torch.distributed.all_gather). Throws ValueError/ShapeError on a count/shape mismatch.
   virtual std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) = 0;
   // inputs: size() tensors of output's shape and dtype; output = reduce over ranks r' of
-  // rank r''s inputs[rank()] (torch.distributed.reduce_scatter).
+  // rank r''s inputs[rank()] (torch.distributed.reduce_scatter). The inputs are read, never
+  // written, and may be read until wait() returns: as with torch's async_op=True, change
+  // them only after.
   virtual std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
                                                ReduceOp op = ReduceOp::Sum) = 0;
   // Completes once every rank has called it (torch.distributed.barrier).

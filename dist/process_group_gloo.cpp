@@ -105,13 +105,6 @@ gloo::AllreduceOptions::Func sum_16bit() {
   };
 }
 
-// Divides a float32 sum by world_size in place (Avg). Division, not multiplication by
-// 1/world_size, so an exactly representable average comes out exact.
-void divide_by_world_size(float* data, size_t n, int world_size) {
-  const float w = static_cast<float>(world_size);
-  for (size_t i = 0; i < n; ++i) data[i] /= w;
-}
-
 // A peer as its Gloo errors name it ("Connection closed by peer [10.0.0.2]:40123$3"): its
 // listening address as Gloo prints it, and who it is.
 struct GlooPeer {
@@ -191,7 +184,7 @@ struct GlooRunner {
     }
     prepare(opts);
     gloo::allreduce(opts);
-    if (op == ReduceOp::Avg) divide_by_world_size(tensor.data<float>(), numel, world_size);
+    if (op == ReduceOp::Avg) detail::divide_by_world_size(tensor.data<float>(), static_cast<int64_t>(numel), world_size);
   }
 };
 
@@ -444,13 +437,16 @@ class ProcessGroupGloo : public ProcessGroup {
     if (input.numel() == 0) return std::make_shared<CompletedWork>();
     return enqueue(describe("all_gather", input), [outs, input](GlooRunner& runner) {
       const size_t nbytes = input.nbytes();
-      Tensor gathered = Tensor::empty({input.numel() * runner.world_size}, input.dtype());
+      // Straight into the outputs when they are one buffer (and the input is not in it).
+      uint8_t* into = input.is_alias_of(outs[0]) ? nullptr : detail::back_to_back(outs);
+      Tensor gathered = into != nullptr ? Tensor() : Tensor::empty({input.numel() * runner.world_size}, input.dtype());
       gloo::AllgatherOptions opts(runner.context);
       // A copy: the bytes are all that matters, whatever the dtype.
       opts.setInput(static_cast<uint8_t*>(input.impl()->storage->data()), nbytes);
-      opts.setOutput(static_cast<uint8_t*>(gathered.impl()->storage->data()), nbytes * runner.world_size);
+      opts.setOutput(into != nullptr ? into : detail::bytes_of(gathered), nbytes * runner.world_size);
       runner.prepare(opts);
       gloo::allgather(opts);
+      if (into != nullptr) return;
       const auto* src = static_cast<const uint8_t*>(gathered.impl()->storage->data());
       for (size_t r = 0; r < outs.size(); ++r)
         std::memcpy(outs[r].impl()->storage->data(), src + r * nbytes, nbytes);

@@ -289,10 +289,7 @@ class ProcessGroupMpi : public ProcessGroup {
                             mpi_op(op, tensor.dtype()), comm_, request);
     };
     return issue(what, "MPI_Iallreduce", start, [tensor, op, world_size] {
-      if (op != ReduceOp::Avg) return;
-      float* p = tensor.data<float>();
-      const float w = static_cast<float>(world_size);
-      for (int64_t i = 0; i < tensor.numel(); ++i) p[i] /= w;  // division: exact when representable
+      if (op == ReduceOp::Avg) detail::divide_by_world_size(tensor, world_size);
     });
   }
 
@@ -316,14 +313,17 @@ class ProcessGroupMpi : public ProcessGroup {
     check_tensor("all_gather", input, Device::cpu());
     check_list("all_gather", outputs, input);
     int count = checked_count(what, input.numel() * world_size_);
-    Tensor gathered = Tensor::empty({input.numel() * world_size_}, input.dtype());
+    std::vector<Tensor> outs = outputs;
+    // Straight into the outputs when they are one buffer (and the input is not in it).
+    uint8_t* into = input.is_alias_of(outs[0]) ? nullptr : detail::back_to_back(outs);
+    Tensor gathered = into != nullptr ? Tensor() : Tensor::empty({input.numel() * world_size_}, input.dtype());
+    if (into == nullptr) into = detail::bytes_of(gathered);
     auto start = [&](MPI_Request* request) {
-      return MPI_Iallgather(input.impl()->storage->data(), count / world_size_,
-                            mpi_type(input.dtype()), gathered.impl()->storage->data(),
+      return MPI_Iallgather(input.impl()->storage->data(), count / world_size_, mpi_type(input.dtype()), into,
                             count / world_size_, mpi_type(input.dtype()), comm_, request);
     };
-    std::vector<Tensor> outs = outputs;
     return issue(what, "MPI_Iallgather", start, [outs, input, gathered] {
+      if (!gathered.defined()) return;
       const size_t nbytes = input.nbytes();
       const auto* src = static_cast<const uint8_t*>(gathered.impl()->storage->data());
       for (size_t r = 0; r < outs.size(); ++r)
@@ -340,22 +340,25 @@ class ProcessGroupMpi : public ProcessGroup {
     check_reduce("reduce_scatter", output, op);
     check_list("reduce_scatter", inputs, output);
     int count = checked_count(what, output.numel() * world_size_) / world_size_;
-    const size_t nbytes = output.nbytes();
-    Tensor flat = Tensor::empty({output.numel() * world_size_}, output.dtype());
-    auto* dst = static_cast<uint8_t*>(flat.impl()->storage->data());
-    for (int r = 0; r < world_size_; ++r)
-      std::memcpy(dst + r * nbytes, inputs[r].impl()->storage->data(), nbytes);
+    // Straight from the inputs when they are one buffer (and the output is not in it); else
+    // from a copy of them, laid end to end as MPI wants.
+    std::vector<Tensor> ins = inputs;
+    const uint8_t* from = output.is_alias_of(ins[0]) ? nullptr : detail::back_to_back(ins);
+    Tensor flat;
+    if (from == nullptr) {
+      const size_t nbytes = output.nbytes();
+      flat = Tensor::empty({output.numel() * world_size_}, output.dtype());
+      for (int r = 0; r < world_size_; ++r) std::memcpy(detail::bytes_of(flat) + r * nbytes, detail::bytes_of(ins[r]), nbytes);
+      from = detail::bytes_of(flat);
+    }
     auto start = [&](MPI_Request* request) {
-      return MPI_Ireduce_scatter_block(flat.impl()->storage->data(),
-                                       output.impl()->storage->data(), count,
+      return MPI_Ireduce_scatter_block(from, output.impl()->storage->data(), count,
                                        mpi_type(output.dtype()), mpi_op(op, output.dtype()), comm_,
                                        request);
     };
     int world_size = world_size_;
-    return issue(what, "MPI_Ireduce_scatter_block", start, [flat, output, op, world_size] {
-      if (op != ReduceOp::Avg) return;
-      float* p = output.data<float>();
-      for (int64_t i = 0; i < output.numel(); ++i) p[i] /= static_cast<float>(world_size);
+    return issue(what, "MPI_Ireduce_scatter_block", start, [ins, flat, output, op, world_size] {
+      if (op == ReduceOp::Avg) detail::divide_by_world_size(output, world_size);
     });
   }
 

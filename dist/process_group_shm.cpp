@@ -149,17 +149,17 @@ class ProcessGroupShm : public ProcessGroup {
       return std::make_shared<CompletedWork>();
     }
     Envelope envelope = next_envelope(Kind::ReduceScatter, output, op, 0);
-    // The ring reduces in place, and inputs are the caller's: reduce a copy of them.
-    Tensor flat = Tensor::empty({output.numel() * world_size_}, output.dtype());
-    const size_t nbytes = output.nbytes();
-    for (int r = 0; r < world_size_; ++r)
-      std::memcpy(bytes_of(flat) + r * nbytes, bytes_of(inputs[r]), nbytes);
-    return collective(describe(name, output), [flat, output, op, nbytes, envelope](Ring& ring) mutable {
+    std::vector<Tensor> ins = inputs;
+    return collective(describe(name, output), [ins, output, op, envelope](Ring& ring) {
       ring.envelope = envelope;
-      Parts parts = Parts::of_buffer(bytes_of(flat), flat.numel(), dtype_size(flat.dtype()), ring.n());
-      ring.reduce_scatter(parts, reduce_fn(flat.dtype(), op));
-      std::memcpy(bytes_of(output), parts.data[ring.rank()], nbytes);
-      if (op == ReduceOp::Avg) divide(output, ring.n());
+      Parts parts;
+      parts.element_size = dtype_size(output.dtype());
+      for (const Tensor& t : ins) {
+        parts.data.push_back(bytes_of(t));
+        parts.numel.push_back(output.numel());
+      }
+      ring.reduce_scatter(parts, bytes_of(output), reduce_fn(output.dtype(), op));
+      if (op == ReduceOp::Avg) detail::divide_by_world_size(output, ring.n());
     });
   }
 

@@ -149,10 +149,7 @@ class ProcessGroupTwoLevel : public ProcessGroup {
           local->all_reduce(tensor, level_op)->wait(left(deadline));                 // 1. inside the node
           if (leaders) leaders->all_reduce(tensor, level_op)->wait(left(deadline));  // 2. across
           local->broadcast(tensor, 0)->wait(left(deadline));                         // 3. leader -> node
-          if (op == ReduceOp::Avg) {
-            float* p = tensor.data<float>();
-            for (int64_t i = 0; i < tensor.numel(); ++i) p[i] /= static_cast<float>(world_size);
-          }
+          if (op == ReduceOp::Avg) detail::divide_by_world_size(tensor, world_size);
         });
     queue_->push(work);
     return work;

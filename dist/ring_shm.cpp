@@ -92,32 +92,57 @@ int Ring::left() const { return mod(rank() - 1, n()); }
 
 // One step: send part `out` to the right, fold part `in` from the left into ours with
 // `combine` (a reduction, or a copy).
-void Ring::step(Parts& parts, int out, int in,
-                const std::function<void(uint8_t*, const uint8_t*, int64_t)>& combine) {
+void Ring::step(const Parts& parts, int out, const uint8_t* send_from, int in,
+                const std::function<void(int64_t, int64_t, const uint8_t*)>& combine) {
   const size_t es = parts.element_size;
   for (int64_t i = 0; i < parts.pieces(); ++i) {
     auto [out_first, out_count] = parts.piece(out, i);
-    shm.post(right(), envelope, parts.data[out] + out_first * es, out_count * es, deadline, what);
+    shm.post(right(), envelope, send_from + out_first * es, out_count * es, deadline, what);
     auto [in_first, in_count] = parts.piece(in, i);
     const SlotHeader* slot = shm.receive(left(), envelope, in_count * es, deadline, what);
-    combine(parts.data[in] + in_first * es, ShmSegment::payload(slot), in_count);
+    combine(in_first, in_count, ShmSegment::payload(slot));
     shm.release(left());
   }
 }
 
 void Ring::reduce_scatter(Parts& parts, ReduceFn reduce) {
-  for (int s = 0; s < n() - 1; ++s)
-    step(parts, mod(rank() - s - 1, n()), mod(rank() - s - 2, n()),
-         [reduce](uint8_t* mine, const uint8_t* theirs, int64_t count) { reduce(mine, theirs, count); });
+  const size_t es = parts.element_size;
+  for (int s = 0; s < n() - 1; ++s) {
+    const int out = mod(rank() - s - 1, n()), in = mod(rank() - s - 2, n());
+    uint8_t* into = parts.data[in];
+    step(parts, out, parts.data[out], in, [&](int64_t first, int64_t count, const uint8_t* theirs) {
+      reduce(into + first * es, into + first * es, theirs, count);
+    });
+  }
+}
+
+// Step s sends the running sum of part r-s-1 (at s = 0, this rank's input) and adds its own
+// input of part r-s-2 to the running sum that arrives. The sum is written where the one it
+// replaces has just been posted, piece by piece, so one scratch part is enough; the last step
+// writes part r into output. Same additions in the same order as the in-place ring.
+void Ring::reduce_scatter(const Parts& inputs, uint8_t* output, ReduceFn reduce) {
+  const size_t es = inputs.element_size;
+  std::vector<uint8_t> scratch(n() > 2 ? inputs.numel[0] * es : 0);
+  for (int s = 0; s < n() - 1; ++s) {
+    const int out = mod(rank() - s - 1, n()), in = mod(rank() - s - 2, n());
+    const uint8_t* send_from = s == 0 ? inputs.data[out] : scratch.data();
+    uint8_t* into = s == n() - 2 ? output : scratch.data();
+    const uint8_t* mine = inputs.data[in];
+    step(inputs, out, send_from, in, [&](int64_t first, int64_t count, const uint8_t* theirs) {
+      reduce(into + first * es, mine + first * es, theirs, count);
+    });
+  }
 }
 
 void Ring::all_gather(Parts& parts) {
   const size_t es = parts.element_size;
-  for (int s = 0; s < n() - 1; ++s)
-    step(parts, mod(rank() - s, n()), mod(rank() - s - 1, n()),
-         [es](uint8_t* mine, const uint8_t* theirs, int64_t count) {
-           if (count > 0) std::memcpy(mine, theirs, count * es);
-         });
+  for (int s = 0; s < n() - 1; ++s) {
+    const int out = mod(rank() - s, n()), in = mod(rank() - s - 1, n());
+    uint8_t* into = parts.data[in];
+    step(parts, out, parts.data[out], in, [&](int64_t first, int64_t count, const uint8_t* theirs) {
+      if (count > 0) std::memcpy(into + first * es, theirs, count * es);
+    });
+  }
 }
 
 void Ring::all_reduce(Tensor& tensor, ReduceOp op) {
@@ -125,7 +150,7 @@ void Ring::all_reduce(Tensor& tensor, ReduceOp op) {
   Parts parts = Parts::of_buffer(bytes_of(tensor), tensor.numel(), dtype_size(tensor.dtype()), n());
   reduce_scatter(parts, reduce_fn(tensor.dtype(), op));
   all_gather(parts);
-  if (op == ReduceOp::Avg) divide(tensor, n());
+  if (op == ReduceOp::Avg) detail::divide_by_world_size(tensor, n());
 }
 
 void Ring::broadcast(uint8_t* data, int64_t numel, size_t element_size, int root) {
@@ -194,13 +219,10 @@ void direct_all_reduce(ShmSegment& shm, const Envelope& envelope, SharedBuffer& 
     const uint8_t* previous = parts[(rank + 1) % n].data[rank];
     for (int j = 2; j <= n; ++j) {
       uint8_t* mine = parts[(rank + j) % n].data[rank];
-      reduce(mine, previous, count);
+      reduce(mine, mine, previous, count);
       previous = mine;
     }
-    if (op == ReduceOp::Avg) {
-      float* p = reinterpret_cast<float*>(parts[rank].data[rank]);
-      for (int64_t i = 0; i < count; ++i) p[i] /= static_cast<float>(n);
-    }
+    if (op == ReduceOp::Avg) detail::divide_by_world_size(reinterpret_cast<float*>(parts[rank].data[rank]), count, n);
   }
   shm.reach(phase + 2);
   shm.wait_until([&] { return shm.all_reached(phase + 2); }, -1, deadline, what);
@@ -218,14 +240,15 @@ void direct_all_reduce(ShmSegment& shm, const Envelope& envelope, SharedBuffer& 
 
 namespace {
 
-// out[i] = out[i] (op) in[i]. Max and Min propagate NaN (as torch.maximum/minimum and
-// PyTorch's reductions do): a NaN on any rank makes the result NaN.
+// out[i] = a[i] (op) b[i]. Max and Min propagate NaN (as torch.maximum/minimum and PyTorch's
+// reductions do): a NaN on any rank makes the result NaN. out may be a, so no __restrict.
 template <typename T, ReduceOp Op>
-void reduce_into(void* out_bytes, const void* in_bytes, int64_t n) {
-  T* __restrict out = static_cast<T*>(out_bytes);
-  const T* __restrict in = static_cast<const T*>(in_bytes);
+void reduce_into(void* out_bytes, const void* a_bytes, const void* b_bytes, int64_t n) {
+  T* out = static_cast<T*>(out_bytes);
+  const T* x = static_cast<const T*>(a_bytes);
+  const T* y = static_cast<const T*>(b_bytes);
   for (int64_t i = 0; i < n; ++i) {
-    const T a = out[i], b = in[i];
+    const T a = x[i], b = y[i];
     if constexpr (Op == ReduceOp::Sum || Op == ReduceOp::Avg) {
       out[i] = a + b;
     } else if constexpr (Op == ReduceOp::Max) {
@@ -253,13 +276,14 @@ ReduceFn reduce_fn(ReduceOp op) {
 // Float16 / BFloat16 (Sum only: ProcessGroup::check_reduce): widen to float32, add, round
 // back to nearest even, as Gloo's and NCCL's half sums do.
 template <typename T>
-void sum_16bit_into(void* out_bytes, const void* in_bytes, int64_t n) {
-  T* __restrict out = static_cast<T*>(out_bytes);
-  const T* __restrict in = static_cast<const T*>(in_bytes);
+void sum_16bit_into(void* out_bytes, const void* a_bytes, const void* b_bytes, int64_t n) {
+  T* out = static_cast<T*>(out_bytes);
+  const T* a = static_cast<const T*>(a_bytes);
+  const T* b = static_cast<const T*>(b_bytes);
   if constexpr (std::is_same_v<T, Float16>) {
-    float16_add(out, out, in, n);  // F16C where the CPU has it (core/half_convert.h)
+    float16_add(out, a, b, n);  // F16C where the CPU has it (core/half_convert.h)
   } else {
-    for (int64_t i = 0; i < n; ++i) out[i] = T::from_float(out[i].to_float() + in[i].to_float());
+    for (int64_t i = 0; i < n; ++i) out[i] = T::from_float(a[i].to_float() + b[i].to_float());
   }
 }
 
@@ -272,12 +296,6 @@ ReduceFn reduce_fn(DType dtype, ReduceOp op) {
     case DType::BFloat16: return sum_16bit_into<BFloat16>;
     default: return reduce_fn<int64_t>(op);
   }
-}
-
-void divide(Tensor& tensor, int world_size) {
-  float* p = tensor.data<float>();
-  const float w = static_cast<float>(world_size);
-  for (int64_t i = 0; i < tensor.numel(); ++i) p[i] /= w;  // division: exact when representable
 }
 
 }  // namespace nanoddp::dist::shm

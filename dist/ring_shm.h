@@ -21,12 +21,10 @@
 
 namespace nanoddp::dist::shm {
 
-// out[i] = out[i] (op) in[i] for n elements of one dtype.
-using ReduceFn = void (*)(void*, const void*, int64_t);
+// out[i] = a[i] (op) b[i] for n elements of one dtype; out may be a (in place).
+using ReduceFn = void (*)(void* out, const void* a, const void* b, int64_t n);
 // The element-wise reduction for dtype and op (Avg sums; the caller divides at the end).
 ReduceFn reduce_fn(DType dtype, ReduceOp op);
-// tensor (float32) /= world_size, element by element.
-void divide(Tensor& tensor, int world_size);
 
 using detail::bytes_of;
 
@@ -60,6 +58,10 @@ struct Ring {
 
   // Afterwards rank r holds part r reduced over all ranks: N-1 steps, (N-1)/N of the data sent.
   void reduce_scatter(Parts& parts, ReduceFn reduce);
+  // The same sums, out of place: inputs (this rank's N parts) are only read, and part r's
+  // result goes to output. The running sums that travel the ring need one part of scratch
+  // (N > 2), not a copy of the whole input.
+  void reduce_scatter(const Parts& inputs, uint8_t* output, ReduceFn reduce);
   // Starting from rank r holding part r, every rank gets every part: N-1 steps, (N-1)/N sent.
   void all_gather(Parts& parts);
   // tensor reduced in place over all ranks: reduce_scatter, then all_gather.
@@ -68,8 +70,10 @@ struct Ring {
   void broadcast(uint8_t* data, int64_t numel, size_t element_size, int root);
 
  private:
-  void step(Parts& parts, int out, int in,
-            const std::function<void(uint8_t*, const uint8_t*, int64_t)>& combine);
+  // Sends part `out` of parts' cut, read from send_from, to the right; hands each piece of
+  // part `in` that arrives from the left to combine(first element, count, received bytes).
+  void step(const Parts& parts, int out, const uint8_t* send_from, int in,
+            const std::function<void(int64_t, int64_t, const uint8_t*)>& combine);
 };
 
 // Every rank's buffer holds its input; afterwards every rank's holds the reduced result

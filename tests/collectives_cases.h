@@ -100,6 +100,37 @@ inline void check_collectives(dist::ProcessGroup& pg, const std::vector<int64_t>
         expect_values(outputs[r], [&](int64_t i) { return (r + 1) * pattern(i); },
                       where + "all_gather " + short_name(dtype) + " output " + std::to_string(r));
     }
+    // The same into views of one flat buffer (FSDP's layout, which backends may gather into
+    // directly), and in place (the input is this rank's view).
+    for (bool in_place : {false, true}) {
+      const std::string how = in_place ? " in place" : " into one buffer";
+      Tensor flat = Tensor::zeros({numel * n});
+      std::vector<Tensor> views;
+      for (int r = 0; r < n; ++r) views.push_back(flat.slice_view(r * numel, {numel}));
+      Tensor input = make_tensor(DType::Float32, numel, [&](int64_t i) { return (rank + 1) * pattern(i); });
+      if (in_place) {
+        views[rank].copy_(input);
+        input = views[rank];
+      }
+      pg.all_gather(views, input)->wait();
+      for (int r = 0; r < n; ++r)
+        expect_values(views[r], [&](int64_t i) { return (r + 1) * pattern(i); },
+                      where + "all_gather" + how + " [" + std::to_string(numel) + "] output " + std::to_string(r));
+      // reduce_scatter from views of one buffer; in place: the output is this rank's input view.
+      Tensor grads = make_tensor(DType::Float32, numel * n,
+                                 [&](int64_t k) { return (rank + 1) * (10.0 * (k / numel) + pattern(k % numel)); });
+      const Tensor before = grads.clone();
+      std::vector<Tensor> inputs;
+      for (int r = 0; r < n; ++r) inputs.push_back(grads.slice_view(r * numel, {numel}));
+      Tensor output = in_place ? inputs[rank] : Tensor::zeros({numel});
+      pg.reduce_scatter(output, inputs, ReduceOp::Sum)->wait();
+      expect_values(output, [&](int64_t i) { return s * (10.0 * rank + pattern(i)); },
+                    where + "reduce_scatter" + (in_place ? " in place" : " from one buffer") + " [" +
+                        std::to_string(numel) + "]");
+      for (int r = 0; r < n && !in_place; ++r)
+        expect_values(inputs[r], [&](int64_t i) { return before.data<float>()[r * numel + i]; },
+                      where + "reduce_scatter from one buffer: input " + std::to_string(r) + " changed");
+    }
     // reduce_scatter: inputs[j] on rank r is (r + 1) * (10 j + pattern(i))
     for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Max}) {
       std::vector<Tensor> inputs;

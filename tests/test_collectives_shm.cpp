@@ -270,6 +270,47 @@ TEST_CASE("shm: all_reduce of collective buffers gives the ring's bits, and leav
   }
 }
 
+TEST_CASE("shm: reduce_scatter only reads its inputs, and gives the ring all_reduce's bits") {
+  // S = 70001 floats is two slots' worth, so the running sums travel piece by piece, through
+  // the one scratch part, at 3 and 4 ranks.
+  for (int world_size : {2, 3, 4}) {
+    CAPTURE(world_size);
+    int port = testing::free_port();
+    std::string failures = testing::run_ranks(world_size, [&](int rank) {
+      auto pg = join(port, rank, world_size);
+      for (auto [dtype, op] : {std::pair{DType::Float32, ReduceOp::Sum}, std::pair{DType::Float32, ReduceOp::Avg},
+                               std::pair{DType::Float32, ReduceOp::Max}, std::pair{DType::Float16, ReduceOp::Sum},
+                               std::pair{DType::BFloat16, ReduceOp::Sum}}) {
+        const std::string what = std::string(dtype_name(dtype)) + " " + reduce_op_name(op);
+        const int64_t S = dtype == DType::Float32 ? 70001 : 140001;
+        // Values whose sums round differently in different orders.
+        Generator gen(2000 + rank);
+        Tensor values = Tensor::randn({S * world_size}, gen);
+        Tensor flat = dtype == DType::Float32 ? values : Tensor::empty({S * world_size}, dtype);
+        for (int64_t i = 0; dtype != DType::Float32 && i < flat.numel(); ++i) {
+          const float v = values.data<float>()[i];
+          if (dtype == DType::Float16) flat.data<Float16>()[i] = Float16::from_float(v);
+          else flat.data<BFloat16>()[i] = BFloat16::from_float(v);
+        }
+        std::vector<Tensor> inputs;
+        for (int r = 0; r < world_size; ++r) inputs.push_back(flat.slice_view(r * S, {S}).clone());
+        const Tensor before = flat.clone();
+        Tensor output = Tensor::empty({S}, dtype);
+        pg->reduce_scatter(output, inputs, op)->wait();
+        for (int r = 0; r < world_size; ++r)
+          testing::expect(std::memcmp(bytes(inputs[r]), bytes(before) + r * inputs[r].nbytes(), inputs[r].nbytes()) == 0,
+                          what, ": input ", r, " was changed");
+        Tensor ring = before.clone();
+        pg->all_reduce(ring, op)->wait();
+        testing::expect(std::memcmp(bytes(output), bytes(ring) + rank * output.nbytes(), output.nbytes()) == 0, what,
+                        ": the result differs from part ", rank, " of the ring all-reduce");
+      }
+      destroy_process_group();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
 // Note [Bytes moved]: the ring cuts 2 floats on 3 ranks into parts of 1, 1 and 0 elements, so
 // rank 0 sends 8 bytes and ranks 1 and 2 send 12 (the formula's 10.7 is nobody's); the direct
 // all-reduce posts nothing and reads 12, 12 and 8 bytes from its peers' buffers.
