@@ -30,6 +30,7 @@ const char* dtype_name(DType dtype) {
     case DType::UInt8: return "uint8";
     case DType::Float16: return "float16";
     case DType::BFloat16: return "bfloat16";
+    case DType::Int32: return "int32";
   }
   return "?";
 }

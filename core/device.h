@@ -40,7 +40,10 @@ std::ostream& operator<<(std::ostream& out, const Device& device);
 // torch.long); UInt8 holds raw image bytes. Float16 and BFloat16 (core/half.h) hold
 // compressed communication (collectives sum them) and what nn::autocast's matrix products
 // return; kernels widen them to float32 to compute (Note [Autocast] in core/autocast.h).
-enum class DType { Float32, Int64, UInt8, Float16, BFloat16 };
+// Int32 holds max_pool2d's saved argmax indices (half the bytes of torch's int64 ones). The
+// values are stored in files (checkpoints), so a new dtype goes at the end.
+enum class DType { Float32, Int64, UInt8, Float16, BFloat16, Int32 };
+constexpr DType kLastDType = DType::Int32;
 
 inline size_t dtype_size(DType dtype) {
   switch (dtype) {
@@ -49,13 +52,14 @@ inline size_t dtype_size(DType dtype) {
     case DType::UInt8: return 1;
     case DType::Float16: return 2;
     case DType::BFloat16: return 2;
+    case DType::Int32: return 4;
   }
   return 0;
 }
 
 inline bool is_16bit_float(DType dtype) { return dtype == DType::Float16 || dtype == DType::BFloat16; }
 
-const char* dtype_name(DType dtype);  // "float32", "int64", "uint8", "float16", "bfloat16"
+const char* dtype_name(DType dtype);  // "float32", "int64", "uint8", "float16", "bfloat16", "int32"
 std::ostream& operator<<(std::ostream& out, DType dtype);
 
 // The C++ type for each DType, used by Tensor::data<T>() to check the dtype.
@@ -65,5 +69,6 @@ template <> constexpr DType dtype_of<int64_t>() { return DType::Int64; }
 template <> constexpr DType dtype_of<uint8_t>() { return DType::UInt8; }
 template <> constexpr DType dtype_of<Float16>() { return DType::Float16; }
 template <> constexpr DType dtype_of<BFloat16>() { return DType::BFloat16; }
+template <> constexpr DType dtype_of<int32_t>() { return DType::Int32; }
 
 }  // namespace nanoddp

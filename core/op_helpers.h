@@ -52,19 +52,37 @@ inline uint16_t* bits16(const Tensor& t) {
 }
 
 // Note [16-bit elementwise ops]
-// Kernels other than matrix products compute in float32 only. An elementwise op given a
-// 16-bit tensor widens it to float32, computes, and rounds its output back to the input's
-// dtype, each cast recorded (Tensor::to), so backward does the same in reverse. That is what
-// torch's CPU kernels do for bfloat16 on CPUs without 16-bit arithmetic: the output is
-// rounded once, as if computed in 16 bits and rounded. A binary op follows torch's type
-// promotion: two operands of one 16-bit dtype give that dtype; a 16-bit and a float32 operand
-// (a float16 and a bfloat16 one) give float32.
+// Kernels other than matrix products compute in float32 only; given a 16-bit tensor, an op
+// computes in float32 and rounds its output back to the input's dtype, once. That is what
+// torch's CPU kernels do for bfloat16 on CPUs without 16-bit arithmetic: the output is as if
+// computed in 16 bits and rounded. It is done in one of two ways:
+//  - relu, max_pool2d and conv2d (the layers a CNN keeps most activations for) take the
+//    16-bit tensors as their node's inputs and saved tensors, and widen them into float32
+//    temporaries, not recorded, for each kernel call, in forward and again in backward
+//    (widened, rounded_to). A 16-bit activation then costs 2 bytes per element, as autocast
+//    means it to, not 2 plus a kept float32 copy;
+//  - other ops go through computed_in_float32: recorded casts around the float32 op, which
+//    keep the float32 copy until backward. Same bits, more memory.
+// A binary op follows torch's type promotion: two operands of one 16-bit dtype give that
+// dtype; a 16-bit and a float32 operand (a float16 and a bfloat16 one) give float32.
 
 // fn(t) for float32 t; for 16-bit t, fn(t in float32) rounded back to t's dtype.
 template <typename Fn>
 Tensor computed_in_float32(const Tensor& t, Fn&& fn) {
   if (!t.defined() || !is_16bit_float(t.dtype())) return fn(t);
   return fn(t.to(DType::Float32)).to(t.dtype());
+}
+
+// A kernel's float32 operand: a 16-bit t widened (exactly) into a temporary that no graph
+// records or keeps; t itself otherwise.
+inline Tensor widened(const Tensor& t) {
+  return t.defined() && is_16bit_float(t.dtype()) ? t.detach().to(DType::Float32) : t;
+}
+
+// A float32 kernel result rounded to dtype (nearest, ties to even), not recorded; wide itself
+// for float32.
+inline Tensor rounded_to(const Tensor& wide, DType dtype) {
+  return dtype == DType::Float32 ? wide : wide.detach().to(dtype);
 }
 
 // t, cast up to float32 (recorded) when it is 16-bit: the operand of an op that computes in

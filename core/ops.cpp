@@ -310,17 +310,17 @@ Tensor mean(const Tensor& a) { return reduce_all("mean", as_float32(a), true); }
 // ---- relu ---------------------------------------------------------------------------------
 
 Tensor relu(const Tensor& a) {
-  if (a.defined() && is_16bit_float(a.dtype()))  // Note [16-bit elementwise ops]
-    return computed_in_float32(a, [](const Tensor& x) { return relu(x); });
   ForwardSpan span("relu", {&a});
-  check_float("relu", a, "input");
+  check_floating("relu", a, "input");
+  const Tensor x = widened(a);  // Note [16-bit elementwise ops]: the node keeps a, not x
   Tensor out = empty_like(a);
-  NANODDP_DISPATCH(a.device(), relu_forward, ptr(out), ptr(a), a.numel());
-  return record("ReluBackward", out, {a}, {a}, [](const Node& node, const Tensor& dout) {
+  NANODDP_DISPATCH(a.device(), relu_forward, ptr(out), ptr(x), a.numel());
+  return record("ReluBackward", rounded_to(out, a.dtype()), {a}, {a}, [](const Node& node, const Tensor& dout) {
     const Tensor& a = node.saved(0);  // din = dout where a > 0
+    const Tensor x = widened(a), dy = widened(dout);
     Tensor da = empty_like(a);
-    NANODDP_DISPATCH(a.device(), relu_backward, ptr(da), ptr(dout), ptr(a), a.numel());
-    return std::vector<Tensor>{da};
+    NANODDP_DISPATCH(a.device(), relu_backward, ptr(da), ptr(dy), ptr(x), a.numel());
+    return std::vector<Tensor>{rounded_to(da, a.dtype())};
   });
 }
 

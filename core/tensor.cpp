@@ -201,6 +201,7 @@ float Tensor::item() const {
     case DType::UInt8: return static_cast<float>(*host.data<uint8_t>());
     case DType::Float16: return host.data<Float16>()->to_float();
     case DType::BFloat16: return host.data<BFloat16>()->to_float();
+    case DType::Int32: return static_cast<float>(*host.data<int32_t>());
   }
   return 0.0f;
 }
@@ -427,6 +428,7 @@ std::string Tensor::str() const {
       case DType::UInt8: out << static_cast<int>(host.data<uint8_t>()[i]); break;
       case DType::Float16: out << std::setprecision(6) << host.data<Float16>()[i].to_float(); break;
       case DType::BFloat16: out << std::setprecision(6) << host.data<BFloat16>()[i].to_float(); break;
+      case DType::Int32: out << host.data<int32_t>()[i]; break;
     }
   }
   if (numel() > shown) out << ", ... (" << numel() << " in all)";

@@ -75,7 +75,7 @@ std::string where_truncated(const std::string& bytes) {
     if (name_bytes > kMaxNameBytes) return "";
     if (dim_at >= bytes.size()) return "in " + entry;
     const uint8_t dtype = static_cast<uint8_t>(bytes[dim_at - 1]), dim = static_cast<uint8_t>(bytes[dim_at]);
-    if (dtype > static_cast<uint8_t>(DType::BFloat16) || dim > Shape::kMaxDims) return "";
+    if (dtype > static_cast<uint8_t>(kLastDType) || dim > Shape::kMaxDims) return "";
     uint64_t numel = 1;
     for (uint8_t d = 0; d < dim; ++d) {
       uint64_t size = 0;
@@ -206,7 +206,7 @@ StateDict parse_checkpoint(const std::string& bytes, const std::string& path) {
     const uint8_t dim = in.get<uint8_t>("dim");
     // Every DType save writes (core/device.h numbers them 0 to 4: Float32, Int64, UInt8,
     // Float16, BFloat16).
-    NANODDP_CHECK(dtype <= static_cast<uint8_t>(DType::BFloat16) && dim <= Shape::kMaxDims, IOError, "checkpoint ", path,
+    NANODDP_CHECK(dtype <= static_cast<uint8_t>(kLastDType) && dim <= Shape::kMaxDims, IOError, "checkpoint ", path,
                   ": bad dtype ", int(dtype), " or dim ", int(dim), " of '", name, "' at byte offset ", dtype_offset);
     const size_t sizes_offset = in.offset();
     std::vector<int64_t> sizes(dim);

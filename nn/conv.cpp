@@ -3,6 +3,7 @@
 #include "nn/conv.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <numeric>
 
@@ -30,13 +31,14 @@ NANODDP_DECLARE_KERNEL(channel_bias_forward, float* out, const float* bias, int6
 // dbias[c] = sum over n and hw of dout[n, c, hw]. WRITES. Deterministic.
 NANODDP_DECLARE_KERNEL(channel_sum, float* dbias, const float* dout, int64_t N, int64_t C, int64_t HW)
 // Per plane p of planes [H, W] -> [OH, OW]: out = the window's maximum (NaN wins), indices =
-// its position h W + w in the plane (the first maximum on ties); indices may be null, then
-// only out is written (a forward that keeps no graph). window.channels is unused.
-NANODDP_DECLARE_KERNEL(max_pool2d_forward, float* out, int64_t* indices, const float* in, int64_t planes,
+// its position h W + w in the plane (the first maximum on ties; int32: max_pool2d refuses
+// planes of 2^31 elements or more); indices may be null, then only out is written (a forward
+// that keeps no graph). window.channels is unused.
+NANODDP_DECLARE_KERNEL(max_pool2d_forward, float* out, int32_t* indices, const float* in, int64_t planes,
                        Window2d window)
 // din[p, indices[p, o]] += dout[p, o] over every output o of plane p, din 0 elsewhere. WRITES.
 // Deterministic.
-NANODDP_DECLARE_KERNEL(max_pool2d_backward, float* din, const float* dout, const int64_t* indices, int64_t planes,
+NANODDP_DECLARE_KERNEL(max_pool2d_backward, float* din, const float* dout, const int32_t* indices, int64_t planes,
                        Window2d window)
 
 namespace {
@@ -117,17 +119,20 @@ int64_t images_per_gemm(Device device, bool keeps_cols, int64_t N, int64_t CKK, 
 // ---- conv2d -------------------------------------------------------------------------------
 
 namespace {
-Tensor conv2d_float32(const Tensor& input, const Tensor& weight, const Tensor& bias, Size2 stride, Size2 padding,
-                      Size2 dilation) {
-  check_float("conv2d", weight, "weight");
+// input, weight and bias: float32, or (Note [16-bit elementwise ops]) one 16-bit dtype, which
+// the node keeps and the kernels read widened: x, w and b here, and again in backward.
+Tensor conv2d_computed(const Tensor& input, const Tensor& weight, const Tensor& bias, Size2 stride, Size2 padding,
+                       Size2 dilation) {
+  const Tensor x = widened(input), w = widened(weight), b = widened(bias);
+  check_float("conv2d", w, "weight");
   NANODDP_CHECK(weight.dim() == 4, ShapeError, "conv2d: weight ", weight.shape(), " must be [OC, C, kh, kw]");
-  const Window2d g = make_window("conv2d", input, {weight.size(2), weight.size(3)}, stride, padding, dilation);
+  const Window2d g = make_window("conv2d", x, {weight.size(2), weight.size(3)}, stride, padding, dilation);
   check_same_device("conv2d", input, weight);
   NANODDP_CHECK(weight.size(1) == g.channels, ShapeError, "conv2d: input ", input.shape(), " has ", g.channels,
                 " channels but weight ", weight.shape(), " expects ", weight.size(1));
   const int64_t N = input.size(0), OC = weight.size(0);
   if (bias.defined()) {
-    check_float("conv2d", bias, "bias");
+    check_float("conv2d", b, "bias");
     check_same_device("conv2d", input, bias);
     NANODDP_CHECK(bias.dim() == 1 && bias.size(0) == OC, ShapeError, "conv2d: bias ", bias.shape(),
                   " does not fit weight ", weight.shape(), " (expected [", OC, "])");
@@ -138,7 +143,7 @@ Tensor conv2d_float32(const Tensor& input, const Tensor& weight, const Tensor& b
   const bool keeps_graph = is_grad_enabled() && (input.requires_grad() || weight.requires_grad() ||
                                                  (bias.defined() && bias.requires_grad()));
   const Device device = input.device();
-  const bool winograd = uses_winograd(device, g, input, weight);
+  const bool winograd = uses_winograd(device, g, x, w);
   const int64_t group = images_per_gemm(device, keeps_graph, N, CKK, OHW);
   const int64_t image_size = g.channels * g.height * g.width;
   // Kept for backward on CUDA: every image's cols, [N / group groups of [C kh kw, group OH OW]]
@@ -146,8 +151,8 @@ Tensor conv2d_float32(const Tensor& input, const Tensor& weight, const Tensor& b
   const bool keeps_cols = keeps_graph && device.is_cuda();
   Tensor out = Tensor::empty({N, OC, g.out_h, g.out_w}, DType::Float32, device);
   if (winograd) {
-    kernels::cpu::conv3x3_winograd(ptr(out), ptr(input), ptr(weight), N, OC, g);
-    if (bias.defined()) NANODDP_DISPATCH(device, channel_bias_forward, ptr(out), ptr(bias), N, OC, OHW);
+    kernels::cpu::conv3x3_winograd(ptr(out), ptr(x), ptr(w), N, OC, g);
+    if (bias.defined()) NANODDP_DISPATCH(device, channel_bias_forward, ptr(out), ptr(b), N, OC, OHW);
   }
   Tensor cols = winograd ? Tensor()
                          : Tensor::empty({keeps_cols ? N * CKK * OHW : group * CKK * OHW}, DType::Float32, device);
@@ -156,20 +161,22 @@ Tensor conv2d_float32(const Tensor& input, const Tensor& weight, const Tensor& b
     const int64_t n = std::min(group, N - first);
     float* group_cols = ptr(cols) + (keeps_cols ? first * CKK * OHW : 0);
     float* group_out = ptr(out) + first * OC * OHW;
-    NANODDP_DISPATCH(device, im2col, group_cols, ptr(input) + first * image_size, n, g);
-    NANODDP_DISPATCH(device, matmul, group > 1 ? ptr(out_t) : group_out, ptr(weight), group_cols, OC, CKK, n * OHW,
+    NANODDP_DISPATCH(device, im2col, group_cols, ptr(x) + first * image_size, n, g);
+    NANODDP_DISPATCH(device, matmul, group > 1 ? ptr(out_t) : group_out, ptr(w), group_cols, OC, CKK, n * OHW,
                      false, false, 0.0f);
     if (group > 1) NANODDP_DISPATCH(device, swap_leading_dims, group_out, ptr(out_t), OC, n, OHW);
     // Added while the group's output is still in cache.
-    if (bias.defined()) NANODDP_DISPATCH(device, channel_bias_forward, group_out, ptr(bias), n, OC, OHW);
+    if (bias.defined()) NANODDP_DISPATCH(device, channel_bias_forward, group_out, ptr(b), n, OC, OHW);
   }
 
   // Backward reads the weight and, for dweight, the patches: the saved cols, or (on the CPU)
   // the input, whose cols it computes again (Note [Images per GEMM]).
-  return record("Conv2dBackward", out, {input, weight, bias}, {keeps_cols ? cols : input, weight},
-                [g, N, OC, CKK, group, keeps_cols](const Node& node, const Tensor& dout) {
-    const Tensor& patches = node.saved(0);  // cols, or the input
-    const Tensor& w = node.saved(1);
+  return record("Conv2dBackward", rounded_to(out, input.dtype()), {input, weight, bias},
+                {keeps_cols ? cols : input, weight},
+                [g, N, OC, CKK, group, keeps_cols](const Node& node, const Tensor& dout_as_given) {
+    const Tensor patches = widened(node.saved(0));  // cols (float32 always), or the input
+    const Tensor w = widened(node.saved(1));
+    const Tensor dout = widened(dout_as_given);
     const Device device = w.device();
     const int64_t OHW = g.out_h * g.out_w, image_size = g.channels * g.height * g.width;
     const bool needs_dx = node.inputs[0].requires_grad(), needs_dw = node.inputs[1].requires_grad();
@@ -227,38 +234,41 @@ Tensor conv2d_float32(const Tensor& input, const Tensor& weight, const Tensor& b
       db = Tensor::empty({OC}, DType::Float32, device);
       NANODDP_DISPATCH(device, channel_sum, ptr(db), ptr(db_groups), groups, OC, 1);
     }
-    return std::vector<Tensor>{dx, dw, db};
+    const auto as_input = [&node](const Tensor& grad, size_t i) {
+      return grad.defined() ? rounded_to(grad, node.inputs[i].dtype()) : grad;
+    };
+    return std::vector<Tensor>{as_input(dx, 0), as_input(dw, 1), as_input(db, 2)};
   });
 }
 
 }  // namespace
 
 // Note [Autocast], group 1. There is no 16-bit convolution kernel here: the operands, cast to
-// 16 bits (recorded), are widened to float32, convolved, and the output rounded once. That is
-// the computation torch's CPU autocast does; on CUDA it costs float32 speed.
+// 16 bits (recorded), are widened to float32 for the kernels, convolved, and the output rounded
+// once (Note [16-bit elementwise ops]). That is the computation torch's CPU autocast does; on
+// CUDA it costs float32 speed.
 Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Size2 stride, Size2 padding,
               Size2 dilation) {
   ForwardSpan span("conv2d", {&input, &weight, &bias});
   const AutocastState autocast = autocast_state();
   if (!autocast.enabled && !(input.defined() && is_16bit_float(input.dtype())))
-    return conv2d_float32(input, weight, bias, stride, padding, dilation);
+    return conv2d_computed(input, weight, bias, stride, padding, dilation);
   check_floating("conv2d", input, "input");
   check_floating("conv2d", weight, "weight");
   if (!autocast.enabled) check_same_dtype("conv2d", input, weight);
   if (!autocast.enabled && bias.defined()) check_same_dtype("conv2d", input, bias);
   const DType dtype = autocast.enabled ? autocast.dtype : input.dtype();
-  auto widened = [dtype](const Tensor& t) { return t.defined() ? t.to(dtype).to(DType::Float32) : t; };
-  return conv2d_float32(widened(input), widened(weight), widened(bias), stride, padding, dilation).to(dtype);
+  auto cast = [dtype](const Tensor& t) { return t.defined() ? t.to(dtype) : t; };
+  return conv2d_computed(cast(input), cast(weight), cast(bias), stride, padding, dilation);
 }
 
 // ---- max_pool2d ---------------------------------------------------------------------------
 
 Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 padding, Size2 dilation) {
-  if (input.defined() && is_16bit_float(input.dtype()))  // Note [16-bit elementwise ops]
-    return computed_in_float32(
-        input, [&](const Tensor& x) { return max_pool2d(x, kernel_size, stride, padding, dilation); });
   ForwardSpan span("max_pool2d", {&input});
-  Window2d g = make_window("max_pool2d", input, kernel_size, stride, padding, dilation);
+  // Note [16-bit elementwise ops]: a 16-bit input is the node's; the kernel reads x.
+  const Tensor x = widened(input);
+  Window2d g = make_window("max_pool2d", x, kernel_size, stride, padding, dilation);
   NANODDP_CHECK(2 * padding.h <= kernel_size.h && 2 * padding.w <= kernel_size.w, ValueError,
                 "max_pool2d: padding (", padding.h, ", ", padding.w, ") must be at most half the kernel (",
                 kernel_size.h, ", ", kernel_size.w, ")");
@@ -286,24 +296,28 @@ Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 pa
                 " covers only padding (input ", input.shape(), ", kernel (", kernel_size.h, ", ", kernel_size.w,
                 "), stride (", stride.h, ", ", stride.w, "), padding (", padding.h, ", ", padding.w, "), dilation (",
                 dilation.h, ", ", dilation.w, ")); use less padding or dilation");
+  NANODDP_CHECK(g.height * g.width <= INT32_MAX, ValueError, "max_pool2d: input ", input.shape(), " has planes of ",
+                g.height * g.width, " elements; at most 2^31 - 1 are supported (the indices are int32)");
   const int64_t planes = input.size(0) * input.size(1);
   const Device device = input.device();
   Tensor out = Tensor::empty({input.size(0), input.size(1), g.out_h, g.out_w}, DType::Float32, device);
   // The argmax indices serve backward only: under no_grad (evaluation) or for an input that
-  // needs no gradient, none are made (8 bytes per output element, twice the output itself).
+  // needs no gradient, none are made. They are int32 (4 bytes per output element; torch
+  // keeps int64), an index into the input's [H, W] plane.
   if (!is_grad_enabled() || !input.requires_grad()) {
-    NANODDP_DISPATCH(device, max_pool2d_forward, ptr(out), static_cast<int64_t*>(nullptr), ptr(input), planes, g);
-    return out;
+    NANODDP_DISPATCH(device, max_pool2d_forward, ptr(out), static_cast<int32_t*>(nullptr), ptr(x), planes, g);
+    return rounded_to(out, input.dtype());
   }
-  Tensor indices = Tensor::empty(out.shape(), DType::Int64, device);
-  NANODDP_DISPATCH(device, max_pool2d_forward, ptr(out), indices.data<int64_t>(), ptr(input), planes, g);
+  Tensor indices = Tensor::empty(out.shape(), DType::Int32, device);
+  NANODDP_DISPATCH(device, max_pool2d_forward, ptr(out), indices.data<int32_t>(), ptr(x), planes, g);
 
-  return record("MaxPool2dBackward", out, {input}, {indices},
-                [input_shape = input.shape(), planes, g](const Node& node, const Tensor& dout) {
+  return record("MaxPool2dBackward", rounded_to(out, input.dtype()), {input}, {indices},
+                [input_shape = input.shape(), dtype = input.dtype(), planes, g](const Node& node, const Tensor& dout) {
     const Tensor& indices = node.saved(0);
+    const Tensor dy = widened(dout);
     Tensor dx = Tensor::empty(input_shape, DType::Float32, dout.device());
-    NANODDP_DISPATCH(dout.device(), max_pool2d_backward, ptr(dx), ptr(dout), indices.data<int64_t>(), planes, g);
-    return std::vector<Tensor>{dx};
+    NANODDP_DISPATCH(dout.device(), max_pool2d_backward, ptr(dx), ptr(dy), indices.data<int32_t>(), planes, g);
+    return std::vector<Tensor>{rounded_to(dx, dtype)};
   });
 }
 

@@ -54,8 +54,10 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
 // and is at most half the kernel (ValueError otherwise), as in torch.nn.functional.max_pool2d.
 // A NaN in a window is its maximum. The gradient goes to the window's maximum (the first one
 // on ties). Cost: N C OH OW kh kw comparisons; when it records a graph (grad enabled and input
-// requires grad) it also keeps the argmax of each output (int64, 8 bytes per output element)
-// for backward, and otherwise (torch.no_grad(), evaluation) computes none.
+// requires grad) it also keeps the argmax of each output (int32, 4 bytes per output element;
+// torch keeps int64) for backward, and otherwise (torch.no_grad(), evaluation) computes none.
+// A 16-bit input gives a 16-bit output (computed in float32, rounded: exact for a maximum).
+// Throws ValueError for planes of 2^31 elements or more.
 Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 padding = 0, Size2 dilation = 1);
 
 namespace nn {

@@ -29,12 +29,13 @@ const char* safetensors_dtype(DType dtype) {
     case DType::UInt8: return "U8";
     case DType::Float16: return "F16";  // IEEE half, core/half.h
     case DType::BFloat16: return "BF16";
+    case DType::Int32: return "I32";
   }
   NANODDP_THROW(ValueError, "safetensors: no safetensors name for dtype ", dtype);
 }
 
 bool parse_dtype(const std::string& name, DType* dtype) {
-  for (DType candidate : {DType::Float32, DType::Int64, DType::UInt8, DType::Float16, DType::BFloat16}) {
+  for (DType candidate : {DType::Float32, DType::Int64, DType::UInt8, DType::Float16, DType::BFloat16, DType::Int32}) {
     if (name == safetensors_dtype(candidate)) {
       *dtype = candidate;
       return true;

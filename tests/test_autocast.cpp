@@ -13,6 +13,7 @@
 
 #include "core/autograd.h"
 #include "core/half.h"
+#include "core/memory.h"
 #include "core/ops.h"
 #include "core/random.h"
 #include "data/fashion_mnist.h"
@@ -169,6 +170,42 @@ TEST_CASE("16-bit elementwise ops keep the input's dtype; binary ops promote mix
   sum(relu(a16)).backward();
   CHECK(a.grad().dtype() == DType::Float32);
   CHECK(a.grad().to_vector() == std::vector<float>{0, 1, 1, 0});
+}
+
+TEST_CASE("a 16-bit relu, max_pool2d and conv2d keep their 16-bit operands only, with the float32 path's bits") {
+  // Note [16-bit elementwise ops]: the graph holds the 16-bit tensors (2 bytes per element)
+  // and max_pool2d's int32 indices, no float32 copy; values and gradients are those of the
+  // recorded casts around the float32 ops, bit for bit.
+  const auto activations = [] { return memory_stats(Device::cpu())[MemoryCategory::Activations]; };
+  for (DType dtype : {DType::BFloat16, DType::Float16}) {
+    const std::string name = dtype_name(dtype);
+    CAPTURE(name);
+    Generator gen(7);
+    Tensor x = Tensor::randn({2, 3, 10, 10}, gen).set_requires_grad(true);
+    Tensor w = Tensor::randn({4, 3, 3, 3}, gen).set_requires_grad(true);
+    x.data<float>()[5] = NAN;  // a NaN goes through relu and wins its pooling window
+    const Tensor h = x.to(dtype), w16 = w.to(dtype);
+    int64_t before = activations();
+    const Tensor y = relu(h);
+    CHECK(activations() - before == static_cast<int64_t>(h.nbytes()));  // h: the edge, also saved
+    before = activations();
+    const Tensor z = max_pool2d(y, 2, 2);
+    CHECK(activations() - before == static_cast<int64_t>(y.nbytes()) + z.numel() * 4);  // y, int32 indices
+    before = activations();
+    const Tensor c = conv2d(z, w16, Tensor(), 1, 1);
+    CHECK(activations() - before == static_cast<int64_t>(z.nbytes() + w16.nbytes()));  // its two edges
+    CHECK((y.dtype() == dtype && z.dtype() == dtype && c.dtype() == dtype));
+    // The same ops on float32 copies, with the casts recorded.
+    Tensor x2 = x.detach().clone().set_requires_grad(true), w2 = w.detach().clone().set_requires_grad(true);
+    const Tensor wide = relu(x2.to(dtype).to(DType::Float32)).to(dtype).to(DType::Float32);
+    const Tensor pooled = max_pool2d(wide, 2, 2).to(dtype).to(DType::Float32);
+    const Tensor reference = conv2d(pooled, w2.to(dtype).to(DType::Float32), Tensor(), 1, 1).to(dtype);
+    CHECK(same_bits(values(c), values(reference)));
+    sum(c).backward();
+    sum(reference).backward();
+    CHECK(same_bits(x.grad().to_vector(), x2.grad().to_vector()));
+    CHECK(same_bits(w.grad().to_vector(), w2.grad().to_vector()));
+  }
 }
 
 TEST_CASE("outside autocast, matmul of mixed dtypes is a ValueError; inside it casts both") {

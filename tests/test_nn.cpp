@@ -287,13 +287,13 @@ TEST_CASE("checkpoint sizes are checked against int64 and the bytes present, nam
   m = parse_error(entry({int64_t{1} << 40}, uint64_t{1} << 42).sealed());
   CHECK(m.find("truncated at byte offset 43") != std::string::npos);
   CHECK(m.find("4398046511104 bytes wanted, 0 left") != std::string::npos);
-  // A dtype number past bfloat16 (4) is no DType.
+  // A dtype number past int32 (5, the last) is no DType.
   CheckpointBytes unknown;
   unknown.put<uint32_t>(1).put<uint64_t>(1).put<uint32_t>(1);
   unknown.bytes += "w";
-  unknown.put<uint8_t>(5).put<uint8_t>(1).put<int64_t>(2).put<uint64_t>(8).put<float>(0).put<float>(0);
+  unknown.put<uint8_t>(6).put<uint8_t>(1).put<int64_t>(2).put<uint64_t>(8).put<float>(0).put<float>(0);
   m = parse_error(unknown.sealed());
-  CHECK(m.find("bad dtype 5 or dim 1 of 'w' at byte offset 25") != std::string::npos);
+  CHECK(m.find("bad dtype 6 or dim 1 of 'w' at byte offset 25") != std::string::npos);
   // A byte count that disagrees with the shape names both.
   m = parse_error(entry({2, 3}, 20).sealed());
   CHECK(m.find("claims 20 bytes for shape [2, 3] of float32 (24 bytes)") != std::string::npos);

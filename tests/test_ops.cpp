@@ -388,7 +388,7 @@ TEST_CASE("max_pool2d without padding (no bounds tests) equals max_pool2d_window
     std::vector<float> in = Tensor::randn({planes * in_plane}, gen).to_vector();
     for (size_t i = 0; i < in.size(); ++i) in[i] = i % 11 == 4 ? specials[i % 3] : std::round(in[i] * 1.5f);
     std::vector<float> out(planes * out_plane, -7.0f);
-    std::vector<int64_t> indices(planes * out_plane, -7);
+    std::vector<int32_t> indices(planes * out_plane, -7);
     kernels::cpu::max_pool2d_forward(out.data(), indices.data(), in.data(), planes, g);
     size_t differing = 0;
     for (int64_t p = 0; p < planes; ++p)

@@ -211,12 +211,12 @@ namespace {
 // took 15% of fashion_mnist_cnn's step), and the selects vectorise. kWithIndices false: values only (at
 // is unused), for a forward that keeps no graph.
 template <bool kWithIndices>
-void max_pool2d_row(float* __restrict best, int64_t* __restrict at, const float* __restrict plane, const Window2d& g,
+void max_pool2d_row(float* __restrict best, int32_t* __restrict at, const float* __restrict plane, const Window2d& g,
                     int64_t oh) {
   const int64_t sw = g.stride_w, top = oh * g.stride_h * g.width;
   for (int64_t ow = 0; ow < g.out_w; ++ow) {
     best[ow] = plane[top + ow * sw];
-    if constexpr (kWithIndices) at[ow] = top + ow * sw;
+    if constexpr (kWithIndices) at[ow] = static_cast<int32_t>(top + ow * sw);
   }
   for (int64_t i = 0; i < g.kernel_h; ++i)
     for (int64_t j = i == 0 ? 1 : 0; j < g.kernel_w; ++j) {
@@ -225,7 +225,7 @@ void max_pool2d_row(float* __restrict best, int64_t* __restrict at, const float*
         const float v = plane[first + ow * sw];
         const bool take = (v > best[ow]) | (v != v);
         best[ow] = take ? v : best[ow];
-        if constexpr (kWithIndices) at[ow] = take ? first + ow * sw : at[ow];
+        if constexpr (kWithIndices) at[ow] = take ? static_cast<int32_t>(first + ow * sw) : at[ow];
       }
     }
 }
@@ -260,17 +260,8 @@ inline void load_even_lanes(Floats8& v, const float* p) {
 #endif
 }
 
-// The 8 indices of at, widened to int64, at p.
-inline void store_indices(int64_t* p, const Ints8& at) {
-  using Ints4 = int32_t __attribute__((vector_size(16)));
-  using Longs4 = int64_t __attribute__((vector_size(32)));
-  Ints4 low, high;
-  std::memcpy(&low, &at, sizeof low);
-  std::memcpy(&high, reinterpret_cast<const char*>(&at) + sizeof low, sizeof high);
-  const Longs4 wide_low = __builtin_convertvector(low, Longs4), wide_high = __builtin_convertvector(high, Longs4);
-  std::memcpy(p, &wide_low, sizeof wide_low);
-  std::memcpy(p + kPoolLanes / 2, &wide_high, sizeof wide_high);
-}
+// The 8 indices of at, at p.
+inline void store_indices(int32_t* p, const Ints8& at) { std::memcpy(p, &at, sizeof at); }
 
 class StrideTwoPoolRows {
  public:
@@ -288,7 +279,7 @@ class StrideTwoPoolRows {
 
   // Output row oh of plane p; indices null: values only.
   template <bool kWithIndices>
-  void pool(float* out, int64_t* indices, const float* in, const Window2d& g, int64_t p, int64_t oh) {
+  void pool(float* out, int32_t* indices, const float* in, const Window2d& g, int64_t p, int64_t oh) {
     const int64_t top = (oh * g.stride_h) * g.width;  // the window row's first element in its plane
     const float* plane = in + p * g.height * g.width;
     const int64_t row_at = p * g.out_h * g.out_w + oh * g.out_w;
@@ -312,7 +303,7 @@ class StrideTwoPoolRows {
   // kernel_row_step floats after the one before; top: where the first of them starts in its
   // plane (for the indices).
   template <bool kWithIndices>
-  void pool_from(float* best_out, int64_t* at_out, const float* rows, int64_t kernel_row_step, int64_t top,
+  void pool_from(float* best_out, int32_t* at_out, const float* rows, int64_t kernel_row_step, int64_t top,
                  const Window2d& g) const {
     // MaxPool2d(2)'s window as constants, so that its four elements' loop unrolls.
     if (g.kernel_h == 2 && g.kernel_w == 2 && g.dilation_w == 1) {
@@ -324,7 +315,7 @@ class StrideTwoPoolRows {
 
   // kKernelH, kKernelW: the window's size if known here (then dilation_w is 1), else 0.
   template <bool kWithIndices, int64_t kKernelH, int64_t kKernelW>
-  void pool_from(float* best_out, int64_t* at_out, const float* rows, int64_t kernel_row_step, int64_t top,
+  void pool_from(float* best_out, int32_t* at_out, const float* rows, int64_t kernel_row_step, int64_t top,
                  const Window2d& g) const {
     const int64_t kernel_h = kKernelH > 0 ? kKernelH : g.kernel_h, kernel_w = kKernelW > 0 ? kKernelW : g.kernel_w;
     const int64_t dilation_w = kKernelW > 0 ? 1 : g.dilation_w;
@@ -355,7 +346,7 @@ class StrideTwoPoolRows {
   int64_t blocks_, row_len_, in_size_, out_size_;
   std::vector<float> rows_;  // kernel_h input rows of row_len_ floats; the padding stays 0
   std::vector<float> best_;
-  std::vector<int64_t> at_;
+  std::vector<int32_t> at_;
 };
 
 }  // namespace
@@ -363,7 +354,7 @@ class StrideTwoPoolRows {
 namespace {
 
 template <bool kWithIndices>
-void max_pool2d_planes(float* out, int64_t* indices, const float* in, int64_t planes, const Window2d& g) {
+void max_pool2d_planes(float* out, int32_t* indices, const float* in, int64_t planes, const Window2d& g) {
   const int64_t in_plane = g.height * g.width, out_plane = g.out_h * g.out_w;
   // Without padding every window lies inside the plane (out_h and out_w are computed so);
   // MaxPool2d(2) in a CNN is that case.
@@ -380,14 +371,14 @@ void max_pool2d_planes(float* out, int64_t* indices, const float* in, int64_t pl
     const float* plane = in + p * in_plane;
     for (int64_t oh = 0; oh < g.out_h; ++oh) {
       float* best = out + p * out_plane + oh * g.out_w;
-      int64_t* at = at_row(p, oh);
+      int32_t* at = at_row(p, oh);
       if (inside) {
         max_pool2d_row<kWithIndices>(best, at, plane, g, oh);
       } else {
         for (int64_t ow = 0; ow < g.out_w; ++ow) {
           const WindowMax window = max_pool2d_window(plane, g, oh, ow);
           best[ow] = window.value;
-          if constexpr (kWithIndices) at[ow] = window.index;
+          if constexpr (kWithIndices) at[ow] = static_cast<int32_t>(window.index);
         }
       }
     }
@@ -396,7 +387,7 @@ void max_pool2d_planes(float* out, int64_t* indices, const float* in, int64_t pl
 
 }  // namespace
 
-void max_pool2d_forward(float* out, int64_t* indices, const float* in, int64_t planes, Window2d g) {
+void max_pool2d_forward(float* out, int32_t* indices, const float* in, int64_t planes, Window2d g) {
   if (indices != nullptr) {
     max_pool2d_planes<true>(out, indices, in, planes, g);
   } else {
@@ -404,7 +395,7 @@ void max_pool2d_forward(float* out, int64_t* indices, const float* in, int64_t p
   }
 }
 
-void max_pool2d_backward(float* din, const float* dout, const int64_t* indices, int64_t planes, Window2d g) {
+void max_pool2d_backward(float* din, const float* dout, const int32_t* indices, int64_t planes, Window2d g) {
   const int64_t in_plane = g.height * g.width, out_plane = g.out_h * g.out_w;
   // Windows that do not overlap (stride >= the kernel's extent: MaxPool2d(2)) send their
   // gradients to distinct elements, so each is stored, not added: no load waits for the
@@ -415,7 +406,7 @@ void max_pool2d_backward(float* din, const float* dout, const int64_t* indices, 
   for (int64_t p = 0; p < planes; ++p) {
     float* plane = din + p * in_plane;
     const float* grad = dout + p * out_plane;
-    const int64_t* at = indices + p * out_plane;
+    const int32_t* at = indices + p * out_plane;
     std::fill(plane, plane + in_plane, 0.0f);
     if (disjoint) {
       for (int64_t o = 0; o < out_plane; ++o) plane[at[o]] = 0.0f + grad[o];

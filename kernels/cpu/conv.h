@@ -18,10 +18,10 @@ void im2col(float* cols, const float* images, int64_t N, Window2d window);
 void col2im(float* dimages, const float* dcols, int64_t N, Window2d window);
 // Per plane: out = each window's maximum, indices = its position (kernels/pool_window.h's
 // max_pool2d_window is the rule and the fallback); indices null: out only.
-void max_pool2d_forward(float* out, int64_t* indices, const float* in, int64_t planes, Window2d window);
+void max_pool2d_forward(float* out, int32_t* indices, const float* in, int64_t planes, Window2d window);
 // din[p, indices[p, o]] += dout[p, o], din 0 elsewhere; stored rather than added when the
 // windows do not overlap.
-void max_pool2d_backward(float* din, const float* dout, const int64_t* indices, int64_t planes, Window2d window);
+void max_pool2d_backward(float* din, const float* dout, const int32_t* indices, int64_t planes, Window2d window);
 
 // cols [C kh kw, N OH OW] from images N of [C, H, W]; layout as nn/conv.cpp's im2col.
 void im2col_reference(float* cols, const float* images, int64_t N, Window2d g);

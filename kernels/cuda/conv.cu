@@ -111,17 +111,17 @@ void channel_sum(float* dbias, const float* dout, int64_t N, int64_t C, int64_t 
 
 // One thread per output element [planes, OH, OW]; the window's rule is the CPU's
 // (kernels/pool_window.h).
-__global__ void max_pool2d_forward_kernel(float* out, int64_t* indices, const float* in, Window2d g, int64_t n) {
+__global__ void max_pool2d_forward_kernel(float* out, int32_t* indices, const float* in, Window2d g, int64_t n) {
   const int64_t in_plane = g.height * g.width, out_plane = g.out_h * g.out_w;
   for (int64_t e = first_index(); e < n; e += grid_stride()) {
     const int64_t p = e / out_plane, oh = (e % out_plane) / g.out_w, ow = e % g.out_w;
     const WindowMax best = max_pool2d_window(in + p * in_plane, g, oh, ow);
     out[e] = best.value;
-    if (indices != nullptr) indices[e] = best.index;  // the same for every thread: no divergence
+    if (indices != nullptr) indices[e] = static_cast<int32_t>(best.index);  // the same for every thread: no divergence
   }
 }
 
-void max_pool2d_forward(float* out, int64_t* indices, const float* in, int64_t planes, Window2d g) {
+void max_pool2d_forward(float* out, int32_t* indices, const float* in, int64_t planes, Window2d g) {
   const int64_t n = planes * g.out_h * g.out_w;
   if (n <= 0) return;
   max_pool2d_forward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(out, indices, in, g, n);
@@ -133,12 +133,12 @@ void max_pool2d_forward(float* out, int64_t* indices, const float* in, int64_t p
 // of a large plane spreads over the grid. The outputs that can see element (h, w) are those
 // whose window has a tap on it, found as in col2im; they are visited in increasing output
 // order (tap i descending gives oh ascending), so the float sum is the CPU's, bit for bit.
-__global__ void max_pool2d_backward_kernel(float* din, const float* dout, const int64_t* indices, Window2d g,
+__global__ void max_pool2d_backward_kernel(float* din, const float* dout, const int32_t* indices, Window2d g,
                                            int64_t n) {
   const int64_t in_plane = g.height * g.width, out_plane = g.out_h * g.out_w;
   for (int64_t e = first_index(); e < n; e += grid_stride()) {
     const int64_t p = e / in_plane, k = e % in_plane, h = k / g.width, w = k % g.width;
-    const int64_t* at = indices + p * out_plane;
+    const int32_t* at = indices + p * out_plane;
     const float* grad = dout + p * out_plane;
     float total = 0.0f;
     for (int64_t i = g.kernel_h - 1; i >= 0; --i) {
@@ -156,7 +156,7 @@ __global__ void max_pool2d_backward_kernel(float* din, const float* dout, const 
   }
 }
 
-void max_pool2d_backward(float* din, const float* dout, const int64_t* indices, int64_t planes, Window2d window) {
+void max_pool2d_backward(float* din, const float* dout, const int32_t* indices, int64_t planes, Window2d window) {
   const int64_t n = planes * window.height * window.width;
   if (n <= 0) return;
   max_pool2d_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(din, dout, indices, window, n);
