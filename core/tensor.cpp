@@ -115,6 +115,8 @@ Tensor Tensor::ones(const Shape& shape, DType dtype, Device device) {
   if (dtype == DType::BFloat16)
     return host_built<BFloat16>(shape, device,
                                 [](BFloat16* p, int64_t n) { std::fill(p, p + n, BFloat16::from_float(1)); });
+  if (dtype == DType::Int32)
+    return host_built<int32_t>(shape, device, [](int32_t* p, int64_t n) { std::fill(p, p + n, 1); });
   return host_built<uint8_t>(shape, device, [](uint8_t* p, int64_t n) { std::fill(p, p + n, 1); });
 }
 

@@ -139,8 +139,9 @@ void ProcessGroup::check_tensor(const std::string& collective, const Tensor& ten
                                 Device device) const {
   NANODDP_CHECK(tensor.defined(), ValueError, describe(collective, tensor),
                 ": the tensor is undefined");
-  NANODDP_CHECK(tensor.dtype() != DType::UInt8, ValueError, describe(collective, tensor),
-                ": only float32, int64, float16 and bfloat16 tensors are supported");
+  const DType dtype = tensor.dtype();
+  NANODDP_CHECK(dtype == DType::Float32 || dtype == DType::Int64 || is_16bit_float(dtype), ValueError,
+                describe(collective, tensor), ": only float32, int64, float16 and bfloat16 tensors are supported");
   NANODDP_CHECK(tensor.device() == device, DeviceError, describe(collective, tensor),
                 ": this ", backend_name(), " group works on ", device, " tensors");
 }

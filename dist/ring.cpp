@@ -89,10 +89,7 @@ void ring_all_reduce(ProcessGroup& pg, Tensor& tensor, ReduceOp op, std::chrono:
       std::memcpy(detail::bytes_of(tensor) + p * chunk * element_size, detail::bytes_of(parts[p]),
                   parts[p].nbytes());
   }
-  if (op == ReduceOp::Avg) {
-    float* values = tensor.data<float>();
-    for (int64_t i = 0; i < numel; ++i) values[i] /= static_cast<float>(n);
-  }
+  if (op == ReduceOp::Avg) detail::divide_by_world_size(tensor, n);
 }
 
 }  // namespace nanoddp::dist

@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 
 #include "core/half_convert.h"
@@ -122,11 +123,12 @@ void Ring::reduce_scatter(Parts& parts, ReduceFn reduce) {
 // writes part r into output. Same additions in the same order as the in-place ring.
 void Ring::reduce_scatter(const Parts& inputs, uint8_t* output, ReduceFn reduce) {
   const size_t es = inputs.element_size;
-  std::vector<uint8_t> scratch(n() > 2 ? inputs.numel[0] * es : 0);
+  const int64_t largest = *std::max_element(inputs.numel.begin(), inputs.numel.end());
+  std::unique_ptr<uint8_t[]> scratch(n() > 2 ? new uint8_t[largest * es] : nullptr);
   for (int s = 0; s < n() - 1; ++s) {
     const int out = mod(rank() - s - 1, n()), in = mod(rank() - s - 2, n());
-    const uint8_t* send_from = s == 0 ? inputs.data[out] : scratch.data();
-    uint8_t* into = s == n() - 2 ? output : scratch.data();
+    const uint8_t* send_from = s == 0 ? inputs.data[out] : scratch.get();
+    uint8_t* into = s == n() - 2 ? output : scratch.get();
     const uint8_t* mine = inputs.data[in];
     step(inputs, out, send_from, in, [&](int64_t first, int64_t count, const uint8_t* theirs) {
       reduce(into + first * es, mine + first * es, theirs, count);

@@ -403,7 +403,7 @@ void ShardedCheckpointReader::parse(const nn::StateDict& manifest) {
       NANODDP_THROW(IOError, where, ": the shape of '", name, "': ", e.what());
     }
     const int64_t dtype = int64s(kDtypePrefix + name, 1)[0];
-    NANODDP_CHECK(dtype >= 0 && dtype <= static_cast<int64_t>(DType::BFloat16), IOError, where, ": '", name,
+    NANODDP_CHECK(dtype >= 0 && dtype <= static_cast<int64_t>(kLastDType), IOError, where, ": '", name,
                   "' has dtype number ", dtype);
     entry.dtype = static_cast<DType>(dtype);
     int64_t nbytes = 0;

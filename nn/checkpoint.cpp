@@ -204,8 +204,8 @@ StateDict parse_checkpoint(const std::string& bytes, const std::string& path) {
     const size_t dtype_offset = in.offset();
     const uint8_t dtype = in.get<uint8_t>("dtype");
     const uint8_t dim = in.get<uint8_t>("dim");
-    // Every DType save writes (core/device.h numbers them 0 to 4: Float32, Int64, UInt8,
-    // Float16, BFloat16).
+    // Every DType save writes (core/device.h numbers them 0 to 5: Float32, Int64, UInt8,
+    // Float16, BFloat16, Int32).
     NANODDP_CHECK(dtype <= static_cast<uint8_t>(kLastDType) && dim <= Shape::kMaxDims, IOError, "checkpoint ", path,
                   ": bad dtype ", int(dtype), " or dim ", int(dim), " of '", name, "' at byte offset ", dtype_offset);
     const size_t sizes_offset = in.offset();

@@ -127,12 +127,14 @@ Tensor conv2d_computed(const Tensor& input, const Tensor& weight, const Tensor& 
   check_float("conv2d", w, "weight");
   NANODDP_CHECK(weight.dim() == 4, ShapeError, "conv2d: weight ", weight.shape(), " must be [OC, C, kh, kw]");
   const Window2d g = make_window("conv2d", x, {weight.size(2), weight.size(3)}, stride, padding, dilation);
+  check_same_dtype("conv2d", input, weight);
   check_same_device("conv2d", input, weight);
   NANODDP_CHECK(weight.size(1) == g.channels, ShapeError, "conv2d: input ", input.shape(), " has ", g.channels,
                 " channels but weight ", weight.shape(), " expects ", weight.size(1));
   const int64_t N = input.size(0), OC = weight.size(0);
   if (bias.defined()) {
     check_float("conv2d", b, "bias");
+    check_same_dtype("conv2d", input, bias);
     check_same_device("conv2d", input, bias);
     NANODDP_CHECK(bias.dim() == 1 && bias.size(0) == OC, ShapeError, "conv2d: bias ", bias.shape(),
                   " does not fit weight ", weight.shape(), " (expected [", OC, "])");

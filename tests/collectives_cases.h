@@ -58,6 +58,19 @@ inline void check_collectives(dist::ProcessGroup& pg, const std::vector<int64_t>
   const std::string where = "rank " + std::to_string(rank) + "/" + std::to_string(n) + " " +
                             pg.backend_name() + " ";
 
+  // Other dtypes (uint8, int32) are refused by name before any backend reads them (as int64).
+  for (DType dtype : {DType::UInt8, DType::Int32}) {
+    Tensor t = Tensor::ones({3}, dtype);
+    std::string message;
+    try {
+      pg.all_reduce(t);
+    } catch (const ValueError& e) {
+      message = e.what();
+    }
+    expect(message.find("only float32, int64, float16 and bfloat16") != std::string::npos, where,
+           dtype_name(dtype), " all_reduce: ", message.empty() ? "accepted" : message);
+  }
+
   for (int64_t numel : sizes) {
     for (DType dtype : {DType::Float32, DType::Int64}) {
       for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min}) {

@@ -212,8 +212,15 @@ TEST_CASE("outside autocast, matmul of mixed dtypes is a ValueError; inside it c
   const Tensor a = Tensor::ones({2, 2}), b = Tensor::ones({2, 2}).to(DType::BFloat16);
   CHECK_THROWS_AS(matmul(a, b), ValueError);
   CHECK_THROWS_AS(linear(a, b, Tensor()), ValueError);
+  // conv2d too, whichever operand is the 16-bit one.
+  const Tensor image = Tensor::ones({1, 1, 3, 3}), kernel = Tensor::ones({1, 1, 2, 2});
+  const Tensor bias = Tensor::ones({1});
+  CHECK_THROWS_AS(conv2d(image, kernel.to(DType::BFloat16), Tensor()), ValueError);
+  CHECK_THROWS_AS(conv2d(image, kernel, bias.to(DType::Float16)), ValueError);
+  CHECK_THROWS_AS(conv2d(image.to(DType::BFloat16), kernel, Tensor()), ValueError);
   nn::autocast guard(DType::BFloat16);
   CHECK(values(matmul(a, b)) == std::vector<float>{2, 2, 2, 2});
+  CHECK(values(conv2d(image, kernel.to(DType::Float16), Tensor())) == std::vector<float>{4, 4, 4, 4});
 }
 
 TEST_CASE("a 16-bit tensor used twice sums its two 16-bit gradients") {
