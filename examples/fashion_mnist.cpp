@@ -715,12 +715,13 @@ int run(const Config& config) {
   // Such a batch would be cut to this rank's share of the data without a word: the run would
   // not be the one asked for. Each rank draws from ceil(N / W) images (DistributedSampler).
   const int64_t per_rank = (static_cast<int64_t>(train_set->size()) + world_size - 1) / world_size;
-  NANODDP_CHECK(config.batch_size <= per_rank, ValueError, "--batch-size ", config.batch_size, " is more than the ",
-                per_rank, " training images ",
-                world_size == 1 ? "in " + config.data_dir
-                                : "each of " + std::to_string(world_size) + " ranks gets (of " +
-                                      std::to_string(train_set->size()) + " in " + config.data_dir + ")",
-                ": give at most ", per_rank);
+  if (config.batch_size > per_rank)
+    throw cli::UsageError("--batch-size " + std::to_string(config.batch_size) + " is more than the " +
+                          std::to_string(per_rank) + " training images " +
+                          (world_size == 1 ? "in " + config.data_dir
+                                           : "each of " + std::to_string(world_size) + " ranks gets (of " +
+                                                 std::to_string(train_set->size()) + " in " + config.data_dir + ")") +
+                          ": give at most " + std::to_string(per_rank));
   data::DataLoaderOptions loader_options;
   loader_options.device = device;
   loader_options.prefetch = config.prefetch;
@@ -1111,6 +1112,8 @@ int main(int argc, char** argv) {
   if (const std::string problem = flags_problem(config); !problem.empty()) return cli::usage_error(kExample, problem);
   try {
     return run(config);
+  } catch (const cli::UsageError& e) {
+    return cli::usage_error(kExample, e.what());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: %s\n", kExample, e.what());
     return 1;

@@ -14,6 +14,7 @@
 #include "data/idx.h"
 #include "dist/launch.h"
 #include "examples/example_utils.h"
+#include "kernels/kernels.h"
 #include "nn/checkpoint.h"
 #include "nn/safetensors.h"
 #include "tests/small_fashion_mnist.h"
@@ -457,7 +458,7 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   CHECK(r.code() == 2);
   CHECK(r.err.find("--batch-size: must be an integer >= 1, got '0'") != std::string::npos);
   r = run_with({"--batch-size", "257"});
-  CHECK(r.code() == 1);
+  CHECK(r.code() == 2);
   CHECK_MESSAGE(r.err.find("--batch-size 257 is more than the 256 training images in " + dir.path + ": give at most 256") !=
                     std::string::npos,
                 r.err);
@@ -465,7 +466,7 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   r = run({launcher_path(), "--nproc-per-node", "2", built("examples/fashion_mnist"), "--data-dir", dir.path,
            "--batch-size", "129", "--epochs", "1"},
           60s);
-  CHECK(r.code() == 1);
+  CHECK(r.code() == 2);
   CHECK_MESSAGE(r.err.find("--batch-size 129 is more than the 128 training images each of 2 ranks gets (of 256 in " +
                            dir.path + "): give at most 128") != std::string::npos,
                 r.err);
@@ -486,7 +487,7 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
 TEST_CASE("examples and layer_bench: flags they cannot use are refused by name before anything runs") {
   const std::string mlp = built("examples/fashion_mnist"), cnn = built("examples/fashion_mnist_cnn");
   const std::string backends = "must be one of auto, shm, shm+gloo, gloo, mpi or nccl";
-  const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
+  std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
       // The CNN's layers are fixed: --hidden would otherwise be taken and ignored.
       {{cnn, "--hidden", "5"}, "fashion_mnist_cnn: --hidden sets the widths of fashion_mnist's MLP; this CNN's layers are fixed"},
       {{mlp, "--backend", "bogus"}, "--backend: " + backends + ", got 'bogus'"},
@@ -542,6 +543,8 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
       {{cnn, "--checkpoint", "/tmp/ck", "--trace", "/tmp/ck.g3.shard-1-of-4"},
        "fashion_mnist_cnn: --trace /tmp/ck.g3.shard-1-of-4 has the name of a shard file of --checkpoint /tmp/ck"},
   };
+  if (!kernels::cuda_built())  // known at parse time, as the flags above
+    bad.push_back({{mlp, "--device", "cuda:99"}, "--device: cuda:99 needs a CUDA build, and this build of nanoddp has no CUDA"});
   for (const auto& [args, message] : bad) {
     const std::string flag = args[1];  // CAPTURE's lambda cannot name a structured binding (C++17)
     CAPTURE(flag);

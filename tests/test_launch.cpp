@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "dist/init.h"
 #include "dist/launch.h"
 #include "dist/launcher_link.h"
 #include "dist/spawn.h"
@@ -843,18 +844,33 @@ TEST_CASE("nanoddp-run --backend takes effect; a program flag that contradicts i
   if (nccl.code() != 0) CHECK_MESSAGE(says_nccl, nccl.err);
 }
 
-TEST_CASE("toy_ddp --device cuda in a build without CUDA says the build has no CUDA") {
+TEST_CASE("--device cuda in a build without CUDA is a usage error; init_process_group says the build has no CUDA") {
   if (nanoddp::kernels::cuda_built()) {
     MESSAGE("skipped: this build has CUDA");
     return;
   }
-  const RunResult r = run({nanoddp::testing::built("examples/toy_ddp"), "--device", "cuda", "--epochs", "1"}, 60s);
-  CHECK(r.code() == 1);
-  CHECK_MESSAGE(contains(r.err, "this build of nanoddp has no CUDA"), r.err);
-  CHECK_FALSE(contains(r.err, "NCCL"));
-  // A lone process is rank 0 of 1, not an unknown rank.
-  CHECK_MESSAGE(contains(r.err, "rank 0/1 on "), r.err);
-  CHECK_FALSE(contains(r.err, "rank ?/?"));
+  for (const char* device : {"cuda", "cuda:99"}) {
+    CAPTURE(device);
+    const RunResult r = run({nanoddp::testing::built("examples/toy_ddp"), "--device", device, "--epochs", "1"}, 60s);
+    CHECK(r.code() == 2);
+    CHECK_MESSAGE(contains(r.err, std::string("--device: ") + device +
+                                      " needs a CUDA build, and this build of nanoddp has no CUDA"),
+                  r.err);
+    CHECK_FALSE(contains(r.err, "NCCL"));
+  }
+  // The library says it too, for a program that asks without a flag: a lone process is rank 0
+  // of 1, not an unknown rank.
+  nanoddp::dist::InitOptions options;
+  options.device = nanoddp::Device::cuda(0);
+  std::string message;
+  try {
+    nanoddp::dist::init_process_group(options);
+  } catch (const nanoddp::DeviceError& e) {
+    message = e.what();
+  }
+  CHECK_MESSAGE(contains(message, "this build of nanoddp has no CUDA"), message);
+  CHECK_MESSAGE(contains(message, "rank 0/1 on "), message);
+  CHECK_FALSE(nanoddp::dist::is_initialized());
 }
 
 TEST_CASE("a lone process picks shm, the backend of a one-node job, and is rank 0 of 1") {

@@ -18,10 +18,12 @@
 #include <limits>
 #include <optional>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "dist/process_group.h"
+#include "kernels/kernels.h"
 
 namespace nanoddp::cli {
 
@@ -35,6 +37,12 @@ inline int usage_error(const std::string& program, const std::string& message) {
   std::fprintf(stderr, "%s: %s\nRun with --help for more information.\n", program.c_str(), message.c_str());
   return kUsageErrorExit;
 }
+
+// A usage error that only shows after parsing, once the data or the build is known (a batch
+// larger than the data set). Thrown from a program's run; its main reports it as usage_error.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 // text as a whole decimal integer that fits a long long, or nullopt.
 inline std::optional<long long> whole_integer(const std::string& text) {
@@ -151,8 +159,11 @@ inline CLI::Validator device() {
         const bool indexed = text.rfind(prefix, 0) == 0 && text.size() > prefix.size() &&
                              text.size() <= prefix.size() + 5 &&
                              text.find_first_not_of("0123456789", prefix.size()) == std::string::npos;
-        if (text == "cpu" || text == "cuda" || indexed) return "";
-        return "must be cpu, cuda or cuda:N, got '" + text + "'";
+        if (!(text == "cpu" || text == "cuda" || indexed)) return "must be cpu, cuda or cuda:N, got '" + text + "'";
+        if (text != "cpu" && !kernels::cuda_built())
+          return text + " needs a CUDA build, and this build of nanoddp has no CUDA (configure with "
+                 "-Dcuda=enabled on a machine with the CUDA toolkit); use cpu";
+        return "";
       },
       "cpu|cuda|cuda:N");
 }
