@@ -1,5 +1,5 @@
-// The main job: an MLP (784-256-128-10, ReLU) trained on Fashion-MNIST with DDP; built a
-// second time as fashion_mnist_cnn (NANODDP_FASHION_MNIST_CNN=1), the same job on a CNN:
+// The main job: an MLP (784-256-128-10, ReLU) trained on Fashion-MNIST with DDP; run as
+// fashion_mnist_cnn (examples/fashion_mnist_main.cpp), the same job on a CNN:
 // Conv(1->32, 3)-ReLU-MaxPool(2)-Conv(32->64, 3)-ReLU-MaxPool(2)-Flatten-Linear(1600, 128)-
 // ReLU-Dropout(0.1)-Linear(128, 10), with --batch-norm a BatchNorm2d after each Conv
 // (--sync-batch-norm: a SyncBatchNorm, docs/batch-norm.md). Everything else (flags, JSON line)
@@ -64,6 +64,7 @@
 #include "dist/sync_batch_norm.h"
 #include "examples/checkpoint_files.h"
 #include "examples/example_utils.h"
+#include "examples/fashion_mnist.h"
 #include "examples/fault_injection.h"
 #include "examples/metrics.h"
 #include "examples/parallel_strategy.h"
@@ -84,11 +85,9 @@ using namespace nanoddp;
 
 namespace {
 
-#ifndef NANODDP_FASHION_MNIST_CNN
-#define NANODDP_FASHION_MNIST_CNN 0
-#endif
-
 struct Config {
+  bool cnn = false;                        // fashion_mnist_cnn: the CNN, not the MLP
+  const char* example = "fashion_mnist";  // the program's name, which every message opens with
   int epochs = 10;
   std::string optimizer = "sgd";
   std::optional<double> lr;           // default: 0.05 for sgd, 1e-3 (PyTorch's) for adam and adamw
@@ -99,7 +98,7 @@ struct Config {
   // test accuracy after 5 epochs on 2 ranks from 0.900 (batch 64, raw pixels) to 0.9097, and
   // with Dropout(0.1) (make_model) to 0.9111 and 0.9109 (seeds 0 and 1).
   // benchmarks/run passes its own recipe (batch 64) to both frameworks.
-  int64_t batch_size = NANODDP_FASHION_MNIST_CNN ? 32 : 64;
+  int64_t batch_size = 64;  // the CNN's: 32
   uint64_t seed = 0;
   examples::ProcessGroupFlags group;  // --backend, --device, --timeout
   std::string data_dir = data::FashionMNIST::kDefaultRoot;
@@ -136,10 +135,8 @@ struct Config {
 // DDP's bucket caps are given in MiB, as torch's bucket_cap_mb is (bytes = mb * 1024 * 1024).
 size_t mib_to_bytes(double mb) { return static_cast<size_t>(mb * 1024.0 * 1024.0); }
 
-#if NANODDP_FASHION_MNIST_CNN
-constexpr const char* kExample = "fashion_mnist_cnn";
 // What --export's metadata says the weights are for (PyTorch's names for the same model).
-constexpr const char* kModelDescription =
+constexpr const char* kCnnDescription =
     "torch.nn.Sequential(NormalizedImages(), Conv2d(1, 32, 3), ReLU(), MaxPool2d(2), Conv2d(32, 64, 3), ReLU(), "
     "MaxPool2d(2), Flatten(), Linear(1600, 128), ReLU(), Dropout(0.1), Linear(128, 10)) on pixels / 255, "
     "NormalizedImages = ((x - 0.2860) / 0.3530).reshape(N, 1, 28, 28)";
@@ -177,8 +174,7 @@ class BatchNorm2d : public nn::Module {
 // Dropout draws from its own generator (seeded per rank by the caller), not the weights'.
 // batch_norm: a BatchNorm2d after each Conv2d (the convolutions keep their biases, as in
 // PyTorch's module when nobody turns them off).
-std::shared_ptr<nn::Sequential> make_model(uint64_t seed, const std::vector<int64_t>& /*hidden: MLP only*/,
-                                           Generator& dropout_gen, bool batch_norm) {
+std::shared_ptr<nn::Sequential> make_cnn(uint64_t seed, Generator& dropout_gen, bool batch_norm) {
   Generator gen(seed);
   auto model = std::make_shared<nn::Sequential>();
   model->add(NormalizedImages());
@@ -200,14 +196,11 @@ std::shared_ptr<nn::Sequential> make_model(uint64_t seed, const std::vector<int6
   model->add(nn::Linear(128, data::FashionMNIST::kClasses, gen));
   return model;
 }
-#else
-constexpr const char* kExample = "fashion_mnist";
-constexpr const char* kModelDescription =
+constexpr const char* kMlpDescription =
     "torch.nn.Sequential(Linear(784, hidden[0]), ReLU(), ..., Linear(hidden[-1], 10)) on pixels / 255";
 
 // 784 -> hidden[0] -> ... -> 10, a ReLU after every hidden layer.
-std::shared_ptr<nn::Sequential> make_model(uint64_t seed, const std::vector<int64_t>& hidden,
-                                           Generator& /*dropout_gen: no dropout*/, bool /*batch_norm: CNN only*/) {
+std::shared_ptr<nn::Sequential> make_mlp(uint64_t seed, const std::vector<int64_t>& hidden) {
   Generator gen(seed);
   auto model = std::make_shared<nn::Sequential>();
   int64_t in = data::FashionMNIST::kFeatures;
@@ -219,7 +212,6 @@ std::shared_ptr<nn::Sequential> make_model(uint64_t seed, const std::vector<int6
   model->add(nn::Linear(in, data::FashionMNIST::kClasses, gen));
   return model;
 }
-#endif
 
 // Loss checks read the device's running sum this often (a sync on a GPU).
 constexpr int64_t kCheckEverySteps = 50;
@@ -733,7 +725,8 @@ int run(const Config& config) {
 
   // Reseeded per rank and step (below).
   Generator dropout_gen;
-  auto model = make_model(config.seed, config.hidden, dropout_gen, config.batch_norm || config.sync_batch_norm);
+  auto model = config.cnn ? make_cnn(config.seed, dropout_gen, config.batch_norm || config.sync_batch_norm)
+                          : make_mlp(config.seed, config.hidden);
   if (config.checkpoint_activations) model->checkpoint_blocks(checkpoint_block_starts(*model));
   model->to(device);
   dist::DDPOptions ddp_options;
@@ -810,7 +803,7 @@ int run(const Config& config) {
   if (first_epoch >= last_epoch) accuracy = evaluate(trained, test_loader, *pg, config.precision);
   if (rank == 0 && first_epoch >= last_epoch)
     std::fprintf(stderr, "%s: nothing to train: the checkpoint has %d epoch%s done, and this run ends after epoch %d (%s)\n",
-                 kExample, first_epoch, first_epoch == 1 ? "" : "s", last_epoch,
+                 config.example, first_epoch, first_epoch == 1 ? "" : "s", last_epoch,
                  config.stop_after > 0 ? "--stop-after" : "--epochs");
   for (int epoch = first_epoch; epoch < last_epoch; ++epoch) {
     train_loader.set_epoch(epoch);
@@ -949,13 +942,13 @@ int run(const Config& config) {
     std::fflush(stdout);
   }
 
-  // The model is the same torch.nn.Sequential in PyTorch (kModelDescription), so our
+  // The model is the same torch.nn.Sequential in PyTorch (k*Description), so our
   // state_dict names ("0.weight", "2.bias", ...) and shapes are PyTorch's.
   const nn::StateDict exported = config.export_path.empty() ? nn::StateDict() : parallel.model_state_dict();
   if (rank == 0 && !config.export_path.empty())
     nn::save_safetensors(config.export_path, exported,
                          {{"format", "pt"},
-                          {"model", kModelDescription},
+                          {"model", config.cnn ? kCnnDescription : kMlpDescription},
                           {"epochs", std::to_string(epochs_done)},
                           {"test_accuracy", examples::json_number(accuracy)}});
 
@@ -976,7 +969,7 @@ int run(const Config& config) {
         "\"optimizer\":\"%s\",\"comm_hook\":\"%s\",\"gradient_as_bucket_view\":%s,\"strategy\":\"%s\","
         "\"peak_model_state_bytes\":%lld,\"checkpoint_activations\":%s,\"peak_activation_bytes\":%lld,"
         "\"precision\":\"%s\"}\n",
-        kExample, world_size, epochs_done, examples::json_number(accuracy).c_str(), examples::json_number(train_loss).c_str(),
+        config.example, world_size, epochs_done, examples::json_number(accuracy).c_str(), examples::json_number(train_loss).c_str(),
         examples::json_number(samples_per_s).c_str(), examples::json_number(slowest_rank[1]).c_str(),
         examples::json_number(slowest_rank[0]).c_str(), pg->backend_name().c_str(), device.str().c_str(),
         config.optimizer.c_str(), config.comm_hook.c_str(), config.gradient_as_bucket_view ? "true" : "false",
@@ -992,10 +985,16 @@ int run(const Config& config) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int nanoddp::examples::fashion_mnist_main(int argc, char** argv, bool cnn) {
   Config config;
-  CLI::App app{std::string(kExample) + ": " +
-               (NANODDP_FASHION_MNIST_CNN ? "a CNN" : "an MLP") + " on Fashion-MNIST with DistributedDataParallel"};
+  config.cnn = cnn;
+  if (cnn) {
+    config.example = "fashion_mnist_cnn";
+    config.batch_size = 32;
+  }
+  const char* const kExample = config.example;
+  CLI::App app{std::string(kExample) + ": " + (cnn ? "a CNN" : "an MLP") +
+               " on Fashion-MNIST with DistributedDataParallel"};
   cli::set_option_defaults(app);
   app.add_option("--epochs", config.epochs, "epochs to train (in all, counting resumed ones)")->check(cli::integer_in(1));
   app.add_option("--optimizer", config.optimizer,
@@ -1069,26 +1068,26 @@ int main(int argc, char** argv) {
   app.add_flag("--checkpoint-activations", config.checkpoint_activations,
                "checkpoint every block (nn::checkpoint): backward reruns each block's forward instead of keeping its "
                "activations; the same gradients, bit for bit (docs/checkpointing.md)");
-#if NANODDP_FASHION_MNIST_CNN
-  app.add_flag("--batch-norm", config.batch_norm, "a BatchNorm2d after each convolution, statistics of this rank's batch");
-  app.add_flag("--sync-batch-norm", config.sync_batch_norm,
-               "the same as SyncBatchNorm: statistics of every rank's batch together, three all-reduces per "
-               "layer per step (docs/batch-norm.md)");
-  // The CNN's layers are fixed (the model PyTorch's recipes train), so it has no --hidden;
-  // one given is refused by name rather than taken and ignored.
-  for (int i = 1; i < argc && std::string(argv[i]) != "--"; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--hidden" || arg.rfind("--hidden=", 0) == 0) {
-      return cli::usage_error(kExample,
-                              "--hidden sets the widths of fashion_mnist's MLP; this CNN's layers are fixed (its "
-                              "hidden layer is Linear(1600, 128))");
+  if (cnn) {
+    app.add_flag("--batch-norm", config.batch_norm, "a BatchNorm2d after each convolution, statistics of this rank's batch");
+    app.add_flag("--sync-batch-norm", config.sync_batch_norm,
+                 "the same as SyncBatchNorm: statistics of every rank's batch together, three all-reduces per "
+                 "layer per step (docs/batch-norm.md)");
+    // The CNN's layers are fixed (the model PyTorch's recipes train), so it has no --hidden;
+    // one given is refused by name rather than taken and ignored.
+    for (int i = 1; i < argc && std::string(argv[i]) != "--"; ++i) {
+      const std::string arg = argv[i];
+      if (arg == "--hidden" || arg.rfind("--hidden=", 0) == 0) {
+        return cli::usage_error(kExample,
+                                "--hidden sets the widths of fashion_mnist's MLP; this CNN's layers are fixed (its "
+                                "hidden layer is Linear(1600, 128))");
+      }
     }
+  } else {
+    app.add_option("--hidden", config.hidden, "widths of the hidden layers, comma-separated (e.g. 1024,1024,512)")
+        ->delimiter(',')
+        ->check(cli::integer_in(1));
   }
-#else
-  app.add_option("--hidden", config.hidden, "widths of the hidden layers, comma-separated (e.g. 1024,1024,512)")
-      ->delimiter(',')
-      ->check(cli::integer_in(1));
-#endif
   // Up to 1e6 MiB: the cap becomes a byte count, which a much larger number would overflow.
   app.add_option("--bucket-cap-mb", config.bucket_cap_mb, "DDP bucket size cap in MiB (torch's bucket_cap_mb)")
       ->check(cli::number_in(1e-6, 1e6));
@@ -1099,10 +1098,10 @@ int main(int argc, char** argv) {
       ->check(cli::file_path());
   app.add_flag("--explain", config.explain,
                "print the bucket plan, then per step of each epoch the all-reduces, bytes and exposed communication");
-#if !NANODDP_FASHION_MNIST_CNN
-  if (const std::string problem = cli::empty_list_item(argc, argv, "--hidden"); !problem.empty())
-    return cli::usage_error(kExample, problem);
-#endif
+  if (!cnn) {
+    if (const std::string problem = cli::empty_list_item(argc, argv, "--hidden"); !problem.empty())
+      return cli::usage_error(kExample, problem);
+  }
   if (auto code = cli::parse(app, argc, argv, kExample)) return *code;
   config.strategy_given = app.count("--strategy") > 0;
   config.bucket_cap_flag = app.count("--bucket-cap-mb") > 0         ? "--bucket-cap-mb"
