@@ -50,7 +50,9 @@ double now_us();
 
 // Starts recording (dropping anything recorded before) into `path`, written by write() and
 // at exit. An empty path records in memory only (what --explain reads). Throws IOError when
-// `path` is not empty and its folder cannot be written, so a typo fails before training.
+// `path` is not empty and its folder cannot be written, or when it names a file that is not a
+// trace this library wrote (a trace replaces only a trace, as a checkpoint only a
+// checkpoint), so a typo fails before training and loses nothing.
 void start(const std::string& path);
 // Stops recording and forgets the events (the file is not written).
 void stop();

@@ -44,6 +44,18 @@ std::vector<std::string> backend_names() {
   return names;
 }
 
+std::string backend_unavailable(Backend backend) {
+  const bool gloo = NANODDP_WITH_GLOO, mpi = NANODDP_WITH_MPI, nccl = NANODDP_WITH_NCCL;
+  if ((backend == Backend::Gloo || backend == Backend::ShmGloo) && !gloo)
+    return "nanoddp was built without Gloo (install libgloo-dev and reconfigure with -Dgloo=enabled)";
+  if (backend == Backend::Mpi && !mpi)
+    return "nanoddp was built without MPI (install libopenmpi-dev and reconfigure with -Dmpi=enabled)";
+  if (backend == Backend::Nccl && !nccl)
+    return "nanoddp was built without NCCL (configure with -Dcuda=enabled on a machine with the CUDA toolkit "
+           "and NCCL)";
+  return "";
+}
+
 Backend parse_backend(const std::string& text) {
   std::string lower = text;
   std::transform(lower.begin(), lower.end(), lower.begin(),

@@ -71,6 +71,10 @@ const char* backend_name(Backend backend);  // "auto", "gloo", "mpi", "nccl", "s
 Backend parse_backend(const std::string& text);
 // Those names, in the order --backend flags list them: auto, shm, shm+gloo, gloo, mpi, nccl.
 std::vector<std::string> backend_names();
+// "" when this build of the library has backend (auto and shm: always); otherwise what it
+// lacks and how to build it ("nanoddp was built without NCCL (configure with ...)"), for
+// a flag's check to say before anything starts.
+std::string backend_unavailable(Backend backend);
 
 // The collectives a ProcessGroup counts (see ProcessGroup::count).
 enum class Collective { AllReduce, Broadcast, AllGather, ReduceScatter, Barrier };

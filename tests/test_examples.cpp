@@ -13,6 +13,7 @@
 #include "core/random.h"
 #include "data/idx.h"
 #include "dist/launch.h"
+#include "dist/process_group.h"
 #include "examples/example_utils.h"
 #include "kernels/kernels.h"
 #include "nn/checkpoint.h"
@@ -543,8 +544,11 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
       {{cnn, "--checkpoint", "/tmp/ck", "--trace", "/tmp/ck.g3.shard-1-of-4"},
        "fashion_mnist_cnn: --trace /tmp/ck.g3.shard-1-of-4 has the name of a shard file of --checkpoint /tmp/ck"},
   };
-  if (!kernels::cuda_built())  // known at parse time, as the flags above
+  // What this build lacks is known at parse time too.
+  if (!kernels::cuda_built())
     bad.push_back({{mlp, "--device", "cuda:99"}, "--device: cuda:99 needs a CUDA build, and this build of nanoddp has no CUDA"});
+  if (!dist::backend_unavailable(dist::Backend::Nccl).empty())
+    bad.push_back({{cnn, "--backend", "nccl"}, "--backend: nccl is not available: nanoddp was built without NCCL"});
   for (const auto& [args, message] : bad) {
     const std::string flag = args[1];  // CAPTURE's lambda cannot name a structured binding (C++17)
     CAPTURE(flag);

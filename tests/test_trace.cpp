@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -304,6 +305,35 @@ TEST_CASE("NANODDP_TRACE traces a program without a --trace flag; world size 1 w
                 folder.err);
   CHECK(folder.out.find("epoch") == std::string::npos);
   CHECK(read_file(dir.path + ".tmp").empty());
+}
+
+TEST_CASE("a trace replaces only a trace: another file at its path stops the run before training, untouched") {
+  TempDir dir;
+  const std::string notes = dir.path + "/notes.txt", trace = dir.path + "/run.json";
+  {
+    std::ofstream out(notes);
+    out << "my precious notes\n";
+  }
+  for (const std::vector<std::string>& launch :
+       {std::vector<std::string>{built("examples/toy_ddp"), "--epochs", "1", "--trace", notes},
+        std::vector<std::string>{launcher_path(), "--nproc-per-node", "2", built("examples/toy_ddp"), "--epochs", "1",
+                                 "--trace", notes}}) {
+    const RunResult r = run(launch);
+    CHECK(r.code() == 1);
+    CHECK_MESSAGE(r.err.find("refusing to replace " + notes + ": it is not a trace (it begins \"my precious notes\")") !=
+                      std::string::npos,
+                  r.err);
+    CHECK(r.out.find("epoch") == std::string::npos);
+    CHECK(read_file(notes) == "my precious notes\n");
+  }
+  // Our own traces, of one rank and merged by the launcher, are replaced as before.
+  for (int twice = 0; twice < 2; ++twice) {
+    RunResult r = run({built("examples/toy_ddp"), "--epochs", "1", "--trace", trace});
+    CHECK_MESSAGE(r.code() == 0, r.err);
+    r = run({launcher_path(), "--nproc-per-node", "2", built("examples/toy_ddp"), "--epochs", "1", "--trace", trace});
+    CHECK_MESSAGE(r.code() == 0, r.err);
+  }
+  CHECK(!read_trace(trace).empty());
 }
 
 TEST_CASE("a trace that cannot be written at the end fails the run with exit 1, as a failed checkpoint does") {

@@ -147,9 +147,19 @@ inline CLI::Validator one_of(const std::vector<std::string>& values) {
       short_listed);
 }
 
-// --backend: the names dist::parse_backend takes (dist::backend_names), so that a bad one is
-// refused before anything starts. shm+gloo is what auto picks across nodes.
-inline CLI::Validator backend() { return one_of(dist::backend_names()); }
+// --backend: the names dist::parse_backend takes (dist::backend_names), and built into this
+// library, so that a bad one is refused before anything starts. shm+gloo is what auto picks
+// across nodes.
+inline CLI::Validator backend() {
+  const CLI::Validator named = one_of(dist::backend_names());
+  return CLI::Validator(
+      [named](std::string& text) -> std::string {
+        if (std::string problem = named(text); !problem.empty()) return problem;
+        const std::string missing = dist::backend_unavailable(dist::parse_backend(text));
+        return missing.empty() ? "" : text + " is not available: " + missing;
+      },
+      named.get_description());
+}
 
 // --device as the examples take it: cpu, cuda (this rank's GPU) or cuda:N (Device::parse).
 inline CLI::Validator device() {
