@@ -284,6 +284,13 @@ Moment predict(const ModelStateShape& shape, const std::string& stage) {
   m.parameters = 4 * psi;
   m.gradients = shape.gradient_as_bucket_view ? 0 : 4 * psi;  // views of the buckets
   m.optimizer_state = stage == "ddp" ? k * psi : k * psi / W;
+  if (stage == "zero1" && !shape.parameter_numels.empty()) {
+    const std::vector<int> owner = partition_parameters(shape.parameter_numels, shape.world_size);
+    double share = 0;
+    for (size_t i = 0; i < owner.size(); ++i)
+      if (owner[i] == shape.rank) share += static_cast<double>(shape.parameter_numels[i]);
+    m.optimizer_state = k * share;
+  }
   m.comm_buffers = 4 * psi;  // the buckets
   return m;
 }

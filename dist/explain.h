@@ -86,12 +86,17 @@ struct ModelStateShape {
   int optimizer_state_bytes_per_element = 0;  // k
   std::vector<int64_t> unit_numels;           // FSDP's units, in forward order
   bool gradient_as_bucket_view = false;
+  // The model's parameters' element counts, in parameter order, and the rank predicted for:
+  // ZeRO-1 partitions whole parameters (partition_parameters), so a rank's optimizer state is
+  // k times its share, which is Ψ/W only for parameters of similar sizes. Empty: kΨ/W.
+  std::vector<int64_t> parameter_numels;
+  int rank = 0;
 };
 
 // A table: per stage (ddp, zero1, zero2, fsdp) the parameters, gradients, optimizer state and
 // communication buffers one rank holds at the peak of a step, predicted from shape (float32):
 //   ddp    4Ψ + 4Ψ + kΨ + 4Ψ of buckets (gradients 0 with gradient_as_bucket_view)
-//   zero1  4Ψ + 4Ψ + kΨ/W + 4Ψ
+//   zero1  4Ψ + 4Ψ + kΨ/W + 4Ψ (k times this rank's share of the partition, when known)
 //   zero2  FSDP's schedule with SHARD_GRAD_OP: shards (4 + k)Ψ/W, every unit's full
 //          parameters gathered at the start of backward, full gradients of two units at most
 //   fsdp   FULL_SHARD: shards, the unit computing and the one prefetched, two full gradients

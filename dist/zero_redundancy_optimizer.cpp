@@ -26,23 +26,29 @@ bool split_key(const std::string& key, std::string& buffer, size_t& index) {
 }
 }  // namespace
 
+std::vector<int> partition_parameters(const std::vector<int64_t>& numels, int world_size) {
+  // Largest first; each to the rank with the fewest elements so far (torch's _partition_parameters).
+  std::vector<size_t> order(numels.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return numels[a] > numels[b]; });
+  std::vector<int64_t> assigned(static_cast<size_t>(world_size), 0);
+  std::vector<int> owner(numels.size(), 0);
+  for (size_t i : order) {
+    const auto least = std::min_element(assigned.begin(), assigned.end());
+    owner[i] = static_cast<int>(least - assigned.begin());
+    *least += numels[i];
+  }
+  return owner;
+}
+
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params, std::shared_ptr<ProcessGroup> pg,
                                                  const LocalOptimizerFactory& make_local_optimizer)
     : Optimizer("ZeroRedundancyOptimizer", std::move(params)), pg_(std::move(pg)) {
   NANODDP_CHECK(pg_ != nullptr, ValueError, name_, ": no process group");
   NANODDP_CHECK(static_cast<bool>(make_local_optimizer), ValueError, name_, ": no local optimizer factory");
-  // Largest first; each to the rank with the fewest elements so far (torch's _partition_parameters).
-  std::vector<size_t> order(params_.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return params_[a].numel() > params_[b].numel(); });
-  std::vector<int64_t> assigned(static_cast<size_t>(pg_->size()), 0);
-  owner_.assign(params_.size(), 0);
-  for (size_t i : order) {
-    const auto least = std::min_element(assigned.begin(), assigned.end());
-    owner_[i] = static_cast<int>(least - assigned.begin());
-    *least += params_[i].numel();
-  }
+  std::vector<int64_t> numels;
+  for (const Tensor& p : params_) numels.push_back(p.numel());
+  owner_ = partition_parameters(numels, pg_->size());
   std::vector<Tensor> local_params;
   for (size_t i = 0; i < params_.size(); ++i)
     if (owner_[i] == pg_->rank()) {

@@ -35,6 +35,10 @@
 
 namespace nanoddp::dist {
 
+// The partition above: the rank that owns each parameter, given their element counts in
+// parameter order. --explain predicts ZeRO-1's optimizer state from it (dist/explain.h).
+std::vector<int> partition_parameters(const std::vector<int64_t>& numels, int world_size);
+
 class ZeroRedundancyOptimizer : public nn::Optimizer {
  public:
   // Builds the local optimizer over this rank's share (torch's optimizer_class + defaults).

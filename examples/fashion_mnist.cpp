@@ -509,7 +509,7 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
         parallel.load_model_state_dict(nn::strip_prefix(state, "model."));
     } catch (const Error& e) {
       throw ValueError(std::string(e.what()) + "; the checkpoint holds another model than this run builds: was it "
-                       "saved with other --hidden sizes, or by the other Fashion-MNIST example?");
+                       "saved by the other Fashion-MNIST example, or (fashion_mnist) with other --hidden sizes?");
     }
     // Another optimizer's state has other entries: name both optimizers, not an entry.
     const int64_t saved_kind = int64_entry(state, "optimizer_kind", /*missing=*/-1);
@@ -910,6 +910,8 @@ int run(const Config& config) {
       if (parallel.fsdp()) shape.unit_numels = dist::unit_numels(*parallel.fsdp());
       else shape.unit_numels = dist::layer_numels(*model);
       shape.gradient_as_bucket_view = config.gradient_as_bucket_view;
+      for (const Tensor& p : model->parameters()) shape.parameter_numels.push_back(p.numel());
+      shape.rank = rank;
       // A ladder rung keeps what DDP keeps (flat: plus one flat copy of the gradients).
       const std::string stage = examples::is_ladder_rung(config.strategy) ? "ddp" : config.strategy;
       std::printf("%s", dist::explain_memory(shape, stage, memory_stats(device)).c_str());

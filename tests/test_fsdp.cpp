@@ -16,6 +16,7 @@
 #include "core/trace.h"
 #include "dist/ddp.h"
 #include "dist/explain.h"
+#include "dist/zero_redundancy_optimizer.h"
 #include "dist/fsdp.h"
 #include "dist/init.h"
 #include "nn/adam.h"
@@ -395,6 +396,17 @@ TEST_CASE("docs answers: the deep MLP's model state per rank at 2 ranks with Ada
   CHECK(dist::predicted_peak_model_state(shape, "zero1") == 16 * 3962890);
   CHECK(dist::predicted_peak_model_state(shape, "zero2") == 48005200);
   CHECK(dist::predicted_peak_model_state(shape, "fsdp") == 45906000);
+  // ZeRO-1 partitions whole parameters, largest first: rank 0 owns two of the three
+  // 1024 x 1024 weights (2,097,152 elements), rank 1 the third, the first layer's weight and
+  // the rest (1,865,738). Rank 0's AdamW state is 8 x 2,097,152 bytes, not 8 x Ψ / 2: the
+  // allocator's peak on rank 0 (benchmarks/README.md, 64,331,896 bytes).
+  for (int64_t n : {784 * 1024, 1024, 1024 * 1024, 1024, 1024 * 1024, 1024, 1024 * 1024, 1024, 10 * 1024, 10})
+    shape.parameter_numels.push_back(n);
+  CHECK(dist::partition_parameters(shape.parameter_numels, 2) == std::vector<int>{1, 1, 0, 1, 1, 1, 0, 1, 1, 1});
+  CHECK(dist::predicted_peak_model_state(shape, "zero1") == 16 * 3962890 - 8 * 3962890 / 2 + 8 * 2097152);
+  CHECK(dist::predicted_peak_model_state(shape, "zero1") == 64331896);
+  shape.rank = 1;
+  CHECK(dist::predicted_peak_model_state(shape, "zero1") == 16 * 3962890 - 8 * 3962890 / 2 + 8 * 1865738);
 }
 
 TEST_CASE("the trace shows each unit's all_gathers and reduce_scatter on the unit's own lane, with their bytes") {
