@@ -104,6 +104,7 @@ ExplainWindow::ExplainWindow(const ProcessGroup& pg)
       start_count_(pg.count(Collective::AllReduce)),
       start_gather_(pg.count(Collective::AllGather)),
       start_scatter_(pg.count(Collective::ReduceScatter)),
+      start_broadcast_(pg.count(Collective::Broadcast)),
       start_moved_(pg.moved_bytes()),
       start_us_(trace::now_us()) {
   if (!trace::enabled())
@@ -180,6 +181,15 @@ std::string ExplainWindow::report(const std::string& what, int64_t steps) const 
         << " calls of " << std::setprecision(0) << scattered << " shard bytes; "
         << (N - 1) * (gathered + scattered) << " bytes sent per rank (ring: N - 1 shards each)\n";
   }
+  // ZeRO-1's step: each parameter broadcast from the rank that owns it. DDP broadcasts too:
+  // its buffers before each forward (broadcast_buffers), its new bucket order once.
+  const CollectiveCount broadcast = pg_.count(Collective::Broadcast);
+  const int64_t broadcast_calls = broadcast.calls - start_broadcast_.calls;
+  if (broadcast_calls > 0)
+    out << "explain: " << what << ": per step: broadcast " << std::setprecision(2)
+        << static_cast<double>(broadcast_calls) / s << " calls of " << std::setprecision(0)
+        << static_cast<double>(broadcast.bytes - start_broadcast_.bytes) / s
+        << " bytes (ZeRO-1: each parameter from the rank that owns it; DDP: its buffers, its re-plan)\n";
   return out.str();
 }
 

@@ -56,13 +56,14 @@ class ExplainWindow {
  public:
   explicit ExplainWindow(const ProcessGroup& pg);
   // Per step over `steps` steps (> 0): all-reduce calls, bytes reduced, bytes sent per rank,
-  // and compute / communication / exposed times in ms with exposed as a percentage. Three
-  // lines, "explain: <what>: ...".
+  // and compute / communication / exposed times in ms with exposed as a percentage; then
+  // FSDP's all_gathers and reduce_scatters, and ZeRO-1's broadcasts, when the window had
+  // any. Lines "explain: <what>: ...".
   std::string report(const std::string& what, int64_t steps) const;
 
  private:
   const ProcessGroup& pg_;
-  CollectiveCount start_count_, start_gather_, start_scatter_;
+  CollectiveCount start_count_, start_gather_, start_scatter_, start_broadcast_;
   MovedBytes start_moved_;
   double start_us_;
 };

@@ -266,6 +266,17 @@ TEST_CASE("--explain prints the bucket plan and per-step counts that match the c
                      "cap 26214400 bytes; rebuilt from the order gradients became ready on rank 0)") !=
         std::string::npos);
   CHECK(exposed_percent(one.out) == 100.0);
+  // ZeRO-1's broadcasts are counted too: its 6 parameters each step, and DDP's new bucket
+  // order once (48 bytes, 6 int64) in the first epoch. Its memory row is exact: rank 0 owns
+  // the first weight (200,704 of the 235,146 parameters), whose momentum is 802,816 bytes.
+  const RunResult zero = fashion.run_2_ranks({"--explain", "--strategy", "zero1"}, /*one_bucket=*/true);
+  CHECK_MESSAGE(zero.out.find("explain: epoch 1: per step: broadcast 6.10 calls of 940589 bytes (ZeRO-1: each parameter "
+                              "from the rank that owns it") != std::string::npos,
+                zero.out);
+  CHECK_MESSAGE(zero.out.find("zero1       940584      940584     802816        940584     3624568   <- this run") !=
+                    std::string::npos,
+                zero.out);
+  CHECK(zero.out.find("peak model state 3624568 bytes") != std::string::npos);
 }
 
 TEST_CASE("--explain on the CNN with a 0.25 MiB first bucket: the Linear layers' bucket is reduced during the convolutions' backward") {
