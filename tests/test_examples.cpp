@@ -418,8 +418,8 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   for (const char* hidden : {"64", "64,64,64"}) {  // one width other, one layer more: the model cannot take it
     r = run_with({"--epochs", "2", "--hidden", hidden, "--checkpoint", ckpt, "--resume"});
     CHECK(r.code() == 1);
-    CHECK_MESSAGE(r.err.find("the checkpoint holds another model than this run builds: was it saved with other "
-                             "--hidden sizes") != std::string::npos,
+    CHECK_MESSAGE(r.err.find("the checkpoint holds another model than this run builds: was it saved by the other "
+                             "Fashion-MNIST example, or (fashion_mnist) with other --hidden sizes?") != std::string::npos,
                   r.err);
   }
   r = run_with({"--optimizer", "rmsprop"});
