@@ -1,5 +1,9 @@
 #include "core/replace_file.h"
 
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -38,6 +42,27 @@ void replace_file(const std::string& path, const std::string& what, const std::f
     std::remove(temporary.c_str());  // a whole file under a name nobody asked for is litter
     NANODDP_THROW(IOError, "cannot rename ", temporary, " to ", path, " (", what, "): ", std::strerror(error));
   }
+}
+
+
+void check_replaces_only(const std::string& path, const char* what, const char* format,
+                         bool (*is_format)(const std::string& head, uint64_t size_bytes)) {
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0 || !S_ISREG(info.st_mode) || info.st_size == 0) return;
+  std::ifstream in(path, std::ios::binary);
+  std::string head(kFormatHeadBytes, '\0');
+  in.read(head.data(), static_cast<std::streamsize>(head.size()));
+  head.resize(static_cast<size_t>(std::max<std::streamsize>(in.gcount(), 0)));
+  if (in.is_open() && is_format(head, static_cast<uint64_t>(info.st_size))) return;
+  // The first line, printable, so the user sees which file that is.
+  std::string shown;
+  for (char c : head) {
+    if (c == '\n' || shown.size() >= 24) break;
+    shown += std::isprint(static_cast<unsigned char>(c)) ? c : '.';
+  }
+  NANODDP_THROW(IOError, what, " ", path, ": refusing to replace ", path, ": it is not ", format, " (",
+                in.is_open() ? "it begins \"" + shown + "\"" : std::string("it cannot be read"),
+                "), so this program did not write it; move it away or name another file");
 }
 
 }  // namespace nanoddp

@@ -10,6 +10,8 @@
 // temporary file is removed. Internal to the library (not installed).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <ostream>
 #include <string>
@@ -17,5 +19,15 @@
 namespace nanoddp {
 
 void replace_file(const std::string& path, const std::string& what, const std::function<void(std::ostream&)>& write);
+
+// Throws IOError (starting with what, naming path) when path is a non-empty file that is not
+// in the format about to be written over it: a program replaces only its own earlier output,
+// never a file it did not write (`--checkpoint README.md`, `--trace notes.txt`). is_format
+// gets the file's first kFormatHeadBytes bytes (fewer for a shorter file) and its size in
+// bytes; format names the format in the message ("a nanoddp checkpoint"). An absent or empty
+// path passes.
+inline constexpr size_t kFormatHeadBytes = 64;
+void check_replaces_only(const std::string& path, const char* what, const char* format,
+                         bool (*is_format)(const std::string& head, uint64_t size_bytes));
 
 }  // namespace nanoddp

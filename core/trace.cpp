@@ -4,7 +4,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -142,23 +141,11 @@ std::string rank_path(const std::string& path, int rank) {
   return path.substr(0, dot) + tag + path.substr(dot);
 }
 
-// Throws IOError unless path is absent, empty, or begins as a trace of ours does: a rank's
-// (write(): {"otherData":{"rank":...) or a merged one (merge_parts: {"displayTimeUnit":...).
-void check_replaces_a_trace(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in.is_open()) return;  // absent (or unreadable: writing it says why)
-  std::string head(32, '\0');
-  in.read(head.data(), static_cast<std::streamsize>(head.size()));
-  head.resize(static_cast<size_t>(std::max<std::streamsize>(in.gcount(), 0)));
+// A trace of ours begins as a rank's (write(): {"otherData":{"rank":...) or a merged one
+// does (merge_parts: {"displayTimeUnit":"ms",...).
+bool begins_as_trace(const std::string& head, uint64_t /*size_bytes*/) {
   const auto begins = [&head](const std::string& start) { return head.compare(0, start.size(), start) == 0; };
-  if (head.empty() || begins("{\"otherData\":{\"rank\":") || begins("{\"displayTimeUnit\":\"ms\",")) return;
-  std::string shown;
-  for (char c : head) {
-    if (c == '\n' || shown.size() >= 24) break;
-    shown += std::isprint(static_cast<unsigned char>(c)) ? c : '.';
-  }
-  NANODDP_THROW(IOError, "the trace file ", path, ": refusing to replace ", path, ": it is not a trace (it begins \"",
-                shown, "\"), so this program did not write it; move it away or name another file");
+  return begins("{\"otherData\":{\"rank\":") || begins("{\"displayTimeUnit\":\"ms\",");
 }
 
 void write_at_exit() {
@@ -219,7 +206,7 @@ void start(const std::string& path) {
     struct stat info {};
     NANODDP_CHECK(::stat(full.c_str(), &info) != 0 || S_ISREG(info.st_mode), IOError, "cannot write the trace file ",
                   full, ": it exists and is not a regular file (a folder?); give a file name");
-    check_replaces_a_trace(full);
+    check_replaces_only(full, "the trace file", "a trace", begins_as_trace);
   }
   std::lock_guard<std::mutex> lock(r.mutex);
   r.events.clear();

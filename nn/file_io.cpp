@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -181,26 +180,6 @@ void check_writable(const std::string& path, const char* what) {
   const std::string dir = folder_of(save_target(path, what));
   NANODDP_CHECK(::access(dir.c_str(), W_OK) == 0, IOError, what, " ", path, ": cannot write in folder ", dir, ": ",
                 std::strerror(errno));
-}
-
-void check_replaces_only(const std::string& path, const char* what, const char* format,
-                         bool (*is_format)(const std::string& head, uint64_t size_bytes)) {
-  struct stat info {};
-  if (::stat(path.c_str(), &info) != 0 || !S_ISREG(info.st_mode) || info.st_size == 0) return;
-  std::ifstream in(path, std::ios::binary);
-  std::string head(kFormatHeadBytes, '\0');
-  in.read(head.data(), static_cast<std::streamsize>(head.size()));
-  head.resize(static_cast<size_t>(std::max<std::streamsize>(in.gcount(), 0)));
-  if (in.is_open() && is_format(head, static_cast<uint64_t>(info.st_size))) return;
-  // The first line, printable, so the user sees which file that is.
-  std::string shown;
-  for (char c : head) {
-    if (c == '\n' || shown.size() >= 24) break;
-    shown += std::isprint(static_cast<unsigned char>(c)) ? c : '.';
-  }
-  NANODDP_THROW(IOError, what, " ", path, ": refusing to replace ", path, ": it is not ", format, " (",
-                in.is_open() ? "it begins \"" + shown + "\"" : std::string("it cannot be read"),
-                "), so this program did not write it; move it away or name another file");
 }
 
 void write_file_atomically(const std::string& given_path, const std::string& bytes, const char* what) {

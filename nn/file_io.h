@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <string>
 
+#include "core/replace_file.h"
+
 namespace nanoddp::nn {
 
 // The folder a file lives in ("." for a bare name, "/" for a file in the root).
@@ -19,14 +21,8 @@ std::string folder_of(const std::string& path);
 // and is writable.
 void check_writable(const std::string& path, const char* what);
 
-// Throws IOError (starting with what, naming path) when path is a non-empty file that is not
-// in the format about to be written over it: a program replaces only its own earlier output,
-// never a file it did not write (`--checkpoint README.md`). is_format gets the file's first
-// kFormatHeadBytes bytes (fewer for a shorter file) and its size in bytes; format names the
-// format in the message ("a nanoddp checkpoint"). An absent or empty path passes.
-inline constexpr size_t kFormatHeadBytes = 64;
-void check_replaces_only(const std::string& path, const char* what, const char* format,
-                         bool (*is_format)(const std::string& head, uint64_t size_bytes));
+// check_replaces_only (a file is replaced only by one of its own format) is in
+// core/replace_file.h, for the trace writers too.
 
 // First checks path as check_writable does, but for the permission (Note [Save target] in
 // file_io.cpp): an empty path, a missing folder, a folder or a device in path's place are
