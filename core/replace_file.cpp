@@ -44,7 +44,6 @@ void replace_file(const std::string& path, const std::string& what, const std::f
   }
 }
 
-
 void check_replaces_only(const std::string& path, const char* what, const char* format,
                          bool (*is_format)(const std::string& head, uint64_t size_bytes)) {
   struct stat info {};

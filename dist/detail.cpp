@@ -19,8 +19,8 @@ void divide_by_world_size(float* data, int64_t n, int world_size) {
   for (int64_t i = 0; i < n; ++i) data[i] /= w;
 }
 
-uint8_t* back_to_back(const std::vector<Tensor>& parts) {
-  if (parts.empty()) return nullptr;
+uint8_t* back_to_back(const std::vector<Tensor>& parts, const Tensor& other) {
+  if (parts.empty() || other.is_alias_of(parts[0])) return nullptr;
   uint8_t* first = bytes_of(parts[0]);
   for (size_t r = 0; r < parts.size(); ++r)
     if (!parts[r].is_alias_of(parts[0]) || bytes_of(parts[r]) != first + r * parts[0].nbytes()) return nullptr;

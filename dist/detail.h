@@ -29,9 +29,10 @@ inline void divide_by_world_size(const Tensor& t, int world_size) {
 
 // The first byte of `parts` when they lie end to end, in order, in one allocation, as the
 // per-rank slices of one flat vector do (FSDP's gathered parameters and gradients); null
-// otherwise. A backend then hands that one buffer to all_gather / reduce_scatter instead of
-// copying the parts through a buffer of its own.
-uint8_t* back_to_back(const std::vector<Tensor>& parts);
+// otherwise, and null when `other` (the collective's other side) lies in that allocation too
+// (in place, which MPI and Gloo would need told). A backend then hands that one buffer to
+// all_gather / reduce_scatter instead of copying the parts through a buffer of its own.
+uint8_t* back_to_back(const std::vector<Tensor>& parts, const Tensor& other);
 
 // An owned file descriptor (RAII): closed exactly once.
 class Fd {

@@ -438,7 +438,7 @@ class ProcessGroupGloo : public ProcessGroup {
     return enqueue(describe("all_gather", input), [outs, input](GlooRunner& runner) {
       const size_t nbytes = input.nbytes();
       // Straight into the outputs when they are one buffer (and the input is not in it).
-      uint8_t* into = input.is_alias_of(outs[0]) ? nullptr : detail::back_to_back(outs);
+      uint8_t* into = detail::back_to_back(outs, input);
       Tensor gathered = into != nullptr ? Tensor() : Tensor::empty({input.numel() * runner.world_size}, input.dtype());
       gloo::AllgatherOptions opts(runner.context);
       // A copy: the bytes are all that matters, whatever the dtype.
@@ -576,9 +576,8 @@ namespace nanoddp::dist {
 
 std::shared_ptr<ProcessGroup> make_gloo_process_group(std::shared_ptr<Store>,
                                                       const GlooOptions& options) {
-  NANODDP_THROW(DistError, detail::where(options.rank, options.world_size),
-                ": nanoddp was built without Gloo (install libgloo-dev and reconfigure with "
-                "-Dgloo=enabled)");
+  NANODDP_THROW(DistError, detail::where(options.rank, options.world_size), ": ",
+                backend_unavailable(Backend::Gloo));
 }
 
 }  // namespace nanoddp::dist

@@ -315,7 +315,7 @@ class ProcessGroupMpi : public ProcessGroup {
     int count = checked_count(what, input.numel() * world_size_);
     std::vector<Tensor> outs = outputs;
     // Straight into the outputs when they are one buffer (and the input is not in it).
-    uint8_t* into = input.is_alias_of(outs[0]) ? nullptr : detail::back_to_back(outs);
+    uint8_t* into = detail::back_to_back(outs, input);
     Tensor gathered = into != nullptr ? Tensor() : Tensor::empty({input.numel() * world_size_}, input.dtype());
     if (into == nullptr) into = detail::bytes_of(gathered);
     auto start = [&](MPI_Request* request) {
@@ -343,7 +343,7 @@ class ProcessGroupMpi : public ProcessGroup {
     // Straight from the inputs when they are one buffer (and the output is not in it); else
     // from a copy of them, laid end to end as MPI wants.
     std::vector<Tensor> ins = inputs;
-    const uint8_t* from = output.is_alias_of(ins[0]) ? nullptr : detail::back_to_back(ins);
+    const uint8_t* from = detail::back_to_back(ins, output);
     Tensor flat;
     if (from == nullptr) {
       const size_t nbytes = output.nbytes();
@@ -472,9 +472,7 @@ extern "C" int __lsan_is_turned_off() {
 namespace nanoddp::dist {
 
 std::shared_ptr<ProcessGroup> make_mpi_process_group(std::chrono::milliseconds) {
-  NANODDP_THROW(DistError, detail::where(-1, -1),
-                ": nanoddp was built without MPI (install libopenmpi-dev and reconfigure with "
-                "-Dmpi=enabled)");
+  NANODDP_THROW(DistError, detail::where(-1, -1), ": ", backend_unavailable(Backend::Mpi));
 }
 
 bool launched_by_mpi() { return false; }

@@ -799,9 +799,8 @@ namespace nanoddp::dist {
 
 std::shared_ptr<ProcessGroup> make_nccl_process_group(std::shared_ptr<Store>,
                                                       const NcclOptions& options) {
-  NANODDP_THROW(DistError, detail::where(options.rank, options.world_size),
-                ": nanoddp was built without NCCL (configure with -Dcuda=enabled on a machine "
-                "with the CUDA toolkit and NCCL)");
+  NANODDP_THROW(DistError, detail::where(options.rank, options.world_size), ": ",
+                backend_unavailable(Backend::Nccl));
 }
 
 }  // namespace nanoddp::dist

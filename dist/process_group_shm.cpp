@@ -127,12 +127,7 @@ class ProcessGroupShm : public ProcessGroup {
     Envelope envelope = next_envelope(Kind::AllGather, input, ReduceOp::Sum, 0);
     return collective(describe("all_gather", input), [outs, input, envelope](Ring& ring) {
       ring.envelope = envelope;
-      Parts parts;
-      parts.element_size = dtype_size(input.dtype());
-      for (const Tensor& t : outs) {
-        parts.data.push_back(bytes_of(t));
-        parts.numel.push_back(input.numel());
-      }
+      Parts parts = Parts::of_tensors(outs);
       std::memcpy(parts.data[ring.rank()], bytes_of(input), input.nbytes());
       ring.all_gather(parts);
     });
@@ -152,13 +147,7 @@ class ProcessGroupShm : public ProcessGroup {
     std::vector<Tensor> ins = inputs;
     return collective(describe(name, output), [ins, output, op, envelope](Ring& ring) {
       ring.envelope = envelope;
-      Parts parts;
-      parts.element_size = dtype_size(output.dtype());
-      for (const Tensor& t : ins) {
-        parts.data.push_back(bytes_of(t));
-        parts.numel.push_back(output.numel());
-      }
-      ring.reduce_scatter(parts, bytes_of(output), reduce_fn(output.dtype(), op));
+      ring.reduce_scatter(Parts::of_tensors(ins), bytes_of(output), reduce_fn(output.dtype(), op));
       if (op == ReduceOp::Avg) detail::divide_by_world_size(output, ring.n());
     });
   }

@@ -76,6 +76,16 @@ Parts Parts::of_buffer(uint8_t* data, int64_t numel, size_t element_size, int n)
   return parts;
 }
 
+Parts Parts::of_tensors(const std::vector<Tensor>& tensors) {
+  Parts parts;
+  parts.element_size = dtype_size(tensors.at(0).dtype());
+  for (const Tensor& t : tensors) {
+    parts.data.push_back(bytes_of(t));
+    parts.numel.push_back(t.numel());
+  }
+  return parts;
+}
+
 int64_t Parts::pieces() const {
   const int64_t piece = static_cast<int64_t>(kSlotBytes / element_size);
   const int64_t largest = *std::max_element(numel.begin(), numel.end());

@@ -36,6 +36,9 @@ struct Parts {
 
   // One buffer cut into N parts of ceil(numel / N) elements (the last ones shorter or empty).
   static Parts of_buffer(uint8_t* data, int64_t numel, size_t element_size, int n);
+  // One part per tensor, in order (all_gather's outputs, reduce_scatter's inputs): tensors of
+  // one shape and dtype, as ProcessGroup::check_list makes sure.
+  static Parts of_tensors(const std::vector<Tensor>& tensors);
   // Every step moves this many pieces (the same on every rank; pieces past a short part's end
   // are empty but still travel, which keeps the channel counters in step).
   int64_t pieces() const;

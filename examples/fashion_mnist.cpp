@@ -86,8 +86,9 @@ using namespace nanoddp;
 namespace {
 
 struct Config {
-  bool cnn = false;                        // fashion_mnist_cnn: the CNN, not the MLP
-  const char* example = "fashion_mnist";  // the program's name, which every message opens with
+  bool cnn = false;  // fashion_mnist_cnn: the CNN, not the MLP
+  // The program's name, which every message opens with.
+  const char* example() const { return cnn ? "fashion_mnist_cnn" : "fashion_mnist"; }
   int epochs = 10;
   std::string optimizer = "sgd";
   std::optional<double> lr;           // default: 0.05 for sgd, 1e-3 (PyTorch's) for adam and adamw
@@ -803,7 +804,7 @@ int run(const Config& config) {
   if (first_epoch >= last_epoch) accuracy = evaluate(trained, test_loader, *pg, config.precision);
   if (rank == 0 && first_epoch >= last_epoch)
     std::fprintf(stderr, "%s: nothing to train: the checkpoint has %d epoch%s done, and this run ends after epoch %d (%s)\n",
-                 config.example, first_epoch, first_epoch == 1 ? "" : "s", last_epoch,
+                 config.example(), first_epoch, first_epoch == 1 ? "" : "s", last_epoch,
                  config.stop_after > 0 ? "--stop-after" : "--epochs");
   for (int epoch = first_epoch; epoch < last_epoch; ++epoch) {
     train_loader.set_epoch(epoch);
@@ -971,7 +972,7 @@ int run(const Config& config) {
         "\"optimizer\":\"%s\",\"comm_hook\":\"%s\",\"gradient_as_bucket_view\":%s,\"strategy\":\"%s\","
         "\"peak_model_state_bytes\":%lld,\"checkpoint_activations\":%s,\"peak_activation_bytes\":%lld,"
         "\"precision\":\"%s\"}\n",
-        config.example, world_size, epochs_done, examples::json_number(accuracy).c_str(), examples::json_number(train_loss).c_str(),
+        config.example(), world_size, epochs_done, examples::json_number(accuracy).c_str(), examples::json_number(train_loss).c_str(),
         examples::json_number(samples_per_s).c_str(), examples::json_number(slowest_rank[1]).c_str(),
         examples::json_number(slowest_rank[0]).c_str(), pg->backend_name().c_str(), device.str().c_str(),
         config.optimizer.c_str(), config.comm_hook.c_str(), config.gradient_as_bucket_view ? "true" : "false",
@@ -990,11 +991,8 @@ int run(const Config& config) {
 int nanoddp::examples::fashion_mnist_main(int argc, char** argv, bool cnn) {
   Config config;
   config.cnn = cnn;
-  if (cnn) {
-    config.example = "fashion_mnist_cnn";
-    config.batch_size = 32;
-  }
-  const char* const kExample = config.example;
+  if (cnn) config.batch_size = 32;
+  const char* const kExample = config.example();
   CLI::App app{std::string(kExample) + ": " + (cnn ? "a CNN" : "an MLP") +
                " on Fashion-MNIST with DistributedDataParallel"};
   cli::set_option_defaults(app);
