@@ -60,7 +60,8 @@ inline uint16_t* bits16(const Tensor& t) {
 //    16-bit tensors as their node's inputs and saved tensors, and widen them into float32
 //    temporaries, not recorded, for each kernel call, in forward and again in backward
 //    (widened, rounded_to). A 16-bit activation then costs 2 bytes per element, as autocast
-//    means it to, not 2 plus a kept float32 copy;
+//    means it to, not 2 plus a kept float32 copy (on CUDA, conv2d still keeps its float32
+//    im2col columns for backward, as it does for float32);
 //  - other ops go through computed_in_float32: recorded casts around the float32 op, which
 //    keep the float32 copy until backward. Same bits, more memory.
 // A binary op follows torch's type promotion: two operands of one 16-bit dtype give that

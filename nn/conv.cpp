@@ -3,8 +3,8 @@
 #include "nn/conv.h"
 
 #include <algorithm>
-#include <climits>
 #include <cmath>
+#include <cstdint>
 #include <numeric>
 
 #include "core/autocast.h"
