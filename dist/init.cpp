@@ -379,6 +379,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     gloo.master_addr = master.host;
     gloo.master_port = store->port();
     gloo.timeout = options.timeout;
+    gloo.fingerprints_over_shm = check_collectives;
     group = make_gloo_process_group(store, gloo);
   }
   // A CPU group takes CUDA tensors too (dist/host_staging.h); then the collective check.

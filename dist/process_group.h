@@ -273,6 +273,11 @@ struct GlooOptions {
   // Store keys of this group start with this; "" = "gloo/<n>/", n counting the groups this
   // process made (the same on every rank when all ranks make the same groups in order).
   std::string store_prefix;
+  // When every rank is on this machine, the collective check's fingerprints travel through
+  // shared memory instead of Gloo's sockets (Note [Shared-memory fingerprints] in
+  // process_group_gloo.cpp): a shm group of its own, made with this one. init_process_group
+  // sets it when the check is on.
+  bool fingerprints_over_shm = false;
 };
 // Connects a full mesh of TCP pairs among the ranks through store (each rank publishes its
 // address, then connects to every other). One worker thread per group runs the collectives

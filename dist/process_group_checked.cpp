@@ -25,11 +25,13 @@
 // Note [Fused collective check]
 // Where the backend runs its collectives in order on a thread of its own (Gloo), the
 // fingerprint all-gather, the comparison and the collective run as one task there
-// (ProcessGroup::start_guarded): the caller's thread takes no part between them, and the
-// collective starts the moment the fingerprints are in, instead of at the caller's next poll
-// or wait. The guarantees are the same: every rank all-gathers the same fixed-size
-// fingerprint, sees the same table, and on a mismatch none runs the collective. A rank
-// whose peer never arrives waits in that task until the group's timeout. Other backends
+// (ProcessGroup::start_guarded; Gloo all-gathers the fingerprints through shared memory when
+// its ranks share a machine, Note [Shared-memory fingerprints] in process_group_gloo.cpp):
+// the caller's thread takes no part between them, and the collective starts the moment the
+// fingerprints are in, instead of at the caller's next poll or wait. The guarantees are the
+// same: every rank all-gathers the same fixed-size fingerprint, sees the same table, and on
+// a mismatch none runs the collective. A rank whose peer never arrives waits in that task
+// until the group's timeout. Other backends
 // return null and keep the deferred exchange below: shm and MPI run a collective on the
 // caller's thread, where the two steps cost no hand-off.
 //
@@ -308,20 +310,25 @@ void CheckState::say_reached(const std::vector<int64_t>& mine) {
 std::string CheckState::stragglers(const std::vector<int64_t>& mine) {
   const int rank = inner->rank(), world = inner->size();
   std::vector<int> missing;
+  bool polled = false;
   say_reached(mine);
   try {
     Store& store = inner->store();
     const std::string call = reached_key(store_prefix, mine[0]);
     const auto deadline = std::chrono::steady_clock::now() + std::min(kStragglerGrace, timeout);
     while (true) {
-      missing.clear();
+      std::vector<int> not_yet;
       for (int r = 0; r < world; ++r)
-        if (r != rank && !store.check({call + std::to_string(r)})) missing.push_back(r);
+        if (r != rank && !store.check({call + std::to_string(r)})) not_yet.push_back(r);
+      missing = std::move(not_yet);
+      polled = true;
       if (missing.empty() || std::chrono::steady_clock::now() >= deadline) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   } catch (const std::exception&) {
-    return "";  // no store, or the store is gone too: nothing more to say
+    // No store, or it went away during the grace: the rank that serves it timed out a moment
+    // earlier, named the straggler and ended. The last complete look stands.
+    if (!polled) return "";
   }
   if (missing.empty()) return "";
   report_lost_peer(rank, missing.front());

@@ -23,13 +23,6 @@ namespace nanoddp::dist::shm {
 
 namespace {
 
-std::string boot_id() {
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::string id;
-  std::getline(in, id);
-  return id;
-}
-
 // Step 1 of Note [Shm segment]: unlink "nanoddp.<pid>.*" segments whose creator is gone.
 void remove_stale_segments() {
   DIR* dir = ::opendir("/dev/shm");
@@ -45,6 +38,13 @@ void remove_stale_segments() {
 
 }  // namespace
 
+std::string machine_id() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(in, id);
+  return id + " " + detail::host_name();
+}
+
 // With SIGXFSZ held (Note [File size limit] in core/file_size_limit.h): /dev/shm counts
 // against `ulimit -f`, whose signal would end the process here.
 std::string segment_sizing_failure(int fd, size_t bytes) {
@@ -52,6 +52,15 @@ std::string segment_sizing_failure(int fd, size_t bytes) {
   if (::ftruncate(fd, static_cast<off_t>(bytes)) == 0) return "";
   const int error = errno;
   return detail::errno_text(error) + (error == EFBIG ? file_size_limit_hint(error) : " (is /dev/shm full?)");
+}
+
+bool segment_possible(size_t nbytes) {
+  const std::string name = new_segment_name();
+  detail::Fd fd(::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600));
+  if (!fd.valid()) return false;
+  const bool sized = segment_sizing_failure(fd.get(), nbytes).empty();
+  ::shm_unlink(name.c_str());
+  return sized;
 }
 
 std::string new_segment_name() {
@@ -78,7 +87,7 @@ ShmSegment::ShmSegment(Store& store, const std::string& prefix, int rank, int wo
                        std::chrono::milliseconds timeout)
     : rank_(rank), world_size_(world_size), layout_(world_size) {
   const std::string where = detail::where(rank, world_size) + ": shm";
-  const std::string machine = boot_id() + " " + detail::host_name();
+  const std::string machine = machine_id();
   std::string name;
   detail::Fd fd;
   if (rank == 0) {

@@ -119,6 +119,9 @@ struct Header {
   // The rank whose death made abort_rank abort, or -1: every rank that fails on the abort
   // reports that rank to the launcher, not the one that noticed first (Note [Launcher link]).
   int32_t abort_lost_rank = -1;
+  // The abort began as a timeout: every rank that fails on it throws TimeoutError, so that
+  // the collective check can name the rank that never came (Note [Naming the straggler]).
+  int32_t abort_timed_out = 0;
   char abort_message[kAbortMessageBytes] = {};
 };
 
@@ -139,6 +142,12 @@ struct Layout {
 
 // Sizes a new segment; "" on success, else why not.
 std::string segment_sizing_failure(int fd, size_t bytes);
+// Whether this process could make a segment of nbytes now (/dev/shm is there and writable,
+// `ulimit -f` allows the size); makes one and removes it at once.
+bool segment_possible(size_t nbytes);
+// This machine as the ranks compare it: its boot id and host name (containers on one
+// machine share the boot id; two machines never do).
+std::string machine_id();
 // False once pid has exited, even while it is an unreaped zombie (a launcher may keep
 // exited ranks as zombies until the job ends).
 bool process_alive(int pid);
@@ -230,8 +239,8 @@ class ShmSegment {
   void doze(uint32_t since, int peer, Clock::time_point deadline, const std::string& what);
 
   // Marks the group aborted with why (the first reason wins) and wakes every rank. lost_rank:
-  // the dead rank that is the reason, or -1.
-  void mark_aborted(const std::string& why, int lost_rank = -1);
+  // the dead rank that is the reason, or -1; timed_out: the reason is a wait that timed out.
+  void mark_aborted(const std::string& why, int lost_rank = -1, bool timed_out = false);
   [[noreturn]] void abort(const std::string& why, int lost_rank = -1);
   void check_abort(const std::string& what);
   bool peers_alive(int peer);

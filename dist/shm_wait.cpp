@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <fstream>
 
+#include "dist/detail.h"
 #include "dist/launcher_link.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -57,12 +58,13 @@ void ShmSegment::doze(uint32_t since, int peer, Clock::time_point deadline, cons
   wait_until([&] { return info(rank_).bell.rings.load() != since; }, peer, deadline, what);
 }
 
-void ShmSegment::mark_aborted(const std::string& why, int lost_rank) {
+void ShmSegment::mark_aborted(const std::string& why, int lost_rank, bool timed_out) {
   uint32_t expected = 0;
   if (header_->abort_state.compare_exchange_strong(expected, 1)) {
     std::snprintf(header_->abort_message, kAbortMessageBytes, "%s", why.c_str());
     header_->abort_rank = rank_;
     header_->abort_lost_rank = lost_rank;
+    header_->abort_timed_out = timed_out ? 1 : 0;
     header_->abort_state.store(2);
     for (int r = 0; r < world_size_; ++r)
       if (r != rank_) ring(r, /*always_wake=*/true);
@@ -79,6 +81,9 @@ void ShmSegment::check_abort(const std::string& what) {
   while (header_->abort_state.load() != 2) cpu_relax();  // the message is being written
   // Said before the throw, as Note [Launcher link] needs: this rank fails by that loss too.
   if (header_->abort_lost_rank >= 0) report_lost_peer(rank_, header_->abort_lost_rank);
+  if (header_->abort_timed_out != 0)
+    NANODDP_THROW(TimeoutError, what, ": the group was aborted by rank ", header_->abort_rank, ": ",
+                  header_->abort_message);
   NANODDP_THROW(DistError, what, ": the group was aborted by rank ", header_->abort_rank, ": ",
                 header_->abort_message);
 }
@@ -93,8 +98,10 @@ void ShmSegment::check_alive(int peer, const std::string& what) {
   for (int r = peer < 0 ? 0 : peer; r < (peer < 0 ? world_size_ : peer + 1); ++r) {
     if (r == rank_ || !watch_pids_ || process_alive(info(r).pid)) continue;
     report_lost_peer(rank_, r);  // before the throw: Note [Launcher link]
-    abort(what + ": rank " + std::to_string(r) + " (pid " + std::to_string(info(r).pid) +
-          ") exited in the middle of the job", r);
+    // Worded as the Gloo group words a lost peer: whom, and where.
+    abort(what + ": lost rank " + std::to_string(r) + " (pid " + std::to_string(info(r).pid) + " on " +
+              detail::host_name() + "): it exited in the middle of the job",
+          r);
   }
 }
 

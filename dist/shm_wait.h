@@ -54,7 +54,8 @@ void ShmSegment::wait_until(Ready&& ready, int peer, Clock::time_point deadline,
     auto now = Clock::now();
     if (now >= deadline) {
       std::string waited = peer >= 0 ? "rank " + std::to_string(peer) : "a peer";
-      mark_aborted(what + ": rank " + std::to_string(rank_) + " timed out waiting for " + waited);
+      mark_aborted(what + ": rank " + std::to_string(rank_) + " timed out waiting for " + waited, -1,
+                   /*timed_out=*/true);
       NANODDP_THROW(TimeoutError, what, ": did not complete within ", wait_timeout.count(),
                     " ms (waiting for ", waited, "; a peer may have exited or be out of step)");
     }

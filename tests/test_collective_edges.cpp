@@ -1,6 +1,7 @@
-// Collectives at the edges, on 2 and 4 ranks, on Gloo (forked ranks) and MPI (this file again
-// under mpirun -np 2 and -np 4): NaN in Max/Min, completion order and barrier, ranks that call
-// different collectives, and timeouts that end every wait.
+// Collectives at the edges, on 2 and 4 ranks, on Gloo (forked ranks), shm (two cases: this file
+// again with NANODDP_TEST_BACKEND=shm) and MPI (this file again under mpirun -np 2 and -np 4):
+// NaN in Max/Min, completion order and barrier, ranks that call different collectives, and
+// timeouts that end every wait.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -159,57 +160,89 @@ TEST_CASE("works complete in issue order, and a barrier completes every earlier 
   }
 }
 
+namespace {
+
+// Every way ranks can call different collectives, on a checked group: each call fails on
+// every rank with the same DistError, and the group stays in step.
+void expect_every_mismatch_caught(const std::shared_ptr<ProcessGroup>& pg, int rank, int world) {
+  // The group's first collective is #1. 1. Sizes (Gloo by itself would abort the process): rank 0
+  // reduces 64000 floats, the others 32000.
+  Tensor t = Tensor::zeros({rank == 0 ? 64000 : 32000});
+  expect_mismatch(
+      [&] { pg->all_reduce(t)->wait(); },
+      {"all_reduce(sum) #1", "rank 0: all_reduce(sum) #1, 64000 float32",
+       "rank 1: all_reduce(sum) #1, 32000 float32", "rank " + std::to_string(world - 1) + ": all_reduce"},
+      rank);
+  expect_in_step(*pg, rank, world);  // #2
+
+  // 2. 3 vs 2 elements (Gloo by itself would report half-reduced data as success).
+  Tensor small = Tensor::ones({rank == 0 ? 3 : 2});
+  expect_mismatch([&] { pg->all_reduce(small)->wait(); },
+                  {"rank 0: all_reduce(sum) #3, 3 float32", "rank 1: all_reduce(sum) #3, 2 float32"}, rank);
+  expect(small.to_vector() == std::vector<float>(small.numel(), 1.0f), "rank ", rank, ": data changed");
+
+  // 3. dtypes, 4. ops, 5. collectives, 6. broadcast roots.
+  Tensor typed = rank == 0 ? Tensor::zeros({4}, DType::Int64) : Tensor::zeros({4});
+  expect_mismatch([&] { pg->all_reduce(typed)->wait(); },
+                  {"rank 0: all_reduce(sum) #4, 4 int64", "rank 1: all_reduce(sum) #4, 4 float32"}, rank);
+  Tensor x = Tensor::ones({4});
+  expect_mismatch([&] { pg->all_reduce(x, rank == 0 ? ReduceOp::Max : ReduceOp::Sum)->wait(); },
+                  {"rank 0: all_reduce(max) #5, 4 float32", "rank 1: all_reduce(sum) #5, 4 float32"}, rank);
+  expect_mismatch(
+      [&] {
+        if (rank == 0)
+          pg->barrier()->wait();
+        else
+          pg->all_reduce(x)->wait();
+      },
+      {"rank 0: barrier #6", "rank 1: all_reduce(sum) #6, 4 float32"}, rank);
+  expect_mismatch([&] { pg->broadcast(x, rank == 0 ? 0 : 1)->wait(); },
+                  {"rank 0: broadcast from rank 0 #7", "rank 1: broadcast from rank 1 #7"}, rank);
+
+  // 7. The last rank ran out of batches and reaches its next, smaller collective (a metric)
+  // while the others still reduce gradients.
+  Tensor grads = Tensor::ones({1000});
+  if (rank == world - 1) {
+    Tensor metric = Tensor::ones({2});
+    expect_mismatch([&] { pg->all_reduce(metric)->wait(); },
+                    {"rank 0: all_reduce(sum) #8, 1000 float32",
+                     "rank " + std::to_string(world - 1) + ": all_reduce(sum) #8, 2 float32"},
+                    rank);
+  } else {
+    expect_mismatch([&] { pg->all_reduce(grads)->wait(); }, {"all_reduce(sum) #8", "2 float32"}, rank);
+  }
+  expect_in_step(*pg, rank, world);
+}
+
+}  // namespace
+
 TEST_CASE("ranks that call different collectives all get a DistError naming each call, and stay in step") {
   on_2_and_4_ranks([](int rank, int world, int port) {
-    auto pg = testing::join(rank, world, port, 20s);
-    // The group's first collective is #1. 1. Sizes (Gloo by itself would abort the process): rank 0
-    // reduces 64000 floats, the others 32000.
-    Tensor t = Tensor::zeros({rank == 0 ? 64000 : 32000});
-    expect_mismatch(
-        [&] { pg->all_reduce(t)->wait(); },
-        {"all_reduce(sum) #1", "rank 0: all_reduce(sum) #1, 64000 float32",
-         "rank 1: all_reduce(sum) #1, 32000 float32", "rank " + std::to_string(world - 1) + ": all_reduce"},
-        rank);
-    expect_in_step(*pg, rank, world);  // #2
-
-    // 2. 3 vs 2 elements (Gloo by itself would report half-reduced data as success).
-    Tensor small = Tensor::ones({rank == 0 ? 3 : 2});
-    expect_mismatch([&] { pg->all_reduce(small)->wait(); },
-                    {"rank 0: all_reduce(sum) #3, 3 float32", "rank 1: all_reduce(sum) #3, 2 float32"}, rank);
-    expect(small.to_vector() == std::vector<float>(small.numel(), 1.0f), "rank ", rank, ": data changed");
-
-    // 3. dtypes, 4. ops, 5. collectives, 6. broadcast roots.
-    Tensor typed = rank == 0 ? Tensor::zeros({4}, DType::Int64) : Tensor::zeros({4});
-    expect_mismatch([&] { pg->all_reduce(typed)->wait(); },
-                    {"rank 0: all_reduce(sum) #4, 4 int64", "rank 1: all_reduce(sum) #4, 4 float32"}, rank);
-    Tensor x = Tensor::ones({4});
-    expect_mismatch([&] { pg->all_reduce(x, rank == 0 ? ReduceOp::Max : ReduceOp::Sum)->wait(); },
-                    {"rank 0: all_reduce(max) #5, 4 float32", "rank 1: all_reduce(sum) #5, 4 float32"}, rank);
-    expect_mismatch(
-        [&] {
-          if (rank == 0)
-            pg->barrier()->wait();
-          else
-            pg->all_reduce(x)->wait();
-        },
-        {"rank 0: barrier #6", "rank 1: all_reduce(sum) #6, 4 float32"}, rank);
-    expect_mismatch([&] { pg->broadcast(x, rank == 0 ? 0 : 1)->wait(); },
-                    {"rank 0: broadcast from rank 0 #7", "rank 1: broadcast from rank 1 #7"}, rank);
-
-    // 7. The last rank ran out of batches and reaches its next, smaller collective (a metric)
-    // while the others still reduce gradients.
-    Tensor grads = Tensor::ones({1000});
-    if (rank == world - 1) {
-      Tensor metric = Tensor::ones({2});
-      expect_mismatch([&] { pg->all_reduce(metric)->wait(); },
-                      {"rank 0: all_reduce(sum) #8, 1000 float32",
-                       "rank " + std::to_string(world - 1) + ": all_reduce(sum) #8, 2 float32"},
-                      rank);
-    } else {
-      expect_mismatch([&] { pg->all_reduce(grads)->wait(); }, {"all_reduce(sum) #8", "2 float32"}, rank);
-    }
-    expect_in_step(*pg, rank, world);
+    // On Gloo with every rank on this machine, the fingerprints travel through shared memory
+    // (Note [Shared-memory fingerprints] in dist/process_group_gloo.cpp).
+    expect_every_mismatch_caught(testing::join(rank, world, port, 20s), rank, world);
     testing::leave();
+  });
+}
+
+TEST_CASE("gloo: the same with the fingerprints over Gloo's sockets, as between machines") {
+  on_2_and_4_ranks([](int rank, int world, int port) {
+    if (testing::under_mpirun()) return;
+    TCPStoreOptions store_options;
+    store_options.port = port;
+    store_options.is_server = rank == 0;
+    store_options.world_size = world;
+    store_options.rank = rank;
+    store_options.timeout = 20s;
+    auto store = std::make_shared<TCPStore>(store_options);
+    GlooOptions options;
+    options.rank = rank;
+    options.world_size = world;
+    options.master_port = port;
+    options.timeout = 20s;
+    options.fingerprints_over_shm = false;
+    expect_every_mismatch_caught(make_checked_process_group(make_gloo_process_group(store, options), 20s), rank,
+                                 world);
   });
 }
 
@@ -237,6 +270,16 @@ TEST_CASE("a peer that never calls the collective ends every wait by the group's
              "rank ", rank, ": the error does not name rank 1 as the straggler: ", e.what());
     }
   });
+}
+
+TEST_CASE("the mismatch and timeout cases pass on the shm backend too (this file with NANODDP_TEST_BACKEND=shm)") {
+  // On shm a wait that times out aborts the segment for every rank; the ranks it wakes must
+  // still fail with a TimeoutError, for the check to name the rank that never came.
+  if (testing::under_mpirun() || std::getenv("NANODDP_TEST_BACKEND") != nullptr) return;
+  const testing::RunResult r = testing::rerun_with_backend(
+      "tests/test_collective_edges", "shm", "'--test-case=ranks that call different*,a peer that never calls*'",
+      std::chrono::seconds(120));
+  CHECK_MESSAGE(r.code() == 0, "shm run failed:\n", r.out, r.err);
 }
 
 TEST_CASE("gloo: a rank that never joins ends init_process_group by the timeout") {
