@@ -142,6 +142,8 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
     options.init_method = "tcp://127.0.0.1:" + std::to_string(port);
     options.rank = rank;
     options.world_size = world_size;
+    // The forked ranks share this machine: auto picks what it picks for a one-node job.
+    if (options.backend == dist::Backend::Auto) options.backend = dist::Backend::Shm;
   }
   const int local_rank = c.nproc > 0 ? rank : dist::get_local_rank();
   Device device = options.backend == dist::Backend::Nccl ? Device::cuda(local_rank) : Device::cpu();
@@ -151,11 +153,15 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
   const int n = pg->size();
   if (n < 2) {
     dist::destroy_process_group();
-    throw UsageError(
-        "world size " + std::to_string(n) +
-        ": an all-reduce over one rank moves no data, so the table would be meaningless. Start 2 or more "
-        "ranks: allreduce_bench --nproc 2 (forks them here), nanoddp-run --nproc-per-node 2 allreduce_bench, "
-        "or mpirun -np 2 allreduce_bench");
+    const std::string start_ranks =
+        options.backend == dist::Backend::Mpi
+            ? "nanoddp-run --nproc-per-node 2 --backend mpi allreduce_bench --backend mpi, or mpirun -np 2 "
+              "allreduce_bench --backend mpi (MPI starts its ranks itself: --nproc cannot)"
+            : "allreduce_bench --nproc 2 (forks them here), nanoddp-run --nproc-per-node 2 allreduce_bench, or "
+              "mpirun -np 2 allreduce_bench";
+    throw UsageError("world size " + std::to_string(n) +
+                     ": an all-reduce over one rank moves no data, so the table would be meaningless. Start 2 or "
+                     "more ranks: " + start_ranks);
   }
   const bool print = pg->rank() == 0;
   bool blocking_mpi = false;

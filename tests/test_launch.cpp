@@ -418,6 +418,12 @@ TEST_CASE("allreduce_bench: one rank, empty size ranges, bad numbers and jobs --
   CHECK_MESSAGE(contains(alone.err, "world size 1"), alone.err);
   CHECK_MESSAGE(contains(alone.err, "--nproc 2"), alone.err);
   CHECK(alone.out.empty());  // no table of meaningless figures
+  // MPI's ranks come from mpirun: its hint is not --nproc, which that backend refuses.
+  const RunResult alone_mpi = run({bench, "--backend", "mpi"});
+  CHECK(alone_mpi.code() == 2);
+  CHECK_MESSAGE(contains(alone_mpi.err, "nanoddp-run --nproc-per-node 2 --backend mpi allreduce_bench --backend mpi"),
+                alone_mpi.err);
+  CHECK_MESSAGE(!contains(alone_mpi.err, "allreduce_bench --nproc 2"), alone_mpi.err);
   const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
       {{"--min-bytes", "1024", "--max-bytes", "16"}, "--min-bytes 1024 is larger than --max-bytes 16"},
       {{"--max-bytes", "16"}, "--min-bytes 4096 is larger than --max-bytes 16"},
@@ -483,6 +489,17 @@ TEST_CASE("allreduce_bench --csv: a header and one row per size, busbw = algbw *
     CHECK(algbw == doctest::Approx(bytes / (time_us * 1e-6) / 1e9).epsilon(1e-3));
     CHECK(busbw == algbw);  // 2(n-1)/n = 1 for n = 2
   }
+}
+
+TEST_CASE("allreduce_bench --nproc with backend auto runs on shm, as auto does for a one-machine job") {
+  using nanoddp::testing::built;
+  const RunResult r = run({built("benchmarks/allreduce_bench"), "--nproc", "2", "--csv", "--min-bytes", "4096",
+                           "--max-bytes", "4096", "--seconds-per-size", "0.01"},
+                          60s);
+  REQUIRE_MESSAGE(r.code() == 0, r.err);
+  const std::vector<std::string> lines = lines_of(r.out);
+  REQUIRE(lines.size() == 2);
+  CHECK_MESSAGE(lines[1].rfind("shm,2,cpu,4096,", 0) == 0, lines[1]);
 }
 
 TEST_CASE("launch helpers: rank_env numbering, mpirun command line, signal names, free ports") {
