@@ -91,6 +91,23 @@ TEST_CASE("toy_ddp: 2 ranks end with equal parameters, equal to 1 rank with the 
   }
 }
 
+TEST_CASE("toy_ddp refuses a --batch-size beyond a rank's share of the 100 pairs, as fashion_mnist does") {
+  RunResult r = run({built("examples/toy_ddp"), "--batch-size", "101"});
+  CHECK(r.code() == 2);
+  CHECK_MESSAGE(r.err.find("--batch-size 101 is more than the 100 pairs of the data: give at most 100") !=
+                    std::string::npos,
+                r.err);
+  CHECK(r.out.empty());  // refused before training
+  r = run({launcher_path(), "--nproc-per-node", "2", built("examples/toy_ddp"), "--batch-size", "51"}, 60s);
+  CHECK(r.code() == 2);
+  CHECK_MESSAGE(r.err.find("--batch-size 51 is more than the 50 pairs each of 2 ranks gets (of 100): give at most 50") !=
+                    std::string::npos,
+                r.err);
+  // The whole share is a batch: one step per epoch.
+  r = run({built("examples/toy_ddp"), "--batch-size", "100"});
+  CHECK_MESSAGE(r.err.empty(), r.err);
+}
+
 TEST_CASE("custom_layer takes --backend, --device and --timeout as the other examples do, and fits y = |x| on 2 ranks") {
   const RunResult r = run({launcher_path(), "--nproc-per-node", "2", built("examples/custom_layer"), "--backend", "gloo",
                            "--device", "cpu", "--timeout", "30", "--steps", "60"},
