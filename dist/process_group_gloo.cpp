@@ -204,9 +204,12 @@ struct GlooRunner {
         opts.setOutput(tensor.data<BFloat16>(), numel);
         opts.setReduceFunction(sum_16bit<BFloat16>());
         break;
-      default:
+      case DType::Int64:
         opts.setOutput(tensor.data<int64_t>(), numel);
         opts.setReduceFunction(reduce_function<int64_t>(op));
+        break;
+      default:  // check_tensor refuses it first
+        NANODDP_THROW(ValueError, "gloo: no reduction for ", dtype_name(tensor.dtype()));
     }
     prepare(opts);
     gloo::allreduce(opts);

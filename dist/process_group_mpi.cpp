@@ -100,7 +100,8 @@ MPI_Datatype mpi_type(DType dtype) {
     case DType::Float32: return MPI_FLOAT;
     case DType::Float16:
     case DType::BFloat16: return MPI_UINT16_T;
-    default: return MPI_INT64_T;
+    case DType::Int64: return MPI_INT64_T;
+    default: NANODDP_THROW(ValueError, "mpi: no MPI datatype for ", dtype_name(dtype));  // check_tensor refuses it first
   }
 }
 

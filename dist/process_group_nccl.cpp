@@ -401,7 +401,8 @@ ncclDataType_t nccl_type(DType dtype) {
     case DType::Float32: return ncclFloat32;
     case DType::Float16: return ncclFloat16;
     case DType::BFloat16: return ncclBfloat16;
-    default: return ncclInt64;
+    case DType::Int64: return ncclInt64;
+    default: NANODDP_THROW(ValueError, "nccl: no NCCL datatype for ", dtype_name(dtype));  // check_tensor refuses it first
   }
 }
 

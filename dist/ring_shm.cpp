@@ -306,7 +306,8 @@ ReduceFn reduce_fn(DType dtype, ReduceOp op) {
     case DType::Float32: return reduce_fn<float>(op);
     case DType::Float16: return sum_16bit_into<Float16>;
     case DType::BFloat16: return sum_16bit_into<BFloat16>;
-    default: return reduce_fn<int64_t>(op);
+    case DType::Int64: return reduce_fn<int64_t>(op);
+    default: NANODDP_THROW(ValueError, "shm: no reduction for ", dtype_name(dtype));  // check_tensor refuses it first
   }
 }
 
