@@ -156,6 +156,11 @@ void write_at_exit() {
   }
 }
 
+std::string& environment_error_text() {
+  static std::string text;
+  return text;
+}
+
 // NANODDP_TRACE=FILE starts recording as the library loads, before main().
 const bool started_from_environment = [] {
   const char* path = std::getenv("NANODDP_TRACE");
@@ -163,6 +168,7 @@ const bool started_from_environment = [] {
     try {
       start(path);
     } catch (const std::exception& e) {
+      environment_error_text() = e.what();
       std::fprintf(stderr, "nanoddp: NANODDP_TRACE: %s\n", e.what());
     }
   }
@@ -217,6 +223,8 @@ void start(const std::string& path) {
   }
   detail::recording.store(true, std::memory_order_relaxed);
 }
+
+const std::string& environment_error() { return environment_error_text(); }
 
 void stop() {
   Recorder& r = recorder();

@@ -56,6 +56,10 @@ double now_us();
 void start(const std::string& path);
 // Stops recording and forgets the events (the file is not written).
 void stop();
+// Why the file NANODDP_TRACE names was refused as the library loaded (start() threw; the
+// reason was printed to stderr then), or "". init_process_group and nanoddp-run stop on it
+// before any training, as a refused --trace does.
+const std::string& environment_error();
 // When recording in memory only (start("")): forgets the events recorded so far, so that a
 // long run's memory stays bounded by what its reader still needs. Otherwise does nothing.
 void forget_in_memory_events();

@@ -248,6 +248,10 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   NANODDP_CHECK(!options.device.is_cuda() || kernels::cuda_built(), DeviceError, where, ": device ",
                 options.device, " was asked for, but this build of nanoddp has no CUDA (configure with "
                 "-Dcuda=enabled on a machine with the CUDA toolkit); use the cpu device");
+  // A run that asked for a trace and cannot have it stops here, before training, as a refused
+  // --trace does (the reason was printed as the library loaded).
+  NANODDP_CHECK(trace::environment_error().empty(), IOError, where, ": NANODDP_TRACE=", env_text("NANODDP_TRACE"),
+                " was refused (the reason is above): unset it or name a trace file");
   watch_launcher(options.rank >= 0 ? options.rank : env.rank);  // Note [Launcher link]
 
   Backend backend = requested_backend(options.backend, where);

@@ -337,6 +337,25 @@ TEST_CASE("a trace replaces only a trace: another file at its path stops the run
     CHECK(r.out.find("epoch") == std::string::npos);
     CHECK(read_file(notes) == "my precious notes\n");
   }
+  // The same file named by NANODDP_TRACE: one process stops before training (exit 1); the
+  // launcher says it once and starts no rank.
+  for (const std::vector<std::string>& launch :
+       {std::vector<std::string>{"/usr/bin/env", "NANODDP_TRACE=" + notes, built("examples/toy_ddp"), "--epochs", "1"},
+        std::vector<std::string>{"/usr/bin/env", "NANODDP_TRACE=" + notes, launcher_path(), "--nproc-per-node", "2",
+                                 built("examples/toy_ddp"), "--epochs", "1"}}) {
+    const RunResult r = run(launch);
+    CHECK(r.code() == 1);
+    CHECK_MESSAGE(r.err.find("NANODDP_TRACE: the trace file " + notes + ": refusing to replace " + notes) !=
+                      std::string::npos,
+                  r.err);
+    const bool stopped = r.err.find("NANODDP_TRACE=" + notes + " was refused") != std::string::npos ||
+                         r.err.find("nanoddp-run: NANODDP_TRACE is refused (above); no rank was started") !=
+                             std::string::npos;
+    CHECK_MESSAGE(stopped, r.err);
+    CHECK_MESSAGE(r.err.find("[rank ") == std::string::npos, r.err);  // no rank started under the launcher
+    CHECK(r.out.find("epoch") == std::string::npos);
+    CHECK(read_file(notes) == "my precious notes\n");
+  }
   // Our own traces, of one rank and merged by the launcher, are replaced as before.
   for (int twice = 0; twice < 2; ++twice) {
     RunResult r = run({built("examples/toy_ddp"), "--epochs", "1", "--trace", trace});

@@ -179,7 +179,12 @@ int main(int argc, char** argv) {
   options.grace_period = std::chrono::milliseconds(static_cast<long long>(grace_s * 1000));
   options.timeout = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000));
 
-  // The launcher runs no training: if NANODDP_TRACE is set, only its ranks record.
+  // The launcher runs no training: if NANODDP_TRACE is set, only its ranks record. A file the
+  // trace may not replace stops the job here, once, instead of in every rank.
+  if (!nanoddp::trace::environment_error().empty()) {
+    std::cerr << "nanoddp-run: NANODDP_TRACE is refused (above); no rank was started\n";
+    return 1;
+  }
   nanoddp::trace::stop();
   try {
     const TraceParts trace_parts;
