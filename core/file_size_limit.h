@@ -11,9 +11,9 @@
 // (the kernel sends it to the thread that wrote), so the call fails with EFBIG and the
 // caller's error path runs; a SIGXFSZ that the call raised meanwhile is taken off the thread
 // before the old mask returns, so it does not end the process after all. Every writer in the
-// library holds one: checkpoints and safetensors (nn/file_io.cpp), shared-memory segments
-// (dist/shm_segment.cpp, which /dev/shm counts against the limit), trace files
-// (core/replace_file.cpp) and the examples' --metrics log.
+// library holds one: checkpoints, safetensors and traces (core/file_io.cpp), shared-memory
+// segments (dist/shm_segment.cpp, which /dev/shm counts against the limit) and the examples'
+// --metrics log.
 #pragma once
 
 #include <signal.h>

@@ -3,11 +3,11 @@
 //
 //   replace_file("run.json", "the trace file", [&](std::ostream& out) { out << text; });
 //
-// The text goes to "<path>.tmp", which is then renamed over path. Throws IOError, naming
-// `what`, the path and the cause, when the temporary file cannot be opened, written (a full
-// disk; past `ulimit -f`, Note [File size limit]) or renamed; the temporary file is then
-// removed and path is as it was. An exception from write itself is passed on, also after the
-// temporary file is removed. Internal to the library (not installed).
+// The text is gathered, then written as checkpoints are (write_file_atomically in
+// core/file_io.h): into a temporary file of its own next to path, renamed over path; a
+// symlink at path is followed; nothing else is touched. Throws IOError as that does (naming
+// `what`, the path and the cause; path is then as it was). An exception from write itself is
+// passed on before any file is made. Internal to the library (not installed).
 #pragma once
 
 #include <cstddef>

@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/file_io.h"
 #include "core/replace_file.h"
 
 namespace nanoddp::trace {
@@ -127,11 +128,6 @@ std::string absolute(const std::string& path) {
   return std::string(cwd) + "/" + path;
 }
 
-std::string folder_of(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  return slash == std::string::npos ? "." : path.substr(0, slash == 0 ? 1 : slash);
-}
-
 // run.json -> run.rank1.json; run -> run.rank1
 std::string rank_path(const std::string& path, int rank) {
   const size_t slash = path.rfind('/');
@@ -222,6 +218,7 @@ void start(const std::string& path) {
     r.exit_hook_registered = true;
   }
   detail::recording.store(true, std::memory_order_relaxed);
+  environment_error_text().clear();  // a program's own --trace overrides a refused NANODDP_TRACE
 }
 
 const std::string& environment_error() { return environment_error_text(); }

@@ -57,7 +57,8 @@ void start(const std::string& path);
 // Stops recording and forgets the events (the file is not written).
 void stop();
 // Why the file NANODDP_TRACE names was refused as the library loaded (start() threw; the
-// reason was printed to stderr then), or "". init_process_group and nanoddp-run stop on it
+// reason was printed to stderr then), or "" (also once a later start() succeeded: a
+// program's --trace overrides the variable). init_process_group and nanoddp-run stop on it
 // before any training, as a refused --trace does.
 const std::string& environment_error();
 // When recording in memory only (start("")): forgets the events recorded so far, so that a

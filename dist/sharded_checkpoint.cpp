@@ -14,7 +14,7 @@
 #include "dist/detail.h"
 #include "dist/host_collectives.h"
 #include "nn/checkpoint.h"
-#include "nn/file_io.h"
+#include "core/file_io.h"
 
 namespace nanoddp::dist {
 
@@ -45,7 +45,6 @@ std::string text_of(const Tensor& t) {
   return std::string(static_cast<const char*>(t.impl()->storage->data()), t.nbytes());
 }
 
-std::string folder_of(const std::string& path) { return nn::folder_of(path); }
 std::string base_name(const std::string& path) { return std::filesystem::path(path).filename().string(); }
 
 // Every rank's bytes, [r] from rank r: lengths first, then the bytes padded to the longest
@@ -276,7 +275,7 @@ void save_sharded_checkpoint(const std::string& path, const ShardedStateDict& mi
       pieces[name] = entry.piece.to(Device::cpu()).reshape({length});
     }
     const std::string bytes = nn::checkpoint_bytes(pieces);
-    nn::write_file_atomically(shard_file_name(path, generation, rank, world), bytes, "checkpoint shard");
+    write_file_atomically(shard_file_name(path, generation, rank, world), bytes, "checkpoint shard");
     report.nbytes = static_cast<int64_t>(bytes.size());
     std::memcpy(&report.checksum, bytes.data() + bytes.size() - sizeof(int64_t), sizeof(int64_t));
     report.ok = true;
@@ -443,7 +442,7 @@ const nn::StateDict& ShardedCheckpointReader::shard(int rank) {
                             std::to_string(rank) + " of " + std::to_string(world_size_) + ")";
   std::string bytes;
   try {
-    bytes = nn::read_regular_file(file, "checkpoint shard");
+    bytes = read_regular_file(file, "checkpoint shard");
   } catch (const IOError& e) {
     NANODDP_THROW(IOError, where, ": ", e.what());
   }

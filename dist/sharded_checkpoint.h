@@ -19,7 +19,7 @@
 // already, so that it opens no file for it alone.
 // Saving, in numbered steps:
 //   1. rank 0 picks G, one more than any generation of FILE's shard files on disk, and sends it;
-//   2. each rank writes its shard file atomically (nn::write_file_atomically);
+//   2. each rank writes its shard file atomically (write_file_atomically, core/file_io.h);
 //   3. the ranks gather on rank 0 what each holds (names, shapes, dtypes, ranges) and whether
 //      its write succeeded; a failure anywhere fails every rank, and FILE is untouched;
 //   4. rank 0 keeps FILE as FILE.prev (a hard link) and replaces FILE with the new manifest,

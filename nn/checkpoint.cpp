@@ -9,7 +9,7 @@
 #include <unordered_map>
 
 #include "core/hash.h"
-#include "nn/file_io.h"
+#include "core/file_io.h"
 
 namespace nanoddp::nn {
 

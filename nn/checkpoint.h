@@ -8,7 +8,7 @@
 // a u64 FNV-1a checksum of everything before it. dtype is DType's number (core/device.h):
 // 0 float32, 1 int64, 2 uint8, 3 float16, 4 bfloat16.
 //
-// save writes the file through write_file_atomically (nn/file_io.h): a temporary file of its
+// save writes the file through write_file_atomically (core/file_io.h): a temporary file of its
 // own, fsynced, renamed over path. A crash or kill -9 leaves the old file or the new one,
 // never half of one, and processes saving the same path at once all succeed, the last rename
 // winning (torch.save promises neither). load throws IOError naming the file and byte offset

@@ -7,7 +7,7 @@
 #include <set>
 #include <vector>
 
-#include "nn/file_io.h"
+#include "core/file_io.h"
 
 namespace nanoddp::nn {
 

@@ -149,7 +149,7 @@ TEST_CASE("Ctrl-C (SIGINT) or SIGTERM during a save: the process ends by the sig
   constexpr int64_t kSmall = 4, kLarge = int64_t{1} << 22;  // 16 MiB: a long write
   save_checkpoint(path, writer_state(0, kSmall));
   // Signal the writer as soon as its temporary file appears (Note [Temporary files and
-  // signals] in nn/file_io.cpp); some trial must land mid-save, or the test proved nothing.
+  // signals] in core/file_io.cpp); some trial must land mid-save, or the test proved nothing.
   int signalled_mid_save = 0;
   for (int trial = 0; trial < 6 && signalled_mid_save < 2; ++trial) {
     const int signal_number = trial % 2 == 0 ? SIGINT : SIGTERM;

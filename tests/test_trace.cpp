@@ -3,9 +3,11 @@
 // off as the trace shows it, --explain's counts against the counters and the trace, and
 // NANODDP_TRACE on a program that has no --trace flag; the recorder's storage itself.
 #include <doctest/doctest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -21,6 +23,16 @@ using namespace nanoddp::testing;
 using nlohmann::json;
 
 namespace {
+
+// The names in folder, sorted and joined with ", ".
+std::string entries_of(const std::string& folder) {
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(folder)) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  std::string joined;
+  for (const std::string& name : names) joined += (joined.empty() ? "" : ", ") + name;
+  return joined;
+}
 
 // The model of these runs is fashion_mnist's default MLP, 784-256-128-10, with bucket caps that
 // give one bucket per layer (reverse order, Note [Bucket order]):
@@ -356,6 +368,14 @@ TEST_CASE("a trace replaces only a trace: another file at its path stops the run
     CHECK(r.out.find("epoch") == std::string::npos);
     CHECK(read_file(notes) == "my precious notes\n");
   }
+  // A program's own --trace overrides the refused variable: it trains and writes that trace.
+  {
+    const RunResult r =
+        run({"/usr/bin/env", "NANODDP_TRACE=" + notes, built("examples/toy_ddp"), "--epochs", "1", "--trace", trace});
+    CHECK_MESSAGE(r.code() == 0, r.err);
+    CHECK(!read_trace(trace).empty());
+    CHECK(read_file(notes) == "my precious notes\n");
+  }
   // Our own traces, of one rank and merged by the launcher, are replaced as before.
   for (int twice = 0; twice < 2; ++twice) {
     RunResult r = run({built("examples/toy_ddp"), "--epochs", "1", "--trace", trace});
@@ -369,15 +389,19 @@ TEST_CASE("a trace replaces only a trace: another file at its path stops the run
 TEST_CASE("a trace that cannot be written at the end fails the run with exit 1, as a failed checkpoint does") {
   TempDir dir;
   const std::string path = dir.path + "/toy.json";
-  // 1 block (512 bytes) of file: the trace is larger. stdout goes to /dev/null, which has no limit.
-  const RunResult r = run({"/bin/sh", "-c", "ulimit -f 1; exec \"$0\" --epochs 1 --trace \"$1\" >/dev/null",
+  // 8 blocks (4 KiB) of file: the trace (about 12 KB) is larger, the error messages are not
+  // (the harness may keep stderr in a file). stdout goes to /dev/null, which has no limit.
+  const RunResult r = run({"/bin/sh", "-c", "ulimit -f 8; exec \"$0\" --epochs 1 --trace \"$1\" >/dev/null",
                            built("examples/toy_ddp"), path});
   CHECK(r.code() == 1);
-  CHECK_MESSAGE(r.err.find("toy_ddp: writing the trace file " + path + " failed") != std::string::npos, r.err);
+  CHECK_MESSAGE(r.err.find("toy_ddp: the trace file " + path + ": write failed at byte offset 4096 of ") !=
+                    std::string::npos,
+                r.err);
   CHECK(::access(path.c_str(), F_OK) != 0);
 }
 
-TEST_CASE("replace_file, which writes trace files: past ulimit -f, or when the writer throws, the old file stays and no temporary is left") {
+TEST_CASE("replace_file, which writes trace files: past ulimit -f, or when the writer throws, the old file stays and no "
+          "temporary is left; a file at <path>.tmp is never touched, and a symlink at path is followed") {
   TempDir dir;
   const std::string path = dir.path + "/trace.json";
   replace_file(path, "the trace file", [](std::ostream& out) { out << "old"; });
@@ -385,11 +409,14 @@ TEST_CASE("replace_file, which writes trace files: past ulimit -f, or when the w
   const std::string message = io_error_past_file_size_limit(4096, [&] {
     replace_file(path, "the trace file", [](std::ostream& out) { out << std::string(65536, 'x'); });
   });
-  CHECK_MESSAGE(message.find("writing the trace file " + path + " failed (into " + path + ".tmp, removed): File too large "
-                             "(the file size limit, ulimit -f, is 4096 bytes)") == 0,
+  CHECK_MESSAGE(message.find("the trace file " + path + ": write failed at byte offset 4096 of 65536 (into the temporary "
+                             "file " + path + ".tmp.") == 0,
+                message);
+  CHECK_MESSAGE(message.find(", removed; " + path + " is as it was): File too large (the file size limit, ulimit -f, is "
+                             "4096 bytes)") != std::string::npos,
                 message);
   CHECK(read_file(path) == "old");
-  CHECK(::access((path + ".tmp").c_str(), F_OK) != 0);
+  CHECK(entries_of(dir.path) == "trace.json");  // no temporary left
 
   // The writer's own exception passes through, after the temporary file is removed.
   CHECK_THROWS_WITH_AS(replace_file(path, "the trace file",
@@ -399,7 +426,23 @@ TEST_CASE("replace_file, which writes trace files: past ulimit -f, or when the w
                                     }),
                        "no more events", ValueError);
   CHECK(read_file(path) == "old");
-  CHECK(::access((path + ".tmp").c_str(), F_OK) != 0);
+  CHECK(entries_of(dir.path) == "trace.json");
+
+  // Someone's file at <path>.tmp is not the writer's scratch space; a symlink at path is
+  // followed (the file it names is replaced, the link stays), as for checkpoints.
+  {
+    std::ofstream(path + ".tmp") << "my notes";
+  }
+  replace_file(path, "the trace file", [](std::ostream& out) { out << "new"; });
+  CHECK(read_file(path) == "new");
+  CHECK(read_file(path + ".tmp") == "my notes");
+  const std::string real = dir.path + "/real.json", link = dir.path + "/link.json";
+  std::ofstream(real) << "old";
+  REQUIRE(::symlink(real.c_str(), link.c_str()) == 0);
+  replace_file(link, "the trace file", [](std::ostream& out) { out << "through the link"; });
+  CHECK(read_file(real) == "through the link");
+  struct stat info {};
+  CHECK((::lstat(link.c_str(), &info) == 0 && S_ISLNK(info.st_mode)));
 
   // A path in a folder that does not exist: an IOError that names it.
   const std::string missing = dir.path + "/missing/trace.json";
@@ -409,8 +452,7 @@ TEST_CASE("replace_file, which writes trace files: past ulimit -f, or when the w
   } catch (const IOError& e) {
     error = e.what();
   }
-  CHECK_MESSAGE(error.find("cannot write the trace file " + missing + " (into " + missing + ".tmp): No such file") == 0,
-                error);
+  CHECK_MESSAGE(error.find("the trace file " + missing + ": folder " + dir.path + "/missing does not exist") == 0, error);
 }
 
 TEST_CASE("the recorder gives back every event exactly, across its record and text blocks") {

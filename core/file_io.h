@@ -1,5 +1,5 @@
-// Whole-file reads and all-or-nothing writes for the file formats in nn/ (checkpoints,
-// safetensors). Internal: not installed.
+// Whole-file reads and all-or-nothing writes for every file the library saves (checkpoints,
+// safetensors, traces). Internal: not installed.
 //
 //   write_file_atomically("w.safetensors", bytes, "safetensors");  // old file or new, never half
 //   const std::string bytes = read_regular_file("w.safetensors", "safetensors");
@@ -11,7 +11,7 @@
 
 #include "core/replace_file.h"
 
-namespace nanoddp::nn {
+namespace nanoddp {
 
 // The folder a file lives in ("." for a bare name, "/" for a file in the root).
 std::string folder_of(const std::string& path);
@@ -22,7 +22,7 @@ std::string folder_of(const std::string& path);
 void check_writable(const std::string& path, const char* what);
 
 // check_replaces_only (a file is replaced only by one of its own format) is in
-// core/replace_file.h, for the trace writers too.
+// core/replace_file.h.
 
 // First checks path as check_writable does, but for the permission (Note [Save target] in
 // file_io.cpp): an empty path, a missing folder, a folder or a device in path's place are
@@ -43,4 +43,4 @@ void write_file_atomically(const std::string& path, const std::string& bytes, co
 // regular file, or unreadable.
 std::string read_regular_file(const std::string& path, const char* what);
 
-}  // namespace nanoddp::nn
+}  // namespace nanoddp

@@ -1,4 +1,4 @@
-#include "nn/file_io.h"
+#include "core/file_io.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -16,7 +16,7 @@
 #include "core/error.h"
 #include "core/file_size_limit.h"
 
-namespace nanoddp::nn {
+namespace nanoddp {
 
 namespace {
 
@@ -235,4 +235,4 @@ std::string read_regular_file(const std::string& path, const char* what) {
   return bytes;
 }
 
-}  // namespace nanoddp::nn
+}  // namespace nanoddp
