@@ -153,12 +153,14 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
   const int n = pg->size();
   if (n < 2) {
     dist::destroy_process_group();
+    // The hints keep the backend asked for: without it they would measure another one.
+    const std::string flag = c.backend == "auto" ? "" : " --backend " + c.backend;
     const std::string start_ranks =
         options.backend == dist::Backend::Mpi
             ? "nanoddp-run --nproc-per-node 2 --backend mpi allreduce_bench --backend mpi, or mpirun -np 2 "
               "allreduce_bench --backend mpi (MPI starts its ranks itself: --nproc cannot)"
-            : "allreduce_bench --nproc 2 (forks them here), nanoddp-run --nproc-per-node 2 allreduce_bench, or "
-              "mpirun -np 2 allreduce_bench";
+            : "allreduce_bench --nproc 2" + flag + " (forks them here), nanoddp-run --nproc-per-node 2 allreduce_bench" +
+                  flag + (flag.empty() ? ", or mpirun -np 2 allreduce_bench" : "");
     throw UsageError("world size " + std::to_string(n) +
                      ": an all-reduce over one rank moves no data, so the table would be meaningless. Start 2 or "
                      "more ranks: " + start_ranks);

@@ -31,9 +31,9 @@
 // fingerprints are in, instead of at the caller's next poll or wait. The guarantees are the
 // same: every rank all-gathers the same fixed-size fingerprint, sees the same table, and on
 // a mismatch none runs the collective. A rank whose peer never arrives waits in that task
-// until the group's timeout. Other backends
-// return null and keep the deferred exchange below: shm and MPI run a collective on the
-// caller's thread, where the two steps cost no hand-off.
+// until the group's timeout. Other backends return null and keep the deferred exchange
+// below: shm and MPI run a collective on the caller's thread, where the two steps cost no
+// hand-off.
 //
 // Note [Deferred check]
 // A collective returns its Work at once and never waits for the peers: the call joins the

@@ -282,6 +282,27 @@ TEST_CASE("the mismatch and timeout cases pass on the shm backend too (this file
   CHECK_MESSAGE(r.code() == 0, "shm run failed:\n", r.out, r.err);
 }
 
+TEST_CASE("gloo: ranks that disagree on the collective check are told to run with the same setting") {
+  if (testing::under_mpirun()) return;
+  const int port = testing::free_port();
+  const std::string failures = testing::on_ranks(2, [&](int rank) {
+    if (rank == 1) {  // unchecked: it makes no shared-memory channel for the fingerprints
+      auto pg = testing::join(rank, 2, port, 1500ms, /*check_collectives=*/false);
+      std::this_thread::sleep_for(2500ms);  // keeps the store's clients company while rank 0 waits
+      return;
+    }
+    try {
+      testing::join(rank, 2, port, 1500ms, /*check_collectives=*/true);
+      expect(false, "rank 0: init_process_group returned with rank 1 unchecked");
+    } catch (const TimeoutError& e) {
+      expect(std::string(e.what()).find("every rank must run with the same NANODDP_CHECK_COLLECTIVES") !=
+                 std::string::npos,
+             "rank 0: the timeout does not name the setting: ", e.what());
+    }
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("gloo: a rank that never joins ends init_process_group by the timeout") {
   if (testing::under_mpirun()) return;
   for (int world : {2, 4}) {

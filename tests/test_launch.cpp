@@ -424,6 +424,12 @@ TEST_CASE("allreduce_bench: one rank, empty size ranges, bad numbers and jobs --
   CHECK_MESSAGE(contains(alone_mpi.err, "nanoddp-run --nproc-per-node 2 --backend mpi allreduce_bench --backend mpi"),
                 alone_mpi.err);
   CHECK_MESSAGE(!contains(alone_mpi.err, "allreduce_bench --nproc 2"), alone_mpi.err);
+  // Another backend asked for is kept in the hints: without it they would measure shm.
+  const RunResult alone_gloo = run({bench, "--backend", "gloo"});
+  CHECK(alone_gloo.code() == 2);
+  CHECK_MESSAGE(contains(alone_gloo.err, "allreduce_bench --nproc 2 --backend gloo (forks them here), nanoddp-run "
+                                         "--nproc-per-node 2 allreduce_bench --backend gloo"),
+                alone_gloo.err);
   const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
       {{"--min-bytes", "1024", "--max-bytes", "16"}, "--min-bytes 1024 is larger than --max-bytes 16"},
       {{"--max-bytes", "16"}, "--min-bytes 4096 is larger than --max-bytes 16"},
