@@ -18,9 +18,9 @@ trap 'rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
 # Headers that stay internal: included only by the library's own .cpp files.
-private_headers=(core/half_convert.h core/replace_file.h dist/detail.h dist/gloo_store.h dist/nccl_protocol.h dist/ring_shm.h
+private_headers=(core/file_io.h core/half_convert.h core/replace_file.h dist/detail.h dist/gloo_store.h dist/nccl_protocol.h dist/ring_shm.h
                  dist/launch_detail.h dist/shm_progress.h dist/shm_segment.h dist/shm_wait.h dist/store_client.h
-                 dist/store_server.h dist/store_wire.h nn/file_io.h)
+                 dist/store_server.h dist/store_wire.h)
 
 echo "== meson install into a staging folder"
 meson install -C "$build" --no-rebuild --destdir "$work/stage" >"$work/install.log" ||
