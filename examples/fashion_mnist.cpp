@@ -705,9 +705,15 @@ int run(const Config& config) {
   auto test_set = std::make_shared<data::FashionMNIST>(config.data_dir, /*train=*/false);
   NANODDP_CHECK(train_set->size() > 0 && test_set->size() > 0, ValueError, "the data in ", config.data_dir,
                 " has ", train_set->size(), " training and ", test_set->size(), " test images: nothing to learn from");
+  data::DataLoaderOptions loader_options;
+  loader_options.device = device;
+  loader_options.prefetch = config.prefetch;
+  data::DataLoader train_loader(train_set, config.batch_size,
+                                data::DistributedSampler(train_set->size(), world_size, rank, /*shuffle=*/true, config.seed),
+                                loader_options);
   // Such a batch would be cut to this rank's share of the data without a word: the run would
-  // not be the one asked for. Each rank draws from ceil(N / W) images (DistributedSampler).
-  const int64_t per_rank = (static_cast<int64_t>(train_set->size()) + world_size - 1) / world_size;
+  // not be the one asked for. Each rank draws num_samples() images, ceil(N / W).
+  const int64_t per_rank = train_loader.sampler().num_samples();
   if (config.batch_size > per_rank)
     throw cli::UsageError("--batch-size " + std::to_string(config.batch_size) + " is more than the " +
                           std::to_string(per_rank) + " training images " +
@@ -715,12 +721,6 @@ int run(const Config& config) {
                                            : "each of " + std::to_string(world_size) + " ranks gets (of " +
                                                  std::to_string(train_set->size()) + " in " + config.data_dir + ")") +
                           ": give at most " + std::to_string(per_rank));
-  data::DataLoaderOptions loader_options;
-  loader_options.device = device;
-  loader_options.prefetch = config.prefetch;
-  data::DataLoader train_loader(train_set, config.batch_size,
-                                data::DistributedSampler(train_set->size(), world_size, rank, /*shuffle=*/true, config.seed),
-                                loader_options);
   data::DataLoader test_loader(test_set, 1000, data::DistributedSampler::for_evaluation(test_set->size(), world_size, rank),
                                loader_options);
 

@@ -118,11 +118,15 @@ int main(int argc, char** argv) {
     examples::MetricsLog metrics(rank == 0 ? metrics_path : "");
 
     auto dataset = toy_dataset(raw);
-    // A rank's share is the data set over the ranks, padded (DistributedSampler). A batch
-    // asked for beyond it would be cut to it without a word: refused, as fashion_mnist does.
-    // The default batch is left to shrink: at 13 ranks or more a share of the 100 pairs is
-    // under 8.
-    const int64_t share = (static_cast<int64_t>(dataset->size()) + world_size - 1) / world_size;
+    data::DataLoaderOptions loader_options;
+    loader_options.device = device;
+    data::DataLoader loader(dataset, batch_size,
+                            data::DistributedSampler(dataset->size(), world_size, rank, /*shuffle=*/false),
+                            loader_options);
+    // A rank's share of the data (padded, ceil(N / W)). A batch asked for beyond it would be
+    // cut to it without a word: refused, as fashion_mnist does. The default batch is left to
+    // shrink: at 13 ranks or more a share of the 100 pairs is under 8.
+    const int64_t share = loader.sampler().num_samples();
     if (app.count("--batch-size") > 0 && batch_size > share)
       throw cli::UsageError("--batch-size " + std::to_string(batch_size) + " is more than the " +
                             std::to_string(share) + " pairs " +
@@ -130,11 +134,6 @@ int main(int argc, char** argv) {
                                              : "each of " + std::to_string(world_size) + " ranks gets (of " +
                                                    std::to_string(dataset->size()) + ")") +
                             ": give at most " + std::to_string(share));
-    data::DataLoaderOptions loader_options;
-    loader_options.device = device;
-    data::DataLoader loader(dataset, batch_size,
-                            data::DistributedSampler(dataset->size(), world_size, rank, /*shuffle=*/false),
-                            loader_options);
 
     auto make_model = [&] {
       Generator gen(seed);
