@@ -441,18 +441,24 @@ NanSafeReduction nan_safe(DType dtype, ReduceOp op) {
 std::shared_ptr<Work> issue_point_to_point_group(const NcclLane& lane, const std::string& where,
                                                  const std::vector<detail::PointToPointQueue::Call>& calls) {
   std::vector<Tensor> keep;
-  for (const auto& call : calls) keep.push_back(call.tensor);
+  // The types first: nothing may throw between ncclGroupStart and ncclGroupEnd, which would
+  // leave this thread's group open for every later call.
+  std::vector<ncclDataType_t> types;
+  for (const auto& call : calls) {
+    keep.push_back(call.tensor);
+    types.push_back(nccl_type(call.tensor.dtype()));
+  }
   const std::string what = where + ": nccl group of " + std::to_string(calls.size()) + " send/recv";
   return launch(lane, what, keep, [&](cudaStream_t s) {
     enqueue(lane, what, [&](ncclComm_t comm) {
       ncclResult_t result = ncclGroupStart();
       if (result != ncclSuccess) return result;
-      for (const auto& call : calls) {
+      for (size_t i = 0; i < calls.size(); ++i) {
+        const auto& call = calls[i];
         void* data = call.tensor.impl()->storage->data();
-        const ncclDataType_t type = nccl_type(call.tensor.dtype());
         const size_t count = static_cast<size_t>(call.tensor.numel());
-        result = call.is_send ? ncclSend(data, count, type, call.peer, comm, s)
-                              : ncclRecv(data, count, type, call.peer, comm, s);
+        result = call.is_send ? ncclSend(data, count, types[i], call.peer, comm, s)
+                              : ncclRecv(data, count, types[i], call.peer, comm, s);
         if (result != ncclSuccess && result != ncclInProgress) {
           ncclGroupEnd();
           return result;
