@@ -3,11 +3,11 @@
 //
 //   replace_file("run.json", "the trace file", [&](std::ostream& out) { out << text; });
 //
-// The text is gathered, then written as checkpoints are (write_file_atomically in
-// core/file_io.h): into a temporary file of its own next to path, renamed over path; a
-// symlink at path is followed; nothing else is touched. Throws IOError as that does (naming
-// `what`, the path and the cause; path is then as it was). An exception from write itself is
-// passed on before any file is made. Internal to the library (not installed).
+// The text is gathered, then written by write_file_atomically (core/file_io.h), the writer
+// of checkpoints: into a temporary file of its own next to path, renamed over path; a symlink
+// at path is followed; nothing else is touched. Throws IOError as that does, naming `what`,
+// the path and the cause, and leaves path unchanged. An exception from write itself
+// propagates, and no file is created. Internal to the library (not installed).
 #pragma once
 
 #include <cstddef>

@@ -24,14 +24,13 @@
 // expensive: it waits for the receiver's "ready" notice, then wakes the receiver's network
 // thread and its worker, each waking a core or preempting a rank's compute. Measured on a
 // 2-core VM (world-2 MLP, median step of 6 runs each): 4.1 ms unchecked, 6.0 ms with the
-// fingerprints over Gloo; even a lone "ready" notice per call cost 1 ms. Through shared
-// memory, one epoch's system time is 1.03 s against 0.79 s unchecked (2.50 s over Gloo), and
-// the exchange takes about 50 microseconds, waiting for the peer included. So when every rank
-// of the group is on this machine (the same boot id and host name), the group makes a shm
-// group of its own (make_shm_process_group, store keys "<prefix>fingerprints/") and the worker
-// all-gathers the fingerprints there: a write into shared memory, read by a peer that spins
-// briefly before it sleeps, with no socket and no other thread. Ranks on several machines keep
-// Gloo's all-gather.
+// fingerprints over Gloo. Through shared memory, one epoch's system time is 1.03 s against
+// 0.79 s unchecked (2.50 s over Gloo), and the exchange takes about 50 microseconds, waiting
+// for the peer included. So when every rank of the group is on this machine (the same boot id
+// and host name), the group makes a shm group of its own (make_shm_process_group, store keys
+// "<prefix>fingerprints/") and the worker all-gathers the fingerprints there: a write into
+// shared memory, read by a peer that spins briefly before it sleeps, with no socket and no
+// other thread. Ranks on several machines keep Gloo's all-gather.
 #include "core/error.h"
 #include "core/half_convert.h"
 #include "dist/detail.h"
