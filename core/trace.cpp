@@ -203,11 +203,7 @@ void start(const std::string& path) {
   Recorder& r = recorder();
   const std::string full = absolute(path);
   if (!full.empty()) {
-    NANODDP_CHECK(::access(folder_of(full).c_str(), W_OK) == 0, IOError, "cannot write the trace file ", full,
-                  ": its folder ", folder_of(full), " is missing or not writable");
-    struct stat info {};
-    NANODDP_CHECK(::stat(full.c_str(), &info) != 0 || S_ISREG(info.st_mode), IOError, "cannot write the trace file ",
-                  full, ": it exists and is not a regular file (a folder?); give a file name");
+    check_writable(full, "trace file");  // the checks write_file_atomically makes, before recording
     check_replaces_only(full, "the trace file", "a trace", begins_as_trace);
   }
   std::lock_guard<std::mutex> lock(r.mutex);

@@ -323,11 +323,21 @@ TEST_CASE("NANODDP_TRACE traces a program without a --trace flag; world size 1 w
   // A trace path that is a folder is refused before any training, and nothing is left behind.
   const RunResult folder = run({built("examples/toy_ddp"), "--epochs", "2", "--trace", dir.path});
   CHECK(folder.code() != 0);
-  CHECK_MESSAGE(folder.err.find("cannot write the trace file " + dir.path + ": it exists and is not a regular file") !=
-                    std::string::npos,
-                folder.err);
+  CHECK_MESSAGE(folder.err.find("trace file " + dir.path + " exists but is a folder") != std::string::npos, folder.err);
   CHECK(folder.out.find("epoch") == std::string::npos);
   CHECK(read_file(dir.path + ".tmp").empty());
+
+  // A device is named as one (/dev/null would be replaced by the rename, not written into).
+  const RunResult device = run({built("examples/toy_ddp"), "--epochs", "2", "--trace", "/dev/null"});
+  CHECK(device.code() != 0);
+  CHECK_MESSAGE(device.err.find("trace file /dev/null exists but is not a regular file (a device, pipe or socket)") !=
+                    std::string::npos,
+                device.err);
+  CHECK(device.out.find("epoch") == std::string::npos);
+  // A missing folder is named.
+  const RunResult missing = run({built("examples/toy_ddp"), "--epochs", "2", "--trace", dir.path + "/no/run.json"});
+  CHECK(missing.code() != 0);
+  CHECK_MESSAGE(missing.err.find("folder " + dir.path + "/no does not exist") != std::string::npos, missing.err);
 }
 
 TEST_CASE("a trace replaces only a trace: another file at its path stops the run before training, untouched") {
