@@ -16,6 +16,11 @@
 // all-reduce (latency: hand-offs, wake-ups), 1/beta the bandwidth a large one reaches. It is
 // a least-squares fit of relative errors (each size weighs the same, so the small sizes set
 // alpha and the large ones beta).
+//
+// With NANODDP_TRACE=run.json (or nanoddp-run --trace run.json) each all-reduce, warm-up
+// included, is a span "all_reduce <bytes> B" on the first all-reduce lane, with its bytes,
+// backend and algorithm: recording adds two clock reads and an append to each call's time.
+// With --nproc, rank r writes run.rank<r>.json.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -31,6 +36,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "core/trace.h"
 #include "dist/init.h"
 #include "dist/launch.h"
 #include "dist/ring.h"
@@ -99,10 +105,18 @@ void synchronize(const Device& device) {
 // Mean seconds of one all-reduce on this rank.
 double time_all_reduce(dist::ProcessGroup& pg, Tensor& t, int iters, int warmup, bool ring) {
   auto all_reduce = [&] {
+    const double begin_us = trace::enabled() ? trace::now_us() : 0;
     if (ring)
       dist::ring_all_reduce(pg, t);
     else
       pg.all_reduce(t)->wait();
+    if (trace::enabled())
+      trace::complete(trace::kAllReduceLane, "all_reduce " + std::to_string(t.nbytes()) + " B", begin_us,
+                      trace::now_us(),
+                      "\"bytes\":" + std::to_string(t.nbytes()) + ",\"backend\":" + trace::json_string(pg.backend_name()) +
+                          ",\"algorithm\":" +
+                          trace::json_string(ring ? "ring_all_reduce" : pg.all_reduce_algorithm()) +
+                          ",\"world_size\":" + std::to_string(pg.size()));
   };
   for (int i = 0; i < warmup; ++i) all_reduce();
   pg.barrier()->wait();
@@ -237,6 +251,8 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
   }
   pg->barrier()->wait();
   dist::destroy_process_group();
+  // A forked rank ends with _exit, which skips the trace's write at exit.
+  if (c.nproc > 0) trace::write();
 }
 
 // --nproc forks the ranks here: refuses, before anything starts, the jobs it cannot make.
@@ -337,6 +353,7 @@ int main(int argc, char** argv) {
     int port = testing::free_port();
     std::string failures = testing::run_ranks(
         c.nproc, [&](int rank) { run_rank(c, rank, c.nproc, port); }, std::chrono::seconds(600));
+    trace::stop();  // the ranks wrote theirs; this process recorded nothing to write over them
     if (!failures.empty()) {
       std::istringstream lines(failures);
       for (std::string line; std::getline(lines, line);) std::fprintf(stderr, "allreduce_bench: %s\n", line.c_str());

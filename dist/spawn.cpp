@@ -10,6 +10,7 @@
 #include <iostream>
 
 #include "core/error.h"
+#include "core/trace.h"
 
 namespace nanoddp::dist {
 
@@ -45,6 +46,7 @@ void write_text(int fd, const std::string& text) {
   std::string error;
   try {
     fn(rank);
+    trace::write();  // _exit below skips the write at exit; "" when not recording
   } catch (const std::exception& e) {
     error = e.what();
     code = 1;

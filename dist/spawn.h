@@ -10,7 +10,9 @@
 // and CUDA cannot be used in a child forked after the parent initialised it. spawn() therefore
 // refuses to run when the process has more than one thread (see SpawnOptions::allow_threads).
 // Each child runs `fn` and leaves with _exit(): the parent's atexit handlers and static
-// destructors must not run twice.
+// destructors must not run twice. A child that records a trace (NANODDP_TRACE) writes it
+// before leaving: rank r's file is run.rank<r>.json once init_process_group named its rank
+// (core/trace.h, "Files").
 #pragma once
 
 #include <chrono>

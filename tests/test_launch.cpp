@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/trace.h"
 #include "dist/init.h"
 #include "dist/launch.h"
 #include "dist/launcher_link.h"
@@ -32,6 +33,7 @@
 #include "tests/subprocess.h"
 
 namespace dist = nanoddp::dist;
+namespace trace = nanoddp::trace;
 using nanoddp::testing::launcher_path;
 using nanoddp::testing::lines_of;
 using nanoddp::testing::read_file;
@@ -508,6 +510,23 @@ TEST_CASE("allreduce_bench --nproc with backend auto runs on shm, as auto does f
   CHECK_MESSAGE(lines[1].rfind("shm,2,cpu,4096,", 0) == 0, lines[1]);
 }
 
+TEST_CASE("allreduce_bench --nproc under NANODDP_TRACE: each rank writes its all-reduces, the parent no empty file") {
+  using nanoddp::testing::built;
+  TempDir dir;
+  const std::string trace = dir.path + "/ar.json";
+  const RunResult r = run({"/usr/bin/env", "NANODDP_TRACE=" + trace, built("benchmarks/allreduce_bench"), "--nproc",
+                           "2", "--min-bytes", "4096", "--max-bytes", "8192", "--seconds-per-size", "0.01"},
+                          60s);
+  REQUIRE_MESSAGE(r.code() == 0, r.err);
+  CHECK(::access(trace.c_str(), F_OK) != 0);  // no world-of-one trace from the parent
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string part = read_file(dir.path + "/ar.rank" + std::to_string(rank) + ".json");
+    CHECK_MESSAGE(contains(part, "\"name\":\"all_reduce 4096 B\""), part.substr(0, 2000));
+    CHECK_MESSAGE(contains(part, "\"name\":\"all_reduce 8192 B\""), part.substr(0, 2000));
+    CHECK_MESSAGE(contains(part, "\"bytes\":8192,\"backend\":\"shm\""), part.substr(0, 2000));
+  }
+}
+
 TEST_CASE("launch helpers: rank_env numbering, mpirun command line, signal names, free ports") {
   dist::LaunchOptions o;
   o.nproc_per_node = 4;
@@ -596,6 +615,23 @@ TEST_CASE("spawn: every rank runs fn with its env and returns") {
   REQUIRE(ports.size() == 1);
   CHECK(std::stoi(*ports.begin()) > 0);
   check_nothing_left(pids);
+}
+
+TEST_CASE("spawn: a rank that records a trace writes it before it leaves with _exit") {
+  TempDir dir;
+  trace::start(dir.path + "/run.json");
+  dist::spawn(
+      [](int rank) {
+        trace::set_rank(rank, 2);  // what init_process_group does
+        trace::complete(trace::Lane::Compute, "work of rank " + std::to_string(rank), 1.0, 2.0);
+      },
+      2);
+  trace::stop();
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string part = read_file(dir.path + "/run.rank" + std::to_string(rank) + ".json");
+    CHECK_MESSAGE(contains(part, "\"name\":\"work of rank " + std::to_string(rank) + "\""), part);
+    CHECK_MESSAGE(!contains(part, "work of rank " + std::to_string(1 - rank)), part);
+  }
 }
 
 TEST_CASE("spawn: a rank that throws fails the job fast, naming it and its exception") {
