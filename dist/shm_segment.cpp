@@ -36,6 +36,10 @@ void remove_stale_segments() {
   ::closedir(dir);
 }
 
+// Where shared memory cannot be had, the ranks can still talk over sockets.
+constexpr const char* kOtherBackendHint = "; the gloo backend needs no shared memory (--backend gloo, or "
+                                          "NANODDP_BACKEND=gloo)";
+
 }  // namespace
 
 std::string machine_id() {
@@ -95,7 +99,8 @@ ShmSegment::ShmSegment(Store& store, const std::string& prefix, int rank, int wo
     remove_stale_segments();
     name = new_segment_name();
     fd = detail::Fd(::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600));
-    NANODDP_CHECK(fd.valid(), DistError, where, ": shm_open(", name, ") failed: ", detail::errno_text(errno));
+    NANODDP_CHECK(fd.valid(), DistError, where, ": shm_open(", name, ") failed: ", detail::errno_text(errno),
+                  kOtherBackendHint);
   }
   // Rank 0 unlinks the name whatever happens from here on (step 3).
   struct Unlinker {
@@ -108,7 +113,7 @@ ShmSegment::ShmSegment(Store& store, const std::string& prefix, int rank, int wo
   if (rank == 0) {
     const std::string failure = segment_sizing_failure(fd.get(), layout_.total);
     NANODDP_CHECK(failure.empty(), DistError, where, ": sizing the segment ", name, " to ", layout_.total,
-                  " bytes failed: ", failure);
+                  " bytes failed: ", failure, kOtherBackendHint);
     map(fd.get(), name, where);
     new (header_) Header();
     for (int r = 0; r < world_size; ++r) new (&info(r)) RankInfo();
