@@ -17,8 +17,8 @@
 // a least-squares fit of relative errors (each size weighs the same, so the small sizes set
 // alpha and the large ones beta).
 //
-// With NANODDP_TRACE=run.json (or nanoddp-run --trace run.json) each all-reduce, warm-up
-// included, is a span "all_reduce <bytes> B" on the first all-reduce lane, with its bytes,
+// With NANODDP_TRACE=run.json (nanoddp-run merges its ranks' into run.json) each all-reduce,
+// warm-up included, is a span "all_reduce <bytes> B" on the first all-reduce lane, with its bytes,
 // backend and algorithm: recording adds two clock reads and an append to each call's time.
 // With --nproc, rank r writes run.rank<r>.json.
 #include <sys/wait.h>

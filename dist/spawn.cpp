@@ -46,13 +46,20 @@ void write_text(int fd, const std::string& text) {
   std::string error;
   try {
     fn(rank);
-    trace::write();  // _exit below skips the write at exit; "" when not recording
   } catch (const std::exception& e) {
     error = e.what();
     code = 1;
   } catch (...) {
     error = "an exception not derived from std::exception";
     code = 1;
+  }
+  try {
+    trace::write();  // _exit below skips the write at exit; does nothing when not recording
+  } catch (const std::exception& e) {
+    if (code == 0) {
+      error = e.what();
+      code = 1;
+    }
   }
   std::cout.flush();
   std::cerr.flush();
@@ -100,6 +107,9 @@ void spawn(const std::function<void(int rank)>& fn, int nprocs, const SpawnOptio
     if (!group.start(rank, name, "[" + name + "] ", [&](int msg_fd) { run_rank(fn, rank, env, msg_fd); })) break;
   }
   const Outcome outcome = group.wait();
+  // The ranks wrote their traces. A caller that recorded nothing itself would write an empty
+  // one at exit, over rank 0's when nprocs is 1.
+  if (trace::enabled() && trace::events_since(0).empty()) trace::stop();
   switch (outcome.kind) {
     case Outcome::Kind::AllSucceeded:
       return;

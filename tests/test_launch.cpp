@@ -626,12 +626,17 @@ TEST_CASE("spawn: a rank that records a trace writes it before it leaves with _e
         trace::complete(trace::Lane::Compute, "work of rank " + std::to_string(rank), 1.0, 2.0);
       },
       2);
-  trace::stop();
+  CHECK_FALSE(trace::enabled());  // this process recorded nothing: it writes no empty trace at exit
   for (int rank = 0; rank < 2; ++rank) {
     const std::string part = read_file(dir.path + "/run.rank" + std::to_string(rank) + ".json");
     CHECK_MESSAGE(contains(part, "\"name\":\"work of rank " + std::to_string(rank) + "\""), part);
     CHECK_MESSAGE(!contains(part, "work of rank " + std::to_string(1 - rank)), part);
   }
+  // One rank is a world of one: its file is run.json itself, and stays its own.
+  trace::start(dir.path + "/one.json");
+  dist::spawn([](int) { trace::complete(trace::Lane::Compute, "work of the only rank", 1.0, 2.0); }, 1);
+  CHECK_FALSE(trace::enabled());
+  CHECK(contains(read_file(dir.path + "/one.json"), "work of the only rank"));
 }
 
 TEST_CASE("spawn: a rank that throws fails the job fast, naming it and its exception") {
