@@ -20,9 +20,7 @@
 // With NANODDP_TRACE=run.json (nanoddp-run merges its ranks' into run.json) each all-reduce,
 // warm-up included, is a span "all_reduce <bytes> B" on the first all-reduce lane, with its bytes,
 // backend and algorithm: recording adds two clock reads and an append to each call's time.
-// With --nproc, rank r writes run.rank<r>.json.
-#include <sys/wait.h>
-#include <unistd.h>
+// With --nproc, rank r writes run.rank<r>.json (dist::spawn).
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -40,8 +38,8 @@
 #include "dist/init.h"
 #include "dist/launch.h"
 #include "dist/ring.h"
+#include "dist/spawn.h"
 #include "tools/cli_checks.h"
-#include "tests/multiprocess.h"
 
 #if NANODDP_WITH_MPI
 #define OMPI_SKIP_MPICXX 1
@@ -147,19 +145,12 @@ double max_over_ranks(dist::ProcessGroup& pg, double seconds, Device device) {
   return v.to(Device::cpu()).item();
 }
 
-// rank, world_size: a rank forked by --nproc (all on this host, so its local rank is its
-// rank), or -1 under a launcher, which says both (and LOCAL_RANK) in the environment.
-void run_rank(const Config& c, int rank, int world_size, int port) {
+// A rank, forked by --nproc (dist::spawn) or started by a launcher: either way its rank, world
+// size and LOCAL_RANK are in the environment, and auto picks what it picks for a one-node job.
+void run_rank(const Config& c) {
   dist::InitOptions options;
   options.backend = dist::parse_backend(c.backend);
-  if (c.nproc > 0) {
-    options.init_method = "tcp://127.0.0.1:" + std::to_string(port);
-    options.rank = rank;
-    options.world_size = world_size;
-    // The forked ranks share this machine: auto picks what it picks for a one-node job.
-    if (options.backend == dist::Backend::Auto) options.backend = dist::Backend::Shm;
-  }
-  const int local_rank = c.nproc > 0 ? rank : dist::get_local_rank();
+  const int local_rank = dist::get_local_rank();
   Device device = options.backend == dist::Backend::Nccl ? Device::cuda(local_rank) : Device::cpu();
   options.device = device;
   options.check_collectives = c.check_collectives;
@@ -251,8 +242,6 @@ void run_rank(const Config& c, int rank, int world_size, int port) {
   }
   pg->barrier()->wait();
   dist::destroy_process_group();
-  // A forked rank ends with _exit, which skips the trace's write at exit.
-  if (c.nproc > 0) trace::write();
 }
 
 // --nproc forks the ranks here: refuses, before anything starts, the jobs it cannot make.
@@ -274,13 +263,9 @@ void check_forking(const Config& c) {
     throw UsageError("--nproc forks ranks itself, but --backend shm+gloo needs the node layout a launcher gives "
                      "(GROUP_RANK, LOCAL_RANK, LOCAL_WORLD_SIZE): nanoddp-run --nproc-per-node " +
                      std::to_string(c.nproc) + " --backend shm+gloo allreduce_bench, or --backend shm with --nproc");
-  if (backend == dist::Backend::Nccl) {
-    const int gpus = kernels::cuda::device_count();
-    if (gpus < c.nproc)
-      throw UsageError("--nproc " + std::to_string(c.nproc) + " --backend nccl puts rank r on cuda:r and needs " +
-                       std::to_string(c.nproc) + " GPUs (NCCL refuses two ranks on one GPU); this machine has " +
-                       std::to_string(gpus));
-  }
+  // --backend nccl puts rank r on cuda:r. The GPUs are not counted here: asking CUDA would
+  // initialise it in this process, and a child forked after that cannot use CUDA. A rank
+  // without its GPU says so ("cuda:1 does not exist (1 GPU visible)") and spawn names it.
 }
 
 }  // namespace
@@ -340,25 +325,16 @@ int main(int argc, char** argv) {
   }
   try {
     if (c.nproc == 0) {
-      run_rank(c, -1, -1, 0);
+      run_rank(c);
       return 0;
     }
     check_forking(c);
-    // The store is ours: admit only our ranks, as nanoddp-run does (a fresh job id and token,
-    // inherited by the forked ranks).
-    dist::LaunchOptions identity;
-    dist::give_job_identity(identity);
-    ::setenv(dist::kJobIdEnv, identity.job_id.c_str(), 1);
-    ::setenv(dist::kStoreTokenEnv, identity.store_token.c_str(), 1);
-    int port = testing::free_port();
-    std::string failures = testing::run_ranks(
-        c.nproc, [&](int rank) { run_rank(c, rank, c.nproc, port); }, std::chrono::seconds(600));
-    trace::stop();  // the ranks wrote theirs; this process recorded nothing to write over them
-    if (!failures.empty()) {
-      std::istringstream lines(failures);
-      for (std::string line; std::getline(lines, line);) std::fprintf(stderr, "allreduce_bench: %s\n", line.c_str());
-      return 1;
-    }
+    // spawn gives the ranks a job identity of their own (the store admits only them) and
+    // their environment, and stops the others as soon as one fails, naming it.
+    dist::SpawnOptions spawn_options;
+    spawn_options.timeout = std::chrono::minutes(10);
+    spawn_options.prefix_output = false;  // rank 0 prints the table (or the CSV) alone
+    dist::spawn([&](int) { run_rank(c); }, c.nproc, spawn_options);
   } catch (const UsageError& e) {
     return cli::usage_error("allreduce_bench", e.what());
   } catch (const std::exception& e) {

@@ -37,8 +37,7 @@ void remove_stale_segments() {
 }
 
 // Where shared memory cannot be had, the ranks can still talk over sockets.
-constexpr const char* kOtherBackendHint = "; the gloo backend needs no shared memory (--backend gloo, or "
-                                          "NANODDP_BACKEND=gloo)";
+constexpr const char* kOtherBackendHint = "; the gloo backend needs no shared memory (--backend gloo)";
 
 }  // namespace
 

@@ -104,7 +104,8 @@ void spawn(const std::function<void(int rank)>& fn, int nprocs, const SpawnOptio
     const std::string name = "rank " + std::to_string(rank);
     // false: a start failed, or a signal, a failed rank or the timeout came first; wait() ends
     // the job and the outcome says why
-    if (!group.start(rank, name, "[" + name + "] ", [&](int msg_fd) { run_rank(fn, rank, env, msg_fd); })) break;
+    const std::string prefix = options.prefix_output ? "[" + name + "] " : "";
+    if (!group.start(rank, name, prefix, [&](int msg_fd) { run_rank(fn, rank, env, msg_fd); })) break;
   }
   const Outcome outcome = group.wait();
   // The ranks wrote their traces. A caller that recorded nothing itself would write an empty

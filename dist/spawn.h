@@ -33,6 +33,7 @@ struct SpawnOptions {
   std::chrono::milliseconds timeout = kDefaultSpawnTimeout;          // whole job; 0 = no limit
   std::chrono::milliseconds grace_period = kDefaultGracePeriod;      // SIGTERM -> SIGKILL
   bool allow_threads = false;  // true: fork even with other threads alive (at your own risk)
+  bool prefix_output = true;   // false: the ranks' lines go out unprefixed, as torch's spawn does
 };
 
 // Forks `nprocs` children; child r gets RANK=r, LOCAL_RANK=r, WORLD_SIZE=nprocs,
@@ -40,7 +41,7 @@ struct SpawnOptions {
 // NANODDP_BACKEND (when options.backend is given) and this call's fresh NANODDP_JOB_ID and
 // NANODDP_STORE_TOKEN (give_job_identity) in its environment, then calls fn(r). A rank
 // whose fn returns exits 0; one whose fn throws prints "exception: <what()>" on its stderr and
-// exits 1. Output lines read "[rank r] ...", and the rest is as under nanoddp-run (Note [Launch
+// exits 1. Output lines read "[rank r] ..." (unless options.prefix_output is false), and the rest is as under nanoddp-run (Note [Launch
 // contract] in dist/launch.h: own process groups, SIGINT/SIGTERM/SIGHUP at their defaults in the
 // ranks, fail fast, SIGTERM then SIGKILL, forwarded signals, nothing left behind).
 // Throws ValueError for nprocs outside 1..kMaxProcPerNode, DistError when other threads exist
