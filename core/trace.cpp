@@ -238,6 +238,12 @@ void set_rank(int rank, int world_size) {
   std::lock_guard<std::mutex> lock(r.mutex);
   r.rank = rank;
   r.world_size = world_size;
+  const char* parts_dir = std::getenv("NANODDP_TRACE_PARTS");
+  if (r.path.empty() || world_size == 1 || (parts_dir != nullptr && *parts_dir != '\0')) return;
+  // This rank's own file, checked as start() checks path: before training, not at exit.
+  const std::string mine = rank_path(r.path, rank);
+  check_writable(mine, "trace file");
+  check_replaces_only(mine, "the trace file", "a trace", begins_as_trace);
 }
 
 void set_clock_sync(double us) {

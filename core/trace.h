@@ -65,6 +65,8 @@ const std::string& environment_error();
 // long run's memory stays bounded by what its reader still needs. Otherwise does nothing.
 void forget_in_memory_events();
 // Names this process "rank r" in the trace and picks its file (see the top of this file).
+// Throws IOError, as start() does, when that file is run.rank<r>.json and cannot be written
+// there or is not a trace.
 void set_rank(int rank, int world_size);
 // This process's clock reading at one instant common to all ranks (Note [Trace clocks]); the
 // merge shifts each rank's events by the difference to rank 0's reading.

@@ -525,6 +525,15 @@ TEST_CASE("allreduce_bench --nproc under NANODDP_TRACE: each rank writes its all
     CHECK_MESSAGE(contains(part, "\"name\":\"all_reduce 8192 B\""), part.substr(0, 2000));
     CHECK_MESSAGE(contains(part, "\"bytes\":8192,\"backend\":\"shm\""), part.substr(0, 2000));
   }
+
+  // A rank's own file that cannot be a trace stops the job before the table, naming it.
+  REQUIRE(::mkdir((dir.path + "/bad.rank1.json").c_str(), 0700) == 0);
+  const RunResult bad = run({"/usr/bin/env", "NANODDP_TRACE=" + dir.path + "/bad.json",
+                             built("benchmarks/allreduce_bench"), "--nproc", "2", "--max-bytes", "4096"},
+                            60s);
+  CHECK(bad.code() == 1);
+  CHECK_MESSAGE(contains(bad.err, "trace file " + dir.path + "/bad.rank1.json exists but is a folder"), bad.err);
+  CHECK_MESSAGE(!contains(bad.out, "size(B)"), bad.out);
 }
 
 TEST_CASE("launch helpers: rank_env numbering, mpirun command line, signal names, free ports") {
