@@ -144,6 +144,19 @@ bool begins_as_trace(const std::string& head, uint64_t /*size_bytes*/) {
   return begins("{\"otherData\":{\"rank\":") || begins("{\"displayTimeUnit\":\"ms\",");
 }
 
+// Throws IOError before anything is recorded when the trace could not be written to path at
+// the end: the checks write_file_atomically makes, and a trace replaces only a trace.
+void check_trace_target(const std::string& path) {
+  check_writable(path, "trace file");
+  check_replaces_only(path, "the trace file", "a trace", begins_as_trace);
+}
+
+// NANODDP_TRACE_PARTS: nanoddp-run's folder for this node's parts, or "" outside it.
+std::string parts_folder() {
+  const char* folder = std::getenv("NANODDP_TRACE_PARTS");
+  return folder != nullptr ? folder : "";
+}
+
 void write_at_exit() {
   try {
     write();
@@ -202,10 +215,7 @@ double now_us() {
 void start(const std::string& path) {
   Recorder& r = recorder();
   const std::string full = absolute(path);
-  if (!full.empty()) {
-    check_writable(full, "trace file");  // the checks write_file_atomically makes, before recording
-    check_replaces_only(full, "the trace file", "a trace", begins_as_trace);
-  }
+  if (!full.empty()) check_trace_target(full);
   std::lock_guard<std::mutex> lock(r.mutex);
   r.events.clear();
   r.path = full;
@@ -238,12 +248,8 @@ void set_rank(int rank, int world_size) {
   std::lock_guard<std::mutex> lock(r.mutex);
   r.rank = rank;
   r.world_size = world_size;
-  const char* parts_dir = std::getenv("NANODDP_TRACE_PARTS");
-  if (r.path.empty() || world_size == 1 || (parts_dir != nullptr && *parts_dir != '\0')) return;
   // This rank's own file, checked as start() checks path: before training, not at exit.
-  const std::string mine = rank_path(r.path, rank);
-  check_writable(mine, "trace file");
-  check_replaces_only(mine, "the trace file", "a trace", begins_as_trace);
+  if (!r.path.empty() && world_size > 1 && parts_folder().empty()) check_trace_target(rank_path(r.path, rank));
 }
 
 void set_clock_sync(double us) {
@@ -273,21 +279,21 @@ std::string write() {
   Recorder& r = recorder();
   std::lock_guard<std::mutex> lock(r.mutex);
   if (!enabled() || r.path.empty()) return "";
-  const char* parts_dir = std::getenv("NANODDP_TRACE_PARTS");
+  const std::string parts_dir = parts_folder();
   std::string target;
-  if (parts_dir != nullptr && *parts_dir != '\0') {
+  if (!parts_dir.empty()) {
     // nanoddp-run names the folder and the first rank to write a part creates it (a job
     // without a trace leaves none behind). A folder already there must be this user's.
-    if (::mkdir(parts_dir, 0700) != 0) {
+    if (::mkdir(parts_dir.c_str(), 0700) != 0) {
       const int error = errno;
       struct stat info {};
-      NANODDP_CHECK(error == EEXIST && ::lstat(parts_dir, &info) == 0 && S_ISDIR(info.st_mode) &&
+      NANODDP_CHECK(error == EEXIST && ::lstat(parts_dir.c_str(), &info) == 0 && S_ISDIR(info.st_mode) &&
                         info.st_uid == ::geteuid(),
                     IOError, "the trace file: cannot create the folder for this node's trace parts ", parts_dir,
                     " (NANODDP_TRACE_PARTS): ",
                     error == EEXIST ? std::string("it exists and is not a folder of this user") : std::strerror(error));
     }
-    target = std::string(parts_dir) + "/rank" + std::to_string(r.rank) + ".json";
+    target = parts_dir + "/rank" + std::to_string(r.rank) + ".json";
   } else
     target = r.world_size > 1 ? rank_path(r.path, r.rank) : r.path;
 
