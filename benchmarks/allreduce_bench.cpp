@@ -19,8 +19,11 @@
 //
 // With NANODDP_TRACE=run.json (nanoddp-run merges its ranks' into run.json) each all-reduce,
 // warm-up included, is a span "all_reduce <bytes> B" on the first all-reduce lane, with its bytes,
-// backend and algorithm: recording adds two clock reads and an append to each call's time.
+// backend and algorithm: recording adds two clock reads, the span's text and an append to
+// each call's time.
 // With --nproc, rank r writes run.rank<r>.json (dist::spawn).
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -244,6 +247,16 @@ void run_rank(const Config& c) {
   dist::destroy_process_group();
 }
 
+// The GPUs this machine shows, counted by a child process: CUDA initialised in this one could
+// not be used by the ranks forked after it.
+int gpu_count_in_child() {
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(std::min(kernels::cuda::device_count(), 255));
+  int status = 0;
+  if (pid < 0 || ::waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return 0;
+  return WEXITSTATUS(status);
+}
+
 // --nproc forks the ranks here: refuses, before anything starts, the jobs it cannot make.
 // Throws UsageError naming --nproc.
 void check_forking(const Config& c) {
@@ -263,9 +276,13 @@ void check_forking(const Config& c) {
     throw UsageError("--nproc forks ranks itself, but --backend shm+gloo needs the node layout a launcher gives "
                      "(GROUP_RANK, LOCAL_RANK, LOCAL_WORLD_SIZE): nanoddp-run --nproc-per-node " +
                      std::to_string(c.nproc) + " --backend shm+gloo allreduce_bench, or --backend shm with --nproc");
-  // --backend nccl puts rank r on cuda:r. The GPUs are not counted here: asking CUDA would
-  // initialise it in this process, and a child forked after that cannot use CUDA. A rank
-  // without its GPU says so ("cuda:1 does not exist (1 GPU visible)") and spawn names it.
+  if (backend == dist::Backend::Nccl) {
+    const int gpus = gpu_count_in_child();
+    if (gpus < c.nproc)
+      throw UsageError("--nproc " + std::to_string(c.nproc) + " --backend nccl puts rank r on cuda:r and needs " +
+                       std::to_string(c.nproc) + " GPUs (NCCL refuses two ranks on one GPU); this machine has " +
+                       std::to_string(gpus));
+  }
 }
 
 }  // namespace
