@@ -37,7 +37,7 @@ void write_text(int fd, const std::string& text) {
 }
 
 // The child's whole life after fork: never returns.
-[[noreturn]] void run_rank(const std::function<void(int)>& fn, int rank,
+[[noreturn]] void run_rank(const std::function<void(int)>& fn, int rank, int world_size,
                            const std::vector<std::pair<std::string, std::string>>& env, int msg_fd) {
   for (const auto& [key, value] : env) setenv(key.c_str(), value.c_str(), 1);
   // stdout is now a pipe, which stdio would block-buffer; lines should appear as they are printed.
@@ -45,6 +45,9 @@ void write_text(int fd, const std::string& text) {
   int code = 0;
   std::string error;
   try {
+    // Named before fn, so that a rank failing before init_process_group names it still
+    // writes its own file below, not the world-of-one one.
+    trace::set_rank(rank, world_size);
     fn(rank);
   } catch (const std::exception& e) {
     error = e.what();
@@ -105,7 +108,7 @@ void spawn(const std::function<void(int rank)>& fn, int nprocs, const SpawnOptio
     // false: a start failed, or a signal, a failed rank or the timeout came first; wait() ends
     // the job and the outcome says why
     const std::string prefix = options.prefix_output ? "[" + name + "] " : "";
-    if (!group.start(rank, name, prefix, [&](int msg_fd) { run_rank(fn, rank, env, msg_fd); })) break;
+    if (!group.start(rank, name, prefix, [&](int msg_fd) { run_rank(fn, rank, nprocs, env, msg_fd); })) break;
   }
   const Outcome outcome = group.wait();
   // The ranks wrote their traces. A caller that recorded nothing itself would write an empty

@@ -646,6 +646,18 @@ TEST_CASE("spawn: a rank that records a trace writes it before it leaves with _e
   dist::spawn([](int) { trace::complete(trace::Lane::Compute, "work of the only rank", 1.0, 2.0); }, 1);
   CHECK_FALSE(trace::enabled());
   CHECK(contains(read_file(dir.path + "/one.json"), "work of the only rank"));
+  // A rank that fails before init_process_group names it still writes its own file, not the
+  // world-of-one run.json.
+  trace::start(dir.path + "/failed.json");
+  CHECK_THROWS_AS(dist::spawn(
+                      [](int rank) {
+                        if (rank == 1) throw std::runtime_error("failed early");
+                      },
+                      2),
+                  nanoddp::DistError);
+  CHECK_FALSE(trace::enabled());
+  CHECK(::access((dir.path + "/failed.json").c_str(), F_OK) != 0);
+  CHECK(contains(read_file(dir.path + "/failed.rank1.json"), "{\"otherData\":{\"rank\":1,\"world_size\":2"));
 }
 
 TEST_CASE("spawn: a rank that throws fails the job fast, naming it and its exception") {
