@@ -37,9 +37,15 @@ inline Device rank_device(const std::string& name) {
 // This process's peak resident set size in MiB (getrusage reports KiB on Linux).
 // Writes --trace's file (or this rank's part of it) now and stops recording: a write that
 // fails throws IOError, so the run exits 1 as for a failed checkpoint, where the write at
-// exit (core/trace.h) could only say so on stderr. Nothing is recorded after this.
+// exit (core/trace.h) could only say so on stderr. Nothing is recorded after this, and a
+// failed write is not tried again at exit (it would say the same a second time).
 inline void finish_trace() {
-  trace::write();
+  try {
+    trace::write();
+  } catch (...) {
+    trace::stop();
+    throw;
+  }
   trace::stop();
 }
 

@@ -407,6 +407,9 @@ TEST_CASE("a trace that cannot be written at the end fails the run with exit 1, 
   CHECK_MESSAGE(r.err.find("toy_ddp: the trace file " + path + ": write failed at byte offset 4096 of ") !=
                     std::string::npos,
                 r.err);
+  // Said once: the write at exit does not try again.
+  CHECK_MESSAGE(r.err.find("the trace was not written") == std::string::npos, r.err);
+  CHECK_MESSAGE(r.err.find("write failed") == r.err.rfind("write failed"), r.err);
   CHECK(::access(path.c_str(), F_OK) != 0);
 }
 
