@@ -19,6 +19,25 @@ using Clock = std::chrono::steady_clock;
 
 // Between two polls of NCCL or of an event: short next to a collective, long next to the poll.
 constexpr auto kPollInterval = std::chrono::microseconds(20);
+// How long a wait polls without sleeping. A small collective on one node finishes within
+// tens of microseconds, and a 20 µs sleep lasts about 70 (Linux's default timer slack is
+// 50 µs): sleeping from the first poll would time the sleep, not NCCL.
+constexpr auto kSpinFor = std::chrono::microseconds(100);
+
+// The pause between two polls of one wait: a yield for the first kSpinFor, then kPollInterval
+// of sleep, so that a long wait leaves the core to the other ranks' compute.
+class PollPause {
+ public:
+  void operator()() const {
+    if (Clock::now() - start_ < kSpinFor)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(kPollInterval);
+  }
+
+ private:
+  Clock::time_point start_ = Clock::now();
+};
 
 }  // namespace
 
@@ -28,10 +47,22 @@ void issue_and_wait_enqueued(AsyncComm& comm, const std::string& what, std::chro
   // Step 1.
   std::string error;
   const AsyncState issued = issue(&error);
-  NANODDP_CHECK(issued != AsyncState::Failed, DistError, what, ": ", error);
+  if (issued == AsyncState::Failed) {
+    // A non-blocking communicator may record the call's error as its own asynchronous error
+    // (NCCL's enqueue check and its group cleanup do): then it refuses every later call, and
+    // only an abort frees it. A communicator that still answers is left usable.
+    std::string comm_error;
+    if (comm.state(&comm_error) == AsyncState::Failed) {
+      comm.abort();
+      NANODDP_THROW(DistError, what, ": ", error, "; NCCL then reported ", comm_error,
+                    " for the communicator, which was aborted");
+    }
+    NANODDP_THROW(DistError, what, ": ", error);
+  }
   if (issued == AsyncState::Done) return;
   // Step 2.
   const auto deadline = Clock::now() + timeout;
+  const PollPause pause;
   while (true) {
     const AsyncState state = comm.state(&error);
     if (state == AsyncState::Done) return;
@@ -45,7 +76,7 @@ void issue_and_wait_enqueued(AsyncComm& comm, const std::string& what, std::chro
       NANODDP_THROW(TimeoutError, what, ": NCCL still reported the call in progress after ", timeout.count(),
                     " ms; the communicator was aborted");
     }
-    std::this_thread::sleep_for(kPollInterval);
+    pause();
   }
 }
 
@@ -99,6 +130,7 @@ void EventWork::wait(std::chrono::milliseconds timeout) {
   }
   kernels::cuda::count_host_sync();  // the polls below wait for the device (Note [Host syncs])
   const auto deadline = Clock::now() + timeout;
+  const PollPause pause;
   std::string error;
   while (!is_completed()) {
     if (comm_->state(&error) == AsyncState::Failed) {
@@ -110,7 +142,7 @@ void EventWork::wait(std::chrono::milliseconds timeout) {
       NANODDP_THROW(TimeoutError, what_, ": did not complete within ", timeout.count(),
                     " ms (a peer may have exited or be out of step); the communicator was aborted");
     }
-    std::this_thread::sleep_for(kPollInterval);
+    pause();
   }
   std::lock_guard<std::mutex> lock(mutex_);
   keep_alive_.clear();

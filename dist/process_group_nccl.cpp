@@ -597,8 +597,9 @@ class ProcessGroupNccl : public ProcessGroup {
           return ncclAllReduce(data, data, tensor.numel(), reduction.type, reduction.op, comm, s);
         });
       } catch (...) {
-        // NCCL refused the call and the group stays usable: the caller's tensor must hold its
-        // floats again, not the keys, when the error reaches it (launch waits for this kernel).
+        // NCCL refused the call (Note [NCCL non-blocking] step 1: its communicator may be
+        // aborted now): the caller's tensor must hold its floats again, not the keys, when the
+        // error reaches it (launch waits for this kernel).
         if (reduction.keyed) kernels::cuda::ordered_keys_to_floats(data, tensor.numel(), reduction.nan_at, s);
         throw;
       }

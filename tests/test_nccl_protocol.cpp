@@ -104,6 +104,30 @@ TEST_CASE("an immediate error throws DistError with NCCL's text and leaves the c
           std::string::npos);
   }
   CHECK(!comm.aborted());
+  CHECK(comm.log == std::vector<std::string>{"state"});
+}
+
+TEST_CASE("an immediate error that the communicator keeps as its own aborts it, and later calls are refused") {
+  // A non-blocking NCCL communicator records an argument error as its asynchronous error.
+  ScriptedComm comm({AsyncState::Failed});
+  CHECK_THROWS_WITH_AS(dist::detail::issue_and_wait_enqueued(comm, "nccl all_reduce(sum)", 5s,
+                                                              [](std::string* error) {
+                                                                *error = "invalid argument (count 0)";
+                                                                return AsyncState::Failed;
+                                                              }),
+                       doctest::Contains("nccl all_reduce(sum): invalid argument (count 0); NCCL then reported "
+                                         "unhandled system error (remote peer closed the connection) for the "
+                                         "communicator, which was aborted"),
+                       DistError);
+  CHECK(comm.log == std::vector<std::string>{"state", "abort"});
+  bool issued = false;
+  CHECK_THROWS_WITH_AS(dist::detail::issue_and_wait_enqueued(comm, "barrier", 5s,
+                                                              [&](std::string*) {
+                                                                issued = true;
+                                                                return AsyncState::Done;
+                                                              }),
+                       doctest::Contains("barrier: the communicator was aborted"), DistError);
+  CHECK(!issued);
 }
 
 TEST_CASE("an error while in progress aborts the communicator and throws DistError") {
