@@ -153,12 +153,18 @@ double max_over_ranks(dist::ProcessGroup& pg, double seconds, Device device) {
 void run_rank(const Config& c) {
   dist::InitOptions options;
   options.backend = dist::parse_backend(c.backend);
-  const int local_rank = dist::get_local_rank();
-  Device device = options.backend == dist::Backend::Nccl ? Device::cuda(local_rank) : Device::cpu();
-  options.device = device;
+  if (options.backend == dist::Backend::Nccl) options.device = Device::cuda(dist::get_local_rank());
   options.check_collectives = c.check_collectives;
   auto pg = dist::init_process_group(options);
+  // The group's device, not the flag's: under nanoddp-run --backend nccl the backend comes
+  // from the launcher, and an NCCL group takes only tensors on its own GPU.
+  const Device device = pg->device();
   const int n = pg->size();
+  if (c.ring && device.is_cuda()) {
+    dist::destroy_process_group();
+    throw UsageError("--ring times dist::ring_all_reduce, which takes CPU tensors, but the " + pg->backend_name() +
+                     " group works on " + device.str() + ": drop --ring, or use a CPU backend (shm, gloo, mpi)");
+  }
   if (n < 2) {
     dist::destroy_process_group();
     // The hints keep the backend asked for: without it they would measure another one.
@@ -334,6 +340,9 @@ int main(int argc, char** argv) {
                                                    (c.min_bytes == defaults.min_bytes
                                                         ? " (--min-bytes defaults to 4096: lower it too)"
                                                         : ""));
+  if (c.ring && c.backend == "nccl")
+    return cli::usage_error("allreduce_bench", "--ring times dist::ring_all_reduce, which takes CPU tensors; "
+                                               "--backend nccl works on GPUs: drop one of the two");
   if (!std::isfinite(c.seconds_per_size) || c.seconds_per_size <= 0 || c.seconds_per_size > 3600) {
     std::ostringstream given;
     given << c.seconds_per_size;
@@ -349,7 +358,12 @@ int main(int argc, char** argv) {
     // spawn gives the ranks a job identity of their own (the store admits only them) and
     // their environment, and stops the others as soon as one fails, naming it.
     dist::SpawnOptions spawn_options;
-    spawn_options.timeout = std::chrono::minutes(10);
+    // Each size is timed twice (the estimate, then about --seconds-per-size), with
+    // MPI_Allreduce a third time: a slow job is not a hung one.
+    int sizes = 0;
+    for (int64_t bytes = c.min_bytes; bytes <= c.max_bytes; bytes *= 2) ++sizes;
+    spawn_options.timeout = std::chrono::minutes(10) +
+                            std::chrono::seconds(static_cast<int64_t>(std::ceil(3 * sizes * c.seconds_per_size)));
     spawn_options.prefix_output = false;  // rank 0 prints the table (or the CSV) alone
     dist::spawn([&](int) { run_rank(c); }, c.nproc, spawn_options);
   } catch (const UsageError& e) {

@@ -453,6 +453,11 @@ TEST_CASE("allreduce_bench: one rank, empty size ranges, bad numbers and jobs --
            ? "--nproc 64 --backend nccl puts rank r on cuda:r and needs 64 GPUs"
            : "--backend: nccl is not available: nanoddp was built without NCCL"},
       {{"--nproc", "2", "--backend", "shm+gloo"}, "--backend shm+gloo needs the node layout a launcher gives"},
+      // The textbook ring sends CPU tensors; an NCCL group takes only its GPU's.
+      {{"--ring", "--backend", "nccl"},
+       nanoddp::dist::backend_unavailable(nanoddp::dist::Backend::Nccl).empty()
+           ? "--ring times dist::ring_all_reduce, which takes CPU tensors; --backend nccl works on GPUs"
+           : "--backend: nccl is not available: nanoddp was built without NCCL"},
   };
   for (const auto& [flags, message] : bad) {
     std::vector<std::string> args = {bench};
