@@ -47,7 +47,9 @@ GradScaler::GradScaler(GradScalerOptions options, std::shared_ptr<ProcessGroup> 
 
 Tensor GradScaler::scale(const Tensor& loss) const {
   if (!options_.enabled) return loss;
-  return loss * scale_;
+  // torch multiplies by its float32 scale tensor, so a 16-bit loss comes out float32: 65536
+  // times a float16 loss above 1 would be inf in float16.
+  return (is_16bit_float(loss.dtype()) ? loss.to(DType::Float32) : loss) * scale_;
 }
 
 void GradScaler::unscale_(nn::Optimizer& optimizer) {
@@ -59,21 +61,26 @@ void GradScaler::unscale_(nn::Optimizer& optimizer) {
   // 1 / scale in double, rounded once to float32: exact for a power of two (torch computes
   // the reciprocal in float64 too).
   const float inv_scale = static_cast<float>(1.0 / static_cast<double>(scale_));
-  bool found = false;
+  bool found = false, has_grad = false;
   {
     NoGradGuard no_grad;
     for (const Tensor& param : optimizer.params()) {
       Tensor grad = param.grad();
       if (!grad.defined()) continue;
+      has_grad = true;
       found = found || any_non_finite(grad);
       grad.copy_(grad * inv_scale);
     }
   }
+  // One value per rank, MAX-reduced: 2 when this rank had no gradient to check, else 1 for an
+  // inf or NaN, else 0. So every rank learns both, and all raise step()'s error together.
+  int64_t verdict = !has_grad ? 2 : found ? 1 : 0;
   if (pg_ != nullptr) {
     // Every rank reaches here once per optimizer per iteration: the same collective order.
-    found = all_reduce_host(*pg_, std::vector<int64_t>{found ? 1 : 0}, ReduceOp::Max, timeout_)[0] != 0;
+    verdict = all_reduce_host(*pg_, std::vector<int64_t>{verdict}, ReduceOp::Max, timeout_)[0];
   }
-  state.found_inf = found;
+  state.found_inf = verdict == 1;
+  state.checked_nothing = verdict == 2;
   state.stage = Stage::Unscaled;
 }
 
@@ -87,6 +94,10 @@ bool GradScaler::step(nn::Optimizer& optimizer) {
   if (optimizers_[&optimizer].stage == Stage::Ready) unscale_(optimizer);
   OptimizerState& state = optimizers_[&optimizer];
   state.stage = Stage::Stepped;
+  NANODDP_CHECK(!state.checked_nothing, ValueError,
+                "GradScaler::step(): no inf checks were recorded for this optimizer: none of its parameters has "
+                "a .grad", pg_ != nullptr ? " on at least one rank" : "", " (call backward() on the scaled loss "
+                "first)");
   if (state.found_inf) return false;  // every rank found the same flag: every rank skips
   optimizer.step();
   return true;
@@ -104,7 +115,10 @@ void GradScaler::update() {
     scale_ *= options_.backoff_factor;
     growth_tracker_ = 0;
   } else if (++growth_tracker_ == options_.growth_interval) {
-    scale_ *= options_.growth_factor;
+    // Never grown past float32's range to inf, which no backoff could bring back (torch's
+    // _amp_update_scale_ keeps the old scale then too).
+    const float grown = scale_ * options_.growth_factor;
+    if (std::isfinite(grown)) scale_ = grown;
     growth_tracker_ = 0;
   }
   optimizers_.clear();
@@ -134,6 +148,7 @@ nn::StateDict GradScaler::state_dict() const {
 }
 
 void GradScaler::load_state_dict(const nn::StateDict& state) {
+  if (!options_.enabled) return;  // torch's disabled scaler ignores the state, as it saves none
   NANODDP_CHECK(!state.empty(), ValueError, "GradScaler::load_state_dict: the state is empty (saved disabled?)");
   GradScalerOptions options = options_;
   options.init_scale = entry(state, "scale", DType::Float32).to_vector()[0];

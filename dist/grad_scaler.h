@@ -47,18 +47,22 @@ class GradScaler {
   explicit GradScaler(GradScalerOptions options = {}, std::shared_ptr<ProcessGroup> pg = nullptr,
                       std::chrono::milliseconds timeout = kDefaultTimeout);
 
-  // loss * scale, recorded in the graph (float32, any shape). The loss itself when disabled.
+  // loss * scale, recorded in the graph, with loss's shape; float32 for a float32 or 16-bit
+  // loss (torch's float32 scale tensor promotes it). The loss itself when disabled.
   Tensor scale(const Tensor& loss) const;
   // Multiplies every .grad of optimizer's parameters by 1 / scale in place and records whether
   // any is inf or NaN, on this rank or (with a group) on any rank. Throws ValueError when
   // called twice for one optimizer before update(), or after step() (torch's messages).
   void unscale_(nn::Optimizer& optimizer);
   // unscale_ unless already done; then optimizer.step() unless an inf or NaN was found.
-  // Returns whether it stepped. Throws ValueError when called twice before update().
+  // Returns whether it stepped. Throws ValueError when called twice before update(), and when
+  // none of optimizer's parameters had a .grad to check (on any rank of the group: every rank
+  // throws), as torch asserts "No inf checks were recorded for this optimizer".
   bool step(nn::Optimizer& optimizer);
   // After the step(s) of an iteration: backs the scale off if any optimizer found inf or NaN
   // (and restarts the growth count), else counts a finite step and grows the scale every
-  // growth_interval of them. Forgets every optimizer's unscale/step state.
+  // growth_interval of them, unless growing would overflow float32 (the scale stays then, as
+  // torch's). Forgets every optimizer's unscale/step state.
   void update();
   // Sets the scale (torch's update(new_scale)); the growth count is kept. ValueError for <= 0.
   void update(float new_scale);
@@ -74,7 +78,7 @@ class GradScaler {
   // "growth_interval", "_growth_tracker" (int64 scalars). Empty when disabled, as torch's.
   nn::StateDict state_dict() const;
   // Restores them. ValueError for a missing key, a wrong dtype, or values the constructor
-  // refuses; nothing changes then.
+  // refuses; nothing changes then. A disabled scaler ignores the state (torch's returns too).
   void load_state_dict(const nn::StateDict& state);
 
  private:
@@ -82,6 +86,7 @@ class GradScaler {
   struct OptimizerState {
     Stage stage = Stage::Ready;
     bool found_inf = false;
+    bool checked_nothing = false;  // no parameter had a .grad (on some rank)
   };
 
   GradScalerOptions options_;

@@ -145,6 +145,70 @@ TEST_CASE("unscale_ and step out of order are errors; state_dict round trips; a 
   CHECK(disabled.state_dict().empty());
 }
 
+TEST_CASE("as torch: a 16-bit loss scales to float32, the scale never grows to inf, a step with no gradient is "
+          "refused, a disabled scaler ignores a state") {
+  // 1.5 * 65536 = 98304 is beyond float16's 65504: kept 16-bit it would be inf.
+  for (const DType dtype : {DType::Float16, DType::BFloat16}) {
+    const Tensor loss = Tensor::from_vector({1.5f}).to(dtype);
+    const Tensor scaled = dist::GradScaler().scale(loss);
+    CHECK(scaled.dtype() == DType::Float32);
+    CHECK(scaled.shape() == loss.shape());
+    CHECK(scaled.to_vector() == std::vector<float>{98304.0f});
+  }
+
+  // 2^127 * 2 overflows float32: the scale stays, and the count restarts (torch's
+  // _amp_update_scale_), so a later inf can still back it off.
+  auto model = make_mlp(5);
+  nn::SGD opt(model->parameters(), {/*lr=*/0.0});
+  const float largest_power = std::ldexp(1.0f, 127);
+  dist::GradScaler scaler({largest_power, 2.0f, 0.5f, /*growth_interval=*/1});
+  const Batch b = testing::random_batch(50, 4, 5, 3);
+  opt.zero_grad();
+  cross_entropy((*model)(b.x), b.y).backward();  // finite gradients, unscaled: any check passes
+  CHECK(scaler.step(opt));
+  scaler.update();
+  CHECK(scaler.get_scale() == largest_power);
+  CHECK(scaler.growth_tracker() == 0);
+
+  // No parameter has a .grad: torch asserts "No inf checks were recorded for this optimizer".
+  opt.zero_grad();  // set_to_none: the gradients are gone
+  CHECK_THROWS_WITH_AS(scaler.step(opt), doctest::Contains("no inf checks were recorded for this optimizer"),
+                       ValueError);
+
+  dist::GradScalerOptions off;
+  off.enabled = false;
+  dist::GradScaler disabled(off);
+  disabled.load_state_dict({});
+  disabled.load_state_dict(dist::GradScaler().state_dict());
+  CHECK(disabled.get_scale() == 1.0f);
+  CHECK(disabled.state_dict().empty());
+}
+
+TEST_CASE("a rank whose optimizer has no gradient: every rank's step() raises it, none waits") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [port](int rank) {
+    auto pg = testing::join(rank, 2, port);
+    auto model = make_mlp(6);
+    nn::SGD opt(model->parameters(), {/*lr=*/0.1});
+    dist::GradScaler scaler({}, pg);
+    opt.zero_grad();
+    if (rank == 0) {
+      const Batch b = testing::random_batch(60, 4, 5, 3);
+      scaler.scale(cross_entropy((*model)(b.x), b.y)).backward();
+    }
+    try {
+      scaler.step(opt);
+      expect(false, "rank ", rank, ": step() did not throw");
+    } catch (const ValueError& e) {
+      expect(std::string(e.what()).find("none of its parameters has a .grad on at least one rank") !=
+                 std::string::npos,
+             "rank ", rank, ": ", e.what());
+    }
+    testing::leave();
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("an inf on one rank only: every rank skips, halves the scale and keeps its parameters (2 and 4 ranks)") {
   for (const int world : {2, 4}) {
     const int port = testing::free_port();
