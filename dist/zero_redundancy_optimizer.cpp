@@ -77,7 +77,7 @@ void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
   consolidated_.reset();
   // This rank's shard as checkpoint bytes, packed into int64 words, every rank's padded to the
   // longest: all_gather needs one size.
-  const std::string bytes = nn::checkpoint_bytes(state_dict());
+  const std::string bytes = nn::checkpoint_bytes(local_state_dict());
   const int64_t length = static_cast<int64_t>(bytes.size());
   const std::vector<std::vector<int64_t>> lengths = all_gather_host(*pg_, {length});
   int64_t longest = 0;
@@ -96,7 +96,14 @@ void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
 }
 
 nn::StateDict ZeroRedundancyOptimizer::state_dict() const {
-  if (consolidated_) return *consolidated_;
+  NANODDP_CHECK(consolidated_.has_value(), ValueError, name_, ".state_dict() on rank ", pg_->rank(),
+                ": the state has not been consolidated on this rank (each rank holds only its shard); call "
+                "consolidate_state_dict(to) on every rank first, then state_dict() on rank `to` (after each "
+                "step), or local_state_dict() for this rank's shard");
+  return *consolidated_;
+}
+
+nn::StateDict ZeroRedundancyOptimizer::local_state_dict() const {
   nn::StateDict global;
   for (const auto& [key, t] : local_->state_dict()) {
     std::string buffer;
@@ -169,7 +176,7 @@ int64_t ZeroRedundancyOptimizer::state_nbytes() const {
 
 ShardedStateDict ZeroRedundancyOptimizer::sharded_state_dict() const {
   ShardedStateDict out;
-  for (const auto& [key, t] : state_dict()) out[key] = whole_entry(t);
+  for (const auto& [key, t] : local_state_dict()) out[key] = whole_entry(t);
   return out;
 }
 

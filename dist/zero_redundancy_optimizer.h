@@ -70,11 +70,15 @@ class ZeroRedundancyOptimizer : public nn::Optimizer {
   // optimizer's. Throws ValueError for `to` outside the group, DistError/TimeoutError from
   // the collectives.
   void consolidate_state_dict(int to = 0);
-  // This rank's shard of the state, keyed by index into params() ("exp_avg.5"), so that the
-  // union of every rank's state_dict is the unsharded optimizer's; or, on the rank a
-  // consolidate_state_dict gathered to, since then, that union. Each rank may also save its own
-  // shard, and load_state_dict takes a shard or the whole.
+  // The whole state, the unsharded optimizer's, on the rank a consolidate_state_dict gathered
+  // to, until the next step() or load_state_dict(). Throws ValueError anywhere else, as torch
+  // raises "Optimizer state has not been consolidated on this rank": a shard saved as if it
+  // were the whole state would resume every other rank without its state.
   nn::StateDict state_dict() const override;
+  // This rank's shard of the state, keyed by index into params() ("exp_avg.5"), so that the
+  // union of every rank's local_state_dict is the unsharded optimizer's. No collective. Each
+  // rank may save its own shard; load_state_dict takes a shard or the whole.
+  nn::StateDict local_state_dict() const;
   // Takes the entries of parameters this rank owns and ignores the others, so a full or a
   // per-rank state loads alike: the whole state saved at another world size loads too. A
   // collective (one all_gather of a flag): every rank calls it, and either every rank loads

@@ -119,10 +119,13 @@ class ParallelModel {
       model_->load_state_dict(state);
   }
   // A collective: the optimizer's state as a plain optimizer over the unwrapped model's
-  // parameters holds it, on rank 0.
+  // parameters holds it, on rank 0 ({} elsewhere under zero1 and fsdp).
   nn::StateDict optimizer_state_dict(nn::Optimizer& optimizer) {
     if (fsdp_) return fsdp_->full_optim_state_dict(optimizer);
-    if (auto* zero = dynamic_cast<dist::ZeroRedundancyOptimizer*>(&optimizer)) zero->consolidate_state_dict(0);
+    if (auto* zero = dynamic_cast<dist::ZeroRedundancyOptimizer*>(&optimizer)) {
+      zero->consolidate_state_dict(0);
+      return pg_->rank() == 0 ? zero->state_dict() : nn::StateDict{};
+    }
     return optimizer.state_dict();
   }
   void load_optimizer_state_dict(nn::Optimizer& optimizer, const nn::StateDict& state) {

@@ -714,6 +714,18 @@ std::vector<Tensor> train_unsharded(const LocalFactory& make, nn::StateDict* sta
   return model->parameters();
 }
 
+// Runs fn on a rank; throws unless it throws an E whose message contains part.
+template <typename E>
+void expect_throws(const std::function<void()>& fn, const std::string& part) {
+  try {
+    fn();
+  } catch (const E& e) {
+    expect(std::string(e.what()).find(part) != std::string::npos, "expected '", part, "' in: ", e.what());
+    return;
+  }
+  expect(false, "no exception; expected one with '", part, "'");
+}
+
 // On each of `world` ranks: DDP + ZeRO over SGD with momentum, then over Adam, 5 steps each,
 // equal to the unsharded optimizer. make_mlp's parameters have 40, 8, 24 and 3 elements:
 // sorted 40, 24, 8, 3, the greedy rule gives owners {0, 1, 1, 1} at 2 ranks (40 | 24+8+3)
@@ -746,17 +758,20 @@ void check_zero(int world, const std::vector<int>& owners, const std::vector<int
       expect(ok, "rank ", rank, (adam ? " Adam" : " SGD"), " differs from the unsharded optimizer:\n", report);
       const int64_t bytes = sgd_bytes[static_cast<size_t>(rank)] * (adam ? 2 : 1);
       expect(opt.state_nbytes() == bytes, "rank ", rank, " holds ", opt.state_nbytes(), " bytes of state, not ", bytes);
-      for (const auto& entry : opt.state_dict()) {
+      for (const auto& entry : opt.local_state_dict()) {
         const size_t index = std::stoul(entry.first.substr(entry.first.rfind('.') + 1));
         expect(opt.owner(index) == rank, "rank ", rank, " has state ", entry.first, " of a parameter it does not own");
       }
       // consolidate_state_dict onto the last rank: there, the unsharded optimizer's state, key
-      // for key; elsewhere still the shard.
-      const size_t shard_entries = opt.state_dict().size();
+      // for key; elsewhere, as before it, state_dict() refuses (torch raises), and
+      // local_state_dict() is still the shard.
+      const size_t shard_entries = opt.local_state_dict().size();
+      expect_throws<ValueError>([&] { (void)opt.state_dict(); },
+                                "the state has not been consolidated on this rank");
       opt.consolidate_state_dict(world - 1);
       const nn::StateDict& want_state = adam ? adam_state : sgd_state;
-      const nn::StateDict got_state = opt.state_dict();
       if (rank == world - 1) {
+        const nn::StateDict got_state = opt.state_dict();
         expect(got_state.size() == want_state.size(), "rank ", rank, ": consolidated ", got_state.size(),
                " entries, the unsharded optimizer has ", want_state.size());
         for (const auto& [key, want] : want_state) {
@@ -772,8 +787,9 @@ void check_zero(int world, const std::vector<int>& owners, const std::vector<int
                    "] = ", g[i], ", unsharded ", w[i]);
         }
       } else {
-        expect(got_state.size() == shard_entries, "rank ", rank, " is not the target but holds ", got_state.size(),
-               " entries after consolidating");
+        expect_throws<ValueError>([&] { (void)opt.state_dict(); }, "call consolidate_state_dict(to) on every rank");
+        expect(opt.local_state_dict().size() == shard_entries, "rank ", rank, " is not the target but holds ",
+               opt.local_state_dict().size(), " entries after consolidating");
       }
     }
   });
@@ -788,18 +804,6 @@ TEST_CASE("ZeroRedundancyOptimizer on 2 and 4 ranks equals the unsharded SGD and
 }
 
 namespace {
-// Runs fn on a rank; throws unless it throws an E whose message contains part.
-template <typename E>
-void expect_throws(const std::function<void()>& fn, const std::string& part) {
-  try {
-    fn();
-  } catch (const E& e) {
-    expect(std::string(e.what()).find(part) != std::string::npos, "expected '", part, "' in: ", e.what());
-    return;
-  }
-  expect(false, "no exception; expected one with '", part, "'");
-}
-
 // The gradient of make_mlp's parameter i at step s: small values that differ per element.
 void set_zero_test_grads(const std::vector<Tensor>& params, int s) {
   for (size_t i = 0; i < params.size(); ++i) {
@@ -835,6 +839,10 @@ TEST_CASE("ZeroRedundancyOptimizer state round trip: resumes bit for bit at 2 ra
       if (rank == to) whole = nn::parse_checkpoint(nn::checkpoint_bytes(opt.state_dict()), "whole");
     }
     const nn::StateDict two_steps = model->state_dict();
+    // A step moves the state on: the gathered copy is dropped, and state_dict() refuses again.
+    set_zero_test_grads(model->parameters(), 2);
+    opt.step();
+    expect_throws<ValueError>([&] { (void)opt.state_dict(); }, "has not been consolidated on this rank");
     const auto resume_and_compare = [&](nn::Optimizer& resumed, nn::Module& resumed_model, const char* what) {
       for (int s = 2; s < 5; ++s) {
         set_zero_test_grads(resumed_model.parameters(), s);

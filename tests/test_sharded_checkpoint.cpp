@@ -168,7 +168,8 @@ class Trainer {
       opt_->load_state_dict(optimizer);
     }
   }
-  // Collectives: the whole model and optimizer state (the optimizer's on rank 0 for ZeRO-1).
+  // Collectives: the whole model and optimizer state (the optimizer's on rank 0 for ZeRO-1, {}
+  // elsewhere).
   nn::StateDict full_model() {
     return fsdp_ ? fsdp_->full_state_dict(/*rank0_only=*/false) : model_->state_dict();
   }
@@ -176,7 +177,7 @@ class Trainer {
     if (fsdp_) return fsdp_->full_optim_state_dict(*opt_);
     auto& zero = dynamic_cast<dist::ZeroRedundancyOptimizer&>(*opt_);
     zero.consolidate_state_dict(0);
-    return zero.state_dict();
+    return pg_->rank() == 0 ? zero.state_dict() : nn::StateDict{};
   }
 
  private:
