@@ -232,7 +232,7 @@ void FullyShardedDataParallel::gather(size_t u) {
   for (int r = 0; r < world; ++r) outputs.push_back(unit.full.slice_view(r * unit.shard_numel, {unit.shard_numel}));
   if (trace::enabled()) unit.gather_issued_us = trace::now_us();
   const DType param_dtype = options_.mixed_precision.param_dtype;
-  if (param_dtype == DType::Float32) {
+  if (param_dtype == DType::Float32 || full_precision_gather_) {
     unit.gather_work = pg_->all_gather(outputs, unit.shard.detach());
     return;
   }
@@ -539,7 +539,19 @@ float FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_typ
 }
 
 nn::StateDict FullyShardedDataParallel::full_state_dict(bool rank0_only) {
-  gather_all();
+  // The state holds the float32 parameters whatever param_dtype the forward gathers in (torch
+  // gathers in full precision for a state dict too): a 16-bit gathered copy, done or in flight,
+  // is dropped first, and the units are gathered in float32.
+  drop_unused_prefetches();
+  reshard_all();
+  full_precision_gather_ = true;
+  try {
+    gather_all();
+  } catch (...) {
+    full_precision_gather_ = false;
+    throw;
+  }
+  full_precision_gather_ = false;
   nn::StateDict state;
   if (!rank0_only || pg_->rank() == 0) state = module_->state_dict();
   reshard_all();
@@ -573,6 +585,37 @@ std::pair<std::string, size_t> split_state_key(const std::string& key) {
                 ValueError, "FullyShardedDataParallel: optimizer state key '", key,
                 "' is not <buffer>.<parameter index>");
   return {key.substr(0, dot), static_cast<size_t>(std::stoull(key.substr(dot + 1)))};
+}
+
+// A unit's parameters share one flat parameter, so one optimizer entry: a state that is not
+// per element (Adam's step) must be the same for each of them. values[k] is parameter k's, or
+// undefined when it has none. Throws ValueError naming the first two that differ, as torch's
+// FSDP does ("must have scalar state with the same value and dtype").
+void check_same_scalar_state(const char* where, const std::string& buffer, size_t unit,
+                             const std::vector<std::pair<std::string, Tensor>>& values) {
+  const auto describe = [](const Tensor& t) {
+    if (!t.defined()) return std::string("none");
+    std::ostringstream text;
+    if (t.dtype() == DType::Int64 && t.numel() == 1)
+      text << t.to_int_vector()[0];
+    else if (t.dtype() == DType::Float32 && t.numel() == 1)
+      text << t.to_vector()[0];
+    else
+      text << dtype_name(t.dtype()) << " " << t.shape();
+    return text.str();
+  };
+  const auto same = [](const Tensor& a, const Tensor& b) {
+    if (!a.defined() || !b.defined()) return a.defined() == b.defined();
+    if (a.dtype() != b.dtype() || a.shape() != b.shape()) return false;
+    if (a.dtype() == DType::Int64) return a.to_int_vector() == b.to_int_vector();
+    if (a.dtype() == DType::Float32) return a.to_vector() == b.to_vector();
+    return true;  // another dtype: refused where it is loaded
+  };
+  for (size_t k = 1; k < values.size(); ++k)
+    NANODDP_CHECK(same(values[0].second, values[k].second), ValueError, where, ": '", buffer,
+                  "' must be the same for every parameter of unit ", unit, " (they share one flat parameter), but '",
+                  values[0].first, "' has ", describe(values[0].second), " and '", values[k].first, "' has ",
+                  describe(values[k].second), "; was the state saved by an optimizer that stepped them apart?");
 }
 
 }  // namespace
@@ -648,6 +691,10 @@ nn::StateDict FullyShardedDataParallel::shard_full_optim_state_dict(const nn::St
       const bool per_element = entries[0].second.dtype() == DType::Float32 &&
                                entries[0].second.shape() == first_param.shape();
       if (!per_element) {
+        std::vector<std::pair<std::string, Tensor>> values(unit.params.size());
+        for (size_t k = 0; k < unit.params.size(); ++k) values[k].first = unit.params[k].first;
+        for (const auto& [k, value] : entries) values[k].second = value;
+        check_same_scalar_state("FullyShardedDataParallel.shard_full_optim_state_dict", buffer, u, values);
         sharded[key] = entries[0].second.clone();
         continue;
       }
@@ -807,8 +854,12 @@ nn::StateDict FullyShardedDataParallel::read_local_optim_state_dict(ShardedCheck
       const std::string& first = entries[0].second;
       const bool per_element = reader.dtype(first) == DType::Float32 &&
                                reader.shape(first) == unit.params[entries[0].first].second.shape();
-      if (!per_element) {
-        out[key] = reader.read(first);  // a step count: the same for every parameter of the unit
+      if (!per_element) {  // a step count: the same for every parameter of the unit
+        std::vector<std::pair<std::string, Tensor>> values(unit.params.size());
+        for (size_t k = 0; k < unit.params.size(); ++k) values[k].first = unit.params[k].first;
+        for (const auto& [k, name] : entries) values[k].second = reader.read(name);
+        check_same_scalar_state(("sharded checkpoint " + reader.path()).c_str(), buffer, u, values);
+        out[key] = values[entries[0].first].second;
         continue;
       }
       const int64_t shard_begin = no_shard ? 0 : pg_->rank() * unit.shard_numel;

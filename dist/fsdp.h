@@ -158,7 +158,8 @@ class FullyShardedDataParallel : public nn::Module {
 
   // The model's state_dict with its own names ("0.weight"), gathered: on rank 0 only when
   // rank0_only (torch's FULL_STATE_DICT with rank0_only=True; other ranks get {}). Loads
-  // into the unwrapped model. A collective: every unit's all_gather, in unit order.
+  // into the unwrapped model. A collective: every unit's all_gather, in unit order, in float32
+  // even with MixedPrecision.param_dtype (the shards' own values, as torch's state dicts hold).
   nn::StateDict full_state_dict(bool rank0_only = true);
   // Loads a full state (the model's names and shapes; every rank passes the same) into the
   // shards, as Module::load_state_dict with strict does (same errors). A collective.
@@ -220,6 +221,7 @@ class FullyShardedDataParallel : public nn::Module {
   void reshard(size_t u);
   void gather_all();
   void drop_unused_prefetches();
+  bool full_precision_gather_ = false;  // gather() in float32 whatever param_dtype (state dicts)
   void reshard_all();
   // Each of the model's parameters (by TensorImpl) -> its index in module().parameters().
   std::unordered_map<const TensorImpl*, size_t> model_parameter_index() const;

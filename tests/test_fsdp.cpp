@@ -266,6 +266,20 @@ TEST_CASE("MixedPrecision bfloat16: half the all_gather and reduce_scatter bytes
       bool identical = false;
       worst_difference(fsdp.full_state_dict(false), want, 0.0f, &identical);
       expect(!identical, "rank ", rank, " ", name, ": bfloat16 changed nothing: were the collectives in float32?");
+      // A state dict holds the shards' float32 values, not their bfloat16 rounding (torch
+      // gathers in full precision for it): 4 bytes per element cross, and loaded into a float32
+      // FSDP the state gives back the same shards, bit for bit.
+      pg->reset_counts();
+      const nn::StateDict full = fsdp.full_state_dict(false);
+      if (strategy != ShardingStrategy::NO_SHARD)
+        expect(pg->count(dist::Collective::AllGather).bytes == (18 + 11) * 4, "rank ", rank, " ", name,
+               ": full_state_dict gathered ", pg->count(dist::Collective::AllGather).bytes,
+               " bytes, expected the float32 shards' ", (18 + 11) * 4);
+      dist::FullyShardedDataParallel reloaded(kind.make(8), pg, fsdp_options(strategy, kind.policy));
+      reloaded.load_full_state_dict(full);
+      for (size_t i = 0; i < fsdp.parameters().size(); ++i)
+        expect(reloaded.parameters()[i].to_vector() == fsdp.parameters()[i].to_vector(), "rank ", rank, " ", name,
+               ": shard ", i, " differs after a full_state_dict round trip: the state was rounded");
     }
     dist::FSDPOptions bad;
     bad.mixed_precision.param_dtype = DType::Int64;
@@ -568,6 +582,41 @@ TEST_CASE("a full checkpoint (model + optimizer) saved at 2 ranks resumes at 3 a
     CHECK_MESSAGE(failures.empty(), "resumed at world size ", world, ": ", failures);
   }
   std::remove(path.c_str());
+}
+
+TEST_CASE("an optimizer state whose step differs inside one unit is refused, naming both parameters, as torch's FSDP") {
+  // A unit's parameters share one flat parameter and so one step count. A plain AdamW whose
+  // parameters stepped apart (one had no gradient once) has no such count: taking the first
+  // would step the others' moments with the wrong bias correction.
+  const ModelKind kind = model_kinds()[0];
+  auto plain = kind.make(7);
+  auto plain_opt = make_optimizer(true, plain->parameters());
+  const Batch b = global_batch(0, kind.features);
+  cross_entropy((*plain)(b.x), b.y).backward();
+  plain_opt->step();
+  const nn::StateDict state = plain_opt->state_dict();  // every step.i is 1
+  nn::StateDict skewed = state, missing = state;
+  skewed["step.1"] = Tensor::from_vector(std::vector<int64_t>{2}, state.at("step.1").shape());
+  missing.erase("step.1");
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = join(rank, 2, port);
+    dist::FullyShardedDataParallel fsdp(kind.make(7), pg, fsdp_options(ShardingStrategy::FULL_SHARD, kind.policy));
+    for (const auto& [bad, has] : {std::pair<const nn::StateDict*, std::string>{&skewed, "has 2"},
+                                   std::pair<const nn::StateDict*, std::string>{&missing, "has none"}}) {
+      std::string message;
+      try {
+        fsdp.shard_full_optim_state_dict(*bad);
+      } catch (const ValueError& e) {
+        message = e.what();
+      }
+      expect(message.find("'step' must be the same for every parameter of unit 0") != std::string::npos &&
+                 message.find("'0.weight' has 1 and '0.bias' " + has) != std::string::npos,
+             "rank ", rank, ": ", message.empty() ? "accepted" : message);
+    }
+    expect(!fsdp.shard_full_optim_state_dict(state).empty(), "rank ", rank, ": the plain state was refused");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
 }
 
 TEST_CASE("the local state_dict is this rank's shards and loads back at the same world size") {
