@@ -764,13 +764,21 @@ int run(const Config& config) {
                   restarts > 0 ? ("restart " + std::to_string(restarts) + ": ").c_str() : "", used.c_str(),
                   first_epoch, resumed.steps > 0 ? (" and " + std::to_string(resumed.steps) + " steps of the next").c_str() : "");
     std::fflush(stdout);  // before anything said on stderr about the run, as it happened
+  } else if (restarts > 0 && rank == 0) {
+    // The work before the failure is lost: said, as a resume is.
+    const std::string why = config.checkpoint.empty()
+                                ? "no --checkpoint was given"
+                                : "no checkpoint " + config.checkpoint + " was written before the failure";
+    std::printf("restart %d: %s: this run starts again from step 0\n", restarts, why.c_str());
+    std::fflush(stdout);
   }
   if (resume) check_same_start(*pg, config.checkpoint, first_epoch, resumed.steps);
   if (!resumed.bucket_order.empty() && parallel.ddp() != nullptr) parallel.ddp()->load_bucket_order(resumed.bucket_order);
   const int64_t kill_step = examples::fault_kill_step(rank);
   const int64_t stop_step = examples::fault_stop_step(rank);
-  // Resumed: the log keeps the checkpoint's epochs and the steps past them are written again.
-  examples::MetricsLog metrics(rank == 0 ? config.metrics : "", /*epochs_kept=*/first_epoch);
+  // Resumed: the log keeps the checkpoint's steps and the steps past them are written again.
+  examples::MetricsLog metrics(rank == 0 ? config.metrics : "",
+                               /*steps_kept=*/first_epoch * train_loader.size() + resumed.steps);
   if (dist::DistributedDataParallel* ddp = parallel.ddp()) {
     if (config.comm_hook == "allreduce") ddp->register_comm_hook(pg, dist::allreduce_hook);
     if (config.comm_hook == "fp16") ddp->register_comm_hook(pg, dist::fp16_compress_hook);
@@ -817,6 +825,8 @@ int run(const Config& config) {
       loss_sum = Tensor::full({}, resumed.loss_sums[static_cast<size_t>(rank)], device);
       samples = resumed.samples[static_cast<size_t>(rank)];
     }
+    // The rates count the samples this run trained, over its own time: not the killed run's.
+    const int64_t samples_before = samples;
     int64_t passed = 0;
     std::optional<dist::ExplainWindow> explained;
     if (explain) explained.emplace(*pg);
@@ -879,7 +889,7 @@ int run(const Config& config) {
         if (chatty || metrics.enabled()) {
           // Rank 0's pace times the world size: the ranks step together.
           const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-          const double rate = static_cast<double>(samples) * world_size / elapsed;
+          const double rate = static_cast<double>(samples - samples_before) * world_size / elapsed;
           if (chatty) progress.update(steps, mean_loss, rate);
           examples::MetricsRecord record;
           record.step = epoch * train_loader.size() + steps;
@@ -920,7 +930,9 @@ int run(const Config& config) {
 
     // Mean loss over ranks; all ranks' samples over the slowest rank's time.
     const std::vector<float> stats = dist::all_reduce_host(
-        *pg, std::vector<float>{loss_sum.item() / static_cast<float>(std::max<int64_t>(steps, 1)), static_cast<float>(samples)},
+        *pg,
+        std::vector<float>{loss_sum.item() / static_cast<float>(std::max<int64_t>(steps, 1)),
+                           static_cast<float>(samples - samples_before)},
         dist::ReduceOp::Sum);
     const std::vector<float> slowest = dist::all_reduce_host(*pg, std::vector<float>{static_cast<float>(seconds)}, dist::ReduceOp::Max);
     train_loss = stats[0] / world_size;

@@ -81,22 +81,23 @@ inline void check_metrics_replaceable(const std::string& path) {
 class MetricsLog {
  public:
   // Creates path, replacing a log an earlier run wrote (check_metrics_replaceable). With
-  // epochs_kept > 0 (a run resumed from a checkpoint of that many epochs) the lines of epochs
-  // 1..epochs_kept stay and the rest go: those are steps a killed run took past its last
-  // checkpoint, which the resumed run takes again. An empty path makes a log that writes
-  // nothing. Throws IOError naming the file when it is not a log or cannot be opened.
-  explicit MetricsLog(const std::string& path, int epochs_kept = 0) : start_(std::chrono::steady_clock::now()) {
+  // steps_kept > 0 (a run resumed from a checkpoint taken after that many steps, at an epoch's
+  // end or inside one) the lines of steps 1..steps_kept stay and the rest go: those are steps a
+  // killed run took past its last checkpoint, which the resumed run takes again. An empty path
+  // makes a log that writes nothing. Throws IOError naming the file when it is not a log or
+  // cannot be opened.
+  explicit MetricsLog(const std::string& path, int64_t steps_kept = 0) : start_(std::chrono::steady_clock::now()) {
     if (path.empty()) return;
     check_metrics_replaceable(path);
     path_ = path;
-    const long kept_bytes = epochs_kept > 0 ? bytes_of_epochs(path, epochs_kept) : 0;
+    const long kept_bytes = steps_kept > 0 ? bytes_of_steps(path, steps_kept) : 0;
     file_ = std::fopen(path.c_str(), kept_bytes > 0 ? "r+" : "w");
     NANODDP_CHECK(file_ != nullptr, IOError, "--metrics ", path, ": cannot create: ", std::strerror(errno));
     if (kept_bytes > 0) {
       const bool cut = ::ftruncate(::fileno(file_), kept_bytes) == 0 && std::fseek(file_, 0, SEEK_END) == 0;
       const int error = errno;
       if (!cut) std::fclose(file_);
-      NANODDP_CHECK(cut, IOError, "--metrics ", path, ": cannot drop the lines past epoch ", epochs_kept, ": ",
+      NANODDP_CHECK(cut, IOError, "--metrics ", path, ": cannot drop the lines past step ", steps_kept, ": ",
                     std::strerror(error));
     }
   }
@@ -129,7 +130,8 @@ class MetricsLog {
  private:
   // The length of path's leading complete lines whose epoch is at most epochs (0 when it is
   // absent): lines are written in step order, so they are a prefix.
-  static long bytes_of_epochs(const std::string& path, int epochs) {
+  // The bytes of path's lines up to the first one past `steps` (or one that is not whole).
+  static long bytes_of_steps(const std::string& path, int64_t steps) {
     std::FILE* file = std::fopen(path.c_str(), "r");
     if (file == nullptr) return 0;
     long kept = 0, at = 0;
@@ -140,8 +142,8 @@ class MetricsLog {
         line += static_cast<char>(c);
         continue;
       }
-      const size_t field = line.find("\"epoch\":");
-      if (field == std::string::npos || std::atoi(line.c_str() + field + 8) > epochs) break;
+      const size_t field = line.find("\"step\":");
+      if (field == std::string::npos || std::atoll(line.c_str() + field + 7) > steps) break;
       kept = at;
       line.clear();
     }

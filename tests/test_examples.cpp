@@ -686,6 +686,34 @@ TEST_CASE("fashion_mnist --metrics with --resume: the file reads as one run, wit
   CHECK(json_field(lines[3], "test_accuracy") == json_field(json_lines(rest.out).at(0), "test_accuracy"));
 }
 
+TEST_CASE("fashion_mnist --metrics, resumed from a mid-epoch checkpoint: the lines before it stay, the rest are "
+          "written again") {
+  TempDir dir;
+  write_small_fashion_mnist(dir.path, 640, 200);
+  const std::string metrics = dir.path + "/run.jsonl", checkpoint = dir.path + "/run.ckpt";
+  // Batch 8: 80 steps, progress lines at steps 50 and 80. Saved at step 60, killed before 70.
+  const std::vector<std::string> common = {built("examples/fashion_mnist"), "--data-dir", dir.path, "--batch-size",
+                                           "8", "--epochs", "1", "--quiet", "--metrics", metrics, "--checkpoint",
+                                           checkpoint, "--checkpoint-every", "60"};
+  std::vector<std::string> killed = {"/usr/bin/env", "NANODDP_FAULT_KILL_AT=0:70"};
+  killed.insert(killed.end(), common.begin(), common.end());
+  const RunResult first = run(killed, 120s);
+  REQUIRE_MESSAGE(first.code() != 0, first.err);
+  REQUIRE(metrics_lines(metrics).size() == 1);
+  std::vector<std::string> resumed = common;
+  resumed.push_back("--resume");
+  const RunResult rest = run(resumed, 120s);
+  REQUIRE_MESSAGE(rest.code() == 0, rest.err);
+  const auto lines = metrics_lines(metrics);
+  REQUIRE(lines.size() == 3);
+  const double steps[] = {50, 80, 80};
+  for (size_t i = 0; i < lines.size(); ++i) {
+    CAPTURE(lines[i]);
+    CHECK(json_field(lines[i], "step") == steps[i]);
+    CHECK(json_field(lines[i], "epoch") == 1);
+  }
+}
+
 TEST_CASE("fashion_mnist --resume on another world size: the schedule is this run's, as if never interrupted") {
   // 640 images, batch 32: 20 steps per epoch on 1 rank, 10 on 2. Continued from the 1-rank
   // checkpoint's own step count, the cosine would leave its curve (and diverge at batch 128).

@@ -355,6 +355,27 @@ TEST_CASE("fashion_mnist --checkpoint-every: a rank killed mid-epoch and restart
   }
 }
 
+TEST_CASE("fashion_mnist restarted before any checkpoint says that it starts again from step 0") {
+  TempDir dir;
+  nanoddp::testing::write_small_fashion_mnist(dir.path, 640, 200);
+  const std::string ckpt = dir.path + "/run.ckpt";
+  for (const bool with_checkpoint : {true, false}) {
+    CAPTURE(with_checkpoint);
+    // 10 steps of 2 x 32; rank 1 dies before step 2, before the first save at step 5.
+    std::vector<std::string> args = {"/usr/bin/env", "NANODDP_FAULT_KILL_AT=1:2", launcher_path(), "--max-restarts",
+                                     "1", "--nproc-per-node", "2", nanoddp::testing::built("examples/fashion_mnist"),
+                                     "--data-dir", dir.path, "--batch-size", "32", "--epochs", "1", "--quiet"};
+    if (with_checkpoint)
+      for (const std::string& a : {std::string("--checkpoint"), ckpt, std::string("--checkpoint-every"), std::string("5")})
+        args.push_back(a);
+    const RunResult r = run(args, 120s);
+    REQUIRE_MESSAGE(r.code() == 0, r.err);
+    const std::string said = with_checkpoint ? "restart 1: no checkpoint " + ckpt + " was written before the failure"
+                                             : std::string("restart 1: no --checkpoint was given");
+    CHECK_MESSAGE(contains(r.out, said + ": this run starts again from step 0"), r.out);
+  }
+}
+
 namespace {
 
 // The common flags of a 2-rank Gloo fashion_mnist run on the small data set in dir.
