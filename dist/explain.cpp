@@ -288,8 +288,16 @@ Moment predict(const ModelStateShape& shape, const std::string& stage) {
   const double k = shape.optimizer_state_bytes_per_element;
   if (stage == "zero2") return fsdp_peak(shape, /*full_shard=*/false);
   if (stage == "fsdp") return fsdp_peak(shape, /*full_shard=*/true);
+  // The ladder's rungs (docs/ladder.md) keep DDP's parameters, gradients and optimizer state;
+  // naive and overlap all-reduce each .grad in place (no communication buffer), flat copies
+  // the gradients into one flat buffer as large as DDP's buckets.
+  if (stage == "naive" || stage == "overlap" || stage == "flat") {
+    Moment m = predict(shape, "ddp");
+    if (stage != "flat") m.comm_buffers = 0;
+    return m;
+  }
   NANODDP_CHECK(stage == "ddp" || stage == "zero1", ValueError, "no memory prediction for stage '", stage,
-                "' (ddp, zero1, zero2, fsdp)");
+                "' (ddp, zero1, zero2, fsdp, or the ladder's naive, flat, overlap)");
   Moment m;
   m.parameters = 4 * psi;
   m.gradients = shape.gradient_as_bucket_view ? 0 : 4 * psi;  // views of the buckets
@@ -324,6 +332,8 @@ std::string explain_memory(const ModelStateShape& shape, const std::string& stra
         << std::setw(12) << m.total() << (strategy == stage ? "   <- this run" : "") << "\n";
   };
   for (const char* stage : {"ddp", "zero1", "zero2", "fsdp"}) row(stage, predict(shape, stage));
+  for (const char* rung : {"naive", "flat", "overlap"})
+    if (strategy == rung) row(rung, predict(shape, rung));  // a ladder rung: its own row
   out << "explain:   measured (this run, from the allocator): peak model state " << measured.peak_model_state
       << " bytes; peaks by category: parameters " << measured.peak[static_cast<int>(MemoryCategory::Parameters)]
       << ", gradients " << measured.peak[static_cast<int>(MemoryCategory::Gradients)] << ", optimizer "

@@ -101,11 +101,13 @@ struct ModelStateShape {
 //   zero2  FSDP's schedule with SHARD_GRAD_OP: shards (4 + k)Ψ/W, every unit's full
 //          parameters gathered at the start of backward, full gradients of two units at most
 //   fsdp   FULL_SHARD: shards, the unit computing and the one prefetched, two full gradients
+// and, when strategy is a rung of the ladder (docs/ladder.md), its own row: naive and overlap
+// as ddp without buckets (each .grad is all-reduced in place), flat as ddp (one flat buffer);
 // then the measured peak of this run (the allocator's model-state peak and each category's).
 // The row of `strategy` is marked. Lines end in '\n'.
 std::string explain_memory(const ModelStateShape& shape, const std::string& strategy, const MemoryStats& measured);
 // The total of one stage's row: bytes of model state one rank holds at the peak of a step.
-// ValueError for a stage other than ddp, zero1, zero2, fsdp.
+// ValueError for a stage other than ddp, zero1, zero2, fsdp, naive, flat, overlap.
 int64_t predicted_peak_model_state(const ModelStateShape& shape, const std::string& stage);
 
 // FSDP's units: name, parameters, elements, shard size and padding per rank.

@@ -923,9 +923,7 @@ int run(const Config& config) {
       shape.gradient_as_bucket_view = config.gradient_as_bucket_view;
       for (const Tensor& p : model->parameters()) shape.parameter_numels.push_back(p.numel());
       shape.rank = rank;
-      // A ladder rung keeps what DDP keeps (flat: plus one flat copy of the gradients).
-      const std::string stage = examples::is_ladder_rung(config.strategy) ? "ddp" : config.strategy;
-      std::printf("%s", dist::explain_memory(shape, stage, memory_stats(device)).c_str());
+      std::printf("%s", dist::explain_memory(shape, config.strategy, memory_stats(device)).c_str());
     }
 
     // Mean loss over ranks; all ranks' samples over the slowest rank's time.

@@ -410,6 +410,18 @@ TEST_CASE("docs answers: the deep MLP's model state per rank at 2 ranks with Ada
   CHECK(dist::predicted_peak_model_state(shape, "zero1") == 16 * 3962890);
   CHECK(dist::predicted_peak_model_state(shape, "zero2") == 48005200);
   CHECK(dist::predicted_peak_model_state(shape, "fsdp") == 45906000);
+  // The ladder's rungs: naive and overlap reduce each .grad in place (no buffer), flat keeps one
+  // flat buffer as DDP keeps its buckets (docs/ladder.md's table: 2,821,752 and 3,762,336 for
+  // the MLP with SGD's momentum).
+  CHECK(dist::predicted_peak_model_state(shape, "naive") == 16 * 3962890);
+  CHECK(dist::predicted_peak_model_state(shape, "overlap") == 16 * 3962890);
+  CHECK(dist::predicted_peak_model_state(shape, "flat") == 20 * 3962890);
+  dist::ModelStateShape mlp;
+  mlp.numel = 235146;
+  mlp.world_size = 2;
+  mlp.optimizer_state_bytes_per_element = 4;
+  CHECK(dist::predicted_peak_model_state(mlp, "naive") == 2821752);
+  CHECK(dist::predicted_peak_model_state(mlp, "flat") == 3762336);
   // ZeRO-1 partitions whole parameters, largest first: rank 0 owns two of the three
   // 1024 x 1024 weights (2,097,152 elements), rank 1 the third, the first layer's weight and
   // the rest (1,865,738). Rank 0's AdamW state is 8 x 2,097,152 bytes, not 8 x Ψ / 2: the

@@ -289,6 +289,13 @@ TEST_CASE("--explain prints the bucket plan and per-step counts that match the c
                     std::string::npos,
                 zero.out);
   CHECK(zero.out.find("peak model state 3624568 bytes") != std::string::npos);
+  // The naive rung all-reduces each .grad in place: its own row, no communication buffer, and
+  // the measured peak agrees (docs/ladder.md's table).
+  const RunResult naive = fashion.run_2_ranks({"--explain", "--dp", "naive"}, /*one_bucket=*/true);
+  CHECK_MESSAGE(naive.out.find("naive       940584      940584     940584             0     2821752   <- this run") !=
+                    std::string::npos,
+                naive.out);
+  CHECK(naive.out.find("peak model state 2821752 bytes") != std::string::npos);
 }
 
 TEST_CASE("--explain on the CNN with a 0.25 MiB first bucket: the Linear layers' bucket is reduced during the convolutions' backward") {
