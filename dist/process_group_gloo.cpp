@@ -598,12 +598,41 @@ class ProcessGroupGloo : public ProcessGroup {
     }
   }
 
+  // What a failed fingerprint exchange through the shm group says, in the Gloo collective's
+  // name: the shm group's own descriptions of its all_gather ("rank 2/4 on vm: shm all_gather
+  // of [6] int64 (48 bytes) on cpu: ", again inside a peer's abort) are dropped, so that a Gloo
+  // job's error does not read as an shm collective. (Gloo's own failures are gloo::Exception,
+  // which GlooWork::run names.)
+  static std::string fingerprint_failure(std::string shm_error) {
+    const std::string start = "shm all_gather of [", end = " on cpu: ";
+    bool first = true;
+    for (size_t at = shm_error.find(start); at != std::string::npos; at = shm_error.find(start, at)) {
+      const size_t stop = shm_error.find(end, at);
+      if (stop == std::string::npos) break;
+      // The first is this rank's own, after its "rank r/W on host: ", which the Gloo
+      // collective's description already has: dropped with it.
+      const size_t from = first && shm_error.compare(0, 5, "rank ") == 0 ? 0 : at;
+      shm_error.erase(from, stop + end.size() - from);
+      at = from;
+      first = false;
+    }
+    return "the collective check's fingerprint exchange (through shared memory) failed: " + shm_error;
+  }
+
   std::shared_ptr<Work> enqueue(std::string description, GlooTask task) {
     NANODDP_CHECK(!runner_->broken, DistError, description,
                   ": the group is unusable after an earlier timeout");
     if (guard_) {
-      task = [guard = std::move(*guard_), task = std::move(task)](GlooRunner& runner) {
-        guard.verify(runner.all_gather(guard.fingerprint));
+      task = [guard = std::move(*guard_), task = std::move(task), description](GlooRunner& runner) {
+        std::vector<int64_t> table;
+        try {
+          table = runner.all_gather(guard.fingerprint);
+        } catch (const TimeoutError& e) {  // the type kept: the check names stragglers on a timeout
+          NANODDP_THROW(TimeoutError, description, ": ", fingerprint_failure(e.what()));
+        } catch (const DistError& e) {
+          NANODDP_THROW(DistError, description, ": ", fingerprint_failure(e.what()));
+        }
+        guard.verify(table);
         task(runner);
       };
       guard_.reset();
