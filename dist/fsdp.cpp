@@ -81,6 +81,51 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<nn::Module> m
     NANODDP_CHECK(dtype == DType::Float32 || is_16bit_float(dtype), ValueError,
                   "FullyShardedDataParallel: MixedPrecision dtypes must be float32, float16 or bfloat16, got ", dtype);
   build_units();
+  register_model_buffers();
+}
+
+namespace {
+
+// An empty module on the path of a model's buffer (Note [FSDP buffers]).
+class BufferPath : public nn::Module {
+ public:
+  Tensor forward(const Tensor& input) override { return input; }
+  std::shared_ptr<BufferPath> child(const std::string& name) {
+    auto& found = children_by_name_[name];
+    if (found == nullptr) found = register_module(name, std::make_shared<BufferPath>());
+    return found;
+  }
+
+ private:
+  std::map<std::string, std::shared_ptr<BufferPath>> children_by_name_;
+};
+
+}  // namespace
+
+// Note [FSDP buffers]
+// The model is not a registered child of the wrapper (its parameters are views of the units'
+// gathered vectors), so state_dict() would hold the shards only, and BatchNorm's running
+// statistics would be lost from a local checkpoint. Each persistent buffer of the model is
+// registered here under its own name ("1.running_mean"), through empty modules along its
+// path, sharing the model's tensor: state_dict() saves it beside the shards and
+// load_state_dict() copies into the model's own buffer, as torch's LOCAL_STATE_DICT keeps
+// buffers; to() moves it once (the tensor is the same).
+void FullyShardedDataParallel::register_model_buffers() {
+  std::map<std::string, std::shared_ptr<BufferPath>> top;
+  for (const auto& [name, buffer] : module_->named_persistent_buffers()) {
+    const size_t first_dot = name.find('.');
+    if (first_dot == std::string::npos) {
+      register_buffer(name, buffer);
+      continue;
+    }
+    std::shared_ptr<BufferPath>& root = top[name.substr(0, first_dot)];
+    if (root == nullptr) root = register_module(name.substr(0, first_dot), std::make_shared<BufferPath>());
+    std::shared_ptr<BufferPath> holder = root;
+    size_t start = first_dot + 1;
+    for (size_t dot = name.find('.', start); dot != std::string::npos; start = dot + 1, dot = name.find('.', start))
+      holder = holder->child(name.substr(start, dot - start));
+    holder->register_buffer(name.substr(start), buffer);
+  }
 }
 
 FullyShardedDataParallel::~FullyShardedDataParallel() {

@@ -164,9 +164,10 @@ class FullyShardedDataParallel : public nn::Module {
   // Loads a full state (the model's names and shapes; every rank passes the same) into the
   // shards, as Module::load_state_dict with strict does (same errors). A collective.
   void load_full_state_dict(const nn::StateDict& state);
-  // state_dict() itself is this rank's shards ("0._flat_param", torch's LOCAL_STATE_DICT):
-  // save one file per rank, load at the same world size (a shard of another size is a
-  // ShapeError naming it).
+  // state_dict() itself is this rank's shards ("0._flat_param", torch's LOCAL_STATE_DICT) and
+  // the model's persistent buffers under their own names ("1.running_mean", Note [FSDP
+  // buffers]): save one file per rank, load at the same world size (a shard of another size
+  // is a ShapeError naming it).
 
   // The state of an optimizer built on parameters(), gathered and unflattened into the model's
   // parameters: keys "<buffer>.<i>" with i indexing module().parameters(), as a plain optimizer
@@ -216,6 +217,7 @@ class FullyShardedDataParallel : public nn::Module {
   struct Unit;
   friend struct FSDPBackwardMarker;
   void build_units();
+  void register_model_buffers();  // Note [FSDP buffers]
   void gather(size_t u);         // issue the all_gather unless gathered or in flight
   void wait_gathered(size_t u);  // issue if needed, then wait
   void reshard(size_t u);

@@ -69,6 +69,13 @@ std::vector<std::pair<std::string, Tensor>> Module::named_buffers() const {
   return named;
 }
 
+std::vector<std::pair<std::string, Tensor>> Module::named_persistent_buffers() const {
+  std::vector<std::pair<std::string, Tensor>> named;
+  std::unordered_set<const TensorImpl*> seen;
+  collect(Which::PersistentBuffers, "", named, seen);
+  return named;
+}
+
 std::vector<std::pair<std::string, Module*>> Module::named_modules() {
   std::vector<std::pair<std::string, Module*>> named{{"", this}};
   std::unordered_set<const Module*> seen{this};

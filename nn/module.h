@@ -60,6 +60,8 @@ class Module {
   // under its first name (torch.nn.Module.buffers / named_buffers, remove_duplicate=True).
   std::vector<Tensor> buffers() const;
   std::vector<std::pair<std::string, Tensor>> named_buffers() const;
+  // The buffers state_dict saves (the persistent ones), with dotted names, in its order.
+  std::vector<std::pair<std::string, Tensor>> named_persistent_buffers() const;
   // This module and every submodule, depth-first, each once, with dotted names (this one
   // is "") (torch.nn.Module.named_modules). The pointers live as long as this module.
   std::vector<std::pair<std::string, Module*>> named_modules();

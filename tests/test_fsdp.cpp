@@ -20,6 +20,7 @@
 #include "dist/fsdp.h"
 #include "dist/init.h"
 #include "nn/adam.h"
+#include "nn/batch_norm.h"
 #include "nn/checkpoint.h"
 #include "nn/clip_grad.h"
 #include "nn/conv.h"
@@ -627,6 +628,48 @@ TEST_CASE("an optimizer state whose step differs inside one unit is refused, nam
              "rank ", rank, ": ", message.empty() ? "accepted" : message);
     }
     expect(!fsdp.shard_full_optim_state_dict(state).empty(), "rank ", rank, ": the plain state was refused");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("the local state_dict holds the model's buffers too: BatchNorm's running statistics load back") {
+  const auto make = [](uint64_t seed) {
+    Generator gen(seed);
+    auto model = std::make_shared<nn::Sequential>();
+    model->add(nn::Linear(5, 6, gen));
+    model->add(std::make_shared<nn::BatchNorm1d>(6));
+    model->add(nn::ReLU());
+    model->add(nn::Linear(6, 3, gen));
+    return model;
+  };
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = join(rank, 2, port);
+    auto trained_model = make(7);
+    dist::FullyShardedDataParallel trained(trained_model, pg, fsdp_options(ShardingStrategy::FULL_SHARD, dist::module_wrap_policy<nn::Linear>()));
+    nn::SGD opt(trained.parameters(), {/*lr=*/0.1f});
+    for (int s = 0; s < 2; ++s) {
+      const Batch b = share(global_batch(s, 5), rank, 2);
+      opt.zero_grad();
+      cross_entropy(trained(b.x), b.y).backward();
+      opt.step();
+    }
+    const nn::StateDict local = trained.state_dict();
+    for (const char* name : {"1.running_mean", "1.running_var", "1.num_batches_tracked"})
+      expect(local.count(name) == 1, "rank ", rank, ": the local state_dict has no ", name);
+    expect(local.at("1.num_batches_tracked").to_int_vector() == std::vector<int64_t>{2}, "rank ", rank,
+           ": num_batches_tracked is not 2 after 2 steps");
+    auto fresh_model = make(99);
+    dist::FullyShardedDataParallel fresh(fresh_model, pg, fsdp_options(ShardingStrategy::FULL_SHARD, dist::module_wrap_policy<nn::Linear>()));
+    fresh.load_state_dict(local);
+    // Into the model's own buffers: what its eval-mode forward reads.
+    const auto want = trained_model->named_buffers(), got = fresh_model->named_buffers();
+    for (size_t i = 0; i < want.size(); ++i) {
+      const bool same = want[i].second.dtype() == DType::Int64
+                            ? got[i].second.to_int_vector() == want[i].second.to_int_vector()
+                            : got[i].second.to_vector() == want[i].second.to_vector();
+      expect(same, "rank ", rank, ": buffer ", want[i].first, " was not restored");
+    }
   });
   CHECK_MESSAGE(failures.empty(), failures);
 }
