@@ -12,8 +12,17 @@
 #include <utility>
 #include <vector>
 
+#include <chrono>
+
 #include "core/storage.h"
 #include "core/tensor.h"
+
+namespace nanoddp::nn {
+class Module;
+}
+namespace nanoddp::dist {
+class ProcessGroup;
+}
 
 namespace nanoddp::dist::detail {
 
@@ -89,5 +98,15 @@ std::string local_address_towards(const std::string& host, int port);
 // default group, which then runs before that teardown. Defined in dist/init.cpp.
 void register_exit_handler_after_cuda();
 bool exit_handler_after_cuda_registered();
+
+// Checks, before a wrapper's first collective, that every rank of pg holds the same model: the
+// same number of parameters and buffers, each with the same name and shape, in the same order;
+// parameters alike in requires_grad, buffers in dtype. A collective (two all_gathers). Throws
+// DistError naming the first parameter or buffer that differs and the rank it differs from,
+// `who` ("DDP on rank 1/2") first and `wrapper` ("DDP", "FSDP") in the advice; defined in
+// dist/model_check.cpp. PyTorch's DDP checks parameters' shapes only
+// (_verify_param_shape_across_processes); FSDP checks nothing and its broadcasts misalign.
+void verify_same_model(ProcessGroup& pg, const nn::Module& module, const std::string& who, const std::string& wrapper,
+                       std::chrono::milliseconds timeout);
 
 }  // namespace nanoddp::dist::detail

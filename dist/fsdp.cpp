@@ -12,6 +12,7 @@
 #include "core/op_helpers.h"
 #include "core/ops.h"
 #include "core/trace.h"
+#include "dist/detail.h"
 #include "dist/host_collectives.h"
 #include "kernels/kernels.h"
 
@@ -80,6 +81,11 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<nn::Module> m
   for (DType dtype : {options_.mixed_precision.param_dtype, options_.mixed_precision.reduce_dtype})
     NANODDP_CHECK(dtype == DType::Float32 || is_16bit_float(dtype), ValueError,
                   "FullyShardedDataParallel: MixedPrecision dtypes must be float32, float16 or bfloat16, got ", dtype);
+  // Before the units' broadcasts, which would misalign (or abort the process under Gloo
+  // without the collective check) on ranks that built different models.
+  detail::verify_same_model(*pg_, *module_,
+                            "FSDP on rank " + std::to_string(pg_->rank()) + "/" + std::to_string(pg_->size()), "FSDP",
+                            options_.timeout);
   build_units();
   register_model_buffers();
 }

@@ -632,6 +632,30 @@ TEST_CASE("an optimizer state whose step differs inside one unit is refused, nam
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE("ranks that built different models: every rank's FSDP constructor names the parameter, before any broadcast") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = join(rank, 2, port);
+    Generator gen(7);
+    auto model = std::make_shared<nn::Sequential>();
+    model->add(nn::Linear(5, rank == 0 ? 6 : 7, gen));
+    model->add(nn::ReLU());
+    model->add(nn::Linear(rank == 0 ? 6 : 7, 3, gen));
+    std::string message;
+    try {
+      dist::FullyShardedDataParallel fsdp(model, pg, fsdp_options(ShardingStrategy::FULL_SHARD, {}));
+    } catch (const DistError& e) {
+      message = e.what();
+    }
+    const std::string want = rank == 0 ? "FSDP on rank 0/2: parameter #0 '0.weight' [6, 5] differs from rank 1's "
+                                         "parameter #0 of shape [7, 5]"
+                                       : "FSDP on rank 1/2: parameter #0 '0.weight' [7, 5] differs from rank 0's "
+                                         "parameter #0 of shape [6, 5]";
+    expect(message.find(want) != std::string::npos, "rank ", rank, ": ", message.empty() ? "no error" : message);
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("the local state_dict holds the model's buffers too: BatchNorm's running statistics load back") {
   const auto make = [](uint64_t seed) {
     Generator gen(seed);
