@@ -128,9 +128,8 @@ class MetricsLog {
   }
 
  private:
-  // The length of path's leading complete lines whose epoch is at most epochs (0 when it is
+  // The length of path's leading complete lines whose step is at most steps (0 when it is
   // absent): lines are written in step order, so they are a prefix.
-  // The bytes of path's lines up to the first one past `steps` (or one that is not whole).
   static long bytes_of_steps(const std::string& path, int64_t steps) {
     std::FILE* file = std::fopen(path.c_str(), "r");
     if (file == nullptr) return 0;
