@@ -50,11 +50,15 @@ void issue_and_wait_enqueued(AsyncComm& comm, const std::string& what, std::chro
   if (issued == AsyncState::Failed) {
     // A non-blocking communicator may record the call's error as its own asynchronous error
     // (NCCL's enqueue check and its group cleanup do): then it refuses every later call, and
-    // only an abort frees it. A communicator that still answers is left usable.
+    // only an abort frees it. One that still reports the call in progress may be adding
+    // kernels to the stream from NCCL's thread: aborted too. Only one that answers Done (an
+    // argument refused before NCCL touched the communicator) is left usable.
     std::string comm_error;
-    if (comm.state(&comm_error) == AsyncState::Failed) {
+    const AsyncState after = comm.state(&comm_error);
+    if (after != AsyncState::Done) {
       comm.abort();
-      NANODDP_THROW(DistError, what, ": ", error, "; NCCL then reported ", comm_error,
+      NANODDP_THROW(DistError, what, ": ", error, "; NCCL then reported ",
+                    after == AsyncState::Failed ? comm_error : std::string("the call still in progress"),
                     " for the communicator, which was aborted");
     }
     NANODDP_THROW(DistError, what, ": ", error);

@@ -24,7 +24,8 @@
 //   (d) ncclCommAbort and ncclCommDestroy block; ncclCommFinalize may return ncclInProgress.
 // Hence the order, for every NCCL call the group makes:
 //   1. issue the call; an immediate error other than ncclInProgress throws DistError, and
-//      aborts the communicator when (b) reports that error too (it then refuses every call);
+//      aborts the communicator unless (b) then says ncclSuccess (it keeps the error, and
+//      refuses every call, or is still launching);
 //   2. on ncclInProgress, poll (b) until it is not in progress, up to the group's timeout;
 //      an error or the timeout aborts the communicator and throws (DistError / TimeoutError);
 //   3. only then queue what must follow the collective on its stream: a copy out of its
@@ -68,8 +69,8 @@ class AsyncComm {
 // (setting *error when Failed). Returns once the call is no longer in progress. Throws
 // DistError naming `what` when the call or the communicator failed, TimeoutError after
 // timeout; both abort comm. An immediate failure of the call itself (NCCL reports a bad
-// argument that way) aborts comm only when comm's state then says Failed too: a non-blocking
-// NCCL communicator keeps such an error as its asynchronous error and refuses every later call.
+// argument that way) aborts comm unless comm's state then says Done: a non-blocking NCCL
+// communicator keeps such an error as its asynchronous error and refuses every later call.
 void issue_and_wait_enqueued(AsyncComm& comm, const std::string& what, std::chrono::milliseconds timeout,
                              const std::function<AsyncState(std::string* error)>& issue);
 

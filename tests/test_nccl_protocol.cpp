@@ -120,6 +120,18 @@ TEST_CASE("an immediate error that the communicator keeps as its own aborts it, 
                                          "communicator, which was aborted"),
                        DistError);
   CHECK(comm.log == std::vector<std::string>{"state", "abort"});
+  // Still in progress after the error (NCCL's group end can fail after starting its launch
+  // thread): aborted as well, before anything else goes on the stream.
+  ScriptedComm launching({AsyncState::InProgress});
+  CHECK_THROWS_WITH_AS(dist::detail::issue_and_wait_enqueued(launching, "nccl group", 5s,
+                                                              [](std::string* error) {
+                                                                *error = "internal error";
+                                                                return AsyncState::Failed;
+                                                              }),
+                       doctest::Contains("nccl group: internal error; NCCL then reported the call still in progress "
+                                         "for the communicator, which was aborted"),
+                       DistError);
+  CHECK(launching.log == std::vector<std::string>{"state", "abort"});
   bool issued = false;
   CHECK_THROWS_WITH_AS(dist::detail::issue_and_wait_enqueued(comm, "barrier", 5s,
                                                               [&](std::string*) {
