@@ -16,11 +16,12 @@ namespace nanoddp::kernels {
 // as torch.maximum does: a NaN on either side wins, so a NaN gradient is not hidden.
 NANODDP_HOST_DEVICE inline void adam_update(float* param, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
                                             const float* grad, int64_t i, const AdamConfig& c) {
+  // Each step rounded as PyTorch's (Note [Optimizer rounding] in kernels/cpu/sgd.cpp).
   float p = param[i];
   if (c.param_scale != 1.0f) p *= c.param_scale;
-  const float g = c.l2 != 0.0f ? grad[i] + c.l2 * p : grad[i];
-  const float m = exp_avg[i] * c.beta1 + c.one_minus_beta1 * g;
-  float v = exp_avg_sq[i] * c.beta2 + c.one_minus_beta2 * g * g;
+  const float g = c.l2 != 0.0f ? multiply_add(p, c.l2, grad[i]) : grad[i];
+  const float m = multiply_add(g, c.one_minus_beta1, exp_avg[i] * c.beta1);
+  float v = multiply_add(c.one_minus_beta2 * g, g, exp_avg_sq[i] * c.beta2);
   exp_avg[i] = m;
   exp_avg_sq[i] = v;
   if (c.amsgrad) {
@@ -29,7 +30,8 @@ NANODDP_HOST_DEVICE inline void adam_update(float* param, float* exp_avg, float*
     max_exp_avg_sq[i] = v;
   }
   const float denom = sqrtf(v) / c.bias_correction2_sqrt + c.eps;
-  param[i] = p - c.step_size * m / denom;
+  const float update = -c.step_size * m;
+  param[i] = p + update / denom;
 }
 
 }  // namespace nanoddp::kernels

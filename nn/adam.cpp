@@ -46,9 +46,9 @@ void Adam::step() {
   const double lr = options_.lr, beta1 = options_.betas.first, beta2 = options_.betas.second;
   const double weight_decay = options_.weight_decay;
   kernels::AdamConfig config;
-  config.beta1 = options_.betas.first;
+  config.beta1 = static_cast<float>(beta1);
   config.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  config.beta2 = options_.betas.second;
+  config.beta2 = static_cast<float>(beta2);
   config.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   config.eps = options_.eps;
   config.amsgrad = options_.amsgrad;

@@ -32,10 +32,12 @@
 
 namespace nanoddp::nn {
 
-// lr is a double, as torch's; the other hyper-parameters reach the kernel as float32.
+// lr and betas are doubles, as torch's Python floats: 1 - beta2 is then 1 - 0.999 rounded to
+// float32 (0.001f), as torch passes it to its kernel, not 1 - 0.999f (0.000999987). The other
+// hyper-parameters reach the kernel as float32.
 struct AdamOptions {
   double lr = 1e-3;
-  std::pair<float, float> betas = {0.9f, 0.999f};
+  std::pair<double, double> betas = {0.9, 0.999};
   float eps = 1e-8f;
   float weight_decay = 0.0f;
   bool amsgrad = false;
@@ -44,7 +46,7 @@ struct AdamOptions {
 // AdamW's defaults differ from Adam's only in weight_decay (1e-2, torch.optim.AdamW's).
 struct AdamWOptions {
   double lr = 1e-3;
-  std::pair<float, float> betas = {0.9f, 0.999f};
+  std::pair<double, double> betas = {0.9, 0.999};
   float eps = 1e-8f;
   float weight_decay = 1e-2f;
   bool amsgrad = false;

@@ -112,7 +112,7 @@ TEST_CASE("SGD, Adam, AdamW, clip_grad_norm_ and zero_grad work through gradient
                                                               /*weight_decay=*/0.1f});
       },
       [](std::vector<Tensor> p) {
-        return std::make_unique<Adam>(std::move(p), AdamOptions{/*lr=*/0.1, {0.9f, 0.999f}, 1e-8f, 0.1f, true});
+        return std::make_unique<Adam>(std::move(p), AdamOptions{/*lr=*/0.1, {0.9, 0.999}, 1e-8f, 0.1f, true});
       },
       [](std::vector<Tensor> p) { return std::make_unique<AdamW>(std::move(p), AdamWOptions{/*lr=*/0.1}); },
   };
@@ -264,7 +264,7 @@ TEST_CASE("AdamW's decoupled weight decay matches PyTorch 1.13") {
 TEST_CASE("AdamW with its default weight decay, other betas, eps and amsgrad matches PyTorch 1.13") {
   AdamWOptions options;  // weight_decay stays at AdamW's default 1e-2
   options.lr = 0.1;
-  options.betas = {0.8f, 0.9f};
+  options.betas = {0.8, 0.9};
   options.eps = 1e-3f;
   options.amsgrad = true;
   CHECK(options.weight_decay == 1e-2f);
@@ -288,6 +288,57 @@ TEST_CASE("AdamW with its default weight decay, other betas, eps and amsgrad mat
     CHECK(state.at("exp_avg_sq.0").to_vector()[i] == doctest::Approx(exp_avg_sq[i]).epsilon(2e-7));
     CHECK(state.at("max_exp_avg_sq.0").to_vector()[i] == doctest::Approx(max_exp_avg_sq[i]).epsilon(2e-7));
   }
+}
+
+// Whether this build's kernels fuse multiply-adds (the project's -mfma or -march=native on a
+// CPU that has FMA), as torch's AVX2 kernels do.
+#if defined(__FMA__)
+constexpr bool kFusedMultiplyAdd = true;
+#else
+constexpr bool kFusedMultiplyAdd = false;
+#endif
+
+TEST_CASE("30 steps of SGD (momentum, dampening, nesterov, weight decay), Adam and AdamW equal PyTorch 1.13's, bit for bit") {
+  // Note [Optimizer rounding] in kernels/cpu/sgd.cpp: each step rounds as torch's single-tensor
+  // step. Inputs are dyadic, so both sides start from the same floats; the expected bits are
+  // torch 1.13's (CPU, AVX2) after 30 steps. A build without FMA (-Dcpu_isa=portable) rounds as
+  // torch's default kernels do, and is not checked here.
+  if (!kFusedMultiplyAdd) return;
+  const int64_t n = 16;
+  auto run = [&](const std::function<std::unique_ptr<Optimizer>(std::vector<Tensor>)>& make) {
+    std::vector<float> start(n);
+    for (int64_t k = 0; k < n; ++k) start[static_cast<size_t>(k)] = static_cast<float>((k * 37) % 101 - 50) / 64;
+    Tensor p = Tensor::from_vector(start).set_requires_grad(true);
+    std::unique_ptr<Optimizer> opt = make({p});
+    for (int64_t s = 0; s < 30; ++s) {
+      std::vector<float> g(n);
+      for (int64_t k = 0; k < n; ++k) g[static_cast<size_t>(k)] = static_cast<float>((k * 13 + s * 7) % 29 - 14) / 32;
+      p.set_grad(Tensor::from_vector(g));
+      opt->step();
+    }
+    std::vector<uint32_t> bits;
+    for (float v : p.to_vector()) {
+      uint32_t b;
+      std::memcpy(&b, &v, sizeof b);
+      bits.push_back(b);
+    }
+    return bits;
+  };
+  CHECK(run([](std::vector<Tensor> p) {
+          return std::make_unique<SGD>(std::move(p), SGDOptions{/*lr=*/0.01, 0.9f, /*dampening=*/0.1f, 1e-4f});
+        }) == std::vector<uint32_t>{0xbf46a379, 0xbe56ba63, 0x3ec42534, 0xbf1d0cff, 0xbd70efc2, 0x3f008d94, 0xbef62939, 0x3e1e8a72,
+        0x3f2f6397, 0xbe9534ca, 0x3e61ee6a, 0xbf3c8d66, 0xbe0fdb14, 0x3ed8157a, 0xbf1732da, 0xbd364bd9});
+  CHECK(run([](std::vector<Tensor> p) {
+          return std::make_unique<SGD>(std::move(p), SGDOptions{/*lr=*/0.01, 0.9f, 0.0f, 1e-4f, /*nesterov=*/true});
+        }) == std::vector<uint32_t>{0xbf4695cd, 0xbe56b508, 0x3ec40ed4, 0xbf1d0861, 0xbd716c02, 0x3f0092c8, 0xbef631b3, 0x3e1eabee,
+        0x3f2f5fa3, 0xbe951d29, 0x3e61ed1b, 0xbf3c9749, 0xbe0fcfa0, 0x3ed8025b, 0xbf172c83, 0xbd36aa66});
+  CHECK(run([](std::vector<Tensor> p) {
+          return std::make_unique<Adam>(std::move(p), AdamOptions{1e-3, {0.9, 0.999}, 1e-8f, 1e-2f, /*amsgrad=*/true});
+        }) == std::vector<uint32_t>{0xbf474e70, 0xbe511ad5, 0x3ebf9df5, 0xbf1f5730, 0xbd4121e1, 0x3f078a94, 0xbef15902, 0x3de8bd62,
+        0x3f2f8174, 0xbe9dfb6a, 0x3e84f402, 0xbf3c2a7c, 0xbe1e757e, 0x3ed7de71, 0xbf139161, 0xbba5c26d});
+  CHECK(run([](std::vector<Tensor> p) { return std::make_unique<AdamW>(std::move(p), AdamWOptions{}); }) ==
+        std::vector<uint32_t>{0xbf477223, 0xbe51462b, 0x3ebfc382, 0xbf1f7aa7, 0xbd414597, 0x3f07a6c6, 0xbef186cb, 0x3de8eb7d,
+        0x3f2fa3f1, 0xbe9e1730, 0x3e85904e, 0xbf3c4f15, 0xbe1e994a, 0x3ed807b9, 0xbf13b07e, 0xbba5d882});
 }
 
 TEST_CASE("the fused Adam and AdamW kernels follow a float64 reference over 20 steps") {
@@ -345,14 +396,14 @@ TEST_CASE("Adam skips a parameter without a gradient and checks its arguments as
   CHECK(message({-1.0f}).find("Invalid learning rate: -1") != std::string::npos);
   CHECK(message({1e-3f, {1.0f, 0.999f}}).find("Invalid beta parameter at index 0: 1") != std::string::npos);
   CHECK(message({1e-3f, {0.9f, -0.1f}}).find("Invalid beta parameter at index 1") != std::string::npos);
-  CHECK(message({1e-3f, {0.9f, 0.999f}, -1e-8f}).find("Invalid epsilon value") != std::string::npos);
-  CHECK(message({1e-3f, {0.9f, 0.999f}, 1e-8f, -0.1f}).find("Invalid weight_decay value") != std::string::npos);
+  CHECK(message({1e-3f, {0.9, 0.999}, -1e-8f}).find("Invalid epsilon value") != std::string::npos);
+  CHECK(message({1e-3f, {0.9, 0.999}, 1e-8f, -0.1f}).find("Invalid weight_decay value") != std::string::npos);
   CHECK_THROWS_AS(AdamW({a, a}, AdamWOptions{}), ValueError);
   CHECK_THROWS_AS(opt.set_lr(-0.5f), ValueError);
 }
 
 TEST_CASE("Adam state_dict resumes to the identical trajectory and rejects partial state") {
-  AdamOptions options{0.05f, {0.9f, 0.999f}, 1e-8f, 0.0f, /*amsgrad=*/true};
+  AdamOptions options{0.05f, {0.9, 0.999}, 1e-8f, 0.0f, /*amsgrad=*/true};
   Tensor p = Tensor::from_vector({1.0f, -2.0f, 0.5f}).set_requires_grad(true);
   Tensor q = Tensor::from_vector({1.0f, -2.0f, 0.5f}).set_requires_grad(true);
   Adam straight({p}, options), first({q}, options);

@@ -1,4 +1,8 @@
 // The fused Adam / AdamW step on the CPU: one pass over param, grad and the moment buffers.
+// Rounded as PyTorch's step, op by op: Note [Optimizer rounding] in kernels/cpu/sgd.cpp.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 #include "kernels/adam_update.h"
 
 namespace nanoddp::kernels::cpu {
