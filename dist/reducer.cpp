@@ -283,22 +283,45 @@ void Reducer::reset_iteration() {
 // An exception inside backward (a user's hook, an op, a comm hook) ends the pass, and the
 // engine drops the callbacks queued for its end: finalize never runs. The buckets launched
 // before the exception are in flight, and this Reducer still counts them as pending. The next
-// forward calls abandon_interrupted_backward: it waits for each launched bucket (every rank
-// whose backward got as far issued the same ones, so the group stays in step), drops the
+// forward calls abandon_interrupted_backward: it waits for each launched bucket, drops the
 // results (the iteration failed; .grad holds partial sums, which zero_grad clears) and resets.
-// A rank whose backward did not throw is waiting in finalize for buckets the failed rank never
-// launched: it gets a TimeoutError that names the bucket. PyTorch's Reducer raises "Expected
-// to have finished reduction in the prior iteration" instead, and the process cannot train on.
+// That keeps the group in step only if every rank's backward ended the same way, having
+// launched the same buckets. A rank whose backward did not throw is still in finalize, inside
+// the all_reduce of a bucket this rank never launched: had this rank gone on, its next
+// iteration's bucket would pair with that one, and both ranks would step on a mix of two
+// iterations' gradients. So the ranks agree first, with one all_reduce of the number of
+// buckets each launched (MAX of it and of its negation): where it differs, or where a rank is
+// still in finalize (its bucket all_reduce meets this int64 one: the collective check's
+// mismatch error, on both), every rank throws. PyTorch's Reducer raises "Expected to have
+// finished reduction in the prior iteration" on the failed rank, and it cannot train on.
 void Reducer::abandon_interrupted_backward() {
   if (!finalize_queued_) return;
+  int64_t launched = 0;
   try {
     for (Bucket& bucket : buckets_)
-      if (bucket.reduced) bucket.reduced->wait(options_.timeout);
+      if (bucket.reduced) {
+        bucket.reduced->wait(options_.timeout);
+        ++launched;
+      }
   } catch (...) {
     reset_iteration();
     throw;
   }
   reset_iteration();
+  if (pg_->size() == 1) return;
+  std::vector<int64_t> agreed;
+  const std::string where = "DDP on rank " + std::to_string(pg_->rank()) + "/" + std::to_string(pg_->size());
+  try {
+    agreed = all_reduce_host(*pg_, std::vector<int64_t>{launched, -launched}, ReduceOp::Max, options_.timeout);
+  } catch (const Error& e) {
+    NANODDP_THROW(DistError, where, ": the previous backward on this rank ended by an exception, and the other ranks "
+                  "did not end theirs the same way (", e.what(), "); the ranks are out of step and cannot train on "
+                  "(PyTorch: \"Expected to have finished reduction in the prior iteration\")");
+  }
+  NANODDP_CHECK(agreed[0] == -agreed[1], DistError, where, ": the previous backward ended by an exception on every "
+                "rank, but after ", -agreed[1], " launched bucket(s) on one and ", agreed[0], " on another, so the "
+                "ranks are out of step and cannot train on (PyTorch: \"Expected to have finished reduction in the "
+                "prior iteration\")");
 }
 
 // 2. A parameter's gradient is final for this backward.

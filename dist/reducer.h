@@ -105,9 +105,10 @@ class Reducer {
   bool rebuild_buckets();
   // Note [Interrupted backward] in reducer.cpp: when the last synced backward ended by an
   // exception (its end-of-backward callback never ran), waits for the buckets it launched,
-  // drops their results and starts a fresh iteration; does nothing otherwise. DDP's forward
-  // calls it first. Throws what the waits throw (DistError, TimeoutError: a rank that did not
-  // launch the same buckets).
+  // drops their results, starts a fresh iteration and agrees with the other ranks (one
+  // all_reduce) that theirs ended the same way; does nothing otherwise. DDP's forward calls it
+  // first. Throws what the waits throw (DistError, TimeoutError), and DistError when another
+  // rank launched other buckets or finished its backward: the ranks are out of step.
   void abandon_interrupted_backward();
   // Whether rebuild_buckets has re-planned: bucket_plan() is then the rebuilt plan, final.
   bool buckets_rebuilt() const { return rebuilt_; }

@@ -338,6 +338,50 @@ TEST_CASE("a model with nothing to train is a ValueError on every rank, as in Py
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE("a rank that catches an exception from its backward and goes on is stopped, never paired with another step") {
+  // The "skip the bad batch" pattern on one rank only: its hook throws in step 1 and the
+  // exception is caught. The other rank is inside step 1's bucket all_reduce. Going on, the
+  // failed rank's step 2 would be averaged with the other's step 1, silently (Note
+  // [Interrupted backward] in dist/reducer.cpp). Both ranks must raise instead. Not under
+  // mpirun: there the refused collective leaves a request that never completes, and a process
+  // that has one skips MPI_Finalize at exit (dist/process_group_mpi.cpp), which fails the job.
+  if (testing::under_mpirun()) return;
+  const int port = testing::free_port();
+  const std::string failures = testing::on_ranks(2, [&](int rank) {
+    auto pg = testing::join(rank, 2, port, std::chrono::seconds(10));
+    auto model = linear_1x1(1, 0);
+    dist::DistributedDataParallel ddp(model, pg);
+    bool armed = false;
+    if (rank == 1)
+      model->weight.register_post_accumulate_grad_hook([&armed](Tensor&) {
+        if (armed) {
+          armed = false;
+          throw std::runtime_error("user hook failed on rank 1");
+        }
+      });
+    std::string errors;
+    for (int step = 0; step < 3; ++step) {
+      armed = rank == 1 && step == 1;
+      model->zero_grad();
+      try {
+        sum(ddp(Tensor::full({1, 1}, static_cast<float>(rank + step + 1)))).backward();
+      } catch (const std::exception& e) {
+        errors += "step " + std::to_string(step) + ": " + e.what() + "\n";
+      }
+    }
+    if (rank == 1) {
+      expect(errors.find("step 1: user hook failed on rank 1") != std::string::npos &&
+                 errors.find("step 2: DDP on rank 1/2: the previous backward on this rank ended by an exception, and "
+                             "the other ranks did not end theirs the same way") != std::string::npos,
+             "rank 1: ", errors);
+    } else {
+      expect(errors.find("step 1: ") != std::string::npos, "rank 0: step 1 completed, paired with rank 1's step 2");
+    }
+    testing::leave();  // the collective check kept the group in step: both compared, neither reduced
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("ranks that freeze different parameters fail at construction, naming the parameter") {
   for (int world : {2, 4}) {
     CAPTURE(world);
