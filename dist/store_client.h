@@ -19,6 +19,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -37,12 +38,27 @@ class TCPStore::Client {
   Client(const TCPStoreOptions& options, int port, const std::string& context)
       : context_(context + ": store " + options.host + ":" + std::to_string(port)), rank_(options.rank) {
     // A newer round's rank may reach the old group's server while that one is still going
-    // (Note [Restart rounds]): it connects again until the timeout.
+    // (Note [Restart rounds]): it connects again until the timeout. The old server may also
+    // close a connection it accepted as it goes away: for a restarted rank that is not rank 0
+    // failing, for up to kOldServerGrace after the first such close.
+    constexpr auto kOldServerGrace = std::chrono::seconds(2);
     const auto deadline = Clock::now() + options.timeout;
+    std::optional<Clock::time_point> first_close;
     uint32_t server_round = 0;
     while (true) {
       connect(options.host, port, options.timeout, options.connect_notice_after, context);
-      if (hello(options, server_round)) return;
+      try {
+        if (hello(options, server_round)) return;
+      } catch (const ClosedBeforeHello&) {
+        if (!first_close) first_close = Clock::now();
+        const bool retry = options.round > 0 && Clock::now() - *first_close < kOldServerGrace;
+        if (!retry) {
+          report_lost_peer(rank_, 0);  // blamed only if rank 0 failed too (Note [Launcher link])
+          NANODDP_THROW(DistError, context_, ": the store closed the connection before answering the hello: "
+                        "rank 0 exited (see its error), or MASTER_PORT is served by an older nanoddp or another "
+                        "program");
+        }
+      }
       fd_.reset();
       NANODDP_CHECK(Clock::now() < deadline, TimeoutError, context_, ": this rank is of restart round ",
                     options.round, " (NANODDP_RESTART_COUNT), but the store still serves round ", server_round,
@@ -152,8 +168,12 @@ class TCPStore::Client {
     set_nodelay(fd_.get());
   }
 
+  // What hello throws when the server closes the connection before its answer.
+  struct ClosedBeforeHello {};
+
   // Steps 1-2 of Note [Store wire format]. False: the server is of an older round
-  // (server_round), which is about to go; connect again.
+  // (server_round), which is about to go; connect again. Throws ClosedBeforeHello when the
+  // server closed the connection instead of answering.
   bool hello(const TCPStoreOptions& options, uint32_t& server_round) {
     NANODDP_CHECK(options.job_id.size() <= kMaxIdentityBytes && options.token.size() <= kMaxIdentityBytes,
                   ValueError, context_, ": a job id or token longer than ", kMaxIdentityBytes, " bytes");
@@ -173,9 +193,7 @@ class TCPStore::Client {
     } catch (const TimeoutError&) {
       throw;
     } catch (const DistError&) {
-      report_lost_peer(rank_, 0);  // blamed only if rank 0 failed too (Note [Launcher link])
-      NANODDP_THROW(DistError, context_, ": the store closed the connection before answering the hello: rank 0 "
-                    "exited (see its error), or MASTER_PORT is served by an older nanoddp or another program");
+      throw ClosedBeforeHello{};  // the constructor decides: retried, or the error
     }
     Reader r{reply, sizeof(reply)};
     const auto magic = static_cast<uint32_t>(r.uint(4)), version = static_cast<uint32_t>(r.uint(4));
