@@ -11,6 +11,8 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "dist/host_collectives.h"
+#include "dist/process_group.h"
 
 namespace nanoddp::dist::detail {
 
@@ -82,6 +84,23 @@ std::string local_address_towards(const std::string& host, int port) {
   NANODDP_CHECK(!address.empty(), DistError, "no local interface routes to MASTER_ADDR '", host,
                 "'");
   return address;
+}
+
+void agree_after_interrupted_backward(ProcessGroup& pg, int64_t issued, const std::string& who,
+                                      std::chrono::milliseconds timeout) {
+  if (pg.size() == 1) return;
+  std::vector<int64_t> agreed;
+  try {
+    agreed = all_reduce_host(pg, std::vector<int64_t>{issued, -issued}, ReduceOp::Max, timeout);
+  } catch (const Error& e) {
+    NANODDP_THROW(DistError, who, ": the previous backward on this rank ended by an exception, and the other ranks "
+                  "did not end theirs the same way (", e.what(), "); the ranks are out of step and cannot train on "
+                  "(PyTorch: \"Expected to have finished reduction in the prior iteration\")");
+  }
+  NANODDP_CHECK(agreed[0] == -agreed[1], DistError, who, ": the previous backward ended by an exception on every "
+                "rank, but after ", -agreed[1], " collective(s) on one and ", agreed[0], " on another, so the ranks "
+                "are out of step and cannot train on (PyTorch: \"Expected to have finished reduction in the prior "
+                "iteration\")");
 }
 
 }  // namespace nanoddp::dist::detail

@@ -109,4 +109,12 @@ bool exit_handler_after_cuda_registered();
 void verify_same_model(ProcessGroup& pg, const nn::Module& module, const std::string& who, const std::string& wrapper,
                        std::chrono::milliseconds timeout);
 
+// Note [Interrupted backward] in dist/reducer.cpp: after a backward that ended by an exception
+// on this rank, having issued `issued` of its collectives (buckets, reductions), checks with
+// one all_reduce that every rank's ended the same way. Throws DistError naming `who` when the
+// counts differ, or when the all_reduce fails (a rank still inside that backward's collective:
+// the collective check's mismatch). Does nothing at world size 1. Defined in dist/detail.cpp.
+void agree_after_interrupted_backward(ProcessGroup& pg, int64_t issued, const std::string& who,
+                                      std::chrono::milliseconds timeout);
+
 }  // namespace nanoddp::dist::detail

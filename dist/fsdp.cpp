@@ -521,12 +521,14 @@ void FullyShardedDataParallel::finish_backward() {
   }
 }
 
-// The engine dropped finish_backward: the reductions issued so far are waited for (every rank
-// whose backward got as far issued them too) and their results dropped; what earlier ones
-// added to the shards' .grad is a partial sum that zero_grad clears.
+// The engine dropped finish_backward: the reductions issued so far are waited for and their
+// results dropped; what earlier ones added to the shards' .grad is a partial sum that
+// zero_grad clears. Then the ranks agree that each issued as many (Note [Interrupted
+// backward] in dist/reducer.cpp): a rank whose backward went on is still inside a collective.
 void FullyShardedDataParallel::abandon_interrupted_backward() {
   if (!in_backward_) return;
   in_backward_ = false;
+  const int64_t issued_reductions = static_cast<int64_t>(reduce_order_.size());
   if (!backward_order_known_) backward_order_.clear();  // the first backward records again
   std::vector<std::shared_ptr<Work>> issued;
   for (size_t i = reductions_finished_; i < reduce_order_.size(); ++i)
@@ -547,6 +549,9 @@ void FullyShardedDataParallel::abandon_interrupted_backward() {
     unit->reduce_output = Tensor();
     unit->low_grad = Tensor();
   }
+  detail::agree_after_interrupted_backward(
+      *pg_, issued_reductions, "FSDP on rank " + std::to_string(pg_->rank()) + "/" + std::to_string(pg_->size()),
+      options_.timeout);
 }
 
 float FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_type, bool error_if_nonfinite) {

@@ -4,6 +4,7 @@
 
 #include "core/autograd.h"
 #include "core/memory.h"
+#include "dist/detail.h"
 #include "dist/host_collectives.h"
 #include "core/trace.h"
 #include "kernels/kernels.h"
@@ -308,20 +309,9 @@ void Reducer::abandon_interrupted_backward() {
     throw;
   }
   reset_iteration();
-  if (pg_->size() == 1) return;
-  std::vector<int64_t> agreed;
-  const std::string where = "DDP on rank " + std::to_string(pg_->rank()) + "/" + std::to_string(pg_->size());
-  try {
-    agreed = all_reduce_host(*pg_, std::vector<int64_t>{launched, -launched}, ReduceOp::Max, options_.timeout);
-  } catch (const Error& e) {
-    NANODDP_THROW(DistError, where, ": the previous backward on this rank ended by an exception, and the other ranks "
-                  "did not end theirs the same way (", e.what(), "); the ranks are out of step and cannot train on "
-                  "(PyTorch: \"Expected to have finished reduction in the prior iteration\")");
-  }
-  NANODDP_CHECK(agreed[0] == -agreed[1], DistError, where, ": the previous backward ended by an exception on every "
-                "rank, but after ", -agreed[1], " launched bucket(s) on one and ", agreed[0], " on another, so the "
-                "ranks are out of step and cannot train on (PyTorch: \"Expected to have finished reduction in the "
-                "prior iteration\")");
+  detail::agree_after_interrupted_backward(
+      *pg_, launched, "DDP on rank " + std::to_string(pg_->rank()) + "/" + std::to_string(pg_->size()),
+      options_.timeout);
 }
 
 // 2. A parameter's gradient is final for this backward.

@@ -656,6 +656,44 @@ TEST_CASE("ranks that built different models: every rank's FSDP constructor name
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE("a rank that catches an exception from its backward and goes on is stopped, never paired with another step") {
+  // As the DDP case in test_ddp_edges: rank 1's hook throws in step 1 and rank 1 goes on; its
+  // next forward must not pair its reduce_scatters with rank 0's of step 1.
+  if (under_mpirun()) return;  // a refused collective leaves an MPI request open at exit
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = join(rank, 2, port);
+    auto model = make_mlp(7);
+    dist::FullyShardedDataParallel fsdp(model, pg, fsdp_options(ShardingStrategy::FULL_SHARD,
+                                                                dist::module_wrap_policy<nn::Linear>()));
+    bool armed = false;
+    if (rank == 1)
+      model->parameters().front().register_post_accumulate_grad_hook([&armed](Tensor&) {
+        if (armed) {
+          armed = false;
+          throw std::runtime_error("user hook failed on rank 1");
+        }
+      });
+    std::string errors;
+    for (int step = 0; step < 3; ++step) {
+      armed = rank == 1 && step == 1;
+      const Batch b = share(global_batch(step, 5), rank, 2);
+      try {
+        cross_entropy(fsdp(b.x), b.y).backward();
+      } catch (const std::exception& e) {
+        errors += "step " + std::to_string(step) + ": " + e.what() + "\n";
+      }
+    }
+    if (rank == 1)
+      expect(errors.find("step 2: FSDP on rank 1/2: the previous backward on this rank ended by an exception, and "
+                         "the other ranks did not end theirs the same way") != std::string::npos,
+             "rank 1: ", errors);
+    else
+      expect(errors.find("step 1: ") != std::string::npos, "rank 0: step 1 completed, paired with rank 1's step 2");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("the local state_dict holds the model's buffers too: BatchNorm's running statistics load back") {
   const auto make = [](uint64_t seed) {
     Generator gen(seed);
