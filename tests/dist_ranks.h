@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 
 #include "dist/init.h"
@@ -70,6 +71,17 @@ inline std::shared_ptr<dist::ProcessGroup> join(int rank, int world, int port,
 
 // Ends the group made by join, so the next case (under mpirun: in the same process) can join.
 inline void leave() { dist::destroy_process_group(); }
+
+// A gradient hook on param that throws std::runtime_error("user hook failed") the next time
+// param's gradient is accumulated after *armed was set, and clears *armed: a backward that
+// ends by an exception, on the ranks that arm it (Note [Interrupted backward]).
+inline void throw_when_armed(Tensor param, bool* armed) {
+  param.register_post_accumulate_grad_hook([armed](Tensor&) {
+    if (!*armed) return;
+    *armed = false;
+    throw std::runtime_error("user hook failed");
+  });
+}
 
 inline bool have_mpirun() { return run({"/bin/sh", "-c", "command -v mpirun"}).code() == 0; }
 

@@ -667,13 +667,7 @@ TEST_CASE("a rank that catches an exception from its backward and goes on is sto
     dist::FullyShardedDataParallel fsdp(model, pg, fsdp_options(ShardingStrategy::FULL_SHARD,
                                                                 dist::module_wrap_policy<nn::Linear>()));
     bool armed = false;
-    if (rank == 1)
-      model->parameters().front().register_post_accumulate_grad_hook([&armed](Tensor&) {
-        if (armed) {
-          armed = false;
-          throw std::runtime_error("user hook failed on rank 1");
-        }
-      });
+    if (rank == 1) testing::throw_when_armed(model->parameters().front(), &armed);
     std::string errors;
     for (int step = 0; step < 3; ++step) {
       armed = rank == 1 && step == 1;
