@@ -77,9 +77,7 @@ void DistributedDataParallel::check_requires_grad_unchanged() const {
 }
 
 void DistributedDataParallel::verify_model_matches() {
-  detail::verify_same_model(*pg_, *module_, "DDP on rank " + std::to_string(pg_->rank()) + "/" +
-                                                std::to_string(pg_->size()),
-                            "DDP", timeout_);
+  detail::verify_same_model(*pg_, *module_, "DDP", timeout_);
 }
 
 void DistributedDataParallel::broadcast_parameters(int root) {

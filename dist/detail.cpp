@@ -86,9 +86,14 @@ std::string local_address_towards(const std::string& host, int port) {
   return address;
 }
 
-void agree_after_interrupted_backward(ProcessGroup& pg, int64_t issued, const std::string& who,
+std::string wrapper_on_rank(const std::string& wrapper, const ProcessGroup& pg) {
+  return wrapper + " on rank " + std::to_string(pg.rank()) + "/" + std::to_string(pg.size());
+}
+
+void agree_after_interrupted_backward(ProcessGroup& pg, int64_t issued, const std::string& wrapper,
                                       std::chrono::milliseconds timeout) {
   if (pg.size() == 1) return;
+  const std::string who = wrapper_on_rank(wrapper, pg);
   std::vector<int64_t> agreed;
   try {
     agreed = all_reduce_host(pg, std::vector<int64_t>{issued, -issued}, ReduceOp::Max, timeout);

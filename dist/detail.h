@@ -7,12 +7,11 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <chrono>
 
 #include "core/storage.h"
 #include "core/tensor.h"
@@ -103,18 +102,22 @@ bool exit_handler_after_cuda_registered();
 // same number of parameters and buffers, each with the same name and shape, in the same order;
 // parameters alike in requires_grad, buffers in dtype. A collective (two all_gathers). Throws
 // DistError naming the first parameter or buffer that differs and the rank it differs from,
-// `who` ("DDP on rank 1/2") first and `wrapper` ("DDP", "FSDP") in the advice; defined in
-// dist/model_check.cpp. PyTorch's DDP checks parameters' shapes only
-// (_verify_param_shape_across_processes); FSDP checks nothing and its broadcasts misalign.
-void verify_same_model(ProcessGroup& pg, const nn::Module& module, const std::string& who, const std::string& wrapper,
+// beginning "<wrapper> on rank r/W" (wrapper: "DDP", "FSDP"); defined in dist/model_check.cpp.
+// PyTorch's DDP checks parameters' shapes only (_verify_param_shape_across_processes); FSDP
+// checks nothing and its broadcasts misalign.
+void verify_same_model(ProcessGroup& pg, const nn::Module& module, const std::string& wrapper,
                        std::chrono::milliseconds timeout);
 
 // Note [Interrupted backward] in dist/reducer.cpp: after a backward that ended by an exception
 // on this rank, having issued `issued` of its collectives (buckets, reductions), checks with
-// one all_reduce that every rank's ended the same way. Throws DistError naming `who` when the
-// counts differ, or when the all_reduce fails (a rank still inside that backward's collective:
-// the collective check's mismatch). Does nothing at world size 1. Defined in dist/detail.cpp.
-void agree_after_interrupted_backward(ProcessGroup& pg, int64_t issued, const std::string& who,
+// one all_reduce that every rank's ended the same way. Throws DistError beginning "<wrapper>
+// on rank r/W" when the counts differ, or when the all_reduce fails (a rank still inside that
+// backward's collective: the collective check's mismatch). Does nothing at world size 1.
+// Defined in dist/detail.cpp.
+void agree_after_interrupted_backward(ProcessGroup& pg, int64_t issued, const std::string& wrapper,
                                       std::chrono::milliseconds timeout);
+
+// "DDP on rank 1/4": the start of the errors a wrapper of pg raises.
+std::string wrapper_on_rank(const std::string& wrapper, const ProcessGroup& pg);
 
 }  // namespace nanoddp::dist::detail

@@ -83,9 +83,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<nn::Module> m
                   "FullyShardedDataParallel: MixedPrecision dtypes must be float32, float16 or bfloat16, got ", dtype);
   // Before the units' broadcasts, which would misalign (or abort the process under Gloo
   // without the collective check) on ranks that built different models.
-  detail::verify_same_model(*pg_, *module_,
-                            "FSDP on rank " + std::to_string(pg_->rank()) + "/" + std::to_string(pg_->size()), "FSDP",
-                            options_.timeout);
+  detail::verify_same_model(*pg_, *module_, "FSDP", options_.timeout);
   build_units();
   register_model_buffers();
 }
@@ -549,9 +547,7 @@ void FullyShardedDataParallel::abandon_interrupted_backward() {
     unit->reduce_output = Tensor();
     unit->low_grad = Tensor();
   }
-  detail::agree_after_interrupted_backward(
-      *pg_, issued_reductions, "FSDP on rank " + std::to_string(pg_->rank()) + "/" + std::to_string(pg_->size()),
-      options_.timeout);
+  detail::agree_after_interrupted_backward(*pg_, issued_reductions, "FSDP", options_.timeout);
 }
 
 float FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_type, bool error_if_nonfinite) {
@@ -644,11 +640,16 @@ std::pair<std::string, size_t> split_state_key(const std::string& key) {
 }
 
 // A unit's parameters share one flat parameter, so one optimizer entry: a state that is not
-// per element (Adam's step) must be the same for each of them. values[k] is parameter k's, or
-// undefined when it has none. Throws ValueError naming the first two that differ, as torch's
-// FSDP does ("must have scalar state with the same value and dtype").
-void check_same_scalar_state(const char* where, const std::string& buffer, size_t unit,
-                             const std::vector<std::pair<std::string, Tensor>>& values) {
+// per element (Adam's step) must be the same for each of them. params: the unit's (name,
+// tensor); found: (k, entry) for each of its parameters k that has one. Throws ValueError
+// naming the first two that differ, a missing one included, as torch's FSDP does ("must have
+// scalar state with the same value and dtype").
+void check_same_scalar_state(const std::string& where, const std::string& buffer, size_t unit,
+                             const std::vector<std::pair<std::string, Tensor>>& params,
+                             const std::vector<std::pair<size_t, Tensor>>& found) {
+  std::vector<std::pair<std::string, Tensor>> values(params.size());  // parameter k's, or undefined
+  for (size_t k = 0; k < params.size(); ++k) values[k].first = params[k].first;
+  for (const auto& [k, value] : found) values[k].second = value;
   const auto describe = [](const Tensor& t) {
     if (!t.defined()) return std::string("none");
     std::ostringstream text;
@@ -747,10 +748,8 @@ nn::StateDict FullyShardedDataParallel::shard_full_optim_state_dict(const nn::St
       const bool per_element = entries[0].second.dtype() == DType::Float32 &&
                                entries[0].second.shape() == first_param.shape();
       if (!per_element) {
-        std::vector<std::pair<std::string, Tensor>> values(unit.params.size());
-        for (size_t k = 0; k < unit.params.size(); ++k) values[k].first = unit.params[k].first;
-        for (const auto& [k, value] : entries) values[k].second = value;
-        check_same_scalar_state("FullyShardedDataParallel.shard_full_optim_state_dict", buffer, u, values);
+        check_same_scalar_state("FullyShardedDataParallel.shard_full_optim_state_dict", buffer, u, unit.params,
+                                entries);
         sharded[key] = entries[0].second.clone();
         continue;
       }
@@ -911,11 +910,10 @@ nn::StateDict FullyShardedDataParallel::read_local_optim_state_dict(ShardedCheck
       const bool per_element = reader.dtype(first) == DType::Float32 &&
                                reader.shape(first) == unit.params[entries[0].first].second.shape();
       if (!per_element) {  // a step count: the same for every parameter of the unit
-        std::vector<std::pair<std::string, Tensor>> values(unit.params.size());
-        for (size_t k = 0; k < unit.params.size(); ++k) values[k].first = unit.params[k].first;
-        for (const auto& [k, name] : entries) values[k].second = reader.read(name);
-        check_same_scalar_state(("sharded checkpoint " + reader.path()).c_str(), buffer, u, values);
-        out[key] = values[entries[0].first].second;
+        std::vector<std::pair<size_t, Tensor>> found;
+        for (const auto& [k, name] : entries) found.emplace_back(k, reader.read(name));
+        check_same_scalar_state("sharded checkpoint " + reader.path(), buffer, u, unit.params, found);
+        out[key] = found[0].second;
         continue;
       }
       const int64_t shard_begin = no_shard ? 0 : pg_->rank() * unit.shard_numel;

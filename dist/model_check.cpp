@@ -37,8 +37,9 @@ std::string signature_shape(const int64_t* sig) {
 
 }  // namespace
 
-void verify_same_model(ProcessGroup& pg, const nn::Module& module, const std::string& who, const std::string& wrapper,
+void verify_same_model(ProcessGroup& pg, const nn::Module& module, const std::string& wrapper,
                        std::chrono::milliseconds timeout) {
+  const std::string who = wrapper_on_rank(wrapper, pg);
   const auto params = module.named_parameters();
   const auto buffers = module.named_buffers();
   const int world = pg.size();

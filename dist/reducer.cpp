@@ -309,9 +309,7 @@ void Reducer::abandon_interrupted_backward() {
     throw;
   }
   reset_iteration();
-  detail::agree_after_interrupted_backward(
-      *pg_, launched, "DDP on rank " + std::to_string(pg_->rank()) + "/" + std::to_string(pg_->size()),
-      options_.timeout);
+  detail::agree_after_interrupted_backward(*pg_, launched, "DDP", options_.timeout);
 }
 
 // 2. A parameter's gradient is final for this backward.
