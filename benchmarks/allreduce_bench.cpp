@@ -302,7 +302,8 @@ int main(int argc, char** argv) {
                  "it; --nproc: GPU r); mpi needs mpirun (or nanoddp-run --backend mpi), not --nproc")
       ->check(cli::backend());
   app.add_flag("--ring", c.ring,
-               "time dist::ring_all_reduce, the textbook ring on the backend's send/recv");
+               "time dist::ring_all_reduce, the textbook ring on the backend's send/recv (CPU tensors: shm, gloo "
+               "or mpi, not nccl)");
   app.add_flag("--collective-buffer", c.collective_buffer,
                "all-reduce tensors made by ProcessGroup::new_collective_buffer, as DDP's buckets are (shm: the "
                "direct all-reduce, no copies through slots)");
