@@ -1,6 +1,6 @@
 // NANODDP_HOST_DEVICE marks an inline function that the CPU kernels and the CUDA kernels both
 // call, so the two devices compute one expression written once (kernels/adam_update.h,
-// kernels/pool_window.h).
+// kernels/sgd_update.h, kernels/pool_window.h).
 #pragma once
 
 #ifdef __CUDACC__

@@ -15,24 +15,17 @@
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off")
 #endif
-#include "kernels/host_device.h"
-#include "kernels/kernels.h"
+#include "kernels/sgd_update.h"
 
 namespace nanoddp::kernels::cpu {
 
 void sgd_step(float* param, float* momentum_buffer, const float* grad, int64_t n, SgdConfig config, bool first_step) {
-  const float lr = config.lr, momentum = config.momentum, weight_decay = config.weight_decay;
-  const float keep = 1.0f - config.dampening;
-  for (int64_t i = 0; i < n; ++i) {
-    float g = grad[i];
-    if (weight_decay != 0.0f) g = multiply_add(param[i], weight_decay, g);
-    if (momentum != 0.0f) {
-      const float buf = first_step ? g : multiply_add(g, keep, momentum * momentum_buffer[i]);
-      momentum_buffer[i] = buf;
-      g = config.nesterov ? multiply_add(buf, momentum, g) : buf;
-    }
-    param[i] = multiply_add(g, -lr, param[i]);
+  if (config.momentum == 0.0f) {
+    float unused = 0.0f;
+    for (int64_t i = 0; i < n; ++i) sgd_update(param[i], unused, grad[i], config, first_step);
+    return;
   }
+  for (int64_t i = 0; i < n; ++i) sgd_update(param[i], momentum_buffer[i], grad[i], config, first_step);
 }
 
 }  // namespace nanoddp::kernels::cpu

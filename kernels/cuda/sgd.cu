@@ -5,19 +5,9 @@
 
 #include "kernels/cuda/launch.cuh"
 #include "kernels/kernels.h"
+#include "kernels/sgd_update.h"
 
 namespace nanoddp::kernels::cuda {
-
-// The update of one parameter. buf is null when momentum == 0.
-__device__ __forceinline__ void sgd_update(float& p, float* buf, float grad, const SgdConfig& c, bool first_step) {
-  float g = c.weight_decay != 0.0f ? grad + c.weight_decay * p : grad;
-  if (c.momentum != 0.0f) {
-    const float b = first_step ? g : c.momentum * *buf + (1.0f - c.dampening) * g;
-    *buf = b;
-    g = c.nesterov ? g + c.momentum * b : b;
-  }
-  p -= c.lr * g;
-}
 
 // param, momentum_buffer and grad never overlap (__restrict__ lets loads run ahead of stores).
 __global__ void sgd_step_forward_kernel(float* __restrict__ param, float* __restrict__ momentum_buffer,
@@ -27,7 +17,7 @@ __global__ void sgd_step_forward_kernel(float* __restrict__ param, float* __rest
     float p = param[i];
     float b = 0.0f;
     if (config.momentum != 0.0f && !first_step) b = momentum_buffer[i];
-    sgd_update(p, &b, grad[i], config, first_step);
+    sgd_update(p, b, grad[i], config, first_step);
     param[i] = p;
     if (config.momentum != 0.0f) momentum_buffer[i] = b;
   }
