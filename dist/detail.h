@@ -112,7 +112,8 @@ void verify_same_model(ProcessGroup& pg, const nn::Module& module, const std::st
 // on this rank, having issued `issued` of its collectives (buckets, reductions), checks with
 // one all_reduce that every rank's ended the same way. Throws DistError beginning "<wrapper>
 // on rank r/W" when the counts differ, or when the all_reduce fails (a rank still inside that
-// backward's collective: the collective check's mismatch). Does nothing at world size 1.
+// backward's collective: the collective check's mismatch; without the check that pairing is
+// undefined, as any mismatched collective is). Does nothing at world size 1.
 // Defined in dist/detail.cpp.
 void agree_after_interrupted_backward(ProcessGroup& pg, int64_t issued, const std::string& wrapper,
                                       std::chrono::milliseconds timeout);

@@ -293,8 +293,11 @@ void Reducer::reset_iteration() {
 // iterations' gradients. So the ranks agree first, with one all_reduce of the number of
 // buckets each launched (MAX of it and of its negation): where it differs, or where a rank is
 // still in finalize (its bucket all_reduce meets this int64 one: the collective check's
-// mismatch error, on both), every rank throws. PyTorch's Reducer raises "Expected to have
-// finished reduction in the prior iteration" on the failed rank, and it cannot train on.
+// mismatch error, on both), every rank throws. That last case needs the collective check
+// (on by default): without it, backends pair collectives by order alone, and the two
+// all_reduces of different sizes may hang until the timeout or mix their data. PyTorch's
+// Reducer raises "Expected to have finished reduction in the prior iteration" on the failed
+// rank, and it cannot train on.
 void Reducer::abandon_interrupted_backward() {
   if (!finalize_queued_) return;
   int64_t launched = 0;
