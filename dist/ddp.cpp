@@ -117,13 +117,13 @@ void DistributedDataParallel::broadcast_buffers(int root) {
   NoGradGuard no_grad;
   const auto named = module_->named_buffers();
   const bool is_root = pg_->rank() == root;
-  for (DType dtype : {DType::Float32, DType::Int64}) {
+  // One flat broadcast per dtype present, in DType's order (the same on every rank: the
+  // construction check compared the buffers' names and dtypes).
+  for (int d = 0; d <= static_cast<int>(kLastDType); ++d) {
+    const auto dtype = static_cast<DType>(d);
     std::vector<Tensor> group;
     int64_t numel = 0;
     for (const auto& [name, b] : named) {
-      NANODDP_CHECK(b.dtype() == DType::Float32 || b.dtype() == DType::Int64, ValueError, "DDP on rank ",
-                    pg_->rank(), ": buffer '", name, "' is ", b.dtype(),
-                    "; broadcast_buffers sends float32 and int64 buffers only");
       if (b.dtype() != dtype) continue;
       NANODDP_CHECK(group.empty() || b.device() == group[0].device(), DeviceError, "DDP on rank ", pg_->rank(),
                     ": buffer '", name, "' is on ", b.device(), " but other buffers are on ", group[0].device());

@@ -34,8 +34,9 @@
 // by the last step's own update. Inside a Join the source is the highest rank still training
 // (one more 8-byte all-reduce(max) finds it, and a joined rank shadows both), and the final
 // model sync sends the buffers with the parameters (PyTorch's _sync_final_model). Cost: one
-// broadcast per buffer dtype (float32, int64), of all buffers of that dtype packed into one
-// flat tensor, so a model with 50 BatchNorm layers pays 2 collectives per step, not 150.
+// broadcast per dtype among the buffers (any dtype, as torch's; BatchNorm's are float32 and
+// int64), of all buffers of that dtype packed into one flat tensor, so a model with 50
+// BatchNorm layers pays 2 collectives per step, not 150.
 // Packing copies the buffers (2 C floats + 1 int64 per BatchNorm, kilobytes) and a broadcast
 // costs a collective's latency (Gloo: ~ms on one machine), so the flat packing is what keeps
 // it small. Turn it off when buffers need no agreement: SyncBatchNorm (its statistics are

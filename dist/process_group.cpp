@@ -151,15 +151,17 @@ void ProcessGroup::check_tensor(const std::string& collective, const Tensor& ten
                                 Device device) const {
   NANODDP_CHECK(tensor.defined(), ValueError, describe(collective, tensor),
                 ": the tensor is undefined");
-  const DType dtype = tensor.dtype();
-  NANODDP_CHECK(dtype == DType::Float32 || dtype == DType::Int64 || is_16bit_float(dtype), ValueError,
-                describe(collective, tensor), ": only float32, int64, float16 and bfloat16 tensors are supported");
   NANODDP_CHECK(tensor.device() == device, DeviceError, describe(collective, tensor),
                 ": this ", backend_name(), " group works on ", device, " tensors");
 }
 
 void ProcessGroup::check_reduce(const std::string& collective, const Tensor& tensor,
                                 ReduceOp op) const {
+  const DType dtype = tensor.dtype();
+  NANODDP_CHECK(dtype == DType::Float32 || dtype == DType::Int64 || is_16bit_float(dtype), ValueError,
+                describe(collective, tensor),
+                ": only float32, int64, float16 and bfloat16 tensors can be reduced (broadcast, all_gather, "
+                "send and recv copy any dtype)");
   NANODDP_CHECK(op != ReduceOp::Avg || tensor.dtype() == DType::Float32, ValueError,
                 describe(collective, tensor),
                 ": avg needs float32 (an int64 average would round); use sum");

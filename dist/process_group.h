@@ -26,8 +26,10 @@
 //    skips MPI_Finalize (it would wait for the dead peer forever).
 //  - Max and Min propagate NaN whichever rank holds it (torch.maximum/torch.minimum).
 //  - Every message names the rank, world size, host, backend, the collective and its sizes.
-//  - Tensors: dense, contiguous; float32 or int64 (UInt8 is refused: sums would wrap);
-//    float16 and bfloat16 too, reduced with Sum only: each backend widens every element to
+//  - Tensors: dense, contiguous. Copies (broadcast, all_gather, send, recv) take any dtype,
+//    byte for byte, as torch.distributed's do. Reductions take float32 or int64 (uint8 and
+//    int32 are refused: sums would wrap or differ by backend), and
+//    float16 and bfloat16, reduced with Sum only: each backend widens every element to
 //    float32, adds, and rounds the sum back to 16 bits (to nearest, ties to even), as Gloo's
 //    and NCCL's half sums do; DDP's compression hooks use them (dist/comm_hooks.h);
 //    CUDA tensors of the group's device on NCCL; CPU tensors on shm, Gloo and MPI, and CUDA
@@ -154,11 +156,11 @@ class ProcessGroup {
   // reduced in place across ranks;
   // every rank ends with the same values (torch.distributed.all_reduce).
   virtual std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op = ReduceOp::Sum) = 0;
-  // tensor: any shape; root's values are copied into every rank's tensor
+  // tensor: any shape and dtype; root's values are copied into every rank's tensor
   // (torch.distributed.broadcast). Throws ValueError when root is not in [0, size()).
   virtual std::shared_ptr<Work> broadcast(Tensor& tensor, int root) = 0;
-  // outputs: size() tensors of input's shape and dtype; outputs[r] receives rank r's input
-  // (torch.distributed.all_gather). Throws ValueError/ShapeError on a count/shape mismatch.
+  // outputs: size() tensors of input's shape and dtype (any dtype); outputs[r] receives rank
+  // r's input (torch.distributed.all_gather). Throws ValueError/ShapeError on a count/shape mismatch.
   virtual std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) = 0;
   // inputs: size() tensors of output's shape and dtype; output = reduce over ranks r' of
   // rank r''s inputs[rank()] (torch.distributed.reduce_scatter). The inputs are read, never
@@ -170,7 +172,7 @@ class ProcessGroup {
   virtual std::shared_ptr<Work> barrier() = 0;
 
   // Point-to-point (torch.distributed.isend / irecv; wait() on the Work for send / recv).
-  // tensor: any shape; recv's tensor must have the shape and dtype of the matching send.
+  // tensor: any shape and dtype; recv's tensor must have the shape and dtype of the matching send.
   // Messages between two ranks arrive in the order sent; tag must match too. Throws
   // ValueError when dst/src is not another rank of the group; a mismatch in size, dtype or
   // tag is a DistError on the receiving side (shm) or, where the library cannot tell, data
@@ -241,6 +243,8 @@ class ProcessGroup {
   std::string describe(const std::string& collective, const Tensor& tensor) const;
   std::string where() const;  // "rank 1/4 on host"
   // Shared argument checks; each throws ValueError/ShapeError/DeviceError with describe().
+  // check_tensor: defined and on device, any dtype (what a copy needs); check_reduce: a dtype
+  // and op the backends can add (every reduction calls both).
   void check_tensor(const std::string& collective, const Tensor& tensor, Device device) const;
   void check_reduce(const std::string& collective, const Tensor& tensor, ReduceOp op) const;
   void check_list(const std::string& collective, const std::vector<Tensor>& list,

@@ -210,7 +210,7 @@ struct GlooRunner {
         opts.setOutput(tensor.data<int64_t>(), numel);
         opts.setReduceFunction(reduce_function<int64_t>(op));
         break;
-      default:  // check_tensor refuses it first
+      default:  // check_reduce refuses it first
         NANODDP_THROW(ValueError, "gloo: no reduction for ", dtype_name(tensor.dtype()));
     }
     prepare(opts);

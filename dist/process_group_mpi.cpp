@@ -101,8 +101,10 @@ MPI_Datatype mpi_type(DType dtype) {
     case DType::Float16:
     case DType::BFloat16: return MPI_UINT16_T;
     case DType::Int64: return MPI_INT64_T;
-    default: NANODDP_THROW(ValueError, "mpi: no MPI datatype for ", dtype_name(dtype));  // check_tensor refuses it first
+    case DType::UInt8: return MPI_UINT8_T;  // copies only: check_reduce refuses it for a reduction
+    case DType::Int32: return MPI_INT32_T;
   }
+  NANODDP_THROW(ValueError, "mpi: no MPI datatype for dtype ", static_cast<int>(dtype));
 }
 
 // Widen to float32, add, round back (to nearest, ties to even), as Gloo's float16 sum does.

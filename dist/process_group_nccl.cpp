@@ -402,8 +402,10 @@ ncclDataType_t nccl_type(DType dtype) {
     case DType::Float16: return ncclFloat16;
     case DType::BFloat16: return ncclBfloat16;
     case DType::Int64: return ncclInt64;
-    default: NANODDP_THROW(ValueError, "nccl: no NCCL datatype for ", dtype_name(dtype));  // check_tensor refuses it first
+    case DType::UInt8: return ncclUint8;  // copies only: check_reduce refuses it for a reduction
+    case DType::Int32: return ncclInt32;
   }
+  NANODDP_THROW(ValueError, "nccl: no NCCL datatype for dtype ", static_cast<int>(dtype));
 }
 
 ncclRedOp_t nccl_op(ReduceOp op) {

@@ -307,7 +307,7 @@ ReduceFn reduce_fn(DType dtype, ReduceOp op) {
     case DType::Float16: return sum_16bit_into<Float16>;
     case DType::BFloat16: return sum_16bit_into<BFloat16>;
     case DType::Int64: return reduce_fn<int64_t>(op);
-    default: NANODDP_THROW(ValueError, "shm: no reduction for ", dtype_name(dtype));  // check_tensor refuses it first
+    default: NANODDP_THROW(ValueError, "shm: no reduction for ", dtype_name(dtype));  // check_reduce refuses it first
   }
 }
 

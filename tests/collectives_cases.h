@@ -48,6 +48,23 @@ inline void expect_values(const Tensor& t, const std::function<double(int64_t)>&
   }
 }
 
+// numel elements of dtype whose bytes are a pattern of seed: (seed * 31 + 7 * k) mod 251.
+inline Tensor bytes_tensor(DType dtype, int64_t numel, int seed) {
+  Tensor t = Tensor::empty({numel}, dtype);
+  auto* bytes = static_cast<uint8_t*>(t.impl()->storage->data());
+  for (size_t k = 0; k < t.nbytes(); ++k) bytes[k] = static_cast<uint8_t>((seed * 31 + 7 * k) % 251);
+  return t;
+}
+
+// Throws unless t's bytes are bytes_tensor's pattern of seed.
+inline void expect_bytes(const Tensor& t, int seed, const std::string& what) {
+  const Tensor host = t.to(Device::cpu());
+  const auto* bytes = static_cast<const uint8_t*>(host.impl()->storage->data());
+  for (size_t k = 0; k < host.nbytes(); ++k)
+    expect(bytes[k] == static_cast<uint8_t>((seed * 31 + 7 * k) % 251), what, ": byte ", k, " is ", int(bytes[k]),
+           ", expected ", (seed * 31 + 7 * k) % 251);
+}
+
 inline const char* short_name(DType dtype) { return dtype == DType::Float32 ? "float32" : "int64"; }
 
 inline void check_collectives(dist::ProcessGroup& pg, const std::vector<int64_t>& sizes) {
@@ -58,7 +75,8 @@ inline void check_collectives(dist::ProcessGroup& pg, const std::vector<int64_t>
   const std::string where = "rank " + std::to_string(rank) + "/" + std::to_string(n) + " " +
                             pg.backend_name() + " ";
 
-  // Other dtypes (uint8, int32) are refused by name before any backend reads them (as int64).
+  // Reductions of other dtypes (uint8, int32) are refused by name before any backend reads
+  // them (as int64).
   for (DType dtype : {DType::UInt8, DType::Int32}) {
     Tensor t = Tensor::ones({3}, dtype);
     std::string message;
@@ -69,6 +87,19 @@ inline void check_collectives(dist::ProcessGroup& pg, const std::vector<int64_t>
     }
     expect(message.find("only float32, int64, float16 and bfloat16") != std::string::npos, where,
            dtype_name(dtype), " all_reduce: ", message.empty() ? "accepted" : message);
+  }
+  // Copies take every dtype, byte for byte (torch.distributed.broadcast / all_gather).
+  for (DType dtype : {DType::UInt8, DType::Int32, DType::Float16, DType::BFloat16}) {
+    const std::string what = where + dtype_name(dtype) + " ";
+    for (int root = 0; root < n; ++root) {
+      Tensor t = bytes_tensor(dtype, 37, rank);
+      pg.broadcast(t, root)->wait();
+      expect_bytes(t, root, what + "broadcast from " + std::to_string(root));
+    }
+    std::vector<Tensor> outputs;
+    for (int r = 0; r < n; ++r) outputs.push_back(Tensor::zeros({37}, dtype));
+    pg.all_gather(outputs, bytes_tensor(dtype, 37, rank))->wait();
+    for (int r = 0; r < n; ++r) expect_bytes(outputs[r], r, what + "all_gather output " + std::to_string(r));
   }
 
   for (int64_t numel : sizes) {
