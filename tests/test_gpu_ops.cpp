@@ -8,6 +8,8 @@
 #include "core/autograd.h"
 #include "core/ops.h"
 #include "nn/autocast.h"
+#include "nn/batch_norm.h"
+#include "nn/conv.h"
 #include "tests/op_cases.h"
 
 using namespace nanoddp;

@@ -16,7 +16,10 @@
 #include "core/random.h"
 #include "core/trace.h"
 #include "kernels/cpu/conv.h"
+#include "kernels/dropout_mask.h"
 #include "kernels/pool_window.h"
+#include "nn/conv.h"
+#include "nn/dropout.h"
 #include "tests/op_cases.h"
 
 using namespace nanoddp;
