@@ -185,7 +185,7 @@ void run_rank(const Config& c) {
   blocking_mpi = c.compare_blocking_mpi && pg->backend_name() == "mpi";
 #endif
   if (print && c.csv) {
-    std::printf("backend,world_size,device,bytes,count,iters,time_us,algbw_gbps,busbw_gbps%s\n",
+    std::printf("backend,world_size,device,bytes,count,iters,time_us,algbw_gbps,busbw_gbps,algorithm%s\n",
                 blocking_mpi ? ",mpi_allreduce_us" : "");
   } else if (print) {
     std::printf("# nanoddp %s: backend %s, %d ranks, float32 sum in place, device %s%s\n",
@@ -197,6 +197,11 @@ void run_rank(const Config& c) {
     std::printf("%14s %12s %7s %12s %12s %12s%s\n", "size(B)", "count(el)", "iters", "time(us)",
                 "algbw(GB/s)", "busbw(GB/s)", blocking_mpi ? "  MPI_Allreduce(us)" : "");
   }
+  // The CSV's algorithm column, so that runs of one backend with and without --ring or
+  // --collective-buffer stay apart when tools/plot draws them together.
+  const char* const algorithm = c.ring                ? "ring_all_reduce"
+                                : c.collective_buffer ? "all_reduce_collective_buffer"
+                                                      : "all_reduce";
   std::vector<double> sizes, times;
   for (int64_t bytes = c.min_bytes; bytes <= c.max_bytes; bytes *= 2) {
     const int64_t count = bytes / 4;
@@ -222,9 +227,9 @@ void run_rank(const Config& c) {
     }
 #endif
     if (print && c.csv) {
-      std::printf("%s,%d,%s,%lld,%lld,%d,%.3f,%.9g,%.9g%s\n", pg->backend_name().c_str(), n, device.str().c_str(),
+      std::printf("%s,%d,%s,%lld,%lld,%d,%.3f,%.9g,%.9g,%s%s\n", pg->backend_name().c_str(), n, device.str().c_str(),
                   static_cast<long long>(bytes), static_cast<long long>(count), iters, seconds * 1e6, algbw, busbw,
-                  blocking_mpi ? ("," + std::to_string(mpi_seconds_us)).c_str() : "");
+                  algorithm, blocking_mpi ? ("," + std::to_string(mpi_seconds_us)).c_str() : "");
       std::fflush(stdout);
     } else if (print) {
       std::printf("%14lld %12lld %7d %12.1f %12.3f %12.3f%s\n", static_cast<long long>(bytes),
@@ -327,7 +332,7 @@ int main(int argc, char** argv) {
   app.add_flag("--compare-blocking-mpi", c.compare_blocking_mpi,
                "with the mpi backend, also time a blocking MPI_Allreduce on MPI_COMM_WORLD");
   app.add_flag("--csv", c.csv,
-               "print CSV (backend,world_size,device,bytes,count,iters,time_us,algbw_gbps,busbw_gbps) instead of the "
+               "print CSV (backend,world_size,device,bytes,count,iters,time_us,algbw_gbps,busbw_gbps,algorithm) instead of the "
                "table; tools/plot allreduce draws it");
   app.add_flag("--check-collectives", c.check_collectives,
                "time each all-reduce with the check that all ranks call the same collective "

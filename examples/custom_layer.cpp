@@ -6,7 +6,7 @@
 //   build/tools/nanoddp-run --nproc-per-node 2 build/examples/custom_layer --backend gloo
 //
 // Inside the library a layer also gets a kernel per device and a row in the op harness
-// (tests/op_cases.h); docs/adding-a-layer.md walks through that. Here the kernel is a plain
+// (tests/op_cases.cpp); docs/adding-a-layer.md walks through that. Here the kernel is a plain
 // host loop: on a GPU tensor (--device cuda) the op copies its input to host memory and its
 // result back, which is correct but slow; a CUDA kernel is what removes those copies.
 #include <CLI/CLI.hpp>

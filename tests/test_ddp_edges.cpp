@@ -845,7 +845,7 @@ TEST_CASE("SyncBatchNorm on 2 and 4 ranks equals BatchNorm1d on the global batch
   Generator gen(42);
   const std::vector<float> x = Tensor::randn({N, C, L}, gen).to_vector(), g = Tensor::randn({N, C, L}, gen).to_vector();
   const std::vector<float> weight = {1.5f, -0.5f, 2.0f}, bias = {0.25f, 0.0f, -1.0f};
-  // float64 reference: y from op_cases.h's ref_batch_norm; dx = w invstd (g - mean(g) - xhat mean(g xhat)).
+  // float64 reference: y from tests/op_cases.h's ref_batch_norm; dx = w invstd (g - mean(g) - xhat mean(g xhat)).
   const testing::Values xs(x.begin(), x.end()), ws(weight.begin(), weight.end()), bs(bias.begin(), bias.end());
   const testing::Values want_y = testing::ref_batch_norm(xs, ws, bs, N, C, L);
   testing::Values want_dx(x.size()), want_dw(C), want_db(C), mean(C), var(C);

@@ -1,4 +1,4 @@
-// The op harness, CUDA column: every row of tests/op_cases.h on cuda:0 against the CPU, on
+// The op harness, CUDA column: every row of tests/op_cases.cpp on cuda:0 against the CPU, on
 // the same inputs: the forward, each input's gradient, and the forward with NaN/±inf in the
 // first input. Exits 77 (SKIP) without a GPU (tests/test_gpu_main.cpp).
 #include "tests/test_gpu_util.h"

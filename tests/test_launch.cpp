@@ -102,6 +102,9 @@ void check_nothing_left(const std::set<int>& pids) {
 }
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+bool ends_with(const std::string& text, const std::string& tail) {
+  return text.size() >= tail.size() && text.compare(text.size() - tail.size(), tail.size(), tail) == 0;
+}
 
 bool on_path(const std::string& program) {
   return std::system(("command -v " + program + " > /dev/null 2>&1").c_str()) == 0;
@@ -485,13 +488,13 @@ TEST_CASE("allreduce_bench --csv: a header and one row per size, busbw = algbw *
   CHECK_MESSAGE(!contains(r.err, "NANODDP_STORE_TOKEN is not set"), r.err);
   const std::vector<std::string> lines = lines_of(r.out);
   REQUIRE(lines.size() == 4);
-  CHECK(lines[0] == "backend,world_size,device,bytes,count,iters,time_us,algbw_gbps,busbw_gbps");
+  CHECK(lines[0] == "backend,world_size,device,bytes,count,iters,time_us,algbw_gbps,busbw_gbps,algorithm");
   for (int i = 1; i <= 3; ++i) {
     CAPTURE(lines[i]);
     std::vector<std::string> cells;
     std::stringstream row(lines[i]);
     for (std::string cell; std::getline(row, cell, ',');) cells.push_back(cell);
-    REQUIRE(cells.size() == 9);
+    REQUIRE(cells.size() == 10);
     const long long bytes = 4096LL << (i - 1);
     CHECK(cells[0] == "gloo");
     CHECK(cells[1] == "2");
@@ -501,6 +504,7 @@ TEST_CASE("allreduce_bench --csv: a header and one row per size, busbw = algbw *
     const double time_us = std::stod(cells[6]), algbw = std::stod(cells[7]), busbw = std::stod(cells[8]);
     CHECK(algbw == doctest::Approx(bytes / (time_us * 1e-6) / 1e9).epsilon(1e-3));
     CHECK(busbw == algbw);  // 2(n-1)/n = 1 for n = 2
+    CHECK(cells[9] == "all_reduce");
   }
 }
 
@@ -513,6 +517,22 @@ TEST_CASE("allreduce_bench --nproc with backend auto runs on shm, as auto does f
   const std::vector<std::string> lines = lines_of(r.out);
   REQUIRE(lines.size() == 2);
   CHECK_MESSAGE(lines[1].rfind("shm,2,cpu,4096,", 0) == 0, lines[1]);
+  CHECK_MESSAGE(ends_with(lines[1], ",all_reduce"), lines[1]);
+}
+
+TEST_CASE("allreduce_bench --csv names the algorithm: --ring and --collective-buffer rows stay apart") {
+  using nanoddp::testing::built;
+  for (const auto& [flag, algorithm] : {std::pair<std::string, std::string>{"--ring", "ring_all_reduce"},
+                                        {"--collective-buffer", "all_reduce_collective_buffer"}}) {
+    CAPTURE(flag);
+    const RunResult r = run({built("benchmarks/allreduce_bench"), "--nproc", "2", "--backend", "shm", flag, "--csv",
+                             "--min-bytes", "4096", "--max-bytes", "4096", "--seconds-per-size", "0.01"},
+                            60s);
+    REQUIRE_MESSAGE(r.code() == 0, r.err);
+    const std::vector<std::string> lines = lines_of(r.out);
+    REQUIRE(lines.size() == 2);
+    CHECK_MESSAGE(ends_with(lines[1], "," + algorithm), lines[1]);
+  }
 }
 
 TEST_CASE("allreduce_bench --nproc under NANODDP_TRACE: each rank writes its all-reduces, the parent no empty file") {

@@ -1,4 +1,4 @@
-// The op harness, CPU column: every row of tests/op_cases.h, forward against a float64
+// The op harness, CPU column: every row of tests/op_cases.cpp, forward against a float64
 // reference, backward against central finite differences of that reference, and NaN/±inf
 // inputs against the reference. To add an op, add a row to op_cases().
 #include <doctest/doctest.h>

@@ -1,4 +1,4 @@
-// The op harness, DDP column: for every row of tests/op_cases.h with a model builder, 2 ranks
+// The op harness, DDP column: for every row of tests/op_cases.cpp with a model builder, 2 ranks
 // (Gloo, forked) x 8 samples train exactly like 1 rank on the 16-sample batch. Rank 1 starts
 // from other weights, so DDP's broadcast is part of what is checked; parameters and buffers
 // (running statistics) are compared. A row with batch statistics (BatchNorm) normalises each

@@ -43,16 +43,23 @@ with tempfile.TemporaryDirectory() as folder:
                             "test_accuracy": 0.8, "wall_s": 1.1}) + "\n")
     bench = os.path.join(folder, "gloo.csv")
     with open(bench, "w") as f:
-        f.write("[1,0]<stdout>:backend,world_size,device,bytes,count,iters,time_us,algbw_gbps,busbw_gbps\n")
-        for b in sizes:
-            t = 20e-6 + 1e-9 * b
-            f.write(f"[1,0]<stdout>:gloo,2,cpu,{b},{b // 4},10,{t * 1e6:.3f},{b / t / 1e9:.6f},{b / t / 1e9:.6f}\n")
+        f.write("[1,0]<stdout>:backend,world_size,device,bytes,count,iters,time_us,algbw_gbps,busbw_gbps,algorithm\n")
+        for algorithm in ("all_reduce", "ring_all_reduce"):
+            for b in sizes:
+                t = 20e-6 + 1e-9 * b
+                f.write(f"[1,0]<stdout>:gloo,2,cpu,{b},{b // 4},10,{t * 1e6:.3f},{b / t / 1e9:.6f},{b / t / 1e9:.6f},"
+                        f"{algorithm}\n")
     results = os.path.join(folder, "results.json")
     with open(results, "w") as f:
         json.dump({"date_utc": "2026-11-30T00:00:00+00:00", "commit": "abc1234", "rows": [
             {"benchmark": "MLP samples/s", "nanoddp": 5e4, "torch": 2e4, "ratio": 2.5, "target": ">= 1.5x",
              "pass": True},
             {"benchmark": "no torch side", "nanoddp": 1.0, "torch": None, "ratio": None}]}, f)
+
+    # One series per algorithm: a --ring run does not merge into the all_reduce one.
+    series = plot.allreduce_series([bench])
+    assert sorted(series) == [("gloo", 2, "cpu", "all_reduce"), ("gloo", 2, "cpu", "ring_all_reduce")], sorted(series)
+    assert all(len(points) == len(sizes) for points in series.values()), series
 
     for kind, source in (("metrics", metrics), ("allreduce", bench), ("results", results)):
         out = os.path.join(folder, kind + ".png")
