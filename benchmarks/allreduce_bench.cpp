@@ -327,8 +327,10 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", c.warmup, "untimed all-reduces per size")
       ->check(cli::integer_where("an integer between 0 and 1000000", "0..1000000", [](long long v) { return v >= 0 && v <= 1000000; }))
       ->capture_default_str();
+  // number_in refuses what is not a number (''); the check after parsing refuses 0.
   app.add_option("--seconds-per-size", c.seconds_per_size, "about how long to time each size (seconds, in (0, 3600])")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(cli::number_in(0, 3600));
   app.add_flag("--compare-blocking-mpi", c.compare_blocking_mpi,
                "with the mpi backend, also time a blocking MPI_Allreduce on MPI_COMM_WORLD");
   app.add_flag("--csv", c.csv,

@@ -442,6 +442,8 @@ TEST_CASE("allreduce_bench: one rank, empty size ranges, bad numbers and jobs --
       {{"--warmup", "-1"}, "--warmup: must be an integer between 0 and 1000000, got '-1'"},
       {{"--nproc", "1"}, "--nproc: must be 0 or an integer between 2 and 64, got '1'"},
       {{"--seconds-per-size", "0"}, "--seconds-per-size must be a number of seconds"},
+      {{"--seconds-per-size", ""}, "--seconds-per-size: must be a finite number between 0 and 3600, got ''"},
+      {{"--seconds-per-size", "1e9"}, "--seconds-per-size: must be a finite number between 0 and 3600, got '1e9'"},
       {{"--backend", "bogus"}, "--backend: must be one of auto, shm, shm+gloo, gloo, mpi or nccl, got 'bogus'"},
       {{"--backend", ""}, "--backend: must be one of auto, shm, shm+gloo, gloo, mpi or nccl, got ''"},
       {{"--ring="}, "--ring= has no value after '='"},
