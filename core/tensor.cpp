@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <iomanip>
 #include <sstream>
@@ -413,6 +414,19 @@ void Tensor::remove_hook(int id) {
 
 // ---- printing -----------------------------------------------------------------------------
 
+namespace {
+
+// A float as torch prints it: 6 significant digits, and "nan" whatever the NaN's sign bit
+// (0/0 on x86 gives a NaN with it set, which iostreams print as "-nan").
+void write_float(std::ostream& out, float value) {
+  if (std::isnan(value))
+    out << "nan";
+  else
+    out << std::setprecision(6) << value;
+}
+
+}  // namespace
+
 std::string Tensor::str() const {
   if (!defined()) return "Tensor(undefined)";
   constexpr int64_t kMaxShown = 8;
@@ -425,11 +439,11 @@ std::string Tensor::str() const {
   for (int64_t i = 0; i < shown; ++i) {
     if (i > 0) out << ", ";
     switch (dtype()) {
-      case DType::Float32: out << std::setprecision(6) << host.data<float>()[i]; break;
+      case DType::Float32: write_float(out, host.data<float>()[i]); break;
       case DType::Int64: out << host.data<int64_t>()[i]; break;
       case DType::UInt8: out << static_cast<int>(host.data<uint8_t>()[i]); break;
-      case DType::Float16: out << std::setprecision(6) << host.data<Float16>()[i].to_float(); break;
-      case DType::BFloat16: out << std::setprecision(6) << host.data<BFloat16>()[i].to_float(); break;
+      case DType::Float16: write_float(out, host.data<Float16>()[i].to_float()); break;
+      case DType::BFloat16: write_float(out, host.data<BFloat16>()[i].to_float()); break;
       case DType::Int32: out << host.data<int32_t>()[i]; break;
     }
   }

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -163,6 +164,13 @@ TEST_CASE("printing shows shape, dtype, device and values") {
   CHECK(s == "Tensor(shape=[1, 2], dtype=float32, device=cpu, values=[1.5, 2])");
   const std::string big = Tensor::zeros({20}).str();
   CHECK(big.find("... (20 in all)") != std::string::npos);
+  // NaN prints as torch prints it, whatever its sign bit (0/0 sets it on x86): the mean of
+  // an empty batch reads "nan", not "-nan".
+  const float negative_nan = -std::numeric_limits<float>::quiet_NaN();
+  REQUIRE(std::signbit(negative_nan));
+  CHECK(Tensor::from_vector({negative_nan, std::numeric_limits<float>::quiet_NaN(), -INFINITY}, {3}).str() ==
+        "Tensor(shape=[3], dtype=float32, device=cpu, values=[nan, nan, -inf])");
+  CHECK(mean(Tensor::zeros({0, 3})).str() == "Tensor(shape=[], dtype=float32, device=cpu, values=[nan])");
 }
 
 TEST_CASE("devices parse and print as torch.device does") {
