@@ -162,8 +162,9 @@ class ProcessGroup {
   // outputs: size() tensors of input's shape and dtype (any dtype); outputs[r] receives rank
   // r's input (torch.distributed.all_gather). Throws ValueError/ShapeError on a count/shape mismatch.
   virtual std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) = 0;
-  // inputs: size() tensors of output's shape and dtype; output = reduce over ranks r' of
-  // rank r''s inputs[rank()] (torch.distributed.reduce_scatter). The inputs are read, never
+  // inputs: size() tensors of output's shape and dtype (the dtypes and ops all_reduce takes);
+  // output = reduce over ranks r' of rank r''s inputs[rank()]
+  // (torch.distributed.reduce_scatter). The inputs are read, never
   // written, and may be read until wait() returns: as with torch's async_op=True, change
   // them only after.
   virtual std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
@@ -176,7 +177,8 @@ class ProcessGroup {
   // Messages between two ranks arrive in the order sent; tag must match too. Throws
   // ValueError when dst/src is not another rank of the group; a mismatch in size, dtype or
   // tag is a DistError on the receiving side (shm) or, where the library cannot tell, data
-  // cut short. NCCL queues send/recv and issues them together, as one NCCL group, when one
+  // cut short, or reinterpreted when the byte counts agree (int32[n] sent, float32[n]
+  // received). NCCL queues send/recv and issues them together, as one NCCL group, when one
   // of them is waited on, tested or dropped, when a collective is called, or when the group
   // goes (so an exchange cannot deadlock, and a send whose Work is dropped still goes out);
   // they run on a communicator and stream of their own, beside the collectives (Note [NCCL
