@@ -524,8 +524,10 @@ TEST_CASE("allreduce_bench --nproc with backend auto runs on shm, as auto does f
 
 TEST_CASE("allreduce_bench --csv names the algorithm: --ring and --collective-buffer rows stay apart") {
   using nanoddp::testing::built;
-  for (const auto& [flag, algorithm] : {std::pair<std::string, std::string>{"--ring", "ring_all_reduce"},
-                                        {"--collective-buffer", "all_reduce_collective_buffer"}}) {
+  for (const auto& case_ : {std::pair<std::string, std::string>{"--ring", "ring_all_reduce"},
+                            {"--collective-buffer", "all_reduce_collective_buffer"}}) {
+    // Named copies: doctest's CAPTURE is a lambda, which cannot capture a structured binding.
+    const std::string flag = case_.first, algorithm = case_.second;
     CAPTURE(flag);
     const RunResult r = run({built("benchmarks/allreduce_bench"), "--nproc", "2", "--backend", "shm", flag, "--csv",
                              "--min-bytes", "4096", "--max-bytes", "4096", "--seconds-per-size", "0.01"},
