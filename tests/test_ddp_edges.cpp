@@ -762,22 +762,21 @@ TEST_CASE("broadcast_buffers: every forward starts from rank 0's running stats; 
 
 namespace {
 
-// Linear(2, 1) with a buffer of every dtype but float32's own BatchNorm case: uint8 [3],
-// int32 [2], float16 [2], bfloat16 [1], float32 [1], int64 [1].
+// Linear(2, 1) with one buffer of each dtype: uint8 [3], int32 [2], float16 [2], bfloat16 [1],
+// float32 [1], int64 [1], holding bytes_tensor's pattern of the rank.
 struct EveryDtypeBuffers : nn::Module {
   std::shared_ptr<nn::Linear> fc;
-  std::vector<Tensor> held;
   explicit EveryDtypeBuffers(int rank) : fc(register_module("fc", std::make_shared<nn::Linear>(2, 1, default_generator()))) {
     const std::pair<DType, int64_t> specs[] = {{DType::UInt8, 3},   {DType::Int32, 2},   {DType::Float16, 2},
                                                {DType::BFloat16, 1}, {DType::Float32, 1}, {DType::Int64, 1}};
     int k = 0;
     for (const auto& [dtype, numel] : specs)
-      held.push_back(register_buffer("b" + std::to_string(k++), testing::bytes_tensor(dtype, numel, rank)));
+      register_buffer("b" + std::to_string(k++), testing::bytes_tensor(dtype, numel, rank));
   }
   Tensor forward(const Tensor& x) override { return (*fc)(x); }
   // Throws unless every buffer holds bytes_tensor's pattern of seed.
   void expect_buffers(int seed, const std::string& what) const {
-    for (size_t k = 0; k < held.size(); ++k) testing::expect_bytes(held[k], seed, what + ", buffer b" + std::to_string(k));
+    for (const auto& [name, b] : named_buffers()) testing::expect_bytes(b, seed, what + ", buffer " + name);
   }
 };
 
@@ -794,7 +793,7 @@ TEST_CASE("buffers of any dtype start as rank 0's under DDP and FSDP, and broadc
       model->expect_buffers(0, "rank " + std::to_string(rank) + ": DDP's construction");
       // Rank 1 changes its buffers; the next forward that syncs brings rank 0's back.
       if (rank == 1)
-        for (Tensor& b : model->held) b.copy_(testing::bytes_tensor(b.dtype(), b.numel(), 5));
+        for (Tensor& b : model->buffers()) b.copy_(testing::bytes_tensor(b.dtype(), b.numel(), 5));
       sum(ddp(Tensor::ones({1, 2}))).backward();
       model->expect_buffers(0, "rank " + std::to_string(rank) + ": DDP's forward");
     }
