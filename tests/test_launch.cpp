@@ -524,14 +524,17 @@ TEST_CASE("allreduce_bench --nproc with backend auto runs on shm, as auto does f
 
 TEST_CASE("allreduce_bench --csv names the algorithm: --ring and --collective-buffer rows stay apart") {
   using nanoddp::testing::built;
-  for (const auto& case_ : {std::pair<std::string, std::string>{"--ring", "ring_all_reduce"},
-                            {"--collective-buffer", "all_reduce_collective_buffer"}}) {
+  for (const auto& case_ : {std::pair<std::vector<std::string>, std::string>{{"--ring"}, "ring_all_reduce"},
+                            {{"--collective-buffer"}, "all_reduce_collective_buffer"},
+                            {{"--ring", "--collective-buffer"}, "ring_all_reduce_collective_buffer"}}) {
     // Named copies: doctest's CAPTURE is a lambda, which cannot capture a structured binding.
-    const std::string flag = case_.first, algorithm = case_.second;
-    CAPTURE(flag);
-    const RunResult r = run({built("benchmarks/allreduce_bench"), "--nproc", "2", "--backend", "shm", flag, "--csv",
-                             "--min-bytes", "4096", "--max-bytes", "4096", "--seconds-per-size", "0.01"},
-                            60s);
+    const std::vector<std::string>& flags = case_.first;
+    const std::string algorithm = case_.second;
+    CAPTURE(algorithm);
+    std::vector<std::string> args = {built("benchmarks/allreduce_bench"), "--nproc", "2", "--backend", "shm", "--csv",
+                                     "--min-bytes", "4096", "--max-bytes", "4096", "--seconds-per-size", "0.01"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    const RunResult r = run(args, 60s);
     REQUIRE_MESSAGE(r.code() == 0, r.err);
     const std::vector<std::string> lines = lines_of(r.out);
     REQUIRE(lines.size() == 2);
