@@ -177,8 +177,8 @@ class ProcessGroup {
   // Messages between two ranks arrive in the order sent; tag must match too. Throws
   // ValueError when dst/src is not another rank of the group; a mismatch in size, dtype or
   // tag is a DistError on the receiving side (shm) or, where the library cannot tell, data
-  // cut short, or reinterpreted when the byte counts agree (int32[n] sent, float32[n]
-  // received). NCCL queues send/recv and issues them together, as one NCCL group, when one
+  // cut short, or reinterpreted when both are n elements of one size (int32[n] sent,
+  // float32[n] received). NCCL queues send/recv and issues them together, as one NCCL group, when one
   // of them is waited on, tested or dropped, when a collective is called, or when the group
   // goes (so an exchange cannot deadlock, and a send whose Work is dropped still goes out);
   // they run on a communicator and stream of their own, beside the collectives (Note [NCCL
