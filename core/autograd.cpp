@@ -37,6 +37,27 @@ class BackwardScope {
 };
 std::atomic<uint64_t> next_sequence_nr{0};
 
+// Note [Graph edges]: input itself when it is a leaf that requires grad, else a handle with
+// its grad_fn, shape, dtype, device and requires_grad, and a stand-in storage of its size
+// with no memory.
+Tensor graph_edge(const Tensor& input) {
+  if (!input.defined() || (input.is_leaf() && input.requires_grad())) return input;
+  auto edge = std::make_shared<TensorImpl>();
+  edge->storage = std::make_shared<Storage>(nullptr, std::max<size_t>(input.impl()->storage->nbytes(), 1),
+                                            input.device(), Storage::Deleter());
+  edge->shape = input.shape();
+  edge->dtype = input.dtype();
+  edge->requires_grad = input.requires_grad();
+  edge->grad_fn = input.grad_fn();
+  return Tensor(std::move(edge));
+}
+
+// The engine's name for a tensor of the graph: its node, or the leaf itself. Edges to one
+// tensor are distinct handles with one grad_fn (Note [Graph edges]).
+const void* graph_key(const Tensor& t) {
+  return t.grad_fn() ? static_cast<const void*>(t.grad_fn().get()) : static_cast<const void*>(t.impl());
+}
+
 // Adds g into a tensor's gradient buffer. The first gradient is kept as it is; a sum is
 // always a fresh tensor, since slot or g may be shared (an add gives both inputs the same
 // gradient tensor).
@@ -78,13 +99,13 @@ void accumulate_leaf_grad(const Tensor& leaf, Tensor g) {
 // .grad shares no memory with what the node reads (its inputs, saved tensors, the incoming
 // gradient): writing into it must not change an operand of the same product.
 void offer_accumulation_targets(Node& fn, const Tensor& grad_output,
-                                const std::unordered_map<TensorImpl*, int>& pending,
-                                const std::unordered_map<TensorImpl*, Tensor>& grads) {
+                                const std::unordered_map<const void*, int>& pending,
+                                const std::unordered_map<const void*, Tensor>& grads) {
   fn.accumulation_targets.assign(fn.inputs.size(), Tensor());
   for (size_t i = 0; i < fn.inputs.size(); ++i) {
     const Tensor& input = fn.inputs[i];
     if (!fn.needs_input_grad(i) || input.grad_fn()) continue;
-    if (pending.at(input.impl()) != 1 || grads.count(input.impl()) > 0) continue;
+    if (pending.at(graph_key(input)) != 1 || grads.count(graph_key(input)) > 0) continue;
     const Tensor grad = input.grad();
     if (!grad.defined() || grad.dtype() != DType::Float32 || grad.shape() != input.shape() ||
         grad.device() != input.device() || grad.is_alias_of(grad_output))
@@ -112,35 +133,12 @@ struct CheckpointFrame {
   std::vector<Tensor> inputs;                // detached; requires_grad as the originals
   std::vector<Generator> generators;         // each drawn-from generator, before the draw
   AutocastState autocast;                    // the forward's, so the rerun casts the same way
-  uint64_t first_creation_nr = 0;            // tensors made from here on are the region's
   std::vector<std::weak_ptr<Node>> nodes;    // per slot, attached in forward
-  std::unordered_set<TensorImpl*> dropped;   // the region's tensors whose memory step 1 let go
   std::vector<std::shared_ptr<Node>> rerun;  // per slot, attached by the rerun
   size_t rerun_draws = 0;
   bool recomputed_done = false;
 
-  // End of step 1: the tensors the region made that its nodes hold as inputs, but for its
-  // outputs, give their memory back (their handles stay, so the graph's edges stay).
-  void drop_intermediates(const std::vector<Tensor>& outputs) {
-    std::unordered_set<const TensorImpl*> kept;
-    for (const Tensor& output : outputs) kept.insert(output.impl());
-    for (const std::weak_ptr<Node>& weak : nodes) {
-      const std::shared_ptr<Node> node = weak.lock();
-      if (!node) continue;
-      for (const Tensor& input : node->inputs) {
-        if (!input.defined() || input.impl()->creation_nr < first_creation_nr || kept.count(input.impl()) > 0 ||
-            !dropped.insert(input.impl()).second)
-          continue;
-        const Storage& memory = *input.impl()->storage;
-        // A stand-in of the same size with no memory: data() throws until step 2 fills it.
-        input.impl()->storage = std::make_shared<Storage>(nullptr, std::max<size_t>(memory.nbytes(), 1),
-                                                          memory.device(), Storage::Deleter());
-      }
-    }
-  }
-
-  // Step 2, once: rerun fn, then give each original node the rerun's saved tensors and the
-  // memory of the rerun's tensors in the place of those step 1 dropped.
+  // Step 2, once: rerun fn, then give each original node the rerun's saved tensors.
   void recompute() {
     if (recomputed_done) return;
     NANODDP_ASSERT(rerunning_frame == nullptr);
@@ -176,20 +174,19 @@ struct CheckpointFrame {
                     ValueError, "checkpoint: node ", k, " of the region is ", original->name(),
                     " in forward and ", again.name(),
                     " when recomputed: the function must run the same ops on the same inputs");
-      original->saved_ = again.saved_;
       for (size_t j = 0; j < original->inputs.size(); ++j) {
         const Tensor& input = original->inputs[j];
-        if (!input.defined() || dropped.count(input.impl()) == 0) continue;
         const Tensor& value = again.inputs[j];
-        NANODDP_CHECK(value.defined() && value.shape() == input.shape() && value.dtype() == input.dtype(), ValueError,
-                      "checkpoint: input ", j, " of ", original->name(), " is ", input.shape(),
+        NANODDP_CHECK(input.defined() == value.defined() &&
+                          (!input.defined() || (value.shape() == input.shape() && value.dtype() == input.dtype())),
+                      ValueError, "checkpoint: input ", j, " of ", original->name(), " is ",
+                      input.defined() ? input.shape().str() : std::string("undefined"),
                       " in forward and not when recomputed: the function must run the same ops on the same inputs");
-        input.impl()->storage = value.impl()->storage;
       }
+      original->saved_ = again.saved_;
     }
     recomputed_done = true;
     rerun.clear();
-    dropped.clear();
     inputs.clear();
     generators.clear();
   }
@@ -197,7 +194,9 @@ struct CheckpointFrame {
 
 void Node::save_for_backward(const std::vector<Tensor>& tensors) {
   if (recording_frame) return;  // step 1: the rerun saves them (Note [Checkpointed regions])
-  for (const Tensor& t : tensors) saved_.push_back(keep_for_backward(t));
+  // Counted as activations once the node is in a graph (make_result): a node made while no
+  // graph is recorded keeps nothing alive.
+  for (const Tensor& t : tensors) saved_.push_back(in_graph_ ? keep_for_backward(t) : t.defined() ? t.detach() : t);
 }
 
 void Node::unpack_checkpointed() const {
@@ -225,7 +224,6 @@ std::vector<Tensor> run_checkpointed(const std::function<std::vector<Tensor>(con
     if (input.defined() && input.requires_grad()) kept.impl()->requires_grad = true;
     frame->inputs.push_back(kept);
   }
-  frame->first_creation_nr = detail::next_tensor_creation_nr();
   std::vector<Tensor> outputs;
   {
     struct Recording {  // step 1 for the region's forward, however fn ends
@@ -234,7 +232,6 @@ std::vector<Tensor> run_checkpointed(const std::function<std::vector<Tensor>(con
     } recording(frame);
     outputs = fn(inputs);
   }
-  frame->drop_intermediates(outputs);
   return outputs;
 }
 
@@ -279,8 +276,9 @@ Tensor make_result(Tensor result, std::shared_ptr<Node> node) {
   for (const Tensor& input : node->inputs) any_requires_grad |= input.defined() && input.requires_grad();
   if (!any_requires_grad) return result;
   node->sequence_nr = next_sequence_nr++;
-  // What the graph holds is activation memory: its edges and (save_for_backward) saved tensors.
-  for (const Tensor& input : node->inputs) set_memory_category(input, MemoryCategory::Activations);
+  for (Tensor& input : node->inputs) input = graph_edge(input);
+  for (const Tensor& t : node->saved_) set_memory_category(t, MemoryCategory::Activations);
+  node->in_graph_ = true;
   if (recording_frame) {  // Note [Checkpointed regions], step 1
     node->checkpoint_frame_ = recording_frame;
     recording_frame->nodes.push_back(node);
@@ -343,12 +341,12 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
   }
 
   // 1. Count, for every tensor in the graph, how many graph edges point at it.
-  // Only pointers are kept: holding every tensor would keep every activation alive to the
-  // end of the pass (the graph's edges keep a tensor while a consumer still needs it).
-  std::unordered_map<TensorImpl*, int> pending;
+  // Only keys are kept: holding every edge would keep every node, and what it saved, alive
+  // to the end of the pass (a consumer's edge keeps a node while the consumer waits).
+  std::unordered_map<const void*, int> pending;
   {
     std::vector<Tensor> stack{root};
-    std::unordered_set<TensorImpl*> seen{root.impl()};
+    std::unordered_set<const void*> seen{graph_key(root)};
     while (!stack.empty()) {
       Tensor t = stack.back();
       stack.pop_back();
@@ -358,8 +356,8 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
                     " a second time: the graph was freed by the first backward (pass retain_graph)");
       for (const Tensor& input : fn->inputs) {
         if (!input.defined() || !input.requires_grad()) continue;
-        ++pending[input.impl()];
-        if (seen.insert(input.impl()).second) stack.push_back(input);
+        ++pending[graph_key(input)];
+        if (seen.insert(graph_key(input)).second) stack.push_back(input);
       }
     }
   }
@@ -370,22 +368,22 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
   };
   auto later_first = [&](const Tensor& a, const Tensor& b) { return priority(a) < priority(b); };
   std::priority_queue<Tensor, std::vector<Tensor>, decltype(later_first)> ready(later_first);
-  std::unordered_map<TensorImpl*, Tensor> grads;
-  grads[root.impl()] = seed;
+  std::unordered_map<const void*, Tensor> grads;
+  grads[graph_key(root)] = seed;
   ready.push(root);
-  std::unordered_set<TensorImpl*> accumulated_in_place;  // leaves whose node added into .grad
+  std::unordered_set<const void*> accumulated_in_place;  // leaves whose node added into .grad
 
   while (!ready.empty()) {
     Tensor t = ready.top();
     ready.pop();
     Tensor g;
-    if (auto it = grads.find(t.impl()); it != grads.end()) {
+    if (auto it = grads.find(graph_key(t)); it != grads.end()) {
       g = it->second;
       grads.erase(it);
     }
     const std::shared_ptr<Node> fn = t.grad_fn();
     if (!fn) {
-      const bool has_gradient = g.defined() || accumulated_in_place.erase(t.impl()) > 0;
+      const bool has_gradient = g.defined() || accumulated_in_place.erase(graph_key(t)) > 0;
       if (g.defined()) accumulate_leaf_grad(t, std::move(g));
       if (has_gradient)
         for (auto& [id, hook] : t.impl()->post_accumulate_grad_hooks) hook(t);
@@ -412,12 +410,12 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
       if (!fn->needs_input_grad(i)) continue;
       const Tensor& target = fn->accumulation_target(i);
       if (target.defined() && input_grads[i].defined() && input_grads[i].is_same(target)) {
-        accumulated_in_place.insert(input.impl());  // Note [Accumulating into .grad]
+        accumulated_in_place.insert(graph_key(input));  // Note [Accumulating into .grad]
       } else if (input_grads[i].defined()) {
         NANODDP_ASSERT(input_grads[i].shape() == input.shape() && input_grads[i].dtype() == input.dtype());
-        accumulate_into(grads[input.impl()], input_grads[i]);
+        accumulate_into(grads[graph_key(input)], input_grads[i]);
       }
-      if (--pending[input.impl()] == 0) ready.push(input);
+      if (--pending[graph_key(input)] == 0) ready.push(input);
     }
     if (!retain_graph) fn->release();  // its saved activations go now, not at the end
   }

@@ -6,10 +6,10 @@
 //                 [](const Node& node, const Tensor& dy) { ... node.saved(0) ... return grads; });
 //   { NoGradGuard no_grad;  w.copy_(w_new); }                    // nothing here is recorded
 //
-// Every differentiable op records a Node holding the op's inputs (the graph's edges) and the
-// tensors it saved for backward: with record() (a backward lambda right below the forward)
-// or, for an op with more state, a Node subclass passed to make_result(). Tensor::backward
-// runs the engine below:
+// Every differentiable op records a Node holding the op's inputs (the graph's edges, Note
+// [Graph edges]) and the tensors it saved for backward: with record() (a backward lambda
+// right below the forward) or, for an op with more state, a Node subclass passed to
+// make_result(). Tensor::backward runs the engine below:
 //   1. walk the graph from the root, counting for each tensor how many consumers it feeds;
 //   2. pop ready tensors (all consumers done) in reverse creation order, as PyTorch's engine
 //      does, so a model's last layer gets its gradient first (Note [Bucket order] in dist/);
@@ -50,13 +50,16 @@ struct Node {
   }
 
   // Note [Saved tensors]
-  // Backward often needs a value from forward: an input (relu's x), the output (tanh's y) or
-  // a by-product (cross_entropy's softmax). The output holds this Node as its grad_fn, so a
-  // Node holding the output itself would be a reference cycle that never frees. What is kept
-  // is a detached handle: the same storage and shape, no graph (torch's
-  // ctx.save_for_backward keeps outputs the same way). Saved tensors go at release().
-  // Saved tensors are counted as activations (Note [Memory categories]). Inside a
-  // checkpointed region nothing is kept: the rerun saves them (Note [Checkpointed regions]).
+  // Backward often needs a value from forward: an input (linear's, for the weight's
+  // gradient), the output (tanh's y, relu's) or a by-product (cross_entropy's softmax). It is
+  // saved here, since edges keep no memory (Note [Graph edges]); a node saves only what its
+  // formula reads. The output holds this Node as its grad_fn, so a Node holding the output
+  // itself would be a reference cycle that never frees. What is kept is a detached handle:
+  // the same storage and shape, no graph (torch's ctx.save_for_backward keeps outputs the
+  // same way). An undefined tensor may be saved as a placeholder. Saved tensors go at
+  // release(). They are what the graph holds, so they are counted as activations (Note
+  // [Memory categories]). Inside a checkpointed region nothing is kept: the rerun saves them
+  // (Note [Checkpointed regions]).
   void save_for_backward(const std::vector<Tensor>& tensors);
   // The i-th saved tensor, in save_for_backward order. Throws ValueError after release().
   // In a checkpointed region the first read recomputes the region (Note [Checkpointed
@@ -89,7 +92,17 @@ struct Node {
   const Tensor& accumulation_target(size_t i) const;
   std::vector<Tensor> accumulation_targets;  // set by the engine around apply() only
 
-  std::vector<Tensor> inputs;  // the op's tensor inputs: the graph's edges
+  // Note [Graph edges]
+  // A node's inputs are the graph's edges: where backward sends each gradient, and each
+  // input's shape, dtype, device and requires_grad. An edge does not keep its input's memory,
+  // as PyTorch's Edge holds the producing node and not the tensor: make_result() replaces an
+  // input made by an op with a handle that has its grad_fn and metadata and no memory (data()
+  // throws ValueError), and an input that is not in the graph (a leaf that needs no gradient,
+  // a batch) the same way. A leaf that requires grad is held itself: its .grad is where its
+  // gradient goes (torch's AccumulateGrad holds it too). So an activation no backward formula
+  // reads, a convolution's output that only feeds a ReLU (which saves its own output), is
+  // freed as soon as the forward lets it go. A backward reads values only through saved().
+  std::vector<Tensor> inputs;
   uint64_t sequence_nr = 0;    // creation order; later nodes run first
   bool released = false;
 
@@ -97,6 +110,7 @@ struct Node {
   friend struct CheckpointFrame;
   friend Tensor make_result(Tensor result, std::shared_ptr<Node> node);
   std::vector<Tensor> saved_;
+  bool in_graph_ = false;  // attached to an output by make_result
   mutable std::shared_ptr<CheckpointFrame> checkpoint_frame_;  // set until unpacked
 };
 
@@ -145,31 +159,26 @@ class GradModeGuard {
 // Note [Checkpointed regions]
 // Activation checkpointing (torch.utils.checkpoint with use_reentrant=False) trades compute
 // for memory: a region of the forward keeps only its inputs and outputs, and backward
-// recomputes the rest. Here a graph holds activations in two places: the tensors nodes save
-// (save_for_backward) and the inputs they hold as edges (a Node's inputs are full tensors;
-// Linear's backward reads its input from there). The region's graph is recorded as usual,
-// with the real edges to the real parameters, so the engine walks it in its normal order and
-// every leaf hook fires once, in the same backward: DDP's buckets and callbacks see nothing
-// different. What changes is where the memory is:
+// recomputes the rest. A graph holds activations only in the tensors its nodes save
+// (save_for_backward; edges keep no memory, Note [Graph edges]). The region's graph is
+// recorded as usual, with the real edges to the real parameters, so the engine walks it in
+// its normal order and every leaf hook fires once, in the same backward: DDP's buckets and
+// callbacks see nothing different. What changes is where the memory is:
 //   1. forward: while the region runs, nodes save nothing, and each node attached is the
 //      region's next slot. The frame keeps the region's inputs (detached) and a copy of every
-//      Generator a random op draws from (checkpoint_generator), taken before the draw. When
-//      the region returns, every tensor it made (TensorImpl::creation_nr) that a node holds
-//      as an input, but for its outputs, gives its memory back: its handle stays, with a
-//      stand-in storage that throws on data();
+//      Generator a random op draws from (checkpoint_generator), taken before the draw. So
+//      when the region returns, nothing holds the tensors it made but for its outputs;
 //   2. backward: the engine asks a node for its state before apply() (unpack_checkpointed).
 //      The region's first node to be asked reruns its function on the kept inputs, with grad
 //      mode on and the copied generators, so Dropout draws the same mask. The rerun records a
-//      throwaway graph of the same ops: slot k's saved tensors go to the original node k, and
-//      the memory of its inputs to the tensors step 1 emptied;
+//      throwaway graph of the same ops: slot k's saved tensors go to the original node k;
 //   3. a node is released right after its backward (unless retain_graph), so one region's
 //      activations are alive at a time. The frame goes with the region's last node.
 // This is torch's saved-tensor-hooks design: no nested backward runs, so nothing is reentrant.
 // Same kernels on the same inputs give the same bits, so gradients are bitwise those of the
 // run without checkpointing on the CPU. The rerun must record the same ops: one that records
 // others throws ValueError. BatchNorm does not count the batch again in the rerun
-// (is_recomputing). A tensor made inside the region and kept elsewhere (not returned) is
-// emptied too; an input changed in place between forward and backward is not detected
+// (is_recomputing). An input changed in place between forward and backward is not detected
 // (torch checks a version counter, which tensors here do not have).
 
 // Runs fn(inputs) as a checkpointed region and returns its outputs (what nn::checkpoint
@@ -188,7 +197,8 @@ Generator& checkpoint_generator(Generator& gen);
 bool is_recomputing();
 
 // Attaches node (with node->inputs already set) to result if grad mode is on and any input
-// requires grad; then result.requires_grad() is true. Returns result.
+// requires grad; then result.requires_grad() is true, and node->inputs are edges that keep
+// no memory (Note [Graph edges]). Returns result.
 Tensor make_result(Tensor result, std::shared_ptr<Node> node);
 
 // Records an op: output was computed from inputs; saved are kept for backward (Note [Saved

@@ -80,7 +80,7 @@ DType promoted(const Tensor& a, const Tensor& b) { return a.dtype() == b.dtype()
 
 namespace {
 struct MatmulBackward : Node {
-  // inputs: a [M, K], b [K, N]
+  // inputs: a [M, K], b [K, N]; saved: a when b needs a gradient, b when a does
   std::vector<Tensor> apply(const Tensor& dout) override {
     const Tensor& a = inputs[0];
     const Tensor& b = inputs[1];
@@ -88,11 +88,11 @@ struct MatmulBackward : Node {
     Tensor da, db;
     if (a.requires_grad()) {  // da = dout · b^T
       da = empty_same(a);
-      gemm(da, dout, b, M, N, K, false, true, 0.0f);
+      gemm(da, dout, saved(1), M, N, K, false, true, 0.0f);
     }
     if (b.requires_grad()) {  // db = a^T · dout
       db = empty_same(b);
-      gemm(db, a, dout, K, M, N, true, false, 0.0f);
+      gemm(db, saved(0), dout, K, M, N, true, false, 0.0f);
     }
     return {da, db};
   }
@@ -114,6 +114,7 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
   gemm(out, a, b, M, K, N, false, false, 0.0f);
   auto node = std::make_shared<MatmulBackward>();
   node->inputs = {a, b};
+  node->save_for_backward({b.requires_grad() ? a : Tensor(), a.requires_grad() ? b : Tensor()});
   return make_result(out, node);
 }
 
@@ -121,7 +122,8 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
 
 namespace {
 struct LinearBackward : Node {
-  // inputs: input [N, in], weight [out, in], bias [out] (may be undefined)
+  // inputs: input [N, in], weight [out, in], bias [out] (may be undefined); saved: input
+  // when weight needs a gradient, weight when input does
   std::vector<Tensor> apply(const Tensor& dout) override {
     const Tensor& input = inputs[0];
     const Tensor& weight = inputs[1];
@@ -131,13 +133,13 @@ struct LinearBackward : Node {
     Tensor dinput, dweight, dbias;
     if (input.requires_grad()) {  // dinput = dout · weight
       dinput = empty_same(input);
-      gemm(dinput, dout, weight, N, out_features, in_features, false, false, 0.0f);
+      gemm(dinput, dout, saved(1), N, out_features, in_features, false, false, 0.0f);
     }
     if (bias.defined() && bias.requires_grad()) dbias = column_sum(dout, out_features);
     if (weight.requires_grad()) {  // dweight = dout^T · input, added into .grad when offered, last
       const Tensor& into = accumulation_target(1);  // Note [Accumulating into .grad]
       dweight = into.defined() ? into : empty_same(weight);
-      gemm(dweight, dout, input, out_features, N, in_features, true, false, into.defined() ? 1.0f : 0.0f);
+      gemm(dweight, dout, saved(0), out_features, N, in_features, true, false, into.defined() ? 1.0f : 0.0f);
     }
     return {dinput, dweight, dbias};
   }
@@ -179,6 +181,7 @@ Tensor linear(const Tensor& input_in, const Tensor& weight_in, const Tensor& bia
                      out_features, true);
   auto node = std::make_shared<LinearBackward>();
   node->inputs = {input, weight, bias};
+  node->save_for_backward({weight.requires_grad() ? input : Tensor(), input.requires_grad() ? weight : Tensor()});
   return make_result(out, node);
 }
 
@@ -202,10 +205,10 @@ struct BinaryBackward : Node {
         }
         break;
       }
-      case BinaryOp::Mul: {
-        if (a.requires_grad()) da = binary(dout, b, BinaryOp::Mul, broadcast);  // dout * b
+      case BinaryOp::Mul: {  // saved: a and b
+        if (a.requires_grad()) da = binary(dout, saved(1), BinaryOp::Mul, broadcast);  // dout * b
         if (b.requires_grad()) {
-          Tensor dout_a = binary(dout, a, BinaryOp::Mul, false);               // dout * a
+          Tensor dout_a = binary(dout, saved(0), BinaryOp::Mul, false);               // dout * a
           db = broadcast ? column_sum(dout_a, b.numel()) : dout_a;
         }
         break;
@@ -229,6 +232,8 @@ Tensor binary_op(const char* name, const Tensor& a, const Tensor& b, BinaryOp op
   Tensor out = binary(a, b, op, broadcast);
   auto node = std::make_shared<BinaryBackward>();
   node->inputs = {a, b};
+  if (op == BinaryOp::Mul)
+    node->save_for_backward({b.requires_grad() ? a : Tensor(), a.requires_grad() ? b : Tensor()});
   node->op = op;
   node->broadcast = broadcast;
   return make_result(out, node);
@@ -312,15 +317,19 @@ Tensor mean(const Tensor& a) { return reduce_all("mean", as_float32(a), true); }
 Tensor relu(const Tensor& a) {
   ForwardSpan span("relu", {&a});
   check_floating("relu", a, "input");
-  const Tensor x = widened(a);  // Note [16-bit elementwise ops]: the node keeps a, not x
+  const Tensor x = widened(a);  // Note [16-bit elementwise ops]
   Tensor out = empty_like(a);
   NANODDP_DISPATCH(a.device(), relu_forward, ptr(out), ptr(x), a.numel());
-  return record("ReluBackward", rounded_to(out, a.dtype()), {a}, {a}, [](const Node& node, const Tensor& dout) {
-    const Tensor& a = node.saved(0);  // din = dout where a > 0
-    const Tensor x = widened(a), dy = widened(dout);
-    Tensor da = empty_like(a);
-    NANODDP_DISPATCH(a.device(), relu_backward, ptr(da), ptr(dy), ptr(x), a.numel());
-    return std::vector<Tensor>{rounded_to(da, a.dtype())};
+  // The output is saved, not the input, as torch's threshold_backward reads the result: y > 0
+  // exactly where a > 0 (y is a where a > 0, exact in a's dtype), and a layer after the ReLU
+  // saves y too, so the input goes as soon as the forward drops it (Note [Graph edges]).
+  const Tensor y = rounded_to(out, a.dtype());
+  return record("ReluBackward", y, {a}, {y}, [](const Node& node, const Tensor& dout) {
+    const Tensor& y = node.saved(0);  // din = dout where y > 0
+    const Tensor mask = widened(y), dy = widened(dout);
+    Tensor da = empty_like(y);
+    NANODDP_DISPATCH(y.device(), relu_backward, ptr(da), ptr(dy), ptr(mask), y.numel());
+    return std::vector<Tensor>{rounded_to(da, y.dtype())};
   });
 }
 
@@ -329,15 +338,16 @@ Tensor relu(const Tensor& a) {
 namespace {
 struct MseBackward : Node {
   Reduction reduction;
+  // saved: input and target
   std::vector<Tensor> apply(const Tensor& dout) override {
-    const Tensor& input = inputs[0];
-    const Tensor& target = inputs[1];
+    const Tensor& input = saved(0);
+    const Tensor& target = saved(1);
     Tensor dinput = empty_like(input);
     NANODDP_DISPATCH(input.device(), mse_backward, ptr(dinput), ptr(dout), ptr(input), ptr(target), input.numel(),
                      reduction);
     Tensor dtarget;
-    if (target.requires_grad()) dtarget = scaled(dinput, ScalarOp::Mul, -1.0f);
-    if (!input.requires_grad()) dinput = Tensor();
+    if (needs_input_grad(1)) dtarget = scaled(dinput, ScalarOp::Mul, -1.0f);
+    if (!needs_input_grad(0)) dinput = Tensor();
     return {dinput, dtarget};
   }
   const char* name() const override { return "MseLossBackward"; }
@@ -356,6 +366,7 @@ Tensor mse_loss(const Tensor& input_in, const Tensor& target_in, Reduction reduc
   NANODDP_DISPATCH(input.device(), mse_forward, ptr(out), ptr(input), ptr(target), input.numel(), reduction);
   auto node = std::make_shared<MseBackward>();
   node->inputs = {input, target};
+  node->save_for_backward({input, target});
   node->reduction = reduction;
   return make_result(out, node);
 }

@@ -1,7 +1,6 @@
 #include "core/tensor.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <iomanip>
@@ -133,13 +132,6 @@ Tensor Tensor::arange(int64_t n, Device device) {
     for (int64_t i = 0; i < count; ++i) p[i] = static_cast<float>(i);
   });
 }
-
-namespace detail {
-uint64_t next_tensor_creation_nr() {
-  static std::atomic<uint64_t> next{0};
-  return next.fetch_add(1, std::memory_order_relaxed);
-}
-}  // namespace detail
 
 Tensor Tensor::rand(const Shape& shape, Generator& gen, Device device) {
   Generator& draw = checkpoint_generator(gen);  // Note [Checkpointed regions]

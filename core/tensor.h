@@ -157,17 +157,10 @@ class Tensor {
 
 std::ostream& operator<<(std::ostream& out, const Tensor& tensor);
 
-namespace detail {
-// 0, 1, 2, ...: a number for each TensorImpl made, in creation order (atomic, any thread).
-uint64_t next_tensor_creation_nr();
-}  // namespace detail
-
 // What a Tensor handle shares. Fields are public for the autograd engine and ops; user code
 // goes through Tensor.
 struct TensorImpl {
   std::shared_ptr<Storage> storage;
-  // Tells a checkpointed region which tensors it made (Note [Checkpointed regions]).
-  uint64_t creation_nr = detail::next_tensor_creation_nr();
   Shape shape;
   DType dtype = DType::Float32;
   bool requires_grad = false;
@@ -184,8 +177,8 @@ T* Tensor::data() const {
                 ">() on a ", dtype_name(self.dtype), " tensor");
   NANODDP_CHECK(!self.storage->is_freed(), ValueError, "data<", dtype_name(dtype_of<T>()), ">() on a ", self.shape,
                 " tensor whose memory is freed (Note [Freeing a storage in place]: an FSDP unit's parameters "
-                "outside its forward and backward; or Note [Checkpointed regions]: a tensor made inside a "
-                "checkpointed region, not one of its outputs)");
+                "outside its forward and backward; or Note [Graph edges]: a node's input, which a backward "
+                "must read through save_for_backward)");
   return static_cast<T*>(self.storage->data());
 }
 

@@ -1,10 +1,12 @@
 #include <doctest/doctest.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "core/autograd.h"
 #include "core/ops.h"
+#include "core/storage.h"
 
 using namespace nanoddp;
 
@@ -13,6 +15,48 @@ TEST_CASE("gradients accumulate when a tensor feeds several ops") {
   Tensor x = Tensor::from_vector({1, -2, 0.5f}).set_requires_grad(true);
   sum(x * x + x * 3.0f).backward();
   CHECK(x.grad().to_vector() == std::vector<float>{5, -1, 4});
+}
+
+TEST_CASE("a graph edge keeps no memory: a tensor no backward reads is freed when forward lets it go") {
+  // y = relu(x · w^T + b). Linear's output h feeds only the ReLU, which saves its own output
+  // (Note [Graph edges]): once h's handle goes, nothing holds its memory.
+  Tensor x = Tensor::from_vector({1, -2, 3, 0.5f}, {2, 2}).set_requires_grad(true);
+  Tensor w = Tensor::from_vector({1, 1, -1, 2}, {2, 2}).set_requires_grad(true);
+  Tensor b = Tensor::from_vector({0.5f, 10}).set_requires_grad(true);
+  std::weak_ptr<Storage> h_memory;
+  Tensor y;
+  {
+    const Tensor h = linear(x, w, b);  // [[-0.5, 5], [4, 8]]
+    h_memory = h.impl()->storage;
+    y = relu(h);
+  }
+  CHECK(h_memory.expired());
+  CHECK(y.to_vector() == std::vector<float>{0, 5, 4, 8});
+  sum(y).backward();
+  // The ReLU's mask is [[0, 1], [1, 1]]: dw = mask^T · x, db = column sums, dx = mask · w.
+  CHECK(w.grad().to_vector() == std::vector<float>{3, 0.5f, 4, -1.5f});
+  CHECK(b.grad().to_vector() == std::vector<float>{1, 2});
+  CHECK(x.grad().to_vector() == std::vector<float>{-1, 2, 0, 3});
+}
+
+TEST_CASE("a backward that reads an input's values through its edge gets an error naming the rule") {
+  struct ReadsItsEdge : Node {
+    std::vector<Tensor> apply(const Tensor& dy) override { return {mul(dy, inputs[0].data<float>()[0])}; }
+    const char* name() const override { return "ReadsItsEdgeBackward"; }
+  };
+  Tensor x = Tensor::from_vector({2.0f}).set_requires_grad(true);
+  const Tensor doubled = x * 2.0f;
+  auto node = std::make_shared<ReadsItsEdge>();
+  node->inputs = {doubled};
+  const Tensor y = make_result(doubled * 1.0f, node);
+  std::string message;
+  try {
+    sum(y).backward();
+  } catch (const ValueError& e) {
+    message = e.what();
+  }
+  CHECK_MESSAGE(message.find("Note [Graph edges]") != std::string::npos, message);
+  CHECK_MESSAGE(message.find("save_for_backward") != std::string::npos, message);
 }
 
 TEST_CASE("gradients accumulate across backward calls until cleared") {

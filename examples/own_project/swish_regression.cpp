@@ -18,9 +18,10 @@ using namespace nanoddp;
 double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
 struct SwishBackward : Node {
-  // dy/dx = s + x * s * (1 - s) with s = sigmoid(x). inputs[0] is x.
+  // dy/dx = s + x * s * (1 - s) with s = sigmoid(x). x is saved: a node's inputs are edges
+  // that keep no memory (Note [Graph edges] in core/autograd.h).
   std::vector<Tensor> apply(const Tensor& dy) override {
-    const Tensor& x = inputs[0];
+    const Tensor& x = saved(0);
     Tensor dx = Tensor::empty(x.shape());
     const float* xs = x.data<float>();
     const float* g = dy.data<float>();
@@ -43,6 +44,7 @@ Tensor swish(const Tensor& x) {
   for (int64_t i = 0; i < x.numel(); ++i) ys[i] = static_cast<float>(xs[i] * sigmoid(xs[i]));
   auto node = std::make_shared<SwishBackward>();
   node->inputs = {x};
+  node->save_for_backward({x});
   return make_result(y, node);
 }
 
