@@ -338,6 +338,23 @@ TEST_CASE("nanoddp-run --backend mpi: mpirun runs the ranks; an early exit fails
   check_nothing_left(recorded_pids(dir.path, 3));
 }
 
+TEST_CASE("nanoddp-run --backend mpi: a rank killed by SIGKILL fails the job with 137, and the launcher says what 137 is") {
+  if (!on_path("mpirun")) {
+    MESSAGE("skipped: no mpirun on PATH (Debian: openmpi-bin)");
+    return;
+  }
+  TempDir dir;
+  const RunResult r = run({launcher_path(), "--nproc-per-node", "2", "--backend", "mpi", "sh", "-c",
+                           "echo $$ > " + dir.path + "/pid.$OMPI_COMM_WORLD_RANK; sleep 0.3; "
+                           "if [ $OMPI_COMM_WORLD_RANK = 1 ]; then kill -9 $$; fi; sleep 60"});
+  CHECK(r.seconds < 30);
+  CHECK(r.code() == 137);
+  CHECK_MESSAGE(contains(r.err + r.out, "rank 1"), r.err);  // mpirun's own report names it
+  CHECK_MESSAGE(contains(r.err, "137 is 128 + 9, a rank killed by SIGKILL; mpirun's message above names the rank"),
+                r.err);
+  check_nothing_left(recorded_pids(dir.path, 2));
+}
+
 TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
   CHECK(run({launcher_path()}).code() == 2);                                              // no PROGRAM
   CHECK(run({launcher_path(), "--backend", "tcp", "true"}).code() == 2);                  // unknown backend
