@@ -96,8 +96,9 @@ void accumulate_leaf_grad(const Tensor& leaf, Tensor g) {
 // Note [Accumulating into .grad]: input i's .grad is offered when i is a leaf, this node is
 // its last consumer in this backward and no other consumer gave it a gradient (so this one is
 // its whole gradient), .grad can take it in place (float32, same shape and device), and
-// .grad shares no memory with what the node reads (its inputs, saved tensors, the incoming
-// gradient): writing into it must not change an operand of the same product.
+// .grad shares no memory with what the node reads (its saved tensors, the incoming gradient;
+// its inputs too, of which only leaves have memory): writing into it must not change an
+// operand of the same product.
 void offer_accumulation_targets(Node& fn, const Tensor& grad_output,
                                 const std::unordered_map<const void*, int>& pending,
                                 const std::unordered_map<const void*, Tensor>& grads) {

@@ -67,8 +67,8 @@ struct Node {
   const Tensor& saved(size_t i) const;
   const std::vector<Tensor>& saved_tensors() const;
   // For a node of a checkpointed region: reruns the region if no node of it has yet, which
-  // gives this node its saved tensors and its inputs' memory back (Note [Checkpointed
-  // regions]). The engine calls it before apply(); a no-op for any other node.
+  // gives this node its saved tensors (Note [Checkpointed regions]). The engine calls it
+  // before apply(); a no-op for any other node.
   void unpack_checkpointed() const;
   // Whether input i wants a gradient: defined and requiring grad (torch's
   // ctx.needs_input_grad[i]). A backward may skip computing the others.
@@ -117,8 +117,9 @@ struct Node {
 // A Node whose backward is a function: what record() builds.
 struct FunctionNode : Node {
   // Gradients w.r.t. node.inputs (same order; undefined where not needed), given dout. It
-  // reads values through node.saved(i) and node.inputs. Capture no Tensor in it: save it
-  // (Note [Saved tensors]).
+  // reads values through node.saved(i) only, and metadata (shape, dtype, requires_grad)
+  // through node.inputs (Note [Graph edges]). Capture no Tensor in it: save it (Note [Saved
+  // tensors]).
   using Backward = std::function<std::vector<Tensor>(const Node& node, const Tensor& grad_output)>;
   FunctionNode(const char* name, Backward backward) : name_(name), backward_(std::move(backward)) {}
   std::vector<Tensor> apply(const Tensor& grad_output) override { return backward_(*this, grad_output); }
@@ -158,8 +159,8 @@ class GradModeGuard {
 
 // Note [Checkpointed regions]
 // Activation checkpointing (torch.utils.checkpoint with use_reentrant=False) trades compute
-// for memory: a region of the forward keeps only its inputs and outputs, and backward
-// recomputes the rest. A graph holds activations only in the tensors its nodes save
+// for memory: a region of the forward keeps only its inputs, and backward recomputes the
+// rest. A graph holds activations only in the tensors its nodes save
 // (save_for_backward; edges keep no memory, Note [Graph edges]). The region's graph is
 // recorded as usual, with the real edges to the real parameters, so the engine walks it in
 // its normal order and every leaf hook fires once, in the same backward: DDP's buckets and

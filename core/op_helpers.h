@@ -56,14 +56,16 @@ inline uint16_t* bits16(const Tensor& t) {
 // computes in float32 and rounds its output back to the input's dtype, once. That is what
 // torch's CPU kernels do for bfloat16 on CPUs without 16-bit arithmetic: the output is as if
 // computed in 16 bits and rounded. It is done in one of two ways:
-//  - relu, max_pool2d and conv2d (the layers a CNN keeps most activations for) take the
-//    16-bit tensors as their node's inputs and saved tensors, and widen them into float32
-//    temporaries, not recorded, for each kernel call, in forward and again in backward
-//    (widened, rounded_to). A 16-bit activation then costs 2 bytes per element, as autocast
-//    means it to, not 2 plus a kept float32 copy (on CUDA, conv2d still keeps its float32
-//    im2col columns for backward, as it does for float32);
-//  - other ops go through computed_in_float32: recorded casts around the float32 op, which
-//    keep the float32 copy until backward. Same bits, more memory.
+//  - relu, max_pool2d and conv2d (the layers a CNN keeps most activations for) record one
+//    node on the 16-bit tensors, save 16-bit tensors where backward reads values (relu its
+//    output, conv2d its input and weight; max_pool2d only int32 indices), and widen them
+//    into float32 temporaries, not recorded, for each kernel call, in forward and again in
+//    backward (widened, rounded_to). A 16-bit activation then costs 2 bytes per element, as
+//    autocast means it to, not 2 plus a kept float32 copy (on CUDA, conv2d still keeps its
+//    float32 im2col columns for backward, as it does for float32);
+//  - other ops go through computed_in_float32: recorded casts around the float32 op. A float32
+//    op that saves its operand (mul, the GELU) keeps the float32 copy until backward; one that
+//    saves nothing (add, sub, mul and div by a scalar) keeps nothing. Same bits.
 // A binary op follows torch's type promotion: two operands of one 16-bit dtype give that
 // dtype; a 16-bit and a float32 operand (a float16 and a bfloat16 one) give float32.
 

@@ -65,7 +65,7 @@ struct ToDeviceBackward : Node {
 void cast_into(const Tensor& out, const Tensor& src) {
   const int64_t n = src.numel();
   const Device device = src.device();
-  auto bits = [](const Tensor& t) { return static_cast<uint16_t*>(t.impl()->storage->data()); };
+  auto bits = [](const Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); };
   if (src.dtype() == DType::Float32) {
     NANODDP_DISPATCH(device, float_to_16bit, bits(out), src.data<float>(), out.dtype(), 1.0f, n);
   } else if (out.dtype() == DType::Float32) {
@@ -172,6 +172,15 @@ TensorImpl& Tensor::checked_impl() const {
   return *impl_;
 }
 
+void* Tensor::data_ptr() const {
+  const TensorImpl& self = checked_impl();
+  NANODDP_CHECK(!self.storage->is_freed(), ValueError, "the data of a ", self.shape, " ", dtype_name(self.dtype),
+                " tensor whose memory is freed (Note [Freeing a storage in place]: an FSDP unit's parameters "
+                "outside its forward and backward; or Note [Graph edges]: a node's input, which a backward "
+                "must read through save_for_backward)");
+  return self.storage->data();
+}
+
 const Shape& Tensor::shape() const { return checked_impl().shape; }
 
 int64_t Tensor::size(int d) const {
@@ -273,7 +282,7 @@ Tensor Tensor::reshape(const std::vector<int64_t>& requested) const {
 Tensor Tensor::to(Device target) const {
   if (device() == target) return *this;
   Tensor moved(new_impl(shape(), dtype(), target));
-  copy_bytes(moved.impl()->storage->data(), target, impl_->storage->data(), device(), nbytes());
+  copy_bytes(moved.impl()->storage->data(), target, data_ptr(), device(), nbytes());
   auto node = std::make_shared<ToDeviceBackward>();
   node->inputs = {*this};
   node->input_device = device();
@@ -294,7 +303,7 @@ Tensor Tensor::to(DType target) const {
 
 Tensor Tensor::clone() const {
   Tensor copy(new_impl(shape(), dtype(), device()));
-  copy_bytes(copy.impl()->storage->data(), device(), impl_->storage->data(), device(), nbytes());
+  copy_bytes(copy.impl()->storage->data(), device(), data_ptr(), device(), nbytes());
   return copy;
 }
 
@@ -337,7 +346,7 @@ bool Tensor::is_alias_of(const Tensor& other) const {
 Tensor& Tensor::copy_(const Tensor& src) {
   NANODDP_CHECK(shape() == src.shape() && dtype() == src.dtype(), ShapeError, "copy_: destination ", shape(), " ",
                 dtype(), " and source ", src.shape(), " ", src.dtype(), " differ");
-  copy_bytes(impl_->storage->data(), device(), src.impl()->storage->data(), src.device(), nbytes());
+  copy_bytes(data_ptr(), device(), src.data_ptr(), src.device(), nbytes());
   return *this;
 }
 

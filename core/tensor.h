@@ -76,8 +76,13 @@ class Tensor {
   Device device() const;
 
   // ---- data ------------------------------------------------------------------------------
-  // Raw pointer to the first element. Throws ValueError when T does not match dtype().
+  // Raw pointer to the first element. Throws ValueError when T does not match dtype(), and
+  // as data_ptr() does.
   template <typename T> T* data() const;
+  // The first byte of the tensor's memory, any dtype (torch.Tensor.data_ptr()); what clone,
+  // to and copy_ read. Throws ValueError when the memory is freed: an FSDP unit's parameters
+  // between uses, or a graph edge (Note [Graph edges]), which has none.
+  void* data_ptr() const;
   // The single value of a one-element tensor, as torch.Tensor.item(). Copies from the GPU.
   float item() const;
   // One element by index, for tests: t.at({1, 2}). CPU only; throws IndexError when out of range.
@@ -175,11 +180,7 @@ T* Tensor::data() const {
   const TensorImpl& self = checked_impl();
   NANODDP_CHECK(self.dtype == dtype_of<T>(), ValueError, "data<", dtype_name(dtype_of<T>()),
                 ">() on a ", dtype_name(self.dtype), " tensor");
-  NANODDP_CHECK(!self.storage->is_freed(), ValueError, "data<", dtype_name(dtype_of<T>()), ">() on a ", self.shape,
-                " tensor whose memory is freed (Note [Freeing a storage in place]: an FSDP unit's parameters "
-                "outside its forward and backward; or Note [Graph edges]: a node's input, which a backward "
-                "must read through save_for_backward)");
-  return static_cast<T*>(self.storage->data());
+  return static_cast<T*>(data_ptr());
 }
 
 }  // namespace nanoddp

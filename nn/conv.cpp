@@ -119,8 +119,9 @@ int64_t images_per_gemm(Device device, bool keeps_cols, int64_t N, int64_t CKK, 
 // ---- conv2d -------------------------------------------------------------------------------
 
 namespace {
-// input, weight and bias: float32, or (Note [16-bit elementwise ops]) one 16-bit dtype, which
-// the node keeps and the kernels read widened: x, w and b here, and again in backward.
+// input, weight and bias: float32, or (Note [16-bit elementwise ops]) one 16-bit dtype. The
+// node saves the 16-bit input (or, on CUDA, the float32 columns) and weight; the kernels read
+// them widened: x, w and b here, and the saved ones again in backward.
 Tensor conv2d_computed(const Tensor& input, const Tensor& weight, const Tensor& bias, Size2 stride, Size2 padding,
                        Size2 dilation) {
   const Tensor x = widened(input), w = widened(weight), b = widened(bias);
@@ -268,7 +269,8 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
 
 Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 padding, Size2 dilation) {
   ForwardSpan span("max_pool2d", {&input});
-  // Note [16-bit elementwise ops]: a 16-bit input is the node's; the kernel reads x.
+  // Note [16-bit elementwise ops]: the node is on the 16-bit input (and saves only the
+  // indices); the kernel reads x.
   const Tensor x = widened(input);
   Window2d g = make_window("max_pool2d", x, kernel_size, stride, padding, dilation);
   NANODDP_CHECK(2 * padding.h <= kernel_size.h && 2 * padding.w <= kernel_size.w, ValueError,

@@ -163,7 +163,7 @@ TEST_CASE("several inputs and outputs: each output's gradient reaches the inputs
   check_bitwise(grads[1], grads[0], "gradient");
 }
 
-TEST_CASE("peak activation bytes: a checkpointed deep MLP keeps its blocks' inputs and outputs, then one block") {
+TEST_CASE("peak activation bytes: a checkpointed deep MLP keeps its blocks' inputs, then one block") {
   // 8 blocks of Linear(64, 256) ReLU Linear(256, 64) ReLU on a batch of 32 rows.
   constexpr int64_t kNarrow = 32 * 64 * 4, kWide = 32 * 256 * 4;  // bytes of one activation
   Generator gen(6);

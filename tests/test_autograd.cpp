@@ -1,7 +1,9 @@
 #include <doctest/doctest.h>
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/autograd.h"
@@ -40,23 +42,42 @@ TEST_CASE("a graph edge keeps no memory: a tensor no backward reads is freed whe
 }
 
 TEST_CASE("a backward that reads an input's values through its edge gets an error naming the rule") {
+  // The ways to read a tensor's memory: data<T>(), clone, to(dtype) from 16 bits (its raw
+  // bits), copy_ from it.
+  using Read = std::function<void(const Tensor&)>;
+  const std::vector<std::pair<std::string, Read>> reads = {
+      {"data", [](const Tensor& t) { (void)t.data<float>(); }},
+      {"clone", [](const Tensor& t) { (void)t.clone(); }},
+      {"to(float32) from bfloat16", [](const Tensor& t) { (void)t.to(DType::Float32); }},
+      {"copy_", [](const Tensor& t) { Tensor::empty(t.shape(), t.dtype()).copy_(t); }},
+  };
   struct ReadsItsEdge : Node {
-    std::vector<Tensor> apply(const Tensor& dy) override { return {mul(dy, inputs[0].data<float>()[0])}; }
+    Read read;
+    std::vector<Tensor> apply(const Tensor& dy) override {
+      read(inputs[0]);
+      return {dy};
+    }
     const char* name() const override { return "ReadsItsEdgeBackward"; }
   };
-  Tensor x = Tensor::from_vector({2.0f}).set_requires_grad(true);
-  const Tensor doubled = x * 2.0f;
-  auto node = std::make_shared<ReadsItsEdge>();
-  node->inputs = {doubled};
-  const Tensor y = make_result(doubled * 1.0f, node);
-  std::string message;
-  try {
-    sum(y).backward();
-  } catch (const ValueError& e) {
-    message = e.what();
+  for (const auto& entry : reads) {
+    const std::string& label = entry.first;
+    CAPTURE(label);
+    Tensor x = Tensor::from_vector({2.0f}).set_requires_grad(true);
+    const bool low = label.find("bfloat16") != std::string::npos;
+    const Tensor input = low ? (x * 2.0f).to(DType::BFloat16) : x * 2.0f;
+    auto node = std::make_shared<ReadsItsEdge>();
+    node->read = entry.second;
+    node->inputs = {input};
+    const Tensor y = make_result(input.to(DType::Float32) * 1.0f, node);
+    std::string message;
+    try {
+      sum(y).backward();
+    } catch (const ValueError& e) {
+      message = e.what();
+    }
+    CHECK_MESSAGE(message.find("Note [Graph edges]") != std::string::npos, message);
+    CHECK_MESSAGE(message.find("save_for_backward") != std::string::npos, message);
   }
-  CHECK_MESSAGE(message.find("Note [Graph edges]") != std::string::npos, message);
-  CHECK_MESSAGE(message.find("save_for_backward") != std::string::npos, message);
 }
 
 TEST_CASE("gradients accumulate across backward calls until cleared") {
