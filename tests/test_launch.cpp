@@ -318,15 +318,20 @@ TEST_CASE("ChildGroup: a pending signal, a failed child or the timeout stop furt
   CHECK(Clock::now() - started < 5s);
 }
 
-TEST_CASE("nanoddp-run --backend mpi: mpirun runs the ranks; an early exit fails the job with its code") {
+TEST_CASE("nanoddp-run --backend mpi: mpirun runs the ranks; an early exit fails the job with its code, a SIGKILL with 137") {
   if (!on_path("mpirun")) {
     MESSAGE("skipped: no mpirun on PATH (Debian: openmpi-bin)");
     return;
   }
+  // n ranks of `sh -c`, each writing its pid into dir, then running body.
+  auto run_ranks = [](int n, const std::string& dir, const std::string& body) {
+    return run({launcher_path(), "--nproc-per-node", std::to_string(n), "--backend", "mpi", "sh", "-c",
+                "echo $$ > " + dir + "/pid.$OMPI_COMM_WORLD_RANK; " + body});
+  };
   TempDir dir;
-  const RunResult r = run({launcher_path(), "--nproc-per-node", "3", "--backend", "mpi", "sh", "-c",
-                           "echo $$ > " + dir.path + "/pid.$OMPI_COMM_WORLD_RANK; echo size $OMPI_COMM_WORLD_SIZE "
-                           "$NANODDP_BACKEND; sleep 0.3; if [ $OMPI_COMM_WORLD_RANK = 1 ]; then exit 3; fi; sleep 60"});
+  const RunResult r = run_ranks(3, dir.path,
+                                "echo size $OMPI_COMM_WORLD_SIZE $NANODDP_BACKEND; sleep 0.3; "
+                                "if [ $OMPI_COMM_WORLD_RANK = 1 ]; then exit 3; fi; sleep 60");
   CHECK(r.seconds < 30);
   CHECK(r.code() == 3);
   // mpirun's --tag-output prefix "[jobid,rank]<stdout>:" and its own report of the failed rank
@@ -336,23 +341,17 @@ TEST_CASE("nanoddp-run --backend mpi: mpirun runs the ranks; an early exit fails
   CHECK_MESSAGE(contains(r.err, "mpirun (pid "), r.err);
   CHECK_MESSAGE(contains(r.err, "failed: exit code 3"), r.err);
   check_nothing_left(recorded_pids(dir.path, 3));
-}
 
-TEST_CASE("nanoddp-run --backend mpi: a rank killed by SIGKILL fails the job with 137, and the launcher says what 137 is") {
-  if (!on_path("mpirun")) {
-    MESSAGE("skipped: no mpirun on PATH (Debian: openmpi-bin)");
-    return;
-  }
-  TempDir dir;
-  const RunResult r = run({launcher_path(), "--nproc-per-node", "2", "--backend", "mpi", "sh", "-c",
-                           "echo $$ > " + dir.path + "/pid.$OMPI_COMM_WORLD_RANK; sleep 0.3; "
-                           "if [ $OMPI_COMM_WORLD_RANK = 1 ]; then kill -9 $$; fi; sleep 60"});
-  CHECK(r.seconds < 30);
-  CHECK(r.code() == 137);
-  CHECK_MESSAGE(contains(r.err + r.out, "rank 1"), r.err);  // mpirun's own report names it
-  CHECK_MESSAGE(contains(r.err, "137 is 128 + 9, a rank killed by SIGKILL; mpirun's message above names the rank"),
-                r.err);
-  check_nothing_left(recorded_pids(dir.path, 2));
+  // A rank killed by SIGKILL: mpirun passes on 137, which the launcher explains.
+  TempDir killed_dir;
+  const RunResult killed =
+      run_ranks(2, killed_dir.path, "sleep 0.3; if [ $OMPI_COMM_WORLD_RANK = 1 ]; then kill -9 $$; fi; sleep 60");
+  CHECK(killed.seconds < 30);
+  CHECK(killed.code() == 137);
+  CHECK_MESSAGE(contains(killed.err + killed.out, "rank 1"), killed.err);  // mpirun's own report
+  CHECK_MESSAGE(contains(killed.err, "137 is 128 + 9, a rank killed by SIGKILL; mpirun's message above names the rank"),
+                killed.err);
+  check_nothing_left(recorded_pids(killed_dir.path, 2));
 }
 
 TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
