@@ -195,9 +195,12 @@ struct CheckpointFrame {
 
 void Node::save_for_backward(const std::vector<Tensor>& tensors) {
   if (recording_frame) return;  // step 1: the rerun saves them (Note [Checkpointed regions])
-  // Counted as activations once the node is in a graph (make_result): a node made while no
-  // graph is recorded keeps nothing alive.
-  for (const Tensor& t : tensors) saved_.push_back(in_graph_ ? keep_for_backward(t) : t.defined() ? t.detach() : t);
+  // Counted as activations once the node is in a graph (make_result, or here when it already
+  // is): a node made while no graph is recorded keeps nothing alive.
+  for (const Tensor& t : tensors) {
+    saved_.push_back(t.defined() ? t.detach() : t);
+    if (in_graph_) set_memory_category(t, MemoryCategory::Activations);
+  }
 }
 
 void Node::unpack_checkpointed() const {

@@ -79,6 +79,12 @@ DType promoted(const Tensor& a, const Tensor& b) { return a.dtype() == b.dtype()
 // ---- matmul -------------------------------------------------------------------------------
 
 namespace {
+// What a product's backward reads, for save_for_backward: b's gradient reads a, and a's reads
+// b, so each is saved only when the other needs a gradient (undefined otherwise).
+std::vector<Tensor> product_operands(const Tensor& a, const Tensor& b) {
+  return {b.requires_grad() ? a : Tensor(), a.requires_grad() ? b : Tensor()};
+}
+
 struct MatmulBackward : Node {
   // inputs: a [M, K], b [K, N]; saved: a when b needs a gradient, b when a does
   std::vector<Tensor> apply(const Tensor& dout) override {
@@ -114,7 +120,7 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
   gemm(out, a, b, M, K, N, false, false, 0.0f);
   auto node = std::make_shared<MatmulBackward>();
   node->inputs = {a, b};
-  node->save_for_backward({b.requires_grad() ? a : Tensor(), a.requires_grad() ? b : Tensor()});
+  node->save_for_backward(product_operands(a, b));
   return make_result(out, node);
 }
 
@@ -181,7 +187,7 @@ Tensor linear(const Tensor& input_in, const Tensor& weight_in, const Tensor& bia
                      out_features, true);
   auto node = std::make_shared<LinearBackward>();
   node->inputs = {input, weight, bias};
-  node->save_for_backward({weight.requires_grad() ? input : Tensor(), input.requires_grad() ? weight : Tensor()});
+  node->save_for_backward(product_operands(input, weight));
   return make_result(out, node);
 }
 
@@ -205,10 +211,10 @@ struct BinaryBackward : Node {
         }
         break;
       }
-      case BinaryOp::Mul: {  // saved: a and b
+      case BinaryOp::Mul: {  // saved: product_operands(a, b)
         if (a.requires_grad()) da = binary(dout, saved(1), BinaryOp::Mul, broadcast);  // dout * b
         if (b.requires_grad()) {
-          Tensor dout_a = binary(dout, saved(0), BinaryOp::Mul, false);               // dout * a
+          Tensor dout_a = binary(dout, saved(0), BinaryOp::Mul, false);                  // dout * a
           db = broadcast ? column_sum(dout_a, b.numel()) : dout_a;
         }
         break;
@@ -232,8 +238,7 @@ Tensor binary_op(const char* name, const Tensor& a, const Tensor& b, BinaryOp op
   Tensor out = binary(a, b, op, broadcast);
   auto node = std::make_shared<BinaryBackward>();
   node->inputs = {a, b};
-  if (op == BinaryOp::Mul)
-    node->save_for_backward({b.requires_grad() ? a : Tensor(), a.requires_grad() ? b : Tensor()});
+  if (op == BinaryOp::Mul) node->save_for_backward(product_operands(a, b));
   node->op = op;
   node->broadcast = broadcast;
   return make_result(out, node);

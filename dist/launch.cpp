@@ -372,7 +372,8 @@ Outcome run_round(const LaunchOptions& options, const std::vector<std::string>& 
     // mpirun's status is its first failed rank's, a signal as 128 + its number, and mpirun's
     // own message above names that rank; this launcher cannot see the ranks themselves.
     const ExitStatus& status = outcome.failed_status;
-    if (outcome.kind == Outcome::Kind::ChildFailed && status.exited && status.code > 128 && status.code < 128 + 65)
+    const bool signalled = status.exited && status.code > 128 && status.code <= 128 + SIGRTMAX;
+    if (outcome.kind == Outcome::Kind::ChildFailed && signalled)
       write_all(2, "nanoddp-run: mpirun passes on its first failed rank's status: " + std::to_string(status.code) +
                        " is 128 + " + std::to_string(status.code - 128) + ", a rank killed by " +
                        signal_name(status.code - 128) + "; mpirun's message above names the rank\n");
