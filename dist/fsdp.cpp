@@ -225,7 +225,7 @@ void FullyShardedDataParallel::build_units() {
     }
     unit.full = full;
     if (no_shard) {
-      unit.shard = register_parameter(unit.name.empty() ? "_flat_param" : unit.name + "._flat_param", full);
+      unit.shard = register_parameter_at_path(unit.name.empty() ? "_flat_param" : unit.name + "._flat_param", full);
       unit.gathered = true;
     } else {
       Tensor shard;
@@ -233,7 +233,7 @@ void FullyShardedDataParallel::build_units() {
         MemoryCategoryScope parameters(MemoryCategory::Parameters);
         shard = full.slice_view(rank * unit.shard_numel, {unit.shard_numel}).clone();
       }
-      unit.shard = register_parameter(unit.name.empty() ? "_flat_param" : unit.name + "._flat_param", shard);
+      unit.shard = register_parameter_at_path(unit.name.empty() ? "_flat_param" : unit.name + "._flat_param", shard);
       unit.full.impl()->storage->free_memory();
     }
     // Step 4 of Note [FSDP units]: count each parameter's accumulated gradient.
@@ -640,11 +640,11 @@ std::pair<std::string, size_t> split_state_key(const std::string& key) {
 }
 
 // A unit's parameters share one flat parameter, so one optimizer entry: a state that is not
-// per element (Adam's step) must be the same for each of them. params: the unit's (name,
-// tensor); found: (k, entry) for each of its parameters k that has one. Throws ValueError
-// naming the first two that differ, a missing one included, as torch's FSDP does ("must have
-// scalar state with the same value and dtype").
-void check_same_scalar_state(const std::string& where, const std::string& buffer, size_t unit,
+// per element (Adam's step) must be the same for each of them. unit: its unit_label. params:
+// the unit's (name, tensor); found: (k, entry) for each of its parameters k that has one.
+// Throws ValueError naming the first two that differ, a missing one included, as torch's FSDP
+// does ("must have scalar state with the same value and dtype").
+void check_same_scalar_state(const std::string& where, const std::string& buffer, const std::string& unit,
                              const std::vector<std::pair<std::string, Tensor>>& params,
                              const std::vector<std::pair<size_t, Tensor>>& found) {
   std::vector<std::pair<std::string, Tensor>> values(params.size());  // parameter k's, or undefined
@@ -704,7 +704,7 @@ nn::StateDict FullyShardedDataParallel::full_optim_state_dict(const nn::Optimize
   for (const auto& [key, value] : local) {  // the same keys in the same order on every rank
     const auto [buffer, i] = split_state_key(key);
     NANODDP_CHECK(i < units_.size(), ValueError, "FullyShardedDataParallel.full_optim_state_dict: key '", key,
-                  "' names parameter ", i, " of ", units_.size());
+                  "' names flat parameter ", i, " but the wrapper has ", units_.size(), " (one per unit)");
     const Unit& unit = *units_[i];
     const bool flat = value.dtype() == DType::Float32 && value.numel() == unit.shard_numel && value.dim() == 1;
     Tensor gathered;
@@ -735,7 +735,7 @@ nn::StateDict FullyShardedDataParallel::shard_full_optim_state_dict(const nn::St
   for (const auto& [key, value] : full) {
     const auto [buffer, j] = split_state_key(key);
     NANODDP_CHECK(j < where.size(), ValueError, "FullyShardedDataParallel.shard_full_optim_state_dict: key '",
-                  key, "' names parameter ", j, " but the model has ", where.size());
+                  key, "' names parameter ", j, " but the model has ", where.size(), " (0..", where.size() - 1, ")");
     grouped[buffer][where[j].first].emplace_back(where[j].second, value);
   }
   nn::StateDict sharded;
@@ -748,8 +748,8 @@ nn::StateDict FullyShardedDataParallel::shard_full_optim_state_dict(const nn::St
       const bool per_element = entries[0].second.dtype() == DType::Float32 &&
                                entries[0].second.shape() == first_param.shape();
       if (!per_element) {
-        check_same_scalar_state("FullyShardedDataParallel.shard_full_optim_state_dict", buffer, u, unit.params,
-                                entries);
+        check_same_scalar_state("FullyShardedDataParallel.shard_full_optim_state_dict", buffer, unit_label(unit.name),
+                                unit.params, entries);
         sharded[key] = entries[0].second.clone();
         continue;
       }
@@ -817,6 +817,13 @@ ShardedStateDict FullyShardedDataParallel::sharded_model_state_dict() const {
       out[unit.params[k].first] = entry;
     }
   }
+  // A tied parameter is in the units once, under its first name; the set holds it under
+  // every name, as state_dict does.
+  std::map<const TensorImpl*, std::string> first_name;
+  for (const auto& [name, p] : module_->named_parameters(/*remove_duplicate=*/false)) {
+    const auto [first, fresh] = first_name.emplace(p.impl(), name);
+    if (!fresh && out.count(first->second) > 0) out[name] = out.at(first->second);
+  }
   return out;
 }
 
@@ -832,7 +839,7 @@ ShardedStateDict FullyShardedDataParallel::sharded_optim_state_dict(const nn::Op
   for (const auto& [key, value] : optimizer.state_dict()) {
     const auto [buffer, u] = split_state_key(key);
     NANODDP_CHECK(u < units_.size(), ValueError, "FullyShardedDataParallel.sharded_optim_state_dict: key '",
-                  key, "' names parameter ", u, " of ", units_.size());
+                  key, "' names flat parameter ", u, " but the wrapper has ", units_.size(), " (one per unit)");
     const Unit& unit = *units_[u];
     const bool flat =
         value.dtype() == DType::Float32 && value.numel() == unit.shard_numel && value.dim() == 1;
@@ -897,7 +904,7 @@ nn::StateDict FullyShardedDataParallel::read_local_optim_state_dict(ShardedCheck
     if (name.compare(0, prefix.size(), prefix) != 0) continue;
     const auto [buffer, j] = split_state_key(name.substr(prefix.size()));
     NANODDP_CHECK(j < where.size(), ValueError, "sharded checkpoint ", reader.path(), ": '", name,
-                  "' names parameter ", j, " but the model has ", where.size());
+                  "' names parameter ", j, " but the model has ", where.size(), " (0..", where.size() - 1, ")");
     grouped[buffer][where[j].first].emplace_back(where[j].second, name);
   }
   const bool no_shard = options_.sharding_strategy == ShardingStrategy::NO_SHARD;
@@ -912,7 +919,8 @@ nn::StateDict FullyShardedDataParallel::read_local_optim_state_dict(ShardedCheck
       if (!per_element) {  // a step count: the same for every parameter of the unit
         std::vector<std::pair<size_t, Tensor>> found;
         for (const auto& [k, name] : entries) found.emplace_back(k, reader.read(name));
-        check_same_scalar_state("sharded checkpoint " + reader.path(), buffer, u, unit.params, found);
+        check_same_scalar_state("sharded checkpoint " + reader.path(), buffer, unit_label(unit.name), unit.params,
+                                found);
         out[key] = found[0].second;
         continue;
       }

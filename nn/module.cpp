@@ -11,11 +11,50 @@
 
 namespace nanoddp::nn {
 
+void Module::check_name(const char* function, const char* kind, const std::string& name) const {
+  NANODDP_CHECK(!name.empty() && name.find('.') == std::string::npos, ValueError, "register_", function, ": name '",
+                name, "' must be non-empty and contain no '.'");
+  const auto has = [&](const auto& entries) {
+    for (const auto& entry : entries)
+      if (entry.first == name) return true;
+    return false;
+  };
+  bool buffer = false;
+  for (const Buffer& b : buffers_) buffer |= b.name == name;
+  const std::string own = kind;
+  const char* other = own != "parameter" && has(parameters_) ? "parameter"
+                      : own != "buffer" && buffer             ? "buffer"
+                      : own != "submodule" && has(children_)  ? "submodule"
+                                                              : nullptr;
+  NANODDP_CHECK(other == nullptr, ValueError, "register_", function, ": '", name, "' is already a ", other,
+                " of this module");
+}
+
 Tensor Module::register_parameter(const std::string& name, Tensor tensor) {
+  check_name("parameter", "parameter", name);
+  return register_parameter_at_path(name, std::move(tensor));
+}
+
+Tensor Module::register_parameter_at_path(const std::string& name, Tensor tensor) {
+  NANODDP_CHECK(tensor.defined(), ValueError, "register_parameter: parameter '", name, "' is an undefined tensor");
+  NANODDP_CHECK(!name.empty(), ValueError, "register_parameter: the name is empty");
   tensor.set_requires_grad(true);
   set_memory_category(tensor, MemoryCategory::Parameters);
+  for (auto& [own, p] : parameters_)
+    if (own == name) return p = tensor;
   parameters_.emplace_back(name, tensor);
   return tensor;
+}
+
+void Module::register_child(const std::string& name, std::shared_ptr<Module> module) {
+  NANODDP_CHECK(module != nullptr, ValueError, "register_module: submodule '", name, "' is null");
+  check_name("module", "submodule", name);
+  for (auto& [own, child] : children_)
+    if (own == name) {
+      child = std::move(module);
+      return;
+    }
+  children_.emplace_back(name, std::move(module));
 }
 
 Tensor Module::operator()(const Tensor& input) {
@@ -44,35 +83,34 @@ void Module::remove_forward_hook(int id) {
 
 Tensor Module::register_buffer(const std::string& name, Tensor tensor, bool persistent) {
   NANODDP_CHECK(tensor.defined(), ValueError, "register_buffer: buffer '", name, "' is an undefined tensor");
-  NANODDP_CHECK(!name.empty() && name.find('.') == std::string::npos, ValueError, "register_buffer: name '", name,
-                "' must be non-empty and contain no '.'");
-  bool taken = false;
-  for (const auto& [own, p] : parameters_) taken |= own == name;
-  for (const Buffer& b : buffers_) taken |= b.name == name;
-  for (const auto& [own, child] : children_) taken |= own == name;
-  NANODDP_CHECK(!taken, ValueError, "register_buffer: '", name, "' is already a parameter, buffer or submodule");
+  check_name("buffer", "buffer", name);
+  for (Buffer& b : buffers_)
+    if (b.name == name) {
+      b = {name, tensor, persistent};
+      return tensor;
+    }
   buffers_.push_back({name, tensor, persistent});
   return tensor;
 }
 
-std::vector<std::pair<std::string, Tensor>> Module::named_parameters() const {
+std::vector<std::pair<std::string, Tensor>> Module::named_parameters(bool remove_duplicate) const {
   std::vector<std::pair<std::string, Tensor>> named;
   std::unordered_set<const TensorImpl*> seen;
-  collect(Which::Parameters, "", named, seen);
+  collect(Which::Parameters, "", named, remove_duplicate ? &seen : nullptr);
   return named;
 }
 
 std::vector<std::pair<std::string, Tensor>> Module::named_buffers() const {
   std::vector<std::pair<std::string, Tensor>> named;
   std::unordered_set<const TensorImpl*> seen;
-  collect(Which::Buffers, "", named, seen);
+  collect(Which::Buffers, "", named, &seen);
   return named;
 }
 
 std::vector<std::pair<std::string, Tensor>> Module::named_persistent_buffers() const {
   std::vector<std::pair<std::string, Tensor>> named;
   std::unordered_set<const TensorImpl*> seen;
-  collect(Which::PersistentBuffers, "", named, seen);
+  collect(Which::PersistentBuffers, "", named, &seen);
   return named;
 }
 
@@ -97,23 +135,24 @@ std::vector<Tensor> Module::buffers() const {
 }
 
 std::vector<std::pair<std::string, Tensor>> Module::named_state() const {
+  // torch's state_dict keeps every name of a tied tensor (it has no remove_duplicate).
   std::vector<std::pair<std::string, Tensor>> named;
-  std::unordered_set<const TensorImpl*> seen;
-  collect(Which::Parameters, "", named, seen);
-  collect(Which::PersistentBuffers, "", named, seen);
+  collect(Which::Parameters, "", named, nullptr);
+  collect(Which::PersistentBuffers, "", named, nullptr);
   return named;
 }
 
 void Module::collect(Which which, const std::string& prefix, std::vector<std::pair<std::string, Tensor>>& named,
-                     std::unordered_set<const TensorImpl*>& seen) const {
+                     std::unordered_set<const TensorImpl*>* seen) const {
   // Identity is the handle's impl, which to() keeps (it swaps storage), so a tied parameter
   // stays one parameter across device moves.
+  const auto first_time = [seen](const Tensor& t) { return seen == nullptr || seen->insert(t.impl()).second; };
   if (which == Which::Parameters) {
     for (const auto& [name, p] : parameters_)
-      if (seen.insert(p.impl()).second) named.emplace_back(prefix + name, p);
+      if (first_time(p)) named.emplace_back(prefix + name, p);
   } else {
     for (const Buffer& b : buffers_)
-      if ((b.persistent || which == Which::Buffers) && seen.insert(b.tensor.impl()).second)
+      if ((b.persistent || which == Which::Buffers) && first_time(b.tensor))
         named.emplace_back(prefix + b.name, b.tensor);
   }
   for (const auto& [child_name, child] : children_) child->collect(which, prefix + child_name + ".", named, seen);
@@ -188,6 +227,18 @@ std::string ddp_prefix_hint(const std::vector<std::string>& missing,
   return "";
 }
 
+// What to do when the state holds FullyShardedDataParallel's flat shards ("0._flat_param",
+// its state_dict()), which only the same wrapper at the same world size loads.
+std::string fsdp_local_hint(const std::vector<std::string>& unexpected) {
+  const std::string flat = "_flat_param";
+  for (const std::string& key : unexpected)
+    if (key.size() >= flat.size() && key.compare(key.size() - flat.size(), flat.size(), flat) == 0)
+      return ". '" + key +
+             "' is a FullyShardedDataParallel shard (the wrapper's state_dict(), torch's LOCAL_STATE_DICT): "
+             "save fsdp.full_state_dict() for the model's own names";
+  return "";
+}
+
 bool is_floating(DType dtype) {
   return dtype == DType::Float32 || dtype == DType::Float16 || dtype == DType::BFloat16;
 }
@@ -233,7 +284,7 @@ Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool st
     for (size_t i = 0; i < missing.size(); ++i) message << (i ? ", " : "") << missing[i];
     message << "], unexpected: [";
     for (size_t i = 0; i < unexpected.size(); ++i) message << (i ? ", " : "") << unexpected[i];
-    message << "]" << ddp_prefix_hint(missing, unexpected);
+    message << "]" << ddp_prefix_hint(missing, unexpected) << fsdp_local_hint(unexpected);
     NANODDP_THROW(ValueError, message.str());
   }
   for (auto& [name, p] : named) {

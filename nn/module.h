@@ -50,12 +50,15 @@ class Module {
   void remove_forward_hook(int id);
 
   // All parameters, depth-first in registration order (torch.nn.Module.parameters). A
-  // parameter reachable twice (a module registered in two places: tied weights) is one
-  // parameter and is listed once, under its first name (PyTorch's remove_duplicate=True), so
-  // an optimizer steps it once and DDP reduces it once.
+  // parameter reachable twice (tied weights: a module registered in two places, or one
+  // tensor registered under two names) is one parameter and is listed once, under its first
+  // name (PyTorch's remove_duplicate=True), so an optimizer steps it once and DDP reduces it
+  // once.
   std::vector<Tensor> parameters() const;
-  // The same with dotted names ("0.weight"), in the same order.
-  std::vector<std::pair<std::string, Tensor>> named_parameters() const;
+  // The same with dotted names ("0.weight"), in the same order. remove_duplicate = false
+  // lists a tied parameter under every name it has, as state_dict does
+  // (torch.nn.Module.named_parameters(remove_duplicate=False)).
+  std::vector<std::pair<std::string, Tensor>> named_parameters(bool remove_duplicate = true) const;
   // All buffers, persistent or not, depth-first in registration order, each listed once
   // under its first name (torch.nn.Module.buffers / named_buffers, remove_duplicate=True).
   std::vector<Tensor> buffers() const;
@@ -68,10 +71,33 @@ class Module {
   // Registers state that is saved and moved with the module but not trained
   // (torch.nn.Module.register_buffer): buffers(), to() and DDP's broadcast_buffers see it;
   // state_dict and load_state_dict see it when persistent. Any dtype (num_batches_tracked is
-  // int64). Returns the stored handle: keep it, it stays valid across to(). ValueError for an
-  // undefined tensor, an empty name, a name with '.', or a name this module already uses for
-  // a parameter, buffer or submodule.
+  // int64). Returns the stored handle: keep it, it stays valid across to(). A name this
+  // module already uses for a buffer is given to the new tensor, in the old one's place (as
+  // torch). ValueError for an undefined tensor, an empty name, a name with '.', or a name this
+  // module uses for a parameter or submodule.
   Tensor register_buffer(const std::string& name, Tensor tensor, bool persistent = true);
+  // Registers tensor as parameter `name` and sets its requires_grad, as wrapping it in
+  // torch.nn.Parameter does (torch.nn.Module.register_parameter). Returns the stored handle,
+  // which the module's member must hold: forward uses the member, the optimizer and
+  // state_dict the registered tensor. A name this module already uses for a parameter is
+  // given to the new tensor, in the old one's place (as torch), which is how weights are
+  // tied to another module's (PyTorch's `decoder.weight = encoder.weight`):
+  //
+  //   decoder->weight = decoder->register_parameter("weight", encoder->weight);
+  //
+  // ValueError for an undefined tensor, an empty name, a name with '.', or a name this
+  // module uses for a buffer or submodule.
+  Tensor register_parameter(const std::string& name, Tensor tensor);
+  // Registers a submodule under name (torch.nn.Module.register_module / add_module); its
+  // parameters and buffers are named "<name>.<theirs>". A name already used for a submodule
+  // is given to the new one, in the old one's place (as torch). ValueError for a null
+  // module, an empty name, a name with '.', or a name this module uses for a parameter or
+  // buffer.
+  template <typename M>
+  std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> module) {
+    register_child(name, module);
+    return module;
+  }
   // Clears every parameter's .grad: undefined with set_to_none (PyTorch 2's default), else
   // filled with zeros in place (torch 1.13's default); see Optimizer::zero_grad.
   void zero_grad(bool set_to_none = true);
@@ -84,8 +110,9 @@ class Module {
   void to(Device device);
 
   // Copies of the parameters and persistent buffers keyed by dotted name, on the CPU, in
-  // their own dtypes (torch's state_dict, detached). A tied parameter or buffer appears once,
-  // under its first name, as in named_parameters().
+  // their own dtypes (torch's state_dict, detached). A tied parameter or buffer is there
+  // under every name it has, as in torch ({"0.weight", "1.weight"} for Sequential(l, l)),
+  // and load_state_dict wants every one of them.
   StateDict state_dict() const;
   // The keys load_state_dict did not match (torch.nn.modules.module._IncompatibleKeys):
   // missing = the model's parameters and persistent buffers absent from the state (left
@@ -110,15 +137,17 @@ class Module {
   IncompatibleKeys load_state_dict(const StateDict& state, bool strict = true);
 
  protected:
-  // Registers a parameter (sets requires_grad). Returns the stored handle.
-  Tensor register_parameter(const std::string& name, Tensor tensor);
-  template <typename M>
-  std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> module) {
-    children_.emplace_back(name, module);
-    return module;
-  }
+  // register_parameter for a parameter that has no module of its own: a dotted name
+  // ("0._flat_param") is allowed. FullyShardedDataParallel registers each unit's flat
+  // parameter on itself under the unit's path this way.
+  Tensor register_parameter_at_path(const std::string& name, Tensor tensor);
 
  private:
+  // register_module's work, for any module type.
+  void register_child(const std::string& name, std::shared_ptr<Module> module);
+  // ValueError, naming register_<function>, unless name can be an entry of kind ("parameter",
+  // "buffer", "submodule"): non-empty, no '.', and not used by this module for another kind.
+  void check_name(const char* function, const char* kind, const std::string& name) const;
   struct Buffer {
     std::string name;
     Tensor tensor;
@@ -126,10 +155,11 @@ class Module {
   };
   enum class Which { Parameters, Buffers, PersistentBuffers };
   // Appends this module's tensors of one kind, then its children's, skipping any already in
-  // seen.
+  // seen; with seen null, every name of every tensor.
   void collect(Which which, const std::string& prefix, std::vector<std::pair<std::string, Tensor>>& named,
-               std::unordered_set<const TensorImpl*>& seen) const;
-  // What state_dict and load_state_dict cover: parameters, then persistent buffers.
+               std::unordered_set<const TensorImpl*>* seen) const;
+  // What state_dict and load_state_dict cover: parameters, then persistent buffers, under
+  // every name each has.
   std::vector<std::pair<std::string, Tensor>> named_state() const;
 
   std::vector<std::pair<std::string, Tensor>> parameters_;

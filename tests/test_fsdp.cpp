@@ -623,7 +623,7 @@ TEST_CASE("an optimizer state whose step differs inside one unit is refused, nam
       } catch (const ValueError& e) {
         message = e.what();
       }
-      expect(message.find("'step' must be the same for every parameter of unit 0") != std::string::npos &&
+      expect(message.find("'step' must be the same for every parameter of unit '0'") != std::string::npos &&
                  message.find("'0.weight' has 1 and '0.bias' " + has) != std::string::npos,
              "rank ", rank, ": ", message.empty() ? "accepted" : message);
     }
@@ -792,9 +792,28 @@ TEST_CASE("a parameter shared by two units is an error naming it and both units;
     }
     expect(message.find("'b.shared.weight' is shared by units 'a' and 'b'") != std::string::npos,
            "a parameter two units share: ", message);
-    // Left to the root (no policy), the tied Linear is one parameter of one unit: fine.
+    // Left to the root (no policy), the tied Linear is one parameter of one unit: fine. Its
+    // state holds it under both names, as torch's state_dict does, the sharded one too.
     dist::FullyShardedDataParallel root_only(std::make_shared<TiedBlocks>(), pg);
     expect(root_only.units().size() == 1 && root_only.units()[0].numel == 12, "the root unit is not the 12 elements");
+    const nn::StateDict full = root_only.full_state_dict();
+    const dist::ShardedStateDict sharded = root_only.sharded_model_state_dict();
+    for (const std::string name : {"a.shared.weight", "a.shared.bias", "b.shared.weight", "b.shared.bias"}) {
+      expect(full.count(name) == 1, "full_state_dict has no '", name, "'");
+      expect(sharded.count(name) == 1, "sharded_model_state_dict has no '", name, "'");
+    }
+    expect(full.size() == 4 && full.at("a.shared.weight").to_vector() == full.at("b.shared.weight").to_vector(),
+           "the tied weight's two entries differ");
+    // The wrapper's own state_dict is its flat shard: loading it into a bare model says so.
+    std::string local_message = "no error";
+    try {
+      TiedBlocks().load_state_dict(root_only.state_dict());
+    } catch (const ValueError& e) {
+      local_message = e.what();
+    }
+    expect(local_message.find("'_flat_param' is a FullyShardedDataParallel shard") != std::string::npos &&
+               local_message.find("save fsdp.full_state_dict()") != std::string::npos,
+           "a local state loaded into the bare model: ", local_message);
     auto frozen = make_mlp(1);
     frozen->parameters()[1].set_requires_grad(false);
     message = "no error";

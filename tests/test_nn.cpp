@@ -434,38 +434,79 @@ TEST_CASE("a single process learns y = 2x with Linear(1, 1) and SGD") {
   CHECK(std::abs(model.bias.item()) < 1e-3);
 }
 
-TEST_CASE("a module registered twice is one parameter: listed, saved and stepped once") {
-  // Sequential(L, L) with one bias-free Linear(2, 2): y = x W^T W^T, loss = sum(y).
-  // x = [1, 1], W = [[.1, .2], [.3, .4]]: h = W x = [.3, .7]; dL/dh = W^T [1, 1] = [.4, .6];
-  // dL/dW = [1, 1]^T h + [.4, .6]^T x = [[.7, 1.1], [.9, 1.3]]; SGD lr 0.1 steps it once:
-  // W' = W - 0.1 dL/dW = [[.03, .09], [.21, .27]] (twice would give [[-.04, -.02], [.12, .14]]).
-  Generator gen(0);
-  auto shared = std::make_shared<Linear>(2, 2, gen, /*bias=*/false);
-  shared->weight.copy_(Tensor::from_vector({0.1f, 0.2f, 0.3f, 0.4f}, {2, 2}));
-  Sequential model;
-  model.add(shared);
-  model.add(shared);
+namespace {
+// Sequential(L, L) with one bias-free Linear(2, 2): y = x W^T W^T, loss = sum(y).
+// x = [1, 1], W = [[.1, .2], [.3, .4]]: h = W x = [.3, .7]; dL/dh = W^T [1, 1] = [.4, .6];
+// dL/dW = [1, 1]^T h + [.4, .6]^T x = [[.7, 1.1], [.9, 1.3]]; SGD lr 0.1 steps it once:
+// W' = W - 0.1 dL/dW = [[.03, .09], [.21, .27]] (twice would give [[-.04, -.02], [.12, .14]]).
+// Checks that model, whose weights are tied that way, lists the weight once, saves it under
+// both names (torch: Sequential(l, l).state_dict() has "0.weight" and "1.weight"), wants both
+// back, and steps it once.
+void check_tied_pair(Sequential& model, Tensor weight) {
+  weight.detach().copy_(Tensor::from_vector({0.1f, 0.2f, 0.3f, 0.4f}, {2, 2}));
   const auto named = model.named_parameters();
   REQUIRE(named.size() == 1);
   CHECK(named[0].first == "0.weight");  // the first name, as PyTorch's remove_duplicate
   CHECK(model.parameters().size() == 1);
+  const auto every_name = model.named_parameters(/*remove_duplicate=*/false);
+  REQUIRE(every_name.size() == 2);
+  CHECK(every_name[1].first == "1.weight");
+  CHECK(every_name[1].second.impl() == weight.impl());
   const StateDict state = model.state_dict();
-  CHECK(state.size() == 1);
-  CHECK(state.count("0.weight") == 1);
+  CHECK(state.size() == 2);
+  CHECK(state.at("0.weight").to_vector() == weight.to_vector());
+  CHECK(state.at("1.weight").to_vector() == weight.to_vector());
 
   SGD opt(model.parameters(), {/*lr=*/0.1});
   sum(model(Tensor::ones({1, 2}))).backward();
-  const std::vector<float> grad = shared->weight.grad().to_vector();
+  const std::vector<float> grad = weight.grad().to_vector();
   const std::vector<float> want_grad = {0.7f, 1.1f, 0.9f, 1.3f};
   for (size_t i = 0; i < 4; ++i) CHECK(grad[i] == doctest::Approx(want_grad[i]).epsilon(1e-6));
   opt.step();
-  const std::vector<float> w = shared->weight.to_vector();
+  const std::vector<float> w = weight.to_vector();
   const std::vector<float> want = {0.03f, 0.09f, 0.21f, 0.27f};
   for (size_t i = 0; i < 4; ++i) CHECK(w[i] == doctest::Approx(want[i]).epsilon(1e-6));
 
-  // Loading the one-key state restores the tied weight everywhere it is used.
+  // Loading restores the tied weight everywhere it is used; as torch's, strict loading wants
+  // every name ("Missing key(s) in state_dict: "1.weight"").
   model.load_state_dict(state);
-  CHECK(shared->weight.to_vector() == state.at("0.weight").to_vector());
+  CHECK(weight.to_vector() == state.at("0.weight").to_vector());
+  StateDict one_name = state;
+  one_name.erase("1.weight");
+  std::string message;
+  try {
+    model.load_state_dict(one_name);
+  } catch (const ValueError& e) {
+    message = e.what();
+  }
+  CHECK_MESSAGE(message.find("missing: [1.weight]") != std::string::npos, message);
+  const Module::IncompatibleKeys keys = model.load_state_dict(one_name, /*strict=*/false);
+  CHECK(keys.missing_keys == std::vector<std::string>{"1.weight"});
+}
+}  // namespace
+
+TEST_CASE("a module registered twice is one parameter: listed and stepped once, saved under both names") {
+  Generator gen(0);
+  auto shared = std::make_shared<Linear>(2, 2, gen, /*bias=*/false);
+  Sequential model;
+  model.add(shared);
+  model.add(shared);
+  check_tied_pair(model, shared->weight);
+}
+
+TEST_CASE("weights tied with register_parameter (PyTorch's decoder.weight = encoder.weight) train as one") {
+  Generator gen(0);
+  auto encoder = std::make_shared<Linear>(2, 2, gen, /*bias=*/false);
+  auto decoder = std::make_shared<Linear>(2, 2, gen, /*bias=*/false);
+  const Tensor replaced = decoder->weight;
+  decoder->weight = decoder->register_parameter("weight", encoder->weight);
+  CHECK(decoder->weight.impl() == encoder->weight.impl());
+  Sequential model;
+  model.add(encoder);
+  model.add(decoder);
+  // The same numbers as one module registered twice; the replaced tensor is gone from the model.
+  check_tied_pair(model, encoder->weight);
+  for (const auto& entry : model.named_parameters(/*remove_duplicate=*/false)) CHECK(entry.second.impl() != replaced.impl());
 }
 
 TEST_CASE("load_state_dict(strict = false) returns the missing and unexpected keys") {
@@ -598,7 +639,7 @@ class Counted : public Module {
 };
 }  // namespace
 
-TEST_CASE("buffers: dotted names depth-first, listed once, persistent ones in state_dict with their dtype") {
+TEST_CASE("buffers: dotted names depth-first, listed once, persistent ones in state_dict under every name with their dtype") {
   Generator gen(3);
   auto shared = std::make_shared<Counted>(gen);
   Sequential model;
@@ -616,8 +657,11 @@ TEST_CASE("buffers: dotted names depth-first, listed once, persistent ones in st
   const StateDict state = model.state_dict();
   std::vector<std::string> keys;
   for (auto& [name, t] : state) keys.push_back(name);
+  // state_dict keeps every name of the shared module's tensors, as torch's does.
   CHECK(keys == std::vector<std::string>{"0.linear.bias", "0.linear.weight", "0.steps", "2.linear.bias",
-                                         "2.linear.weight", "2.steps"});
+                                         "2.linear.weight", "2.steps", "3.linear.bias", "3.linear.weight",
+                                         "3.steps"});
+  CHECK(state.at("3.steps").to_int_vector() == std::vector<int64_t>{1LL << 40});
   CHECK(state.at("0.steps").dtype() == DType::Int64);
   CHECK(state.at("0.steps").dim() == 0);
   CHECK(state.at("0.steps").to_int_vector() == std::vector<int64_t>{1LL << 40});
@@ -673,17 +717,59 @@ TEST_CASE("buffers survive a checkpoint file and a safetensors file (int64 as I6
   std::remove(exported.c_str());
 }
 
-TEST_CASE("register_buffer refuses undefined tensors, dotted and taken names") {
+TEST_CASE("register_parameter, register_buffer and register_module: torch's name rules, re-registering replaces") {
+  // torch.nn.Module raises KeyError for an empty name, a dotted one, and a name taken by
+  // another kind ("attribute 'x' already exists"); the same kind's name is replaced in place.
   struct Probe : Module {
-    Probe() { register_parameter("w", Tensor::zeros({1})); }
     Tensor forward(const Tensor& x) override { return x; }
   } probe;
-  CHECK_THROWS_AS(probe.register_buffer("b", Tensor()), ValueError);
-  CHECK_THROWS_AS(probe.register_buffer("a.b", Tensor::zeros({1})), ValueError);
-  CHECK_THROWS_AS(probe.register_buffer("", Tensor::zeros({1})), ValueError);
-  CHECK_THROWS_AS(probe.register_buffer("w", Tensor::zeros({1})), ValueError);
+  probe.register_parameter("w", Tensor::zeros({1}));
   probe.register_buffer("b", Tensor::zeros({1}));
-  CHECK_THROWS_AS(probe.register_buffer("b", Tensor::zeros({1})), ValueError);
+  probe.register_module("m", std::make_shared<Flatten>());
+  const auto message_of = [](const auto& call) {
+    try {
+      call();
+    } catch (const ValueError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  for (const char* name : {"", "a.b"}) {
+    CAPTURE(name);
+    CHECK_THROWS_AS(probe.register_parameter(name, Tensor::zeros({1})), ValueError);
+    CHECK_THROWS_AS(probe.register_buffer(name, Tensor::zeros({1})), ValueError);
+    CHECK_THROWS_AS(probe.register_module(name, std::make_shared<Flatten>()), ValueError);
+  }
+  CHECK_THROWS_AS(probe.register_parameter("p", Tensor()), ValueError);
+  CHECK_THROWS_AS(probe.register_buffer("p", Tensor()), ValueError);
+  CHECK_THROWS_AS(probe.register_module("p", std::shared_ptr<Flatten>()), ValueError);
+  CHECK(message_of([&] { probe.register_parameter("b", Tensor::zeros({1})); })
+            .rfind("register_parameter: 'b' is already a buffer of this module", 0) == 0);
+  CHECK(message_of([&] { probe.register_buffer("w", Tensor::zeros({1})); })
+            .rfind("register_buffer: 'w' is already a parameter of this module", 0) == 0);
+  CHECK(message_of([&] { probe.register_module("w", std::make_shared<Flatten>()); })
+            .rfind("register_module: 'w' is already a parameter of this module", 0) == 0);
+  CHECK(message_of([&] { probe.register_parameter("m", Tensor::zeros({1})); })
+            .rfind("register_parameter: 'm' is already a submodule of this module", 0) == 0);
+
+  // Replacing keeps the place and the count.
+  probe.register_parameter("v", Tensor::zeros({1}));
+  probe.register_parameter("w", Tensor::ones({3}));
+  const auto params = probe.named_parameters();
+  REQUIRE(params.size() == 2);
+  CHECK(params[0].first == "w");
+  CHECK(params[0].second.to_vector() == std::vector<float>{1, 1, 1});
+  CHECK(params[0].second.requires_grad());
+  probe.register_buffer("b", Tensor::full({2}, 5.0f), /*persistent=*/false);
+  REQUIRE(probe.buffers().size() == 1);
+  CHECK(probe.buffers()[0].to_vector() == std::vector<float>{5, 5});
+  CHECK(probe.state_dict().count("b") == 0);  // now not persistent
+  auto linear = std::make_shared<Linear>(1, 2, default_generator());
+  probe.register_module("m", linear);
+  const auto names = probe.named_parameters();
+  REQUIRE(names.size() == 4);
+  CHECK(names[2].first == "m.weight");
+  CHECK(names[3].first == "m.bias");
 }
 
 namespace {
