@@ -5,14 +5,17 @@
 //   autocast_state().enabled == false                                  // after the scope
 //
 // Note [Autocast]
-// Under autocast, ops fall in three groups, as in torch's CPU and CUDA autocast lists:
+// Under autocast, ops fall in three groups, after torch's autocast lists:
 //   1. low precision: matmul, linear, conv2d. Each float32 operand (an activation or a
 //      float32 master parameter) is cast to the autocast dtype by a recorded Tensor::to, so
 //      backward casts its gradient back to float32 and a parameter's .grad stays float32.
-//      The product sums in float32 and rounds its output once: the output is 16-bit.
+//      The product sums in float32, with linear's bias, and rounds its output once: the
+//      output is 16-bit.
 //   2. float32: sum, mean, mse_loss, cross_entropy (its softmax), batch_norm, layer_norm.
 //      A 16-bit operand is cast up to float32 (recorded) and the output is float32. They do
-//      so outside autocast too: no op here computes a reduction in 16 bits.
+//      so outside autocast too: no op here computes a reduction in 16 bits. That is torch's
+//      CUDA list; torch 1.13's CPU autocast returns bfloat16 from sum, mean, layer_norm and
+//      batch_norm, and here one rule holds on every device.
 //   3. everything else (relu, add, mul, dropout, max_pool2d, the activations) keeps its
 //      input's dtype: Note [16-bit elementwise ops] in core/op_helpers.h.
 // The optimizer sees float32 parameters and float32 gradients only.

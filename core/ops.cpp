@@ -58,15 +58,16 @@ bool broadcast_of(const char* op, const Tensor& a, const Tensor& b) {
 }
 
 // out = op(a) · op(b) in out's dtype, which a and b share: float32 (beta as kernels::matmul) or
-// 16-bit (beta 0; summed in float32, rounded once: kernels::matmul_16bit).
+// 16-bit (beta 0; summed in float32 with row_bias when given, rounded once:
+// kernels::matmul_16bit). A float32 row_bias is the caller's to add.
 void gemm(const Tensor& out, const Tensor& a, const Tensor& b, int64_t M, int64_t K, int64_t N, bool trans_a,
-          bool trans_b, float beta) {
+          bool trans_b, float beta, const Tensor& row_bias = Tensor()) {
   if (out.dtype() == DType::Float32) {
     NANODDP_DISPATCH(a.device(), matmul, ptr(out), ptr(a), ptr(b), M, K, N, trans_a, trans_b, beta);
   } else {
     NANODDP_ASSERT(beta == 0.0f);
-    NANODDP_DISPATCH(a.device(), matmul_16bit, bits16(out), bits16(a), bits16(b), out.dtype(), M, K, N, trans_a,
-                     trans_b);
+    NANODDP_DISPATCH(a.device(), matmul_16bit, bits16(out), bits16(a), bits16(b),
+                     row_bias.defined() ? bits16(row_bias) : nullptr, out.dtype(), M, K, N, trans_a, trans_b);
   }
 }
 
@@ -141,7 +142,11 @@ struct LinearBackward : Node {
       dinput = empty_same(input);
       gemm(dinput, dout, saved(1), N, out_features, in_features, false, false, 0.0f);
     }
-    if (bias.defined() && bias.requires_grad()) dbias = column_sum(dout, out_features);
+    // A 16-bit bias's gradient is summed in float32 and rounded once, as add's would be
+    // (Note [16-bit elementwise ops]).
+    if (bias.defined() && bias.requires_grad())
+      dbias = dout.dtype() == DType::Float32 ? column_sum(dout, out_features)
+                                             : column_sum(dout.to(DType::Float32), out_features).to(dout.dtype());
     if (weight.requires_grad()) {  // dweight = dout^T · input, added into .grad when offered, last
       const Tensor& into = accumulation_target(1);  // Note [Accumulating into .grad]
       dweight = into.defined() ? into : empty_same(weight);
@@ -173,16 +178,16 @@ Tensor linear(const Tensor& input_in, const Tensor& weight_in, const Tensor& bia
     check_same_device("linear", input, bias);
     NANODDP_CHECK(bias.dim() == 1 && bias.size(0) == out_features, ShapeError, "linear: bias ", bias.shape(),
                   " does not fit weight ", weight.shape(), " (expected [", out_features, "])");
-    // In 16 bits the bias is a separate add (Note [16-bit elementwise ops]): the product is
-    // rounded once, then the sum, as torch's unfused CPU path does.
-    if (input.dtype() != DType::Float32) return add(linear(input, weight, Tensor()), bias);
   }
   const int64_t N = leading_rows(input);
   std::vector<int64_t> out_sizes = input.shape().sizes();
   out_sizes.back() = out_features;
   Tensor out = Tensor::empty(Shape(out_sizes), input.dtype(), input.device());
-  gemm(out, input, weight, N, in_features, out_features, false, true, 0.0f);
-  if (bias.defined())
+  // In 16 bits the bias joins the GEMM's float32 sum, and product and bias are rounded once,
+  // as torch's linear (addmm) does; in float32 it is added after.
+  const bool fused_bias = input.dtype() != DType::Float32;
+  gemm(out, input, weight, N, in_features, out_features, false, true, 0.0f, fused_bias ? bias : Tensor());
+  if (bias.defined() && !fused_bias)
     NANODDP_DISPATCH(input.device(), binary_forward, ptr(out), ptr(out), ptr(bias), BinaryOp::Add, N,
                      out_features, true);
   auto node = std::make_shared<LinearBackward>();

@@ -370,32 +370,77 @@ TEST_CASE("a checkpointed region whose input is a 16-bit output of an earlier la
   CHECK(same_bits(grads(false), grads(true)));
 }
 
-TEST_CASE("matmul_16bit sums in float32 and rounds once: within one 16-bit rounding of float64") {
+TEST_CASE("matmul_16bit sums in float32, with the bias, and rounds once: within one 16-bit rounding of float64") {
   Generator gen(6);
   const int64_t M = 5, K = 19, N = 9;
   for (const DType format : {DType::BFloat16, DType::Float16}) {
     for (const bool trans_a : {false, true}) {
       for (const bool trans_b : {false, true}) {
-        CAPTURE(format);
-        CAPTURE(trans_a);
-        CAPTURE(trans_b);
-        const Tensor a = Tensor::randn({M * K}, gen).to(format), b = Tensor::randn({K * N}, gen).to(format);
-        Tensor out = Tensor::empty({M * N}, format);
-        auto bits = [](const Tensor& t) { return static_cast<uint16_t*>(t.impl()->storage->data()); };
-        kernels::cpu::matmul_16bit(bits(out), bits(a), bits(b), format, M, K, N, trans_a, trans_b);
-        const std::vector<float> av = values(a), bv = values(b), ov = values(out);
-        for (int64_t m = 0; m < M; ++m) {
-          for (int64_t n = 0; n < N; ++n) {
-            double ref = 0.0;
-            for (int64_t k = 0; k < K; ++k)
-              ref += double(av[trans_a ? k * M + m : m * K + k]) * double(bv[trans_b ? n * K + k : k * N + n]);
-            const double ulp = std::ldexp(1.0, std::ilogb(std::max(std::fabs(ref), 1e-3)) -
-                                                   (format == DType::BFloat16 ? 7 : 10));
-            CHECK(std::fabs(ov[m * N + n] - ref) <= ulp);
+        for (const bool with_bias : {false, true}) {
+          CAPTURE(format);
+          CAPTURE(trans_a);
+          CAPTURE(trans_b);
+          CAPTURE(with_bias);
+          const Tensor a = Tensor::randn({M * K}, gen).to(format), b = Tensor::randn({K * N}, gen).to(format);
+          const Tensor bias = Tensor::randn({N}, gen).to(format);
+          Tensor out = Tensor::empty({M * N}, format);
+          auto bits = [](const Tensor& t) { return static_cast<uint16_t*>(t.impl()->storage->data()); };
+          kernels::cpu::matmul_16bit(bits(out), bits(a), bits(b), with_bias ? bits(bias) : nullptr, format, M, K, N,
+                                     trans_a, trans_b);
+          const std::vector<float> av = values(a), bv = values(b), ov = values(out), biasv = values(bias);
+          for (int64_t m = 0; m < M; ++m) {
+            for (int64_t n = 0; n < N; ++n) {
+              double ref = with_bias ? double(biasv[n]) : 0.0;
+              for (int64_t k = 0; k < K; ++k)
+                ref += double(av[trans_a ? k * M + m : m * K + k]) * double(bv[trans_b ? n * K + k : k * N + n]);
+              const double ulp = std::ldexp(1.0, std::ilogb(std::max(std::fabs(ref), 1e-3)) -
+                                                     (format == DType::BFloat16 ? 7 : 10));
+              CHECK(std::fabs(ov[m * N + n] - ref) <= ulp);
+            }
           }
         }
       }
     }
+  }
+}
+
+TEST_CASE("a 16-bit linear rounds product and bias together, once, as torch's addmm (bf16: 1.0078125, not 1.015625)") {
+  // x = [1, 1], W = [[1, 0.75 u]], b = [0.5 u], u the format's spacing at 1 (2^-7 bf16, 2^-10
+  // fp16): the exact 1 + 1.25 u rounds to 1 + u. Rounding the product first gives 1 + u, and
+  // then 1 + 1.5 u, a tie, goes to the even 1 + 2 u: torch.nn.functional.linear on bf16 CPU
+  // tensors gives 1.0078125, as here.
+  for (const DType format : {DType::BFloat16, DType::Float16}) {
+    CAPTURE(format);
+    const float u = format == DType::BFloat16 ? 0x1p-7f : 0x1p-10f;
+    const Tensor x = Tensor::from_vector({1, 1}, {1, 2}), w = Tensor::from_vector({1, 0.75f * u}, {1, 2}),
+                 b = Tensor::from_vector({0.5f * u}, {1});
+    CHECK(values(linear(x.to(format), w.to(format), b.to(format))) == std::vector<float>{1 + u});
+    // Under autocast, float32 operands (master weights) take the same path.
+    nn::autocast low(format);
+    const Tensor y = linear(x, w, b);
+    CHECK(y.dtype() == format);
+    CHECK(values(y) == std::vector<float>{1 + u});
+  }
+}
+
+TEST_CASE("under autocast, linear's bias gradient is the float32 column sum of the 16-bit dout") {
+  // dL/db = the column sums of dout: rows [1, 2^-9] and [1, 2^-9] sum to [2, 2^-8] exactly; the
+  // 16-bit bias the kernel added is a cast of the float32 master bias, which gets the gradient.
+  for (const DType format : {DType::BFloat16, DType::Float16}) {
+    CAPTURE(format);
+    Tensor b = Tensor::from_vector({0.5f, 0.25f}, {2});
+    b.set_requires_grad(true);
+    const Tensor x = Tensor::from_vector({1, 2, 3, 4}, {2, 2}), w = Tensor::zeros({2, 2});
+    Tensor y;
+    {
+      nn::autocast low(format);
+      y = linear(x, w, b);
+    }
+    REQUIRE(y.dtype() == format);
+    sum(mul(y.to(DType::Float32), Tensor::from_vector({1, 0x1p-9f, 1, 0x1p-9f}, {2, 2}))).backward();
+    REQUIRE(b.grad().defined());
+    CHECK(b.grad().dtype() == DType::Float32);
+    CHECK(b.grad().to_vector() == std::vector<float>{2, 0x1p-8f});
   }
 }
 

@@ -291,6 +291,33 @@ TEST_CASE("matmul matches the CPU for shapes off every tile, all transposes, bet
   }
 }
 
+TEST_CASE("matmul_16bit with a row bias adds it inside the float32 sum: one rounding, as torch's addmm") {
+  // x = [1, 1], W^T = [[1], [0.75 u]], bias = [0.5 u], u the spacing at 1: the exact 1 + 1.25 u
+  // rounds to 1 + u (rounding the product first, then the sum, would give the tie's even 1 + 2 u).
+  // Then K = 0: the bias alone.
+  for (const DType format : {DType::BFloat16, DType::Float16}) {
+    const float u = format == DType::BFloat16 ? 0x1p-7f : 0x1p-10f;
+    const std::vector<float> x = {1, 1}, w = {1, 0.75f * u}, bias = {0.5f * u};
+    std::vector<uint16_t> x16(2), w16(2), bias16(1);
+    cpu::float_to_16bit(x16.data(), x.data(), format, 1.0f, 2);
+    cpu::float_to_16bit(w16.data(), w.data(), format, 1.0f, 2);
+    cpu::float_to_16bit(bias16.data(), bias.data(), format, 1.0f, 1);
+    DeviceArray<uint16_t> dx(x16), dw(w16), dbias(bias16), out(size_t{1});
+    out.poison();
+    gpu::matmul_16bit(out.data(), dx.data(), dw.data(), dbias.data(), format, 1, 2, 1, false, true);
+    std::vector<uint16_t> got16 = out.to_host();
+    float got = 0;
+    cpu::float_from_16bit(&got, got16.data(), format, 1);
+    CAPTURE(format);
+    CHECK(got == 1 + u);
+    DeviceArray<uint16_t> rows(size_t{3});
+    rows.poison();
+    gpu::matmul_16bit(rows.data(), dx.data(), dw.data(), dbias.data(), format, 3, 0, 1, false, true);
+    got16 = rows.to_host();
+    CHECK(got16 == std::vector<uint16_t>(3, bias16[0]));  // K = 0: every row is the bias
+  }
+}
+
 TEST_CASE("matmul_16bit (cublasGemmEx, float32 sums) is the product of the rounded operands within a 16-bit rounding") {
   struct Dims { int64_t M, K, N; };
   const std::vector<Dims> dims = {{33, 17, 5}, {1, 1, 1}, {0, 3, 4}, {3, 0, 4}, {257, 255, 129}, {64, 784, 256}};
@@ -318,7 +345,7 @@ TEST_CASE("matmul_16bit (cublasGemmEx, float32 sums) is the product of the round
           for (size_t i = 0; i < bound.size(); ++i) bound[i] = rounding * std::fabs(want[i]) + 1e-5f * bound[i];
           DeviceArray<uint16_t> da(a16), db(b16), out(want.size());
           out.poison();
-          gpu::matmul_16bit(out.data(), da.data(), db.data(), format, d.M, d.K, d.N, trans_a, trans_b);
+          gpu::matmul_16bit(out.data(), da.data(), db.data(), nullptr, format, d.M, d.K, d.N, trans_a, trans_b);
           const std::vector<uint16_t> got16 = out.to_host();
           std::vector<float> got(got16.size());
           cpu::float_from_16bit(got.data(), got16.data(), format, static_cast<int64_t>(got.size()));

@@ -148,8 +148,8 @@ void matmul(float* out, const float* a, const float* b, int64_t M, int64_t K, in
 // The CPU has no 16-bit arithmetic to use here (Eigen would widen each element in the inner
 // loop), so the operands are widened once, multiplied by the float32 GEMM and rounded once.
 // That is the float32 sum autocast promises, at the cost of 4 bytes per operand element.
-void matmul_16bit(uint16_t* out, const uint16_t* a, const uint16_t* b, DType format, int64_t M, int64_t K,
-                  int64_t N, bool trans_a, bool trans_b) {
+void matmul_16bit(uint16_t* out, const uint16_t* a, const uint16_t* b, const uint16_t* row_bias, DType format,
+                  int64_t M, int64_t K, int64_t N, bool trans_a, bool trans_b) {
   // Buffers kept per thread: a training step calls this with the same sizes every time, and
   // fresh allocations of this size cost a page fault per 4 KiB, each step.
   thread_local std::vector<float> wide_a, wide_b, wide_out;
@@ -158,7 +158,10 @@ void matmul_16bit(uint16_t* out, const uint16_t* a, const uint16_t* b, DType for
   wide_out.resize(static_cast<size_t>(M * N));
   float_from_16bit(wide_a.data(), a, format, M * K);
   float_from_16bit(wide_b.data(), b, format, K * N);
-  matmul(wide_out.data(), wide_a.data(), wide_b.data(), M, K, N, trans_a, trans_b, 0.0f);
+  // The bias starts every row's sum, so that the product and the bias are rounded together.
+  if (row_bias != nullptr)
+    for (int64_t i = 0; i < M; ++i) float_from_16bit(wide_out.data() + i * N, row_bias, format, N);
+  matmul(wide_out.data(), wide_a.data(), wide_b.data(), M, K, N, trans_a, trans_b, row_bias != nullptr ? 1.0f : 0.0f);
   float_to_16bit(out, wide_out.data(), format, 1.0f, M * N);
 }
 

@@ -35,12 +35,23 @@ void matmul(float* out, const float* a, const float* b, int64_t M, int64_t K, in
                                    out, m));
 }
 
-// 16-bit operands and output, float32 accumulation: the tensor cores' bf16/fp16 path.
-void matmul_16bit(uint16_t* out, const uint16_t* a, const uint16_t* b, DType format, int64_t M, int64_t K,
-                  int64_t N, bool trans_a, bool trans_b) {
+__global__ void broadcast_rows_16bit_kernel(uint16_t* out, const uint16_t* row, int64_t N, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = row[i % N];
+}
+
+// 16-bit operands and output, float32 accumulation: the tensor cores' bf16/fp16 path. A bias
+// is copied into every row of out first and added by the GEMM (beta 1), inside its float32
+// sum, as torch's addmm does.
+void matmul_16bit(uint16_t* out, const uint16_t* a, const uint16_t* b, const uint16_t* row_bias, DType format,
+                  int64_t M, int64_t K, int64_t N, bool trans_a, bool trans_b) {
   if (M <= 0 || N <= 0) return;
-  if (K <= 0) {  // an empty sum; +0 has all bits clear in both formats
-    NANODDP_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(M * N) * sizeof(uint16_t), stream()));
+  if (row_bias != nullptr) {
+    broadcast_rows_16bit_kernel<<<grid_for(M * N), kBlock, 0, stream()>>>(out, row_bias, N, M * N);
+    NANODDP_CUDA_CHECK_LAUNCH("broadcast_rows_16bit_kernel");
+  }
+  if (K <= 0) {  // an empty sum: the bias, or zeros (+0 has all bits clear in both formats)
+    if (row_bias == nullptr)
+      NANODDP_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(M * N) * sizeof(uint16_t), stream()));
     return;
   }
   NANODDP_CHECK(M <= INT_MAX && K <= INT_MAX && N <= INT_MAX, ValueError, "matmul_16bit: [", M, ", ", K, "] x [",
@@ -49,7 +60,8 @@ void matmul_16bit(uint16_t* out, const uint16_t* a, const uint16_t* b, DType for
   const int ld_b = static_cast<int>(trans_b ? K : N);  // Note [Row-major through cuBLAS]
   const int ld_a = static_cast<int>(trans_a ? M : K);
   const cudaDataType type = format == DType::BFloat16 ? CUDA_R_16BF : CUDA_R_16F;
-  const float alpha = 1.0f, beta = 0.0f;  // float scalars: CUBLAS_COMPUTE_32F takes them as float
+  // float scalars: CUBLAS_COMPUTE_32F takes them as float
+  const float alpha = 1.0f, beta = row_bias != nullptr ? 1.0f : 0.0f;
   NANODDP_CUBLAS_CHECK(cublasGemmEx(cublas_handle(), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
                                     trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k, &alpha, b, type, ld_b, a, type,
                                     ld_a, &beta, out, type, m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
