@@ -40,6 +40,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -51,6 +52,7 @@
 #include <vector>
 
 #include "core/autograd.h"
+#include "core/hash.h"
 #include "core/memory.h"
 #include "data/dataloader.h"
 #include "data/fashion_mnist.h"
@@ -335,6 +337,14 @@ struct EpochProgress {
   std::vector<int64_t> bucket_order;  // DDP's re-planned bucket order, when the checkpoint has one
 };
 
+// This job as its checkpoints name it: a digest of NANODDP_JOB_ID, which nanoddp-run gives every
+// round of one job alike; none when the variable is unset (under mpirun, or across nodes).
+std::optional<int64_t> job_digest() {
+  const char* id = std::getenv(dist::kJobIdEnv);
+  if (id == nullptr || *id == '\0') return std::nullopt;
+  return static_cast<int64_t>(fnv1a(id));
+}
+
 // A collective (the sharded strategies gather the state; during an epoch, steps_in_epoch > 0,
 // the ranks' loss sums and samples are gathered too); rank 0 writes, or with sharded every
 // rank writes its part of a set and rank 0 its manifest. loss_sum and samples are this rank's.
@@ -365,6 +375,7 @@ void save(const std::string& path, bool sharded, int epochs_done, int64_t steps_
   state["epochs_done"] = Tensor::from_vector(std::vector<int64_t>{epochs_done});
   state["steps_per_epoch"] = Tensor::from_vector(std::vector<int64_t>{steps_per_epoch});
   state["optimizer_kind"] = Tensor::from_vector(std::vector<int64_t>{optimizer_kind(optimizer_name)});
+  if (const std::optional<int64_t> job = job_digest()) state["job"] = Tensor::from_vector(std::vector<int64_t>{*job});
   // DDP's re-planned buckets (Note [Bucket rebuild]): the resumed run reduces in the same
   // buckets, so its sums run in the same order as this run's.
   if (parallel.ddp() != nullptr && parallel.ddp()->reducer().buckets_rebuilt())
@@ -471,14 +482,18 @@ int64_t int64_entry(const nn::StateDict& state, const std::string& key, std::opt
 //
 // Returns how many epochs the checkpoint had completed, and where it is in the next one; sets
 // used_path to the file it came from (path, or path's previous one when path is damaged:
-// examples/checkpoint_files.h). Errors name the file.
+// examples/checkpoint_files.h). With only_job, a checkpoint that another job wrote (its "job"
+// entry differs, or it has none) is not loaded: the epoch returned is -1. Errors name the file.
 std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64_t steps_per_epoch, int world_size,
                                       examples::ParallelModel& parallel, nn::Optimizer& optimizer,
                                       const std::string& optimizer_name, Schedule& schedule, bool chatty,
-                                      dist::ProcessGroup& pg, std::string& used_path) {
+                                      dist::ProcessGroup& pg, std::string& used_path,
+                                      std::optional<int64_t> only_job) {
   try {
     ReadCheckpoint read = read_checkpoint(path, parallel, optimizer, pg, used_path);
     const nn::StateDict& state = read.state;
+    if (only_job && state.count("job") == 0) return {-1, {}};
+    if (only_job && int64_entry(state, "job", std::nullopt) != *only_job) return {-1, {}};
     const int64_t done = int64_entry(state, "epochs_done", std::nullopt);
     NANODDP_CHECK(done >= 0, IOError, "'epochs_done' is ", done);
     NANODDP_CHECK(done <= epochs, ValueError, "it has ", done, " epochs done, more than --epochs ", epochs);
@@ -752,12 +767,20 @@ int run(const Config& config) {
   // rounds] in dist/launch.cpp): the launcher gives it the same command line.
   const int restarts = examples::restart_count();
   const bool resume = config.resume || (restarts > 0 && !config.checkpoint.empty());
+  // A restart without --resume goes on from this job's own checkpoint only: a FILE that an
+  // earlier job left, not yet replaced when this one failed, is not this run's past.
+  const std::optional<int64_t> only_job = config.resume ? std::nullopt : job_digest();
+  std::string used;  // the file resumed from, or passed over as another job's
+  bool loaded = false;
   if (resume && examples::checkpoint_exists(config.checkpoint)) {
     // Every rank reads the file (it must be on a filesystem they share) and loads the same
     // weights and optimizer state (the sharded strategies each take their share of it).
-    std::string used;
     std::tie(first_epoch, resumed) = restore(config.checkpoint, config.epochs, train_loader.size(), world_size, parallel,
-                                             *optimizer, config.optimizer, schedule, chatty, *pg, used);
+                                             *optimizer, config.optimizer, schedule, chatty, *pg, used, only_job);
+    loaded = first_epoch >= 0;
+    first_epoch = std::max(first_epoch, 0);
+  }
+  if (loaded) {
     // Said even under --quiet when the previous checkpoint stood in: which epoch the run went back to.
     if (rank == 0 && (chatty || restarts > 0 || used != config.checkpoint))
       std::printf("%sresumed from %s after epoch %d%s\n",
@@ -766,8 +789,9 @@ int run(const Config& config) {
     std::fflush(stdout);  // before anything said on stderr about the run, as it happened
   } else if (restarts > 0 && rank == 0) {
     // The work before the failure is lost: said, as a resume is.
-    const std::string why = config.checkpoint.empty()
-                                ? "no --checkpoint was given"
+    const std::string why = config.checkpoint.empty() ? "no --checkpoint was given"
+                            : !used.empty()
+                                ? "checkpoint " + used + " is another job's (this one wrote none before the failure)"
                                 : "no checkpoint " + config.checkpoint + " was written before the failure";
     std::printf("restart %d: %s: this run starts again from step 0\n", restarts, why.c_str());
     std::fflush(stdout);

@@ -355,24 +355,44 @@ TEST_CASE("fashion_mnist --checkpoint-every: a rank killed mid-epoch and restart
   }
 }
 
-TEST_CASE("fashion_mnist restarted before any checkpoint says that it starts again from step 0") {
+TEST_CASE("fashion_mnist restarted before any checkpoint of its own starts again from step 0, past another job's file") {
   TempDir dir;
   nanoddp::testing::write_small_fashion_mnist(dir.path, 640, 200);
   const std::string ckpt = dir.path + "/run.ckpt";
-  for (const bool with_checkpoint : {true, false}) {
-    CAPTURE(with_checkpoint);
+  const std::string program = nanoddp::testing::built("examples/fashion_mnist");
+  const auto job = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = {launcher_path(), "--nproc-per-node", "2", program, "--data-dir", dir.path,
+                                     "--batch-size", "32", "--epochs", "1", "--quiet"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  };
+  const RunResult straight = run(job({}), 120s);
+  REQUIRE_MESSAGE(straight.code() == 0, straight.err);
+  // none: no --checkpoint; fresh: no file yet; stale: the file of an earlier job (another seed),
+  // which the restart must not take for this job's progress.
+  for (const std::string kind : {"none", "fresh", "stale"}) {
+    CAPTURE(kind);
+    std::filesystem::remove(ckpt);
+    if (kind == "stale") {
+      const RunResult earlier = run(job({"--seed", "7", "--checkpoint", ckpt}), 120s);
+      REQUIRE_MESSAGE(earlier.code() == 0, earlier.err);
+    }
     // 10 steps of 2 x 32; rank 1 dies before step 2, before the first save at step 5.
-    std::vector<std::string> args = {"/usr/bin/env", "NANODDP_FAULT_KILL_AT=1:2", launcher_path(), "--max-restarts",
-                                     "1", "--nproc-per-node", "2", nanoddp::testing::built("examples/fashion_mnist"),
-                                     "--data-dir", dir.path, "--batch-size", "32", "--epochs", "1", "--quiet"};
-    if (with_checkpoint)
+    std::vector<std::string> args = job({});
+    args.insert(args.begin(), {"/usr/bin/env", "NANODDP_FAULT_KILL_AT=1:2"});
+    args.insert(args.begin() + 3, {"--max-restarts", "1"});
+    if (kind != "none")
       for (const std::string& a : {std::string("--checkpoint"), ckpt, std::string("--checkpoint-every"), std::string("5")})
         args.push_back(a);
     const RunResult r = run(args, 120s);
     REQUIRE_MESSAGE(r.code() == 0, r.err);
-    const std::string said = with_checkpoint ? "restart 1: no checkpoint " + ckpt + " was written before the failure"
-                                             : std::string("restart 1: no --checkpoint was given");
+    const std::string said = kind == "none"    ? std::string("restart 1: no --checkpoint was given")
+                             : kind == "fresh" ? "restart 1: no checkpoint " + ckpt + " was written before the failure"
+                                               : "restart 1: checkpoint " + ckpt +
+                                                     " is another job's (this one wrote none before the failure)";
     CHECK_MESSAGE(contains(r.out, said + ": this run starts again from step 0"), r.out);
+    CHECK(json_text(r.out, "train_loss") == json_text(straight.out, "train_loss"));
+    CHECK(!json_text(r.out, "train_loss").empty());
   }
 }
 
