@@ -114,10 +114,11 @@ int pick_free_port(const std::string& addr) {
 std::vector<std::pair<std::string, std::string>> rank_env(const LaunchOptions& options, int local_rank,
                                                           int master_port, int restart_count) {
   const int rank = options.node_rank * options.nproc_per_node + local_rank;
+  const std::string world_size = std::to_string(options.nnodes * options.nproc_per_node);
   std::vector<std::pair<std::string, std::string>> env = {
       {"RANK", std::to_string(rank)},
       {"LOCAL_RANK", std::to_string(local_rank)},
-      {"WORLD_SIZE", std::to_string(options.nnodes * options.nproc_per_node)},
+      {"WORLD_SIZE", world_size},
       {"LOCAL_WORLD_SIZE", std::to_string(options.nproc_per_node)},
       {"GROUP_RANK", std::to_string(options.node_rank)},
       {"MASTER_ADDR", options.master_addr},
@@ -127,6 +128,18 @@ std::vector<std::pair<std::string, std::string>> rank_env(const LaunchOptions& o
   if (!options.job_id.empty()) env.emplace_back("NANODDP_JOB_ID", options.job_id);
   if (!options.store_token.empty()) env.emplace_back("NANODDP_STORE_TOKEN", options.store_token);
   env.emplace_back("NANODDP_RESTART_COUNT", std::to_string(restart_count));
+  // What torchrun also tells its workers, for programs written against it: one role
+  // ("default") that holds every rank, and the restart counters under their names.
+  const std::vector<std::pair<std::string, std::string>> torchrun = {
+      {"GROUP_WORLD_SIZE", std::to_string(options.nnodes)},
+      {"ROLE_NAME", "default"},
+      {"ROLE_RANK", std::to_string(rank)},
+      {"ROLE_WORLD_SIZE", world_size},
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(options.max_restarts)},
+      {"TORCHELASTIC_RUN_ID", options.job_id.empty() ? "none" : options.job_id},
+  };
+  env.insert(env.end(), torchrun.begin(), torchrun.end());
   return env;
 }
 
@@ -220,6 +233,8 @@ bool is_outer_launcher_variable(const std::string& name) {
   static const char* const kPrefixes[] = {"OMPI_COMM_WORLD_", "OMPI_MCA_orte_", "OMPI_MCA_ess", "PMIX_", "PMI_"};
   static const std::set<std::string> kNames = {
       "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+      "GROUP_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+      "TORCHELASTIC_RUN_ID",
       "OMPI_UNIVERSE_SIZE", "OMPI_FIRST_RANKS", "OMPI_APP_CTX_NUM_PROCS", "OMPI_NUM_APP_CTX", "OMPI_COMMAND",
       "OMPI_ARGV", "OMPI_FILE_LOCATION", "OMPI_MCA_pmix", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID",
       "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_STEP_NUM_TASKS",
@@ -354,8 +369,12 @@ Outcome run_round(const LaunchOptions& options, const std::vector<std::string>& 
 
   if (options.backend == "mpi") {
     std::vector<std::string> cmd = mpirun_command(options, program, port);
-    const std::string restart_count = "NANODDP_RESTART_COUNT=" + std::to_string(round);
-    cmd.insert(cmd.begin() + 1, {"-x", restart_count});
+    // The job and the round, as rank_env gives them (a program resumes only its own job's
+    // checkpoint, and reads the round under either name).
+    std::vector<std::string> exported = {"-x", "NANODDP_RESTART_COUNT=" + std::to_string(round), "-x",
+                                         "TORCHELASTIC_RESTART_COUNT=" + std::to_string(round)};
+    if (!options.job_id.empty()) exported.insert(exported.end(), {"-x", "NANODDP_JOB_ID=" + options.job_id});
+    cmd.insert(cmd.begin() + 1, exported.begin(), exported.end());
     const std::vector<char*> argv = to_argv(cmd);
     const bool as_root = geteuid() == 0;
     // false: the start failed or a signal came first; wait() reports it

@@ -105,7 +105,10 @@ void give_job_identity(LaunchOptions& options);
 // The environment of one rank, in the order it is set: RANK, LOCAL_RANK, WORLD_SIZE,
 // LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT and, when options.backend is given,
 // NANODDP_BACKEND, then NANODDP_JOB_ID and NANODDP_STORE_TOKEN when set, then
-// NANODDP_RESTART_COUNT (torchrun's TORCHELASTIC_RESTART_COUNT: 0 on the first start).
+// NANODDP_RESTART_COUNT (0 on the first start), then torchrun's names for its workers:
+// GROUP_WORLD_SIZE (nnodes), ROLE_NAME ("default"), ROLE_RANK (= RANK), ROLE_WORLD_SIZE (=
+// WORLD_SIZE), TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID
+// (the job id, or "none").
 // RANK = node_rank * nproc_per_node + local_rank, as torchrun numbers ranks.
 // `master_port` is the resolved port (never 0).
 std::vector<std::pair<std::string, std::string>> rank_env(const LaunchOptions& options, int local_rank,
