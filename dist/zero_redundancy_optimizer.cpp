@@ -5,6 +5,7 @@
 #include <exception>
 #include <map>
 #include <numeric>
+#include <sstream>
 #include <string>
 
 #include "core/autograd.h"
@@ -77,7 +78,7 @@ void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
   consolidated_.reset();
   // This rank's shard as checkpoint bytes, packed into int64 words, every rank's padded to the
   // longest: all_gather needs one size.
-  const std::string bytes = nn::checkpoint_bytes(local_state_dict());
+  const std::string bytes = nn::checkpoint_bytes(shard_state());
   const int64_t length = static_cast<int64_t>(bytes.size());
   const std::vector<std::vector<int64_t>> lengths = all_gather_host(*pg_, {length});
   int64_t longest = 0;
@@ -104,6 +105,13 @@ nn::StateDict ZeroRedundancyOptimizer::state_dict() const {
 }
 
 nn::StateDict ZeroRedundancyOptimizer::local_state_dict() const {
+  nn::StateDict state = shard_state();
+  std::vector<int64_t> owned(local_indices_.begin(), local_indices_.end());
+  state[kOwnedParametersKey] = Tensor::from_vector(owned, Shape{static_cast<int64_t>(owned.size())});
+  return state;
+}
+
+nn::StateDict ZeroRedundancyOptimizer::shard_state() const {
   nn::StateDict global;
   for (const auto& [key, t] : local_->state_dict()) {
     std::string buffer;
@@ -128,8 +136,10 @@ void ZeroRedundancyOptimizer::load_state_dict(const nn::StateDict& state) {
   try {
     std::vector<size_t> local_of(params_.size(), SIZE_MAX);
     for (size_t j = 0; j < local_indices_.size(); ++j) local_of[local_indices_[j]] = j;
+    check_covers_this_rank(state);
     nn::StateDict local;
     for (const auto& [key, t] : state) {
+      if (key == kOwnedParametersKey) continue;
       std::string buffer;
       size_t index = 0;
       NANODDP_CHECK(split_key(key, buffer, index), ValueError, name_, ".load_state_dict: bad key '", key, "'");
@@ -167,6 +177,31 @@ void ZeroRedundancyOptimizer::load_state_dict(const nn::StateDict& state) {
                 " could not load their share of the state (their errors say why); no rank loaded it");
 }
 
+void ZeroRedundancyOptimizer::check_covers_this_rank(const nn::StateDict& state) const {
+  const auto it = state.find(kOwnedParametersKey);
+  if (it == state.end()) return;  // a whole state: it covers every rank
+  NANODDP_CHECK(it->second.dtype() == DType::Int64 && it->second.dim() == 1, ValueError, name_,
+                ".load_state_dict: '", kOwnedParametersKey, "' is not a list of parameter indices");
+  const std::vector<int64_t> covered = it->second.to_int_vector();
+  std::vector<int64_t> missing;
+  for (size_t index : local_indices_)
+    if (std::find(covered.begin(), covered.end(), static_cast<int64_t>(index)) == covered.end())
+      missing.push_back(static_cast<int64_t>(index));
+  const auto list = [](const auto& indices) {
+    std::ostringstream text;
+    text << "[";
+    for (size_t i = 0; i < indices.size(); ++i) text << (i ? ", " : "") << indices[i];
+    text << "]";
+    return text.str();
+  };
+  NANODDP_CHECK(missing.empty(), ValueError, name_, ".load_state_dict on rank ", pg_->rank(),
+                ": the state is a local_state_dict of parameters ", list(covered), ", and this rank owns ",
+                list(local_indices_), " (", list(missing),
+                " would start without their state): another rank's shard, or one saved at another world size. "
+                "Each rank loads its own local_state_dict at the same world size, or every rank the consolidated "
+                "state_dict()");
+}
+
 int64_t ZeroRedundancyOptimizer::state_nbytes() const {
   int64_t total = 0;
   for (const auto& [key, t] : local_->state_dict())
@@ -176,7 +211,7 @@ int64_t ZeroRedundancyOptimizer::state_nbytes() const {
 
 ShardedStateDict ZeroRedundancyOptimizer::sharded_state_dict() const {
   ShardedStateDict out;
-  for (const auto& [key, t] : local_state_dict()) out[key] = whole_entry(t);
+  for (const auto& [key, t] : shard_state()) out[key] = whole_entry(t);
   return out;
 }
 

@@ -75,12 +75,17 @@ class ZeroRedundancyOptimizer : public nn::Optimizer {
   // raises "Optimizer state has not been consolidated on this rank": a shard saved as if it
   // were the whole state would resume every other rank without its state.
   nn::StateDict state_dict() const override;
-  // This rank's shard of the state, keyed by index into params() ("exp_avg.5"), so that the
-  // union of every rank's local_state_dict is the unsharded optimizer's. No collective. Each
-  // rank may save its own shard; load_state_dict takes a shard or the whole.
+  // This rank's shard of the state, keyed by index into params() ("exp_avg.5"), and the
+  // indices of the parameters this rank owns (int64 [k]) under kOwnedParametersKey. Every
+  // rank's entries but that one together are the unsharded optimizer's state. No collective.
+  // Each rank may save its own shard; load_state_dict takes it back at the same world size.
   nn::StateDict local_state_dict() const;
+  static constexpr const char* kOwnedParametersKey = "zero_owned_parameters";
   // Takes the entries of parameters this rank owns and ignores the others, so a full or a
   // per-rank state loads alike: the whole state saved at another world size loads too. A
+  // local_state_dict must list every parameter this rank owns (ValueError otherwise: another
+  // rank's shard, or one from another world size, would leave parameters without their
+  // state, which torch's ZeroRedundancyOptimizer, loading only a consolidated state, cannot). A
   // collective (one all_gather of a flag): every rank calls it, and either every rank loads
   // or every rank throws and keeps its state (Note [ZeRO load agreement] in the .cpp).
   // Throws ValueError for a malformed key or an index past params(), ShapeError for a float32
@@ -108,6 +113,11 @@ class ZeroRedundancyOptimizer : public nn::Optimizer {
   int64_t state_nbytes() const;
 
  private:
+  // local_state_dict without kOwnedParametersKey: what consolidate_state_dict gathers and a
+  // sharded set holds.
+  nn::StateDict shard_state() const;
+  // ValueError when state is a local_state_dict that misses a parameter this rank owns.
+  void check_covers_this_rank(const nn::StateDict& state) const;
   std::shared_ptr<ProcessGroup> pg_;
   std::vector<int> owner_;
   std::vector<size_t> local_indices_;

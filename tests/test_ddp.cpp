@@ -759,6 +759,7 @@ void check_zero(int world, const std::vector<int>& owners, const std::vector<int
       const int64_t bytes = sgd_bytes[static_cast<size_t>(rank)] * (adam ? 2 : 1);
       expect(opt.state_nbytes() == bytes, "rank ", rank, " holds ", opt.state_nbytes(), " bytes of state, not ", bytes);
       for (const auto& entry : opt.local_state_dict()) {
+        if (entry.first == dist::ZeroRedundancyOptimizer::kOwnedParametersKey) continue;
         const size_t index = std::stoul(entry.first.substr(entry.first.rfind('.') + 1));
         expect(opt.owner(index) == rank, "rank ", rank, " has state ", entry.first, " of a parameter it does not own");
       }
@@ -791,6 +792,22 @@ void check_zero(int world, const std::vector<int>& owners, const std::vector<int
         expect(opt.local_state_dict().size() == shard_entries, "rank ", rank, " is not the target but holds ",
                opt.local_state_dict().size(), " entries after consolidating");
       }
+      // A rank's own local_state_dict loads back; the next rank's (its owned list) is refused on
+      // every rank, naming what this rank owns: it would leave those parameters without state.
+      const nn::StateDict mine = opt.local_state_dict();
+      const std::vector<int64_t> owned = mine.at(dist::ZeroRedundancyOptimizer::kOwnedParametersKey).to_int_vector();
+      expect(owned == std::vector<int64_t>(opt.local_indices().begin(), opt.local_indices().end()),
+             "rank ", rank, ": local_state_dict lists other parameters than local_indices()");
+      opt.load_state_dict(mine);
+      const int next = (rank + 1) % world;
+      std::vector<int64_t> next_owned;
+      for (size_t i = 0; i < owners.size(); ++i)
+        if (owners[i] == next) next_owned.push_back(static_cast<int64_t>(i));
+      nn::StateDict other = mine;
+      other[dist::ZeroRedundancyOptimizer::kOwnedParametersKey] =
+          Tensor::from_vector(next_owned, Shape{static_cast<int64_t>(next_owned.size())});
+      expect_throws<ValueError>([&] { opt.load_state_dict(other); },
+                                "another rank's shard, or one saved at another world size");
     }
   });
   CHECK_MESSAGE(failures.empty(), failures);
