@@ -233,7 +233,9 @@ Outcome ChildGroup::wait() {
     const auto now = Clock::now();
     if (!terminating && now >= deadline) {
       outcome.kind = Outcome::Kind::TimedOut;
-      begin_termination(SIGTERM, "timed out after " + format_ms(options_.timeout));
+      begin_termination(SIGTERM, options_.timeout_description.empty()
+                                     ? "timed out after " + format_ms(options_.timeout)
+                                     : "timed out: " + options_.timeout_description);
     }
     if (terminating && !killed && Clock::now() >= kill_at) {
       terminate_all(SIGKILL);

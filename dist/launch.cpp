@@ -21,6 +21,7 @@
 #include <climits>
 #include <cstring>
 #include <dirent.h>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <thread>
@@ -365,6 +366,9 @@ Outcome run_round(const LaunchOptions& options, const std::vector<std::string>& 
   ChildGroup::Options group_options;
   group_options.grace_period = options.grace_period;
   group_options.timeout = timeout;
+  if (timeout.count() > 0)
+    group_options.timeout_description = "the job's --timeout of " + format_ms(options.timeout) +
+                                        (round > 0 ? " (every round counts)" : "");
   ChildGroup group(group_options);
 
   if (options.backend == "mpi") {
@@ -426,8 +430,14 @@ int launch(const LaunchOptions& given, const std::vector<std::string>& program) 
   // some not: say it once, and start nothing.
   std::string found_at;
   if (const int error = program_unrunnable(program[0], &found_at); error != 0) {
+    // A program in this folder, named without ./ as a shell would need it too.
+    std::error_code ignored;
+    const bool here = error == ENOENT && program[0].find('/') == std::string::npos &&
+                      std::filesystem::is_regular_file(program[0], ignored);
     write_all(2, "nanoddp-run: cannot execute '" + program[0] + "': " + std::strerror(error) +
-                     (program[0].find('/') == std::string::npos ? " (searched PATH)" : "") + "; no rank was started\n");
+                     (program[0].find('/') == std::string::npos ? " (searched PATH)" : "") +
+                     (here ? "; to run ./" + program[0] + " from this folder, write ./" + program[0] : "") +
+                     "; no rank was started\n");
     return exec_failure_code(error);
   }
   if (const std::string interpreter = unrunnable_interpreter(found_at); !interpreter.empty()) {

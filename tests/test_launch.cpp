@@ -429,6 +429,30 @@ TEST_CASE("nanoddp-run: a program that cannot be run is named once, with the she
     CHECK_MESSAGE(!contains(r.err, "[rank"), r.err);
     CHECK(r.out.empty());
   }
+  // A program in the current folder named without ./ is not on PATH: the message says how.
+  const RunResult here = run({"/bin/sh", "-c", "cd " + dir.path + " && exec " + launcher_path() + " orphan.sh"});
+  CHECK(here.code() == 127);
+  CHECK_MESSAGE(contains(here.err, "(searched PATH); to run ./orphan.sh from this folder, write ./orphan.sh; no rank"),
+                here.err);
+}
+
+TEST_CASE("nanoddp-run: the timeout message names the job's --timeout, and a stopped rank ends at once, not at SIGKILL") {
+  // Rank 1 fails in round 0 only; round 1 then runs into the 2 s that the job's --timeout
+  // leaves, and the message names the 2 s, not what was left of them.
+  const RunResult timed = run({launcher_path(), "--nproc-per-node", "2", "--timeout", "2", "--max-restarts", "1", "sh",
+                               "-c", "[ $RANK = 1 ] && [ $NANODDP_RESTART_COUNT = 0 ] && exit 4; sleep 30"},
+                              60s);
+  CHECK(timed.code() == 124);
+  CHECK_MESSAGE(contains(timed.err, "timed out: the job's --timeout of 2 s (every round counts)"), timed.err);
+  // Rank 1 stops itself (SIGSTOP); rank 0 fails. The SIGTERM reaches the stopped rank with a
+  // SIGCONT, so the job ends long before the 30 s grace period's SIGKILL.
+  const auto start = Clock::now();
+  const RunResult stopped = run({launcher_path(), "--nproc-per-node", "2", "--grace-period", "30", "sh", "-c",
+                                 "[ $RANK = 1 ] && kill -STOP $$; sleep 1; exit 3"},
+                                60s);
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  CHECK_MESSAGE(stopped.code() == 3, stopped.err);
+  CHECK_MESSAGE(seconds < 15, "the job took ", seconds, " s");
 }
 
 TEST_CASE("allreduce_bench: one rank, empty size ranges, bad numbers and jobs --nproc cannot make are refused") {
@@ -1020,7 +1044,7 @@ TEST_CASE("a lone process picks shm, the backend of a one-node job, and is rank 
 
 TEST_CASE("nanoddp-run: unknown options are errors, torchrun's spellings work, -- ends the options") {
   for (const std::vector<std::string>& flags :
-       {std::vector<std::string>{"--nproc", "2"}, {"--nproc-per-nodes=2"}, {"-n", "2"}, {"--standalone"}}) {
+       {std::vector<std::string>{"--nproc", "2"}, {"--nproc-per-nodes=2"}, {"-n", "2"}, {"--rdzv-backend"}}) {
     std::vector<std::string> args = {launcher_path()};
     args.insert(args.end(), flags.begin(), flags.end());
     args.insert(args.end(), {"sh", "-c", "echo ran"});
@@ -1037,6 +1061,13 @@ TEST_CASE("nanoddp-run: unknown options are errors, torchrun's spellings work, -
   const std::vector<std::string> printed = lines_of(torchrun.out);
   const std::set<std::string> lines(printed.begin(), printed.end());
   CHECK(lines == std::set<std::string>{"[rank 0] 2 127.0.0.1", "[rank 1] 2 127.0.0.1"});
+  // torchrun's --standalone is what nanoddp-run does anyway (one node, a free port).
+  const RunResult standalone = run({launcher_path(), "--standalone", "--nproc_per_node", "2", "sh", "-c", "echo $RANK"});
+  CHECK_MESSAGE(standalone.code() == 0, standalone.err);
+  CHECK(lines_of(standalone.out).size() == 2);
+  const RunResult two_nodes = run({launcher_path(), "--standalone", "--nnodes", "2", "true"});
+  CHECK(two_nodes.code() == 2);
+  CHECK_MESSAGE(contains(two_nodes.err, "--standalone is torchrun's one-node rendezvous"), two_nodes.err);
   // After --, a program whose name starts with '-' (a script named -x here) is the PROGRAM.
   TempDir dir;
   const std::string script = dir.path + "/-x";

@@ -108,8 +108,9 @@ int main(int argc, char** argv) {
   CLI::App app{"Start the ranks of a distributed nanoddp job on this node (like torchrun).", "nanoddp-run"};
   app.formatter(std::make_shared<UsageFormatter>());
   app.footer(
-      "Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT\n"
-      "(and NANODDP_BACKEND with --backend), and NANODDP_JOB_ID and NANODDP_STORE_TOKEN, which admit it to\n"
+      "Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,\n"
+      "torchrun's other worker variables (GROUP_WORLD_SIZE, ROLE_*, TORCHELASTIC_*), NANODDP_BACKEND with\n"
+      "--backend, and NANODDP_JOB_ID and NANODDP_STORE_TOKEN, which admit it to\n"
       "rank 0's store (made fresh for a one-node job; across nodes, export the same on every node).\n"
       "Its output lines are prefixed \"[rank N] \". When a rank fails the others get SIGTERM, then\n"
       "SIGKILL after the grace period; the exit code is the failed rank's (128 + signal for a signal),\n"
@@ -151,14 +152,19 @@ int main(int argc, char** argv) {
   app.add_option("--timeout", timeout_s, "stop the job after this many seconds (restarts included); 0 = no limit")
       ->check(nanoddp::cli::number_in(0, kMaxSeconds))
       ->capture_default_str();
+  bool standalone = false;
+  app.add_flag("--standalone", standalone,
+               "torchrun's one-node rendezvous on a free local port: what nanoddp-run does by default, so it is "
+               "accepted and changes nothing (refused with --nnodes above 1)");
 
   // `--backend= PROGRAM` would take PROGRAM as the value: refuse an empty `--flag=` among our
   // own arguments. They end at PROGRAM, the first argument that is neither an option nor the
-  // value of one (every option of ours takes a value).
+  // value of one (every option of ours but the flags takes a value).
   int own_end = 1;
   while (own_end < argc && argv[own_end][0] == '-' && std::string(argv[own_end]) != "--") {
     const std::string arg = argv[own_end];
-    own_end += arg.find('=') != std::string::npos || arg == "--help" || arg == "-h" ? 1 : 2;
+    const bool flag = arg == "--help" || arg == "-h" || arg == "--standalone";
+    own_end += arg.find('=') != std::string::npos || flag ? 1 : 2;
   }
   if (auto code = nanoddp::cli::parse(app, argc, argv, "nanoddp-run", own_end)) return *code;
   std::vector<std::string> program = app.remaining();
@@ -176,6 +182,9 @@ int main(int argc, char** argv) {
     std::cerr << "nanoddp-run: no PROGRAM given\n" << app.help();
     return nanoddp::cli::kUsageErrorExit;
   }
+  if (standalone && options.nnodes > 1)
+    return nanoddp::cli::usage_error("nanoddp-run", "--standalone is torchrun's one-node rendezvous; it cannot go with "
+                                                    "--nnodes " + std::to_string(options.nnodes));
   options.grace_period = std::chrono::milliseconds(static_cast<long long>(grace_s * 1000));
   options.timeout = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000));
 
