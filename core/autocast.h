@@ -13,9 +13,10 @@
 //      output is 16-bit.
 //   2. float32: sum, mean, mse_loss, cross_entropy (its softmax), batch_norm, layer_norm.
 //      A 16-bit operand is cast up to float32 (recorded) and the output is float32. They do
-//      so outside autocast too: no op here computes a reduction in 16 bits. That is torch's
-//      CUDA list; torch 1.13's CPU autocast returns bfloat16 from sum, mean, layer_norm and
-//      batch_norm, and here one rule holds on every device.
+//      so outside autocast too: no op here computes a reduction in 16 bits. torch's CUDA list
+//      has sum, mse_loss, cross_entropy and layer_norm in float32, and its batch_norm keeps
+//      the input's dtype; torch 1.13's CPU autocast returns bfloat16 from sum, mean,
+//      layer_norm and batch_norm. Here one rule holds on every device.
 //   3. everything else (relu, add, mul, dropout, max_pool2d, the activations) keeps its
 //      input's dtype: Note [16-bit elementwise ops] in core/op_helpers.h.
 // The optimizer sees float32 parameters and float32 gradients only.

@@ -63,6 +63,7 @@ bool broadcast_of(const char* op, const Tensor& a, const Tensor& b) {
 void gemm(const Tensor& out, const Tensor& a, const Tensor& b, int64_t M, int64_t K, int64_t N, bool trans_a,
           bool trans_b, float beta, const Tensor& row_bias = Tensor()) {
   if (out.dtype() == DType::Float32) {
+    NANODDP_ASSERT(!row_bias.defined());
     NANODDP_DISPATCH(a.device(), matmul, ptr(out), ptr(a), ptr(b), M, K, N, trans_a, trans_b, beta);
   } else {
     NANODDP_ASSERT(beta == 0.0f);

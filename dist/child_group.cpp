@@ -254,10 +254,11 @@ void ChildGroup::terminate_all(int signal) {
     if (c.reaped) continue;
     // The whole group: the rank and whatever it started. An exited rank's zombie still holds
     // its pgid, so leftovers of a finished rank are reached too.
-    if (kill(-c.pid, signal) != 0 && !c.exited) kill(c.pid, signal);
+    const bool whole_group = kill(-c.pid, signal) == 0;
+    if (!whole_group && !c.exited) kill(c.pid, signal);
     // A stopped rank (SIGSTOP, Ctrl-Z) holds a SIGTERM until it runs again: wake it, so that
     // it ends now rather than at the grace period's SIGKILL.
-    if (signal != SIGKILL && !c.exited) kill(-c.pid, SIGCONT);
+    if (signal != SIGKILL && !c.exited) kill(whole_group ? -c.pid : c.pid, SIGCONT);
   }
 }
 

@@ -433,7 +433,7 @@ int launch(const LaunchOptions& given, const std::vector<std::string>& program) 
     // A program in this folder, named without ./ as a shell would need it too.
     std::error_code ignored;
     const bool here = error == ENOENT && program[0].find('/') == std::string::npos &&
-                      std::filesystem::is_regular_file(program[0], ignored);
+                      std::filesystem::is_regular_file(program[0], ignored) && access(program[0].c_str(), X_OK) == 0;
     write_all(2, "nanoddp-run: cannot execute '" + program[0] + "': " + std::strerror(error) +
                      (program[0].find('/') == std::string::npos ? " (searched PATH)" : "") +
                      (here ? "; to run ./" + program[0] + " from this folder, write ./" + program[0] : "") +

@@ -171,8 +171,8 @@ class ChildGroup {
   struct Options {
     std::chrono::milliseconds grace_period = kDefaultGracePeriod;
     std::chrono::milliseconds timeout{0};  // 0 = no limit
-    // What the timeout message names: "the job's timeout of 3 s" for a round that had what
-    // was left of it; "" = "timed out after <timeout>".
+    // What the timeout message names ("the job's --timeout of 3 s", for a round that had
+    // what was left of it); "" = "timed out after <timeout>".
     std::string timeout_description;
     std::string reporter = "nanoddp-run";  // prefix of the launcher's own stderr messages
     bool report = true;                    // print failures on stderr

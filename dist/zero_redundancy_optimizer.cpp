@@ -220,17 +220,21 @@ ShardedStateDict ZeroRedundancyOptimizer::sharded_model_state_dict(const nn::Mod
   NANODDP_CHECK(named.size() == params_.size(), ValueError, name_,
                 ".sharded_model_state_dict: the model has ", named.size(), " parameters, this optimizer ",
                 params_.size());
-  std::map<std::string, size_t> index_of;
+  std::map<const TensorImpl*, size_t> index_of;
   for (size_t i = 0; i < named.size(); ++i) {
     NANODDP_CHECK(named[i].second.impl() == params_[i].impl(), ValueError, name_,
                   ".sharded_model_state_dict: the model's parameter ", i, " ('", named[i].first,
                   "') is not this optimizer's parameter ", i);
-    index_of[named[i].first] = i;
+    index_of[named[i].second.impl()] = i;
   }
+  // Every name of each parameter (a tied one has several, as state_dict does), by tensor.
+  std::map<std::string, size_t> index_by_name;
+  for (const auto& [name, p] : model.named_parameters(/*remove_duplicate=*/false))
+    index_by_name[name] = index_of.at(p.impl());
   ShardedStateDict out;
   for (const auto& [name, t] : model.state_dict()) {
-    const auto it = index_of.find(name);
-    const int holder = it == index_of.end() ? 0 : owner_[it->second];
+    const auto it = index_by_name.find(name);
+    const int holder = it == index_by_name.end() ? 0 : owner_[it->second];
     if (holder == pg_->rank()) {
       out[name] = whole_entry(t);
     } else {

@@ -338,7 +338,8 @@ struct EpochProgress {
 };
 
 // This job as its checkpoints name it: a digest of NANODDP_JOB_ID, which nanoddp-run gives every
-// round of one job alike; none when the variable is unset (under mpirun, or across nodes).
+// round of one job alike (through mpirun too); none when the variable is unset (a bare mpirun,
+// or nodes that were not given one).
 std::optional<int64_t> job_digest() {
   const char* id = std::getenv(dist::kJobIdEnv);
   if (id == nullptr || *id == '\0') return std::nullopt;
@@ -403,7 +404,17 @@ void save(const std::string& path, bool sharded, int epochs_done, int64_t steps_
 struct ReadCheckpoint {
   nn::StateDict state;  // every entry; from a set, every entry but the model's and the optimizer's
   std::optional<examples::ParallelModel::LocalState> local;  // from a set: this rank's part
+  bool other_job = false;  // read_checkpoint's only_job differs from the file's: nothing else was read
 };
+
+// Whether a checkpoint whose "job" entry is `job` (none: an unset optional) is another job's
+// than only_job; never without only_job.
+bool other_job(std::optional<int64_t> only_job, std::optional<int64_t> job) { return only_job && job != only_job; }
+
+std::optional<int64_t> job_entry(const Tensor& entry) {
+  NANODDP_CHECK(entry.dtype() == DType::Int64 && entry.numel() == 1, IOError, "no 'job' entry of one int64");
+  return entry.to_int_vector()[0];
+}
 
 bool starts_with(const std::string& text, const std::string& prefix) {
   return text.compare(0, prefix.size(), prefix) == 0;
@@ -413,17 +424,29 @@ bool starts_with(const std::string& text, const std::string& prefix) {
 // file read. A set is read by every rank, each its own part; when a rank cannot read its part
 // (a missing or damaged shard file), every rank goes to the previous checkpoint together,
 // warning on stderr, or fails: ranks that resumed from different sets would part ways.
-// A collective for a set.
+// With only_job, a checkpoint of another job (Note [Restart rounds] in dist/launch.cpp) is
+// only opened: other_job is set and nothing more is read. A collective for a set.
 ReadCheckpoint read_checkpoint(const std::string& path, const examples::ParallelModel& parallel,
-                               const nn::Optimizer& optimizer, dist::ProcessGroup& pg, std::string& used_path) {
+                               const nn::Optimizer& optimizer, dist::ProcessGroup& pg, std::string& used_path,
+                               std::optional<int64_t> only_job) {
   nn::StateDict state;
   std::tie(state, used_path) = examples::load_newest_readable(path);
   while (true) {
-    if (!dist::is_sharded_manifest(state)) return {std::move(state), std::nullopt};
+    if (!dist::is_sharded_manifest(state)) {
+      const auto job = state.find("job");
+      ReadCheckpoint read;
+      read.other_job = other_job(only_job, job == state.end() ? std::nullopt : job_entry(job->second));
+      if (!read.other_job) read.state = std::move(state);
+      return read;
+    }
     ReadCheckpoint read;
     std::string error;
     try {
       dist::ShardedCheckpointReader reader(used_path, state);
+      const std::vector<std::string> names = reader.names();
+      const bool has_job = std::find(names.begin(), names.end(), "job") != names.end();
+      read.other_job = other_job(only_job, has_job ? job_entry(reader.read("job")) : std::nullopt);
+      if (read.other_job) return read;  // every rank reads the same entry: no rank goes on
       // This rank's part first: the rest is then read from the files it opened.
       read.local = parallel.read_sharded(reader, optimizer);
       for (const std::string& name : reader.names())
@@ -490,10 +513,9 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
                                       dist::ProcessGroup& pg, std::string& used_path,
                                       std::optional<int64_t> only_job) {
   try {
-    ReadCheckpoint read = read_checkpoint(path, parallel, optimizer, pg, used_path);
+    ReadCheckpoint read = read_checkpoint(path, parallel, optimizer, pg, used_path, only_job);
+    if (read.other_job) return {-1, {}};
     const nn::StateDict& state = read.state;
-    if (only_job && state.count("job") == 0) return {-1, {}};
-    if (only_job && int64_entry(state, "job", std::nullopt) != *only_job) return {-1, {}};
     const int64_t done = int64_entry(state, "epochs_done", std::nullopt);
     NANODDP_CHECK(done >= 0, IOError, "'epochs_done' is ", done);
     NANODDP_CHECK(done <= epochs, ValueError, "it has ", done, " epochs done, more than --epochs ", epochs);
@@ -791,7 +813,7 @@ int run(const Config& config) {
     // The work before the failure is lost: said, as a resume is.
     const std::string why = config.checkpoint.empty() ? "no --checkpoint was given"
                             : !used.empty()
-                                ? "checkpoint " + used + " is another job's (this one wrote none before the failure)"
+                                ? "checkpoint " + used + " is another job's (none of this job's could be read)"
                                 : "no checkpoint " + config.checkpoint + " was written before the failure";
     std::printf("restart %d: %s: this run starts again from step 0\n", restarts, why.c_str());
     std::fflush(stdout);

@@ -44,14 +44,14 @@ Tensor Flatten::forward(const Tensor& input) {
 }
 
 Sequential& Sequential::add(std::shared_ptr<Module> module) {
-  layers_.push_back(register_module(std::to_string(layers_.size()), std::move(module)));
+  register_module(std::to_string(size()), std::move(module));
   return *this;
 }
 
 Sequential& Sequential::checkpoint_blocks(std::vector<size_t> starts) {
   for (size_t k = 0; k < starts.size(); ++k) {
-    NANODDP_CHECK(starts[k] < layers_.size(), ValueError, "Sequential::checkpoint_blocks: start ", starts[k],
-                  " is not a child index (the Sequential has ", layers_.size(), " children)");
+    NANODDP_CHECK(starts[k] < size(), ValueError, "Sequential::checkpoint_blocks: start ", starts[k],
+                  " is not a child index (the Sequential has ", size(), " children)");
     NANODDP_CHECK(k == 0 || starts[k] > starts[k - 1], ValueError,
                   "Sequential::checkpoint_blocks: starts must increase, got ", starts[k - 1], " then ", starts[k]);
   }
@@ -60,15 +60,16 @@ Sequential& Sequential::checkpoint_blocks(std::vector<size_t> starts) {
 }
 
 Tensor Sequential::forward(const Tensor& input) {
+  const auto& layers = named_children();
   Tensor x = input;
-  const size_t plain = checkpoint_starts_.empty() ? layers_.size() : checkpoint_starts_[0];
-  for (size_t i = 0; i < plain; ++i) x = (*layers_[i])(x);
+  const size_t plain = checkpoint_starts_.empty() ? layers.size() : checkpoint_starts_[0];
+  for (size_t i = 0; i < plain; ++i) x = (*layers[i].second)(x);
   for (size_t k = 0; k < checkpoint_starts_.size(); ++k) {
     const size_t begin = checkpoint_starts_[k];
-    const size_t end = k + 1 < checkpoint_starts_.size() ? checkpoint_starts_[k + 1] : layers_.size();
+    const size_t end = k + 1 < checkpoint_starts_.size() ? checkpoint_starts_[k + 1] : layers.size();
     // The block's layers are held by value: the rerun happens in backward.
-    std::vector<std::shared_ptr<Module>> block(layers_.begin() + static_cast<std::ptrdiff_t>(begin),
-                                               layers_.begin() + static_cast<std::ptrdiff_t>(end));
+    std::vector<std::shared_ptr<Module>> block;
+    for (size_t i = begin; i < end; ++i) block.push_back(layers[i].second);
     x = checkpoint(
         [block](const Tensor& h) {
           Tensor y = h;

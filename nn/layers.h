@@ -49,15 +49,15 @@ class Flatten : public Module {
   int start_dim_, end_dim_;
 };
 
-// Runs its modules in order; they are named "0", "1", ... (torch.nn.Sequential).
+// Runs its modules in order; they are named "0", "1", ... (torch.nn.Sequential). It runs its
+// registered children, so one replaced through register_module("1", other) is the one that
+// runs, as torch's Sequential runs its _modules.
 class Sequential : public Module {
  public:
   Sequential() = default;
   template <typename M>
   Sequential& add(M module) {
-    auto stored = std::make_shared<M>(std::move(module));
-    layers_.push_back(register_module(std::to_string(layers_.size()), stored));
-    return *this;
+    return add(std::shared_ptr<Module>(std::make_shared<M>(std::move(module))));
   }
   Sequential& add(std::shared_ptr<Module> module);
   // A shared layer (add the same one twice to tie its weights: one parameter, see Module).
@@ -66,8 +66,8 @@ class Sequential : public Module {
     return add(std::shared_ptr<Module>(std::move(module)));
   }
   Tensor forward(const Tensor& input) override;
-  size_t size() const { return layers_.size(); }
-  Module& operator[](size_t i) { return *layers_.at(i); }
+  size_t size() const { return named_children().size(); }
+  Module& operator[](size_t i) { return *named_children().at(i).second; }
   // Runs children [starts[k], starts[k + 1]) (the last up to the end) as one checkpointed
   // block each from now on (nn::checkpoint, nn/activation_checkpoint.h); children before
   // starts[0] run as usual. Names and parameters do not change, so state_dict is the same (as
@@ -77,7 +77,6 @@ class Sequential : public Module {
   const std::vector<size_t>& checkpoint_block_starts() const { return checkpoint_starts_; }
 
  private:
-  std::vector<std::shared_ptr<Module>> layers_;
   std::vector<size_t> checkpoint_starts_;
 };
 

@@ -68,6 +68,9 @@ class Module {
   // This module and every submodule, depth-first, each once, with dotted names (this one
   // is "") (torch.nn.Module.named_modules). The pointers live as long as this module.
   std::vector<std::pair<std::string, Module*>> named_modules();
+  // The direct submodules with their names, in registration order
+  // (torch.nn.Module.named_children); a replaced one is in its predecessor's place.
+  const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& named_children() const { return children_; }
   // Registers state that is saved and moved with the module but not trained
   // (torch.nn.Module.register_buffer): buffers(), to() and DDP's broadcast_buffers see it;
   // state_dict and load_state_dict see it when persistent. Any dtype (num_batches_tracked is

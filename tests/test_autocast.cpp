@@ -423,24 +423,27 @@ TEST_CASE("a 16-bit linear rounds product and bias together, once, as torch's ad
   }
 }
 
-TEST_CASE("under autocast, linear's bias gradient is the float32 column sum of the 16-bit dout") {
-  // dL/db = the column sums of dout: rows [1, 2^-9] and [1, 2^-9] sum to [2, 2^-8] exactly; the
-  // 16-bit bias the kernel added is a cast of the float32 master bias, which gets the gradient.
+TEST_CASE("under autocast, linear's bias gradient is the float32 column sum of the 16-bit dout, rounded once") {
+  // dL/db = the column sums of dout. Column 0 is [1, u/2, u/2] (u the spacing at 1): summed in
+  // float32, 1 + u, which the 16-bit gradient holds exactly; a 16-bit running sum would round
+  // 1 + u/2 to 1 (a tie, to even) twice and give 1. Column 1 is [1, 0, 0]. The 16-bit bias the
+  // kernel added is a cast of the float32 master bias, which gets the gradient.
   for (const DType format : {DType::BFloat16, DType::Float16}) {
     CAPTURE(format);
+    const float u = format == DType::BFloat16 ? 0x1p-7f : 0x1p-10f;
     Tensor b = Tensor::from_vector({0.5f, 0.25f}, {2});
     b.set_requires_grad(true);
-    const Tensor x = Tensor::from_vector({1, 2, 3, 4}, {2, 2}), w = Tensor::zeros({2, 2});
+    const Tensor x = Tensor::from_vector({1, 2, 3, 4, 5, 6}, {3, 2}), w = Tensor::zeros({2, 2});
     Tensor y;
     {
       nn::autocast low(format);
       y = linear(x, w, b);
     }
     REQUIRE(y.dtype() == format);
-    sum(mul(y.to(DType::Float32), Tensor::from_vector({1, 0x1p-9f, 1, 0x1p-9f}, {2, 2}))).backward();
+    sum(mul(y.to(DType::Float32), Tensor::from_vector({1, 1, u / 2, 0, u / 2, 0}, {3, 2}))).backward();
     REQUIRE(b.grad().defined());
     CHECK(b.grad().dtype() == DType::Float32);
-    CHECK(b.grad().to_vector() == std::vector<float>{2, 0x1p-8f});
+    CHECK(b.grad().to_vector() == std::vector<float>{1 + u, 1});
   }
 }
 

@@ -770,6 +770,21 @@ TEST_CASE("register_parameter, register_buffer and register_module: torch's name
   REQUIRE(names.size() == 4);
   CHECK(names[2].first == "m.weight");
   CHECK(names[3].first == "m.bias");
+
+  // A Sequential runs its registered children: the one replaced in "1" is the one that runs,
+  // as torch's Sequential runs its _modules. Linear(2, 1), W = [[1, 2]], b = 0: [3, 4] -> 11.
+  Sequential seq;
+  seq.add(Flatten());
+  seq.add(Flatten());
+  auto head = std::make_shared<Linear>(2, 1, default_generator());
+  head->weight.detach().copy_(Tensor::from_vector({1, 2}, {1, 2}));
+  head->bias.detach().zero_();
+  seq.register_module("1", head);
+  REQUIRE(seq.size() == 2);
+  CHECK(&seq[1] == head.get());
+  CHECK(seq(Tensor::from_vector({3, 4}, {1, 2})).to_vector() == std::vector<float>{11});
+  CHECK(seq.named_parameters().size() == 2);
+  CHECK(seq.named_parameters()[0].first == "1.weight");
 }
 
 namespace {
