@@ -52,6 +52,9 @@ struct FullyShardedDataParallel::Unit {
   Tensor reduce_output;   // the shard's mean gradient once reduce_work completes
   double reduce_issued_us = 0;
   std::vector<int> hook_ids;  // each parameter's post-accumulate-grad hook
+  // Every parameter is frozen (requires_grad false): the unit is gathered for its forward and
+  // for the backward through it, and has no gradient to reduce.
+  bool frozen = false;
 };
 
 namespace {
@@ -183,9 +186,6 @@ void FullyShardedDataParallel::build_units() {
   const auto named = module_->named_parameters();
   NANODDP_CHECK(!named.empty(), ValueError, "FullyShardedDataParallel: the model has no parameter to shard");
   for (auto& [pname, p] : named) {
-    NANODDP_CHECK(p.requires_grad(), ValueError, "FullyShardedDataParallel: parameter '", pname,
-                  "' does not require grad; frozen parameters are not sharded here (unfreeze it, or keep it out of "
-                  "the model)");
     NANODDP_CHECK(p.dtype() == DType::Float32, ValueError, "FullyShardedDataParallel: parameter '", pname, "' is ",
                   dtype_name(p.dtype()), ", float32 expected");
     const auto it = owner.find(p.impl());
@@ -195,9 +195,23 @@ void FullyShardedDataParallel::build_units() {
     unit.numel += p.numel();
   }
   // Units in the order of their first parameter, the root first; units without parameters
-  // (every parameter taken by nested units) are dropped.
-  for (auto& unit : units)
-    if (!unit->params.empty()) units_.push_back(std::move(unit));
+  // (every parameter taken by nested units) are dropped. A unit's parameters are one flat
+  // parameter, which requires grad or not: all frozen or none (torch's FSDP with
+  // use_orig_params=False asks the same).
+  for (auto& unit : units) {
+    if (unit->params.empty()) continue;
+    const auto frozen = std::find_if(unit->params.begin(), unit->params.end(),
+                                     [](const auto& named_param) { return !named_param.second.requires_grad(); });
+    const auto trained = std::find_if(unit->params.begin(), unit->params.end(),
+                                      [](const auto& named_param) { return named_param.second.requires_grad(); });
+    NANODDP_CHECK(frozen == unit->params.end() || trained == unit->params.end(), ValueError,
+                  "FullyShardedDataParallel: unit ", unit_label(unit->name), " holds '", frozen->first,
+                  "', which does not require grad, and '", trained->first,
+                  "', which does: a unit's parameters are flattened into one, frozen or not, so freeze all of "
+                  "them or none (wrap the frozen ones in a unit of their own)");
+    unit->frozen = trained == unit->params.end();
+    units_.push_back(std::move(unit));
+  }
 
   const Device device = named[0].second.device();
   const bool no_shard = options_.sharding_strategy == ShardingStrategy::NO_SHARD;
@@ -236,9 +250,11 @@ void FullyShardedDataParallel::build_units() {
       unit.shard = register_parameter_at_path(unit.name.empty() ? "_flat_param" : unit.name + "._flat_param", shard);
       unit.full.impl()->storage->free_memory();
     }
+    if (unit.frozen) unit.shard.set_requires_grad(false);
     // Step 4 of Note [FSDP units]: count each parameter's accumulated gradient.
-    for (auto& [pname, p] : unit.params)
-      unit.hook_ids.push_back(p.register_post_accumulate_grad_hook([this, u](Tensor&) { on_param_ready(u); }));
+    if (!unit.frozen)
+      for (auto& [pname, p] : unit.params)
+        unit.hook_ids.push_back(p.register_post_accumulate_grad_hook([this, u](Tensor&) { on_param_ready(u); }));
     if (unit.module != nullptr) {
       const int pre = unit.module->register_forward_pre_hook(
           [this, u](nn::Module&, const Tensor&) { on_unit_forward_pre(u); });
@@ -393,8 +409,8 @@ void FullyShardedDataParallel::on_unit_backward_pre(size_t u) {
   Unit& unit = *units_[u];
   if (!backward_order_known_ && std::find(backward_order_.begin(), backward_order_.end(), u) == backward_order_.end())
     backward_order_.push_back(u);
-  wait_gathered(u);
-  if (!unit.prepared) {
+  wait_gathered(u);  // a frozen unit too: the gradient of its input reads its parameters
+  if (!unit.prepared && !unit.frozen) {
     if (!unit.full_grad.defined()) {
       MemoryCategoryScope gradients(MemoryCategory::Gradients);
       unit.full_grad = Tensor::zeros(unit.full.shape(), DType::Float32, unit.full.device());

@@ -48,9 +48,12 @@
 // Contract: every rank builds the same model and calls forward and backward in the same
 // order (every rank's backward reaches the same units: a unit no gradient reaches is reduced
 // at the end of backward, in unit order). Construction broadcasts rank 0's parameters and
-// buffers (torch's sync_module_states=True), as DDP's does. Errors: ValueError for a model
-// with no parameter, a parameter that does not require grad (frozen parameters are not
-// sharded here), a parameter two units share (named, with both units), or a parameter used
+// buffers (torch's sync_module_states=True), as DDP's does. A unit whose parameters are all
+// frozen (requires_grad false, a frozen embedding) is gathered for its forward and for the
+// backward through it, and has no gradient: its flat parameter does not require grad, and an
+// optimizer skips it. Errors: ValueError for a model with no parameter, a unit that mixes
+// frozen and trained parameters (they are flattened into one, as torch's use_orig_params=False
+// asks), a parameter two units share (named, with both units), or a parameter used
 // through the module outside forward; DistError and TimeoutError from the collectives; a
 // parameter read while its unit is resharded throws ValueError from Tensor::data.
 #pragma once

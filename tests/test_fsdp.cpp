@@ -215,6 +215,59 @@ void check_exactness(int world) {
 
 }  // namespace
 
+TEST_CASE("a frozen unit (every parameter requires_grad false) is gathered, never reduced nor stepped; the rest trains as one process") {
+  // The MLP's first Linear frozen, as a frozen embedding would be: one process on the global
+  // batch with the same layer frozen is the reference. AdamW's weight decay would move a
+  // frozen parameter that got a zero gradient, so an unchanged first layer shows that none
+  // came: torch's optimizers, and ours, skip a parameter whose .grad is undefined.
+  const ModelKind kind = model_kinds()[0];
+  const auto freeze_first = [](nn::Module& model) {
+    for (auto& named : model.named_parameters())
+      if (named.first.rfind("0.", 0) == 0) named.second.set_requires_grad(false);
+  };
+  auto reference = kind.make(7);
+  const nn::StateDict initial = reference->state_dict();
+  freeze_first(*reference);
+  auto reference_opt = make_optimizer(true, reference->parameters());
+  for (int s = 0; s < kSteps; ++s) {
+    const Batch b = global_batch(s, kind.features);
+    reference_opt->zero_grad();
+    cross_entropy((*reference)(b.x), b.y).backward();
+    reference_opt->step();
+  }
+  const nn::StateDict want = reference->state_dict();
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = join(rank, 2, port);
+    for (const auto strategy :
+         {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD}) {
+      const char* name = dist::sharding_strategy_name(strategy);
+      auto model = kind.make(7);
+      freeze_first(*model);
+      dist::FullyShardedDataParallel fsdp(model, pg, fsdp_options(strategy, kind.policy));
+      const std::vector<Tensor> shards = fsdp.parameters();
+      expect(shards.size() == 2 && !shards[0].requires_grad() && shards[1].requires_grad(), name,
+             ": the frozen unit's flat parameter should not require grad, the other's should");
+      auto opt = make_optimizer(true, shards);
+      for (int s = 0; s < kSteps; ++s) {
+        const Batch b = share(global_batch(s, kind.features), rank, 2);
+        opt->zero_grad();
+        cross_entropy(fsdp(b.x), b.y).backward();
+        expect(!shards[0].grad().defined(), name, ": the frozen unit got a gradient");
+        opt->step();
+      }
+      const nn::StateDict got = fsdp.full_state_dict(/*rank0_only=*/false);
+      bool ok = false;
+      const std::string report = worst_difference(got, want, kTolerance, &ok);
+      expect(ok, "rank ", rank, " ", name, ": differs from one process with the same layer frozen:\n", report);
+      for (const char* frozen : {"0.weight", "0.bias"})
+        expect(got.at(frozen).to_vector() == initial.at(frozen).to_vector(), "rank ", rank, " ", name, ": ", frozen,
+               " moved");
+    }
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("MixedPrecision bfloat16: half the all_gather and reduce_scatter bytes; training within bf16 tolerance") {
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [&](int rank) {
@@ -777,7 +830,7 @@ class TiedBlocks : public nn::Module {
 };
 }  // namespace
 
-TEST_CASE("a parameter shared by two units is an error naming it and both units; a frozen one too") {
+TEST_CASE("a parameter shared by two units is an error naming it and both units; a unit half frozen too") {
   if (under_mpirun()) return;
   const int port = testing::free_port();
   const std::string failures = on_ranks(1, [&](int rank) {
@@ -822,7 +875,9 @@ TEST_CASE("a parameter shared by two units is an error naming it and both units;
     } catch (const ValueError& e) {
       message = e.what();
     }
-    expect(message.find("'0.bias' does not require grad") != std::string::npos, "a frozen parameter: ", message);
+    expect(message.find("unit root holds '0.bias', which does not require grad, and '0.weight', which does") !=
+               std::string::npos,
+           "a unit that mixes frozen and trained parameters: ", message);
   });
   CHECK_MESSAGE(failures.empty(), failures);
 }
