@@ -115,9 +115,11 @@ std::unique_ptr<nn::Optimizer> make_optimizer(bool adamw, std::vector<Tensor> pa
   return std::make_unique<nn::SGD>(std::move(params), nn::SGDOptions{/*lr=*/0.1f, /*momentum=*/0.9f});
 }
 
-// One process on the global batch: the reference.
-nn::StateDict train_reference(const ModelKind& kind, bool adamw, int steps) {
+// One process on the global batch: the reference. prepare (if any) changes the model first.
+nn::StateDict train_reference(const ModelKind& kind, bool adamw, int steps,
+                              const std::function<void(nn::Module&)>& prepare = {}) {
   auto model = kind.make(7);
+  if (prepare) prepare(*model);
   auto opt = make_optimizer(adamw, model->parameters());
   for (int s = 0; s < steps; ++s) {
     const Batch b = global_batch(s, kind.features);
@@ -225,17 +227,8 @@ TEST_CASE("a frozen unit (every parameter requires_grad false) is gathered, neve
     for (auto& named : model.named_parameters())
       if (named.first.rfind("0.", 0) == 0) named.second.set_requires_grad(false);
   };
-  auto reference = kind.make(7);
-  const nn::StateDict initial = reference->state_dict();
-  freeze_first(*reference);
-  auto reference_opt = make_optimizer(true, reference->parameters());
-  for (int s = 0; s < kSteps; ++s) {
-    const Batch b = global_batch(s, kind.features);
-    reference_opt->zero_grad();
-    cross_entropy((*reference)(b.x), b.y).backward();
-    reference_opt->step();
-  }
-  const nn::StateDict want = reference->state_dict();
+  const nn::StateDict initial = kind.make(7)->state_dict();
+  const nn::StateDict want = train_reference(kind, /*adamw=*/true, kSteps, freeze_first);
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [&](int rank) {
     auto pg = join(rank, 2, port);

@@ -624,6 +624,15 @@ TEST_CASE("launch helpers: rank_env numbering, mpirun command line, signal names
   CHECK(m.at("MASTER_ADDR") == "10.0.0.1");
   CHECK(m.at("MASTER_PORT") == "29500");
   CHECK(m.count("NANODDP_BACKEND") == 0);
+  // torchrun's other worker variables: one role holding every rank.
+  CHECK(m.at("GROUP_WORLD_SIZE") == "2");
+  CHECK(m.at("ROLE_NAME") == "default");
+  CHECK(m.at("ROLE_RANK") == "7");
+  CHECK(m.at("ROLE_WORLD_SIZE") == "8");
+  CHECK(m.at("TORCHELASTIC_RUN_ID") == "none");
+  o.job_id = "5eed";
+  const auto with_job = dist::rank_env(o, 3, 29500);
+  CHECK(std::map<std::string, std::string>(with_job.begin(), with_job.end()).at("TORCHELASTIC_RUN_ID") == "5eed");
 
   dist::LaunchOptions one;
   one.nproc_per_node = 2;

@@ -276,24 +276,13 @@ TEST_CASE("nanoddp-run: without restarts left, a killed rank fails the job as it
 TEST_CASE("launch helpers: rank_env tells each start's ranks which restart it is, under torchrun's names too") {
   LaunchOptions o;
   o.nproc_per_node = 2;
-  o.nnodes = 2;
-  o.node_rank = 1;
   o.max_restarts = 4;
-  o.job_id = "5eed";
   for (int restart : {0, 3}) {
     const auto env = rank_env(o, 1, 29500, restart);
     const std::map<std::string, std::string> m(env.begin(), env.end());
     CHECK(m.at("NANODDP_RESTART_COUNT") == std::to_string(restart));
     CHECK(m.at("TORCHELASTIC_RESTART_COUNT") == std::to_string(restart));
     CHECK(m.at("TORCHELASTIC_MAX_RESTARTS") == "4");
-    CHECK(m.at("TORCHELASTIC_RUN_ID") == "5eed");
-    CHECK(m.at("RANK") == "3");
-    CHECK(m.at("ROLE_RANK") == "3");
-    CHECK(m.at("ROLE_WORLD_SIZE") == "4");
-    CHECK(m.at("ROLE_NAME") == "default");
-    CHECK(m.at("GROUP_RANK") == "1");
-    CHECK(m.at("GROUP_WORLD_SIZE") == "2");
-    CHECK(m.at("LOCAL_WORLD_SIZE") == "2");
   }
 }
 
