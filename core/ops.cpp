@@ -146,8 +146,7 @@ struct LinearBackward : Node {
     // A 16-bit bias's gradient is summed in float32 and rounded once, as add's would be
     // (Note [16-bit elementwise ops]).
     if (bias.defined() && bias.requires_grad())
-      dbias = dout.dtype() == DType::Float32 ? column_sum(dout, out_features)
-                                             : column_sum(dout.to(DType::Float32), out_features).to(dout.dtype());
+      dbias = rounded_to(column_sum(widened(dout), out_features), dout.dtype());
     if (weight.requires_grad()) {  // dweight = dout^T · input, added into .grad when offered, last
       const Tensor& into = accumulation_target(1);  // Note [Accumulating into .grad]
       dweight = into.defined() ? into : empty_same(weight);

@@ -411,9 +411,18 @@ struct ReadCheckpoint {
 // than only_job; never without only_job.
 bool other_job(std::optional<int64_t> only_job, std::optional<int64_t> job) { return only_job && job != only_job; }
 
-std::optional<int64_t> job_entry(const Tensor& entry) {
-  NANODDP_CHECK(entry.dtype() == DType::Int64 && entry.numel() == 1, IOError, "no 'job' entry of one int64");
+// The value of checkpoint entry `key`, which must be one int64.
+int64_t int64_value(const std::string& key, const Tensor& entry) {
+  NANODDP_CHECK(entry.dtype() == DType::Int64 && entry.numel() == 1, IOError, "no '", key, "' entry of one int64");
   return entry.to_int_vector()[0];
+}
+
+// One int64 entry of a checkpoint, or `missing` when it has none (an older checkpoint).
+int64_t int64_entry(const nn::StateDict& state, const std::string& key, std::optional<int64_t> missing) {
+  const auto it = state.find(key);
+  if (it == state.end() && missing) return *missing;
+  NANODDP_CHECK(it != state.end(), IOError, "no '", key, "' entry of one int64");
+  return int64_value(key, it->second);
 }
 
 bool starts_with(const std::string& text, const std::string& prefix) {
@@ -435,7 +444,8 @@ ReadCheckpoint read_checkpoint(const std::string& path, const examples::Parallel
     if (!dist::is_sharded_manifest(state)) {
       const auto job = state.find("job");
       ReadCheckpoint read;
-      read.other_job = other_job(only_job, job == state.end() ? std::nullopt : job_entry(job->second));
+      read.other_job =
+          other_job(only_job, job == state.end() ? std::nullopt : std::optional(int64_value("job", job->second)));
       if (!read.other_job) read.state = std::move(state);
       return read;
     }
@@ -445,7 +455,8 @@ ReadCheckpoint read_checkpoint(const std::string& path, const examples::Parallel
       dist::ShardedCheckpointReader reader(used_path, state);
       const std::vector<std::string> names = reader.names();
       const bool has_job = std::find(names.begin(), names.end(), "job") != names.end();
-      read.other_job = other_job(only_job, has_job ? job_entry(reader.read("job")) : std::nullopt);
+      read.other_job =
+          other_job(only_job, has_job ? std::optional(int64_value("job", reader.read("job"))) : std::nullopt);
       if (read.other_job) return read;  // every rank reads the same entry: no rank goes on
       // This rank's part first: the rest is then read from the files it opened.
       read.local = parallel.read_sharded(reader, optimizer);
@@ -473,14 +484,6 @@ ReadCheckpoint read_checkpoint(const std::string& path, const examples::Parallel
   }
 }
 
-// One int64 entry of a checkpoint, or `missing` when it has none (an older checkpoint).
-int64_t int64_entry(const nn::StateDict& state, const std::string& key, std::optional<int64_t> missing) {
-  const auto it = state.find(key);
-  if (it == state.end() && missing) return *missing;
-  NANODDP_CHECK(it != state.end() && it->second.dtype() == DType::Int64 && it->second.numel() == 1, IOError, "no '",
-                key, "' entry of one int64");
-  return it->second.to_int_vector()[0];
-}
 
 // Note [Resuming elsewhere]
 // A checkpoint is written at the end of an epoch, so a run resumes at an epoch boundary,
