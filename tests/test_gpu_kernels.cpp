@@ -315,6 +315,18 @@ TEST_CASE("matmul_16bit with a row bias adds it inside the float32 sum: one roun
     gpu::matmul_16bit(rows.data(), dx.data(), dw.data(), dbias.data(), format, 3, 0, 1, false, true);
     got16 = rows.to_host();
     CHECK(got16 == std::vector<uint16_t>(3, bias16[0]));  // K = 0: every row is the bias
+    // [3, 2] zeros times [2, 5]: every row of the product is the bias, element for element,
+    // so a bias laid along the wrong dimension shows.
+    const std::vector<float> wide_bias = {0.5f, -1.25f, 3.0f, 0.0f, 7.5f};
+    std::vector<uint16_t> zeros16(6, 0), b16(10), row16(5);
+    cpu::float_to_16bit(b16.data(), normals(10, 26).data(), format, 1.0f, 10);
+    cpu::float_to_16bit(row16.data(), wide_bias.data(), format, 1.0f, 5);
+    DeviceArray<uint16_t> dzeros(zeros16), db(b16), drow(row16), grid(size_t{15});
+    grid.poison();
+    gpu::matmul_16bit(grid.data(), dzeros.data(), db.data(), drow.data(), format, 3, 2, 5, false, false);
+    std::vector<uint16_t> want_grid;
+    for (int r = 0; r < 3; ++r) want_grid.insert(want_grid.end(), row16.begin(), row16.end());
+    CHECK(grid.to_host() == want_grid);
   }
 }
 

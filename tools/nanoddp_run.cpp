@@ -154,8 +154,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bool standalone = false;
   app.add_flag("--standalone", standalone,
-               "torchrun's one-node rendezvous on a free local port: what nanoddp-run does by default, so it is "
-               "accepted and changes nothing (refused with --nnodes above 1)");
+               "torchrun's one-node rendezvous: one node, on a free local port unless --master-port gives one, "
+               "which is what nanoddp-run does anyway, so it is accepted and changes nothing (refused with --nnodes "
+               "above 1)");
 
   // `--backend= PROGRAM` would take PROGRAM as the value: refuse an empty `--flag=` among our
   // own arguments. They end at PROGRAM, the first argument that is neither an option nor the

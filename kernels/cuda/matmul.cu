@@ -41,10 +41,15 @@ __global__ void broadcast_rows_16bit_kernel(uint16_t* out, const uint16_t* row, 
 
 // 16-bit operands and output, float32 accumulation: the tensor cores' bf16/fp16 path. A bias
 // is copied into every row of out first and added by the GEMM (beta 1), inside its float32
-// sum, as torch's addmm does.
+// sum, as torch's addmm does. cuBLAS's default math mode, like torch's default, lets a GEMM
+// that splits K reduce the parts in 16 bits: one rounding is what its kernels do otherwise,
+// not a documented promise.
 void matmul_16bit(uint16_t* out, const uint16_t* a, const uint16_t* b, const uint16_t* row_bias, DType format,
                   int64_t M, int64_t K, int64_t N, bool trans_a, bool trans_b) {
   if (M <= 0 || N <= 0) return;
+  // Before out is written: a refused product leaves it as it was.
+  NANODDP_CHECK(M <= INT_MAX && K <= INT_MAX && N <= INT_MAX, ValueError, "matmul_16bit: [", M, ", ", K, "] x [",
+                K, ", ", N, "] has a size beyond cuBLAS's 32-bit int");
   if (row_bias != nullptr) {
     broadcast_rows_16bit_kernel<<<grid_for(M * N), kBlock, 0, stream()>>>(out, row_bias, N, M * N);
     NANODDP_CUDA_CHECK_LAUNCH("broadcast_rows_16bit_kernel");
@@ -54,8 +59,6 @@ void matmul_16bit(uint16_t* out, const uint16_t* a, const uint16_t* b, const uin
       NANODDP_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(M * N) * sizeof(uint16_t), stream()));
     return;
   }
-  NANODDP_CHECK(M <= INT_MAX && K <= INT_MAX && N <= INT_MAX, ValueError, "matmul_16bit: [", M, ", ", K, "] x [",
-                K, ", ", N, "] has a size beyond cuBLAS's 32-bit int");
   const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
   const int ld_b = static_cast<int>(trans_b ? K : N);  // Note [Row-major through cuBLAS]
   const int ld_a = static_cast<int>(trans_a ? M : K);
