@@ -35,7 +35,6 @@
 // early as a time-limited job would. --export FILE.safetensors writes the trained weights
 // for PyTorch (benchmarks/torch_reference/load_safetensors.py). Rank 0 ends with one JSON
 // line (see README).
-#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -70,8 +69,6 @@
 #include "examples/fault_injection.h"
 #include "examples/metrics.h"
 #include "examples/parallel_strategy.h"
-#include "examples/process_group_flags.h"
-#include "tools/cli_checks.h"
 #include "nn/adam.h"
 #include "nn/autocast.h"
 #include "nn/batch_norm.h"
@@ -82,58 +79,13 @@
 #include "nn/lr_scheduler.h"
 #include "nn/optim.h"
 #include "nn/safetensors.h"
+#include "tools/usage_error.h"
 
 using namespace nanoddp;
 
 namespace {
 
-struct Config {
-  bool cnn = false;  // fashion_mnist_cnn: the CNN, not the MLP
-  // The program's name, which every message opens with.
-  const char* example() const { return cnn ? "fashion_mnist_cnn" : "fashion_mnist"; }
-  int epochs = 10;
-  std::string optimizer = "sgd";
-  std::optional<double> lr;           // default: 0.05 for sgd, 1e-3 (PyTorch's) for adam and adamw
-  std::optional<float> momentum;      // sgd only; default 0.9
-  std::optional<float> weight_decay;  // default: 0, or 1e-2 for adamw (PyTorch's)
-  int warmup_epochs = 0;
-  // The CNN takes twice the MLP's steps per epoch: with its normalised inputs that took its
-  // test accuracy after 5 epochs on 2 ranks from 0.900 (batch 64, raw pixels) to 0.9097, and
-  // with Dropout(0.1) (make_model) to 0.9111 and 0.9109 (seeds 0 and 1).
-  // benchmarks/run passes its own recipe (batch 64) to both frameworks.
-  int64_t batch_size = 64;  // the CNN's: 32
-  uint64_t seed = 0;
-  examples::ProcessGroupFlags group;  // --backend, --device, --timeout
-  std::string data_dir = data::FashionMNIST::kDefaultRoot;
-  std::string checkpoint;
-  std::string export_path;
-  std::string metrics;
-  bool resume = false;
-  int64_t checkpoint_every = 0;  // 0: save at epoch ends only
-  std::string checkpoint_format = "full";  // full | sharded (dist/sharded_checkpoint.h)
-  int stop_after = 0;  // 0: train every epoch
-  std::string schedule = "cosine";
-  bool no_overlap = false;
-  bool gradient_as_bucket_view = false;  // .grad lives in DDP's buckets; zero_grad keeps it there
-  std::string comm_hook = "none";  // none | allreduce | fp16 | bf16 (dist/comm_hooks.h)
-  bool find_unused_parameters = false;  // DDPOptions: one more all-reduce per step (a flag per parameter)
-  bool batch_norm = false;              // CNN: a BatchNorm2d after each Conv2d
-  bool sync_batch_norm = false;         // CNN: the same as SyncBatchNorm (statistics over every rank)
-  bool prefetch = false;
-  bool checkpoint_activations = false;  // each block checkpointed (nn/activation_checkpoint.h)
-  std::string precision = "fp32";       // fp32 | bf16 | fp16: the forward under nn::autocast
-  bool quiet = false;
-  std::vector<int64_t> hidden = {256, 128};  // widths of the hidden layers
-  double bucket_cap_mb = static_cast<double>(dist::kDefaultBucketCapBytes) / (1 << 20);
-  double first_bucket_cap_mb = static_cast<double>(dist::kDefaultFirstBucketCapBytes) / (1 << 20);
-  std::string strategy = "ddp";  // ddp | zero1 | zero2 | fsdp | naive | flat | overlap (examples/parallel_strategy.h)
-  std::string dp;                // --dp: a ladder rung; sets strategy (examples::strategy_of_dp)
-  bool strategy_given = false;   // --strategy on the command line
-  std::string bucket_cap_flag;     // "--bucket-cap-mb" or "--first-bucket-cap-mb" when given, else ""
-  int64_t accumulate = 1;        // micro-batches per step (dist/gradient_accumulation.h)
-  std::string trace;  // file for the trace; "" = none (NANODDP_TRACE still works)
-  bool explain = false;
-};
+using Config = examples::FashionMnistConfig;
 
 // DDP's bucket caps are given in MiB, as torch's bucket_cap_mb is (bytes = mb * 1024 * 1024).
 size_t mib_to_bytes(double mb) { return static_cast<size_t>(mb * 1024.0 * 1024.0); }
@@ -321,11 +273,9 @@ double evaluate(nn::Module& model, data::DataLoader& loader, dist::ProcessGroup&
   return static_cast<double>(totals[0]) / static_cast<double>(totals[1]);
 }
 
-// --optimizer's choices; a checkpoint's "optimizer_kind" entry is the index of its run's.
-const std::vector<std::string> kOptimizers = {"sgd", "adam", "adamw"};
-
 int64_t optimizer_kind(const std::string& name) {
-  return std::find(kOptimizers.begin(), kOptimizers.end(), name) - kOptimizers.begin();
+  const std::vector<std::string>& names = examples::optimizer_names();
+  return std::find(names.begin(), names.end(), name) - names.begin();
 }
 
 // Where a run is within an epoch: steps done and, per rank, its running loss sum and samples,
@@ -554,10 +504,11 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
     }
     // Another optimizer's state has other entries: name both optimizers, not an entry.
     const int64_t saved_kind = int64_entry(state, "optimizer_kind", /*missing=*/-1);
-    if (saved_kind >= 0 && saved_kind < static_cast<int64_t>(kOptimizers.size()))
+    const std::vector<std::string>& optimizers = examples::optimizer_names();
+    if (saved_kind >= 0 && saved_kind < static_cast<int64_t>(optimizers.size()))
       NANODDP_CHECK(saved_kind == optimizer_kind(optimizer_name), ValueError, "its run used --optimizer ",
-                    kOptimizers[static_cast<size_t>(saved_kind)], " and this one --optimizer ", optimizer_name,
-                    ": resume with --optimizer ", kOptimizers[static_cast<size_t>(saved_kind)]);
+                    optimizers[static_cast<size_t>(saved_kind)], " and this one --optimizer ", optimizer_name,
+                    ": resume with --optimizer ", optimizers[static_cast<size_t>(saved_kind)]);
     try {
       if (read.local)
         parallel.load_local_optimizer(optimizer, *read.local);
@@ -608,7 +559,6 @@ void check_same_start(dist::ProcessGroup& pg, const std::string& checkpoint, int
                 " must be one file that every rank reads (a filesystem they share), as rank 0 writes it for all");
 }
 
-// What is wrong with a combination of flags that each parsed, or "" when nothing is.
 // The files the run writes, by flag: two with one name would overwrite each other, and one
 // among the data files would overwrite the data (a checkpoint written over train-labels...).
 std::string outputs_problem(const Config& config) {
@@ -651,7 +601,9 @@ std::string outputs_problem(const Config& config) {
   return "";
 }
 
-std::string flags_problem(const Config& config) {
+}  // namespace
+
+std::string nanoddp::examples::fashion_mnist_flags_problem(const Config& config) {
   if (const std::string problem = outputs_problem(config); !problem.empty()) return problem;
   if (config.momentum && config.optimizer != "sgd")
     return "--momentum applies to --optimizer sgd only (Adam's betas play its part)";
@@ -714,6 +666,8 @@ std::string flags_problem(const Config& config) {
   return "";
 }
 
+namespace {
+
 // --checkpoint-activations: a block starts at each Conv2d and Linear, except that the last
 // layer joins the block before it (alone, its activation is its input, kept anyway). The
 // CNN: [Conv ReLU Pool] [Conv ReLU Pool Flatten] [Linear ReLU Dropout Linear]; the MLP:
@@ -726,7 +680,9 @@ std::vector<size_t> checkpoint_block_starts(nn::Sequential& model) {
   return starts;
 }
 
-int run(const Config& config) {
+}  // namespace
+
+int nanoddp::examples::run_fashion_mnist(const Config& config) {
   if (!config.trace.empty()) trace::start(config.trace);
   const bool explain = config.explain || dist::explain_from_environment();
   const dist::InitOptions init = config.group.init_options();
@@ -1043,137 +999,4 @@ int run(const Config& config) {
   dist::destroy_process_group();
   examples::finish_trace();
   return 0;
-}
-
-}  // namespace
-
-int nanoddp::examples::fashion_mnist_main(int argc, char** argv, bool cnn) {
-  Config config;
-  config.cnn = cnn;
-  if (cnn) config.batch_size = 32;
-  const char* const kExample = config.example();
-  CLI::App app{std::string(kExample) + ": " + (cnn ? "a CNN" : "an MLP") +
-               " on Fashion-MNIST with DistributedDataParallel"};
-  cli::set_option_defaults(app);
-  app.add_option("--epochs", config.epochs, "epochs to train (in all, counting resumed ones)")->check(cli::integer_in(1));
-  app.add_option("--optimizer", config.optimizer,
-                 "sgd (with --momentum), adam (L2 --weight-decay) or adamw (decoupled --weight-decay)")
-      ->check(CLI::IsMember(kOptimizers));
-  app.add_option("--lr", config.lr, "peak learning rate (default 0.05 for sgd, 1e-3 for adam and adamw)")
-      ->check(cli::number_in(0));
-  app.add_option("--momentum", config.momentum, "SGD momentum (default 0.9; sgd only)")->check(cli::number_in(0));
-  app.add_option("--weight-decay", config.weight_decay, "weight decay (default 0, or 1e-2 for adamw)")
-      ->check(cli::number_in(0));
-  app.add_option("--warmup-epochs", config.warmup_epochs,
-                 "epochs of linear warm-up from lr/3 to lr, stepped per batch (LinearLR), before --schedule")
-      ->check(cli::integer_in(0));
-  app.add_option("--batch-size", config.batch_size, "examples per rank per step")->check(cli::integer_in(1));
-  app.add_option("--seed", config.seed, "seed of the weights and of the data order")->check(cli::seed());
-  config.group.add_to(app);
-  app.add_option("--data-dir", config.data_dir, "folder with the four Fashion-MNIST IDX files")->check(cli::folder_path());
-  app.add_option("--checkpoint", config.checkpoint, "file rank 0 writes after every epoch")->check(cli::file_path());
-  app.add_option("--export", config.export_path,
-                 "safetensors file rank 0 writes the trained weights to, with PyTorch's names (0.weight, ...)")
-      ->check(cli::file_path());
-  app.add_option("--metrics", config.metrics,
-                 "JSON-lines file rank 0 writes step, epoch, loss, lr, samples/s, test accuracy and wall time to "
-                 "(tools/plot draws it); --resume keeps the lines of the checkpoint's epochs")
-      ->check(cli::file_path());
-  app.add_flag("--resume", config.resume, "continue from --checkpoint if it exists");
-  app.add_option("--checkpoint-format", config.checkpoint_format,
-                 "full: one file that rank 0 writes; sharded: FILE names a set of files, one per rank "
-                 "(FILE.g<N>.shard-<r>-of-<W>), each written by its rank (--strategy zero1, zero2, fsdp). Either "
-                 "resumes at any world size and strategy (docs/ddp/10-faults.md)")
-      ->check(CLI::IsMember({"full", "sharded"}));
-  app.add_option("--checkpoint-every", config.checkpoint_every,
-                 "also save --checkpoint every this many optimizer steps during an epoch (0: at epoch ends only); a "
-                 "group restarted by nanoddp-run --max-restarts resumes from it by itself")
-      ->check(cli::integer_in(0));
-  app.add_option("--stop-after", config.stop_after,
-                 "stop after this epoch (1..--epochs), as a job with a time limit would (the schedule still spans --epochs; "
-                 "0: never); rerun with --resume to go on")
-      ->check(cli::integer_in(0));
-  app.add_option("--schedule", config.schedule, "learning rate over training: cosine (to 0) or constant")
-      ->check(CLI::IsMember({"cosine", "constant"}));
-  app.add_flag("--no-overlap", config.no_overlap, "all-reduce after backward instead of during it");
-  app.add_flag("--gradient-as-bucket-view", config.gradient_as_bucket_view,
-               "each .grad is a view of its DDP bucket (torch's gradient_as_bucket_view): no gradient copies, "
-               "one copy of the gradients in memory");
-  app.add_option("--comm-hook", config.comm_hook,
-                 "how DDP reduces each gradient bucket: none (built in), allreduce (allreduce_hook), fp16 or bf16 "
-                 "(compressed to 16 bits: half the bytes)")
-      ->check(CLI::IsMember({"none", "allreduce", "fp16", "bf16"}));
-  app.add_option("--strategy", config.strategy,
-                 "data parallelism: ddp (everything replicated), zero1 (optimizer state sharded), zero2 (gradients "
-                 "too: FSDP SHARD_GRAD_OP), fsdp (parameters too: FULL_SHARD); docs/ddp/12-sharding.md")
-      ->check(CLI::IsMember(examples::strategy_names()));
-  app.add_flag("--find-unused-parameters", config.find_unused_parameters,
-               "DDP's find_unused_parameters: parameters may go unused; one more all-reduce per step "
-               "(docs/ddp/04-hooks-and-buckets.md)");
-  app.add_option("--dp", config.dp,
-                 "the ladder's rung (docs/ladder.md): naive, flat, overlap (examples/ladder/), buckets (= --strategy "
-                 "ddp), zero1, fsdp (= --strategy zero1, fsdp)")
-      ->check(CLI::IsMember(examples::dp_names()));
-  app.add_option("--accumulate", config.accumulate,
-                 "split each step's batch into K micro-batches, reduced once (no_sync on the first K-1; each loss "
-                 "weighted by its share of the samples): the same step, 1/K of the activations")
-      ->check(cli::integer_in(1));
-  app.add_flag("--prefetch", config.prefetch, "collate batches on a background thread");
-  app.add_flag("--quiet", config.quiet, "only the final JSON line (and what --explain asks for)");
-  app.add_option("--precision", config.precision,
-                 "fp32, or bf16 / fp16: the forward under nn::autocast (Linear and Conv2d in 16 bits, float32 "
-                 "master weights and optimizer); fp16 adds a GradScaler (docs/mixed-precision.md)")
-      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
-  app.add_flag("--checkpoint-activations", config.checkpoint_activations,
-               "checkpoint every block (nn::checkpoint): backward reruns each block's forward instead of keeping its "
-               "activations; the same gradients, bit for bit (docs/checkpointing.md)");
-  if (cnn) {
-    app.add_flag("--batch-norm", config.batch_norm, "a BatchNorm2d after each convolution, statistics of this rank's batch");
-    app.add_flag("--sync-batch-norm", config.sync_batch_norm,
-                 "the same as SyncBatchNorm: statistics of every rank's batch together, three all-reduces per "
-                 "layer per step (docs/batch-norm.md)");
-    // The CNN's layers are fixed (the model PyTorch's recipes train), so it has no --hidden;
-    // one given is refused by name rather than taken and ignored.
-    for (int i = 1; i < argc && std::string(argv[i]) != "--"; ++i) {
-      const std::string arg = argv[i];
-      if (arg == "--hidden" || arg.rfind("--hidden=", 0) == 0) {
-        return cli::usage_error(kExample,
-                                "--hidden sets the widths of fashion_mnist's MLP; this CNN's layers are fixed (its "
-                                "hidden layer is Linear(1600, 128))");
-      }
-    }
-  } else {
-    app.add_option("--hidden", config.hidden, "widths of the hidden layers, comma-separated (e.g. 1024,1024,512)")
-        ->delimiter(',')
-        ->check(cli::integer_in(1));
-  }
-  // Up to 1e6 MiB: the cap becomes a byte count, which a much larger number would overflow.
-  app.add_option("--bucket-cap-mb", config.bucket_cap_mb, "DDP bucket size cap in MiB (torch's bucket_cap_mb)")
-      ->check(cli::number_in(1e-6, 1e6));
-  app.add_option("--first-bucket-cap-mb", config.first_bucket_cap_mb, "cap of the first bucket in MiB")
-      ->check(cli::number_in(1e-6, 1e6));
-  app.add_option("--trace", config.trace,
-                 "write a Chrome trace (ui.perfetto.dev) of the run to FILE; nanoddp-run merges the ranks' files")
-      ->check(cli::file_path());
-  app.add_flag("--explain", config.explain,
-               "print the bucket plan, then per step of each epoch the all-reduces, bytes and exposed communication");
-  if (!cnn) {
-    if (const std::string problem = cli::empty_list_item(argc, argv, "--hidden"); !problem.empty())
-      return cli::usage_error(kExample, problem);
-  }
-  if (auto code = cli::parse(app, argc, argv, kExample)) return *code;
-  config.strategy_given = app.count("--strategy") > 0;
-  config.bucket_cap_flag = app.count("--bucket-cap-mb") > 0         ? "--bucket-cap-mb"
-                           : app.count("--first-bucket-cap-mb") > 0 ? "--first-bucket-cap-mb"
-                                                                     : "";
-  if (!config.dp.empty() && !config.strategy_given) config.strategy = examples::strategy_of_dp(config.dp);
-  if (const std::string problem = flags_problem(config); !problem.empty()) return cli::usage_error(kExample, problem);
-  try {
-    return run(config);
-  } catch (const cli::UsageError& e) {
-    return cli::usage_error(kExample, e.what());
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: %s\n", kExample, e.what());
-    return 1;
-  }
 }

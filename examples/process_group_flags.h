@@ -7,13 +7,17 @@
 //   auto pg = dist::init_process_group(group.init_options());
 #pragma once
 
-#include <CLI/CLI.hpp>
 #include <chrono>
 #include <string>
 
 #include "dist/init.h"
 #include "examples/example_utils.h"
-#include "tools/cli_checks.h"
+
+// add_to is defined in examples/process_group_flags.cpp, the one source of it that compiles
+// CLI11, so that a program's training code can hold these values without it.
+namespace CLI {
+class App;
+}
 
 namespace nanoddp::examples {
 
@@ -21,22 +25,11 @@ struct ProcessGroupFlags {
   std::string backend = "auto";  // a name dist::parse_backend takes
   std::string device = "cpu";    // cpu, cuda (this rank's GPU, rank_device) or cuda:N
   // Store waits and every collective (InitOptions::timeout; torch's init_process_group timeout).
-  int timeout_s = static_cast<int>(std::chrono::duration_cast<std::chrono::seconds>(dist::kDefaultTimeout).count());
+  int timeout_s =
+      static_cast<int>(std::chrono::duration_cast<std::chrono::seconds>(dist::kDefaultTimeout).count());
 
   // Declares the three flags on app, with their defaults shown in --help.
-  void add_to(CLI::App& app) {
-    app.add_option("--backend", backend,
-                   "auto, shm, shm+gloo, gloo, mpi or nccl (auto: nccl on cuda, else mpi under mpirun, shm on one "
-                   "node, shm+gloo across nodes)")
-        ->check(cli::backend())
-        ->capture_default_str();
-    app.add_option("--device", device, "cpu, cuda (rank r uses cuda:LOCAL_RANK) or cuda:N")
-        ->check(cli::device())
-        ->capture_default_str();
-    app.add_option("--timeout", timeout_s, "seconds to wait for other ranks (rendezvous, each collective)")
-        ->check(cli::integer_in(1))
-        ->capture_default_str();
-  }
+  void add_to(CLI::App& app);
 
   // What init_process_group takes for these flags: the parsed backend, this rank's device
   // (rank_device: "cuda" is cuda:LOCAL_RANK), the timeout. Throws ValueError for a backend

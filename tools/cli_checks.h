@@ -24,25 +24,9 @@
 
 #include "dist/process_group.h"
 #include "kernels/kernels.h"
+#include "tools/usage_error.h"
 
 namespace nanoddp::cli {
-
-// The exit status of a usage error (a bad flag, value or combination of flags), as argparse's
-// parser.error() and most Unix tools use; CLI11's own codes (105, 109, 114...) vary by error.
-inline constexpr int kUsageErrorExit = 2;
-
-// Prints "<program>: <message>" and a pointer to --help on stderr; returns kUsageErrorExit, so
-// that `return cli::usage_error(...)` ends main.
-inline int usage_error(const std::string& program, const std::string& message) {
-  std::fprintf(stderr, "%s: %s\nRun with --help for more information.\n", program.c_str(), message.c_str());
-  return kUsageErrorExit;
-}
-
-// A usage error that only shows after parsing, once the data or the build is known (a batch
-// larger than the data set). Thrown from a program's run; its main reports it as usage_error.
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
 
 // text as a whole decimal integer that fits a long long, or nullopt.
 inline std::optional<long long> whole_integer(const std::string& text) {
