@@ -193,8 +193,11 @@ std::unique_ptr<nn::Optimizer> make_optimizer(const Config& config, std::vector<
     options.weight_decay = config.weight_decay.value_or(options.weight_decay);
     return std::make_unique<nn::AdamW>(std::move(params), options);
   }
-  return std::make_unique<nn::SGD>(std::move(params), nn::SGDOptions{lr, config.momentum.value_or(0.9f),
-                                                                     /*dampening=*/0.0f, config.weight_decay.value_or(0.0f)});
+  nn::SGDOptions options;
+  options.lr = lr;
+  options.momentum = config.momentum.value_or(0.9f);
+  options.weight_decay = static_cast<float>(config.weight_decay.value_or(0.0));
+  return std::make_unique<nn::SGD>(std::move(params), options);
 }
 
 // The learning rate per batch: warm-up over the first warmup_steps, then the schedule.

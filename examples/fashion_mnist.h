@@ -30,7 +30,7 @@ struct FashionMnistConfig {
   std::string optimizer = "sgd";
   std::optional<double> lr;           // default: 0.05 for sgd, 1e-3 (PyTorch's) for adam and adamw
   std::optional<float> momentum;      // sgd only; default 0.9
-  std::optional<float> weight_decay;  // default: 0, or 1e-2 for adamw (PyTorch's)
+  std::optional<double> weight_decay;  // default: 0, or 1e-2 for adamw (PyTorch's)
   int warmup_epochs = 0;
   // The CNN takes twice the MLP's steps per epoch: with its normalised inputs that took its
   // test accuracy after 5 epochs on 2 ranks from 0.900 (batch 64, raw pixels) to 0.9097, and

@@ -31,7 +31,9 @@ enum class Reduction { None, Mean, Sum };  // torch's reduction='none' | 'mean' 
 struct SgdConfig {
   float lr = 0.0f;
   float momentum = 0.0f;
-  float dampening = 0.0f;
+  // 1 - dampening, computed in double and rounded once, as torch passes alpha=1 - dampening
+  // (a Python float) to its float kernel: 1 - 0.09 is 0.91f, where 1.0f - 0.09f is 0.90999997f.
+  float one_minus_dampening = 1.0f;
   float weight_decay = 0.0f;
   bool nesterov = false;
 };

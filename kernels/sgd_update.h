@@ -13,7 +13,7 @@ namespace nanoddp::kernels {
 NANODDP_HOST_DEVICE inline void sgd_update(float& p, float& buf, float grad, const SgdConfig& c, bool first_step) {
   float g = c.weight_decay != 0.0f ? multiply_add(p, c.weight_decay, grad) : grad;
   if (c.momentum != 0.0f) {
-    buf = first_step ? g : multiply_add(g, 1.0f - c.dampening, c.momentum * buf);
+    buf = first_step ? g : multiply_add(g, c.one_minus_dampening, c.momentum * buf);
     g = c.nesterov ? multiply_add(buf, c.momentum, g) : buf;
   }
   p = multiply_add(g, -c.lr, p);

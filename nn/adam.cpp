@@ -28,7 +28,7 @@ void Adam::check_options() const {
                 ": Invalid beta parameter at index 0: ", o.betas.first);
   NANODDP_CHECK(o.betas.second >= 0.0f && o.betas.second < 1.0f, ValueError, name_,
                 ": Invalid beta parameter at index 1: ", o.betas.second);
-  NANODDP_CHECK(o.weight_decay >= 0.0f, ValueError, name_, ": Invalid weight_decay value: ", o.weight_decay);
+  NANODDP_CHECK(o.weight_decay >= 0.0, ValueError, name_, ": Invalid weight_decay value: ", o.weight_decay);
 }
 
 void Adam::set_lr(double lr) {
@@ -40,9 +40,8 @@ void Adam::step() {
   NoGradGuard no_grad;
   trace::Span span(trace::Lane::Optimizer, "optimizer.step");
   MemoryCategoryScope state_memory(MemoryCategory::OptimizerState);  // the moments made here
-  // lr is a double, as PyTorch's Python float; the other hyper-parameters are floats (as they
-  // reach PyTorch's kernels). The step-dependent factors are computed in double, as PyTorch
-  // does in Python, and rounded to float for the kernel.
+  // The factors are computed in double, as PyTorch does in Python, and rounded to float for
+  // the kernel, as the scalars reach PyTorch's float kernels.
   const double lr = options_.lr, beta1 = options_.betas.first, beta2 = options_.betas.second;
   const double weight_decay = options_.weight_decay;
   kernels::AdamConfig config;
@@ -55,7 +54,7 @@ void Adam::step() {
   if (decoupled_weight_decay_)
     config.param_scale = static_cast<float>(1.0 - lr * weight_decay);
   else
-    config.l2 = options_.weight_decay;
+    config.l2 = static_cast<float>(weight_decay);
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = params_[i];
     const Tensor g = checked_grad(i);

@@ -32,14 +32,15 @@
 
 namespace nanoddp::nn {
 
-// lr and betas are doubles, as torch's Python floats: 1 - beta2 is then 1 - 0.999 rounded to
-// float32 (0.001f), as torch passes it to its kernel, not 1 - 0.999f (0.000999987). The other
-// hyper-parameters reach the kernel as float32.
+// lr, betas and weight_decay are doubles, as torch's Python floats: 1 - beta2 is then 1 - 0.999
+// rounded to float32 (0.001f), as torch passes it to its kernel, not 1 - 0.999f (0.000999987),
+// and AdamW's 1 - lr * weight_decay is 0.91f for 0.3 and 0.3, not 0.90999997f. eps reaches the
+// kernel as float32, as torch's does.
 struct AdamOptions {
   double lr = 1e-3;
   std::pair<double, double> betas = {0.9, 0.999};
   float eps = 1e-8f;
-  float weight_decay = 0.0f;
+  double weight_decay = 0.0;
   bool amsgrad = false;
 };
 
@@ -48,7 +49,7 @@ struct AdamWOptions {
   double lr = 1e-3;
   std::pair<double, double> betas = {0.9, 0.999};
   float eps = 1e-8f;
-  float weight_decay = 1e-2f;
+  double weight_decay = 1e-2;
   bool amsgrad = false;
 };
 

@@ -21,11 +21,12 @@
 
 namespace nanoddp::nn {
 
-// torch.optim.SGD's arguments. lr is a double, as torch's (the kernel takes it as float32).
+// torch.optim.SGD's arguments. lr and dampening are doubles, as torch's Python floats: the
+// kernel takes lr, and 1 - dampening computed in double, as float32, as torch's does.
 struct SGDOptions {
   double lr = 0.0;
   float momentum = 0.0f;
-  float dampening = 0.0f;
+  double dampening = 0.0;
   float weight_decay = 0.0f;
   bool nesterov = false;
 };

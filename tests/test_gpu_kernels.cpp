@@ -475,11 +475,11 @@ TEST_CASE("cross_entropy on CUDA: a target out of range gives a NaN row and a ze
 TEST_CASE("sgd_step matches the CPU for every option, first and later steps") {
   struct Case { const char* name; SgdConfig config; };
   const std::vector<Case> cases = {
-      {"plain", {0.1f, 0.0f, 0.0f, 0.0f, false}},
-      {"weight decay", {0.05f, 0.0f, 0.0f, 1e-2f, false}},
-      {"momentum", {0.1f, 0.9f, 0.0f, 0.0f, false}},
-      {"momentum dampening decay", {0.1f, 0.9f, 0.1f, 1e-4f, false}},
-      {"nesterov", {0.1f, 0.9f, 0.0f, 1e-4f, true}},
+      {"plain", {0.1f, 0.0f, 1.0f, 0.0f, false}},
+      {"weight decay", {0.05f, 0.0f, 1.0f, 1e-2f, false}},
+      {"momentum", {0.1f, 0.9f, 1.0f, 0.0f, false}},
+      {"momentum dampening decay", {0.1f, 0.9f, 0.9f, 1e-4f, false}},
+      {"nesterov", {0.1f, 0.9f, 1.0f, 1e-4f, true}},
   };
   for (int64_t n : kSizes) {
     const auto param0 = normals(n, 24), buffer0 = normals(n, 25), grad = normals(n, 26);

@@ -59,6 +59,31 @@ TEST_CASE("SGD with momentum and weight decay over three steps matches hand-comp
   CHECK(p.at({1}) == doctest::Approx(-2.444968).epsilon(1e-6));
 }
 
+TEST_CASE("SGD's 1 - dampening and AdamW's 1 - lr * weight_decay are doubles rounded once, as PyTorch's Python floats") {
+  // SGD(lr=1, momentum=0.9, dampening=0.09), p = 0: a zero gradient leaves buf = 0, then a
+  // gradient of 1 gives buf = 0.9 * 0 + float32(1 - 0.09) * 1 = 0.91f and p = -0.91f, as torch
+  // 1.13 gives. 1.0f - 0.09f would be 0.90999997f.
+  Tensor p = Tensor::from_vector({0.0f}).set_requires_grad(true);
+  SGD sgd({p}, {/*lr=*/1.0, /*momentum=*/0.9f, /*dampening=*/0.09});
+  p.set_grad(Tensor::from_vector({0.0f}));
+  sgd.step();
+  p.set_grad(Tensor::from_vector({1.0f}));
+  sgd.step();
+  CHECK(p.at({0}) == -0.91f);
+  CHECK(static_cast<float>(1.0 - 0.09) != 1.0f - 0.09f);  // the case tells the two apart
+  // AdamW(lr=0.3, weight_decay=0.3), p = 1, gradient 0: p = float32(1 - 0.3 * 0.3) = 0.91f
+  // (torch: 0.910000026), where a float32 weight_decay gives 0.909999967.
+  Tensor q = Tensor::from_vector({1.0f}).set_requires_grad(true);
+  AdamWOptions options;
+  options.lr = 0.3;
+  options.weight_decay = 0.3;
+  AdamW adamw({q}, options);
+  q.set_grad(Tensor::from_vector({0.0f}));
+  adamw.step();
+  CHECK(q.at({0}) == 0.91f);
+  CHECK(static_cast<float>(1.0 - 0.3 * static_cast<double>(0.3f)) != 0.91f);
+}
+
 TEST_CASE("SGD with dampening and nesterov") {
   // dampening 0.5, momentum 0.5, lr 1, p = 1, g = 0.5: step 1 buf = g = 0.5 (no dampening on
   // the first step), p = 0.5; step 2 buf = 0.25 + 0.25 = 0.5, p = 0.
@@ -243,7 +268,7 @@ TEST_CASE("Adam matches PyTorch 1.13 step by step") {
 TEST_CASE("Adam with L2 weight decay and amsgrad matches PyTorch 1.13") {
   AdamOptions options;
   options.lr = 0.1;
-  options.weight_decay = 0.1f;
+  options.weight_decay = 0.1;
   options.amsgrad = true;
   check_trajectory(adam_trajectory([&](Tensor p) { return std::make_unique<Adam>(std::vector<Tensor>{p}, options); }),
                    {{0.900000036, -2.0999999, 0.600000024},
@@ -254,7 +279,7 @@ TEST_CASE("Adam with L2 weight decay and amsgrad matches PyTorch 1.13") {
 TEST_CASE("AdamW's decoupled weight decay matches PyTorch 1.13") {
   AdamWOptions options;
   options.lr = 0.1;
-  options.weight_decay = 0.1f;
+  options.weight_decay = 0.1;
   check_trajectory(adam_trajectory([&](Tensor p) { return std::make_unique<AdamW>(std::vector<Tensor>{p}, options); }),
                    {{0.890000045, -2.07999992, 0.594999969},
                     {0.861950278, -2.15801263, 0.656055808},
@@ -267,7 +292,7 @@ TEST_CASE("AdamW with its default weight decay, other betas, eps and amsgrad mat
   options.betas = {0.8, 0.9};
   options.eps = 1e-3f;
   options.amsgrad = true;
-  CHECK(options.weight_decay == 1e-2f);
+  CHECK(options.weight_decay == 1e-2);
   Tensor p = Tensor::from_vector({1.0f, -2.0f, 0.5f}).set_requires_grad(true);
   AdamW opt({p}, options);
   for (const std::vector<float>& g : kAdamGrads) {

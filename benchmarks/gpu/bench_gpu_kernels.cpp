@@ -137,10 +137,10 @@ void bench_kernels() {
   // The bias gradient of a [16384, 4096] output: reads it once.
   rows.push_back({"column_sum (bias grad)", "16384x4096", fbytes,
                   median_ms([&] { kernels::cuda::column_sum(c.data, a.data, 16384, 4096); }), ">= 70%", 0.70});
-  kernels::SgdConfig sgd{1e-3f, 0.9f, 0.0f, 1e-4f, false};
+  kernels::SgdConfig sgd{1e-3f, 0.9f, /*one_minus_dampening=*/1.0f, 1e-4f, false};
   rows.push_back({"sgd_step (momentum, decay)", size64, 5 * fbytes,
                   median_ms([&] { kernels::cuda::sgd_step(a.data, d.data, b.data, n, sgd, false); }), ">= 85%", 0.85});
-  kernels::SgdConfig plain{1e-3f, 0.0f, 0.0f, 0.0f, false};
+  kernels::SgdConfig plain{1e-3f, 0.0f, /*one_minus_dampening=*/1.0f, 0.0f, false};
   rows.push_back({"sgd_step (plain)", size64, 3 * fbytes,
                   median_ms([&] { kernels::cuda::sgd_step(a.data, nullptr, b.data, n, plain, false); }), "", 0});
 
