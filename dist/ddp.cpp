@@ -97,9 +97,10 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
   if (const auto not_joined = Join::notify_join_context(*this))
     reducer_->set_divide_factor(divide_by_initial_world_size_ ? pg_->size() : *not_joined);
   const bool will_sync = reducer_->sync() && is_grad_enabled();
+  if (is_grad_enabled()) reducer_->set_backward_syncs(will_sync);
   if (join_config().enable)
     all_reduce_host(*pg_, std::vector<int64_t>{will_sync ? 1 : 0}, ReduceOp::Sum, timeout_);
-  if (will_sync && syncs_buffers()) {
+  if (require_forward_param_sync_ && syncs_buffers()) {
     // Note [Join] step 3b: inside a Join rank 0 may have stopped; the highest rank still
     // training is the source instead (PyTorch's _find_common_rank).
     int64_t root = 0;
@@ -110,6 +111,7 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
   // Note [Bucket rebuild] in reducer.cpp: once, before the second synced backward (a broadcast
   // from rank 0); Note [Join] step 3c. A joined rank does the same in DDPJoinHook::main_hook.
   if (will_sync) reducer_->rebuild_buckets();
+  require_forward_param_sync_ = will_sync;
   return (*module_)(input);
 }
 
@@ -165,10 +167,11 @@ class DDPJoinHook : public JoinHook {
   void main_hook() override {
     const int64_t syncing =
         all_reduce_host(*ddp_.pg_, std::vector<int64_t>{0}, ReduceOp::Sum, ddp_.timeout_)[0];
-    if (syncing > 0 && ddp_.syncs_buffers()) {  // 3b': this rank is never the source
+    if (ddp_.require_forward_param_sync_ && ddp_.syncs_buffers()) {  // 3b': this rank is never the source
       const int64_t root = all_reduce_host(*ddp_.pg_, std::vector<int64_t>{-1}, ReduceOp::Max, ddp_.timeout_)[0];
       ddp_.broadcast_buffers(static_cast<int>(root));
     }
+    ddp_.require_forward_param_sync_ = syncing > 0;  // as the others' forwards set theirs
     if (syncing > 0) {
       ddp_.reducer_->rebuild_buckets();  // 3c': as the others' forward
       ddp_.reducer_->shadow_synced_backward();

@@ -27,11 +27,15 @@
 //
 // Note [Buffer broadcast]
 // Buffers (BatchNorm's running statistics) are not gradients: each rank updates its own from
-// its own batch, so they drift apart. With broadcast_buffers (PyTorch's default) every
-// forward that will sync gradients (grad enabled, not under no_sync, world > 1) first
-// overwrites every rank's buffers with rank 0's, as PyTorch's _sync_buffers does: every rank
-// then works from rank 0's running stats, and after training the ranks' buffers differ only
-// by the last step's own update. Inside a Join the source is the highest rank still training
+// its own batch, so they drift apart. With broadcast_buffers (PyTorch's default) a forward
+// first overwrites every rank's buffers with rank 0's when the forward before it synced
+// gradients (grad enabled, not under no_sync) or it is the first, as PyTorch 1.13's forward
+// decides from require_forward_param_sync before its _sync_buffers. So the buffers a synced
+// step updated are made equal once, before whatever forward comes next: an evaluation
+// forward under no_grad after a training step sees rank 0's running stats on every rank, and
+// the first synced forward after no_sync micro-steps does not broadcast (the micro-steps'
+// forwards did not sync). Every rank then works from rank 0's running stats, and after
+// training the ranks' buffers differ only by the last step's own update. Inside a Join the source is the highest rank still training
 // (one more 8-byte all-reduce(max) finds it, and a joined rank shadows both), and the final
 // model sync sends the buffers with the parameters (PyTorch's _sync_final_model). Cost: one
 // broadcast per dtype among the buffers (any dtype, as torch's; BatchNorm's are float32 and
@@ -113,8 +117,9 @@ class DistributedDataParallel : public nn::Module, public Joinable {
   // Reducer::load_bucket_order: a resumed run takes the bucket plan of the run it resumes.
   void load_bucket_order(const std::vector<int64_t>& order) { reducer_->load_bucket_order(order); }
 
-  // While the guard lives, backward does not all-reduce: gradients accumulate locally, and
-  // the first backward after it reduces the accumulated sum (torch's ddp.no_sync()).
+  // A forward run while the guard lives prepares a backward that does not all-reduce:
+  // gradients accumulate locally, and the backward of the first forward after it reduces the
+  // accumulated sum (torch's ddp.no_sync(), decided by the forward as torch's is).
   //   { auto guard = ddp.no_sync(); loss(ddp(x1)).backward(); }   loss(ddp(x2)).backward();
   class NoSyncGuard {
    public:
@@ -162,8 +167,12 @@ class DistributedDataParallel : public nn::Module, public Joinable {
   void sync_final_model(bool is_last_joiner);
   // root's buffers to every rank, one flat broadcast per dtype.
   void broadcast_buffers(int root);
-  // Whether a forward that syncs gradients broadcasts buffers first (the same on every rank).
+  // Whether buffers are broadcast at all (the same on every rank).
   bool syncs_buffers() const { return broadcast_buffers_ && pg_->size() > 1 && !module_->buffers().empty(); }
+  // Whether the next forward broadcasts buffers first (Note [Buffer broadcast]): the previous
+  // forward ran with grad enabled outside no_sync, or none ran yet (torch's
+  // require_forward_param_sync).
+  bool require_forward_param_sync_ = true;
 
   std::shared_ptr<nn::Module> module_;
   std::shared_ptr<ProcessGroup> pg_;

@@ -22,9 +22,10 @@ namespace nanoddp::dist {
 //   3. DDP: all_reduce(sum) of 1 int64: does this          | 3'. DDP's main_hook: the same
 //      iteration's backward sync? (grad mode, no no_sync)  |     with 0; when the sum is 0
 //                                                          |     it stops here
-//   3b. DDP with buffers to broadcast, when syncing:       | 3b'. the same with -1, then
-//      all_reduce(max) of its rank = the source; then one  |     the same broadcasts
-//      broadcast per buffer dtype (Note [Buffer broadcast])|
+//   3b. DDP with buffers to broadcast, when the iteration  | 3b'. the same with -1, then
+//      before synced (Note [Buffer broadcast]):            |     the same broadcasts; the
+//      all_reduce(max) of its rank = the source; then one  |     iteration before synced
+//      broadcast per buffer dtype                          |     when its 3' sum was > 0
 //   3c. DDP, when syncing, once, after the first synced    | 3c'. the same (rebuild_buckets;
 //      backward: broadcast of rank 0's ready order, one    |     a 4' counts as a synced
 //      int64 per parameter, then the new buckets from the  |     backward, as a 4 does)

@@ -82,9 +82,10 @@ namespace nanoddp::dist {
 // (it multiplies by 1/world_size); dividing keeps an exactly representable mean exact.
 
 // Note [no_sync]
-// Under no_sync the hooks only note that the parameter was used (Note [Unused parameters])
-// and return: gradients accumulate in .grad as in a plain model, no bucket is touched and
-// nothing is launched. The first backward with sync on then copies
+// In the backward of a forward run under no_sync (set_backward_syncs: the forward decides, as
+// torch's prepare_for_backward), the hooks only note that the parameter was used (Note
+// [Unused parameters]) and return: gradients accumulate in .grad as in a plain model, no
+// bucket is touched and nothing is launched. The first backward that syncs then copies
 // the accumulated .grad (every micro-batch's sum) into the buckets, so one all-reduce per
 // bucket carries them all: the counters show exactly that (tests/test_ddp.cpp).
 
@@ -319,7 +320,7 @@ void Reducer::abandon_interrupted_backward() {
 void Reducer::mark_ready(size_t k) {
   used_in_window_[k] = true;  // also inside no_sync: see Note [Unused parameters]
   backward_seen_ = true;
-  if (!sync_) return;
+  if (!backward_syncs_) return;
   if (!finalize_queued_) {
     queue_callback([this] { finalize(); });
     finalize_queued_ = true;

@@ -83,9 +83,15 @@ class Reducer {
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
 
-  // While false, hooks do nothing and gradients accumulate locally (no_sync).
+  // While false (no_sync), a forward prepares a backward that does not reduce: gradients
+  // accumulate locally (torch's require_backward_grad_sync).
   void set_sync(bool sync) { sync_ = sync; }
   bool sync() const { return sync_; }
+  // Called by each forward with grad enabled: whether the backward of its graph reduces, as
+  // torch's forward decides when it calls prepare_for_backward. So a forward under no_sync
+  // whose backward runs outside it keeps local gradients, and the reverse reduces, as in
+  // torch. Until the first forward, a backward reduces.
+  void set_backward_syncs(bool syncs) { backward_syncs_ = syncs; }
 
   // Every bucket goes through hook instead of the built-in divide-and-all-reduce
   // (DistributedDataParallel::register_comm_hook). Throws ValueError when a hook is already
@@ -182,6 +188,7 @@ class Reducer {
   size_t next_bucket_to_launch_ = 0;
   bool finalize_queued_ = false;
   bool sync_ = true;
+  bool backward_syncs_ = true;  // set_backward_syncs
   int64_t divide_factor_;  // Join: see set_divide_factor
   CommHook comm_hook_;
   bool backward_seen_ = false;  // a synced backward has run (hooks must come before)

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 
 #include "core/autograd.h"
@@ -758,6 +759,136 @@ TEST_CASE("broadcast_buffers: every forward starts from rank 0's running stats; 
     });
     CHECK_MESSAGE(failures.empty(), failures);
   }
+}
+
+namespace {
+
+// A bias-free Linear(1, 1) and a float32 buffer "count" that every forward raises by rank + 1.
+struct CountingForwards : nn::Module {
+  std::shared_ptr<nn::Linear> fc = register_module("fc", linear_1x1(1, 0, false));
+  Tensor count = register_buffer("count", Tensor::zeros({1}));
+  float step;
+  explicit CountingForwards(int rank) : step(static_cast<float>(rank + 1)) {}
+  Tensor forward(const Tensor& x) override {
+    {
+      NoGradGuard no_grad;
+      count.copy_(count + Tensor::full({1}, step));
+    }
+    return (*fc)(x);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("broadcast_buffers: a forward takes rank 0's buffers when the forward before it synced, as PyTorch 1.13's") {
+  // torch's forward broadcasts when require_forward_param_sync is set, which the previous
+  // forward sets (grad enabled, not under no_sync) or clears. Rank r's count after each of
+  // six forwards (each adds r + 1):
+  //   1 synced (the first broadcasts 0):         r + 1
+  //   2 under no_grad (1 synced: rank 0's 1):    r + 2
+  //   3 synced (2 did not sync: its own):        2r + 3
+  //   4 under no_sync (3 synced: rank 0's 3):    r + 4
+  //   5 synced (4 did not sync: its own):        2r + 5
+  //   6 under no_grad (5 synced: rank 0's 5):    r + 6
+  // Deciding by the current forward instead gives rank 1 4, 5, 7, 8, 11 from the second on.
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    const int port = testing::free_port();
+    const std::string failures = testing::on_ranks(world, [&](int rank) {
+      auto pg = testing::join(rank, world, port);
+      auto model = std::make_shared<CountingForwards>(rank);
+      dist::DistributedDataParallel ddp(model, pg);
+      const Tensor x = Tensor::ones({1, 1});
+      const auto synced = [&] { sum(ddp(x)).backward(); };
+      const auto no_grad = [&] {
+        NoGradGuard guard;
+        ddp(x);
+      };
+      const auto no_sync = [&] {
+        auto guard = ddp.no_sync();
+        sum(ddp(x)).backward();
+      };
+      const std::vector<std::function<void()>> forwards = {synced, no_grad, synced, no_sync, synced, no_grad};
+      const std::vector<float> want = {rank + 1.0f, rank + 2.0f, 2.0f * rank + 3, rank + 4.0f, 2.0f * rank + 5,
+                                       rank + 6.0f};
+      for (size_t i = 0; i < forwards.size(); ++i) {
+        forwards[i]();
+        expect(value(model->count) == want[i], "rank ", rank, ": count after forward ", i + 1, " is ",
+               model->count, ", want ", want[i]);
+      }
+      testing::leave();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("no_sync is decided by the forward, as PyTorch's: only a backward of a forward outside it reduces") {
+  // Bias-free Linear(1, 1), w = 1, x = r + 1 on rank r, loss sum: the local gradient is r + 1,
+  // the mean over W ranks (W + 1) / 2. The forward is what prepares the backward in torch
+  // (prepare_for_backward), so where the backward runs does not matter.
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    const int port = testing::free_port();
+    const std::string failures = testing::on_ranks(world, [&](int rank) {
+      auto pg = testing::join(rank, world, port);
+      auto model = linear_1x1(1, 0, /*bias=*/false);
+      dist::DistributedDataParallel ddp(model, pg);
+      const Tensor x = Tensor::full({1, 1}, rank + 1.0f);
+      const float local = rank + 1.0f, mean = (world + 1) / 2.0f;
+      // Forward inside no_sync, backward outside: local, as torch (no all-reduce).
+      ddp.zero_grad();
+      Tensor y;
+      {
+        auto guard = ddp.no_sync();
+        y = ddp(x);
+      }
+      sum(y).backward();
+      expect(value(model->weight.grad()) == local, "rank ", rank, ": forward under no_sync gave ",
+             model->weight.grad(), ", want the local ", local);
+      // Forward outside, backward inside: reduced (the accumulated 2 (r + 1) averaged).
+      y = ddp(x);
+      {
+        auto guard = ddp.no_sync();
+        sum(y).backward();
+      }
+      expect(value(model->weight.grad()) == 2 * mean, "rank ", rank, ": backward under no_sync gave ",
+             model->weight.grad(), ", want the mean ", 2 * mean);
+      testing::leave();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
+TEST_CASE("Join: a forward under no_sync whose backward runs outside it is shadowed as a no_sync step") {
+  // Rank 0 runs 2 iterations, rank 1 one; rank 0's second has only its forward under no_sync.
+  // Iteration 1: both reduce, w.grad = mean(1, 3) = 2. Iteration 2: rank 0 alone, local:
+  // 2 + 1 = 3, and rank 1, joined, issues no bucket all-reduce for it.
+  const int port = testing::free_port();
+  const std::string failures = testing::on_ranks(2, [&](int rank) {
+    auto pg = testing::join(rank, 2, port);
+    auto model = linear_1x1(1, 0, /*bias=*/false);
+    dist::DistributedDataParallel ddp(model, pg);
+    const Tensor x = Tensor::full({1, 1}, rank == 0 ? 1.0f : 3.0f);
+    {
+      dist::Join join({ddp});
+      for (int s = 0; s < (rank == 0 ? 2 : 1); ++s) {
+        Tensor y;
+        if (s == 1) {
+          auto guard = ddp.no_sync();
+          y = ddp(x);
+        } else {
+          y = ddp(x);
+        }
+        sum(y).backward();
+      }
+      join.finish();
+    }
+    const float want = rank == 0 ? 3.0f : 2.0f;
+    expect(value(model->weight.grad()) == want, "rank ", rank, ": w.grad is ", model->weight.grad(), ", want ",
+           want);
+    testing::leave();
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
 }
 
 namespace {
