@@ -335,7 +335,7 @@ Tensor relu(const Tensor& a) {
   // saves y too, so the input goes as soon as the forward drops it (Note [Graph edges]).
   const Tensor y = rounded_to(out, a.dtype());
   return record("ReluBackward", y, {a}, {y}, [](const Node& node, const Tensor& dout) {
-    const Tensor& y = node.saved(0);  // din = dout where y > 0
+    const Tensor& y = node.saved(0);  // din = 0 where y <= 0, else dout (a NaN y passes it)
     const Tensor mask = widened(y), dy = widened(dout);
     Tensor da = empty_like(y);
     NANODDP_DISPATCH(y.device(), relu_backward, ptr(da), ptr(dy), ptr(mask), y.numel());

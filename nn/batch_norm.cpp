@@ -192,7 +192,10 @@ BatchNorm1d::BatchNorm1d(int64_t num_features, float eps, std::optional<float> m
 }
 
 Tensor BatchNorm1d::forward(const Tensor& input) {
-  // As torch's _BatchNorm.forward: count the batch first, then pick the averaging factor.
+  // As torch's _BatchNorm.forward: check the input's rank (_check_input_dim), so that a
+  // refused input counts no batch; then count the batch and pick the averaging factor.
+  NANODDP_CHECK(input.dim() == 2 || input.dim() == 3, ShapeError,
+                "BatchNorm1d: expected a 2-d [N, C] or 3-d [N, C, L] input, got ", input.shape());
   float factor = momentum_.value_or(0.0f);
   if (is_training() && track_running_stats_ && !is_recomputing()) {  // a checkpoint's rerun counts no batch
     Tensor count = num_batches_tracked.to(Device::cpu()).clone();

@@ -59,6 +59,14 @@ Sequential& Sequential::checkpoint_blocks(std::vector<size_t> starts) {
   return *this;
 }
 
+Module& Sequential::operator[](int64_t index) {
+  const auto& layers = named_children();
+  const auto n = static_cast<int64_t>(layers.size());
+  NANODDP_CHECK(index >= -n && index < n, IndexError, "Sequential: index ", index, " is out of range (", n,
+                n == 1 ? " module)" : " modules)");
+  return *layers[static_cast<size_t>(index < 0 ? index + n : index)].second;
+}
+
 Tensor Sequential::forward(const Tensor& input) {
   const auto& layers = named_children();
   Tensor x = input;

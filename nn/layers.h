@@ -67,7 +67,9 @@ class Sequential : public Module {
   }
   Tensor forward(const Tensor& input) override;
   size_t size() const { return named_children().size(); }
-  Module& operator[](size_t i) { return *named_children().at(i).second; }
+  // The module at index; a negative index counts from the end, as torch's Sequential[-1].
+  // IndexError naming the index and the size when it is out of range.
+  Module& operator[](int64_t index);
   // Runs children [starts[k], starts[k + 1]) (the last up to the end) as one checkpointed
   // block each from now on (nn::checkpoint, nn/activation_checkpoint.h); children before
   // starts[0] run as usual. Names and parameters do not change, so state_dict is the same (as

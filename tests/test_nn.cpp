@@ -782,6 +782,18 @@ TEST_CASE("register_parameter, register_buffer and register_module: torch's name
   seq.register_module("1", head);
   REQUIRE(seq.size() == 2);
   CHECK(&seq[1] == head.get());
+  CHECK(&seq[-1] == head.get());  // torch's seq[-1]
+  CHECK(&seq[-2] == &seq[0]);
+  for (int64_t bad : {2, -3}) {
+    CAPTURE(bad);
+    try {
+      seq[bad];
+      FAIL("Sequential accepted index ", bad);
+    } catch (const IndexError& e) {
+      CHECK(std::string(e.what()).rfind("Sequential: index " + std::to_string(bad) + " is out of range (2 modules)", 0) ==
+            0);
+    }
+  }
   CHECK(seq(Tensor::from_vector({3, 4}, {1, 2})).to_vector() == std::vector<float>{11});
   CHECK(seq.named_parameters().size() == 2);
   CHECK(seq.named_parameters()[0].first == "1.weight");
@@ -858,9 +870,13 @@ TEST_CASE("BatchNorm1d without running stats normalises with the batch in eval t
   CHECK(norm(x).to_vector() == training);
 
   BatchNorm1d tracked(2);
+  // torch checks the rank before it counts the batch (_check_input_dim), the rest after.
+  CHECK_THROWS_AS(tracked(Tensor::zeros({2, 2, 2, 2})), ShapeError);  // 4-d
+  CHECK_THROWS_AS(tracked(Tensor::zeros({2})), ShapeError);           // 1-d
+  CHECK(tracked.num_batches_tracked.to_int_vector() == std::vector<int64_t>{0});
   CHECK_THROWS_AS(tracked(Tensor::from_vector({1, 2}, {1, 2})), ValueError);  // one value per channel
   CHECK_THROWS_AS(tracked(Tensor::zeros({4, 3})), ShapeError);                // 3 channels, not 2
-  CHECK_THROWS_AS(tracked(Tensor::zeros({2, 2, 2, 2})), ShapeError);          // 4-d
+  CHECK(tracked.num_batches_tracked.to_int_vector() == std::vector<int64_t>{2});
   tracked.eval();
   CHECK(tracked(Tensor::from_vector({1, 2}, {1, 2})).to_vector() ==  // eval: one sample is fine
         std::vector<float>{static_cast<float>(1 / std::sqrt(1 + 1e-5)), static_cast<float>(2 / std::sqrt(1 + 1e-5))});

@@ -219,6 +219,11 @@ TEST_CASE("NaN and Inf propagate as in PyTorch") {
   CHECK(r[2] == inf);
   CHECK(r[3] == 0.0f);
   CHECK(r[5] == 2.0f);
+  // torch's threshold_backward zeroes where the output is <= 0, so a NaN passes its gradient:
+  // relu([NaN, 1, -1]).backward([.5, .5, .5]) gives [.5, .5, 0].
+  const Tensor x = Tensor::from_vector({nan, 1, -1}).set_requires_grad(true);
+  relu(x).backward(Tensor::from_vector({0.5f, 0.5f, 0.5f}));
+  CHECK(x.grad().to_vector() == std::vector<float>{0.5f, 0.5f, 0.0f});
   const Tensor m = matmul(Tensor::from_vector({nan, 1}, {1, 2}), Tensor::from_vector({1, 1}, {2, 1}));
   CHECK(std::isnan(m.item()));
   CHECK(std::isnan(mse_loss(Tensor::from_vector({nan}), Tensor::from_vector({0.0f})).item()));

@@ -128,7 +128,8 @@ void relu_forward(float* out, const float* in, int64_t n) {
 }
 
 void relu_backward(float* din, const float* dout, const float* in, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) din[i] = in[i] > 0.0f ? dout[i] : 0.0f;
+  // Not in > 0: a NaN passes its gradient, as torch's threshold_backward (x <= 0 ? 0 : dout).
+  for (int64_t i = 0; i < n; ++i) din[i] = in[i] <= 0.0f ? 0.0f : dout[i];
 }
 
 }  // namespace nanoddp::kernels::cpu

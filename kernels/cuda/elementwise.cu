@@ -134,9 +134,10 @@ void relu_forward(float* out, const float* in, int64_t n) {
   NANODDP_CUDA_CHECK_LAUNCH("relu_forward_kernel");
 }
 
-// din = dout where in > 0, else 0 (NaN inputs pass no gradient). WRITES.
+// din = 0 where in <= 0, else dout: a NaN passes its gradient, as torch's threshold_backward.
+// WRITES.
 __global__ void relu_backward_kernel(float* din, const float* dout, const float* in, int64_t n) {
-  for (int64_t i = first_index(); i < n; i += grid_stride()) din[i] = in[i] > 0.0f ? dout[i] : 0.0f;
+  for (int64_t i = first_index(); i < n; i += grid_stride()) din[i] = in[i] <= 0.0f ? 0.0f : dout[i];
 }
 
 void relu_backward(float* din, const float* dout, const float* in, int64_t n) {
