@@ -185,6 +185,7 @@ struct CheckpointFrame {
                       " in forward and not when recomputed: the function must run the same ops on the same inputs");
       }
       original->saved_ = again.saved_;
+      original->saved_versions_ = again.saved_versions_;
     }
     recomputed_done = true;
     rerun.clear();
@@ -199,8 +200,21 @@ void Node::save_for_backward(const std::vector<Tensor>& tensors) {
   // is): a node made while no graph is recorded keeps nothing alive.
   for (const Tensor& t : tensors) {
     saved_.push_back(t.defined() ? t.detach() : t);
+    saved_versions_.push_back(t.defined() ? t.impl()->storage->version() : 0);
     if (in_graph_) set_memory_category(t, MemoryCategory::Activations);
   }
+}
+
+void Node::check_saved_version(size_t i) const {
+  const Tensor& t = saved_[i];
+  if (!t.defined()) return;
+  const uint64_t now = t.impl()->storage->version();
+  NANODDP_CHECK(
+      now == saved_versions_[i], ValueError, name(), ": saved tensor ", i, " (", t.shape(), " ", t.dtype(),
+      ") was modified in place (copy_, fill_ or zero_) after the forward saved it: it is at version ", now,
+      ", the forward saved version ", saved_versions_[i],
+      ". Its backward would use the new values; clone it before changing it, or change it after backward "
+      "(torch: \"modified by an inplace operation\")");
 }
 
 void Node::unpack_checkpointed() const {
@@ -211,6 +225,7 @@ void Node::unpack_checkpointed() const {
 
 const std::vector<Tensor>& Node::saved_tensors() const {
   unpack_checkpointed();
+  for (size_t i = 0; i < saved_.size(); ++i) check_saved_version(i);
   return saved_;
 }
 
@@ -303,6 +318,7 @@ const Tensor& Node::saved(size_t i) const {
   NANODDP_CHECK(!released, ValueError, name(), ": saved tensors were freed by an earlier backward (pass retain_graph)");
   unpack_checkpointed();
   NANODDP_ASSERT(i < saved_.size());
+  check_saved_version(i);
   return saved_[i];
 }
 

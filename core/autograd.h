@@ -45,6 +45,7 @@ struct Node {
   virtual void release() {
     inputs.clear();
     saved_.clear();
+    saved_versions_.clear();
     checkpoint_frame_.reset();
     released = true;
   }
@@ -59,11 +60,15 @@ struct Node {
   // same way). An undefined tensor may be saved as a placeholder. Saved tensors go at
   // release(). They are what the graph holds, so they are counted as activations (Note
   // [Memory categories]). Inside a checkpointed region nothing is kept: the rerun saves them
-  // (Note [Checkpointed regions]).
+  // (Note [Checkpointed regions]). Each keeps its memory's version at the save (Note [Version
+  // counter] in core/storage.h): a tensor the user changed in place after the forward saved
+  // it (x.fill_(0) between loss = f(x) and loss.backward()) would give a wrong gradient
+  // silently, so reading it throws instead, as torch's "modified by an inplace operation".
   void save_for_backward(const std::vector<Tensor>& tensors);
-  // The i-th saved tensor, in save_for_backward order. Throws ValueError after release().
-  // In a checkpointed region the first read recomputes the region (Note [Checkpointed
-  // regions]), which may throw what its forward throws.
+  // The i-th saved tensor, in save_for_backward order. Throws ValueError after release(), or
+  // when its memory was changed in place since it was saved (naming the node, the tensor's
+  // shape and both versions). In a checkpointed region the first read recomputes the region
+  // (Note [Checkpointed regions]), which may throw what its forward throws.
   const Tensor& saved(size_t i) const;
   const std::vector<Tensor>& saved_tensors() const;
   // For a node of a checkpointed region: reruns the region if no node of it has yet, which
@@ -109,7 +114,10 @@ struct Node {
  private:
   friend struct CheckpointFrame;
   friend Tensor make_result(Tensor result, std::shared_ptr<Node> node);
+  // Throws ValueError when saved tensor i's memory changed version since it was saved.
+  void check_saved_version(size_t i) const;
   std::vector<Tensor> saved_;
+  std::vector<uint64_t> saved_versions_;  // each saved tensor's version at the save
   bool in_graph_ = false;  // attached to an output by make_result
   mutable std::shared_ptr<CheckpointFrame> checkpoint_frame_;  // set until unpacked
 };

@@ -10,6 +10,11 @@
 
 namespace nanoddp {
 
+// dst's values become src's (same shape and dtype, any devices; ShapeError otherwise), as
+// Tensor::copy_, but not counted as an in-place change (Note [Version counter] in
+// core/storage.h): for the library's own writes, a collective filling its output.
+void copy_values(const Tensor& dst, const Tensor& src);
+
 // Throws ValueError unless t is a defined float32 tensor; the message names op and what.
 inline void check_float(const char* op, const Tensor& t, const char* what) {
   NANODDP_CHECK(t.defined(), ValueError, op, ": ", what, " is undefined");

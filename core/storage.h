@@ -19,7 +19,9 @@
 // allocation itself (base() is never a view), so base() tells whether two tensors can alias.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 
@@ -76,6 +78,17 @@ class Storage {
   // until it is said to be model state).
   bool counted() const { return base_ != nullptr ? base_->counted_ : counted_; }
 
+  // Note [Version counter]
+  // How many in-place changes a user made to this allocation's values (torch's _version,
+  // shared by every view of the allocation as torch's is by views). Tensor::copy_ and fill_
+  // add one; autograd records it when it saves a tensor and refuses a backward that would read
+  // changed values (Node::saved). Writes the library makes as part of its own protocols do
+  // not count: a collective filling its output, FSDP gathering a unit's parameters back into
+  // the memory its saved tensors view, an optimizer step (PyTorch's counts that one; here a
+  // step between a forward and its backward goes unnoticed).
+  uint64_t version() const { return base_ != nullptr ? base_->version_.load() : version_.load(); }
+  void bump_version() { ++(base_ != nullptr ? base_->version_ : version_); }
+
  private:
   void* data_;
   size_t nbytes_;
@@ -85,6 +98,7 @@ class Storage {
   size_t offset_bytes_ = 0;
   MemoryCategory category_ = MemoryCategory::Other;
   bool counted_ = false;  // an allocation whose bytes are in the memory counters
+  std::atomic<uint64_t> version_{0};
 };
 
 // Copies nbytes between any two devices (host<->host, host<->device, device<->device).

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "core/autograd.h"
+#include "core/op_helpers.h"
 #include "core/random.h"
 #include "kernels/kernels.h"
 
@@ -343,16 +344,22 @@ bool Tensor::is_alias_of(const Tensor& other) const {
   return allocation(*this) == allocation(other);
 }
 
+void copy_values(const Tensor& dst, const Tensor& src) {
+  NANODDP_CHECK(dst.shape() == src.shape() && dst.dtype() == src.dtype(), ShapeError, "copy_: destination ",
+                dst.shape(), " ", dst.dtype(), " and source ", src.shape(), " ", src.dtype(), " differ");
+  copy_bytes(dst.data_ptr(), dst.device(), src.data_ptr(), src.device(), dst.nbytes());
+}
+
 Tensor& Tensor::copy_(const Tensor& src) {
-  NANODDP_CHECK(shape() == src.shape() && dtype() == src.dtype(), ShapeError, "copy_: destination ", shape(), " ",
-                dtype(), " and source ", src.shape(), " ", src.dtype(), " differ");
-  copy_bytes(data_ptr(), device(), src.data_ptr(), src.device(), nbytes());
+  copy_values(*this, src);
+  checked_impl().storage->bump_version();
   return *this;
 }
 
 Tensor& Tensor::fill_(float value) {
   NANODDP_CHECK(dtype() == DType::Float32, ValueError, "fill_ needs a float32 tensor, got ", dtype());
   NANODDP_DISPATCH(device(), fill, data<float>(), value, numel());
+  checked_impl().storage->bump_version();
   return *this;
 }
 

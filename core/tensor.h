@@ -125,6 +125,9 @@ class Tensor {
   Tensor clone() const;   // a deep copy, detached from the graph
   Tensor detach() const;  // same storage, no graph, requires_grad false
   // Copies src's values into this tensor (any devices, same shape and dtype), as copy_().
+  // copy_, fill_ and zero_ count as an in-place change (Note [Version counter] in
+  // core/storage.h): a backward that saved this tensor, or a view of its memory, before the
+  // change throws ValueError instead of using the new values, as torch's does.
   Tensor& copy_(const Tensor& src);
   Tensor& fill_(float value);
   Tensor& zero_() { return fill_(0.0f); }

@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/op_helpers.h"
 #include "dist/detail.h"
 #include "kernels/device_memory.h"
 
@@ -75,7 +76,7 @@ class StagedWork : public Work {
 
   void wait(std::chrono::milliseconds timeout) override {
     inner_->wait(timeout);
-    for (auto& [device_tensor, host] : copy_back_) device_tensor.copy_(host);
+    for (auto& [device_tensor, host] : copy_back_) copy_values(device_tensor, host);
     copy_back_.clear();
   }
   bool is_completed() override { return inner_->is_completed(); }

@@ -32,6 +32,7 @@
 // shared memory, read by a peer that spins briefly before it sleeps, with no socket and no
 // other thread. Ranks on several machines keep Gloo's all-gather.
 #include "core/error.h"
+#include "core/op_helpers.h"
 #include "core/half_convert.h"
 #include "dist/detail.h"
 #include "dist/launcher_link.h"
@@ -491,7 +492,7 @@ class ProcessGroupGloo : public ProcessGroup {
     check_list("all_gather", outputs, input);
     std::vector<Tensor> outs = outputs;
     if (world_size_ == 1) {
-      outs[0].copy_(input);
+      copy_values(outs[0], input);
       return std::make_shared<CompletedWork>();
     }
     if (input.numel() == 0) return std::make_shared<CompletedWork>();
@@ -521,7 +522,7 @@ class ProcessGroupGloo : public ProcessGroup {
     check_reduce(what, output, op);
     check_list(what, inputs, output);
     if (world_size_ == 1) {
-      output.copy_(inputs[0]);
+      copy_values(output, inputs[0]);
       return std::make_shared<CompletedWork>();
     }
     if (output.numel() == 0) return std::make_shared<CompletedWork>();

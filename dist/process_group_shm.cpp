@@ -16,6 +16,7 @@
 #include <mutex>
 
 #include "core/error.h"
+#include "core/op_helpers.h"
 #include "dist/process_group.h"
 #include "dist/ring_shm.h"
 #include "dist/shm_progress.h"
@@ -121,7 +122,7 @@ class ProcessGroupShm : public ProcessGroup {
     check_list("all_gather", outputs, input);
     std::vector<Tensor> outs = outputs;
     if (world_size_ == 1 || input.numel() == 0) {
-      outs[rank_].copy_(input);
+      copy_values(outs[rank_], input);
       return std::make_shared<CompletedWork>();
     }
     Envelope envelope = next_envelope(Kind::AllGather, input, ReduceOp::Sum, 0);
@@ -140,7 +141,7 @@ class ProcessGroupShm : public ProcessGroup {
     check_reduce(name, output, op);
     check_list(name, inputs, output);
     if (world_size_ == 1 || output.numel() == 0) {
-      output.copy_(inputs[0]);
+      copy_values(output, inputs[0]);
       return std::make_shared<CompletedWork>();
     }
     Envelope envelope = next_envelope(Kind::ReduceScatter, output, op, 0);

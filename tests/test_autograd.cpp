@@ -99,6 +99,81 @@ TEST_CASE("the graph is freed after backward unless retained") {
   CHECK_THROWS_AS(y.backward(), ValueError);
 }
 
+namespace {
+// The message of the ValueError that backward of loss throws, or "" when it does not throw.
+std::string backward_error(Tensor loss) {
+  try {
+    loss.backward();
+  } catch (const ValueError& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE(
+    "a tensor saved for backward and then changed in place: backward throws, as torch's version check") {
+  // torch: "one of the variables needed for gradient computation has been modified by an
+  // inplace operation". Without the check each case computes with the new values: weight.grad
+  // all 0 for the zeroed input, the new targets' gradient, relu's gradient from the ones.
+  Tensor w = Tensor::from_vector({1.0f, 2.0f}, {1, 2}).set_requires_grad(true);
+  Tensor x = Tensor::from_vector({3.0f, 4.0f}, {1, 2});
+  Tensor loss = sum(linear(x, w, Tensor()));
+  x.fill_(0.0f);  // linear saved x for the weight's gradient
+  std::string message = backward_error(loss);
+  CHECK(message.find("saved tensor 0 ([1, 2] float32) was modified in place") != std::string::npos);
+  CHECK(message.find("at version 1, the forward saved version 0") != std::string::npos);
+  CHECK(!w.grad().defined());
+
+  Tensor logits = Tensor::from_vector({1, 2, 3, 0, 1, 0}, {2, 3}).set_requires_grad(true);
+  Tensor target = Tensor::from_vector(std::vector<int64_t>{0, 1});
+  loss = cross_entropy(logits, target);
+  target.copy_(Tensor::from_vector(std::vector<int64_t>{2, 2}));
+  CHECK(backward_error(loss).find("modified in place") != std::string::npos);
+
+  Tensor a = Tensor::from_vector({-1.0f, 2.0f}).set_requires_grad(true);
+  Tensor y = relu(a);
+  loss = sum(y * y);
+  y.fill_(1.0f);  // relu and mul saved y
+  CHECK(backward_error(loss).find("modified in place") != std::string::npos);
+
+  // A view of the saved memory shares its version, as torch's views do.
+  Tensor v = Tensor::from_vector({1.0f, 2.0f, 3.0f, 4.0f});
+  Tensor b = Tensor::from_vector({1.0f, 1.0f}).set_requires_grad(true);
+  Tensor part = v.slice_view(2, Shape{2});
+  loss = sum(part * b);
+  v.slice_view(0, Shape{4}).fill_(0.0f);
+  CHECK(backward_error(loss).find("modified in place") != std::string::npos);
+}
+
+TEST_CASE(
+    "changes in place that no backward reads are allowed: after backward, unsaved tensors, under no_grad") {
+  // w * x saves x for w's gradient: [3, 4]. Changing x after backward, or another tensor
+  // before it, is fine.
+  Tensor w = Tensor::from_vector({1.0f, 2.0f}).set_requires_grad(true);
+  Tensor x = Tensor::from_vector({3.0f, 4.0f});
+  Tensor other = Tensor::from_vector({5.0f, 6.0f});
+  Tensor loss = sum(w * x);
+  other.fill_(0.0f);
+  loss.backward();
+  CHECK(w.grad().to_vector() == std::vector<float>{3.0f, 4.0f});
+  x.fill_(0.0f);
+  // A saved tensor changed and then retained graph: the second backward throws, the first
+  // already wrote its gradient.
+  Tensor y = Tensor::from_vector({1.0f, 1.0f});
+  Tensor loss2 = sum(w * y);
+  loss2.backward(Tensor(), /*retain_graph=*/true);
+  y.copy_(Tensor::from_vector({2.0f, 2.0f}));
+  CHECK(backward_error(loss2).find("modified in place") != std::string::npos);
+  CHECK(w.grad().to_vector() == std::vector<float>{4.0f, 5.0f});
+  {
+    NoGradGuard no_grad;
+    Tensor z = w * x;  // records nothing, saves nothing
+    x.fill_(1.0f);
+    CHECK(z.to_vector() == std::vector<float>{0.0f, 0.0f});
+  }
+}
+
 TEST_CASE("NoGradGuard records nothing") {
   Tensor x = Tensor::ones({2}).set_requires_grad(true);
   Tensor y;
