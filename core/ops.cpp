@@ -383,7 +383,8 @@ Tensor mse_loss(const Tensor& input_in, const Tensor& target_in, Reduction reduc
 
 // ---- cross_entropy ------------------------------------------------------------------------
 
-Tensor cross_entropy(const Tensor& logits_in, const Tensor& target, Reduction reduction) {
+Tensor cross_entropy(const Tensor& logits_in, const Tensor& target, Reduction reduction,
+                     int64_t ignore_index) {
   ForwardSpan span("cross_entropy", {&logits_in, &target});
   const Tensor logits = as_float32(logits_in);  // Note [Autocast], group 2: softmax in float32
   check_float("cross_entropy", logits, "logits");
@@ -397,22 +398,23 @@ Tensor cross_entropy(const Tensor& logits_in, const Tensor& target, Reduction re
   if (target.device().is_cpu()) {
     const int64_t* t = target.data<int64_t>();
     for (int64_t r = 0; r < N; ++r)
-      NANODDP_CHECK(t[r] >= 0 && t[r] < C, IndexError, "cross_entropy: target[", r, "] = ", t[r],
-                    " is not a class in [0, ", C, ")");
+      NANODDP_CHECK(t[r] == ignore_index || (t[r] >= 0 && t[r] < C), IndexError, "cross_entropy: target[", r,
+                    "] = ", t[r], " is not a class in [0, ", C, ") nor ignore_index ", ignore_index);
   }
   Tensor out = reduction == Reduction::None ? Tensor::empty({N}, DType::Float32, logits.device())
                                             : Tensor::empty({}, DType::Float32, logits.device());
   Tensor probs = empty_like(logits);
   NANODDP_DISPATCH(logits.device(), cross_entropy_forward, ptr(out), ptr(probs), ptr(logits),
-                   target.data<int64_t>(), N, C, reduction);
+                   target.data<int64_t>(), N, C, ignore_index, reduction);
   // Backward needs softmax(logits) and the targets, not the logits: saved (Note [Saved tensors]).
   return record("CrossEntropyBackward", out, {logits}, {probs, target},
-                [reduction](const Node& node, const Tensor& dout) {
+                [reduction, ignore_index](const Node& node, const Tensor& dout) {
                   const Tensor& probs = node.saved(0);
                   const Tensor& target = node.saved(1);
                   Tensor dlogits = empty_like(probs);
-                  NANODDP_DISPATCH(probs.device(), cross_entropy_backward, ptr(dlogits), ptr(dout), ptr(probs),
-                                   target.data<int64_t>(), probs.size(0), probs.size(1), reduction);
+                  NANODDP_DISPATCH(probs.device(), cross_entropy_backward, ptr(dlogits), ptr(dout),
+                                   ptr(probs), target.data<int64_t>(), probs.size(0), probs.size(1),
+                                   ignore_index, reduction);
                   return std::vector<Tensor>{dlogits};
                 });
 }

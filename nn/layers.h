@@ -92,16 +92,19 @@ class MSELoss {
   Reduction reduction_;
 };
 
-// cross_entropy(logits [N, C], target [N] int64, reduction) (torch.nn.CrossEntropyLoss).
+// cross_entropy(logits [N, C], target [N] int64, reduction, ignore_index) (torch.nn.
+// CrossEntropyLoss; rows labelled ignore_index, -100 by default, count for nothing).
 class CrossEntropyLoss {
  public:
-  explicit CrossEntropyLoss(Reduction reduction = Reduction::Mean) : reduction_(reduction) {}
+  explicit CrossEntropyLoss(Reduction reduction = Reduction::Mean, int64_t ignore_index = kDefaultIgnoreIndex)
+      : reduction_(reduction), ignore_index_(ignore_index) {}
   Tensor operator()(const Tensor& logits, const Tensor& target) const {
-    return cross_entropy(logits, target, reduction_);
+    return cross_entropy(logits, target, reduction_, ignore_index_);
   }
 
  private:
   Reduction reduction_;
+  int64_t ignore_index_;
 };
 
 }  // namespace nanoddp::nn

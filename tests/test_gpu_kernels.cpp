@@ -411,28 +411,39 @@ TEST_CASE("cross_entropy forward and backward match the CPU for every reduction"
     Generator gen(21);
     for (int64_t& t : target) t = static_cast<int64_t>(gen.randint(static_cast<uint64_t>(C)));
     DeviceArray<float> dlogits_in(logits);
-    DeviceArray<int64_t> dtarget(target);
     const auto dout_none = normals(N, 22);
-    for (Reduction r : {Reduction::None, Reduction::Mean, Reduction::Sum}) {
-      const size_t out_size = r == Reduction::None ? static_cast<size_t>(N) : 1;
-      std::vector<float> want(out_size, kNaN), want_probs(logits.size(), kNaN);
-      cpu::cross_entropy_forward(want.data(), want_probs.data(), logits.data(), target.data(), N, C, r);
-      DeviceArray<float> out(out_size), probs(logits.size());
-      out.poison();
-      probs.poison();
-      gpu::cross_entropy_forward(out.data(), probs.data(), dlogits_in.data(), dtarget.data(), N, C, r);
-      const std::string what = label("cross_entropy", N, C) + " " + name(r);
-      expect_close(what + " loss", out.to_host(), want, 1e-5, 1e-6);
-      expect_close(what + " probs", probs.to_host(), want_probs, 1e-5, 1e-7);
+    // Then every third row labelled ignore_index (-100): left out of the loss and the mean's
+    // count, a zero gradient, the divisor counted on the device.
+    for (bool with_ignored : {false, true}) {
+      if (with_ignored)
+        for (size_t i = 0; i < target.size(); i += 3) target[i] = -100;
+      DeviceArray<int64_t> dtarget(target);
+      for (Reduction r : {Reduction::None, Reduction::Mean, Reduction::Sum}) {
+        const size_t out_size = r == Reduction::None ? static_cast<size_t>(N) : 1;
+        std::vector<float> want(out_size, kNaN), want_probs(logits.size(), kNaN);
+        cpu::cross_entropy_forward(want.data(), want_probs.data(), logits.data(), target.data(), N, C,
+                                   /*ignore_index=*/-100, r);
+        DeviceArray<float> out(out_size), probs(logits.size());
+        out.poison();
+        probs.poison();
+        gpu::cross_entropy_forward(out.data(), probs.data(), dlogits_in.data(), dtarget.data(), N, C,
+                                   /*ignore_index=*/-100, r);
+        const std::string what =
+            label("cross_entropy", N, C) + " " + name(r) + (with_ignored ? " ignoring" : "");
+        expect_close(what + " loss", out.to_host(), want, 1e-5, 1e-6);
+        expect_close(what + " probs", probs.to_host(), want_probs, 1e-5, 1e-7);
 
-      // Backward from the same probs on both devices: then the arithmetic is the same too.
-      const std::vector<float> dout = r == Reduction::None ? dout_none : std::vector<float>{0.75f};
-      std::vector<float> want_dlogits(logits.size());
-      cpu::cross_entropy_backward(want_dlogits.data(), dout.data(), probs.to_host().data(), target.data(), N, C, r);
-      DeviceArray<float> ddout(dout), dlogits(logits.size());
-      dlogits.poison();
-      gpu::cross_entropy_backward(dlogits.data(), ddout.data(), probs.data(), dtarget.data(), N, C, r);
-      expect_close(what + " dlogits", dlogits.to_host(), want_dlogits, 1e-6, 0.0);
+        // Backward from the same probs on both devices: then the arithmetic is the same too.
+        const std::vector<float> dout = r == Reduction::None ? dout_none : std::vector<float>{0.75f};
+        std::vector<float> want_dlogits(logits.size());
+        cpu::cross_entropy_backward(want_dlogits.data(), dout.data(), probs.to_host().data(), target.data(),
+                                    N, C, /*ignore_index=*/-100, r);
+        DeviceArray<float> ddout(dout), dlogits(logits.size());
+        dlogits.poison();
+        gpu::cross_entropy_backward(dlogits.data(), ddout.data(), probs.data(), dtarget.data(), N, C,
+                                    /*ignore_index=*/-100, r);
+        expect_close(what + " dlogits", dlogits.to_host(), want_dlogits, 1e-6, 0.0);
+      }
     }
   }
 }
@@ -444,14 +455,15 @@ TEST_CASE("cross_entropy on CUDA: a target out of range gives a NaN row and a ze
   DeviceArray<float> dlogits_in(logits), loss(N), probs(N * C), dlogits(N * C);
   DeviceArray<int64_t> dtarget(target);
   loss.poison();
-  gpu::cross_entropy_forward(loss.data(), probs.data(), dlogits_in.data(), dtarget.data(), N, C, Reduction::None);
+  gpu::cross_entropy_forward(loss.data(), probs.data(), dlogits_in.data(), dtarget.data(), N, C,
+                             /*ignore_index=*/-100, Reduction::None);
   const auto row_loss = loss.to_host();
   // Rows 0 and 2 against the CPU on those rows alone.
   for (int64_t r : {0, 2}) {
     float want = kNaN;
     std::vector<float> want_probs(C);
     cpu::cross_entropy_forward(&want, want_probs.data(), logits.data() + r * C, target.data() + r, 1, C,
-                               Reduction::None);
+                               /*ignore_index=*/-100, Reduction::None);
     expect_close("valid row " + std::to_string(r), {row_loss[r]}, {want}, 1e-6, 0.0);
   }
   CHECK(std::isnan(row_loss[1]));
@@ -459,7 +471,8 @@ TEST_CASE("cross_entropy on CUDA: a target out of range gives a NaN row and a ze
 
   DeviceArray<float> dout(std::vector<float>{1.0f, 1.0f, 1.0f, 1.0f});
   dlogits.poison();
-  gpu::cross_entropy_backward(dlogits.data(), dout.data(), probs.data(), dtarget.data(), N, C, Reduction::None);
+  gpu::cross_entropy_backward(dlogits.data(), dout.data(), probs.data(), dtarget.data(), N, C,
+                              /*ignore_index=*/-100, Reduction::None);
   const auto grad = dlogits.to_host();
   for (int64_t c = 0; c < C; ++c) {
     CHECK(grad[1 * C + c] == 0.0f);
@@ -468,7 +481,8 @@ TEST_CASE("cross_entropy on CUDA: a target out of range gives a NaN row and a ze
   }
 
   DeviceArray<float> mean(1);
-  gpu::cross_entropy_forward(mean.data(), probs.data(), dlogits_in.data(), dtarget.data(), N, C, Reduction::Mean);
+  gpu::cross_entropy_forward(mean.data(), probs.data(), dlogits_in.data(), dtarget.data(), N, C,
+                             /*ignore_index=*/-100, Reduction::Mean);
   CHECK(std::isnan(mean.to_host()[0]));
 }
 

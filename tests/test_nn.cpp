@@ -67,6 +67,16 @@ TEST_CASE("Linear init is uniform in +-1/sqrt(in_features) as torch.nn.Linear") 
   for (float b : layer.bias.to_vector()) CHECK(std::abs(b) <= bound);
 }
 
+TEST_CASE("CrossEntropyLoss passes its reduction and ignore_index on, as torch.nn.CrossEntropyLoss") {
+  // logits [[1, 2, 3], [0, 1, 0]]: with ignore_index 1 only row 0 counts, log(e + e^2 + e^3) - 3;
+  // by default (-100) both do, and the sum adds log(2 + e) - 1.
+  const Tensor logits = Tensor::from_vector({1, 2, 3, 0, 1, 0}, {2, 3});
+  const Tensor target = Tensor::from_vector(std::vector<int64_t>{2, 1});
+  const double e = std::exp(1.0), row0 = std::log(e + e * e + e * e * e) - 3, row1 = std::log(2 + e) - 1;
+  CHECK(CrossEntropyLoss(Reduction::Mean, 1)(logits, target).item() == doctest::Approx(row0).epsilon(1e-6));
+  CHECK(CrossEntropyLoss(Reduction::Sum)(logits, target).item() == doctest::Approx(row0 + row1).epsilon(1e-6));
+}
+
 TEST_CASE("zero_grad clears gradients; train/eval propagate") {
   Generator gen(0);
   Sequential model = mlp(gen);

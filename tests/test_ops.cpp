@@ -183,6 +183,47 @@ TEST_CASE("cross_entropy rejects a target outside [0, C)") {
   }
 }
 
+TEST_CASE("cross_entropy ignores rows labelled ignore_index (-100 by default), as PyTorch") {
+  // logits [[1, 2, 3], [0, 1, 0], [3, 2, 1]], targets [-100, 1, 1]: row 0 counts for nothing.
+  // Row 1: log(2 + e) - 1; row 2: log(e^3 + e^2 + e) - 2; mean over the 2 rows counted is
+  // 0.97953 (torch 1.13: 0.9795). The gradient of row r is (softmax - onehot) / 2, row 0's 0.
+  const std::vector<float> values = {1, 2, 3, 0, 1, 0, 3, 2, 1};
+  const Tensor target = Tensor::from_vector(std::vector<int64_t>{-100, 1, 1});
+  const double e = std::exp(1.0);
+  const double row1 = std::log(2 + e) - 1, row2 = std::log(e * e * e + e * e + e) - 2;
+  Tensor logits = Tensor::from_vector(values, {3, 3}).set_requires_grad(true);
+  Tensor loss = cross_entropy(logits, target);
+  CHECK(loss.item() == doctest::Approx((row1 + row2) / 2).epsilon(1e-6));
+  loss.backward();
+  const std::vector<float> grad = logits.grad().to_vector();
+  for (int c = 0; c < 3; ++c) CHECK(grad[c] == 0.0f);
+  const double z1 = 2 + e, z2 = e * e * e + e * e + e;
+  const std::vector<double> want = {1 / z1 / 2, (e / z1 - 1) / 2, 1 / z1 / 2,
+                                    e * e * e / z2 / 2, (e * e / z2 - 1) / 2, e / z2 / 2};
+  for (int k = 0; k < 6; ++k) CHECK(grad[3 + k] == doctest::Approx(want[k]).epsilon(1e-6));
+
+  // Sum leaves the row out; None gives it 0.
+  CHECK(cross_entropy(logits, target, Reduction::Sum).item() == doctest::Approx(row1 + row2).epsilon(1e-6));
+  const std::vector<float> rows = cross_entropy(logits, target, Reduction::None).to_vector();
+  CHECK(rows[0] == 0.0f);
+  CHECK(rows[1] == doctest::Approx(row1).epsilon(1e-6));
+  // Every row ignored: the mean of nothing is NaN (torch too), the sum 0, and no gradient.
+  const Tensor all_ignored = Tensor::from_vector(std::vector<int64_t>{-100, -100, -100});
+  CHECK(std::isnan(cross_entropy(logits, all_ignored).item()));
+  CHECK(cross_entropy(logits, all_ignored, Reduction::Sum).item() == 0.0f);
+  // Another ignore_index, inside [0, C): class 1 is ignored, so only row 0 counts (log(e^3 + e^2 + e) - 3).
+  CHECK(cross_entropy(logits, Tensor::from_vector(std::vector<int64_t>{2, 1, 1}), Reduction::Mean, 1).item() ==
+        doctest::Approx(std::log(z2) - 3).epsilon(1e-6));
+  // Any other negative target is still refused, naming ignore_index.
+  try {
+    cross_entropy(logits, Tensor::from_vector(std::vector<int64_t>{0, -1, 1}));
+    FAIL("expected IndexError");
+  } catch (const IndexError& err) {
+    CHECK(std::string(err.what()).find("target[1] = -1 is not a class in [0, 3) nor ignore_index -100") !=
+          std::string::npos);
+  }
+}
+
 TEST_CASE("shape mismatches throw with both shapes in the message") {
   auto message_of = [](auto&& fn) {
     try {

@@ -1,4 +1,5 @@
 // CPU loss kernels: mse and cross-entropy with a stable log-softmax.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -33,15 +34,17 @@ void mse_backward(float* dinput, const float* dout, const float* input, const fl
   for (int64_t i = 0; i < n; ++i) dinput[i] = scale * (input[i] - target[i]);
 }
 
-void cross_entropy_forward(float* out, float* probs, const float* logits, const int64_t* target, int64_t N, int64_t C,
-                           Reduction reduction) {
+void cross_entropy_forward(float* out, float* probs, const float* logits, const int64_t* target, int64_t N,
+                           int64_t C, int64_t ignore_index, Reduction reduction) {
   double total = 0.0;
+  int64_t rows = 0;
   for (int64_t r = 0; r < N; ++r) {
     const float* x = logits + r * C;
     float* p = probs + r * C;
     const int64_t t = target[r];
-    NANODDP_CHECK(t >= 0 && t < C, IndexError, "cross_entropy: target[", r, "] = ", t, " is not a class in [0, ", C,
-                  ")");
+    const bool ignored = t == ignore_index;
+    NANODDP_CHECK(ignored || (t >= 0 && t < C), IndexError, "cross_entropy: target[", r, "] = ", t,
+                  " is not a class in [0, ", C, ") nor ignore_index ", ignore_index);
     // log_softmax(x)_c = x_c - max - log(sum exp(x - max)): every exponent is <= 0.
     float max = x[0];
     for (int64_t c = 1; c < C; ++c) max = std::isnan(x[c]) || x[c] > max ? x[c] : max;
@@ -49,25 +52,32 @@ void cross_entropy_forward(float* out, float* probs, const float* logits, const 
     for (int64_t c = 0; c < C; ++c) sum_exp += std::exp(static_cast<double>(x[c]) - max);
     const double log_sum_exp = std::log(sum_exp);
     for (int64_t c = 0; c < C; ++c) p[c] = static_cast<float>(std::exp(static_cast<double>(x[c]) - max - log_sum_exp));
-    const double loss = -(static_cast<double>(x[t]) - max - log_sum_exp);
+    const double loss = ignored ? 0.0 : -(static_cast<double>(x[t]) - max - log_sum_exp);
+    rows += ignored ? 0 : 1;
     if (reduction == Reduction::None) {
       out[r] = static_cast<float>(loss);
     } else {
       total += loss;
     }
   }
-  if (reduction == Reduction::Mean) out[0] = static_cast<float>(total / static_cast<double>(N));  // N = 0: NaN
+  if (reduction == Reduction::Mean)
+    out[0] = static_cast<float>(total / static_cast<double>(rows));  // none: NaN
   if (reduction == Reduction::Sum) out[0] = static_cast<float>(total);
 }
 
-void cross_entropy_backward(float* dlogits, const float* dout, const float* probs, const int64_t* target, int64_t N,
-                            int64_t C, Reduction reduction) {
+void cross_entropy_backward(float* dlogits, const float* dout, const float* probs, const int64_t* target,
+                            int64_t N, int64_t C, int64_t ignore_index, Reduction reduction) {
+  const auto rows = static_cast<float>(N - std::count(target, target + N, ignore_index));
   for (int64_t r = 0; r < N; ++r) {
-    const float scale = reduction == Reduction::None ? dout[r]
-                        : reduction == Reduction::Mean ? dout[0] / static_cast<float>(N)
+    float* d = dlogits + r * C;
+    if (target[r] == ignore_index) {
+      std::fill(d, d + C, 0.0f);
+      continue;
+    }
+    const float scale = reduction == Reduction::None   ? dout[r]
+                        : reduction == Reduction::Mean ? dout[0] / rows
                                                        : dout[0];
     const float* p = probs + r * C;
-    float* d = dlogits + r * C;
     for (int64_t c = 0; c < C; ++c) d[c] = scale * p[c];
     d[target[r]] -= scale;
   }

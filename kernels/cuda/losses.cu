@@ -23,6 +23,13 @@ struct LoadValue {
   __device__ float operator()(int64_t i) const { return in[i]; }
 };
 
+// 1 for a row cross_entropy counts (its target is not ignore_index), else 0.
+struct CountedRow {
+  const int64_t* target;
+  int64_t ignore_index;
+  __device__ float operator()(int64_t i) const { return target[i] == ignore_index ? 0.0f : 1.0f; }
+};
+
 }  // namespace
 
 // ---- mse -------------------------------------------------------------------------------------
@@ -82,10 +89,11 @@ __device__ __forceinline__ float warp_all_sum(float value) {
 
 // logits: [N, C], target: [N] -> probs: [N, C] = softmax(logits), row_loss: [N] =
 // -log_softmax(logits)[target] = log(sum exp(x - max)) - (x[t] - max). One warp per row;
-// the max subtraction keeps exp finite for any finite logits. A target outside [0, C) gives
-// NaN and is never read from.
+// the max subtraction keeps exp finite for any finite logits. A row whose target is
+// ignore_index gets 0; another target outside [0, C) gives NaN and is never read from.
 __global__ void cross_entropy_forward_kernel(float* row_loss, float* probs, const float* logits,
-                                             const int64_t* target, int64_t N, int64_t C) {
+                                             const int64_t* target, int64_t N, int64_t C,
+                                             int64_t ignore_index) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= N) return;  // whole warps leave together
@@ -105,56 +113,65 @@ __global__ void cross_entropy_forward_kernel(float* row_loss, float* probs, cons
 
   if (lane == 0) {
     const int64_t t = target[row];
-    row_loss[row] = (t >= 0 && t < C) ? logf(exp_sum) - (x[t] - row_max) : NAN;
+    row_loss[row] = t == ignore_index ? 0.0f : (t >= 0 && t < C) ? logf(exp_sum) - (x[t] - row_max) : NAN;
   }
 }
 
 void cross_entropy_forward(float* out, float* probs, const float* logits, const int64_t* target, int64_t N,
-                           int64_t C, Reduction reduction) {
+                           int64_t C, int64_t ignore_index, Reduction reduction) {
   const int64_t blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
-  NANODDP_CHECK(blocks <= 0x7fffffff, ValueError, "cross_entropy: ", N, " rows is more than one launch takes");
-  const double divisor = reduction == Reduction::Mean ? static_cast<double>(N) : 1.0;
+  NANODDP_CHECK(blocks <= 0x7fffffff, ValueError, "cross_entropy: ", N,
+                " rows is more than one launch takes");
   if (reduction == Reduction::None) {
     if (N <= 0) return;
-    cross_entropy_forward_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, stream()>>>(out, probs, logits,
-                                                                                         target, N, C);
+    cross_entropy_forward_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, stream()>>>(
+        out, probs, logits, target, N, C, ignore_index);
     NANODDP_CUDA_CHECK_LAUNCH("cross_entropy_forward_kernel");
     return;
   }
   ScratchBuffer<float> row_loss(N > 0 ? static_cast<size_t>(N) : 1);
   if (N > 0) {
     cross_entropy_forward_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, stream()>>>(
-        row_loss.data(), probs, logits, target, N, C);
+        row_loss.data(), probs, logits, target, N, C, ignore_index);
     NANODDP_CUDA_CHECK_LAUNCH("cross_entropy_forward_kernel");
   }
-  deterministic_sum(out, LoadValue{row_loss.data()}, N, divisor);
+  // The Mean's divisor is the rows counted, summed on the device (a float: exact up to 2^24
+  // rows), so the host never waits for the targets.
+  ScratchBuffer<float> counted(1);
+  if (reduction == Reduction::Mean)
+    deterministic_sum(counted.data(), CountedRow{target, ignore_index}, N, 1.0);
+  deterministic_sum(out, LoadValue{row_loss.data()}, N, 1.0,
+                    reduction == Reduction::Mean ? counted.data() : nullptr);
 }
 
-// dlogits[r, c] = g_r probs[r, c] - g_r [c == target[r]], with g_r = dout[0] / divisor (N for
-// Mean, 1 for Sum) or dout[r] (None): the CPU kernel's order of operations, so both round
-// alike. WRITES. Rows with a target outside [0, C) get 0.
+// dlogits[r, c] = g_r probs[r, c] - g_r [c == target[r]], with g_r = dout[0] / counted[0]
+// (Mean), dout[0] (Sum) or dout[r] (None): the CPU kernel's order of operations, so both round
+// alike. WRITES. Rows with target ignore_index, or outside [0, C), get 0.
 __global__ void cross_entropy_backward_kernel(float* dlogits, const float* dout, const float* probs,
-                                              const int64_t* target, int64_t N, int64_t C, float divisor,
-                                              bool per_row) {
+                                              const float* counted, const int64_t* target, int64_t N,
+                                              int64_t C, int64_t ignore_index, bool mean, bool per_row) {
   const int64_t n = N * C;
-  const float shared_grad = per_row ? 0.0f : dout[0] / divisor;
+  const float shared_grad = per_row ? 0.0f : mean ? dout[0] / counted[0] : dout[0];
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
     const int64_t row = i / C;
     const int64_t c = i - row * C;
     const int64_t t = target[row];
     const float g = per_row ? dout[row] : shared_grad;
     const float scaled = __fmul_rn(g, probs[i]);  // no fma: round the product first, as the CPU
-    dlogits[i] = (t >= 0 && t < C) ? (c == t ? scaled - g : scaled) : 0.0f;
+    dlogits[i] = (t != ignore_index && t >= 0 && t < C) ? (c == t ? scaled - g : scaled) : 0.0f;
   }
 }
 
 void cross_entropy_backward(float* dlogits, const float* dout, const float* probs, const int64_t* target,
-                            int64_t N, int64_t C, Reduction reduction) {
+                            int64_t N, int64_t C, int64_t ignore_index, Reduction reduction) {
   const int64_t n = N * C;
   if (n <= 0) return;
-  const float divisor = reduction == Reduction::Mean ? static_cast<float>(N) : 1.0f;
-  cross_entropy_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(dlogits, dout, probs, target, N, C, divisor,
-                                                                      reduction == Reduction::None);
+  ScratchBuffer<float> counted(1);
+  if (reduction == Reduction::Mean)
+    deterministic_sum(counted.data(), CountedRow{target, ignore_index}, N, 1.0);
+  cross_entropy_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(
+      dlogits, dout, probs, counted.data(), target, N, C, ignore_index, reduction == Reduction::Mean,
+      reduction == Reduction::None);
   NANODDP_CUDA_CHECK_LAUNCH("cross_entropy_backward_kernel");
 }
 
