@@ -752,6 +752,14 @@ TEST_CASE("clip_grad_norm_ scales by max_norm / (total + 1e-6) and returns the n
   CHECK(clip_grad_norm_(params, 100.0, 1.0) == 19.0f);
 
   CHECK(clip_grad_norm_({Tensor::from_vector({1.0f})}, 1.0) == 0.0f);  // no gradients at all
+
+  // The factor is float32 arithmetic, as torch's on its float32 norm: [3, 4], max_norm 0.3:
+  // 0.3f / (5 + 1e-6f) = 0.05999999f (in double, 0.059999987f), so the gradients are torch
+  // 1.13's 0.17999997735023499 and 0.23999996483325958 exactly.
+  Tensor c = Tensor::from_vector({0.0f, 0.0f}).set_requires_grad(true);
+  c.set_grad(Tensor::from_vector({3.0f, 4.0f}));
+  CHECK(clip_grad_norm_({c}, 0.3) == 5.0f);
+  CHECK(c.grad().to_vector() == std::vector<float>{0.17999997735023499f, 0.23999996483325958f});
   CHECK_THROWS_AS(clip_grad_norm_(make(), -1.0), ValueError);
   CHECK_THROWS_AS(clip_grad_norm_(make(), 1.0, 0.0), ValueError);
 }
