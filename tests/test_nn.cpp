@@ -5,12 +5,14 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <unistd.h>
 
 #include "core/autograd.h"
 #include "core/half.h"
 #include "core/hash.h"
+#include "nn/activations.h"
 #include "nn/adam.h"
 #include "nn/batch_norm.h"
 #include "nn/checkpoint.h"
@@ -75,6 +77,25 @@ TEST_CASE("CrossEntropyLoss passes its reduction and ignore_index on, as torch.n
   const double e = std::exp(1.0), row0 = std::log(e + e * e + e * e * e) - 3, row1 = std::log(2 + e) - 1;
   CHECK(CrossEntropyLoss(Reduction::Mean, 1)(logits, target).item() == doctest::Approx(row0).epsilon(1e-6));
   CHECK(CrossEntropyLoss(Reduction::Sum)(logits, target).item() == doctest::Approx(row0 + row1).epsilon(1e-6));
+}
+
+TEST_CASE("GELU's gradient at +-inf is NaN in every element, as torch's (inf * phi(inf) = inf * 0)") {
+  // 19 elements: the infinities sit in Eigen's packets (0, 9) and in the scalar tail (17, 18).
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> values(19, 1.0f);
+  values[0] = values[17] = inf;
+  values[9] = values[18] = -inf;
+  for (const char* approximate : {"none", "tanh"}) {
+    CAPTURE(approximate);
+    Tensor x = Tensor::from_vector(values).set_requires_grad(true);
+    sum(gelu(x, approximate)).backward();
+    const std::vector<float> grad = x.grad().to_vector();
+    for (size_t i : {0, 9, 17, 18}) {
+      CAPTURE(i);
+      CHECK(std::isnan(grad[i]));
+    }
+    CHECK(grad[1] == doctest::Approx(approximate == std::string("none") ? 1.0833155 : 1.0829641).epsilon(1e-6));
+  }
 }
 
 TEST_CASE("zero_grad clears gradients; train/eval propagate") {

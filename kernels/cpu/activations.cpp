@@ -1,6 +1,7 @@
 // CPU kernels of the pointwise activations in nn/activations.h (declared there), as Eigen
 // array expressions: vectorised, including tanh, exp and erf.
 #include <cmath>
+#include <limits>
 
 #include "kernels/activation_constants.h"
 #include "kernels/cpu/eigen_maps.h"  // first of the Eigen headers: its GCC pragma must come first
@@ -48,9 +49,12 @@ void gelu_backward(float* dx, const float* dy, const float* x, bool tanh_approxi
     vec(dx, n).array() =
         g * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t.square()) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * v.square()));
   } else {
-    // d/dx [x Phi(x)] = Phi(x) + x phi(x)
-    vec(dx, n).array() =
-        g * (0.5f * (1.0f + (v * kSqrt1_2).erf()) + v * kInvSqrt2Pi * (-0.5f * v.square()).exp());
+    // d/dx [x Phi(x)] = Phi(x) + x phi(x). At x = +-inf, x phi(x) is inf * 0 = NaN, as torch's
+    // (and the CUDA kernel's): Eigen's vectorised exp clamps its argument, so exp(-inf) is a
+    // tiny positive number in the packets and the product +-inf there, NaN in the tail.
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    vec(dx, n).array() = g * (0.5f * (1.0f + (v * kSqrt1_2).erf()) +
+                              v.isInf().select(nan, v * kInvSqrt2Pi * (-0.5f * v.square()).exp()));
   }
 }
 
