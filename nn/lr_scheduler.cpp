@@ -83,7 +83,8 @@ void LRScheduler::step() {
 StateDict LRScheduler::state_dict() const {
   StateDict state = {{"last_epoch", Tensor::from_vector(std::vector<int64_t>{last_epoch_})},
                      {"base_lr", double_bits(base_lr_)},
-                     {"last_lr", double_bits(last_lr_)}};
+                     {"last_lr", double_bits(last_lr_)},
+                     {"optimizer_lr", double_bits(optimizer_.lr())}};
   for (const auto& [key, value] : hyper_parameters()) state[key] = double_bits(value);
   return state;
 }
@@ -98,7 +99,7 @@ void LRScheduler::load_state_dict(const StateDict& state) {
   const auto is_own = [&](const std::string& key) {
     for (const auto& [name, value] : own)
       if (name == key) return true;
-    return key == "last_epoch" || key == "base_lr" || key == "last_lr";
+    return key == "last_epoch" || key == "base_lr" || key == "last_lr" || key == "optimizer_lr";
   };
   for (const auto& [key, t] : state) {
     const char* other = scheduler_with(key);
@@ -109,7 +110,11 @@ void LRScheduler::load_state_dict(const StateDict& state) {
   NANODDP_CHECK(last_epoch >= 0, ValueError, name_, ".load_state_dict: 'last_epoch' is ", last_epoch);
   const double base_lr = double_entry(state, "base_lr", name_);
   const double last_lr = double_entry(state, "last_lr", name_);
-  optimizer_.set_lr(last_lr);
+  // The optimizer's lr at the save, which every scheduler chained on it saved alike: loaded in
+  // any order they restore the same rate (each one's own last_lr would leave the last loaded
+  // one's). A state saved without it gives last_lr, right for a scheduler alone.
+  const double optimizer_lr = state.count("optimizer_lr") ? double_entry(state, "optimizer_lr", name_) : last_lr;
+  optimizer_.set_lr(optimizer_lr);
   optimizer_.set_initial_lr(base_lr);
   last_epoch_ = last_epoch;
   base_lr_ = base_lr;

@@ -18,17 +18,19 @@
 // scheduler on the same optimizer, as PyTorch's does, and schedulers chain (torch's
 // ChainedScheduler order: step them one after the other).
 //
-// state_dict(): "last_epoch" (int64) and "base_lr", "last_lr" (the doubles' bits in int64
-// scalars: tensors here have no float64, and a rounded lr would not resume bit-exactly), and
+// state_dict(): "last_epoch" (int64) and "base_lr", "last_lr", "optimizer_lr" (the
+// optimizer's lr at the save) (the doubles' bits in int64 scalars: tensors here have no
+// float64, and a rounded lr would not resume bit-exactly), and
 // the hyper-parameters under PyTorch's names, as doubles' bits too ("step_size", "gamma";
 // "T_max", "eta_min"; "start_factor", "end_factor", "total_iters"; LambdaLR: "lr_lambdas",
 // the number of lambdas, 1, as torch keeps an entry per lambda but not the function).
 // load_state_dict() refuses another scheduler's state by those names (Note [Scheduler state
 // kind]; a state with none, one saved by an earlier version, loads), but keeps
 // the constructor's values, where PyTorch takes the saved ones: a run resumed with a longer
-// schedule (T_max) gets the one it asked for. It also sets the optimizer's lr to last_lr and
-// its initial_lr to base_lr, which PyTorch leaves to the optimizer's own state_dict (its
-// param_groups; ours keeps only per-parameter state).
+// schedule (T_max) gets the one it asked for. It also sets the optimizer's lr to optimizer_lr
+// (last_lr in a state saved without it) and its initial_lr to base_lr, which PyTorch leaves
+// to the optimizer's own state_dict (its param_groups; ours keeps only per-parameter state).
+// So schedulers chained on one optimizer restore its rate loaded in any order, as torch's do.
 #pragma once
 
 #include <cstdint>

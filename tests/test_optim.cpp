@@ -634,7 +634,10 @@ TEST_CASE("a scheduler chained after another takes the optimizer's initial_lr as
   CHECK(*resumed_opt.initial_lr() == 0.25);
   resumed.load_state_dict(warmup.state_dict());
   CHECK(*resumed_opt.initial_lr() == 1.0);
-  CHECK(resumed_opt.lr() == 0.5);
+  // The optimizer's rate at the save (the LambdaLR's 1.0), as torch's optimizer state holds,
+  // not the warm-up's own last_lr 0.5.
+  CHECK(resumed_opt.lr() == 1.0);
+  CHECK(resumed.get_last_lr() == 0.5);
   CHECK(resumed.base_lr() == 1.0);
   StepLR after_load(resumed_opt, /*step_size=*/1, /*gamma=*/0.5);
   CHECK(after_load.base_lr() == 1.0);
@@ -661,6 +664,43 @@ TEST_CASE("a scheduler's state_dict resumes the same values and restores the opt
   CHECK(resumed.last_epoch() == 10);  // unchanged by the failed load
 }
 
+TEST_CASE("schedulers chained on one optimizer resume exactly whichever is loaded first, as PyTorch's") {
+  // LinearLR(0.25, 1, 4) then CosineAnnealingLR(8), stepped together on SGD lr 0.1; saved
+  // after 2 steps and loaded cosine first: each restoring its own last_lr left LinearLR's
+  // 0.0601212 where torch has 0.0533471, and the resumed rates ran off from there.
+  const auto run = [](SGD& opt, LinearLR& warmup, CosineAnnealingLR& cosine, int steps) {
+    std::vector<double> lrs;
+    for (int i = 0; i < steps; ++i) {
+      warmup.step();
+      cosine.step();
+      lrs.push_back(opt.lr());
+    }
+    return lrs;
+  };
+  SGD straight_opt({param_with_grad()}, {/*lr=*/0.1});
+  LinearLR straight_warmup(straight_opt, 0.25, 1.0, 4);
+  CosineAnnealingLR straight_cosine(straight_opt, 8);
+  const std::vector<double> want = run(straight_opt, straight_warmup, straight_cosine, 5);
+
+  SGD first_opt({param_with_grad()}, {/*lr=*/0.1});
+  LinearLR first_warmup(first_opt, 0.25, 1.0, 4);
+  CosineAnnealingLR first_cosine(first_opt, 8);
+  run(first_opt, first_warmup, first_cosine, 2);
+  for (bool cosine_first : {true, false}) {
+    CAPTURE(cosine_first);
+    SGD opt({param_with_grad()}, {/*lr=*/0.1});
+    LinearLR warmup(opt, 0.25, 1.0, 4);
+    CosineAnnealingLR cosine(opt, 8);
+    if (cosine_first) cosine.load_state_dict(first_cosine.state_dict());
+    warmup.load_state_dict(first_warmup.state_dict());
+    if (!cosine_first) cosine.load_state_dict(first_cosine.state_dict());
+    CHECK(opt.lr() == want[1]);
+    const std::vector<double> rest = run(opt, warmup, cosine, 3);
+    CHECK(rest == std::vector<double>(want.begin() + 2, want.end()));  // bit-exact
+  }
+  CHECK(want[1] == doctest::Approx(0.0533471).epsilon(1e-6));  // torch 1.13's rate after 2 steps
+}
+
 TEST_CASE("a scheduler refuses another scheduler's state, naming it, and nothing changes") {
   Tensor p = param_with_grad();
   SGD opt({p}, SGDOptions{0.5});
@@ -675,7 +715,8 @@ TEST_CASE("a scheduler refuses another scheduler's state, naming it, and nothing
   const int64_t bits = cosine_state.at("T_max").to_int_vector().at(0);
   std::memcpy(&t_max, &bits, sizeof t_max);
   CHECK(t_max == 7.0);
-  CHECK(lambda.state_dict().size() == 4);  // last_epoch, base_lr, last_lr, lr_lambdas: not the function
+  // last_epoch, base_lr, last_lr, optimizer_lr, lr_lambdas: not the function
+  CHECK(lambda.state_dict().size() == 5);
   // Before, each of these loaded: the cosine went on from a StepLR's last_lr and last_epoch.
   const std::vector<std::tuple<LRScheduler*, StateDict, std::string>> cases = {
       {&cosine, step_lr.state_dict(), "CosineAnnealingLR.load_state_dict: unexpected key 'gamma': this is a StepLR's "
