@@ -163,8 +163,9 @@ void ProcessGroup::check_reduce(const std::string& collective, const Tensor& ten
                 ": only float32, int64, float16 and bfloat16 tensors can be reduced (broadcast, all_gather, "
                 "send and recv copy any dtype)");
   NANODDP_CHECK(op != ReduceOp::Avg || tensor.dtype() == DType::Float32, ValueError,
-                describe(collective, tensor),
-                ": avg needs float32 (an int64 average would round); use sum");
+                describe(collective, tensor), ": avg needs float32, not ", dtype_name(tensor.dtype()),
+                tensor.dtype() == DType::Int64 ? " (an int64 average would round)" : "",
+                "; use sum and divide");
   NANODDP_CHECK(!is_16bit_float(tensor.dtype()) || op == ReduceOp::Sum, ValueError, describe(collective, tensor),
                 ": ", dtype_name(tensor.dtype()), " tensors can only be summed (", reduce_op_name(op),
                 " asked); they exist for compressed gradients");

@@ -24,7 +24,8 @@
 //    after either the group is unusable (a peer is gone or out of step) and the job should
 //    exit, as after a c10d timeout. An MPI rank with a request still unfinished at exit
 //    skips MPI_Finalize (it would wait for the dead peer forever).
-//  - Max and Min propagate NaN whichever rank holds it (torch.maximum/torch.minimum).
+//  - Max and Min propagate NaN whichever rank holds it, as torch.maximum/torch.minimum and
+//    NCCL do (torch's Gloo backend does not: its max(1, NaN) depends on which rank holds it).
 //  - Every message names the rank, world size, host, backend, the collective and its sizes.
 //  - Tensors: dense, contiguous. Copies (broadcast, all_gather, send, recv) take any dtype,
 //    byte for byte, as torch.distributed's do. Reductions take float32 or int64 (uint8 and
@@ -132,7 +133,9 @@ class Work {
   // before every later kernel on the compute stream. Calling wait() again returns at once
   // (or throws the same error).
   virtual void wait(std::chrono::milliseconds timeout = kDefaultTimeout) = 0;
-  // True once finished (successfully or not); never blocks.
+  // True once finished (successfully or not); never blocks. On a group whose collectives run
+  // in wait() (collectives_run_in_wait(): shm, shm+gloo) it stays false until some thread
+  // waits on this work or a later one: poll with wait(), not a loop on is_completed().
   virtual bool is_completed() = 0;
 };
 

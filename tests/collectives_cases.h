@@ -88,6 +88,19 @@ inline void check_collectives(dist::ProcessGroup& pg, const std::vector<int64_t>
     expect(message.find("only float32, int64, float16 and bfloat16") != std::string::npos, where,
            dtype_name(dtype), " all_reduce: ", message.empty() ? "accepted" : message);
   }
+  // Avg is float32's only; the message names the dtype given.
+  for (DType dtype : {DType::Int64, DType::Float16, DType::BFloat16}) {
+    Tensor t = Tensor::zeros({3}, dtype);
+    std::string message;
+    try {
+      pg.all_reduce(t, ReduceOp::Avg);
+    } catch (const ValueError& e) {
+      message = e.what();
+    }
+    const std::string want = std::string("avg needs float32, not ") + dtype_name(dtype);
+    expect(message.find(want) != std::string::npos, where, dtype_name(dtype),
+           " all_reduce(avg): ", message.empty() ? "accepted" : message);
+  }
   // Copies take every dtype, byte for byte (torch.distributed.broadcast / all_gather).
   for (DType dtype : {DType::UInt8, DType::Int32, DType::Float16, DType::BFloat16}) {
     const std::string what = where + dtype_name(dtype) + " ";
