@@ -203,7 +203,7 @@ class CheckedWork : public Work {
         received_.push_back(Tensor::empty({kFingerprintFields}, DType::Int64, device));
       fingerprints_ = state_->inner->all_gather(received_, send);
     } catch (...) {
-      fail(std::current_exception());
+      fail(naming_the_call(std::current_exception()));
     }
   }
 
@@ -220,7 +220,7 @@ class CheckedWork : public Work {
       NANODDP_THROW(TimeoutError, description_, ": not every rank reached a collective to compare #",
                     mine_[0], " with (a peer exited, is stuck, or issues fewer collectives): ", e.what());
     } catch (...) {
-      fail(std::current_exception());
+      fail(naming_the_call(std::current_exception()));
       return;
     }
     settled_ = true;
@@ -246,6 +246,25 @@ class CheckedWork : public Work {
 
  private:
   // The backend refused the fingerprint all-gather: the call is over, with that error.
+  // The fingerprints' all_gather failed (a peer is gone, the group aborted): a DistError then
+  // opens with the collective the caller issued, not only the check's own all_gather of int64s.
+  std::exception_ptr naming_the_call(std::exception_ptr error) const {
+    try {
+      std::rethrow_exception(error);
+    } catch (const TimeoutError&) {
+      return error;
+    } catch (const DistError& e) {
+      try {
+        NANODDP_THROW(DistError, description_, ", while comparing it with the other ranks' collective #", mine_[0],
+                      ": ", e.what());
+      } catch (...) {
+        return std::current_exception();
+      }
+    } catch (...) {
+      return error;
+    }
+  }
+
   void fail(std::exception_ptr error) {
     error_ = std::move(error);
     settled_ = true;

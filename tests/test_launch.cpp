@@ -852,6 +852,19 @@ std::set<std::string> expected_reports(int world, const std::string& backend) {
 
 }  // namespace
 
+TEST_CASE("a peer lost during the collective check's exchange: the survivor's error names the collective it called") {
+  // On shm the check's fingerprints travel by an all_gather of int64s before the all_reduce;
+  // the error of the rank left behind leads with its all_reduce, then says whom it lost.
+  const RunResult r = run({launcher_path(), "--nproc-per-node", "2", "--backend", "shm", probe_path(), "fail", "1", "7"},
+                          60s);
+  CHECK_MESSAGE(r.code() == 7, r.err);
+  CHECK_MESSAGE(contains(r.err, "[rank 0] launch_probe: rank 0/2 on "), r.err);
+  CHECK_MESSAGE(contains(r.err, ": shm all_reduce(sum) of [1] float32 (4 bytes) on cpu, while comparing it with the "
+                                "other ranks' collective #"),
+                r.err);
+  CHECK_MESSAGE(contains(r.err, "lost rank 1 (pid "), r.err);
+}
+
 TEST_CASE("nanoddp-run: the rank that failed first is named and decides the exit code, not a peer that lost it") {
   // Rank `culprit` exits 7 on its own; every other rank then fails too, by losing it. The
   // launcher must name the culprit every time, however the exits are ordered when it wakes.
