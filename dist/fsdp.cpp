@@ -595,7 +595,9 @@ float FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_typ
   NANODDP_CHECK(std::isfinite(norm) || !error_if_nonfinite, ValueError,
                 "FullyShardedDataParallel.clip_grad_norm_: the total norm of order ", norm_type, " is ", norm,
                 " (a NaN or infinite gradient); with error_if_nonfinite=false the gradients are scaled anyway");
-  const float coef = static_cast<float>(max_norm / (static_cast<double>(norm) + 1e-6));
+  // float32, as torch's FSDP: torch.tensor(max_norm) / (total_norm + 1e-6), a division
+  // (nn::clip_grad_norm_'s Python float on the left multiplies by a reciprocal instead).
+  const float coef = static_cast<float>(max_norm) / (norm + 1e-6f);
   if (coef < 1.0f || std::isnan(coef)) {
     NoGradGuard no_grad;
     for (const auto& unit : units_) {

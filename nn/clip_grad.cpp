@@ -42,10 +42,11 @@ float clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double
   NANODDP_CHECK(!error_if_nonfinite || std::isfinite(total), ValueError, "clip_grad_norm_: the total norm of order ",
                 norm_type, " for gradients from `parameters` is non-finite, so it cannot be clipped. To disable "
                 "this error and scale the gradients by the non-finite norm anyway, set error_if_nonfinite=false");
-  // In float32, as torch's max_norm / (total_norm + 1e-6) on its float32 norm tensor: the
-  // factor computed in double differs in the last bit for 3 of 10 simple cases. PyTorch
-  // clamps with torch.clamp(max=1.0), which passes a NaN through: so does this.
-  const float coef = static_cast<float>(max_norm) / (total + 1e-6f);
+  // In float32, as torch's max_norm / (total_norm + 1e-6) on its float32 norm tensor, which is
+  // Tensor.__rtruediv__ (a Python float on the left): the reciprocal, then a product. A
+  // division, or the factor in double, differs in the last bit in about 1 case of 10.
+  // PyTorch clamps with torch.clamp(max=1.0), which passes a NaN through: so does this.
+  const float coef = (1.0f / (total + 1e-6f)) * static_cast<float>(max_norm);
   const float scale = coef > 1.0f ? 1.0f : coef;
   if (scale != 1.0f)
     for (Tensor& g : grads)

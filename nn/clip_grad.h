@@ -22,8 +22,8 @@ namespace nanoddp::nn {
 //           rounded to float32, the gradients' dtype, as PyTorch's norm is: a norm past
 //           float's range (gradients [3e38, 3e38]) is inf;
 //   every gradient is multiplied by min(max_norm / (total + 1e-6), 1), computed in float32 as
-//   PyTorch does: the 1e-6 keeps the division finite, so a clipped norm lands just under
-//   max_norm.
+//   PyTorch does (1 / (total + 1e-6), then times max_norm): the 1e-6 keeps the division
+//   finite, so a clipped norm lands just under max_norm.
 // A non-finite total (a NaN or infinite gradient, or a norm past float's range) throws
 // ValueError when error_if_nonfinite is true, before any gradient changes; otherwise the
 // gradients are scaled by the resulting factor (0 for an infinite total, NaN for a NaN one)

@@ -794,13 +794,20 @@ TEST_CASE("clip_grad_norm_ scales by max_norm / (total + 1e-6) and returns the n
 
   CHECK(clip_grad_norm_({Tensor::from_vector({1.0f})}, 1.0) == 0.0f);  // no gradients at all
 
-  // The factor is float32 arithmetic, as torch's on its float32 norm: [3, 4], max_norm 0.3:
-  // 0.3f / (5 + 1e-6f) = 0.05999999f (in double, 0.059999987f), so the gradients are torch
-  // 1.13's 0.17999997735023499 and 0.23999996483325958 exactly.
-  Tensor c = Tensor::from_vector({0.0f, 0.0f}).set_requires_grad(true);
-  c.set_grad(Tensor::from_vector({3.0f, 4.0f}));
-  CHECK(clip_grad_norm_({c}, 0.3) == 5.0f);
-  CHECK(c.grad().to_vector() == std::vector<float>{0.17999997735023499f, 0.23999996483325958f});
+  // The factor is float32 arithmetic, as torch's on its float32 norm, and max_norm / tensor is
+  // Tensor.__rtruediv__: 1 / (total + 1e-6), then times max_norm. The gradients are torch
+  // 1.13's exactly: [3, 4] clipped to 0.3 (the factor in double gives 0.17999996); [6, 8]
+  // and [1, 2] to 0.1 and 0.3 (a float32 division gives 0.059999995 and 0.13416402).
+  const std::vector<std::tuple<std::vector<float>, double, std::vector<float>>> cases = {
+      {{3.0f, 4.0f}, 0.3, {0.17999997735023499f, 0.23999996483325958f}},
+      {{6.0f, 8.0f}, 0.1, {0.05999999865889549f, 0.07999999821186066f}},
+      {{1.0f, 2.0f}, 0.3, {0.13416403532028198f, 0.26832807064056396f}}};
+  for (const auto& one_case : cases) {
+    Tensor c = Tensor::zeros({2}).set_requires_grad(true);
+    c.set_grad(Tensor::from_vector(std::get<0>(one_case)));
+    clip_grad_norm_({c}, std::get<1>(one_case));
+    CHECK(c.grad().to_vector() == std::get<2>(one_case));
+  }
   CHECK_THROWS_AS(clip_grad_norm_(make(), -1.0), ValueError);
   CHECK_THROWS_AS(clip_grad_norm_(make(), 1.0, 0.0), ValueError);
 }
