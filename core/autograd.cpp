@@ -132,6 +132,7 @@ Tensor keep_for_backward(const Tensor& t) {
 struct CheckpointFrame {
   std::function<std::vector<Tensor>(const std::vector<Tensor>&)> fn;
   std::vector<Tensor> inputs;                // detached; requires_grad as the originals
+  std::vector<uint64_t> input_versions;      // each input's version when kept (Note [Version counter])
   std::vector<Generator> generators;         // each drawn-from generator, before the draw
   AutocastState autocast;                    // the forward's, so the rerun casts the same way
   std::vector<std::weak_ptr<Node>> nodes;    // per slot, attached in forward
@@ -143,6 +144,17 @@ struct CheckpointFrame {
   void recompute() {
     if (recomputed_done) return;
     NANODDP_ASSERT(rerunning_frame == nullptr);
+    // The rerun reads the inputs the region kept, as saved tensors are read: changed in place
+    // since the forward, they would give the new values' gradients silently.
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (!inputs[i].defined()) continue;
+      const uint64_t now = inputs[i].impl()->storage->version();
+      NANODDP_CHECK(now == input_versions[i], ValueError, "checkpoint: input ", i, " (", inputs[i].shape(), " ",
+                    inputs[i].dtype(), ") was modified in place (copy_, fill_ or zero_) after the forward kept it: it "
+                    "is at version ", now, ", the forward kept version ", input_versions[i],
+                    ". The rerun would use the new values; clone it before changing it, or change it after backward "
+                    "(torch: \"modified by an inplace operation\")");
+    }
     trace::Span span(trace::Lane::Compute, "checkpoint_recompute");
     rerun.clear();
     rerun_draws = 0;
@@ -237,6 +249,7 @@ std::vector<Tensor> run_checkpointed(const std::function<std::vector<Tensor>(con
   frame->autocast = autocast_state();
   for (const Tensor& input : inputs) {
     Tensor kept = keep_for_backward(input);
+    frame->input_versions.push_back(input.defined() ? input.impl()->storage->version() : 0);
     // Set on the handle itself, not by set_requires_grad, whose float32 rule is for leaves
     // that receive a .grad: a 16-bit input (an autocast output) must make the rerun record too,
     // and nothing accumulates into this handle.

@@ -163,6 +163,30 @@ TEST_CASE("several inputs and outputs: each output's gradient reaches the inputs
   check_bitwise(grads[1], grads[0], "gradient");
 }
 
+TEST_CASE("an input of a checkpointed region changed in place before backward: the rerun throws, as torch's") {
+  // w = [[1, 2]], x = [[3, 4]]: the plain gradient of sum(x w^T) is w.grad = [3, 4]. Zeroing
+  // x (under no_grad) before backward would rerun the region on zeros: w.grad = [0, 0].
+  Tensor w = Tensor::from_vector({1.0f, 2.0f}, {1, 2}).set_requires_grad(true);
+  Tensor x = Tensor::from_vector({3.0f, 4.0f}, {1, 2}).set_requires_grad(true);
+  Tensor loss = sum(nn::checkpoint([&w](const Tensor& in) { return linear(in, w, Tensor()); }, x));
+  {
+    NoGradGuard no_grad;
+    x.fill_(0.0f);
+  }
+  try {
+    loss.backward();
+    FAIL("backward reran the region on the changed input");
+  } catch (const ValueError& e) {
+    CHECK(std::string(e.what()).find("checkpoint: input 0 ([1, 2] float32) was modified in place") !=
+          std::string::npos);
+  }
+  CHECK(!w.grad().defined());
+  // Unchanged, the same region gives the plain gradient.
+  x = Tensor::from_vector({3.0f, 4.0f}, {1, 2}).set_requires_grad(true);
+  sum(nn::checkpoint([&w](const Tensor& in) { return linear(in, w, Tensor()); }, x)).backward();
+  CHECK(w.grad().to_vector() == std::vector<float>{3.0f, 4.0f});
+}
+
 TEST_CASE("peak activation bytes: a checkpointed deep MLP keeps its blocks' inputs, then one block") {
   // 8 blocks of Linear(64, 256) ReLU Linear(256, 64) ReLU on a batch of 32 rows.
   constexpr int64_t kNarrow = 32 * 64 * 4, kWide = 32 * 256 * 4;  // bytes of one activation
