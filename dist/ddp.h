@@ -34,8 +34,11 @@
 // step updated are made equal once, before whatever forward comes next: an evaluation
 // forward under no_grad after a training step sees rank 0's running stats on every rank, and
 // the first synced forward after no_sync micro-steps does not broadcast (the micro-steps'
-// forwards did not sync). Every rank then works from rank 0's running stats, and after
-// training the ranks' buffers differ only by the last step's own update. Inside a Join the source is the highest rank still training
+// forwards did not sync): a window of micro-steps starts from rank 0's running stats, and
+// after training the ranks' buffers differ only by the last window's own updates. Since the
+// broadcast is a collective, every rank must run the same forwards through DDP, evaluation
+// included (evaluating through DDP on rank 0 alone waits for the others, as in PyTorch).
+// Inside a Join the source is the highest rank still training
 // (one more 8-byte all-reduce(max) finds it, and a joined rank shadows both), and the final
 // model sync sends the buffers with the parameters (PyTorch's _sync_final_model). Cost: one
 // broadcast per dtype among the buffers (any dtype, as torch's; BatchNorm's are float32 and

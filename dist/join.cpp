@@ -21,7 +21,7 @@ namespace nanoddp::dist {
 //      of world_size int64 flags, all 0                    |     index; every rank throws
 //   3. DDP: all_reduce(sum) of 1 int64: does this          | 3'. DDP's main_hook: the same
 //      iteration's backward sync? (grad mode, no no_sync)  |     with 0; when the sum is 0
-//                                                          |     it stops here
+//                                                          |     it stops after 3b'
 //   3b. DDP with buffers to broadcast, when the iteration  | 3b'. the same with -1, then
 //      before synced (Note [Buffer broadcast]):            |     the same broadcasts; the
 //      all_reduce(max) of its rank = the source; then one  |     iteration before synced

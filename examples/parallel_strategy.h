@@ -73,7 +73,8 @@ class ParallelModel {
     if (rung_) rung_->finish_gradient_sync();
   }
 
-  // While the returned handle lives, backward keeps gradients local (the wrapper's no_sync()).
+  // While the returned handle lives, gradients stay local (the wrapper's no_sync(): for DDP,
+  // the backward of a forward run meanwhile; for FSDP and the rungs, a backward run meanwhile).
   [[nodiscard]] std::shared_ptr<void> no_sync() {
     if (rung_) return std::make_shared<Holder<ladder::Rung>>(*rung_);
     if (ddp_) return std::make_shared<Holder<dist::DistributedDataParallel>>(*ddp_);
