@@ -578,10 +578,7 @@ class ProcessGroupGloo : public ProcessGroup {
   std::shared_ptr<Work> point_to_point(const Tensor& tensor, int peer, int tag, bool is_send) {
     const std::string what = describe(
         (is_send ? "send to rank " : "recv from rank ") + std::to_string(peer), tensor);
-    check_tensor(is_send ? "send" : "recv", tensor, Device::cpu());
-    NANODDP_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, ValueError, what, ": rank ",
-                  peer, " must be another rank of this group (0..", world_size_ - 1, ", not ",
-                  rank_, ")");
+    check_point_to_point(what, tensor, peer, tag, is_send);
     NANODDP_CHECK(!runner_->broken, DistError, what,
                   ": the group is unusable after an earlier timeout");
     // The tag is the slot, as in PyTorch; collectives use slots with a prefix above 32 bits.

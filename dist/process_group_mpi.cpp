@@ -383,11 +383,7 @@ class ProcessGroupMpi : public ProcessGroup {
   std::shared_ptr<Work> point_to_point(const Tensor& tensor, int peer, int tag, bool is_send) {
     std::string what = describe(
         (is_send ? "send to rank " : "recv from rank ") + std::to_string(peer), tensor);
-    check_tensor(is_send ? "send" : "recv", tensor, Device::cpu());
-    NANODDP_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, ValueError, what, ": rank ",
-                  peer, " must be another rank of this group (0..", world_size_ - 1, ", not ",
-                  rank_, ")");
-    NANODDP_CHECK(tag >= 0, ValueError, what, ": MPI tags are >= 0, got ", tag);
+    check_point_to_point(what, tensor, peer, tag, is_send);
     int count = checked_count(what, tensor.numel());
     void* data = tensor.impl()->storage->data();
     auto start = [&](MPI_Request* request) {

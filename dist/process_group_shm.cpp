@@ -167,7 +167,7 @@ class ProcessGroupShm : public ProcessGroup {
   }
 
   std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {
-    check_peer("send", tensor, dst, "destination");
+    check_point_to_point(describe("send to rank " + std::to_string(dst), tensor), tensor, dst, tag, true);
     Envelope envelope{sent_messages_[dst]++, Kind::Send, static_cast<int32_t>(tensor.dtype()), 0, tag,
                       tensor.numel()};
     auto pieces = std::make_shared<int64_t>(0);
@@ -181,7 +181,7 @@ class ProcessGroupShm : public ProcessGroup {
   }
 
   std::shared_ptr<Work> recv(Tensor& tensor, int src, int tag) override {
-    check_peer("recv", tensor, src, "source");
+    check_point_to_point(describe("recv from rank " + std::to_string(src), tensor), tensor, src, tag, false);
     Envelope envelope{
         received_messages_[src]++, Kind::Send, static_cast<int32_t>(tensor.dtype()), 0, tag, tensor.numel()};
     auto pieces = std::make_shared<int64_t>(0);
@@ -213,13 +213,6 @@ class ProcessGroupShm : public ProcessGroup {
       ++done;
     }
     return true;
-  }
-
-  void check_peer(const std::string& name, const Tensor& tensor, int peer, const char* role) const {
-    check_tensor(name, tensor, Device::cpu());
-    NANODDP_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, ValueError, describe(name, tensor), ": ",
-                  role, " rank ", peer, " must be another rank of this group (0..", world_size_ - 1, ", not ",
-                  rank_, ")");
   }
 
   // The collective buffer that tensor is, whole; null for any other tensor.

@@ -88,6 +88,20 @@ inline void check_collectives(dist::ProcessGroup& pg, const std::vector<int64_t>
     expect(message.find("only float32, int64, float16 and bfloat16") != std::string::npos, where,
            dtype_name(dtype), " all_reduce: ", message.empty() ? "accepted" : message);
   }
+  // A negative tag is refused before anything is sent, as torch.distributed's "Tag must be
+  // nonnegative", on every backend.
+  for (bool is_send : {true, false}) {
+    Tensor t = Tensor::zeros({2});
+    std::string message;
+    try {
+      if (is_send) pg.send(t, (rank + 1) % n, -1);
+      else pg.recv(t, (rank + 1) % n, -1);
+    } catch (const ValueError& e) {
+      message = e.what();
+    }
+    expect(message.find("tag -1 must be >= 0") != std::string::npos, where, is_send ? "send" : "recv",
+           " with tag -1: ", message.empty() ? "accepted" : message);
+  }
   // Avg is float32's only; the message names the dtype given.
   for (DType dtype : {DType::Int64, DType::Float16, DType::BFloat16}) {
     Tensor t = Tensor::zeros({3}, dtype);
