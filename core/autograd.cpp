@@ -126,6 +126,21 @@ Tensor keep_for_backward(const Tensor& t) {
   return t.detach();
 }
 
+// t's memory's version (Note [Version counter]); 0 for an undefined placeholder.
+uint64_t version_of(const Tensor& t) { return t.defined() ? t.impl()->storage->version() : 0; }
+
+// Throws ValueError unless t's memory is at `recorded`, the version the forward kept it at
+// (Note [Version counter]): a backward would otherwise read the new values. who names t.
+void check_unchanged(const std::string& who, const Tensor& t, uint64_t recorded) {
+  if (!t.defined()) return;
+  const uint64_t now = version_of(t);
+  NANODDP_CHECK(now == recorded, ValueError, who, " (", t.shape(), " ", t.dtype(),
+                ") was modified in place (copy_, fill_ or zero_) after the forward saved it: it is at version ", now,
+                ", the forward saved version ", recorded,
+                ". Its backward would use the new values; clone it before changing it, or change it after backward "
+                "(torch: \"modified by an inplace operation\")");
+}
+
 }  // namespace
 
 // Note [Checkpointed regions]. Slot k is the k-th node the region's forward attached.
@@ -144,17 +159,9 @@ struct CheckpointFrame {
   void recompute() {
     if (recomputed_done) return;
     NANODDP_ASSERT(rerunning_frame == nullptr);
-    // The rerun reads the inputs the region kept, as saved tensors are read: changed in place
-    // since the forward, they would give the new values' gradients silently.
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      if (!inputs[i].defined()) continue;
-      const uint64_t now = inputs[i].impl()->storage->version();
-      NANODDP_CHECK(now == input_versions[i], ValueError, "checkpoint: input ", i, " (", inputs[i].shape(), " ",
-                    inputs[i].dtype(), ") was modified in place (copy_, fill_ or zero_) after the forward kept it: it "
-                    "is at version ", now, ", the forward kept version ", input_versions[i],
-                    ". The rerun would use the new values; clone it before changing it, or change it after backward "
-                    "(torch: \"modified by an inplace operation\")");
-    }
+    // The rerun reads the inputs the region kept, as a backward reads its saved tensors.
+    for (size_t i = 0; i < inputs.size(); ++i)
+      check_unchanged("checkpoint: input " + std::to_string(i), inputs[i], input_versions[i]);
     trace::Span span(trace::Lane::Compute, "checkpoint_recompute");
     rerun.clear();
     rerun_draws = 0;
@@ -212,21 +219,13 @@ void Node::save_for_backward(const std::vector<Tensor>& tensors) {
   // is): a node made while no graph is recorded keeps nothing alive.
   for (const Tensor& t : tensors) {
     saved_.push_back(t.defined() ? t.detach() : t);
-    saved_versions_.push_back(t.defined() ? t.impl()->storage->version() : 0);
+    saved_versions_.push_back(version_of(t));
     if (in_graph_) set_memory_category(t, MemoryCategory::Activations);
   }
 }
 
 void Node::check_saved_version(size_t i) const {
-  const Tensor& t = saved_[i];
-  if (!t.defined()) return;
-  const uint64_t now = t.impl()->storage->version();
-  NANODDP_CHECK(
-      now == saved_versions_[i], ValueError, name(), ": saved tensor ", i, " (", t.shape(), " ", t.dtype(),
-      ") was modified in place (copy_, fill_ or zero_) after the forward saved it: it is at version ", now,
-      ", the forward saved version ", saved_versions_[i],
-      ". Its backward would use the new values; clone it before changing it, or change it after backward "
-      "(torch: \"modified by an inplace operation\")");
+  check_unchanged(std::string(name()) + ": saved tensor " + std::to_string(i), saved_[i], saved_versions_[i]);
 }
 
 void Node::unpack_checkpointed() const {
@@ -249,7 +248,7 @@ std::vector<Tensor> run_checkpointed(const std::function<std::vector<Tensor>(con
   frame->autocast = autocast_state();
   for (const Tensor& input : inputs) {
     Tensor kept = keep_for_backward(input);
-    frame->input_versions.push_back(input.defined() ? input.impl()->storage->version() : 0);
+    frame->input_versions.push_back(version_of(input));
     // Set on the handle itself, not by set_requires_grad, whose float32 rule is for leaves
     // that receive a .grad: a 16-bit input (an autocast output) must make the rerun record too,
     // and nothing accumulates into this handle.

@@ -66,8 +66,8 @@ struct Node {
   // silently, so reading it throws instead, as torch's "modified by an inplace operation".
   void save_for_backward(const std::vector<Tensor>& tensors);
   // The i-th saved tensor, in save_for_backward order. Throws ValueError after release(), or
-  // when its memory was changed in place since it was saved (naming the node, the tensor's
-  // shape and both versions). In a checkpointed region the first read recomputes the region
+  // when its memory's version differs from the one recorded at the save (naming the node, the
+  // tensor's shape and both versions). In a checkpointed region the first read recomputes the region
   // (Note [Checkpointed regions]), which may throw what its forward throws.
   const Tensor& saved(size_t i) const;
   const std::vector<Tensor>& saved_tensors() const;
@@ -114,7 +114,7 @@ struct Node {
  private:
   friend struct CheckpointFrame;
   friend Tensor make_result(Tensor result, std::shared_ptr<Node> node);
-  // Throws ValueError when saved tensor i's memory changed version since it was saved.
+  // Throws ValueError unless saved tensor i's memory is at the version recorded at the save.
   void check_saved_version(size_t i) const;
   std::vector<Tensor> saved_;
   std::vector<uint64_t> saved_versions_;  // each saved tensor's version at the save
