@@ -157,7 +157,7 @@ void ProcessGroup::check_tensor(const std::string& collective, const Tensor& ten
 
 void ProcessGroup::check_point_to_point(const std::string& what, const Tensor& tensor, int peer, int tag,
                                         bool is_send) const {
-  check_tensor(is_send ? "send" : "recv", tensor, Device::cpu());
+  check_tensor(is_send ? "send" : "recv", tensor, device());
   NANODDP_CHECK(tag >= 0, ValueError, what, ": tag ", tag, " must be >= 0, as torch.distributed's");
   NANODDP_CHECK(peer >= 0 && peer < size() && peer != rank(), ValueError, what, ": ",
                 is_send ? "destination" : "source", " rank ", peer, " must be another rank of this group (0..",

@@ -254,8 +254,8 @@ class ProcessGroup {
   void check_reduce(const std::string& collective, const Tensor& tensor, ReduceOp op) const;
   void check_list(const std::string& collective, const std::vector<Tensor>& list,
                   const Tensor& like) const;
-  // send/recv: a defined CPU tensor, a tag >= 0 (torch.distributed's rule), and a peer that
-  // is another rank of the group. what: describe()'s text for the call.
+  // send/recv: a defined tensor on device(), a tag >= 0 (torch.distributed's rule), and a peer
+  // that is another rank of the group. what: describe()'s text for the call.
   void check_point_to_point(const std::string& what, const Tensor& tensor, int peer, int tag, bool is_send) const;
 
   int rank_;

@@ -763,9 +763,7 @@ class ProcessGroupNccl : public ProcessGroup {
 
   std::shared_ptr<Work> queue_point_to_point(const Tensor& tensor, int peer, int tag, bool is_send) {
     const std::string what = describe((is_send ? "send to rank " : "recv from rank ") + std::to_string(peer), tensor);
-    check_tensor(is_send ? "send" : "recv", tensor, device_);
-    NANODDP_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, ValueError, what, ": rank ", peer,
-                  " must be another rank of this group (0..", world_size_ - 1, ", not ", rank_, ")");
+    check_point_to_point(what, tensor, peer, tag, is_send);
     NANODDP_CHECK(tag == 0, ValueError, what, ": NCCL has no message tags (messages between two ranks match by "
                   "order), so tag must be 0, got ", tag);
     return detail::PointToPointQueue::add(point_to_point_queue_, {tensor, peer, is_send});

@@ -47,7 +47,7 @@ __global__ void broadcast_rows_16bit_kernel(uint16_t* out, const uint16_t* row, 
 void matmul_16bit(uint16_t* out, const uint16_t* a, const uint16_t* b, const uint16_t* row_bias, DType format,
                   int64_t M, int64_t K, int64_t N, bool trans_a, bool trans_b) {
   if (M <= 0 || N <= 0) return;
-  // Before out is written: a refused product leaves it as it was.
+  // Checked before the bias is broadcast into out, so that a refused product leaves out as it is.
   NANODDP_CHECK(M <= INT_MAX && K <= INT_MAX && N <= INT_MAX, ValueError, "matmul_16bit: [", M, ", ", K, "] x [",
                 K, ", ", N, "] has a size beyond cuBLAS's 32-bit int");
   if (row_bias != nullptr) {
