@@ -214,6 +214,16 @@ TEST_CASE("cross_entropy ignores rows labelled ignore_index (-100 by default), a
   // Another ignore_index, inside [0, C): class 1 is ignored, so only row 0 counts (log(e^3 + e^2 + e) - 3).
   CHECK(cross_entropy(logits, Tensor::from_vector(std::vector<int64_t>{2, 1, 1}), Reduction::Mean, 1).item() ==
         doctest::Approx(std::log(z2) - 3).epsilon(1e-6));
+  // No class at all: only ignored rows are possible, and no logit is read. [2, 0] logits give
+  // a mean of nothing (NaN), a sum of 0 and an empty gradient.
+  Tensor no_classes = Tensor::zeros({2, 0}).set_requires_grad(true);
+  const Tensor ignored2 = Tensor::from_vector(std::vector<int64_t>{-100, -100});
+  CHECK(std::isnan(cross_entropy(no_classes, ignored2).item()));
+  CHECK(cross_entropy(no_classes, ignored2, Reduction::None).to_vector() == std::vector<float>{0.0f, 0.0f});
+  Tensor no_class_sum = cross_entropy(no_classes, ignored2, Reduction::Sum);
+  CHECK(no_class_sum.item() == 0.0f);
+  no_class_sum.backward();
+  CHECK(no_classes.grad().shape() == Shape{2, 0});
   // Any other negative target is still refused, naming ignore_index.
   try {
     cross_entropy(logits, Tensor::from_vector(std::vector<int64_t>{0, -1, 1}));

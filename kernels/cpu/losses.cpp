@@ -45,8 +45,9 @@ void cross_entropy_forward(float* out, float* probs, const float* logits, const 
     const bool ignored = t == ignore_index;
     NANODDP_CHECK(ignored || (t >= 0 && t < C), IndexError, "cross_entropy: target[", r, "] = ", t,
                   " is not a class in [0, ", C, ") nor ignore_index ", ignore_index);
-    // log_softmax(x)_c = x_c - max - log(sum exp(x - max)): every exponent is <= 0.
-    float max = x[0];
+    // log_softmax(x)_c = x_c - max - log(sum exp(x - max)): every exponent is <= 0. With no
+    // class (C == 0) every row passed the check as ignored, and there is nothing to read.
+    float max = C > 0 ? x[0] : 0.0f;
     for (int64_t c = 1; c < C; ++c) max = std::isnan(x[c]) || x[c] > max ? x[c] : max;
     double sum_exp = 0.0;
     for (int64_t c = 0; c < C; ++c) sum_exp += std::exp(static_cast<double>(x[c]) - max);
