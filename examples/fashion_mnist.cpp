@@ -172,9 +172,10 @@ std::shared_ptr<nn::Sequential> make_mlp(uint64_t seed, const std::vector<int64_
 constexpr int64_t kCheckEverySteps = 50;
 
 // Training that has blown up stops with the epoch and step, as toy_ddp does.
-void check_finite(float mean_loss, int rank, int epoch, int64_t step) {
-  NANODDP_CHECK(std::isfinite(mean_loss), ValueError, "rank ", rank, ": the mean training loss became ", mean_loss,
-                " in epoch ", epoch + 1, " by step ", step, "; lower --lr or --momentum");
+void check_finite(float mean_loss, const Config& config, int rank, int epoch, int64_t step) {
+  NANODDP_CHECK(std::isfinite(mean_loss), ValueError, "rank ", rank, ": the mean training loss became ",
+                mean_loss, " in epoch ", epoch + 1, " by step ", step,
+                config.optimizer == "sgd" ? "; lower --lr or --momentum" : "; lower --lr");
 }
 
 double default_lr(const Config& config) { return config.optimizer == "sgd" ? 0.05 : 1e-3; }
@@ -893,7 +894,7 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
       }
       if (steps % kCheckEverySteps == 0 || steps == train_loader.size()) {
         const float mean_loss = loss_sum.item() / static_cast<float>(steps);
-        check_finite(mean_loss, rank, epoch, steps);
+        check_finite(mean_loss, config, rank, epoch, steps);
         if (chatty || metrics.enabled()) {
           // Rank 0's pace times the world size: the ranks step together.
           const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -942,7 +943,7 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
         dist::ReduceOp::Sum);
     const std::vector<float> slowest = dist::all_reduce_host(*pg, std::vector<float>{static_cast<float>(seconds)}, dist::ReduceOp::Max);
     train_loss = stats[0] / world_size;
-    check_finite(static_cast<float>(train_loss), rank, epoch, steps);
+    check_finite(static_cast<float>(train_loss), config, rank, epoch, steps);
     samples_per_s = stats[1] / slowest[0];
     accuracy = evaluate(trained, test_loader, *pg, config.precision);
     if (chatty)

@@ -27,9 +27,10 @@ int nanoddp::examples::fashion_mnist_main(int argc, char** argv, bool cnn) {
   app.add_option("--lr", config.lr, "peak learning rate (default 0.05 for sgd, 1e-3 for adam and adamw)")
       ->check(cli::number_in(0));
   app.add_option("--momentum", config.momentum, "SGD momentum (default 0.9; sgd only)")
-      ->check(cli::number_in(0));
+      ->check(cli::float_in(0));
+  // float_in: SGD keeps its weight decay in a float.
   app.add_option("--weight-decay", config.weight_decay, "weight decay (default 0, or 1e-2 for adamw)")
-      ->check(cli::number_in(0));
+      ->check(cli::float_in(0));
   app.add_option("--warmup-epochs", config.warmup_epochs,
                  "epochs of linear warm-up from lr/3 to lr, stepped per batch (LinearLR), before --schedule")
       ->check(cli::integer_in(0));

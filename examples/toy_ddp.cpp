@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <limits>
 #include <optional>
 
 #include "core/trace.h"
@@ -28,9 +29,9 @@
 #include "examples/example_utils.h"
 #include "examples/metrics.h"
 #include "examples/process_group_flags.h"
-#include "tools/cli_checks.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
+#include "tools/cli_checks.h"
 
 using namespace nanoddp;
 
@@ -98,8 +99,10 @@ int main(int argc, char** argv) {
   app.add_option("--lr", lr, "SGD learning rate")->check(cli::number_in(0));
   app.add_option("--batch-size", batch_size, "examples per rank per step")->check(cli::integer_in(1));
   app.add_flag("--raw", raw, "the tutorial's unscaled data (x up to 99): SGD diverges");
-  app.add_option("--init-weight", init_weight, "start from this weight instead of a random one");
-  app.add_option("--init-bias", init_bias, "start from this bias instead of a random one");
+  app.add_option("--init-weight", init_weight, "start from this weight instead of a random one")
+      ->check(cli::float_in(std::numeric_limits<float>::lowest()));
+  app.add_option("--init-bias", init_bias, "start from this bias instead of a random one")
+      ->check(cli::float_in(std::numeric_limits<float>::lowest()));
   app.add_option("--seed", seed, "seed of the initial weights")->check(cli::seed());
   group.add_to(app);
   app.add_option("--metrics", metrics_path, "JSON-lines file rank 0 writes one line per epoch to (examples/metrics.h)")

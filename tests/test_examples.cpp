@@ -166,6 +166,19 @@ TEST_CASE("toy_ddp: two nodes on this machine (nanoddp-run --nnodes 2) train lik
   }
 }
 
+TEST_CASE("toy_ddp refuses a starting weight or bias that is empty, not a number or past float32") {
+  for (const char* flag : {"--init-weight", "--init-bias"}) {
+    for (const char* value : {"", "nan", "inf", "-1e39", "0.5x"}) {
+      const RunResult r = run({built("examples/toy_ddp"), flag, value}, 60s);
+      CHECK(r.code() == 2);
+      CHECK_MESSAGE(r.err.find(std::string(flag) +
+                               ": must be a finite number between -3.40282e+38 and 3.40282e+38, got '" +
+                               value + "'") != std::string::npos,
+                    flag << " '" << value << "': " << r.err);
+    }
+  }
+}
+
 TEST_CASE("toy_ddp --raw stops with an error naming the epoch and step where the loss diverged") {
   const RunResult r = run({built("examples/toy_ddp"), "--raw"});
   CHECK(r.code() != 0);
@@ -412,7 +425,23 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   };
   RunResult r = run_with({"--lr", "1e6", "--epochs", "2"});
   CHECK(r.code() == 1);
-  CHECK(std::regex_search(r.err, std::regex("loss became -?nan in epoch 1 by step [0-9]+")));
+  CHECK(std::regex_search(
+      r.err, std::regex("loss became -?nan in epoch 1 by step [0-9]+; lower --lr or --momentum")));
+  // Adam has no --momentum to lower.
+  r = run_with({"--optimizer", "adam", "--lr", "1e30", "--epochs", "2"});
+  CHECK(r.code() == 1);
+  CHECK_MESSAGE(std::regex_search(
+                    r.err, std::regex("loss became -?(nan|inf) in epoch 1 by step [0-9]+; lower --lr \\(")),
+                r.err);
+  // Flags read into a float refuse what a float cannot hold, instead of running with inf.
+  for (const char* flag : {"--momentum", "--weight-decay"}) {
+    r = run_with({flag, "1e39"});
+    CHECK(r.code() == 2);
+    CHECK_MESSAGE(
+        r.err.find(std::string(flag) + ": must be a finite number between 0 and 3.40282e+38, got '1e39'") !=
+            std::string::npos,
+        r.err);
+  }
   r = run_with({"--resume"});
   CHECK(r.code() == 2);  // a usage error: argparse's status
   CHECK(r.err.find("--resume needs --checkpoint") != std::string::npos);

@@ -115,6 +115,12 @@ inline CLI::Validator number_in(double min, double max = std::numeric_limits<dou
       range.str());
 }
 
+// A finite number in [min, max] that a float32 holds: for flags read into a float, where
+// CLI11 would turn 1e39 into inf and "nan" into NaN without a word.
+inline CLI::Validator float_in(float min, float max = std::numeric_limits<float>::max()) {
+  return number_in(min, max);
+}
+
 // One of values, spelt exactly; otherwise "must be one of a, b or c, got '<text>'".
 inline CLI::Validator one_of(const std::vector<std::string>& values) {
   std::string listed, short_listed;
