@@ -360,16 +360,19 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
   if (!seed.defined()) {
     NANODDP_CHECK(root.numel() == 1, ValueError, "backward() without a gradient needs a one-element output, got ",
                   root.shape(), "; pass a gradient of that shape");
-    seed = Tensor::ones(root.shape(), DType::Float32, root.device());
+    seed = Tensor::ones(root.shape(), DType::Float32, root.device()).to(root.dtype());
   } else {
     NANODDP_CHECK(seed.shape() == root.shape(), ShapeError, "backward: gradient ", seed.shape(),
                   " does not match output ", root.shape());
-    NANODDP_CHECK(seed.dtype() == DType::Float32, ValueError, "backward: gradient must be float32, got ",
-                  seed.dtype());
+    NANODDP_CHECK(seed.dtype() == DType::Float32 || is_16bit_float(seed.dtype()), ValueError,
+                  "backward: gradient must be float32, float16 or bfloat16, got ", seed.dtype());
     // torch.autograd.backward refuses a gradient on another device than its output.
     NANODDP_CHECK(seed.device() == root.device(), DeviceError, "backward: gradient on ", seed.device(),
                   " for an output on ", root.device(), " (shape ", root.shape(), "); move it with .to(",
                   root.device(), ")");
+    // As torch's engine (validate_outputs): the gradient takes its output's dtype, so that
+    // every node sees gradients of the dtype it produced.
+    if (seed.dtype() != root.dtype()) seed = seed.detach().to(root.dtype());
   }
 
   // 1. Count, for every tensor in the graph, how many graph edges point at it.

@@ -67,7 +67,9 @@ void cast_into(const Tensor& out, const Tensor& src) {
   const int64_t n = src.numel();
   const Device device = src.device();
   auto bits = [](const Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); };
-  if (src.dtype() == DType::Float32) {
+  if (src.dtype() == out.dtype()) {
+    copy_bytes(out.data_ptr(), device, src.data_ptr(), device, src.nbytes());
+  } else if (src.dtype() == DType::Float32) {
     NANODDP_DISPATCH(device, float_to_16bit, bits(out), src.data<float>(), out.dtype(), 1.0f, n);
   } else if (out.dtype() == DType::Float32) {
     NANODDP_DISPATCH(device, float_from_16bit, out.data<float>(), bits(src), src.dtype(), n);
@@ -214,7 +216,10 @@ float Tensor::item() const {
 float Tensor::at(std::initializer_list<int64_t> index) const {
   NANODDP_CHECK(device().is_cpu(), DeviceError, "at() reads host memory; copy the ", device(),
                 " tensor to the CPU first");
-  return data<float>()[flat_index(shape(), index)];
+  const int64_t at = flat_index(shape(), index);
+  if (dtype() == DType::Float16) return data<Float16>()[at].to_float();
+  if (dtype() == DType::BFloat16) return data<BFloat16>()[at].to_float();
+  return data<float>()[at];
 }
 
 int64_t Tensor::at_int(std::initializer_list<int64_t> index) const {
@@ -224,7 +229,8 @@ int64_t Tensor::at_int(std::initializer_list<int64_t> index) const {
 }
 
 std::vector<float> Tensor::to_vector() const {
-  const Tensor host = to(Device::cpu());
+  Tensor host = to(Device::cpu());
+  if (is_16bit_float(dtype())) host = cast(host, DType::Float32);  // exact: float32 holds both
   const float* p = host.data<float>();
   return std::vector<float>(p, p + numel());
 }

@@ -86,9 +86,11 @@ class Tensor {
   // The single value of a one-element tensor, as torch.Tensor.item(). Copies from the GPU.
   float item() const;
   // One element by index, for tests: t.at({1, 2}). CPU only; throws IndexError when out of range.
+  // float32, float16 and bfloat16 tensors (16-bit values widen exactly); at_int for int64.
   float at(std::initializer_list<int64_t> index) const;
   int64_t at_int(std::initializer_list<int64_t> index) const;
-  // All elements, copied to the host in row-major order.
+  // All elements, copied to the host in row-major order (torch.Tensor.tolist): float32,
+  // float16 or bfloat16, widened exactly; to_int_vector for int64.
   std::vector<float> to_vector() const;
   std::vector<int64_t> to_int_vector() const;
 
@@ -144,8 +146,10 @@ class Tensor {
   Tensor grad() const;                          // undefined until a backward reaches it
   void set_grad(const Tensor& grad);            // an undefined Tensor clears it
   // Runs backward from this tensor. grad defaults to 1 for a one-element tensor; any other
-  // shape needs an explicit grad of the same shape (torch.Tensor.backward). The graph is
-  // freed afterwards unless retain_graph; a second backward through it throws ValueError.
+  // shape needs an explicit grad of the same shape (torch.Tensor.backward), on the same
+  // device (DeviceError), of a float dtype (ValueError otherwise), cast to this tensor's dtype
+  // as torch casts it (a float32 grad for a bfloat16 output is fine). The graph is freed
+  // afterwards unless retain_graph; a second backward through it throws ValueError.
   void backward(const Tensor& grad = Tensor(), bool retain_graph = false) const;
   // fn(param) runs after this leaf's .grad has been accumulated in a backward pass
   // (torch.Tensor.register_post_accumulate_grad_hook). Returns an id for remove_hook.

@@ -63,12 +63,44 @@ TEST_CASE("to(dtype) rounds to nearest even, widens exactly, and casts the gradi
   CHECK(std::isinf(values(h)[2]));  // past 65504 is infinity in float16
   CHECK(values(h.to(DType::BFloat16))[0] == 1.0f);
   CHECK(x.to(DType::Float32).is_same(x));
+  CHECK(b.detach().to_vector() ==
+        std::vector<float>{1.0f, 0.333984375f, 65536.0f, -0.10009765625f});  // tolist
+  CHECK(h.detach().at({1}) == 0.333251953125f);
+  CHECK(b.detach().at({3}) == -0.10009765625f);
   sum(mul(b, 3.0f)).backward();
   REQUIRE(x.grad().defined());
   CHECK(x.grad().dtype() == DType::Float32);
   CHECK(x.grad().to_vector() == std::vector<float>{3.0f, 3.0f, 3.0f, 3.0f});
   CHECK_THROWS_AS(x.to(DType::Int64), ValueError);
   CHECK_THROWS_AS(Tensor::from_vector(std::vector<int64_t>{1, 2}).to(DType::BFloat16), ValueError);
+}
+
+TEST_CASE("backward from a 16-bit output casts its gradient to the output's dtype, as torch's engine") {
+  for (DType dtype : {DType::BFloat16, DType::Float16}) {
+    CAPTURE(dtype);
+    // y = 3 * bf16(x): x.grad is 3 whichever float dtype the given gradient has.
+    for (DType grad_dtype : {DType::Float32, DType::BFloat16, DType::Float16}) {
+      Tensor x = Tensor::from_vector({1, 2, 3, 4, 5, 6, 7, 8}).set_requires_grad(true);
+      const Tensor y = mul(x.to(dtype), 3.0f);
+      y.backward(Tensor::ones({8}).to(grad_dtype));
+      REQUIRE(x.grad().defined());
+      CHECK(x.grad().dtype() == DType::Float32);
+      CHECK(x.grad().to_vector() == std::vector<float>(8, 3.0f));
+    }
+    // A one-element 16-bit output seeds with 1; linear's backward reads a 16-bit gradient.
+    Tensor x = Tensor::from_vector({1, 2, 3}, {1, 3}).set_requires_grad(true);
+    Tensor w = Tensor::from_vector({0.5f, -1, 2}, {1, 3}).set_requires_grad(true);
+    sum(linear(x.to(dtype), w.to(dtype), Tensor())).to(dtype).backward();
+    CHECK(w.grad().to_vector() == std::vector<float>{1, 2, 3});
+    CHECK(x.grad().to_vector() == std::vector<float>{0.5f, -1, 2});
+    Tensor z = linear(x.to(dtype), w.to(dtype), Tensor());
+    z.backward(Tensor::from_vector({2.0f}, {1, 1}));
+    CHECK(w.grad().to_vector() == std::vector<float>{3, 6, 9});
+  }
+  Tensor x = Tensor::from_vector({1, 2}).set_requires_grad(true);
+  CHECK_THROWS_WITH_AS(mul(x, 2.0f).backward(Tensor::from_vector(std::vector<int64_t>{1, 1})),
+                       doctest::Contains("gradient must be float32, float16 or bfloat16, got int64"),
+                       ValueError);
 }
 
 TEST_CASE("autocast: linear and matmul cast float32 operands by recorded ops and return the 16-bit dtype") {
