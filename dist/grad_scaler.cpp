@@ -15,9 +15,9 @@ namespace {
 void check_options(const GradScalerOptions& options) {
   NANODDP_CHECK(options.init_scale > 0.0f && std::isfinite(options.init_scale), ValueError,
                 "GradScaler: init_scale must be a positive finite number, got ", options.init_scale);
-  NANODDP_CHECK(options.growth_factor > 1.0f, ValueError, "GradScaler: growth_factor should be > 1, got ",
+  NANODDP_CHECK(options.growth_factor > 1.0, ValueError, "GradScaler: growth_factor should be > 1, got ",
                 options.growth_factor);
-  NANODDP_CHECK(options.backoff_factor > 0.0f && options.backoff_factor < 1.0f, ValueError,
+  NANODDP_CHECK(options.backoff_factor > 0.0 && options.backoff_factor < 1.0, ValueError,
                 "GradScaler: backoff_factor should be in (0, 1), got ", options.backoff_factor);
   NANODDP_CHECK(options.growth_interval >= 1, ValueError, "GradScaler: growth_interval should be >= 1, got ",
                 options.growth_interval);
@@ -42,7 +42,7 @@ const Tensor& entry(const nn::StateDict& state, const char* key, DType dtype) {
 
 GradScaler::GradScaler(GradScalerOptions options, std::shared_ptr<ProcessGroup> pg, std::chrono::milliseconds timeout)
     : options_(options), pg_(std::move(pg)), timeout_(timeout), scale_(options.init_scale) {
-  check_options(options_);
+  if (options_.enabled) check_options(options_);
 }
 
 Tensor GradScaler::scale(const Tensor& loss) const {
@@ -93,11 +93,13 @@ bool GradScaler::step(nn::Optimizer& optimizer) {
                 "GradScaler::step() has already been called since the last update()");
   if (optimizers_[&optimizer].stage == Stage::Ready) unscale_(optimizer);
   OptimizerState& state = optimizers_[&optimizer];
-  state.stage = Stage::Stepped;
+  // Checked before the stage moves: a second step() says the same, and update() does not
+  // count this optimizer as checked (torch's found_inf_per_device stays empty).
   NANODDP_CHECK(!state.checked_nothing, ValueError,
                 "GradScaler::step(): no inf checks were recorded for this optimizer: none of its parameters has "
                 "a .grad", pg_ != nullptr ? " on at least one rank" : "", " (call backward() on the scaled loss "
                 "first)");
+  state.stage = Stage::Stepped;
   if (state.found_inf) return false;  // every rank found the same flag: every rank skips
   optimizer.step();
   return true;
@@ -108,16 +110,16 @@ void GradScaler::update() {
   bool found = false, unscaled = false;
   for (const auto& [optimizer, state] : optimizers_) {
     found = found || state.found_inf;
-    unscaled = unscaled || state.stage != Stage::Ready;
+    unscaled = unscaled || (state.stage != Stage::Ready && !state.checked_nothing);
   }
   NANODDP_CHECK(unscaled, ValueError, "GradScaler::update(): no inf checks were recorded prior to update()");
   if (found) {
-    scale_ *= options_.backoff_factor;
+    scale_ = static_cast<float>(scale_ * options_.backoff_factor);
     growth_tracker_ = 0;
   } else if (++growth_tracker_ == options_.growth_interval) {
     // Never grown past float32's range to inf, which no backoff could bring back (torch's
     // _amp_update_scale_ keeps the old scale then too).
-    const float grown = scale_ * options_.growth_factor;
+    const float grown = static_cast<float>(scale_ * options_.growth_factor);
     if (std::isfinite(grown)) scale_ = grown;
     growth_tracker_ = 0;
   }
@@ -141,8 +143,8 @@ nn::StateDict GradScaler::state_dict() const {
   if (!options_.enabled) return {};
   auto scalar = [](int64_t v) { return Tensor::from_vector(std::vector<int64_t>{v}, Shape{}); };
   return {{"scale", Tensor::from_vector({scale_}, Shape{})},
-          {"growth_factor", Tensor::from_vector({options_.growth_factor}, Shape{})},
-          {"backoff_factor", Tensor::from_vector({options_.backoff_factor}, Shape{})},
+          {"growth_factor", Tensor::from_vector({static_cast<float>(options_.growth_factor)}, Shape{})},
+          {"backoff_factor", Tensor::from_vector({static_cast<float>(options_.backoff_factor)}, Shape{})},
           {"growth_interval", scalar(options_.growth_interval)},
           {"_growth_tracker", scalar(growth_tracker_)}};
 }

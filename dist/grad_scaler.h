@@ -33,8 +33,10 @@ namespace nanoddp::dist {
 // torch.amp.GradScaler's arguments and defaults.
 struct GradScalerOptions {
   float init_scale = 65536.0f;   // 2^16
-  float growth_factor = 2.0f;    // > 1
-  float backoff_factor = 0.5f;   // in (0, 1)
+  // Doubles, as torch's: the scale is multiplied in double and rounded once to float32
+  // (_amp_update_scale_), so 65536 * 0.1 * 0.1 is 655.359985, not 655.360046.
+  double growth_factor = 2.0;      // > 1
+  double backoff_factor = 0.5;     // in (0, 1)
   int64_t growth_interval = 2000;  // finite steps in a row before the scale grows; >= 1
   bool enabled = true;           // false: scale() returns the loss, step() steps, nothing else
 };
@@ -43,7 +45,8 @@ class GradScaler {
  public:
   // pg: the group the found-inf flag is all-reduced over (MAX); null: this process only.
   // Throws ValueError for init_scale <= 0, growth_factor <= 1, backoff_factor outside (0, 1)
-  // or growth_interval < 1 (torch checks the first two).
+  // or growth_interval < 1 (torch checks the middle two); a disabled scaler checks nothing,
+  // as torch's.
   explicit GradScaler(GradScalerOptions options = {}, std::shared_ptr<ProcessGroup> pg = nullptr,
                       std::chrono::milliseconds timeout = kDefaultTimeout);
 
@@ -62,7 +65,9 @@ class GradScaler {
   // After the step(s) of an iteration: backs the scale off if any optimizer found inf or NaN
   // (and restarts the growth count), else counts a finite step and grows the scale every
   // growth_interval of them, unless growing would overflow float32 (the scale stays then, as
-  // torch's). Forgets every optimizer's unscale/step state.
+  // torch's). Forgets every optimizer's unscale/step state. Throws ValueError when no
+  // optimizer checked a gradient since the last update (none unscaled, or none had a .grad),
+  // as torch asserts "No inf checks were recorded prior to update".
   void update();
   // Sets the scale (torch's update(new_scale)); the growth count is kept. ValueError for <= 0.
   void update(float new_scale);
@@ -74,7 +79,8 @@ class GradScaler {
   // unscaled since the last update().
   bool found_inf(const nn::Optimizer& optimizer) const;
 
-  // torch's keys: "scale", "growth_factor", "backoff_factor" (float32 scalars),
+  // torch's keys: "scale", "growth_factor", "backoff_factor" (float32 scalars: a factor
+  // such as 1.1 comes back as 1.1f, where torch keeps a Python float; 2 and 0.5 are exact),
   // "growth_interval", "_growth_tracker" (int64 scalars). Empty when disabled, as torch's.
   nn::StateDict state_dict() const;
   // Restores them. ValueError for a missing key, a wrong dtype, or values the constructor

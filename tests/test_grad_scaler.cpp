@@ -83,6 +83,34 @@ TEST_CASE("growth after growth_interval finite steps, backoff on inf, update(new
   CHECK(scaler.get_scale() == 3.0f);
 }
 
+TEST_CASE(
+    "the scale is multiplied by the factors in double and rounded once, as torch's _amp_update_scale_") {
+  auto model = make_mlp(7);
+  nn::SGD opt(model->parameters(), {/*lr=*/0.0});
+  const Batch b = testing::random_batch(70, 4, 5, 3);
+  auto step_with = [&](dist::GradScaler& scaler, bool inf) {
+    opt.zero_grad();
+    scaler.scale(cross_entropy((*model)(b.x), b.y)).backward();
+    if (inf) model->parameters()[0].grad().fill_(INFINITY);
+    scaler.step(opt);
+    scaler.update();
+  };
+  // torch 1.13: GradScaler(65536, growth_factor=2, backoff_factor=0.1, growth_interval=2).
+  dist::GradScaler backoff({65536.0f, 2.0, /*backoff_factor=*/0.1, /*growth_interval=*/2});
+  const std::vector<float> torch_scales = {6553.60009765625f, 655.3599853515625f, 65.53599548339844f};
+  for (float expected : torch_scales) {
+    step_with(backoff, /*inf=*/true);
+    CHECK(backoff.get_scale() == expected);  // in float: 655.360046, 65.5360031
+  }
+  step_with(backoff, false);
+  step_with(backoff, false);
+  CHECK(backoff.get_scale() == 131.07199096679688f);
+  // growth_factor 1.1 every step from 1: the seventh growth is torch's 1.94871724.
+  dist::GradScaler growth({1.0f, /*growth_factor=*/1.1, 0.5, /*growth_interval=*/1});
+  for (int i = 0; i < 7; ++i) step_with(growth, false);
+  CHECK(growth.get_scale() == 1.9487172365188599f);
+}
+
 TEST_CASE("the scaled float32 step is bit for bit the unscaled one (powers of two scale exactly)") {
   auto plain = make_mlp(2), scaled = make_mlp(2);
   nn::SGD plain_opt(plain->parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
@@ -170,13 +198,20 @@ TEST_CASE("as torch: a 16-bit loss scales to float32, the scale never grows to i
   CHECK(scaler.get_scale() == largest_power);
   CHECK(scaler.growth_tracker() == 0);
 
-  // No parameter has a .grad: torch asserts "No inf checks were recorded for this optimizer".
+  // No parameter has a .grad: torch asserts "No inf checks were recorded for this optimizer",
+  // again at a second step(), and update() has nothing to count.
   opt.zero_grad();  // set_to_none: the gradients are gone
   CHECK_THROWS_WITH_AS(scaler.step(opt), doctest::Contains("no inf checks were recorded for this optimizer"),
                        ValueError);
+  CHECK_THROWS_WITH_AS(scaler.step(opt), doctest::Contains("no inf checks were recorded for this optimizer"),
+                       ValueError);
+  CHECK_THROWS_WITH_AS(scaler.update(), doctest::Contains("no inf checks were recorded prior to update"),
+                       ValueError);
+  CHECK(scaler.growth_tracker() == 0);
 
   dist::GradScalerOptions off;
   off.enabled = false;
+  off.growth_factor = 0.5;  // torch checks the factors only when enabled
   dist::GradScaler disabled(off);
   disabled.load_state_dict({});
   disabled.load_state_dict(dist::GradScaler().state_dict());
