@@ -386,8 +386,13 @@ Tensor FullyShardedDataParallel::on_unit_forward_post(size_t u, const Tensor& ou
   return FSDPBackwardMarker::apply(*this, u, output);
 }
 
+// The model is not a registered child (its parameters are views), so the mode is passed on here.
+void FullyShardedDataParallel::train(bool mode) {
+  Module::train(mode);
+  module_->train(mode);
+}
+
 Tensor FullyShardedDataParallel::forward(const Tensor& input) {
-  module_->train(is_training());  // the model is not a registered child (its parameters are views)
   abandon_interrupted_backward();
   drop_unused_prefetches();  // a forward with no backward after it may have left one
   const bool training = is_grad_enabled() && is_training();

@@ -121,7 +121,8 @@ class FullyShardedDataParallel : public nn::Module {
   // model's parameters become views of the units' full vectors, which hold memory only while
   // their unit is gathered (always with NO_SHARD): use the model through this wrapper, and
   // take its weights out with full_state_dict(). train() and eval() on the wrapper reach the
-  // model at its next forward.
+  // whole model, as torch's; a forward leaves every submodule's own mode as it is (a
+  // BatchNorm put in eval() inside a training model stays in eval).
   FullyShardedDataParallel(std::shared_ptr<nn::Module> module, std::shared_ptr<ProcessGroup> pg,
                            FSDPOptions options = {});
   ~FullyShardedDataParallel() override;
@@ -130,6 +131,7 @@ class FullyShardedDataParallel : public nn::Module {
 
   // The model's forward with the units gathered around their own forwards (Note [FSDP units]).
   Tensor forward(const Tensor& input) override;
+  void train(bool mode = true) override;
 
   nn::Module& module() { return *module_; }
   const ProcessGroup& process_group() const { return *pg_; }

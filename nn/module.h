@@ -105,8 +105,9 @@ class Module {
   // filled with zeros in place (torch 1.13's default); see Optimizer::zero_grad.
   void zero_grad(bool set_to_none = true);
   // train(false) == eval(). Propagates to submodules. Layers here behave the same in both;
-  // the flag exists for layers that do not (dropout, batch norm).
-  void train(bool mode = true);
+  // the flag exists for layers that do not (dropout, batch norm). Virtual for a wrapper
+  // whose model is not a registered child (FullyShardedDataParallel).
+  virtual void train(bool mode = true);
   void eval() { train(false); }
   bool is_training() const { return training_; }
   // Moves every parameter and buffer to device, keeping the handles (torch.nn.Module.to).

@@ -776,6 +776,40 @@ TEST_CASE("the local state_dict holds the model's buffers too: BatchNorm's runni
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE(
+    "a submodule put in eval() stays in eval through training forwards; the wrapper's eval() reaches all") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = join(rank, 2, port);
+    Generator gen(8);
+    auto model = std::make_shared<nn::Sequential>();
+    model->add(nn::Linear(5, 6, gen));
+    auto norm = std::make_shared<nn::BatchNorm1d>(6);
+    model->add(norm);
+    model->add(nn::Linear(6, 3, gen));
+    norm->eval();  // frozen statistics, as when fine-tuning
+    dist::FullyShardedDataParallel fsdp(model, pg, fsdp_options(ShardingStrategy::FULL_SHARD, {}));
+    nn::SGD opt(fsdp.parameters(), {/*lr=*/0.1f});
+    for (int s = 0; s < 2; ++s) {
+      const Batch b = share(global_batch(s, 5), rank, 2);
+      opt.zero_grad();
+      cross_entropy(fsdp(b.x), b.y).backward();
+      opt.step();
+    }
+    expect(!norm->is_training(), "rank ", rank, ": the forward put the BatchNorm back in training");
+    expect(norm->num_batches_tracked.to_int_vector() == std::vector<int64_t>{0}, "rank ", rank,
+           ": the frozen BatchNorm counted batches");
+    expect(norm->running_mean.to_vector() == std::vector<float>(6, 0.0f), "rank ", rank,
+           ": the frozen BatchNorm's running mean moved");
+    fsdp.eval();
+    expect(!model->is_training() && !(*model)[0].is_training(), "rank ", rank,
+           ": eval() did not reach the model");
+    fsdp.train();
+    expect(model->is_training() && norm->is_training(), "rank ", rank, ": train() did not reach the model");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("the local state_dict is this rank's shards and loads back at the same world size") {
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [&](int rank) {
