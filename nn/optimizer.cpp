@@ -12,6 +12,10 @@ Optimizer::Optimizer(std::string name, std::vector<Tensor> params) : params_(std
     const Tensor& p = params_[i];
     NANODDP_CHECK(p.defined() && p.dtype() == DType::Float32, ValueError, name_,
                   ": parameters must be float32 tensors (parameter ", i, " is not)");
+    NANODDP_CHECK(
+        !p.impl()->storage->is_freed(), ValueError, name_, ": parameter ", i, " (", p.shape(),
+        ") has its memory freed: it belongs to a model wrapped in FullyShardedDataParallel, whose shards "
+        "hold the values; build the optimizer on the wrapper's parameters() (fsdp.parameters())");
     auto [it, inserted] = index_of.emplace(p.impl(), i);
     NANODDP_CHECK(inserted, ValueError, name_, ": parameter ", i, " is parameter ", it->second,
                   " again; a parameter listed twice would be stepped twice (pass model.parameters(), "
@@ -36,7 +40,11 @@ Optimizer::StateKey Optimizer::parse_state_key(const std::string& key, const std
   for (const std::string& b : buffers) known = known || b == parsed.buffer;
   NANODDP_CHECK(known && dot != std::string::npos, ValueError, name_, ".load_state_dict: unexpected key '", key, "'");
   const std::string digits = key.substr(dot + 1);
-  NANODDP_CHECK(!digits.empty() && digits.size() < 19 && digits.find_first_not_of("0123456789") == std::string::npos,
+  // The index as state_dict writes it: no leading zero, so that "momentum_buffer.01" cannot
+  // stand for parameter 1 beside "momentum_buffer.1".
+  NANODDP_CHECK(!digits.empty() && digits.size() < 19 &&
+                    digits.find_first_not_of("0123456789") == std::string::npos &&
+                    (digits[0] != '0' || digits.size() == 1),
                 ValueError, name_, ".load_state_dict: bad key '", key, "'");
   parsed.index = std::stoul(digits);
   NANODDP_CHECK(parsed.index < params_.size(), ValueError, name_, ".load_state_dict: '", key, "' but only ",

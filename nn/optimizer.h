@@ -65,7 +65,11 @@ class Optimizer {
 
  protected:
   // Throws ValueError unless every parameter is a defined float32 tensor listed once (a
-  // parameter listed twice would be stepped twice; PyTorch warns that this will be an error).
+  // parameter listed twice would be stepped twice; PyTorch warns that this will be an error)
+  // whose memory is not freed: the model's own parameters once FullyShardedDataParallel has
+  // wrapped it are views of its units' full vectors, which it frees and whose gradients go to
+  // its shards, so an optimizer over them would step nothing (torch's root FSDP leaves the
+  // model no parameters, and its optimizer says "empty parameter list").
   Optimizer(std::string name, std::vector<Tensor> params);
 
   // A key of state_dict split into its buffer name and parameter index, both checked:

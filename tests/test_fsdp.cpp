@@ -789,6 +789,17 @@ TEST_CASE(
     model->add(nn::Linear(6, 3, gen));
     norm->eval();  // frozen statistics, as when fine-tuning
     dist::FullyShardedDataParallel fsdp(model, pg, fsdp_options(ShardingStrategy::FULL_SHARD, {}));
+    // The model's own parameters are views of freed unit vectors: an optimizer over them would
+    // step nothing.
+    try {
+      nn::SGD wrong(model->parameters(), {/*lr=*/0.1f});
+      expect(false, "rank ", rank, ": an optimizer over the wrapped model's own parameters was accepted");
+    } catch (const ValueError& e) {
+      expect(
+          std::string(e.what()).find("SGD: parameter 0 ([6, 5]) has its memory freed: it belongs to a model "
+                                     "wrapped in FullyShardedDataParallel") != std::string::npos,
+          "rank ", rank, ": ", e.what());
+    }
     nn::SGD opt(fsdp.parameters(), {/*lr=*/0.1f});
     for (int s = 0; s < 2; ++s) {
       const Batch b = share(global_batch(s, 5), rank, 2);

@@ -185,6 +185,12 @@ TEST_CASE("SGD state_dict restores momentum so a resumed run matches an uninterr
   resumed.load_state_dict(first.state_dict());
   step_times(resumed, q, 2);
   CHECK(q.to_vector() == p.to_vector());
+  // An index is written without leading zeros: "momentum_buffer.00" is not parameter 0's,
+  // where it would stand beside "momentum_buffer.0" with nothing to say which wins.
+  StateDict padded = first.state_dict();
+  padded["momentum_buffer.00"] = padded.at("momentum_buffer.0");
+  CHECK_THROWS_WITH_AS(resumed.load_state_dict(padded), doctest::Contains("bad key 'momentum_buffer.00'"),
+                       ValueError);
 }
 
 TEST_CASE("SGD rejects bad hyper-parameters as PyTorch does") {
