@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "core/file_size_limit.h"
+#include "core/tensor.h"
 
 namespace nanoddp {
 
@@ -233,6 +234,15 @@ std::string read_regular_file(const std::string& path, const char* what) {
   std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
   NANODDP_CHECK(!file.bad(), IOError, what, " ", path, ": read failed: ", std::strerror(errno));
   return bytes;
+}
+
+void append_tensor_bytes(std::string& bytes, const Tensor& host, const std::string& where,
+                         const std::string& name) {
+  if (host.nbytes() == 0) return;
+  NANODDP_CHECK(!host.impl()->storage->is_freed(), ValueError, where, ": tensor '", name, "' (", host.shape(),
+                ") has its memory freed: a model's parameter under FullyShardedDataParallel, outside "
+                "its forward; save the wrapper's full_state_dict() or state_dict() instead");
+  bytes.append(static_cast<const char*>(host.impl()->storage->data()), host.nbytes());
 }
 
 }  // namespace nanoddp

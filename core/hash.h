@@ -10,10 +10,12 @@
 
 namespace nanoddp {
 
-inline uint64_t fnv1a(std::string_view bytes) {
-  constexpr uint64_t kOffsetBasis = 1469598103934665603ull;
+// The standard offset basis, 0xcbf29ce484222325: fnv1a("") == 14695981039346656037.
+constexpr uint64_t kFnv1aOffsetBasis = 14695981039346656037ull;
+
+inline uint64_t fnv1a(std::string_view bytes, uint64_t offset_basis = kFnv1aOffsetBasis) {
   constexpr uint64_t kPrime = 1099511628211ull;
-  uint64_t hash = kOffsetBasis;
+  uint64_t hash = offset_basis;
   for (unsigned char c : bytes) {
     hash ^= c;
     hash *= kPrime;

@@ -396,6 +396,9 @@ void ShardedCheckpointReader::parse(const nn::StateDict& manifest) {
     if (key.compare(0, kShapePrefix.size(), kShapePrefix) != 0) continue;
     const std::string name = key.substr(kShapePrefix.size());
     Entry entry;
+    NANODDP_CHECK(value.dtype() == DType::Int64 && value.dim() == 1, IOError, where, ": the shape of '", name,
+                  "' is a ", value.shape(), " ", dtype_name(value.dtype()),
+                  " entry, not a list of int64 sizes");
     try {
       entry.shape = Shape(value.to_int_vector());
     } catch (const ShapeError& e) {

@@ -1,5 +1,6 @@
 #include "nn/checkpoint.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -8,15 +9,18 @@
 #include <fstream>
 #include <unordered_map>
 
-#include "core/hash.h"
 #include "core/file_io.h"
+#include "core/hash.h"
 
 namespace nanoddp::nn {
 
 namespace {
 
 constexpr char kMagic[8] = {'N', 'D', 'D', 'P', 'C', 'K', 'P', 'T'};
-constexpr uint32_t kVersion = 1;
+// 2: the checksum is FNV-1a with its standard offset basis. Version 1 files, whose writer
+// had the basis one digit short (kVersion1OffsetBasis), still load.
+constexpr uint32_t kVersion = 2;
+constexpr uint64_t kVersion1OffsetBasis = 1469598103934665603ull;
 constexpr uint32_t kMaxNameBytes = 4096;
 
 template <typename T>
@@ -121,7 +125,7 @@ std::string checkpoint_bytes(const StateDict& tensors) {
     put<uint8_t>(bytes, static_cast<uint8_t>(host.dim()));
     for (int64_t size : host.shape().sizes()) put<int64_t>(bytes, size);
     put<uint64_t>(bytes, host.nbytes());
-    if (host.nbytes() > 0) bytes.append(static_cast<const char*>(host.impl()->storage->data()), host.nbytes());
+    append_tensor_bytes(bytes, host, "checkpoint", name);
   }
   put<uint64_t>(bytes, fnv1a(bytes));
   return bytes;
@@ -152,6 +156,9 @@ void check_checkpoint_writable(const std::string& path) {
 }
 
 bool is_checkpoint_file(const std::string& path) {
+  struct stat info {};
+  // Only a regular file is opened: opening a FIFO would wait for a writer.
+  if (::stat(path.c_str(), &info) != 0 || !S_ISREG(info.st_mode)) return false;
   std::ifstream in(path, std::ios::binary);
   std::string head(sizeof(kMagic), '\0');
   in.read(head.data(), static_cast<std::streamsize>(head.size()));
@@ -171,7 +178,12 @@ StateDict parse_checkpoint(const std::string& bytes, const std::string& path) {
                 ": bad magic at byte offset 0 (not a nanoddp checkpoint)");
   uint64_t stored_sum;
   std::memcpy(&stored_sum, bytes.data() + body, sizeof(stored_sum));
-  if (stored_sum != fnv1a(std::string_view(bytes).substr(0, body))) {
+  // The version picks the checksum's basis; it is checked below, once the checksum holds.
+  uint32_t written_version = 0;
+  if (body >= sizeof(kMagic) + sizeof(written_version))
+    std::memcpy(&written_version, bytes.data() + sizeof(kMagic), sizeof(written_version));
+  const uint64_t basis = written_version == 1 ? kVersion1OffsetBasis : kFnv1aOffsetBasis;
+  if (stored_sum != fnv1a(std::string_view(bytes).substr(0, body), basis)) {
     const std::string cut = where_truncated(bytes);
     NANODDP_CHECK(cut.empty(), IOError, "checkpoint ", path, ": truncated: the file ends at byte offset ", bytes.size(),
                   ", ", cut, " (was its write cut short?)");
@@ -184,8 +196,8 @@ StateDict parse_checkpoint(const std::string& bytes, const std::string& path) {
   Reader in(path, bytes, body);
   in.take(sizeof(kMagic), "magic");
   const uint32_t version = in.get<uint32_t>("version");
-  NANODDP_CHECK(version == kVersion, IOError, "checkpoint ", path, ": version ", version, " at byte offset 8, expected ",
-                kVersion);
+  NANODDP_CHECK(version == kVersion || version == 1, IOError, "checkpoint ", path, ": version ", version,
+                " at byte offset 8, expected ", kVersion, " (or 1)");
   const uint64_t count = in.get<uint64_t>("tensor count");
   StateDict state;
   // Where each name's entry starts: a second entry of one name would replace the first

@@ -3,10 +3,12 @@
 //   save_checkpoint("run.ckpt", {{"model.0.weight", w}, {"epoch", Tensor::from_vector({3.0f})}});
 //   StateDict state = load_checkpoint("run.ckpt");
 //
-// Format (little-endian): magic "NDDPCKPT", u32 version = 1, u64 count, then per tensor:
+// Format (little-endian): magic "NDDPCKPT", u32 version = 2, u64 count, then per tensor:
 // u32 name length, name bytes, u8 dtype, u8 dim, dim x i64 sizes, u64 nbytes, data; finally
-// a u64 FNV-1a checksum of everything before it. dtype is DType's number (core/device.h):
-// 0 float32, 1 int64, 2 uint8, 3 float16, 4 bfloat16.
+// a u64 FNV-1a checksum (64-bit, offset basis 0xcbf29ce484222325) of everything before it.
+// dtype is DType's number (core/device.h): 0 float32, 1 int64, 2 uint8, 3 float16,
+// 4 bfloat16, 5 int32. Version 1 files, whose checksum started from 1469598103934665603
+// instead, load too.
 //
 // save writes the file through write_file_atomically (core/file_io.h): a temporary file of its
 // own, fsynced, renamed over path. A crash or kill -9 leaves the old file or the new one,

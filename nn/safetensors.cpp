@@ -65,7 +65,8 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
   const json& dtype = value["dtype"];
   if (!dtype.is_string()) fail("\"dtype\" is not a string");
   if (!parse_dtype(dtype.get<std::string>(), &entry.dtype))
-    fail("dtype " + dtype.get<std::string>() + " is not supported (nanoddp reads F32, F16, BF16, I64 and U8)");
+    fail("dtype " + dtype.get<std::string>() +
+         " is not supported (nanoddp reads F32, F16, BF16, I64, I32 and U8)");
 
   const json& shape = value["shape"];
   if (!shape.is_array()) fail("\"shape\" is not an array");
@@ -86,13 +87,18 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
   entry.end = offsets[1].get<uint64_t>();
   if (entry.begin > entry.end) fail("data_offsets " + offsets.dump() + " end before they begin");
 
-  // numel * dtype size, refusing a product that overflows.
-  uint64_t nbytes = dtype_size(entry.dtype);
+  // numel * dtype size, refusing a product that overflows; the nonzero sizes alone must
+  // count in int64 too, as nanoddp's shapes do (torch.empty(0, 2**62, 2**62) is no
+  // different: its numel is 0, but its strides overflow).
+  uint64_t nbytes = dtype_size(entry.dtype), nonzero = 1;
   for (int64_t size : entry.sizes) {
     const uint64_t factor = static_cast<uint64_t>(size);
     if (factor != 0 && nbytes > std::numeric_limits<uint64_t>::max() / factor)
       fail("shape " + shape.dump() + " overflows a 64-bit byte count");
+    if (factor != 0 && nonzero > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) / factor)
+      fail("shape " + shape.dump() + " has more elements than int64 can count");
     nbytes *= factor;
+    if (factor != 0) nonzero *= factor;
   }
   if (entry.end - entry.begin != nbytes)
     fail("data_offsets " + offsets.dump() + " span " + std::to_string(entry.end - entry.begin) +
@@ -105,6 +111,15 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
 // names undefined and readers differ: nlohmann keeps the last, others the first. A file with
 // two entries for one tensor (or two "__metadata__") would load whichever this reader picks,
 // silently, so it is refused instead. Throws IOError naming the key, or as json::parse does.
+bool is_utf8(const std::string& text) {
+  try {
+    (void)json(text).dump();
+    return true;
+  } catch (const json::type_error&) {
+    return false;
+  }
+}
+
 json parse_header(const std::string& path, const std::string& bytes, size_t begin, size_t end) {
   struct OpenObject {
     std::string name;  // the key whose value it is ("" for the header itself)
@@ -151,14 +166,27 @@ void save_safetensors(const std::string& path, const StateDict& tensors, const S
   }
   if (!metadata.empty()) header[kMetadataKey] = metadata;
 
-  std::string text = header.dump();
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const json::type_error&) {  // the only one dump() throws: bytes that are not UTF-8
+    for (const auto& [name, tensor] : tensors)
+      NANODDP_CHECK(is_utf8(name), ValueError, "safetensors ", path, ": the tensor name '", name,
+                    "' is not UTF-8 text, which the format's JSON header needs");
+    for (const auto& [key, value] : metadata)
+      NANODDP_CHECK(is_utf8(key) && is_utf8(value), ValueError, "safetensors ", path,
+                    ": the metadata entry '", key,
+                    "' is not UTF-8 text, which the format's JSON header needs");
+    throw;
+  }
   text.append((8 - text.size() % 8) % 8, ' ');
   const uint64_t header_bytes = text.size();
   std::string bytes(reinterpret_cast<const char*>(&header_bytes), sizeof(header_bytes));
   bytes.reserve(sizeof(header_bytes) + text.size() + offset);
   bytes += text;
+  auto name = tensors.begin();
   for (const Tensor& host : host_tensors)
-    if (host.nbytes() > 0) bytes.append(static_cast<const char*>(host.impl()->storage->data()), host.nbytes());
+    append_tensor_bytes(bytes, host, "safetensors " + path, (name++)->first);
   write_file_atomically(path, bytes, "safetensors");
 }
 
@@ -188,6 +216,13 @@ StateDict load_safetensors(const std::string& path, SafetensorsMetadata* metadat
   const size_t data_start = sizeof(header_bytes) + header_bytes;
   const uint64_t data_bytes = bytes.size() - data_start;
 
+  // As the format's reference reader: the header is JSON text that starts with '{'. A NUL
+  // would end nlohmann's input early, hiding what follows it.
+  NANODDP_CHECK(header_bytes > 0 && bytes[sizeof(header_bytes)] == '{', IOError, "safetensors ", path,
+                ": the header (bytes 8 to ", data_start, ") does not start with '{'");
+  const size_t nul = bytes.find('\0', sizeof(header_bytes));
+  NANODDP_CHECK(nul >= data_start, IOError, "safetensors ", path, ": the header (bytes 8 to ", data_start,
+                ") holds a NUL byte at byte offset ", nul);
   json header;
   try {
     header = parse_header(path, bytes, sizeof(header_bytes), data_start);
@@ -198,19 +233,19 @@ StateDict load_safetensors(const std::string& path, SafetensorsMetadata* metadat
   NANODDP_CHECK(header.is_object(), IOError, "safetensors ", path, ": the header is not a JSON object");
 
   std::vector<Entry> entries;
+  SafetensorsMetadata file_metadata;
   for (const auto& [name, value] : header.items()) {
     if (name == kMetadataKey) {
       NANODDP_CHECK(value.is_object(), IOError, "safetensors ", path, ": ", kMetadataKey, " is not a JSON object");
       for (const auto& [key, text] : value.items()) {
         NANODDP_CHECK(text.is_string(), IOError, "safetensors ", path, ": ", kMetadataKey, " value of '", key,
                       "' is not a string");
-        if (metadata != nullptr) (*metadata)[key] = text.get<std::string>();
+        file_metadata[key] = text.get<std::string>();
       }
       continue;
     }
     entries.push_back(parse_entry(path, name, value));
   }
-  if (metadata != nullptr && !header.contains(kMetadataKey)) metadata->clear();
 
   // The tensors must tile [0, data_bytes): sorted by begin, each starts where the last ended.
   std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
@@ -239,6 +274,7 @@ StateDict load_safetensors(const std::string& path, SafetensorsMetadata* metadat
     if (t.nbytes() > 0) std::memcpy(t.impl()->storage->data(), bytes.data() + data_start + entry.begin, t.nbytes());
     state[entry.name] = t;
   }
+  if (metadata != nullptr) *metadata = std::move(file_metadata);  // replaced whole, and only on success
   return state;
 }
 

@@ -12,10 +12,13 @@
 // tensors cover the data exactly, with no overlap and no gap.
 //
 // dtypes: Float32 <-> "F32", Float16 <-> "F16", BFloat16 <-> "BF16", Int64 <-> "I64",
-// UInt8 <-> "U8". A half-precision file (weights shared in BF16) loads as such, and
-// Module::load_state_dict converts it into a float32 model as torch's copy_ does. Files holding
-// other dtypes (F64, I32, ...) or more than Shape::kMaxDims dimensions are refused with an
-// error naming the tensor. For training checkpoints (optimizer state, epoch, checksum) see nn/checkpoint.h.
+// Int32 <-> "I32", UInt8 <-> "U8". A half-precision file (weights shared in BF16) loads as
+// such, and Module::load_state_dict converts it into a float32 model as torch's copy_ does.
+// Files holding other dtypes (F64, BOOL, I8, ...) or more than Shape::kMaxDims dimensions are
+// refused with an IOError naming the tensor. The header must start with '{' and hold no NUL
+// byte, as the format's reference reader requires. save throws ValueError for a tensor whose
+// memory is freed and for a name or metadata that is not UTF-8. For training checkpoints
+// (optimizer state, epoch, checksum) see nn/checkpoint.h.
 #pragma once
 
 #include <map>
@@ -41,14 +44,13 @@ void save_safetensors(const std::string& path, const StateDict& tensors, const S
 // write). For programs that export after long work.
 void check_safetensors_writable(const std::string& path);
 
-// Reads every tensor of path onto the CPU; with metadata non-null, also its "__metadata__"
-// (empty when absent). Checks everything before trusting it: the header length against the
-// file size, the JSON, each dtype, shape and data_offsets, that each tensor's byte count is
-// its numel * dtype size (overflow-checked), that no name appears twice in one JSON object
-// (two entries for a tensor or two "__metadata__": which one a reader takes is undefined),
-// and that the tensors tile the data exactly.
-// Throws IOError naming the file (and the tensor and byte offsets) on any violation, and
-// on a missing or unreadable file.
+// Reads every tensor of path onto the CPU; with metadata non-null, also replaces *metadata
+// with its "__metadata__" (empty when absent; untouched when the load throws). Checks everything before
+// trusting it: the header length against the file size, the JSON, each dtype, shape and data_offsets, that
+// each tensor's byte count is its numel * dtype size (overflow-checked), that no name appears twice in one
+// JSON object (two entries for a tensor or two "__metadata__": which one a reader takes is undefined), and
+// that the tensors tile the data exactly. Throws IOError naming the file (and the tensor and byte offsets) on
+// any violation, and on a missing or unreadable file.
 StateDict load_safetensors(const std::string& path, SafetensorsMetadata* metadata = nullptr);
 
 }  // namespace nanoddp::nn

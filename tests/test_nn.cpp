@@ -1,13 +1,16 @@
 #include <doctest/doctest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <string>
-#include <unistd.h>
 
 #include "core/autograd.h"
 #include "core/half.h"
@@ -269,9 +272,9 @@ struct CheckpointBytes {
     bytes.append(reinterpret_cast<const char*>(&value), sizeof(T));
     return *this;
   }
-  std::string sealed() const {
+  std::string sealed(uint64_t offset_basis = kFnv1aOffsetBasis) const {
     std::string out = bytes;
-    const uint64_t sum = fnv1a(out);
+    const uint64_t sum = fnv1a(out, offset_basis);
     out.append(reinterpret_cast<const char*>(&sum), sizeof(sum));
     return out;
   }
@@ -287,12 +290,42 @@ std::string parse_error(const std::string& bytes) {
 }
 }  // namespace
 
+TEST_CASE(
+    "the checkpoint checksum is standard FNV-1a 64 (version 2); version 1 files, with the old basis, load") {
+  // The FNV reference's test vectors.
+  CHECK(fnv1a("") == 0xcbf29ce484222325ull);
+  CHECK(fnv1a("a") == 0xaf63dc4c8601ec8cull);
+  CHECK(fnv1a("foobar") == 0x85944171f73967e8ull);
+  const std::string path = temp_path("fnv_ckpt");
+  save_checkpoint(path, {{"w", Tensor::from_vector({1.5f})}});
+  std::ifstream in(path, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::remove(path.c_str());
+  uint32_t version = 0;
+  std::memcpy(&version, bytes.data() + 8, sizeof(version));
+  CHECK(version == 2);
+  uint64_t sum = 0;
+  std::memcpy(&sum, bytes.data() + bytes.size() - 8, sizeof(sum));
+  CHECK(sum == fnv1a(std::string_view(bytes).substr(0, bytes.size() - 8)));
+  // A version 1 file: the same body, its checksum from 1469598103934665603.
+  auto version1 = [](float value, uint64_t basis) {
+    CheckpointBytes file;
+    file.put<uint32_t>(1).put<uint64_t>(1).put<uint32_t>(1);
+    file.bytes += "w";
+    file.put<uint8_t>(0).put<uint8_t>(1).put<int64_t>(1).put<uint64_t>(4).put<float>(value);
+    return file.sealed(basis);
+  };
+  const StateDict old = parse_checkpoint(version1(2.5f, 1469598103934665603ull), "old.ckpt");
+  CHECK(old.at("w").to_vector() == std::vector<float>{2.5f});
+  CHECK(parse_error(version1(2.5f, kFnv1aOffsetBasis)).find("checksum mismatch") != std::string::npos);
+}
+
 TEST_CASE("checkpoint sizes are checked against int64 and the bytes present, naming the offset") {
   // One float32 tensor "w" of shape [2^62, 4]: 2^64 elements, 2^66 bytes, which wrap to 0,
   // so without the checks a byte count of 0 would pass for a tensor of 2^64 elements.
   auto entry = [](std::vector<int64_t> sizes, uint64_t nbytes) {
     CheckpointBytes file;
-    file.put<uint32_t>(1).put<uint64_t>(1).put<uint32_t>(1);
+    file.put<uint32_t>(2).put<uint64_t>(1).put<uint32_t>(1);
     file.bytes += "w";
     file.put<uint8_t>(0).put<uint8_t>(static_cast<uint8_t>(sizes.size()));
     for (int64_t size : sizes) file.put<int64_t>(size);
@@ -320,7 +353,7 @@ TEST_CASE("checkpoint sizes are checked against int64 and the bytes present, nam
   CHECK(m.find("4398046511104 bytes wanted, 0 left") != std::string::npos);
   // A dtype number past int32 (5, the last) is no DType.
   CheckpointBytes unknown;
-  unknown.put<uint32_t>(1).put<uint64_t>(1).put<uint32_t>(1);
+  unknown.put<uint32_t>(2).put<uint64_t>(1).put<uint32_t>(1);
   unknown.bytes += "w";
   unknown.put<uint8_t>(6).put<uint8_t>(1).put<int64_t>(2).put<uint64_t>(8).put<float>(0).put<float>(0);
   m = parse_error(unknown.sealed());
@@ -340,7 +373,7 @@ TEST_CASE("a checkpoint with two entries of one name is refused, naming it and b
   // Two float32 [1] tensors named "w", 1.0 then 2.0. Each entry is 4 + 1 + 1 + 1 + 8 + 8 + 4 = 27
   // bytes: the first at byte offset 20 (8 magic + 4 version + 8 count), the second at 47.
   CheckpointBytes file;
-  file.put<uint32_t>(1).put<uint64_t>(2);
+  file.put<uint32_t>(2).put<uint64_t>(2);
   for (float value : {1.0f, 2.0f}) {
     file.put<uint32_t>(1);
     file.bytes += "w";
@@ -406,6 +439,11 @@ TEST_CASE("check_checkpoint_writable refuses a path, or a path.prev, that is som
   }
   CHECK(!is_checkpoint_file(previous));
   CHECK(!is_checkpoint_file(path + ".absent"));
+  // A FIFO is not opened (opening it would wait for a writer), so it is no checkpoint.
+  const std::string fifo = path + ".fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  CHECK(!is_checkpoint_file(fifo));
+  std::remove(fifo.c_str());
   const std::string m = error_of();
   CHECK_MESSAGE(m.find("refusing to replace " + previous + ": it is not a nanoddp checkpoint (it begins \"# My notes\")") !=
                     std::string::npos,

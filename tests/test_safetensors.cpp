@@ -10,6 +10,7 @@
 #include <string>
 
 #include "core/half.h"
+#include "nn/checkpoint.h"
 #include "nn/layers.h"
 #include "nn/safetensors.h"
 
@@ -149,6 +150,39 @@ TEST_CASE("save_safetensors refuses a tensor named __metadata__ and leaves no fi
   }
 }
 
+TEST_CASE(
+    "save_safetensors and save_checkpoint refuse a tensor whose memory is freed or a name that is not "
+    "UTF-8") {
+  const std::string path = temp_path("freed.safetensors");
+  Tensor freed = Tensor::ones({1000});
+  freed.impl()->storage->free_memory();  // as FSDP frees a unit's full vector outside its forward
+  CHECK_THROWS_WITH_AS(
+      save_safetensors(path, {{"a", freed}}),
+      doctest::Contains(("safetensors " + path + ": tensor 'a' ([1000]) has its memory freed").c_str()),
+      ValueError);
+  CHECK_THROWS_WITH_AS(nn::save_checkpoint(path, {{"a", freed}}),
+                       doctest::Contains("checkpoint: tensor 'a' ([1000]) has its memory freed"), ValueError);
+  CHECK_THROWS_WITH_AS(save_safetensors(path, {{"bad\xff", Tensor::scalar(1.0f)}}),
+                       doctest::Contains("the tensor name 'bad\xff' is not UTF-8 text"), ValueError);
+  CHECK_THROWS_WITH_AS(save_safetensors(path, {{"a", Tensor::scalar(1.0f)}}, {{"note", "\xfe"}}),
+                       doctest::Contains("the metadata entry 'note' is not UTF-8 text"), ValueError);
+  CHECK_FALSE(std::ifstream(path).good());
+}
+
+TEST_CASE("load_safetensors replaces the caller's metadata map, and leaves it when the load fails") {
+  const std::string path = temp_path("meta.safetensors");
+  save_safetensors(path, {{"a", Tensor::scalar(1.0f)}}, {{"format", "pt"}});
+  SafetensorsMetadata metadata = {{"stale", "x"}};
+  load_safetensors(path, &metadata);
+  CHECK(metadata == SafetensorsMetadata{{"format", "pt"}});
+  write_bytes(path,
+              file_bytes(R"({"__metadata__":{"k":"v"},"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})",
+                         std::string(8, '\0')));
+  CHECK_THROWS_AS(load_safetensors(path, &metadata), IOError);
+  CHECK(metadata == SafetensorsMetadata{{"format", "pt"}});
+  std::remove(path.c_str());
+}
+
 TEST_CASE("load_safetensors refuses malformed files, naming the file and the problem") {
   const std::string path = temp_path("bad.safetensors");
   const std::string eight_bytes(8, '\x01');  // data for one F32 [2] tensor
@@ -161,31 +195,42 @@ TEST_CASE("load_safetensors refuses malformed files, naming the file and the pro
   const Case cases[] = {
       {"the good file, truncated in its data", file_bytes(good, eight_bytes).substr(0, 8 + good.size() + 5),
        "run past the end of the data"},
-      {"a file shorter than the length field", std::string("\x10\x00\x00", 3), "too short for the 8-byte header length"},
-      {"a header length beyond the file", file_bytes(good, eight_bytes, 1000), "runs past the end of the file"},
-      {"a header length of 2^64 - 1", file_bytes(good, eight_bytes, UINT64_MAX - 1) , "runs past the end of the file"},
+      {"a file shorter than the length field", std::string("\x10\x00\x00", 3),
+       "too short for the 8-byte header length"},
+      {"a header length beyond the file", file_bytes(good, eight_bytes, 1000),
+       "runs past the end of the file"},
+      {"a header length of 2^64 - 1", file_bytes(good, eight_bytes, UINT64_MAX - 1),
+       "runs past the end of the file"},
       {"a header that is not JSON", file_bytes("{\"a\": ", eight_bytes), "not valid JSON"},
-      {"a header that is a JSON array", file_bytes("[1, 2]", ""), "not a JSON object"},
-      {"an unsupported dtype", file_bytes(R"({"a":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}})", eight_bytes),
+      {"a header that is a JSON array", file_bytes("[1, 2]", ""), "does not start with '{'"},
+      {"an unsupported dtype",
+       file_bytes(R"({"a":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}})", eight_bytes),
        "dtype F64 is not supported"},
-      {"an unknown dtype", file_bytes(R"({"a":{"dtype":"Q7","shape":[2],"data_offsets":[0,8]}})", eight_bytes),
+      {"an unknown dtype",
+       file_bytes(R"({"a":{"dtype":"Q7","shape":[2],"data_offsets":[0,8]}})", eight_bytes),
        "dtype Q7 is not supported"},
-      {"a missing field", file_bytes(R"({"a":{"dtype":"F32","shape":[2]}})", eight_bytes), "no \"data_offsets\""},
-      {"a negative offset", file_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[-8,0]}})", eight_bytes),
+      {"a missing field", file_bytes(R"({"a":{"dtype":"F32","shape":[2]}})", eight_bytes),
+       "no \"data_offsets\""},
+      {"a negative offset",
+       file_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[-8,0]}})", eight_bytes),
        "is not two non-negative integers"},
       {"offsets that end before they begin",
-       file_bytes(R"({"a":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", eight_bytes), "end before they begin"},
+       file_bytes(R"({"a":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", eight_bytes),
+       "end before they begin"},
       {"a byte count that does not match the shape",
        file_bytes(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", eight_bytes), "needs 12"},
       {"a shape whose byte count overflows",
-       file_bytes(R"({"a":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,8]}})", eight_bytes),
+       file_bytes(R"({"a":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,8]}})",
+                  eight_bytes),
        "overflows a 64-bit byte count"},
-      {"a negative size", file_bytes(R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", eight_bytes),
+      {"a negative size",
+       file_bytes(R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", eight_bytes),
        "non-negative integer"},
       {"too many dimensions",
        file_bytes(R"({"a":{"dtype":"F32","shape":[1,1,1,1,2],"data_offsets":[0,8]}})", eight_bytes),
        "5 dimensions"},
-      {"offsets beyond the data", file_bytes(good, std::string(4, '\0')), "run past the end of the data (4 bytes"},
+      {"offsets beyond the data", file_bytes(good, std::string(4, '\0')),
+       "run past the end of the data (4 bytes"},
       {"overlapping tensors",
        file_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                   R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
@@ -214,6 +259,17 @@ TEST_CASE("load_safetensors refuses malformed files, naming the file and the pro
        "has key 'dtype' twice in the entry 'a'"},
       {"a metadata key twice", file_bytes(R"({"__metadata__":{"epochs":"10","epochs":"20"}})", ""),
        "has key 'epochs' twice in the entry '__metadata__'"},
+      // nlohmann stops at a NUL: what follows it would be read by no one.
+      {"a NUL inside the header", file_bytes(good + std::string(1, '\0') + "junk", eight_bytes),
+       "holds a NUL byte at byte offset 62"},
+      {"a header that does not start with '{'", file_bytes(" " + good, eight_bytes),
+       "does not start with '{'"},
+      // An empty tensor whose other sizes overflow int64 is still not a shape.
+      {"an empty shape that overflows int64",
+       file_bytes(
+           R"({"a":{"dtype":"F32","shape":[0,4611686018427387904,4611686018427387904],"data_offsets":[0,0]}})",
+           ""),
+       "has more elements than int64 can count"},
   };
   for (const Case& c : cases) {
     CAPTURE(c.what);

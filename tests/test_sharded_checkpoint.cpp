@@ -586,6 +586,16 @@ TEST_CASE("a missing, truncated, corrupt or foreign shard file is an IOError nam
   CHECK_MESSAGE(contains(error, "sharded checkpoint " + dir.path +
                                     "/gap.ckpt: 'x': no rank holds elements from 6 (of 8)"),
                 error);
+  // A shape that is not a list of int64 sizes is the file's fault, named as such.
+  manifest = nn::load_checkpoint(path);
+  manifest["shape/x"] = Tensor::from_vector({8.0f});
+  nn::save_checkpoint(dir.path + "/float_shape.ckpt", manifest);
+  error = error_of([&] { dist::ShardedCheckpointReader(dir.path + "/float_shape.ckpt"); });
+  CHECK_MESSAGE(
+      contains(error,
+               "sharded checkpoint " + dir.path +
+                   "/float_shape.ckpt: the shape of 'x' is a [1] float32 entry, not a list of int64 sizes"),
+      error);
 }
 
 TEST_CASE("the resharding case passes on Gloo too (this file with NANODDP_TEST_BACKEND=gloo)") {

@@ -19,12 +19,13 @@ import json
 import struct
 import sys
 
-import numpy as np
 import torch
 
 from fashion_mnist import load, make_model
 
-DTYPES = {"F32": np.float32, "I64": np.int64, "U8": np.uint8}
+# torch dtypes: numpy has no bfloat16, so the bytes are read as torch reads them.
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+          "I32": torch.int32, "U8": torch.uint8}
 
 
 def read_safetensors(path):
@@ -44,8 +45,9 @@ def read_safetensors(path):
     tensors = {}
     for name, entry in header.items():
         begin, end = entry["data_offsets"]
-        array = np.frombuffer(body[begin:end], dtype=DTYPES[entry["dtype"]]).reshape(entry["shape"])
-        tensors[name] = torch.from_numpy(array.copy())
+        raw = bytearray(body[begin:end])
+        flat = torch.frombuffer(raw, dtype=DTYPES[entry["dtype"]]) if raw else torch.empty(0, dtype=DTYPES[entry["dtype"]])
+        tensors[name] = flat.reshape(entry["shape"]).clone()
     return tensors, metadata
 
 

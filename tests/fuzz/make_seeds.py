@@ -35,7 +35,7 @@ write("fuzz_idx", "matrix_2d", idx([3, 4]))
 write("fuzz_idx", "tensor_4d", idx([1, 2, 2, 2]))
 
 
-# ---- checkpoint body: "NDDPCKPT", u32 version 1, u64 count, entries --------------------------
+# ---- checkpoint body: "NDDPCKPT", u32 version 2, u64 count, entries --------------------------
 FLOAT32, INT64, UINT8 = 0, 1, 2
 ITEM = {FLOAT32: "<f", INT64: "<q", UINT8: "<B"}
 
@@ -47,7 +47,7 @@ def entry(name, dtype, sizes, values):
 
 
 def checkpoint(*entries):
-    return b"NDDPCKPT" + struct.pack("<IQ", 1, len(entries)) + b"".join(entries)
+    return b"NDDPCKPT" + struct.pack("<IQ", 2, len(entries)) + b"".join(entries)
 
 
 write("fuzz_checkpoint", "empty", checkpoint())
