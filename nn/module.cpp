@@ -265,13 +265,34 @@ Tensor converted(const Tensor& src, DType to) {
   return out;
 }
 
+// Whether name is a batch norm's counter ("num_batches_tracked", nn/batch_norm.h), alone or
+// as a submodule's ("3.num_batches_tracked").
+bool is_batch_counter(const std::string& name, const Tensor& t) {
+  const std::string counter = "num_batches_tracked";
+  const bool named =
+      name == counter || (name.size() > counter.size() &&
+                          name.compare(name.size() - counter.size(), counter.size(), counter) == 0 &&
+                          name[name.size() - counter.size() - 1] == '.');
+  return named && t.dtype() == DType::Int64 && t.numel() == 1;
+}
+
 }  // namespace
 
 Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool strict) {
   const auto named = named_state();
   std::vector<std::string> missing, unexpected;
-  for (auto& [name, p] : named)
-    if (state.count(name) == 0) missing.push_back(name);
+  // Batch norms' counters the state lacks: torch's _NormBase._load_from_state_dict fills
+  // them with 0 for a state without version metadata (a plain dict, as any file gives), so
+  // weights exported without them still load strictly.
+  std::vector<Tensor> counters_to_reset;
+  for (auto& [name, p] : named) {
+    if (state.count(name) != 0) continue;
+    if (is_batch_counter(name, p)) {
+      counters_to_reset.push_back(p);
+    } else {
+      missing.push_back(name);
+    }
+  }
   for (auto& [name, t] : state) {
     bool known = false;
     for (auto& [own, p] : named) known |= own == name;
@@ -303,6 +324,8 @@ Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool st
     if (it == state.end()) continue;
     Tensor(p).copy_(it->second.dtype() == p.dtype() ? it->second : converted(it->second, p.dtype()));
   }
+  for (Tensor& counter : counters_to_reset)
+    counter.copy_(Tensor::zeros(counter.shape(), DType::Int64, counter.device()));
   return {missing, unexpected};  // unexpected is already sorted: StateDict is ordered by name
 }
 

@@ -136,8 +136,10 @@ class Module {
   // float16, bfloat16: a half-precision safetensors file into a float32 model) are converted
   // as torch's copy_ does: exactly when widening, rounded to nearest even when narrowing.
   // Between an integer and a floating dtype, where torch's copy_ would convert silently (a
-  // float step counter truncated into int64), it is a ShapeError naming both. Nothing is
-  // modified unless every check passes.
+  // float step counter truncated into int64), it is a ShapeError naming both. A batch norm's
+  // num_batches_tracked that the state lacks is set to 0, not missing, as torch's _NormBase
+  // does for a state without version metadata (which every file gives). Nothing is modified
+  // unless every check passes.
   IncompatibleKeys load_state_dict(const StateDict& state, bool strict = true);
 
  protected:

@@ -946,6 +946,18 @@ TEST_CASE("BatchNorm1d without running stats normalises with the batch in eval t
   CHECK_THROWS_AS(tracked(Tensor::from_vector({1, 2}, {1, 2})), ValueError);  // one value per channel
   CHECK_THROWS_AS(tracked(Tensor::zeros({4, 3})), ShapeError);                // 3 channels, not 2
   CHECK(tracked.num_batches_tracked.to_int_vector() == std::vector<int64_t>{2});
+  // A state without the counter (weights exported without it) loads strictly and sets it to
+  // 0, as torch's _NormBase does for a plain dict; the other keys are still required.
+  StateDict without_counter = tracked.state_dict();
+  without_counter.erase("num_batches_tracked");
+  CHECK(tracked.load_state_dict(without_counter).empty());
+  CHECK(tracked.num_batches_tracked.to_int_vector() == std::vector<int64_t>{0});
+  tracked.num_batches_tracked.copy_(Tensor::from_vector(std::vector<int64_t>{2}).reshape(Shape{}));
+  without_counter.erase("running_var");
+  CHECK_THROWS_WITH_AS(tracked.load_state_dict(without_counter), doctest::Contains("missing: [running_var]"),
+                       ValueError);
+  CHECK(tracked.num_batches_tracked.to_int_vector() ==
+        std::vector<int64_t>{2});  // a refused load changes nothing
   tracked.eval();
   CHECK(tracked(Tensor::from_vector({1, 2}, {1, 2})).to_vector() ==  // eval: one sample is fine
         std::vector<float>{static_cast<float>(1 / std::sqrt(1 + 1e-5)), static_cast<float>(2 / std::sqrt(1 + 1e-5))});
