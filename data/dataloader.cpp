@@ -28,9 +28,11 @@ int64_t batches_in(int64_t n, int64_t batch_size, bool drop_last) {
 // ---- Pass: one pass over the sampler's indices ------------------------------------------
 //
 // Without prefetch, next() collates on the calling thread. With prefetch, a worker thread
-// collates batches in order into a queue of at most `depth`; next() pops them. The worker
-// stops at the end, at the first exception (stored and rethrown by next() after the batches
-// that came before it), or when the pass is destroyed.
+// collates batches in order into a queue of at most `depth`; next() pops them. A batch whose
+// collation threw is queued as its exception, which next() rethrows in that batch's turn; the
+// batches after it follow, as without prefetch and as torch's DataLoader (a loop that skips
+// a bad batch still sees every other one). The worker stops at the end or when the pass is
+// destroyed.
 class DataLoader::Pass {
  public:
   Pass(std::shared_ptr<const Dataset> dataset, std::vector<int64_t> indices, int64_t batch_size,
@@ -64,21 +66,16 @@ class DataLoader::Pass {
       return true;
     }
     std::unique_lock<std::mutex> lock(mutex_);
-    // The worker always ends by posting a batch, an error or `finished_`, so this wait ends.
-    ready_.wait(lock, [this] { return !queue_.empty() || error_ || finished_; });
-    if (!queue_.empty()) {
-      out = std::move(queue_.front());
-      queue_.pop_front();
-      lock.unlock();
-      space_.notify_one();
-      return true;
-    }
-    if (error_) {
-      std::exception_ptr error = std::exchange(error_, nullptr);
-      finished_ = true;  // the pass ends at the failed batch
-      std::rethrow_exception(error);
-    }
-    return false;
+    // The worker posts every batch (or its error), then `finished_`, so this wait ends.
+    ready_.wait(lock, [this] { return !queue_.empty() || finished_; });
+    if (queue_.empty()) return false;
+    Collated item = std::move(queue_.front());
+    queue_.pop_front();
+    lock.unlock();
+    space_.notify_one();
+    if (item.error) std::rethrow_exception(item.error);
+    out = std::move(item.batch);
+    return true;
   }
 
  private:
@@ -89,21 +86,24 @@ class DataLoader::Pass {
     return dataset_->get_batch(std::vector<int64_t>(begin, end));
   }
 
+  // A batch, or the exception its collation threw.
+  struct Collated {
+    Batch batch;
+    std::exception_ptr error;
+  };
+
   void produce() {
     for (int64_t b = 0; b < num_batches_; ++b) {
-      Batch batch;
+      Collated item;
       try {
-        batch = collate(b);
+        item.batch = collate(b);
       } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        error_ = std::current_exception();
-        ready_.notify_one();
-        return;
+        item.error = std::current_exception();
       }
       std::unique_lock<std::mutex> lock(mutex_);
       space_.wait(lock, [this] { return stop_ || queue_.size() < depth_; });
       if (stop_) return;
-      queue_.push_back(std::move(batch));
+      queue_.push_back(std::move(item));
       ready_.notify_one();
     }
     std::lock_guard<std::mutex> lock(mutex_);
@@ -120,10 +120,9 @@ class DataLoader::Pass {
 
   std::thread worker_;
   std::mutex mutex_;
-  std::condition_variable ready_;  // worker -> consumer: a batch, an error or the end
+  std::condition_variable ready_;  // worker -> consumer: a batch (or its error), or the end
   std::condition_variable space_;  // consumer -> worker: room in the queue, or stop
-  std::deque<Batch> queue_;
-  std::exception_ptr error_;
+  std::deque<Collated> queue_;
   bool finished_ = false;
   bool stop_ = false;
 };

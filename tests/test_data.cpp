@@ -535,6 +535,23 @@ TEST_CASE("prefetch: a dataset error reaches the training thread after the batch
     }
     CHECK(batches == 2);  // 0-3, 4-7; the batch 8-11 holds the broken example
     CHECK(contains(message, "example 9 is broken"));
+    // A loop that skips the bad batch gets every other one, as torch's DataLoader gives them.
+    std::vector<float> firsts;
+    int errors = 0;
+    auto it = loader.begin();
+    firsts.push_back((*it).input.to_vector()[0]);
+    while (true) {
+      try {
+        ++it;
+      } catch (const ValueError&) {
+        ++errors;
+        continue;
+      }
+      if (it == loader.end()) break;
+      firsts.push_back((*it).input.to_vector()[0]);
+    }
+    CHECK(errors == 1);
+    CHECK(firsts == std::vector<float>{0, 4, 12, 16});  // batches 0, 1, 3 and 4
   }
 }
 
