@@ -100,10 +100,17 @@ constexpr int64_t kMaxUnsavedColsBytes = 16 << 20;
 // On the CPU a 3x3 convolution at stride 1 runs as Winograd F(2x2, 3x3) instead
 // (kernels/cpu/winograd.h): forward, input gradient (such a convolution of dout) and weight
 // gradient. Operands with NaN or inf keep im2col + GEMM, whose values for them are torch's.
+// Winograd's transforms add several terms before the products, so finite operands near
+// float32's largest values (above about 1e38 / 4) can overflow there where the direct sum
+// does not: a result that comes out non-finite from finite operands is computed again by
+// im2col + GEMM (overflowed_winograd).
 bool uses_winograd(Device device, const Window2d& g, const Tensor& images, const Tensor& weight) {
   return !device.is_cuda() && kernels::cpu::winograd_applies(g, weight.size(0)) &&
          kernels::cpu::all_finite(ptr(images), images.numel()) &&
          kernels::cpu::all_finite(ptr(weight), weight.numel());
+}
+bool overflowed_winograd(const Tensor& result) {
+  return result.defined() && !kernels::cpu::all_finite(ptr(result), result.numel());
 }
 // At least 1 for an empty batch too: backward divides by the group to count the groups.
 int64_t images_per_gemm(Device device, bool keeps_cols, int64_t N, int64_t CKK, int64_t OHW) {
@@ -146,7 +153,7 @@ Tensor conv2d_computed(const Tensor& input, const Tensor& weight, const Tensor& 
   const bool keeps_graph = is_grad_enabled() && (input.requires_grad() || weight.requires_grad() ||
                                                  (bias.defined() && bias.requires_grad()));
   const Device device = input.device();
-  const bool winograd = uses_winograd(device, g, x, w);
+  bool winograd = uses_winograd(device, g, x, w);
   const int64_t group = images_per_gemm(device, keeps_graph, N, CKK, OHW);
   const int64_t image_size = g.channels * g.height * g.width;
   // Kept for backward on CUDA: every image's cols, [N / group groups of [C kh kw, group OH OW]]
@@ -155,7 +162,9 @@ Tensor conv2d_computed(const Tensor& input, const Tensor& weight, const Tensor& 
   Tensor out = Tensor::empty({N, OC, g.out_h, g.out_w}, DType::Float32, device);
   if (winograd) {
     kernels::cpu::conv3x3_winograd(ptr(out), ptr(x), ptr(w), N, OC, g);
-    if (bias.defined()) NANODDP_DISPATCH(device, channel_bias_forward, ptr(out), ptr(b), N, OC, OHW);
+    winograd = !overflowed_winograd(out);
+    if (winograd && bias.defined())
+      NANODDP_DISPATCH(device, channel_bias_forward, ptr(out), ptr(b), N, OC, OHW);
   }
   Tensor cols = winograd ? Tensor()
                          : Tensor::empty({keeps_cols ? N * CKK * OHW : group * CKK * OHW}, DType::Float32, device);
@@ -186,12 +195,16 @@ Tensor conv2d_computed(const Tensor& input, const Tensor& weight, const Tensor& 
     Tensor dx, dw, db;
     if (needs_dx) dx = Tensor::empty(node.inputs[0].shape(), DType::Float32, device);
     // Winograd on the CPU (uses_winograd) when the input (patches), weight and dout are finite.
-    const bool winograd = !keeps_cols && (needs_dx || needs_dw) && uses_winograd(device, g, patches, w) &&
-                          kernels::cpu::all_finite(ptr(dout), dout.numel());
+    bool winograd = !keeps_cols && (needs_dx || needs_dw) && uses_winograd(device, g, patches, w) &&
+                    kernels::cpu::all_finite(ptr(dout), dout.numel());
     if (winograd && needs_dx) kernels::cpu::conv3x3_winograd_input_grad(ptr(dx), ptr(dout), ptr(w), N, OC, g);
     if (winograd && needs_dw) {
       dw = empty_like(w);
       kernels::cpu::conv3x3_winograd_weight_grad(ptr(dw), ptr(patches), ptr(dout), N, OC, g);
+    }
+    if (winograd && (overflowed_winograd(dx) || overflowed_winograd(dw))) {
+      winograd = false;  // both again by im2col + GEMM, below
+      dw = Tensor();
     }
     // dw^T [C kh kw, OC], summed over the groups, then transposed once: Eigen packs the GEMM's
     // left operand with a transposing copy, and for dw^T that operand is the group's dout, not

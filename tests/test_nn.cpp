@@ -101,6 +101,23 @@ TEST_CASE("GELU's gradient at +-inf is NaN in every element, as torch's (inf * p
   }
 }
 
+TEST_CASE(
+    "a 3x3 conv2d near float32's largest values is finite where the direct sum is (Winograd would "
+    "overflow)") {
+  // 8 channels, 3x3, stride 1: the CPU's Winograd path. An identity filter on 1e38: torch
+  // gives 1e38; Winograd's transforms add terms first and gave NaN.
+  Tensor w = Tensor::zeros({8, 8, 3, 3});
+  for (int64_t o = 0; o < 8; ++o) w.data<float>()[((o * 8 + o) * 3 + 1) * 3 + 1] = 1.0f;
+  const Tensor y = conv2d(Tensor::full({1, 8, 4, 4}, 1e38f), w, Tensor(), 1, 1);
+  CHECK(y.to_vector() == std::vector<float>(8 * 4 * 4, 1e38f));
+  // Backward: dx is 1e38 (finite), dw sums 4 to 9 products of 1e38: inf, never NaN (torch).
+  Tensor x = Tensor::ones({1, 8, 4, 4}).set_requires_grad(true);
+  Tensor wg = w.detach().clone().set_requires_grad(true);
+  conv2d(x, wg, Tensor(), 1, 1).backward(Tensor::full({1, 8, 4, 4}, 1e38f));
+  CHECK(x.grad().to_vector() == std::vector<float>(8 * 4 * 4, 1e38f));
+  for (float v : wg.grad().to_vector()) CHECK(v == INFINITY);
+}
+
 TEST_CASE("zero_grad clears gradients; train/eval propagate") {
   Generator gen(0);
   Sequential model = mlp(gen);
