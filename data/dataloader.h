@@ -13,7 +13,8 @@
 //  - prefetch: a background thread collates the next batches into a bounded queue while the
 //    training thread computes; batches and their order are the same as without it. An
 //    exception in the thread (a corrupt example, a bad index) is rethrown to the training
-//    thread at the batch where it happened. Ending a pass early (break) stops and joins the
+//    thread at the batch where it happened, and the batches after it follow (a loop that
+//    catches it goes on, as torch's DataLoader). Ending a pass early (break) stops and joins the
 //    thread; nothing outlives the loader.
 //  - device: batches land on this device. For CUDA, each batch goes through a small ring of
 //    page-locked (pinned) host buffers and an asynchronous host-to-device copy on the compute
