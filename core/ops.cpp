@@ -425,7 +425,8 @@ Tensor argmax(const Tensor& a_in) {
   const Tensor a = a_in.defined() && is_16bit_float(a_in.dtype()) ? a_in.detach().to(DType::Float32) : a_in;
   check_float("argmax", a, "input");
   NANODDP_CHECK(a.dim() == 2, ShapeError, "argmax: input ", a.shape(), " must be [N, C]");
-  NANODDP_CHECK(a.size(1) > 0 || a.size(0) == 0, ShapeError, "argmax: input ", a.shape(), " has no columns");
+  // As torch.argmax(a, 1): no columns is an error even with no rows.
+  NANODDP_CHECK(a.size(1) > 0, ShapeError, "argmax: input ", a.shape(), " has no columns");
   Tensor out = Tensor::empty({a.size(0)}, DType::Int64, a.device());
   NANODDP_DISPATCH(a.device(), argmax_forward, out.data<int64_t>(), ptr(a), a.size(0), a.size(1));
   return out;

@@ -74,7 +74,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduc
                      int64_t ignore_index = kDefaultIgnoreIndex);
 
 // a: [N, C] -> [N] int64, index of each row's maximum (torch.argmax(a, dim=1)). Not
-// differentiable.
+// differentiable. ShapeError unless a is 2-d with C >= 1 (N may be 0).
 Tensor argmax(const Tensor& a);
 
 }  // namespace nanoddp

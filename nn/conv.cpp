@@ -134,6 +134,8 @@ Tensor conv2d_computed(const Tensor& input, const Tensor& weight, const Tensor& 
   const Tensor x = widened(input), w = widened(weight), b = widened(bias);
   check_float("conv2d", w, "weight");
   NANODDP_CHECK(weight.dim() == 4, ShapeError, "conv2d: weight ", weight.shape(), " must be [OC, C, kh, kw]");
+  // torch: "expected weight to be at least 1 at dimension 0".
+  NANODDP_CHECK(weight.size(0) >= 1, ShapeError, "conv2d: weight ", weight.shape(), " has no output channel");
   const Window2d g = make_window("conv2d", x, {weight.size(2), weight.size(3)}, stride, padding, dilation);
   check_same_dtype("conv2d", input, weight);
   check_same_device("conv2d", input, weight);

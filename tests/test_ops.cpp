@@ -315,6 +315,16 @@ TEST_CASE("argmax: first index wins ties, NaN counts as the largest") {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const Tensor a = Tensor::from_vector({1, 3, 3, 0, 5, nan, 2, 9, -1, -2, -3, -1}, {3, 4});
   CHECK(argmax(a).to_int_vector() == std::vector<int64_t>{1, 1, 0});
+  // No rows is fine, no columns is not, with rows or without (torch's "Expected reduction dim
+  // 1 to have non-zero size").
+  CHECK(argmax(Tensor::zeros({0, 3})).shape() == Shape{0});
+  CHECK_THROWS_WITH_AS(argmax(Tensor::zeros({0, 0})), doctest::Contains("has no columns"), ShapeError);
+  CHECK_THROWS_WITH_AS(argmax(Tensor::zeros({2, 0})), doctest::Contains("has no columns"), ShapeError);
+}
+
+TEST_CASE("conv2d refuses a weight with no output channel, as torch") {
+  CHECK_THROWS_WITH_AS(conv2d(Tensor::zeros({1, 2, 4, 4}), Tensor::zeros({0, 2, 3, 3}), Tensor()),
+                       doctest::Contains("weight [0, 2, 3, 3] has no output channel"), ShapeError);
 }
 
 TEST_CASE("conv2d under no_grad (cols not kept) equals conv2d recording a graph, bit for bit") {
