@@ -194,7 +194,14 @@ Tensor read_idx(const std::string& path, int dims) {
   // 1032 times a gzip file's size (deflate's largest ratio). A header promising more than that
   // lies; it is read in chunks, so the error comes at the real end without a huge allocation.
   const uint64_t holdable = stream.most_data_bytes(header_bytes);
-  if (data_bytes <= kEagerBytes && data_bytes <= holdable) out = Tensor::empty(Shape(sizes), DType::UInt8);
+  if (data_bytes <= kEagerBytes && data_bytes <= holdable) {
+    try {
+      out = Tensor::empty(Shape(sizes), DType::UInt8);
+    } catch (const ValueError&) {
+      // No address space for it (ulimit -v): read in chunks, so that a lying header still
+      // ends as the truncation IOError below, naming the file.
+    }
+  }
   uint64_t done = 0;
   while (done < data_bytes) {
     // Past what the file can hold, ask for one byte more than it can: the read comes up short

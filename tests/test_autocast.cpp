@@ -28,6 +28,7 @@
 #include "nn/layers.h"
 #include "nn/normalization.h"
 #include "nn/optim.h"
+#include "tests/address_sanitizer.h"
 #include "tests/batches.h"
 
 using namespace nanoddp;
@@ -551,18 +552,8 @@ TrainResult train_fashion_mnist(DType precision, int64_t n_train, int epochs) {
 }
 
 // Under AddressSanitizer (tools/sanitize) the three trainings below take minutes, past the
-// unit suite's time limit: that build skips the case, which the default build runs.
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kUnderAddressSanitizer = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kUnderAddressSanitizer = true;
-#else
-constexpr bool kUnderAddressSanitizer = false;
-#endif
-#else
-constexpr bool kUnderAddressSanitizer = false;
-#endif
+// unit suite's time limit: that build skips the case (kUnderAddressSanitizer), which the
+// default build runs.
 
 }  // namespace
 

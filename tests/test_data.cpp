@@ -2,6 +2,8 @@
 // below, independent of zlib), TensorDataset, DataLoader batching and prefetch, and
 // FashionMNIST on small hand-built files and on the real ones when installed.
 #include <doctest/doctest.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -23,6 +25,7 @@
 #include "data/sampler.h"
 #include "kernels/device_memory.h"
 #include "kernels/kernels.h"
+#include "tests/address_sanitizer.h"
 
 using namespace nanoddp;
 using namespace nanoddp::data;
@@ -241,6 +244,41 @@ TEST_CASE("bad dimensions: zero-sized images, and a header promising absurd size
   const std::string big = write_file("big-promise", idx_bytes(8, {65536, 65536, 1000}, pattern(10)));
   message = io_error([&] { read_idx_images(big); });
   CHECK(contains(message, "truncated at byte offset 26"));
+}
+
+TEST_CASE("a gzip header that lies, read with little address space: still the truncation IOError") {
+  // 600 KB of data, stored: the gzip file could hold 1032 times that, so the 600 MB the
+  // header promises are allocated up front, unless the address space (ulimit -v) refuses.
+  if (kUnderAddressSanitizer) {
+    MESSAGE("skipped under AddressSanitizer: its allocator aborts where malloc returns null");
+    return;
+  }
+  const std::string path =
+      write_file("lying.gz", gzip_stored(idx_bytes(8, {600, 1000, 1000}, pattern(600000))));
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    // This process's mapped size now, and 256 MB more.
+    long vm_kb = 0;
+    std::ifstream status("/proc/self/status");
+    for (std::string line; std::getline(status, line);)
+      if (line.rfind("VmSize:", 0) == 0) vm_kb = std::stol(line.substr(7));
+    const rlim_t limit = static_cast<rlim_t>(vm_kb + (256 << 10)) << 10;
+    const rlimit address_space{limit, limit};
+    if (::setrlimit(RLIMIT_AS, &address_space) != 0) ::_exit(3);
+    try {
+      read_idx_images(path);
+    } catch (const IOError& e) {
+      ::_exit(contains(e.what(), path) && contains(e.what(), "truncated") ? 0 : 1);
+    } catch (...) {
+      ::_exit(1);  // before: "ValueError: out of host memory allocating 600000000 bytes"
+    }
+    ::_exit(2);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
 }
 
 TEST_CASE("corrupt gzip: a cut stream and a wrong checksum are IOErrors naming the file") {
