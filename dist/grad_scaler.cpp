@@ -154,8 +154,14 @@ void GradScaler::load_state_dict(const nn::StateDict& state) {
   NANODDP_CHECK(!state.empty(), ValueError, "GradScaler::load_state_dict: the state is empty (saved disabled?)");
   GradScalerOptions options = options_;
   options.init_scale = entry(state, "scale", DType::Float32).to_vector()[0];
-  options.growth_factor = entry(state, "growth_factor", DType::Float32).to_vector()[0];
-  options.backoff_factor = entry(state, "backoff_factor", DType::Float32).to_vector()[0];
+  // The state holds the factors as float32; a factor whose float32 is the saved one stays the
+  // double it is (0.1, not 0.1f), so a resumed run scales as an uninterrupted one.
+  const auto factor = [&](const char* key, double current) {
+    const float saved = entry(state, key, DType::Float32).to_vector()[0];
+    return static_cast<float>(current) == saved ? current : static_cast<double>(saved);
+  };
+  options.growth_factor = factor("growth_factor", options_.growth_factor);
+  options.backoff_factor = factor("backoff_factor", options_.backoff_factor);
   options.growth_interval = entry(state, "growth_interval", DType::Int64).to_int_vector()[0];
   const int64_t tracker = entry(state, "_growth_tracker", DType::Int64).to_int_vector()[0];
   check_options(options);

@@ -79,8 +79,9 @@ class GradScaler {
   // unscaled since the last update().
   bool found_inf(const nn::Optimizer& optimizer) const;
 
-  // torch's keys: "scale", "growth_factor", "backoff_factor" (float32 scalars: a factor
-  // such as 1.1 comes back as 1.1f, where torch keeps a Python float; 2 and 0.5 are exact),
+  // torch's keys: "scale", "growth_factor", "backoff_factor" (float32 scalars, where torch
+  // keeps Python floats: load keeps a factor this scaler was built with when its float32 is
+  // the saved one, so 0.1 resumes as 0.1, else it takes the float32),
   // "growth_interval", "_growth_tracker" (int64 scalars). Empty when disabled, as torch's.
   nn::StateDict state_dict() const;
   // Restores them. ValueError for a missing key, a wrong dtype, or values the constructor

@@ -100,11 +100,19 @@ TEST_CASE(
   const std::vector<float> torch_scales = {6553.60009765625f, 655.3599853515625f, 65.53599548339844f};
   for (float expected : torch_scales) {
     step_with(backoff, /*inf=*/true);
-    CHECK(backoff.get_scale() == expected);  // in float: 655.360046, 65.5360031
+    CHECK(backoff.get_scale() == expected);
   }
   step_with(backoff, false);
   step_with(backoff, false);
   CHECK(backoff.get_scale() == 131.07199096679688f);
+  // Resumed from its state_dict after the first backoff, the same scales follow.
+  dist::GradScaler first({65536.0f, 2.0, 0.1, 2});
+  step_with(first, true);
+  dist::GradScaler resumed({65536.0f, 2.0, 0.1, 2});
+  resumed.load_state_dict(first.state_dict());
+  step_with(resumed, true);
+  step_with(resumed, true);
+  CHECK(resumed.get_scale() == torch_scales[2]);
   // growth_factor 1.1 every step from 1: the seventh growth is torch's 1.94871724.
   dist::GradScaler growth({1.0f, /*growth_factor=*/1.1, 0.5, /*growth_interval=*/1});
   for (int i = 0; i < 7; ++i) step_with(growth, false);
