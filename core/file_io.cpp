@@ -236,13 +236,12 @@ std::string read_regular_file(const std::string& path, const char* what) {
   return bytes;
 }
 
-void append_tensor_bytes(std::string& bytes, const Tensor& host, const std::string& where,
-                         const std::string& name) {
-  if (host.nbytes() == 0) return;
-  NANODDP_CHECK(!host.impl()->storage->is_freed(), ValueError, where, ": tensor '", name, "' (", host.shape(),
+Tensor host_tensor_to_save(const Tensor& tensor, const std::string& where, const std::string& name) {
+  NANODDP_CHECK(!tensor.defined() || !tensor.impl()->storage->is_freed(), ValueError, where, ": tensor '",
+                name, "' (", tensor.shape(),
                 ") has its memory freed: a model's parameter under FullyShardedDataParallel, outside "
                 "its forward; save the wrapper's full_state_dict() or state_dict() instead");
-  bytes.append(static_cast<const char*>(host.impl()->storage->data()), host.nbytes());
+  return tensor.to(Device::cpu());
 }
 
 }  // namespace nanoddp

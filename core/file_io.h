@@ -45,10 +45,10 @@ std::string read_regular_file(const std::string& path, const char* what);
 
 class Tensor;
 
-// Appends the bytes of host (a CPU tensor) to bytes, the file being built. Throws ValueError
-// starting with where ("safetensors w.safetensors"), naming the tensor, when its memory is
-// freed (an FSDP unit's parameter outside its forward): there is nothing to save.
-void append_tensor_bytes(std::string& bytes, const Tensor& host, const std::string& where,
-                         const std::string& name);
+// tensor copied to the host (itself when it is there), for a writer to save. Throws
+// ValueError starting with where ("safetensors w.safetensors"), naming the tensor, when its
+// memory is freed (an FSDP unit's parameter outside its forward, on any device): there is
+// nothing to save.
+Tensor host_tensor_to_save(const Tensor& tensor, const std::string& where, const std::string& name);
 
 }  // namespace nanoddp

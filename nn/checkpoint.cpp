@@ -17,10 +17,9 @@ namespace nanoddp::nn {
 namespace {
 
 constexpr char kMagic[8] = {'N', 'D', 'D', 'P', 'C', 'K', 'P', 'T'};
-// 2: the checksum is FNV-1a with its standard offset basis. Version 1 files, whose writer
-// had the basis one digit short (kVersion1OffsetBasis), still load.
+// 2: the checksum is FNV-1a with its standard offset basis; version 1 used
+// kCheckpointVersion1OffsetBasis, and its files still load.
 constexpr uint32_t kVersion = 2;
-constexpr uint64_t kVersion1OffsetBasis = 1469598103934665603ull;
 constexpr uint32_t kMaxNameBytes = 4096;
 
 template <typename T>
@@ -118,14 +117,15 @@ std::string checkpoint_bytes(const StateDict& tensors) {
   put<uint64_t>(bytes, tensors.size());
   for (const auto& [name, tensor] : tensors) {
     NANODDP_CHECK(name.size() <= kMaxNameBytes, ValueError, "checkpoint: name longer than ", kMaxNameBytes, " bytes");
-    const Tensor host = tensor.to(Device::cpu());
+    const Tensor host = host_tensor_to_save(tensor, "checkpoint", name);
     put<uint32_t>(bytes, static_cast<uint32_t>(name.size()));
     bytes += name;
     put<uint8_t>(bytes, static_cast<uint8_t>(host.dtype()));
     put<uint8_t>(bytes, static_cast<uint8_t>(host.dim()));
     for (int64_t size : host.shape().sizes()) put<int64_t>(bytes, size);
     put<uint64_t>(bytes, host.nbytes());
-    append_tensor_bytes(bytes, host, "checkpoint", name);
+    if (host.nbytes() > 0)
+      bytes.append(static_cast<const char*>(host.impl()->storage->data()), host.nbytes());
   }
   put<uint64_t>(bytes, fnv1a(bytes));
   return bytes;
@@ -182,7 +182,7 @@ StateDict parse_checkpoint(const std::string& bytes, const std::string& path) {
   uint32_t written_version = 0;
   if (body >= sizeof(kMagic) + sizeof(written_version))
     std::memcpy(&written_version, bytes.data() + sizeof(kMagic), sizeof(written_version));
-  const uint64_t basis = written_version == 1 ? kVersion1OffsetBasis : kFnv1aOffsetBasis;
+  const uint64_t basis = written_version == 1 ? kCheckpointVersion1OffsetBasis : kFnv1aOffsetBasis;
   if (stored_sum != fnv1a(std::string_view(bytes).substr(0, body), basis)) {
     const std::string cut = where_truncated(bytes);
     NANODDP_CHECK(cut.empty(), IOError, "checkpoint ", path, ": truncated: the file ends at byte offset ", bytes.size(),

@@ -24,11 +24,15 @@
 // To hand weights to PyTorch or another tool, export them with save_safetensors.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "nn/module.h"
 
 namespace nanoddp::nn {
+
+// The offset basis of version 1's FNV-1a checksum (core/hash.h has the standard one).
+constexpr uint64_t kCheckpointVersion1OffsetBasis = 1469598103934665603ull;
 
 void save_checkpoint(const std::string& path, const StateDict& tensors);
 // Throws IOError unless save_checkpoint(path, ...) could write there: path is absent or a

@@ -107,10 +107,7 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
   return entry;
 }
 
-// The header's JSON, refusing a key that appears twice in one object. JSON leaves duplicate
-// names undefined and readers differ: nlohmann keeps the last, others the first. A file with
-// two entries for one tensor (or two "__metadata__") would load whichever this reader picks,
-// silently, so it is refused instead. Throws IOError naming the key, or as json::parse does.
+// Whether text is UTF-8, which the header's JSON must be.
 bool is_utf8(const std::string& text) {
   try {
     (void)json(text).dump();
@@ -120,6 +117,10 @@ bool is_utf8(const std::string& text) {
   }
 }
 
+// The header's JSON, refusing a key that appears twice in one object. JSON leaves duplicate
+// names undefined and readers differ: nlohmann keeps the last, others the first. A file with
+// two entries for one tensor (or two "__metadata__") would load whichever this reader picks,
+// silently, so it is refused instead. Throws IOError naming the key, or as json::parse does.
 json parse_header(const std::string& path, const std::string& bytes, size_t begin, size_t end) {
   struct OpenObject {
     std::string name;  // the key whose value it is ("" for the header itself)
@@ -157,7 +158,7 @@ void save_safetensors(const std::string& path, const StateDict& tensors, const S
   uint64_t offset = 0;
   for (const auto& [name, tensor] : tensors) {
     NANODDP_CHECK(name != kMetadataKey, ValueError, "safetensors ", path, ": a tensor may not be named ", kMetadataKey);
-    Tensor host = tensor.to(Device::cpu());
+    Tensor host = host_tensor_to_save(tensor, "safetensors " + path, name);
     header[name] = {{"dtype", safetensors_dtype(host.dtype())},
                     {"shape", host.shape().sizes()},
                     {"data_offsets", {offset, offset + host.nbytes()}}};
@@ -184,9 +185,9 @@ void save_safetensors(const std::string& path, const StateDict& tensors, const S
   std::string bytes(reinterpret_cast<const char*>(&header_bytes), sizeof(header_bytes));
   bytes.reserve(sizeof(header_bytes) + text.size() + offset);
   bytes += text;
-  auto name = tensors.begin();
   for (const Tensor& host : host_tensors)
-    append_tensor_bytes(bytes, host, "safetensors " + path, (name++)->first);
+    if (host.nbytes() > 0)
+      bytes.append(static_cast<const char*>(host.impl()->storage->data()), host.nbytes());
   write_file_atomically(path, bytes, "safetensors");
 }
 
@@ -216,13 +217,13 @@ StateDict load_safetensors(const std::string& path, SafetensorsMetadata* metadat
   const size_t data_start = sizeof(header_bytes) + header_bytes;
   const uint64_t data_bytes = bytes.size() - data_start;
 
-  // As the format's reference reader: the header is JSON text that starts with '{'. A NUL
+  // As the format's specification: the header is JSON text that begins with '{'. A NUL
   // would end nlohmann's input early, hiding what follows it.
   NANODDP_CHECK(header_bytes > 0 && bytes[sizeof(header_bytes)] == '{', IOError, "safetensors ", path,
                 ": the header (bytes 8 to ", data_start, ") does not start with '{'");
-  const size_t nul = bytes.find('\0', sizeof(header_bytes));
-  NANODDP_CHECK(nul >= data_start, IOError, "safetensors ", path, ": the header (bytes 8 to ", data_start,
-                ") holds a NUL byte at byte offset ", nul);
+  const void* nul = std::memchr(bytes.data() + sizeof(header_bytes), '\0', header_bytes);
+  NANODDP_CHECK(nul == nullptr, IOError, "safetensors ", path, ": the header (bytes 8 to ", data_start,
+                ") holds a NUL byte at byte offset ", static_cast<const char*>(nul) - bytes.data());
   json header;
   try {
     header = parse_header(path, bytes, sizeof(header_bytes), data_start);

@@ -16,7 +16,7 @@
 // such, and Module::load_state_dict converts it into a float32 model as torch's copy_ does.
 // Files holding other dtypes (F64, BOOL, I8, ...) or more than Shape::kMaxDims dimensions are
 // refused with an IOError naming the tensor. The header must start with '{' and hold no NUL
-// byte, as the format's reference reader requires. save throws ValueError for a tensor whose
+// byte, as the format's specification requires. save throws ValueError for a tensor whose
 // memory is freed and for a name or metadata that is not UTF-8. For training checkpoints
 // (optimizer state, epoch, checksum) see nn/checkpoint.h.
 #pragma once

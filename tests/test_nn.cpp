@@ -105,7 +105,7 @@ TEST_CASE(
     "a 3x3 conv2d near float32's largest values is finite where the direct sum is (Winograd would "
     "overflow)") {
   // 8 channels, 3x3, stride 1: the CPU's Winograd path. An identity filter on 1e38: torch
-  // gives 1e38; Winograd's transforms add terms first and gave NaN.
+  // gives 1e38; Winograd's transforms add terms before the products and overflow.
   Tensor w = Tensor::zeros({8, 8, 3, 3});
   for (int64_t o = 0; o < 8; ++o) w.data<float>()[((o * 8 + o) * 3 + 1) * 3 + 1] = 1.0f;
   const Tensor y = conv2d(Tensor::full({1, 8, 4, 4}, 1e38f), w, Tensor(), 1, 1);
@@ -324,7 +324,7 @@ TEST_CASE(
   uint64_t sum = 0;
   std::memcpy(&sum, bytes.data() + bytes.size() - 8, sizeof(sum));
   CHECK(sum == fnv1a(std::string_view(bytes).substr(0, bytes.size() - 8)));
-  // A version 1 file: the same body, its checksum from 1469598103934665603.
+  // A version 1 file: the same body, its checksum from version 1's basis.
   auto version1 = [](float value, uint64_t basis) {
     CheckpointBytes file;
     file.put<uint32_t>(1).put<uint64_t>(1).put<uint32_t>(1);
@@ -332,7 +332,7 @@ TEST_CASE(
     file.put<uint8_t>(0).put<uint8_t>(1).put<int64_t>(1).put<uint64_t>(4).put<float>(value);
     return file.sealed(basis);
   };
-  const StateDict old = parse_checkpoint(version1(2.5f, 1469598103934665603ull), "old.ckpt");
+  const StateDict old = parse_checkpoint(version1(2.5f, kCheckpointVersion1OffsetBasis), "old.ckpt");
   CHECK(old.at("w").to_vector() == std::vector<float>{2.5f});
   CHECK(parse_error(version1(2.5f, kFnv1aOffsetBasis)).find("checksum mismatch") != std::string::npos);
 }
@@ -973,8 +973,19 @@ TEST_CASE("BatchNorm1d without running stats normalises with the batch in eval t
   without_counter.erase("running_var");
   CHECK_THROWS_WITH_AS(tracked.load_state_dict(without_counter), doctest::Contains("missing: [running_var]"),
                        ValueError);
-  CHECK(tracked.num_batches_tracked.to_int_vector() ==
-        std::vector<int64_t>{2});  // a refused load changes nothing
+  // A refused load changes nothing.
+  CHECK(tracked.num_batches_tracked.to_int_vector() == std::vector<int64_t>{2});
+  // A submodule's counter too ("1.num_batches_tracked").
+  Generator gen(4);
+  Sequential net;
+  net.add(Linear(2, 2, gen));
+  auto inner = std::make_shared<BatchNorm1d>(2);
+  net.add(inner);
+  inner->num_batches_tracked.copy_(Tensor::from_vector(std::vector<int64_t>{5}).reshape(Shape{}));
+  StateDict net_state = net.state_dict();
+  net_state.erase("1.num_batches_tracked");
+  CHECK(net.load_state_dict(net_state).empty());
+  CHECK(inner->num_batches_tracked.to_int_vector() == std::vector<int64_t>{0});
   tracked.eval();
   CHECK(tracked(Tensor::from_vector({1, 2}, {1, 2})).to_vector() ==  // eval: one sample is fine
         std::vector<float>{static_cast<float>(1 / std::sqrt(1 + 1e-5)), static_cast<float>(2 / std::sqrt(1 + 1e-5))});

@@ -13,7 +13,11 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string bytes(reinterpret_cast<const char*>(data), size);
-  const uint64_t sum = nanoddp::fnv1a(bytes);
+  // Sealed as the reader checks it: version 1's basis for a version 1 header.
+  uint32_t version = 0;
+  if (bytes.size() >= 12) std::memcpy(&version, bytes.data() + 8, sizeof(version));
+  const uint64_t sum = nanoddp::fnv1a(
+      bytes, version == 1 ? nanoddp::nn::kCheckpointVersion1OffsetBasis : nanoddp::kFnv1aOffsetBasis);
   bytes.append(reinterpret_cast<const char*>(&sum), sizeof(sum));
   try {
     const nanoddp::nn::StateDict state = nanoddp::nn::parse_checkpoint(bytes, "fuzz.ckpt");
