@@ -194,12 +194,17 @@ Tensor read_idx(const std::string& path, int dims) {
   // 1032 times a gzip file's size (deflate's largest ratio). A header promising more than that
   // lies; it is read in chunks, so the error comes at the real end without a huge allocation.
   const uint64_t holdable = stream.most_data_bytes(header_bytes);
+  // Set when the tensor cannot be allocated (ulimit -v): the data is read and dropped chunk by
+  // chunk, so that a lying header still ends as the truncation IOError below, and an honest
+  // file as an error naming it and its size.
+  bool no_room = false;
+  std::vector<uint8_t> dropped;
   if (data_bytes <= kEagerBytes && data_bytes <= holdable) {
     try {
       out = Tensor::empty(Shape(sizes), DType::UInt8);
     } catch (const ValueError&) {
-      // No address space for it (ulimit -v): read in chunks, so that a lying header still
-      // ends as the truncation IOError below, naming the file.
+      no_room = true;
+      dropped.resize(kChunkBytes);
     }
   }
   uint64_t done = 0;
@@ -212,6 +217,8 @@ Tensor read_idx(const std::string& path, int dims) {
     uint8_t* target = nullptr;
     if (out.defined()) {
       target = out.data<uint8_t>() + done;
+    } else if (no_room) {
+      target = dropped.data();
     } else {
       spill.resize(done + want);
       target = spill.data() + done;
@@ -226,6 +233,8 @@ Tensor read_idx(const std::string& path, int dims) {
   NANODDP_CHECK(stream.read(&extra, 1) == 0, IOError, "IDX file '", path, "': unexpected data at ",
                 stream.where(header_bytes + data_bytes), ": header promises ", promised(sizes, data_bytes),
                 " after the ", header_bytes, "-byte header, but the file goes on");
+  NANODDP_CHECK(!no_room, ValueError, "IDX file '", path, "': its ", promised(sizes, data_bytes),
+                " do not fit in this process's memory (ulimit -v?)");
   if (!out.defined()) {
     out = Tensor::empty(Shape(sizes), DType::UInt8);
     std::memcpy(out.data<uint8_t>(), spill.data(), spill.size());

@@ -281,7 +281,7 @@ bool is_batch_counter(const std::string& name, const Tensor& t) {
 Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool strict) {
   const auto named = named_state();
   std::vector<std::string> missing, unexpected;
-  // Batch norms' counters the state lacks: torch's _NormBase._load_from_state_dict fills
+  // Batch norms' counters the state lacks: torch 1.13's _NormBase._load_from_state_dict fills
   // them with 0 for a state without version metadata (a plain dict, as any file gives), so
   // weights exported without them still load strictly.
   std::vector<Tensor> counters_to_reset;

@@ -137,7 +137,7 @@ class Module {
   // as torch's copy_ does: exactly when widening, rounded to nearest even when narrowing.
   // Between an integer and a floating dtype, where torch's copy_ would convert silently (a
   // float step counter truncated into int64), it is a ShapeError naming both. A batch norm's
-  // num_batches_tracked that the state lacks is set to 0, not missing, as torch's _NormBase
+  // num_batches_tracked that the state lacks is set to 0, not missing, as torch 1.13's _NormBase
   // does for a state without version metadata (which every file gives). Nothing is modified
   // unless every check passes.
   IncompatibleKeys load_state_dict(const StateDict& state, bool strict = true);

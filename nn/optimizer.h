@@ -69,7 +69,8 @@ class Optimizer {
   // whose memory is not freed: the model's own parameters once FullyShardedDataParallel has
   // wrapped it are views of its units' full vectors, which it frees and whose gradients go to
   // its shards, so an optimizer over them would step nothing (torch's root FSDP leaves the
-  // model no parameters, and its optimizer says "empty parameter list").
+  // model no parameters, and its optimizer says "empty parameter list"). With NO_SHARD the
+  // vectors stay allocated and this check cannot tell: build the optimizer on fsdp.parameters().
   Optimizer(std::string name, std::vector<Tensor> params);
 
   // A key of state_dict split into its buffer name and parameter index, both checked:

@@ -271,7 +271,7 @@ TEST_CASE("a gzip header that lies, read with little address space: still the tr
     } catch (const IOError& e) {
       ::_exit(contains(e.what(), path) && contains(e.what(), "truncated") ? 0 : 1);
     } catch (...) {
-      ::_exit(1);  // before: "ValueError: out of host memory allocating 600000000 bytes"
+      ::_exit(1);  // such as "ValueError: out of host memory allocating 600000000 bytes"
     }
     ::_exit(2);
   }
