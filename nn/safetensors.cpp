@@ -48,7 +48,7 @@ bool parse_dtype(const std::string& name, DType* dtype) {
 struct Entry {
   std::string name;
   DType dtype;
-  std::vector<int64_t> sizes;
+  Shape shape;
   uint64_t begin, end;
 };
 
@@ -73,10 +73,11 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
   if (shape.size() > static_cast<size_t>(Shape::kMaxDims))
     fail("shape has " + std::to_string(shape.size()) + " dimensions, more than nanoddp's " +
                std::to_string(Shape::kMaxDims));
+  std::vector<int64_t> sizes;
   for (const json& size : shape) {
     if (!size.is_number_unsigned() || size.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
       fail("shape " + shape.dump() + " holds something other than a non-negative integer");
-    entry.sizes.push_back(size.get<int64_t>());
+    sizes.push_back(size.get<int64_t>());
   }
 
   const json& offsets = value["data_offsets"];
@@ -87,18 +88,19 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
   entry.end = offsets[1].get<uint64_t>();
   if (entry.begin > entry.end) fail("data_offsets " + offsets.dump() + " end before they begin");
 
-  // numel * dtype size, refusing a product that overflows; the nonzero sizes alone must
-  // count in int64 too, as nanoddp's shapes do (torch.empty(0, 2**62, 2**62) is no
-  // different: its numel is 0, but its strides overflow).
-  uint64_t nbytes = dtype_size(entry.dtype), nonzero = 1;
-  for (int64_t size : entry.sizes) {
+  // numel * dtype size, refusing a product that overflows.
+  uint64_t nbytes = dtype_size(entry.dtype);
+  for (int64_t size : sizes) {
     const uint64_t factor = static_cast<uint64_t>(size);
     if (factor != 0 && nbytes > std::numeric_limits<uint64_t>::max() / factor)
       fail("shape " + shape.dump() + " overflows a 64-bit byte count");
-    if (factor != 0 && nonzero > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) / factor)
-      fail("shape " + shape.dump() + " has more elements than int64 can count");
     nbytes *= factor;
-    if (factor != 0) nonzero *= factor;
+  }
+  // Then Shape's own checks: the nonzero sizes must count in int64 even when one is 0.
+  try {
+    entry.shape = Shape(sizes);
+  } catch (const ShapeError& e) {
+    fail(e.what());
   }
   if (entry.end - entry.begin != nbytes)
     fail("data_offsets " + offsets.dump() + " span " + std::to_string(entry.end - entry.begin) +
@@ -271,7 +273,7 @@ StateDict load_safetensors(const std::string& path, SafetensorsMetadata* metadat
 
   StateDict state;
   for (const Entry& entry : entries) {
-    Tensor t = Tensor::empty(Shape(entry.sizes), entry.dtype);
+    Tensor t = Tensor::empty(entry.shape, entry.dtype);
     if (t.nbytes() > 0) std::memcpy(t.impl()->storage->data(), bytes.data() + data_start + entry.begin, t.nbytes());
     state[entry.name] = t;
   }
