@@ -132,7 +132,11 @@ int main(int argc, char** argv) {
     dist::destroy_process_group();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "launch_probe: %s\n", e.what());
-    return 1;
+    std::fflush(stderr);
+    // Without exit handlers: the launcher's SIGTERM reaches a failed rank while it exits, and
+    // under AddressSanitizer the exit-time leak check (ptrace stopping every thread) can hang
+    // on that signal until the SIGKILL after the grace period, which hides the rank's exit code.
+    std::_Exit(1);
   }
   return 0;
 }
