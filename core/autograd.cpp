@@ -213,6 +213,25 @@ struct CheckpointFrame {
   }
 };
 
+Node::~Node() {
+  // Note [Graph teardown]. Nodes are freed where their last owner lets go; the outermost
+  // destructor on this thread collects the rest in `pending` and frees them in a loop.
+  thread_local std::vector<std::shared_ptr<Node>>* pending = nullptr;
+  std::vector<std::shared_ptr<Node>> collected;
+  const bool outermost = pending == nullptr;
+  if (outermost) pending = &collected;
+  for (Tensor& input : inputs)
+    if (input.defined() && input.use_count() == 1 && input.impl()->grad_fn)
+      pending->push_back(std::move(input.impl()->grad_fn));
+  if (!outermost) return;
+  while (!collected.empty()) {
+    std::shared_ptr<Node> next = std::move(collected.back());
+    collected.pop_back();
+    next.reset();  // its destructor appends its own inputs' nodes to `collected`
+  }
+  pending = nullptr;
+}
+
 void Node::save_for_backward(const std::vector<Tensor>& tensors) {
   if (recording_frame) return;  // step 1: the rerun saves them (Note [Checkpointed regions])
   // Counted as activations once the node is in a graph (make_result, or here when it already
@@ -420,8 +439,10 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
     if (!fn) {
       const bool has_gradient = g.defined() || accumulated_in_place.erase(graph_key(t)) > 0;
       if (g.defined()) accumulate_leaf_grad(t, std::move(g));
-      if (has_gradient)
+      if (has_gradient) {
+        NoGradGuard no_grad;  // as torch's engine runs hooks: what they compute is not recorded
         for (auto& [id, hook] : t.impl()->post_accumulate_grad_hooks) hook(t);
+      }
       continue;
     }
     // A tensor whose consumers all returned no gradient still runs, with none, so that the
@@ -456,6 +477,7 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
   }
 
   // 4. Run what hooks queued for the end of the pass.
+  NoGradGuard no_grad;
   for (size_t i = 0; i < backward_callbacks.size(); ++i) {
     auto callback = std::move(backward_callbacks[i]);
     callback();

@@ -36,7 +36,13 @@ namespace nanoddp {
 struct CheckpointFrame;  // a checkpointed region's kept inputs and recomputed tensors
 
 struct Node {
-  virtual ~Node() = default;
+  // Note [Graph teardown]
+  // A node holds its inputs' handles, which hold their grad_fn nodes: a graph dropped without
+  // backward (losses summed for a log line over 300000 steps) would free node by node in
+  // nested destructors and overflow the stack. The destructor hands each input's grad_fn that
+  // dies with it to the outermost node's destructor, which frees them one at a time (torch's
+  // deleteNode does the same).
+  virtual ~Node();
   // Gradients w.r.t. inputs (same order), given the gradient of this node's output.
   // An entry may be undefined when that input needs no gradient.
   virtual std::vector<Tensor> apply(const Tensor& grad_output) = 0;
@@ -187,8 +193,9 @@ class GradModeGuard {
 // Same kernels on the same inputs give the same bits, so gradients are bitwise those of the
 // run without checkpointing on the CPU. The rerun must record the same ops: one that records
 // others throws ValueError. BatchNorm does not count the batch again in the rerun
-// (is_recomputing). An input changed in place between forward and backward is not detected
-// (torch checks a version counter, which tensors here do not have).
+// (is_recomputing). An input changed in place between forward and backward makes the rerun
+// throw ValueError (Note [Version counter]; torch 1.13 reruns with the new values). A parameter
+// changed in place is not detected, as in torch.
 
 // Runs fn(inputs) as a checkpointed region and returns its outputs (what nn::checkpoint
 // calls; see nn/activation_checkpoint.h for the contract). Without grad mode, or inside
@@ -217,7 +224,8 @@ Tensor record(const char* name, Tensor output, std::vector<Tensor> inputs, const
               FunctionNode::Backward backward);
 
 // Runs callback once the backward pass now running on this thread has finished, after every
-// gradient and hook (torch's Variable._execution_engine.queue_callback). DDP queues its
+// gradient and hook (torch's Variable._execution_engine.queue_callback), with grad mode off
+// as the hooks. DDP queues its
 // "wait for every bucket" step here. Throws ValueError when no backward is running.
 // An exception thrown by a callback propagates out of backward().
 void queue_callback(std::function<void()> callback);

@@ -356,7 +356,26 @@ void copy_values(const Tensor& dst, const Tensor& src) {
   copy_bytes(dst.data_ptr(), dst.device(), src.data_ptr(), src.device(), dst.nbytes());
 }
 
+namespace {
+// copy_ and fill_ are not recorded by autograd. Where torch would record them (grad mode on,
+// and the destination made by an op or the source requiring grad), going on would give wrong
+// gradients silently: refused instead. A leaf that requires grad may be changed (torch asks
+// for no_grad there): no graph starts at it, and a backward that saved it sees the change
+// through the version counter.
+void check_in_place_outside_graph(const char* op, const Tensor& dst, const Tensor* src) {
+  if (!is_grad_enabled()) return;
+  NANODDP_CHECK(dst.is_leaf(), ValueError, op, " on a ", dst.shape(), " tensor that autograd made (",
+                dst.grad_fn()->name(),
+                "): in-place changes are not recorded by autograd, so its gradient "
+                "would be wrong; compute a new tensor instead, or change it under NoGradGuard");
+  NANODDP_CHECK(src == nullptr || !src->requires_grad(), ValueError, op, ": the source ", src->shape(),
+                " requires grad, and copy_ is not recorded by autograd, so no gradient would reach it; copy "
+                "src.detach(), or compute a new tensor instead");
+}
+}  // namespace
+
 Tensor& Tensor::copy_(const Tensor& src) {
+  check_in_place_outside_graph("copy_", *this, &src);
   copy_values(*this, src);
   checked_impl().storage->bump_version();
   return *this;
@@ -364,6 +383,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
 
 Tensor& Tensor::fill_(float value) {
   NANODDP_CHECK(dtype() == DType::Float32, ValueError, "fill_ needs a float32 tensor, got ", dtype());
+  check_in_place_outside_graph("fill_", *this, nullptr);
   NANODDP_DISPATCH(device(), fill, data<float>(), value, numel());
   checked_impl().storage->bump_version();
   return *this;
@@ -390,8 +410,11 @@ Tensor& Tensor::set_requires_grad(bool requires_grad) {
   TensorImpl& self = checked_impl();
   NANODDP_CHECK(!requires_grad || self.dtype == DType::Float32, ValueError,
                 "only float32 tensors can require grad, got ", self.dtype);
+  // An op's output already requires grad: asking again is a no-op, as torch's requires_grad_().
+  if (self.grad_fn != nullptr && requires_grad) return *this;
   NANODDP_CHECK(self.grad_fn == nullptr, ValueError,
-                "set_requires_grad on a non-leaf tensor (made by ", self.grad_fn->name(), "); use detach()");
+                "set_requires_grad(false) on a non-leaf tensor (made by ", self.grad_fn->name(),
+                "); use detach()");
   self.requires_grad = requires_grad;
   return *this;
 }
@@ -405,6 +428,10 @@ void Tensor::set_grad(const Tensor& grad) {
   if (grad.defined()) {
     NANODDP_CHECK(grad.shape() == self.shape && grad.device() == device(), ShapeError, "set_grad: gradient ",
                   grad.shape(), " on ", grad.device(), " for a tensor ", self.shape, " on ", device());
+    // torch: "assigned grad has data of a different type"; the next backward's add would fail
+    // half-way through the pass.
+    NANODDP_CHECK(grad.dtype() == self.dtype, ValueError, "set_grad: a ", grad.dtype(), " gradient for a ",
+                  self.dtype, " tensor ", self.shape);
   }
   self.grad = grad.impl_;
 }

@@ -129,7 +129,11 @@ class Tensor {
   // Copies src's values into this tensor (any devices, same shape and dtype), as copy_().
   // copy_, fill_ and zero_ count as an in-place change (Note [Version counter] in
   // core/storage.h): a backward that saved this tensor, or a view of its memory, before the
-  // change throws ValueError instead of using the new values, as torch's does.
+  // change throws ValueError instead of using the new values, as torch's does. They are not
+  // recorded by autograd, so in grad mode they throw ValueError where torch would record
+  // them: on an op's output (it has a grad_fn) and, for copy_, from a source that requires
+  // grad. A leaf that requires grad may be set in grad mode (initial weights; torch asks for
+  // torch.no_grad() there), since no gradient flows through the change.
   Tensor& copy_(const Tensor& src);
   Tensor& fill_(float value);
   Tensor& zero_() { return fill_(0.0f); }
@@ -139,12 +143,15 @@ class Tensor {
 
   // ---- autograd ------------------------------------------------------------------------
   bool requires_grad() const;
-  // Marks a leaf as requiring grad (torch.Tensor.requires_grad_). Only float32 tensors.
+  // Marks a leaf as requiring grad (torch.Tensor.requires_grad_). Only float32 tensors. On an
+  // op's output, true is a no-op and false a ValueError (use detach()), as in torch.
   Tensor& set_requires_grad(bool requires_grad = true);
   bool is_leaf() const;                         // no grad_fn
   const std::shared_ptr<Node>& grad_fn() const;
   Tensor grad() const;                          // undefined until a backward reaches it
-  void set_grad(const Tensor& grad);            // an undefined Tensor clears it
+  // Sets .grad (an undefined Tensor clears it). ShapeError unless it has this tensor's shape
+  // and device; ValueError unless its dtype (torch: "assigned grad has data of a different type").
+  void set_grad(const Tensor& grad);
   // Runs backward from this tensor. grad defaults to 1 for a one-element tensor; any other
   // shape needs an explicit grad of the same shape (torch.Tensor.backward), on the same
   // device (DeviceError), of a float dtype (ValueError otherwise), cast to this tensor's dtype
@@ -152,7 +159,8 @@ class Tensor {
   // afterwards unless retain_graph; a second backward through it throws ValueError.
   void backward(const Tensor& grad = Tensor(), bool retain_graph = false) const;
   // fn(param) runs after this leaf's .grad has been accumulated in a backward pass
-  // (torch.Tensor.register_post_accumulate_grad_hook). Returns an id for remove_hook.
+  // (torch.Tensor.register_post_accumulate_grad_hook), with grad mode off, as torch's engine
+  // runs it: what it computes is not recorded. Returns an id for remove_hook.
   using PostAccumulateGradHook = std::function<void(Tensor&)>;
   int register_post_accumulate_grad_hook(PostAccumulateGradHook hook);
   void remove_hook(int id);

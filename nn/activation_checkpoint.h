@@ -24,9 +24,10 @@ namespace nanoddp::nn {
 // CPU. inputs: any tensors (undefined allowed); only their values are kept, not a copy. Under
 // NoGradGuard, or inside another checkpointed region, fn simply runs (the outer region
 // covers it). fn must run the same ops on the same inputs each time; a rerun that records
-// other ops throws ValueError out of backward (torch's CheckpointError). Inputs or parameters
-// changed in place between forward and backward give wrong gradients, undetected (torch
-// detects it with version counters). BatchNorm updates its running statistics once (the
+// other ops throws ValueError out of backward (torch's CheckpointError). An input changed in
+// place between forward and backward makes that backward throw ValueError naming it (torch
+// 1.13 reruns with the new values); a parameter changed so is not detected, as in torch,
+// and gives the gradient of the new values. BatchNorm updates its running statistics once (the
 // rerun skips it). A copy of fn is kept until the region's backward: what it captures by
 // reference (the layers) must live that long. Throws ValueError for an empty fn.
 std::vector<Tensor> checkpoint(const std::function<std::vector<Tensor>(const std::vector<Tensor>&)>& fn,

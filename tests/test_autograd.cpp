@@ -134,7 +134,10 @@ TEST_CASE(
   Tensor a = Tensor::from_vector({-1.0f, 2.0f}).set_requires_grad(true);
   Tensor y = relu(a);
   loss = sum(y * y);
-  y.fill_(1.0f);  // relu and mul saved y
+  {
+    NoGradGuard no_grad;  // in grad mode fill_ on an op's output is refused outright
+    y.fill_(1.0f);        // relu and mul saved y
+  }
   CHECK(backward_error(loss).find("modified in place") != std::string::npos);
 
   // A view of the saved memory shares its version, as torch's views do.
@@ -231,6 +234,7 @@ TEST_CASE("only leaves that require grad get .grad") {
   CHECK_FALSE(b.grad().defined());
   CHECK_FALSE(c.grad().defined());
   CHECK_THROWS_AS(c.set_requires_grad(false), ValueError);
+  CHECK(c.set_requires_grad(true).requires_grad());  // already so: a no-op, as torch's requires_grad_()
   CHECK_THROWS_AS(Tensor::zeros({1}, DType::Int64).set_requires_grad(true), ValueError);
 }
 
@@ -341,4 +345,86 @@ TEST_CASE("linear's weight gradient added straight into an existing .grad: exact
   u.set_grad(seed);
   linear(Tensor::from_vector({5}, {1, 1}), u, Tensor()).backward(seed);  // dU = seed^T [5] = 15
   CHECK(seed.item() == 18.0f);
+}
+
+TEST_CASE("a deep graph dropped without backward is freed without recursion") {
+  // Summing losses for a log line without item(): 200000 nested nodes, each holding the last.
+  // Freed one destructor inside the next, they overflowed the stack (Note [Graph teardown]).
+  Tensor w = Tensor::from_vector({0.5f, 0.25f}).set_requires_grad(true);
+  std::weak_ptr<Node> first;
+  {
+    Tensor total = w * 1.0f;
+    first = total.grad_fn();
+    for (int i = 0; i < 200000; ++i) total = total * 1.0f;
+    CHECK(total.to_vector() == std::vector<float>{0.5f, 0.25f});
+    CHECK_FALSE(first.expired());
+  }
+  CHECK(first.expired());  // the whole chain went, down to the first node
+  // A graph that shares a node between two consumers is freed once, when the last one goes.
+  Tensor shared = w * 2.0f;
+  std::weak_ptr<Node> shared_node = shared.grad_fn();
+  Tensor a = shared * 3.0f, b = shared * 5.0f;
+  shared = Tensor();
+  a = Tensor();
+  CHECK_FALSE(shared_node.expired());
+  sum(b).backward();
+  CHECK(w.grad().to_vector() == std::vector<float>{10, 10});
+}
+
+TEST_CASE("copy_ and fill_ that autograd would have to record are refused in grad mode") {
+  Tensor x = Tensor::from_vector({1, 2}).set_requires_grad(true);
+  Tensor src = Tensor::from_vector({7, 8}).set_requires_grad(true);
+  // torch records copy_ into an op's output (x.grad [0, 0], src.grad [3, 4] for sum((y = x 2,
+  // y.copy_(src)) w)); not recording it gave x.grad [6, 8] and src none, silently.
+  Tensor y = x * 2.0f;
+  CHECK_THROWS_WITH_AS(y.copy_(src.detach()),
+                       doctest::Contains("copy_ on a [2] tensor that autograd made (MulScalarBackward)"),
+                       ValueError);
+  CHECK_THROWS_WITH_AS(y.fill_(0), doctest::Contains("fill_ on a [2] tensor that autograd made"), ValueError);
+  CHECK(y.to_vector() == std::vector<float>{2, 4});  // unchanged
+  // So is a view of a leaf that requires grad (reshape records a node).
+  CHECK_THROWS_AS(x.reshape({2, 1}).fill_(0), ValueError);
+  // A source that requires grad would get no gradient.
+  Tensor plain = Tensor::zeros({2});
+  CHECK_THROWS_WITH_AS(plain.copy_(src * 2.0f), doctest::Contains("copy_: the source [2] requires grad"),
+                       ValueError);
+  CHECK(plain.to_vector() == std::vector<float>{0, 0});
+  CHECK(x.to_vector() == std::vector<float>{1, 2});
+  // Allowed: under no_grad, on tensors outside the graph, and on a leaf (initial weights):
+  // no graph starts at a leaf's change.
+  {
+    NoGradGuard no_grad;
+    x.copy_(src);
+    CHECK(x.to_vector() == std::vector<float>{7, 8});
+  }
+  x.fill_(1);
+  plain.copy_(src.detach());
+  plain.fill_(5);
+  CHECK(plain.to_vector() == std::vector<float>{5, 5});
+  sum(x * 3.0f).backward();
+  CHECK(x.grad().to_vector() == std::vector<float>{3, 3});
+}
+
+TEST_CASE("post-accumulate-grad hooks and queued callbacks run with grad mode off") {
+  Tensor w = Tensor::from_vector({1.0f, 2.0f}).set_requires_grad(true);
+  std::vector<bool> seen;
+  w.register_post_accumulate_grad_hook([&](Tensor& p) {
+    seen.push_back(is_grad_enabled());
+    seen.push_back((p * 2.0f).requires_grad());  // torch: not recorded inside a hook
+    queue_callback([&] { seen.push_back(is_grad_enabled()); });
+  });
+  sum(w * 3.0f).backward();
+  CHECK(seen == std::vector<bool>{false, false, false});
+  CHECK(is_grad_enabled());
+}
+
+TEST_CASE("set_grad refuses a gradient of another dtype, as torch's assigned-grad check") {
+  Tensor x = Tensor::from_vector({1.0f, 2.0f}).set_requires_grad(true);
+  x.set_grad(Tensor::from_vector({4.0f, 5.0f}));
+  CHECK_THROWS_WITH_AS(x.set_grad(Tensor::from_vector({1.0f, 1.0f}).to(DType::Float16)),
+                       doctest::Contains("set_grad: a float16 gradient for a float32 tensor [2]"),
+                       ValueError);
+  CHECK(x.grad().to_vector() == std::vector<float>{4, 5});
+  sum(x * 2.0f).backward();  // still accumulates into the float32 gradient
+  CHECK(x.grad().to_vector() == std::vector<float>{6, 7});
 }
