@@ -47,11 +47,11 @@ namespace nanoddp::dist {
 // Note [Static graph]
 // static_graph promises that every iteration uses the same parameters (PyTorch's flag). The
 // first synced backward runs as with find_unused_parameters: unused parameters contribute
-// zeros, and one all-reduce (max) of a flag per parameter finds which ones some rank used.
-// That answer is kept, and later backwards skip the all-reduce: a parameter unused here
-// contributes zeros, a parameter no rank used keeps its .grad. The promise can break two
-// ways, and each is a DistError naming the parameters, raised after the step's collectives
-// so that the ranks stay in step:
+// their .grad or zeros (Note [Unused parameters]), and one all-reduce (max) of a flag per parameter finds
+// which ones some rank used. That answer is kept, and later backwards skip the all-reduce: a parameter unused
+// here contributes as with find_unused_parameters, a parameter no rank used keeps its .grad. The promise can
+// break two ways, and each is a DistError naming the parameters, raised after the step's collectives so that
+// the ranks stay in step:
 //   - a parameter gets a gradient although no rank used it in the first iteration (its mean
 //     would be dropped);
 //   - a parameter this rank used in the first iteration gets none (a mean of zeros, which
@@ -66,10 +66,11 @@ namespace nanoddp::dist {
 // Note [Unused parameters]
 // With find_unused_parameters, a parameter may be used on one rank and not on another (a
 // branch taken by the data). Every rank must still apply the same update, so, as PyTorch's
-// reducer does with its "locally used" map: a rank that did not use a parameter puts zeros in
-// its bucket slot; after the buckets, one all-reduce (max) of a 0/1 flag per parameter tells
-// every rank which parameters some rank used. Those get the mean in .grad on every rank (a
-// .grad is created where the rank had none); a parameter no rank used keeps its .grad
+// reducer does with its "locally used" map: a rank that did not use a parameter puts its .grad
+// as it stands in its bucket slot (what earlier steps accumulated when nothing zeroed it), or
+// zeros when it has none (torch's mark_variable_ready_dense); after the buckets, one all-reduce (max) of a
+// 0/1 flag per parameter tells every rank which parameters some rank used. Those get the mean in .grad on
+// every rank (a .grad is created where the rank had none); a parameter no rank used keeps its .grad
 // (undefined after zero_grad), so the optimizer skips it everywhere. "Used" covers the whole
 // accumulation window: a parameter whose gradient was accumulated in a backward under
 // no_sync counts as used at the next synced backward, and its accumulated .grad is what it
@@ -106,14 +107,13 @@ namespace nanoddp::dist {
 //   - after the all-reduce the bucket holds the means, which .grad shows: no copy out (a comm
 //     hook whose future holds another tensor is copied into the bucket once).
 // zero_grad(/*set_to_none=*/false) (torch 1.13's default) keeps the views, so a step copies
-// nothing; set_to_none=true makes every backward pay the copy in again, as in PyTorch. The one
-// visible difference from copies: with find_unused_parameters, a parameter this rank did not
-// use has its slot, hence its .grad, set to the zeros it contributes, so one that no rank
-// used ends with a .grad of zeros where without views it would keep its .grad (which is
-// zeros anyway after zero_grad(false), and undefined, as without views, after zero_grad()).
-// The flag also binds at one rank, where nothing is reduced, so .grad is the same kind of
-// tensor at every world size. On shm the buckets are memory every rank maps (Note [Shm direct
-// all-reduce]); a view of one is an ordinary tensor in that memory, so .grad lives there too.
+// nothing; set_to_none=true makes every backward pay the copy in again, as in PyTorch. With
+// find_unused_parameters, a parameter this rank did not use contributes its .grad (Note
+// [Unused parameters]), which is its slot: one that no rank used ends with the mean of the
+// ranks' equal .grads, its own value, as without views and in PyTorch. The flag also binds at one rank, where
+// nothing is reduced, so .grad is the same kind of tensor at every world size. On shm the buckets are memory
+// every rank maps (Note [Shm direct all-reduce]); a view of one is an ordinary tensor in that memory, so
+// .grad lives there too.
 
 Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared_ptr<ProcessGroup> pg,
                  ReducerOptions options)
@@ -335,6 +335,10 @@ void Reducer::mark_ready(size_t k) {
 void Reducer::copy_into_bucket(size_t k) {
   ready_[k] = true;
   if (synced_backwards_ == 0 && should_rebuild()) ready_order_.push_back(k);  // Note [Bucket rebuild]
+  contribute(k);
+}
+
+void Reducer::contribute(size_t k) {
   // The mean over one rank is the gradient itself; views are still bound (Note [Gradient as
   // bucket view]).
   if (!reduces() && !options_.gradient_as_bucket_view) return;
@@ -426,7 +430,11 @@ void Reducer::finalize() {
       continue;
     }
     if (!reduces()) continue;
-    // Unused here: contribute zeros, another rank may have used it.
+    // Unused here (Note [Unused parameters]): its .grad as it stands, or zeros without one.
+    if (params_[k].second.grad().defined()) {
+      contribute(k);
+      continue;
+    }
     auto [b, slot] = location_[k];
     Bucket& bucket = buckets_[b];
     NANODDP_DISPATCH(bucket.flat.device(), fill, bucket.flat.data<float>() + bucket.offsets[slot], 0.0f,

@@ -15,22 +15,22 @@
 //      into its bucket's flat buffer, divided by world_size (the averaging folded into the
 //      copy; under dist::Join, possibly by the ranks still training: set_divide_factor); with
 //      gradient_as_bucket_view the .grad already is its slot of the buffer, divided there in
-//      place (Note [Gradient as bucket view] in reducer.cpp). When a bucket's last parameter is in, and overlap is on, launch the all-reduces
-//      of every complete bucket in plan order (never out of order: ranks must agree). With
-//      one rank the mean is the gradient itself: nothing is copied or reduced.
-//      With a comm hook (dist/comm_hooks.h) the copy does not divide, and launching a bucket
-//      calls the hook, which reduces and averages (set_divide_factor does not apply); this
-//      holds at one rank too.
+//      place (Note [Gradient as bucket view] in reducer.cpp). When a bucket's last parameter is in, and
+//      overlap is on, launch the all-reduces of every complete bucket in plan order (never out of order:
+//      ranks must agree). With one rank the mean is the gradient itself: nothing is copied or reduced. With a
+//      comm hook (dist/comm_hooks.h) the copy does not divide, and launching a bucket calls the hook, which
+//      reduces and averages (set_divide_factor does not apply); this holds at one rank too.
 //   3. finalize(), queued to run when backward ends: a parameter not ready in this backward
 //      but used in an earlier no_sync backward contributes its accumulated .grad; any other
-//      is an error naming it, or (find_unused_parameters) contributes zeros; launch what is
+//      is an error naming it, or (find_unused_parameters) contributes its .grad as it stands,
+//      zeros without one (as torch's reducer); launch what is
 //      left in order; with find_unused_parameters, all-reduce which parameters each rank
 //      used (Note [Unused parameters] in reducer.cpp; with static_graph only in the first
 //      synced backward, Note [Static graph]); wait for every bucket (its all-reduce,
-//      or its hook's future) with the timeout, in plan order; copy each bucket's means into .grad of every parameter some rank used (a
-//      .grad is created where this rank had none; with gradient_as_bucket_view nothing is
-//      copied: each such .grad is its slot of the bucket, which holds the means). A parameter no rank used keeps its .grad,
-//      so the optimizer skips it on every rank, as in PyTorch.
+//      or its hook's future) with the timeout, in plan order; copy each bucket's means into .grad of every
+//      parameter some rank used (a .grad is created where this rank had none; with gradient_as_bucket_view
+//      nothing is copied: each such .grad is its slot of the bucket, which holds the means). A parameter no
+//      rank used keeps its .grad, so the optimizer skips it on every rank, as in PyTorch.
 #pragma once
 
 #include <chrono>
@@ -167,7 +167,10 @@ class Reducer {
   // initialize_bucket_views). Run after planning; a new plan runs it again, and .grad follows.
   void bind_grads_to_buckets();
   void mark_ready(size_t param_index);
+  // Marks the parameter ready (used in this backward) and contributes its .grad.
   void copy_into_bucket(size_t param_index);
+  // Puts .grad into the parameter's bucket slot, divided as the bucket's collective needs.
+  void contribute(size_t param_index);
   void launch_ready_buckets();
   void launch(Bucket& bucket);
   void finalize();

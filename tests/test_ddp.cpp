@@ -250,6 +250,47 @@ TEST_CASE("an unused parameter is an error naming it, or zeros with find_unused_
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE("with find_unused_parameters, a rank that skipped a parameter contributes the .grad it holds") {
+  // y = a x + (b x when use_b): dL/da = dL/db = x, with x = rank + 1. Gradients are never
+  // zeroed, so they accumulate over the three backwards. torch's reducer puts a skipped
+  // parameter's existing .grad in its bucket slot (mark_variable_ready_dense); zeros there
+  // gave b 1.25 after step 2 instead of 2 (and, with bucket views, zeros after step 3).
+  struct Branch : nn::Module {
+    std::shared_ptr<nn::Linear> a =
+        register_module("a", std::make_shared<nn::Linear>(1, 1, default_generator(), false));
+    std::shared_ptr<nn::Linear> b =
+        register_module("b", std::make_shared<nn::Linear>(1, 1, default_generator(), false));
+    bool use_b = true;
+    Tensor forward(const Tensor& x) override { return use_b ? (*a)(x) + (*b)(x) : (*a)(x); }
+  };
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [port](int rank) {
+    auto pg = join(rank, 2, port);
+    for (bool views : {false, true}) {
+      dist::DDPOptions options;
+      options.find_unused_parameters = true;
+      options.gradient_as_bucket_view = views;
+      auto model = std::make_shared<Branch>();
+      dist::DistributedDataParallel ddp(model, pg, options);
+      const Tensor x = Tensor::full({1, 1}, static_cast<float>(rank + 1));
+      auto step = [&](bool use_b, float a_grad, float b_grad) {
+        model->use_b = use_b;
+        sum(ddp(x)).backward();
+        expect(model->a->weight.grad().item() == a_grad && model->b->weight.grad().item() == b_grad, "rank ",
+               rank, " views ", views, " use_b ", use_b, ": a.grad ", model->a->weight.grad().item(),
+               " (expected ", a_grad, "), b.grad ", model->b->weight.grad().item(), " (expected ", b_grad,
+               ")");
+      };
+      step(true, 1.5f, 1.5f);  // means of 1 and 2
+      // Rank 1 skips b: a is mean(1.5 + 1, 1.5 + 2) = 3; b is mean(1.5 + 1, 1.5) = 2.
+      step(rank == 0, 3.0f, 2.0f);
+      // No rank uses b: a is mean(3 + 1, 3 + 2) = 4.5; b keeps 2 (the mean of two 2s with views).
+      step(false, 4.5f, 2.0f);
+    }
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 namespace {
 
 // A module whose buffers are registered per rank by the test, and one parameter that is the
