@@ -201,6 +201,18 @@ StateDict Module::state_dict() const {
 
 namespace {
 
+// Whether name is a batch norm's counter ("num_batches_tracked", nn/batch_norm.h), alone or
+// as a submodule's ("3.num_batches_tracked").
+bool is_batch_counter_name(const std::string& name) {
+  const std::string counter = "num_batches_tracked";
+  return name == counter || (name.size() > counter.size() &&
+                             name.compare(name.size() - counter.size(), counter.size(), counter) == 0 &&
+                             name[name.size() - counter.size() - 1] == '.');
+}
+bool is_batch_counter(const std::string& name, const Tensor& t) {
+  return is_batch_counter_name(name) && t.dtype() == DType::Int64 && t.numel() == 1;
+}
+
 // True when the keys of `prefixed` are exactly "module." + the keys of `plain` (both lists
 // hold distinct keys, so one inclusion and equal sizes make them the same set).
 bool all_prefixed(const std::vector<std::string>& prefixed, const std::vector<std::string>& plain) {
@@ -215,7 +227,12 @@ bool all_prefixed(const std::vector<std::string>& prefixed, const std::vector<st
 // What to do when the keys differ only by DistributedDataParallel's "module." prefix, the
 // mismatch PyTorch users meet as "Missing key(s) ... Unexpected key(s) module.0.weight".
 std::string ddp_prefix_hint(const std::vector<std::string>& missing,
-                            const std::vector<std::string>& unexpected) {
+                            const std::vector<std::string>& all_unexpected) {
+  // A batch norm's counter the state lacks is not missing (it loads as 0), so its key under
+  // the other name is only unexpected: it does not tell the prefix apart.
+  std::vector<std::string> unexpected;
+  for (const std::string& key : all_unexpected)
+    if (!is_batch_counter_name(key)) unexpected.push_back(key);
   if (all_prefixed(unexpected, missing))
     return ". The state's keys carry the 'module.' prefix of a DistributedDataParallel's state_dict: load "
            "nn::strip_prefix(state, \"module.\") (nn/checkpoint.h), or save ddp.module().state_dict() "
@@ -263,17 +280,6 @@ Tensor converted(const Tensor& src, DType to) {
   NANODDP_DISPATCH(device, float_to_16bit, bits_of(out), wide.data<float>(), to, 1.0f,
                    src.numel());
   return out;
-}
-
-// Whether name is a batch norm's counter ("num_batches_tracked", nn/batch_norm.h), alone or
-// as a submodule's ("3.num_batches_tracked").
-bool is_batch_counter(const std::string& name, const Tensor& t) {
-  const std::string counter = "num_batches_tracked";
-  const bool named =
-      name == counter || (name.size() > counter.size() &&
-                          name.compare(name.size() - counter.size(), counter.size(), counter) == 0 &&
-                          name[name.size() - counter.size() - 1] == '.');
-  return named && t.dtype() == DType::Int64 && t.numel() == 1;
 }
 
 }  // namespace

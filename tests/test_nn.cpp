@@ -654,6 +654,33 @@ TEST_CASE("load_state_dict(strict = false) returns the missing and unexpected ke
                              "module.2.bias, module.2.weight]") != std::string::npos,
                 message);
   CHECK(message.find("prefix") == std::string::npos);
+  // With a batch norm, whose counter the state may lack (it loads as 0): its prefixed key is
+  // only unexpected, and the hint still comes, both ways.
+  auto normed = [] {
+    Sequential m;
+    m.add(Linear(2, 2));
+    m.add(BatchNorm1d(2));
+    return m;
+  };
+  Sequential plain_bn = normed();
+  StateDict prefixed_bn;
+  for (auto& [name, t] : plain_bn.state_dict()) prefixed_bn["module." + name] = t;
+  message = strict_error(plain_bn, prefixed_bn);
+  CHECK_MESSAGE(message.find("unexpected: [module.0.bias, module.0.weight, module.1.bias, "
+                             "module.1.num_batches_tracked, module.1.running_mean") != std::string::npos,
+                message);
+  CHECK_MESSAGE(message.find("The state's keys carry the 'module.' prefix") != std::string::npos, message);
+  struct WrapperBn : Module {
+    std::shared_ptr<Sequential> inner;
+    explicit WrapperBn(std::shared_ptr<Sequential> model)
+        : inner(register_module("module", std::move(model))) {}
+    Tensor forward(const Tensor& x) override { return (*inner)(x); }
+  };
+  WrapperBn wrapped_bn(std::make_shared<Sequential>(normed()));
+  message = strict_error(wrapped_bn, plain_bn.state_dict());
+  CHECK_MESSAGE(
+      message.find("This model is a DistributedDataParallel (keys 'module.*')") != std::string::npos,
+      message);
 
   // A partial state loads what matches and names the rest.
   StateDict partial = a.state_dict();
