@@ -216,7 +216,14 @@ Outcome ChildGroup::wait() {
         outcome.failed_pid = first->pid;
         outcome.failed_status = first->status;
         first->named = true;
-        begin_termination(SIGTERM, describe_failure(*first));
+        // The rank it lost never ended by itself: alive but stuck (stopped, hung in a system
+        // call, looping). Said, since the failure named is then only the first symptom.
+        const std::string stuck =
+            running == nullptr ? ""
+                               : "; " + running->name + " (pid " + std::to_string(running->pid) +
+                                     "), which it lost, was still running " + format_ms(options_.grace_period) +
+                                     " later (stopped or hung?)";
+        begin_termination(SIGTERM, describe_failure(*first) + stuck);
       }
     }
     if (terminating) {

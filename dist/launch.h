@@ -17,7 +17,9 @@
 //      rank that failed because it lost a peer says so (Note [Launcher link] in
 //      dist/launcher_link.h), and the launcher names the lost rank instead when that one failed
 //      too, following the chain; a lost rank still running gets up to `grace_period` to end by
-//      itself (its connections close before it exits) before the job is stopped. A rank that meanwhile exits non-zero on its own is named too
+//      itself (its connections close before it exits) before the job is stopped; one still
+//      running then is said to be stuck ("stopped or hung?") after the rank named. A rank that
+//      meanwhile exits non-zero on its own is named too
 //      ("rank 0 (pid 4241) also failed: exit code 1 (it lost rank 1)").
 //   4. SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to every rank's group
 //      (ranks do not sit in the terminal's foreground group, so Ctrl-C reaches them only this

@@ -772,6 +772,10 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
                   restarts > 0 ? ("restart " + std::to_string(restarts) + ": ").c_str() : "", used.c_str(),
                   first_epoch, resumed.steps > 0 ? (" and " + std::to_string(resumed.steps) + " steps of the next").c_str() : "");
     std::fflush(stdout);  // before anything said on stderr about the run, as it happened
+  } else if (config.resume && restarts == 0 && used.empty() && rank == 0 && chatty) {
+    // --resume on a first run is the usual pattern, but a mistyped FILE would retrain from scratch unnoticed.
+    std::printf("no checkpoint at %s yet: training starts at epoch 1\n", config.checkpoint.c_str());
+    std::fflush(stdout);
   } else if (restarts > 0 && rank == 0) {
     // The work before the failure is lost: said, as a resume is.
     const std::string why = config.checkpoint.empty() ? "no --checkpoint was given"

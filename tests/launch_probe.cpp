@@ -5,6 +5,7 @@
 //   nanoddp-run --nproc-per-node 4 launch_probe fail 3 7          # rank 3 exits 7, peers lose it
 //   nanoddp-run --nproc-per-node 2 launch_probe sleep DIR         # writes DIR/pid.RANK, sleeps, silent
 //   nanoddp-run --nproc-per-node 3 launch_probe die 0 5           # rank 0 SIGKILLs itself mid-job
+//   nanoddp-run --nproc-per-node 2 launch_probe stop 1 5          # rank 1 SIGSTOPs itself mid-job
 //   nanoddp-run --max-restarts 2 --nproc-per-node 2 launch_probe restart 1 2   # dies in 2 rounds
 //
 // report [--backend B] [--hold-ms N]: init_process_group (backend B, default auto), all_reduce
@@ -19,6 +20,8 @@
 // die:    every rank runs all_reduces back to back; rank R sends itself SIGKILL after its Nth
 //         (kill -9 in the middle of a job). The others ignore SIGTERM and fail by losing R, by
 //         their own error, at once: the launcher must still name R and return 137.
+// stop:   as die, but rank R stops itself (SIGSTOP: alive, silent) and the others' all_reduce
+//         times out after 2 s: they fail by losing R, which never ends by itself.
 // restart: under --max-restarts. Every rank prints "rank R of W round K sum S" (K =
 //         NANODDP_RESTART_COUNT, S from an all_reduce of rank + 1) and "rank R round K first
 //         step at T" (T: CLOCK_REALTIME in ms); then rank R SIGKILLs itself after a barrier
@@ -98,6 +101,15 @@ int main(int argc, char** argv) {
       for (int i = 0; i < 100000; ++i) {
         if (rank == victim && i == reductions) ::kill(::getpid(), SIGKILL);
         pg->all_reduce(t)->wait(std::chrono::seconds(20));
+      }
+      std::fprintf(stderr, "rank %d: 100000 all_reduces completed without rank %d\n", rank, victim);
+      return 3;
+    } else if (mode == "stop" && argc == 4) {
+      const int victim = std::atoi(argv[2]), reductions = std::atoi(argv[3]);
+      Tensor t = Tensor::from_vector({1.0f}, {1});
+      for (int i = 0; i < 100000; ++i) {
+        if (rank == victim && i == reductions) ::kill(::getpid(), SIGSTOP);
+        pg->all_reduce(t)->wait(std::chrono::seconds(2));
       }
       std::fprintf(stderr, "rank %d: 100000 all_reduces completed without rank %d\n", rank, victim);
       return 3;

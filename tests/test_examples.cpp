@@ -449,6 +449,11 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   CHECK(r.code() == 1);
   CHECK_MESSAGE(r.err.find("folder " + dir.path + "/missing/folder does not exist") != std::string::npos, r.err);
   const std::string ckpt = dir.path + "/run.ckpt";
+  // --resume before any checkpoint exists (a first run, or a mistyped FILE) says so, then trains.
+  r = run({program, "--data-dir", dir.path, "--epochs", "1", "--checkpoint", ckpt, "--resume"}, 60s);
+  CHECK_MESSAGE(r.code() == 0, r.err);
+  CHECK_MESSAGE(r.out.find("no checkpoint at " + ckpt + " yet: training starts at epoch 1\n") != std::string::npos,
+                r.out);
   r = run_with({"--epochs", "2", "--checkpoint", ckpt});
   REQUIRE_MESSAGE(r.code() == 0, r.err);
   // The result line's accuracy (json_field stops the test if it is null).

@@ -1191,3 +1191,13 @@ TEST_CASE("nanoddp-run: two jobs started together on one --master-port never han
                                         std::to_string(port)),
                 stray.err);
 }
+
+TEST_CASE("nanoddp-run: a rank that fails by losing a stopped rank is named, and the stopped rank is said to be stuck") {
+  // Rank 1 stops itself; rank 0's all_reduce times out and reports it lost rank 1, which is
+  // still alive when the blame window (the grace period) ends.
+  const RunResult r = run({launcher_path(), "--nproc-per-node", "2", "--grace-period", "1", probe_path(), "stop", "1", "3"},
+                          60s);
+  CHECK_MESSAGE(r.code() == 1, r.err);
+  CHECK_MESSAGE(contains(r.err, ") failed: exit code 1 (it lost rank 1); rank 1 (pid "), r.err);
+  CHECK_MESSAGE(contains(r.err, "), which it lost, was still running 1 s later (stopped or hung?)"), r.err);
+}

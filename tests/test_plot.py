@@ -74,4 +74,23 @@ with tempfile.TemporaryDirectory() as folder:
     nowhere = run("metrics", metrics, "-o", os.path.join(folder, "missing", "x.png"))
     assert nowhere.returncode != 0 and "cannot write a PNG file there" in nowhere.stderr, nowhere.stderr
     assert "Traceback" not in nowhere.stderr, nowhere.stderr
+    # Not a PNG name: refused before anything is written (matplotlib ended in a traceback).
+    readme = os.path.join(folder, "README.md")
+    with open(readme, "w") as f:
+        f.write("# kept\n")
+    not_png = run("metrics", metrics, "-o", readme)
+    assert not_png.returncode != 0 and "give a file name ending in .png" in not_png.stderr, not_png.stderr
+    with open(readme) as f:
+        assert f.read() == "# kept\n"
+    # A run stopped mid-write leaves a last line without its newline: the lines before it are
+    # plotted, with a word. A bad line elsewhere is still refused.
+    cut = os.path.join(folder, "cut.jsonl")
+    with open(metrics) as f, open(cut, "w") as g:
+        g.write(f.read() + '{"step": 150, "epoch": 1, "lo')
+    done = run("metrics", cut, "-o", os.path.join(folder, "cut.png"))
+    assert done.returncode == 0 and "cut.jsonl:4: the last line is cut off" in done.stderr, done.stderr
+    with open(metrics) as f, open(cut, "w") as g:
+        g.write('{"step": 1, "lo\n' + f.read())
+    broken = run("metrics", cut, "-o", os.path.join(folder, "cut.png"))
+    assert broken.returncode != 0 and "cut.jsonl:1: not a JSON line" in broken.stderr, broken.stderr
 print("tools/plot draws all three kinds and fits alpha + beta * bytes exactly")
