@@ -338,10 +338,11 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   store_options.round = std::max(0, env_int({kRestartCountEnv}, 0, INT_MAX));
   store_options.listen_on_all_interfaces = listen_on_all_interfaces;
   if (rank == 0 && world_size > 1 && store_options.token.empty()) {
-    const std::string warning = detail::where(rank, world_size) + ": warning: the store at " + master.host + ":" +
-                                std::to_string(master.port) + " admits any client that reaches it: " +
-                                kStoreTokenEnv + " is not set (nanoddp-run sets one; under mpirun or srun " +
-                                "export the same secret to every rank)\n";
+    const std::string warning =
+        detail::where(rank, world_size) + ": warning: the store at " + master.host + ":" +
+        std::to_string(master.port) + " admits any client that reaches it: " + kStoreTokenEnv +
+        " is not set (nanoddp-run sets one for a job on one node; with " +
+        "--nnodes > 1, or under mpirun or srun, export the same secret to every rank)\n";
     ssize_t ignored = ::write(2, warning.data(), warning.size());  // one write: never interleaved
     (void)ignored;
   }

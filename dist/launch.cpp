@@ -285,13 +285,15 @@ int exec_failure_code(int error) { return error == ENOENT || error == ENOTDIR ? 
   _exit(exec_failure_code(error));
 }
 
-// 0 when execvp(program) would find an executable regular file, else why not (ENOENT, EACCES),
+// 0 when execvp(program) would find an executable regular file, else why not (ENOENT, EACCES;
+// EISDIR for a folder, which execve calls EACCES),
 // by execvp's search: a name with '/' as is, else each folder of PATH in turn (an empty entry
 // is the current folder), an executable one winning over a non-executable one found earlier.
 int program_unrunnable(const std::string& program, std::string* found_at) {
   const auto check = [found_at](const std::string& path) {
     struct stat info {};
     if (::stat(path.c_str(), &info) != 0) return errno == ENOTDIR ? ENOENT : errno;
+    if (S_ISDIR(info.st_mode)) return EISDIR;
     if (!S_ISREG(info.st_mode) || ::access(path.c_str(), X_OK) != 0) return EACCES;
     *found_at = path;
     return 0;
@@ -306,7 +308,7 @@ int program_unrunnable(const std::string& program, std::string* found_at) {
     const std::string folder = path.substr(begin, end - begin);
     const int found = check((folder.empty() ? "." : folder) + "/" + program);
     if (found == 0) return 0;
-    if (found == EACCES) error = EACCES;
+    if (found == EACCES || (found == EISDIR && error == ENOENT)) error = found;
     if (end == path.size()) return error;
     begin = end + 1;
   }

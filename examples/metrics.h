@@ -16,6 +16,7 @@
 //   wall_s         seconds since the log was opened
 #pragma once
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cctype>
@@ -45,8 +46,14 @@ struct MetricsRecord {
 // Throws IOError naming path when it is a non-empty file that is not a metrics log (every
 // line a JSON object that begins {"step":): a run replaces its own earlier log, never a file
 // it did not write. A last line cut short (a run killed mid-write) still counts as ours.
+// Only a regular file is read: a device or a FIFO (/dev/stdout, a pipe to a plotter) holds
+// nothing to keep, and reading one could wait forever.
+inline bool is_regular_file(const std::string& path) {
+  struct stat info {};
+  return !path.empty() && ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode);
+}
 inline void check_metrics_replaceable(const std::string& path) {
-  std::FILE* file = path.empty() ? nullptr : std::fopen(path.c_str(), "r");
+  std::FILE* file = is_regular_file(path) ? std::fopen(path.c_str(), "r") : nullptr;
   if (file == nullptr) return;  // absent (or unreadable: opening it to write says why)
   static const std::string kStart = "{\"step\":";
   std::string line;  // the current line's first kStart.size() bytes at most
@@ -90,7 +97,7 @@ class MetricsLog {
     if (path.empty()) return;
     check_metrics_replaceable(path);
     path_ = path;
-    const long kept_bytes = steps_kept > 0 ? bytes_of_steps(path, steps_kept) : 0;
+    const long kept_bytes = steps_kept > 0 && is_regular_file(path) ? bytes_of_steps(path, steps_kept) : 0;
     file_ = std::fopen(path.c_str(), kept_bytes > 0 ? "r+" : "w");
     NANODDP_CHECK(file_ != nullptr, IOError, "--metrics ", path, ": cannot create: ", std::strerror(errno));
     if (kept_bytes > 0) {

@@ -887,6 +887,16 @@ TEST_CASE("--checkpoint, --export and --metrics never replace a file the program
     CHECK(read_file(ckpt) == ckpt_bytes);
     CHECK(read_file(exported) == exported_bytes);
   }
+  // A device is not a file to keep, and is not read (/dev/full read as a binary file, "not a
+  // metrics line"; a terminal or a FIFO could block the read forever): it is written to, and
+  // /dev/full's error is the write's.
+  const RunResult to_full = run(fashion_with({"--metrics", "/dev/full"}), 120s);
+  CHECK(to_full.code() == 1);
+  CHECK_MESSAGE(
+      to_full.err.find("--metrics /dev/full: write failed: No space left on device") != std::string::npos,
+      to_full.err);
+  const RunResult to_null = run(fashion_with({"--metrics", "/dev/null"}), 120s);
+  CHECK_MESSAGE(to_null.code() == 0, to_null.err);
   // toy_ddp's --metrics likewise, under the launcher.
   std::ofstream(notes) << notes_text;
   const RunResult toy = run({launcher_path(), "--nproc-per-node", "2", built("examples/toy_ddp"), "--metrics", notes}, 120s);

@@ -412,13 +412,19 @@ TEST_CASE("nanoddp-run: a program that cannot be run is named once, with the she
   // A program that cannot run is one report, not one per rank that got to exec before the
   // others were stopped: no "rank N failed" lines, and 126 (not 127) for no permission.
   const std::vector<Case> cases = {
-      {"/nonexistent/program", "cannot execute '/nonexistent/program': No such file or directory; no rank", 127},
-      {"nanoddp-no-such-program", "cannot execute 'nanoddp-no-such-program': No such file or directory "
-                                  "(searched PATH); no rank was started", 127},
+      {"/nonexistent/program", "cannot execute '/nonexistent/program': No such file or directory; no rank",
+       127},
+      {"nanoddp-no-such-program",
+       "cannot execute 'nanoddp-no-such-program': No such file or directory "
+       "(searched PATH); no rank was started",
+       127},
       {plain, "cannot execute '" + plain + "': Permission denied; no rank was started", 126},
-      {dir.path, "cannot execute '" + dir.path + "': Permission denied; no rank was started", 126},
-      {orphan, "cannot execute '" + orphan + "': its #! line names /nonexistent/interpreter, which does not exist "
-               "or cannot run; no rank was started", 127},
+      {dir.path, "cannot execute '" + dir.path + "': Is a directory; no rank was started", 126},
+      {orphan,
+       "cannot execute '" + orphan +
+           "': its #! line names /nonexistent/interpreter, which does not exist "
+           "or cannot run; no rank was started",
+       127},
   };
   for (const Case& c : cases) {
     CAPTURE(c.program);
