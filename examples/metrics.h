@@ -116,21 +116,35 @@ class MetricsLog {
 
   bool enabled() const { return file_ != nullptr; }
 
-  // Appends one JSON line and flushes it. Throws IOError naming the file when the write fails
-  // (a full disk, or `ulimit -f`: Note [File size limit]).
+  // Appends one JSON line, written through at once. Throws IOError naming the file when the
+  // write fails (a full disk, or `ulimit -f`: Note [File size limit]); the part of the line
+  // that got out is cut off again, so the file keeps whole lines only.
   void write(const MetricsRecord& r) {
     if (file_ == nullptr) return;
     const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    const std::string line = "{\"step\":" + std::to_string(r.step) + ",\"epoch\":" + std::to_string(r.epoch) +
+                             ",\"loss\":" + json_number(r.loss) + ",\"lr\":" + json_number(r.lr) +
+                             ",\"samples_per_s\":" + json_number(r.samples_per_s) +
+                             ",\"test_accuracy\":" + json_number(r.test_accuracy) +
+                             ",\"wall_s\":" + json_number(wall_s) + "}\n";
     const FileSizeSignalHeld held;  // Note [File size limit]: past `ulimit -f`, an IOError
-    std::fprintf(file_,
-                 "{\"step\":%lld,\"epoch\":%d,\"loss\":%s,\"lr\":%s,\"samples_per_s\":%s,\"test_accuracy\":%s,"
-                 "\"wall_s\":%s}\n",
-                 static_cast<long long>(r.step), r.epoch, json_number(r.loss).c_str(), json_number(r.lr).c_str(),
-                 json_number(r.samples_per_s).c_str(), json_number(r.test_accuracy).c_str(),
-                 json_number(wall_s).c_str());
-    const bool written = std::fflush(file_) == 0 && !std::ferror(file_);
-    const int error = errno;
-    NANODDP_CHECK(written, IOError, "--metrics ", path_, ": write failed: ", std::strerror(error),
+    // Straight to the descriptor, not through stdio: a buffer left after a failed flush would
+    // go out at fclose, half a line after the error.
+    const int fd = ::fileno(file_);
+    const off_t before = ::lseek(fd, 0, SEEK_CUR);
+    size_t done = 0;
+    int error = 0;
+    while (done < line.size()) {
+      const ssize_t n = ::write(fd, line.data() + done, line.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        error = n < 0 ? errno : ENOSPC;
+        break;
+      }
+      done += static_cast<size_t>(n);
+    }
+    if (error != 0 && done > 0 && before >= 0 && ::ftruncate(fd, before) == 0) ::lseek(fd, before, SEEK_SET);
+    NANODDP_CHECK(error == 0, IOError, "--metrics ", path_, ": write failed: ", std::strerror(error),
                   file_size_limit_hint(error));
   }
 

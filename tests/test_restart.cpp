@@ -474,6 +474,29 @@ TEST_CASE("fashion_mnist: a save past the file size limit (ulimit -f) fails nami
   CHECK(state.at("epochs_done").to_int_vector() == std::vector<int64_t>{1});
 }
 
+TEST_CASE(
+    "fashion_mnist: a --metrics write past the file size limit fails naming the file, which keeps whole "
+    "lines") {
+  TempDir dir;
+  nanoddp::testing::write_small_fashion_mnist(dir.path, 640, 200);
+  const std::string metrics = dir.path + "/run.jsonl";
+  // 1 KiB holds a few of the ~150-byte lines; the line that crosses it was half-written.
+  std::string command = "ulimit -f 1; exec";
+  for (const std::string& a : small_run(dir.path, {"--epochs", "8", "--quiet", "--metrics", metrics}))
+    command += " '" + a + "'";
+  const RunResult r = run({"/bin/bash", "-c", command}, 120s);
+  CHECK_MESSAGE(r.code() == 1, r.err);
+  CHECK_MESSAGE(contains(r.err, "--metrics " + metrics + ": write failed: File too large"), r.err);
+  const std::string text = nanoddp::testing::read_file(metrics);
+  REQUIRE(!text.empty());
+  CHECK(text.size() < 1024);
+  CHECK(text.back() == '\n');
+  size_t lines = 0;
+  for (size_t at = 0; at < text.size(); at = text.find('\n', at) + 1, ++lines)
+    CHECK(text.compare(at, 8, "{\"step\":") == 0);
+  CHECK(lines >= 3);
+}
+
 namespace {
 
 // a and b hold the same entries, bit for bit; names the first that differs.
