@@ -93,23 +93,15 @@ int main(int argc, char** argv) {
       pg->all_reduce(t)->wait();
       std::fprintf(stderr, "rank %d: the all_reduce without rank %d completed\n", rank, culprit);
       return 3;
-    } else if (mode == "die" && argc == 4) {
+    } else if ((mode == "die" || mode == "stop") && argc == 4) {
       const int victim = std::atoi(argv[2]), reductions = std::atoi(argv[3]);
-      if (rank != victim) std::signal(SIGTERM, SIG_IGN);
+      const bool die = mode == "die";
+      if (die && rank != victim) std::signal(SIGTERM, SIG_IGN);
       Tensor t = Tensor::from_vector({1.0f}, {1});
-      // Bounded: a group that never notices the death ends here, not at the test's timeout.
+      // Bounded: a group that never notices the loss ends here, not at the test's timeout.
       for (int i = 0; i < 100000; ++i) {
-        if (rank == victim && i == reductions) ::kill(::getpid(), SIGKILL);
-        pg->all_reduce(t)->wait(std::chrono::seconds(20));
-      }
-      std::fprintf(stderr, "rank %d: 100000 all_reduces completed without rank %d\n", rank, victim);
-      return 3;
-    } else if (mode == "stop" && argc == 4) {
-      const int victim = std::atoi(argv[2]), reductions = std::atoi(argv[3]);
-      Tensor t = Tensor::from_vector({1.0f}, {1});
-      for (int i = 0; i < 100000; ++i) {
-        if (rank == victim && i == reductions) ::kill(::getpid(), SIGSTOP);
-        pg->all_reduce(t)->wait(std::chrono::seconds(2));
+        if (rank == victim && i == reductions) ::kill(::getpid(), die ? SIGKILL : SIGSTOP);
+        pg->all_reduce(t)->wait(std::chrono::seconds(die ? 20 : 2));
       }
       std::fprintf(stderr, "rank %d: 100000 all_reduces completed without rank %d\n", rank, victim);
       return 3;
