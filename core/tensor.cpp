@@ -408,10 +408,10 @@ bool Tensor::requires_grad() const { return checked_impl().requires_grad; }
 
 Tensor& Tensor::set_requires_grad(bool requires_grad) {
   TensorImpl& self = checked_impl();
-  NANODDP_CHECK(!requires_grad || self.dtype == DType::Float32, ValueError,
-                "only float32 tensors can require grad, got ", self.dtype);
   // An op's output already requires grad: asking again is a no-op, as torch's requires_grad_().
   if (self.grad_fn != nullptr && requires_grad) return *this;
+  NANODDP_CHECK(!requires_grad || self.dtype == DType::Float32, ValueError,
+                "only float32 tensors can require grad, got ", self.dtype);
   NANODDP_CHECK(self.grad_fn == nullptr, ValueError,
                 "set_requires_grad(false) on a non-leaf tensor (made by ", self.grad_fn->name(),
                 "); use detach()");

@@ -177,7 +177,7 @@ class StagingGroup : public ProcessGroup {
   // A host copy of t, made after every kernel already queued on t's device.
   Tensor copy_in(const Tensor& t) {
     Tensor host = host_like(t);
-    host.copy_(t);
+    copy_values(host, t);  // not an autograd op: t may require grad (a loss all-reduced for a log)
     return host;
   }
 

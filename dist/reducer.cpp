@@ -110,10 +110,11 @@ namespace nanoddp::dist {
 // nothing; set_to_none=true makes every backward pay the copy in again, as in PyTorch. With
 // find_unused_parameters, a parameter this rank did not use contributes its .grad (Note
 // [Unused parameters]), which is its slot: one that no rank used ends with the mean of the
-// ranks' equal .grads, its own value, as without views and in PyTorch. The flag also binds at one rank, where
-// nothing is reduced, so .grad is the same kind of tensor at every world size. On shm the buckets are memory
-// every rank maps (Note [Shm direct all-reduce]); a view of one is an ordinary tensor in that memory, so
-// .grad lives there too.
+// ranks' .grads, as in PyTorch (its own value when they are equal, within rounding: exact at
+// 2 ranks, an ulp off in a few elements at 3), where without views it keeps its .grad exactly.
+// The flag also binds at one rank, where nothing is reduced, so .grad is the same kind of
+// tensor at every world size. On shm the buckets are memory every rank maps (Note [Shm direct
+// all-reduce]); a view of one is an ordinary tensor in that memory, so .grad lives there too.
 
 Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared_ptr<ProcessGroup> pg,
                  ReducerOptions options)

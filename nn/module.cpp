@@ -38,6 +38,11 @@ Tensor Module::register_parameter(const std::string& name, Tensor tensor) {
 Tensor Module::register_parameter_at_path(const std::string& name, Tensor tensor) {
   NANODDP_CHECK(tensor.defined(), ValueError, "register_parameter: parameter '", name, "' is an undefined tensor");
   NANODDP_CHECK(!name.empty(), ValueError, "register_parameter: the name is empty");
+  // An op's output would never get a .grad (backward passes it on), so it would never train.
+  NANODDP_CHECK(
+      tensor.is_leaf(), ValueError, "register_parameter: parameter '", name, "' is an op's output (made by ",
+      tensor.is_leaf() ? "" : tensor.grad_fn()->name(),
+      "), not a leaf: register its detach() (torch: \"Cannot assign non-leaf Tensor to parameter\")");
   tensor.set_requires_grad(true);
   set_memory_category(tensor, MemoryCategory::Parameters);
   for (auto& [own, p] : parameters_)

@@ -55,6 +55,7 @@ int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr,
                  "usage: launch_probe report [--backend B] [--hold-ms N] | fail RANK CODE | die RANK N | "
+                 "stop RANK N | "
                  "restart RANK ROUNDS | sleep DIR\n");
     return 2;
   }

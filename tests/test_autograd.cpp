@@ -235,6 +235,7 @@ TEST_CASE("only leaves that require grad get .grad") {
   CHECK_FALSE(c.grad().defined());
   CHECK_THROWS_AS(c.set_requires_grad(false), ValueError);
   CHECK(c.set_requires_grad(true).requires_grad());  // already so: a no-op, as torch's requires_grad_()
+  CHECK(a.to(DType::Float16).set_requires_grad(true).requires_grad());  // a 16-bit op output too
   CHECK_THROWS_AS(Tensor::zeros({1}, DType::Int64).set_requires_grad(true), ValueError);
 }
 

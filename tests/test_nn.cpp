@@ -864,6 +864,16 @@ TEST_CASE("register_parameter, register_buffer and register_module: torch's name
             .rfind("register_module: 'w' is already a parameter of this module", 0) == 0);
   CHECK(message_of([&] { probe.register_parameter("m", Tensor::zeros({1})); })
             .rfind("register_parameter: 'm' is already a submodule of this module", 0) == 0);
+  // An op's output never gets a .grad, so it would never train (torch: "Cannot assign non-leaf
+  // Tensor to parameter"); its detach() is a leaf.
+  const Tensor base = Tensor::ones({1}).set_requires_grad(true);
+  Probe other;
+  CHECK(message_of([&] { other.register_parameter("x", base * 2.0f); })
+            .rfind(
+                "register_parameter: parameter 'x' is an op's output (made by MulScalarBackward), not a leaf",
+                0) == 0);
+  CHECK(other.parameters().empty());
+  CHECK(other.register_parameter("x", (base * 2.0f).detach()).is_leaf());
 
   // Replacing keeps the place and the count.
   probe.register_parameter("v", Tensor::zeros({1}));

@@ -3,6 +3,7 @@
 // lets several ranks share one GPU runs without one (the gpu suite runs it on cuda:0).
 #include <doctest/doctest.h>
 
+#include "core/autograd.h"
 #include "dist/host_staging.h"
 #include "dist/init.h"
 #include "tests/staging_cases.h"
@@ -124,6 +125,13 @@ TEST_CASE("staging hands the backend a host copy and writes the result back at w
   REQUIRE(inner->seen.size() == 2);
   CHECK(inner->seen[1].is_same(host));  // a CPU tensor passes straight through
   CHECK(host.to_vector() == std::vector<float>{10});
+
+  // A tensor that requires grad (a parameter, a loss reduced for a log line), in grad mode: the
+  // staging copies are not autograd ops, as on a CPU or NCCL group.
+  Tensor param = Tensor::from_vector({1.5f}, {}, kStandIn).set_requires_grad(true);
+  REQUIRE(is_grad_enabled());
+  pg->all_reduce(param, dist::ReduceOp::Sum)->wait(1000ms);
+  CHECK(param.to_vector() == std::vector<float>{3});
 }
 
 TEST_CASE("stage_device_tensors leaves a group alone whose device is not the CPU") {
