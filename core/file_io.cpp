@@ -225,6 +225,11 @@ void write_file_atomically(const std::string& given_path, const std::string& byt
   }
 }
 
+bool is_regular_file(const std::string& path) {
+  struct stat info {};
+  return !path.empty() && ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode);
+}
+
 std::string read_regular_file(const std::string& path, const char* what) {
   struct stat info {};
   NANODDP_CHECK(::stat(path.c_str(), &info) == 0, IOError, what, " ", path, ": cannot open: ", std::strerror(errno));

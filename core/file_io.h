@@ -39,6 +39,10 @@ void check_writable(const std::string& path, const char* what);
 // core/file_size_limit.h).
 void write_file_atomically(const std::string& path, const std::string& bytes, const char* what);
 
+// Whether path names a regular file (links followed). A device or a FIFO is not one: reading
+// it to see what it holds could wait forever (a terminal, a FIFO without a writer).
+bool is_regular_file(const std::string& path);
+
 // The whole content of path. Throws IOError (starting with what) when path is missing, not a
 // regular file, or unreadable.
 std::string read_regular_file(const std::string& path, const char* what);

@@ -16,7 +16,6 @@
 //   wall_s         seconds since the log was opened
 #pragma once
 
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cctype>
@@ -29,6 +28,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/file_io.h"
 #include "core/file_size_limit.h"
 #include "examples/example_utils.h"
 
@@ -46,12 +46,8 @@ struct MetricsRecord {
 // Throws IOError naming path when it is a non-empty file that is not a metrics log (every
 // line a JSON object that begins {"step":): a run replaces its own earlier log, never a file
 // it did not write. A last line cut short (a run killed mid-write) still counts as ours.
-// Only a regular file is read: a device or a FIFO (/dev/stdout, a pipe to a plotter) holds
-// nothing to keep, and reading one could wait forever.
-inline bool is_regular_file(const std::string& path) {
-  struct stat info {};
-  return !path.empty() && ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode);
-}
+// Only a regular file is read (is_regular_file): a device or a FIFO (/dev/stdout, a pipe to
+// a plotter) holds nothing to keep.
 inline void check_metrics_replaceable(const std::string& path) {
   std::FILE* file = is_regular_file(path) ? std::fopen(path.c_str(), "r") : nullptr;
   if (file == nullptr) return;  // absent (or unreadable: opening it to write says why)

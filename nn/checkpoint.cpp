@@ -1,6 +1,5 @@
 #include "nn/checkpoint.h"
 
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -156,9 +155,7 @@ void check_checkpoint_writable(const std::string& path) {
 }
 
 bool is_checkpoint_file(const std::string& path) {
-  struct stat info {};
-  // Only a regular file is opened: opening a FIFO would wait for a writer.
-  if (::stat(path.c_str(), &info) != 0 || !S_ISREG(info.st_mode)) return false;
+  if (!is_regular_file(path)) return false;  // opening a FIFO would wait for a writer
   std::ifstream in(path, std::ios::binary);
   std::string head(sizeof(kMagic), '\0');
   in.read(head.data(), static_cast<std::streamsize>(head.size()));

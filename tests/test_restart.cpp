@@ -480,7 +480,7 @@ TEST_CASE(
   TempDir dir;
   nanoddp::testing::write_small_fashion_mnist(dir.path, 640, 200);
   const std::string metrics = dir.path + "/run.jsonl";
-  // 1 KiB holds a few of the ~150-byte lines; the line that crosses it was half-written.
+  // 1 KiB holds a few of the ~150-byte lines; the line that crosses it must not stay half-written.
   std::string command = "ulimit -f 1; exec";
   for (const std::string& a : small_run(dir.path, {"--epochs", "8", "--quiet", "--metrics", metrics}))
     command += " '" + a + "'";
