@@ -142,7 +142,8 @@ Outcome ChildGroup::wait() {
   }
 
   // Whether c has exited (a zombie now); records how, and whether that is a failure of its own
-  // (any failure before we stop the job; a non-zero exit code while we do). WNOWAIT leaves the
+  // (any failure before we stop the job; a non-zero exit code while we do, unless the children
+  // relay signals). WNOWAIT leaves the
   // zombie (and with it the pgid) in place until the end.
   auto poll_exit = [&](Child& c) {
     if (c.exited) return true;
@@ -156,7 +157,7 @@ Outcome ChildGroup::wait() {
     } else {
       c.status.signal = info.si_status;
     }
-    c.failed = !c.status.ok() && (!terminating || c.status.exited);
+    c.failed = !c.status.ok() && (!terminating || (c.status.exited && !options_.children_relay_signals));
     return true;
   };
   auto child_of_rank = [&](int rank) -> Child* {

@@ -362,11 +362,73 @@ std::vector<std::string> mpirun_command(const LaunchOptions& options, const std:
 // --backend mpi mpirun is the one child, and a restart starts mpirun again.
 namespace {
 
+// Note [mpirun's ranks]
+// Open MPI puts each rank in a process group of its own, so the kill of a child's process
+// group that ends a rank's leftovers does not reach mpirun's ranks, and mpirun can exit before
+// they have (about 1.5 s after a Ctrl-C, measured). The launcher then returned while the ranks
+// still ran, and a restart could start the next round beside them. So while mpirun runs the
+// launcher is a child subreaper (prctl PR_SET_CHILD_SUBREAPER): the ranks mpirun leaves behind
+// become its children, and it returns once they have ended, by themselves within the grace
+// period or by SIGKILL after it.
+class MpirunRanks {
+ public:
+  MpirunRanks() : before_(children()) { prctl(PR_SET_CHILD_SUBREAPER, 1); }
+  ~MpirunRanks() { prctl(PR_SET_CHILD_SUBREAPER, 0); }
+  MpirunRanks(const MpirunRanks&) = delete;
+  MpirunRanks& operator=(const MpirunRanks&) = delete;
+
+  // After mpirun has been reaped: waits for the processes it left to this launcher.
+  void wait_for_leftovers(std::chrono::milliseconds grace_period) {
+    const auto kill_at = std::chrono::steady_clock::now() + grace_period;
+    bool killed = false;
+    for (std::set<pid_t> left = leftovers(); !left.empty(); left = leftovers()) {
+      for (pid_t pid : left) {
+        int status = 0;
+        (void)waitpid(pid, &status, WNOHANG);
+      }
+      if (!killed && std::chrono::steady_clock::now() >= kill_at) {
+        left = leftovers();
+        if (left.empty()) break;
+        write_all(2, "nanoddp-run: " + std::to_string(left.size()) +
+                         " process(es) that mpirun started were still running " + format_ms(grace_period) +
+                         " after it ended; sending SIGKILL\n");
+        for (pid_t pid : left) kill(pid, SIGKILL);
+        killed = true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+
+ private:
+  // This process's children, every thread's (/proc/self/task/TID/children).
+  static std::set<pid_t> children() {
+    std::set<pid_t> pids;
+    DIR* tasks = opendir("/proc/self/task");
+    if (tasks == nullptr) return pids;
+    while (const dirent* task = readdir(tasks)) {
+      if (task->d_name[0] == '.') continue;
+      std::ifstream list(std::string("/proc/self/task/") + task->d_name + "/children");
+      for (pid_t pid; list >> pid;) pids.insert(pid);
+    }
+    closedir(tasks);
+    return pids;
+  }
+  // Children (zombies included) that were not ours before mpirun started.
+  std::set<pid_t> leftovers() const {
+    std::set<pid_t> pids;
+    for (pid_t pid : children())
+      if (before_.count(pid) == 0) pids.insert(pid);
+    return pids;
+  }
+  const std::set<pid_t> before_;
+};
+
 // Starts one round of the group and supervises it until it ends.
 Outcome run_round(const LaunchOptions& options, const std::vector<std::string>& program, int port, int round,
                   std::chrono::milliseconds timeout) {
   ChildGroup::Options group_options;
   group_options.grace_period = options.grace_period;
+  group_options.children_relay_signals = options.backend == "mpi";
   group_options.timeout = timeout;
   if (timeout.count() > 0)
     group_options.timeout_description = "the job's --timeout of " + format_ms(options.timeout) +
@@ -383,6 +445,7 @@ Outcome run_round(const LaunchOptions& options, const std::vector<std::string>& 
     cmd.insert(cmd.begin() + 1, exported.begin(), exported.end());
     const std::vector<char*> argv = to_argv(cmd);
     const bool as_root = geteuid() == 0;
+    MpirunRanks ranks;
     // false: the start failed or a signal came first; wait() reports it
     (void)group.start(0, "mpirun", "", [&](int) {
       // SIGTERM, not SIGKILL, when we die: mpirun then stops the ranks it started itself.
@@ -394,6 +457,7 @@ Outcome run_round(const LaunchOptions& options, const std::vector<std::string>& 
       exec_or_die(argv, "nanoddp-run");
     });
     const Outcome outcome = group.wait();
+    ranks.wait_for_leftovers(options.grace_period);
     // mpirun's status is its first failed rank's, a signal as 128 + its number, and mpirun's
     // own message above names that rank; this launcher cannot see the ranks themselves.
     const ExitStatus& status = outcome.failed_status;

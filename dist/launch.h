@@ -27,7 +27,9 @@
 //   5. No process is left behind: when the job ends every rank's group gets SIGKILL before the
 //      rank itself is reaped (an exited rank stays a zombie until then, which keeps its pgid from
 //      being reused by an unrelated process). When the launcher itself dies, SIGKILL included,
-//      every rank ends too (PR_SET_PDEATHSIG, and the pipe of Note [Launcher link]).
+//      every rank ends too (PR_SET_PDEATHSIG, and the pipe of Note [Launcher link]). Under
+//      --backend mpi the ranks are mpirun's children, in process groups of their own: the
+//      launcher returns only once they have ended too (Note [mpirun's ranks] in launch.cpp).
 //   6. The innermost launcher wins: a child starts without the variables by which an outer
 //      launcher (mpirun, srun, torchrun) names a rank (Note [Innermost launcher wins] in
 //      launch.cpp), then gets this launcher's own.
@@ -178,6 +180,10 @@ class ChildGroup {
     std::string timeout_description;
     std::string reporter = "nanoddp-run";  // prefix of the launcher's own stderr messages
     bool report = true;                    // print failures on stderr
+    // The children pass our signals on to processes of their own and answer with an exit
+    // code (mpirun exits 1 after a SIGINT): such an exit while the group is being stopped is
+    // their answer, not a failure of their own to report.
+    bool children_relay_signals = false;
   };
   explicit ChildGroup(Options options);
   ~ChildGroup();

@@ -1207,3 +1207,28 @@ TEST_CASE("nanoddp-run: a rank that fails by losing a stopped rank is named, and
   CHECK_MESSAGE(contains(r.err, ") failed: exit code 1 (it lost rank 1); rank 1 (pid "), r.err);
   CHECK_MESSAGE(contains(r.err, "), which it lost, was still running 1 s later (stopped or hung?)"), r.err);
 }
+
+TEST_CASE(
+    "nanoddp-run --backend mpi: Ctrl-C returns only once mpirun's ranks have ended, and mpirun's answer is "
+    "no failure") {
+  if (!on_path("mpirun")) {
+    MESSAGE("skipped: no mpirun on PATH (Debian: openmpi-bin)");
+    return;
+  }
+  TempDir dir;
+  // MPI programs: mpirun exits before they have ended (Note [mpirun's ranks]).
+  const RunResult r =
+      run({launcher_path(), "--nproc-per-node", "2", "--backend", "mpi", probe_path(), "sleep", dir.path},
+          30s, [&](pid_t launcher) {
+            wait_for_ranks(dir.path, 2);
+            kill(launcher, SIGINT);
+          });
+  CHECK(r.code() == 128 + SIGINT);
+  CHECK_MESSAGE(contains(r.err, "received SIGINT"), r.err);
+  // mpirun exits 1 after passing SIGINT on: its answer, not a failure to name.
+  CHECK_MESSAGE(!contains(r.err, "failed"), r.err);
+  CHECK(r.seconds < 10);
+  // At once, not within check_nothing_left's allowance: the launcher has already waited.
+  const std::vector<int> alive = survivors(recorded_pids(dir.path, 2));
+  CHECK_MESSAGE(alive.empty(), alive.size(), " rank(s) still running when the launcher returned");
+}
