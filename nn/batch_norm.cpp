@@ -14,8 +14,11 @@ namespace nanoddp {
 // (L = 1 for a 2-d input); every other array is per channel, [C], unless said otherwise.
 // mean[c] and the biased var[c] over the N * L values of channel c, two passes in double. WRITES.
 NANODDP_DECLARE_KERNEL(batch_norm_stats, float* mean, float* var, const float* in, int64_t N, int64_t C, int64_t L)
-// invstd = 1 / sqrt(var + eps). WRITES.
-NANODDP_DECLARE_KERNEL(batch_norm_invstd, float* invstd, const float* var, int64_t C, float eps)
+// invstd = 1 / sqrt(var + eps), or 0 where var and eps are both 0 and zero_for_no_spread is set
+// (batch statistics of a constant channel: torch's batch_norm gives such a channel the bias
+// and no gradient, where 1 / 0 would make them NaN). WRITES.
+NANODDP_DECLARE_KERNEL(batch_norm_invstd, float* invstd, const float* var, int64_t C, float eps,
+                       bool zero_for_no_spread)
 // running_mean = (1 - momentum) running_mean + momentum mean; running_var the same with
 // var * unbiased_scale. UPDATES in place.
 NANODDP_DECLARE_KERNEL(batch_norm_update_running, float* running_mean, float* running_var, const float* mean,
@@ -143,7 +146,7 @@ Tensor batch_norm(const Tensor& input_in, const Tensor& running_mean, const Tens
     var = running_var.detach();
   }
   Tensor invstd = Tensor::empty({C}, DType::Float32, device);
-  NANODDP_DISPATCH(device, batch_norm_invstd, ptr(invstd), ptr(var), C, eps);
+  NANODDP_DISPATCH(device, batch_norm_invstd, ptr(invstd), ptr(var), C, eps, training);
   Tensor out = empty_like(input);
   NANODDP_DISPATCH(device, batch_norm_forward, ptr(out), ptr(input), ptr(mean), ptr(invstd), ptr_or_null(weight),
                    ptr_or_null(bias), N, C, L);

@@ -40,16 +40,19 @@ class BatchStatsAllReduce {
 //     running_var are defined they are updated in place, not recorded by autograd:
 //     running = (1 - momentum) running + momentum batch, with the unbiased var (M / (M - 1)).
 //     An empty batch (M = 0) gives an empty output, zero weight and bias gradients, and leaves
-//     the running statistics unchanged (torch.batch_norm on an input of no elements).
+//     the running statistics unchanged (torch.batch_norm on an input of no elements). With
+//     eps = 0, a constant channel (var = 0) gets the bias and no gradient, not 0 / 0, as in
+//     PyTorch, whose 1 / sqrt(var + eps) is 0 then.
 //   !training: mean and var are running_mean and running_var (both must be defined).
 //   all_reduce (training only): the batch is every process's batch together: each process's
 //     mean and variance are merged in forward (two all-reduces, Note [SyncBatchNorm
 //     statistics] in batch_norm.cpp: no cancellation however large |mean| / std), the two
 //     gradient sums in backward (torch.nn.SyncBatchNorm).
 // NaN or inf in a channel makes that channel NaN in training (its mean is NaN); in eval only
-// the element itself. Errors: ShapeError for another input rank or a [C] tensor of another
-// shape; ValueError for training with one value per channel (M = 1, as PyTorch), for eval
-// without running statistics, or eps < 0; DeviceError when operands are on different devices.
+// the element itself (the input gradient, weight invstd dy in eval, does not depend on x). Errors: ShapeError
+// for another input rank or a [C] tensor of another shape; ValueError for training with one value per channel
+// (M = 1, as PyTorch), for eval without running statistics, or eps < 0; DeviceError when operands are on
+// different devices.
 Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                   const Tensor& bias, bool training, float momentum = 0.1f, float eps = 1e-5f,
                   std::shared_ptr<BatchStatsAllReduce> all_reduce = nullptr);

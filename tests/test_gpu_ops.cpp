@@ -1,8 +1,7 @@
 // The op harness, CUDA column: every row of tests/op_cases.cpp on cuda:0 against the CPU, on
 // the same inputs: the forward, each input's gradient, and the forward with NaN/±inf in the
 // first input. Exits 77 (SKIP) without a GPU (tests/test_gpu_main.cpp).
-#include "tests/test_gpu_util.h"
-
+#include <cmath>
 #include <optional>
 
 #include "core/autograd.h"
@@ -11,6 +10,7 @@
 #include "nn/batch_norm.h"
 #include "nn/conv.h"
 #include "tests/op_cases.h"
+#include "tests/test_gpu_util.h"
 
 using namespace nanoddp;
 using namespace nanoddp::testing;
@@ -110,6 +110,34 @@ TEST_CASE("BatchNorm1d updates its running statistics on CUDA as on the CPU") {
     expect_close("running_var", gpu_bn.running_var.to_vector(), cpu_bn.running_var.to_vector(), 1e-5, 1e-6);
     CHECK(gpu_bn.num_batches_tracked.to(Device::cpu()).to_int_vector() == std::vector<int64_t>{3});
   }
+}
+
+// The CPU column's rules on CUDA too (test_nn's batch_norm case): with eps = 0 a constant
+// channel gets the bias and no gradient; in eval the input gradient ignores x, NaN included.
+TEST_CASE("batch_norm on CUDA: eps = 0 on a constant channel, and a NaN input in eval, as on the CPU") {
+  const Device gpu = Device::cuda(0);
+  const Tensor x = Tensor::from_vector({5, 1, 5, 2, 5, 3}, {3, 2});
+  Tensor input = x.to(gpu).set_requires_grad(true);
+  Tensor weight = Tensor::from_vector({2, 3}).to(gpu).set_requires_grad(true);
+  Tensor bias = Tensor::from_vector({0.5f, -1}).to(gpu).set_requires_grad(true);
+  const Tensor y = batch_norm(input, Tensor(), Tensor(), weight, bias, /*training=*/true, 0.1f, /*eps=*/0.0f);
+  sum(y * Tensor::from_vector({1, 2, 3, 4, 5, 6}, {3, 2}).to(gpu)).backward();
+  const std::vector<float> out = y.to(Device::cpu()).to_vector();
+  const std::vector<float> dx = input.grad().to(Device::cpu()).to_vector();
+  for (int64_t row = 0; row < 3; ++row) {
+    CHECK(out[2 * row] == 0.5f);
+    CHECK(dx[2 * row] == 0.0f);
+  }
+  for (float v : out) CHECK(std::isfinite(v));
+  for (float v : dx) CHECK(std::isfinite(v));
+  CHECK(weight.grad().to(Device::cpu()).to_vector()[0] == 0.0f);
+
+  Tensor sample = Tensor::from_vector({1, NAN, 2, 3}, {2, 2}).to(gpu).set_requires_grad(true);
+  batch_norm(sample, Tensor::zeros({2}).to(gpu), Tensor::ones({2}).to(gpu), Tensor(), Tensor(),
+             /*training=*/false)
+      .backward(Tensor::ones({2, 2}).to(gpu));
+  const float invstd = static_cast<float>(1 / std::sqrt(1.0 + double(1e-5f)));
+  CHECK(sample.grad().to(Device::cpu()).to_vector() == std::vector<float>(4, invstd));
 }
 
 // The MLP of fashion_mnist in bfloat16 autocast on CUDA (cublasGemmEx, the cast kernels)

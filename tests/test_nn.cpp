@@ -982,6 +982,44 @@ TEST_CASE("BatchNorm1d momentum = nullopt is the cumulative average; [N, C, L] c
   check_close(sequence.running_var.to_vector(), {0.9 + 0.1 * 20.0 / 3});
 }
 
+TEST_CASE(
+    "batch_norm: eps = 0 on a constant channel gives the bias and no gradient; in eval a NaN input spoils no "
+    "gradient") {
+  // torch.nn.functional.batch_norm: 1 / sqrt(var + eps) is 0 where both are 0 (training).
+  const Tensor x = Tensor::from_vector({5, 1, 5, 2, 5, 3}, {3, 2});
+  Tensor input = x.clone().set_requires_grad(true);
+  Tensor weight = Tensor::from_vector({2, 3}).set_requires_grad(true);
+  Tensor bias = Tensor::from_vector({0.5f, -1}).set_requires_grad(true);
+  const Tensor y = batch_norm(input, Tensor(), Tensor(), weight, bias, /*training=*/true, 0.1f, /*eps=*/0.0f);
+  sum(y * Tensor::from_vector({1, 2, 3, 4, 5, 6}, {3, 2})).backward();
+  // Channel 1: mean 2, var 2/3; y = (x - 2) sqrt(3/2) 3 - 1.
+  const double s = std::sqrt(1.5);
+  const std::vector<float> out = y.to_vector();
+  CHECK(out[0] == 0.5f);
+  CHECK(out[2] == 0.5f);
+  CHECK(out[4] == 0.5f);
+  CHECK(out[1] == doctest::Approx(-s * 3 - 1).epsilon(1e-6));
+  CHECK(out[3] == -1.0f);
+  CHECK(out[5] == doctest::Approx(s * 3 - 1).epsilon(1e-6));
+  const std::vector<float> dx = input.grad().to_vector();
+  CHECK(dx[0] == 0.0f);
+  CHECK(dx[2] == 0.0f);
+  CHECK(dx[4] == 0.0f);
+  for (float v : dx) CHECK(std::isfinite(v));
+  CHECK(weight.grad().to_vector()[0] == 0.0f);
+  CHECK(bias.grad().to_vector()[0] == 9.0f);  // 1 + 3 + 5
+  // Channel 1: dy = (2, 4, 6), xhat = (-1, 0, 1) sqrt(3/2), so dweight = (6 - 2) sqrt(3/2).
+  CHECK(weight.grad().to_vector()[1] == doctest::Approx(4 * s).epsilon(1e-6));
+
+  // Eval: the running statistics are constants, so dx = dy weight invstd, whatever x is: finite
+  // for every element, the NaN's own included, as in torch.
+  Tensor sample = Tensor::from_vector({1, NAN, 2, 3}, {2, 2}).set_requires_grad(true);
+  batch_norm(sample, Tensor::zeros({2}), Tensor::ones({2}), Tensor(), Tensor(), /*training=*/false)
+      .backward(Tensor::ones({2, 2}));
+  const float invstd = static_cast<float>(1 / std::sqrt(1.0 + double(1e-5f)));
+  CHECK(sample.grad().to_vector() == std::vector<float>(4, invstd));
+}
+
 TEST_CASE("BatchNorm1d without running stats normalises with the batch in eval too; bad input is refused") {
   BatchNorm1d norm(2, 1e-5f, 0.1f, /*affine=*/false, /*track_running_stats=*/false);
   CHECK(norm.parameters().empty());

@@ -63,8 +63,11 @@ void batch_norm_stats(float* mean, float* var, const float* in, int64_t N, int64
   }
 }
 
-void batch_norm_invstd(float* invstd, const float* var, int64_t C, float eps) {
-  for (int64_t c = 0; c < C; ++c) invstd[c] = static_cast<float>(1.0 / std::sqrt(double(var[c]) + eps));
+void batch_norm_invstd(float* invstd, const float* var, int64_t C, float eps, bool zero_for_no_spread) {
+  for (int64_t c = 0; c < C; ++c)
+    invstd[c] = zero_for_no_spread && var[c] == 0.0f && eps == 0.0f
+                    ? 0.0f
+                    : static_cast<float>(1.0 / std::sqrt(double(var[c]) + eps));
 }
 
 void batch_norm_update_running(float* running_mean, float* running_var, const float* mean, const float* var,
@@ -128,8 +131,12 @@ void batch_norm_backward(float* din, float* dweight, float* dbias, const float* 
                *dy_xhat_meanp = dy_xhat_mean.data();
   for (int64_t n = 0; n < N; ++n) {
     const float* dy = dout + n * C * L;
-    const float* x = in + n * C * L;
     float* dx = din + n * C * L;
+    if (count == 0) {  // constant statistics: no x term, so a NaN or inf input leaves the others finite
+      for_each_value(C, L, [=](int64_t c, int64_t i) { dx[i] = static_cast<float>(double(dy[i]) * gp[c]); });
+      continue;
+    }
+    const float* x = in + n * C * L;
     for_each_value(C, L, [=](int64_t c, int64_t i) {
       const double xhat = (double(x[i]) - mp[c]) * sp[c];
       dx[i] = static_cast<float>(((double(dy[i]) - dy_meanp[c]) - xhat * dy_xhat_meanp[c]) * gp[c]);

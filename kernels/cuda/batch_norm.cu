@@ -42,14 +42,17 @@ void batch_norm_stats(float* mean, float* var, const float* in, int64_t N, int64
   NANODDP_CUDA_CHECK_LAUNCH("batch_norm_stats_kernel");
 }
 
-__global__ void batch_norm_invstd_kernel(float* invstd, const float* var, int64_t C, float eps) {
+__global__ void batch_norm_invstd_kernel(float* invstd, const float* var, int64_t C, float eps,
+                                         bool zero_for_no_spread) {
   for (int64_t c = first_index(); c < C; c += grid_stride())
-    invstd[c] = static_cast<float>(1.0 / sqrt(double(var[c]) + eps));
+    invstd[c] = zero_for_no_spread && var[c] == 0.0f && eps == 0.0f
+                    ? 0.0f
+                    : static_cast<float>(1.0 / sqrt(double(var[c]) + eps));
 }
 
-void batch_norm_invstd(float* invstd, const float* var, int64_t C, float eps) {
+void batch_norm_invstd(float* invstd, const float* var, int64_t C, float eps, bool zero_for_no_spread) {
   if (C <= 0) return;
-  batch_norm_invstd_kernel<<<grid_for(C), kBlock, 0, stream()>>>(invstd, var, C, eps);
+  batch_norm_invstd_kernel<<<grid_for(C), kBlock, 0, stream()>>>(invstd, var, C, eps, zero_for_no_spread);
   NANODDP_CUDA_CHECK_LAUNCH("batch_norm_invstd_kernel");
 }
 
@@ -122,8 +125,11 @@ __global__ void batch_norm_backward_kernel(float* din, float* dweight, float* db
     if (din == nullptr || i >= N * C * L) continue;
     const int64_t c = i / L % C;
     const double s = invstd[c], g = s * (weight != nullptr ? weight[c] : 1.0f);
-    const double dy_mean = count > 0 ? total_sums[c] / count : 0.0;
-    const double dy_xhat_mean = count > 0 ? total_sums[C + c] / count : 0.0;
+    if (count == 0) {  // constant statistics: no x term, so a NaN or inf input leaves the others finite
+      din[i] = static_cast<float>(g * dout[i]);
+      continue;
+    }
+    const double dy_mean = total_sums[c] / count, dy_xhat_mean = total_sums[C + c] / count;
     din[i] = static_cast<float>(g * (dout[i] - dy_mean - (in[i] - double(mean[c])) * s * dy_xhat_mean));
   }
 }
