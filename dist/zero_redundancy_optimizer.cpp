@@ -56,7 +56,10 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params, std
       local_indices_.push_back(i);
       local_params.push_back(params_[i]);
     }
-  local_ = make_local_optimizer(std::move(local_params));
+  {
+    AllowNoParameters none_owned;  // a rank may own no parameter (fewer parameters than ranks)
+    local_ = make_local_optimizer(std::move(local_params));
+  }
   NANODDP_CHECK(local_ != nullptr, ValueError, name_, ": the factory returned no optimizer");
   name_ = "ZeroRedundancyOptimizer(" + local_->name() + ")";
 }

@@ -20,7 +20,9 @@ namespace nanoddp::nn {
 //   total = (sum over all gradient elements of |g|^norm_type)^(1 / norm_type)
 //           (norm_type = infinity: the largest |g|), summed in double precision, then
 //           rounded to float32, the gradients' dtype, as PyTorch's norm is: a norm past
-//           float's range (gradients [3e38, 3e38]) is inf;
+//           float's range (gradients [3e38, 3e38]) is inf. PyTorch 1.13 sums in float32, so
+//           its sum of squares can overflow or underflow where the norm would not: gradients
+//           [1.5e19, 1.5e19] give 2.12e19 here and inf there, [1e-25, 2e-25] 2.24e-25 and 0;
 //   every gradient is multiplied by min(max_norm / (total + 1e-6), 1), computed in float32 as
 //   PyTorch does (1 / (total + 1e-6), then times max_norm): the 1e-6 keeps the division
 //   finite, so a clipped norm lands just under max_norm.

@@ -6,12 +6,26 @@
 
 namespace nanoddp::nn {
 
+namespace {
+thread_local int no_parameters_allowed = 0;  // live AllowNoParameters on this thread
+}  // namespace
+
+Optimizer::AllowNoParameters::AllowNoParameters() { ++no_parameters_allowed; }
+Optimizer::AllowNoParameters::~AllowNoParameters() { --no_parameters_allowed; }
+
 Optimizer::Optimizer(std::string name, std::vector<Tensor> params) : params_(std::move(params)), name_(std::move(name)) {
+  NANODDP_CHECK(!params_.empty() || no_parameters_allowed > 0, ValueError, name_,
+                ": optimizer got an empty parameter list (does the model register its layers, with "
+                "register_module or in a Sequential, and its tensors with register_parameter?)");
   std::unordered_map<const TensorImpl*, size_t> index_of;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Tensor& p = params_[i];
     NANODDP_CHECK(p.defined() && p.dtype() == DType::Float32, ValueError, name_,
                   ": parameters must be float32 tensors (parameter ", i, " is not)");
+    NANODDP_CHECK(p.is_leaf(), ValueError, name_, ": can't optimize a non-leaf tensor (parameter ", i, ", ",
+                  p.shape(),
+                  ", is an op's output, which the next forward computes again; pass the leaf it "
+                  "comes from, or a detached copy made a parameter)");
     NANODDP_CHECK(
         !p.impl()->storage->is_freed(), ValueError, name_, ": parameter ", i, " (", p.shape(),
         ") has its memory freed: it belongs to a model wrapped in FullyShardedDataParallel, whose shards "

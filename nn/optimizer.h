@@ -64,14 +64,26 @@ class Optimizer {
   virtual void load_state_dict(const StateDict& state) = 0;
 
  protected:
-  // Throws ValueError unless every parameter is a defined float32 tensor listed once (a
-  // parameter listed twice would be stepped twice; PyTorch warns that this will be an error)
-  // whose memory is not freed: the model's own parameters once FullyShardedDataParallel has
-  // wrapped it are views of its units' full vectors, which it frees and whose gradients go to
-  // its shards, so an optimizer over them would step nothing (torch's root FSDP leaves the
-  // model no parameters, and its optimizer says "empty parameter list"). With NO_SHARD the
-  // vectors stay allocated and this check cannot tell: build the optimizer on fsdp.parameters().
+  // Throws ValueError for no parameters (torch.optim's "optimizer got an empty parameter
+  // list": a model whose layers were never registered would train nothing), and unless every
+  // parameter is a defined float32 leaf (torch's "can't optimize a non-leaf Tensor": an op's
+  // output is recomputed, not updated) listed once (a parameter listed twice would be stepped
+  // twice; PyTorch warns that this will be an error) whose memory is not freed: the model's own parameters
+  // once FullyShardedDataParallel has wrapped it are views of its units' full vectors, which it frees and
+  // whose gradients go to its shards, so an optimizer over them would step nothing (torch's root FSDP leaves
+  // the model no parameters, and its optimizer says "empty parameter list"). With NO_SHARD the vectors stay
+  // allocated and this check cannot tell: build the optimizer on fsdp.parameters().
   Optimizer(std::string name, std::vector<Tensor> params);
+
+  // While one lives on this thread, an optimizer may be built over no parameters: the local
+  // optimizer of a ZeroRedundancyOptimizer rank that owns none.
+  class AllowNoParameters {
+   public:
+    AllowNoParameters();
+    ~AllowNoParameters();
+    AllowNoParameters(const AllowNoParameters&) = delete;
+    AllowNoParameters& operator=(const AllowNoParameters&) = delete;
+  };
 
   // A key of state_dict split into its buffer name and parameter index, both checked:
   // the buffer must be one of buffers and the index below params().size().

@@ -861,6 +861,35 @@ TEST_CASE("ZeroRedundancyOptimizer on 2 and 4 ranks equals the unsharded SGD and
   if (!under_mpirun()) check_zero(4, {0, 2, 1, 3}, {160, 96, 32, 12});
 }
 
+TEST_CASE(
+    "ZeroRedundancyOptimizer over fewer parameters than ranks: a rank that owns none steps nothing and gets "
+    "the values") {
+  if (under_mpirun()) return;  // mpirun fixes the world size
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(3, [&](int rank) {
+    auto pg = join(rank, 3, port);
+    Tensor p = Tensor::from_vector({1.0f, 2.0f}).set_requires_grad(true);
+    // Ranks 1 and 2 own nothing: their local SGD is built over no parameters, which a plain
+    // SGD refuses (torch.optim's "empty parameter list").
+    dist::ZeroRedundancyOptimizer opt({p}, pg, kSgdMomentum);
+    expect(opt.owner(0) == 0, "rank ", rank, ": the one parameter is owned by rank ", opt.owner(0));
+    expect(opt.local_indices().size() == (rank == 0 ? 1u : 0u), "rank ", rank, " owns ",
+           opt.local_indices().size(), " parameters");
+    for (int step = 0; step < 2; ++step) {
+      p.set_grad(Tensor::from_vector({0.5f, -1.0f}));
+      opt.step();
+    }
+    // SGD lr 0.1, momentum 0.9, gradient g twice: p - 0.1 g - 0.1 (0.9 g + g) = p - 0.29 g.
+    const std::vector<float> want = {1.0f - 0.1f * 0.5f - 0.1f * (0.9f * 0.5f + 0.5f),
+                                     2.0f + 0.1f * 1.0f + 0.1f * (0.9f * 1.0f + 1.0f)};
+    const std::vector<float> got = p.to_vector();
+    for (size_t i = 0; i < 2; ++i)
+      expect(std::abs(got[i] - want[i]) <= 1e-6f, "rank ", rank, ": p[", i, "] = ", got[i], ", want ",
+             want[i]);
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 namespace {
 // The gradient of make_mlp's parameter i at step s: small values that differ per element.
 void set_zero_test_grads(const std::vector<Tensor>& params, int s) {

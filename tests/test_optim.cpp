@@ -200,6 +200,20 @@ TEST_CASE("SGD rejects bad hyper-parameters as PyTorch does") {
   CHECK_THROWS_AS(SGD({p}, {0.1, 0.0f, 0.0f, 0.0f, /*nesterov=*/true}), ValueError);
 }
 
+TEST_CASE("an optimizer refuses no parameters and an op's output, as torch.optim does") {
+  // torch.optim.SGD([], lr=0.1): "optimizer got an empty parameter list".
+  CHECK_THROWS_WITH_AS(SGD({}, {/*lr=*/0.1}), doctest::Contains("optimizer got an empty parameter list"),
+                       ValueError);
+  CHECK_THROWS_WITH_AS(Adam({}, AdamOptions{}), doctest::Contains("Adam: optimizer got an empty"),
+                       ValueError);
+  CHECK_THROWS_WITH_AS(AdamW({}, AdamWOptions{}), doctest::Contains("AdamW: optimizer got an empty"),
+                       ValueError);
+  // torch: "can't optimize a non-leaf Tensor".
+  Tensor p = param_with_grad();
+  CHECK_THROWS_WITH_AS(SGD({p, p * 2.0f}, {/*lr=*/0.1}),
+                       doctest::Contains("can't optimize a non-leaf tensor (parameter 1"), ValueError);
+}
+
 TEST_CASE("SGD refuses a parameter listed twice instead of stepping it twice") {
   Tensor p = param_with_grad();
   Tensor q = param_with_grad();
