@@ -242,8 +242,10 @@ std::string read_regular_file(const std::string& path, const char* what) {
 }
 
 Tensor host_tensor_to_save(const Tensor& tensor, const std::string& where, const std::string& name) {
-  NANODDP_CHECK(!tensor.defined() || !tensor.impl()->storage->is_freed(), ValueError, where, ": tensor '",
-                name, "' (", tensor.shape(),
+  NANODDP_CHECK(tensor.defined(), ValueError, where, ": tensor '", name,
+                "' is undefined (a Tensor() with no values)");
+  NANODDP_CHECK(!tensor.impl()->storage->is_freed(), ValueError, where, ": tensor '", name, "' (",
+                tensor.shape(),
                 ") has its memory freed: a model's parameter under FullyShardedDataParallel, outside "
                 "its forward; save the wrapper's full_state_dict() or state_dict() instead");
   return tensor.to(Device::cpu());

@@ -50,9 +50,9 @@ std::string read_regular_file(const std::string& path, const char* what);
 class Tensor;
 
 // tensor copied to the host (itself when it is there), for a writer to save. Throws
-// ValueError starting with where ("safetensors w.safetensors"), naming the tensor, when its
-// memory is freed (an FSDP unit's parameter outside its forward, on any device): there is
-// nothing to save.
+// ValueError starting with where ("safetensors w.safetensors"), naming the tensor, when it is
+// undefined or its memory is freed (an FSDP unit's parameter outside its forward, on any
+// device): there is nothing to save.
 Tensor host_tensor_to_save(const Tensor& tensor, const std::string& where, const std::string& name);
 
 }  // namespace nanoddp

@@ -291,18 +291,31 @@ Tensor DataLoader::to_device(const Tensor& host) {
   return out;
 }
 
-DataLoader::Iterator::Iterator(DataLoader* loader) : loader_(loader), pass_id_(loader->pass_id_) {
-  if (!loader_->next(batch_)) loader_ = nullptr;
+DataLoader::Iterator::Iterator(DataLoader* loader) : loader_(loader), pass_id_(loader->pass_id_) { fetch(); }
+
+void DataLoader::Iterator::fetch() {
+  error_ = nullptr;
+  try {
+    if (!loader_->next(batch_)) {
+      loader_ = nullptr;
+      batch_ = Batch();
+    }
+  } catch (...) {
+    error_ = std::current_exception();
+    batch_ = Batch();
+  }
+}
+
+const Batch& DataLoader::Iterator::batch() const {
+  if (error_) std::rethrow_exception(error_);
+  return batch_;
 }
 
 DataLoader::Iterator& DataLoader::Iterator::operator++() {
   NANODDP_CHECK(loader_ != nullptr, ValueError, "DataLoader: ++ on an iterator past the end");
   NANODDP_CHECK(pass_id_ == loader_->pass_id_ && loader_->pass_ != nullptr, ValueError,
                 "DataLoader: this iterator's pass has ended (begin() was called again)");
-  if (!loader_->next(batch_)) {
-    loader_ = nullptr;
-    batch_ = Batch();
-  }
+  fetch();
   return *this;
 }
 

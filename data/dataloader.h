@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <iterator>
 #include <memory>
 
@@ -86,8 +87,14 @@ class DataLoader {
   DistributedSampler& sampler() { return *sampler_; }
   const DistributedSampler& sampler() const { return *sampler_; }
 
-  // An input iterator over one pass. operator++ and begin() may throw whatever the dataset
-  // throws (IOError, IndexError, ...) or DeviceError from the copy to the GPU.
+  // An input iterator over one pass. A batch that failed (whatever the dataset threw: IOError,
+  // IndexError, ...; or DeviceError from the copy to the GPU) is still a position of the pass:
+  // reading it (* or ->) rethrows its error, and ++ moves on to the next batch, as torch's
+  // `next(it)` raises for that batch and the following `next(it)` gives the one after it. So
+  // a range-for stops at the first bad batch, and a loop that catches the error around its
+  // body sees every other batch, the first one included:
+  //   for (auto it = loader.begin(); it != loader.end(); ++it)
+  //     try { step(*it); } catch (const IOError& e) { log(e); }
   class Iterator {
    public:
     using iterator_category = std::input_iterator_tag;
@@ -96,8 +103,8 @@ class DataLoader {
     using pointer = const Batch*;
     using reference = const Batch&;
 
-    const Batch& operator*() const { return batch_; }
-    const Batch* operator->() const { return &batch_; }
+    const Batch& operator*() const { return batch(); }
+    const Batch* operator->() const { return &batch(); }
     Iterator& operator++();
     // Equal when both are past the end (only end() comparisons are meaningful).
     bool operator==(const Iterator& other) const { return loader_ == other.loader_; }
@@ -107,14 +114,17 @@ class DataLoader {
     friend class DataLoader;
     Iterator() = default;  // end()
     explicit Iterator(DataLoader* loader);
+    const Batch& batch() const;
+    void fetch();  // the pass's next batch, or its error; past the end after the last
 
     DataLoader* loader_ = nullptr;  // null once past the end
     uint64_t pass_id_ = 0;
     Batch batch_;
+    std::exception_ptr error_;  // why this batch failed; null for a good one
   };
 
-  // Starts a pass (ending any pass still running) and returns its first batch; an empty
-  // pass returns end().
+  // Starts a pass (ending any pass still running) and returns its first batch (which, like any
+  // other, may hold an error); an empty pass returns end().
   Iterator begin();
   Iterator end() { return Iterator(); }
 

@@ -34,6 +34,12 @@ using GzFile = std::unique_ptr<gzFile_s, GzFileCloser>;
 class IdxStream {
  public:
   explicit IdxStream(const std::string& path) : path_(path) {
+    // gzopen opens a folder and reads it as a failed stream; a FIFO or a terminal it would
+    // wait on forever.
+    struct stat kind {};
+    NANODDP_CHECK(::stat(path.c_str(), &kind) != 0 || S_ISREG(kind.st_mode), IOError,
+                  "cannot open IDX file '", path_,
+                  "': ", S_ISDIR(kind.st_mode) ? "it is a folder" : "not a regular file");
     errno = 0;
     file_.reset(gzopen(path.c_str(), "rb"));
     NANODDP_CHECK(file_ != nullptr, IOError, "cannot open IDX file '", path_,

@@ -178,6 +178,11 @@ Tensor batch_norm(const Tensor& input_in, const Tensor& running_mean, const Tens
 
 namespace nn {
 
+std::vector<std::string> BatchNorm1d::zero_if_missing() const {
+  if (!track_running_stats_) return {};
+  return {"num_batches_tracked"};
+}
+
 BatchNorm1d::BatchNorm1d(int64_t num_features, float eps, std::optional<float> momentum, bool affine,
                          bool track_running_stats)
     : num_features_(num_features), eps_(eps), momentum_(momentum), track_running_stats_(track_running_stats) {

@@ -214,9 +214,6 @@ bool is_batch_counter_name(const std::string& name) {
                              name.compare(name.size() - counter.size(), counter.size(), counter) == 0 &&
                              name[name.size() - counter.size() - 1] == '.');
 }
-bool is_batch_counter(const std::string& name, const Tensor& t) {
-  return is_batch_counter_name(name) && t.dtype() == DType::Int64 && t.numel() == 1;
-}
 
 // True when the keys of `prefixed` are exactly "module." + the keys of `plain` (both lists
 // hold distinct keys, so one inclusion and equal sizes make them the same set).
@@ -294,11 +291,17 @@ Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool st
   std::vector<std::string> missing, unexpected;
   // Batch norms' counters the state lacks: torch 1.13's _NormBase._load_from_state_dict fills
   // them with 0 for a state without version metadata (a plain dict, as any file gives), so
-  // weights exported without them still load strictly.
+  // weights exported without them still load strictly. Found by tensor, under any name.
+  std::unordered_set<const TensorImpl*> zeroable;
+  for (auto& [path, module] : named_modules()) {
+    const std::vector<std::string> names = module->zero_if_missing();
+    for (const Buffer& b : module->buffers_)
+      if (std::find(names.begin(), names.end(), b.name) != names.end()) zeroable.insert(b.tensor.impl());
+  }
   std::vector<Tensor> counters_to_reset;
   for (auto& [name, p] : named) {
     if (state.count(name) != 0) continue;
-    if (is_batch_counter(name, p)) {
+    if (zeroable.count(p.impl()) != 0) {
       counters_to_reset.push_back(p);
     } else {
       missing.push_back(name);
@@ -319,22 +322,25 @@ Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool st
     message << "]" << ddp_prefix_hint(missing, unexpected) << fsdp_local_hint(unexpected);
     NANODDP_THROW(ValueError, message.str());
   }
+  // The value each entry loads: the state's, and a [1] one as 0-d for a 0-d entry, as torch
+  // 1.13 allows for states saved before 0-d tensors.
+  std::vector<std::pair<Tensor, Tensor>> loads;  // (entry, value)
   for (auto& [name, p] : named) {
     auto it = state.find(name);
     if (it == state.end()) continue;
-    const DType from = it->second.dtype(), to = p.dtype();
-    NANODDP_CHECK(it->second.shape() == p.shape() && (from == to || (is_floating(from) && is_floating(to))),
-                  ShapeError, "load_state_dict: '", name, "' is ", it->second.shape(), " ", from, " in the state but ",
-                  p.shape(), " ", to, " in the model",
-                  it->second.shape() == p.shape() ? " (only float32, float16 and bfloat16 convert into each other)"
-                                                  : "");
+    const Tensor value =
+        p.dim() == 0 && it->second.shape() == Shape{1} ? it->second.reshape(Shape{}) : it->second;
+    const DType from = value.dtype(), to = p.dtype();
+    NANODDP_CHECK(
+        value.shape() == p.shape() && (from == to || (is_floating(from) && is_floating(to))), ShapeError,
+        "load_state_dict: '", name, "' is ", value.shape(), " ", from, " in the state but ", p.shape(), " ",
+        to, " in the model",
+        value.shape() == p.shape() ? " (only float32, float16 and bfloat16 convert into each other)" : "");
+    loads.emplace_back(p, value);
   }
   NoGradGuard no_grad;
-  for (auto& [name, p] : named) {
-    auto it = state.find(name);
-    if (it == state.end()) continue;
-    Tensor(p).copy_(it->second.dtype() == p.dtype() ? it->second : converted(it->second, p.dtype()));
-  }
+  for (auto& [p, value] : loads)
+    Tensor(p).copy_(value.dtype() == p.dtype() ? value : converted(value, p.dtype()));
   for (Tensor& counter : counters_to_reset)
     counter.copy_(Tensor::zeros(counter.shape(), DType::Int64, counter.device()));
   return {missing, unexpected};  // unexpected is already sorted: StateDict is ordered by name

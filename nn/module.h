@@ -136,13 +136,19 @@ class Module {
   // float16, bfloat16: a half-precision safetensors file into a float32 model) are converted
   // as torch's copy_ does: exactly when widening, rounded to nearest even when narrowing.
   // Between an integer and a floating dtype, where torch's copy_ would convert silently (a
-  // float step counter truncated into int64), it is a ShapeError naming both. A batch norm's
-  // num_batches_tracked that the state lacks is set to 0, not missing, as torch 1.13's _NormBase
-  // does for a state without version metadata (which every file gives). Nothing is modified
+  // float step counter truncated into int64), it is a ShapeError naming both. A [1] value
+  // loads into a 0-d entry, as torch 1.13 allows for states saved before 0-d tensors. A batch
+  // norm's num_batches_tracked that the state lacks is set to 0, not missing, as torch 1.13's
+  // _NormBase does for a state without version metadata (which every file gives); any other
+  // module's buffer of that name is missing as usual (zero_if_missing). Nothing is modified
   // unless every check passes.
   IncompatibleKeys load_state_dict(const StateDict& state, bool strict = true);
 
  protected:
+  // The names of this module's own buffers that load_state_dict sets to 0 when the state
+  // lacks them, instead of reporting them missing (BatchNorm1d: num_batches_tracked, as
+  // torch's _NormBase._load_from_state_dict). None by default.
+  virtual std::vector<std::string> zero_if_missing() const { return {}; }
   // register_parameter for a parameter that has no module of its own: a dotted name
   // ("0._flat_param") is allowed. FullyShardedDataParallel registers each unit's flat
   // parameter on itself under the unit's path this way.

@@ -229,7 +229,7 @@ StateDict load_safetensors(const std::string& path, SafetensorsMetadata* metadat
   json header;
   try {
     header = parse_header(path, bytes, sizeof(header_bytes), data_start);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number past a double's range
     NANODDP_THROW(IOError, "safetensors ", path, ": the header (bytes 8 to ", data_start, ") is not valid JSON: ",
                   e.what());
   }

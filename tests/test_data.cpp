@@ -3,6 +3,7 @@
 // FashionMNIST on small hand-built files and on the real ones when installed.
 #include <doctest/doctest.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -303,11 +304,22 @@ TEST_CASE("corrupt gzip: a cut stream and a wrong checksum are IOErrors naming t
   CHECK(contains(message, " of " + std::to_string(bad_crc.size()) + " (zlib: "));
 }
 
-TEST_CASE("a missing file: IOError with the path and the system's reason") {
+TEST_CASE("a missing file, a folder, a FIFO: IOError with the path and what it is, before any read") {
   const std::string path = temp().file("does-not-exist.gz");
   const std::string message = io_error([&] { read_idx_images(path); });
   CHECK(contains(message, path));
   CHECK(contains(message, "No such file or directory"));
+  const std::string folder = temp().file("a-folder");
+  REQUIRE(::mkdir(folder.c_str(), 0700) == 0);
+  CHECK(contains(io_error([&] { read_idx_images(folder); }),
+                 "cannot open IDX file '" + folder + "': it is a folder"));
+  // A FIFO without a writer would block the open forever.
+  const std::string fifo = temp().file("a-fifo");
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  CHECK(contains(io_error([&] { read_idx_labels(fifo); }),
+                 "cannot open IDX file '" + fifo + "': not a regular file"));
+  std::remove(fifo.c_str());
+  ::rmdir(folder.c_str());
 }
 
 TEST_CASE("write_idx writes what read_idx reads, raw and gzipped; raw bytes are the format's") {
@@ -576,20 +588,38 @@ TEST_CASE("prefetch: a dataset error reaches the training thread after the batch
     // A loop that skips the bad batch gets every other one, as torch's DataLoader gives them.
     std::vector<float> firsts;
     int errors = 0;
-    auto it = loader.begin();
-    firsts.push_back((*it).input.to_vector()[0]);
-    while (true) {
+    for (auto it = loader.begin(); it != loader.end(); ++it) {
       try {
-        ++it;
+        firsts.push_back(it->input.to_vector()[0]);
       } catch (const ValueError&) {
         ++errors;
-        continue;
       }
-      if (it == loader.end()) break;
-      firsts.push_back((*it).input.to_vector()[0]);
     }
     CHECK(errors == 1);
     CHECK(firsts == std::vector<float>{0, 4, 12, 16});  // batches 0, 1, 3 and 4
+  }
+  // The first batch and the last fail: begin() still returns the pass, and ++ goes on from
+  // them (torch: next(it) raises, and the next next(it) gives the batch after).
+  for (const int64_t fail_at : {0, 18}) {
+    for (bool prefetch : {false, true}) {
+      CAPTURE(fail_at);
+      CAPTURE(prefetch);
+      DataLoaderOptions options;
+      options.prefetch = prefetch;
+      DataLoader loader(std::make_shared<Computed>(20, fail_at), 4, options);
+      std::vector<float> firsts;
+      int errors = 0;
+      for (auto it = loader.begin(); it != loader.end(); ++it) {
+        try {
+          firsts.push_back((*it).input.to_vector()[0]);
+        } catch (const ValueError& e) {
+          CHECK(contains(e.what(), "example " + std::to_string(fail_at) + " is broken"));
+          ++errors;
+        }
+      }
+      CHECK(errors == 1);
+      CHECK(firsts == (fail_at == 0 ? std::vector<float>{4, 8, 12, 16} : std::vector<float>{0, 4, 8, 12}));
+    }
   }
 }
 

@@ -983,6 +983,48 @@ TEST_CASE("BatchNorm1d momentum = nullopt is the cumulative average; [N, C, L] c
 }
 
 TEST_CASE(
+    "load_state_dict: only a batch norm's missing counter loads as 0; a [1] value fills a 0-d entry, as "
+    "torch 1.13") {
+  // A module of its own with a buffer that happens to be called num_batches_tracked: torch
+  // reports it missing and leaves it; only _NormBase zeroes its counter.
+  const auto counter = [](int64_t v) {
+    return Tensor::from_vector(std::vector<int64_t>{v}).reshape(Shape{});
+  };
+  struct Counting : Module {
+    explicit Counting(const Tensor& count) {
+      num_batches_tracked = register_buffer("num_batches_tracked", count);
+      scale = register_parameter("scale", Tensor::full(Shape{}, 2.0f));
+    }
+    Tensor forward(const Tensor& x) override { return x * scale; }
+    Tensor num_batches_tracked, scale;
+  };
+  Counting counting(counter(7));
+  const Module::IncompatibleKeys keys = counting.load_state_dict({}, /*strict=*/false);
+  CHECK(keys.missing_keys == std::vector<std::string>{"num_batches_tracked", "scale"});
+  CHECK(counting.num_batches_tracked.to_int_vector() == std::vector<int64_t>{7});
+  CHECK_THROWS_WITH_AS(counting.load_state_dict({{"scale", Tensor::full(Shape{}, 1.0f)}}),
+                       doctest::Contains("missing: [num_batches_tracked]"), ValueError);
+  // torch 1.13: a [1] value loads into a 0-d parameter; a [2] one is a shape mismatch.
+  counting.load_state_dict({{"scale", Tensor::from_vector({5.0f})},
+                            {"num_batches_tracked", Tensor::from_vector(std::vector<int64_t>{3})}});
+  CHECK(counting.scale.shape() == Shape{});
+  CHECK(counting.scale.to_vector() == std::vector<float>{5.0f});
+  CHECK(counting.num_batches_tracked.to_int_vector() == std::vector<int64_t>{3});
+  CHECK_THROWS_WITH_AS(counting.load_state_dict({{"scale", Tensor::from_vector({1.0f, 2.0f})},
+                                                 {"num_batches_tracked", counter(1)}}),
+                       doctest::Contains("'scale' is [2]"), ShapeError);
+  // A batch norm's counter, inside a Sequential, still loads as 0 when the state lacks it.
+  Sequential net;
+  auto norm = std::make_shared<BatchNorm1d>(2);
+  net.add(norm);
+  norm->num_batches_tracked.copy_(counter(4));
+  StateDict without = net.state_dict();
+  without.erase("0.num_batches_tracked");
+  CHECK(net.load_state_dict(without).missing_keys.empty());
+  CHECK(norm->num_batches_tracked.to_int_vector() == std::vector<int64_t>{0});
+}
+
+TEST_CASE(
     "batch_norm: eps = 0 on a constant channel gives the bias and no gradient; in eval a NaN input spoils no "
     "gradient") {
   // torch.nn.functional.batch_norm: 1 / sqrt(var + eps) is 0 where both are 0 (training).

@@ -151,8 +151,9 @@ TEST_CASE("save_safetensors refuses a tensor named __metadata__ and leaves no fi
 }
 
 TEST_CASE(
-    "save_safetensors and save_checkpoint refuse a tensor whose memory is freed or a name that is not "
-    "UTF-8") {
+    "save_safetensors and save_checkpoint refuse a tensor whose memory is freed, an undefined one, or a name "
+    "that "
+    "is not UTF-8") {
   const std::string path = temp_path("freed.safetensors");
   Tensor freed = Tensor::ones({1000});
   freed.impl()->storage->free_memory();  // as FSDP frees a unit's full vector outside its forward
@@ -162,6 +163,11 @@ TEST_CASE(
       ValueError);
   CHECK_THROWS_WITH_AS(nn::save_checkpoint(path, {{"a", freed}}),
                        doctest::Contains("checkpoint: tensor 'a' ([1000]) has its memory freed"), ValueError);
+  CHECK_THROWS_WITH_AS(save_safetensors(path, {{"b", Tensor()}}),
+                       doctest::Contains(("safetensors " + path + ": tensor 'b' is undefined").c_str()),
+                       ValueError);
+  CHECK_THROWS_WITH_AS(nn::save_checkpoint(path, {{"b", Tensor()}}),
+                       doctest::Contains("checkpoint: tensor 'b' is undefined"), ValueError);
   CHECK_THROWS_WITH_AS(save_safetensors(path, {{"bad\xff", Tensor::scalar(1.0f)}}),
                        doctest::Contains("the tensor name 'bad\xff' is not UTF-8 text"), ValueError);
   CHECK_THROWS_WITH_AS(save_safetensors(path, {{"a", Tensor::scalar(1.0f)}}, {{"note", "\xfe"}}),
@@ -202,6 +208,10 @@ TEST_CASE("load_safetensors refuses malformed files, naming the file and the pro
       {"a header length of 2^64 - 1", file_bytes(good, eight_bytes, UINT64_MAX - 1),
        "runs past the end of the file"},
       {"a header that is not JSON", file_bytes("{\"a\": ", eight_bytes), "not valid JSON"},
+      {"a number past a double's range",
+       file_bytes(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"x":1e400})",
+                  std::string(4, '\0')),
+       "not valid JSON"},
       {"a header that is a JSON array", file_bytes("[1, 2]", ""), "does not start with '{'"},
       {"an unsupported dtype",
        file_bytes(R"({"a":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}})", eight_bytes),
