@@ -527,9 +527,15 @@ void FullyShardedDataParallel::finish_backward() {
   in_backward_ = false;
   if (!backward_order_.empty()) backward_order_known_ = true;
   // A unit no gradient reached (its output unused) is reduced now, in unit order, so that
-  // every rank issues the same collectives.
-  for (size_t u = 0; u < units_.size(); ++u)
-    if (units_[u]->prepared && !units_[u]->reduced) reduce(u);
+  // every rank issues the same collectives. So is one that only earlier no_sync backwards
+  // reached: its full gradient holds their sum, which this step must reduce (else the step
+  // misses it, and the next backward into the unit adds it again).
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = *units_[u];
+    const bool accumulated_only = sync_ && !unit.prepared && unit.full_grad.defined();
+    if (accumulated_only) unit.reduced = false;
+    if ((unit.prepared || accumulated_only) && !unit.reduced) reduce(u);
+  }
   while (reductions_finished_ < reduce_order_.size()) finish_reduction(reduce_order_[reductions_finished_++]);
   reduce_order_.clear();
   reductions_finished_ = 0;
@@ -577,26 +583,38 @@ float FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_typ
                 "FullyShardedDataParallel.clip_grad_norm_: norm_type must be 2 or infinity, got ", norm_type);
   NANODDP_CHECK(max_norm >= 0, ValueError, "FullyShardedDataParallel.clip_grad_norm_: max_norm must be >= 0, got ",
                 max_norm);
-  double local = 0;
+  std::vector<std::vector<float>> grads;  // this rank's shards' gradients
   for (const auto& unit : units_) {
     const Tensor grad = unit->shard.grad();
-    if (!grad.defined()) continue;
-    for (float g : grad.to_vector()) {
+    if (grad.defined()) grads.push_back(grad.to_vector());
+  }
+  // The largest |g| first (NaN wins): the infinity norm itself, and the scale of the 2-norm.
+  double largest = 0;
+  for (const auto& grad : grads)
+    for (float g : grad) {
       const double a = std::fabs(static_cast<double>(g));
-      if (infinity)
-        local = std::isnan(a) || std::isnan(local) ? NAN : std::max(local, a);
-      else
-        local += a * a;
+      largest = std::isnan(a) || std::isnan(largest) ? NAN : std::max(largest, a);
     }
+  const bool sharded = options_.sharding_strategy != ShardingStrategy::NO_SHARD && pg_->size() > 1;
+  // float32 on the wire: the groups reduce float32 and int64 only. A max is exact in float32.
+  if (sharded)
+    largest = all_reduce_host(*pg_, std::vector<float>{static_cast<float>(largest)}, ReduceOp::Max)[0];
+  double total = largest;
+  if (!infinity && std::isfinite(largest) && largest > 0) {
+    // Sums of (|g| / largest)^2 are at most the element count: no float32 sum of squares on the
+    // wire to overflow (gradients of 1e19) or underflow (1e-24), as nn::clip_grad_norm_'s double
+    // sum does not either.
+    double scaled = 0;
+    for (const auto& grad : grads)
+      for (float g : grad) {
+        const double a = static_cast<double>(g) / largest;
+        scaled += a * a;
+      }
+    if (sharded)
+      scaled = all_reduce_host(*pg_, std::vector<float>{static_cast<float>(scaled)}, ReduceOp::Sum)[0];
+    total = largest * std::sqrt(scaled);
   }
-  double total = local;
-  if (options_.sharding_strategy != ShardingStrategy::NO_SHARD && pg_->size() > 1) {
-    // float32 on the wire: the groups reduce float32 and int64 only.
-    const std::vector<float> reduced =
-        all_reduce_host(*pg_, std::vector<float>{static_cast<float>(local)}, infinity ? ReduceOp::Max : ReduceOp::Sum);
-    total = reduced[0];
-  }
-  const float norm = static_cast<float>(infinity ? total : std::sqrt(total));
+  const float norm = static_cast<float>(total);
   NANODDP_CHECK(std::isfinite(norm) || !error_if_nonfinite, ValueError,
                 "FullyShardedDataParallel.clip_grad_norm_: the total norm of order ", norm_type, " is ", norm,
                 " (a NaN or infinite gradient); with error_if_nonfinite=false the gradients are scaled anyway");

@@ -56,6 +56,11 @@
 // asks), a parameter two units share (named, with both units), or a parameter used
 // through the module outside forward; DistError and TimeoutError from the collectives; a
 // parameter read while its unit is resharded throws ValueError from Tensor::data.
+// As torch's flat-parameter FSDP: a parameter its forward never uses, in a unit that is used,
+// gets a zero gradient (its part of the flat one), so weight decay still moves it, where DDP
+// with find_unused_parameters leaves it alone. Buffers are broadcast at construction only: a
+// plain BatchNorm's running statistics then follow each rank's own batches (SyncBatchNorm
+// keeps them equal), and full_state_dict saves rank 0's.
 #pragma once
 
 #include <chrono>
@@ -138,7 +143,8 @@ class FullyShardedDataParallel : public nn::Module {
   ShardingStrategy sharding_strategy() const { return options_.sharding_strategy; }
 
   // While the guard lives, backward keeps each unit's full gradient and reduces nothing; the
-  // first backward after it reduce-scatters the accumulated sum (torch's fsdp.no_sync()).
+  // first backward after it reduce-scatters the accumulated sum (torch's fsdp.no_sync()), for
+  // every unit the guarded backwards reached, whether or not it reaches them itself.
   // The full gradients stay in memory meanwhile: 4 bytes per parameter.
   class NoSyncGuard {
    public:

@@ -78,6 +78,13 @@ Tensor Optimizer::load_state_tensor(const std::string& key, const Tensor& t, siz
 
 Tensor Optimizer::checked_grad(size_t index) const {
   const Tensor& p = params_[index];
+  // Built before FullyShardedDataParallel wrapped the model: the parameter is now a view of a
+  // unit's full vector, freed between forwards, and never gets a gradient again.
+  NANODDP_CHECK(
+      !p.impl()->storage->is_freed(), ValueError, name_, ": parameter ", index, " (", p.shape(),
+      ") has its memory freed: it belongs to a model that FullyShardedDataParallel wrapped after this "
+      "optimizer was built, and would never be stepped; build the optimizer on the wrapper's "
+      "parameters() (fsdp.parameters()) after wrapping");
   Tensor g = p.grad();
   if (g.defined())
     NANODDP_CHECK(g.device() == p.device() && g.shape() == p.shape(), ShapeError, name_, ": parameter ", index,

@@ -30,7 +30,8 @@ class Optimizer {
 
   // One update of every parameter whose .grad is defined (the others are skipped, their
   // state untouched). Throws ShapeError when a .grad's shape or device differs from its
-  // parameter's.
+  // parameter's, ValueError when a parameter's memory is freed (the optimizer was built on a
+  // model that FullyShardedDataParallel wrapped afterwards: torch trains nothing then, silently).
   virtual void step() = 0;
   // set_to_none (torch 2's default): every parameter's .grad becomes undefined, so no memory
   // is kept and the next step skips a parameter that gets no gradient. false (torch 1.13's
@@ -96,6 +97,8 @@ class Optimizer {
   Tensor load_state_tensor(const std::string& key, const Tensor& t, size_t index, const Shape& expected_shape,
                            DType expected_dtype = DType::Float32) const;
   // The .grad of parameter index, checked against the parameter; undefined when it has none.
+  // ValueError when the parameter's memory is freed (wrapped by FullyShardedDataParallel after
+  // the optimizer was built), which would otherwise be skipped at every step.
   Tensor checked_grad(size_t index) const;
 
   std::vector<Tensor> params_;

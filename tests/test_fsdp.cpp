@@ -545,6 +545,65 @@ TEST_CASE("no_sync accumulates full gradients and the next backward reduces thei
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+namespace {
+// Two Linear units; the second takes part only while use_b is set (a branch some micro-batches skip).
+struct Branchy : nn::Module {
+  explicit Branchy(uint64_t seed) {
+    Generator gen(seed);
+    a = register_module("a", std::make_shared<nn::Linear>(5, 3, gen));
+    b = register_module("b", std::make_shared<nn::Linear>(5, 3, gen));
+  }
+  Tensor forward(const Tensor& x) override { return use_b ? (*a)(x) + (*b)(x) : (*a)(x); }
+  std::shared_ptr<nn::Linear> a, b;
+  bool use_b = true;
+};
+}  // namespace
+
+TEST_CASE("no_sync: a unit only the accumulated micro-batch reached is reduced at the synced backward") {
+  // Step s: micro-batch 1 (global rows 0-5, under no_sync) runs both units, micro-batch 2
+  // (rows 6-11, synced) only unit a. Unit b's gradient comes from the first alone: it must be
+  // reduced at the second backward, not kept and added to the next step's.
+  auto reference = std::make_shared<Branchy>(3);
+  auto reference_opt = make_optimizer(false, reference->parameters());
+  for (int s = 0; s < 2; ++s) {
+    const Batch b = global_batch(s, 5);
+    reference_opt->zero_grad();
+    reference->use_b = true;
+    (cross_entropy((*reference)(rows(b, 0, 6).x), rows(b, 0, 6).y) * 0.5f).backward();
+    reference->use_b = false;
+    (cross_entropy((*reference)(rows(b, 6, 12).x), rows(b, 6, 12).y) * 0.5f).backward();
+    reference_opt->step();
+  }
+  const nn::StateDict want = reference->state_dict();
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = join(rank, 2, port);
+    for (const auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::NO_SHARD}) {
+      auto model = std::make_shared<Branchy>(3);
+      dist::FullyShardedDataParallel fsdp(model, pg,
+                                          fsdp_options(strategy, dist::module_wrap_policy<nn::Linear>()));
+      auto opt = make_optimizer(false, fsdp.parameters());
+      for (int s = 0; s < 2; ++s) {
+        const Batch b = global_batch(s, 5);
+        const Batch first = rows(b, 3 * rank, 3 * rank + 3), second = rows(b, 6 + 3 * rank, 9 + 3 * rank);
+        opt->zero_grad();
+        {
+          auto guard = fsdp.no_sync();
+          model->use_b = true;
+          (cross_entropy(fsdp(first.x), first.y) * 0.5f).backward();
+        }
+        model->use_b = false;
+        (cross_entropy(fsdp(second.x), second.y) * 0.5f).backward();
+        opt->step();
+      }
+      bool ok = false;
+      const std::string report = worst_difference(fsdp.full_state_dict(false), want, kTolerance, &ok);
+      expect(ok, "rank ", rank, " ", dist::sharding_strategy_name(strategy), ":\n", report);
+    }
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("clip_grad_norm_ over shards is the norm of the whole gradient, and clips it as one") {
   const ModelKind kind = model_kinds()[0];
   // One process: the whole gradient's norm, and the clipped parameters after one SGD step.
@@ -570,6 +629,45 @@ TEST_CASE("clip_grad_norm_ over shards is the norm of the whole gradient, and cl
       bool ok = false;
       const std::string report = worst_difference(fsdp.full_state_dict(false), want, 1e-6f, &ok);
       expect(ok, "rank ", rank, ": clipped step differs:\n", report);
+    }
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE(
+    "clip_grad_norm_ over shards of gradients near float's limits is nn::clip_grad_norm_'s norm, not inf or "
+    "0") {
+  // Gradients scaled by 1e22 square past float32's range, by 1e-24 below it: a sum of squares
+  // sent as float32 would give inf and 0.
+  const ModelKind kind = model_kinds()[0];
+  auto reference = kind.make(7);
+  const Batch b = global_batch(0, kind.features);
+  cross_entropy((*reference)(b.x), b.y).backward();
+  std::vector<Tensor> reference_grads;
+  for (const Tensor& p : reference->parameters()) reference_grads.push_back(p.grad().clone());
+  const std::vector<float> scales = {1e22f, 1e-24f};
+  std::vector<float> want;
+  for (const float scale : scales) {
+    std::vector<Tensor> params = reference->parameters();
+    for (size_t i = 0; i < params.size(); ++i) params[i].set_grad(reference_grads[i] * scale);
+    want.push_back(nn::clip_grad_norm_(params, /*max_norm=*/1e30));
+  }
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = join(rank, 2, port);
+    for (const auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP}) {
+      dist::FullyShardedDataParallel fsdp(kind.make(7), pg, fsdp_options(strategy, kind.policy));
+      const Batch mine = share(b, rank, 2);
+      cross_entropy(fsdp(mine.x), mine.y).backward();
+      std::vector<Tensor> shards = fsdp.parameters(), grads;
+      for (const Tensor& p : shards) grads.push_back(p.grad().clone());
+      for (size_t k = 0; k < scales.size(); ++k) {
+        for (size_t i = 0; i < shards.size(); ++i) shards[i].set_grad(grads[i] * scales[k]);
+        const float norm = fsdp.clip_grad_norm_(/*max_norm=*/1e30);
+        expect(std::isfinite(norm) && norm > 0 && std::abs(norm - want[k]) <= 1e-5f * want[k], "rank ", rank,
+               " ", dist::sharding_strategy_name(strategy), " scale ", scales[k], ": norm ", norm,
+               ", one process ", want[k]);
+      }
     }
   });
   CHECK_MESSAGE(failures.empty(), failures);
@@ -788,7 +886,19 @@ TEST_CASE(
     model->add(norm);
     model->add(nn::Linear(6, 3, gen));
     norm->eval();  // frozen statistics, as when fine-tuning
+    // Built before the wrapping: accepted then, refused at its step, when its parameters are
+    // views of freed unit vectors that no backward gives a gradient.
+    nn::SGD too_early(model->parameters(), {/*lr=*/0.1f});
     dist::FullyShardedDataParallel fsdp(model, pg, fsdp_options(ShardingStrategy::FULL_SHARD, {}));
+    try {
+      too_early.step();
+      expect(false, "rank ", rank, ": an optimizer built before the wrapping stepped");
+    } catch (const ValueError& e) {
+      expect(std::string(e.what()).find(
+                 "SGD: parameter 0 ([6, 5]) has its memory freed: it belongs to a model that "
+                 "FullyShardedDataParallel wrapped after this optimizer was built") != std::string::npos,
+             "rank ", rank, ": ", e.what());
+    }
     // The model's own parameters are views of freed unit vectors: an optimizer over them would
     // step nothing.
     try {
