@@ -101,6 +101,11 @@ struct ModelStateShape {
 //   zero2  FSDP's schedule with SHARD_GRAD_OP: shards (4 + k)Ψ/W, every unit's full
 //          parameters gathered at the start of backward, full gradients of two units at most
 //   fsdp   FULL_SHARD: shards, the unit computing and the one prefetched, two full gradients
+//   (zero2 and fsdp walk the units as if each were freed after its forward and reduced in
+//   reverse order. A root that holds parameters no unit claimed stays gathered through
+//   forward and keeps its full gradient until its last parameter's gradient arrives, which
+//   the walk does not know: with such a root, the prediction is short by up to its full
+//   parameters and gradient, 8 bytes per root element.)
 // and, when strategy is a rung of the ladder (docs/ladder.md), its own row: naive and overlap
 // as ddp without buckets (each .grad is all-reduced in place), flat as ddp (one flat buffer);
 // then the measured peak of this run (the allocator's model-state peak and each category's).
