@@ -56,7 +56,8 @@ struct AdamWOptions {
 class Adam : public Optimizer {
  public:
   // Throws ValueError (PyTorch's checks and messages) for lr < 0, eps < 0, a beta outside
-  // [0, 1), weight_decay < 0; and for parameters that are not float32 or listed twice.
+  // [0, 1), weight_decay < 0; and for the parameters Optimizer refuses (none, an op's output,
+  // one that is not float32 or listed twice).
   Adam(std::vector<Tensor> params, AdamOptions options);
 
   void step() override;

@@ -34,8 +34,10 @@ struct SGDOptions {
 class SGD : public Optimizer {
  public:
   // Throws ValueError for lr < 0, momentum < 0, weight_decay < 0, or nesterov without
-  // momentum > 0 and dampening == 0 (PyTorch's checks), and for a parameter listed twice
-  // (PyTorch warns that this will become an error; stepping it twice is never meant).
+  // momentum > 0 and dampening == 0 (PyTorch's checks; a NaN lr, momentum or weight_decay is
+  // refused too, where PyTorch's `< 0` lets it through), and for the parameters Optimizer
+  // refuses: none, an op's output, one listed twice (PyTorch warns that this will become an
+  // error; stepping it twice is never meant).
   SGD(std::vector<Tensor> params, SGDOptions options);
 
   void step() override;
