@@ -380,20 +380,29 @@ class MpirunRanks {
   // After mpirun has been reaped: waits for the processes it left to this launcher.
   void wait_for_leftovers(std::chrono::milliseconds grace_period) {
     const auto kill_at = std::chrono::steady_clock::now() + grace_period;
+    // A process stuck in the kernel (uninterruptible I/O) outlives even SIGKILL for a while:
+    // the launcher waits that long again, then returns and says so.
+    const auto give_up_at = kill_at + std::max(grace_period, std::chrono::milliseconds(1000));
     bool killed = false;
     for (std::set<pid_t> left = leftovers(); !left.empty(); left = leftovers()) {
       for (pid_t pid : left) {
         int status = 0;
         (void)waitpid(pid, &status, WNOHANG);
       }
-      if (!killed && std::chrono::steady_clock::now() >= kill_at) {
-        left = leftovers();
-        if (left.empty()) break;
+      left = leftovers();
+      if (left.empty()) break;
+      const auto now = std::chrono::steady_clock::now();
+      if (!killed && now >= kill_at) {
         write_all(2, "nanoddp-run: " + std::to_string(left.size()) +
                          " process(es) that mpirun started were still running " + format_ms(grace_period) +
                          " after it ended; sending SIGKILL\n");
         for (pid_t pid : left) kill(pid, SIGKILL);
         killed = true;
+      } else if (killed && now >= give_up_at) {
+        write_all(2, "nanoddp-run: " + std::to_string(left.size()) +
+                         " process(es) that mpirun started did not end after SIGKILL (first pid " +
+                         std::to_string(*left.begin()) + "); not waiting for them\n");
+        return;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }

@@ -1232,3 +1232,30 @@ TEST_CASE(
   const std::vector<int> alive = survivors(recorded_pids(dir.path, 2));
   CHECK_MESSAGE(alive.empty(), alive.size(), " rank(s) still running when the launcher returned");
 }
+
+TEST_CASE(
+    "nanoddp-run --backend mpi: a process a rank left behind in a session of its own ends before the "
+    "launcher returns") {
+  if (!on_path("mpirun")) {
+    MESSAGE("skipped: no mpirun on PATH (Debian: openmpi-bin)");
+    return;
+  }
+  TempDir dir;
+  // The rank starts a process out of every process group mpirun or the launcher would signal
+  // (setsid), which ignores SIGTERM, and exits 0: mpirun ends at once, and the process would
+  // outlive the job but for the launcher's wait (Note [mpirun's ranks]).
+  const RunResult r =
+      run({launcher_path(), "--nproc-per-node", "1", "--backend", "mpi", "--grace-period", "1", "sh", "-c",
+           "setsid sh -c \"trap '' TERM; echo \\$\\$ > " + dir.path +
+               "/pid.0; exec sleep 60\" > /dev/null 2>&1 < /dev/null & sleep 0.3; exit 0"},
+          30s);
+  CHECK_MESSAGE(r.code() == 0, r.err);
+  CHECK_MESSAGE(
+      contains(r.err,
+               "1 process(es) that mpirun started were still running 1 s after it ended; sending SIGKILL"),
+      r.err);
+  CHECK(r.seconds < 10);
+  const std::vector<int> alive = survivors(recorded_pids(dir.path, 1));
+  CHECK_MESSAGE(alive.empty(), "the left-behind process (pid ", alive.empty() ? 0 : alive[0],
+                ") outlived the launcher");
+}
