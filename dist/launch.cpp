@@ -367,9 +367,9 @@ namespace {
 // group that ends a rank's leftovers does not reach mpirun's ranks, and mpirun can exit before
 // they have (about 1.5 s after a Ctrl-C, measured). The launcher then returned while the ranks
 // still ran, and a restart could start the next round beside them. So while mpirun runs the
-// launcher is a child subreaper (prctl PR_SET_CHILD_SUBREAPER): the ranks mpirun leaves behind
-// become its children, and it returns once they have ended, by themselves within the grace
-// period or by SIGKILL after it.
+// launcher is a child subreaper (prctl PR_SET_CHILD_SUBREAPER): the ranks mpirun leaves behind,
+// and any process a rank left in a session of its own, become its children, and it returns
+// once they have ended, by themselves within the grace period or by SIGKILL after it.
 class MpirunRanks {
  public:
   MpirunRanks() : before_(children()) { prctl(PR_SET_CHILD_SUBREAPER, 1); }
