@@ -1,6 +1,8 @@
 #include "data/idx.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
@@ -34,18 +36,26 @@ using GzFile = std::unique_ptr<gzFile_s, GzFileCloser>;
 class IdxStream {
  public:
   explicit IdxStream(const std::string& path) : path_(path) {
-    // gzopen opens a folder and reads it as a failed stream; a FIFO or a terminal it would
-    // wait on forever.
-    struct stat kind {};
-    NANODDP_CHECK(::stat(path.c_str(), &kind) != 0 || S_ISREG(kind.st_mode), IOError,
-                  "cannot open IDX file '", path_,
-                  "': ", S_ISDIR(kind.st_mode) ? "it is a folder" : "not a regular file");
-    errno = 0;
-    file_.reset(gzopen(path.c_str(), "rb"));
-    NANODDP_CHECK(file_ != nullptr, IOError, "cannot open IDX file '", path_,
-                  "': ", errno != 0 ? std::strerror(errno) : "out of memory");
+    // Opened without blocking and checked on the open descriptor: gzopen would read a folder
+    // as a failed stream, and wait forever on a FIFO without a writer or on a terminal.
+    const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    NANODDP_CHECK(fd >= 0, IOError, "cannot open IDX file '", path_, "': ", std::strerror(errno));
     struct stat info {};
-    if (::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode)) file_bytes_ = static_cast<uint64_t>(info.st_size);
+    if (::fstat(fd, &info) != 0 || !S_ISREG(info.st_mode)) {
+      const bool folder = S_ISDIR(info.st_mode);
+      ::close(fd);
+      NANODDP_THROW(IOError, "cannot open IDX file '", path_,
+                    "': ", folder ? "it is a folder" : "not a regular file");
+    }
+    file_bytes_ = static_cast<uint64_t>(info.st_size);
+    errno = 0;
+    file_.reset(gzdopen(fd, "rb"));
+    if (file_ == nullptr) {
+      const int error = errno;
+      ::close(fd);
+      NANODDP_THROW(IOError, "cannot open IDX file '", path_,
+                    "': ", error != 0 ? std::strerror(error) : "out of memory");
+    }
     // No larger than the file: a small file then costs no 768 KiB of zlib buffers.
     gzbuffer(file_.get(), static_cast<unsigned>(std::clamp<uint64_t>(file_bytes_, 8192, kGzBufferBytes)));
   }

@@ -117,6 +117,13 @@ class BufferPath : public nn::Module {
 // path, sharing the model's tensor: state_dict() saves it beside the shards and
 // load_state_dict() copies into the model's own buffer, as torch's LOCAL_STATE_DICT keeps
 // buffers; to() moves it once (the tensor is the same).
+std::vector<Tensor> FullyShardedDataParallel::zero_if_missing() {
+  std::vector<Tensor> zeroable;
+  for (auto& [path, module] : module_->named_modules())
+    for (Tensor& t : module->zero_if_missing()) zeroable.push_back(t);
+  return zeroable;
+}
+
 void FullyShardedDataParallel::register_model_buffers() {
   std::map<std::string, std::shared_ptr<BufferPath>> top;
   for (const auto& [name, buffer] : module_->named_persistent_buffers()) {
@@ -583,18 +590,20 @@ float FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_typ
                 "FullyShardedDataParallel.clip_grad_norm_: norm_type must be 2 or infinity, got ", norm_type);
   NANODDP_CHECK(max_norm >= 0, ValueError, "FullyShardedDataParallel.clip_grad_norm_: max_norm must be >= 0, got ",
                 max_norm);
-  std::vector<std::vector<float>> grads;  // this rank's shards' gradients
-  for (const auto& unit : units_) {
-    const Tensor grad = unit->shard.grad();
-    if (grad.defined()) grads.push_back(grad.to_vector());
-  }
+  // Each shard's gradient is read to the host once per pass, one unit at a time.
+  const auto for_each_gradient = [this](const std::function<void(float)>& f) {
+    for (const auto& unit : units_) {
+      const Tensor grad = unit->shard.grad();
+      if (!grad.defined()) continue;
+      for (float g : grad.to_vector()) f(g);
+    }
+  };
   // The largest |g| first (NaN wins): the infinity norm itself, and the scale of the 2-norm.
   double largest = 0;
-  for (const auto& grad : grads)
-    for (float g : grad) {
-      const double a = std::fabs(static_cast<double>(g));
-      largest = std::isnan(a) || std::isnan(largest) ? NAN : std::max(largest, a);
-    }
+  for_each_gradient([&largest](float g) {
+    const double a = std::fabs(static_cast<double>(g));
+    largest = std::isnan(a) || std::isnan(largest) ? NAN : std::max(largest, a);
+  });
   const bool sharded = options_.sharding_strategy != ShardingStrategy::NO_SHARD && pg_->size() > 1;
   // float32 on the wire: the groups reduce float32 and int64 only. A max is exact in float32.
   if (sharded)
@@ -602,14 +611,13 @@ float FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_typ
   double total = largest;
   if (!infinity && std::isfinite(largest) && largest > 0) {
     // Sums of (|g| / largest)^2 are at most the element count: no float32 sum of squares on the
-    // wire to overflow (gradients of 1e19) or underflow (1e-24), as nn::clip_grad_norm_'s double
+    // wire to overflow (gradients of 1e22) or underflow (1e-24), as nn::clip_grad_norm_'s double
     // sum does not either.
     double scaled = 0;
-    for (const auto& grad : grads)
-      for (float g : grad) {
-        const double a = static_cast<double>(g) / largest;
-        scaled += a * a;
-      }
+    for_each_gradient([&scaled, largest](float g) {
+      const double a = static_cast<double>(g) / largest;
+      scaled += a * a;
+    });
     if (sharded)
       scaled = all_reduce_host(*pg_, std::vector<float>{static_cast<float>(scaled)}, ReduceOp::Sum)[0];
     total = largest * std::sqrt(scaled);

@@ -144,7 +144,8 @@ class FullyShardedDataParallel : public nn::Module {
 
   // While the guard lives, backward keeps each unit's full gradient and reduces nothing; the
   // first backward after it reduce-scatters the accumulated sum (torch's fsdp.no_sync()), for
-  // every unit the guarded backwards reached, whether or not it reaches them itself.
+  // every unit the guarded backwards reached, whether or not it reaches them itself. As for
+  // any backward, the guarded ones must reach the same units on every rank.
   // The full gradients stay in memory meanwhile: 4 bytes per parameter.
   class NoSyncGuard {
    public:
@@ -160,9 +161,11 @@ class FullyShardedDataParallel : public nn::Module {
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
   // Scales the shards' gradients so that the norm of the whole gradient is at most max_norm,
-  // and returns that norm (torch's FullyShardedDataParallel.clip_grad_norm_): each rank sums
-  // its shards' |g|^2 (or takes the max for norm_type infinity), one all_reduce combines them
-  // (none for NO_SHARD, where every rank holds all of it). norm_type 2 or infinity; ValueError
+  // and returns that norm (torch's FullyShardedDataParallel.clip_grad_norm_): an all_reduce
+  // takes the largest |g| over the ranks (the norm for norm_type infinity); for norm 2 each
+  // rank then sums its shards' (|g| / largest)^2 and a second all_reduce adds them, so no sum
+  // of squares on the wire overflows or underflows float32 where nn::clip_grad_norm_'s double
+  // sum would not (none for NO_SHARD, where every rank holds all of it). norm_type 2 or infinity; ValueError
   // otherwise, or for max_norm < 0; and as nn::clip_grad_norm_ for a non-finite norm with
   // error_if_nonfinite. A collective.
   float clip_grad_norm_(double max_norm, double norm_type = 2.0, bool error_if_nonfinite = false);
@@ -179,6 +182,9 @@ class FullyShardedDataParallel : public nn::Module {
   // the model's persistent buffers under their own names ("1.running_mean", Note [FSDP
   // buffers]): save one file per rank, load at the same world size (a shard of another size
   // is a ShapeError naming it).
+  // The wrapped model's zero_if_missing buffers (a BatchNorm's num_batches_tracked): its
+  // modules are not children of this one, yet their buffers are in state_dict().
+  std::vector<Tensor> zero_if_missing() override;
 
   // The state of an optimizer built on parameters(), gathered and unflattened into the model's
   // parameters: keys "<buffer>.<i>" with i indexing module().parameters(), as a plain optimizer

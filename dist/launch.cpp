@@ -365,15 +365,20 @@ namespace {
 // Note [mpirun's ranks]
 // Open MPI puts each rank in a process group of its own, so the kill of a child's process
 // group that ends a rank's leftovers does not reach mpirun's ranks, and mpirun can exit before
-// they have (about 1.5 s after a Ctrl-C, measured). The launcher then returned while the ranks
-// still ran, and a restart could start the next round beside them. So while mpirun runs the
-// launcher is a child subreaper (prctl PR_SET_CHILD_SUBREAPER): the ranks mpirun leaves behind,
-// and any process a rank left in a session of its own, become its children, and it returns
-// once they have ended, by themselves within the grace period or by SIGKILL after it.
+// they have ended. Without a wait for them the launcher would return while ranks still ran,
+// and a restart could start the next round beside them. So while mpirun runs the launcher is
+// a child subreaper (prctl PR_SET_CHILD_SUBREAPER): the ranks mpirun leaves behind, and any
+// process a rank left in a session of its own, become its children, and it returns once they
+// have ended, by themselves within the grace period or by SIGKILL (to each one's process group
+// and to itself) after it.
 class MpirunRanks {
  public:
-  MpirunRanks() : before_(children()) { prctl(PR_SET_CHILD_SUBREAPER, 1); }
-  ~MpirunRanks() { prctl(PR_SET_CHILD_SUBREAPER, 0); }
+  MpirunRanks() : before_(children()) {
+    int previous = 0;
+    if (prctl(PR_GET_CHILD_SUBREAPER, &previous) == 0) was_subreaper_ = previous != 0;
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+  }
+  ~MpirunRanks() { prctl(PR_SET_CHILD_SUBREAPER, was_subreaper_ ? 1 : 0); }
   MpirunRanks(const MpirunRanks&) = delete;
   MpirunRanks& operator=(const MpirunRanks&) = delete;
 
@@ -383,26 +388,32 @@ class MpirunRanks {
     // A process stuck in the kernel (uninterruptible I/O) outlives even SIGKILL for a while:
     // the launcher waits that long again, then returns and says so.
     const auto give_up_at = kill_at + std::max(grace_period, std::chrono::milliseconds(1000));
-    bool killed = false;
-    for (std::set<pid_t> left = leftovers(); !left.empty(); left = leftovers()) {
-      for (pid_t pid : left) {
+    bool said = false;
+    while (true) {
+      for (pid_t pid : leftovers()) {
         int status = 0;
         (void)waitpid(pid, &status, WNOHANG);
       }
-      left = leftovers();
-      if (left.empty()) break;
+      const std::set<pid_t> left = leftovers();
+      if (left.empty()) return;
       const auto now = std::chrono::steady_clock::now();
-      if (!killed && now >= kill_at) {
-        write_all(2, "nanoddp-run: " + std::to_string(left.size()) +
-                         " process(es) that mpirun started were still running " + format_ms(grace_period) +
-                         " after it ended; sending SIGKILL\n");
-        for (pid_t pid : left) kill(pid, SIGKILL);
-        killed = true;
-      } else if (killed && now >= give_up_at) {
+      if (now >= give_up_at) {
         write_all(2, "nanoddp-run: " + std::to_string(left.size()) +
                          " process(es) that mpirun started did not end after SIGKILL (first pid " +
                          std::to_string(*left.begin()) + "); not waiting for them\n");
         return;
+      }
+      if (now >= kill_at) {
+        if (!said)
+          write_all(2, "nanoddp-run: " + std::to_string(left.size()) +
+                           " process(es) that mpirun started were still running " + format_ms(grace_period) +
+                           " after it ended; sending SIGKILL\n");
+        said = true;
+        // Every round: a killed process's own children are adopted in turn.
+        for (pid_t pid : left) {
+          kill(-pid, SIGKILL);
+          kill(pid, SIGKILL);
+        }
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
@@ -430,6 +441,7 @@ class MpirunRanks {
     return pids;
   }
   const std::set<pid_t> before_;
+  bool was_subreaper_ = false;
 };
 
 // Starts one round of the group and supervises it until it ends.

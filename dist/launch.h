@@ -30,6 +30,8 @@
 //      every rank ends too (PR_SET_PDEATHSIG, and the pipe of Note [Launcher link]). Under
 //      --backend mpi the ranks are mpirun's children, in process groups of their own: the
 //      launcher returns only once they have ended too (Note [mpirun's ranks] in launch.cpp).
+//      For that the calling process is a child subreaper while mpirun runs: any process
+//      orphaned below it meanwhile is taken for one of the job's, and ended with them.
 //   6. The innermost launcher wins: a child starts without the variables by which an outer
 //      launcher (mpirun, srun, torchrun) names a rank (Note [Innermost launcher wins] in
 //      launch.cpp), then gets this launcher's own.

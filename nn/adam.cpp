@@ -55,9 +55,10 @@ void Adam::step() {
     config.param_scale = static_cast<float>(1.0 - lr * weight_decay);
   else
     config.l2 = static_cast<float>(weight_decay);
+  const std::vector<Tensor> grads = checked_grads();
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = params_[i];
-    const Tensor g = checked_grad(i);
+    const Tensor& g = grads[i];
     if (!g.defined()) continue;
     State& s = state_[i];
     if (s.step == 0) {

@@ -178,9 +178,9 @@ Tensor batch_norm(const Tensor& input_in, const Tensor& running_mean, const Tens
 
 namespace nn {
 
-std::vector<std::string> BatchNorm1d::zero_if_missing() const {
+std::vector<Tensor> BatchNorm1d::zero_if_missing() {
   if (!track_running_stats_) return {};
-  return {"num_batches_tracked"};
+  return {num_batches_tracked};
 }
 
 BatchNorm1d::BatchNorm1d(int64_t num_features, float eps, std::optional<float> momentum, bool affine,

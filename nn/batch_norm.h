@@ -86,9 +86,8 @@ class BatchNorm1d : public Module {
   Tensor weight, bias;                                    // [C], undefined without affine
   Tensor running_mean, running_var, num_batches_tracked;  // undefined without track_running_stats
 
- protected:
   // num_batches_tracked: 0 when a state lacks it (Module::load_state_dict).
-  std::vector<std::string> zero_if_missing() const override;
+  std::vector<Tensor> zero_if_missing() override;
 
  private:
   int64_t num_features_;

@@ -293,11 +293,8 @@ Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool st
   // them with 0 for a state without version metadata (a plain dict, as any file gives), so
   // weights exported without them still load strictly. Found by tensor, under any name.
   std::unordered_set<const TensorImpl*> zeroable;
-  for (auto& [path, module] : named_modules()) {
-    const std::vector<std::string> names = module->zero_if_missing();
-    for (const Buffer& b : module->buffers_)
-      if (std::find(names.begin(), names.end(), b.name) != names.end()) zeroable.insert(b.tensor.impl());
-  }
+  for (auto& [path, module] : named_modules())
+    for (const Tensor& t : module->zero_if_missing()) zeroable.insert(t.impl());
   std::vector<Tensor> counters_to_reset;
   for (auto& [name, p] : named) {
     if (state.count(name) != 0) continue;
@@ -342,7 +339,7 @@ Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool st
   for (auto& [p, value] : loads)
     Tensor(p).copy_(value.dtype() == p.dtype() ? value : converted(value, p.dtype()));
   for (Tensor& counter : counters_to_reset)
-    counter.copy_(Tensor::zeros(counter.shape(), DType::Int64, counter.device()));
+    counter.copy_(Tensor::zeros(counter.shape(), counter.dtype(), counter.device()));
   return {missing, unexpected};  // unexpected is already sorted: StateDict is ordered by name
 }
 

@@ -143,12 +143,13 @@ class Module {
   // module's buffer of that name is missing as usual (zero_if_missing). Nothing is modified
   // unless every check passes.
   IncompatibleKeys load_state_dict(const StateDict& state, bool strict = true);
+  // The buffers of this module (or of a model it wraps without registering it) that
+  // load_state_dict sets to 0 when the state lacks them, instead of reporting them missing:
+  // BatchNorm1d's num_batches_tracked, as torch's _NormBase._load_from_state_dict does. None
+  // by default.
+  virtual std::vector<Tensor> zero_if_missing() { return {}; }
 
  protected:
-  // The names of this module's own buffers that load_state_dict sets to 0 when the state
-  // lacks them, instead of reporting them missing (BatchNorm1d: num_batches_tracked, as
-  // torch's _NormBase._load_from_state_dict). None by default.
-  virtual std::vector<std::string> zero_if_missing() const { return {}; }
   // register_parameter for a parameter that has no module of its own: a dotted name
   // ("0._flat_param") is allowed. FullyShardedDataParallel registers each unit's flat
   // parameter on itself under the unit's path this way.

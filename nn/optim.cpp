@@ -29,9 +29,10 @@ void SGD::step() {
   const kernels::SgdConfig config{static_cast<float>(options_.lr), options_.momentum,
                                   static_cast<float>(1.0 - options_.dampening), options_.weight_decay,
                                   options_.nesterov};
+  const std::vector<Tensor> grads = checked_grads();
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = params_[i];
-    const Tensor g = checked_grad(i);
+    const Tensor& g = grads[i];
     if (!g.defined()) continue;
     float* buffer = nullptr;
     bool first_step = false;

@@ -92,4 +92,11 @@ Tensor Optimizer::checked_grad(size_t index) const {
   return g;
 }
 
+std::vector<Tensor> Optimizer::checked_grads() const {
+  std::vector<Tensor> grads;
+  grads.reserve(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) grads.push_back(checked_grad(i));
+  return grads;
+}
+
 }  // namespace nanoddp::nn

@@ -32,6 +32,7 @@ class Optimizer {
   // state untouched). Throws ShapeError when a .grad's shape or device differs from its
   // parameter's, ValueError when a parameter's memory is freed (the optimizer was built on a
   // model that FullyShardedDataParallel wrapped afterwards: torch trains nothing then, silently).
+  // Every parameter is checked before any changes.
   virtual void step() = 0;
   // set_to_none (torch 2's default): every parameter's .grad becomes undefined, so no memory
   // is kept and the next step skips a parameter that gets no gradient. false (torch 1.13's
@@ -100,6 +101,8 @@ class Optimizer {
   // ValueError when the parameter's memory is freed (wrapped by FullyShardedDataParallel after
   // the optimizer was built), which would otherwise be skipped at every step.
   Tensor checked_grad(size_t index) const;
+  // checked_grad of every parameter, all checked before a step changes any.
+  std::vector<Tensor> checked_grads() const;
 
   std::vector<Tensor> params_;
   std::string name_;

@@ -230,8 +230,8 @@ StateDict load_safetensors(const std::string& path, SafetensorsMetadata* metadat
   try {
     header = parse_header(path, bytes, sizeof(header_bytes), data_start);
   } catch (const json::exception& e) {  // parse_error, and out_of_range for a number past a double's range
-    NANODDP_THROW(IOError, "safetensors ", path, ": the header (bytes 8 to ", data_start, ") is not valid JSON: ",
-                  e.what());
+    NANODDP_THROW(IOError, "safetensors ", path, ": the header (bytes 8 to ", data_start,
+                  ") cannot be read as JSON: ", e.what());
   }
   NANODDP_CHECK(header.is_object(), IOError, "safetensors ", path, ": the header is not a JSON object");
 

@@ -578,7 +578,8 @@ TEST_CASE("no_sync: a unit only the accumulated micro-batch reached is reduced a
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [&](int rank) {
     auto pg = join(rank, 2, port);
-    for (const auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::NO_SHARD}) {
+    for (const auto strategy :
+         {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD}) {
       auto model = std::make_shared<Branchy>(3);
       dist::FullyShardedDataParallel fsdp(model, pg,
                                           fsdp_options(strategy, dist::module_wrap_policy<nn::Linear>()));
@@ -600,6 +601,33 @@ TEST_CASE("no_sync: a unit only the accumulated micro-batch reached is reduced a
       const std::string report = worst_difference(fsdp.full_state_dict(false), want, kTolerance, &ok);
       expect(ok, "rank ", rank, " ", dist::sharding_strategy_name(strategy), ":\n", report);
     }
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE(
+    "a local state without a BatchNorm's num_batches_tracked loads into the wrapper, the counter set to 0") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = join(rank, 2, port);
+    Generator gen(5);
+    auto model = std::make_shared<nn::Sequential>();
+    model->add(nn::Linear(5, 4, gen));
+    auto norm = std::make_shared<nn::BatchNorm1d>(4);
+    model->add(norm);
+    dist::FullyShardedDataParallel fsdp(model, pg, fsdp_options(ShardingStrategy::FULL_SHARD, {}));
+    norm->num_batches_tracked.copy_(Tensor::from_vector(std::vector<int64_t>{3}).reshape(Shape{}));
+    nn::StateDict state = fsdp.state_dict();
+    expect(state.erase("1.num_batches_tracked") == 1, "rank ", rank,
+           ": no 1.num_batches_tracked in the wrapper's state");
+    try {
+      const nn::Module::IncompatibleKeys keys = fsdp.load_state_dict(state);
+      expect(keys.missing_keys.empty(), "rank ", rank, ": ", keys.missing_keys.size(), " keys missing");
+    } catch (const std::exception& e) {
+      expect(false, "rank ", rank, ": ", e.what());
+    }
+    expect(norm->num_batches_tracked.to_int_vector() == std::vector<int64_t>{0}, "rank ", rank,
+           ": the counter was not set to 0");
   });
   CHECK_MESSAGE(failures.empty(), failures);
 }

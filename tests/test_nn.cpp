@@ -1004,7 +1004,8 @@ TEST_CASE(
   CHECK(counting.num_batches_tracked.to_int_vector() == std::vector<int64_t>{7});
   CHECK_THROWS_WITH_AS(counting.load_state_dict({{"scale", Tensor::full(Shape{}, 1.0f)}}),
                        doctest::Contains("missing: [num_batches_tracked]"), ValueError);
-  // torch 1.13: a [1] value loads into a 0-d parameter; a [2] one is a shape mismatch.
+  // torch 1.13: a [1] value loads into a 0-d parameter. A [2] one is refused here, where torch
+  // would load its first element.
   counting.load_state_dict({{"scale", Tensor::from_vector({5.0f})},
                             {"num_batches_tracked", Tensor::from_vector(std::vector<int64_t>{3})}});
   CHECK(counting.scale.shape() == Shape{});

@@ -151,9 +151,8 @@ TEST_CASE("save_safetensors refuses a tensor named __metadata__ and leaves no fi
 }
 
 TEST_CASE(
-    "save_safetensors and save_checkpoint refuse a tensor whose memory is freed, an undefined one, or a name "
-    "that "
-    "is not UTF-8") {
+    "save_safetensors and save_checkpoint refuse a freed tensor, an undefined one, or a name that is not "
+    "UTF-8") {
   const std::string path = temp_path("freed.safetensors");
   Tensor freed = Tensor::ones({1000});
   freed.impl()->storage->free_memory();  // as FSDP frees a unit's full vector outside its forward
@@ -207,11 +206,11 @@ TEST_CASE("load_safetensors refuses malformed files, naming the file and the pro
        "runs past the end of the file"},
       {"a header length of 2^64 - 1", file_bytes(good, eight_bytes, UINT64_MAX - 1),
        "runs past the end of the file"},
-      {"a header that is not JSON", file_bytes("{\"a\": ", eight_bytes), "not valid JSON"},
+      {"a header that is not JSON", file_bytes("{\"a\": ", eight_bytes), "cannot be read as JSON"},
       {"a number past a double's range",
        file_bytes(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"x":1e400})",
                   std::string(4, '\0')),
-       "not valid JSON"},
+       "cannot be read as JSON"},
       {"a header that is a JSON array", file_bytes("[1, 2]", ""), "does not start with '{'"},
       {"an unsupported dtype",
        file_bytes(R"({"a":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}})", eight_bytes),

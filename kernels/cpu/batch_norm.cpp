@@ -132,7 +132,7 @@ void batch_norm_backward(float* din, float* dweight, float* dbias, const float* 
   for (int64_t n = 0; n < N; ++n) {
     const float* dy = dout + n * C * L;
     float* dx = din + n * C * L;
-    if (count == 0) {  // constant statistics: no x term, so a NaN or inf input leaves the others finite
+    if (count == 0) {  // constant statistics: no x term, so a NaN or inf input keeps a finite gradient
       for_each_value(C, L, [=](int64_t c, int64_t i) { dx[i] = static_cast<float>(double(dy[i]) * gp[c]); });
       continue;
     }

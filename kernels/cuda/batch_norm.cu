@@ -125,7 +125,7 @@ __global__ void batch_norm_backward_kernel(float* din, float* dweight, float* db
     if (din == nullptr || i >= N * C * L) continue;
     const int64_t c = i / L % C;
     const double s = invstd[c], g = s * (weight != nullptr ? weight[c] : 1.0f);
-    if (count == 0) {  // constant statistics: no x term, so a NaN or inf input leaves the others finite
+    if (count == 0) {  // constant statistics: no x term, so a NaN or inf input keeps a finite gradient
       din[i] = static_cast<float>(g * dout[i]);
       continue;
     }
