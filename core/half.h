@@ -10,7 +10,9 @@
 // them by widening each element to float32, adding, and rounding the sum back (what Gloo's
 // float16 sum and NCCL's half sum do), so a sum of N values is rounded N-1 times.
 // Conversions follow torch's .to(torch.float16 / torch.bfloat16): round to nearest, ties to
-// even; overflow goes to +-inf; NaN stays a (quiet) NaN.
+// even; overflow goes to +-inf; NaN stays a NaN, but its bits may differ from torch's (a
+// payload kept; a signalling float16 NaN widened to a signalling float32 one, which torch
+// quiets).
 #pragma once
 
 #include <cmath>

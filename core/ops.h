@@ -39,7 +39,9 @@ Tensor linear(const Tensor& input, const Tensor& weight, const Tensor& bias);
 Tensor add(const Tensor& a, const Tensor& b);
 Tensor sub(const Tensor& a, const Tensor& b);
 Tensor mul(const Tensor& a, const Tensor& b);
-// a * s and a / s for a float s (torch.mul / torch.div with a Python number).
+// a * s and a / s for a float s (torch.mul / torch.div with a Python number). On a 16-bit
+// tensor the product is computed in float32 with s as given and rounded once; torch 1.13's CPU
+// kernel rounds s to the tensor's dtype first (float16 1000 * 1e-7: 1.0e-4 here, 1.19e-4 there).
 Tensor mul(const Tensor& a, float s);
 Tensor div(const Tensor& a, float s);
 

@@ -45,8 +45,9 @@ class GradScaler {
  public:
   // pg: the group the found-inf flag is all-reduced over (MAX); null: this process only.
   // Throws ValueError for init_scale <= 0, growth_factor <= 1, backoff_factor outside (0, 1)
-  // or growth_interval < 1 (torch checks the middle two); a disabled scaler checks nothing,
-  // as torch's.
+  // or growth_interval < 1 (torch asserts only growth_factor > 1 and backoff_factor < 1, and
+  // lets the others through to a scale that is 0, negative or never grows); a disabled scaler
+  // checks nothing, as torch's.
   explicit GradScaler(GradScalerOptions options = {}, std::shared_ptr<ProcessGroup> pg = nullptr,
                       std::chrono::milliseconds timeout = kDefaultTimeout);
 

@@ -58,7 +58,9 @@ class ProcessGroupStatsAllReduce : public BatchStatsAllReduce {
 };
 
 // torch.nn.SyncBatchNorm(num_features, eps, momentum, affine, track_running_stats,
-// process_group), for [N, C] and [N, C, L] inputs (BatchNorm1d's). ValueError for a null pg.
+// process_group), for [N, C] and [N, C, L] inputs (BatchNorm1d's). ValueError for a null pg,
+// and in training, on every rank, when all ranks together hold one value per channel (torch's
+// SyncBatchNorm checks that only at world size 1, and gives a NaN running_var).
 class SyncBatchNorm : public nn::BatchNorm1d {
  public:
   SyncBatchNorm(int64_t num_features, std::shared_ptr<ProcessGroup> pg, float eps = 1e-5f,
