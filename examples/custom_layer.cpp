@@ -33,6 +33,8 @@ using namespace nanoddp;
 // x: any shape, float32, any device -> same shape and device
 // (torch.nn.functional.leaky_relu). The kernels run on the host (see the top of the file).
 Tensor leaky_relu(const Tensor& x, float slope) {
+  if (x.defined() && is_16bit_float(x.dtype()))  // autocast: computed in float32, rounded back
+    return computed_in_float32(x, [&](const Tensor& wide) { return leaky_relu(wide, slope); });
   ForwardSpan span("leaky_relu", {&x});  // its forward on the trace's compute lane (--trace)
   check_float("leaky_relu", x, "input");
   const Device device = x.device();

@@ -305,8 +305,9 @@ std::optional<int64_t> job_digest() {
 // rank writes its part of a set and rank 0 its manifest. loss_sum and samples are this rank's.
 void save(const std::string& path, bool sharded, int epochs_done, int64_t steps_per_epoch,
           examples::ParallelModel& parallel, nn::Optimizer& optimizer, const std::string& optimizer_name,
-          const Schedule& schedule, int rank, dist::ProcessGroup& pg, std::chrono::milliseconds timeout,
-          int64_t steps_in_epoch = 0, float loss_sum = 0, int64_t samples = 0) {
+          uint64_t seed, const Schedule& schedule, int rank, dist::ProcessGroup& pg,
+          std::chrono::milliseconds timeout, int64_t steps_in_epoch = 0, float loss_sum = 0,
+          int64_t samples = 0) {
   // Sharded, nothing is gathered: each rank keeps its pieces.
   nn::StateDict model_state, optimizer_state;
   if (!sharded) {
@@ -330,6 +331,7 @@ void save(const std::string& path, bool sharded, int epochs_done, int64_t steps_
   state["epochs_done"] = Tensor::from_vector(std::vector<int64_t>{epochs_done});
   state["steps_per_epoch"] = Tensor::from_vector(std::vector<int64_t>{steps_per_epoch});
   state["optimizer_kind"] = Tensor::from_vector(std::vector<int64_t>{optimizer_kind(optimizer_name)});
+  state["seed"] = Tensor::from_vector(std::vector<int64_t>{static_cast<int64_t>(seed)});
   if (const std::optional<int64_t> job = job_digest()) state["job"] = Tensor::from_vector(std::vector<int64_t>{*job});
   // DDP's re-planned buckets (Note [Bucket rebuild]): the resumed run reduces in the same
   // buckets, so its sums run in the same order as this run's.
@@ -464,11 +466,11 @@ ReadCheckpoint read_checkpoint(const std::string& path, const examples::Parallel
 // used_path to the file it came from (path, or path's previous one when path is damaged:
 // examples/checkpoint_files.h). With only_job, a checkpoint that another job wrote (its "job"
 // entry differs, or it has none) is not loaded: the epoch returned is -1. Errors name the file.
-std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64_t steps_per_epoch, int world_size,
-                                      examples::ParallelModel& parallel, nn::Optimizer& optimizer,
-                                      const std::string& optimizer_name, Schedule& schedule, bool chatty,
-                                      dist::ProcessGroup& pg, std::string& used_path,
-                                      std::optional<int64_t> only_job) {
+std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64_t steps_per_epoch,
+                                      int world_size, examples::ParallelModel& parallel,
+                                      nn::Optimizer& optimizer, const std::string& optimizer_name,
+                                      uint64_t seed, Schedule& schedule, bool chatty, dist::ProcessGroup& pg,
+                                      std::string& used_path, std::optional<int64_t> only_job) {
   try {
     ReadCheckpoint read = read_checkpoint(path, parallel, optimizer, pg, used_path, only_job);
     if (read.other_job) return {-1, {}};
@@ -492,6 +494,14 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
                     "--batch-size (this run: ",
                     world_size, world_size == 1 ? " rank, " : " ranks, ", steps_per_epoch, " steps per epoch)");
       NANODDP_CHECK(progress.steps < steps_per_epoch, IOError, "'epoch_progress.steps' is ", progress.steps);
+      // The steps done are the first of the epoch's order, which the seed sets: another seed
+      // would skip other batches, and see some examples twice and others never.
+      const int64_t saved_seed = int64_entry(state, "seed", /*missing=*/static_cast<int64_t>(seed));
+      NANODDP_CHECK(saved_seed == static_cast<int64_t>(seed), ValueError, "it was saved during epoch ",
+                    done + 1, ", after step ", progress.steps, ", by a run with --seed ", saved_seed,
+                    ", whose data order that "
+                    "epoch is not this run's (--seed ",
+                    seed, "): resume with --seed ", saved_seed);
     }
     const int64_t saved_total_steps = int64_entry(state, "scheduler.total_steps", schedule.total_steps());
     const int64_t saved_warmup_steps = int64_entry(state, "scheduler.warmup_steps", schedule.warmup_steps());
@@ -533,7 +543,19 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
                      << schedule.warmup_steps() << ") (another --epochs or --warmup-epochs)";
     const int64_t steps_done = done * steps_per_epoch + progress.steps;
     if (other_schedule.str().empty()) {
+      // The schedule goes on from the checkpoint's learning rate, as a loaded torch optimizer's
+      // param_groups keep theirs: a --lr of this run's own is said to be unused.
+      const std::optional<double> configured = optimizer.initial_lr();
       schedule.load_state_dict(nn::strip_prefix(state, "scheduler."), steps_done);
+      const std::optional<double> restored = optimizer.initial_lr();
+      if (pg.rank() == 0 && configured && restored && *configured != *restored) {  // under --quiet too
+        std::fprintf(
+            stderr,
+            "warning: --lr %g is not used: the checkpoint's learning-rate schedule (from --lr %g) goes on; "
+            "to train with another rate, start a new run (another --checkpoint file)\n",
+            *configured, *restored);
+        std::fflush(stderr);
+      }
     } else {
       schedule.replay(steps_done);
       if (chatty)
@@ -760,8 +782,9 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
   if (resume && examples::checkpoint_exists(config.checkpoint)) {
     // Every rank reads the file (it must be on a filesystem they share) and loads the same
     // weights and optimizer state (the sharded strategies each take their share of it).
-    std::tie(first_epoch, resumed) = restore(config.checkpoint, config.epochs, train_loader.size(), world_size, parallel,
-                                             *optimizer, config.optimizer, schedule, chatty, *pg, used, only_job);
+    std::tie(first_epoch, resumed) =
+        restore(config.checkpoint, config.epochs, train_loader.size(), world_size, parallel, *optimizer,
+                config.optimizer, config.seed, schedule, chatty, *pg, used, only_job);
     loaded = first_epoch >= 0;
     first_epoch = std::max(first_epoch, 0);
   }
@@ -893,8 +916,9 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
       if (config.checkpoint_every > 0 && (epoch * train_loader.size() + steps) % config.checkpoint_every == 0 &&
           steps < train_loader.size()) {
         NoGradGuard no_grad;
-        save(config.checkpoint, sharded_checkpoint, epoch, train_loader.size(), parallel, *optimizer, config.optimizer,
-             schedule, rank, *pg, init.timeout, steps, loss_sum.item(), samples);
+        save(config.checkpoint, sharded_checkpoint, epoch, train_loader.size(), parallel, *optimizer,
+             config.optimizer, config.seed, schedule, rank, *pg, init.timeout, steps, loss_sum.item(),
+             samples);
       }
       if (steps % kCheckEverySteps == 0 || steps == train_loader.size()) {
         const float mean_loss = loss_sum.item() / static_cast<float>(steps);
@@ -962,8 +986,8 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
     record.test_accuracy = accuracy;
     metrics.write(record);
     if (!config.checkpoint.empty())
-      save(config.checkpoint, sharded_checkpoint, epoch + 1, train_loader.size(), parallel, *optimizer, config.optimizer,
-           schedule, rank, *pg, init.timeout);
+      save(config.checkpoint, sharded_checkpoint, epoch + 1, train_loader.size(), parallel, *optimizer,
+           config.optimizer, config.seed, schedule, rank, *pg, init.timeout);
     epochs_done = epoch + 1;
     std::fflush(stdout);
   }

@@ -13,7 +13,7 @@
 //   lr             learning rate of the last step
 //   samples_per_s  training samples per second, all ranks, this epoch so far
 //   test_accuracy  fraction of the test set classified right (only on an epoch's last line)
-//   wall_s         seconds since the log was opened
+//   wall_s         seconds since the log was opened (by this run: a resumed run starts again at 0)
 #pragma once
 
 #include <unistd.h>

@@ -529,6 +529,29 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   CHECK_MESSAGE(r.err.find("cannot resume from checkpoint " + ckpt + ": its run used --optimizer sgd and this one "
                            "--optimizer adamw: resume with --optimizer sgd") != std::string::npos,
                 r.err);
+  // Another --lr with the checkpoint's schedule (same --epochs): the schedule goes on (a loaded
+  // torch optimizer keeps its lr), and the run says, under --quiet too, that the flag is not used.
+  r = run_with({"--epochs", "2", "--lr", "0.5", "--checkpoint", ckpt, "--resume"});
+  CHECK_MESSAGE(r.code() == 0, r.err);
+  CHECK_MESSAGE(
+      r.err.find("warning: --lr 0.5 is not used: the checkpoint's learning-rate schedule (from --lr 0.05) "
+                 "goes on") != std::string::npos,
+      r.err);
+  // A checkpoint from the middle of an epoch (the run killed at step 5 of 8, saved after step
+  // 3) resumes only with the seed that ordered that epoch.
+  const std::string mid = dir.path + "/mid.ckpt";
+  r = run({"/usr/bin/env", "NANODDP_FAULT_KILL_AT=0:5", program, "--data-dir", dir.path, "--quiet",
+           "--epochs", "1", "--batch-size", "32", "--checkpoint", mid, "--checkpoint-every", "3"},
+          60s);
+  CHECK(r.code() == 128 + SIGKILL);
+  r = run_with({"--epochs", "1", "--batch-size", "32", "--checkpoint", mid, "--resume", "--seed", "7"});
+  CHECK(r.code() == 1);
+  CHECK_MESSAGE(
+      r.err.find("it was saved during epoch 1, after step 3, by a run with --seed 0, whose data order that "
+                 "epoch is not this run's (--seed 7): resume with --seed 0") != std::string::npos,
+      r.err);
+  r = run_with({"--epochs", "1", "--batch-size", "32", "--checkpoint", mid, "--resume"});
+  CHECK_MESSAGE(r.code() == 0, r.err);
 
   TempDir empty;
   write_small_fashion_mnist(empty.path, 0, 10);
