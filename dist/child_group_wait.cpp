@@ -59,9 +59,17 @@ Outcome ChildGroup::wait() {
   };
   auto begin_termination = [&](int signal, const std::string& why) {
     size_t alive = 0;
-    for (const Child& c : children_) alive += c.exited ? 0 : 1;
-    report(why + (alive > 0 ? "; sending " + signal_name(signal) + " to the " + std::to_string(alive) +
-                                  " remaining process(es), SIGKILL after " + format_ms(options_.grace_period)
+    std::string names;  // of the children still running, for children that relay signals
+    for (const Child& c : children_)
+      if (!c.exited) {
+        ++alive;
+        names += (names.empty() ? "" : ", ") + c.name;
+      }
+    const std::string whom = options_.children_relay_signals
+                                 ? names + " (which passes it on)"
+                                 : "the " + std::to_string(alive) + " remaining process(es)";
+    report(why + (alive > 0 ? "; sending " + signal_name(signal) + " to " + whom + ", SIGKILL after " +
+                                  format_ms(options_.grace_period)
                             : ""));
     terminating = true;
     terminate_all(signal);

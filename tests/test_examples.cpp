@@ -565,20 +565,25 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
   const std::string backends = "must be one of auto, shm, shm+gloo, gloo, mpi or nccl";
   std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
       // The CNN's layers are fixed: --hidden would otherwise be taken and ignored.
-      {{cnn, "--hidden", "5"}, "fashion_mnist_cnn: --hidden sets the widths of fashion_mnist's MLP; this CNN's layers are fixed"},
+      {{cnn, "--hidden", "5"},
+       "fashion_mnist_cnn: --hidden sets the widths of fashion_mnist's MLP; this CNN's layers are fixed"},
       {{mlp, "--backend", "bogus"}, "--backend: " + backends + ", got 'bogus'"},
       {{cnn, "--backend", ""}, "--backend: " + backends + ", got ''"},
       {{built("examples/toy_ddp"), "--backend", "tcp"}, "--backend: " + backends + ", got 'tcp'"},
       {{mlp, "--device", "gpu"}, "--device: must be cpu, cuda or cuda:N, got 'gpu'"},
-      {{built("examples/toy_ddp"), "--device", "cuda:"}, "--device: must be cpu, cuda or cuda:N, got 'cuda:'"},
+      {{built("examples/toy_ddp"), "--device", "cuda:"},
+       "--device: must be cpu, cuda or cuda:N, got 'cuda:'"},
       {{mlp, "--data-dir", ""}, "fashion_mnist: --data-dir: got an empty path; give a folder name"},
       {{mlp, "--checkpoint", ""}, "fashion_mnist: --checkpoint: got an empty path; give a file name"},
       {{cnn, "--export", ""}, "fashion_mnist_cnn: --export: got an empty path; give a file name"},
-      {{built("examples/toy_ddp"), "--metrics", ""}, "toy_ddp: --metrics: got an empty path; give a file name"},
+      {{built("examples/toy_ddp"), "--metrics", ""},
+       "toy_ddp: --metrics: got an empty path; give a file name"},
       // CLI11 reads `--flag=` as `--flag`, and `--option=` as a missing value without saying why.
-      {{mlp, "--gradient-as-bucket-view="}, "fashion_mnist: --gradient-as-bucket-view= has no value after '='"},
+      {{mlp, "--gradient-as-bucket-view="},
+       "fashion_mnist: --gradient-as-bucket-view= has no value after '='"},
       {{cnn, "--metrics="}, "fashion_mnist_cnn: --metrics= has no value after '='"},
-      {{built("examples/custom_layer"), "--trace", ""}, "custom_layer: --trace: got an empty path; give a file name"},
+      {{built("examples/custom_layer"), "--trace", ""},
+       "custom_layer: --trace: got an empty path; give a file name"},
       // A layer name that matches none would print an empty table.
       {{built("benchmarks/layer_bench"), "--only", "Relu"}, "--only: must be one of ReLU, Sigmoid"},
       {{built("benchmarks/layer_bench"), "--only", ""}, "layer_bench: --only: must be one of ReLU, Sigmoid"},
@@ -586,12 +591,17 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
       // CLI11's other parse errors (its own exit codes 109, 114) are usage errors like the rest.
       {{built("examples/toy_ddp"), "--bogus"}, "toy_ddp: The following argument was not expected: --bogus\n"},
       // A misspelt flag gets the flag it most likely meant.
-      {{mlp, "--epoch=3"}, "fashion_mnist: The following argument was not expected: --epoch=3 (did you mean --epochs?)"},
+      {{mlp, "--epoch=3"},
+       "fashion_mnist: The following argument was not expected: --epoch=3 (did you mean --epochs?)"},
       {{built("examples/toy_ddp"), "--metric", "m.jsonl"}, "(did you mean --metrics?)"},
+      // A flag cut short: the one option it begins.
+      {{mlp, "--data", "/x"}, "(did you mean --data-dir?)"},
+      {{mlp, "--batch", "8"}, "(did you mean --batch-size?)"},
       {{built("examples/custom_layer"), "--steps"}, "custom_layer: --steps: 1 required"},
       {{mlp, "--epochs", "x"}, "fashion_mnist: --epochs: must be an integer >= 1, got 'x'"},
       // Past what an int holds: named, not CLI11's bare "Could not convert".
-      {{mlp, "--epochs", "99999999999"}, "--epochs: must be an integer between 1 and 2147483647, got '99999999999'"},
+      {{mlp, "--epochs", "99999999999"},
+       "--epochs: must be an integer between 1 and 2147483647, got '99999999999'"},
       {{mlp, "--epochs", "1", "--epochs", "2"}, "fashion_mnist: --epochs is given 2 times: give it once"},
       {{mlp, "--precision", ""}, "fashion_mnist: --precision: got '', expected one of {fp32,bf16,fp16}"},
       {{mlp, "--checkpoint-every", "99999999999999999999"},
@@ -615,9 +625,11 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
       {{mlp, "--checkpoint", "/tmp/ck", "--metrics", "/tmp/ck.prev"},
        "fashion_mnist: --metrics /tmp/ck.prev is where --checkpoint /tmp/ck keeps its previous checkpoint"},
       {{mlp, "--checkpoint", "/tmp/ck", "--export", "/tmp/./ck.prev.tmp"},
-       "fashion_mnist: --export /tmp/./ck.prev.tmp is where --checkpoint /tmp/ck keeps its previous checkpoint"},
+       "fashion_mnist: --export /tmp/./ck.prev.tmp is where --checkpoint /tmp/ck keeps its previous "
+       "checkpoint"},
       {{cnn, "--checkpoint", "/tmp/ck", "--trace", "/tmp/ck.g3.shard-1-of-4"},
-       "fashion_mnist_cnn: --trace /tmp/ck.g3.shard-1-of-4 has the name of a shard file of --checkpoint /tmp/ck"},
+       "fashion_mnist_cnn: --trace /tmp/ck.g3.shard-1-of-4 has the name of a shard file of --checkpoint "
+       "/tmp/ck"},
   };
   // What this build lacks is known at parse time too.
   if (!kernels::cuda_built())

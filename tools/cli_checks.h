@@ -233,7 +233,8 @@ inline bool values_given(int argc, const char* const* argv, const std::string& p
 }
 
 // The long option of app closest to `given` ("--epoch=3" -> "--epochs"): at most two letters
-// added, dropped or changed, and fewer than half of them; "" when none is that close.
+// added, dropped or changed, and fewer than half of them; failing that, the one option that
+// `given` begins, when it is at least 3 letters ("--data" -> "--data-dir"); "" otherwise.
 inline std::string closest_long_option(const CLI::App& app, const std::string& given) {
   std::string word = given.substr(0, given.find('='));
   if (word.compare(0, 2, "--") != 0) return "";
@@ -261,7 +262,13 @@ inline std::string closest_long_option(const CLI::App& app, const std::string& g
       }
     }
   }
-  return best;
+  if (!best.empty() || word.size() < 3) return best;
+  std::vector<std::string> extended;  // the options whose name goes on from word
+  for (const CLI::Option* option : app.get_options())
+    for (const std::string& name : option->get_lnames())
+      if (name.size() > word.size() && name.compare(0, word.size(), word) == 0)
+        extended.push_back("--" + name);
+  return extended.size() == 1 ? extended[0] : "";
 }
 
 // Parses argv[1..argc) into app, after values_given over argv[1..flags_end) (all of argv when
