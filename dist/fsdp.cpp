@@ -591,7 +591,7 @@ float FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_typ
   NANODDP_CHECK(max_norm >= 0, ValueError, "FullyShardedDataParallel.clip_grad_norm_: max_norm must be >= 0, got ",
                 max_norm);
   // Each shard's gradient is read to the host once per pass, one unit at a time.
-  const auto for_each_gradient = [this](const std::function<void(float)>& f) {
+  const auto for_each_gradient = [this](auto&& f) {
     for (const auto& unit : units_) {
       const Tensor grad = unit->shard.grad();
       if (!grad.defined()) continue;

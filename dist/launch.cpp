@@ -390,11 +390,11 @@ class MpirunRanks {
     const auto give_up_at = kill_at + std::max(grace_period, std::chrono::milliseconds(1000));
     bool said = false;
     while (true) {
+      std::set<pid_t> left;  // those still running: the rest are reaped here
       for (pid_t pid : leftovers()) {
         int status = 0;
-        (void)waitpid(pid, &status, WNOHANG);
+        if (waitpid(pid, &status, WNOHANG) == 0) left.insert(pid);
       }
-      const std::set<pid_t> left = leftovers();
       if (left.empty()) return;
       const auto now = std::chrono::steady_clock::now();
       if (now >= give_up_at) {

@@ -499,9 +499,8 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
       const int64_t saved_seed = int64_entry(state, "seed", /*missing=*/static_cast<int64_t>(seed));
       NANODDP_CHECK(saved_seed == static_cast<int64_t>(seed), ValueError, "it was saved during epoch ",
                     done + 1, ", after step ", progress.steps, ", by a run with --seed ", saved_seed,
-                    ", whose data order that "
-                    "epoch is not this run's (--seed ",
-                    seed, "): resume with --seed ", saved_seed);
+                    ", whose data order that epoch is not this run's (--seed ", seed,
+                    "): resume with --seed ", saved_seed);
     }
     const int64_t saved_total_steps = int64_entry(state, "scheduler.total_steps", schedule.total_steps());
     const int64_t saved_warmup_steps = int64_entry(state, "scheduler.warmup_steps", schedule.warmup_steps());
