@@ -1,6 +1,7 @@
 // The op harness, CUDA column: every row of tests/op_cases.cpp on cuda:0 against the CPU, on
 // the same inputs: the forward, each input's gradient, and the forward with NaN/±inf in the
 // first input. Exits 77 (SKIP) without a GPU (tests/test_gpu_main.cpp).
+#include <algorithm>
 #include <cmath>
 #include <optional>
 
@@ -138,6 +139,62 @@ TEST_CASE("batch_norm on CUDA: eps = 0 on a constant channel, and a NaN input in
       .backward(Tensor::ones({2, 2}).to(gpu));
   const float invstd = static_cast<float>(1 / std::sqrt(1.0 + double(1e-5f)));
   CHECK(sample.grad().to(Device::cpu()).to_vector() == std::vector<float>(4, invstd));
+}
+
+TEST_CASE(
+    "batch_norm on CUDA: output and every gradient equal the CPU's, NaN and inf included, in training and "
+    "eval") {
+  // Within 1e-6 relative; NaN where the CPU has NaN, the same infinity where it has one.
+  struct Run {
+    std::vector<float> out, dx, dweight, dbias;
+  };
+  const auto run = [](Device device, const std::vector<float>& x_values, bool training, float eps,
+                      float running_var) {
+    Tensor input = Tensor::from_vector(x_values, {3, 2}).to(device).set_requires_grad(true);
+    Tensor weight = Tensor::from_vector({2, 3}).to(device).set_requires_grad(true);
+    Tensor bias = Tensor::from_vector({0.5f, -1}).to(device).set_requires_grad(true);
+    const Tensor mean = Tensor::zeros({2}).to(device), var = Tensor::full({2}, running_var).to(device);
+    const Tensor y = training ? batch_norm(input, Tensor(), Tensor(), weight, bias, true, 0.1f, eps)
+                              : batch_norm(input, mean, var, weight, bias, false, 0.1f, eps);
+    sum(y * Tensor::from_vector({1, 2, 3, 4, 5, 6}, {3, 2}).to(device)).backward();
+    const auto host = [](const Tensor& t) { return t.to(Device::cpu()).to_vector(); };
+    return Run{host(y), host(input.grad()), host(weight.grad()), host(bias.grad())};
+  };
+  const auto same = [](const char* what, const std::vector<float>& got, const std::vector<float>& want) {
+    CAPTURE(what);
+    REQUIRE(got.size() == want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      CAPTURE(i);
+      if (std::isnan(want[i]))
+        CHECK(std::isnan(got[i]));
+      else if (std::isinf(want[i]))
+        CHECK(got[i] == want[i]);
+      else
+        CHECK(std::abs(got[i] - want[i]) <= 1e-6f * std::max(1.0f, std::abs(want[i])));
+    }
+  };
+  struct Case {
+    const char* name;
+    std::vector<float> x;
+    bool training;
+    float eps, running_var;
+  };
+  const Case cases[] = {
+      {"training, eps 0, channel 0 constant", {5, 1, 5, 2, 5, 3}, true, 0.0f, 1.0f},
+      {"eval, a NaN input", {1, NAN, 2, 3, 4, 5}, false, 1e-5f, 1.0f},
+      // In eval a zero running_var with eps 0 is 1 / 0 on both devices, as in torch: the zero
+      // rule is for batch statistics only.
+      {"eval, eps 0, running_var 0", {5, 1, 5, 2, 5, 3}, false, 0.0f, 0.0f},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    const Run want = run(Device::cpu(), c.x, c.training, c.eps, c.running_var);
+    const Run got = run(Device::cuda(0), c.x, c.training, c.eps, c.running_var);
+    same("output", got.out, want.out);
+    same("input gradient", got.dx, want.dx);
+    same("weight gradient", got.dweight, want.dweight);
+    same("bias gradient", got.dbias, want.dbias);
+  }
 }
 
 // The MLP of fashion_mnist in bfloat16 autocast on CUDA (cublasGemmEx, the cast kernels)
