@@ -548,11 +548,11 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
       schedule.load_state_dict(nn::strip_prefix(state, "scheduler."), steps_done);
       const std::optional<double> restored = optimizer.initial_lr();
       if (pg.rank() == 0 && configured && restored && *configured != *restored) {  // under --quiet too
-        std::fprintf(
-            stderr,
-            "warning: --lr %g is not used: the checkpoint's learning-rate schedule (from --lr %g) goes on; "
-            "to train with another rate, start a new run (another --checkpoint file)\n",
-            *configured, *restored);
+        std::fprintf(stderr,
+                     "warning: --lr %.9g is not used: the checkpoint's learning-rate schedule (from --lr "
+                     "%.9g) goes on; "
+                     "to train with another rate, start a new run (another --checkpoint file)\n",
+                     *configured, *restored);
         std::fflush(stderr);
       }
     } else {

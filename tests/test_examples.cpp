@@ -597,6 +597,12 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
       // A flag cut short: the one option it begins.
       {{mlp, "--data", "/x"}, "(did you mean --data-dir?)"},
       {{mlp, "--batch", "8"}, "(did you mean --batch-size?)"},
+      // The option a flag begins wins over one spelt close to it (--seed is two letters from
+      // --sched); a flag that begins several options, or is a real one out of place, gets none.
+      {{mlp, "--sched", "constant"}, "(did you mean --schedule?)"},
+      {{mlp, "--checkpoint-e", "5"}, "(did you mean --checkpoint-every?)"},
+      {{mlp, "--checkpoint-", "x"}, "not expected: x --checkpoint-\n"},
+      {{mlp, "--", "--epochs", "1"}, "not expected: 1 --epochs --\n"},
       {{built("examples/custom_layer"), "--steps"}, "custom_layer: --steps: 1 required"},
       {{mlp, "--epochs", "x"}, "fashion_mnist: --epochs: must be an integer >= 1, got 'x'"},
       // Past what an int holds: named, not CLI11's bare "Could not convert".

@@ -1083,6 +1083,8 @@ TEST_CASE("nanoddp-run: unknown options are errors, torchrun's spellings work, -
     CHECK_FALSE(contains(r.out, "ran"));
   }
   CHECK(contains(run({launcher_path(), "--nproc", "2", "true"}).err, "(did you mean --nproc-per-node?)"));
+  // --master begins --master-addr and --master-port: no guess between them.
+  CHECK_FALSE(contains(run({launcher_path(), "--master", "x", "true"}).err, "did you mean"));
   const RunResult torchrun = run({launcher_path(), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--node_rank",
                                   "0", "sh", "-c", "echo $WORLD_SIZE $MASTER_ADDR"});
   CHECK(torchrun.code() == 0);

@@ -232,13 +232,26 @@ inline bool values_given(int argc, const char* const* argv, const std::string& p
   return true;
 }
 
-// The long option of app closest to `given` ("--epoch=3" -> "--epochs"): at most two letters
-// added, dropped or changed, and fewer than half of them; failing that, the one option that
-// `given` begins, when it is at least 3 letters ("--data" -> "--data-dir"); "" otherwise.
+// The long option of app that `given` most likely meant ("--epoch=3" -> "--epochs"): the one
+// option whose name `given` begins, when it is at least 3 letters ("--data" -> "--data-dir");
+// none when it begins several ("--checkpoint-" -> three options) or names one exactly (a real
+// flag in the wrong place); else the one at most two letters added, dropped or changed away,
+// and fewer than half of them; "" when none is that close.
 inline std::string closest_long_option(const CLI::App& app, const std::string& given) {
   std::string word = given.substr(0, given.find('='));
   if (word.compare(0, 2, "--") != 0) return "";
   word = word.substr(2);
+  std::vector<std::string> extended;  // per option, its first name that goes on from word
+  for (const CLI::Option* option : app.get_options()) {
+    for (const std::string& name : option->get_lnames()) {
+      if (name == word) return "";
+      if (word.size() >= 3 && name.size() > word.size() && name.compare(0, word.size(), word) == 0) {
+        extended.push_back("--" + name);
+        break;
+      }
+    }
+  }
+  if (!extended.empty()) return extended.size() == 1 ? extended[0] : "";
   std::string best;
   size_t best_distance = 3;
   for (const CLI::Option* option : app.get_options()) {
@@ -262,13 +275,7 @@ inline std::string closest_long_option(const CLI::App& app, const std::string& g
       }
     }
   }
-  if (!best.empty() || word.size() < 3) return best;
-  std::vector<std::string> extended;  // the options whose name goes on from word
-  for (const CLI::Option* option : app.get_options())
-    for (const std::string& name : option->get_lnames())
-      if (name.size() > word.size() && name.compare(0, word.size(), word) == 0)
-        extended.push_back("--" + name);
-  return extended.size() == 1 ? extended[0] : "";
+  return best;
 }
 
 // Parses argv[1..argc) into app, after values_given over argv[1..flags_end) (all of argv when

@@ -39,17 +39,11 @@ class UsageFormatter : public CLI::Formatter {
   }
 };
 
-// " (did you mean --nproc-per-node?)" when `given` is the start of one of app's long option
-// names, the start of `given` is one, or they share the part before '='; else "".
+// " (did you mean --nproc-per-node?)" for the option `given` most likely meant
+// (nanoddp::cli::closest_long_option), else "".
 std::string closest_option(const CLI::App& app, const std::string& given) {
-  const std::string name = given.substr(0, given.find('='));
-  for (const CLI::Option* option : app.get_options()) {
-    for (const std::string& long_name : option->get_lnames()) {
-      const std::string known = "--" + long_name;
-      if (known.rfind(name, 0) == 0 || name.rfind(known, 0) == 0) return " (did you mean " + known + "?)";
-    }
-  }
-  return "";
+  const std::string known = nanoddp::cli::closest_long_option(app, given);
+  return known.empty() ? "" : " (did you mean " + known + "?)";
 }
 
 // The folder where ranks that record a trace (--trace FILE or NANODDP_TRACE) leave their parts
