@@ -46,6 +46,7 @@ std::vector<LayerCase> layer_cases() {
       {"Tanh", rows, [](Generator&) { return std::make_shared<nn::Tanh>(); }},
       {"GELU", rows, [](Generator&) { return std::make_shared<nn::GELU>(); }},
       {"GELU(tanh)", rows, [](Generator&) { return std::make_shared<nn::GELU>("tanh"); }},
+      {"Softplus", rows, [](Generator&) { return std::make_shared<nn::Softplus>(); }},
       {"Dropout(0.5)", rows, [](Generator& gen) { return std::make_shared<nn::Dropout>(0.5f, gen); }},
       {"LayerNorm(1024)", rows,
        [](Generator&) { return std::make_shared<nn::LayerNorm>(std::vector<int64_t>{1024}); }},

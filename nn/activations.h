@@ -97,7 +97,9 @@ inline Tensor gelu(const Tensor& x, const std::string& approximate = "none") {
 // y = log(1 + e^(beta x)) / beta, and y = x where beta x > threshold (torch.nn.functional.
 // softplus): there the two agree to float precision, and e^(beta x) would overflow past 88.
 // softplus(-inf) = 0, softplus(inf) = inf. Backward from the saved input: dx = dy where
-// beta x > threshold, else dy * sigmoid(beta x). One exp + one log1p per element.
+// beta x > threshold, else dy z / (z + 1) with z = e^(beta x), as torch's softplus_backward
+// (so NaN where beta x is under a threshold above 88.7: z is inf there, in torch too). One exp
+// and one log1p per element.
 NANODDP_DECLARE_KERNEL(softplus_forward, float* y, const float* x, float beta, float threshold, int64_t n)
 NANODDP_DECLARE_KERNEL(softplus_backward, float* dx, const float* dy, const float* x, float beta, float threshold,
                        int64_t n)  // WRITES

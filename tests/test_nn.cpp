@@ -101,6 +101,66 @@ TEST_CASE("GELU's gradient at +-inf is NaN in every element, as torch's (inf * p
   }
 }
 
+// Torch 1.13's values (torch.nn.functional.gelu and softplus on the CPU, float32) far in the
+// tails, where Eigen's vectorised exp clamps its argument (Note [Vectorised exp's range]): 19
+// elements, so that each value sits in a packet and the last ones in the scalar tail.
+TEST_CASE("GELU's gradient and Softplus far in the tails equal torch's, in Eigen's packets and in the tail") {
+  // Within 1e-6 relative; a subnormal within 2 of its steps (torch's exp rounds them its own way).
+  auto near = [](float got, double want) {
+    if (std::isnan(want)) return std::isnan(got);
+    if (std::isinf(want)) return got == want;
+    return std::fabs(got - want) <= std::max(1e-6 * std::fabs(want), 2 * 1.401298464e-45);
+  };
+  const std::vector<float> gelu_x{-1e38f, -1e30f, -50,   -30,    -20, -15,  0.5f, 12,    13,   20,
+                                  30,     1e30f,  1e38f, -1e38f, -20, 0.5f, 20,   1e30f, 1e38f};
+  const std::vector<double> gelu_grad{
+      0, 0, 0, 0, 0, 0, 0.867495059967041, 1, 1, 1, 1, 1, 1, 0, 0, 0.867495059967041, 1, 1, 1};
+  Tensor x = Tensor::from_vector(gelu_x).set_requires_grad(true);
+  sum(gelu(x)).backward();
+  std::vector<float> grad = x.grad().to_vector();
+  for (size_t i = 0; i < gelu_x.size(); ++i) {
+    CAPTURE(i);
+    CAPTURE(gelu_x[i]);
+    CHECK(near(grad[i], gelu_grad[i]));
+  }
+
+  // softplus(x, beta 1, threshold 100): under the threshold past 88.7, torch's e^x is inf, so
+  // its value is inf and its gradient z / (z + 1) NaN. Rows: x, torch's value, torch's gradient.
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::nan("");
+  struct Row {
+    float x;
+    double y, grad;
+  };
+  const std::vector<Row> head{{-1e30f, 0, 0},
+                              {-150, 0, 0},
+                              {-100, 3.923635700109488e-44, 3.783505853677006e-44},
+                              {-90, 8.194008692231508e-40, 8.194008692231508e-40},
+                              {-88, 6.054601485195952e-39, 6.054601485195952e-39},
+                              {-85, 1.2160992719555806e-37, 1.2160992719555806e-37},
+                              {-79, 4.906094994852858e-35, 4.906094994852858e-35},
+                              {0.5f, 0.9740769863128662, 0.622459352016449},
+                              {19.9f, 19.899999618530273, 1},
+                              {25, 25, 1},
+                              {85, 85, 1},
+                              {90, inf, nan},
+                              {1e30f, 1.0000000150474662e+30, 1}};
+  std::vector<Row> rows = head;
+  for (size_t i : {2, 3, 7, 10, 11, 12}) rows.push_back(head[i]);  // again in the scalar tail
+  std::vector<float> softplus_x;
+  for (const Row& row : rows) softplus_x.push_back(row.x);
+  x = Tensor::from_vector(softplus_x).set_requires_grad(true);
+  Tensor y = softplus(x, 1, 100);
+  sum(y).backward();
+  const std::vector<float> values = y.to_vector();
+  grad = x.grad().to_vector();
+  for (size_t i = 0; i < rows.size(); ++i) {
+    CAPTURE(i);
+    CAPTURE(rows[i].x);
+    CHECK(near(values[i], rows[i].y));
+    CHECK(near(grad[i], rows[i].grad));
+  }
+}
+
 TEST_CASE(
     "a 3x3 conv2d near float32's largest values is finite where the direct sum is (Winograd would "
     "overflow)") {

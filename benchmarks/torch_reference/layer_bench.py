@@ -24,6 +24,7 @@ def layer_cases():
         ("Tanh", rows, nn.Tanh),
         ("GELU", rows, nn.GELU),
         ("GELU(tanh)", rows, lambda: nn.GELU(approximate="tanh")),
+        ("Softplus", rows, nn.Softplus),
         ("Dropout(0.5)", rows, lambda: nn.Dropout(0.5)),
         ("LayerNorm(1024)", rows, lambda: nn.LayerNorm(1024)),
         ("BatchNorm1d(1024)", rows, lambda: nn.BatchNorm1d(1024)),

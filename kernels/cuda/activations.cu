@@ -102,8 +102,10 @@ void softplus_forward(float* y, const float* x, float beta, float threshold, int
 
 __global__ void softplus_backward_kernel(float* dx, const float* dy, const float* x, float beta, float threshold,
                                          int64_t n) {
-  for (int64_t i = first_index(); i < n; i += grid_stride())
-    dx[i] = x[i] * beta > threshold ? dy[i] : dy[i] / (1.0f + expf(-x[i] * beta));
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const float z = expf(x[i] * beta);
+    dx[i] = x[i] * beta > threshold ? dy[i] : dy[i] * z / (z + 1.0f);
+  }
 }
 
 void softplus_backward(float* dx, const float* dy, const float* x, float beta, float threshold, int64_t n) {
