@@ -8,6 +8,7 @@
 
 #include "nn/lr_scheduler.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -176,8 +177,12 @@ double LinearLR::get_lr() const {
   if (last_epoch_ == 0) return lr * start_factor_;
   if (last_epoch_ > total_iters_) return lr;
   const double slope = end_factor_ - start_factor_;
-  return lr * (1.0 + slope / (static_cast<double>(total_iters_) * start_factor_ +
-                               static_cast<double>(last_epoch_ - 1) * slope));
+  // The factor is a ratio of two points of the line, both >= 0: it is never negative. At the
+  // last step to end_factor 0 the division rounds it to about -2e-16 half the time (start
+  // 1/3, total_iters 4), and the rate would be refused; torch carries the negative rate on.
+  const double factor = 1.0 + slope / (static_cast<double>(total_iters_) * start_factor_ +
+                                       static_cast<double>(last_epoch_ - 1) * slope);
+  return lr * std::max(factor, 0.0);
 }
 
 LambdaLR::LambdaLR(Optimizer& optimizer, std::function<double(int64_t)> lr_lambda)
