@@ -56,6 +56,11 @@ struct ReshapeBackward : Node {
   const char* name() const override { return "ReshapeBackward"; }
 };
 
+struct CloneBackward : Node {
+  std::vector<Tensor> apply(const Tensor& grad_output) override { return {grad_output}; }
+  const char* name() const override { return "CloneBackward"; }
+};
+
 struct ToDeviceBackward : Node {
   Device input_device;
   std::vector<Tensor> apply(const Tensor& grad_output) override { return {grad_output.to(input_device)}; }
@@ -311,7 +316,9 @@ Tensor Tensor::to(DType target) const {
 Tensor Tensor::clone() const {
   Tensor copy(new_impl(shape(), dtype(), device()));
   copy_bytes(copy.impl()->storage->data(), device(), data_ptr(), device(), nbytes());
-  return copy;
+  auto node = std::make_shared<CloneBackward>();
+  node->inputs = {*this};
+  return make_result(copy, node);
 }
 
 Tensor Tensor::detach() const {

@@ -123,11 +123,15 @@ class Tensor {
   // (torch.Tensor.is_alias_of). False when either is undefined.
   bool is_alias_of(const Tensor& other) const;
 
-  // ---- copies and in-place updates (not recorded by autograd) ----------------------------
-  Tensor clone() const;   // a deep copy, detached from the graph
+  // ---- copies and in-place updates ----------------------------------------------------------
+  // A deep copy. Recorded by autograd as torch.clone: in grad mode, the copy of a tensor that
+  // requires grad is an op's output whose gradient flows back unchanged (a model that keeps
+  // x.clone() for a residual gets x's whole gradient). detach().clone() is a copy outside the
+  // graph, as in torch.
+  Tensor clone() const;
   Tensor detach() const;  // same storage, no graph, requires_grad false
   // Copies src's values into this tensor (any devices, same shape and dtype), as copy_().
-  // copy_, fill_ and zero_ count as an in-place change (Note [Version counter] in
+  // copy_, fill_ and zero_ (not recorded by autograd) count as an in-place change (Note [Version counter] in
   // core/storage.h): a backward that saved this tensor, or a view of its memory, before the
   // change throws ValueError instead of using the new values, as torch's does. They are not
   // recorded by autograd, so in grad mode they throw ValueError where torch would record

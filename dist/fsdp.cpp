@@ -771,7 +771,8 @@ nn::StateDict FullyShardedDataParallel::full_optim_state_dict(const nn::Optimize
     for (size_t k = 0; k < unit.params.size(); ++k) {
       const Tensor& p = unit.params[k].second;
       const std::string name = buffer + "." + std::to_string(model_index.at(p.impl()));
-      full[name] = flat ? gathered.slice_view(unit.offsets[k], p.shape()).clone() : value.to(Device::cpu()).clone();
+      full[name] = flat ? gathered.slice_view(unit.offsets[k], p.shape()).clone()
+                        : value.detach().to(Device::cpu()).clone();
     }
   }
   return full;

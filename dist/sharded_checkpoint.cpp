@@ -206,7 +206,7 @@ ShardedEntry whole_entry(const Tensor& t) {
   entry.dtype = t.dtype();
   entry.begin = 0;
   entry.end = t.numel();
-  entry.piece = t.to(Device::cpu()).clone().reshape({t.numel()});
+  entry.piece = t.detach().to(Device::cpu()).clone().reshape({t.numel()});
   return entry;
 }
 

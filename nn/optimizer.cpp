@@ -73,7 +73,7 @@ Tensor Optimizer::load_state_tensor(const std::string& key, const Tensor& t, siz
   NANODDP_CHECK(t.dtype() == expected_dtype, ValueError, name_, ".load_state_dict: '", key, "' is ",
                 dtype_name(t.dtype()), ", expected ", dtype_name(expected_dtype));
   MemoryCategoryScope state_memory(MemoryCategory::OptimizerState);
-  return t.to(params_[index].device()).clone();
+  return t.detach().to(params_[index].device()).clone();
 }
 
 Tensor Optimizer::checked_grad(size_t index) const {

@@ -80,6 +80,29 @@ TEST_CASE("a backward that reads an input's values through its edge gets an erro
   }
 }
 
+TEST_CASE(
+    "clone is recorded as torch.clone: its gradient flows back; detach().clone() is a copy outside the "
+    "graph") {
+  // sum(c * x), c = x.clone(): d/dx = c + x = 2x, as torch's. With c = x.detach().clone() the
+  // product sees one use of x: d/dx = c = x.
+  const std::vector<float> values{0.5f, -1.25f, 3.0f};
+  Tensor x = Tensor::from_vector(values).set_requires_grad(true);
+  Tensor c = x.clone();
+  CHECK(c.requires_grad());
+  sum(mul(c, x)).backward();
+  CHECK(x.grad().to_vector() == std::vector<float>{1.0f, -2.5f, 6.0f});
+
+  Tensor y = Tensor::from_vector(values).set_requires_grad(true);
+  Tensor d = y.detach().clone();
+  CHECK_FALSE(d.requires_grad());
+  sum(mul(d, y)).backward();
+  CHECK(y.grad().to_vector() == values);
+
+  // Outside grad mode, or of a tensor that needs no gradient, a clone is a plain copy.
+  NoGradGuard no_grad;
+  CHECK_FALSE(x.clone().requires_grad());
+}
+
 TEST_CASE("gradients accumulate across backward calls until cleared") {
   Tensor w = Tensor::from_vector({2.0f}).set_requires_grad(true);
   sum(w * 4.0f).backward();
