@@ -34,11 +34,19 @@ namespace nanoddp::dist {
 //      order; find_unused_parameters: the used map,        |     zeros in every bucket, a
 //      all_reduce(max) of one int64 per parameter (with    |     used map of zeros when the
 //      static_graph in the first synced backward only)     |     others send theirs
+//   5. ZeroRedundancyOptimizer in the Join: step():        | 5'. its main_hook: the local
+//      the local step of this rank's shard, then one       |     step of this rank's shard
+//      broadcast per parameter from its owner              |     with the .grad 4' left, then
+//                                                          |     the same broadcasts
 // A joined rank contributes zeros, so the sums are those of the ranks still training. DDP
 // divides them by the world size (divide_by_initial_world_size, PyTorch's default: a joined
-// rank weighs as a zero gradient) or by the count from step 1. A parameter that only joined
-// ranks would have used is used by no rank in the map: its .grad stays undefined and no rank
-// steps it. A joined rank drops what it receives, so it does not step in these iterations.
+// rank weighs as a zero gradient) or by the count from step 1 (each rank divides what it adds,
+// so the joined rank's zeros need no divisor). A parameter that only joined ranks would have
+// used is used by no rank in the map: its .grad stays undefined and no rank steps it. A
+// joined rank keeps what it receives in .grad, as the others do. A plain optimizer is not
+// stepped there any more (the post-hook below gives it the others' model), but ZeRO's owner
+// of a parameter must step it for everyone, and does so with the gradient the others step
+// with (PyTorch's ZeRO join hook steps with whatever .grad the joined rank last had).
 // Once every rank has joined, the post-hooks run on every rank: DDP all-reduces (max) the
 // rank of a last joiner (-1 from the others) and broadcasts that rank's parameters, so the
 // ranks that stopped early end with the same model as the ones that ran longest.
@@ -144,7 +152,7 @@ void Join::finish() {
       flags[static_cast<size_t>(pg.rank())] = 1;
       throw_if_any_ran_out(pg, all_reduce_on(pg, device_, flags, ReduceOp::Max, options_.timeout));
     }
-    for (auto& hook : hooks_) hook->main_hook();  // 3', 4'
+    for (auto& hook : hooks_) hook->main_hook();  // 3' to 5'
     is_last_joiner = false;
   }
   for (auto& hook : hooks_) hook->post_hook(is_last_joiner);

@@ -488,48 +488,56 @@ void Reducer::finalize() {
     if (options_.static_graph) static_used_anywhere_ = used_anywhere;
   }
   for (Bucket& bucket : buckets_) {
-    const size_t index = static_cast<size_t>(&bucket - buckets_.data());
     Tensor mean;
     {
       // The exposed communication: backward is over and this rank can only wait.
       trace::Span waiting(trace::Lane::DDP, "wait for all_reduce");
-      if (waiting.active()) waiting.set_args("\"bucket\":" + std::to_string(index));
+      if (waiting.active()) waiting.set_args("\"bucket\":" + std::to_string(&bucket - buckets_.data()));
       mean = bucket.reduced->wait(options_.timeout);
     }
-    NANODDP_CHECK(mean.defined() && mean.dtype() == DType::Float32 && mean.numel() == bucket.flat.numel() &&
-                      mean.device() == bucket.flat.device(),
-                  ValueError, "DDP comm hook: the future of bucket ", index, " holds ",
-                  mean.defined() ? mean.shape().str() + " " + dtype_name(mean.dtype()) + " on " + mean.device().str()
-                                 : std::string("an undefined tensor"),
-                  "; expected its buffer's ", bucket.flat.numel(), " float32 values on ", bucket.flat.device());
     if (trace::enabled()) trace_completions();
-    if (options_.gradient_as_bucket_view) {  // Note [Gradient as bucket view]: no copy out
-      if (mean.data<float>() != bucket.flat.data<float>())
-        copy_bytes(bucket.flat.data<float>(), bucket.flat.device(), mean.data<float>(), mean.device(),
-                   bucket.flat.nbytes());
-      for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
-        const size_t k = bucket.params[slot];
-        Tensor& p = params_[k].second;
-        if (used_anywhere[k] != 0 && !dropped[k] && !p.grad().is_same(bucket.views[slot]))
-          p.set_grad(bucket.views[slot]);
-      }
-      continue;
-    }
-    for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
-      const size_t k = bucket.params[slot];
-      if (used_anywhere[k] == 0) continue;  // no rank used it: .grad untouched, as in PyTorch
-      if (dropped[k]) continue;             // an error below: .grad untouched
-      Tensor& p = params_[k].second;
-      if (!p.grad().defined()) {
-        p.set_grad(Tensor::empty(p.shape(), DType::Float32, p.device()));
-        set_memory_category(p.grad(), MemoryCategory::Gradients);
-      }
-      Tensor grad = p.grad();
-      copy_bytes(grad.data<float>(), grad.device(), mean.data<float>() + bucket.offsets[slot], mean.device(),
-                 grad.nbytes());
-    }
+    write_gradients(bucket, mean, used_anywhere, dropped);
   }
   if (options_.static_graph) check_static_graph(dropped);
+}
+
+// Step 4's end: the bucket's reduced values (mean, what its all-reduce or comm hook left) into
+// the .grad of each parameter some rank used (used_anywhere) and this backward did not drop.
+void Reducer::write_gradients(Bucket& bucket, const Tensor& mean, const std::vector<int64_t>& used_anywhere,
+                              const std::vector<bool>& dropped) {
+  const size_t index = static_cast<size_t>(&bucket - buckets_.data());
+  NANODDP_CHECK(mean.defined() && mean.dtype() == DType::Float32 && mean.numel() == bucket.flat.numel() &&
+                    mean.device() == bucket.flat.device(),
+                ValueError, "DDP comm hook: the future of bucket ", index, " holds ",
+                mean.defined()
+                    ? mean.shape().str() + " " + dtype_name(mean.dtype()) + " on " + mean.device().str()
+                    : std::string("an undefined tensor"),
+                "; expected its buffer's ", bucket.flat.numel(), " float32 values on ", bucket.flat.device());
+  if (options_.gradient_as_bucket_view) {  // Note [Gradient as bucket view]: no copy out
+    if (mean.data<float>() != bucket.flat.data<float>())
+      copy_bytes(bucket.flat.data<float>(), bucket.flat.device(), mean.data<float>(), mean.device(),
+                 bucket.flat.nbytes());
+    for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+      const size_t k = bucket.params[slot];
+      Tensor& p = params_[k].second;
+      if (used_anywhere[k] != 0 && !dropped[k] && !p.grad().is_same(bucket.views[slot]))
+        p.set_grad(bucket.views[slot]);
+    }
+    return;
+  }
+  for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+    const size_t k = bucket.params[slot];
+    if (used_anywhere[k] == 0) continue;  // no rank used it: .grad untouched, as in PyTorch
+    if (dropped[k]) continue;             // an error after the collectives: .grad untouched
+    Tensor& p = params_[k].second;
+    if (!p.grad().defined()) {
+      p.set_grad(Tensor::empty(p.shape(), DType::Float32, p.device()));
+      set_memory_category(p.grad(), MemoryCategory::Gradients);
+    }
+    Tensor grad = p.grad();
+    copy_bytes(grad.data<float>(), grad.device(), mean.data<float>() + bucket.offsets[slot], mean.device(),
+               grad.nbytes());
+  }
 }
 
 // Note [Static graph]: throws, naming the parameters, when this backward broke the promise.
@@ -569,21 +577,27 @@ void Reducer::shadow_synced_backward() {
     // The bucket itself, zeroed, through the others' launch: on shm a bucket must meet a
     // bucket (Note [Shm direct all-reduce]), and a comm hook issues its collectives (16-bit
     // ones, say) here too, on zeros, as PyTorch's join hook does
-    // (_match_all_reduce_for_bwd_pass). This rank's gradients are not used.
+    // (_match_all_reduce_for_bwd_pass).
     bucket.flat.zero_();
     launch(bucket);
   }
   // This rank used nothing. Note [Static graph]: the others ask once, and keep the answer;
   // so does this rank.
-  const bool used_known = options_.static_graph && !static_used_anywhere_.empty();
-  if ((options_.find_unused_parameters || options_.static_graph) && !used_known) {
-    auto used_anywhere = all_reduce_host(*pg_, std::vector<int64_t>(params_.size(), 0), ReduceOp::Max, options_.timeout);
-    if (options_.static_graph) static_used_anywhere_ = std::move(used_anywhere);
+  std::vector<int64_t> used_anywhere(params_.size(), 1);
+  if (options_.static_graph && !static_used_anywhere_.empty()) {
+    used_anywhere = static_used_anywhere_;
+  } else if (options_.find_unused_parameters || options_.static_graph) {
+    used_anywhere =
+        all_reduce_host(*pg_, std::vector<int64_t>(params_.size(), 0), ReduceOp::Max, options_.timeout);
+    if (options_.static_graph) static_used_anywhere_ = used_anywhere;
   }
+  // Note [Join] step 4': the gradients the others step with, into this rank's .grad.
+  const std::vector<bool> none_dropped(params_.size(), false);
   for (Bucket& bucket : buckets_) {
-    bucket.reduced->wait(options_.timeout);
+    const Tensor mean = bucket.reduced->wait(options_.timeout);
     bucket.reduced.reset();
     bucket.launched_us = -1;  // a shadow is not traced
+    write_gradients(bucket, mean, used_anywhere, none_dropped);
   }
 }
 

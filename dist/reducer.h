@@ -141,11 +141,10 @@ class Reducer {
   // On a rank that has joined: issues exactly the collectives of one synced backward (an
   // all-reduce of zeros per bucket, in plan order, or the comm hook called on a bucket of
   // zeros; with find_unused_parameters the used map, all zeros, with static_graph only the
-  // first time, as the others) and waits for them (options.timeout). The results are dropped:
-  // the buckets are overwritten (shm needs the bucket itself), .grad is untouched unless it
-  // views them (gradient_as_bucket_view: it then holds what the collective left; a joined
-  // rank no longer steps). It counts as a synced backward for rebuild_buckets, as it does on
-  // the others.
+  // first time, as the others) and waits for them (options.timeout). What they return goes
+  // into .grad as on the others, so this rank holds the gradients they step with (a
+  // ZeroRedundancyOptimizer in the Join steps its shard with them). It counts as a synced
+  // backward for rebuild_buckets, as it does on the others.
   void shadow_synced_backward();
 
  private:
@@ -174,6 +173,8 @@ class Reducer {
   void launch_ready_buckets();
   void launch(Bucket& bucket);
   void finalize();
+  void write_gradients(Bucket& bucket, const Tensor& mean, const std::vector<int64_t>& used_anywhere,
+                       const std::vector<bool>& dropped);
   void check_static_graph(const std::vector<bool>& dropped) const;
   void reset_iteration();
   void trace_completions();

@@ -65,6 +65,26 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params, std
 }
 
 void ZeroRedundancyOptimizer::step() {
+  Join::notify_join_context(*this);
+  step_and_broadcast();
+}
+
+// What a joined rank does in place of the others' step() (torch's _ZeROJoinHook): the same
+// step, with the gradients DDP's join hook left (Note [Join] in join.cpp, step 5').
+class ZeroJoinHook : public JoinHook {
+ public:
+  explicit ZeroJoinHook(ZeroRedundancyOptimizer& zero) : zero_(zero) {}
+  void main_hook() override { zero_.step_and_broadcast(); }
+
+ private:
+  ZeroRedundancyOptimizer& zero_;
+};
+
+std::unique_ptr<JoinHook> ZeroRedundancyOptimizer::join_hook(const JoinOptions&) {
+  return std::make_unique<ZeroJoinHook>(*this);
+}
+
+void ZeroRedundancyOptimizer::step_and_broadcast() {
   consolidated_.reset();  // the state moves on: a gathered copy would be stale
   local_->step();
   NoGradGuard no_grad;

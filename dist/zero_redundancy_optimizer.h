@@ -13,6 +13,13 @@
 // parameters as an unsharded optimizer would give, and 1/W of its state (for parameters
 // of similar size).
 //
+// Uneven inputs (torch's Join([model, optimizer])): pass it to dist::Join after the DDP,
+//   dist::Join join({ddp, opt});  for (...) { ...backward(); opt.step(); }  join.finish();
+// with one step() per iteration. A rank that has run out of batches goes on stepping its
+// shard, in each iteration the others still run, with the gradients DDP's join hook left in
+// .grad (the others' average), and broadcasts it: every rank ends with the parameters and
+// state of an unsharded optimizer in the same Join (Note [Join] in dist/join.cpp, step 5).
+//
 // Partition (PyTorch 1.13's _partition_parameters): parameters sorted by numel, largest
 // first (a stable sort: ties keep their order), each to the rank whose assigned numel is
 // smallest so far (the lowest rank on ties).
@@ -29,6 +36,7 @@
 #include <optional>
 #include <vector>
 
+#include "dist/join.h"
 #include "dist/process_group.h"
 #include "dist/sharded_checkpoint.h"
 #include "nn/optimizer.h"
@@ -39,7 +47,7 @@ namespace nanoddp::dist {
 // parameter order. --explain predicts ZeRO-1's optimizer state from it (dist/explain.h).
 std::vector<int> partition_parameters(const std::vector<int64_t>& numels, int world_size);
 
-class ZeroRedundancyOptimizer : public nn::Optimizer {
+class ZeroRedundancyOptimizer : public nn::Optimizer, public Joinable {
  public:
   // Builds the local optimizer over this rank's share (torch's optimizer_class + defaults).
   using LocalOptimizerFactory = std::function<std::unique_ptr<nn::Optimizer>(std::vector<Tensor> params)>;
@@ -52,7 +60,14 @@ class ZeroRedundancyOptimizer : public nn::Optimizer {
 
   // The local optimizer steps this rank's share; then each parameter is broadcast from its
   // owner. Throws what the local step or the broadcasts throw (DistError, TimeoutError).
+  // Inside a Join where it is the first joinable, first Join::notify_join_context.
   void step() override;
+
+  // Joinable (torch's ZeroRedundancyOptimizer.join_hook): once this rank has joined, the hook
+  // does one step() per iteration the others still run. join_device is the group's device.
+  std::unique_ptr<JoinHook> join_hook(const JoinOptions& options) override;
+  Device join_device() const override { return pg_->device(); }
+  std::shared_ptr<ProcessGroup> join_process_group() const override { return pg_; }
   double lr() const override { return local_->lr(); }
   void set_lr(double lr) override { local_->set_lr(lr); }
 
@@ -113,6 +128,9 @@ class ZeroRedundancyOptimizer : public nn::Optimizer {
   int64_t state_nbytes() const;
 
  private:
+  friend class ZeroJoinHook;
+  // step() without the Join notification: the local step, then the broadcasts.
+  void step_and_broadcast();
   // local_state_dict without kOwnedParametersKey: what consolidate_state_dict gathers and a
   // sharded set holds.
   nn::StateDict shard_state() const;

@@ -5,7 +5,6 @@
 // NANODDP_TEST_BACKEND=shm). Inputs are the small ones of the bug reports, results computed by
 // hand or by a float64 reference.
 #include <doctest/doctest.h>
-
 #include <unistd.h>
 
 #include <cmath>
@@ -24,6 +23,7 @@
 #include "dist/fsdp.h"
 #include "dist/join.h"
 #include "dist/sync_batch_norm.h"
+#include "dist/zero_redundancy_optimizer.h"
 #include "nn/batch_norm.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
@@ -501,6 +501,60 @@ TEST_CASE("Join with a comm hook: the joined rank runs the hook on zeros, and th
     testing::leave();
   });
   CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE(
+    "Join with ZeroRedundancyOptimizer: every rank ends with what an unsharded SGD in the same Join gives") {
+  // Linear(1, 1) with a bias, SGD with momentum; batches 3, 5 (and 3 at world 3). ZeRO gives
+  // the weight to rank 0 and the bias to rank 1 (rank 2 owns nothing), so at world 2 the
+  // weight's owner joins after 3 iterations and must go on stepping it, with the gradients
+  // the ranks still training average (divided by them alone without
+  // divide_by_initial_world_size), for rank 1 to get the weight it needs. The reference runs
+  // on the same ranks: plain SGD in a Join (a joined rank stops stepping, finish() broadcasts
+  // the last joiner's model). Both see the same all-reduced bits, so they compare with ==.
+  for (int world : {2, 3}) {
+    CAPTURE(world);
+    const int port = testing::free_port();
+    const std::string failures = testing::on_ranks(world, [&](int rank) {
+      auto pg = testing::join(rank, world, port);
+      for (bool divide_by_initial_world_size : {true, false}) {
+        dist::JoinOptions options;
+        options.divide_by_initial_world_size = divide_by_initial_world_size;
+        auto train = [&](bool zero) {
+          auto model = linear_1x1(0.5f, -0.25f);
+          dist::DistributedDataParallel ddp(model, pg);
+          const auto make_sgd = [](std::vector<Tensor> params) {
+            return std::make_unique<nn::SGD>(std::move(params), nn::SGDOptions{kJoinLr, 0.9f});
+          };
+          std::unique_ptr<nn::Optimizer> opt;
+          std::unique_ptr<dist::Join> join;
+          if (zero) {
+            auto zero_opt = std::make_unique<dist::ZeroRedundancyOptimizer>(ddp.parameters(), pg, make_sgd);
+            join = std::make_unique<dist::Join>(
+                std::vector<std::reference_wrapper<dist::Joinable>>{ddp, *zero_opt}, options);
+            opt = std::move(zero_opt);
+          } else {
+            opt = make_sgd(ddp.parameters());
+            join = std::make_unique<dist::Join>(std::vector<std::reference_wrapper<dist::Joinable>>{ddp},
+                                                options);
+          }
+          for (int b = 0; b < batches_of(rank); ++b) {
+            opt->zero_grad();
+            mse_loss(ddp(Tensor::ones({1, 1})), Tensor::full({1, 1}, target_of(rank))).backward();
+            opt->step();
+          }
+          join->finish();
+          return std::vector<float>{value(model->weight), value(model->bias)};
+        };
+        const std::vector<float> plain = train(false), sharded = train(true);
+        expect(sharded == plain, "rank ", rank, ", divide_by_initial_world_size ",
+               divide_by_initial_world_size, ": ZeRO ends with w = ", sharded[0], ", b = ", sharded[1],
+               "; unsharded SGD with w = ", plain[0], ", b = ", plain[1]);
+      }
+      testing::leave();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
 }
 
 TEST_CASE("Join: a rank with no batch at all shadows the first backward, the static_graph map and the re-plan") {
