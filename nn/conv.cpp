@@ -288,6 +288,8 @@ Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 pa
   // indices); the kernel reads x.
   const Tensor x = widened(input);
   Window2d g = make_window("max_pool2d", x, kernel_size, stride, padding, dilation);
+  NANODDP_CHECK(g.channels > 0 && g.height > 0 && g.width > 0, ShapeError, "max_pool2d: input ", x.shape(),
+                " has no channel, row or column; only the batch may be empty, as in torch");
   NANODDP_CHECK(2 * padding.h <= kernel_size.h && 2 * padding.w <= kernel_size.w, ValueError,
                 "max_pool2d: padding (", padding.h, ", ", padding.w, ") must be at most half the kernel (",
                 kernel_size.h, ", ", kernel_size.w, ")");

@@ -57,7 +57,8 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
 // requires grad) it also keeps the argmax of each output (int32, 4 bytes per output element;
 // torch keeps int64) for backward, and otherwise (torch.no_grad(), evaluation) computes none.
 // A 16-bit input gives a 16-bit output (computed in float32, rounded: exact for a maximum).
-// Throws ValueError for planes of 2^31 elements or more.
+// Throws ValueError for planes of 2^31 elements or more, ShapeError for an input with no
+// channel, row or column (only N may be 0, as in torch).
 Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 padding = 0, Size2 dilation = 1);
 
 namespace nn {

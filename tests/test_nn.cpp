@@ -1170,6 +1170,15 @@ TEST_CASE("BatchNorm1d without running stats normalises with the batch in eval t
   CHECK_THROWS_AS(BatchNorm1d(0), ValueError);
 }
 
+TEST_CASE("max_pool2d refuses an input with no channel, row or column, as torch; an empty batch is fine") {
+  for (const Shape& shape : {Shape{1, 0, 4, 4}, Shape{1, 2, 0, 4}, Shape{1, 2, 4, 0}}) {
+    CAPTURE(shape);
+    CHECK_THROWS_WITH_AS(max_pool2d(Tensor::zeros(shape), 2, 2, 1),
+                         doctest::Contains("has no channel, row or column"), ShapeError);
+  }
+  CHECK(max_pool2d(Tensor::zeros({0, 2, 4, 4}), 2, 2).shape() == Shape{0, 2, 2, 2});
+}
+
 TEST_CASE("max_pool2d refuses a window that covers only padding, naming it (no write outside the input)") {
   // Kernel 2, dilation 2, padding 1 over a 1x1 input: the one window looks at -1 and 1.
   const Tensor one = Tensor::ones({1, 1, 1, 1}).set_requires_grad(true);
