@@ -98,9 +98,9 @@ ChildGroup::ChildGroup(Options options) : options_(std::move(options)), created_
     action.sa_handler = kHandledSignals[i] == SIGPIPE ? SIG_IGN : on_signal;
     if (kHandledSignals[i] == SIGCHLD) action.sa_flags |= SA_NOCLDSTOP;
     sigaction(kHandledSignals[i], nullptr, &g_saved_actions[i]);
-    // An ignored SIGINT/SIGTERM/SIGHUP (nohup, a background job) stays ignored: we must not
-    // turn a hang-up the user asked to ignore into the end of the job.
-    if (is_forwarded(kHandledSignals[i]) && g_saved_actions[i].sa_handler == SIG_IGN) continue;
+    // An ignored SIGINT/SIGTERM/SIGHUP/SIGQUIT/SIGTSTP (nohup, a background job) stays ignored:
+    // we must not turn a hang-up the user asked to ignore into the end of the job.
+    if (kept_if_ignored(kHandledSignals[i]) && g_saved_actions[i].sa_handler == SIG_IGN) continue;
     sigaction(kHandledSignals[i], &action, nullptr);
   }
 }
@@ -195,12 +195,13 @@ bool ChildGroup::start(int rank, std::string name, std::string prefix,
     clear_outer_launcher_env();  // child_main sets this launcher's variables
     setenv(kLauncherFdEnv, describe_pipe_end(alive_pipe_[0]).c_str(), 1);
     setenv(kFailureFdEnv, describe_pipe_end(failure_pipe_[1]).c_str(), 1);
-    // A rank starts as a fresh program would: SIGINT/SIGTERM/SIGHUP at their defaults (unless
-    // the launcher was told to ignore them), so that our SIGTERM terminates it even when it is
-    // a fork of a program with handlers of its own (spawn); SIGCHLD and SIGPIPE as they were.
+    // A rank starts as a fresh program would: SIGINT/SIGTERM/SIGHUP/SIGQUIT/SIGTSTP at their
+    // defaults (unless the launcher was told to ignore them), so that our SIGTERM terminates it
+    // even when it is a fork of a program with handlers of its own (spawn); SIGCHLD and SIGPIPE
+    // as they were.
     for (size_t i = 0; i < kNumHandled; ++i) {
       struct sigaction action = g_saved_actions[i];
-      if (is_forwarded(kHandledSignals[i]) && action.sa_handler != SIG_IGN) {
+      if (kept_if_ignored(kHandledSignals[i]) && action.sa_handler != SIG_IGN) {
         action = {};
         action.sa_handler = SIG_DFL;
       }
@@ -247,6 +248,19 @@ bool ChildGroup::start(int rank, std::string name, std::string prefix,
   for (int fd : {out[0], err[0], msg[0]}) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
   children_.push_back(std::move(c));
   return true;
+}
+
+// Ctrl-Z: what the terminal would do to the ranks were they in its foreground group, then to
+// the launcher. The shell sees the launcher stop; its fg or bg continues it, and it continues
+// the ranks. A rank that handles SIGTSTP decides for itself.
+void ChildGroup::stop_with_children() {
+  auto signal_all = [&](int signal) {
+    for (const Child& c : children_)
+      if (!c.exited && kill(-c.pid, signal) != 0) kill(c.pid, signal);
+  };
+  signal_all(SIGTSTP);
+  raise(SIGSTOP);
+  signal_all(SIGCONT);
 }
 
 void ChildGroup::terminate_all(int signal) {

@@ -265,6 +265,10 @@ Outcome ChildGroup::wait() {
       wait = std::min(wait, std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now()) +
                                 std::chrono::milliseconds(1));
     for (int signal : poll_once(wait)) {
+      if (signal == SIGTSTP) {
+        if (!terminating) stop_with_children();
+        continue;
+      }
       if (!terminating) {
         outcome.kind = Outcome::Kind::Interrupted;
         outcome.signal = signal;

@@ -21,9 +21,13 @@
 //      running then is said to be stuck ("stopped or hung?") after the rank named. A rank that
 //      meanwhile exits non-zero on its own is named too
 //      ("rank 0 (pid 4241) also failed: exit code 1 (it lost rank 1)").
-//   4. SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to every rank's group
-//      (ranks do not sit in the terminal's foreground group, so Ctrl-C reaches them only this
-//      way), then the same grace period applies.
+//   4. SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to the launcher are forwarded to every rank's
+//      group (ranks do not sit in the terminal's foreground group, so Ctrl-C and Ctrl-\ reach
+//      them only this way), then the same grace period applies; the launcher exits 128 + the
+//      signal. SIGTSTP (Ctrl-Z) is sent on to every rank's group, then the launcher stops
+//      itself; when the shell continues it (fg, bg), it continues the ranks. A signal the
+//      launcher was started ignoring (nohup; SIGINT and SIGQUIT of a job a non-interactive
+//      shell put in the background with &) stays ignored, here and in the ranks.
 //   5. No process is left behind: when the job ends every rank's group gets SIGKILL before the
 //      rank itself is reaped (an exited rank stays a zombie until then, which keeps its pgid from
 //      being reused by an unrelated process). When the launcher itself dies, SIGKILL included,
@@ -210,6 +214,9 @@ class ChildGroup {
  private:
   struct Child;
   void terminate_all(int signal);
+  // SIGTSTP to every running child's group, SIGSTOP to this process, then, once continued,
+  // SIGCONT to the children (contract item 4).
+  void stop_with_children();
   bool must_stop_starting();
   void read_failure_reports();  // from failure_pipe_ into lost_peer_
   int alive_pipe_[2] = {-1, -1};    // Note [Launcher link]: ranks see EOF when we die

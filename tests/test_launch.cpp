@@ -55,6 +55,22 @@ void wait_for_ranks(const std::string& dir, int n) {
   }
 }
 
+// The state letter of /proc/PID/stat ('R', 'S', 'T' for stopped, ...); 0 when it is gone.
+char process_state(int pid) {
+  const std::string stat = read_file("/proc/" + std::to_string(pid) + "/stat");
+  const size_t paren = stat.rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat.size() ? 0 : stat[paren + 2];
+}
+
+// Waits (up to 10 s) until process pid is in state `state`; true when it got there.
+bool reaches_state(int pid, char state) {
+  for (int i = 0; i < 1000; ++i) {
+    if (process_state(pid) == state) return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return false;
+}
+
 // Live (not zombie) processes whose process group is one of `pgids`, or whose pid is.
 std::vector<int> survivors(const std::set<int>& ids) {
   std::vector<int> alive;
@@ -225,6 +241,47 @@ TEST_CASE("nanoddp-run: SIGINT is forwarded to every rank and the launcher exits
   CHECK_MESSAGE(contains(r.err, "received SIGINT"), r.err);
   CHECK(r.seconds < 10);
   check_nothing_left(recorded_pids(dir.path, 3));
+}
+
+TEST_CASE(
+    "nanoddp-run: SIGQUIT (Ctrl-\\) is forwarded to every rank, the launcher exits 131 and nothing is left") {
+  // The ranks are in process groups of their own: a SIGQUIT the launcher left at its default
+  // ended the launcher alone and left the ranks running. ulimit -c 0: no core file.
+  TempDir dir;
+  const RunResult r = run({launcher_path(), "--nproc-per-node", "2", "sh", "-c",
+                           "ulimit -c 0; echo $$ > " + dir.path + "/pid.$RANK; sleep 60"},
+                          30s, [&](pid_t launcher) {
+                            wait_for_ranks(dir.path, 2);
+                            kill(launcher, SIGQUIT);
+                          });
+  CHECK(r.code() == 128 + SIGQUIT);
+  CHECK_MESSAGE(contains(r.err, "received SIGQUIT"), r.err);
+  CHECK(r.seconds < 10);
+  check_nothing_left(recorded_pids(dir.path, 2));
+}
+
+TEST_CASE("nanoddp-run: SIGTSTP (Ctrl-Z) stops every rank, then the launcher; SIGCONT continues them all") {
+  // Each rank sleeps 3 s, then prints. Stopped for longer than that, no rank may have printed
+  // or exited; continued, the job ends as it would have, exit 0.
+  TempDir dir;
+  const RunResult r = run({launcher_path(), "--nproc-per-node", "2", "sh", "-c",
+                           "echo $$ > " + dir.path + "/pid.$RANK; sleep 3; echo done"},
+                          60s, [&](pid_t launcher) {
+                            wait_for_ranks(dir.path, 2);
+                            kill(launcher, SIGTSTP);
+                            CHECK(reaches_state(launcher, 'T'));
+                            const std::set<int> ranks = recorded_pids(dir.path, 2);
+                            for (int pid : ranks) CHECK_MESSAGE(reaches_state(pid, 'T'), "rank pid ", pid);
+                            std::this_thread::sleep_for(3500ms);
+                            for (int pid : ranks)
+                              CHECK_MESSAGE(process_state(pid) == 'T', "rank pid ", pid, " is in state ",
+                                            process_state(pid), " while the launcher is stopped");
+                            kill(launcher, SIGCONT);
+                          });
+  CHECK_MESSAGE(r.code() == 0, r.err);
+  CHECK(lines_of(r.out).size() == 2);
+  CHECK(contains(r.out, "[rank 0] done"));
+  CHECK(contains(r.out, "[rank 1] done"));
 }
 
 TEST_CASE("nanoddp-run: SIGTERM while ranks are still being started ends the job at once") {
