@@ -544,18 +544,23 @@ TEST_CASE(
   // torch.optim.SGD([p], lr=0.1) and LinearLR(opt, start, 0.0, total_iters), as above: torch
   // 1.13 ends at -1.8503717077085946e-18 and -2.220446049250312e-19; a rate the optimizer
   // refuses, which stopped training at its last warm-down step.
-  for (const auto& [start, total, expected] : std::vector<std::tuple<double, int64_t, std::vector<double>>>{
+  struct Case {
+    double start_factor;
+    int64_t total_iters;
+    std::vector<double> expected;
+  };
+  for (const Case& c : std::vector<Case>{
            {1.0 / 3, 4, {0.03333333333333333, 0.025, 0.01666666666666667, 0.008333333333333335, 0, 0, 0}},
            {0.1,
             10,
             {0.010000000000000002, 0.009000000000000003, 0.008000000000000002, 0.007000000000000002,
              0.006000000000000001, 0.005, 0.004, 0.003, 0.0019999999999999996, 0.0009999999999999996, 0, 0,
              0}}}) {
-    CAPTURE(total);
+    CAPTURE(c.total_iters);
     Tensor p = param_with_grad();
     SGD opt({p}, {/*lr=*/0.1});
-    LinearLR schedule(opt, start, 0.0, total);
-    check_schedule(schedule_values(schedule, static_cast<int>(total) + 2), expected, opt);
+    LinearLR schedule(opt, c.start_factor, 0.0, c.total_iters);
+    check_schedule(schedule_values(schedule, static_cast<int>(c.total_iters) + 2), c.expected, opt);
   }
 }
 
