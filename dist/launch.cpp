@@ -317,6 +317,35 @@ int program_unrunnable(const std::string& program, std::string* found_at) {
 // The interpreter a script's "#!" line names, when it cannot run (missing, or not
 // executable); "" for a script whose interpreter can, and for a binary. execve fails with
 // ENOENT for such a script, which would read as the script itself missing.
+// What to say after "cannot execute 'P': <error>" for a file that is there: one in this
+// folder named without ./ (a shell needs ./ too), or one that is not executable, such as a
+// Python script: torchrun runs PROGRAM with python unless --no-python; nanoddp-run runs it as
+// it is.
+std::string unrunnable_hint(const std::string& program, int error) {
+  std::error_code ignored;
+  const bool bare = program.find('/') == std::string::npos;
+  if (!std::filesystem::is_regular_file(program, ignored) || (error == ENOENT && !bare)) return "";
+  if (access(program.c_str(), X_OK) == 0)
+    return bare ? "; to run ./" + program + " from this folder, write ./" + program : "";
+  return "; " + program +
+         " is not executable: nanoddp-run starts PROGRAM as it is (torchrun --no-python), so "
+         "start a script with its interpreter (nanoddp-run ... python3 " +
+         program + ")";
+}
+
+// Whether the file starts neither a program (ELF, or any binary a binfmt handler takes) nor a
+// #! line but holds text: execvp would hand it to /bin/sh, which reads a Python script's
+// `import` as a command.
+bool is_text_without_shebang(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char head[512];
+  in.read(head, sizeof head);
+  const std::streamsize n = in.gcount();
+  if (n >= 2 && head[0] == '#' && head[1] == '!') return false;
+  if (n == 0) return false;  // an empty file runs as an empty shell script anywhere
+  return std::find(head, head + n, '\0') == head + n;
+}
+
 std::string unrunnable_interpreter(const std::string& script) {
   std::ifstream in(script, std::ios::binary);
   std::string line;
@@ -444,6 +473,13 @@ class MpirunRanks {
   bool was_subreaper_ = false;
 };
 
+// In a rank, before its exec: OMP_NUM_THREADS=1 when the job runs several ranks on this node
+// and the user set none, as torchrun does, so that N ranks of an OpenMP program (NumPy's BLAS,
+// torch on the CPU) do not each start a thread per core. nanoddp itself uses no OpenMP.
+void default_omp_threads(const LaunchOptions& options) {
+  if (options.nproc_per_node > 1) setenv("OMP_NUM_THREADS", "1", /*overwrite=*/0);
+}
+
 // Starts one round of the group and supervises it until it ends.
 Outcome run_round(const LaunchOptions& options, const std::vector<std::string>& program, int port, int round,
                   std::chrono::milliseconds timeout) {
@@ -471,6 +507,7 @@ Outcome run_round(const LaunchOptions& options, const std::vector<std::string>& 
     (void)group.start(0, "mpirun", "", [&](int) {
       // SIGTERM, not SIGKILL, when we die: mpirun then stops the ranks it started itself.
       prctl(PR_SET_PDEATHSIG, SIGTERM);
+      default_omp_threads(options);  // mpirun's ranks inherit its environment
       if (as_root) {
         setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
         setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
@@ -497,6 +534,7 @@ Outcome run_round(const LaunchOptions& options, const std::vector<std::string>& 
       const std::string name = "rank " + std::to_string(rank);
       const bool started = group.start(rank, name, "[" + name + "] ", [&](int) {
         for (const auto& [key, value] : env) setenv(key.c_str(), value.c_str(), 1);
+        default_omp_threads(options);
         exec_or_die(argv, "nanoddp-run");
       });
       if (!started) break;  // wait() terminates the ranks already started and says why
@@ -517,15 +555,17 @@ int launch(const LaunchOptions& given, const std::vector<std::string>& program) 
   // some not: say it once, and start nothing.
   std::string found_at;
   if (const int error = program_unrunnable(program[0], &found_at); error != 0) {
-    // A program in this folder, named without ./ as a shell would need it too.
-    std::error_code ignored;
-    const bool here = error == ENOENT && program[0].find('/') == std::string::npos &&
-                      std::filesystem::is_regular_file(program[0], ignored) && access(program[0].c_str(), X_OK) == 0;
     write_all(2, "nanoddp-run: cannot execute '" + program[0] + "': " + std::strerror(error) +
                      (program[0].find('/') == std::string::npos ? " (searched PATH)" : "") +
-                     (here ? "; to run ./" + program[0] + " from this folder, write ./" + program[0] : "") +
-                     "; no rank was started\n");
+                     unrunnable_hint(program[0], error) + "; no rank was started\n");
     return exec_failure_code(error);
+  }
+  if (is_text_without_shebang(found_at)) {
+    write_all(2, "nanoddp-run: cannot execute '" + program[0] +
+                     "': it is a text file without a #! line, so it is not a program (torchrun --no-python "
+                     "fails on it too: Exec format error); start it with its interpreter (python3 " +
+                     program[0] + ") or give it a #! line; no rank was started\n");
+    return exec_failure_code(ENOEXEC);
   }
   if (const std::string interpreter = unrunnable_interpreter(found_at); !interpreter.empty()) {
     write_all(2, "nanoddp-run: cannot execute '" + program[0] + "': its #! line names " + interpreter +

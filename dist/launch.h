@@ -118,7 +118,8 @@ void give_job_identity(LaunchOptions& options);
 // NANODDP_RESTART_COUNT (0 on the first start), then torchrun's names for its workers:
 // GROUP_WORLD_SIZE (nnodes), ROLE_NAME ("default"), ROLE_RANK (= RANK), ROLE_WORLD_SIZE (=
 // WORLD_SIZE), TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID
-// (the job id, or "none").
+// (the job id, or "none"). launch() also sets OMP_NUM_THREADS=1 in each rank when
+// nproc_per_node > 1 and the variable is unset, as torchrun does.
 // RANK = node_rank * nproc_per_node + local_rank, as torchrun numbers ranks.
 // `master_port` is the resolved port (never 0).
 std::vector<std::pair<std::string, std::string>> rank_env(const LaunchOptions& options, int local_rank,

@@ -181,6 +181,22 @@ TEST_CASE("nanoddp-run: every rank gets its env, output is prefixed per stream")
   }
 }
 
+TEST_CASE("nanoddp-run: OMP_NUM_THREADS is 1 in each of several ranks unless set, as torchrun sets it") {
+  const std::string launcher = launcher_path();
+  const RunResult unset = run({"/usr/bin/env", "-u", "OMP_NUM_THREADS", launcher, "--nproc-per-node", "2",
+                               "sh", "-c", "echo threads=$OMP_NUM_THREADS"});
+  REQUIRE(unset.code() == 0);
+  CHECK(contains(unset.out, "[rank 0] threads=1"));
+  CHECK(contains(unset.out, "[rank 1] threads=1"));
+  const RunResult own = run({"/usr/bin/env", "OMP_NUM_THREADS=3", launcher, "--nproc-per-node", "2", "sh",
+                             "-c", "echo threads=$OMP_NUM_THREADS"});
+  CHECK(contains(own.out, "[rank 0] threads=3"));
+  CHECK(contains(own.out, "[rank 1] threads=3"));
+  const RunResult one = run({"/usr/bin/env", "-u", "OMP_NUM_THREADS", launcher, "--nproc-per-node", "1", "sh",
+                             "-c", "echo threads=$OMP_NUM_THREADS"});
+  CHECK(contains(one.out, "[rank 0] threads=\n"));  // one rank keeps every core
+}
+
 TEST_CASE("nanoddp-run: flags after PROGRAM belong to PROGRAM; a fixed port and node rank are used") {
   const RunResult r = run({launcher_path(), "--nproc-per-node", "2", "--nnodes", "3", "--node-rank", "2",
                            "--master-port", "29517", "sh", "-c", "echo $RANK $WORLD_SIZE $MASTER_PORT $1",
@@ -462,6 +478,11 @@ TEST_CASE("nanoddp-run: a program that cannot be run is named once, with the she
   const std::string orphan = dir.path + "/orphan.sh";  // its interpreter is missing
   std::ofstream(orphan) << "#!/nonexistent/interpreter -e\necho hi\n";
   ::chmod(orphan.c_str(), 0755);
+  // Executable text without #!: execvp would hand it to /bin/sh, whose `import` is another
+  // program (ImageMagick's).
+  const std::string no_shebang = dir.path + "/train.py";
+  std::ofstream(no_shebang) << "import sys\nprint(sys.argv)\n";
+  ::chmod(no_shebang.c_str(), 0755);
   struct Case {
     std::string program, message;
     int code;
@@ -475,7 +496,20 @@ TEST_CASE("nanoddp-run: a program that cannot be run is named once, with the she
        "cannot execute 'nanoddp-no-such-program': No such file or directory "
        "(searched PATH); no rank was started",
        127},
-      {plain, "cannot execute '" + plain + "': Permission denied; no rank was started", 126},
+      {plain,
+       "cannot execute '" + plain + "': Permission denied; " + plain +
+           " is not executable: nanoddp-run starts PROGRAM as it is (torchrun --no-python), so start a "
+           "script "
+           "with its interpreter (nanoddp-run ... python3 " +
+           plain + "); no rank was started",
+       126},
+      {no_shebang,
+       "cannot execute '" + no_shebang +
+           "': it is a text file without a #! line, so it is not a program (torchrun --no-python fails on it "
+           "too: "
+           "Exec format error); start it with its interpreter (python3 " +
+           no_shebang + ") or give it a #! line; no rank was started",
+       126},
       {dir.path, "cannot execute '" + dir.path + "': Is a directory; no rank was started", 126},
       {orphan,
        "cannot execute '" + orphan +
@@ -497,6 +531,14 @@ TEST_CASE("nanoddp-run: a program that cannot be run is named once, with the she
   CHECK(here.code() == 127);
   CHECK_MESSAGE(contains(here.err, "(searched PATH); to run ./orphan.sh from this folder, write ./orphan.sh; no rank"),
                 here.err);
+  // torchrun's --no-python is what nanoddp-run always does: said so, not "unknown option".
+  for (const char* flag : {"--no-python", "--no_python"}) {
+    const RunResult r = run({launcher_path(), "--nproc-per-node", "2", flag, orphan});
+    CHECK(r.code() == 2);
+    CHECK_MESSAGE(contains(r.err, std::string("torchrun's ") + flag +
+                                      " is how nanoddp-run always runs: PROGRAM as it is. Drop the flag"),
+                  r.err);
+  }
 }
 
 TEST_CASE("nanoddp-run: the timeout message names the job's --timeout, and a stopped rank ends at once, not at SIGKILL") {

@@ -170,6 +170,12 @@ int main(int argc, char** argv) {
   // option is refused; "--" ends our options for a program whose name starts with '-'.
   if (!program.empty() && program.front() == "--") {
     program.erase(program.begin());
+  } else if (!program.empty() && (program.front() == "--no-python" || program.front() == "--no_python")) {
+    return nanoddp::cli::usage_error(
+        "nanoddp-run",
+        "torchrun's " + program.front() +
+            " is how nanoddp-run always runs: PROGRAM as it is. Drop the flag, and start a script "
+            "with its interpreter (nanoddp-run --nproc-per-node 2 python3 train.py)");
   } else if (!program.empty() && program.front().size() > 1 && program.front()[0] == '-') {
     return nanoddp::cli::usage_error(
         "nanoddp-run", "unknown option '" + program.front() + "'" + closest_option(app, program.front()) +
