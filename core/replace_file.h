@@ -25,7 +25,7 @@ void replace_file(const std::string& path, const std::string& what, const std::f
 // never a file it did not write (`--checkpoint README.md`, `--trace notes.txt`). is_format
 // gets the file's first kFormatHeadBytes bytes (fewer for a shorter file) and its size in
 // bytes; format names the format in the message ("a nanoddp checkpoint"). An absent or empty
-// path passes.
+// path passes; one this user cannot read is an IOError saying so (the system's reason).
 inline constexpr size_t kFormatHeadBytes = 64;
 void check_replaces_only(const std::string& path, const char* what, const char* format,
                          bool (*is_format)(const std::string& head, uint64_t size_bytes));

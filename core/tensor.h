@@ -131,7 +131,7 @@ class Tensor {
   Tensor clone() const;
   Tensor detach() const;  // same storage, no graph, requires_grad false
   // Copies src's values into this tensor (any devices, same shape and dtype), as copy_().
-  // copy_, fill_ and zero_ (not recorded by autograd) count as an in-place change (Note [Version counter] in
+  // copy_, fill_ and zero_ count as an in-place change (Note [Version counter] in
   // core/storage.h): a backward that saved this tensor, or a view of its memory, before the
   // change throws ValueError instead of using the new values, as torch's does. They are not
   // recorded by autograd, so in grad mode they throw ValueError where torch would record

@@ -139,6 +139,8 @@ bool ChildGroup::must_stop_starting() {
     for (ssize_t i = 0; i < n; ++i) {
       if (bytes[i] == SIGCHLD) {
         child_exited = true;
+      } else if (bytes[i] == SIGTSTP) {
+        stop_with_children();  // Ctrl-Z while starting: those started stop too; then go on
       } else if (pending_signal_ == 0) {
         pending_signal_ = bytes[i];
       }
@@ -252,15 +254,30 @@ bool ChildGroup::start(int rank, std::string name, std::string prefix,
 
 // Ctrl-Z: what the terminal would do to the ranks were they in its foreground group, then to
 // the launcher. The shell sees the launcher stop; its fg or bg continues it, and it continues
-// the ranks. A rank that handles SIGTSTP decides for itself.
-void ChildGroup::stop_with_children() {
+// the ranks. A rank that handles SIGTSTP decides for itself. The launcher stops by SIGTSTP at
+// its default action, not by SIGSTOP: in an orphaned process group (a shell that has exited)
+// the kernel drops that stop, nobody could continue it, and the ranks are continued at once.
+std::chrono::steady_clock::duration ChildGroup::stop_with_children() {
   auto signal_all = [&](int signal) {
     for (const Child& c : children_)
-      if (!c.exited && kill(-c.pid, signal) != 0) kill(c.pid, signal);
+      if (!c.reaped && kill(-c.pid, signal) != 0 && !c.exited) kill(c.pid, signal);
   };
   signal_all(SIGTSTP);
-  raise(SIGSTOP);
+  const auto stopped_at = Clock::now();
+  struct sigaction stop {
+  }, handler{};
+  stop.sa_handler = SIG_DFL;
+  sigemptyset(&stop.sa_mask);
+  sigaction(SIGTSTP, &stop, &handler);
+  sigset_t tstp, mask;
+  sigemptyset(&tstp);
+  sigaddset(&tstp, SIGTSTP);
+  sigprocmask(SIG_UNBLOCK, &tstp, &mask);
+  raise(SIGTSTP);
+  sigprocmask(SIG_SETMASK, &mask, nullptr);
+  sigaction(SIGTSTP, &handler, nullptr);
   signal_all(SIGCONT);
+  return Clock::now() - stopped_at;
 }
 
 void ChildGroup::terminate_all(int signal) {

@@ -50,14 +50,17 @@ Outcome ChildGroup::wait() {
   waited_ = true;
   Outcome outcome;
   const auto never = Clock::time_point::max();
-  const auto deadline = options_.timeout.count() > 0 ? created_ + options_.timeout : never;
+  auto deadline = options_.timeout.count() > 0 ? created_ + options_.timeout : never;
   auto kill_at = never;
   bool terminating = false, killed = false;
 
   auto report = [&](const std::string& text) {
     if (options_.report) write_all(2, options_.reporter + ": " + text + "\n");
   };
-  auto begin_termination = [&](int signal, const std::string& why) {
+  auto begin_termination = [&](int received, const std::string& why) {
+    // mpirun passes SIGINT and SIGTERM on to its ranks but dies at once of SIGQUIT, leaving
+    // them no time to end by themselves: it gets SIGTERM instead.
+    const int signal = options_.children_relay_signals && received == SIGQUIT ? SIGTERM : received;
     size_t alive = 0;
     std::string names;  // of the children still running, for children that relay signals
     for (const Child& c : children_)
@@ -264,9 +267,15 @@ Outcome ChildGroup::wait() {
     if (next != never)
       wait = std::min(wait, std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now()) +
                                 std::chrono::milliseconds(1));
+    bool stopped = false;  // one stop for the Ctrl-Z presses read together
     for (int signal : poll_once(wait)) {
       if (signal == SIGTSTP) {
-        if (!terminating) stop_with_children();
+        if (terminating || stopped) continue;
+        // Time spent stopped is not the job's: the clocks move on by it.
+        const auto paused = stop_with_children();
+        stopped = true;
+        if (deadline != never) deadline += paused;
+        if (blame_until != never) blame_until += paused;
         continue;
       }
       if (!terminating) {

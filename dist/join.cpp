@@ -42,7 +42,8 @@ namespace nanoddp::dist {
 // divides them by the world size (divide_by_initial_world_size, PyTorch's default: a joined
 // rank weighs as a zero gradient) or by the count from step 1 (each rank divides what it adds,
 // so the joined rank's zeros need no divisor). A parameter that only joined ranks would have
-// used is used by no rank in the map: its .grad stays undefined and no rank steps it. A
+// used is used by no rank in the map: its .grad is undefined on every rank (the joined ones
+// included, whatever their last batch left) and no rank steps it. A
 // joined rank keeps what it receives in .grad, as the others do. A plain optimizer is not
 // stepped there any more (the post-hook below gives it the others' model), but ZeRO's owner
 // of a parameter must step it for everyone, and does so with the gradient the others step

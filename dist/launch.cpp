@@ -70,6 +70,10 @@ std::string signal_name(int signal) {
     case SIGALRM: return "SIGALRM";
     case SIGTERM: return "SIGTERM";
     case SIGCHLD: return "SIGCHLD";
+    case SIGCONT:
+      return "SIGCONT";
+    case SIGTSTP:
+      return "SIGTSTP";
     case SIGXCPU: return "SIGXCPU";
     case SIGXFSZ: return "SIGXFSZ";
     case SIGSYS: return "SIGSYS";
@@ -314,9 +318,6 @@ int program_unrunnable(const std::string& program, std::string* found_at) {
   }
 }
 
-// The interpreter a script's "#!" line names, when it cannot run (missing, or not
-// executable); "" for a script whose interpreter can, and for a binary. execve fails with
-// ENOENT for such a script, which would read as the script itself missing.
 // What to say after "cannot execute 'P': <error>" for a file that is there: one in this
 // folder named without ./ (a shell needs ./ too), or one that is not executable, such as a
 // Python script: torchrun runs PROGRAM with python unless --no-python; nanoddp-run runs it as
@@ -333,19 +334,20 @@ std::string unrunnable_hint(const std::string& program, int error) {
          program + ")";
 }
 
-// Whether the file starts neither a program (ELF, or any binary a binfmt handler takes) nor a
-// #! line but holds text: execvp would hand it to /bin/sh, which reads a Python script's
-// `import` as a command.
-bool is_text_without_shebang(const std::string& path) {
+// Whether path is a Python script (named *.py) without a #! line: execvp would hand it to
+// /bin/sh, which runs its `import` as a command (ImageMagick's). A shell script without #!
+// runs under /bin/sh as it always has.
+bool is_python_without_shebang(const std::string& path) {
+  if (path.size() < 3 || path.compare(path.size() - 3, 3, ".py") != 0) return false;
   std::ifstream in(path, std::ios::binary);
-  char head[512];
-  in.read(head, sizeof head);
-  const std::streamsize n = in.gcount();
-  if (n >= 2 && head[0] == '#' && head[1] == '!') return false;
-  if (n == 0) return false;  // an empty file runs as an empty shell script anywhere
-  return std::find(head, head + n, '\0') == head + n;
+  char head[2] = {0, 0};
+  in.read(head, 2);
+  return !(head[0] == '#' && head[1] == '!');
 }
 
+// The interpreter a script's "#!" line names, when it cannot run (missing, or not
+// executable); "" for a script whose interpreter can, and for a binary. execve fails with
+// ENOENT for such a script, which would read as the script itself missing.
 std::string unrunnable_interpreter(const std::string& script) {
   std::ifstream in(script, std::ios::binary);
   std::string line;
@@ -560,11 +562,12 @@ int launch(const LaunchOptions& given, const std::vector<std::string>& program) 
                      unrunnable_hint(program[0], error) + "; no rank was started\n");
     return exec_failure_code(error);
   }
-  if (is_text_without_shebang(found_at)) {
-    write_all(2, "nanoddp-run: cannot execute '" + program[0] +
-                     "': it is a text file without a #! line, so it is not a program (torchrun --no-python "
-                     "fails on it too: Exec format error); start it with its interpreter (python3 " +
-                     program[0] + ") or give it a #! line; no rank was started\n");
+  if (is_python_without_shebang(found_at)) {
+    write_all(2,
+              "nanoddp-run: cannot execute '" + program[0] +
+                  "': a Python script without a #! line would run under /bin/sh (torchrun --no-python fails "
+                  "on it too: Exec format error); start it with its interpreter (python3 " +
+                  program[0] + ") or give it a #!/usr/bin/env python3 line; no rank was started\n");
     return exec_failure_code(ENOEXEC);
   }
   if (const std::string interpreter = unrunnable_interpreter(found_at); !interpreter.empty()) {

@@ -175,8 +175,9 @@ struct Outcome {
 
 // Owns a set of child processes and runs the supervision loop of Note [Launch contract].
 // Not copyable; the destructor SIGKILLs and reaps whatever is still there (never throws).
-// One ChildGroup may supervise at a time per process (it owns SIGCHLD/SIGINT/SIGTERM/SIGHUP
-// handlers from construction to destruction, and restores the previous ones).
+// One ChildGroup may supervise at a time per process (it owns the handlers of
+// SIGCHLD/SIGINT/SIGTERM/SIGHUP/SIGQUIT/SIGTSTP from construction to destruction, and restores
+// the previous ones).
 class ChildGroup {
  public:
   struct Options {
@@ -201,7 +202,8 @@ class ChildGroup {
   // In the child, after its process group, signals and streams are set up, `child_main(msg_fd)`
   // runs; it must not return (exec or _exit). msg_fd is a pipe whose text the parent keeps in
   // Outcome::failed_message. Returns true when the child was started. Returns false, starting
-  // nothing, once the group must stop growing: a SIGINT/SIGTERM/SIGHUP is pending, a started
+  // nothing, once the group must stop growing: a SIGINT/SIGTERM/SIGHUP/SIGQUIT is pending (a
+  // SIGTSTP stops the children started so far, then this process, and starting goes on), a started
   // child has already failed, the timeout (counted from construction) has passed, or this or
   // an earlier start failed (fork or pipe: EAGAIN, ENOMEM, EMFILE). The caller then stops
   // starting and calls wait(), which terminates the started children and reports why, exactly
@@ -215,9 +217,9 @@ class ChildGroup {
  private:
   struct Child;
   void terminate_all(int signal);
-  // SIGTSTP to every running child's group, SIGSTOP to this process, then, once continued,
-  // SIGCONT to the children (contract item 4).
-  void stop_with_children();
+  // SIGTSTP to every child's group, then to this process, then, once continued, SIGCONT to
+  // the children (contract item 4). Returns how long this process was stopped.
+  std::chrono::steady_clock::duration stop_with_children();
   bool must_stop_starting();
   void read_failure_reports();  // from failure_pipe_ into lost_peer_
   int alive_pipe_[2] = {-1, -1};    // Note [Launcher link]: ranks see EOF when we die

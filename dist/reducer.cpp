@@ -591,7 +591,11 @@ void Reducer::shadow_synced_backward() {
         all_reduce_host(*pg_, std::vector<int64_t>(params_.size(), 0), ReduceOp::Max, options_.timeout);
     if (options_.static_graph) static_used_anywhere_ = used_anywhere;
   }
-  // Note [Join] step 4': the gradients the others step with, into this rank's .grad.
+  // Note [Join] step 4': the gradients the others step with, into this rank's .grad. A
+  // parameter nobody used has no gradient there (their zero_grad cleared it): nor here, where
+  // the .grad of this rank's last batch would otherwise still be.
+  for (size_t k = 0; k < params_.size(); ++k)
+    if (used_anywhere[k] == 0) params_[k].second.set_grad(Tensor());
   const std::vector<bool> none_dropped(params_.size(), false);
   for (Bucket& bucket : buckets_) {
     const Tensor mean = bucket.reduced->wait(options_.timeout);

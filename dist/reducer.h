@@ -143,8 +143,9 @@ class Reducer {
   // zeros; with find_unused_parameters the used map, all zeros, with static_graph only the
   // first time, as the others) and waits for them (options.timeout). What they return goes
   // into .grad as on the others, so this rank holds the gradients they step with (a
-  // ZeroRedundancyOptimizer in the Join steps its shard with them). It counts as a synced
-  // backward for rebuild_buckets, as it does on the others.
+  // ZeroRedundancyOptimizer in the Join steps its shard with them); a parameter no rank used
+  // has no .grad, as after their zero_grad(). It counts as a synced backward for
+  // rebuild_buckets, as it does on the others.
   void shadow_synced_backward();
 
  private:

@@ -118,7 +118,7 @@ class CosineAnnealingLR : public LRScheduler {
 // Linear warm-up: lr = base_lr * (start_factor + (end_factor - start_factor) *
 // min(last_epoch, total_iters) / total_iters) (torch.optim.lr_scheduler.LinearLR, defaults
 // 1/3, 1, 5), by torch's recursion, so the rates have its bits; where that recursion's last
-// step to end_factor 0 rounds to a rate just below 0 (torch 1.13 goes on with -1.9e-20), the
+// step to end_factor 0 rounds to a rate just below 0 (torch 1.13 goes on with -1.9e-18), the
 // rate is 0. Throws ValueError for start_factor outside (0, 1] (PyTorch 1.13 admits 0 and
 // then divides by zero), end_factor outside [0, 1], total_iters < 1 (torch admits 0 and keeps
 // start_factor).

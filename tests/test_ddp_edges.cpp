@@ -15,6 +15,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <sstream>
 
 #include "core/autograd.h"
 #include "core/ops.h"
@@ -517,40 +518,54 @@ TEST_CASE(
     const int port = testing::free_port();
     const std::string failures = testing::on_ranks(world, [&](int rank) {
       auto pg = testing::join(rank, world, port);
-      for (bool divide_by_initial_world_size : {true, false}) {
-        dist::JoinOptions options;
-        options.divide_by_initial_world_size = divide_by_initial_world_size;
-        auto train = [&](bool zero) {
-          auto model = linear_1x1(0.5f, -0.25f);
-          dist::DistributedDataParallel ddp(model, pg);
-          const auto make_sgd = [](std::vector<Tensor> params) {
-            return std::make_unique<nn::SGD>(std::move(params), nn::SGDOptions{kJoinLr, 0.9f});
+      for (bool divide_by_initial_world_size : {true, false})
+        for (bool find_unused : {false, true}) {
+          dist::JoinOptions options;
+          options.divide_by_initial_world_size = divide_by_initial_world_size;
+          auto train = [&](bool zero) {
+            // find_unused: even ranks use branch a, odd ones c, d nobody. Once rank 0 has
+            // joined, nobody uses a; rank 0 owns a.weight and must not step it with the
+            // gradient of its own last batch (the others' a.grad is undefined after zero_grad).
+            std::shared_ptr<nn::Module> model = linear_1x1(0.5f, -0.25f);
+            if (find_unused) {
+              auto branches = std::make_shared<Branches>();
+              branches->use_a = rank % 2 == 0;
+              model = branches;
+            }
+            dist::DDPOptions ddp_options;
+            ddp_options.find_unused_parameters = find_unused;
+            dist::DistributedDataParallel ddp(model, pg, ddp_options);
+            const auto make_sgd = [](std::vector<Tensor> params) {
+              return std::make_unique<nn::SGD>(std::move(params), nn::SGDOptions{kJoinLr, 0.9f});
+            };
+            std::unique_ptr<nn::Optimizer> opt;
+            std::unique_ptr<dist::Join> join;
+            if (zero) {
+              auto zero_opt = std::make_unique<dist::ZeroRedundancyOptimizer>(ddp.parameters(), pg, make_sgd);
+              join = std::make_unique<dist::Join>(
+                  std::vector<std::reference_wrapper<dist::Joinable>>{ddp, *zero_opt}, options);
+              opt = std::move(zero_opt);
+            } else {
+              opt = make_sgd(ddp.parameters());
+              join = std::make_unique<dist::Join>(std::vector<std::reference_wrapper<dist::Joinable>>{ddp},
+                                                  options);
+            }
+            for (int b = 0; b < batches_of(rank); ++b) {
+              opt->zero_grad();
+              mse_loss(ddp(Tensor::ones({1, 1})), Tensor::full({1, 1}, target_of(rank))).backward();
+              opt->step();
+            }
+            join->finish();
+            std::vector<float> values;
+            for (const Tensor& p : model->parameters()) values.push_back(value(p));
+            return values;
           };
-          std::unique_ptr<nn::Optimizer> opt;
-          std::unique_ptr<dist::Join> join;
-          if (zero) {
-            auto zero_opt = std::make_unique<dist::ZeroRedundancyOptimizer>(ddp.parameters(), pg, make_sgd);
-            join = std::make_unique<dist::Join>(
-                std::vector<std::reference_wrapper<dist::Joinable>>{ddp, *zero_opt}, options);
-            opt = std::move(zero_opt);
-          } else {
-            opt = make_sgd(ddp.parameters());
-            join = std::make_unique<dist::Join>(std::vector<std::reference_wrapper<dist::Joinable>>{ddp},
-                                                options);
-          }
-          for (int b = 0; b < batches_of(rank); ++b) {
-            opt->zero_grad();
-            mse_loss(ddp(Tensor::ones({1, 1})), Tensor::full({1, 1}, target_of(rank))).backward();
-            opt->step();
-          }
-          join->finish();
-          return std::vector<float>{value(model->weight), value(model->bias)};
-        };
-        const std::vector<float> plain = train(false), sharded = train(true);
-        expect(sharded == plain, "rank ", rank, ", divide_by_initial_world_size ",
-               divide_by_initial_world_size, ": ZeRO ends with w = ", sharded[0], ", b = ", sharded[1],
-               "; unsharded SGD with w = ", plain[0], ", b = ", plain[1]);
-      }
+          const std::vector<float> plain = train(false), sharded = train(true);
+          std::ostringstream both;
+          for (size_t i = 0; i < plain.size(); ++i) both << " " << sharded[i] << "/" << plain[i];
+          expect(sharded == plain, "rank ", rank, ", divide_by_initial_world_size ", divide_by_initial_world_size,
+                 ", find_unused_parameters ", find_unused, ": parameters with ZeRO / unsharded SGD:", both.str());
+        }
       testing::leave();
     });
     CHECK_MESSAGE(failures.empty(), failures);

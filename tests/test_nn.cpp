@@ -102,7 +102,7 @@ TEST_CASE("GELU's gradient at +-inf is NaN in every element, as torch's (inf * p
 }
 
 // Torch 1.13's values (torch.nn.functional.gelu and softplus on the CPU, float32) far in the
-// tails, where Eigen's vectorised exp clamps its argument (Note [Vectorised exp's range]): 19
+// tails, where Eigen's vectorised exp leaves std::exp's values (Note [Vectorised exp's range]): 19
 // elements, so that each value sits in a packet and the last ones in the scalar tail.
 TEST_CASE("GELU's gradient and Softplus far in the tails equal torch's, in Eigen's packets and in the tail") {
   // Within 1e-6 relative; a subnormal within 2 of its steps (torch's exp rounds them its own way).

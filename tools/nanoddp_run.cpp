@@ -153,6 +153,11 @@ int main(int argc, char** argv) {
                "torchrun's one-node rendezvous: one node, on a free local port unless --master-port gives one, "
                "which is what nanoddp-run does anyway, so it is accepted and changes nothing (refused with --nnodes "
                "above 1)");
+  bool no_python = false;
+  app.add_flag(
+      "--no-python,--no_python", no_python,
+      "torchrun's flag to run PROGRAM as it is instead of with python, which is what nanoddp-run always "
+      "does: accepted, changes nothing (for a script without #!, give its interpreter: python3 train.py)");
 
   // `--backend= PROGRAM` would take PROGRAM as the value: refuse an empty `--flag=` among our
   // own arguments. They end at PROGRAM, the first argument that is neither an option nor the
@@ -160,7 +165,8 @@ int main(int argc, char** argv) {
   int own_end = 1;
   while (own_end < argc && argv[own_end][0] == '-' && std::string(argv[own_end]) != "--") {
     const std::string arg = argv[own_end];
-    const bool flag = arg == "--help" || arg == "-h" || arg == "--standalone";
+    const bool flag = arg == "--help" || arg == "-h" || arg == "--standalone" || arg == "--no-python" ||
+                      arg == "--no_python";
     own_end += arg.find('=') != std::string::npos || flag ? 1 : 2;
   }
   if (auto code = nanoddp::cli::parse(app, argc, argv, "nanoddp-run", own_end)) return *code;
@@ -170,12 +176,6 @@ int main(int argc, char** argv) {
   // option is refused; "--" ends our options for a program whose name starts with '-'.
   if (!program.empty() && program.front() == "--") {
     program.erase(program.begin());
-  } else if (!program.empty() && (program.front() == "--no-python" || program.front() == "--no_python")) {
-    return nanoddp::cli::usage_error(
-        "nanoddp-run",
-        "torchrun's " + program.front() +
-            " is how nanoddp-run always runs: PROGRAM as it is. Drop the flag, and start a script "
-            "with its interpreter (nanoddp-run --nproc-per-node 2 python3 train.py)");
   } else if (!program.empty() && program.front().size() > 1 && program.front()[0] == '-') {
     return nanoddp::cli::usage_error(
         "nanoddp-run", "unknown option '" + program.front() + "'" + closest_option(app, program.front()) +

@@ -2,13 +2,15 @@
 // array expressions: vectorised, including tanh, exp and erf.
 //
 // Note [Vectorised exp's range]
-// Two things about Eigen 3.4 shape these kernels. Its vectorised exp clamps the argument to
-// about [-88.4, 88.7], so exp(-100) or exp(-inf) is a tiny positive number where std::exp gives
-// 0 (or a subnormal), and a product with a large x then reads as a real value. And a select()
-// anywhere in an expression makes the whole expression scalar (Eigen 3.4's Select has no packet
-// path): erf and exp then run element by element, 8 to 10 times slower. So the formula runs vectorised over
-// every element, and the few elements outside the exact range (or past a threshold) are redone
-// by a scalar loop with std::exp, whose compare costs next to nothing.
+// Two things about Eigen 3.4 shape these kernels. Its vectorised exp agrees with std::exp only
+// inside about [-87, 88]: past that it clamps the argument or flushes to 0, by instruction set
+// (AVX2 builds give a tiny positive number for exp(-100) and exp(-inf), where std::exp gives a
+// subnormal or 0; an AVX-512 build gives 0 for exp(-88), where std::exp does not), so a product
+// with a large x reads as a real value. And a select() anywhere in an expression makes the
+// whole expression scalar (Eigen 3.4's Select has no packet path): erf and exp then run element
+// by element, 8 to 10 times slower. So the formula runs vectorised over every element, and the
+// few elements outside [-80, 80] (or past a threshold) are redone by a scalar loop with
+// std::exp, after one vectorised min/max pass says whether there are any.
 #include <algorithm>
 #include <cmath>
 #include <unsupported/Eigen/SpecialFunctions>
@@ -21,7 +23,8 @@ namespace nanoddp::kernels::cpu {
 // Arguments of the vectorised exp that give std::exp's value (Note [Vectorised exp's range]),
 // with a margin; and the |x| up to which GELU's exp(-x^2 / 2) stays inside them.
 constexpr float kExpExactAbs = 80.0f;
-constexpr float kGeluExpExactAbs = 12.6f;  // 12.6^2 / 2 = 79.4
+constexpr float kGeluExpExactAbs = 12.6f;
+static_assert(kGeluExpExactAbs * kGeluExpExactAbs / 2 <= kExpExactAbs, "exp(-x^2 / 2) must stay in range");
 
 namespace {
 
@@ -119,8 +122,8 @@ void softplus_forward(float* y, const float* x, float beta, float threshold, int
 // dy z / (z + 1), z = e^(beta x), as torch's softplus_backward: at beta x past 88.7 (under
 // the threshold) z is inf and the gradient NaN, as there.
 void softplus_backward(float* dx, const float* dy, const float* x, float beta, float threshold, int64_t n) {
-  const Eigen::ArrayXf z = (vec(x, n).array() * beta).exp();
-  vec(dx, n).array() = vec(dy, n).array() * z / (z + 1.0f);
+  vec(dx, n).array() = (vec(x, n).array() * beta).exp();  // z, in place: no temporary
+  vec(dx, n).array() = vec(dy, n).array() * vec(dx, n).array() / (vec(dx, n).array() + 1.0f);
   if (softplus_all_vectorised(x, beta, threshold, n)) return;
   for (int64_t i = 0; i < n; ++i) {
     const float bx = x[i] * beta;
