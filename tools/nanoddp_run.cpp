@@ -179,7 +179,8 @@ int main(int argc, char** argv) {
   } else if (!program.empty() && program.front().size() > 1 && program.front()[0] == '-') {
     return nanoddp::cli::usage_error(
         "nanoddp-run", "unknown option '" + program.front() + "'" + closest_option(app, program.front()) +
-                           "; options must come before PROGRAM (use -- before a PROGRAM whose name starts with '-')");
+                           "; --help lists the options nanoddp-run takes (not torchrun's -m, --rdzv-*, --log-dir, "
+                           "--redirects or --tee); use -- before a PROGRAM whose name starts with '-'");
   }
   if (program.empty()) {
     std::cerr << "nanoddp-run: no PROGRAM given\n" << app.help();
