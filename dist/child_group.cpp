@@ -260,7 +260,7 @@ bool ChildGroup::start(int rank, std::string name, std::string prefix,
 std::chrono::steady_clock::duration ChildGroup::stop_with_children() {
   auto signal_all = [&](int signal) {
     for (const Child& c : children_)
-      if (!c.reaped && kill(-c.pid, signal) != 0 && !c.exited) kill(c.pid, signal);
+      if (!c.reaped) signal_child(c, signal);
   };
   signal_all(SIGTSTP);
   const auto stopped_at = Clock::now();
@@ -280,16 +280,19 @@ std::chrono::steady_clock::duration ChildGroup::stop_with_children() {
   return Clock::now() - stopped_at;
 }
 
+// The whole group: the rank and whatever it started. An exited rank's zombie still holds its
+// pgid, so leftovers of a finished rank are reached too. Without its group, the rank alone.
+void ChildGroup::signal_child(const Child& c, int signal) {
+  if (kill(-c.pid, signal) != 0 && !c.exited) kill(c.pid, signal);
+}
+
 void ChildGroup::terminate_all(int signal) {
   for (Child& c : children_) {
     if (c.reaped) continue;
-    // The whole group: the rank and whatever it started. An exited rank's zombie still holds
-    // its pgid, so leftovers of a finished rank are reached too.
-    const bool whole_group = kill(-c.pid, signal) == 0;
-    if (!whole_group && !c.exited) kill(c.pid, signal);
+    signal_child(c, signal);
     // A stopped rank (SIGSTOP, Ctrl-Z) holds a SIGTERM until it runs again: wake it, so that
     // it ends now rather than at the grace period's SIGKILL.
-    if (signal != SIGKILL && !c.exited) kill(whole_group ? -c.pid : c.pid, SIGCONT);
+    if (signal != SIGKILL && !c.exited) signal_child(c, SIGCONT);
   }
 }
 

@@ -217,6 +217,7 @@ class ChildGroup {
  private:
   struct Child;
   void terminate_all(int signal);
+  void signal_child(const Child& c, int signal);
   // SIGTSTP to every child's group, then to this process, then, once continued, SIGCONT to
   // the children (contract item 4). Returns how long this process was stopped.
   std::chrono::steady_clock::duration stop_with_children();

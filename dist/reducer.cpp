@@ -418,7 +418,6 @@ void Reducer::finalize() {
   // Note [Static graph]: unused parameters are allowed; after the first synced backward,
   // which ones some rank used is known.
   const bool allow_unused = options_.find_unused_parameters || options_.static_graph;
-  const bool used_known = options_.static_graph && !static_used_anywhere_.empty();
   std::vector<std::string> unready;
   for (size_t k = 0; k < params_.size(); ++k) {
     if (ready_[k]) continue;
@@ -476,17 +475,8 @@ void Reducer::finalize() {
     for (Bucket& bucket : buckets_)
       if (bucket.launched_us >= 0) bucket.launched_us = now;
   }
-  // Note [Unused parameters]: which parameters did any rank use? Issued after every bucket,
-  // so the order of collectives is the same on every rank.
-  std::vector<int64_t> used_anywhere(params_.size(), 1);
-  if (used_known) {
-    used_anywhere = static_used_anywhere_;  // Note [Static graph]
-  } else if (allow_unused) {
-    std::vector<int64_t> used_here(params_.size());
-    for (size_t k = 0; k < params_.size(); ++k) used_here[k] = ready_[k] ? 1 : 0;
-    used_anywhere = all_reduce_host(*pg_, used_here, ReduceOp::Max, options_.timeout);  // on the group's device
-    if (options_.static_graph) static_used_anywhere_ = used_anywhere;
-  }
+  // Issued after every bucket, so the order of collectives is the same on every rank.
+  const std::vector<int64_t> used_anywhere = agree_on_used(ready_);
   for (Bucket& bucket : buckets_) {
     Tensor mean;
     {
@@ -499,6 +489,21 @@ void Reducer::finalize() {
     write_gradients(bucket, mean, used_anywhere, dropped);
   }
   if (options_.static_graph) check_static_graph(dropped);
+}
+
+// Note [Unused parameters]: which parameters any rank used, given those this rank used. All,
+// without find_unused_parameters or static_graph; with static_graph, the answer of the first
+// synced backward, kept (Note [Static graph]); else an all_reduce(max) of one int64 per
+// parameter on the group's device, the same collective on every rank.
+std::vector<int64_t> Reducer::agree_on_used(const std::vector<bool>& used_here) {
+  if (options_.static_graph && !static_used_anywhere_.empty()) return static_used_anywhere_;
+  if (!options_.find_unused_parameters && !options_.static_graph)
+    return std::vector<int64_t>(params_.size(), 1);
+  std::vector<int64_t> flags(params_.size());
+  for (size_t k = 0; k < params_.size(); ++k) flags[k] = used_here[k] ? 1 : 0;
+  std::vector<int64_t> used_anywhere = all_reduce_host(*pg_, flags, ReduceOp::Max, options_.timeout);
+  if (options_.static_graph) static_used_anywhere_ = used_anywhere;
+  return used_anywhere;
 }
 
 // Step 4's end: the bucket's reduced values (mean, what its all-reduce or comm hook left) into
@@ -581,27 +586,18 @@ void Reducer::shadow_synced_backward() {
     bucket.flat.zero_();
     launch(bucket);
   }
-  // This rank used nothing. Note [Static graph]: the others ask once, and keep the answer;
-  // so does this rank.
-  std::vector<int64_t> used_anywhere(params_.size(), 1);
-  if (options_.static_graph && !static_used_anywhere_.empty()) {
-    used_anywhere = static_used_anywhere_;
-  } else if (options_.find_unused_parameters || options_.static_graph) {
-    used_anywhere =
-        all_reduce_host(*pg_, std::vector<int64_t>(params_.size(), 0), ReduceOp::Max, options_.timeout);
-    if (options_.static_graph) static_used_anywhere_ = used_anywhere;
-  }
+  const std::vector<bool> none(params_.size(), false);  // this rank used and dropped nothing
+  const std::vector<int64_t> used_anywhere = agree_on_used(none);
   // Note [Join] step 4': the gradients the others step with, into this rank's .grad. A
   // parameter nobody used has no gradient there (their zero_grad cleared it): nor here, where
   // the .grad of this rank's last batch would otherwise still be.
   for (size_t k = 0; k < params_.size(); ++k)
     if (used_anywhere[k] == 0) params_[k].second.set_grad(Tensor());
-  const std::vector<bool> none_dropped(params_.size(), false);
   for (Bucket& bucket : buckets_) {
     const Tensor mean = bucket.reduced->wait(options_.timeout);
     bucket.reduced.reset();
     bucket.launched_us = -1;  // a shadow is not traced
-    write_gradients(bucket, mean, used_anywhere, none_dropped);
+    write_gradients(bucket, mean, used_anywhere, none);
   }
 }
 

@@ -174,6 +174,7 @@ class Reducer {
   void launch_ready_buckets();
   void launch(Bucket& bucket);
   void finalize();
+  std::vector<int64_t> agree_on_used(const std::vector<bool>& used_here);
   void write_gradients(Bucket& bucket, const Tensor& mean, const std::vector<int64_t>& used_anywhere,
                        const std::vector<bool>& dropped);
   void check_static_graph(const std::vector<bool>& dropped) const;

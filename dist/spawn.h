@@ -44,8 +44,8 @@ struct SpawnOptions {
 // exits 1. Output lines read "[rank r] ..." (unless options.prefix_output is false), and the
 // rest is as under nanoddp-run (Note [Launch contract] in dist/launch.h: own process groups,
 // SIGINT/SIGTERM/SIGHUP/SIGQUIT/SIGTSTP at their defaults in the ranks, fail fast, SIGTERM
-// then SIGKILL, forwarded signals (a SIGQUIT to the caller ends the ranks and spawn() throws,
-// where the caller used to dump core), nothing left behind).
+// then SIGKILL, forwarded signals (a SIGQUIT to the caller ends the ranks and spawn() throws),
+// nothing left behind).
 // Throws ValueError for nprocs outside 1..kMaxProcPerNode, DistError when other threads exist
 // (unless allowed), when a rank fails ("spawn: rank 1 (pid 4242) failed: exit code 1: <what()>"),
 // when a rank cannot be started ("spawn: could not start rank 7 of 8: fork failed: ...") or when

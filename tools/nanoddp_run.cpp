@@ -165,8 +165,8 @@ int main(int argc, char** argv) {
   int own_end = 1;
   while (own_end < argc && argv[own_end][0] == '-' && std::string(argv[own_end]) != "--") {
     const std::string arg = argv[own_end];
-    const bool flag = arg == "--help" || arg == "-h" || arg == "--standalone" || arg == "--no-python" ||
-                      arg == "--no_python";
+    const CLI::Option* option = app.get_option_no_throw(arg);
+    const bool flag = option != nullptr && option->get_expected_max() == 0;
     own_end += arg.find('=') != std::string::npos || flag ? 1 : 2;
   }
   if (auto code = nanoddp::cli::parse(app, argc, argv, "nanoddp-run", own_end)) return *code;
