@@ -7,6 +7,7 @@
 
 #include "core/autograd.h"
 #include "core/ops.h"
+#include "nn/activations.h"
 #include "nn/autocast.h"
 #include "nn/batch_norm.h"
 #include "nn/conv.h"
@@ -115,6 +116,31 @@ TEST_CASE("BatchNorm1d updates its running statistics on CUDA as on the CPU") {
 
 // The CPU column's rules on CUDA too (test_nn's batch_norm case): with eps = 0 a constant
 // channel gets the bias and no gradient; in eval the input gradient ignores x, NaN included.
+TEST_CASE("softplus on CUDA far in the tails: value and gradient equal the CPU's, NaN and inf included") {
+  // Threshold 100: between 88.7 and it, e^x is inf on both devices, so the value is inf and
+  // the gradient z / (z + 1) NaN; below -88 the gradient is a subnormal; NaN stays NaN.
+  const std::vector<float> x{NAN, -INFINITY, INFINITY, -1e30f, -100, -90, 0.5f, 25, 85, 90, 1e3f, 1e30f};
+  const std::vector<float> dy{1, 2, 3, -1, 1, 1, 0.5f, 1, 1, 1, 1, 1};
+  std::vector<std::vector<float>> results;  // CPU value, CPU gradient, CUDA value, CUDA gradient
+  for (Device device : {Device::cpu(), Device::cuda(0)}) {
+    Tensor input = Tensor::from_vector(x).to(device).set_requires_grad(true);
+    const Tensor y = softplus(input, 1, 100);
+    y.backward(Tensor::from_vector(dy).to(device));
+    results.push_back(y.to(Device::cpu()).to_vector());
+    results.push_back(input.grad().to(Device::cpu()).to_vector());
+  }
+  for (size_t r = 0; r < 2; ++r) {
+    std::vector<float> cpu = results[r], gpu = results[r + 2];
+    for (size_t i = 0; i < x.size(); ++i) {
+      CAPTURE(i);
+      CHECK(std::isnan(gpu[i]) == std::isnan(cpu[i]));
+      CHECK((std::isinf(cpu[i]) ? gpu[i] == cpu[i] : !std::isinf(gpu[i])));
+      if (!std::isfinite(cpu[i])) cpu[i] = gpu[i] = 0;
+    }
+    expect_close(r == 0 ? "softplus value" : "softplus gradient", gpu, cpu, kRtol, kAtol);
+  }
+}
+
 TEST_CASE("batch_norm on CUDA: eps = 0 on a constant channel, and a NaN input in eval, as on the CPU") {
   const Device gpu = Device::cuda(0);
   const Tensor x = Tensor::from_vector({5, 1, 5, 2, 5, 3}, {3, 2});
