@@ -7,6 +7,10 @@
 // User errors (bad shapes, bad files, bad ranks) use NANODDP_CHECK with a message that names
 // the problem; broken invariants use NANODDP_ASSERT. Both throw (never exit) and both append
 // file:line. Library code never calls exit(); destructors never throw.
+//
+// A program shows its user message_of(e): the message without the source location, as a
+// PyTorch user sees a RuntimeError's text. An error that wraps another puts message_of(inner)
+// into its own, so that one message carries one location, the outer throw's.
 #pragma once
 
 #include <sstream>
@@ -15,10 +19,19 @@
 
 namespace nanoddp {
 
-// Base of every exception nanoddp throws. what() is the full message, ending in "(file:line)".
+// Base of every exception nanoddp throws. what() is the full message, ending in " (file:line)"
+// when it was thrown by a check macro (`where` is then "file:line").
 class Error : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  explicit Error(const std::string& message, const std::string& where = "")
+      : std::runtime_error(where.empty() ? message : message + " (" + where + ")"),
+        message_size_(message.size()) {}
+
+  // what() without " (file:line)".
+  std::string message() const { return std::string(what(), message_size_); }
+
+ private:
+  size_t message_size_;  // a length, not a copy: copying an exception must not allocate
 };
 
 class ShapeError : public Error { using Error::Error; };     // shapes that do not fit an op
@@ -41,10 +54,19 @@ std::string concat(const Parts&... parts) {
 
 template <typename E, typename... Parts>
 [[noreturn]] void raise(const char* file, int line, const Parts&... parts) {
-  throw E(concat(parts..., " (", file, ":", line, ")"));
+  throw E(concat(parts...), concat(file, ":", line));
 }
 
 }  // namespace detail
+
+// The text to show a user or to put inside another error: an nanoddp Error's message without
+// its source location, any other exception's what(). An InternalError keeps its location: it
+// is a bug, and the location is the first thing its report needs.
+inline std::string message_of(const std::exception& e) {
+  const auto* error = dynamic_cast<const Error*>(&e);
+  if (error == nullptr || dynamic_cast<const InternalError*>(&e) != nullptr) return e.what();
+  return error->message();
+}
 }  // namespace nanoddp
 
 // Throws nanoddp::<type>(message parts..., " (file:line)") when cond is false.

@@ -161,7 +161,7 @@ void write_at_exit() {
   try {
     write();
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "nanoddp: the trace was not written: %s\n", e.what());
+    std::fprintf(stderr, "nanoddp: the trace was not written: %s\n", message_of(e).c_str());
   }
 }
 
@@ -177,8 +177,8 @@ const bool started_from_environment = [] {
     try {
       start(path);
     } catch (const std::exception& e) {
-      environment_error_text() = e.what();
-      std::fprintf(stderr, "nanoddp: NANODDP_TRACE: %s\n", e.what());
+      environment_error_text() = message_of(e);
+      std::fprintf(stderr, "nanoddp: NANODDP_TRACE: %s\n", message_of(e).c_str());
     }
   }
   return true;

@@ -47,7 +47,7 @@ std::string merge_parts(const std::string& parts_dir) {
       (void)other.at("clock_sync_us").get<double>();
       (void)other.at("trace_file").get<std::string>();
     } catch (const nlohmann::json::exception& e) {
-      NANODDP_THROW(IOError, "cannot merge the trace part ", file, ": ", e.what());
+      NANODDP_THROW(IOError, "cannot merge the trace part ", file, ": ", message_of(e));
     }
   }
   std::sort(parts.begin(), parts.end(), [](const nlohmann::json& a, const nlohmann::json& b) {

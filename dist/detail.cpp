@@ -98,8 +98,11 @@ void agree_after_interrupted_backward(ProcessGroup& pg, int64_t issued, const st
   try {
     agreed = all_reduce_host(pg, std::vector<int64_t>{issued, -issued}, ReduceOp::Max, timeout);
   } catch (const Error& e) {
-    NANODDP_THROW(DistError, who, ": the previous backward on this rank ended by an exception, and the other ranks "
-                  "did not end theirs the same way (", e.what(), "); the ranks are out of step and cannot train on "
+    NANODDP_THROW(DistError, who,
+                  ": the previous backward on this rank ended by an exception, and the other ranks "
+                  "did not end theirs the same way (",
+                  message_of(e),
+                  "); the ranks are out of step and cannot train on "
                   "(PyTorch: \"Expected to have finished reduction in the prior iteration\")");
   }
   NANODDP_CHECK(agreed[0] == -agreed[1], DistError, who, ": the previous backward ended by an exception on every "

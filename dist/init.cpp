@@ -174,8 +174,8 @@ Backend requested_backend(Backend asked, const std::string& where) {
   try {
     launcher = parse_backend(text);
   } catch (const ValueError& e) {
-    NANODDP_THROW(ValueError, where, ": ", kLauncherBackendEnv, "='", text, "' (from nanoddp-run --backend): ",
-                  e.what());
+    NANODDP_THROW(ValueError, where, ": ", kLauncherBackendEnv, "='", text,
+                  "' (from nanoddp-run --backend): ", message_of(e));
   }
   if (asked == Backend::Auto) return launcher;
   NANODDP_CHECK(launcher == Backend::Auto || launcher == asked, ValueError, where, ": the program asks for backend ",

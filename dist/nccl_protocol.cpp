@@ -176,7 +176,8 @@ class PointToPointQueue::QueuedWork : public Work {
       std::lock_guard<std::mutex> lock(queue_->mutex_);
       if (!outcome_->issued && !outcome_->error) queue_->issue_locked();
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "nanoddp: a send/recv dropped without wait() could not be issued: %s\n", e.what());
+      std::fprintf(stderr, "nanoddp: a send/recv dropped without wait() could not be issued: %s\n",
+                   message_of(e).c_str());
     } catch (...) {
     }
   }
@@ -251,7 +252,7 @@ void PointToPointQueue::close() {
       issue_locked();
     } catch (const std::exception& e) {
       std::fprintf(stderr, "nanoddp: send/recv still queued at the group's end could not be issued: %s\n",
-                   e.what());
+                   message_of(e).c_str());
     }
     in_flight.swap(in_flight_);
   } catch (...) {

@@ -142,7 +142,7 @@ struct CheckState {
   } catch (const TimeoutError& e) {
     const std::string named = state.stragglers(mine);
     if (named.empty()) throw;
-    NANODDP_THROW(TimeoutError, e.what(), ";", named);
+    NANODDP_THROW(TimeoutError, message_of(e), ";", named);
   } catch (const DistError&) {
     state.say_reached(mine);  // failed here for another reason (the group aborted): not a straggler
     throw;
@@ -218,7 +218,8 @@ class CheckedWork : public Work {
       fingerprints_->wait(timeout);
     } catch (const TimeoutError& e) {
       NANODDP_THROW(TimeoutError, description_, ": not every rank reached a collective to compare #",
-                    mine_[0], " with (a peer exited, is stuck, or issues fewer collectives): ", e.what());
+                    mine_[0],
+                    " with (a peer exited, is stuck, or issues fewer collectives): ", message_of(e));
     } catch (...) {
       fail(naming_the_call(std::current_exception()));
       return;
@@ -255,8 +256,8 @@ class CheckedWork : public Work {
       return error;
     } catch (const DistError& e) {
       try {
-        NANODDP_THROW(DistError, description_, ", while comparing it with the other ranks' collective #", mine_[0],
-                      ": ", e.what());
+        NANODDP_THROW(DistError, description_, ", while comparing it with the other ranks' collective #",
+                      mine_[0], ": ", message_of(e));
       } catch (...) {
         return std::current_exception();
       }

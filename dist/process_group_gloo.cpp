@@ -251,7 +251,8 @@ class GlooWork : public Work {
       task_(*runner_);
     } catch (const gloo::Exception& e) {
       try {
-        NANODDP_THROW(DistError, description_, ": Gloo failed: ", e.what(), runner_->name_peer(e.what()));
+        NANODDP_THROW(DistError, description_, ": Gloo failed: ", message_of(e),
+                      runner_->name_peer(message_of(e)));
       } catch (...) {
         error = std::current_exception();
       }
@@ -332,12 +333,12 @@ class GlooPointToPointWork : public Work {
       const bool completed = is_send_ ? buffer_->waitSend(timeout) : buffer_->waitRecv(timeout);
       NANODDP_CHECK(completed, DistError, description_, ": aborted");
     } catch (const gloo::IoException& e) {
-      if (std::string(e.what()).find("Timed out") != std::string::npos)
+      if (message_of(e).find("Timed out") != std::string::npos)
         NANODDP_THROW(TimeoutError, description_, ": did not complete within ", timeout.count(),
-                      " ms (a peer may have exited or be out of step): ", e.what());
-      NANODDP_THROW(DistError, description_, ": Gloo failed: ", e.what());
+                      " ms (a peer may have exited or be out of step): ", message_of(e));
+      NANODDP_THROW(DistError, description_, ": Gloo failed: ", message_of(e));
     } catch (const gloo::Exception& e) {
-      NANODDP_THROW(DistError, description_, ": Gloo failed: ", e.what());
+      NANODDP_THROW(DistError, description_, ": Gloo failed: ", message_of(e));
     }
     done_ = true;
   }
@@ -382,7 +383,7 @@ class ProcessGroupGloo : public ProcessGroup {
       runner_->peers = exchange_peers(*context, prefix, gloo_store.peer_addresses());
     } catch (const gloo::Exception& e) {
       NANODDP_THROW(DistError, where(), ": gloo: connecting the full mesh of ", world_size_,
-                    " ranks failed: ", e.what());
+                    " ranks failed: ", message_of(e));
     }
     if (options.fingerprints_over_shm && world_size_ > 1 && shm_fingerprints_possible(prefix, options.timeout)) {
       ShmOptions shm;
@@ -407,7 +408,8 @@ class ProcessGroupGloo : public ProcessGroup {
     try {
       store_->wait(keys, timeout);
     } catch (const TimeoutError& e) {
-      NANODDP_THROW(TimeoutError, e.what(), "; a rank that runs without the collective check never writes its "
+      NANODDP_THROW(TimeoutError, message_of(e),
+                    "; a rank that runs without the collective check never writes its "
                     "key here: every rank must run with the same NANODDP_CHECK_COLLECTIVES (InitOptions::"
                     "check_collectives)");
     }
@@ -592,7 +594,7 @@ class ProcessGroupGloo : public ProcessGroup {
         buffer->recv(peer, slot);
       return std::make_shared<GlooPointToPointWork>(what, tensor, std::move(buffer), is_send);
     } catch (const gloo::Exception& e) {
-      NANODDP_THROW(DistError, what, ": Gloo failed: ", e.what());
+      NANODDP_THROW(DistError, what, ": Gloo failed: ", message_of(e));
     }
   }
 
@@ -626,9 +628,9 @@ class ProcessGroupGloo : public ProcessGroup {
         try {
           table = runner.all_gather(guard.fingerprint);
         } catch (const TimeoutError& e) {  // the type kept: the check names stragglers on a timeout
-          NANODDP_THROW(TimeoutError, description, ": ", fingerprint_failure(e.what()));
+          NANODDP_THROW(TimeoutError, description, ": ", fingerprint_failure(message_of(e)));
         } catch (const DistError& e) {
-          NANODDP_THROW(DistError, description, ": ", fingerprint_failure(e.what()));
+          NANODDP_THROW(DistError, description, ": ", fingerprint_failure(message_of(e)));
         }
         guard.verify(table);
         task(runner);

@@ -212,7 +212,7 @@ class NcclComm : public detail::AsyncComm {
         return call([](ncclComm_t comm) { return ncclCommFinalize(comm); }, error);
       });
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "nanoddp: %s; aborting the NCCL communicator instead\n", e.what());
+      std::fprintf(stderr, "nanoddp: %s; aborting the NCCL communicator instead\n", message_of(e).c_str());
       abort();
       return;
     }

@@ -281,7 +281,7 @@ void save_sharded_checkpoint(const std::string& path, const ShardedStateDict& mi
     report.ok = true;
   } catch (const Error& e) {
     error = std::current_exception();
-    report.error = e.what();
+    report.error = message_of(e);
   }
   for (const auto& [name, entry] : mine) {
     ShardedEntry described = entry;
@@ -351,7 +351,7 @@ void save_sharded_checkpoint(const std::string& path, const ShardedStateDict& mi
       remove_unused_shard_files(path);
     } catch (const Error& e) {
       error = std::current_exception();
-      manifest_error = e.what();
+      manifest_error = message_of(e);
     }
   }
   const std::string rank0_error = all_gather_bytes(pg, manifest_error, timeout)[0];
@@ -402,7 +402,7 @@ void ShardedCheckpointReader::parse(const nn::StateDict& manifest) {
     try {
       entry.shape = Shape(value.to_int_vector());
     } catch (const ShapeError& e) {
-      NANODDP_THROW(IOError, where, ": the shape of '", name, "': ", e.what());
+      NANODDP_THROW(IOError, where, ": the shape of '", name, "': ", message_of(e));
     }
     const int64_t dtype = int64s(kDtypePrefix + name, 1)[0];
     NANODDP_CHECK(dtype >= 0 && dtype <= static_cast<int64_t>(kLastDType), IOError, where, ": '", name,
@@ -447,7 +447,7 @@ const nn::StateDict& ShardedCheckpointReader::shard(int rank) {
   try {
     bytes = read_regular_file(file, "checkpoint shard");
   } catch (const IOError& e) {
-    NANODDP_THROW(IOError, where, ": ", e.what());
+    NANODDP_THROW(IOError, where, ": ", message_of(e));
   }
   const int64_t expected = shard_nbytes_[static_cast<size_t>(rank)];
   NANODDP_CHECK(static_cast<int64_t>(bytes.size()) >= expected, IOError, where, ": truncated at byte offset ",

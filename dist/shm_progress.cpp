@@ -24,7 +24,8 @@ std::shared_ptr<Work> ShmEngine::issue(std::shared_ptr<ShmEngine> self, std::str
     try {
       std::rethrow_exception(failure_);
     } catch (const std::exception& e) {
-      NANODDP_THROW(DistError, description, ": the group is unusable after an earlier error: ", e.what());
+      NANODDP_THROW(DistError, description,
+                    ": the group is unusable after an earlier error: ", message_of(e));
     }
   }
   auto work = std::make_shared<ShmWork>(std::move(self), std::move(description), peer, std::move(step));

@@ -50,7 +50,7 @@ void write_text(int fd, const std::string& text) {
     trace::set_rank(rank, world_size);
     fn(rank);
   } catch (const std::exception& e) {
-    error = e.what();
+    error = message_of(e);
     code = 1;
   } catch (...) {
     error = "an exception not derived from std::exception";
@@ -60,7 +60,7 @@ void write_text(int fd, const std::string& text) {
     trace::write();  // _exit below skips the write at exit; does nothing when not recording
   } catch (const std::exception& e) {
     if (code == 0) {
-      error = e.what();
+      error = message_of(e);
       code = 1;
     }
   }

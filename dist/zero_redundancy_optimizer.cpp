@@ -182,8 +182,8 @@ void ZeroRedundancyOptimizer::load_state_dict(const nn::StateDict& state) {
         numbers += (j == 0 ? "" : ", ") + std::to_string(j) + " -> " + std::to_string(local_indices_[j]);
       const std::string context = name_ + ".load_state_dict on rank " + std::to_string(pg_->rank()) +
                                   " (its local parameters are " + numbers + "): ";
-      if (dynamic_cast<const ShapeError*>(&e) != nullptr) NANODDP_THROW(ShapeError, context, e.what());
-      if (dynamic_cast<const ValueError*>(&e) != nullptr) NANODDP_THROW(ValueError, context, e.what());
+      if (dynamic_cast<const ShapeError*>(&e) != nullptr) NANODDP_THROW(ShapeError, context, message_of(e));
+      if (dynamic_cast<const ValueError*>(&e) != nullptr) NANODDP_THROW(ValueError, context, message_of(e));
       throw;  // another kind (a failed copy to the device): as it is, after the agreement
     }
   } catch (const Error&) {

@@ -41,13 +41,13 @@ inline std::pair<nn::StateDict, std::string> load_newest_readable(const std::str
     return {nn::load_checkpoint(path), path};
   } catch (const IOError& e) {
     if (::access(previous.c_str(), F_OK) != 0) throw;
-    std::fprintf(stderr, "warning: checkpoint %s cannot be loaded (%s); using the previous one, %s\n", path.c_str(),
-                 e.what(), previous.c_str());
+    std::fprintf(stderr, "warning: checkpoint %s cannot be loaded (%s); using the previous one, %s\n",
+                 path.c_str(), message_of(e).c_str(), previous.c_str());
     std::fflush(stderr);
     try {
       return {nn::load_checkpoint(previous), previous};
     } catch (const IOError& e2) {
-      NANODDP_THROW(IOError, "neither checkpoint loads: ", e.what(), "; ", e2.what());
+      NANODDP_THROW(IOError, "neither checkpoint loads: ", message_of(e), "; ", message_of(e2));
     }
   }
 }

@@ -143,7 +143,7 @@ int main(int argc, char** argv) {
     pg->barrier()->wait();
     dist::destroy_process_group();
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "custom_layer: %s\n", e.what());
+    std::fprintf(stderr, "custom_layer: %s\n", message_of(e).c_str());
     return 1;
   }
   return 0;

@@ -420,7 +420,7 @@ ReadCheckpoint read_checkpoint(const std::string& path, const examples::Parallel
         if (!starts_with(name, "model.") && !starts_with(name, "optimizer."))
           read.state[name] = reader.read(name);
     } catch (const Error& e) {
-      error = e.what();
+      error = message_of(e);
     }
     const std::vector<std::vector<int64_t>> failed = dist::all_gather_host(pg, {error.empty() ? 0 : 1});
     std::string failed_ranks;
@@ -512,8 +512,10 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
       else
         parallel.load_model_state_dict(nn::strip_prefix(state, "model."));
     } catch (const Error& e) {
-      throw ValueError(std::string(e.what()) + "; the checkpoint holds another model than this run builds: was it "
-                       "saved by the other Fashion-MNIST example, or (fashion_mnist) with other --hidden sizes?");
+      throw ValueError(
+          message_of(e) +
+          "; the checkpoint holds another model than this run builds: was it "
+          "saved by the other Fashion-MNIST example, or (fashion_mnist) with other --hidden sizes?");
     }
     // Another optimizer's state has other entries: name both optimizers, not an entry.
     const int64_t saved_kind = int64_entry(state, "optimizer_kind", /*missing=*/-1);
@@ -528,7 +530,7 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
       else
         parallel.load_optimizer_state_dict(optimizer, nn::strip_prefix(state, "optimizer."));
     } catch (const Error& e) {
-      throw ValueError(std::string(e.what()) + "; the checkpoint holds another optimizer's state than --optimizer " +
+      throw ValueError(message_of(e) + "; the checkpoint holds another optimizer's state than --optimizer " +
                        optimizer_name + "'s: was it saved with another --optimizer?");
     }
     // Why this run's schedule differs from the checkpoint's, or "" when it is the same.
@@ -562,7 +564,7 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
     }
     return {static_cast<int>(done), progress};
   } catch (const Error& e) {
-    throw IOError("cannot resume from checkpoint " + path + ": " + e.what());
+    throw IOError("cannot resume from checkpoint " + path + ": " + message_of(e));
   }
 }
 

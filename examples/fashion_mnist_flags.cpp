@@ -160,9 +160,9 @@ int nanoddp::examples::fashion_mnist_main(int argc, char** argv, bool cnn) {
   try {
     return examples::run_fashion_mnist(config);
   } catch (const cli::UsageError& e) {
-    return cli::usage_error(kExample, e.what());
+    return cli::usage_error(kExample, message_of(e));
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: %s\n", kExample, e.what());
+    std::fprintf(stderr, "%s: %s\n", kExample, message_of(e).c_str());
     return 1;
   }
 }

@@ -230,9 +230,9 @@ int main(int argc, char** argv) {
     examples::finish_trace();
     if (!all_passed) return 1;
   } catch (const cli::UsageError& e) {
-    return cli::usage_error("toy_ddp", e.what());
+    return cli::usage_error("toy_ddp", message_of(e));
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "toy_ddp: %s\n", e.what());
+    std::fprintf(stderr, "toy_ddp: %s\n", message_of(e).c_str());
     return 1;
   }
   return 0;

@@ -226,8 +226,8 @@ StateDict parse_checkpoint(const std::string& bytes, const std::string& path) {
     try {
       shape = Shape(sizes);
     } catch (const ShapeError& e) {
-      NANODDP_THROW(IOError, "checkpoint ", path, ": sizes of '", name, "' at byte offset ", sizes_offset, ": ",
-                    e.what());
+      NANODDP_THROW(IOError, "checkpoint ", path, ": sizes of '", name, "' at byte offset ", sizes_offset,
+                    ": ", message_of(e));
     }
     int64_t expected_bytes = 0;
     NANODDP_CHECK(!__builtin_mul_overflow(shape.numel(), static_cast<int64_t>(dtype_size(static_cast<DType>(dtype))),

@@ -100,7 +100,7 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
   try {
     entry.shape = Shape(sizes);
   } catch (const ShapeError& e) {
-    fail(e.what());
+    fail(message_of(e));
   }
   if (entry.end - entry.begin != nbytes)
     fail("data_offsets " + offsets.dump() + " span " + std::to_string(entry.end - entry.begin) +
@@ -231,7 +231,7 @@ StateDict load_safetensors(const std::string& path, SafetensorsMetadata* metadat
     header = parse_header(path, bytes, sizeof(header_bytes), data_start);
   } catch (const json::exception& e) {  // parse_error, and out_of_range for a number past a double's range
     NANODDP_THROW(IOError, "safetensors ", path, ": the header (bytes 8 to ", data_start,
-                  ") cannot be read as JSON: ", e.what());
+                  ") cannot be read as JSON: ", message_of(e));
   }
   NANODDP_CHECK(header.is_object(), IOError, "safetensors ", path, ": the header is not a JSON object");
 

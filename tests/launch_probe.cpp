@@ -136,7 +136,7 @@ int main(int argc, char** argv) {
     }
     dist::destroy_process_group();
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "launch_probe: %s\n", e.what());
+    std::fprintf(stderr, "launch_probe: %s\n", message_of(e).c_str());
     std::fflush(stderr);
     // Without exit handlers: the launcher's SIGTERM reaches a failed rank while it exits, and
     // under AddressSanitizer the exit-time leak check (ptrace stopping every thread) can hang

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "core/half_convert.h"
 #include "core/ops.h"
 #include "core/random.h"
@@ -14,6 +15,40 @@
 #include "kernels/device_memory.h"
 
 using namespace nanoddp;
+
+TEST_CASE("an error's message, location and what(); message_of leaves the location out, except for a bug") {
+  const auto thrown = [](auto raise) -> std::string {
+    try {
+      raise();
+    } catch (const std::exception& e) {
+      return std::string(e.what()) + "|" + message_of(e);
+    }
+    return "nothing thrown";
+  };
+  const int line = __LINE__ + 1;
+  const auto shape = [] { NANODDP_THROW(ShapeError, "mse_loss: input ", Shape({2, 3}), " and target ", 4); };
+  CHECK(thrown(shape) == "mse_loss: input [2, 3] and target 4 (" + std::string(__FILE__) + ":" + std::to_string(line) +
+                             ")|mse_loss: input [2, 3] and target 4");
+  // An error that wraps another carries one location: its own.
+  const auto wrapped = [] {
+    try {
+      NANODDP_THROW(IOError, "checkpoint a.ckpt: truncated at byte 12");
+    } catch (const Error& e) {
+      NANODDP_THROW(IOError, "cannot resume: ", message_of(e));
+    }
+  };
+  const std::string wrapped_text = thrown(wrapped);
+  CHECK(wrapped_text.find("cannot resume: checkpoint a.ckpt: truncated at byte 12 (") == 0);
+  CHECK(wrapped_text.find(".cpp:", wrapped_text.find(".cpp:") + 1) == std::string::npos);
+  CHECK(wrapped_text.substr(wrapped_text.find('|')) == "|cannot resume: checkpoint a.ckpt: truncated at byte 12");
+  // A broken invariant is a bug: its location stays in what the user sees.
+  const std::string bug = thrown([] { NANODDP_ASSERT(1 + 1 == 3); });
+  CHECK(bug.find("internal assertion failed: 1 + 1 == 3 (") == 0);
+  CHECK(bug.substr(bug.find('|')).find(".cpp:") != std::string::npos);
+  // Made without a location, what() is the message alone; other exceptions keep their what().
+  CHECK(thrown([] { throw ValueError("no location"); }) == "no location|no location");
+  CHECK(thrown([] { throw std::runtime_error("plain"); }) == "plain|plain");
+}
 
 TEST_CASE("factories give the values they promise") {
   CHECK(Tensor::zeros({2, 3}).to_vector() == std::vector<float>(6, 0.0f));

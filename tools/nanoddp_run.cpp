@@ -82,7 +82,7 @@ class TraceParts {
       if (!path.empty()) std::cerr << "nanoddp-run: trace of this node's ranks written to " << path << "\n";
       return true;
     } catch (const std::exception& e) {
-      std::cerr << "nanoddp-run: the ranks' traces were not merged: " << e.what() << "\n";
+      std::cerr << "nanoddp-run: the ranks' traces were not merged: " << nanoddp::message_of(e) << "\n";
       return false;
     }
   }
@@ -206,9 +206,9 @@ int main(int argc, char** argv) {
     // rank's failed trace write does.
     return trace_parts.merge() ? code : (code == 0 ? 1 : code);
   } catch (const nanoddp::ValueError& e) {  // a combination of flags that cannot run
-    return nanoddp::cli::usage_error("nanoddp-run", e.what());
+    return nanoddp::cli::usage_error("nanoddp-run", nanoddp::message_of(e));
   } catch (const std::exception& e) {
-    std::cerr << "nanoddp-run: " << e.what() << "\n";
+    std::cerr << "nanoddp-run: " << nanoddp::message_of(e) << "\n";
     return 1;
   }
 }

@@ -144,7 +144,7 @@ int main() {
     if (difference != 0) throw ValueError("the ranks' parameters differ after training");
     return 0;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "swish_regression: %s\n", e.what());
+    std::fprintf(stderr, "swish_regression: %s\n", message_of(e).c_str());
     return 1;
   }
 }
