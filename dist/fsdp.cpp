@@ -55,6 +55,9 @@ struct FullyShardedDataParallel::Unit {
   // Every parameter is frozen (requires_grad false): the unit is gathered for its forward and
   // for the backward through it, and has no gradient to reduce.
   bool frozen = false;
+  // After a no_sync backward: the shard's .grad, and its version then (Note [FSDP no_sync]).
+  Tensor accumulated_for;
+  uint64_t accumulated_version = 0;
 };
 
 namespace {
@@ -298,6 +301,7 @@ bool FullyShardedDataParallel::frees_after_forward(size_t u) const {
 void FullyShardedDataParallel::gather(size_t u) {
   Unit& unit = *units_[u];
   if (unit.gathered || unit.gather_work) return;
+  const CollectivePurpose purpose(CollectivePurpose::Kind::FsdpUnit, u);
   const int world = pg_->size();
   unit.full.impl()->storage->reallocate();
   std::vector<Tensor> outputs;
@@ -411,6 +415,36 @@ Tensor FullyShardedDataParallel::forward(const Tensor& input) {
   return on_unit_forward_post(0, output);
 }
 
+// Note [FSDP no_sync]
+// A no_sync backward leaves the unit's sum in full_grad, outside any tensor an optimizer sees.
+// In torch it is flat_param.grad, so zero_grad discards it; here the shard's .grad stands for
+// it. After a no_sync backward the shard gets a .grad (zeros if it had none) and the unit
+// remembers that tensor and its version. A zero_grad replaces the .grad (set_to_none) or
+// changes its version (zero_), and the next backward then starts from zeros instead of adding
+// to a sum the user discarded.
+void FullyShardedDataParallel::remember_accumulation(Unit& unit) {
+  if (!unit.full_grad.defined() || unit.frozen) return;
+  if (!unit.shard.grad().defined()) {
+    MemoryCategoryScope gradients(MemoryCategory::Gradients);
+    unit.shard.set_grad(Tensor::zeros(unit.shard.shape(), DType::Float32, unit.shard.device()));
+  }
+  unit.accumulated_for = unit.shard.grad();
+  unit.accumulated_version = unit.accumulated_for.impl()->storage->version();
+}
+
+void FullyShardedDataParallel::drop_discarded_accumulation(Unit& unit) {
+  if (!unit.full_grad.defined() || unit.prepared) return;
+  const Tensor grad = unit.shard.grad();
+  const bool kept = unit.accumulated_for.defined() && grad.defined() &&
+                    grad.impl() == unit.accumulated_for.impl() &&
+                    grad.impl()->storage->version() == unit.accumulated_version;
+  unit.accumulated_for = Tensor();
+  if (kept) return;
+  for (auto& [pname, p] : unit.params)
+    if (p.grad().is_alias_of(unit.full_grad)) p.set_grad(Tensor());
+  unit.full_grad = Tensor();
+}
+
 void FullyShardedDataParallel::on_unit_backward_pre(size_t u) {
   if (!in_backward_) {
     in_backward_ = true;
@@ -423,6 +457,7 @@ void FullyShardedDataParallel::on_unit_backward_pre(size_t u) {
     backward_order_.push_back(u);
   wait_gathered(u);  // a frozen unit too: the gradient of its input reads its parameters
   if (!unit.prepared && !unit.frozen) {
+    drop_discarded_accumulation(unit);
     if (!unit.full_grad.defined()) {
       MemoryCategoryScope gradients(MemoryCategory::Gradients);
       unit.full_grad = Tensor::zeros(unit.full.shape(), DType::Float32, unit.full.device());
@@ -451,6 +486,7 @@ void FullyShardedDataParallel::reduce(size_t u) {
   if (unit.reduced) return;
   unit.reduced = true;
   if (sync_) {
+    const CollectivePurpose purpose(CollectivePurpose::Kind::FsdpUnit, u);
     if (trace::enabled()) unit.reduce_issued_us = trace::now_us();
     const DType reduce_dtype = options_.mixed_precision.reduce_dtype;
     if (reduce_dtype != DType::Float32) {
@@ -533,12 +569,13 @@ void FullyShardedDataParallel::finish_reduction(size_t u) {
 void FullyShardedDataParallel::finish_backward() {
   in_backward_ = false;
   if (!backward_order_.empty()) backward_order_known_ = true;
-  // A unit no gradient reached (its output unused) is reduced now, in unit order, so that
-  // every rank issues the same collectives. So is one that only earlier no_sync backwards
+  // A unit this backward reached, with a parameter no gradient reached, is reduced now, in
+  // unit order, so that every rank issues the same collectives. So is one that only earlier no_sync backwards
   // reached: its full gradient holds their sum, which this step must reduce (else the step
   // misses it, and the next backward into the unit adds it again).
   for (size_t u = 0; u < units_.size(); ++u) {
     Unit& unit = *units_[u];
+    drop_discarded_accumulation(unit);
     const bool accumulated_only = sync_ && !unit.prepared && unit.full_grad.defined();
     if (accumulated_only) unit.reduced = false;
     if ((unit.prepared || accumulated_only) && !unit.reduced) reduce(u);
@@ -549,6 +586,7 @@ void FullyShardedDataParallel::finish_backward() {
   drop_unused_prefetches();
   for (size_t u = 0; u < units_.size(); ++u) {
     units_[u]->prepared = false;
+    if (!sync_) remember_accumulation(*units_[u]);
     reshard(u);
   }
 }

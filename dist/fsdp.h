@@ -46,8 +46,14 @@
 // output, S·4 bytes per unit (docs/ddp/12-sharding.md works the numbers).
 //
 // Contract: every rank builds the same model and calls forward and backward in the same
-// order (every rank's backward reaches the same units: a unit no gradient reaches is reduced
-// at the end of backward, in unit order). Construction broadcasts rank 0's parameters and
+// order, and every rank's backward reaches the same units. A unit whose output reaches the
+// loss on some ranks only breaks it: every rank gets the collective check's DistError, which
+// names the unit (Note [Collective purpose]; torch's FSDP has no such case either). Within a
+// unit that backward reaches, a parameter no gradient reaches gets a zero gradient, reduced
+// at the end of backward. Every rank runs the same number of steps: the wrapper is not a
+// Joinable (torch's FSDP is not either), so uneven inputs end in that DistError or the
+// group's TimeoutError; give every rank as many batches (DistributedSampler's padding, or
+// drop_last). Construction broadcasts rank 0's parameters and
 // buffers (torch's sync_module_states=True), as DDP's does. A unit whose parameters are all
 // frozen (requires_grad false, a frozen embedding) is gathered for its forward and for the
 // backward through it, and has no gradient: its flat parameter does not require grad, and an
@@ -146,7 +152,10 @@ class FullyShardedDataParallel : public nn::Module {
   // first backward after it reduce-scatters the accumulated sum (torch's fsdp.no_sync()), for
   // every unit the guarded backwards reached, whether or not it reaches them itself. As for
   // any backward, the guarded ones must reach the same units on every rank.
-  // The full gradients stay in memory meanwhile: 4 bytes per parameter.
+  // The full gradients stay in memory meanwhile: 4 bytes per parameter. A zero_grad (the
+  // optimizer's or the wrapper's, set_to_none or not) discards them, as torch's clears the
+  // flat parameters' .grad: after a guarded backward each shard has a .grad (zeros if it had
+  // none) that stands for its unit's sum.
   class NoSyncGuard {
    public:
     explicit NoSyncGuard(FullyShardedDataParallel& fsdp) : fsdp_(fsdp), previous_(fsdp.sync_) { fsdp_.sync_ = false; }
@@ -256,6 +265,8 @@ class FullyShardedDataParallel : public nn::Module {
   void reduce(size_t u);
   void finish_reduction(size_t u);
   void finish_backward();
+  void remember_accumulation(Unit& unit);        // Note [FSDP no_sync] in fsdp.cpp
+  void drop_discarded_accumulation(Unit& unit);  // the same
   // Note [Interrupted backward] in reducer.cpp: after a backward that ended by an exception,
   // waits for the reductions it issued, drops them and every unit's full gradient, reshards.
   void abandon_interrupted_backward();

@@ -124,6 +124,27 @@ struct CollectiveGuard {
   std::function<void(const std::vector<int64_t>& table)> verify;
 };
 
+// What the calling thread's collectives are for while one lives: an FSDP unit's all_gather or
+// reduction, a DDP bucket's all-reduce (Note [Collective purpose] in
+// dist/process_group_checked.cpp). The collective check compares it with the rest of the
+// fingerprint. Nests: the innermost one names the calls.
+class CollectivePurpose {
+ public:
+  enum class Kind : int64_t { FsdpUnit = 1, DdpBucket = 2 };
+  CollectivePurpose(Kind kind, size_t index);
+  ~CollectivePurpose();
+  CollectivePurpose(const CollectivePurpose&) = delete;
+  CollectivePurpose& operator=(const CollectivePurpose&) = delete;
+
+  // The innermost purpose alive on this thread, as one int64 (0: none).
+  static int64_t current();
+  // "FSDP unit 2", "DDP bucket 0", or "" for 0.
+  static std::string describe(int64_t code);
+
+ private:
+  int64_t previous_;
+};
+
 class Work {
  public:
   virtual ~Work() = default;

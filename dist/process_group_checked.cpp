@@ -68,8 +68,17 @@ enum class CallKind : int64_t { AllReduce = 1, Broadcast, AllGather, ReduceScatt
 
 // A fingerprint: what a rank is about to call, as int64s on the wire:
 //   [seq (1 for the group's first collective), CallKind, ReduceOp or -1, DType or -1,
-//    elements per tensor, broadcast root or list length or 0]
-constexpr int64_t kFingerprintFields = 6;
+//    elements per tensor, broadcast root or list length or 0, CollectivePurpose or 0]
+constexpr int64_t kFingerprintFields = 7;
+
+// Note [Collective purpose]
+// Sizes, dtypes and ops do not tell two calls for different things apart: under NO_SHARD,
+// FSDP's reductions of two units of the same size are the same all_reduce, so a rank whose
+// backward skipped unit 'a' paired its unit 'b' with the others' 'a', and added one unit's
+// gradient to the other's, silently. The library's own callers say what a call is for
+// (FSDP's unit, DDP's bucket), and the fingerprint carries it as one more int64. A user's
+// collective outside them carries 0, as before.
+thread_local int64_t current_purpose = 0;
 
 std::string describe_call(const int64_t* f) {
   std::ostringstream out;
@@ -84,10 +93,12 @@ std::string describe_call(const int64_t* f) {
     default: out << "collective " << f[1]; break;
   }
   out << " #" << f[0];
-  if (kind == CallKind::Barrier) return out.str();
-  out << ", ";
-  if (kind == CallKind::AllGather || kind == CallKind::ReduceScatter) out << f[5] << " x ";
-  out << f[4] << " " << (f[3] < 0 ? "undefined" : dtype_name(static_cast<DType>(f[3])));
+  if (kind != CallKind::Barrier) {
+    out << ", ";
+    if (kind == CallKind::AllGather || kind == CallKind::ReduceScatter) out << f[5] << " x ";
+    out << f[4] << " " << (f[3] < 0 ? "undefined" : dtype_name(static_cast<DType>(f[3])));
+  }
+  if (f[6] != 0) out << " for " << CollectivePurpose::describe(f[6]);
   return out.str();
 }
 
@@ -468,7 +479,8 @@ class CheckedProcessGroup : public ProcessGroup {
                                  op,
                                  tensor.defined() ? static_cast<int64_t>(tensor.dtype()) : -1,
                                  tensor.defined() ? tensor.numel() : 0,
-                                 extra};
+                                 extra,
+                                 CollectivePurpose::current()};
     // Note [Fused collective check]. Nothing is ever queued here on such a backend.
     if (state_->unsettled.empty()) {
       CollectiveGuard guard{mine, [description = describe(what, tensor), mine](const std::vector<int64_t>& table) {
@@ -488,6 +500,26 @@ class CheckedProcessGroup : public ProcessGroup {
 };
 
 }  // namespace
+
+CollectivePurpose::CollectivePurpose(Kind kind, size_t index) : previous_(current_purpose) {
+  current_purpose = (static_cast<int64_t>(kind) << 32) | static_cast<int64_t>(index & 0xffffffffu);
+}
+
+CollectivePurpose::~CollectivePurpose() { current_purpose = previous_; }
+
+int64_t CollectivePurpose::current() { return current_purpose; }
+
+std::string CollectivePurpose::describe(int64_t code) {
+  if (code == 0) return "";
+  const int64_t index = code & 0xffffffff;
+  switch (static_cast<Kind>(code >> 32)) {
+    case Kind::FsdpUnit:
+      return "FSDP unit " + std::to_string(index);
+    case Kind::DdpBucket:
+      return "DDP bucket " + std::to_string(index);
+  }
+  return "purpose " + std::to_string(code);
+}
 
 std::shared_ptr<ProcessGroup> make_checked_process_group(std::shared_ptr<ProcessGroup> inner,
                                                          std::chrono::milliseconds timeout) {

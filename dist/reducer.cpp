@@ -377,11 +377,12 @@ void Reducer::launch_ready_buckets() {
 
 void Reducer::launch(Bucket& bucket) {
   if (trace::enabled()) bucket.launched_us = trace::now_us();
+  const size_t index = static_cast<size_t>(&bucket - buckets_.data());
+  const CollectivePurpose purpose(CollectivePurpose::Kind::DdpBucket, index);
   if (!comm_hook_) {
     bucket.reduced = std::make_shared<Future>(pg_->all_reduce(bucket.flat, ReduceOp::Sum), bucket.flat);
     return;
   }
-  const size_t index = static_cast<size_t>(&bucket - buckets_.data());
   std::vector<Tensor> parameters;
   for (size_t k : bucket.params) parameters.push_back(params_[k].second);
   GradBucket grad_bucket(index, bucket.flat, std::move(parameters), bucket.offsets, index + 1 == buckets_.size());

@@ -606,6 +606,64 @@ TEST_CASE("no_sync: a unit only the accumulated micro-batch reached is reduced a
 }
 
 TEST_CASE(
+    "zero_grad discards what no_sync accumulated: the optimizer's or the wrapper's, to None or to zeros") {
+  // Each step: a micro-batch through both units under no_sync, then zero_grad, then a synced
+  // one through unit a only. The first is discarded, so the result is training on the second
+  // alone; unit b's sum must not reach the step (nor the next one).
+  enum class Zeroing { OptimizerToNone, OptimizerToZeros, WrapperToNone };
+  const auto train_alone = [](Zeroing zeroing) {
+    auto reference = std::make_shared<Branchy>(3);
+    auto reference_opt = make_optimizer(false, reference->parameters());
+    reference->use_b = false;
+    for (int s = 0; s < 2; ++s) {
+      const Batch b = global_batch(s, 5);
+      reference_opt->zero_grad(zeroing != Zeroing::OptimizerToZeros);
+      cross_entropy((*reference)(rows(b, 6, 12).x), rows(b, 6, 12).y).backward();
+      reference_opt->step();
+    }
+    return reference->state_dict();
+  };
+  const std::vector<Zeroing> zeroings = {Zeroing::OptimizerToNone, Zeroing::OptimizerToZeros,
+                                         Zeroing::WrapperToNone};
+  std::vector<nn::StateDict> wants;
+  for (const Zeroing zeroing : zeroings) wants.push_back(train_alone(zeroing));
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = join(rank, 2, port);
+    for (const auto strategy :
+         {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD}) {
+      for (size_t z = 0; z < zeroings.size(); ++z) {
+        auto model = std::make_shared<Branchy>(3);
+        dist::FullyShardedDataParallel fsdp(model, pg,
+                                            fsdp_options(strategy, dist::module_wrap_policy<nn::Linear>()));
+        auto opt = make_optimizer(false, fsdp.parameters());
+        for (int s = 0; s < 2; ++s) {
+          const Batch b = global_batch(s, 5);
+          const Batch discarded = rows(b, 3 * rank, 3 * rank + 3), kept = rows(b, 6 + 3 * rank, 9 + 3 * rank);
+          {
+            auto guard = fsdp.no_sync();
+            model->use_b = true;
+            cross_entropy(fsdp(discarded.x), discarded.y).backward();
+          }
+          if (zeroings[z] == Zeroing::WrapperToNone)
+            fsdp.zero_grad();
+          else
+            opt->zero_grad(zeroings[z] == Zeroing::OptimizerToNone);
+          model->use_b = false;
+          cross_entropy(fsdp(kept.x), kept.y).backward();
+          opt->step();
+        }
+        bool ok = false;
+        const std::string report = worst_difference(fsdp.full_state_dict(false), wants[z], kTolerance, &ok);
+        expect(ok, "rank ", rank, " ", dist::sharding_strategy_name(strategy), ", zeroing ", z, ":\n",
+               report);
+      }
+    }
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE(
     "a local state without a BatchNorm's num_batches_tracked loads into the wrapper, the counter set to 0") {
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [&](int rank) {
@@ -858,6 +916,52 @@ TEST_CASE("a rank that catches an exception from its backward and goes on is sto
       expect(errors.find("step 1: ") != std::string::npos, "rank 0: step 1 completed, paired with rank 1's step 2");
   });
   CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE(
+    "a unit whose output reaches the loss on one rank only is a mismatch naming the unit, under NO_SHARD "
+    "too") {
+  // Both units run their forward on every rank; rank 1's loss leaves unit b out, so its backward
+  // reduces a alone. Under NO_SHARD the two units' all_reduces have the same size: without the
+  // unit in the collective check's fingerprint, rank 1's a met rank 0's b and both went on.
+  if (under_mpirun()) return;  // a refused collective leaves an MPI request open at exit
+  struct BothRun : nn::Module {
+    BothRun() {
+      Generator gen(3);
+      a = register_module("a", std::make_shared<nn::Linear>(5, 3, gen));
+      b = register_module("b", std::make_shared<nn::Linear>(5, 3, gen));
+    }
+    Tensor forward(const Tensor& x) override {
+      const Tensor from_b = (*b)(x);
+      return use_b ? (*a)(x) + from_b : (*a)(x);
+    }
+    std::shared_ptr<nn::Linear> a, b;
+    bool use_b = true;
+  };
+  for (const auto strategy :
+       {ShardingStrategy::NO_SHARD, ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP}) {
+    const int port = testing::free_port();
+    const std::string failures = on_ranks(2, [&](int rank) {
+      auto pg = join(rank, 2, port);
+      auto model = std::make_shared<BothRun>();
+      model->use_b = rank == 0;
+      dist::FullyShardedDataParallel fsdp(model, pg,
+                                          fsdp_options(strategy, dist::module_wrap_policy<nn::Linear>()));
+      const Batch mine = share(global_batch(0, 5), rank, 2);
+      std::string message;
+      try {
+        cross_entropy(fsdp(mine.x), mine.y).backward();
+        pg->barrier()->wait();  // rank 1's next collective, where rank 0 still reduces
+      } catch (const DistError& e) {
+        message = e.what();
+      }
+      expect(message.find("ranks called different collectives") != std::string::npos &&
+                 message.find(" for FSDP unit ") != std::string::npos,
+             "rank ", rank, " ", dist::sharding_strategy_name(strategy), ": ",
+             message.empty() ? "no error" : message);
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
 }
 
 TEST_CASE("the local state_dict holds the model's buffers too: BatchNorm's running statistics load back") {
