@@ -19,8 +19,10 @@ namespace nanoddp {
 
 // x: float32, any shape -> same shape (torch.nn.functional.dropout). p in [0, 1]
 // (ValueError otherwise); p = 1 gives x * 0 (NaN stays NaN, as in torch). When not training,
-// or p = 0, returns x itself.
-Tensor dropout(const Tensor& x, float p, bool training, Generator& gen = default_generator());
+// or p = 0, returns x itself. p is a double, as torch's Python float: the kept elements are
+// multiplied by 1 / float32(1 - p), divided in float32, torch's CPU value bit for bit (10 for
+// p = 0.9, where 1 / (1 - 0.9f) would give 9.99999809).
+Tensor dropout(const Tensor& x, double p, bool training, Generator& gen = default_generator());
 
 // The key of one dropout call: (gen.randint(2^32) << 32) | gen.randint(2^32), the high word drawn
 // first. Advances gen by those two draws.
@@ -31,11 +33,11 @@ namespace nn {
 class Dropout : public Module {
  public:
   // gen must outlive the module. Throws ValueError unless 0 <= p <= 1.
-  explicit Dropout(float p = 0.5f, Generator& gen = default_generator());
+  explicit Dropout(double p = 0.5, Generator& gen = default_generator());
   Tensor forward(const Tensor& input) override { return dropout(input, p_, is_training(), *gen_); }
 
  private:
-  float p_;
+  double p_;
   Generator* gen_;
 };
 

@@ -507,3 +507,20 @@ TEST_CASE("dropout's counter-based draw: splitmix64's outputs, about 1 - p kept,
   Generator again(8);
   CHECK(dropout(ones, 0.25f, /*training=*/true, again).to_vector() == first);
 }
+
+TEST_CASE("dropout scales what it keeps by torch's float32 1 / (1 - p), p taken as a double") {
+  // torch 1.13's kept values of F.dropout(torch.ones(100000), p) on CPU. From a float p, 1 - 0.9f
+  // is 0.100000024 and the scale 9.99999809.
+  const std::vector<std::pair<double, float>> torch_scales = {
+      {0.9, 10.0f}, {0.99, 100.0f}, {0.3, 1.42857146f}, {0.1, 1.11111116f}, {0.5, 2.0f}};
+  for (const auto& [p, scale] : torch_scales) {
+    Generator gen(3);
+    const std::vector<float> y = dropout(Tensor::ones({1000}), p, /*training=*/true, gen).to_vector();
+    int64_t kept = 0;
+    for (float v : y) {
+      kept += v != 0.0f;
+      if (v != 0.0f) REQUIRE_MESSAGE(v == scale, "p ", p, ": kept ", v, ", torch ", scale);
+    }
+    CHECK_MESSAGE(kept > 0, "p ", p);
+  }
+}
