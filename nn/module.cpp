@@ -325,6 +325,8 @@ Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool st
   for (auto& [name, p] : named) {
     auto it = state.find(name);
     if (it == state.end()) continue;
+    NANODDP_CHECK(it->second.defined(), ValueError, "load_state_dict: '", name,
+                  "' is an undefined tensor in the state (a Tensor() with no values)");
     const Tensor value =
         p.dim() == 0 && it->second.shape() == Shape{1} ? it->second.reshape(Shape{}) : it->second;
     const DType from = value.dtype(), to = p.dtype();

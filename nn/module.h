@@ -132,7 +132,8 @@ class Module {
   // 'module.' prefix (in either direction), saying which of the two to unwrap; !strict:
   // loads the keys that match and returns the rest, so a 'module.' prefix mistake (every key
   // missing and unexpected) is visible to the caller. A shape mismatch is a ShapeError naming
-  // the key and both shapes, strict or not. Values in another floating dtype (float32,
+  // the key and both shapes, strict or not; an undefined Tensor() as a value, a ValueError
+  // naming the key. Values in another floating dtype (float32,
   // float16, bfloat16: a half-precision safetensors file into a float32 model) are converted
   // as torch's copy_ does: exactly when widening, rounded to nearest even when narrowing.
   // Between an integer and a floating dtype, where torch's copy_ would convert silently (a

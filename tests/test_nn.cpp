@@ -101,6 +101,36 @@ TEST_CASE("GELU's gradient at +-inf is NaN in every element, as torch's (inf * p
   }
 }
 
+// Note [GELU's tanh form]: x / (1 + e^(-2u)) keeps its digits where x/2 (1 + tanh(u)) cancels.
+TEST_CASE("GELU's tanh form: value and gradient within a few float32 roundings of float64, tails included") {
+  std::vector<float> xs;
+  for (float v = -12.0f; v <= 12.0f; v += 0.37f) xs.push_back(v);
+  for (float v : {-4.875f, -6.0f, -9.55f, -9.65f, -10.5f, 9.7f, 1e-20f, -1e-20f, 0.0f}) xs.push_back(v);
+  Tensor x = Tensor::from_vector(xs).set_requires_grad(true);
+  const Tensor y = gelu(x, "tanh");
+  sum(y).backward();
+  const std::vector<float> value = y.to_vector(), grad = x.grad().to_vector();
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const double v = xs[i], k = std::sqrt(2.0 / M_PI), u = k * (v + 0.044715 * v * v * v);
+    // 1 + tanh(u) = 2 / (1 + e^(-2u)) and 1 - tanh(u)^2 = 4 e^(-2u) / (1 + e^(-2u))^2: in
+    // float64 too, 1 + tanh(u) would cancel below x = -6.
+    const double e = std::exp(-2.0 * u), one_plus_t = 2.0 / (1.0 + e),
+                 one_minus_t2 = 4.0 * e / ((1.0 + e) * (1.0 + e));
+    const double want_value = 0.5 * v * one_plus_t;
+    const double want_grad = 0.5 * one_plus_t + 0.5 * v * one_minus_t2 * k * (1.0 + 3.0 * 0.044715 * v * v);
+    CAPTURE(xs[i]);
+    CAPTURE(want_value);
+    CAPTURE(want_grad);
+    // Relative 1e-6 (about 8 roundings), plus the rounding of u in float32, which the exp turns
+    // into a relative error of |2u| roundings; or below float's normal range.
+    const double rtol = 1e-6 + std::fabs(2.0 * u) * 1.2e-7;
+    CHECK(std::fabs(value[i] - want_value) <= rtol * std::fabs(want_value) + 1e-37);
+    CHECK(std::fabs(grad[i] - want_grad) <= rtol * std::fabs(want_grad) + 1e-37);
+  }
+  // torch 1.13's gradient at -4.875 is -3.76e-6 (its tanh form), the float64 one -3.39e-6.
+  CHECK(grad[xs.size() - 9] == doctest::Approx(-3.39e-6).epsilon(1e-2));
+}
+
 // Torch 1.13's values (torch.nn.functional.gelu and softplus on the CPU, float32) far in the
 // tails, where Eigen's vectorised exp leaves std::exp's values (Note [Vectorised exp's range]): 19
 // elements, so that each value sits in a packet and the last ones in the scalar tail.
@@ -223,6 +253,15 @@ TEST_CASE("state_dict round-trips and load_state_dict checks keys strictly") {
     CHECK(std::string(e.what()).find("0.weight") != std::string::npos);
   }
   CHECK(b.parameters()[1].to_vector() == before);  // nothing half-loaded
+  StateDict undefined = a.state_dict();
+  undefined["0.bias"] = Tensor();
+  for (const bool strict : {true, false}) {
+    CAPTURE(strict);
+    CHECK_THROWS_WITH_AS(b.load_state_dict(undefined, strict),
+                         doctest::Contains("load_state_dict: '0.bias' is an undefined tensor in the state"),
+                         ValueError);
+  }
+  CHECK(b.parameters()[1].to_vector() == before);
 }
 
 TEST_CASE("load_state_dict converts between float32, float16 and bfloat16 as torch's copy_, and refuses int64 <-> float") {
