@@ -34,6 +34,27 @@ const char* safetensors_dtype(DType dtype) {
   NANODDP_THROW(ValueError, "safetensors: no safetensors name for dtype ", dtype);
 }
 
+// Where the safetensors library's own writer puts a dtype's tensors: the widest first (its
+// Dtype enum, descending), so that with the data 8-byte aligned every tensor starts at a
+// multiple of its element size, and a reader may view the bytes in place.
+int layout_rank(DType dtype) {
+  switch (dtype) {
+    case DType::Int64:
+      return 0;
+    case DType::Float32:
+      return 1;
+    case DType::Int32:
+      return 2;
+    case DType::BFloat16:
+      return 3;
+    case DType::Float16:
+      return 4;
+    case DType::UInt8:
+      return 5;
+  }
+  return 6;
+}
+
 bool parse_dtype(const std::string& name, DType* dtype) {
   for (DType candidate : {DType::Float32, DType::Int64, DType::UInt8, DType::Float16, DType::BFloat16, DType::Int32}) {
     if (name == safetensors_dtype(candidate)) {
@@ -156,14 +177,20 @@ json parse_header(const std::string& path, const std::string& bytes, size_t begi
 
 void save_safetensors(const std::string& path, const StateDict& tensors, const SafetensorsMetadata& metadata) {
   json header = json::object();
-  std::vector<Tensor> host_tensors;
-  uint64_t offset = 0;
+  std::vector<std::pair<const std::string*, Tensor>> laid_out;  // (name, host copy), in file order
   for (const auto& [name, tensor] : tensors) {
     NANODDP_CHECK(name != kMetadataKey, ValueError, "safetensors ", path, ": a tensor may not be named ", kMetadataKey);
-    Tensor host = host_tensor_to_save(tensor, "safetensors " + path, name);
-    header[name] = {{"dtype", safetensors_dtype(host.dtype())},
-                    {"shape", host.shape().sizes()},
-                    {"data_offsets", {offset, offset + host.nbytes()}}};
+    laid_out.emplace_back(&name, host_tensor_to_save(tensor, "safetensors " + path, name));
+  }
+  std::stable_sort(laid_out.begin(), laid_out.end(), [](const auto& a, const auto& b) {
+    return layout_rank(a.second.dtype()) < layout_rank(b.second.dtype());
+  });  // stable: by name within a dtype, as StateDict is ordered
+  std::vector<Tensor> host_tensors;
+  uint64_t offset = 0;
+  for (auto& [name, host] : laid_out) {
+    header[*name] = {{"dtype", safetensors_dtype(host.dtype())},
+                     {"shape", host.shape().sizes()},
+                     {"data_offsets", {offset, offset + host.nbytes()}}};
     offset += host.nbytes();
     host_tensors.push_back(std::move(host));
   }

@@ -34,7 +34,9 @@ using SafetensorsMetadata = std::map<std::string, std::string>;
 // Writes tensors (any device: copied to the CPU) to path, all-or-nothing: a temporary file
 // is fsynced and renamed over path, so a crash leaves the old file or the new one. The header
 // is padded with spaces to a multiple of 8 bytes (as safetensors does) so the data starts
-// 8-byte aligned; tensors follow in name order. Throws ValueError for a tensor named
+// 8-byte aligned; tensors follow as the safetensors library lays them out, the widest dtype
+// first (int64, float32, int32, bfloat16, float16, uint8), by name within one, so each starts
+// at a multiple of its element size. Throws ValueError for a tensor named
 // "__metadata__", IOError (naming the file) when writing fails.
 void save_safetensors(const std::string& path, const StateDict& tensors, const SafetensorsMetadata& metadata = {});
 

@@ -67,6 +67,37 @@ TEST_CASE("save_safetensors writes the published layout, byte for byte") {
   std::remove(path.c_str());
 }
 
+TEST_CASE(
+    "save_safetensors lays tensors out as the safetensors library does: widest dtype first, each aligned") {
+  // Names in an order where name order alone puts a 1-byte tensor before an 8-byte one.
+  const std::string path = temp_path("aligned.safetensors");
+  StateDict state;
+  state["a.mask"] = Tensor::zeros({3}, DType::UInt8);
+  state["b.half"] = Tensor::zeros({1}, DType::Float16);
+  state["c.step"] = Tensor::zeros({1}, DType::Int64);
+  state["d.weight"] = Tensor::zeros({5}, DType::Float32);
+  state["e.bf"] = Tensor::zeros({3}, DType::BFloat16);
+  state["f.count"] = Tensor::zeros({1}, DType::Int32);
+  state["g.bias"] = Tensor::zeros({1}, DType::Float32);
+  save_safetensors(path, state);
+  const std::string bytes = read_bytes(path);
+  uint64_t header_length = 0;
+  std::memcpy(&header_length, bytes.data(), 8);
+  const std::string header = bytes.substr(8, header_length);
+  // safetensors' Dtype order, descending (I64, F32, I32, BF16, F16, U8), then by name.
+  const std::vector<std::pair<std::string, std::string>> want = {
+      {"c.step", "[0,8]"}, {"d.weight", "[8,28]"}, {"g.bias", "[28,32]"}, {"f.count", "[32,36]"},
+      {"e.bf", "[36,42]"}, {"b.half", "[42,44]"},  {"a.mask", "[44,47]"}};
+  for (const auto& [name, offsets] : want) {
+    CAPTURE(name);
+    CHECK(contains(header, "\"" + name + "\":{\"data_offsets\":" + offsets));
+  }
+  CHECK((8 + header_length) % 8 == 0);
+  const StateDict loaded = load_safetensors(path);
+  CHECK(loaded.size() == state.size());
+  std::remove(path.c_str());
+}
+
 TEST_CASE("safetensors round-trip every dtype, empty tensors, scalars and metadata") {
   const std::string path = temp_path("roundtrip.safetensors");
   StateDict state;
@@ -122,9 +153,10 @@ TEST_CASE("safetensors F16 and BF16: IEEE half and bfloat16 bits, and a BF16 fil
   uint64_t header_length = 0;
   std::memcpy(&header_length, bytes.data(), 8);
   const std::string header = bytes.substr(8, header_length), data = bytes.substr(8 + header_length);
-  CHECK(contains(header, R"("bias":{"data_offsets":[0,2],"dtype":"F16","shape":[1]})"));
-  CHECK(contains(header, R"("weight":{"data_offsets":[2,6],"dtype":"BF16","shape":[1,2]})"));
-  CHECK(data == std::string("\x00\xC0\xAB\x3E\x80\x3F", 6));  // little-endian
+  // BF16 before F16, as the safetensors library lays them out.
+  CHECK(contains(header, R"("bias":{"data_offsets":[4,6],"dtype":"F16","shape":[1]})"));
+  CHECK(contains(header, R"("weight":{"data_offsets":[0,4],"dtype":"BF16","shape":[1,2]})"));
+  CHECK(data == std::string("\xAB\x3E\x80\x3F\x00\xC0", 6));  // little-endian
 
   const StateDict loaded = load_safetensors(path);
   CHECK(loaded.at("bias").dtype() == DType::Float16);
