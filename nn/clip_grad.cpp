@@ -7,7 +7,12 @@
 #include "core/autograd.h"
 #include "kernels/kernels.h"
 
-namespace nanoddp::nn {
+namespace nanoddp {
+
+// x[i] = min(max(x[i], lo), hi) for n floats, a NaN kept (torch.clamp_). WRITES x.
+NANODDP_DECLARE_KERNEL(clamp_in_place, float* x, float lo, float hi, int64_t n)
+
+namespace nn {
 
 float clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type, bool error_if_nonfinite) {
   NANODDP_CHECK(max_norm >= 0.0, ValueError, "clip_grad_norm_: max_norm must be >= 0, got ", max_norm);
@@ -55,4 +60,18 @@ float clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double
   return total;
 }
 
-}  // namespace nanoddp::nn
+void clip_grad_value_(const std::vector<Tensor>& params, double clip_value) {
+  NANODDP_CHECK(clip_value >= 0.0, ValueError, "clip_grad_value_: clip_value must be >= 0, got ", clip_value);
+  // torch clamps with float(clip_value), which the float32 gradient's clamp_ takes as a float32.
+  const float bound = static_cast<float>(clip_value);
+  for (const Tensor& p : params) {
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    NANODDP_CHECK(g.dtype() == DType::Float32, ValueError,
+                  "clip_grad_value_: gradients must be float32, got ", dtype_name(g.dtype()));
+    NANODDP_DISPATCH(g.device(), clamp_in_place, g.data<float>(), -bound, bound, g.numel());
+  }
+}
+
+}  // namespace nn
+}  // namespace nanoddp

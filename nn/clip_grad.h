@@ -1,4 +1,5 @@
-// Gradient clipping by total norm: torch.nn.utils.clip_grad_norm_ (PyTorch 1.13).
+// Gradient clipping by total norm or by value: torch.nn.utils.clip_grad_norm_ and
+// clip_grad_value_ (PyTorch 1.13).
 //
 //   loss.backward();
 //   const float total = nn::clip_grad_norm_(model.parameters(), /*max_norm=*/1.0);
@@ -35,5 +36,12 @@ namespace nanoddp::nn {
 // On CUDA each gradient is copied to the host to be summed: one synchronisation per call.
 float clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0,
                       bool error_if_nonfinite = false);
+
+// Clamps every element of every defined .grad in params (float32, any shape, any device) into
+// [-clip_value, clip_value] in place (torch.nn.utils.clip_grad_value_): a NaN stays NaN, an
+// infinity becomes the bound. The bound is float32(clip_value), as torch's clamp_ on a
+// float32 gradient takes it. Throws ValueError for clip_value < 0 or NaN (torch clamps
+// everything to the negative value) and for a gradient that is not float32.
+void clip_grad_value_(const std::vector<Tensor>& params, double clip_value);
 
 }  // namespace nanoddp::nn

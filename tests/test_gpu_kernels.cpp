@@ -20,6 +20,11 @@
 
 #if NANODDP_WITH_CUDA
 
+namespace nanoddp {
+// Declared where clip_grad_value_ uses it (nn/clip_grad.cpp).
+NANODDP_DECLARE_KERNEL(clamp_in_place, float* x, float lo, float hi, int64_t n)
+}  // namespace nanoddp
+
 namespace {
 
 using namespace nanoddp;
@@ -133,6 +138,21 @@ TEST_CASE("binary_forward matches the CPU, plain and with a broadcast row") {
       gpu::binary_forward(out.data(), da.data(), db.data(), ops[k], N, F, true);
       expect_close(label(op_names[k], N, F) + " broadcast", out.to_host(), want, kElementwiseRtol, 0.0);
     }
+  }
+}
+
+TEST_CASE("clamp_in_place matches the CPU bit for bit, a NaN kept and infinities at the bounds") {
+  for (int64_t n : kSizes) {
+    std::vector<float> a = normals(n, 9);
+    const float specials[] = {
+        kNaN, std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(), 0.25f, -0.25f,
+        -0.0f};
+    for (size_t i = 0; i < a.size() && i < 6 * 7; i += 7) a[i] = specials[i / 7];
+    std::vector<float> want = a;
+    cpu::clamp_in_place(want.data(), -0.25f, 0.25f, n);
+    DeviceArray<float> x(a);
+    gpu::clamp_in_place(x.data(), -0.25f, 0.25f, n);
+    expect_close(label("clamp_in_place", n), x.to_host(), want, 0.0, 0.0);
   }
 }
 

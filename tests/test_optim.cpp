@@ -857,6 +857,36 @@ TEST_CASE("clip_grad_norm_ scales by max_norm / (total + 1e-6) and returns the n
   CHECK_THROWS_AS(clip_grad_norm_(make(), 1.0, 0.0), ValueError);
 }
 
+TEST_CASE(
+    "clip_grad_value_ clamps every gradient element as torch's, NaN kept, in Eigen's packets and the tail") {
+  // torch 1.13: clip_grad_value_ with 0.1 clamps at float32(0.1); NaN stays, infinities clamp.
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> pattern = {-3.0f, 0.05f, inf, -inf, nan, 0.100000001f, 0.10000001f, -0.0f, -0.1f};
+  std::vector<float> grad, want;
+  for (int repeat = 0; repeat < 5; ++repeat) {  // 45 elements: whole packets and a tail
+    for (float v : pattern) grad.push_back(v);
+    for (float v : {-0.1f, 0.05f, 0.1f, -0.1f, nan, 0.1f, 0.1f, -0.0f, -0.1f}) want.push_back(v);
+  }
+  Tensor a = Tensor::zeros({45}).set_requires_grad(true);
+  Tensor none = Tensor::zeros({2}).set_requires_grad(true);  // no .grad: skipped
+  a.set_grad(Tensor::from_vector(grad));
+  clip_grad_value_({a, none}, 0.1);
+  const std::vector<float> got = a.grad().to_vector();
+  for (size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    if (std::isnan(want[i])) {
+      CHECK(std::isnan(got[i]));
+    } else {
+      CHECK(got[i] == want[i]);
+      CHECK(std::signbit(got[i]) == std::signbit(want[i]));
+    }
+  }
+  CHECK_FALSE(none.grad().defined());
+  CHECK_THROWS_WITH_AS(clip_grad_value_({a}, -1.0), doctest::Contains("clip_value must be >= 0, got -1"),
+                       ValueError);
+  CHECK_THROWS_AS(clip_grad_value_({a}, std::nan("")), ValueError);
+}
+
 TEST_CASE("clip_grad_norm_ with a non-finite gradient: an error before any change, or PyTorch's scaling") {
   auto make = [](float bad) {
     Tensor a = Tensor::from_vector({0.0f, 0.0f}).set_requires_grad(true);

@@ -17,6 +17,11 @@ void dropout_mask(float* mask, uint64_t key, float p, float keep_scale, int64_t 
   for (int64_t i = 0; i < n; ++i) mask[i] = dropout_uniform(key, i) >= p ? keep_scale : 0.0f;
 }
 
+// Declared in nn/clip_grad.cpp: x[i] = min(max(x[i], lo), hi), a NaN kept (torch.clamp_).
+void clamp_in_place(float* x, float lo, float hi, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = x[i] != x[i] ? x[i] : std::min(std::max(x[i], lo), hi);
+}
+
 void bytes_to_unit_float(float* out, const uint8_t* in, int64_t n) {
   // A true division, as torchvision's ToTensor (byte / 255) does.
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]) / 255.0f;

@@ -24,6 +24,20 @@ void dropout_mask(float* mask, uint64_t key, float p, float keep_scale, int64_t 
   NANODDP_CUDA_CHECK_LAUNCH("dropout_mask_forward_kernel");
 }
 
+// Declared in nn/clip_grad.cpp: torch.clamp_, which keeps a NaN (fminf and fmaxf would drop it).
+__global__ void clamp_in_place_kernel(float* x, float lo, float hi, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const float v = x[i];
+    x[i] = v != v ? v : fminf(fmaxf(v, lo), hi);
+  }
+}
+
+void clamp_in_place(float* x, float lo, float hi, int64_t n) {
+  if (n <= 0) return;
+  clamp_in_place_kernel<<<grid_for(n), kBlock, 0, stream()>>>(x, lo, hi, n);
+  NANODDP_CUDA_CHECK_LAUNCH("clamp_in_place_kernel");
+}
+
 __global__ void fill_forward_kernel(float* out, float value, int64_t n) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = value;
 }
