@@ -46,6 +46,14 @@ for header in "$src"/{core,kernels,nn,data,dist}/*.h; do
   echo "#include <nanoddp/$relative>" >>"$umbrella"
 done
 echo 'int main() { return 0; }' >>"$umbrella"
+# What a program calls comes with the umbrella: a public header it leaves out is named here.
+beside_umbrella=(core/file_size_limit.h core/hash.h core/storage.h dist/launcher_link.h)
+for header in "$src"/{core,nn,data,dist}/*.h; do
+  relative=${header#"$src"/}
+  [[ " ${private_headers[*]} ${beside_umbrella[*]} " == *" $relative "* ]] && continue
+  grep -q "#include \"$relative\"" "$src/include/nanoddp/nanoddp.h" ||
+    fail "$relative is public but nanoddp/nanoddp.h does not include it (include it, or list it in beside_umbrella)"
+done
 # shellcheck disable=SC2046
 c++ -std=c++17 -fsyntax-only $(pkg-config --cflags nanoddp) "$umbrella" || fail "the installed headers do not compile"
 
