@@ -58,10 +58,26 @@ void tanh_backward(float* dx, const float* dy, const float* y, int64_t n) {
 
 // ---- gelu ---------------------------------------------------------------------------------
 
+// Note [GELU's tanh form]
+// x/2 (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), is x s(2u) with s the logistic
+// function: x / (1 + e^(-2u)). Written so, nothing cancels: below x = -3, where 1 + tanh(u)
+// is 1 minus nearly 1, the quotient keeps every digit, and the gradient
+// s + 2 x u' e s^2 (e = e^(-2u)) does too, where the tanh form gives 0 below x = -4.8
+// (the float64 value at -4.875 is -3.4e-6). torch computes the tanh form, so it differs from
+// this in the last digits, and in the tails by its own rounding noise. |2u| <= 80 holds for
+// |x| <= 9.6: inside the vectorised exp's exact range, and e^(-2u) stays finite. Past it the
+// scalar loop runs kernels::gelu_tanh_value and gelu_tanh_slope (kernels/activation_constants.h),
+// the CUDA kernels' form, which never overflows. The float32 rounding of u itself is amplified
+// by the exp: the result's relative error grows like |2u| roundings, as any float32 form's.
+constexpr float kGeluTanhExpExactAbs = 9.6f;
+
 void gelu_forward(float* y, const float* x, bool tanh_approximation, int64_t n) {
   const auto v = vec(x, n).array();
   if (tanh_approximation) {
-    vec(y, n).array() = 0.5f * v * (1.0f + (kSqrt2OverPi * (v + kGeluCubic * v.cube())).tanh());
+    vec(y, n).array() = v / (1.0f + (-2.0f * kSqrt2OverPi * (v + kGeluCubic * v.cube())).exp());
+    if (all_within(x, n, kGeluTanhExpExactAbs)) return;
+    for (int64_t i = 0; i < n; ++i)  // NaN is redone too: it stays NaN
+      if (!(std::fabs(x[i]) <= kGeluTanhExpExactAbs)) y[i] = gelu_tanh_value(x[i]);
   } else {
     vec(y, n).array() = 0.5f * v * (1.0f + (v * kSqrt1_2).erf());
   }
@@ -71,10 +87,15 @@ void gelu_backward(float* dx, const float* dy, const float* x, bool tanh_approxi
   const auto v = vec(x, n).array();
   const auto g = vec(dy, n).array();
   if (tanh_approximation) {
-    // d/dx [x/2 (1 + t)] = (1 + t)/2 + x/2 (1 - t^2) u', t = tanh(u), u' = sqrt(2/pi)(1 + 3c x^2)
-    const Eigen::ArrayXf t = (kSqrt2OverPi * (v + kGeluCubic * v.cube())).tanh();
-    vec(dx, n).array() =
-        g * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t.square()) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * v.square()));
+    // d/dx [x s(2u)] = s + 2 x u' e s^2, e = e^(-2u), s = 1 / (1 + e), u' = sqrt(2/pi)(1 + 3c x^2)
+    // (Note [GELU's tanh form]).
+    const Eigen::ArrayXf e = (-2.0f * kSqrt2OverPi * (v + kGeluCubic * v.cube())).exp();
+    const auto s = (1.0f + e).inverse();
+    vec(dx, n).array() = g * (s + 2.0f * v * kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * v.square()) *
+                                      (e * s) * s);  // s^2 underflows
+    if (all_within(x, n, kGeluTanhExpExactAbs)) return;
+    for (int64_t i = 0; i < n; ++i)  // NaN is redone too: it stays NaN
+      if (!(std::fabs(x[i]) <= kGeluTanhExpExactAbs)) dx[i] = dy[i] * gelu_tanh_slope(x[i]);
   } else {
     // d/dx [x Phi(x)] = Phi(x) + x phi(x). Past |x| = 12.6, phi's exp(-x^2 / 2) is outside the
     // vectorised exp's exact range (Note [Vectorised exp's range]) and the scalar formula runs:

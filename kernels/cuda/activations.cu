@@ -55,8 +55,8 @@ void tanh_backward(float* dx, const float* dy, const float* y, int64_t n) {
 __global__ void gelu_forward_kernel(float* y, const float* x, bool tanh_approximation, int64_t n) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
     const float v = x[i];
-    y[i] = tanh_approximation ? 0.5f * v * (1.0f + tanhf(kSqrt2OverPi * (v + kGeluCubic * v * v * v)))
-                              : 0.5f * v * (1.0f + erff(v * kSqrt1_2));
+    // x s(2u), the CPU's form (Note [GELU's tanh form] in kernels/cpu/activations.cpp).
+    y[i] = tanh_approximation ? gelu_tanh_value(v) : 0.5f * v * (1.0f + erff(v * kSqrt1_2));
   }
 }
 
@@ -72,8 +72,7 @@ __global__ void gelu_backward_kernel(float* dx, const float* dy, const float* x,
     const float v = x[i];
     float slope;
     if (tanh_approximation) {
-      const float t = tanhf(kSqrt2OverPi * (v + kGeluCubic * v * v * v));
-      slope = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * v * v);
+      slope = gelu_tanh_slope(v);
     } else {
       slope = 0.5f * (1.0f + erff(v * kSqrt1_2)) + v * kInvSqrt2Pi * expf(-0.5f * v * v);
     }
