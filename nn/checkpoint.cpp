@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <unordered_map>
@@ -57,7 +58,9 @@ class Reader {
 // interrupted copy) is the usual damage, and the offset where the file ends tells the user
 // what to look for. Returns "" when the entries fit the file, or when a header the walk
 // reads is not one a save writes (a name too long, a bad dtype or dim, a byte count that is
-// not the shape's): a changed byte, not an end, and the caller reports a corrupt file.
+// not the shape's, a name with a control character in the bytes present): a changed byte, not
+// an end, and the caller reports a corrupt file. The last one catches a changed name length
+// that runs past the end: the "name" it reads then takes in the next dtype and sizes.
 std::string where_truncated(const std::string& bytes) {
   size_t offset = sizeof(kMagic) + sizeof(uint32_t);
   const auto read_u64 = [&](size_t at, uint64_t& value) {
@@ -75,6 +78,9 @@ std::string where_truncated(const std::string& bytes) {
     std::memcpy(&name_bytes, bytes.data() + offset, sizeof(name_bytes));
     const size_t dim_at = offset + sizeof(uint32_t) + name_bytes + sizeof(uint8_t);  // after the name and dtype
     if (name_bytes > kMaxNameBytes) return "";
+    const size_t name_at = offset + sizeof(uint32_t), name_present_end = std::min(dim_at - 1, bytes.size());
+    for (size_t at = name_at; at < name_present_end; ++at)
+      if (static_cast<unsigned char>(bytes[at]) < 0x20) return "";
     if (dim_at >= bytes.size()) return "in " + entry;
     const uint8_t dtype = static_cast<uint8_t>(bytes[dim_at - 1]), dim = static_cast<uint8_t>(bytes[dim_at]);
     if (dtype > static_cast<uint8_t>(kLastDType) || dim > Shape::kMaxDims) return "";

@@ -528,6 +528,12 @@ TEST_CASE("a checkpoint cut short is reported as truncated, naming where it ends
     m = parse_error(flipped);
     CHECK_MESSAGE(m.find("checksum mismatch (checksum at byte offset 86)") != std::string::npos, m);
   }
+  // A name length changed so that the name runs past the end: the "name" takes in the dtype
+  // and sizes after it (control characters), so it is no name a save wrote.
+  std::string longer_name = whole;
+  longer_name[55] = 60;  // entry 1's name "b": 1 byte
+  m = parse_error(longer_name);
+  CHECK_MESSAGE(m.find("checksum mismatch (checksum at byte offset 86)") != std::string::npos, m);
 }
 
 TEST_CASE("check_checkpoint_writable refuses a path, or a path.prev, that is someone else's file") {
