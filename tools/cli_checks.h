@@ -116,9 +116,18 @@ inline CLI::Validator number_in(double min, double max = std::numeric_limits<dou
 }
 
 // A finite number in [min, max] that a float32 holds: for flags read into a float, where
-// CLI11 would turn 1e39 into inf and "nan" into NaN without a word.
+// CLI11 would turn 1e39 into inf and "nan" into NaN without a word. --help shows the bounds
+// the user chose (">= 0", "a float32"), not float32's largest value.
 inline CLI::Validator float_in(float min, float max = std::numeric_limits<float>::max()) {
-  return number_in(min, max);
+  CLI::Validator check = number_in(min, max);
+  const bool no_max = max == std::numeric_limits<float>::max(),
+             no_min = min == std::numeric_limits<float>::lowest();
+  if (no_max) {
+    std::ostringstream shown;
+    shown << ">= " << min;
+    check.description(no_min ? "a float32" : shown.str());
+  }
+  return check;
 }
 
 // One of values, spelt exactly; otherwise "must be one of a, b or c, got '<text>'".
@@ -309,15 +318,31 @@ inline std::optional<int> parse(CLI::App& app, int argc, const char* const* argv
     if (empty_at != std::string::npos)
       return usage_error(program, what.substr(0, empty_at) + ": got '', expected one of " +
                                       what.substr(empty_at + empty_member.size()));
-    std::string hint;
     if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) {  // a misspelt flag, most often
-      std::istringstream words(what.substr(what.find(':') + 1));
-      for (std::string word; hint.empty() && words >> word;) {
-        const std::string known = closest_long_option(app, word);
+      // CLI11 2.1 lists the arguments left over last first ("1 --epoch" for --epoch 1): put
+      // them back in the order they were given.
+      std::vector<std::pair<int, std::string>> left;
+      std::vector<bool> taken(static_cast<size_t>(argc), false);
+      for (const std::string& word : app.remaining(false)) {
+        int at = argc;
+        for (int i = 1; i < argc && at == argc; ++i)
+          if (!taken[static_cast<size_t>(i)] && word == argv[i]) at = i;
+        if (at < argc) taken[static_cast<size_t>(at)] = true;
+        left.emplace_back(at, word);
+      }
+      std::stable_sort(left.begin(), left.end(),
+                       [](const auto& a, const auto& b) { return a.first < b.first; });
+      std::string listed, hint;
+      for (const auto& [at, word] : left) {
+        listed += (listed.empty() ? "" : " ") + word;
+        const std::string known = hint.empty() ? closest_long_option(app, word) : "";
         if (!known.empty()) hint = " (did you mean " + known + "?)";
       }
+      return usage_error(program, std::string(left.size() > 1 ? "The following arguments were not expected: "
+                                                              : "The following argument was not expected: ") +
+                                      listed + hint);
     }
-    return usage_error(program, what + hint);
+    return usage_error(program, what);
   }
   return std::nullopt;
 }
