@@ -30,12 +30,28 @@ namespace nanoddp::testing {
 
 using namespace std::chrono_literals;
 
-// A program of the build folder, which meson test passes as NANODDP_BUILD_DIR.
-inline std::string built(const std::string& relative) {
-  const char* build = std::getenv("NANODDP_BUILD_DIR");
-  REQUIRE_MESSAGE(build != nullptr, "NANODDP_BUILD_DIR is not set (meson test sets it)");
-  return std::string(build) + "/" + relative;
+// The build and source folders: NANODDP_BUILD_DIR and NANODDP_SOURCE_DIR, which meson test
+// passes, else the ones this test program was built from (tests/meson.build), so that a test
+// program also runs by hand.
+inline std::string build_dir() {
+  const char* dir = std::getenv("NANODDP_BUILD_DIR");
+#ifdef NANODDP_TEST_BUILD_DIR
+  if (dir == nullptr) dir = NANODDP_TEST_BUILD_DIR;
+#endif
+  REQUIRE_MESSAGE(dir != nullptr, "NANODDP_BUILD_DIR is not set (meson test sets it)");
+  return dir;
 }
+inline std::string source_dir() {
+  const char* dir = std::getenv("NANODDP_SOURCE_DIR");
+#ifdef NANODDP_TEST_SOURCE_DIR
+  if (dir == nullptr) dir = NANODDP_TEST_SOURCE_DIR;
+#endif
+  REQUIRE_MESSAGE(dir != nullptr, "NANODDP_SOURCE_DIR is not set (meson test sets it)");
+  return dir;
+}
+
+// A program of the build folder.
+inline std::string built(const std::string& relative) { return build_dir() + "/" + relative; }
 
 inline std::string launcher_path() { return built("tools/nanoddp-run"); }
 

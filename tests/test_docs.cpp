@@ -25,6 +25,7 @@
 #include "tests/subprocess.h"
 
 using namespace nanoddp;
+using testing::source_dir;
 
 namespace {
 
@@ -36,12 +37,6 @@ std::shared_ptr<dist::ProcessGroup> init_gloo_world_of_one() {
   options.world_size = 1;
   options.init_method = "tcp://127.0.0.1:0";
   return dist::init_process_group(options);
-}
-
-std::string source_dir() {
-  const char* dir = std::getenv("NANODDP_SOURCE_DIR");
-  REQUIRE_MESSAGE(dir != nullptr, "NANODDP_SOURCE_DIR is not set (meson test sets it)");
-  return dir;
 }
 
 std::string read(const std::string& path) {

@@ -980,9 +980,7 @@ TEST_CASE("fashion_mnist --export: the trained weights under PyTorch's names, as
 
   // The README's PyTorch check of the file, where torch is installed (it is optional).
   if (run({"/usr/bin/python3", "-c", "import torch"}, 60s).code() == 0) {
-    const char* source = std::getenv("NANODDP_SOURCE_DIR");
-    REQUIRE_MESSAGE(source != nullptr, "NANODDP_SOURCE_DIR is not set (meson test sets it)");
-    const std::string script = std::string(source) + "/benchmarks/torch_reference/load_safetensors.py";
+    const std::string script = source_dir() + "/benchmarks/torch_reference/load_safetensors.py";
     const RunResult torch_check = run({"/usr/bin/python3", script, exported, "--data-dir", dir.path}, 120s);
     CHECK_MESSAGE(torch_check.code() == 0, torch_check.out, torch_check.err);
     CHECK(torch_check.out.find("\"torch_test_accuracy\"") != std::string::npos);
