@@ -19,7 +19,8 @@ NANODDP_HOST_DEVICE inline void adam_update(float* param, float* exp_avg, float*
   // Each step rounded as PyTorch's (Note [Optimizer rounding] in kernels/cpu/sgd.cpp).
   float p = param[i];
   if (c.param_scale != 1.0f) p *= c.param_scale;
-  const float g = c.l2 != 0.0f ? multiply_add(p, c.l2, grad[i]) : grad[i];
+  const float raw = c.maximize ? -grad[i] : grad[i];
+  const float g = c.l2 != 0.0f ? multiply_add(p, c.l2, raw) : raw;
   const float m = multiply_add(g, c.one_minus_beta1, exp_avg[i] * c.beta1);
   float v = multiply_add(c.one_minus_beta2 * g, g, exp_avg_sq[i] * c.beta2);
   exp_avg[i] = m;

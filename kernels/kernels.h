@@ -36,6 +36,7 @@ struct SgdConfig {
   float one_minus_dampening = 1.0f;
   float weight_decay = 0.0f;
   bool nesterov = false;
+  bool maximize = false;  // step along the gradient: torch's maximize, the gradient negated first
 };
 
 // Hyper-parameters of one torch.optim.Adam / AdamW step, with the step-dependent factors
@@ -54,6 +55,7 @@ struct AdamConfig {
   float step_size = 0.0f;
   float bias_correction2_sqrt = 1.0f;
   bool amsgrad = false;
+  bool maximize = false;  // the gradient negated first, as torch's maximize
 };
 
 // A sliding window over one [C, H, W] image (Conv2d's im2col, MaxPool2d): kernel, stride,

@@ -11,6 +11,7 @@ namespace nanoddp::kernels {
 
 // buf is read and written only with momentum; on the first step it becomes the gradient.
 NANODDP_HOST_DEVICE inline void sgd_update(float& p, float& buf, float grad, const SgdConfig& c, bool first_step) {
+  if (c.maximize) grad = -grad;
   float g = c.weight_decay != 0.0f ? multiply_add(p, c.weight_decay, grad) : grad;
   if (c.momentum != 0.0f) {
     buf = first_step ? g : multiply_add(g, c.one_minus_dampening, c.momentum * buf);

@@ -18,7 +18,8 @@ Adam::Adam(std::string name, std::vector<Tensor> params, AdamOptions options, bo
 }
 
 AdamW::AdamW(std::vector<Tensor> params, AdamWOptions o)
-    : Adam("AdamW", std::move(params), AdamOptions{o.lr, o.betas, o.eps, o.weight_decay, o.amsgrad}, true) {}
+    : Adam("AdamW", std::move(params),
+           AdamOptions{o.lr, o.betas, o.eps, o.weight_decay, o.amsgrad, o.maximize}, true) {}
 
 void Adam::check_options() const {
   const AdamOptions& o = options_;
@@ -51,6 +52,7 @@ void Adam::step() {
   config.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   config.eps = options_.eps;
   config.amsgrad = options_.amsgrad;
+  config.maximize = options_.maximize;
   if (decoupled_weight_decay_)
     config.param_scale = static_cast<float>(1.0 - lr * weight_decay);
   else

@@ -14,8 +14,9 @@
 //   p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 // eps is added after the bias correction of sqrt(v), as in PyTorch (not the paper's
 // sqrt(v_hat) + eps with v_hat's own rounding). A parameter whose .grad is undefined is
-// skipped: its step count and moments do not move. maximize, foreach, capturable, fused and
-// differentiable are not offered (PyTorch's defaults).
+// skipped: its step count and moments do not move. maximize negates g first, before the
+// weight decay (PyTorch's order). foreach, capturable, fused and differentiable are not
+// offered (PyTorch's defaults).
 //
 // When to use which: Adam (weight_decay 0) for fast progress on badly scaled problems; AdamW
 // when regularising, since Adam's L2 term is divided by sqrt(v) and so decays parameters with
@@ -42,6 +43,7 @@ struct AdamOptions {
   float eps = 1e-8f;
   double weight_decay = 0.0;
   bool amsgrad = false;
+  bool maximize = false;
 };
 
 // AdamW's defaults differ from Adam's only in weight_decay (1e-2, torch.optim.AdamW's).
@@ -51,6 +53,7 @@ struct AdamWOptions {
   float eps = 1e-8f;
   double weight_decay = 1e-2;
   bool amsgrad = false;
+  bool maximize = false;
 };
 
 class Adam : public Optimizer {

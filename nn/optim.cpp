@@ -26,9 +26,9 @@ void SGD::step() {
   trace::Span span(trace::Lane::Optimizer, "optimizer.step");
   MemoryCategoryScope state_memory(MemoryCategory::OptimizerState);  // the buffers made here
   // The kernel's hyper-parameters are float32, as the scalars reach PyTorch's float kernels.
-  const kernels::SgdConfig config{static_cast<float>(options_.lr), options_.momentum,
-                                  static_cast<float>(1.0 - options_.dampening), options_.weight_decay,
-                                  options_.nesterov};
+  const kernels::SgdConfig config{
+      static_cast<float>(options_.lr), options_.momentum, static_cast<float>(1.0 - options_.dampening),
+      options_.weight_decay,           options_.nesterov, options_.maximize};
   const std::vector<Tensor> grads = checked_grads();
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = params_[i];

@@ -23,14 +23,15 @@ namespace nanoddp::nn {
 
 // torch.optim.SGD's arguments. lr and dampening are doubles, as torch's Python floats: the
 // kernel takes lr, and 1 - dampening computed in double, as float32, as torch's does. lr's
-// default is torch 2.2's 1e-3 (torch 1.13 has none and requires it). No maximize, foreach,
-// differentiable or fused.
+// default is torch 2.2's 1e-3 (torch 1.13 has none and requires it). maximize steps up the
+// gradient (torch negates it first, before weight decay). No foreach, differentiable or fused.
 struct SGDOptions {
   double lr = 1e-3;
   float momentum = 0.0f;
   double dampening = 0.0;
   float weight_decay = 0.0f;
   bool nesterov = false;
+  bool maximize = false;
 };
 
 class SGD : public Optimizer {

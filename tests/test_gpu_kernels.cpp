@@ -514,6 +514,7 @@ TEST_CASE("sgd_step matches the CPU for every option, first and later steps") {
       {"momentum", {0.1f, 0.9f, 1.0f, 0.0f, false}},
       {"momentum dampening decay", {0.1f, 0.9f, 0.9f, 1e-4f, false}},
       {"nesterov", {0.1f, 0.9f, 1.0f, 1e-4f, true}},
+      {"maximize nesterov", {0.1f, 0.9f, 1.0f, 1e-4f, true, /*maximize=*/true}},
   };
   for (int64_t n : kSizes) {
     const auto param0 = normals(n, 24), buffer0 = normals(n, 25), grad = normals(n, 26);
@@ -534,9 +535,16 @@ TEST_CASE("sgd_step matches the CPU for every option, first and later steps") {
 }
 
 TEST_CASE("adam_step matches the CPU for Adam, AdamW and amsgrad over three steps") {
-  struct Case { const char* name; float l2, param_scale; bool amsgrad; };
+  struct Case {
+    const char* name;
+    float l2, param_scale;
+    bool amsgrad, maximize;
+  };
   const std::vector<Case> cases = {
-      {"adam", 0.0f, 1.0f, false}, {"adam l2 amsgrad", 1e-2f, 1.0f, true}, {"adamw", 0.0f, 1.0f - 1e-3f * 1e-2f, false},
+      {"adam", 0.0f, 1.0f, false, false},
+      {"adam l2 amsgrad", 1e-2f, 1.0f, true, false},
+      {"adamw", 0.0f, 1.0f - 1e-3f * 1e-2f, false, false},
+      {"adamw maximize", 0.0f, 1.0f - 1e-3f * 1e-2f, false, true},
   };
   for (int64_t n : kSizes) {
     const auto param0 = normals(n, 27);
@@ -551,6 +559,7 @@ TEST_CASE("adam_step matches the CPU for Adam, AdamW and amsgrad over three step
         config.l2 = c.l2;
         config.param_scale = c.param_scale;
         config.amsgrad = c.amsgrad;
+        config.maximize = c.maximize;
         config.step_size = static_cast<float>(1e-3 / (1.0 - std::pow(0.9, t)));
         config.bias_correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(0.999, t)));
         cpu::adam_step(param.data(), m.data(), v.data(), c.amsgrad ? vmax.data() : nullptr, grad.data(), n, config);

@@ -857,6 +857,41 @@ TEST_CASE("clip_grad_norm_ scales by max_norm / (total + 1e-6) and returns the n
   CHECK_THROWS_AS(clip_grad_norm_(make(), 1.0, 0.0), ValueError);
 }
 
+TEST_CASE("maximize steps up the gradient: SGD, Adam and AdamW equal torch 1.13's bit for bit") {
+  // torch.optim.<cls>([p], ..., maximize=True) from p = [1, -2, 0.5] over three gradients.
+  const auto run = [](auto make) {
+    Tensor p = Tensor::from_vector({1.0f, -2.0f, 0.5f}).set_requires_grad(true);
+    auto opt = make(std::vector<Tensor>{p});
+    for (const std::vector<float>& g :
+         {std::vector<float>{0.3f, -0.1f, 2.0f}, {0.25f, 0.5f, -1.0f}, {-0.7f, 0.2f, 0.1f}}) {
+      p.set_grad(Tensor::from_vector(g));
+      opt->step();
+    }
+    return p.to_vector();
+  };
+  SGDOptions sgd{/*lr=*/0.1, /*momentum=*/0.9f};
+  sgd.weight_decay = 0.01f;
+  sgd.maximize = true;
+  CHECK(run([&](std::vector<Tensor> p) { return std::make_unique<SGD>(std::move(p), sgd); }) ==
+        std::vector<float>{1.05305588f, -1.90090144f, 0.858537614f});
+  SGDOptions nesterov{/*lr=*/0.1, /*momentum=*/0.9f};
+  nesterov.nesterov = true;
+  nesterov.maximize = true;
+  CHECK(run([&](std::vector<Tensor> p) { return std::make_unique<SGD>(std::move(p), nesterov); }) ==
+        std::vector<float>{1.03792f, -1.86089003f, 0.935800016f});
+  AdamOptions adam{/*lr=*/0.01};
+  adam.weight_decay = 0.1;
+  adam.maximize = true;
+  CHECK(run([&](std::vector<Tensor> p) { return std::make_unique<Adam>(std::move(p), adam); }) ==
+        std::vector<float>{1.01597142f, -1.97294807f, 0.514334857f});
+  AdamWOptions adamw{/*lr=*/0.01};
+  adamw.weight_decay = 0.1;
+  adamw.amsgrad = true;
+  adamw.maximize = true;
+  CHECK(run([&](std::vector<Tensor> p) { return std::make_unique<AdamW>(std::move(p), adamw); }) ==
+        std::vector<float>{1.01503563f, -1.99136937f, 0.513484657f});
+}
+
 TEST_CASE(
     "clip_grad_value_ clamps every gradient element as torch's, NaN kept, in Eigen's packets and the tail") {
   // torch 1.13: clip_grad_value_ with 0.1 clamps at float32(0.1); NaN stays, infinities clamp.
