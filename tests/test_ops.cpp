@@ -513,7 +513,9 @@ TEST_CASE("dropout scales what it keeps by torch's float32 1 / (1 - p), p taken 
   // is 0.100000024 and the scale 9.99999809.
   const std::vector<std::pair<double, float>> torch_scales = {
       {0.9, 10.0f}, {0.99, 100.0f}, {0.3, 1.42857146f}, {0.1, 1.11111116f}, {0.5, 2.0f}};
-  for (const auto& [p, scale] : torch_scales) {
+  for (const auto& p_scale : torch_scales) {
+    const double p = p_scale.first;  // not a structured binding: doctest's messages capture it
+    const float scale = p_scale.second;
     Generator gen(3);
     const std::vector<float> y = dropout(Tensor::ones({1000}), p, /*training=*/true, gen).to_vector();
     int64_t kept = 0;

@@ -88,9 +88,9 @@ TEST_CASE(
   const std::vector<std::pair<std::string, std::string>> want = {
       {"c.step", "[0,8]"}, {"d.weight", "[8,28]"}, {"g.bias", "[28,32]"}, {"f.count", "[32,36]"},
       {"e.bf", "[36,42]"}, {"b.half", "[42,44]"},  {"a.mask", "[44,47]"}};
-  for (const auto& [name, offsets] : want) {
-    CAPTURE(name);
-    CHECK(contains(header, "\"" + name + "\":{\"data_offsets\":" + offsets));
+  for (const auto& entry : want) {
+    CAPTURE(entry.first);
+    CHECK(contains(header, "\"" + entry.first + "\":{\"data_offsets\":" + entry.second));
   }
   CHECK((8 + header_length) % 8 == 0);
   const StateDict loaded = load_safetensors(path);
