@@ -570,9 +570,9 @@ void FullyShardedDataParallel::finish_backward() {
   in_backward_ = false;
   if (!backward_order_.empty()) backward_order_known_ = true;
   // A unit this backward reached, with a parameter no gradient reached, is reduced now, in
-  // unit order, so that every rank issues the same collectives. So is one that only earlier no_sync backwards
-  // reached: its full gradient holds their sum, which this step must reduce (else the step
-  // misses it, and the next backward into the unit adds it again).
+  // unit order, so that every rank issues the same collectives. So is one that only earlier
+  // no_sync backwards reached: its full gradient holds their sum, which this step must reduce
+  // (else the step misses it, and the next backward into the unit adds it again).
   for (size_t u = 0; u < units_.size(); ++u) {
     Unit& unit = *units_[u];
     drop_discarded_accumulation(unit);
