@@ -135,8 +135,9 @@ struct CheckState {
   // not say within kStragglerGrace that they reached call #mine[0], or "" (all did, or the
   // group has no store).
   std::string stragglers(const std::vector<int64_t>& mine);
-  // Writes that this rank reached call #mine[0]; never throws.
-  void say_reached(const std::vector<int64_t>& mine);
+  // Writes that this rank reached call #mine[0]; never throws. Returns false when the store
+  // gave no reply in time (its server, rank 0's process, does not answer).
+  bool say_reached(const std::vector<int64_t>& mine);
 
   // Moves the queue: issues the oldest call's fingerprints, settles it once they arrived,
   // and goes on with the next. until == null: never waits, stops at the first fingerprint
@@ -324,25 +325,34 @@ class FusedWork : public Work {
 // other rank's key: the ranks that reached #k time out within a moment of each other and
 // write theirs. The ranks whose key is missing are named in the TimeoutError, with the call,
 // and the first of them is reported to the launcher as the rank this one lost (Note
-// [Launcher link]). A rank that dies is still named the way it was (a closed connection, a
-// pid gone); MPI has no store, and its timeout stays as it was.
+// [Launcher link]). The store's server runs in rank 0's process: when rank 0 is the one that
+// stopped, the store gives no reply either, and rank 0 is named at once, without the poll. A
+// rank that dies is still named the way it was (a closed connection, a pid gone); MPI has no
+// store, and its timeout stays as it was.
 constexpr std::chrono::milliseconds kStragglerGrace{1000};
 
 std::string reached_key(const std::string& prefix, int64_t seq) { return prefix + "reached/" + std::to_string(seq) + "/"; }
 
-void CheckState::say_reached(const std::vector<int64_t>& mine) {
+bool CheckState::say_reached(const std::vector<int64_t>& mine) {
   try {
     inner->store().set(reached_key(store_prefix, mine[0]) + std::to_string(inner->rank()), std::string("1"));
+  } catch (const TimeoutError&) {
+    return false;  // the server took the request and never answered
   } catch (const std::exception&) {
     // no store (MPI), or it is gone too: nobody can read it
   }
+  return true;
 }
 
 std::string CheckState::stragglers(const std::vector<int64_t>& mine) {
   const int rank = inner->rank(), world = inner->size();
+  if (!say_reached(mine) && rank != 0) {
+    report_lost_peer(rank, 0);
+    return " straggler: rank 0 never reached " + describe_call(mine.data()) +
+           ", and the store it serves gave no reply in time either: it is stopped, stuck, or slow";
+  }
   std::vector<int> missing;
   bool polled = false;
-  say_reached(mine);
   try {
     Store& store = inner->store();
     const std::string call = reached_key(store_prefix, mine[0]);
