@@ -178,9 +178,25 @@ mode_t saved_file_mode(const std::string& target) {
 }
 
 void check_writable(const std::string& path, const char* what) {
-  const std::string dir = folder_of(save_target(path, what));
+  const std::string target = save_target(path, what), dir = folder_of(target);
   NANODDP_CHECK(::access(dir.c_str(), W_OK) == 0, IOError, what, " ", path, ": cannot write in folder ", dir, ": ",
                 std::strerror(errno));
+  // access() answers yes to root for any folder, /proc's included: so make (and remove) the
+  // temporary file a save makes there, with the signals held as the save holds them.
+  std::string probe = target + ".tmp.XXXXXX";
+  sigset_t cleaned, previous;
+  sigemptyset(&cleaned);
+  for (int signal_number : kCleanedSignals) sigaddset(&cleaned, signal_number);
+  ::pthread_sigmask(SIG_BLOCK, &cleaned, &previous);
+  const int fd = ::mkostemp(probe.data(), O_CLOEXEC);
+  const int create_error = errno;
+  if (fd >= 0) {
+    ::close(fd);
+    ::unlink(probe.c_str());
+  }
+  ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  NANODDP_CHECK(fd >= 0, IOError, what, " ", path, ": cannot create a file in folder ", dir, ": ",
+                std::strerror(create_error));
 }
 
 void write_file_atomically(const std::string& given_path, const std::string& bytes, const char* what) {

@@ -18,7 +18,7 @@ std::string folder_of(const std::string& path);
 
 // Throws IOError (starting with what) unless write_file_atomically(path, ...) could write
 // there: path is absent or a regular file (after following symlinks), and its folder exists
-// and is writable.
+// and takes a new file (one is made and removed: access() alone says yes to root anywhere).
 void check_writable(const std::string& path, const char* what);
 
 // check_replaces_only (a file is replaced only by one of its own format) is in

@@ -549,6 +549,9 @@ TEST_CASE("check_checkpoint_writable refuses a path, or a path.prev, that is som
     return std::string();
   };
   CHECK(error_of().empty());  // neither exists
+  // A folder that takes no file, whoever runs this (access() says yes to root for /proc).
+  CHECK_THROWS_WITH_AS(check_checkpoint_writable("/proc/nanoddp_test.ckpt"),
+                       doctest::Contains(" in folder /proc: "), IOError);
   StateDict state;
   state["w"] = Tensor::from_vector({1, 2}, {2});
   save_checkpoint(path, state);
