@@ -230,11 +230,18 @@ Outcome ChildGroup::wait() {
         first->named = true;
         // The rank it lost never ended by itself: alive but stuck (stopped, hung in a system
         // call, looping). Said, since the failure named is then only the first symptom.
-        const std::string stuck =
-            running == nullptr ? ""
-                               : "; " + running->name + " (pid " + std::to_string(running->pid) +
-                                     "), which it lost, was still running " + format_ms(options_.grace_period) +
-                                     " later (stopped or hung?)";
+        std::string stuck = running == nullptr
+                                ? ""
+                                : "; " + running->name + " (pid " + std::to_string(running->pid) +
+                                      "), which it lost, was still running " +
+                                      format_ms(options_.grace_period) + " later (stopped or hung?)";
+        // A rank that ended with status 0 while the others ran is a success to the launcher
+        // (as to torchrun), but the others wait for it in their next collective or rendezvous:
+        // said, since it is often why they failed.
+        for (const Child& c : children_)
+          if (c.exited && c.status.ok())
+            stuck += "; " + c.name + " (pid " + std::to_string(c.pid) +
+                     ") had already exited with status 0, and the others may have waited for it";
         begin_termination(SIGTERM, describe_failure(*first) + stuck);
       }
     }

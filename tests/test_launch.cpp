@@ -219,6 +219,18 @@ TEST_CASE("nanoddp-run: a rank that exits early stops the job, is named, and not
   check_nothing_left(recorded_pids(dir.path, 4));
 }
 
+TEST_CASE("nanoddp-run: a rank that ended with status 0 while the others ran is named beside the failure") {
+  // Rank 1 ends at once with status 0 (a success, as torchrun counts it); rank 0, as if it had
+  // waited for it in a rendezvous, fails later: the failure names rank 1's early end too.
+  const RunResult r = run({launcher_path(), "--nproc-per-node", "2", "sh", "-c",
+                           "if [ $RANK = 1 ]; then exit 0; fi; sleep 0.5; exit 4"});
+  CHECK(r.code() == 4);
+  CHECK_MESSAGE(contains(r.err, "rank 0 (pid "), r.err);
+  CHECK_MESSAGE(contains(r.err, "failed: exit code 4; rank 1 (pid "), r.err);
+  CHECK_MESSAGE(contains(r.err, ") had already exited with status 0, and the others may have waited for it"),
+                r.err);
+}
+
 TEST_CASE("nanoddp-run: a rank that fails by itself while the job is stopping is named too") {
   // Rank 1 fails first; rank 0 ignores SIGTERM and then exits 5 on its own (as a rank whose
   // own error came second would): both are named, the first one decides the exit code.
