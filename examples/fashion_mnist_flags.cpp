@@ -54,8 +54,10 @@ int nanoddp::examples::fashion_mnist_main(int argc, char** argv, bool cnn) {
   app.add_option(
          "--checkpoint-format", config.checkpoint_format,
          "full: one file that rank 0 writes; sharded: FILE names a set of files, one per rank "
-         "(FILE.g<N>.shard-<r>-of-<W>), each written by its rank (--strategy zero1, zero2, fsdp). Either "
-         "resumes at any world size and strategy (docs/ddp/10-faults.md)")
+         "(FILE.g<N>.shard-<r>-of-<W>), each written by its rank (--strategy zero1, zero2, fsdp). Either, "
+         "saved at an epoch's end, resumes at any world size and strategy; a mid-epoch one "
+         "(--checkpoint-every) "
+         "at its own world size (docs/ddp/10-faults.md)")
       ->check(CLI::IsMember({"full", "sharded"}));
   app.add_option(
          "--checkpoint-every", config.checkpoint_every,

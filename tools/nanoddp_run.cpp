@@ -178,9 +178,11 @@ int main(int argc, char** argv) {
     program.erase(program.begin());
   } else if (!program.empty() && program.front().size() > 1 && program.front()[0] == '-') {
     return nanoddp::cli::usage_error(
-        "nanoddp-run", "unknown option '" + program.front() + "'" + closest_option(app, program.front()) +
-                           "; --help lists the options nanoddp-run takes (not torchrun's -m, --rdzv-*, --log-dir, "
-                           "--redirects or --tee); use -- before a PROGRAM whose name starts with '-'");
+        "nanoddp-run",
+        "unknown option '" + program.front() + "'" + closest_option(app, program.front()) +
+            "; --help lists the options nanoddp-run takes (not torchrun's -m, --rdzv-*, --log-dir, "
+            "--redirects, --tee or --monitor-interval: it watches its ranks all the time); use -- "
+            "before a PROGRAM whose name starts with '-'");
   }
   if (program.empty()) {
     std::cerr << "nanoddp-run: no PROGRAM given\n" << app.help();
