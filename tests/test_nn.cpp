@@ -101,6 +101,29 @@ TEST_CASE("GELU's gradient at +-inf is NaN in every element, as torch's (inf * p
   }
 }
 
+TEST_CASE("tanh near saturation equals torch's, value and gradient, in Eigen's packets and in the tail") {
+  // torch 1.13: tanh(8) = 0.999999762, its gradient 4.76837101e-07 (Eigen's vectorised tanh gave 1
+  // and 0). 16 elements: each value in a packet, and the last ones in the scalar tail. (At 9
+  // torch gives 1, where the nearest float to tanh(9) is 1 - 2^-24, which this gives.)
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> points = {8.0f, -8.0f, 7.9f, 9.5f, -7.6f, 20.0f, inf, -inf};
+  const std::vector<float> torch_value = {0.999999762f,  -0.999999762f, 0.999999702f, 1.0f,
+                                          -0.999999523f, 1.0f,          1.0f,         -1.0f};
+  const std::vector<float> torch_grad = {
+      4.76837101e-07f, 4.76837101e-07f, 5.96046334e-07f, 0.0f, 9.53674089e-07f, 0.0f, 0.0f, 0.0f};
+  std::vector<float> xs = points;
+  xs.insert(xs.end(), points.begin(), points.end());
+  Tensor x = Tensor::from_vector(xs).set_requires_grad(true);
+  const Tensor y = tanh(x);
+  sum(y).backward();
+  const std::vector<float> value = y.to_vector(), grad = x.grad().to_vector();
+  for (size_t i = 0; i < xs.size(); ++i) {
+    CAPTURE(xs[i]);
+    CHECK(value[i] == torch_value[i % points.size()]);
+    CHECK(grad[i] == torch_grad[i % points.size()]);
+  }
+}
+
 // Note [GELU's tanh form]: x / (1 + e^(-2u)) keeps its digits where x/2 (1 + tanh(u)) cancels.
 TEST_CASE("GELU's tanh form: value and gradient within a few float32 roundings of float64, tails included") {
   std::vector<float> xs;

@@ -50,7 +50,17 @@ void sigmoid_backward(float* dx, const float* dy, const float* y, int64_t n) {
 
 // ---- tanh ---------------------------------------------------------------------------------
 
-void tanh_forward(float* y, const float* x, int64_t n) { vec(y, n).array() = vec(x, n).array().tanh(); }
+// Eigen's vectorised tanh gives exactly +-1 from |x| = 8, where float32's tanh is still 4 units
+// below 1 up to |x| = 9.01: the gradient 1 - y^2 read from it would be 0 instead of 4.8e-7
+// (torch's). Past |x| = 7.5 the scalar std::tanh redoes those few elements.
+constexpr float kTanhVectorisedAbs = 7.5f;
+
+void tanh_forward(float* y, const float* x, int64_t n) {
+  vec(y, n).array() = vec(x, n).array().tanh();
+  if (all_within(x, n, kTanhVectorisedAbs)) return;
+  for (int64_t i = 0; i < n; ++i)  // NaN is redone too: it stays NaN
+    if (!(std::fabs(x[i]) <= kTanhVectorisedAbs)) y[i] = std::tanh(x[i]);
+}
 
 void tanh_backward(float* dx, const float* dy, const float* y, int64_t n) {
   vec(dx, n).array() = vec(dy, n).array() * (1.0f - vec(y, n).array().square());
