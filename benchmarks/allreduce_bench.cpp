@@ -374,9 +374,9 @@ int main(int argc, char** argv) {
     spawn_options.prefix_output = false;  // rank 0 prints the table (or the CSV) alone
     dist::spawn([&](int) { run_rank(c); }, c.nproc, spawn_options);
   } catch (const UsageError& e) {
-    return cli::usage_error("allreduce_bench", e.what());
+    return cli::usage_error("allreduce_bench", message_of(e));
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "allreduce_bench: %s\n", e.what());
+    std::fprintf(stderr, "allreduce_bench: %s\n", message_of(e).c_str());
     return 1;
   }
   return 0;

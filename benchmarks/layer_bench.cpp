@@ -107,7 +107,7 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "layer_bench: %s\n", e.what());
+    std::fprintf(stderr, "layer_bench: %s\n", message_of(e).c_str());
     return 1;
   }
   return 0;

@@ -80,7 +80,7 @@ int main() {
     dist::destroy_process_group();
     return 0;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "zero_bench: %s\n", e.what());
+    std::fprintf(stderr, "zero_bench: %s\n", message_of(e).c_str());
     return 1;
   }
 }

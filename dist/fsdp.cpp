@@ -406,6 +406,8 @@ void FullyShardedDataParallel::train(bool mode) {
 Tensor FullyShardedDataParallel::forward(const Tensor& input) {
   abandon_interrupted_backward();
   drop_unused_prefetches();  // a forward with no backward after it may have left one
+  // A sum a zero_grad discarded is freed here, before this forward's activations take memory.
+  for (auto& unit : units_) drop_discarded_accumulation(*unit);
   const bool training = is_grad_enabled() && is_training();
   if (training && !forward_order_.empty()) forward_order_known_ = true;  // the first forward recorded it
   const bool has_root = units_[0]->module == nullptr;
@@ -420,8 +422,8 @@ Tensor FullyShardedDataParallel::forward(const Tensor& input) {
 // In torch it is flat_param.grad, so zero_grad discards it; here the shard's .grad stands for
 // it. After a no_sync backward the shard gets a .grad (zeros if it had none) and the unit
 // remembers that tensor and its version. A zero_grad replaces the .grad (set_to_none) or
-// changes its version (zero_), and the next backward then starts from zeros instead of adding
-// to a sum the user discarded.
+// changes its version (zero_), and the next forward or backward then frees the sum and starts
+// from zeros instead of adding to a sum the user discarded.
 void FullyShardedDataParallel::remember_accumulation(Unit& unit) {
   if (!unit.full_grad.defined() || unit.frozen) return;
   if (!unit.shard.grad().defined()) {
@@ -438,11 +440,11 @@ void FullyShardedDataParallel::drop_discarded_accumulation(Unit& unit) {
   const bool kept = unit.accumulated_for.defined() && grad.defined() &&
                     grad.impl() == unit.accumulated_for.impl() &&
                     grad.impl()->storage->version() == unit.accumulated_version;
-  unit.accumulated_for = Tensor();
   if (kept) return;
   for (auto& [pname, p] : unit.params)
     if (p.grad().is_alias_of(unit.full_grad)) p.set_grad(Tensor());
   unit.full_grad = Tensor();
+  unit.accumulated_for = Tensor();
 }
 
 void FullyShardedDataParallel::on_unit_backward_pre(size_t u) {
@@ -563,6 +565,7 @@ void FullyShardedDataParallel::finish_reduction(size_t u) {
   unit.reduce_output = Tensor();
   for (auto& [pname, p] : unit.params) p.set_grad(Tensor());
   unit.full_grad = Tensor();
+  unit.accumulated_for = Tensor();
 }
 
 // Step 5, queued by the first unit's backward: runs once every node and hook is done.
@@ -610,6 +613,7 @@ void FullyShardedDataParallel::abandon_interrupted_backward() {
     for (auto& [pname, p] : unit.params)
       if (p.grad().is_alias_of(unit.full_grad)) p.set_grad(Tensor());
     unit.full_grad = Tensor();
+    unit.accumulated_for = Tensor();
     unit.prepared = false;
     unit.pending = 0;
     reshard(u);

@@ -50,19 +50,18 @@
 // loss on some ranks only breaks it: every rank gets the collective check's DistError, which
 // names the unit (Note [Collective purpose]; torch's FSDP has no such case either). Within a
 // unit that backward reaches, a parameter no gradient reaches gets a zero gradient, reduced
-// at the end of backward. Every rank runs the same number of steps: the wrapper is not a
-// Joinable (torch's FSDP is not either), so uneven inputs end in that DistError or the
-// group's TimeoutError; give every rank as many batches (DistributedSampler's padding, or
-// drop_last). Construction broadcasts rank 0's parameters and
-// buffers (torch's sync_module_states=True), as DDP's does. A unit whose parameters are all
-// frozen (requires_grad false, a frozen embedding) is gathered for its forward and for the
-// backward through it, and has no gradient: its flat parameter does not require grad, and an
-// optimizer skips it. Errors: ValueError for a model with no parameter, a unit that mixes
-// frozen and trained parameters (they are flattened into one, as torch's use_orig_params=False
-// asks), a parameter two units share (named, with both units), or a parameter used
-// through the module outside forward; DistError and TimeoutError from the collectives; a
-// parameter read while its unit is resharded throws ValueError from Tensor::data.
-// As torch's flat-parameter FSDP: a parameter its forward never uses, in a unit that is used,
+// at the end of backward; the ranks must agree on which parameters those are (the unit's
+// reduction moves to the end of backward, and ranks that disagree get that DistError). Every rank runs the
+// same number of steps: the wrapper is not a Joinable (torch's FSDP is not either), so uneven inputs end in
+// that DistError or the group's TimeoutError; give every rank as many batches (DistributedSampler's padding,
+// or drop_last). Construction broadcasts rank 0's parameters and buffers (torch's sync_module_states=True),
+// as DDP's does. A unit whose parameters are all frozen (requires_grad false, a frozen embedding) is gathered
+// for its forward and for the backward through it, and has no gradient: its flat parameter does not require
+// grad, and an optimizer skips it. Errors: ValueError for a model with no parameter, a unit that mixes frozen
+// and trained parameters (they are flattened into one, as torch's use_orig_params=False asks), a parameter
+// two units share (named, with both units), or a parameter used through the module outside forward; DistError
+// and TimeoutError from the collectives; a parameter read while its unit is resharded throws ValueError from
+// Tensor::data. As torch's flat-parameter FSDP: a parameter its forward never uses, in a unit that is used,
 // gets a zero gradient (its part of the flat one), so weight decay still moves it, where DDP
 // with find_unused_parameters leaves it alone. Buffers are broadcast at construction only: a
 // plain BatchNorm's running statistics then follow each rank's own batches (SyncBatchNorm
@@ -152,10 +151,13 @@ class FullyShardedDataParallel : public nn::Module {
   // first backward after it reduce-scatters the accumulated sum (torch's fsdp.no_sync()), for
   // every unit the guarded backwards reached, whether or not it reaches them itself. As for
   // any backward, the guarded ones must reach the same units on every rank.
-  // The full gradients stay in memory meanwhile: 4 bytes per parameter. A zero_grad (the
-  // optimizer's or the wrapper's, set_to_none or not) discards them, as torch's clears the
-  // flat parameters' .grad: after a guarded backward each shard has a .grad (zeros if it had
-  // none) that stands for its unit's sum.
+  // The full gradients stay in memory meanwhile: 4 bytes per parameter, plus a shard's worth
+  // (all of it under NO_SHARD). A zero_grad (the optimizer's or the wrapper's, set_to_none or
+  // not) discards them, as torch's clears the flat parameters' .grad, and the next forward or
+  // backward frees them: after a guarded backward each shard has a .grad (zeros if it had
+  // none) that stands for its unit's sum. Nothing is reduced before the synced backward, so a
+  // step() or clip_grad_norm_ before it sees those zeros (torch's FSDP asks for a synced
+  // backward before the step).
   class NoSyncGuard {
    public:
     explicit NoSyncGuard(FullyShardedDataParallel& fsdp) : fsdp_(fsdp), previous_(fsdp.sync_) { fsdp_.sync_ = false; }

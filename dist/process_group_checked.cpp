@@ -7,7 +7,8 @@
 // Gloo aborts the process on a size mismatch or returns half-reduced data as success, MPI
 // fails with MPI_ERR_TRUNCATE or crashes. So, before each collective, every rank all-gathers
 // a fixed-size fingerprint of what it is about to call (sequence number in the group, which
-// collective, op, dtype, element count, root or list length) through the backend itself.
+// collective, op, dtype, element count, root or list length, what it is for: Note [Collective
+// purpose]) through the backend itself.
 // A fixed-size all-gather cannot itself mismatch, and every rank sees the same table, so
 // when one entry differs every rank throws the same DistError naming each rank's call, and
 // no rank issues the real collective: nothing is half-sent and the group stays in step. A
@@ -73,11 +74,11 @@ constexpr int64_t kFingerprintFields = 7;
 
 // Note [Collective purpose]
 // Sizes, dtypes and ops do not tell two calls for different things apart: under NO_SHARD,
-// FSDP's reductions of two units of the same size are the same all_reduce, so a rank whose
-// backward skipped unit 'a' paired its unit 'b' with the others' 'a', and added one unit's
-// gradient to the other's, silently. The library's own callers say what a call is for
-// (FSDP's unit, DDP's bucket), and the fingerprint carries it as one more int64. A user's
-// collective outside them carries 0, as before.
+// FSDP's reductions of two units of the same size are the same all_reduce, and a rank whose
+// backward skipped unit 'a' would pair its unit 'b' with the others' 'a', adding one unit's
+// gradient to the other's. So the library's own callers say what a call is for (FSDP's
+// unit, DDP's bucket), and the fingerprint carries it as one more int64; a user's collective
+// outside them carries 0.
 thread_local int64_t current_purpose = 0;
 
 std::string describe_call(const int64_t* f) {

@@ -19,7 +19,7 @@
 //
 // Note [Shared-memory fingerprints]
 // The collective check (Note [Fused collective check] in dist/process_group_checked.cpp)
-// exchanges a 48-byte fingerprint before every collective. Through Gloo's sockets that is one
+// exchanges a 56-byte fingerprint before every collective. Through Gloo's sockets that is one
 // more message each way, and on a machine with as many ranks as cores every Gloo message is
 // expensive: it waits for the receiver's "ready" notice, then wakes the receiver's network
 // thread and its worker, each waking a core or preempting a rank's compute. Measured on a
@@ -600,7 +600,7 @@ class ProcessGroupGloo : public ProcessGroup {
 
   // What a failed fingerprint exchange through the shm group says, in the Gloo collective's
   // name: the shm group's own descriptions of its all_gather ("rank 2/4 on vm: shm all_gather
-  // of [6] int64 (48 bytes) on cpu: ", again inside a peer's abort) are dropped, so that a Gloo
+  // of [7] int64 (56 bytes) on cpu: ", again inside a peer's abort) are dropped, so that a Gloo
   // job's error does not read as an shm collective. (Gloo's own failures are gloo::Exception,
   // which GlooWork::run names.)
   static std::string fingerprint_failure(std::string shm_error) {

@@ -40,14 +40,14 @@ struct SpawnOptions {
 // LOCAL_WORLD_SIZE=nprocs, GROUP_RANK=0, MASTER_ADDR, MASTER_PORT (one free port for all) and
 // NANODDP_BACKEND (when options.backend is given) and this call's fresh NANODDP_JOB_ID and
 // NANODDP_STORE_TOKEN (give_job_identity) in its environment, then calls fn(r). A rank
-// whose fn returns exits 0; one whose fn throws prints "exception: <what()>" on its stderr and
+// whose fn returns exits 0; one whose fn throws prints "exception: <message_of(e)>" on its stderr and
 // exits 1. Output lines read "[rank r] ..." (unless options.prefix_output is false), and the
 // rest is as under nanoddp-run (Note [Launch contract] in dist/launch.h: own process groups,
 // SIGINT/SIGTERM/SIGHUP/SIGQUIT/SIGTSTP at their defaults in the ranks, fail fast, SIGTERM
 // then SIGKILL, forwarded signals (a SIGQUIT to the caller ends the ranks and spawn() throws),
 // nothing left behind).
 // Throws ValueError for nprocs outside 1..kMaxProcPerNode, DistError when other threads exist
-// (unless allowed), when a rank fails ("spawn: rank 1 (pid 4242) failed: exit code 1: <what()>"),
+// (unless allowed), when a rank fails ("spawn: rank 1 (pid 4242) failed: exit code 1: <message>"),
 // when a rank cannot be started ("spawn: could not start rank 7 of 8: fork failed: ...") or when
 // a signal interrupted the job, TimeoutError when options.timeout ran out. A failure, signal or
 // timeout while ranks are still being forked stops the forking at once.

@@ -71,8 +71,8 @@ inline Tensor tanh(const Tensor& x) {
 // 1 minus nearly 1, the few digits left are noise: |error| < 1e-6 there (on the CPU, Eigen's
 // vectorised erf can give 0, or a tiny positive value). The tanh form is computed as the
 // equal x / (1 + e^(-2u)), u the tanh's argument, in which nothing cancels: its value and
-// gradient keep their digits in the tails (torch's tanh form gives the gradient's -3.4e-6 at
-// x = -4.875 as -3.76e-6, Eigen's tanh as 0), and elsewhere differ from torch's by rounding.
+// gradient keep their digits in the tails (at x = -4.875 the gradient is float64's -3.4e-6,
+// where torch's tanh form gives -3.76e-6), and elsewhere differ from torch's by rounding.
 // Throws ValueError for another approximate.
 NANODDP_DECLARE_KERNEL(gelu_forward, float* y, const float* x, bool tanh_approximation, int64_t n)
 NANODDP_DECLARE_KERNEL(gelu_backward, float* dx, const float* dy, const float* x, bool tanh_approximation,

@@ -608,6 +608,7 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
       // Left-over arguments in the order given (CLI11 lists them last first).
       {{mlp, "--", "--epochs", "1"}, "not expected: -- --epochs 1\n"},
       {{mlp, "--epoch", "1"}, "not expected: --epoch 1 (did you mean --epochs?)\n"},
+      {{mlp, "--epochs", "1", "--epoch", "1"}, "not expected: --epoch 1 (did you mean --epochs?)\n"},
       {{built("examples/custom_layer"), "--steps"}, "custom_layer: --steps: 1 required"},
       {{mlp, "--epochs", "x"}, "fashion_mnist: --epochs: must be an integer >= 1, got 'x'"},
       // Past what an int holds: named, not CLI11's bare "Could not convert".

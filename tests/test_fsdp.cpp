@@ -3,22 +3,23 @@
 // for an MLP and a CNN, with SGD + momentum and AdamW. Cases run their ranks on Gloo, forked;
 // the last cases rerun this file with NANODDP_TEST_BACKEND=shm and under `mpirun -np 2`.
 #include <doctest/doctest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
-#include <unistd.h>
 #include <sstream>
 
+#include "core/autograd.h"
 #include "core/memory.h"
 #include "core/ops.h"
 #include "core/trace.h"
 #include "dist/ddp.h"
 #include "dist/explain.h"
-#include "dist/zero_redundancy_optimizer.h"
 #include "dist/fsdp.h"
 #include "dist/init.h"
+#include "dist/zero_redundancy_optimizer.h"
 #include "nn/adam.h"
 #include "nn/batch_norm.h"
 #include "nn/checkpoint.h"
@@ -657,6 +658,19 @@ TEST_CASE(
         const std::string report = worst_difference(fsdp.full_state_dict(false), wants[z], kTolerance, &ok);
         expect(ok, "rank ", rank, " ", dist::sharding_strategy_name(strategy), ", zeroing ", z, ":\n",
                report);
+        // The next forward frees a discarded sum: the model's own .grad views of it go too.
+        {
+          auto guard = fsdp.no_sync();
+          const Batch b = global_batch(0, 5);
+          model->use_b = true;
+          cross_entropy(fsdp(rows(b, 0, 3).x), rows(b, 0, 3).y).backward();
+        }
+        opt->zero_grad();
+        NoGradGuard no_grad;
+        (void)fsdp(rows(global_batch(0, 5), 0, 3).x);
+        for (const Tensor& p : model->parameters())
+          expect(!p.grad().defined(), "rank ", rank, " ", dist::sharding_strategy_name(strategy),
+                 ": a model parameter kept a view of the discarded sum after the next forward");
       }
     }
   });
@@ -922,8 +936,8 @@ TEST_CASE(
     "a unit whose output reaches the loss on one rank only is a mismatch naming the unit, under NO_SHARD "
     "too") {
   // Both units run their forward on every rank; rank 1's loss leaves unit b out, so its backward
-  // reduces a alone. Under NO_SHARD the two units' all_reduces have the same size: without the
-  // unit in the collective check's fingerprint, rank 1's a met rank 0's b and both went on.
+  // reduces a alone. Under NO_SHARD the two units' all_reduces have the same size: only the
+  // unit in the collective check's fingerprint tells rank 1's a from rank 0's b.
   if (under_mpirun()) return;  // a refused collective leaves an MPI request open at exit
   struct BothRun : nn::Module {
     BothRun() {

@@ -319,21 +319,11 @@ inline std::optional<int> parse(CLI::App& app, int argc, const char* const* argv
       return usage_error(program, what.substr(0, empty_at) + ": got '', expected one of " +
                                       what.substr(empty_at + empty_member.size()));
     if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) {  // a misspelt flag, most often
-      // CLI11 2.1 lists the arguments left over last first ("1 --epoch" for --epoch 1): put
-      // them back in the order they were given.
-      std::vector<std::pair<int, std::string>> left;
-      std::vector<bool> taken(static_cast<size_t>(argc), false);
-      for (const std::string& word : app.remaining(false)) {
-        int at = argc;
-        for (int i = 1; i < argc && at == argc; ++i)
-          if (!taken[static_cast<size_t>(i)] && word == argv[i]) at = i;
-        if (at < argc) taken[static_cast<size_t>(at)] = true;
-        left.emplace_back(at, word);
-      }
-      std::stable_sort(left.begin(), left.end(),
-                       [](const auto& a, const auto& b) { return a.first < b.first; });
+      // CLI11 2.1's message lists the arguments left over last first ("1 --epoch" for --epoch
+      // 1); remaining() has them in the order given.
+      const std::vector<std::string> left = app.remaining(false);
       std::string listed, hint;
-      for (const auto& [at, word] : left) {
+      for (const std::string& word : left) {
         listed += (listed.empty() ? "" : " ") + word;
         const std::string known = hint.empty() ? closest_long_option(app, word) : "";
         if (!known.empty()) hint = " (did you mean " + known + "?)";

@@ -80,6 +80,11 @@ void tanh_backward(float* dx, const float* dy, const float* y, int64_t n) {
 // the CUDA kernels' form, which never overflows. The float32 rounding of u itself is amplified
 // by the exp: the result's relative error grows like |2u| roundings, as any float32 form's.
 constexpr float kGeluTanhExpExactAbs = 9.6f;
+static_assert(2.0f * kSqrt2OverPi *
+                      (kGeluTanhExpExactAbs +
+                       kGeluCubic * kGeluTanhExpExactAbs * kGeluTanhExpExactAbs * kGeluTanhExpExactAbs) <=
+                  kExpExactAbs,
+              "e^(-2u) must stay in the vectorised exp's exact range");
 
 void gelu_forward(float* y, const float* x, bool tanh_approximation, int64_t n) {
   const auto v = vec(x, n).array();
