@@ -118,6 +118,22 @@ class TemporaryFileGuard {
   Temporary* slot_ = nullptr;
 };
 
+// A new file from name_template (mkostemp's "...XXXXXX", which it fills in) that guard removes
+// if a cleaned signal comes before it is gone: the signals wait on this thread from the file's
+// creation until it is registered. Returns the descriptor, or -1 with errno set.
+int create_temporary_file(std::string& name_template, TemporaryFileGuard& guard) {
+  sigset_t cleaned, previous;
+  sigemptyset(&cleaned);
+  for (int signal_number : kCleanedSignals) sigaddset(&cleaned, signal_number);
+  ::pthread_sigmask(SIG_BLOCK, &cleaned, &previous);
+  const int fd = ::mkostemp(name_template.data(), O_CLOEXEC);
+  const int create_error = errno;
+  if (fd >= 0) guard.track(name_template);
+  ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  errno = create_error;
+  return fd;
+}
+
 }  // namespace
 
 std::string folder_of(const std::string& path) {
@@ -182,21 +198,14 @@ void check_writable(const std::string& path, const char* what) {
   NANODDP_CHECK(::access(dir.c_str(), W_OK) == 0, IOError, what, " ", path, ": cannot write in folder ", dir, ": ",
                 std::strerror(errno));
   // access() answers yes to root for any folder, /proc's included: so make (and remove) the
-  // temporary file a save makes there, with the signals held as the save holds them.
+  // temporary file a save makes there.
   std::string probe = target + ".tmp.XXXXXX";
-  sigset_t cleaned, previous;
-  sigemptyset(&cleaned);
-  for (int signal_number : kCleanedSignals) sigaddset(&cleaned, signal_number);
-  ::pthread_sigmask(SIG_BLOCK, &cleaned, &previous);
-  const int fd = ::mkostemp(probe.data(), O_CLOEXEC);
-  const int create_error = errno;
-  if (fd >= 0) {
-    ::close(fd);
-    ::unlink(probe.c_str());
-  }
-  ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  TemporaryFileGuard removed_on_signal;  // Note [Temporary files and signals]
+  const int fd = create_temporary_file(probe, removed_on_signal);
   NANODDP_CHECK(fd >= 0, IOError, what, " ", path, ": cannot create a file in folder ", dir, ": ",
-                std::strerror(create_error));
+                std::strerror(errno));
+  ::close(fd);
+  ::unlink(probe.c_str());
 }
 
 void write_file_atomically(const std::string& given_path, const std::string& bytes, const char* what) {
@@ -206,17 +215,9 @@ void write_file_atomically(const std::string& given_path, const std::string& byt
   // the last rename wins and path always holds one whole file.
   std::string tmp = path + ".tmp.XXXXXX";
   TemporaryFileGuard removed_on_signal;  // Note [Temporary files and signals]
-  // The signals wait on this thread from the file's creation until it is registered.
-  sigset_t cleaned, previous;
-  sigemptyset(&cleaned);
-  for (int signal_number : kCleanedSignals) sigaddset(&cleaned, signal_number);
-  ::pthread_sigmask(SIG_BLOCK, &cleaned, &previous);
-  const int fd = ::mkostemp(tmp.data(), O_CLOEXEC);
-  const int create_error = errno;
-  if (fd >= 0) removed_on_signal.track(tmp);
-  ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  const int fd = create_temporary_file(tmp, removed_on_signal);
   NANODDP_CHECK(fd >= 0, IOError, what, ": cannot create a temporary file ", tmp, " next to ", path, ": ",
-                std::strerror(create_error));
+                std::strerror(errno));
   try {
     NANODDP_CHECK(::fchmod(fd, saved_file_mode(path)) == 0, IOError, what, ": chmod ", tmp, ": ",
                   std::strerror(errno));  // Note [Saved file mode]

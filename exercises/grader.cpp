@@ -1,9 +1,9 @@
 // The exercises' grader: grader NAME... checks the ladder rungs naive, flat, overlap
 // (examples/ladder/NAME.h as compiled in) and the ring (dist::ring_all_reduce as linked in)
-// on 2 ranks (the ring: 2 and 3), on Gloo and on shm, each check repeated 5 times to catch
-// races. tools/exercise builds it with a learner's file in place of the ladder's.
-// Prints what was expected and what came back (rank, parameter, value); exit 0 when all pass.
-// The tests/ headers below include doctest; the grader is a program of its own, not a test suite.
+// on 2 and 3 ranks (a divide by 2 written as a constant passes at 2 only), on Gloo and on shm,
+// each check repeated 5 times to catch races. tools/exercise builds it with a learner's file in place of the
+// ladder's. Prints what was expected and what came back (rank, parameter, value); exit 0 when all pass. The
+// tests/ headers below include doctest; the grader is a program of its own, not a test suite.
 #define DOCTEST_CONFIG_DISABLE
 #include <cstdio>
 #include <cstdlib>
@@ -22,12 +22,14 @@ namespace {
 constexpr int kRepeats = 5;
 
 // What the ring must give at world ranks: element i of rank r is (r + 1) * (i + 1), 10 of
-// them (not a multiple of 3); Sum and Avg; and no all_reduce collective is used.
+// them (not a multiple of 3); Sum, Avg, Max and Min; and no collective is used, only send
+// and recv (an all_gather and a local sum gives the right numbers without a ring).
 std::string ring_problems(const std::shared_ptr<dist::ProcessGroup>& pg) {
   const int rank = pg->rank(), world = pg->size();
   const float rank_sum = static_cast<float>(world * (world + 1) / 2);
   std::string problems;
-  for (const dist::ReduceOp op : {dist::ReduceOp::Sum, dist::ReduceOp::Avg}) {
+  for (const dist::ReduceOp op :
+       {dist::ReduceOp::Sum, dist::ReduceOp::Avg, dist::ReduceOp::Max, dist::ReduceOp::Min}) {
     std::vector<float> values;
     for (int i = 0; i < 10; ++i) values.push_back(static_cast<float>((rank + 1) * (i + 1)));
     Tensor t = Tensor::from_vector(values, {2, 5});
@@ -35,7 +37,10 @@ std::string ring_problems(const std::shared_ptr<dist::ProcessGroup>& pg) {
     dist::ring_all_reduce(*pg, t, op, std::chrono::seconds(30));
     const std::vector<float> got = t.to_vector();
     for (int i = 0; i < 10; ++i) {
-      const float want = rank_sum * static_cast<float>(i + 1) / (op == dist::ReduceOp::Avg ? world : 1);
+      const float per_rank = op == dist::ReduceOp::Max   ? static_cast<float>(world)
+                             : op == dist::ReduceOp::Min ? 1.0f
+                                                         : rank_sum / (op == dist::ReduceOp::Avg ? world : 1);
+      const float want = per_rank * static_cast<float>(i + 1);
       if (got.size() != 10 || std::abs(got[i] - want) > 1e-4f * std::abs(want)) {
         problems += "rank " + std::to_string(rank) + "/" + std::to_string(world) + " ring_all_reduce(" +
                     dist::reduce_op_name(op) + "): element " + std::to_string(i) + " = " +
@@ -44,9 +49,13 @@ std::string ring_problems(const std::shared_ptr<dist::ProcessGroup>& pg) {
         break;
       }
     }
-    if (pg->count(dist::Collective::AllReduce).calls != 0)
-      problems += "rank " + std::to_string(rank) +
-                  ": ring_all_reduce called the group's all_reduce; use send and recv\n";
+    for (const auto& [collective, name] : {std::pair{dist::Collective::AllReduce, "all_reduce"},
+                                           std::pair{dist::Collective::AllGather, "all_gather"},
+                                           std::pair{dist::Collective::ReduceScatter, "reduce_scatter"},
+                                           std::pair{dist::Collective::Broadcast, "broadcast"}})
+      if (pg->count(collective).calls != 0)
+        problems += "rank " + std::to_string(rank) + ": ring_all_reduce called the group's " + name +
+                    "; the ring passes chunks to its neighbours with send and recv only\n";
   }
   return problems;
 }
@@ -55,6 +64,7 @@ std::string rung_problems(const std::string& rung, const std::shared_ptr<dist::P
   std::string problems = ladder_checks::gradient_matches(rung, pg);
   if (problems.empty()) problems = ladder_checks::counts_match(rung, pg);
   if (problems.empty()) problems = ladder_checks::counts_match(rung, pg, /*micro_batches=*/3);
+  if (problems.empty()) problems = ladder_checks::counts_match_after_rewrap(rung, pg);
   if (problems.empty()) problems = ladder_checks::equals_one_process(rung, pg);
   return problems;
 }
@@ -64,7 +74,7 @@ std::string grade(const std::string& name) {
   for (const char* backend : {"gloo", "shm"}) {
     ::setenv("NANODDP_TEST_BACKEND", backend, 1);  // read by testing::join in the forked ranks
     for (int repeat = 1; repeat <= kRepeats; ++repeat) {
-      for (const int world : name == "ring" ? std::vector<int>{2, 3} : std::vector<int>{2}) {
+      for (const int world : {2, 3}) {
         const int port = testing::free_port();
         const std::string failures = testing::on_ranks(
             world,
@@ -101,7 +111,7 @@ int main(int argc, char** argv) {
     }
     const std::string problems = grade(name);
     if (problems.empty()) {
-      std::printf("%s: passed (gloo and shm, %d runs each)\n", name.c_str(), kRepeats);
+      std::printf("%s: passed (gloo and shm, 2 and 3 ranks, %d runs each)\n", name.c_str(), kRepeats);
     } else {
       std::printf("%s: FAILED on %s", name.c_str(), problems.c_str());
       ++failed;

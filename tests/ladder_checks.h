@@ -267,6 +267,23 @@ inline StepCount expected_step_count(const std::string& rung) {
   return {kMlpParameters, kMlpGradientBytes, 0};                              // naive, overlap
 }
 
+// A rung made, destroyed and made again on the same model: the first one's hooks must be gone
+// with it, or the second step reduces every gradient twice.
+inline std::string counts_match_after_rewrap(const std::string& rung,
+                                             const std::shared_ptr<dist::ProcessGroup>& pg) {
+  auto model = make_mlp(7);
+  make_rung(rung, model, pg).reset();
+  const StepCount got = count_one_step(rung, pg, 1, model), want = expected_step_count(rung);
+  if (got.calls == want.calls && got.bytes == want.bytes) return "";
+  std::ostringstream report;
+  report << "rank " << pg->rank() << "/" << pg->size() << " " << rung << ": a second " << rung
+         << " on a model an earlier one wrapped (and was destroyed) issued " << got.calls
+         << " all_reduce calls of " << got.bytes << " bytes for one step; expected " << want.calls << " of "
+         << want.bytes
+         << ": the earlier one's hooks are still on the parameters (remove them in its destructor)\n";
+  return report.str();
+}
+
 inline std::string counts_match(const std::string& rung, const std::shared_ptr<dist::ProcessGroup>& pg,
                                 int micro_batches = 1) {
   const StepCount got = count_one_step(rung, pg, micro_batches), want = expected_step_count(rung);
@@ -283,8 +300,9 @@ inline std::string counts_match(const std::string& rung, const std::shared_ptr<d
 // One step of the MLP on this rank's share, then finish_gradient_sync(): "" when every
 // gradient equals one process's on the global batch (within kLadderTolerance). Otherwise names
 // the parameter, the element and both values, and the mistake the values look like: W times
-// the mean (summed, not divided), this rank's own gradient (never reduced), or it divided by W
-// (divided, then the all_reduce was not waited for).
+// the mean (summed, not divided), 1/W of it (divided twice), this rank's own gradient (never
+// reduced, or not copied back), it divided by W (divided, then the all_reduce was not waited
+// for), or another parameter's gradient (offsets into a flat buffer).
 inline std::string gradient_matches(const std::string& rung, const std::shared_ptr<dist::ProcessGroup>& pg) {
   const int rank = pg->rank(), world = pg->size();
   const Batch global = global_batch(0, 5), mine = share(global, rank, world);
@@ -317,11 +335,39 @@ inline std::string gradient_matches(const std::string& rung, const std::shared_p
       if (std::abs(g[j] - w[j]) > std::abs(g[worst] - w[worst])) worst = j;
     report << "rank " << rank << "/" << world << " " << rung << ": " << got[p].first << ".grad[" << worst
            << "] = " << g[worst] << ", expected " << w[worst] << " (one process on the global batch)";
+    // Where in all the expected gradients laid end to end (parameter order) these values sit,
+    // when that is somewhere else than this parameter's own place: a flat buffer's offsets.
+    std::vector<float> laid_out;
+    size_t own_offset = 0;
+    for (size_t q = 0; q < want.size(); ++q) {
+      if (q == p) own_offset = laid_out.size();
+      const std::vector<float> wq = want[q].second.grad().to_vector();
+      laid_out.insert(laid_out.end(), wq.begin(), wq.end());
+    }
+    std::string other;
+    for (size_t at = 0; at + g.size() <= laid_out.size() && other.empty(); ++at)
+      if (at != own_offset && all_near([&](size_t j) { return laid_out[at + j]; }))
+        other = "elements [" + std::to_string(at) + ", " + std::to_string(at + g.size()) +
+                ") of all the gradients laid end to end, where its own are [" + std::to_string(own_offset) +
+                ", " + std::to_string(own_offset + g.size()) + ")";
+    int divided_by = 0;  // summed, then divided by this instead of the world size
+    for (int d = 2; d <= 8 && divided_by == 0; ++d)
+      if (d != world &&
+          all_near([&](size_t j) { return w[j] * static_cast<float>(world) / static_cast<float>(d); }))
+        divided_by = d;
     if (all_near([&](size_t j) { return w[j] * static_cast<float>(world); }))
       report << ": every value is " << world
              << " times the mean: summed over ranks but not divided by the world size";
+    else if (all_near([&](size_t j) { return w[j] / static_cast<float>(world); }))
+      report << ": every value is the mean divided by " << world
+             << " once more: divided twice (or ReduceOp::Avg and a divide)";
+    else if (divided_by != 0)
+      report << ": every value is the sum divided by " << divided_by << ", not by the world size " << world;
+    else if (!other.empty())
+      report << ": these are " << other << ": check the offsets into the flat buffer and their order";
     else if (all_near([&](size_t j) { return l[j]; }))
-      report << ": this rank's own gradient: it was never reduced (no all_reduce, or one not waited for)";
+      report << ": this rank's own gradient: it was never reduced (no all_reduce, one not waited for, or "
+                "a flat buffer's result not copied back into .grad)";
     else if (all_near([&](size_t j) { return l[j] / static_cast<float>(world); }))
       report << ": this rank's own gradient divided by " << world
              << ": divided, but the sum never arrived (an all_reduce not waited for)";
