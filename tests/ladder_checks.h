@@ -9,6 +9,8 @@
 // kLadderTolerance; and a step issues exactly the all_reduces its header says.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <sstream>
@@ -265,6 +267,74 @@ inline StepCount count_one_step(const std::string& rung, const std::shared_ptr<d
 inline StepCount expected_step_count(const std::string& rung) {
   if (rung == "flat" || rung == "buckets") return {1, kMlpGradientBytes, 0};  // DDP: one bucket under 1 MiB
   return {kMlpParameters, kMlpGradientBytes, 0};                              // naive, overlap
+}
+
+// Forwards to a group and records the most all_reduce works issued and not yet finished at
+// once: overlap's point is that they are in flight together while backward goes on.
+class InFlightGroup : public dist::ProcessGroup {
+ public:
+  explicit InFlightGroup(std::shared_ptr<dist::ProcessGroup> inner)
+      : dist::ProcessGroup(inner->rank(), inner->size()), inner_(std::move(inner)) {}
+  std::string backend_name() const override { return inner_->backend_name(); }
+  std::shared_ptr<dist::Work> all_reduce(Tensor& t, dist::ReduceOp op) override {
+    auto work = std::make_shared<Tracked>(inner_->all_reduce(t, op), this);
+    most_in_flight = std::max(most_in_flight, ++in_flight_);
+    return work;
+  }
+  std::shared_ptr<dist::Work> broadcast(Tensor& t, int root) override { return inner_->broadcast(t, root); }
+  std::shared_ptr<dist::Work> all_gather(std::vector<Tensor>& outs, const Tensor& in) override {
+    return inner_->all_gather(outs, in);
+  }
+  std::shared_ptr<dist::Work> reduce_scatter(Tensor& out, const std::vector<Tensor>& ins,
+                                             dist::ReduceOp op) override {
+    return inner_->reduce_scatter(out, ins, op);
+  }
+  std::shared_ptr<dist::Work> barrier() override { return inner_->barrier(); }
+  dist::Store& store() override { return inner_->store(); }
+  bool collectives_run_in_wait() const override { return inner_->collectives_run_in_wait(); }
+
+  int most_in_flight = 0;
+
+ private:
+  struct Tracked : dist::Work {
+    Tracked(std::shared_ptr<dist::Work> work, InFlightGroup* group) : inner(std::move(work)), group(group) {}
+    void wait(std::chrono::milliseconds timeout) override {
+      inner->wait(timeout);
+      finished();
+    }
+    bool is_completed() override {
+      const bool completed = inner->is_completed();
+      if (completed) finished();
+      return completed;
+    }
+    void finished() {
+      if (!done) --group->in_flight_;
+      done = true;
+    }
+    std::shared_ptr<dist::Work> inner;
+    InFlightGroup* group;
+    bool done = false;
+  };
+  std::shared_ptr<dist::ProcessGroup> inner_;
+  int in_flight_ = 0;
+};
+
+// overlap only: "" when more than one all_reduce of a step was in flight at once; a hook that
+// waits for its own all_reduce gives right numbers and no overlap.
+inline std::string overlaps(const std::string& rung, const std::shared_ptr<dist::ProcessGroup>& pg) {
+  if (rung != "overlap") return "";
+  auto counted = std::make_shared<InFlightGroup>(pg);
+  auto model = make_mlp(7);
+  auto dp = make_rung(rung, model, counted);
+  const Batch b = share(global_batch(0, 5), pg->rank(), pg->size());
+  cross_entropy((*dp)(b.x), b.y).backward();
+  dp->finish_gradient_sync();
+  if (counted->most_in_flight > 1) return "";
+  return "rank " + std::to_string(pg->rank()) + "/" + std::to_string(pg->size()) + " overlap: the " +
+         std::to_string(kMlpParameters) + " all_reduces of a step ran one at a time (at most " +
+         std::to_string(counted->most_in_flight) +
+         " in flight): a hook that waits for its own all_reduce overlaps nothing; wait at the end of "
+         "backward instead\n";
 }
 
 // A rung made, destroyed and made again on the same model: the first one's hooks must be gone
