@@ -65,7 +65,7 @@ std::string rung_problems(const std::string& rung, const std::shared_ptr<dist::P
   if (problems.empty()) problems = ladder_checks::counts_match(rung, pg);
   if (problems.empty()) problems = ladder_checks::counts_match(rung, pg, /*micro_batches=*/3);
   if (problems.empty()) problems = ladder_checks::counts_match_after_rewrap(rung, pg);
-  if (problems.empty()) problems = ladder_checks::overlaps(rung, pg);
+  if (problems.empty()) problems = ladder_checks::in_flight_problems(rung, pg);
   if (problems.empty()) problems = ladder_checks::equals_one_process(rung, pg);
   return problems;
 }

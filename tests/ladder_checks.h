@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <deque>
 #include <memory>
 #include <sstream>
 #include <stdexcept>
@@ -269,17 +270,20 @@ inline StepCount expected_step_count(const std::string& rung) {
   return {kMlpParameters, kMlpGradientBytes, 0};                              // naive, overlap
 }
 
-// Forwards to a group and records the most all_reduce works issued and not yet finished at
-// once: overlap's point is that they are in flight together while backward goes on.
-class InFlightGroup : public dist::ProcessGroup {
+// Forwards to a group, running each all_reduce only when it or a later one is waited for
+// (oldest first, as shm does). It records the most calls issued and not yet run, and whether
+// a tensor changed between its all_reduce call and the wait that ran it: a divide while the
+// all_reduce is in flight is a race that Gloo loses only sometimes, and here always shows.
+class DeferringGroup : public dist::ProcessGroup {
  public:
-  explicit InFlightGroup(std::shared_ptr<dist::ProcessGroup> inner)
+  explicit DeferringGroup(std::shared_ptr<dist::ProcessGroup> inner)
       : dist::ProcessGroup(inner->rank(), inner->size()), inner_(std::move(inner)) {}
   std::string backend_name() const override { return inner_->backend_name(); }
   std::shared_ptr<dist::Work> all_reduce(Tensor& t, dist::ReduceOp op) override {
-    auto work = std::make_shared<Tracked>(inner_->all_reduce(t, op), this);
-    most_in_flight = std::max(most_in_flight, ++in_flight_);
-    return work;
+    auto call = std::make_shared<Call>(Call{t, op, t.to_vector()});
+    queue_.push_back(call);
+    most_in_flight = std::max(most_in_flight, static_cast<int>(queue_.size()));
+    return std::make_shared<Deferred>(this, call);
   }
   std::shared_ptr<dist::Work> broadcast(Tensor& t, int root) override { return inner_->broadcast(t, root); }
   std::shared_ptr<dist::Work> all_gather(std::vector<Tensor>& outs, const Tensor& in) override {
@@ -291,50 +295,62 @@ class InFlightGroup : public dist::ProcessGroup {
   }
   std::shared_ptr<dist::Work> barrier() override { return inner_->barrier(); }
   dist::Store& store() override { return inner_->store(); }
-  bool collectives_run_in_wait() const override { return inner_->collectives_run_in_wait(); }
+  bool collectives_run_in_wait() const override { return true; }
 
   int most_in_flight = 0;
+  bool changed_in_flight = false;
 
  private:
-  struct Tracked : dist::Work {
-    Tracked(std::shared_ptr<dist::Work> work, InFlightGroup* group) : inner(std::move(work)), group(group) {}
-    void wait(std::chrono::milliseconds timeout) override {
-      inner->wait(timeout);
-      finished();
-    }
-    bool is_completed() override {
-      const bool completed = inner->is_completed();
-      if (completed) finished();
-      return completed;
-    }
-    void finished() {
-      if (!done) --group->in_flight_;
-      done = true;
-    }
-    std::shared_ptr<dist::Work> inner;
-    InFlightGroup* group;
+  struct Call {
+    Tensor tensor;
+    dist::ReduceOp op;
+    std::vector<float> at_call;
     bool done = false;
   };
+  struct Deferred : dist::Work {
+    Deferred(DeferringGroup* group, std::shared_ptr<Call> call) : group(group), call(std::move(call)) {}
+    void wait(std::chrono::milliseconds timeout) override { group->run_until(*call, timeout); }
+    bool is_completed() override { return call->done; }
+    DeferringGroup* group;
+    std::shared_ptr<Call> call;
+  };
+  void run_until(const Call& last, std::chrono::milliseconds timeout) {
+    while (!last.done && !queue_.empty()) {
+      const std::shared_ptr<Call> call = queue_.front();
+      queue_.pop_front();
+      if (call->tensor.to_vector() != call->at_call) changed_in_flight = true;
+      inner_->all_reduce(call->tensor, call->op)->wait(timeout);
+      call->done = true;
+    }
+  }
   std::shared_ptr<dist::ProcessGroup> inner_;
-  int in_flight_ = 0;
+  std::deque<std::shared_ptr<Call>> queue_;
 };
 
-// overlap only: "" when more than one all_reduce of a step was in flight at once; a hook that
-// waits for its own all_reduce gives right numbers and no overlap.
-inline std::string overlaps(const std::string& rung, const std::shared_ptr<dist::ProcessGroup>& pg) {
-  if (rung != "overlap") return "";
-  auto counted = std::make_shared<InFlightGroup>(pg);
+// One step of the MLP through a DeferringGroup: "" unless a gradient changed while its
+// all_reduce was in flight, or (overlap) the all_reduces ran one at a time.
+inline std::string in_flight_problems(const std::string& rung,
+                                      const std::shared_ptr<dist::ProcessGroup>& pg) {
+  auto deferring = std::make_shared<DeferringGroup>(pg);
   auto model = make_mlp(7);
-  auto dp = make_rung(rung, model, counted);
+  auto dp = make_rung(rung, model, deferring);
   const Batch b = share(global_batch(0, 5), pg->rank(), pg->size());
   cross_entropy((*dp)(b.x), b.y).backward();
   dp->finish_gradient_sync();
-  if (counted->most_in_flight > 1) return "";
-  return "rank " + std::to_string(pg->rank()) + "/" + std::to_string(pg->size()) + " overlap: the " +
-         std::to_string(kMlpParameters) + " all_reduces of a step ran one at a time (at most " +
-         std::to_string(counted->most_in_flight) +
-         " in flight): a hook that waits for its own all_reduce overlaps nothing; wait at the end of "
-         "backward instead\n";
+  const std::string who =
+      "rank " + std::to_string(pg->rank()) + "/" + std::to_string(pg->size()) + " " + rung + ": ";
+  if (deferring->changed_in_flight)
+    return who +
+           "a tensor changed between its all_reduce call and the wait for it (a divide, say): a tensor "
+           "belongs to its collective until wait() returns, and Gloo may be reading or writing it; "
+           "change it after the wait\n";
+  if (rung == "overlap" && deferring->most_in_flight < 2)
+    return who + "the " + std::to_string(kMlpParameters) +
+           " all_reduces of a step ran one at a time (at most " + std::to_string(deferring->most_in_flight) +
+           " in flight): a hook that waits for its own all_reduce overlaps nothing; wait at the end of "
+           "backward "
+           "instead\n";
+  return "";
 }
 
 // A rung made, destroyed and made again on the same model: the first one's hooks must be gone
