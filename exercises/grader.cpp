@@ -61,11 +61,12 @@ std::string ring_problems(const std::shared_ptr<dist::ProcessGroup>& pg) {
 }
 
 std::string rung_problems(const std::string& rung, const std::shared_ptr<dist::ProcessGroup>& pg) {
-  std::string problems = ladder_checks::gradient_matches(rung, pg);
+  // First the one check a race cannot slip past by chance (its all_reduces run at their waits).
+  std::string problems = ladder_checks::in_flight_problems(rung, pg);
+  if (problems.empty()) problems = ladder_checks::gradient_matches(rung, pg);
   if (problems.empty()) problems = ladder_checks::counts_match(rung, pg);
   if (problems.empty()) problems = ladder_checks::counts_match(rung, pg, /*micro_batches=*/3);
   if (problems.empty()) problems = ladder_checks::counts_match_after_rewrap(rung, pg);
-  if (problems.empty()) problems = ladder_checks::in_flight_problems(rung, pg);
   if (problems.empty()) problems = ladder_checks::equals_one_process(rung, pg);
   return problems;
 }
