@@ -327,7 +327,9 @@ class FusedWork : public Work {
 // write theirs. The ranks whose key is missing are named in the TimeoutError, with the call,
 // and the first of them is reported to the launcher as the rank this one lost (Note
 // [Launcher link]). The store's server runs in rank 0's process: when rank 0 is the one that
-// stopped, the store gives no reply either, and rank 0 is named at once, without the poll. A
+// stopped, the store gives no reply either. So a rank on rank 0's machine that finds it
+// stopped (/proc) names it at once; elsewhere, a store that gives no reply to "reached" in
+// time names rank 0, without the poll. A
 // rank that dies is still named the way it was (a closed connection, a pid gone); MPI has no
 // store, and its timeout stays as it was.
 constexpr std::chrono::milliseconds kStragglerGrace{1000};
@@ -347,6 +349,18 @@ bool CheckState::say_reached(const std::vector<int64_t>& mine) {
 
 std::string CheckState::stragglers(const std::vector<int64_t>& mine) {
   const int rank = inner->rank(), world = inner->size();
+  bool server_stopped = false;
+  try {
+    server_stopped = rank != 0 && inner->store().server_stopped();
+  } catch (const std::exception&) {
+    // no store (MPI)
+  }
+  if (server_stopped) {
+    report_lost_peer(rank, 0);
+    return " straggler: rank 0, which serves the store, is stopped (SIGSTOP, Ctrl-Z or a debugger) and never "
+           "reached " +
+           describe_call(mine.data());
+  }
   if (!say_reached(mine) && rank != 0) {
     report_lost_peer(rank, 0);
     return " straggler: rank 0 never reached " + describe_call(mine.data()) +

@@ -45,6 +45,8 @@ TCPStore::~TCPStore() {
 
 int64_t TCPStore::rejected_connections() const { return server_ ? server_->rejected() : 0; }
 
+bool TCPStore::server_stopped() const { return client_ != nullptr && client_->server_stopped(); }
+
 namespace {
 void check_key(const std::string& context, const std::string& key) {
   NANODDP_CHECK(key.size() <= kMaxKeyBytes, ValueError, context, ": key of ", key.size(),

@@ -46,6 +46,9 @@ class Store {
 
   // The default timeout of get() and wait().
   virtual std::chrono::milliseconds timeout() const = 0;
+  // True when the process that serves this store runs on this machine and is stopped
+  // (SIGSTOP, Ctrl-Z, a debugger): it will not answer. Never blocks.
+  virtual bool server_stopped() const { return false; }
 
   void set(const std::string& key, const std::string& value) {
     set(key, std::vector<uint8_t>(value.begin(), value.end()));
@@ -123,6 +126,7 @@ class TCPStore : public Store {
   using Store::wait;
   bool check(const std::vector<std::string>& keys) override;
   std::chrono::milliseconds timeout() const override { return options_.timeout; }
+  bool server_stopped() const override;
 
   int port() const { return port_; }  // the bound port (the real one when options.port == 0)
   const std::string& host() const { return options_.host; }

@@ -17,6 +17,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -254,6 +255,19 @@ class TCPStore::Client {
   // "rank 0 (pid 4242 on node7)": who serves the store, from its hello.
   std::string server() const {
     return "rank 0 (pid " + std::to_string(server_pid_) + " on " + server_host_ + ")";
+  }
+
+  // Whether the server's process is on this machine, not this one, and stopped: its state in
+  // /proc/<pid>/stat is T (stopped) or t (traced).
+  bool server_stopped() const {
+    if (server_pid_ <= 0 || server_pid_ == ::getpid() || server_host_ != detail::host_name()) return false;
+    std::ifstream stat("/proc/" + std::to_string(server_pid_) + "/stat");
+    std::string line;
+    if (!std::getline(stat, line)) return false;
+    const size_t name_end = line.rfind(')');  // the command name may hold spaces and parentheses
+    if (name_end == std::string::npos || name_end + 2 >= line.size()) return false;
+    const char state = line[name_end + 2];
+    return state == 'T' || state == 't';
   }
 
  private:
