@@ -1,9 +1,10 @@
 // The exercises' grader: grader NAME... checks the ladder rungs naive, flat, overlap
 // (examples/ladder/NAME.h as compiled in) and the ring (dist::ring_all_reduce as linked in)
-// on 2 and 3 ranks (a divide by 2 written as a constant passes at 2 only), on Gloo and on shm,
-// each check repeated 5 times to catch races. tools/exercise builds it with a learner's file in place of the
-// ladder's. Prints what was expected and what came back (rank, parameter, value); exit 0 when all pass. The
-// tests/ headers below include doctest; the grader is a program of its own, not a test suite.
+// on 2 and 3 ranks (a divide by 2 written as a constant passes at 2 only), on Gloo and on
+// shm, each check repeated 5 times to catch races. tools/exercise builds it with a learner's
+// file in place of the ladder's. Prints what was expected and what came back (rank,
+// parameter, value); exit 0 when all pass. The tests/ headers below include doctest; the
+// grader is a program of its own, not a test suite.
 #define DOCTEST_CONFIG_DISABLE
 #include <cstdio>
 #include <cstdlib>
