@@ -28,10 +28,13 @@ static_assert(kGeluExpExactAbs * kGeluExpExactAbs / 2 <= kExpExactAbs, "exp(-x^2
 
 namespace {
 
-// Whether every |x[i]| <= limit (false for NaN): one vectorised pass, so that the scalar loop
-// that redoes the elements outside runs only when there are any.
-bool all_within(const float* x, int64_t n, float limit) {
-  return n == 0 || vec(x, n).array().abs().maxCoeff<Eigen::PropagateNaN>() <= limit;
+// Calls redo(i) for every i with |x[i]| > limit, NaN included (it stays NaN), after one
+// vectorised pass that says whether there is any: the scalar loop runs only when there is.
+template <typename Redo>
+void redo_outside(const float* x, int64_t n, float limit, Redo redo) {
+  if (n == 0 || vec(x, n).array().abs().maxCoeff<Eigen::PropagateNaN>() <= limit) return;
+  for (int64_t i = 0; i < n; ++i)
+    if (!(std::fabs(x[i]) <= limit)) redo(i);
 }
 
 }  // namespace
@@ -57,9 +60,7 @@ constexpr float kTanhVectorisedAbs = 7.5f;
 
 void tanh_forward(float* y, const float* x, int64_t n) {
   vec(y, n).array() = vec(x, n).array().tanh();
-  if (all_within(x, n, kTanhVectorisedAbs)) return;
-  for (int64_t i = 0; i < n; ++i)  // NaN is redone too: it stays NaN
-    if (!(std::fabs(x[i]) <= kTanhVectorisedAbs)) y[i] = std::tanh(x[i]);
+  redo_outside(x, n, kTanhVectorisedAbs, [&](int64_t i) { y[i] = std::tanh(x[i]); });
 }
 
 void tanh_backward(float* dx, const float* dy, const float* y, int64_t n) {
@@ -90,9 +91,7 @@ void gelu_forward(float* y, const float* x, bool tanh_approximation, int64_t n) 
   const auto v = vec(x, n).array();
   if (tanh_approximation) {
     vec(y, n).array() = v / (1.0f + (-2.0f * kSqrt2OverPi * (v + kGeluCubic * v.cube())).exp());
-    if (all_within(x, n, kGeluTanhExpExactAbs)) return;
-    for (int64_t i = 0; i < n; ++i)  // NaN is redone too: it stays NaN
-      if (!(std::fabs(x[i]) <= kGeluTanhExpExactAbs)) y[i] = gelu_tanh_value(x[i]);
+    redo_outside(x, n, kGeluTanhExpExactAbs, [&](int64_t i) { y[i] = gelu_tanh_value(x[i]); });
   } else {
     vec(y, n).array() = 0.5f * v * (1.0f + (v * kSqrt1_2).erf());
   }
@@ -108,21 +107,17 @@ void gelu_backward(float* dx, const float* dy, const float* x, bool tanh_approxi
     const auto s = (1.0f + e).inverse();
     vec(dx, n).array() = g * (s + 2.0f * v * kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * v.square()) *
                                       (e * s) * s);  // s^2 underflows
-    if (all_within(x, n, kGeluTanhExpExactAbs)) return;
-    for (int64_t i = 0; i < n; ++i)  // NaN is redone too: it stays NaN
-      if (!(std::fabs(x[i]) <= kGeluTanhExpExactAbs)) dx[i] = dy[i] * gelu_tanh_slope(x[i]);
+    redo_outside(x, n, kGeluTanhExpExactAbs, [&](int64_t i) { dx[i] = dy[i] * gelu_tanh_slope(x[i]); });
   } else {
     // d/dx [x Phi(x)] = Phi(x) + x phi(x). Past |x| = 12.6, phi's exp(-x^2 / 2) is outside the
     // vectorised exp's exact range (Note [Vectorised exp's range]) and the scalar formula runs:
     // at x = +-inf x phi(x) is inf * 0 = NaN, as torch's (and the CUDA kernel's).
     vec(dx, n).array() =
         g * (0.5f * (1.0f + (v * kSqrt1_2).erf()) + v * kInvSqrt2Pi * (-0.5f * v.square()).exp());
-    if (all_within(x, n, kGeluExpExactAbs)) return;
-    for (int64_t i = 0; i < n; ++i) {
-      if (std::fabs(x[i]) <= kGeluExpExactAbs) continue;  // NaN is redone too: it stays NaN
+    redo_outside(x, n, kGeluExpExactAbs, [&](int64_t i) {
       dx[i] = dy[i] * (0.5f * (1.0f + std::erf(x[i] * kSqrt1_2)) +
                        x[i] * kInvSqrt2Pi * std::exp(-0.5f * x[i] * x[i]));
-    }
+    });
   }
 }
 
