@@ -20,7 +20,7 @@
 namespace nanoddp {
 
 // Base of every exception nanoddp throws. what() is the full message, ending in " (file:line)"
-// when it was thrown by a check macro (`where` is then "file:line").
+// for an error a check macro throws (it passes `where` as "file:line").
 class Error : public std::runtime_error {
  public:
   explicit Error(const std::string& message, const std::string& where = "")

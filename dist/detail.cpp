@@ -9,6 +9,7 @@
 #include <cctype>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 
 #include "core/error.h"
 #include "dist/host_collectives.h"
@@ -38,6 +39,14 @@ std::string host_name() {
     return std::string(text);
   }();
   return name;
+}
+
+char process_state(int pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  if (!std::getline(stat, text)) return '\0';
+  const size_t paren = text.rfind(')');  // the command name may hold spaces and parentheses
+  return paren == std::string::npos || paren + 2 >= text.size() ? '\0' : text[paren + 2];
 }
 
 std::string where(int rank, int world_size) {

@@ -73,6 +73,10 @@ class Fd {
 // gethostname(), or "unknown-host".
 std::string host_name();
 
+// pid's state letter in /proc/<pid>/stat (R, S, D, T stopped, t traced, Z, X, ...), or '\0'
+// when it cannot be read (the process is gone, or in another pid namespace).
+char process_state(int pid);
+
 // "rank 1/4 on node7" (or "rank ?/? on node7" when unknown): the prefix of every dist error.
 std::string where(int rank, int world_size);
 

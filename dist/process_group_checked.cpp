@@ -329,9 +329,8 @@ class FusedWork : public Work {
 // [Launcher link]). The store's server runs in rank 0's process: when rank 0 is the one that
 // stopped, the store gives no reply either. So a rank on rank 0's machine that finds it
 // stopped (/proc) names it at once; elsewhere, a store that gives no reply to "reached" in
-// time names rank 0, without the poll. A
-// rank that dies is still named the way it was (a closed connection, a pid gone); MPI has no
-// store, and its timeout stays as it was.
+// time names rank 0, without the poll. A rank that dies is named by its closed connection or
+// its gone pid, not here; MPI has no store, and its timeout names no straggler.
 constexpr std::chrono::milliseconds kStragglerGrace{1000};
 
 std::string reached_key(const std::string& prefix, int64_t seq) { return prefix + "reached/" + std::to_string(seq) + "/"; }

@@ -10,7 +10,6 @@
 #include <cerrno>
 #include <climits>
 #include <cstdio>
-#include <fstream>
 
 #include "dist/detail.h"
 #include "dist/launcher_link.h"
@@ -39,12 +38,8 @@ long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* 
 }
 
 bool process_alive(int pid) {
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string text;
-  if (!std::getline(stat, text)) return ::kill(pid, 0) == 0 || errno == EPERM;
-  size_t paren = text.rfind(')');
-  if (paren == std::string::npos || paren + 2 >= text.size()) return true;
-  char state = text[paren + 2];
+  const char state = detail::process_state(pid);
+  if (state == '\0') return ::kill(pid, 0) == 0 || errno == EPERM;
   return state != 'Z' && state != 'X';
 }
 

@@ -17,7 +17,6 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -257,16 +256,10 @@ class TCPStore::Client {
     return "rank 0 (pid " + std::to_string(server_pid_) + " on " + server_host_ + ")";
   }
 
-  // Whether the server's process is on this machine, not this one, and stopped: its state in
-  // /proc/<pid>/stat is T (stopped) or t (traced).
+  // Whether the server's process is on this machine, not this one, and stopped (T) or traced (t).
   bool server_stopped() const {
     if (server_pid_ <= 0 || server_pid_ == ::getpid() || server_host_ != detail::host_name()) return false;
-    std::ifstream stat("/proc/" + std::to_string(server_pid_) + "/stat");
-    std::string line;
-    if (!std::getline(stat, line)) return false;
-    const size_t name_end = line.rfind(')');  // the command name may hold spaces and parentheses
-    if (name_end == std::string::npos || name_end + 2 >= line.size()) return false;
-    const char state = line[name_end + 2];
+    const char state = detail::process_state(server_pid_);
     return state == 'T' || state == 't';
   }
 

@@ -1,5 +1,5 @@
 // A deliberately wrong naive rung, kept so that the grader's test can show it is caught: it
-// divides by 2, the world size it was tried on, so it is right on 2 ranks only.
+// divides by 2 instead of the world size, so it is right on 2 ranks only.
 // tools/exercise check naive exercises/broken/naive_divide_by_two.h must fail, saying so.
 #pragma once
 
@@ -21,7 +21,7 @@ class NaiveDataParallel : public Rung {
       // Collectives sum; the mean needs the division (ReduceOp::Avg would fold it in).
       pg_->all_reduce(grad, dist::ReduceOp::Sum)->wait(timeout_);
       trace_all_reduce(i, name, begin_us);
-      grad.copy_(grad * 0.5f);  // the world size of the run it was tried on
+      grad.copy_(grad * 0.5f);  // 2, not pg_->size()
     }
   }
 };
