@@ -114,8 +114,6 @@ TEST_CASE("BatchNorm1d updates its running statistics on CUDA as on the CPU") {
   }
 }
 
-// The CPU column's rules on CUDA too (test_nn's batch_norm case): with eps = 0 a constant
-// channel gets the bias and no gradient; in eval the input gradient ignores x, NaN included.
 TEST_CASE("softplus on CUDA far in the tails: value and gradient equal the CPU's, NaN and inf included") {
   // Threshold 100: between 88.7 and it, e^x is inf on both devices, so the value is inf and
   // the gradient z / (z + 1) NaN; below -88 the gradient is a subnormal; NaN stays NaN.
@@ -141,6 +139,34 @@ TEST_CASE("softplus on CUDA far in the tails: value and gradient equal the CPU's
   }
 }
 
+TEST_CASE(
+    "GELU's tanh form on CUDA far in the tails: value and gradient equal the CPU's, NaN and inf included") {
+  // Past |x| = 9.6 the CPU runs the same host-device functions as the kernel; inside, its own
+  // vectorised form (Note [GELU's tanh form] in kernels/cpu/activations.cpp).
+  const std::vector<float> x{NAN,   -INFINITY, INFINITY, -1e15f, -1.2e13f, -12,
+                             -9.7f, -9.5f,     -4.875f,  0.5f,   9.7f,     1e15f};
+  std::vector<std::vector<float>> results;  // CPU value, CPU gradient, CUDA value, CUDA gradient
+  for (Device device : {Device::cpu(), Device::cuda(0)}) {
+    Tensor input = Tensor::from_vector(x).to(device).set_requires_grad(true);
+    const Tensor y = gelu(input, "tanh");
+    y.backward(Tensor::ones({static_cast<int64_t>(x.size())}).to(device));
+    results.push_back(y.to(Device::cpu()).to_vector());
+    results.push_back(input.grad().to(Device::cpu()).to_vector());
+  }
+  for (size_t r = 0; r < 2; ++r) {
+    std::vector<float> cpu = results[r], gpu = results[r + 2];
+    for (size_t i = 0; i < x.size(); ++i) {
+      CAPTURE(i);
+      CHECK(std::isnan(gpu[i]) == std::isnan(cpu[i]));
+      CHECK((std::isinf(cpu[i]) ? gpu[i] == cpu[i] : !std::isinf(gpu[i])));
+      if (!std::isfinite(cpu[i])) cpu[i] = gpu[i] = 0;
+    }
+    expect_close(r == 0 ? "gelu tanh value" : "gelu tanh gradient", gpu, cpu, kRtol, kAtol);
+  }
+}
+
+// The CPU column's rules on CUDA too (test_nn's batch_norm case): with eps = 0 a constant
+// channel gets the bias and no gradient; in eval the input gradient ignores x, NaN included.
 TEST_CASE("batch_norm on CUDA: eps = 0 on a constant channel, and a NaN input in eval, as on the CPU") {
   const Device gpu = Device::cuda(0);
   const Tensor x = Tensor::from_vector({5, 1, 5, 2, 5, 3}, {3, 2});
