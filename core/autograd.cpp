@@ -89,6 +89,14 @@ void accumulate_leaf_grad(const Tensor& leaf, Tensor g) {
     set_memory_category(grad, MemoryCategory::Gradients);
     const_cast<Tensor&>(leaf).set_grad(grad);
   } else {
+    // set_data can change a leaf's shape after its .grad was made (torch then fails in the
+    // add: "The size of tensor a (2) must match the size of tensor b (8)").
+    NANODDP_CHECK(
+        current.shape() == g.shape() && current.dtype() == g.dtype() && current.device() == g.device(),
+        ShapeError, "backward: a leaf ", leaf.shape(), " ", leaf.dtype(), " has a .grad of ", current.shape(),
+        " ", current.dtype(), " on ", current.device(), " that its gradient ", g.shape(), " ", g.dtype(),
+        " on ", g.device(),
+        " cannot be added to (set_data changed the tensor after .grad was made? set_grad(Tensor()) first)");
     NANODDP_DISPATCH(current.device(), accumulate, current.data<float>(), g.data<float>(), 1.0f, g.numel());
   }
 }
@@ -406,8 +414,8 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
       stack.pop_back();
       const auto& fn = t.grad_fn();
       if (!fn) continue;
-      NANODDP_CHECK(!fn->released, ValueError, "backward through ", fn->name(),
-                    " a second time: the graph was freed by the first backward (pass retain_graph)");
+      NANODDP_CHECK(!fn->freed_saved_tensors, ValueError, "backward through ", fn->name(),
+                    " a second time: its saved tensors were freed by the first backward (pass retain_graph)");
       for (const Tensor& input : fn->inputs) {
         if (!input.defined() || !input.requires_grad()) continue;
         ++pending[graph_key(input)];

@@ -47,9 +47,12 @@ struct Node {
   // An entry may be undefined when that input needs no gradient.
   virtual std::vector<Tensor> apply(const Tensor& grad_output) = 0;
   virtual const char* name() const = 0;
-  // Drops the inputs and saved tensors after backward; overrides must call Node::release().
+  // Drops the saved tensors after backward; overrides must call Node::release(). The edges
+  // stay (they hold no memory, Note [Graph edges]): a second backward through a node that
+  // saved nothing (a sum, an add, a reshape) runs again and accumulates, as in torch; one
+  // through a node that saved something throws before any gradient moves.
   virtual void release() {
-    inputs.clear();
+    freed_saved_tensors = freed_saved_tensors || !saved_.empty() || checkpoint_frame_ != nullptr;
     saved_.clear();
     saved_versions_.clear();
     checkpoint_frame_.reset();
@@ -116,6 +119,7 @@ struct Node {
   std::vector<Tensor> inputs;
   uint64_t sequence_nr = 0;    // creation order; later nodes run first
   bool released = false;
+  bool freed_saved_tensors = false;  // release() dropped saved tensors (or a checkpointed region's)
 
  private:
   friend struct CheckpointFrame;

@@ -122,6 +122,39 @@ TEST_CASE("the graph is freed after backward unless retained") {
   CHECK_THROWS_AS(y.backward(), ValueError);
 }
 
+TEST_CASE("a second backward through nodes that saved nothing runs again, as torch's") {
+  // torch 1.13: y = (x + w).sum(); y.backward(); y.backward() gives x.grad [2, 2, 2]. Only a
+  // node whose saved tensors were freed refuses, before any gradient moves.
+  Tensor x = Tensor::from_vector({1.0f, 2.0f, 3.0f}).set_requires_grad(true);
+  Tensor w = Tensor::from_vector({4.0f, 5.0f, 6.0f}).set_requires_grad(true);
+  Tensor y = sum((x + w).reshape({3, 1}));
+  y.backward();
+  y.backward();
+  CHECK(x.grad().to_vector() == std::vector<float>{2, 2, 2});
+  CHECK(w.grad().to_vector() == std::vector<float>{2, 2, 2});
+
+  Tensor z = sum(x * x) + sum(w);  // MulBackward saved x
+  z.backward();
+  CHECK(x.grad().to_vector() == std::vector<float>{4, 6, 8});
+  CHECK_THROWS_WITH_AS(z.backward(), doctest::Contains("its saved tensors were freed by the first backward"),
+                       ValueError);
+  CHECK(x.grad().to_vector() == std::vector<float>{4, 6, 8});
+  CHECK(w.grad().to_vector() == std::vector<float>{3, 3, 3});
+}
+
+TEST_CASE("a .grad that set_data left at another shape is refused, not overrun") {
+  // torch: x.data = torch.arange(8.) keeps x.grad at [2]; the next backward fails in its add
+  // ("The size of tensor a (2) must match the size of tensor b (8)").
+  Tensor x = Tensor::from_vector({1.0f, 2.0f}).set_requires_grad(true);
+  sum(x).backward();
+  x.set_data(Tensor::from_vector({0, 1, 2, 3, 4, 5, 6, 7}));
+  CHECK_THROWS_WITH_AS(sum(x * x).backward(), doctest::Contains("has a .grad of [2] float32"), ShapeError);
+  CHECK(x.grad().to_vector() == std::vector<float>{1, 1});
+  x.set_grad(Tensor());
+  sum(x * 2.0f).backward();
+  CHECK(x.grad().to_vector() == std::vector<float>(8, 2.0f));
+}
+
 namespace {
 // The message of the ValueError that backward of loss throws, or "" when it does not throw.
 std::string backward_error(Tensor loss) {
