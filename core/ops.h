@@ -68,8 +68,9 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction =
 // logits: [N, C] float32 (16-bit logits are cast up first: the softmax runs in float32),
 // target: [N] int64 class indices in [0, C) or ignore_index -> [] float32 for Mean/Sum, [N]
 // for None (torch.nn.functional.cross_entropy). A row whose target is ignore_index (torch's
-// default -100, the padding label) adds nothing and gets no gradient: 0 in None, left out of
-// the Sum, and Mean averages over the other rows only (NaN when there are none, as torch).
+// default -100, the padding label) adds nothing and gets a zero gradient (NaN where its
+// logits make the softmax NaN, as torch's): 0 in None, left out of the Sum, and Mean averages
+// over the other rows only (NaN when there are none, as torch).
 // IndexError names the first other target outside [0, C).
 constexpr int64_t kDefaultIgnoreIndex = -100;
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction = Reduction::Mean,

@@ -471,6 +471,25 @@ TEST_CASE("cross_entropy forward and backward match the CPU for every reduction"
   }
 }
 
+TEST_CASE("cross_entropy on CUDA: an ignored row's gradient is NaN where its logits are, +0 elsewhere") {
+  const int64_t N = 2, C = 3;
+  const std::vector<float> logits = {kNaN, 0, 1, 1, 2, 3};
+  const std::vector<int64_t> target = {-100, -100};
+  DeviceArray<float> dlogits_in(logits), loss(1), probs(N * C), dlogits(N * C),
+      dout(std::vector<float>{1.0f});
+  DeviceArray<int64_t> dtarget(target);
+  gpu::cross_entropy_forward(loss.data(), probs.data(), dlogits_in.data(), dtarget.data(), N, C, -100,
+                             Reduction::Sum);
+  dlogits.poison();
+  gpu::cross_entropy_backward(dlogits.data(), dout.data(), probs.data(), dtarget.data(), N, C, -100,
+                              Reduction::Sum);
+  const std::vector<float> got = dlogits.to_host();
+  for (int64_t c = 0; c < C; ++c) {
+    CHECK(std::isnan(got[c]));
+    CHECK((got[C + c] == 0.0f && !std::signbit(got[C + c])));
+  }
+}
+
 TEST_CASE("cross_entropy on CUDA: a target out of range gives a NaN row and a zero gradient") {
   const int64_t N = 4, C = 3;
   const auto logits = normals(N * C, 23);

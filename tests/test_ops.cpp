@@ -196,7 +196,7 @@ TEST_CASE("cross_entropy ignores rows labelled ignore_index (-100 by default), a
   CHECK(loss.item() == doctest::Approx((row1 + row2) / 2).epsilon(1e-6));
   loss.backward();
   const std::vector<float> grad = logits.grad().to_vector();
-  for (int c = 0; c < 3; ++c) CHECK(grad[c] == 0.0f);
+  for (int c = 0; c < 3; ++c) CHECK((grad[c] == 0.0f && !std::signbit(grad[c])));
   const double z1 = 2 + e, z2 = e * e * e + e * e + e;
   const std::vector<double> want = {1 / z1 / 2, (e / z1 - 1) / 2, 1 / z1 / 2,
                                     e * e * e / z2 / 2, (e * e / z2 - 1) / 2, e / z2 / 2};
@@ -232,6 +232,22 @@ TEST_CASE("cross_entropy ignores rows labelled ignore_index (-100 by default), a
     CHECK(std::string(err.what()).find("target[1] = -1 is not a class in [0, 3) nor ignore_index -100") !=
           std::string::npos);
   }
+}
+
+TEST_CASE("cross_entropy: an ignored row's gradient is NaN where its logits are, as torch's") {
+  // torch 1.13: logits [[nan, 0, 1], [1, 2, 3]], target [-100, 1] gives the loss of row 1
+  // alone, 1.40760589, and the gradient [[nan, nan, nan], [0.0900306, -0.7552716, 0.6652410]]:
+  // log_softmax's backward of the zero gradient nll_loss gives row 0 is 0 - softmax * 0.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  Tensor logits = Tensor::from_vector({nan, 0, 1, 1, 2, 3}, {2, 3}).set_requires_grad(true);
+  Tensor loss = cross_entropy(logits, Tensor::from_vector(std::vector<int64_t>{-100, 1}));
+  const double z = std::exp(1.0) + std::exp(2.0) + std::exp(3.0);
+  CHECK(loss.item() == doctest::Approx(std::log(z) - 2).epsilon(1e-6));
+  loss.backward();
+  const std::vector<float> grad = logits.grad().to_vector();
+  for (int c = 0; c < 3; ++c) CHECK(std::isnan(grad[c]));
+  const std::vector<double> want = {std::exp(1.0) / z, std::exp(2.0) / z - 1, std::exp(3.0) / z};
+  for (int c = 0; c < 3; ++c) CHECK(grad[3 + c] == doctest::Approx(want[c]).epsilon(1e-6));
 }
 
 TEST_CASE("shape mismatches throw with both shapes in the message") {

@@ -71,8 +71,9 @@ void cross_entropy_backward(float* dlogits, const float* dout, const float* prob
   const auto rows = static_cast<float>(N - std::count(target, target + N, ignore_index));
   for (int64_t r = 0; r < N; ++r) {
     float* d = dlogits + r * C;
-    if (target[r] == ignore_index) {
-      std::fill(d, d + C, 0.0f);
+    if (target[r] == ignore_index) {  // 0, but NaN where the row's softmax is (torch's log_softmax backward)
+      const float* p = probs + r * C;
+      for (int64_t c = 0; c < C; ++c) d[c] = 0.0f - p[c] * 0.0f;
       continue;
     }
     const float scale = reduction == Reduction::None   ? dout[r]

@@ -146,7 +146,8 @@ void cross_entropy_forward(float* out, float* probs, const float* logits, const 
 
 // dlogits[r, c] = g_r probs[r, c] - g_r [c == target[r]], with g_r = dout[0] / counted[0]
 // (Mean), dout[0] (Sum) or dout[r] (None): the CPU kernel's order of operations, so both round
-// alike. WRITES. Rows with target ignore_index, or outside [0, C), get 0.
+// alike. WRITES. Rows with target ignore_index, or outside [0, C), get 0 - probs * 0: zeros, NaN
+// where probs is (torch's log_softmax backward of a zero gradient).
 __global__ void cross_entropy_backward_kernel(float* dlogits, const float* dout, const float* probs,
                                               const float* counted, const int64_t* target, int64_t N,
                                               int64_t C, int64_t ignore_index, bool mean, bool per_row) {
@@ -158,7 +159,8 @@ __global__ void cross_entropy_backward_kernel(float* dlogits, const float* dout,
     const int64_t t = target[row];
     const float g = per_row ? dout[row] : shared_grad;
     const float scaled = __fmul_rn(g, probs[i]);  // no fma: round the product first, as the CPU
-    dlogits[i] = (t != ignore_index && t >= 0 && t < C) ? (c == t ? scaled - g : scaled) : 0.0f;
+    dlogits[i] = (t != ignore_index && t >= 0 && t < C) ? (c == t ? scaled - g : scaled)
+                                                        : 0.0f - __fmul_rn(probs[i], 0.0f);
   }
 }
 
