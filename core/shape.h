@@ -17,8 +17,10 @@ class Shape {
   static constexpr int kMaxDims = 4;
 
   Shape() = default;  // zero dimensions: a scalar with numel() == 1
-  // Throws ShapeError on more than kMaxDims dimensions, a negative size, or sizes whose
-  // product (the element count) does not fit in int64, as torch.empty refuses it.
+  // Throws ShapeError on more than kMaxDims dimensions, a negative size, or nonzero sizes
+  // whose product does not fit in int64: torch.empty refuses such a count too, but accepts it
+  // beside a zero size ([0, 2^62, 2^62]), which is refused here, since kernels use the
+  // partial products (a row, a plane) as element counts.
   Shape(std::initializer_list<int64_t> sizes);
   explicit Shape(const std::vector<int64_t>& sizes);
 

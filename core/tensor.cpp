@@ -218,6 +218,22 @@ float Tensor::item() const {
   return 0.0f;
 }
 
+int64_t Tensor::item_int() const {
+  NANODDP_CHECK(numel() == 1, ValueError, "item_int() needs a one-element tensor, got shape ", shape());
+  const Tensor host = to(Device::cpu());
+  switch (dtype()) {
+    case DType::Int64:
+      return *host.data<int64_t>();
+    case DType::Int32:
+      return *host.data<int32_t>();
+    case DType::UInt8:
+      return *host.data<uint8_t>();
+    default:
+      break;
+  }
+  NANODDP_THROW(ValueError, "item_int() of a ", dtype(), " tensor: use item()");
+}
+
 float Tensor::at(std::initializer_list<int64_t> index) const {
   NANODDP_CHECK(device().is_cpu(), DeviceError, "at() reads host memory; copy the ", device(),
                 " tensor to the CPU first");

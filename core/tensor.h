@@ -84,7 +84,11 @@ class Tensor {
   // between uses, or a graph edge (Note [Graph edges]), which has none.
   void* data_ptr() const;
   // The single value of a one-element tensor, as torch.Tensor.item(). Copies from the GPU.
+  // ValueError unless numel() == 1. An integer beyond 2^24 rounds to float: item_int() is
+  // exact for int64, int32 and uint8 tensors (torch's item() gives a Python int for those),
+  // and throws ValueError for a floating-point one.
   float item() const;
+  int64_t item_int() const;
   // One element by index, for tests: t.at({1, 2}). CPU only; throws IndexError when out of range.
   // float32, float16 and bfloat16 tensors (16-bit values widen exactly); at_int for int64.
   float at(std::initializer_list<int64_t> index) const;

@@ -177,6 +177,12 @@ TEST_CASE("element access is checked") {
   CHECK_THROWS_AS(a.at({2, 0}), IndexError);
   CHECK_THROWS_AS(a.at({0}), IndexError);
   CHECK_THROWS_AS(a.item(), ValueError);
+  // item() is a float; item_int() keeps an integer past 2^24 exact (torch's item() gives an int).
+  const Tensor big = Tensor::from_vector(std::vector<int64_t>{16777217});
+  CHECK(big.item() == 16777216.0f);
+  CHECK(big.item_int() == 16777217);
+  CHECK_THROWS_AS(Tensor::scalar(1.0f).item_int(), ValueError);
+  CHECK_THROWS_AS(Tensor::zeros({2}, DType::Int64).item_int(), ValueError);
   CHECK_THROWS_AS(a.data<int64_t>(), ValueError);
   CHECK_THROWS_AS(Tensor().shape(), ValueError);
   CHECK_THROWS_AS(a.size(2), IndexError);
