@@ -94,14 +94,23 @@ std::vector<int> survivors(const std::set<int>& ids) {
 }
 
 // The pids the ranks wrote into dir (files pid.*); each rank's shell leads its own group, so
-// these are also the pgids to look for.
-std::set<int> recorded_pids(const std::string& dir, size_t expected) {
+// these are also the pgids to look for. A file the shell created but never wrote (its rank
+// was killed in between) holds no pid.
+std::set<int> written_pids(const std::string& dir) {
   std::set<int> pids;
   DIR* d = opendir(dir.c_str());
   REQUIRE(d != nullptr);
   while (dirent* e = readdir(d))
-    if (std::string(e->d_name).rfind("pid.", 0) == 0) pids.insert(std::atoi(read_file(dir + "/" + e->d_name).c_str()));
+    if (std::string(e->d_name).rfind("pid.", 0) == 0) {
+      const int pid = std::atoi(read_file(dir + "/" + e->d_name).c_str());
+      if (pid > 0) pids.insert(pid);
+    }
   closedir(d);
+  return pids;
+}
+
+std::set<int> recorded_pids(const std::string& dir, size_t expected) {
+  std::set<int> pids = written_pids(dir);
   CHECK(pids.size() == expected);
   return pids;
 }
@@ -346,12 +355,7 @@ TEST_CASE("nanoddp-run: a rank that cannot be started (no descriptors left) ends
   CHECK_MESSAGE(contains(r.err, "nanoddp-run: could not start rank "), r.err);
   CHECK_MESSAGE(contains(r.err, "Too many open files"), r.err);
   CHECK(r.seconds < 10);
-  std::set<int> pids;
-  DIR* d = opendir(dir.path.c_str());
-  REQUIRE(d != nullptr);
-  while (dirent* e = readdir(d))
-    if (std::string(e->d_name).rfind("pid.", 0) == 0) pids.insert(std::atoi(read_file(dir.path + "/" + e->d_name).c_str()));
-  closedir(d);
+  const std::set<int> pids = written_pids(dir.path);
   CHECK(pids.size() < 8);
   check_nothing_left(pids);
 }
