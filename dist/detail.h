@@ -8,8 +8,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -27,6 +29,29 @@ namespace nanoddp::dist::detail {
 
 // The first byte of t's elements (any dtype, any device's pointer), for copies by byte offset.
 inline uint8_t* bytes_of(const Tensor& t) { return static_cast<uint8_t*>(t.impl()->storage->data()); }
+
+// Note [Max and Min]
+// The element-wise Max and Min of every CPU backend's all_reduce (shm, Gloo, MPI, the ring).
+// A NaN wins whichever rank holds it (torch.maximum), and -0 counts as less than +0 (IEEE
+// 754-2019's maximum and minimum, as NCCL's ordered keys in process_group_nccl.cpp): the
+// result is the same bits whichever rank's value comes first, so every backend and every
+// chunk order of a ring agree.
+template <typename T>
+inline T max_of(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>) {
+    if (a != a || b != b) return a != a ? a : b;
+    if (a == b) return std::signbit(a) ? b : a;
+  }
+  return a < b ? b : a;
+}
+template <typename T>
+inline T min_of(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>) {
+    if (a != a || b != b) return a != a ? a : b;
+    if (a == b) return std::signbit(a) ? a : b;
+  }
+  return b < a ? b : a;
+}
 
 // ReduceOp::Avg's last step, on every CPU path: a float32 sum divided by world_size in place.
 // Division, not multiplication by 1/world_size, so an exactly representable mean is exact.

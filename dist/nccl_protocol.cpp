@@ -133,6 +133,7 @@ void EventWork::wait(std::chrono::milliseconds timeout) {
     }
   }
   kernels::cuda::count_host_sync();  // the polls below wait for the device (Note [Host syncs])
+  timeout = effective_wait_timeout(timeout, release_timeout_);
   const auto deadline = Clock::now() + timeout;
   const PollPause pause;
   std::string error;

@@ -86,8 +86,9 @@ class EventWork : public Work {
     std::function<void()> order_compute_stream;
   };
 
-  // keep_alive: the tensors the collective reads and writes. release_timeout bounds how long
-  // dropping an unfinished Work may block (see ~EventWork).
+  // keep_alive: the tensors the collective reads and writes. release_timeout, the group's
+  // timeout, bounds how long dropping an unfinished Work may block (see ~EventWork) and every
+  // wait (effective_wait_timeout).
   EventWork(std::string what, std::shared_ptr<AsyncComm> comm, Event event, std::vector<Tensor> keep_alive,
             std::chrono::milliseconds release_timeout);
   // A Work dropped without wait() still holds its tensors until the event has passed, since

@@ -32,6 +32,11 @@ const char* backend_name(Backend backend) {
   return "?";
 }
 
+std::chrono::milliseconds effective_wait_timeout(std::chrono::milliseconds requested,
+                                                 std::chrono::milliseconds group_timeout) {
+  return requested.count() <= 0 ? group_timeout : std::min(requested, group_timeout);
+}
+
 namespace {
 // Every backend, in the order flags and messages list them.
 constexpr Backend kBackends[] = {Backend::Auto, Backend::Shm, Backend::ShmGloo, Backend::Gloo, Backend::Mpi,

@@ -11,28 +11,33 @@
 //    [Collective check] in process_group_checked.cpp): when ranks disagree, every rank gets
 //    a DistError naming the collective, its sequence number in the group and what each rank
 //    called ("rank 0: all_reduce(sum) #470, 235146 float32; rank 1: all_reduce(sum) #470, 2
-//    float32") from that work's wait(), nothing is sent, and the group stays usable. PyTorch checks this only with
-//    TORCH_DISTRIBUTED_DEBUG=DETAIL. Without the check a mismatch hangs, aborts the process
-//    or corrupts data, depending on the backend.
+//    float32") from that work's wait(), nothing is sent, and the group stays usable. PyTorch checks this only
+//    with TORCH_DISTRIBUTED_DEBUG=DETAIL. Without the check a mismatch hangs, aborts the process or corrupts
+//    data, depending on the backend.
 //  - A collective returns a Work at once; its tensors must stay untouched until wait()
 //    returns. Work keeps them alive. Works of one group complete in the order issued:
 //    waiting on a work (barrier included) first completes every earlier work of the group,
 //    so after barrier()->wait() every earlier result is final (an Avg divided), whether or
 //    not anyone waited on it.
 //  - wait(timeout) throws TimeoutError when the work has not finished within the earlier of
-//    timeout and the group's timeout (InitOptions::timeout), and DistError when it failed;
-//    after either the group is unusable (a peer is gone or out of step) and the job should
+//    timeout and the group's timeout (InitOptions::timeout; wait(0ms) waits for that one alone,
+//    as torch's), and DistError when it failed; with the collective check, up to one second
+//    more (at most the timeout again) goes to asking the store which rank never came.
+//    After either error the group is unusable (a peer is gone or out of step) and the job should
 //    exit, as after a c10d timeout. An MPI rank with a request still unfinished at exit
 //    skips MPI_Finalize (it would wait for the dead peer forever).
 //  - Max and Min propagate NaN whichever rank holds it, as torch.maximum/torch.minimum and
-//    NCCL do (torch's Gloo backend does not: its max(1, NaN) depends on which rank holds it).
+//    NCCL do (torch's Gloo backend does not: its max(1, NaN) depends on which rank holds it),
+//    and take -0 < +0 (IEEE 754's maximum): every backend gives the same bits whichever rank
+//    holds which zero (Note [Max and Min] in detail.h).
 //  - Every message names the rank, world size, host, backend, the collective and its sizes.
 //  - Tensors: dense, contiguous. Copies (broadcast, all_gather, send, recv) take any dtype,
 //    byte for byte, as torch.distributed's do. Reductions take float32 or int64 (uint8 and
 //    int32 are refused: sums would wrap or differ by backend), and
-//    float16 and bfloat16, reduced with Sum only: each backend widens every element to
-//    float32, adds, and rounds the sum back to 16 bits (to nearest, ties to even), as Gloo's
-//    and NCCL's half sums do; DDP's compression hooks use them (dist/comm_hooks.h);
+//    float16 and bfloat16, reduced with Sum only: each backend adds two values at a time in
+//    float32 and rounds each partial sum back to 16 bits (to nearest, ties to even), as Gloo's
+//    and NCCL's half sums do, so over 3 or more ranks the last bit depends on the backend's
+//    order of adds (float32 sums' too); DDP's compression hooks use them (dist/comm_hooks.h);
 //    CUDA tensors of the group's device on NCCL; CPU tensors on shm, Gloo and MPI, and CUDA
 //    ones too when the group comes from init_process_group (staged through pinned host
 //    memory, dist/host_staging.h). device() says which device a group's own tensors should be on.
@@ -145,14 +150,21 @@ class CollectivePurpose {
   int64_t previous_;
 };
 
+// How long a wait(requested) may block in a group whose timeout is group_timeout: the earlier
+// of the two, or group_timeout alone when requested is 0 or less (torch's kNoTimeout). Every
+// backend's Work::wait goes through it.
+std::chrono::milliseconds effective_wait_timeout(std::chrono::milliseconds requested,
+                                                 std::chrono::milliseconds group_timeout);
+
 class Work {
  public:
   virtual ~Work() = default;
   // Blocks until the collective (and every earlier one of its group) has finished, or throws
   // TimeoutError after timeout or the group's timeout, whichever is earlier, or DistError
-  // when it failed. A CPU result is then in the tensors; a CUDA result is ordered
-  // before every later kernel on the compute stream. Calling wait() again returns at once
-  // (or throws the same error).
+  // when it failed. A timeout of 0 (or less) sets no limit of its own: the group's timeout
+  // applies, as torch's Work.wait(timeout=timedelta(0)). A CPU result is then in the tensors; a CUDA result
+  // is ordered before every later kernel on the compute stream. Calling wait() again returns at once (or
+  // throws the same error).
   virtual void wait(std::chrono::milliseconds timeout = kDefaultTimeout) = 0;
   // True once finished (successfully or not); never blocks. On a group whose collectives run
   // in wait() (collectives_run_in_wait(): shm, shm+gloo) it stays false until some thread
@@ -200,14 +212,16 @@ class ProcessGroup {
   // tensor: any shape and dtype; recv's tensor must have the shape and dtype of the matching send.
   // Messages between two ranks arrive in the order sent; tag must match too. Throws
   // ValueError when dst/src is not another rank of the group; a mismatch in size, dtype or
-  // tag is a DistError on the receiving side (shm) or, where the library cannot tell, data
-  // cut short, or reinterpreted when both are n elements of one size (int32[n] sent,
-  // float32[n] received). NCCL queues send/recv and issues them together, as one NCCL group, when one
-  // of them is waited on, tested or dropped, when a collective is called, or when the group
-  // goes (so an exchange cannot deadlock, and a send whose Work is dropped still goes out);
-  // they run on a communicator and stream of their own, beside the collectives (Note [NCCL
-  // point-to-point]). NCCL takes tag 0 only (ValueError otherwise: NCCL has no tags). The
-  // base class throws DistError: the backend has no point-to-point.
+  // tag is a DistError on the receiving side (shm, and MPI for a recv smaller than the send)
+  // or, where the library cannot tell, data cut short, or reinterpreted when both are n
+  // elements of one size (int32[n] sent, float32[n] received). On Gloo (and shm+gloo across
+  // nodes) a recv smaller than its send ends the process inside Gloo's own thread (SIGABRT,
+  // "op.preamble.length <= op.nbytes"), as in torch's Gloo backend: the launcher names the rank. NCCL queues
+  // send/recv and issues them together, as one NCCL group, when one of them is waited on, tested or dropped,
+  // when a collective is called, or when the group goes (so an exchange cannot deadlock, and a send whose
+  // Work is dropped still goes out); they run on a communicator and stream of their own, beside the
+  // collectives (Note [NCCL point-to-point]). NCCL takes tag 0 only (ValueError otherwise: NCCL has no tags).
+  // The base class throws DistError: the backend has no point-to-point.
   virtual std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag = 0);
   virtual std::shared_ptr<Work> recv(Tensor& tensor, int src, int tag = 0);
 

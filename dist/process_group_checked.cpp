@@ -180,7 +180,7 @@ class CheckedWork : public Work {
   }
 
   void wait_for_call(std::chrono::milliseconds timeout) {
-    timeout = std::min(timeout, state_->timeout);
+    timeout = effective_wait_timeout(timeout, state_->timeout);
     const auto begin = std::chrono::steady_clock::now();
     {
       std::lock_guard<std::mutex> lock(state_->mutex);
@@ -305,7 +305,7 @@ class FusedWork : public Work {
       : inner_(std::move(inner)), mine_(std::move(mine)), state_(std::move(state)) {}
   void wait(std::chrono::milliseconds timeout) override {
     try {
-      inner_->wait(std::min(timeout, state_->timeout));
+      inner_->wait(effective_wait_timeout(timeout, state_->timeout));
     } catch (const DistError&) {
       rethrow_naming_stragglers(*state_, mine_);
     }

@@ -86,21 +86,19 @@ gloo::AllreduceOptions::Func reduce_function(ReduceOp op) {
         auto* y = static_cast<const T*>(b);
         for (size_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
       };
-    // A NaN wins whichever side holds it (torch.maximum): x is kept when it is NaN (every
-    // comparison with it is false), y is taken when it is NaN (y != y; false for integers).
-    case ReduceOp::Max:
+    case ReduceOp::Max:  // Note [Max and Min] in dist/detail.h
       return [](void* out, const void* a, const void* b, size_t n) {
         auto* o = static_cast<T*>(out);
         auto* x = static_cast<const T*>(a);
         auto* y = static_cast<const T*>(b);
-        for (size_t i = 0; i < n; ++i) o[i] = (x[i] < y[i] || y[i] != y[i]) ? y[i] : x[i];
+        for (size_t i = 0; i < n; ++i) o[i] = detail::max_of(x[i], y[i]);
       };
     case ReduceOp::Min:
       return [](void* out, const void* a, const void* b, size_t n) {
         auto* o = static_cast<T*>(out);
         auto* x = static_cast<const T*>(a);
         auto* y = static_cast<const T*>(b);
-        for (size_t i = 0; i < n; ++i) o[i] = (y[i] < x[i] || y[i] != y[i]) ? y[i] : x[i];
+        for (size_t i = 0; i < n; ++i) o[i] = detail::min_of(x[i], y[i]);
       };
   }
   return {};
@@ -229,7 +227,7 @@ class GlooWork : public Work {
       : description_(std::move(description)), task_(std::move(task)), runner_(std::move(runner)) {}
 
   void wait(std::chrono::milliseconds timeout) override {
-    timeout = std::min(timeout, runner_->timeout);  // every wait ends by the group's timeout
+    timeout = effective_wait_timeout(timeout, runner_->timeout);  // every wait ends by the group's timeout
     std::unique_lock<std::mutex> lock(mutex_);
     if (!done_cv_.wait_for(lock, timeout, [this] { return done_; })) {
       runner_->broken = true;
@@ -321,14 +319,17 @@ class GlooQueue {
 class GlooPointToPointWork : public Work {
  public:
   GlooPointToPointWork(std::string description, Tensor tensor,
-                       std::unique_ptr<gloo::transport::UnboundBuffer> buffer, bool is_send)
+                       std::unique_ptr<gloo::transport::UnboundBuffer> buffer, bool is_send,
+                       std::chrono::milliseconds group_timeout)
       : description_(std::move(description)),
         tensor_(std::move(tensor)),
         buffer_(std::move(buffer)),
-        is_send_(is_send) {}
+        is_send_(is_send),
+        group_timeout_(group_timeout) {}
 
   void wait(std::chrono::milliseconds timeout) override {
     if (done_) return;
+    timeout = effective_wait_timeout(timeout, group_timeout_);
     try {
       const bool completed = is_send_ ? buffer_->waitSend(timeout) : buffer_->waitRecv(timeout);
       NANODDP_CHECK(completed, DistError, description_, ": aborted");
@@ -350,6 +351,7 @@ class GlooPointToPointWork : public Work {
   Tensor tensor_;  // kept alive while Gloo reads or writes it
   std::unique_ptr<gloo::transport::UnboundBuffer> buffer_;
   bool is_send_;
+  std::chrono::milliseconds group_timeout_;
   bool done_ = false;
 };
 
@@ -592,7 +594,8 @@ class ProcessGroupGloo : public ProcessGroup {
         buffer->send(peer, slot);
       else
         buffer->recv(peer, slot);
-      return std::make_shared<GlooPointToPointWork>(what, tensor, std::move(buffer), is_send);
+      return std::make_shared<GlooPointToPointWork>(what, tensor, std::move(buffer), is_send,
+                                                    runner_->timeout);
     } catch (const gloo::Exception& e) {
       NANODDP_THROW(DistError, what, ": Gloo failed: ", message_of(e));
     }

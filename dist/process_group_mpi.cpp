@@ -124,14 +124,12 @@ void sum_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
 void float_max_nan(void* in, void* inout, int* len, MPI_Datatype*) {
   const float* a = static_cast<const float*>(in);
   float* b = static_cast<float*>(inout);
-  for (int i = 0; i < *len; ++i)
-    if (a[i] > b[i] || std::isnan(a[i])) b[i] = a[i];
+  for (int i = 0; i < *len; ++i) b[i] = detail::max_of(a[i], b[i]);  // Note [Max and Min] in dist/detail.h
 }
 void float_min_nan(void* in, void* inout, int* len, MPI_Datatype*) {
   const float* a = static_cast<const float*>(in);
   float* b = static_cast<float*>(inout);
-  for (int i = 0; i < *len; ++i)
-    if (a[i] < b[i] || std::isnan(a[i])) b[i] = a[i];
+  for (int i = 0; i < *len; ++i) b[i] = detail::min_of(a[i], b[i]);
 }
 
 struct NanOps {
@@ -199,7 +197,7 @@ class MpiWork : public Work {
   }
 
   void wait(std::chrono::milliseconds timeout) override {
-    timeout = std::min(timeout, pending_->timeout);  // every wait ends by the group's timeout
+    timeout = effective_wait_timeout(timeout, pending_->timeout);  // every wait ends by the group's timeout
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (true) {
       {

@@ -45,7 +45,8 @@ class ProcessGroupShm : public ProcessGroup {
                                             : "shm/" + std::to_string(next_shm_group_id++) + "/";
     if (world_size_ > 1)
       engine_ = std::make_shared<ShmEngine>(
-          std::make_unique<ShmSegment>(*store_, prefix_, rank_, world_size_, options.timeout));
+          std::make_unique<ShmSegment>(*store_, prefix_, rank_, world_size_, options.timeout),
+          options.timeout);
   }
 
   std::string backend_name() const override { return "shm"; }

@@ -54,13 +54,17 @@ class TwoLevelWork : public Work {
 
 class TwoLevelQueue {
  public:
+  explicit TwoLevelQueue(std::chrono::milliseconds timeout) : timeout(timeout) {}
+  const std::chrono::milliseconds timeout;  // the group's: bounds every wait (effective_wait_timeout)
+
   void push(std::shared_ptr<TwoLevelWork> work) {
     std::lock_guard<std::mutex> lock(mutex_);
     pending_.push_back(std::move(work));
   }
-  void run_until(TwoLevelWork& target, Clock::time_point deadline) {
+  // Runs pending works in issue order until target is done (every one when target is null).
+  void run_until(TwoLevelWork* target, Clock::time_point deadline) {
     std::lock_guard<std::mutex> lock(mutex_);
-    while (!target.done_ && !pending_.empty()) {
+    while ((target == nullptr || !target->done_) && !pending_.empty()) {
       auto work = pending_.front();
       pending_.pop_front();
       try {
@@ -83,7 +87,8 @@ class TwoLevelQueue {
 };
 
 void TwoLevelWork::wait(std::chrono::milliseconds timeout) {
-  if (!queue_->done(*this)) queue_->run_until(*this, Clock::now() + timeout);
+  if (!queue_->done(*this))
+    queue_->run_until(this, Clock::now() + effective_wait_timeout(timeout, queue_->timeout));
   if (error_) std::rethrow_exception(error_);
 }
 
@@ -102,6 +107,7 @@ class ProcessGroupTwoLevel : public ProcessGroup {
                   o.rank, " says node ", o.node_rank, ", local rank ", o.local_rank, " of ",
                   o.local_world_size, " (world size ", o.world_size, ")");
     const int nnodes = o.world_size / o.local_world_size;
+    queue_ = std::make_shared<TwoLevelQueue>(o.timeout);
     // 1. The node's shared-memory group.
     ShmOptions shm;
     shm.rank = o.local_rank;
@@ -155,17 +161,26 @@ class ProcessGroupTwoLevel : public ProcessGroup {
     return work;
   }
 
+  // The other collectives run on the world's Gloo group. The all-reduces issued before them
+  // run first, here, so that works complete in the order issued (after barrier()->wait()
+  // every earlier result is final, as on every other backend).
   std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
+    run_pending_all_reduces();
     return world_->broadcast(tensor, root);
   }
   std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
+    run_pending_all_reduces();
     return world_->all_gather(outputs, input);
   }
   std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
                                        ReduceOp op) override {
+    run_pending_all_reduces();
     return world_->reduce_scatter(output, inputs, op);
   }
-  std::shared_ptr<Work> barrier() override { return world_->barrier(); }
+  std::shared_ptr<Work> barrier() override {
+    run_pending_all_reduces();
+    return world_->barrier();
+  }
   std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {
     return world_->send(tensor, dst, tag);
   }
@@ -174,9 +189,12 @@ class ProcessGroupTwoLevel : public ProcessGroup {
   }
 
  private:
+  // Their errors stay with their works, for wait() to throw.
+  void run_pending_all_reduces() { queue_->run_until(nullptr, Clock::now() + queue_->timeout); }
+
   std::shared_ptr<Store> store_;
   std::shared_ptr<ProcessGroup> local_, leaders_, world_;
-  std::shared_ptr<TwoLevelQueue> queue_ = std::make_shared<TwoLevelQueue>();
+  std::shared_ptr<TwoLevelQueue> queue_;
 };
 
 }  // namespace

@@ -20,10 +20,10 @@ void combine(T* into, const T* from, int64_t n, ReduceOp op) {
         into[i] = a + b;
         break;
       case ReduceOp::Max:
-        into[i] = (a > b || a != a) ? a : b;
-        break;  // NaN propagates
+        into[i] = detail::max_of(a, b);  // Note [Max and Min]
+        break;
       case ReduceOp::Min:
-        into[i] = (a < b || a != a) ? a : b;
+        into[i] = detail::min_of(a, b);
         break;
     }
   }

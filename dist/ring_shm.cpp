@@ -31,6 +31,7 @@
 #include <type_traits>
 
 #include "core/half_convert.h"
+#include "dist/detail.h"
 #include "dist/shm_wait.h"
 
 namespace nanoddp::dist::shm {
@@ -252,8 +253,8 @@ void direct_all_reduce(ShmSegment& shm, const Envelope& envelope, SharedBuffer& 
 
 namespace {
 
-// out[i] = a[i] (op) b[i]. Max and Min propagate NaN (as torch.maximum/minimum and PyTorch's
-// reductions do): a NaN on any rank makes the result NaN. out may be a, so no __restrict.
+// out[i] = a[i] (op) b[i], Max and Min as Note [Max and Min] in dist/detail.h. out may be a,
+// so no __restrict.
 template <typename T, ReduceOp Op>
 void reduce_into(void* out_bytes, const void* a_bytes, const void* b_bytes, int64_t n) {
   T* out = static_cast<T*>(out_bytes);
@@ -264,9 +265,9 @@ void reduce_into(void* out_bytes, const void* a_bytes, const void* b_bytes, int6
     if constexpr (Op == ReduceOp::Sum || Op == ReduceOp::Avg) {
       out[i] = a + b;
     } else if constexpr (Op == ReduceOp::Max) {
-      out[i] = (a > b || a != a) ? a : b;  // a != a: a is NaN
+      out[i] = detail::max_of(a, b);
     } else {
-      out[i] = (a < b || a != a) ? a : b;
+      out[i] = detail::min_of(a, b);
     }
   }
 }

@@ -88,7 +88,7 @@ void ShmEngine::finish(ShmWork& work) {
 }
 
 void ShmWork::wait(std::chrono::milliseconds timeout) {
-  if (!engine_->done(*this)) engine_->run_until(*this, timeout);
+  if (!engine_->done(*this)) engine_->run_until(*this, effective_wait_timeout(timeout, engine_->timeout()));
   // This work's own error, or the earlier one that left the group out of step.
   if (error_) std::rethrow_exception(error_);
 }

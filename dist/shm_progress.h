@@ -2,7 +2,7 @@
 // send/recv return, and ShmEngine, which runs pending works on the thread that waits for one
 // (Note [Shm progress] in shm_progress.cpp). Internal: not a public header.
 //
-//   auto engine = std::make_shared<ShmEngine>(std::make_unique<ShmSegment>(...));
+//   auto engine = std::make_shared<ShmEngine>(std::make_unique<ShmSegment>(...), group_timeout);
 //   auto work = engine->issue(engine, "all_reduce", ShmWork::kCollective, step);
 //   work->wait(timeout);  // runs step, and every work issued before it
 #pragma once
@@ -52,9 +52,12 @@ class ShmWork : public Work {
 
 class ShmEngine {
  public:
-  explicit ShmEngine(std::unique_ptr<ShmSegment> segment) : segment_(std::move(segment)) {}
+  // timeout: the group's, which bounds every wait (effective_wait_timeout in process_group.h).
+  ShmEngine(std::unique_ptr<ShmSegment> segment, std::chrono::milliseconds timeout)
+      : segment_(std::move(segment)), timeout_(timeout) {}
 
   ShmSegment& segment() { return *segment_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
 
   // A new pending work; throws DistError when an earlier error left the group unusable.
   std::shared_ptr<Work> issue(std::shared_ptr<ShmEngine> self, std::string description, int peer,
@@ -70,6 +73,7 @@ class ShmEngine {
   static void finish(ShmWork& work);
 
   std::unique_ptr<ShmSegment> segment_;
+  std::chrono::milliseconds timeout_;
   std::mutex mutex_;
   std::deque<std::shared_ptr<ShmWork>> pending_;
   std::exception_ptr failure_;

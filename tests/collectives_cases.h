@@ -8,9 +8,13 @@
 // world_size * pattern(i), a min is pattern(i). Expectations are computed in double.
 #pragma once
 
+#include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/tensor.h"
@@ -215,6 +219,50 @@ inline void check_collectives(dist::ProcessGroup& pg, const std::vector<int64_t>
                     where + "reduce_scatter(" + dist::reduce_op_name(op) + ") [" +
                         std::to_string(numel) + "]");
     }
+  }
+
+  // Max and Min: a NaN wins whichever rank holds it, and -0 < +0 whichever rank holds which
+  // zero (Note [Max and Min]), so every backend gives the same bits.
+  if (n >= 2) {
+    const float nan = std::numeric_limits<float>::quiet_NaN(), zero = rank % 2 == 0 ? -0.0f : 0.0f;
+    for (ReduceOp op : {ReduceOp::Max, ReduceOp::Min}) {
+      Tensor t = Tensor::from_vector({zero, -zero, rank == 0 ? nan : 1.0f, rank == n - 1 ? nan : 1.0f});
+      pg.all_reduce(t, op)->wait();
+      const auto out = t.to_vector();
+      const bool negative = op == ReduceOp::Min;
+      for (int i = 0; i < 2; ++i)
+        expect(out[i] == 0.0f && std::signbit(out[i]) == negative, where, dist::reduce_op_name(op),
+               " of -0 and +0: element ", i, " is ", std::signbit(out[i]) ? "-" : "+", out[i], ", expected ",
+               negative ? "-0" : "+0");
+      expect(std::isnan(out[2]) && std::isnan(out[3]), where, dist::reduce_op_name(op),
+             " dropped a NaN: ", out[2], ", ", out[3]);
+    }
+  }
+
+  // wait(0ms) sets no limit of its own: the group's timeout applies (torch's
+  // Work.wait(timeout=timedelta(0))), so it waits for the peers.
+  {
+    Tensor t = make_tensor(DType::Float32, 5, [&](int64_t i) { return (rank + 1) * pattern(i); });
+    if (rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    pg.all_reduce(t)->wait(std::chrono::milliseconds(0));
+    expect_values(
+        t, [&](int64_t i) { return s * pattern(i); }, where + "all_reduce waited with 0 ms");
+  }
+
+  // Works complete in the order issued: after barrier()->wait() (or a broadcast's wait) an
+  // all_reduce nobody waited on is final.
+  for (bool by_barrier : {true, false}) {
+    Tensor t = make_tensor(DType::Float32, 3, [&](int64_t i) { return (rank + 1) * pattern(i); });
+    auto work = pg.all_reduce(t, ReduceOp::Avg);
+    Tensor root_value = Tensor::zeros({1});
+    if (by_barrier)
+      pg.barrier()->wait();
+    else
+      pg.broadcast(root_value, 0)->wait();
+    expect_values(
+        t, [&](int64_t i) { return (n + 1) / 2.0 * pattern(i); },
+        where + "all_reduce(avg) after a later " + (by_barrier ? "barrier" : "broadcast") + "'s wait");
+    work->wait();
   }
 
   // Several works in flight, waited in reverse: each still gets its own result.
