@@ -212,8 +212,8 @@ class ProcessGroup {
   // tensor: any shape and dtype; recv's tensor must have the shape and dtype of the matching send.
   // Messages between two ranks arrive in the order sent; tag must match too. Throws
   // ValueError when dst/src is not another rank of the group; a mismatch in size, dtype or
-  // tag is a DistError on the receiving side (shm, and MPI for a recv smaller than the send)
-  // or, where the library cannot tell, data cut short, or reinterpreted when both are n
+  // tag is a DistError on the receiving side (shm; MPI for a size that differs, Note [MPI
+  // probed recv]) or, where the library cannot tell, data cut short, or reinterpreted when both are n
   // elements of one size (int32[n] sent, float32[n] received). On Gloo (and shm+gloo across
   // nodes) a recv smaller than its send ends the process inside Gloo's own thread (SIGABRT,
   // "op.preamble.length <= op.nbytes"), as in torch's Gloo backend: the launcher names the rank. NCCL queues

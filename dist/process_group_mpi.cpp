@@ -20,6 +20,18 @@
 // never completed (its peer died or never called) would make MPI_Finalize wait for it
 // forever, so a process that still has one at exit skips MPI_Finalize (mpirun then reports
 // the job as failed, which it has).
+//
+// Note [MPI probed recv]
+// A recv is not posted at once: its work matches the message with MPI_Improbe when the group
+// next advances (any wait or test), then receives it with MPI_Imrecv. So the sender's size is
+// known before any byte lands: a send that does not fit the recv's tensor is received into a
+// scratch buffer and the recv fails with a DistError naming both sizes, the group still
+// usable. (A posted MPI_Irecv smaller than a large send crashed Open MPI's shared-memory
+// transport in its single-copy path, and a larger one was silently cut short.) Every advance
+// offers each unmatched recv a probe before completing the oldest work, so an exchange (both
+// ranks send, then recv) matches as if the recvs had been posted; a recv is not probed while
+// an earlier one from the same rank with the same tag is unmatched, so messages match recvs
+// in issue order.
 #include "core/error.h"
 #include "core/half_convert.h"
 #include "dist/detail.h"
@@ -39,9 +51,13 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 namespace nanoddp::dist {
 
@@ -164,8 +180,17 @@ struct MpiPending {
   std::mutex mutex;  // taken before mpi_mutex(), never after
   std::deque<std::shared_ptr<MpiWork>> works;
   std::chrono::milliseconds timeout{};  // the group's
-  // Completes works from the oldest while they are done; held: mutex.
+  // Matches the recvs it can (Note [MPI probed recv]), then completes works from the oldest
+  // while they are done; held: mutex.
   void advance();
+};
+
+// A recv not yet matched to its message (Note [MPI probed recv]).
+struct ProbedRecv {
+  Tensor tensor;
+  int src = 0, tag = 0;
+  MPI_Comm comm = MPI_COMM_NULL;
+  bool matched = false;
 };
 
 class MpiWork : public Work {
@@ -178,6 +203,56 @@ class MpiWork : public Work {
         finish_(std::move(finish)),
         pending_(std::move(pending)) {
     ++MpiRuntime::unfinished_requests();
+  }
+  // A recv, matched later (Note [MPI probed recv]).
+  MpiWork(std::string description, ProbedRecv recv, std::shared_ptr<MpiPending> pending)
+      : MpiWork(std::move(description), MPI_REQUEST_NULL, nullptr, std::move(pending)) {
+    recv_ = std::make_unique<ProbedRecv>(std::move(recv));
+    finish_ = [tensor = recv_->tensor] {};  // kept alive until MPI is done with it
+  }
+  bool unmatched_recv() const { return recv_ && !recv_->matched && !done_; }
+  // The rank and tag an unmatched recv waits for.
+  std::pair<int, int> source() const { return {recv_->src, recv_->tag}; }
+
+  // Matches an unmatched recv's message if one has come: MPI_Imrecv into the tensor when the
+  // sizes agree, into a scratch buffer (and an error for wait) when they do not. Held: the
+  // group's mutex.
+  void try_match() {
+    int flag = 0, rc = MPI_SUCCESS, bytes = 0;
+    MPI_Message message;
+    MPI_Status status;
+    std::lock_guard<std::mutex> lock(mpi_mutex());
+    rc = MPI_Improbe(recv_->src, recv_->tag, recv_->comm, &flag, &message, &status);
+    if (rc == MPI_SUCCESS && !flag) return;
+    if (rc == MPI_SUCCESS) rc = MPI_Get_count(&status, MPI_BYTE, &bytes);
+    if (rc != MPI_SUCCESS) {
+      error_ = "MPI_Improbe failed: " + mpi_error_text(rc);
+      --MpiRuntime::unfinished_requests();
+      done_ = true;
+      return;
+    }
+    recv_->matched = true;
+    const Tensor& tensor = recv_->tensor;
+    void* into = tensor.impl()->storage->data();
+    int count = static_cast<int>(tensor.numel());  // checked_count: at most INT_MAX
+    MPI_Datatype type = mpi_type(tensor.dtype());
+    if (static_cast<size_t>(bytes) != tensor.nbytes()) {
+      auto scratch = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(bytes));
+      into = scratch->data();
+      count = bytes;
+      type = MPI_BYTE;
+      finish_ = [tensor, scratch] {};
+      error_ = "rank " + std::to_string(recv_->src) + " sent " + std::to_string(bytes) + " bytes with tag " +
+               std::to_string(recv_->tag) + ", but this recv's tensor has " +
+               std::to_string(tensor.nbytes()) +
+               " (recv needs the shape and dtype of the matching send); the message was received and dropped";
+    }
+    rc = MPI_Imrecv(into, count, type, &message, &request_);
+    if (rc != MPI_SUCCESS) {
+      error_ = "MPI_Imrecv failed: " + mpi_error_text(rc);
+      --MpiRuntime::unfinished_requests();
+      done_ = true;
+    }
   }
 
   ~MpiWork() override {
@@ -224,6 +299,9 @@ class MpiWork : public Work {
   // work of the group is tested, so works complete in issue order.
   bool test_once() {
     if (done_) return true;
+    if (unmatched_recv()) try_match();
+    if (done_) return true;
+    if (request_ == MPI_REQUEST_NULL) return false;  // a recv whose message has not come
     int flag = 0;
     int rc;
     {
@@ -246,6 +324,7 @@ class MpiWork : public Work {
 
  private:
   std::string description_;
+  std::unique_ptr<ProbedRecv> recv_;  // a recv's, until it is matched and done
   MPI_Request request_;
   std::function<void()> finish_;
   std::shared_ptr<MpiPending> pending_;
@@ -254,6 +333,12 @@ class MpiWork : public Work {
 };
 
 void MpiPending::advance() {
+  std::set<std::pair<int, int>> waiting;  // (src, tag) of an earlier recv still unmatched
+  for (auto& work : works)
+    if (work->unmatched_recv() && !waiting.count(work->source())) {
+      work->try_match();
+      if (work->unmatched_recv()) waiting.insert(work->source());
+    }
   while (!works.empty() && works.front()->test_once()) works.pop_front();
 }
 
@@ -383,12 +468,17 @@ class ProcessGroupMpi : public ProcessGroup {
         (is_send ? "send to rank " : "recv from rank ") + std::to_string(peer), tensor);
     check_point_to_point(what, tensor, peer, tag, is_send);
     int count = checked_count(what, tensor.numel());
+    if (!is_send) {  // Note [MPI probed recv]
+      std::lock_guard<std::mutex> queue_lock(pending_->mutex);
+      auto work = std::make_shared<MpiWork>(what, ProbedRecv{tensor, peer, tag, comm_}, pending_);
+      pending_->works.push_back(work);
+      return work;
+    }
     void* data = tensor.impl()->storage->data();
     auto start = [&](MPI_Request* request) {
-      return is_send ? MPI_Isend(data, count, mpi_type(tensor.dtype()), peer, tag, comm_, request)
-                     : MPI_Irecv(data, count, mpi_type(tensor.dtype()), peer, tag, comm_, request);
+      return MPI_Isend(data, count, mpi_type(tensor.dtype()), peer, tag, comm_, request);
     };
-    return issue(what, is_send ? "MPI_Isend" : "MPI_Irecv", start, [tensor] {});
+    return issue(what, "MPI_Isend", start, [tensor] {});
   }
 
   static int checked_count(const std::string& what, int64_t numel) {

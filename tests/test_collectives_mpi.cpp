@@ -77,6 +77,36 @@ TEST_CASE("mpi child: collectives inside one mpirun rank") {
     ring_all_reduce(*pg, t);
     const double s = world_size * (world_size + 1) / 2.0;
     testing::expect_values(t, [&](int64_t i) { return s * testing::pattern(i); }, "mpi ring_all_reduce");
+    // A recv whose tensor does not fit the send, smaller (a large send, which crashed Open
+    // MPI's single-copy path) or larger: a DistError naming both sizes, the message dropped,
+    // and the next exchange right (Note [MPI probed recv]).
+    if (rank < 2) {
+      const std::vector<std::pair<int64_t, int64_t>> sent_and_taken = {{300000, 200000}, {3, 5}, {4, 4}};
+      for (auto sizes : sent_and_taken) {
+        const int64_t sent = sizes.first, taken = sizes.second;
+        if (rank == 0) {
+          pg->send(Tensor::full({sent}, 7.0f), 1)->wait();
+          continue;
+        }
+        Tensor into = Tensor::zeros({taken});
+        std::string error;
+        try {
+          pg->recv(into, 0)->wait();
+        } catch (const DistError& e) {
+          error = e.what();
+        }
+        if (sent == taken) {
+          CHECK(error.empty());
+          CHECK(into.to_vector() == std::vector<float>(4, 7.0f));
+        } else {
+          CHECK_MESSAGE(error.find("rank 0 sent " + std::to_string(4 * sent) +
+                                   " bytes with tag 0, but this recv's tensor has " +
+                                   std::to_string(4 * taken)) != std::string::npos,
+                        error);
+        }
+      }
+    }
+    pg->barrier()->wait();
   }
   // A collective nobody else joins: the wait times out instead of hanging.
   if (world_size == 2) {
