@@ -36,21 +36,21 @@ inline uint8_t* bytes_of(const Tensor& t) { return static_cast<uint8_t*>(t.impl(
 // 754-2019's maximum and minimum, as NCCL's ordered keys in process_group_nccl.cpp): the
 // result is the same bits whichever rank's value comes first, so every backend and every
 // chunk order of a ring agree.
-template <typename T>
-inline T max_of(T a, T b) {
+template <bool IsMax, typename T>
+inline T max_or_min(T a, T b) {
   if constexpr (std::is_floating_point_v<T>) {
     if (a != a || b != b) return a != a ? a : b;
-    if (a == b) return std::signbit(a) ? b : a;
+    if (a == b) return std::signbit(a) == IsMax ? b : a;  // Max keeps +0, Min -0
   }
-  return a < b ? b : a;
+  return (IsMax ? a < b : b < a) ? b : a;
+}
+template <typename T>
+inline T max_of(T a, T b) {
+  return max_or_min<true>(a, b);
 }
 template <typename T>
 inline T min_of(T a, T b) {
-  if constexpr (std::is_floating_point_v<T>) {
-    if (a != a || b != b) return a != a ? a : b;
-    if (a == b) return std::signbit(a) ? a : b;
-  }
-  return b < a ? b : a;
+  return max_or_min<false>(a, b);
 }
 
 // ReduceOp::Avg's last step, on every CPU path: a float32 sum divided by world_size in place.
