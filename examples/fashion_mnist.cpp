@@ -235,6 +235,7 @@ class Schedule {
   }
   int64_t total_steps() const { return total_steps_; }
   int64_t warmup_steps() const { return warmup_steps_; }
+  bool cosine() const { return cosine_.has_value(); }
   nn::StateDict state_dict() const {
     nn::StateDict state;
     state["total_steps"] = Tensor::from_vector(std::vector<int64_t>{total_steps_});
@@ -286,6 +287,7 @@ int64_t optimizer_kind(const std::string& name) {
 // so that a run resumed there reports the epoch's loss as an uninterrupted one does.
 struct EpochProgress {
   int64_t steps = 0;                // 0: at the epoch's start
+  int64_t steps_taken = 0;          // by the checkpoint's run in all, at its own steps per epoch
   std::vector<float> loss_sums;     // one per rank (steps > 0)
   std::vector<int64_t> samples;     // one per rank (steps > 0)
   std::vector<int64_t> bucket_order;  // DDP's re-planned bucket order, when the checkpoint has one
@@ -305,9 +307,9 @@ std::optional<int64_t> job_digest() {
 // rank writes its part of a set and rank 0 its manifest. loss_sum and samples are this rank's.
 void save(const std::string& path, bool sharded, int epochs_done, int64_t steps_per_epoch,
           examples::ParallelModel& parallel, nn::Optimizer& optimizer, const std::string& optimizer_name,
-          uint64_t seed, const Schedule& schedule, int rank, dist::ProcessGroup& pg,
-          std::chrono::milliseconds timeout, int64_t steps_in_epoch = 0, float loss_sum = 0,
-          int64_t samples = 0) {
+          uint64_t seed, const Schedule& schedule, const dist::GradScaler& scaler, int rank,
+          dist::ProcessGroup& pg, std::chrono::milliseconds timeout, int64_t steps_in_epoch = 0,
+          float loss_sum = 0, int64_t samples = 0) {
   // Sharded, nothing is gathered: each rank keeps its pieces.
   nn::StateDict model_state, optimizer_state;
   if (!sharded) {
@@ -328,6 +330,8 @@ void save(const std::string& path, bool sharded, int epochs_done, int64_t steps_
   nn::merge_prefixed(state, "model.", model_state);
   nn::merge_prefixed(state, "optimizer.", optimizer_state);
   nn::merge_prefixed(state, "scheduler.", schedule.state_dict());
+  // fp16's loss scale and growth tracker: a resumed run scales as an uninterrupted one would.
+  if (scaler.is_enabled()) nn::merge_prefixed(state, "scaler.", scaler.state_dict());
   state["epochs_done"] = Tensor::from_vector(std::vector<int64_t>{epochs_done});
   state["steps_per_epoch"] = Tensor::from_vector(std::vector<int64_t>{steps_per_epoch});
   state["optimizer_kind"] = Tensor::from_vector(std::vector<int64_t>{optimizer_kind(optimizer_name)});
@@ -469,8 +473,9 @@ ReadCheckpoint read_checkpoint(const std::string& path, const examples::Parallel
 std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64_t steps_per_epoch,
                                       int world_size, examples::ParallelModel& parallel,
                                       nn::Optimizer& optimizer, const std::string& optimizer_name,
-                                      uint64_t seed, Schedule& schedule, bool chatty, dist::ProcessGroup& pg,
-                                      std::string& used_path, std::optional<int64_t> only_job) {
+                                      uint64_t seed, Schedule& schedule, dist::GradScaler& scaler,
+                                      bool chatty, dist::ProcessGroup& pg, std::string& used_path,
+                                      std::optional<int64_t> only_job) {
   try {
     ReadCheckpoint read = read_checkpoint(path, parallel, optimizer, pg, used_path, only_job);
     if (read.other_job) return {-1, {}};
@@ -533,6 +538,19 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
       throw ValueError(message_of(e) + "; the checkpoint holds another optimizer's state than --optimizer " +
                        optimizer_name + "'s: was it saved with another --optimizer?");
     }
+    // A checkpoint of an fp16 run has its scaler's state; one of an fp32 or bf16 run (or an
+    // fp16 one resumed in fp32) has none to load, and a disabled scaler ignores it.
+    const nn::StateDict scaler_state = nn::strip_prefix(state, "scaler.");
+    if (!scaler_state.empty()) scaler.load_state_dict(scaler_state);
+    // Another schedule would move the learning rate at once (a cosine at 0.025 resumed as a
+    // constant 0.05): name both, as for the optimizer.
+    const bool saved_cosine = std::any_of(state.begin(), state.end(), [](const auto& entry) {
+      return starts_with(entry.first, "scheduler.cosine.");
+    });
+    NANODDP_CHECK(saved_cosine == schedule.cosine(), ValueError, "its run used --schedule ",
+                  saved_cosine ? "cosine" : "constant", " and this one --schedule ",
+                  schedule.cosine() ? "cosine" : "constant", ": resume with --schedule ",
+                  saved_cosine ? "cosine" : "constant");
     // Why this run's schedule differs from the checkpoint's, or "" when it is the same.
     std::ostringstream other_schedule;
     if (saved_steps_per_epoch != steps_per_epoch)
@@ -543,6 +561,7 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
                      << saved_warmup_steps << " of warm-up) and this one over " << schedule.total_steps() << " ("
                      << schedule.warmup_steps() << ") (another --epochs or --warmup-epochs)";
     const int64_t steps_done = done * steps_per_epoch + progress.steps;
+    progress.steps_taken = done * saved_steps_per_epoch + progress.steps;
     if (other_schedule.str().empty()) {
       // The schedule goes on from the checkpoint's learning rate, as a loaded torch optimizer's
       // param_groups keep theirs: a --lr of this run's own is said to be unused.
@@ -769,6 +788,11 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
   std::unique_ptr<nn::Optimizer> optimizer =
       parallel.make_optimizer([&](std::vector<Tensor> params) { return make_optimizer(config, std::move(params)); });
   Schedule schedule(*optimizer, config, train_loader.size());
+  // --precision fp16 scales the loss so that small gradients survive, and every rank skips the
+  // same steps (found-inf all-reduced); its state is in the checkpoints.
+  dist::GradScalerOptions scaling;
+  scaling.enabled = config.precision == "fp16";
+  dist::GradScaler scaler(scaling, pg);
   int first_epoch = 0;
   EpochProgress resumed;  // where in first_epoch the run goes on
   // A group that nanoddp-run --max-restarts started again resumes by itself (Note [Restart
@@ -785,7 +809,7 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
     // weights and optimizer state (the sharded strategies each take their share of it).
     std::tie(first_epoch, resumed) =
         restore(config.checkpoint, config.epochs, train_loader.size(), world_size, parallel, *optimizer,
-                config.optimizer, config.seed, schedule, chatty, *pg, used, only_job);
+                config.optimizer, config.seed, schedule, scaler, chatty, *pg, used, only_job);
     loaded = first_epoch >= 0;
     first_epoch = std::max(first_epoch, 0);
   }
@@ -814,8 +838,10 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
   const int64_t kill_step = examples::fault_kill_step(rank);
   const int64_t stop_step = examples::fault_stop_step(rank);
   // Resumed: the log keeps the checkpoint's steps and the steps past them are written again.
-  examples::MetricsLog metrics(rank == 0 ? config.metrics : "",
-                               /*steps_kept=*/first_epoch * train_loader.size() + resumed.steps);
+  // Resumed at another world size or batch size, this run's steps count on from the
+  // checkpoint's (step_offset), so the log's steps still rise one by one.
+  examples::MetricsLog metrics(rank == 0 ? config.metrics : "", /*steps_kept=*/resumed.steps_taken);
+  const int64_t step_offset = resumed.steps_taken - (first_epoch * train_loader.size() + resumed.steps);
   if (dist::DistributedDataParallel* ddp = parallel.ddp()) {
     if (config.comm_hook == "allreduce") ddp->register_comm_hook(pg, dist::allreduce_hook);
     if (config.comm_hook == "fp16") ddp->register_comm_hook(pg, dist::fp16_compress_hook);
@@ -828,13 +854,9 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
   // model before sharding it, as torch's FSDP does without meta-device initialisation).
   reset_peak_memory();
   nn::CrossEntropyLoss loss_fn;
-  // --precision: the forward under autocast (docs/mixed-precision.md). fp16 scales the loss
-  // so small gradients survive, and every rank skips the same steps (found-inf all-reduced).
+  // --precision: the forward under autocast (docs/mixed-precision.md), fp16 with the scaler above.
   const bool low_precision = config.precision != "fp32";
   const DType low_dtype = config.precision == "fp16" ? DType::Float16 : DType::BFloat16;
-  dist::GradScalerOptions scaling;
-  scaling.enabled = config.precision == "fp16";
-  dist::GradScaler scaler(scaling, pg);
 
   double train_loss = NAN, accuracy = NAN, samples_per_s = NAN;
   // Every training step's wall time on this rank, all epochs: their median is a step's cost
@@ -918,7 +940,7 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
           steps < train_loader.size()) {
         NoGradGuard no_grad;
         save(config.checkpoint, sharded_checkpoint, epoch, train_loader.size(), parallel, *optimizer,
-             config.optimizer, config.seed, schedule, rank, *pg, init.timeout, steps, loss_sum.item(),
+             config.optimizer, config.seed, schedule, scaler, rank, *pg, init.timeout, steps, loss_sum.item(),
              samples);
       }
       if (steps % kCheckEverySteps == 0 || steps == train_loader.size()) {
@@ -930,7 +952,7 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
           const double rate = static_cast<double>(samples - samples_before) * world_size / elapsed;
           if (chatty) progress.update(steps, mean_loss, rate);
           examples::MetricsRecord record;
-          record.step = epoch * train_loader.size() + steps;
+          record.step = epoch * train_loader.size() + steps + step_offset;
           record.epoch = epoch + 1;
           record.loss = mean_loss;
           record.lr = lr;
@@ -979,7 +1001,7 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
       std::printf("epoch %d/%d: train loss %.4f, test accuracy %.4f, %.0f samples/s\n", epoch + 1, config.epochs,
                   train_loss, accuracy, samples_per_s);
     examples::MetricsRecord record;
-    record.step = (epoch + 1) * train_loader.size();
+    record.step = (epoch + 1) * train_loader.size() + step_offset;
     record.epoch = epoch + 1;
     record.loss = train_loss;
     record.lr = lr;
@@ -988,7 +1010,7 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
     metrics.write(record);
     if (!config.checkpoint.empty())
       save(config.checkpoint, sharded_checkpoint, epoch + 1, train_loader.size(), parallel, *optimizer,
-           config.optimizer, config.seed, schedule, rank, *pg, init.timeout);
+           config.optimizer, config.seed, schedule, scaler, rank, *pg, init.timeout);
     epochs_done = epoch + 1;
     std::fflush(stdout);
   }

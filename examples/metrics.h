@@ -35,6 +35,8 @@
 namespace nanoddp::examples {
 
 struct MetricsRecord {
+  // Optimizer steps since the job's first run began, a resumed checkpoint's counted as its
+  // run took them (another world size or batch size takes another number per epoch).
   int64_t step = 0;
   int epoch = 0;
   double loss = NAN;

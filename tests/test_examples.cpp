@@ -241,6 +241,42 @@ TEST_CASE("fashion_mnist --optimizer adamw --warmup-epochs 1: the resumed run eq
   check_resume_equals_uninterrupted("fashion_mnist", {"--optimizer", "adamw", "--warmup-epochs", "1", "--lr", "0.002"});
 }
 
+TEST_CASE(
+    "fashion_mnist --precision fp16: the resumed run equals an uninterrupted one, loss scale included") {
+  // The checkpoint holds the GradScaler's scale and growth tracker: a resumed run that began
+  // again at 65536 skipped other steps than the uninterrupted one (Adam's moments then differ).
+  check_resume_equals_uninterrupted("fashion_mnist",
+                                    {"--precision", "fp16", "--optimizer", "adam", "--lr", "0.002"});
+}
+
+TEST_CASE("fashion_mnist --resume with another --schedule is refused, naming the checkpoint's") {
+  // A cosine at its middle resumed as a constant would jump back to --lr; a constant resumed
+  // as a cosine has no cosine state. Either way the error names the flag to give.
+  TempDir dir;
+  write_small_fashion_mnist(dir.path, 640, 200);
+  const std::string program = built("examples/fashion_mnist");
+  for (const std::string saved : {"cosine", "constant"}) {
+    const std::string other = saved == "cosine" ? "constant" : "cosine",
+                      ckpt = dir.path + "/" + saved + ".ckpt";
+    CAPTURE(saved);
+    auto run_with = [&](const std::string& schedule, std::vector<std::string> extra) {
+      std::vector<std::string> all = {program,      "--data-dir", dir.path,       "--batch-size",
+                                      "64",         "--quiet",    "--epochs",     "2",
+                                      "--schedule", schedule,     "--checkpoint", ckpt};
+      all.insert(all.end(), extra.begin(), extra.end());
+      return run(all, 120s);
+    };
+    const RunResult first = run_with(saved, {"--stop-after", "1"});
+    REQUIRE_MESSAGE(first.code() == 0, first.err);
+    const RunResult resumed = run_with(other, {"--resume"});
+    CHECK(resumed.code() == 1);
+    CHECK_MESSAGE(resumed.err.find("its run used --schedule " + saved + " and this one --schedule " + other +
+                                   ": resume with --schedule " + saved) != std::string::npos,
+                  resumed.err);
+    CHECK(run_with(saved, {"--resume"}).code() == 0);
+  }
+}
+
 TEST_CASE("fashion_mnist: a run resumed with more --epochs follows this run's learning-rate schedule") {
   // A finished 1-epoch cosine run ends at lr 0; resumed for --epochs 2, its second epoch must
   // use the lr of an uninterrupted 2-epoch run, not go on from the saved 0.
@@ -816,6 +852,11 @@ TEST_CASE("fashion_mnist --resume on another world size: the schedule is this ru
   CHECK(rest.out.find("the checkpoint's run had 20 steps per epoch and this one has 10") != std::string::npos);
   const RunResult whole = run(job(2, straight, {}), 120s);
   REQUIRE_MESSAGE(whole.code() == 0, whole.err);
+  // The log keeps the 1-rank run's epoch (its 20 steps), and the 2-rank steps count on from
+  // there, 10 per epoch: one rising run of steps.
+  std::vector<double> steps;
+  for (const std::string& line : metrics_lines(resumed)) steps.push_back(json_field(line, "step"));
+  CHECK(steps == std::vector<double>{20, 20, 30, 30, 40, 40});
 
   // Epochs 2 and 3: the same learning rate at the same points as the uninterrupted 2-rank run.
   std::vector<std::pair<double, double>> after_resume, uninterrupted;
