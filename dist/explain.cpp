@@ -339,6 +339,15 @@ std::string explain_memory(const ModelStateShape& shape, const std::string& stra
       << ", gradients " << measured.peak[static_cast<int>(MemoryCategory::Gradients)] << ", optimizer "
       << measured.peak[static_cast<int>(MemoryCategory::OptimizerState)] << ", comm_buffers "
       << measured.peak[static_cast<int>(MemoryCategory::CommBuffers)] << "\n";
+  const bool replicated = strategy != "zero2" && strategy != "fsdp";
+  if (shape.gradient_as_bucket_view && replicated)
+    out << "explain:   the measured peak includes the first step's: a parameter's first gradient, made by autograd "
+           "before it becomes a bucket view, and the re-planned buckets beside the first ones (torch's reducer "
+           "does the same); the rows are a later step's\n";
+  if (shape.accumulate > 1 && !replicated)
+    out << "explain:   --accumulate " << shape.accumulate
+        << ": between micro-batches no_sync keeps each unit's full gradient sum (as torch's FSDP does), which the "
+           "rows leave out\n";
   return out.str();
 }
 

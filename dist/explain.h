@@ -87,6 +87,7 @@ struct ModelStateShape {
   int optimizer_state_bytes_per_element = 0;  // k
   std::vector<int64_t> unit_numels;           // FSDP's units, in forward order
   bool gradient_as_bucket_view = false;
+  int accumulate = 1;  // micro-batches per step (no_sync between them)
   // The model's parameters' element counts, in parameter order, and the rank predicted for:
   // ZeRO-1 partitions whole parameters (partition_parameters), so a rank's optimizer state is
   // k times its share, which is Ψ/W only for parameters of similar sizes. Empty: kΨ/W.
@@ -108,7 +109,10 @@ struct ModelStateShape {
 //   parameters and gradient, 8 bytes per root element.)
 // and, when strategy is a rung of the ladder (docs/ladder.md), its own row: naive and overlap
 // as ddp without buckets (each .grad is all-reduced in place), flat as ddp (one flat buffer);
-// then the measured peak of this run (the allocator's model-state peak and each category's).
+// then the measured peak of this run (the allocator's model-state peak and each category's),
+// and what the measured peak holds that no row does: with gradient_as_bucket_view, the first
+// step's (a parameter's first gradient before it becomes a view, the re-planned buckets beside
+// the first ones); with accumulate > 1 under zero2 or fsdp, no_sync's full gradient sums.
 // The row of `strategy` is marked. Lines end in '\n'.
 std::string explain_memory(const ModelStateShape& shape, const std::string& strategy, const MemoryStats& measured);
 // The total of one stage's row: bytes of model state one rank holds at the peak of a step.

@@ -981,6 +981,7 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
       if (parallel.fsdp()) shape.unit_numels = dist::unit_numels(*parallel.fsdp());
       else shape.unit_numels = dist::layer_numels(*model);
       shape.gradient_as_bucket_view = config.gradient_as_bucket_view;
+      shape.accumulate = config.accumulate;
       for (const Tensor& p : model->parameters()) shape.parameter_numels.push_back(p.numel());
       shape.rank = rank;
       std::printf("%s", dist::explain_memory(shape, config.strategy, memory_stats(device)).c_str());
