@@ -868,7 +868,10 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
   const int last_epoch = config.stop_after > 0 ? config.stop_after : config.epochs;  // stop_after <= epochs
   // Nothing to train (--epochs or --stop-after already reached): the result line still
   // reports the resumed model's accuracy.
-  if (first_epoch >= last_epoch) accuracy = evaluate(trained, test_loader, *pg, config.precision);
+  if (first_epoch >= last_epoch) {
+    parallel.sync_buffers();
+    accuracy = evaluate(trained, test_loader, *pg, config.precision);
+  }
   if (rank == 0 && first_epoch >= last_epoch)
     std::fprintf(stderr, "%s: nothing to train: the checkpoint has %d epoch%s done, and this run ends after epoch %d (%s)\n",
                  config.example(), first_epoch, first_epoch == 1 ? "" : "s", last_epoch,
@@ -997,6 +1000,7 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
     train_loss = stats[0] / world_size;
     check_finite(static_cast<float>(train_loss), config, rank, epoch, steps);
     samples_per_s = stats[1] / slowest[0];
+    parallel.sync_buffers();  // the model evaluated and saved is rank 0's on every rank
     accuracy = evaluate(trained, test_loader, *pg, config.precision);
     if (chatty)
       std::printf("epoch %d/%d: train loss %.4f, test accuracy %.4f, %.0f samples/s\n", epoch + 1, config.epochs,

@@ -81,6 +81,16 @@ class ParallelModel {
     return std::make_shared<Holder<dist::FullyShardedDataParallel>>(*fsdp_);
   }
 
+  // A collective: rank 0's buffers (BatchNorm's running statistics) on every rank, as DDP's
+  // broadcast_buffers gives them at each forward. FSDP and the ladder's rungs leave each rank
+  // its own, updated on its own batches: an evaluation over the ranks, or rank 0's checkpoint,
+  // would then be of different models. Buffers are read in eval mode only, so training does
+  // not change. Nothing under DDP and ZeRO-1.
+  void sync_buffers() {
+    if (ddp_) return;
+    for (Tensor& buffer : model_->buffers()) pg_->broadcast(buffer, 0)->wait();
+  }
+
   // make(params) builds the plain optimizer; zero1 wraps it in a ZeroRedundancyOptimizer.
   using OptimizerFactory = std::function<std::unique_ptr<nn::Optimizer>(std::vector<Tensor>)>;
   std::unique_ptr<nn::Optimizer> make_optimizer(const OptimizerFactory& make) {
