@@ -304,10 +304,11 @@ Moment predict(const ModelStateShape& shape, const std::string& stage) {
   m.optimizer_state = stage == "ddp" ? k * psi : k * psi / W;
   if (stage == "zero1" && !shape.parameter_numels.empty()) {
     const std::vector<int> owner = partition_parameters(shape.parameter_numels, shape.world_size);
-    double share = 0;
+    std::vector<double> shares(static_cast<size_t>(shape.world_size), 0.0);
     for (size_t i = 0; i < owner.size(); ++i)
-      if (owner[i] == shape.rank) share += static_cast<double>(shape.parameter_numels[i]);
-    m.optimizer_state = k * share;
+      shares[static_cast<size_t>(owner[i])] += static_cast<double>(shape.parameter_numels[i]);
+    m.optimizer_state = k * (shape.rank < 0 ? *std::max_element(shares.begin(), shares.end())
+                                            : shares[static_cast<size_t>(shape.rank)]);
   }
   m.comm_buffers = 4 * psi;  // the buckets
   return m;
@@ -322,9 +323,10 @@ int64_t predicted_peak_model_state(const ModelStateShape& shape, const std::stri
 std::string explain_memory(const ModelStateShape& shape, const std::string& strategy, const MemoryStats& measured) {
   std::ostringstream out;
   out << std::fixed << std::setprecision(0);
-  out << "explain: memory per rank, predicted at the peak of a step (bytes; Ψ = " << shape.numel
-      << " parameters, W = " << shape.world_size << ", optimizer state " << shape.optimizer_state_bytes_per_element
-      << " bytes per parameter; docs/ddp/12-sharding.md):\n";
+  out << "explain: memory per rank" << (shape.rank < 0 ? " (the rank that holds most)" : "")
+      << ", predicted at the peak of a step (bytes; Ψ = " << shape.numel
+      << " parameters, W = " << shape.world_size << ", optimizer state "
+      << shape.optimizer_state_bytes_per_element << " bytes per parameter; docs/ddp/12-sharding.md):\n";
   out << "explain:   stage   parameters   gradients  optimizer  comm_buffers       total\n";
   const auto row = [&](const char* stage, const Moment& m) {
     out << "explain:   " << std::left << std::setw(6) << stage << std::right << std::setw(12) << m.parameters
@@ -334,9 +336,11 @@ std::string explain_memory(const ModelStateShape& shape, const std::string& stra
   for (const char* stage : {"ddp", "zero1", "zero2", "fsdp"}) row(stage, predict(shape, stage));
   for (const char* rung : {"naive", "flat", "overlap"})
     if (strategy == rung) row(rung, predict(shape, rung));  // a ladder rung: its own row
-  out << "explain:   measured (this run, from the allocator): peak model state " << measured.peak_model_state
-      << " bytes; peaks by category: parameters " << measured.peak[static_cast<int>(MemoryCategory::Parameters)]
-      << ", gradients " << measured.peak[static_cast<int>(MemoryCategory::Gradients)] << ", optimizer "
+  out << "explain:   measured (this run, from the allocator"
+      << (shape.rank < 0 ? ", the most of any rank" : "") << "): peak model state "
+      << measured.peak_model_state << " bytes; peaks by category: parameters "
+      << measured.peak[static_cast<int>(MemoryCategory::Parameters)] << ", gradients "
+      << measured.peak[static_cast<int>(MemoryCategory::Gradients)] << ", optimizer "
       << measured.peak[static_cast<int>(MemoryCategory::OptimizerState)] << ", comm_buffers "
       << measured.peak[static_cast<int>(MemoryCategory::CommBuffers)] << "\n";
   const bool replicated = strategy != "zero2" && strategy != "fsdp";

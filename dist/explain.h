@@ -92,7 +92,7 @@ struct ModelStateShape {
   // ZeRO-1 partitions whole parameters (partition_parameters), so a rank's optimizer state is
   // k times its share, which is Ψ/W only for parameters of similar sizes. Empty: kΨ/W.
   std::vector<int64_t> parameter_numels;
-  int rank = 0;
+  int rank = 0;  // the rank predicted for; -1: the one with the largest share (the most any rank holds)
 };
 
 // A table: per stage (ddp, zero1, zero2, fsdp) the parameters, gradients, optimizer state and

@@ -915,7 +915,7 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
       Tensor loss;
       if (config.accumulate > 1) {
         // The step's batch in micro-batches, each loss weighted by its share of the samples:
-        // the same gradient, 1/K of the activations (Note [Micro-batch weights]).
+        // the same gradient, 1/K of the activations the layers save (Note [Micro-batch weights]).
         const int64_t micro = std::min<int64_t>(config.accumulate, batch.input.size(0));
         nn::autocast autocast(low_dtype, low_precision);
         loss = dist::accumulate_gradients(parallel, dist::split_micro_batches(batch.input, batch.target, micro), loss_fn,
@@ -976,7 +976,15 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
       std::printf("%s", dist::explain_plan(*parallel.ddp()).c_str());  // re-planned after the first step
       rebuilt_plan_explained = true;
     }
-    if (explain && rank == 0 && epoch == first_epoch) {
+    if (explain && epoch == first_epoch) {
+      // The most any rank holds, as the result line's peak_model_state_bytes: under ZeRO-1 the
+      // ranks own different shares of the optimizer state. A collective.
+      MemoryStats measured = memory_stats(device);
+      std::vector<int64_t> peaks(measured.peak.begin(), measured.peak.end());
+      peaks.push_back(measured.peak_model_state);
+      peaks = dist::all_reduce_host(*pg, peaks, dist::ReduceOp::Max);
+      std::copy(peaks.begin(), peaks.begin() + kNumMemoryCategories, measured.peak.begin());
+      measured.peak_model_state = peaks.back();
       dist::ModelStateShape shape;
       shape.numel = model_numel;
       shape.world_size = world_size;
@@ -986,8 +994,8 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
       shape.gradient_as_bucket_view = config.gradient_as_bucket_view;
       shape.accumulate = config.accumulate;
       for (const Tensor& p : model->parameters()) shape.parameter_numels.push_back(p.numel());
-      shape.rank = rank;
-      std::printf("%s", dist::explain_memory(shape, config.strategy, memory_stats(device)).c_str());
+      shape.rank = -1;
+      if (rank == 0) std::printf("%s", dist::explain_memory(shape, config.strategy, measured).c_str());
     }
 
     // Mean loss over ranks; all ranks' samples over the slowest rank's time.

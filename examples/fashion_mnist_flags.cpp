@@ -97,7 +97,7 @@ int nanoddp::examples::fashion_mnist_main(int argc, char** argv, bool cnn) {
   app.add_option(
          "--accumulate", config.accumulate,
          "split each step's batch into K micro-batches, reduced once (no_sync on the first K-1; each loss "
-         "weighted by its share of the samples): the same step, 1/K of the activations")
+         "weighted by its share of the samples): the same step, 1/K of the activations the layers save")
       ->check(cli::integer_in(1));
   app.add_flag("--prefetch", config.prefetch, "collate batches on a background thread");
   app.add_flag("--quiet", config.quiet, "only the final JSON line (and what --explain asks for)");
