@@ -15,6 +15,7 @@
 #include "tests/dist_ranks.h"
 #include "tests/ladder_checks.h"
 #include "tests/multiprocess.h"
+#include "tests/send_counting_group.h"
 
 using namespace nanoddp;
 
@@ -23,19 +24,42 @@ namespace {
 constexpr int kRepeats = 5;
 
 // What the ring must give at world ranks: element i of rank r is (r + 1) * (i + 1), 10 of
-// them (not a multiple of 3); Sum, Avg, Max and Min; and no collective is used, only send
-// and recv (an all_gather and a local sum gives the right numbers without a ring).
-std::string ring_problems(const std::shared_ptr<dist::ProcessGroup>& pg) {
+// them (not a multiple of 3); Sum, Avg, Max and Min, and an int64 Sum; no collective is used,
+// only send and recv (an all_gather and a local sum gives the right numbers without a ring);
+// and each rank sends 2(N-1) parts of at most ceil(10 / N) elements, where passing the whole
+// buffer around sends N-1 whole buffers (docs/ring-all-reduce.md).
+std::string ring_problems(const std::shared_ptr<dist::ProcessGroup>& group) {
+  const auto pg = std::make_shared<testing::SendCountingGroup>(group);
   const int rank = pg->rank(), world = pg->size();
   const float rank_sum = static_cast<float>(world * (world + 1) / 2);
+  const std::string who = "rank " + std::to_string(rank) + "/" + std::to_string(world) + " ";
   std::string problems;
+  {
+    std::vector<int64_t> values;
+    for (int64_t i = 0; i < 10; ++i) values.push_back((rank + 1) * (i + 1));
+    Tensor t = Tensor::from_vector(values);
+    dist::ring_all_reduce(*pg, t, dist::ReduceOp::Sum, std::chrono::seconds(30));
+    const std::vector<int64_t> got = t.to_int_vector();
+    for (int64_t i = 0; i < 10 && problems.empty(); ++i)
+      if (got[static_cast<size_t>(i)] != world * (world + 1) / 2 * (i + 1))
+        problems += who + "ring_all_reduce(sum) of int64: element " + std::to_string(i) + " = " +
+                    std::to_string(got[static_cast<size_t>(i)]) + ", expected " +
+                    std::to_string(world * (world + 1) / 2 * (i + 1)) + "\n";
+  }
   for (const dist::ReduceOp op :
        {dist::ReduceOp::Sum, dist::ReduceOp::Avg, dist::ReduceOp::Max, dist::ReduceOp::Min}) {
     std::vector<float> values;
     for (int i = 0; i < 10; ++i) values.push_back(static_cast<float>((rank + 1) * (i + 1)));
     Tensor t = Tensor::from_vector(values, {2, 5});
-    pg->reset_counts();
+    group->reset_counts();
+    pg->sent_bytes = 0;
     dist::ring_all_reduce(*pg, t, op, std::chrono::seconds(30));
+    const size_t most = 2 * static_cast<size_t>(world - 1) * ((10 + world - 1) / world) * sizeof(float);
+    if (pg->sent_bytes > most)
+      problems +=
+          who + "ring_all_reduce(" + dist::reduce_op_name(op) + ") sent " + std::to_string(pg->sent_bytes) +
+          " bytes of a 40-byte tensor; a ring sends 2(N-1) parts of about 1/N of it, at most " +
+          std::to_string(most) + " bytes here (whole buffers passed around cost N-1 times the tensor)\n";
     const std::vector<float> got = t.to_vector();
     for (int i = 0; i < 10; ++i) {
       const float per_rank = op == dist::ReduceOp::Max   ? static_cast<float>(world)
@@ -54,7 +78,7 @@ std::string ring_problems(const std::shared_ptr<dist::ProcessGroup>& pg) {
                                            std::pair{dist::Collective::AllGather, "all_gather"},
                                            std::pair{dist::Collective::ReduceScatter, "reduce_scatter"},
                                            std::pair{dist::Collective::Broadcast, "broadcast"}})
-      if (pg->count(collective).calls != 0)
+      if (group->count(collective).calls != 0)
         problems += "rank " + std::to_string(rank) + ": ring_all_reduce called the group's " + name +
                     "; the ring passes chunks to its neighbours with send and recv only\n";
   }
@@ -67,6 +91,7 @@ std::string rung_problems(const std::string& rung, const std::shared_ptr<dist::P
   if (problems.empty()) problems = ladder_checks::gradient_matches(rung, pg);
   if (problems.empty()) problems = ladder_checks::counts_match(rung, pg);
   if (problems.empty()) problems = ladder_checks::counts_match(rung, pg, /*micro_batches=*/3);
+  if (problems.empty()) problems = ladder_checks::gradient_matches(rung, pg, /*micro_batches=*/3);
   if (problems.empty()) problems = ladder_checks::counts_match_after_rewrap(rung, pg);
   if (problems.empty()) problems = ladder_checks::equals_one_process(rung, pg);
   return problems;

@@ -9,8 +9,10 @@
 //  - queue_callback(fn) (core/autograd.h), called during a backward, runs fn when that
 //    backward ends: queue it from the first hook of each backward.
 //  - all_reduce returns at once; keep every Work and wait for EVERY one of them.
-//  - Divide before you launch (grad.copy_(grad * (1/W))): the sum of the divided gradients is
-//    the mean, with nothing left to do after the wait.
+//  - Divide before you launch (grad.copy_(grad * (1.0f / W)), a float: 1 / W in integers is 0):
+//    the sum of the divided gradients is the mean, with nothing left to do after the wait.
+//  - Empty the list of Works once they are waited for: the next backward's first hook must
+//    find it empty to queue its own callback.
 //  - Under no_sync() (sync_ false) a hook does nothing.
 //  - finish_gradient_sync() is left to check that every parameter was reduced.
 // The grader expects, per step of its MLP: 4 all_reduce calls, 228 bytes in all.

@@ -8,12 +8,15 @@
 //  - Step s of the reduce-scatter: send part (rank - s) mod N to rank + 1, receive part
 //    (rank - s - 1) mod N from rank - 1 into a scratch tensor, and add it into that part.
 //    Post the recv before waiting for the send (a send may wait for its receiver).
-//  - After N - 1 steps rank r holds part (r + 1) mod N complete. The all-gather: N - 1 more
-//    steps, sending the part just completed and overwriting the one received.
+//  - After N - 1 steps rank r holds part (r + 1) mod N complete (dist/ring.h and
+//    docs/ring-all-reduce.md number the parts one lower, so that rank r holds part r: the
+//    same schedule). The all-gather: N - 1 more steps, sending the part just completed and
+//    overwriting the one received.
 //  - ReduceOp::Avg: sum, then divide by N. Max/Min: combine with the op instead of adding.
 //  - N == 1: nothing to send.
-// The grader checks the values at 2 and 3 ranks (numel not a multiple of N) and that no
-// all_reduce collective was called.
+// The grader checks the values at 2 and 3 ranks (numel not a multiple of N; float32 and
+// int64), that no collective was called, and that each rank sent 2(N-1) parts, not whole
+// buffers.
 #include "dist/ring.h"
 
 #include "core/error.h"

@@ -390,21 +390,32 @@ inline std::string counts_match(const std::string& rung, const std::shared_ptr<d
   return report.str();
 }
 
-// One step of the MLP on this rank's share, then finish_gradient_sync(): "" when every
-// gradient equals one process's on the global batch (within kLadderTolerance). Otherwise names
+// One step of the MLP on this rank's share (over micro_batches under no_sync for all but the
+// last, dist::accumulate_gradients), then finish_gradient_sync(): "" when every gradient
+// equals one process's on the global batch (within kLadderTolerance). Otherwise names
 // the parameter, the element and both values, and the mistake the values look like: W times
 // the mean (summed, not divided), 1/W of it (divided twice), this rank's own gradient (never
 // reduced, or not copied back), it divided by W (divided, then the all_reduce was not waited
 // for), or another parameter's gradient (offsets into a flat buffer).
-inline std::string gradient_matches(const std::string& rung, const std::shared_ptr<dist::ProcessGroup>& pg) {
+inline std::string gradient_matches(const std::string& rung, const std::shared_ptr<dist::ProcessGroup>& pg,
+                                    int micro_batches = 1) {
   const int rank = pg->rank(), world = pg->size();
   const Batch global = global_batch(0, 5), mine = share(global, rank, world);
   auto reference = make_mlp(7), own = make_mlp(7), model = make_mlp(rank == 0 ? 7 : 99);
   cross_entropy((*reference)(global.x), global.y).backward();
   cross_entropy((*own)(mine.x), mine.y).backward();
   auto dp = make_rung(rung, model, pg);
-  cross_entropy((*dp)(mine.x), mine.y).backward();
+  if (micro_batches == 1) {
+    cross_entropy((*dp)(mine.x), mine.y).backward();
+  } else {
+    auto loss = [](const Tensor& out, const Tensor& y) { return cross_entropy(out, y); };
+    dist::accumulate_gradients(*dp, dist::split_micro_batches(mine.x, mine.y, micro_batches), loss);
+  }
   dp->finish_gradient_sync();
+  const std::string step = micro_batches == 1
+                               ? ""
+                               : " (the step accumulated over " + std::to_string(micro_batches) +
+                                     " micro-batches, no_sync on all but the last)";
   const auto want = reference->named_parameters(), local = own->named_parameters(),
              got = model->named_parameters();
   std::ostringstream report;
@@ -427,7 +438,7 @@ inline std::string gradient_matches(const std::string& rung, const std::shared_p
     for (size_t j = 0; j < g.size(); ++j)
       if (std::abs(g[j] - w[j]) > std::abs(g[worst] - w[worst])) worst = j;
     report << "rank " << rank << "/" << world << " " << rung << ": " << got[p].first << ".grad[" << worst
-           << "] = " << g[worst] << ", expected " << w[worst] << " (one process on the global batch)";
+           << "] = " << g[worst] << ", expected " << w[worst] << " (one process on the global batch)" << step;
     // Where in all the expected gradients laid end to end (parameter order) these values sit,
     // when that is somewhere else than this parameter's own place: a flat buffer's offsets.
     std::vector<float> laid_out;
@@ -464,6 +475,9 @@ inline std::string gradient_matches(const std::string& rung, const std::shared_p
     else if (all_near([&](size_t j) { return l[j] / static_cast<float>(world); }))
       report << ": this rank's own gradient divided by " << world
              << ": divided, but the sum never arrived (an all_reduce not waited for)";
+    else if (micro_batches > 1)
+      report << ": under no_sync a gradient must be left as backward accumulates it (no divide, no "
+                "all_reduce) until the step's last micro-batch";
     report << "\n";
   }
   return report.str();

@@ -7,39 +7,13 @@
 #include "dist/init.h"
 #include "dist/ring.h"
 #include "tests/collectives_cases.h"
+#include "tests/send_counting_group.h"
 
 using namespace nanoddp;
 using namespace nanoddp::dist;
 using namespace std::chrono_literals;
 
 namespace {
-
-// Forwards every call to an inner group and counts the bytes handed to send().
-class CountingGroup : public ProcessGroup {
- public:
-  explicit CountingGroup(std::shared_ptr<ProcessGroup> inner)
-      : ProcessGroup(inner->rank(), inner->size()), inner_(std::move(inner)) {}
-  std::string backend_name() const override { return inner_->backend_name(); }
-  std::shared_ptr<Work> all_reduce(Tensor& t, ReduceOp op) override { return inner_->all_reduce(t, op); }
-  std::shared_ptr<Work> broadcast(Tensor& t, int root) override { return inner_->broadcast(t, root); }
-  std::shared_ptr<Work> all_gather(std::vector<Tensor>& outs, const Tensor& in) override {
-    return inner_->all_gather(outs, in);
-  }
-  std::shared_ptr<Work> reduce_scatter(Tensor& out, const std::vector<Tensor>& ins, ReduceOp op) override {
-    return inner_->reduce_scatter(out, ins, op);
-  }
-  std::shared_ptr<Work> barrier() override { return inner_->barrier(); }
-  std::shared_ptr<Work> send(const Tensor& t, int dst, int tag) override {
-    sent_bytes += t.nbytes();
-    return inner_->send(t, dst, tag);
-  }
-  std::shared_ptr<Work> recv(Tensor& t, int src, int tag) override { return inner_->recv(t, src, tag); }
-
-  size_t sent_bytes = 0;
-
- private:
-  std::shared_ptr<ProcessGroup> inner_;
-};
 
 std::shared_ptr<ProcessGroup> join(Backend backend, int port, int rank, int world_size) {
   InitOptions o;
@@ -68,7 +42,7 @@ TEST_CASE("ring_all_reduce: each rank sends 2(N-1)/N of the tensor, at N = 2, 3,
       CAPTURE(world_size);
       int port = testing::free_port();
       std::string failures = testing::run_ranks(world_size, [&](int rank) {
-        CountingGroup pg(join(backend, port, rank, world_size));
+        testing::SendCountingGroup pg(join(backend, port, rank, world_size));
         const int64_t numel = 12 * 1000;  // divisible by 2, 3 and 4: parts of equal size
         const size_t tensor_bytes = numel * sizeof(float);
         Tensor t = testing::make_tensor(DType::Float32, numel,

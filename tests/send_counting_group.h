@@ -1,0 +1,45 @@
+// A process group that forwards every call to an inner one and counts the bytes handed to
+// send(): what a ring all-reduce's traffic is measured by (tests/test_ring.cpp and the ring
+// exercise's grader, exercises/grader.cpp).
+//
+//   auto counting = std::make_shared<testing::SendCountingGroup>(pg);
+//   dist::ring_all_reduce(*counting, t);        // counting->sent_bytes: 2(N-1)/N of t's bytes
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dist/process_group.h"
+
+namespace nanoddp::testing {
+
+class SendCountingGroup : public dist::ProcessGroup {
+ public:
+  explicit SendCountingGroup(std::shared_ptr<dist::ProcessGroup> inner)
+      : dist::ProcessGroup(inner->rank(), inner->size()), inner_(std::move(inner)) {}
+  std::string backend_name() const override { return inner_->backend_name(); }
+  std::shared_ptr<dist::Work> all_reduce(Tensor& t, dist::ReduceOp op) override { return inner_->all_reduce(t, op); }
+  std::shared_ptr<dist::Work> broadcast(Tensor& t, int root) override { return inner_->broadcast(t, root); }
+  std::shared_ptr<dist::Work> all_gather(std::vector<Tensor>& outs, const Tensor& in) override {
+    return inner_->all_gather(outs, in);
+  }
+  std::shared_ptr<dist::Work> reduce_scatter(Tensor& out, const std::vector<Tensor>& ins,
+                                             dist::ReduceOp op) override {
+    return inner_->reduce_scatter(out, ins, op);
+  }
+  std::shared_ptr<dist::Work> barrier() override { return inner_->barrier(); }
+  std::shared_ptr<dist::Work> send(const Tensor& t, int dst, int tag) override {
+    sent_bytes += t.nbytes();
+    return inner_->send(t, dst, tag);
+  }
+  std::shared_ptr<dist::Work> recv(Tensor& t, int src, int tag) override { return inner_->recv(t, src, tag); }
+
+  size_t sent_bytes = 0;
+
+ private:
+  std::shared_ptr<dist::ProcessGroup> inner_;
+};
+
+}  // namespace nanoddp::testing
