@@ -474,10 +474,14 @@ inline std::string gradient_matches(const std::string& rung, const std::shared_p
                 "a flat buffer's result not copied back into .grad)";
     else if (all_near([&](size_t j) { return l[j] / static_cast<float>(world); }))
       report << ": this rank's own gradient divided by " << world
-             << ": divided, but the sum never arrived (an all_reduce not waited for)";
+             << ": divided, but the sum never arrived (an all_reduce not waited for, or one of another tensor "
+                "than the gradient: the parameter itself, a copy)";
     else if (micro_batches > 1)
       report << ": under no_sync a gradient must be left as backward accumulates it (no divide, no "
                 "all_reduce) until the step's last micro-batch";
+    else if (rung == "flat")
+      report << ": every rank must pack the flat buffer in the same order (the parameters' order), or "
+                "the sum adds one rank's elements of a parameter to another rank's of another";
     report << "\n";
   }
   return report.str();
