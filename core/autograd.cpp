@@ -413,7 +413,16 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
       Tensor t = stack.back();
       stack.pop_back();
       const auto& fn = t.grad_fn();
-      if (!fn) continue;
+      if (!fn) {
+        // A leaf's .grad that set_data left at another shape fails here, before anything moves.
+        const Tensor grad = t.requires_grad() ? t.grad() : Tensor();
+        NANODDP_CHECK(!grad.defined() || (grad.shape() == t.shape() && grad.dtype() == t.dtype() &&
+                                          grad.device() == t.device()),
+                      ShapeError, "backward: a leaf ", t.shape(), " ", t.dtype(), " on ", t.device(),
+                      " has a .grad of ", grad.shape(), " ", grad.dtype(), " on ", grad.device(),
+                      " (set_data changed the tensor after .grad was made? set_grad(Tensor()) first)");
+        continue;
+      }
       NANODDP_CHECK(!fn->freed_saved_tensors, ValueError, "backward through ", fn->name(),
                     " a second time: its saved tensors were freed by the first backward (pass retain_graph)");
       for (const Tensor& input : fn->inputs) {

@@ -14,8 +14,8 @@
 //   2. pop ready tensors (all consumers done) in reverse creation order, as PyTorch's engine
 //      does, so a model's last layer gets its gradient first (Note [Bucket order] in dist/);
 //   3. a non-leaf calls its Node's apply() and adds the returned gradients into its inputs'
-//      buffers, then, unless retain_graph, releases the Node (saved tensors and edges
-//      dropped), so activations are freed as backward passes them; a leaf that requires grad
+//      buffers, then, unless retain_graph, releases the Node (its saved tensors dropped; the
+//      edges stay), so activations are freed as backward passes them; a leaf that requires grad
 //      adds its (complete) buffer into .grad and then runs its post-accumulate-grad hooks:
 //      DDP's signal that this gradient is final;
 //   4. the callbacks queued during the pass run (queue_callback).
@@ -47,10 +47,11 @@ struct Node {
   // An entry may be undefined when that input needs no gradient.
   virtual std::vector<Tensor> apply(const Tensor& grad_output) = 0;
   virtual const char* name() const = 0;
-  // Drops the saved tensors after backward; overrides must call Node::release(). The edges
-  // stay (they hold no memory, Note [Graph edges]): a second backward through a node that
-  // saved nothing (a sum, an add, a reshape) runs again and accumulates, as in torch; one
-  // through a node that saved something throws before any gradient moves.
+  // Drops the saved tensors after backward; overrides must call Node::release(), and set
+  // freed_saved_tensors when they free state of their own that apply() reads. The edges stay
+  // (they hold no memory, Note [Graph edges]): a second backward through a node that saved
+  // nothing (a sum, an add, a reshape) runs again and accumulates, as in torch; one through a
+  // node that saved something throws before any gradient moves.
   virtual void release() {
     freed_saved_tensors = freed_saved_tensors || !saved_.empty() || checkpoint_frame_ != nullptr;
     saved_.clear();

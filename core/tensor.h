@@ -163,8 +163,11 @@ class Tensor {
   // Runs backward from this tensor. grad defaults to 1 for a one-element tensor; any other
   // shape needs an explicit grad of the same shape (torch.Tensor.backward), on the same
   // device (DeviceError), of a float dtype (ValueError otherwise), cast to this tensor's dtype
-  // as torch casts it (a float32 grad for a bfloat16 output is fine). The graph is freed
-  // afterwards unless retain_graph; a second backward through it throws ValueError.
+  // as torch casts it (a float32 grad for a bfloat16 output is fine). The graph's saved tensors
+  // are freed afterwards unless retain_graph: a second backward through a node that saved one
+  // throws ValueError before any gradient moves (one through sums, adds and reshapes runs
+  // again, as torch's). ShapeError, before any gradient moves, for a leaf whose .grad has
+  // another shape, dtype or device than the leaf (set_data changed it).
   void backward(const Tensor& grad = Tensor(), bool retain_graph = false) const;
   // fn(param) runs after this leaf's .grad has been accumulated in a backward pass
   // (torch.Tensor.register_post_accumulate_grad_hook), with grad mode off, as torch's engine

@@ -214,14 +214,14 @@ class ProcessGroup {
   // ValueError when dst/src is not another rank of the group; a mismatch in size, dtype or
   // tag is a DistError on the receiving side (shm; MPI for a size that differs, Note [MPI
   // probed recv]) or, where the library cannot tell, data cut short, or reinterpreted when both are n
-  // elements of one size (int32[n] sent, float32[n] received). On Gloo (and shm+gloo across
-  // nodes) a recv smaller than its send ends the process inside Gloo's own thread (SIGABRT,
-  // "op.preamble.length <= op.nbytes"), as in torch's Gloo backend: the launcher names the rank. NCCL queues
-  // send/recv and issues them together, as one NCCL group, when one of them is waited on, tested or dropped,
-  // when a collective is called, or when the group goes (so an exchange cannot deadlock, and a send whose
-  // Work is dropped still goes out); they run on a communicator and stream of their own, beside the
-  // collectives (Note [NCCL point-to-point]). NCCL takes tag 0 only (ValueError otherwise: NCCL has no tags).
-  // The base class throws DistError: the backend has no point-to-point.
+  // elements of one size (int32[n] sent, float32[n] received). On Gloo (and shm+gloo, whose
+  // send and recv go through Gloo) a recv smaller than its send ends the process inside Gloo's own thread
+  // (SIGABRT, "op.preamble.length <= op.nbytes"), as in torch's Gloo backend: the launcher names the rank.
+  // NCCL queues send/recv and issues them together, as one NCCL group, when one of them is waited on, tested
+  // or dropped, when a collective is called, or when the group goes (so an exchange cannot deadlock, and a
+  // send whose Work is dropped still goes out); they run on a communicator and stream of their own, beside
+  // the collectives (Note [NCCL point-to-point]). NCCL takes tag 0 only (ValueError otherwise: NCCL has no
+  // tags). The base class throws DistError: the backend has no point-to-point.
   virtual std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag = 0);
   virtual std::shared_ptr<Work> recv(Tensor& tensor, int src, int tag = 0);
 

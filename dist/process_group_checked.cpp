@@ -191,7 +191,8 @@ class CheckedWork : public Work {
                   ": the group was destroyed before this collective started");
     auto spent =
         std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - begin);
-    real_->wait(std::max(timeout - spent, std::chrono::milliseconds(0)));
+    // At least 1 ms: 0 would mean the group's whole timeout (effective_wait_timeout).
+    real_->wait(std::max(timeout - spent, std::chrono::milliseconds(1)));
   }
 
   bool is_completed() override {

@@ -26,8 +26,8 @@
 // next advances (any wait or test), then receives it with MPI_Imrecv. So the sender's size is
 // known before any byte lands: a send that does not fit the recv's tensor is received into a
 // scratch buffer and the recv fails with a DistError naming both sizes, the group still
-// usable. (A posted MPI_Irecv smaller than a large send crashed Open MPI's shared-memory
-// transport in its single-copy path, and a larger one was silently cut short.) Every advance
+// usable. (A posted MPI_Irecv smaller than a large send ends in SIGSEGV inside Open MPI's
+// shared-memory single-copy path; a larger one would be cut short without a word.) Every advance
 // offers each unmatched recv a probe before completing the oldest work, so an exchange (both
 // ranks send, then recv) matches as if the recvs had been posted; a recv is not probed while
 // an earlier one from the same rank with the same tag is unmatched, so messages match recvs
@@ -180,6 +180,7 @@ struct MpiPending {
   std::mutex mutex;  // taken before mpi_mutex(), never after
   std::deque<std::shared_ptr<MpiWork>> works;
   std::chrono::milliseconds timeout{};  // the group's
+  bool comm_freed = false;              // the group is gone: no recv may probe its communicator
   // Matches the recvs it can (Note [MPI probed recv]), then completes works from the oldest
   // while they are done; held: mutex.
   void advance();
@@ -218,44 +219,51 @@ class MpiWork : public Work {
   // sizes agree, into a scratch buffer (and an error for wait) when they do not. Held: the
   // group's mutex.
   void try_match() {
-    int flag = 0, rc = MPI_SUCCESS, bytes = 0;
+    const auto fail = [this](const std::string& why) {
+      error_ = why;
+      --MpiRuntime::unfinished_requests();
+      done_ = true;
+    };
+    if (pending_->comm_freed) return fail("the process group was destroyed before the message came");
+    int flag = 0, rc = MPI_SUCCESS;
     MPI_Message message;
     MPI_Status status;
     std::lock_guard<std::mutex> lock(mpi_mutex());
     rc = MPI_Improbe(recv_->src, recv_->tag, recv_->comm, &flag, &message, &status);
     if (rc == MPI_SUCCESS && !flag) return;
-    if (rc == MPI_SUCCESS) rc = MPI_Get_count(&status, MPI_BYTE, &bytes);
-    if (rc != MPI_SUCCESS) {
-      error_ = "MPI_Improbe failed: " + mpi_error_text(rc);
-      --MpiRuntime::unfinished_requests();
-      done_ = true;
-      return;
-    }
+    MPI_Count bytes = 0;  // 64 bits: a message may pass 2 GiB
+    if (rc == MPI_SUCCESS) rc = MPI_Get_elements_x(&status, MPI_BYTE, &bytes);
+    if (rc != MPI_SUCCESS) return fail("MPI_Improbe failed: " + mpi_error_text(rc));
     recv_->matched = true;
     const Tensor& tensor = recv_->tensor;
     void* into = tensor.impl()->storage->data();
     int count = static_cast<int>(tensor.numel());  // checked_count: at most INT_MAX
     MPI_Datatype type = mpi_type(tensor.dtype());
-    if (static_cast<size_t>(bytes) != tensor.nbytes()) {
-      auto scratch = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(bytes));
-      into = scratch->data();
-      count = bytes;
+    if (static_cast<uint64_t>(bytes) != tensor.nbytes()) {
+      const std::string sizes = "rank " + std::to_string(recv_->src) + " sent " + std::to_string(bytes) +
+                                " bytes with tag " + std::to_string(recv_->tag) +
+                                ", but this recv's tensor has " + std::to_string(tensor.nbytes()) +
+                                " (recv needs the shape and dtype of the matching send)";
+      // Received into scratch, as bytes, so that the next message with this tag meets the next recv.
+      if (bytes > INT_MAX) return fail(sizes + "; too large to drop: the group is out of step");
+      try {
+        auto scratch = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(bytes));
+        into = scratch->data();
+        finish_ = [tensor, scratch] {};
+      } catch (const std::exception& e) {
+        return fail(sizes + "; no memory to drop it (" + e.what() + "): the group is out of step");
+      }
+      count = static_cast<int>(bytes);
       type = MPI_BYTE;
-      finish_ = [tensor, scratch] {};
-      error_ = "rank " + std::to_string(recv_->src) + " sent " + std::to_string(bytes) + " bytes with tag " +
-               std::to_string(recv_->tag) + ", but this recv's tensor has " +
-               std::to_string(tensor.nbytes()) +
-               " (recv needs the shape and dtype of the matching send); the message was received and dropped";
+      error_ = sizes + "; the message was received and dropped";
     }
     rc = MPI_Imrecv(into, count, type, &message, &request_);
-    if (rc != MPI_SUCCESS) {
-      error_ = "MPI_Imrecv failed: " + mpi_error_text(rc);
-      --MpiRuntime::unfinished_requests();
-      done_ = true;
-    }
+    if (rc != MPI_SUCCESS) fail("MPI_Imrecv failed: " + mpi_error_text(rc));
   }
 
   ~MpiWork() override {
+    // A recv never matched left nothing with MPI.
+    if (!done_ && request_ == MPI_REQUEST_NULL) --MpiRuntime::unfinished_requests();
     // The group's queue held this work until it completed, so it is unfinished here only
     // when the group itself is gone. A request still running stays with MPI; our tensors die
     // with the closure, so keep it (and them) alive rather than let MPI write freed memory.
@@ -350,6 +358,8 @@ class ProcessGroupMpi : public ProcessGroup {
   }
 
   ~ProcessGroupMpi() override {
+    std::lock_guard<std::mutex> queue_lock(pending_->mutex);
+    pending_->comm_freed = true;
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!finalized) {

@@ -28,13 +28,14 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Remaining time before deadline, never negative.
+// Remaining time before deadline, at least 1 ms: a wait of 0 ms would wait for the group's
+// whole timeout (effective_wait_timeout), where a passed deadline must end the wait now.
 std::chrono::milliseconds left(Clock::time_point deadline) {
   auto rest = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-  return std::max(rest, std::chrono::milliseconds(0));
+  return std::max(rest, std::chrono::milliseconds(1));
 }
 
-// all_reduces queued in issue order; a wait() runs every earlier one first.
+// The group's collectives queued in issue order; a wait() runs every earlier one first.
 class TwoLevelQueue;
 
 class TwoLevelWork : public Work {
@@ -61,10 +62,10 @@ class TwoLevelQueue {
     std::lock_guard<std::mutex> lock(mutex_);
     pending_.push_back(std::move(work));
   }
-  // Runs pending works in issue order until target is done (every one when target is null).
-  void run_until(TwoLevelWork* target, Clock::time_point deadline) {
+  // Runs pending works in issue order until target is done.
+  void run_until(TwoLevelWork& target, Clock::time_point deadline) {
     std::lock_guard<std::mutex> lock(mutex_);
-    while ((target == nullptr || !target->done_) && !pending_.empty()) {
+    while (!target.done_ && !pending_.empty()) {
       auto work = pending_.front();
       pending_.pop_front();
       try {
@@ -88,7 +89,7 @@ class TwoLevelQueue {
 
 void TwoLevelWork::wait(std::chrono::milliseconds timeout) {
   if (!queue_->done(*this))
-    queue_->run_until(this, Clock::now() + effective_wait_timeout(timeout, queue_->timeout));
+    queue_->run_until(*this, Clock::now() + effective_wait_timeout(timeout, queue_->timeout));
   if (error_) std::rethrow_exception(error_);
 }
 
@@ -150,36 +151,49 @@ class ProcessGroupTwoLevel : public ProcessGroup {
     auto local = local_;
     auto leaders = leaders_;
     const int world_size = world_size_;
-    auto work = std::make_shared<TwoLevelWork>(
-        queue_, [tensor, op, level_op, local, leaders, world_size](Clock::time_point deadline) mutable {
-          local->all_reduce(tensor, level_op)->wait(left(deadline));                 // 1. inside the node
-          if (leaders) leaders->all_reduce(tensor, level_op)->wait(left(deadline));  // 2. across
-          local->broadcast(tensor, 0)->wait(left(deadline));                         // 3. leader -> node
-          if (op == ReduceOp::Avg) detail::divide_by_world_size(tensor, world_size);
-        });
-    queue_->push(work);
-    return work;
+    return queued([tensor, op, level_op, local, leaders, world_size](Clock::time_point deadline) mutable {
+      local->all_reduce(tensor, level_op)->wait(left(deadline));                 // 1. inside the node
+      if (leaders) leaders->all_reduce(tensor, level_op)->wait(left(deadline));  // 2. across
+      local->broadcast(tensor, 0)->wait(left(deadline));                         // 3. leader -> node
+      if (op == ReduceOp::Avg) detail::divide_by_world_size(tensor, world_size);
+    });
   }
 
-  // The other collectives run on the world's Gloo group. The all-reduces issued before them
-  // run first, here, so that works complete in the order issued (after barrier()->wait()
-  // every earlier result is final, as on every other backend).
+  // The other collectives run on the world's Gloo group, queued behind the all-reduces like
+  // them, so that works complete in the order issued (after barrier()->wait() every earlier
+  // result is final, as on every other backend) and issuing never blocks. Their arguments are
+  // checked here, at the call, as Gloo's own would be.
   std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
-    run_pending_all_reduces();
-    return world_->broadcast(tensor, root);
+    check_tensor("broadcast", tensor, Device::cpu());
+    NANODDP_CHECK(root >= 0 && root < world_size_, ValueError, describe("broadcast", tensor), ": root ", root,
+                  " is not a rank of this group");
+    auto world = world_;
+    return queued([world, tensor, root](Clock::time_point deadline) mutable {
+      world->broadcast(tensor, root)->wait(left(deadline));
+    });
   }
   std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
-    run_pending_all_reduces();
-    return world_->all_gather(outputs, input);
+    check_tensor("all_gather", input, Device::cpu());
+    check_list("all_gather", outputs, input);
+    auto world = world_;
+    return queued([world, outputs, input](Clock::time_point deadline) mutable {
+      world->all_gather(outputs, input)->wait(left(deadline));
+    });
   }
   std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
                                        ReduceOp op) override {
-    run_pending_all_reduces();
-    return world_->reduce_scatter(output, inputs, op);
+    const std::string what = std::string("reduce_scatter(") + reduce_op_name(op) + ")";
+    check_tensor(what, output, Device::cpu());
+    check_reduce(what, output, op);
+    check_list(what, inputs, output);
+    auto world = world_;
+    return queued([world, output, inputs, op](Clock::time_point deadline) mutable {
+      world->reduce_scatter(output, inputs, op)->wait(left(deadline));
+    });
   }
   std::shared_ptr<Work> barrier() override {
-    run_pending_all_reduces();
-    return world_->barrier();
+    auto world = world_;
+    return queued([world](Clock::time_point deadline) { world->barrier()->wait(left(deadline)); });
   }
   std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {
     return world_->send(tensor, dst, tag);
@@ -189,8 +203,11 @@ class ProcessGroupTwoLevel : public ProcessGroup {
   }
 
  private:
-  // Their errors stay with their works, for wait() to throw.
-  void run_pending_all_reduces() { queue_->run_until(nullptr, Clock::now() + queue_->timeout); }
+  std::shared_ptr<Work> queued(std::function<void(Clock::time_point)> run) {
+    auto work = std::make_shared<TwoLevelWork>(queue_, std::move(run));
+    queue_->push(work);
+    return work;
+  }
 
   std::shared_ptr<Store> store_;
   std::shared_ptr<ProcessGroup> local_, leaders_, world_;

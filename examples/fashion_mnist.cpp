@@ -287,7 +287,7 @@ int64_t optimizer_kind(const std::string& name) {
 // so that a run resumed there reports the epoch's loss as an uninterrupted one does.
 struct EpochProgress {
   int64_t steps = 0;                // 0: at the epoch's start
-  int64_t steps_taken = 0;          // by the checkpoint's run in all, at its own steps per epoch
+  int64_t steps_taken = 0;          // the metrics log's step at the checkpoint (its runs' steps in all)
   std::vector<float> loss_sums;     // one per rank (steps > 0)
   std::vector<int64_t> samples;     // one per rank (steps > 0)
   std::vector<int64_t> bucket_order;  // DDP's re-planned bucket order, when the checkpoint has one
@@ -307,8 +307,8 @@ std::optional<int64_t> job_digest() {
 // rank writes its part of a set and rank 0 its manifest. loss_sum and samples are this rank's.
 void save(const std::string& path, bool sharded, int epochs_done, int64_t steps_per_epoch,
           examples::ParallelModel& parallel, nn::Optimizer& optimizer, const std::string& optimizer_name,
-          uint64_t seed, const Schedule& schedule, const dist::GradScaler& scaler, int rank,
-          dist::ProcessGroup& pg, std::chrono::milliseconds timeout, int64_t steps_in_epoch = 0,
+          uint64_t seed, const Schedule& schedule, const dist::GradScaler& scaler, int64_t metrics_step,
+          int rank, dist::ProcessGroup& pg, std::chrono::milliseconds timeout, int64_t steps_in_epoch = 0,
           float loss_sum = 0, int64_t samples = 0) {
   // Sharded, nothing is gathered: each rank keeps its pieces.
   nn::StateDict model_state, optimizer_state;
@@ -334,6 +334,8 @@ void save(const std::string& path, bool sharded, int epochs_done, int64_t steps_
   if (scaler.is_enabled()) nn::merge_prefixed(state, "scaler.", scaler.state_dict());
   state["epochs_done"] = Tensor::from_vector(std::vector<int64_t>{epochs_done});
   state["steps_per_epoch"] = Tensor::from_vector(std::vector<int64_t>{steps_per_epoch});
+  // The metrics log's step at this point: runs resumed at other world sizes count on from it.
+  state["metrics_step"] = Tensor::from_vector(std::vector<int64_t>{metrics_step});
   state["optimizer_kind"] = Tensor::from_vector(std::vector<int64_t>{optimizer_kind(optimizer_name)});
   state["seed"] = Tensor::from_vector(std::vector<int64_t>{static_cast<int64_t>(seed)});
   if (const std::optional<int64_t> job = job_digest()) state["job"] = Tensor::from_vector(std::vector<int64_t>{*job});
@@ -561,7 +563,8 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
                      << saved_warmup_steps << " of warm-up) and this one over " << schedule.total_steps() << " ("
                      << schedule.warmup_steps() << ") (another --epochs or --warmup-epochs)";
     const int64_t steps_done = done * steps_per_epoch + progress.steps;
-    progress.steps_taken = done * saved_steps_per_epoch + progress.steps;
+    progress.steps_taken =
+        int64_entry(state, "metrics_step", /*missing=*/done * saved_steps_per_epoch + progress.steps);
     if (other_schedule.str().empty()) {
       // The schedule goes on from the checkpoint's learning rate, as a loaded torch optimizer's
       // param_groups keep theirs: a --lr of this run's own is said to be unused.
@@ -943,8 +946,9 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
           steps < train_loader.size()) {
         NoGradGuard no_grad;
         save(config.checkpoint, sharded_checkpoint, epoch, train_loader.size(), parallel, *optimizer,
-             config.optimizer, config.seed, schedule, scaler, rank, *pg, init.timeout, steps, loss_sum.item(),
-             samples);
+             config.optimizer, config.seed, schedule, scaler,
+             epoch * train_loader.size() + steps + step_offset, rank, *pg, init.timeout, steps,
+             loss_sum.item(), samples);
       }
       if (steps % kCheckEverySteps == 0 || steps == train_loader.size()) {
         const float mean_loss = loss_sum.item() / static_cast<float>(steps);
@@ -1023,7 +1027,8 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
     metrics.write(record);
     if (!config.checkpoint.empty())
       save(config.checkpoint, sharded_checkpoint, epoch + 1, train_loader.size(), parallel, *optimizer,
-           config.optimizer, config.seed, schedule, scaler, rank, *pg, init.timeout);
+           config.optimizer, config.seed, schedule, scaler, (epoch + 1) * train_loader.size() + step_offset,
+           rank, *pg, init.timeout);
     epochs_done = epoch + 1;
     std::fflush(stdout);
   }

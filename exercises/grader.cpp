@@ -35,6 +35,8 @@ std::string ring_problems(const std::shared_ptr<dist::ProcessGroup>& group) {
   const std::string who = "rank " + std::to_string(rank) + "/" + std::to_string(world) + " ";
   std::string problems;
   {
+    group->reset_counts();
+    pg->sent_bytes = 0;
     std::vector<int64_t> values;
     for (int64_t i = 0; i < 10; ++i) values.push_back((rank + 1) * (i + 1));
     Tensor t = Tensor::from_vector(values);
@@ -45,6 +47,11 @@ std::string ring_problems(const std::shared_ptr<dist::ProcessGroup>& group) {
         problems += who + "ring_all_reduce(sum) of int64: element " + std::to_string(i) + " = " +
                     std::to_string(got[static_cast<size_t>(i)]) + ", expected " +
                     std::to_string(world * (world + 1) / 2 * (i + 1)) + "\n";
+    if (group->count(dist::Collective::AllReduce).calls + group->count(dist::Collective::AllGather).calls !=
+        0)
+      problems += who +
+                  "ring_all_reduce of int64 called the group's collectives; the ring passes chunks to its "
+                  "neighbours with send and recv only\n";
   }
   for (const dist::ReduceOp op :
        {dist::ReduceOp::Sum, dist::ReduceOp::Avg, dist::ReduceOp::Max, dist::ReduceOp::Min}) {

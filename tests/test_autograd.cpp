@@ -146,10 +146,15 @@ TEST_CASE("a .grad that set_data left at another shape is refused, not overrun")
   // torch: x.data = torch.arange(8.) keeps x.grad at [2]; the next backward fails in its add
   // ("The size of tensor a (2) must match the size of tensor b (8)").
   Tensor x = Tensor::from_vector({1.0f, 2.0f}).set_requires_grad(true);
+  Tensor w = Tensor::from_vector({3.0f}).set_requires_grad(true);
   sum(x).backward();
+  sum(w).backward();
   x.set_data(Tensor::from_vector({0, 1, 2, 3, 4, 5, 6, 7}));
-  CHECK_THROWS_WITH_AS(sum(x * x).backward(), doctest::Contains("has a .grad of [2] float32"), ShapeError);
+  // Refused before any gradient moves: w's .grad is as it was.
+  CHECK_THROWS_WITH_AS((sum(w * w) + sum(x * x)).backward(), doctest::Contains("has a .grad of [2] float32"),
+                       ShapeError);
   CHECK(x.grad().to_vector() == std::vector<float>{1, 1});
+  CHECK(w.grad().to_vector() == std::vector<float>{1});
   x.set_grad(Tensor());
   sum(x * 2.0f).backward();
   CHECK(x.grad().to_vector() == std::vector<float>(8, 2.0f));

@@ -893,6 +893,40 @@ TEST_CASE("fashion_mnist --resume on another world size: the schedule is this ru
   CHECK(after_resume.back().second < after_resume.front().second);
 }
 
+TEST_CASE(
+    "fashion_mnist --metrics over three runs at 1, 2 and 1 ranks: the steps count on from each "
+    "checkpoint's") {
+  TempDir dir;
+  write_small_fashion_mnist(dir.path, 640, 200);
+  const std::string metrics = dir.path + "/run.jsonl", checkpoint = dir.path + "/run.ckpt";
+  auto job = [&](int ranks, std::vector<std::string> extra) {
+    std::vector<std::string> all = {launcher_path(),
+                                    "--nproc-per-node",
+                                    std::to_string(ranks),
+                                    built("examples/fashion_mnist"),
+                                    "--data-dir",
+                                    dir.path,
+                                    "--batch-size",
+                                    "32",
+                                    "--epochs",
+                                    "3",
+                                    "--quiet",
+                                    "--metrics",
+                                    metrics,
+                                    "--checkpoint",
+                                    checkpoint};
+    all.insert(all.end(), extra.begin(), extra.end());
+    const RunResult r = run(all, 120s);
+    REQUIRE_MESSAGE(r.code() == 0, r.err);
+  };
+  job(1, {"--stop-after", "1"});              // 20 steps per epoch
+  job(2, {"--stop-after", "2", "--resume"});  // 10
+  job(1, {"--resume"});                       // 20 again
+  std::vector<double> steps;
+  for (const std::string& line : metrics_lines(metrics)) steps.push_back(json_field(line, "step"));
+  CHECK(steps == std::vector<double>{20, 20, 30, 30, 50, 50});
+}
+
 TEST_CASE("fashion_mnist --resume: ranks that found different checkpoints stop at the start, saying so") {
   TempDir dir;
   write_small_fashion_mnist(dir.path, 640, 200);

@@ -475,12 +475,12 @@ TEST_CASE("cross_entropy on CUDA: an ignored row's gradient is NaN where its log
   const int64_t N = 2, C = 3;
   const std::vector<float> logits = {kNaN, 0, 1, 1, 2, 3};
   const std::vector<int64_t> target = {-100, -100};
-  DeviceArray<float> dlogits_in(logits), loss(1), probs(N * C), dlogits(N * C),
+  // dlogits starts at 7, not NaN (poison()): a row the kernel never wrote would pass the NaN check.
+  DeviceArray<float> dlogits_in(logits), loss(1), probs(N * C), dlogits(std::vector<float>(N * C, 7.0f)),
       dout(std::vector<float>{1.0f});
   DeviceArray<int64_t> dtarget(target);
   gpu::cross_entropy_forward(loss.data(), probs.data(), dlogits_in.data(), dtarget.data(), N, C, -100,
                              Reduction::Sum);
-  dlogits.poison();
   gpu::cross_entropy_backward(dlogits.data(), dout.data(), probs.data(), dtarget.data(), N, C, -100,
                               Reduction::Sum);
   const std::vector<float> got = dlogits.to_host();
