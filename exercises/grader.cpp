@@ -13,9 +13,9 @@
 
 #include "dist/ring.h"
 #include "tests/dist_ranks.h"
+#include "tests/forwarding_group.h"
 #include "tests/ladder_checks.h"
 #include "tests/multiprocess.h"
-#include "tests/send_counting_group.h"
 
 using namespace nanoddp;
 

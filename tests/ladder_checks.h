@@ -30,6 +30,7 @@
 #include "nn/conv.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
+#include "tests/forwarding_group.h"
 
 namespace nanoddp::ladder_checks {
 
@@ -274,27 +275,15 @@ inline StepCount expected_step_count(const std::string& rung) {
 // (oldest first, as shm does). It records the most calls issued and not yet run, and whether
 // a tensor changed between its all_reduce call and the wait that ran it: a divide while the
 // all_reduce is in flight is a race that Gloo loses only sometimes, and here always shows.
-class DeferringGroup : public dist::ProcessGroup {
+class DeferringGroup : public testing::ForwardingGroup {
  public:
-  explicit DeferringGroup(std::shared_ptr<dist::ProcessGroup> inner)
-      : dist::ProcessGroup(inner->rank(), inner->size()), inner_(std::move(inner)) {}
-  std::string backend_name() const override { return inner_->backend_name(); }
+  using ForwardingGroup::ForwardingGroup;
   std::shared_ptr<dist::Work> all_reduce(Tensor& t, dist::ReduceOp op) override {
     auto call = std::make_shared<Call>(Call{t, op, t.to_vector()});
     queue_.push_back(call);
     most_in_flight = std::max(most_in_flight, static_cast<int>(queue_.size()));
     return std::make_shared<Deferred>(this, call);
   }
-  std::shared_ptr<dist::Work> broadcast(Tensor& t, int root) override { return inner_->broadcast(t, root); }
-  std::shared_ptr<dist::Work> all_gather(std::vector<Tensor>& outs, const Tensor& in) override {
-    return inner_->all_gather(outs, in);
-  }
-  std::shared_ptr<dist::Work> reduce_scatter(Tensor& out, const std::vector<Tensor>& ins,
-                                             dist::ReduceOp op) override {
-    return inner_->reduce_scatter(out, ins, op);
-  }
-  std::shared_ptr<dist::Work> barrier() override { return inner_->barrier(); }
-  dist::Store& store() override { return inner_->store(); }
   bool collectives_run_in_wait() const override { return true; }
 
   int most_in_flight = 0;
@@ -323,7 +312,6 @@ class DeferringGroup : public dist::ProcessGroup {
       call->done = true;
     }
   }
-  std::shared_ptr<dist::ProcessGroup> inner_;
   std::deque<std::shared_ptr<Call>> queue_;
 };
 

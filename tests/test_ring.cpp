@@ -7,7 +7,7 @@
 #include "dist/init.h"
 #include "dist/ring.h"
 #include "tests/collectives_cases.h"
-#include "tests/send_counting_group.h"
+#include "tests/forwarding_group.h"
 
 using namespace nanoddp;
 using namespace nanoddp::dist;

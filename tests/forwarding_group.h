@@ -1,6 +1,7 @@
-// A process group that forwards every call to an inner one and counts the bytes handed to
-// send(): what a ring all-reduce's traffic is measured by (tests/test_ring.cpp and the ring
-// exercise's grader, exercises/grader.cpp).
+// Process groups that wrap another, for tests that watch what a caller does with a group:
+// ForwardingGroup hands every call to the inner group (a wrapper overrides what it watches);
+// SendCountingGroup counts the bytes handed to send(), what a ring all-reduce's traffic is
+// measured by (tests/test_ring.cpp and the ring exercise's grader, exercises/grader.cpp).
 //
 //   auto counting = std::make_shared<testing::SendCountingGroup>(pg);
 //   dist::ring_all_reduce(*counting, t);        // counting->sent_bytes: 2(N-1)/N of t's bytes
@@ -15,12 +16,14 @@
 
 namespace nanoddp::testing {
 
-class SendCountingGroup : public dist::ProcessGroup {
+class ForwardingGroup : public dist::ProcessGroup {
  public:
-  explicit SendCountingGroup(std::shared_ptr<dist::ProcessGroup> inner)
+  explicit ForwardingGroup(std::shared_ptr<dist::ProcessGroup> inner)
       : dist::ProcessGroup(inner->rank(), inner->size()), inner_(std::move(inner)) {}
   std::string backend_name() const override { return inner_->backend_name(); }
-  std::shared_ptr<dist::Work> all_reduce(Tensor& t, dist::ReduceOp op) override { return inner_->all_reduce(t, op); }
+  std::shared_ptr<dist::Work> all_reduce(Tensor& t, dist::ReduceOp op) override {
+    return inner_->all_reduce(t, op);
+  }
   std::shared_ptr<dist::Work> broadcast(Tensor& t, int root) override { return inner_->broadcast(t, root); }
   std::shared_ptr<dist::Work> all_gather(std::vector<Tensor>& outs, const Tensor& in) override {
     return inner_->all_gather(outs, in);
@@ -31,15 +34,24 @@ class SendCountingGroup : public dist::ProcessGroup {
   }
   std::shared_ptr<dist::Work> barrier() override { return inner_->barrier(); }
   std::shared_ptr<dist::Work> send(const Tensor& t, int dst, int tag) override {
-    sent_bytes += t.nbytes();
     return inner_->send(t, dst, tag);
   }
   std::shared_ptr<dist::Work> recv(Tensor& t, int src, int tag) override { return inner_->recv(t, src, tag); }
+  dist::Store& store() override { return inner_->store(); }
+
+ protected:
+  std::shared_ptr<dist::ProcessGroup> inner_;
+};
+
+class SendCountingGroup : public ForwardingGroup {
+ public:
+  using ForwardingGroup::ForwardingGroup;
+  std::shared_ptr<dist::Work> send(const Tensor& t, int dst, int tag) override {
+    sent_bytes += t.nbytes();
+    return inner_->send(t, dst, tag);
+  }
 
   size_t sent_bytes = 0;
-
- private:
-  std::shared_ptr<dist::ProcessGroup> inner_;
 };
 
 }  // namespace nanoddp::testing
