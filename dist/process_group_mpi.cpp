@@ -262,8 +262,6 @@ class MpiWork : public Work {
   }
 
   ~MpiWork() override {
-    // A recv never matched left nothing with MPI.
-    if (!done_ && request_ == MPI_REQUEST_NULL) --MpiRuntime::unfinished_requests();
     // The group's queue held this work until it completed, so it is unfinished here only
     // when the group itself is gone. A request still running stays with MPI; our tensors die
     // with the closure, so keep it (and them) alive rather than let MPI write freed memory.
@@ -360,6 +358,10 @@ class ProcessGroupMpi : public ProcessGroup {
   ~ProcessGroupMpi() override {
     std::lock_guard<std::mutex> queue_lock(pending_->mutex);
     pending_->comm_freed = true;
+    // A recv never matched holds nothing of MPI's: it fails now (its work and the queue hold
+    // each other, so no destructor would), and MPI_Finalize need not wait for it.
+    for (auto& work : pending_->works)
+      if (work->unmatched_recv()) work->try_match();
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!finalized) {

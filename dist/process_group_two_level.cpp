@@ -81,6 +81,18 @@ class TwoLevelQueue {
     std::lock_guard<std::mutex> lock(mutex_);
     return work.done_;
   }
+  // The group is going: works not run yet fail (their waits throw DistError), and let go of
+  // what they hold (a work and the queue hold each other).
+  void drop_pending() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& work : pending_) {
+      work->error_ = std::make_exception_ptr(
+          DistError("shm+gloo: the process group was destroyed before this collective ran"));
+      work->run_ = nullptr;
+      work->done_ = true;
+    }
+    pending_.clear();
+  }
 
  private:
   std::mutex mutex_;
@@ -133,6 +145,8 @@ class ProcessGroupTwoLevel : public ProcessGroup {
     gloo.store_prefix = "gloo/world/";
     world_ = make_gloo_process_group(store_, gloo);
   }
+
+  ~ProcessGroupTwoLevel() override { queue_->drop_pending(); }
 
   std::string backend_name() const override { return "shm+gloo"; }
   bool collectives_run_in_wait() const override { return true; }

@@ -21,6 +21,12 @@ class ForwardingGroup : public dist::ProcessGroup {
   explicit ForwardingGroup(std::shared_ptr<dist::ProcessGroup> inner)
       : dist::ProcessGroup(inner->rank(), inner->size()), inner_(std::move(inner)) {}
   std::string backend_name() const override { return inner_->backend_name(); }
+  Device device() const override { return inner_->device(); }
+  bool collectives_run_in_wait() const override { return inner_->collectives_run_in_wait(); }
+  std::string all_reduce_algorithm() const override { return inner_->all_reduce_algorithm(); }
+  Tensor new_collective_buffer(int64_t numel, DType dtype, Device device) override {
+    return inner_->new_collective_buffer(numel, dtype, device);
+  }
   std::shared_ptr<dist::Work> all_reduce(Tensor& t, dist::ReduceOp op) override {
     return inner_->all_reduce(t, op);
   }
