@@ -3,7 +3,10 @@
 // first input. Exits 77 (SKIP) without a GPU (tests/test_gpu_main.cpp).
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "core/autograd.h"
 #include "core/ops.h"
@@ -33,6 +36,31 @@ std::vector<std::vector<float>> run_on(const OpCase& c, const std::vector<Values
   for (size_t k = 0; k < inputs.size(); ++k)
     if (c.inputs[k].kind != Kind::Labels) results.push_back(inputs[k].grad().to_vector());
   return results;
+}
+
+// op(x) and its gradient for dy on the CPU and on CUDA, in the tails of an elementwise op:
+// NaN where the CPU has NaN, the CPU's infinities exactly, the finite rest within rounding.
+void expect_cuda_tails_match_cpu(const std::string& name, const std::vector<float>& x,
+                                 const std::vector<float>& dy,
+                                 const std::function<Tensor(const Tensor&)>& op) {
+  std::vector<std::vector<float>> results;  // CPU value, CPU gradient, CUDA value, CUDA gradient
+  for (Device device : {Device::cpu(), Device::cuda(0)}) {
+    Tensor input = Tensor::from_vector(x).to(device).set_requires_grad(true);
+    const Tensor y = op(input);
+    y.backward(Tensor::from_vector(dy).to(device));
+    results.push_back(y.to(Device::cpu()).to_vector());
+    results.push_back(input.grad().to(Device::cpu()).to_vector());
+  }
+  for (size_t r = 0; r < 2; ++r) {
+    std::vector<float> cpu = results[r], gpu = results[r + 2];
+    for (size_t i = 0; i < x.size(); ++i) {
+      CAPTURE(i);
+      CHECK(std::isnan(gpu[i]) == std::isnan(cpu[i]));
+      CHECK((std::isinf(cpu[i]) ? gpu[i] == cpu[i] : !std::isinf(gpu[i])));
+      if (!std::isfinite(cpu[i])) cpu[i] = gpu[i] = 0;
+    }
+    expect_close(name + (r == 0 ? " value" : " gradient"), gpu, cpu, kRtol, kAtol);
+  }
 }
 
 }  // namespace
@@ -119,24 +147,7 @@ TEST_CASE("softplus on CUDA far in the tails: value and gradient equal the CPU's
   // the gradient z / (z + 1) NaN; below -88 the gradient is a subnormal; NaN stays NaN.
   const std::vector<float> x{NAN, -INFINITY, INFINITY, -1e30f, -100, -90, 0.5f, 25, 85, 90, 1e3f, 1e30f};
   const std::vector<float> dy{1, 2, 3, -1, 1, 1, 0.5f, 1, 1, 1, 1, 1};
-  std::vector<std::vector<float>> results;  // CPU value, CPU gradient, CUDA value, CUDA gradient
-  for (Device device : {Device::cpu(), Device::cuda(0)}) {
-    Tensor input = Tensor::from_vector(x).to(device).set_requires_grad(true);
-    const Tensor y = softplus(input, 1, 100);
-    y.backward(Tensor::from_vector(dy).to(device));
-    results.push_back(y.to(Device::cpu()).to_vector());
-    results.push_back(input.grad().to(Device::cpu()).to_vector());
-  }
-  for (size_t r = 0; r < 2; ++r) {
-    std::vector<float> cpu = results[r], gpu = results[r + 2];
-    for (size_t i = 0; i < x.size(); ++i) {
-      CAPTURE(i);
-      CHECK(std::isnan(gpu[i]) == std::isnan(cpu[i]));
-      CHECK((std::isinf(cpu[i]) ? gpu[i] == cpu[i] : !std::isinf(gpu[i])));
-      if (!std::isfinite(cpu[i])) cpu[i] = gpu[i] = 0;
-    }
-    expect_close(r == 0 ? "softplus value" : "softplus gradient", gpu, cpu, kRtol, kAtol);
-  }
+  expect_cuda_tails_match_cpu("softplus", x, dy, [](const Tensor& input) { return softplus(input, 1, 100); });
 }
 
 TEST_CASE(
@@ -145,24 +156,8 @@ TEST_CASE(
   // vectorised form (Note [GELU's tanh form] in kernels/cpu/activations.cpp).
   const std::vector<float> x{NAN,   -INFINITY, INFINITY, -1e15f, -1.2e13f, -12,
                              -9.7f, -9.5f,     -4.875f,  0.5f,   9.7f,     1e15f};
-  std::vector<std::vector<float>> results;  // CPU value, CPU gradient, CUDA value, CUDA gradient
-  for (Device device : {Device::cpu(), Device::cuda(0)}) {
-    Tensor input = Tensor::from_vector(x).to(device).set_requires_grad(true);
-    const Tensor y = gelu(input, "tanh");
-    y.backward(Tensor::ones({static_cast<int64_t>(x.size())}).to(device));
-    results.push_back(y.to(Device::cpu()).to_vector());
-    results.push_back(input.grad().to(Device::cpu()).to_vector());
-  }
-  for (size_t r = 0; r < 2; ++r) {
-    std::vector<float> cpu = results[r], gpu = results[r + 2];
-    for (size_t i = 0; i < x.size(); ++i) {
-      CAPTURE(i);
-      CHECK(std::isnan(gpu[i]) == std::isnan(cpu[i]));
-      CHECK((std::isinf(cpu[i]) ? gpu[i] == cpu[i] : !std::isinf(gpu[i])));
-      if (!std::isfinite(cpu[i])) cpu[i] = gpu[i] = 0;
-    }
-    expect_close(r == 0 ? "gelu tanh value" : "gelu tanh gradient", gpu, cpu, kRtol, kAtol);
-  }
+  expect_cuda_tails_match_cpu("gelu tanh", x, std::vector<float>(x.size(), 1.0f),
+                              [](const Tensor& input) { return gelu(input, "tanh"); });
 }
 
 // The CPU column's rules on CUDA too (test_nn's batch_norm case): with eps = 0 a constant
