@@ -75,6 +75,18 @@ void accumulate_into(Tensor& slot, const Tensor& g) {
   slot = sum;
 }
 
+// Throws ShapeError unless a gradient of (shape, dtype, device) can be added to leaf's .grad
+// `grad` (undefined: nothing to add to). set_data can change a leaf after its .grad was made
+// (torch then fails in the add: "The size of tensor a (2) must match the size of tensor b (8)").
+void check_grad_takes(const Tensor& leaf, const Tensor& grad, const Shape& shape, DType dtype,
+                      Device device) {
+  NANODDP_CHECK(
+      !grad.defined() || (grad.shape() == shape && grad.dtype() == dtype && grad.device() == device),
+      ShapeError, "backward: a leaf ", leaf.shape(), " ", leaf.dtype(), " has a .grad of ", grad.shape(), " ",
+      grad.dtype(), " on ", grad.device(), " that a gradient ", shape, " ", dtype, " on ", device,
+      " cannot be added to (set_data changed the tensor after .grad was made? set_grad(Tensor()) first)");
+}
+
 // A leaf's .grad accumulates across backward calls, as in PyTorch. The first gradient is
 // taken over without a copy when nothing else can see it (PyTorch "steals" it the same way):
 // no other handle to the tensor and no other tensor on its storage, which is not a view of
@@ -89,14 +101,7 @@ void accumulate_leaf_grad(const Tensor& leaf, Tensor g) {
     set_memory_category(grad, MemoryCategory::Gradients);
     const_cast<Tensor&>(leaf).set_grad(grad);
   } else {
-    // set_data can change a leaf's shape after its .grad was made (torch then fails in the
-    // add: "The size of tensor a (2) must match the size of tensor b (8)").
-    NANODDP_CHECK(
-        current.shape() == g.shape() && current.dtype() == g.dtype() && current.device() == g.device(),
-        ShapeError, "backward: a leaf ", leaf.shape(), " ", leaf.dtype(), " has a .grad of ", current.shape(),
-        " ", current.dtype(), " on ", current.device(), " that its gradient ", g.shape(), " ", g.dtype(),
-        " on ", g.device(),
-        " cannot be added to (set_data changed the tensor after .grad was made? set_grad(Tensor()) first)");
+    check_grad_takes(leaf, current, g.shape(), g.dtype(), g.device());
     NANODDP_DISPATCH(current.device(), accumulate, current.data<float>(), g.data<float>(), 1.0f, g.numel());
   }
 }
@@ -415,12 +420,7 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
       const auto& fn = t.grad_fn();
       if (!fn) {
         // A leaf's .grad that set_data left at another shape fails here, before anything moves.
-        const Tensor grad = t.requires_grad() ? t.grad() : Tensor();
-        NANODDP_CHECK(!grad.defined() || (grad.shape() == t.shape() && grad.dtype() == t.dtype() &&
-                                          grad.device() == t.device()),
-                      ShapeError, "backward: a leaf ", t.shape(), " ", t.dtype(), " on ", t.device(),
-                      " has a .grad of ", grad.shape(), " ", grad.dtype(), " on ", grad.device(),
-                      " (set_data changed the tensor after .grad was made? set_grad(Tensor()) first)");
+        if (t.requires_grad()) check_grad_takes(t, t.grad(), t.shape(), t.dtype(), t.device());
         continue;
       }
       NANODDP_CHECK(!fn->freed_saved_tensors, ValueError, "backward through ", fn->name(),

@@ -150,7 +150,7 @@ TEST_CASE("a .grad that set_data left at another shape is refused, not overrun")
   sum(x).backward();
   sum(w).backward();
   x.set_data(Tensor::from_vector({0, 1, 2, 3, 4, 5, 6, 7}));
-  // Refused before any gradient moves: w's .grad is as it was.
+  // The walk over the graph refuses it before any gradient moves, so w's .grad keeps 1.
   CHECK_THROWS_WITH_AS((sum(w * w) + sum(x * x)).backward(), doctest::Contains("has a .grad of [2] float32"),
                        ShapeError);
   CHECK(x.grad().to_vector() == std::vector<float>{1, 1});
