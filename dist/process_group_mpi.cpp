@@ -219,12 +219,7 @@ class MpiWork : public Work {
   // sizes agree, into a scratch buffer (and an error for wait) when they do not. Held: the
   // group's mutex.
   void try_match() {
-    const auto fail = [this](const std::string& why) {
-      error_ = why;
-      --MpiRuntime::unfinished_requests();
-      done_ = true;
-    };
-    if (pending_->comm_freed) return fail("the process group was destroyed before the message came");
+    if (pending_->comm_freed) return fail_with("the process group was destroyed before the message came");
     int flag = 0, rc = MPI_SUCCESS;
     MPI_Message message;
     MPI_Status status;
@@ -233,7 +228,7 @@ class MpiWork : public Work {
     if (rc == MPI_SUCCESS && !flag) return;
     MPI_Count bytes = 0;  // 64 bits: a message may pass 2 GiB
     if (rc == MPI_SUCCESS) rc = MPI_Get_elements_x(&status, MPI_BYTE, &bytes);
-    if (rc != MPI_SUCCESS) return fail("MPI_Improbe failed: " + mpi_error_text(rc));
+    if (rc != MPI_SUCCESS) return fail_with("MPI_Improbe failed: " + mpi_error_text(rc));
     recv_->matched = true;
     const Tensor& tensor = recv_->tensor;
     void* into = tensor.impl()->storage->data();
@@ -245,20 +240,20 @@ class MpiWork : public Work {
                                 ", but this recv's tensor has " + std::to_string(tensor.nbytes()) +
                                 " (recv needs the shape and dtype of the matching send)";
       // Received into scratch, as bytes, so that the next message with this tag meets the next recv.
-      if (bytes > INT_MAX) return fail(sizes + "; too large to drop: the group is out of step");
+      if (bytes > INT_MAX) return fail_with(sizes + "; too large to drop: the group is out of step");
       try {
         auto scratch = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(bytes));
         into = scratch->data();
         finish_ = [tensor, scratch] {};
       } catch (const std::exception& e) {
-        return fail(sizes + "; no memory to drop it (" + e.what() + "): the group is out of step");
+        return fail_with(sizes + "; no memory to drop it (" + e.what() + "): the group is out of step");
       }
       count = static_cast<int>(bytes);
       type = MPI_BYTE;
       error_ = sizes + "; the message was received and dropped";
     }
     rc = MPI_Imrecv(into, count, type, &message, &request_);
-    if (rc != MPI_SUCCESS) fail("MPI_Imrecv failed: " + mpi_error_text(rc));
+    if (rc != MPI_SUCCESS) fail_with("MPI_Imrecv failed: " + mpi_error_text(rc));
   }
 
   ~MpiWork() override {
@@ -315,9 +310,7 @@ class MpiWork : public Work {
       rc = MPI_Test(&request_, &flag, MPI_STATUS_IGNORE);
     }
     if (rc != MPI_SUCCESS) {
-      error_ = "MPI_Test failed: " + mpi_error_text(rc);
-      --MpiRuntime::unfinished_requests();  // MPI is done with it, if not successfully
-      done_ = true;
+      fail_with("MPI_Test failed: " + mpi_error_text(rc));
       return true;
     }
     if (!flag) return false;
@@ -329,6 +322,14 @@ class MpiWork : public Work {
   }
 
  private:
+  // Ends the work with an error for wait(); MPI holds nothing of it any more (a request that
+  // failed is done with, if not successfully).
+  void fail_with(const std::string& why) {
+    error_ = why;
+    --MpiRuntime::unfinished_requests();
+    done_ = true;
+  }
+
   std::string description_;
   std::unique_ptr<ProbedRecv> recv_;  // a recv's, until it is matched and done
   MPI_Request request_;
