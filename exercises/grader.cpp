@@ -31,63 +31,67 @@ constexpr int kRepeats = 5;
 std::string ring_problems(const std::shared_ptr<dist::ProcessGroup>& group) {
   const auto pg = std::make_shared<testing::SendCountingGroup>(group);
   const int rank = pg->rank(), world = pg->size();
-  const float rank_sum = static_cast<float>(world * (world + 1) / 2);
   const std::string who = "rank " + std::to_string(rank) + "/" + std::to_string(world) + " ";
-  std::string problems;
-  {
+  // Runs the ring on t, then names what a ring must not do: call a collective of the group, or
+  // send more than 2(N-1) parts of ceil(numel / N) elements.
+  const auto run_ring = [&](Tensor& t, dist::ReduceOp op) {
     group->reset_counts();
     pg->sent_bytes = 0;
+    dist::ring_all_reduce(*pg, t, op, std::chrono::seconds(30));
+    const std::string call =
+        who + "ring_all_reduce(" + dist::reduce_op_name(op) + ") of " + dtype_name(t.dtype()) + " ";
+    std::string found;
+    const size_t part = static_cast<size_t>((t.numel() + world - 1) / world) * dtype_size(t.dtype());
+    const size_t most = 2 * static_cast<size_t>(world - 1) * part;
+    if (pg->sent_bytes > most)
+      found += call + "sent " + std::to_string(pg->sent_bytes) + " bytes of a " + std::to_string(t.nbytes()) +
+               "-byte tensor; a ring sends 2(N-1) parts of about 1/N of it, at most " + std::to_string(most) +
+               " bytes here (whole buffers passed around cost N-1 times the tensor)\n";
+    for (const auto& [collective, name] : {std::pair{dist::Collective::AllReduce, "all_reduce"},
+                                           std::pair{dist::Collective::AllGather, "all_gather"},
+                                           std::pair{dist::Collective::ReduceScatter, "reduce_scatter"},
+                                           std::pair{dist::Collective::Broadcast, "broadcast"}})
+      if (group->count(collective).calls != 0)
+        found += call + "called the group's " + name +
+                 "; the ring passes chunks to its neighbours with send and recv only\n";
+    return found;
+  };
+  const int64_t rank_sum = world * (world + 1) / 2;
+  std::string problems;
+  {
     std::vector<int64_t> values;
     for (int64_t i = 0; i < 10; ++i) values.push_back((rank + 1) * (i + 1));
     Tensor t = Tensor::from_vector(values);
-    dist::ring_all_reduce(*pg, t, dist::ReduceOp::Sum, std::chrono::seconds(30));
+    problems += run_ring(t, dist::ReduceOp::Sum);
     const std::vector<int64_t> got = t.to_int_vector();
-    for (int64_t i = 0; i < 10 && problems.empty(); ++i)
-      if (got[static_cast<size_t>(i)] != world * (world + 1) / 2 * (i + 1))
+    for (int64_t i = 0; i < 10; ++i)
+      if (got[static_cast<size_t>(i)] != rank_sum * (i + 1)) {
         problems += who + "ring_all_reduce(sum) of int64: element " + std::to_string(i) + " = " +
                     std::to_string(got[static_cast<size_t>(i)]) + ", expected " +
-                    std::to_string(world * (world + 1) / 2 * (i + 1)) + "\n";
-    if (group->count(dist::Collective::AllReduce).calls + group->count(dist::Collective::AllGather).calls !=
-        0)
-      problems += who +
-                  "ring_all_reduce of int64 called the group's collectives; the ring passes chunks to its "
-                  "neighbours with send and recv only\n";
+                    std::to_string(rank_sum * (i + 1)) + "\n";
+        break;
+      }
   }
   for (const dist::ReduceOp op :
        {dist::ReduceOp::Sum, dist::ReduceOp::Avg, dist::ReduceOp::Max, dist::ReduceOp::Min}) {
     std::vector<float> values;
     for (int i = 0; i < 10; ++i) values.push_back(static_cast<float>((rank + 1) * (i + 1)));
     Tensor t = Tensor::from_vector(values, {2, 5});
-    group->reset_counts();
-    pg->sent_bytes = 0;
-    dist::ring_all_reduce(*pg, t, op, std::chrono::seconds(30));
-    const size_t most = 2 * static_cast<size_t>(world - 1) * ((10 + world - 1) / world) * sizeof(float);
-    if (pg->sent_bytes > most)
-      problems +=
-          who + "ring_all_reduce(" + dist::reduce_op_name(op) + ") sent " + std::to_string(pg->sent_bytes) +
-          " bytes of a 40-byte tensor; a ring sends 2(N-1) parts of about 1/N of it, at most " +
-          std::to_string(most) + " bytes here (whole buffers passed around cost N-1 times the tensor)\n";
+    problems += run_ring(t, op);
     const std::vector<float> got = t.to_vector();
+    const float per_rank = op == dist::ReduceOp::Max ? static_cast<float>(world)
+                           : op == dist::ReduceOp::Min
+                               ? 1.0f
+                               : static_cast<float>(rank_sum) / (op == dist::ReduceOp::Avg ? world : 1);
     for (int i = 0; i < 10; ++i) {
-      const float per_rank = op == dist::ReduceOp::Max   ? static_cast<float>(world)
-                             : op == dist::ReduceOp::Min ? 1.0f
-                                                         : rank_sum / (op == dist::ReduceOp::Avg ? world : 1);
       const float want = per_rank * static_cast<float>(i + 1);
       if (got.size() != 10 || std::abs(got[i] - want) > 1e-4f * std::abs(want)) {
-        problems += "rank " + std::to_string(rank) + "/" + std::to_string(world) + " ring_all_reduce(" +
-                    dist::reduce_op_name(op) + "): element " + std::to_string(i) + " = " +
-                    (got.size() == 10 ? std::to_string(got[i]) : "(shape changed)") + ", expected " +
+        problems += who + "ring_all_reduce(" + dist::reduce_op_name(op) + "): element " + std::to_string(i) +
+                    " = " + (got.size() == 10 ? std::to_string(got[i]) : "(shape changed)") + ", expected " +
                     std::to_string(want) + "\n";
         break;
       }
     }
-    for (const auto& [collective, name] : {std::pair{dist::Collective::AllReduce, "all_reduce"},
-                                           std::pair{dist::Collective::AllGather, "all_gather"},
-                                           std::pair{dist::Collective::ReduceScatter, "reduce_scatter"},
-                                           std::pair{dist::Collective::Broadcast, "broadcast"}})
-      if (group->count(collective).calls != 0)
-        problems += "rank " + std::to_string(rank) + ": ring_all_reduce called the group's " + name +
-                    "; the ring passes chunks to its neighbours with send and recv only\n";
   }
   return problems;
 }
