@@ -842,9 +842,13 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
   const int64_t stop_step = examples::fault_stop_step(rank);
   // Resumed: the log keeps the checkpoint's steps and the steps past them are written again.
   // Resumed at another world size or batch size, this run's steps count on from the
-  // checkpoint's (step_offset), so the log's steps still rise one by one.
+  // checkpoint's, so the log's steps still rise one by one: log_step(epoch, steps) is the log's
+  // step after `steps` steps of epoch `epoch` (0-based).
   examples::MetricsLog metrics(rank == 0 ? config.metrics : "", /*steps_kept=*/resumed.steps_taken);
   const int64_t step_offset = resumed.steps_taken - (first_epoch * train_loader.size() + resumed.steps);
+  const auto log_step = [&](int epoch, int64_t steps) {
+    return epoch * train_loader.size() + steps + step_offset;
+  };
   if (dist::DistributedDataParallel* ddp = parallel.ddp()) {
     if (config.comm_hook == "allreduce") ddp->register_comm_hook(pg, dist::allreduce_hook);
     if (config.comm_hook == "fp16") ddp->register_comm_hook(pg, dist::fp16_compress_hook);
@@ -946,9 +950,8 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
           steps < train_loader.size()) {
         NoGradGuard no_grad;
         save(config.checkpoint, sharded_checkpoint, epoch, train_loader.size(), parallel, *optimizer,
-             config.optimizer, config.seed, schedule, scaler,
-             epoch * train_loader.size() + steps + step_offset, rank, *pg, init.timeout, steps,
-             loss_sum.item(), samples);
+             config.optimizer, config.seed, schedule, scaler, log_step(epoch, steps), rank, *pg, init.timeout,
+             steps, loss_sum.item(), samples);
       }
       if (steps % kCheckEverySteps == 0 || steps == train_loader.size()) {
         const float mean_loss = loss_sum.item() / static_cast<float>(steps);
@@ -959,7 +962,7 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
           const double rate = static_cast<double>(samples - samples_before) * world_size / elapsed;
           if (chatty) progress.update(steps, mean_loss, rate);
           examples::MetricsRecord record;
-          record.step = epoch * train_loader.size() + steps + step_offset;
+          record.step = log_step(epoch, steps);
           record.epoch = epoch + 1;
           record.loss = mean_loss;
           record.lr = lr;
@@ -1018,7 +1021,7 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
       std::printf("epoch %d/%d: train loss %.4f, test accuracy %.4f, %.0f samples/s\n", epoch + 1, config.epochs,
                   train_loss, accuracy, samples_per_s);
     examples::MetricsRecord record;
-    record.step = (epoch + 1) * train_loader.size() + step_offset;
+    record.step = log_step(epoch + 1, 0);
     record.epoch = epoch + 1;
     record.loss = train_loss;
     record.lr = lr;
@@ -1027,8 +1030,7 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
     metrics.write(record);
     if (!config.checkpoint.empty())
       save(config.checkpoint, sharded_checkpoint, epoch + 1, train_loader.size(), parallel, *optimizer,
-           config.optimizer, config.seed, schedule, scaler, (epoch + 1) * train_loader.size() + step_offset,
-           rank, *pg, init.timeout);
+           config.optimizer, config.seed, schedule, scaler, log_step(epoch + 1, 0), rank, *pg, init.timeout);
     epochs_done = epoch + 1;
     std::fflush(stdout);
   }
