@@ -182,7 +182,12 @@ class PointToPointQueue::QueuedWork : public Work {
     } catch (...) {
     }
   }
-  void wait(std::chrono::milliseconds timeout) override { queue_->issued(*outcome_)->wait(timeout); }
+  void wait(std::chrono::milliseconds timeout) override {
+    const auto deadline = Clock::now() + effective_wait_timeout(timeout, queue_->group_timeout_);
+    const std::shared_ptr<Work> group = queue_->issued(*outcome_);
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    group->wait(std::max(left, std::chrono::milliseconds(1)));  // 0 would mean "the group's timeout"
+  }
   bool is_completed() override { return queue_->issued(*outcome_)->is_completed(); }
 
  private:

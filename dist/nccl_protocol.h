@@ -132,11 +132,14 @@ class PointToPointQueue {
   // returns the Work that finishes with all of them; throws when that fails.
   using IssueGroup = std::function<std::shared_ptr<Work>(const std::vector<Call>& calls)>;
 
-  explicit PointToPointQueue(IssueGroup issue_group) : issue_group_(std::move(issue_group)) {}
+  // group_timeout: the process group's timeout, which a Work's wait(0ms) stands for.
+  PointToPointQueue(IssueGroup issue_group, std::chrono::milliseconds group_timeout)
+      : issue_group_(std::move(issue_group)), group_timeout_(group_timeout) {}
 
   // Queues call and returns its Work. The Work's wait() and is_completed() issue the queue if
   // it has not gone out yet and then follow the group's Work; both rethrow the error that
-  // issuing met. Dropping the Work issues the queue too (errors go to stderr: destructors
+  // issuing met. wait(timeout) keeps to one timeout in all: issuing waits until NCCL has
+  // enqueued the group, and the group's Work gets only what is left. Dropping the Work issues the queue too (errors go to stderr: destructors
   // never throw).
   static std::shared_ptr<Work> add(const std::shared_ptr<PointToPointQueue>& queue, Call call);
   // Issues every queued call as one group; nothing when the queue is empty. Throws what
@@ -160,6 +163,7 @@ class PointToPointQueue {
   std::shared_ptr<Work> issued(Outcome& outcome);
 
   IssueGroup issue_group_;
+  std::chrono::milliseconds group_timeout_;
   std::mutex mutex_;
   std::vector<Call> calls_;
   std::vector<std::shared_ptr<Outcome>> outcomes_;

@@ -544,7 +544,8 @@ class ProcessGroupNccl : public ProcessGroup {
             const std::shared_ptr<NcclLane> lane = weak_lane.lock();
             NANODDP_CHECK(lane != nullptr, DistError, where, ": send/recv after the process group was destroyed");
             return issue_point_to_point_group(*lane, where, calls);
-          });
+          },
+          timeout_);
     }
   }
 

@@ -471,7 +471,7 @@ TEST_CASE("cross_entropy forward and backward match the CPU for every reduction"
   }
 }
 
-TEST_CASE("cross_entropy on CUDA: an ignored row's gradient is NaN where its logits are, +0 elsewhere") {
+TEST_CASE("cross_entropy on CUDA: an ignored row's gradient is NaN across a row with a NaN logit, +0 across a finite row") {
   const int64_t N = 2, C = 3;
   const std::vector<float> logits = {kNaN, 0, 1, 1, 2, 3};
   const std::vector<int64_t> target = {-100, -100};

@@ -231,6 +231,18 @@ TEST_CASE("wait() times out, or reports NCCL's asynchronous error, and aborts") 
   }
 }
 
+TEST_CASE("wait() on an event that never passes ends by the group's timeout, also for wait(0ms)") {
+  for (const std::chrono::milliseconds requested : {0ms, 60000ms}) {
+    CAPTURE(requested.count());
+    auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Done});
+    ScriptedEvent event;
+    event.pending = 1 << 30;
+    dist::detail::EventWork work("all_reduce", comm, event.make(), {Tensor::zeros({4})}, 20ms);
+    CHECK_THROWS_WITH_AS(work.wait(requested), doctest::Contains("within 20 ms"), TimeoutError);
+    CHECK(count(comm->log, "abort") == 1);
+  }
+}
+
 namespace {
 
 // A communicator that is always fine (safe to ask from several threads).
@@ -250,19 +262,32 @@ struct GroupRecorder {
   std::vector<std::vector<std::string>> groups;  // "send 1", "recv 1", ... per group
   std::function<std::shared_ptr<dist::Work>()> next_work;
   bool fail = false;
+  std::chrono::milliseconds issue_takes{0};  // how long NCCL takes to enqueue the group
+  std::chrono::milliseconds group_timeout = 5s;
   std::shared_ptr<dist::detail::PointToPointQueue> queue() {
     return std::make_shared<dist::detail::PointToPointQueue>(
-        [this](const std::vector<dist::detail::PointToPointQueue::Call>& calls) -> std::shared_ptr<dist::Work> {
+        [this](
+            const std::vector<dist::detail::PointToPointQueue::Call>& calls) -> std::shared_ptr<dist::Work> {
           if (fail) NANODDP_THROW(DistError, "nccl group of ", calls.size(), " send/recv: invalid usage");
           std::vector<std::string> names;
-          for (const auto& call : calls) names.push_back((call.is_send ? "send " : "recv ") + std::to_string(call.peer));
+          for (const auto& call : calls)
+            names.push_back((call.is_send ? "send " : "recv ") + std::to_string(call.peer));
           groups.push_back(names);
+          if (issue_takes.count() > 0) std::this_thread::sleep_for(issue_takes);
           return next_work ? next_work() : std::make_shared<dist::CompletedWork>();
-        });
+        },
+        group_timeout);
   }
 };
 
 using Groups = std::vector<std::vector<std::string>>;
+
+// A Work that finishes at once and remembers the timeout it was waited with.
+struct TimeoutRecordingWork : dist::Work {
+  std::chrono::milliseconds waited_with{-1};
+  void wait(std::chrono::milliseconds timeout) override { waited_with = timeout; }
+  bool is_completed() override { return true; }
+};
 
 }  // namespace
 
@@ -436,4 +461,22 @@ TEST_CASE("NCCL settings resolve as NCCL does: environment, then the user's file
   CHECK(default_files[0].substr(default_files[0].size() - 11) == "/.nccl.conf");
   CHECK(default_files[1] == "/etc/nccl.conf");
   std::system(("rm -rf '" + std::string(folder) + "'").c_str());
+}
+
+TEST_CASE("send/recv queue: a wait keeps to one timeout, the time NCCL took to enqueue the group included") {
+  for (const std::chrono::milliseconds requested : {0ms, 400ms}) {
+    CAPTURE(requested.count());
+    GroupRecorder recorder;
+    recorder.issue_takes = 100ms;
+    recorder.group_timeout = 1000ms;
+    auto group_work = std::make_shared<TimeoutRecordingWork>();
+    recorder.next_work = [&] { return group_work; };
+    auto queue = recorder.queue();
+    auto received = dist::detail::PointToPointQueue::add(queue, {Tensor::zeros({4}), 1, false});
+    received->wait(requested);
+    // The group's Work gets what is left of 1000 ms (0 ms: the group's timeout) or 400 ms.
+    const auto whole = requested.count() > 0 ? requested : recorder.group_timeout;
+    CHECK(group_work->waited_with.count() >= 1);
+    CHECK(group_work->waited_with <= whole - recorder.issue_takes);
+  }
 }
