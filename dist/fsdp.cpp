@@ -406,6 +406,11 @@ void FullyShardedDataParallel::train(bool mode) {
 Tensor FullyShardedDataParallel::forward(const Tensor& input) {
   abandon_interrupted_backward();
   drop_unused_prefetches();  // a forward with no backward after it may have left one
+  // Such a forward (a dry run, a metric read between backward and step) may also have left
+  // units gathered, with the parameters as they were then: an optimizer step or a
+  // load_state_dict has changed the shards since. This forward gathers them anew; a backward
+  // still to come through that forward's graph gathers them again itself.
+  reshard_all();
   // A sum a zero_grad discarded is freed here, before this forward's activations take memory.
   for (auto& unit : units_) drop_discarded_accumulation(*unit);
   const bool training = is_grad_enabled() && is_training();

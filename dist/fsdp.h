@@ -32,6 +32,8 @@
 // step); NO_SHARD keeps everything full and replaces step 4's reduce_scatter by an
 // all_reduce(avg): DDP's behaviour through the same code. A forward without grad (eval)
 // frees the full parameters after every unit's forward whatever the strategy (but NO_SHARD).
+// A forward first frees what an earlier forward left gathered (one no backward followed: a
+// dry run, a metric read before the step), so it always computes with the current shards.
 //
 // Prefetch (torch's forward_prefetch / backward_prefetch=BACKWARD_PRE): the next unit's
 // all_gather is issued before this unit computes, in the order units ran in the first

@@ -346,6 +346,41 @@ TEST_CASE("2 ranks: FULL_SHARD == SHARD_GRAD_OP == NO_SHARD == DDP == one proces
   check_exactness(2);
 }
 
+TEST_CASE(
+    "a forward with no backward after it (a dry run, a metric between backward and step) leaves no stale "
+    "weights") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(
+      2,
+      [&](int rank) {
+        auto pg = join(rank, 2, port);
+        for (const ModelKind& kind : model_kinds()) {
+          const nn::StateDict want = train_reference(kind, /*adamw=*/false, kSteps);
+          for (const ShardingStrategy strategy :
+               {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP}) {
+            dist::FullyShardedDataParallel fsdp(kind.make(7), pg, fsdp_options(strategy, kind.policy));
+            auto opt = make_optimizer(/*adamw=*/false, fsdp.parameters());
+            const Batch held_out = share(global_batch(99, kind.features), rank, 2);
+            (void)fsdp(held_out.x);  // a dry run in training mode, with grad: it keeps some units gathered
+            for (int s = 0; s < kSteps; ++s) {
+              const Batch b = share(global_batch(s, kind.features), rank, 2);
+              opt->zero_grad();
+              cross_entropy(fsdp(b.x), b.y).backward();
+              (void)fsdp(held_out.x);  // a metric read before the step: its weights are the old ones
+              opt->step();
+            }
+            bool ok = false;
+            const std::string report =
+                worst_difference(fsdp.full_state_dict(/*rank0_only=*/false), want, kTolerance, &ok);
+            expect(ok, "rank ", rank, " ", dist::sharding_strategy_name(strategy), ", ", kind.name,
+                   ": a forward without backward changed training:\n", report);
+          }
+        }
+      },
+      240s);
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("3 and 4 ranks: every strategy equals one process (uneven and padded shards)") {
   check_exactness(3);
   check_exactness(4);
