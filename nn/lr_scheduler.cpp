@@ -32,13 +32,42 @@ int64_t int64_entry(const StateDict& state, const std::string& key, const std::s
   return t.to(Device::cpu()).to_int_vector()[0];
 }
 
-double double_entry(const StateDict& state, const std::string& key, const std::string& scheduler) {
+double finite_entry(const StateDict& state, const std::string& key, const std::string& scheduler) {
   const int64_t bits = int64_entry(state, key, scheduler);
   double value = 0.0;
   std::memcpy(&value, &bits, sizeof value);
-  NANODDP_CHECK(std::isfinite(value) && value >= 0.0, ValueError, scheduler, ".load_state_dict: '", key, "' is ",
-                value, ", not a learning rate");
+  NANODDP_CHECK(std::isfinite(value), ValueError, scheduler, ".load_state_dict: '", key, "' is ", value);
   return value;
+}
+
+double double_entry(const StateDict& state, const std::string& key, const std::string& scheduler) {
+  const double value = finite_entry(state, key, scheduler);
+  NANODDP_CHECK(value >= 0.0, ValueError, scheduler, ".load_state_dict: '", key, "' is ", value,
+                ", not a learning rate");
+  return value;
+}
+
+// A count the state keeps as a double (step_size, T_max, total_iters): a whole number.
+int64_t saved_count(double value, const char* name) {
+  NANODDP_CHECK(value == std::floor(value) && std::abs(value) < 0x1p62, ValueError, "'", name, "' is ", value,
+                ", not a whole number");
+  return static_cast<int64_t>(value);
+}
+
+void check_step_lr(int64_t step_size) {
+  NANODDP_CHECK(step_size >= 1, ValueError, "StepLR: step_size must be >= 1, got ", step_size);
+}
+
+void check_cosine_annealing_lr(int64_t T_max) {
+  NANODDP_CHECK(T_max >= 1, ValueError, "CosineAnnealingLR: T_max must be >= 1, got ", T_max);
+}
+
+void check_linear_lr(double start_factor, double end_factor, int64_t total_iters) {
+  NANODDP_CHECK(start_factor > 0.0 && start_factor <= 1.0, ValueError,
+                "LinearLR: start_factor must be in (0, 1], got ", start_factor);
+  NANODDP_CHECK(end_factor >= 0.0 && end_factor <= 1.0, ValueError,
+                "LinearLR: end_factor must be in [0, 1], got ", end_factor);
+  NANODDP_CHECK(total_iters >= 1, ValueError, "LinearLR: total_iters must be >= 1, got ", total_iters);
 }
 
 // Which scheduler's state has each hyper-parameter, to name it when one turns up in another's.
@@ -93,9 +122,10 @@ StateDict LRScheduler::state_dict() const {
 void LRScheduler::load_state_dict(const StateDict& state) {
   // Note [Scheduler state kind] The hyper-parameters' names tell one scheduler's state from
   // another's: loaded into another scheduler, a StepLR's last_lr would silently start a cosine
-  // from the wrong place. Their values are not taken (see the header). A state without any
-  // (one saved by a version whose schedulers saved none) loads into every scheduler, so that
-  // such a checkpoint still resumes.
+  // from the wrong place. Their values are then taken, as PyTorch's load_state_dict takes the
+  // scheduler's whole __dict__. A state without any (one saved by a version whose schedulers
+  // saved none) loads into every scheduler and keeps the constructor's, so that such a
+  // checkpoint still resumes.
   const std::vector<std::pair<std::string, double>> own = hyper_parameters();
   const auto is_own = [&](const std::string& key) {
     for (const auto& [name, value] : own)
@@ -115,6 +145,21 @@ void LRScheduler::load_state_dict(const StateDict& state) {
   // any order they restore the same rate (each one's own last_lr would leave the last loaded
   // one's). A state saved without it gives last_lr, right for a scheduler alone.
   const double optimizer_lr = state.count("optimizer_lr") ? double_entry(state, "optimizer_lr", name_) : last_lr;
+  std::vector<double> saved;
+  for (const auto& [key, value] : own)
+    if (state.count(key) != 0) saved.push_back(finite_entry(state, key, name_));
+  if (!saved.empty()) {
+    for (const auto& [key, value] : own)
+      NANODDP_CHECK(state.count(key) != 0, ValueError, name_, ".load_state_dict: no '", key,
+                    "' entry, where the state has the other hyper-parameters");
+    try {
+      set_hyper_parameters(saved);  // the last step that may throw: nothing has changed yet
+    } catch (const ValueError& e) {
+      throw ValueError(
+          name_ +
+          ".load_state_dict: a saved hyper-parameter is not one the constructor takes: " + message_of(e));
+    }
+  }
   optimizer_.set_lr(optimizer_lr);
   optimizer_.set_initial_lr(base_lr);
   last_epoch_ = last_epoch;
@@ -124,12 +169,19 @@ void LRScheduler::load_state_dict(const StateDict& state) {
 
 StepLR::StepLR(Optimizer& optimizer, int64_t step_size, double gamma)
     : LRScheduler(optimizer, "StepLR"), step_size_(step_size), gamma_(gamma) {
-  NANODDP_CHECK(step_size >= 1, ValueError, "StepLR: step_size must be >= 1, got ", step_size);
+  check_step_lr(step_size);
   initial_step();
 }
 
 std::vector<std::pair<std::string, double>> StepLR::hyper_parameters() const {
   return {{"step_size", static_cast<double>(step_size_)}, {"gamma", gamma_}};
+}
+
+void StepLR::set_hyper_parameters(const std::vector<double>& values) {
+  const int64_t step_size = saved_count(values[0], "step_size");
+  check_step_lr(step_size);
+  step_size_ = step_size;
+  gamma_ = values[1];
 }
 
 double StepLR::get_lr() const {
@@ -140,12 +192,19 @@ double StepLR::get_lr() const {
 
 CosineAnnealingLR::CosineAnnealingLR(Optimizer& optimizer, int64_t T_max, double eta_min)
     : LRScheduler(optimizer, "CosineAnnealingLR"), T_max_(T_max), eta_min_(eta_min) {
-  NANODDP_CHECK(T_max >= 1, ValueError, "CosineAnnealingLR: T_max must be >= 1, got ", T_max);
+  check_cosine_annealing_lr(T_max);
   initial_step();
 }
 
 std::vector<std::pair<std::string, double>> CosineAnnealingLR::hyper_parameters() const {
   return {{"T_max", static_cast<double>(T_max_)}, {"eta_min", eta_min_}};
+}
+
+void CosineAnnealingLR::set_hyper_parameters(const std::vector<double>& values) {
+  const int64_t T_max = saved_count(values[0], "T_max");
+  check_cosine_annealing_lr(T_max);
+  T_max_ = T_max;
+  eta_min_ = values[1];
 }
 
 double CosineAnnealingLR::get_lr() const {
@@ -160,16 +219,20 @@ double CosineAnnealingLR::get_lr() const {
 
 LinearLR::LinearLR(Optimizer& optimizer, double start_factor, double end_factor, int64_t total_iters)
     : LRScheduler(optimizer, "LinearLR"), start_factor_(start_factor), end_factor_(end_factor), total_iters_(total_iters) {
-  NANODDP_CHECK(start_factor > 0.0 && start_factor <= 1.0, ValueError,
-                "LinearLR: start_factor must be in (0, 1], got ", start_factor);
-  NANODDP_CHECK(end_factor >= 0.0 && end_factor <= 1.0, ValueError, "LinearLR: end_factor must be in [0, 1], got ",
-                end_factor);
-  NANODDP_CHECK(total_iters >= 1, ValueError, "LinearLR: total_iters must be >= 1, got ", total_iters);
+  check_linear_lr(start_factor, end_factor, total_iters);
   initial_step();
 }
 
 std::vector<std::pair<std::string, double>> LinearLR::hyper_parameters() const {
   return {{"start_factor", start_factor_}, {"end_factor", end_factor_}, {"total_iters", static_cast<double>(total_iters_)}};
+}
+
+void LinearLR::set_hyper_parameters(const std::vector<double>& values) {
+  const int64_t total_iters = saved_count(values[2], "total_iters");
+  check_linear_lr(values[0], values[1], total_iters);
+  start_factor_ = values[0];
+  end_factor_ = values[1];
+  total_iters_ = total_iters;
 }
 
 double LinearLR::get_lr() const {

@@ -25,12 +25,15 @@
 // "T_max", "eta_min"; "start_factor", "end_factor", "total_iters"; LambdaLR: "lr_lambdas",
 // the number of lambdas, 1, as torch keeps an entry per lambda but not the function).
 // load_state_dict() refuses another scheduler's state by those names (Note [Scheduler state
-// kind]; a state with none, one saved by an earlier version, loads), but keeps
-// the constructor's values, where PyTorch takes the saved ones: a run resumed with a longer
-// schedule (T_max) gets the one it asked for. It also sets the optimizer's lr to optimizer_lr
-// (last_lr in a state saved without it) and its initial_lr to base_lr, which PyTorch leaves
-// to the optimizer's own state_dict (its param_groups; ours keeps only per-parameter state).
-// So schedulers chained on one optimizer restore its rate loaded in any order, as torch's do.
+// kind]; a state with none, one saved by an earlier version, loads and keeps the
+// constructor's values) and takes the saved values, as PyTorch's (which updates the
+// scheduler's __dict__): a resumed run goes on along the schedule it was saved with, whatever
+// the constructor was given. The recursion builds on the saved rate, so another curve cannot
+// be joined midway: to change the schedule, build one and step it from the start (as
+// examples/fashion_mnist.cpp's Note [Resuming elsewhere] replays). It also sets the optimizer's lr to
+// optimizer_lr (last_lr in a state saved without it) and its initial_lr to base_lr, which PyTorch leaves to
+// the optimizer's own state_dict (its param_groups; ours keeps only per-parameter state). So schedulers
+// chained on one optimizer restore its rate loaded in any order, as torch's do.
 #pragma once
 
 #include <cstdint>
@@ -62,7 +65,8 @@ class LRScheduler {
 
   StateDict state_dict() const;
   // Throws ValueError naming the entry when one is missing, malformed or another scheduler's
-  // (a StepLR's "step_size" in a CosineAnnealingLR's load, naming StepLR); nothing changes.
+  // (a StepLR's "step_size" in a CosineAnnealingLR's load, naming StepLR), or when a saved
+  // hyper-parameter is one the constructor refuses; nothing changes.
   void load_state_dict(const StateDict& state);
 
  protected:
@@ -75,6 +79,9 @@ class LRScheduler {
   virtual double get_lr() const = 0;
   // The constructor's arguments by PyTorch's names, in state_dict() (Note [Scheduler state kind]).
   virtual std::vector<std::pair<std::string, double>> hyper_parameters() const = 0;
+  // Takes saved values, in hyper_parameters()' order; throws ValueError as the constructor
+  // would, before changing anything.
+  virtual void set_hyper_parameters(const std::vector<double>& values) = 0;
 
   Optimizer& optimizer_;
   std::string name_;
@@ -92,6 +99,7 @@ class StepLR : public LRScheduler {
  protected:
   double get_lr() const override;
   std::vector<std::pair<std::string, double>> hyper_parameters() const override;
+  void set_hyper_parameters(const std::vector<double>& values) override;
 
  private:
   int64_t step_size_;
@@ -109,6 +117,7 @@ class CosineAnnealingLR : public LRScheduler {
  protected:
   double get_lr() const override;
   std::vector<std::pair<std::string, double>> hyper_parameters() const override;
+  void set_hyper_parameters(const std::vector<double>& values) override;
 
  private:
   int64_t T_max_;
@@ -129,6 +138,7 @@ class LinearLR : public LRScheduler {
  protected:
   double get_lr() const override;
   std::vector<std::pair<std::string, double>> hyper_parameters() const override;
+  void set_hyper_parameters(const std::vector<double>& values) override;
 
  private:
   double start_factor_, end_factor_;
@@ -144,6 +154,7 @@ class LambdaLR : public LRScheduler {
  protected:
   double get_lr() const override;
   std::vector<std::pair<std::string, double>> hyper_parameters() const override { return {{"lr_lambdas", 1.0}}; }
+  void set_hyper_parameters(const std::vector<double>&) override {}  // the function is not saved
 
  private:
   std::function<double(int64_t)> lr_lambda_;

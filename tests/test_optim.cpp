@@ -797,14 +797,75 @@ TEST_CASE("a scheduler refuses another scheduler's state, naming it, and nothing
   step_lr.load_state_dict(legacy);
   CHECK(step_lr.last_epoch() == 4);
   CHECK(step_lr.get_last_lr() == lambda.get_last_lr());
-  // Its own kind loads; the constructor's T_max stays (a resumed run may lengthen its schedule).
+  // Its own kind loads, and takes the saved T_max, as torch's load_state_dict does.
   CosineAnnealingLR longer(opt, 14);
   longer.load_state_dict(cosine_state);
   CHECK(longer.last_epoch() == 1);
   double saved_t_max = 0;
   const int64_t saved_bits = longer.state_dict().at("T_max").to_int_vector().at(0);
   std::memcpy(&saved_t_max, &saved_bits, sizeof saved_t_max);
-  CHECK(saved_t_max == 14.0);
+  CHECK(saved_t_max == 7.0);
+}
+
+TEST_CASE(
+    "a scheduler loaded into one built with other settings goes on along the saved schedule, as torch's") {
+  // torch 1.13, from lr 0.1f: CosineAnnealingLR(T_max=10) stepped 10 times, its state loaded
+  // into one built with T_max=20, gives 0.00244717, 0.00954915, 0.0206107 (the saved cosine
+  // rising again); LinearLR(0.5, 1, total_iters=5) stepped twice, loaded into total_iters=10,
+  // 0.08, 0.09, 0.1, 0.1 (the optimizer's lr loaded with its state_dict, as ours is here).
+  auto run = [](auto make_saved, auto make_other, int saved_steps, int more_steps) {
+    Tensor w = Tensor::zeros({1}).set_requires_grad(true);
+    SGD saved_opt({w}, SGDOptions{0.1f}), resumed_opt({w}, SGDOptions{0.1f});
+    auto saved = make_saved(saved_opt);
+    for (int i = 0; i < saved_steps; ++i) saved->step();
+    auto resumed = make_other(resumed_opt);
+    resumed->load_state_dict(saved->state_dict());
+    std::vector<double> uninterrupted, got;
+    for (int i = 0; i < more_steps; ++i) {
+      saved->step();
+      resumed->step();
+      uninterrupted.push_back(saved->get_last_lr());
+      got.push_back(resumed->get_last_lr());
+    }
+    CHECK(got == uninterrupted);
+    return got;
+  };
+  const std::vector<double> cosine =
+      run([](Optimizer& o) { return std::make_unique<CosineAnnealingLR>(o, 10); },
+          [](Optimizer& o) { return std::make_unique<CosineAnnealingLR>(o, 20); }, 10, 3);
+  const std::vector<double> cosine_torch = {0.0024471742217080606, 0.009549150423546093,
+                                            0.020610737692500353};
+  CHECK(cosine == cosine_torch);
+  const std::vector<double> linear =
+      run([](Optimizer& o) { return std::make_unique<LinearLR>(o, 0.5, 1.0, 5); },
+          [](Optimizer& o) { return std::make_unique<LinearLR>(o, 0.5, 1.0, 10); }, 2, 4);
+  const std::vector<double> linear_torch = {0.08000000119209288, 0.0900000013411045, 0.10000000149011612,
+                                            0.10000000149011612};
+  for (size_t i = 0; i < linear.size(); ++i)
+    CHECK(linear[i] == doctest::Approx(linear_torch[i]).epsilon(1e-12));
+  run([](Optimizer& o) { return std::make_unique<StepLR>(o, 3, 0.5); },
+      [](Optimizer& o) { return std::make_unique<StepLR>(o, 5, 0.9); }, 4, 7);
+
+  // A saved value the constructor would refuse is refused too, and nothing changes.
+  Tensor w = Tensor::zeros({1}).set_requires_grad(true);
+  SGD opt({w}, SGDOptions{0.1f});
+  CosineAnnealingLR cosine_lr(opt, 10);
+  StateDict bad = cosine_lr.state_dict();
+  const double zero = 0.0, half = 2.5;
+  int64_t bits = 0;
+  std::memcpy(&bits, &zero, sizeof bits);
+  bad.at("T_max") = Tensor::from_vector(std::vector<int64_t>{bits});
+  bad.at("last_epoch") = Tensor::from_vector(std::vector<int64_t>{3});
+  CHECK_THROWS_WITH_AS(cosine_lr.load_state_dict(bad), doctest::Contains("T_max must be >= 1, got 0"),
+                       ValueError);
+  std::memcpy(&bits, &half, sizeof bits);
+  bad.at("T_max") = Tensor::from_vector(std::vector<int64_t>{bits});
+  CHECK_THROWS_WITH_AS(cosine_lr.load_state_dict(bad),
+                       doctest::Contains("'T_max' is 2.5, not a whole number"), ValueError);
+  bad.erase("eta_min");
+  CHECK_THROWS_WITH_AS(cosine_lr.load_state_dict(bad), doctest::Contains("no 'eta_min' entry"), ValueError);
+  CHECK(cosine_lr.last_epoch() == 0);
+  CHECK(opt.lr() == 0.1f);
 }
 
 // ---- clip_grad_norm_ ------------------------------------------------------------------------
