@@ -47,8 +47,8 @@ GradScaler::GradScaler(GradScalerOptions options, std::shared_ptr<ProcessGroup> 
 
 Tensor GradScaler::scale(const Tensor& loss) const {
   if (!options_.enabled) return loss;
-  // torch multiplies by its float32 scale tensor, so a 16-bit loss comes out float32: 65536
-  // times a float16 loss above 1 would be inf in float16.
+  // A 16-bit loss is widened first: 65536 times a float16 loss above 1 would be inf in
+  // float16 (torch widens a 0-dim loss only, by promotion with its float32 scale tensor).
   return (is_16bit_float(loss.dtype()) ? loss.to(DType::Float32) : loss) * scale_;
 }
 
@@ -153,7 +153,11 @@ void GradScaler::load_state_dict(const nn::StateDict& state) {
   if (!options_.enabled) return;  // torch's disabled scaler ignores the state, as it saves none
   NANODDP_CHECK(!state.empty(), ValueError, "GradScaler::load_state_dict: the state is empty (saved disabled?)");
   GradScalerOptions options = options_;
-  options.init_scale = entry(state, "scale", DType::Float32).to_vector()[0];
+  // A scale that 166 backoffs in a row took to 0 (torch's too) is still a state this scaler
+  // saved: it loads, where the constructor refuses init_scale 0.
+  const float scale = entry(state, "scale", DType::Float32).to_vector()[0];
+  NANODDP_CHECK(scale >= 0.0f && std::isfinite(scale), ValueError,
+                "GradScaler::load_state_dict: \"scale\" must be a finite number >= 0, got ", scale);
   // The state holds the factors as float32; a factor whose float32 is the saved one stays the
   // double it is (0.1, not 0.1f), so a resumed run scales as an uninterrupted one.
   const auto factor = [&](const char* key, double current) {
@@ -169,7 +173,7 @@ void GradScaler::load_state_dict(const nn::StateDict& state) {
                 "GradScaler::load_state_dict: _growth_tracker ", tracker, " is outside [0, growth_interval ",
                 options.growth_interval, ")");
   options_ = options;
-  scale_ = options.init_scale;
+  scale_ = scale;
   growth_tracker_ = tracker;
 }
 

@@ -167,6 +167,20 @@ TEST_CASE("unscale_ and step out of order are errors; state_dict round trips; a 
   broken.erase("scale");
   CHECK_THROWS_WITH_AS(restored.load_state_dict(broken), doctest::Contains("no \"scale\""), ValueError);
 
+  // A scale backed off to 0 (2^-149 halved; torch's goes there too after 166 infs in a row
+  // from 65536) is a state the scaler saved: it loads back. A negative one does not.
+  dist::GradScaler vanishing({/*init_scale=*/std::ldexp(1.0f, -149), 2.0f, 0.5f, 2000});
+  for (Tensor p : opt.params()) p.set_grad(Tensor::full(p.shape(), INFINITY));
+  CHECK_FALSE(vanishing.step(opt));
+  vanishing.update();
+  CHECK(vanishing.get_scale() == 0.0f);
+  restored.load_state_dict(vanishing.state_dict());
+  CHECK(restored.get_scale() == 0.0f);
+  nn::StateDict negative = vanishing.state_dict();
+  negative.at("scale") = Tensor::from_vector({-1.0f});
+  CHECK_THROWS_WITH_AS(restored.load_state_dict(negative),
+                       doctest::Contains("\"scale\" must be a finite number >= 0"), ValueError);
+
   CHECK_THROWS_AS(dist::GradScaler({/*init_scale=*/0.0f}), ValueError);
   CHECK_THROWS_AS(dist::GradScaler({65536.0f, /*growth_factor=*/1.0f}), ValueError);
   CHECK_THROWS_AS(dist::GradScaler({65536.0f, 2.0f, /*backoff_factor=*/1.0f}), ValueError);
