@@ -12,6 +12,7 @@
 #include "core/op_helpers.h"
 #include "kernels/cpu/winograd.h"
 #include "kernels/kernels.h"
+#include "kernels/pool_window.h"
 
 namespace nanoddp {
 
@@ -64,8 +65,28 @@ Window2d make_window(const char* op, const Tensor& input, Size2 kernel, Size2 st
   w.pad_w = padding.w;
   w.dilation_h = dilation.h;
   w.dilation_w = dilation.w;
-  const int64_t span_h = w.height + 2 * w.pad_h - w.dilation_h * (w.kernel_h - 1) - 1;
-  const int64_t span_w = w.width + 2 * w.pad_w - w.dilation_w * (w.kernel_w - 1) - 1;
+  // torch takes any size here; these bounds keep every term of the kernels' position
+  // arithmetic (o stride - pad + i dilation, with o stride + i dilation <= H + 2 pad) in int64.
+  constexpr int64_t kLargest = int64_t{1} << 61;
+  const auto extent = [](int64_t dilation, int64_t kernel) {
+    return static_cast<__int128>(dilation) * static_cast<__int128>(kernel - 1);
+  };
+  NANODDP_CHECK(
+      padding.h <= kLargest && padding.w <= kLargest && dilation.h <= kLargest && dilation.w <= kLargest &&
+          stride.h <= kLargest && stride.w <= kLargest && extent(dilation.h, kernel.h) <= 2 * kLargest &&
+          extent(dilation.w, kernel.w) <= 2 * kLargest,
+      ValueError, op, ": kernel (", kernel.h, ", ", kernel.w, "), stride (", stride.h, ", ", stride.w,
+      "), padding (", padding.h, ", ", padding.w, ") or dilation (", dilation.h, ", ", dilation.w,
+      ") is beyond 2^61, or the kernel's extent, dilation (kernel - 1), beyond 2^62, which is not supported");
+  const auto span = [&](int64_t size, int64_t pad, int64_t dilation, int64_t kernel) {
+    return static_cast<__int128>(size) + 2 * static_cast<__int128>(pad) - extent(dilation, kernel) - 1;
+  };
+  const __int128 wide_span_h = span(w.height, w.pad_h, w.dilation_h, w.kernel_h);
+  const __int128 wide_span_w = span(w.width, w.pad_w, w.dilation_w, w.kernel_w);
+  NANODDP_CHECK(wide_span_h <= 2 * kLargest && wide_span_w <= 2 * kLargest, ShapeError, op, ": input ",
+                input.shape(), " with padding (", padding.h, ", ", padding.w,
+                ") spans more than 2^62 positions, which is not supported");
+  const int64_t span_h = static_cast<int64_t>(wide_span_h), span_w = static_cast<int64_t>(wide_span_w);
   NANODDP_CHECK(span_h >= 0 && span_w >= 0, ShapeError, op, ": input ", input.shape(), " is smaller than the kernel (",
                 kernel.h, ", ", kernel.w, ") with dilation (", dilation.h, ", ", dilation.w, ") and padding (",
                 padding.h, ", ", padding.w, ")");
@@ -301,12 +322,8 @@ Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 pa
   const auto first_empty_window = [](int64_t out, int64_t size, int64_t kernel, int64_t stride, int64_t pad,
                                      int64_t dilation) -> int64_t {
     for (int64_t o = 0; o < out; ++o) {
-      bool sees_input = false;
-      for (int64_t i = 0; i < kernel && !sees_input; ++i) {
-        const int64_t x = o * stride - pad + i * dilation;
-        sees_input = x >= 0 && x < size;
-      }
-      if (!sees_input) return o;
+      const kernels::Taps taps = kernels::window_taps(o * stride - pad, size, kernel, dilation);
+      if (taps.first >= taps.last) return o;
     }
     return -1;
   };

@@ -33,7 +33,9 @@ struct Size2 {
 // the image's NCHW output), for the whole batch on CUDA (cols [C kh kw, N OH OW], then
 // reordered to NCHW). Cost: forward 2 N OC OH OW C kh kw FLOPs (+ N OC OH OW for the bias);
 // backward twice that (on the CPU, plus im2col again for the weight gradient). Memory: on the
-// CPU one image's cols (C kh kw OH OW floats), and the input and weight kept for backward; on
+// CPU one image's cols (C kh kw OH OW floats) and, with padding, one zero-bordered input
+// plane ((H + 2 ph)(W + 2 pw) floats, up to 4 H W or 64 K floats: larger padding reads
+// positions one by one instead), and the input and weight kept for backward; on
 // CUDA cols (C kh kw N OH OW floats) kept for backward with the weight, and the output twice
 // while reordering. When no graph is recorded (no_grad, or no input requires grad) nothing is
 // kept: CUDA goes through the images in chunks whose cols take at most about 16 MB (one image
@@ -46,19 +48,22 @@ struct Size2 {
 // dtypes: float32, or under nn::autocast its 16-bit dtype (every float32 operand cast by a
 // recorded op; the 16-bit operands widened and convolved in float32, the output rounded
 // once: torch's CPU autocast). A 16-bit input outside autocast needs the same dtype for
-// weight and bias (ValueError otherwise) and gives that dtype.
+// weight and bias (ValueError otherwise) and gives that dtype. Throws ValueError for a
+// kernel, stride, padding or dilation beyond 2^61 (torch takes any), ShapeError for an input
+// smaller than the dilated kernel with its padding.
 Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Size2 stride = 1, Size2 padding = 0,
               Size2 dilation = 1);
 
 // input: [N, C, H, W] -> [N, C, OH, OW], the maximum of each window; padding counts as -inf
 // and is at most half the kernel (ValueError otherwise), as in torch.nn.functional.max_pool2d.
 // A NaN in a window is its maximum. The gradient goes to the window's maximum (the first one
-// on ties). Cost: N C OH OW kh kw comparisons; when it records a graph (grad enabled and input
-// requires grad) it also keeps the argmax of each output (int32, 4 bytes per output element;
-// torch keeps int64) for backward, and otherwise (torch.no_grad(), evaluation) computes none.
-// A 16-bit input gives a 16-bit output (computed in float32, rounded: exact for a maximum).
-// Throws ValueError for planes of 2^31 elements or more, ShapeError for an input with no
-// channel, row or column (only N may be 0, as in torch).
+// on ties). Cost: one comparison per window position inside the input (N C OH OW kh kw at
+// most; a window's positions on padding are skipped, not visited); when it records a graph (grad enabled and
+// input requires grad) it also keeps the argmax of each output (int32, 4 bytes per output element; torch
+// keeps int64) for backward, and otherwise (torch.no_grad(), evaluation) computes none. A 16-bit input gives
+// a 16-bit output (computed in float32, rounded: exact for a maximum). Throws ValueError for planes of 2^31
+// elements or more, and for sizes beyond 2^61 as conv2d, ShapeError for an input with no channel, row or
+// column (only N may be 0, as in torch).
 Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 padding = 0, Size2 dilation = 1);
 
 namespace nn {

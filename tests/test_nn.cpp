@@ -1278,6 +1278,44 @@ TEST_CASE("max_pool2d refuses a window that covers only padding, naming it (no w
   CHECK(x.grad().to_vector() == std::vector<float>{0, 0, 0, 0, 4, 2, 1, 2, 0});
 }
 
+TEST_CASE("a kernel dilated and padded far past the image: only the taps inside it cost, as torch's values") {
+  // conv2d of a 4x4 image with a 3x3 kernel, padding d and dilation d: for d >= 4 only the
+  // centre tap meets the image, so out = 5 x (the centre weight) + 0.5 (torch 1.13 gives this
+  // for d up to 2^61), dx = 5 dout, dw = 0 but its centre, sum(x dout). The padded plane
+  // would be (4 + 2d)^2 floats: 68 GB at d = 2^16; at 2^61 its size overflowed.
+  const std::vector<float> image = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+  std::vector<float> want;
+  for (float v : image) want.push_back(5 * v + 0.5f);
+  for (const int64_t d : {int64_t{4}, int64_t{1000}, int64_t{1} << 16, int64_t{1} << 31, int64_t{1} << 61}) {
+    CAPTURE(d);
+    const Tensor x = Tensor::from_vector(image, {1, 1, 4, 4}).set_requires_grad(true);
+    std::vector<float> kernel(9, 100.0f);
+    kernel[4] = 5.0f;
+    const Tensor w = Tensor::from_vector(kernel, {1, 1, 3, 3}).set_requires_grad(true);
+    const Tensor b = Tensor::from_vector({0.5f}).set_requires_grad(true);
+    const Tensor y = conv2d(x, w, b, /*stride=*/1, /*padding=*/d, /*dilation=*/d);
+    CHECK(y.to_vector() == want);
+    sum(y).backward();
+    CHECK(x.grad().to_vector() == std::vector<float>(16, 5.0f));
+    std::vector<float> dw(9, 0.0f);
+    dw[4] = 136.0f;  // 1 + 2 + ... + 16
+    CHECK(w.grad().to_vector() == dw);
+  }
+  CHECK_THROWS_WITH_AS(conv2d(Tensor::zeros({1, 1, 4, 4}), Tensor::zeros({1, 1, 3, 3}), Tensor(), 1,
+                              int64_t{1} << 62, int64_t{1} << 62),
+                       doctest::Contains("beyond 2^61"), ValueError);
+
+  // max_pool2d with a kernel of 2^40 padded by 2^39: one window, the whole image (the scan of
+  // every tap took 25 s at a kernel of 2 x 10^8).
+  const Tensor x = Tensor::from_vector(image, {1, 1, 4, 4}).set_requires_grad(true);
+  const Tensor y = max_pool2d(x, int64_t{1} << 40, int64_t{1} << 40, int64_t{1} << 39);
+  CHECK(y.to_vector() == std::vector<float>{16});
+  sum(y).backward();
+  std::vector<float> dx(16, 0.0f);
+  dx[15] = 1.0f;
+  CHECK(x.grad().to_vector() == dx);
+}
+
 TEST_CASE("MaxPool2d under no_grad, or on an input that needs no gradient, keeps no graph and gives the same values") {
   // The padded, dilated case above (the kernel's general path), by hand; then MaxPool2d(2) and
   // an overlapping MaxPool2d(3, 1) on random values (its two fast paths), against the output

@@ -446,6 +446,44 @@ TEST_CASE("im2col / col2im for stride_w 1 equal the general reference loops bit 
   }
 }
 
+TEST_CASE("window_taps and taps_reaching equal the taps a scan of the whole kernel finds") {
+  int checked = 0;
+  for (int64_t size = 1; size <= 7; ++size)
+    for (int64_t kernel = 1; kernel <= 6; ++kernel)
+      for (int64_t dilation = 1; dilation <= 4; ++dilation)
+        for (int64_t stride = 1; stride <= 4; ++stride)
+          for (int64_t pad = 0; pad <= 6; ++pad) {
+            const int64_t span = size + 2 * pad - dilation * (kernel - 1) - 1;
+            if (span < 0) continue;
+            const int64_t out = span / stride + 1;
+            // Windows: the taps inside [0, size), a contiguous range, for every output.
+            for (int64_t o = 0; o < out; ++o) {
+              std::vector<int64_t> want;
+              for (int64_t i = 0; i < kernel; ++i)
+                if (o * stride - pad + i * dilation >= 0 && o * stride - pad + i * dilation < size)
+                  want.push_back(i);
+              const kernels::Taps taps = kernels::window_taps(o * stride - pad, size, kernel, dilation);
+              std::vector<int64_t> got;
+              for (int64_t i = taps.first; i < taps.last; ++i) got.push_back(i);
+              CHECK(got == want);
+            }
+            // Positions: the taps by which some window start o stride, o in [0, out), can be reached.
+            for (int64_t x = 0; x < size; ++x) {
+              std::vector<int64_t> want;
+              for (int64_t i = 0; i < kernel; ++i) {
+                const int64_t start = x + pad - i * dilation;
+                if (start >= 0 && start <= (out - 1) * stride) want.push_back(i);
+              }
+              const kernels::Taps taps = kernels::taps_reaching(x, pad, kernel, dilation, stride, out);
+              std::vector<int64_t> got;
+              for (int64_t i = taps.first; i < taps.last; ++i) got.push_back(i);
+              CHECK(got == want);
+              ++checked;
+            }
+          }
+  CHECK(checked > 1000);
+}
+
 TEST_CASE("max_pool2d without padding (no bounds tests) equals max_pool2d_window bit for bit, with or without indices: ties, NaN, inf; backward equals the zero-fill-and-add scatter") {
   // Values from {-2, ..., 2} so that windows hold ties (the first maximum wins), with NaN
   // (the last one wins), +inf and -inf among them; overlapping, dilated and strided windows.

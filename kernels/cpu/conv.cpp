@@ -125,6 +125,15 @@ struct PaddedPlane {
   explicit PaddedPlane(const Window2d& g) : width(g.width + 2 * g.pad_w) {
     if (g.pad_h > 0 || g.pad_w > 0) values.assign((g.height + 2 * g.pad_h) * width, 0.0f);
   }
+  // Whether the plane is worth its memory. Padding far past what a window needs (a 3 x 3
+  // kernel dilated by d and padded by d gives a 4 x 4 image a 4 x 4 output for any d) would
+  // make it (4 + 2d)^2 floats, 68 GB at d = 65536: the reference loops, which test each
+  // position, run instead.
+  static bool pays(const Window2d& g) {
+    const double area =
+        static_cast<double>(g.height + 2 * g.pad_h) * static_cast<double>(g.width + 2 * g.pad_w);
+    return area <= std::max(4.0 * static_cast<double>(g.height * g.width), 65536.0);
+  }
   bool used() const { return !values.empty(); }
   float* inside(const Window2d& g) { return values.data() + g.pad_h * width + g.pad_w; }
 };
@@ -132,7 +141,7 @@ struct PaddedPlane {
 }  // namespace
 
 void im2col(float* cols, const float* images, int64_t N, Window2d g) {
-  if (g.stride_w != 1) return im2col_reference(cols, images, N, g);
+  if (g.stride_w != 1 || !PaddedPlane::pays(g)) return im2col_reference(cols, images, N, g);
   const int64_t OHW = g.out_h * g.out_w, plane_size = g.height * g.width, image = g.channels * plane_size;
   PaddedPlane padded(g);  // its border stays zero: only the inside is written
   for (int64_t c = 0; c < g.channels; ++c)
@@ -156,7 +165,7 @@ void im2col(float* cols, const float* images, int64_t N, Window2d g) {
 }
 
 void col2im(float* dimages, const float* dcols, int64_t N, Window2d g) {
-  if (g.stride_w != 1) return col2im_reference(dimages, dcols, N, g);
+  if (g.stride_w != 1 || !PaddedPlane::pays(g)) return col2im_reference(dimages, dcols, N, g);
   const int64_t OHW = g.out_h * g.out_w, plane_size = g.height * g.width, image = g.channels * plane_size;
   PaddedPlane padded(g);
   for (int64_t c = 0; c < g.channels; ++c)

@@ -141,13 +141,15 @@ __global__ void max_pool2d_backward_kernel(float* din, const float* dout, const 
     const int32_t* at = indices + p * out_plane;
     const float* grad = dout + p * out_plane;
     float total = 0.0f;
-    for (int64_t i = g.kernel_h - 1; i >= 0; --i) {
+    const Taps rows = taps_reaching(h, g.pad_h, g.kernel_h, g.dilation_h, g.stride_h, g.out_h);
+    const Taps columns = taps_reaching(w, g.pad_w, g.kernel_w, g.dilation_w, g.stride_w, g.out_w);
+    for (int64_t i = rows.last - 1; i >= rows.first; --i) {
       const int64_t oh_stride = h + g.pad_h - i * g.dilation_h;
-      if (oh_stride < 0 || oh_stride % g.stride_h != 0 || oh_stride / g.stride_h >= g.out_h) continue;
+      if (oh_stride % g.stride_h != 0) continue;
       const int64_t row = (oh_stride / g.stride_h) * g.out_w;
-      for (int64_t j = g.kernel_w - 1; j >= 0; --j) {
+      for (int64_t j = columns.last - 1; j >= columns.first; --j) {
         const int64_t ow_stride = w + g.pad_w - j * g.dilation_w;
-        if (ow_stride < 0 || ow_stride % g.stride_w != 0 || ow_stride / g.stride_w >= g.out_w) continue;
+        if (ow_stride % g.stride_w != 0) continue;
         const int64_t o = row + ow_stride / g.stride_w;
         if (at[o] == k) total += grad[o];
       }
