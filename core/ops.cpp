@@ -167,10 +167,13 @@ Tensor linear(const Tensor& input_in, const Tensor& weight_in, const Tensor& bia
   check_floating("linear", weight, "weight");
   check_same_dtype("linear", input, weight);
   check_same_device("linear", input, weight);
-  NANODDP_CHECK(weight.dim() == 2 && input.dim() >= 1 && input.size(-1) == weight.size(1), ShapeError,
-                "linear: input ", input.shape(), " does not fit weight ", weight.shape(),
-                " (expected input [N, in_features] with in_features = ", weight.dim() == 2 ? weight.size(1) : -1,
-                ")");
+  NANODDP_CHECK(
+      weight.dim() == 2, ShapeError, "linear: weight ", weight.shape(),
+      " must be [out_features, in_features] (torch.nn.functional.linear also takes a 1-D weight; here "
+      "reshape it to [1, in_features])");
+  NANODDP_CHECK(input.dim() >= 1 && input.size(-1) == weight.size(1), ShapeError, "linear: input ",
+                input.shape(), " does not fit weight ", weight.shape(),
+                " (expected input [N, in_features] with in_features = ", weight.size(1), ")");
   const int64_t out_features = weight.size(0), in_features = weight.size(1);
   if (bias.defined()) {
     check_floating("linear", bias, "bias");

@@ -5,10 +5,12 @@
 //   Sequential mlp;  mlp.add(Linear(784, 256, gen));  mlp.add(GELU("tanh"));  ...
 //   docs/adding-a-layer.md adds one of these, end to end.
 //
-// Every op here takes a float32 tensor of any shape on any device (ValueError otherwise) and
-// returns a new tensor of the same shape. NaN stays NaN; ±inf map as the PyTorch function
-// named on each op does. Cost, for n elements: the forward reads and writes n floats, the
-// backward reads two and writes one, and each op keeps one n-float tensor for backward.
+// Every op here takes a float32, float16 or bfloat16 tensor of any shape on any device
+// (ValueError for another dtype) and returns a new tensor of the same shape and dtype; a
+// 16-bit input is computed in float32 and rounded once (Note [16-bit elementwise ops]; so
+// gelu takes float16 on the CPU, which torch 1.13's CPU does not). NaN stays NaN; ±inf map as the PyTorch
+// function named on each op does. Cost, for n elements: the forward reads and writes n floats, the backward
+// reads two and writes one, and each op keeps one n-float tensor for backward.
 #pragma once
 
 #include <string>

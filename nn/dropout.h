@@ -17,7 +17,8 @@
 
 namespace nanoddp {
 
-// x: float32, any shape -> same shape (torch.nn.functional.dropout). p in [0, 1]
+// x: float32, float16 or bfloat16 (computed in float32, rounded once), any shape -> same
+// shape and dtype (torch.nn.functional.dropout). p in [0, 1]
 // (ValueError otherwise); p = 1 gives x * 0 (NaN stays NaN, as in torch). When not training,
 // or p = 0, returns x itself. p is a double, as torch's Python float: the kept elements are
 // multiplied by 1 / float32(1 - p), divided in float32, torch's CPU value bit for bit (10 for

@@ -22,6 +22,7 @@
 #include "nn/conv.h"
 #include "nn/layers.h"
 #include "nn/lr_scheduler.h"
+#include "nn/normalization.h"
 #include "nn/optim.h"
 #include "nn/safetensors.h"
 
@@ -70,6 +71,16 @@ TEST_CASE("Linear init is uniform in +-1/sqrt(in_features) as torch.nn.Linear") 
   CHECK(hi > 0.95f * bound);
   CHECK(std::abs(mean) < 0.005);  // 12800 draws: standard error 0.0007
   for (float b : layer.bias.to_vector()) CHECK(std::abs(b) <= bound);
+}
+
+TEST_CASE("linear names a weight that is not 2-D; LayerNorm refuses eps < 0 when built, as BatchNorm1d") {
+  CHECK_THROWS_WITH_AS(linear(Tensor::zeros({2, 3}), Tensor::zeros({3}), Tensor()),
+                       doctest::Contains("linear: weight [3] must be [out_features, in_features]"),
+                       ShapeError);
+  CHECK_THROWS_WITH_AS(linear(Tensor::zeros({2, 3}), Tensor::zeros({4, 2}), Tensor()),
+                       doctest::Contains("with in_features = 2"), ShapeError);
+  CHECK_THROWS_WITH_AS(LayerNorm({4}, -1e-5f), doctest::Contains("LayerNorm: eps must be >= 0, got -1e-05"),
+                       ValueError);
 }
 
 TEST_CASE("CrossEntropyLoss passes its reduction and ignore_index on, as torch.nn.CrossEntropyLoss") {
