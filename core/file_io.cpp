@@ -1,5 +1,6 @@
 #include "core/file_io.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -134,6 +135,44 @@ int create_temporary_file(std::string& name_template, TemporaryFileGuard& guard)
   return fd;
 }
 
+// Note [Stale temporary files]
+// A kill -9 (or a power cut) mid-write leaves the temporary file behind: no handler runs. A
+// job killed and restarted again and again (--max-restarts, a preempted node) would pile them
+// up next to its checkpoint, each as large as one. So a temporary file's name says who writes
+// it, "<path>.tmp.<host>.<pid>.XXXXXX", and a write first removes those of the same path that
+// a process of this host wrote and that no longer runs (kill(pid, 0) fails with ESRCH). A
+// writer on another host, a live one, or one whose pid a new process took, keeps its file.
+// "<path>.tmp.<host>.": what a temporary file of path written on this host starts with.
+std::string temporary_prefix(const std::string& path) {
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0 || host[0] == '\0') std::strcpy(host, "unknown-host");
+  return path + ".tmp." + host + ".";
+}
+
+std::string temporary_template(const std::string& path) {
+  return temporary_prefix(path) + std::to_string(::getpid()) + ".XXXXXX";
+}
+
+void remove_stale_temporaries(const std::string& path) {
+  const std::string folder = folder_of(path), prefix = temporary_prefix(path);
+  const std::string name_prefix = prefix.substr(prefix.find_last_of('/') + 1);  // npos + 1 = 0
+  DIR* dir = ::opendir(folder.c_str());
+  if (dir == nullptr) return;
+  while (const dirent* entry = ::readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (name.compare(0, name_prefix.size(), name_prefix) != 0) continue;
+    const size_t dot = name.find('.', name_prefix.size());
+    if (dot == std::string::npos) continue;
+    const std::string digits = name.substr(name_prefix.size(), dot - name_prefix.size());
+    if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos)
+      continue;
+    const pid_t writer = static_cast<pid_t>(std::stol(digits));
+    if (writer > 0 && writer != ::getpid() && ::kill(writer, 0) != 0 && errno == ESRCH)
+      ::unlink((folder + "/" + name).c_str());
+  }
+  ::closedir(dir);
+}
+
 }  // namespace
 
 std::string folder_of(const std::string& path) {
@@ -199,7 +238,7 @@ void check_writable(const std::string& path, const char* what) {
                 std::strerror(errno));
   // access() answers yes to root for any folder, /proc's included: so make (and remove) the
   // temporary file a save makes there.
-  std::string probe = target + ".tmp.XXXXXX";
+  std::string probe = temporary_template(target);
   TemporaryFileGuard removed_on_signal;  // Note [Temporary files and signals]
   const int fd = create_temporary_file(probe, removed_on_signal);
   NANODDP_CHECK(fd >= 0, IOError, what, " ", path, ": cannot create a file in folder ", dir, ": ",
@@ -213,7 +252,8 @@ void write_file_atomically(const std::string& given_path, const std::string& byt
   // Each write has a temporary file of its own (mkstemp's unique name) in path's folder, so
   // processes writing the same path at once never truncate or rename away each other's file:
   // the last rename wins and path always holds one whole file.
-  std::string tmp = path + ".tmp.XXXXXX";
+  remove_stale_temporaries(path);  // Note [Stale temporary files]
+  std::string tmp = temporary_template(path);
   TemporaryFileGuard removed_on_signal;  // Note [Temporary files and signals]
   const int fd = create_temporary_file(tmp, removed_on_signal);
   NANODDP_CHECK(fd >= 0, IOError, what, ": cannot create a temporary file ", tmp, " next to ", path, ": ",

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/file_io.h"
 
 namespace nanoddp::data {
 
@@ -277,6 +278,36 @@ Tensor read_idx_labels(const std::string& path) {
   return labels;
 }
 
+namespace {
+// bytes as one gzip member (deflate's windowBits 15 + 16 asks for the gzip wrapper), as gzip
+// and torchvision's files are.
+std::string gzip_compressed(const std::string& bytes, const std::string& path) {
+  z_stream stream{};
+  NANODDP_CHECK(
+      deflateInit2(&stream, Z_DEFAULT_COMPRESSION, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY) == Z_OK,
+      IOError, "write_idx ", path, ": zlib cannot start compressing (out of memory)");
+  std::string out;
+  size_t offset = 0;
+  int status = Z_OK;
+  char chunk[1 << 16];
+  while (status != Z_STREAM_END) {
+    const size_t in = std::min<size_t>(bytes.size() - offset, 1u << 30);
+    stream.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(bytes.data() + offset));
+    stream.avail_in = static_cast<uInt>(in);
+    const int flush = offset + in == bytes.size() ? Z_FINISH : Z_NO_FLUSH;
+    do {
+      stream.next_out = reinterpret_cast<Bytef*>(chunk);
+      stream.avail_out = sizeof chunk;
+      status = deflate(&stream, flush);
+      out.append(chunk, sizeof chunk - stream.avail_out);
+    } while (stream.avail_out == 0);
+    offset += in - stream.avail_in;
+  }
+  deflateEnd(&stream);
+  return out;
+}
+}  // namespace
+
 void write_idx(const std::string& path, const Tensor& data, bool gzip) {
   NANODDP_CHECK(data.dtype() == DType::UInt8, ValueError, "write_idx: data must be uint8, got ",
                 data.dtype());
@@ -291,26 +322,10 @@ void write_idx(const std::string& path, const Tensor& data, bool gzip) {
     for (int shift = 24; shift >= 0; shift -= 8) header.push_back(static_cast<uint8_t>(size >> shift));
   }
 
-  errno = 0;
-  GzFile file(gzopen(path.c_str(), gzip ? "wb" : "wbT"));  // T: write raw, no gzip wrapper
-  NANODDP_CHECK(file != nullptr, IOError, "write_idx: cannot create '", path,
-                "': ", errno != 0 ? std::strerror(errno) : "out of memory");
-  auto write = [&](const uint8_t* bytes, size_t n) {
-    while (n > 0) {
-      const auto chunk = static_cast<unsigned>(std::min<size_t>(n, 1u << 30));
-      const int put = gzwrite(file.get(), bytes, chunk);
-      int errnum = Z_OK;
-      const char* message = gzerror(file.get(), &errnum);
-      NANODDP_CHECK(put == static_cast<int>(chunk), IOError, "write_idx: writing '", path,
-                    "' failed: ", errnum == Z_ERRNO ? std::strerror(errno) : message);
-      bytes += chunk;
-      n -= chunk;
-    }
-  };
-  write(header.data(), header.size());
-  if (host.numel() > 0) write(host.data<uint8_t>(), host.nbytes());
-  const int closed = gzclose(file.release());
-  NANODDP_CHECK(closed == Z_OK, IOError, "write_idx: closing '", path, "' failed (zlib error ", closed, ")");
+  std::string bytes(header.begin(), header.end());
+  if (host.numel() > 0) bytes.append(reinterpret_cast<const char*>(host.data<uint8_t>()), host.nbytes());
+  if (gzip) bytes = gzip_compressed(bytes, path);
+  write_file_atomically(path, bytes, "write_idx");  // the old file or the new one, never half
 }
 
 }  // namespace nanoddp::data

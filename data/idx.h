@@ -42,7 +42,10 @@ Tensor read_idx_labels(const std::string& path);
 
 // Writes data (uint8, 1 to 4 dimensions, on the CPU) as an IDX file of element type unsigned
 // byte, gzip-compressed when gzip is true. Throws ValueError for another dtype, ShapeError for
-// a scalar or a size that does not fit in uint32, IOError when the file cannot be written.
+// a scalar or a size that does not fit in uint32, IOError when the file cannot be written
+// (written as checkpoints are, core/file_io.h's write_file_atomically: path holds the old
+// file or the new one, never half of one, and a full disk or the file size limit is that
+// IOError).
 void write_idx(const std::string& path, const Tensor& data, bool gzip);
 
 }  // namespace nanoddp::data

@@ -141,6 +141,39 @@ TEST_CASE("kill -9 during a save leaves the previous checkpoint loadable") {
     }
   }
   CHECK(killed_mid_save > 0);
+  // What the killed writers left, the next save removes.
+  CHECK_FALSE(temporaries_of(path).empty());
+  save_checkpoint(path, writer_state(0, kSmall));
+  CHECK(temporaries_of(path).empty());
+}
+
+TEST_CASE(
+    "a save removes the temporary files of its path that writers of this host no longer running left, no "
+    "other") {
+  testing::TempDir dir;
+  const std::string path = dir.path + "/run.ckpt";
+  char host[256] = {};
+  REQUIRE(::gethostname(host, sizeof host - 1) == 0);
+  const pid_t gone = ::fork();  // a pid that no process has once it is reaped
+  if (gone == 0) ::_exit(0);
+  REQUIRE(::waitpid(gone, nullptr, 0) == gone);
+  const auto temporary = [&](const std::string& of, const std::string& writer_host, pid_t pid) {
+    const std::string name = of + ".tmp." + writer_host + "." + std::to_string(pid) + ".Ab12Cd";
+    std::FILE* file = std::fopen(name.c_str(), "w");
+    REQUIRE(file != nullptr);
+    std::fclose(file);
+    return name;
+  };
+  const std::string stale = temporary(path, host, gone);
+  const std::string live = temporary(path, host, ::getppid());  // the test runner's parent runs
+  const std::string elsewhere = temporary(path, std::string(host) + "-other", gone);
+  const std::string other_file = temporary(dir.path + "/other.ckpt", host, gone);
+  save_checkpoint(path, writer_state(0, 4));
+  CHECK_FALSE(fs::exists(stale));
+  CHECK(fs::exists(live));
+  CHECK(fs::exists(elsewhere));
+  CHECK(fs::exists(other_file));
+  CHECK(writer_of(path, 4) == 0);
 }
 
 TEST_CASE("Ctrl-C (SIGINT) or SIGTERM during a save: the process ends by the signal, with no temporary file left") {

@@ -27,6 +27,7 @@
 #include "kernels/device_memory.h"
 #include "kernels/kernels.h"
 #include "tests/address_sanitizer.h"
+#include "tests/subprocess.h"
 
 using namespace nanoddp;
 using namespace nanoddp::data;
@@ -336,6 +337,19 @@ TEST_CASE("write_idx writes what read_idx reads, raw and gzipped; raw bytes are 
     if (gzip) CHECK(read_file(path)[0] == 0x1f);
   }
   CHECK_THROWS_AS(write_idx(temp().file("f"), Tensor::zeros({2}), false), ValueError);
+}
+
+TEST_CASE("write_idx past the file size limit is an IOError, and the file it replaces stays whole") {
+  const std::string path = temp().file("limited-idx1-ubyte");
+  Tensor small = Tensor::empty({4}, DType::UInt8), large = Tensor::empty({65536}, DType::UInt8);
+  std::fill(small.data<uint8_t>(), small.data<uint8_t>() + 4, 7);
+  std::fill(large.data<uint8_t>(), large.data<uint8_t>() + 65536, 9);
+  write_idx(path, small, false);
+  // Killed by SIGXFSZ before, and with the old file already cut to the limit.
+  const std::string message =
+      testing::io_error_past_file_size_limit(32768, [&] { write_idx(path, large, false); });
+  CHECK_MESSAGE(message.find("write_idx " + path + ": write failed at byte offset 32768") == 0, message);
+  CHECK(read_idx_labels(path).to_int_vector() == std::vector<int64_t>{7, 7, 7, 7});
 }
 
 // ---- TensorDataset -----------------------------------------------------------------------
