@@ -65,6 +65,24 @@ bool parse_dtype(const std::string& name, DType* dtype) {
   return false;
 }
 
+// A header value as an error message shows it: the JSON text of a short array of plain values
+// (numbers, short strings), else what kind of value it is. dump() recurses once per level of nesting, and 200
+// KB of header nest 100,000 levels deep, so nothing longer or deeper is ever dumped.
+std::string shown(const json& value) {
+  constexpr size_t kMaxShownElements = 8;
+  const auto plain = [](const json& element) {
+    return element.is_number() || element.is_boolean() || element.is_null() ||
+           (element.is_string() && element.get_ref<const std::string&>().size() <= 32);
+  };
+  if (value.is_array() && value.size() <= kMaxShownElements && std::all_of(value.begin(), value.end(), plain))
+    return value.dump();
+  if (plain(value)) return value.dump();
+  std::string kind = std::string("(a JSON ") + value.type_name();
+  if (value.is_array() || value.is_object())
+    kind += " of " + std::to_string(value.size()) + (value.size() == 1 ? " element" : " elements");
+  return kind + ")";
+}
+
 // One tensor's entry as read from the header, before its bytes are trusted.
 struct Entry {
   std::string name;
@@ -97,24 +115,24 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
   std::vector<int64_t> sizes;
   for (const json& size : shape) {
     if (!size.is_number_unsigned() || size.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-      fail("shape " + shape.dump() + " holds something other than a non-negative integer");
+      fail("shape " + shown(shape) + " holds something other than a non-negative integer");
     sizes.push_back(size.get<int64_t>());
   }
 
   const json& offsets = value["data_offsets"];
   if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
       !offsets[1].is_number_unsigned())
-    fail("\"data_offsets\" " + offsets.dump() + " is not two non-negative integers");
+    fail("\"data_offsets\" " + shown(offsets) + " is not two non-negative integers");
   entry.begin = offsets[0].get<uint64_t>();
   entry.end = offsets[1].get<uint64_t>();
-  if (entry.begin > entry.end) fail("data_offsets " + offsets.dump() + " end before they begin");
+  if (entry.begin > entry.end) fail("data_offsets " + shown(offsets) + " end before they begin");
 
   // numel * dtype size, refusing a product that overflows.
   uint64_t nbytes = dtype_size(entry.dtype);
   for (int64_t size : sizes) {
     const uint64_t factor = static_cast<uint64_t>(size);
     if (factor != 0 && nbytes > std::numeric_limits<uint64_t>::max() / factor)
-      fail("shape " + shape.dump() + " overflows a 64-bit byte count");
+      fail("shape " + shown(shape) + " overflows a 64-bit byte count");
     nbytes *= factor;
   }
   // Then Shape's own checks: the nonzero sizes must count in int64 even when one is 0.
@@ -124,9 +142,9 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
     fail(message_of(e));
   }
   if (entry.end - entry.begin != nbytes)
-    fail("data_offsets " + offsets.dump() + " span " + std::to_string(entry.end - entry.begin) +
-               " bytes, but shape " + shape.dump() + " of " + dtype.get<std::string>() + " needs " +
-               std::to_string(nbytes));
+    fail("data_offsets " + shown(offsets) + " span " + std::to_string(entry.end - entry.begin) +
+         " bytes, but shape " + shown(shape) + " of " + dtype.get<std::string>() + " needs " +
+         std::to_string(nbytes));
   return entry;
 }
 
@@ -233,7 +251,11 @@ void check_safetensors_writable(const std::string& path) {
 }
 
 StateDict load_safetensors(const std::string& path, SafetensorsMetadata* metadata) {
-  const std::string bytes = read_regular_file(path, "safetensors");
+  return parse_safetensors(read_regular_file(path, "safetensors"), path, metadata);
+}
+
+StateDict parse_safetensors(const std::string& bytes, const std::string& path,
+                            SafetensorsMetadata* metadata) {
   uint64_t header_bytes = 0;
   NANODDP_CHECK(bytes.size() >= sizeof(header_bytes), IOError, "safetensors ", path, ": only ", bytes.size(),
                 " bytes, too short for the 8-byte header length");

@@ -54,5 +54,9 @@ void check_safetensors_writable(const std::string& path);
 // that the tensors tile the data exactly. Throws IOError naming the file (and the tensor and byte offsets) on
 // any violation, and on a missing or unreadable file.
 StateDict load_safetensors(const std::string& path, SafetensorsMetadata* metadata = nullptr);
+// The tensors in bytes, the whole content of a safetensors file; path only names it in errors.
+// Checks and throws as load_safetensors does. For readers that have the bytes already (and fuzzing).
+StateDict parse_safetensors(const std::string& bytes, const std::string& path,
+                            SafetensorsMetadata* metadata = nullptr);
 
 }  // namespace nanoddp::nn

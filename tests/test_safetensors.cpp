@@ -312,6 +312,26 @@ TEST_CASE("load_safetensors refuses malformed files, naming the file and the pro
            ""),
        "has more elements than int64 can count"},
   };
+  // 200 KB that nest 100,000 levels deep: only shown by their kind, never dumped (a
+  // recursion per level would overflow the stack).
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  const Case deep_cases[] = {
+      {"a shape nested 100,000 deep",
+       file_bytes(R"({"a":{"dtype":"F32","shape":[)" + deep + R"(],"data_offsets":[0,8]}})", eight_bytes),
+       "shape (a JSON array of 1 element) holds something other than a non-negative integer"},
+      {"data_offsets nested 100,000 deep",
+       file_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":)" + deep + "}}", eight_bytes),
+       "\"data_offsets\" (a JSON array of 1 element) is not two non-negative integers"},
+      {"a shape of a string",
+       file_bytes(R"({"a":{"dtype":"F32","shape":[2,"x"],"data_offsets":[0,8]}})", eight_bytes),
+       "shape [2,\"x\"] holds something other than a non-negative integer"},
+  };
+  for (const Case& c : deep_cases) {
+    CAPTURE(c.what);
+    write_bytes(path, c.bytes);
+    const std::string message = load_error(path);
+    CHECK_MESSAGE(contains(message, c.message), message.substr(0, 300));
+  }
   for (const Case& c : cases) {
     CAPTURE(c.what);
     write_bytes(path, c.bytes);

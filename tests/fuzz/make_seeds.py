@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Writes the fuzz targets' seed corpora (corpus/<target>/), one small valid input per case,
 in the formats of data/idx.h, nn/checkpoint.h (without the trailing checksum, which
-fuzz_checkpoint appends) and Note [Store wire format] in dist/store.cpp. Rerun after a format
+fuzz_checkpoint appends), safetensors (nn/safetensors.h) and Note [Store wire format] in
+dist/store.cpp. Rerun after a format
 changes; the files are committed."""
 import gzip
 import os
@@ -58,6 +59,23 @@ write("fuzz_checkpoint", "model_and_optimizer", checkpoint(
     entry("epoch", INT64, [], [3]),
     entry("labels", UINT8, [2, 2], [0, 1, 2, 255]),
     entry("empty", FLOAT32, [0, 4], [])))
+
+
+# ---- safetensors: u64 header length, the JSON header, the tensors' bytes ---------------------
+def safetensors(header, data):
+    text = header.encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+write("fuzz_safetensors", "empty", safetensors("{}", b""))
+write("fuzz_safetensors", "one_f32", safetensors(
+    '{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', struct.pack("<2f", 1.5, -2)))
+write("fuzz_safetensors", "every_dtype_and_metadata", safetensors(
+    '{"__metadata__":{"format":"pt"},"a":{"dtype":"I64","shape":[1],"data_offsets":[0,8]},'
+    '"b":{"dtype":"F32","shape":[1,1],"data_offsets":[8,12]},"c":{"dtype":"I32","shape":[],"data_offsets":[12,16]},'
+    '"d":{"dtype":"BF16","shape":[1],"data_offsets":[16,18]},"e":{"dtype":"F16","shape":[1],"data_offsets":[18,20]},'
+    '"f":{"dtype":"U8","shape":[2],"data_offsets":[20,22]},"g":{"dtype":"F32","shape":[0,3],"data_offsets":[22,22]}}',
+    bytes(range(22))))
 
 
 # ---- store requests: verb byte, then fields (little-endian) ---------------------------------
