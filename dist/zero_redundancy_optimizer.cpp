@@ -168,9 +168,9 @@ void ZeroRedundancyOptimizer::load_state_dict(const nn::StateDict& state) {
       NANODDP_CHECK(split_key(key, buffer, index), ValueError, name_, ".load_state_dict: bad key '", key, "'");
       NANODDP_CHECK(index < params_.size(), ValueError, name_, ".load_state_dict: '", key, "' but only ",
                     params_.size(), " parameters");
-      NANODDP_CHECK(!t.defined() || t.dtype() != DType::Float32 || t.shape() == params_[index].shape(), ShapeError,
-                    name_, ".load_state_dict: '", key, "' is ", t.shape(), " but parameter ", index, " needs ",
-                    params_[index].shape());
+      NANODDP_CHECK(!t.defined() || t.dtype() != DType::Float32 || t.shape() == params_[index].shape(),
+                    ShapeError, name_, ".load_state_dict: '", key, "' is ", t.shape(), " but parameter ",
+                    index, " is ", params_[index].shape());
       if (local_of[index] != SIZE_MAX) local[buffer + "." + std::to_string(local_of[index])] = t;
     }
     try {

@@ -106,7 +106,8 @@ void Adam::load_state_dict(const StateDict& state) {
     State& s = loaded[k.index];
     ++entries[k.index];
     if (k.buffer == "step") {
-      const Tensor step = load_state_tensor(key, t, k.index, Shape{1}, DType::Int64).to(Device::cpu());
+      const Tensor step =
+          load_state_tensor(key, t, k.index, Shape{1}, DType::Int64, /*step_count=*/true).to(Device::cpu());
       s.step = step.to_int_vector()[0];
       NANODDP_CHECK(s.step > 0, ValueError, name_, ".load_state_dict: '", key, "' is ", s.step, ", not a step count");
       continue;

@@ -66,10 +66,16 @@ Optimizer::StateKey Optimizer::parse_state_key(const std::string& key, const std
   return parsed;
 }
 
-Tensor Optimizer::load_state_tensor(const std::string& key, const Tensor& t, size_t index, const Shape& expected_shape,
-                                    DType expected_dtype) const {
-  NANODDP_CHECK(t.defined() && t.shape() == expected_shape, ShapeError, name_, ".load_state_dict: '", key, "' is ",
-                t.defined() ? t.shape() : Shape{}, " but parameter ", index, " needs ", expected_shape);
+Tensor Optimizer::load_state_tensor(const std::string& key, const Tensor& t, size_t index,
+                                    const Shape& expected_shape, DType expected_dtype,
+                                    bool step_count) const {
+  NANODDP_CHECK(t.defined(), ValueError, name_, ".load_state_dict: '", key,
+                "' is an undefined tensor (a Tensor())");
+  NANODDP_CHECK(t.shape() == expected_shape, ShapeError, name_, ".load_state_dict: '", key, "' is ",
+                t.shape(),
+                step_count ? " but a step count is one value of shape "
+                           : " but parameter " + std::to_string(index) + " is ",
+                expected_shape);
   NANODDP_CHECK(t.dtype() == expected_dtype, ValueError, name_, ".load_state_dict: '", key, "' is ",
                 dtype_name(t.dtype()), ", expected ", dtype_name(expected_dtype));
   MemoryCategoryScope state_memory(MemoryCategory::OptimizerState);

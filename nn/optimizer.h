@@ -61,8 +61,11 @@ class Optimizer {
   // Per-parameter state as CPU copies ("momentum_buffer.0", "exp_avg.2", ...).
   virtual StateDict state_dict() const = 0;
   // Replaces the state with copies of state's tensors on the parameters' devices. Throws
-  // ValueError for an unknown key or an index past params(), ShapeError for a tensor whose
-  // shape differs from its parameter's; the state is unchanged when it throws.
+  // ValueError for an unknown key, an index past params() or an undefined tensor, ShapeError
+  // for a tensor whose shape differs from its parameter's (or a step count not of shape [1]);
+  // the state is unchanged when it throws. It cannot tell a state saved over fewer parameters:
+  // the later ones start fresh, where torch compares its param_groups' sizes (this state holds
+  // no param_groups).
   virtual void load_state_dict(const StateDict& state) = 0;
 
  protected:
@@ -94,9 +97,10 @@ class Optimizer {
     size_t index = 0;
   };
   StateKey parse_state_key(const std::string& key, const std::vector<std::string>& buffers) const;
-  // t copied onto parameter index's device, after checking its shape and dtype.
+  // t copied onto parameter index's device, after checking that it is defined (ValueError),
+  // its shape (ShapeError, naming the parameter, or the step count when step_count) and dtype.
   Tensor load_state_tensor(const std::string& key, const Tensor& t, size_t index, const Shape& expected_shape,
-                           DType expected_dtype = DType::Float32) const;
+                           DType expected_dtype = DType::Float32, bool step_count = false) const;
   // The .grad of parameter index, checked against the parameter; undefined when it has none.
   // ValueError when the parameter's memory is freed (wrapped by FullyShardedDataParallel after
   // the optimizer was built), which would otherwise be skipped at every step.

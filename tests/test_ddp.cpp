@@ -949,7 +949,7 @@ TEST_CASE("ZeroRedundancyOptimizer state round trip: resumes bit for bit at 2 ra
     auto fresh = make_mlp(7);
     fresh->load_state_dict(two_steps);
     dist::ZeroRedundancyOptimizer resumed(fresh->parameters(), pg, kAdam);
-    expect_throws<ShapeError>([&] { resumed.load_state_dict(other_shape); }, "'exp_avg.2' is [3] but parameter 2 needs [3, 8]");
+    expect_throws<ShapeError>([&] { resumed.load_state_dict(other_shape); }, "'exp_avg.2' is [3] but parameter 2 is [3, 8]");
     expect_throws<ValueError>([&] { resumed.load_state_dict(partial); },
                               rank == 1 ? "on rank 1 (its local parameters are 0 -> 1, 1 -> 2, 2 -> 3): "
                                           "Adam.load_state_dict: parameter 2 has only part of its state"

@@ -470,7 +470,17 @@ TEST_CASE("Adam state_dict resumes to the identical trajectory and rejects parti
   CHECK_THROWS_AS(resumed.load_state_dict(partial), ValueError);
   StateDict wrong_shape = first.state_dict();
   wrong_shape["exp_avg.0"] = Tensor::zeros({2});
-  CHECK_THROWS_AS(resumed.load_state_dict(wrong_shape), ShapeError);
+  CHECK_THROWS_WITH_AS(resumed.load_state_dict(wrong_shape),
+                       doctest::Contains("'exp_avg.0' is [2] but parameter 0 is [3]"), ShapeError);
+  StateDict scalar_step = first.state_dict();
+  scalar_step["step.0"] = Tensor::from_vector(std::vector<int64_t>{1}).reshape(Shape{});
+  CHECK_THROWS_WITH_AS(resumed.load_state_dict(scalar_step),
+                       doctest::Contains("'step.0' is [] but a step count is one value of shape [1]"),
+                       ShapeError);
+  StateDict undefined = first.state_dict();
+  undefined["exp_avg.0"] = Tensor();
+  CHECK_THROWS_WITH_AS(resumed.load_state_dict(undefined),
+                       doctest::Contains("'exp_avg.0' is an undefined tensor"), ValueError);
   StateDict unknown = first.state_dict();
   unknown["momentum_buffer.0"] = Tensor::zeros({3});
   CHECK_THROWS_AS(resumed.load_state_dict(unknown), ValueError);
