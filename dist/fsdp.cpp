@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "core/autograd.h"
+#include "core/hash.h"
 #include "core/memory.h"
 #include "core/op_helpers.h"
 #include "core/ops.h"
@@ -223,6 +224,8 @@ void FullyShardedDataParallel::build_units() {
     units_.push_back(std::move(unit));
   }
 
+  verify_same_units();
+
   const Device device = named[0].second.device();
   const bool no_shard = options_.sharding_strategy == ShardingStrategy::NO_SHARD;
   for (size_t u = 0; u < units_.size(); ++u) {
@@ -276,6 +279,50 @@ void FullyShardedDataParallel::build_units() {
   // Buffers (BatchNorm's running statistics) start as rank 0's, as DDP's do.
   if (world > 1)
     for (Tensor& b : module_->buffers()) pg_->broadcast(b, 0)->wait(options_.timeout);
+}
+
+// Every rank must split the model alike: the same sharding strategy, MixedPrecision and units
+// (what the auto-wrap policy picked). Checked before the first broadcast, whose sizes would
+// otherwise differ and be reported as a mismatched broadcast, naming no option.
+void FullyShardedDataParallel::verify_same_units() const {
+  const int world = pg_->size();
+  if (world == 1) return;
+  const std::string who = detail::wrapper_on_rank("FSDP", *pg_);
+  const MixedPrecision& mp = options_.mixed_precision;
+  const std::vector<int64_t> settings = {
+      static_cast<int64_t>(options_.sharding_strategy), static_cast<int64_t>(mp.param_dtype),
+      static_cast<int64_t>(mp.reduce_dtype), static_cast<int64_t>(units_.size())};
+  const auto all_settings = all_gather_host(*pg_, settings, options_.timeout);
+  for (int r = 0; r < world; ++r) {
+    const std::vector<int64_t>& theirs = all_settings[static_cast<size_t>(r)];
+    NANODDP_CHECK(theirs[0] == settings[0], DistError, who, ": sharding_strategy ",
+                  sharding_strategy_name(options_.sharding_strategy), " here but ",
+                  sharding_strategy_name(static_cast<ShardingStrategy>(theirs[0])), " on rank ", r,
+                  "; every rank must pass the same FSDPOptions");
+    NANODDP_CHECK(theirs[1] == settings[1] && theirs[2] == settings[2], DistError, who,
+                  ": MixedPrecision (param_dtype ", mp.param_dtype, ", reduce_dtype ", mp.reduce_dtype,
+                  ") here but (", static_cast<DType>(theirs[1]), ", ", static_cast<DType>(theirs[2]),
+                  ") on rank ", r, "; every rank must pass the same FSDPOptions");
+    NANODDP_CHECK(theirs[3] == settings[3], DistError, who, ": the model's units here are ", units_.size(),
+                  ", on rank ", r, " ", theirs[3],
+                  "; every rank must pass the same auto_wrap_policy (one that picks the same modules)");
+  }
+  std::vector<int64_t> layout;
+  for (const auto& unit : units_) {
+    layout.push_back(static_cast<int64_t>(fnv1a(unit->name) >> 1));
+    layout.push_back(unit->numel);
+  }
+  const auto all_layouts = all_gather_host(*pg_, layout, options_.timeout);
+  for (int r = 0; r < world; ++r)
+    for (size_t u = 0; u < units_.size(); ++u) {
+      const int64_t* theirs = all_layouts[static_cast<size_t>(r)].data() + 2 * u;
+      NANODDP_CHECK(
+          theirs[0] == layout[2 * u] && theirs[1] == layout[2 * u + 1], DistError, who, ": unit ", u, " is ",
+          unit_label(units_[u]->name), " of ", units_[u]->numel, " elements here but ",
+          theirs[0] == layout[2 * u] ? "of " + std::to_string(theirs[1]) + " elements" : "another module",
+          " on rank ", r,
+          "; every rank must pass the same auto_wrap_policy (one that picks the same modules)");
+    }
 }
 
 std::vector<FullyShardedDataParallel::UnitInfo> FullyShardedDataParallel::units() const {

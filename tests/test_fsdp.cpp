@@ -935,6 +935,55 @@ TEST_CASE("ranks that built different models: every rank's FSDP constructor name
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE(
+    "ranks that pass other FSDPOptions (strategy, MixedPrecision, auto_wrap_policy): every rank names the "
+    "option") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = join(rank, 2, port);
+    const auto constructor_error = [&](const dist::FSDPOptions& options) {
+      try {
+        dist::FullyShardedDataParallel fsdp(make_mlp(7), pg, options);
+      } catch (const DistError& e) {
+        return std::string(e.what());
+      }
+      return std::string("no error");
+    };
+    const auto expect_message = [&](const std::string& message, const std::string& want) {
+      expect(message.find(want) != std::string::npos, "rank ", rank, ": expected '", want, "' in: ", message);
+    };
+    const int other = 1 - rank;
+    dist::FSDPOptions strategy =
+        fsdp_options(rank == 0 ? ShardingStrategy::FULL_SHARD : ShardingStrategy::SHARD_GRAD_OP,
+                     dist::module_wrap_policy<nn::Linear>());
+    expect_message(constructor_error(strategy),
+                   std::string(rank == 0 ? "sharding_strategy FULL_SHARD here but SHARD_GRAD_OP"
+                                         : "sharding_strategy SHARD_GRAD_OP here but FULL_SHARD") +
+                       " on rank " + std::to_string(other));
+    dist::FSDPOptions precision = fsdp_options(ShardingStrategy::FULL_SHARD, {});
+    if (rank == 1) precision.mixed_precision.param_dtype = DType::BFloat16;
+    expect_message(constructor_error(precision), "MixedPrecision (param_dtype ");
+    // Every Linear a unit on rank 0 (2 units: the root keeps nothing); no policy on rank 1 (the root).
+    dist::FSDPOptions policy =
+        fsdp_options(ShardingStrategy::FULL_SHARD, dist::module_wrap_policy<nn::Linear>());
+    if (rank == 1) policy.auto_wrap_policy = nullptr;
+    expect_message(constructor_error(policy),
+                   rank == 0 ? "the model's units here are 2, on rank 1 1; every rank must "
+                               "pass the same auto_wrap_policy"
+                             : "the model's units here are 1, on rank 0 2");
+    // The same number of units, other modules: the first Linear against the last, so the root
+    // keeps the other one (21 elements against 36).
+    dist::FSDPOptions which = fsdp_options(ShardingStrategy::FULL_SHARD, {});
+    which.auto_wrap_policy = [rank](const std::string& name, nn::Module&) {
+      return name == (rank == 0 ? "0" : "2");
+    };
+    expect_message(constructor_error(which),
+                   rank == 0 ? "unit 0 is root of 21 elements here but of 36 elements on rank 1"
+                             : "unit 0 is root of 36 elements here but of 21 elements on rank 0");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("a rank that catches an exception from its backward and goes on is stopped, never paired with another step") {
   // As the DDP case in test_ddp_edges: rank 1's hook throws in step 1 and rank 1 goes on; its
   // next forward must not pair its reduce_scatters with rank 0's of step 1.
