@@ -67,7 +67,12 @@ namespace {
 // reports a rank that exits without MPI_Finalize as failed).
 class MpiRuntime {
  public:
-  static void ensure_initialized() { static MpiRuntime runtime; }
+  static void ensure_initialized() {
+    static MpiRuntime runtime;
+    // Registered after runtime, so it runs before runtime's destructor (Note [MPI exit]).
+    static const bool exit_watched = [] { return ::on_exit(note_exit_status, nullptr) == 0; }();
+    (void)exit_watched;
+  }
   // Requests started and not yet seen complete, in every group: Note [MPI completion order].
   static std::atomic<int64_t>& unfinished_requests() { return unfinished_requests_; }
 
@@ -91,10 +96,19 @@ class MpiRuntime {
   ~MpiRuntime() {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (owned_ && !finalized && unfinished_requests() == 0) MPI_Finalize();
+    if (owned_ && !finalized && unfinished_requests() == 0 && exit_status_ == 0) MPI_Finalize();
   }
+  // Note [MPI exit]
+  // MPI_Finalize waits for every rank to call it. A rank that leaves between collectives with
+  // an error (exit(3), or main returning 1 after catching an exception) would wait there for
+  // peers that wait in their next collective for it: both sides until the collective timeout,
+  // and then mpirun names a survivor. glibc's on_exit tells the status before the static
+  // destructors run: with a failure, this rank exits without finalising, and mpirun, seeing a
+  // rank end with a non-zero status, stops the others and reports this one and its code.
+  static void note_exit_status(int status, void*) { exit_status_ = status; }
   bool owned_ = false;
   static inline std::atomic<int64_t> unfinished_requests_{0};  // constant-initialised: safe at exit
+  static inline std::atomic<int> exit_status_{0};
 };
 
 std::mutex& mpi_mutex() {

@@ -3,6 +3,7 @@
 //
 //   nanoddp-run --nproc-per-node 2 launch_probe report            # prints rank, backend, sum
 //   nanoddp-run --nproc-per-node 4 launch_probe fail 3 7          # rank 3 exits 7, peers lose it
+//   nanoddp-run --backend mpi --nproc-per-node 2 launch_probe exit 1 3   # rank 1 calls exit(3)
 //   nanoddp-run --nproc-per-node 2 launch_probe sleep DIR         # writes DIR/pid.RANK, sleeps, silent
 //   nanoddp-run --nproc-per-node 3 launch_probe die 0 5           # rank 0 SIGKILLs itself mid-job
 //   nanoddp-run --nproc-per-node 2 launch_probe stop 1 5          # rank 1 SIGSTOPs itself mid-job
@@ -17,6 +18,9 @@
 //         an all_reduce that R never joins, so they fail by losing R, before R has exited. They
 //         ignore SIGTERM (as a rank deep in a collective may not stop at once), so each always
 //         fails by its own error: the launcher must tell the first failure from those it caused.
+// exit:   after a barrier, rank R calls std::exit(CODE) with its group alive, as a program
+//         whose main catches an error and returns does; the others wait on an all_reduce R
+//         never joins (its timeout, 30 s, is far past what the test allows).
 // die:    every rank runs all_reduces back to back; rank R sends itself SIGKILL after its Nth
 //         (kill -9 in the middle of a job). The others ignore SIGTERM and fail by losing R, by
 //         their own error, at once: the launcher must still name R and return 137.
@@ -93,6 +97,13 @@ int main(int argc, char** argv) {
       Tensor t = Tensor::from_vector({1.0f}, {1});
       pg->all_reduce(t)->wait();
       std::fprintf(stderr, "rank %d: the all_reduce without rank %d completed\n", rank, culprit);
+      return 3;
+    } else if (mode == "exit" && argc == 4) {
+      const int culprit = std::atoi(argv[2]), code = std::atoi(argv[3]);
+      pg->barrier()->wait();
+      if (rank == culprit) std::exit(code);
+      Tensor t = Tensor::from_vector({1.0f}, {1});
+      pg->all_reduce(t)->wait();
       return 3;
     } else if ((mode == "die" || mode == "stop") && argc == 4) {
       const int victim = std::atoi(argv[2]), reductions = std::atoi(argv[3]);

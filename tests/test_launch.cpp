@@ -439,6 +439,16 @@ TEST_CASE("nanoddp-run --backend mpi: mpirun runs the ranks; an early exit fails
   CHECK_MESSAGE(contains(killed.err, "137 is 128 + 9, a rank killed by SIGKILL; mpirun's message above names the rank"),
                 killed.err);
   check_nothing_left(recorded_pids(killed_dir.path, 2));
+
+  // A rank of a real MPI group that exits with an error between collectives: it does not wait
+  // in MPI_Finalize for peers that wait in their all_reduce for it (Note [MPI exit]), so
+  // mpirun names it and returns its code at once, not after the 30 s collective timeout.
+  const RunResult left = run({launcher_path(), "--nproc-per-node", "2", "--backend", "mpi",
+                              nanoddp::testing::built("tests/launch_probe"), "exit", "1", "3"});
+  CHECK(left.seconds < 20);
+  CHECK(left.code() == 3);
+  CHECK_MESSAGE(contains(left.err + left.out, "Exit code:    3"), left.err);
+  CHECK_MESSAGE(contains(left.err + left.out, ",1]"), left.err);
 }
 
 TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
