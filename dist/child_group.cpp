@@ -68,6 +68,21 @@ void close_fd(int& fd) {
   fd = -1;
 }
 
+// A launcher started with stdin, stdout or stderr closed (`nanoddp-run ... >&- 2>&-`) would
+// get that number for its next descriptor: its signal pipe at 1 read the ranks' output as
+// signals. Each closed one is opened on /dev/null first, as daemons do, so what the ranks
+// write there is dropped, as the user asked.
+void open_closed_standard_streams() {
+  for (int fd = 0; fd <= 2; ++fd) {
+    if (fcntl(fd, F_GETFD) != -1 || errno != EBADF) continue;
+    const int opened = open("/dev/null", O_RDWR);  // the lowest free number: fd itself
+    if (opened >= 0 && opened != fd) {
+      dup2(opened, fd);
+      close(opened);
+    }
+  }
+}
+
 std::string format_ms(std::chrono::milliseconds ms) {
   if (ms.count() % 1000 == 0) return std::to_string(ms.count() / 1000) + " s";
   return std::to_string(ms.count()) + " ms";
@@ -80,6 +95,7 @@ using namespace launch_detail;
 ChildGroup::ChildGroup(Options options) : options_(std::move(options)), created_(Clock::now()) {
   NANODDP_CHECK(g_signal_pipe[0] < 0, DistError,
                 "launch: another launch or spawn is already supervising children in this process");
+  open_closed_standard_streams();
   NANODDP_CHECK(pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) == 0, DistError, "launch: pipe2 failed: ",
                 std::strerror(errno));
   // Note [Launcher link] in dist/launcher_link.h. Both pipes are close-on-exec here; a child

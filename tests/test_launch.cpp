@@ -451,6 +451,20 @@ TEST_CASE("nanoddp-run --backend mpi: mpirun runs the ranks; an early exit fails
   CHECK_MESSAGE(contains(left.err + left.out, ",1]"), left.err);
 }
 
+TEST_CASE("nanoddp-run with its standard streams closed runs the job; no rank's line is read as a signal") {
+  // Closed, the launcher's signal pipe took descriptors 1 and 2: a rank's "[" came back as
+  // signal 91, and the job was stopped with 219.
+  for (const char* closed : {">&- 2>&-", "<&- >&- 2>&-"}) {
+    CAPTURE(closed);
+    const RunResult r =
+        run({"/bin/sh", "-c",
+             "'" + launcher_path() +
+                 "' --nproc-per-node 2 sh -c 'for i in 1 2 3; do echo [out; echo [err >&2; done' " + closed +
+                 "; echo rc=$?"});
+    CHECK_MESSAGE(contains(r.out, "rc=0"), (r.out + r.err));
+  }
+}
+
 TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
   CHECK(run({launcher_path()}).code() == 2);                                              // no PROGRAM
   CHECK(run({launcher_path(), "--backend", "tcp", "true"}).code() == 2);                  // unknown backend
