@@ -50,6 +50,8 @@
 #include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -64,8 +66,6 @@
 #include <sstream>
 #include <thread>
 #include <type_traits>
-
-#include <unistd.h>
 
 #include "dist/gloo_store.h"
 #include "dist/shm_segment.h"
@@ -357,10 +357,28 @@ class GlooPointToPointWork : public Work {
 
 std::atomic<int> next_gloo_group_id{0};
 
+// Note [Gloo and SIGPIPE]
+// Gloo writes to its sockets without MSG_NOSIGNAL. When a peer dies (kill -9), the next write
+// to it raises SIGPIPE, whose default ends this rank by that signal, before the collective can
+// fail with an error naming the lost peer; the launcher may then name this rank (141) instead
+// of the one killed. Python, torch's host, ignores SIGPIPE from its start, so torch's Gloo
+// always sees EPIPE. A process that makes a Gloo group does the same: SIGPIPE is ignored
+// unless the program set a disposition of its own. A write to a closed pipe (stdout into
+// `head`) then fails with EPIPE instead of ending the program, as in Python.
+void ignore_sigpipe_as_python_does() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) != 0 || current.sa_handler != SIG_DFL) return;
+  struct sigaction ignore {};
+  sigemptyset(&ignore.sa_mask);
+  ignore.sa_handler = SIG_IGN;
+  ::sigaction(SIGPIPE, &ignore, nullptr);
+}
+
 class ProcessGroupGloo : public ProcessGroup {
  public:
   ProcessGroupGloo(std::shared_ptr<dist::Store> store, const GlooOptions& options)
       : ProcessGroup(options.rank, options.world_size), store_(std::move(store)) {
+    ignore_sigpipe_as_python_does();  // Note [Gloo and SIGPIPE]
     runner_->timeout = options.timeout;
     runner_->rank = rank_;
     runner_->world_size = world_size_;

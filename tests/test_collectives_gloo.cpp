@@ -1,6 +1,8 @@
 // Gloo collectives between forked ranks on this host: every op, world sizes 1-4, sizes up to
 // 2^20 + 3, exact results (tests/collectives_cases.h), timeouts and error messages.
 #include <doctest/doctest.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <string>
@@ -45,6 +47,47 @@ TEST_CASE("gloo: every collective is exact for world sizes 1 to 4") {
     });
     CHECK_MESSAGE(failures.empty(), failures);
   }
+}
+
+TEST_CASE(
+    "gloo: a peer that dies fails the collective with an error, never with SIGPIPE (ignored, as Python "
+    "does)") {
+  int port = testing::free_port();
+  std::string failures = testing::run_ranks(2, [&](int rank) {
+    // A handler of the program's own stays; only the default is replaced (Note [Gloo and SIGPIPE]).
+    struct sigaction before {};
+    sigaction(SIGPIPE, nullptr, &before);
+    testing::expect(before.sa_handler == SIG_DFL, "rank ", rank,
+                    ": SIGPIPE is not at its default to begin with");
+    auto pg = join(port, rank, 2, 5000ms);
+    struct sigaction after {};
+    sigaction(SIGPIPE, nullptr, &after);
+    testing::expect(after.sa_handler == SIG_IGN, "rank ", rank,
+                    ": SIGPIPE is not ignored after the Gloo group");
+    pg->barrier()->wait();
+    if (rank == 1) _exit(0);  // its sockets close under rank 0's writes
+    Tensor big = Tensor::ones({1 << 20});
+    bool threw = false;
+    try {
+      for (int i = 0; i < 20; ++i) pg->all_reduce(big)->wait();
+    } catch (const Error&) {
+      threw = true;
+    }
+    testing::expect(threw, "rank 0: all_reduces with a dead peer did not fail");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+  int handler_port = testing::free_port();
+  failures = testing::run_ranks(1, [&](int) {
+    struct sigaction own {};
+    sigemptyset(&own.sa_mask);
+    own.sa_handler = [](int) {};
+    sigaction(SIGPIPE, &own, nullptr);
+    auto pg = join(handler_port, 0, 1);
+    struct sigaction after {};
+    sigaction(SIGPIPE, nullptr, &after);
+    testing::expect(after.sa_handler == own.sa_handler, "the program's SIGPIPE handler was replaced");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
 }
 
 TEST_CASE("gloo: all_reduce and broadcast of 2^20 + 3 elements") {
