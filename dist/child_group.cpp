@@ -1,10 +1,10 @@
 // The launcher's process management: a ChildGroup forks the ranks, gives each its process
 // group, pipes and signals, and kills them all when the job ends. Supervision and the failure
 // chain are in child_group_wait.cpp. See Note [Launch contract] in dist/launch.h.
-#include "dist/launch.h"
-
+#include <dirent.h>
 #include <fcntl.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -14,20 +14,19 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <netinet/in.h>
-
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstring>
-#include <dirent.h>
 #include <fstream>
 #include <set>
 #include <thread>
 
 #include "core/error.h"
-#include "dist/launcher_link.h"
+#include "dist/launch.h"
 #include "dist/launch_detail.h"
+#include "dist/launcher_link.h"
 
 namespace nanoddp::dist {
 
@@ -46,7 +45,14 @@ void on_signal(int signal) {
 
 // Writes all of `data` to `fd`; gives up quietly when the reader is gone (EPIPE) or the fd is
 // broken, because losing output must never stop supervision.
+namespace {
+std::atomic<bool> g_output_dropped{false};
+}  // namespace
+
+void drop_launcher_output() { g_output_dropped = true; }
+
 void write_all(int fd, const std::string& data) {
+  if ((fd == 1 || fd == 2) && g_output_dropped) return;
   size_t done = 0;
   while (done < data.size()) {
     const ssize_t n = write(fd, data.data() + done, data.size() - done);

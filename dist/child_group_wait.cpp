@@ -1,10 +1,10 @@
 // The launcher's supervision loop and failure chain: ChildGroup::wait() relays the ranks'
 // output, names the first failure (following "rank N lost rank M" reports to the rank that
 // failed first) and stops the rest. See Note [Launch contract] in dist/launch.h.
-#include "dist/launch.h"
-
+#include <dirent.h>
 #include <fcntl.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -14,20 +14,19 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <netinet/in.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstring>
-#include <dirent.h>
 #include <fstream>
 #include <set>
 #include <thread>
 
 #include "core/error.h"
-#include "dist/launcher_link.h"
+#include "dist/launch.h"
 #include "dist/launch_detail.h"
+#include "dist/launcher_link.h"
+#include "dist/output_relay.h"
 
 namespace nanoddp::dist {
 
@@ -54,8 +53,9 @@ Outcome ChildGroup::wait() {
   auto kill_at = never;
   bool terminating = false, killed = false;
 
+  OutputRelay relay;  // Note [Output relay]: nothing below blocks on the launcher's readers
   auto report = [&](const std::string& text) {
-    if (options_.report) write_all(2, options_.reporter + ": " + text + "\n");
+    if (options_.report) relay.write(2, options_.reporter + ": " + text + "\n");
   };
   auto begin_termination = [&](int received, const std::string& why) {
     // mpirun passes SIGINT and SIGTERM on to its ranks but dies at once of SIGQUIT, leaving
@@ -91,7 +91,7 @@ Outcome ChildGroup::wait() {
       out += c.prefix + s.pending + "\n";
       s.pending.clear();
     }
-    if (!out.empty()) write_all(s.dst, out);
+    if (!out.empty()) relay.write(s.dst, std::move(out));
   };
   auto read_stream = [&](Child& c, Stream& s) {
     char buffer[65536];
@@ -118,9 +118,12 @@ Outcome ChildGroup::wait() {
   auto poll_once = [&](std::chrono::milliseconds wait) {
     std::vector<pollfd> fds{{g_signal_pipe[0], POLLIN, 0}, {failure_pipe_[0], POLLIN, 0}};
     std::vector<std::pair<Child*, Stream*>> owners{{nullptr, nullptr}, {nullptr, nullptr}};
+    // With the relay full the ranks' pipes wait (and fill); the relay is looked at again soon.
+    const bool relay_full = relay.full();
+    if (relay_full) wait = std::min(wait, std::chrono::milliseconds(20));
     for (Child& c : children_)
       for (Stream* s : {&c.out, &c.err, &c.msg})
-        if (s->fd >= 0) {
+        if (s->fd >= 0 && !(relay_full && s->dst >= 0)) {
           fds.push_back({s->fd, POLLIN, 0});
           owners.emplace_back(&c, s);
         }
@@ -298,15 +301,25 @@ Outcome ChildGroup::wait() {
 
   // 4. Leftovers in the ranks' groups die now; then read what is still in the pipes.
   terminate_all(SIGKILL);
-  const auto drain_until = Clock::now() + kDrainTimeout;
+  auto drain_until = Clock::now() + kDrainTimeout;
   auto any_open = [&] {
     for (const Child& c : children_)
       if (c.out.fd >= 0 || c.err.fd >= 0 || c.msg.fd >= 0) return true;
     return false;
   };
-  while (any_open() && Clock::now() < drain_until)
+  while (any_open()) {
+    // A slow reader is waited for while it takes some output; the drain's own limit is for
+    // pipes that stay open, not for the reader.
+    if (relay.full()) {
+      const auto waiting_since = Clock::now();
+      if (!relay.wait_for_room(options_.grace_period)) break;
+      drain_until += Clock::now() - waiting_since;
+      continue;
+    }
+    if (Clock::now() >= drain_until) break;
     poll_once(std::chrono::duration_cast<std::chrono::milliseconds>(drain_until - Clock::now()) +
               std::chrono::milliseconds(1));
+  }
   for (Child& c : children_) {
     for (Stream* s : {&c.out, &c.err, &c.msg}) {
       close_fd(s->fd);
@@ -320,6 +333,7 @@ Outcome ChildGroup::wait() {
     if (outcome.kind == Outcome::Kind::ChildFailed && c.pid == outcome.failed_pid)
       outcome.failed_message = c.msg.pending;
   }
+  relay.flush(options_.grace_period);
   return outcome;
 }
 

@@ -41,8 +41,10 @@ inline bool kept_if_ignored(int signal) { return is_forwarded(signal) || signal 
 void on_signal(int signal);
 
 // Writes all of `data` to `fd`; gives up quietly when the reader is gone (EPIPE) or the fd is
-// broken, because losing output must never stop supervision.
+// broken, because losing output must never stop supervision. Nothing, for fd 1 or 2, once
+// drop_launcher_output() was called (Note [Output relay] in dist/output_relay.h).
 void write_all(int fd, const std::string& data);
+void drop_launcher_output();
 
 void close_fd(int& fd);
 

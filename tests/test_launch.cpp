@@ -465,6 +465,22 @@ TEST_CASE("nanoddp-run with its standard streams closed runs the job; no rank's 
   }
 }
 
+TEST_CASE("nanoddp-run whose stdout nobody reads still acts on --timeout and exits (Note [Output relay])") {
+  // Ranks print without end into a pipe whose reader sleeps 8 s. Writing from its supervision
+  // loop, the launcher blocked until the reader woke; now its timeout ends the job at 2 s, and
+  // after a grace period of stalled output it exits.
+  const RunResult r = run({"/bin/sh", "-c",
+                           "exec 3>&1; start=$(date +%s%N); ( '" + launcher_path() +
+                               "' --grace-period 1 --timeout 2 --nproc-per-node 2 yes; "
+                               "echo \"rc=$? ms=$(( ($(date +%s%N) - start) / 1000000 ))\" >&3 ) | "
+                               "{ sleep 8; cat > /dev/null; }"});
+  CHECK_MESSAGE(contains(r.out, "rc=124 "), r.out);
+  const size_t at = r.out.find("ms=");
+  REQUIRE_MESSAGE(at != std::string::npos, r.out);
+  CHECK_MESSAGE(std::stol(r.out.substr(at + 3)) < 6500, r.out);
+  CHECK_MESSAGE(contains(r.err, "timed out: the job's --timeout of 2 s"), r.err);
+}
+
 TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
   CHECK(run({launcher_path()}).code() == 2);                                              // no PROGRAM
   CHECK(run({launcher_path(), "--backend", "tcp", "true"}).code() == 2);                  // unknown backend

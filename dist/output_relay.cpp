@@ -1,0 +1,99 @@
+#include "dist/output_relay.h"
+
+#include <sys/stat.h>
+
+#include "dist/launch_detail.h"
+
+namespace nanoddp::dist::launch_detail {
+
+namespace {
+bool same_file(int a, int b) {
+  struct stat sa {}, sb {};
+  return fstat(a, &sa) == 0 && fstat(b, &sb) == 0 && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+}  // namespace
+
+OutputRelay::OutputRelay()
+    : stdout_writer_(std::make_shared<Writer>()),
+      stderr_writer_(same_file(1, 2) ? stdout_writer_ : std::make_shared<Writer>()) {}
+
+void OutputRelay::run(const std::shared_ptr<Writer>& writer) {
+  std::unique_lock<std::mutex> lock(writer->mutex);
+  while (true) {
+    writer->changed.wait(lock, [&] { return writer->stop || !writer->lines.empty(); });
+    if (writer->lines.empty()) return;  // stopped, and nothing left
+    auto [fd, text] = std::move(writer->lines.front());
+    writer->lines.pop_front();
+    writer->writing = true;
+    lock.unlock();
+    write_all(fd, text);  // may block for as long as the reader does
+    lock.lock();
+    writer->writing = false;
+    writer->queued_bytes -= text.size();
+    writer->changed.notify_all();
+  }
+}
+
+void OutputRelay::write(int fd, std::string text) {
+  if (text.empty()) return;
+  const std::shared_ptr<Writer>& writer = fd == 2 ? stderr_writer_ : stdout_writer_;
+  std::lock_guard<std::mutex> lock(writer->mutex);
+  if (!writer->thread.joinable()) writer->thread = std::thread([writer] { run(writer); });
+  writer->queued_bytes += text.size();
+  writer->lines.emplace_back(fd, std::move(text));
+  writer->changed.notify_all();
+}
+
+size_t OutputRelay::queued_bytes() const {
+  const auto bytes_of = [](Writer& writer) {
+    std::lock_guard<std::mutex> lock(writer.mutex);
+    return writer.queued_bytes;
+  };
+  return bytes_of(*stdout_writer_) + (stderr_writer_ == stdout_writer_ ? 0 : bytes_of(*stderr_writer_));
+}
+
+bool OutputRelay::full() const { return queued_bytes() > kMaxQueuedBytes; }
+
+bool OutputRelay::wait_until_queued_at_most(size_t bytes, std::chrono::milliseconds stall_limit) {
+  // Progress is any byte either writer took; each is looked at in turn, briefly.
+  auto last_progress = std::chrono::steady_clock::now();
+  size_t before = queued_bytes();
+  while (before > bytes) {
+    for (const auto& writer : {stdout_writer_, stderr_writer_}) {
+      std::unique_lock<std::mutex> lock(writer->mutex);
+      if (writer->queued_bytes > 0)
+        writer->changed.wait_for(lock, std::chrono::milliseconds(10));
+    }
+    const size_t now_queued = queued_bytes();
+    const auto now = std::chrono::steady_clock::now();
+    if (now_queued < before) {
+      last_progress = now;
+      before = now_queued;
+    } else if (now - last_progress >= stall_limit) {
+      drop_launcher_output();
+      return false;
+    }
+  }
+  return true;
+}
+
+OutputRelay::~OutputRelay() {
+  for (const auto& writer : {stdout_writer_, stderr_writer_}) {
+    bool idle = false;
+    {
+      std::lock_guard<std::mutex> lock(writer->mutex);
+      if (!writer->thread.joinable()) continue;  // never started, or already let go (2>&1)
+      writer->stop = true;
+      idle = writer->lines.empty() && !writer->writing;
+      writer->changed.notify_all();
+    }
+    // A writer blocked in write() holds only its shared state: it may outlive the relay.
+    if (idle) {
+      writer->thread.join();
+    } else {
+      writer->thread.detach();
+    }
+  }
+}
+
+}  // namespace nanoddp::dist::launch_detail

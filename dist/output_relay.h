@@ -1,0 +1,73 @@
+// The launcher's output: what ChildGroup::wait prints (the ranks' lines, its own reports)
+// goes through writer threads. Internal to the launcher (not installed).
+//
+// Note [Output relay]
+// A reader that stops reading the launcher's stdout or stderr (a paused pager, a stuck
+// `| tee`, a log collector that fell behind) blocks whoever writes there. Were that the
+// supervision loop, SIGTERM, Ctrl-C, --timeout and stopping the others after a failure would
+// all wait for the reader. So the loop only queues its lines, and a writer thread per
+// destination writes them in order: one for stdout and one for stderr, so that a stalled
+// stdout does not hold the launcher's own reports back, or one for both when they are the same
+// file (2>&1), whose lines must not interleave. Past kMaxQueuedBytes the loop stops reading
+// the ranks' pipes until the writers catch up, so a rank that prints faster than the reader
+// takes blocks on its own pipe, as it would without a launcher. When the job has ended,
+// flush() waits for the queues to drain as long as the readers take some of them; after a stall
+// as long as the grace period it gives up, the rest is dropped, and so is every later line the
+// launcher prints, so that it can exit (torchrun's ranks write to the terminal themselves and
+// never hold it either).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace nanoddp::dist::launch_detail {
+
+class OutputRelay {
+ public:
+  static constexpr size_t kMaxQueuedBytes = size_t{4} << 20;
+
+  OutputRelay();
+  OutputRelay(const OutputRelay&) = delete;
+  OutputRelay& operator=(const OutputRelay&) = delete;
+  // Lets the writers go: each joined when its queue is empty, else left to finish (or to the
+  // process's exit).
+  ~OutputRelay();
+
+  // Queues text for fd (1 or 2). Never blocks on the reader.
+  void write(int fd, std::string text);
+  // Whether the loop should stop reading the ranks' pipes for now.
+  bool full() const;
+  // Waits until everything queued is written; false (and every later line dropped) when the
+  // readers took nothing for stall_limit.
+  bool flush(std::chrono::milliseconds stall_limit) { return wait_until_queued_at_most(0, stall_limit); }
+  // Waits until the relay is no longer full, with the same stall limit.
+  bool wait_for_room(std::chrono::milliseconds stall_limit) {
+    return wait_until_queued_at_most(kMaxQueuedBytes, stall_limit);
+  }
+
+ private:
+  struct Writer {
+    std::mutex mutex;
+    std::condition_variable changed;  // a line queued, a line written, or stop
+    std::deque<std::pair<int, std::string>> lines;
+    size_t queued_bytes = 0;
+    bool writing = false;  // a line is out of the queue, in write()
+    bool stop = false;
+    std::thread thread;  // started with the first line
+  };
+  static void run(const std::shared_ptr<Writer>& writer);
+  size_t queued_bytes() const;
+  bool wait_until_queued_at_most(size_t bytes, std::chrono::milliseconds stall_limit);
+
+  std::shared_ptr<Writer> stdout_writer_, stderr_writer_;  // the same one when 2>&1
+};
+
+}  // namespace nanoddp::dist::launch_detail
