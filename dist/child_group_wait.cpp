@@ -82,6 +82,11 @@ Outcome ChildGroup::wait() {
   // Emits every complete line of `s` (all of it at EOF) with the child's prefix.
   auto emit = [&](Child& c, Stream& s, bool at_eof) {
     if (s.dst < 0) return;
+    // The '\n' that ends a line already printed in pieces of kMaxPendingLine ends the last piece.
+    if (s.line_split && !s.pending.empty()) {
+      if (s.pending[0] == '\n') s.pending.erase(0, 1);
+      s.line_split = false;
+    }
     std::string out;
     size_t begin = 0;
     for (size_t nl; (nl = s.pending.find('\n', begin)) != std::string::npos; begin = nl + 1)
@@ -90,6 +95,7 @@ Outcome ChildGroup::wait() {
     if (!s.pending.empty() && (at_eof || s.pending.size() >= kMaxPendingLine)) {
       out += c.prefix + s.pending + "\n";
       s.pending.clear();
+      s.line_split = !at_eof;
     }
     if (!out.empty()) relay.write(s.dst, std::move(out));
   };

@@ -60,6 +60,7 @@ struct Stream {
   int fd = -1;       // read end of the child's pipe; -1 once at EOF
   int dst = -1;      // 1 or 2: where its lines go; -1: kept as the child's message
   std::string pending;
+  bool line_split = false;  // pending's line was printed in part, for being too long
 };
 
 // Runs in a child before it sets its own variables (Note [Innermost launcher wins] in

@@ -481,6 +481,20 @@ TEST_CASE("nanoddp-run whose stdout nobody reads still acts on --timeout and exi
   CHECK_MESSAGE(contains(r.err, "timed out: the job's --timeout of 2 s"), r.err);
 }
 
+TEST_CASE(
+    "nanoddp-run prints a line of over 64 KiB in pieces of 64 KiB, and no empty line after one of exactly 64 "
+    "KiB") {
+  const RunResult r =
+      run({launcher_path(), "--nproc-per-node", "1", "/bin/sh", "-c",
+           "head -c 65536 /dev/zero | tr '\\0' x; echo; head -c 65537 /dev/zero | tr '\\0' y; "
+           "echo; echo end"});
+  std::vector<size_t> lengths;
+  for (size_t begin = 0, nl; (nl = r.out.find('\n', begin)) != std::string::npos; begin = nl + 1)
+    lengths.push_back(nl - begin);
+  const size_t prefix = std::string("[rank 0] ").size();
+  CHECK(lengths == std::vector<size_t>{prefix + 65536, prefix + 65536, prefix + 1, prefix + 3});
+}
+
 TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
   CHECK(run({launcher_path()}).code() == 2);                                              // no PROGRAM
   CHECK(run({launcher_path(), "--backend", "tcp", "true"}).code() == 2);                  // unknown backend
