@@ -63,6 +63,19 @@
 // ddp.module().state_dict() (no prefix) to load the weights into an unwrapped model, and load
 // into ddp.module() likewise.
 //
+// Where PyTorch 1.13's DDP lets the ranks drift apart, this one keeps them equal (each case
+// checked against torch's DDP on Gloo):
+//  - a parameter whose gradient was accumulated only under no_sync gets the mean at the next
+//    synced backward (Note [Unused parameters] in reducer.cpp); torch's leaves each rank its
+//    own sum without find_unused_parameters, and with it (but no gradient_as_bucket_view);
+//  - a second backward through one forward (retain_graph) is reduced like the first, so .grad
+//    holds the sum of two means; torch reduces the first only and adds each rank's own second;
+//  - static_graph with two forwards before one backward runs as without static_graph, where
+//    torch raises "Your training graph has changed";
+//  - a parameter that got no gradient (without find_unused_parameters) is a DistError at the
+//    end of that backward, naming it, where torch raises "Expected to have finished
+//    reduction in the prior iteration" at the next forward.
+//
 // Errors: ValueError at construction when no parameter requires grad (all frozen, or none),
 // as torch's "DistributedDataParallel is not needed when a module doesn't have any parameter
 // that requires a gradient"; DistError for parameter or buffer mismatches across ranks, for a parameter that got no

@@ -74,7 +74,8 @@ namespace nanoddp::dist {
 // (undefined after zero_grad), so the optimizer skips it everywhere. "Used" covers the whole
 // accumulation window: a parameter whose gradient was accumulated in a backward under
 // no_sync counts as used at the next synced backward, and its accumulated .grad is what it
-// contributes (with or without find_unused_parameters).
+// contributes (with or without find_unused_parameters). PyTorch 1.13's reducer averages such a
+// parameter only with gradient_as_bucket_view; otherwise each of its ranks keeps its own sum.
 
 // Note [Averaging in the copy]
 // DDP's gradient is the mean over ranks. Each rank divides its gradient by world_size while
