@@ -52,6 +52,7 @@ Outcome ChildGroup::wait() {
   auto deadline = options_.timeout.count() > 0 ? created_ + options_.timeout : never;
   auto kill_at = never;
   bool terminating = false, killed = false;
+  int sent_signal = 0;  // what begin_termination sent the ranks
 
   OutputRelay relay;  // Note [Output relay]: nothing below blocks on the launcher's readers
   auto report = [&](const std::string& text) {
@@ -75,6 +76,7 @@ Outcome ChildGroup::wait() {
                                   format_ms(options_.grace_period)
                             : ""));
     terminating = true;
+    sent_signal = signal;
     terminate_all(signal);
     kill_at = Clock::now() + options_.grace_period;
   };
@@ -177,7 +179,11 @@ Outcome ChildGroup::wait() {
     } else {
       c.status.signal = info.si_status;
     }
-    c.failed = !c.status.ok() && (!terminating || (c.status.exited && !options_.children_relay_signals));
+    // A rank that handles the signal we sent and exits 128 + its number (bash's and Python's
+    // convention) did as it was asked, as one that dies of it does.
+    const bool obeyed = terminating && c.status.exited && c.status.code == 128 + sent_signal;
+    c.failed =
+        !c.status.ok() && !obeyed && (!terminating || (c.status.exited && !options_.children_relay_signals));
     return true;
   };
   auto child_of_rank = [&](int rank) -> Child* {

@@ -24,7 +24,9 @@
 //      itself (its connections close before it exits) before the job is stopped; one still
 //      running then is said to be stuck ("stopped or hung?") after the rank named. A rank that
 //      meanwhile exits non-zero on its own is named too
-//      ("rank 0 (pid 4241) also failed: exit code 1 (it lost rank 1)").
+//      ("rank 0 (pid 4241) also failed: exit code 1 (it lost rank 1)"); one that exits 128 + n
+//      after the signal n the launcher sent it (bash's and Python's way to end by a signal
+//      they handle) did as asked and is not.
 //   4. SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to the launcher are forwarded to every rank's
 //      group (ranks do not sit in the terminal's foreground group, so Ctrl-C and Ctrl-\ reach
 //      them only this way), then the same grace period applies; the launcher exits 128 + the

@@ -251,6 +251,17 @@ TEST_CASE("nanoddp-run: a rank that fails by itself while the job is stopping is
   CHECK_MESSAGE(contains(r.err, "also failed: exit code 5"), r.err);
 }
 
+TEST_CASE("nanoddp-run: a rank that handles the stopping SIGTERM and exits 143 is not said to have failed") {
+  // Rank 1 fails first; rank 0 traps SIGTERM and exits 128 + 15, as asked: only rank 1 is named.
+  const RunResult r = run({launcher_path(), "--nproc-per-node", "2", "--grace-period", "5", "sh", "-c",
+                           "if [ $RANK = 1 ]; then sleep 0.2; exit 3; fi; trap 'exit 143' TERM; "
+                           "while true; do sleep 0.05; done"});
+  CHECK(r.code() == 3);
+  CHECK_MESSAGE(contains(r.err, "rank 1 (pid "), r.err);
+  CHECK_MESSAGE(contains(r.err, "failed: exit code 3"), r.err);
+  CHECK_MESSAGE(!contains(r.err, "also failed"), r.err);
+}
+
 TEST_CASE("nanoddp-run: a rank killed by a signal is named by the signal; SIGKILL follows an ignored SIGTERM") {
   TempDir dir;
   // Rank 0 ignores SIGTERM (its sleep inherits that), so only the SIGKILL after the 1 s grace
