@@ -37,7 +37,9 @@
 //   5. No process is left behind: when the job ends every rank's group gets SIGKILL before the
 //      rank itself is reaped (an exited rank stays a zombie until then, which keeps its pgid from
 //      being reused by an unrelated process). When the launcher itself dies, SIGKILL included,
-//      every rank ends too (PR_SET_PDEATHSIG, and the pipe of Note [Launcher link]). Under
+//      every rank ends too (PR_SET_PDEATHSIG, and the pipe of Note [Launcher link]), but not
+//      what a rank that is a script started (a wrapper's own child is reparented, as under
+//      torchrun, whose ranks themselves outlive it): nobody is left to kill its group. Under
 //      --backend mpi the ranks are mpirun's children, in process groups of their own: the
 //      launcher returns only once they have ended too (Note [mpirun's ranks] in launch.cpp).
 //      For that the calling process is a child subreaper while mpirun runs: any process

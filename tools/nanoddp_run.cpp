@@ -110,9 +110,9 @@ int main(int argc, char** argv) {
       "SIGKILL after the grace period; the exit code is the failed rank's (128 + signal for a signal),\n"
       "and a rank that failed because it lost another is not the one named. With --max-restarts N the\n"
       "group is then started again, whole, up to N times (the program resumes from its checkpoint).\n"
-      "Ctrl-C and Ctrl-\\ are forwarded to every rank, and Ctrl-Z stops them with nanoddp-run (fg continues "
-      "all); if\n"
-      "nanoddp-run dies, so do they. Options end at PROGRAM (or at --); an unknown option is an\n"
+      "Ctrl-C and Ctrl-\\ are forwarded to every rank, and Ctrl-Z stops them with nanoddp-run (fg continues\n"
+      "all); if nanoddp-run dies, so do the ranks (what a rank that is a script started may outlive\n"
+      "a kill -9 of nanoddp-run). Options end at PROGRAM (or at --); an unknown option is an\n"
       "error. An outer launcher's rank variables (OMPI_*, PMIX_*, SLURM_*) never reach the ranks.");
   // Options end at PROGRAM: everything after it belongs to PROGRAM, even what looks like a flag.
   app.prefix_command();
