@@ -43,19 +43,20 @@ void on_signal(int signal) {
   errno = saved_errno;
 }
 
-// Writes all of `data` to `fd`; gives up quietly when the reader is gone (EPIPE) or the fd is
-// broken, because losing output must never stop supervision.
 namespace {
-std::atomic<bool> g_output_dropped{false};
+std::atomic<pid_t> g_output_dropped_by{0};  // the process that gave its readers up
 }  // namespace
 
-void drop_launcher_output() { g_output_dropped = true; }
+void drop_launcher_output() { g_output_dropped_by = getpid(); }
 
-void write_all(int fd, const std::string& data) {
-  if ((fd == 1 || fd == 2) && g_output_dropped) return;
+// Writes all of `data` to `fd`; gives up quietly when the reader is gone (EPIPE) or the fd is
+// broken, because losing output must never stop supervision.
+
+void write_all(int fd, const char* data, size_t size) {
+  if ((fd == 1 || fd == 2) && g_output_dropped_by == getpid()) return;
   size_t done = 0;
-  while (done < data.size()) {
-    const ssize_t n = write(fd, data.data() + done, data.size() - done);
+  while (done < size) {
+    const ssize_t n = write(fd, data + done, size - done);
     if (n > 0) {
       done += static_cast<size_t>(n);
     } else if (n < 0 && errno == EINTR) {

@@ -89,21 +89,31 @@ Outcome ChildGroup::wait() {
       if (s.pending[0] == '\n') s.pending.erase(0, 1);
       s.line_split = false;
     }
+    // A line longer than kMaxPendingLine comes out in pieces of exactly that many bytes, each
+    // a line of its own, whatever sizes the reads had.
     std::string out;
+    const auto add_line = [&](size_t begin, size_t end) {
+      for (; end - begin > kMaxPendingLine; begin += kMaxPendingLine)
+        out += c.prefix + s.pending.substr(begin, kMaxPendingLine) + "\n";
+      out += c.prefix + s.pending.substr(begin, end - begin) + "\n";
+    };
     size_t begin = 0;
     for (size_t nl; (nl = s.pending.find('\n', begin)) != std::string::npos; begin = nl + 1)
-      out += c.prefix + s.pending.substr(begin, nl + 1 - begin);
-    s.pending.erase(0, begin);
-    if (!s.pending.empty() && (at_eof || s.pending.size() >= kMaxPendingLine)) {
-      out += c.prefix + s.pending + "\n";
-      s.pending.clear();
-      s.line_split = !at_eof;
+      add_line(begin, nl);
+    if (at_eof) {
+      if (begin < s.pending.size()) add_line(begin, s.pending.size());
+      begin = s.pending.size();
+    } else {
+      for (; s.pending.size() - begin >= kMaxPendingLine; begin += kMaxPendingLine)
+        out += c.prefix + s.pending.substr(begin, kMaxPendingLine) + "\n";
+      s.line_split = begin == s.pending.size() && begin > 0 && s.pending[begin - 1] != '\n';
     }
+    s.pending.erase(0, begin);
     if (!out.empty()) relay.write(s.dst, std::move(out));
   };
   auto read_stream = [&](Child& c, Stream& s) {
     char buffer[65536];
-    while (s.fd >= 0) {
+    while (s.fd >= 0 && !(s.dst >= 0 && relay.full())) {  // a full relay: the rest waits in the pipe
       const ssize_t n = read(s.fd, buffer, sizeof(buffer));
       if (n > 0) {
         if (s.dst < 0) {
@@ -313,25 +323,15 @@ Outcome ChildGroup::wait() {
 
   // 4. Leftovers in the ranks' groups die now; then read what is still in the pipes.
   terminate_all(SIGKILL);
-  auto drain_until = Clock::now() + kDrainTimeout;
+  const auto drain_until = Clock::now() + kDrainTimeout;
   auto any_open = [&] {
     for (const Child& c : children_)
       if (c.out.fd >= 0 || c.err.fd >= 0 || c.msg.fd >= 0) return true;
     return false;
   };
-  while (any_open()) {
-    // A slow reader is waited for while it takes some output; the drain's own limit is for
-    // pipes that stay open, not for the reader.
-    if (relay.full()) {
-      const auto waiting_since = Clock::now();
-      if (!relay.wait_for_room(options_.grace_period)) break;
-      drain_until += Clock::now() - waiting_since;
-      continue;
-    }
-    if (Clock::now() >= drain_until) break;
+  while (any_open() && Clock::now() < drain_until)
     poll_once(std::chrono::duration_cast<std::chrono::milliseconds>(drain_until - Clock::now()) +
               std::chrono::milliseconds(1));
-  }
   for (Child& c : children_) {
     for (Stream* s : {&c.out, &c.err, &c.msg}) {
       close_fd(s->fd);

@@ -42,8 +42,10 @@ void on_signal(int signal);
 
 // Writes all of `data` to `fd`; gives up quietly when the reader is gone (EPIPE) or the fd is
 // broken, because losing output must never stop supervision. Nothing, for fd 1 or 2, once
-// drop_launcher_output() was called (Note [Output relay] in dist/output_relay.h).
-void write_all(int fd, const std::string& data);
+// this process called drop_launcher_output() (Note [Output relay] in dist/output_relay.h;
+// a child forked later writes its own).
+void write_all(int fd, const char* data, size_t size);
+inline void write_all(int fd, const std::string& data) { write_all(fd, data.data(), data.size()); }
 void drop_launcher_output();
 
 void close_fd(int& fd);

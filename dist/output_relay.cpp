@@ -2,6 +2,8 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
+
 #include "dist/launch_detail.h"
 
 namespace nanoddp::dist::launch_detail {
@@ -25,11 +27,18 @@ void OutputRelay::run(const std::shared_ptr<Writer>& writer) {
     auto [fd, text] = std::move(writer->lines.front());
     writer->lines.pop_front();
     writer->writing = true;
-    lock.unlock();
-    write_all(fd, text);  // may block for as long as the reader does
-    lock.lock();
+    // In slices, each counted as written when it is: progress that flush() sees, however
+    // slowly the reader takes a long batch of lines.
+    constexpr size_t kSlice = 16 * 1024;
+    for (size_t offset = 0; offset < text.size(); offset += kSlice) {
+      const size_t n = std::min(kSlice, text.size() - offset);
+      lock.unlock();
+      write_all(fd, text.data() + offset, n);  // may block for as long as the reader does
+      lock.lock();
+      writer->queued_bytes -= n;
+      writer->changed.notify_all();
+    }
     writer->writing = false;
-    writer->queued_bytes -= text.size();
     writer->changed.notify_all();
   }
 }
