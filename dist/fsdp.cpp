@@ -289,9 +289,12 @@ void FullyShardedDataParallel::verify_same_units() const {
   if (world == 1) return;
   const std::string who = detail::wrapper_on_rank("FSDP", *pg_);
   const MixedPrecision& mp = options_.mixed_precision;
-  const std::vector<int64_t> settings = {
-      static_cast<int64_t>(options_.sharding_strategy), static_cast<int64_t>(mp.param_dtype),
-      static_cast<int64_t>(mp.reduce_dtype), static_cast<int64_t>(units_.size())};
+  const std::vector<int64_t> settings = {static_cast<int64_t>(options_.sharding_strategy),
+                                         static_cast<int64_t>(mp.param_dtype),
+                                         static_cast<int64_t>(mp.reduce_dtype),
+                                         static_cast<int64_t>(units_.size()),
+                                         options_.forward_prefetch ? 1 : 0,
+                                         options_.backward_prefetch ? 1 : 0};
   const auto all_settings = all_gather_host(*pg_, settings, options_.timeout);
   for (int r = 0; r < world; ++r) {
     const std::vector<int64_t>& theirs = all_settings[static_cast<size_t>(r)];
@@ -306,6 +309,13 @@ void FullyShardedDataParallel::verify_same_units() const {
     NANODDP_CHECK(theirs[3] == settings[3], DistError, who, ": the model's units here are ", units_.size(),
                   ", on rank ", r, " ", theirs[3],
                   "; every rank must pass the same auto_wrap_policy (one that picks the same modules)");
+    // Prefetching issues all_gathers earlier: ranks that differ would pair one rank's
+    // all_gather with another's reduce_scatter.
+    const auto on_off = [](int64_t flag) { return flag != 0 ? "true" : "false"; };
+    NANODDP_CHECK(theirs[4] == settings[4] && theirs[5] == settings[5], DistError, who, ": forward_prefetch ",
+                  on_off(settings[4]), " and backward_prefetch ", on_off(settings[5]), " here but ",
+                  on_off(theirs[4]), " and ", on_off(theirs[5]), " on rank ", r,
+                  "; every rank must pass the same FSDPOptions");
   }
   std::vector<int64_t> layout;
   for (const auto& unit : units_) {

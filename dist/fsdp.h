@@ -61,14 +61,14 @@
 // for its forward and for the backward through it, and has no gradient: its flat parameter does not require
 // grad, and an optimizer skips it. Errors: ValueError for a model with no parameter, a unit that mixes frozen
 // and trained parameters (they are flattened into one, as torch's use_orig_params=False asks), a parameter
-// two units share (named, with both units), or a parameter used through the module outside forward; DistError,
-// before any broadcast, naming the option when ranks pass another sharding_strategy, MixedPrecision or
-// auto_wrap_policy (other units); DistError and TimeoutError from the collectives; a parameter read while its unit is resharded throws ValueError from
-// Tensor::data. As torch's flat-parameter FSDP: a parameter its forward never uses, in a unit that is used,
-// gets a zero gradient (its part of the flat one), so weight decay still moves it, where DDP
-// with find_unused_parameters leaves it alone. Buffers are broadcast at construction only: a
-// plain BatchNorm's running statistics then follow each rank's own batches (SyncBatchNorm
-// keeps them equal), and full_state_dict saves rank 0's.
+// two units share (named, with both units), or a parameter used through the module outside forward;
+// DistError, before any broadcast, naming the option when ranks pass another sharding_strategy,
+// MixedPrecision, prefetch setting or auto_wrap_policy (other units); DistError and TimeoutError from the
+// collectives; a parameter read while its unit is resharded throws ValueError from Tensor::data. As torch's
+// flat-parameter FSDP: a parameter its forward never uses, in a unit that is used, gets a zero gradient (its
+// part of the flat one), so weight decay still moves it, where DDP with find_unused_parameters leaves it
+// alone. Buffers are broadcast at construction only: a plain BatchNorm's running statistics then follow each
+// rank's own batches (SyncBatchNorm keeps them equal), and full_state_dict saves rank 0's.
 #pragma once
 
 #include <chrono>

@@ -960,6 +960,12 @@ TEST_CASE(
                    std::string(rank == 0 ? "sharding_strategy FULL_SHARD here but SHARD_GRAD_OP"
                                          : "sharding_strategy SHARD_GRAD_OP here but FULL_SHARD") +
                        " on rank " + std::to_string(other));
+    dist::FSDPOptions prefetch =
+        fsdp_options(ShardingStrategy::FULL_SHARD, dist::module_wrap_policy<nn::Linear>());
+    prefetch.backward_prefetch = rank == 0;
+    expect_message(constructor_error(prefetch),
+                   rank == 0 ? "backward_prefetch true here but true and false on rank 1"
+                             : "backward_prefetch false here but true and true on rank 0");
     dist::FSDPOptions precision = fsdp_options(ShardingStrategy::FULL_SHARD, {});
     if (rank == 1) precision.mixed_precision.param_dtype = DType::BFloat16;
     expect_message(constructor_error(precision), "MixedPrecision (param_dtype ");
