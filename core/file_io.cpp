@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -16,6 +17,7 @@
 
 #include "core/error.h"
 #include "core/file_size_limit.h"
+#include "core/hash.h"
 #include "core/tensor.h"
 
 namespace nanoddp {
@@ -139,22 +141,35 @@ int create_temporary_file(std::string& name_template, TemporaryFileGuard& guard)
 // A kill -9 (or a power cut) mid-write leaves the temporary file behind: no handler runs. A
 // job killed and restarted again and again (--max-restarts, a preempted node) would pile them
 // up next to its checkpoint, each as large as one. So a temporary file's name says who writes
-// it, "<path>.tmp.<host>.<pid>.XXXXXX", and a write first removes those of the same path that
-// a process of this host wrote and that no longer runs (kill(pid, 0) fails with ESRCH). A
-// writer on another host, a live one, or one whose pid a new process took, keeps its file.
-// "<path>.tmp.<host>.": what a temporary file of path written on this host starts with.
-std::string temporary_prefix(const std::string& path) {
-  char host[256] = {};
-  if (::gethostname(host, sizeof host - 1) != 0 || host[0] == '\0') std::strcpy(host, "unknown-host");
-  return path + ".tmp." + host + ".";
+// it, "<path>.tmp.<space>.<pid>.XXXXXX", and a write first removes those of the same path from
+// its own pid space whose writer no longer runs (kill(pid, 0) fails with ESRCH). The space is
+// 16 hex digits of a hash of this boot's id and the PID namespace: pids mean the same process
+// only there, so a writer on another machine, in another container (which may share the host
+// name), a live one, or one whose pid a new process took, keeps its file. A name that would be
+// longer than a file name may be stays "<path>.tmp.XXXXXX", and is never removed.
+constexpr size_t kMaxFileName = 255;
+
+std::string pid_space() {
+  std::string boot_id;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
+  struct stat namespace_info {};
+  const bool known = !boot_id.empty() && ::stat("/proc/self/ns/pid", &namespace_info) == 0;
+  if (!known) return "";
+  char hex[17];
+  std::snprintf(
+      hex, sizeof hex, "%016llx",
+      static_cast<unsigned long long>(fnv1a(boot_id + "/" + std::to_string(namespace_info.st_ino))));
+  return hex;
 }
 
 std::string temporary_template(const std::string& path) {
-  return temporary_prefix(path) + std::to_string(::getpid()) + ".XXXXXX";
+  const std::string prefix = temporary_file_prefix(path);
+  return prefix.empty() ? path + ".tmp.XXXXXX" : prefix + std::to_string(::getpid()) + ".XXXXXX";
 }
 
 void remove_stale_temporaries(const std::string& path) {
-  const std::string folder = folder_of(path), prefix = temporary_prefix(path);
+  const std::string folder = folder_of(path), prefix = temporary_file_prefix(path);
+  if (prefix.empty()) return;
   const std::string name_prefix = prefix.substr(prefix.find_last_of('/') + 1);  // npos + 1 = 0
   DIR* dir = ::opendir(folder.c_str());
   if (dir == nullptr) return;
@@ -174,6 +189,16 @@ void remove_stale_temporaries(const std::string& path) {
 }
 
 }  // namespace
+
+std::string temporary_file_prefix(const std::string& path) {
+  static const std::string space = pid_space();
+  if (space.empty()) return "";
+  const std::string prefix = path + ".tmp." + space + ".";
+  const size_t slash = prefix.find_last_of('/');
+  const size_t name_length = prefix.size() - (slash == std::string::npos ? 0 : slash + 1);
+  if (name_length + 10 + 7 > kMaxFileName) return "";  // + pid and ".XXXXXX"
+  return prefix;
+}
 
 std::string folder_of(const std::string& path) {
   const size_t slash = path.find_last_of('/');

@@ -28,17 +28,22 @@ void check_writable(const std::string& path, const char* what);
 // file_io.cpp): an empty path, a missing folder, a folder or a device in path's place are
 // IOErrors before anything is written; a symlink is followed, and the file it names is
 // replaced (the link stays). Then writes bytes to a temporary file of its own
-// ("<path>.tmp.<host>.<pid>.XXXXXX", mkstemp), fsyncs it, renames it over path and fsyncs the
+// ("<path>.tmp.<space>.<pid>.XXXXXX", mkstemp), fsyncs it, renames it over path and fsyncs the
 // folder: a crash or kill -9 leaves the old file or the new one (SIGINT, SIGTERM or SIGHUP
 // mid-write remove the temporary file and then end the process as before; a kill -9 mid-write
-// leaves it behind, and the next write of path on this host removes it: Note [Stale temporary
-// files] in file_io.cpp), and writers of the same path at once all succeed, the last rename
+// leaves it behind, and the next write of path in the same pid space removes it: Note [Stale
+// temporary files] in file_io.cpp), and writers of the same path at once all succeed, the last rename
 // winning. Throws IOError (starting with what: "checkpoint") naming the file and the failed
 // call; the temporary file is removed on failure. A full disk (ENOSPC) or a write past the
 // file size limit (RLIMIT_FSIZE, EFBIG) is such an IOError, as torch.save's OSError: the
 // limit's SIGXFSZ does not end the process (Note [File size limit] in
 // core/file_size_limit.h).
 void write_file_atomically(const std::string& path, const std::string& bytes, const char* what);
+
+// "<path>.tmp.<space>.": how the temporary files of path that processes of this pid space
+// write begin (Note [Stale temporary files] in file_io.cpp); "" when the space is unknown or
+// the name would be longer than a file name may be (those are "<path>.tmp.XXXXXX").
+std::string temporary_file_prefix(const std::string& path);
 
 // Whether path names a regular file (links followed). A device or a FIFO is not one: reading
 // it to see what it holds could wait forever (a terminal, a FIFO without a writer).

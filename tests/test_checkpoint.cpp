@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/file_io.h"
 #include "nn/checkpoint.h"
 #include "nn/safetensors.h"
 #include "tests/multiprocess.h"
@@ -148,32 +149,39 @@ TEST_CASE("kill -9 during a save leaves the previous checkpoint loadable") {
 }
 
 TEST_CASE(
-    "a save removes the temporary files of its path that writers of this host no longer running left, no "
-    "other") {
+    "a save removes the temporary files of its path that dead writers of its pid space left, no other") {
   testing::TempDir dir;
   const std::string path = dir.path + "/run.ckpt";
-  char host[256] = {};
-  REQUIRE(::gethostname(host, sizeof host - 1) == 0);
+  const std::string prefix = temporary_file_prefix(path);  // "<path>.tmp.<space>."
+  REQUIRE(prefix.rfind(path + ".tmp.", 0) == 0);
+  const std::string space = prefix.substr(path.size() + 5, 16);
   const pid_t gone = ::fork();  // a pid that no process has once it is reaped
   if (gone == 0) ::_exit(0);
   REQUIRE(::waitpid(gone, nullptr, 0) == gone);
-  const auto temporary = [&](const std::string& of, const std::string& writer_host, pid_t pid) {
-    const std::string name = of + ".tmp." + writer_host + "." + std::to_string(pid) + ".Ab12Cd";
+  const auto temporary = [&](const std::string& of, const std::string& writer_space, pid_t pid) {
+    const std::string name = of + ".tmp." + writer_space + "." + std::to_string(pid) + ".Ab12Cd";
     std::FILE* file = std::fopen(name.c_str(), "w");
     REQUIRE(file != nullptr);
     std::fclose(file);
     return name;
   };
-  const std::string stale = temporary(path, host, gone);
-  const std::string live = temporary(path, host, ::getppid());  // the test runner's parent runs
-  const std::string elsewhere = temporary(path, std::string(host) + "-other", gone);
-  const std::string other_file = temporary(dir.path + "/other.ckpt", host, gone);
+  const std::string stale = temporary(path, space, gone);
+  const std::string live = temporary(path, space, ::getppid());  // the test runner's parent runs
+  // Another machine's or container's writer: its pid means nothing here.
+  const std::string elsewhere =
+      temporary(path, std::string(16, '0') == space ? "0000000000000001" : std::string(16, '0'), gone);
+  const std::string other_file = temporary(dir.path + "/other.ckpt", space, gone);
   save_checkpoint(path, writer_state(0, 4));
   CHECK_FALSE(fs::exists(stale));
   CHECK(fs::exists(live));
   CHECK(fs::exists(elsewhere));
   CHECK(fs::exists(other_file));
   CHECK(writer_of(path, 4) == 0);
+  // A name too long for the pid space keeps the short form and still saves.
+  const std::string long_path = dir.path + "/" + std::string(240, 'n');
+  CHECK(temporary_file_prefix(long_path).empty());
+  save_checkpoint(long_path, writer_state(0, 4));
+  CHECK(writer_of(long_path, 4) == 0);
 }
 
 TEST_CASE("Ctrl-C (SIGINT) or SIGTERM during a save: the process ends by the signal, with no temporary file left") {
