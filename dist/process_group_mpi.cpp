@@ -47,6 +47,7 @@
 #include <atomic>
 #include <climits>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -96,16 +97,21 @@ class MpiRuntime {
   ~MpiRuntime() {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (owned_ && !finalized && unfinished_requests() == 0 && exit_status_ == 0) MPI_Finalize();
+    if (owned_ && !finalized && unfinished_requests() == 0 && exit_status_ == 0) {
+      std::fflush(nullptr);  // a peer's failure may get this rank killed inside MPI_Finalize
+      MPI_Finalize();
+    }
   }
   // Note [MPI exit]
   // MPI_Finalize waits for every rank to call it. A rank that leaves between collectives with
   // an error (exit(3), or main returning 1 after catching an exception) would wait there for
   // peers that wait in their next collective for it: both sides until the collective timeout,
   // and then mpirun names a survivor. glibc's on_exit tells the status before the static
-  // destructors run: with a failure, this rank exits without finalising, and mpirun, seeing a
-  // rank end with a non-zero status, stops the others and reports this one and its code.
-  static void note_exit_status(int status, void*) { exit_status_ = status; }
+  // destructors run: a rank that exits with any non-zero status does not finalise, and mpirun,
+  // seeing a rank end with a non-zero status, stops the others and reports this one and its
+  // code. A peer already waiting in MPI_Finalize is then killed there, so each rank flushes its
+  // output before it calls it.
+  static void note_exit_status(int status, void*) { exit_status_ = status & 0xff; }  // exit(256) exits 0
   bool owned_ = false;
   static inline std::atomic<int64_t> unfinished_requests_{0};  // constant-initialised: safe at exit
   static inline std::atomic<int> exit_status_{0};
