@@ -286,6 +286,10 @@ std::string gzip_compressed(const std::string& bytes, const std::string& path) {
   NANODDP_CHECK(
       deflateInit2(&stream, Z_DEFAULT_COMPRESSION, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY) == Z_OK,
       IOError, "write_idx ", path, ": zlib cannot start compressing (out of memory)");
+  struct End {  // deflateEnd on every way out, a throw from append included
+    z_stream* stream;
+    ~End() { deflateEnd(stream); }
+  } end{&stream};
   std::string out;
   size_t offset = 0;
   int status = Z_OK;
@@ -299,11 +303,12 @@ std::string gzip_compressed(const std::string& bytes, const std::string& path) {
       stream.next_out = reinterpret_cast<Bytef*>(chunk);
       stream.avail_out = sizeof chunk;
       status = deflate(&stream, flush);
+      NANODDP_CHECK(status == Z_OK || status == Z_STREAM_END || status == Z_BUF_ERROR, IOError, "write_idx ",
+                    path, ": zlib failed to compress (error ", status, ")");
       out.append(chunk, sizeof chunk - stream.avail_out);
     } while (stream.avail_out == 0);
     offset += in - stream.avail_in;
   }
-  deflateEnd(&stream);
   return out;
 }
 }  // namespace

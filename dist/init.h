@@ -66,12 +66,13 @@ struct InitOptions {
 // staged through pinned host memory (dist/host_staging.h), so several ranks can share a GPU.
 // Under a launcher, also ends this process when the launcher dies (Note [Launcher link] in
 // dist/launcher_link.h). A Gloo group (gloo, shm+gloo) makes the process ignore SIGPIPE
-// unless it handles it itself, as Python does for torch (Note [Gloo and SIGPIPE]). Throws ValueError for a
-// missing or malformed variable (named), rank outside [0, world_size) (naming where each came from: "RANK=1
-// is not below WORLD_SIZE=1", or the InitOptions field), the inconsistent local variables read_launch_env
-// refuses, or a backend that contradicts the launcher's; DeviceError for a CUDA device in a build without
-// CUDA; DistError when already initialised, when MASTER_PORT is in use on rank 0, when the backend is not
-// built in, or when the ranks cannot meet within the timeout (TimeoutError).
+// unless it handles it itself, as Python does for torch (Note [Gloo and SIGPIPE]); programs it
+// then starts (system, popen) inherit that: restore SIGPIPE in the child if one needs it. Throws ValueError
+// for a missing or malformed variable (named), rank outside [0, world_size) (naming where each came from:
+// "RANK=1 is not below WORLD_SIZE=1", or the InitOptions field), the inconsistent local variables
+// read_launch_env refuses, or a backend that contradicts the launcher's; DeviceError for a CUDA device in a
+// build without CUDA; DistError when already initialised, when MASTER_PORT is in use on rank 0, when the
+// backend is not built in, or when the ranks cannot meet within the timeout (TimeoutError).
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options = {});
 
 // The group made by init_process_group. Throws DistError if there is none.

@@ -6,11 +6,10 @@
 //
 // Everything from PROGRAM on is passed through untouched. The work is done by dist::launch()
 // (dist/launch.h: the env each rank gets, output prefixes, fail-fast and signal handling).
-#include <CLI/CLI.hpp>
-
 #include <dirent.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <climits>
 #include <cmath>
 #include <cstdio>
@@ -23,6 +22,7 @@
 #include "core/error.h"
 #include "core/trace.h"
 #include "dist/launch.h"
+#include "dist/launch_detail.h"
 #include "tools/cli_checks.h"
 
 namespace {
@@ -79,10 +79,14 @@ class TraceParts {
     if (dir_.empty()) return true;
     try {
       const std::string path = nanoddp::trace::merge_parts(dir_);
-      if (!path.empty()) std::cerr << "nanoddp-run: trace of this node's ranks written to " << path << "\n";
+      // Through write_all: after the job its output may have been dropped (Note [Output relay]).
+      if (!path.empty())
+        nanoddp::dist::launch_detail::write_all(
+            2, "nanoddp-run: trace of this node's ranks written to " + path + "\n");
       return true;
     } catch (const std::exception& e) {
-      std::cerr << "nanoddp-run: the ranks' traces were not merged: " << nanoddp::message_of(e) << "\n";
+      nanoddp::dist::launch_detail::write_all(
+          2, "nanoddp-run: the ranks' traces were not merged: " + nanoddp::message_of(e) + "\n");
       return false;
     }
   }
