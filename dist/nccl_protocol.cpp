@@ -183,10 +183,17 @@ class PointToPointQueue::QueuedWork : public Work {
     }
   }
   void wait(std::chrono::milliseconds timeout) override {
-    const auto deadline = Clock::now() + effective_wait_timeout(timeout, queue_->group_timeout_);
+    const std::chrono::milliseconds whole = effective_wait_timeout(timeout, queue_->group_timeout_);
+    const auto deadline = Clock::now() + whole;
     const std::shared_ptr<Work> group = queue_->issued(*outcome_);
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    group->wait(std::max(left, std::chrono::milliseconds(1)));  // 0 would mean "the group's timeout"
+    try {
+      group->wait(std::max(left, std::chrono::milliseconds(1)));  // 0 would mean "the group's timeout"
+    } catch (const TimeoutError& e) {
+      if (left >= whole) throw;
+      NANODDP_THROW(TimeoutError, message_of(e), " (what was left of a wait of ", whole.count(),
+                    " ms, after issuing the send/recv group)");
+    }
   }
   bool is_completed() override { return queue_->issued(*outcome_)->is_completed(); }
 

@@ -3,10 +3,17 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "dist/launch_detail.h"
 
 namespace nanoddp::dist::launch_detail {
+
+namespace {
+std::atomic<int> g_writers_left_behind{0};
+}  // namespace
+
+int OutputRelay::writers_left_behind() { return g_writers_left_behind; }
 
 namespace {
 bool same_file(int a, int b) {
@@ -23,7 +30,10 @@ void OutputRelay::run(const std::shared_ptr<Writer>& writer) {
   std::unique_lock<std::mutex> lock(writer->mutex);
   while (true) {
     writer->changed.wait(lock, [&] { return writer->stop || !writer->lines.empty(); });
-    if (writer->lines.empty()) return;  // stopped, and nothing left
+    if (writer->lines.empty()) {  // stopped, and nothing left
+      if (writer->left_behind) --g_writers_left_behind;
+      return;
+    }
     auto [fd, text] = std::move(writer->lines.front());
     writer->lines.pop_front();
     writer->writing = true;
@@ -100,6 +110,8 @@ OutputRelay::~OutputRelay() {
     if (idle) {
       writer->thread.join();
     } else {
+      ++g_writers_left_behind;
+      writer->left_behind = true;
       writer->thread.detach();
     }
   }

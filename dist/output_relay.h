@@ -40,6 +40,8 @@ class OutputRelay {
   // Lets the writers go: each joined when its queue is empty, else left to finish (or to the
   // process's exit).
   ~OutputRelay();
+  // Writers let go while still writing (blocked on a reader), alive now in this process.
+  static int writers_left_behind();
 
   // Queues text for fd (1 or 2). Never blocks on the reader.
   void write(int fd, std::string text);
@@ -61,7 +63,8 @@ class OutputRelay {
     size_t queued_bytes = 0;
     bool writing = false;  // a line is out of the queue, in write()
     bool stop = false;
-    std::thread thread;  // started with the first line
+    bool left_behind = false;  // detached while writing
+    std::thread thread;        // started with the first line
   };
   static void run(const std::shared_ptr<Writer>& writer);
   size_t queued_bytes() const;

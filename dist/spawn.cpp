@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/trace.h"
+#include "dist/output_relay.h"
 
 namespace nanoddp::dist {
 
@@ -82,9 +83,14 @@ void spawn(const std::function<void(int rank)>& fn, int nprocs, const SpawnOptio
   NANODDP_CHECK(nprocs >= 1 && nprocs <= kMaxProcPerNode, ValueError, "spawn: nprocs must be between 1 and ",
                 kMaxProcPerNode, ", got ", nprocs);
   const int threads = thread_count();
-  NANODDP_CHECK(options.allow_threads || threads <= 1, DistError, "spawn: this process already runs ", threads,
-                " threads; fork() would copy only one of them (and any lock another holds). Call spawn() "
-                "before creating threads, process groups or CUDA contexts, or set allow_threads");
+  const int left_behind = launch_detail::OutputRelay::writers_left_behind();
+  NANODDP_CHECK(
+      options.allow_threads || threads <= 1, DistError, "spawn: this process already runs ", threads,
+      " threads; fork() would copy only one of them (and any lock another holds). Call spawn() "
+      "before creating threads, process groups or CUDA contexts, or set allow_threads",
+      left_behind > 0 ? " (" + std::to_string(left_behind) +
+                            " of them still write an earlier spawn's output to a reader that stopped reading)"
+                      : std::string());
 
   LaunchOptions launch;
   launch.nproc_per_node = nprocs;
