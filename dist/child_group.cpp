@@ -48,6 +48,7 @@ std::atomic<pid_t> g_output_dropped_by{0};  // the process that gave its readers
 }  // namespace
 
 void drop_launcher_output() { g_output_dropped_by = getpid(); }
+void resume_launcher_output() { g_output_dropped_by = 0; }
 
 // Writes all of `data` to `fd`; gives up quietly when the reader is gone (EPIPE) or the fd is
 // broken, because losing output must never stop supervision.

@@ -55,6 +55,7 @@ Outcome ChildGroup::wait() {
   int sent_signal = 0;  // what begin_termination sent the ranks
 
   OutputRelay relay;  // Note [Output relay]: nothing below blocks on the launcher's readers
+  resume_launcher_output();  // a reader an earlier round gave up on is tried again
   auto report = [&](const std::string& text) {
     if (options_.report) relay.write(2, options_.reporter + ": " + text + "\n");
   };
@@ -111,10 +112,18 @@ Outcome ChildGroup::wait() {
     s.pending.erase(0, begin);
     if (!out.empty()) relay.write(s.dst, std::move(out));
   };
+  // Whether s may be read now: while the job runs, not when the relay holds all it may for
+  // s's destination (the rest waits in the pipe); in the drain, up to kMaxDrainBytes.
+  bool draining = false;
+  auto readable = [&](const Stream& s) {
+    if (s.fd < 0 || s.dst < 0) return s.fd >= 0;
+    return draining ? s.drained < kMaxDrainBytes : !relay.full(s.dst);
+  };
   auto read_stream = [&](Child& c, Stream& s) {
     char buffer[65536];
-    while (s.fd >= 0 && !(s.dst >= 0 && relay.full())) {  // a full relay: the rest waits in the pipe
+    while (readable(s)) {
       const ssize_t n = read(s.fd, buffer, sizeof(buffer));
+      if (n > 0 && draining) s.drained += static_cast<size_t>(n);
       if (n > 0) {
         if (s.dst < 0) {
           if (s.pending.size() < kMaxMessage) s.pending.append(buffer, static_cast<size_t>(n));
@@ -136,14 +145,13 @@ Outcome ChildGroup::wait() {
   auto poll_once = [&](std::chrono::milliseconds wait) {
     std::vector<pollfd> fds{{g_signal_pipe[0], POLLIN, 0}, {failure_pipe_[0], POLLIN, 0}};
     std::vector<std::pair<Child*, Stream*>> owners{{nullptr, nullptr}, {nullptr, nullptr}};
-    // With the relay full the ranks' pipes wait (and fill); the relay is looked at again soon.
-    const bool relay_full = relay.full();
-    if (relay_full) wait = std::min(wait, std::chrono::milliseconds(20));
     for (Child& c : children_)
       for (Stream* s : {&c.out, &c.err, &c.msg})
-        if (s->fd >= 0 && !(relay_full && s->dst >= 0)) {
+        if (readable(*s)) {
           fds.push_back({s->fd, POLLIN, 0});
           owners.emplace_back(&c, s);
+        } else if (s->fd >= 0 && !draining) {
+          wait = std::min(wait, std::chrono::milliseconds(20));  // the relay is looked at again soon
         }
     std::vector<int> signals;
     const int ready = poll(fds.data(), fds.size(), static_cast<int>(std::max<long long>(0, wait.count())));
@@ -324,12 +332,16 @@ Outcome ChildGroup::wait() {
   // 4. Leftovers in the ranks' groups die now; then read what is still in the pipes.
   terminate_all(SIGKILL);
   const auto drain_until = Clock::now() + kDrainTimeout;
-  auto any_open = [&] {
+  // What the ranks left in their pipes is read whatever the readers take (a pipe holds 64
+  // KiB); a process that escaped its rank's group gets at most kMaxDrainBytes a stream.
+  draining = true;
+  const auto drainable = [&] {
     for (const Child& c : children_)
-      if (c.out.fd >= 0 || c.err.fd >= 0 || c.msg.fd >= 0) return true;
+      for (const Stream* s : {&c.out, &c.err, &c.msg})
+        if (readable(*s)) return true;
     return false;
   };
-  while (any_open() && Clock::now() < drain_until)
+  while (drainable() && Clock::now() < drain_until)
     poll_once(std::chrono::duration_cast<std::chrono::milliseconds>(drain_until - Clock::now()) +
               std::chrono::milliseconds(1));
   for (Child& c : children_) {

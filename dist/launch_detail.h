@@ -47,6 +47,7 @@ void on_signal(int signal);
 void write_all(int fd, const char* data, size_t size);
 inline void write_all(int fd, const std::string& data) { write_all(fd, data.data(), data.size()); }
 void drop_launcher_output();
+void resume_launcher_output();
 
 void close_fd(int& fd);
 
@@ -54,6 +55,9 @@ void close_fd(int& fd);
 // a line of its own so a child that never writes '\n' cannot grow our memory without bound.
 constexpr size_t kMaxPendingLine = 64 * 1024;
 constexpr size_t kMaxMessage = 64 * 1024;
+// After the ranks have exited, how much more a stream is read: what a pipe holds, and some of
+// what a process that escaped its rank's group (setsid) still writes.
+constexpr size_t kMaxDrainBytes = 1024 * 1024;
 // After the last child has exited, how long to keep reading pipes still held open by
 // processes that escaped their rank's group (setsid).
 constexpr std::chrono::milliseconds kDrainTimeout{1000};
@@ -63,6 +67,7 @@ struct Stream {
   int dst = -1;      // 1 or 2: where its lines go; -1: kept as the child's message
   std::string pending;
   bool line_split = false;  // pending's line was printed in part, for being too long
+  size_t drained = 0;       // bytes read after the ranks have exited
 };
 
 // Runs in a child before it sets its own variables (Note [Innermost launcher wins] in

@@ -71,7 +71,11 @@ size_t OutputRelay::queued_bytes() const {
   return bytes_of(*stdout_writer_) + (stderr_writer_ == stdout_writer_ ? 0 : bytes_of(*stderr_writer_));
 }
 
-bool OutputRelay::full() const { return queued_bytes() > kMaxQueuedBytes; }
+bool OutputRelay::full(int fd) const {
+  Writer& writer = fd == 2 ? *stderr_writer_ : *stdout_writer_;
+  std::lock_guard<std::mutex> lock(writer.mutex);
+  return writer.queued_bytes > kMaxQueuedBytes;
+}
 
 bool OutputRelay::wait_until_queued_at_most(size_t bytes, std::chrono::milliseconds stall_limit) {
   // Progress is any byte either writer took; each is looked at in turn, briefly.
@@ -104,14 +108,16 @@ OutputRelay::~OutputRelay() {
       if (!writer->thread.joinable()) continue;  // never started, or already let go (2>&1)
       writer->stop = true;
       idle = writer->lines.empty() && !writer->writing;
+      if (!idle) {
+        writer->left_behind = true;
+        ++g_writers_left_behind;
+      }
       writer->changed.notify_all();
     }
     // A writer blocked in write() holds only its shared state: it may outlive the relay.
     if (idle) {
       writer->thread.join();
     } else {
-      ++g_writers_left_behind;
-      writer->left_behind = true;
       writer->thread.detach();
     }
   }

@@ -10,11 +10,12 @@
 // stdout does not hold the launcher's own reports back, or one for both when they are the same
 // file (2>&1), whose lines must not interleave. Past kMaxQueuedBytes the loop stops reading
 // the ranks' pipes until the writers catch up, so a rank that prints faster than the reader
-// takes blocks on its own pipe, as it would without a launcher. When the job has ended,
-// flush() waits for the queues to drain as long as the readers take some of them; after a stall
-// as long as the grace period it gives up, the rest is dropped, and so is every later line the
-// launcher prints, so that it can exit (torchrun's ranks write to the terminal themselves and
-// never hold it either).
+// takes blocks on its own pipe, as it would without a launcher. When the ranks have exited,
+// what they left in their pipes is read (what a process that escaped a rank's group still
+// writes, up to 1 MiB), and flush() waits for the queues to drain as long as the readers take
+// some of them; after a stall as long as the grace period it gives up, and the rest is
+// dropped, with what the launcher prints until its next round starts (torchrun's ranks write
+// to the terminal themselves and never hold it either).
 #pragma once
 
 #include <chrono>
@@ -45,15 +46,11 @@ class OutputRelay {
 
   // Queues text for fd (1 or 2). Never blocks on the reader.
   void write(int fd, std::string text);
-  // Whether the loop should stop reading the ranks' pipes for now.
-  bool full() const;
+  // Whether the loop should stop reading the pipes whose lines go to fd, for now.
+  bool full(int fd) const;
   // Waits until everything queued is written; false (and every later line dropped) when the
   // readers took nothing for stall_limit.
   bool flush(std::chrono::milliseconds stall_limit) { return wait_until_queued_at_most(0, stall_limit); }
-  // Waits until the relay is no longer full, with the same stall limit.
-  bool wait_for_room(std::chrono::milliseconds stall_limit) {
-    return wait_until_queued_at_most(kMaxQueuedBytes, stall_limit);
-  }
 
  private:
   struct Writer {
