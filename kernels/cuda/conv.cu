@@ -35,19 +35,22 @@ void im2col(float* cols, const float* images, int64_t N, Window2d g) {
 }
 
 // One thread per pixel [N, C, H, W]: sums the cols entries that read it. Kernel tap i reads
-// pixel h from output row oh when oh stride = h + pad - i dilation.
+// pixel h from output row oh when oh stride = h + pad - i dilation; only the taps for which
+// such a row exists are visited (taps_reaching, kernels/pool_window.h), in increasing order.
 __global__ void col2im_backward_kernel(float* dimages, const float* dcols, int64_t N, Window2d g, int64_t n) {
   const int64_t OHW = g.out_h * g.out_w, NOHW = N * OHW;
   for (int64_t e = first_index(); e < n; e += grid_stride()) {
     const int64_t w = e % g.width, h = (e / g.width) % g.height, c = (e / (g.width * g.height)) % g.channels;
     const int64_t image = e / (g.width * g.height * g.channels);
     float total = 0.0f;
-    for (int64_t i = 0; i < g.kernel_h; ++i) {
+    const Taps rows = taps_reaching(h, g.pad_h, g.kernel_h, g.dilation_h, g.stride_h, g.out_h);
+    const Taps columns = taps_reaching(w, g.pad_w, g.kernel_w, g.dilation_w, g.stride_w, g.out_w);
+    for (int64_t i = rows.first; i < rows.last; ++i) {
       const int64_t oh_stride = h + g.pad_h - i * g.dilation_h;
-      if (oh_stride < 0 || oh_stride % g.stride_h != 0 || oh_stride / g.stride_h >= g.out_h) continue;
-      for (int64_t j = 0; j < g.kernel_w; ++j) {
+      if (oh_stride % g.stride_h != 0) continue;
+      for (int64_t j = columns.first; j < columns.last; ++j) {
         const int64_t ow_stride = w + g.pad_w - j * g.dilation_w;
-        if (ow_stride < 0 || ow_stride % g.stride_w != 0 || ow_stride / g.stride_w >= g.out_w) continue;
+        if (ow_stride % g.stride_w != 0) continue;
         const int64_t row = (c * g.kernel_h + i) * g.kernel_w + j;
         total += dcols[row * NOHW + image * OHW + (oh_stride / g.stride_h) * g.out_w + ow_stride / g.stride_w];
       }
