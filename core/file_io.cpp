@@ -138,15 +138,15 @@ int create_temporary_file(std::string& name_template, TemporaryFileGuard& guard)
 }
 
 // Note [Stale temporary files]
-// A kill -9 (or a power cut) mid-write leaves the temporary file behind: no handler runs. A
-// job killed and restarted again and again (--max-restarts, a preempted node) would pile them
-// up next to its checkpoint, each as large as one. So a temporary file's name says who writes
-// it, "<path>.tmp.<space>.<pid>.XXXXXX", and a write first removes those of the same path from
-// its own pid space whose writer no longer runs (kill(pid, 0) fails with ESRCH). The space is
-// 16 hex digits of a hash of this boot's id and the PID namespace: pids mean the same process
-// only there, so a writer on another machine, in another container (which may share the host
-// name), a live one, or one whose pid a new process took, keeps its file. A name that would be
-// longer than a file name may be stays "<path>.tmp.XXXXXX", and is never removed.
+// A kill -9 or a power cut mid-write leaves the temporary file behind (no handler runs), and a
+// job that is killed and restarted often (--max-restarts, a preempted node) leaves one per kill,
+// each as large as a checkpoint. A temporary file's name therefore says who writes it,
+// "<path>.tmp.<space>.<pid>.XXXXXX", and each write first removes the ones of its path whose
+// writer, in its own pid space, is gone: kill(pid, 0) answers ESRCH. The space is 16 hex
+// digits of a hash of the boot id and the PID namespace, the only scope in which a pid names
+// one process: the files of another machine, of another container (which may have the same
+// host name), of a live writer, or of a pid a new process has taken, stay. A name that would be
+// longer than a file name may be is "<path>.tmp.XXXXXX", which no write removes.
 constexpr size_t kMaxFileName = 255;
 
 std::string pid_space() {

@@ -1,10 +1,10 @@
 // The launcher's process management: a ChildGroup forks the ranks, gives each its process
 // group, pipes and signals, and kills them all when the job ends. Supervision and the failure
 // chain are in child_group_wait.cpp. See Note [Launch contract] in dist/launch.h.
-#include <dirent.h>
+#include "dist/launch.h"
+
 #include <fcntl.h>
 #include <netdb.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -14,19 +14,21 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <netinet/in.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstring>
+#include <dirent.h>
 #include <fstream>
 #include <set>
 #include <thread>
 
 #include "core/error.h"
-#include "dist/launch.h"
-#include "dist/launch_detail.h"
 #include "dist/launcher_link.h"
+#include "dist/launch_detail.h"
 
 namespace nanoddp::dist {
 
@@ -52,7 +54,6 @@ void resume_launcher_output() { g_output_dropped_by = 0; }
 
 // Writes all of `data` to `fd`; gives up quietly when the reader is gone (EPIPE) or the fd is
 // broken, because losing output must never stop supervision.
-
 void write_all(int fd, const char* data, size_t size) {
   if ((fd == 1 || fd == 2) && g_output_dropped_by == getpid()) return;
   size_t done = 0;

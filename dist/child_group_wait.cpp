@@ -1,10 +1,10 @@
 // The launcher's supervision loop and failure chain: ChildGroup::wait() relays the ranks'
 // output, names the first failure (following "rank N lost rank M" reports to the rank that
 // failed first) and stops the rest. See Note [Launch contract] in dist/launch.h.
-#include <dirent.h>
+#include "dist/launch.h"
+
 #include <fcntl.h>
 #include <netdb.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -14,18 +14,20 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <netinet/in.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstring>
+#include <dirent.h>
 #include <fstream>
 #include <set>
 #include <thread>
 
 #include "core/error.h"
-#include "dist/launch.h"
-#include "dist/launch_detail.h"
 #include "dist/launcher_link.h"
+#include "dist/launch_detail.h"
 #include "dist/output_relay.h"
 
 namespace nanoddp::dist {
@@ -116,7 +118,8 @@ Outcome ChildGroup::wait() {
   // s's destination (the rest waits in the pipe); in the drain, up to kMaxDrainBytes.
   bool draining = false;
   auto readable = [&](const Stream& s) {
-    if (s.fd < 0 || s.dst < 0) return s.fd >= 0;
+    if (s.fd < 0) return false;
+    if (s.dst < 0) return true;  // the child's message: kept in memory, up to kMaxMessage
     return draining ? s.drained < kMaxDrainBytes : !relay.full(s.dst);
   };
   auto read_stream = [&](Child& c, Stream& s) {
@@ -197,8 +200,8 @@ Outcome ChildGroup::wait() {
     } else {
       c.status.signal = info.si_status;
     }
-    // A rank that handles the signal we sent and exits 128 + its number (bash's and Python's
-    // convention) did as it was asked, as one that dies of it does.
+    // Exit code 128 + n after we sent signal n is how bash and Python end on a signal they
+    // handle: the rank stopped as asked, like one the signal killed, and has not failed.
     const bool obeyed = terminating && c.status.exited && c.status.code == 128 + sent_signal;
     c.failed =
         !c.status.ok() && !obeyed && (!terminating || (c.status.exited && !options_.children_relay_signals));

@@ -281,9 +281,9 @@ void FullyShardedDataParallel::build_units() {
     for (Tensor& b : module_->buffers()) pg_->broadcast(b, 0)->wait(options_.timeout);
 }
 
-// Every rank must split the model alike: the same sharding strategy, MixedPrecision and units
-// (what the auto-wrap policy picked). Checked before the first broadcast, whose sizes would
-// otherwise differ and be reported as a mismatched broadcast, naming no option.
+// Every rank must split and run the model alike: the same sharding strategy, MixedPrecision,
+// prefetch flags and units (what the auto-wrap policy picked). Checked before the first broadcast, whose
+// sizes would otherwise differ and be reported as a mismatched broadcast, naming no option.
 void FullyShardedDataParallel::verify_same_units() const {
   const int world = pg_->size();
   if (world == 1) return;

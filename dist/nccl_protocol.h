@@ -139,8 +139,8 @@ class PointToPointQueue {
   // Queues call and returns its Work. The Work's wait() and is_completed() issue the queue if
   // it has not gone out yet and then follow the group's Work; both rethrow the error that
   // issuing met. wait(timeout) keeps to one timeout in all: issuing waits until NCCL has
-  // enqueued the group, and the group's Work gets only what is left. Dropping the Work issues the queue too (errors go to stderr: destructors
-  // never throw).
+  // enqueued the group, and the group's Work gets only what is left. Dropping the Work issues
+  // the queue too (errors go to stderr: destructors never throw).
   static std::shared_ptr<Work> add(const std::shared_ptr<PointToPointQueue>& queue, Call call);
   // Issues every queued call as one group; nothing when the queue is empty. Throws what
   // issue_group throws (every Work of those calls then reports it).

@@ -8,14 +8,13 @@
 // all wait for the reader. So the loop only queues its lines, and a writer thread per
 // destination writes them in order: one for stdout and one for stderr, so that a stalled
 // stdout does not hold the launcher's own reports back, or one for both when they are the same
-// file (2>&1), whose lines must not interleave. Past kMaxQueuedBytes the loop stops reading
-// the ranks' pipes until the writers catch up, so a rank that prints faster than the reader
-// takes blocks on its own pipe, as it would without a launcher. When the ranks have exited,
-// what they left in their pipes is read (what a process that escaped a rank's group still
-// writes, up to 1 MiB), and flush() waits for the queues to drain as long as the readers take
-// some of them; after a stall as long as the grace period it gives up, and the rest is
-// dropped, with what the launcher prints until its next round starts (torchrun's ranks write
-// to the terminal themselves and never hold it either).
+// file (2>&1), whose lines must not interleave. When a writer holds kMaxQueuedBytes, the loop
+// stops reading the pipes whose lines go to it until it catches up, so a rank that prints
+// faster than the reader takes blocks on its own pipe, as it would without a launcher. When the ranks have
+// exited, what they left in their pipes is read (what a process that escaped a rank's group still writes, up
+// to 1 MiB), and flush() waits for the queues to drain as long as the readers take some of them; after a
+// stall as long as the grace period it gives up, and the rest is dropped, with what the launcher prints until
+// its next round starts (torchrun's ranks write to the terminal themselves and never hold it either).
 #pragma once
 
 #include <chrono>
@@ -27,7 +26,6 @@
 #include <string>
 #include <thread>
 #include <utility>
-#include <vector>
 
 namespace nanoddp::dist::launch_detail {
 
@@ -48,8 +46,9 @@ class OutputRelay {
   void write(int fd, std::string text);
   // Whether the loop should stop reading the pipes whose lines go to fd, for now.
   bool full(int fd) const;
-  // Waits until everything queued is written; false (and every later line dropped) when the
-  // readers took nothing for stall_limit.
+  // Waits until everything queued is written; false when the readers took nothing for
+  // stall_limit, and then this process's output to fd 1 and 2 is dropped until
+  // resume_launcher_output() (dist/launch_detail.h).
   bool flush(std::chrono::milliseconds stall_limit) { return wait_until_queued_at_most(0, stall_limit); }
 
  private:

@@ -27,10 +27,10 @@
 // load_state_dict() refuses another scheduler's state by those names (Note [Scheduler state
 // kind]; a state with none, one saved by an earlier version, loads and keeps the
 // constructor's values) and takes the saved values, as PyTorch's (which updates the
-// scheduler's __dict__): a resumed run goes on along the schedule it was saved with, whatever
-// the constructor was given. The recursion builds on the saved rate, so another curve cannot
-// be joined midway: to change the schedule, build one and step it from the start (as
-// examples/fashion_mnist.cpp's Note [Resuming elsewhere] replays). It also sets the optimizer's lr to
+// scheduler's __dict__): the loaded scheduler follows the schedule it was saved with. The
+// recursion builds on the saved rate, so no other curve can be joined midway: to change the
+// schedule, build one and step it from the start (as examples/fashion_mnist.cpp's Note
+// [Resuming elsewhere] replays). It also sets the optimizer's lr to
 // optimizer_lr (last_lr in a state saved without it) and its initial_lr to base_lr, which PyTorch leaves to
 // the optimizer's own state_dict (its param_groups; ours keeps only per-parameter state). So schedulers
 // chained on one optimizer restore its rate loaded in any order, as torch's do.

@@ -70,8 +70,8 @@ namespace nn {
 LayerNorm::LayerNorm(std::vector<int64_t> normalized_shape, float eps, bool elementwise_affine)
     : normalized_shape_(std::move(normalized_shape)), eps_(eps) {
   NANODDP_CHECK(!normalized_shape_.empty(), ValueError, "LayerNorm: normalized_shape is empty");
-  NANODDP_CHECK(eps >= 0.0f, ValueError, "LayerNorm: eps must be >= 0, got ",
-                eps);  // as BatchNorm1d: at construction
+  // At construction, as BatchNorm1d's: not at the first forward.
+  NANODDP_CHECK(eps >= 0.0f, ValueError, "LayerNorm: eps must be >= 0, got ", eps);
   if (!elementwise_affine) return;
   weight = register_parameter("weight", Tensor::ones(Shape(normalized_shape_)));
   bias = register_parameter("bias", Tensor::zeros(Shape(normalized_shape_)));

@@ -135,6 +135,8 @@ bool on_path(const std::string& program) {
   return std::system(("command -v " + program + " > /dev/null 2>&1").c_str()) == 0;
 }
 
+std::string probe_path() { return nanoddp::testing::built("tests/launch_probe"); }
+
 }  // namespace
 
 TEST_CASE("nanoddp-run: every rank gets its env, output is prefixed per stream") {
@@ -454,8 +456,8 @@ TEST_CASE("nanoddp-run --backend mpi: mpirun runs the ranks; an early exit fails
   // A rank of a real MPI group that exits with an error between collectives: it does not wait
   // in MPI_Finalize for peers that wait in their all_reduce for it (Note [MPI exit]), so
   // mpirun names it and returns its code at once, not after the 30 s collective timeout.
-  const RunResult left = run({launcher_path(), "--nproc-per-node", "2", "--backend", "mpi",
-                              nanoddp::testing::built("tests/launch_probe"), "exit", "1", "3"});
+  const RunResult left =
+      run({launcher_path(), "--nproc-per-node", "2", "--backend", "mpi", probe_path(), "exit", "1", "3"});
   CHECK(left.seconds < 20);
   CHECK(left.code() == 3);
   CHECK_MESSAGE(contains(left.err + left.out, "Exit code:    3"), left.err);
@@ -995,8 +997,6 @@ TEST_CASE("spawn: a signal death, a timeout, and live threads are reported") {
 // ---- the right rank named, the innermost launcher, options, orphans, two jobs on one port ----
 
 namespace {
-
-std::string probe_path() { return nanoddp::testing::built("tests/launch_probe"); }
 
 // Sets variables for the life of the object (the launcher under test inherits them).
 struct ScopedEnv {

@@ -282,7 +282,7 @@ struct GroupRecorder {
 
 using Groups = std::vector<std::vector<std::string>>;
 
-// A Work that finishes at once and remembers the timeout it was waited with.
+// A Work that is complete, and records the timeout its last wait() was given.
 struct TimeoutRecordingWork : dist::Work {
   std::chrono::milliseconds waited_with{-1};
   void wait(std::chrono::milliseconds timeout) override { waited_with = timeout; }

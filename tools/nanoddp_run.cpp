@@ -6,10 +6,11 @@
 //
 // Everything from PROGRAM on is passed through untouched. The work is done by dist::launch()
 // (dist/launch.h: the env each rank gets, output prefixes, fail-fast and signal handling).
+#include <CLI/CLI.hpp>
+
 #include <dirent.h>
 #include <unistd.h>
 
-#include <CLI/CLI.hpp>
 #include <climits>
 #include <cmath>
 #include <cstdio>
