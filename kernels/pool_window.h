@@ -19,8 +19,10 @@ struct WindowMax {
 // The taps [first, last) of one window along one axis: those i in [0, kernel) whose position
 // start + i dilation lies in [0, size), start being o stride - pad. The others fall on
 // padding. Computed, not scanned, so a kernel of 10^8 padded by half of it costs what a small
-// one does. Empty (first >= last) for a window of padding alone. make_window keeps every term
-// below 2^62, so nothing here overflows.
+// one does. Empty (first >= last) for a window of padding alone. make_window keeps padding,
+// stride and dilation below 2^61 and the window's extent below 2^62, and size is a plane's
+// (max_pool2d first refuses planes of 2^31 elements or more, even for an empty batch), so
+// nothing here overflows.
 struct Taps {
   int64_t first, last;
 };

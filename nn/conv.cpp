@@ -314,6 +314,11 @@ Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 pa
   NANODDP_CHECK(2 * padding.h <= kernel_size.h && 2 * padding.w <= kernel_size.w, ValueError,
                 "max_pool2d: padding (", padding.h, ", ", padding.w, ") must be at most half the kernel (",
                 kernel_size.h, ", ", kernel_size.w, ")");
+  // Before the scan below, which is as long as a plane's rows and columns (an empty batch
+  // may claim any size) and keeps its sums in int64 only for planes of this size.
+  NANODDP_CHECK(g.height * g.width <= INT32_MAX, ValueError, "max_pool2d: input ", input.shape(),
+                " has planes of ", g.height * g.width,
+                " elements; at most 2^31 - 1 are supported (the indices are int32)");
   // Note [Windows of padding only]
   // With dilation, a window can fall entirely on padding (kernel 2, dilation 2, padding 1 over
   // one row: it looks at rows -1 and 1). It has no maximum and no input element to send its
@@ -331,11 +336,9 @@ Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 pa
   const int64_t empty_col = first_empty_window(g.out_w, g.width, g.kernel_w, g.stride_w, g.pad_w, g.dilation_w);
   NANODDP_CHECK(empty_row < 0 && empty_col < 0, ValueError, "max_pool2d: the window of output ",
                 empty_row >= 0 ? "row " : "column ", empty_row >= 0 ? empty_row : empty_col,
-                " covers only padding (input ", input.shape(), ", kernel (", kernel_size.h, ", ", kernel_size.w,
-                "), stride (", stride.h, ", ", stride.w, "), padding (", padding.h, ", ", padding.w, "), dilation (",
-                dilation.h, ", ", dilation.w, ")); use less padding or dilation");
-  NANODDP_CHECK(g.height * g.width <= INT32_MAX, ValueError, "max_pool2d: input ", input.shape(), " has planes of ",
-                g.height * g.width, " elements; at most 2^31 - 1 are supported (the indices are int32)");
+                " covers only padding (input ", input.shape(), ", kernel (", kernel_size.h, ", ",
+                kernel_size.w, "), stride (", stride.h, ", ", stride.w, "), padding (", padding.h, ", ",
+                padding.w, "), dilation (", dilation.h, ", ", dilation.w, ")); use less padding or dilation");
   const int64_t planes = input.size(0) * input.size(1);
   const Device device = input.device();
   Tensor out = Tensor::empty({input.size(0), input.size(1), g.out_h, g.out_w}, DType::Float32, device);

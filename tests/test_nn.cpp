@@ -1266,6 +1266,10 @@ TEST_CASE("max_pool2d refuses an input with no channel, row or column, as torch;
                          doctest::Contains("has no channel, row or column"), ShapeError);
   }
   CHECK(max_pool2d(Tensor::zeros({0, 2, 4, 4}), 2, 2).shape() == Shape{0, 2, 2, 2});
+  // An empty batch may claim any plane: its size is refused before any window is looked at
+  // (the scan of 2^40 rows would take most of an hour).
+  CHECK_THROWS_WITH_AS(max_pool2d(Tensor::zeros({0, 1, int64_t{1} << 40, 2}), 2, 1),
+                       doctest::Contains("at most 2^31 - 1 are supported"), ValueError);
 }
 
 TEST_CASE("max_pool2d refuses a window that covers only padding, naming it (no write outside the input)") {
