@@ -138,9 +138,10 @@ class PointToPointQueue {
 
   // Queues call and returns its Work. The Work's wait() and is_completed() issue the queue if
   // it has not gone out yet and then follow the group's Work; both rethrow the error that
-  // issuing met. wait(timeout) keeps to one timeout in all: issuing waits until NCCL has
-  // enqueued the group, and the group's Work gets only what is left. Dropping the Work issues
-  // the queue too (errors go to stderr: destructors never throw).
+  // issuing met. wait(timeout) gives the group's Work what is left of timeout after issuing;
+  // issuing itself waits until NCCL has enqueued the group, which is bounded by the group's
+  // timeout (issue_and_wait_enqueued), not by this one. Dropping the Work issues the queue too
+  // (errors go to stderr: destructors never throw).
   static std::shared_ptr<Work> add(const std::shared_ptr<PointToPointQueue>& queue, Call call);
   // Issues every queued call as one group; nothing when the queue is empty. Throws what
   // issue_group throws (every Work of those calls then reports it).

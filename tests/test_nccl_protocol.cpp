@@ -285,7 +285,11 @@ using Groups = std::vector<std::vector<std::string>>;
 // A Work that is complete, and records the timeout its last wait() was given.
 struct TimeoutRecordingWork : dist::Work {
   std::chrono::milliseconds waited_with{-1};
-  void wait(std::chrono::milliseconds timeout) override { waited_with = timeout; }
+  bool times_out = false;  // wait() throws the TimeoutError an EventWork would
+  void wait(std::chrono::milliseconds timeout) override {
+    waited_with = timeout;
+    if (times_out) NANODDP_THROW(TimeoutError, "send/recv: did not complete within ", timeout.count(), " ms");
+  }
   bool is_completed() override { return true; }
 };
 
@@ -474,9 +478,23 @@ TEST_CASE("send/recv queue: a wait keeps to one timeout, the time NCCL took to e
     auto queue = recorder.queue();
     auto received = dist::detail::PointToPointQueue::add(queue, {Tensor::zeros({4}), 1, false});
     received->wait(requested);
-    // The group's Work gets what is left of 1000 ms (0 ms: the group's timeout) or 400 ms.
+    // The group's Work gets what is left of 1000 ms (0 ms: the group's timeout) or 400 ms:
+    // at most the whole less the 100 ms of issuing, and (however late the sleep wakes) far
+    // more than the 1 ms floor.
     const auto whole = requested.count() > 0 ? requested : recorder.group_timeout;
-    CHECK(group_work->waited_with.count() >= 1);
     CHECK(group_work->waited_with <= whole - recorder.issue_takes);
+    CHECK(group_work->waited_with >= (whole - recorder.issue_takes) / 2);
   }
+  // When what is left runs out, the TimeoutError says the wait was the rest of a longer one.
+  GroupRecorder recorder;
+  recorder.issue_takes = 200ms;
+  auto group_work = std::make_shared<TimeoutRecordingWork>();
+  group_work->times_out = true;
+  recorder.next_work = [&] { return group_work; };
+  auto queue = recorder.queue();
+  auto received = dist::detail::PointToPointQueue::add(queue, {Tensor::zeros({4}), 1, false});
+  CHECK_THROWS_WITH_AS(
+      received->wait(1000ms),
+      doctest::Contains("ms (what was left of a wait of 1000 ms, after issuing the send/recv group)"),
+      TimeoutError);
 }
