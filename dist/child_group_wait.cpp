@@ -360,7 +360,10 @@ Outcome ChildGroup::wait() {
     if (outcome.kind == Outcome::Kind::ChildFailed && c.pid == outcome.failed_pid)
       outcome.failed_message = c.msg.pending;
   }
-  relay.flush(options_.grace_period);
+  // A job that ended by itself waits for its readers however long they take (a pager read page
+  // by page); one stopped by a signal or its timeout gives a stalled reader a grace period.
+  const bool stopped = outcome.kind == Outcome::Kind::Interrupted || outcome.kind == Outcome::Kind::TimedOut;
+  relay.flush(stopped ? options_.grace_period : OutputRelay::kWaitForever);
   return outcome;
 }
 

@@ -12,9 +12,10 @@
 //      A program writing to a pipe block-buffers its stdio: flush, or print with '\n' and
 //      setvbuf/line buffering, to see lines as they happen. A line over 64 KiB comes out in
 //      pieces of 64 KiB, each a line of its own. A reader that stops reading our stdout or
-//      stderr never stops the supervision below (Note [Output relay] in output_relay.h): once
-//      the job has ended and the reader has taken nothing for a grace period, the rest of the
-//      output is dropped and the launcher exits.
+//      stderr never stops the supervision below (Note [Output relay] in output_relay.h). A
+//      job that ends by itself waits for the reader to take all its output (`| less`); one
+//      stopped by a signal or --timeout drops what a reader has not taken after a grace period
+//      of taking nothing, and the launcher exits.
 //   3. Fail fast: the first failure is named on stderr ("rank 1 (pid 4242) failed: exit code
 //      3" / "... killed by signal SIGKILL"); every other rank gets SIGTERM, then SIGKILL after
 //      `grace_period`. The first failure in time is not the first child we happen to reap: a

@@ -92,7 +92,7 @@ bool OutputRelay::wait_until_queued_at_most(size_t bytes, std::chrono::milliseco
     if (now_queued < before) {
       last_progress = now;
       before = now_queued;
-    } else if (now - last_progress >= stall_limit) {
+    } else if (stall_limit != kWaitForever && now - last_progress >= stall_limit) {
       drop_launcher_output();
       return false;
     }

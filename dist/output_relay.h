@@ -12,9 +12,11 @@
 // stops reading the pipes whose lines go to it until it catches up, so a rank that prints
 // faster than the reader takes blocks on its own pipe, as it would without a launcher. When the ranks have
 // exited, what they left in their pipes is read (what a process that escaped a rank's group still writes, up
-// to 1 MiB), and flush() waits for the queues to drain as long as the readers take some of them; after a
-// stall as long as the grace period it gives up, and the rest is dropped, with what the launcher prints until
-// its next round starts (torchrun's ranks write to the terminal themselves and never hold it either).
+// to 1 MiB), and flush() waits for the queues to drain. A job that ended by itself waits however long the
+// readers take, as any program writing to a pipe does (`| less`, read page by page). A job
+// stopped by a signal or its timeout gives up after a stall as long as the grace period: the rest is
+// dropped, with what the launcher prints until its next round starts (torchrun's ranks write to the
+// terminal themselves and never hold it either).
 #pragma once
 
 #include <chrono>
@@ -32,6 +34,8 @@ namespace nanoddp::dist::launch_detail {
 class OutputRelay {
  public:
   static constexpr size_t kMaxQueuedBytes = size_t{4} << 20;
+  // A stall limit of no limit (compared as such: converted to nanoseconds it would overflow).
+  static constexpr std::chrono::milliseconds kWaitForever = std::chrono::milliseconds::max();
 
   OutputRelay();
   OutputRelay(const OutputRelay&) = delete;
