@@ -361,9 +361,28 @@ Outcome ChildGroup::wait() {
       outcome.failed_message = c.msg.pending;
   }
   // A job that ended by itself waits for its readers however long they take (a pager read page
-  // by page); one stopped by a signal or its timeout gives a stalled reader a grace period.
+  // by page); one stopped by a signal or its timeout gives a stalled reader a grace period, and
+  // so does a signal that comes during the wait (the job's outcome then is the signal's, unless
+  // a rank had failed).
   const bool stopped = outcome.kind == Outcome::Kind::Interrupted || outcome.kind == Outcome::Kind::TimedOut;
-  relay.flush(stopped ? options_.grace_period : OutputRelay::kWaitForever);
+  int late_signal = 0;
+  relay.flush([&] {
+    unsigned char bytes[64];
+    ssize_t n;
+    while (!stopped && late_signal == 0 && (n = read(g_signal_pipe[0], bytes, sizeof(bytes))) > 0)
+      for (ssize_t i = 0; i < n; ++i) {
+        if (bytes[i] == SIGTSTP) {
+          stop_with_children();
+        } else if (bytes[i] != SIGCHLD && late_signal == 0) {
+          late_signal = bytes[i];
+        }
+      }
+    return stopped || late_signal != 0 ? options_.grace_period : OutputRelay::kWaitForever;
+  });
+  if (late_signal != 0 && outcome.kind == Outcome::Kind::AllSucceeded) {
+    outcome.kind = Outcome::Kind::Interrupted;
+    outcome.signal = late_signal;
+  }
   return outcome;
 }
 

@@ -46,6 +46,7 @@ void OutputRelay::run(const std::shared_ptr<Writer>& writer) {
       write_all(fd, text.data() + offset, n);  // may block for as long as the reader does
       lock.lock();
       writer->queued_bytes -= n;
+      writer->last_progress = std::chrono::steady_clock::now();
       writer->changed.notify_all();
     }
     writer->writing = false;
@@ -58,17 +59,11 @@ void OutputRelay::write(int fd, std::string text) {
   const std::shared_ptr<Writer>& writer = fd == 2 ? stderr_writer_ : stdout_writer_;
   std::lock_guard<std::mutex> lock(writer->mutex);
   if (!writer->thread.joinable()) writer->thread = std::thread([writer] { run(writer); });
+  if (writer->queued_bytes == 0)
+    writer->last_progress = std::chrono::steady_clock::now();  // not stalled till now
   writer->queued_bytes += text.size();
   writer->lines.emplace_back(fd, std::move(text));
   writer->changed.notify_all();
-}
-
-size_t OutputRelay::queued_bytes() const {
-  const auto bytes_of = [](Writer& writer) {
-    std::lock_guard<std::mutex> lock(writer.mutex);
-    return writer.queued_bytes;
-  };
-  return bytes_of(*stdout_writer_) + (stderr_writer_ == stdout_writer_ ? 0 : bytes_of(*stderr_writer_));
 }
 
 bool OutputRelay::full(int fd) const {
@@ -77,27 +72,29 @@ bool OutputRelay::full(int fd) const {
   return writer.queued_bytes > kMaxQueuedBytes;
 }
 
-bool OutputRelay::wait_until_queued_at_most(size_t bytes, std::chrono::milliseconds stall_limit) {
-  // Progress is any byte either writer took; each is looked at in turn, briefly.
-  auto last_progress = std::chrono::steady_clock::now();
-  size_t before = queued_bytes();
-  while (before > bytes) {
+bool OutputRelay::flush(const std::function<std::chrono::milliseconds()>& stall_limit) {
+  while (true) {
+    // A stall is the time since the last byte taken by a writer that still holds some: a
+    // reader stalled since before the flush (while a stopped job's ranks ended) has used it up.
+    bool pending = false;
+    auto last_progress = std::chrono::steady_clock::time_point::min();
     for (const auto& writer : {stdout_writer_, stderr_writer_}) {
-      std::unique_lock<std::mutex> lock(writer->mutex);
-      if (writer->queued_bytes > 0)
-        writer->changed.wait_for(lock, std::chrono::milliseconds(10));
+      std::lock_guard<std::mutex> lock(writer->mutex);
+      if (writer->queued_bytes == 0) continue;
+      pending = true;
+      last_progress = std::max(last_progress, writer->last_progress);
     }
-    const size_t now_queued = queued_bytes();
-    const auto now = std::chrono::steady_clock::now();
-    if (now_queued < before) {
-      last_progress = now;
-      before = now_queued;
-    } else if (stall_limit != kWaitForever && now - last_progress >= stall_limit) {
+    if (!pending) return true;
+    const auto limit = stall_limit();
+    if (limit != kWaitForever && std::chrono::steady_clock::now() - last_progress >= limit) {
       drop_launcher_output();
       return false;
     }
+    for (const auto& writer : {stdout_writer_, stderr_writer_}) {
+      std::unique_lock<std::mutex> lock(writer->mutex);
+      if (writer->queued_bytes > 0) writer->changed.wait_for(lock, std::chrono::milliseconds(10));
+    }
   }
-  return true;
 }
 
 OutputRelay::~OutputRelay() {

@@ -13,8 +13,9 @@
 // faster than the reader takes blocks on its own pipe, as it would without a launcher. When the ranks have
 // exited, what they left in their pipes is read (what a process that escaped a rank's group still writes, up
 // to 1 MiB), and flush() waits for the queues to drain. A job that ended by itself waits however long the
-// readers take, as any program writing to a pipe does (`| less`, read page by page). A job
-// stopped by a signal or its timeout gives up after a stall as long as the grace period: the rest is
+// readers take, as any program writing to a pipe does (`| less`, read page by page), unless a
+// signal comes while it waits (Ctrl-C at a paused pager). A job stopped by a signal (before or
+// during that wait) or its timeout gives up after a stall as long as the grace period: the rest is
 // dropped, with what the launcher prints until its next round starts (torchrun's ranks write to the
 // terminal themselves and never hold it either).
 #pragma once
@@ -23,6 +24,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -51,9 +53,10 @@ class OutputRelay {
   // Whether the loop should stop reading the pipes whose lines go to fd, for now.
   bool full(int fd) const;
   // Waits until everything queued is written; false when the readers took nothing for
-  // stall_limit, and then this process's output to fd 1 and 2 is dropped until
-  // resume_launcher_output() (dist/launch_detail.h).
-  bool flush(std::chrono::milliseconds stall_limit) { return wait_until_queued_at_most(0, stall_limit); }
+  // stall_limit(), and then this process's output to fd 1 and 2 is dropped until
+  // resume_launcher_output() (dist/launch_detail.h). stall_limit is asked again every 10 ms or
+  // so (a signal may shorten it while the flush waits); kWaitForever for no limit.
+  bool flush(const std::function<std::chrono::milliseconds()>& stall_limit);
 
  private:
   struct Writer {
@@ -61,14 +64,14 @@ class OutputRelay {
     std::condition_variable changed;  // a line queued, a line written, or stop
     std::deque<std::pair<int, std::string>> lines;
     size_t queued_bytes = 0;
+    // When a byte was last written, or the queue last went from empty to not.
+    std::chrono::steady_clock::time_point last_progress;
     bool writing = false;  // a line is out of the queue, in write()
     bool stop = false;
     bool left_behind = false;  // detached while writing
     std::thread thread;        // started with the first line
   };
   static void run(const std::shared_ptr<Writer>& writer);
-  size_t queued_bytes() const;
-  bool wait_until_queued_at_most(size_t bytes, std::chrono::milliseconds stall_limit);
 
   std::shared_ptr<Writer> stdout_writer_, stderr_writer_;  // the same one when 2>&1
 };

@@ -481,17 +481,34 @@ TEST_CASE("nanoddp-run with its standard streams closed runs the job; no rank's 
 TEST_CASE("nanoddp-run whose stdout nobody reads still acts on --timeout and exits (Note [Output relay])") {
   // Ranks print without end into a pipe whose reader sleeps 8 s. Writing from its supervision
   // loop, the launcher blocked until the reader woke; now its timeout ends the job at 2 s, and
-  // after a grace period of stalled output it exits.
+  // it exits at once: the reader has been stalled for longer than the grace period already.
   const RunResult r = run({"/bin/sh", "-c",
                            "exec 3>&1; start=$(date +%s%N); ( '" + launcher_path() +
-                               "' --grace-period 1 --timeout 2 --nproc-per-node 2 yes; "
+                               "' --grace-period 3 --timeout 2 --nproc-per-node 2 yes; "
                                "echo \"rc=$? ms=$(( ($(date +%s%N) - start) / 1000000 ))\" >&3 ) | "
                                "{ sleep 8; cat > /dev/null; }"});
   CHECK_MESSAGE(contains(r.out, "rc=124 "), r.out);
   const size_t at = r.out.find("ms=");
   REQUIRE_MESSAGE(at != std::string::npos, r.out);
-  CHECK_MESSAGE(std::stol(r.out.substr(at + 3)) < 6500, r.out);
+  CHECK_MESSAGE(std::stol(r.out.substr(at + 3)) < 4500, r.out);
   CHECK_MESSAGE(contains(r.err, "timed out: the job's --timeout of 2 s"), r.err);
+}
+
+TEST_CASE(
+    "nanoddp-run whose job has ended but whose stdout nobody reads exits on SIGTERM (Note [Output relay])") {
+  // The rank prints 2 MB in 20,000 lines and exits; the launcher waits for the reader, which sleeps 8 s,
+  // until SIGTERM at 2 s: then a stall of the grace period ends the wait, and the exit is 128 + 15.
+  const RunResult r =
+      run({"/bin/sh", "-c",
+           "exec 3>&1; start=$(date +%s%N); ( '" + launcher_path() +
+               "' --grace-period 1 --nproc-per-node 1 sh -c 'yes $(printf %0100d 0) | head -n 20000' & "
+               "pid=$!; sleep 2; kill -TERM $pid; wait $pid; "
+               "echo \"rc=$? ms=$(( ($(date +%s%N) - start) / 1000000 ))\" >&3 ) | "
+               "{ sleep 8; cat > /dev/null; }"});
+  CHECK_MESSAGE(contains(r.out, "rc=143 "), r.out);
+  const size_t at = r.out.find("ms=");
+  REQUIRE_MESSAGE(at != std::string::npos, r.out);
+  CHECK_MESSAGE(std::stol(r.out.substr(at + 3)) < 6000, r.out);
 }
 
 TEST_CASE(
