@@ -208,7 +208,7 @@ void check_options(const LaunchOptions& o, const std::vector<std::string>& progr
   NANODDP_CHECK(o.nnodes <= INT_MAX / o.nproc_per_node, ValueError, "launch: --nnodes ", o.nnodes, " times ",
                 "--nproc-per-node ", o.nproc_per_node, " ranks does not fit a world size");
   NANODDP_CHECK(o.node_rank >= 0 && o.node_rank < o.nnodes, ValueError, "launch: --node-rank ", o.node_rank,
-                " is outside 0..", o.nnodes - 1);
+                " is not below --nnodes ", o.nnodes, " (nodes are numbered from 0)");
   NANODDP_CHECK(o.master_port >= 0 && o.master_port <= 65535, ValueError, "launch: --master-port ",
                 o.master_port, " is not a TCP port");
   NANODDP_CHECK(o.backend.empty() || o.backend == "auto" || o.backend == "gloo" || o.backend == "mpi" ||

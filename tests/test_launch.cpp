@@ -549,6 +549,8 @@ TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
       {{"--backend="}, "nanoddp-run: --backend= has no value after '='"},
       {{"--nproc-per-node", "2", "--master-port="}, "nanoddp-run: --master-port= has no value after '='"},
       {{"--nnodes", "0"}, "nanoddp-run: --nnodes: must be an integer >= 1, got '0'"},
+      {{"--node-rank", "1"},
+       "nanoddp-run: launch: --node-rank 1 is not below --nnodes 1 (nodes are numbered from 0)"},
   };
   for (const auto& [flags, message] : bad) {
     std::vector<std::string> args = {launcher_path()};
@@ -559,8 +561,19 @@ TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
     CHECK_MESSAGE(contains(r.err, message), r.err);
     CHECK(r.err.size() < 300);
   }
+  // A flag given last, with no value.
+  const RunResult no_value = run({launcher_path(), "--nproc-per-node"});
+  CHECK(no_value.code() == 2);
+  CHECK_MESSAGE(contains(no_value.err, "nanoddp-run: --nproc-per-node needs a value (INT:1..1024) after it"),
+                no_value.err);
+  // Help that cannot be written is not a success.
+  const RunResult unwritten =
+      run({"/bin/sh", "-c", "'" + launcher_path() + "' --help > /dev/full; echo rc=$?"});
+  CHECK_MESSAGE(contains(unwritten.out, "rc=1"), unwritten.out);
+  CHECK_MESSAGE(contains(unwritten.err, "nanoddp-run: could not write --help to stdout"), unwritten.err);
   const RunResult help = run({launcher_path(), "--help"});
   CHECK(help.code() == 0);
+  CHECK_MESSAGE(contains(help.out, "124 when --timeout"), help.out);
   CHECK_MESSAGE(help.out.find("Usage:") == help.out.rfind("Usage:"), help.out);  // once
   CHECK_MESSAGE(contains(help.out, "Usage: nanoddp-run [OPTIONS] PROGRAM [ARGS...]\n"), help.out);
   const RunResult missing = run({launcher_path(), "--nproc-per-node", "2", "/nonexistent/program"});
@@ -644,6 +657,10 @@ TEST_CASE("nanoddp-run: the timeout message names the job's --timeout, and a sto
                               60s);
   CHECK(timed.code() == 124);
   CHECK_MESSAGE(contains(timed.err, "timed out: the job's --timeout of 2 s (every round counts)"), timed.err);
+  // A timeout under a millisecond is one, not "no limit" (0).
+  const RunResult tiny = run({launcher_path(), "--timeout", "0.0001", "sleep", "30"}, 60s);
+  CHECK(tiny.code() == 124);
+  CHECK_MESSAGE(contains(tiny.err, "timed out: the job's --timeout of 1 ms"), tiny.err);
   // Rank 1 stops itself (SIGSTOP); rank 0 fails. The SIGTERM reaches the stopped rank with a
   // SIGCONT, so the job ends long before the 30 s grace period's SIGKILL.
   const auto start = Clock::now();

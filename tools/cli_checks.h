@@ -292,15 +292,33 @@ inline std::string closest_long_option(const CLI::App& app, const std::string& g
 // goes on, else the status main returns: 0 after --help (printed on stdout), kUsageErrorExit
 // after any usage error, printed by usage_error with CLI11's message (which names the flag:
 // "--epochs: must be an integer >= 1, got '0'", "The following argument was not expected:
-// --bogus", "--epochs: 1 required INT missing").
+// --bogus", "--epochs needs a value (INT:1 or more) after it"). A --help that could not be
+// written returns 1.
 inline std::optional<int> parse(CLI::App& app, int argc, const char* const* argv, const std::string& program,
                                 int flags_end = -1) {
   if (!values_given(flags_end < 0 ? argc : std::min(flags_end, argc), argv, program)) return kUsageErrorExit;
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);  // --help
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) {  // --help
+      app.exit(e);
+      // Help that was asked for and not written (stdout closed or full) is a failure.
+      if (!std::cout.flush()) {
+        std::cerr << program << ": could not write --help to stdout\n";
+        return 1;
+      }
+      return 0;
+    }
     const std::string what = e.what();
+    // CLI11's "--epochs: 1 required INT:1..1024 missing": the flag was last, with no value.
+    const std::string missing = " missing";
+    const size_t required_at = what.find(": 1 required ");
+    if (required_at != std::string::npos && what.size() > missing.size() &&
+        what.compare(what.size() - missing.size(), missing.size(), missing) == 0)
+      return usage_error(program,
+                         what.substr(0, required_at) + " needs a value (" +
+                             what.substr(required_at + 13, what.size() - missing.size() - required_at - 13) +
+                             ") after it");
     const size_t override_at = what.find(" was given a disallowed flag override");
     if (override_at != std::string::npos) {  // CLI11 names the flag without its dashes
       const std::string flag = "--" + what.substr(0, override_at);

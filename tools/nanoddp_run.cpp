@@ -111,10 +111,14 @@ int main(int argc, char** argv) {
       "torchrun's other worker variables (GROUP_WORLD_SIZE, ROLE_*, TORCHELASTIC_*), NANODDP_BACKEND with\n"
       "--backend, and NANODDP_JOB_ID and NANODDP_STORE_TOKEN, which admit it to\n"
       "rank 0's store (made fresh for a one-node job; across nodes, export the same on every node).\n"
-      "Its output lines are prefixed \"[rank N] \". When a rank fails the others get SIGTERM, then\n"
-      "SIGKILL after the grace period; the exit code is the failed rank's (128 + signal for a signal),\n"
-      "and a rank that failed because it lost another is not the one named. With --max-restarts N the\n"
-      "group is then started again, whole, up to N times (the program resumes from its checkpoint).\n"
+      "Its output lines are prefixed \"[rank N] \" (mpirun's \"[1,N]<stdout>:\" with --backend mpi); a\n"
+      "line longer than 64 KiB comes out in pieces of 64 KiB, each a line. When a rank fails the others\n"
+      "get SIGTERM, then SIGKILL after the grace period, and a rank that failed because it lost another\n"
+      "is not the one named. With --max-restarts N the group is then started again, whole, up to N\n"
+      "times (the program resumes from its checkpoint). Exit status: 0 when every rank exits 0; else\n"
+      "the failed rank's code (128 + signal for a signal); 2 for a usage error; 124 when --timeout\n"
+      "stops the job; 126 or 127 when PROGRAM cannot be run (not executable, not found: the shell's\n"
+      "codes); 128 + n when nanoddp-run gets signal n; 1 when nanoddp-run itself fails.\n"
       "Ctrl-C and Ctrl-\\ are forwarded to every rank, and Ctrl-Z stops them with nanoddp-run (fg continues\n"
       "all); if nanoddp-run dies, so do the ranks (what a rank that is a script started may outlive\n"
       "a kill -9 of nanoddp-run). Options end at PROGRAM (or at --); an unknown option is an\n"
@@ -196,8 +200,9 @@ int main(int argc, char** argv) {
   if (standalone && options.nnodes > 1)
     return nanoddp::cli::usage_error("nanoddp-run", "--standalone is torchrun's one-node rendezvous; it cannot go with "
                                                     "--nnodes " + std::to_string(options.nnodes));
-  options.grace_period = std::chrono::milliseconds(static_cast<long long>(grace_s * 1000));
-  options.timeout = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000));
+  // Rounded up: a --timeout under a millisecond is a limit, not 0 (no limit).
+  options.grace_period = std::chrono::milliseconds(static_cast<long long>(std::ceil(grace_s * 1000)));
+  options.timeout = std::chrono::milliseconds(static_cast<long long>(std::ceil(timeout_s * 1000)));
 
   // The launcher runs no training: if NANODDP_TRACE is set, only its ranks record. A file the
   // trace may not replace stops the job here, once, instead of in every rank.
