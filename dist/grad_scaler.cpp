@@ -47,6 +47,10 @@ GradScaler::GradScaler(GradScalerOptions options, std::shared_ptr<ProcessGroup> 
 
 Tensor GradScaler::scale(const Tensor& loss) const {
   if (!options_.enabled) return loss;
+  NANODDP_CHECK(loss.defined(), ValueError, "GradScaler::scale: the loss is undefined");
+  NANODDP_CHECK(loss.dtype() == DType::Float32 || is_16bit_float(loss.dtype()), ValueError,
+                "GradScaler::scale: the loss must be float32, float16 or bfloat16, got ", loss.dtype(),
+                " (shape ", loss.shape(), ")");
   // A 16-bit loss is widened first: 65536 times a float16 loss above 1 would be inf in
   // float16 (torch widens a 0-dim loss only, by promotion with its float32 scale tensor).
   return (is_16bit_float(loss.dtype()) ? loss.to(DType::Float32) : loss) * scale_;
@@ -61,7 +65,10 @@ void GradScaler::unscale_(nn::Optimizer& optimizer) {
   // 1 / scale in double, rounded once to float32: exact for a power of two (torch computes
   // the reciprocal in float64 too).
   const float inv_scale = static_cast<float>(1.0 / static_cast<double>(scale_));
-  bool found = false, has_grad = false;
+  // A scale that backoffs took to 0 (or below float32's smallest 1/scale) has no finite
+  // inverse: every unscaled gradient would be 0 x inf = NaN. Such a step is skipped as for an
+  // inf gradient; torch's would write the NaNs into the weights.
+  bool found = !std::isfinite(inv_scale), has_grad = false;
   {
     NoGradGuard no_grad;
     for (const Tensor& param : optimizer.params()) {

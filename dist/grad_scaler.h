@@ -54,10 +54,11 @@ class GradScaler {
   // loss * scale, recorded in the graph, with loss's shape; float32 for a float32 or 16-bit
   // loss. torch's float32 scale tensor promotes a 0-dim loss only (a float16 loss of shape
   // [1] stays float16 there, and 65536 times a loss above 1 is inf); ours promotes every
-  // shape. The loss itself when disabled.
+  // shape. The loss itself when disabled. ValueError for an undefined or integer loss.
   Tensor scale(const Tensor& loss) const;
   // Multiplies every .grad of optimizer's parameters by 1 / scale in place and records whether
-  // any is inf or NaN, on this rank or (with a group) on any rank. Throws ValueError when
+  // any is inf or NaN, on this rank or (with a group) on any rank; a scale of 0, whose inverse
+  // is inf, counts as found (torch would step with the NaN gradients). Throws ValueError when
   // called twice for one optimizer before update(), or after step() (torch's messages).
   void unscale_(nn::Optimizer& optimizer);
   // unscale_ unless already done; then optimizer.step() unless an inf or NaN was found.

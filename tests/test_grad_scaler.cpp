@@ -176,6 +176,17 @@ TEST_CASE("unscale_ and step out of order are errors; state_dict round trips; a 
   CHECK(vanishing.get_scale() == 0.0f);
   restored.load_state_dict(vanishing.state_dict());
   CHECK(restored.get_scale() == 0.0f);
+  // With it, the gradients are 0 and 1/scale is inf: the step is skipped, not taken with
+  // 0 x inf = NaN gradients, and the parameters keep their values.
+  const auto before_zero_scale = values_of(opt.params());
+  CHECK_FALSE(scaled_step(*model, opt, restored, b));
+  CHECK(values_of(opt.params()) == before_zero_scale);
+  CHECK(restored.get_scale() == 0.0f);
+  // An integer loss is named as the scaler's.
+  CHECK_THROWS_WITH_AS(
+      restored.scale(Tensor::zeros({1}, DType::Int64)),
+      doctest::Contains("GradScaler::scale: the loss must be float32, float16 or bfloat16, got int64"),
+      ValueError);
   nn::StateDict negative = vanishing.state_dict();
   negative.at("scale") = Tensor::from_vector({-1.0f});
   CHECK_THROWS_WITH_AS(restored.load_state_dict(negative),
