@@ -44,7 +44,10 @@ struct Float16 {
     const uint32_t x = bits_of(f);
     const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
     const uint32_t magnitude = x & 0x7fffffffu;
-    if (magnitude > 0x7f800000u) return {static_cast<uint16_t>(sign | 0x7e00u)};  // NaN
+    // NaN: quieted, its payload's top bits kept, as F16C's vcvtps2ph does (so a NaN's bits do
+    // not depend on whether the bulk conversion took it through F16C or through here).
+    if (magnitude > 0x7f800000u)
+      return {static_cast<uint16_t>(sign | 0x7e00u | ((magnitude >> 13) & 0x3ffu))};
     // 65520 is halfway between 65504 (largest half, odd mantissa) and 65536: ties to even
     // round it, and everything above, to infinity.
     if (magnitude >= 0x477ff000u) return {static_cast<uint16_t>(sign | 0x7c00u)};

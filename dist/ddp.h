@@ -105,8 +105,10 @@ struct DDPOptions : ReducerOptions {
   bool broadcast_buffers = true;
   // The dtype gradients are all-reduced in (torch FSDP's MixedPrecision.reduce_dtype; torch's
   // DDP gets the same from bf16_compress_hook). Float16 or BFloat16 send half the bytes: each
-  // bucket is divided by world_size, rounded to 16 bits, summed in 16 bits and widened back
-  // into the float32 .grad, by the built-in fp16_compress_hook / bf16_compress_hook, which
+  // bucket is rounded to 16 bits, divided by world_size (rounded again), summed in 16 bits and
+  // widened back into the float32 .grad, as torch's hooks (buffer.to(float16).div_(world_size)):
+  // a gradient above float16's 65504 is inf even when the mean would fit. It is the built-in
+  // fp16_compress_hook / bf16_compress_hook that does it, which
   // this option registers (one piece of code for both). Float32, the default, all-reduces
   // float32. ValueError for another dtype; register_comm_hook then throws ValueError too.
   DType reduce_dtype = DType::Float32;

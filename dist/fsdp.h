@@ -106,8 +106,12 @@ AutoWrapPolicy module_wrap_policy() {
 //     (under nn::autocast, Linear casts them to 16 bits anyway: the same values). NO_SHARD
 //     gathers nothing, so there param_dtype changes nothing and the forward computes with the
 //     float32 parameters (torch casts them to param_dtype there too): use nn::autocast;
-//   reduce_dtype: each unit's gradient is divided by world_size, rounded to it, reduce-
-//     scattered (all-reduced with NO_SHARD) in it, and widened into the float32 shard .grad.
+//   reduce_dtype: each unit's gradient is rounded to it, divided by world_size (rounded
+//     again), reduce-scattered (all-reduced with NO_SHARD) in it, and widened into the float32
+//     shard .grad. torch 1.13's FSDP divides in two parts instead, by a pre-divide factor
+//     before the reduction and by the rest after (2 and 2 at world size 4): the same values
+//     at world size 2; at others the rounding differs, and so do the bounds of overflow and
+//     underflow (at 4 ranks a float16 gradient of 65504 on every rank is inf there, here 65504).
 // Float32, the default, sends float32. ValueError for another dtype.
 struct MixedPrecision {
   DType param_dtype = DType::Float32;
