@@ -167,6 +167,8 @@ std::string temporary_template(const std::string& path) {
   return prefix.empty() ? path + ".tmp.XXXXXX" : prefix + std::to_string(::getpid()) + ".XXXXXX";
 }
 
+}  // namespace
+
 void remove_stale_temporaries(const std::string& path) {
   const std::string folder = folder_of(path), prefix = temporary_file_prefix(path);
   if (prefix.empty()) return;
@@ -187,8 +189,6 @@ void remove_stale_temporaries(const std::string& path) {
   }
   ::closedir(dir);
 }
-
-}  // namespace
 
 std::string temporary_file_prefix(const std::string& path) {
   static const std::string space = pid_space();

@@ -45,6 +45,10 @@ void write_file_atomically(const std::string& path, const std::string& bytes, co
 // the name would be longer than a file name may be (those are "<path>.tmp.XXXXXX").
 std::string temporary_file_prefix(const std::string& path);
 
+// Removes the temporary files of path (temporary_file_prefix) whose writer, a process of this
+// pid space, is gone: what a write killed before its rename left. Others' are left alone.
+void remove_stale_temporaries(const std::string& path);
+
 // Whether path names a regular file (links followed). A device or a FIFO is not one: reading
 // it to see what it holds could wait forever (a terminal, a FIFO without a writer).
 bool is_regular_file(const std::string& path);

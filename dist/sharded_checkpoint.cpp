@@ -8,13 +8,14 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <set>
 
 #include "core/error.h"
+#include "core/file_io.h"
 #include "dist/detail.h"
 #include "dist/host_collectives.h"
 #include "nn/checkpoint.h"
-#include "core/file_io.h"
 
 namespace nanoddp::dist {
 
@@ -226,6 +227,17 @@ bool is_shard_file_name(const std::string& path, const std::string& file) {
 bool is_sharded_manifest(const nn::StateDict& state) { return state.count(kVersionKey) != 0; }
 
 int remove_unused_shard_files(const std::string& path) {
+  // What a rank killed while writing its shard left: "<shard file>.tmp.<space>.<pid>.XXXXXX".
+  // The next save takes a new generation, so no later write of that shard file removes it.
+  std::set<std::string> written;
+  std::error_code error;
+  for (const auto& item : std::filesystem::directory_iterator(folder_of(path), error)) {
+    const std::string name = item.path().filename().string();
+    const size_t tmp = name.find(".tmp.");
+    if (tmp != std::string::npos && generation_of_shard_name(name.substr(0, tmp), base_name(path)) >= 0)
+      written.insert(folder_of(path) + "/" + name.substr(0, tmp));
+  }
+  for (const std::string& file : written) remove_stale_temporaries(file);
   const auto files = shard_files_in(folder_of(path), base_name(path));
   if (files.empty()) return 0;  // the common case of full checkpoints: no manifest is read
   const int64_t current = manifest_generation(path), previous = manifest_generation(path + ".prev");
@@ -345,7 +357,16 @@ void save_sharded_checkpoint(const std::string& path, const ShardedStateDict& mi
         manifest[kDtypePrefix + name] = int64_tensor({static_cast<int64_t>(first->dtype)});
         manifest[kRangesPrefix + name] = Tensor::from_vector(flat, Shape({world, 2}));
       }
-      nn::keep_previous_checkpoint(path);
+      // A set whose manifest or shard files are damaged is not kept over FILE.prev (which a
+      // resume fell back to); remove_unused_shard_files then removes that set.
+      nn::keep_previous_checkpoint(path, [](const std::string& file) {
+        try {
+          const nn::StateDict state = nn::load_checkpoint(file);
+          return !is_sharded_manifest(state) || ShardedCheckpointReader(file, state).shard_files_present();
+        } catch (const Error&) {
+          return false;
+        }
+      });
       nn::save_checkpoint(path, manifest);
       // 5. The sets that no manifest names any more.
       remove_unused_shard_files(path);
@@ -436,6 +457,21 @@ const ShardedCheckpointReader::Entry& ShardedCheckpointReader::entry(const std::
 
 const Shape& ShardedCheckpointReader::shape(const std::string& name) const { return entry(name).shape; }
 DType ShardedCheckpointReader::dtype(const std::string& name) const { return entry(name).dtype; }
+
+bool ShardedCheckpointReader::shard_files_present() const {
+  for (int rank = 0; rank < world_size_; ++rank) {
+    const std::string file = folder_ + "/" + shard_file_name(prefix_, generation_, rank, world_size_);
+    std::ifstream in(file, std::ios::binary | std::ios::ate);
+    const int64_t nbytes = shard_nbytes_[static_cast<size_t>(rank)];
+    if (!in || static_cast<int64_t>(in.tellg()) != nbytes || nbytes < static_cast<int64_t>(sizeof(int64_t)))
+      return false;
+    int64_t checksum = 0;
+    in.seekg(nbytes - static_cast<int64_t>(sizeof(int64_t)));
+    in.read(reinterpret_cast<char*>(&checksum), sizeof(checksum));
+    if (!in || checksum != shard_checksums_[static_cast<size_t>(rank)]) return false;
+  }
+  return true;
+}
 
 const nn::StateDict& ShardedCheckpointReader::shard(int rank) {
   const auto found = shards_.find(rank);

@@ -127,6 +127,10 @@ class ShardedCheckpointReader {
   nn::StateDict read_all(const std::string& prefix = "");
   // The shard files opened so far, in the order they were: what this rank read.
   const std::vector<std::string>& files_read() const { return files_read_; }
+  // Whether every shard file is there with the size and the final checksum the manifest
+  // gives it (read: the last 8 bytes of each; a byte changed inside a file is found only when
+  // the file is read). What a save looks at before it keeps the set as the previous one.
+  bool shard_files_present() const;
 
  private:
   struct Entry {

@@ -136,9 +136,19 @@ std::string checkpoint_bytes(const StateDict& tensors) {
   return bytes;
 }
 
-void keep_previous_checkpoint(const std::string& path) {
+void keep_previous_checkpoint(const std::string& path, const std::function<bool(const std::string&)>& loads) {
   if (::access(path.c_str(), F_OK) != 0) return;
   const std::string previous = path + ".prev", staged = previous + ".tmp";
+  const auto path_loads = [&] {
+    if (loads) return loads(path);
+    try {
+      load_checkpoint(path);
+      return true;
+    } catch (const Error&) {
+      return false;
+    }
+  };
+  if (::access(previous.c_str(), F_OK) == 0 && !path_loads()) return;
   // A leftover of a save that died here is a link to a checkpoint; anything else is not ours.
   if (::access(staged.c_str(), F_OK) == 0) {
     NANODDP_CHECK(is_checkpoint_file(staged), IOError, "cannot keep the previous checkpoint ", path, " as ", previous,

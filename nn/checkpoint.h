@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "nn/module.h"
@@ -48,10 +49,14 @@ void check_checkpoint_writable(const std::string& path);
 bool is_checkpoint_file(const std::string& path);
 // Keeps the file at path, if there is one, as path + ".prev", before path is replaced: a hard
 // link made under a temporary name and renamed over path.prev, so that path.prev is never
-// absent and path is never touched. Throws IOError naming both files and the step that failed
-// (link: another file system, no permission; rename), or a path.prev.tmp (a leftover of a
-// save that died there) that is not a nanoddp checkpoint.
-void keep_previous_checkpoint(const std::string& path);
+// absent and path is never touched. A path that does not load (`loads(path)` false; by
+// default load_checkpoint's checks: every byte checksummed) is not kept over an existing
+// path.prev: after a resume that fell back to path.prev, that is the only checkpoint that
+// loads. Throws IOError naming both files and the step that failed (link: another file
+// system, no permission; rename), or a path.prev.tmp (a leftover of a save that died there)
+// that is not a nanoddp checkpoint.
+void keep_previous_checkpoint(const std::string& path,
+                              const std::function<bool(const std::string&)>& loads = nullptr);
 StateDict load_checkpoint(const std::string& path);
 // The bytes save_checkpoint writes for tensors (to send a state elsewhere than to a file).
 // Throws ValueError for a name longer than 4096 bytes.

@@ -645,6 +645,16 @@ TEST_CASE("check_checkpoint_writable refuses a path, or a path.prev, that is som
   keep_previous_checkpoint(path);
   CHECK(!std::filesystem::exists(staged));
   CHECK(load_checkpoint(previous).at("w").to_vector() == std::vector<float>{1, 2});
+  // A path that does not load (truncated by a save that died, after a resume fell back to
+  // path.prev) is not kept over path.prev, the one checkpoint that loads; with no path.prev
+  // it is kept (nothing better is lost).
+  save_checkpoint(path, state);  // a file of its own: path.prev was a link to the last one
+  std::filesystem::resize_file(path, std::filesystem::file_size(path) - 1);
+  keep_previous_checkpoint(path);
+  CHECK(load_checkpoint(previous).at("w").to_vector() == std::vector<float>{1, 2});
+  std::remove(previous.c_str());
+  keep_previous_checkpoint(path);
+  CHECK(std::filesystem::exists(previous));
   std::remove(path.c_str());
   std::remove(previous.c_str());
 }

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/file_io.h"
 #include "core/ops.h"
 #include "dist/ddp.h"
 #include "dist/fsdp.h"
@@ -539,6 +540,26 @@ TEST_CASE("a save that fails on one rank, or a rank that dies mid-save, leaves t
     CHECK(std::filesystem::exists(copy));
   }
   CHECK(dist::remove_unused_shard_files(path) == 0);
+  // A set with a truncated shard file (a resume fell back to path.prev) is not kept as
+  // path.prev by the next save: path.prev stays the set that loads, and the damaged one goes.
+  CHECK(dist::ShardedCheckpointReader(path).generation() == 6);
+  const std::string damaged = dist::shard_file_name(path, 6, 2, 4);
+  std::filesystem::resize_file(damaged, std::filesystem::file_size(damaged) - 1);
+  // What ranks killed while writing left: a dead writer's temporary goes, a live one's stays.
+  const std::string dead_writer =
+      temporary_file_prefix(dist::shard_file_name(path, 6, 1, 4)) + "999999999.abc123";
+  const std::string live_writer =
+      temporary_file_prefix(dist::shard_file_name(path, 6, 1, 4)) + std::to_string(::getpid()) + ".abc123";
+  std::ofstream(dead_writer) << "half a shard";
+  std::ofstream(live_writer) << "half a shard";
+  save_small(path, 70);
+  CHECK(dist::ShardedCheckpointReader(path).generation() == 7);
+  dist::ShardedCheckpointReader kept(path + ".prev");
+  CHECK(kept.generation() == 5);
+  CHECK(kept.read("x").to_vector() == small_x(50));
+  CHECK(!std::filesystem::exists(damaged));
+  CHECK(!std::filesystem::exists(dead_writer));
+  CHECK(std::filesystem::exists(live_writer));
 }
 
 TEST_CASE("a missing, truncated, corrupt or foreign shard file is an IOError naming it; reads that do not need it go on") {
