@@ -305,7 +305,7 @@ std::optional<int64_t> job_digest() {
 // A collective (the sharded strategies gather the state; during an epoch, steps_in_epoch > 0,
 // the ranks' loss sums and samples are gathered too); rank 0 writes, or with sharded every
 // rank writes its part of a set and rank 0 its manifest. loss_sum and samples are this rank's.
-void save(const std::string& path, bool sharded, int epochs_done, int64_t steps_per_epoch,
+void save(const std::string& path, bool sharded, int epochs_done, int64_t steps_per_epoch, int64_t batch_size,
           examples::ParallelModel& parallel, nn::Optimizer& optimizer, const std::string& optimizer_name,
           uint64_t seed, const Schedule& schedule, const dist::GradScaler& scaler, int64_t metrics_step,
           int rank, dist::ProcessGroup& pg, std::chrono::milliseconds timeout, int64_t steps_in_epoch = 0,
@@ -334,6 +334,7 @@ void save(const std::string& path, bool sharded, int epochs_done, int64_t steps_
   if (scaler.is_enabled()) nn::merge_prefixed(state, "scaler.", scaler.state_dict());
   state["epochs_done"] = Tensor::from_vector(std::vector<int64_t>{epochs_done});
   state["steps_per_epoch"] = Tensor::from_vector(std::vector<int64_t>{steps_per_epoch});
+  state["batch_size"] = Tensor::from_vector(std::vector<int64_t>{batch_size});
   // The metrics log's step at this point: runs resumed at other world sizes count on from it.
   state["metrics_step"] = Tensor::from_vector(std::vector<int64_t>{metrics_step});
   state["optimizer_kind"] = Tensor::from_vector(std::vector<int64_t>{optimizer_kind(optimizer_name)});
@@ -473,7 +474,7 @@ ReadCheckpoint read_checkpoint(const std::string& path, const examples::Parallel
 // examples/checkpoint_files.h). With only_job, a checkpoint that another job wrote (its "job"
 // entry differs, or it has none) is not loaded: the epoch returned is -1. Errors name the file.
 std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64_t steps_per_epoch,
-                                      int world_size, examples::ParallelModel& parallel,
+                                      int64_t batch_size, int world_size, examples::ParallelModel& parallel,
                                       nn::Optimizer& optimizer, const std::string& optimizer_name,
                                       uint64_t seed, Schedule& schedule, dist::GradScaler& scaler,
                                       bool chatty, dist::ProcessGroup& pg, std::string& used_path,
@@ -486,6 +487,9 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
     NANODDP_CHECK(done >= 0, IOError, "'epochs_done' is ", done);
     NANODDP_CHECK(done <= epochs, ValueError, "it has ", done, " epochs done, more than --epochs ", epochs);
     const int64_t saved_steps_per_epoch = int64_entry(state, "steps_per_epoch", /*missing=*/steps_per_epoch);
+    // Other batch sizes can have as many steps per epoch (200 and 201 at 2 ranks): the steps
+    // done would then skip other examples.
+    const int64_t saved_batch_size = int64_entry(state, "batch_size", /*missing=*/batch_size);
     EpochProgress progress;
     progress.steps = int64_entry(state, "epoch_progress.steps", /*missing=*/0);
     if (progress.steps > 0) {
@@ -493,13 +497,15 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
       progress.samples = state.at("epoch_progress.samples").to_int_vector();
       NANODDP_CHECK(progress.loss_sums.size() == static_cast<size_t>(world_size) &&
                         progress.samples.size() == static_cast<size_t>(world_size) &&
-                        saved_steps_per_epoch == steps_per_epoch,
-                    ValueError, "it was saved during epoch ", done + 1, ", after step ", progress.steps, " of ",
-                    saved_steps_per_epoch, ", by ", progress.samples.size(),
-                    progress.samples.size() == 1 ? " rank" : " ranks",
+                        saved_steps_per_epoch == steps_per_epoch && saved_batch_size == batch_size,
+                    ValueError, "it was saved during epoch ", done + 1, ", after step ", progress.steps,
+                    " of ", saved_steps_per_epoch, ", by ", progress.samples.size(),
+                    progress.samples.size() == 1 ? " rank" : " ranks", " with --batch-size ",
+                    saved_batch_size,
                     "; a checkpoint from the middle of an epoch resumes only at the same world size and "
                     "--batch-size (this run: ",
-                    world_size, world_size == 1 ? " rank, " : " ranks, ", steps_per_epoch, " steps per epoch)");
+                    world_size, world_size == 1 ? " rank, " : " ranks, ", "--batch-size ", batch_size, ", ",
+                    steps_per_epoch, " steps per epoch)");
       NANODDP_CHECK(progress.steps < steps_per_epoch, IOError, "'epoch_progress.steps' is ", progress.steps);
       // The steps done are the first of the epoch's order, which the seed sets: another seed
       // would skip other batches, and see some examples twice and others never.
@@ -810,9 +816,9 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
   if (resume && examples::checkpoint_exists(config.checkpoint)) {
     // Every rank reads the file (it must be on a filesystem they share) and loads the same
     // weights and optimizer state (the sharded strategies each take their share of it).
-    std::tie(first_epoch, resumed) =
-        restore(config.checkpoint, config.epochs, train_loader.size(), world_size, parallel, *optimizer,
-                config.optimizer, config.seed, schedule, scaler, chatty, *pg, used, only_job);
+    std::tie(first_epoch, resumed) = restore(
+        config.checkpoint, config.epochs, train_loader.size(), config.batch_size, world_size, parallel,
+        *optimizer, config.optimizer, config.seed, schedule, scaler, chatty, *pg, used, only_job);
     loaded = first_epoch >= 0;
     first_epoch = std::max(first_epoch, 0);
   }
@@ -946,13 +952,6 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
       }
       ++steps;
       samples += batch.input.size(0);
-      if (config.checkpoint_every > 0 && (epoch * train_loader.size() + steps) % config.checkpoint_every == 0 &&
-          steps < train_loader.size()) {
-        NoGradGuard no_grad;
-        save(config.checkpoint, sharded_checkpoint, epoch, train_loader.size(), parallel, *optimizer,
-             config.optimizer, config.seed, schedule, scaler, log_step(epoch, steps), rank, *pg, init.timeout,
-             steps, loss_sum.item(), samples);
-      }
       if (steps % kCheckEverySteps == 0 || steps == train_loader.size()) {
         const float mean_loss = loss_sum.item() / static_cast<float>(steps);
         check_finite(mean_loss, config, rank, epoch, steps);
@@ -969,6 +968,16 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
           record.samples_per_s = rate;
           metrics.write(record);
         }
+      }
+      // After the step's metrics line: a resume keeps the lines up to the checkpoint's step and
+      // writes on from the next, so a line written after the save would be lost to a kill.
+      if (config.checkpoint_every > 0 &&
+          (epoch * train_loader.size() + steps) % config.checkpoint_every == 0 &&
+          steps < train_loader.size()) {
+        NoGradGuard no_grad;
+        save(config.checkpoint, sharded_checkpoint, epoch, train_loader.size(), config.batch_size, parallel,
+             *optimizer, config.optimizer, config.seed, schedule, scaler, log_step(epoch, steps), rank, *pg,
+             init.timeout, steps, loss_sum.item(), samples);
       }
       // From the end of the previous step: the batch's loading and every sync in this one.
       const auto step_end = std::chrono::steady_clock::now();
@@ -1029,8 +1038,9 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
     record.test_accuracy = accuracy;
     metrics.write(record);
     if (!config.checkpoint.empty())
-      save(config.checkpoint, sharded_checkpoint, epoch + 1, train_loader.size(), parallel, *optimizer,
-           config.optimizer, config.seed, schedule, scaler, log_step(epoch + 1, 0), rank, *pg, init.timeout);
+      save(config.checkpoint, sharded_checkpoint, epoch + 1, train_loader.size(), config.batch_size, parallel,
+           *optimizer, config.optimizer, config.seed, schedule, scaler, log_step(epoch + 1, 0), rank, *pg,
+           init.timeout);
     epochs_done = epoch + 1;
     std::fflush(stdout);
   }

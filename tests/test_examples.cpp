@@ -857,6 +857,40 @@ TEST_CASE("fashion_mnist --metrics, resumed from a mid-epoch checkpoint: the lin
   }
 }
 
+TEST_CASE("fashion_mnist: a mid-epoch checkpoint does not resume at another --batch-size of as many steps") {
+  // 640 images: batches of 40 and of 41 both make 16 steps; 5 steps of 41 would skip examples
+  // that 5 steps of 40 never trained on.
+  TempDir dir;
+  write_small_fashion_mnist(dir.path, 640, 200);
+  const std::string checkpoint = dir.path + "/run.ckpt";
+  auto job = [&](const std::string& batch) {
+    return std::vector<std::string>{built("examples/fashion_mnist"),
+                                    "--data-dir",
+                                    dir.path,
+                                    "--batch-size",
+                                    batch,
+                                    "--epochs",
+                                    "1",
+                                    "--quiet",
+                                    "--checkpoint",
+                                    checkpoint,
+                                    "--checkpoint-every",
+                                    "5"};
+  };
+  std::vector<std::string> killed = {"/usr/bin/env", "NANODDP_FAULT_KILL_AT=0:7"};
+  for (const std::string& arg : job("40")) killed.push_back(arg);
+  REQUIRE(run(killed, 120s).code() != 0);
+  std::vector<std::string> other = job("41");
+  other.push_back("--resume");
+  const RunResult r = run(other, 120s);
+  CHECK(r.code() != 0);
+  CHECK_MESSAGE(
+      r.err.find("after step 5 of 16, by 1 rank with --batch-size 40; a checkpoint from the middle of "
+                 "an epoch resumes only at the same world size and --batch-size (this run: 1 rank, "
+                 "--batch-size 41, 16 steps per epoch)") != std::string::npos,
+      r.err);
+}
+
 TEST_CASE("fashion_mnist --resume on another world size: the schedule is this run's, as if never interrupted") {
   // 640 images, batch 32: 20 steps per epoch on 1 rank, 10 on 2. Continued from the 1-rank
   // checkpoint's own step count, the cosine would leave its curve (and diverge at batch 128).
