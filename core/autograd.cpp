@@ -458,7 +458,14 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
       if (g.defined()) accumulate_leaf_grad(t, std::move(g));
       if (has_gradient) {
         NoGradGuard no_grad;  // as torch's engine runs hooks: what they compute is not recorded
-        for (auto& [id, hook] : t.impl()->post_accumulate_grad_hooks) hook(t);
+        // A hook may remove itself or another, or register more (which changes the list it
+        // is in): run the ones registered now, each unless removed meanwhile.
+        const auto hooks = t.impl()->post_accumulate_grad_hooks;
+        for (const auto& [id, hook] : hooks) {
+          const auto& current = t.impl()->post_accumulate_grad_hooks;
+          if (std::any_of(current.begin(), current.end(), [id = id](const auto& h) { return h.first == id; }))
+            hook(t);
+        }
       }
       continue;
     }

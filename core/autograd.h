@@ -21,6 +21,7 @@
 //   4. the callbacks queued during the pass run (queue_callback).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -51,9 +52,14 @@ struct Node {
   // freed_saved_tensors when they free state of their own that apply() reads. The edges stay
   // (they hold no memory, Note [Graph edges]): a second backward through a node that saved
   // nothing (a sum, an add, a reshape) runs again and accumulates, as in torch; one through a
-  // node that saved something throws before any gradient moves.
+  // node that saved something throws before any gradient moves. A product with a number
+  // (mul(t, 0.5f)) saves nothing here and runs again; torch keeps the number as a tensor and
+  // throws there.
   virtual void release() {
-    freed_saved_tensors = freed_saved_tensors || !saved_.empty() || checkpoint_frame_ != nullptr;
+    // Undefined placeholders hold nothing (linear's input when only the bias needs a gradient).
+    freed_saved_tensors =
+        freed_saved_tensors || checkpoint_frame_ != nullptr ||
+        std::any_of(saved_.begin(), saved_.end(), [](const Tensor& t) { return t.defined(); });
     saved_.clear();
     saved_versions_.clear();
     checkpoint_frame_.reset();

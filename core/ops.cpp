@@ -236,7 +236,8 @@ struct BinaryBackward : Node {
 };
 
 Tensor binary_op(const char* name, const Tensor& a, const Tensor& b, BinaryOp op) {
-  if (a.defined() && b.defined() && (is_16bit_float(a.dtype()) || is_16bit_float(b.dtype()))) {
+  NANODDP_CHECK(a.defined() && b.defined(), ValueError, name, ": ", a.defined() ? "b" : "a", " is undefined");
+  if (is_16bit_float(a.dtype()) || is_16bit_float(b.dtype())) {
     check_floating(name, a, "a");  // Note [16-bit elementwise ops]
     check_floating(name, b, "b");
     return binary_op(name, a.to(DType::Float32), b.to(DType::Float32), op).to(promoted(a, b));

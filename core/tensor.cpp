@@ -349,8 +349,10 @@ Tensor Tensor::detach() const {
 Tensor Tensor::slice_view(int64_t offset, const Shape& shape) const {
   const TensorImpl& self = checked_impl();
   const int64_t count = shape.numel();
-  NANODDP_CHECK(offset >= 0 && offset <= numel() && count <= numel() - offset, IndexError, "slice_view of elements [",
-                offset, ", ", offset + count, ") as ", shape, " of a tensor of ", numel(), " elements ", self.shape);
+  // The message names the range by its start and size: offset + count may overflow.
+  NANODDP_CHECK(offset >= 0 && offset <= numel() && count <= numel() - offset, IndexError, "slice_view of ",
+                count, " elements from element ", offset, " as ", shape, " of a tensor of ", numel(),
+                " elements ", self.shape);
   const size_t item = dtype_size(self.dtype);
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = Storage::view(self.storage, static_cast<size_t>(offset) * item, static_cast<size_t>(count) * item);
@@ -376,6 +378,18 @@ bool Tensor::is_alias_of(const Tensor& other) const {
 void copy_values(const Tensor& dst, const Tensor& src) {
   NANODDP_CHECK(dst.shape() == src.shape() && dst.dtype() == src.dtype(), ShapeError, "copy_: destination ",
                 dst.shape(), " ", dst.dtype(), " and source ", src.shape(), " ", src.dtype(), " differ");
+  if (dst.nbytes() == 0) return;
+  if (dst.is_alias_of(src)) {
+    // Views of one allocation: the same elements copy to themselves; a partial overlap has
+    // no one answer (torch's copy_ refuses it too).
+    const int64_t to = dst.storage_offset(), from = src.storage_offset(), n = dst.numel();
+    if (to == from) return;
+    NANODDP_CHECK(
+        to + n <= from || from + n <= to, ValueError, "copy_: the destination (elements [", to, ", ", to + n,
+        ")) and the source (elements [", from, ", ", from + n,
+        ")) of one allocation overlap: some elements of the input and the written-to tensor refer to a "
+        "single memory location; copy from src.clone()");
+  }
   copy_bytes(dst.data_ptr(), dst.device(), src.data_ptr(), src.device(), dst.nbytes());
 }
 
@@ -449,6 +463,13 @@ Tensor Tensor::grad() const { return Tensor(checked_impl().grad); }
 void Tensor::set_grad(const Tensor& grad) {
   TensorImpl& self = checked_impl();
   if (grad.defined()) {
+    // Its own gradient, the next backward would add into the tensor's values (torch: "can't
+    // assign Variable as its own grad").
+    NANODDP_CHECK(
+        grad.impl_.get() != &self && !(grad.is_alias_of(*this) && grad.storage_offset() == storage_offset()),
+        ValueError, "set_grad: a tensor ", self.shape,
+        " cannot be its own gradient (nor a view of its own "
+        "values); give it a copy (clone())");
     NANODDP_CHECK(grad.shape() == self.shape && grad.device() == device(), ShapeError, "set_grad: gradient ",
                   grad.shape(), " on ", grad.device(), " for a tensor ", self.shape, " on ", device());
     // torch: "assigned grad has data of a different type"; the next backward's add would fail

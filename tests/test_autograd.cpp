@@ -286,6 +286,54 @@ TEST_CASE("post-accumulate-grad hooks fire once per backward, after the full gra
   CHECK(order == std::vector<std::string>{"w1"});
 }
 
+TEST_CASE("a hook may remove itself or register more while the hooks run; the others still run, once") {
+  // A one-shot hook (torch's handle.remove() inside the hook) used to skip the next hook and
+  // throw bad_function_call; one that registered a hook reallocated the list under the loop.
+  Tensor w = Tensor::from_vector({2.0f}).set_requires_grad(true);
+  std::vector<std::string> calls;
+  int first = -1;
+  first = w.register_post_accumulate_grad_hook([&](Tensor&) {
+    calls.push_back("h1");
+    w.remove_hook(first);
+    for (int i = 0; i < 8; ++i)
+      w.register_post_accumulate_grad_hook([&](Tensor&) { calls.push_back("late"); });
+  });
+  w.register_post_accumulate_grad_hook([&](Tensor&) { calls.push_back("h2"); });
+  int third = -1;
+  third = w.register_post_accumulate_grad_hook([&](Tensor&) { calls.push_back("h3"); });
+  w.register_post_accumulate_grad_hook([&](Tensor&) {
+    calls.push_back("h4");
+    w.remove_hook(third);  // already ran: removing it changes the next backward only
+  });
+  sum(w * 3.0f).backward();
+  CHECK(calls == std::vector<std::string>{"h1", "h2", "h3", "h4"});
+  calls.clear();
+  sum(w * 3.0f).backward();  // h1 and h3 gone; the 8 late ones run after h4, in order
+  std::vector<std::string> expected = {"h2", "h4"};
+  expected.insert(expected.end(), 8, "late");
+  CHECK(calls == expected);
+}
+
+TEST_CASE("a tensor cannot be its own gradient (torch: \"can't assign Variable as its own grad\")") {
+  Tensor p = Tensor::from_vector({1.0f, 2.0f}).set_requires_grad(true);
+  CHECK_THROWS_WITH_AS(p.set_grad(p), doctest::Contains("cannot be its own gradient"), ValueError);
+  CHECK_THROWS_WITH_AS(p.set_grad(p.detach()), doctest::Contains("cannot be its own gradient"), ValueError);
+  sum(p * 3.0f).backward();
+  CHECK(p.to_vector() == std::vector<float>{1, 2});  // the values are untouched
+  CHECK(p.grad().to_vector() == std::vector<float>{3, 3});
+}
+
+TEST_CASE("linear with only its bias requiring grad runs a second backward, as torch's") {
+  // Only undefined placeholders were saved: nothing was freed. torch 1.13: b.grad [2, 2].
+  const Tensor x = Tensor::from_vector({1.0f, 2.0f}, {1, 2});
+  const Tensor w = Tensor::from_vector({1.0f, 0.0f, 0.0f, 1.0f}, {2, 2});
+  Tensor b = Tensor::from_vector({0.5f, 0.5f}).set_requires_grad(true);
+  const Tensor y = sum(linear(x, w, b));
+  y.backward();
+  y.backward();
+  CHECK(b.grad().to_vector() == std::vector<float>{2, 2});
+}
+
 TEST_CASE("only leaves that require grad get .grad") {
   Tensor a = Tensor::from_vector({1.0f, 2.0f}).set_requires_grad(true);
   Tensor b = Tensor::from_vector({3.0f, 4.0f});

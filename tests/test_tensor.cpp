@@ -198,6 +198,25 @@ TEST_CASE("to(cpu) on a CPU tensor is the same tensor; clone is a copy; copy_ co
   a.copy_(c);
   CHECK(a.to_vector() == std::vector<float>(3, 2.0f));
   CHECK_THROWS_AS(a.copy_(Tensor::zeros({4})), ShapeError);
+  // Views of one allocation: disjoint ones copy, the same elements are left, a partial overlap
+  // is refused as torch's t[2:8].copy_(t[0:6]) is (memcpy over overlapping bytes is undefined).
+  Tensor t = Tensor::from_vector({0, 1, 2, 3, 4, 5, 6, 7});
+  t.slice_view(4, {4}).copy_(t.slice_view(0, {4}));
+  CHECK(t.to_vector() == std::vector<float>{0, 1, 2, 3, 0, 1, 2, 3});
+  t.slice_view(2, {3}).copy_(t.slice_view(2, {3}));
+  CHECK(t.to_vector() == std::vector<float>{0, 1, 2, 3, 0, 1, 2, 3});
+  CHECK_THROWS_WITH_AS(
+      t.slice_view(2, {6}).copy_(t.slice_view(0, {6})),
+      doctest::Contains("elements [2, 8)) and the source (elements [0, 6)) of one allocation overlap"),
+      ValueError);
+  CHECK(t.to_vector() == std::vector<float>{0, 1, 2, 3, 0, 1, 2, 3});
+  // A range past the end is named by its start and size, whatever they are.
+  CHECK_THROWS_WITH_AS(t.slice_view(INT64_MAX, {1}),
+                       doctest::Contains("slice_view of 1 elements from element 9223372036854775807"),
+                       IndexError);
+  // An undefined operand is named as such, whatever the other's dtype.
+  CHECK_THROWS_WITH_AS(add(Tensor::ones({2}).to(DType::Float16), Tensor()),
+                       doctest::Contains("add: b is undefined"), ValueError);
 }
 
 TEST_CASE("printing shows shape, dtype, device and values") {
