@@ -6,8 +6,10 @@
 // parameter, value); exit 0 when all pass. The tests/ headers below include doctest; the
 // grader is a program of its own, not a test suite.
 #define DOCTEST_CONFIG_DISABLE
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -24,7 +26,8 @@ namespace {
 constexpr int kRepeats = 5;
 
 // What the ring must give at world ranks: element i of rank r is (r + 1) * (i + 1), 10 of
-// them (not a multiple of 3); Sum, Avg, Max and Min, and an int64 Sum; no collective is used,
+// them (not a multiple of 3); Sum, Avg, Max and Min, and an int64 Sum; a NaN in Max and Min;
+// 0, 1 and 2 elements; an int64 past 2^60; int64 Avg refused; no collective is used,
 // only send and recv (an all_gather and a local sum gives the right numbers without a ring);
 // and each rank sends 2(N-1) parts of at most ceil(10 / N) elements, where passing the whole
 // buffer around sends N-1 whole buffers (docs/ring-all-reduce.md).
@@ -93,6 +96,60 @@ std::string ring_problems(const std::shared_ptr<dist::ProcessGroup>& group) {
       }
     }
   }
+  // NaN wins Max and Min whichever rank holds it, as in pg.all_reduce (torch.maximum):
+  // element 0 is NaN on rank 0 only, element 1 on the last rank only.
+  for (const dist::ReduceOp op : {dist::ReduceOp::Max, dist::ReduceOp::Min}) {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    Tensor t = Tensor::from_vector(
+        {rank == 0 ? nan : -2.0f, rank == world - 1 ? nan : 3.0f, static_cast<float>(rank + 1)});
+    problems += run_ring(t, op);
+    const std::vector<float> got = t.to_vector();
+    const float want = op == dist::ReduceOp::Max ? static_cast<float>(world) : 1.0f;
+    if (!std::isnan(got[0]) || !std::isnan(got[1]) || got[2] != want)
+      problems += who + "ring_all_reduce(" + dist::reduce_op_name(op) + ") of [" +
+                  (rank == 0 ? "nan" : "-2") + ", " + (rank == world - 1 ? "nan" : "3") + ", " +
+                  std::to_string(rank + 1) + "] gave [" + std::to_string(got[0]) + ", " +
+                  std::to_string(got[1]) + ", " + std::to_string(got[2]) + "], expected [nan, nan, " +
+                  std::to_string(want) +
+                  "]: a NaN on any rank wins (std::max(a, b) keeps a when b is NaN; test with std::isnan)\n";
+  }
+  // Fewer elements than ranks, and none: some parts are empty.
+  for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{2}}) {
+    std::vector<float> values;
+    for (int64_t i = 0; i < n; ++i) values.push_back(static_cast<float>((rank + 1) * (i + 1)));
+    Tensor t = Tensor::from_vector(values, {n});
+    problems += run_ring(t, dist::ReduceOp::Sum);
+    const std::vector<float> got = t.to_vector();
+    for (int64_t i = 0; i < n; ++i)
+      if (got[static_cast<size_t>(i)] != static_cast<float>(rank_sum * (i + 1))) {
+        problems +=
+            who + "ring_all_reduce(sum) of " + std::to_string(n) + " element(s) on " + std::to_string(world) +
+            " ranks: element " + std::to_string(i) + " = " + std::to_string(got[static_cast<size_t>(i)]) +
+            ", expected " + std::to_string(rank_sum * (i + 1)) +
+            " (with fewer elements than ranks some parts are empty: clamp each part's start and end to "
+            "the tensor's size)\n";
+        break;
+      }
+  }
+  // int64 sums exactly, past what a float or a double holds; int64 has no Avg (ValueError).
+  {
+    const int64_t big = (int64_t{1} << 60) + 1;
+    Tensor t = Tensor::from_vector(std::vector<int64_t>{big + rank});
+    problems += run_ring(t, dist::ReduceOp::Sum);
+    const int64_t want = big * world + world * (world - 1) / 2, got = t.to_int_vector()[0];
+    if (got != want)
+      problems += who + "ring_all_reduce(sum) of int64 " + std::to_string(big + rank) + " gave " +
+                  std::to_string(got) + ", expected " + std::to_string(want) +
+                  " exactly: add int64 as int64, not through float or double\n";
+    Tensor ints = Tensor::from_vector(std::vector<int64_t>{1, 2});
+    bool refused = false;
+    try {
+      dist::ring_all_reduce(*pg, ints, dist::ReduceOp::Avg, std::chrono::seconds(30));
+    } catch (const ValueError&) {
+      refused = true;
+    }
+    if (!refused) problems += who + "ring_all_reduce(avg) of int64 did not throw ValueError (dist/ring.h)\n";
+  }
   return problems;
 }
 
@@ -105,6 +162,8 @@ std::string rung_problems(const std::string& rung, const std::shared_ptr<dist::P
   if (problems.empty()) problems = ladder_checks::gradient_matches(rung, pg, /*micro_batches=*/3);
   if (problems.empty()) problems = ladder_checks::counts_match_after_rewrap(rung, pg);
   if (problems.empty()) problems = ladder_checks::equals_one_process(rung, pg);
+  if (problems.empty()) problems = ladder_checks::frozen_layer_problems(rung, pg);
+  if (problems.empty()) problems = ladder_checks::unused_parameter_problems(rung, pg);
   return problems;
 }
 
@@ -113,7 +172,8 @@ std::string grade(const std::string& name) {
   for (const char* backend : {"gloo", "shm"}) {
     ::setenv("NANODDP_TEST_BACKEND", backend, 1);  // read by testing::join in the forked ranks
     for (int repeat = 1; repeat <= kRepeats; ++repeat) {
-      for (const int world : {2, 3}) {
+      // The ring at 1 rank too: nothing to send, the tensor as it is.
+      for (const int world : name == "ring" ? std::vector<int>{1, 2, 3} : std::vector<int>{2, 3}) {
         const int port = testing::free_port();
         const std::string failures = testing::on_ranks(
             world,
@@ -150,7 +210,8 @@ int main(int argc, char** argv) {
     }
     const std::string problems = grade(name);
     if (problems.empty()) {
-      std::printf("%s: passed (gloo and shm, 2 and 3 ranks, %d runs each)\n", name.c_str(), kRepeats);
+      std::printf("%s: passed (gloo and shm, %s ranks, %d runs each)\n", name.c_str(),
+                  name == "ring" ? "1, 2 and 3" : "2 and 3", kRepeats);
     } else {
       std::printf("%s: FAILED on %s", name.c_str(), problems.c_str());
       ++failed;

@@ -12,11 +12,14 @@
 //    docs/ring-all-reduce.md number the parts one lower, so that rank r holds part r: the
 //    same schedule). The all-gather: N - 1 more steps, sending the part just completed and
 //    overwriting the one received.
-//  - ReduceOp::Avg: sum, then divide by N. Max/Min: combine with the op instead of adding.
-//  - N == 1: nothing to send.
-// The grader checks the values at 2 and 3 ranks (numel not a multiple of N; float32 and
-// int64), that no collective was called, and that each rank sent 2(N-1) parts, not whole
-// buffers.
+//  - ReduceOp::Avg: sum, then divide by N; int64 has no Avg (throw ValueError first, as
+//    dist/ring.h says). Max/Min: combine with the op instead of adding; a NaN on any rank
+//    wins (std::max(a, b) keeps a when b is NaN: test with std::isnan).
+//  - N == 1: nothing to send. Fewer elements than ranks: some parts are empty.
+// The grader checks the values at 1, 2 and 3 ranks (numel not a multiple of N, and 0, 1 and 2
+// elements; float32 and int64, one past 2^60 that must add exactly), NaN in Max and Min, int64
+// Avg refused, that no collective was called, and that each rank sent 2(N-1) parts, not whole
+// buffers. Your file must define this function exactly (namespace and parameter types).
 #include "dist/ring.h"
 
 #include "core/error.h"

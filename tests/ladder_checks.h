@@ -475,4 +475,90 @@ inline std::string gradient_matches(const std::string& rung, const std::shared_p
   return report.str();
 }
 
+// One step of the MLP with its first layer frozen (requires_grad false on every rank, as
+// fine-tuning does): "" when the trainable parameters' gradients equal one process's and the
+// frozen ones have none. A rung reduces the parameters it was given to train (params_), not
+// every parameter of the model.
+inline std::string frozen_layer_problems(const std::string& rung,
+                                         const std::shared_ptr<dist::ProcessGroup>& pg) {
+  const int rank = pg->rank(), world = pg->size();
+  const std::string who = "rank " + std::to_string(rank) + "/" + std::to_string(world) + " " + rung +
+                          ", the MLP with its first layer frozen: ";
+  const Batch global = global_batch(0, 5), mine = share(global, rank, world);
+  const auto freeze_first_layer = [](nn::Module& model) {
+    for (auto& [name, param] : model.named_parameters())
+      if (name.rfind("0.", 0) == 0) param.set_requires_grad(false);
+  };
+  auto reference = make_mlp(7), model = make_mlp(rank == 0 ? 7 : 99);
+  freeze_first_layer(*reference);
+  freeze_first_layer(*model);
+  cross_entropy((*reference)(global.x), global.y).backward();
+  try {
+    auto dp = make_rung(rung, model, pg);
+    cross_entropy((*dp)(mine.x), mine.y).backward();
+    dp->finish_gradient_sync();
+  } catch (const std::exception& e) {
+    return who + e.what() + " (reduce the parameters that require grad, not every parameter of the model)\n";
+  }
+  std::string problems;
+  const auto want = reference->named_parameters(), got = model->named_parameters();
+  for (size_t p = 0; p < got.size(); ++p) {
+    const Tensor grad = got[p].second.grad();
+    if (!got[p].second.requires_grad()) {
+      if (grad.defined()) problems += who + got[p].first + " is frozen but has a .grad after the step\n";
+      continue;
+    }
+    if (!grad.defined()) {
+      problems += who + got[p].first + " has no gradient after finish_gradient_sync()\n";
+      continue;
+    }
+    const std::vector<float> g = grad.to_vector(), w = want[p].second.grad().to_vector();
+    for (size_t j = 0; j < g.size(); ++j)
+      if (!(std::abs(g[j] - w[j]) <= kLadderTolerance)) {
+        problems += who + got[p].first + ".grad[" + std::to_string(j) + "] = " + std::to_string(g[j]) +
+                    ", expected " + std::to_string(w[j]) + " (one process on the global batch)\n";
+        break;
+      }
+  }
+  return problems;
+}
+
+// A model with a layer its forward never uses: 5 -> 3, and 3 -> 3 beside it.
+class WithUnusedLayer : public nn::Module {
+ public:
+  explicit WithUnusedLayer(uint64_t seed) {
+    Generator gen(seed);
+    used_ = register_module("used", std::make_shared<nn::Linear>(5, 3, gen));
+    register_module("unused", std::make_shared<nn::Linear>(3, 3, gen));
+  }
+  Tensor forward(const Tensor& input) override { return (*used_)(input); }
+
+ private:
+  std::shared_ptr<nn::Linear> used_;
+};
+
+// One step of that model: "" when finish_gradient_sync() throws DistError, as the contract
+// says (examples/ladder/rung.h) and torch's DDP does without find_unused_parameters: a rung
+// that skips the parameter would step with a gradient the ranks never agreed on.
+inline std::string unused_parameter_problems(const std::string& rung,
+                                             const std::shared_ptr<dist::ProcessGroup>& pg) {
+  const int rank = pg->rank(), world = pg->size();
+  const std::string who = "rank " + std::to_string(rank) + "/" + std::to_string(world) + " " + rung + ": ";
+  auto dp = make_rung(rung, std::make_shared<WithUnusedLayer>(7), pg);
+  const Batch mine = share(global_batch(0, 5), rank, world);
+  cross_entropy((*dp)(mine.x), mine.y).backward();
+  try {
+    dp->finish_gradient_sync();
+  } catch (const DistError&) {
+    return "";
+  } catch (const std::exception& e) {
+    return who + "a model whose layer 'unused' gets no gradient: finish_gradient_sync() threw " + e.what() +
+           "; the contract is a DistError naming the parameter (check grad.defined())\n";
+  }
+  return who +
+         "a model whose layer 'unused' gets no gradient: finish_gradient_sync() returned; it must throw "
+         "DistError naming the parameter (examples/ladder/rung.h), as torch's DDP does without "
+         "find_unused_parameters\n";
+}
+
 }  // namespace nanoddp::ladder_checks

@@ -223,6 +223,23 @@ TEST_CASE("a rung whose parameter got no gradient throws a DistError naming it")
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE(
+    "2 ranks: every rung reduces only trainable parameters (a frozen first layer), and throws DistError for "
+    "a layer "
+    "that got no gradient") {
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = testing::join(rank, 2, port);
+    for (const char* rung : {"naive", "flat", "overlap"}) {
+      const std::string frozen = ladder_checks::frozen_layer_problems(rung, pg);
+      expect(frozen.empty(), frozen);
+      const std::string unused = ladder_checks::unused_parameter_problems(rung, pg);
+      expect(unused.empty(), unused);
+    }
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("docs answers: one step of fashion_mnist's MLP (235146 parameters) at 2 ranks: naive 6 all_reduces, flat 1, overlap 6, buckets 1, each step 940584 bytes") {
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [&](int rank) {
