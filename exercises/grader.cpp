@@ -40,9 +40,15 @@ std::string ring_problems(const std::shared_ptr<dist::ProcessGroup>& group) {
   const auto run_ring = [&](Tensor& t, dist::ReduceOp op) {
     group->reset_counts();
     pg->sent_bytes = 0;
-    dist::ring_all_reduce(*pg, t, op, std::chrono::seconds(30));
     const std::string call =
         who + "ring_all_reduce(" + dist::reduce_op_name(op) + ") of " + dtype_name(t.dtype()) + " ";
+    try {
+      dist::ring_all_reduce(*pg, t, op, std::chrono::seconds(30));
+    } catch (const TimeoutError& e) {
+      return call + "timed out (" + e.what() +
+             "): every rank waiting for its send before posting its recv waits for ever (a send may wait for "
+             "its receiver): post the recv, then wait for both\n";
+    }
     std::string found;
     const size_t part = static_cast<size_t>((t.numel() + world - 1) / world) * dtype_size(t.dtype());
     const size_t most = 2 * static_cast<size_t>(world - 1) * part;

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <deque>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -221,7 +222,10 @@ inline std::string equals_one_process(const std::string& rung, const std::shared
     if (!report.empty())
       problems += "rank " + std::to_string(rank) + "/" + std::to_string(world) + " " + rung + ", " +
                   kind.name + ": after " + std::to_string(kSteps) +
-                  " steps the parameters differ from one process on the global batch:\n" + report;
+                  " steps the parameters differ from one process on the global batch (where one step is "
+                  "right, look for state kept from step to step: a buffer added into instead of overwritten, "
+                  "a list of Works not emptied):\n" +
+                  report;
   }
   return problems;
 }
@@ -280,6 +284,7 @@ class DeferringGroup : public testing::ForwardingGroup {
   using ForwardingGroup::ForwardingGroup;
   std::shared_ptr<dist::Work> all_reduce(Tensor& t, dist::ReduceOp op) override {
     auto call = std::make_shared<Call>(Call{t, op, t.to_vector()});
+    if (t.numel() > 0 && !reduced_.insert(t.data_ptr()).second) reduced_twice = true;
     queue_.push_back(call);
     most_in_flight = std::max(most_in_flight, static_cast<int>(queue_.size()));
     return std::make_shared<Deferred>(this, call);
@@ -288,6 +293,7 @@ class DeferringGroup : public testing::ForwardingGroup {
 
   int most_in_flight = 0;
   bool changed_in_flight = false;
+  bool reduced_twice = false;  // one memory all-reduced by two calls
 
  private:
   struct Call {
@@ -313,6 +319,7 @@ class DeferringGroup : public testing::ForwardingGroup {
     }
   }
   std::deque<std::shared_ptr<Call>> queue_;
+  std::set<const void*> reduced_;
 };
 
 // One step of the MLP through a DeferringGroup: "" unless a gradient changed while its
@@ -327,6 +334,12 @@ inline std::string in_flight_problems(const std::string& rung,
   dp->finish_gradient_sync();
   const std::string who =
       "rank " + std::to_string(pg->rank()) + "/" + std::to_string(pg->size()) + " " + rung + ": ";
+  // Reduced twice, the second call's divide changes the tensor while the first is in flight:
+  // the double reduction is the mistake to name.
+  if (deferring->reduced_twice)
+    return who +
+           "one tensor was all-reduced twice in one step: every parameter is reduced once (hooks registered "
+           "twice, or a loop that visits a parameter again?)\n";
   if (deferring->changed_in_flight)
     return who +
            "a tensor changed between its all_reduce call and the wait for it (a divide, say): a tensor "
@@ -447,7 +460,10 @@ inline std::string gradient_matches(const std::string& rung, const std::shared_p
       if (d != world &&
           all_near([&](size_t j) { return w[j] * static_cast<float>(world) / static_cast<float>(d); }))
         divided_by = d;
-    if (all_near([&](size_t j) { return w[j] * static_cast<float>(world); }))
+    const bool all_zero = std::all_of(g.begin(), g.end(), [](float v) { return v == 0.0f; });
+    if (all_zero && std::any_of(w.begin(), w.end(), [](float v) { return std::abs(v) > kLadderTolerance; }))
+      report << ": every value is 0: multiplied by 0 (1 / W computed in integers is 0: write 1.0f / W)";
+    else if (all_near([&](size_t j) { return w[j] * static_cast<float>(world); }))
       report << ": every value is " << world
              << " times the mean: summed over ranks but not divided by the world size";
     else if (all_near([&](size_t j) { return w[j] / static_cast<float>(world); }))
