@@ -278,6 +278,17 @@ double evaluate(nn::Module& model, data::DataLoader& loader, dist::ProcessGroup&
   return static_cast<double>(totals[0]) / static_cast<double>(totals[1]);
 }
 
+// The optimizer's settings besides the learning rate (which the schedule owns), by flag:
+// "momentum" is --momentum. A checkpoint keeps them; a resume with others is refused, where
+// torch's load_state_dict would quietly restore the saved ones over what the run asked for.
+nn::StateDict optimizer_settings(const Config& config) {
+  nn::StateDict settings;
+  if (config.optimizer == "sgd") settings["momentum"] = Tensor::scalar(config.momentum.value_or(0.9f));
+  const double default_decay = config.optimizer == "adamw" ? nn::AdamWOptions{}.weight_decay : 0.0;
+  settings["weight_decay"] = Tensor::scalar(static_cast<float>(config.weight_decay.value_or(default_decay)));
+  return settings;
+}
+
 int64_t optimizer_kind(const std::string& name) {
   const std::vector<std::string>& names = examples::optimizer_names();
   return std::find(names.begin(), names.end(), name) - names.begin();
@@ -307,9 +318,10 @@ std::optional<int64_t> job_digest() {
 // rank writes its part of a set and rank 0 its manifest. loss_sum and samples are this rank's.
 void save(const std::string& path, bool sharded, int epochs_done, int64_t steps_per_epoch, int64_t batch_size,
           examples::ParallelModel& parallel, nn::Optimizer& optimizer, const std::string& optimizer_name,
-          uint64_t seed, const Schedule& schedule, const dist::GradScaler& scaler, int64_t metrics_step,
-          int rank, dist::ProcessGroup& pg, std::chrono::milliseconds timeout, int64_t steps_in_epoch = 0,
-          float loss_sum = 0, int64_t samples = 0) {
+          const nn::StateDict& settings, uint64_t seed, const Schedule& schedule,
+          const dist::GradScaler& scaler, int64_t metrics_step, int rank, dist::ProcessGroup& pg,
+          std::chrono::milliseconds timeout, int64_t steps_in_epoch = 0, float loss_sum = 0,
+          int64_t samples = 0) {
   // Sharded, nothing is gathered: each rank keeps its pieces.
   nn::StateDict model_state, optimizer_state;
   if (!sharded) {
@@ -338,6 +350,7 @@ void save(const std::string& path, bool sharded, int epochs_done, int64_t steps_
   // The metrics log's step at this point: runs resumed at other world sizes count on from it.
   state["metrics_step"] = Tensor::from_vector(std::vector<int64_t>{metrics_step});
   state["optimizer_kind"] = Tensor::from_vector(std::vector<int64_t>{optimizer_kind(optimizer_name)});
+  nn::merge_prefixed(state, "optimizer_settings.", settings);
   state["seed"] = Tensor::from_vector(std::vector<int64_t>{static_cast<int64_t>(seed)});
   if (const std::optional<int64_t> job = job_digest()) state["job"] = Tensor::from_vector(std::vector<int64_t>{*job});
   // DDP's re-planned buckets (Note [Bucket rebuild]): the resumed run reduces in the same
@@ -447,7 +460,6 @@ ReadCheckpoint read_checkpoint(const std::string& path, const examples::Parallel
   }
 }
 
-
 // Note [Resuming elsewhere]
 // A checkpoint is written at the end of an epoch, so a run resumes at an epoch boundary,
 // which means the same thing at any world size or batch size: the data order of every epoch
@@ -467,7 +479,8 @@ ReadCheckpoint read_checkpoint(const std::string& path, const examples::Parallel
 // over the batches already taken (the order depends only on seed and epoch, so they are the
 // same batches), and goes on from the next one; Dropout's generator is reseeded per rank and
 // step, so its masks need no saved state. Positions within an epoch mean something only for
-// the same world size and steps per epoch: such a checkpoint resumes only there.
+// the same world size and --batch-size (two batch sizes can make as many steps, and the steps
+// done would skip other examples): such a checkpoint resumes only there.
 //
 // Returns how many epochs the checkpoint had completed, and where it is in the next one; sets
 // used_path to the file it came from (path, or path's previous one when path is damaged:
@@ -476,9 +489,9 @@ ReadCheckpoint read_checkpoint(const std::string& path, const examples::Parallel
 std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64_t steps_per_epoch,
                                       int64_t batch_size, int world_size, examples::ParallelModel& parallel,
                                       nn::Optimizer& optimizer, const std::string& optimizer_name,
-                                      uint64_t seed, Schedule& schedule, dist::GradScaler& scaler,
-                                      bool chatty, dist::ProcessGroup& pg, std::string& used_path,
-                                      std::optional<int64_t> only_job) {
+                                      const nn::StateDict& settings, uint64_t seed, Schedule& schedule,
+                                      dist::GradScaler& scaler, bool chatty, dist::ProcessGroup& pg,
+                                      std::string& used_path, std::optional<int64_t> only_job) {
   try {
     ReadCheckpoint read = read_checkpoint(path, parallel, optimizer, pg, used_path, only_job);
     if (read.other_job) return {-1, {}};
@@ -537,6 +550,15 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
       NANODDP_CHECK(saved_kind == optimizer_kind(optimizer_name), ValueError, "its run used --optimizer ",
                     optimizers[static_cast<size_t>(saved_kind)], " and this one --optimizer ", optimizer_name,
                     ": resume with --optimizer ", optimizers[static_cast<size_t>(saved_kind)]);
+    for (const auto& [name, value] : settings) {
+      const auto saved = state.find("optimizer_settings." + name);
+      if (saved == state.end()) continue;  // a checkpoint older than the entry
+      std::string flag = "--" + name;
+      std::replace(flag.begin(), flag.end(), '_', '-');
+      const float was = saved->second.item(), now = value.item();
+      NANODDP_CHECK(was == now, ValueError, "its run used ", flag, " ", was, " and this one ", flag, " ", now,
+                    ": resume with ", flag, " ", was, ", or start a new run (another --checkpoint file)");
+    }
     try {
       if (read.local)
         parallel.load_local_optimizer(optimizer, *read.local);
@@ -816,9 +838,10 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
   if (resume && examples::checkpoint_exists(config.checkpoint)) {
     // Every rank reads the file (it must be on a filesystem they share) and loads the same
     // weights and optimizer state (the sharded strategies each take their share of it).
-    std::tie(first_epoch, resumed) = restore(
-        config.checkpoint, config.epochs, train_loader.size(), config.batch_size, world_size, parallel,
-        *optimizer, config.optimizer, config.seed, schedule, scaler, chatty, *pg, used, only_job);
+    std::tie(first_epoch, resumed) =
+        restore(config.checkpoint, config.epochs, train_loader.size(), config.batch_size, world_size,
+                parallel, *optimizer, config.optimizer, optimizer_settings(config), config.seed, schedule,
+                scaler, chatty, *pg, used, only_job);
     loaded = first_epoch >= 0;
     first_epoch = std::max(first_epoch, 0);
   }
@@ -976,8 +999,8 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
           steps < train_loader.size()) {
         NoGradGuard no_grad;
         save(config.checkpoint, sharded_checkpoint, epoch, train_loader.size(), config.batch_size, parallel,
-             *optimizer, config.optimizer, config.seed, schedule, scaler, log_step(epoch, steps), rank, *pg,
-             init.timeout, steps, loss_sum.item(), samples);
+             *optimizer, config.optimizer, optimizer_settings(config), config.seed, schedule, scaler,
+             log_step(epoch, steps), rank, *pg, init.timeout, steps, loss_sum.item(), samples);
       }
       // From the end of the previous step: the batch's loading and every sync in this one.
       const auto step_end = std::chrono::steady_clock::now();
@@ -1039,8 +1062,8 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
     metrics.write(record);
     if (!config.checkpoint.empty())
       save(config.checkpoint, sharded_checkpoint, epoch + 1, train_loader.size(), config.batch_size, parallel,
-           *optimizer, config.optimizer, config.seed, schedule, scaler, log_step(epoch + 1, 0), rank, *pg,
-           init.timeout);
+           *optimizer, config.optimizer, optimizer_settings(config), config.seed, schedule, scaler,
+           log_step(epoch + 1, 0), rank, *pg, init.timeout);
     epochs_done = epoch + 1;
     std::fflush(stdout);
   }

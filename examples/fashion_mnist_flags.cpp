@@ -57,7 +57,7 @@ int nanoddp::examples::fashion_mnist_main(int argc, char** argv, bool cnn) {
          "(FILE.g<N>.shard-<r>-of-<W>), each written by its rank (--strategy zero1, zero2, fsdp). Either, "
          "saved at an epoch's end, resumes at any world size and strategy; a mid-epoch one "
          "(--checkpoint-every) "
-         "at its own world size (docs/ddp/10-faults.md)")
+         "at its own world size and --batch-size (docs/ddp/10-faults.md)")
       ->check(CLI::IsMember({"full", "sharded"}));
   app.add_option(
          "--checkpoint-every", config.checkpoint_every,

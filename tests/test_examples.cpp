@@ -592,6 +592,19 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   CHECK_MESSAGE(r.err.find("cannot resume from checkpoint " + ckpt + ": its run used --optimizer sgd and this one "
                            "--optimizer adamw: resume with --optimizer sgd") != std::string::npos,
                 r.err);
+  // So is another --momentum or --weight-decay (torch's load_state_dict would restore the saved
+  // ones over what the run asked for, without a word).
+  r = run_with({"--epochs", "3", "--momentum", "0.5", "--checkpoint", ckpt, "--resume"});
+  CHECK(r.code() == 1);
+  CHECK_MESSAGE(
+      r.err.find("its run used --momentum 0.9 and this one --momentum 0.5: resume with --momentum 0.9") !=
+          std::string::npos,
+      r.err);
+  r = run_with({"--epochs", "3", "--weight-decay", "0.01", "--checkpoint", ckpt, "--resume"});
+  CHECK(r.code() == 1);
+  CHECK_MESSAGE(
+      r.err.find("its run used --weight-decay 0 and this one --weight-decay 0.01") != std::string::npos,
+      r.err);
   // Another --lr with the checkpoint's schedule (same --epochs): the schedule goes on (a loaded
   // torch optimizer keeps its lr), and the run says, under --quiet too, that the flag is not used.
   r = run_with({"--epochs", "2", "--lr", "0.5", "--checkpoint", ckpt, "--resume"});
