@@ -97,6 +97,9 @@ class StagingGroup : public ProcessGroup {
   Tensor new_collective_buffer(int64_t numel, DType dtype, Device device) override {
     return inner_->new_collective_buffer(numel, dtype, device);
   }
+  // Every call goes to the inner group, which counts it (Note [Collective counters]).
+  CollectiveCount count(Collective collective) const override { return inner_->count(collective); }
+  void reset_counts() override { inner_->reset_counts(); }
 
   // Staging issues the inner collective within the call: the guard reaches the inner one.
   std::shared_ptr<Work> start_guarded(CollectiveGuard guard,

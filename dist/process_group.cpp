@@ -98,10 +98,10 @@ const char* collective_name(Collective collective) {
 // Note [Collective counters]
 // A learner should be able to check claims such as "DDP issues one all-reduce per bucket per
 // optimizer step, none inside no_sync" by reading numbers, not code. Each backend reports
-// every collective to count_call() before doing anything else, so the counters are kept in
-// this one place and mean the same whatever the backend. Relaxed atomics: the counters order
-// nothing; they are read by tests and --explain after the collectives they count have been
-// waited for.
+// every collective to count_call() once its arguments are checked (a refused call is not
+// counted), so the counters are kept in this one place and mean the same whatever the backend. Relaxed
+// atomics: the counters order nothing; they are read by tests and --explain after the collectives they count
+// have been waited for.
 //
 // Note [Bytes moved]
 // The counters above say what the caller asked for. What crosses between ranks depends on the

@@ -210,7 +210,10 @@ class ProcessGroup {
 
   // Point-to-point (torch.distributed.isend / irecv; wait() on the Work for send / recv).
   // tensor: any shape and dtype; recv's tensor must have the shape and dtype of the matching send.
-  // Messages between two ranks arrive in the order sent; tag must match too. Throws
+  // Messages between two ranks arrive in the order sent; tag must match too. On shm they share
+  // the pair's channel with the collectives, in order: a message sent before a collective must
+  // be received before it, and recvs go in the order of the sends whatever their tags (torch's
+  // isend/irecv and our Gloo and MPI allow both; shm says so with a DistError). Throws
   // ValueError when dst/src is not another rank of the group; a mismatch in size, dtype or
   // tag is a DistError on the receiving side (shm; MPI for a size that differs, Note [MPI
   // probed recv]) or, where the library cannot tell, data cut short, or reinterpreted when both are n
@@ -269,13 +272,16 @@ class ProcessGroup {
   virtual MovedBytes moved_bytes() const { return {}; }
 
   // Counters (Note [Collective counters]): calls and bytes of each collective this rank has
-  // issued, including those a world of one completes at once. Safe to read from any thread.
-  CollectiveCount count(Collective collective) const;
-  void reset_counts();
+  // issued, including those a world of one completes at once; a call refused for its
+  // arguments is not counted. Safe to read from any thread. Virtual for wrappers that only
+  // move tensors (host staging), which read their inner group's.
+  virtual CollectiveCount count(Collective collective) const;
+  virtual void reset_counts();
 
  protected:
-  // Every backend calls this once at the top of each collective; it is the only place that
-  // counts, so the counters mean the same on every backend.
+  // Every backend (and the collective check) calls this once in each collective, once its
+  // arguments are checked; it is the only place that counts, so the counters mean the same on
+  // every backend.
   // payload: the tensor whose bytes are counted (see CollectiveCount); none for barrier.
   void count_call(Collective collective, const Tensor& payload = Tensor());
 

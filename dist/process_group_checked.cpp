@@ -224,16 +224,26 @@ class CheckedWork : public Work {
   bool fingerprints_arrived() { return settled_ || (fingerprints_ && fingerprints_->is_completed()); }
 
   // Waits for the fingerprints, compares them and starts the collective, or records the
-  // mismatch (CheckState::mutex held). TimeoutError leaves the call unsettled: a later wait
-  // may still see the peers arrive.
+  // mismatch (CheckState::mutex held). TimeoutError leaves the call unsettled while the
+  // exchange is still going (a later wait may still see the peers arrive); an exchange that
+  // ended in a timeout (the backend gave up on it) settles the call with that error, so that
+  // is_completed() and later calls, which look at it too, do not throw it.
   void settle(std::chrono::milliseconds timeout) {
     if (settled_) return;
     try {
       fingerprints_->wait(timeout);
     } catch (const TimeoutError& e) {
-      NANODDP_THROW(TimeoutError, description_, ": not every rank reached a collective to compare #",
-                    mine_[0],
-                    " with (a peer exited, is stuck, or issues fewer collectives): ", message_of(e));
+      std::exception_ptr error;
+      try {
+        NANODDP_THROW(TimeoutError, description_, ": not every rank reached a collective to compare #",
+                      mine_[0],
+                      " with (a peer exited, is stuck, or issues fewer collectives): ", message_of(e));
+      } catch (...) {
+        error = std::current_exception();
+      }
+      if (!fingerprints_->is_completed()) std::rethrow_exception(error);
+      fail(error);
+      return;
     } catch (...) {
       fail(naming_the_call(std::current_exception()));
       return;
@@ -440,37 +450,37 @@ class CheckedProcessGroup : public ProcessGroup {
 
   // Arguments are checked here, at the call, as the backends do; the backend checks the device.
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
-    count_call(Collective::AllReduce, tensor);
     const std::string what = std::string("all_reduce(") + reduce_op_name(op) + ")";
     check_tensor(what, tensor, device_of(tensor));
     check_reduce(what, tensor, op);
+    count_call(Collective::AllReduce, tensor);
     return checked(CallKind::AllReduce, what, tensor, static_cast<int64_t>(op), 0,
                    [inner = state_->inner, tensor, op]() mutable { return inner->all_reduce(tensor, op); });
   }
   std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
-    count_call(Collective::Broadcast, tensor);
     check_tensor("broadcast", tensor, device_of(tensor));
     NANODDP_CHECK(root >= 0 && root < world_size_, ValueError, describe("broadcast", tensor), ": root ", root,
                   " is not a rank of this group");
+    count_call(Collective::Broadcast, tensor);
     return checked(
         CallKind::Broadcast, "broadcast from rank " + std::to_string(root), tensor, -1, root,
         [inner = state_->inner, tensor, root]() mutable { return inner->broadcast(tensor, root); });
   }
   std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
-    count_call(Collective::AllGather, input);
     check_tensor("all_gather", input, device_of(input));
     check_list("all_gather", outputs, input);
+    count_call(Collective::AllGather, input);
     return checked(
         CallKind::AllGather, "all_gather", input, -1, static_cast<int64_t>(outputs.size()),
         [inner = state_->inner, outputs, input]() mutable { return inner->all_gather(outputs, input); });
   }
   std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
                                        ReduceOp op) override {
-    count_call(Collective::ReduceScatter, output);
     const std::string what = std::string("reduce_scatter(") + reduce_op_name(op) + ")";
     check_tensor(what, output, device_of(output));
     check_reduce(what, output, op);
     check_list(what, inputs, output);
+    count_call(Collective::ReduceScatter, output);
     return checked(CallKind::ReduceScatter, what, output, static_cast<int64_t>(op),
                    static_cast<int64_t>(inputs.size()),
                    [inner = state_->inner, output, inputs, op]() mutable {

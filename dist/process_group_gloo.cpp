@@ -483,20 +483,20 @@ class ProcessGroupGloo : public ProcessGroup {
   Store& store() override { return *store_; }
 
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
-    count_call(Collective::AllReduce, tensor);
     std::string what = std::string("all_reduce(") + reduce_op_name(op) + ")";
     check_tensor(what, tensor, Device::cpu());
     check_reduce(what, tensor, op);
+    count_call(Collective::AllReduce, tensor);
     if (world_size_ == 1 || tensor.numel() == 0) return std::make_shared<CompletedWork>();
     return enqueue(describe(what, tensor),
                    [tensor, op](GlooRunner& runner) { runner.all_reduce(tensor, op); });
   }
 
   std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
-    count_call(Collective::Broadcast, tensor);
     check_tensor("broadcast", tensor, Device::cpu());
     NANODDP_CHECK(root >= 0 && root < world_size_, ValueError, describe("broadcast", tensor),
                   ": root ", root, " is not a rank of this group");
+    count_call(Collective::Broadcast, tensor);
     if (world_size_ == 1 || tensor.numel() == 0) return std::make_shared<CompletedWork>();
     return enqueue(describe("broadcast from rank " + std::to_string(root), tensor),
                    [tensor, root](GlooRunner& runner) {
@@ -510,9 +510,9 @@ class ProcessGroupGloo : public ProcessGroup {
   }
 
   std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
-    count_call(Collective::AllGather, input);
     check_tensor("all_gather", input, Device::cpu());
     check_list("all_gather", outputs, input);
+    count_call(Collective::AllGather, input);
     std::vector<Tensor> outs = outputs;
     if (world_size_ == 1) {
       copy_values(outs[0], input);
@@ -539,11 +539,11 @@ class ProcessGroupGloo : public ProcessGroup {
 
   std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
                                        ReduceOp op) override {
-    count_call(Collective::ReduceScatter, output);
     std::string what = std::string("reduce_scatter(") + reduce_op_name(op) + ")";
     check_tensor(what, output, Device::cpu());
     check_reduce(what, output, op);
     check_list(what, inputs, output);
+    count_call(Collective::ReduceScatter, output);
     if (world_size_ == 1) {
       copy_values(output, inputs[0]);
       return std::make_shared<CompletedWork>();

@@ -396,10 +396,10 @@ class ProcessGroupMpi : public ProcessGroup {
   std::string all_reduce_algorithm() const override { return "open-mpi-tuned"; }
 
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
-    count_call(Collective::AllReduce, tensor);
     std::string what = describe(std::string("all_reduce(") + reduce_op_name(op) + ")", tensor);
     check_tensor("all_reduce", tensor, Device::cpu());
     check_reduce("all_reduce", tensor, op);
+    count_call(Collective::AllReduce, tensor);
     int count = checked_count(what, tensor.numel());
     void* data = tensor.impl()->storage->data();
     int world_size = world_size_;
@@ -413,11 +413,11 @@ class ProcessGroupMpi : public ProcessGroup {
   }
 
   std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
-    count_call(Collective::Broadcast, tensor);
     std::string what = describe("broadcast from rank " + std::to_string(root), tensor);
     check_tensor("broadcast", tensor, Device::cpu());
     NANODDP_CHECK(root >= 0 && root < world_size_, ValueError, what, ": root ", root,
                   " is not a rank of this group");
+    count_call(Collective::Broadcast, tensor);
     int count = checked_count(what, tensor.numel());
     void* data = tensor.impl()->storage->data();
     auto start = [&](MPI_Request* request) {
@@ -427,10 +427,10 @@ class ProcessGroupMpi : public ProcessGroup {
   }
 
   std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
-    count_call(Collective::AllGather, input);
     std::string what = describe("all_gather", input);
     check_tensor("all_gather", input, Device::cpu());
     check_list("all_gather", outputs, input);
+    count_call(Collective::AllGather, input);
     int count = checked_count(what, input.numel() * world_size_);
     std::vector<Tensor> outs = outputs;
     // Straight into the outputs when they are one buffer (and the input is not in it).
@@ -452,12 +452,12 @@ class ProcessGroupMpi : public ProcessGroup {
 
   std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
                                        ReduceOp op) override {
-    count_call(Collective::ReduceScatter, output);
     std::string what =
         describe(std::string("reduce_scatter(") + reduce_op_name(op) + ")", output);
     check_tensor("reduce_scatter", output, Device::cpu());
     check_reduce("reduce_scatter", output, op);
     check_list("reduce_scatter", inputs, output);
+    count_call(Collective::ReduceScatter, output);
     int count = checked_count(what, output.numel() * world_size_) / world_size_;
     // Straight from the inputs when they are one buffer (and the output is not in it); else
     // from a copy of them, laid end to end as MPI wants.

@@ -586,10 +586,10 @@ class ProcessGroupNccl : public ProcessGroup {
   Store& store() override { return *store_; }
 
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
-    count_call(Collective::AllReduce, tensor);
     std::string what = describe(std::string("all_reduce(") + reduce_op_name(op) + ")", tensor);
     check_tensor("all_reduce", tensor, device_);
     check_reduce("all_reduce", tensor, op);
+    count_call(Collective::AllReduce, tensor);
     issue_queued_point_to_point();
     void* data = tensor.impl()->storage->data();
     const NanSafeReduction reduction = nan_safe(tensor.dtype(), op);  // Note [NCCL NaN]
@@ -611,11 +611,11 @@ class ProcessGroupNccl : public ProcessGroup {
   }
 
   std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
-    count_call(Collective::Broadcast, tensor);
     std::string what = describe("broadcast from rank " + std::to_string(root), tensor);
     check_tensor("broadcast", tensor, device_);
     NANODDP_CHECK(root >= 0 && root < world_size_, ValueError, what, ": root ", root,
                   " is not a rank of this group");
+    count_call(Collective::Broadcast, tensor);
     issue_queued_point_to_point();
     void* data = tensor.impl()->storage->data();
     return launch(*collectives_, what, {tensor}, [&](cudaStream_t s) {
@@ -626,10 +626,10 @@ class ProcessGroupNccl : public ProcessGroup {
   }
 
   std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
-    count_call(Collective::AllGather, input);
     std::string what = describe("all_gather", input);
     check_tensor("all_gather", input, device_);
     check_list("all_gather", outputs, input);
+    count_call(Collective::AllGather, input);
     // Allocated before the queued send/recv go out (Note [NCCL point-to-point], module loading
     // and memory).
     Tensor gathered = Tensor::empty({input.numel() * world_size_}, input.dtype(), device_);
@@ -653,12 +653,12 @@ class ProcessGroupNccl : public ProcessGroup {
 
   std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
                                        ReduceOp op) override {
-    count_call(Collective::ReduceScatter, output);
     std::string what =
         describe(std::string("reduce_scatter(") + reduce_op_name(op) + ")", output);
     check_tensor("reduce_scatter", output, device_);
     check_reduce("reduce_scatter", output, op);
     check_list("reduce_scatter", inputs, output);
+    count_call(Collective::ReduceScatter, output);
     Tensor flat = Tensor::empty({output.numel() * world_size_}, output.dtype(), device_);  // as all_gather's
     issue_queued_point_to_point();
     std::vector<Tensor> keep = inputs;

@@ -65,6 +65,7 @@ class ProcessGroupShm : public ProcessGroup {
     std::string name = std::string("all_reduce(") + reduce_op_name(op) + ")";
     check_tensor(name, tensor, Device::cpu());
     check_reduce(name, tensor, op);
+    count_call(Collective::AllReduce, tensor);
     if (world_size_ == 1 || tensor.numel() == 0) return std::make_shared<CompletedWork>();
     Envelope envelope = next_envelope(Kind::AllReduce, tensor, op, 0);
     if (auto buffer = shared_buffer_of(tensor)) {
@@ -109,6 +110,7 @@ class ProcessGroupShm : public ProcessGroup {
     check_tensor("broadcast", tensor, Device::cpu());
     NANODDP_CHECK(root >= 0 && root < world_size_, ValueError, describe("broadcast", tensor), ": root ", root,
                   " is not a rank of this group");
+    count_call(Collective::Broadcast, tensor);
     if (world_size_ == 1 || tensor.numel() == 0) return std::make_shared<CompletedWork>();
     Envelope envelope = next_envelope(Kind::Broadcast, tensor, ReduceOp::Sum, root);
     return collective(describe("broadcast from rank " + std::to_string(root), tensor),
@@ -121,6 +123,7 @@ class ProcessGroupShm : public ProcessGroup {
   std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
     check_tensor("all_gather", input, Device::cpu());
     check_list("all_gather", outputs, input);
+    count_call(Collective::AllGather, input);
     std::vector<Tensor> outs = outputs;
     if (world_size_ == 1 || input.numel() == 0) {
       copy_values(outs[rank_], input);
@@ -141,6 +144,7 @@ class ProcessGroupShm : public ProcessGroup {
     check_tensor(name, output, Device::cpu());
     check_reduce(name, output, op);
     check_list(name, inputs, output);
+    count_call(Collective::ReduceScatter, output);
     if (world_size_ == 1 || output.numel() == 0) {
       copy_values(output, inputs[0]);
       return std::make_shared<CompletedWork>();
@@ -155,6 +159,7 @@ class ProcessGroupShm : public ProcessGroup {
   }
 
   std::shared_ptr<Work> barrier() override {
+    count_call(Collective::Barrier);
     if (world_size_ == 1) return std::make_shared<CompletedWork>();
     // A one-element all-reduce: along the ring every rank hears, transitively, from all.
     Tensor token = Tensor::zeros({1}, DType::Int64);

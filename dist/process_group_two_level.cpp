@@ -160,6 +160,7 @@ class ProcessGroupTwoLevel : public ProcessGroup {
     const std::string name = std::string("all_reduce(") + reduce_op_name(op) + ")";
     check_tensor(name, tensor, Device::cpu());
     check_reduce(name, tensor, op);
+    count_call(Collective::AllReduce, tensor);
     // Avg: sums at both levels, one division at the end.
     const ReduceOp level_op = op == ReduceOp::Avg ? ReduceOp::Sum : op;
     auto local = local_;
@@ -181,6 +182,7 @@ class ProcessGroupTwoLevel : public ProcessGroup {
     check_tensor("broadcast", tensor, Device::cpu());
     NANODDP_CHECK(root >= 0 && root < world_size_, ValueError, describe("broadcast", tensor), ": root ", root,
                   " is not a rank of this group");
+    count_call(Collective::Broadcast, tensor);
     auto world = world_;
     return queued([world, tensor, root](Clock::time_point deadline) mutable {
       world->broadcast(tensor, root)->wait(left(deadline));
@@ -189,6 +191,7 @@ class ProcessGroupTwoLevel : public ProcessGroup {
   std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
     check_tensor("all_gather", input, Device::cpu());
     check_list("all_gather", outputs, input);
+    count_call(Collective::AllGather, input);
     auto world = world_;
     return queued([world, outputs, input](Clock::time_point deadline) mutable {
       world->all_gather(outputs, input)->wait(left(deadline));
@@ -200,12 +203,14 @@ class ProcessGroupTwoLevel : public ProcessGroup {
     check_tensor(what, output, Device::cpu());
     check_reduce(what, output, op);
     check_list(what, inputs, output);
+    count_call(Collective::ReduceScatter, output);
     auto world = world_;
     return queued([world, output, inputs, op](Clock::time_point deadline) mutable {
       world->reduce_scatter(output, inputs, op)->wait(left(deadline));
     });
   }
   std::shared_ptr<Work> barrier() override {
+    count_call(Collective::Barrier);
     auto world = world_;
     return queued([world](Clock::time_point deadline) { world->barrier()->wait(left(deadline)); });
   }

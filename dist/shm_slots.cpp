@@ -79,10 +79,17 @@ const SlotHeader* ShmSegment::receive(int src, const Envelope& expected, size_t 
 void ShmSegment::check_envelope(int src, const SlotHeader& header, const Envelope& expected, size_t nbytes,
                                 const std::string& what) {
   if (header.envelope == expected && header.nbytes == nbytes) return;
-  abort(what + ": rank " + std::to_string(src) + " is at " + header.envelope.str() +
-        " while this rank is at " + expected.str() +
-        " (every rank must issue the same collectives in the same order, with the same "
-        "dtype, size, op and root)");
+  const bool point_to_point = header.envelope.kind == Kind::Send || expected.kind == Kind::Send;
+  abort(
+      what + ": rank " + std::to_string(src) + " is at " + header.envelope.str() + " while this rank is at " +
+      expected.str() +
+      (point_to_point
+           ? " (on shm, the sends and recvs between two ranks go through the channel their collectives use, "
+             "in order: a message sent before a collective is received before it, and messages are received "
+             "in the order sent, whatever their tags; Gloo and MPI have no such order)"
+           : " (every rank must issue the same collectives in the same order, with the same dtype, size, op "
+             "and "
+             "root)"));
 }
 
 // ---- the direct all-reduce's rendezvous ----------------------------------------------------

@@ -258,8 +258,9 @@ TEST_CASE("a peer that never calls the collective ends every wait by the group's
     }
     Tensor t = Tensor::ones({4});
     const auto start = std::chrono::steady_clock::now();
+    const std::shared_ptr<dist::Work> work = pg->all_reduce(t);
     try {
-      pg->all_reduce(t)->wait();
+      work->wait();
       expect(false, "rank ", rank, ": wait returned without rank 1");
     } catch (const DistError& e) {
       const double ms = milliseconds_since(start);
@@ -269,7 +270,47 @@ TEST_CASE("a peer that never calls the collective ends every wait by the group's
       expect(std::string(e.what()).find("straggler: rank 1 never reached all_reduce(sum) #1") != std::string::npos,
              "rank ", rank, ": the error does not name rank 1 as the straggler: ", e.what());
     }
+    // is_completed() never throws (on shm it rethrew the timeout), whatever it answers.
+    try {
+      (void)work->is_completed();
+    } catch (const std::exception& e) {
+      expect(false, "rank ", rank, ": is_completed() after the timed-out wait threw: ", e.what());
+    }
   });
+}
+
+TEST_CASE(
+    "the counters count each call once, with the collective check off too; a call refused for its arguments "
+    "is not counted") {
+  for (const bool check : {true, false}) {
+    CAPTURE(check);
+    on_2_and_4_ranks([check](int rank, int world, int port) {
+      if (testing::under_mpirun()) return;
+      auto pg = testing::join(rank, world, port, 30s, check);
+      Tensor floats = Tensor::ones({10});
+      Tensor ints = Tensor::zeros({3}, DType::Int64);
+      pg->all_reduce(floats)->wait();
+      pg->broadcast(ints, 0)->wait();
+      bool refused = false;
+      try {
+        pg->broadcast(ints, world + 5);
+      } catch (const ValueError&) {
+        refused = true;
+      }
+      expect(refused, "rank ", rank, ": a broadcast from rank ", world + 5, " was not refused");
+      pg->barrier()->wait();
+      const dist::CollectiveCount all_reduce = pg->count(dist::Collective::AllReduce),
+                                  broadcast = pg->count(dist::Collective::Broadcast),
+                                  barrier = pg->count(dist::Collective::Barrier);
+      expect(all_reduce.calls == 1 && all_reduce.bytes == 40, "rank ", rank, ": all_reduce counted ",
+             all_reduce.calls, " calls, ", all_reduce.bytes, " bytes; want 1, 40");
+      expect(broadcast.calls == 1 && broadcast.bytes == 24, "rank ", rank, ": broadcast counted ",
+             broadcast.calls, " calls, ", broadcast.bytes, " bytes; want 1, 24");
+      expect(barrier.calls == 1, "rank ", rank, ": barrier counted ", barrier.calls, " calls");
+      pg->reset_counts();
+      expect(pg->count(dist::Collective::AllReduce).calls == 0, "rank ", rank, ": reset_counts left calls");
+    });
+  }
 }
 
 TEST_CASE("the mismatch and timeout cases pass on the shm backend too (this file with NANODDP_TEST_BACKEND=shm)") {
@@ -277,7 +318,8 @@ TEST_CASE("the mismatch and timeout cases pass on the shm backend too (this file
   // still fail with a TimeoutError, for the check to name the rank that never came.
   if (testing::under_mpirun() || std::getenv("NANODDP_TEST_BACKEND") != nullptr) return;
   const testing::RunResult r = testing::rerun_with_backend(
-      "tests/test_collective_edges", "shm", "'--test-case=ranks that call different*,a peer that never calls*'",
+      "tests/test_collective_edges", "shm",
+      "'--test-case=ranks that call different*,a peer that never calls*,the counters count*'",
       std::chrono::seconds(120));
   CHECK_MESSAGE(r.code() == 0, "shm run failed:\n", r.out, r.err);
 }

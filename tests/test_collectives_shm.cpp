@@ -545,9 +545,32 @@ TEST_CASE("shm: send and recv, in order, both ways at once, with the wrong tag n
     if (rank == 1) pg->send(t, 0, /*tag=*/1)->wait();
     if (rank == 0) {
       std::string what = error_of([&] { pg->recv(t, 1, /*tag=*/2)->wait(); });
-      testing::expect(what.find("tag 1") != std::string::npos && what.find("tag 2") != std::string::npos,
+      testing::expect(what.find("tag 1") != std::string::npos && what.find("tag 2") != std::string::npos &&
+                          what.find("received in the order sent, whatever their tags") != std::string::npos,
                       "message: '", what, "'");
     }
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE("shm: a message sent before a collective and received after it is a DistError that says why") {
+  // torch's isend, all_reduce, irecv works on Gloo; shm's pair channel is one queue, in order.
+  const int port = testing::free_port();
+  const std::string failures = testing::run_ranks(2, [&](int rank) {
+    auto pg = join(port, rank, 2, 20000ms);
+    Tensor message = Tensor::full({1}, 42.0f), x = Tensor::ones({2});
+    const std::string error = error_of([&] {
+      std::shared_ptr<dist::Work> sent;
+      if (rank == 0) sent = pg->send(message, 1);
+      pg->all_reduce(x)->wait();
+      if (rank == 1) pg->recv(message, 0)->wait();
+      if (sent) sent->wait();
+    });
+    testing::expect(!error.empty(), "rank ", rank, ": no error");
+    if (rank == 1)
+      testing::expect(
+          error.find("a message sent before a collective is received before it") != std::string::npos,
+          "rank 1: '", error, "'");
   });
   CHECK_MESSAGE(failures.empty(), failures);
 }
