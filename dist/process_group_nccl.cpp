@@ -590,24 +590,7 @@ class ProcessGroupNccl : public ProcessGroup {
     check_tensor("all_reduce", tensor, device_);
     check_reduce("all_reduce", tensor, op);
     count_call(Collective::AllReduce, tensor);
-    issue_queued_point_to_point();
-    void* data = tensor.impl()->storage->data();
-    const NanSafeReduction reduction = nan_safe(tensor.dtype(), op);  // Note [NCCL NaN]
-    return launch(*collectives_, what, {tensor}, [&](cudaStream_t s) {
-      if (reduction.keyed) kernels::cuda::floats_to_ordered_keys(data, tensor.numel(), reduction.nan_at, s);
-      try {
-        enqueue(*collectives_, what, [&](ncclComm_t comm) {
-          return ncclAllReduce(data, data, tensor.numel(), reduction.type, reduction.op, comm, s);
-        });
-      } catch (...) {
-        // NCCL refused the call (Note [NCCL non-blocking] step 1: its communicator may be
-        // aborted now): the caller's tensor must hold its floats again, not the keys, when the
-        // error reaches it (launch waits for this kernel).
-        if (reduction.keyed) kernels::cuda::ordered_keys_to_floats(data, tensor.numel(), reduction.nan_at, s);
-        throw;
-      }
-      if (reduction.keyed) kernels::cuda::ordered_keys_to_floats(data, tensor.numel(), reduction.nan_at, s);
-    });
+    return issue_all_reduce(tensor, op, what);
   }
 
   std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
@@ -685,7 +668,7 @@ class ProcessGroupNccl : public ProcessGroup {
     count_call(Collective::Barrier);
     // NCCL has no barrier: an all-reduce of one element has the same effect.
     Tensor token = Tensor::zeros({1}, DType::Float32, device_);
-    return all_reduce(token, ReduceOp::Sum);
+    return issue_all_reduce(token, ReduceOp::Sum, where() + ": nccl barrier");
   }
 
   // Note [NCCL point-to-point]: queued here, issued as one NCCL group later.
@@ -697,6 +680,28 @@ class ProcessGroupNccl : public ProcessGroup {
   }
 
  private:
+  // all_reduce once its arguments are checked and counted (barrier's is not an all_reduce's).
+  std::shared_ptr<Work> issue_all_reduce(Tensor& tensor, ReduceOp op, const std::string& what) {
+    issue_queued_point_to_point();
+    void* data = tensor.impl()->storage->data();
+    const NanSafeReduction reduction = nan_safe(tensor.dtype(), op);  // Note [NCCL NaN]
+    return launch(*collectives_, what, {tensor}, [&](cudaStream_t s) {
+      if (reduction.keyed) kernels::cuda::floats_to_ordered_keys(data, tensor.numel(), reduction.nan_at, s);
+      try {
+        enqueue(*collectives_, what, [&](ncclComm_t comm) {
+          return ncclAllReduce(data, data, tensor.numel(), reduction.type, reduction.op, comm, s);
+        });
+      } catch (...) {
+        // NCCL refused the call (Note [NCCL non-blocking] step 1: its communicator may be
+        // aborted now): the caller's tensor must hold its floats again, not the keys, when the
+        // error reaches it (launch waits for this kernel).
+        if (reduction.keyed) kernels::cuda::ordered_keys_to_floats(data, tensor.numel(), reduction.nan_at, s);
+        throw;
+      }
+      if (reduction.keyed) kernels::cuda::ordered_keys_to_floats(data, tensor.numel(), reduction.nan_at, s);
+    });
+  }
+
   // Note [NCCL rendezvous] steps 2-3 for one communicator of the group; id_key names its
   // unique id in the store.
   std::shared_ptr<NcclComm> init_communicator(const std::string& id_key, const std::string& purpose) {
