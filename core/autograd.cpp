@@ -464,7 +464,7 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
         for (const auto& [id, hook] : hooks) {
           const auto& current = t.impl()->post_accumulate_grad_hooks;
           if (std::any_of(current.begin(), current.end(), [id = id](const auto& h) { return h.first == id; }))
-            hook(t);
+            (*hook)(t);
         }
       }
       continue;

@@ -40,6 +40,11 @@ void check_writable(const std::string& path, const char* what);
 // core/file_size_limit.h).
 void write_file_atomically(const std::string& path, const std::string& bytes, const char* what);
 
+// The file a save to path replaces (Note [Save target] in file_io.cpp): path with its symbolic
+// links followed, also to a file that does not exist yet. Throws IOError naming path (what:
+// "checkpoint", ...) when that is not a regular file, or its folder does not exist.
+std::string save_target(const std::string& path, const char* what);
+
 // "<path>.tmp.<space>.": how the temporary files of path that processes of this pid space
 // write begin (Note [Stale temporary files] in file_io.cpp); "" when the space is unknown or
 // the name would be longer than a file name may be (those are "<path>.tmp.XXXXXX").

@@ -487,7 +487,7 @@ int Tensor::register_post_accumulate_grad_hook(PostAccumulateGradHook hook) {
   NANODDP_CHECK(self.grad_fn == nullptr && self.requires_grad, ValueError,
                 "post-accumulate-grad hooks need a leaf that requires grad");
   const int id = self.next_hook_id++;
-  self.post_accumulate_grad_hooks.emplace_back(id, std::move(hook));
+  self.post_accumulate_grad_hooks.emplace_back(id, std::make_shared<PostAccumulateGradHook>(std::move(hook)));
   return id;
 }
 

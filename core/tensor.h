@@ -197,7 +197,9 @@ struct TensorImpl {
   bool requires_grad = false;
   std::shared_ptr<TensorImpl> grad;   // accumulated gradient of a leaf
   std::shared_ptr<Node> grad_fn;      // the op that produced this tensor (null for leaves)
-  std::vector<std::pair<int, Tensor::PostAccumulateGradHook>> post_accumulate_grad_hooks;
+  // Shared: backward runs them from a copy of this list (a hook may change it), and a hook's
+  // own state (a mutable lambda's) must live on in the one that stays registered.
+  std::vector<std::pair<int, std::shared_ptr<Tensor::PostAccumulateGradHook>>> post_accumulate_grad_hooks;
   int next_hook_id = 0;
 };
 

@@ -362,8 +362,8 @@ Outcome ChildGroup::wait() {
   }
   // A job that ended by itself waits for its readers however long they take (a pager read page
   // by page); one stopped by a signal or its timeout gives a stalled reader a grace period, and
-  // so does a signal that comes during the wait (the job's outcome then is the signal's, unless
-  // a rank had failed).
+  // so does a signal that comes during the wait: the job's outcome then is the signal's (a
+  // failed rank was reported already; no restart follows a signal).
   const bool stopped = outcome.kind == Outcome::Kind::Interrupted || outcome.kind == Outcome::Kind::TimedOut;
   int late_signal = 0;
   relay.flush([&] {
@@ -379,7 +379,8 @@ Outcome ChildGroup::wait() {
       }
     return stopped || late_signal != 0 ? options_.grace_period : OutputRelay::kWaitForever;
   });
-  if (late_signal != 0 && outcome.kind == Outcome::Kind::AllSucceeded) {
+  if (late_signal != 0 &&
+      (outcome.kind == Outcome::Kind::AllSucceeded || outcome.kind == Outcome::Kind::ChildFailed)) {
     outcome.kind = Outcome::Kind::Interrupted;
     outcome.signal = late_signal;
   }

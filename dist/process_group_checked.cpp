@@ -223,15 +223,36 @@ class CheckedWork : public Work {
 
   bool fingerprints_arrived() { return settled_ || (fingerprints_ && fingerprints_->is_completed()); }
 
+  // Whether the exchange is over, however it ended; never throws.
+  bool exchange_over() {
+    try {
+      return fingerprints_->is_completed();
+    } catch (...) {
+      return true;  // it ended in an error, which a wait rethrows
+    }
+  }
+
+  // A wait that timed out on an exchange over by now: the fingerprints came just after the
+  // deadline (MPI gives up on nothing) and are taken, or the exchange ended in the timeout or
+  // an error, which is thrown again.
+  void wait_for_fingerprints(std::chrono::milliseconds timeout) {
+    try {
+      fingerprints_->wait(timeout);
+    } catch (const TimeoutError&) {
+      if (!exchange_over()) throw;
+      fingerprints_->wait(std::chrono::milliseconds(1));
+    }
+  }
+
   // Waits for the fingerprints, compares them and starts the collective, or records the
   // mismatch (CheckState::mutex held). TimeoutError leaves the call unsettled while the
-  // exchange is still going (a later wait may still see the peers arrive); an exchange that
-  // ended in a timeout (the backend gave up on it) settles the call with that error, so that
-  // is_completed() and later calls, which look at it too, do not throw it.
+  // exchange is still going: a later wait may still see the peers arrive. One that ended in
+  // the timeout (shm gives up on it) settles the call with that error, so that is_completed()
+  // and later calls, which look at it too, do not throw it.
   void settle(std::chrono::milliseconds timeout) {
     if (settled_) return;
     try {
-      fingerprints_->wait(timeout);
+      wait_for_fingerprints(timeout);
     } catch (const TimeoutError& e) {
       std::exception_ptr error;
       try {
@@ -241,7 +262,7 @@ class CheckedWork : public Work {
       } catch (...) {
         error = std::current_exception();
       }
-      if (!fingerprints_->is_completed()) std::rethrow_exception(error);
+      if (!exchange_over()) std::rethrow_exception(error);
       fail(error);
       return;
     } catch (...) {

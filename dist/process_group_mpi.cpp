@@ -399,8 +399,8 @@ class ProcessGroupMpi : public ProcessGroup {
     std::string what = describe(std::string("all_reduce(") + reduce_op_name(op) + ")", tensor);
     check_tensor("all_reduce", tensor, Device::cpu());
     check_reduce("all_reduce", tensor, op);
-    count_call(Collective::AllReduce, tensor);
     int count = checked_count(what, tensor.numel());
+    count_call(Collective::AllReduce, tensor);
     void* data = tensor.impl()->storage->data();
     int world_size = world_size_;
     auto start = [&](MPI_Request* request) {
@@ -417,8 +417,8 @@ class ProcessGroupMpi : public ProcessGroup {
     check_tensor("broadcast", tensor, Device::cpu());
     NANODDP_CHECK(root >= 0 && root < world_size_, ValueError, what, ": root ", root,
                   " is not a rank of this group");
-    count_call(Collective::Broadcast, tensor);
     int count = checked_count(what, tensor.numel());
+    count_call(Collective::Broadcast, tensor);
     void* data = tensor.impl()->storage->data();
     auto start = [&](MPI_Request* request) {
       return MPI_Ibcast(data, count, mpi_type(tensor.dtype()), root, comm_, request);
@@ -430,8 +430,8 @@ class ProcessGroupMpi : public ProcessGroup {
     std::string what = describe("all_gather", input);
     check_tensor("all_gather", input, Device::cpu());
     check_list("all_gather", outputs, input);
-    count_call(Collective::AllGather, input);
     int count = checked_count(what, input.numel() * world_size_);
+    count_call(Collective::AllGather, input);
     std::vector<Tensor> outs = outputs;
     // Straight into the outputs when they are one buffer (and the input is not in it).
     uint8_t* into = detail::back_to_back(outs, input);
@@ -457,8 +457,8 @@ class ProcessGroupMpi : public ProcessGroup {
     check_tensor("reduce_scatter", output, Device::cpu());
     check_reduce("reduce_scatter", output, op);
     check_list("reduce_scatter", inputs, output);
-    count_call(Collective::ReduceScatter, output);
     int count = checked_count(what, output.numel() * world_size_) / world_size_;
+    count_call(Collective::ReduceScatter, output);
     // Straight from the inputs when they are one buffer (and the output is not in it); else
     // from a copy of them, laid end to end as MPI wants.
     std::vector<Tensor> ins = inputs;

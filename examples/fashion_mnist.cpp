@@ -35,6 +35,8 @@
 // early as a time-limited job would. --export FILE.safetensors writes the trained weights
 // for PyTorch (benchmarks/torch_reference/load_safetensors.py). Rank 0 ends with one JSON
 // line (see README).
+#include "data/fashion_mnist.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -51,15 +53,15 @@
 #include <vector>
 
 #include "core/autograd.h"
+#include "core/file_io.h"
 #include "core/hash.h"
 #include "core/memory.h"
 #include "data/dataloader.h"
-#include "data/fashion_mnist.h"
 #include "dist/ddp.h"
-#include "dist/host_collectives.h"
 #include "dist/explain.h"
 #include "dist/grad_scaler.h"
 #include "dist/gradient_accumulation.h"
+#include "dist/host_collectives.h"
 #include "dist/init.h"
 #include "dist/sharded_checkpoint.h"
 #include "dist/sync_batch_norm.h"
@@ -641,8 +643,13 @@ void check_same_start(dist::ProcessGroup& pg, const std::string& checkpoint, int
 std::string outputs_problem(const Config& config) {
   namespace fs = std::filesystem;
   const auto resolved = [](const std::string& path) {
+    std::string target = path;  // a link followed, also to a file not written yet
+    try {
+      target = save_target(path, "output");
+    } catch (const Error&) {  // refused later, by the output's own check
+    }
     std::error_code ignored;
-    const fs::path full = fs::weakly_canonical(fs::absolute(path, ignored), ignored);
+    const fs::path full = fs::weakly_canonical(fs::absolute(target, ignored), ignored);
     return full.empty() ? fs::path(path).lexically_normal() : full;
   };
   const std::vector<std::pair<std::string, std::string>> outputs = {

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -25,13 +26,18 @@ namespace {
 
 constexpr int kRepeats = 5;
 
+// A ring call that left the group unusable: what to report, and no more calls.
+struct RingStopped : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // What the ring must give at world ranks: element i of rank r is (r + 1) * (i + 1), 10 of
 // them (not a multiple of 3); Sum, Avg, Max and Min, and an int64 Sum; a NaN in Max and Min;
 // 0, 1 and 2 elements; an int64 past 2^60; int64 Avg refused; no collective is used,
 // only send and recv (an all_gather and a local sum gives the right numbers without a ring);
 // and each rank sends 2(N-1) parts of at most ceil(10 / N) elements, where passing the whole
-// buffer around sends N-1 whole buffers (docs/ring-all-reduce.md).
-std::string ring_problems(const std::shared_ptr<dist::ProcessGroup>& group) {
+// buffer around sends N-1 whole buffers (docs/ring-all-reduce.md). Throws RingStopped.
+std::string ring_problems_or_stop(const std::shared_ptr<dist::ProcessGroup>& group) {
   const auto pg = std::make_shared<testing::SendCountingGroup>(group);
   const int rank = pg->rank(), world = pg->size();
   const std::string who = "rank " + std::to_string(rank) + "/" + std::to_string(world) + " ";
@@ -43,11 +49,13 @@ std::string ring_problems(const std::shared_ptr<dist::ProcessGroup>& group) {
     const std::string call =
         who + "ring_all_reduce(" + dist::reduce_op_name(op) + ") of " + dtype_name(t.dtype()) + " ";
     try {
-      dist::ring_all_reduce(*pg, t, op, std::chrono::seconds(30));
+      dist::ring_all_reduce(*pg, t, op, std::chrono::seconds(10));  // 10 elements: ms, unless stuck
     } catch (const TimeoutError& e) {
-      return call + "timed out (" + e.what() +
-             "): every rank waiting for its send before posting its recv waits for ever (a send may wait for "
-             "its receiver): post the recv, then wait for both\n";
+      // The group is of no more use (shm aborts it; on Gloo every later call would wait too).
+      throw RingStopped(
+          call + "timed out (" + e.what() +
+          "): a rank that waits for its send before posting its recv can wait for ever (a send may "
+          "wait for its receiver): post the recv, then wait for both\n");
     }
     std::string found;
     const size_t part = static_cast<size_t>((t.numel() + world - 1) / world) * dtype_size(t.dtype());
@@ -157,6 +165,14 @@ std::string ring_problems(const std::shared_ptr<dist::ProcessGroup>& group) {
     if (!refused) problems += who + "ring_all_reduce(avg) of int64 did not throw ValueError (dist/ring.h)\n";
   }
   return problems;
+}
+
+std::string ring_problems(const std::shared_ptr<dist::ProcessGroup>& group) {
+  try {
+    return ring_problems_or_stop(group);
+  } catch (const RingStopped& stopped) {
+    return stopped.what();
+  }
 }
 
 std::string rung_problems(const std::string& rung, const std::shared_ptr<dist::ProcessGroup>& pg) {

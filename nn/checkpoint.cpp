@@ -1,10 +1,11 @@
 #include "nn/checkpoint.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
-#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <unordered_map>
@@ -155,8 +156,11 @@ void keep_previous_checkpoint(const std::string& path, const std::function<bool(
                   ": refusing to replace ", staged, ", which is not a nanoddp checkpoint; move it away");
     std::remove(staged.c_str());
   }
-  NANODDP_CHECK(::link(path.c_str(), staged.c_str()) == 0, IOError, "cannot keep the previous checkpoint ", path,
-                " as ", previous, ": link: ", std::strerror(errno));
+  // A symbolic link at path is followed: the save replaces the file it names, which is what
+  // path.prev must keep (a link to the link would follow the save to the new checkpoint).
+  NANODDP_CHECK(::linkat(AT_FDCWD, path.c_str(), AT_FDCWD, staged.c_str(), AT_SYMLINK_FOLLOW) == 0, IOError,
+                "cannot keep the previous checkpoint ", path, " as ", previous,
+                ": link: ", std::strerror(errno));
   NANODDP_CHECK(std::rename(staged.c_str(), previous.c_str()) == 0, IOError, "cannot keep the previous checkpoint ",
                 path, " as ", previous, ": rename: ", std::strerror(errno));
 }

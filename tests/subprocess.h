@@ -94,6 +94,10 @@ inline RunResult run(const std::vector<std::string>& args, std::chrono::seconds 
     const int err = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
     dup2(out, 1);
     dup2(err, 2);
+    // As from a terminal: a test runner started in the background (a non-interactive shell's
+    // `&`) ignores SIGINT and SIGQUIT, and exec would keep them ignored in the program.
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGQUIT, SIG_DFL);
     execv(argv[0], argv.data());
     _exit(127);
   }

@@ -312,6 +312,11 @@ TEST_CASE("a hook may remove itself or register more while the hooks run; the ot
   std::vector<std::string> expected = {"h2", "h4"};
   expected.insert(expected.end(), 8, "late");
   CHECK(calls == expected);
+  // A hook's own state lives on from one backward to the next (it runs as registered, not a copy).
+  std::vector<int> counted;
+  w.register_post_accumulate_grad_hook([&counted, n = 0](Tensor&) mutable { counted.push_back(++n); });
+  for (int i = 0; i < 3; ++i) sum(w * 3.0f).backward();
+  CHECK(counted == std::vector<int>{1, 2, 3});
 }
 
 TEST_CASE("a tensor cannot be its own gradient (torch: \"can't assign Variable as its own grad\")") {

@@ -481,7 +481,8 @@ TEST_CASE("nanoddp-run with its standard streams closed runs the job; no rank's 
 TEST_CASE("nanoddp-run whose stdout nobody reads still acts on --timeout and exits (Note [Output relay])") {
   // Ranks print without end into a pipe whose reader sleeps 8 s. Writing from its supervision
   // loop, the launcher blocked until the reader woke; now its timeout ends the job at 2 s, and
-  // it exits at once: the reader has been stalled for longer than the grace period already.
+  // it exits once the reader has taken nothing for the grace period, counted from its last
+  // byte (at the start): at about 3 s, not a grace period after the timeout (5 s).
   const RunResult r = run({"/bin/sh", "-c",
                            "exec 3>&1; start=$(date +%s%N); ( '" + launcher_path() +
                                "' --grace-period 3 --timeout 2 --nproc-per-node 2 yes; "
@@ -509,6 +510,15 @@ TEST_CASE(
   const size_t at = r.out.find("ms=");
   REQUIRE_MESSAGE(at != std::string::npos, r.out);
   CHECK_MESSAGE(std::stol(r.out.substr(at + 3)) < 6000, r.out);
+  // The same after a rank failed, with restarts left: the signal ends the job, no round follows.
+  const RunResult failed = run(
+      {"/bin/sh", "-c",
+       "exec 3>&1; ( '" + launcher_path() +
+           "' --grace-period 1 --max-restarts 2 --nproc-per-node 1 sh -c 'yes $(printf %0100d 0) | head -n "
+           "20000; exit 3' & pid=$!; sleep 2; kill -TERM $pid; wait $pid; echo \"rc=$?\" >&3 ) | "
+           "{ sleep 8; cat > /dev/null; }"});
+  CHECK_MESSAGE(contains(failed.out, "rc=143"), failed.out);
+  CHECK_MESSAGE(!contains(failed.err, "restarting every rank"), failed.err);
 }
 
 TEST_CASE(

@@ -6,11 +6,11 @@
 //
 // Everything from PROGRAM on is passed through untouched. The work is done by dist::launch()
 // (dist/launch.h: the env each rank gets, output prefixes, fail-fast and signal handling).
-#include <CLI/CLI.hpp>
-
 #include <dirent.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdio>
@@ -200,9 +200,13 @@ int main(int argc, char** argv) {
   if (standalone && options.nnodes > 1)
     return nanoddp::cli::usage_error("nanoddp-run", "--standalone is torchrun's one-node rendezvous; it cannot go with "
                                                     "--nnodes " + std::to_string(options.nnodes));
-  // Rounded up: a --timeout under a millisecond is a limit, not 0 (no limit).
-  options.grace_period = std::chrono::milliseconds(static_cast<long long>(std::ceil(grace_s * 1000)));
-  options.timeout = std::chrono::milliseconds(static_cast<long long>(std::ceil(timeout_s * 1000)));
+  // To the nearest millisecond (4.03 s is 4030 ms, whatever its binary rounding), and at least
+  // 1: a --timeout under a millisecond is a limit, not 0 (no limit).
+  const auto milliseconds = [](double seconds) {
+    return std::chrono::milliseconds(seconds > 0 ? std::max(1LL, std::llround(seconds * 1000)) : 0LL);
+  };
+  options.grace_period = milliseconds(grace_s);
+  options.timeout = milliseconds(timeout_s);
 
   // The launcher runs no training: if NANODDP_TRACE is set, only its ranks record. A file the
   // trace may not replace stops the job here, once, instead of in every rank.
