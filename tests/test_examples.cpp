@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <regex>
@@ -729,6 +730,14 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
     CHECK(r.code() == 2);  // argparse's status for every usage error
     CHECK_MESSAGE(r.err.find(message) != std::string::npos, r.err);
     CHECK(r.out.empty());
+  }
+  // A link to a file not written yet names that file: the checkpoint would go over the metrics.
+  {
+    TempDir links;
+    std::filesystem::create_symlink("same", links.path + "/lnk");
+    const RunResult r = run({mlp, "--checkpoint", links.path + "/lnk", "--metrics", links.path + "/same"});
+    CHECK(r.code() == 2);
+    CHECK_MESSAGE(r.err.find("--checkpoint and --metrics name the same file") != std::string::npos, r.err);
   }
   // --help lists --hidden for the MLP only, and every backend the runtime takes.
   const RunResult mlp_help = run({mlp, "--help"}), cnn_help = run({cnn, "--help"});

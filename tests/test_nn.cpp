@@ -657,6 +657,20 @@ TEST_CASE("check_checkpoint_writable refuses a path, or a path.prev, that is som
   CHECK(std::filesystem::exists(previous));
   std::remove(path.c_str());
   std::remove(previous.c_str());
+  // Through a symbolic link: link.prev keeps the file the link names, as it was; the save then
+  // replaces that file, and link.prev still loads the old one.
+  const std::string link = path + ".link", link_previous = link + ".prev";
+  save_checkpoint(path, state);
+  std::filesystem::create_symlink(std::filesystem::path(path).filename(), link);
+  keep_previous_checkpoint(link);
+  StateDict next = state;
+  next["w"] = Tensor::from_vector({7.0f, 8.0f});
+  save_checkpoint(link, next);
+  CHECK(std::filesystem::is_symlink(link));
+  CHECK(load_checkpoint(link).at("w").to_vector() == std::vector<float>{7, 8});
+  CHECK(!std::filesystem::is_symlink(link_previous));
+  CHECK(load_checkpoint(link_previous).at("w").to_vector() == std::vector<float>{1, 2});
+  for (const std::string& file : {link, link_previous, path}) std::remove(file.c_str());
 }
 
 TEST_CASE("a single process learns y = 2x with Linear(1, 1) and SGD") {
