@@ -57,8 +57,9 @@ class GradScaler {
   // shape. The loss itself when disabled. ValueError for an undefined or integer loss.
   Tensor scale(const Tensor& loss) const;
   // Multiplies every .grad of optimizer's parameters by 1 / scale in place and records whether
-  // any is inf or NaN, on this rank or (with a group) on any rank; a scale of 0, whose inverse
-  // is inf, counts as found (torch would step with the NaN gradients). Throws ValueError when
+  // any is inf or NaN, on this rank or (with a group) on any rank. Throws ValueError for a scale
+  // whose inverse is not finite (0: backoff after inf or NaN at every step for ~170 steps;
+  // torch would step with NaN gradients, and no step would follow), and when
   // called twice for one optimizer before update(), or after step() (torch's messages).
   void unscale_(nn::Optimizer& optimizer);
   // unscale_ unless already done; then optimizer.step() unless an inf or NaN was found.
