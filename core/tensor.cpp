@@ -375,18 +375,27 @@ bool Tensor::is_alias_of(const Tensor& other) const {
   return allocation(*this) == allocation(other);
 }
 
+namespace {
+// Whether a and b share an element: views (slice_view, reshape) of one allocation whose
+// element ranges intersect. Views are contiguous, and one allocation holds one dtype.
+bool share_elements(const Tensor& a, const Tensor& b) {
+  if (!a.is_alias_of(b) || a.numel() == 0 || b.numel() == 0) return false;
+  const int64_t a_begin = a.storage_offset(), b_begin = b.storage_offset();
+  return a_begin < b_begin + b.numel() && b_begin < a_begin + a.numel();
+}
+}  // namespace
+
 void copy_values(const Tensor& dst, const Tensor& src) {
   NANODDP_CHECK(dst.shape() == src.shape() && dst.dtype() == src.dtype(), ShapeError, "copy_: destination ",
                 dst.shape(), " ", dst.dtype(), " and source ", src.shape(), " ", src.dtype(), " differ");
-  if (dst.nbytes() == 0) return;
-  if (dst.is_alias_of(src)) {
-    // Views of one allocation: the same elements copy to themselves; a partial overlap has
-    // no one answer (torch's copy_ refuses it too).
+  if (share_elements(dst, src)) {
+    // The same elements copy to themselves; a partial overlap has no one answer (torch's
+    // copy_ refuses it too).
     const int64_t to = dst.storage_offset(), from = src.storage_offset(), n = dst.numel();
     if (to == from) return;
-    NANODDP_CHECK(
-        to + n <= from || from + n <= to, ValueError, "copy_: the destination (elements [", to, ", ", to + n,
-        ")) and the source (elements [", from, ", ", from + n,
+    NANODDP_THROW(
+        ValueError, "copy_: the destination (elements [", to, ", ", to + n, ")) and the source (elements [",
+        from, ", ", from + n,
         ")) of one allocation overlap: some elements of the input and the written-to tensor refer to a "
         "single memory location; copy from src.clone()");
   }
@@ -463,13 +472,12 @@ Tensor Tensor::grad() const { return Tensor(checked_impl().grad); }
 void Tensor::set_grad(const Tensor& grad) {
   TensorImpl& self = checked_impl();
   if (grad.defined()) {
-    // Its own gradient, the next backward would add into the tensor's values (torch: "can't
-    // assign Variable as its own grad").
-    NANODDP_CHECK(
-        grad.impl_.get() != &self && !(grad.is_alias_of(*this) && grad.storage_offset() == storage_offset()),
-        ValueError, "set_grad: a tensor ", self.shape,
-        " cannot be its own gradient (nor a view of its own "
-        "values); give it a copy (clone())");
+    // Its own gradient (or a view sharing its memory), the next backward would add into the
+    // tensor's values (torch: "can't assign Variable as its own grad").
+    NANODDP_CHECK(grad.impl_.get() != &self && !share_elements(grad, *this), ValueError,
+                  "set_grad: a tensor ", self.shape,
+                  " cannot be its own gradient, nor one that shares elements with it (a view of its "
+                  "memory); give it a copy (clone())");
     NANODDP_CHECK(grad.shape() == self.shape && grad.device() == device(), ShapeError, "set_grad: gradient ",
                   grad.shape(), " on ", grad.device(), " for a tensor ", self.shape, " on ", device());
     // torch: "assigned grad has data of a different type"; the next backward's add would fail

@@ -141,7 +141,9 @@ class Tensor {
   // recorded by autograd, so in grad mode they throw ValueError where torch would record
   // them: on an op's output (it has a grad_fn) and, for copy_, from a source that requires
   // grad. A leaf that requires grad may be set in grad mode (initial weights; torch asks for
-  // torch.no_grad() there), since no gradient flows through the change.
+  // torch.no_grad() there), since no gradient flows through the change. copy_ between views
+  // of one allocation that partly overlap is a ValueError (torch's copy_ refuses it too); the
+  // same elements onto themselves change nothing.
   Tensor& copy_(const Tensor& src);
   Tensor& fill_(float value);
   Tensor& zero_() { return fill_(0.0f); }
@@ -158,7 +160,9 @@ class Tensor {
   const std::shared_ptr<Node>& grad_fn() const;
   Tensor grad() const;                          // undefined until a backward reaches it
   // Sets .grad (an undefined Tensor clears it). ShapeError unless it has this tensor's shape
-  // and device; ValueError unless its dtype (torch: "assigned grad has data of a different type").
+  // and device; ValueError unless its dtype (torch: "assigned grad has data of a different
+  // type"), and for the tensor itself or a view sharing its elements (torch: "can't assign
+  // Variable as its own grad"): backward would add into the values.
   void set_grad(const Tensor& grad);
   // Runs backward from this tensor. grad defaults to 1 for a one-element tensor; any other
   // shape needs an explicit grad of the same shape (torch.Tensor.backward), on the same

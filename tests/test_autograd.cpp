@@ -323,6 +323,12 @@ TEST_CASE("a tensor cannot be its own gradient (torch: \"can't assign Variable a
   Tensor p = Tensor::from_vector({1.0f, 2.0f}).set_requires_grad(true);
   CHECK_THROWS_WITH_AS(p.set_grad(p), doctest::Contains("cannot be its own gradient"), ValueError);
   CHECK_THROWS_WITH_AS(p.set_grad(p.detach()), doctest::Contains("cannot be its own gradient"), ValueError);
+  // Nor a view that shares some of its elements.
+  Tensor flat = Tensor::zeros({15});
+  Tensor w = flat.slice_view(0, {10}).set_requires_grad(true);
+  CHECK_THROWS_WITH_AS(w.set_grad(flat.slice_view(5, {10})), doctest::Contains("shares elements with it"),
+                       ValueError);
+  w.set_grad(Tensor::zeros({10}));  // its own memory: fine
   sum(p * 3.0f).backward();
   CHECK(p.to_vector() == std::vector<float>{1, 2});  // the values are untouched
   CHECK(p.grad().to_vector() == std::vector<float>{3, 3});
