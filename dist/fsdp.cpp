@@ -554,8 +554,9 @@ void FullyShardedDataParallel::reduce(size_t u) {
     if (trace::enabled()) unit.reduce_issued_us = trace::now_us();
     const DType reduce_dtype = options_.mixed_precision.reduce_dtype;
     if (reduce_dtype != DType::Float32) {
-      // MixedPrecision.reduce_dtype: divide by world_size and round (Avg is float32 only), then
-      // sum in 16 bits, as DDP's compression hooks do; finish_reduction widens the result.
+      // MixedPrecision.reduce_dtype: round, divide by world_size and round again (Avg is
+      // float32 only), then sum in 16 bits, as DDP's compression hooks do; finish_reduction
+      // widens the result.
       const Device device = unit.full_grad.device();
       const int64_t numel = unit.full_grad.numel(), world = pg_->size();
       const bool sharded = options_.sharding_strategy != ShardingStrategy::NO_SHARD;

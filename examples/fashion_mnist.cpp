@@ -44,6 +44,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -558,8 +560,17 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
       std::string flag = "--" + name;
       std::replace(flag.begin(), flag.end(), '_', '-');
       const float was = saved->second.item(), now = value.item();
-      NANODDP_CHECK(was == now, ValueError, "its run used ", flag, " ", was, " and this one ", flag, " ", now,
-                    ": resume with ", flag, " ", was, ", or start a new run (another --checkpoint file)");
+      // The short form when it reads back as the same float, else every digit (two settings
+      // that differ must not print alike).
+      const auto exact = [](float v) {
+        std::ostringstream shortest, full;
+        shortest << v;
+        full << std::setprecision(std::numeric_limits<float>::max_digits10) << v;
+        return std::stof(shortest.str()) == v ? shortest.str() : full.str();
+      };
+      NANODDP_CHECK(was == now, ValueError, "its run used ", flag, " ", exact(was), " and this one ", flag,
+                    " ", exact(now), ": resume with ", flag, " ", exact(was),
+                    ", or start a new run (another --checkpoint file)");
     }
     try {
       if (read.local)

@@ -39,7 +39,9 @@ int nanoddp::examples::fashion_mnist_main(int argc, char** argv, bool cnn) {
   config.group.add_to(app);
   app.add_option("--data-dir", config.data_dir, "folder with the four Fashion-MNIST IDX files")
       ->check(cli::folder_path());
-  app.add_option("--checkpoint", config.checkpoint, "file rank 0 writes after every epoch")
+  app.add_option("--checkpoint", config.checkpoint,
+                 "file rank 0 writes after every epoch (and every --checkpoint-every steps; with "
+                 "--checkpoint-format sharded, a set of files that every rank writes its part of)")
       ->check(cli::file_path());
   app.add_option(
          "--export", config.export_path,
@@ -48,7 +50,8 @@ int nanoddp::examples::fashion_mnist_main(int argc, char** argv, bool cnn) {
   app.add_option(
          "--metrics", config.metrics,
          "JSON-lines file rank 0 writes step, epoch, loss, lr, samples/s, test accuracy and wall time to "
-         "(tools/plot draws it); --resume keeps the lines of the checkpoint's epochs")
+         "(tools/plot draws it); --resume keeps the lines up to the checkpoint's step, a mid-epoch one's "
+         "included")
       ->check(cli::file_path());
   app.add_flag("--resume", config.resume, "continue from --checkpoint if it exists");
   app.add_option(

@@ -206,8 +206,9 @@ std::string grade(const std::string& name) {
             },
             std::chrono::seconds(120));
         if (!failures.empty())
-          return std::string(backend) + ", " + std::to_string(world) + " ranks, run " +
-                 std::to_string(repeat) + " of " + std::to_string(kRepeats) + ":\n" + failures;
+          return std::string(backend) + ", " + std::to_string(world) +
+                 (world == 1 ? " rank, run " : " ranks, run ") + std::to_string(repeat) + " of " +
+                 std::to_string(kRepeats) + ":\n" + failures;
       }
     }
   }
