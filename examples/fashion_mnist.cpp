@@ -42,6 +42,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -291,6 +292,20 @@ nn::StateDict optimizer_settings(const Config& config) {
   const double default_decay = config.optimizer == "adamw" ? nn::AdamWOptions{}.weight_decay : 0.0;
   settings["weight_decay"] = Tensor::scalar(static_cast<float>(config.weight_decay.value_or(default_decay)));
   return settings;
+}
+
+// The checkpoint's run's --lr: its schedulers' base_lr (saved as a double's bits); none from a
+// checkpoint without one.
+std::optional<double> saved_base_lr(const nn::StateDict& state) {
+  for (const char* key : {"scheduler.cosine.base_lr", "scheduler.warmup.base_lr"}) {
+    const auto it = state.find(key);
+    if (it == state.end() || it->second.dtype() != DType::Int64 || it->second.numel() != 1) continue;
+    const int64_t bits = it->second.to_int_vector()[0];
+    double lr = 0;
+    std::memcpy(&lr, &bits, sizeof lr);
+    return lr;
+  }
+  return std::nullopt;
 }
 
 int64_t optimizer_kind(const std::string& name) {
@@ -622,6 +637,17 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
       }
     } else {
       schedule.replay(steps_done);
+      // This run's --lr drives the replayed schedule: said when the checkpoint's run had another
+      // (under --quiet too), as the warning above says when the checkpoint's goes on.
+      const std::optional<double> configured = optimizer.initial_lr(), saved = saved_base_lr(state);
+      if (pg.rank() == 0 && configured && saved && *configured != *saved) {
+        std::fprintf(
+            stderr,
+            "warning: --lr %.9g is used, where the checkpoint's run had --lr %.9g: the learning-rate "
+            "schedule is replayed over this run's steps (%s)\n",
+            *configured, *saved, other_schedule.str().c_str());
+        std::fflush(stderr);
+      }
       if (chatty)
         std::printf("%s: the learning-rate schedule is replayed over this run's steps\n", other_schedule.str().c_str());
     }
@@ -913,6 +939,7 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
   const DType low_dtype = config.precision == "fp16" ? DType::Float16 : DType::BFloat16;
 
   double train_loss = NAN, accuracy = NAN, samples_per_s = NAN;
+  bool warned_not_learning = false;  // said once per run
   // Every training step's wall time on this rank, all epochs: their median is a step's cost
   // that a burst of other work on the machine does not move (benchmarks/run's step ratio).
   // On a GPU, where a step does not wait for its kernels, it is the host's time per step.
@@ -1064,6 +1091,17 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
     const std::vector<float> slowest = dist::all_reduce_host(*pg, std::vector<float>{static_cast<float>(seconds)}, dist::ReduceOp::Max);
     train_loss = stats[0] / world_size;
     check_finite(static_cast<float>(train_loss), config, rank, epoch, steps);
+    // A loss of ln 10 is what guessing among the 10 classes gives: a run at or above it has
+    // learnt nothing (diverged to a constant output, say), which a finite loss does not show.
+    if (rank == 0 && train_loss >= std::log(10.0) && !warned_not_learning) {
+      std::fprintf(
+          stderr,
+          "warning: epoch %d's train loss %.4f is no better than guessing among the 10 classes (ln 10 = "
+          "%.4f): the run is not learning; try a lower --lr%s or a larger --batch-size\n",
+          epoch + 1, train_loss, std::log(10.0), config.optimizer == "sgd" ? " or --momentum" : "");
+      std::fflush(stderr);
+      warned_not_learning = true;
+    }
     samples_per_s = stats[1] / slowest[0];
     parallel.sync_buffers();  // the model evaluated and saved is rank 0's on every rank
     accuracy = evaluate(trained, test_loader, *pg, config.precision);

@@ -614,6 +614,19 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
       r.err.find("warning: --lr 0.5 is not used: the checkpoint's learning-rate schedule (from --lr 0.05) "
                  "goes on") != std::string::npos,
       r.err);
+  // A run that learns nothing (a finite loss no better than guessing) says so, and still ends.
+  r = run_with({"--epochs", "1", "--lr", "3", "--batch-size", "8"});
+  CHECK_MESSAGE(r.code() == 0, r.err);
+  CHECK_MESSAGE(r.err.find("is no better than guessing among the 10 classes (ln 10 = 2.3026): the run is not "
+                           "learning") != std::string::npos,
+                r.err);
+  // With another --epochs the schedule is this run's, replayed, and so is its --lr: said too.
+  r = run_with({"--epochs", "3", "--lr", "0.5", "--checkpoint", ckpt, "--resume"});
+  CHECK_MESSAGE(r.code() == 0, r.err);
+  CHECK_MESSAGE(
+      r.err.find("warning: --lr 0.5 is used, where the checkpoint's run had --lr 0.05: the learning-rate "
+                 "schedule is replayed over this run's steps") != std::string::npos,
+      r.err);
   // A checkpoint from the middle of an epoch (the run killed at step 5 of 8, saved after step
   // 3) resumes only with the seed that ordered that epoch.
   const std::string mid = dir.path + "/mid.ckpt";
