@@ -311,7 +311,15 @@ Outcome ChildGroup::wait() {
       wait = std::min(wait, std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now()) +
                                 std::chrono::milliseconds(1));
     bool stopped = false;  // one stop for the Ctrl-Z presses read together
-    for (int signal : poll_once(wait)) {
+    const std::vector<int> signals = poll_once(wait);
+    // The reader of our output exited (`| head`): the job ends as a program writing into that
+    // pipe would, by SIGPIPE (141), its ranks stopped as after any signal.
+    if (!terminating && launcher_reader_gone()) {
+      outcome.kind = Outcome::Kind::Interrupted;
+      outcome.signal = SIGPIPE;
+      begin_termination(SIGTERM, "the reader of its output exited (as `| head` does once it has its lines)");
+    }
+    for (int signal : signals) {
       if (signal == SIGTSTP) {
         if (terminating || stopped) continue;
         // Time spent stopped is not the job's: the clocks move on by it.
@@ -369,6 +377,7 @@ Outcome ChildGroup::wait() {
   relay.flush([&] {
     unsigned char bytes[64];
     ssize_t n;
+    if (!stopped && late_signal == 0 && launcher_reader_gone()) late_signal = SIGPIPE;
     while (!stopped && late_signal == 0 && (n = read(g_signal_pipe[0], bytes, sizeof(bytes))) > 0)
       for (ssize_t i = 0; i < n; ++i) {
         if (bytes[i] == SIGTSTP) {
