@@ -593,40 +593,29 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   CHECK_MESSAGE(r.err.find("cannot resume from checkpoint " + ckpt + ": its run used --optimizer sgd and this one "
                            "--optimizer adamw: resume with --optimizer sgd") != std::string::npos,
                 r.err);
+  // A run of args exits with code and says text on stderr.
+  const auto says = [&](const std::vector<std::string>& args, int code, const std::string& text) {
+    const RunResult result = run_with(args);
+    CHECK_MESSAGE(result.code() == code, result.err);
+    CHECK_MESSAGE(result.err.find(text) != std::string::npos, result.err);
+  };
   // So is another --momentum or --weight-decay (torch's load_state_dict would restore the saved
   // ones over what the run asked for, without a word).
-  r = run_with({"--epochs", "3", "--momentum", "0.5", "--checkpoint", ckpt, "--resume"});
-  CHECK(r.code() == 1);
-  CHECK_MESSAGE(
-      r.err.find("its run used --momentum 0.9 and this one --momentum 0.5: resume with --momentum 0.9") !=
-          std::string::npos,
-      r.err);
-  r = run_with({"--epochs", "3", "--weight-decay", "0.01", "--checkpoint", ckpt, "--resume"});
-  CHECK(r.code() == 1);
-  CHECK_MESSAGE(
-      r.err.find("its run used --weight-decay 0 and this one --weight-decay 0.01") != std::string::npos,
-      r.err);
+  says({"--epochs", "3", "--momentum", "0.5", "--checkpoint", ckpt, "--resume"}, 1,
+       "its run used --momentum 0.9 and this one --momentum 0.5: resume with --momentum 0.9");
+  says({"--epochs", "3", "--weight-decay", "0.01", "--checkpoint", ckpt, "--resume"}, 1,
+       "its run used --weight-decay 0 and this one --weight-decay 0.01");
   // Another --lr with the checkpoint's schedule (same --epochs): the schedule goes on (a loaded
   // torch optimizer keeps its lr), and the run says, under --quiet too, that the flag is not used.
-  r = run_with({"--epochs", "2", "--lr", "0.5", "--checkpoint", ckpt, "--resume"});
-  CHECK_MESSAGE(r.code() == 0, r.err);
-  CHECK_MESSAGE(
-      r.err.find("warning: --lr 0.5 is not used: the checkpoint's learning-rate schedule (from --lr 0.05) "
-                 "goes on") != std::string::npos,
-      r.err);
+  says({"--epochs", "2", "--lr", "0.5", "--checkpoint", ckpt, "--resume"}, 0,
+       "warning: --lr 0.5 is not used: the checkpoint's learning-rate schedule (from --lr 0.05) goes on");
   // A run that learns nothing (a finite loss no better than guessing) says so, and still ends.
-  r = run_with({"--epochs", "1", "--lr", "3", "--batch-size", "8"});
-  CHECK_MESSAGE(r.code() == 0, r.err);
-  CHECK_MESSAGE(r.err.find("is no better than guessing among the 10 classes (ln 10 = 2.3026): the run is not "
-                           "learning") != std::string::npos,
-                r.err);
+  says({"--epochs", "1", "--lr", "3", "--batch-size", "8"}, 0,
+       "is no better than guessing among the 10 classes (ln 10 = 2.3026): the run is not learning");
   // With another --epochs the schedule is this run's, replayed, and so is its --lr: said too.
-  r = run_with({"--epochs", "3", "--lr", "0.5", "--checkpoint", ckpt, "--resume"});
-  CHECK_MESSAGE(r.code() == 0, r.err);
-  CHECK_MESSAGE(
-      r.err.find("warning: --lr 0.5 is used, where the checkpoint's run had --lr 0.05: the learning-rate "
-                 "schedule is replayed over this run's steps") != std::string::npos,
-      r.err);
+  says({"--epochs", "3", "--lr", "0.5", "--checkpoint", ckpt, "--resume"}, 0,
+       "warning: --lr 0.5 is used, where the checkpoint's run had --lr 0.05: the learning-rate schedule is "
+       "replayed over this run's steps");
   // A checkpoint from the middle of an epoch (the run killed at step 5 of 8, saved after step
   // 3) resumes only with the seed that ordered that epoch.
   const std::string mid = dir.path + "/mid.ckpt";

@@ -478,20 +478,36 @@ TEST_CASE("nanoddp-run with its standard streams closed runs the job; no rank's 
   }
 }
 
+namespace {
+
+// Runs `job` (shell words; the launcher quoted first) with its stdout into a reader that
+// sleeps 8 s before reading; returns the job's exit status and how long it took, in ms, as the
+// shell saw them (rc=... ms=... in the result's out), and the launcher's stderr.
+RunResult run_with_paused_reader(const std::string& job) {
+  return run({"/bin/sh", "-c",
+              "exec 3>&1; start=$(date +%s%N); ( " + job +
+                  "; echo \"rc=$? ms=$(( ($(date +%s%N) - start) / 1000000 ))\" >&3 ) | "
+                  "{ sleep 8; cat > /dev/null; }"});
+}
+
+// The ms=... of a run_with_paused_reader result.
+long paused_reader_ms(const RunResult& r) {
+  const size_t at = r.out.find("ms=");
+  REQUIRE_MESSAGE(at != std::string::npos, r.out);
+  return std::stol(r.out.substr(at + 3));
+}
+
+}  // namespace
+
 TEST_CASE("nanoddp-run whose stdout nobody reads still acts on --timeout and exits (Note [Output relay])") {
   // Ranks print without end into a pipe whose reader sleeps 8 s. Writing from its supervision
   // loop, the launcher blocked until the reader woke; now its timeout ends the job at 2 s, and
   // it exits once the reader has taken nothing for the grace period, counted from its last
   // byte (at the start): at about 3 s, not a grace period after the timeout (5 s).
-  const RunResult r = run({"/bin/sh", "-c",
-                           "exec 3>&1; start=$(date +%s%N); ( '" + launcher_path() +
-                               "' --grace-period 3 --timeout 2 --nproc-per-node 2 yes; "
-                               "echo \"rc=$? ms=$(( ($(date +%s%N) - start) / 1000000 ))\" >&3 ) | "
-                               "{ sleep 8; cat > /dev/null; }"});
+  const RunResult r =
+      run_with_paused_reader("'" + launcher_path() + "' --grace-period 3 --timeout 2 --nproc-per-node 2 yes");
   CHECK_MESSAGE(contains(r.out, "rc=124 "), r.out);
-  const size_t at = r.out.find("ms=");
-  REQUIRE_MESSAGE(at != std::string::npos, r.out);
-  CHECK_MESSAGE(std::stol(r.out.substr(at + 3)) < 4500, r.out);
+  CHECK_MESSAGE(paused_reader_ms(r) < 4500, r.out);
   CHECK_MESSAGE(contains(r.err, "timed out: the job's --timeout of 2 s"), r.err);
 }
 
@@ -499,24 +515,16 @@ TEST_CASE(
     "nanoddp-run whose job has ended but whose stdout nobody reads exits on SIGTERM (Note [Output relay])") {
   // The rank prints 2 MB in 20,000 lines and exits; the launcher waits for the reader, which sleeps 8 s,
   // until SIGTERM at 2 s: then a stall of the grace period ends the wait, and the exit is 128 + 15.
-  const RunResult r =
-      run({"/bin/sh", "-c",
-           "exec 3>&1; start=$(date +%s%N); ( '" + launcher_path() +
-               "' --grace-period 1 --nproc-per-node 1 sh -c 'yes $(printf %0100d 0) | head -n 20000' & "
-               "pid=$!; sleep 2; kill -TERM $pid; wait $pid; "
-               "echo \"rc=$? ms=$(( ($(date +%s%N) - start) / 1000000 ))\" >&3 ) | "
-               "{ sleep 8; cat > /dev/null; }"});
+  const std::string prints = " sh -c 'yes $(printf %0100d 0) | head -n 20000";
+  const std::string then_term = " & pid=$!; sleep 2; kill -TERM $pid; wait $pid";
+  const RunResult r = run_with_paused_reader("'" + launcher_path() + "' --grace-period 1 --nproc-per-node 1" +
+                                             prints + "'" + then_term);
   CHECK_MESSAGE(contains(r.out, "rc=143 "), r.out);
-  const size_t at = r.out.find("ms=");
-  REQUIRE_MESSAGE(at != std::string::npos, r.out);
-  CHECK_MESSAGE(std::stol(r.out.substr(at + 3)) < 6000, r.out);
+  CHECK_MESSAGE(paused_reader_ms(r) < 6000, r.out);
   // The same after a rank failed, with restarts left: the signal ends the job, no round follows.
-  const RunResult failed = run(
-      {"/bin/sh", "-c",
-       "exec 3>&1; ( '" + launcher_path() +
-           "' --grace-period 1 --max-restarts 2 --nproc-per-node 1 sh -c 'yes $(printf %0100d 0) | head -n "
-           "20000; exit 3' & pid=$!; sleep 2; kill -TERM $pid; wait $pid; echo \"rc=$?\" >&3 ) | "
-           "{ sleep 8; cat > /dev/null; }"});
+  const RunResult failed = run_with_paused_reader("'" + launcher_path() +
+                                                  "' --grace-period 1 --max-restarts 2 --nproc-per-node 1" +
+                                                  prints + "; exit 3'" + then_term);
   CHECK_MESSAGE(contains(failed.out, "rc=143"), failed.out);
   CHECK_MESSAGE(!contains(failed.err, "restarting every rank"), failed.err);
 }
