@@ -137,13 +137,38 @@ std::string checkpoint_bytes(const StateDict& tensors) {
   return bytes;
 }
 
+namespace {
+// Throws IOError unless bytes are a checkpoint whose checksum holds: every byte as written.
+void check_checksum(const std::string& bytes, const std::string& path) {
+  NANODDP_CHECK(bytes.size() >= sizeof(kMagic) + sizeof(uint64_t), IOError, "checkpoint ", path, ": only ",
+                bytes.size(), " bytes, too short to be a checkpoint");
+  const size_t body = bytes.size() - sizeof(uint64_t);
+  NANODDP_CHECK(std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) == 0, IOError, "checkpoint ", path,
+                ": bad magic at byte offset 0 (not a nanoddp checkpoint)");
+  uint64_t stored_sum;
+  std::memcpy(&stored_sum, bytes.data() + body, sizeof(stored_sum));
+  // The version picks the checksum's basis; parse_checkpoint checks it once the checksum holds.
+  uint32_t written_version = 0;
+  if (body >= sizeof(kMagic) + sizeof(written_version))
+    std::memcpy(&written_version, bytes.data() + sizeof(kMagic), sizeof(written_version));
+  const uint64_t basis = written_version == 1 ? kCheckpointVersion1OffsetBasis : kFnv1aOffsetBasis;
+  if (stored_sum != fnv1a(std::string_view(bytes).substr(0, body), basis)) {
+    const std::string cut = where_truncated(bytes);
+    NANODDP_CHECK(cut.empty(), IOError, "checkpoint ", path, ": truncated: the file ends at byte offset ",
+                  bytes.size(), ", ", cut, " (was its write cut short?)");
+    NANODDP_THROW(IOError, "checkpoint ", path, ": checksum mismatch (checksum at byte offset ", body,
+                  "): the file is corrupt");
+  }
+}
+}  // namespace
+
 void keep_previous_checkpoint(const std::string& path, const std::function<bool(const std::string&)>& loads) {
   if (::access(path.c_str(), F_OK) != 0) return;
   const std::string previous = path + ".prev", staged = previous + ".tmp";
   const auto path_loads = [&] {
     if (loads) return loads(path);
-    try {
-      load_checkpoint(path);
+    try {  // every byte checked, no tensor built
+      check_checksum(read_regular_file(path, "checkpoint"), path);
       return true;
     } catch (const Error&) {
       return false;
@@ -188,26 +213,8 @@ StateDict load_checkpoint(const std::string& path) {
 }
 
 StateDict parse_checkpoint(const std::string& bytes, const std::string& path) {
-  NANODDP_CHECK(bytes.size() >= sizeof(kMagic) + sizeof(uint64_t), IOError, "checkpoint ", path, ": only ",
-                bytes.size(), " bytes, too short to be a checkpoint");
+  check_checksum(bytes, path);
   const size_t body = bytes.size() - sizeof(uint64_t);
-  NANODDP_CHECK(std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) == 0, IOError, "checkpoint ", path,
-                ": bad magic at byte offset 0 (not a nanoddp checkpoint)");
-  uint64_t stored_sum;
-  std::memcpy(&stored_sum, bytes.data() + body, sizeof(stored_sum));
-  // The version picks the checksum's basis; it is checked below, once the checksum holds.
-  uint32_t written_version = 0;
-  if (body >= sizeof(kMagic) + sizeof(written_version))
-    std::memcpy(&written_version, bytes.data() + sizeof(kMagic), sizeof(written_version));
-  const uint64_t basis = written_version == 1 ? kCheckpointVersion1OffsetBasis : kFnv1aOffsetBasis;
-  if (stored_sum != fnv1a(std::string_view(bytes).substr(0, body), basis)) {
-    const std::string cut = where_truncated(bytes);
-    NANODDP_CHECK(cut.empty(), IOError, "checkpoint ", path, ": truncated: the file ends at byte offset ", bytes.size(),
-                  ", ", cut, " (was its write cut short?)");
-    NANODDP_THROW(IOError, "checkpoint ", path, ": checksum mismatch (checksum at byte offset ", body,
-                  "): the file is corrupt");
-  }
-
   // The checksum proves the bytes are what some writer wrote, not that the writer was sane:
   // every size is still checked against the bytes present before it is trusted.
   Reader in(path, bytes, body);

@@ -50,7 +50,7 @@ bool is_checkpoint_file(const std::string& path);
 // Keeps the file at path, if there is one, as path + ".prev", before path is replaced: a hard
 // link made under a temporary name and renamed over path.prev, so that path.prev is never
 // absent and path is never touched. A path that does not load (`loads(path)` false; by
-// default load_checkpoint's checks: every byte checksummed) is not kept over an existing
+// default its checksum over every byte, read without building tensors) is not kept over an existing
 // path.prev: after a resume that fell back to path.prev, that is the only checkpoint that
 // loads. Throws IOError naming both files and the step that failed (link: another file
 // system, no permission; rename), or a path.prev.tmp (a leftover of a save that died there)
