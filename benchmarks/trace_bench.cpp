@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdio>
 
+#include "benchmarks/no_arguments.h"
 #include "core/trace.h"
 
 using namespace nanoddp;
@@ -25,7 +26,11 @@ double ns_per_span(long count) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  if (const int status = benchmarks::refuse_arguments(
+          argc, argv, "trace_bench prints one JSON line: the ns per span with tracing off and on");
+      status >= 0)
+    return status;
   trace::stop();  // off, even under NANODDP_TRACE
   const double off = ns_per_span(200'000'000);
   trace::start("");  // in memory

@@ -14,6 +14,7 @@
 #include <memory>
 #include <vector>
 
+#include "benchmarks/no_arguments.h"
 #include "core/ops.h"
 #include "dist/ddp.h"
 #include "dist/host_collectives.h"
@@ -43,7 +44,13 @@ double step_ms(dist::DistributedDataParallel& ddp, nn::Optimizer& opt, const Ten
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  if (const int status = benchmarks::refuse_arguments(
+          argc, argv,
+          "zero_bench (under nanoddp-run --nproc-per-node 2) prints one JSON line: the optimizer state per "
+          "rank of ZeRO-1 and its step time against plain Adam");
+      status >= 0)
+    return status;
   try {
     auto pg = dist::init_process_group({});
     const int rank = pg->rank(), world = pg->size();

@@ -703,6 +703,12 @@ TEST_CASE("nanoddp-run: the timeout message names the job's --timeout, and a sto
 TEST_CASE("allreduce_bench: one rank, empty size ranges, bad numbers and jobs --nproc cannot make are refused") {
   using nanoddp::testing::built;
   const std::string bench = built("benchmarks/allreduce_bench");
+  // The benchmarks without flags refuse any, rather than run with it ignored.
+  for (const char* flagless : {"benchmarks/trace_bench", "benchmarks/zero_bench"}) {
+    const RunResult refused = run({built(flagless), "--bogus", "x"});
+    CHECK(refused.code() == 2);
+    CHECK_MESSAGE(contains(refused.err, "takes no arguments, got '--bogus'"), refused.err);
+  }
   const RunResult alone = run({bench});  // no launcher: a world of one
   CHECK(alone.code() == 2);
   CHECK_MESSAGE(contains(alone.err, "world size 1"), alone.err);
