@@ -75,6 +75,15 @@ void write_all(int fd, const char* data, size_t size) {
   }
 }
 
+std::vector<int> take_signals() {
+  std::vector<int> signals;
+  unsigned char bytes[64];
+  ssize_t n;
+  while ((n = read(g_signal_pipe[0], bytes, sizeof(bytes))) > 0)
+    signals.insert(signals.end(), bytes, bytes + n);
+  return signals;
+}
+
 void close_fd(int& fd) {
   if (fd >= 0) close(fd);
   fd = -1;
@@ -161,18 +170,15 @@ bool ChildGroup::must_stop_starting() {
   if (!start_error_.empty() || pending_signal_ != 0) return true;
   if (options_.timeout.count() > 0 && Clock::now() >= created_ + options_.timeout) return true;
   bool child_exited = false;
-  unsigned char bytes[64];
-  ssize_t n;
-  while ((n = read(g_signal_pipe[0], bytes, sizeof(bytes))) > 0)
-    for (ssize_t i = 0; i < n; ++i) {
-      if (bytes[i] == SIGCHLD) {
-        child_exited = true;
-      } else if (bytes[i] == SIGTSTP) {
-        stop_with_children();  // Ctrl-Z while starting: those started stop too; then go on
-      } else if (pending_signal_ == 0) {
-        pending_signal_ = bytes[i];
-      }
+  for (const int signal : take_signals()) {
+    if (signal == SIGCHLD) {
+      child_exited = true;
+    } else if (signal == SIGTSTP) {
+      stop_with_children();  // Ctrl-Z while starting: those started stop too; then go on
+    } else if (pending_signal_ == 0) {
+      pending_signal_ = signal;
     }
+  }
   if (pending_signal_ != 0) return true;
   if (!child_exited) return false;
   for (const Child& c : children_) {

@@ -162,13 +162,9 @@ Outcome ChildGroup::wait() {
     if (fds[1].revents != 0) read_failure_reports();
     for (size_t i = 2; i < fds.size(); ++i)
       if (fds[i].revents != 0) read_stream(*owners[i].first, *owners[i].second);
-    if (fds[0].revents != 0) {
-      unsigned char bytes[64];
-      ssize_t n;
-      while ((n = read(g_signal_pipe[0], bytes, sizeof(bytes))) > 0)
-        for (ssize_t i = 0; i < n; ++i)
-          if (bytes[i] != SIGCHLD) signals.push_back(bytes[i]);
-    }
+    if (fds[0].revents != 0)
+      for (const int signal : take_signals())
+        if (signal != SIGCHLD) signals.push_back(signal);
     return signals;
   };
 
@@ -375,15 +371,13 @@ Outcome ChildGroup::wait() {
   const bool stopped = outcome.kind == Outcome::Kind::Interrupted || outcome.kind == Outcome::Kind::TimedOut;
   int late_signal = 0;
   relay.flush([&] {
-    unsigned char bytes[64];
-    ssize_t n;
     if (!stopped && late_signal == 0 && launcher_reader_gone()) late_signal = SIGPIPE;
-    while (!stopped && late_signal == 0 && (n = read(g_signal_pipe[0], bytes, sizeof(bytes))) > 0)
-      for (ssize_t i = 0; i < n; ++i) {
-        if (bytes[i] == SIGTSTP) {
+    if (!stopped && late_signal == 0)
+      for (const int signal : take_signals()) {
+        if (signal == SIGTSTP) {
           stop_with_children();
-        } else if (bytes[i] != SIGCHLD && late_signal == 0) {
-          late_signal = bytes[i];
+        } else if (signal != SIGCHLD && late_signal == 0) {
+          late_signal = signal;
         }
       }
     return stopped || late_signal != 0 ? options_.grace_period : OutputRelay::kWaitForever;

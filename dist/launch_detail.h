@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstddef>
 #include <string>
+#include <vector>
 
 #include "dist/launch.h"
 
@@ -39,6 +40,9 @@ inline bool kept_if_ignored(int signal) { return is_forwarded(signal) || signal 
 
 // The handler of every signal in kHandledSignals but SIGPIPE.
 void on_signal(int signal);
+// The signals the handler has written to the self-pipe since the last call, in order
+// (SIGCHLD included); never blocks.
+std::vector<int> take_signals();
 
 // Writes all of `data` to `fd`; gives up quietly when the reader is gone (EPIPE) or the fd is
 // broken, because losing output must never stop supervision. Nothing, for fd 1 or 2, once
