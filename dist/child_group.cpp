@@ -51,8 +51,6 @@ std::atomic<pid_t> g_output_dropped_by{0};  // the process that gave its readers
 
 void drop_launcher_output() { g_output_dropped_by = getpid(); }
 void resume_launcher_output() { g_output_dropped_by = 0; }
-std::atomic<bool> g_reader_gone{false};
-bool launcher_reader_gone() { return g_reader_gone; }
 
 // Writes all of `data` to `fd`; gives up quietly when the reader is gone (EPIPE) or the fd is
 // broken, because losing output must never stop supervision.
@@ -69,7 +67,6 @@ void write_all(int fd, const char* data, size_t size) {
       pollfd p{fd, POLLOUT, 0};
       poll(&p, 1, 100);
     } else {
-      if (n < 0 && errno == EPIPE && (fd == 1 || fd == 2)) g_reader_gone = true;
       return;
     }
   }

@@ -307,15 +307,7 @@ Outcome ChildGroup::wait() {
       wait = std::min(wait, std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now()) +
                                 std::chrono::milliseconds(1));
     bool stopped = false;  // one stop for the Ctrl-Z presses read together
-    const std::vector<int> signals = poll_once(wait);
-    // The reader of our output exited (`| head`): the job ends as a program writing into that
-    // pipe would, by SIGPIPE (141), its ranks stopped as after any signal.
-    if (!terminating && launcher_reader_gone()) {
-      outcome.kind = Outcome::Kind::Interrupted;
-      outcome.signal = SIGPIPE;
-      begin_termination(SIGTERM, "the reader of its output exited (as `| head` does once it has its lines)");
-    }
-    for (int signal : signals) {
+    for (int signal : poll_once(wait)) {
       if (signal == SIGTSTP) {
         if (terminating || stopped) continue;
         // Time spent stopped is not the job's: the clocks move on by it.
@@ -366,12 +358,10 @@ Outcome ChildGroup::wait() {
   }
   // A job that ended by itself waits for its readers however long they take (a pager read page
   // by page); one stopped by a signal or its timeout gives a stalled reader a grace period, and
-  // so does a signal that comes during the wait: the job's outcome then is the signal's (a
-  // failed rank was reported already; no restart follows a signal).
+  // so does a signal that comes during the wait (Outcome::late_signal: no restart follows it).
   const bool stopped = outcome.kind == Outcome::Kind::Interrupted || outcome.kind == Outcome::Kind::TimedOut;
   int late_signal = 0;
   relay.flush([&] {
-    if (!stopped && late_signal == 0 && launcher_reader_gone()) late_signal = SIGPIPE;
     if (!stopped && late_signal == 0)
       for (const int signal : take_signals()) {
         if (signal == SIGTSTP) {
@@ -382,8 +372,8 @@ Outcome ChildGroup::wait() {
       }
     return stopped || late_signal != 0 ? options_.grace_period : OutputRelay::kWaitForever;
   });
-  if (late_signal != 0 &&
-      (outcome.kind == Outcome::Kind::AllSucceeded || outcome.kind == Outcome::Kind::ChildFailed)) {
+  outcome.late_signal = late_signal;
+  if (late_signal != 0 && outcome.kind == Outcome::Kind::AllSucceeded) {
     outcome.kind = Outcome::Kind::Interrupted;
     outcome.signal = late_signal;
   }

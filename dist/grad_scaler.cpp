@@ -65,13 +65,14 @@ void GradScaler::unscale_(nn::Optimizer& optimizer) {
   // 1 / scale in double, rounded once to float32: exact for a power of two (torch computes
   // the reciprocal in float64 too).
   const float inv_scale = static_cast<float>(1.0 / static_cast<double>(scale_));
-  // A scale that backoffs took to 0 (or so near it that 1/scale is inf) has no finite inverse:
-  // every unscaled gradient would be 0 x inf = NaN (torch writes them into the weights), and
-  // no scale grows back from 0, so every later step would be skipped. Said, on every rank.
-  NANODDP_CHECK(std::isfinite(inv_scale), ValueError, "GradScaler::unscale_: the scale is ", scale_,
-                ", whose inverse is not finite: the gradients were inf or NaN at every step for so long that "
-                "backoff took the scale to 0 (or such a scale was loaded); the model has diverged: lower the "
-                "learning rate, or resume from an earlier checkpoint");
+  // A scale below 2^-128 has no finite float32 inverse: every unscaled gradient would be inf
+  // or NaN (torch writes them into the weights), and from 0 no scale grows back. Said, on
+  // every rank.
+  NANODDP_CHECK(
+      std::isfinite(inv_scale), ValueError, "GradScaler::unscale_: the scale is ", scale_,
+      ", so small that 1/scale is not finite in float32; backoff takes 65536 there after some 145 "
+      "steps in a row with inf or NaN gradients: the model has diverged (lower the learning rate, or "
+      "resume from an earlier checkpoint), unless such a scale was set or loaded");
   bool found = false, has_grad = false;
   {
     NoGradGuard no_grad;

@@ -58,11 +58,12 @@ class GradScaler {
   Tensor scale(const Tensor& loss) const;
   // Multiplies every .grad of optimizer's parameters by 1 / scale in place and records whether
   // any is inf or NaN, on this rank or (with a group) on any rank. Throws ValueError for a scale
-  // whose inverse is not finite (0: backoff after inf or NaN at every step for ~170 steps;
-  // torch would step with NaN gradients, and no step would follow), and when
+  // below 2^-128, whose float32 inverse is not finite (backoff takes 65536 there after some 145
+  // steps in a row of inf or NaN; torch would step with inf or NaN gradients), and when
   // called twice for one optimizer before update(), or after step() (torch's messages).
   void unscale_(nn::Optimizer& optimizer);
-  // unscale_ unless already done; then optimizer.step() unless an inf or NaN was found.
+  // unscale_ unless already done (with its ValueErrors); then optimizer.step() unless an inf or
+  // NaN was found.
   // Returns whether it stepped. Throws ValueError when called twice before update(), and when
   // none of optimizer's parameters had a .grad to check (on any rank of the group: every rank
   // throws), as torch asserts "No inf checks were recorded for this optimizer".

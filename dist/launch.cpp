@@ -594,6 +594,11 @@ int launch(const LaunchOptions& given, const std::vector<std::string>& program) 
     switch (outcome.kind) {
       case Outcome::Kind::AllSucceeded: return 0;
       case Outcome::Kind::ChildFailed:
+        if (outcome.late_signal != 0) {  // the user stopped the job while its output was written
+          write_all(2, "nanoddp-run: received " + signal_name(outcome.late_signal) +
+                           " after the failure: no restart\n");
+          return 128 + outcome.late_signal;
+        }
         if (round < options.max_restarts) {
           write_all(2, "nanoddp-run: restarting every rank (restart " + std::to_string(round + 1) + " of " +
                            std::to_string(options.max_restarts) + ", NANODDP_RESTART_COUNT=" +

@@ -179,6 +179,10 @@ struct Outcome {
   std::string failed_message; // what the child reported through its message pipe (spawn), or
                               // why it could not be started (StartFailed: "fork failed: ...")
   int signal = 0;             // the forwarded signal (Interrupted)
+  // A signal that came while the output was written after every child had ended: an outcome
+  // that was AllSucceeded is Interrupted by it; a ChildFailed one stays (the failure is what
+  // spawn reports), and launch() restarts nothing after it.
+  int late_signal = 0;
   std::vector<ExitStatus> statuses;  // every child's end, in start order
 };
 

@@ -52,9 +52,6 @@ void write_all(int fd, const char* data, size_t size);
 inline void write_all(int fd, const std::string& data) { write_all(fd, data.data(), data.size()); }
 void drop_launcher_output();
 void resume_launcher_output();
-// Whether a write to fd 1 or 2 found its reader gone (EPIPE: `| head` has read its lines and
-// exited). The job is then stopped as a program writing there would be, by SIGPIPE.
-bool launcher_reader_gone();
 
 void close_fd(int& fd);
 

@@ -395,8 +395,8 @@ std::shared_ptr<ProcessGroup> make_nccl_process_group(std::shared_ptr<Store> sto
 // or corrupt data. Every wait through it also ends by timeout, the group's (whatever the
 // backend does). init_process_group wraps every group with it unless
 // InitOptions::check_collectives is false. A virtual added to ProcessGroup must also be
-// forwarded there, and by host_staging.cpp's StagingGroup, which every CPU group is wrapped in
-// (count and reset_counts excepted: the checked group counts the calls made through it).
+// forwarded there (count and reset_counts excepted: the checked group counts the calls made
+// through it), and by host_staging.cpp's StagingGroup, which every CPU group is wrapped in.
 std::shared_ptr<ProcessGroup> make_checked_process_group(std::shared_ptr<ProcessGroup> inner,
                                                          std::chrono::milliseconds timeout);
 

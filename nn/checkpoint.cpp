@@ -183,9 +183,12 @@ void keep_previous_checkpoint(const std::string& path, const std::function<bool(
   }
   // A symbolic link at path is followed: the save replaces the file it names, which is what
   // path.prev must keep (a link to the link would follow the save to the new checkpoint).
-  NANODDP_CHECK(::linkat(AT_FDCWD, path.c_str(), AT_FDCWD, staged.c_str(), AT_SYMLINK_FOLLOW) == 0, IOError,
-                "cannot keep the previous checkpoint ", path, " as ", previous,
-                ": link: ", std::strerror(errno));
+  // A link to another file system (a scratch disk) cannot be hard-linked: a copy is kept.
+  if (::linkat(AT_FDCWD, path.c_str(), AT_FDCWD, staged.c_str(), AT_SYMLINK_FOLLOW) != 0) {
+    NANODDP_CHECK(errno == EXDEV, IOError, "cannot keep the previous checkpoint ", path, " as ", previous,
+                  ": link: ", std::strerror(errno));
+    write_file_atomically(staged, read_regular_file(path, "checkpoint"), "checkpoint");
+  }
   NANODDP_CHECK(std::rename(staged.c_str(), previous.c_str()) == 0, IOError, "cannot keep the previous checkpoint ",
                 path, " as ", previous, ": rename: ", std::strerror(errno));
 }

@@ -671,6 +671,22 @@ TEST_CASE("check_checkpoint_writable refuses a path, or a path.prev, that is som
   CHECK(!std::filesystem::is_symlink(link_previous));
   CHECK(load_checkpoint(link_previous).at("w").to_vector() == std::vector<float>{1, 2});
   for (const std::string& file : {link, link_previous, path}) std::remove(file.c_str());
+  // A link to another file system (/dev/shm is tmpfs) cannot be hard-linked: a copy is kept.
+  const std::string elsewhere = "/dev/shm/nanoddp_test_" + std::to_string(::getpid()) + ".ckpt";
+  struct stat here {
+  }, there{};
+  if (::stat("/dev/shm", &there) == 0 &&
+      ::stat(std::filesystem::path(path).parent_path().c_str(), &here) == 0 && here.st_dev != there.st_dev) {
+    save_checkpoint(elsewhere, state);
+    std::filesystem::create_symlink(elsewhere, link);
+    keep_previous_checkpoint(link);
+    save_checkpoint(link, next);
+    CHECK(load_checkpoint(link).at("w").to_vector() == std::vector<float>{7, 8});
+    CHECK(load_checkpoint(link_previous).at("w").to_vector() == std::vector<float>{1, 2});
+    for (const std::string& file : {link, link_previous, elsewhere}) std::remove(file.c_str());
+  } else {
+    MESSAGE("no other file system at /dev/shm: the cross-device copy is not tried");
+  }
 }
 
 TEST_CASE("a single process learns y = 2x with Linear(1, 1) and SGD") {
