@@ -25,9 +25,9 @@
 // "T_max", "eta_min"; "start_factor", "end_factor", "total_iters"; LambdaLR: "lr_lambdas",
 // the number of lambdas, 1, as torch keeps an entry per lambda but not the function).
 // load_state_dict() refuses another scheduler's state by those names (Note [Scheduler state
-// kind]; a state with none, one saved by an earlier version, loads and keeps the
-// constructor's values) and takes the saved values, as PyTorch's (which updates the
-// scheduler's __dict__): the loaded scheduler follows the schedule it was saved with. The
+// kind]; a state without those names loads and keeps the constructor's values) and takes the
+// saved values, as PyTorch's (which updates the scheduler's __dict__): a loaded scheduler
+// follows the schedule it was saved with. The
 // recursion builds on the saved rate, so no other curve can be joined midway: to change the
 // schedule, build one and step it from the start (as examples/fashion_mnist.cpp's Note
 // [Resuming elsewhere] replays). It also sets the optimizer's lr to

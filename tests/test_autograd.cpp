@@ -287,8 +287,9 @@ TEST_CASE("post-accumulate-grad hooks fire once per backward, after the full gra
 }
 
 TEST_CASE("a hook may remove itself or register more while the hooks run; the others still run, once") {
-  // A one-shot hook (torch's handle.remove() inside the hook) used to skip the next hook and
-  // throw bad_function_call; one that registered a hook reallocated the list under the loop.
+  // A one-shot hook (torch's handle.remove() inside the hook) removes itself while the hooks
+  // run, and one that registers more grows the list being walked: neither may skip a hook or
+  // run a freed one.
   Tensor w = Tensor::from_vector({2.0f}).set_requires_grad(true);
   std::vector<std::string> calls;
   int first = -1;

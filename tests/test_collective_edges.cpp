@@ -270,7 +270,8 @@ TEST_CASE("a peer that never calls the collective ends every wait by the group's
       expect(std::string(e.what()).find("straggler: rank 1 never reached all_reduce(sum) #1") != std::string::npos,
              "rank ", rank, ": the error does not name rank 1 as the straggler: ", e.what());
     }
-    // is_completed() never throws (on shm it rethrew the timeout), whatever it answers.
+    // is_completed() never throws, whatever it answers (on shm the check's exchange has ended in
+    // the timeout by now).
     try {
       (void)work->is_completed();
     } catch (const std::exception& e) {

@@ -500,10 +500,10 @@ long paused_reader_ms(const RunResult& r) {
 }  // namespace
 
 TEST_CASE("nanoddp-run whose stdout nobody reads still acts on --timeout and exits (Note [Output relay])") {
-  // Ranks print without end into a pipe whose reader sleeps 8 s. Writing from its supervision
-  // loop, the launcher blocked until the reader woke; now its timeout ends the job at 2 s, and
-  // it exits once the reader has taken nothing for the grace period, counted from its last
-  // byte (at the start): at about 3 s, not a grace period after the timeout (5 s).
+  // Ranks print without end into a pipe whose reader sleeps 8 s. The supervision loop does not
+  // wait for that reader: the timeout ends the job at 2 s, and the launcher exits once the
+  // reader has taken nothing for the grace period, counted from its last byte (at the start):
+  // at about 3 s, not a grace period after the timeout (5 s).
   const RunResult r =
       run_with_paused_reader("'" + launcher_path() + "' --grace-period 3 --timeout 2 --nproc-per-node 2 yes");
   CHECK_MESSAGE(contains(r.out, "rc=124 "), r.out);
