@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/autograd.h"
+#include "core/op_helpers.h"
 #include "core/ops.h"
 #include "dist/host_collectives.h"
 
@@ -47,10 +48,7 @@ GradScaler::GradScaler(GradScalerOptions options, std::shared_ptr<ProcessGroup> 
 
 Tensor GradScaler::scale(const Tensor& loss) const {
   if (!options_.enabled) return loss;
-  NANODDP_CHECK(loss.defined(), ValueError, "GradScaler::scale: the loss is undefined");
-  NANODDP_CHECK(loss.dtype() == DType::Float32 || is_16bit_float(loss.dtype()), ValueError,
-                "GradScaler::scale: the loss must be float32, float16 or bfloat16, got ", loss.dtype(),
-                " (shape ", loss.shape(), ")");
+  check_floating("GradScaler::scale", loss, "the loss");
   // A 16-bit loss is widened first: 65536 times a float16 loss above 1 would be inf in
   // float16 (torch widens a 0-dim loss only, by promotion with its float32 scale tensor).
   return (is_16bit_float(loss.dtype()) ? loss.to(DType::Float32) : loss) * scale_;
