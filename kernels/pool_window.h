@@ -35,7 +35,10 @@ NANODDP_HOST_DEVICE inline Taps window_taps(int64_t start, int64_t size, int64_t
 // The other way round: the taps [first, last) by which windows can reach input position x
 // along one axis, those i in [0, kernel) with 0 <= x + pad - i dilation <= (out - 1) stride
 // (the window's start, o stride; whether stride divides it is left to the caller). Computed,
-// so a backward visits no more taps than there are windows.
+// so a backward visits no more taps than there are windows. Used by max_pool2d's backward
+// and conv2d's col2im, which has no plane limit: what keeps it from overflowing is
+// make_window's bound on the span, H + 2 pad - extent - 1 <= 2^62 with x < H, so beyond +
+// dilation - 1 stays at or below 2^63 - 2 (little margin: loosen those bounds only with care).
 NANODDP_HOST_DEVICE inline Taps taps_reaching(int64_t x, int64_t pad, int64_t kernel, int64_t dilation,
                                               int64_t stride, int64_t out) {
   const int64_t reach = x + pad;                      // i dilation <= reach
