@@ -233,6 +233,7 @@ TEST_CASE("NCCL collectives on a CUDA tensor, world size 1: exact values") {
 #endif
   auto pg = nccl_group();
   CHECK(pg->backend_name() == "nccl");
+  pg->reset_counts();  // the default group may have run other cases' collectives
   const Device gpu = Device::cuda(0);
   for (int64_t n : {1, 257, 65537, (1 << 20) + 3}) {
     CAPTURE(n);
@@ -275,6 +276,20 @@ TEST_CASE("NCCL collectives on a CUDA tensor, world size 1: exact values") {
     std::vector<Tensor> no_parts{Tensor::zeros({0}, DType::Float32, gpu)};
     CHECK_NOTHROW(pg->reduce_scatter(none, no_parts, op)->wait());
   }
+  // Each call counted once (Note [Collective counters]), the barrier too, though NCCL runs it
+  // as an all-reduce of its own. all_reduce: 2 calls for each n (4 n bytes), the int64 pair,
+  // Max and Min of 7 floats.
+  const int64_t float_elements = 1 + 257 + 65537 + (1 << 20) + 3;
+  CHECK(pg->count(dist::Collective::AllReduce).calls == 8 + 1 + 2);
+  CHECK(pg->count(dist::Collective::AllReduce).bytes == 2 * 4 * float_elements + 16 + 2 * 28);
+  CHECK(pg->count(dist::Collective::Broadcast).calls == 1);
+  CHECK(pg->count(dist::Collective::Broadcast).bytes == 20);
+  CHECK(pg->count(dist::Collective::AllGather).calls == 1);
+  CHECK(pg->count(dist::Collective::AllGather).bytes == 12);
+  CHECK(pg->count(dist::Collective::ReduceScatter).calls == 6);
+  CHECK(pg->count(dist::Collective::ReduceScatter).bytes == 3 * 16);
+  CHECK(pg->count(dist::Collective::Barrier).calls == 1);
+  CHECK(pg->count(dist::Collective::Barrier).bytes == 0);
   // Point-to-point needs another rank; a tag NCCL cannot honour is refused, not ignored.
   CHECK_THROWS_AS(pg->send(b, 0), ValueError);
   CHECK_THROWS_AS(pg->recv(b, 0, 0), ValueError);
