@@ -37,9 +37,12 @@
 namespace nanoddp::data {
 
 struct DataLoaderOptions {
-  // Without a sampler: a new permutation of the whole dataset at every pass, drawn from
-  // seed + pass number (torch's RandomSampler reshuffles every pass too). Cannot be combined
-  // with a sampler (the sampler decides the order).
+  // Without a sampler: a new permutation of the whole dataset at every pass, randperm(N, seed +
+  // pass number) (data/sampler.h). torch's RandomSampler reshuffles every pass too; its first
+  // pass with generator=torch.Generator().manual_seed(seed) is this order (its later passes go
+  // on drawing from that generator, where ours reseed; torch's DataLoader draws a worker seed
+  // from its generator first, so its order differs). Cannot be combined with a sampler (the
+  // sampler decides the order).
   bool shuffle = false;
   uint64_t seed = 0;
   bool drop_last = false;  // drop the last batch of a pass when it is smaller than batch_size

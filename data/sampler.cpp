@@ -1,20 +1,20 @@
 #include "data/sampler.h"
 
 #include <numeric>
+#include <random>
 #include <utility>
 
 #include "core/error.h"
-#include "core/random.h"
 
 namespace nanoddp::data {
 
-std::vector<int64_t> random_permutation(int64_t n, uint64_t seed) {
-  NANODDP_CHECK(n >= 0, ValueError, "random_permutation: n must be >= 0, got ", n);
+std::vector<int64_t> randperm(int64_t n, uint64_t seed) {
+  NANODDP_CHECK(n >= 0, ValueError, "randperm: n must be >= 0, got ", n);
   std::vector<int64_t> order(static_cast<size_t>(n));
   std::iota(order.begin(), order.end(), int64_t{0});
-  Generator gen(seed);
-  for (int64_t i = n - 1; i > 0; --i) {
-    const auto j = static_cast<int64_t>(gen.randint(static_cast<uint64_t>(i) + 1));
+  std::mt19937 engine(static_cast<uint32_t>(seed));
+  for (int64_t i = 0; i + 1 < n; ++i) {
+    const auto j = i + static_cast<int64_t>(engine() % static_cast<uint64_t>(n - i));
     std::swap(order[i], order[j]);
   }
   return order;
@@ -60,8 +60,9 @@ DistributedSampler::DistributedSampler(int64_t size, int num_replicas, int rank,
 std::vector<int64_t> DistributedSampler::indices() const {
   std::vector<int64_t> order;
   if (shuffle_) {
-    // Unsigned wrap-around for a negative epoch, as any seed value is fine.
-    order = random_permutation(size_, seed_ + static_cast<uint64_t>(epoch_));
+    // Unsigned wrap-around for a negative epoch, as torch.Generator.manual_seed wraps a negative
+    // seed + epoch: the low 32 bits, all randperm uses, are the same.
+    order = randperm(size_, seed_ + static_cast<uint64_t>(epoch_));
   } else {
     order.resize(static_cast<size_t>(size_));
     std::iota(order.begin(), order.end(), int64_t{0});

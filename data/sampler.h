@@ -17,10 +17,9 @@
 // Equal lengths matter in training: every rank must run the same number of steps, or DDP's
 // all-reduces would wait for a rank that has stopped.
 //
-// The shuffle is a Fisher-Yates pass driven by our Generator (core/random.h) seeded with
-// seed + epoch. It has the structure of PyTorch's (one shared permutation per epoch, then
-// pad, then stride) but not its values: torch.randperm draws differently, so the same seed
-// visits examples in a different order here.
+// The shuffle is torch.randperm(N) drawn from a generator seeded with seed + epoch (randperm
+// below), so the indices are PyTorch's, value for value: a rank visits the examples in the
+// order torch's DistributedSampler with the same seed and epoch gives it.
 //
 // Evaluation mode (for_evaluation) is what PyTorch lacks: steps 1-3 without padding or
 // shuffling, so every example is visited exactly once across ranks and the first N mod W
@@ -82,8 +81,11 @@ class DistributedSampler {
   int64_t total_size_;
 };
 
-// The permutation of 0..n-1 drawn from seed by Fisher-Yates with Generator::randint:
-// for i = n-1 down to 1, swap element i with element randint(i + 1). n >= 0.
-std::vector<int64_t> random_permutation(int64_t n, uint64_t seed);
+// torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist(): PyTorch's CPU
+// generator is a 32-bit Mersenne Twister (std::mt19937) seeded with seed's low 32 bits, and
+// randperm swaps element i with element i + draw % (n - i) for i = 0 .. n-2. Equal to torch
+// 1.13's values for every n, and to torch 2's for n below 2^32 / 20 (above, torch 2 draws
+// 64 bits at a time). Throws ValueError for n < 0.
+std::vector<int64_t> randperm(int64_t n, uint64_t seed);
 
 }  // namespace nanoddp::data

@@ -545,7 +545,7 @@ TEST_CASE("DataLoader shuffle without a sampler: a new permutation each pass, se
     CHECK(ta == targets_of(collect(b)));  // same seed, same order
     CHECK(std::set<int64_t>(ta.begin(), ta.end()).size() == 50u);
     std::vector<int64_t> expected;
-    for (int64_t i : random_permutation(50, 3 + pass)) expected.push_back(100 + i);
+    for (int64_t i : randperm(50, 3 + pass)) expected.push_back(100 + i);
     CHECK(ta == expected);
     CHECK(ta != previous);
     previous = ta;

@@ -19,7 +19,7 @@
 
 using nanoddp::ValueError;
 using nanoddp::data::DistributedSampler;
-using nanoddp::data::random_permutation;
+using nanoddp::data::randperm;
 using Indices = std::vector<int64_t>;
 
 namespace {
@@ -130,7 +130,7 @@ TEST_CASE("every N, W, drop_last up to 40 x 9 matches the transcribed torch rule
           // Shuffled: the same pad-and-stride structure applied to the epoch's permutation.
           DistributedSampler shuffled(N, W, r, true, 5, drop_last);
           shuffled.set_epoch(3);
-          REQUIRE(shuffled.indices() == torch_rule(random_permutation(N, 5 + 3), W, r, drop_last));
+          REQUIRE(shuffled.indices() == torch_rule(randperm(N, 5 + 3), W, r, drop_last));
         }
       }
     }
@@ -155,16 +155,58 @@ TEST_CASE("lengths near 2^63 do not wrap: exact, or a ValueError when the padded
   CHECK_THROWS_AS(DistributedSampler(max, 2, 0, false, 0, false), ValueError);
 }
 
-TEST_CASE("random_permutation is a permutation, fixed by its seed") {
+TEST_CASE("randperm is a permutation, fixed by its seed") {
   for (int64_t n : {0, 1, 2, 17, 1000}) {
-    Indices p = random_permutation(n, 42);
-    CHECK(p == random_permutation(n, 42));
+    Indices p = randperm(n, 42);
+    CHECK(p == randperm(n, 42));
     Indices sorted = p;
     std::sort(sorted.begin(), sorted.end());
     CHECK(sorted == iota(n));
   }
-  CHECK(random_permutation(1000, 1) != random_permutation(1000, 2));
-  CHECK(random_permutation(1000, 1) != iota(1000));
+  CHECK(randperm(1000, 1) != randperm(1000, 2));
+  CHECK(randperm(1000, 1) != iota(1000));
+}
+
+// Values printed by torch 1.13: g = torch.Generator(); g.manual_seed(seed);
+// torch.randperm(n, generator=g).tolist().
+TEST_CASE("randperm draws torch.randperm's values for the same seed") {
+  CHECK(randperm(10, 0) == Indices{4, 1, 7, 5, 3, 9, 0, 8, 6, 2});
+  CHECK(randperm(10, 7) == Indices{5, 0, 3, 4, 1, 7, 9, 6, 8, 2});
+  CHECK(randperm(3, 1) == Indices{1, 2, 0});
+  CHECK(randperm(2, 0) == Indices{0, 1});
+  CHECK(randperm(1, 5) == Indices{0});
+  CHECK(randperm(0, 5).empty());
+  // torch seeds its 32-bit engine with the seed's low 32 bits (manual_seed(2**64 - 1) and
+  // manual_seed(2**32 - 1) give the same permutation, 4294967296 the same as 0).
+  CHECK(randperm(10, UINT64_MAX) == Indices{1, 4, 6, 2, 0, 5, 8, 7, 9, 3});
+  CHECK(randperm(10, uint64_t{1} << 32) == randperm(10, 0));
+  // Fashion-MNIST's size: the ends, and sum(i * p[i]) mod 1000003 over the whole list.
+  const Indices p = randperm(60000, 0);
+  CHECK(Indices(p.begin(), p.begin() + 5) == Indices{36044, 10678, 57327, 55074, 21567});
+  CHECK(Indices(p.end() - 5, p.end()) == Indices{6024, 6465, 31951, 27130, 1544});
+  int64_t weighted = 0;
+  for (size_t i = 0; i < p.size(); ++i) weighted = (weighted + static_cast<int64_t>(i) * p[i]) % 1000003;
+  CHECK(weighted == 597165);
+  CHECK_THROWS_AS(randperm(-1, 0), ValueError);
+}
+
+// torch 1.13: DistributedSampler(range(N), num_replicas=W, rank=r, shuffle=True, seed=seed,
+// drop_last=d), set_epoch(epoch), list(sampler).
+TEST_CASE("shuffled lists are torch's DistributedSampler's, value for value") {
+  const auto lists = [](int64_t N, int W, uint64_t seed, int64_t epoch, bool drop_last) {
+    std::vector<Indices> out;
+    for (int r = 0; r < W; ++r) {
+      DistributedSampler sampler(N, W, r, true, seed, drop_last);
+      sampler.set_epoch(epoch);
+      out.push_back(sampler.indices());
+    }
+    return out;
+  };
+  CHECK(lists(10, 3, 0, 1, false) == std::vector<Indices>{{5, 2, 9, 4}, {6, 0, 3, 5}, {1, 8, 7, 6}});
+  CHECK(lists(10, 3, 0, 1, true) == std::vector<Indices>{{5, 2, 9}, {6, 0, 3}, {1, 8, 7}});
+  CHECK(lists(7, 2, 42, 0, false) == std::vector<Indices>{{1, 3, 4, 2}, {6, 5, 0, 1}});
+  CHECK(lists(5, 4, (uint64_t{1} << 40) + 3, 2, false) ==
+        std::vector<Indices>{{1, 2}, {3, 1}, {0, 3}, {4, 0}});
 }
 
 TEST_CASE("shuffle: one permutation shared by all ranks, a new one each epoch, all indices covered") {
@@ -175,7 +217,7 @@ TEST_CASE("shuffle: one permutation shared by all ranks, a new one each epoch, a
     CAPTURE(epoch);
     const std::vector<Indices> lists = all_ranks(N, W, true, 7, false, epoch);
     // Interleaving the ranks back gives the padded permutation: same on every rank.
-    const Indices perm = random_permutation(N, 7 + epoch);
+    const Indices perm = randperm(N, 7 + epoch);
     Indices interleaved;
     for (int64_t k = 0; k < 26; ++k)
       for (int r = 0; r < W; ++r) interleaved.push_back(lists[r][k]);
