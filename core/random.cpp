@@ -12,8 +12,9 @@ float Generator::normal() {
     return static_cast<float>(spare_normal_);
   }
   // u1 in (0, 1] so log(u1) is finite.
-  const double u1 = (static_cast<double>(engine_() >> 11) + 1.0) * (1.0 / 9007199254740992.0);
-  const double u2 = static_cast<double>(engine_() >> 11) * (1.0 / 9007199254740992.0);
+  constexpr uint64_t kLow53 = (uint64_t{1} << 53) - 1;
+  const double u1 = (static_cast<double>(random64() & kLow53) + 1.0) * (1.0 / 9007199254740992.0);
+  const double u2 = static_cast<double>(random64() & kLow53) * (1.0 / 9007199254740992.0);
   const double radius = std::sqrt(-2.0 * std::log(u1));
   const double angle = 2.0 * M_PI * u2;
   spare_normal_ = radius * std::sin(angle);
@@ -23,14 +24,7 @@ float Generator::normal() {
 
 uint64_t Generator::randint(uint64_t n) {
   NANODDP_CHECK(n > 0, ValueError, "randint(n) needs n > 0");
-  // Rejection sampling: accept only draws below the largest multiple of n, so every residue
-  // is equally likely.
-  const uint64_t limit = UINT64_MAX - UINT64_MAX % n;
-  uint64_t draw;
-  do {
-    draw = engine_();
-  } while (draw >= limit);
-  return draw % n;
+  return n < (uint64_t{1} << 32) ? random() % n : random64() % n;
 }
 
 Generator& default_generator() {

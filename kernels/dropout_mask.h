@@ -3,13 +3,13 @@
 // a mask drawn with key gets the uniform dropout_uniform(key, i), computed where it is used, so
 // a GPU draws its mask without the host and both devices give the same mask for a seed.
 //
-//   const uint64_t key = ...;                          // two draws of the layer's Generator
+//   const uint64_t key = ...;                          // the layer's Generator's random64()
 //   float u = kernels::dropout_uniform(key, i);         // in [0, 1), 24 bits
 //
 // The draw is splitmix64's output for state key + i * 0x9E3779B97F4A7C15 (Steele, Lea and
 // Flood, "Fast splittable pseudorandom number generators", 2014): one multiply-xorshift
-// finaliser of a Weyl sequence, which passes BigCrush. Its top 24 bits make the float, as
-// Generator::uniform does with mt19937_64's.
+// finaliser of a Weyl sequence, which passes BigCrush. Its top 24 bits make the float, in
+// [0, 1) on the same 2^-24 grid as Generator::uniform's.
 #pragma once
 
 #include <cstdint>

@@ -13,6 +13,7 @@
 #include "kernels/cpu/winograd.h"
 #include "kernels/kernels.h"
 #include "kernels/pool_window.h"
+#include "nn/init.h"
 
 namespace nanoddp {
 
@@ -371,15 +372,12 @@ Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, Size2 kernel_size, Gen
                 "Conv2d(", in_channels, ", ", out_channels, ", kernel (", kernel_size.h, ", ", kernel_size.w,
                 ")): channels and kernel sizes must be >= 1");
   const int64_t fan_in = in_channels * kernel_size.h * kernel_size.w;
-  const float bound = 1.0f / std::sqrt(static_cast<float>(fan_in));
-  auto uniform = [&](const Shape& shape) {
-    Tensor t = Tensor::empty(shape);
-    float* p = t.data<float>();
-    for (int64_t i = 0; i < t.numel(); ++i) p[i] = gen.uniform(-bound, bound);
-    return t;
-  };
-  weight = register_parameter("weight", uniform({out_channels, in_channels, kernel_size.h, kernel_size.w}));
-  if (with_bias) bias = register_parameter("bias", uniform({out_channels}));
+  // torch.nn.Conv2d.reset_parameters: the weight (row-major), then the bias.
+  weight =
+      register_parameter("weight", init::uniform({out_channels, in_channels, kernel_size.h, kernel_size.w},
+                                                 init::kaiming_uniform_bound(fan_in), gen));
+  if (with_bias)
+    bias = register_parameter("bias", init::uniform({out_channels}, init::bias_bound(fan_in), gen));
 }
 
 Tensor Conv2d::forward(const Tensor& input) { return conv2d(input, weight, bias, stride_, padding_, dilation_); }

@@ -71,7 +71,8 @@ namespace nn {
 // conv2d with a weight [out_channels, in_channels, kh, kw] and bias [out_channels]
 // (torch.nn.Conv2d, groups=1, padding_mode='zeros'). Initialised as torch does: weight and
 // bias uniform in [-1/sqrt(fan_in), 1/sqrt(fan_in)) with fan_in = in_channels kh kw, drawn
-// from gen (weight, then bias).
+// from gen (weight, then bias; nn/init.h): a gen seeded as torch.manual_seed gives torch's
+// values bit for bit.
 class Conv2d : public Module {
  public:
   Conv2d(int64_t in_channels, int64_t out_channels, Size2 kernel_size, Generator& gen = default_generator(),

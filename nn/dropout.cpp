@@ -20,10 +20,7 @@ void check_probability(const char* op, double p) {
 }
 }  // namespace
 
-uint64_t dropout_key(Generator& gen) {
-  const uint64_t high = gen.randint(uint64_t(1) << 32);
-  return (high << 32) | gen.randint(uint64_t(1) << 32);
-}
+uint64_t dropout_key(Generator& gen) { return gen.random64(); }
 
 Tensor dropout(const Tensor& x, double p, bool training, Generator& gen) {
   if (x.defined() && is_16bit_float(x.dtype()))  // Note [16-bit elementwise ops]

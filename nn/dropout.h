@@ -25,8 +25,9 @@ namespace nanoddp {
 // p = 0.9, where 1 / (1 - 0.9f) would give 9.99999809).
 Tensor dropout(const Tensor& x, double p, bool training, Generator& gen = default_generator());
 
-// The key of one dropout call: (gen.randint(2^32) << 32) | gen.randint(2^32), the high word drawn
-// first. Advances gen by those two draws.
+// The key of one dropout call: gen.random64(), two 32-bit draws, the high word first. The
+// mask then comes from the key (kernels/dropout_mask.h), not torch's bernoulli_: the same
+// seed drops other elements than torch does.
 uint64_t dropout_key(Generator& gen);
 
 namespace nn {

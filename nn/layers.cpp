@@ -4,21 +4,18 @@
 #include <cmath>
 
 #include "nn/activation_checkpoint.h"
+#include "nn/init.h"
 
 namespace nanoddp::nn {
 
 Linear::Linear(int64_t in_features, int64_t out_features, Generator& gen, bool with_bias) {
   NANODDP_CHECK(in_features >= 0 && out_features >= 0, ValueError, "Linear(", in_features, ", ", out_features,
                 "): sizes must be >= 0");
-  const float bound = in_features > 0 ? 1.0f / std::sqrt(static_cast<float>(in_features)) : 0.0f;
-  auto uniform = [&](const Shape& shape) {
-    Tensor t = Tensor::empty(shape);
-    float* p = t.data<float>();
-    for (int64_t i = 0; i < t.numel(); ++i) p[i] = gen.uniform(-bound, bound);
-    return t;
-  };
-  weight = register_parameter("weight", uniform({out_features, in_features}));
-  if (with_bias) bias = register_parameter("bias", uniform({out_features}));
+  // torch.nn.Linear.reset_parameters: the weight (row-major), then the bias.
+  weight = register_parameter(
+      "weight", init::uniform({out_features, in_features}, init::kaiming_uniform_bound(in_features), gen));
+  if (with_bias)
+    bias = register_parameter("bias", init::uniform({out_features}, init::bias_bound(in_features), gen));
 }
 
 Tensor Linear::forward(const Tensor& input) { return linear(input, weight, bias); }

@@ -20,9 +20,10 @@ namespace nanoddp::nn {
 // weight: [out_features, in_features], bias: [out_features]. Initialised as torch.nn.Linear:
 // weight and bias uniform in [-1/sqrt(in_features), 1/sqrt(in_features)) (kaiming_uniform
 // with a = sqrt(5) reduces to that bound), drawn from gen in that order (weight row-major,
-// then bias). The values differ from PyTorch's (a different generator); the distribution is
-// the same. Parameters are float32; under nn::autocast the forward casts them to its 16-bit
-// dtype (nn::linear's contract in core/ops.h) and the output is 16-bit.
+// then bias; nn/init.h). The values are PyTorch's: Linear(784, 256, gen) with Generator
+// gen(0) holds what torch.manual_seed(0); torch.nn.Linear(784, 256) does. Parameters are float32; under
+// nn::autocast the forward casts them to its 16-bit dtype (nn::linear's contract in core/ops.h) and the
+// output is 16-bit.
 class Linear : public Module {
  public:
   Linear(int64_t in_features, int64_t out_features, Generator& gen = default_generator(), bool bias = true);

@@ -108,7 +108,7 @@ TEST_CASE("MLP with Dropout and BatchNorm1d: checkpointed gradients are bitwise 
   // moved once per forward, and BatchNorm counted 3 batches, not 6.
   CHECK(forwards[0] == 3);
   CHECK(forwards[1] == 6);
-  CHECK(ckpt_drop.next_u64() == plain_drop.next_u64());
+  CHECK(ckpt_drop.random64() == plain_drop.random64());
   // Not structured bindings: INFO's lambda cannot capture one (C++17, clang).
   for (const auto& entry : plain->named_buffers()) {
     const std::string& name = entry.first;

@@ -73,6 +73,46 @@ TEST_CASE("Linear init is uniform in +-1/sqrt(in_features) as torch.nn.Linear") 
   for (float b : layer.bias.to_vector()) CHECK(std::abs(b) <= bound);
 }
 
+// Values printed by torch 1.13 after torch.manual_seed(seed) (Note [Torch's draws]).
+TEST_CASE("a Generator seeded as torch.manual_seed gives torch's init, rand and randint values") {
+  Generator gen0(0);
+  Linear small(4, 2, gen0);
+  CHECK(small.weight.to_vector() == std::vector<float>{-0.00374341011f, 0.268221796f, -0.411522567f,
+                                                       -0.367969513f, -0.192577183f, 0.134078681f,
+                                                       -0.00990658998f, 0.396444738f});
+  CHECK(small.bias.to_vector() == std::vector<float>{-0.0443720222f, 0.132306278f});
+  Generator gen1(1);
+  Conv2d conv(2, 2, Size2{1, 2}, gen1);
+  CHECK(conv.weight.to_vector() == std::vector<float>{0.2576316f, -0.220689118f, -0.0969307423f, 0.234684467f,
+                                                      -0.470718443f, 0.29985863f, -0.102862656f,
+                                                      0.254371941f});
+  CHECK(conv.bias.to_vector() == std::vector<float>{0.0695084929f, -0.0612220764f});
+  // The fashion_mnist MLP's first layer, at its corners and inside.
+  Generator gen(0);
+  Linear first(784, 256, gen);
+  const std::vector<float> w = first.weight.to_vector(), b = first.bias.to_vector();
+  CHECK(w[0] == -0.000267386436f);
+  CHECK(w[1] == 0.0191587005f);
+  CHECK(w[100 * 784 + 500] == -0.0299402438f);
+  CHECK(w[255 * 784 + 783] == -0.0141338157f);
+  CHECK(b[0] == -0.0117177796f);
+  CHECK(b[255] == 0.0134783098f);
+  Generator gen7(7);
+  CHECK(Tensor::rand({5}, gen7).to_vector() ==
+        std::vector<float>{0.53492254f, 0.198803186f, 0.659211695f, 0.656890273f, 0.232761562f});
+  std::vector<uint64_t> ints;
+  for (int i = 0; i < 5; ++i) ints.push_back(gen7.randint(1000));
+  CHECK(ints == std::vector<uint64_t>{347, 287, 279, 988, 761});
+  // torch.randint(0, 2**33, (3,)) after manual_seed(0): 64-bit draws past 2^32.
+  Generator wide(0);
+  std::vector<uint64_t> big;
+  for (int i = 0; i < 3; ++i) big.push_back(wide.randint(uint64_t{1} << 33));
+  CHECK(big == std::vector<uint64_t>{2546248239u, 7921061056u, 7979815675u});
+  // The seed's low 32 bits, as torch's generator.
+  Generator low(5), high((uint64_t{1} << 32) + 5);
+  CHECK(low.random() == high.random());
+}
+
 TEST_CASE("linear names a weight that is not 2-D; LayerNorm refuses eps < 0 when built, as BatchNorm1d") {
   CHECK_THROWS_WITH_AS(linear(Tensor::zeros({2, 3}), Tensor::zeros({3}), Tensor()),
                        doctest::Contains("linear: weight [3] must be [out_features, in_features]"),

@@ -57,6 +57,7 @@
 #include "nn/clip_grad.h"
 #include "nn/conv.h"
 #include "nn/dropout.h"
+#include "nn/init.h"
 #include "nn/layers.h"
 #include "nn/lr_scheduler.h"
 #include "nn/module.h"
