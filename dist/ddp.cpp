@@ -48,7 +48,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
                 params.empty() ? "" : ", all frozen", "): there is nothing to average. Call the module directly");
   broadcast_parameters(/*root=*/0);
   broadcast_buffers(/*root=*/0);
-  reducer_ = std::make_unique<Reducer>(trainable(module_->named_parameters()), pg_, options);
+  reducer_ = std::make_shared<Reducer>(trainable(module_->named_parameters()), pg_, options);
   if (options.reduce_dtype != DType::Float32) {
     register_comm_hook(pg_, options.reduce_dtype == DType::BFloat16 ? bf16_compress_hook : fp16_compress_hook);
     reduce_dtype_ = options.reduce_dtype;  // after: register_comm_hook refuses once it is set
@@ -112,7 +112,17 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
   // from rank 0); Note [Join] step 3c. A joined rank does the same in DDPJoinHook::main_hook.
   if (will_sync) reducer_->rebuild_buckets();
   require_forward_param_sync_ = will_sync;
-  return (*module_)(input);
+  Tensor output = (*module_)(input);
+  if (!output.requires_grad()) return output;
+  // The sink: an identity on the output whose backward tells the reducer that this backward is
+  // a DDP forward's (Reducer::begin_ddp_backward). It runs before any parameter's gradient is
+  // final, since every parameter of this forward lies behind the output.
+  std::weak_ptr<Reducer> reducer = reducer_;
+  return record("DDPSinkBackward", output.detach(), {output}, {},
+                [reducer](const Node&, const Tensor& grad_output) -> std::vector<Tensor> {
+                  if (auto alive = reducer.lock()) alive->begin_ddp_backward();
+                  return {grad_output};
+                });
 }
 
 void DistributedDataParallel::broadcast_buffers(int root) {

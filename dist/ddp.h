@@ -58,6 +58,11 @@
 //   for (auto& [x, y] : my_batches) { opt.zero_grad(); loss_fn(ddp(x), y).backward(); opt.step(); }
 //   join.finish();
 //
+// Only a backward through DDP's forward reduces: the output passes through an identity node
+// (DDPSinkBackward, as torch's _DDPSink) that tells the Reducer so. A backward through the
+// model itself, ddp.module(), keeps each rank's gradients and issues no collective, on every
+// rank or on one (Reducer::begin_ddp_backward).
+//
 // state_dict: DDP is itself a Module whose only child is the model, registered as "module",
 // so ddp.state_dict() names parameters "module.0.weight" exactly as PyTorch does. Save
 // ddp.module().state_dict() (no prefix) to load the weights into an unwrapped model, and load
@@ -197,7 +202,7 @@ class DistributedDataParallel : public nn::Module, public Joinable {
   std::chrono::milliseconds timeout_;
   bool broadcast_buffers_;
   DType reduce_dtype_ = DType::Float32;
-  std::unique_ptr<Reducer> reducer_;
+  std::shared_ptr<Reducer> reducer_;
   // Every parameter and whether it required grad at construction (Note [Frozen parameters]).
   std::vector<std::pair<Tensor, bool>> requires_grad_at_construction_;
   bool divide_by_initial_world_size_ = true;  // set by the join hook while a Join lasts

@@ -90,8 +90,15 @@ class Reducer {
   // Called by each forward with grad enabled: whether the backward of its graph reduces, as
   // torch's forward decides when it calls prepare_for_backward. So a forward under no_sync
   // whose backward runs outside it keeps local gradients, and the reverse reduces, as in
-  // torch. Until the first forward, a backward reduces.
+  // torch.
   void set_backward_syncs(bool syncs) { backward_syncs_ = syncs; }
+  // Called when a backward passes through the output of a DDP forward (DistributedDataParallel's
+  // sink node, as torch's _DDPSink), before any of that forward's parameters gets its gradient:
+  // the gradient hooks act only in such a backward, until it ends. A backward that does not
+  // pass through one (the bare model, ddp.module(), on one rank or all) keeps its gradients
+  // local and issues no collective, as torch's Reducer ignores its hooks unless a forward
+  // prepared the backward. Must run inside a backward (queue_callback's rule).
+  void begin_ddp_backward();
 
   // Every bucket goes through hook instead of the built-in divide-and-all-reduce
   // (DistributedDataParallel::register_comm_hook). Throws ValueError when a hook is already
@@ -195,6 +202,7 @@ class Reducer {
   bool finalize_queued_ = false;
   bool sync_ = true;
   bool backward_syncs_ = true;  // set_backward_syncs
+  bool in_ddp_backward_ = false;  // begin_ddp_backward, until that backward ends
   int64_t divide_factor_;  // Join: see set_divide_factor
   CommHook comm_hook_;
   bool backward_seen_ = false;  // a synced backward has run (hooks must come before)

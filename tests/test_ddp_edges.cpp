@@ -891,6 +891,52 @@ TEST_CASE("broadcast_buffers: a forward takes rank 0's buffers when the forward 
   }
 }
 
+TEST_CASE(
+    "a backward through the bare model, not DDP's forward, stays local and issues nothing, on one rank or "
+    "all") {
+  // Bias-free Linear(1, 1), w = 1, x = r + 1 on rank r, loss sum: local gradient r + 1, mean
+  // 1.5. torch's Reducer ignores its hooks unless a DDP forward prepared the backward: calling
+  // ddp.module() directly (a per-rank diagnostic) must neither average nor pair with the
+  // peer's next collective.
+  const int world = 2, port = testing::free_port();
+  const std::string failures = testing::on_ranks(world, [&](int rank) {
+    auto pg = testing::join(rank, world, port);
+    auto model = linear_1x1(1, 0, /*bias=*/false);
+    dist::DistributedDataParallel ddp(model, pg);
+    const Tensor x = Tensor::full({1, 1}, rank + 1.0f);
+    const float local = rank + 1.0f, mean = 1.5f;
+    const auto all_reduces = [&] { return pg->count(dist::Collective::AllReduce).calls; };
+    const auto bare_backward = [&](const char* when) {
+      ddp.zero_grad();
+      const int64_t before = all_reduces();
+      sum((*model)(x)).backward();
+      expect(value(model->weight.grad()) == local && all_reduces() == before, "rank ", rank,
+             ": bare backward ", when, " gave ", model->weight.grad(), " after ", all_reduces() - before,
+             " all_reduce(s), want the local ", local, " after none");
+    };
+    const auto ddp_step = [&](const char* when) {
+      ddp.zero_grad();
+      sum(ddp(x)).backward();
+      expect(value(model->weight.grad()) == mean, "rank ", rank, ": DDP backward ", when, " gave ",
+             model->weight.grad(), ", want the mean ", mean);
+    };
+    if (rank == 0) bare_backward("on rank 0 alone, before any DDP forward");
+    ddp_step("after rank 0's bare one");
+    bare_backward("on every rank, after a DDP step");
+    if (rank == 0) bare_backward("on rank 0 alone, after a DDP step");
+    ddp_step("after the bare ones");
+    // A second backward through one DDP forward's graph is still reduced (DDP's header).
+    ddp.zero_grad();
+    Tensor loss = sum(ddp(x));
+    loss.backward(Tensor(), /*retain_graph=*/true);
+    loss.backward();
+    expect(value(model->weight.grad()) == 2 * mean, "rank ", rank, ": two backwards of one forward gave ",
+           model->weight.grad(), ", want ", 2 * mean);
+    testing::leave();
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("no_sync is decided by the forward, as PyTorch's: only a backward of a forward outside it reduces") {
   // Bias-free Linear(1, 1), w = 1, x = r + 1 on rank r, loss sum: the local gradient is r + 1,
   // the mean over W ranks (W + 1) / 2. The forward is what prepares the backward in torch
