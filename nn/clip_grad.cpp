@@ -24,26 +24,39 @@ float clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double
   if (grads.empty()) return 0.0f;
 
   const bool inf_norm = std::isinf(norm_type);
-  double accumulated = 0.0;  // the largest |g| for the inf norm, else the sum of |g|^norm_type
+  std::vector<Tensor> hosts;
   for (const Tensor& g : grads) {
     NANODDP_CHECK(g.dtype() == DType::Float32, ValueError, "clip_grad_norm_: gradients must be float32, got ",
                   dtype_name(g.dtype()));
-    const Tensor host = g.device().is_cuda() ? g.to(Device::cpu()) : g;
-    const float* data = host.data<float>();
-    for (int64_t i = 0, n = host.numel(); i < n; ++i) {
-      const double a = std::fabs(static_cast<double>(data[i]));
-      if (inf_norm) {
-        accumulated = std::isnan(a) || std::isnan(accumulated) ? std::numeric_limits<double>::quiet_NaN()
-                                                               : std::max(accumulated, a);
-      } else {
-        accumulated += norm_type == 2.0 ? a * a : norm_type == 1.0 ? a : std::pow(a, norm_type);
-      }
+    hosts.push_back(g.device().is_cuda() ? g.to(Device::cpu()) : g);
+  }
+  const auto for_each_abs = [&hosts](auto&& visit) {
+    for (const Tensor& host : hosts) {
+      const float* data = host.data<float>();
+      for (int64_t i = 0, n = host.numel(); i < n; ++i) visit(std::fabs(static_cast<double>(data[i])));
     }
+  };
+  double largest = 0.0;      // the largest |g|, NaN when a gradient holds one
+  double accumulated = 0.0;  // the sum of |g|^norm_type
+  for_each_abs([&](double a) {
+    largest = std::isnan(a) || std::isnan(largest) ? std::numeric_limits<double>::quiet_NaN()
+                                                   : std::max(largest, a);
+    if (!inf_norm) accumulated += norm_type == 2.0 ? a * a : norm_type == 1.0 ? a : std::pow(a, norm_type);
+  });
+  double norm = inf_norm ? largest : std::pow(accumulated, 1.0 / norm_type);
+  // A high order takes |g|^norm_type past double's range (40^250) or below it ((1e-3)^200),
+  // which gave an infinite or zero norm for finite gradients (torch 1.13 does the same; later
+  // versions scale): then the sum is taken over (|g| / largest)^norm_type, all in (0, 1].
+  if (!inf_norm && std::isfinite(largest) && largest > 0.0 &&
+      (std::isinf(accumulated) || accumulated < std::numeric_limits<double>::min())) {
+    double scaled = 0.0;
+    for_each_abs([&](double a) { scaled += std::pow(a / largest, norm_type); });
+    norm = largest * std::pow(scaled, 1.0 / norm_type);
   }
   // The norm is a float32, the gradients' dtype, as torch's is: a sum past float's range is an
   // infinite norm. One value is checked, clipped by and returned, so a norm returned as inf
   // never passes the check.
-  const float total = static_cast<float>(inf_norm ? accumulated : std::pow(accumulated, 1.0 / norm_type));
+  const auto total = static_cast<float>(norm);
   NANODDP_CHECK(!error_if_nonfinite || std::isfinite(total), ValueError, "clip_grad_norm_: the total norm of order ",
                 norm_type, " for gradients from `parameters` is non-finite, so it cannot be clipped. To disable "
                 "this error and scale the gradients by the non-finite norm anyway, set error_if_nonfinite=false");

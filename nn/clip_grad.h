@@ -23,7 +23,10 @@ namespace nanoddp::nn {
 //           rounded to float32, the gradients' dtype, as PyTorch's norm is: a norm past
 //           float's range (gradients [3e38, 3e38]) is inf. PyTorch 1.13 sums in float32, so
 //           its sum of squares can overflow or underflow where the norm would not: gradients
-//           [1.5e19, 1.5e19] give 2.12e19 here and inf there, [1e-25, 2e-25] 2.24e-25 and 0;
+//           [1.5e19, 1.5e19] give 2.12e19 here and inf there, [1e-25, 2e-25] 2.24e-25 and 0.
+//           Where |g|^norm_type leaves double's range (norm_type 250 and |g| = 40, or 200
+//           and 1e-3), the sum is taken over (|g| / max |g|)^norm_type instead, so finite
+//           gradients keep a finite, non-zero norm (torch 1.13 returns inf or 0 there);
 //   every gradient is multiplied by min(max_norm / (total + 1e-6), 1), computed in float32 as
 //   PyTorch does (1 / (total + 1e-6), then times max_norm): the 1e-6 keeps the division
 //   finite, so a clipped norm lands just under max_norm.

@@ -1033,6 +1033,28 @@ TEST_CASE("clip_grad_norm_ of finite gradients whose norm overflows float32: it 
   CHECK(clip_grad_norm_(make(), 1.0, inf_norm_type, /*error_if_nonfinite=*/true) == 3e38f);
 }
 
+TEST_CASE(
+    "clip_grad_norm_ of a high order: finite gradients keep their norm where |g|^p leaves double's range") {
+  // |g|^p overflows (4^10000, 40^250) or underflows ((1e-3)^200) in double; the norm is the
+  // largest |g| here (the others' share rounds away), and clipping scales by max_norm / norm.
+  struct Case {
+    std::vector<float> grads;
+    double norm_type, max_norm;
+    float norm;
+  };
+  for (const Case& c : {Case{{1.0f, -4.0f, 3.0f}, 1e4, 2.0, 4.0f}, Case{{40.0f, 1.0f}, 250.0, 20.0, 40.0f},
+                        Case{{1e-3f, 2e-3f}, 200.0, 1e-3, 2e-3f}}) {
+    CAPTURE(c.norm_type);
+    Tensor p = Tensor::zeros({static_cast<int64_t>(c.grads.size())}).set_requires_grad(true);
+    p.set_grad(Tensor::from_vector(c.grads));
+    CHECK(clip_grad_norm_({p}, c.max_norm, c.norm_type, /*error_if_nonfinite=*/true) == c.norm);
+    const float coef = (1.0f / (c.norm + 1e-6f)) * static_cast<float>(c.max_norm);
+    std::vector<float> clipped;
+    for (float g : c.grads) clipped.push_back(g * coef);
+    CHECK(p.grad().to_vector() == clipped);
+  }
+}
+
 TEST_CASE("amsgrad keeps a NaN second moment, as torch.maximum does (it is not hidden by the max)") {
   // Step 1: gradient NaN -> exp_avg_sq NaN; max(0, NaN) is NaN. Step 2: a finite gradient
   // leaves exp_avg_sq NaN (0.999 * NaN + ...), and the max stays NaN on both sides of it.
