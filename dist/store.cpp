@@ -130,10 +130,11 @@ void TCPStore::wait(const std::vector<std::string>& keys, std::chrono::milliseco
   }
   if (status == kTimeout) {
     // No refusal to report here: the server answers every wait kJobBroken once it has one.
-    std::string arrived, bad_token;
+    std::string arrived, bad_token, other_job;
     try {
       if (check({kArrivedKey})) arrived = get_string(kArrivedKey);
       if (check({kBadTokenKey})) bad_token = get_string(kBadTokenKey);
+      if (check({kOtherJobKey})) other_job = get_string(kOtherJobKey);
     } catch (const Error&) {  // the message goes out without it
     }
     const std::set<int> claimed = ranks_in(bad_token);
@@ -142,9 +143,14 @@ void TCPStore::wait(const std::vector<std::string>& keys, std::chrono::milliseco
                         : "; the store refused clients of this job for a wrong token, claiming " +
                               name_ranks({claimed.begin(), claimed.end()}) +
                               ": every node must export the same NANODDP_STORE_TOKEN";
+    const std::string job_hint = other_job.empty()
+                                     ? std::string()
+                                     : "; the store refused clients of another job: " +
+                                           other_job.substr(0, other_job.find_last_not_of("; ") + 1) +
+                                           " (every node of one job must export the same NANODDP_JOB_ID)";
     NANODDP_THROW(TimeoutError, client_->context(), ": wait for ", names, " timed out after ",
-                  timeout.count(), " ms (", who_is_missing(arrived, options_.world_size), ")",
-                  token_hint);
+                  timeout.count(), " ms (", who_is_missing(arrived, options_.world_size), ")", token_hint,
+                  job_hint);
   }
   NANODDP_CHECK(status == kOk, DistError, client_->context(), ": wait: unexpected status ",
                 int(status));

@@ -315,6 +315,8 @@ class TCPStore::Server {
     if (!job_id_.empty() && job_id != job_id_) {
       put_u8(conn.out, kWrongJob);
       put_str(conn.out, job_id_);
+      append_note(kOtherJobKey, "rank " + std::to_string(rank) + " of job '" + printable(job_id) + "'; ",
+                  4096);
     } else if (!token_.empty() && !same_secret(token, token_)) {
       put_u8(conn.out, kBadToken);
       append_note(kBadTokenKey, std::to_string(rank) + ",", 4096);
@@ -425,6 +427,15 @@ class TCPStore::Server {
 
   // Appends to one of the server's own notes (kRefusedKey, kArrivedKey, kBadTokenKey) while it
   // holds fewer than max_bytes: clients flooding the hello cannot grow it without bound.
+  // A client's identity as a note may quote it: at most 64 bytes, each outside printable ASCII
+  // shown as '?' (it comes from any client that reaches the port).
+  static std::string printable(const std::string& text) {
+    std::string shown = text.substr(0, 64);
+    for (char& c : shown)
+      if (c < 0x20 || c > 0x7e) c = '?';
+    return shown;
+  }
+
   void append_note(const char* key, const std::string& text, size_t max_bytes) {
     std::vector<uint8_t>& note = data_[key];
     if (note.size() < max_bytes) note.insert(note.end(), text.begin(), text.end());

@@ -340,7 +340,9 @@ TEST_CASE("gradients through the casts match central differences of the float32 
     float* data = p.data<float>();
     for (int64_t i = 0; i < p.numel(); ++i) {
       NoGradGuard no_grad;
-      const float kept = data[i], eps = 1e-2f;
+      // Small enough that no ReLU input crosses 0 (a kink within 1e-2 made 0.72 of 0.65), large
+      // enough that the float32 loss's rounding stays far below the tolerance.
+      const float kept = data[i], eps = 1e-3f;
       data[i] = kept + eps;
       const double up = loss_of().item();
       data[i] = kept - eps;

@@ -29,6 +29,7 @@
 #include "dist/launch.h"
 #include "dist/launcher_link.h"
 #include "dist/spawn.h"
+#include "kernels/device_memory.h"
 #include "kernels/kernels.h"
 #include "tests/subprocess.h"
 
@@ -552,10 +553,14 @@ TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
   CHECK_MESSAGE(contains(mpi.err, "hostfile"), mpi.err);
   const RunResult huge = run({launcher_path(), "--nproc-per-node", "100000", "true"});  // a typo, not a job
   CHECK(huge.code() == 2);
-  CHECK_MESSAGE(contains(huge.err, "--nproc-per-node: must be an integer between 1 and 1024, got '100000'"), huge.err);
+  CHECK_MESSAGE(
+      contains(huge.err,
+               "--nproc-per-node: must be an integer between 1 and 1024 (or cpu, gpu, auto), got '100000'"),
+      huge.err);
   // Every numeric flag names itself, its bounds and the value (CLI11's Range printed 300 digits).
   const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
-      {{"--nproc-per-node", "0"}, "--nproc-per-node: must be an integer between 1 and 1024, got '0'"},
+      {{"--nproc-per-node", "0"},
+       "--nproc-per-node: must be an integer between 1 and 1024 (or cpu, gpu, auto), got '0'"},
       {{"--nnodes", "x"}, "--nnodes: must be an integer >= 1, got 'x'"},
       {{"--node-rank", "-1"}, "--node-rank: must be an integer >= 0, got '-1'"},
       {{"--master-port", "70000"}, "--master-port: must be an integer between 0 and 65535, got '70000'"},
@@ -582,8 +587,10 @@ TEST_CASE("nanoddp-run: usage errors exit 2 and start nothing") {
   // A flag given last, with no value.
   const RunResult no_value = run({launcher_path(), "--nproc-per-node"});
   CHECK(no_value.code() == 2);
-  CHECK_MESSAGE(contains(no_value.err, "nanoddp-run: --nproc-per-node needs a value (INT:1..1024) after it"),
-                no_value.err);
+  CHECK_MESSAGE(
+      contains(no_value.err,
+               "nanoddp-run: --nproc-per-node needs a value (N:1..1024, cpu, gpu or auto) after it"),
+      no_value.err);
   // Help that cannot be written is not a success.
   const RunResult unwritten =
       run({"/bin/sh", "-c", "'" + launcher_path() + "' --help > /dev/full; echo rc=$?"});
@@ -1328,6 +1335,24 @@ TEST_CASE("nanoddp-run: unknown options are errors, torchrun's spellings work, -
   const std::vector<std::string> printed = lines_of(torchrun.out);
   const std::set<std::string> lines(printed.begin(), printed.end());
   CHECK(lines == std::set<std::string>{"[rank 0] 2 127.0.0.1", "[rank 1] 2 127.0.0.1"});
+  // torchrun's words for --nproc-per-node: cpu is one rank per CPU, auto the same without a
+  // GPU, gpu an error without one.
+  const std::string cpus = std::to_string(std::max(1u, std::thread::hardware_concurrency()));
+  for (const char* word : {"cpu", "auto"}) {
+    if (std::string(word) == "auto" && nanoddp::kernels::cuda::device_count() > 0) continue;
+    const RunResult counted =
+        run({launcher_path(), "--nproc_per_node", word, "sh", "-c", "echo $WORLD_SIZE"});
+    CAPTURE(word);
+    CHECK_MESSAGE(counted.code() == 0, counted.err);
+    CHECK_MESSAGE(contains(counted.out, "[rank 0] " + cpus + "\n"), counted.out);
+    CHECK(lines_of(counted.out).size() == std::stoul(cpus));
+  }
+  if (nanoddp::kernels::cuda::device_count() == 0) {
+    const RunResult no_gpu = run({launcher_path(), "--nproc-per-node", "gpu", "sh", "-c", "echo ran"});
+    CHECK(no_gpu.code() == 2);
+    CHECK_MESSAGE(contains(no_gpu.err, "--nproc-per-node gpu: this machine has no usable GPU"), no_gpu.err);
+    CHECK_FALSE(contains(no_gpu.out, "ran"));
+  }
   // torchrun's --standalone is what nanoddp-run does anyway (one node, a free port).
   const RunResult standalone = run({launcher_path(), "--standalone", "--nproc_per_node", "2", "sh", "-c", "echo $RANK"});
   CHECK_MESSAGE(standalone.code() == 0, standalone.err);

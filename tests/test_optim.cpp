@@ -412,9 +412,15 @@ TEST_CASE("the fused Adam and AdamW kernels follow a float64 reference over 20 s
         ref.step(std::vector<double>(gv.begin(), gv.end()));
       }
       const std::vector<float> got = p.to_vector();
-      double worst = 0.0;
-      for (int64_t i = 0; i < n; ++i) worst = std::max(worst, std::abs(got[i] - ref.p[i]));
-      CHECK(worst < 2e-6);  // float32 rounding over 20 steps of size ~lr
+      double worst = 0.0, largest = 0.0;
+      for (int64_t i = 0; i < n; ++i) {
+        worst = std::max(worst, std::abs(got[i] - ref.p[i]));
+        largest = std::max(largest, std::abs(ref.p[i]));
+      }
+      // float32 rounding: each of the 20 steps rounds p once (at most half an ulp of the
+      // largest |p|) and its update (a much smaller share).
+      const double ulp = std::ldexp(1.0, std::ilogb(largest) - 23);
+      CHECK(worst <= 20 * 0.5 * ulp);
     }
 }
 

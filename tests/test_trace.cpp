@@ -169,9 +169,12 @@ TEST_CASE("a 2-rank fashion_mnist trace shows, per rank and step, backward, one 
         if (e.lane == 4 && e.name == "optimizer.step") ++optimizer_steps;
         if (e.lane == 1 && e.name == "next batch") ++batches;
       }
-      // Linear -> ReLU -> Linear -> ReLU -> Linear -> cross_entropy, backwards.
-      CHECK(backward_nodes == std::map<std::string, int>{
-                                  {"CrossEntropyBackward", 1}, {"LinearBackward", 3}, {"ReluBackward", 2}});
+      // Linear -> ReLU -> Linear -> ReLU -> Linear -> DDP's output sink -> cross_entropy,
+      // backwards.
+      CHECK(backward_nodes == std::map<std::string, int>{{"CrossEntropyBackward", 1},
+                                                         {"DDPSinkBackward", 1},
+                                                         {"LinearBackward", 3},
+                                                         {"ReluBackward", 2}});
       CHECK(grads_ready == 6);
       CHECK(optimizer_steps == 1);
       CHECK(batches == 1);

@@ -16,14 +16,17 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/error.h"
 #include "core/trace.h"
 #include "dist/launch.h"
 #include "dist/launch_detail.h"
+#include "kernels/device_memory.h"
 #include "tools/cli_checks.h"
 
 namespace {
@@ -96,6 +99,19 @@ class TraceParts {
   std::string dir_;
 };
 
+// The ranks --nproc-per-node asks for (its value checked by then): a number, or torchrun's
+// cpu, gpu and auto, capped at kMaxProcPerNode. Empty for gpu on a machine without one.
+std::optional<int> ranks_per_node(const std::string& text) {
+  const int gpus = text == "gpu" || text == "auto" ? nanoddp::kernels::cuda::device_count() : 0;
+  const int cpus = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (text == "gpu" && gpus == 0) return std::nullopt;
+  const int n = text == "cpu"    ? cpus
+                : text == "gpu"  ? gpus
+                : text == "auto" ? (gpus > 0 ? gpus : cpus)
+                                 : std::stoi(text);
+  return std::min(n, nanoddp::dist::kMaxProcPerNode);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -127,8 +143,24 @@ int main(int argc, char** argv) {
   app.prefix_command();
   // Each flag also answers to torchrun's underscore spelling (--nproc_per_node), so a torchrun
   // command line carries over by changing the program's name.
-  app.add_option("--nproc-per-node,--nproc_per_node", options.nproc_per_node, "ranks to start on this node")
-      ->check(nanoddp::cli::integer_in(1, dist::kMaxProcPerNode))
+  // torchrun's words are taken too: cpu (one rank per CPU, os.cpu_count()), gpu (one per GPU;
+  // an error without one), auto (gpu where there is one, else cpu).
+  std::string nproc_text = "1";
+  const CLI::Validator count = nanoddp::cli::integer_in(1, dist::kMaxProcPerNode);
+  app.add_option(
+         "--nproc-per-node,--nproc_per_node", nproc_text,
+         "ranks to start on this node, or torchrun's cpu (one per CPU), gpu (one per GPU) or auto (gpu on a "
+         "machine with a GPU, else cpu)")
+      ->check(CLI::Validator(
+          [count](std::string& text) -> std::string {
+            if (text == "cpu" || text == "gpu" || text == "auto") return "";
+            std::string message = count(text);
+            const size_t got = message.rfind(", got ");
+            if (!message.empty() && got != std::string::npos) message.insert(got, " (or cpu, gpu, auto)");
+            return message;
+          },
+          "1.." + std::to_string(dist::kMaxProcPerNode) + ", cpu, gpu or auto"))
+      ->type_name("N")
       ->capture_default_str();
   app.add_option("--nnodes", options.nnodes, "nodes in the job (one nanoddp-run per node)")
       ->check(nanoddp::cli::integer_in(1))
@@ -196,6 +228,12 @@ int main(int argc, char** argv) {
   if (program.empty()) {
     std::cerr << "nanoddp-run: no PROGRAM given\n" << app.help();
     return nanoddp::cli::kUsageErrorExit;
+  }
+  if (const auto resolved = ranks_per_node(nproc_text)) {
+    options.nproc_per_node = *resolved;
+  } else {
+    return nanoddp::cli::usage_error("nanoddp-run", "--nproc-per-node gpu: this machine has no usable GPU (" +
+                                                        nanoddp::kernels::cuda::unavailable_reason() + ")");
   }
   if (standalone && options.nnodes > 1)
     return nanoddp::cli::usage_error("nanoddp-run", "--standalone is torchrun's one-node rendezvous; it cannot go with "
