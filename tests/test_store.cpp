@@ -468,6 +468,21 @@ TEST_CASE("store: only clients with the job's id and secret token get in") {
     const std::string why = refusal("job-b", "s3cret-token");
     CHECK_MESSAGE(why.find("this store serves job 'job-a', not this rank's job 'job-b'") != std::string::npos, why);
     CHECK_MESSAGE(why.find("MASTER_PORT " + std::to_string(server.port())) != std::string::npos, why);
+    // This job goes on waiting (another job must not end it), and its timeout names the
+    // refused clients: nodes of one job started with different NANODDP_JOB_IDs. A byte
+    // outside printable ASCII in a client's id is shown as '?'.
+    refusal(std::string("job-\x01" "c"), "s3cret-token");
+    std::string timeout;
+    try {
+      server.wait({"gloo/0/1"}, 200ms);
+    } catch (const TimeoutError& e) {
+      timeout = e.what();
+    }
+    CHECK_MESSAGE(
+        timeout.find("the store refused clients of another job: rank 1 of job 'job-b'; rank 1 of job "
+                     "'job-?c' (every node of one job must export the same NANODDP_JOB_ID)") !=
+            std::string::npos,
+        timeout);
   }
   SUBCASE("a wrong or missing token") {
     const std::string wrong = refusal("job-a", "s3cret-tokeN");
