@@ -132,8 +132,8 @@ ChildGroup::ChildGroup(Options options) : options_(std::move(options)), created_
     action.sa_handler = kHandledSignals[i] == SIGPIPE ? SIG_IGN : on_signal;
     if (kHandledSignals[i] == SIGCHLD) action.sa_flags |= SA_NOCLDSTOP;
     sigaction(kHandledSignals[i], nullptr, &g_saved_actions[i]);
-    // An ignored SIGINT/SIGTERM/SIGHUP/SIGQUIT/SIGTSTP (nohup, a background job) stays ignored:
-    // we must not turn a hang-up the user asked to ignore into the end of the job.
+    // An ignored SIGINT/SIGTERM/SIGHUP/SIGQUIT/SIGTSTP/SIGUSR1/SIGUSR2 (nohup, a background job) stays
+    // ignored: we must not turn a hang-up the user asked to ignore into the end of the job.
     if (kept_if_ignored(kHandledSignals[i]) && g_saved_actions[i].sa_handler == SIG_IGN) continue;
     sigaction(kHandledSignals[i], &action, nullptr);
   }
@@ -172,6 +172,8 @@ bool ChildGroup::must_stop_starting() {
       child_exited = true;
     } else if (signal == SIGTSTP) {
       stop_with_children();  // Ctrl-Z while starting: those started stop too; then go on
+    } else if (is_passed_on(signal)) {
+      pass_on(signal);  // to the ranks started so far; the others start with its default
     } else if (pending_signal_ == 0) {
       pending_signal_ = signal;
     }
@@ -228,7 +230,7 @@ bool ChildGroup::start(int rank, std::string name, std::string prefix,
     clear_outer_launcher_env();  // child_main sets this launcher's variables
     setenv(kLauncherFdEnv, describe_pipe_end(alive_pipe_[0]).c_str(), 1);
     setenv(kFailureFdEnv, describe_pipe_end(failure_pipe_[1]).c_str(), 1);
-    // A rank starts as a fresh program would: SIGINT/SIGTERM/SIGHUP/SIGQUIT/SIGTSTP at their
+    // A rank starts as a fresh program would: SIGINT/SIGTERM/SIGHUP/SIGQUIT/SIGTSTP/SIGUSR1/SIGUSR2 at their
     // defaults (unless the launcher was told to ignore them), so that our SIGTERM terminates it
     // even when it is a fork of a program with handlers of its own (spawn); SIGCHLD and SIGPIPE
     // as they were.
@@ -315,6 +317,17 @@ std::chrono::steady_clock::duration ChildGroup::stop_with_children() {
 // pgid, so leftovers of a finished rank are reached too. Without its group, the rank alone.
 void ChildGroup::signal_child(const Child& c, int signal) {
   if (kill(-c.pid, signal) != 0 && !c.exited) kill(c.pid, signal);
+}
+
+void ChildGroup::pass_on(int signal) {
+  for (const Child& c : children_) {
+    if (c.exited) continue;
+    // mpirun passes SIGUSR1 and SIGUSR2 on to its ranks itself.
+    if (options_.children_relay_signals)
+      kill(c.pid, signal);
+    else
+      signal_child(c, signal);
+  }
 }
 
 void ChildGroup::terminate_all(int signal) {

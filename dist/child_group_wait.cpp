@@ -308,6 +308,10 @@ Outcome ChildGroup::wait() {
                                 std::chrono::milliseconds(1));
     bool stopped = false;  // one stop for the Ctrl-Z presses read together
     for (int signal : poll_once(wait)) {
+      if (is_passed_on(signal)) {
+        if (!terminating) pass_on(signal);
+        continue;
+      }
       if (signal == SIGTSTP) {
         if (terminating || stopped) continue;
         // Time spent stopped is not the job's: the clocks move on by it.
@@ -366,6 +370,8 @@ Outcome ChildGroup::wait() {
       for (const int signal : take_signals()) {
         if (signal == SIGTSTP) {
           stop_with_children();
+        } else if (is_passed_on(signal)) {
+          pass_on(signal);
         } else if (signal != SIGCHLD && late_signal == 0) {
           late_signal = signal;
         }

@@ -230,6 +230,8 @@ class ChildGroup {
  private:
   struct Child;
   void terminate_all(int signal);
+  // SIGUSR1 or SIGUSR2 to every rank still running (mpirun: to mpirun, which passes it on).
+  void pass_on(int signal);
   void signal_child(const Child& c, int signal);
   // SIGTSTP to every child's group, then to this process, then, once continued, SIGCONT to
   // the children (contract item 4). Returns how long this process was stopped.

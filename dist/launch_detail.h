@@ -17,13 +17,16 @@ namespace launch_detail {
 using Clock = std::chrono::steady_clock;
 
 // The signals a supervising ChildGroup handles, and what it does with them: SIGCHLD wakes the
-// loop; SIGINT/SIGTERM/SIGHUP/SIGQUIT are forwarded and end the job; SIGTSTP (Ctrl-Z) stops
+// loop; SIGINT/SIGTERM/SIGHUP/SIGQUIT are forwarded and end the job; SIGUSR1/SIGUSR2 are
+// passed on to every rank and the job goes on (the ranks decide what they mean: Slurm's
+// `--signal=USR1@120` warns of a preemption so that they can checkpoint); SIGTSTP (Ctrl-Z) stops
 // the ranks, then the launcher, and continues them when the launcher is continued; SIGPIPE is
 // ignored so that a closed stdout (say, `nanoddp-run ... | head`) cannot kill the launcher and
 // orphan the ranks. Each rank is in a process group of its own (so that the group kill reaches
 // what it started), out of the terminal's reach: what the terminal sends only the launcher
 // gets, so a signal it left to its default action would end or stop it alone.
-constexpr int kHandledSignals[] = {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGTSTP, SIGPIPE};
+constexpr int kHandledSignals[] = {SIGCHLD, SIGINT,  SIGTERM, SIGHUP, SIGQUIT,
+                                   SIGTSTP, SIGPIPE, SIGUSR1, SIGUSR2};
 constexpr size_t kNumHandled = sizeof(kHandledSignals) / sizeof(kHandledSignals[0]);
 
 // Self-pipe: the handler writes the signal number, the poll loop reads it. -1 when no
@@ -34,9 +37,12 @@ extern struct sigaction g_saved_actions[kNumHandled];
 inline bool is_forwarded(int signal) {
   return signal == SIGINT || signal == SIGTERM || signal == SIGHUP || signal == SIGQUIT;
 }
+inline bool is_passed_on(int signal) { return signal == SIGUSR1 || signal == SIGUSR2; }
 // The signals a user may have told the launcher to ignore (nohup, a background job): they stay
 // ignored, here and in the ranks.
-inline bool kept_if_ignored(int signal) { return is_forwarded(signal) || signal == SIGTSTP; }
+inline bool kept_if_ignored(int signal) {
+  return is_forwarded(signal) || is_passed_on(signal) || signal == SIGTSTP;
+}
 
 // The handler of every signal in kHandledSignals but SIGPIPE.
 void on_signal(int signal);

@@ -301,6 +301,29 @@ TEST_CASE(
   }
 }
 
+TEST_CASE(
+    "nanoddp-run: SIGUSR1 and SIGUSR2 reach every rank and the job goes on (Slurm's preemption warning)") {
+  // Left at its default, SIGUSR1 ended the launcher alone, and its ranks with it. Each rank
+  // traps both (the trap is set before its pid file is written) and finishes once it got both.
+  TempDir dir;
+  const RunResult r =
+      run({launcher_path(), "--nproc-per-node", "2", "sh", "-c",
+           "u1=0; u2=0; trap u1=1 USR1; trap u2=1 USR2; echo $$ > " + dir.path +
+               "/pid.$RANK; while [ $u1 = 0 ] || [ $u2 = 0 ]; do sleep 0.05; done; echo got both"},
+          30s, [&](pid_t launcher) {
+            wait_for_ranks(dir.path, 2);
+            kill(launcher, SIGUSR1);
+            std::this_thread::sleep_for(200ms);
+            kill(launcher, SIGUSR2);
+          });
+  CHECK_MESSAGE(r.code() == 0, r.err);
+  const std::vector<std::string> printed = lines_of(r.out);
+  CHECK(std::set<std::string>(printed.begin(), printed.end()) ==
+        std::set<std::string>{"[rank 0] got both", "[rank 1] got both"});
+  CHECK_MESSAGE(!contains(r.err, "received"), r.err);
+  CHECK(r.seconds < 10);
+}
+
 TEST_CASE("nanoddp-run: SIGTSTP (Ctrl-Z) stops every rank, then the launcher; SIGCONT continues them all") {
   // Each rank sleeps 3 s, then writes its done file and prints. Stopped for longer than that,
   // no rank may have got there (a rank's shell may be in 'D' rather than 'T' when the stop

@@ -136,9 +136,11 @@ int main(int argc, char** argv) {
       "stops the job; 126 or 127 when PROGRAM cannot be run (not executable, not found: the shell's\n"
       "codes); 128 + n when nanoddp-run gets signal n; 1 when nanoddp-run itself fails.\n"
       "Ctrl-C and Ctrl-\\ are forwarded to every rank, and Ctrl-Z stops them with nanoddp-run (fg continues\n"
-      "all); if nanoddp-run dies, so do the ranks (what a rank that is a script started may outlive\n"
-      "a kill -9 of nanoddp-run). Options end at PROGRAM (or at --); an unknown option is an\n"
-      "error. An outer launcher's rank variables (OMPI_*, PMIX_*, SLURM_*) never reach the ranks.");
+      "all); SIGUSR1 and SIGUSR2 are passed on to every rank and the job goes on (a warning, as Slurm's\n"
+      "--signal=USR1@120, that a rank may act on); if nanoddp-run dies, so do the ranks (what a rank\n"
+      "that is a script started may outlive a kill -9 of nanoddp-run). Options end at PROGRAM (or at\n"
+      "--); an unknown option is an error. An outer launcher's rank variables (OMPI_*, PMIX_*, SLURM_*)\n"
+      "never reach the ranks.");
   // Options end at PROGRAM: everything after it belongs to PROGRAM, even what looks like a flag.
   app.prefix_command();
   // Each flag also answers to torchrun's underscore spelling (--nproc_per_node), so a torchrun
