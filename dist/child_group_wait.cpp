@@ -40,9 +40,11 @@ void ChildGroup::read_failure_reports() {
   while ((n = read(failure_pipe_[0], buffer, sizeof(buffer))) > 0) failure_text_.append(buffer, static_cast<size_t>(n));
   const size_t complete = failure_text_.rfind('\n');
   if (complete == std::string::npos) return;
+  const LauncherReports reports = parse_launcher_reports(failure_text_.substr(0, complete + 1));
   // A rank's first report counts: what it lost first is why it failed.
-  for (const auto& [rank, lost] : parse_lost_peer_reports(failure_text_.substr(0, complete + 1)))
-    lost_peer_.emplace(rank, lost);
+  for (const auto& [rank, lost] : reports.lost) lost_peer_.emplace(rank, lost);
+  for (const auto& [rank, world_size] : reports.joining) joining_[rank] = world_size;
+  joined_.insert(reports.joined.begin(), reports.joined.end());
   failure_text_.erase(0, complete + 1);
 }
 
@@ -249,6 +251,38 @@ Outcome ChildGroup::wait() {
       for (Child& c : children_)
         if (first_seen == nullptr && c.failed) first_seen = &c;
       blame_until = Clock::now() + options_.grace_period;
+    }
+    // Note [Launcher link], item 3: a rank that ended with status 0 without joining, while
+    // another waits in init_process_group for a world that includes it. The reports are read
+    // after the exit was seen: a rank writes "joined" before it can exit.
+    if (!terminating && first_seen == nullptr) {
+      read_failure_reports();
+      const Child* gone = nullptr;
+      const Child* waiting = nullptr;
+      for (const Child& c : children_)
+        if (gone == nullptr && c.exited && c.status.ok() && joined_.count(c.rank) == 0)
+          for (const Child& d : children_) {
+            const auto joining = joining_.find(d.rank);
+            if (waiting == nullptr && !d.exited && joining != joining_.end() && joining->second > c.rank &&
+                joined_.count(d.rank) == 0) {
+              gone = &c;
+              waiting = &d;
+            }
+          }
+      if (gone != nullptr) {
+        outcome.kind = Outcome::Kind::ChildFailed;
+        outcome.failed_name = gone->name;
+        outcome.failed_rank = gone->rank;
+        outcome.failed_pid = gone->pid;
+        outcome.failed_status = gone->status;
+        outcome.failed_message = "it returned before joining the process group, and " + waiting->name +
+                                 " waits for it in init_process_group";
+        begin_termination(SIGTERM, gone->name + " (pid " + std::to_string(gone->pid) +
+                                       ") exited with status 0 without calling init_process_group, while " +
+                                       waiting->name +
+                                       " waits for it there (it would until its timeout): every "
+                                       "rank of the job must join the process group");
+      }
     }
     if (first_seen != nullptr && !terminating) {
       Child* running = nullptr;

@@ -346,6 +346,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     ssize_t ignored = ::write(2, warning.data(), warning.size());  // one write: never interleaved
     (void)ignored;
   }
+  report_rendezvous(rank, world_size, /*joined=*/false);  // Note [Launcher link], item 3
   auto store = std::make_shared<TCPStore>(store_options);
 
   std::shared_ptr<ProcessGroup> group;
@@ -391,6 +392,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   default_group = checked(stage_device_tensors(group), check_collectives, options.timeout);
   register_exit_handler();
   join_trace(*default_group, store.get());
+  report_rendezvous(rank, world_size, /*joined=*/true);
   return default_group;
 }
 

@@ -608,7 +608,9 @@ int launch(const LaunchOptions& given, const std::vector<std::string>& program) 
         if (options.max_restarts > 0)
           write_all(2, "nanoddp-run: no restart left (--max-restarts " + std::to_string(options.max_restarts) +
                            "): the job fails\n");
-        return outcome.failed_status.shell_code();
+        // A rank that exited 0 without joining the others (Note [Launcher link], item 3) failed
+        // the job all the same.
+        return outcome.failed_status.ok() ? 1 : outcome.failed_status.shell_code();
       case Outcome::Kind::StartFailed: return 1;
       case Outcome::Kind::TimedOut: return 124;
       case Outcome::Kind::Interrupted: return 128 + outcome.signal;

@@ -57,6 +57,7 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -176,6 +177,8 @@ struct Outcome {
   int failed_rank = -1;       // its rank (ChildFailed)
   pid_t failed_pid = -1;
   ExitStatus failed_status;   // how it ended (ChildFailed)
+  // failed_status is a success (exit code 0) only for a rank that exited without joining a
+  // process group another rank waits in (Note [Launcher link], item 3).
   std::string failed_message; // what the child reported through its message pipe (spawn), or
                               // why it could not be started (StartFailed: "fork failed: ...")
   int signal = 0;             // the forwarded signal (Interrupted)
@@ -237,11 +240,13 @@ class ChildGroup {
   // the children (contract item 4). Returns how long this process was stopped.
   std::chrono::steady_clock::duration stop_with_children();
   bool must_stop_starting();
-  void read_failure_reports();  // from failure_pipe_ into lost_peer_
+  void read_failure_reports();      // from failure_pipe_ into lost_peer_, joining_, joined_
   int alive_pipe_[2] = {-1, -1};    // Note [Launcher link]: ranks see EOF when we die
   int failure_pipe_[2] = {-1, -1};  // ranks write "<rank> lost <peer>" lines here
   std::string failure_text_;        // an incomplete last line
   std::map<int, int> lost_peer_;    // rank -> the rank it lost
+  std::map<int, int> joining_;      // rank -> the world size it waits for in init_process_group
+  std::set<int> joined_;            // ranks whose init_process_group finished
   Options options_;
   std::vector<Child> children_;
   std::chrono::steady_clock::time_point created_;  // the timeout counts from here

@@ -76,15 +76,29 @@ void report_lost_peer(int rank, int lost_rank) {
   (void)ignored;
 }
 
-std::vector<std::pair<int, int>> parse_lost_peer_reports(const std::string& text) {
-  std::vector<std::pair<int, int>> reports;
+void report_rendezvous(int rank, int world_size, bool joined) {
+  const int fd = inherited_pipe(kFailureFdEnv);
+  if (fd < 0 || rank < 0) return;
+  const std::string line =
+      std::to_string(rank) + (joined ? " joined\n" : " joining " + std::to_string(world_size) + "\n");
+  ssize_t ignored = write(fd, line.data(), line.size());  // short and atomic: see the Note
+  (void)ignored;
+}
+
+LauncherReports parse_launcher_reports(const std::string& text) {
+  LauncherReports reports;
   std::istringstream lines(text);
   for (std::string line; std::getline(lines, line);) {
     std::istringstream words(line);
-    int rank = -1, lost = -1;
+    int rank = -1, number = -1;
     std::string verb, rest;
-    if (words >> rank >> verb >> lost && verb == "lost" && !(words >> rest) && rank >= 0 && lost >= 0)
-      reports.emplace_back(rank, lost);
+    if (!(words >> rank >> verb) || rank < 0) continue;
+    if (verb == "joined") {
+      if (!(words >> rest)) reports.joined.push_back(rank);
+    } else if (words >> number && number >= 0 && !(words >> rest)) {
+      if (verb == "lost") reports.lost.emplace_back(rank, number);
+      if (verb == "joining" && number >= 1) reports.joining.emplace_back(rank, number);
+    }
   }
   return reports;
 }

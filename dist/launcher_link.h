@@ -20,6 +20,11 @@
 //      pipe before the rank can exit, so when the launcher reaps a failed rank it already
 //      knows whether that rank failed by its own error or because it lost another, and names
 //      the rank at the root of the chain (Note [Launch contract], item 3).
+//   3. Rendezvous: on the same pipe, init_process_group writes "<rank> joining <world size>"
+//      before it waits for its peers and "<rank> joined" once its group is up. A rank that
+//      exits with status 0 without having joined, while another waits to join a world that
+//      includes it, can never be waited for to the end: the launcher fails the job at once
+//      instead of leaving the others in the rendezvous until their timeout (minutes).
 //   Each variable holds "<fd>:<inode of the pipe>"; a rank uses the descriptor only when it is
 //   still that pipe, so a variable inherited by a process that has reused the number (a
 //   program started from a rank with its descriptors closed) is ignored, never written to.
@@ -42,8 +47,19 @@ void watch_launcher(int rank);
 // Does nothing outside a launcher. Never throws.
 void report_lost_peer(int rank, int lost_rank);
 
-// The (rank, lost rank) pairs in the complete lines of `text`; malformed lines are skipped.
-std::vector<std::pair<int, int>> parse_lost_peer_reports(const std::string& text);
+// Tells the launcher that `rank` waits for the other ranks of a world of `world_size` in
+// init_process_group (joined false), or that its group is up (joined true). Does nothing
+// outside a launcher. Never throws.
+void report_rendezvous(int rank, int world_size, bool joined);
+
+// What ranks wrote on the failure pipe (Note [Launcher link], items 2 and 3), from the complete
+// lines of a text; malformed lines are skipped.
+struct LauncherReports {
+  std::vector<std::pair<int, int>> lost;     // (rank, the rank it lost)
+  std::vector<std::pair<int, int>> joining;  // (rank, the world size it waits for)
+  std::vector<int> joined;
+};
+LauncherReports parse_launcher_reports(const std::string& text);
 
 // "<fd>:<inode>" for a pipe end, as the variables above hold it.
 std::string describe_pipe_end(int fd);

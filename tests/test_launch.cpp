@@ -243,6 +243,28 @@ TEST_CASE("nanoddp-run: a rank that ended with status 0 while the others ran is 
                 r.err);
 }
 
+TEST_CASE(
+    "nanoddp-run: a rank that returns 0 before init_process_group, while another waits there, fails the "
+    "job") {
+  // Rank 1 (2 on the 3-rank job) exits 0 at once; the others wait for it in the rendezvous,
+  // which would last until their store timeout (minutes). The launcher stops the job at once,
+  // names the rank that left, and exits 1 (not 0: the job did not succeed), on every backend.
+  for (const char* backend : {"shm", "gloo"})
+    for (int world : {2, 3}) {
+      CAPTURE(backend);
+      CAPTURE(world);
+      const std::string leaver = std::to_string(world - 1);
+      const RunResult r =
+          run({launcher_path(), "--nproc-per-node", std::to_string(world), "--backend", backend, "sh", "-c",
+               "if [ $RANK = " + leaver + " ]; then exit 0; fi; exec '" + probe_path() + "' report"});
+      CHECK(r.code() == 1);
+      CHECK_MESSAGE(contains(r.err, "rank " + leaver + " (pid "), r.err);
+      CHECK_MESSAGE(contains(r.err, ") exited with status 0 without calling init_process_group, while rank "),
+                    r.err);
+      CHECK(r.seconds < 20);
+    }
+}
+
 TEST_CASE("nanoddp-run: a rank that fails by itself while the job is stopping is named too") {
   // Rank 1 fails first; rank 0 ignores SIGTERM and then exits 5 on its own (as a rank whose
   // own error came second would): both are named, the first one decides the exit code.
@@ -935,9 +957,14 @@ TEST_CASE("launch helpers: rank_env numbering, mpirun command line, signal names
   CHECK(port < 65536);
   CHECK_THROWS_AS(dist::pick_free_port("203.0.113.7"), nanoddp::DistError);  // not this machine's
 
-  // Note [Launcher link]: reports are "<rank> lost <peer>" lines; anything else is skipped.
-  CHECK(dist::parse_lost_peer_reports("0 lost 3\njunk\n2 lost 1\n1 lost\n4 lost 2 more\n-1 lost 0\n5 lost 0") ==
-        std::vector<std::pair<int, int>>{{0, 3}, {2, 1}, {5, 0}});
+  // Note [Launcher link]: reports are "<rank> lost <peer>", "<rank> joining <world size>" and
+  // "<rank> joined" lines; anything else is skipped.
+  const dist::LauncherReports reports = dist::parse_launcher_reports(
+      "0 lost 3\njunk\n2 lost 1\n1 lost\n4 lost 2 more\n-1 lost 0\n5 lost 0\n1 joining 4\n2 joining 0\n"
+      "3 joining\n0 joined\n1 joined now\n-2 joined\n");
+  CHECK(reports.lost == std::vector<std::pair<int, int>>{{0, 3}, {2, 1}, {5, 0}});
+  CHECK(reports.joining == std::vector<std::pair<int, int>>{{1, 4}});
+  CHECK(reports.joined == std::vector<int>{0});
   dist::LaunchOptions identity;
   dist::give_job_identity(identity);
   dist::LaunchOptions again;
