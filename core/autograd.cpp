@@ -21,6 +21,8 @@ thread_local bool grad_mode_enabled = true;
 thread_local std::shared_ptr<CheckpointFrame> recording_frame;
 thread_local CheckpointFrame* rerunning_frame = nullptr;
 thread_local bool backward_running = false;
+thread_local uint64_t running_backward_pass = 0;  // backward_pass_id()
+std::atomic<uint64_t> next_backward_pass{1};
 thread_local std::vector<std::function<void()>> backward_callbacks;
 
 // Marks a backward pass as running and drops queued callbacks however it ends.
@@ -29,9 +31,11 @@ class BackwardScope {
   BackwardScope() {
     NANODDP_CHECK(!backward_running, ValueError, "backward() called from inside a backward pass (a hook?)");
     backward_running = true;
+    running_backward_pass = next_backward_pass++;
   }
   ~BackwardScope() {
     backward_running = false;
+    running_backward_pass = 0;
     backward_callbacks.clear();
   }
 };
@@ -377,6 +381,8 @@ Tensor record(const char* name, Tensor output, std::vector<Tensor> inputs, const
   node->save_for_backward(saved);
   return make_result(std::move(output), std::move(node));
 }
+
+uint64_t backward_pass_id() { return running_backward_pass; }
 
 void queue_callback(std::function<void()> callback) {
   NANODDP_CHECK(backward_running, ValueError, "queue_callback outside a backward pass");

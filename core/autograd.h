@@ -234,6 +234,11 @@ Tensor make_result(Tensor result, std::shared_ptr<Node> node);
 Tensor record(const char* name, Tensor output, std::vector<Tensor> inputs, const std::vector<Tensor>& saved,
               FunctionNode::Backward backward);
 
+// A number for the backward pass running on this thread, a new one for each pass, 0 when none
+// runs: how a hook tells this pass from an earlier one that an exception ended (whose queued
+// callbacks never ran). DDP's Reducer keys its hooks to the pass its output's node ran in.
+uint64_t backward_pass_id();
+
 // Runs callback once the backward pass now running on this thread has finished, after every
 // gradient and hook (torch's Variable._execution_engine.queue_callback), with grad mode off
 // as the hooks. DDP queues its

@@ -35,8 +35,9 @@ class Generator {
   // Uniform in [0, 1): the low 24 bits of one draw times 2^-24, every value exact in float32.
   float uniform() { return static_cast<float>(random() & 0xFFFFFFu) * (1.0f / 16777216.0f); }
   // Uniform in [low, high): uniform() * (high - low) + low with one rounding, as torch's
-  // uniform_ computes it on a CPU with FMA (every x86-64 CPU since 2013; torch on an older one
-  // rounds twice and can differ by one ulp).
+  // uniform_ computes it in the AVX2 and AVX-512 kernels it picks on any CPU that has them.
+  // Its default kernel (a CPU without AVX2, or ATEN_CPU_CAPABILITY=default) rounds twice:
+  // about 4 values in 10 then differ by one ulp.
   float uniform(float low, float high) { return std::fma(uniform(), high - low, low); }
   // Integer in [0, n), n > 0 (ValueError otherwise): one draw modulo n, or two (random64) for
   // n >= 2^32, as torch.randint. The modulo favours small residues by at most n / 2^32.

@@ -281,7 +281,6 @@ void Reducer::reset_iteration() {
   }
   next_bucket_to_launch_ = 0;
   finalize_queued_ = false;
-  in_ddp_backward_ = false;
 }
 
 // Note [Interrupted backward]
@@ -319,17 +318,12 @@ void Reducer::abandon_interrupted_backward() {
   detail::agree_after_interrupted_backward(*pg_, launched, "DDP", options_.timeout);
 }
 
-void Reducer::begin_ddp_backward() {
-  if (in_ddp_backward_) return;  // a second DDP output in the same graph
-  in_ddp_backward_ = true;
-  // Queued before mark_ready queues finalize: the flag is down before finalize runs, and an
-  // exception that drops both leaves it to reset_iteration.
-  queue_callback([this] { in_ddp_backward_ = false; });
-}
+void Reducer::begin_ddp_backward() { ddp_backward_pass_ = backward_pass_id(); }
 
 // 2. A parameter's gradient is final for this backward.
 void Reducer::mark_ready(size_t k) {
-  if (!in_ddp_backward_) return;  // not a DDP forward's backward: local, as a plain model
+  // Not a DDP forward's backward: local, as in a plain model.
+  if (ddp_backward_pass_ == 0 || ddp_backward_pass_ != backward_pass_id()) return;
   used_in_window_[k] = true;  // also inside no_sync: see Note [Unused parameters]
   backward_seen_ = true;
   if (!backward_syncs_) return;

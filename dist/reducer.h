@@ -97,7 +97,8 @@ class Reducer {
   // the gradient hooks act only in such a backward, until it ends. A backward that does not
   // pass through one (the bare model, ddp.module(), on one rank or all) keeps its gradients
   // local and issues no collective, as torch's Reducer ignores its hooks unless a forward
-  // prepared the backward. Must run inside a backward (queue_callback's rule).
+  // prepared the backward. The mark is keyed to that pass (core/autograd.h's backward_pass_id),
+  // so it ends with the pass however the pass ends, an exception included.
   void begin_ddp_backward();
 
   // Every bucket goes through hook instead of the built-in divide-and-all-reduce
@@ -202,7 +203,7 @@ class Reducer {
   bool finalize_queued_ = false;
   bool sync_ = true;
   bool backward_syncs_ = true;  // set_backward_syncs
-  bool in_ddp_backward_ = false;  // begin_ddp_backward, until that backward ends
+  uint64_t ddp_backward_pass_ = 0;  // begin_ddp_backward's backward_pass_id(): the hooks act in it
   int64_t divide_factor_;  // Join: see set_divide_factor
   CommHook comm_hook_;
   bool backward_seen_ = false;  // a synced backward has run (hooks must come before)

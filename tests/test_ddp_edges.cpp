@@ -63,6 +63,21 @@ struct Pair : nn::Module {
 
 float value(const Tensor& t) { return t.to_vector().at(0); }
 
+// Bias-free Linear(1, 1) whose backward throws while `throwing` is set: an error inside the
+// model, after DDP's output node has run and before any parameter's gradient is final.
+struct ThrowsInBackward : nn::Module {
+  std::shared_ptr<nn::Linear> inner = register_module("inner", linear_1x1(1, 0, /*bias=*/false));
+  bool throwing = false;
+  Tensor forward(const Tensor& x) override {
+    Tensor y = (*inner)(x);
+    if (!throwing) return y;
+    return record("ThrowsBackward", y.detach(), {y}, {},
+                  [](const Node&, const Tensor&) -> std::vector<Tensor> {
+                    throw ValueError("thrown by the test's op");
+                  });
+  }
+};
+
 }  // namespace
 
 TEST_CASE("find_unused_parameters: a parameter used on some ranks gets the same mean and update everywhere") {
@@ -901,7 +916,7 @@ TEST_CASE(
   const int world = 2, port = testing::free_port();
   const std::string failures = testing::on_ranks(world, [&](int rank) {
     auto pg = testing::join(rank, world, port);
-    auto model = linear_1x1(1, 0, /*bias=*/false);
+    auto model = std::make_shared<ThrowsInBackward>();
     dist::DistributedDataParallel ddp(model, pg);
     const Tensor x = Tensor::full({1, 1}, rank + 1.0f);
     const float local = rank + 1.0f, mean = 1.5f;
@@ -910,18 +925,33 @@ TEST_CASE(
       ddp.zero_grad();
       const int64_t before = all_reduces();
       sum((*model)(x)).backward();
-      expect(value(model->weight.grad()) == local && all_reduces() == before, "rank ", rank,
-             ": bare backward ", when, " gave ", model->weight.grad(), " after ", all_reduces() - before,
-             " all_reduce(s), want the local ", local, " after none");
+      expect(value(model->inner->weight.grad()) == local && all_reduces() == before, "rank ", rank,
+             ": bare backward ", when, " gave ", model->inner->weight.grad(), " after ",
+             all_reduces() - before, " all_reduce(s), want the local ", local, " after none");
     };
     const auto ddp_step = [&](const char* when) {
       ddp.zero_grad();
       sum(ddp(x)).backward();
-      expect(value(model->weight.grad()) == mean, "rank ", rank, ": DDP backward ", when, " gave ",
-             model->weight.grad(), ", want the mean ", mean);
+      expect(value(model->inner->weight.grad()) == mean, "rank ", rank, ": DDP backward ", when, " gave ",
+             model->inner->weight.grad(), ", want the mean ", mean);
     };
     if (rank == 0) bare_backward("on rank 0 alone, before any DDP forward");
     ddp_step("after rank 0's bare one");
+    // A DDP backward that an exception inside the model ends after the output's node ran, before
+    // any gradient was final: the bare backwards after it are still local.
+    ddp.zero_grad();
+    model->throwing = true;
+    bool thrown = false;
+    try {
+      sum(ddp(x)).backward();
+    } catch (const ValueError&) {
+      thrown = true;
+    }
+    model->throwing = false;
+    expect(thrown, "rank ", rank, ": the model's backward did not throw");
+    bare_backward("on every rank, after a DDP backward that threw");
+    if (rank == 0) bare_backward("on rank 0 alone, after a DDP backward that threw");
+    ddp_step("after the backward that threw");
     bare_backward("on every rank, after a DDP step");
     if (rank == 0) bare_backward("on rank 0 alone, after a DDP step");
     ddp_step("after the bare ones");
@@ -930,8 +960,8 @@ TEST_CASE(
     Tensor loss = sum(ddp(x));
     loss.backward(Tensor(), /*retain_graph=*/true);
     loss.backward();
-    expect(value(model->weight.grad()) == 2 * mean, "rank ", rank, ": two backwards of one forward gave ",
-           model->weight.grad(), ", want ", 2 * mean);
+    expect(value(model->inner->weight.grad()) == 2 * mean, "rank ", rank,
+           ": two backwards of one forward gave ", model->inner->weight.grad(), ", want ", 2 * mean);
     testing::leave();
   });
   CHECK_MESSAGE(failures.empty(), failures);
