@@ -358,7 +358,10 @@ bool FullyShardedDataParallel::frees_after_forward(size_t u) const {
 void FullyShardedDataParallel::gather(size_t u) {
   Unit& unit = *units_[u];
   if (unit.gathered || unit.gather_work) return;
-  const CollectivePurpose purpose(CollectivePurpose::Kind::FsdpUnit, u);
+  // A state dict's gathers are told apart from a forward's: a rank that ran one step fewer
+  // would pair its state-dict gathers with the others' forward ones, of the same sizes.
+  const CollectivePurpose purpose(
+      state_dict_gather_ ? CollectivePurpose::Kind::FsdpStateDict : CollectivePurpose::Kind::FsdpUnit, u);
   const int world = pg_->size();
   unit.full.impl()->storage->reallocate();
   std::vector<Tensor> outputs;
@@ -750,22 +753,27 @@ nn::StateDict FullyShardedDataParallel::full_state_dict(bool rank0_only) {
   // is dropped first, and the units are gathered in float32.
   drop_unused_prefetches();
   reshard_all();
-  full_precision_gather_ = true;
-  try {
-    gather_all();
-  } catch (...) {
-    full_precision_gather_ = false;
-    throw;
-  }
-  full_precision_gather_ = false;
+  gather_all_for_state_dict(/*full_precision=*/true);
   nn::StateDict state;
   if (!rank0_only || pg_->rank() == 0) state = module_->state_dict();
   reshard_all();
   return state;
 }
 
+void FullyShardedDataParallel::gather_all_for_state_dict(bool full_precision) {
+  full_precision_gather_ = full_precision;
+  state_dict_gather_ = true;
+  try {
+    gather_all();
+  } catch (...) {
+    full_precision_gather_ = state_dict_gather_ = false;
+    throw;
+  }
+  full_precision_gather_ = state_dict_gather_ = false;
+}
+
 void FullyShardedDataParallel::load_full_state_dict(const nn::StateDict& state) {
-  gather_all();
+  gather_all_for_state_dict(/*full_precision=*/false);
   try {
     module_->load_state_dict(state);
   } catch (...) {

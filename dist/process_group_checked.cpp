@@ -573,6 +573,8 @@ std::string CollectivePurpose::describe(int64_t code) {
       return "FSDP unit " + std::to_string(index);
     case Kind::DdpBucket:
       return "DDP bucket " + std::to_string(index);
+    case Kind::FsdpStateDict:
+      return "FSDP unit " + std::to_string(index) + "'s state dict";
   }
   return "purpose " + std::to_string(code);
 }

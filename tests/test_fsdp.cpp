@@ -1022,6 +1022,35 @@ TEST_CASE("a rank that catches an exception from its backward and goes on is sto
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE("a rank that ran one step fewer and asks for the state dict is a mismatch on every rank") {
+  // Rank 0 runs 2 steps, rank 1 one; then both call full_state_dict. Rank 1's state-dict
+  // gathers meet rank 0's second-step forward gathers, of the same sizes and dtype: only the
+  // purpose in the collective check's fingerprint tells them apart. Before it did, rank 1
+  // returned a state dict and rank 0 waited for its timeout.
+  if (under_mpirun()) return;  // a refused collective leaves an MPI request open at exit
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = join(rank, 2, port);
+    auto model = make_mlp(7);
+    dist::FullyShardedDataParallel fsdp(
+        model, pg, fsdp_options(ShardingStrategy::FULL_SHARD, dist::module_wrap_policy<nn::Linear>()));
+    std::string error;
+    try {
+      for (int step = 0; step < (rank == 0 ? 2 : 1); ++step) {
+        const Batch b = share(global_batch(step, 5), rank, 2);
+        cross_entropy(fsdp(b.x), b.y).backward();
+      }
+      fsdp.full_state_dict(/*rank0_only=*/false);
+    } catch (const DistError& e) {
+      error = e.what();
+    }
+    expect(error.find("ranks called different collectives") != std::string::npos &&
+               error.find("state dict") != std::string::npos,
+           "rank ", rank, ": ", error.empty() ? std::string("no error") : error);
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE(
     "a unit whose output reaches the loss on one rank only is a mismatch naming the unit, under NO_SHARD "
     "too") {
