@@ -59,9 +59,11 @@
 //   join.finish();
 //
 // Only a backward through DDP's forward reduces: the output passes through an identity node
-// (DDPSinkBackward, as torch's _DDPSink) that tells the Reducer so. A backward through the
-// model itself, ddp.module(), keeps each rank's gradients and issues no collective, on every
-// rank or on one (Reducer::begin_ddp_backward).
+// (DDPSinkBackward, after torch's _DDPSink) that tells the Reducer so, and every parameter
+// that gets a gradient in that backward is reduced, a regulariser's too. A backward through
+// the model itself, ddp.module(), keeps each rank's gradients and issues no collective, on
+// every rank or on one (Reducer::begin_ddp_backward). torch's DDP arms its hooks at the forward
+// instead, so there a bare backward after a DDP forward is reduced.
 //
 // state_dict: DDP is itself a Module whose only child is the model, registered as "module",
 // so ddp.state_dict() names parameters "module.0.weight" exactly as PyTorch does. Save
@@ -83,10 +85,10 @@
 //
 // Errors: ValueError at construction when no parameter requires grad (all frozen, or none),
 // as torch's "DistributedDataParallel is not needed when a module doesn't have any parameter
-// that requires a gradient"; DistError for parameter or buffer mismatches across ranks, for a parameter that got no
-// gradient in an iteration (unless find_unused_parameters), for collective failures, and
-// (Join with throw_on_early_termination) from forward when a rank ran out of inputs;
-// TimeoutError when a peer does not answer within options.timeout.
+// that requires a gradient"; DistError for parameter or buffer mismatches across ranks, for a parameter that
+// got no gradient in an iteration (unless find_unused_parameters), for collective failures, and (Join with
+// throw_on_early_termination) from forward when a rank ran out of inputs; TimeoutError when a peer does not
+// answer within options.timeout.
 #pragma once
 
 #include <memory>

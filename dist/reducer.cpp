@@ -318,12 +318,31 @@ void Reducer::abandon_interrupted_backward() {
   detail::agree_after_interrupted_backward(*pg_, launched, "DDP", options_.timeout);
 }
 
-void Reducer::begin_ddp_backward() { ddp_backward_pass_ = backward_pass_id(); }
+void Reducer::begin_ddp_backward() {
+  const uint64_t pass = backward_pass_id();
+  if (ddp_backward_pass_ == pass) return;  // a second DDP output in the same graph
+  ddp_backward_pass_ = pass;
+  if (early_pass_ != pass) return;
+  std::vector<size_t> early;
+  early.swap(early_ready_);
+  early_pass_ = 0;
+  for (size_t k : early) mark_ready(k);
+}
 
 // 2. A parameter's gradient is final for this backward.
 void Reducer::mark_ready(size_t k) {
-  // Not a DDP forward's backward: local, as in a plain model.
-  if (ddp_backward_pass_ == 0 || ddp_backward_pass_ != backward_pass_id()) return;
+  const uint64_t pass = backward_pass_id();
+  if (ddp_backward_pass_ != pass) {
+    // Before this pass's DDP sink ran (a parameter behind the loss but not the output), or in a
+    // pass that has none: held until the sink runs, dropped with the pass otherwise (local,
+    // as in a plain model).
+    if (early_pass_ != pass) {
+      early_pass_ = pass;
+      early_ready_.clear();
+    }
+    early_ready_.push_back(k);
+    return;
+  }
   used_in_window_[k] = true;  // also inside no_sync: see Note [Unused parameters]
   backward_seen_ = true;
   if (!backward_syncs_) return;

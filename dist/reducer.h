@@ -93,12 +93,15 @@ class Reducer {
   // torch.
   void set_backward_syncs(bool syncs) { backward_syncs_ = syncs; }
   // Called when a backward passes through the output of a DDP forward (DistributedDataParallel's
-  // sink node, as torch's _DDPSink), before any of that forward's parameters gets its gradient:
-  // the gradient hooks act only in such a backward, until it ends. A backward that does not
-  // pass through one (the bare model, ddp.module(), on one rank or all) keeps its gradients
-  // local and issues no collective, as torch's Reducer ignores its hooks unless a forward
-  // prepared the backward. The mark is keyed to that pass (core/autograd.h's backward_pass_id),
-  // so it ends with the pass however the pass ends, an exception included.
+  // sink node, after torch's _DDPSink), before any of that forward's parameters gets its
+  // gradient: the gradient hooks act only in such a backward, until it ends. A parameter the
+  // forward did not use but the loss did (a regulariser on it) may get its gradient earlier in
+  // the pass: its hook is held and acts when the sink runs. A backward that does not pass
+  // through one (the bare model, ddp.module(), on one rank or all) keeps its gradients local and
+  // issues no collective. This is nanoddp's own rule: torch's Reducer arms its hooks at the
+  // forward until the next reduction ends, so there a bare backward after a DDP forward is
+  // reduced, and one after a DDP backward that threw too. The mark is keyed to the pass
+  // (core/autograd.h's backward_pass_id), so it ends with the pass however the pass ends.
   void begin_ddp_backward();
 
   // Every bucket goes through hook instead of the built-in divide-and-all-reduce
@@ -204,6 +207,8 @@ class Reducer {
   bool sync_ = true;
   bool backward_syncs_ = true;  // set_backward_syncs
   uint64_t ddp_backward_pass_ = 0;  // begin_ddp_backward's backward_pass_id(): the hooks act in it
+  uint64_t early_pass_ = 0;         // the pass whose hooks fired before its sink ran
+  std::vector<size_t> early_ready_;  // their parameters, acted on if the sink runs in that pass
   int64_t divide_factor_;  // Join: see set_divide_factor
   CommHook comm_hook_;
   bool backward_seen_ = false;  // a synced backward has run (hooks must come before)

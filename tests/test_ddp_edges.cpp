@@ -910,9 +910,9 @@ TEST_CASE(
     "a backward through the bare model, not DDP's forward, stays local and issues nothing, on one rank or "
     "all") {
   // Bias-free Linear(1, 1), w = 1, x = r + 1 on rank r, loss sum: local gradient r + 1, mean
-  // 1.5. torch's Reducer ignores its hooks unless a DDP forward prepared the backward: calling
-  // ddp.module() directly (a per-rank diagnostic) must neither average nor pair with the
-  // peer's next collective.
+  // 1.5. Only a backward through DDP's output reduces (DDP's header): calling ddp.module()
+  // directly (a per-rank diagnostic) must neither average nor pair with the peer's next
+  // collective.
   const int world = 2, port = testing::free_port();
   const std::string failures = testing::on_ranks(world, [&](int rank) {
     auto pg = testing::join(rank, world, port);
@@ -965,6 +965,42 @@ TEST_CASE(
     testing::leave();
   });
   CHECK_MESSAGE(failures.empty(), failures);
+}
+
+TEST_CASE(
+    "a parameter only the loss uses (a regulariser's) is reduced, though its gradient is final before DDP's "
+    "output node runs") {
+  // loss = sum(ddp(x)) + sum(extra * (r + 1)), the second term built last, so the engine
+  // finishes extra's gradient (r + 1) before it reaches DDP's output node. It must still get
+  // the mean 1.5 on every rank, with find_unused_parameters or without.
+  struct WithExtra : nn::Module {
+    std::shared_ptr<nn::Linear> used = register_module("used", linear_1x1(1, 0, /*bias=*/false));
+    std::shared_ptr<nn::Linear> extra = register_module("extra", linear_1x1(1, 0, /*bias=*/false));
+    Tensor forward(const Tensor& x) override { return (*used)(x); }
+  };
+  for (bool find_unused : {false, true}) {
+    CAPTURE(find_unused);
+    const int world = 2, port = testing::free_port();
+    const std::string failures = testing::on_ranks(world, [&](int rank) {
+      auto pg = testing::join(rank, world, port);
+      auto model = std::make_shared<WithExtra>();
+      dist::DDPOptions options;
+      options.find_unused_parameters = find_unused;
+      dist::DistributedDataParallel ddp(model, pg, options);
+      const Tensor x = Tensor::full({1, 1}, rank + 1.0f);
+      for (int step = 0; step < 2; ++step) {
+        ddp.zero_grad();
+        const Tensor from_output = sum(ddp(x));
+        const Tensor from_loss_only = sum(model->extra->weight * Tensor::full({1, 1}, rank + 1.0f));
+        (from_output + from_loss_only).backward();
+        expect(value(model->extra->weight.grad()) == 1.5f && value(model->used->weight.grad()) == 1.5f,
+               "rank ", rank, " step ", step, ": extra.grad ", model->extra->weight.grad(), ", used.grad ",
+               model->used->weight.grad(), ", want the means 1.5 and 1.5");
+      }
+      testing::leave();
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
 }
 
 TEST_CASE("no_sync is decided by the forward, as PyTorch's: only a backward of a forward outside it reduces") {
