@@ -24,14 +24,13 @@ float clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double
   if (grads.empty()) return 0.0f;
 
   const bool inf_norm = std::isinf(norm_type);
-  std::vector<Tensor> hosts;
-  for (const Tensor& g : grads) {
+  for (const Tensor& g : grads)
     NANODDP_CHECK(g.dtype() == DType::Float32, ValueError, "clip_grad_norm_: gradients must be float32, got ",
                   dtype_name(g.dtype()));
-    hosts.push_back(g.device().is_cuda() ? g.to(Device::cpu()) : g);
-  }
-  const auto for_each_abs = [&hosts](auto&& visit) {
-    for (const Tensor& host : hosts) {
+  // One gradient on the host at a time: a CUDA model's gradients are never all copied at once.
+  const auto for_each_abs = [&grads](auto&& visit) {
+    for (const Tensor& g : grads) {
+      const Tensor host = g.device().is_cuda() ? g.to(Device::cpu()) : g;
       const float* data = host.data<float>();
       for (int64_t i = 0, n = host.numel(); i < n; ++i) visit(std::fabs(static_cast<double>(data[i])));
     }
@@ -44,9 +43,9 @@ float clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double
     if (!inf_norm) accumulated += norm_type == 2.0 ? a * a : norm_type == 1.0 ? a : std::pow(a, norm_type);
   });
   double norm = inf_norm ? largest : std::pow(accumulated, 1.0 / norm_type);
-  // A high order takes |g|^norm_type past double's range (40^250) or below it ((1e-3)^200),
-  // which gave an infinite or zero norm for finite gradients (torch 1.13 does the same; later
-  // versions scale): then the sum is taken over (|g| / largest)^norm_type, all in (0, 1].
+  // A high order can take |g|^norm_type past double's range (40^250) or below it
+  // ((1e-3)^200), an infinite or zero sum for finite gradients (torch 1.13's is then inf or
+  // 0): the sum is then taken over (|g| / largest)^norm_type, all in (0, 1].
   if (!inf_norm && std::isfinite(largest) && largest > 0.0 &&
       (std::isinf(accumulated) || accumulated < std::numeric_limits<double>::min())) {
     double scaled = 0.0;
