@@ -135,6 +135,7 @@ ChildGroup::ChildGroup(Options options) : options_(std::move(options)), created_
     // An ignored SIGINT/SIGTERM/SIGHUP/SIGQUIT/SIGTSTP/SIGUSR1/SIGUSR2 (nohup, a background job) stays
     // ignored: we must not turn a hang-up the user asked to ignore into the end of the job.
     if (kept_if_ignored(kHandledSignals[i]) && g_saved_actions[i].sa_handler == SIG_IGN) continue;
+    if (is_passed_on(kHandledSignals[i]) && !options_.pass_on_user_signals) continue;
     sigaction(kHandledSignals[i], &action, nullptr);
   }
 }
@@ -236,7 +237,9 @@ bool ChildGroup::start(int rank, std::string name, std::string prefix,
     // as they were.
     for (size_t i = 0; i < kNumHandled; ++i) {
       struct sigaction action = g_saved_actions[i];
-      if (kept_if_ignored(kHandledSignals[i]) && action.sa_handler != SIG_IGN) {
+      // spawn's ranks keep the caller's SIGUSR1/SIGUSR2 handlers, as a fork does.
+      const bool user_signal_kept = is_passed_on(kHandledSignals[i]) && !options_.pass_on_user_signals;
+      if (kept_if_ignored(kHandledSignals[i]) && action.sa_handler != SIG_IGN && !user_signal_kept) {
         action = {};
         action.sa_handler = SIG_DFL;
       }

@@ -278,7 +278,7 @@ Outcome ChildGroup::wait() {
         outcome.failed_message = "it returned before joining the process group, and " + waiting->name +
                                  " waits for it in init_process_group";
         begin_termination(SIGTERM, gone->name + " (pid " + std::to_string(gone->pid) +
-                                       ") exited with status 0 without calling init_process_group, while " +
+                                       ") exited with status 0 before it joined the process group, while " +
                                        waiting->name +
                                        " waits for it there (it would until its timeout): every "
                                        "rank of the job must join the process group");

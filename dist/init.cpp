@@ -346,7 +346,10 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     ssize_t ignored = ::write(2, warning.data(), warning.size());  // one write: never interleaved
     (void)ignored;
   }
-  report_rendezvous(rank, world_size, /*joined=*/false);  // Note [Launcher link], item 3
+  // Note [Launcher link], item 3, for the launcher's own world only: a group of other ranks or
+  // another size (InitOptions given) numbers its ranks unlike the launcher.
+  const bool launcher_world = rank == env.rank && world_size == env.world_size;
+  if (launcher_world) report_rendezvous(rank, world_size, /*joined=*/false);
   auto store = std::make_shared<TCPStore>(store_options);
 
   std::shared_ptr<ProcessGroup> group;
@@ -392,7 +395,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   default_group = checked(stage_device_tensors(group), check_collectives, options.timeout);
   register_exit_handler();
   join_trace(*default_group, store.get());
-  report_rendezvous(rank, world_size, /*joined=*/true);
+  if (launcher_world) report_rendezvous(rank, world_size, /*joined=*/true);
   return default_group;
 }
 

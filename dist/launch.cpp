@@ -488,6 +488,7 @@ Outcome run_round(const LaunchOptions& options, const std::vector<std::string>& 
   ChildGroup::Options group_options;
   group_options.grace_period = options.grace_period;
   group_options.children_relay_signals = options.backend == "mpi";
+  group_options.pass_on_user_signals = true;
   group_options.timeout = timeout;
   if (timeout.count() > 0)
     group_options.timeout_description = "the job's --timeout of " + format_ms(options.timeout) +

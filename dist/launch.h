@@ -208,6 +208,9 @@ class ChildGroup {
     // code (mpirun exits 1 after a SIGINT): such an exit while the group is being stopped is
     // their answer, not a failure of their own to report.
     bool children_relay_signals = false;
+    // SIGUSR1 and SIGUSR2 sent to this process are passed on to the children (nanoddp-run);
+    // without it (spawn) this process's handlers of them stay, and the children inherit them.
+    bool pass_on_user_signals = false;
   };
   explicit ChildGroup(Options options);
   ~ChildGroup();

@@ -18,8 +18,9 @@ using Clock = std::chrono::steady_clock;
 
 // The signals a supervising ChildGroup handles, and what it does with them: SIGCHLD wakes the
 // loop; SIGINT/SIGTERM/SIGHUP/SIGQUIT are forwarded and end the job; SIGUSR1/SIGUSR2 are
-// passed on to every rank and the job goes on (the ranks decide what they mean: Slurm's
-// `--signal=USR1@120` warns of a preemption so that they can checkpoint); SIGTSTP (Ctrl-Z) stops
+// passed on to every rank and the job goes on under nanoddp-run (the ranks decide what they
+// mean: Slurm's `--signal=USR1@120` warns of a preemption so that they can checkpoint), and
+// left to the caller's handlers under spawn (Options::pass_on_user_signals); SIGTSTP (Ctrl-Z) stops
 // the ranks, then the launcher, and continues them when the launcher is continued; SIGPIPE is
 // ignored so that a closed stdout (say, `nanoddp-run ... | head`) cannot kill the launcher and
 // orphan the ranks. Each rank is in a process group of its own (so that the group kill reaches

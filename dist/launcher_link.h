@@ -21,10 +21,12 @@
 //      knows whether that rank failed by its own error or because it lost another, and names
 //      the rank at the root of the chain (Note [Launch contract], item 3).
 //   3. Rendezvous: on the same pipe, init_process_group writes "<rank> joining <world size>"
-//      before it waits for its peers and "<rank> joined" once its group is up. A rank that
-//      exits with status 0 without having joined, while another waits to join a world that
-//      includes it, can never be waited for to the end: the launcher fails the job at once
-//      instead of leaving the others in the rendezvous until their timeout (minutes).
+//      before it waits for its peers and "<rank> joined" once its group is up, when the group
+//      is the launcher's world (its RANK and WORLD_SIZE; a group given other ranks or another
+//      size says nothing). A rank that exits with status 0 without having joined, while another
+//      waits to join, can never be waited for to the end: the launcher fails the job at once
+//      instead of leaving the others in the rendezvous until their timeout (minutes). A rank
+//      that joined once counts as joined, also after destroy_process_group.
 //   Each variable holds "<fd>:<inode of the pipe>"; a rank uses the descriptor only when it is
 //   still that pipe, so a variable inherited by a process that has reused the number (a
 //   program started from a rank with its descriptors closed) is ignored, never written to.

@@ -11,7 +11,9 @@
 //
 // report [--backend B] [--hold-ms N]: init_process_group (backend B, default auto), all_reduce
 //         of rank + 1, "rank R of W backend B sum S" on stdout (S = W(W+1)/2), N ms of doing
-//         nothing (rank 0 keeps serving the store meanwhile), then a barrier.
+//         nothing (rank 0 keeps serving the store meanwhile), then a barrier. --first-leaves MS:
+//         the launcher's rank 0 exits 0 at once, the others join a world without it (rank and
+//         world size given to init_process_group), the last one MS ms late.
 // fail:   after a barrier, rank R fails as a program whose error unwinds its process group
 //         does: after 200 ms it destroys its group (its connections close), takes 300 ms more
 //         to exit (a log flushed, a checkpoint written) and exits with CODE. The others wait on
@@ -58,7 +60,8 @@ long long realtime_ms() {
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr,
-                 "usage: launch_probe report [--backend B] [--hold-ms N] | fail RANK CODE | die RANK N | "
+                 "usage: launch_probe report [--backend B] [--hold-ms N] [--first-leaves MS] | fail RANK "
+                 "CODE | die RANK N | "
                  "stop RANK N | "
                  "restart RANK ROUNDS | sleep DIR\n");
     return 2;
@@ -67,10 +70,20 @@ int main(int argc, char** argv) {
   try {
     dist::InitOptions init;
     init.timeout = std::chrono::seconds(30);
-    int hold_ms = 0;
+    int hold_ms = 0, first_leaves_ms = -1;
     for (int i = 2; mode == "report" && i + 1 < argc; i += 2) {
       if (std::string(argv[i]) == "--backend") init.backend = dist::parse_backend(argv[i + 1]);
       if (std::string(argv[i]) == "--hold-ms") hold_ms = std::atoi(argv[i + 1]);
+      if (std::string(argv[i]) == "--first-leaves") first_leaves_ms = std::atoi(argv[i + 1]);
+    }
+    if (first_leaves_ms >= 0) {  // a world of the launcher's ranks 1.. only, given explicitly
+      const int launcher_rank = std::atoi(std::getenv("RANK")),
+                launcher_world = std::atoi(std::getenv("WORLD_SIZE"));
+      if (launcher_rank == 0) return 0;
+      if (launcher_rank == launcher_world - 1)
+        std::this_thread::sleep_for(std::chrono::milliseconds(first_leaves_ms));
+      init.rank = launcher_rank - 1;
+      init.world_size = launcher_world - 1;
     }
     auto pg = dist::init_process_group(init);
     const int rank = pg->rank(), world_size = pg->size();
