@@ -425,8 +425,6 @@ class TCPStore::Server {
     }
   }
 
-  // Appends to one of the server's own notes (kRefusedKey, kArrivedKey, kBadTokenKey) while it
-  // holds fewer than max_bytes: clients flooding the hello cannot grow it without bound.
   // A client's identity as a note may quote it: at most 64 bytes, each outside printable ASCII
   // shown as '?' (it comes from any client that reaches the port).
   static std::string printable(const std::string& text) {
@@ -436,6 +434,9 @@ class TCPStore::Server {
     return shown;
   }
 
+  // Appends to one of the server's own notes (kRefusedKey, kArrivedKey, kBadTokenKey,
+  // kOtherJobKey) while it holds fewer than max_bytes: clients flooding the hello cannot grow
+  // it without bound.
   void append_note(const char* key, const std::string& text, size_t max_bytes) {
     std::vector<uint8_t>& note = data_[key];
     if (note.size() < max_bytes) note.insert(note.end(), text.begin(), text.end());

@@ -69,7 +69,7 @@ inline const char* const kArrivedKey = "nanoddp/arrived";
 // a hint for a timeout (a node given another NANODDP_STORE_TOKEN), never a reason to stop,
 // since a client without the token is not trusted.
 inline const char* const kBadTokenKey = "nanoddp/bad_token";
-// Where it notes the clients of another job id that it refused ("1 of job 'b'; "): a hint for
+// Where it notes the clients of another job id that it refused ("rank 1 of job 'b'; "): a hint for
 // a timeout (nodes started with different NANODDP_JOB_ID), never a reason to stop, since
 // another job sharing the port must not end this one.
 inline const char* const kOtherJobKey = "nanoddp/other_job";

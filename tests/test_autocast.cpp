@@ -340,8 +340,9 @@ TEST_CASE("gradients through the casts match central differences of the float32 
     float* data = p.data<float>();
     for (int64_t i = 0; i < p.numel(); ++i) {
       NoGradGuard no_grad;
-      // Small enough that no ReLU input crosses 0 (a kink within 1e-2 made 0.72 of 0.65), large
-      // enough that the float32 loss's rounding stays far below the tolerance.
+      // Small enough that no ReLU input crosses 0 (a step of 1e-2 crosses one here: 0.72 for a
+      // derivative of 0.65), large enough that the float32 loss's rounding stays far below the
+      // tolerance.
       const float kept = data[i], eps = 1e-3f;
       data[i] = kept + eps;
       const double up = loss_of().item();

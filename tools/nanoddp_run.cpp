@@ -233,6 +233,9 @@ int main(int argc, char** argv) {
   }
   if (const auto resolved = ranks_per_node(nproc_text)) {
     options.nproc_per_node = *resolved;
+    if (*resolved == dist::kMaxProcPerNode && nproc_text != std::to_string(*resolved))
+      std::cerr << "nanoddp-run: --nproc-per-node " << nproc_text << ": " << dist::kMaxProcPerNode
+                << " ranks, the most one node takes\n";
   } else {
     return nanoddp::cli::usage_error("nanoddp-run", "--nproc-per-node gpu: this machine has no usable GPU (" +
                                                         nanoddp::kernels::cuda::unavailable_reason() + ")");
