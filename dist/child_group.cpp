@@ -154,7 +154,9 @@ ChildGroup::~ChildGroup() {
     close_fd(c.err.fd);
     close_fd(c.msg.fd);
   }
-  for (size_t i = 0; i < kNumHandled; ++i) sigaction(kHandledSignals[i], &g_saved_actions[i], nullptr);
+  for (size_t i = 0; i < kNumHandled; ++i)
+    if (!is_passed_on(kHandledSignals[i]) || options_.pass_on_user_signals)  // else never taken over
+      sigaction(kHandledSignals[i], &g_saved_actions[i], nullptr);
   close_fd(g_signal_pipe[0]);
   close_fd(g_signal_pipe[1]);
   for (int* fd : {&alive_pipe_[0], &alive_pipe_[1], &failure_pipe_[0], &failure_pipe_[1]}) close_fd(*fd);
@@ -231,15 +233,15 @@ bool ChildGroup::start(int rank, std::string name, std::string prefix,
     clear_outer_launcher_env();  // child_main sets this launcher's variables
     setenv(kLauncherFdEnv, describe_pipe_end(alive_pipe_[0]).c_str(), 1);
     setenv(kFailureFdEnv, describe_pipe_end(failure_pipe_[1]).c_str(), 1);
-    // A rank starts as a fresh program would: SIGINT/SIGTERM/SIGHUP/SIGQUIT/SIGTSTP/SIGUSR1/SIGUSR2 at their
-    // defaults (unless the launcher was told to ignore them), so that our SIGTERM terminates it
-    // even when it is a fork of a program with handlers of its own (spawn); SIGCHLD and SIGPIPE
-    // as they were.
+    // A rank starts as a fresh program would: SIGINT/SIGTERM/SIGHUP/SIGQUIT/SIGTSTP (and, under
+    // nanoddp-run, SIGUSR1/SIGUSR2) at their defaults (unless the launcher was told to ignore
+    // them), so that our SIGTERM terminates it even when it is a fork of a program with handlers
+    // of its own (spawn); SIGCHLD and SIGPIPE as they were. spawn's ranks keep whatever
+    // SIGUSR1/SIGUSR2 handlers the caller has at the fork, as a fork does: untouched here.
     for (size_t i = 0; i < kNumHandled; ++i) {
+      if (is_passed_on(kHandledSignals[i]) && !options_.pass_on_user_signals) continue;
       struct sigaction action = g_saved_actions[i];
-      // spawn's ranks keep the caller's SIGUSR1/SIGUSR2 handlers, as a fork does.
-      const bool user_signal_kept = is_passed_on(kHandledSignals[i]) && !options_.pass_on_user_signals;
-      if (kept_if_ignored(kHandledSignals[i]) && action.sa_handler != SIG_IGN && !user_signal_kept) {
+      if (kept_if_ignored(kHandledSignals[i]) && action.sa_handler != SIG_IGN) {
         action = {};
         action.sa_handler = SIG_DFL;
       }

@@ -360,8 +360,7 @@ void FullyShardedDataParallel::gather(size_t u) {
   if (unit.gathered || unit.gather_work) return;
   // A state dict's gathers are told apart from a forward's: a rank that ran one step fewer
   // would pair its state-dict gathers with the others' forward ones, of the same sizes.
-  const CollectivePurpose purpose(
-      state_dict_gather_ ? CollectivePurpose::Kind::FsdpStateDict : CollectivePurpose::Kind::FsdpUnit, u);
+  const CollectivePurpose purpose(gather_purpose_, u);
   const int world = pg_->size();
   unit.full.impl()->storage->reallocate();
   std::vector<Tensor> outputs;
@@ -753,27 +752,29 @@ nn::StateDict FullyShardedDataParallel::full_state_dict(bool rank0_only) {
   // is dropped first, and the units are gathered in float32.
   drop_unused_prefetches();
   reshard_all();
-  gather_all_for_state_dict(/*full_precision=*/true);
+  gather_all_for_state_dict(CollectivePurpose::Kind::FsdpStateDict);
   nn::StateDict state;
   if (!rank0_only || pg_->rank() == 0) state = module_->state_dict();
   reshard_all();
   return state;
 }
 
-void FullyShardedDataParallel::gather_all_for_state_dict(bool full_precision) {
-  full_precision_gather_ = full_precision;
-  state_dict_gather_ = true;
+void FullyShardedDataParallel::gather_all_for_state_dict(CollectivePurpose::Kind purpose) {
+  full_precision_gather_ = purpose == CollectivePurpose::Kind::FsdpStateDict;
+  gather_purpose_ = purpose;
   try {
     gather_all();
   } catch (...) {
-    full_precision_gather_ = state_dict_gather_ = false;
+    full_precision_gather_ = false;
+    gather_purpose_ = CollectivePurpose::Kind::FsdpUnit;
     throw;
   }
-  full_precision_gather_ = state_dict_gather_ = false;
+  full_precision_gather_ = false;
+  gather_purpose_ = CollectivePurpose::Kind::FsdpUnit;
 }
 
 void FullyShardedDataParallel::load_full_state_dict(const nn::StateDict& state) {
-  gather_all_for_state_dict(/*full_precision=*/false);
+  gather_all_for_state_dict(CollectivePurpose::Kind::FsdpLoadStateDict);
   try {
     module_->load_state_dict(state);
   } catch (...) {
@@ -872,6 +873,7 @@ nn::StateDict FullyShardedDataParallel::full_optim_state_dict(const nn::Optimize
     Tensor gathered;
     if (flat && options_.sharding_strategy != ShardingStrategy::NO_SHARD) {
       // Gathered where the group's collectives run, then brought to the CPU like every entry.
+      const CollectivePurpose purpose(CollectivePurpose::Kind::FsdpOptimState, i);
       Tensor on_group_device = Tensor::empty({unit.shard_numel * pg_->size()}, DType::Float32, pg_->device());
       std::vector<Tensor> outputs;
       for (int r = 0; r < pg_->size(); ++r)

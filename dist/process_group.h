@@ -135,7 +135,13 @@ struct CollectiveGuard {
 // fingerprint. Nests: the innermost one names the calls.
 class CollectivePurpose {
  public:
-  enum class Kind : int64_t { FsdpUnit = 1, DdpBucket = 2, FsdpStateDict = 3 };
+  enum class Kind : int64_t {
+    FsdpUnit = 1,
+    DdpBucket = 2,
+    FsdpStateDict = 3,
+    FsdpLoadStateDict = 4,
+    FsdpOptimState = 5
+  };
   CollectivePurpose(Kind kind, size_t index);
   ~CollectivePurpose();
   CollectivePurpose(const CollectivePurpose&) = delete;
@@ -143,7 +149,8 @@ class CollectivePurpose {
 
   // The innermost purpose alive on this thread, as one int64 (0: none).
   static int64_t current();
-  // "FSDP unit 2", "DDP bucket 0", "FSDP unit 2's state dict", or "" for 0.
+  // "FSDP unit 2", "DDP bucket 0", "FSDP unit 2's state dict" (its load, its optimizer state),
+  // or "" for 0.
   static std::string describe(int64_t code);
 
  private:

@@ -575,6 +575,10 @@ std::string CollectivePurpose::describe(int64_t code) {
       return "DDP bucket " + std::to_string(index);
     case Kind::FsdpStateDict:
       return "FSDP unit " + std::to_string(index) + "'s state dict";
+    case Kind::FsdpLoadStateDict:
+      return "FSDP unit " + std::to_string(index) + "'s state dict load";
+    case Kind::FsdpOptimState:
+      return "FSDP unit " + std::to_string(index) + "'s optimizer state";
   }
   return "purpose " + std::to_string(code);
 }

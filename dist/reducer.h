@@ -96,7 +96,8 @@ class Reducer {
   // sink node, after torch's _DDPSink), before any of that forward's parameters gets its
   // gradient: the gradient hooks act only in such a backward, until it ends. A parameter the
   // forward did not use but the loss did (a regulariser on it) may get its gradient earlier in
-  // the pass: its hook is held and acts when the sink runs. A backward that does not pass
+  // the pass: its hook is held and acts when the sink runs, reading .grad then (after any
+  // later post-accumulate-grad hook of that parameter has run). A backward that does not pass
   // through one (the bare model, ddp.module(), on one rank or all) keeps its gradients local and
   // issues no collective. This is nanoddp's own rule: torch's Reducer arms its hooks at the
   // forward until the next reduction ends, so there a bare backward after a DDP forward is

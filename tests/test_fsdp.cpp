@@ -1051,6 +1051,33 @@ TEST_CASE("a rank that ran one step fewer and asks for the state dict is a misma
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE("a rank saving the full state dict while another loads one is a mismatch on every rank") {
+  // Both gather every unit in float32, of the same sizes: only the purpose tells a save from a
+  // load. Paired, the loading rank alone would copy the loaded values into its shard.
+  if (under_mpirun()) return;  // a refused collective leaves an MPI request open at exit
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = join(rank, 2, port);
+    auto model = make_mlp(7);
+    const nn::StateDict other = make_mlp(99)->state_dict();
+    dist::FullyShardedDataParallel fsdp(
+        model, pg, fsdp_options(ShardingStrategy::FULL_SHARD, dist::module_wrap_policy<nn::Linear>()));
+    std::string error;
+    try {
+      if (rank == 0)
+        fsdp.full_state_dict(/*rank0_only=*/false);
+      else
+        fsdp.load_full_state_dict(other);
+    } catch (const DistError& e) {
+      error = e.what();
+    }
+    expect(error.find("ranks called different collectives") != std::string::npos &&
+               error.find("state dict load") != std::string::npos,
+           "rank ", rank, ": ", error.empty() ? std::string("no error") : error);
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE(
     "a unit whose output reaches the loss on one rank only is a mismatch naming the unit, under NO_SHARD "
     "too") {
