@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <sstream>
 
@@ -1022,12 +1023,12 @@ TEST_CASE("a rank that catches an exception from its backward and goes on is sto
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
-TEST_CASE("a rank that ran one step fewer and asks for the state dict is a mismatch on every rank") {
-  // Rank 0 runs 2 steps, rank 1 one; then both call full_state_dict. Rank 1's state-dict
-  // gathers meet rank 0's second-step forward gathers, of the same sizes and dtype: only the
-  // purpose in the collective check's fingerprint tells them apart. Before it did, rank 1
-  // returned a state dict and rank 0 waited for its timeout.
-  if (under_mpirun()) return;  // a refused collective leaves an MPI request open at exit
+namespace {
+
+// Two ranks, FULL_SHARD over each Linear: each runs `body` (rank, its FSDP) and must get the
+// collective check's mismatch, whose message names `purpose`.
+void expect_mismatch_on_every_rank(const std::function<void(int, dist::FullyShardedDataParallel&)>& body,
+                                   const std::string& purpose) {
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [&](int rank) {
     auto pg = join(rank, 2, port);
@@ -1036,46 +1037,49 @@ TEST_CASE("a rank that ran one step fewer and asks for the state dict is a misma
         model, pg, fsdp_options(ShardingStrategy::FULL_SHARD, dist::module_wrap_policy<nn::Linear>()));
     std::string error;
     try {
-      for (int step = 0; step < (rank == 0 ? 2 : 1); ++step) {
-        const Batch b = share(global_batch(step, 5), rank, 2);
-        cross_entropy(fsdp(b.x), b.y).backward();
-      }
-      fsdp.full_state_dict(/*rank0_only=*/false);
+      body(rank, fsdp);
     } catch (const DistError& e) {
       error = e.what();
     }
     expect(error.find("ranks called different collectives") != std::string::npos &&
-               error.find("state dict") != std::string::npos,
+               error.find(purpose) != std::string::npos,
            "rank ", rank, ": ", error.empty() ? std::string("no error") : error);
   });
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
-TEST_CASE("a rank saving the full state dict while another loads one is a mismatch on every rank") {
-  // Both gather every unit in float32, of the same sizes: only the purpose tells a save from a
-  // load. Paired, the loading rank alone would copy the loaded values into its shard.
+}  // namespace
+
+TEST_CASE(
+    "state-dict gathers never pair with a forward's, nor a save's with a load's: a mismatch on every rank") {
+  // All of these gather every unit in float32, of the same sizes: only the purpose in the
+  // collective check's fingerprint tells them apart.
   if (under_mpirun()) return;  // a refused collective leaves an MPI request open at exit
-  const int port = testing::free_port();
-  const std::string failures = on_ranks(2, [&](int rank) {
-    auto pg = join(rank, 2, port);
-    auto model = make_mlp(7);
+  SUBCASE("a rank that ran one step fewer asks for the state dict") {
+    // Paired with the other's second forward, it returned a state dict while its peer waited
+    // for the timeout.
+    expect_mismatch_on_every_rank(
+        [](int rank, dist::FullyShardedDataParallel& fsdp) {
+          for (int step = 0; step < (rank == 0 ? 2 : 1); ++step) {
+            const Batch b = share(global_batch(step, 5), rank, 2);
+            cross_entropy(fsdp(b.x), b.y).backward();
+          }
+          fsdp.full_state_dict(/*rank0_only=*/false);
+        },
+        "state dict");
+  }
+  SUBCASE("one rank saves the full state dict while the other loads one") {
+    // Paired, the loading rank alone would copy the loaded values into its shard.
     const nn::StateDict other = make_mlp(99)->state_dict();
-    dist::FullyShardedDataParallel fsdp(
-        model, pg, fsdp_options(ShardingStrategy::FULL_SHARD, dist::module_wrap_policy<nn::Linear>()));
-    std::string error;
-    try {
-      if (rank == 0)
-        fsdp.full_state_dict(/*rank0_only=*/false);
-      else
-        fsdp.load_full_state_dict(other);
-    } catch (const DistError& e) {
-      error = e.what();
-    }
-    expect(error.find("ranks called different collectives") != std::string::npos &&
-               error.find("state dict load") != std::string::npos,
-           "rank ", rank, ": ", error.empty() ? std::string("no error") : error);
-  });
-  CHECK_MESSAGE(failures.empty(), failures);
+    expect_mismatch_on_every_rank(
+        [&](int rank, dist::FullyShardedDataParallel& fsdp) {
+          if (rank == 0)
+            fsdp.full_state_dict(/*rank0_only=*/false);
+          else
+            fsdp.load_full_state_dict(other);
+        },
+        "state dict load");
+  }
 }
 
 TEST_CASE(

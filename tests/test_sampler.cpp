@@ -194,13 +194,7 @@ TEST_CASE("randperm draws torch.randperm's values for the same seed") {
 // drop_last=d), set_epoch(epoch), list(sampler).
 TEST_CASE("shuffled lists are torch's DistributedSampler's, value for value") {
   const auto lists = [](int64_t N, int W, uint64_t seed, int64_t epoch, bool drop_last) {
-    std::vector<Indices> out;
-    for (int r = 0; r < W; ++r) {
-      DistributedSampler sampler(N, W, r, true, seed, drop_last);
-      sampler.set_epoch(epoch);
-      out.push_back(sampler.indices());
-    }
-    return out;
+    return all_ranks(N, W, /*shuffle=*/true, seed, drop_last, epoch);
   };
   CHECK(lists(10, 3, 0, 1, false) == std::vector<Indices>{{5, 2, 9, 4}, {6, 0, 3, 5}, {1, 8, 7, 6}});
   CHECK(lists(10, 3, 0, 1, true) == std::vector<Indices>{{5, 2, 9}, {6, 0, 3}, {1, 8, 7}});
