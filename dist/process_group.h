@@ -140,7 +140,9 @@ class CollectivePurpose {
     DdpBucket = 2,
     FsdpStateDict = 3,
     FsdpLoadStateDict = 4,
-    FsdpOptimState = 5
+    FsdpOptimState = 5,
+    ZeroConsolidate = 6,  // ZeroRedundancyOptimizer.consolidate_state_dict (index unused)
+    ZeroLoad = 7,         // ZeroRedundancyOptimizer.load_state_dict's agreement (index unused)
   };
   CollectivePurpose(Kind kind, size_t index);
   ~CollectivePurpose();
@@ -150,7 +152,7 @@ class CollectivePurpose {
   // The innermost purpose alive on this thread, as one int64 (0: none).
   static int64_t current();
   // "FSDP unit 2", "DDP bucket 0", "FSDP unit 2's state dict" (its load, its optimizer state),
-  // or "" for 0.
+  // "ZeroRedundancyOptimizer.consolidate_state_dict" (.load_state_dict), or "" for 0.
   static std::string describe(int64_t code);
 
  private:

@@ -579,6 +579,10 @@ std::string CollectivePurpose::describe(int64_t code) {
       return "FSDP unit " + std::to_string(index) + "'s state dict load";
     case Kind::FsdpOptimState:
       return "FSDP unit " + std::to_string(index) + "'s optimizer state";
+    case Kind::ZeroConsolidate:
+      return "ZeroRedundancyOptimizer.consolidate_state_dict";
+    case Kind::ZeroLoad:
+      return "ZeroRedundancyOptimizer.load_state_dict";
   }
   return "purpose " + std::to_string(code);
 }

@@ -103,6 +103,8 @@ void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
   // longest: all_gather needs one size.
   const std::string bytes = nn::checkpoint_bytes(shard_state());
   const int64_t length = static_cast<int64_t>(bytes.size());
+  // One int64 gathered here and in load_state_dict: the purpose tells the two calls apart.
+  const CollectivePurpose purpose(CollectivePurpose::Kind::ZeroConsolidate, 0);
   const std::vector<std::vector<int64_t>> lengths = all_gather_host(*pg_, {length});
   int64_t longest = 0;
   for (const auto& l : lengths) longest = std::max(longest, l[0]);
@@ -189,6 +191,7 @@ void ZeroRedundancyOptimizer::load_state_dict(const nn::StateDict& state) {
   } catch (const Error&) {
     error = std::current_exception();
   }
+  const CollectivePurpose purpose(CollectivePurpose::Kind::ZeroLoad, 0);
   const std::vector<std::vector<int64_t>> failed = all_gather_host(*pg_, {error ? 1 : 0});
   std::string failed_ranks;
   for (size_t r = 0; r < failed.size(); ++r)

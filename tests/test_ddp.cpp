@@ -963,6 +963,16 @@ TEST_CASE("ZeroRedundancyOptimizer state round trip: resumes bit for bit at 2 ra
     std::unique_ptr<nn::Optimizer> unsharded = kAdam(alone->parameters());
     unsharded->load_state_dict(whole);
     resume_and_compare(*unsharded, *alone, "unsharded Adam");
+    // One rank consolidating while the other loads: both begin with a one-int64 all_gather,
+    // which only their purposes tell apart. Every rank gets the mismatch, naming both calls.
+    expect_throws<DistError>(
+        [&] {
+          if (rank == 0)
+            resumed.consolidate_state_dict(0);
+          else
+            resumed.load_state_dict(whole);
+        },
+        "ZeroRedundancyOptimizer.consolidate_state_dict");
   });
   CHECK_MESSAGE(failures.empty(), failures);
 }
