@@ -45,6 +45,7 @@ void ChildGroup::read_failure_reports() {
   for (const auto& [rank, lost] : reports.lost) lost_peer_.emplace(rank, lost);
   for (const auto& [rank, world_size] : reports.joining) joining_[rank] = world_size;
   joined_.insert(reports.joined.begin(), reports.joined.end());
+  for (int rank : reports.left) joining_.erase(rank);
   failure_text_.erase(0, complete + 1);
 }
 

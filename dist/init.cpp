@@ -349,7 +349,16 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   // Note [Launcher link], item 3, for the launcher's own world only: a group of other ranks or
   // another size (InitOptions given) numbers its ranks unlike the launcher.
   const bool launcher_world = rank == env.rank && world_size == env.world_size;
-  if (launcher_world) report_rendezvous(rank, world_size, /*joined=*/false);
+  // Withdrawn if this init throws: a rank that catches the error and goes on waits for nobody.
+  struct JoiningReport {
+    int rank, world_size;
+    bool active, joined = false;
+    ~JoiningReport() {
+      if (active)
+        report_rendezvous(rank, world_size, joined ? RendezvousStage::Joined : RendezvousStage::Left);
+    }
+  } joining{rank, world_size, launcher_world};
+  if (launcher_world) report_rendezvous(rank, world_size, RendezvousStage::Joining);
   auto store = std::make_shared<TCPStore>(store_options);
 
   std::shared_ptr<ProcessGroup> group;
@@ -395,7 +404,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   default_group = checked(stage_device_tensors(group), check_collectives, options.timeout);
   register_exit_handler();
   join_trace(*default_group, store.get());
-  if (launcher_world) report_rendezvous(rank, world_size, /*joined=*/true);
+  joining.joined = true;  // reported as it goes out of scope
   return default_group;
 }
 

@@ -76,11 +76,13 @@ void report_lost_peer(int rank, int lost_rank) {
   (void)ignored;
 }
 
-void report_rendezvous(int rank, int world_size, bool joined) {
+void report_rendezvous(int rank, int world_size, RendezvousStage stage) {
   const int fd = inherited_pipe(kFailureFdEnv);
   if (fd < 0 || rank < 0) return;
-  const std::string line =
-      std::to_string(rank) + (joined ? " joined\n" : " joining " + std::to_string(world_size) + "\n");
+  const std::string line = std::to_string(rank) + (stage == RendezvousStage::Joined ? " joined\n"
+                                                   : stage == RendezvousStage::Left
+                                                       ? " left\n"
+                                                       : " joining " + std::to_string(world_size) + "\n");
   ssize_t ignored = write(fd, line.data(), line.size());  // short and atomic: see the Note
   (void)ignored;
 }
@@ -93,8 +95,8 @@ LauncherReports parse_launcher_reports(const std::string& text) {
     int rank = -1, number = -1;
     std::string verb, rest;
     if (!(words >> rank >> verb) || rank < 0) continue;
-    if (verb == "joined") {
-      if (!(words >> rest)) reports.joined.push_back(rank);
+    if (verb == "joined" || verb == "left") {
+      if (!(words >> rest)) (verb == "joined" ? reports.joined : reports.left).push_back(rank);
     } else if (words >> number && number >= 0 && !(words >> rest)) {
       if (verb == "lost") reports.lost.emplace_back(rank, number);
       if (verb == "joining" && number >= 1) reports.joining.emplace_back(rank, number);

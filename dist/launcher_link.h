@@ -26,7 +26,8 @@
 //      size says nothing). A rank that exits with status 0 without having joined, while another
 //      waits to join, can never be waited for to the end: the launcher fails the job at once
 //      instead of leaving the others in the rendezvous until their timeout (minutes). A rank
-//      that joined once counts as joined, also after destroy_process_group.
+//      that joined once counts as joined, also after destroy_process_group; one whose
+//      init_process_group threw writes "<rank> left" and waits for nobody any more.
 //   Each variable holds "<fd>:<inode of the pipe>"; a rank uses the descriptor only when it is
 //   still that pipe, so a variable inherited by a process that has reused the number (a
 //   program started from a rank with its descriptors closed) is ignored, never written to.
@@ -49,10 +50,12 @@ void watch_launcher(int rank);
 // Does nothing outside a launcher. Never throws.
 void report_lost_peer(int rank, int lost_rank);
 
-// Tells the launcher that `rank` waits for the other ranks of a world of `world_size` in
-// init_process_group (joined false), or that its group is up (joined true). Does nothing
-// outside a launcher. Never throws.
-void report_rendezvous(int rank, int world_size, bool joined);
+// Where `rank` is in init_process_group's rendezvous for the launcher's world (item 3).
+enum class RendezvousStage { Joining, Joined, Left };
+// Tells the launcher: `rank` waits for the other ranks of a world of `world_size` (Joining),
+// its group is up (Joined), or its init_process_group threw (Left). Does nothing outside a
+// launcher. Never throws.
+void report_rendezvous(int rank, int world_size, RendezvousStage stage);
 
 // What ranks wrote on the failure pipe (Note [Launcher link], items 2 and 3), from the complete
 // lines of a text; malformed lines are skipped.
@@ -60,6 +63,7 @@ struct LauncherReports {
   std::vector<std::pair<int, int>> lost;     // (rank, the rank it lost)
   std::vector<std::pair<int, int>> joining;  // (rank, the world size it waits for)
   std::vector<int> joined;
+  std::vector<int> left;
 };
 LauncherReports parse_launcher_reports(const std::string& text);
 

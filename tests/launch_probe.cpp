@@ -14,6 +14,8 @@
 //         nothing (rank 0 keeps serving the store meanwhile), then a barrier. --first-leaves MS:
 //         the launcher's rank 0 exits 0 at once, the others join a world without it (rank and
 //         world size given to init_process_group), the last one MS ms late.
+// catch-init MS: init_process_group with an MS ms timeout; its error caught, the rank goes on
+//         for 3 s without a group and exits 0, as a program that falls back to local work.
 // fail:   after a barrier, rank R fails as a program whose error unwinds its process group
 //         does: after 200 ms it destroys its group (its connections close), takes 300 ms more
 //         to exit (a log flushed, a checkpoint written) and exits with CODE. The others wait on
@@ -69,6 +71,18 @@ int main(int argc, char** argv) {
   const std::string mode = argv[1];
   try {
     dist::InitOptions init;
+    if (mode == "catch-init" && argc == 3) {
+      init.timeout = std::chrono::milliseconds(std::atoi(argv[2]));
+      try {
+        dist::init_process_group(init);
+        std::printf("joined\n");
+      } catch (const std::exception& e) {
+        std::printf("init failed; going on without a group\n");
+      }
+      std::fflush(stdout);
+      std::this_thread::sleep_for(std::chrono::seconds(3));
+      return 0;
+    }
     init.timeout = std::chrono::seconds(30);
     int hold_ms = 0, first_leaves_ms = -1;
     for (int i = 2; mode == "report" && i + 1 < argc; i += 2) {

@@ -270,6 +270,13 @@ TEST_CASE(
   CHECK_MESSAGE(own_world.code() == 0, own_world.err);
   CHECK_MESSAGE(contains(own_world.out, "[rank 1] rank 0 of 2 backend gloo sum 3"), own_world.out);
   CHECK_MESSAGE(contains(own_world.out, "[rank 2] rank 1 of 2 backend gloo sum 3"), own_world.out);
+  // Nor a rank whose init_process_group failed (timed out waiting for rank 1), that caught the
+  // error and went on: when rank 1 then exits 0, nobody waits for it any more.
+  const RunResult caught =
+      run({launcher_path(), "--nproc-per-node", "2", "--backend", "gloo", "sh", "-c",
+           "if [ $RANK = 1 ]; then sleep 2; exit 0; fi; exec '" + probe_path() + "' catch-init 500"});
+  CHECK_MESSAGE(caught.code() == 0, caught.err);
+  CHECK_MESSAGE(contains(caught.out, "[rank 0] init failed; going on without a group"), caught.out);
 }
 
 TEST_CASE("nanoddp-run: a rank that fails by itself while the job is stopping is named too") {
@@ -969,10 +976,11 @@ TEST_CASE("launch helpers: rank_env numbering, mpirun command line, signal names
   // "<rank> joined" lines; anything else is skipped.
   const dist::LauncherReports reports = dist::parse_launcher_reports(
       "0 lost 3\njunk\n2 lost 1\n1 lost\n4 lost 2 more\n-1 lost 0\n5 lost 0\n1 joining 4\n2 joining 0\n"
-      "3 joining\n0 joined\n1 joined now\n-2 joined\n");
+      "3 joining\n0 joined\n1 joined now\n-2 joined\n4 left\n5 left early\n");
   CHECK(reports.lost == std::vector<std::pair<int, int>>{{0, 3}, {2, 1}, {5, 0}});
   CHECK(reports.joining == std::vector<std::pair<int, int>>{{1, 4}});
   CHECK(reports.joined == std::vector<int>{0});
+  CHECK(reports.left == std::vector<int>{4});
   dist::LaunchOptions identity;
   dist::give_job_identity(identity);
   dist::LaunchOptions again;
