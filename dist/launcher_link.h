@@ -15,8 +15,7 @@
 //      started (`sh -c prog`), whose parent did not die.
 //   2. Lost peers: ranks share the write end of a second pipe (NANODDP_FAILURE_FD). A process
 //      group that loses a peer (Gloo or the store: its connection closed; shm: its process
-//      ended, or another rank aborted the group for that; a store wait that timed out: the
-//      first rank that never reached the store) writes "<rank> lost <peer>\n" before
+//      ended, or another rank aborted the group for that) writes "<rank> lost <peer>\n" before
 //      it throws (one write under PIPE_BUF bytes: atomic, never interleaved). The line is in the
 //      pipe before the rank can exit, so when the launcher reaps a failed rank it already
 //      knows whether that rank failed by its own error or because it lost another, and names
