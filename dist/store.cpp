@@ -10,7 +10,6 @@
 
 #include "core/error.h"
 #include "dist/detail.h"
-#include "dist/launcher_link.h"
 #include "dist/store_client.h"
 #include "dist/store_server.h"
 #include "dist/store_wire.h"
@@ -137,16 +136,6 @@ void TCPStore::wait(const std::vector<std::string>& keys, std::chrono::milliseco
       if (check({kBadTokenKey})) bad_token = get_string(kBadTokenKey);
       if (check({kOtherJobKey})) other_job = get_string(kOtherJobKey);
     } catch (const Error&) {  // the message goes out without it
-    }
-    // A rank that never reached the store is what this rank lost (Note [Launcher link], item 2):
-    // the launcher then names it, and says when it is still running (stuck before its init).
-    if (options_.world_size > 0 && !arrived.empty()) {
-      const std::set<int> seen = ranks_in(arrived);
-      for (int r = 0; r < options_.world_size; ++r)
-        if (r != options_.rank && seen.count(r) == 0) {
-          report_lost_peer(options_.rank, r);
-          break;
-        }
     }
     const std::set<int> claimed = ranks_in(bad_token);
     const std::string token_hint =

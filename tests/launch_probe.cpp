@@ -13,8 +13,7 @@
 //         of rank + 1, "rank R of W backend B sum S" on stdout (S = W(W+1)/2), N ms of doing
 //         nothing (rank 0 keeps serving the store meanwhile), then a barrier. --first-leaves MS:
 //         the launcher's rank 0 exits 0 at once, the others join a world without it (rank and
-//         world size given to init_process_group), the last one MS ms late. --init-timeout-ms MS:
-//         init_process_group's timeout (30 s otherwise).
+//         world size given to init_process_group), the last one MS ms late.
 // catch-init MS: init_process_group with an MS ms timeout; its error caught, the rank goes on
 //         for 3 s without a group and exits 0, as a program that falls back to local work.
 // fail:   after a barrier, rank R fails as a program whose error unwinds its process group
@@ -90,8 +89,6 @@ int main(int argc, char** argv) {
       if (std::string(argv[i]) == "--backend") init.backend = dist::parse_backend(argv[i + 1]);
       if (std::string(argv[i]) == "--hold-ms") hold_ms = std::atoi(argv[i + 1]);
       if (std::string(argv[i]) == "--first-leaves") first_leaves_ms = std::atoi(argv[i + 1]);
-      if (std::string(argv[i]) == "--init-timeout-ms")
-        init.timeout = std::chrono::milliseconds(std::atoi(argv[i + 1]));
     }
     if (first_leaves_ms >= 0) {  // a world of the launcher's ranks 1.. only, given explicitly
       const int launcher_rank = std::atoi(std::getenv("RANK")),
