@@ -43,9 +43,11 @@ void ChildGroup::read_failure_reports() {
   const LauncherReports reports = parse_launcher_reports(failure_text_.substr(0, complete + 1));
   // A rank's first report counts: what it lost first is why it failed.
   for (const auto& [rank, lost] : reports.lost) lost_peer_.emplace(rank, lost);
-  for (const auto& [rank, world_size] : reports.joining) joining_[rank] = world_size;
-  joined_.insert(reports.joined.begin(), reports.joined.end());
-  for (int rank : reports.left) joining_.erase(rank);
+  for (const LauncherReports::Rendezvous& r : reports.rendezvous) {
+    if (r.stage == RendezvousStage::Joining) joining_[r.rank] = r.world_size;
+    if (r.stage == RendezvousStage::Joined) joined_.insert(r.rank);
+    if (r.stage == RendezvousStage::Left) joining_.erase(r.rank);
+  }
   failure_text_.erase(0, complete + 1);
 }
 

@@ -402,9 +402,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   }
   // A CPU group takes CUDA tensors too (dist/host_staging.h); then the collective check.
   default_group = checked(stage_device_tensors(group), check_collectives, options.timeout);
+  joining.joined = true;  // the group is up; reported as `joining` goes out of scope
   register_exit_handler();
   join_trace(*default_group, store.get());
-  joining.joined = true;  // reported as it goes out of scope
   return default_group;
 }
 

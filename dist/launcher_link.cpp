@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <sstream>
@@ -79,11 +80,15 @@ void report_lost_peer(int rank, int lost_rank) {
 void report_rendezvous(int rank, int world_size, RendezvousStage stage) {
   const int fd = inherited_pipe(kFailureFdEnv);
   if (fd < 0 || rank < 0) return;
-  const std::string line = std::to_string(rank) + (stage == RendezvousStage::Joined ? " joined\n"
-                                                   : stage == RendezvousStage::Left
-                                                       ? " left\n"
-                                                       : " joining " + std::to_string(world_size) + "\n");
-  ssize_t ignored = write(fd, line.data(), line.size());  // short and atomic: see the Note
+  // A fixed buffer: this also runs in a destructor while an exception unwinds, where an
+  // allocation that threw would end the process.
+  char line[64];
+  const int length = stage == RendezvousStage::Joined ? std::snprintf(line, sizeof line, "%d joined\n", rank)
+                     : stage == RendezvousStage::Left
+                         ? std::snprintf(line, sizeof line, "%d left\n", rank)
+                         : std::snprintf(line, sizeof line, "%d joining %d\n", rank, world_size);
+  if (length <= 0 || static_cast<size_t>(length) >= sizeof line) return;
+  ssize_t ignored = write(fd, line, static_cast<size_t>(length));  // short and atomic: see the Note
   (void)ignored;
 }
 
@@ -96,10 +101,13 @@ LauncherReports parse_launcher_reports(const std::string& text) {
     std::string verb, rest;
     if (!(words >> rank >> verb) || rank < 0) continue;
     if (verb == "joined" || verb == "left") {
-      if (!(words >> rest)) (verb == "joined" ? reports.joined : reports.left).push_back(rank);
+      if (!(words >> rest))
+        reports.rendezvous.push_back(
+            {rank, verb == "joined" ? RendezvousStage::Joined : RendezvousStage::Left, 0});
     } else if (words >> number && number >= 0 && !(words >> rest)) {
       if (verb == "lost") reports.lost.emplace_back(rank, number);
-      if (verb == "joining" && number >= 1) reports.joining.emplace_back(rank, number);
+      if (verb == "joining" && number >= 1)
+        reports.rendezvous.push_back({rank, RendezvousStage::Joining, number});
     }
   }
   return reports;

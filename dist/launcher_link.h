@@ -60,10 +60,17 @@ void report_rendezvous(int rank, int world_size, RendezvousStage stage);
 // What ranks wrote on the failure pipe (Note [Launcher link], items 2 and 3), from the complete
 // lines of a text; malformed lines are skipped.
 struct LauncherReports {
-  std::vector<std::pair<int, int>> lost;     // (rank, the rank it lost)
-  std::vector<std::pair<int, int>> joining;  // (rank, the world size it waits for)
-  std::vector<int> joined;
-  std::vector<int> left;
+  std::vector<std::pair<int, int>> lost;  // (rank, the rank it lost)
+  // In the order written: a rank that left and tries again reports left, then joining.
+  struct Rendezvous {
+    int rank;
+    RendezvousStage stage;
+    int world_size;  // Joining only
+    bool operator==(const Rendezvous& other) const {
+      return rank == other.rank && stage == other.stage && world_size == other.world_size;
+    }
+  };
+  std::vector<Rendezvous> rendezvous;
 };
 LauncherReports parse_launcher_reports(const std::string& text);
 

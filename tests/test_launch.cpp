@@ -976,11 +976,14 @@ TEST_CASE("launch helpers: rank_env numbering, mpirun command line, signal names
   // "<rank> joined" lines; anything else is skipped.
   const dist::LauncherReports reports = dist::parse_launcher_reports(
       "0 lost 3\njunk\n2 lost 1\n1 lost\n4 lost 2 more\n-1 lost 0\n5 lost 0\n1 joining 4\n2 joining 0\n"
-      "3 joining\n0 joined\n1 joined now\n-2 joined\n4 left\n5 left early\n");
+      "3 joining\n0 joined\n1 joined now\n-2 joined\n4 left\n5 left early\n4 joining 2\n");
   CHECK(reports.lost == std::vector<std::pair<int, int>>{{0, 3}, {2, 1}, {5, 0}});
-  CHECK(reports.joining == std::vector<std::pair<int, int>>{{1, 4}});
-  CHECK(reports.joined == std::vector<int>{0});
-  CHECK(reports.left == std::vector<int>{4});
+  using Stage = dist::RendezvousStage;
+  CHECK(reports.rendezvous ==
+        std::vector<dist::LauncherReports::Rendezvous>{{1, Stage::Joining, 4},
+                                                       {0, Stage::Joined, 0},
+                                                       {4, Stage::Left, 0},
+                                                       {4, Stage::Joining, 2}});  // in the order written
   dist::LaunchOptions identity;
   dist::give_job_identity(identity);
   dist::LaunchOptions again;
