@@ -964,7 +964,9 @@ TEST_CASE("ZeroRedundancyOptimizer state round trip: resumes bit for bit at 2 ra
     unsharded->load_state_dict(whole);
     resume_and_compare(*unsharded, *alone, "unsharded Adam");
     // One rank consolidating while the other loads: both begin with a one-int64 all_gather,
-    // which only their purposes tell apart. Every rank gets the mismatch, naming both calls.
+    // which only their purposes tell apart. Every rank gets the mismatch, naming both calls,
+    // and the loading rank keeps the state it had.
+    const std::string kept = nn::checkpoint_bytes(resumed.local_optimizer().state_dict());
     expect_throws<DistError>(
         [&] {
           if (rank == 0)
@@ -973,6 +975,8 @@ TEST_CASE("ZeroRedundancyOptimizer state round trip: resumes bit for bit at 2 ra
             resumed.load_state_dict(whole);
         },
         "ZeroRedundancyOptimizer.consolidate_state_dict");
+    expect(nn::checkpoint_bytes(resumed.local_optimizer().state_dict()) == kept, "rank ", rank,
+           ": the refused load changed the local state");
   });
   CHECK_MESSAGE(failures.empty(), failures);
 }
