@@ -367,7 +367,7 @@ void FullyShardedDataParallel::gather(size_t u) {
   for (int r = 0; r < world; ++r) outputs.push_back(unit.full.slice_view(r * unit.shard_numel, {unit.shard_numel}));
   if (trace::enabled()) unit.gather_issued_us = trace::now_us();
   const DType param_dtype = options_.mixed_precision.param_dtype;
-  if (param_dtype == DType::Float32 || full_precision_gather_) {
+  if (param_dtype == DType::Float32 || gather_purpose_ == CollectivePurpose::Kind::FsdpStateDict) {
     unit.gather_work = pg_->all_gather(outputs, unit.shard.detach());
     return;
   }
@@ -760,17 +760,12 @@ nn::StateDict FullyShardedDataParallel::full_state_dict(bool rank0_only) {
 }
 
 void FullyShardedDataParallel::gather_all_for_state_dict(CollectivePurpose::Kind purpose) {
-  full_precision_gather_ = purpose == CollectivePurpose::Kind::FsdpStateDict;
+  struct BackToForward {
+    CollectivePurpose::Kind& purpose;
+    ~BackToForward() { purpose = CollectivePurpose::Kind::FsdpUnit; }
+  } back_to_forward{gather_purpose_};
   gather_purpose_ = purpose;
-  try {
-    gather_all();
-  } catch (...) {
-    full_precision_gather_ = false;
-    gather_purpose_ = CollectivePurpose::Kind::FsdpUnit;
-    throw;
-  }
-  full_precision_gather_ = false;
-  gather_purpose_ = CollectivePurpose::Kind::FsdpUnit;
+  gather_all();
 }
 
 void FullyShardedDataParallel::load_full_state_dict(const nn::StateDict& state) {

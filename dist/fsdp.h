@@ -259,12 +259,12 @@ class FullyShardedDataParallel : public nn::Module {
   void reshard(size_t u);
   void gather_all();
   void drop_unused_prefetches();
-  bool full_precision_gather_ = false;  // gather() in float32 whatever param_dtype (state dicts)
-  // What gather() is for: a forward (FsdpUnit), a state dict or its load. Its collectives say
-  // so (Note [Collective purpose]), so that a rank saving cannot pair with one loading.
+  // What gather() is for: a forward (FsdpUnit), a state dict (FsdpStateDict: in float32
+  // whatever param_dtype) or its load. Its collectives say so (Note [Collective purpose]), so
+  // that a rank saving cannot pair with one loading.
   CollectivePurpose::Kind gather_purpose_ = CollectivePurpose::Kind::FsdpUnit;
-  // gather_all() for a state dict (FsdpStateDict, in float32) or its load (FsdpLoadStateDict,
-  // in param_dtype); the flags are reset on a throw.
+  // gather_all() for a state dict (FsdpStateDict) or its load (FsdpLoadStateDict); the purpose
+  // is back to FsdpUnit when it returns or throws.
   void gather_all_for_state_dict(CollectivePurpose::Kind purpose);
   void reshard_all();
   // Each of the model's parameters (by TensorImpl) -> its index in module().parameters().
