@@ -135,7 +135,7 @@ ChildGroup::ChildGroup(Options options) : options_(std::move(options)), created_
     // An ignored SIGINT/SIGTERM/SIGHUP/SIGQUIT/SIGTSTP/SIGUSR1/SIGUSR2 (nohup, a background job) stays
     // ignored: we must not turn a hang-up the user asked to ignore into the end of the job.
     if (kept_if_ignored(kHandledSignals[i]) && g_saved_actions[i].sa_handler == SIG_IGN) continue;
-    if (is_passed_on(kHandledSignals[i]) && !options_.pass_on_user_signals) continue;
+    if (!takes_over(kHandledSignals[i])) continue;
     sigaction(kHandledSignals[i], &action, nullptr);
   }
 }
@@ -155,8 +155,7 @@ ChildGroup::~ChildGroup() {
     close_fd(c.msg.fd);
   }
   for (size_t i = 0; i < kNumHandled; ++i)
-    if (!is_passed_on(kHandledSignals[i]) || options_.pass_on_user_signals)  // else never taken over
-      sigaction(kHandledSignals[i], &g_saved_actions[i], nullptr);
+    if (takes_over(kHandledSignals[i])) sigaction(kHandledSignals[i], &g_saved_actions[i], nullptr);
   close_fd(g_signal_pipe[0]);
   close_fd(g_signal_pipe[1]);
   for (int* fd : {&alive_pipe_[0], &alive_pipe_[1], &failure_pipe_[0], &failure_pipe_[1]}) close_fd(*fd);
@@ -239,7 +238,7 @@ bool ChildGroup::start(int rank, std::string name, std::string prefix,
     // of its own (spawn); SIGCHLD and SIGPIPE as they were. spawn's ranks keep whatever
     // SIGUSR1/SIGUSR2 handlers the caller has at the fork, as a fork does: untouched here.
     for (size_t i = 0; i < kNumHandled; ++i) {
-      if (is_passed_on(kHandledSignals[i]) && !options_.pass_on_user_signals) continue;
+      if (!takes_over(kHandledSignals[i])) continue;
       struct sigaction action = g_saved_actions[i];
       if (kept_if_ignored(kHandledSignals[i]) && action.sa_handler != SIG_IGN) {
         action = {};
@@ -322,6 +321,10 @@ std::chrono::steady_clock::duration ChildGroup::stop_with_children() {
 // pgid, so leftovers of a finished rank are reached too. Without its group, the rank alone.
 void ChildGroup::signal_child(const Child& c, int signal) {
   if (kill(-c.pid, signal) != 0 && !c.exited) kill(c.pid, signal);
+}
+
+bool ChildGroup::takes_over(int signal) const {
+  return !is_passed_on(signal) || options_.pass_on_user_signals;
 }
 
 void ChildGroup::pass_on(int signal) {

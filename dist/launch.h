@@ -238,6 +238,9 @@ class ChildGroup {
   void terminate_all(int signal);
   // SIGUSR1 or SIGUSR2 to every rank still running (mpirun: to mpirun, which passes it on).
   void pass_on(int signal);
+  // Whether this group installs its handler for `signal` (one of kHandledSignals): every one but
+  // SIGUSR1/SIGUSR2 without Options::pass_on_user_signals, which stay the caller's.
+  bool takes_over(int signal) const;
   void signal_child(const Child& c, int signal);
   // SIGTSTP to every child's group, then to this process, then, once continued, SIGCONT to
   // the children (contract item 4). Returns how long this process was stopped.
