@@ -32,6 +32,20 @@ int inherited_pipe(const char* name) {
   return static_cast<int>(fd);
 }
 
+// One report line on the failure pipe, formatted in a fixed buffer (a report may be written
+// while an exception unwinds, where an allocation that threw would end the process) and
+// written at once: short and atomic, see the Note.
+template <typename... Args>
+void write_report(const char* format, Args... args) {
+  const int fd = inherited_pipe(kFailureFdEnv);
+  if (fd < 0) return;
+  char line[64];
+  const int length = std::snprintf(line, sizeof line, format, args...);
+  if (length <= 0 || static_cast<size_t>(length) >= sizeof line) return;
+  ssize_t ignored = write(fd, line, static_cast<size_t>(length));
+  (void)ignored;
+}
+
 }  // namespace
 
 std::string describe_pipe_end(int fd) {
@@ -70,26 +84,14 @@ void watch_launcher(int rank) {
 }
 
 void report_lost_peer(int rank, int lost_rank) {
-  const int fd = inherited_pipe(kFailureFdEnv);
-  if (fd < 0 || rank < 0 || lost_rank < 0) return;
-  const std::string line = std::to_string(rank) + " lost " + std::to_string(lost_rank) + "\n";
-  ssize_t ignored = write(fd, line.data(), line.size());  // short and atomic: see the Note
-  (void)ignored;
+  if (rank >= 0 && lost_rank >= 0) write_report("%d lost %d\n", rank, lost_rank);
 }
 
 void report_rendezvous(int rank, int world_size, RendezvousStage stage) {
-  const int fd = inherited_pipe(kFailureFdEnv);
-  if (fd < 0 || rank < 0) return;
-  // A fixed buffer: this also runs in a destructor while an exception unwinds, where an
-  // allocation that threw would end the process.
-  char line[64];
-  const int length = stage == RendezvousStage::Joined ? std::snprintf(line, sizeof line, "%d joined\n", rank)
-                     : stage == RendezvousStage::Left
-                         ? std::snprintf(line, sizeof line, "%d left\n", rank)
-                         : std::snprintf(line, sizeof line, "%d joining %d\n", rank, world_size);
-  if (length <= 0 || static_cast<size_t>(length) >= sizeof line) return;
-  ssize_t ignored = write(fd, line, static_cast<size_t>(length));  // short and atomic: see the Note
-  (void)ignored;
+  if (rank < 0) return;
+  if (stage == RendezvousStage::Joined) write_report("%d joined\n", rank);
+  if (stage == RendezvousStage::Left) write_report("%d left\n", rank);
+  if (stage == RendezvousStage::Joining) write_report("%d joining %d\n", rank, world_size);
 }
 
 LauncherReports parse_launcher_reports(const std::string& text) {
