@@ -1,10 +1,10 @@
 #include "data/sampler.h"
 
 #include <numeric>
-#include <random>
 #include <utility>
 
 #include "core/error.h"
+#include "core/random.h"
 
 namespace nanoddp::data {
 
@@ -12,9 +12,9 @@ std::vector<int64_t> randperm(int64_t n, uint64_t seed) {
   NANODDP_CHECK(n >= 0, ValueError, "randperm: n must be >= 0, got ", n);
   std::vector<int64_t> order(static_cast<size_t>(n));
   std::iota(order.begin(), order.end(), int64_t{0});
-  std::mt19937 engine(static_cast<uint32_t>(seed));
+  Generator gen(seed);
   for (int64_t i = 0; i + 1 < n; ++i) {
-    const auto j = i + static_cast<int64_t>(engine() % static_cast<uint64_t>(n - i));
+    const auto j = i + static_cast<int64_t>(gen.random() % static_cast<uint64_t>(n - i));
     std::swap(order[i], order[j]);
   }
   return order;

@@ -81,11 +81,11 @@ class DistributedSampler {
   int64_t total_size_;
 };
 
-// torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist(): PyTorch's CPU
-// generator is a 32-bit Mersenne Twister (std::mt19937) seeded with seed's low 32 bits, and
-// randperm swaps element i with element i + draw % (n - i) for i = 0 .. n-2. Equal to torch
-// 1.13's values for every n, and to torch 2's for n below 2^32 / 20 (above, torch 2 draws
-// 64 bits at a time). Throws ValueError for n < 0.
+// torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist(): the draws of a
+// Generator(seed) (core/random.h, PyTorch's CPU generator), element i swapped with element
+// i + draw % (n - i) for i = 0 .. n-2. Equal to torch 1.13's values for every n, and to
+// torch 2's for n below 2^32 / 20 (above, torch 2 draws 64 bits at a time). Throws
+// ValueError for n < 0.
 std::vector<int64_t> randperm(int64_t n, uint64_t seed);
 
 }  // namespace nanoddp::data
