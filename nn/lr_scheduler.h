@@ -27,7 +27,7 @@
 // load_state_dict() refuses another scheduler's state by those names (Note [Scheduler state
 // kind]; a state without those names loads and keeps the constructor's values) and takes the
 // saved values, as PyTorch's (which updates the scheduler's __dict__): a loaded scheduler
-// follows the schedule it was saved with. The
+// follows the schedule its state describes. The
 // recursion builds on the saved rate, so no other curve can be joined midway: to change the
 // schedule, build one and step it from the start (as examples/fashion_mnist.cpp's Note
 // [Resuming elsewhere] replays). It also sets the optimizer's lr to
