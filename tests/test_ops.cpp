@@ -362,17 +362,27 @@ TEST_CASE("conv2d under no_grad (cols not kept) equals conv2d recording a graph,
   CHECK(differing == 0);
 }
 
-TEST_CASE("cpu matmul's thin paths (inner size or row count up to 16) match a float64 reference") {
+TEST_CASE("cpu matmul's direct paths (thin products and small panels) match a float64 reference") {
   // Note [Thin matmuls]: K <= 16 without transposes, and M <= 16 with b transposed, run direct
-  // loops in blocks of 8 rows x 8 columns and of 4 x 2 dot products over 8 lanes. The sizes
-  // leave every remainder (rows, columns, lanes) and cross the 16 limit into Eigen's GEMM.
+  // loops in blocks of 8 rows x 8 columns and of 4 x 2 dot products over 8 lanes. Note [Panel
+  // matmuls]: K <= 64 and K N <= 4096 without transposes, and M N <= 4096 with a transposed,
+  // run blocks of 6 or 8 rows x 2 vectors of 8 or 16 columns (the Winograd convolution's
+  // shapes are here). The sizes leave every remainder (rows, columns, lanes) and cross each
+  // limit into Eigen's GEMM.
   struct Case {
     int64_t M, K, N;
-    bool trans_b;
+    bool trans_b, trans_a = false;
   };
   const Case cases[] = {{1, 1, 1, false},  {13, 9, 27, false}, {8, 16, 8, false},  {32, 9, 676, false},
                         {3, 17, 5, false}, {1, 1, 1, true},    {9, 676, 32, true}, {5, 21, 7, true},
-                        {16, 8, 3, true},  {4, 3, 2, true},    {17, 9, 3, true}};
+                        {16, 8, 3, true},  {4, 3, 2, true},    {17, 9, 3, true},
+                        // panels, without transposes: the CNN's forward and input gradient,
+                        // remainders of rows, of vectors and of single columns, past K 64
+                        {252, 32, 64, false}, {245, 64, 32, false}, {13, 40, 37, false}, {7, 17, 24, false},
+                        {1, 64, 64, false},   {5, 65, 16, false},   {9, 33, 125, false},
+                        // panels with a transposed: the weight gradient, remainders, past M N 4096
+                        {32, 252, 64, false, true}, {9, 50, 20, false, true}, {64, 3, 64, false, true},
+                        {65, 3, 64, false, true},   {5, 10, 7, false, true},  {1, 1, 16, false, true}};
   Generator gen(21);
   for (const Case& k : cases) {
     for (const float beta : {0.0f, 1.0f}) {
@@ -380,6 +390,7 @@ TEST_CASE("cpu matmul's thin paths (inner size or row count up to 16) match a fl
       CAPTURE(k.K);
       CAPTURE(k.N);
       CAPTURE(k.trans_b);
+      CAPTURE(k.trans_a);
       CAPTURE(beta);
       const std::vector<float> a = Tensor::randn({k.M * k.K}, gen).to_vector();
       const std::vector<float> b = Tensor::randn({k.K * k.N}, gen).to_vector();
@@ -387,13 +398,14 @@ TEST_CASE("cpu matmul's thin paths (inner size or row count up to 16) match a fl
       std::vector<float> out = beta == 0.0f ? std::vector<float>(k.M * k.N, std::nanf(""))
                                             : Tensor::randn({k.M * k.N}, gen).to_vector();
       const std::vector<float> old = out;
-      kernels::cpu::matmul(out.data(), a.data(), b.data(), k.M, k.K, k.N, false, k.trans_b, beta);
+      kernels::cpu::matmul(out.data(), a.data(), b.data(), k.M, k.K, k.N, k.trans_a, k.trans_b, beta);
       size_t wrong = 0;
       for (int64_t m = 0; m < k.M; ++m)
         for (int64_t n = 0; n < k.N; ++n) {
           double want = beta == 0.0f ? 0.0 : old[m * k.N + n], magnitude = std::abs(want);
           for (int64_t i = 0; i < k.K; ++i) {
-            const double product = double(a[m * k.K + i]) * (k.trans_b ? b[n * k.K + i] : b[i * k.N + n]);
+            const double product =
+                double(k.trans_a ? a[i * k.M + m] : a[m * k.K + i]) * (k.trans_b ? b[n * k.K + i] : b[i * k.N + n]);
             want += product;
             magnitude += std::abs(product);
           }
