@@ -289,6 +289,77 @@ TEST_CASE(
   for (float v : wg.grad().to_vector()) CHECK(v == INFINITY);
 }
 
+TEST_CASE("a 3x3 conv2d with an inf or NaN operand gives the direct sum's values, forward and backward") {
+  // 8 channels, 3x3, stride 1, padding 1: the CPU's Winograd path, whose transforms would meet
+  // inf with -inf (NaN) where the direct sum, torch's, gives +-inf. Weights of both signs.
+  constexpr int64_t C = 8, H = 5, W = 4;
+  Generator gen(5);
+  const std::vector<float> w0 = Tensor::randn({C, C, 3, 3}, gen).to_vector();
+  const std::vector<float> x0 = Tensor::randn({1, C, H, W}, gen).to_vector();
+  const std::vector<float> d0 = Tensor::randn({1, C, H, W}, gen).to_vector();
+  // out[o, y, x] = sum over c, r, s of in(c, y + r - 1, x + s - 1) w(o, c, r, s), in double.
+  // Forward multiplies the padding's zeros in, as torch's im2col does: 0 * inf is NaN (torch
+  // 1.13 gives NaN in the last column for an inf at the weight's right-hand tap). The input
+  // gradient does not: torch's col2im drops what falls on the padding.
+  const auto direct = [&](auto in, auto weight, bool zeros_multiply) {
+    std::vector<double> out(C * H * W, 0.0);
+    for (int64_t o = 0; o < C; ++o)
+      for (int64_t y = 0; y < H; ++y)
+        for (int64_t x = 0; x < W; ++x)
+          for (int64_t c = 0; c < C; ++c)
+            for (int64_t r = 0; r < 3; ++r)
+              for (int64_t s = 0; s < 3; ++s) {
+                const int64_t iy = y + r - 1, ix = x + s - 1;
+                const bool inside = iy >= 0 && iy < H && ix >= 0 && ix < W;
+                if (inside || zeros_multiply) out[(o * H + y) * W + x] += (inside ? in(c, iy, ix) : 0.0) * weight(o, c, r, s);
+              }
+    return out;
+  };
+  const auto same = [](const std::vector<float>& got, const std::vector<double>& want) {
+    REQUIRE(got.size() == want.size());
+    size_t wrong = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const bool ok = std::isnan(want[i])      ? std::isnan(got[i])
+                      : std::isinf(want[i])    ? double(got[i]) == want[i]
+                                               : std::abs(got[i] - want[i]) <= 1e-4 * (1 + std::abs(want[i]));
+      wrong += !ok;
+    }
+    return wrong;
+  };
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const float bad : {inf, -inf, std::nanf("")}) {
+    for (const int which : {0, 1, 2}) {  // the bad value in the input, the weight, dout
+      CAPTURE(bad);
+      CAPTURE(which);
+      std::vector<float> xv = x0, wv = w0, dv = d0;
+      (which == 0 ? xv[(2 * H + 2) * W + 1] : which == 1 ? wv[((3 * C + 2) * 3 + 1) * 3 + 2] : dv[(5 * H + 1) * W + 3]) = bad;
+      Tensor x = Tensor::from_vector(xv, {1, C, H, W}).set_requires_grad(true);
+      Tensor w = Tensor::from_vector(wv, {C, C, 3, 3}).set_requires_grad(true);
+      Tensor y = conv2d(x, w, Tensor(), 1, 1);
+      CHECK(same(y.to_vector(), direct([&](int64_t c, int64_t i, int64_t j) { return double(xv[(c * H + i) * W + j]); },
+                                       [&](int64_t o, int64_t c, int64_t r, int64_t s) { return double(wv[((o * C + c) * 3 + r) * 3 + s]); }, true)) == 0);
+      y.backward(Tensor::from_vector(dv, {1, C, H, W}));
+      // dx: the convolution of dout with the weight turned 180 degrees, channels swapped.
+      CHECK(same(x.grad().to_vector(),
+                 direct([&](int64_t o, int64_t i, int64_t j) { return double(dv[(o * H + i) * W + j]); },
+                        [&](int64_t c, int64_t o, int64_t r, int64_t s) { return double(wv[((o * C + c) * 3 + 2 - r) * 3 + 2 - s]); }, false)) == 0);
+      // dw[o, c, r, s] = sum over pixels of dout(o, y, x) in(c, y + r - 1, x + s - 1).
+      std::vector<double> dw(C * C * 9, 0.0);
+      for (int64_t o = 0; o < C; ++o)
+        for (int64_t c = 0; c < C; ++c)
+          for (int64_t r = 0; r < 3; ++r)
+            for (int64_t s = 0; s < 3; ++s)
+              for (int64_t i = 0; i < H; ++i)
+                for (int64_t j = 0; j < W; ++j) {
+                  const int64_t iy = i + r - 1, ix = j + s - 1;
+                  const bool inside = iy >= 0 && iy < H && ix >= 0 && ix < W;
+                  dw[((o * C + c) * 3 + r) * 3 + s] += double(dv[(o * H + i) * W + j]) * (inside ? xv[(c * H + iy) * W + ix] : 0.0);
+                }
+      CHECK(same(w.grad().to_vector(), dw) == 0);
+    }
+  }
+}
+
 TEST_CASE("zero_grad clears gradients; train/eval propagate") {
   Generator gen(0);
   Sequential model = mlp(gen);
