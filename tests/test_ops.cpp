@@ -363,8 +363,9 @@ TEST_CASE("conv2d under no_grad (cols not kept) equals conv2d recording a graph,
 }
 
 TEST_CASE("cpu matmul's direct paths (thin products and small panels) match a float64 reference") {
-  // Note [Thin matmuls]: K <= 16 without transposes, and M <= 16 with b transposed, run direct
-  // loops in blocks of 8 rows x 8 columns and of 4 x 2 dot products over 8 lanes. Note [Panel
+  // Note [Thin matmuls]: K <= 16 without transposes, and 2 <= M <= 8 with K >= 128 and b
+  // transposed, run direct loops in blocks of 8 rows x 8 columns and of 4 x 2 dot products
+  // over 8 lanes (with AVX2 or AVX-512; an SSE2 build runs Eigen's GEMM for all). Note [Panel
   // matmuls]: K <= 64 and K N <= 4096 without transposes, and M N <= 4096 with a transposed,
   // run blocks of 6 or 8 rows x 2 vectors of 8 or 16 columns (the Winograd convolution's
   // shapes are here). The sizes leave every remainder (rows, columns, lanes) and cross each
@@ -376,6 +377,9 @@ TEST_CASE("cpu matmul's direct paths (thin products and small panels) match a fl
   const Case cases[] = {{1, 1, 1, false},  {13, 9, 27, false}, {8, 16, 8, false},  {32, 9, 676, false},
                         {3, 17, 5, false}, {1, 1, 1, true},    {9, 676, 32, true}, {5, 21, 7, true},
                         {16, 8, 3, true},  {4, 3, 2, true},    {17, 9, 3, true},
+                        // dot products: rows and lanes left over, and each limit crossed
+                        {3, 203, 9, true}, {8, 784, 5, true}, {2, 128, 10, true}, {5, 130, 3, true},
+                        {9, 700, 4, true}, {1, 300, 7, true}, {4, 127, 6, true},
                         // panels, without transposes: the CNN's forward and input gradient,
                         // remainders of rows, of vectors and of single columns, past K 64
                         {252, 32, 64, false}, {245, 64, 32, false}, {13, 40, 37, false}, {7, 17, 24, false},

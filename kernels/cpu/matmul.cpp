@@ -15,14 +15,19 @@ namespace {
 // Note [Thin matmuls]
 // Eigen's GEMM zero-fills out (for beta 0), copies both operands into packed panels, then runs
 // a kernel tuned for large tiles (24 x 4 floats). When the inner size K or the output's row
-// count M is tiny, that work is out of proportion: a Conv2d over one input channel with a 3x3
-// kernel (fashion_mnist_cnn's first layer) multiplies weight [32, 9] by cols [9, 676] per
-// image, and its weight gradient is cols [9, 676] times dout^T [676, 32]. The two loops below
-// read each operand in place and write each output once:
+// count M is tiny, that work can be out of proportion: a Conv2d over one input channel with a
+// 3x3 kernel (fashion_mnist_cnn's first layer) multiplies weight [32, 9] by cols [9, 676] per
+// image, and a Linear on a batch of a few samples multiplies x [M, 784] by weight^T. The two
+// loops below read each operand in place and write each output once:
 //   K <= kThinSize, no transposes: a block of kBlockRows rows of out, 8 columns at a time, is
 //     a sum of K rows of b scaled by a's entries (the K rows of b stay in L1);
-//   M <= kThinSize, b transposed: out[m, n] is the dot product of row m of a and row n of b,
-//     for kDotRows rows of a and kDotCols rows of b at a time.
+//   2 <= M <= kDotRows * 2 and K >= kDotMinInner, b transposed: out[m, n] is the dot product
+//     of row m of a and row n of b, for kDotRows rows of a and kDotCols rows of b at a time.
+//     It loads 6 vectors per 8 multiply-adds, so it beats Eigen only where the dot products
+//     are long and few rows share each load of b: [2..8, 784] x [256, 784]^T took half to 0.85
+//     of Eigen's time, while a single row (Eigen's own matrix-vector loop), K up to 64, or 9
+//     rows or more (the first convolution's weight gradient, [9, 676] x [32, 676]^T: 1.3
+//     times) took 1.2 to 4 times as long (AVX-512).
 // Each block keeps 8 independent vector sums: one running sum would wait for its previous
 // fused multiply-add (4 cycles) every time. A block that runs past the last row repeats that
 // row and drops the extra sums, so that the block's size, and its registers, stay fixed.
@@ -31,6 +36,7 @@ namespace {
 constexpr int64_t kThinSize = 16;
 constexpr int64_t kBlockRows = 8;
 constexpr int64_t kDotRows = 4, kDotCols = 2;
+constexpr int64_t kDotMinInner = 128;
 
 // 8 floats (GCC's and Clang's vector extensions: one AVX register with -mavx2, two SSE ones
 // without). Loads and stores go through memcpy: unaligned, and no aliasing assumptions.
@@ -39,6 +45,15 @@ constexpr int64_t kLanes = 8;
 
 inline void load(Floats8& v, const float* p) { std::memcpy(&v, p, sizeof v); }
 inline void store(float* p, const Floats8& v) { std::memcpy(p, &v, sizeof v); }
+
+// The direct loops are written for AVX2's 16 registers of 8 floats (or AVX-512's). With SSE2
+// only (cpu_isa=portable: 16 registers of 4 floats) their blocks spill, and they ran as fast
+// as Eigen's GEMM at best and 16 times slower at worst: such builds use Eigen throughout.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+constexpr bool kDirectLoopsPay = true;
+#else
+constexpr bool kDirectLoopsPay = false;
+#endif
 
 // out [M, N] = beta out + a [M, K] · b [K, N], for small K.
 [[gnu::noinline]] void thin_inner_matmul(float* out, const float* a, const float* b, int64_t M, int64_t K, int64_t N, float beta) {
@@ -130,23 +145,15 @@ inline void store(float* p, const Floats8& v) { std::memcpy(p, &v, sizeof v); }
 // stays in L1 for every block. Measured on the example CNN's shapes (AVX-512): 105-116
 // GFLOP/s against Eigen's 90. a is read through strides, so that a stored [K, M] (the weight
 // gradient's V^T) needs no transposed copy. Sums run over k in order, as in the thin loops.
-// With AVX2 the same shapes ran at 93-103 GFLOP/s against Eigen's 81-87. With SSE2 only
-// (cpu_isa=portable: 16 registers of 4 floats) the blocks spill and ran 16 times slower than
-// Eigen's GEMM, which keeps those products.
+// With AVX2 the same shapes ran at 93-103 GFLOP/s against Eigen's 81-87.
 #if defined(__AVX512F__)
 using Wide = float __attribute__((vector_size(64)));  // one AVX-512 register
 constexpr int64_t kPanelRows = 8;                     // 16 sums of 32 registers
-constexpr bool kPanelsPay = true;
 inline void load(Wide& v, const float* p) { std::memcpy(&v, p, sizeof v); }
 inline void store(float* p, const Wide& v) { std::memcpy(p, &v, sizeof v); }
-#elif defined(__AVX2__) && defined(__FMA__)
-using Wide = Floats8;
-constexpr int64_t kPanelRows = 6;  // 12 sums of 16 AVX registers
-constexpr bool kPanelsPay = true;
 #else
 using Wide = Floats8;
-constexpr int64_t kPanelRows = 6;
-constexpr bool kPanelsPay = false;
+constexpr int64_t kPanelRows = 6;  // 12 sums of 16 AVX registers
 #endif
 constexpr int64_t kWideLanes = sizeof(Wide) / sizeof(float);
 constexpr int64_t kPanelVectors = 2;
@@ -217,11 +224,14 @@ void matmul(float* out, const float* a, const float* b, int64_t M, int64_t K, in
     if (beta == 0.0f) o.setZero();
     return;
   }
-  if (!trans_a && !trans_b && K <= kThinSize) return thin_inner_matmul(out, a, b, M, K, N, beta);
-  if (!trans_a && trans_b && M <= kThinSize) return thin_outer_matmul(out, a, b, M, K, N, beta);
-  if (kPanelsPay && !trans_b && N >= kWideLanes) {  // Note [Panel matmuls]
-    if (!trans_a && K <= kPanelInner && K * N <= kPanelFloats) return panel_matmul<false>(out, a, b, M, K, N, beta);
-    if (trans_a && M * N <= kPanelFloats) return panel_matmul<true>(out, a, b, M, K, N, beta);
+  if (kDirectLoopsPay) {
+    if (!trans_a && !trans_b && K <= kThinSize) return thin_inner_matmul(out, a, b, M, K, N, beta);
+    if (!trans_a && trans_b && M >= 2 && M <= 2 * kDotRows && K >= kDotMinInner)
+      return thin_outer_matmul(out, a, b, M, K, N, beta);
+    if (!trans_b && N >= kWideLanes) {  // Note [Panel matmuls]
+      if (!trans_a && K <= kPanelInner && K * N <= kPanelFloats) return panel_matmul<false>(out, a, b, M, K, N, beta);
+      if (trans_a && M * N <= kPanelFloats) return panel_matmul<true>(out, a, b, M, K, N, beta);
+    }
   }
   const auto A = trans_a ? mat(a, K, M) : mat(a, M, K);
   const auto B = trans_b ? mat(b, N, K) : mat(b, K, N);
