@@ -87,6 +87,7 @@ void GradScaler::unscale_(nn::Optimizer& optimizer) {
   int64_t verdict = !has_grad ? 2 : found ? 1 : 0;
   if (pg_ != nullptr) {
     // Every rank reaches here once per optimizer per iteration: the same collective order.
+    const CollectivePurpose purpose(CollectivePurpose::Kind::GradScalerUnscale, 0);
     verdict = all_reduce_host(*pg_, std::vector<int64_t>{verdict}, ReduceOp::Max, timeout_)[0];
   }
   state.found_inf = verdict == 1;

@@ -18,6 +18,13 @@
 // same for FSDP). So an inf on one rank makes every rank skip and back off: the replicas never
 // diverge, and every rank's scale stays the same. With a group, unscale_ (and step, when it
 // unscales) is a collective: every rank calls it in the same order.
+//
+// Under DDP the group is a safeguard, not a need: after DDP's all-reduce every rank holds the
+// same gradients and reaches the same verdict (torch's GradScaler, which has no group, relies
+// on it). Inside a dist::Join with uneven inputs, leave it out: a rank that has joined shadows
+// DDP's collectives, not the scaler's, and its peers' next unscale_ fails with the collective
+// check's mismatch error ("... for GradScaler.unscale_'s inf/NaN check" against "... for
+// Join's count of ranks still training").
 #pragma once
 
 #include <cstdint>

@@ -64,8 +64,12 @@ namespace nanoddp::dist {
 
 namespace {
 
+// One of the protocol's own all-reduces (steps 1 and 2), named for the collective check: a
+// peer that issues anything else there (a collective of something that is not a joinable)
+// gets a mismatch error that says whose call met whose.
 std::vector<int64_t> all_reduce_on(ProcessGroup& pg, Device device, const std::vector<int64_t>& values, ReduceOp op,
                                    std::chrono::milliseconds timeout) {
+  const CollectivePurpose purpose(CollectivePurpose::Kind::Join, op == ReduceOp::Sum ? 0 : 1);
   Tensor tensor = Tensor::from_vector(values, {}, device);
   pg.all_reduce(tensor, op)->wait(timeout);
   return tensor.to_int_vector();

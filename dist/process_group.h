@@ -143,6 +143,8 @@ class CollectivePurpose {
     FsdpOptimState = 5,
     ZeroConsolidate = 6,  // ZeroRedundancyOptimizer.consolidate_state_dict (index unused)
     ZeroLoad = 7,         // ZeroRedundancyOptimizer.load_state_dict's agreement (index unused)
+    Join = 8,             // Join's own all-reduces: index 0 the count of ranks still training, 1 who ran out
+    GradScalerUnscale = 9,  // GradScaler.unscale_'s inf/NaN verdict (index unused)
   };
   CollectivePurpose(Kind kind, size_t index);
   ~CollectivePurpose();
@@ -152,7 +154,8 @@ class CollectivePurpose {
   // The innermost purpose alive on this thread, as one int64 (0: none).
   static int64_t current();
   // "FSDP unit 2", "DDP bucket 0", "FSDP unit 2's state dict" (its load, its optimizer state),
-  // "ZeroRedundancyOptimizer.consolidate_state_dict" (.load_state_dict), or "" for 0.
+  // "ZeroRedundancyOptimizer.consolidate_state_dict" (.load_state_dict), "Join's count of
+  // ranks still training", "GradScaler.unscale_'s inf/NaN check", or "" for 0.
   static std::string describe(int64_t code);
 
  private:

@@ -583,6 +583,10 @@ std::string CollectivePurpose::describe(int64_t code) {
       return "ZeroRedundancyOptimizer.consolidate_state_dict";
     case Kind::ZeroLoad:
       return "ZeroRedundancyOptimizer.load_state_dict";
+    case Kind::Join:
+      return index == 0 ? "Join's count of ranks still training" : "Join's check for ranks that ran out";
+    case Kind::GradScalerUnscale:
+      return "GradScaler.unscale_'s inf/NaN check";
   }
   return "purpose " + std::to_string(code);
 }

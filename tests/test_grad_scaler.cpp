@@ -14,6 +14,7 @@
 #include "dist/ddp.h"
 #include "dist/grad_scaler.h"
 #include "dist/host_collectives.h"
+#include "dist/join.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
 #include "tests/batches.h"
@@ -324,6 +325,50 @@ TEST_CASE("an inf on one rank only: every rank skips, halves the scale and keeps
       testing::leave();
     });
     CHECK_MESSAGE(failures.empty(), "world ", world, ": ", failures);
+  }
+}
+
+TEST_CASE("inside a Join with uneven inputs: with a group the mismatch names the scaler and the join; without "
+          "one every rank trains and the replicas stay equal") {
+  for (const bool with_group : {true, false}) {
+    const int port = testing::free_port();
+    const std::string failures = on_ranks(2, [port, with_group](int rank) {
+      auto pg = testing::join(rank, 2, port);
+      dist::DistributedDataParallel ddp(make_mlp(4), pg);
+      nn::SGD opt(ddp.parameters(), {/*lr=*/0.1});
+      dist::GradScaler scaler({}, with_group ? pg : nullptr);
+      const int batches = rank == 0 ? 2 : 4;  // rank 0 joins while rank 1 has two to go
+      std::string error;
+      try {
+        dist::Join join({ddp});
+        for (int step = 0; step < batches; ++step) {
+          const Batch b = testing::rows(testing::random_batch(70 + static_cast<uint64_t>(step), 8, 5, 3), 4 * rank,
+                                        4 * rank + 4);
+          opt.zero_grad();
+          scaler.scale(cross_entropy(ddp(b.x), b.y)).backward();
+          scaler.step(opt);
+          scaler.update();
+        }
+        join.finish();
+      } catch (const DistError& e) {
+        error = e.what();
+      }
+      if (with_group) {
+        expect(error.find("GradScaler.unscale_'s inf/NaN check") != std::string::npos &&
+                   error.find("Join's count of ranks still training") != std::string::npos,
+               "rank ", rank, ": the error does not name both calls: '", error, "'");
+      } else {
+        expect(error.empty(), "rank ", rank, ": ", error);
+        std::vector<float> mine;
+        for (const Tensor& p : ddp.parameters())
+          for (float v : p.to_vector()) mine.push_back(v);
+        const std::vector<float> sum = dist::all_reduce_host(*pg, mine, dist::ReduceOp::Sum);
+        for (size_t i = 0; i < mine.size(); ++i)
+          expect(sum[i] == 2 * mine[i], "rank ", rank, ": parameters differ across ranks");
+      }
+      testing::leave();
+    });
+    CHECK_MESSAGE(failures.empty(), (with_group ? "with a group: " : "without: "), failures);
   }
 }
 
