@@ -47,6 +47,9 @@ Batch Dataset::get_batch(const std::vector<int64_t>& indices) const {
   Example first;
   for (int64_t b = 0; b < B; ++b) {
     Example e = get(indices[b]);
+    NANODDP_CHECK(e.input.defined() && e.target.defined(), ValueError, "get_batch: example ", indices[b],
+                  " has an undefined ", e.input.defined() ? "target" : "input",
+                  ": the dataset's get() must return defined tensors");
     if (b == 0) {
       first = e;
       batch.input = Tensor::empty(detail::stacked_shape(B, e.input.shape()), e.input.dtype());

@@ -11,7 +11,7 @@ namespace nanoddp::data {
 namespace {
 
 // root/name.gz if it exists, else root/name if it exists; otherwise an IOError that says
-// where we looked and how to get the files.
+// where we looked and how to get the files (or that root is not a folder).
 std::string find_file(const std::string& root, const std::string& name) {
   namespace fs = std::filesystem;
   const fs::path gz = fs::path(root) / (name + ".gz");
@@ -19,6 +19,9 @@ std::string find_file(const std::string& root, const std::string& name) {
   std::error_code ignored;
   if (fs::exists(gz, ignored)) return gz.string();
   if (fs::exists(raw, ignored)) return raw.string();
+  NANODDP_CHECK(!fs::exists(root, ignored) || fs::is_directory(root, ignored), IOError, "Fashion-MNIST: '", root,
+                "' is a file, not a folder: pass the folder that holds the four IDX files (default ",
+                FashionMNIST::kDefaultRoot, ")");
   NANODDP_THROW(IOError, "Fashion-MNIST file not found: '", gz.string(), "' (nor '", raw.string(),
                 "'). Install Debian's package with `apt-get install dataset-fashion-mnist` (files in ",
                 FashionMNIST::kDefaultRoot, ") or pass the folder that holds the four IDX files");

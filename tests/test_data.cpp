@@ -425,6 +425,21 @@ TEST_CASE("Dataset::get_batch by default stacks get() results") {
   CHECK(b.target.shape() == Shape{2});
   CHECK(b.target.to_int_vector() == std::vector<int64_t>{2, 1});
   CHECK_THROWS_AS(ds.get_batch({}), ValueError);
+
+  // A get() that returns an undefined tensor: the error names the example and the tensor.
+  struct Holey : Dataset {
+    int64_t size() const override { return 4; }
+    Example get(int64_t index) const override {
+      return {index == 2 ? Tensor() : Tensor::full({2}, 1.0f), Tensor::from_vector(std::vector<int64_t>{index}, {})};
+    }
+  } holey;
+  CHECK(holey.get_batch({0, 1}).input.shape() == Shape{2, 2});
+  try {
+    holey.get_batch({1, 2});
+    FAIL("expected ValueError");
+  } catch (const ValueError& e) {
+    CHECK(std::string(e.what()).find("example 2 has an undefined input") != std::string::npos);
+  }
 }
 
 // ---- DataLoader --------------------------------------------------------------------------
@@ -752,11 +767,16 @@ TEST_CASE("FashionMNIST on a small hand-built folder: pixel / 255 per batch, fla
   CHECK(batches[1].input.shape() == Shape{1, 784});
 }
 
-TEST_CASE("FashionMNIST errors: missing folder, bad label, counts that differ") {
+TEST_CASE("FashionMNIST errors: missing folder, a file for the folder, bad label, counts that differ") {
   const std::string missing = temp().file("no-such-folder");
   std::string message = io_error([&] { FashionMNIST(missing, true); });
   CHECK(contains(message, missing + "/train-images-idx3-ubyte.gz"));
   CHECK(contains(message, "apt-get install dataset-fashion-mnist"));
+
+  const std::string a_file = temp().file("fm-a-file");
+  std::ofstream(a_file) << "not a folder";
+  message = io_error([&] { FashionMNIST(a_file, true); });
+  CHECK(contains(message, "'" + a_file + "' is a file, not a folder"));
 
   const std::string bad_label = small_fashion_root("fm-bad-label", 3, {1, 10, 2});
   message = io_error([&] { FashionMNIST(bad_label, true); });
