@@ -92,10 +92,11 @@ class GradScaler {
   // unscaled since the last update().
   bool found_inf(const nn::Optimizer& optimizer) const;
 
-  // torch's keys: "scale", "growth_factor", "backoff_factor" (float32 scalars, where torch
+  // torch's keys: "scale", "growth_factor", "backoff_factor" (float32, shape [1], where torch
   // keeps Python floats: load keeps a factor this scaler was built with when its float32 is
   // the saved one, so 0.1 resumes as 0.1, else it takes the float32),
-  // "growth_interval", "_growth_tracker" (int64 scalars). Empty when disabled, as torch's.
+  // "growth_interval", "_growth_tracker" (int64, shape [1], as an optimizer's step count).
+  // load_state_dict takes any one-element entry (0-d too). Empty when disabled, as torch's.
   nn::StateDict state_dict() const;
   // Restores them. ValueError for a missing key, a wrong dtype, or values the constructor
   // refuses; nothing changes then. A disabled scaler ignores the state (torch's returns too).

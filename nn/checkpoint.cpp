@@ -123,6 +123,12 @@ std::string checkpoint_bytes(const StateDict& tensors) {
   put<uint64_t>(bytes, tensors.size());
   for (const auto& [name, tensor] : tensors) {
     NANODDP_CHECK(name.size() <= kMaxNameBytes, ValueError, "checkpoint: name longer than ", kMaxNameBytes, " bytes");
+    // where_truncated tells a cut file from a corrupt one by the names: none holds a control
+    // character (state_dict keys are dotted module paths).
+    for (size_t i = 0; i < name.size(); ++i)
+      NANODDP_CHECK(static_cast<unsigned char>(name[i]) >= 0x20, ValueError, "checkpoint: name '", name,
+                    "' holds the control character 0x", std::hex, int(static_cast<unsigned char>(name[i])), std::dec,
+                    " at byte ", i, "; names are printable text");
     const Tensor host = host_tensor_to_save(tensor, "checkpoint", name);
     put<uint32_t>(bytes, static_cast<uint32_t>(name.size()));
     bytes += name;

@@ -59,7 +59,8 @@ void keep_previous_checkpoint(const std::string& path,
                               const std::function<bool(const std::string&)>& loads = nullptr);
 StateDict load_checkpoint(const std::string& path);
 // The bytes save_checkpoint writes for tensors (to send a state elsewhere than to a file).
-// Throws ValueError for a name longer than 4096 bytes.
+// Throws ValueError for a name longer than 4096 bytes or holding a control character (a byte
+// below 0x20).
 std::string checkpoint_bytes(const StateDict& tensors);
 // The tensors in bytes, the whole content of a checkpoint file; path only names it in errors.
 // Throws IOError as load_checkpoint does. For readers that have the bytes already (and fuzzing).

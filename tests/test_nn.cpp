@@ -686,6 +686,22 @@ TEST_CASE("a checkpoint cut short is reported as truncated, naming where it ends
   longer_name[55] = 60;  // entry 1's name "b": 1 byte
   m = parse_error(longer_name);
   CHECK_MESSAGE(m.find("checksum mismatch (checksum at byte offset 86)") != std::string::npos, m);
+  // So a save refuses such names (and names too long), before writing anything.
+  for (const std::string& bad : {std::string("a\nb"), std::string("tab\there"), std::string(4097, 'x')}) {
+    StateDict named;
+    named[bad] = Tensor::from_vector({1.0f});
+    CHECK_THROWS_AS(checkpoint_bytes(named), ValueError);
+  }
+  StateDict tab;
+  tab["a\tb"] = Tensor::from_vector({1.0f});
+  try {
+    checkpoint_bytes(tab);
+  } catch (const ValueError& e) {
+    CHECK(std::string(e.what()).find("holds the control character 0x9 at byte 1") != std::string::npos);
+  }
+  StateDict longest;
+  longest[std::string(4096, 'x')] = Tensor::from_vector({1.0f});
+  CHECK(parse_checkpoint(checkpoint_bytes(longest), "longest.ckpt").count(std::string(4096, 'x')) == 1);
 }
 
 TEST_CASE("check_checkpoint_writable refuses a path, or a path.prev, that is someone else's file") {
