@@ -769,6 +769,25 @@ void FullyShardedDataParallel::gather_all_for_state_dict(CollectivePurpose::Kind
 }
 
 void FullyShardedDataParallel::load_full_state_dict(const nn::StateDict& state) {
+  // Every rank checks the state first and learns whether all passed, so that no rank loads a
+  // state another refused (the ranks would go on with different models).
+  std::exception_ptr error;
+  try {
+    module_->check_state_dict(state);
+  } catch (const Error&) {
+    error = std::current_exception();
+  }
+  std::string refused;
+  {
+    const CollectivePurpose purpose(CollectivePurpose::Kind::FsdpLoadCheck, 0);
+    const std::vector<std::vector<int64_t>> failed = all_gather_host(*pg_, {error ? 1 : 0}, options_.timeout);
+    for (size_t r = 0; r < failed.size(); ++r)
+      if (failed[r][0] != 0) refused += (refused.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (error) std::rethrow_exception(error);
+  NANODDP_CHECK(refused.empty(), ValueError, "FullyShardedDataParallel.load_full_state_dict on rank ", pg_->rank(),
+                ": rank(s) ", refused, " refused the state (their errors say why); no rank loaded it. Every rank "
+                "passes the same full state");
   gather_all_for_state_dict(CollectivePurpose::Kind::FsdpLoadStateDict);
   try {
     module_->load_state_dict(state);

@@ -194,7 +194,9 @@ class FullyShardedDataParallel : public nn::Module {
   // even with MixedPrecision.param_dtype (the shards' own values, as torch's state dicts hold).
   nn::StateDict full_state_dict(bool rank0_only = true);
   // Loads a full state (the model's names and shapes; every rank passes the same) into the
-  // shards, as Module::load_state_dict with strict does (same errors). A collective.
+  // shards, as Module::load_state_dict with strict does (same errors). Every rank checks the
+  // state before any loads it: a rank that refuses it throws its own error, every other rank a
+  // ValueError naming the ranks that refused, and no rank's model changes. A collective.
   void load_full_state_dict(const nn::StateDict& state);
   // state_dict() itself is this rank's shards ("0._flat_param", torch's LOCAL_STATE_DICT) and
   // the model's persistent buffers under their own names ("1.running_mean", Note [FSDP

@@ -145,6 +145,7 @@ class CollectivePurpose {
     ZeroLoad = 7,         // ZeroRedundancyOptimizer.load_state_dict's agreement (index unused)
     Join = 8,             // Join's own all-reduces: index 0 the count of ranks still training, 1 who ran out
     GradScalerUnscale = 9,  // GradScaler.unscale_'s inf/NaN verdict (index unused)
+    FsdpLoadCheck = 10,     // FullyShardedDataParallel.load_full_state_dict's agreement (index unused)
   };
   CollectivePurpose(Kind kind, size_t index);
   ~CollectivePurpose();

@@ -587,6 +587,8 @@ std::string CollectivePurpose::describe(int64_t code) {
       return index == 0 ? "Join's count of ranks still training" : "Join's check for ranks that ran out";
     case Kind::GradScalerUnscale:
       return "GradScaler.unscale_'s inf/NaN check";
+    case Kind::FsdpLoadCheck:
+      return "FullyShardedDataParallel.load_full_state_dict's check";
   }
   return "purpose " + std::to_string(code);
 }

@@ -287,6 +287,14 @@ Tensor converted(const Tensor& src, DType to) {
 }  // namespace
 
 Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool strict) {
+  return load_or_check(state, strict, true);
+}
+
+Module::IncompatibleKeys Module::check_state_dict(const StateDict& state, bool strict) {
+  return load_or_check(state, strict, false);
+}
+
+Module::IncompatibleKeys Module::load_or_check(const StateDict& state, bool strict, bool copy) {
   const auto named = named_state();
   std::vector<std::string> missing, unexpected;
   // Batch norms' counters the state lacks: torch 1.13's _NormBase._load_from_state_dict fills
@@ -337,6 +345,7 @@ Module::IncompatibleKeys Module::load_state_dict(const StateDict& state, bool st
         value.shape() == p.shape() ? " (only float32, float16 and bfloat16 convert into each other)" : "");
     loads.emplace_back(p, value);
   }
+  if (!copy) return {missing, unexpected};
   NoGradGuard no_grad;
   for (auto& [p, value] : loads)
     Tensor(p).copy_(value.dtype() == p.dtype() ? value : converted(value, p.dtype()));

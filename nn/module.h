@@ -144,6 +144,10 @@ class Module {
   // module's buffer of that name is missing as usual (zero_if_missing). Nothing is modified
   // unless every check passes.
   IncompatibleKeys load_state_dict(const StateDict& state, bool strict = true);
+  // Every check of load_state_dict, with the same errors and result, copying nothing: for a
+  // caller that must learn whether a load would pass before it loads (FullyShardedDataParallel
+  // asks every rank before any rank loads).
+  IncompatibleKeys check_state_dict(const StateDict& state, bool strict = true);
   // The buffers of this module (or of a model it wraps without registering it) that
   // load_state_dict sets to 0 when the state lacks them, instead of reporting them missing:
   // BatchNorm1d's num_batches_tracked, as torch's _NormBase._load_from_state_dict does. None
@@ -175,6 +179,8 @@ class Module {
   // What state_dict and load_state_dict cover: parameters, then persistent buffers, under
   // every name each has.
   std::vector<std::pair<std::string, Tensor>> named_state() const;
+  // load_state_dict's checks, then its copies when copy is true.
+  IncompatibleKeys load_or_check(const StateDict& state, bool strict, bool copy);
 
   std::vector<std::pair<std::string, Tensor>> parameters_;
   std::vector<Buffer> buffers_;

@@ -1078,8 +1078,40 @@ TEST_CASE(
           else
             fsdp.load_full_state_dict(other);
         },
-        "state dict load");
+        "load_full_state_dict's check");
   }
+}
+
+TEST_CASE("load_full_state_dict: a state one rank refuses is loaded by no rank") {
+  // The header asks every rank for the same state. A rank given another one (a wrong shape
+  // here) throws its ShapeError; before, its peer loaded the state and the models differed.
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto pg = join(rank, 2, port);
+    dist::FullyShardedDataParallel fsdp(
+        make_mlp(7), pg, fsdp_options(ShardingStrategy::FULL_SHARD, dist::module_wrap_policy<nn::Linear>()));
+    const nn::StateDict before = fsdp.full_state_dict(/*rank0_only=*/false);
+    nn::StateDict state = make_mlp(99)->state_dict();
+    if (rank == 1) state.begin()->second = Tensor::zeros({1});
+    std::string error;
+    try {
+      fsdp.load_full_state_dict(state);
+    } catch (const ShapeError& e) {
+      error = rank == 1 ? "" : std::string("rank 0 threw rank 1's ShapeError: ") + e.what();
+    } catch (const ValueError& e) {
+      const std::string m = e.what();
+      error = rank == 0 && m.find("rank(s) 1 refused the state") != std::string::npos ? "" : m;
+    }
+    expect(error.empty(), "rank ", rank, ": ", error);
+    const nn::StateDict after = fsdp.full_state_dict(/*rank0_only=*/false);
+    for (const auto& [name, value] : before)
+      expect(after.at(name).to_vector() == value.to_vector(), "rank ", rank, ": '", name, "' changed");
+    // A good state still loads afterwards: the ranks are in step.
+    fsdp.load_full_state_dict(make_mlp(99)->state_dict());
+    expect(fsdp.full_state_dict(false).at("0.weight").to_vector() == make_mlp(99)->state_dict().at("0.weight").to_vector(),
+           "rank ", rank, ": the good state did not load");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
 }
 
 TEST_CASE(

@@ -391,7 +391,15 @@ TEST_CASE("state_dict round-trips and load_state_dict checks keys strictly") {
     CHECK(m.find("missing: [2.bias]") != std::string::npos);
     CHECK(m.find("unexpected: [3.weight]") != std::string::npos);
   }
+  // check_state_dict: the same verdicts, and nothing copied.
+  CHECK_THROWS_AS(b.check_state_dict(bad), ValueError);
+  StateDict other = mlp(g2).state_dict();
+  other["0.weight"] = Tensor::full({3, 4}, 7.0f);
+  const std::vector<float> kept = b.parameters()[0].to_vector();
+  CHECK(b.check_state_dict(other).empty());
+  CHECK(b.parameters()[0].to_vector() == kept);
   bad.erase("3.weight");
+  CHECK(b.check_state_dict(bad, /*strict=*/false).missing_keys == std::vector<std::string>{"2.bias"});
   b.load_state_dict(bad, /*strict=*/false);  // loads what is there
 
   StateDict wrong = a.state_dict();
