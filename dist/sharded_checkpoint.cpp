@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "core/file_io.h"
+#include "core/hash.h"
 #include "dist/detail.h"
 #include "dist/host_collectives.h"
 #include "nn/checkpoint.h"
@@ -31,6 +32,7 @@ const std::string kShardChecksumsKey = kManifestPrefix + "shard_checksums";
 const std::string kShardPrefixKey = kManifestPrefix + "shard_prefix";
 const std::string kRankKey = kManifestPrefix + "rank";  // in each shard file, with the generation
 const std::string kShapePrefix = "shape/", kDtypePrefix = "dtype/", kRangesPrefix = "ranges/";
+const std::string kDigestPrefix = "digest/";  // in a save report: a whole entry's FNV-1a
 
 Tensor int64_tensor(const std::vector<int64_t>& values) {
   return Tensor::from_vector(values, Shape({static_cast<int64_t>(values.size())}));
@@ -125,6 +127,8 @@ struct RankReport {
   std::string error;
   int64_t nbytes = 0, checksum = 0;
   std::map<std::string, ShardedEntry> entries;  // pieces left out
+  // FNV-1a of the bytes of each entry this rank holds whole: replicated values must agree.
+  std::map<std::string, int64_t> digests;
 };
 
 std::string report_bytes(const RankReport& report) {
@@ -137,6 +141,7 @@ std::string report_bytes(const RankReport& report) {
     state[kDtypePrefix + name] = int64_tensor({static_cast<int64_t>(entry.dtype)});
     state[kRangesPrefix + name] = int64_tensor({entry.begin, entry.end});
   }
+  for (const auto& [name, digest] : report.digests) state[kDigestPrefix + name] = int64_tensor({digest});
   return nn::checkpoint_bytes(state);
 }
 
@@ -157,6 +162,8 @@ RankReport parse_report(const std::string& bytes, int rank) {
     const std::vector<int64_t> range = state.at(kRangesPrefix + name).to_int_vector();
     entry.begin = range[0];
     entry.end = range[1];
+    const auto digest = state.find(kDigestPrefix + name);
+    if (digest != state.end()) report.digests[name] = digest->second.to_int_vector()[0];
   }
   return report;
 }
@@ -285,6 +292,11 @@ void save_sharded_checkpoint(const std::string& path, const ShardedStateDict& mi
           entry.piece.defined() ? dtype_name(entry.piece.dtype()) : "nothing", ", expected ", length, " of ",
           dtype_name(entry.dtype));
       pieces[name] = entry.piece.to(Device::cpu()).reshape({length});
+      if (length == numel) {
+        const Tensor& piece = pieces[name];
+        report.digests[name] = static_cast<int64_t>(
+            fnv1a(std::string_view(static_cast<const char*>(piece.data_ptr()), piece.nbytes())));
+      }
     }
     const std::string bytes = nn::checkpoint_bytes(pieces);
     write_file_atomically(shard_file_name(path, generation, rank, world), bytes, "checkpoint shard");
@@ -348,6 +360,22 @@ void save_sharded_checkpoint(const std::string& path, const ShardedStateDict& mi
         }
         const std::string problem = tiling_problem(ranges, first->shape.numel());
         NANODDP_CHECK(problem.empty(), ValueError, where, ": '", name, "': ", problem);
+        if (is_replicated(ranges, first->shape.numel())) {  // any holder's copy is read back
+          int first_holder = -1;
+          for (int r = 0; r < world; ++r) {
+            const auto& digests = reports[static_cast<size_t>(r)].digests;
+            const auto it = digests.find(name);
+            if (it == digests.end()) continue;
+            if (first_holder < 0) {
+              first_holder = r;
+              continue;
+            }
+            NANODDP_CHECK(it->second == reports[static_cast<size_t>(first_holder)].digests.at(name), ValueError,
+                          where, ": '", name, "' is held whole by ranks ", first_holder, " and ", r,
+                          " with different values: a replicated entry must be the same on every rank that "
+                          "holds it (have the replicas diverged?)");
+          }
+        }
         std::vector<int64_t> flat;
         for (const auto& [begin, end] : ranges) {
           flat.push_back(begin);

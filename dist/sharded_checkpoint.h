@@ -71,7 +71,8 @@ void merge_prefixed(ShardedStateDict& into, const std::string& prefix, const Sha
 // be all of it (then their values must be equal: any one is read back); a name on some ranks
 // only is held by those. Throws ValueError for a malformed entry (a piece of
 // another length or dtype than its range; a range outside its tensor) on the rank that has
-// it, and for ranges that overlap or leave a gap on rank 0; IOError naming the file when a
+// it, and on rank 0 for ranges that overlap or leave a gap and for whole copies whose values
+// differ (compared by an FNV-1a digest of their bytes); IOError naming the file when a
 // write fails (a full disk, ulimit -f). Whatever fails, it fails on every rank (the others
 // name the failed ranks), and FILE still names the previous set, which loads as before.
 // DistError or TimeoutError from the collectives.

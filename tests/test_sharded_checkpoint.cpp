@@ -562,6 +562,33 @@ TEST_CASE("a save that fails on one rank, or a rank that dies mid-save, leaves t
   CHECK(std::filesystem::exists(live_writer));
 }
 
+TEST_CASE("a replicated entry must hold the same values on every rank that saves it whole") {
+  // "bias" is saved whole by ranks 1 and 3 (state every rank has alike, as DDP's): a reader
+  // takes it from either, so copies that differ would load as one or the other.
+  TempDir dir;
+  const std::string path = dir.path + "/run.ckpt";
+  save_small(path, 10);
+  for (const bool diverged : {false, true}) {
+    const int port = testing::free_port();
+    const std::string failures = on_ranks(4, [&](int rank) {
+      auto pg = join(rank, 4, port);
+      dist::ShardedStateDict state = small_state(rank, 20);
+      if (rank % 2 == 1)
+        state["bias"] = dist::whole_entry(Tensor::from_vector({1.5f, diverged && rank == 3 ? 2.75f : 2.5f}));
+      const std::string error = error_of([&] { dist::save_sharded_checkpoint(path, state, *pg); });
+      if (!diverged)
+        expect(error.empty(), "rank ", rank, ": ", error);
+      else
+        expect(contains(error, "'bias' is held whole by ranks 1 and 3 with different values"), "rank ", rank, ": ",
+               error);
+    });
+    REQUIRE_MESSAGE(failures.empty(), (diverged ? "diverged: " : "equal: "), failures);
+  }
+  dist::ShardedCheckpointReader reader(path);  // the equal save's set, not the refused one
+  CHECK(reader.read("bias").to_vector() == std::vector<float>{1.5f, 2.5f});
+  CHECK(reader.read("x").to_vector() == small_x(20));
+}
+
 TEST_CASE("a missing, truncated, corrupt or foreign shard file is an IOError naming it; reads that do not need it go on") {
   TempDir dir;
   const std::string path = dir.path + "/run.ckpt", other = dir.path + "/other.ckpt";
