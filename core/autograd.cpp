@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <queue>
 #include <unordered_map>
 #include <unordered_set>
@@ -91,12 +92,22 @@ void check_grad_takes(const Tensor& leaf, const Tensor& grad, const Shape& shape
       " cannot be added to (set_data changed the tensor after .grad was made? set_grad(Tensor()) first)");
 }
 
+// Held while a backward adds into a leaf's .grad, in accumulate_leaf_grad or in a node given
+// it as its accumulation target: backward passes on several threads may share leaves (torch
+// locks each AccumulateGrad likewise). One lock for all leaves: it is taken once per leaf per
+// pass, and only threads that run backward at the same time ever wait on it.
+std::mutex& leaf_grad_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
 // A leaf's .grad accumulates across backward calls, as in PyTorch. The first gradient is
 // taken over without a copy when nothing else can see it (PyTorch "steals" it the same way):
 // no other handle to the tensor and no other tensor on its storage, which is not a view of
 // another's (Note [Storage views]). A .grad that exists is accumulated into in place, so a
 // .grad that is a view of a DDP bucket (gradient_as_bucket_view) stays one.
 void accumulate_leaf_grad(const Tensor& leaf, Tensor g) {
+  const std::lock_guard<std::mutex> lock(leaf_grad_mutex());
   Tensor current = leaf.grad();
   if (!current.defined()) {
     const bool unshared =
@@ -107,6 +118,7 @@ void accumulate_leaf_grad(const Tensor& leaf, Tensor g) {
   } else {
     check_grad_takes(leaf, current, g.shape(), g.dtype(), g.device());
     NANODDP_DISPATCH(current.device(), accumulate, current.data<float>(), g.data<float>(), 1.0f, g.numel());
+    current.impl()->storage->bump_version();  // Note [Version counter]
   }
 }
 
@@ -152,7 +164,8 @@ void check_unchanged(const std::string& who, const Tensor& t, uint64_t recorded)
   if (!t.defined()) return;
   const uint64_t now = version_of(t);
   NANODDP_CHECK(now == recorded, ValueError, who, " (", t.shape(), " ", t.dtype(),
-                ") was modified in place (copy_, fill_ or zero_) after the forward saved it: it is at version ", now,
+                ") was modified in place (copy_, fill_, zero_, or a backward adding into it as a .grad) after the "
+                "forward saved it: it is at version ", now,
                 ", the forward saved version ", recorded,
                 ". Its backward would use the new values; clone it before changing it, or change it after backward "
                 "(torch: \"modified by an inplace operation\")");
@@ -488,6 +501,10 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
       NoGradGuard no_grad;  // backward formulas are not themselves recorded
       fn->unpack_checkpointed();  // a checkpointed region reruns here (Note [Checkpointed regions])
       offer_accumulation_targets(*fn, g, pending, grads);
+      const bool has_target = std::any_of(fn->accumulation_targets.begin(), fn->accumulation_targets.end(),
+                                          [](const Tensor& target) { return target.defined(); });
+      std::unique_lock<std::mutex> lock(leaf_grad_mutex(), std::defer_lock);
+      if (has_target) lock.lock();
       input_grads = fn->apply(g);
     }
     NANODDP_ASSERT(input_grads.size() == fn->inputs.size());
@@ -497,7 +514,16 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
       const Tensor& target = fn->accumulation_target(i);
       if (target.defined() && input_grads[i].defined() && input_grads[i].is_same(target)) {
         accumulated_in_place.insert(graph_key(input));  // Note [Accumulating into .grad]
+        target.impl()->storage->bump_version();        // Note [Version counter]
       } else if (input_grads[i].defined()) {
+        // A leaf whose data set_data replaced after the forward used it gets a gradient of its
+        // old shape (torch fails in the add: "The size of tensor a (2) must match ...").
+        NANODDP_CHECK(input.grad_fn() != nullptr || (input_grads[i].shape() == input.shape() &&
+                                                     input_grads[i].dtype() == input.dtype()),
+                      ShapeError, "backward: a leaf ", input.shape(), " ", input.dtype(), " gets a gradient ",
+                      input_grads[i].shape(), " ", input_grads[i].dtype(),
+                      " from the forward that used it: set_data changed the tensor between the forward and "
+                      "this backward");
         NANODDP_ASSERT(input_grads[i].shape() == input.shape() && input_grads[i].dtype() == input.dtype());
         accumulate_into(grads[graph_key(input)], input_grads[i]);
       }

@@ -81,7 +81,9 @@ class Storage {
   // Note [Version counter]
   // How many in-place changes a user made to this allocation's values (torch's _version,
   // shared by every view of the allocation as torch's is by views). Tensor::copy_ and fill_
-  // add one; autograd records it when it saves a tensor and refuses a backward that would read
+  // add one, and so does a backward that adds into a .grad in place (as torch's AccumulateGrad:
+  // a .grad that a forward saved, set_grad'ed to a tensor the graph reads, must not change
+  // under it); autograd records it when it saves a tensor and refuses a backward that would read
   // changed values (Node::saved). Writes the library makes as part of its own protocols do
   // not count: a collective filling its output, FSDP gathering a unit's parameters back into
   // the memory its saved tensors view, an optimizer step (PyTorch's counts that one; here a

@@ -148,7 +148,9 @@ class Tensor {
   Tensor& fill_(float value);
   Tensor& zero_() { return fill_(0.0f); }
   // Replaces this tensor's data (storage, shape, device) by other's, keeping identity,
-  // grad and hooks: what `param.data = other` does in PyTorch. Used by Module::to.
+  // grad and hooks: what `param.data = other` does in PyTorch. Used by Module::to. ValueError
+  // for integer data on a tensor that requires grad, as torch. A leaf changed between a
+  // forward and its backward gets a gradient of the shape it had: ShapeError there.
   void set_data(const Tensor& other);
 
   // ---- autograd ------------------------------------------------------------------------

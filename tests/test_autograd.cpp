@@ -2,6 +2,7 @@
 
 #include <functional>
 #include <memory>
+#include <thread>
 #include <string>
 #include <utility>
 #include <vector>
@@ -11,6 +12,18 @@
 #include "core/storage.h"
 
 using namespace nanoddp;
+
+namespace {
+// The message of the ValueError that backward of loss throws, or "" when it does not throw.
+std::string backward_error_of(const Tensor& loss) {
+  try {
+    loss.backward();
+  } catch (const ValueError& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
 
 TEST_CASE("gradients accumulate when a tensor feeds several ops") {
   // y = x*x + 3x -> dy/dx = 2x + 3
@@ -158,6 +171,68 @@ TEST_CASE("a .grad that set_data left at another shape is refused, not overrun")
   x.set_grad(Tensor());
   sum(x * 2.0f).backward();
   CHECK(x.grad().to_vector() == std::vector<float>(8, 2.0f));
+}
+
+TEST_CASE("set_data: integer data on a tensor that requires grad, and a leaf changed between forward and backward") {
+  // torch: "data set to a tensor that requires gradients must be floating point or complex dtype".
+  Tensor x = Tensor::from_vector({1.0f, 2.0f}).set_requires_grad(true);
+  CHECK_THROWS_AS(x.set_data(Tensor::from_vector(std::vector<int64_t>{1, 2})), ValueError);
+  CHECK(x.dtype() == DType::Float32);
+  // A leaf given data of another shape after the forward used it: its gradient has the old
+  // shape (torch fails in the add), a ShapeError naming the cause, not an internal assertion.
+  Tensor y = sum(x * x);
+  x.set_data(Tensor::from_vector({5.0f, 5.0f, 5.0f}));
+  CHECK_THROWS_WITH_AS(y.backward(), doctest::Contains("set_data changed the tensor between the forward"),
+                       ShapeError);
+}
+
+TEST_CASE("adding into a .grad in place counts as a change of its memory: a forward that saved it refuses the backward") {
+  // torch 1.13 raises "modified by an inplace operation" for both: AccumulateGrad bumps the
+  // version of the .grad it adds into.
+  SUBCASE(".grad is a tensor a product saved") {
+    const Tensor g = Tensor::from_vector({1.0f, 1.0f}, {2, 1});
+    Tensor w = Tensor::from_vector({0.0f, 0.0f}, {2, 1}).set_requires_grad(true);
+    w.set_grad(g);
+    Tensor z = Tensor::from_vector({1.0f, 1.0f}, {2, 1}).set_requires_grad(true);
+    const Tensor y1 = sum(z * g);  // saves g for z's gradient
+    const Tensor y2 = sum(matmul(Tensor::from_vector({5.0f, 7.0f}, {1, 2}), w));  // w.grad (g) += [5, 7]
+    const std::string m = backward_error_of(y1 + y2);
+    CHECK_MESSAGE(m.find("was modified in place") != std::string::npos, m);
+    CHECK(z.grad().defined() == false);  // not [6, 8]: g's new values never reached it
+  }
+  SUBCASE(".grad is another parameter's memory") {
+    Tensor w2 = Tensor::from_vector({1.0f, 1.0f}, {2, 1}).set_requires_grad(true);
+    Tensor w = Tensor::from_vector({0.0f, 0.0f}, {2, 1}).set_requires_grad(true);
+    w.set_grad(w2.detach());
+    Tensor z = Tensor::from_vector({1.0f, 1.0f}, {2, 1}).set_requires_grad(true);
+    const Tensor y1 = sum(z * w2);  // saves w2 for z's gradient; runs after w's accumulation
+    const Tensor y2 = sum(matmul(Tensor::from_vector({5.0f, 7.0f}, {1, 2}), w));  // w.grad (w2) += [5, 7]
+    const std::string m = backward_error_of(y1 + y2);
+    CHECK_MESSAGE(m.find("was modified in place") != std::string::npos, m);
+    CHECK(z.grad().defined() == false);
+  }
+  SUBCASE("accumulating across passes, with nothing saved that aliases .grad, still works") {
+    Tensor w = Tensor::from_vector({1.0f, 2.0f}).set_requires_grad(true);
+    for (int pass = 0; pass < 3; ++pass) sum(w * 3.0f).backward();
+    CHECK(w.grad().to_vector() == std::vector<float>{9, 9});
+  }
+}
+
+TEST_CASE("backward passes on two threads that share a leaf lose no gradient (torch locks AccumulateGrad)") {
+  Tensor a = Tensor::from_vector({1.0f, 2.0f}).set_requires_grad(true);
+  Tensor w = Tensor::from_vector({1.0f, 2.0f, 3.0f, 4.0f}, {2, 2}).set_requires_grad(true);
+  const auto job = [&] {
+    for (int i = 0; i < 2000; ++i) {
+      sum(a * 3.0f).backward();
+      // linear's weight gradient adds straight into an existing .grad (Note [Accumulating into .grad])
+      sum(matmul(Tensor::from_vector({1.0f, 1.0f}, {1, 2}), w)).backward();
+    }
+  };
+  std::thread t1(job), t2(job);
+  t1.join();
+  t2.join();
+  CHECK(a.grad().to_vector() == std::vector<float>{12000, 12000});
+  CHECK(w.grad().to_vector() == std::vector<float>(4, 4000.0f));
 }
 
 namespace {
