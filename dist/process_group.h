@@ -250,7 +250,10 @@ class ProcessGroup {
   // an all_reduce of the whole buffer reads the peers' buffers directly instead of copying
   // through its ring slots (Note [Shm direct all-reduce] in ring_shm.cpp); the base
   // class returns Tensor::zeros. Either way it is an ordinary tensor: any collective takes
-  // it, and it stays valid after the group is gone. Like torch.distributed's
+  // it, and it stays valid after the group is gone. One rule on shm: an all_reduce of a whole
+  // buffer needs every rank's buffer, not a buffer on some ranks and ordinary tensors on
+  // others (the direct all-reduce reads the peers' buffers in place); such a mix is a
+  // DistError on every rank, found after the call started, so the group is then unusable. Like torch.distributed's
   // _symmetric_memory.empty followed by rendezvous. Throws DistError when ranks ask for
   // different sizes (shm), or TimeoutError when a rank does not call it within the timeout.
   virtual Tensor new_collective_buffer(int64_t numel, DType dtype, Device device);

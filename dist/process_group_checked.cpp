@@ -162,6 +162,34 @@ struct CheckState {
   }
 }
 
+// Work::wait's contract for a wait that failed (a timeout too): every later wait throws the
+// same error at once, and the work counts as completed. Without it a backend would wait again
+// (MPI: the whole timeout once more), or report success for a collective the group gave up on
+// (Gloo, when the data arrived after the timeout).
+class FailedWait {
+ public:
+  template <typename Wait>
+  void run(Wait&& wait) {
+    if (const std::exception_ptr earlier = error()) std::rethrow_exception(earlier);
+    try {
+      wait();
+    } catch (const DistError&) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!error_) error_ = std::current_exception();
+      throw;
+    }
+  }
+  bool failed() const { return error() != nullptr; }
+
+ private:
+  std::exception_ptr error() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return error_;
+  }
+  mutable std::mutex mutex_;  // threads may wait on one work
+  std::exception_ptr error_;
+};
+
 class CheckedWork : public Work {
  public:
   CheckedWork(std::string description, std::vector<int64_t> mine,
@@ -172,11 +200,13 @@ class CheckedWork : public Work {
         state_(std::move(state)) {}
 
   void wait(std::chrono::milliseconds timeout) override {
-    try {
-      wait_for_call(timeout);
-    } catch (const DistError&) {
-      rethrow_naming_stragglers(*state_, mine_);
-    }
+    failed_wait_.run([&] {
+      try {
+        wait_for_call(timeout);
+      } catch (const DistError&) {
+        rethrow_naming_stragglers(*state_, mine_);
+      }
+    });
   }
 
   void wait_for_call(std::chrono::milliseconds timeout) {
@@ -196,6 +226,7 @@ class CheckedWork : public Work {
   }
 
   bool is_completed() override {
+    if (failed_wait_.failed()) return true;
     {
       std::lock_guard<std::mutex> lock(state_->mutex);
       state_->advance(nullptr, std::chrono::milliseconds(0));
@@ -328,6 +359,7 @@ class CheckedWork : public Work {
   bool settled_ = false;
   std::shared_ptr<Work> real_;  // the collective, once started
   std::exception_ptr error_;    // the mismatch, when there was one
+  FailedWait failed_wait_;
 };
 
 // The fused path's work (Note [Fused collective check]): the backend's, with stragglers named.
@@ -336,15 +368,18 @@ class FusedWork : public Work {
   FusedWork(std::shared_ptr<Work> inner, std::vector<int64_t> mine, std::shared_ptr<CheckState> state)
       : inner_(std::move(inner)), mine_(std::move(mine)), state_(std::move(state)) {}
   void wait(std::chrono::milliseconds timeout) override {
-    try {
-      inner_->wait(effective_wait_timeout(timeout, state_->timeout));
-    } catch (const DistError&) {
-      rethrow_naming_stragglers(*state_, mine_);
-    }
+    failed_wait_.run([&] {
+      try {
+        inner_->wait(effective_wait_timeout(timeout, state_->timeout));
+      } catch (const DistError&) {
+        rethrow_naming_stragglers(*state_, mine_);
+      }
+    });
   }
-  bool is_completed() override { return inner_->is_completed(); }
+  bool is_completed() override { return failed_wait_.failed() || inner_->is_completed(); }
 
  private:
+  FailedWait failed_wait_;
   std::shared_ptr<Work> inner_;
   std::vector<int64_t> mine_;
   std::shared_ptr<CheckState> state_;

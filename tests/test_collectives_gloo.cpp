@@ -196,6 +196,15 @@ TEST_CASE("gloo: a busy MASTER_PORT fails fast on rank 0 and names the port; a 1
     CHECK(get_world_size() == 1);
     destroy_process_group();
   }
+  // MASTER_PORT=0 at world size 2 is set, but names no port the other ranks could use.
+  ::setenv("MASTER_PORT", "0", 1);
+  InitOptions two;
+  two.backend = Backend::Gloo;
+  two.rank = 1;
+  two.world_size = 2;
+  CHECK_THROWS_WITH_AS(init_process_group(two), doctest::Contains("MASTER_PORT=0 names no port"), ValueError);
+  ::unsetenv("MASTER_PORT");
+  CHECK_THROWS_WITH_AS(init_process_group(two), doctest::Contains("MASTER_PORT is not set"), ValueError);
   for (const char* name : {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"}) ::unsetenv(name);
 }
 
