@@ -114,15 +114,21 @@ TEST_CASE("mpi child: collectives inside one mpirun rank") {
       Tensor t = Tensor::ones({4});
       auto work = pg->all_reduce(t);
       bool timed_out = false;
+      std::string first;
       try {
         work->wait(200ms);
       } catch (const TimeoutError& e) {
-        timed_out = std::string(e.what()).find("mpi all_reduce(sum) of [4]") != std::string::npos;
-        MESSAGE(std::string(e.what()));
+        first = e.what();
+        timed_out = first.find("mpi all_reduce(sum) of [4]") != std::string::npos;
+        MESSAGE(first);
       }
       CHECK(timed_out);
-      // Rank 1 joins late, so the request still completes: MPI can then finalise cleanly.
-      work->wait(10000ms);
+      // Work::wait: a second wait throws the same error at once (it had waited again).
+      const auto again = std::chrono::steady_clock::now();
+      CHECK_THROWS_WITH_AS(work->wait(10000ms), first.c_str(), TimeoutError);
+      CHECK(std::chrono::steady_clock::now() - again < 100ms);
+      // Rank 1 joins late, so the request still completes (in the barrier's progress below):
+      // MPI can then finalise cleanly.
     } else {
       std::this_thread::sleep_for(500ms);
       Tensor t = Tensor::ones({4});
