@@ -277,7 +277,8 @@ class CheckedWork : public Work {
 
   // Waits for the fingerprints, compares them and starts the collective, or records the
   // mismatch (CheckState::mutex held). TimeoutError leaves the call unsettled while the
-  // exchange is still going: a later wait may still see the peers arrive. One that ended in
+  // exchange is still going: the queue may still see the peers arrive when a later call moves
+  // it (this work's own wait throws its first error again: FailedWait). One that ended in
   // the timeout (shm gives up on it) settles the call with that error, so that is_completed()
   // and later calls, which look at it too, do not throw it.
   void settle(std::chrono::milliseconds timeout) {
