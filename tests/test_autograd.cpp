@@ -15,7 +15,7 @@ using namespace nanoddp;
 
 namespace {
 // The message of the ValueError that backward of loss throws, or "" when it does not throw.
-std::string backward_error_of(const Tensor& loss) {
+std::string backward_error(const Tensor& loss) {
   try {
     loss.backward();
   } catch (const ValueError& e) {
@@ -196,7 +196,7 @@ TEST_CASE("adding into a .grad in place counts as a change of its memory: a forw
     Tensor z = Tensor::from_vector({1.0f, 1.0f}, {2, 1}).set_requires_grad(true);
     const Tensor y1 = sum(z * g);  // saves g for z's gradient
     const Tensor y2 = sum(matmul(Tensor::from_vector({5.0f, 7.0f}, {1, 2}), w));  // w.grad (g) += [5, 7]
-    const std::string m = backward_error_of(y1 + y2);
+    const std::string m = backward_error(y1 + y2);
     CHECK_MESSAGE(m.find("was modified in place") != std::string::npos, m);
     CHECK(z.grad().defined() == false);  // not [6, 8]: g's new values never reached it
   }
@@ -207,7 +207,7 @@ TEST_CASE("adding into a .grad in place counts as a change of its memory: a forw
     Tensor z = Tensor::from_vector({1.0f, 1.0f}, {2, 1}).set_requires_grad(true);
     const Tensor y1 = sum(z * w2);  // saves w2 for z's gradient; runs after w's accumulation
     const Tensor y2 = sum(matmul(Tensor::from_vector({5.0f, 7.0f}, {1, 2}), w));  // w.grad (w2) += [5, 7]
-    const std::string m = backward_error_of(y1 + y2);
+    const std::string m = backward_error(y1 + y2);
     CHECK_MESSAGE(m.find("was modified in place") != std::string::npos, m);
     CHECK(z.grad().defined() == false);
   }
@@ -234,18 +234,6 @@ TEST_CASE("backward passes on two threads that share a leaf lose no gradient (to
   CHECK(a.grad().to_vector() == std::vector<float>{12000, 12000});
   CHECK(w.grad().to_vector() == std::vector<float>(4, 4000.0f));
 }
-
-namespace {
-// The message of the ValueError that backward of loss throws, or "" when it does not throw.
-std::string backward_error(Tensor loss) {
-  try {
-    loss.backward();
-  } catch (const ValueError& e) {
-    return e.what();
-  }
-  return "";
-}
-}  // namespace
 
 TEST_CASE(
     "a tensor saved for backward and then changed in place: backward throws, as torch's version check") {
