@@ -92,10 +92,12 @@ void check_grad_takes(const Tensor& leaf, const Tensor& grad, const Shape& shape
       " cannot be added to (set_data changed the tensor after .grad was made? set_grad(Tensor()) first)");
 }
 
-// Held while a backward adds into a leaf's .grad, in accumulate_leaf_grad or in a node given
-// it as its accumulation target: backward passes on several threads may share leaves (torch
-// locks each AccumulateGrad likewise). One lock for all leaves: it is taken once per leaf per
-// pass, and only threads that run backward at the same time ever wait on it.
+// Note [Locking .grad]: backward passes on several threads may share leaves (torch locks each
+// AccumulateGrad likewise). One process-wide lock covers every read of a leaf's .grad handle
+// by the engine and every add into a .grad: the engine's own (accumulate_leaf_grad) and a
+// node's into its accumulation target, which the node takes around that write alone
+// (Node::lock_grads). It is never held while a node computes anything else, so a node that
+// waits (SyncBatchNorm's all-reduce) holds nothing another thread's backward needs.
 std::mutex& leaf_grad_mutex() {
   static std::mutex mutex;
   return mutex;
@@ -132,6 +134,7 @@ void offer_accumulation_targets(Node& fn, const Tensor& grad_output,
                                 const std::unordered_map<const void*, int>& pending,
                                 const std::unordered_map<const void*, Tensor>& grads) {
   fn.accumulation_targets.assign(fn.inputs.size(), Tensor());
+  const std::lock_guard<std::mutex> lock(leaf_grad_mutex());  // Note [Locking .grad]
   for (size_t i = 0; i < fn.inputs.size(); ++i) {
     const Tensor& input = fn.inputs[i];
     if (!fn.needs_input_grad(i) || input.grad_fn()) continue;
@@ -370,6 +373,8 @@ Tensor make_result(Tensor result, std::shared_ptr<Node> node) {
   return result;
 }
 
+std::unique_lock<std::mutex> Node::lock_grads() { return std::unique_lock<std::mutex>(leaf_grad_mutex()); }
+
 const Tensor& Node::accumulation_target(size_t i) const {
   static const Tensor none;
   return i < accumulation_targets.size() ? accumulation_targets[i] : none;
@@ -439,7 +444,10 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
       const auto& fn = t.grad_fn();
       if (!fn) {
         // A leaf's .grad that set_data left at another shape fails here, before anything moves.
-        if (t.requires_grad()) check_grad_takes(t, t.grad(), t.shape(), t.dtype(), t.device());
+        if (t.requires_grad()) {
+          const std::lock_guard<std::mutex> lock(leaf_grad_mutex());  // Note [Locking .grad]
+          check_grad_takes(t, t.grad(), t.shape(), t.dtype(), t.device());
+        }
         continue;
       }
       NANODDP_CHECK(!fn->freed_saved_tensors, ValueError, "backward through ", fn->name(),
@@ -501,10 +509,6 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
       NoGradGuard no_grad;  // backward formulas are not themselves recorded
       fn->unpack_checkpointed();  // a checkpointed region reruns here (Note [Checkpointed regions])
       offer_accumulation_targets(*fn, g, pending, grads);
-      const bool has_target = std::any_of(fn->accumulation_targets.begin(), fn->accumulation_targets.end(),
-                                          [](const Tensor& target) { return target.defined(); });
-      std::unique_lock<std::mutex> lock(leaf_grad_mutex(), std::defer_lock);
-      if (has_target) lock.lock();
       input_grads = fn->apply(g);
     }
     NANODDP_ASSERT(input_grads.size() == fn->inputs.size());

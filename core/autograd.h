@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -110,10 +111,13 @@ struct Node {
   // .grad + (this gradient), rounded as the GEMM accumulates: bit for bit a temporary then
   // an add when .grad is zero or the GEMM's inner dimension fits one Eigen block (on the
   // CPU: same bits for batches of 64 and 256 rows, not for 300), within rounding otherwise.
-  // Every add into a .grad, here or by the engine, happens under one process-wide lock, so
-  // backward passes on several threads may share leaves (torch's AccumulateGrad locks too),
-  // and counts as an in-place change of the .grad's memory (Note [Version counter]).
+  // The node holds lock_grads() around its write (Note [Locking .grad] in autograd.cpp), and
+  // the engine counts the add as an in-place change of the .grad's memory (Note [Version
+  // counter]).
   const Tensor& accumulation_target(size_t i) const;
+  // The lock every add into a leaf's .grad holds, so that backward passes on several threads
+  // may share leaves (torch's AccumulateGrad locks each leaf likewise).
+  static std::unique_lock<std::mutex> lock_grads();
   std::vector<Tensor> accumulation_targets;  // set by the engine around apply() only
 
   // Note [Graph edges]

@@ -150,6 +150,8 @@ struct LinearBackward : Node {
     if (weight.requires_grad()) {  // dweight = dout^T · input, added into .grad when offered, last
       const Tensor& into = accumulation_target(1);  // Note [Accumulating into .grad]
       dweight = into.defined() ? into : empty_same(weight);
+      std::unique_lock<std::mutex> lock;
+      if (into.defined()) lock = lock_grads();
       gemm(dweight, dout, saved(0), out_features, N, in_features, true, false, into.defined() ? 1.0f : 0.0f);
     }
     return {dinput, dweight, dbias};
