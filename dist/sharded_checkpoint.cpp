@@ -314,7 +314,21 @@ void save_sharded_checkpoint(const std::string& path, const ShardedStateDict& mi
   }
 
   // 3. What every rank holds, and whether it wrote its file; any failure fails every rank.
-  const std::vector<std::string> gathered = all_gather_bytes(pg, report_bytes(report), timeout);
+  // The report itself can fail (its keys are the entries' names with a prefix: a name the
+  // shard file took may be too long here); then it carries only the error, so that every
+  // rank still learns of it at this all-gather instead of waiting for this rank.
+  std::string wire;
+  try {
+    wire = report_bytes(report);
+  } catch (const Error& e) {
+    if (!error) error = std::current_exception();
+    report.ok = false;
+    report.error = message_of(e);
+    report.entries.clear();
+    report.digests.clear();
+    wire = report_bytes(report);
+  }
+  const std::vector<std::string> gathered = all_gather_bytes(pg, wire, timeout);
   std::vector<RankReport> reports;
   std::string failed;
   for (int r = 0; r < world; ++r) {

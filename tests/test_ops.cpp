@@ -366,10 +366,10 @@ TEST_CASE("cpu matmul's direct paths (thin products and small panels) match a fl
   // Note [Thin matmuls]: K <= 16 without transposes, and 2 <= M <= 8 with K >= 128 and b
   // transposed, run direct loops in blocks of 8 rows x 8 columns and of 4 x 2 dot products
   // over 8 lanes (with AVX2 or AVX-512; an SSE2 build runs Eigen's GEMM for all). Note [Panel
-  // matmuls]: K <= 64 and K N <= 4096 without transposes, and M N <= 4096 with a transposed,
-  // run blocks of 6 or 8 rows x 2 vectors of 8 or 16 columns (the Winograd convolution's
-  // shapes are here). The sizes leave every remainder (rows, columns, lanes) and cross each
-  // limit into Eigen's GEMM.
+  // matmuls]: with at least a block of rows, K <= 64 and K N <= 4096 without transposes, and
+  // M N <= 4096 with K <= 1024 and a transposed, run blocks of 6 or 8 rows x 2 vectors of 8 or
+  // 16 columns (the Winograd convolution's shapes are here). The sizes leave every remainder
+  // (rows, columns, lanes) and cross each limit into Eigen's GEMM.
   struct Case {
     int64_t M, K, N;
     bool trans_b, trans_a = false;
@@ -386,7 +386,10 @@ TEST_CASE("cpu matmul's direct paths (thin products and small panels) match a fl
                         {1, 64, 64, false},   {5, 65, 16, false},   {9, 33, 125, false},
                         // panels with a transposed: the weight gradient, remainders, past M N 4096
                         {32, 252, 64, false, true}, {9, 50, 20, false, true}, {64, 3, 64, false, true},
-                        {65, 3, 64, false, true},   {5, 10, 7, false, true},  {1, 1, 16, false, true}};
+                        {65, 3, 64, false, true},   {5, 10, 7, false, true},  {1, 1, 16, false, true},
+                        // and past K 1024 with a transposed; fewer rows than a block
+                        {8, 1024, 16, false, true}, {8, 1025, 16, false, true}, {1, 32, 128, false},
+                        {5, 32, 128, false},        {7, 40, 64, false}};
   Generator gen(21);
   for (const Case& k : cases) {
     for (const float beta : {0.0f, 1.0f}) {

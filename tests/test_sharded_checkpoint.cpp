@@ -589,6 +589,31 @@ TEST_CASE("a replicated entry must hold the same values on every rank that saves
   CHECK(reader.read("x").to_vector() == small_x(20));
 }
 
+TEST_CASE("a name no checkpoint can hold, on one rank only, fails every rank at once, naming it") {
+  // A control character (refused by checkpoint_bytes) or a name so long that the save report's
+  // prefixed key passes 4096 bytes: the rank that has it must still reach the report's
+  // all-gather, or its peers wait for the timeout.
+  TempDir dir;
+  const std::string path = dir.path + "/run.ckpt";
+  for (const std::string& name : {std::string("a\tb"), std::string(4094, 'n')}) {
+    const int port = testing::free_port();
+    const std::string failures = on_ranks(4, [&](int rank) {
+      auto pg = join(rank, 4, port, /*timeout=*/20s);
+      dist::ShardedStateDict state = small_state(rank, 20);
+      if (rank == 1) state[name] = dist::whole_entry(Tensor::from_vector({1.0f}));
+      const auto start = std::chrono::steady_clock::now();
+      const std::string error = error_of([&] { dist::save_sharded_checkpoint(path, state, *pg, 20s); });
+      expect(std::chrono::steady_clock::now() - start < 10s, "rank ", rank, ": the save took ",
+             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), " s to fail");
+      if (rank == 1)
+        expect(!error.empty() && error.find("digest/") == std::string::npos, "rank 1: ", error);
+      else
+        expect(contains(error, "not saved, other ranks failed (rank 1: "), "rank ", rank, ": ", error);
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
+
 TEST_CASE("a missing, truncated, corrupt or foreign shard file is an IOError naming it; reads that do not need it go on") {
   TempDir dir;
   const std::string path = dir.path + "/run.ckpt", other = dir.path + "/other.ckpt";

@@ -142,9 +142,12 @@ constexpr bool kDirectLoopsPay = false;
 // work. The loop below keeps a block of kPanelRows rows of out, kPanelVectors vectors wide,
 // in registers while it runs over K: each step loads the vectors of one row of b and
 // broadcasts one entry of a per row of the block. b's panel (at most kPanelFloats floats)
-// stays in L1 for every block. Measured on the example CNN's shapes (AVX-512): 105-116
-// GFLOP/s against Eigen's 90. a is read through strides, so that a stored [K, M] (the weight
-// gradient's V^T) needs no transposed copy. Sums run over k in order, as in the thin loops.
+// stays in L1 for every block (with a transposed, b is [K, N] and streams from L2 for K up to
+// kPanelOuter). Measured on the example CNN's shapes (AVX-512): 105-116 GFLOP/s against
+// Eigen's 90. a is read through strides, so that a stored [K, M] (the weight gradient's V^T)
+// needs no transposed copy. Sums run over k in order, as in the thin loops. Eigen keeps what
+// does not fit: fewer rows than a block (one row computed 8 times ran at 13 GFLOP/s against
+// Eigen's 46-76), and a transposed a over K beyond kPanelOuter (K 60,000: 18 against 39).
 // With AVX2 the same shapes ran at 93-103 GFLOP/s against Eigen's 81-87.
 #if defined(__AVX512F__)
 using Wide = float __attribute__((vector_size(64)));  // one AVX-512 register
@@ -159,6 +162,7 @@ constexpr int64_t kWideLanes = sizeof(Wide) / sizeof(float);
 constexpr int64_t kPanelVectors = 2;
 constexpr int64_t kPanelFloats = 4096;  // 16 KB of b
 constexpr int64_t kPanelInner = 64;     // the longest K without transposes
+constexpr int64_t kPanelOuter = 1024;   // the longest K with a transposed (b's [K, N] from L2)
 
 // Columns [n, n + vectors * kWideLanes) of the block of rows rows[]: a's entry (r, k) at
 // a_rows[r] + k, or at a_rows[r] + k M for a stored [K, M].
@@ -228,9 +232,9 @@ void matmul(float* out, const float* a, const float* b, int64_t M, int64_t K, in
     if (!trans_a && !trans_b && K <= kThinSize) return thin_inner_matmul(out, a, b, M, K, N, beta);
     if (!trans_a && trans_b && M >= 2 && M <= 2 * kDotRows && K >= kDotMinInner)
       return thin_outer_matmul(out, a, b, M, K, N, beta);
-    if (!trans_b && N >= kWideLanes) {  // Note [Panel matmuls]
+    if (!trans_b && N >= kWideLanes && M >= kPanelRows) {  // Note [Panel matmuls]
       if (!trans_a && K <= kPanelInner && K * N <= kPanelFloats) return panel_matmul<false>(out, a, b, M, K, N, beta);
-      if (trans_a && M * N <= kPanelFloats) return panel_matmul<true>(out, a, b, M, K, N, beta);
+      if (trans_a && M * N <= kPanelFloats && K <= kPanelOuter) return panel_matmul<true>(out, a, b, M, K, N, beta);
     }
   }
   const auto A = trans_a ? mat(a, K, M) : mat(a, M, K);
