@@ -166,12 +166,13 @@ uint64_t version_of(const Tensor& t) { return t.defined() ? t.impl()->storage->v
 void check_unchanged(const std::string& who, const Tensor& t, uint64_t recorded) {
   if (!t.defined()) return;
   const uint64_t now = version_of(t);
-  NANODDP_CHECK(now == recorded, ValueError, who, " (", t.shape(), " ", t.dtype(),
-                ") was modified in place (copy_, fill_, zero_, or a backward adding into it as a .grad) after the "
-                "forward saved it: it is at version ", now,
-                ", the forward saved version ", recorded,
-                ". Its backward would use the new values; clone it before changing it, or change it after backward "
-                "(torch: \"modified by an inplace operation\")");
+  NANODDP_CHECK(
+      now == recorded, ValueError, who, " (", t.shape(), " ", t.dtype(),
+      ") was modified in place (copy_, fill_, zero_, or a backward adding into it as a .grad) after the "
+      "forward saved it: it is at version ",
+      now, ", the forward saved version ", recorded,
+      ". Its backward would use the new values; clone it before changing it, or change it after backward "
+      "(torch: \"modified by an inplace operation\")");
 }
 
 }  // namespace
@@ -518,7 +519,7 @@ void run_backward(const Tensor& root, const Tensor& grad_root, bool retain_graph
       const Tensor& target = fn->accumulation_target(i);
       if (target.defined() && input_grads[i].defined() && input_grads[i].is_same(target)) {
         accumulated_in_place.insert(graph_key(input));  // Note [Accumulating into .grad]
-        target.impl()->storage->bump_version();        // Note [Version counter]
+        target.impl()->storage->bump_version();         // Note [Version counter]
       } else if (input_grads[i].defined()) {
         // A leaf whose data set_data replaced after the forward used it gets a gradient of its
         // old shape (torch fails in the add: "The size of tensor a (2) must match ...").

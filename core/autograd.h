@@ -112,9 +112,9 @@ struct Node {
   // an add when .grad is zero or the GEMM's inner dimension fits one Eigen block (on the
   // CPU: same bits for batches of 64 and 256 rows, not for 300), within rounding otherwise;
   // the CPU's panel loop (Note [Panel matmuls]) adds .grad after the whole sum, exactly a
-  // temporary then an add. The node holds lock_grads() around its write (Note [Locking .grad] in autograd.cpp), and
-  // the engine counts the add as an in-place change of the .grad's memory (Note [Version
-  // counter]).
+  // temporary then an add. The node holds lock_grads() around its write (Note [Locking
+  // .grad] in autograd.cpp), and the engine counts the add as an in-place change of the
+  // .grad's memory (Note [Version counter]).
   const Tensor& accumulation_target(size_t i) const;
   // The lock every add into a leaf's .grad holds, so that backward passes on several threads
   // may share leaves (torch's AccumulateGrad locks each leaf likewise).

@@ -439,8 +439,8 @@ void Tensor::set_data(const Tensor& other) {
   TensorImpl& self = checked_impl();
   NANODDP_CHECK(other.defined(), ValueError, "set_data with an undefined tensor");
   // torch: "data set to a tensor that requires gradients must be floating point or complex dtype".
-  NANODDP_CHECK(!self.requires_grad || other.dtype() == DType::Float32 || is_16bit_float(other.dtype()), ValueError,
-                "set_data: a tensor that requires grad cannot take ", other.dtype(),
+  NANODDP_CHECK(!self.requires_grad || other.dtype() == DType::Float32 || is_16bit_float(other.dtype()),
+                ValueError, "set_data: a tensor that requires grad cannot take ", other.dtype(),
                 " data; its data must be floating point");
   self.storage = other.impl()->storage;
   self.shape = other.shape();

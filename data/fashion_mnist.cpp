@@ -19,8 +19,8 @@ std::string find_file(const std::string& root, const std::string& name) {
   std::error_code ignored;
   if (fs::exists(gz, ignored)) return gz.string();
   if (fs::exists(raw, ignored)) return raw.string();
-  NANODDP_CHECK(!fs::exists(root, ignored) || fs::is_directory(root, ignored), IOError, "Fashion-MNIST: '", root,
-                "' is a file, not a folder: pass the folder that holds the four IDX files (default ",
+  NANODDP_CHECK(!fs::exists(root, ignored) || fs::is_directory(root, ignored), IOError, "Fashion-MNIST: '",
+                root, "' is a file, not a folder: pass the folder that holds the four IDX files (default ",
                 FashionMNIST::kDefaultRoot, ")");
   NANODDP_THROW(IOError, "Fashion-MNIST file not found: '", gz.string(), "' (nor '", raw.string(),
                 "'). Install Debian's package with `apt-get install dataset-fashion-mnist` (files in ",

@@ -785,8 +785,9 @@ void FullyShardedDataParallel::load_full_state_dict(const nn::StateDict& state) 
       if (failed[r][0] != 0) refused += (refused.empty() ? "" : ", ") + std::to_string(r);
   }
   if (error) std::rethrow_exception(error);
-  NANODDP_CHECK(refused.empty(), ValueError, "FullyShardedDataParallel.load_full_state_dict on rank ", pg_->rank(),
-                ": rank(s) ", refused, " refused the state (their errors say why); no rank loaded it. Every rank "
+  NANODDP_CHECK(refused.empty(), ValueError, "FullyShardedDataParallel.load_full_state_dict on rank ",
+                pg_->rank(), ": rank(s) ", refused,
+                " refused the state (their errors say why); no rank loaded it. Every rank "
                 "passes the same full state");
   gather_all_for_state_dict(CollectivePurpose::Kind::FsdpLoadStateDict);
   try {

@@ -319,11 +319,12 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     if (world_size == 1) master.host = "127.0.0.1", master.port = 0;
     NANODDP_CHECK(!master.host.empty(), ValueError, detail::where(rank, world_size),
                   ": MASTER_ADDR is not set (the address of rank 0's host; nanoddp-run sets it)");
-    NANODDP_CHECK(world_size == 1 || master.port > 0, ValueError, detail::where(rank, world_size),
-                  std::getenv("MASTER_PORT") != nullptr && *std::getenv("MASTER_PORT") != '\0'
-                      ? ": MASTER_PORT=0 names no port: the other ranks must know rank 0's (the launcher picks "
-                        "a free one when its --master-port is 0)"
-                      : ": MASTER_PORT is not set (a free TCP port on rank 0's host)");
+    NANODDP_CHECK(
+        world_size == 1 || master.port > 0, ValueError, detail::where(rank, world_size),
+        std::getenv("MASTER_PORT") != nullptr && *std::getenv("MASTER_PORT") != '\0'
+            ? ": MASTER_PORT=0 names no port: the other ranks must know rank 0's (the launcher picks "
+              "a free one when its --master-port is 0)"
+            : ": MASTER_PORT is not set (a free TCP port on rank 0's host)");
   }
   NANODDP_CHECK(master.port > 0 || world_size == 1, ValueError, detail::where(rank, world_size),
                 ": port 0 only works for a 1-rank job: the other ranks must know the port");

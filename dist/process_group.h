@@ -253,9 +253,10 @@ class ProcessGroup {
   // it, and it stays valid after the group is gone. One rule on shm: an all_reduce of a whole
   // buffer needs every rank's buffer, not a buffer on some ranks and ordinary tensors on
   // others (the direct all-reduce reads the peers' buffers in place); such a mix is a
-  // DistError on every rank, found after the call started, so the group is then unusable. Like torch.distributed's
-  // _symmetric_memory.empty followed by rendezvous. Throws DistError when ranks ask for
-  // different sizes (shm), or TimeoutError when a rank does not call it within the timeout.
+  // DistError on every rank, found after the call started, so the group is then unusable.
+  // Like torch.distributed's _symmetric_memory.empty followed by rendezvous. Throws DistError
+  // when ranks ask for different sizes (shm), or TimeoutError when a rank does not call it
+  // within the timeout.
   virtual Tensor new_collective_buffer(int64_t numel, DType dtype, Device device);
 
   // The all-reduce algorithm whose traffic formula describes this backend: "ring" (each rank

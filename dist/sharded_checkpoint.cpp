@@ -384,8 +384,9 @@ void save_sharded_checkpoint(const std::string& path, const ShardedStateDict& mi
               first_holder = r;
               continue;
             }
-            NANODDP_CHECK(it->second == reports[static_cast<size_t>(first_holder)].digests.at(name), ValueError,
-                          where, ": '", name, "' is held whole by ranks ", first_holder, " and ", r,
+            NANODDP_CHECK(it->second == reports[static_cast<size_t>(first_holder)].digests.at(name),
+                          ValueError, where, ": '", name, "' is held whole by ranks ", first_holder, " and ",
+                          r,
                           " with different values: a replicated entry must be the same on every rank that "
                           "holds it (have the replicas diverged?)");
           }

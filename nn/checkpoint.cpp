@@ -127,8 +127,8 @@ std::string checkpoint_bytes(const StateDict& tensors) {
     // character (state_dict keys are dotted module paths).
     for (size_t i = 0; i < name.size(); ++i)
       NANODDP_CHECK(static_cast<unsigned char>(name[i]) >= 0x20, ValueError, "checkpoint: name '", name,
-                    "' holds the control character 0x", std::hex, int(static_cast<unsigned char>(name[i])), std::dec,
-                    " at byte ", i, "; names hold no control characters");
+                    "' holds the control character 0x", std::hex, int(static_cast<unsigned char>(name[i])),
+                    std::dec, " at byte ", i, "; names hold no control characters");
     const Tensor host = host_tensor_to_save(tensor, "checkpoint", name);
     put<uint32_t>(bytes, static_cast<uint32_t>(name.size()));
     bytes += name;

@@ -2,8 +2,8 @@
 
 #include <functional>
 #include <memory>
-#include <thread>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -173,7 +173,9 @@ TEST_CASE("a .grad that set_data left at another shape is refused, not overrun")
   CHECK(x.grad().to_vector() == std::vector<float>(8, 2.0f));
 }
 
-TEST_CASE("set_data: integer data on a tensor that requires grad, and a leaf changed between forward and backward") {
+TEST_CASE(
+    "set_data: integer data on a tensor that requires grad, and a leaf changed between forward and "
+    "backward") {
   // torch: "data set to a tensor that requires gradients must be floating point or complex dtype".
   Tensor x = Tensor::from_vector({1.0f, 2.0f}).set_requires_grad(true);
   CHECK_THROWS_AS(x.set_data(Tensor::from_vector(std::vector<int64_t>{1, 2})), ValueError);
@@ -186,7 +188,9 @@ TEST_CASE("set_data: integer data on a tensor that requires grad, and a leaf cha
                        ShapeError);
 }
 
-TEST_CASE("adding into a .grad in place counts as a change of its memory: a forward that saved it refuses the backward") {
+TEST_CASE(
+    "adding into a .grad in place counts as a change of its memory: a forward that saved it refuses the "
+    "backward") {
   // torch 1.13 raises "modified by an inplace operation" for both: AccumulateGrad bumps the
   // version of the .grad it adds into.
   SUBCASE(".grad is a tensor a product saved") {
@@ -194,7 +198,7 @@ TEST_CASE("adding into a .grad in place counts as a change of its memory: a forw
     Tensor w = Tensor::from_vector({0.0f, 0.0f}, {2, 1}).set_requires_grad(true);
     w.set_grad(g);
     Tensor z = Tensor::from_vector({1.0f, 1.0f}, {2, 1}).set_requires_grad(true);
-    const Tensor y1 = sum(z * g);  // saves g for z's gradient
+    const Tensor y1 = sum(z * g);                                                 // saves g for z's gradient
     const Tensor y2 = sum(matmul(Tensor::from_vector({5.0f, 7.0f}, {1, 2}), w));  // w.grad (g) += [5, 7]
     const std::string m = backward_error(y1 + y2);
     CHECK_MESSAGE(m.find("was modified in place") != std::string::npos, m);

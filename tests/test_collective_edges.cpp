@@ -287,8 +287,8 @@ TEST_CASE("a peer that never calls the collective ends every wait by the group's
     } catch (const std::exception& e) {
       expect(false, "rank ", rank, ": the second wait threw another kind of error: ", e.what());
     }
-    expect(milliseconds_since(again) < 100, "rank ", rank, ": the second wait took ", milliseconds_since(again),
-           " ms");
+    expect(milliseconds_since(again) < 100, "rank ", rank, ": the second wait took ",
+           milliseconds_since(again), " ms");
     expect(!first.empty() && work->is_completed(), "rank ", rank, ": not completed after its wait failed");
   });
 }

@@ -204,8 +204,10 @@ TEST_CASE("gloo: a busy MASTER_PORT fails fast on rank 0 and names the port; a 1
   two.world_size = 2;
   CHECK_THROWS_WITH_AS(init_process_group(two), doctest::Contains("MASTER_PORT=0 names no port"), ValueError);
   for (const bool empty : {true, false}) {
-    if (empty) ::setenv("MASTER_PORT", "", 1);
-    else ::unsetenv("MASTER_PORT");
+    if (empty)
+      ::setenv("MASTER_PORT", "", 1);
+    else
+      ::unsetenv("MASTER_PORT");
     CHECK_THROWS_WITH_AS(init_process_group(two), doctest::Contains("MASTER_PORT is not set"), ValueError);
   }
   for (const char* name : {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"}) ::unsetenv(name);

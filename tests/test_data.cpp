@@ -430,7 +430,8 @@ TEST_CASE("Dataset::get_batch by default stacks get() results") {
   struct Holey : Dataset {
     int64_t size() const override { return 4; }
     Example get(int64_t index) const override {
-      return {index == 2 ? Tensor() : Tensor::full({2}, 1.0f), Tensor::from_vector(std::vector<int64_t>{index}, {})};
+      return {index == 2 ? Tensor() : Tensor::full({2}, 1.0f),
+              Tensor::from_vector(std::vector<int64_t>{index}, {})};
     }
   } holey;
   CHECK(holey.get_batch({0, 1}).input.shape() == Shape{2, 2});

@@ -1108,7 +1108,8 @@ TEST_CASE("load_full_state_dict: a state one rank refuses is loaded by no rank")
       expect(after.at(name).to_vector() == value.to_vector(), "rank ", rank, ": '", name, "' changed");
     // A good state still loads afterwards: the ranks are in step.
     fsdp.load_full_state_dict(make_mlp(99)->state_dict());
-    expect(fsdp.full_state_dict(false).at("0.weight").to_vector() == make_mlp(99)->state_dict().at("0.weight").to_vector(),
+    expect(fsdp.full_state_dict(false).at("0.weight").to_vector() ==
+               make_mlp(99)->state_dict().at("0.weight").to_vector(),
            "rank ", rank, ": the good state did not load");
   });
   CHECK_MESSAGE(failures.empty(), failures);

@@ -328,8 +328,9 @@ TEST_CASE("an inf on one rank only: every rank skips, halves the scale and keeps
   }
 }
 
-TEST_CASE("inside a Join with uneven inputs: with a group the mismatch names the scaler and the join; without "
-          "one every rank trains and the replicas stay equal") {
+TEST_CASE(
+    "inside a Join with uneven inputs: with a group the mismatch names the scaler and the join; without "
+    "one every rank trains and the replicas stay equal") {
   for (const bool with_group : {true, false}) {
     const int port = testing::free_port();
     const std::string failures = on_ranks(2, [port, with_group](int rank) {
@@ -342,8 +343,8 @@ TEST_CASE("inside a Join with uneven inputs: with a group the mismatch names the
       try {
         dist::Join join({ddp});
         for (int step = 0; step < batches; ++step) {
-          const Batch b = testing::rows(testing::random_batch(70 + static_cast<uint64_t>(step), 8, 5, 3), 4 * rank,
-                                        4 * rank + 4);
+          const Batch b = testing::rows(testing::random_batch(70 + static_cast<uint64_t>(step), 8, 5, 3),
+                                        4 * rank, 4 * rank + 4);
           opt.zero_grad();
           scaler.scale(cross_entropy(ddp(b.x), b.y)).backward();
           scaler.step(opt);

@@ -311,7 +311,8 @@ TEST_CASE("a 3x3 conv2d with an inf or NaN operand gives the direct sum's values
               for (int64_t s = 0; s < 3; ++s) {
                 const int64_t iy = y + r - 1, ix = x + s - 1;
                 const bool inside = iy >= 0 && iy < H && ix >= 0 && ix < W;
-                if (inside || zeros_multiply) out[(o * H + y) * W + x] += (inside ? in(c, iy, ix) : 0.0) * weight(o, c, r, s);
+                if (inside || zeros_multiply)
+                  out[(o * H + y) * W + x] += (inside ? in(c, iy, ix) : 0.0) * weight(o, c, r, s);
               }
     return out;
   };
@@ -319,9 +320,9 @@ TEST_CASE("a 3x3 conv2d with an inf or NaN operand gives the direct sum's values
     REQUIRE(got.size() == want.size());
     size_t wrong = 0;
     for (size_t i = 0; i < got.size(); ++i) {
-      const bool ok = std::isnan(want[i])      ? std::isnan(got[i])
-                      : std::isinf(want[i])    ? double(got[i]) == want[i]
-                                               : std::abs(got[i] - want[i]) <= 1e-4 * (1 + std::abs(want[i]));
+      const bool ok = std::isnan(want[i])   ? std::isnan(got[i])
+                      : std::isinf(want[i]) ? double(got[i]) == want[i]
+                                            : std::abs(got[i] - want[i]) <= 1e-4 * (1 + std::abs(want[i]));
       wrong += !ok;
     }
     return wrong;
@@ -332,17 +333,26 @@ TEST_CASE("a 3x3 conv2d with an inf or NaN operand gives the direct sum's values
       CAPTURE(bad);
       CAPTURE(which);
       std::vector<float> xv = x0, wv = w0, dv = d0;
-      (which == 0 ? xv[(2 * H + 2) * W + 1] : which == 1 ? wv[((3 * C + 2) * 3 + 1) * 3 + 2] : dv[(5 * H + 1) * W + 3]) = bad;
+      (which == 0   ? xv[(2 * H + 2) * W + 1]
+       : which == 1 ? wv[((3 * C + 2) * 3 + 1) * 3 + 2]
+                    : dv[(5 * H + 1) * W + 3]) = bad;
       Tensor x = Tensor::from_vector(xv, {1, C, H, W}).set_requires_grad(true);
       Tensor w = Tensor::from_vector(wv, {C, C, 3, 3}).set_requires_grad(true);
       Tensor y = conv2d(x, w, Tensor(), 1, 1);
-      CHECK(same(y.to_vector(), direct([&](int64_t c, int64_t i, int64_t j) { return double(xv[(c * H + i) * W + j]); },
-                                       [&](int64_t o, int64_t c, int64_t r, int64_t s) { return double(wv[((o * C + c) * 3 + r) * 3 + s]); }, true)) == 0);
+      CHECK(same(y.to_vector(),
+                 direct([&](int64_t c, int64_t i, int64_t j) { return double(xv[(c * H + i) * W + j]); },
+                        [&](int64_t o, int64_t c, int64_t r, int64_t s) {
+                          return double(wv[((o * C + c) * 3 + r) * 3 + s]);
+                        },
+                        true)) == 0);
       y.backward(Tensor::from_vector(dv, {1, C, H, W}));
       // dx: the convolution of dout with the weight turned 180 degrees, channels swapped.
       CHECK(same(x.grad().to_vector(),
                  direct([&](int64_t o, int64_t i, int64_t j) { return double(dv[(o * H + i) * W + j]); },
-                        [&](int64_t c, int64_t o, int64_t r, int64_t s) { return double(wv[((o * C + c) * 3 + 2 - r) * 3 + 2 - s]); }, false)) == 0);
+                        [&](int64_t c, int64_t o, int64_t r, int64_t s) {
+                          return double(wv[((o * C + c) * 3 + 2 - r) * 3 + 2 - s]);
+                        },
+                        false)) == 0);
       // dw[o, c, r, s] = sum over pixels of dout(o, y, x) in(c, y + r - 1, x + s - 1).
       std::vector<double> dw(C * C * 9, 0.0);
       for (int64_t o = 0; o < C; ++o)
@@ -353,7 +363,8 @@ TEST_CASE("a 3x3 conv2d with an inf or NaN operand gives the direct sum's values
                 for (int64_t j = 0; j < W; ++j) {
                   const int64_t iy = i + r - 1, ix = j + s - 1;
                   const bool inside = iy >= 0 && iy < H && ix >= 0 && ix < W;
-                  dw[((o * C + c) * 3 + r) * 3 + s] += double(dv[(o * H + i) * W + j]) * (inside ? xv[(c * H + iy) * W + ix] : 0.0);
+                  dw[((o * C + c) * 3 + r) * 3 + s] +=
+                      double(dv[(o * H + i) * W + j]) * (inside ? xv[(c * H + iy) * W + ix] : 0.0);
                 }
       CHECK(same(w.grad().to_vector(), dw) == 0);
     }

@@ -374,22 +374,47 @@ TEST_CASE("cpu matmul's direct paths (thin products and small panels) match a fl
     int64_t M, K, N;
     bool trans_b, trans_a = false;
   };
-  const Case cases[] = {{1, 1, 1, false},  {13, 9, 27, false}, {8, 16, 8, false},  {32, 9, 676, false},
-                        {3, 17, 5, false}, {1, 1, 1, true},    {9, 676, 32, true}, {5, 21, 7, true},
-                        {16, 8, 3, true},  {4, 3, 2, true},    {17, 9, 3, true},
+  const Case cases[] = {{1, 1, 1, false},
+                        {13, 9, 27, false},
+                        {8, 16, 8, false},
+                        {32, 9, 676, false},
+                        {3, 17, 5, false},
+                        {1, 1, 1, true},
+                        {9, 676, 32, true},
+                        {5, 21, 7, true},
+                        {16, 8, 3, true},
+                        {4, 3, 2, true},
+                        {17, 9, 3, true},
                         // dot products: rows and lanes left over, and each limit crossed
-                        {3, 203, 9, true}, {8, 784, 5, true}, {2, 128, 10, true}, {5, 130, 3, true},
-                        {9, 700, 4, true}, {1, 300, 7, true}, {4, 127, 6, true},
+                        {3, 203, 9, true},
+                        {8, 784, 5, true},
+                        {2, 128, 10, true},
+                        {5, 130, 3, true},
+                        {9, 700, 4, true},
+                        {1, 300, 7, true},
+                        {4, 127, 6, true},
                         // panels, without transposes: the CNN's forward and input gradient,
                         // remainders of rows, of vectors and of single columns, past K 64
-                        {252, 32, 64, false}, {245, 64, 32, false}, {13, 40, 37, false}, {7, 17, 24, false},
-                        {1, 64, 64, false},   {5, 65, 16, false},   {9, 33, 125, false},
+                        {252, 32, 64, false},
+                        {245, 64, 32, false},
+                        {13, 40, 37, false},
+                        {7, 17, 24, false},
+                        {1, 64, 64, false},
+                        {5, 65, 16, false},
+                        {9, 33, 125, false},
                         // panels with a transposed: the weight gradient, remainders, past M N 4096
-                        {32, 252, 64, false, true}, {9, 50, 20, false, true}, {64, 3, 64, false, true},
-                        {65, 3, 64, false, true},   {5, 10, 7, false, true},  {1, 1, 16, false, true},
+                        {32, 252, 64, false, true},
+                        {9, 50, 20, false, true},
+                        {64, 3, 64, false, true},
+                        {65, 3, 64, false, true},
+                        {5, 10, 7, false, true},
+                        {1, 1, 16, false, true},
                         // and past K 1024 with a transposed; fewer rows than a block
-                        {8, 1024, 16, false, true}, {8, 1025, 16, false, true}, {1, 32, 128, false},
-                        {5, 32, 128, false},        {7, 40, 64, false}};
+                        {8, 1024, 16, false, true},
+                        {8, 1025, 16, false, true},
+                        {1, 32, 128, false},
+                        {5, 32, 128, false},
+                        {7, 40, 64, false}};
   Generator gen(21);
   for (const Case& k : cases) {
     for (const float beta : {0.0f, 1.0f}) {
@@ -411,8 +436,8 @@ TEST_CASE("cpu matmul's direct paths (thin products and small panels) match a fl
         for (int64_t n = 0; n < k.N; ++n) {
           double want = beta == 0.0f ? 0.0 : old[m * k.N + n], magnitude = std::abs(want);
           for (int64_t i = 0; i < k.K; ++i) {
-            const double product =
-                double(k.trans_a ? a[i * k.M + m] : a[m * k.K + i]) * (k.trans_b ? b[n * k.K + i] : b[i * k.N + n]);
+            const double product = double(k.trans_a ? a[i * k.M + m] : a[m * k.K + i]) *
+                                   (k.trans_b ? b[n * k.K + i] : b[i * k.N + n]);
             want += product;
             magnitude += std::abs(product);
           }

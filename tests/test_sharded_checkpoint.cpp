@@ -579,8 +579,8 @@ TEST_CASE("a replicated entry must hold the same values on every rank that saves
       if (!diverged)
         expect(error.empty(), "rank ", rank, ": ", error);
       else
-        expect(contains(error, "'bias' is held whole by ranks 1 and 3 with different values"), "rank ", rank, ": ",
-               error);
+        expect(contains(error, "'bias' is held whole by ranks 1 and 3 with different values"), "rank ", rank,
+               ": ", error);
     });
     REQUIRE_MESSAGE(failures.empty(), (diverged ? "diverged: " : "equal: "), failures);
   }

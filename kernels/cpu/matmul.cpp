@@ -194,8 +194,8 @@ inline void panel_block(float* const* rows, const float* const* a_rows, int64_t 
 // out [M, N] = beta out + op(a) · b [K, N], op(a) [M, K]: a itself, or a stored [K, M]
 // transposed.
 template <bool a_transposed>
-[[gnu::noinline]] void panel_matmul(float* out, const float* a, const float* b, int64_t M, int64_t K, int64_t N,
-                                    float beta) {
+[[gnu::noinline]] void panel_matmul(float* out, const float* a, const float* b, int64_t M, int64_t K,
+                                    int64_t N, float beta) {
   const int64_t a_row = a_transposed ? 1 : K, a_step = a_transposed ? M : 1;
   for (int64_t first = 0; first < M; first += kPanelRows) {
     // Row r of the block, or the last row again past M: it stores row M - 1's value twice.
@@ -209,7 +209,8 @@ template <bool a_transposed>
     int64_t n = 0;
     for (; n + kPanelVectors * kWideLanes <= N; n += kPanelVectors * kWideLanes)
       panel_block<kPanelVectors, a_transposed>(rows, a_rows, M, b, K, N, n, beta);
-    for (; n + kWideLanes <= N; n += kWideLanes) panel_block<1, a_transposed>(rows, a_rows, M, b, K, N, n, beta);
+    for (; n + kWideLanes <= N; n += kWideLanes)
+      panel_block<1, a_transposed>(rows, a_rows, M, b, K, N, n, beta);
     for (; n < N; ++n)
       for (int64_t r = 0; r < std::min(kPanelRows, M - first); ++r) {
         float sum = 0.0f;
@@ -233,8 +234,10 @@ void matmul(float* out, const float* a, const float* b, int64_t M, int64_t K, in
     if (!trans_a && trans_b && M >= 2 && M <= 2 * kDotRows && K >= kDotMinInner)
       return thin_outer_matmul(out, a, b, M, K, N, beta);
     if (!trans_b && N >= kWideLanes && M >= kPanelRows) {  // Note [Panel matmuls]
-      if (!trans_a && K <= kPanelInner && K * N <= kPanelFloats) return panel_matmul<false>(out, a, b, M, K, N, beta);
-      if (trans_a && M * N <= kPanelFloats && K <= kPanelOuter) return panel_matmul<true>(out, a, b, M, K, N, beta);
+      if (!trans_a && K <= kPanelInner && K * N <= kPanelFloats)
+        return panel_matmul<false>(out, a, b, M, K, N, beta);
+      if (trans_a && M * N <= kPanelFloats && K <= kPanelOuter)
+        return panel_matmul<true>(out, a, b, M, K, N, beta);
     }
   }
   const auto A = trans_a ? mat(a, K, M) : mat(a, M, K);
