@@ -780,9 +780,7 @@ void FullyShardedDataParallel::load_full_state_dict(const nn::StateDict& state) 
   std::string refused;
   {
     const CollectivePurpose purpose(CollectivePurpose::Kind::FsdpLoadCheck, 0);
-    const std::vector<std::vector<int64_t>> failed = all_gather_host(*pg_, {error ? 1 : 0}, options_.timeout);
-    for (size_t r = 0; r < failed.size(); ++r)
-      if (failed[r][0] != 0) refused += (refused.empty() ? "" : ", ") + std::to_string(r);
+    refused = ranks_that_failed(*pg_, error != nullptr, options_.timeout);
   }
   if (error) std::rethrow_exception(error);
   NANODDP_CHECK(refused.empty(), ValueError, "FullyShardedDataParallel.load_full_state_dict on rank ",

@@ -38,4 +38,12 @@ std::vector<std::vector<int64_t>> all_gather_host(ProcessGroup& pg, const std::v
   return gathered;
 }
 
+std::string ranks_that_failed(ProcessGroup& pg, bool failed_here, std::chrono::milliseconds timeout) {
+  const std::vector<std::vector<int64_t>> failed = all_gather_host(pg, {failed_here ? 1 : 0}, timeout);
+  std::string ranks;
+  for (size_t r = 0; r < failed.size(); ++r)
+    if (failed[r][0] != 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  return ranks;
+}
+
 }  // namespace nanoddp::dist

@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "dist/process_group.h"
@@ -30,5 +31,11 @@ std::vector<int64_t> all_reduce_host(ProcessGroup& pg, const std::vector<int64_t
 // (torch.distributed.all_gather).
 std::vector<std::vector<int64_t>> all_gather_host(ProcessGroup& pg, const std::vector<int64_t>& values,
                                                   std::chrono::milliseconds timeout = kDefaultTimeout);
+
+// Every rank says whether a step failed on it; returns the ranks where it did, as "1, 3" (""
+// when none). For a step every rank must pass before any acts on it: ZeroRedundancyOptimizer.
+// load_state_dict and FullyShardedDataParallel.load_full_state_dict load only when it is "".
+std::string ranks_that_failed(ProcessGroup& pg, bool failed_here,
+                              std::chrono::milliseconds timeout = kDefaultTimeout);
 
 }  // namespace nanoddp::dist

@@ -192,16 +192,13 @@ void ZeroRedundancyOptimizer::load_state_dict(const nn::StateDict& state) {
     error = std::current_exception();
   }
   const CollectivePurpose purpose(CollectivePurpose::Kind::ZeroLoad, 0);
-  std::vector<std::vector<int64_t>> failed;
+  std::string failed_ranks;
   try {
-    failed = all_gather_host(*pg_, {error ? 1 : 0});
+    failed_ranks = ranks_that_failed(*pg_, error != nullptr);
   } catch (...) {  // no agreement (a peer in another collective, a timeout): nobody keeps the new state
     if (!error) local_->load_state_dict(before);
     throw;
   }
-  std::string failed_ranks;
-  for (size_t r = 0; r < failed.size(); ++r)
-    if (failed[r][0] != 0) failed_ranks += (failed_ranks.empty() ? "" : ", ") + std::to_string(r);
   if (failed_ranks.empty()) return;
   if (error) std::rethrow_exception(error);
   local_->load_state_dict(before);  // this rank loaded its share: put the old state back
