@@ -72,6 +72,10 @@ void join_trace(ProcessGroup& group, Store* store) {
 
 std::mutex default_mutex;
 std::shared_ptr<ProcessGroup> default_group;
+// How many default groups this process has initialised: the next one's store generation
+// (TCPStoreOptions::generation), so a rank that re-initialises before rank 0 has destroyed the
+// old group waits for rank 0's new store instead of joining the old one.
+int groups_initialised = 0;
 
 // Note [NCCL shutdown] (dist/process_group_nccl.cpp): a default group still alive at exit is
 // dropped by an exit handler registered once the group (and so CUDA) is up. Exit handlers
@@ -287,6 +291,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                                     : std::string());
     // CUDA tensors through host memory (dist/host_staging.h), then the collective check.
     default_group = checked(stage_device_tensors(group), check_collectives, options.timeout);
+    ++groups_initialised;
     register_exit_handler();
     join_trace(*default_group, nullptr);
     return default_group;
@@ -339,6 +344,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   store_options.job_id = env_text(kJobIdEnv);
   store_options.token = env_text(kStoreTokenEnv);
   store_options.round = std::max(0, env_int({kRestartCountEnv}, 0, INT_MAX));
+  store_options.generation = groups_initialised;
   store_options.listen_on_all_interfaces = listen_on_all_interfaces;
   if (rank == 0 && world_size > 1 && store_options.token.empty()) {
     const std::string warning =
@@ -405,6 +411,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   }
   // A CPU group takes CUDA tensors too (dist/host_staging.h); then the collective check.
   default_group = checked(stage_device_tensors(group), check_collectives, options.timeout);
+  ++groups_initialised;
   joining.joined = true;  // the group is up; reported as `joining` goes out of scope
   register_exit_handler();
   join_trace(*default_group, store.get());

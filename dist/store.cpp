@@ -29,6 +29,8 @@ TCPStore::TCPStore(const TCPStoreOptions& options) : options_(options) {
                 ": a store client needs the server's port, not 0");
   NANODDP_CHECK(options.round >= 0, ValueError, detail::where(options.rank, options.world_size),
                 ": store round ", options.round, " is negative");
+  NANODDP_CHECK(options.generation >= 0, ValueError, detail::where(options.rank, options.world_size),
+                ": store generation ", options.generation, " is negative");
   std::string context = detail::where(options.rank, options.world_size);
   port_ = options.port;
   if (options.is_server) {

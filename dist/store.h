@@ -93,6 +93,12 @@ struct TCPStoreOptions {
   // older round gets DistError at once; one of a newer round reached the old group's server,
   // which is about to go, and connects again until `timeout` (then TimeoutError).
   int round = 0;
+  // Which default group of this process this is: init_process_group numbers them 0, 1, ... (a
+  // program may destroy_process_group() and init again, on the same MASTER_PORT). Ordered
+  // after `round` and treated like it: the server admits only its own generation; a client of
+  // an older one gets DistError at once; a client of a newer one reached the server of the
+  // group rank 0 has not yet destroyed, and connects again until `timeout`.
+  int generation = 0;
   // The server listens on `host`'s address only (it must be an address of this machine); true:
   // on every interface, as PyTorch's TCPStore always does.
   bool listen_on_all_interfaces = false;

@@ -37,21 +37,23 @@ class TCPStore::Client {
  public:
   Client(const TCPStoreOptions& options, int port, const std::string& context)
       : context_(context + ": store " + options.host + ":" + std::to_string(port)), rank_(options.rank) {
-    // A newer round's rank may reach the old group's server while that one is still going
-    // (Note [Restart rounds]): it connects again until the timeout. The old server may also
-    // close a connection it accepted as it goes away: for a restarted rank that is not rank 0
+    // A rank of a newer round or generation may reach the old group's server while that one is
+    // still going (Note [Restart rounds]; a program that destroyed its group and initialised
+    // a new one before rank 0 did): it connects again until the timeout. The old server may
+    // also close a connection it accepted as it goes away: for such a rank that is not rank 0
     // failing, for up to kOldServerGrace after the first such close.
     constexpr auto kOldServerGrace = std::chrono::seconds(2);
     const auto deadline = Clock::now() + options.timeout;
+    const bool may_meet_old_server = options.round > 0 || options.generation > 0;
     std::optional<Clock::time_point> first_close;
-    uint32_t server_round = 0;
+    uint32_t server_round = 0, server_generation = 0;
     while (true) {
       connect(options.host, port, options.timeout, options.connect_notice_after, context);
       try {
-        if (hello(options, server_round)) return;
+        if (hello(options, server_round, server_generation)) return;
       } catch (const ClosedBeforeHello&) {
         if (!first_close) first_close = Clock::now();
-        const bool retry = options.round > 0 && Clock::now() - *first_close < kOldServerGrace;
+        const bool retry = may_meet_old_server && Clock::now() - *first_close < kOldServerGrace;
         if (!retry) {
           report_lost_peer(rank_, 0);  // blamed only if rank 0 failed too (Note [Launcher link])
           NANODDP_THROW(DistError, context_, ": the store closed the connection before answering the hello: "
@@ -60,6 +62,13 @@ class TCPStore::Client {
         }
       }
       fd_.reset();
+      if (Clock::now() >= deadline && server_round == static_cast<uint32_t>(options.round)) {
+        NANODDP_THROW(TimeoutError, context_, ": this process's group is its generation ", options.generation,
+                      " (init_process_group call ", options.generation + 1, "), but the store still serves "
+                      "generation ", server_generation, " after ", options.timeout.count(),
+                      " ms: rank 0 did not destroy its earlier group (destroy_process_group) and initialise "
+                      "this one");
+      }
       NANODDP_CHECK(Clock::now() < deadline, TimeoutError, context_, ": this rank is of restart round ",
                     options.round, " (NANODDP_RESTART_COUNT), but the store still serves round ", server_round,
                     " after ", options.timeout.count(),
@@ -171,10 +180,10 @@ class TCPStore::Client {
   // What hello throws when the server closes the connection before its answer.
   struct ClosedBeforeHello {};
 
-  // Steps 1-2 of Note [Store wire format]. False: the server is of an older round
-  // (server_round), which is about to go; connect again. Throws ClosedBeforeHello when the
-  // server closed the connection instead of answering.
-  bool hello(const TCPStoreOptions& options, uint32_t& server_round) {
+  // Steps 1-2 of Note [Store wire format]. False: the server is of an older round or
+  // generation (server_round, server_generation), which is about to go; connect again. Throws
+  // ClosedBeforeHello when the server closed the connection instead of answering.
+  bool hello(const TCPStoreOptions& options, uint32_t& server_round, uint32_t& server_generation) {
     NANODDP_CHECK(options.job_id.size() <= kMaxIdentityBytes && options.token.size() <= kMaxIdentityBytes,
                   ValueError, context_, ": a job id or token longer than ", kMaxIdentityBytes, " bytes");
     std::vector<uint8_t> message;
@@ -185,6 +194,7 @@ class TCPStore::Client {
     put_u32(message, static_cast<uint32_t>(options.rank));
     put_u32(message, static_cast<uint32_t>(options.world_size));
     put_u32(message, static_cast<uint32_t>(options.round));
+    put_u32(message, static_cast<uint32_t>(options.generation));
     send_all(message, "hello");
     const auto deadline = Clock::now() + std::min(options.timeout, kReplyGrace);
     uint8_t reply[8];
@@ -218,13 +228,19 @@ class TCPStore::Client {
                     "on --nnodes");
     }
     if (status == kWrongRound) {
-      uint8_t theirs[4];
-      recv_exact(theirs, 4, deadline, "hello");
-      server_round = static_cast<uint32_t>(Reader{theirs, 4}.uint(4));
-      NANODDP_CHECK(server_round < static_cast<uint32_t>(options.round), DistError, context_,
-                    ": refused: this rank is of restart round ", options.round,
-                    " (NANODDP_RESTART_COUNT), but the group was restarted and the store serves round ",
+      uint8_t theirs[8];
+      recv_exact(theirs, 8, deadline, "hello");
+      Reader server{theirs, 8};
+      server_round = static_cast<uint32_t>(server.uint(4));
+      server_generation = static_cast<uint32_t>(server.uint(4));
+      const auto round = static_cast<uint32_t>(options.round), generation = static_cast<uint32_t>(options.generation);
+      NANODDP_CHECK(server_round <= round, DistError, context_, ": refused: this rank is of restart round ",
+                    options.round, " (NANODDP_RESTART_COUNT), but the group was restarted and the store serves round ",
                     server_round, ": a rank of an earlier start must not join the new one");
+      NANODDP_CHECK(server_round < round || server_generation < generation, DistError, context_,
+                    ": refused: this process's group is its generation ", generation, " (init_process_group call ",
+                    generation + 1, "), but rank 0's store serves generation ", server_generation,
+                    ": every rank must call destroy_process_group() and init_process_group() as often as rank 0");
       return false;
     }
     NANODDP_CHECK(status != kBadToken, DistError, context_,

@@ -61,7 +61,7 @@ class TCPStore::Server {
  public:
   Server(const TCPStoreOptions& options, const std::string& context)
       : context_(context), job_id_(options.job_id), token_(options.token), world_size_(options.world_size),
-        round_(static_cast<uint32_t>(options.round)) {
+        round_(static_cast<uint32_t>(options.round)), generation_(static_cast<uint32_t>(options.generation)) {
     listen_ = bind_listen(options.listen_on_all_interfaces ? std::string() : options.host, options.port);
     int fds[2];
     NANODDP_CHECK(::pipe(fds) == 0, DistError, context_, ": store: pipe: ",
@@ -308,7 +308,7 @@ class TCPStore::Server {
     std::string job_id = r.blob(kMaxIdentityBytes, "job id");
     std::string token = r.blob(kMaxIdentityBytes, "token");
     const auto rank = static_cast<int32_t>(r.uint(4)), world_size = static_cast<int32_t>(r.uint(4));
-    const auto round = static_cast<uint32_t>(r.uint(4));
+    const auto round = static_cast<uint32_t>(r.uint(4)), generation = static_cast<uint32_t>(r.uint(4));
     if (!r.ok()) return true;
     put_u32(conn.out, kMagic);
     put_u32(conn.out, kVersion);
@@ -320,9 +320,10 @@ class TCPStore::Server {
     } else if (!token_.empty() && !same_secret(token, token_)) {
       put_u8(conn.out, kBadToken);
       append_note(kBadTokenKey, std::to_string(rank) + ",", 4096);
-    } else if (round != round_) {
+    } else if (round != round_ || generation != generation_) {
       put_u8(conn.out, kWrongRound);
       put_u32(conn.out, round_);
+      put_u32(conn.out, generation_);
     } else if (world_size_ > 0 && world_size > 0 && world_size != world_size_) {
       put_u8(conn.out, kWrongWorld);
       put_u32(conn.out, static_cast<uint32_t>(world_size_));
@@ -494,6 +495,7 @@ class TCPStore::Server {
   std::string job_id_, token_;  // empty: not checked
   int world_size_;              // < 1: not checked
   uint32_t round_;              // Note [Restart rounds]
+  uint32_t generation_;         // TCPStoreOptions::generation
   detail::Fd listen_, wake_read_, wake_write_;
   int port_ = 0;
   std::atomic<bool> stop_{false};

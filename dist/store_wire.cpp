@@ -5,7 +5,8 @@
 // Integers are little-endian, as on every host we build for (x86-64, AArch64).
 //   1. The client connects and sends a hello: u32 kMagic ("NDDP"), u32 kVersion, str job_id,
 //      str token (each <= kMaxIdentityBytes), i32 rank, i32 world_size (-1: not a rank),
-//      u32 round (NANODDP_RESTART_COUNT: how many times the launcher restarted the group).
+//      u32 round (NANODDP_RESTART_COUNT: how many times the launcher restarted the group),
+//      u32 generation (how many default groups this process initialised before this one).
 //   2. The server answers u32 kMagic, u32 kVersion, then one status byte:
 //        kWelcome   then u32 server pid, str server host: the verbs may follow;
 //        kWrongJob  then str the server's job id: another job's rank reached this store;
@@ -13,10 +14,13 @@
 //        kWrongWorld then u32 the server's world size: a rank of this job with another world
 //                   size (nodes started with different --nproc-per-node); the server also
 //                   keeps the refusal under kRefusedKey, which a rank's timed-out wait quotes;
-//        kWrongRound then u32 the server's round: a rank of another start of the group. A rank
-//                   of an older round is stale (its launcher did not restart) and fails at
-//                   once; a rank of a newer round met the old group's server, which is about
-//                   to go, and retries until its connect timeout (Note [Restart rounds]).
+//        kWrongRound then u32 the server's round, u32 its generation: a rank of another start
+//                   of the group, or of another group of the same processes (a program that
+//                   destroyed its group and initialised a new one). Ordered by round, then
+//                   generation: a rank of an older one is stale (its launcher did not restart,
+//                   or it did not destroy its group) and fails at once; a rank of a newer one
+//                   met the old group's server, which is about to go, and retries until its
+//                   connect timeout (Note [Restart rounds]).
 //      After a refusal, and after a wrong magic or version, the server closes the connection,
 //      so a port scanner, an HTTP client, a stranger without the token or another job's rank
 //      never reaches the verbs (no key can be read or written), and a client that reached

@@ -56,7 +56,9 @@ namespace store_detail {
 using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kMagic = 0x5044444E;  // bytes 'N' 'D' 'D' 'P'
-constexpr uint32_t kVersion = 4;  // 2: the hello carries the job id and the token; 3: the rank and world size; 4: the round
+// 2: the hello carries the job id and the token; 3: the rank and world size; 4: the round;
+// 5: the generation.
+constexpr uint32_t kVersion = 5;
 constexpr uint32_t kMaxIdentityBytes = 256;  // a job id or a token in the hello
 
 enum Hello : uint8_t { kWelcome = 0, kWrongJob = 1, kBadToken = 2, kWrongWorld = 3, kWrongRound = 4 };

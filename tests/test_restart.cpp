@@ -16,10 +16,12 @@
 #include <vector>
 
 #include "core/error.h"
+#include "dist/init.h"
 #include "dist/launch.h"
 #include "dist/sharded_checkpoint.h"
 #include "dist/store.h"
 #include "nn/checkpoint.h"
+#include "tests/multiprocess.h"
 #include "tests/small_fashion_mnist.h"
 #include "tests/subprocess.h"
 
@@ -181,6 +183,89 @@ TEST_CASE("store rounds: a rank of the new round that meets the old server joins
   newcomer.join();
   CHECK_MESSAGE(error.empty(), error);
   CHECK(value == "1");
+}
+
+TEST_CASE("store generations: an older group's rank is refused at once, a newer one waits for rank 0's new store") {
+  auto generation_options = [](int port, bool is_server, int generation, std::chrono::milliseconds timeout) {
+    TCPStoreOptions o = store_options(port, is_server, is_server ? 0 : 1, 0, timeout);
+    o.generation = generation;
+    return o;
+  };
+  auto old_server = std::make_unique<TCPStore>(generation_options(0, true, 0, 10000ms));
+  const int port = old_server->port();
+
+  // Generation 1 reaching generation 0's store that never goes: it retries, then names both.
+  std::string why;
+  try {
+    TCPStore early(generation_options(port, false, 1, 300ms));
+  } catch (const TimeoutError& e) {
+    why = e.what();
+  }
+  CHECK_MESSAGE(contains(why, "this process's group is its generation 1 (init_process_group call 2), but the store "
+                              "still serves generation 0 after 300 ms: rank 0 did not destroy its earlier group"),
+                why);
+
+  // A rank that initialised again before rank 0 destroyed the old group joins rank 0's new one.
+  std::string value, error;
+  std::thread newcomer([&] {
+    try {
+      TCPStore client(generation_options(port, false, 1, 10000ms));
+      value = client.get_string("generation");
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  std::this_thread::sleep_for(300ms);  // refused by generation 0 meanwhile, and retrying
+  old_server.reset();
+  TCPStore new_server(generation_options(port, true, 1, 10000ms));
+  new_server.set("generation", std::string("1"));
+  newcomer.join();
+  CHECK_MESSAGE(error.empty(), error);
+  CHECK(value == "1");
+
+  // Generation 0 reaching generation 1's store: a rank that did not re-initialise, refused.
+  why.clear();
+  const auto t0 = Clock::now();
+  try {
+    TCPStore stale(generation_options(port, false, 0, 5000ms));
+  } catch (const DistError& e) {
+    why = e.what();
+  }
+  CHECK(Clock::now() - t0 < 2s);
+  CHECK_MESSAGE(contains(why, "refused: this process's group is its generation 0 (init_process_group call 1), but "
+                              "rank 0's store serves generation 1"),
+                why);
+}
+
+TEST_CASE("destroy_process_group then init_process_group again on the same port: every cycle joins the new group") {
+  // Rank 1 re-initialises as soon as its destroy returns, often before rank 0 has destroyed its
+  // group and store: it must wait for rank 0's new store, not join the old one as it goes.
+  for (Backend backend : {Backend::Shm, Backend::Gloo}) {
+    for (int world_size : {2, 3}) {
+      CAPTURE(static_cast<int>(backend));
+      CAPTURE(world_size);
+      const int port = nanoddp::testing::free_port();
+      std::string failures = nanoddp::testing::run_ranks(world_size, [&](int rank) {
+        for (int cycle = 0; cycle < 8; ++cycle) {
+          InitOptions o;
+          o.backend = backend;
+          o.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+          o.rank = rank;
+          o.world_size = world_size;
+          o.timeout = 20000ms;
+          auto pg = init_process_group(o);
+          Tensor t = Tensor::full({1}, static_cast<float>(rank + cycle));
+          pg->all_reduce(t)->wait();
+          const double want = world_size * (world_size - 1) / 2.0 + world_size * cycle;
+          nanoddp::testing::expect(t.item() == want, "cycle ", cycle, ": all_reduce gave ", t.item(),
+                                   ", want ", want);
+          pg.reset();
+          destroy_process_group();
+        }
+      });
+      CHECK_MESSAGE(failures.empty(), failures);
+    }
+  }
 }
 
 TEST_CASE("nanoddp-run --max-restarts: a rank killed with SIGKILL restarts the whole group, same ranks, new round") {

@@ -115,11 +115,11 @@ std::vector<uint8_t> le32(uint32_t v) {
   return {uint8_t(v), uint8_t(v >> 8), uint8_t(v >> 16), uint8_t(v >> 24)};
 }
 
-// A client's hello (Note [Store wire format]): magic, version 4, job id, token, rank, world
-// size (-1: not a rank) and round 0.
+// A client's hello (Note [Store wire format]): magic, version 5, job id, token, rank, world
+// size (-1: not a rank), round 0 and generation 0.
 std::vector<uint8_t> hello(const std::string& job_id = "", const std::string& token = "") {
   auto h = le32(0x5044444E);
-  auto v = le32(4);
+  auto v = le32(5);
   h.insert(h.end(), v.begin(), v.end());
   for (const std::string& text : {job_id, token}) {
     auto n = le32(static_cast<uint32_t>(text.size()));
@@ -130,15 +130,17 @@ std::vector<uint8_t> hello(const std::string& job_id = "", const std::string& to
     auto none = le32(0xFFFFFFFFu);
     h.insert(h.end(), none.begin(), none.end());
   }
-  auto round = le32(0);
-  h.insert(h.end(), round.begin(), round.end());
+  for (int i = 0; i < 2; ++i) {
+    auto zero = le32(0);  // round, generation
+    h.insert(h.end(), zero.begin(), zero.end());
+  }
   return h;
 }
 
-// A server's welcome: magic, version 4, status ok, pid 4242, host "fake".
+// A server's welcome: magic, version 5, status ok, pid 4242, host "fake".
 std::vector<uint8_t> welcome() {
   auto w = le32(0x5044444E);
-  auto v = le32(4);
+  auto v = le32(5);
   w.insert(w.end(), v.begin(), v.end());
   w.push_back(0);
   auto pid = le32(4242), n = le32(4);
