@@ -301,13 +301,14 @@ Tensor operator/(const Tensor& a, float s) { return div(a, s); }
 namespace {
 struct SumBackward : Node {
   float scale;  // 1 for sum, 1/n for mean
+  bool mean = false;
   std::vector<Tensor> apply(const Tensor& dout) override {
     const Tensor& a = inputs[0];
     Tensor da = empty_like(a);
     NANODDP_DISPATCH(a.device(), broadcast_scalar_backward, ptr(da), ptr(dout), scale, a.numel());
     return {da};
   }
-  const char* name() const override { return scale == 1.0f ? "SumBackward" : "MeanBackward"; }
+  const char* name() const override { return mean ? "MeanBackward" : "SumBackward"; }
 };
 
 Tensor reduce_all(const char* name, const Tensor& a, bool mean) {
@@ -320,6 +321,7 @@ Tensor reduce_all(const char* name, const Tensor& a, bool mean) {
   auto node = std::make_shared<SumBackward>();
   node->inputs = {a};
   node->scale = mean ? 1.0f / n : 1.0f;
+  node->mean = mean;
   return make_result(out, node);
 }
 }  // namespace

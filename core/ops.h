@@ -57,7 +57,7 @@ Tensor operator/(const Tensor& a, float s);
 Tensor sum(const Tensor& a);
 Tensor mean(const Tensor& a);
 
-// max(a, 0) elementwise; relu(NaN) = NaN (torch.relu).
+// max(a, 0) elementwise; relu(NaN) = NaN and relu(-0.0) = -0.0 (torch.relu).
 Tensor relu(const Tensor& a);
 
 // input, target: same shape exactly (no broadcasting: ShapeError otherwise) -> [] for

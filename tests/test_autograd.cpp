@@ -617,3 +617,12 @@ TEST_CASE("set_grad refuses a gradient of another dtype, as torch's assigned-gra
   sum(x * 2.0f).backward();  // still accumulates into the float32 gradient
   CHECK(x.grad().to_vector() == std::vector<float>{6, 7});
 }
+
+TEST_CASE("sum and mean nodes are named as torch's grad_fn, a mean over one element included") {
+  const Tensor one = Tensor::from_vector({3.0f}).set_requires_grad(true);
+  const Tensor two = Tensor::from_vector({3.0f, 4.0f}).set_requires_grad(true);
+  CHECK(std::string(mean(one).grad_fn()->name()) == "MeanBackward");
+  CHECK(std::string(mean(two).grad_fn()->name()) == "MeanBackward");
+  CHECK(std::string(sum(one).grad_fn()->name()) == "SumBackward");
+  CHECK(std::string(sum(two).grad_fn()->name()) == "SumBackward");
+}

@@ -280,12 +280,14 @@ TEST_CASE("shape mismatches throw with both shapes in the message") {
 TEST_CASE("NaN and Inf propagate as in PyTorch") {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();
-  const std::vector<float> r = relu(Tensor::from_vector({nan, -inf, inf, -1, 0, 2})).to_vector();
+  const std::vector<float> r = relu(Tensor::from_vector({nan, -inf, inf, -1, 0, 2, -0.0f})).to_vector();
   CHECK(std::isnan(r[0]));  // torch.relu(nan) = nan
   CHECK(r[1] == 0.0f);
   CHECK(r[2] == inf);
   CHECK(r[3] == 0.0f);
+  CHECK((r[4] == 0.0f && !std::signbit(r[4])));
   CHECK(r[5] == 2.0f);
+  CHECK((r[6] == 0.0f && std::signbit(r[6])));  // torch.relu(-0.0) = -0.0 (clamp_min keeps x unless x < 0)
   // torch's threshold_backward zeroes where the output is <= 0, so a NaN passes its gradient:
   // relu([NaN, 1, -1]).backward([.5, .5, .5]) gives [.5, .5, 0].
   const Tensor x = Tensor::from_vector({nan, 1, -1}).set_requires_grad(true);

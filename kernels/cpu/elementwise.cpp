@@ -128,8 +128,8 @@ void column_sum(float* out, const float* d, int64_t N, int64_t F) {
 }
 
 void relu_forward(float* out, const float* in, int64_t n) {
-  // Not max(x, 0): a NaN must stay NaN, as in torch.relu.
-  for (int64_t i = 0; i < n; ++i) out[i] = std::isnan(in[i]) || in[i] > 0.0f ? in[i] : 0.0f;
+  // torch.relu's clamp_min(x, 0): x unless x < 0, so NaN stays NaN and -0.0 stays -0.0.
+  for (int64_t i = 0; i < n; ++i) out[i] = in[i] < 0.0f ? 0.0f : in[i];
 }
 
 void relu_backward(float* din, const float* dout, const float* in, int64_t n) {

@@ -134,11 +134,12 @@ void accumulate(float* out, const float* a, float alpha, int64_t n) {
 
 // ---- activations -----------------------------------------------------------------------------
 
-// max(x, 0), with NaN passed through (fmaxf would turn it into 0).
+// torch.relu's clamp_min(x, 0): x unless x < 0, so NaN stays NaN (fmaxf would make it 0) and
+// -0.0 stays -0.0.
 __global__ void relu_forward_kernel(float* out, const float* in, int64_t n) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
     const float x = in[i];
-    out[i] = (x > 0.0f || isnan(x)) ? x : 0.0f;
+    out[i] = x < 0.0f ? 0.0f : x;
   }
 }
 
