@@ -32,20 +32,23 @@ struct RingStopped : std::runtime_error {
 };
 
 // What the ring must give at world ranks: element i of rank r is (r + 1) * (i + 1), 10 of
-// them (not a multiple of 3); Sum, Avg, Max and Min, and an int64 Sum; a NaN in Max and Min;
-// 0, 1 and 2 elements; an int64 past 2^60; int64 Avg refused; no collective is used,
-// only send and recv (an all_gather and a local sum gives the right numbers without a ring);
-// and each rank sends 2(N-1) parts of at most ceil(10 / N) elements, where passing the whole
-// buffer around sends N-1 whole buffers (docs/ring-all-reduce.md). Throws RingStopped.
+// them (not a multiple of 3); Sum, Avg, Max and Min, and int64 Sum, Max and Min; a NaN in Max
+// and Min; 0, 1 and 2 elements; an int64 past 2^60; int64 Avg refused before anything is sent
+// or changed; no collective is used, only send and recv (an all_gather and a local sum gives
+// the right numbers without a ring), each rank sending to one neighbour; and each rank sends
+// 2(N-1) parts of at most ceil(10 / N) elements, where passing the whole buffer around sends
+// N-1 whole buffers (docs/ring-all-reduce.md). Throws RingStopped.
 std::string ring_problems_or_stop(const std::shared_ptr<dist::ProcessGroup>& group) {
   const auto pg = std::make_shared<testing::SendCountingGroup>(group);
   const int rank = pg->rank(), world = pg->size();
   const std::string who = "rank " + std::to_string(rank) + "/" + std::to_string(world) + " ";
-  // Runs the ring on t, then names what a ring must not do: call a collective of the group, or
-  // send more than 2(N-1) parts of ceil(numel / N) elements.
+  // Runs the ring on t, then names what a ring must not do: call a collective of the group,
+  // send to more than one rank (rank r sends to r+1 only, or to r-1 only in a ring turned the
+  // other way), or send more than 2(N-1) parts of ceil(numel / N) elements.
   const auto run_ring = [&](Tensor& t, dist::ReduceOp op) {
     group->reset_counts();
     pg->sent_bytes = 0;
+    pg->destinations.clear();
     const std::string call =
         who + "ring_all_reduce(" + dist::reduce_op_name(op) + ") of " + dtype_name(t.dtype()) + " ";
     try {
@@ -64,28 +67,36 @@ std::string ring_problems_or_stop(const std::shared_ptr<dist::ProcessGroup>& gro
       found += call + "sent " + std::to_string(pg->sent_bytes) + " bytes of a " + std::to_string(t.nbytes()) +
                "-byte tensor; a ring sends 2(N-1) parts of about 1/N of it, at most " + std::to_string(most) +
                " bytes here (whole buffers passed around cost N-1 times the tensor)\n";
-    for (const auto& [collective, name] : {std::pair{dist::Collective::AllReduce, "all_reduce"},
-                                           std::pair{dist::Collective::AllGather, "all_gather"},
-                                           std::pair{dist::Collective::ReduceScatter, "reduce_scatter"},
-                                           std::pair{dist::Collective::Broadcast, "broadcast"}})
+    const int right = (rank + 1) % world, left = (rank + world - 1) % world;
+    if (pg->destinations.size() > 1 ||
+        (pg->destinations.size() == 1 && *pg->destinations.begin() != right && *pg->destinations.begin() != left)) {
+      std::string ranks;
+      for (int dst : pg->destinations) ranks += (ranks.empty() ? "" : ", ") + std::to_string(dst);
+      found += call + "sent to ranks " + ranks + "; in a ring rank r sends to its neighbour r+1 only (and " +
+               "receives from r-1), so every part travels around the ring instead of straight to its owner\n";
+    }
+    for (int c = 0; c < dist::kNumCollectives; ++c) {
+      const auto collective = static_cast<dist::Collective>(c);
       if (group->count(collective).calls != 0)
-        found += call + "called the group's " + name +
+        found += call + "called the group's " + dist::collective_name(collective) +
                  "; the ring passes chunks to its neighbours with send and recv only\n";
+    }
     return found;
   };
   const int64_t rank_sum = world * (world + 1) / 2;
   std::string problems;
-  {
+  for (const dist::ReduceOp op : {dist::ReduceOp::Sum, dist::ReduceOp::Max, dist::ReduceOp::Min}) {
     std::vector<int64_t> values;
     for (int64_t i = 0; i < 10; ++i) values.push_back((rank + 1) * (i + 1));
     Tensor t = Tensor::from_vector(values);
-    problems += run_ring(t, dist::ReduceOp::Sum);
+    problems += run_ring(t, op);
     const std::vector<int64_t> got = t.to_int_vector();
+    const int64_t per_rank = op == dist::ReduceOp::Max ? world : op == dist::ReduceOp::Min ? 1 : rank_sum;
     for (int64_t i = 0; i < 10; ++i)
-      if (got[static_cast<size_t>(i)] != rank_sum * (i + 1)) {
-        problems += who + "ring_all_reduce(sum) of int64: element " + std::to_string(i) + " = " +
-                    std::to_string(got[static_cast<size_t>(i)]) + ", expected " +
-                    std::to_string(rank_sum * (i + 1)) + "\n";
+      if (got[static_cast<size_t>(i)] != per_rank * (i + 1)) {
+        problems += who + "ring_all_reduce(" + dist::reduce_op_name(op) + ") of int64: element " +
+                    std::to_string(i) + " = " + std::to_string(got[static_cast<size_t>(i)]) + ", expected " +
+                    std::to_string(per_rank * (i + 1)) + "\n";
         break;
       }
   }
@@ -124,8 +135,10 @@ std::string ring_problems_or_stop(const std::shared_ptr<dist::ProcessGroup>& gro
                   (rank == 0 ? "nan" : "-2") + ", " + (rank == world - 1 ? "nan" : "3") + ", " +
                   std::to_string(rank + 1) + "] gave [" + std::to_string(got[0]) + ", " +
                   std::to_string(got[1]) + ", " + std::to_string(got[2]) + "], expected [nan, nan, " +
-                  std::to_string(want) +
-                  "]: a NaN on any rank wins (std::max(a, b) keeps a when b is NaN; test with std::isnan)\n";
+                  std::to_string(want) + "]" +
+                  (got[2] == want ? ": a NaN on any rank wins (std::max(a, b) keeps a when b is NaN; test with "
+                                    "std::isnan)\n"
+                                  : "\n");
   }
   // Fewer elements than ranks, and none: some parts are empty.
   for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{2}}) {
@@ -154,15 +167,22 @@ std::string ring_problems_or_stop(const std::shared_ptr<dist::ProcessGroup>& gro
     if (got != want)
       problems += who + "ring_all_reduce(sum) of int64 " + std::to_string(big + rank) + " gave " +
                   std::to_string(got) + ", expected " + std::to_string(want) +
-                  " exactly: add int64 as int64, not through float or double\n";
+                  (got == big + rank ? ": this one element was never reduced (is every element in some part when "
+                                       "the tensor is shorter than the number of ranks?)\n"
+                                     : " exactly: add int64 as int64, not through float or double\n");
     Tensor ints = Tensor::from_vector(std::vector<int64_t>{1, 2});
     bool refused = false;
+    pg->sent_bytes = 0;
     try {
       dist::ring_all_reduce(*pg, ints, dist::ReduceOp::Avg, std::chrono::seconds(30));
     } catch (const ValueError&) {
       refused = true;
     }
     if (!refused) problems += who + "ring_all_reduce(avg) of int64 did not throw ValueError (dist/ring.h)\n";
+    if (refused && (pg->sent_bytes != 0 || ints.to_int_vector() != std::vector<int64_t>{1, 2}))
+      problems += who + "ring_all_reduce(avg) of int64 threw ValueError after it had sent or changed the tensor "
+                  "(now [" + std::to_string(ints.to_int_vector()[0]) + ", " + std::to_string(ints.to_int_vector()[1]) +
+                  "]): refuse it first, before any send, and leave the tensor as it was\n";
   }
   return problems;
 }

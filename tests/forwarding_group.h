@@ -8,6 +8,7 @@
 #pragma once
 
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -54,10 +55,12 @@ class SendCountingGroup : public ForwardingGroup {
   using ForwardingGroup::ForwardingGroup;
   std::shared_ptr<dist::Work> send(const Tensor& t, int dst, int tag) override {
     sent_bytes += t.nbytes();
+    destinations.insert(dst);
     return inner_->send(t, dst, tag);
   }
 
   size_t sent_bytes = 0;
+  std::set<int> destinations;  // the ranks sent to: a ring's rank sends to one neighbour only
 };
 
 }  // namespace nanoddp::testing
