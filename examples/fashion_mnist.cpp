@@ -767,14 +767,6 @@ std::string nanoddp::examples::fashion_mnist_flags_problem(const Config& config)
            " (FSDP reduces per unit, overlapping backward)";
   if (config.batch_norm && config.sync_batch_norm)
     return "--batch-norm and --sync-batch-norm: give one (--sync-batch-norm is BatchNorm with statistics over every rank)";
-  // The rerun in backward would run an FSDP unit's forward hooks again (gather, then free the
-  // parameters its backward needs), and SyncBatchNorm's all-reduces among DDP's buckets.
-  if (config.checkpoint_activations && sharded)
-    return "--checkpoint-activations applies to --strategy ddp, zero1 and the ladder's rungs, not " + config.strategy +
-           " (a block's rerun in backward would reshard its FSDP units)";
-  if (config.checkpoint_activations && config.sync_batch_norm)
-    return "--checkpoint-activations with --sync-batch-norm: a block's rerun would all-reduce its statistics again "
-           "in backward; use --batch-norm";
   if (config.warmup_epochs >= config.epochs)
     return "--warmup-epochs " + std::to_string(config.warmup_epochs) + " leaves no epoch after the warm-up of --epochs " +
            std::to_string(config.epochs);
