@@ -66,10 +66,13 @@ Outcome ChildGroup::wait() {
   auto report = [&](const std::string& text) {
     if (options_.report) relay.write(2, options_.reporter + ": " + text + "\n");
   };
-  auto begin_termination = [&](int received, const std::string& why) {
+  auto begin_termination = [&](int received, std::string why) {
     // mpirun passes SIGINT and SIGTERM on to its ranks but dies at once of SIGQUIT, leaving
-    // them no time to end by themselves: it gets SIGTERM instead.
-    const int signal = options_.children_relay_signals && received == SIGQUIT ? SIGTERM : received;
+    // them no time to end by themselves: it gets SIGTERM instead. A SIGPIPE is write_all's
+    // word for a reader gone: the ranks get SIGTERM, a chance to end cleanly.
+    const int signal =
+        received == SIGPIPE || (options_.children_relay_signals && received == SIGQUIT) ? SIGTERM : received;
+    if (received == SIGPIPE) why = "the reader of its output is gone (stdout or stderr closed, as by | head)";
     size_t alive = 0;
     std::string names;  // of the children still running, for children that relay signals
     for (const Child& c : children_)
