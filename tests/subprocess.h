@@ -7,6 +7,8 @@
 
 #include <doctest/doctest.h>
 #include <fcntl.h>
+#include <poll.h>
+#include <pty.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/resource.h>
@@ -116,6 +118,48 @@ inline RunResult run(const std::vector<std::string>& args, std::chrono::seconds 
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   result.out = read_file(out_path);
   result.err = read_file(err_path);
+  return result;
+}
+
+// Runs `/bin/sh -c command` on a pseudo-terminal of its own (stdin, stdout and stderr), as a
+// user at a terminal would, and returns all it wrote there in `out`. Reads until every copy
+// of the terminal is closed (EIO), so the last bytes a process writes as it dies are kept,
+// which script(1) can lose under load. Kills it and fails the test past `timeout`.
+inline RunResult run_on_terminal(const std::string& command, std::chrono::seconds timeout = 30s) {
+  int master = -1;
+  const auto started = std::chrono::steady_clock::now();
+  const pid_t pid = ::forkpty(&master, nullptr, nullptr, nullptr);
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGQUIT, SIG_DFL);
+    execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  RunResult result;
+  char buffer[4096];
+  while (true) {
+    pollfd p{master, POLLIN, 0};
+    const int ready = ::poll(&p, 1, 100);
+    if (ready > 0) {
+      const ssize_t n = ::read(master, buffer, sizeof(buffer));
+      if (n > 0) {
+        result.out.append(buffer, static_cast<size_t>(n));
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      break;  // EIO: no process holds the terminal any more, and nothing is left in it
+    }
+    if (std::chrono::steady_clock::now() - started > timeout) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &result.status, 0);
+      ::close(master);
+      FAIL("still running on its terminal after ", timeout.count(), " s; output: ", result.out);
+    }
+  }
+  ::close(master);
+  ::waitpid(pid, &result.status, 0);
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return result;
 }
 

@@ -1180,9 +1180,8 @@ TEST_CASE("fashion_mnist progress: redrawn in place on a terminal with samples/s
   // 640 / 8 = 80 steps per epoch: updates at steps 50 and 80.
   const std::string command = built("examples/fashion_mnist") + " --data-dir " + dir.path +
                               " --batch-size 8 --epochs 2";
-  // script(1) runs the command on a pseudo-terminal of its own and copies what it draws.
-  const RunResult on_terminal = run({"/usr/bin/script", "-qec", command, "/dev/null"}, 120s);
-  REQUIRE_MESSAGE(on_terminal.code() == 0, on_terminal.err);
+  const RunResult on_terminal = run_on_terminal(command, 120s);
+  REQUIRE_MESSAGE(on_terminal.code() == 0, on_terminal.out);
   CHECK(std::regex_search(on_terminal.out,
                           std::regex("\repoch 1/2 \\[#{12}\\.{8}\\] 50/80 loss [0-9.]+ [0-9]+ samples/s ETA [0-9]+:[0-9]{2}")));
   CHECK(std::regex_search(on_terminal.out, std::regex("\repoch 2/2 \\[#{20}\\] 80/80 loss [0-9.]+ [0-9]+ samples/s ETA 0:00")));
@@ -1192,7 +1191,7 @@ TEST_CASE("fashion_mnist progress: redrawn in place on a terminal with samples/s
   // follows (the shell's prompt) starts on a line of its own.
   const std::string interrupted_command = "(sleep 4; kill -INT $$) & exec " + built("examples/fashion_mnist") +
                                           " --data-dir " + dir.path + " --batch-size 8 --epochs 1000";
-  const RunResult interrupted = run({"/usr/bin/script", "-qec", interrupted_command, "/dev/null"}, 120s);
+  const RunResult interrupted = run_on_terminal(interrupted_command, 120s);
   CHECK(interrupted.code() == 128 + SIGINT);
   const size_t last_draw = interrupted.out.rfind("\repoch ");
   REQUIRE_MESSAGE(last_draw != std::string::npos, interrupted.out);
