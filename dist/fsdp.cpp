@@ -805,6 +805,25 @@ void FullyShardedDataParallel::load_full_state_dict(const nn::StateDict& state) 
 
 namespace {
 
+// The optimizer state's keys number the optimizer's parameters; they name the units only when
+// the optimizer was built on parameters() itself, all of it, in its order. ValueError otherwise,
+// saying how to build it (frozen units included: an optimizer skips a parameter without a
+// gradient, as torch's do, so holding them costs nothing).
+void check_built_on(const std::vector<Tensor>& shards, const nn::Optimizer& optimizer, const char* where) {
+  const std::vector<Tensor>& params = optimizer.params();
+  size_t same = 0;
+  while (same < std::min(params.size(), shards.size()) && params[same].impl() == shards[same].impl()) ++same;
+  if (same == params.size() && same == shards.size()) return;
+  NANODDP_THROW(ValueError, "FullyShardedDataParallel.", where, ": the optimizer has ", params.size(),
+                " parameters; it must be built on this wrapper's parameters(), all ", shards.size(),
+                " in their order (", same < params.size() && same < shards.size()
+                                           ? "its parameter " + std::to_string(same) + " is not unit " +
+                                                 std::to_string(same) + "'s flat parameter"
+                                           : std::string("a subset or more"),
+                "): build it on parameters(), frozen units included (an optimizer skips a parameter that "
+                "gets no gradient)");
+}
+
 // "exp_avg.3" -> {"exp_avg", 3}; ValueError otherwise.
 std::pair<std::string, size_t> split_state_key(const std::string& key) {
   const size_t dot = key.rfind('.');
@@ -870,10 +889,7 @@ std::vector<std::pair<size_t, size_t>> FullyShardedDataParallel::unit_place_of_p
 }
 
 nn::StateDict FullyShardedDataParallel::full_optim_state_dict(const nn::Optimizer& optimizer) {
-  const std::vector<Tensor> shards = parameters();
-  NANODDP_CHECK(optimizer.params().size() == shards.size(), ValueError,
-                "FullyShardedDataParallel.full_optim_state_dict: the optimizer has ", optimizer.params().size(),
-                " parameters; one built on this wrapper's parameters() has ", shards.size());
+  check_built_on(parameters(), optimizer, "full_optim_state_dict");
   const nn::StateDict local = optimizer.state_dict();
   const auto model_index = model_parameter_index();
   nn::StateDict full;
@@ -1006,11 +1022,7 @@ ShardedStateDict FullyShardedDataParallel::sharded_model_state_dict() const {
 }
 
 ShardedStateDict FullyShardedDataParallel::sharded_optim_state_dict(const nn::Optimizer& optimizer) const {
-  const std::vector<Tensor> shards = parameters();
-  NANODDP_CHECK(optimizer.params().size() == shards.size(), ValueError,
-                "FullyShardedDataParallel.sharded_optim_state_dict: the optimizer has ",
-                optimizer.params().size(), " parameters; one built on this wrapper's parameters() has ",
-                shards.size());
+  check_built_on(parameters(), optimizer, "sharded_optim_state_dict");
   const auto model_index = model_parameter_index();
   const bool no_shard = options_.sharding_strategy == ShardingStrategy::NO_SHARD;
   ShardedStateDict out;

@@ -210,7 +210,9 @@ class FullyShardedDataParallel : public nn::Module {
   // parameters: keys "<buffer>.<i>" with i indexing module().parameters(), as a plain optimizer
   // over the unwrapped model would have it (torch's FSDP.full_optim_state_dict). A state
   // entry of a shard's size is gathered and cut per parameter; any other entry (a step count)
-  // is given to each parameter of its unit. Every rank gets it. A collective.
+  // is given to each parameter of its unit. Every rank gets it. A collective. ValueError for an
+  // optimizer over other parameters, a subset included (build it on all of parameters(), frozen
+  // units too: an optimizer skips a parameter that gets no gradient).
   nn::StateDict full_optim_state_dict(const nn::Optimizer& optimizer);
   // The reverse, with no collective: this rank's share of such a full state, to pass to the
   // optimizer's load_state_dict (torch's FSDP.shard_full_optim_state_dict). ValueError for a
@@ -226,7 +228,8 @@ class FullyShardedDataParallel : public nn::Module {
   // The same for an optimizer built on parameters(): keys "<buffer>.<i>" as in
   // full_optim_state_dict, each float32 entry of a shard's size cut like its parameters; any
   // other entry (a step count, equal on every rank) saved whole by every rank, once per
-  // parameter of its unit. No collective. ValueError for an optimizer over other parameters.
+  // parameter of its unit. No collective. ValueError for an optimizer over other parameters, as
+  // full_optim_state_dict.
   ShardedStateDict sharded_optim_state_dict(const nn::Optimizer& optimizer) const;
   // Reading a set saved by either at any world size: this rank's shards as state_dict() gives
   // them ("0._flat_param": [S] float32, padding zero), to pass to load_state_dict. Reads only

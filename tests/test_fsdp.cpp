@@ -258,6 +258,28 @@ TEST_CASE("a frozen unit (every parameter requires_grad false) is gathered, neve
       for (const char* frozen : {"0.weight", "0.bias"})
         expect(got.at(frozen).to_vector() == initial.at(frozen).to_vector(), "rank ", rank, " ", name, ": ", frozen,
                " moved");
+      // Its state saves; an optimizer over the trainable shard alone (torch's usual filter)
+      // numbers its state otherwise, and saving it is refused, saying how to build it.
+      const nn::StateDict optim_state = fsdp.full_optim_state_dict(*opt);
+      expect(optim_state.count("exp_avg.2") == 1 && optim_state.count("exp_avg.0") == 0, "rank ", rank, " ", name,
+             ": the frozen layer has AdamW state, or the trained one none");
+      auto trainable_only = make_optimizer(true, {shards[1]});
+      for (const bool full : {true, false}) {
+        std::string why;
+        try {
+          if (full) {
+            fsdp.full_optim_state_dict(*trainable_only);
+          } else {
+            fsdp.sharded_optim_state_dict(*trainable_only);
+          }
+        } catch (const ValueError& e) {
+          why = e.what();
+        }
+        expect(why.find("the optimizer has 1 parameters; it must be built on this wrapper's parameters(), all 2 in "
+                        "their order (its parameter 0 is not unit 0's flat parameter): build it on parameters(), "
+                        "frozen units included") != std::string::npos,
+               "rank ", rank, " ", name, ": ", why);
+      }
     }
   });
   CHECK_MESSAGE(failures.empty(), failures);
