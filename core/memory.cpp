@@ -4,6 +4,8 @@
 
 #include "core/storage.h"
 #include "core/tensor.h"
+#include "kernels/device_memory.h"
+#include "kernels/kernels.h"
 
 namespace nanoddp {
 
@@ -60,7 +62,21 @@ MemoryStats memory_stats(Device device) {
   stats.peak_model_state = c.peak_model_state.load(std::memory_order_relaxed);
   stats.live_total = c.live_total.load(std::memory_order_relaxed);
   stats.peak_total = c.peak_total.load(std::memory_order_relaxed);
+  if (!device.is_cuda()) {
+    stats.cached = detail::host_cached_bytes();
+  } else if (kernels::cuda_built() && kernels::cuda::device_count() > 0) {
+    const auto allocator = kernels::cuda::allocator_stats(device.index);
+    stats.cached = static_cast<int64_t>(allocator.reserved_bytes - allocator.allocated_bytes);
+  }
   return stats;
+}
+
+void empty_cache(Device device) {
+  if (!device.is_cuda()) {
+    detail::empty_host_cache();
+  } else if (kernels::cuda_built() && kernels::cuda::device_count() > 0) {
+    kernels::cuda::empty_cache();
+  }
 }
 
 void reset_peak_memory() {

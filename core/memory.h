@@ -47,6 +47,12 @@ struct MemoryStats {
   int64_t peak_model_state = 0;
   int64_t live_total = 0;
   int64_t peak_total = 0;
+  // Bytes the allocator keeps for reuse, freed by their tensors but not given back: on the
+  // CPU the host block cache (Note [Host block cache] in core/storage.cpp: blocks of 64 KiB and
+  // more, reused by exact size, up to 256 MiB), on CUDA reserved minus allocated (torch's
+  // memory_reserved() - memory_allocated()). Part of the process's resident memory (RSS) but
+  // of no category: why RSS stays above the live bytes after, say, FSDP frees a unit.
+  int64_t cached = 0;
   int64_t operator[](MemoryCategory category) const { return live[static_cast<int>(category)]; }
 };
 
@@ -54,6 +60,10 @@ struct MemoryStats {
 MemoryStats memory_stats(Device device);
 // Peaks restart from what is live now (torch.cuda.reset_peak_memory_stats), on both device types.
 void reset_peak_memory();
+// Gives the cached blocks of `device`'s type back to the system (torch.cuda.empty_cache; on
+// the CPU the host block cache): memory_stats(device).cached drops to 0, and the next
+// allocations of those sizes pay their page faults again. Live tensors are not touched.
+void empty_cache(Device device = Device::cpu());
 
 // Allocations made on this thread while the scope lives start in `category`.
 class MemoryCategoryScope {
@@ -77,6 +87,9 @@ void set_memory_category(const Tensor& tensor, MemoryCategory category, bool for
 namespace detail {
 // Storage's hooks: an allocation of nbytes came or went under category.
 void count_allocation(Device device, MemoryCategory category, int64_t nbytes);
+// The host block cache's bytes, and giving them back (core/storage.cpp).
+int64_t host_cached_bytes();
+void empty_host_cache();
 }  // namespace detail
 
 }  // namespace nanoddp

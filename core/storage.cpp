@@ -21,7 +21,9 @@ constexpr size_t kCpuAlignmentBytes = 64;  // a cache line; what AVX-512 loads w
 // every iteration. glibc serves blocks above its mmap threshold with fresh mmap'd pages and
 // returns them with munmap, so every step would pay a page fault per 4 KiB of every large
 // buffer. Large host blocks are therefore kept, by exact rounded size, and reused; the cache
-// holds at most kMaxCachedBytes, beyond which blocks are freed as usual.
+// holds at most kMaxCachedBytes, beyond which blocks are freed as usual. What it holds is
+// memory of the process (its RSS) that no tensor uses: memory_stats().cached says how much,
+// and empty_cache() gives it back.
 constexpr size_t kMinCachedBytes = 64 << 10;
 constexpr size_t kMaxCachedBytes = 256 << 20;
 
@@ -47,6 +49,20 @@ class HostBlockCache {
     }
     std::free(block);
   }
+  size_t cached_bytes() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return cached_bytes_;
+  }
+  void release_all() {
+    std::unordered_map<size_t, std::vector<void*>> blocks;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      blocks.swap(free_);
+      cached_bytes_ = 0;
+    }
+    for (auto& [size, list] : blocks)
+      for (void* block : list) std::free(block);
+  }
 
  private:
   std::mutex mutex_;
@@ -61,6 +77,9 @@ HostBlockCache& host_block_cache() {
 }
 
 }  // namespace
+
+int64_t detail::host_cached_bytes() { return static_cast<int64_t>(host_block_cache().cached_bytes()); }
+void detail::empty_host_cache() { host_block_cache().release_all(); }
 
 namespace {
 

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/half_convert.h"
+#include "core/memory.h"
 #include "core/ops.h"
 #include "core/random.h"
 #include "core/tensor.h"
@@ -364,4 +365,28 @@ TEST_CASE("float16 and bfloat16 round to nearest, ties to even, as torch's .to(f
   CHECK(mismatches == 0);
   CHECK(Tensor::ones({3}, DType::Float16).nbytes() == 6);
   CHECK(Tensor::ones({1}, DType::BFloat16).item() == 1.0f);
+}
+
+TEST_CASE("memory_stats().cached: a freed large block is kept for reuse, counted there, and empty_cache gives it back") {
+  empty_cache();
+  CHECK(memory_stats(Device::cpu()).cached == 0);
+  const int64_t live_before = memory_stats(Device::cpu()).live_total;
+  {
+    Tensor big = Tensor::zeros({300000});  // 1,200,000 bytes: a cached size (64 KiB and more)
+    CHECK(memory_stats(Device::cpu()).live_total == live_before + 1200000);
+    CHECK(memory_stats(Device::cpu()).cached == 0);
+  }
+  // Freed: no longer live, still the process's memory (rounded to the 64-byte alignment).
+  CHECK(memory_stats(Device::cpu()).live_total == live_before);
+  CHECK(memory_stats(Device::cpu()).cached == 1200000);
+  {
+    Tensor again = Tensor::zeros({300000});  // the same size takes the cached block
+    CHECK(memory_stats(Device::cpu()).cached == 0);
+  }
+  Tensor small = Tensor::zeros({1000});  // 4,000 bytes: below the cache's 64 KiB, never cached
+  small = Tensor();
+  CHECK(memory_stats(Device::cpu()).cached == 1200000);
+  empty_cache();
+  CHECK(memory_stats(Device::cpu()).cached == 0);
+  CHECK(memory_stats(Device::cpu()).live_total == live_before);
 }
