@@ -180,6 +180,12 @@ std::string ExplainWindow::report(const std::string& what, int64_t steps) const 
         << " shard bytes, reduce_scatter " << std::setprecision(2) << static_cast<double>(scatter_calls) / s
         << " calls of " << std::setprecision(0) << scattered << " shard bytes; "
         << (N - 1) * (gathered + scattered) << " bytes sent per rank (ring: N - 1 shards each)\n";
+    // Note [Gloo new-style API]: Gloo's reduce_scatter is an all-reduce of the whole unit.
+    if (scatter_calls > 0 && pg_.backend_name() == "gloo")
+      out << "explain: " << what << ": gloo runs reduce_scatter as an all_reduce of the whole unit (Note [Gloo "
+          << "new-style API]): about " << 2 * (N - 1) * scattered
+          << " bytes sent per rank for it, not the ring's N - 1 shards, and a unit-sized buffer per call in "
+             "flight, counted as other memory\n";
   }
   // ZeRO-1's step: each parameter broadcast from the rank that owns it. DDP broadcasts too:
   // its buffers before each forward (broadcast_buffers), its new bucket order once.

@@ -353,6 +353,19 @@ std::string explained_epoch(const std::string& example, const std::vector<std::s
 
 }  // namespace
 
+TEST_CASE("fashion_mnist --strategy fsdp --explain on Gloo: reduce_scatter's real traffic, an all_reduce of each unit") {
+  // The default MLP's three units hold 235,146 parameters (940,584 bytes), so their shards at
+  // W = 2 are 470,292 bytes: the ring's reduce_scatter sends one shard, Gloo's all_reduce of
+  // the whole unit 2(N-1) of them.
+  const std::string out = explained_epoch("fashion_mnist", {"--strategy", "fsdp"});
+  CHECK_MESSAGE(out.find("reduce_scatter 3.00 calls of 470292 shard bytes; 1410876 bytes sent per rank") !=
+                    std::string::npos,
+                out);
+  CHECK_MESSAGE(out.find("gloo runs reduce_scatter as an all_reduce of the whole unit (Note [Gloo new-style API]): "
+                         "about 940584 bytes sent per rank for it") != std::string::npos,
+                out);
+}
+
 TEST_CASE("fashion_mnist --find-unused-parameters: one more all-reduce per step, of an int64 per parameter") {
   // The default MLP is one bucket of 940584 bytes; find_unused_parameters adds the used map,
   // 6 parameters x 8 bytes = 48 bytes, in every step (docs/ddp/04-hooks-and-buckets.md). Every
