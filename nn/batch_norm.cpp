@@ -152,8 +152,11 @@ Tensor batch_norm(const Tensor& input_in, const Tensor& running_mean, const Tens
                    ptr_or_null(bias), N, C, L);
 
   // mean is saved as a copy in eval: the running buffers change under the graph otherwise.
+  // The eval node is named apart: its backward takes the statistics as constants, and a
+  // checkpoint's rerun in the other mode must be refused, not mix one mode's formula with the
+  // other's statistics.
   if (!training) mean = mean.clone();
-  return record("BatchNormBackward", out, {input, weight, bias}, {input, weight, mean, invstd},
+  return record(training ? "BatchNormBackward" : "BatchNormEvalBackward", out, {input, weight, bias}, {input, weight, mean, invstd},
                 [N, C, L, count, all_reduce](const Node& node, const Tensor& dout) {
     const Tensor& x = node.saved(0);
     const Tensor& w = node.saved(1);

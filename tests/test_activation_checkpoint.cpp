@@ -250,6 +250,25 @@ TEST_CASE("a rerun that records other ops is an error out of backward; bad argum
   CHECK_THROWS_WITH_AS(seq.checkpoint_blocks({1, 1}), doctest::Contains("must increase"), ValueError);
 }
 
+TEST_CASE("BatchNorm switched between train and eval before backward: the rerun is refused, not mixed") {
+  // Forward normalises with the batch's statistics; a rerun in eval would bring the running
+  // ones into the training formula, a silently wrong gradient (torch 1.13 crashes here).
+  for (const bool train_first : {true, false}) {
+    CAPTURE(train_first);
+    nn::BatchNorm1d norm(3);
+    norm.train(train_first);
+    const Tensor x = Tensor::from_vector({1, 2, 3, 4, 6, 9, 0, 1, 5, 2, 2, 2}, {4, 3}).set_requires_grad(true);
+    const Tensor out = nn::checkpoint([&](const Tensor& in) { return norm(in); }, x);
+    norm.train(!train_first);
+    CHECK_THROWS_WITH_AS(sum(out * out).backward(),
+                         doctest::Contains(train_first ? "is BatchNormBackward in forward and BatchNormEvalBackward "
+                                                         "when recomputed"
+                                                       : "is BatchNormEvalBackward in forward and BatchNormBackward "
+                                                         "when recomputed"),
+                         ValueError);
+  }
+}
+
 TEST_CASE("under NoGradGuard and inside another region, fn simply runs") {
   Generator gen(9);
   nn::Linear layer(2, 2, gen);
