@@ -444,7 +444,9 @@ void FullyShardedDataParallel::prefetch_after(const std::vector<size_t>& order, 
 }
 
 void FullyShardedDataParallel::on_unit_forward_pre(size_t u) {
-  const bool training = is_grad_enabled() && is_training();
+  // A checkpoint's rerun in backward (nn/activation_checkpoint.h) is not a forward: it must
+  // neither add to the forward order nor prefetch the next unit, whose backward has run.
+  const bool training = is_grad_enabled() && is_training() && !is_recomputing();
   if (training && !forward_order_known_) forward_order_.push_back(u);
   wait_gathered(u);
   if (training && options_.forward_prefetch && forward_order_known_) prefetch_after(forward_order_, u);

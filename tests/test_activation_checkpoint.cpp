@@ -331,26 +331,49 @@ TEST_CASE("DDP on 2 ranks: checkpointed blocks train bitwise like plain ones, ev
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
-TEST_CASE("FSDP on 2 ranks, the root as the only unit: checkpointed blocks train bitwise like plain ones") {
-  // With units inside the blocks, the rerun would run their forward hooks again (gather, then
-  // free the parameters their backward needs): the examples refuse that combination.
+TEST_CASE("FSDP on 2 ranks, a unit per Linear inside the blocks: checkpointed training is bitwise the plain one") {
+  // The rerun runs the units' forward hooks again: FULL_SHARD gathers each unit once more for
+  // it, SHARD_GRAD_OP (parameters kept after forward) adds nothing; forward_prefetch must not
+  // prefetch from the rerun (the next unit's backward has run), so it adds nothing either.
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [port](int rank) {
     auto pg = testing::join(rank, 2, port);
-    std::vector<std::vector<float>> trained[2];
-    for (int checkpointed = 0; checkpointed < 2; ++checkpointed) {
-      Generator drop(60 + static_cast<uint64_t>(rank));
-      dist::FullyShardedDataParallel fsdp(make_mlp(12, drop, checkpointed == 1), pg);
-      nn::SGD opt(fsdp.parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
-      for (int step = 0; step < 3; ++step) {
-        const Batch b = testing::rows(testing::random_batch(300 + step, 16, 6, 3), 8 * rank, 8 * rank + 8);
-        opt.zero_grad();
-        cross_entropy(fsdp(b.x), b.y).backward();
-        opt.step();
+    for (const auto strategy : {dist::ShardingStrategy::FULL_SHARD, dist::ShardingStrategy::SHARD_GRAD_OP}) {
+      const char* name = dist::sharding_strategy_name(strategy);
+      int64_t gathers[2][2] = {};  // [checkpointed][forward_prefetch]
+      std::vector<std::vector<float>> trained[2][2];
+      for (int checkpointed = 0; checkpointed < 2; ++checkpointed) {
+        for (int prefetch = 0; prefetch < 2; ++prefetch) {
+          Generator drop(60 + static_cast<uint64_t>(rank));
+          dist::FSDPOptions options;
+          options.sharding_strategy = strategy;
+          options.auto_wrap_policy = dist::module_wrap_policy<nn::Linear>();
+          options.forward_prefetch = prefetch == 1;
+          dist::FullyShardedDataParallel fsdp(make_mlp(12, drop, checkpointed == 1), pg, options);
+          nn::SGD opt(fsdp.parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
+          pg->reset_counts();
+          for (int step = 0; step < 3; ++step) {
+            const Batch b = testing::rows(testing::random_batch(300 + step, 16, 6, 3), 8 * rank, 8 * rank + 8);
+            opt.zero_grad();
+            cross_entropy(fsdp(b.x), b.y).backward();
+            opt.step();
+          }
+          gathers[checkpointed][prefetch] = pg->count(dist::Collective::AllGather).calls;
+          for (const Tensor& p : fsdp.parameters()) trained[checkpointed][prefetch].push_back(p.to_vector());
+        }
       }
-      for (const Tensor& p : fsdp.parameters()) trained[checkpointed].push_back(p.to_vector());
+      for (int prefetch = 0; prefetch < 2; ++prefetch)
+        expect(trained[1][prefetch] == trained[0][0], "rank ", rank, " ", name, " forward_prefetch ", prefetch,
+               ": checkpointed FSDP training differs from plain FSDP");
+      // 3 Linear units, 3 steps: one more gather per unit per step under FULL_SHARD, none
+      // under SHARD_GRAD_OP; prefetching changes no count.
+      const int64_t extra = strategy == dist::ShardingStrategy::FULL_SHARD ? 9 : 0;
+      expect(gathers[0][1] == gathers[0][0] && gathers[1][0] == gathers[0][0] + extra &&
+                 gathers[1][1] == gathers[1][0],
+             "rank ", rank, " ", name, ": all_gather calls plain ", gathers[0][0], " (prefetch ", gathers[0][1],
+             "), checkpointed ", gathers[1][0], " (prefetch ", gathers[1][1], "); expected ", extra,
+             " more when checkpointed and none from prefetching");
     }
-    expect(trained[1] == trained[0], "rank ", rank, ": checkpointed FSDP training differs from plain FSDP");
     testing::leave();
   });
   CHECK_MESSAGE(failures.empty(), failures);
