@@ -150,7 +150,9 @@ class Tensor {
   // Replaces this tensor's data (storage, shape, device) by other's, keeping identity,
   // grad and hooks: what `param.data = other` does in PyTorch. Used by Module::to. ValueError
   // for integer data on a tensor that requires grad, as torch. A leaf changed between a
-  // forward and its backward gets a gradient of the shape it had: ShapeError there.
+  // forward and its backward gets a gradient of the shape it had: ShapeError there. Data of
+  // the same shape does not reach what that forward saved: the backward reads the old values,
+  // the gradient of the forward that ran (torch 1.13 reads the new ones).
   void set_data(const Tensor& other);
 
   // ---- autograd ------------------------------------------------------------------------
