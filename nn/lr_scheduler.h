@@ -9,7 +9,9 @@
 // first scheduler was built on it, recorded then: torch's group['initial_lr']) and applies
 // step 0 (last_epoch becomes 0; LinearLR already multiplies by start_factor); each step()
 // adds one to last_epoch and sets the optimizer's lr. Call step() after optimizer.step().
-// A step is whatever the caller counts: an epoch, or a batch for warm-up.
+// A step is whatever the caller counts: an epoch, or a batch for warm-up. Not here: the
+// constructors' last_epoch argument (resume through load_state_dict, which restores
+// last_epoch and the rates exactly) and torch's warning for a step() before the optimizer's.
 //
 // Values are computed in double precision by PyTorch's own recursive formulas (get_lr(),
 // which multiply the previous lr), so they equal PyTorch's to the last bit, including
