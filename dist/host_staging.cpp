@@ -158,6 +158,9 @@ class StagingGroup : public ProcessGroup {
   }
 
   std::string all_reduce_algorithm() const override { return inner_->all_reduce_algorithm(); }
+  std::string all_reduce_algorithm_for(const Tensor& tensor) const override {
+    return inner_->all_reduce_algorithm_for(tensor);
+  }
   bool collectives_run_in_wait() const override { return inner_->collectives_run_in_wait(); }
   MovedBytes moved_bytes() const override { return inner_->moved_bytes(); }
 

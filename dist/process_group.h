@@ -263,6 +263,13 @@ class ProcessGroup {
   // sends 2(N-1)/N of the payload). Gloo's all-reduce is a ring; Open MPI and NCCL choose per
   // size and report it as the library's choice.
   virtual std::string all_reduce_algorithm() const { return "ring"; }
+  // The algorithm an all_reduce of `tensor` runs: all_reduce_algorithm(), except on shm, where
+  // a collective buffer (new_collective_buffer) is reduced by the "direct" all-reduce
+  // (Note [Shm direct all-reduce]). What the trace's bucket spans say.
+  virtual std::string all_reduce_algorithm_for(const Tensor& tensor) const {
+    (void)tensor;
+    return all_reduce_algorithm();
+  }
 
   // True when a collective moves only while some thread waits on it: shm and shm+gloo run it
   // on the waiting thread (Note [Shm progress]). False when it runs after the call returns,

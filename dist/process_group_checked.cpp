@@ -502,6 +502,9 @@ class CheckedProcessGroup : public ProcessGroup {
     return state_->inner->new_collective_buffer(numel, dtype, device);
   }
   std::string all_reduce_algorithm() const override { return state_->inner->all_reduce_algorithm(); }
+  std::string all_reduce_algorithm_for(const Tensor& tensor) const override {
+    return state_->inner->all_reduce_algorithm_for(tensor);
+  }
   bool collectives_run_in_wait() const override { return state_->inner->collectives_run_in_wait(); }
   MovedBytes moved_bytes() const override { return state_->inner->moved_bytes(); }
 

@@ -60,6 +60,9 @@ class ProcessGroupShm : public ProcessGroup {
     return moved;
   }
   Store& store() override { return *store_; }
+  std::string all_reduce_algorithm_for(const Tensor& tensor) const override {
+    return shared_buffer_of(tensor) != nullptr ? "direct" : "ring";
+  }
 
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
     std::string name = std::string("all_reduce(") + reduce_op_name(op) + ")";
@@ -222,7 +225,7 @@ class ProcessGroupShm : public ProcessGroup {
   }
 
   // The collective buffer that tensor is, whole; null for any other tensor.
-  std::shared_ptr<SharedBuffer> shared_buffer_of(const Tensor& tensor) {
+  std::shared_ptr<SharedBuffer> shared_buffer_of(const Tensor& tensor) const {
     std::lock_guard<std::mutex> lock(buffers_mutex_);
     auto it = buffers_.find(bytes_of(tensor));
     if (it == buffers_.end()) return nullptr;
@@ -253,7 +256,7 @@ class ProcessGroupShm : public ProcessGroup {
   std::atomic<int64_t> ring_all_reduces_{0}, direct_all_reduces_{0};
   uint64_t collective_seq_ = 0;
   int64_t next_buffer_id_ = 0;
-  std::mutex buffers_mutex_;
+  mutable std::mutex buffers_mutex_;
   std::map<const uint8_t*, std::weak_ptr<SharedBuffer>> buffers_;  // by region[rank]
   std::vector<uint64_t> sent_messages_;
   std::vector<uint64_t> received_messages_;

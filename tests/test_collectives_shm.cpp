@@ -248,6 +248,10 @@ TEST_CASE("shm: all_reduce of collective buffers gives the ring's bits, and leav
         const std::string what = std::string(dtype_name(c.dtype)) + " " + reduce_op_name(c.op);
         Tensor buffer = pg->new_collective_buffer(c.numel, c.dtype, Device::cpu());
         testing::expect(buffer.numel() == c.numel && buffer.dtype() == c.dtype, what, ": buffer is ", buffer.str());
+        // What a trace's bucket span says: the buffer runs the direct all-reduce, a tensor the ring.
+        testing::expect(pg->all_reduce_algorithm_for(buffer) == (world_size > 1 ? "direct" : "ring") &&
+                            pg->all_reduce_algorithm_for(Tensor::zeros({c.numel})) == "ring",
+                        what, ": all_reduce_algorithm_for says ", pg->all_reduce_algorithm_for(buffer));
         // Values whose float32 sums round differently in different orders; NaN on the last rank.
         Generator gen(1000 + rank);
         Tensor values = Tensor::randn({c.numel}, gen);
