@@ -557,11 +557,16 @@ Tensor ShardedCheckpointReader::read_range(const std::string& name, int64_t begi
                 path_, ": elements [", begin, ", ", end, ") of '", name, "', which has ", e.shape.numel());
   Tensor out = Tensor::empty(Shape({end - begin}), e.dtype);
   const size_t element = dtype_size(e.dtype);
-  // A replicated tensor is read from one holder: one whose file is open already if any.
+  // A replicated tensor is read from one holder: one whose file is open already if any, else
+  // the one set_reading_rank points at, else the first.
   int only = -1;
   if (e.replicated) {
     for (int r = 0; r < world_size_ && only < 0; ++r)
       if (e.ranges[static_cast<size_t>(r)].second > 0 && shards_.count(r) != 0) only = r;
+    if (only < 0 && reading_world_size_ > 0) {
+      const int guess = static_cast<int>(static_cast<int64_t>(reading_rank_) * world_size_ / reading_world_size_);
+      if (e.ranges[static_cast<size_t>(guess)].second > 0) only = guess;
+    }
     for (int r = 0; r < world_size_ && only < 0; ++r)
       if (e.ranges[static_cast<size_t>(r)].second > 0) only = r;
   }
@@ -582,6 +587,13 @@ Tensor ShardedCheckpointReader::read_range(const std::string& name, int64_t begi
                 static_cast<size_t>(hi - lo) * element);
   }
   return out;
+}
+
+void ShardedCheckpointReader::set_reading_rank(int rank, int world_size) {
+  NANODDP_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, ValueError, "sharded checkpoint ", path_,
+                ": reading rank ", rank, " of ", world_size, " is not a rank of the group");
+  reading_rank_ = rank;
+  reading_world_size_ = world_size;
 }
 
 Tensor ShardedCheckpointReader::read(const std::string& name) {

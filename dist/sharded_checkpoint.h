@@ -126,6 +126,11 @@ class ShardedCheckpointReader {
   Tensor read_range(const std::string& name, int64_t begin, int64_t end);
   // Every tensor whose name starts with prefix, whole, keyed without the prefix.
   nn::StateDict read_all(const std::string& prefix = "");
+  // Which rank of how many reads: a tensor every saved rank holds whole, read before any shard
+  // file is open, then comes from the file as far through the set as this rank is through its
+  // group (saved rank rank * world_size() / world_size), the one its own shard most likely
+  // needs, not from file 0 on every rank. ValueError unless 0 <= rank < world_size.
+  void set_reading_rank(int rank, int world_size);
   // The shard files opened so far, in the order they were: what this rank read.
   const std::vector<std::string>& files_read() const { return files_read_; }
   // Whether every shard file is there with the size and the final checksum the manifest
@@ -152,6 +157,7 @@ class ShardedCheckpointReader {
   std::map<std::string, Entry> entries_;
   std::map<int, nn::StateDict> shards_;
   std::vector<std::string> files_read_;
+  int reading_rank_ = -1, reading_world_size_ = 0;
 };
 
 }  // namespace nanoddp::dist

@@ -448,6 +448,7 @@ ReadCheckpoint read_checkpoint(const std::string& path, const examples::Parallel
     std::string error;
     try {
       dist::ShardedCheckpointReader reader(used_path, state);
+      reader.set_reading_rank(pg.rank(), pg.size());  // the job id from a file this rank reads anyway
       const std::vector<std::string> names = reader.names();
       const bool has_job = std::find(names.begin(), names.end(), "job") != names.end();
       read.other_job =

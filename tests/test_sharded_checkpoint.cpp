@@ -589,6 +589,36 @@ TEST_CASE("a replicated entry must hold the same values on every rank that saves
   CHECK(reader.read("x").to_vector() == small_x(20));
 }
 
+TEST_CASE("an entry every rank saved whole, read first, comes from the file set_reading_rank points at") {
+  // What a resume reads before its shards (fashion_mnist's job id): from file 0 every rank
+  // would open a file most of them need for nothing.
+  TempDir dir;
+  const std::string path = dir.path + "/run.ckpt";
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(4, [&](int rank) {
+    auto pg = join(rank, 4, port);
+    dist::ShardedStateDict state = small_state(rank, 10);
+    state["job"] = dist::whole_entry(Tensor::from_vector(std::vector<int64_t>{42}));
+    dist::save_sharded_checkpoint(path, state, *pg);
+  });
+  REQUIRE_MESSAGE(failures.empty(), failures);
+  const std::vector<std::pair<std::pair<int, int>, std::string>> cases = {
+      {{0, 2}, "0"}, {{1, 2}, "2"}, {{1, 3}, "1"}, {{2, 3}, "2"}, {{3, 4}, "3"}, {{-1, 0}, "0"}};
+  for (const auto& [reading, file] : cases) {
+    CAPTURE(reading.first);
+    CAPTURE(reading.second);
+    dist::ShardedCheckpointReader reader(path);
+    if (reading.second > 0) reader.set_reading_rank(reading.first, reading.second);
+    CHECK(reader.read("job").to_int_vector() == std::vector<int64_t>{42});
+    CHECK(opened_shards(reader) == std::vector<std::string>{file});
+    // The rank's own range then needs no other file for what that file holds.
+    CHECK(reader.read("x").to_vector() == small_x(10));
+  }
+  dist::ShardedCheckpointReader reader(path);
+  CHECK_THROWS_WITH_AS(reader.set_reading_rank(2, 2), doctest::Contains("reading rank 2 of 2 is not a rank"),
+                       ValueError);
+}
+
 TEST_CASE("a name no checkpoint can hold, on one rank only, fails every rank at once, naming it") {
   // A control character (refused by checkpoint_bytes) or a name so long that the save report's
   // prefixed key passes 4096 bytes: the rank that has it must still reach the report's
