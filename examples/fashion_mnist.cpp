@@ -536,7 +536,11 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
                     progress.samples.size() == 1 ? " rank" : " ranks", " with --batch-size ",
                     saved_batch_size,
                     "; a checkpoint from the middle of an epoch resumes only at the same world size and "
-                    "--batch-size (this run: ",
+                    "--batch-size",
+                    progress.samples.size() == static_cast<size_t>(world_size) && saved_batch_size == batch_size
+                        ? " on the same data (this run has both, but its training set makes another number of "
+                          "steps per epoch: "
+                        : " (this run: ",
                     world_size, world_size == 1 ? " rank, " : " ranks, ", "--batch-size ", batch_size, ", ",
                     steps_per_epoch, " steps per epoch)");
       NANODDP_CHECK(progress.steps < steps_per_epoch, IOError, "'epoch_progress.steps' is ", progress.steps);
@@ -654,7 +658,9 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
     }
     return {static_cast<int>(done), progress};
   } catch (const Error& e) {
-    throw IOError("cannot resume from checkpoint " + path + ": " + message_of(e));
+    // The file read, which is the previous one when path was damaged.
+    const std::string read_from = used_path.empty() ? path : used_path;
+    throw IOError("cannot resume from checkpoint " + read_from + ": " + message_of(e));
   }
 }
 

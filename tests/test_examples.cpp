@@ -945,6 +945,16 @@ TEST_CASE("fashion_mnist: a mid-epoch checkpoint does not resume at another --ba
                  "an epoch resumes only at the same world size and --batch-size (this run: 1 rank, "
                  "--batch-size 41, 16 steps per epoch)") != std::string::npos,
       r.err);
+  // The same world size and batch size on a larger training set: the data is what differs.
+  write_small_fashion_mnist(dir.path, 800, 200);
+  std::vector<std::string> more_data = job("40");
+  more_data.push_back("--resume");
+  const RunResult data = run(more_data, 120s);
+  CHECK(data.code() != 0);
+  CHECK_MESSAGE(data.err.find("resumes only at the same world size and --batch-size on the same data (this run has "
+                              "both, but its training set makes another number of steps per epoch: 1 rank, "
+                              "--batch-size 40, 20 steps per epoch)") != std::string::npos,
+                data.err);
 }
 
 TEST_CASE("fashion_mnist --resume on another world size: the schedule is this run's, as if never interrupted") {
