@@ -910,8 +910,9 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
   }
   if (resume) check_same_start(*pg, config.checkpoint, first_epoch, resumed.steps);
   if (!resumed.bucket_order.empty() && parallel.ddp() != nullptr) parallel.ddp()->load_bucket_order(resumed.bucket_order);
-  const int64_t kill_step = examples::fault_kill_step(rank);
-  const int64_t stop_step = examples::fault_stop_step(rank);
+  const int64_t total_steps = static_cast<int64_t>(config.epochs) * train_loader.size();
+  const int64_t kill_step = examples::fault_kill_step(rank, world_size, total_steps);
+  const int64_t stop_step = examples::fault_stop_step(rank, world_size, total_steps);
   // Resumed: the log keeps the checkpoint's steps and the steps past them are written again.
   // Resumed at another world size or batch size, this run's steps count on from the
   // checkpoint's, so the log's steps still rise one by one: log_step(epoch, steps) is the log's

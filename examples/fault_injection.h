@@ -38,9 +38,11 @@ inline int restart_count() {
   return static_cast<int>(value);
 }
 
-// The step at which `rank` must act on `variable` (one of the two above), or -1. Throws
-// ValueError naming the variable when it is not RANK:STEP.
-inline int64_t fault_step(const char* variable, int rank) {
+// The step at which `rank` of `world_size` must act on `variable` (one of the two above), or
+// -1. Throws ValueError naming the variable when it is not RANK:STEP, or names a rank the job
+// does not have or a step past its `total_steps`: a fault that could never fire would let a
+// fault test pass without one.
+inline int64_t fault_step(const char* variable, int rank, int world_size, int64_t total_steps) {
   const char* text = std::getenv(variable);
   if (text == nullptr || *text == '\0' || restart_count() > 0) return -1;
   char* end = nullptr;
@@ -50,11 +52,21 @@ inline int64_t fault_step(const char* variable, int rank) {
   const long long step = std::strtoll(step_text, &end, 10);
   NANODDP_CHECK(*end == '\0' && end != step_text && victim >= 0 && step >= 0, ValueError, variable, "='",
                 text, "' is not RANK:STEP (two non-negative integers)");
+  NANODDP_CHECK(victim < world_size && step < total_steps, ValueError, variable, "='", text, "' names ",
+                victim < world_size ? "step " + std::to_string(step) : "rank " + std::to_string(victim),
+                ", but this run has ",
+                victim < world_size ? "steps 0.." + std::to_string(total_steps - 1)
+                                    : "ranks 0.." + std::to_string(world_size - 1),
+                ": the fault would never happen");
   return victim == rank ? static_cast<int64_t>(step) : -1;
 }
 
-inline int64_t fault_kill_step(int rank) { return fault_step(kFaultKillAtEnv, rank); }
-inline int64_t fault_stop_step(int rank) { return fault_step(kFaultStopAtEnv, rank); }
+inline int64_t fault_kill_step(int rank, int world_size, int64_t total_steps) {
+  return fault_step(kFaultKillAtEnv, rank, world_size, total_steps);
+}
+inline int64_t fault_stop_step(int rank, int world_size, int64_t total_steps) {
+  return fault_step(kFaultStopAtEnv, rank, world_size, total_steps);
+}
 
 // Called before each step: dies as NANODDP_FAULT_KILL_AT asks (kill_step from fault_kill_step).
 inline void kill_if_fault_injected(int64_t kill_step, int rank, int64_t step) {
