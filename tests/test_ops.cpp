@@ -50,7 +50,8 @@ TEST_CASE("op harness: forward vs float64, backward vs central differences") {
     REQUIRE(actual.size() == expected.size());
     for (size_t i = 0; i < expected.size(); ++i) {
       CAPTURE(i);
-      CHECK(matches(actual[i], expected[i], c.forward_tolerance));  // NaN: a mean of an empty batch
+      CHECK_MESSAGE(matches(actual[i], expected[i], c.forward_tolerance),  // NaN: a mean of an empty batch
+                    "output ", i, " is ", actual[i], ", the float64 reference ", expected[i]);
     }
     if (!c.differentiable) continue;
 
@@ -77,7 +78,8 @@ TEST_CASE("op harness: forward vs float64, backward vs central differences") {
         plus[k][j] += h;
         minus[k][j] -= h;
         const double numeric = (projected(plus) - projected(minus)) / (2 * h);
-        CHECK(std::abs(grad[j] - numeric) <= c.backward_tolerance * scale_of(numeric));
+        CHECK_MESSAGE(std::abs(grad[j] - numeric) <= c.backward_tolerance * scale_of(numeric), "input ", k,
+                      " element ", j, ": backward gives ", grad[j], ", central differences ", numeric);
       }
     }
   }
