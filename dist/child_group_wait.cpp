@@ -405,7 +405,7 @@ Outcome ChildGroup::wait() {
   // so does a signal that comes during the wait (Outcome::late_signal: no restart follows it).
   const bool stopped = outcome.kind == Outcome::Kind::Interrupted || outcome.kind == Outcome::Kind::TimedOut;
   int late_signal = 0;
-  relay.flush([&] {
+  const auto take_late_signals = [&] {
     if (!stopped && late_signal == 0)
       for (const int signal : take_signals()) {
         if (signal == SIGTSTP) {
@@ -416,8 +416,13 @@ Outcome ChildGroup::wait() {
           late_signal = signal;
         }
       }
+  };
+  relay.flush([&] {
+    take_late_signals();
     return stopped || late_signal != 0 ? options_.grace_period : OutputRelay::kWaitForever;
   });
+  // The last write may have found the reader gone (write_all's SIGPIPE) as the queue emptied.
+  take_late_signals();
   outcome.late_signal = late_signal;
   if (late_signal != 0 && outcome.kind == Outcome::Kind::AllSucceeded) {
     outcome.kind = Outcome::Kind::Interrupted;

@@ -593,6 +593,21 @@ TEST_CASE("nanoddp-run | head -1: the reader gone ends the job, 128 + SIGPIPE, a
   }
 }
 
+TEST_CASE("nanoddp-run: a reader gone after a rank failed: the failure's status, and no restart") {
+  // The rank prints 2 MB and exits 3 at once; the reader sleeps 1 s, takes one byte and goes.
+  // The failure is known before the launcher's next write fails: its status is the job's, and
+  // --max-restarts does not start a round whose output nobody would read.
+  const RunResult r = run(
+      {"/bin/bash", "-c",
+       "'" + launcher_path() +
+           "' --max-restarts 2 --nproc-per-node 1 /bin/sh -c 'yes $(printf %0100d 0) | head -n 20000; exit 3' | "
+           "{ sleep 1; head -c 1 > /dev/null; }; echo \"rc=${PIPESTATUS[0]}\""},
+      60s);
+  CHECK_MESSAGE(contains(r.out, "rc=3"), r.out, r.err);
+  CHECK_MESSAGE(contains(r.err, "nanoddp-run: the reader of its output is gone: no restart"), r.err);
+  CHECK_MESSAGE(!contains(r.err, "restarting every rank"), r.err);
+}
+
 TEST_CASE(
     "nanoddp-run whose job has ended but whose stdout nobody reads exits on SIGTERM (Note [Output relay])") {
   // The rank prints 2 MB in 20,000 lines and exits; the launcher waits for the reader, which sleeps 8 s,
