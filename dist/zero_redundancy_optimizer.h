@@ -22,7 +22,9 @@
 //
 // Partition (PyTorch 1.13's _partition_parameters): parameters sorted by numel, largest
 // first (a stable sort: ties keep their order), each to the rank whose assigned numel is
-// smallest so far (the lowest rank on ties).
+// smallest so far (the lowest rank on ties). Frozen parameters given to it count too, as in
+// torch: a rank that owns only frozen ones holds no optimizer state (no gradient, no state),
+// so pass only the parameters that train for an even split of the state.
 //
 // Why one broadcast per parameter, not per owner's flat buffer: our parameters each own
 // their storage, so a flat buffer would add a copy in and a copy out of every parameter on
