@@ -53,9 +53,7 @@ void drop_launcher_output() { g_output_dropped_by = getpid(); }
 void resume_launcher_output() { g_output_dropped_by = 0; }
 
 // Writes all of `data` to `fd`; gives up quietly when the reader is gone (EPIPE) or the fd is
-// broken, because losing output must never stop supervision. A reader of stdout or stderr
-// gone (`nanoddp-run ... | head -1`) is told to the supervision loop as a SIGPIPE, once: the
-// job ends as a program writing there would, 128 + SIGPIPE, instead of training on unseen.
+// broken, because losing output must never stop supervision.
 void write_all(int fd, const char* data, size_t size) {
   if ((fd == 1 || fd == 2) && g_output_dropped_by == getpid()) return;
   size_t done = 0;
@@ -69,9 +67,6 @@ void write_all(int fd, const char* data, size_t size) {
       pollfd p{fd, POLLOUT, 0};
       poll(&p, 1, 100);
     } else {
-      static std::atomic<bool> reader_gone_told{false};
-      if (n < 0 && errno == EPIPE && (fd == 1 || fd == 2) && g_signal_pipe[1] >= 0 && !reader_gone_told.exchange(true))
-        on_signal(SIGPIPE);
       return;
     }
   }

@@ -66,13 +66,10 @@ Outcome ChildGroup::wait() {
   auto report = [&](const std::string& text) {
     if (options_.report) relay.write(2, options_.reporter + ": " + text + "\n");
   };
-  auto begin_termination = [&](int received, std::string why) {
+  auto begin_termination = [&](int received, const std::string& why) {
     // mpirun passes SIGINT and SIGTERM on to its ranks but dies at once of SIGQUIT, leaving
-    // them no time to end by themselves: it gets SIGTERM instead. A SIGPIPE is write_all's
-    // word for a reader gone: the ranks get SIGTERM, a chance to end cleanly.
-    const int signal =
-        received == SIGPIPE || (options_.children_relay_signals && received == SIGQUIT) ? SIGTERM : received;
-    if (received == SIGPIPE) why = "the reader of its output is gone (stdout or stderr closed, as by | head)";
+    // them no time to end by themselves: it gets SIGTERM instead.
+    const int signal = options_.children_relay_signals && received == SIGQUIT ? SIGTERM : received;
     size_t alive = 0;
     std::string names;  // of the children still running, for children that relay signals
     for (const Child& c : children_)
@@ -405,7 +402,7 @@ Outcome ChildGroup::wait() {
   // so does a signal that comes during the wait (Outcome::late_signal: no restart follows it).
   const bool stopped = outcome.kind == Outcome::Kind::Interrupted || outcome.kind == Outcome::Kind::TimedOut;
   int late_signal = 0;
-  const auto take_late_signals = [&] {
+  relay.flush([&] {
     if (!stopped && late_signal == 0)
       for (const int signal : take_signals()) {
         if (signal == SIGTSTP) {
@@ -416,13 +413,8 @@ Outcome ChildGroup::wait() {
           late_signal = signal;
         }
       }
-  };
-  relay.flush([&] {
-    take_late_signals();
     return stopped || late_signal != 0 ? options_.grace_period : OutputRelay::kWaitForever;
   });
-  // The last write may have found the reader gone (write_all's SIGPIPE) as the queue emptied.
-  take_late_signals();
   outcome.late_signal = late_signal;
   if (late_signal != 0 && outcome.kind == Outcome::Kind::AllSucceeded) {
     outcome.kind = Outcome::Kind::Interrupted;
