@@ -82,9 +82,11 @@ bool is_initialized();  // torch.distributed.is_initialized
 // Drops the default group (torch.distributed.destroy_process_group). Ranks should stop
 // issuing collectives together, e.g. after a barrier: rank 0 also serves the store.
 // init_process_group may follow, on the same MASTER_PORT, when every rank destroys and
-// initialises as often as the others: a rank that gets there before rank 0 has destroyed its
-// group waits for rank 0's new store (TCPStoreOptions::generation) instead of joining the old
-// one as it goes (torch 1.13 has that race).
+// initialises as often as the others (a call that threw does not count): a rank that gets
+// there before rank 0 has destroyed its group waits for rank 0's new store
+// (TCPStoreOptions::generation) instead of joining the old one as it goes (torch 1.13 has that
+// race). Rank 0's store lives as long as its group: drop every handle on the old group first
+// (the pointer init_process_group returned, a DDP), or the port is still taken.
 void destroy_process_group();
 
 // This rank and the group's size (torch.distributed.get_rank / get_world_size). Throw

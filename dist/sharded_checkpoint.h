@@ -128,7 +128,7 @@ class ShardedCheckpointReader {
   nn::StateDict read_all(const std::string& prefix = "");
   // Which rank of how many reads: a tensor every saved rank holds whole, read before any shard
   // file is open, then comes from the file as far through the set as this rank is through its
-  // group (saved rank rank * world_size() / world_size), the one its own shard most likely
+  // group (saved rank rank * saved world size / world_size), the one its own shard most likely
   // needs, not from file 0 on every rank. ValueError unless 0 <= rank < world_size.
   void set_reading_rank(int rank, int world_size);
   // The shard files opened so far, in the order they were: what this rank read.

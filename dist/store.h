@@ -93,8 +93,9 @@ struct TCPStoreOptions {
   // older round gets DistError at once; one of a newer round reached the old group's server,
   // which is about to go, and connects again until `timeout` (then TimeoutError).
   int round = 0;
-  // Which default group of this process this is: init_process_group numbers them 0, 1, ... (a
-  // program may destroy_process_group() and init again, on the same MASTER_PORT). Ordered
+  // Which default group of this process this is: init_process_group numbers the groups it made
+  // 0, 1, ... (a call that threw makes none; a program may destroy_process_group() and init
+  // again, on the same MASTER_PORT). Ordered
   // after `round` and treated like it: the server admits only its own generation; a client of
   // an older one gets DistError at once; a client of a newer one reached the server of the
   // group rank 0 has not yet destroyed, and connects again until `timeout`.

@@ -160,7 +160,8 @@ class TCPStore::Server {
                     "or NANODDP_STORE_LISTEN_ALL=1 to listen on every interface (behind NAT)");
       NANODDP_CHECK(err != EADDRINUSE, DistError, context_, ": MASTER_PORT ", port,
                     " is already in use on ", detail::host_name(),
-                    " (another job or an earlier run still holds it); choose another port, "
+                    " (another job or an earlier run still holds it, or this process's earlier group, "
+                    "still referenced after destroy_process_group); choose another port, "
                     "or 0 to let the launcher pick a free one");
       NANODDP_THROW(DistError, context_, ": store: bind to port ", port, ": ",
                     detail::errno_text(err));

@@ -29,8 +29,9 @@ namespace nanoddp::nn {
 // 1.13 reruns with the new values); a parameter changed so is not detected, as in torch,
 // and gives the gradient of the new values. BatchNorm updates its running statistics once (the
 // rerun skips it; torch 1.13 counts the batch twice); a BatchNorm switched between train and
-// eval before backward makes the rerun record another node, refused as above. A copy of fn is kept until the region's backward: what it captures by
-// reference (the layers) must live that long. Throws ValueError for an empty fn.
+// eval before backward makes the rerun record another node, refused as above. A copy of fn is
+// kept until the region's backward: what it captures by reference (the layers) must live that
+// long. Throws ValueError for an empty fn.
 std::vector<Tensor> checkpoint(const std::function<std::vector<Tensor>(const std::vector<Tensor>&)>& fn,
                                const std::vector<Tensor>& inputs);
 // The one-input, one-output form: a block of layers.

@@ -145,11 +145,11 @@ inline RunResult run_on_terminal(const std::string& command, std::chrono::second
       const ssize_t n = ::read(master, buffer, sizeof(buffer));
       if (n > 0) {
         result.out.append(buffer, static_cast<size_t>(n));
-        continue;
+      } else if (n == 0 || errno != EINTR) {
+        break;  // EIO: no process holds the terminal any more, and nothing is left in it
       }
-      if (n < 0 && errno == EINTR) continue;
-      break;  // EIO: no process holds the terminal any more, and nothing is left in it
     }
+    // Checked after every read too: a program that never stops writing must time out.
     if (std::chrono::steady_clock::now() - started > timeout) {
       ::kill(pid, SIGKILL);
       ::waitpid(pid, &result.status, 0);
