@@ -64,7 +64,8 @@ class TCPStore::Client {
       fd_.reset();
       if (Clock::now() >= deadline && server_round == static_cast<uint32_t>(options.round)) {
         NANODDP_THROW(TimeoutError, context_, ": this process's group is generation ", options.generation,
-                      " (its default groups count from 0), but the store still serves generation ", server_generation, " after ", options.timeout.count(),
+                      " (its default groups count from 0), but the store still serves generation ",
+                      server_generation, " after ", options.timeout.count(),
                       " ms: rank 0 did not destroy its earlier group (destroy_process_group) and initialise "
                       "this one");
       }
@@ -236,10 +237,11 @@ class TCPStore::Client {
       NANODDP_CHECK(server_round <= round, DistError, context_, ": refused: this rank is of restart round ",
                     options.round, " (NANODDP_RESTART_COUNT), but the group was restarted and the store serves round ",
                     server_round, ": a rank of an earlier start must not join the new one");
-      NANODDP_CHECK(server_round < round || server_generation < generation, DistError, context_,
-                    ": refused: this process's group is generation ", generation,
-                    " (its default groups count from 0), but rank 0's store serves generation ", server_generation,
-                    ": every rank must call destroy_process_group() and init_process_group() as often as rank 0");
+      NANODDP_CHECK(
+          server_round < round || server_generation < generation, DistError, context_,
+          ": refused: this process's group is generation ", generation,
+          " (its default groups count from 0), but rank 0's store serves generation ", server_generation,
+          ": every rank must call destroy_process_group() and init_process_group() as often as rank 0");
       return false;
     }
     NANODDP_CHECK(status != kBadToken, DistError, context_,

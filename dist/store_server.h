@@ -158,8 +158,8 @@ class TCPStore::Server {
                     "' is not an address of ", detail::host_name(),
                     " (rank 0 serves the store there); set MASTER_ADDR / --master-addr to one of its addresses, "
                     "or NANODDP_STORE_LISTEN_ALL=1 to listen on every interface (behind NAT)");
-      NANODDP_CHECK(err != EADDRINUSE, DistError, context_, ": MASTER_PORT ", port,
-                    " is already in use on ", detail::host_name(),
+      NANODDP_CHECK(err != EADDRINUSE, DistError, context_, ": MASTER_PORT ", port, " is already in use on ",
+                    detail::host_name(),
                     " (another job or an earlier run still holds it, or this process's earlier group, "
                     "still referenced after destroy_process_group); choose another port, "
                     "or 0 to let the launcher pick a free one");

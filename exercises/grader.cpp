@@ -72,9 +72,10 @@ std::string ring_problems_or_stop(const std::shared_ptr<dist::ProcessGroup>& gro
         (pg->destinations.size() == 1 && *pg->destinations.begin() != right && *pg->destinations.begin() != left)) {
       std::string ranks;
       for (int dst : pg->destinations) ranks += (ranks.empty() ? "" : ", ") + std::to_string(dst);
-      found += call + "sent to ranks " + ranks + "; in a ring rank r sends to one neighbour only, r+1 (or " +
-               "r-1 in a ring turned the other way), so every part travels around the ring instead of straight " +
-               "to its owner\n";
+      found +=
+          call + "sent to ranks " + ranks + "; in a ring rank r sends to one neighbour only, r+1 (or " +
+          "r-1 in a ring turned the other way), so every part travels around the ring instead of straight " +
+          "to its owner\n";
     }
     static_assert(dist::kNumCollectives == static_cast<int>(dist::Collective::Barrier) + 1,
                   "every collective, the barrier included, is one the ring must not call");

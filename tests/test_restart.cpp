@@ -201,9 +201,10 @@ TEST_CASE("store generations: an older group's rank is refused at once, a newer 
   } catch (const TimeoutError& e) {
     why = e.what();
   }
-  CHECK_MESSAGE(contains(why, "this process's group is generation 1 (its default groups count from 0), but the "
-                              "store still serves generation 0 after 300 ms: rank 0 did not destroy its earlier "
-                              "group"),
+  CHECK_MESSAGE(contains(why,
+                         "this process's group is generation 1 (its default groups count from 0), but the "
+                         "store still serves generation 0 after 300 ms: rank 0 did not destroy its earlier "
+                         "group"),
                 why);
 
   // A rank that initialised again before rank 0 destroyed the old group joins rank 0's new one.
@@ -233,8 +234,9 @@ TEST_CASE("store generations: an older group's rank is refused at once, a newer 
     why = e.what();
   }
   CHECK(Clock::now() - t0 < 2s);
-  CHECK_MESSAGE(contains(why, "refused: this process's group is generation 0 (its default groups count from 0), "
-                              "but rank 0's store serves generation 1"),
+  CHECK_MESSAGE(contains(why,
+                         "refused: this process's group is generation 0 (its default groups count from 0), "
+                         "but rank 0's store serves generation 1"),
                 why);
 }
 
