@@ -182,7 +182,8 @@ std::string ExplainWindow::report(const std::string& what, int64_t steps) const 
         << (N - 1) * (gathered + scattered) << " bytes sent per rank (ring: N - 1 shards each)\n";
     // Note [Gloo new-style API]: Gloo's reduce_scatter is an all-reduce of the whole unit.
     if (scatter_calls > 0 && pg_.backend_name() == "gloo")
-      out << "explain: " << what << ": gloo runs reduce_scatter as an all_reduce of the whole unit (Note [Gloo "
+      out << "explain: " << what
+          << ": gloo runs reduce_scatter as an all_reduce of the whole unit (Note [Gloo "
           << "new-style API]): about " << 2 * (N - 1) * scattered
           << " bytes sent per rank for it, not the ring's N - 1 shards, and a unit-sized buffer per call in "
              "flight, counted as other memory\n";

@@ -818,10 +818,11 @@ void check_built_on(const std::vector<Tensor>& shards, const nn::Optimizer& opti
   if (same == params.size() && same == shards.size()) return;
   NANODDP_THROW(ValueError, "FullyShardedDataParallel.", where, ": the optimizer has ", params.size(),
                 " parameters; it must be built on this wrapper's parameters(), all ", shards.size(),
-                " in their order (", same < params.size() && same < shards.size()
-                                           ? "its parameter " + std::to_string(same) + " is not unit " +
-                                                 std::to_string(same) + "'s flat parameter"
-                                           : std::string("a subset or more"),
+                " in their order (",
+                same < params.size() && same < shards.size()
+                    ? "its parameter " + std::to_string(same) + " is not unit " + std::to_string(same) +
+                          "'s flat parameter"
+                    : std::string("a subset or more"),
                 "): build it on parameters(), frozen units included (an optimizer skips a parameter that "
                 "gets no gradient)");
 }

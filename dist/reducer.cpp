@@ -424,10 +424,10 @@ void Reducer::trace_completions() {
     trace::complete(trace::kAllReduceLane + static_cast<int>(b), "all_reduce bucket " + std::to_string(b),
                     bucket.launched_us, trace::now_us(),
                     "\"bucket\":" + std::to_string(b) + ",\"bytes\":" + std::to_string(bucket.flat.nbytes()) +
-                        ",\"params\":" + std::to_string(bucket.params.size()) + ",\"backend\":" +
-                        trace::json_string(pg_->backend_name()) + ",\"algorithm\":" +
-                        trace::json_string(pg_->all_reduce_algorithm_for(bucket.flat)) + ",\"world_size\":" +
-                        std::to_string(pg_->size()));
+                        ",\"params\":" + std::to_string(bucket.params.size()) +
+                        ",\"backend\":" + trace::json_string(pg_->backend_name()) +
+                        ",\"algorithm\":" + trace::json_string(pg_->all_reduce_algorithm_for(bucket.flat)) +
+                        ",\"world_size\":" + std::to_string(pg_->size()));
     bucket.launched_us = -1;
   }
 }

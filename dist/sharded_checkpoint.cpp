@@ -564,7 +564,8 @@ Tensor ShardedCheckpointReader::read_range(const std::string& name, int64_t begi
     for (int r = 0; r < world_size_ && only < 0; ++r)
       if (e.ranges[static_cast<size_t>(r)].second > 0 && shards_.count(r) != 0) only = r;
     if (only < 0 && reading_world_size_ > 0) {
-      const int guess = static_cast<int>(static_cast<int64_t>(reading_rank_) * world_size_ / reading_world_size_);
+      const int guess =
+          static_cast<int>(static_cast<int64_t>(reading_rank_) * world_size_ / reading_world_size_);
       if (e.ranges[static_cast<size_t>(guess)].second > 0) only = guess;
     }
     for (int r = 0; r < world_size_ && only < 0; ++r)

@@ -233,9 +233,11 @@ class TCPStore::Client {
       Reader server{theirs, 8};
       server_round = static_cast<uint32_t>(server.uint(4));
       server_generation = static_cast<uint32_t>(server.uint(4));
-      const auto round = static_cast<uint32_t>(options.round), generation = static_cast<uint32_t>(options.generation);
+      const auto round = static_cast<uint32_t>(options.round),
+                 generation = static_cast<uint32_t>(options.generation);
       NANODDP_CHECK(server_round <= round, DistError, context_, ": refused: this rank is of restart round ",
-                    options.round, " (NANODDP_RESTART_COUNT), but the group was restarted and the store serves round ",
+                    options.round,
+                    " (NANODDP_RESTART_COUNT), but the group was restarted and the store serves round ",
                     server_round, ": a rank of an earlier start must not join the new one");
       NANODDP_CHECK(
           server_round < round || server_generation < generation, DistError, context_,

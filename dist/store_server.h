@@ -60,8 +60,12 @@ using namespace store_detail;
 class TCPStore::Server {
  public:
   Server(const TCPStoreOptions& options, const std::string& context)
-      : context_(context), job_id_(options.job_id), token_(options.token), world_size_(options.world_size),
-        round_(static_cast<uint32_t>(options.round)), generation_(static_cast<uint32_t>(options.generation)) {
+      : context_(context),
+        job_id_(options.job_id),
+        token_(options.token),
+        world_size_(options.world_size),
+        round_(static_cast<uint32_t>(options.round)),
+        generation_(static_cast<uint32_t>(options.generation)) {
     listen_ = bind_listen(options.listen_on_all_interfaces ? std::string() : options.host, options.port);
     int fds[2];
     NANODDP_CHECK(::pipe(fds) == 0, DistError, context_, ": store: pipe: ",

@@ -528,21 +528,21 @@ std::pair<int, EpochProgress> restore(const std::string& path, int epochs, int64
     if (progress.steps > 0) {
       progress.loss_sums = state.at("epoch_progress.loss_sums").to_vector();
       progress.samples = state.at("epoch_progress.samples").to_int_vector();
-      NANODDP_CHECK(progress.loss_sums.size() == static_cast<size_t>(world_size) &&
-                        progress.samples.size() == static_cast<size_t>(world_size) &&
-                        saved_steps_per_epoch == steps_per_epoch && saved_batch_size == batch_size,
-                    ValueError, "it was saved during epoch ", done + 1, ", after step ", progress.steps,
-                    " of ", saved_steps_per_epoch, ", by ", progress.samples.size(),
-                    progress.samples.size() == 1 ? " rank" : " ranks", " with --batch-size ",
-                    saved_batch_size,
-                    "; a checkpoint from the middle of an epoch resumes only at the same world size and "
-                    "--batch-size",
-                    progress.samples.size() == static_cast<size_t>(world_size) && saved_batch_size == batch_size
-                        ? " on the same data (this run has both, but its training set makes another number of "
-                          "steps per epoch: "
-                        : " (this run: ",
-                    world_size, world_size == 1 ? " rank, " : " ranks, ", "--batch-size ", batch_size, ", ",
-                    steps_per_epoch, " steps per epoch)");
+      NANODDP_CHECK(
+          progress.loss_sums.size() == static_cast<size_t>(world_size) &&
+              progress.samples.size() == static_cast<size_t>(world_size) &&
+              saved_steps_per_epoch == steps_per_epoch && saved_batch_size == batch_size,
+          ValueError, "it was saved during epoch ", done + 1, ", after step ", progress.steps, " of ",
+          saved_steps_per_epoch, ", by ", progress.samples.size(),
+          progress.samples.size() == 1 ? " rank" : " ranks", " with --batch-size ", saved_batch_size,
+          "; a checkpoint from the middle of an epoch resumes only at the same world size and "
+          "--batch-size",
+          progress.samples.size() == static_cast<size_t>(world_size) && saved_batch_size == batch_size
+              ? " on the same data (this run has both, but its training set makes another number of "
+                "steps per epoch: "
+              : " (this run: ",
+          world_size, world_size == 1 ? " rank, " : " ranks, ", "--batch-size ", batch_size, ", ",
+          steps_per_epoch, " steps per epoch)");
       NANODDP_CHECK(progress.steps < steps_per_epoch, IOError, "'epoch_progress.steps' is ", progress.steps);
       // The steps done are the first of the epoch's order, which the seed sets: another seed
       // would skip other batches, and see some examples twice and others never.
@@ -773,7 +773,8 @@ std::string nanoddp::examples::fashion_mnist_flags_problem(const Config& config)
     return bucket_flag + " is a DDP bucket option: it applies to --strategy ddp and zero1, not " + config.strategy +
            " (FSDP reduces per unit, overlapping backward)";
   if (config.batch_norm && config.sync_batch_norm)
-    return "--batch-norm and --sync-batch-norm: give one (--sync-batch-norm is BatchNorm with statistics over every rank)";
+    return "--batch-norm and --sync-batch-norm: give one (--sync-batch-norm is BatchNorm with statistics "
+           "over every rank)";
   if (config.warmup_epochs >= config.epochs)
     return "--warmup-epochs " + std::to_string(config.warmup_epochs) + " leaves no epoch after the warm-up of --epochs " +
            std::to_string(config.epochs);

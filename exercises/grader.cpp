@@ -68,8 +68,8 @@ std::string ring_problems_or_stop(const std::shared_ptr<dist::ProcessGroup>& gro
                "-byte tensor; a ring sends 2(N-1) parts of about 1/N of it, at most " + std::to_string(most) +
                " bytes here (whole buffers passed around cost N-1 times the tensor)\n";
     const int right = (rank + 1) % world, left = (rank + world - 1) % world;
-    if (pg->destinations.size() > 1 ||
-        (pg->destinations.size() == 1 && *pg->destinations.begin() != right && *pg->destinations.begin() != left)) {
+    if (pg->destinations.size() > 1 || (pg->destinations.size() == 1 && *pg->destinations.begin() != right &&
+                                        *pg->destinations.begin() != left)) {
       std::string ranks;
       for (int dst : pg->destinations) ranks += (ranks.empty() ? "" : ", ") + std::to_string(dst);
       found +=
@@ -135,14 +135,14 @@ std::string ring_problems_or_stop(const std::shared_ptr<dist::ProcessGroup>& gro
     const std::vector<float> got = t.to_vector();
     const float want = op == dist::ReduceOp::Max ? static_cast<float>(world) : 1.0f;
     if (!std::isnan(got[0]) || !std::isnan(got[1]) || got[2] != want)
-      problems += who + "ring_all_reduce(" + dist::reduce_op_name(op) + ") of [" +
-                  (rank == 0 ? "nan" : "-2") + ", " + (rank == world - 1 ? "nan" : "3") + ", " +
-                  std::to_string(rank + 1) + "] gave [" + std::to_string(got[0]) + ", " +
-                  std::to_string(got[1]) + ", " + std::to_string(got[2]) + "], expected [nan, nan, " +
-                  std::to_string(want) + "]" +
-                  (got[2] == want ? ": a NaN on any rank wins (std::max(a, b) keeps a when b is NaN; test with "
-                                    "std::isnan)\n"
-                                  : "\n");
+      problems +=
+          who + "ring_all_reduce(" + dist::reduce_op_name(op) + ") of [" + (rank == 0 ? "nan" : "-2") + ", " +
+          (rank == world - 1 ? "nan" : "3") + ", " + std::to_string(rank + 1) + "] gave [" +
+          std::to_string(got[0]) + ", " + std::to_string(got[1]) + ", " + std::to_string(got[2]) +
+          "], expected [nan, nan, " + std::to_string(want) + "]" +
+          (got[2] == want ? ": a NaN on any rank wins (std::max(a, b) keeps a when b is NaN; test with "
+                            "std::isnan)\n"
+                          : "\n");
   }
   // Fewer elements than ranks, and none: some parts are empty.
   for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{2}}) {
@@ -169,11 +169,12 @@ std::string ring_problems_or_stop(const std::shared_ptr<dist::ProcessGroup>& gro
     problems += run_ring(t, dist::ReduceOp::Sum);
     const int64_t want = big * world + world * (world - 1) / 2, got = t.to_int_vector()[0];
     if (got != want)
-      problems += who + "ring_all_reduce(sum) of int64 " + std::to_string(big + rank) + " gave " +
-                  std::to_string(got) + ", expected " + std::to_string(want) +
-                  (got == big + rank ? ": this one element was never reduced (is every element in some part when "
-                                       "the tensor is shorter than the number of ranks?)\n"
-                                     : " exactly: add int64 as int64, not through float or double\n");
+      problems +=
+          who + "ring_all_reduce(sum) of int64 " + std::to_string(big + rank) + " gave " +
+          std::to_string(got) + ", expected " + std::to_string(want) +
+          (got == big + rank ? ": this one element was never reduced (is every element in some part when "
+                               "the tensor is shorter than the number of ranks?)\n"
+                             : " exactly: add int64 as int64, not through float or double\n");
     Tensor ints = Tensor::from_vector(std::vector<int64_t>{1, 2});
     bool refused = false;
     pg->sent_bytes = 0;
@@ -184,8 +185,10 @@ std::string ring_problems_or_stop(const std::shared_ptr<dist::ProcessGroup>& gro
     }
     if (!refused) problems += who + "ring_all_reduce(avg) of int64 did not throw ValueError (dist/ring.h)\n";
     if (refused && (pg->sent_bytes != 0 || ints.to_int_vector() != std::vector<int64_t>{1, 2}))
-      problems += who + "ring_all_reduce(avg) of int64 threw ValueError after it had sent or changed the tensor "
-                  "(now [" + std::to_string(ints.to_int_vector()[0]) + ", " + std::to_string(ints.to_int_vector()[1]) +
+      problems += who +
+                  "ring_all_reduce(avg) of int64 threw ValueError after it had sent or changed the tensor "
+                  "(now [" +
+                  std::to_string(ints.to_int_vector()[0]) + ", " + std::to_string(ints.to_int_vector()[1]) +
                   "]): refuse it first, before any send, and leave the tensor as it was\n";
   }
   return problems;

@@ -156,7 +156,8 @@ Tensor batch_norm(const Tensor& input_in, const Tensor& running_mean, const Tens
   // checkpoint's rerun in the other mode must be refused, not mix one mode's formula with the
   // other's statistics.
   if (!training) mean = mean.clone();
-  return record(training ? "BatchNormBackward" : "BatchNormEvalBackward", out, {input, weight, bias}, {input, weight, mean, invstd},
+  const char* node_name = training ? "BatchNormBackward" : "BatchNormEvalBackward";
+  return record(node_name, out, {input, weight, bias}, {input, weight, mean, invstd},
                 [N, C, L, count, all_reduce](const Node& node, const Tensor& dout) {
     const Tensor& x = node.saved(0);
     const Tensor& w = node.saved(1);

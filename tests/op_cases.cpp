@@ -307,7 +307,9 @@ std::vector<OpCase> op_cases() {
     wide.input_low = -100, wide.input_high = 100;
     wide.model = nullptr;
     OpCase empty{"N = 0: " + row.name + " [0," + std::to_string(row.inputs[0].shape[1]) + "]",
-                 {{{0, row.inputs[0].shape[1]}}}, row.op, [](auto&) { return Values{}; }};
+                 {{{0, row.inputs[0].shape[1]}}},
+                 row.op,
+                 [](auto&) { return Values{}; }};
     rows.push_back(std::move(row));
     rows.push_back(std::move(wide));
     rows.push_back(std::move(empty));

@@ -257,15 +257,17 @@ TEST_CASE("BatchNorm switched between train and eval before backward: the rerun 
     CAPTURE(train_first);
     nn::BatchNorm1d norm(3);
     norm.train(train_first);
-    const Tensor x = Tensor::from_vector({1, 2, 3, 4, 6, 9, 0, 1, 5, 2, 2, 2}, {4, 3}).set_requires_grad(true);
+    const Tensor x =
+        Tensor::from_vector({1, 2, 3, 4, 6, 9, 0, 1, 5, 2, 2, 2}, {4, 3}).set_requires_grad(true);
     const Tensor out = nn::checkpoint([&](const Tensor& in) { return norm(in); }, x);
     norm.train(!train_first);
-    CHECK_THROWS_WITH_AS(sum(out * out).backward(),
-                         doctest::Contains(train_first ? "is BatchNormBackward in forward and BatchNormEvalBackward "
-                                                         "when recomputed"
-                                                       : "is BatchNormEvalBackward in forward and BatchNormBackward "
-                                                         "when recomputed"),
-                         ValueError);
+    CHECK_THROWS_WITH_AS(
+        sum(out * out).backward(),
+        doctest::Contains(train_first ? "is BatchNormBackward in forward and BatchNormEvalBackward "
+                                        "when recomputed"
+                                      : "is BatchNormEvalBackward in forward and BatchNormBackward "
+                                        "when recomputed"),
+        ValueError);
   }
 }
 
@@ -331,7 +333,8 @@ TEST_CASE("DDP on 2 ranks: checkpointed blocks train bitwise like plain ones, ev
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
-TEST_CASE("FSDP on 2 ranks, a unit per Linear inside the blocks: checkpointed training is bitwise the plain one") {
+TEST_CASE(
+    "FSDP on 2 ranks, a unit per Linear inside the blocks: checkpointed training is bitwise the plain one") {
   // The rerun runs the units' forward hooks again: FULL_SHARD gathers each unit once more for
   // it, SHARD_GRAD_OP (parameters kept after forward) adds nothing; forward_prefetch must not
   // prefetch from the rerun (the next unit's backward has run), so it adds nothing either.
@@ -353,7 +356,8 @@ TEST_CASE("FSDP on 2 ranks, a unit per Linear inside the blocks: checkpointed tr
           nn::SGD opt(fsdp.parameters(), {/*lr=*/0.1, /*momentum=*/0.9f});
           pg->reset_counts();
           for (int step = 0; step < 3; ++step) {
-            const Batch b = testing::rows(testing::random_batch(300 + step, 16, 6, 3), 8 * rank, 8 * rank + 8);
+            const Batch b =
+                testing::rows(testing::random_batch(300 + step, 16, 6, 3), 8 * rank, 8 * rank + 8);
             opt.zero_grad();
             cross_entropy(fsdp(b.x), b.y).backward();
             opt.step();
@@ -363,16 +367,16 @@ TEST_CASE("FSDP on 2 ranks, a unit per Linear inside the blocks: checkpointed tr
         }
       }
       for (int prefetch = 0; prefetch < 2; ++prefetch)
-        expect(trained[1][prefetch] == trained[0][0], "rank ", rank, " ", name, " forward_prefetch ", prefetch,
-               ": checkpointed FSDP training differs from plain FSDP");
+        expect(trained[1][prefetch] == trained[0][0], "rank ", rank, " ", name, " forward_prefetch ",
+               prefetch, ": checkpointed FSDP training differs from plain FSDP");
       // 3 Linear units, 3 steps: one more gather per unit per step under FULL_SHARD, none
       // under SHARD_GRAD_OP; prefetching changes no count.
       const int64_t extra = strategy == dist::ShardingStrategy::FULL_SHARD ? 9 : 0;
       expect(gathers[0][1] == gathers[0][0] && gathers[1][0] == gathers[0][0] + extra &&
                  gathers[1][1] == gathers[1][0],
-             "rank ", rank, " ", name, ": all_gather calls plain ", gathers[0][0], " (prefetch ", gathers[0][1],
-             "), checkpointed ", gathers[1][0], " (prefetch ", gathers[1][1], "); expected ", extra,
-             " more when checkpointed and none from prefetching");
+             "rank ", rank, " ", name, ": all_gather calls plain ", gathers[0][0], " (prefetch ",
+             gathers[0][1], "), checkpointed ", gathers[1][0], " (prefetch ", gathers[1][1], "); expected ",
+             extra, " more when checkpointed and none from prefetching");
     }
     testing::leave();
   });

@@ -353,7 +353,9 @@ std::string explained_epoch(const std::string& example, const std::vector<std::s
 
 }  // namespace
 
-TEST_CASE("fashion_mnist --strategy fsdp --explain on Gloo: reduce_scatter's real traffic, an all_reduce of each unit") {
+TEST_CASE(
+    "fashion_mnist --strategy fsdp --explain on Gloo: reduce_scatter's real traffic, an all_reduce of each "
+    "unit") {
   // The default MLP's three units hold 235,146 parameters (940,584 bytes), so their shards at
   // W = 2 are 470,292 bytes: the ring's reduce_scatter sends one shard, Gloo's all_reduce of
   // the whole unit 2(N-1) of them.
@@ -361,9 +363,10 @@ TEST_CASE("fashion_mnist --strategy fsdp --explain on Gloo: reduce_scatter's rea
   CHECK_MESSAGE(out.find("reduce_scatter 3.00 calls of 470292 shard bytes; 1410876 bytes sent per rank") !=
                     std::string::npos,
                 out);
-  CHECK_MESSAGE(out.find("gloo runs reduce_scatter as an all_reduce of the whole unit (Note [Gloo new-style API]): "
-                         "about 940584 bytes sent per rank for it") != std::string::npos,
-                out);
+  CHECK_MESSAGE(
+      out.find("gloo runs reduce_scatter as an all_reduce of the whole unit (Note [Gloo new-style API]): "
+               "about 940584 bytes sent per rank for it") != std::string::npos,
+      out);
 }
 
 TEST_CASE("fashion_mnist --find-unused-parameters: one more all-reduce per step, of an int64 per parameter") {
@@ -442,15 +445,25 @@ TEST_CASE("--checkpoint-activations: the same training bit for bit on 2 ranks, f
   }
   // A unit of FSDP or ZeRO-2 inside a block is gathered again by the rerun, SyncBatchNorm
   // all-reduces its statistics again: the same training, bit for bit.
-  for (const auto& [example, flag] : std::vector<std::pair<std::string, std::string>>{
-           {"fashion_mnist", "--strategy=fsdp"},
-           {"fashion_mnist_cnn", "--strategy=zero2"},
-           {"fashion_mnist_cnn", "--sync-batch-norm"}}) {
+  for (const auto& [example, flag] :
+       std::vector<std::pair<std::string, std::string>>{{"fashion_mnist", "--strategy=fsdp"},
+                                                        {"fashion_mnist_cnn", "--strategy=zero2"},
+                                                        {"fashion_mnist_cnn", "--sync-batch-norm"}}) {
     CAPTURE(example);
     CAPTURE(flag);
     auto run_with = [&](std::vector<std::string> extra) {
-      std::vector<std::string> args = {launcher_path(), "--nproc-per-node", "2", built("examples/" + example),
-                                       "--data-dir", dir.path, "--batch-size", "32", "--epochs", "1", "--quiet", flag};
+      std::vector<std::string> args = {launcher_path(),
+                                       "--nproc-per-node",
+                                       "2",
+                                       built("examples/" + example),
+                                       "--data-dir",
+                                       dir.path,
+                                       "--batch-size",
+                                       "32",
+                                       "--epochs",
+                                       "1",
+                                       "--quiet",
+                                       flag};
       args.insert(args.end(), extra.begin(), extra.end());
       return run(args, 120s);
     };
@@ -666,10 +679,12 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   // A fault that could never happen (a rank the job lacks, a step past its end) is refused:
   // a fault test would otherwise pass without its fault.
   for (const auto& [fault, said] : std::vector<std::pair<std::string, std::string>>{
-           {"NANODDP_FAULT_KILL_AT=1:2", "NANODDP_FAULT_KILL_AT='1:2' names rank 1, but this run has ranks 0..0"},
-           {"NANODDP_FAULT_STOP_AT=0:8", "NANODDP_FAULT_STOP_AT='0:8' names step 8, but this run has steps 0..7"}}) {
-    r = run({"/usr/bin/env", fault, program, "--data-dir", dir.path, "--quiet", "--epochs", "1", "--batch-size",
-             "32"},
+           {"NANODDP_FAULT_KILL_AT=1:2",
+            "NANODDP_FAULT_KILL_AT='1:2' names rank 1, but this run has ranks 0..0"},
+           {"NANODDP_FAULT_STOP_AT=0:8",
+            "NANODDP_FAULT_STOP_AT='0:8' names step 8, but this run has steps 0..7"}}) {
+    r = run({"/usr/bin/env", fault, program, "--data-dir", dir.path, "--quiet", "--epochs", "1",
+             "--batch-size", "32"},
             60s);
     CHECK(r.code() == 1);
     CHECK_MESSAGE(r.err.find(said + ": the fault would never happen") != std::string::npos, r.err);
@@ -962,10 +977,11 @@ TEST_CASE("fashion_mnist: a mid-epoch checkpoint does not resume at another --ba
   more_data.push_back("--resume");
   const RunResult data = run(more_data, 120s);
   CHECK(data.code() != 0);
-  CHECK_MESSAGE(data.err.find("resumes only at the same world size and --batch-size on the same data (this run has "
-                              "both, but its training set makes another number of steps per epoch: 1 rank, "
-                              "--batch-size 40, 20 steps per epoch)") != std::string::npos,
-                data.err);
+  CHECK_MESSAGE(
+      data.err.find("resumes only at the same world size and --batch-size on the same data (this run has "
+                    "both, but its training set makes another number of steps per epoch: 1 rank, "
+                    "--batch-size 40, 20 steps per epoch)") != std::string::npos,
+      data.err);
 }
 
 TEST_CASE("fashion_mnist --resume on another world size: the schedule is this run's, as if never interrupted") {

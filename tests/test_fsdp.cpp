@@ -261,8 +261,8 @@ TEST_CASE("a frozen unit (every parameter requires_grad false) is gathered, neve
       // Its state saves; an optimizer over the trainable shard alone (torch's usual filter)
       // numbers its state otherwise, and saving it is refused, saying how to build it.
       const nn::StateDict optim_state = fsdp.full_optim_state_dict(*opt);
-      expect(optim_state.count("exp_avg.2") == 1 && optim_state.count("exp_avg.0") == 0, "rank ", rank, " ", name,
-             ": the frozen layer has AdamW state, or the trained one none");
+      expect(optim_state.count("exp_avg.2") == 1 && optim_state.count("exp_avg.0") == 0, "rank ", rank, " ",
+             name, ": the frozen layer has AdamW state, or the trained one none");
       auto trainable_only = make_optimizer(true, {shards[1]});
       for (const bool full : {true, false}) {
         std::string why;
@@ -275,10 +275,12 @@ TEST_CASE("a frozen unit (every parameter requires_grad false) is gathered, neve
         } catch (const ValueError& e) {
           why = e.what();
         }
-        expect(why.find("the optimizer has 1 parameters; it must be built on this wrapper's parameters(), all 2 in "
-                        "their order (its parameter 0 is not unit 0's flat parameter): build it on parameters(), "
-                        "frozen units included") != std::string::npos,
-               "rank ", rank, " ", name, ": ", why);
+        expect(
+            why.find(
+                "the optimizer has 1 parameters; it must be built on this wrapper's parameters(), all 2 in "
+                "their order (its parameter 0 is not unit 0's flat parameter): build it on parameters(), "
+                "frozen units included") != std::string::npos,
+            "rank ", rank, " ", name, ": ", why);
       }
     }
   });

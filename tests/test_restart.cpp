@@ -185,7 +185,8 @@ TEST_CASE("store rounds: a rank of the new round that meets the old server joins
   CHECK(value == "1");
 }
 
-TEST_CASE("store generations: an older group's rank is refused at once, a newer one waits for rank 0's new store") {
+TEST_CASE(
+    "store generations: an older group's rank is refused at once, a newer one waits for rank 0's new store") {
   auto generation_options = [](int port, bool is_server, int generation, std::chrono::milliseconds timeout) {
     TCPStoreOptions o = store_options(port, is_server, is_server ? 0 : 1, 0, timeout);
     o.generation = generation;
@@ -240,7 +241,8 @@ TEST_CASE("store generations: an older group's rank is refused at once, a newer 
                 why);
 }
 
-TEST_CASE("destroy_process_group then init_process_group again on the same port: every cycle joins the new group") {
+TEST_CASE(
+    "destroy_process_group then init_process_group again on the same port: every cycle joins the new group") {
   // Rank 1 re-initialises as soon as its destroy returns, often before rank 0 has destroyed its
   // group and store: it must wait for rank 0's new store, not join the old one as it goes.
   for (Backend backend : {Backend::Shm, Backend::Gloo}) {

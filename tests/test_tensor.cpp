@@ -367,7 +367,9 @@ TEST_CASE("float16 and bfloat16 round to nearest, ties to even, as torch's .to(f
   CHECK(Tensor::ones({1}, DType::BFloat16).item() == 1.0f);
 }
 
-TEST_CASE("memory_stats().cached: a freed large block is kept for reuse, counted there, and empty_cache gives it back") {
+TEST_CASE(
+    "memory_stats().cached: a freed large block is kept for reuse, counted there, and empty_cache gives it "
+    "back") {
   empty_cache();
   CHECK(memory_stats(Device::cpu()).cached == 0);
   const int64_t live_before = memory_stats(Device::cpu()).live_total;

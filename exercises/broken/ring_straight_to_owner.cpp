@@ -18,9 +18,12 @@ template <typename T>
 void fold(T* into, const T* from, int64_t n, ReduceOp op) {
   for (int64_t i = 0; i < n; ++i) {
     const T a = into[i], b = from[i];
-    if (op == ReduceOp::Sum || op == ReduceOp::Avg) into[i] = a + b;
-    else if (b != b || a != a) into[i] = a != a ? a : b;  // NaN wins
-    else into[i] = op == ReduceOp::Max ? (a > b ? a : b) : (a < b ? a : b);
+    if (op == ReduceOp::Sum || op == ReduceOp::Avg)
+      into[i] = a + b;
+    else if (b != b || a != a)
+      into[i] = a != a ? a : b;  // NaN wins
+    else
+      into[i] = op == ReduceOp::Max ? (a > b ? a : b) : (a < b ? a : b);
   }
 }
 
@@ -33,7 +36,9 @@ void ring_all_reduce(ProcessGroup& pg, Tensor& tensor, ReduceOp op, std::chrono:
   if (n == 1 || numel == 0) return;
   Tensor flat = tensor.reshape({numel});
   const auto begin = [&](int p) { return std::min(numel, p * size); };
-  const auto part = [&](int p) { return flat.slice_view(begin(p), {std::min(numel, begin(p) + size) - begin(p)}); };
+  const auto part = [&](int p) {
+    return flat.slice_view(begin(p), {std::min(numel, begin(p) + size) - begin(p)});
+  };
   // Reduce: every other rank's copy of my part comes straight to me.
   std::vector<Tensor> incoming;
   std::vector<std::shared_ptr<Work>> works;
@@ -46,8 +51,10 @@ void ring_all_reduce(ProcessGroup& pg, Tensor& tensor, ReduceOp op, std::chrono:
   for (auto& w : works) w->wait(timeout);
   Tensor mine = part(rank);
   for (const Tensor& in : incoming) {
-    if (tensor.dtype() == DType::Int64) fold(mine.data<int64_t>(), in.data<int64_t>(), mine.numel(), op);
-    else fold(mine.data<float>(), in.data<float>(), mine.numel(), op);
+    if (tensor.dtype() == DType::Int64)
+      fold(mine.data<int64_t>(), in.data<int64_t>(), mine.numel(), op);
+    else
+      fold(mine.data<float>(), in.data<float>(), mine.numel(), op);
   }
   if (op == ReduceOp::Avg)
     for (int64_t i = 0; i < mine.numel(); ++i) mine.data<float>()[i] /= static_cast<float>(n);
