@@ -441,8 +441,9 @@ TEST_CASE("--checkpoint-activations: the same training bit for bit on 2 ranks, f
     MESSAGE(example, " peak activation bytes at batch 32: ", json_field(lines.first, "peak_activation_bytes"),
             " plain, ", json_field(lines.second, "peak_activation_bytes"), " checkpointed");
     // Under bf16 autocast too, where a block's input is the 16-bit output of the one before
-    // (bytes not compared: the MLP's checkpointed peak is the higher there, 193,280 against
-    // 144,384 at batch 32).
+    // (bytes not compared: the MLP's first block keeps its float32 images, where Linear alone
+    // keeps their 16-bit copy, so its checkpointed peak is the higher, 193,280 against 144,384
+    // at batch 32).
     same_training(example, "gloo", {"--precision", "bf16"}, /*fewer_bytes=*/false);
   }
   // A unit of FSDP or ZeRO-2 inside a block is gathered again by the rerun, SyncBatchNorm
