@@ -49,8 +49,18 @@ namespace {
 std::atomic<pid_t> g_output_dropped_by{0};  // the process that gave its readers up
 }  // namespace
 
+namespace {
+std::atomic<bool> g_reader_gone{false};
+// The byte write_all puts in the self-pipe for a reader gone: 0 is no signal's number.
+constexpr unsigned char kReaderGoneByte = 0;
+}  // namespace
+
 void drop_launcher_output() { g_output_dropped_by = getpid(); }
-void resume_launcher_output() { g_output_dropped_by = 0; }
+void resume_launcher_output() {
+  g_output_dropped_by = 0;
+  g_reader_gone = false;
+}
+bool launcher_reader_gone() { return g_reader_gone; }
 
 // Writes all of `data` to `fd`; gives up quietly when the reader is gone (EPIPE) or the fd is
 // broken, because losing output must never stop supervision.
@@ -67,6 +77,11 @@ void write_all(int fd, const char* data, size_t size) {
       pollfd p{fd, POLLOUT, 0};
       poll(&p, 1, 100);
     } else {
+      if (n < 0 && errno == EPIPE && (fd == 1 || fd == 2) && !g_reader_gone.exchange(true) &&
+          g_signal_pipe[1] >= 0) {
+        ssize_t ignored = write(g_signal_pipe[1], &kReaderGoneByte, 1);  // a wake-up, not a signal
+        (void)ignored;
+      }
       return;
     }
   }
@@ -77,7 +92,8 @@ std::vector<int> take_signals() {
   unsigned char bytes[64];
   ssize_t n;
   while ((n = read(g_signal_pipe[0], bytes, sizeof(bytes))) > 0)
-    signals.insert(signals.end(), bytes, bytes + n);
+    for (ssize_t i = 0; i < n; ++i)
+      if (bytes[i] != kReaderGoneByte) signals.push_back(bytes[i]);
   return signals;
 }
 

@@ -59,6 +59,8 @@ Outcome ChildGroup::wait() {
   auto deadline = options_.timeout.count() > 0 ? created_ + options_.timeout : never;
   auto kill_at = never;
   bool terminating = false, killed = false;
+  // Stopped because the reader of the output is gone, and whether a user's signal came since.
+  bool stopped_for_reader = false, user_signalled = false;
   int sent_signal = 0;  // what begin_termination sent the ranks
 
   OutputRelay relay;  // Note [Output relay]: nothing below blocks on the launcher's readers
@@ -361,11 +363,26 @@ Outcome ChildGroup::wait() {
       if (!terminating) {
         outcome.kind = Outcome::Kind::Interrupted;
         outcome.signal = signal;
+        user_signalled = true;
         begin_termination(signal, "received " + signal_name(signal));
+      } else if (stopped_for_reader && !user_signalled) {
+        // Ctrl-C under `| tee` reaches tee and the launcher together: the ranks are stopping
+        // politely already, and the signal, not a second one, is what the job ends by.
+        outcome.signal = signal;
+        user_signalled = true;
       } else if (!killed) {  // a second Ctrl-C: stop waiting politely
         terminate_all(SIGKILL);
         killed = true;
       }
+    }
+    // The reader of the output is gone (`| head` has its lines): the job ends as a program
+    // writing there would, by SIGPIPE, its ranks stopped politely. Looked at after the
+    // signals, so that a signal read with it is the user's; never a reason to SIGKILL.
+    if (!terminating && launcher_reader_gone()) {
+      outcome.kind = Outcome::Kind::Interrupted;
+      outcome.signal = SIGPIPE;
+      stopped_for_reader = true;
+      begin_termination(SIGTERM, "the reader of its output is gone (stdout or stderr closed, as by | head)");
     }
   }
 
@@ -413,8 +430,15 @@ Outcome ChildGroup::wait() {
           late_signal = signal;
         }
       }
-    return stopped || late_signal != 0 ? options_.grace_period : OutputRelay::kWaitForever;
+    return stopped || late_signal != 0 || launcher_reader_gone() ? options_.grace_period
+                                                                 : OutputRelay::kWaitForever;
   });
+  // Read once the queue is empty: the last write may be the one that found the reader gone.
+  outcome.reader_gone = launcher_reader_gone();
+  if (outcome.reader_gone && late_signal == 0 && outcome.kind == Outcome::Kind::AllSucceeded) {
+    outcome.kind = Outcome::Kind::Interrupted;
+    outcome.signal = SIGPIPE;
+  }
   outcome.late_signal = late_signal;
   if (late_signal != 0 && outcome.kind == Outcome::Kind::AllSucceeded) {
     outcome.kind = Outcome::Kind::Interrupted;

@@ -595,6 +595,10 @@ int launch(const LaunchOptions& given, const std::vector<std::string>& program) 
     switch (outcome.kind) {
       case Outcome::Kind::AllSucceeded: return 0;
       case Outcome::Kind::ChildFailed:
+        if (outcome.reader_gone && outcome.late_signal == 0) {  // `| head`: no one would read a restart
+          write_all(2, "nanoddp-run: the reader of its output is gone: no restart\n");
+          return outcome.failed_status.ok() ? 1 : outcome.failed_status.shell_code();
+        }
         if (outcome.late_signal != 0) {  // the user stopped the job while its output was written
           write_all(2, "nanoddp-run: received " + signal_name(outcome.late_signal) +
                            " after the failure: no restart\n");

@@ -186,6 +186,11 @@ struct Outcome {
   // that was AllSucceeded is Interrupted by it; a ChildFailed one stays (the failure is what
   // spawn reports), and launch() restarts nothing after it.
   int late_signal = 0;
+  // A write to the launcher's stdout or stderr found its reader gone (`| head` has its lines).
+  // While the job ran, that ended it as Interrupted by SIGPIPE (the ranks get SIGTERM); a job
+  // that then ended by itself is Interrupted by SIGPIPE too; a ChildFailed one stays, and
+  // launch() restarts nothing after it (no one would read the next round).
+  bool reader_gone = false;
   std::vector<ExitStatus> statuses;  // every child's end, in start order
 };
 

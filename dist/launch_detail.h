@@ -48,17 +48,21 @@ inline bool kept_if_ignored(int signal) {
 // The handler of every signal in kHandledSignals but SIGPIPE.
 void on_signal(int signal);
 // The signals the handler has written to the self-pipe since the last call, in order
-// (SIGCHLD included); never blocks.
+// (SIGCHLD included; write_all's reader-gone wake-up is not one); never blocks.
 std::vector<int> take_signals();
 
 // Writes all of `data` to `fd`; gives up quietly when the reader is gone (EPIPE) or the fd is
 // broken, because losing output must never stop supervision. Nothing, for fd 1 or 2, once
 // this process called drop_launcher_output() (Note [Output relay] in dist/output_relay.h;
-// a child forked later writes its own).
+// a child forked later writes its own). An EPIPE on fd 1 or 2 marks the reader gone
+// (launcher_reader_gone) and wakes the supervision loop through the self-pipe.
 void write_all(int fd, const char* data, size_t size);
 inline void write_all(int fd, const std::string& data) { write_all(fd, data.data(), data.size()); }
 void drop_launcher_output();
+// Also forgets a reader gone: each round (ChildGroup::wait) starts with its readers tried anew.
 void resume_launcher_output();
+// Whether a write to stdout or stderr found its reader gone since resume_launcher_output().
+bool launcher_reader_gone();
 
 void close_fd(int& fd);
 

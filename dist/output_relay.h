@@ -17,7 +17,8 @@
 // signal comes while it waits (Ctrl-C at a paused pager). A job stopped by a signal (before or
 // during that wait) or its timeout gives up after a stall as long as the grace period: the rest is
 // dropped, with what the launcher prints until its next round starts (torchrun's ranks write to the
-// terminal themselves and never hold it either).
+// terminal themselves and never hold it either). A reader gone (EPIPE) ends the job instead:
+// Outcome::reader_gone in dist/launch.h.
 #pragma once
 
 #include <chrono>
