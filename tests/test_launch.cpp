@@ -572,23 +572,27 @@ TEST_CASE("nanoddp-run whose stdout nobody reads still acts on --timeout and exi
   CHECK_MESSAGE(contains(r.err, "timed out: the job's --timeout of 2 s"), r.err);
 }
 
-TEST_CASE("nanoddp-run | head -1: the reader gone ends the job, 128 + SIGPIPE, as a program writing there would") {
+TEST_CASE(
+    "nanoddp-run | head -1: the reader gone ends the job, 128 + SIGPIPE, as a program writing there would") {
   // Ranks print a line every 10 ms for up to 60 s; head takes one line and exits. The next
   // write of the launcher fails (EPIPE): the ranks get SIGTERM and the launcher exits 141 at
   // once, saying why, instead of running the job to its end with the output dropped.
   for (const std::string streams : {"", " 2>&1"}) {
     CAPTURE(streams);
-    const RunResult r = run(
-        {"/bin/bash", "-c",
-         "start=$(date +%s%N); '" + launcher_path() +
-             "' --nproc-per-node 2 /bin/sh -c 'for i in $(seq 6000); do echo line $i; sleep 0.01; done'" + streams +
-             " | head -1 > /dev/null; echo \"rc=${PIPESTATUS[0]} ms=$(( ($(date +%s%N) - start) / 1000000 ))\""},
-        60s);
+    const RunResult r =
+        run({"/bin/bash", "-c",
+             "start=$(date +%s%N); '" + launcher_path() +
+                 "' --nproc-per-node 2 /bin/sh -c 'for i in $(seq 6000); do echo line $i; sleep 0.01; done'" +
+                 streams +
+                 " | head -1 > /dev/null; echo \"rc=${PIPESTATUS[0]} ms=$(( ($(date +%s%N) - start) / "
+                 "1000000 ))\""},
+            60s);
     CHECK_MESSAGE(contains(r.out, "rc=141 "), r.out, r.err);
     CHECK_MESSAGE(paused_reader_ms(r) < 10000, r.out);
     if (streams.empty())
-      CHECK_MESSAGE(contains(r.err, "the reader of its output is gone (stdout or stderr closed, as by | head); "
-                                    "sending SIGTERM to the 2 remaining process(es)"),
+      CHECK_MESSAGE(contains(r.err,
+                             "the reader of its output is gone (stdout or stderr closed, as by | head); "
+                             "sending SIGTERM to the 2 remaining process(es)"),
                     r.err);
   }
 }
@@ -597,33 +601,36 @@ TEST_CASE("nanoddp-run: a reader gone after a rank failed: the failure's status,
   // The rank prints 2 MB and exits 3 at once; the reader sleeps 1 s, takes one byte and goes.
   // The failure is known before the launcher's next write fails: its status is the job's, and
   // --max-restarts does not start a round whose output nobody would read.
-  const RunResult r = run(
-      {"/bin/bash", "-c",
-       "'" + launcher_path() +
-           "' --max-restarts 2 --nproc-per-node 1 /bin/sh -c 'yes $(printf %0100d 0) | head -n 20000; exit 3' | "
-           "{ sleep 1; head -c 1 > /dev/null; }; echo \"rc=${PIPESTATUS[0]}\""},
-      60s);
+  const RunResult r = run({"/bin/bash", "-c",
+                           "'" + launcher_path() +
+                               "' --max-restarts 2 --nproc-per-node 1 /bin/sh -c 'yes $(printf %0100d 0) | "
+                               "head -n 20000; exit 3' | "
+                               "{ sleep 1; head -c 1 > /dev/null; }; echo \"rc=${PIPESTATUS[0]}\""},
+                          60s);
   CHECK_MESSAGE(contains(r.out, "rc=3"), r.out, r.err);
   CHECK_MESSAGE(contains(r.err, "nanoddp-run: the reader of its output is gone: no restart"), r.err);
   CHECK_MESSAGE(!contains(r.err, "restarting every rank"), r.err);
 }
 
-TEST_CASE("nanoddp-run | tee, then Ctrl-C: the reader going with the signal stops the ranks politely, exit 130") {
+TEST_CASE(
+    "nanoddp-run | tee, then Ctrl-C: the reader going with the signal stops the ranks politely, exit 130") {
   // Ctrl-C reaches tee and the launcher together; whichever the launcher sees first, the
   // ranks' handlers (1 s to save) run to their end, never cut by a SIGKILL, and the job ends
   // by the user's signal. Both orders: the signal first, and the reader's going noticed (the
   // ranks already stopping) 0.3 s before the signal comes.
   for (const std::string pause : {"0", "0.3"}) {
     CAPTURE(pause);
-    const RunResult r = run(
-        {"/bin/bash", "-c",
-         "set -m; cd \"$(mktemp -d)\" && mkfifo out && { cat out > /dev/null & } && reader=$! && "
-         "{ '" + launcher_path() +
-             "' --grace-period 20 --nproc-per-node 2 /bin/sh -c "
-             "'trap \"sleep 1; echo saved >&2; exit 0\" INT TERM; while :; do echo x; sleep 0.01; done' > out & } && "
-             "launcher=$! && sleep 1 && kill -TERM $reader && sleep " + pause +
-             " && kill -INT $launcher; wait $launcher; echo \"rc=$?\""},
-        60s);
+    const RunResult r =
+        run({"/bin/bash", "-c",
+             "set -m; cd \"$(mktemp -d)\" && mkfifo out && { cat out > /dev/null & } && reader=$! && "
+             "{ '" +
+                 launcher_path() +
+                 "' --grace-period 20 --nproc-per-node 2 /bin/sh -c "
+                 "'trap \"sleep 1; echo saved >&2; exit 0\" INT TERM; while :; do echo x; sleep 0.01; done' "
+                 "> out & } && "
+                 "launcher=$! && sleep 1 && kill -TERM $reader && sleep " +
+                 pause + " && kill -INT $launcher; wait $launcher; echo \"rc=$?\""},
+            60s);
     CHECK_MESSAGE(contains(r.out, "rc=130"), r.out, r.err);
     CHECK_MESSAGE(contains(r.err, "[rank 0] saved"), r.err);
     CHECK_MESSAGE(contains(r.err, "[rank 1] saved"), r.err);
