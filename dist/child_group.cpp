@@ -66,6 +66,25 @@ bool launcher_reader_gone() { return g_reader_gone; }
 // broken, because losing output must never stop supervision.
 void write_all(int fd, const char* data, size_t size) {
   if ((fd == 1 || fd == 2) && g_output_dropped_by == getpid()) return;
+  // A write into a pipe whose reader is gone raises SIGPIPE, which ends the process where no
+  // ChildGroup ignores it (a report written between rounds). Blocked on this thread for the
+  // write, and taken back if raised, so that the write only fails with EPIPE.
+  struct SigpipeBlocked {
+    sigset_t pipe, before;
+    SigpipeBlocked() {
+      sigemptyset(&pipe);
+      sigaddset(&pipe, SIGPIPE);
+      pthread_sigmask(SIG_BLOCK, &pipe, &before);
+    }
+    ~SigpipeBlocked() {
+      if (sigismember(&before, SIGPIPE) == 0) {
+        const timespec now{0, 0};
+        while (sigtimedwait(&pipe, nullptr, &now) == SIGPIPE) {
+        }
+        pthread_sigmask(SIG_SETMASK, &before, nullptr);
+      }
+    }
+  } blocked;
   size_t done = 0;
   while (done < size) {
     const ssize_t n = write(fd, data + done, size - done);

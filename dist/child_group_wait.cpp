@@ -377,8 +377,9 @@ Outcome ChildGroup::wait() {
     }
     // The reader of the output is gone (`| head` has its lines): the job ends as a program
     // writing there would, by SIGPIPE, its ranks stopped politely. Looked at after the
-    // signals, so that a signal read with it is the user's; never a reason to SIGKILL.
-    if (!terminating && launcher_reader_gone()) {
+    // signals, so that a signal read with it is the user's; never a reason to SIGKILL; and not
+    // while a failure waits for its blame (the failure is the outcome then).
+    if (!terminating && first_seen == nullptr && launcher_reader_gone()) {
       outcome.kind = Outcome::Kind::Interrupted;
       outcome.signal = SIGPIPE;
       stopped_for_reader = true;

@@ -600,16 +600,33 @@ TEST_CASE(
 TEST_CASE("nanoddp-run: a reader gone after a rank failed: the failure's status, and no restart") {
   // The rank prints 2 MB and exits 3 at once; the reader sleeps 1 s, takes one byte and goes.
   // The failure is known before the launcher's next write fails: its status is the job's, and
-  // --max-restarts does not start a round whose output nobody would read.
-  const RunResult r = run({"/bin/bash", "-c",
-                           "'" + launcher_path() +
-                               "' --max-restarts 2 --nproc-per-node 1 /bin/sh -c 'yes $(printf %0100d 0) | "
-                               "head -n 20000; exit 3' | "
-                               "{ sleep 1; head -c 1 > /dev/null; }; echo \"rc=${PIPESTATUS[0]}\""},
-                          60s);
-  CHECK_MESSAGE(contains(r.out, "rc=3"), r.out, r.err);
-  CHECK_MESSAGE(contains(r.err, "nanoddp-run: the reader of its output is gone: no restart"), r.err);
-  CHECK_MESSAGE(!contains(r.err, "restarting every rank"), r.err);
+  // --max-restarts does not start a round whose output nobody would read. With 2>&1 the
+  // launcher's own report goes to the dead reader too, and must not end it by SIGPIPE.
+  for (const std::string streams : {"", " 2>&1"}) {
+    CAPTURE(streams);
+    const RunResult r = run({"/bin/bash", "-c",
+                             "'" + launcher_path() +
+                                 "' --max-restarts 2 --nproc-per-node 1 /bin/sh -c 'yes $(printf %0100d 0) | "
+                                 "head -n 20000; exit 3'" +
+                                 streams + " | { sleep 1; head -c 1 > /dev/null; }; echo \"rc=${PIPESTATUS[0]}\""},
+                            60s);
+    CHECK_MESSAGE(contains(r.out, "rc=3"), r.out, r.err);
+    if (streams.empty()) {
+      CHECK_MESSAGE(contains(r.err, "nanoddp-run: the reader of its output is gone: no restart"), r.err);
+      CHECK_MESSAGE(!contains(r.err, "restarting every rank"), r.err);
+    }
+  }
+  // A rank that failed because it lost another waits for that one's blame: a reader gone
+  // meanwhile leaves the failure the outcome (rank 1's 5), not SIGPIPE.
+  const RunResult blamed =
+      run({"/bin/bash", "-c",
+           "'" + launcher_path() +
+               "' --grace-period 10 --nproc-per-node 2 /bin/bash -c 'fd=${NANODDP_FAILURE_FD%%:*}; "
+               "if [ \"$RANK\" = 1 ]; then sleep 0.3; echo \"1 lost 0\" >&$fd; exit 5; fi; "
+               "for i in $(seq 50); do echo line $i; sleep 0.1; done' | { sleep 1; head -c 1 > /dev/null; }; "
+               "echo \"rc=${PIPESTATUS[0]}\""},
+          60s);
+  CHECK_MESSAGE(contains(blamed.out, "rc=5"), blamed.out, blamed.err);
 }
 
 TEST_CASE(
