@@ -652,11 +652,14 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   CHECK_MESSAGE(r.code() == 0, r.err);
   // A fault that could never happen (a rank the job lacks, a step past its end) is refused:
   // a fault test would otherwise pass without its fault.
-  for (const auto& [fault, said] : std::vector<std::pair<std::string, std::string>>{
+  for (const auto& fault_said : std::vector<std::pair<std::string, std::string>>{
            {"NANODDP_FAULT_KILL_AT=1:2",
             "NANODDP_FAULT_KILL_AT='1:2' names rank 1, but this run has ranks 0..0"},
            {"NANODDP_FAULT_STOP_AT=0:8",
             "NANODDP_FAULT_STOP_AT='0:8' names step 8, but this run has steps 0..7"}}) {
+    // No structured binding: doctest's assertions are lambdas, which cannot capture one in C++17.
+    const std::string& fault = fault_said.first;
+    const std::string& said = fault_said.second;
     r = run({"/usr/bin/env", fault, program, "--data-dir", dir.path, "--quiet", "--epochs", "1",
              "--batch-size", "32"},
             60s);

@@ -604,13 +604,14 @@ TEST_CASE("an entry every rank saved whole, read first, comes from the file set_
   REQUIRE_MESSAGE(failures.empty(), failures);
   const std::vector<std::pair<std::pair<int, int>, std::string>> cases = {
       {{0, 2}, "0"}, {{1, 2}, "2"}, {{1, 3}, "1"}, {{2, 3}, "2"}, {{3, 4}, "3"}, {{-1, 0}, "0"}};
-  for (const auto& [reading, file] : cases) {
-    CAPTURE(reading.first);
-    CAPTURE(reading.second);
+  for (const auto& c : cases) {  // no structured binding: CAPTURE cannot capture one in C++17
+    const int rank = c.first.first, world = c.first.second;
+    CAPTURE(rank);
+    CAPTURE(world);
     dist::ShardedCheckpointReader reader(path);
-    if (reading.second > 0) reader.set_reading_rank(reading.first, reading.second);
+    if (world > 0) reader.set_reading_rank(rank, world);
     CHECK(reader.read("job").to_int_vector() == std::vector<int64_t>{42});
-    CHECK(opened_shards(reader) == std::vector<std::string>{file});
+    CHECK(opened_shards(reader) == std::vector<std::string>{c.second});
     // The rank's own range then needs no other file for what that file holds.
     CHECK(reader.read("x").to_vector() == small_x(10));
   }
