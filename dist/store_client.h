@@ -195,10 +195,11 @@ class TCPStore::Client {
     put_u32(message, static_cast<uint32_t>(options.world_size));
     put_u32(message, static_cast<uint32_t>(options.round));
     put_u32(message, static_cast<uint32_t>(options.generation));
-    send_all(message, "hello");
     const auto deadline = Clock::now() + std::min(options.timeout, kReplyGrace);
     uint8_t reply[8];
     try {
+      // A server going away may reset the connection before the hello is even sent.
+      send_all(message, "hello");
       recv_exact(reply, sizeof(reply), deadline, "hello");
     } catch (const TimeoutError&) {
       throw;
