@@ -595,24 +595,22 @@ int launch(const LaunchOptions& given, const std::vector<std::string>& program) 
     switch (outcome.kind) {
       case Outcome::Kind::AllSucceeded: return 0;
       case Outcome::Kind::ChildFailed:
-        if (outcome.reader_gone && outcome.late_signal == 0) {  // `| head`: no one would read a restart
-          write_all(2, "nanoddp-run: the reader of its output is gone: no restart\n");
-          return outcome.failed_status.ok() ? 1 : outcome.failed_status.shell_code();
-        }
         if (outcome.late_signal != 0) {  // the user stopped the job while its output was written
           write_all(2, "nanoddp-run: received " + signal_name(outcome.late_signal) +
                            " after the failure: no restart\n");
           return 128 + outcome.late_signal;
         }
-        if (round < options.max_restarts) {
+        if (outcome.reader_gone) {  // `| head`: no one would read a restart
+          write_all(2, "nanoddp-run: the reader of its output is gone: no restart\n");
+        } else if (round < options.max_restarts) {
           write_all(2, "nanoddp-run: restarting every rank (restart " + std::to_string(round + 1) + " of " +
                            std::to_string(options.max_restarts) + ", NANODDP_RESTART_COUNT=" +
                            std::to_string(round + 1) + ")\n");
           continue;
-        }
-        if (options.max_restarts > 0)
+        } else if (options.max_restarts > 0) {
           write_all(2, "nanoddp-run: no restart left (--max-restarts " + std::to_string(options.max_restarts) +
                            "): the job fails\n");
+        }
         // A rank that exited 0 without joining the others (Note [Launcher link], item 3) failed
         // the job all the same.
         return outcome.failed_status.ok() ? 1 : outcome.failed_status.shell_code();

@@ -378,7 +378,7 @@ TEST_CASE(
     CHECK(memory_stats(Device::cpu()).live_total == live_before + 1200000);
     CHECK(memory_stats(Device::cpu()).cached == 0);
   }
-  // Freed: no longer live, still the process's memory (rounded to the 64-byte alignment).
+  // Freed: no longer live, but still the process's memory.
   CHECK(memory_stats(Device::cpu()).live_total == live_before);
   CHECK(memory_stats(Device::cpu()).cached == 1200000);
   {
