@@ -59,7 +59,7 @@ Outcome ChildGroup::wait() {
   auto deadline = options_.timeout.count() > 0 ? created_ + options_.timeout : never;
   auto kill_at = never;
   bool terminating = false, killed = false;
-  // Stopped because the reader of the output is gone, and whether a user's signal came since.
+  // Stopped because the reader of the output is gone; whether a user's signal has come.
   bool stopped_for_reader = false, user_signalled = false;
   int sent_signal = 0;  // what begin_termination sent the ranks
 
@@ -365,11 +365,19 @@ Outcome ChildGroup::wait() {
         outcome.signal = signal;
         user_signalled = true;
         begin_termination(signal, "received " + signal_name(signal));
-      } else if (stopped_for_reader && !user_signalled) {
-        // Ctrl-C under `| tee` reaches tee and the launcher together: the ranks are stopping
-        // politely already, and the signal, not a second one, is what the job ends by.
-        outcome.signal = signal;
+      } else if (!user_signalled) {
+        // The ranks are stopping politely already (a failure, the timeout, the reader gone), so
+        // this is the user's first signal, not a second one: they keep their grace period, and
+        // the signal is what the job ends by. Ctrl-C under `| tee` reaches tee and the launcher
+        // together; after a failure, no restart follows it (launch()).
         user_signalled = true;
+        if (stopped_for_reader) {
+          outcome.signal = signal;
+        } else {
+          outcome.late_signal = signal;
+          report("received " + signal_name(signal) +
+                 " while the ranks are being stopped; a second one kills them");
+        }
       } else if (!killed) {  // a second Ctrl-C: stop waiting politely
         terminate_all(SIGKILL);
         killed = true;
@@ -419,7 +427,7 @@ Outcome ChildGroup::wait() {
   // by page); one stopped by a signal or its timeout gives a stalled reader a grace period, and
   // so does a signal that comes during the wait (Outcome::late_signal: no restart follows it).
   const bool stopped = outcome.kind == Outcome::Kind::Interrupted || outcome.kind == Outcome::Kind::TimedOut;
-  int late_signal = 0;
+  int late_signal = outcome.late_signal;
   relay.flush([&] {
     if (!stopped && late_signal == 0)
       for (const int signal : take_signals()) {

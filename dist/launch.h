@@ -182,9 +182,10 @@ struct Outcome {
   std::string failed_message; // what the child reported through its message pipe (spawn), or
                               // why it could not be started (StartFailed: "fork failed: ...")
   int signal = 0;             // the forwarded signal (Interrupted)
-  // A signal that came while the output was written after every child had ended: an outcome
-  // that was AllSucceeded is Interrupted by it; a ChildFailed one stays (the failure is what
-  // spawn reports), and launch() restarts nothing after it.
+  // A user's signal that came while the ranks were being stopped after a failure or the timeout
+  // (the first one: a second SIGKILLs them), or while the output was written after every child
+  // had ended: an outcome that was AllSucceeded is Interrupted by it; a ChildFailed one stays
+  // (the failure is what spawn reports), and launch() restarts nothing after it.
   int late_signal = 0;
   // A write to the launcher's stdout or stderr found its reader gone (`| head` has its lines).
   // While the job ran, that ended it as Interrupted by SIGPIPE (the ranks get SIGTERM); a job

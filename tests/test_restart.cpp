@@ -363,6 +363,36 @@ TEST_CASE("nanoddp-run: without restarts left, a killed rank fails the job as it
   CHECK_MESSAGE(contains(negative.err, "--max-restarts"), negative.err);
 }
 
+TEST_CASE(
+    "nanoddp-run: Ctrl-C while a failed round is being stopped ends the job, and a second kills at once") {
+  // Rank 1 exits 3 at 0.3 s; rank 0 ignores the SIGTERM that follows, so the round takes the
+  // grace period to end. Ctrl-C at 1.3 s (once, or twice 0.3 s apart) must end the job by the
+  // signal, with restarts left unused: pressed once, after the grace period (3 s: the ranks
+  // keep it); twice, at once (long before the 20 s one).
+  for (const int presses : {1, 2}) {
+    CAPTURE(presses);
+    const std::string second = presses == 2 ? "sleep 0.3; kill -INT $launcher; " : "";
+    const RunResult r =
+        run({"/bin/bash", "-c",
+             "set -m; '" + launcher_path() + "' --grace-period " + (presses == 2 ? "20" : "3") +
+                 " --max-restarts 2 --nproc-per-node 2 /bin/sh -c "
+                 "'trap \"\" TERM; echo round $NANODDP_RESTART_COUNT; "
+                 "if [ $RANK = 1 ]; then sleep 0.3; exit 3; fi; sleep 60' & "
+                 "launcher=$!; sleep 1.3; kill -INT $launcher; " +
+                 second + "wait $launcher; echo \"rc=$?\""},
+            60s);
+    CHECK_MESSAGE(contains(r.out, "rc=130"), r.out, r.err);
+    CHECK_MESSAGE(!contains(r.out, "round 1"), r.out);
+    CHECK_MESSAGE(!contains(r.err, "restarting every rank"), r.err);
+    CHECK_MESSAGE(contains(r.err, "received SIGINT after the failure: no restart"), r.err);
+    if (presses == 1) {
+      CHECK(r.seconds >= 2.5);  // the grace period, counted from the failure at 0.3 s
+    } else {
+      CHECK(r.seconds < 10);
+    }
+  }
+}
+
 TEST_CASE("launch helpers: rank_env tells each start's ranks which restart it is, under torchrun's names too") {
   LaunchOptions o;
   o.nproc_per_node = 2;
