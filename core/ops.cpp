@@ -391,8 +391,8 @@ Tensor mse_loss(const Tensor& input_in, const Tensor& target_in, Reduction reduc
 
 // ---- cross_entropy ------------------------------------------------------------------------
 
-Tensor cross_entropy(const Tensor& logits_in, const Tensor& target, Reduction reduction,
-                     int64_t ignore_index) {
+Tensor cross_entropy(const Tensor& logits_in, const Tensor& target, Reduction reduction, int64_t ignore_index,
+                     double label_smoothing_in) {
   ForwardSpan span("cross_entropy", {&logits_in, &target});
   const Tensor logits = as_float32(logits_in);  // Note [Autocast], group 2: softmax in float32
   check_float("cross_entropy", logits, "logits");
@@ -402,6 +402,9 @@ Tensor cross_entropy(const Tensor& logits_in, const Tensor& target, Reduction re
   NANODDP_CHECK(logits.dim() == 2 && target.dim() == 1 && target.size(0) == logits.size(0), ShapeError,
                 "cross_entropy: logits ", logits.shape(), " and target ", target.shape(),
                 " must be [N, C] and [N]");
+  NANODDP_CHECK(label_smoothing_in >= 0.0 && label_smoothing_in <= 1.0, ValueError,
+                "cross_entropy: label_smoothing must be between 0.0 and 1.0, got ", label_smoothing_in);
+  const auto label_smoothing = static_cast<float>(label_smoothing_in);
   const int64_t N = logits.size(0), C = logits.size(1);
   if (target.device().is_cpu()) {
     const int64_t* t = target.data<int64_t>();
@@ -413,16 +416,16 @@ Tensor cross_entropy(const Tensor& logits_in, const Tensor& target, Reduction re
                                             : Tensor::empty({}, DType::Float32, logits.device());
   Tensor probs = empty_like(logits);
   NANODDP_DISPATCH(logits.device(), cross_entropy_forward, ptr(out), ptr(probs), ptr(logits),
-                   target.data<int64_t>(), N, C, ignore_index, reduction);
+                   target.data<int64_t>(), N, C, ignore_index, label_smoothing, reduction);
   // Backward needs softmax(logits) and the targets, not the logits: saved (Note [Saved tensors]).
   return record("CrossEntropyBackward", out, {logits}, {probs, target},
-                [reduction, ignore_index](const Node& node, const Tensor& dout) {
+                [reduction, ignore_index, label_smoothing](const Node& node, const Tensor& dout) {
                   const Tensor& probs = node.saved(0);
                   const Tensor& target = node.saved(1);
                   Tensor dlogits = empty_like(probs);
                   NANODDP_DISPATCH(probs.device(), cross_entropy_backward, ptr(dlogits), ptr(dout),
                                    ptr(probs), target.data<int64_t>(), probs.size(0), probs.size(1),
-                                   ignore_index, reduction);
+                                   ignore_index, label_smoothing, reduction);
                   return std::vector<Tensor>{dlogits};
                 });
 }

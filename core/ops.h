@@ -70,11 +70,14 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction =
 // for None (torch.nn.functional.cross_entropy). A row whose target is ignore_index (torch's
 // default -100, the padding label) adds nothing and gets a zero gradient (NaN where its
 // logits make the softmax NaN, as torch's): 0 in None, left out of the Sum, and Mean averages
-// over the other rows only (NaN when there are none, as torch).
-// IndexError names the first other target outside [0, C).
+// over the other rows only (NaN when there are none, as torch). label_smoothing s mixes the
+// one-hot target with the uniform distribution (torch's label_smoothing): a counted row's loss is
+// (1 - s) * -log p[target] + s / C * sum_c -log p[c].
+// IndexError names the first other target outside [0, C); ValueError a label_smoothing outside
+// [0, 1].
 constexpr int64_t kDefaultIgnoreIndex = -100;
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction = Reduction::Mean,
-                     int64_t ignore_index = kDefaultIgnoreIndex);
+                     int64_t ignore_index = kDefaultIgnoreIndex, double label_smoothing = 0.0);
 
 // a: [N, C] -> [N] int64, index of each row's maximum (torch.argmax(a, dim=1)). Not
 // differentiable. ShapeError unless a is 2-d with C >= 1 (N may be 0).

@@ -108,7 +108,8 @@ Values ref_mse(const Values& x, const Values& t, Reduction r) {
   return {r == Reduction::Mean ? total / x.size() : total};
 }
 
-Values ref_cross_entropy(const Values& logits, const Values& target, int64_t N, int64_t C, Reduction r) {
+Values ref_cross_entropy(const Values& logits, const Values& target, int64_t N, int64_t C, Reduction r,
+                         double label_smoothing = 0.0) {
   Values out;
   double total = 0;
   for (int64_t n = 0; n < N; ++n) {
@@ -116,7 +117,13 @@ Values ref_cross_entropy(const Values& logits, const Values& target, int64_t N, 
     for (int64_t c = 1; c < C; ++c) max = std::max(max, logits[n * C + c]);
     double s = 0;
     for (int64_t c = 0; c < C; ++c) s += std::exp(logits[n * C + c] - max);
-    const double loss = max + std::log(s) - logits[n * C + static_cast<int64_t>(target[n])];
+    const double log_sum_exp = max + std::log(s);
+    double loss = log_sum_exp - logits[n * C + static_cast<int64_t>(target[n])];
+    if (label_smoothing > 0) {  // mixed with the mean over classes of -log p
+      double uniform = 0;
+      for (int64_t c = 0; c < C; ++c) uniform += (log_sum_exp - logits[n * C + c]) / static_cast<double>(C);
+      loss = (1 - label_smoothing) * loss + label_smoothing * uniform;
+    }
     out.push_back(loss);
     total += loss;
   }
@@ -459,6 +466,10 @@ std::vector<OpCase> op_cases() {
     rows.push_back({"cross_entropy " + suffix, {{{6, 5}}, {{6}, Kind::Labels, 5}},
                     [r](auto& in) { return cross_entropy(in[0], in[1], r); },
                     [r](auto& in) { return ref_cross_entropy(in[0], in[1], 6, 5, r); }});
+    rows.push_back({"cross_entropy label_smoothing 0.1 " + suffix,
+                    {{{6, 5}}, {{6}, Kind::Labels, 5}},
+                    [r](auto& in) { return cross_entropy(in[0], in[1], r, kDefaultIgnoreIndex, 0.1); },
+                    [r](auto& in) { return ref_cross_entropy(in[0], in[1], 6, 5, r, 0.1); }});
   }
   rows.push_back({"reshape", {{{2, 6}}}, [](auto& in) { return in[0].reshape({3, -1}) * 1.0f; },
                   [](auto& in) { return in[0]; }});

@@ -20,6 +20,7 @@
 #include "kernels/pool_window.h"
 #include "nn/conv.h"
 #include "nn/dropout.h"
+#include "nn/layers.h"
 #include "tests/op_cases.h"
 
 using namespace nanoddp;
@@ -183,6 +184,58 @@ TEST_CASE("cross_entropy rejects a target outside [0, C)") {
   } catch (const IndexError& e) {
     CHECK(std::string(e.what()).find("target[1] = 3") != std::string::npos);
   }
+}
+
+TEST_CASE("cross_entropy with label_smoothing gives torch's losses and gradients") {
+  // torch 1.13: F.cross_entropy(x, [2, 0, -100], label_smoothing=0.1) on the logits below.
+  const std::vector<float> values = {1, 2, 3, 1, -1, 0.5f, 0, 4, -2};
+  const Tensor target = Tensor::from_vector(std::vector<int64_t>{2, 0, -100});
+  Tensor logits = Tensor::from_vector(values, {3, 3}).set_requires_grad(true);
+  Tensor loss = cross_entropy(logits, target, Reduction::Mean, kDefaultIgnoreIndex, 0.1);
+  CHECK(loss.item() == doctest::Approx(0.5729480981826782).epsilon(1e-6));
+  CHECK(cross_entropy(logits, target, Reduction::Sum, kDefaultIgnoreIndex, 0.1).item() ==
+        doctest::Approx(1.1458961963653564).epsilon(1e-6));
+  const std::vector<float> rows =
+      cross_entropy(logits, target, Reduction::None, kDefaultIgnoreIndex, 0.1).to_vector();
+  CHECK(rows[0] == doctest::Approx(0.5076059103012085).epsilon(1e-6));
+  CHECK(rows[1] == doctest::Approx(0.638290286064148).epsilon(1e-6));
+  CHECK(rows[2] == 0.0f);
+  loss.backward();
+  const std::vector<double> want = {0.02834862284362316,
+                                    0.10569757968187332,
+                                    -0.13404616713523865,
+                                    -0.17961817979812622,
+                                    0.02218112163245678,
+                                    0.1574370414018631,
+                                    0,
+                                    0,
+                                    0};
+  const std::vector<float> grad = logits.grad().to_vector();
+  for (int k = 0; k < 9; ++k) CHECK(grad[k] == doctest::Approx(want[k]).epsilon(1e-6));
+
+  // A row's -inf logit makes its smoothed loss inf, with a finite gradient (torch: inf,
+  // [0.20227477, -0.06666667, -0.13560808] at label_smoothing 0.2).
+  Tensor with_minus_inf =
+      Tensor::from_vector(std::vector<float>{0, -INFINITY, 1}, {1, 3}).set_requires_grad(true);
+  Tensor inf_loss =
+      cross_entropy(with_minus_inf, Tensor::from_vector(std::vector<int64_t>{2}), Reduction::Mean, -100, 0.2);
+  CHECK(std::isinf(inf_loss.item()));
+  inf_loss.backward();
+  const std::vector<float> inf_grad = with_minus_inf.grad().to_vector();
+  const std::vector<double> want_inf_grad = {0.20227476954460144, -0.06666667014360428, -0.13560807704925537};
+  for (int k = 0; k < 3; ++k) CHECK(inf_grad[k] == doctest::Approx(want_inf_grad[k]).epsilon(1e-6));
+
+  // 1 is allowed (the uniform target alone: torch 1.397948146); 0 is the plain loss, bit for bit.
+  CHECK(cross_entropy(logits.detach(), target, Reduction::Mean, -100, 1.0).item() ==
+        doctest::Approx(1.397948145866394).epsilon(1e-6));
+  CHECK(cross_entropy(logits.detach(), target, Reduction::None, -100, 0.0).to_vector() ==
+        cross_entropy(logits.detach(), target, Reduction::None).to_vector());
+  // Outside [0, 1], NaN included, is refused as torch refuses it; nn::CrossEntropyLoss passes it on.
+  for (double bad : {-0.1, 1.5, std::nan("")})
+    CHECK_THROWS_WITH_AS(cross_entropy(logits, target, Reduction::Mean, -100, bad),
+                         doctest::Contains("label_smoothing must be between 0.0 and 1.0"), ValueError);
+  CHECK(nn::CrossEntropyLoss(Reduction::Sum, kDefaultIgnoreIndex, 0.1)(logits, target).item() ==
+        doctest::Approx(1.1458961963653564).epsilon(1e-6));
 }
 
 TEST_CASE("cross_entropy ignores rows labelled ignore_index (-100 by default), as PyTorch") {

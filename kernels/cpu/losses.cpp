@@ -35,7 +35,8 @@ void mse_backward(float* dinput, const float* dout, const float* input, const fl
 }
 
 void cross_entropy_forward(float* out, float* probs, const float* logits, const int64_t* target, int64_t N,
-                           int64_t C, int64_t ignore_index, Reduction reduction) {
+                           int64_t C, int64_t ignore_index, float label_smoothing, Reduction reduction) {
+  const double smoothing = label_smoothing;
   double total = 0.0;
   int64_t rows = 0;
   for (int64_t r = 0; r < N; ++r) {
@@ -53,7 +54,12 @@ void cross_entropy_forward(float* out, float* probs, const float* logits, const 
     for (int64_t c = 0; c < C; ++c) sum_exp += std::exp(static_cast<double>(x[c]) - max);
     const double log_sum_exp = std::log(sum_exp);
     for (int64_t c = 0; c < C; ++c) p[c] = static_cast<float>(std::exp(static_cast<double>(x[c]) - max - log_sum_exp));
-    const double loss = ignored ? 0.0 : -(static_cast<double>(x[t]) - max - log_sum_exp);
+    double loss = ignored ? 0.0 : -(static_cast<double>(x[t]) - max - log_sum_exp);
+    if (!ignored && smoothing > 0.0) {
+      double sum_of_minus_log_p = 0.0;
+      for (int64_t c = 0; c < C; ++c) sum_of_minus_log_p -= static_cast<double>(x[c]) - max - log_sum_exp;
+      loss = (1.0 - smoothing) * loss + smoothing / static_cast<double>(C) * sum_of_minus_log_p;
+    }
     rows += ignored ? 0 : 1;
     if (reduction == Reduction::None) {
       out[r] = static_cast<float>(loss);
@@ -67,7 +73,8 @@ void cross_entropy_forward(float* out, float* probs, const float* logits, const 
 }
 
 void cross_entropy_backward(float* dlogits, const float* dout, const float* probs, const int64_t* target,
-                            int64_t N, int64_t C, int64_t ignore_index, Reduction reduction) {
+                            int64_t N, int64_t C, int64_t ignore_index, float label_smoothing,
+                            Reduction reduction) {
   const auto rows = static_cast<float>(N - std::count(target, target + N, ignore_index));
   for (int64_t r = 0; r < N; ++r) {
     float* d = dlogits + r * C;
@@ -80,8 +87,14 @@ void cross_entropy_backward(float* dlogits, const float* dout, const float* prob
                         : reduction == Reduction::Mean ? dout[0] / rows
                                                        : dout[0];
     const float* p = probs + r * C;
-    for (int64_t c = 0; c < C; ++c) d[c] = scale * p[c];
-    d[target[r]] -= scale;
+    if (label_smoothing > 0.0f) {
+      const float spread = scale * (label_smoothing / static_cast<float>(C));
+      for (int64_t c = 0; c < C; ++c) d[c] = scale * p[c] - spread;
+      d[target[r]] -= scale * (1.0f - label_smoothing);
+    } else {
+      for (int64_t c = 0; c < C; ++c) d[c] = scale * p[c];
+      d[target[r]] -= scale;
+    }
   }
 }
 

@@ -88,12 +88,13 @@ __device__ __forceinline__ float warp_all_sum(float value) {
 }
 
 // logits: [N, C], target: [N] -> probs: [N, C] = softmax(logits), row_loss: [N] =
-// -log_softmax(logits)[target] = log(sum exp(x - max)) - (x[t] - max). One warp per row;
+// -log_softmax(logits)[target] = log(sum exp(x - max)) - (x[t] - max), and with label smoothing
+// s: (1 - s) times that + s / C * sum_c -log_softmax(logits)[c]. One warp per row;
 // the max subtraction keeps exp finite for any finite logits. A row whose target is
 // ignore_index gets 0; another target outside [0, C) gives NaN and is never read from.
 __global__ void cross_entropy_forward_kernel(float* row_loss, float* probs, const float* logits,
                                              const int64_t* target, int64_t N, int64_t C,
-                                             int64_t ignore_index) {
+                                             int64_t ignore_index, float label_smoothing) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= N) return;  // whole warps leave together
@@ -111,28 +112,37 @@ __global__ void cross_entropy_forward_kernel(float* row_loss, float* probs, cons
 
   for (int64_t c = lane; c < C; c += 32) p[c] = expf(x[c] - row_max) / exp_sum;
 
+  const float log_sum_exp = logf(exp_sum);
+  float sum_of_minus_log_p = 0.0f;
+  if (label_smoothing > 0.0f) {
+    for (int64_t c = lane; c < C; c += 32) sum_of_minus_log_p += log_sum_exp - (x[c] - row_max);
+    sum_of_minus_log_p = warp_all_sum(sum_of_minus_log_p);
+  }
   if (lane == 0) {
     const int64_t t = target[row];
-    row_loss[row] = t == ignore_index ? 0.0f : (t >= 0 && t < C) ? logf(exp_sum) - (x[t] - row_max) : NAN;
+    float loss = t == ignore_index ? 0.0f : (t >= 0 && t < C) ? log_sum_exp - (x[t] - row_max) : NAN;
+    if (label_smoothing > 0.0f && t != ignore_index)
+      loss = (1.0f - label_smoothing) * loss + label_smoothing / static_cast<float>(C) * sum_of_minus_log_p;
+    row_loss[row] = loss;
   }
 }
 
 void cross_entropy_forward(float* out, float* probs, const float* logits, const int64_t* target, int64_t N,
-                           int64_t C, int64_t ignore_index, Reduction reduction) {
+                           int64_t C, int64_t ignore_index, float label_smoothing, Reduction reduction) {
   const int64_t blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
   NANODDP_CHECK(blocks <= 0x7fffffff, ValueError, "cross_entropy: ", N,
                 " rows is more than one launch takes");
   if (reduction == Reduction::None) {
     if (N <= 0) return;
     cross_entropy_forward_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, stream()>>>(
-        out, probs, logits, target, N, C, ignore_index);
+        out, probs, logits, target, N, C, ignore_index, label_smoothing);
     NANODDP_CUDA_CHECK_LAUNCH("cross_entropy_forward_kernel");
     return;
   }
   ScratchBuffer<float> row_loss(N > 0 ? static_cast<size_t>(N) : 1);
   if (N > 0) {
     cross_entropy_forward_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, stream()>>>(
-        row_loss.data(), probs, logits, target, N, C, ignore_index);
+        row_loss.data(), probs, logits, target, N, C, ignore_index, label_smoothing);
     NANODDP_CUDA_CHECK_LAUNCH("cross_entropy_forward_kernel");
   }
   // The Mean's divisor is the rows counted, summed on the device (a float: exact up to 2^24
@@ -145,12 +155,14 @@ void cross_entropy_forward(float* out, float* probs, const float* logits, const 
 }
 
 // dlogits[r, c] = g_r probs[r, c] - g_r [c == target[r]], with g_r = dout[0] / counted[0]
-// (Mean), dout[0] (Sum) or dout[r] (None): the CPU kernel's order of operations, so both round
-// alike. WRITES. Rows with target ignore_index, or outside [0, C), get 0 - probs * 0: zeros, NaN
+// (Mean), dout[0] (Sum) or dout[r] (None); with label smoothing s, g_r probs[r, c] - g_r (s / C)
+// - g_r (1 - s) [c == target[r]]: the CPU kernel's order of operations, so both round alike.
+// WRITES. Rows with target ignore_index, or outside [0, C), get 0 - probs * 0: zeros, NaN
 // where probs is (torch's log_softmax backward of a zero gradient).
 __global__ void cross_entropy_backward_kernel(float* dlogits, const float* dout, const float* probs,
                                               const float* counted, const int64_t* target, int64_t N,
-                                              int64_t C, int64_t ignore_index, bool mean, bool per_row) {
+                                              int64_t C, int64_t ignore_index, float label_smoothing,
+                                              bool mean, bool per_row) {
   const int64_t n = N * C;
   const float shared_grad = per_row ? 0.0f : mean ? dout[0] / counted[0] : dout[0];
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
@@ -159,21 +171,26 @@ __global__ void cross_entropy_backward_kernel(float* dlogits, const float* dout,
     const int64_t t = target[row];
     const float g = per_row ? dout[row] : shared_grad;
     const float scaled = __fmul_rn(g, probs[i]);  // no fma: round the product first, as the CPU
-    dlogits[i] = (t != ignore_index && t >= 0 && t < C) ? (c == t ? scaled - g : scaled)
-                                                        : 0.0f - __fmul_rn(probs[i], 0.0f);
+    float value = c == t ? scaled - g : scaled;
+    if (label_smoothing > 0.0f) {
+      value = __fsub_rn(scaled, __fmul_rn(g, label_smoothing / static_cast<float>(C)));
+      if (c == t) value = __fsub_rn(value, __fmul_rn(g, 1.0f - label_smoothing));
+    }
+    dlogits[i] = (t != ignore_index && t >= 0 && t < C) ? value : 0.0f - __fmul_rn(probs[i], 0.0f);
   }
 }
 
 void cross_entropy_backward(float* dlogits, const float* dout, const float* probs, const int64_t* target,
-                            int64_t N, int64_t C, int64_t ignore_index, Reduction reduction) {
+                            int64_t N, int64_t C, int64_t ignore_index, float label_smoothing,
+                            Reduction reduction) {
   const int64_t n = N * C;
   if (n <= 0) return;
   ScratchBuffer<float> counted(1);
   if (reduction == Reduction::Mean)
     deterministic_sum(counted.data(), CountedRow{target, ignore_index}, N, 1.0);
   cross_entropy_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(
-      dlogits, dout, probs, counted.data(), target, N, C, ignore_index, reduction == Reduction::Mean,
-      reduction == Reduction::None);
+      dlogits, dout, probs, counted.data(), target, N, C, ignore_index, label_smoothing,
+      reduction == Reduction::Mean, reduction == Reduction::None);
   NANODDP_CUDA_CHECK_LAUNCH("cross_entropy_backward_kernel");
 }
 
