@@ -392,7 +392,7 @@ Tensor mse_loss(const Tensor& input_in, const Tensor& target_in, Reduction reduc
 // ---- cross_entropy ------------------------------------------------------------------------
 
 Tensor cross_entropy(const Tensor& logits_in, const Tensor& target, Reduction reduction, int64_t ignore_index,
-                     double label_smoothing_in) {
+                     double label_smoothing_in, const Tensor& weight_in) {
   ForwardSpan span("cross_entropy", {&logits_in, &target});
   const Tensor logits = as_float32(logits_in);  // Note [Autocast], group 2: softmax in float32
   check_float("cross_entropy", logits, "logits");
@@ -406,6 +406,16 @@ Tensor cross_entropy(const Tensor& logits_in, const Tensor& target, Reduction re
                 "cross_entropy: label_smoothing must be between 0.0 and 1.0, got ", label_smoothing_in);
   const auto label_smoothing = static_cast<float>(label_smoothing_in);
   const int64_t N = logits.size(0), C = logits.size(1);
+  // A constant of the loss: no gradient flows to it, and backward reads it as it was here. A
+  // 16-bit one is cast up with the logits (autocast's float32 list casts every argument).
+  const Tensor weight = weight_in.defined() ? as_float32(weight_in.detach()) : weight_in;
+  if (weight.defined()) {
+    NANODDP_CHECK(weight.dtype() == DType::Float32, ValueError, "cross_entropy: weight must be float32, got ",
+                  dtype_name(weight.dtype()));
+    check_same_device("cross_entropy", logits, weight);
+    NANODDP_CHECK(weight.dim() == 1 && weight.size(0) == C, ShapeError, "cross_entropy: weight ",
+                  weight.shape(), " must be [C] = [", C, "] for logits ", logits.shape());
+  }
   if (target.device().is_cpu()) {
     const int64_t* t = target.data<int64_t>();
     for (int64_t r = 0; r < N; ++r)
@@ -416,15 +426,21 @@ Tensor cross_entropy(const Tensor& logits_in, const Tensor& target, Reduction re
                                             : Tensor::empty({}, DType::Float32, logits.device());
   Tensor probs = empty_like(logits);
   NANODDP_DISPATCH(logits.device(), cross_entropy_forward, ptr(out), ptr(probs), ptr(logits),
-                   target.data<int64_t>(), N, C, ignore_index, label_smoothing, reduction);
-  // Backward needs softmax(logits) and the targets, not the logits: saved (Note [Saved tensors]).
-  return record("CrossEntropyBackward", out, {logits}, {probs, target},
-                [reduction, ignore_index, label_smoothing](const Node& node, const Tensor& dout) {
+                   target.data<int64_t>(), weight.defined() ? ptr(weight) : nullptr, N, C, ignore_index,
+                   label_smoothing, reduction);
+  // Backward needs softmax(logits), the targets and the weight, not the logits: saved (Note
+  // [Saved tensors]), the weight only when there is one.
+  std::vector<Tensor> saved{probs, target};
+  if (weight.defined()) saved.push_back(weight);
+  return record("CrossEntropyBackward", out, {logits}, saved,
+                [reduction, ignore_index, label_smoothing, weighted = weight.defined()](const Node& node,
+                                                                                        const Tensor& dout) {
                   const Tensor& probs = node.saved(0);
                   const Tensor& target = node.saved(1);
+                  const float* weight = weighted ? ptr(node.saved(2)) : nullptr;
                   Tensor dlogits = empty_like(probs);
                   NANODDP_DISPATCH(probs.device(), cross_entropy_backward, ptr(dlogits), ptr(dout),
-                                   ptr(probs), target.data<int64_t>(), probs.size(0), probs.size(1),
+                                   ptr(probs), target.data<int64_t>(), weight, probs.size(0), probs.size(1),
                                    ignore_index, label_smoothing, reduction);
                   return std::vector<Tensor>{dlogits};
                 });

@@ -72,12 +72,17 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction =
 // logits make the softmax NaN, as torch's): 0 in None, left out of the Sum, and Mean averages
 // over the other rows only (NaN when there are none, as torch). label_smoothing s mixes the
 // one-hot target with the uniform distribution (torch's label_smoothing): a counted row's loss is
-// (1 - s) * -log p[target] + s / C * sum_c -log p[c].
+// (1 - s) * -log p[target] + s / C * sum_c -log p[c]. weight, when defined, is [C] float32 on
+// logits' device (torch's weight, for unbalanced classes): row r's terms are scaled by
+// weight[target[r]] (and each -log p[c] by weight[c]), and Mean divides by the counted rows'
+// weight[target] instead of their number (a 16-bit weight is cast up, as the logits are). No
+// gradient flows to weight (torch has none).
 // IndexError names the first other target outside [0, C); ValueError a label_smoothing outside
-// [0, 1].
+// [0, 1] or a weight of another dtype or device; ShapeError a weight that is not [C].
 constexpr int64_t kDefaultIgnoreIndex = -100;
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction = Reduction::Mean,
-                     int64_t ignore_index = kDefaultIgnoreIndex, double label_smoothing = 0.0);
+                     int64_t ignore_index = kDefaultIgnoreIndex, double label_smoothing = 0.0,
+                     const Tensor& weight = Tensor());
 
 // a: [N, C] -> [N] int64, index of each row's maximum (torch.argmax(a, dim=1)). Not
 // differentiable. ShapeError unless a is 2-d with C >= 1 (N may be 0).

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <memory>
+#include <utility>
 
 #include "core/ops.h"
 #include "core/random.h"
@@ -93,22 +94,26 @@ class MSELoss {
   Reduction reduction_;
 };
 
-// cross_entropy(logits [N, C], target [N] int64, reduction, ignore_index, label_smoothing)
-// (torch.nn.CrossEntropyLoss; rows labelled ignore_index, -100 by default, count for nothing;
-// label_smoothing in [0, 1], checked at the call).
+// cross_entropy(logits [N, C], target [N] int64, reduction, ignore_index, label_smoothing,
+// weight) (torch.nn.CrossEntropyLoss; rows labelled ignore_index, -100 by default, count for
+// nothing; label_smoothing in [0, 1] and weight [C] float32 or undefined, checked at the call).
 class CrossEntropyLoss {
  public:
   explicit CrossEntropyLoss(Reduction reduction = Reduction::Mean, int64_t ignore_index = kDefaultIgnoreIndex,
-                            double label_smoothing = 0.0)
-      : reduction_(reduction), ignore_index_(ignore_index), label_smoothing_(label_smoothing) {}
+                            double label_smoothing = 0.0, Tensor weight = Tensor())
+      : reduction_(reduction),
+        ignore_index_(ignore_index),
+        label_smoothing_(label_smoothing),
+        weight_(std::move(weight)) {}
   Tensor operator()(const Tensor& logits, const Tensor& target) const {
-    return cross_entropy(logits, target, reduction_, ignore_index_, label_smoothing_);
+    return cross_entropy(logits, target, reduction_, ignore_index_, label_smoothing_, weight_);
   }
 
  private:
   Reduction reduction_;
   int64_t ignore_index_;
   double label_smoothing_;
+  Tensor weight_;
 };
 
 }  // namespace nanoddp::nn

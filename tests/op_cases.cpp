@@ -108,27 +108,38 @@ Values ref_mse(const Values& x, const Values& t, Reduction r) {
   return {r == Reduction::Mean ? total / x.size() : total};
 }
 
+// The class weights of the weighted cross_entropy rows: 0.5, 1, 1.5, ... for C classes.
+Values class_weights(int64_t C) {
+  Values w;
+  for (int64_t c = 0; c < C; ++c) w.push_back(0.5 * static_cast<double>(c + 1));
+  return w;
+}
+
 Values ref_cross_entropy(const Values& logits, const Values& target, int64_t N, int64_t C, Reduction r,
-                         double label_smoothing = 0.0) {
+                         double label_smoothing = 0.0, const Values& weight = {}) {
+  const auto w = [&](int64_t c) { return weight.empty() ? 1.0 : weight[c]; };
   Values out;
-  double total = 0;
+  double total = 0, counted = 0;
   for (int64_t n = 0; n < N; ++n) {
     double max = logits[n * C];
     for (int64_t c = 1; c < C; ++c) max = std::max(max, logits[n * C + c]);
     double s = 0;
     for (int64_t c = 0; c < C; ++c) s += std::exp(logits[n * C + c] - max);
     const double log_sum_exp = max + std::log(s);
-    double loss = log_sum_exp - logits[n * C + static_cast<int64_t>(target[n])];
-    if (label_smoothing > 0) {  // mixed with the mean over classes of -log p
+    const auto t = static_cast<int64_t>(target[n]);
+    double loss = w(t) * (log_sum_exp - logits[n * C + t]);
+    if (label_smoothing > 0) {  // mixed with the mean over classes of -w[c] log p[c]
       double uniform = 0;
-      for (int64_t c = 0; c < C; ++c) uniform += (log_sum_exp - logits[n * C + c]) / static_cast<double>(C);
+      for (int64_t c = 0; c < C; ++c)
+        uniform += w(c) * (log_sum_exp - logits[n * C + c]) / static_cast<double>(C);
       loss = (1 - label_smoothing) * loss + label_smoothing * uniform;
     }
     out.push_back(loss);
     total += loss;
+    counted += w(t);
   }
   if (r == Reduction::None) return out;
-  return {r == Reduction::Mean ? total / N : total};
+  return {r == Reduction::Mean ? total / counted : total};
 }
 
 double ref_sum(const Values& a) {
@@ -470,6 +481,19 @@ std::vector<OpCase> op_cases() {
                     {{{6, 5}}, {{6}, Kind::Labels, 5}},
                     [r](auto& in) { return cross_entropy(in[0], in[1], r, kDefaultIgnoreIndex, 0.1); },
                     [r](auto& in) { return ref_cross_entropy(in[0], in[1], 6, 5, r, 0.1); }});
+    for (double smoothing : {0.0, 0.1}) {
+      rows.push_back({"cross_entropy weight, label_smoothing " + std::to_string(smoothing) + " " + suffix,
+                      {{{6, 5}}, {{6}, Kind::Labels, 5}},
+                      [r, smoothing](auto& in) {
+                        const Values w = class_weights(5);
+                        const Tensor weight =
+                            Tensor::from_vector(std::vector<float>(w.begin(), w.end())).to(in[0].device());
+                        return cross_entropy(in[0], in[1], r, kDefaultIgnoreIndex, smoothing, weight);
+                      },
+                      [r, smoothing](auto& in) {
+                        return ref_cross_entropy(in[0], in[1], 6, 5, r, smoothing, class_weights(5));
+                      }});
+    }
   }
   rows.push_back({"reshape", {{{2, 6}}}, [](auto& in) { return in[0].reshape({3, -1}) * 1.0f; },
                   [](auto& in) { return in[0]; }});

@@ -441,25 +441,37 @@ TEST_CASE("cross_entropy forward and backward match the CPU for every reduction"
       if (with_ignored)
         for (size_t i = 0; i < target.size(); i += 3) target[i] = -100;
       DeviceArray<int64_t> dtarget(target);
-      // Then label smoothing, with and without a per-row gradient.
-      for (const std::pair<Reduction, float>& reduction_and_smoothing :
-           {std::pair{Reduction::None, 0.0f}, std::pair{Reduction::Mean, 0.0f},
-            std::pair{Reduction::Sum, 0.0f}, std::pair{Reduction::None, 0.1f},
-            std::pair{Reduction::Mean, 0.25f}}) {
-        const Reduction r = reduction_and_smoothing.first;
-        const float smoothing = reduction_and_smoothing.second;
+      // Then label smoothing and per-class weights (0.5 .. 2), with and without a per-row gradient.
+      struct Variant {
+        Reduction reduction;
+        float smoothing;
+        bool weighted;
+      };
+      std::vector<float> class_weights(static_cast<size_t>(C));
+      for (size_t c = 0; c < class_weights.size(); ++c)
+        class_weights[c] = 0.5f + 1.5f * static_cast<float>(c % 7) / 6;
+      DeviceArray<float> dweight(class_weights);
+      for (const Variant& variant :
+           {Variant{Reduction::None, 0.0f, false}, Variant{Reduction::Mean, 0.0f, false},
+            Variant{Reduction::Sum, 0.0f, false}, Variant{Reduction::None, 0.1f, false},
+            Variant{Reduction::Mean, 0.25f, false}, Variant{Reduction::Mean, 0.0f, true},
+            Variant{Reduction::None, 0.0f, true}, Variant{Reduction::Mean, 0.1f, true}}) {
+        const Reduction r = variant.reduction;
+        const float smoothing = variant.smoothing;
+        const float* host_weight = variant.weighted ? class_weights.data() : nullptr;
+        const float* device_weight = variant.weighted ? dweight.data() : nullptr;
         const size_t out_size = r == Reduction::None ? static_cast<size_t>(N) : 1;
         std::vector<float> want(out_size, kNaN), want_probs(logits.size(), kNaN);
-        cpu::cross_entropy_forward(want.data(), want_probs.data(), logits.data(), target.data(), N, C,
-                                   /*ignore_index=*/-100, smoothing, r);
+        cpu::cross_entropy_forward(want.data(), want_probs.data(), logits.data(), target.data(), host_weight,
+                                   N, C, /*ignore_index=*/-100, smoothing, r);
         DeviceArray<float> out(out_size), probs(logits.size());
         out.poison();
         probs.poison();
-        gpu::cross_entropy_forward(out.data(), probs.data(), dlogits_in.data(), dtarget.data(), N, C,
-                                   /*ignore_index=*/-100, smoothing, r);
+        gpu::cross_entropy_forward(out.data(), probs.data(), dlogits_in.data(), dtarget.data(), device_weight,
+                                   N, C, /*ignore_index=*/-100, smoothing, r);
         const std::string what = label("cross_entropy", N, C) + " " + name(r) +
                                  (with_ignored ? " ignoring" : "") + " label_smoothing " +
-                                 std::to_string(smoothing);
+                                 std::to_string(smoothing) + (variant.weighted ? " weighted" : "");
         expect_close(what + " loss", out.to_host(), want, 1e-5, 1e-6);
         expect_close(what + " probs", probs.to_host(), want_probs, 1e-5, 1e-7);
 
@@ -467,12 +479,13 @@ TEST_CASE("cross_entropy forward and backward match the CPU for every reduction"
         const std::vector<float> dout = r == Reduction::None ? dout_none : std::vector<float>{0.75f};
         std::vector<float> want_dlogits(logits.size());
         cpu::cross_entropy_backward(want_dlogits.data(), dout.data(), probs.to_host().data(), target.data(),
-                                    N, C, /*ignore_index=*/-100, smoothing, r);
+                                    host_weight, N, C, /*ignore_index=*/-100, smoothing, r);
         DeviceArray<float> ddout(dout), dlogits(logits.size());
         dlogits.poison();
-        gpu::cross_entropy_backward(dlogits.data(), ddout.data(), probs.data(), dtarget.data(), N, C,
-                                    /*ignore_index=*/-100, smoothing, r);
-        expect_close(what + " dlogits", dlogits.to_host(), want_dlogits, 1e-6, 0.0);
+        gpu::cross_entropy_backward(dlogits.data(), ddout.data(), probs.data(), dtarget.data(), device_weight,
+                                    N, C, /*ignore_index=*/-100, smoothing, r);
+        // The weight total of smoothing's term is summed in another order on the device.
+        expect_close(what + " dlogits", dlogits.to_host(), want_dlogits, variant.weighted ? 1e-5 : 1e-6, 0.0);
       }
     }
   }
@@ -486,10 +499,10 @@ TEST_CASE("cross_entropy on CUDA: an ignored row's gradient is NaN across a row 
   DeviceArray<float> dlogits_in(logits), loss(1), probs(N * C), dlogits(std::vector<float>(N * C, 7.0f)),
       dout(std::vector<float>{1.0f});
   DeviceArray<int64_t> dtarget(target);
-  gpu::cross_entropy_forward(loss.data(), probs.data(), dlogits_in.data(), dtarget.data(), N, C, -100, 0.0f,
-                             Reduction::Sum);
-  gpu::cross_entropy_backward(dlogits.data(), dout.data(), probs.data(), dtarget.data(), N, C, -100, 0.0f,
-                              Reduction::Sum);
+  gpu::cross_entropy_forward(loss.data(), probs.data(), dlogits_in.data(), dtarget.data(), nullptr, N, C,
+                             -100, 0.0f, Reduction::Sum);
+  gpu::cross_entropy_backward(dlogits.data(), dout.data(), probs.data(), dtarget.data(), nullptr, N, C, -100,
+                              0.0f, Reduction::Sum);
   const std::vector<float> got = dlogits.to_host();
   for (int64_t c = 0; c < C; ++c) {
     CHECK(std::isnan(got[c]));
@@ -504,14 +517,15 @@ TEST_CASE("cross_entropy on CUDA: a target out of range gives a NaN row and a ze
   DeviceArray<float> dlogits_in(logits), loss(N), probs(N * C), dlogits(N * C);
   DeviceArray<int64_t> dtarget(target);
   loss.poison();
-  gpu::cross_entropy_forward(loss.data(), probs.data(), dlogits_in.data(), dtarget.data(), N, C,
+  gpu::cross_entropy_forward(loss.data(), probs.data(), dlogits_in.data(), dtarget.data(), nullptr, N, C,
                              /*ignore_index=*/-100, 0.0f, Reduction::None);
   const auto row_loss = loss.to_host();
   // Rows 0 and 2 against the CPU on those rows alone.
   for (int64_t r : {0, 2}) {
     float want = kNaN;
     std::vector<float> want_probs(C);
-    cpu::cross_entropy_forward(&want, want_probs.data(), logits.data() + r * C, target.data() + r, 1, C,
+    cpu::cross_entropy_forward(&want, want_probs.data(), logits.data() + r * C, target.data() + r, nullptr, 1,
+                               C,
                                /*ignore_index=*/-100, 0.0f, Reduction::None);
     expect_close("valid row " + std::to_string(r), {row_loss[r]}, {want}, 1e-6, 0.0);
   }
@@ -520,7 +534,7 @@ TEST_CASE("cross_entropy on CUDA: a target out of range gives a NaN row and a ze
 
   DeviceArray<float> dout(std::vector<float>{1.0f, 1.0f, 1.0f, 1.0f});
   dlogits.poison();
-  gpu::cross_entropy_backward(dlogits.data(), dout.data(), probs.data(), dtarget.data(), N, C,
+  gpu::cross_entropy_backward(dlogits.data(), dout.data(), probs.data(), dtarget.data(), nullptr, N, C,
                               /*ignore_index=*/-100, 0.0f, Reduction::None);
   const auto grad = dlogits.to_host();
   for (int64_t c = 0; c < C; ++c) {
@@ -530,7 +544,7 @@ TEST_CASE("cross_entropy on CUDA: a target out of range gives a NaN row and a ze
   }
 
   DeviceArray<float> mean(1);
-  gpu::cross_entropy_forward(mean.data(), probs.data(), dlogits_in.data(), dtarget.data(), N, C,
+  gpu::cross_entropy_forward(mean.data(), probs.data(), dlogits_in.data(), dtarget.data(), nullptr, N, C,
                              /*ignore_index=*/-100, 0.0f, Reduction::Mean);
   CHECK(std::isnan(mean.to_host()[0]));
 }

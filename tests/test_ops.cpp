@@ -238,6 +238,70 @@ TEST_CASE("cross_entropy with label_smoothing gives torch's losses and gradients
         doctest::Approx(1.1458961963653564).epsilon(1e-6));
 }
 
+TEST_CASE(
+    "cross_entropy with a class weight gives torch's losses and gradients, with and without smoothing") {
+  // torch 1.13: F.cross_entropy(x, [2, 0, -100, 1], weight=[0.5, 2, 1.5], label_smoothing=s).
+  const std::vector<float> values = {1, 2, 3, 1, -1, 0.5f, 0, 4, -2, 2, 0, 1};
+  const Tensor target = Tensor::from_vector(std::vector<int64_t>{2, 0, -100, 1});
+  const Tensor weight = Tensor::from_vector(std::vector<float>{0.5f, 2.0f, 1.5f});
+  struct Expected {
+    double smoothing, mean, sum;
+    std::vector<double> rows, grad;
+  };
+  const std::vector<Expected> expected = {
+      {0.0,
+       1.4260249137878418,
+       5.704099655151367,
+       {0.6114089488983154, 0.27747848629951477, 0.0, 4.815212249755859},
+       {0.03376146778464317, 0.09177318215370178, -0.12553462386131287, -0.053237877786159515,
+        0.009711947292089462, 0.043525926768779755, 0, 0, 0, 0.33262044191360474, -0.45498472452163696,
+        0.12236423045396805}},
+      {0.1,
+       1.4395112991333008,
+       5.758045196533203,
+       {0.7046155333518982, 0.48205822706222534, 0.0, 4.571372032165527},
+       {0.029219672083854675, 0.07408680766820908, -0.10330644249916077, -0.03294418379664421,
+        -0.0053360615856945515, 0.03828024864196777, 0, 0, 0, 0.31736642122268677, -0.4231519103050232,
+        0.10578541457653046}}};
+  for (const Expected& e : expected) {
+    CAPTURE(e.smoothing);
+    Tensor logits = Tensor::from_vector(values, {4, 3}).set_requires_grad(true);
+    Tensor loss = cross_entropy(logits, target, Reduction::Mean, kDefaultIgnoreIndex, e.smoothing, weight);
+    CHECK(loss.item() == doctest::Approx(e.mean).epsilon(1e-6));
+    CHECK(cross_entropy(logits, target, Reduction::Sum, kDefaultIgnoreIndex, e.smoothing, weight).item() ==
+          doctest::Approx(e.sum).epsilon(1e-6));
+    const std::vector<float> rows =
+        cross_entropy(logits, target, Reduction::None, kDefaultIgnoreIndex, e.smoothing, weight).to_vector();
+    for (int r = 0; r < 4; ++r) CHECK(rows[r] == doctest::Approx(e.rows[r]).epsilon(1e-6));
+    loss.backward();
+    const std::vector<float> grad = logits.grad().to_vector();
+    for (int k = 0; k < 12; ++k) CHECK(grad[k] == doctest::Approx(e.grad[k]).epsilon(1e-6).scale(1e-6));
+  }
+  // A weight of all ones is no weight, bit for bit; rows whose target weighs 0 leave a Mean of
+  // 0 / 0 (torch: nan).
+  const Tensor logits = Tensor::from_vector(values, {4, 3});
+  CHECK(cross_entropy(logits, target, Reduction::None, -100, 0.1, Tensor::ones({3})).to_vector() ==
+        cross_entropy(logits, target, Reduction::None, -100, 0.1).to_vector());
+  CHECK(std::isnan(cross_entropy(Tensor::from_vector(std::vector<float>{1, 2, 3}, {1, 3}),
+                                 Tensor::from_vector(std::vector<int64_t>{0}), Reduction::Mean, -100, 0.0,
+                                 Tensor::from_vector(std::vector<float>{0, 1, 1}))
+                       .item()));
+  // No gradient reaches the weight; a weight of another shape or dtype is refused, naming it.
+  Tensor trained_weight = Tensor::from_vector(std::vector<float>{0.5f, 2.0f, 1.5f}).set_requires_grad(true);
+  Tensor x = Tensor::from_vector(values, {4, 3}).set_requires_grad(true);
+  cross_entropy(x, target, Reduction::Mean, -100, 0.0, trained_weight).backward();
+  CHECK(x.grad().defined());
+  CHECK(!trained_weight.grad().defined());
+  CHECK_THROWS_WITH_AS(cross_entropy(logits, target, Reduction::Mean, -100, 0.0, Tensor::ones({4})),
+                       doctest::Contains("weight [4] must be [C] = [3]"), ShapeError);
+  CHECK_THROWS_WITH_AS(cross_entropy(logits, target, Reduction::Mean, -100, 0.0,
+                                     Tensor::from_vector(std::vector<int64_t>{1, 1, 1})),
+                       doctest::Contains("weight must be float32"), ValueError);
+  // nn::CrossEntropyLoss passes it on.
+  CHECK(nn::CrossEntropyLoss(Reduction::Sum, kDefaultIgnoreIndex, 0.1, weight)(logits, target).item() ==
+        doctest::Approx(5.758045196533203).epsilon(1e-6));
+}
+
 TEST_CASE("cross_entropy ignores rows labelled ignore_index (-100 by default), as PyTorch") {
   // logits [[1, 2, 3], [0, 1, 0], [3, 2, 1]], targets [-100, 1, 1]: row 0 counts for nothing.
   // Row 1: log(2 + e) - 1; row 2: log(e^3 + e^2 + e) - 2; mean over the 2 rows counted is

@@ -152,12 +152,12 @@ void bench_kernels() {
   auto* target = static_cast<int64_t*>(gpu::allocate(N * sizeof(int64_t), 0));
   gpu::copy(target, host_target.data(), N * sizeof(int64_t), gpu::CopyKind::HostToDevice);
   rows.push_back({"cross_entropy fwd+bwd", "65536x1024", 4 * fbytes, median_ms([&] {
-                    kernels::cuda::cross_entropy_forward(scalar.data, c.data, a.data, target, N, C,
-                                                         /*ignore_index=*/-100, /*label_smoothing=*/0.0f,
-                                                         kernels::Reduction::Mean);
-                    kernels::cuda::cross_entropy_backward(d.data, scalar.data, c.data, target, N, C,
-                                                          /*ignore_index=*/-100, /*label_smoothing=*/0.0f,
-                                                          kernels::Reduction::Mean);
+                    kernels::cuda::cross_entropy_forward(
+                        scalar.data, c.data, a.data, target, /*weight=*/nullptr, N, C,
+                        /*ignore_index=*/-100, /*label_smoothing=*/0.0f, kernels::Reduction::Mean);
+                    kernels::cuda::cross_entropy_backward(
+                        d.data, scalar.data, c.data, target, /*weight=*/nullptr, N, C,
+                        /*ignore_index=*/-100, /*label_smoothing=*/0.0f, kernels::Reduction::Mean);
                   }),
                   "", 0});
   auto* indices = static_cast<int64_t*>(gpu::allocate(N * sizeof(int64_t), 0));

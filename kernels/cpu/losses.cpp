@@ -34,11 +34,15 @@ void mse_backward(float* dinput, const float* dout, const float* input, const fl
   for (int64_t i = 0; i < n; ++i) dinput[i] = scale * (input[i] - target[i]);
 }
 
-void cross_entropy_forward(float* out, float* probs, const float* logits, const int64_t* target, int64_t N,
-                           int64_t C, int64_t ignore_index, float label_smoothing, Reduction reduction) {
+void cross_entropy_forward(float* out, float* probs, const float* logits, const int64_t* target,
+                           const float* weight, int64_t N, int64_t C, int64_t ignore_index,
+                           float label_smoothing, Reduction reduction) {
   const double smoothing = label_smoothing;
-  double total = 0.0;
-  int64_t rows = 0;
+  // Without a weight every class weighs 1: the same arithmetic, exactly.
+  const auto weight_of = [weight](int64_t c) {
+    return weight != nullptr ? static_cast<double>(weight[c]) : 1.0;
+  };
+  double total = 0.0, counted = 0.0;
   for (int64_t r = 0; r < N; ++r) {
     const float* x = logits + r * C;
     float* p = probs + r * C;
@@ -54,46 +58,59 @@ void cross_entropy_forward(float* out, float* probs, const float* logits, const 
     for (int64_t c = 0; c < C; ++c) sum_exp += std::exp(static_cast<double>(x[c]) - max);
     const double log_sum_exp = std::log(sum_exp);
     for (int64_t c = 0; c < C; ++c) p[c] = static_cast<float>(std::exp(static_cast<double>(x[c]) - max - log_sum_exp));
-    double loss = ignored ? 0.0 : -(static_cast<double>(x[t]) - max - log_sum_exp);
-    if (!ignored && smoothing > 0.0) {
-      double sum_of_minus_log_p = 0.0;
-      for (int64_t c = 0; c < C; ++c) sum_of_minus_log_p -= static_cast<double>(x[c]) - max - log_sum_exp;
-      loss = (1.0 - smoothing) * loss + smoothing / static_cast<double>(C) * sum_of_minus_log_p;
+    double loss = 0.0;
+    if (!ignored) {
+      loss = weight_of(t) * -(static_cast<double>(x[t]) - max - log_sum_exp);
+      if (smoothing > 0.0) {
+        double weighted_minus_log_p = 0.0;
+        for (int64_t c = 0; c < C; ++c)
+          weighted_minus_log_p -= weight_of(c) * (static_cast<double>(x[c]) - max - log_sum_exp);
+        loss = (1.0 - smoothing) * loss + smoothing / static_cast<double>(C) * weighted_minus_log_p;
+      }
+      counted += weight_of(t);
     }
-    rows += ignored ? 0 : 1;
     if (reduction == Reduction::None) {
       out[r] = static_cast<float>(loss);
     } else {
       total += loss;
     }
   }
-  if (reduction == Reduction::Mean)
-    out[0] = static_cast<float>(total / static_cast<double>(rows));  // none: NaN
+  if (reduction == Reduction::Mean) out[0] = static_cast<float>(total / counted);  // none counted: NaN
   if (reduction == Reduction::Sum) out[0] = static_cast<float>(total);
 }
 
 void cross_entropy_backward(float* dlogits, const float* dout, const float* probs, const int64_t* target,
-                            int64_t N, int64_t C, int64_t ignore_index, float label_smoothing,
-                            Reduction reduction) {
-  const auto rows = static_cast<float>(N - std::count(target, target + N, ignore_index));
+                            const float* weight, int64_t N, int64_t C, int64_t ignore_index,
+                            float label_smoothing, Reduction reduction) {
+  const auto weight_of = [weight](int64_t c) { return weight != nullptr ? weight[c] : 1.0f; };
+  // The Mean's divisor: the counted rows' target weights (their number without a weight).
+  double counted = 0.0, weight_total = 0.0;
+  for (int64_t r = 0; r < N; ++r)
+    if (target[r] != ignore_index) counted += weight_of(target[r]);
+  for (int64_t c = 0; c < C; ++c) weight_total += weight_of(c);
+  const auto rows = static_cast<float>(counted);
+  const float share = C > 0 ? label_smoothing / static_cast<float>(C) : 0.0f;
   for (int64_t r = 0; r < N; ++r) {
     float* d = dlogits + r * C;
-    if (target[r] == ignore_index) {  // 0, but NaN where the row's softmax is (torch's log_softmax backward)
-      const float* p = probs + r * C;
+    const float* p = probs + r * C;
+    const int64_t t = target[r];
+    if (t == ignore_index) {  // 0, but NaN where the row's softmax is (torch's log_softmax backward)
       for (int64_t c = 0; c < C; ++c) d[c] = 0.0f - p[c] * 0.0f;
       continue;
     }
     const float scale = reduction == Reduction::None   ? dout[r]
                         : reduction == Reduction::Mean ? dout[0] / rows
                                                        : dout[0];
-    const float* p = probs + r * C;
+    const float g = scale * weight_of(t);  // the target's term
     if (label_smoothing > 0.0f) {
-      const float spread = scale * (label_smoothing / static_cast<float>(C));
-      for (int64_t c = 0; c < C; ++c) d[c] = scale * p[c] - spread;
-      d[target[r]] -= scale * (1.0f - label_smoothing);
+      // (1 - s) w_t (p - onehot) + s / C (W p - w), W the sum of the weights.
+      const float p_coefficient =
+          (1.0f - label_smoothing) * weight_of(t) + share * static_cast<float>(weight_total);
+      for (int64_t c = 0; c < C; ++c) d[c] = scale * (p_coefficient * p[c] - share * weight_of(c));
+      d[t] -= g * (1.0f - label_smoothing);
     } else {
-      for (int64_t c = 0; c < C; ++c) d[c] = scale * p[c];
-      d[target[r]] -= scale;
+      for (int64_t c = 0; c < C; ++c) d[c] = g * p[c];
+      d[t] -= g;
     }
   }
 }

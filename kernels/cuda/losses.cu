@@ -23,11 +23,19 @@ struct LoadValue {
   __device__ float operator()(int64_t i) const { return in[i]; }
 };
 
-// 1 for a row cross_entropy counts (its target is not ignore_index), else 0.
+// What a row adds to cross_entropy's Mean divisor: 0 when its target is ignore_index, else its
+// target's weight (1 without a weight; NaN for a target outside [0, C), whose loss is NaN too).
 struct CountedRow {
   const int64_t* target;
+  const float* weight;
+  int64_t C;
   int64_t ignore_index;
-  __device__ float operator()(int64_t i) const { return target[i] == ignore_index ? 0.0f : 1.0f; }
+  __device__ float operator()(int64_t i) const {
+    const int64_t t = target[i];
+    if (t == ignore_index) return 0.0f;
+    if (weight == nullptr) return 1.0f;
+    return t >= 0 && t < C ? weight[t] : NAN;
+  }
 };
 
 }  // namespace
@@ -88,12 +96,13 @@ __device__ __forceinline__ float warp_all_sum(float value) {
 }
 
 // logits: [N, C], target: [N] -> probs: [N, C] = softmax(logits), row_loss: [N] =
-// -log_softmax(logits)[target] = log(sum exp(x - max)) - (x[t] - max), and with label smoothing
-// s: (1 - s) times that + s / C * sum_c -log_softmax(logits)[c]. One warp per row;
+// -w[t] log_softmax(logits)[t] = w[t] (log(sum exp(x - max)) - (x[t] - max)), and with label
+// smoothing s: (1 - s) times that + s / C * sum_c -w[c] log_softmax(logits)[c]; w = 1 without a
+// weight. One warp per row;
 // the max subtraction keeps exp finite for any finite logits. A row whose target is
 // ignore_index gets 0; another target outside [0, C) gives NaN and is never read from.
 __global__ void cross_entropy_forward_kernel(float* row_loss, float* probs, const float* logits,
-                                             const int64_t* target, int64_t N, int64_t C,
+                                             const int64_t* target, const float* weight, int64_t N, int64_t C,
                                              int64_t ignore_index, float label_smoothing) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -115,82 +124,100 @@ __global__ void cross_entropy_forward_kernel(float* row_loss, float* probs, cons
   const float log_sum_exp = logf(exp_sum);
   float sum_of_minus_log_p = 0.0f;
   if (label_smoothing > 0.0f) {
-    for (int64_t c = lane; c < C; c += 32) sum_of_minus_log_p += log_sum_exp - (x[c] - row_max);
+    for (int64_t c = lane; c < C; c += 32)
+      sum_of_minus_log_p += (weight != nullptr ? weight[c] : 1.0f) * (log_sum_exp - (x[c] - row_max));
     sum_of_minus_log_p = warp_all_sum(sum_of_minus_log_p);
   }
   if (lane == 0) {
     const int64_t t = target[row];
-    float loss = t == ignore_index ? 0.0f : (t >= 0 && t < C) ? log_sum_exp - (x[t] - row_max) : NAN;
+    const bool valid = t >= 0 && t < C;
+    const float w_t = valid && weight != nullptr ? weight[t] : 1.0f;
+    float loss = t == ignore_index ? 0.0f : valid ? w_t * (log_sum_exp - (x[t] - row_max)) : NAN;
     if (label_smoothing > 0.0f && t != ignore_index)
       loss = (1.0f - label_smoothing) * loss + label_smoothing / static_cast<float>(C) * sum_of_minus_log_p;
     row_loss[row] = loss;
   }
 }
 
-void cross_entropy_forward(float* out, float* probs, const float* logits, const int64_t* target, int64_t N,
-                           int64_t C, int64_t ignore_index, float label_smoothing, Reduction reduction) {
+void cross_entropy_forward(float* out, float* probs, const float* logits, const int64_t* target,
+                           const float* weight, int64_t N, int64_t C, int64_t ignore_index,
+                           float label_smoothing, Reduction reduction) {
   const int64_t blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
   NANODDP_CHECK(blocks <= 0x7fffffff, ValueError, "cross_entropy: ", N,
                 " rows is more than one launch takes");
   if (reduction == Reduction::None) {
     if (N <= 0) return;
     cross_entropy_forward_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, stream()>>>(
-        out, probs, logits, target, N, C, ignore_index, label_smoothing);
+        out, probs, logits, target, weight, N, C, ignore_index, label_smoothing);
     NANODDP_CUDA_CHECK_LAUNCH("cross_entropy_forward_kernel");
     return;
   }
   ScratchBuffer<float> row_loss(N > 0 ? static_cast<size_t>(N) : 1);
   if (N > 0) {
     cross_entropy_forward_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, stream()>>>(
-        row_loss.data(), probs, logits, target, N, C, ignore_index, label_smoothing);
+        row_loss.data(), probs, logits, target, weight, N, C, ignore_index, label_smoothing);
     NANODDP_CUDA_CHECK_LAUNCH("cross_entropy_forward_kernel");
   }
-  // The Mean's divisor is the rows counted, summed on the device (a float: exact up to 2^24
-  // rows), so the host never waits for the targets.
+  // The Mean's divisor is the rows counted (their target weights), summed on the device (a
+  // float: exact up to 2^24 rows without a weight), so the host never waits for the targets.
   ScratchBuffer<float> counted(1);
   if (reduction == Reduction::Mean)
-    deterministic_sum(counted.data(), CountedRow{target, ignore_index}, N, 1.0);
+    deterministic_sum(counted.data(), CountedRow{target, weight, C, ignore_index}, N, 1.0);
   deterministic_sum(out, LoadValue{row_loss.data()}, N, 1.0,
                     reduction == Reduction::Mean ? counted.data() : nullptr);
 }
 
-// dlogits[r, c] = g_r probs[r, c] - g_r [c == target[r]], with g_r = dout[0] / counted[0]
-// (Mean), dout[0] (Sum) or dout[r] (None); with label smoothing s, g_r probs[r, c] - g_r (s / C)
-// - g_r (1 - s) [c == target[r]]: the CPU kernel's order of operations, so both round alike.
-// WRITES. Rows with target ignore_index, or outside [0, C), get 0 - probs * 0: zeros, NaN
-// where probs is (torch's log_softmax backward of a zero gradient).
+// dlogits[r, c] = h_r probs[r, c] - h_r [c == t], with h_r = g_r w[t] (w = 1 without a weight),
+// t = target[r], g_r = dout[0] / counted[0] (Mean), dout[0] (Sum) or dout[r] (None); with label
+// smoothing s, g_r (((1 - s) w[t] + s / C W) probs[r, c] - s / C w[c]) - h_r (1 - s) [c == t],
+// W = weight_total[0] (C without a weight): the CPU kernel's order of operations. WRITES. Rows with target
+// ignore_index, or outside [0, C), get 0 - probs * 0: zeros, NaN where probs is (torch's log_softmax backward
+// of a zero gradient).
 __global__ void cross_entropy_backward_kernel(float* dlogits, const float* dout, const float* probs,
-                                              const float* counted, const int64_t* target, int64_t N,
+                                              const float* counted, const int64_t* target,
+                                              const float* weight, const float* weight_total, int64_t N,
                                               int64_t C, int64_t ignore_index, float label_smoothing,
                                               bool mean, bool per_row) {
   const int64_t n = N * C;
   const float shared_grad = per_row ? 0.0f : mean ? dout[0] / counted[0] : dout[0];
+  const float share = label_smoothing / static_cast<float>(C);
+  const float total = weight_total != nullptr ? weight_total[0] : static_cast<float>(C);
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
     const int64_t row = i / C;
     const int64_t c = i - row * C;
     const int64_t t = target[row];
+    const bool counts = t != ignore_index && t >= 0 && t < C;
     const float g = per_row ? dout[row] : shared_grad;
-    const float scaled = __fmul_rn(g, probs[i]);  // no fma: round the product first, as the CPU
-    float value = c == t ? scaled - g : scaled;
+    const float w_t = counts && weight != nullptr ? weight[t] : 1.0f;
+    const float h = __fmul_rn(g, w_t);  // no fma: round each product first, as the CPU
+    float value;
     if (label_smoothing > 0.0f) {
-      value = __fsub_rn(scaled, __fmul_rn(g, label_smoothing / static_cast<float>(C)));
-      if (c == t) value = __fsub_rn(value, __fmul_rn(g, 1.0f - label_smoothing));
+      const float w_c = weight != nullptr ? weight[c] : 1.0f;
+      const float p_coefficient = __fadd_rn(__fmul_rn(1.0f - label_smoothing, w_t), __fmul_rn(share, total));
+      value = __fmul_rn(g, __fsub_rn(__fmul_rn(p_coefficient, probs[i]), __fmul_rn(share, w_c)));
+      if (c == t) value = __fsub_rn(value, __fmul_rn(h, 1.0f - label_smoothing));
+    } else {
+      const float scaled = __fmul_rn(h, probs[i]);
+      value = c == t ? scaled - h : scaled;
     }
-    dlogits[i] = (t != ignore_index && t >= 0 && t < C) ? value : 0.0f - __fmul_rn(probs[i], 0.0f);
+    dlogits[i] = counts ? value : 0.0f - __fmul_rn(probs[i], 0.0f);
   }
 }
 
 void cross_entropy_backward(float* dlogits, const float* dout, const float* probs, const int64_t* target,
-                            int64_t N, int64_t C, int64_t ignore_index, float label_smoothing,
-                            Reduction reduction) {
+                            const float* weight, int64_t N, int64_t C, int64_t ignore_index,
+                            float label_smoothing, Reduction reduction) {
   const int64_t n = N * C;
   if (n <= 0) return;
-  ScratchBuffer<float> counted(1);
+  ScratchBuffer<float> counted(1), weight_total(1);
   if (reduction == Reduction::Mean)
-    deterministic_sum(counted.data(), CountedRow{target, ignore_index}, N, 1.0);
+    deterministic_sum(counted.data(), CountedRow{target, weight, C, ignore_index}, N, 1.0);
+  if (weight != nullptr && label_smoothing > 0.0f)
+    deterministic_sum(weight_total.data(), LoadValue{weight}, C, 1.0);
   cross_entropy_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(
-      dlogits, dout, probs, counted.data(), target, N, C, ignore_index, label_smoothing,
-      reduction == Reduction::Mean, reduction == Reduction::None);
+      dlogits, dout, probs, counted.data(), target, weight,
+      weight != nullptr && label_smoothing > 0.0f ? weight_total.data() : nullptr, N, C, ignore_index,
+      label_smoothing, reduction == Reduction::Mean, reduction == Reduction::None);
   NANODDP_CUDA_CHECK_LAUNCH("cross_entropy_backward_kernel");
 }
 
