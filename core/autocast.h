@@ -13,7 +13,8 @@
 //      output is 16-bit (for a 1-D input too, where torch rounds the product, then the sum).
 //      There is no cast cache: a weight used twice in one region is cast twice, and the two
 //      uses' gradients add in float32, where torch's cache casts once and adds them in 16 bits.
-//   2. float32: sum, mean, mse_loss, cross_entropy (its softmax), batch_norm, layer_norm.
+//   2. float32: sum, mean, mse_loss, cross_entropy (its softmax), log_softmax, nll_loss,
+//      batch_norm, layer_norm.
 //      A 16-bit operand is cast up to float32 (recorded) and the output is float32. They do
 //      so outside autocast too: no op here computes a reduction in 16 bits. torch's CUDA list
 //      has sum, mse_loss, cross_entropy and layer_norm in float32, and its batch_norm keeps

@@ -391,48 +391,67 @@ Tensor mse_loss(const Tensor& input_in, const Tensor& target_in, Reduction reduc
 
 // ---- cross_entropy ------------------------------------------------------------------------
 
-Tensor cross_entropy(const Tensor& logits_in, const Tensor& target, Reduction reduction, int64_t ignore_index,
-                     double label_smoothing_in, const Tensor& weight_in) {
-  ForwardSpan span("cross_entropy", {&logits_in, &target});
-  const Tensor logits = as_float32(logits_in);  // Note [Autocast], group 2: softmax in float32
-  check_float("cross_entropy", logits, "logits");
-  NANODDP_CHECK(target.defined() && target.dtype() == DType::Int64, ValueError,
-                "cross_entropy: target must be int64 class indices");
-  check_same_device("cross_entropy", logits, target);
-  NANODDP_CHECK(logits.dim() == 2 && target.dim() == 1 && target.size(0) == logits.size(0), ShapeError,
-                "cross_entropy: logits ", logits.shape(), " and target ", target.shape(),
+namespace {
+
+// The checks cross_entropy and nll_loss share: input [N, C] float32, target [N] int64 class
+// indices (host ones checked here), weight undefined or [C] float32, all on one device. Returns
+// the weight as the kernels read it: detached (a constant of the loss, no gradient flows to it)
+// and, when 16-bit, cast up with the input (autocast's float32 list casts every argument).
+Tensor checked_class_weight(const char* op, const char* input_name, const Tensor& input, const Tensor& target,
+                            int64_t ignore_index, const Tensor& weight_in) {
+  check_float(op, input, input_name);
+  NANODDP_CHECK(target.defined() && target.dtype() == DType::Int64, ValueError, op,
+                ": target must be int64 class indices");
+  check_same_device(op, input, target);
+  NANODDP_CHECK(input.dim() == 2 && target.dim() == 1 && target.size(0) == input.size(0), ShapeError, op,
+                ": ", input_name, " ", input.shape(), " and target ", target.shape(),
                 " must be [N, C] and [N]");
-  NANODDP_CHECK(label_smoothing_in >= 0.0 && label_smoothing_in <= 1.0, ValueError,
-                "cross_entropy: label_smoothing must be between 0.0 and 1.0, got ", label_smoothing_in);
-  const auto label_smoothing = static_cast<float>(label_smoothing_in);
-  const int64_t N = logits.size(0), C = logits.size(1);
-  // A constant of the loss: no gradient flows to it, and backward reads it as it was here. A
-  // 16-bit one is cast up with the logits (autocast's float32 list casts every argument).
+  const int64_t N = input.size(0), C = input.size(1);
   const Tensor weight = weight_in.defined() ? as_float32(weight_in.detach()) : weight_in;
   if (weight.defined()) {
-    NANODDP_CHECK(weight.dtype() == DType::Float32, ValueError, "cross_entropy: weight must be float32, got ",
+    NANODDP_CHECK(weight.dtype() == DType::Float32, ValueError, op, ": weight must be float32, got ",
                   dtype_name(weight.dtype()));
-    check_same_device("cross_entropy", logits, weight);
-    NANODDP_CHECK(weight.dim() == 1 && weight.size(0) == C, ShapeError, "cross_entropy: weight ",
-                  weight.shape(), " must be [C] = [", C, "] for logits ", logits.shape());
+    check_same_device(op, input, weight);
+    NANODDP_CHECK(weight.dim() == 1 && weight.size(0) == C, ShapeError, op, ": weight ", weight.shape(),
+                  " must be [C] = [", C, "] for ", input_name, " ", input.shape());
   }
   if (target.device().is_cpu()) {
     const int64_t* t = target.data<int64_t>();
     for (int64_t r = 0; r < N; ++r)
-      NANODDP_CHECK(t[r] == ignore_index || (t[r] >= 0 && t[r] < C), IndexError, "cross_entropy: target[", r,
+      NANODDP_CHECK(t[r] == ignore_index || (t[r] >= 0 && t[r] < C), IndexError, op, ": target[", r,
                     "] = ", t[r], " is not a class in [0, ", C, ") nor ignore_index ", ignore_index);
   }
+  return weight;
+}
+
+// Backward of cross_entropy and nll_loss needs the targets and the weight: saved (Note [Saved
+// tensors]) after what else it needs, the weight only when there is one.
+std::vector<Tensor> with_targets(std::vector<Tensor> saved, const Tensor& target, const Tensor& weight) {
+  saved.push_back(target);
+  if (weight.defined()) saved.push_back(weight);
+  return saved;
+}
+
+}  // namespace
+
+Tensor cross_entropy(const Tensor& logits_in, const Tensor& target, Reduction reduction, int64_t ignore_index,
+                     double label_smoothing_in, const Tensor& weight_in) {
+  ForwardSpan span("cross_entropy", {&logits_in, &target});
+  const Tensor logits = as_float32(logits_in);  // Note [Autocast], group 2: softmax in float32
+  const Tensor weight =
+      checked_class_weight("cross_entropy", "logits", logits, target, ignore_index, weight_in);
+  NANODDP_CHECK(label_smoothing_in >= 0.0 && label_smoothing_in <= 1.0, ValueError,
+                "cross_entropy: label_smoothing must be between 0.0 and 1.0, got ", label_smoothing_in);
+  const auto label_smoothing = static_cast<float>(label_smoothing_in);
+  const int64_t N = logits.size(0), C = logits.size(1);
   Tensor out = reduction == Reduction::None ? Tensor::empty({N}, DType::Float32, logits.device())
                                             : Tensor::empty({}, DType::Float32, logits.device());
   Tensor probs = empty_like(logits);
   NANODDP_DISPATCH(logits.device(), cross_entropy_forward, ptr(out), ptr(probs), ptr(logits),
                    target.data<int64_t>(), weight.defined() ? ptr(weight) : nullptr, N, C, ignore_index,
                    label_smoothing, reduction);
-  // Backward needs softmax(logits), the targets and the weight, not the logits: saved (Note
-  // [Saved tensors]), the weight only when there is one.
-  std::vector<Tensor> saved{probs, target};
-  if (weight.defined()) saved.push_back(weight);
-  return record("CrossEntropyBackward", out, {logits}, saved,
+  // Backward needs softmax(logits), not the logits.
+  return record("CrossEntropyBackward", out, {logits}, with_targets({probs}, target, weight),
                 [reduction, ignore_index, label_smoothing, weighted = weight.defined()](const Node& node,
                                                                                         const Tensor& dout) {
                   const Tensor& probs = node.saved(0);
@@ -444,6 +463,52 @@ Tensor cross_entropy(const Tensor& logits_in, const Tensor& target, Reduction re
                                    ignore_index, label_smoothing, reduction);
                   return std::vector<Tensor>{dlogits};
                 });
+}
+
+// ---- log_softmax and nll_loss --------------------------------------------------------------
+
+Tensor log_softmax(const Tensor& a_in, int64_t dim) {
+  ForwardSpan span("log_softmax", {&a_in});
+  const Tensor a = as_float32(a_in);  // Note [Autocast], group 2
+  check_float("log_softmax", a, "input");
+  NANODDP_CHECK(a.dim() == 2, ShapeError, "log_softmax: input ", a.shape(), " must be [N, C]");
+  NANODDP_CHECK(dim == 1 || dim == -1, ValueError, "log_softmax: dim ", dim,
+                " is not the class dimension of [N, C] (1 or -1): only that one is supported");
+  const int64_t N = a.size(0), C = a.size(1);
+  Tensor out = empty_like(a);
+  NANODDP_DISPATCH(a.device(), log_softmax_forward, ptr(out), ptr(a), N, C);
+  // Backward reads only the output (torch saves it too).
+  return record("LogSoftmaxBackward", out, {a}, {out}, [](const Node& node, const Tensor& dout) {
+    const Tensor& out = node.saved(0);
+    Tensor din = empty_like(out);
+    NANODDP_DISPATCH(out.device(), log_softmax_backward, ptr(din), ptr(dout), ptr(out), out.size(0),
+                     out.size(1));
+    return std::vector<Tensor>{din};
+  });
+}
+
+Tensor nll_loss(const Tensor& log_probs_in, const Tensor& target, Reduction reduction, int64_t ignore_index,
+                const Tensor& weight_in) {
+  ForwardSpan span("nll_loss", {&log_probs_in, &target});
+  const Tensor log_probs = as_float32(log_probs_in);  // Note [Autocast], group 2
+  const Tensor weight =
+      checked_class_weight("nll_loss", "log_probs", log_probs, target, ignore_index, weight_in);
+  const int64_t N = log_probs.size(0), C = log_probs.size(1);
+  Tensor out = reduction == Reduction::None ? Tensor::empty({N}, DType::Float32, log_probs.device())
+                                            : Tensor::empty({}, DType::Float32, log_probs.device());
+  NANODDP_DISPATCH(log_probs.device(), nll_loss_forward, ptr(out), ptr(log_probs), target.data<int64_t>(),
+                   weight.defined() ? ptr(weight) : nullptr, N, C, ignore_index, reduction);
+  // Backward needs only the shape of log_probs, not its values.
+  return record(
+      "NllLossBackward", out, {log_probs}, with_targets({}, target, weight),
+      [reduction, ignore_index, weighted = weight.defined(), N, C](const Node& node, const Tensor& dout) {
+        const Tensor& target = node.saved(0);
+        const float* weight = weighted ? ptr(node.saved(1)) : nullptr;
+        Tensor din = Tensor::empty({N, C}, DType::Float32, target.device());
+        NANODDP_DISPATCH(target.device(), nll_loss_backward, ptr(din), ptr(dout), target.data<int64_t>(),
+                         weight, N, C, ignore_index, reduction);
+        return std::vector<Tensor>{din};
+      });
 }
 
 // ---- argmax -------------------------------------------------------------------------------

@@ -84,6 +84,19 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduc
                      int64_t ignore_index = kDefaultIgnoreIndex, double label_smoothing = 0.0,
                      const Tensor& weight = Tensor());
 
+// a: [N, C] -> [N, C] float32, log(softmax(a)) over each row (torch.log_softmax(a, dim) with
+// dim 1 or -1, the class dimension; 16-bit input is cast up first). Stable for huge logits;
+// a row holding NaN, or only -inf, is NaN. ShapeError unless a is 2-d, ValueError for another dim.
+Tensor log_softmax(const Tensor& a, int64_t dim);
+
+// log_probs: [N, C] float32 (16-bit cast up), target: [N] int64 -> [] for Mean/Sum, [N] for
+// None (torch.nn.functional.nll_loss): row r's loss is -weight[t] * log_probs[r, t], t =
+// target[r] (weight 1 when undefined); a row whose target is ignore_index counts for nothing,
+// and Mean divides by the counted rows' weight[t] (NaN when none). nll_loss(log_softmax(x, 1),
+// y) is cross_entropy(x, y). Errors as cross_entropy's.
+Tensor nll_loss(const Tensor& log_probs, const Tensor& target, Reduction reduction = Reduction::Mean,
+                int64_t ignore_index = kDefaultIgnoreIndex, const Tensor& weight = Tensor());
+
 // a: [N, C] -> [N] int64, index of each row's maximum (torch.argmax(a, dim=1)). Not
 // differentiable. ShapeError unless a is 2-d with C >= 1 (N may be 0).
 Tensor argmax(const Tensor& a);

@@ -39,6 +39,17 @@ class ReLU : public Module {
   Tensor forward(const Tensor& input) override { return relu(input); }
 };
 
+// log_softmax(input, dim) (torch.nn.LogSoftmax): [N, C] -> [N, C], dim 1 or -1; the layer before
+// NLLLoss.
+class LogSoftmax : public Module {
+ public:
+  explicit LogSoftmax(int64_t dim) : dim_(dim) {}
+  Tensor forward(const Tensor& input) override { return log_softmax(input, dim_); }
+
+ private:
+  int64_t dim_;
+};
+
 // Merges dimensions start_dim..end_dim into one (torch.nn.Flatten; defaults keep the batch
 // dimension: [N, C, H, W] -> [N, C H W]). Negative dims count from the end. A reshape: no
 // copy, no FLOPs; the gradient is reshaped back. IndexError for a dim outside the input's.
@@ -113,6 +124,23 @@ class CrossEntropyLoss {
   Reduction reduction_;
   int64_t ignore_index_;
   double label_smoothing_;
+  Tensor weight_;
+};
+
+// nll_loss(log_probs [N, C], target [N] int64, reduction, ignore_index, weight) (torch.nn.NLLLoss:
+// LogSoftmax then NLLLoss is CrossEntropyLoss).
+class NLLLoss {
+ public:
+  explicit NLLLoss(Reduction reduction = Reduction::Mean, int64_t ignore_index = kDefaultIgnoreIndex,
+                   Tensor weight = Tensor())
+      : reduction_(reduction), ignore_index_(ignore_index), weight_(std::move(weight)) {}
+  Tensor operator()(const Tensor& log_probs, const Tensor& target) const {
+    return nll_loss(log_probs, target, reduction_, ignore_index_, weight_);
+  }
+
+ private:
+  Reduction reduction_;
+  int64_t ignore_index_;
   Tensor weight_;
 };
 

@@ -142,6 +142,33 @@ Values ref_cross_entropy(const Values& logits, const Values& target, int64_t N, 
   return {r == Reduction::Mean ? total / counted : total};
 }
 
+Values ref_log_softmax(const Values& x, int64_t N, int64_t C) {
+  Values out;
+  for (int64_t n = 0; n < N; ++n) {
+    double max = x[n * C];
+    for (int64_t c = 1; c < C; ++c) max = std::max(max, x[n * C + c]);
+    double s = 0;
+    for (int64_t c = 0; c < C; ++c) s += std::exp(x[n * C + c] - max);
+    for (int64_t c = 0; c < C; ++c) out.push_back(x[n * C + c] - max - std::log(s));
+  }
+  return out;
+}
+
+Values ref_nll_loss(const Values& log_probs, const Values& target, int64_t N, int64_t C, Reduction r,
+                    const Values& weight = {}) {
+  Values out;
+  double total = 0, counted = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    const auto t = static_cast<int64_t>(target[n]);
+    const double w = weight.empty() ? 1.0 : weight[t];
+    out.push_back(-w * log_probs[n * C + t]);
+    total += out.back();
+    counted += w;
+  }
+  if (r == Reduction::None) return out;
+  return {r == Reduction::Mean ? total / counted : total};
+}
+
 double ref_sum(const Values& a) {
   double s = 0;
   for (double v : a) s += v;
@@ -302,7 +329,15 @@ void add_empty_batch_rows(std::vector<OpCase>& rows) {
     rows.push_back({"N = 0: cross_entropy " + suffix, {{{0, 5}}, {{0}, Kind::Labels, 5}},
                     [r](auto& in) { return cross_entropy(in[0], in[1], r); },
                     [r](auto& in) { return ref_cross_entropy(in[0], in[1], 0, 5, r); }});
+    rows.push_back({"N = 0: nll_loss " + suffix,
+                    {{{0, 5}}, {{0}, Kind::Labels, 5}},
+                    [r](auto& in) { return nll_loss(in[0], in[1], r); },
+                    [r](auto& in) { return ref_nll_loss(in[0], in[1], 0, 5, r); }});
   }
+  rows.push_back({"N = 0: log_softmax",
+                  {{{0, 5}}},
+                  [](auto& in) { return log_softmax(in[0], 1); },
+                  [](auto& in) { return ref_log_softmax(in[0], 0, 5); }});
   rows.push_back({"N = 0: two-layer MLP, summed loss", {{{0, 5}}, {{6, 5}}, {{6}}, {{3, 6}}, {{3}}, {{0}, Kind::Labels, 3}},
                   [](auto& in) {
                     return cross_entropy(linear(relu(linear(in[0], in[1], in[2])), in[3], in[4]), in[5], Reduction::Sum);
@@ -481,6 +516,21 @@ std::vector<OpCase> op_cases() {
                     {{{6, 5}}, {{6}, Kind::Labels, 5}},
                     [r](auto& in) { return cross_entropy(in[0], in[1], r, kDefaultIgnoreIndex, 0.1); },
                     [r](auto& in) { return ref_cross_entropy(in[0], in[1], 6, 5, r, 0.1); }});
+    for (bool weighted : {false, true}) {
+      rows.push_back(
+          {std::string("nll_loss ") + (weighted ? "weight " : "") + suffix,
+           {{{6, 5}}, {{6}, Kind::Labels, 5}},
+           [r, weighted](auto& in) {
+             const Values w = class_weights(5);
+             const Tensor weight =
+                 weighted ? Tensor::from_vector(std::vector<float>(w.begin(), w.end())).to(in[0].device())
+                          : Tensor();
+             return nll_loss(in[0], in[1], r, kDefaultIgnoreIndex, weight);
+           },
+           [r, weighted](auto& in) {
+             return ref_nll_loss(in[0], in[1], 6, 5, r, weighted ? class_weights(5) : Values{});
+           }});
+    }
     for (double smoothing : {0.0, 0.1}) {
       rows.push_back({"cross_entropy weight, label_smoothing " + std::to_string(smoothing) + " " + suffix,
                       {{{6, 5}}, {{6}, Kind::Labels, 5}},
@@ -495,6 +545,10 @@ std::vector<OpCase> op_cases() {
                       }});
     }
   }
+  rows.push_back({"log_softmax [6,5]",
+                  {{{6, 5}}},
+                  [](auto& in) { return log_softmax(in[0], 1); },
+                  [](auto& in) { return ref_log_softmax(in[0], 6, 5); }});
   rows.push_back({"reshape", {{{2, 6}}}, [](auto& in) { return in[0].reshape({3, -1}) * 1.0f; },
                   [](auto& in) { return in[0]; }});
   rows.push_back({"two-layer MLP", {{{4, 5}}, {{6, 5}}, {{6}}, {{3, 6}}, {{3}}, {{4}, Kind::Labels, 3}},

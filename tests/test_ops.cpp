@@ -302,6 +302,78 @@ TEST_CASE(
         doctest::Approx(5.758045196533203).epsilon(1e-6));
 }
 
+TEST_CASE("log_softmax and nll_loss give torch's values and gradients; together they are cross_entropy") {
+  // torch 1.13: torch.log_softmax(x, 1) and its backward from g.
+  const std::vector<float> values = {1, 2, 3, 1, -1, 0.5f, 0, 4, -2, 2, 0, 1};
+  Tensor x = Tensor::from_vector(values, {4, 3}).set_requires_grad(true);
+  Tensor y = log_softmax(x, 1);
+  const std::vector<double> want_y = {-2.4076058864593506, -1.4076058864593506,   -0.40760594606399536,
+                                      -0.5549569725990295, -2.5549569129943848,   -1.0549569129943848,
+                                      -4.020581245422363,  -0.020581139251589775, -6.020581245422363,
+                                      -0.4076060354709625, -2.4076061248779297,   -1.4076060056686401};
+  const std::vector<float> got_y = y.to_vector();
+  for (int k = 0; k < 12; ++k) CHECK(got_y[k] == doctest::Approx(want_y[k]).epsilon(1e-6));
+  const Tensor g =
+      Tensor::from_vector(std::vector<float>{0.1f, -0.2f, 0.3f, 1, 0, 0, 0, 0, 2, -1, 0.5f, 0.25f}, {4, 3});
+  sum(mul(y, g)).backward();
+  const std::vector<double> want_dx = {0.08199388533830643,  -0.2489456981420517, 0.16695180535316467,
+                                       0.4259030222892761,   -0.0776955783367157, -0.34820741415023804,
+                                       -0.03588506579399109, -1.9592584371566772, 1.9951435327529907,
+                                       -0.83368980884552,    0.5225076675415039,  0.3111821115016937};
+  const std::vector<float> dx = x.grad().to_vector();
+  for (int k = 0; k < 12; ++k) CHECK(dx[k] == doctest::Approx(want_dx[k]).epsilon(1e-6).scale(1e-6));
+  // Huge values stay finite; a row of -inf is NaN (torch: [0, -1e30, -2e30] and NaN).
+  const std::vector<float> extreme =
+      log_softmax(
+          Tensor::from_vector(std::vector<float>{1e30f, 0, -1e30f, -INFINITY, -INFINITY, -INFINITY}, {2, 3}),
+          -1)
+          .to_vector();
+  CHECK(extreme[0] == 0.0f);
+  CHECK(extreme[1] == -1e30f);
+  CHECK(extreme[2] == -2e30f);
+  for (int k = 3; k < 6; ++k) CHECK(std::isnan(extreme[k]));
+  CHECK_THROWS_WITH_AS(log_softmax(x, 0), doctest::Contains("dim 0 is not the class dimension"), ValueError);
+  // A 16-bit input is cast up: float32 out (autocast's float32 group).
+  CHECK(log_softmax(x.detach().to(DType::BFloat16), 1).dtype() == DType::Float32);
+  CHECK_THROWS_AS(log_softmax(Tensor::zeros({2, 3, 4}), 1), ShapeError);
+
+  // torch 1.13: F.nll_loss on fixed log-probabilities, targets [2, 0, -100, 1], with and without
+  // weight [0.5, 2, 1.5].
+  const Tensor target = Tensor::from_vector(std::vector<int64_t>{2, 0, -100, 1});
+  const Tensor weight = Tensor::from_vector(std::vector<float>{0.5f, 2.0f, 1.5f});
+  Tensor log_probs =
+      Tensor::from_vector(std::vector<float>{-0.5f, -1, -2, -3, -0.25f, -1.5f, -1, -1, -1, -0.1f, -2, -4},
+                          {4, 3})
+          .set_requires_grad(true);
+  CHECK(nll_loss(log_probs, target).item() == doctest::Approx(2.3333332538604736).epsilon(1e-6));
+  CHECK(nll_loss(log_probs, target, Reduction::Sum).item() == 7.0f);
+  CHECK(nll_loss(log_probs, target, Reduction::None).to_vector() == std::vector<float>{2, 3, 0, 2});
+  CHECK(nll_loss(log_probs, target, Reduction::Sum, kDefaultIgnoreIndex, weight).item() == 8.5f);
+  CHECK(nll_loss(log_probs, target, Reduction::None, kDefaultIgnoreIndex, weight).to_vector() ==
+        std::vector<float>{3, 1.5f, 0, 4});
+  Tensor weighted_mean = nll_loss(log_probs, target, Reduction::Mean, kDefaultIgnoreIndex, weight);
+  CHECK(weighted_mean.item() == 2.125f);
+  weighted_mean.backward();
+  CHECK(log_probs.grad().to_vector() ==
+        std::vector<float>{0, 0, -0.375f, -0.125f, 0, 0, 0, 0, 0, 0, -0.5f, 0});
+  CHECK_THROWS_WITH_AS(nll_loss(log_probs, Tensor::from_vector(std::vector<int64_t>{0, 3, 1, 1})),
+                       doctest::Contains("nll_loss: target[1] = 3 is not a class in [0, 3)"), IndexError);
+  CHECK(std::isnan(
+      nll_loss(log_probs, Tensor::from_vector(std::vector<int64_t>{-100, -100, -100, -100})).item()));
+
+  // nn::LogSoftmax then nn::NLLLoss is nn::CrossEntropyLoss: the same loss and gradient.
+  Tensor a = Tensor::from_vector(values, {4, 3}).set_requires_grad(true);
+  Tensor b = Tensor::from_vector(values, {4, 3}).set_requires_grad(true);
+  Tensor composed =
+      nn::NLLLoss(Reduction::Mean, kDefaultIgnoreIndex, weight)(nn::LogSoftmax(1).forward(a), target);
+  Tensor fused = nn::CrossEntropyLoss(Reduction::Mean, kDefaultIgnoreIndex, 0.0, weight)(b, target);
+  CHECK(composed.item() == doctest::Approx(fused.item()).epsilon(1e-6));
+  composed.backward();
+  fused.backward();
+  const std::vector<float> ga = a.grad().to_vector(), gb = b.grad().to_vector();
+  for (int k = 0; k < 12; ++k) CHECK(ga[k] == doctest::Approx(gb[k]).epsilon(1e-6).scale(1e-6));
+}
+
 TEST_CASE("cross_entropy ignores rows labelled ignore_index (-100 by default), as PyTorch") {
   // logits [[1, 2, 3], [0, 1, 0], [3, 2, 1]], targets [-100, 1, 1]: row 0 counts for nothing.
   // Row 1: log(2 + e) - 1; row 2: log(e^3 + e^2 + e) - 2; mean over the 2 rows counted is

@@ -1,4 +1,5 @@
-// CPU loss kernels: mse and cross-entropy with a stable log-softmax.
+// CPU loss kernels: mse, cross-entropy with a stable log-softmax, that log-softmax alone, and
+// the negative log-likelihood of its output.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -34,6 +35,26 @@ void mse_backward(float* dinput, const float* dout, const float* input, const fl
   for (int64_t i = 0; i < n; ++i) dinput[i] = scale * (input[i] - target[i]);
 }
 
+namespace {
+
+// The Mean's divisor of cross_entropy and nll_loss: the counted rows' target weights (their
+// number without a weight), summed in double.
+double counted_weight(const int64_t* target, const float* weight, int64_t N, int64_t ignore_index) {
+  double counted = 0.0;
+  for (int64_t r = 0; r < N; ++r)
+    if (target[r] != ignore_index)
+      counted += weight != nullptr ? static_cast<double>(weight[target[r]]) : 1.0;
+  return counted;
+}
+
+void check_target(const char* op, const int64_t* target, int64_t r, int64_t C, int64_t ignore_index) {
+  const int64_t t = target[r];
+  NANODDP_CHECK(t == ignore_index || (t >= 0 && t < C), IndexError, op, ": target[", r, "] = ", t,
+                " is not a class in [0, ", C, ") nor ignore_index ", ignore_index);
+}
+
+}  // namespace
+
 void cross_entropy_forward(float* out, float* probs, const float* logits, const int64_t* target,
                            const float* weight, int64_t N, int64_t C, int64_t ignore_index,
                            float label_smoothing, Reduction reduction) {
@@ -48,8 +69,7 @@ void cross_entropy_forward(float* out, float* probs, const float* logits, const 
     float* p = probs + r * C;
     const int64_t t = target[r];
     const bool ignored = t == ignore_index;
-    NANODDP_CHECK(ignored || (t >= 0 && t < C), IndexError, "cross_entropy: target[", r, "] = ", t,
-                  " is not a class in [0, ", C, ") nor ignore_index ", ignore_index);
+    check_target("cross_entropy", target, r, C, ignore_index);
     // log_softmax(x)_c = x_c - max - log(sum exp(x - max)): every exponent is <= 0. With no
     // class (C == 0) every row passed the check as ignored, and there is nothing to read.
     float max = C > 0 ? x[0] : 0.0f;
@@ -83,12 +103,9 @@ void cross_entropy_backward(float* dlogits, const float* dout, const float* prob
                             const float* weight, int64_t N, int64_t C, int64_t ignore_index,
                             float label_smoothing, Reduction reduction) {
   const auto weight_of = [weight](int64_t c) { return weight != nullptr ? weight[c] : 1.0f; };
-  // The Mean's divisor: the counted rows' target weights (their number without a weight).
-  double counted = 0.0, weight_total = 0.0;
-  for (int64_t r = 0; r < N; ++r)
-    if (target[r] != ignore_index) counted += weight_of(target[r]);
+  double weight_total = 0.0;
   for (int64_t c = 0; c < C; ++c) weight_total += weight_of(c);
-  const auto rows = static_cast<float>(counted);
+  const auto rows = static_cast<float>(counted_weight(target, weight, N, ignore_index));
   const float share = C > 0 ? label_smoothing / static_cast<float>(C) : 0.0f;
   for (int64_t r = 0; r < N; ++r) {
     float* d = dlogits + r * C;
@@ -112,6 +129,65 @@ void cross_entropy_backward(float* dlogits, const float* dout, const float* prob
       for (int64_t c = 0; c < C; ++c) d[c] = g * p[c];
       d[t] -= g;
     }
+  }
+}
+
+void log_softmax_forward(float* out, const float* in, int64_t N, int64_t C) {
+  for (int64_t r = 0; r < N; ++r) {
+    const float* x = in + r * C;
+    float* y = out + r * C;
+    float max = C > 0 ? x[0] : 0.0f;
+    for (int64_t c = 1; c < C; ++c) max = std::isnan(x[c]) || x[c] > max ? x[c] : max;
+    double sum_exp = 0.0;
+    for (int64_t c = 0; c < C; ++c) sum_exp += std::exp(static_cast<double>(x[c]) - max);
+    const double log_sum_exp = std::log(sum_exp);
+    for (int64_t c = 0; c < C; ++c) y[c] = static_cast<float>(static_cast<double>(x[c]) - max - log_sum_exp);
+  }
+}
+
+void log_softmax_backward(float* din, const float* dout, const float* out, int64_t N, int64_t C) {
+  for (int64_t r = 0; r < N; ++r) {
+    const float* dy = dout + r * C;
+    const float* y = out + r * C;
+    double sum = 0.0;
+    for (int64_t c = 0; c < C; ++c) sum += dy[c];
+    for (int64_t c = 0; c < C; ++c)
+      din[r * C + c] = static_cast<float>(dy[c] - std::exp(static_cast<double>(y[c])) * sum);
+  }
+}
+
+void nll_loss_forward(float* out, const float* log_probs, const int64_t* target, const float* weight,
+                      int64_t N, int64_t C, int64_t ignore_index, Reduction reduction) {
+  double total = 0.0;
+  for (int64_t r = 0; r < N; ++r) {
+    check_target("nll_loss", target, r, C, ignore_index);
+    const int64_t t = target[r];
+    const double loss = t == ignore_index ? 0.0
+                                          : -(weight != nullptr ? static_cast<double>(weight[t]) : 1.0) *
+                                                log_probs[r * C + t];
+    if (reduction == Reduction::None) {
+      out[r] = static_cast<float>(loss);
+    } else {
+      total += loss;
+    }
+  }
+  if (reduction == Reduction::Mean)
+    out[0] =
+        static_cast<float>(total / counted_weight(target, weight, N, ignore_index));  // none counted: NaN
+  if (reduction == Reduction::Sum) out[0] = static_cast<float>(total);
+}
+
+void nll_loss_backward(float* din, const float* dout, const int64_t* target, const float* weight, int64_t N,
+                       int64_t C, int64_t ignore_index, Reduction reduction) {
+  const auto counted = reduction == Reduction::Mean
+                           ? static_cast<float>(counted_weight(target, weight, N, ignore_index))
+                           : 1.0f;
+  std::fill(din, din + N * C, 0.0f);
+  for (int64_t r = 0; r < N; ++r) {
+    const int64_t t = target[r];
+    if (t == ignore_index) continue;
+    const float g = reduction == Reduction::None ? dout[r] : dout[0] / counted;
+    din[r * C + t] = -((weight != nullptr ? weight[t] : 1.0f) * g);
   }
 }
 

@@ -1,4 +1,5 @@
-// Loss CUDA kernels: mean squared error and cross-entropy with a fused, stable log-softmax.
+// Loss CUDA kernels: mean squared error, cross-entropy with a fused, stable log-softmax, that
+// log-softmax alone, and the negative log-likelihood of its output.
 // Reductions to one value go through deterministic_sum (Note [Deterministic reduction]).
 
 #include <cmath>
@@ -219,6 +220,121 @@ void cross_entropy_backward(float* dlogits, const float* dout, const float* prob
       weight != nullptr && label_smoothing > 0.0f ? weight_total.data() : nullptr, N, C, ignore_index,
       label_smoothing, reduction == Reduction::Mean, reduction == Reduction::None);
   NANODDP_CUDA_CHECK_LAUNCH("cross_entropy_backward_kernel");
+}
+
+// ---- log_softmax ---------------------------------------------------------------------------
+
+// out[r, c] = x[r, c] - max_r - log(sum exp(x[r] - max_r)). One warp per row, as cross_entropy.
+__global__ void log_softmax_forward_kernel(float* out, const float* in, int64_t N, int64_t C) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= N) return;  // whole warps leave together
+  const float* x = in + row * C;
+  float row_max = -INFINITY;
+  for (int64_t c = lane; c < C; c += 32) row_max = fmaxf(row_max, x[c]);
+  row_max = warp_max(row_max);
+  float exp_sum = 0.0f;
+  for (int64_t c = lane; c < C; c += 32) exp_sum += expf(x[c] - row_max);
+  const float log_sum_exp = logf(warp_all_sum(exp_sum));
+  for (int64_t c = lane; c < C; c += 32) out[row * C + c] = x[c] - row_max - log_sum_exp;
+}
+
+void log_softmax_forward(float* out, const float* in, int64_t N, int64_t C) {
+  if (N <= 0 || C <= 0) return;
+  const int64_t blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
+  NANODDP_CHECK(blocks <= 0x7fffffff, ValueError, "log_softmax: ", N, " rows is more than one launch takes");
+  log_softmax_forward_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, stream()>>>(out, in, N, C);
+  NANODDP_CUDA_CHECK_LAUNCH("log_softmax_forward_kernel");
+}
+
+// din[r, c] = dout[r, c] - exp(out[r, c]) * sum_c dout[r, c]. One warp per row.
+__global__ void log_softmax_backward_kernel(float* din, const float* dout, const float* out, int64_t N,
+                                            int64_t C) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= N) return;
+  float sum = 0.0f;
+  for (int64_t c = lane; c < C; c += 32) sum += dout[row * C + c];
+  sum = warp_all_sum(sum);
+  for (int64_t c = lane; c < C; c += 32) {
+    const int64_t i = row * C + c;
+    din[i] = dout[i] - expf(out[i]) * sum;
+  }
+}
+
+void log_softmax_backward(float* din, const float* dout, const float* out, int64_t N, int64_t C) {
+  if (N <= 0 || C <= 0) return;
+  const int64_t blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
+  NANODDP_CHECK(blocks <= 0x7fffffff, ValueError, "log_softmax: ", N, " rows is more than one launch takes");
+  log_softmax_backward_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, stream()>>>(din, dout, out, N, C);
+  NANODDP_CUDA_CHECK_LAUNCH("log_softmax_backward_kernel");
+}
+
+// ---- nll_loss ------------------------------------------------------------------------------
+
+// row_loss[r] = -w[t] log_probs[r, t], 0 for an ignored row, NaN for a target outside [0, C).
+__global__ void nll_loss_rows_kernel(float* row_loss, const float* log_probs, const int64_t* target,
+                                     const float* weight, int64_t N, int64_t C, int64_t ignore_index) {
+  for (int64_t r = first_index(); r < N; r += grid_stride()) {
+    const int64_t t = target[r];
+    if (t == ignore_index) {
+      row_loss[r] = 0.0f;
+    } else if (t >= 0 && t < C) {
+      row_loss[r] = -((weight != nullptr ? weight[t] : 1.0f) * log_probs[r * C + t]);
+    } else {
+      row_loss[r] = NAN;
+    }
+  }
+}
+
+void nll_loss_forward(float* out, const float* log_probs, const int64_t* target, const float* weight,
+                      int64_t N, int64_t C, int64_t ignore_index, Reduction reduction) {
+  if (reduction == Reduction::None) {
+    if (N <= 0) return;
+    nll_loss_rows_kernel<<<grid_for(N), kBlock, 0, stream()>>>(out, log_probs, target, weight, N, C,
+                                                               ignore_index);
+    NANODDP_CUDA_CHECK_LAUNCH("nll_loss_rows_kernel");
+    return;
+  }
+  ScratchBuffer<float> row_loss(N > 0 ? static_cast<size_t>(N) : 1), counted(1);
+  if (N > 0) {
+    nll_loss_rows_kernel<<<grid_for(N), kBlock, 0, stream()>>>(row_loss.data(), log_probs, target, weight, N,
+                                                               C, ignore_index);
+    NANODDP_CUDA_CHECK_LAUNCH("nll_loss_rows_kernel");
+  }
+  if (reduction == Reduction::Mean)
+    deterministic_sum(counted.data(), CountedRow{target, weight, C, ignore_index}, N, 1.0);
+  deterministic_sum(out, LoadValue{row_loss.data()}, N, 1.0,
+                    reduction == Reduction::Mean ? counted.data() : nullptr);
+}
+
+// din[r, c] = -(w[t] g_r) at c == t, else 0; g_r = dout[0] / counted[0] (Mean), dout[0] (Sum) or
+// dout[r] (None): the CPU kernel's order of operations.
+__global__ void nll_loss_backward_kernel(float* din, const float* dout, const float* counted,
+                                         const int64_t* target, const float* weight, int64_t N, int64_t C,
+                                         int64_t ignore_index, bool mean, bool per_row) {
+  const int64_t n = N * C;
+  const float shared_grad = per_row ? 0.0f : mean ? dout[0] / counted[0] : dout[0];
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const int64_t row = i / C;
+    const int64_t t = target[row];
+    const bool counts = t != ignore_index && t >= 0 && t < C && i - row * C == t;
+    const float g = per_row ? dout[row] : shared_grad;
+    din[i] = counts ? -__fmul_rn(weight != nullptr ? weight[t] : 1.0f, g) : 0.0f;
+  }
+}
+
+void nll_loss_backward(float* din, const float* dout, const int64_t* target, const float* weight, int64_t N,
+                       int64_t C, int64_t ignore_index, Reduction reduction) {
+  const int64_t n = N * C;
+  if (n <= 0) return;
+  ScratchBuffer<float> counted(1);
+  if (reduction == Reduction::Mean)
+    deterministic_sum(counted.data(), CountedRow{target, weight, C, ignore_index}, N, 1.0);
+  nll_loss_backward_kernel<<<grid_for(n), kBlock, 0, stream()>>>(
+      din, dout, counted.data(), target, weight, N, C, ignore_index, reduction == Reduction::Mean,
+      reduction == Reduction::None);
+  NANODDP_CUDA_CHECK_LAUNCH("nll_loss_backward_kernel");
 }
 
 }  // namespace nanoddp::kernels::cuda
