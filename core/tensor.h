@@ -203,6 +203,9 @@ struct TensorImpl {
   Shape shape;
   DType dtype = DType::Float32;
   bool requires_grad = false;
+  // Registered as some module's parameter (torch's nn.Parameter class): registering it again
+  // (tying) keeps its requires_grad. A detach() or copy is a new impl, not a parameter.
+  bool is_parameter = false;
   std::shared_ptr<TensorImpl> grad;   // accumulated gradient of a leaf
   std::shared_ptr<Node> grad_fn;      // the op that produced this tensor (null for leaves)
   // Shared: backward runs them from a copy of this list (a hook may change it), and a hook's

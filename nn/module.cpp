@@ -43,7 +43,10 @@ Tensor Module::register_parameter_at_path(const std::string& name, Tensor tensor
       tensor.is_leaf(), ValueError, "register_parameter: parameter '", name, "' is an op's output (made by ",
       tensor.is_leaf() ? "" : tensor.grad_fn()->name(),
       "), not a leaf: register its detach() (torch: \"Cannot assign non-leaf Tensor to parameter\")");
-  tensor.set_requires_grad(true);
+  if (!tensor.impl()->is_parameter) {  // torch wraps it in nn.Parameter; an nn.Parameter stays as it is
+    tensor.set_requires_grad(true);
+    tensor.impl()->is_parameter = true;
+  }
   set_memory_category(tensor, MemoryCategory::Parameters);
   for (auto& [own, p] : parameters_)
     if (own == name) return p = tensor;
@@ -318,18 +321,11 @@ Module::IncompatibleKeys Module::load_or_check(const StateDict& state, bool stri
     if (!known) unexpected.push_back(name);
   }
   std::sort(missing.begin(), missing.end());
-  if (strict && (!missing.empty() || !unexpected.empty())) {
-    std::ostringstream message;
-    message << "load_state_dict: keys do not match. missing: [";
-    for (size_t i = 0; i < missing.size(); ++i) message << (i ? ", " : "") << missing[i];
-    message << "], unexpected: [";
-    for (size_t i = 0; i < unexpected.size(); ++i) message << (i ? ", " : "") << unexpected[i];
-    message << "]" << ddp_prefix_hint(missing, unexpected) << fsdp_local_hint(unexpected);
-    NANODDP_THROW(ValueError, message.str());
-  }
   // The value each entry loads: the state's, and a [1] one as 0-d for a 0-d entry, as torch
-  // 1.13 allows for states saved before 0-d tensors.
+  // 1.13 allows for states saved before 0-d tensors. Every entry that cannot load is listed
+  // with the keys that do not match, in one error, as torch lists them all.
   std::vector<std::pair<Tensor, Tensor>> loads;  // (entry, value)
+  std::vector<std::string> mismatched;
   for (auto& [name, p] : named) {
     auto it = state.find(name);
     if (it == state.end()) continue;
@@ -338,13 +334,31 @@ Module::IncompatibleKeys Module::load_or_check(const StateDict& state, bool stri
     const Tensor value =
         p.dim() == 0 && it->second.shape() == Shape{1} ? it->second.reshape(Shape{}) : it->second;
     const DType from = value.dtype(), to = p.dtype();
-    NANODDP_CHECK(
-        value.shape() == p.shape() && (from == to || (is_floating(from) && is_floating(to))), ShapeError,
-        "load_state_dict: '", name, "' is ", value.shape(), " ", from, " in the state but ", p.shape(), " ",
-        to, " in the model",
-        value.shape() == p.shape() ? " (only float32, float16 and bfloat16 convert into each other)" : "");
-    loads.emplace_back(p, value);
+    if (value.shape() == p.shape() && (from == to || (is_floating(from) && is_floating(to)))) {
+      loads.emplace_back(p, value);
+      continue;
+    }
+    std::ostringstream why;
+    why << "'" << name << "' is " << value.shape() << " " << from << " in the state but " << p.shape() << " "
+        << to << " in the model"
+        << (value.shape() == p.shape() ? " (only float32, float16 and bfloat16 convert into each other)"
+                                       : "");
+    mismatched.push_back(why.str());
   }
+  std::ostringstream mismatches;
+  for (size_t i = 0; i < mismatched.size(); ++i) mismatches << (i ? "; " : "") << mismatched[i];
+  if (strict && (!missing.empty() || !unexpected.empty())) {
+    std::ostringstream message;
+    message << "load_state_dict: keys do not match. missing: [";
+    for (size_t i = 0; i < missing.size(); ++i) message << (i ? ", " : "") << missing[i];
+    message << "], unexpected: [";
+    for (size_t i = 0; i < unexpected.size(); ++i) message << (i ? ", " : "") << unexpected[i];
+    message << "]";
+    if (!mismatched.empty()) message << ". Also " << mismatches.str();
+    message << ddp_prefix_hint(missing, unexpected) << fsdp_local_hint(unexpected);
+    NANODDP_THROW(ValueError, message.str());
+  }
+  NANODDP_CHECK(mismatched.empty(), ShapeError, "load_state_dict: ", mismatches.str());
   if (!copy) return {missing, unexpected};
   NoGradGuard no_grad;
   for (auto& [p, value] : loads)

@@ -79,8 +79,10 @@ class Module {
   // torch). ValueError for an undefined tensor, an empty name, a name with '.', or a name this
   // module uses for a parameter or submodule.
   Tensor register_buffer(const std::string& name, Tensor tensor, bool persistent = true);
-  // Registers tensor as parameter `name` and sets its requires_grad, as wrapping it in
-  // torch.nn.Parameter does (torch.nn.Module.register_parameter). Returns the stored handle,
+  // Registers tensor as parameter `name` (torch.nn.Module.register_parameter) and sets its
+  // requires_grad, as wrapping it in torch.nn.Parameter does; a tensor that already is some
+  // module's parameter keeps its requires_grad (a frozen weight tied stays frozen, as an
+  // nn.Parameter assigned in torch does; its detach() is a new tensor). Returns the stored handle,
   // which the module's member must hold: forward uses the member, the optimizer and
   // state_dict the registered tensor. A name this module already uses for a parameter is
   // given to the new tensor, in the old one's place (as torch), which is how weights are
@@ -132,8 +134,9 @@ class Module {
   // 'module.' prefix (in either direction), saying which of the two to unwrap; !strict:
   // loads the keys that match and returns the rest, so a 'module.' prefix mistake (every key
   // missing and unexpected) is visible to the caller. A shape mismatch is a ShapeError naming
-  // the key and both shapes, strict or not; an undefined Tensor() as a value, a ValueError
-  // naming the key. Values in another floating dtype (float32,
+  // every such key and both shapes, strict or not (strict with keys that do not match too: the
+  // ValueError lists them after the keys, all in one message, as torch's); an undefined
+  // Tensor() as a value, a ValueError naming the key. Values in another floating dtype (float32,
   // float16, bfloat16: a half-precision safetensors file into a float32 model) are converted
   // as torch's copy_ does: exactly when widening, rounded to nearest even when narrowing.
   // Between an integer and a floating dtype, where torch's copy_ would convert silently (a

@@ -930,6 +930,55 @@ TEST_CASE("weights tied with register_parameter (PyTorch's decoder.weight = enco
   for (const auto& entry : model.named_parameters(/*remove_duplicate=*/false)) CHECK(entry.second.impl() != replaced.impl());
 }
 
+TEST_CASE("a frozen weight tied to another module stays frozen, as torch's assigned nn.Parameter") {
+  // torch: enc.weight.requires_grad_(False); dec.weight = enc.weight -> still frozen, and an
+  // optimizer over every parameter leaves it as it was. A new tensor (its detach()) is
+  // wrapped as torch's nn.Parameter(t) is: it requires grad.
+  Generator gen(0);
+  auto encoder = std::make_shared<Linear>(2, 2, gen, /*bias=*/false);
+  auto decoder = std::make_shared<Linear>(2, 2, gen);
+  encoder->weight.set_requires_grad(false);
+  decoder->weight = decoder->register_parameter("weight", encoder->weight);
+  CHECK(!decoder->weight.requires_grad());
+  Sequential model;
+  model.add(encoder);
+  model.add(decoder);
+  const std::vector<float> before = encoder->weight.to_vector();
+  SGD sgd(model.parameters(), {/*lr=*/0.5});
+  sum(model.forward(Tensor::ones({3, 2}))).backward();
+  sgd.step();
+  CHECK(encoder->weight.to_vector() == before);
+  CHECK(decoder->register_parameter("copy", encoder->weight.detach()).requires_grad());
+}
+
+TEST_CASE("load_state_dict names every key that cannot load in one error, as torch, and loads nothing") {
+  Generator g1(1), g2(2);
+  Sequential a = mlp(g1), b = mlp(g2);
+  StateDict state = a.state_dict();
+  state["0.weight"] = Tensor::zeros({3, 5});
+  state["2.bias"] = Tensor::zeros({7});
+  const std::vector<float> before = b.parameters()[0].to_vector();
+  // Only shapes wrong: a ShapeError with both entries, strict or not.
+  for (bool strict : {true, false}) {
+    CAPTURE(strict);
+    CHECK_THROWS_WITH_AS(
+        b.load_state_dict(state, strict),
+        doctest::Contains("load_state_dict: '0.weight' is [3, 5] float32 in the state but [3, 4] "
+                          "float32 in the model; '2.bias' is [7] float32 in the state but [2] "
+                          "float32 in the model"),
+        ShapeError);
+  }
+  // A key missing too: one ValueError with the keys, then the shapes (torch lists all three).
+  state.erase("0.bias");
+  CHECK_THROWS_WITH_AS(
+      b.load_state_dict(state),
+      doctest::Contains("load_state_dict: keys do not match. missing: [0.bias], unexpected: []. "
+                        "Also '0.weight' is [3, 5] float32 in the state but [3, 4] float32 in the "
+                        "model; '2.bias' is [7] float32 in the state but [2] float32 in the model"),
+      ValueError);
+  CHECK(b.parameters()[0].to_vector() == before);
+}
+
 TEST_CASE("load_state_dict(strict = false) returns the missing and unexpected keys") {
   Generator g1(1), g2(2);
   Sequential a = mlp(g1), b = mlp(g2);
