@@ -1,6 +1,6 @@
 // spawn: run a function on N ranks, each in its own forked process (torch.multiprocessing.spawn).
 //
-//   dist::spawn([](int rank) { dist::init_process_group("gloo"); train(rank); }, 4);
+//   dist::spawn([](int rank) { dist::init_process_group({dist::Backend::Gloo}); train(rank); }, 4);
 //   // returns when all 4 ranks returned; throws DistError naming the first rank that failed
 //   // (exception text included), after the others were terminated
 //

@@ -65,6 +65,10 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Siz
 // elements or more, and for sizes beyond 2^61 as conv2d, ShapeError for an input with no channel, row or
 // column (only N may be 0, as in torch).
 Tensor max_pool2d(const Tensor& input, Size2 kernel_size, Size2 stride, Size2 padding = 0, Size2 dilation = 1);
+// Windows side by side: the stride is the kernel size (torch's default, max_pool2d(x, 2)).
+inline Tensor max_pool2d(const Tensor& input, Size2 kernel_size) {
+  return max_pool2d(input, kernel_size, kernel_size);
+}
 
 namespace nn {
 

@@ -1507,6 +1507,13 @@ TEST_CASE("max_pool2d refuses an input with no channel, row or column, as torch;
                        doctest::Contains("at most 2^31 - 1 are supported"), ValueError);
 }
 
+TEST_CASE("max_pool2d(x, k) strides by the kernel, as torch's default stride") {
+  Generator gen(5);
+  const Tensor x = Tensor::randn({2, 3, 6, 4}, gen);
+  CHECK(max_pool2d(x, 2).to_vector() == max_pool2d(x, 2, 2).to_vector());
+  CHECK(max_pool2d(x, {3, 2}).shape() == Shape{2, 3, 2, 2});
+}
+
 TEST_CASE("max_pool2d refuses a window that covers only padding, naming it (no write outside the input)") {
   // Kernel 2, dilation 2, padding 1 over a 1x1 input: the one window looks at -1 and 1.
   const Tensor one = Tensor::ones({1, 1, 1, 1}).set_requires_grad(true);
