@@ -184,6 +184,7 @@ Outcome ChildGroup::wait() {
   } else if (pending_signal_ != 0) {
     outcome.kind = Outcome::Kind::Interrupted;
     outcome.signal = pending_signal_;
+    user_signalled = true;  // a second one kills
     begin_termination(pending_signal_, "received " + signal_name(pending_signal_) + " while starting ranks");
   }
 

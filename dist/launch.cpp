@@ -614,8 +614,11 @@ int launch(const LaunchOptions& given, const std::vector<std::string>& program) 
         // A rank that exited 0 without joining the others (Note [Launcher link], item 3) failed
         // the job all the same.
         return outcome.failed_status.ok() ? 1 : outcome.failed_status.shell_code();
-      case Outcome::Kind::StartFailed: return 1;
-      case Outcome::Kind::TimedOut: return 124;
+      // A user's signal while the ranks were being stopped is what the job ends by (docs/launching.md).
+      case Outcome::Kind::StartFailed:
+        return outcome.late_signal != 0 ? 128 + outcome.late_signal : 1;
+      case Outcome::Kind::TimedOut:
+        return outcome.late_signal != 0 ? 128 + outcome.late_signal : 124;
       case Outcome::Kind::Interrupted: return 128 + outcome.signal;
     }
     return 1;

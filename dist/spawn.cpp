@@ -120,6 +120,10 @@ void spawn(const std::function<void(int rank)>& fn, int nprocs, const SpawnOptio
   // The ranks wrote their traces. A caller that recorded nothing itself would write an empty
   // one at exit, over rank 0's when nprocs is 1.
   if (trace::enabled() && trace::events_since(0).empty()) trace::stop();
+  // A signal that came while the ranks were being stopped for another reason (Outcome::late_signal).
+  const std::string interrupted =
+      outcome.late_signal != 0 ? "; " + signal_name(outcome.late_signal) + " came while they were stopping"
+                               : "";
   switch (outcome.kind) {
     case Outcome::Kind::AllSucceeded:
       return;
@@ -127,13 +131,13 @@ void spawn(const std::function<void(int rank)>& fn, int nprocs, const SpawnOptio
       NANODDP_THROW(DistError, "spawn: ", outcome.failed_name, " (pid ", outcome.failed_pid, ") of ", nprocs,
                     " failed: ", outcome.failed_status.describe(),
                     outcome.failed_message.empty() ? "" : ": " + outcome.failed_message,
-                    "; the other ranks were terminated");
+                    "; the other ranks were terminated", interrupted);
     case Outcome::Kind::StartFailed:
       NANODDP_THROW(DistError, "spawn: could not start ", outcome.failed_name, " of ", nprocs, ": ",
-                    outcome.failed_message, "; the ranks already started were terminated");
+                    outcome.failed_message, "; the ranks already started were terminated", interrupted);
     case Outcome::Kind::TimedOut:
       NANODDP_THROW(TimeoutError, "spawn: ", nprocs, " ranks did not finish within ", options.timeout.count(),
-                    " ms; all were terminated");
+                    " ms; all were terminated", interrupted);
     case Outcome::Kind::Interrupted:
       NANODDP_THROW(DistError, "spawn: interrupted by ", signal_name(outcome.signal), "; all ", nprocs,
                     " ranks were terminated");

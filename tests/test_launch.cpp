@@ -455,6 +455,27 @@ TEST_CASE("ChildGroup: a pending signal, a failed child or the timeout stop furt
     REQUIRE(outcome.statuses.size() == 1);  // rank 1 was never started
     CHECK(outcome.statuses[0].signal == SIGTERM);
   }
+  SUBCASE("signal, then a second one: the ranks are killed at once, not after the grace period") {
+    dist::ChildGroup group(options);
+    REQUIRE(group.start(0, "rank 0", "", [](int) {
+      signal(SIGTERM, SIG_IGN);  // only SIGKILL ends it
+      execlp("sleep", "sleep", "30", static_cast<char*>(nullptr));
+      _exit(127);
+    }));
+    std::this_thread::sleep_for(200ms);  // until it ignores SIGTERM
+    raise(SIGTERM);
+    CHECK_FALSE(group.start(1, "rank 1", "", sleeper));
+    std::thread second([] {
+      std::this_thread::sleep_for(300ms);
+      kill(getpid(), SIGTERM);
+    });
+    const dist::Outcome outcome = group.wait();
+    second.join();
+    CHECK(outcome.kind == dist::Outcome::Kind::Interrupted);
+    REQUIRE(outcome.statuses.size() == 1);
+    CHECK(outcome.statuses[0].signal == SIGKILL);
+    CHECK(Clock::now() - started < 1500ms);  // the grace period is 2 s
+  }
   SUBCASE("failed child") {
     dist::ChildGroup group(options);
     REQUIRE(group.start(0, "rank 0", "", [](int) { _exit(3); }));
@@ -1142,6 +1163,45 @@ TEST_CASE("spawn: a rank that records a trace writes it before it leaves with _e
   CHECK_FALSE(trace::enabled());
   CHECK(::access((dir.path + "/failed.json").c_str(), F_OK) != 0);
   CHECK(contains(read_file(dir.path + "/failed.rank1.json"), "{\"otherData\":{\"rank\":1,\"world_size\":2"));
+}
+
+TEST_CASE("spawn: a signal while the ranks are stopped after a failure is named with the failure") {
+  // Rank 0 ignores SIGTERM, then writes a file; rank 1 throws once it sees the file. SIGINT 0.5
+  // s later comes while the launcher waits out rank 0's grace period (the group is alive from
+  // before the first fork to that end, so the signal is always its): the failure is still the
+  // error, and says so.
+  TempDir dir;
+  const std::string ready = dir.path + "/ready";
+  auto wait_for = [](const std::string& path) {
+    for (int i = 0; i < 400 && ::access(path.c_str(), F_OK) != 0; ++i) std::this_thread::sleep_for(50ms);
+  };
+  dist::SpawnOptions options;
+  options.grace_period = 3s;
+  options.allow_threads = true;  // the signalling thread below
+  std::thread signaller([&] {
+    wait_for(ready);
+    std::this_thread::sleep_for(500ms);
+    kill(getpid(), SIGINT);
+  });
+  std::string message;
+  try {
+    dist::spawn(
+        [&](int rank) {
+          if (rank == 1) {
+            wait_for(ready);
+            throw std::runtime_error("rank 1 broke");
+          }
+          signal(SIGTERM, SIG_IGN);
+          std::ofstream(ready) << "ready\n";
+          std::this_thread::sleep_for(30s);
+        },
+        2, options);
+  } catch (const nanoddp::DistError& e) {
+    message = e.what();
+  }
+  signaller.join();
+  CHECK_MESSAGE(contains(message, "rank 1 broke"), message);
+  CHECK_MESSAGE(contains(message, "SIGINT came while they were stopping"), message);
 }
 
 TEST_CASE("spawn: a rank that throws fails the job fast, naming it and its exception") {

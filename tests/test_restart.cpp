@@ -366,21 +366,25 @@ TEST_CASE("nanoddp-run: without restarts left, a killed rank fails the job as it
 TEST_CASE(
     "nanoddp-run: Ctrl-C while a failed round is being stopped ends the job, and a second kills at once") {
   // Rank 1 exits 3 at 0.3 s; rank 0 ignores the SIGTERM that follows, so the round takes the
-  // grace period to end. Ctrl-C at 1.3 s (once, or twice 0.3 s apart) must end the job by the
-  // signal, with restarts left unused: pressed once, after the grace period (3 s: the ranks
-  // keep it); twice, at once (long before the 20 s one).
+  // grace period to end. Ctrl-C once the launcher has reported the failure (once, or twice 0.3
+  // s apart) must end the job by the signal, with restarts left unused: pressed once, after the
+  // grace period (3 s: the ranks keep it); twice, at once (long before the 20 s one). The same
+  // for a stop by --timeout: 130, not 124.
+  const std::string wait_for_report =
+      "for i in $(seq 400); do grep -q 'remaining process' \"$err\" && break; sleep 0.05; done; ";
   for (const int presses : {1, 2}) {
     CAPTURE(presses);
     const std::string second = presses == 2 ? "sleep 0.3; kill -INT $launcher; " : "";
-    const RunResult r =
-        run({"/bin/bash", "-c",
-             "set -m; '" + launcher_path() + "' --grace-period " + (presses == 2 ? "20" : "3") +
-                 " --max-restarts 2 --nproc-per-node 2 /bin/sh -c "
-                 "'trap \"\" TERM; echo round $NANODDP_RESTART_COUNT; "
-                 "if [ $RANK = 1 ]; then sleep 0.3; exit 3; fi; sleep 60' & "
-                 "launcher=$!; sleep 1.3; kill -INT $launcher; " +
-                 second + "wait $launcher; echo \"rc=$?\""},
-            60s);
+    const RunResult r = run(
+        {"/bin/bash", "-c",
+         "set -m; err=$(mktemp); '" + launcher_path() + "' --grace-period " + (presses == 2 ? "20" : "3") +
+             " --max-restarts 2 --nproc-per-node 2 /bin/sh -c "
+             "'trap \"\" TERM; echo round $NANODDP_RESTART_COUNT; "
+             "if [ $RANK = 1 ]; then sleep 0.3; exit 3; fi; sleep 60' 2> \"$err\" & "
+             "launcher=$!; " +
+             wait_for_report + "kill -INT $launcher; " + second +
+             "wait $launcher; echo \"rc=$?\"; cat \"$err\" >&2; rm -f \"$err\""},
+        60s);
     CHECK_MESSAGE(contains(r.out, "rc=130"), r.out, r.err);
     CHECK_MESSAGE(!contains(r.out, "round 1"), r.out);
     CHECK_MESSAGE(!contains(r.err, "restarting every rank"), r.err);
@@ -391,6 +395,16 @@ TEST_CASE(
       CHECK(r.seconds < 10);
     }
   }
+  const RunResult timed_out =
+      run({"/bin/bash", "-c",
+           "set -m; err=$(mktemp); '" + launcher_path() +
+               "' --timeout 1 --grace-period 3 --nproc-per-node 2 /bin/sh -c 'trap \"\" TERM; sleep 60' "
+               "2> \"$err\" & launcher=$!; " +
+               wait_for_report +
+               "kill -INT $launcher; wait $launcher; echo \"rc=$?\"; cat \"$err\" >&2; rm -f \"$err\""},
+          60s);
+  CHECK_MESSAGE(contains(timed_out.out, "rc=130"), timed_out.out, timed_out.err);
+  CHECK_MESSAGE(contains(timed_out.err, "timed out: the job's --timeout of 1 s"), timed_out.err);
 }
 
 TEST_CASE("launch helpers: rank_env tells each start's ranks which restart it is, under torchrun's names too") {
