@@ -78,7 +78,8 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction =
 // weight[target] instead of their number (a 16-bit weight is cast up, as the logits are). No
 // gradient flows to weight (torch has none).
 // IndexError names the first other target outside [0, C); ValueError a label_smoothing outside
-// [0, 1] or a weight of another dtype or device; ShapeError a weight that is not [C].
+// [0, 1] or a weight that is not float; ShapeError a weight that is not [C]; DeviceError a
+// weight or target on another device than logits.
 constexpr int64_t kDefaultIgnoreIndex = -100;
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction = Reduction::Mean,
                      int64_t ignore_index = kDefaultIgnoreIndex, double label_smoothing = 0.0,
@@ -86,7 +87,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduc
 
 // a: [N, C] -> [N, C] float32, log(softmax(a)) over each row (torch.log_softmax(a, dim) with
 // dim 1 or -1, the class dimension; 16-bit input is cast up first). Stable for huge logits;
-// a row holding NaN, or only -inf, is NaN. ShapeError unless a is 2-d, ValueError for another dim.
+// a row holding NaN or +inf, or only -inf, is NaN (as torch's). ShapeError unless a is 2-d,
+// ValueError for another dim.
 Tensor log_softmax(const Tensor& a, int64_t dim);
 
 // log_probs: [N, C] float32 (16-bit cast up), target: [N] int64 -> [] for Mean/Sum, [N] for

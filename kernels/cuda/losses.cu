@@ -96,6 +96,11 @@ __device__ __forceinline__ float warp_all_sum(float value) {
   return value;
 }
 
+__device__ __forceinline__ double warp_all_sum(double value) {
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(kFullMask, value, offset);
+  return value;
+}
+
 // logits: [N, C], target: [N] -> probs: [N, C] = softmax(logits), row_loss: [N] =
 // -w[t] log_softmax(logits)[t] = w[t] (log(sum exp(x - max)) - (x[t] - max)), and with label
 // smoothing s: (1 - s) times that + s / C * sum_c -w[c] log_softmax(logits)[c]; w = 1 without a
@@ -123,10 +128,12 @@ __global__ void cross_entropy_forward_kernel(float* row_loss, float* probs, cons
   for (int64_t c = lane; c < C; c += 32) p[c] = expf(x[c] - row_max) / exp_sum;
 
   const float log_sum_exp = logf(exp_sum);
-  float sum_of_minus_log_p = 0.0f;
+  // In double, as the CPU: a sum over every class (tens of thousands for a vocabulary).
+  double sum_of_minus_log_p = 0.0;
   if (label_smoothing > 0.0f) {
     for (int64_t c = lane; c < C; c += 32)
-      sum_of_minus_log_p += (weight != nullptr ? weight[c] : 1.0f) * (log_sum_exp - (x[c] - row_max));
+      sum_of_minus_log_p +=
+          static_cast<double>(weight != nullptr ? weight[c] : 1.0f) * (log_sum_exp - (x[c] - row_max));
     sum_of_minus_log_p = warp_all_sum(sum_of_minus_log_p);
   }
   if (lane == 0) {
@@ -135,7 +142,8 @@ __global__ void cross_entropy_forward_kernel(float* row_loss, float* probs, cons
     const float w_t = valid && weight != nullptr ? weight[t] : 1.0f;
     float loss = t == ignore_index ? 0.0f : valid ? w_t * (log_sum_exp - (x[t] - row_max)) : NAN;
     if (label_smoothing > 0.0f && t != ignore_index)
-      loss = (1.0f - label_smoothing) * loss + label_smoothing / static_cast<float>(C) * sum_of_minus_log_p;
+      loss = static_cast<float>((1.0 - label_smoothing) * loss +
+                                label_smoothing / static_cast<double>(C) * sum_of_minus_log_p);
     row_loss[row] = loss;
   }
 }
