@@ -176,7 +176,11 @@ Tensor Tensor::from_vector(const std::vector<int64_t>& values, const Shape& shap
 // ---- metadata -----------------------------------------------------------------------------
 
 TensorImpl& Tensor::checked_impl() const {
-  NANODDP_CHECK(impl_ != nullptr, ValueError, "use of an undefined tensor");
+  // Most often a .grad read before any backward reached it, or after zero_grad(), which sets
+  // it to none as torch 2's default (torch's p.grad is None there).
+  NANODDP_CHECK(impl_ != nullptr, ValueError,
+                "use of an undefined tensor (Tensor(): a .grad before a backward reached its parameter, or "
+                "after zero_grad() with set_to_none, is undefined, as torch's None; check defined() first)");
   return *impl_;
 }
 

@@ -378,6 +378,9 @@ TEST_CASE("zero_grad clears gradients; train/eval propagate") {
   for (const Tensor& p : model.parameters()) CHECK(p.grad().defined());
   model.zero_grad();
   for (const Tensor& p : model.parameters()) CHECK_FALSE(p.grad().defined());
+  // Reading such a .grad says what it is (torch's p.grad is None there).
+  CHECK_THROWS_WITH_AS(model.parameters()[0].grad().to_vector(),
+                       doctest::Contains("after zero_grad() with set_to_none, is undefined"), ValueError);
   model.eval();
   CHECK_FALSE(model.is_training());
   CHECK_FALSE(model[0].is_training());
