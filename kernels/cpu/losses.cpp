@@ -37,14 +37,32 @@ void mse_backward(float* dinput, const float* dout, const float* input, const fl
 
 namespace {
 
+// Class c's weight; without a weight every class weighs 1, and the arithmetic is the
+// unweighted one exactly.
+float weight_of(const float* weight, int64_t c) { return weight != nullptr ? weight[c] : 1.0f; }
+
 // The Mean's divisor of cross_entropy and nll_loss: the counted rows' target weights (their
 // number without a weight), summed in double.
 double counted_weight(const int64_t* target, const float* weight, int64_t N, int64_t ignore_index) {
   double counted = 0.0;
   for (int64_t r = 0; r < N; ++r)
-    if (target[r] != ignore_index)
-      counted += weight != nullptr ? static_cast<double>(weight[target[r]]) : 1.0;
+    if (target[r] != ignore_index) counted += weight_of(weight, target[r]);
   return counted;
+}
+
+// A row's max and log(sum exp(x - max)), the stable log-softmax's parts: log_softmax(x)_c =
+// x_c - max - log_sum_exp, every exponent <= 0. A NaN is the max (the row comes out NaN); with
+// no column the max is 0 and nothing is read.
+struct RowLogSumExp {
+  float max;
+  double log_sum_exp;
+};
+RowLogSumExp row_log_sum_exp(const float* x, int64_t C) {
+  float max = C > 0 ? x[0] : 0.0f;
+  for (int64_t c = 1; c < C; ++c) max = std::isnan(x[c]) || x[c] > max ? x[c] : max;
+  double sum_exp = 0.0;
+  for (int64_t c = 0; c < C; ++c) sum_exp += std::exp(static_cast<double>(x[c]) - max);
+  return {max, std::log(sum_exp)};
 }
 
 void check_target(const char* op, const int64_t* target, int64_t r, int64_t C, int64_t ignore_index) {
@@ -59,10 +77,6 @@ void cross_entropy_forward(float* out, float* probs, const float* logits, const 
                            const float* weight, int64_t N, int64_t C, int64_t ignore_index,
                            float label_smoothing, Reduction reduction) {
   const double smoothing = label_smoothing;
-  // Without a weight every class weighs 1: the same arithmetic, exactly.
-  const auto weight_of = [weight](int64_t c) {
-    return weight != nullptr ? static_cast<double>(weight[c]) : 1.0;
-  };
   double total = 0.0, counted = 0.0;
   for (int64_t r = 0; r < N; ++r) {
     const float* x = logits + r * C;
@@ -70,24 +84,20 @@ void cross_entropy_forward(float* out, float* probs, const float* logits, const 
     const int64_t t = target[r];
     const bool ignored = t == ignore_index;
     check_target("cross_entropy", target, r, C, ignore_index);
-    // log_softmax(x)_c = x_c - max - log(sum exp(x - max)): every exponent is <= 0. With no
-    // class (C == 0) every row passed the check as ignored, and there is nothing to read.
-    float max = C > 0 ? x[0] : 0.0f;
-    for (int64_t c = 1; c < C; ++c) max = std::isnan(x[c]) || x[c] > max ? x[c] : max;
-    double sum_exp = 0.0;
-    for (int64_t c = 0; c < C; ++c) sum_exp += std::exp(static_cast<double>(x[c]) - max);
-    const double log_sum_exp = std::log(sum_exp);
+    // With no class (C == 0) every row passed the check as ignored, and there is nothing to read.
+    const auto [max, log_sum_exp] = row_log_sum_exp(x, C);
     for (int64_t c = 0; c < C; ++c) p[c] = static_cast<float>(std::exp(static_cast<double>(x[c]) - max - log_sum_exp));
     double loss = 0.0;
     if (!ignored) {
-      loss = weight_of(t) * -(static_cast<double>(x[t]) - max - log_sum_exp);
+      loss = static_cast<double>(weight_of(weight, t)) * -(static_cast<double>(x[t]) - max - log_sum_exp);
       if (smoothing > 0.0) {
         double weighted_minus_log_p = 0.0;
         for (int64_t c = 0; c < C; ++c)
-          weighted_minus_log_p -= weight_of(c) * (static_cast<double>(x[c]) - max - log_sum_exp);
+          weighted_minus_log_p -=
+              static_cast<double>(weight_of(weight, c)) * (static_cast<double>(x[c]) - max - log_sum_exp);
         loss = (1.0 - smoothing) * loss + smoothing / static_cast<double>(C) * weighted_minus_log_p;
       }
-      counted += weight_of(t);
+      counted += weight_of(weight, t);
     }
     if (reduction == Reduction::None) {
       out[r] = static_cast<float>(loss);
@@ -102,9 +112,8 @@ void cross_entropy_forward(float* out, float* probs, const float* logits, const 
 void cross_entropy_backward(float* dlogits, const float* dout, const float* probs, const int64_t* target,
                             const float* weight, int64_t N, int64_t C, int64_t ignore_index,
                             float label_smoothing, Reduction reduction) {
-  const auto weight_of = [weight](int64_t c) { return weight != nullptr ? weight[c] : 1.0f; };
   double weight_total = 0.0;
-  for (int64_t c = 0; c < C; ++c) weight_total += weight_of(c);
+  for (int64_t c = 0; c < C; ++c) weight_total += weight_of(weight, c);
   const auto rows = static_cast<float>(counted_weight(target, weight, N, ignore_index));
   const float share = C > 0 ? label_smoothing / static_cast<float>(C) : 0.0f;
   for (int64_t r = 0; r < N; ++r) {
@@ -118,12 +127,12 @@ void cross_entropy_backward(float* dlogits, const float* dout, const float* prob
     const float scale = reduction == Reduction::None   ? dout[r]
                         : reduction == Reduction::Mean ? dout[0] / rows
                                                        : dout[0];
-    const float g = scale * weight_of(t);  // the target's term
+    const float g = scale * weight_of(weight, t);  // the target's term
     if (label_smoothing > 0.0f) {
       // (1 - s) w_t (p - onehot) + s / C (W p - w), W the sum of the weights.
       const float p_coefficient =
-          (1.0f - label_smoothing) * weight_of(t) + share * static_cast<float>(weight_total);
-      for (int64_t c = 0; c < C; ++c) d[c] = scale * (p_coefficient * p[c] - share * weight_of(c));
+          (1.0f - label_smoothing) * weight_of(weight, t) + share * static_cast<float>(weight_total);
+      for (int64_t c = 0; c < C; ++c) d[c] = scale * (p_coefficient * p[c] - share * weight_of(weight, c));
       d[t] -= g * (1.0f - label_smoothing);
     } else {
       for (int64_t c = 0; c < C; ++c) d[c] = g * p[c];
@@ -136,11 +145,7 @@ void log_softmax_forward(float* out, const float* in, int64_t N, int64_t C) {
   for (int64_t r = 0; r < N; ++r) {
     const float* x = in + r * C;
     float* y = out + r * C;
-    float max = C > 0 ? x[0] : 0.0f;
-    for (int64_t c = 1; c < C; ++c) max = std::isnan(x[c]) || x[c] > max ? x[c] : max;
-    double sum_exp = 0.0;
-    for (int64_t c = 0; c < C; ++c) sum_exp += std::exp(static_cast<double>(x[c]) - max);
-    const double log_sum_exp = std::log(sum_exp);
+    const auto [max, log_sum_exp] = row_log_sum_exp(x, C);
     for (int64_t c = 0; c < C; ++c) y[c] = static_cast<float>(static_cast<double>(x[c]) - max - log_sum_exp);
   }
 }
@@ -162,9 +167,8 @@ void nll_loss_forward(float* out, const float* log_probs, const int64_t* target,
   for (int64_t r = 0; r < N; ++r) {
     check_target("nll_loss", target, r, C, ignore_index);
     const int64_t t = target[r];
-    const double loss = t == ignore_index ? 0.0
-                                          : -(weight != nullptr ? static_cast<double>(weight[t]) : 1.0) *
-                                                log_probs[r * C + t];
+    const double loss =
+        t == ignore_index ? 0.0 : -static_cast<double>(weight_of(weight, t)) * log_probs[r * C + t];
     if (reduction == Reduction::None) {
       out[r] = static_cast<float>(loss);
     } else {
@@ -187,7 +191,7 @@ void nll_loss_backward(float* din, const float* dout, const int64_t* target, con
     const int64_t t = target[r];
     if (t == ignore_index) continue;
     const float g = reduction == Reduction::None ? dout[r] : dout[0] / counted;
-    din[r * C + t] = -((weight != nullptr ? weight[t] : 1.0f) * g);
+    din[r * C + t] = -(weight_of(weight, t) * g);
   }
 }
 

@@ -24,6 +24,11 @@ struct LoadValue {
   __device__ float operator()(int64_t i) const { return in[i]; }
 };
 
+// Class c's weight, 1 without a weight (the unweighted arithmetic exactly).
+__device__ __forceinline__ float weight_of(const float* weight, int64_t c) {
+  return weight != nullptr ? weight[c] : 1.0f;
+}
+
 // What a row adds to cross_entropy's Mean divisor: 0 when its target is ignore_index, else its
 // target's weight (1 without a weight; NaN for a target outside [0, C), whose loss is NaN too).
 struct CountedRow {
@@ -38,6 +43,17 @@ struct CountedRow {
     return t >= 0 && t < C ? weight[t] : NAN;
   }
 };
+
+// out[0] = the sum of row_loss (Sum), or that sum over the counted rows' weight (Mean): both
+// summed on the device (the divisor a float: exact up to 2^24 rows without a weight), so the
+// host never waits for the targets.
+void reduce_row_losses(float* out, const float* row_loss, const CountedRow& counted_row, int64_t N,
+                       Reduction reduction) {
+  ScratchBuffer<float> counted(1);
+  if (reduction == Reduction::Mean) deterministic_sum(counted.data(), counted_row, N, 1.0);
+  deterministic_sum(out, LoadValue{row_loss}, N, 1.0,
+                    reduction == Reduction::Mean ? counted.data() : nullptr);
+}
 
 }  // namespace
 
@@ -101,6 +117,22 @@ __device__ __forceinline__ double warp_all_sum(double value) {
   return value;
 }
 
+// A row of C values read by the 32 lanes of one warp: its max and sum exp(x - max), the
+// stable log-softmax's parts. Butterfly reductions: every lane ends with the same bits, which
+// all of them use.
+struct RowExpSum {
+  float max;
+  float exp_sum;
+};
+__device__ __forceinline__ RowExpSum warp_row_exp_sum(const float* x, int64_t C, int lane) {
+  float row_max = -INFINITY;
+  for (int64_t c = lane; c < C; c += 32) row_max = fmaxf(row_max, x[c]);
+  row_max = warp_max(row_max);
+  float exp_sum = 0.0f;
+  for (int64_t c = lane; c < C; c += 32) exp_sum += expf(x[c] - row_max);
+  return {row_max, warp_all_sum(exp_sum)};
+}
+
 // logits: [N, C], target: [N] -> probs: [N, C] = softmax(logits), row_loss: [N] =
 // -w[t] log_softmax(logits)[t] = w[t] (log(sum exp(x - max)) - (x[t] - max)), and with label
 // smoothing s: (1 - s) times that + s / C * sum_c -w[c] log_softmax(logits)[c]; w = 1 without a
@@ -115,15 +147,7 @@ __global__ void cross_entropy_forward_kernel(float* row_loss, float* probs, cons
   if (row >= N) return;  // whole warps leave together
   const float* x = logits + row * C;
   float* p = probs + row * C;
-
-  float row_max = -INFINITY;
-  for (int64_t c = lane; c < C; c += 32) row_max = fmaxf(row_max, x[c]);
-  row_max = warp_max(row_max);
-
-  float exp_sum = 0.0f;
-  for (int64_t c = lane; c < C; c += 32) exp_sum += expf(x[c] - row_max);
-  // Butterfly sum: every lane ends with the same bits, needed below by all of them.
-  exp_sum = warp_all_sum(exp_sum);
+  const auto [row_max, exp_sum] = warp_row_exp_sum(x, C, lane);
 
   for (int64_t c = lane; c < C; c += 32) p[c] = expf(x[c] - row_max) / exp_sum;
 
@@ -132,14 +156,13 @@ __global__ void cross_entropy_forward_kernel(float* row_loss, float* probs, cons
   double sum_of_minus_log_p = 0.0;
   if (label_smoothing > 0.0f) {
     for (int64_t c = lane; c < C; c += 32)
-      sum_of_minus_log_p +=
-          static_cast<double>(weight != nullptr ? weight[c] : 1.0f) * (log_sum_exp - (x[c] - row_max));
+      sum_of_minus_log_p += static_cast<double>(weight_of(weight, c)) * (log_sum_exp - (x[c] - row_max));
     sum_of_minus_log_p = warp_all_sum(sum_of_minus_log_p);
   }
   if (lane == 0) {
     const int64_t t = target[row];
     const bool valid = t >= 0 && t < C;
-    const float w_t = valid && weight != nullptr ? weight[t] : 1.0f;
+    const float w_t = valid ? weight_of(weight, t) : 1.0f;
     float loss = t == ignore_index ? 0.0f : valid ? w_t * (log_sum_exp - (x[t] - row_max)) : NAN;
     if (label_smoothing > 0.0f && t != ignore_index)
       loss = static_cast<float>((1.0 - label_smoothing) * loss +
@@ -167,13 +190,7 @@ void cross_entropy_forward(float* out, float* probs, const float* logits, const 
         row_loss.data(), probs, logits, target, weight, N, C, ignore_index, label_smoothing);
     NANODDP_CUDA_CHECK_LAUNCH("cross_entropy_forward_kernel");
   }
-  // The Mean's divisor is the rows counted (their target weights), summed on the device (a
-  // float: exact up to 2^24 rows without a weight), so the host never waits for the targets.
-  ScratchBuffer<float> counted(1);
-  if (reduction == Reduction::Mean)
-    deterministic_sum(counted.data(), CountedRow{target, weight, C, ignore_index}, N, 1.0);
-  deterministic_sum(out, LoadValue{row_loss.data()}, N, 1.0,
-                    reduction == Reduction::Mean ? counted.data() : nullptr);
+  reduce_row_losses(out, row_loss.data(), CountedRow{target, weight, C, ignore_index}, N, reduction);
 }
 
 // dlogits[r, c] = h_r probs[r, c] - h_r [c == t], with h_r = g_r w[t] (w = 1 without a weight),
@@ -197,11 +214,11 @@ __global__ void cross_entropy_backward_kernel(float* dlogits, const float* dout,
     const int64_t t = target[row];
     const bool counts = t != ignore_index && t >= 0 && t < C;
     const float g = per_row ? dout[row] : shared_grad;
-    const float w_t = counts && weight != nullptr ? weight[t] : 1.0f;
+    const float w_t = counts ? weight_of(weight, t) : 1.0f;
     const float h = __fmul_rn(g, w_t);  // no fma: round each product first, as the CPU
     float value;
     if (label_smoothing > 0.0f) {
-      const float w_c = weight != nullptr ? weight[c] : 1.0f;
+      const float w_c = weight_of(weight, c);
       const float p_coefficient = __fadd_rn(__fmul_rn(1.0f - label_smoothing, w_t), __fmul_rn(share, total));
       value = __fmul_rn(g, __fsub_rn(__fmul_rn(p_coefficient, probs[i]), __fmul_rn(share, w_c)));
       if (c == t) value = __fsub_rn(value, __fmul_rn(h, 1.0f - label_smoothing));
@@ -238,12 +255,8 @@ __global__ void log_softmax_forward_kernel(float* out, const float* in, int64_t 
   const int lane = threadIdx.x % 32;
   if (row >= N) return;  // whole warps leave together
   const float* x = in + row * C;
-  float row_max = -INFINITY;
-  for (int64_t c = lane; c < C; c += 32) row_max = fmaxf(row_max, x[c]);
-  row_max = warp_max(row_max);
-  float exp_sum = 0.0f;
-  for (int64_t c = lane; c < C; c += 32) exp_sum += expf(x[c] - row_max);
-  const float log_sum_exp = logf(warp_all_sum(exp_sum));
+  const auto [row_max, exp_sum] = warp_row_exp_sum(x, C, lane);
+  const float log_sum_exp = logf(exp_sum);
   for (int64_t c = lane; c < C; c += 32) out[row * C + c] = x[c] - row_max - log_sum_exp;
 }
 
@@ -288,7 +301,7 @@ __global__ void nll_loss_rows_kernel(float* row_loss, const float* log_probs, co
     if (t == ignore_index) {
       row_loss[r] = 0.0f;
     } else if (t >= 0 && t < C) {
-      row_loss[r] = -((weight != nullptr ? weight[t] : 1.0f) * log_probs[r * C + t]);
+      row_loss[r] = -(weight_of(weight, t) * log_probs[r * C + t]);
     } else {
       row_loss[r] = NAN;
     }
@@ -304,16 +317,13 @@ void nll_loss_forward(float* out, const float* log_probs, const int64_t* target,
     NANODDP_CUDA_CHECK_LAUNCH("nll_loss_rows_kernel");
     return;
   }
-  ScratchBuffer<float> row_loss(N > 0 ? static_cast<size_t>(N) : 1), counted(1);
+  ScratchBuffer<float> row_loss(N > 0 ? static_cast<size_t>(N) : 1);
   if (N > 0) {
     nll_loss_rows_kernel<<<grid_for(N), kBlock, 0, stream()>>>(row_loss.data(), log_probs, target, weight, N,
                                                                C, ignore_index);
     NANODDP_CUDA_CHECK_LAUNCH("nll_loss_rows_kernel");
   }
-  if (reduction == Reduction::Mean)
-    deterministic_sum(counted.data(), CountedRow{target, weight, C, ignore_index}, N, 1.0);
-  deterministic_sum(out, LoadValue{row_loss.data()}, N, 1.0,
-                    reduction == Reduction::Mean ? counted.data() : nullptr);
+  reduce_row_losses(out, row_loss.data(), CountedRow{target, weight, C, ignore_index}, N, reduction);
 }
 
 // din[r, c] = -(w[t] g_r) at c == t, else 0; g_r = dout[0] / counted[0] (Mean), dout[0] (Sum) or
@@ -328,7 +338,7 @@ __global__ void nll_loss_backward_kernel(float* din, const float* dout, const fl
     const int64_t t = target[row];
     const bool counts = t != ignore_index && t >= 0 && t < C && i - row * C == t;
     const float g = per_row ? dout[row] : shared_grad;
-    din[i] = counts ? -__fmul_rn(weight != nullptr ? weight[t] : 1.0f, g) : 0.0f;
+    din[i] = counts ? -__fmul_rn(weight_of(weight, t), g) : 0.0f;
   }
 }
 
