@@ -595,7 +595,7 @@ int launch(const LaunchOptions& given, const std::vector<std::string>& program) 
     switch (outcome.kind) {
       case Outcome::Kind::AllSucceeded: return 0;
       case Outcome::Kind::ChildFailed:
-        if (outcome.late_signal != 0) {  // the user stopped the job while it was ending
+        if (outcome.late_signal != 0) {  // a user's signal during the stop ends the job
           write_all(2, "nanoddp-run: received " + signal_name(outcome.late_signal) +
                            " after the failure: no restart\n");
           return 128 + outcome.late_signal;

@@ -108,8 +108,7 @@ class MSELoss {
 // cross_entropy(logits [N, C], target [N] int64, reduction, ignore_index, label_smoothing,
 // weight) (torch.nn.CrossEntropyLoss; rows labelled ignore_index, -100 by default, count for
 // nothing; label_smoothing in [0, 1] and weight [C] float32 or undefined, checked at the call).
-// Not a Module: the weight stays on the device it was given on (torch's buffer would follow
-// model.to(device)).
+// Not a Module, so model.to(device) does not move the weight: give it on the logits' device.
 class CrossEntropyLoss {
  public:
   explicit CrossEntropyLoss(Reduction reduction = Reduction::Mean, int64_t ignore_index = kDefaultIgnoreIndex,
@@ -130,7 +129,8 @@ class CrossEntropyLoss {
 };
 
 // nll_loss(log_probs [N, C], target [N] int64, reduction, ignore_index, weight) (torch.nn.NLLLoss:
-// LogSoftmax then NLLLoss is CrossEntropyLoss). Not a Module: the weight stays where it was given.
+// LogSoftmax then NLLLoss is CrossEntropyLoss). Not a Module, so model.to(device) does not move
+// the weight: give it on the log-probabilities' device.
 class NLLLoss {
  public:
   explicit NLLLoss(Reduction reduction = Reduction::Mean, int64_t ignore_index = kDefaultIgnoreIndex,

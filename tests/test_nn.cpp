@@ -935,7 +935,7 @@ TEST_CASE("weights tied with register_parameter (PyTorch's decoder.weight = enco
 
 TEST_CASE("a frozen weight tied to another module stays frozen, as torch's assigned nn.Parameter") {
   // torch: enc.weight.requires_grad_(False); dec.weight = enc.weight -> still frozen, and an
-  // optimizer over every parameter leaves it as it was. A new tensor (its detach()) is
+  // optimizer over every parameter leaves it unchanged. A new tensor (its detach()) is
   // wrapped as torch's nn.Parameter(t) is: it requires grad.
   Generator gen(0);
   auto encoder = std::make_shared<Linear>(2, 2, gen, /*bias=*/false);
