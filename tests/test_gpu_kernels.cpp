@@ -484,8 +484,7 @@ TEST_CASE("cross_entropy forward and backward match the CPU for every reduction"
         dlogits.poison();
         gpu::cross_entropy_backward(dlogits.data(), ddout.data(), probs.data(), dtarget.data(), device_weight,
                                     N, C, /*ignore_index=*/-100, smoothing, r);
-        // The weight total of smoothing's term is summed in another order on the device.
-        expect_close(what + " dlogits", dlogits.to_host(), want_dlogits, variant.weighted ? 1e-5 : 1e-6, 0.0);
+        expect_close(what + " dlogits", dlogits.to_host(), want_dlogits, 1e-6, 0.0);
       }
     }
   }
@@ -494,65 +493,83 @@ TEST_CASE("cross_entropy forward and backward match the CPU for every reduction"
 TEST_CASE(
     "log_softmax and nll_loss on CUDA match the CPU, special values and ignored or out-of-range targets "
     "included") {
-  const int64_t N = 6, C = 5;
-  auto logits = normals(N * C, 31, 3.0f);
-  logits[1 * C + 2] = -INFINITY;  // row 1: one -inf (its entry -inf, the row finite)
-  for (int64_t c = 0; c < C; ++c) logits[2 * C + c] = -INFINITY;  // row 2: NaN
-  logits[3 * C + 4] = INFINITY;                                   // row 3: NaN
-  logits[4 * C + 0] = kNaN;                                       // row 4: NaN
-  DeviceArray<float> din(logits), out(logits.size());
-  out.poison();
-  std::vector<float> want(logits.size());
-  cpu::log_softmax_forward(want.data(), logits.data(), N, C);
-  gpu::log_softmax_forward(out.data(), din.data(), N, C);
-  expect_close("log_softmax_forward", out.to_host(), want, 1e-6, 1e-6);
-  const auto dout = normals(N * C, 32);
-  std::vector<float> want_dx(logits.size());
-  cpu::log_softmax_backward(want_dx.data(), dout.data(), want.data(), N, C);
-  DeviceArray<float> ddout(dout), dy(want), dx(logits.size());
-  dx.poison();
-  gpu::log_softmax_backward(dx.data(), ddout.data(), dy.data(), N, C);
-  expect_close("log_softmax_backward", dx.to_host(), want_dx, 1e-5, 1e-6);
+  // Outputs start at 7, not NaN (poison()): an entry the kernel never wrote would pass where NaN
+  // is expected. Shapes with one lane pass per row, several, and several blocks.
+  for (const std::pair<int64_t, int64_t>& shape :
+       std::vector<std::pair<int64_t, int64_t>>{{6, 5}, {9, 33}, {257, 1025}}) {
+    const int64_t N = shape.first, C = shape.second;
+    CAPTURE(N);
+    CAPTURE(C);
+    auto logits = normals(N * C, 31, 3.0f);
+    logits[1 * C + 2] = -INFINITY;  // row 1: one -inf (its entry -inf, the row finite)
+    for (int64_t c = 0; c < C; ++c) logits[2 * C + c] = -INFINITY;  // row 2: NaN
+    logits[3 * C + 4] = INFINITY;                                   // row 3: NaN
+    logits[4 * C + 0] = kNaN;                                       // row 4: NaN
+    const std::vector<float> sevens(logits.size(), 7.0f);
+    DeviceArray<float> din(logits), out(sevens);
+    std::vector<float> want(logits.size());
+    cpu::log_softmax_forward(want.data(), logits.data(), N, C);
+    gpu::log_softmax_forward(out.data(), din.data(), N, C);
+    expect_close(label("log_softmax_forward", N, C), out.to_host(), want, 1e-6, 1e-6);
+    const auto dout = normals(N * C, 32);
+    std::vector<float> want_dx(logits.size());
+    cpu::log_softmax_backward(want_dx.data(), dout.data(), want.data(), N, C);
+    DeviceArray<float> ddout(dout), dy(want), dx(sevens);
+    gpu::log_softmax_backward(dx.data(), ddout.data(), dy.data(), N, C);
+    expect_close(label("log_softmax_backward", N, C), dx.to_host(), want_dx, 1e-5, 1e-6);
 
-  // nll_loss: a weight, an ignored row (2), every reduction; then a target out of range, which
-  // the CPU refuses and CUDA gives a NaN row and a zero gradient; then every row ignored.
-  const auto log_probs = normals(N * C, 33);
-  const std::vector<float> weight = {0.5f, 1, 1.5f, 2, 2.5f};
-  const std::vector<int64_t> target = {0, 4, -100, 2, 1, 3};
-  DeviceArray<float> dlog_probs(log_probs), dweight(weight);
-  DeviceArray<int64_t> dtarget(target);
-  for (Reduction r : {Reduction::None, Reduction::Mean, Reduction::Sum}) {
-    const size_t out_size = r == Reduction::None ? static_cast<size_t>(N) : 1;
-    std::vector<float> want_loss(out_size);
-    cpu::nll_loss_forward(want_loss.data(), log_probs.data(), target.data(), weight.data(), N, C, -100, r);
-    DeviceArray<float> loss(out_size);
-    loss.poison();
-    gpu::nll_loss_forward(loss.data(), dlog_probs.data(), dtarget.data(), dweight.data(), N, C, -100, r);
-    expect_close(std::string("nll_loss_forward ") + name(r), loss.to_host(), want_loss, 1e-6, 1e-7);
-    const std::vector<float> g = r == Reduction::None ? normals(N, 34) : std::vector<float>{0.75f};
-    std::vector<float> want_grad(logits.size());
-    cpu::nll_loss_backward(want_grad.data(), g.data(), target.data(), weight.data(), N, C, -100, r);
-    DeviceArray<float> dg(g), grad(logits.size());
-    grad.poison();
-    gpu::nll_loss_backward(grad.data(), dg.data(), dtarget.data(), dweight.data(), N, C, -100, r);
-    expect_close(std::string("nll_loss_backward ") + name(r), grad.to_host(), want_grad, 1e-6, 0.0);
+    // nll_loss: a weight, an ignored row (2), every reduction, with and without the weight; then
+    // targets out of range, which the CPU refuses and CUDA gives a NaN row and a zero gradient;
+    // then every row ignored.
+    const auto log_probs = normals(N * C, 33);
+    std::vector<float> weight(static_cast<size_t>(C));
+    for (int64_t c = 0; c < C; ++c) weight[c] = 0.5f + 0.25f * static_cast<float>(c % 7);
+    std::vector<int64_t> target(static_cast<size_t>(N));
+    for (int64_t r = 0; r < N; ++r) target[r] = (r * 7) % C;
+    target[2] = -100;
+    DeviceArray<float> dlog_probs(log_probs), dweight(weight);
+    DeviceArray<int64_t> dtarget(target);
+    for (bool weighted : {true, false}) {
+      const float* host_weight = weighted ? weight.data() : nullptr;
+      const float* device_weight = weighted ? dweight.data() : nullptr;
+      for (Reduction r : {Reduction::None, Reduction::Mean, Reduction::Sum}) {
+        const std::string what = label("nll_loss", N, C) + " " + name(r) + (weighted ? " weighted" : "");
+        const size_t out_size = r == Reduction::None ? static_cast<size_t>(N) : 1;
+        std::vector<float> want_loss(out_size);
+        cpu::nll_loss_forward(want_loss.data(), log_probs.data(), target.data(), host_weight, N, C, -100, r);
+        DeviceArray<float> loss(std::vector<float>(out_size, 7.0f));
+        gpu::nll_loss_forward(loss.data(), dlog_probs.data(), dtarget.data(), device_weight, N, C, -100, r);
+        expect_close(what + " forward", loss.to_host(), want_loss, 1e-6, 1e-7);
+        const std::vector<float> g = r == Reduction::None ? normals(N, 34) : std::vector<float>{0.75f};
+        std::vector<float> want_grad(logits.size());
+        cpu::nll_loss_backward(want_grad.data(), g.data(), target.data(), host_weight, N, C, -100, r);
+        DeviceArray<float> dg(g), grad(sevens);
+        gpu::nll_loss_backward(grad.data(), dg.data(), dtarget.data(), device_weight, N, C, -100, r);
+        expect_close(what + " backward", grad.to_host(), want_grad, 1e-6, 0.0);
+      }
+    }
+    std::vector<int64_t> bad = target;
+    bad[1] = C;
+    bad[2] = -1;
+    DeviceArray<int64_t> out_of_range(bad);
+    DeviceArray<float> rows(std::vector<float>(static_cast<size_t>(N), 7.0f)),
+        ones(std::vector<float>(static_cast<size_t>(N), 1.0f)), grad(sevens);
+    gpu::nll_loss_forward(rows.data(), dlog_probs.data(), out_of_range.data(), nullptr, N, C, -100,
+                          Reduction::None);
+    const auto got_rows = rows.to_host();
+    CHECK(std::isnan(got_rows[1]));
+    CHECK(std::isnan(got_rows[2]));
+    CHECK(got_rows[0] == -log_probs[0]);
+    gpu::nll_loss_backward(grad.data(), ones.data(), out_of_range.data(), nullptr, N, C, -100,
+                           Reduction::None);
+    const auto got_grad = grad.to_host();
+    for (int64_t c = 0; c < C; ++c) CHECK((got_grad[1 * C + c] == 0.0f && got_grad[2 * C + c] == 0.0f));
+    DeviceArray<int64_t> all_ignored(std::vector<int64_t>(static_cast<size_t>(N), -100));
+    DeviceArray<float> mean(std::vector<float>{7.0f});
+    gpu::nll_loss_forward(mean.data(), dlog_probs.data(), all_ignored.data(), dweight.data(), N, C, -100,
+                          Reduction::Mean);
+    CHECK(std::isnan(mean.to_host()[0]));
   }
-  DeviceArray<int64_t> out_of_range(std::vector<int64_t>{0, 5, -1, 2, 1, 3});
-  DeviceArray<float> rows(N), ones(std::vector<float>(N, 1.0f)), grad(logits.size());
-  gpu::nll_loss_forward(rows.data(), dlog_probs.data(), out_of_range.data(), nullptr, N, C, -100,
-                        Reduction::None);
-  const auto got_rows = rows.to_host();
-  CHECK(std::isnan(got_rows[1]));
-  CHECK(std::isnan(got_rows[2]));
-  CHECK(got_rows[0] == -log_probs[0]);
-  gpu::nll_loss_backward(grad.data(), ones.data(), out_of_range.data(), nullptr, N, C, -100, Reduction::None);
-  const auto got_grad = grad.to_host();
-  for (int64_t c = 0; c < C; ++c) CHECK((got_grad[1 * C + c] == 0.0f && got_grad[2 * C + c] == 0.0f));
-  DeviceArray<int64_t> all_ignored(std::vector<int64_t>(N, -100));
-  DeviceArray<float> mean(1);
-  gpu::nll_loss_forward(mean.data(), dlog_probs.data(), all_ignored.data(), dweight.data(), N, C, -100,
-                        Reduction::Mean);
-  CHECK(std::isnan(mean.to_host()[0]));
 }
 
 TEST_CASE("cross_entropy on CUDA: an ignored row's gradient is NaN across a row with a NaN logit, +0 across a finite row") {

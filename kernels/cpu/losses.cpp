@@ -1,5 +1,13 @@
 // CPU loss kernels: mse, cross-entropy with a stable log-softmax, that log-softmax alone, and
 // the negative log-likelihood of its output.
+// The CUDA kernels round every product before adding it (kernels/cuda/losses.cu), and the GPU
+// tests compare the two: keep GCC from fusing a * b + c into one FMA here (-ffp-contract=fast is
+// its C++ default, and -march=native builds have FMA).
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 #include <algorithm>
 #include <cmath>
 #include <limits>
