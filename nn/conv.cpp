@@ -13,6 +13,7 @@
 #include "kernels/cpu/winograd.h"
 #include "kernels/kernels.h"
 #include "kernels/pool_window.h"
+#include "nn/conv_groups.h"
 #include "nn/init.h"
 
 namespace nanoddp {
@@ -117,8 +118,6 @@ Window2d make_window(const char* op, const Tensor& input, Size2 kernel, Size2 st
 // read them back from memory in backward cost more than the second im2col (and kept the
 // working set of a training step larger than the L3 cache). PyTorch's CPU convolution
 // (slow_conv2d) recomputes its columns in backward the same way.
-constexpr int64_t kMaxUnsavedColsBytes = 16 << 20;
-
 // On the CPU a 3x3 convolution at stride 1 runs as Winograd F(2x2, 3x3) instead
 // (kernels/cpu/winograd.h): forward, input gradient (such a convolution of dout) and weight
 // gradient. Operands with NaN or inf keep im2col + GEMM, whose values for them are torch's.
@@ -134,16 +133,15 @@ bool uses_winograd(Device device, const Window2d& g, const Tensor& images, const
 bool overflowed_winograd(const Tensor& result) {
   return result.defined() && !kernels::cpu::all_finite(ptr(result), result.numel());
 }
-// At least 1 for an empty batch too: backward divides by the group to count the groups.
-int64_t images_per_gemm(Device device, bool keeps_cols, int64_t N, int64_t CKK, int64_t OHW) {
+}  // namespace
+
+int64_t nn::detail::images_per_gemm(Device device, bool keeps_cols, int64_t N, int64_t CKK, int64_t OHW) {
   if (!device.is_cuda() || N == 0) return 1;
   if (keeps_cols || OHW < 32) return N;
   const int64_t align = 48 / std::gcd<int64_t>(OHW, 48);  // images per 48-column boundary
   const int64_t fit = kMaxUnsavedColsBytes / (CKK * OHW * int64_t{sizeof(float)});
   return std::min(N, std::max(align, fit / align * align));
 }
-
-}  // namespace
 
 // ---- conv2d -------------------------------------------------------------------------------
 
@@ -178,7 +176,7 @@ Tensor conv2d_computed(const Tensor& input, const Tensor& weight, const Tensor& 
                                                  (bias.defined() && bias.requires_grad()));
   const Device device = input.device();
   bool winograd = uses_winograd(device, g, x, w);
-  const int64_t group = images_per_gemm(device, keeps_graph, N, CKK, OHW);
+  const int64_t group = nn::detail::images_per_gemm(device, keeps_graph, N, CKK, OHW);
   const int64_t image_size = g.channels * g.height * g.width;
   // Kept for backward on CUDA: every image's cols, [N / group groups of [C kh kw, group OH OW]]
   // (for group == N the layout of cols [C kh kw, N OH OW]); otherwise one group's.

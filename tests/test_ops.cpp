@@ -19,6 +19,7 @@
 #include "kernels/dropout_mask.h"
 #include "kernels/pool_window.h"
 #include "nn/conv.h"
+#include "nn/conv_groups.h"
 #include "nn/dropout.h"
 #include "nn/layers.h"
 #include "tests/op_cases.h"
@@ -534,6 +535,33 @@ TEST_CASE("argmax: first index wins ties, NaN counts as the largest") {
 TEST_CASE("conv2d refuses a weight with no output channel, as torch") {
   CHECK_THROWS_WITH_AS(conv2d(Tensor::zeros({1, 2, 4, 4}), Tensor::zeros({0, 2, 3, 3}), Tensor()),
                        doctest::Contains("weight [0, 2, 3, 3] has no output channel"), ShapeError);
+}
+
+// Note [Images per GEMM]: the grouping CUDA uses, checked here where no GPU runs it. A group of
+// 0 images made conv2d's backward divide by zero for an empty batch on CUDA.
+TEST_CASE(
+    "conv2d's images per GEMM: 1 on the CPU; on CUDA the batch, or chunks on 48-column boundaries within 16 "
+    "MiB of cols; never 0") {
+  using nn::detail::images_per_gemm;
+  const Device cpu = Device::cpu(), cuda = Device::cuda(0);
+  CHECK(images_per_gemm(cpu, true, 64, 288, 121) == 1);
+  CHECK(images_per_gemm(cpu, false, 0, 288, 121) == 1);
+  CHECK(images_per_gemm(cuda, true, 0, 288, 121) == 1);  // an empty batch: one (empty) group
+  CHECK(images_per_gemm(cuda, false, 0, 288, 121) == 1);
+  CHECK(images_per_gemm(cuda, true, 1000, 288, 121) == 1000);  // cols kept for backward: one GEMM
+  CHECK(images_per_gemm(cuda, false, 1000, 9, 16) == 1000);    // 16 positions: not chunked
+  // The example's second convolution (32 channels, 3x3, 11x11 out) on a 1000-image test batch:
+  // 139,392 bytes of cols per image, 120 fit in 16 MiB, and 48 images make whole 48-column
+  // panels (121 is odd), so 96.
+  const int64_t second = images_per_gemm(cuda, false, 1000, 288, 121);
+  CHECK(second == 96);
+  CHECK(second * 288 * 121 * 4 <= nn::detail::kMaxUnsavedColsBytes);
+  CHECK(images_per_gemm(cuda, false, 5, 288, 121) == 5);  // a batch smaller than a chunk
+  // 40 positions: every 6 images end on a 48-column boundary; 7 images fit, all in one group.
+  CHECK(images_per_gemm(cuda, false, 7, 1, 40) == 7);
+  // An image whose cols alone pass 16 MiB (576 x 100 x 100 floats): the fewest images that
+  // end on a boundary, 3 (30,000 columns), not 0.
+  CHECK(images_per_gemm(cuda, false, 10, 576, 10000) == 3);
 }
 
 TEST_CASE("conv2d under no_grad (cols not kept) equals conv2d recording a graph, bit for bit") {
