@@ -39,6 +39,9 @@ NANODDP_DECLARE_KERNEL(batch_norm_backward, float* din, float* dweight, float* d
                        const float* in, const float* mean, const float* invstd, const float* weight,
                        const float* local_sums, const float* total_sums, double count, int64_t N, int64_t C,
                        int64_t L)
+// count[0] += 1: num_batches_tracked, counted where it lives, so that a CUDA step does not wait
+// for the device to read it. UPDATES in place.
+NANODDP_DECLARE_KERNEL(batch_norm_count_batch, int64_t* count)
 
 namespace {
 float* ptr_or_null(const Tensor& t) { return t.defined() ? ptr(t) : nullptr; }
@@ -210,10 +213,12 @@ Tensor BatchNorm1d::forward(const Tensor& input) {
                 "BatchNorm1d: expected a 2-d [N, C] or 3-d [N, C, L] input, got ", input.shape());
   float factor = momentum_.value_or(0.0f);
   if (is_training() && track_running_stats_ && !is_recomputing()) {  // a checkpoint's rerun counts no batch
-    Tensor count = num_batches_tracked.to(Device::cpu()).clone();
-    const int64_t batches = ++count.data<int64_t>()[0];
-    num_batches_tracked.copy_(count);
-    if (!momentum_) factor = 1.0f / static_cast<float>(batches);
+    NANODDP_DISPATCH(num_batches_tracked.device(), batch_norm_count_batch,
+                     num_batches_tracked.data<int64_t>());
+    // momentum=None needs the count on the host (torch reads it too: 1.0 / float(count)); with
+    // a momentum the count stays where it is, and a CUDA step does not wait for it.
+    if (!momentum_)
+      factor = 1.0f / static_cast<float>(num_batches_tracked.to(Device::cpu()).data<int64_t>()[0]);
   }
   // Statistics cross processes in training only: in eval without running stats each process
   // normalises its own batch (SyncBatchNorm's need_sync in PyTorch).

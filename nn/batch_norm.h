@@ -68,7 +68,9 @@ namespace nn {
 //   track_running_stats: buffers "running_mean" (zeros), "running_var" (ones) and
 //     "num_batches_tracked" (int64 scalar, 0), all persistent (in state_dict). Without it, no
 //     buffers, and eval() normalises with batch statistics as training does.
-// train(): batch statistics, running stats updated, num_batches_tracked + 1 per forward.
+// train(): batch statistics, running stats updated, num_batches_tracked + 1 per forward (on
+//   the buffer's device; with momentum std::nullopt the count is read back to the host, one
+//   wait per forward on CUDA, as torch's 1.0 / float(num_batches_tracked)).
 // eval(): running statistics, nothing updated.
 // ValueError for num_features < 1 or eps < 0.
 class BatchNorm1d : public Module {

@@ -12,9 +12,9 @@
 #include <memory>
 #include <thread>
 
-#include "core/ops.h"
 #include "core/half.h"
 #include "core/memory.h"
+#include "core/ops.h"
 #include "dist/comm_hooks.h"
 #include "dist/ddp.h"
 #include "dist/detail.h"
@@ -25,10 +25,11 @@
 #include "dist/sync_batch_norm.h"
 #include "dist/zero_redundancy_optimizer.h"
 #include "kernels/device_memory.h"
-#include "nn/layers.h"
 #include "nn/adam.h"
 #include "nn/batch_norm.h"
 #include "nn/clip_grad.h"
+#include "nn/conv.h"
+#include "nn/layers.h"
 #include "nn/optim.h"
 #include "tests/staging_cases.h"
 #include "tests/subprocess.h"
@@ -80,6 +81,22 @@ std::shared_ptr<nn::Sequential> mlp() {
   model->add(nn::Linear(6, 16, gen));
   model->add(nn::ReLU());
   model->add(nn::Linear(16, 4, gen));
+  return model;
+}
+
+// Conv(1->2, 3, padding 1), ReLU, MaxPool(2), Flatten, Linear(18, 8), BatchNorm1d(8), ReLU,
+// Linear(8, 4): [N, 1, 6, 6] -> [N, 4].
+std::shared_ptr<nn::Sequential> cnn_with_batch_norm() {
+  Generator gen(4);
+  auto model = std::make_shared<nn::Sequential>();
+  model->add(nn::Conv2d(1, 2, 3, gen, /*stride=*/1, /*padding=*/1));
+  model->add(nn::ReLU());
+  model->add(nn::MaxPool2d(2));
+  model->add(nn::Flatten());
+  model->add(nn::Linear(18, 8, gen));
+  model->add(nn::BatchNorm1d(8));
+  model->add(nn::ReLU());
+  model->add(nn::Linear(8, 4, gen));
   return model;
 }
 
@@ -312,18 +329,24 @@ TEST_CASE("host syncs: every wait for the device is counted, and a DDP step wait
   testing::not_in_this_build("NCCL");
   return;
 #endif
-  // The MLP with SGD and with AdamW under DDP (NCCL, world size 1), the loss never read:
-  // after the first step (which builds buckets and optimizer state) a step never waits for
-  // the device (issue 31, item 7): every kernel, cuBLAS call and bucket copy is queued, the
-  // optimizer's step factors are computed on the host, and zero_grad sets .grad to none.
+  // The MLP with SGD and with AdamW, and a CNN with BatchNorm1d (momentum 0.1) with SGD, under
+  // DDP (NCCL, world size 1), the loss never read: after the first step (which builds buckets
+  // and optimizer state) a step never waits for the device (issue 31, item 7): every kernel,
+  // cuBLAS call and bucket copy is queued, the optimizer's step factors are computed on the
+  // host, BatchNorm counts its batch on the device, and zero_grad sets .grad to none.
   auto pg = nccl_group();
-  for (const bool adamw : {false, true}) {
-    CAPTURE(adamw);
-    auto model = mlp();
+  struct Case {
+    const char* name;
+    bool cnn, adamw;
+  };
+  for (const Case& c :
+       {Case{"MLP, SGD", false, false}, Case{"MLP, AdamW", false, true}, Case{"CNN, SGD", true, false}}) {
+    CAPTURE(c.name);
+    std::shared_ptr<nn::Sequential> model = c.cnn ? cnn_with_batch_norm() : mlp();
     model->to(cuda);
     dist::DistributedDataParallel ddp(model, pg);
     std::unique_ptr<nn::Optimizer> opt;
-    if (adamw)
+    if (c.adamw)
       opt = std::make_unique<nn::AdamW>(model->parameters(), nn::AdamWOptions{});
     else
       opt = std::make_unique<nn::SGD>(model->parameters(), nn::SGDOptions{/*lr=*/0.1});
@@ -331,19 +354,28 @@ TEST_CASE("host syncs: every wait for the device is counted, and a DDP step wait
     std::vector<uint64_t> per_step;
     for (int step = 0; step < 4; ++step) {
       const auto [x, y] = random_batch(gen);
-      const Tensor xg = x.to(cuda), yg = y.to(cuda);  // the input's copies are not the step's
+      // The input's copies are not the step's.
+      const Tensor xg = (c.cnn ? Tensor::randn({32, 1, 6, 6}, gen) : x).to(cuda);
+      const Tensor yg = y.to(cuda);
       const uint64_t start = gpu::host_syncs();
       opt->zero_grad();
       cross_entropy(ddp(xg), yg).backward();
       opt->step();
       per_step.push_back(gpu::host_syncs() - start);
     }
-    MESSAGE("host syncs per DDP step (", adamw ? "AdamW" : "SGD", "): ", per_step[1], ", ", per_step[2], ", ",
-            per_step[3]);
+    MESSAGE("host syncs per DDP step (", c.name, "): ", per_step[1], ", ", per_step[2], ", ", per_step[3]);
     CHECK(per_step[1] == 0);
     CHECK(per_step[2] == 0);
     CHECK(per_step[3] == 0);
   }
+  // momentum=None reads the batch count on the host, as torch does: one wait per forward.
+  nn::BatchNorm1d cumulative(4, 1e-5f, std::nullopt);
+  cumulative.to(cuda);
+  const Tensor input = Tensor::full({8, 4}, 2.0f, cuda);
+  const uint64_t start = gpu::host_syncs();
+  cumulative(input);
+  CHECK(gpu::host_syncs() - start == 1);
+  CHECK(cumulative.num_batches_tracked.to(Device::cpu()).to_int_vector() == std::vector<int64_t>{1});
 }
 
 TEST_CASE("NCCL refuses NCCL_COMM_BLOCKING=1, which would make its waits untimed") {

@@ -74,6 +74,13 @@ void batch_norm_update_running(float* running_mean, float* running_var, const fl
   NANODDP_CUDA_CHECK_LAUNCH("batch_norm_update_running_kernel");
 }
 
+__global__ void batch_norm_count_batch_kernel(int64_t* count) { ++*count; }
+
+void batch_norm_count_batch(int64_t* count) {
+  batch_norm_count_batch_kernel<<<1, 1, 0, stream()>>>(count);
+  NANODDP_CUDA_CHECK_LAUNCH("batch_norm_count_batch_kernel");
+}
+
 __global__ void batch_norm_forward_kernel(float* out, const float* in, const float* mean, const float* invstd,
                                           const float* weight, const float* bias, int64_t N, int64_t C,
                                           int64_t L) {
