@@ -47,6 +47,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -125,6 +126,7 @@ constexpr std::chrono::milliseconds kDefaultTimeout = std::chrono::minutes(5);
 // and what to do with the table of every rank's fingerprints (rank-major, as many int64s per
 // rank as `fingerprint` holds). verify throws DistError when the ranks disagree.
 struct CollectiveGuard {
+  std::string description;  // the collective's, for the errors of the exchange
   std::vector<int64_t> fingerprint;
   std::function<void(const std::vector<int64_t>& table)> verify;
 };
@@ -338,6 +340,18 @@ class CompletedWork : public Work {
   bool is_completed() override { return true; }
 };
 
+// A Work whose wait() throws error: a collective that ended before it started (the
+// collective check's exchange failed, or the ranks disagreed).
+class FailedWork : public Work {
+ public:
+  explicit FailedWork(std::exception_ptr error) : error_(std::move(error)) {}
+  void wait(std::chrono::milliseconds) override { std::rethrow_exception(error_); }
+  bool is_completed() override { return true; }
+
+ private:
+  std::exception_ptr error_;
+};
+
 // ---- backend factories (each defined in its backend's file, or a stub that throws
 // DistError "nanoddp was built without Gloo/MPI/NCCL") ---------------------------------
 
@@ -352,7 +366,7 @@ struct GlooOptions {
   std::string store_prefix;
   // When every rank is on this machine, the collective check's fingerprints travel through
   // shared memory instead of Gloo's sockets (Note [Shared-memory fingerprints] in
-  // process_group_gloo.cpp): a shm group of its own, made with this one. init_process_group
+  // dist/shm_fingerprints.cpp): a shm group of its own, made with this one. init_process_group
   // sets it when the check is on.
   bool fingerprints_over_shm = false;
 };
@@ -408,6 +422,10 @@ struct NcclOptions {
   int world_size = 1;
   Device device = Device::cuda(0);  // this rank's GPU: one GPU per rank
   std::chrono::milliseconds timeout = kDefaultTimeout;
+  // When every rank is on this machine, the collective check's fingerprints travel through
+  // shared memory, with no copy to or from the GPU (Note [Shared-memory fingerprints] in
+  // dist/shm_fingerprints.cpp). init_process_group sets it when the check is on.
+  bool fingerprints_over_shm = false;
 };
 // Rank 0 creates the NCCL unique id and publishes it in store; every rank builds its
 // communicator from it. Throws DistError when two ranks name the same GPU on one host.

@@ -27,14 +27,17 @@
 // Where the backend runs its collectives in order on a thread of its own (Gloo), the
 // fingerprint all-gather, the comparison and the collective run as one task there
 // (ProcessGroup::start_guarded; Gloo all-gathers the fingerprints through shared memory when
-// its ranks share a machine, Note [Shared-memory fingerprints] in process_group_gloo.cpp):
+// its ranks share a machine, Note [Shared-memory fingerprints] in dist/shm_fingerprints.cpp):
 // the caller's thread takes no part between them, and the collective starts the moment the
-// fingerprints are in, instead of at the caller's next poll or wait. The guarantees are the
-// same: every rank all-gathers the same fixed-size fingerprint, sees the same table, and on
-// a mismatch none runs the collective. A rank whose peer never arrives waits in that task
-// until the group's timeout. Other backends return null and keep the deferred exchange
-// below: shm and MPI run a collective on the caller's thread, where the two steps cost no
-// hand-off.
+// fingerprints are in, instead of at the caller's next poll or wait. NCCL with every rank on
+// one machine all-gathers them through shared memory too, on the caller's thread, and issues
+// the collective once they agree: the fingerprints never touch the GPU, so the check adds no
+// wait for the device. The guarantees are the same: every rank all-gathers the same
+// fixed-size fingerprint, sees the same table, and on a mismatch none runs the collective. A
+// rank whose peer never arrives waits in that exchange until the group's timeout. Other
+// backends return null and keep the deferred exchange below: shm and MPI run a collective on
+// the caller's thread, where the two steps cost no hand-off; NCCL across machines exchanges
+// device tensors through NCCL (a copy to the GPU, and the table back, per collective).
 //
 // Note [Deferred check]
 // A collective returns its Work at once and never waits for the peers: the call joins the
@@ -578,7 +581,8 @@ class CheckedProcessGroup : public ProcessGroup {
                                  CollectivePurpose::current()};
     // Note [Fused collective check]. Nothing is ever queued here on such a backend.
     if (state_->unsettled.empty()) {
-      CollectiveGuard guard{mine, [description = describe(what, tensor), mine](const std::vector<int64_t>& table) {
+      CollectiveGuard guard{describe(what, tensor), mine,
+                            [description = describe(what, tensor), mine](const std::vector<int64_t>& table) {
                               throw_on_mismatch(description, mine, table);
                             }};
       if (auto fused = state_->inner->start_guarded(std::move(guard), start))

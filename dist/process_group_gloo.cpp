@@ -17,20 +17,8 @@
 // followed by a copy of this rank's slice: world_size times the traffic of a true
 // reduce-scatter, but exact and on the fast path.
 //
-// Note [Shared-memory fingerprints]
-// The collective check (Note [Fused collective check] in dist/process_group_checked.cpp)
-// exchanges a 56-byte fingerprint before every collective. Through Gloo's sockets that is one
-// more message each way, and on a machine with as many ranks as cores every Gloo message is
-// expensive: it waits for the receiver's "ready" notice, then wakes the receiver's network
-// thread and its worker, each waking a core or preempting a rank's compute. Measured on a
-// 2-core VM (world-2 MLP, median step of 6 runs each): 4.1 ms unchecked, 6.0 ms with the
-// fingerprints over Gloo. Through shared memory, one epoch's system time is 1.03 s against
-// 0.79 s unchecked (2.50 s over Gloo), and the exchange takes about 50 microseconds, waiting
-// for the peer included. So when every rank of the group is on this machine (the same boot id
-// and host name), the group makes a shm group of its own (make_shm_process_group, store keys
-// "<prefix>fingerprints/") and the worker all-gathers the fingerprints there: a write into
-// shared memory, read by a peer that spins briefly before it sleeps, with no socket and no
-// other thread. Ranks on several machines keep Gloo's all-gather.
+// The collective check's fingerprints travel through shared memory when every rank is on this
+// machine (Note [Shared-memory fingerprints] in dist/shm_fingerprints.cpp).
 #include "core/error.h"
 #include "core/op_helpers.h"
 #include "core/half_convert.h"
@@ -50,6 +38,8 @@
 #include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -65,11 +55,8 @@
 #include <thread>
 #include <type_traits>
 
-#include <signal.h>
-#include <unistd.h>
-
 #include "dist/gloo_store.h"
-#include "dist/shm_segment.h"
+#include "dist/shm_fingerprints.h"
 
 namespace nanoddp::dist {
 
@@ -140,7 +127,8 @@ struct GlooRunner {
   uint32_t tag = 0;  // worker thread only
   std::atomic<bool> broken{false};  // a wait timed out: the group is out of step
   std::vector<GlooPeer> peers;      // every rank but this one; set before the worker starts
-  // The shm group the fingerprints travel through, or null (Note [Shared-memory fingerprints]).
+  // The shm group the fingerprints travel through, or null (Note [Shared-memory fingerprints]
+  // in dist/shm_fingerprints.cpp).
   std::shared_ptr<ProcessGroup> fingerprint_group;
 
   // For an error of Gloo's: "; lost rank 1 (pid 4242 on node7)" when it names a peer whose
@@ -163,19 +151,9 @@ struct GlooRunner {
 
   uint32_t next_tag() { return tag++; }
 
-  // Every rank's `mine` (all the same length), rank-major: through shared memory where the
-  // group has it (Note [Shared-memory fingerprints]), else through Gloo.
+  // Every rank's `mine` (all the same length), rank-major, through Gloo.
   std::vector<int64_t> all_gather(const std::vector<int64_t>& mine) {
     std::vector<int64_t> table(mine.size() * static_cast<size_t>(world_size));
-    if (fingerprint_group != nullptr) {
-      const Tensor input = Tensor::from_vector(mine);
-      std::vector<Tensor> rows;
-      for (int r = 0; r < world_size; ++r) rows.push_back(Tensor::empty({static_cast<int64_t>(mine.size())}, DType::Int64));
-      fingerprint_group->all_gather(rows, input)->wait(timeout);
-      for (int r = 0; r < world_size; ++r)
-        std::memcpy(table.data() + r * mine.size(), rows[r].data<int64_t>(), mine.size() * sizeof(int64_t));
-      return table;
-    }
     gloo::AllgatherOptions opts(context);
     opts.setInput(const_cast<int64_t*>(mine.data()), mine.size());
     opts.setOutput(table.data(), table.size());
@@ -406,37 +384,10 @@ class ProcessGroupGloo : public ProcessGroup {
       NANODDP_THROW(DistError, where(), ": gloo: connecting the full mesh of ", world_size_,
                     " ranks failed: ", message_of(e));
     }
-    if (options.fingerprints_over_shm && world_size_ > 1 && shm_fingerprints_possible(prefix, options.timeout)) {
-      ShmOptions shm;
-      shm.rank = rank_;
-      shm.world_size = world_size_;
-      shm.timeout = options.timeout;
-      shm.store_prefix = prefix + "fingerprints/";
-      runner_->fingerprint_group = make_shm_process_group(store_, shm);
-    }
+    if (options.fingerprints_over_shm)
+      runner_->fingerprint_group =
+          make_fingerprint_group(store_, prefix, rank_, world_size_, options.timeout);
     worker_ = std::thread([queue = queue_, runner = runner_] { queue->run(*runner); });
-  }
-
-  // True when every rank of the group runs on this machine (shm::machine_id) and could make
-  // the fingerprints' shm segment (/dev/shm there, `ulimit -f` big enough); collective, so
-  // that every rank decides the same. Otherwise the fingerprints go through Gloo.
-  bool shm_fingerprints_possible(const std::string& prefix, std::chrono::milliseconds timeout) {
-    const bool possible = shm::segment_possible(shm::Layout(world_size_).total);
-    const std::string mine = shm::machine_id() + (possible ? "" : " (no shm)");
-    store_->set(prefix + "machine/" + std::to_string(rank_), mine);
-    std::vector<std::string> keys;
-    for (int r = 0; r < world_size_; ++r) keys.push_back(prefix + "machine/" + std::to_string(r));
-    try {
-      store_->wait(keys, timeout);
-    } catch (const TimeoutError& e) {
-      NANODDP_THROW(TimeoutError, message_of(e),
-                    "; a rank that runs without the collective check never writes its "
-                    "key here: every rank must run with the same NANODDP_CHECK_COLLECTIVES (InitOptions::"
-                    "check_collectives)");
-    }
-    bool same = true;
-    for (const std::string& key : keys) same = same && store_->get_string(key) == mine;
-    return same && possible;
   }
 
   // Publishes who this rank is and reads who the others are, so that an error naming a peer's
@@ -620,40 +571,16 @@ class ProcessGroupGloo : public ProcessGroup {
     }
   }
 
-  // What a failed fingerprint exchange through the shm group says, in the Gloo collective's
-  // name: the shm group's own descriptions of its all_gather ("rank 2/4 on vm: shm all_gather
-  // of [7] int64 (56 bytes) on cpu: ", again inside a peer's abort) are dropped, so that a Gloo
-  // job's error does not read as an shm collective. (Gloo's own failures are gloo::Exception,
-  // which GlooWork::run names.)
-  static std::string fingerprint_failure(std::string shm_error) {
-    const std::string start = "shm all_gather of [", end = " on cpu: ";
-    bool first = true;
-    for (size_t at = shm_error.find(start); at != std::string::npos; at = shm_error.find(start, at)) {
-      const size_t stop = shm_error.find(end, at);
-      if (stop == std::string::npos) break;
-      // The first is this rank's own, after its "rank r/W on host: ", which the Gloo
-      // collective's description already has: dropped with it.
-      const size_t from = first && shm_error.compare(0, 5, "rank ") == 0 ? 0 : at;
-      shm_error.erase(from, stop + end.size() - from);
-      at = from;
-      first = false;
-    }
-    return "the collective check's fingerprint exchange (through shared memory) failed: " + shm_error;
-  }
-
   std::shared_ptr<Work> enqueue(std::string description, GlooTask task) {
     NANODDP_CHECK(!runner_->broken, DistError, description,
                   ": the group is unusable after an earlier timeout");
     if (guard_) {
       task = [guard = std::move(*guard_), task = std::move(task), description](GlooRunner& runner) {
-        std::vector<int64_t> table;
-        try {
-          table = runner.all_gather(guard.fingerprint);
-        } catch (const TimeoutError& e) {  // the type kept: the check names stragglers on a timeout
-          NANODDP_THROW(TimeoutError, description, ": ", fingerprint_failure(message_of(e)));
-        } catch (const DistError& e) {
-          NANODDP_THROW(DistError, description, ": ", fingerprint_failure(message_of(e)));
-        }
+        const std::vector<int64_t> table =
+            runner.fingerprint_group != nullptr
+                ? all_gather_fingerprints(*runner.fingerprint_group, guard.fingerprint, description,
+                                          runner.timeout)
+                : runner.all_gather(guard.fingerprint);
         guard.verify(table);
         task(runner);
       };

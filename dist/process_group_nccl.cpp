@@ -117,6 +117,7 @@
 #include "dist/detail.h"
 #include "dist/nccl_protocol.h"
 #include "dist/process_group.h"
+#include "dist/shm_fingerprints.h"
 
 #if NANODDP_WITH_NCCL
 
@@ -547,6 +548,8 @@ class ProcessGroupNccl : public ProcessGroup {
           },
           timeout_);
     }
+    if (options.fingerprints_over_shm)
+      fingerprint_group_ = make_fingerprint_group(store_, prefix_, rank_, world_size_, timeout_);
   }
 
   // Note [NCCL shutdown]; destructors never throw.
@@ -671,6 +674,22 @@ class ProcessGroupNccl : public ProcessGroup {
     return issue_all_reduce(token, ReduceOp::Sum, where() + ": nccl barrier");
   }
 
+  // Note [Shared-memory fingerprints] (dist/shm_fingerprints.cpp): with every rank on this
+  // machine, the check's exchange runs through shared memory on this thread, and the collective
+  // is issued only once every rank's fingerprint agrees: nothing waits for the device. Ranks on
+  // several machines return null: the check then exchanges them through NCCL.
+  std::shared_ptr<Work> start_guarded(CollectiveGuard guard,
+                                      const std::function<std::shared_ptr<Work>()>& start) override {
+    if (fingerprint_group_ == nullptr) return nullptr;
+    try {
+      guard.verify(
+          all_gather_fingerprints(*fingerprint_group_, guard.fingerprint, guard.description, timeout_));
+    } catch (...) {
+      return std::make_shared<FailedWork>(std::current_exception());
+    }
+    return start();
+  }
+
   // Note [NCCL point-to-point]: queued here, issued as one NCCL group later.
   std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {
     return queue_point_to_point(tensor, dst, tag, /*is_send=*/true);
@@ -790,6 +809,8 @@ class ProcessGroupNccl : public ProcessGroup {
   Device device_;
   std::chrono::milliseconds timeout_;
   std::string prefix_;  // this group's keys in the store
+  // The shm group the collective check's fingerprints travel through, or null.
+  std::shared_ptr<ProcessGroup> fingerprint_group_;
   std::shared_ptr<NcclLane> collectives_;
   // Note [NCCL point-to-point]: its own communicator and stream, and the queue of calls not yet
   // issued. Empty at world size 1 (no peer).

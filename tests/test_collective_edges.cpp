@@ -219,7 +219,7 @@ void expect_every_mismatch_caught(const std::shared_ptr<ProcessGroup>& pg, int r
 TEST_CASE("ranks that call different collectives all get a DistError naming each call, and stay in step") {
   on_2_and_4_ranks([](int rank, int world, int port) {
     // On Gloo with every rank on this machine, the fingerprints travel through shared memory
-    // (Note [Shared-memory fingerprints] in dist/process_group_gloo.cpp).
+    // (Note [Shared-memory fingerprints] in dist/shm_fingerprints.cpp).
     expect_every_mismatch_caught(testing::join(rank, world, port, 20s), rank, world);
     testing::leave();
   });

@@ -725,6 +725,36 @@ TEST_CASE("NCCL at world size 2 (two GPUs): collectives, send/recv and DDP") {
   CHECK(sum.to_vector() == std::vector<float>{2.0f});
   unwaited->wait();
   if (rank == 1) CHECK(lone.to_vector() == std::vector<float>{7, 7, 7});
+  // The collective check's fingerprints go through shared memory (Note [Shared-memory
+  // fingerprints]): ranks that disagree are told, nothing issued, and the group stays in step;
+  // a DDP step waits for the device once, in DDP's wait for its one bucket, where the exchange
+  // through NCCL added a copy to the GPU and one back per rank, and a wait, per collective.
+  Tensor mismatched = Tensor::zeros({rank == 0 ? 3 : 4}, DType::Float32, gpu);
+  CHECK_THROWS_WITH_AS(pg->all_reduce(mismatched)->wait(30s),
+                       doctest::Contains("ranks called different collectives"), DistError);
+  Tensor agreed = Tensor::full({2}, 1.0f, gpu);
+  pg->all_reduce(agreed)->wait(30s);
+  CHECK(agreed.to_vector() == std::vector<float>{2.0f, 2.0f});
+  {
+    auto model = mlp();
+    model->to(gpu);
+    dist::DistributedDataParallel ddp(model, pg);
+    nn::SGD opt(model->parameters(), nn::SGDOptions{/*lr=*/0.1});
+    Generator gen(7 + rank);
+    std::vector<uint64_t> per_step;
+    for (int step = 0; step < 4; ++step) {
+      const auto [x, y] = random_batch(gen);
+      const Tensor xg = x.to(gpu), yg = y.to(gpu);
+      const uint64_t start = kernels::cuda::host_syncs();
+      opt.zero_grad();
+      cross_entropy(ddp(xg), yg).backward();
+      opt.step();
+      per_step.push_back(kernels::cuda::host_syncs() - start);
+    }
+    MESSAGE("host syncs per DDP step at world size 2: ", per_step[1], ", ", per_step[2], ", ", per_step[3]);
+    CHECK(per_step[2] == 1);
+    CHECK(per_step[3] == 1);
+  }
   testing::check_ddp_matches_one_rank(pg, gpu, /*tolerance=*/1e-4f);
   // A send still queued when the group goes is issued by its end, which finalizes the send/recv
   // communicator (completing the send) although rank 0 still holds the send's Work, unwaited,
