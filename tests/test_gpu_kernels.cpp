@@ -490,6 +490,43 @@ TEST_CASE("cross_entropy forward and backward match the CPU for every reduction"
   }
 }
 
+// Counted targets whose weights sum to 0: the Mean is NaN and so is every counted row's
+// gradient, with label smoothing too (torch's 0 / 0); the ignored row's gradient stays 0.
+TEST_CASE(
+    "cross_entropy on CUDA with counted weights summing to 0: a NaN Mean and NaN gradients, as the CPU") {
+  const int64_t N = 5, C = 4;
+  const auto logits = normals(N * C, 41, 2.0f);
+  const std::vector<int64_t> target = {0, 0, -100, 0, 0};
+  const std::vector<float> class_weights = {0.0f, 1.0f, 1.0f, 2.0f};
+  DeviceArray<float> dlogits_in(logits), dweight(class_weights);
+  DeviceArray<int64_t> dtarget(target);
+  for (const float smoothing : {0.0f, 0.2f}) {
+    CAPTURE(smoothing);
+    std::vector<float> want(1, 7.0f), want_probs(logits.size(), 7.0f);
+    cpu::cross_entropy_forward(want.data(), want_probs.data(), logits.data(), target.data(),
+                               class_weights.data(), N, C, -100, smoothing, Reduction::Mean);
+    REQUIRE(std::isnan(want[0]));
+    DeviceArray<float> out(std::vector<float>{7.0f}), probs(std::vector<float>(logits.size(), 7.0f));
+    gpu::cross_entropy_forward(out.data(), probs.data(), dlogits_in.data(), dtarget.data(), dweight.data(), N,
+                               C, -100, smoothing, Reduction::Mean);
+    CHECK(std::isnan(out.to_host()[0]));
+    const std::vector<float> dout = {1.0f};
+    std::vector<float> want_dlogits(logits.size(), 7.0f);
+    cpu::cross_entropy_backward(want_dlogits.data(), dout.data(), probs.to_host().data(), target.data(),
+                                class_weights.data(), N, C, -100, smoothing, Reduction::Mean);
+    DeviceArray<float> ddout(dout), dlogits(std::vector<float>(logits.size(), 7.0f));
+    gpu::cross_entropy_backward(dlogits.data(), ddout.data(), probs.data(), dtarget.data(), dweight.data(), N,
+                                C, -100, smoothing, Reduction::Mean);
+    const std::vector<float> got = dlogits.to_host();
+    for (int64_t i = 0; i < N * C; ++i) {
+      CAPTURE(i);
+      const bool ignored = i / C == 2;
+      CHECK(ignored ? want_dlogits[i] == 0.0f : std::isnan(want_dlogits[i]));
+      CHECK(ignored ? got[i] == 0.0f : std::isnan(got[i]));
+    }
+  }
+}
+
 TEST_CASE(
     "log_softmax and nll_loss on CUDA match the CPU, special values and ignored or out-of-range targets "
     "included") {

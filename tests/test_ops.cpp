@@ -287,6 +287,20 @@ TEST_CASE(
                                  Tensor::from_vector(std::vector<int64_t>{0}), Reduction::Mean, -100, 0.0,
                                  Tensor::from_vector(std::vector<float>{0, 1, 1}))
                        .item()));
+  // torch 1.13 with weight [0, 1, 2], targets [0, -100, 0]: with or without smoothing the Mean
+  // is nan and the counted rows' gradients are nan, the ignored row's 0 (the smoothed part
+  // alone, s / C sum_c -w_c log p_c over 0, would be inf).
+  for (const double smoothing : {0.0, 0.2}) {
+    CAPTURE(smoothing);
+    Tensor x = Tensor::from_vector({1, 2, 3, 0.5f, -1, 2, 0, 4, -2}, {3, 3}).set_requires_grad(true);
+    Tensor mean = cross_entropy(x, Tensor::from_vector(std::vector<int64_t>{0, -100, 0}), Reduction::Mean,
+                                -100, smoothing, Tensor::from_vector(std::vector<float>{0, 1, 2}));
+    CHECK(std::isnan(mean.item()));
+    mean.backward();
+    const std::vector<float> grad = x.grad().to_vector();
+    for (int k : {0, 1, 2, 6, 7, 8}) CHECK(std::isnan(grad[k]));
+    for (int k : {3, 4, 5}) CHECK(grad[k] == 0.0f);
+  }
   // No gradient reaches the weight; a weight of another shape or dtype is refused, naming it.
   Tensor trained_weight = Tensor::from_vector(std::vector<float>{0.5f, 2.0f, 1.5f}).set_requires_grad(true);
   Tensor x = Tensor::from_vector(values, {4, 3}).set_requires_grad(true);

@@ -113,7 +113,9 @@ void cross_entropy_forward(float* out, float* probs, const float* logits, const 
       total += loss;
     }
   }
-  if (reduction == Reduction::Mean) out[0] = static_cast<float>(total / counted);  // none counted: NaN
+  // No weight counted: NaN, as torch's 0 / 0 of the unsmoothed part (the smoothed part alone
+  // would give inf).
+  if (reduction == Reduction::Mean) out[0] = counted == 0.0 ? NAN : static_cast<float>(total / counted);
   if (reduction == Reduction::Sum) out[0] = static_cast<float>(total);
 }
 
@@ -136,7 +138,9 @@ void cross_entropy_backward(float* dlogits, const float* dout, const float* prob
                         : reduction == Reduction::Mean ? dout[0] / rows
                                                        : dout[0];
     const float g = scale * weight_of(weight, t);  // the target's term
-    if (label_smoothing > 0.0f) {
+    if (reduction == Reduction::Mean && rows == 0.0f) {  // as the forward's NaN: torch's 0 / 0
+      for (int64_t c = 0; c < C; ++c) d[c] = NAN;
+    } else if (label_smoothing > 0.0f) {
       // (1 - s) w_t (p - onehot) + s / C (W p - w), W the sum of the weights.
       const float p_coefficient =
           (1.0f - label_smoothing) * weight_of(weight, t) + share * static_cast<float>(weight_total);

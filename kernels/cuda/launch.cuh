@@ -91,14 +91,19 @@ __global__ void sum_partials_kernel(double* partials, Load load, int64_t n) {
 }
 
 // out[0] = float((sum of partials[0..count)) / divisor), divisor being *device_divisor when
-// that is given (a count the device computed); one block of kMaxSumBlocks threads.
+// that is given (a count the device computed; a count of 0 gives NaN, a Mean over nothing, as
+// torch's 0 / 0); one block of kMaxSumBlocks threads.
 template <int kThreads = kMaxSumBlocks>
 __global__ void sum_finish_kernel(float* out, const double* partials, int count, double divisor,
                                   const float* device_divisor = nullptr) {
   const double value = threadIdx.x < count ? partials[threadIdx.x] : 0.0;
   const double total = block_sum<kThreads>(value);
-  if (threadIdx.x == 0)
-    out[0] = static_cast<float>(total / (device_divisor != nullptr ? double(*device_divisor) : divisor));
+  if (threadIdx.x == 0) {
+    if (device_divisor != nullptr && *device_divisor == 0.0f)
+      out[0] = NAN;
+    else
+      out[0] = static_cast<float>(total / (device_divisor != nullptr ? double(*device_divisor) : divisor));
+  }
 }
 
 // out[0] = (sum over i < n of load(i)) / divisor, deterministically. divisor is 1 for a sum,

@@ -226,6 +226,7 @@ __global__ void cross_entropy_backward_kernel(float* dlogits, const float* dout,
       const float scaled = __fmul_rn(h, probs[i]);
       value = c == t ? scaled - h : scaled;
     }
+    if (mean && counted[0] == 0.0f) value = NAN;  // as the forward's NaN: torch's 0 / 0
     dlogits[i] = counts ? value : 0.0f - __fmul_rn(probs[i], 0.0f);
   }
 }
