@@ -628,7 +628,8 @@ TEST_CASE("cross_entropy on CUDA: an ignored row's gradient is NaN across a row 
   }
 }
 
-TEST_CASE("cross_entropy on CUDA: a target out of range gives a NaN row and a zero gradient") {
+TEST_CASE(
+    "cross_entropy on CUDA: a target out of range gives a NaN row and a zero gradient, and a NaN Mean") {
   const int64_t N = 4, C = 3;
   const auto logits = normals(N * C, 23);
   const std::vector<int64_t> target = {0, -1, 2, 3};  // rows 1 and 3 are out of range
@@ -661,10 +662,26 @@ TEST_CASE("cross_entropy on CUDA: a target out of range gives a NaN row and a ze
     CHECK(!std::isnan(grad[0 * C + c]));
   }
 
-  DeviceArray<float> mean(1);
-  gpu::cross_entropy_forward(mean.data(), probs.data(), dlogits_in.data(), dtarget.data(), nullptr, N, C,
-                             /*ignore_index=*/-100, 0.0f, Reduction::Mean);
-  CHECK(std::isnan(mean.to_host()[0]));
+  // Under Mean the bad rows make the divisor NaN, weighted or not: the Mean and every counted
+  // row's gradient are NaN, the bad rows' gradients stay 0.
+  DeviceArray<float> dweight(std::vector<float>{0.5f, 1.0f, 2.0f}), one(std::vector<float>{1.0f});
+  for (const bool weighted : {false, true}) {
+    CAPTURE(weighted);
+    const float* weight = weighted ? dweight.data() : nullptr;
+    DeviceArray<float> mean(std::vector<float>{7.0f}), mean_grad(std::vector<float>(N * C, 7.0f));
+    gpu::cross_entropy_forward(mean.data(), probs.data(), dlogits_in.data(), dtarget.data(), weight, N, C,
+                               /*ignore_index=*/-100, 0.0f, Reduction::Mean);
+    CHECK(std::isnan(mean.to_host()[0]));
+    gpu::cross_entropy_backward(mean_grad.data(), one.data(), probs.data(), dtarget.data(), weight, N, C,
+                                /*ignore_index=*/-100, 0.0f, Reduction::Mean);
+    const auto got = mean_grad.to_host();
+    for (int64_t c = 0; c < C; ++c) {
+      CHECK(std::isnan(got[0 * C + c]));
+      CHECK(std::isnan(got[2 * C + c]));
+      CHECK(got[1 * C + c] == 0.0f);
+      CHECK(got[3 * C + c] == 0.0f);
+    }
+  }
 }
 
 TEST_CASE("sgd_step matches the CPU for every option, first and later steps") {

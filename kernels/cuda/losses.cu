@@ -30,7 +30,8 @@ __device__ __forceinline__ float weight_of(const float* weight, int64_t c) {
 }
 
 // What a row adds to cross_entropy's Mean divisor: 0 when its target is ignore_index, else its
-// target's weight (1 without a weight; NaN for a target outside [0, C), whose loss is NaN too).
+// target's weight (1 without a weight). A target outside [0, C) adds NaN, weighted or not: its
+// loss is NaN, and so the Mean and every counted row's gradient.
 struct CountedRow {
   const int64_t* target;
   const float* weight;
@@ -39,8 +40,8 @@ struct CountedRow {
   __device__ float operator()(int64_t i) const {
     const int64_t t = target[i];
     if (t == ignore_index) return 0.0f;
-    if (weight == nullptr) return 1.0f;
-    return t >= 0 && t < C ? weight[t] : NAN;
+    if (t < 0 || t >= C) return NAN;
+    return weight_of(weight, t);
   }
 };
 
