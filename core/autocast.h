@@ -17,11 +17,15 @@
 //      batch_norm, layer_norm.
 //      A 16-bit operand is cast up to float32 (recorded) and the output is float32. They do
 //      so outside autocast too: no op here computes a reduction in 16 bits. torch's CUDA list
-//      has sum, mse_loss, cross_entropy and layer_norm in float32, and its batch_norm keeps
-//      the input's dtype; torch 1.13's CPU autocast returns bfloat16 from sum, mean,
-//      layer_norm and batch_norm. Here one rule holds on every device.
+//      has sum, mse_loss, cross_entropy, log_softmax, nll_loss and layer_norm in float32, and
+//      its batch_norm keeps the input's dtype; torch 1.13's CPU autocast returns bfloat16 from
+//      sum, mean, log_softmax, layer_norm and batch_norm (so its nll_loss(log_softmax(x)) of
+//      bfloat16 logits differs from cross_entropy(x) in the third digit). Here one rule holds
+//      on every device.
 //   3. everything else (relu, add, mul, dropout, max_pool2d, the activations) keeps its
-//      input's dtype: Note [16-bit elementwise ops] in core/op_helpers.h.
+//      input's dtype: Note [16-bit elementwise ops] in core/op_helpers.h. torch's CUDA list
+//      runs softplus in float32; here it rounds its output to the input's dtype as the other
+//      activations do.
 // The optimizer sees float32 parameters and float32 gradients only.
 #pragma once
 
