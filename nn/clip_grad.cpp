@@ -2,7 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <iterator>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "core/autograd.h"
 #include "kernels/kernels.h"
@@ -11,6 +15,12 @@ namespace nanoddp {
 
 // x[i] = min(max(x[i], lo), hi) for n floats, a NaN kept (torch.clamp_). WRITES x.
 NANODDP_DECLARE_KERNEL(clamp_in_place, float* x, float lo, float hi, int64_t n)
+// totals[0] += the sum over g's n floats of |g|^norm_type (nothing for an infinite norm_type),
+// as a square for 2, |g| for 1, else pow; with rescale_by > 0, of pow(|g| / rescale_by,
+// norm_type) instead. totals[1] = the largest of totals[1] and every |g|, NaN when one is.
+// totals: two doubles on g's device. UPDATES.
+NANODDP_DECLARE_KERNEL(grad_norm_accumulate, double* totals, const float* g, int64_t n, double norm_type,
+                       double rescale_by)
 
 namespace nn {
 
@@ -27,31 +37,42 @@ float clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double
   for (const Tensor& g : grads)
     NANODDP_CHECK(g.dtype() == DType::Float32, ValueError, "clip_grad_norm_: gradients must be float32, got ",
                   dtype_name(g.dtype()));
-  // One gradient on the host at a time: a CUDA model's gradients are never all copied at once.
-  const auto for_each_abs = [&grads](auto&& visit) {
+  // The sums run where the gradients are, into two doubles per device (in an int64 tensor's
+  // bytes: there is no float64 dtype), read once: one wait for a CUDA device per call, not one
+  // per gradient. Per device the gradients are summed in order; the devices' totals are added
+  // in the order of their first gradient.
+  const auto totals_of = [&grads, norm_type](double rescale_by) {
+    std::vector<std::pair<Device, Tensor>> per_device;
     for (const Tensor& g : grads) {
-      const Tensor host = g.device().is_cuda() ? g.to(Device::cpu()) : g;
-      const float* data = host.data<float>();
-      for (int64_t i = 0, n = host.numel(); i < n; ++i) visit(std::fabs(static_cast<double>(data[i])));
+      auto it =
+          std::find_if(per_device.begin(), per_device.end(),
+                       [&g](const std::pair<Device, Tensor>& entry) { return entry.first == g.device(); });
+      if (it == per_device.end()) {
+        per_device.emplace_back(g.device(), Tensor::zeros({2}, DType::Int64, g.device()));  // 0 bits: 0.0
+        it = std::prev(per_device.end());
+      }
+      NANODDP_DISPATCH(g.device(), grad_norm_accumulate,
+                       reinterpret_cast<double*>(it->second.data<int64_t>()), g.data<float>(), g.numel(),
+                       norm_type, rescale_by);
     }
+    double sum = 0.0, largest = 0.0;
+    for (const auto& entry : per_device) {
+      double device_totals[2];
+      std::memcpy(device_totals, entry.second.to(Device::cpu()).data<int64_t>(), sizeof device_totals);
+      sum += device_totals[0];
+      largest = std::isnan(device_totals[1]) || std::isnan(largest) ? std::numeric_limits<double>::quiet_NaN()
+                                                                    : std::max(largest, device_totals[1]);
+    }
+    return std::make_pair(sum, largest);
   };
-  double largest = 0.0;      // the largest |g|, NaN when a gradient holds one
-  double accumulated = 0.0;  // the sum of |g|^norm_type
-  for_each_abs([&](double a) {
-    largest = std::isnan(a) || std::isnan(largest) ? std::numeric_limits<double>::quiet_NaN()
-                                                   : std::max(largest, a);
-    if (!inf_norm) accumulated += norm_type == 2.0 ? a * a : norm_type == 1.0 ? a : std::pow(a, norm_type);
-  });
+  const auto [accumulated, largest] = totals_of(0.0);  // the sum of |g|^norm_type; the largest |g|
   double norm = inf_norm ? largest : std::pow(accumulated, 1.0 / norm_type);
   // A high order can take |g|^norm_type past double's range (40^250) or below it
   // ((1e-3)^200), an infinite or zero sum for finite gradients (torch 1.13's is then inf or
   // 0): the sum is then taken over (|g| / largest)^norm_type, all in (0, 1].
   if (!inf_norm && std::isfinite(largest) && largest > 0.0 &&
-      (std::isinf(accumulated) || accumulated < std::numeric_limits<double>::min())) {
-    double scaled = 0.0;
-    for_each_abs([&](double a) { scaled += std::pow(a / largest, norm_type); });
-    norm = largest * std::pow(scaled, 1.0 / norm_type);
-  }
+      (std::isinf(accumulated) || accumulated < std::numeric_limits<double>::min()))
+    norm = largest * std::pow(totals_of(largest).first, 1.0 / norm_type);
   // The norm is a float32, the gradients' dtype, as torch's is: a sum past float's range is an
   // infinite norm. One value is checked, clipped by and returned, so a norm returned as inf
   // never passes the check.

@@ -36,7 +36,8 @@ namespace nanoddp::nn {
 // exactly as PyTorch 1.13 does. The norm checked, clipped by and returned is the one float.
 // Throws ValueError for max_norm < 0 or NaN, and for norm_type <= 0 or NaN (PyTorch accepts
 // norm_type 0, a count of non-zero per-parameter norms, which nobody clips by).
-// On CUDA each gradient is copied to the host to be summed: one synchronisation per call.
+// On CUDA the sums run on the device and the host reads their two totals: one wait for the
+// device per call (two where the sum over |g| / max |g| runs), not one per gradient.
 float clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0,
                       bool error_if_nonfinite = false);
 

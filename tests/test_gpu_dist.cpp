@@ -368,6 +368,17 @@ TEST_CASE("host syncs: every wait for the device is counted, and a DDP step wait
     CHECK(per_step[2] == 0);
     CHECK(per_step[3] == 0);
   }
+  // clip_grad_norm_ reads its two totals once, however many gradients it sums.
+  {
+    auto model = cnn_with_batch_norm();
+    model->to(cuda);
+    Generator gen(6);
+    cross_entropy((*model)(Tensor::randn({32, 1, 6, 6}, gen).to(cuda)), random_batch(gen).second.to(cuda))
+        .backward();
+    const uint64_t start = gpu::host_syncs();
+    nn::clip_grad_norm_(model->parameters(), 0.01);
+    CHECK(gpu::host_syncs() - start == 1);
+  }
   // momentum=None reads the batch count on the host, as torch does: one wait per forward.
   nn::BatchNorm1d cumulative(4, 1e-5f, std::nullopt);
   cumulative.to(cuda);

@@ -21,8 +21,10 @@
 #if NANODDP_WITH_CUDA
 
 namespace nanoddp {
-// Declared where clip_grad_value_ uses it (nn/clip_grad.cpp).
+// Declared where clip_grad_value_ and clip_grad_norm_ use them (nn/clip_grad.cpp).
 NANODDP_DECLARE_KERNEL(clamp_in_place, float* x, float lo, float hi, int64_t n)
+NANODDP_DECLARE_KERNEL(grad_norm_accumulate, double* totals, const float* g, int64_t n, double norm_type,
+                       double rescale_by)
 }  // namespace nanoddp
 
 namespace {
@@ -156,6 +158,39 @@ TEST_CASE("clamp_in_place matches the CPU bit for bit, a NaN kept and infinities
     // Bits: the sign of -0.0 counts, and NaN equals NaN.
     CHECK_MESSAGE(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0,
                   label("clamp_in_place", n));
+  }
+}
+
+// clip_grad_norm_'s sums: the device's totals (a fixed tree) equal the CPU's (in order) to
+// double rounding (the CPU sums 16M terms one by one), the largest |g| exactly; the totals add to what they
+// held; a NaN wins the largest; an infinite order sums nothing.
+TEST_CASE("grad_norm_accumulate matches the CPU for every order, rescaled or not, NaN and inf included") {
+  for (int64_t n : kSizes) {
+    std::vector<float> g = normals(n, 11, 3.0f);
+    for (const double norm_type : {2.0, 1.0, 3.0, 0.5, static_cast<double>(INFINITY)}) {
+      for (const double rescale_by : {0.0, 7.5}) {
+        const std::string what = label("grad_norm_accumulate", n) + " order " + std::to_string(norm_type) +
+                                 " rescaled by " + std::to_string(rescale_by);
+        double want[2] = {1.25, 0.5};  // earlier gradients' totals
+        cpu::grad_norm_accumulate(want, g.data(), n, norm_type, rescale_by);
+        DeviceArray<double> totals(std::vector<double>{1.25, 0.5});
+        DeviceArray<float> dg(g);
+        gpu::grad_norm_accumulate(totals.data(), dg.data(), n, norm_type, rescale_by);
+        const std::vector<double> got = totals.to_host();
+        CHECK_MESSAGE(got[0] == doctest::Approx(want[0]).epsilon(1e-10), what);  // 16M terms in order
+        CHECK_MESSAGE(got[1] == want[1], what);
+        if (std::isinf(norm_type)) CHECK_MESSAGE(got[0] == 1.25, what);
+      }
+    }
+    if (n < 3) continue;
+    g[n / 2] = std::numeric_limits<float>::infinity();
+    g[n - 1] = kNaN;
+    DeviceArray<double> totals(std::vector<double>{0.0, 0.0});
+    DeviceArray<float> dg(g);
+    gpu::grad_norm_accumulate(totals.data(), dg.data(), n, 2.0, 0.0);
+    const std::vector<double> got = totals.to_host();
+    CHECK_MESSAGE(std::isnan(got[0]), label("grad_norm_accumulate NaN sum", n));
+    CHECK_MESSAGE(std::isnan(got[1]), label("grad_norm_accumulate NaN largest", n));
   }
 }
 

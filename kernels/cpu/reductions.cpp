@@ -1,4 +1,5 @@
-// CPU reductions: sum, its backward, argmax.
+// CPU reductions: sum, its backward, argmax, a gradient's norm.
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/cpu/eigen_maps.h"
@@ -27,6 +28,23 @@ void argmax_forward(int64_t* out, const float* in, int64_t N, int64_t C) {
     }
     out[r] = best;
   }
+}
+
+// Declared in nn/clip_grad.cpp: every element in order, into the running totals.
+void grad_norm_accumulate(double* totals, const float* g, int64_t n, double norm_type, double rescale_by) {
+  const bool sums = !std::isinf(norm_type);
+  double sum = totals[0], largest = totals[1];
+  for (int64_t i = 0; i < n; ++i) {
+    const double a = std::fabs(static_cast<double>(g[i]));
+    largest = std::isnan(a) || std::isnan(largest) ? NAN : std::max(largest, a);
+    if (!sums) continue;
+    if (rescale_by > 0.0)
+      sum += std::pow(a / rescale_by, norm_type);
+    else
+      sum += norm_type == 2.0 ? a * a : norm_type == 1.0 ? a : std::pow(a, norm_type);
+  }
+  totals[0] = sum;
+  totals[1] = largest;
 }
 
 }  // namespace nanoddp::kernels::cpu

@@ -30,6 +30,80 @@ void broadcast_scalar_backward(float* din, const float* dout, float scale, int64
   NANODDP_CUDA_CHECK_LAUNCH("broadcast_scalar_backward_kernel");
 }
 
+// ---- gradient norm ---------------------------------------------------------------------------
+
+namespace {
+
+// The larger of a and b, NaN when either is (the CPU kernel's rule for max |g|).
+__device__ __forceinline__ double nan_max(double a, double b) { return a != a || b != b ? NAN : fmax(a, b); }
+
+// The largest value over a block of kThreads threads, NaN when any is; valid in thread 0.
+// Static shared memory of its own: one call per kernel.
+template <int kThreads>
+__device__ __forceinline__ double block_nan_max(double value) {
+  __shared__ double warp_maxima[kThreads / 32];
+  for (int offset = 16; offset > 0; offset /= 2)
+    value = nan_max(value, __shfl_down_sync(kFullMask, value, offset));
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) warp_maxima[warp] = value;
+  __syncthreads();
+  if (warp == 0) {
+    value = lane < kThreads / 32 ? warp_maxima[lane] : 0.0;
+    for (int offset = 16; offset > 0; offset /= 2)
+      value = nan_max(value, __shfl_down_sync(kFullMask, value, offset));
+  }
+  return value;
+}
+
+// |g|^p as the CPU kernel raises it: a square, |g| itself, or pow; over rescale_by when given.
+__device__ __forceinline__ double raised(double a, double norm_type, double rescale_by) {
+  if (rescale_by > 0.0) return pow(a / rescale_by, norm_type);
+  return norm_type == 2.0 ? a * a : norm_type == 1.0 ? a : pow(a, norm_type);
+}
+
+// Pass 1: block b's sum of |g|^p and its largest |g| into partials[2 b], partials[2 b + 1].
+__global__ void grad_norm_partials_kernel(double* partials, const float* g, int64_t n, double norm_type,
+                                          double rescale_by) {
+  const bool sums = !isinf(norm_type);
+  double sum = 0.0, largest = 0.0;
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const double a = fabs(static_cast<double>(g[i]));
+    largest = nan_max(largest, a);
+    if (sums) sum += raised(a, norm_type, rescale_by);
+  }
+  const double block_total = block_sum<kBlock>(sum);
+  const double block_largest = block_nan_max<kBlock>(largest);
+  if (threadIdx.x == 0) {
+    partials[2 * blockIdx.x] = block_total;
+    partials[2 * blockIdx.x + 1] = block_largest;
+  }
+}
+
+// Pass 2, one block: totals[0] += the blocks' sums, totals[1] = max(totals[1], their largest).
+__global__ void grad_norm_finish_kernel(double* totals, const double* partials, int count) {
+  const bool mine = static_cast<int>(threadIdx.x) < count;
+  const double sum = block_sum<kMaxSumBlocks>(mine ? partials[2 * threadIdx.x] : 0.0);
+  const double largest = block_nan_max<kMaxSumBlocks>(mine ? partials[2 * threadIdx.x + 1] : 0.0);
+  if (threadIdx.x == 0) {
+    totals[0] += sum;
+    totals[1] = nan_max(totals[1], largest);
+  }
+}
+
+}  // namespace
+
+// Declared in nn/clip_grad.cpp. Both passes are fixed trees (Note [Deterministic reduction]);
+// the totals stay on the device, so the host waits once per clip_grad_norm_, not per gradient.
+void grad_norm_accumulate(double* totals, const float* g, int64_t n, double norm_type, double rescale_by) {
+  if (n <= 0) return;
+  const int blocks = sum_blocks(n);
+  ScratchBuffer<double> partials(2 * blocks);
+  grad_norm_partials_kernel<<<blocks, kBlock, 0, stream()>>>(partials.data(), g, n, norm_type, rescale_by);
+  NANODDP_CUDA_CHECK_LAUNCH("grad_norm_partials_kernel");
+  grad_norm_finish_kernel<<<1, kMaxSumBlocks, 0, stream()>>>(totals, partials.data(), blocks);
+  NANODDP_CUDA_CHECK_LAUNCH("grad_norm_finish_kernel");
+}
+
 // ---- argmax ----------------------------------------------------------------------------------
 
 // True when (value, index) beats (best, best_index) under torch.argmax's order: NaN above
