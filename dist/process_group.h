@@ -47,7 +47,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -126,7 +125,6 @@ constexpr std::chrono::milliseconds kDefaultTimeout = std::chrono::minutes(5);
 // and what to do with the table of every rank's fingerprints (rank-major, as many int64s per
 // rank as `fingerprint` holds). verify throws DistError when the ranks disagree.
 struct CollectiveGuard {
-  std::string description;  // the collective's, for the errors of the exchange
   std::vector<int64_t> fingerprint;
   std::function<void(const std::vector<int64_t>& table)> verify;
 };
@@ -293,6 +291,12 @@ class ProcessGroup {
     return nullptr;
   }
 
+  // A group on the host through which the collective check may exchange this group's
+  // fingerprints instead of through this group, or null (the default). NCCL offers one when
+  // every rank shares a machine (Note [Shared-memory fingerprints] in
+  // dist/shm_fingerprints.cpp): the check then never copies to or from the GPU.
+  virtual ProcessGroup* fingerprint_group() { return nullptr; }
+
   // Bytes this rank really moved, and which all-reduce algorithm ran (MovedBytes); the base
   // class measures nothing.
   virtual MovedBytes moved_bytes() const { return {}; }
@@ -338,18 +342,6 @@ class CompletedWork : public Work {
  public:
   void wait(std::chrono::milliseconds) override {}
   bool is_completed() override { return true; }
-};
-
-// A Work whose wait() throws error: a collective that ended before it started (the
-// collective check's exchange failed, or the ranks disagreed).
-class FailedWork : public Work {
- public:
-  explicit FailedWork(std::exception_ptr error) : error_(std::move(error)) {}
-  void wait(std::chrono::milliseconds) override { std::rethrow_exception(error_); }
-  bool is_completed() override { return true; }
-
- private:
-  std::exception_ptr error_;
 };
 
 // ---- backend factories (each defined in its backend's file, or a stub that throws

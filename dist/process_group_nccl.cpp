@@ -674,21 +674,9 @@ class ProcessGroupNccl : public ProcessGroup {
     return issue_all_reduce(token, ReduceOp::Sum, where() + ": nccl barrier");
   }
 
-  // Note [Shared-memory fingerprints] (dist/shm_fingerprints.cpp): with every rank on this
-  // machine, the check's exchange runs through shared memory on this thread, and the collective
-  // is issued only once every rank's fingerprint agrees: nothing waits for the device. Ranks on
-  // several machines return null: the check then exchanges them through NCCL.
-  std::shared_ptr<Work> start_guarded(CollectiveGuard guard,
-                                      const std::function<std::shared_ptr<Work>()>& start) override {
-    if (fingerprint_group_ == nullptr) return nullptr;
-    try {
-      guard.verify(
-          all_gather_fingerprints(*fingerprint_group_, guard.fingerprint, guard.description, timeout_));
-    } catch (...) {
-      return std::make_shared<FailedWork>(std::current_exception());
-    }
-    return start();
-  }
+  // Note [Shared-memory fingerprints] (dist/shm_fingerprints.cpp): null when a rank is on
+  // another machine, or the check is off.
+  ProcessGroup* fingerprint_group() override { return fingerprint_group_.get(); }
 
   // Note [NCCL point-to-point]: queued here, issued as one NCCL group later.
   std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {

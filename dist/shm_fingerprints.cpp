@@ -10,17 +10,20 @@
 // time is 1.03 s against 0.79 s unchecked (2.50 s over Gloo), and the exchange takes about 50
 // microseconds, waiting for the peer included.
 //
-// NCCL: through NCCL the fingerprints are a device tensor, copied to the GPU before the
-// exchange and back to the host to be compared before the collective may start: two waits for
-// the device per collective, in a training step that should wait for it only where the loss is
-// read (Note [Host syncs] in kernels/device_memory.h). Through shared memory the GPU is not
-// involved at all.
+// NCCL: through NCCL the fingerprints are device tensors, copied to the GPU before the
+// exchange, all-gathered, and every rank's copied back to the host to be compared before the
+// collective may start: 2 + world_size waits for the device per collective, in a training step
+// that should wait for it only where the loss is read (Note [Host syncs] in
+// kernels/device_memory.h). Through shared memory the GPU is not involved at all: the check
+// exchanges them through the group's fingerprint_group() (dist/process_group_checked.cpp).
 //
 // So when every rank of the group is on this machine (the same boot id and host name), the
 // group makes a shm group of its own (make_shm_process_group, store keys
-// "<prefix>fingerprints/") and all-gathers the fingerprints there: a write into shared memory,
-// read by a peer that spins briefly before it sleeps, with no socket, no other thread and no
-// device. Ranks on several machines keep the backend's own all-gather.
+// "<prefix>fingerprints/") and the fingerprints are all-gathered there: a write into shared
+// memory, read by a peer that spins briefly before it sleeps, with no socket, no other thread
+// and no device. Gloo's worker does it inside the collective's task; for NCCL the check does it
+// in its deferred exchange, so a call still returns before its peers arrive. Ranks on several
+// machines keep the backend's own all-gather.
 #include "dist/shm_fingerprints.h"
 
 #include <cstring>

@@ -738,8 +738,8 @@ TEST_CASE("NCCL at world size 2 (two GPUs): collectives, send/recv and DDP") {
   if (rank == 1) CHECK(lone.to_vector() == std::vector<float>{7, 7, 7});
   // The collective check's fingerprints go through shared memory (Note [Shared-memory
   // fingerprints]): ranks that disagree are told, nothing issued, and the group stays in step;
-  // a DDP step waits for the device once, in DDP's wait for its one bucket, where the exchange
-  // through NCCL added a copy to the GPU and one back per rank, and a wait, per collective.
+  // a DDP step waits for the device once, in DDP's wait for its one bucket (the exchange itself
+  // never touches the GPU).
   Tensor mismatched = Tensor::zeros({rank == 0 ? 3 : 4}, DType::Float32, gpu);
   CHECK_THROWS_WITH_AS(pg->all_reduce(mismatched)->wait(30s),
                        doctest::Contains("ranks called different collectives"), DistError);
