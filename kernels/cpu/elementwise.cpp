@@ -2,15 +2,20 @@
 // column sums.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "core/half_convert.h"
-#include "kernels/dropout_mask.h"
 #include "kernels/cpu/eigen_maps.h"
+#include "kernels/dropout_mask.h"
 #include "kernels/kernels.h"
 
 namespace nanoddp::kernels::cpu {
 
 void fill(float* out, float value, int64_t n) { vec(out, n).setConstant(value); }
+
+void zero_bytes(void* out, size_t nbytes) {
+  if (nbytes > 0) std::memset(out, 0, nbytes);
+}
 
 // Declared in nn/dropout.cpp: mask[i] = keep_scale where dropout_uniform(key, i) >= p, else 0.
 void dropout_mask(float* mask, uint64_t key, float p, float keep_scale, int64_t n) {

@@ -48,6 +48,10 @@ void fill(float* out, float value, int64_t n) {
   NANODDP_CUDA_CHECK_LAUNCH("fill_forward_kernel");
 }
 
+void zero_bytes(void* out, size_t nbytes) {
+  if (nbytes > 0) NANODDP_CUDA_CHECK(cudaMemsetAsync(out, 0, nbytes, stream()));
+}
+
 __global__ void bytes_to_unit_float_forward_kernel(float* out, const uint8_t* in, int64_t n) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = static_cast<float>(in[i]) / 255.0f;
 }
