@@ -76,7 +76,7 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction =
 // logits' device (torch's weight, for unbalanced classes): row r's terms are scaled by
 // weight[target[r]] (and each -log p[c] by weight[c]), and Mean divides by the counted rows'
 // weight[target] instead of their number (a 16-bit weight is cast up, as the logits are);
-// counted weights that sum to 0 make that Mean NaN and the counted rows' gradient NaN, with
+// counted weights that are all 0 make that Mean NaN and the counted rows' gradients NaN, with
 // label smoothing too (torch's 0 / 0). No gradient flows to weight (torch has none).
 // IndexError names the first other target outside [0, C); ValueError a label_smoothing outside
 // [0, 1] or a weight that is not float; ShapeError a weight that is not [C]; DeviceError a

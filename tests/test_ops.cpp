@@ -301,6 +301,22 @@ TEST_CASE(
     for (int k : {0, 1, 2, 6, 7, 8}) CHECK(std::isnan(grad[k]));
     for (int k : {3, 4, 5}) CHECK(grad[k] == 0.0f);
   }
+  // Weights of both signs that sum to 0 without smoothing: torch 1.13's quotient, -inf, for
+  // cross_entropy and nll_loss(log_softmax) alike, and its gradient [[nan, inf, inf], [-inf,
+  // nan, -inf]].
+  {
+    Tensor x = Tensor::from_vector({1, 2, 3, 0.5f, -1, 2}, {2, 3}).set_requires_grad(true);
+    const Tensor targets = Tensor::from_vector(std::vector<int64_t>{0, 1});
+    const Tensor signed_weight = Tensor::from_vector(std::vector<float>{1, -1, 0});
+    Tensor mean = cross_entropy(x, targets, Reduction::Mean, -100, 0.0, signed_weight);
+    CHECK(mean.item() == -INFINITY);
+    CHECK(nll_loss(log_softmax(x.detach(), 1), targets, Reduction::Mean, -100, signed_weight).item() ==
+          -INFINITY);
+    mean.backward();
+    const std::vector<float> grad = x.grad().to_vector();
+    CHECK((std::isnan(grad[0]) && std::isnan(grad[4])));
+    CHECK((grad[1] == INFINITY && grad[2] == INFINITY && grad[3] == -INFINITY && grad[5] == -INFINITY));
+  }
   // No gradient reaches the weight; a weight of another shape or dtype is refused, naming it.
   Tensor trained_weight = Tensor::from_vector(std::vector<float>{0.5f, 2.0f, 1.5f}).set_requires_grad(true);
   Tensor x = Tensor::from_vector(values, {4, 3}).set_requires_grad(true);
@@ -551,8 +567,8 @@ TEST_CASE("conv2d refuses a weight with no output channel, as torch") {
                        doctest::Contains("weight [0, 2, 3, 3] has no output channel"), ShapeError);
 }
 
-// Note [Images per GEMM]: the grouping CUDA uses, checked here where no GPU runs it. A group of
-// 0 images made conv2d's backward divide by zero for an empty batch on CUDA.
+// Note [Images per GEMM]: the grouping CUDA uses, checked here where no GPU runs it. conv2d's
+// backward divides by the group, so an empty batch must still group 1 image.
 TEST_CASE(
     "conv2d's images per GEMM: 1 on the CPU; on CUDA the batch, or chunks on 48-column boundaries within 16 "
     "MiB of cols; never 0") {

@@ -113,9 +113,10 @@ void cross_entropy_forward(float* out, float* probs, const float* logits, const 
       total += loss;
     }
   }
-  // No weight counted: NaN, as torch's 0 / 0 of the unsmoothed part (the smoothed part alone
-  // would give inf).
-  if (reduction == Reduction::Mean) out[0] = counted == 0.0 ? NAN : static_cast<float>(total / counted);
+  // Smoothed, over counted weights that sum to 0: NaN, torch's 0 / 0 of the unsmoothed part
+  // (the smoothed part alone would give inf). Otherwise the quotient, NaN when none counted.
+  if (reduction == Reduction::Mean)
+    out[0] = smoothing > 0.0 && counted == 0.0 ? NAN : static_cast<float>(total / counted);
   if (reduction == Reduction::Sum) out[0] = static_cast<float>(total);
 }
 
@@ -138,7 +139,7 @@ void cross_entropy_backward(float* dlogits, const float* dout, const float* prob
                         : reduction == Reduction::Mean ? dout[0] / rows
                                                        : dout[0];
     const float g = scale * weight_of(weight, t);  // the target's term
-    if (reduction == Reduction::Mean && rows == 0.0f) {  // as the forward's NaN: torch's 0 / 0
+    if (reduction == Reduction::Mean && label_smoothing > 0.0f && rows == 0.0f) {  // as the forward's NaN
       for (int64_t c = 0; c < C; ++c) d[c] = NAN;
     } else if (label_smoothing > 0.0f) {
       // (1 - s) w_t (p - onehot) + s / C (W p - w), W the sum of the weights.

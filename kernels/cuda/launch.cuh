@@ -91,34 +91,34 @@ __global__ void sum_partials_kernel(double* partials, Load load, int64_t n) {
 }
 
 // out[0] = float((sum of partials[0..count)) / divisor), divisor being *device_divisor when
-// that is given (a count the device computed; a count of 0 gives NaN, a Mean over nothing, as
-// torch's 0 / 0); one block of kMaxSumBlocks threads.
+// that is given (a count the device computed; with zero_divisor_is_nan a count of 0 gives NaN
+// whatever the sum); one block of kMaxSumBlocks threads.
 template <int kThreads = kMaxSumBlocks>
 __global__ void sum_finish_kernel(float* out, const double* partials, int count, double divisor,
-                                  const float* device_divisor = nullptr) {
+                                  const float* device_divisor = nullptr, bool zero_divisor_is_nan = false) {
   const double value = threadIdx.x < count ? partials[threadIdx.x] : 0.0;
   const double total = block_sum<kThreads>(value);
   if (threadIdx.x == 0) {
-    if (device_divisor != nullptr && *device_divisor == 0.0f)
-      out[0] = NAN;
-    else
-      out[0] = static_cast<float>(total / (device_divisor != nullptr ? double(*device_divisor) : divisor));
+    const double by = device_divisor != nullptr ? double(*device_divisor) : divisor;
+    out[0] = zero_divisor_is_nan && by == 0.0 ? NAN : static_cast<float>(total / by);
   }
 }
 
 // out[0] = (sum over i < n of load(i)) / divisor, deterministically. divisor is 1 for a sum,
 // n for a mean (so a mean of nothing is 0/0 = NaN, as torch). out is device memory.
-// device_divisor, when given, replaces divisor with a value in device memory (no host sync).
+// device_divisor, when given, replaces divisor with a value in device memory (no host sync);
+// zero_divisor_is_nan makes a divisor of 0 give NaN, whatever the sum.
 template <typename Load>
 void deterministic_sum(float* out, Load load, int64_t n, double divisor,
-                       const float* device_divisor = nullptr) {
+                       const float* device_divisor = nullptr, bool zero_divisor_is_nan = false) {
   const int blocks = n > 0 ? sum_blocks(n) : 0;
   ScratchBuffer<double> partials(blocks > 0 ? blocks : 1);
   if (blocks > 0) {
     sum_partials_kernel<<<blocks, kBlock, 0, stream()>>>(partials.data(), load, n);
     NANODDP_CUDA_CHECK_LAUNCH("sum_partials_kernel");
   }
-  sum_finish_kernel<<<1, kMaxSumBlocks, 0, stream()>>>(out, partials.data(), blocks, divisor, device_divisor);
+  sum_finish_kernel<<<1, kMaxSumBlocks, 0, stream()>>>(out, partials.data(), blocks, divisor, device_divisor,
+                                                       zero_divisor_is_nan);
   NANODDP_CUDA_CHECK_LAUNCH("sum_finish_kernel");
 }
 

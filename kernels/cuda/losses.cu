@@ -47,13 +47,14 @@ struct CountedRow {
 
 // out[0] = the sum of row_loss (Sum), or that sum over the counted rows' weight (Mean): both
 // summed on the device (the divisor a float: exact up to 2^24 rows without a weight), so the
-// host never waits for the targets.
+// host never waits for the targets. smoothed: a Mean over counted weights that sum to 0 is NaN
+// (torch's 0 / 0 of the unsmoothed part; the smoothed part alone would be inf).
 void reduce_row_losses(float* out, const float* row_loss, const CountedRow& counted_row, int64_t N,
-                       Reduction reduction) {
+                       Reduction reduction, bool smoothed) {
   ScratchBuffer<float> counted(1);
   if (reduction == Reduction::Mean) deterministic_sum(counted.data(), counted_row, N, 1.0);
-  deterministic_sum(out, LoadValue{row_loss}, N, 1.0,
-                    reduction == Reduction::Mean ? counted.data() : nullptr);
+  deterministic_sum(out, LoadValue{row_loss}, N, 1.0, reduction == Reduction::Mean ? counted.data() : nullptr,
+                    smoothed);
 }
 
 }  // namespace
@@ -191,7 +192,8 @@ void cross_entropy_forward(float* out, float* probs, const float* logits, const 
         row_loss.data(), probs, logits, target, weight, N, C, ignore_index, label_smoothing);
     NANODDP_CUDA_CHECK_LAUNCH("cross_entropy_forward_kernel");
   }
-  reduce_row_losses(out, row_loss.data(), CountedRow{target, weight, C, ignore_index}, N, reduction);
+  reduce_row_losses(out, row_loss.data(), CountedRow{target, weight, C, ignore_index}, N, reduction,
+                    label_smoothing > 0.0f);
 }
 
 // dlogits[r, c] = h_r probs[r, c] - h_r [c == t], with h_r = g_r w[t] (w = 1 without a weight),
@@ -227,7 +229,7 @@ __global__ void cross_entropy_backward_kernel(float* dlogits, const float* dout,
       const float scaled = __fmul_rn(h, probs[i]);
       value = c == t ? scaled - h : scaled;
     }
-    if (mean && counted[0] == 0.0f) value = NAN;  // as the forward's NaN: torch's 0 / 0
+    if (mean && label_smoothing > 0.0f && counted[0] == 0.0f) value = NAN;  // as the forward's NaN
     dlogits[i] = counts ? value : 0.0f - __fmul_rn(probs[i], 0.0f);
   }
 }
@@ -325,7 +327,8 @@ void nll_loss_forward(float* out, const float* log_probs, const int64_t* target,
                                                                C, ignore_index);
     NANODDP_CUDA_CHECK_LAUNCH("nll_loss_rows_kernel");
   }
-  reduce_row_losses(out, row_loss.data(), CountedRow{target, weight, C, ignore_index}, N, reduction);
+  reduce_row_losses(out, row_loss.data(), CountedRow{target, weight, C, ignore_index}, N, reduction,
+                    /*smoothed=*/false);
 }
 
 // din[r, c] = -(w[t] g_r) at c == t, else 0; g_r = dout[0] / counted[0] (Mean), dout[0] (Sum) or
