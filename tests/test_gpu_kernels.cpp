@@ -182,6 +182,13 @@ TEST_CASE("grad_norm_accumulate matches the CPU for every order, rescaled or not
         if (std::isinf(norm_type)) CHECK_MESSAGE(got[0] == 1.25, what);
       }
     }
+    // An earlier gradient's largest |g| above every |g| here is kept, not overwritten.
+    {
+      DeviceArray<double> totals(std::vector<double>{0.0, 1e30});
+      DeviceArray<float> dg(g);
+      gpu::grad_norm_accumulate(totals.data(), dg.data(), n, 2.0, 0.0);
+      CHECK_MESSAGE(totals.to_host()[1] == 1e30, label("grad_norm_accumulate keeps the largest", n));
+    }
     if (n < 3) continue;
     g[n / 2] = std::numeric_limits<float>::infinity();
     g[n - 1] = kNaN;
@@ -636,6 +643,22 @@ TEST_CASE(
                            Reduction::None);
     const auto got_grad = grad.to_host();
     for (int64_t c = 0; c < C; ++c) CHECK((got_grad[1 * C + c] == 0.0f && got_grad[2 * C + c] == 0.0f));
+    // Under Mean, weighted or not, the bad rows make the divisor NaN: the Mean is NaN, and so is
+    // every counted row's target entry of the gradient; the bad rows' stay 0.
+    for (const bool weighted : {false, true}) {
+      CAPTURE(weighted);
+      const float* device_weight = weighted ? dweight.data() : nullptr;
+      DeviceArray<float> mean_loss(std::vector<float>{7.0f}), one(std::vector<float>{1.0f}),
+          mean_grad(sevens);
+      gpu::nll_loss_forward(mean_loss.data(), dlog_probs.data(), out_of_range.data(), device_weight, N, C,
+                            -100, Reduction::Mean);
+      CHECK(std::isnan(mean_loss.to_host()[0]));
+      gpu::nll_loss_backward(mean_grad.data(), one.data(), out_of_range.data(), device_weight, N, C, -100,
+                             Reduction::Mean);
+      const auto got = mean_grad.to_host();
+      CHECK(std::isnan(got[static_cast<size_t>(bad[0])]));  // row 0 is counted
+      for (int64_t c = 0; c < C; ++c) CHECK((got[1 * C + c] == 0.0f && got[2 * C + c] == 0.0f));
+    }
     DeviceArray<int64_t> all_ignored(std::vector<int64_t>(static_cast<size_t>(N), -100));
     DeviceArray<float> mean(std::vector<float>{7.0f});
     gpu::nll_loss_forward(mean.data(), dlog_probs.data(), all_ignored.data(), dweight.data(), N, C, -100,

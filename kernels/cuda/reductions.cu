@@ -41,6 +41,7 @@ __device__ __forceinline__ double nan_max(double a, double b) { return a != a ||
 // Static shared memory of its own: one call per kernel.
 template <int kThreads>
 __device__ __forceinline__ double block_nan_max(double value) {
+  static_assert(kThreads % 32 == 0 && kThreads <= 1024, "block_nan_max needs whole warps");
   __shared__ double warp_maxima[kThreads / 32];
   for (int offset = 16; offset > 0; offset /= 2)
     value = nan_max(value, __shfl_down_sync(kFullMask, value, offset));
