@@ -291,11 +291,13 @@ class ProcessGroup {
     return nullptr;
   }
 
-  // A group on the host through which the collective check may exchange this group's
-  // fingerprints instead of through this group, or null (the default). NCCL offers one when
-  // every rank shares a machine (Note [Shared-memory fingerprints] in
-  // dist/shm_fingerprints.cpp): the check then never copies to or from the GPU.
-  virtual ProcessGroup* fingerprint_group() { return nullptr; }
+  // Where the collective check exchanges the fingerprints of the collective it is about to
+  // start: a group on the host, or null (the default: through this group). Called once per
+  // checked collective, when its exchange is issued (at the call, unless earlier calls are
+  // still unsettled). NCCL returns a shm group when every rank shares a machine (Note
+  // [Shared-memory fingerprints] in dist/shm_fingerprints.cpp), so the check never copies to
+  // or from the GPU, and first issues its queued send/recv, as its own all-gather would.
+  virtual ProcessGroup* fingerprint_exchange_group() { return nullptr; }
 
   // Bytes this rank really moved, and which all-reduce algorithm ran (MovedBytes); the base
   // class measures nothing.

@@ -34,7 +34,7 @@
 // a mismatch none runs the collective. A rank whose peer never arrives waits in that task
 // until the group's timeout. Other backends return null and keep the deferred exchange
 // below: shm and MPI run a collective on the caller's thread, where the two steps cost no
-// hand-off. NCCL's fingerprints go through its fingerprint_group() when every rank shares a
+// hand-off. NCCL's fingerprints go through its fingerprint_exchange_group() when every rank shares a
 // machine (shared memory: nothing copied to or from the GPU), else through NCCL itself (a
 // copy to the GPU, the all-gather's wait and a copy back per rank, for each collective).
 //
@@ -244,7 +244,7 @@ class CheckedWork : public Work {
     // Through the backend's host group for them where it has one (NCCL on one machine: shared
     // memory), else through the backend, on its device (NCCL takes only its GPU's tensors; a
     // CPU group's stay on the host even when the collective's tensors are on a GPU).
-    ProcessGroup* host_group = state_->inner->fingerprint_group();
+    ProcessGroup* host_group = state_->inner->fingerprint_exchange_group();
     ProcessGroup& through = host_group != nullptr ? *host_group : *state_->inner;
     const Device device = host_group != nullptr ? Device::cpu() : state_->inner->device();
     try {
@@ -506,7 +506,7 @@ class CheckedProcessGroup : public ProcessGroup {
   Tensor new_collective_buffer(int64_t numel, DType dtype, Device device) override {
     return state_->inner->new_collective_buffer(numel, dtype, device);
   }
-  ProcessGroup* fingerprint_group() override { return state_->inner->fingerprint_group(); }
+  ProcessGroup* fingerprint_exchange_group() override { return state_->inner->fingerprint_exchange_group(); }
   std::string all_reduce_algorithm() const override { return state_->inner->all_reduce_algorithm(); }
   std::string all_reduce_algorithm_for(const Tensor& tensor) const override {
     return state_->inner->all_reduce_algorithm_for(tensor);

@@ -675,8 +675,13 @@ class ProcessGroupNccl : public ProcessGroup {
   }
 
   // Note [Shared-memory fingerprints] (dist/shm_fingerprints.cpp): null when a rank is on
-  // another machine, or the check is off.
-  ProcessGroup* fingerprint_group() override { return fingerprint_group_.get(); }
+  // another machine, or the check is off. A peer may wait in a recv for a send still queued
+  // here while this rank waits for its fingerprint: queued calls go out first, as they would
+  // before NCCL's own all-gather of the fingerprints (Note [NCCL point-to-point]).
+  ProcessGroup* fingerprint_exchange_group() override {
+    if (fingerprint_group_ != nullptr) issue_queued_point_to_point();
+    return fingerprint_group_.get();
+  }
 
   // Note [NCCL point-to-point]: queued here, issued as one NCCL group later.
   std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {

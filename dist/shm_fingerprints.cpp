@@ -15,7 +15,7 @@
 // collective may start: 2 + world_size waits for the device per collective, in a training step
 // that should wait for it only where the loss is read (Note [Host syncs] in
 // kernels/device_memory.h). Through shared memory the GPU is not involved at all: the check
-// exchanges them through the group's fingerprint_group() (dist/process_group_checked.cpp).
+// exchanges them through the group's fingerprint_exchange_group() (dist/process_group_checked.cpp).
 //
 // So when every rank of the group is on this machine (the same boot id and host name), the
 // group makes a shm group of its own (make_shm_process_group, store keys

@@ -249,19 +249,23 @@ TEST_CASE("gloo: the same with the fingerprints over Gloo's sockets, as between 
 }
 
 // A backend that offers a host group for the fingerprints (NCCL on one machine:
-// ProcessGroup::fingerprint_group, Note [Shared-memory fingerprints]). The check exchanges
+// ProcessGroup::fingerprint_exchange_group, Note [Shared-memory fingerprints]). The check exchanges
 // them there, never through the backend, a call still returns before its peers arrive, and
 // every mismatch is caught as before.
 class FingerprintsElsewhere : public testing::ForwardingGroup {
  public:
   FingerprintsElsewhere(std::shared_ptr<ProcessGroup> inner, std::shared_ptr<ProcessGroup> fingerprints)
       : ForwardingGroup(std::move(inner)), fingerprints_(std::move(fingerprints)) {}
-  ProcessGroup* fingerprint_group() override { return fingerprints_.get(); }
+  ProcessGroup* fingerprint_exchange_group() override {
+    ++exchanges;
+    return fingerprints_.get();
+  }
   std::shared_ptr<Work> all_gather(std::vector<Tensor>& outs, const Tensor& in) override {
     ++all_gathers;
     return inner_->all_gather(outs, in);
   }
   int all_gathers = 0;
+  int exchanges = 0;  // asked where to exchange: once per checked collective
 
  private:
   std::shared_ptr<ProcessGroup> fingerprints_;
@@ -292,6 +296,8 @@ TEST_CASE(
     Tensor early = Tensor::full({5}, static_cast<float>(rank + 1));
     if (rank == 0) {
       auto work = pg->all_reduce(early);
+      // The exchange was issued at the call (where NCCL sends its queued send/recv).
+      expect(backend->exchanges == 1, "rank 0: the exchange was not issued at the call");
       store->set("called", std::string("1"));
       work->wait();
     } else {
@@ -306,6 +312,7 @@ TEST_CASE(
     expect_in_step(*pg, rank, world);
     expect(backend->all_gathers == 0, "rank ", rank, ": ", backend->all_gathers,
            " fingerprint all_gathers went through the backend");
+    expect(backend->exchanges == 3, "rank ", rank, ": ", backend->exchanges, " exchanges for 3 collectives");
   });
 }
 

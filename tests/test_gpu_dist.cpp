@@ -740,6 +740,19 @@ TEST_CASE("NCCL at world size 2 (two GPUs): collectives, send/recv and DDP") {
   // fingerprints]): ranks that disagree are told, nothing issued, and the group stays in step;
   // a DDP step waits for the device once, in DDP's wait for its one bucket (the exchange itself
   // never touches the GPU).
+  // A send still queued when its rank's next collective is checked goes out before the
+  // exchange: here the peer waits for it before it calls that collective.
+  Tensor handed = rank == 0 ? Tensor::full({4}, 3.0f, gpu) : Tensor::zeros({4}, DType::Float32, gpu);
+  std::shared_ptr<dist::Work> handing;
+  if (rank == 0)
+    handing = pg->send(handed, 1);
+  else
+    pg->recv(handed, 0)->wait(30s);
+  Tensor after_handing = Tensor::full({1}, 1.0f, gpu);
+  pg->all_reduce(after_handing)->wait(30s);
+  CHECK(after_handing.to_vector() == std::vector<float>{2.0f});
+  if (rank == 0) handing->wait(30s);
+  if (rank == 1) CHECK(handed.to_vector() == std::vector<float>(4, 3.0f));
   Tensor mismatched = Tensor::zeros({rank == 0 ? 3 : 4}, DType::Float32, gpu);
   CHECK_THROWS_WITH_AS(pg->all_reduce(mismatched)->wait(30s),
                        doctest::Contains("ranks called different collectives"), DistError);
