@@ -66,6 +66,17 @@ void expect_mismatch(const std::function<void()>& issue, const std::vector<std::
 }
 
 // After a mismatch the group is still in step: a matching all_reduce gives the exact sum.
+// This rank's client of the test's store on port, which rank 0 serves; 20 s timeouts.
+std::shared_ptr<TCPStore> rank_store(int rank, int world, int port) {
+  TCPStoreOptions options;
+  options.port = port;
+  options.is_server = rank == 0;
+  options.world_size = world;
+  options.rank = rank;
+  options.timeout = 20s;
+  return std::make_shared<TCPStore>(options);
+}
+
 void expect_in_step(ProcessGroup& pg, int rank, int world) {
   Tensor t = Tensor::full({3}, static_cast<float>(rank + 1));
   pg.all_reduce(t)->wait();
@@ -230,13 +241,7 @@ TEST_CASE("ranks that call different collectives all get a DistError naming each
 TEST_CASE("gloo: the same with the fingerprints over Gloo's sockets, as between machines") {
   on_2_and_4_ranks([](int rank, int world, int port) {
     if (testing::under_mpirun()) return;
-    TCPStoreOptions store_options;
-    store_options.port = port;
-    store_options.is_server = rank == 0;
-    store_options.world_size = world;
-    store_options.rank = rank;
-    store_options.timeout = 20s;
-    auto store = std::make_shared<TCPStore>(store_options);
+    auto store = rank_store(rank, world, port);
     GlooOptions options;
     options.rank = rank;
     options.world_size = world;
@@ -275,13 +280,7 @@ TEST_CASE(
     "a backend's own fingerprint group carries the check's exchange, and every mismatch is still caught") {
   on_2_and_4_ranks([](int rank, int world, int port) {
     if (testing::under_mpirun()) return;
-    TCPStoreOptions store_options;
-    store_options.port = port;
-    store_options.is_server = rank == 0;
-    store_options.world_size = world;
-    store_options.rank = rank;
-    store_options.timeout = 20s;
-    auto store = std::make_shared<TCPStore>(store_options);
+    auto store = rank_store(rank, world, port);
     ShmOptions options;
     options.rank = rank;
     options.world_size = world;
