@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/autograd.h"
+#include "kernels/grad_norm_term.h"
 #include "kernels/kernels.h"
 
 namespace nanoddp {
@@ -60,8 +61,7 @@ float clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double
       double device_totals[2];
       std::memcpy(device_totals, entry.second.to(Device::cpu()).data<int64_t>(), sizeof device_totals);
       sum += device_totals[0];
-      largest = std::isnan(device_totals[1]) || std::isnan(largest) ? std::numeric_limits<double>::quiet_NaN()
-                                                                    : std::max(largest, device_totals[1]);
+      largest = kernels::nan_max(largest, device_totals[1]);
     }
     return std::make_pair(sum, largest);
   };

@@ -1,8 +1,8 @@
 // CPU reductions: sum, its backward, argmax, a gradient's norm.
-#include <algorithm>
 #include <cmath>
 
 #include "kernels/cpu/eigen_maps.h"
+#include "kernels/grad_norm_term.h"
 #include "kernels/kernels.h"
 
 namespace nanoddp::kernels::cpu {
@@ -36,12 +36,8 @@ void grad_norm_accumulate(double* totals, const float* g, int64_t n, double norm
   double sum = totals[0], largest = totals[1];
   for (int64_t i = 0; i < n; ++i) {
     const double a = std::fabs(static_cast<double>(g[i]));
-    largest = std::isnan(a) || std::isnan(largest) ? NAN : std::max(largest, a);
-    if (!sums) continue;
-    if (rescale_by > 0.0)
-      sum += std::pow(a / rescale_by, norm_type);
-    else
-      sum += norm_type == 2.0 ? a * a : norm_type == 1.0 ? a : std::pow(a, norm_type);
+    largest = nan_max(largest, a);
+    if (sums) sum += norm_term(a, norm_type, rescale_by);
   }
   totals[0] = sum;
   totals[1] = largest;

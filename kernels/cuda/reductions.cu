@@ -3,6 +3,7 @@
 // in kernels/cuda/launch.cuh).
 
 #include "kernels/cuda/launch.cuh"
+#include "kernels/grad_norm_term.h"
 #include "kernels/kernels.h"
 
 namespace nanoddp::kernels::cuda {
@@ -34,9 +35,6 @@ void broadcast_scalar_backward(float* din, const float* dout, float scale, int64
 
 namespace {
 
-// The larger of a and b, NaN when either is (the CPU kernel's rule for max |g|).
-__device__ __forceinline__ double nan_max(double a, double b) { return a != a || b != b ? NAN : fmax(a, b); }
-
 // The largest value over a block of kThreads threads, NaN when any is; valid in thread 0.
 // Static shared memory of its own: one call per kernel.
 template <int kThreads>
@@ -56,12 +54,6 @@ __device__ __forceinline__ double block_nan_max(double value) {
   return value;
 }
 
-// |g|^p as the CPU kernel raises it: a square, |g| itself, or pow; over rescale_by when given.
-__device__ __forceinline__ double raised(double a, double norm_type, double rescale_by) {
-  if (rescale_by > 0.0) return pow(a / rescale_by, norm_type);
-  return norm_type == 2.0 ? a * a : norm_type == 1.0 ? a : pow(a, norm_type);
-}
-
 // Pass 1: block b's sum of |g|^p and its largest |g| into partials[2 b], partials[2 b + 1].
 __global__ void grad_norm_partials_kernel(double* partials, const float* g, int64_t n, double norm_type,
                                           double rescale_by) {
@@ -70,7 +62,7 @@ __global__ void grad_norm_partials_kernel(double* partials, const float* g, int6
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
     const double a = fabs(static_cast<double>(g[i]));
     largest = nan_max(largest, a);
-    if (sums) sum += raised(a, norm_type, rescale_by);
+    if (sums) sum += norm_term(a, norm_type, rescale_by);
   }
   const double block_total = block_sum<kBlock>(sum);
   const double block_largest = block_nan_max<kBlock>(largest);
