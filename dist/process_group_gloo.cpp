@@ -38,8 +38,6 @@
 #include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
-#include <signal.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -54,6 +52,9 @@
 #include <sstream>
 #include <thread>
 #include <type_traits>
+
+#include <signal.h>
+#include <unistd.h>
 
 #include "dist/gloo_store.h"
 #include "dist/shm_fingerprints.h"

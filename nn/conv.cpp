@@ -103,11 +103,12 @@ Window2d make_window(const char* op, const Tensor& input, Size2 kernel, Size2 st
 // already the image's NCHW plane (no reordering pass, no zeroing of a batch-sized buffer), and
 // in backward its dcols are still in cache for col2im. On CUDA a group is the batch (small
 // GEMMs would leave the GPU idle) or, when cols are not kept for backward, a chunk of images
-// whose cols take about kMaxUnsavedColsBytes: a 1000-image test batch of the example's second
-// convolution would otherwise need 139 MB of cols. Chunks start on a multiple of 48 columns,
-// so that a GEMM that splits its columns into panels of up to 48 gives every column the panel,
-// and so the rounding, it gets in one GEMM over the batch; images of fewer than 32 positions
-// are not chunked (a last chunk that small could take a matrix-vector path). On the CPU the
+// whose cols take about kMaxUnsavedColsBytes (nn/conv_groups.h): a 1000-image test batch of
+// the example's second convolution would otherwise need 139 MB of cols. Chunks start on a
+// multiple of 48 columns, so that a GEMM that splits its columns into panels of up to 48 gives
+// every column the panel, and so the rounding, it gets in one GEMM over the batch; images of
+// fewer than 32 positions are not chunked (a last chunk that small could take a matrix-vector
+// path). On the CPU the
 // grouping is the same with or without a graph: tests/test_ops.cpp checks that a no_grad call
 // equals one that records a graph, bit for bit.
 //
@@ -118,6 +119,7 @@ Window2d make_window(const char* op, const Tensor& input, Size2 kernel, Size2 st
 // read them back from memory in backward cost more than the second im2col (and kept the
 // working set of a training step larger than the L3 cache). PyTorch's CPU convolution
 // (slow_conv2d) recomputes its columns in backward the same way.
+
 // On the CPU a 3x3 convolution at stride 1 runs as Winograd F(2x2, 3x3) instead
 // (kernels/cpu/winograd.h): forward, input gradient (such a convolution of dout) and weight
 // gradient. Operands with NaN or inf keep im2col + GEMM, whose values for them are torch's.
