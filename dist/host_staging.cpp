@@ -106,7 +106,6 @@ class StagingGroup : public ProcessGroup {
                                       const std::function<std::shared_ptr<Work>()>& start) override {
     return inner_->start_guarded(std::move(guard), start);
   }
-  ProcessGroup* fingerprint_exchange_group() override { return inner_->fingerprint_exchange_group(); }
 
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
     if (!staged({tensor})) return inner_->all_reduce(tensor, op);

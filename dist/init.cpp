@@ -378,7 +378,6 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     nccl.device = options.device.is_cuda() ? options.device
                                            : Device::cuda(env.local_rank < 0 ? 0 : env.local_rank);
     nccl.timeout = options.timeout;
-    nccl.fingerprints_over_shm = check_collectives;
     group = make_nccl_process_group(store, nccl);
   } else if (backend == Backend::Shm) {
     ShmOptions shm;

@@ -291,14 +291,6 @@ class ProcessGroup {
     return nullptr;
   }
 
-  // Where the collective check exchanges the fingerprints of the collective it is about to
-  // start: a group on the host, or null (the default: through this group). Called once per
-  // checked collective, when its exchange is issued (at the call, unless earlier calls are
-  // still unsettled). NCCL returns a shm group when every rank shares a machine (Note
-  // [Shared-memory fingerprints] in dist/shm_fingerprints.cpp), so the check never copies to
-  // or from the GPU, and first issues its queued send/recv, as its own all-gather would.
-  virtual ProcessGroup* fingerprint_exchange_group() { return nullptr; }
-
   // Bytes this rank really moved, and which all-reduce algorithm ran (MovedBytes); the base
   // class measures nothing.
   virtual MovedBytes moved_bytes() const { return {}; }
@@ -416,10 +408,6 @@ struct NcclOptions {
   int world_size = 1;
   Device device = Device::cuda(0);  // this rank's GPU: one GPU per rank
   std::chrono::milliseconds timeout = kDefaultTimeout;
-  // When every rank is on this machine, the collective check's fingerprints travel through
-  // shared memory, with no copy to or from the GPU (Note [Shared-memory fingerprints] in
-  // dist/shm_fingerprints.cpp). init_process_group sets it when the check is on.
-  bool fingerprints_over_shm = false;
 };
 // Rank 0 creates the NCCL unique id and publishes it in store; every rank builds its
 // communicator from it. Throws DistError when two ranks name the same GPU on one host.

@@ -34,9 +34,7 @@
 // a mismatch none runs the collective. A rank whose peer never arrives waits in that task
 // until the group's timeout. Other backends return null and keep the deferred exchange
 // below: shm and MPI run a collective on the caller's thread, where the two steps cost no
-// hand-off. NCCL's fingerprints go through its fingerprint_exchange_group() when every rank shares a
-// machine (shared memory: nothing copied to or from the GPU), else through NCCL itself (a
-// copy to the GPU, the all-gather's wait and a copy back per rank, for each collective).
+// hand-off.
 //
 // Note [Deferred check]
 // A collective returns its Work at once and never waits for the peers: the call joins the
@@ -241,17 +239,14 @@ class CheckedWork : public Work {
   void exchange() {
     if (fingerprints_ || settled_) return;
     const int world = state_->inner->size();
-    // Through the backend's host group for them where it has one (NCCL on one machine: shared
-    // memory), else through the backend, on its device (NCCL takes only its GPU's tensors; a
-    // CPU group's stay on the host even when the collective's tensors are on a GPU).
-    ProcessGroup* host_group = state_->inner->fingerprint_exchange_group();
-    ProcessGroup& through = host_group != nullptr ? *host_group : *state_->inner;
-    const Device device = host_group != nullptr ? Device::cpu() : state_->inner->device();
+    // The fingerprint lives on the backend's device (NCCL takes only its GPU's tensors; a CPU
+    // group's stays on the host even when the collective's tensors are on a GPU).
+    const Device device = state_->inner->device();
     try {
       Tensor send = Tensor::from_vector(mine_).to(device);
       for (int r = 0; r < world; ++r)
         received_.push_back(Tensor::empty({kFingerprintFields}, DType::Int64, device));
-      fingerprints_ = through.all_gather(received_, send);
+      fingerprints_ = state_->inner->all_gather(received_, send);
     } catch (...) {
       fail(naming_the_call(std::current_exception()));
     }
@@ -506,7 +501,6 @@ class CheckedProcessGroup : public ProcessGroup {
   Tensor new_collective_buffer(int64_t numel, DType dtype, Device device) override {
     return state_->inner->new_collective_buffer(numel, dtype, device);
   }
-  ProcessGroup* fingerprint_exchange_group() override { return state_->inner->fingerprint_exchange_group(); }
   std::string all_reduce_algorithm() const override { return state_->inner->all_reduce_algorithm(); }
   std::string all_reduce_algorithm_for(const Tensor& tensor) const override {
     return state_->inner->all_reduce_algorithm_for(tensor);
@@ -584,8 +578,7 @@ class CheckedProcessGroup : public ProcessGroup {
                                  CollectivePurpose::current()};
     // Note [Fused collective check]. Nothing is ever queued here on such a backend.
     if (state_->unsettled.empty()) {
-      CollectiveGuard guard{mine,
-                            [description = describe(what, tensor), mine](const std::vector<int64_t>& table) {
+      CollectiveGuard guard{mine, [description = describe(what, tensor), mine](const std::vector<int64_t>& table) {
                               throw_on_mismatch(description, mine, table);
                             }};
       if (auto fused = state_->inner->start_guarded(std::move(guard), start))

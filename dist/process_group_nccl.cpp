@@ -117,7 +117,6 @@
 #include "dist/detail.h"
 #include "dist/nccl_protocol.h"
 #include "dist/process_group.h"
-#include "dist/shm_fingerprints.h"
 
 #if NANODDP_WITH_NCCL
 
@@ -548,8 +547,6 @@ class ProcessGroupNccl : public ProcessGroup {
           },
           timeout_);
     }
-    if (options.fingerprints_over_shm)
-      fingerprint_group_ = make_fingerprint_group(store_, prefix_, rank_, world_size_, timeout_);
   }
 
   // Note [NCCL shutdown]; destructors never throw.
@@ -674,15 +671,6 @@ class ProcessGroupNccl : public ProcessGroup {
     return issue_all_reduce(token, ReduceOp::Sum, where() + ": nccl barrier");
   }
 
-  // Note [Shared-memory fingerprints] (dist/shm_fingerprints.cpp): null when a rank is on
-  // another machine, or the check is off. A peer may wait in a recv for a send still queued
-  // here while this rank waits for its fingerprint: queued calls go out first, as they would
-  // before NCCL's own all-gather of the fingerprints (Note [NCCL point-to-point]).
-  ProcessGroup* fingerprint_exchange_group() override {
-    if (fingerprint_group_ != nullptr) issue_queued_point_to_point();
-    return fingerprint_group_.get();
-  }
-
   // Note [NCCL point-to-point]: queued here, issued as one NCCL group later.
   std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {
     return queue_point_to_point(tensor, dst, tag, /*is_send=*/true);
@@ -802,8 +790,6 @@ class ProcessGroupNccl : public ProcessGroup {
   Device device_;
   std::chrono::milliseconds timeout_;
   std::string prefix_;  // this group's keys in the store
-  // The shm group the collective check's fingerprints travel through, or null.
-  std::shared_ptr<ProcessGroup> fingerprint_group_;
   std::shared_ptr<NcclLane> collectives_;
   // Note [NCCL point-to-point]: its own communicator and stream, and the queue of calls not yet
   // issued. Empty at world size 1 (no peer).

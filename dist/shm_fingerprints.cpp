@@ -2,7 +2,7 @@
 // The collective check (Note [Fused collective check] in dist/process_group_checked.cpp)
 // exchanges a 56-byte fingerprint before every collective.
 //
-// Gloo: through its sockets that is one more message each way, and on a machine with as many
+// Through Gloo's sockets that is one more message each way, and on a machine with as many
 // ranks as cores every Gloo message is expensive: it waits for the receiver's "ready" notice,
 // then wakes the receiver's network thread and its worker, each waking a core or preempting a
 // rank's compute. Measured on a 2-core VM (world-2 MLP, median step of 6 runs each): 4.1 ms
@@ -10,20 +10,12 @@
 // time is 1.03 s against 0.79 s unchecked (2.50 s over Gloo), and the exchange takes about 50
 // microseconds, waiting for the peer included.
 //
-// NCCL: through NCCL the fingerprints are device tensors, copied to the GPU before the
-// exchange, all-gathered, and every rank's copied back to the host to be compared before the
-// collective may start: 2 + world_size waits for the device per collective, in a training step
-// that should wait for it only where the loss is read (Note [Host syncs] in
-// kernels/device_memory.h). Through shared memory the GPU is not involved at all: the check
-// exchanges them through the group's fingerprint_exchange_group() (dist/process_group_checked.cpp).
-//
 // So when every rank of the group is on this machine (the same boot id and host name), the
 // group makes a shm group of its own (make_shm_process_group, store keys
 // "<prefix>fingerprints/") and the fingerprints are all-gathered there: a write into shared
-// memory, read by a peer that spins briefly before it sleeps, with no socket, no other thread
-// and no device. Gloo's worker does it inside the collective's task; for NCCL the check does it
-// in its deferred exchange, so a call still returns before its peers arrive. Ranks on several
-// machines keep the backend's own all-gather.
+// memory, read by a peer that spins briefly before it sleeps, with no socket and no other
+// thread, inside the collective's task on Gloo's worker. Ranks on several machines keep Gloo's
+// all-gather.
 #include "dist/shm_fingerprints.h"
 
 #include <cstring>
@@ -61,7 +53,7 @@ bool shm_fingerprints_possible(Store& store, const std::string& prefix, int rank
 
 // What a failed exchange through the shm group says, in the checked collective's name: the shm
 // group's own descriptions of its all_gather ("rank 2/4 on vm: shm all_gather of [7] int64 (56
-// bytes) on cpu: ", again inside a peer's abort) are dropped, so that a Gloo or NCCL job's
+// bytes) on cpu: ", again inside a peer's abort) are dropped, so that a Gloo job's
 // error does not read as an shm collective.
 std::string fingerprint_failure(std::string shm_error) {
   const std::string start = "shm all_gather of [", end = " on cpu: ";

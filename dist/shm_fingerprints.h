@@ -1,5 +1,5 @@
 // The collective check's fingerprints through shared memory (Note [Shared-memory fingerprints]
-// in dist/shm_fingerprints.cpp): for a Gloo or NCCL group whose ranks all run on this machine.
+// in dist/shm_fingerprints.cpp): for a Gloo group whose ranks all run on this machine.
 #pragma once
 
 #include <chrono>

@@ -10,10 +10,8 @@
 #include <thread>
 
 #include "core/error.h"
-#include "dist/shm_fingerprints.h"
 #include "tests/collectives_cases.h"
 #include "tests/dist_ranks.h"
-#include "tests/forwarding_group.h"
 
 using namespace nanoddp;
 using namespace nanoddp::dist;
@@ -250,68 +248,6 @@ TEST_CASE("gloo: the same with the fingerprints over Gloo's sockets, as between 
     options.fingerprints_over_shm = false;
     expect_every_mismatch_caught(make_checked_process_group(make_gloo_process_group(store, options), 20s), rank,
                                  world);
-  });
-}
-
-// A backend that offers a host group for the fingerprints (NCCL on one machine:
-// ProcessGroup::fingerprint_exchange_group, Note [Shared-memory fingerprints]). The check exchanges
-// them there, never through the backend, a call still returns before its peers arrive, and
-// every mismatch is caught as before.
-class FingerprintsElsewhere : public testing::ForwardingGroup {
- public:
-  FingerprintsElsewhere(std::shared_ptr<ProcessGroup> inner, std::shared_ptr<ProcessGroup> fingerprints)
-      : ForwardingGroup(std::move(inner)), fingerprints_(std::move(fingerprints)) {}
-  ProcessGroup* fingerprint_exchange_group() override {
-    ++exchanges;
-    return fingerprints_.get();
-  }
-  std::shared_ptr<Work> all_gather(std::vector<Tensor>& outs, const Tensor& in) override {
-    ++all_gathers;
-    return inner_->all_gather(outs, in);
-  }
-  int all_gathers = 0;
-  int exchanges = 0;  // asked where to exchange: once per checked collective
-
- private:
-  std::shared_ptr<ProcessGroup> fingerprints_;
-};
-
-TEST_CASE(
-    "a backend's own fingerprint group carries the check's exchange, and every mismatch is still caught") {
-  on_2_and_4_ranks([](int rank, int world, int port) {
-    if (testing::under_mpirun()) return;
-    auto store = rank_store(rank, world, port);
-    ShmOptions options;
-    options.rank = rank;
-    options.world_size = world;
-    options.timeout = 20s;
-    options.store_prefix = "inner/";
-    auto fingerprints = make_fingerprint_group(store, "check/", rank, world, 20s);
-    expect(fingerprints != nullptr, "rank ", rank, ": no shm fingerprint group on one machine");
-    auto backend =
-        std::make_shared<FingerprintsElsewhere>(make_shm_process_group(store, options), fingerprints);
-    auto pg = make_checked_process_group(backend, 20s);
-    // Rank 0 calls first and returns before the others call (they wait for its key).
-    Tensor early = Tensor::full({5}, static_cast<float>(rank + 1));
-    if (rank == 0) {
-      auto work = pg->all_reduce(early);
-      // The exchange was issued at the call (where NCCL sends its queued send/recv).
-      expect(backend->exchanges == 1, "rank 0: the exchange was not issued at the call");
-      store->set("called", std::string("1"));
-      work->wait();
-    } else {
-      store->wait({"called"}, 20s);
-      pg->all_reduce(early)->wait();
-    }
-    expect_floats(early, std::vector<double>(5, world * (world + 1) / 2.0), "all_reduce through the check");
-    Tensor small = Tensor::ones({rank == 0 ? 3 : 2});
-    expect_mismatch([&] { pg->all_reduce(small)->wait(); },
-                    {"rank 0: all_reduce(sum) #2, 3 float32", "rank 1: all_reduce(sum) #2, 2 float32"}, rank);
-    expect(small.to_vector() == std::vector<float>(small.numel(), 1.0f), "rank ", rank, ": data changed");
-    expect_in_step(*pg, rank, world);
-    expect(backend->all_gathers == 0, "rank ", rank, ": ", backend->all_gathers,
-           " fingerprint all_gathers went through the backend");
-    expect(backend->exchanges == 3, "rank ", rank, ": ", backend->exchanges, " exchanges for 3 collectives");
   });
 }
 
