@@ -79,15 +79,18 @@ inline std::vector<float> small_ints(int64_t n, uint64_t seed, int low, int high
   return values;
 }
 
-// got (CUDA) against want (CPU): |got - want| <= atol + rtol |want| everywhere, NaN only
-// where want is NaN. Reports how many differ and the first one.
+// got (CUDA) against want (CPU): equal, or |got - want| <= atol + rtol |want|, everywhere (an
+// infinity matches only itself), NaN only where want is NaN. Reports how many differ and the
+// first one.
 inline void expect_close(const std::string& what, const std::vector<float>& got, const std::vector<float>& want,
                          double rtol, double atol) {
   REQUIRE_MESSAGE(got.size() == want.size(), what);
   size_t bad = 0, first = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     const double g = got[i], w = want[i];
-    const bool ok = std::isnan(w) ? std::isnan(g) : (!std::isnan(g) && std::fabs(g - w) <= atol + rtol * std::fabs(w));
+    const bool ok = std::isnan(w)                    ? std::isnan(g)
+                    : std::isinf(w) || std::isinf(g) ? g == w
+                                                     : std::fabs(g - w) <= atol + rtol * std::fabs(w);
     if (!ok && bad++ == 0) first = i;
   }
   CHECK_MESSAGE(bad == 0, what << ": " << bad << " of " << got.size() << " elements differ; first at " << first
