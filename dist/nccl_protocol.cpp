@@ -41,9 +41,24 @@ class PollPause {
 
 }  // namespace
 
+std::string AsyncComm::abort_reason() const {
+  std::lock_guard<std::mutex> lock(reason_mutex_);
+  return abort_reason_;
+}
+
+void AsyncComm::set_abort_reason(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(reason_mutex_);
+  if (abort_reason_.empty()) abort_reason_ = reason;
+}
+
+std::string AsyncComm::aborted_message() const {
+  const std::string reason = abort_reason();
+  return "the communicator was aborted after an earlier timeout or error" + (reason.empty() ? "" : " (" + reason + ")");
+}
+
 void issue_and_wait_enqueued(AsyncComm& comm, const std::string& what, std::chrono::milliseconds timeout,
                              const std::function<AsyncState(std::string* error)>& issue) {
-  NANODDP_CHECK(!comm.aborted(), DistError, what, ": the communicator was aborted after an earlier timeout or error");
+  NANODDP_CHECK(!comm.aborted(), DistError, what, ": ", comm.aborted_message());
   // Step 1.
   std::string error;
   const AsyncState issued = issue(&error);
@@ -125,13 +140,27 @@ void EventWork::wait(std::chrono::milliseconds timeout) {
       keep_alive_.clear();
       return;
     }
-    NANODDP_CHECK(!comm_->aborted(), DistError, what_,
-                  ": the communicator was aborted after an earlier timeout or error; this work did not finish");
+    NANODDP_CHECK(!comm_->aborted(), DistError, what_, ": ", comm_->aborted_message(), "; this work did not finish");
     if (!ordered_) {
       event_.order_compute_stream();
       ordered_ = true;
     }
   }
+  if (waits_ == Waits::Host) return wait_on_host(timeout);
+  if (is_completed()) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    keep_alive_.clear();
+    return;
+  }
+  // Note [NCCL stream-ordered wait]: the host goes on; the watchdog keeps the deadline.
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (keep_alive_.empty()) return;  // handed over by an earlier wait()
+  Watchdog::instance().watch(Watchdog::Watched{what_, comm_, event_.query, std::move(keep_alive_),
+                                               effective_wait_timeout(timeout, release_timeout_)});
+  keep_alive_.clear();
+}
+
+void EventWork::wait_on_host(std::chrono::milliseconds timeout) {
   kernels::cuda::count_host_sync();  // the polls below wait for the device (Note [Host syncs])
   timeout = effective_wait_timeout(timeout, release_timeout_);
   const auto deadline = Clock::now() + timeout;
@@ -164,6 +193,101 @@ bool EventWork::is_completed() {
   }
   completed_ = state == AsyncState::Done;
   return completed_;
+}
+
+// ---- the watchdog (Note [NCCL stream-ordered wait]) ---------------------------------------
+
+namespace {
+
+// How often the watchdog polls what it watches: often enough that a finished collective's
+// tensors return to the caching allocator within a step, rarely enough to cost no core.
+constexpr auto kWatchInterval = std::chrono::microseconds(500);
+
+}  // namespace
+
+Watchdog& Watchdog::instance() {
+  static Watchdog* watchdog = new Watchdog;  // never destroyed: Works may be waited on during exit
+  return *watchdog;
+}
+
+void Watchdog::watch(Watched watched) {
+  const auto deadline = Clock::now() + watched.timeout;
+  std::lock_guard<std::mutex> lock(mutex_);
+  // A thread of its own, started here and in a forked child again (fork copies no thread).
+  if (thread_pid_ != getpid()) {
+    std::thread([this] { run(); }).detach();
+    thread_pid_ = getpid();
+  }
+  watched_.emplace_back(std::move(watched), deadline);
+  wake_.notify_one();
+}
+
+void Watchdog::forget(const AsyncComm& comm) {
+  std::vector<Watched> dropped;  // their tensors go outside the lock
+  std::unique_lock<std::mutex> lock(mutex_);
+  // One being handled now is finished first, so that none outlives this call.
+  wake_.wait(lock, [&] { return in_hand_ == 0; });
+  for (auto it = watched_.begin(); it != watched_.end();) {
+    if (it->first.comm.get() == &comm) {
+      dropped.push_back(std::move(it->first));
+      it = watched_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  lock.unlock();
+}
+
+size_t Watchdog::watched() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return watched_.size() + in_hand_;
+}
+
+void Watchdog::run() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    wake_.wait(lock, [&] { return !watched_.empty(); });
+    wake_.wait_for(lock, kWatchInterval);
+    // Handled outside the lock: a query or an abort must not stall watch() on the main thread.
+    std::vector<std::pair<Watched, Clock::time_point>> polled;
+    polled.swap(watched_);
+    in_hand_ = polled.size();
+    lock.unlock();
+    std::vector<std::pair<Watched, Clock::time_point>> pending;
+    for (auto& [watched, deadline] : polled) {
+      std::string error, failure;
+      // An aborted communicator runs no kernel any more, whoever aborted it.
+      if (watched.comm->aborted()) continue;
+      try {
+        const AsyncState event = watched.query(&error);
+        if (event == AsyncState::Done) continue;
+        if (event == AsyncState::Failed)
+          failure = "the device reported " + error;
+        else if (watched.comm->state(&error) == AsyncState::Failed)
+          failure = "NCCL reported " + error;
+        else if (Clock::now() > deadline)
+          failure = "did not complete within " + std::to_string(watched.timeout.count()) +
+                    " ms (a peer may have exited or be out of step)";
+      } catch (const std::exception& e) {
+        failure = message_of(e);
+      }
+      if (failure.empty()) {
+        pending.emplace_back(std::move(watched), deadline);
+        continue;
+      }
+      const std::string reason = watched.what + ": " + failure;
+      watched.comm->set_abort_reason(reason);  // before the abort, which a caller may see at once
+      watched.comm->abort();
+      kernels::cuda::fail_host_syncs(reason + "; the NCCL communicator was aborted, so the device's results "
+                                     "after it may rest on values that were never reduced");
+      std::fprintf(stderr, "nanoddp: %s; the NCCL communicator was aborted\n", reason.c_str());
+    }
+    polled.clear();  // the finished ones' tensors, outside the lock
+    lock.lock();
+    for (auto& entry : pending) watched_.push_back(std::move(entry));
+    in_hand_ = 0;
+    wake_.notify_all();  // forget() may be waiting for in_hand_
+  }
 }
 
 // The Work of one queued call: it shares the queue, so it may outlive the process group.

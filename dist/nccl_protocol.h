@@ -8,6 +8,22 @@
 //   cudaEventRecord(done, stream);                   // only now: the collective is on the stream
 //   auto work = std::make_shared<detail::EventWork>(what, comm_ptr, event, keep_alive, timeout);
 //
+// Note [NCCL stream-ordered wait]
+// EventWork::wait() does what torch's ProcessGroupNCCL Work.wait() does by default: it makes
+// the compute stream wait for the collective's done event, and returns. The host does not
+// wait, so every kernel and copy issued afterwards sees the result, and a DDP step is queued
+// whole without waiting for the device (Note [Host syncs] in kernels/device_memory.h). The
+// timeout still holds. The Work hands its tensors and its deadline to the Watchdog, one thread
+// for the process, which polls the event until it has passed and then lets the tensors go.
+// Should the deadline pass first, or NCCL or the device report an error, the watchdog aborts
+// the communicator (which ends its kernels, so the compute stream moves on) and says so on
+// stderr; and since what the device computes from then on may rest on values never reduced,
+// the failure is kept: every later call on that communicator, and every later wait of the
+// host for the device (a copy to the host, item(), synchronize()), throws DistError naming
+// the collective. torch's watchdog ends the process instead (NCCL_ASYNC_ERROR_HANDLING); here
+// the program gets the error where it next reads. A barrier still waits on the host, as
+// torch's does: that is its purpose.
+//
 // Note [NCCL non-blocking]
 // The group builds its communicator with config.blocking = 0, so that no NCCL call can block
 // the host forever (a peer that never arrives ends in TimeoutError and ncclCommAbort, not a
@@ -35,6 +51,7 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <exception>
 #include <memory>
@@ -63,6 +80,17 @@ class AsyncComm {
   // Stops everything in flight on the communicator; idempotent; never throws.
   virtual void abort() = 0;
   virtual bool aborted() const = 0;
+
+  // Why the watchdog aborted the communicator (Note [NCCL stream-ordered wait]); empty when it
+  // did not. The first reason stays. Safe from any thread.
+  std::string abort_reason() const;
+  void set_abort_reason(const std::string& reason);
+  // "the communicator was aborted after an earlier timeout or error", with the reason if known.
+  std::string aborted_message() const;
+
+ private:
+  mutable std::mutex reason_mutex_;
+  std::string abort_reason_;
 };
 
 // Note [NCCL non-blocking] steps 1-2. issue makes the call and returns its immediate state
@@ -97,22 +125,69 @@ class EventWork : public Work {
   // on stderr. Never throws.
   ~EventWork() override;
 
-  // Orders the compute stream after the event (once, whichever thread comes first), then polls
-  // it from the host: returns once it has passed; TimeoutError after timeout, DistError when
-  // the communicator or the device reports an error (both abort the communicator). Then
-  // releases the tensors.
+  // How wait() waits: StreamOrdered (every collective, send and recv) or Host (a barrier).
+  enum class Waits { StreamOrdered, Host };
+
+  // Orders the compute stream after the event (once, whichever thread comes first). Then:
+  // StreamOrdered: returns at once, and the Watchdog holds the tensors until the event has
+  // passed, aborting the communicator after timeout or an error (Note [NCCL stream-ordered
+  // wait]); Host: polls the event from the host and returns once it has passed, TimeoutError
+  // after timeout, DistError when the communicator or the device reports an error (both abort
+  // the communicator), then releases the tensors. Both throw DistError, with the reason, once
+  // the communicator was aborted.
   void wait(std::chrono::milliseconds timeout) override;
   bool is_completed() override;
 
+  void set_waits(Waits waits) { waits_ = waits; }
+
  private:
+  void wait_on_host(std::chrono::milliseconds timeout);
+
   std::string what_;
   std::shared_ptr<AsyncComm> comm_;
   Event event_;
   std::chrono::milliseconds release_timeout_;
+  Waits waits_ = Waits::StreamOrdered;
   std::mutex mutex_;  // guards the three below; never held while sleeping between polls
-  std::vector<Tensor> keep_alive_;
+  std::vector<Tensor> keep_alive_;  // empty once handed to the Watchdog
   bool ordered_ = false;
   bool completed_ = false;
+};
+
+// Note [NCCL stream-ordered wait]: follows the collectives whose Works were waited on until
+// their done events have passed, then lets their tensors go. One per process; its thread
+// starts at the first watch() and polls only while something is watched.
+class Watchdog {
+ public:
+  struct Watched {
+    std::string what;  // the collective, as its errors name it
+    std::shared_ptr<AsyncComm> comm;
+    std::function<AsyncState(std::string* error)> query;  // the done event's (EventWork::Event)
+    std::vector<Tensor> keep_alive;
+    std::chrono::milliseconds timeout;  // from watch() on
+  };
+
+  static Watchdog& instance();
+  // Watches until the event has passed (then drops keep_alive) or the communicator is aborted
+  // (by anyone: its kernels have stopped). Past the timeout, or when comm or the event reports
+  // an error, it sets comm's abort reason, aborts comm, says so on stderr and makes every later
+  // host wait for the device throw (kernels::cuda::fail_host_syncs).
+  void watch(Watched watched);
+  // Drops what is watched on comm without a further poll: for a communicator that has been
+  // finalized or aborted, whose calls have all ended (Note [NCCL shutdown]).
+  void forget(const AsyncComm& comm);
+  // How many are watched, those being handled at this moment included.
+  size_t watched();
+
+ private:
+  Watchdog() = default;
+  void run();
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::vector<std::pair<Watched, std::chrono::steady_clock::time_point>> watched_;  // with deadlines
+  size_t in_hand_ = 0;  // taken out of watched_ by the thread, not yet handled
+  int thread_pid_ = 0;  // the process the thread runs in (a fork has none)
 };
 
 // Note [NCCL point-to-point]: send() and recv() add their call here; the calls go out together,

@@ -178,6 +178,12 @@ class Work {
   // applies, as torch's Work.wait(timeout=timedelta(0)). A CPU result is then in the tensors; a CUDA result
   // is ordered before every later kernel on the compute stream. Calling wait() again returns at once (or
   // throws the same error).
+  // NCCL, as torch's ProcessGroupNCCL by default: wait() only orders the compute stream after the
+  // collective and returns, so the host does not wait for the device (a barrier's wait() does). The
+  // timeout is kept by a watchdog thread: past it, or on an NCCL error, it aborts the communicator and
+  // prints why, and from then on every call of the group and every host read of device memory (a copy
+  // to the host, item(), synchronize()) throws DistError with that reason (Note [NCCL stream-ordered
+  // wait] in dist/nccl_protocol.h). Where torch's watchdog ends the process, here the next read fails.
   virtual void wait(std::chrono::milliseconds timeout = kDefaultTimeout) = 0;
   // True once finished (successfully or not); never blocks. On a group whose collectives run
   // in wait() (collectives_run_in_wait(): shm, shm+gloo) it stays false until some thread

@@ -25,10 +25,11 @@
 // [NCCL point-to-point]). Each call first waits (cudaStreamWaitEvent) for an event recorded on
 // the compute stream, so it sees every kernel issued before it; its end is another event,
 // recorded once every NCCL call of it is enqueued. Work::wait makes the compute stream wait for
-// that event, then polls it from the host until the timeout, aborting the call's communicator
-// on timeout or NCCL error so that no kernel spins forever. The Work holds the tensors until
-// the event has passed, even when dropped without wait(), so the caching allocator cannot
-// reuse their memory while NCCL uses it.
+// that event and returns; the watchdog follows the event until the timeout, aborting the
+// call's communicator on timeout or NCCL error so that no kernel spins forever (Note [NCCL
+// stream-ordered wait] in dist/nccl_protocol.h; a barrier waits on the host). The Work, then
+// the watchdog, holds the tensors until the event has passed, even when the Work is dropped
+// without wait(), so the caching allocator cannot reuse their memory while NCCL uses it.
 //
 // Note [NCCL point-to-point]
 // ncclSend and ncclRecv hold their stream until the peer posts the matching call, and NCCL runs
@@ -191,7 +192,7 @@ class NcclComm : public detail::AsyncComm {
   AsyncState call(NcclCall&& nccl_call, std::string* error) {
     std::lock_guard<std::mutex> lock(nccl_call_mutex());
     if (aborted_.load() || closed_) {
-      *error = aborted_.load() ? "the communicator was aborted (earlier timeout or error)"
+      *error = aborted_.load() ? aborted_message()
                                : "the communicator was finalized (its process group was destroyed)";
       return AsyncState::Failed;
     }
@@ -305,6 +306,7 @@ struct NcclLane {
   ~NcclLane() {
     cudaSetDevice(device.index);
     comm->close();
+    detail::Watchdog::instance().forget(*comm);  // finalized or aborted: every call has ended
     comm.reset();
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
@@ -359,9 +361,9 @@ void finish_after_error(const NcclLane& lane, const std::string& what, std::vect
 // Note [NCCL streams]: order after the compute stream, run body on the lane's stream, record
 // the end. The Work aborts the lane's communicator when it times out or NCCL reports an error.
 template <typename Body>
-std::shared_ptr<Work> launch(const NcclLane& lane, const std::string& what, std::vector<Tensor> keep, Body&& body) {
-  NANODDP_CHECK(!lane.comm->aborted(), DistError, what, ": the communicator was aborted after an "
-                "earlier timeout or error");
+std::shared_ptr<detail::EventWork> launch(const NcclLane& lane, const std::string& what, std::vector<Tensor> keep,
+                                          Body&& body) {
+  NANODDP_CHECK(!lane.comm->aborted(), DistError, what, ": ", lane.comm->aborted_message());
   kernels::cuda::set_device(lane.device.index);
   CudaEvent ready;
   NANODDP_NCCL_DIST_CUDA(cudaEventRecord(ready.get(), compute_stream()), what);
@@ -440,7 +442,7 @@ NanSafeReduction nan_safe(DType dtype, ReduceOp op) {
 }
 
 // Note [NCCL point-to-point]: the queued calls as one NCCL group on the point-to-point lane.
-std::shared_ptr<Work> issue_point_to_point_group(const NcclLane& lane, const std::string& where,
+std::shared_ptr<detail::EventWork> issue_point_to_point_group(const NcclLane& lane, const std::string& where,
                                                  const std::vector<detail::PointToPointQueue::Call>& calls) {
   std::vector<Tensor> keep;
   // The types first: nothing may throw between ncclGroupStart and ncclGroupEnd, which would
@@ -666,9 +668,12 @@ class ProcessGroupNccl : public ProcessGroup {
 
   std::shared_ptr<Work> barrier() override {
     count_call(Collective::Barrier);
-    // NCCL has no barrier: an all-reduce of one element has the same effect.
+    // NCCL has no barrier: an all-reduce of one element has the same effect, waited for on the
+    // host, as torch's barrier is (Note [NCCL stream-ordered wait]).
     Tensor token = Tensor::zeros({1}, DType::Float32, device_);
-    return issue_all_reduce(token, ReduceOp::Sum, where() + ": nccl barrier");
+    std::shared_ptr<detail::EventWork> work = issue_all_reduce(token, ReduceOp::Sum, where() + ": nccl barrier");
+    work->set_waits(detail::EventWork::Waits::Host);
+    return work;
   }
 
   // Note [NCCL point-to-point]: queued here, issued as one NCCL group later.
@@ -681,7 +686,7 @@ class ProcessGroupNccl : public ProcessGroup {
 
  private:
   // all_reduce once its arguments are checked and counted (barrier's is not an all_reduce's).
-  std::shared_ptr<Work> issue_all_reduce(Tensor& tensor, ReduceOp op, const std::string& what) {
+  std::shared_ptr<detail::EventWork> issue_all_reduce(Tensor& tensor, ReduceOp op, const std::string& what) {
     issue_queued_point_to_point();
     void* data = tensor.impl()->storage->data();
     const NanSafeReduction reduction = nan_safe(tensor.dtype(), op);  // Note [NCCL NaN]
@@ -762,9 +767,10 @@ class ProcessGroupNccl : public ProcessGroup {
       calls.push_back({one, peer, /*is_send=*/true});
       calls.push_back({Tensor::zeros({1}, DType::Float32, device_), peer, /*is_send=*/false});
     }
-    issue_point_to_point_group(*point_to_point_, where() + " (connecting send/recv with the peers at the start)",
-                               calls)
-        ->wait(timeout_);
+    auto connected = issue_point_to_point_group(
+        *point_to_point_, where() + " (connecting send/recv with the peers at the start)", calls);
+    connected->set_waits(detail::EventWork::Waits::Host);  // the group is ready when built
+    connected->wait(timeout_);
   }
 
   std::shared_ptr<Work> queue_point_to_point(const Tensor& tensor, int peer, int tag, bool is_send) {

@@ -51,12 +51,19 @@ void synchronize();  // waits for the compute stream
 
 // Note [Host syncs]
 // Every place where the host waits for the device (synchronize(), the synchronous copy(), the
-// stream drain of empty_cache(), an NCCL Work's wait(), which polls its event) calls
+// stream drain of empty_cache(), an NCCL barrier's wait(), which polls its event) calls
 // count_host_sync(), and host_syncs() says how many there were in this process, over every
 // thread and device. A training step should wait once, where the loss is read: the difference
 // of host_syncs() around a step is what tests/test_gpu_dist.cpp and benchmarks/gpu report.
-// Without CUDA the count stays 0.
+// Without CUDA the count stays 0. (An NCCL collective's wait() is not one: Note [NCCL
+// stream-ordered wait] in dist/nccl_protocol.h.)
 void count_host_sync();
 uint64_t host_syncs();
+
+// After the NCCL watchdog aborted a collective the host no longer waited for (Note [NCCL
+// stream-ordered wait]), what the device computes may rest on values that were never reduced:
+// from then on synchronize() and every copy() to or from the device throw DistError with the
+// first reason given, once the device has caught up. Without CUDA: nothing to do.
+void fail_host_syncs(const std::string& reason);
 
 }  // namespace nanoddp::kernels::cuda

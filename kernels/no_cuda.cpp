@@ -29,6 +29,7 @@ void* compute_stream() { no_cuda("compute_stream"); }
 void synchronize() {}
 void count_host_sync() {}
 uint64_t host_syncs() { return 0; }
+void fail_host_syncs(const std::string&) {}
 }  // namespace cuda
 
 }  // namespace nanoddp::kernels

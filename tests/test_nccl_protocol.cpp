@@ -1,4 +1,4 @@
-// Note [NCCL non-blocking] and the send/recv queue of Note [NCCL point-to-point]
+// Note [NCCL non-blocking], Note [NCCL stream-ordered wait] and the send/recv queue of Note [NCCL point-to-point]
 // (dist/nccl_protocol.h), driven without a GPU: a scripted communicator answers "in progress" as
 // NCCL's non-blocking one does, a scripted event stands in for the collective's done event, and
 // a recorder stands in for the NCCL group that the queue issues.
@@ -53,17 +53,17 @@ int count(const std::vector<std::string>& log, const std::string& entry) {
   return static_cast<int>(std::count(log.begin(), log.end(), entry));
 }
 
-// An event that has not passed for `pending` queries, then has.
+// An event that has not passed for `pending` queries, then has. The watchdog's thread queries
+// it too.
 struct ScriptedEvent {
   int pending = 0;
-  int queries = 0;
-  int orderings = 0;
+  std::atomic<int> queries{0};
+  std::atomic<int> orderings{0};
   std::function<void()> on_query;  // runs at every query that answers InProgress
   dist::detail::EventWork::Event make() {
     dist::detail::EventWork::Event event;
     event.query = [this](std::string*) {
-      ++queries;
-      if (queries > pending) return AsyncState::Done;
+      if (++queries > pending) return AsyncState::Done;
       if (on_query) on_query();
       return AsyncState::InProgress;
     };
@@ -71,6 +71,17 @@ struct ScriptedEvent {
     return event;
   }
 };
+
+// Until the watchdog holds nothing (what it watched has finished or was aborted); false if it
+// still does after 10 s.
+bool watchdog_idle() {
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (dist::detail::Watchdog::instance().watched() > 0) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(100us);
+  }
+  return true;
+}
 
 }  // namespace
 
@@ -196,28 +207,93 @@ TEST_CASE("a dropped Work whose event never passes aborts the communicator after
   CHECK(buffer.use_count() == 1);
 }
 
-TEST_CASE("wait() orders the compute stream once, polls the event and releases the tensors") {
+TEST_CASE("wait() orders the compute stream once and returns; the watchdog releases the tensors once the event passes") {
   auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Done});
   Tensor buffer = Tensor::zeros({16});
   ScriptedEvent event;
-  event.pending = 2;
+  event.pending = 3;
   dist::detail::EventWork work("all_reduce", comm, event.make(), {buffer}, 5s);
   work.wait(5s);
   CHECK(event.orderings == 1);
-  CHECK(event.queries == 3);
+  CHECK(event.queries == 1);       // one look, no wait: the host goes on (Note [NCCL stream-ordered wait])
+  CHECK(buffer.use_count() == 2);  // the caller's and the watchdog's
+  REQUIRE(watchdog_idle());
+  CHECK(event.queries == 4);  // the watchdog polled until the event passed
   CHECK(buffer.use_count() == 1);
   CHECK(work.is_completed());
   work.wait(5s);
   CHECK(event.orderings == 1);
+  CHECK(count(comm->log, "abort") == 0);
 }
 
-TEST_CASE("wait() times out, or reports NCCL's asynchronous error, and aborts") {
+TEST_CASE("wait() on a finished collective releases the tensors itself") {
+  auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Done});
+  Tensor buffer = Tensor::zeros({16});
+  ScriptedEvent event;
+  dist::detail::EventWork work("all_reduce", comm, event.make(), {buffer}, 5s);
+  work.wait(5s);
+  CHECK(dist::detail::Watchdog::instance().watched() == 0);
+  CHECK(buffer.use_count() == 1);
+}
+
+TEST_CASE("the watchdog aborts a waited collective that times out or fails, and later calls say why") {
+  SUBCASE("timeout, also for wait(0ms), which means the group's timeout") {
+    for (const std::chrono::milliseconds requested : {20ms, 0ms}) {
+      CAPTURE(requested.count());
+      auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::InProgress});
+      Tensor buffer = Tensor::zeros({4});
+      ScriptedEvent event;
+      event.pending = 1 << 30;
+      dist::detail::EventWork work("all_reduce #7", comm, event.make(), {buffer}, 20ms);
+      work.wait(requested);  // returns at once
+      REQUIRE(watchdog_idle());
+      CHECK(count(comm->log, "abort") == 1);
+      CHECK(buffer.use_count() == 1);  // an aborted communicator runs no kernel: released
+      CHECK(comm->abort_reason() == "all_reduce #7: did not complete within 20 ms (a peer may have exited or be out "
+                                    "of step)");
+      CHECK_THROWS_WITH_AS(work.wait(5s), doctest::Contains("aborted after an earlier timeout or error (all_reduce #7: "
+                                                            "did not complete within 20 ms"),
+                           DistError);
+      CHECK_THROWS_WITH_AS(dist::detail::issue_and_wait_enqueued(*comm, "all_reduce #8", 5s,
+                                                                 [](std::string*) { return AsyncState::Done; }),
+                           doctest::Contains("all_reduce #8: the communicator was aborted after an earlier timeout or "
+                                             "error (all_reduce #7: did not complete"),
+                           DistError);
+    }
+  }
+  SUBCASE("NCCL's asynchronous error") {
+    auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Failed});
+    ScriptedEvent event;
+    event.pending = 1 << 30;
+    dist::detail::EventWork work("all_reduce", comm, event.make(), {Tensor::zeros({4})}, 5s);
+    work.wait(5s);
+    REQUIRE(watchdog_idle());
+    CHECK(count(comm->log, "abort") == 1);
+    CHECK(comm->abort_reason() == "all_reduce: NCCL reported unhandled system error (remote peer closed the connection)");
+  }
+  SUBCASE("the group's end lets go of what is watched on its communicator, with no reason of its own") {
+    auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::InProgress});
+    Tensor buffer = Tensor::zeros({4});
+    ScriptedEvent event;
+    event.pending = 1 << 30;
+    dist::detail::EventWork work("all_reduce", comm, event.make(), {buffer}, 5s);
+    work.wait(5s);
+    dist::detail::Watchdog::instance().forget(*comm);  // as ~NcclLane does, once the communicator is closed
+    CHECK(dist::detail::Watchdog::instance().watched() == 0);
+    CHECK(buffer.use_count() == 1);
+    CHECK(comm->abort_reason().empty());
+  }
+}
+
+TEST_CASE("a Work that waits on the host (a barrier) times out, or reports NCCL's asynchronous error, and aborts") {
+  using Waits = dist::detail::EventWork::Waits;
   SUBCASE("timeout") {
     auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Done});
     ScriptedEvent event;
     event.pending = 1 << 30;
-    dist::detail::EventWork work("all_reduce", comm, event.make(), {Tensor::zeros({4})}, 5s);
-    CHECK_THROWS_AS(work.wait(20ms), TimeoutError);
+    dist::detail::EventWork work("barrier", comm, event.make(), {Tensor::zeros({4})}, 5s);
+    work.set_waits(Waits::Host);
+    CHECK_THROWS_WITH_AS(work.wait(20ms), doctest::Contains("within 20 ms"), TimeoutError);
     CHECK(count(comm->log, "abort") == 1);
     CHECK_THROWS_AS(work.wait(20ms), DistError);  // the same group cannot go on
   }
@@ -225,21 +301,22 @@ TEST_CASE("wait() times out, or reports NCCL's asynchronous error, and aborts") 
     auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Failed});
     ScriptedEvent event;
     event.pending = 1 << 30;
-    dist::detail::EventWork work("all_reduce", comm, event.make(), {Tensor::zeros({4})}, 5s);
+    dist::detail::EventWork work("barrier", comm, event.make(), {Tensor::zeros({4})}, 5s);
+    work.set_waits(Waits::Host);
     CHECK_THROWS_WITH_AS(work.wait(5s), doctest::Contains("remote peer closed"), DistError);
     CHECK(count(comm->log, "abort") == 1);
   }
-}
-
-TEST_CASE("wait() on an event that never passes ends by the group's timeout, also for wait(0ms)") {
-  for (const std::chrono::milliseconds requested : {0ms, 60000ms}) {
-    CAPTURE(requested.count());
+  SUBCASE("passed") {
     auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Done});
+    Tensor buffer = Tensor::zeros({4});
     ScriptedEvent event;
-    event.pending = 1 << 30;
-    dist::detail::EventWork work("all_reduce", comm, event.make(), {Tensor::zeros({4})}, 20ms);
-    CHECK_THROWS_WITH_AS(work.wait(requested), doctest::Contains("within 20 ms"), TimeoutError);
-    CHECK(count(comm->log, "abort") == 1);
+    event.pending = 2;
+    dist::detail::EventWork work("barrier", comm, event.make(), {buffer}, 5s);
+    work.set_waits(Waits::Host);
+    work.wait(5s);
+    CHECK(event.queries == 3);  // polled on this thread until it passed
+    CHECK(buffer.use_count() == 1);
+    CHECK(dist::detail::Watchdog::instance().watched() == 0);
   }
 }
 
@@ -410,6 +487,7 @@ TEST_CASE("two threads wait on the send and the recv of one group (one EventWork
     queue->close();
     sent.reset();
     received.reset();
+    REQUIRE(watchdog_idle());  // the waited group's tensors are the watchdog's until its event passes
     REQUIRE(out.use_count() == 1);
     REQUIRE(in.use_count() == 1);
   }

@@ -254,12 +254,30 @@ void free_pinned(void* ptr) {
   }
 }
 
+// fail_host_syncs: the first reason, kept for the life of the process (leaked: a copy may run
+// during exit).
+namespace {
+std::atomic<const std::string*> host_syncs_failure{nullptr};
+
+void throw_if_host_syncs_failed() {
+  if (const std::string* reason = host_syncs_failure.load(std::memory_order_acquire))
+    NANODDP_THROW(DistError, *reason);
+}
+}  // namespace
+
+void fail_host_syncs(const std::string& reason) {
+  const std::string* expected = nullptr;
+  auto* kept = new std::string(reason);
+  if (!host_syncs_failure.compare_exchange_strong(expected, kept, std::memory_order_acq_rel)) delete kept;
+}
+
 void copy(void* dst, const void* src, size_t nbytes, CopyKind kind) {
   if (nbytes == 0) return;
   cudaStream_t s = stream();
   NANODDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, to_cuda(kind), s));
   count_host_sync();
   NANODDP_CUDA_CHECK(cudaStreamSynchronize(s));
+  throw_if_host_syncs_failed();
 }
 
 void copy_async(void* dst, const void* src, size_t nbytes, CopyKind kind) {
@@ -278,6 +296,7 @@ void* compute_stream() {
 void synchronize() {
   count_host_sync();
   NANODDP_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  throw_if_host_syncs_failed();
 }
 
 // Note [Host syncs]: one counter for the process.
