@@ -267,8 +267,21 @@ class CheckedWork : public Work {
   // deadline (MPI gives up on nothing) and are taken, or the exchange ended in the timeout or
   // an error, which is thrown again.
   void wait_for_fingerprints(std::chrono::milliseconds timeout) {
+    const auto begin = std::chrono::steady_clock::now();
     try {
       fingerprints_->wait(timeout);
+      // The host reads the fingerprints. Where wait() only ordered the device's stream (NCCL:
+      // Note [NCCL stream-ordered wait]), the host waits for them here, within the same timeout.
+      while (!fingerprints_->is_completed()) {
+        const auto waited = std::chrono::steady_clock::now() - begin;
+        NANODDP_CHECK(waited < timeout, TimeoutError, "the fingerprints' all_gather did not complete within ",
+                      timeout.count(), " ms");
+        // A yield while it is young (a small all-gather takes microseconds), then short sleeps.
+        if (waited < std::chrono::microseconds(100))
+          std::this_thread::yield();
+        else
+          std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
     } catch (const TimeoutError&) {
       if (!exchange_over()) throw;
       fingerprints_->wait(std::chrono::milliseconds(1));
