@@ -152,7 +152,8 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
   for (auto& unit : units_)
     for (size_t i = 0; i < unit->hook_ids.size(); ++i) unit->params[i].second.remove_hook(unit->hook_ids[i]);
   // A prefetch still in flight writes into memory the model's parameters keep alive; wait for
-  // it so that nothing writes after the wrapper is gone.
+  // it so that nothing writes after the wrapper is gone (on NCCL the wait orders the device's
+  // stream, and the watchdog holds the memory until the gather has finished).
   for (auto& unit : units_) {
     try {
       if (unit->gather_work) unit->gather_work->wait(options_.timeout);

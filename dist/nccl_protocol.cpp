@@ -3,6 +3,7 @@
 #include <pwd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -134,13 +135,15 @@ EventWork::~EventWork() {
 }
 
 void EventWork::wait(std::chrono::milliseconds timeout) {
+  std::vector<Tensor> handed;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    // Before completed_: after an abort the event passes too, with no result behind it.
+    NANODDP_CHECK(!comm_->aborted(), DistError, what_, ": ", comm_->aborted_message(), "; this work did not finish");
     if (completed_) {
       keep_alive_.clear();
       return;
     }
-    NANODDP_CHECK(!comm_->aborted(), DistError, what_, ": ", comm_->aborted_message(), "; this work did not finish");
     if (!ordered_) {
       event_.order_compute_stream();
       ordered_ = true;
@@ -153,10 +156,18 @@ void EventWork::wait(std::chrono::milliseconds timeout) {
     return;
   }
   // Note [NCCL stream-ordered wait]: the host goes on; the watchdog keeps the deadline.
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (keep_alive_.empty()) return;  // handed over by an earlier wait()
+    handed = keep_alive_;             // copied: this work keeps them until the watchdog has them
+  }
+  try {
+    Watchdog::instance().watch(Watchdog::Watched{what_, comm_, event_.query, std::move(handed),
+                                                 effective_wait_timeout(timeout, release_timeout_)});
+  } catch (const std::exception&) {
+    return wait_on_host(timeout);  // no watchdog to be had (no thread, no memory): wait here
+  }
   std::lock_guard<std::mutex> lock(mutex_);
-  if (keep_alive_.empty()) return;  // handed over by an earlier wait()
-  Watchdog::instance().watch(Watchdog::Watched{what_, comm_, event_.query, std::move(keep_alive_),
-                                               effective_wait_timeout(timeout, release_timeout_)});
   keep_alive_.clear();
 }
 
@@ -213,23 +224,24 @@ Watchdog& Watchdog::instance() {
 void Watchdog::watch(Watched watched) {
   const auto deadline = Clock::now() + watched.timeout;
   std::lock_guard<std::mutex> lock(mutex_);
-  // A thread of its own, started here and in a forked child again (fork copies no thread).
-  if (thread_pid_ != getpid()) {
+  // Started at the first watch. A child forked after it has no watchdog thread, but it cannot
+  // use CUDA either (CUDA is not usable across fork).
+  if (!started_) {
     std::thread([this] { run(); }).detach();
-    thread_pid_ = getpid();
+    started_ = true;
   }
-  watched_.emplace_back(std::move(watched), deadline);
+  watched_.push_back(Entry{std::move(watched), deadline, false});
   wake_.notify_one();
 }
 
 void Watchdog::forget(const AsyncComm& comm) {
-  std::vector<Watched> dropped;  // their tensors go outside the lock
+  std::vector<Entry> dropped;  // their tensors go outside the lock
   std::unique_lock<std::mutex> lock(mutex_);
   // One being handled now is finished first, so that none outlives this call.
   wake_.wait(lock, [&] { return in_hand_ == 0; });
   for (auto it = watched_.begin(); it != watched_.end();) {
-    if (it->first.comm.get() == &comm) {
-      dropped.push_back(std::move(it->first));
+    if (it->watched.comm.get() == &comm) {
+      dropped.push_back(std::move(*it));
       it = watched_.erase(it);
     } else {
       ++it;
@@ -243,48 +255,85 @@ size_t Watchdog::watched() {
   return watched_.size() + in_hand_;
 }
 
+// One poll of entry: Finished (its tensors may go), Running, or Failed with *reason set (the
+// deadline passed, or NCCL or the device reported an error: its communicator must be aborted).
+Watchdog::Verdict Watchdog::poll(Entry& entry, std::string* reason) {
+  const Watched& watched = entry.watched;
+  std::string error;
+  const AsyncState event = watched.query(&error);
+  if (event != AsyncState::InProgress) {
+    if (event == AsyncState::Done) return Verdict::Finished;
+    if (watched.comm->aborted()) return Verdict::Finished;  // nothing runs on it any more
+    *reason = watched.what + ": the device reported " + error;
+    return Verdict::Failed;
+  }
+  if (watched.comm->aborted()) {
+    // Aborted by someone else (a dropped Work's release timeout, the group's end) before this
+    // collective finished: its result is lost, so host reads fail from now on. The tensors
+    // stay until the event passes, which it does once the abort has stopped NCCL's kernels.
+    if (!entry.lost) kernels::cuda::fail_host_syncs(watched.what + ": " + watched.comm->aborted_message() +
+                                                    " before it finished");
+    entry.lost = true;
+    return Verdict::Running;
+  }
+  if (watched.comm->state(&error) == AsyncState::Failed) {
+    *reason = watched.what + ": NCCL reported " + error;
+    return Verdict::Failed;
+  }
+  if (Clock::now() > entry.deadline) {
+    *reason = watched.what + ": did not complete within " + std::to_string(watched.timeout.count()) +
+              " ms (a peer may have exited or be out of step)";
+    return Verdict::Failed;
+  }
+  return Verdict::Running;
+}
+
 void Watchdog::run() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     wake_.wait(lock, [&] { return !watched_.empty(); });
     wake_.wait_for(lock, kWatchInterval);
     // Handled outside the lock: a query or an abort must not stall watch() on the main thread.
-    std::vector<std::pair<Watched, Clock::time_point>> polled;
+    std::vector<Entry> polled;
     polled.swap(watched_);
     in_hand_ = polled.size();
     lock.unlock();
-    std::vector<std::pair<Watched, Clock::time_point>> pending;
-    for (auto& [watched, deadline] : polled) {
-      std::string error, failure;
-      // An aborted communicator runs no kernel any more, whoever aborted it.
-      if (watched.comm->aborted()) continue;
+    std::vector<Entry> still_running, failed;
+    std::vector<std::shared_ptr<AsyncComm>> to_abort;
+    for (Entry& entry : polled) {
       try {
-        const AsyncState event = watched.query(&error);
-        if (event == AsyncState::Done) continue;
-        if (event == AsyncState::Failed)
-          failure = "the device reported " + error;
-        else if (watched.comm->state(&error) == AsyncState::Failed)
-          failure = "NCCL reported " + error;
-        else if (Clock::now() > deadline)
-          failure = "did not complete within " + std::to_string(watched.timeout.count()) +
-                    " ms (a peer may have exited or be out of step)";
-      } catch (const std::exception& e) {
-        failure = message_of(e);
+        std::string reason;
+        const Verdict verdict = poll(entry, &reason);
+        if (verdict == Verdict::Running) still_running.push_back(std::move(entry));
+        if (verdict != Verdict::Failed) continue;
+        // The reason and the failed reads first: once the abort has ended the kernels, a host
+        // wait returns, and it must find them.
+        entry.watched.comm->set_abort_reason(reason);
+        kernels::cuda::fail_host_syncs(reason + "; the NCCL communicator was aborted, so the device's results "
+                                       "after it may rest on values that were never reduced");
+        std::fprintf(stderr, "nanoddp: %s; the NCCL communicator was aborted\n", reason.c_str());
+        if (std::find(to_abort.begin(), to_abort.end(), entry.watched.comm) == to_abort.end())
+          to_abort.push_back(entry.watched.comm);
+        failed.push_back(std::move(entry));
+      } catch (...) {
+        still_running.push_back(std::move(entry));  // out of memory, say: polled again next time
       }
-      if (failure.empty()) {
-        pending.emplace_back(std::move(watched), deadline);
-        continue;
-      }
-      const std::string reason = watched.what + ": " + failure;
-      watched.comm->set_abort_reason(reason);  // before the abort, which a caller may see at once
-      watched.comm->abort();
-      kernels::cuda::fail_host_syncs(reason + "; the NCCL communicator was aborted, so the device's results "
-                                     "after it may rest on values that were never reduced");
-      std::fprintf(stderr, "nanoddp: %s; the NCCL communicator was aborted\n", reason.c_str());
     }
-    polled.clear();  // the finished ones' tensors, outside the lock
+    // Each abort on a thread of its own: freeing one communicator can wait for a kernel of
+    // another that only its own abort stops (as at the group's end, Note [NCCL shutdown]).
+    std::vector<std::thread> aborts;
+    for (const auto& comm : to_abort) {
+      try {
+        aborts.emplace_back([comm] { comm->abort(); });
+      } catch (...) {
+        comm->abort();  // no thread to be had
+      }
+    }
+    for (std::thread& abort : aborts) abort.join();
+    polled.clear();
+    failed.clear();  // their kernels have stopped: the tensors go, outside the lock
     lock.lock();
-    for (auto& entry : pending) watched_.push_back(std::move(entry));
+    for (Entry& entry : still_running) watched_.push_back(std::move(entry));
     in_hand_ = 0;
     wake_.notify_all();  // forget() may be waiting for in_hand_
   }

@@ -168,10 +168,11 @@ class Watchdog {
   };
 
   static Watchdog& instance();
-  // Watches until the event has passed (then drops keep_alive) or the communicator is aborted
-  // (by anyone: its kernels have stopped). Past the timeout, or when comm or the event reports
-  // an error, it sets comm's abort reason, aborts comm, says so on stderr and makes every later
-  // host wait for the device throw (kernels::cuda::fail_host_syncs).
+  // Watches until the event has passed (then drops keep_alive). Past the timeout, or when comm
+  // or the event reports an error, it sets comm's abort reason, makes every later host wait
+  // for the device throw (kernels::cuda::fail_host_syncs), says so on stderr and aborts comm.
+  // A communicator aborted by anyone else before the event passed fails the host's waits too.
+  // Throws only what starting the thread or storing the entry throws (then nothing is watched).
   void watch(Watched watched);
   // Drops what is watched on comm without a further poll: for a communicator that has been
   // finalized or aborted, whose calls have all ended (Note [NCCL shutdown]).
@@ -180,14 +181,22 @@ class Watchdog {
   size_t watched();
 
  private:
+  struct Entry {
+    Watched watched;
+    std::chrono::steady_clock::time_point deadline;
+    bool lost;  // its communicator was aborted by someone else before the event passed
+  };
+  enum class Verdict { Running, Finished, Failed };
+
   Watchdog() = default;
   void run();
+  static Verdict poll(Entry& entry, std::string* reason);
 
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::vector<std::pair<Watched, std::chrono::steady_clock::time_point>> watched_;  // with deadlines
+  std::vector<Entry> watched_;
   size_t in_hand_ = 0;  // taken out of watched_ by the thread, not yet handled
-  int thread_pid_ = 0;  // the process the thread runs in (a fork has none)
+  bool started_ = false;
 };
 
 // Note [NCCL point-to-point]: send() and recv() add their call here; the calls go out together,

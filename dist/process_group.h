@@ -184,6 +184,8 @@ class Work {
   // prints why, and from then on every call of the group and every host read of device memory (a copy
   // to the host, item(), synchronize()) throws DistError with that reason (Note [NCCL stream-ordered
   // wait] in dist/nccl_protocol.h). Where torch's watchdog ends the process, here the next read fails.
+  // (torch 2.x blocks the host when wait() is given a timeout explicitly; here a timeout only sets
+  // the watchdog's deadline.)
   virtual void wait(std::chrono::milliseconds timeout = kDefaultTimeout) = 0;
   // True once finished (successfully or not); never blocks. On a group whose collectives run
   // in wait() (collectives_run_in_wait(): shm, shm+gloo) it stays false until some thread

@@ -244,9 +244,11 @@ class CheckedWork : public Work {
     const Device device = state_->inner->device();
     try {
       Tensor send = Tensor::from_vector(mine_).to(device);
-      for (int r = 0; r < world; ++r)
-        received_.push_back(Tensor::empty({kFingerprintFields}, DType::Int64, device));
-      fingerprints_ = state_->inner->all_gather(received_, send);
+      // The all-gather's outputs are views of one table, which the host then reads in one copy.
+      table_ = Tensor::empty({world * kFingerprintFields}, DType::Int64, device);
+      std::vector<Tensor> received;
+      for (int r = 0; r < world; ++r) received.push_back(table_.slice_view(r * kFingerprintFields, {kFingerprintFields}));
+      fingerprints_ = state_->inner->all_gather(received, send);
     } catch (...) {
       fail(naming_the_call(std::current_exception()));
     }
@@ -315,12 +317,8 @@ class CheckedWork : public Work {
       return;
     }
     settled_ = true;
-    std::vector<int64_t> table;
-    for (const Tensor& theirs : received_) {
-      const std::vector<int64_t> fields = theirs.to(Device::cpu()).to_int_vector();
-      table.insert(table.end(), fields.begin(), fields.end());
-    }
-    received_.clear();
+    const std::vector<int64_t> table = table_.to(Device::cpu()).to_int_vector();
+    table_ = Tensor();
     fingerprints_ = nullptr;
     // On a mismatch no rank starts the call, so the group stays in step; when the backend
     // refuses the call, this work's wait reports that.
@@ -360,7 +358,7 @@ class CheckedWork : public Work {
     error_ = std::move(error);
     settled_ = true;
     start_ = nullptr;
-    received_.clear();
+    table_ = Tensor();
     fingerprints_ = nullptr;
   }
 
@@ -368,7 +366,7 @@ class CheckedWork : public Work {
   std::vector<int64_t> mine_;
   std::function<std::shared_ptr<Work>()> start_;
   std::shared_ptr<CheckState> state_;
-  std::vector<Tensor> received_;
+  Tensor table_;                        // every rank's fingerprint, rank-major, once they have arrived
   std::shared_ptr<Work> fingerprints_;  // in flight between exchange() and settle()
   bool settled_ = false;
   std::shared_ptr<Work> real_;  // the collective, once started

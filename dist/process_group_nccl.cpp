@@ -70,7 +70,8 @@
 // compute stream after it; it is not ordered after a collective still in flight, so, as for
 // every asynchronous call, wait on a collective before sending its result. A timeout or an
 // NCCL error in send/recv aborts the send/recv communicator: every later send/recv throws
-// DistError, while collectives go on.
+// DistError, while collectives go on; when the watchdog found it (a waited send/recv, Note
+// [NCCL stream-ordered wait]), every later host read of device memory throws too.
 // Two communicators also bring NCCL's documented hazard ("Using multiple NCCL communicators
 // concurrently"): a send/recv kernel spinning for its peer beside a collective kernel works
 // while both fit on the GPU at once (a few blocks each: they do), but any call that
@@ -180,7 +181,8 @@ std::mutex& nccl_call_mutex() {
 // Every NCCL call on it goes through call(), under nccl_call_mutex() (Note [NCCL threads]).
 class NcclComm : public detail::AsyncComm {
  public:
-  NcclComm(ncclComm_t comm, std::chrono::milliseconds timeout) : comm_(comm), timeout_(timeout) {}
+  NcclComm(ncclComm_t comm, std::chrono::milliseconds timeout, int device)
+      : comm_(comm), timeout_(timeout), device_(device) {}
   ~NcclComm() override { close(); }
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
@@ -242,7 +244,8 @@ class NcclComm : public detail::AsyncComm {
       aborted_.store(true);  // from here no call() touches comm_
       comm = comm_;
     }
-    ncclCommAbort(comm);  // outside the mutex, as ncclCommDestroy in close()
+    cudaSetDevice(device_);  // the watchdog aborts from threads that have no device set
+    ncclCommAbort(comm);     // outside the mutex, as ncclCommDestroy in close()
   }
   bool aborted() const override { return aborted_.load(); }
   // Done once closed: finalizing completed every call.
@@ -270,6 +273,7 @@ class NcclComm : public detail::AsyncComm {
 
   ncclComm_t comm_;
   std::chrono::milliseconds timeout_;
+  int device_;
   std::atomic<bool> aborted_{false};  // written under the mutex; read without it by aborted()
   bool closed_ = false;               // under the mutex
   // Held while ncclCommAbort or ncclCommDestroy runs, and taken before nccl_call_mutex(): a
@@ -386,7 +390,8 @@ std::shared_ptr<detail::EventWork> launch(const NcclLane& lane, const std::strin
   event.query = [done, device](std::string* error) {
     kernels::cuda::set_device(device);
     const cudaError_t status = cudaEventQuery(done->get());
-    if (status == cudaSuccess) return AsyncState::Done;
+    // At exit, once the runtime unloads, there is nothing left to wait for.
+    if (status == cudaSuccess || status == cudaErrorCudartUnloading) return AsyncState::Done;
     if (status == cudaErrorNotReady) return AsyncState::InProgress;
     *error = std::string("cudaEventQuery: ") + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")";
     return AsyncState::Failed;
@@ -751,7 +756,7 @@ class ProcessGroupNccl : public ProcessGroup {
       if (raw != nullptr) ncclCommAbort(raw);  // outside the mutex, as NcclComm::abort
       NANODDP_THROW(DistError, what, ": ncclCommInitRankConfig failed: ", init_error);
     }
-    auto comm = std::make_shared<NcclComm>(raw, timeout_);
+    auto comm = std::make_shared<NcclComm>(raw, timeout_, device_.index);
     detail::issue_and_wait_enqueued(*comm, what + " (did every rank start?)", timeout_,
                                     [&](std::string* error) { return comm->call([&](ncclComm_t) { return started; }, error); });
     return comm;

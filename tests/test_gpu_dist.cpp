@@ -6,6 +6,7 @@
 // and kernels run on a GPU that is not the current one.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -106,6 +107,28 @@ std::pair<Tensor, Tensor> random_batch(Generator& gen) {
   std::vector<int64_t> labels;
   for (int i = 0; i < 32; ++i) labels.push_back(static_cast<int64_t>(gen.randint(4)));
   return {x, Tensor::from_vector(labels)};
+}
+
+// The host's waits for the device (Note [Host syncs]) in each of four DDP steps of the MLP with
+// SGD on pg, the loss never read; the first step builds the buckets.
+std::vector<uint64_t> host_syncs_per_ddp_step(const std::shared_ptr<dist::ProcessGroup>& pg, Device device,
+                                              uint64_t seed) {
+  auto model = mlp();
+  model->to(device);
+  dist::DistributedDataParallel ddp(model, pg);
+  nn::SGD opt(model->parameters(), nn::SGDOptions{/*lr=*/0.1});
+  Generator gen(seed);
+  std::vector<uint64_t> per_step;
+  for (int step = 0; step < 4; ++step) {
+    const auto [x, y] = random_batch(gen);
+    const Tensor xg = x.to(device), yg = y.to(device);
+    const uint64_t start = kernels::cuda::host_syncs();
+    opt.zero_grad();
+    cross_entropy(ddp(xg), yg).backward();
+    opt.step();
+    per_step.push_back(kernels::cuda::host_syncs() - start);
+  }
+  return per_step;
 }
 
 // Note [NCCL point-to-point], at world size 2: send/recv beside collectives, a send whose Work
@@ -369,16 +392,17 @@ TEST_CASE("host syncs: every wait for the device is counted, and a DDP step wait
     CHECK(per_step[3] == 0);
   }
   // An NCCL Work's wait() orders the compute stream and returns (Note [NCCL stream-ordered
-  // wait]): the next kernel sees the sum without the host waiting; a barrier waits on the host.
+  // wait]): the next kernel sees the result without the host waiting; a barrier waits on the
+  // host. Max turns the buffer into integer keys and back on NCCL's stream (Note [NCCL NaN]):
+  // a kernel that ran before that stream had finished would read keys, not 3.0.
   {
-    Tensor summed = Tensor::full({1 << 20}, 3.0f, cuda);
+    Tensor summed = Tensor::full({1 << 22}, 3.0f, cuda);
     const uint64_t start = gpu::host_syncs();
-    pg->all_reduce(summed)->wait();
+    pg->all_reduce(summed, dist::ReduceOp::Max)->wait();
     const Tensor doubled = summed * 2.0f;
     CHECK(gpu::host_syncs() - start == 0);
     const std::vector<float> values = doubled.to_vector();
-    CHECK(values.front() == 6.0f);
-    CHECK(values.back() == 6.0f);
+    CHECK(std::all_of(values.begin(), values.end(), [](float v) { return v == 6.0f; }));
     const uint64_t before_barrier = gpu::host_syncs();
     pg->barrier()->wait();
     CHECK(gpu::host_syncs() - before_barrier == 1);
@@ -402,6 +426,30 @@ TEST_CASE("host syncs: every wait for the device is counted, and a DDP step wait
   cumulative(input);
   CHECK(gpu::host_syncs() - start == 1);
   CHECK(cumulative.num_batches_tracked.to(Device::cpu()).to_int_vector() == std::vector<int64_t>{1});
+}
+
+// What the NCCL watchdog does after it aborts a collective (Note [NCCL stream-ordered wait]):
+// every later host wait for the device throws its reason. Run in a process of its own, since
+// the failure lasts as long as the process.
+TEST_CASE("after the watchdog's failure every host wait for the device throws its reason") {
+  if (std::getenv("NANODDP_GPU_TEST_FAILED_SYNCS") == nullptr) {
+    if (in_launched_rank()) return;
+    ::setenv("NANODDP_GPU_TEST_FAILED_SYNCS", "1", 1);
+    const testing::RunResult r =
+        testing::run({testing::built("tests/test_gpu_dist"), "-tc=*after the watchdog's failure*"}, 120s);
+    ::unsetenv("NANODDP_GPU_TEST_FAILED_SYNCS");
+    CHECK_MESSAGE(r.code() == 0, "the child failed:\n", r.out, r.err);
+    return;
+  }
+  namespace gpu = kernels::cuda;
+  const Device cuda = Device::cuda(0);
+  const Tensor t = Tensor::full({4}, 1.5f, cuda);
+  CHECK(t.to_vector() == std::vector<float>(4, 1.5f));  // fine until then
+  gpu::fail_host_syncs("all_reduce(sum) #3: did not complete within 10 ms");
+  gpu::fail_host_syncs("a second reason");  // the first one stays
+  CHECK_THROWS_WITH_AS(gpu::synchronize(), doctest::Contains("all_reduce(sum) #3: did not complete"), DistError);
+  CHECK_THROWS_WITH_AS(t.to_vector(), doctest::Contains("all_reduce(sum) #3"), DistError);
+  CHECK_THROWS_AS(Tensor::full({4}, 1.0f, Device::cpu()).to(cuda), DistError);
 }
 
 TEST_CASE("NCCL refuses NCCL_COMM_BLOCKING=1, which would make its waits untimed") {
@@ -760,25 +808,12 @@ TEST_CASE("NCCL at world size 2 (two GPUs): collectives, send/recv and DDP") {
   pg->all_reduce(agreed)->wait(30s);
   CHECK(agreed.to_vector() == std::vector<float>{2.0f, 2.0f});
   {
-    auto model = mlp();
-    model->to(gpu);
-    dist::DistributedDataParallel ddp(model, pg);
-    nn::SGD opt(model->parameters(), nn::SGDOptions{/*lr=*/0.1});
-    Generator gen(7 + rank);
-    std::vector<uint64_t> per_step;
-    for (int step = 0; step < 4; ++step) {
-      const auto [x, y] = random_batch(gen);
-      const Tensor xg = x.to(gpu), yg = y.to(gpu);
-      const uint64_t start = kernels::cuda::host_syncs();
-      opt.zero_grad();
-      cross_entropy(ddp(xg), yg).backward();
-      opt.step();
-      per_step.push_back(kernels::cuda::host_syncs() - start);
-    }
     // Reported, not asserted: DDP's waits for its buckets are stream-ordered (Note [NCCL
     // stream-ordered wait]), but the collective check's exchange through NCCL copies the
-    // fingerprints to the GPU and back, waiting twice per checked collective.
-    MESSAGE("host syncs per DDP step at world size 2: ", per_step[1], ", ", per_step[2], ", ", per_step[3]);
+    // fingerprints to the GPU and back, waiting twice per checked collective. Without the
+    // check, below, a step waits for nothing.
+    const std::vector<uint64_t> per_step = host_syncs_per_ddp_step(pg, gpu, 7 + rank);
+    MESSAGE("host syncs per DDP step at world size 2, checked: ", per_step[1], ", ", per_step[2], ", ", per_step[3]);
   }
   testing::check_ddp_matches_one_rank(pg, gpu, /*tolerance=*/1e-4f);
   // A send still queued when the group goes is issued by its end, which finalizes the send/recv
@@ -798,6 +833,22 @@ TEST_CASE("NCCL at world size 2 (two GPUs): collectives, send/recv and DDP") {
     CHECK(got.front() == 11.0f);
     CHECK(got.back() == 11.0f);
   }
+  // A group without the collective check: a DDP step at world size 2 never waits for the
+  // device (issue 31, item 7).
+  dist::InitOptions unchecked_options;
+  unchecked_options.backend = dist::Backend::Nccl;
+  unchecked_options.device = gpu;
+  unchecked_options.timeout = 60s;
+  unchecked_options.check_collectives = false;
+  auto unchecked = dist::init_process_group(unchecked_options);
+  const std::vector<uint64_t> unchecked_syncs = host_syncs_per_ddp_step(unchecked, gpu, 7 + rank);
+  MESSAGE("host syncs per DDP step at world size 2, unchecked: ", unchecked_syncs[1], ", ", unchecked_syncs[2], ", ",
+          unchecked_syncs[3]);
+  CHECK(unchecked_syncs[1] == 0);
+  CHECK(unchecked_syncs[2] == 0);
+  CHECK(unchecked_syncs[3] == 0);
+  unchecked.reset();
+  dist::destroy_process_group();
 }
 
 TEST_CASE("kernels run on their tensors' GPU, not the current one (two GPUs)") {

@@ -54,20 +54,28 @@ int count(const std::vector<std::string>& log, const std::string& entry) {
 }
 
 // An event that has not passed for `pending` queries, then has. The watchdog's thread queries
-// it too.
+// it too, and may outlive the test's scope with it: the counters live in shared state.
 struct ScriptedEvent {
-  int pending = 0;
-  std::atomic<int> queries{0};
-  std::atomic<int> orderings{0};
-  std::function<void()> on_query;  // runs at every query that answers InProgress
+  struct State {
+    std::atomic<int> pending{0};
+    std::atomic<int> queries{0};
+    std::atomic<int> orderings{0};
+    std::function<void()> on_query;  // runs at every query that answers InProgress
+  };
+  std::shared_ptr<State> state = std::make_shared<State>();
+  std::atomic<int>& pending = state->pending;
+  std::atomic<int>& queries = state->queries;
+  std::atomic<int>& orderings = state->orderings;
+  std::function<void()>& on_query = state->on_query;
+
   dist::detail::EventWork::Event make() {
     dist::detail::EventWork::Event event;
-    event.query = [this](std::string*) {
-      if (++queries > pending) return AsyncState::Done;
-      if (on_query) on_query();
+    event.query = [state = state](std::string*) {
+      if (++state->queries > state->pending) return AsyncState::Done;
+      if (state->on_query) state->on_query();
       return AsyncState::InProgress;
     };
-    event.order_compute_stream = [this] { ++orderings; };
+    event.order_compute_stream = [state = state] { ++state->orderings; };
     return event;
   }
 };
@@ -211,14 +219,14 @@ TEST_CASE("wait() orders the compute stream once and returns; the watchdog relea
   auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Done});
   Tensor buffer = Tensor::zeros({16});
   ScriptedEvent event;
-  event.pending = 3;
-  dist::detail::EventWork work("all_reduce", comm, event.make(), {buffer}, 5s);
-  work.wait(5s);
+  event.pending = 1 << 30;  // until the test lets it pass
+  dist::detail::EventWork work("all_reduce", comm, event.make(), {buffer}, 60s);
+  work.wait(60s);  // returns with the event still pending: the host goes on (Note [NCCL stream-ordered wait])
   CHECK(event.orderings == 1);
-  CHECK(event.queries == 1);       // one look, no wait: the host goes on (Note [NCCL stream-ordered wait])
   CHECK(buffer.use_count() == 2);  // the caller's and the watchdog's
+  CHECK(!work.is_completed());
+  event.pending = event.queries + 2;  // two more polls answer "not yet", then it has passed
   REQUIRE(watchdog_idle());
-  CHECK(event.queries == 4);  // the watchdog polled until the event passed
   CHECK(buffer.use_count() == 1);
   CHECK(work.is_completed());
   work.wait(5s);
@@ -575,4 +583,21 @@ TEST_CASE("send/recv queue: a wait keeps to one timeout, the time NCCL took to e
       received->wait(1000ms),
       doctest::Contains("ms (what was left of a wait of 1000 ms, after issuing the send/recv group)"),
       TimeoutError);
+}
+
+TEST_CASE("a communicator aborted by someone else: the watchdog holds the tensors until the event has passed") {
+  auto comm = std::make_shared<HealthyComm>();
+  Tensor buffer = Tensor::zeros({8});
+  ScriptedEvent event;
+  event.pending = 1 << 30;
+  dist::detail::EventWork work("all_reduce", comm, event.make(), {buffer}, 60s);
+  work.wait(60s);
+  comm->abort();  // as a dropped Work's release timeout or the group's end does
+  const int seen = event.queries;
+  while (event.queries < seen + 3) std::this_thread::sleep_for(100us);  // polled on, aborted
+  CHECK(buffer.use_count() == 2);  // the abort may not have stopped NCCL's kernels yet
+  event.pending = 0;               // now they have
+  REQUIRE(watchdog_idle());
+  CHECK(buffer.use_count() == 1);
+  CHECK_THROWS_WITH_AS(work.wait(60s), doctest::Contains("the communicator was aborted"), DistError);
 }

@@ -93,13 +93,19 @@ struct Pool {
   std::unordered_map<void*, size_t> live;     // pointer -> block size
   AllocatorStats stats;
 
-  // Frees every cached block. Caller holds mutex and has made the device current.
-  void release_cached() {
-    for (auto& [size, ptr] : free_blocks) {
-      cudaFree(ptr);
-      stats.reserved_bytes -= size;
-    }
-    free_blocks.clear();
+  // Takes every cached block out of the pool, for release() once mutex is let go. Caller holds
+  // mutex. cudaFree waits for the whole device, so it never runs under the mutex: a thread that
+  // frees a tensor meanwhile (the NCCL watchdog, Note [NCCL stream-ordered wait]) would wait
+  // for it too, and a collective that hangs ends only by the watchdog's abort.
+  std::multimap<size_t, void*> take_cached() {
+    std::multimap<size_t, void*> taken;
+    taken.swap(free_blocks);
+    for (const auto& [size, ptr] : taken) stats.reserved_bytes -= size;
+    return taken;
+  }
+  // Caller has made the device current and holds no mutex.
+  static void release(const std::multimap<size_t, void*>& blocks) {
+    for (const auto& [size, ptr] : blocks) cudaFree(ptr);
   }
 };
 
@@ -155,7 +161,7 @@ void* allocate(size_t nbytes, int device) {
   if (nbytes == 0) return nullptr;
   Pool& pool = device_state(device).pool;
   const size_t size = round_block(nbytes);
-  std::lock_guard<std::mutex> lock(pool.mutex);
+  std::unique_lock<std::mutex> lock(pool.mutex);
   void* ptr = nullptr;
   auto cached = pool.free_blocks.find(size);
   if (cached != pool.free_blocks.end()) {
@@ -166,7 +172,11 @@ void* allocate(size_t nbytes, int device) {
     cudaError_t error = cudaMalloc(&ptr, size);
     if (error == cudaErrorMemoryAllocation && !pool.free_blocks.empty()) {
       cudaGetLastError();
-      pool.release_cached();  // cached blocks of other sizes may make room
+      // Cached blocks of other sizes may make room; freed outside the lock (Pool::take_cached).
+      const std::multimap<size_t, void*> others = pool.take_cached();
+      lock.unlock();
+      Pool::release(others);
+      lock.lock();
       error = cudaMalloc(&ptr, size);
     }
     if (error != cudaSuccess) {
@@ -223,8 +233,12 @@ void empty_cache() {
       count_host_sync();
       NANODDP_CUDA_CHECK(cudaStreamSynchronize(state.stream));
     }
-    std::lock_guard<std::mutex> lock(state.pool.mutex);
-    state.pool.release_cached();
+    std::multimap<size_t, void*> cached;
+    {
+      std::lock_guard<std::mutex> lock(state.pool.mutex);
+      cached = state.pool.take_cached();
+    }
+    Pool::release(cached);
     if (device == current) current_in_use = true;
   }
   // Back to the caller's device, unless that one was never used here.
