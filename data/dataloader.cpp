@@ -130,10 +130,10 @@ class DataLoader::Pass {
 // ---- PinnedStaging: page-locked buffers for asynchronous host-to-device copies -----------
 //
 // A copy_async reads its pinned source some time later, so a buffer may be reused only once
-// the stream has passed the copy. Without events we learn that from synchronize(): when no
-// buffer is free we wait for the stream once, which frees them all. With kSlots buffers (two
-// per batch: input and target) that is one wait every kSlots / 2 batches, usually on work
-// the training step has already waited for.
+// the stream has passed the copy: each buffer's copy records an event (Note [Compute-stream
+// events]), and a buffer is taken again once its event has passed. When none has, the host
+// waits for the oldest copy only, not for the whole stream: with kSlots buffers (two per
+// batch: input and target) the loader runs at most kSlots / 2 batches ahead of the device.
 class DataLoader::PinnedStaging {
  public:
   static constexpr size_t kSlots = 8;
@@ -142,11 +142,15 @@ class DataLoader::PinnedStaging {
   ~PinnedStaging() {
     try {
       kernels::cuda::set_device(device_);
-      kernels::cuda::synchronize();  // no copy may still read a buffer we free
       for (Slot& slot : slots_)
-        if (slot.data != nullptr) kernels::cuda::free_pinned(slot.data);
+        if (slot.in_flight) kernels::cuda::wait_for_event(slot.copied);  // no copy may still read a buffer we free
     } catch (...) {
       // Destructors never throw; a failing CUDA runtime at exit leaks the buffers.
+      return;
+    }
+    for (Slot& slot : slots_) {
+      if (slot.data != nullptr) kernels::cuda::free_pinned(slot.data);
+      kernels::cuda::destroy_event(slot.copied);
     }
   }
   PinnedStaging(const PinnedStaging&) = delete;
@@ -158,25 +162,29 @@ class DataLoader::PinnedStaging {
     Slot& slot = acquire(nbytes);
     std::memcpy(slot.data, src, nbytes);
     kernels::cuda::copy_async(dst, slot.data, nbytes, kernels::cuda::CopyKind::HostToDevice);
+    if (slot.copied == nullptr) slot.copied = kernels::cuda::create_event();
+    kernels::cuda::record_event(slot.copied);
     slot.in_flight = true;
+    slot.order = next_order_++;
   }
 
  private:
   struct Slot {
     void* data = nullptr;
     size_t capacity = 0;
-    bool in_flight = false;
+    void* copied = nullptr;  // recorded after the buffer's last copy
+    bool in_flight = false;  // until copied has been seen to pass
+    uint64_t order = 0;      // when the buffer's last copy was queued
   };
 
   Slot& acquire(size_t nbytes) {
-    auto free_slot = [this] {
-      return std::find_if(slots_.begin(), slots_.end(), [](const Slot& s) { return !s.in_flight; });
-    };
-    auto it = free_slot();
+    for (Slot& slot : slots_)
+      if (slot.in_flight && kernels::cuda::event_passed(slot.copied)) slot.in_flight = false;
+    auto it = std::find_if(slots_.begin(), slots_.end(), [](const Slot& s) { return !s.in_flight; });
     if (it == slots_.end()) {
-      kernels::cuda::synchronize();
-      for (Slot& slot : slots_) slot.in_flight = false;
-      it = free_slot();
+      it = std::min_element(slots_.begin(), slots_.end(), [](const Slot& a, const Slot& b) { return a.order < b.order; });
+      kernels::cuda::wait_for_event(it->copied);
+      it->in_flight = false;
     }
     if (it->capacity < nbytes) {
       if (it->data != nullptr) kernels::cuda::free_pinned(it->data);
@@ -190,6 +198,7 @@ class DataLoader::PinnedStaging {
 
   int device_;
   std::vector<Slot> slots_;
+  uint64_t next_order_ = 0;
 };
 
 // ---- DataLoader --------------------------------------------------------------------------

@@ -67,16 +67,84 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   size_t cached_bytes_ = 0;
 };
 
-// The collective's Work, then the copies of its results back to the device tensors.
+// Host tensors whose copy back to the GPU is queued but may not have run: each is kept (its
+// pinned block out of the pool) until its event has passed (Note [Compute-stream events]).
+class CopiesInFlight {
+ public:
+  ~CopiesInFlight() {
+    for (Copy& copy : copies_) {
+      try {
+        kernels::cuda::set_device(copy.device);
+        kernels::cuda::wait_for_event(copy.event);
+      } catch (...) {
+        new Tensor(copy.host);  // the device may still read it: leaked, never reused
+      }
+      kernels::cuda::destroy_event(copy.event);
+    }
+  }
+
+  // Queues the copy of host into device_tensor on its GPU's compute stream.
+  void copy_back(const Tensor& device_tensor, const Tensor& host) {
+    const int device = device_tensor.device().index;
+    kernels::cuda::set_device(device);
+    void* event = kernels::cuda::create_event();
+    try {
+      kernels::cuda::copy_async(device_tensor.data_ptr(), host.data_ptr(), host.nbytes(),
+                                kernels::cuda::CopyKind::HostToDevice);
+      kernels::cuda::record_event(event);
+    } catch (...) {
+      kernels::cuda::destroy_event(event);
+      throw;
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    copies_.push_back(Copy{host, event, device});
+  }
+
+  // Lets go of the host tensors whose copies have run.
+  void collect() {
+    std::vector<Copy> done;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto it = copies_.begin(); it != copies_.end();) {
+        kernels::cuda::set_device(it->device);
+        if (kernels::cuda::event_passed(it->event)) {
+          done.push_back(std::move(*it));
+          it = copies_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (Copy& copy : done) kernels::cuda::destroy_event(copy.event);
+  }
+
+ private:
+  struct Copy {
+    Tensor host;
+    void* event;
+    int device;
+  };
+  std::mutex mutex_;
+  std::vector<Copy> copies_;
+};
+
+// The collective's Work, then the copies of its results back to the device tensors: queued on
+// the device's compute stream, so the host does not wait for them.
 class StagedWork : public Work {
  public:
   // copy_back: (device tensor, host tensor holding its result)
-  StagedWork(std::shared_ptr<Work> inner, std::vector<std::pair<Tensor, Tensor>> copy_back)
-      : inner_(std::move(inner)), copy_back_(std::move(copy_back)) {}
+  StagedWork(std::shared_ptr<Work> inner, std::vector<std::pair<Tensor, Tensor>> copy_back,
+             std::shared_ptr<CopiesInFlight> in_flight)
+      : inner_(std::move(inner)), copy_back_(std::move(copy_back)), in_flight_(std::move(in_flight)) {}
 
   void wait(std::chrono::milliseconds timeout) override {
     inner_->wait(timeout);
-    for (auto& [device_tensor, host] : copy_back_) copy_values(device_tensor, host);
+    for (auto& [device_tensor, host] : copy_back_) {
+      if (device_tensor.device().is_cuda())
+        in_flight_->copy_back(device_tensor, host);
+      else
+        copy_values(device_tensor, host);  // the host stand-in cpu:1 of the tests
+    }
     copy_back_.clear();
   }
   bool is_completed() override { return inner_->is_completed(); }
@@ -84,12 +152,16 @@ class StagedWork : public Work {
  private:
   std::shared_ptr<Work> inner_;
   std::vector<std::pair<Tensor, Tensor>> copy_back_;
+  std::shared_ptr<CopiesInFlight> in_flight_;
 };
 
 class StagingGroup : public ProcessGroup {
  public:
   explicit StagingGroup(std::shared_ptr<ProcessGroup> inner)
-      : ProcessGroup(inner->rank(), inner->size()), inner_(std::move(inner)), pool_(std::make_shared<PinnedPool>()) {}
+      : ProcessGroup(inner->rank(), inner->size()),
+        inner_(std::move(inner)),
+        pool_(std::make_shared<PinnedPool>()),
+        in_flight_(std::make_shared<CopiesInFlight>()) {}
 
   std::string backend_name() const override { return inner_->backend_name(); }
   Device device() const override { return inner_->device(); }
@@ -110,13 +182,13 @@ class StagingGroup : public ProcessGroup {
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
     if (!staged({tensor})) return inner_->all_reduce(tensor, op);
     Tensor host = copy_in(tensor);
-    return std::make_shared<StagedWork>(inner_->all_reduce(host, op), Pairs{{tensor, host}});
+    return std::make_shared<StagedWork>(inner_->all_reduce(host, op), Pairs{{tensor, host}}, in_flight_);
   }
 
   std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
     if (!staged({tensor})) return inner_->broadcast(tensor, root);
     Tensor host = copy_in(tensor);
-    return std::make_shared<StagedWork>(inner_->broadcast(host, root), Pairs{{tensor, host}});
+    return std::make_shared<StagedWork>(inner_->broadcast(host, root), Pairs{{tensor, host}}, in_flight_);
   }
 
   std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
@@ -130,7 +202,7 @@ class StagingGroup : public ProcessGroup {
       host_outputs.push_back(host_like(out));
       back.emplace_back(out, host_outputs.back());
     }
-    return std::make_shared<StagedWork>(inner_->all_gather(host_outputs, host_input), std::move(back));
+    return std::make_shared<StagedWork>(inner_->all_gather(host_outputs, host_input), std::move(back), in_flight_);
   }
 
   std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs, ReduceOp op) override {
@@ -141,20 +213,20 @@ class StagingGroup : public ProcessGroup {
     for (const Tensor& in : inputs) host_inputs.push_back(copy_in(in));
     Tensor host_output = host_like(output);
     return std::make_shared<StagedWork>(inner_->reduce_scatter(host_output, host_inputs, op),
-                                        Pairs{{output, host_output}});
+                                        Pairs{{output, host_output}}, in_flight_);
   }
 
   std::shared_ptr<Work> barrier() override { return inner_->barrier(); }
 
   std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {
     if (!staged({tensor})) return inner_->send(tensor, dst, tag);
-    return std::make_shared<StagedWork>(inner_->send(copy_in(tensor), dst, tag), Pairs{});
+    return std::make_shared<StagedWork>(inner_->send(copy_in(tensor), dst, tag), Pairs{}, in_flight_);
   }
 
   std::shared_ptr<Work> recv(Tensor& tensor, int src, int tag) override {
     if (!staged({tensor})) return inner_->recv(tensor, src, tag);
     Tensor host = host_like(tensor);
-    return std::make_shared<StagedWork>(inner_->recv(host, src, tag), Pairs{{tensor, host}});
+    return std::make_shared<StagedWork>(inner_->recv(host, src, tag), Pairs{{tensor, host}}, in_flight_);
   }
 
   std::string all_reduce_algorithm() const override { return inner_->all_reduce_algorithm(); }
@@ -177,7 +249,9 @@ class StagingGroup : public ProcessGroup {
   }
 
   Tensor host_like(const Tensor& t) {
-    return t.device().is_cuda() ? pool_->take(t.shape(), t.dtype()) : Tensor::empty(t.shape(), t.dtype());
+    if (!t.device().is_cuda()) return Tensor::empty(t.shape(), t.dtype());
+    in_flight_->collect();  // blocks whose copies back have run return to the pool first
+    return pool_->take(t.shape(), t.dtype());
   }
 
   // A host copy of t, made after every kernel already queued on t's device.
@@ -189,6 +263,7 @@ class StagingGroup : public ProcessGroup {
 
   std::shared_ptr<ProcessGroup> inner_;
   std::shared_ptr<PinnedPool> pool_;
+  std::shared_ptr<CopiesInFlight> in_flight_;
 };
 
 }  // namespace

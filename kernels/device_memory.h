@@ -44,14 +44,30 @@ void copy(void* dst, const void* src, size_t nbytes, CopyKind kind);
 // (device memory from the caching allocator does: Note [Scratch on one stream]).
 void copy_async(void* dst, const void* src, size_t nbytes, CopyKind kind);
 
+// Note [Compute-stream events]
+// An event marks a point of the current device's compute stream: it has passed once the
+// device has run everything queued before it. A pinned buffer that an asynchronous copy reads
+// is reused once that copy's event has passed, so the host waits for one copy at most, never
+// for the whole stream (the DataLoader's and host staging's buffers). Handles are
+// cudaEvent_t as void*, to keep CUDA headers out of C++ code; an event belongs to the device
+// current when it was created, and is recorded and queried with that device current.
+void* create_event();            // throws DeviceError
+void destroy_event(void* event);  // never throws; nullptr is ignored
+void record_event(void* event);  // on the current device's compute stream
+bool event_passed(void* event);  // never waits; throws DeviceError for a device error
+// Waits on the host until event has passed (a host sync, Note [Host syncs]); throws as
+// synchronize() does.
+void wait_for_event(void* event);
+
 // The one compute stream of this process (a cudaStream_t, as void* to keep CUDA headers out
 // of C++ code). Every kernel runs on it.
 void* compute_stream();
 void synchronize();  // waits for the compute stream
 
 // Note [Host syncs]
-// Every place where the host waits for the device (synchronize(), the synchronous copy(), the
-// stream drain of empty_cache(), an NCCL barrier's wait(), which polls its event) calls
+// Every place where the host waits for the device (synchronize(), the synchronous copy(),
+// wait_for_event(), the stream drain of empty_cache(), an NCCL barrier's wait(), which polls
+// its event) calls
 // count_host_sync(), and host_syncs() says how many there were in this process, over every
 // thread and device. A training step should wait once, where the loss is read: the difference
 // of host_syncs() around a step is what tests/test_gpu_dist.cpp and benchmarks/gpu report.
@@ -62,8 +78,9 @@ uint64_t host_syncs();
 
 // After the NCCL watchdog aborted a collective the host no longer waited for (Note [NCCL
 // stream-ordered wait]), what the device computes may rest on values that were never reduced:
-// from then on synchronize() and every copy() to or from the device throw DistError with the
-// first reason given, once the device has caught up. Without CUDA: nothing to do.
+// from then on synchronize(), wait_for_event() and every copy() to or from the device throw
+// DistError with the first reason given, once the device has caught up. Without CUDA: nothing
+// to do.
 void fail_host_syncs(const std::string& reason);
 
 }  // namespace nanoddp::kernels::cuda

@@ -27,6 +27,11 @@ void copy(void*, const void*, size_t, CopyKind) { no_cuda("copy"); }
 void copy_async(void*, const void*, size_t, CopyKind) { no_cuda("copy_async"); }
 void* compute_stream() { no_cuda("compute_stream"); }
 void synchronize() {}
+void* create_event() { no_cuda("create_event"); }
+void destroy_event(void*) {}
+void record_event(void*) { no_cuda("record_event"); }
+bool event_passed(void*) { no_cuda("event_passed"); }
+void wait_for_event(void*) { no_cuda("wait_for_event"); }
 void count_host_sync() {}
 uint64_t host_syncs() { return 0; }
 void fail_host_syncs(const std::string&) {}

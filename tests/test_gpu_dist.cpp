@@ -701,6 +701,14 @@ TEST_CASE("two ranks share one GPU over Gloo: DDP on CUDA tensors equals 1-rank 
 #endif
   if (!in_launched_rank()) return run_ranks_of_this_file("*share one GPU over Gloo: DDP*", "gloo");
   auto pg = join_launched(dist::Backend::Gloo, Device::cuda(0));
+  // Staging waits for the device once per collective, for its copy to the host; the copy of
+  // the result back is queued on the compute stream (dist/host_staging.h).
+  Tensor staged = Tensor::full({1000}, static_cast<float>(pg->rank() + 1), Device::cuda(0));
+  const uint64_t start = kernels::cuda::host_syncs();
+  pg->all_reduce(staged)->wait();
+  const Tensor doubled = staged * 2.0f;
+  CHECK(kernels::cuda::host_syncs() - start == 1);
+  CHECK(doubled.to_vector() == std::vector<float>(1000, 6.0f));
   testing::check_ddp_matches_one_rank(pg, Device::cuda(0), /*tolerance=*/1e-4f);
   pg.reset();
   dist::destroy_process_group();

@@ -129,6 +129,30 @@ TEST_CASE("copies both ways, through pageable and pinned host memory") {
   CHECK(gpu::compute_stream() != nullptr);
 }
 
+// Note [Compute-stream events]
+TEST_CASE("an event passes once the compute stream has run what was queued before it") {
+  const int64_t n = int64_t(1) << 24;
+  float* pinned = static_cast<float*>(gpu::allocate_pinned(n * sizeof(float)));
+  REQUIRE(pinned != nullptr);
+  for (int64_t i = 0; i < n; ++i) pinned[i] = float(i % 1000);
+  DeviceArray<float> a(static_cast<size_t>(n));
+  void* copied = gpu::create_event();
+  const uint64_t before = gpu::host_syncs();
+  gpu::copy_async(a.data(), pinned, n * sizeof(float), gpu::CopyKind::HostToDevice);
+  gpu::record_event(copied);
+  (void)gpu::event_passed(copied);  // a look, not a wait
+  CHECK(gpu::host_syncs() == before);
+  gpu::wait_for_event(copied);
+  CHECK(gpu::host_syncs() == before + 1);
+  CHECK(gpu::event_passed(copied));
+  for (int64_t i = 0; i < n; ++i) pinned[i] = -1.0f;  // the copy has read it: free to reuse
+  const std::vector<float> back = a.to_host();
+  CHECK(back[999] == 999.0f);
+  CHECK(back[n - 1] == float((n - 1) % 1000));
+  gpu::destroy_event(copied);
+  gpu::free_pinned(pinned);
+}
+
 TEST_CASE("Tensor::to moves values to the GPU and back") {
   Generator gen(31);
   const Tensor x = Tensor::randn({257, 3}, gen);

@@ -313,6 +313,32 @@ void synchronize() {
   throw_if_host_syncs_failed();
 }
 
+// Note [Compute-stream events]
+void* create_event() {
+  cudaEvent_t event = nullptr;
+  NANODDP_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  return event;
+}
+
+void destroy_event(void* event) {
+  if (event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event));  // nothing to do about a failure here
+}
+
+void record_event(void* event) { NANODDP_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), stream())); }
+
+bool event_passed(void* event) {
+  const cudaError_t status = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  if (status == cudaErrorNotReady) return false;
+  NANODDP_CUDA_CHECK(status);
+  return true;
+}
+
+void wait_for_event(void* event) {
+  count_host_sync();
+  NANODDP_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+  throw_if_host_syncs_failed();
+}
+
 // Note [Host syncs]: one counter for the process.
 namespace {
 std::atomic<uint64_t> host_sync_count{0};
