@@ -160,11 +160,11 @@ class DataLoader::PinnedStaging {
   void copy_to_device(void* dst, const void* src, size_t nbytes) {
     kernels::cuda::set_device(device_);  // that GPU's compute stream, whichever GPU is current
     Slot& slot = acquire(nbytes);
+    if (slot.copied == nullptr) slot.copied = kernels::cuda::create_event();  // before the copy: may throw
     std::memcpy(slot.data, src, nbytes);
     kernels::cuda::copy_async(dst, slot.data, nbytes, kernels::cuda::CopyKind::HostToDevice);
-    if (slot.copied == nullptr) slot.copied = kernels::cuda::create_event();
+    slot.in_flight = true;  // until its event is seen to pass, even should recording it fail
     kernels::cuda::record_event(slot.copied);
-    slot.in_flight = true;
     slot.order = next_order_++;
   }
 

@@ -139,7 +139,8 @@ void EventWork::wait(std::chrono::milliseconds timeout) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     // Before completed_: after an abort the event passes too, with no result behind it.
-    NANODDP_CHECK(!comm_->aborted(), DistError, what_, ": ", comm_->aborted_message(), "; this work did not finish");
+    NANODDP_CHECK(!comm_->aborted(), DistError, what_, ": ", comm_->aborted_message(),
+                  "; its result cannot be trusted");
     if (completed_) {
       keep_alive_.clear();
       return;
@@ -173,6 +174,7 @@ void EventWork::wait(std::chrono::milliseconds timeout) {
 
 void EventWork::wait_on_host(std::chrono::milliseconds timeout) {
   kernels::cuda::count_host_sync();  // the polls below wait for the device (Note [Host syncs])
+  kernels::cuda::check_host_syncs();
   timeout = effective_wait_timeout(timeout, release_timeout_);
   const auto deadline = Clock::now() + timeout;
   const PollPause pause;
@@ -191,6 +193,7 @@ void EventWork::wait_on_host(std::chrono::milliseconds timeout) {
   }
   std::lock_guard<std::mutex> lock(mutex_);
   keep_alive_.clear();
+  kernels::cuda::check_host_syncs();  // as after any host wait for the device
 }
 
 bool EventWork::is_completed() {
@@ -235,19 +238,20 @@ void Watchdog::watch(Watched watched) {
 }
 
 void Watchdog::forget(const AsyncComm& comm) {
-  std::vector<Entry> dropped;  // their tensors go outside the lock
+  std::list<Entry> dropped;  // their tensors go outside the lock
   std::unique_lock<std::mutex> lock(mutex_);
   // One being handled now is finished first, so that none outlives this call.
   wake_.wait(lock, [&] { return in_hand_ == 0; });
   for (auto it = watched_.begin(); it != watched_.end();) {
-    if (it->watched.comm.get() == &comm) {
-      dropped.push_back(std::move(*it));
-      it = watched_.erase(it);
-    } else {
-      ++it;
-    }
+    auto next = std::next(it);
+    if (it->watched.comm.get() == &comm) dropped.splice(dropped.end(), watched_, it);
+    it = next;
   }
   lock.unlock();
+  // Finalizing completed their calls; an abort may have cut them short.
+  if (comm.aborted() && !dropped.empty())
+    kernels::cuda::fail_host_syncs(dropped.front().watched.what + ": " + comm.aborted_message() +
+                                   " before it was seen to finish");
 }
 
 size_t Watchdog::watched() {
@@ -260,21 +264,24 @@ size_t Watchdog::watched() {
 Watchdog::Verdict Watchdog::poll(Entry& entry, std::string* reason) {
   const Watched& watched = entry.watched;
   std::string error;
+  // The event first: the aborted flag is set before an abort stops any kernel, so an event
+  // seen passed on a communicator not (yet) aborted passed on its own.
   const AsyncState event = watched.query(&error);
-  if (event != AsyncState::InProgress) {
-    if (event == AsyncState::Done) return Verdict::Finished;
-    if (watched.comm->aborted()) return Verdict::Finished;  // nothing runs on it any more
+  if (watched.comm->aborted()) {
+    // Aborted by anyone (a dropped Work's release timeout, a barrier's timeout, the group's
+    // end, this watchdog for another collective): the collective may have been cut short, so
+    // host reads fail from now on. Its tensors stay until the event has passed (or the device
+    // is gone), which it does once the abort has stopped NCCL's kernels.
+    if (!entry.lost)
+      kernels::cuda::fail_host_syncs(watched.what + ": " + watched.comm->aborted_message() +
+                                     " before it was seen to finish");
+    entry.lost = true;
+    return event == AsyncState::InProgress ? Verdict::Running : Verdict::Finished;
+  }
+  if (event == AsyncState::Done) return Verdict::Finished;
+  if (event == AsyncState::Failed) {
     *reason = watched.what + ": the device reported " + error;
     return Verdict::Failed;
-  }
-  if (watched.comm->aborted()) {
-    // Aborted by someone else (a dropped Work's release timeout, the group's end) before this
-    // collective finished: its result is lost, so host reads fail from now on. The tensors
-    // stay until the event passes, which it does once the abort has stopped NCCL's kernels.
-    if (!entry.lost) kernels::cuda::fail_host_syncs(watched.what + ": " + watched.comm->aborted_message() +
-                                                    " before it finished");
-    entry.lost = true;
-    return Verdict::Running;
   }
   if (watched.comm->state(&error) == AsyncState::Failed) {
     *reason = watched.what + ": NCCL reported " + error;
@@ -288,52 +295,66 @@ Watchdog::Verdict Watchdog::poll(Entry& entry, std::string* reason) {
   return Verdict::Running;
 }
 
+void Watchdog::abort(std::shared_ptr<AsyncComm> comm, std::list<Entry> entries) {
+  // On a thread of its own, not joined: freeing one communicator can wait for a kernel of
+  // another, which only this watchdog's next round may abort (Note [NCCL shutdown]). The
+  // entries' tensors go when the abort has stopped the kernels.
+  auto shared_entries = std::make_shared<std::list<Entry>>(std::move(entries));
+  try {
+    std::thread([comm, shared_entries] { comm->abort(); }).detach();
+  } catch (...) {
+    comm->abort();  // no thread to be had: here, then
+  }
+}
+
 void Watchdog::run() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     wake_.wait(lock, [&] { return !watched_.empty(); });
     wake_.wait_for(lock, kWatchInterval);
     // Handled outside the lock: a query or an abort must not stall watch() on the main thread.
-    std::vector<Entry> polled;
-    polled.swap(watched_);
+    std::list<Entry> polled, still_running;
+    polled.splice(polled.end(), watched_);
     in_hand_ = polled.size();
     lock.unlock();
-    std::vector<Entry> still_running, failed;
-    std::vector<std::shared_ptr<AsyncComm>> to_abort;
-    for (Entry& entry : polled) {
+    // Failed entries by communicator, each aborted once.
+    std::vector<std::pair<std::shared_ptr<AsyncComm>, std::list<Entry>>> to_abort;
+    while (!polled.empty()) {
+      auto entry = polled.begin();
+      Verdict verdict = Verdict::Running;
+      std::string reason;
       try {
-        std::string reason;
-        const Verdict verdict = poll(entry, &reason);
-        if (verdict == Verdict::Running) still_running.push_back(std::move(entry));
-        if (verdict != Verdict::Failed) continue;
-        // The reason and the failed reads first: once the abort has ended the kernels, a host
-        // wait returns, and it must find them.
-        entry.watched.comm->set_abort_reason(reason);
-        kernels::cuda::fail_host_syncs(reason + "; the NCCL communicator was aborted, so the device's results "
-                                       "after it may rest on values that were never reduced");
-        std::fprintf(stderr, "nanoddp: %s; the NCCL communicator was aborted\n", reason.c_str());
-        if (std::find(to_abort.begin(), to_abort.end(), entry.watched.comm) == to_abort.end())
-          to_abort.push_back(entry.watched.comm);
-        failed.push_back(std::move(entry));
+        verdict = poll(*entry, &reason);
+        if (verdict == Verdict::Failed) {
+          // The reason and the failed reads first: once the abort has ended the kernels, a host
+          // wait returns, and it must find them.
+          entry->watched.comm->set_abort_reason(reason);
+          kernels::cuda::fail_host_syncs(reason + "; the NCCL communicator was aborted, so the device's results "
+                                         "after it may rest on values that were never reduced");
+          std::fprintf(stderr, "nanoddp: %s; the NCCL communicator was aborted\n", reason.c_str());
+        }
       } catch (...) {
-        still_running.push_back(std::move(entry));  // out of memory, say: polled again next time
+        verdict = Verdict::Running;  // out of memory, say: polled again next round
+      }
+      if (verdict == Verdict::Running) {
+        still_running.splice(still_running.end(), polled, entry);
+      } else if (verdict == Verdict::Finished) {
+        polled.erase(entry);  // the tensors go, outside the lock
+      } else {
+        auto group = std::find_if(to_abort.begin(), to_abort.end(),
+                                  [&](const auto& failed) { return failed.first == entry->watched.comm; });
+        try {
+          if (group == to_abort.end()) group = to_abort.insert(to_abort.end(), {entry->watched.comm, {}});
+          group->second.splice(group->second.end(), polled, entry);
+        } catch (...) {
+          entry->watched.comm->abort();  // no memory for the list: abort here, then let go
+          polled.erase(entry);
+        }
       }
     }
-    // Each abort on a thread of its own: freeing one communicator can wait for a kernel of
-    // another that only its own abort stops (as at the group's end, Note [NCCL shutdown]).
-    std::vector<std::thread> aborts;
-    for (const auto& comm : to_abort) {
-      try {
-        aborts.emplace_back([comm] { comm->abort(); });
-      } catch (...) {
-        comm->abort();  // no thread to be had
-      }
-    }
-    for (std::thread& abort : aborts) abort.join();
-    polled.clear();
-    failed.clear();  // their kernels have stopped: the tensors go, outside the lock
+    for (auto& [comm, entries] : to_abort) abort(comm, std::move(entries));
     lock.lock();
-    for (Entry& entry : still_running) watched_.push_back(std::move(entry));
+    watched_.splice(watched_.end(), still_running);
     in_hand_ = 0;
     wake_.notify_all();  // forget() may be waiting for in_hand_
   }

@@ -53,6 +53,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <functional>
+#include <list>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -170,8 +171,10 @@ class Watchdog {
   static Watchdog& instance();
   // Watches until the event has passed (then drops keep_alive). Past the timeout, or when comm
   // or the event reports an error, it sets comm's abort reason, makes every later host wait
-  // for the device throw (kernels::cuda::fail_host_syncs), says so on stderr and aborts comm.
-  // A communicator aborted by anyone else before the event passed fails the host's waits too.
+  // for the device throw (kernels::cuda::fail_host_syncs), says so on stderr and aborts comm
+  // on a thread of its own, which drops keep_alive once the abort has stopped the kernels.
+  // A communicator found aborted by anyone else, however the event ended, fails the host's
+  // waits too: the abort may have cut the collective short.
   // Throws only what starting the thread or storing the entry throws (then nothing is watched).
   void watch(Watched watched);
   // Drops what is watched on comm without a further poll: for a communicator that has been
@@ -191,10 +194,13 @@ class Watchdog {
   Watchdog() = default;
   void run();
   static Verdict poll(Entry& entry, std::string* reason);
+  static void abort(std::shared_ptr<AsyncComm> comm, std::list<Entry> entries);
 
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::vector<Entry> watched_;
+  // A list: the thread moves entries out and back by splicing, which never allocates, so no
+  // entry (and no tensor a kernel may still write) is lost to an allocation failure.
+  std::list<Entry> watched_;
   size_t in_hand_ = 0;  // taken out of watched_ by the thread, not yet handled
   bool started_ = false;
 };

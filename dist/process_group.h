@@ -21,7 +21,8 @@
 //    not anyone waited on it.
 //  - wait(timeout) throws TimeoutError when the work has not finished within the earlier of
 //    timeout and the group's timeout (InitOptions::timeout; wait(0ms) waits for that one alone,
-//    as torch's), and DistError when it failed; with the collective check, up to one second
+//    as torch's), and DistError when it failed (NCCL: wait() returns at once, and its watchdog
+//    keeps the timeout, Work::wait); with the collective check, up to one second
 //    more (at most the timeout again) goes to asking the store which rank never came.
 //    After either error the group is unusable (a peer is gone or out of step) and the job should
 //    exit, as after a c10d timeout. An MPI rank with a request still unfinished at exit

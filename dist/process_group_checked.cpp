@@ -59,6 +59,7 @@
 
 #include "core/error.h"
 #include "dist/launcher_link.h"
+#include "dist/nccl_protocol.h"
 #include "dist/process_group.h"
 
 namespace nanoddp::dist {
@@ -249,6 +250,11 @@ class CheckedWork : public Work {
       std::vector<Tensor> received;
       for (int r = 0; r < world; ++r) received.push_back(table_.slice_view(r * kFingerprintFields, {kFingerprintFields}));
       fingerprints_ = state_->inner->all_gather(received, send);
+      // The host reads the fingerprints, so their wait is the host's, with its TimeoutError,
+      // also on NCCL, whose waits otherwise only order the device's stream (Note [NCCL
+      // stream-ordered wait]).
+      if (auto* on_device = dynamic_cast<detail::EventWork*>(fingerprints_.get()))
+        on_device->set_waits(detail::EventWork::Waits::Host);
     } catch (...) {
       fail(naming_the_call(std::current_exception()));
     }
@@ -269,21 +275,8 @@ class CheckedWork : public Work {
   // deadline (MPI gives up on nothing) and are taken, or the exchange ended in the timeout or
   // an error, which is thrown again.
   void wait_for_fingerprints(std::chrono::milliseconds timeout) {
-    const auto begin = std::chrono::steady_clock::now();
     try {
       fingerprints_->wait(timeout);
-      // The host reads the fingerprints. Where wait() only ordered the device's stream (NCCL:
-      // Note [NCCL stream-ordered wait]), the host waits for them here, within the same timeout.
-      while (!fingerprints_->is_completed()) {
-        const auto waited = std::chrono::steady_clock::now() - begin;
-        NANODDP_CHECK(waited < timeout, TimeoutError, "the fingerprints' all_gather did not complete within ",
-                      timeout.count(), " ms");
-        // A yield while it is young (a small all-gather takes microseconds), then short sleeps.
-        if (waited < std::chrono::microseconds(100))
-          std::this_thread::yield();
-        else
-          std::this_thread::sleep_for(std::chrono::microseconds(20));
-      }
     } catch (const TimeoutError&) {
       if (!exchange_over()) throw;
       fingerprints_->wait(std::chrono::milliseconds(1));

@@ -28,8 +28,9 @@
 // that event and returns; the watchdog follows the event until the timeout, aborting the
 // call's communicator on timeout or NCCL error so that no kernel spins forever (Note [NCCL
 // stream-ordered wait] in dist/nccl_protocol.h; a barrier waits on the host). The Work, then
-// the watchdog, holds the tensors until the event has passed, even when the Work is dropped
-// without wait(), so the caching allocator cannot reuse their memory while NCCL uses it.
+// the watchdog, holds the tensors until the event has passed or an abort has stopped NCCL's
+// kernels, even when the Work is dropped without wait(), so the caching allocator cannot
+// reuse their memory while NCCL uses it.
 //
 // Note [NCCL point-to-point]
 // ncclSend and ncclRecv hold their stream until the peer posts the matching call, and NCCL runs

@@ -82,5 +82,8 @@ uint64_t host_syncs();
 // DistError with the first reason given, once the device has caught up. Without CUDA: nothing
 // to do.
 void fail_host_syncs(const std::string& reason);
+// Throws that DistError when fail_host_syncs has been called: for host waits that do not go
+// through the functions above (an NCCL barrier polls its event).
+void check_host_syncs();
 
 }  // namespace nanoddp::kernels::cuda

@@ -35,6 +35,7 @@ void wait_for_event(void*) { no_cuda("wait_for_event"); }
 void count_host_sync() {}
 uint64_t host_syncs() { return 0; }
 void fail_host_syncs(const std::string&) {}
+void check_host_syncs() {}
 }  // namespace cuda
 
 }  // namespace nanoddp::kernels

@@ -110,7 +110,8 @@ std::pair<Tensor, Tensor> random_batch(Generator& gen) {
 }
 
 // The host's waits for the device (Note [Host syncs]) in each of four DDP steps of the MLP with
-// SGD on pg, the loss never read; the first step builds the buckets.
+// SGD on pg, the loss never read. The first step builds the buckets, and at world size 2 the
+// second re-plans them (Note [Bucket rebuild]: rank 0's order goes through the host).
 std::vector<uint64_t> host_syncs_per_ddp_step(const std::shared_ptr<dist::ProcessGroup>& pg, Device device,
                                               uint64_t seed) {
   auto model = mlp();
@@ -852,7 +853,6 @@ TEST_CASE("NCCL at world size 2 (two GPUs): collectives, send/recv and DDP") {
   const std::vector<uint64_t> unchecked_syncs = host_syncs_per_ddp_step(unchecked, gpu, 7 + rank);
   MESSAGE("host syncs per DDP step at world size 2, unchecked: ", unchecked_syncs[1], ", ", unchecked_syncs[2], ", ",
           unchecked_syncs[3]);
-  CHECK(unchecked_syncs[1] == 0);
   CHECK(unchecked_syncs[2] == 0);
   CHECK(unchecked_syncs[3] == 0);
   unchecked.reset();

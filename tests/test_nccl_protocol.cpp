@@ -10,6 +10,7 @@
 #include <deque>
 #include <fstream>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,12 +23,14 @@ using namespace std::chrono_literals;
 
 namespace {
 
-// Answers state() from a script (the last answer repeats) and logs every call.
+// Answers state() from a script (the last answer repeats) and logs every call. The watchdog's
+// thread and its abort threads call it too: every member is guarded.
 class ScriptedComm : public dist::detail::AsyncComm {
  public:
   explicit ScriptedComm(std::deque<AsyncState> script) : script_(std::move(script)) {}
   AsyncState state(std::string* error) override {
-    log.push_back("state");
+    std::lock_guard<std::mutex> lock(mutex_);
+    log_.push_back("state");
     if (aborted_) {
       *error = "aborted";
       return AsyncState::Failed;
@@ -38,19 +41,41 @@ class ScriptedComm : public dist::detail::AsyncComm {
     return next;
   }
   void abort() override {
-    log.push_back("abort");
+    std::lock_guard<std::mutex> lock(mutex_);
+    log_.push_back("abort");
     aborted_ = true;
   }
   bool aborted() const override { return aborted_; }
-  std::vector<std::string> log;
+  void note(const std::string& entry) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    log_.push_back(entry);
+  }
+  std::vector<std::string> log() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return log_;
+  }
 
  private:
+  mutable std::mutex mutex_;
+  std::vector<std::string> log_;
   std::deque<AsyncState> script_;
-  bool aborted_ = false;
+  std::atomic<bool> aborted_{false};
 };
 
-int count(const std::vector<std::string>& log, const std::string& entry) {
+int count(const ScriptedComm& comm, const std::string& entry) {
+  const std::vector<std::string> log = comm.log();
   return static_cast<int>(std::count(log.begin(), log.end(), entry));
+}
+
+// Whether done() holds within 10 s (polled): for what the watchdog's threads do.
+template <typename Done>
+bool eventually(Done&& done) {
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(100us);
+  }
+  return true;
 }
 
 // An event that has not passed for `pending` queries, then has. The watchdog's thread queries
@@ -96,18 +121,18 @@ bool watchdog_idle() {
 TEST_CASE("a call answered 'in progress' is polled until NCCL reports it enqueued, then the event follows") {
   ScriptedComm comm({AsyncState::InProgress, AsyncState::InProgress, AsyncState::InProgress, AsyncState::Done});
   dist::detail::issue_and_wait_enqueued(comm, "all_reduce", 5s, [&](std::string*) {
-    comm.log.push_back("issue");
+    comm.note("issue");
     return AsyncState::InProgress;
   });
-  comm.log.push_back("record done event");
-  CHECK(comm.log ==
+  comm.note("record done event");
+  CHECK(comm.log() ==
         std::vector<std::string>{"issue", "state", "state", "state", "state", "record done event"});
 }
 
 TEST_CASE("a call that finished at once is not polled") {
   ScriptedComm comm({AsyncState::InProgress});
   dist::detail::issue_and_wait_enqueued(comm, "broadcast", 5s, [](std::string*) { return AsyncState::Done; });
-  CHECK(comm.log.empty());
+  CHECK(comm.log().empty());
 }
 
 TEST_CASE("an immediate error throws DistError with NCCL's text and leaves the communicator usable") {
@@ -123,7 +148,7 @@ TEST_CASE("an immediate error throws DistError with NCCL's text and leaves the c
           std::string::npos);
   }
   CHECK(!comm.aborted());
-  CHECK(comm.log == std::vector<std::string>{"state"});
+  CHECK(comm.log() == std::vector<std::string>{"state"});
 }
 
 TEST_CASE("an immediate error that the communicator keeps as its own aborts it, and later calls are refused") {
@@ -138,7 +163,7 @@ TEST_CASE("an immediate error that the communicator keeps as its own aborts it, 
                                          "unhandled system error (remote peer closed the connection) for the "
                                          "communicator, which was aborted"),
                        DistError);
-  CHECK(comm.log == std::vector<std::string>{"state", "abort"});
+  CHECK(comm.log() == std::vector<std::string>{"state", "abort"});
   // Still in progress after the error (NCCL's group end can fail after starting its launch
   // thread): aborted as well, before anything else goes on the stream.
   ScriptedComm launching({AsyncState::InProgress});
@@ -150,7 +175,7 @@ TEST_CASE("an immediate error that the communicator keeps as its own aborts it, 
                        doctest::Contains("nccl group: internal error; NCCL then reported the call still in progress "
                                          "for the communicator, which was aborted"),
                        DistError);
-  CHECK(launching.log == std::vector<std::string>{"state", "abort"});
+  CHECK(launching.log() == std::vector<std::string>{"state", "abort"});
   bool issued = false;
   CHECK_THROWS_WITH_AS(dist::detail::issue_and_wait_enqueued(comm, "barrier", 5s,
                                                               [&](std::string*) {
@@ -166,7 +191,7 @@ TEST_CASE("an error while in progress aborts the communicator and throws DistErr
   CHECK_THROWS_WITH_AS(
       dist::detail::issue_and_wait_enqueued(comm, "all_gather", 5s, [](std::string*) { return AsyncState::InProgress; }),
       doctest::Contains("remote peer closed the connection"), DistError);
-  CHECK(count(comm.log, "abort") == 1);
+  CHECK(count(comm, "abort") == 1);
   // Every later call is refused before it reaches NCCL.
   bool issued = false;
   CHECK_THROWS_AS(dist::detail::issue_and_wait_enqueued(comm, "barrier", 5s,
@@ -185,7 +210,7 @@ TEST_CASE("a call that stays in progress times out and aborts") {
       dist::detail::issue_and_wait_enqueued(comm, "all_reduce", 30ms, [](std::string*) { return AsyncState::InProgress; }),
       TimeoutError);
   CHECK(std::chrono::steady_clock::now() - start >= 30ms);
-  CHECK(count(comm.log, "abort") == 1);
+  CHECK(count(comm, "abort") == 1);
 }
 
 TEST_CASE("a Work dropped without wait() holds its tensors until the done event has passed") {
@@ -202,7 +227,7 @@ TEST_CASE("a Work dropped without wait() holds its tensors until the done event 
   CHECK(event.queries == 4);  // three "not yet", then passed
   CHECK(uses_while_pending == std::vector<long>{2, 2, 2});
   CHECK(buffer.use_count() == 1);
-  CHECK(count(comm->log, "abort") == 0);
+  CHECK(count(*comm, "abort") == 0);
 }
 
 TEST_CASE("a dropped Work whose event never passes aborts the communicator after the timeout") {
@@ -211,7 +236,7 @@ TEST_CASE("a dropped Work whose event never passes aborts the communicator after
   ScriptedEvent event;
   event.pending = 1 << 30;
   { dist::detail::EventWork work("all_reduce", comm, event.make(), {buffer}, 20ms); }
-  CHECK(count(comm->log, "abort") == 1);
+  CHECK(count(*comm, "abort") == 1);
   CHECK(buffer.use_count() == 1);
 }
 
@@ -231,7 +256,7 @@ TEST_CASE("wait() orders the compute stream once and returns; the watchdog relea
   CHECK(work.is_completed());
   work.wait(5s);
   CHECK(event.orderings == 1);
-  CHECK(count(comm->log, "abort") == 0);
+  CHECK(count(*comm, "abort") == 0);
 }
 
 TEST_CASE("wait() on a finished collective releases the tensors itself") {
@@ -254,9 +279,9 @@ TEST_CASE("the watchdog aborts a waited collective that times out or fails, and 
       event.pending = 1 << 30;
       dist::detail::EventWork work("all_reduce #7", comm, event.make(), {buffer}, 20ms);
       work.wait(requested);  // returns at once
-      REQUIRE(watchdog_idle());
-      CHECK(count(comm->log, "abort") == 1);
-      CHECK(buffer.use_count() == 1);  // an aborted communicator runs no kernel: released
+      // Released by the abort's thread once the abort has stopped the kernels.
+      REQUIRE(eventually([&] { return buffer.use_count() == 1; }));
+      CHECK(count(*comm, "abort") == 1);
       CHECK(comm->abort_reason() == "all_reduce #7: did not complete within 20 ms (a peer may have exited or be out "
                                     "of step)");
       CHECK_THROWS_WITH_AS(work.wait(5s), doctest::Contains("aborted after an earlier timeout or error (all_reduce #7: "
@@ -275,8 +300,8 @@ TEST_CASE("the watchdog aborts a waited collective that times out or fails, and 
     event.pending = 1 << 30;
     dist::detail::EventWork work("all_reduce", comm, event.make(), {Tensor::zeros({4})}, 5s);
     work.wait(5s);
-    REQUIRE(watchdog_idle());
-    CHECK(count(comm->log, "abort") == 1);
+    REQUIRE(eventually([&] { return comm->aborted(); }));
+    CHECK(count(*comm, "abort") == 1);
     CHECK(comm->abort_reason() == "all_reduce: NCCL reported unhandled system error (remote peer closed the connection)");
   }
   SUBCASE("the group's end lets go of what is watched on its communicator, with no reason of its own") {
@@ -302,7 +327,7 @@ TEST_CASE("a Work that waits on the host (a barrier) times out, or reports NCCL'
     dist::detail::EventWork work("barrier", comm, event.make(), {Tensor::zeros({4})}, 5s);
     work.set_waits(Waits::Host);
     CHECK_THROWS_WITH_AS(work.wait(20ms), doctest::Contains("within 20 ms"), TimeoutError);
-    CHECK(count(comm->log, "abort") == 1);
+    CHECK(count(*comm, "abort") == 1);
     CHECK_THROWS_AS(work.wait(20ms), DistError);  // the same group cannot go on
   }
   SUBCASE("asynchronous error") {
@@ -312,7 +337,7 @@ TEST_CASE("a Work that waits on the host (a barrier) times out, or reports NCCL'
     dist::detail::EventWork work("barrier", comm, event.make(), {Tensor::zeros({4})}, 5s);
     work.set_waits(Waits::Host);
     CHECK_THROWS_WITH_AS(work.wait(5s), doctest::Contains("remote peer closed"), DistError);
-    CHECK(count(comm->log, "abort") == 1);
+    CHECK(count(*comm, "abort") == 1);
   }
   SUBCASE("passed") {
     auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Done});
@@ -594,7 +619,7 @@ TEST_CASE("a communicator aborted by someone else: the watchdog holds the tensor
   work.wait(60s);
   comm->abort();  // as a dropped Work's release timeout or the group's end does
   const int seen = event.queries;
-  while (event.queries < seen + 3) std::this_thread::sleep_for(100us);  // polled on, aborted
+  REQUIRE(eventually([&] { return event.queries >= seen + 3; }));  // polled on, aborted
   CHECK(buffer.use_count() == 2);  // the abort may not have stopped NCCL's kernels yet
   event.pending = 0;               // now they have
   REQUIRE(watchdog_idle());

@@ -279,6 +279,8 @@ void throw_if_host_syncs_failed() {
 }
 }  // namespace
 
+void check_host_syncs() { throw_if_host_syncs_failed(); }
+
 void fail_host_syncs(const std::string& reason) {
   const std::string* expected = nullptr;
   auto* kept = new std::string(reason);
