@@ -108,12 +108,7 @@ struct ScriptedEvent {
 // Until the watchdog holds nothing (what it watched has finished or was aborted); false if it
 // still does after 10 s.
 bool watchdog_idle() {
-  const auto deadline = std::chrono::steady_clock::now() + 10s;
-  while (dist::detail::Watchdog::instance().watched() > 0) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    std::this_thread::sleep_for(100us);
-  }
-  return true;
+  return eventually([] { return dist::detail::Watchdog::instance().watched() == 0; });
 }
 
 }  // namespace
