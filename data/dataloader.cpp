@@ -163,8 +163,16 @@ class DataLoader::PinnedStaging {
     if (slot.copied == nullptr) slot.copied = kernels::cuda::create_event();  // before the copy: may throw
     std::memcpy(slot.data, src, nbytes);
     kernels::cuda::copy_async(dst, slot.data, nbytes, kernels::cuda::CopyKind::HostToDevice);
-    slot.in_flight = true;  // until its event is seen to pass, even should recording it fail
-    kernels::cuda::record_event(slot.copied);
+    slot.in_flight = true;
+    try {
+      kernels::cuda::record_event(slot.copied);
+    } catch (...) {
+      // Nothing tells when the copy has read the buffer: it is given up, never reused or freed.
+      slot.data = nullptr;
+      slot.capacity = 0;
+      slot.in_flight = false;
+      throw;
+    }
     slot.order = next_order_++;
   }
 

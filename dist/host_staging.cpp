@@ -94,6 +94,7 @@ class CopiesInFlight {
       kernels::cuda::record_event(event);
     } catch (...) {
       kernels::cuda::destroy_event(event);
+      new Tensor(host);  // nothing tells when the copy has read it: leaked, never reused
       throw;
     }
     std::lock_guard<std::mutex> lock(mutex_);

@@ -13,7 +13,8 @@
 // Contract, on top of ProcessGroup's:
 //  - a tensor not on the CPU (cuda:N; tests use the host stand-in cpu:1) is copied to host
 //    memory when the collective is issued, after every kernel queued before it (the copy
-//    waits for the device's compute stream: one host sync per collective); wait() queues the
+//    waits for the device's compute stream: one host sync per tensor copied in, so one per
+//    collective but reduce_scatter, which copies each input); wait() queues the
 //    copy of its result back on the compute stream, without waiting (Note [Compute-stream
 //    events] keeps the pinned block until that copy has run), so every later kernel and copy
 //    sees it: read it only after wait() (is_completed() says when the host side has finished);

@@ -180,17 +180,24 @@ void EventWork::wait_on_host(std::chrono::milliseconds timeout) {
   const PollPause pause;
   std::string error;
   while (!is_completed()) {
+    // An abort elsewhere (another thread's timeout, the group's end) ends the wait too.
+    NANODDP_CHECK(!comm_->aborted(), DistError, what_, ": ", comm_->aborted_message(),
+                  "; its result cannot be trusted");
     if (comm_->state(&error) == AsyncState::Failed) {
+      comm_->set_abort_reason(what_ + ": NCCL reported " + error);
       comm_->abort();
       NANODDP_THROW(DistError, what_, ": NCCL reported ", error, "; the communicator was aborted");
     }
     if (Clock::now() > deadline) {
+      comm_->set_abort_reason(what_ + ": did not complete within " + std::to_string(timeout.count()) + " ms");
       comm_->abort();
       NANODDP_THROW(TimeoutError, what_, ": did not complete within ", timeout.count(),
                     " ms (a peer may have exited or be out of step); the communicator was aborted");
     }
     pause();
   }
+  // It also lets the event pass.
+  NANODDP_CHECK(!comm_->aborted(), DistError, what_, ": ", comm_->aborted_message(), "; its result cannot be trusted");
   std::lock_guard<std::mutex> lock(mutex_);
   keep_alive_.clear();
   kernels::cuda::check_host_syncs();  // as after any host wait for the device
@@ -240,7 +247,8 @@ void Watchdog::watch(Watched watched) {
 void Watchdog::forget(const AsyncComm& comm) {
   std::list<Entry> dropped;  // their tensors go outside the lock
   std::unique_lock<std::mutex> lock(mutex_);
-  // One being handled now is finished first, so that none outlives this call.
+  // One being polled now is put back first, so that none is polled after this call (those
+  // already handed to an abort's thread go when that abort, which close() waits for, returns).
   wake_.wait(lock, [&] { return in_hand_ == 0; });
   for (auto it = watched_.begin(); it != watched_.end();) {
     auto next = std::next(it);
@@ -249,9 +257,14 @@ void Watchdog::forget(const AsyncComm& comm) {
   }
   lock.unlock();
   // Finalizing completed their calls; an abort may have cut them short.
-  if (comm.aborted() && !dropped.empty())
-    kernels::cuda::fail_host_syncs(dropped.front().watched.what + ": " + comm.aborted_message() +
-                                   " before it was seen to finish");
+  if (comm.aborted() && !dropped.empty()) {
+    try {
+      kernels::cuda::fail_host_syncs(dropped.front().watched.what + ": " + comm.aborted_message() +
+                                     " before it was seen to finish");
+    } catch (...) {
+      kernels::cuda::fail_host_syncs("an NCCL communicator was aborted before its collectives were seen to finish");
+    }
+  }
 }
 
 size_t Watchdog::watched() {
@@ -267,7 +280,9 @@ Watchdog::Verdict Watchdog::poll(Entry& entry, std::string* reason) {
   // The event first: the aborted flag is set before an abort stops any kernel, so an event
   // seen passed on a communicator not (yet) aborted passed on its own.
   const AsyncState event = watched.query(&error);
-  if (watched.comm->aborted()) {
+  // A reason is set before the abort starts (this watchdog's, in an earlier round, for another
+  // collective on the same communicator): aborted as well, and not to be aborted twice.
+  if (watched.comm->aborted() || !watched.comm->abort_reason().empty()) {
     // Aborted by anyone (a dropped Work's release timeout, a barrier's timeout, the group's
     // end, this watchdog for another collective): the collective may have been cut short, so
     // host reads fail from now on. Its tensors stay until the event has passed (or the device
@@ -299,11 +314,25 @@ void Watchdog::abort(std::shared_ptr<AsyncComm> comm, std::list<Entry> entries) 
   // On a thread of its own, not joined: freeing one communicator can wait for a kernel of
   // another, which only this watchdog's next round may abort (Note [NCCL shutdown]). The
   // entries' tensors go when the abort has stopped the kernels.
-  auto shared_entries = std::make_shared<std::list<Entry>>(std::move(entries));
+  std::shared_ptr<std::list<Entry>> held;  // outlives the catch below: released after the abort
   try {
-    std::thread([comm, shared_entries] { comm->abort(); }).detach();
+    held = std::make_shared<std::list<Entry>>(std::move(entries));
+    std::thread([comm, held] { comm->abort(); }).detach();
   } catch (...) {
-    comm->abort();  // no thread to be had: here, then
+    comm->abort();  // no thread or memory to be had: here, then
+  }
+}
+
+void Watchdog::aborting(const AsyncComm& comm) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Entries being polled right now are the thread's: poll() looks at the event before the
+  // aborted flag, so it sees this abort for any that had not finished.
+  for (const Entry& entry : watched_) {
+    if (entry.watched.comm.get() != &comm) continue;
+    kernels::cuda::fail_host_syncs(entry.watched.what + ": its NCCL communicator was aborted before it was seen to "
+                                   "finish (" + (comm.abort_reason().empty() ? std::string("an earlier timeout or error")
+                                                                            : comm.abort_reason()) + ")");
+    return;
   }
 }
 

@@ -135,7 +135,8 @@ class EventWork : public Work {
   // wait]); Host: polls the event from the host and returns once it has passed, TimeoutError
   // after timeout, DistError when the communicator or the device reports an error (both abort
   // the communicator), then releases the tensors. Both throw DistError, with the reason, once
-  // the communicator was aborted.
+  // the communicator was aborted, and Host, as every host wait, once the watchdog made host
+  // waits fail (kernels::cuda::check_host_syncs).
   void wait(std::chrono::milliseconds timeout) override;
   bool is_completed() override;
 
@@ -180,6 +181,11 @@ class Watchdog {
   // Drops what is watched on comm without a further poll: for a communicator that has been
   // finalized or aborted, whose calls have all ended (Note [NCCL shutdown]).
   void forget(const AsyncComm& comm);
+  // Called by a communicator's abort() before it stops anything: a collective watched on it
+  // is cut short, so host reads fail from now on (kernels::cuda::fail_host_syncs). Also for a
+  // collective that finished but has not been polled since: conservative, and an abort means
+  // a failure anyway.
+  void aborting(const AsyncComm& comm);
   // How many are watched, those being handled at this moment included.
   size_t watched();
 
@@ -187,7 +193,7 @@ class Watchdog {
   struct Entry {
     Watched watched;
     std::chrono::steady_clock::time_point deadline;
-    bool lost;  // its communicator was aborted by someone else before the event passed
+    bool lost;  // its communicator was found aborted before the event was seen to pass
   };
   enum class Verdict { Running, Finished, Failed };
 

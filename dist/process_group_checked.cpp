@@ -279,7 +279,13 @@ class CheckedWork : public Work {
       fingerprints_->wait(timeout);
     } catch (const TimeoutError&) {
       if (!exchange_over()) throw;
-      fingerprints_->wait(std::chrono::milliseconds(1));
+      const std::exception_ptr timed_out = std::current_exception();
+      try {
+        fingerprints_->wait(std::chrono::milliseconds(1));
+      } catch (const DistError&) {
+        // The exchange ended by the timeout's own abort (NCCL): the timeout stays the error.
+        std::rethrow_exception(timed_out);
+      }
     }
   }
 

@@ -242,6 +242,11 @@ class NcclComm : public detail::AsyncComm {
     {
       std::lock_guard<std::mutex> lock(nccl_call_mutex());
       if (aborted_.load() || closed_) return;
+      try {
+        detail::Watchdog::instance().aborting(*this);  // before any kernel stops
+      } catch (...) {
+        kernels::cuda::fail_host_syncs("an NCCL communicator was aborted");  // no memory for the longer reason
+      }
       aborted_.store(true);  // from here no call() touches comm_
       comm = comm_;
     }
@@ -311,7 +316,11 @@ struct NcclLane {
   ~NcclLane() {
     cudaSetDevice(device.index);
     comm->close();
-    detail::Watchdog::instance().forget(*comm);  // finalized or aborted: every call has ended
+    try {
+      detail::Watchdog::instance().forget(*comm);  // finalized or aborted: every call has ended
+    } catch (...) {
+      // Destructors never throw; the watchdog lets go of them once their events pass.
+    }
     comm.reset();
     if (stream != nullptr) cudaStreamDestroy(stream);
   }

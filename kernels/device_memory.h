@@ -66,8 +66,8 @@ void synchronize();  // waits for the compute stream
 
 // Note [Host syncs]
 // Every place where the host waits for the device (synchronize(), the synchronous copy(),
-// wait_for_event(), the stream drain of empty_cache(), an NCCL barrier's wait(), which polls
-// its event) calls
+// wait_for_event(), the stream drain of empty_cache(), an NCCL Work that waits on the host, a
+// barrier's or the collective check's fingerprints', which polls its event) calls
 // count_host_sync(), and host_syncs() says how many there were in this process, over every
 // thread and device. A training step should wait once, where the loss is read: the difference
 // of host_syncs() around a step is what tests/test_gpu_dist.cpp and benchmarks/gpu report.
@@ -83,7 +83,7 @@ uint64_t host_syncs();
 // to do.
 void fail_host_syncs(const std::string& reason);
 // Throws that DistError when fail_host_syncs has been called: for host waits that do not go
-// through the functions above (an NCCL barrier polls its event).
+// through the functions above (an NCCL Work that waits on the host polls its event).
 void check_host_syncs();
 
 }  // namespace nanoddp::kernels::cuda

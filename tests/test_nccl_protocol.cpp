@@ -621,3 +621,18 @@ TEST_CASE("a communicator aborted by someone else: the watchdog holds the tensor
   CHECK(buffer.use_count() == 1);
   CHECK_THROWS_WITH_AS(work.wait(60s), doctest::Contains("the communicator was aborted"), DistError);
 }
+
+TEST_CASE("a Work that waits on the host fails when another thread's abort lets its event pass") {
+  auto comm = std::make_shared<HealthyComm>();
+  ScriptedEvent event;
+  event.pending = 1 << 30;
+  dist::detail::EventWork work("barrier", comm, event.make(), {Tensor::zeros({4})}, 60s);
+  work.set_waits(dist::detail::EventWork::Waits::Host);
+  std::thread elsewhere([&] {
+    std::this_thread::sleep_for(20ms);
+    comm->abort();        // a dropped Work's release timeout, say
+    event.pending = 0;    // the abort stopped the kernel: the event passes
+  });
+  CHECK_THROWS_WITH_AS(work.wait(60s), doctest::Contains("barrier: the communicator was aborted"), DistError);
+  elsewhere.join();
+}
