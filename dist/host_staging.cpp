@@ -67,6 +67,15 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   size_t cached_bytes_ = 0;
 };
 
+// A host tensor the device may still read, when nothing will tell when it has: leaked, never
+// reused. Never throws (without memory for the handle, nothing can be done about it).
+void keep_forever(const Tensor& host) noexcept {
+  try {
+    new Tensor(host);
+  } catch (...) {
+  }
+}
+
 // Host tensors whose copy back to the GPU is queued but may not have run: each is kept (its
 // pinned block out of the pool) until its event has passed (Note [Compute-stream events]).
 class CopiesInFlight {
@@ -77,7 +86,7 @@ class CopiesInFlight {
         kernels::cuda::set_device(copy.device);
         kernels::cuda::wait_for_event(copy.event);
       } catch (...) {
-        new Tensor(copy.host);  // the device may still read it: leaked, never reused
+        keep_forever(copy.host);  // the device may still read it
       }
       kernels::cuda::destroy_event(copy.event);
     }
@@ -87,6 +96,8 @@ class CopiesInFlight {
   void copy_back(const Tensor& device_tensor, const Tensor& host) {
     const int device = device_tensor.device().index;
     kernels::cuda::set_device(device);
+    std::lock_guard<std::mutex> lock(mutex_);
+    copies_.reserve(copies_.size() + 1);  // so that keeping host below cannot fail once the copy is queued
     void* event = kernels::cuda::create_event();
     try {
       kernels::cuda::copy_async(device_tensor.data_ptr(), host.data_ptr(), host.nbytes(),
@@ -94,12 +105,12 @@ class CopiesInFlight {
       kernels::cuda::record_event(event);
     } catch (...) {
       kernels::cuda::destroy_event(event);
-      new Tensor(host);  // nothing tells when the copy has read it: leaked, never reused
+      keep_forever(host);  // nothing tells when the copy has read it
       throw;
     }
-    std::lock_guard<std::mutex> lock(mutex_);
     copies_.push_back(Copy{host, event, device});
   }
+
 
   // Lets go of the host tensors whose copies have run.
   void collect() {

@@ -184,6 +184,9 @@ void EventWork::wait_on_host(std::chrono::milliseconds timeout) {
     NANODDP_CHECK(!comm_->aborted(), DistError, what_, ": ", comm_->aborted_message(),
                   "; its result cannot be trusted");
     if (comm_->state(&error) == AsyncState::Failed) {
+      // NCCL's error may be an abort elsewhere, begun after the check above.
+      NANODDP_CHECK(!comm_->aborted(), DistError, what_, ": ", comm_->aborted_message(),
+                    "; its result cannot be trusted");
       comm_->set_abort_reason(what_ + ": NCCL reported " + error);
       comm_->abort();
       NANODDP_THROW(DistError, what_, ": NCCL reported ", error, "; the communicator was aborted");
@@ -209,6 +212,7 @@ bool EventWork::is_completed() {
   std::string error;
   const AsyncState state = event_.query(&error);
   if (state == AsyncState::Failed) {
+    comm_->set_abort_reason(what_ + ": the device reported " + error);
     comm_->abort();
     NANODDP_THROW(DistError, what_, ": the device reported ", error, "; the communicator was aborted");
   }
@@ -240,7 +244,8 @@ void Watchdog::watch(Watched watched) {
     std::thread([this] { run(); }).detach();
     started_ = true;
   }
-  watched_.push_back(Entry{std::move(watched), deadline, false});
+  AsyncComm* counted_on = watched.comm.get();
+  watched_.push_back(Entry{std::move(watched), deadline, false, Counted(counted_on)});
   wake_.notify_one();
 }
 
@@ -262,7 +267,7 @@ void Watchdog::forget(const AsyncComm& comm) {
       kernels::cuda::fail_host_syncs(dropped.front().watched.what + ": " + comm.aborted_message() +
                                      " before it was seen to finish");
     } catch (...) {
-      kernels::cuda::fail_host_syncs("an NCCL communicator was aborted before its collectives were seen to finish");
+      kernels::cuda::fail_host_syncs({});  // no memory for the reason: a preset one
     }
   }
 }
@@ -280,9 +285,15 @@ Watchdog::Verdict Watchdog::poll(Entry& entry, std::string* reason) {
   // The event first: the aborted flag is set before an abort stops any kernel, so an event
   // seen passed on a communicator not (yet) aborted passed on its own.
   const AsyncState event = watched.query(&error);
-  // A reason is set before the abort starts (this watchdog's, in an earlier round, for another
-  // collective on the same communicator): aborted as well, and not to be aborted twice.
-  if (watched.comm->aborted() || !watched.comm->abort_reason().empty()) {
+  // A reason is set just before an abort starts (this watchdog's, in an earlier round, for
+  // another collective on the same communicator): aborted as well, and not to be aborted twice.
+  const auto aborted = [&] { return watched.comm->aborted() || !watched.comm->abort_reason().empty(); };
+  bool cut_short = aborted();
+  std::string comm_error;
+  const bool comm_failed =
+      !cut_short && event == AsyncState::InProgress && watched.comm->state(&comm_error) == AsyncState::Failed;
+  if (comm_failed) cut_short = aborted();  // NCCL's error may be an abort, begun after the look above
+  if (cut_short) {
     // Aborted by anyone (a dropped Work's release timeout, a barrier's timeout, the group's
     // end, this watchdog for another collective): the collective may have been cut short, so
     // host reads fail from now on. Its tensors stay until the event has passed (or the device
@@ -298,8 +309,8 @@ Watchdog::Verdict Watchdog::poll(Entry& entry, std::string* reason) {
     *reason = watched.what + ": the device reported " + error;
     return Verdict::Failed;
   }
-  if (watched.comm->state(&error) == AsyncState::Failed) {
-    *reason = watched.what + ": NCCL reported " + error;
+  if (comm_failed) {
+    *reason = watched.what + ": NCCL reported " + comm_error;
     return Verdict::Failed;
   }
   if (Clock::now() > entry.deadline) {
@@ -323,16 +334,15 @@ void Watchdog::abort(std::shared_ptr<AsyncComm> comm, std::list<Entry> entries) 
   }
 }
 
-void Watchdog::aborting(const AsyncComm& comm) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  // Entries being polled right now are the thread's: poll() looks at the event before the
-  // aborted flag, so it sees this abort for any that had not finished.
-  for (const Entry& entry : watched_) {
-    if (entry.watched.comm.get() != &comm) continue;
-    kernels::cuda::fail_host_syncs(entry.watched.what + ": its NCCL communicator was aborted before it was seen to "
-                                   "finish (" + (comm.abort_reason().empty() ? std::string("an earlier timeout or error")
-                                                                            : comm.abort_reason()) + ")");
-    return;
+void Watchdog::aborting(const AsyncComm& comm) noexcept {
+  if (comm.watched_collectives() == 0) return;
+  try {
+    const std::string reason = comm.abort_reason();
+    kernels::cuda::fail_host_syncs("an NCCL communicator was aborted (" +
+                                   (reason.empty() ? std::string("an earlier timeout or error") : reason) +
+                                   ") before its collectives were seen to finish");
+  } catch (...) {
+    kernels::cuda::fail_host_syncs({});  // no memory for the reason: a preset one
   }
 }
 
@@ -373,7 +383,7 @@ void Watchdog::run() {
         auto group = std::find_if(to_abort.begin(), to_abort.end(),
                                   [&](const auto& failed) { return failed.first == entry->watched.comm; });
         try {
-          if (group == to_abort.end()) group = to_abort.insert(to_abort.end(), {entry->watched.comm, {}});
+          if (group == to_abort.end()) group = to_abort.emplace(to_abort.end(), entry->watched.comm, std::list<Entry>());
           group->second.splice(group->second.end(), polled, entry);
         } catch (...) {
           entry->watched.comm->abort();  // no memory for the list: abort here, then let go

@@ -51,6 +51,7 @@
 #pragma once
 
 #include <chrono>
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <list>
@@ -82,16 +83,21 @@ class AsyncComm {
   virtual void abort() = 0;
   virtual bool aborted() const = 0;
 
-  // Why the watchdog aborted the communicator (Note [NCCL stream-ordered wait]); empty when it
-  // did not. The first reason stays. Safe from any thread.
+  // Why the communicator was aborted, as the wait that timed out or failed said it (the
+  // watchdog's, a host wait's, a device error seen by is_completed), set just before the
+  // abort; empty otherwise. The first reason stays. Safe from any thread.
   std::string abort_reason() const;
   void set_abort_reason(const std::string& reason);
   // "the communicator was aborted after an earlier timeout or error", with the reason if known.
   std::string aborted_message() const;
+  // How many of its collectives the Watchdog holds (Watchdog::aborting reads it).
+  int watched_collectives() const { return watched_collectives_.load(); }
 
  private:
+  friend class Watchdog;
   mutable std::mutex reason_mutex_;
   std::string abort_reason_;
+  std::atomic<int> watched_collectives_{0};
 };
 
 // Note [NCCL non-blocking] steps 1-2. issue makes the call and returns its immediate state
@@ -184,16 +190,33 @@ class Watchdog {
   // Called by a communicator's abort() before it stops anything: a collective watched on it
   // is cut short, so host reads fail from now on (kernels::cuda::fail_host_syncs). Also for a
   // collective that finished but has not been polled since: conservative, and an abort means
-  // a failure anyway.
-  void aborting(const AsyncComm& comm);
+  // a failure anyway. Takes no lock (abort() holds the NCCL call mutex, which poll() needs);
+  // never throws.
+  static void aborting(const AsyncComm& comm) noexcept;
   // How many are watched, those being handled at this moment included.
   size_t watched();
 
  private:
+  // Counts an entry in its communicator's watched_collectives while it exists (move-only).
+  class Counted {
+   public:
+    explicit Counted(AsyncComm* comm) : comm_(comm) { ++comm_->watched_collectives_; }
+    Counted(Counted&& other) noexcept : comm_(other.comm_) { other.comm_ = nullptr; }
+    Counted(const Counted&) = delete;
+    Counted& operator=(const Counted&) = delete;
+    Counted& operator=(Counted&&) = delete;
+    ~Counted() {
+      if (comm_ != nullptr) --comm_->watched_collectives_;
+    }
+
+   private:
+    AsyncComm* comm_;
+  };
   struct Entry {
     Watched watched;
     std::chrono::steady_clock::time_point deadline;
     bool lost;  // its communicator was found aborted before the event was seen to pass
+    Counted counted;  // declared last: destroyed first, while watched.comm still holds the communicator
   };
   enum class Verdict { Running, Finished, Failed };
 

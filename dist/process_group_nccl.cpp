@@ -211,6 +211,9 @@ class NcclComm : public detail::AsyncComm {
       std::lock_guard<std::mutex> lock(nccl_call_mutex());
       if (aborted_.load() || closed_) return;
     }
+    // Given up by a wait that timed out or failed, whose abort may not have begun yet: no
+    // finalize, which would wait for calls that cannot end (abort() waits for that abort).
+    if (!abort_reason().empty()) return abort();
     try {
       detail::issue_and_wait_enqueued(*this, "ncclCommFinalize", timeout_, [&](std::string* error) {
         return call([](ncclComm_t comm) { return ncclCommFinalize(comm); }, error);
@@ -242,12 +245,8 @@ class NcclComm : public detail::AsyncComm {
     {
       std::lock_guard<std::mutex> lock(nccl_call_mutex());
       if (aborted_.load() || closed_) return;
-      try {
-        detail::Watchdog::instance().aborting(*this);  // before any kernel stops
-      } catch (...) {
-        kernels::cuda::fail_host_syncs("an NCCL communicator was aborted");  // no memory for the longer reason
-      }
-      aborted_.store(true);  // from here no call() touches comm_
+      detail::Watchdog::aborting(*this);  // before any kernel stops
+      aborted_.store(true);               // from here no call() touches comm_
       comm = comm_;
     }
     cudaSetDevice(device_);  // the watchdog aborts from threads that have no device set

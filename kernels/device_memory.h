@@ -81,7 +81,8 @@ uint64_t host_syncs();
 // from then on synchronize(), wait_for_event() and every copy() to or from the device throw
 // DistError with the first reason given, once the device has caught up. Without CUDA: nothing
 // to do.
-void fail_host_syncs(const std::string& reason);
+// An empty reason, or no memory to keep it, gives a preset one. Never throws.
+void fail_host_syncs(const std::string& reason) noexcept;
 // Throws that DistError when fail_host_syncs has been called: for host waits that do not go
 // through the functions above (an NCCL Work that waits on the host polls its event).
 void check_host_syncs();

@@ -281,10 +281,18 @@ void throw_if_host_syncs_failed() {
 
 void check_host_syncs() { throw_if_host_syncs_failed(); }
 
-void fail_host_syncs(const std::string& reason) {
+void fail_host_syncs(const std::string& reason) noexcept {
+  static const std::string preset = "an NCCL collective was aborted before it was seen to finish";
+  const std::string* kept = &preset;
+  if (!reason.empty()) {
+    try {
+      kept = new std::string(reason);
+    } catch (...) {
+    }
+  }
   const std::string* expected = nullptr;
-  auto* kept = new std::string(reason);
-  if (!host_syncs_failure.compare_exchange_strong(expected, kept, std::memory_order_acq_rel)) delete kept;
+  if (!host_syncs_failure.compare_exchange_strong(expected, kept, std::memory_order_acq_rel) && kept != &preset)
+    delete kept;
 }
 
 void copy(void* dst, const void* src, size_t nbytes, CopyKind kind) {
