@@ -111,7 +111,6 @@ class CopiesInFlight {
     copies_.push_back(Copy{host, event, device});
   }
 
-
   // Lets go of the host tensors whose copies have run.
   void collect() {
     std::vector<Copy> done;

@@ -138,9 +138,7 @@ void EventWork::wait(std::chrono::milliseconds timeout) {
   std::vector<Tensor> handed;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    // Before completed_: after an abort the event passes too, with no result behind it.
-    NANODDP_CHECK(!comm_->aborted(), DistError, what_, ": ", comm_->aborted_message(),
-                  "; its result cannot be trusted");
+    throw_if_aborted();  // before completed_
     if (completed_) {
       keep_alive_.clear();
       return;
@@ -180,13 +178,9 @@ void EventWork::wait_on_host(std::chrono::milliseconds timeout) {
   const PollPause pause;
   std::string error;
   while (!is_completed()) {
-    // An abort elsewhere (another thread's timeout, the group's end) ends the wait too.
-    NANODDP_CHECK(!comm_->aborted(), DistError, what_, ": ", comm_->aborted_message(),
-                  "; its result cannot be trusted");
+    throw_if_aborted();  // an abort elsewhere (another thread's timeout, the group's end)
     if (comm_->state(&error) == AsyncState::Failed) {
-      // NCCL's error may be an abort elsewhere, begun after the check above.
-      NANODDP_CHECK(!comm_->aborted(), DistError, what_, ": ", comm_->aborted_message(),
-                    "; its result cannot be trusted");
+      throw_if_aborted();  // NCCL's error may be an abort elsewhere, begun after the check above
       comm_->set_abort_reason(what_ + ": NCCL reported " + error);
       comm_->abort();
       NANODDP_THROW(DistError, what_, ": NCCL reported ", error, "; the communicator was aborted");
@@ -199,11 +193,14 @@ void EventWork::wait_on_host(std::chrono::milliseconds timeout) {
     }
     pause();
   }
-  // It also lets the event pass.
-  NANODDP_CHECK(!comm_->aborted(), DistError, what_, ": ", comm_->aborted_message(), "; its result cannot be trusted");
+  throw_if_aborted();  // which also lets the event pass
   std::lock_guard<std::mutex> lock(mutex_);
   keep_alive_.clear();
   kernels::cuda::check_host_syncs();  // as after any host wait for the device
+}
+
+void EventWork::throw_if_aborted() const {
+  NANODDP_CHECK(!comm_->aborted(), DistError, what_, ": ", comm_->aborted_message(), "; its result cannot be trusted");
 }
 
 bool EventWork::is_completed() {
@@ -262,14 +259,7 @@ void Watchdog::forget(const AsyncComm& comm) {
   }
   lock.unlock();
   // Finalizing completed their calls; an abort may have cut them short.
-  if (comm.aborted() && !dropped.empty()) {
-    try {
-      kernels::cuda::fail_host_syncs(dropped.front().watched.what + ": " + comm.aborted_message() +
-                                     " before it was seen to finish");
-    } catch (...) {
-      kernels::cuda::fail_host_syncs({});  // no memory for the reason: a preset one
-    }
-  }
+  if (comm.aborted() && !dropped.empty()) fail_host_syncs_cut_short(dropped.front().watched.what, comm);
 }
 
 size_t Watchdog::watched() {
@@ -298,9 +288,7 @@ Watchdog::Verdict Watchdog::poll(Entry& entry, std::string* reason) {
     // end, this watchdog for another collective): the collective may have been cut short, so
     // host reads fail from now on. Its tensors stay until the event has passed (or the device
     // is gone), which it does once the abort has stopped NCCL's kernels.
-    if (!entry.lost)
-      kernels::cuda::fail_host_syncs(watched.what + ": " + watched.comm->aborted_message() +
-                                     " before it was seen to finish");
+    if (!entry.lost) fail_host_syncs_cut_short(watched.what, *watched.comm);
     entry.lost = true;
     return event == AsyncState::InProgress ? Verdict::Running : Verdict::Finished;
   }
@@ -335,12 +323,12 @@ void Watchdog::abort(std::shared_ptr<AsyncComm> comm, std::list<Entry> entries) 
 }
 
 void Watchdog::aborting(const AsyncComm& comm) noexcept {
-  if (comm.watched_collectives() == 0) return;
+  if (comm.watched_collectives() > 0) fail_host_syncs_cut_short("an NCCL collective", comm);
+}
+
+void Watchdog::fail_host_syncs_cut_short(const std::string& what, const AsyncComm& comm) noexcept {
   try {
-    const std::string reason = comm.abort_reason();
-    kernels::cuda::fail_host_syncs("an NCCL communicator was aborted (" +
-                                   (reason.empty() ? std::string("an earlier timeout or error") : reason) +
-                                   ") before its collectives were seen to finish");
+    kernels::cuda::fail_host_syncs(what + ": " + comm.aborted_message() + " before it was seen to finish");
   } catch (...) {
     kernels::cuda::fail_host_syncs({});  // no memory for the reason: a preset one
   }

@@ -150,6 +150,9 @@ class EventWork : public Work {
 
  private:
   void wait_on_host(std::chrono::milliseconds timeout);
+  // DistError, with the reason, once the communicator was aborted: an abort lets the event
+  // pass too, with no result behind it.
+  void throw_if_aborted() const;
 
   std::string what_;
   std::shared_ptr<AsyncComm> comm_;
@@ -224,6 +227,9 @@ class Watchdog {
   void run();
   static Verdict poll(Entry& entry, std::string* reason);
   static void abort(std::shared_ptr<AsyncComm> comm, std::list<Entry> entries);
+  // Host reads fail from now on: what, a collective on comm, may have been cut short by comm's
+  // abort. Never throws.
+  static void fail_host_syncs_cut_short(const std::string& what, const AsyncComm& comm) noexcept;
 
   std::mutex mutex_;
   std::condition_variable wake_;

@@ -279,16 +279,13 @@ class CheckedWork : public Work {
       fingerprints_->wait(timeout);
     } catch (const TimeoutError&) {
       if (!exchange_over()) throw;
-      // On NCCL the timeout aborted the exchange, which ends it too: the timeout stays the
-      // error. Elsewhere an error that came just after the timeout is thrown again.
-      if (dynamic_cast<detail::EventWork*>(fingerprints_.get()) == nullptr) {
-        fingerprints_->wait(std::chrono::milliseconds(1));
-        return;
-      }
       const std::exception_ptr timed_out = std::current_exception();
       try {
         fingerprints_->wait(std::chrono::milliseconds(1));
       } catch (const DistError&) {
+        // Elsewhere an error that came just after the timeout is thrown again; on NCCL the
+        // timeout aborted the exchange, which ends it too, and the timeout stays the error.
+        if (dynamic_cast<detail::EventWork*>(fingerprints_.get()) == nullptr) throw;
         std::rethrow_exception(timed_out);
       }
     }

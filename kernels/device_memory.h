@@ -49,8 +49,8 @@ void copy_async(void* dst, const void* src, size_t nbytes, CopyKind kind);
 // device has run everything queued before it. A pinned buffer that an asynchronous copy reads
 // is reused once that copy's event has passed, so the host waits for one copy at most, never
 // for the whole stream (the DataLoader's and host staging's buffers). Handles are
-// cudaEvent_t as void*, to keep CUDA headers out of C++ code; an event belongs to the device
-// current when it was created, and is recorded and queried with that device current.
+// cudaEvent_t as void*, to keep CUDA headers out of C++ code. An event belongs to the device
+// that is current at create_event(); record and query it with that device current.
 void* create_event();            // throws DeviceError
 void destroy_event(void* event);  // never throws; nullptr is ignored
 void record_event(void* event);  // on the current device's compute stream
@@ -76,7 +76,7 @@ void synchronize();  // waits for the compute stream
 void count_host_sync();
 uint64_t host_syncs();
 
-// After the NCCL watchdog aborted a collective the host no longer waited for (Note [NCCL
+// Once the NCCL watchdog has aborted a collective that the host did not wait for (Note [NCCL
 // stream-ordered wait]), what the device computes may rest on values that were never reduced:
 // from then on synchronize(), wait_for_event() and every copy() to or from the device throw
 // DistError with the first reason given, once the device has caught up. Without CUDA: nothing

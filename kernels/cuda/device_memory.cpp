@@ -272,14 +272,12 @@ void free_pinned(void* ptr) {
 // during exit).
 namespace {
 std::atomic<const std::string*> host_syncs_failure{nullptr};
+}  // namespace
 
-void throw_if_host_syncs_failed() {
+void check_host_syncs() {
   if (const std::string* reason = host_syncs_failure.load(std::memory_order_acquire))
     NANODDP_THROW(DistError, *reason);
 }
-}  // namespace
-
-void check_host_syncs() { throw_if_host_syncs_failed(); }
 
 void fail_host_syncs(const std::string& reason) noexcept {
   static const std::string preset = "an NCCL collective was aborted before it was seen to finish";
@@ -301,7 +299,7 @@ void copy(void* dst, const void* src, size_t nbytes, CopyKind kind) {
   NANODDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, to_cuda(kind), s));
   count_host_sync();
   NANODDP_CUDA_CHECK(cudaStreamSynchronize(s));
-  throw_if_host_syncs_failed();
+  check_host_syncs();
 }
 
 void copy_async(void* dst, const void* src, size_t nbytes, CopyKind kind) {
@@ -320,7 +318,7 @@ void* compute_stream() {
 void synchronize() {
   count_host_sync();
   NANODDP_CUDA_CHECK(cudaStreamSynchronize(stream()));
-  throw_if_host_syncs_failed();
+  check_host_syncs();
 }
 
 // Note [Compute-stream events]
@@ -346,7 +344,7 @@ bool event_passed(void* event) {
 void wait_for_event(void* event) {
   count_host_sync();
   NANODDP_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
-  throw_if_host_syncs_failed();
+  check_host_syncs();
 }
 
 // Note [Host syncs]: one counter for the process.
