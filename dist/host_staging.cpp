@@ -97,7 +97,8 @@ class CopiesInFlight {
     const int device = device_tensor.device().index;
     kernels::cuda::set_device(device);
     std::lock_guard<std::mutex> lock(mutex_);
-    copies_.reserve(copies_.size() + 1);  // so that keeping host below cannot fail once the copy is queued
+    // Room first, so that keeping host below cannot fail once the copy is queued.
+    if (copies_.size() == copies_.capacity()) copies_.reserve(2 * copies_.size() + 1);
     void* event = kernels::cuda::create_event();
     try {
       kernels::cuda::copy_async(device_tensor.data_ptr(), host.data_ptr(), host.nbytes(),

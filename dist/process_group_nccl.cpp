@@ -249,8 +249,10 @@ class NcclComm : public detail::AsyncComm {
       aborted_.store(true);               // from here no call() touches comm_
       comm = comm_;
     }
-    cudaSetDevice(device_);  // the watchdog aborts from threads that have no device set
-    ncclCommAbort(comm);     // outside the mutex, as ncclCommDestroy in close()
+    // The watchdog aborts from threads that have no device set; a failure (at exit, say) is
+    // not this thread's next launch's error.
+    if (cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();
+    ncclCommAbort(comm);  // outside the mutex, as ncclCommDestroy in close()
   }
   bool aborted() const override { return aborted_.load(); }
   // Done once closed: finalizing completed every call.
@@ -354,6 +356,7 @@ cudaError_t drain(const NcclLane& lane, std::chrono::steady_clock::time_point de
   cudaError_t status = cudaErrorNotReady;
   while ((status = cudaStreamQuery(lane.stream)) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::microseconds(20));
+  if (status == cudaErrorNotReady) (void)cudaGetLastError();  // not an error: cleared (kernels::cuda::event_passed)
   return status;
 }
 
@@ -401,7 +404,10 @@ std::shared_ptr<detail::EventWork> launch(const NcclLane& lane, const std::strin
     const cudaError_t status = cudaEventQuery(done->get());
     // At exit, once the runtime unloads, there is nothing left to wait for.
     if (status == cudaSuccess || status == cudaErrorCudartUnloading) return AsyncState::Done;
-    if (status == cudaErrorNotReady) return AsyncState::InProgress;
+    if (status == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // recorded as the thread's last error: cleared (kernels::cuda::event_passed)
+      return AsyncState::InProgress;
+    }
     *error = std::string("cudaEventQuery: ") + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")";
     return AsyncState::Failed;
   };

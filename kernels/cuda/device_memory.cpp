@@ -336,7 +336,12 @@ void record_event(void* event) { NANODDP_CUDA_CHECK(cudaEventRecord(static_cast<
 
 bool event_passed(void* event) {
   const cudaError_t status = cudaEventQuery(static_cast<cudaEvent_t>(event));
-  if (status == cudaErrorNotReady) return false;
+  if (status == cudaErrorNotReady) {
+    // Not an error, but CUDA records it as this thread's last one: cleared, or the next
+    // kernel launch's check would report it (as torch's CUDAEvent::query does).
+    (void)cudaGetLastError();
+    return false;
+  }
   NANODDP_CUDA_CHECK(status);
   return true;
 }
