@@ -151,13 +151,16 @@ class StagedWork : public Work {
 
   void wait(std::chrono::milliseconds timeout) override {
     inner_->wait(timeout);
-    for (auto& [device_tensor, host] : copy_back_) {
+    // Each pair leaves the list once its copy is queued: a wait after one that threw queues
+    // only the rest.
+    while (!copy_back_.empty()) {
+      auto& [device_tensor, host] = copy_back_.back();
       if (device_tensor.device().is_cuda())
         in_flight_->copy_back(device_tensor, host);
       else
         copy_values(device_tensor, host);  // the host stand-in cpu:1 of the tests
+      copy_back_.pop_back();
     }
-    copy_back_.clear();
   }
   bool is_completed() override { return inner_->is_completed(); }
 

@@ -101,17 +101,22 @@ void issue_and_wait_enqueued(AsyncComm& comm, const std::string& what, std::chro
 }
 
 EventWork::EventWork(std::string what, std::shared_ptr<AsyncComm> comm, Event event, std::vector<Tensor> keep_alive,
-                     std::chrono::milliseconds release_timeout)
-    : what_(std::move(what)),
-      comm_(std::move(comm)),
-      event_(std::move(event)),
-      release_timeout_(release_timeout),
-      keep_alive_(std::move(keep_alive)) {}
+                     std::chrono::milliseconds timeout)
+    : what_(std::move(what)), comm_(std::move(comm)), event_(std::move(event)), timeout_(timeout) {
+  try {
+    watched_ = std::make_shared<Watchdog::Watched>(what_, comm_, event_.query, timeout_);
+    Watchdog::instance().watch(watched_, keep_alive);  // a copy: kept below should this throw
+  } catch (const std::exception&) {
+    watched_.reset();
+    keep_alive_ = std::move(keep_alive);
+  }
+}
 
 EventWork::~EventWork() {
-  if (completed_ || keep_alive_.empty()) return;
+  if (watched_ != nullptr) watched_->host_waiting = false;  // no host wait to come
+  if (completed_ || keep_alive_.empty()) return;          // the watchdog holds them
   try {
-    const auto deadline = Clock::now() + release_timeout_;
+    const auto deadline = Clock::now() + timeout_;
     std::string error;
     // An aborted communicator runs no kernel any more; a failed event means the device is gone.
     while (!comm_->aborted() && event_.query(&error) == AsyncState::InProgress) {
@@ -123,7 +128,7 @@ EventWork::~EventWork() {
         std::fprintf(stderr,
                      "nanoddp: %s was dropped without wait() and had not finished after %lld ms; aborting the "
                      "NCCL communicator before its tensors are freed\n",
-                     what_.c_str(), static_cast<long long>(release_timeout_.count()));
+                     what_.c_str(), static_cast<long long>(timeout_.count()));
         comm_->abort();
         break;
       }
@@ -135,7 +140,7 @@ EventWork::~EventWork() {
 }
 
 void EventWork::wait(std::chrono::milliseconds timeout) {
-  std::vector<Tensor> handed;
+  const bool stream_ordered = waits_ == Waits::StreamOrdered && watched_ != nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     throw_if_aborted();  // before completed_
@@ -144,36 +149,32 @@ void EventWork::wait(std::chrono::milliseconds timeout) {
       return;
     }
     if (!ordered_) {
+      // Marked before the stream reads it: an abort from here on fails the host's reads
+      // (Watchdog::aborting), and the check below sees an abort that came before.
+      if (stream_ordered) watched_->mark_stream_ordered();
       event_.order_compute_stream();
       ordered_ = true;
     }
   }
-  if (waits_ == Waits::Host) return wait_on_host(timeout);
-  if (is_completed()) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    keep_alive_.clear();
-    return;
+  if (!stream_ordered) return wait_on_host(timeout);  // a barrier, or no watchdog to be had
+  if (comm_->aborted()) {
+    // The compute stream now reads a result that the abort may have cut short.
+    Watchdog::fail_host_syncs_cut_short(what_, *comm_);
+    throw_if_aborted();
   }
   // Note [NCCL stream-ordered wait]: the host goes on; the watchdog keeps the deadline.
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (keep_alive_.empty()) return;  // handed over by an earlier wait()
-    handed = keep_alive_;             // copied: this work keeps them until the watchdog has them
-  }
-  try {
-    Watchdog::instance().watch(Watchdog::Watched{what_, comm_, event_.query, std::move(handed),
-                                                 effective_wait_timeout(timeout, release_timeout_)});
-  } catch (const std::exception&) {
-    return wait_on_host(timeout);  // no watchdog to be had (no thread, no memory): wait here
-  }
-  std::lock_guard<std::mutex> lock(mutex_);
-  keep_alive_.clear();
+  watched_->tighten_deadline(effective_wait_timeout(timeout, timeout_));
+}
+
+void EventWork::set_waits(Waits waits) {
+  waits_ = waits;
+  if (watched_ != nullptr) watched_->host_waiting = waits == Waits::Host;
 }
 
 void EventWork::wait_on_host(std::chrono::milliseconds timeout) {
   kernels::cuda::count_host_sync();  // the polls below wait for the device (Note [Host syncs])
   kernels::cuda::check_host_syncs();
-  timeout = effective_wait_timeout(timeout, release_timeout_);
+  timeout = effective_wait_timeout(timeout, timeout_);
   const auto deadline = Clock::now() + timeout;
   const PollPause pause;
   std::string error;
@@ -227,13 +228,49 @@ constexpr auto kWatchInterval = std::chrono::microseconds(500);
 
 }  // namespace
 
+Watchdog::Watched::Watched(std::string what, std::shared_ptr<AsyncComm> comm,
+                           std::function<AsyncState(std::string* error)> query, std::chrono::milliseconds timeout)
+    : what(std::move(what)),
+      comm(std::move(comm)),
+      query(std::move(query)),
+      deadline_{Clock::now() + timeout, timeout} {}
+
+Watchdog::Watched::Deadline Watchdog::Watched::deadline() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return deadline_;
+}
+
+void Watchdog::Watched::tighten_deadline(std::chrono::milliseconds timeout) {
+  const Deadline tighter{Clock::now() + timeout, timeout};
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (tighter.at < deadline_.at) deadline_ = tighter;
+}
+
+void Watchdog::Watched::mark_stream_ordered() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (stream_ordered_) return;
+  stream_ordered_ = true;
+  if (!finished_) ++comm->watched_collectives_;
+}
+
+bool Watchdog::Watched::stream_ordered() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stream_ordered_;
+}
+
+void Watchdog::Watched::seen_finished() noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (finished_) return;
+  finished_ = true;
+  if (stream_ordered_) --comm->watched_collectives_;
+}
+
 Watchdog& Watchdog::instance() {
   static Watchdog* watchdog = new Watchdog;  // never destroyed: Works may be waited on during exit
   return *watchdog;
 }
 
-void Watchdog::watch(Watched watched) {
-  const auto deadline = Clock::now() + watched.timeout;
+void Watchdog::watch(std::shared_ptr<Watched> watched, std::vector<Tensor> keep_alive) {
   std::lock_guard<std::mutex> lock(mutex_);
   // Started at the first watch. A child forked after it has no watchdog thread, but it cannot
   // use CUDA either (CUDA is not usable across fork).
@@ -241,9 +278,9 @@ void Watchdog::watch(Watched watched) {
     std::thread([this] { run(); }).detach();
     started_ = true;
   }
-  AsyncComm* counted_on = watched.comm.get();
-  watched_.push_back(Entry{std::move(watched), deadline, false, Counted(counted_on)});
-  wake_.notify_one();
+  // Woken only from idle: polls keep their interval however many collectives a step launches.
+  if (watched_.empty()) wake_.notify_one();
+  watched_.emplace_back(std::move(watched), std::move(keep_alive));
 }
 
 void Watchdog::forget(const AsyncComm& comm) {
@@ -254,12 +291,15 @@ void Watchdog::forget(const AsyncComm& comm) {
   wake_.wait(lock, [&] { return in_hand_ == 0; });
   for (auto it = watched_.begin(); it != watched_.end();) {
     auto next = std::next(it);
-    if (it->watched.comm.get() == &comm) dropped.splice(dropped.end(), watched_, it);
+    if (it->watched->comm.get() == &comm) dropped.splice(dropped.end(), watched_, it);
     it = next;
   }
   lock.unlock();
   // Finalizing completed their calls; an abort may have cut them short.
-  if (comm.aborted() && !dropped.empty()) fail_host_syncs_cut_short(dropped.front().watched.what, comm);
+  if (!comm.aborted()) return;
+  for (const Entry& entry : dropped) {
+    if (entry.watched->stream_ordered()) return fail_host_syncs_cut_short(entry.watched->what, comm);
+  }
 }
 
 size_t Watchdog::watched() {
@@ -270,7 +310,7 @@ size_t Watchdog::watched() {
 // One poll of entry: Finished (its tensors may go), Running, or Failed with *reason set (the
 // deadline passed, or NCCL or the device reported an error: its communicator must be aborted).
 Watchdog::Verdict Watchdog::poll(Entry& entry, std::string* reason) {
-  const Watched& watched = entry.watched;
+  const Watched& watched = *entry.watched;
   std::string error;
   // The event first: the aborted flag is set before an abort stops any kernel, so an event
   // seen passed on a communicator not (yet) aborted passed on its own.
@@ -279,20 +319,25 @@ Watchdog::Verdict Watchdog::poll(Entry& entry, std::string* reason) {
   // another collective on the same communicator): aborted as well, and not to be aborted twice.
   const auto aborted = [&] { return watched.comm->aborted() || !watched.comm->abort_reason().empty(); };
   bool cut_short = aborted();
+  // A host wait under way keeps the deadline and handles NCCL's errors itself.
+  const bool host_waiting = watched.host_waiting.load();
   std::string comm_error;
-  const bool comm_failed =
-      !cut_short && event == AsyncState::InProgress && watched.comm->state(&comm_error) == AsyncState::Failed;
+  const bool comm_failed = !cut_short && !host_waiting && event == AsyncState::InProgress &&
+                           watched.comm->state(&comm_error) == AsyncState::Failed;
   if (comm_failed) cut_short = aborted();  // NCCL's error may be an abort, begun after the look above
   if (cut_short) {
-    // Aborted by anyone (a dropped Work's release timeout, a barrier's timeout, the group's
-    // end, this watchdog for another collective): the collective may have been cut short, so
-    // host reads fail from now on. Its tensors stay until the event has passed (or the device
-    // is gone), which it does once the abort has stopped NCCL's kernels.
-    if (!entry.lost) fail_host_syncs_cut_short(watched.what, *watched.comm);
-    entry.lost = true;
+    // Aborted by anyone (a host wait's timeout, the group's end, this watchdog for another
+    // collective): a result the compute stream reads may have been cut short, so host reads
+    // fail from now on. The tensors stay until the event has passed (or the device is gone),
+    // which it does once the abort has stopped NCCL's kernels.
+    if (!entry.reported && watched.stream_ordered()) {
+      fail_host_syncs_cut_short(watched.what, *watched.comm);
+      entry.reported = true;
+    }
     return event == AsyncState::InProgress ? Verdict::Running : Verdict::Finished;
   }
   if (event == AsyncState::Done) return Verdict::Finished;
+  if (host_waiting) return Verdict::Running;
   if (event == AsyncState::Failed) {
     *reason = watched.what + ": the device reported " + error;
     return Verdict::Failed;
@@ -301,12 +346,33 @@ Watchdog::Verdict Watchdog::poll(Entry& entry, std::string* reason) {
     *reason = watched.what + ": NCCL reported " + comm_error;
     return Verdict::Failed;
   }
-  if (Clock::now() > entry.deadline) {
-    *reason = watched.what + ": did not complete within " + std::to_string(watched.timeout.count()) +
+  if (const Watched::Deadline deadline = watched.deadline(); Clock::now() > deadline.at) {
+    *reason = watched.what + ": did not complete within " + std::to_string(deadline.timeout.count()) +
               " ms (a peer may have exited or be out of step)";
     return Verdict::Failed;
   }
   return Verdict::Running;
+}
+
+void Watchdog::report_failure(const Watched& watched, const std::string& reason) noexcept {
+  try {
+    if (!reason.empty()) watched.comm->set_abort_reason(reason);
+  } catch (...) {
+    // No memory for it: the abort goes ahead without a reason.
+  }
+  // The failed reads before the abort: once it has ended the kernels, a host wait returns, and
+  // it must find them. (The abort fails them anyway while a stream-ordered collective on the
+  // communicator is watched: Watchdog::aborting.)
+  if (watched.stream_ordered()) {
+    try {
+      kernels::cuda::fail_host_syncs(reason + "; the NCCL communicator was aborted, so the device's results after "
+                                     "it may rest on values that were never reduced");
+    } catch (...) {
+      kernels::cuda::fail_host_syncs({});  // no memory for the reason: a preset one
+    }
+  }
+  std::fprintf(stderr, "nanoddp: %s; the NCCL communicator was aborted\n",
+               reason.empty() ? watched.what.c_str() : reason.c_str());
 }
 
 void Watchdog::abort(std::shared_ptr<AsyncComm> comm, std::list<Entry> entries) {
@@ -352,29 +418,27 @@ void Watchdog::run() {
       std::string reason;
       try {
         verdict = poll(*entry, &reason);
-        if (verdict == Verdict::Failed) {
-          // The reason and the failed reads first: once the abort has ended the kernels, a host
-          // wait returns, and it must find them.
-          entry->watched.comm->set_abort_reason(reason);
-          kernels::cuda::fail_host_syncs(reason + "; the NCCL communicator was aborted, so the device's results "
-                                         "after it may rest on values that were never reduced");
-          std::fprintf(stderr, "nanoddp: %s; the NCCL communicator was aborted\n", reason.c_str());
-        }
       } catch (...) {
-        verdict = Verdict::Running;  // out of memory, say: polled again next round
+        // No memory for the reason, say: polled again next round, unless its time is up.
+        reason.clear();
+        const Watched& watched = *entry->watched;
+        const bool cut_short = watched.comm->aborted();
+        if (!cut_short && !watched.host_waiting.load() && Clock::now() > watched.deadline().at) verdict = Verdict::Failed;
       }
+      if (verdict == Verdict::Failed) report_failure(*entry->watched, reason);
       if (verdict == Verdict::Running) {
         still_running.splice(still_running.end(), polled, entry);
       } else if (verdict == Verdict::Finished) {
         polled.erase(entry);  // the tensors go, outside the lock
       } else {
+        const std::shared_ptr<AsyncComm>& comm = entry->watched->comm;
         auto group = std::find_if(to_abort.begin(), to_abort.end(),
-                                  [&](const auto& failed) { return failed.first == entry->watched.comm; });
+                                  [&](const auto& failed) { return failed.first == comm; });
         try {
-          if (group == to_abort.end()) group = to_abort.emplace(to_abort.end(), entry->watched.comm, std::list<Entry>());
+          if (group == to_abort.end()) group = to_abort.emplace(to_abort.end(), comm, std::list<Entry>());
           group->second.splice(group->second.end(), polled, entry);
         } catch (...) {
-          entry->watched.comm->abort();  // no memory for the list: abort here, then let go
+          comm->abort();  // no memory for the list: abort here, then let go
           polled.erase(entry);
         }
       }
@@ -445,16 +509,6 @@ void PointToPointQueue::issue_locked() {
   calls.swap(calls_);
   std::vector<std::shared_ptr<Outcome>> outcomes;
   outcomes.swap(outcomes_);
-  // Let go of the groups that have finished (a failed one has aborted its communicator, and
-  // its Work's release does not wait either).
-  std::vector<std::shared_ptr<Work>> unfinished;
-  for (auto& group : in_flight_) {
-    try {
-      if (!group->is_completed()) unfinished.push_back(std::move(group));
-    } catch (...) {
-    }
-  }
-  in_flight_.swap(unfinished);
   std::shared_ptr<Work> group;
   try {
     group = issue_group_(calls);
@@ -463,7 +517,6 @@ void PointToPointQueue::issue_locked() {
     throw;
   }
   for (auto& outcome : outcomes) outcome->issued = group;
-  in_flight_.push_back(std::move(group));
 }
 
 std::shared_ptr<Work> PointToPointQueue::issued(Outcome& outcome) {
@@ -480,24 +533,14 @@ std::shared_ptr<Work> PointToPointQueue::issued(Outcome& outcome) {
 }
 
 void PointToPointQueue::close() {
-  std::vector<std::shared_ptr<Work>> in_flight;
   try {
     std::lock_guard<std::mutex> lock(mutex_);
-    try {
-      issue_locked();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "nanoddp: send/recv still queued at the group's end could not be issued: %s\n",
-                   message_of(e).c_str());
-    }
-    in_flight.swap(in_flight_);
+    issue_locked();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "nanoddp: send/recv still queued at the group's end could not be issued: %s\n",
+                 message_of(e).c_str());
   } catch (...) {
   }
-  in_flight.clear();  // outside the lock: each release may wait for its group to finish
-}
-
-size_t PointToPointQueue::groups_in_flight() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return in_flight_.size();
 }
 
 std::vector<std::string> nccl_conf_files() {

@@ -13,16 +13,19 @@
 // the compute stream wait for the collective's done event, and returns. The host does not
 // wait, so every kernel and copy issued afterwards sees the result, and a DDP step is queued
 // whole without waiting for the device (Note [Host syncs] in kernels/device_memory.h). The
-// timeout still holds. The Work hands its tensors and its deadline to the Watchdog, one thread
-// for the process, which polls the event until it has passed and then lets the tensors go.
-// Should the deadline pass first, or NCCL or the device report an error, the watchdog aborts
-// the communicator (which ends its kernels, so the compute stream moves on) and says so on
-// stderr; and since what the device computes from then on may rest on values never reduced,
-// the failure is kept: every later call on that communicator, and every later wait of the
-// host for the device (a copy to the host, item(), synchronize()), throws DistError naming
-// the collective. torch's watchdog ends the process instead (NCCL_ASYNC_ERROR_HANDLING); here
-// the program gets the error where it next reads. A barrier still waits on the host, as
-// torch's does: that is its purpose.
+// timeout still holds. As torch's watchdog does, one thread for the process (the Watchdog)
+// follows every collective from its launch, waited on or not: it holds the tensors until the
+// done event has passed, then lets them go, so dropping a Work never blocks. Should the
+// deadline (the group's timeout from the launch, or a shorter wait(timeout)) pass first, or
+// NCCL or the device report an error, the watchdog aborts the communicator (which ends its
+// kernels, so the compute stream moves on) and says so on stderr; a collective never waited
+// on cannot hang the process either (freeing memory waits for the whole device). And since
+// what the device computes after a stream-ordered wait may rest on values never reduced, the
+// failure is kept: every later call on that communicator, and every later wait of the host
+// for the device (a copy to the host, item(), synchronize()), throws DistError naming the
+// collective. torch's watchdog ends the process instead (NCCL_ASYNC_ERROR_HANDLING); here the
+// program gets the error where it next reads. A barrier still waits on the host, as torch's
+// does (that is its purpose), and then the host wait keeps the deadline.
 //
 // Note [NCCL non-blocking]
 // The group builds its communicator with config.blocking = 0, so that no NCCL call can block
@@ -90,7 +93,8 @@ class AsyncComm {
   void set_abort_reason(const std::string& reason);
   // "the communicator was aborted after an earlier timeout or error", with the reason if known.
   std::string aborted_message() const;
-  // How many of its collectives the Watchdog holds (Watchdog::aborting reads it).
+  // How many of its collectives the compute stream reads and the Watchdog has not yet seen
+  // pass (Watchdog::Watched::mark_stream_ordered; Watchdog::aborting reads it).
   int watched_collectives() const { return watched_collectives_.load(); }
 
  private:
@@ -109,6 +113,108 @@ class AsyncComm {
 void issue_and_wait_enqueued(AsyncComm& comm, const std::string& what, std::chrono::milliseconds timeout,
                              const std::function<AsyncState(std::string* error)>& issue);
 
+// Note [NCCL stream-ordered wait]: follows every collective from its launch until its done
+// event has passed, holding its tensors, and aborts its communicator past its deadline or on
+// an error. One per process; its thread starts at the first watch() and polls only while
+// something is watched.
+class Watchdog {
+ public:
+  // One collective as its Work and the watchdog both see it. Safe from any thread.
+  class Watched {
+   public:
+    // query: the done event's (EventWork::Event); timeout: the group's, from now on.
+    Watched(std::string what, std::shared_ptr<AsyncComm> comm,
+            std::function<AsyncState(std::string* error)> query, std::chrono::milliseconds timeout);
+
+    const std::string what;  // the collective, as its errors name it
+    const std::shared_ptr<AsyncComm> comm;
+    const std::function<AsyncState(std::string* error)> query;
+
+    // The watchdog gives up at the deadline: launch + timeout, or earlier for a wait(timeout)
+    // with a shorter timeout, which its error then names.
+    struct Deadline {
+      std::chrono::steady_clock::time_point at;
+      std::chrono::milliseconds timeout;
+    };
+    Deadline deadline() const;
+    // now + timeout, when that is earlier.
+    void tighten_deadline(std::chrono::milliseconds timeout);
+    // A stream-ordered wait() has made the compute stream read the result without the host
+    // seeing it pass: from now on an abort of comm before it is seen to pass fails the host's
+    // reads (AsyncComm::watched_collectives counts it until then).
+    void mark_stream_ordered();
+    bool stream_ordered() const;
+    // While a Work that waits on the host (EventWork::Waits::Host) lives, its host wait keeps
+    // the deadline and handles NCCL's errors: the watchdog only holds the tensors.
+    std::atomic<bool> host_waiting{false};
+
+   private:
+    friend class Watchdog;
+    void seen_finished() noexcept;  // by the watchdog, when it lets the tensors go
+
+    mutable std::mutex mutex_;  // guards the three below
+    Deadline deadline_;
+    bool stream_ordered_ = false;
+    bool finished_ = false;
+  };
+
+  static Watchdog& instance();
+  // Watches until the event has passed, then drops keep_alive. Past the deadline, or when the
+  // communicator or the event reports an error, it sets the communicator's abort reason, says
+  // so on stderr and aborts the communicator on a thread of its own, which drops keep_alive
+  // once the abort has stopped the kernels; a stream-ordered collective also makes every later
+  // host wait for the device throw (kernels::cuda::fail_host_syncs). A communicator found
+  // aborted by anyone else fails the host's waits too, for a stream-ordered collective not yet
+  // seen to pass (the abort may have cut it short), and its tensors stay until its event has
+  // passed. Throws only what starting the thread or storing the entry throws (then nothing is
+  // watched).
+  void watch(std::shared_ptr<Watched> watched, std::vector<Tensor> keep_alive);
+  // Drops what is watched on comm without a further poll: for a communicator that has been
+  // finalized or aborted, whose calls have all ended (Note [NCCL shutdown]).
+  void forget(const AsyncComm& comm);
+  // Called by a communicator's abort() once it is marked aborted and before it stops anything:
+  // a stream-ordered collective watched on it is cut short, so host reads fail from now on
+  // (kernels::cuda::fail_host_syncs). Also for a collective that finished but has not been
+  // polled since: conservative, and an abort means a failure anyway. Takes no lock (abort()
+  // holds the NCCL call mutex, which poll() needs); never throws.
+  static void aborting(const AsyncComm& comm) noexcept;
+  // Host reads fail from now on: what, a collective on comm, may have been cut short by comm's
+  // abort. Never throws.
+  static void fail_host_syncs_cut_short(const std::string& what, const AsyncComm& comm) noexcept;
+  // How many are watched, those being handled at this moment included.
+  size_t watched();
+
+ private:
+  struct Entry {
+    Entry(std::shared_ptr<Watched> watched, std::vector<Tensor> keep_alive)
+        : watched(std::move(watched)), keep_alive(std::move(keep_alive)) {}
+    ~Entry() { watched->seen_finished(); }  // before keep_alive goes
+    Entry(const Entry&) = delete;
+    Entry& operator=(const Entry&) = delete;
+
+    std::shared_ptr<Watched> watched;
+    std::vector<Tensor> keep_alive;
+    bool reported = false;  // the host's reads were failed for it after an abort elsewhere
+  };
+  enum class Verdict { Running, Finished, Failed };
+
+  Watchdog() = default;
+  void run();
+  static Verdict poll(Entry& entry, std::string* reason);
+  // What one round does with an entry that failed: its reason set, the host's reads failed
+  // (when stream-ordered), a line on stderr. reason may be empty (no memory for one). Never throws.
+  static void report_failure(const Watched& watched, const std::string& reason) noexcept;
+  static void abort(std::shared_ptr<AsyncComm> comm, std::list<Entry> entries);
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  // A list: the thread moves entries out and back by splicing, which never allocates, so no
+  // entry (and no tensor a kernel may still write) is lost to an allocation failure.
+  std::list<Entry> watched_;
+  size_t in_hand_ = 0;  // taken out of watched_ by the thread, not yet handled
+  bool started_ = false;
+};
+
 // A collective that is finished when a device event is (the NCCL group's done event, recorded
 // after Note [NCCL non-blocking] step 3). One EventWork may stand behind several Works (every
 // send/recv of one NCCL group), so wait() and is_completed() may run on several threads at once.
@@ -121,32 +227,37 @@ class EventWork : public Work {
     std::function<void()> order_compute_stream;
   };
 
-  // keep_alive: the tensors the collective reads and writes. release_timeout, the group's
-  // timeout, bounds how long dropping an unfinished Work may block (see ~EventWork) and every
-  // wait (effective_wait_timeout).
+  // keep_alive: the tensors the collective reads and writes; timeout: the group's. The Watchdog
+  // follows the collective from here (as torch's ProcessGroupNCCL watchdog does every Work
+  // from its launch): it holds keep_alive until the event has passed, and aborts the
+  // communicator when the collective has not finished within timeout or fails, waited on or
+  // not. Should the watchdog not be had (no thread, no memory), the Work holds keep_alive
+  // itself and its destructor waits for the event (see ~EventWork).
   EventWork(std::string what, std::shared_ptr<AsyncComm> comm, Event event, std::vector<Tensor> keep_alive,
-            std::chrono::milliseconds release_timeout);
-  // A Work dropped without wait() still holds its tensors until the event has passed, since
-  // NCCL may still write them and the caching allocator would hand their memory out again.
-  // Past release_timeout it aborts the communicator (which stops NCCL's kernels) and says so
-  // on stderr. Never throws.
+            std::chrono::milliseconds timeout);
+  // Returns at once: the watchdog holds the tensors (torch: dropping a Work never blocks), and
+  // keeps the deadline of a Work that waits on the host from now on.
+  // Without a watchdog it waits until the event has passed, since NCCL may still write the
+  // tensors and the caching allocator would hand their memory out again; past the timeout it
+  // aborts the communicator (which stops NCCL's kernels) and says so on stderr. Never throws.
   ~EventWork() override;
 
   // How wait() waits: StreamOrdered (every collective, send and recv) or Host (a barrier).
   enum class Waits { StreamOrdered, Host };
 
   // Orders the compute stream after the event (once, whichever thread comes first). Then:
-  // StreamOrdered: returns at once, and the Watchdog holds the tensors until the event has
-  // passed, aborting the communicator after timeout or an error (Note [NCCL stream-ordered
-  // wait]); Host: polls the event from the host and returns once it has passed, TimeoutError
-  // after timeout, DistError when the communicator or the device reports an error (both abort
-  // the communicator), then releases the tensors. Both throw DistError, with the reason, once
-  // the communicator was aborted, and Host, as every host wait, once the watchdog made host
-  // waits fail (kernels::cuda::check_host_syncs).
+  // StreamOrdered: returns at once, the watchdog keeping the deadline, now at most timeout
+  // away (Note [NCCL stream-ordered wait]); Host: polls the event from the host and returns
+  // once it has passed, TimeoutError after timeout, DistError when the communicator or the
+  // device reports an error (both abort the communicator). Both throw DistError, with the
+  // reason, once the communicator was aborted, and Host, as every host wait, once the
+  // watchdog made host waits fail (kernels::cuda::check_host_syncs).
   void wait(std::chrono::milliseconds timeout) override;
   bool is_completed() override;
 
-  void set_waits(Waits waits) { waits_ = waits; }
+  // Right after construction. Host hands the deadline and NCCL's errors to the host wait to
+  // come (Watched::host_waiting), until the Work is dropped.
+  void set_waits(Waits waits);
 
  private:
   void wait_on_host(std::chrono::milliseconds timeout);
@@ -157,95 +268,21 @@ class EventWork : public Work {
   std::string what_;
   std::shared_ptr<AsyncComm> comm_;
   Event event_;
-  std::chrono::milliseconds release_timeout_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<Watchdog::Watched> watched_;
   Waits waits_ = Waits::StreamOrdered;
   std::mutex mutex_;  // guards the three below; never held while sleeping between polls
-  std::vector<Tensor> keep_alive_;  // empty once handed to the Watchdog
+  std::vector<Tensor> keep_alive_;  // empty unless the watchdog could not be had
   bool ordered_ = false;
   bool completed_ = false;
-};
-
-// Note [NCCL stream-ordered wait]: follows the collectives whose Works were waited on until
-// their done events have passed, then lets their tensors go. One per process; its thread
-// starts at the first watch() and polls only while something is watched.
-class Watchdog {
- public:
-  struct Watched {
-    std::string what;  // the collective, as its errors name it
-    std::shared_ptr<AsyncComm> comm;
-    std::function<AsyncState(std::string* error)> query;  // the done event's (EventWork::Event)
-    std::vector<Tensor> keep_alive;
-    std::chrono::milliseconds timeout;  // from watch() on
-  };
-
-  static Watchdog& instance();
-  // Watches until the event has passed (then drops keep_alive). Past the timeout, or when comm
-  // or the event reports an error, it sets comm's abort reason, makes every later host wait
-  // for the device throw (kernels::cuda::fail_host_syncs), says so on stderr and aborts comm
-  // on a thread of its own, which drops keep_alive once the abort has stopped the kernels.
-  // A communicator found aborted by anyone else, however the event ended, fails the host's
-  // waits too: the abort may have cut the collective short.
-  // Throws only what starting the thread or storing the entry throws (then nothing is watched).
-  void watch(Watched watched);
-  // Drops what is watched on comm without a further poll: for a communicator that has been
-  // finalized or aborted, whose calls have all ended (Note [NCCL shutdown]).
-  void forget(const AsyncComm& comm);
-  // Called by a communicator's abort() before it stops anything: a collective watched on it
-  // is cut short, so host reads fail from now on (kernels::cuda::fail_host_syncs). Also for a
-  // collective that finished but has not been polled since: conservative, and an abort means
-  // a failure anyway. Takes no lock (abort() holds the NCCL call mutex, which poll() needs);
-  // never throws.
-  static void aborting(const AsyncComm& comm) noexcept;
-  // How many are watched, those being handled at this moment included.
-  size_t watched();
-
- private:
-  // Counts an entry in its communicator's watched_collectives while it exists (move-only).
-  class Counted {
-   public:
-    explicit Counted(AsyncComm* comm) : comm_(comm) { ++comm_->watched_collectives_; }
-    Counted(Counted&& other) noexcept : comm_(other.comm_) { other.comm_ = nullptr; }
-    Counted(const Counted&) = delete;
-    Counted& operator=(const Counted&) = delete;
-    Counted& operator=(Counted&&) = delete;
-    ~Counted() {
-      if (comm_ != nullptr) --comm_->watched_collectives_;
-    }
-
-   private:
-    AsyncComm* comm_;
-  };
-  struct Entry {
-    Watched watched;
-    std::chrono::steady_clock::time_point deadline;
-    bool lost;  // its communicator was found aborted before the event was seen to pass
-    Counted counted;  // declared last: destroyed first, while watched.comm still holds the communicator
-  };
-  enum class Verdict { Running, Finished, Failed };
-
-  Watchdog() = default;
-  void run();
-  static Verdict poll(Entry& entry, std::string* reason);
-  static void abort(std::shared_ptr<AsyncComm> comm, std::list<Entry> entries);
-  // Host reads fail from now on: what, a collective on comm, may have been cut short by comm's
-  // abort. Never throws.
-  static void fail_host_syncs_cut_short(const std::string& what, const AsyncComm& comm) noexcept;
-
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  // A list: the thread moves entries out and back by splicing, which never allocates, so no
-  // entry (and no tensor a kernel may still write) is lost to an allocation failure.
-  std::list<Entry> watched_;
-  size_t in_hand_ = 0;  // taken out of watched_ by the thread, not yet handled
-  bool started_ = false;
 };
 
 // Note [NCCL point-to-point]: send() and recv() add their call here; the calls go out together,
 // as one NCCL group, when the first of these happens: a Work of theirs is waited on, tested or
 // dropped, issue() is called (the group does before every collective), or close() (the group's
 // end). So calls made one after another form one group, as torch.distributed.batch_isend_irecv
-// would make them, and none is left behind. The issued group's Work is also held here until it
-// has finished, so that dropping a send's Work does not block until the peer has received it.
+// would make them, and none is left behind. Dropping a send's Work does not wait for the peer
+// to receive it: the Watchdog holds the group's tensors until it has finished.
 class PointToPointQueue {
  public:
   struct Call {
@@ -271,12 +308,8 @@ class PointToPointQueue {
   // Issues every queued call as one group; nothing when the queue is empty. Throws what
   // issue_group throws (every Work of those calls then reports it).
   void issue();
-  // The group's end: issues what is still queued (errors to stderr), then lets go of the
-  // issued groups, each of which holds its tensors until it has finished or its release
-  // timeout has passed (~EventWork). Never throws.
+  // The group's end: issues what is still queued (errors to stderr). Never throws.
   void close();
-  // Issued groups still held because they may not have finished (for tests).
-  size_t groups_in_flight();
 
  private:
   class QueuedWork;
@@ -293,7 +326,6 @@ class PointToPointQueue {
   std::mutex mutex_;
   std::vector<Call> calls_;
   std::vector<std::shared_ptr<Outcome>> outcomes_;
-  std::vector<std::shared_ptr<Work>> in_flight_;
 };
 
 // An NCCL setting as NCCL itself resolves it: the environment first, then the user's file

@@ -181,10 +181,12 @@ class Work {
   // throws the same error).
   // NCCL, as torch's ProcessGroupNCCL by default: wait() only orders the compute stream after the
   // collective and returns, so the host does not wait for the device (a barrier's wait() does). The
-  // timeout is kept by a watchdog thread: past it, or on an NCCL error, it aborts the communicator and
-  // prints why, and from then on every call of the group and every host read of device memory (a copy
-  // to the host, item(), synchronize()) throws DistError with that reason (Note [NCCL stream-ordered
-  // wait] in dist/nccl_protocol.h). Where torch's watchdog ends the process, here the next read fails.
+  // timeout, counted from the launch, is kept by a watchdog thread, which follows every collective,
+  // waited on or not: past it, or on an NCCL error, it aborts the communicator and prints why. From
+  // then on every call of the group throws DistError with that reason, and so does every host read
+  // of device memory (a copy to the host, item(), synchronize()) once a collective that wait() had
+  // handed to the compute stream was cut short (Note [NCCL stream-ordered wait] in
+  // dist/nccl_protocol.h). Where torch's watchdog ends the process, here the next read fails.
   // (torch 2.x blocks the host when wait() is given a timeout explicitly; here a timeout only sets
   // the watchdog's deadline.)
   virtual void wait(std::chrono::milliseconds timeout = kDefaultTimeout) = 0;

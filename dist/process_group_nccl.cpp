@@ -25,12 +25,12 @@
 // [NCCL point-to-point]). Each call first waits (cudaStreamWaitEvent) for an event recorded on
 // the compute stream, so it sees every kernel issued before it; its end is another event,
 // recorded once every NCCL call of it is enqueued. Work::wait makes the compute stream wait for
-// that event and returns; the watchdog follows the event until the timeout, aborting the
-// call's communicator on timeout or NCCL error so that no kernel spins forever (Note [NCCL
-// stream-ordered wait] in dist/nccl_protocol.h; a barrier waits on the host). The Work, then
-// the watchdog, holds the tensors until the event has passed or an abort has stopped NCCL's
-// kernels, even when the Work is dropped without wait(), so the caching allocator cannot
-// reuse their memory while NCCL uses it.
+// that event and returns; from the launch on, waited on or not, the watchdog follows the event
+// until the timeout, aborting the call's communicator on timeout or NCCL error so that no
+// kernel spins forever (Note [NCCL stream-ordered wait] in dist/nccl_protocol.h; a barrier
+// waits on the host). The watchdog holds the tensors until the event has passed or an abort
+// has stopped NCCL's kernels, so the caching allocator cannot reuse their memory while NCCL
+// uses it, and dropping a Work never blocks.
 //
 // Note [NCCL point-to-point]
 // ncclSend and ncclRecv hold their stream until the peer posts the matching call, and NCCL runs
@@ -102,9 +102,8 @@
 // detected by NCCL (Note [Collective check] covers collectives only).
 //
 // Note [NCCL shutdown]
-// When the group goes, send/recv still queued are issued, and issued ones whose Works were
-// dropped are waited for (each up to the timeout), so a last send reaches its peer. Then each
-// communicator is finalized (ncclCommFinalize, polled like any call) and destroyed, or aborted
+// When the group goes, send/recv still queued are issued, and the lanes' streams are drained
+// (up to the timeout), so a last send reaches its peer. Then each communicator is finalized (ncclCommFinalize, polled like any call) and destroyed, or aborted
 // when finalizing fails or times out, so exit never hangs on a peer that is gone: the
 // send/recv one first, then the collectives', on every rank, whatever Works the user still
 // holds (finalizing completes their calls, and a held Work then finds its event passed).
@@ -172,7 +171,9 @@ AsyncState async_state(ncclResult_t result) {
 // (or closed) under the mutex, so no call uses the handle after that, and ncclCommAbort /
 // ncclCommDestroy themselves run outside it, because freeing a communicator can wait for the
 // device, hence for a kernel of the other communicator that only another thread's abort would
-// stop. PyTorch's NCCLComm serialises the same calls with a mutex of its own.
+// stop. That steps outside NCCL's documented contract (an abort may then run beside a call on
+// the other communicator of the device), as PyTorch does too: its NCCLComm serialises the
+// other calls with a mutex of its own, and its watchdog's thread aborts without it.
 std::mutex& nccl_call_mutex() {
   static std::mutex* mutex = new std::mutex;  // never destroyed: Works may close after static destructors
   return *mutex;
@@ -245,8 +246,10 @@ class NcclComm : public detail::AsyncComm {
     {
       std::lock_guard<std::mutex> lock(nccl_call_mutex());
       if (aborted_.load() || closed_) return;
-      detail::Watchdog::aborting(*this);  // before any kernel stops
       aborted_.store(true);               // from here no call() touches comm_
+      // Before any kernel stops, and after the flag: a stream-ordered wait() marks its
+      // collective, then reads the flag (EventWork::wait), so one of the two sees the other.
+      detail::Watchdog::aborting(*this);
       comm = comm_;
     }
     // The watchdog aborts from threads that have no device set; a failure (at exit, say) is

@@ -208,31 +208,61 @@ TEST_CASE("a call that stays in progress times out and aborts") {
   CHECK(count(comm, "abort") == 1);
 }
 
-TEST_CASE("a Work dropped without wait() holds its tensors until the done event has passed") {
+TEST_CASE("a Work dropped without wait() returns at once; the watchdog holds its tensors until the event has passed") {
   auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Done});
   Tensor buffer = Tensor::zeros({1024});
   ScriptedEvent event;
-  event.pending = 3;
-  std::vector<long> uses_while_pending;
-  event.on_query = [&] { uses_while_pending.push_back(buffer.use_count()); };
+  event.pending = 1 << 30;  // until the test lets it pass
+  const auto start = std::chrono::steady_clock::now();
   {
-    dist::detail::EventWork work("all_reduce", comm, event.make(), {buffer}, 5s);
-    CHECK(buffer.use_count() == 2);
+    dist::detail::EventWork work("all_reduce", comm, event.make(), {buffer}, 60s);
+    CHECK(buffer.use_count() == 2);  // the caller's and the watchdog's
   }
-  CHECK(event.queries == 4);  // three "not yet", then passed
-  CHECK(uses_while_pending == std::vector<long>{2, 2, 2});
+  CHECK(std::chrono::steady_clock::now() - start < 5s);  // torch: dropping a Work never blocks
+  CHECK(buffer.use_count() == 2);
+  CHECK(event.orderings == 0);  // nothing waited: the compute stream does not read it
+  event.pending = event.queries + 2;  // two more polls answer "not yet", then it has passed
+  REQUIRE(watchdog_idle());
   CHECK(buffer.use_count() == 1);
   CHECK(count(*comm, "abort") == 0);
 }
 
-TEST_CASE("a dropped Work whose event never passes aborts the communicator after the timeout") {
+TEST_CASE("a collective never waited on is timed out from its launch: the watchdog aborts its communicator") {
   auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::InProgress});
   Tensor buffer = Tensor::zeros({16});
   ScriptedEvent event;
   event.pending = 1 << 30;
-  { dist::detail::EventWork work("all_reduce", comm, event.make(), {buffer}, 20ms); }
+  { dist::detail::EventWork work("all_reduce #3", comm, event.make(), {buffer}, 20ms); }
+  // Released by the abort's thread once the abort has stopped the kernels.
+  REQUIRE(eventually([&] { return buffer.use_count() == 1; }));
   CHECK(count(*comm, "abort") == 1);
-  CHECK(buffer.use_count() == 1);
+  CHECK(comm->abort_reason() == "all_reduce #3: did not complete within 20 ms (a peer may have exited or be out of "
+                                "step)");
+  CHECK(watchdog_idle());
+}
+
+TEST_CASE("a wait() with a timeout shorter than the group's brings the deadline forward, and its error names it") {
+  auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::InProgress});
+  ScriptedEvent event;
+  event.pending = 1 << 30;
+  dist::detail::EventWork work("all_reduce", comm, event.make(), {Tensor::zeros({4})}, 600s);
+  work.wait(30ms);  // returns at once
+  REQUIRE(eventually([&] { return comm->aborted(); }));
+  CHECK(comm->abort_reason() == "all_reduce: did not complete within 30 ms (a peer may have exited or be out of step)");
+  CHECK(watchdog_idle());
+}
+
+TEST_CASE("a poll that throws (no memory) still ends in the abort once the deadline has passed") {
+  auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::InProgress});
+  Tensor buffer = Tensor::zeros({4});
+  dist::detail::EventWork::Event event;
+  event.query = [](std::string*) -> AsyncState { throw std::bad_alloc(); };
+  event.order_compute_stream = [] {};
+  { dist::detail::EventWork work("all_reduce", comm, std::move(event), {buffer}, 20ms); }
+  REQUIRE(eventually([&] { return buffer.use_count() == 1; }));
+  CHECK(count(*comm, "abort") == 1);
+  CHECK(comm->abort_reason().empty());  // none could be written
+  CHECK(watchdog_idle());
 }
 
 TEST_CASE("wait() orders the compute stream once and returns; the watchdog releases the tensors once the event passes") {
@@ -254,14 +284,16 @@ TEST_CASE("wait() orders the compute stream once and returns; the watchdog relea
   CHECK(count(*comm, "abort") == 0);
 }
 
-TEST_CASE("wait() on a finished collective releases the tensors itself") {
+TEST_CASE("a finished collective's tensors go at the watchdog's next poll, waited on or not") {
   auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Done});
   Tensor buffer = Tensor::zeros({16});
   ScriptedEvent event;
   dist::detail::EventWork work("all_reduce", comm, event.make(), {buffer}, 5s);
-  work.wait(5s);
-  CHECK(dist::detail::Watchdog::instance().watched() == 0);
+  REQUIRE(watchdog_idle());
   CHECK(buffer.use_count() == 1);
+  work.wait(5s);
+  CHECK(event.orderings == 1);
+  CHECK(count(*comm, "abort") == 0);
 }
 
 TEST_CASE("the watchdog aborts a waited collective that times out or fails, and later calls say why") {
@@ -324,15 +356,47 @@ TEST_CASE("a Work that waits on the host (a barrier) times out, or reports NCCL'
     CHECK_THROWS_WITH_AS(work.wait(20ms), doctest::Contains("within 20 ms"), TimeoutError);
     CHECK(count(*comm, "abort") == 1);
     CHECK_THROWS_AS(work.wait(20ms), DistError);  // the same group cannot go on
+    event.pending = 0;  // the abort stopped the kernel
+    CHECK(watchdog_idle());
+  }
+  SUBCASE("the host wait keeps the deadline, not the group's timeout from the launch") {
+    auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Done});
+    ScriptedEvent event;
+    event.pending = 1 << 30;
+    dist::detail::EventWork work("barrier", comm, event.make(), {Tensor::zeros({4})}, 20ms);
+    work.set_waits(Waits::Host);
+    std::this_thread::sleep_for(30ms);  // past the group's timeout from the launch: the watchdog leaves it
+    const auto start = std::chrono::steady_clock::now();
+    // The host wait's own TimeoutError (the watchdog's abort would have given a DistError).
+    CHECK_THROWS_WITH_AS(work.wait(300ms), doctest::Contains("barrier: did not complete within 20 ms"), TimeoutError);
+    CHECK(std::chrono::steady_clock::now() - start >= 20ms);
+    CHECK(count(*comm, "abort") == 1);
+    event.pending = 0;
+    CHECK(watchdog_idle());
   }
   SUBCASE("asynchronous error") {
-    auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Failed});
+    // Done first: should the watchdog poll before set_waits, it sees a healthy communicator.
+    auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Done, AsyncState::Failed});
     ScriptedEvent event;
     event.pending = 1 << 30;
     dist::detail::EventWork work("barrier", comm, event.make(), {Tensor::zeros({4})}, 5s);
     work.set_waits(Waits::Host);
     CHECK_THROWS_WITH_AS(work.wait(5s), doctest::Contains("remote peer closed"), DistError);
     CHECK(count(*comm, "abort") == 1);
+    event.pending = 0;
+    CHECK(watchdog_idle());
+  }
+  SUBCASE("dropped without a wait: the watchdog keeps the group's timeout") {
+    auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::InProgress});
+    ScriptedEvent event;
+    event.pending = 1 << 30;
+    {
+      dist::detail::EventWork work("barrier", comm, event.make(), {Tensor::zeros({4})}, 20ms);
+      work.set_waits(Waits::Host);
+    }
+    REQUIRE(eventually([&] { return comm->aborted(); }));
+    CHECK(comm->abort_reason() == "barrier: did not complete within 20 ms (a peer may have exited or be out of step)");
+    CHECK(watchdog_idle());
   }
   SUBCASE("passed") {
     auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Done});
@@ -342,9 +406,9 @@ TEST_CASE("a Work that waits on the host (a barrier) times out, or reports NCCL'
     dist::detail::EventWork work("barrier", comm, event.make(), {buffer}, 5s);
     work.set_waits(Waits::Host);
     work.wait(5s);
-    CHECK(event.queries == 3);  // polled on this thread until it passed
+    CHECK(event.queries >= 3);  // polled until it passed
+    REQUIRE(watchdog_idle());
     CHECK(buffer.use_count() == 1);
-    CHECK(dist::detail::Watchdog::instance().watched() == 0);
   }
 }
 
@@ -454,25 +518,23 @@ TEST_CASE("send/recv queue: when the group cannot be issued, every Work of it re
   CHECK(recorder.groups == Groups{{"send 2"}});
 }
 
-TEST_CASE("send/recv queue: a dropped send does not block until received; the queue holds it until it has finished") {
+TEST_CASE("send/recv queue: a dropped send does not block until received; the watchdog holds it until it has finished") {
   auto comm = std::make_shared<HealthyComm>();
   Tensor buffer = Tensor::zeros({64});
   ScriptedEvent event;
-  event.pending = 2;
+  event.pending = 1 << 30;  // the peer has not received it
   GroupRecorder recorder;
   recorder.next_work = [&] {
     return std::make_shared<dist::detail::EventWork>("nccl group of 1 send/recv", comm, event.make(),
-                                                     std::vector<Tensor>{buffer}, 5s);
+                                                     std::vector<Tensor>{buffer}, 60s);
   };
   auto queue = recorder.queue();
   dist::detail::PointToPointQueue::add(queue, {buffer, 1, true});
-  CHECK(event.queries == 0);  // dropping it did not wait for the peer
-  CHECK(queue->groups_in_flight() == 1);
-  CHECK(buffer.use_count() == 2);  // the caller's and the group's Work's
-  // The group's end waits for it (each poll here is one "not yet"), then lets the tensor go.
+  CHECK(recorder.groups == Groups{{"send 1"}});  // dropping it issued it
   queue->close();
-  CHECK(event.queries == 3);
-  CHECK(queue->groups_in_flight() == 0);
+  CHECK(buffer.use_count() == 2);  // the caller's and the watchdog's
+  event.pending = event.queries + 2;
+  REQUIRE(watchdog_idle());
   CHECK(buffer.use_count() == 1);
   CHECK(!comm->aborted());
 }
