@@ -120,15 +120,12 @@ void TCPStore::wait(const std::vector<std::string>& keys, std::chrono::milliseco
   std::string names;
   for (const auto& key : keys) names += (names.empty() ? "'" : ", '") + key + "'";
   if (status == kJobBroken) {
-    std::string refused = "a rank";
+    std::string refused = "a rank that does not fit this job";
     try {
       refused = get_string(kRefusedKey);
     } catch (const Error&) {  // the message goes out without it
     }
-    NANODDP_THROW(DistError, client_->context(), ": wait for ", names, " cannot end: the store refused ", refused,
-                  ", which does not match this job",
-                  options_.world_size > 0 ? " (WORLD_SIZE=" + std::to_string(options_.world_size) + ")" : "",
-                  ": every node must start the same number of ranks (nanoddp-run --nproc-per-node)");
+    NANODDP_THROW(DistError, client_->context(), ": wait for ", names, " cannot end: the store refused ", refused);
   }
   if (status == kTimeout) {
     // No refusal to report here: the server answers every wait kJobBroken once it has one.

@@ -195,6 +195,8 @@ class TCPStore::Client {
     put_u32(message, static_cast<uint32_t>(options.world_size));
     put_u32(message, static_cast<uint32_t>(options.round));
     put_u32(message, static_cast<uint32_t>(options.generation));
+    put_u32(message, static_cast<uint32_t>(::getpid()));
+    put_str(message, detail::host_name().substr(0, kMaxIdentityBytes));
     const auto deadline = Clock::now() + std::min(options.timeout, kReplyGrace);
     uint8_t reply[8];
     try {
@@ -227,6 +229,14 @@ class TCPStore::Client {
                     ", but rank 0, which serves the store, has WORLD_SIZE=", Reader{theirs, 4}.uint(4),
                     ": every node must start the same number of ranks (nanoddp-run --nproc-per-node) and agree "
                     "on --nnodes");
+    }
+    if (status == kDuplicateRank) {
+      uint8_t pid[4];
+      recv_exact(pid, 4, deadline, "hello");
+      const std::string host = recv_identity(deadline);
+      NANODDP_THROW(DistError, context_, ": refused: rank ", options.rank, " is already held by pid ",
+                    Reader{pid, 4}.uint(4), " on ", host, " (this is pid ", ::getpid(), " on ", detail::host_name(),
+                    "): ", kTwoClaimsHint);
     }
     if (status == kWrongRound) {
       uint8_t theirs[8];

@@ -314,7 +314,10 @@ class TCPStore::Server {
     std::string token = r.blob(kMaxIdentityBytes, "token");
     const auto rank = static_cast<int32_t>(r.uint(4)), world_size = static_cast<int32_t>(r.uint(4));
     const auto round = static_cast<uint32_t>(r.uint(4)), generation = static_cast<uint32_t>(r.uint(4));
+    const auto pid = static_cast<uint32_t>(r.uint(4));
+    std::string host = r.blob(kMaxIdentityBytes, "host");
     if (!r.ok()) return true;
+    const auto holder = rank >= 0 ? holders_.find(rank) : holders_.end();
     put_u32(conn.out, kMagic);
     put_u32(conn.out, kVersion);
     if (!job_id_.empty() && job_id != job_id_) {
@@ -332,13 +335,22 @@ class TCPStore::Server {
     } else if (world_size_ > 0 && world_size > 0 && world_size != world_size_) {
       put_u8(conn.out, kWrongWorld);
       put_u32(conn.out, static_cast<uint32_t>(world_size_));
-      append_note(kRefusedKey,
-                  std::string(data_.count(kRefusedKey) > 0 ? "; " : "") + "rank " + std::to_string(rank) +
-                      " with WORLD_SIZE=" + std::to_string(world_size),
-                  4096);
-      fail_waiters(kJobBroken);
+      refuse_for_the_job("rank " + std::to_string(rank) + " with WORLD_SIZE=" + std::to_string(world_size) +
+                         ", which does not match this job (WORLD_SIZE=" + std::to_string(world_size_) +
+                         "): every node must start the same number of ranks (nanoddp-run --nproc-per-node)");
+    } else if (holder != holders_.end() && (holder->second.pid != pid || holder->second.host != host)) {
+      // One process may connect more than once (its groups share the store); two may not.
+      put_u8(conn.out, kDuplicateRank);
+      put_u32(conn.out, holder->second.pid);
+      put_str(conn.out, holder->second.host);
+      refuse_for_the_job("a second rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + " on " +
+                         printable(host) + ") while pid " + std::to_string(holder->second.pid) + " on " +
+                         printable(holder->second.host) + " holds it: " + kTwoClaimsHint);
     } else {
-      if (rank >= 0) append_note(kArrivedKey, std::to_string(rank) + ",", size_t(1) << 20);
+      if (rank >= 0) {
+        if (holder == holders_.end()) holders_.emplace(rank, Holder{pid, host});
+        append_note(kArrivedKey, std::to_string(rank) + ",", size_t(1) << 20);
+      }
       put_u8(conn.out, kWelcome);
       put_u32(conn.out, static_cast<uint32_t>(::getpid()));
       put_str(conn.out, detail::host_name());
@@ -448,6 +460,13 @@ class TCPStore::Server {
     if (note.size() < max_bytes) note.insert(note.end(), text.begin(), text.end());
   }
 
+  // A refusal that the whole job fails for: noted (with why) under kRefusedKey, which every
+  // rank's wait then quotes, at once.
+  void refuse_for_the_job(const std::string& why) {
+    append_note(kRefusedKey, std::string(data_.count(kRefusedKey) > 0 ? "; " : "") + why, 4096);
+    fail_waiters(kJobBroken);
+  }
+
   void fail_waiters(Status status) {
     for (const Waiter& w : waiters_) answer(w.conn, status);
     waiters_.clear();
@@ -507,6 +526,12 @@ class TCPStore::Server {
   std::atomic<int64_t> rejected_{0};
   std::map<int, Conn> conns_;
   std::vector<Waiter> waiters_;
+  // The process that first claimed each rank (Note [Store wire format], kDuplicateRank).
+  struct Holder {
+    uint32_t pid;
+    std::string host;
+  };
+  std::map<int, Holder> holders_;
   std::map<std::string, std::vector<uint8_t>> data_;
   std::thread thread_;  // last: starts after every member above exists
 };

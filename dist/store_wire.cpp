@@ -6,7 +6,8 @@
 //   1. The client connects and sends a hello: u32 kMagic ("NDDP"), u32 kVersion, str job_id,
 //      str token (each <= kMaxIdentityBytes), i32 rank, i32 world_size (-1: not a rank),
 //      u32 round (NANODDP_RESTART_COUNT: how many times the launcher restarted the group),
-//      u32 generation (how many default groups this process initialised before this one).
+//      u32 generation (how many default groups this process initialised before this one),
+//      u32 the client's pid, str its host name.
 //   2. The server answers u32 kMagic, u32 kVersion, then one status byte:
 //        kWelcome   then u32 server pid, str server host: the verbs may follow;
 //        kWrongJob  then str the server's job id: another job's rank reached this store;
@@ -14,6 +15,9 @@
 //        kWrongWorld then u32 the server's world size: a rank of this job with another world
 //                   size (nodes started with different --nproc-per-node); the server also
 //                   keeps the refusal under kRefusedKey, which a rank's timed-out wait quotes;
+//        kDuplicateRank then u32 pid, str host of the process that holds the rank: another
+//                   process of this job's round and generation already claimed it (two nodes
+//                   given one --node-rank, RANK set twice); kept under kRefusedKey as well;
 //        kWrongRound then u32 the server's round, u32 its generation: a rank of another start
 //                   of the group, or of another group of the same processes (a program that
 //                   destroyed its group and initialised a new one). Ordered by round, then
@@ -38,8 +42,9 @@
 //      once, before any byte of the body is awaited or allocated.
 //      ADD answers u8 kOverflow when the sum would not fit in int64.
 //      WAIT answers u8 kJobBroken, at once and to every pending WAIT, once the server has
-//      refused a rank for another world size: that rank's keys will never come, and the
-//      waiters learn why from kRefusedKey instead of sitting out their timeout.
+//      refused a rank for another world size or a second claim of a rank: the job cannot come
+//      together, and the waiters learn why from kRefusedKey instead of sitting out their
+//      timeout.
 //   4. WAIT's deadline is kept by the server (it answers kTimeout when it passes), so a
 #include "dist/store_wire.h"
 

@@ -57,13 +57,24 @@ using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kMagic = 0x5044444E;  // bytes 'N' 'D' 'D' 'P'
 // 2: the hello carries the job id and the token; 3: the rank and world size; 4: the round;
-// 5: the generation.
-constexpr uint32_t kVersion = 5;
+// 5: the generation; 6: the client's pid and host.
+constexpr uint32_t kVersion = 6;
 constexpr uint32_t kMaxIdentityBytes = 256;  // a job id or a token in the hello
 
-enum Hello : uint8_t { kWelcome = 0, kWrongJob = 1, kBadToken = 2, kWrongWorld = 3, kWrongRound = 4 };
-// Where the server notes the ranks it refused for another world size (Note [Store wire format]).
+enum Hello : uint8_t {
+  kWelcome = 0,
+  kWrongJob = 1,
+  kBadToken = 2,
+  kWrongWorld = 3,
+  kWrongRound = 4,
+  kDuplicateRank = 5
+};
+// Where the server notes the ranks it refused for another world size or for a rank that
+// another process holds, each with why (Note [Store wire format]).
 inline const char* const kRefusedKey = "nanoddp/refused";
+// What a refusal for a rank that another process holds advises (both sides say it).
+inline const char* const kTwoClaimsHint =
+    "two processes claim one rank (one --node-rank given to two nodes, or RANK set twice)";
 // Where it notes the rank of every client it admitted ("0,1,3,"), so that a wait that times out
 // can name the ranks that never reached the store rather than a key only the backend knows.
 inline const char* const kArrivedKey = "nanoddp/arrived";

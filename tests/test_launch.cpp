@@ -1673,6 +1673,33 @@ TEST_CASE("nanoddp-run: two jobs started together on one --master-port never han
                 stray.err);
 }
 
+TEST_CASE("nanoddp-run: two nodes given one --node-rank: the second is refused as such, and the job ends at once") {
+  // Three nodes of one rank each; node 2 is never started, node 1 twice. Without the refusal,
+  // rank 0 would wait out init's 30 s timeout for rank 2.
+  const int port = dist::pick_free_port("127.0.0.1");
+  auto node = [&](int node_rank) {
+    return run({launcher_path(), "--nnodes", "3", "--node-rank", std::to_string(node_rank), "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", std::to_string(port), "--backend", "gloo", probe_path(),
+                "report"},
+               60s);
+  };
+  RunResult first, second, twin;
+  std::thread node0([&] { first = node(0); });
+  std::thread node1([&] { second = node(1); });
+  std::this_thread::sleep_for(1500ms);  // both are in init, waiting for rank 2
+  twin = node(1);
+  node0.join();
+  node1.join();
+  CHECK(twin.code() == 1);
+  CHECK_MESSAGE(contains(twin.err, "refused: rank 1 is already held by pid "), twin.err);
+  CHECK_MESSAGE(contains(twin.err, "two processes claim one rank (one --node-rank given to two nodes"), twin.err);
+  for (const RunResult* r : {&first, &second}) {
+    CHECK(r->code() == 1);
+    CHECK(r->seconds < 20);
+    CHECK_MESSAGE(contains(r->err, "the store refused a second rank 1 (pid "), r->err);
+  }
+}
+
 TEST_CASE("nanoddp-run: a rank that fails by losing a stopped rank is named, and the stopped rank is said to be stuck") {
   // Rank 1 stops itself; rank 0's all_reduce times out and reports it lost rank 1, which is
   // still alive when the blame window (the grace period) ends.

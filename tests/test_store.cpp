@@ -6,6 +6,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -115,11 +116,11 @@ std::vector<uint8_t> le32(uint32_t v) {
   return {uint8_t(v), uint8_t(v >> 8), uint8_t(v >> 16), uint8_t(v >> 24)};
 }
 
-// A client's hello (Note [Store wire format]): magic, version 5, job id, token, rank, world
-// size (-1: not a rank), round 0 and generation 0.
+// A client's hello (Note [Store wire format]): magic, version 6, job id, token, rank, world
+// size (-1: not a rank), round 0, generation 0, pid 4242 and host "fake".
 std::vector<uint8_t> hello(const std::string& job_id = "", const std::string& token = "") {
   auto h = le32(0x5044444E);
-  auto v = le32(5);
+  auto v = le32(6);
   h.insert(h.end(), v.begin(), v.end());
   for (const std::string& text : {job_id, token}) {
     auto n = le32(static_cast<uint32_t>(text.size()));
@@ -134,13 +135,24 @@ std::vector<uint8_t> hello(const std::string& job_id = "", const std::string& to
     auto zero = le32(0);  // round, generation
     h.insert(h.end(), zero.begin(), zero.end());
   }
+  auto pid = le32(4242), n = le32(4);
+  h.insert(h.end(), pid.begin(), pid.end());
+  h.insert(h.end(), n.begin(), n.end());
+  for (char c : std::string("fake")) h.push_back(static_cast<uint8_t>(c));
   return h;
 }
 
-// A server's welcome: magic, version 5, status ok, pid 4242, host "fake".
+// The length of this process's own hello with no job id and no token.
+size_t own_hello_bytes() {
+  char host[256] = {};
+  REQUIRE(::gethostname(host, sizeof(host) - 1) == 0);
+  return 36 + std::strlen(host);
+}
+
+// A server's welcome: magic, version 6, status ok, pid 4242, host "fake".
 std::vector<uint8_t> welcome() {
   auto w = le32(0x5044444E);
-  auto v = le32(5);
+  auto v = le32(6);
   w.insert(w.end(), v.begin(), v.end());
   w.push_back(0);
   auto pid = le32(4242), n = le32(4);
@@ -416,8 +428,8 @@ TEST_CASE("store: a client refuses a server that is not a nanoddp store or sends
     std::atomic<bool> release{false};
     std::thread peer([&] {
       int fd = ::accept(fake.fd, nullptr, nullptr);
-      char buf[28];  // the client's hello with no job id and no token
-      [[maybe_unused]] auto n = ::recv(fd, buf, 28, MSG_WAITALL);
+      std::vector<char> buf(own_hello_bytes());
+      [[maybe_unused]] auto n = ::recv(fd, buf.data(), buf.size(), MSG_WAITALL);
       auto reply = welcome();
       reply.push_back(0);  // WAIT: ok
       reply.push_back(0);  // GET: ok, then the length
@@ -580,6 +592,62 @@ TEST_CASE("store: a rank of another world size (nodes started with different --n
   member.set("ready/1", std::string("yes"));
   CHECK(server.get_string("ready/1") == "yes");
   server.wait({"ready/1"}, 400ms);  // keys that are set still answer
+}
+
+TEST_CASE("store: a second process claiming a rank is refused, naming the holder, and the ranks waiting are told "
+          "at once") {
+  TCPStoreOptions server_opts = server_options();
+  server_opts.world_size = 3;
+  TCPStore server(server_opts);
+  TCPStoreOptions one = client_options(server.port());
+  one.world_size = 3;
+  TCPStore holder(one);  // rank 1, this process
+  TCPStore again(one);   // the same process again (its groups share the store): admitted
+  again.set("again", std::string("yes"));
+  std::string pending_why;
+  std::thread pending([&] {
+    try {
+      holder.wait({"ready/2"}, 120s);
+    } catch (const Error& e) {
+      pending_why = e.what();
+    }
+  });
+  // Another process claims rank 1, as a second node given the same --node-rank would.
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::close(fds[0]);
+    std::string why = "admitted";
+    try {
+      TCPStore twin(one);
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    [[maybe_unused]] auto n = ::write(fds[1], why.data(), why.size());
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string child_why;
+  char buf[512];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof(buf))) > 0;) child_why.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  char host[256] = {};
+  REQUIRE(::gethostname(host, sizeof(host) - 1) == 0);
+  const std::string parent = "pid " + std::to_string(::getpid()) + " on " + host;
+  const std::string twin = "pid " + std::to_string(child) + " on " + host;
+  CHECK_MESSAGE(child_why.find("refused: rank 1 is already held by " + parent + " (this is " + twin +
+                               "): two processes claim one rank (one --node-rank given to two nodes, or RANK set "
+                               "twice)") != std::string::npos,
+                child_why);
+  pending.join();
+  CHECK_MESSAGE(pending_why.find("wait for 'ready/2' cannot end: the store refused a second rank 1 (" + twin +
+                                 ") while " + parent + " holds it: two processes claim one rank") != std::string::npos,
+                pending_why);
+  CHECK(server.get_string("again") == "yes");
 }
 
 TEST_CASE("store: a wait that times out names the ranks that never reached the store") {
