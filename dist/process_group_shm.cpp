@@ -74,12 +74,12 @@ class ProcessGroupShm : public ProcessGroup {
     if (auto buffer = shared_buffer_of(tensor)) {
       direct_all_reduces_.fetch_add(1, std::memory_order_relaxed);
       envelope.buffer = buffer->id;
-      return collective(describe(name, tensor), [tensor, buffer, op, envelope](Ring& ring) {
+      return collective(describe(name, tensor), envelope.seq, [tensor, buffer, op, envelope](Ring& ring) {
         direct_all_reduce(ring.shm, envelope, *buffer, tensor.dtype(), op, ring.deadline, ring.what);
       });
     }
     ring_all_reduces_.fetch_add(1, std::memory_order_relaxed);
-    return collective(describe(name, tensor), [tensor, op, envelope](Ring& ring) mutable {
+    return collective(describe(name, tensor), envelope.seq, [tensor, op, envelope](Ring& ring) mutable {
       ring.envelope = envelope;
       ring.all_reduce(tensor, op);
     });
@@ -116,7 +116,7 @@ class ProcessGroupShm : public ProcessGroup {
     count_call(Collective::Broadcast, tensor);
     if (world_size_ == 1 || tensor.numel() == 0) return std::make_shared<CompletedWork>();
     Envelope envelope = next_envelope(Kind::Broadcast, tensor, ReduceOp::Sum, root);
-    return collective(describe("broadcast from rank " + std::to_string(root), tensor),
+    return collective(describe("broadcast from rank " + std::to_string(root), tensor), envelope.seq,
                       [tensor, root, envelope](Ring& ring) {
                         ring.envelope = envelope;
                         ring.broadcast(bytes_of(tensor), tensor.numel(), dtype_size(tensor.dtype()), root);
@@ -133,7 +133,7 @@ class ProcessGroupShm : public ProcessGroup {
       return std::make_shared<CompletedWork>();
     }
     Envelope envelope = next_envelope(Kind::AllGather, input, ReduceOp::Sum, 0);
-    return collective(describe("all_gather", input), [outs, input, envelope](Ring& ring) {
+    return collective(describe("all_gather", input), envelope.seq, [outs, input, envelope](Ring& ring) {
       ring.envelope = envelope;
       Parts parts = Parts::of_tensors(outs);
       std::memcpy(parts.data[ring.rank()], bytes_of(input), input.nbytes());
@@ -154,7 +154,7 @@ class ProcessGroupShm : public ProcessGroup {
     }
     Envelope envelope = next_envelope(Kind::ReduceScatter, output, op, 0);
     std::vector<Tensor> ins = inputs;
-    return collective(describe(name, output), [ins, output, op, envelope](Ring& ring) {
+    return collective(describe(name, output), envelope.seq, [ins, output, op, envelope](Ring& ring) {
       ring.envelope = envelope;
       ring.reduce_scatter(Parts::of_tensors(ins), bytes_of(output), reduce_fn(output.dtype(), op));
       if (op == ReduceOp::Avg) detail::divide_by_world_size(output, ring.n());
@@ -167,7 +167,7 @@ class ProcessGroupShm : public ProcessGroup {
     // A one-element all-reduce: along the ring every rank hears, transitively, from all.
     Tensor token = Tensor::zeros({1}, DType::Int64);
     Envelope envelope = next_envelope(Kind::Barrier, token, ReduceOp::Sum, 0);
-    return collective(where() + ": shm barrier", [token, envelope](Ring& ring) {
+    return collective(where() + ": shm barrier", envelope.seq, [token, envelope](Ring& ring) {
       ring.envelope = envelope;
       Parts parts = Parts::of_buffer(bytes_of(token), 1, sizeof(int64_t), ring.n());
       ring.reduce_scatter(parts, reduce_fn(DType::Int64, ReduceOp::Sum));
@@ -238,11 +238,17 @@ class ProcessGroupShm : public ProcessGroup {
                     static_cast<int32_t>(op), root, tensor.numel(), -1};
   }
 
-  std::shared_ptr<Work> collective(std::string description, std::function<void(Ring&)> body) {
+  // seq: the collective's Envelope::seq.
+  std::shared_ptr<Work> collective(std::string description, uint64_t seq, std::function<void(Ring&)> body) {
     ShmSegment& shm = engine_->segment();
     auto what = std::make_shared<std::string>(description);
     return engine_->issue(engine_, std::move(description), ShmWork::kCollective,
-                          [&shm, body = std::move(body), what](Clock::time_point deadline) {
+                          [&shm, seq, body = std::move(body), what](Clock::time_point deadline) {
+                            struct Running {
+                              ShmSegment& shm;
+                              ~Running() { shm.end_collective(); }
+                            } running{shm};
+                            shm.begin_collective(seq);
                             Ring ring{shm, Envelope{}, deadline, *what};
                             body(ring);
                             return true;

@@ -95,6 +95,9 @@ struct RankInfo {
   // 4 * seq + phase, and what it is running.
   alignas(64) std::atomic<uint64_t> direct_phase{0};
   Envelope direct_envelope;
+  // How many collectives this rank has begun (the running one's seq + 1): a wait that times
+  // out names the ranks behind it, not only the neighbour it waited on (Note [Shm waiting]).
+  alignas(64) std::atomic<uint64_t> collectives_begun{0};
 };
 
 struct Channel {
@@ -249,6 +252,14 @@ class ShmSegment {
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
 
+  // Brackets a collective's run (seq: its Envelope::seq), so that a wait inside it that times
+  // out can say which ranks have not begun it (behind_note).
+  void begin_collective(uint64_t seq);
+  void end_collective() { in_collective_ = false; }
+  // Inside a collective whose wait for peer (-1: any) timed out: "; rank 1 has not begun it"
+  // (or "ranks 1 and 3 have ..."), unless that is peer alone; else "".
+  std::string behind_note(int peer);
+
   // The timeout the running wait() was given, for messages.
   std::chrono::milliseconds wait_timeout{0};
 
@@ -271,6 +282,7 @@ class ShmSegment {
   uint8_t* base_ = nullptr;
   Header* header_ = nullptr;
   bool watch_pids_ = true;
+  bool in_collective_ = false;
 };
 
 }  // namespace nanoddp::dist::shm

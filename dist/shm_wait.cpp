@@ -100,4 +100,23 @@ void ShmSegment::check_alive(int peer, const std::string& what) {
   }
 }
 
+void ShmSegment::begin_collective(uint64_t seq) {
+  info(rank_).collectives_begun.store(seq + 1, std::memory_order_release);
+  in_collective_ = true;
+}
+
+std::string ShmSegment::behind_note(int peer) {
+  if (!in_collective_) return "";
+  const uint64_t mine = info(rank_).collectives_begun.load(std::memory_order_relaxed);
+  std::vector<int> behind;
+  for (int r = 0; r < world_size_; ++r)
+    if (info(r).collectives_begun.load(std::memory_order_acquire) < mine) behind.push_back(r);
+  if (behind.empty() || behind == std::vector<int>{peer}) return "";  // nothing the wait did not say
+  std::string names;
+  for (size_t i = 0; i < behind.size(); ++i)
+    names += (i == 0 ? "" : i + 1 == behind.size() ? " and " : ", ") + std::to_string(behind[i]);
+  return std::string("; ") + (behind.size() == 1 ? "rank " : "ranks ") + names +
+         (behind.size() == 1 ? " has" : " have") + " not begun it";
+}
+
 }  // namespace nanoddp::dist::shm

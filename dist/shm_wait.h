@@ -53,7 +53,8 @@ void ShmSegment::wait_until(Ready&& ready, int peer, Clock::time_point deadline,
     check_abort(what);
     auto now = Clock::now();
     if (now >= deadline) {
-      std::string waited = peer >= 0 ? "rank " + std::to_string(peer) : "a peer";
+      // The rank waited on may itself be waiting for one that never came: name that one too.
+      const std::string waited = (peer >= 0 ? "rank " + std::to_string(peer) : "a peer") + behind_note(peer);
       mark_aborted(what + ": rank " + std::to_string(rank_) + " timed out waiting for " + waited, -1,
                    /*timed_out=*/true);
       NANODDP_THROW(TimeoutError, what, ": did not complete within ", wait_timeout.count(),

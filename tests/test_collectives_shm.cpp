@@ -157,6 +157,32 @@ TEST_CASE("shm: a rank that never joins gives a TimeoutError naming the collecti
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE("shm: a timeout names the rank that never began the collective, not only the neighbour waited on") {
+  // Three ranks; rank 1 never calls the all_gather. Ranks 0 and 2 wait on their ring
+  // neighbours, one of which is rank 2, itself waiting for rank 1.
+  int port = testing::free_port();
+  std::string failures = testing::run_ranks(3, [&](int rank) {
+    auto pg = join(port, rank, 3, 20000ms, /*check_collectives=*/false);
+    Tensor warm = Tensor::ones({4});
+    pg->all_reduce(warm)->wait();  // every rank has begun one collective
+    if (rank == 1) {
+      std::this_thread::sleep_for(2500ms);  // alive, but never calls all_gather
+      return;
+    }
+    // Rank 0 times out first, and rank 2 learns of it from rank 0's abort.
+    std::vector<Tensor> outputs{Tensor::zeros({4}), Tensor::zeros({4}), Tensor::zeros({4})};
+    const std::string what =
+        error_of([&] { pg->all_gather(outputs, Tensor::ones({4}))->wait(rank == 0 ? 500ms : 5000ms); });
+    const std::string expected = "waiting for rank 2; rank 1 has not begun it";
+    if (rank == 0)
+      testing::expect(what.find("did not complete within 500 ms (" + expected) != std::string::npos, what);
+    else
+      testing::expect(what.find("aborted by rank 0") != std::string::npos && what.find(expected) != std::string::npos,
+                      what);
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("shm: without the collective check, a wait still ends by the group's timeout") {
   int port = testing::free_port();
   std::string failures = testing::run_ranks(2, [&](int rank) {
