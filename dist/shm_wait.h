@@ -19,7 +19,9 @@
 // asleep. So 2 ranks on 2 cores never take the core that the other needs for its part of the
 // work. Sleeps are cut into kWatchInterval slices to check the deadline, the abort flag and
 // whether the awaited peer is still alive (a dead peer is reported within a slice, not after
-// the whole timeout).
+// the whole timeout). A wait inside a collective that times out names, besides the rank it
+// waited on, the ranks that have not begun that collective (RankInfo::collectives_begun): in
+// a ring, the neighbour waited on may itself be waiting for the rank that never came.
 #pragma once
 
 #include <linux/futex.h>
