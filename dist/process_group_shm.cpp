@@ -49,6 +49,12 @@ class ProcessGroupShm : public ProcessGroup {
           options.timeout);
   }
 
+  // Works issued but never waited on still run (ShmEngine::run_pending); their Works, and the
+  // engine, may outlive the group.
+  ~ProcessGroupShm() override {
+    if (engine_ != nullptr) engine_->run_pending();
+  }
+
   std::string backend_name() const override { return "shm"; }
   bool collectives_run_in_wait() const override { return true; }
   MovedBytes moved_bytes() const override {

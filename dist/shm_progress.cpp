@@ -13,6 +13,8 @@
 // is_completed() does not run anything: it reports, and stays false until some wait() ran it.
 #include "dist/shm_progress.h"
 
+#include <cstdio>
+
 #include "core/error.h"
 
 namespace nanoddp::dist::shm {
@@ -68,6 +70,23 @@ void ShmEngine::run_until(ShmWork& target, std::chrono::milliseconds timeout) {
       finish(*work);
     }
     pending_.clear();
+  }
+}
+
+void ShmEngine::run_pending() noexcept {
+  std::shared_ptr<ShmWork> last;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!pending_.empty()) last = pending_.back();
+  }
+  if (last == nullptr) return;
+  try {
+    run_until(*last, timeout_);
+    if (last->error_) std::rethrow_exception(last->error_);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "nanoddp: %s: the group ended with works issued but not yet run, which failed: %s\n",
+                 last->description_.c_str(), message_of(e).c_str());
+  } catch (...) {
   }
 }
 

@@ -65,6 +65,10 @@ class ShmEngine {
 
   // Runs pending works in issue order until `target` is done (Note [Shm progress]).
   void run_until(ShmWork& target, std::chrono::milliseconds timeout);
+  // At the group's end: runs every pending work (up to the group's timeout), as torch's
+  // ProcessGroupGloo finishes its queue before it goes, so that a send or collective whose Work
+  // was dropped unwaited still reaches the peers; a failure goes to stderr. Never throws.
+  void run_pending() noexcept;
 
   bool done(const ShmWork& work);
 

@@ -183,6 +183,29 @@ TEST_CASE("shm: a timeout names the rank that never began the collective, not on
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
+TEST_CASE("shm: works dropped unwaited still run when the group ends (torch's ProcessGroupGloo finishes its queue)") {
+  int port = testing::free_port();
+  std::string failures = testing::run_ranks(2, [&](int rank) {
+    auto pg = join(port, rank, 2, 20000ms, /*check_collectives=*/false);
+    Tensor t = Tensor::from_vector({rank + 1.0f, 10.0f * (rank + 1)}, {2});
+    pg->all_reduce(t);  // the Work is dropped: collectives here run when waited on
+    Tensor message = Tensor::from_vector({7.0f, 8.0f, 9.0f}, {3});
+    if (rank == 0) {
+      pg->send(message, 1, 0);  // dropped too
+      pg.reset();
+      destroy_process_group();  // runs both
+    } else {
+      Tensor received = Tensor::zeros({3});
+      pg->recv(received, 0, 0)->wait(5000ms);
+      testing::expect_values(received, [](int64_t i) { return 7.0 + i; }, "recv of a dropped send");
+      pg.reset();
+      destroy_process_group();
+    }
+    testing::expect_values(t, [](int64_t i) { return i == 0 ? 3.0 : 30.0; }, "dropped all_reduce");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
 TEST_CASE("shm: without the collective check, a wait still ends by the group's timeout") {
   int port = testing::free_port();
   std::string failures = testing::run_ranks(2, [&](int rank) {
