@@ -40,6 +40,13 @@ class PollPause {
   Clock::time_point start_ = Clock::now();
 };
 
+// now + timeout, or the clock's end for a timeout past it (milliseconds::max() as "forever").
+Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
+  const auto now = Clock::now();
+  const auto room = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::time_point::max() - now);
+  return timeout >= room ? Clock::time_point::max() : now + timeout;
+}
+
 }  // namespace
 
 std::string AsyncComm::abort_reason() const {
@@ -81,7 +88,7 @@ void issue_and_wait_enqueued(AsyncComm& comm, const std::string& what, std::chro
   }
   if (issued == AsyncState::Done) return;
   // Step 2.
-  const auto deadline = Clock::now() + timeout;
+  const auto deadline = deadline_after(timeout);
   const PollPause pause;
   while (true) {
     const AsyncState state = comm.state(&error);
@@ -113,10 +120,9 @@ EventWork::EventWork(std::string what, std::shared_ptr<AsyncComm> comm, Event ev
 }
 
 EventWork::~EventWork() {
-  if (watched_ != nullptr) watched_->host_waiting = false;  // no host wait to come
-  if (completed_ || keep_alive_.empty()) return;          // the watchdog holds them
+  if (completed_ || keep_alive_.empty()) return;  // the watchdog holds them
   try {
-    const auto deadline = Clock::now() + timeout_;
+    const auto deadline = deadline_after(timeout_);
     std::string error;
     // An aborted communicator runs no kernel any more; a failed event means the device is gone.
     while (!comm_->aborted() && event_.query(&error) == AsyncState::InProgress) {
@@ -166,19 +172,24 @@ void EventWork::wait(std::chrono::milliseconds timeout) {
   watched_->tighten_deadline(effective_wait_timeout(timeout, timeout_));
 }
 
-void EventWork::set_waits(Waits waits) {
-  waits_ = waits;
-  if (watched_ != nullptr) watched_->host_waiting = waits == Waits::Host;
-}
-
 void EventWork::wait_on_host(std::chrono::milliseconds timeout) {
   kernels::cuda::count_host_sync();  // the polls below wait for the device (Note [Host syncs])
   kernels::cuda::check_host_syncs();
   timeout = effective_wait_timeout(timeout, timeout_);
-  const auto deadline = Clock::now() + timeout;
+  const auto deadline = deadline_after(timeout);
+  // This wait keeps the deadline while it runs (Watched::host_waiting), however it ends.
+  struct HostWaiting {
+    Watchdog::Watched* watched;
+    explicit HostWaiting(Watchdog::Watched* watched) : watched(watched) {
+      if (watched != nullptr) ++watched->host_waiting;
+    }
+    ~HostWaiting() {
+      if (watched != nullptr) --watched->host_waiting;
+    }
+  } host_waiting(watched_.get());
   const PollPause pause;
   std::string error;
-  while (!is_completed()) {
+  while (!event_passed()) {
     throw_if_aborted();  // an abort elsewhere (another thread's timeout, the group's end)
     if (comm_->state(&error) == AsyncState::Failed) {
       throw_if_aborted();  // NCCL's error may be an abort elsewhere, begun after the check above
@@ -204,7 +215,7 @@ void EventWork::throw_if_aborted() const {
   NANODDP_CHECK(!comm_->aborted(), DistError, what_, ": ", comm_->aborted_message(), "; its result cannot be trusted");
 }
 
-bool EventWork::is_completed() {
+bool EventWork::event_passed() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (completed_) return true;
   std::string error;
@@ -214,8 +225,20 @@ bool EventWork::is_completed() {
     comm_->abort();
     NANODDP_THROW(DistError, what_, ": the device reported ", error, "; the communicator was aborted");
   }
-  completed_ = state == AsyncState::Done;
-  return completed_;
+  if (state != AsyncState::Done) return false;
+  // Read after the event: the flag is set before an abort stops any kernel, so an event seen
+  // passed on a communicator not (yet) aborted passed on its own.
+  cut_short_ = comm_->aborted();
+  completed_ = true;
+  return true;
+}
+
+bool EventWork::is_completed() {
+  if (!event_passed()) return false;
+  // Finished, but not successfully (wait() throws): a caller who reads the result now must not
+  // get it.
+  if (cut_short_) Watchdog::fail_host_syncs_cut_short(what_, *comm_);
+  return true;
 }
 
 // ---- the watchdog (Note [NCCL stream-ordered wait]) ---------------------------------------
@@ -233,7 +256,7 @@ Watchdog::Watched::Watched(std::string what, std::shared_ptr<AsyncComm> comm,
     : what(std::move(what)),
       comm(std::move(comm)),
       query(std::move(query)),
-      deadline_{Clock::now() + timeout, timeout} {}
+      deadline_{deadline_after(timeout), timeout} {}
 
 Watchdog::Watched::Deadline Watchdog::Watched::deadline() const {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -241,7 +264,7 @@ Watchdog::Watched::Deadline Watchdog::Watched::deadline() const {
 }
 
 void Watchdog::Watched::tighten_deadline(std::chrono::milliseconds timeout) {
-  const Deadline tighter{Clock::now() + timeout, timeout};
+  const Deadline tighter{deadline_after(timeout), timeout};
   std::lock_guard<std::mutex> lock(mutex_);
   if (tighter.at < deadline_.at) deadline_ = tighter;
 }
@@ -302,11 +325,6 @@ void Watchdog::forget(const AsyncComm& comm) {
   }
 }
 
-size_t Watchdog::watched() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return watched_.size() + in_hand_;
-}
-
 // One poll of entry: Finished (its tensors may go), Running, or Failed with *reason set (the
 // deadline passed, or NCCL or the device reported an error: its communicator must be aborted).
 Watchdog::Verdict Watchdog::poll(Entry& entry, std::string* reason) {
@@ -320,7 +338,7 @@ Watchdog::Verdict Watchdog::poll(Entry& entry, std::string* reason) {
   const auto aborted = [&] { return watched.comm->aborted() || !watched.comm->abort_reason().empty(); };
   bool cut_short = aborted();
   // A host wait under way keeps the deadline and handles NCCL's errors itself.
-  const bool host_waiting = watched.host_waiting.load();
+  const bool host_waiting = watched.host_waiting.load() > 0;
   std::string comm_error;
   const bool comm_failed = !cut_short && !host_waiting && event == AsyncState::InProgress &&
                            watched.comm->state(&comm_error) == AsyncState::Failed;
@@ -423,7 +441,8 @@ void Watchdog::run() {
         reason.clear();
         const Watched& watched = *entry->watched;
         const bool cut_short = watched.comm->aborted();
-        if (!cut_short && !watched.host_waiting.load() && Clock::now() > watched.deadline().at) verdict = Verdict::Failed;
+        if (!cut_short && watched.host_waiting.load() == 0 && Clock::now() > watched.deadline().at)
+          verdict = Verdict::Failed;
       }
       if (verdict == Verdict::Failed) report_failure(*entry->watched, reason);
       if (verdict == Verdict::Running) {
@@ -469,7 +488,7 @@ class PointToPointQueue::QueuedWork : public Work {
   }
   void wait(std::chrono::milliseconds timeout) override {
     const std::chrono::milliseconds whole = effective_wait_timeout(timeout, queue_->group_timeout_);
-    const auto deadline = Clock::now() + whole;
+    const auto deadline = deadline_after(whole);
     const std::shared_ptr<Work> group = queue_->issued(*outcome_);
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     try {

@@ -48,7 +48,7 @@
 //   2. on ncclInProgress, poll (b) until it is not in progress, up to the group's timeout;
 //      an error or the timeout aborts the communicator and throws (DistError / TimeoutError);
 //   3. only then queue what must follow the collective on its stream: a copy out of its
-//      buffer, the next NCCL call, the done event that Work::wait and the release wait for.
+//      buffer, the next NCCL call, the done event that Work::wait and the watchdog follow.
 // Recording the done event right after step 1 would let wait() return before the reduction
 // ran (DDP would copy un-reduced gradients), and the next call could be refused.
 #pragma once
@@ -144,9 +144,9 @@ class Watchdog {
     // reads (AsyncComm::watched_collectives counts it until then).
     void mark_stream_ordered();
     bool stream_ordered() const;
-    // While a Work that waits on the host (EventWork::Waits::Host) lives, its host wait keeps
-    // the deadline and handles NCCL's errors: the watchdog only holds the tensors.
-    std::atomic<bool> host_waiting{false};
+    // How many host waits (EventWork::Waits::Host) are polling the event now: while one runs,
+    // it keeps the deadline and handles NCCL's errors, and the watchdog only holds the tensors.
+    std::atomic<int> host_waiting{0};
 
    private:
     friend class Watchdog;
@@ -181,10 +181,18 @@ class Watchdog {
   // Host reads fail from now on: what, a collective on comm, may have been cut short by comm's
   // abort. Never throws.
   static void fail_host_syncs_cut_short(const std::string& what, const AsyncComm& comm) noexcept;
-  // How many are watched, those being handled at this moment included.
-  size_t watched();
+  // How many collectives the watchdog holds the tensors of, those being handled or waiting for
+  // an abort to return included: 0 means every tensor it was given is let go.
+  size_t watched() const { return entries_alive_.load(); }
 
  private:
+  // Counts an Entry in entries_alive_ until its last member has gone (declared first).
+  struct Alive {
+    Alive() { ++entries_alive_; }
+    ~Alive() { --entries_alive_; }
+    Alive(const Alive&) = delete;
+    Alive& operator=(const Alive&) = delete;
+  };
   struct Entry {
     Entry(std::shared_ptr<Watched> watched, std::vector<Tensor> keep_alive)
         : watched(std::move(watched)), keep_alive(std::move(keep_alive)) {}
@@ -192,6 +200,7 @@ class Watchdog {
     Entry(const Entry&) = delete;
     Entry& operator=(const Entry&) = delete;
 
+    Alive alive;
     std::shared_ptr<Watched> watched;
     std::vector<Tensor> keep_alive;
     bool reported = false;  // the host's reads were failed for it after an abort elsewhere
@@ -213,6 +222,7 @@ class Watchdog {
   std::list<Entry> watched_;
   size_t in_hand_ = 0;  // taken out of watched_ by the thread, not yet handled
   bool started_ = false;
+  static inline std::atomic<size_t> entries_alive_{0};
 };
 
 // A collective that is finished when a device event is (the NCCL group's done event, recorded
@@ -235,8 +245,7 @@ class EventWork : public Work {
   // itself and its destructor waits for the event (see ~EventWork).
   EventWork(std::string what, std::shared_ptr<AsyncComm> comm, Event event, std::vector<Tensor> keep_alive,
             std::chrono::milliseconds timeout);
-  // Returns at once: the watchdog holds the tensors (torch: dropping a Work never blocks), and
-  // keeps the deadline of a Work that waits on the host from now on.
+  // Returns at once: the watchdog holds the tensors (torch: dropping a Work never blocks).
   // Without a watchdog it waits until the event has passed, since NCCL may still write the
   // tensors and the caching allocator would hand their memory out again; past the timeout it
   // aborts the communicator (which stops NCCL's kernels) and says so on stderr. Never throws.
@@ -253,14 +262,19 @@ class EventWork : public Work {
   // reason, once the communicator was aborted, and Host, as every host wait, once the
   // watchdog made host waits fail (kernels::cuda::check_host_syncs).
   void wait(std::chrono::milliseconds timeout) override;
+  // True once the event has passed. When an abort let it pass, the collective may have been
+  // cut short: host reads of device memory fail from then on (kernels::cuda::fail_host_syncs)
+  // and wait() throws. DistError when the device reports an error (the communicator is aborted).
   bool is_completed() override;
 
-  // Right after construction. Host hands the deadline and NCCL's errors to the host wait to
-  // come (Watched::host_waiting), until the Work is dropped.
-  void set_waits(Waits waits);
+  // Before the first wait().
+  void set_waits(Waits waits) { waits_ = waits; }
 
  private:
   void wait_on_host(std::chrono::milliseconds timeout);
+  // Whether the event has passed (is_completed() without its failing of host reads). DistError
+  // when the device reports an error (the communicator is aborted).
+  bool event_passed();
   // DistError, with the reason, once the communicator was aborted: an abort lets the event
   // pass too, with no result behind it.
   void throw_if_aborted() const;
@@ -271,10 +285,11 @@ class EventWork : public Work {
   std::chrono::milliseconds timeout_;
   std::shared_ptr<Watchdog::Watched> watched_;
   Waits waits_ = Waits::StreamOrdered;
-  std::mutex mutex_;  // guards the three below; never held while sleeping between polls
+  std::mutex mutex_;  // guards the four below; never held while sleeping between polls
   std::vector<Tensor> keep_alive_;  // empty unless the watchdog could not be had
   bool ordered_ = false;
   bool completed_ = false;
+  bool cut_short_ = false;  // the event was seen to pass only after the communicator's abort
 };
 
 // Note [NCCL point-to-point]: send() and recv() add their call here; the calls go out together,

@@ -71,8 +71,9 @@
 // compute stream after it; it is not ordered after a collective still in flight, so, as for
 // every asynchronous call, wait on a collective before sending its result. A timeout or an
 // NCCL error in send/recv aborts the send/recv communicator: every later send/recv throws
-// DistError, while collectives go on; when the watchdog found it (a waited send/recv, Note
-// [NCCL stream-ordered wait]), every later host read of device memory throws too.
+// DistError, while collectives go on; when a send/recv that wait() had handed to the compute
+// stream was cut short (Note [NCCL stream-ordered wait]), every later host read of device
+// memory throws too.
 // Two communicators also bring NCCL's documented hazard ("Using multiple NCCL communicators
 // concurrently"): a send/recv kernel spinning for its peer beside a collective kernel works
 // while both fit on the GPU at once (a few blocks each: they do), but any call that
@@ -378,7 +379,8 @@ void finish_after_error(const NcclLane& lane, const std::string& what, std::vect
 }
 
 // Note [NCCL streams]: order after the compute stream, run body on the lane's stream, record
-// the end. The Work aborts the lane's communicator when it times out or NCCL reports an error.
+// the end. The watchdog (or a wait on the host) aborts the lane's communicator when the call
+// times out or NCCL reports an error.
 template <typename Body>
 std::shared_ptr<detail::EventWork> launch(const NcclLane& lane, const std::string& what, std::vector<Tensor> keep,
                                           Body&& body) {
@@ -396,29 +398,35 @@ std::shared_ptr<detail::EventWork> launch(const NcclLane& lane, const std::strin
     finish_after_error(lane, what, std::move(keep));
     throw;
   }
-  auto done = std::make_shared<CudaEvent>();
-  NANODDP_NCCL_DIST_CUDA(cudaEventRecord(done->get(), lane.stream), what);
-  detail::EventWork::Event event;
-  const int device = lane.device.index;
-  // Set the device first: a poll from a fresh thread would otherwise make device 0's context
-  // current, creating one on GPU 0 in a process that uses another GPU.
-  event.query = [done, device](std::string* error) {
-    kernels::cuda::set_device(device);
-    const cudaError_t status = cudaEventQuery(done->get());
-    // At exit, once the runtime unloads, there is nothing left to wait for.
-    if (status == cudaSuccess || status == cudaErrorCudartUnloading) return AsyncState::Done;
-    if (status == cudaErrorNotReady) {
-      (void)cudaGetLastError();  // recorded as the thread's last error: cleared (kernels::cuda::event_passed)
-      return AsyncState::InProgress;
-    }
-    *error = std::string("cudaEventQuery: ") + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")";
-    return AsyncState::Failed;
-  };
-  event.order_compute_stream = [done, device, what] {
-    kernels::cuda::set_device(device);
-    NANODDP_NCCL_DIST_CUDA(cudaStreamWaitEvent(compute_stream(), done->get(), 0), what);
-  };
-  return std::make_shared<detail::EventWork>(what, lane.comm, std::move(event), std::move(keep), lane.timeout);
+  // Past here the collective is on the stream: a failure must not hand keep back either.
+  try {
+    auto done = std::make_shared<CudaEvent>();
+    NANODDP_NCCL_DIST_CUDA(cudaEventRecord(done->get(), lane.stream), what);
+    detail::EventWork::Event event;
+    const int device = lane.device.index;
+    // Set the device first: a poll from a fresh thread would otherwise make device 0's context
+    // current, creating one on GPU 0 in a process that uses another GPU.
+    event.query = [done, device](std::string* error) {
+      kernels::cuda::set_device(device);
+      const cudaError_t status = cudaEventQuery(done->get());
+      // At exit, once the runtime unloads, there is nothing left to wait for.
+      if (status == cudaSuccess || status == cudaErrorCudartUnloading) return AsyncState::Done;
+      if (status == cudaErrorNotReady) {
+        (void)cudaGetLastError();  // recorded as the thread's last error: cleared (kernels::cuda::event_passed)
+        return AsyncState::InProgress;
+      }
+      *error = std::string("cudaEventQuery: ") + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")";
+      return AsyncState::Failed;
+    };
+    event.order_compute_stream = [done, device, what] {
+      kernels::cuda::set_device(device);
+      NANODDP_NCCL_DIST_CUDA(cudaStreamWaitEvent(compute_stream(), done->get(), 0), what);
+    };
+    return std::make_shared<detail::EventWork>(what, lane.comm, std::move(event), keep, lane.timeout);
+  } catch (...) {
+    finish_after_error(lane, what, std::move(keep));
+    throw;
+  }
 }
 
 ncclDataType_t nccl_type(DType dtype) {

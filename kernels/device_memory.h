@@ -79,12 +79,16 @@ uint64_t host_syncs();
 // Once the NCCL watchdog has aborted a collective that the host did not wait for (Note [NCCL
 // stream-ordered wait]), what the device computes may rest on values that were never reduced:
 // from then on synchronize(), wait_for_event() and every copy() to or from the device throw
-// DistError with the first reason given, once the device has caught up. Without CUDA: nothing
-// to do.
+// DistError with the first reason given, once the device has caught up.
 // An empty reason, or no memory to keep it, gives a preset one. Never throws.
 void fail_host_syncs(const std::string& reason) noexcept;
 // Throws that DistError when fail_host_syncs has been called: for host waits that do not go
 // through the functions above (an NCCL Work that waits on the host polls its event).
 void check_host_syncs();
+// The reason fail_host_syncs was given, or "" when it was not called (or was cleared).
+std::string host_syncs_failure();
+// Forgets the failure. For tests, which fail host syncs on purpose and go on in the same
+// process; a program has no way to know that its device's results are sound again.
+void clear_host_syncs_failure();
 
 }  // namespace nanoddp::kernels::cuda

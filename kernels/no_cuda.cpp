@@ -34,8 +34,6 @@ bool event_passed(void*) { no_cuda("event_passed"); }
 void wait_for_event(void*) { no_cuda("wait_for_event"); }
 void count_host_sync() {}
 uint64_t host_syncs() { return 0; }
-void fail_host_syncs(const std::string&) noexcept {}
-void check_host_syncs() {}
 }  // namespace cuda
 
 }  // namespace nanoddp::kernels

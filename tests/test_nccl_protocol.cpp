@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "dist/nccl_protocol.h"
+#include "kernels/device_memory.h"
 
 using namespace nanoddp;
 using dist::detail::AsyncState;
@@ -40,10 +41,14 @@ class ScriptedComm : public dist::detail::AsyncComm {
     if (next == AsyncState::Failed) *error = "unhandled system error (remote peer closed the connection)";
     return next;
   }
+  // As NcclComm::abort: marked aborted, then the watchdog told, before anything stops.
   void abort() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    log_.push_back("abort");
-    aborted_ = true;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      log_.push_back("abort");
+      aborted_ = true;
+    }
+    dist::detail::Watchdog::aborting(*this);
   }
   bool aborted() const override { return aborted_; }
   void note(const std::string& entry) {
@@ -59,6 +64,20 @@ class ScriptedComm : public dist::detail::AsyncComm {
   mutable std::mutex mutex_;
   std::vector<std::string> log_;
   std::deque<AsyncState> script_;
+  std::atomic<bool> aborted_{false};
+};
+
+// A communicator that is always fine (safe to ask from several threads).
+class HealthyComm : public dist::detail::AsyncComm {
+ public:
+  AsyncState state(std::string*) override { return aborted_ ? AsyncState::Failed : AsyncState::Done; }
+  void abort() override {
+    aborted_ = true;
+    dist::detail::Watchdog::aborting(*this);
+  }
+  bool aborted() const override { return aborted_; }
+
+ private:
   std::atomic<bool> aborted_{false};
 };
 
@@ -109,6 +128,14 @@ struct ScriptedEvent {
 // still does after 10 s.
 bool watchdog_idle() {
   return eventually([] { return dist::detail::Watchdog::instance().watched() == 0; });
+}
+
+// What fail_host_syncs was told since the last call ("" if nothing), forgetting it: a test
+// that fails host reads on purpose leaves the process as it found it.
+std::string take_host_syncs_failure() {
+  const std::string reason = kernels::cuda::host_syncs_failure();
+  kernels::cuda::clear_host_syncs_failure();
+  return reason;
 }
 
 }  // namespace
@@ -225,6 +252,7 @@ TEST_CASE("a Work dropped without wait() returns at once; the watchdog holds its
   REQUIRE(watchdog_idle());
   CHECK(buffer.use_count() == 1);
   CHECK(count(*comm, "abort") == 0);
+  CHECK(take_host_syncs_failure().empty());
 }
 
 TEST_CASE("a collective never waited on is timed out from its launch: the watchdog aborts its communicator") {
@@ -239,6 +267,7 @@ TEST_CASE("a collective never waited on is timed out from its launch: the watchd
   CHECK(comm->abort_reason() == "all_reduce #3: did not complete within 20 ms (a peer may have exited or be out of "
                                 "step)");
   CHECK(watchdog_idle());
+  CHECK(take_host_syncs_failure().empty());  // no wait() handed its result to the compute stream
 }
 
 TEST_CASE("a wait() with a timeout shorter than the group's brings the deadline forward, and its error names it") {
@@ -250,6 +279,23 @@ TEST_CASE("a wait() with a timeout shorter than the group's brings the deadline 
   REQUIRE(eventually([&] { return comm->aborted(); }));
   CHECK(comm->abort_reason() == "all_reduce: did not complete within 30 ms (a peer may have exited or be out of step)");
   CHECK(watchdog_idle());
+  // The compute stream reads its result: host reads fail from now on.
+  CHECK(take_host_syncs_failure().find("all_reduce: did not complete within 30 ms") == 0);
+}
+
+TEST_CASE("a timeout as long as the clock (milliseconds::max) is no timeout") {
+  auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::InProgress});
+  ScriptedEvent event;
+  event.pending = 1 << 30;
+  dist::detail::EventWork work("all_reduce", comm, event.make(), {Tensor::zeros({4})},
+                               std::chrono::milliseconds::max());
+  work.wait(0ms);
+  const int seen = event.queries;
+  REQUIRE(eventually([&] { return event.queries >= seen + 3; }));  // polled, not aborted
+  CHECK(!comm->aborted());
+  event.pending = 0;
+  CHECK(watchdog_idle());
+  CHECK(take_host_syncs_failure().empty());
 }
 
 TEST_CASE("a poll that throws (no memory) still ends in the abort once the deadline has passed") {
@@ -263,6 +309,7 @@ TEST_CASE("a poll that throws (no memory) still ends in the abort once the deadl
   CHECK(count(*comm, "abort") == 1);
   CHECK(comm->abort_reason().empty());  // none could be written
   CHECK(watchdog_idle());
+  CHECK(take_host_syncs_failure().empty());
 }
 
 TEST_CASE("wait() orders the compute stream once and returns; the watchdog releases the tensors once the event passes") {
@@ -319,6 +366,7 @@ TEST_CASE("the watchdog aborts a waited collective that times out or fails, and 
                            doctest::Contains("all_reduce #8: the communicator was aborted after an earlier timeout or "
                                              "error (all_reduce #7: did not complete"),
                            DistError);
+      CHECK(take_host_syncs_failure().find("all_reduce #7: did not complete within 20 ms") == 0);
     }
   }
   SUBCASE("NCCL's asynchronous error") {
@@ -330,6 +378,7 @@ TEST_CASE("the watchdog aborts a waited collective that times out or fails, and 
     REQUIRE(eventually([&] { return comm->aborted(); }));
     CHECK(count(*comm, "abort") == 1);
     CHECK(comm->abort_reason() == "all_reduce: NCCL reported unhandled system error (remote peer closed the connection)");
+    CHECK(take_host_syncs_failure().find("all_reduce: NCCL reported unhandled system error") == 0);
   }
   SUBCASE("the group's end lets go of what is watched on its communicator, with no reason of its own") {
     auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::InProgress});
@@ -342,7 +391,37 @@ TEST_CASE("the watchdog aborts a waited collective that times out or fails, and 
     CHECK(dist::detail::Watchdog::instance().watched() == 0);
     CHECK(buffer.use_count() == 1);
     CHECK(comm->abort_reason().empty());
+    CHECK(take_host_syncs_failure().empty());  // finalizing completed it
   }
+}
+
+TEST_CASE("the compute stream reads a collective from its wait() until the watchdog sees it pass") {
+  auto comm = std::make_shared<HealthyComm>();
+  ScriptedEvent event;
+  event.pending = 1 << 30;
+  dist::detail::EventWork work("all_reduce", comm, event.make(), {Tensor::zeros({4})}, 60s);
+  CHECK(comm->watched_collectives() == 0);  // issued, not waited
+  work.wait(60s);
+  CHECK(comm->watched_collectives() == 1);
+  work.wait(60s);
+  CHECK(comm->watched_collectives() == 1);  // counted once
+  event.pending = 0;
+  REQUIRE(watchdog_idle());
+  CHECK(comm->watched_collectives() == 0);
+}
+
+TEST_CASE("is_completed() of a collective an abort cut short: true, and host reads and wait() fail") {
+  auto comm = std::make_shared<HealthyComm>();
+  ScriptedEvent event;
+  event.pending = 1 << 30;
+  dist::detail::EventWork work("all_reduce #2", comm, event.make(), {Tensor::zeros({4})}, 60s);
+  comm->abort();
+  CHECK(take_host_syncs_failure().empty());  // nothing read it yet
+  event.pending = 0;                          // the abort stopped the kernel
+  CHECK(work.is_completed());
+  CHECK(take_host_syncs_failure().find("all_reduce #2: the communicator was aborted") == 0);
+  CHECK_THROWS_WITH_AS(work.wait(5s), doctest::Contains("all_reduce #2: the communicator was aborted"), DistError);
+  CHECK(watchdog_idle());
 }
 
 TEST_CASE("a Work that waits on the host (a barrier) times out, or reports NCCL's asynchronous error, and aborts") {
@@ -359,20 +438,19 @@ TEST_CASE("a Work that waits on the host (a barrier) times out, or reports NCCL'
     event.pending = 0;  // the abort stopped the kernel
     CHECK(watchdog_idle());
   }
-  SUBCASE("the host wait keeps the deadline, not the group's timeout from the launch") {
+  SUBCASE("while the host wait runs, it keeps the deadline (its TimeoutError, not the watchdog's abort)") {
     auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Done});
     ScriptedEvent event;
     event.pending = 1 << 30;
-    dist::detail::EventWork work("barrier", comm, event.make(), {Tensor::zeros({4})}, 20ms);
+    dist::detail::EventWork work("barrier", comm, event.make(), {Tensor::zeros({4})}, 300ms);
     work.set_waits(Waits::Host);
-    std::this_thread::sleep_for(30ms);  // past the group's timeout from the launch: the watchdog leaves it
     const auto start = std::chrono::steady_clock::now();
-    // The host wait's own TimeoutError (the watchdog's abort would have given a DistError).
-    CHECK_THROWS_WITH_AS(work.wait(300ms), doctest::Contains("barrier: did not complete within 20 ms"), TimeoutError);
-    CHECK(std::chrono::steady_clock::now() - start >= 20ms);
+    CHECK_THROWS_WITH_AS(work.wait(0ms), doctest::Contains("barrier: did not complete within 300 ms"), TimeoutError);
+    CHECK(std::chrono::steady_clock::now() - start >= 300ms);
     CHECK(count(*comm, "abort") == 1);
     event.pending = 0;
     CHECK(watchdog_idle());
+    CHECK(take_host_syncs_failure().empty());  // the host saw it fail; nothing read it
   }
   SUBCASE("asynchronous error") {
     // Done first: should the watchdog poll before set_waits, it sees a healthy communicator.
@@ -386,17 +464,17 @@ TEST_CASE("a Work that waits on the host (a barrier) times out, or reports NCCL'
     event.pending = 0;
     CHECK(watchdog_idle());
   }
-  SUBCASE("dropped without a wait: the watchdog keeps the group's timeout") {
+  SUBCASE("held but not waited on: the watchdog keeps the group's timeout") {
     auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::InProgress});
     ScriptedEvent event;
     event.pending = 1 << 30;
-    {
-      dist::detail::EventWork work("barrier", comm, event.make(), {Tensor::zeros({4})}, 20ms);
-      work.set_waits(Waits::Host);
-    }
+    dist::detail::EventWork work("barrier", comm, event.make(), {Tensor::zeros({4})}, 20ms);
+    work.set_waits(Waits::Host);
     REQUIRE(eventually([&] { return comm->aborted(); }));
     CHECK(comm->abort_reason() == "barrier: did not complete within 20 ms (a peer may have exited or be out of step)");
+    event.pending = 0;
     CHECK(watchdog_idle());
+    CHECK(take_host_syncs_failure().empty());
   }
   SUBCASE("passed") {
     auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Done});
@@ -413,17 +491,6 @@ TEST_CASE("a Work that waits on the host (a barrier) times out, or reports NCCL'
 }
 
 namespace {
-
-// A communicator that is always fine (safe to ask from several threads).
-class HealthyComm : public dist::detail::AsyncComm {
- public:
-  AsyncState state(std::string*) override { return aborted_ ? AsyncState::Failed : AsyncState::Done; }
-  void abort() override { aborted_ = true; }
-  bool aborted() const override { return aborted_; }
-
- private:
-  std::atomic<bool> aborted_{false};
-};
 
 // Stands in for issuing an NCCL group: records the calls of each group and returns `next_work`
 // (a finished Work when empty), or throws when `fail` is set.
@@ -674,7 +741,9 @@ TEST_CASE("a communicator aborted by someone else: the watchdog holds the tensor
   event.pending = 1 << 30;
   dist::detail::EventWork work("all_reduce", comm, event.make(), {buffer}, 60s);
   work.wait(60s);
-  comm->abort();  // as a dropped Work's release timeout or the group's end does
+  comm->abort();  // as another wait's timeout or the group's end does
+  // At once, before any kernel stops: the compute stream reads what the abort may cut short.
+  CHECK(take_host_syncs_failure().find("an NCCL collective: the communicator was aborted") == 0);
   const int seen = event.queries;
   REQUIRE(eventually([&] { return event.queries >= seen + 3; }));  // polled on, aborted
   CHECK(buffer.use_count() == 2);  // the abort may not have stopped NCCL's kernels yet
@@ -682,6 +751,7 @@ TEST_CASE("a communicator aborted by someone else: the watchdog holds the tensor
   REQUIRE(watchdog_idle());
   CHECK(buffer.use_count() == 1);
   CHECK_THROWS_WITH_AS(work.wait(60s), doctest::Contains("the communicator was aborted"), DistError);
+  take_host_syncs_failure();  // the watchdog's own report of it, if its poll came first
 }
 
 TEST_CASE("a Work that waits on the host fails when another thread's abort lets its event pass") {
@@ -692,9 +762,11 @@ TEST_CASE("a Work that waits on the host fails when another thread's abort lets 
   work.set_waits(dist::detail::EventWork::Waits::Host);
   std::thread elsewhere([&] {
     std::this_thread::sleep_for(20ms);
-    comm->abort();        // a dropped Work's release timeout, say
+    comm->abort();        // another wait's timeout, say
     event.pending = 0;    // the abort stopped the kernel: the event passes
   });
   CHECK_THROWS_WITH_AS(work.wait(60s), doctest::Contains("barrier: the communicator was aborted"), DistError);
   elsewhere.join();
+  CHECK(watchdog_idle());
+  CHECK(take_host_syncs_failure().empty());  // the host saw it fail; nothing read it
 }

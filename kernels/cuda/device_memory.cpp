@@ -268,31 +268,6 @@ void free_pinned(void* ptr) {
   }
 }
 
-// fail_host_syncs: the first reason, kept for the life of the process (leaked: a copy may run
-// during exit).
-namespace {
-std::atomic<const std::string*> host_syncs_failure{nullptr};
-}  // namespace
-
-void check_host_syncs() {
-  if (const std::string* reason = host_syncs_failure.load(std::memory_order_acquire))
-    NANODDP_THROW(DistError, *reason);
-}
-
-void fail_host_syncs(const std::string& reason) noexcept {
-  static const std::string preset = "an NCCL collective was aborted before it was seen to finish";
-  const std::string* kept = &preset;
-  if (!reason.empty()) {
-    try {
-      kept = new std::string(reason);
-    } catch (...) {
-    }
-  }
-  const std::string* expected = nullptr;
-  if (!host_syncs_failure.compare_exchange_strong(expected, kept, std::memory_order_acq_rel) && kept != &preset)
-    delete kept;
-}
-
 void copy(void* dst, const void* src, size_t nbytes, CopyKind kind) {
   if (nbytes == 0) return;
   cudaStream_t s = stream();
