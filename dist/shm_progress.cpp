@@ -11,6 +11,8 @@
 // and not having one is what keeps a small all-reduce in microseconds
 // (Note [Gloo worker thread] is the other side of that).
 // is_completed() does not run anything: it reports, and stays false until some wait() ran it.
+// When the group ends, the works still pending run (ShmEngine::run_pending), so a Work dropped
+// unwaited still does its part, as it would under torch's Gloo group.
 #include "dist/shm_progress.h"
 
 #include <cstdio>
