@@ -263,8 +263,9 @@ class EventWork : public Work {
   // watchdog made host waits fail (kernels::cuda::check_host_syncs).
   void wait(std::chrono::milliseconds timeout) override;
   // True once the event has passed. When an abort let it pass, the collective may have been
-  // cut short: host reads of device memory fail from then on (kernels::cuda::fail_host_syncs)
-  // and wait() throws. DistError when the device reports an error (the communicator is aborted).
+  // cut short: wait() throws, and for a StreamOrdered Work host reads of device memory fail
+  // from then on (kernels::cuda::fail_host_syncs). DistError when the device reports an error
+  // (the communicator is aborted).
   bool is_completed() override;
 
   // Before the first wait().

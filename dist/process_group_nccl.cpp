@@ -351,8 +351,9 @@ cudaStream_t compute_stream() { return static_cast<cudaStream_t>(kernels::cuda::
 
 // A call failed after queuing work on the lane's stream: waits (polling, up to the lane's
 // timeout) until that work has run, with keep's tensors held. An NCCL error or timeout has
-// already aborted the communicator, which stops its kernels; should the stream still not
-// drain, the tensors are kept for the life of the process rather than handed back to the
+// aborted the communicator, which stops its kernels; after any other failure (no memory for
+// the Work, a failed cudaEventRecord) the queued work ends on its own. Should the stream still
+// not drain, the tensors are kept for the life of the process rather than handed back to the
 // caching allocator while the device may still write them. Never throws.
 // Polls the lane's stream until the work on it has run or the deadline passes: cudaSuccess,
 // cudaErrorNotReady (still running) or the error the stream reports.

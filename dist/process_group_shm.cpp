@@ -49,10 +49,10 @@ class ProcessGroupShm : public ProcessGroup {
           options.timeout);
   }
 
-  // Works issued but never waited on still run (ShmEngine::run_pending); their Works, and the
-  // engine, may outlive the group.
+  // Works issued but not yet run fail (ShmEngine::drop_pending); a Work still held keeps the
+  // engine until it goes.
   ~ProcessGroupShm() override {
-    if (engine_ != nullptr) engine_->run_pending();
+    if (engine_ != nullptr) engine_->drop_pending();
   }
 
   std::string backend_name() const override { return "shm"; }

@@ -11,11 +11,9 @@
 // and not having one is what keeps a small all-reduce in microseconds
 // (Note [Gloo worker thread] is the other side of that).
 // is_completed() does not run anything: it reports, and stays false until some wait() ran it.
-// When the group ends, the works still pending run (ShmEngine::run_pending), so a Work dropped
-// unwaited still does its part, as it would under torch's Gloo group.
+// When the group ends, the works still pending fail (ShmEngine::drop_pending): a Work dropped
+// unwaited never ran, and its peers learn it by their own timeout or the lost connection.
 #include "dist/shm_progress.h"
-
-#include <cstdio>
 
 #include "core/error.h"
 
@@ -75,20 +73,21 @@ void ShmEngine::run_until(ShmWork& target, std::chrono::milliseconds timeout) {
   }
 }
 
-void ShmEngine::run_pending() noexcept {
-  std::shared_ptr<ShmWork> last;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!pending_.empty()) last = pending_.back();
-  }
-  if (last == nullptr) return;
+void ShmEngine::drop_pending() noexcept {
+  std::deque<std::shared_ptr<ShmWork>> dropped;  // their tensors go outside the lock
   try {
-    run_until(*last, timeout_);
-    if (last->error_) std::rethrow_exception(last->error_);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "nanoddp: %s: the group ended with works issued but not yet run, which failed: %s\n",
-                 last->description_.c_str(), message_of(e).c_str());
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto destroyed = std::make_exception_ptr(
+        DistError("shm: the process group was destroyed before this work ran (a Work runs when it, or a later "
+                  "one, is waited on)"));
+    for (auto& work : pending_) {
+      if (work->done_) continue;
+      work->error_ = destroyed;
+      finish(*work);
+    }
+    dropped.swap(pending_);
   } catch (...) {
+    // No memory for the error: the works stay pending (and held) until the engine goes.
   }
 }
 

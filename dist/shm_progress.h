@@ -65,10 +65,11 @@ class ShmEngine {
 
   // Runs pending works in issue order until `target` is done (Note [Shm progress]).
   void run_until(ShmWork& target, std::chrono::milliseconds timeout);
-  // At the group's end: runs every pending work (up to the group's timeout), as torch's
-  // ProcessGroupGloo finishes its queue before it goes, so that a send or collective whose Work
-  // was dropped unwaited still reaches the peers; a failure goes to stderr. Never throws.
-  void run_pending() noexcept;
+  // At the group's end: works not run yet fail (their waits throw DistError, as the two-level
+  // group's do), and let go of what they hold (a pending work and the engine hold each other,
+  // and the engine holds the shared segment). Running them instead could hold the process's
+  // exit for the group's timeout, waiting for peers that moved on. Never throws.
+  void drop_pending() noexcept;
 
   bool done(const ShmWork& work);
 

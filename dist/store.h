@@ -74,8 +74,11 @@ struct TCPStoreOptions {
   std::string host = "127.0.0.1";  // the server's address (MASTER_ADDR); clients connect here
   int port = 29500;                // MASTER_PORT; 0 on the server picks a free port (see port())
   bool is_server = false;          // true on exactly one rank (rank 0): it binds the port
-  int world_size = -1;             // for messages only
-  int rank = -1;                   // for messages only
+  // This client's rank and world size (-1: not a rank). The server refuses a rank of another
+  // world size, and a second process claiming a rank that a live connection holds (Note
+  // [Store wire format] in store_wire.cpp); messages name them.
+  int world_size = -1;
+  int rank = -1;
   // How long get()/wait() wait, and how long a client keeps retrying to connect while the
   // server is not up yet.
   std::chrono::milliseconds timeout = std::chrono::minutes(5);

@@ -91,6 +91,7 @@ class TCPStore::Server {
     std::vector<uint8_t> in;
     std::vector<uint8_t> out;
     bool greeted = false;
+    int claimed_rank = -1;  // the rank this connection holds (holders_), or -1
   };
   struct Waiter {
     int conn;  // the connection's fd, unique while it is open
@@ -343,12 +344,17 @@ class TCPStore::Server {
       put_u8(conn.out, kDuplicateRank);
       put_u32(conn.out, holder->second.pid);
       put_str(conn.out, holder->second.host);
-      refuse_for_the_job("a second rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + " on " +
-                         printable(host) + ") while pid " + std::to_string(holder->second.pid) + " on " +
-                         printable(holder->second.host) + " holds it: " + kTwoClaimsHint);
+      const std::string why = "a second rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + " on " +
+                              printable(host) + ") while pid " + std::to_string(holder->second.pid) + " on " +
+                              printable(holder->second.host) + " holds it: " + kTwoClaimsHint;
+      // While the job comes together, the rank the twin stands for may never come: every rank
+      // learns why at once. Once every rank is here, a stray is refused and the job goes on.
+      if (world_size_ <= 0 || static_cast<int>(holders_.size()) < world_size_) refuse_for_the_job(why);
     } else {
       if (rank >= 0) {
-        if (holder == holders_.end()) holders_.emplace(rank, Holder{pid, host});
+        if (holder == holders_.end()) holders_.emplace(rank, Holder{pid, host, 0});
+        ++holders_[rank].connections;
+        conn.claimed_rank = rank;
         append_note(kArrivedKey, std::to_string(rank) + ",", size_t(1) << 20);
       }
       put_u8(conn.out, kWelcome);
@@ -509,6 +515,10 @@ class TCPStore::Server {
   }
 
   void drop(int id) {
+    if (auto conn = conns_.find(id); conn != conns_.end() && conn->second.claimed_rank >= 0) {
+      auto holder = holders_.find(conn->second.claimed_rank);
+      if (holder != holders_.end() && --holder->second.connections == 0) holders_.erase(holder);
+    }
     waiters_.erase(std::remove_if(waiters_.begin(), waiters_.end(),
                                   [id](const Waiter& w) { return w.conn == id; }),
                    waiters_.end());
@@ -530,6 +540,7 @@ class TCPStore::Server {
   struct Holder {
     uint32_t pid;
     std::string host;
+    int connections;  // open ones: the rank is free again once its holder has none
   };
   std::map<int, Holder> holders_;
   std::map<std::string, std::vector<uint8_t>> data_;

@@ -16,8 +16,10 @@
 //                   size (nodes started with different --nproc-per-node); the server also
 //                   keeps the refusal under kRefusedKey, which a rank's timed-out wait quotes;
 //        kDuplicateRank then u32 pid, str host of the process that holds the rank: another
-//                   process of this job's round and generation already claimed it (two nodes
-//                   given one --node-rank, RANK set twice); kept under kRefusedKey as well;
+//                   process of this job's round and generation holds it over a connection
+//                   still open (two nodes given one --node-rank, RANK set twice); while not
+//                   every rank has come, also kept under kRefusedKey (the job cannot come
+//                   together), afterwards the stray alone is refused;
 //        kWrongRound then u32 the server's round, u32 its generation: a rank of another start
 //                   of the group, or of another group of the same processes (a program that
 //                   destroyed its group and initialised a new one). Ordered by round, then
@@ -42,9 +44,9 @@
 //      once, before any byte of the body is awaited or allocated.
 //      ADD answers u8 kOverflow when the sum would not fit in int64.
 //      WAIT answers u8 kJobBroken, at once and to every pending WAIT, once the server has
-//      refused a rank for another world size or a second claim of a rank: the job cannot come
-//      together, and the waiters learn why from kRefusedKey instead of sitting out their
-//      timeout.
+//      refused a rank for another world size, or a second claim of a rank before every rank
+//      came: the job cannot come together, and the waiters learn why from kRefusedKey instead
+//      of sitting out their timeout.
 //   4. WAIT's deadline is kept by the server (it answers kTimeout when it passes), so a
 #include "dist/store_wire.h"
 

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <limits>
 
 #include "core/error.h"
@@ -183,27 +184,37 @@ TEST_CASE("shm: a timeout names the rank that never began the collective, not on
   CHECK_MESSAGE(failures.empty(), failures);
 }
 
-TEST_CASE("shm: works dropped unwaited still run when the group ends (torch's ProcessGroupGloo finishes its queue)") {
-  int port = testing::free_port();
-  std::string failures = testing::run_ranks(2, [&](int rank) {
-    auto pg = join(port, rank, 2, 20000ms, /*check_collectives=*/false);
-    Tensor t = Tensor::from_vector({rank + 1.0f, 10.0f * (rank + 1)}, {2});
-    pg->all_reduce(t);  // the Work is dropped: collectives here run when waited on
-    Tensor message = Tensor::from_vector({7.0f, 8.0f, 9.0f}, {3});
-    if (rank == 0) {
-      pg->send(message, 1, 0);  // dropped too
+TEST_CASE("shm: works not run when the group ends fail, and the shared segment goes with the group") {
+  // Mappings of shared memory in this process (the group's segment is one, until it goes).
+  auto shared_mappings = [] {
+    std::ifstream maps("/proc/self/maps");
+    int n = 0;
+    for (std::string line; std::getline(maps, line);) n += line.find("/dev/shm/") != std::string::npos;
+    return n;
+  };
+  for (const bool check : {false, true}) {
+    CAPTURE(check);
+    int port = testing::free_port();
+    std::string failures = testing::run_ranks(2, [&](int rank) {
+      const int before = shared_mappings();
+      auto pg = join(port, rank, 2, 20000ms, check);
+      testing::expect(shared_mappings() > before, "the group maps no shared memory");
+      Tensor t = Tensor::ones({4});
+      std::shared_ptr<Work> held = pg->all_reduce(t);  // never waited on: it never runs
+      pg->all_reduce(t);                                // dropped, the same
       pg.reset();
-      destroy_process_group();  // runs both
-    } else {
-      Tensor received = Tensor::zeros({3});
-      pg->recv(received, 0, 0)->wait(5000ms);
-      testing::expect_values(received, [](int64_t i) { return 7.0 + i; }, "recv of a dropped send");
-      pg.reset();
+      const auto start = std::chrono::steady_clock::now();
       destroy_process_group();
-    }
-    testing::expect_values(t, [](int64_t i) { return i == 0 ? 3.0 : 30.0; }, "dropped all_reduce");
-  });
-  CHECK_MESSAGE(failures.empty(), failures);
+      testing::expect(std::chrono::steady_clock::now() - start < 5s, "destroy waited for the peers");
+      const std::string what = error_of([&] { held->wait(5000ms); });
+      testing::expect(what.find("destroyed before") != std::string::npos, "wait after the group's end: '", what, "'");
+      testing::expect_values(t, [](int64_t) { return 1.0; }, "an all_reduce that never ran");
+      held.reset();
+      testing::expect(shared_mappings() == before, "the segment outlived the group: ", shared_mappings(), " vs ",
+                      before);
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
 }
 
 TEST_CASE("shm: without the collective check, a wait still ends by the group's timeout") {

@@ -449,6 +449,7 @@ TEST_CASE("a Work that waits on the host (a barrier) times out, or reports NCCL'
     CHECK(std::chrono::steady_clock::now() - start >= 300ms);
     CHECK(count(*comm, "abort") == 1);
     event.pending = 0;
+    CHECK(work.is_completed());  // as the collective check asks after a timeout
     CHECK(watchdog_idle());
     CHECK(take_host_syncs_failure().empty());  // the host saw it fail; nothing read it
   }

@@ -142,11 +142,51 @@ std::vector<uint8_t> hello(const std::string& job_id = "", const std::string& to
   return h;
 }
 
-// The length of this process's own hello with no job id and no token.
+// The length of this process's own hello with no job id and no token: ten u32 fields
+// (magic, version, the two empty lengths, rank, world size, round, generation, pid, the host's
+// length) and the host name.
 size_t own_hello_bytes() {
   char host[256] = {};
   REQUIRE(::gethostname(host, sizeof(host) - 1) == 0);
-  return 36 + std::strlen(host);
+  return 40 + std::strlen(host);
+}
+
+// Whether done() holds within 5 s (polled).
+template <typename Done>
+bool eventually_true(Done&& done) {
+  const auto deadline = Clock::now() + 5s;
+  while (!done()) {
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(20ms);
+  }
+  return true;
+}
+
+// What TCPStore(options) says in a child process: "admitted", or its error.
+std::string connect_in_child(const TCPStoreOptions& options) {
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::close(fds[0]);
+    std::string why = "admitted";
+    try {
+      TCPStore twin(options);
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    [[maybe_unused]] auto n = ::write(fds[1], why.data(), why.size());
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string said;
+  char buf[512];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof(buf))) > 0;) said.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  return said;
 }
 
 // A server's welcome: magic, version 6, status ok, pid 4242, host "fake".
@@ -613,28 +653,16 @@ TEST_CASE("store: a second process claiming a rank is refused, naming the holder
     }
   });
   // Another process claims rank 1, as a second node given the same --node-rank would.
-  int fds[2];
-  REQUIRE(::pipe(fds) == 0);
-  const pid_t child = ::fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    ::close(fds[0]);
-    std::string why = "admitted";
-    try {
-      TCPStore twin(one);
-    } catch (const std::exception& e) {
-      why = e.what();
-    }
-    [[maybe_unused]] auto n = ::write(fds[1], why.data(), why.size());
-    ::_exit(0);
-  }
-  ::close(fds[1]);
   std::string child_why;
-  char buf[512];
-  for (ssize_t n; (n = ::read(fds[0], buf, sizeof(buf))) > 0;) child_why.append(buf, static_cast<size_t>(n));
-  ::close(fds[0]);
-  int status = 0;
-  ::waitpid(child, &status, 0);
+  pid_t child = 0;
+  {
+    // The child's pid is in the message: learn it from the server's note afterwards.
+    child_why = connect_in_child(one);
+    const std::string note = server.get_string("nanoddp/refused");
+    const size_t at = note.find("(pid ");
+    REQUIRE(at != std::string::npos);
+    child = static_cast<pid_t>(std::atoi(note.c_str() + at + 5));
+  }
   char host[256] = {};
   REQUIRE(::gethostname(host, sizeof(host) - 1) == 0);
   const std::string parent = "pid " + std::to_string(::getpid()) + " on " + host;
@@ -648,6 +676,27 @@ TEST_CASE("store: a second process claiming a rank is refused, naming the holder
                                  ") while " + parent + " holds it: two processes claim one rank") != std::string::npos,
                 pending_why);
   CHECK(server.get_string("again") == "yes");
+}
+
+TEST_CASE("store: once every rank has come, a stray claiming a rank is refused alone; a rank whose holder left is "
+          "free") {
+  TCPStore server(server_options());  // rank 0 of WORLD_SIZE=2
+  TCPStoreOptions one = client_options(server.port());
+  auto holder = std::make_unique<TCPStore>(one);  // rank 1: every rank is here
+  CHECK_MESSAGE(connect_in_child(one).find("refused: rank 1 is already held by pid " + std::to_string(::getpid())) !=
+                    std::string::npos,
+                "the stray was not refused");
+  // The job goes on: a wait still waits for its key, which comes.
+  std::thread later([&] {
+    std::this_thread::sleep_for(100ms);
+    holder->set("later", std::string("yes"));
+  });
+  server.wait({"later"}, 5s);
+  later.join();
+  CHECK(!server.check({"nanoddp/refused"}));
+  // The holder's connection closes (its process ended): another process may take the rank.
+  holder.reset();
+  CHECK(eventually_true([&] { return connect_in_child(one) == "admitted"; }));
 }
 
 TEST_CASE("store: a wait that times out names the ranks that never reached the store") {
