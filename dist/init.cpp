@@ -14,6 +14,7 @@
 #include "dist/detail.h"
 #include "dist/host_staging.h"
 #include "dist/launcher_link.h"
+#include "dist/store_wire.h"
 #include "kernels/kernels.h"
 
 namespace nanoddp::dist {
@@ -234,6 +235,29 @@ LaunchEnv read_launch_env() {
   return env;
 }
 
+namespace {
+
+// Every rank of a group must build the same backend. Ranks that chose different ones (nodes
+// started with different --backend, a NANODDP_BACKEND of their own) would each wait for keys
+// of their own backend's rendezvous until the timeout. So rank 0 publishes its choice and the
+// others compare at once; one that differs says why under the store's refusal note, which
+// ends every rank's waits with it (Note [Store wire format], kJobBroken), and throws.
+void agree_on_backend(TCPStore& store, Backend backend, int rank, int world_size) {
+  if (world_size == 1) return;
+  const std::string key = "nanoddp/backend", mine = backend_name(backend);
+  if (rank == 0) return store.set(key, mine);
+  const std::string theirs = store.get_string(key);
+  if (theirs == mine) return;
+  const std::string advice = "every rank must use one backend (the same --backend, NANODDP_BACKEND or "
+                             "InitOptions::backend on every node)";
+  store.set(store_detail::kRefusedKey, "rank " + std::to_string(rank) + ", which chose backend " + mine +
+                                           " where rank 0 chose " + theirs + ": " + advice);
+  NANODDP_THROW(DistError, detail::where(rank, world_size), ": this rank chose backend ", mine,
+                ", but rank 0 chose ", theirs, ": ", advice);
+}
+
+}  // namespace
+
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   std::lock_guard<std::mutex> lock(default_mutex);
   NANODDP_CHECK(default_group == nullptr, DistError, detail::where(default_group->rank(),
@@ -369,6 +393,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   } joining{rank, world_size, launcher_world};
   if (launcher_world) report_rendezvous(rank, world_size, RendezvousStage::Joining);
   auto store = std::make_shared<TCPStore>(store_options);
+  agree_on_backend(*store, backend, rank, world_size);
 
   std::shared_ptr<ProcessGroup> group;
   if (backend == Backend::Nccl) {

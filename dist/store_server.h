@@ -385,6 +385,9 @@ class TCPStore::Server {
       case kSet:
         data_[request.keys[0]].assign(request.value.begin(), request.value.end());
         put_u8(out, kOk);
+        // A rank that found the job cannot come together (init's backend agreement) says why
+        // under kRefusedKey: every wait learns it at once, as after the server's own refusals.
+        if (request.keys[0] == kRefusedKey) fail_waiters(kJobBroken);
         wake_waiters();
         return true;
       case kGet: {

@@ -45,7 +45,8 @@
 //      ADD answers u8 kOverflow when the sum would not fit in int64.
 //      WAIT answers u8 kJobBroken, at once and to every pending WAIT, once the server has
 //      refused a rank for another world size, or a second claim of a rank before every rank
-//      came: the job cannot come together, and the waiters learn why from kRefusedKey instead
+//      came, or a client has set kRefusedKey (a rank that chose another backend than rank
+//      0's): the job cannot come together, and the waiters learn why from kRefusedKey instead
 //      of sitting out their timeout.
 //   4. WAIT's deadline is kept by the server (it answers kTimeout when it passes), so a
 #include "dist/store_wire.h"

@@ -457,3 +457,39 @@ TEST_CASE("the collective edge cases pass on MPI too (this file under mpirun -np
     }
   }
 }
+
+TEST_CASE("ranks that chose different backends are told at once, on every rank, instead of timing out") {
+  // Rank 0 Gloo, the others shm: each would wait for its own backend's rendezvous keys.
+  for (int world : {2, 3}) {
+    CAPTURE(world);
+    const int port = testing::free_port();
+    const std::string failures = testing::on_ranks(world, [&](int rank) {
+      dist::InitOptions options;
+      options.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+      options.rank = rank;
+      options.world_size = world;
+      options.timeout = 30s;
+      options.backend = rank == 0 ? dist::Backend::Gloo : dist::Backend::Shm;
+      const auto start = std::chrono::steady_clock::now();
+      std::string what;
+      try {
+        dist::init_process_group(options);
+      } catch (const TimeoutError& e) {
+        what = std::string("a timeout: ") + e.what();
+      } catch (const DistError& e) {
+        what = e.what();
+      }
+      expect(milliseconds_since(start) < 10000, "rank ", rank, " took ", milliseconds_since(start), " ms");
+      const std::string told = "chose backend shm where rank 0 chose gloo: every rank must use one backend";
+      if (rank == 0)
+        expect(what.find("cannot end: the store refused rank ") != std::string::npos &&
+                   what.find(told) != std::string::npos,
+               "rank 0: ", what);
+      else
+        expect(what.find("this rank chose backend shm, but rank 0 chose gloo") != std::string::npos ||
+                   what.find(told) != std::string::npos,
+               "rank ", rank, ": ", what);
+    });
+    CHECK_MESSAGE(failures.empty(), failures);
+  }
+}
