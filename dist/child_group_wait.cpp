@@ -209,6 +209,10 @@ Outcome ChildGroup::wait() {
     const bool obeyed = terminating && c.status.exited && c.status.code == 128 + sent_signal;
     c.failed =
         !c.status.ok() && !obeyed && (!terminating || (c.status.exited && !options_.children_relay_signals));
+    // What it wrote before it exited is in its pipes now: relayed before any line of ours about
+    // its end, so that its own error comes first.
+    read_stream(c, c.out);
+    read_stream(c, c.err);
     return true;
   };
   auto child_of_rank = [&](int rank) -> Child* {

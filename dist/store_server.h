@@ -338,7 +338,8 @@ class TCPStore::Server {
       put_u32(conn.out, static_cast<uint32_t>(world_size_));
       refuse_for_the_job("rank " + std::to_string(rank) + " with WORLD_SIZE=" + std::to_string(world_size) +
                          ", which does not match this job (WORLD_SIZE=" + std::to_string(world_size_) +
-                         "): every node must start the same number of ranks (nanoddp-run --nproc-per-node)");
+                         "): every node must start the same number of ranks (nanoddp-run --nproc-per-node) "
+                         "and agree on --nnodes");
     } else if (holder != holders_.end() && (holder->second.pid != pid || holder->second.host != host)) {
       // One process may connect more than once (its groups share the store); two may not.
       put_u8(conn.out, kDuplicateRank);

@@ -1673,6 +1673,22 @@ TEST_CASE("nanoddp-run: two jobs started together on one --master-port never han
                 stray.err);
 }
 
+TEST_CASE("nanoddp-run: a failed rank's last lines come before the launcher's report of its failure") {
+  // stderr alone: the rank's lines and the launcher's reports share it, in the order written.
+  for (int run_index = 0; run_index < 20; ++run_index) {
+    CAPTURE(run_index);
+    const RunResult r = run({launcher_path(), "--nproc-per-node", "3", "sh", "-c", "echo \"boom from $RANK\" >&2; exit 3"});
+    REQUIRE(r.code() == 3);
+    const size_t reported = r.err.find(") failed: exit code 3");
+    REQUIRE(reported != std::string::npos);
+    const size_t name_at = r.err.rfind("rank ", reported);
+    REQUIRE(name_at != std::string::npos);
+    const std::string rank = r.err.substr(name_at + 5, r.err.find(' ', name_at + 5) - (name_at + 5));
+    const size_t own = r.err.find("[rank " + rank + "] boom from " + rank);
+    CHECK_MESSAGE((own != std::string::npos && own < reported), r.err);
+  }
+}
+
 TEST_CASE("nanoddp-run: two nodes given one --node-rank: the second is refused as such, and the job ends at once") {
   // Three nodes of one rank each; node 2 is never started, node 1 twice. Without the refusal,
   // rank 0 would wait out init's 30 s timeout for rank 2.

@@ -678,6 +678,21 @@ TEST_CASE("store: a second process claiming a rank is refused, naming the holder
   CHECK(server.get_string("again") == "yes");
 }
 
+TEST_CASE("store: a second rank 0 on the port's host is told that rank 0 is held, not only that the port is taken") {
+  TCPStoreOptions first = server_options();
+  first.port = testing::free_port();
+  TCPStore server(first);  // rank 0 of WORLD_SIZE=2; rank 1 has not come
+  const std::string said = connect_in_child(first);  // the same options: a server of rank 0 on that port
+  CHECK_MESSAGE(said.find("refused: rank 0 is already held by pid " + std::to_string(::getpid())) != std::string::npos,
+                said);
+  // Another program on the port (not a nanoddp store) keeps the bind error.
+  TCPStoreOptions elsewhere = server_options();
+  Listener other;
+  elsewhere.port = other.port;
+  const std::string taken = connect_in_child(elsewhere);
+  CHECK_MESSAGE(taken.find("is already in use on") != std::string::npos, taken);
+}
+
 TEST_CASE("store: once every rank has come, a stray claiming a rank is refused alone; a rank whose holder left is "
           "free") {
   TCPStore server(server_options());  // rank 0 of WORLD_SIZE=2
