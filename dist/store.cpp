@@ -51,7 +51,8 @@ void TCPStore::throw_if_rank_held(const TCPStoreOptions& options, const std::str
   // error cannot. Anything else (another program, another job) keeps the bind error.
   TCPStoreOptions probe = options;
   probe.is_server = false;
-  probe.timeout = std::min(options.timeout, std::chrono::milliseconds(2000));
+  // A store on this host answers within a millisecond: a busy port still fails at once.
+  probe.timeout = std::min(options.timeout, std::chrono::milliseconds(250));
   probe.connect_notice_after = probe.timeout + std::chrono::seconds(1);
   try {
     Client client(probe, options.port, context);
