@@ -900,6 +900,13 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
     // --resume on a first run is the usual pattern, but a mistyped FILE would retrain from scratch unnoticed.
     std::printf("no checkpoint at %s yet: training starts at epoch 1\n", config.checkpoint.c_str());
     std::fflush(stdout);
+  } else if (!resume && !config.checkpoint.empty() && rank == 0 && chatty &&
+             examples::checkpoint_exists(config.checkpoint)) {
+    // A checkpoint of an earlier run is replaced at the first save: said, since --resume may have been meant.
+    std::printf("%s holds a checkpoint of an earlier run: training starts at epoch 1 and replaces it "
+                "(--resume continues from it)\n",
+                config.checkpoint.c_str());
+    std::fflush(stdout);
   } else if (restarts > 0 && rank == 0) {
     // The work before the failure is lost: said, as a resume is.
     const std::string why = config.checkpoint.empty() ? "no --checkpoint was given"
