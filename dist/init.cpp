@@ -256,6 +256,21 @@ void agree_on_backend(TCPStore& store, Backend backend, int rank, int world_size
                 ", but rank 0 chose ", theirs, ": ", advice);
 }
 
+// Throws the store's refusal note (kRefusedKey), with error's own text after it, when there is
+// one; returns otherwise (and when the store cannot be asked).
+void rethrow_if_refused(TCPStore& store, const DistError& error, int rank, int world_size) {
+  std::string refused;
+  try {
+    if (!store.check({store_detail::kRefusedKey})) return;
+    refused = store.get_string(store_detail::kRefusedKey);
+  } catch (const Error&) {
+    return;
+  }
+  if (std::string(error.what()).find(refused) != std::string::npos) return;  // said already
+  NANODDP_THROW(DistError, detail::where(rank, world_size), ": the store refused ", refused, " (what this rank met: ",
+                message_of(error), ")");
+}
+
 }  // namespace
 
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
@@ -396,43 +411,51 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   agree_on_backend(*store, backend, rank, world_size);
 
   std::shared_ptr<ProcessGroup> group;
-  if (backend == Backend::Nccl) {
-    NcclOptions nccl;
-    nccl.rank = rank;
-    nccl.world_size = world_size;
-    nccl.device = options.device.is_cuda() ? options.device
-                                           : Device::cuda(env.local_rank < 0 ? 0 : env.local_rank);
-    nccl.timeout = options.timeout;
-    group = make_nccl_process_group(store, nccl);
-  } else if (backend == Backend::Shm) {
-    ShmOptions shm;
-    shm.rank = rank;
-    shm.world_size = world_size;
-    shm.timeout = options.timeout;
-    group = make_shm_process_group(store, shm);
-  } else if (backend == Backend::ShmGloo) {
-    NANODDP_CHECK(env.node_rank >= 0 && env.local_rank >= 0 && env.local_world_size > 0, ValueError,
-                  detail::where(rank, world_size),
-                  ": shm+gloo needs GROUP_RANK, LOCAL_RANK and LOCAL_WORLD_SIZE (nanoddp-run sets them)");
-    TwoLevelOptions two;
-    two.rank = rank;
-    two.world_size = world_size;
-    two.node_rank = env.node_rank;
-    two.local_rank = env.local_rank;
-    two.local_world_size = env.local_world_size;
-    two.master_addr = master.host;
-    two.master_port = store->port();
-    two.timeout = options.timeout;
-    group = make_two_level_process_group(store, two);
-  } else {
-    GlooOptions gloo;
-    gloo.rank = rank;
-    gloo.world_size = world_size;
-    gloo.master_addr = master.host;
-    gloo.master_port = store->port();
-    gloo.timeout = options.timeout;
-    gloo.fingerprints_over_shm = check_collectives;
-    group = make_gloo_process_group(store, gloo);
+  try {
+    if (backend == Backend::Nccl) {
+      NcclOptions nccl;
+      nccl.rank = rank;
+      nccl.world_size = world_size;
+      nccl.device = options.device.is_cuda() ? options.device
+                                             : Device::cuda(env.local_rank < 0 ? 0 : env.local_rank);
+      nccl.timeout = options.timeout;
+      group = make_nccl_process_group(store, nccl);
+    } else if (backend == Backend::Shm) {
+      ShmOptions shm;
+      shm.rank = rank;
+      shm.world_size = world_size;
+      shm.timeout = options.timeout;
+      group = make_shm_process_group(store, shm);
+    } else if (backend == Backend::ShmGloo) {
+      NANODDP_CHECK(env.node_rank >= 0 && env.local_rank >= 0 && env.local_world_size > 0, ValueError,
+                    detail::where(rank, world_size),
+                    ": shm+gloo needs GROUP_RANK, LOCAL_RANK and LOCAL_WORLD_SIZE (nanoddp-run sets them)");
+      TwoLevelOptions two;
+      two.rank = rank;
+      two.world_size = world_size;
+      two.node_rank = env.node_rank;
+      two.local_rank = env.local_rank;
+      two.local_world_size = env.local_world_size;
+      two.master_addr = master.host;
+      two.master_port = store->port();
+      two.timeout = options.timeout;
+      group = make_two_level_process_group(store, two);
+    } else {
+      GlooOptions gloo;
+      gloo.rank = rank;
+      gloo.world_size = world_size;
+      gloo.master_addr = master.host;
+      gloo.master_port = store->port();
+      gloo.timeout = options.timeout;
+      gloo.fingerprints_over_shm = check_collectives;
+      group = make_gloo_process_group(store, gloo);
+    }
+  } catch (const DistError& e) {
+    // A rank refused by the store (a twin, another backend, another world size) may end this
+    // rank's rendezvous by a path other than a store wait (a shared segment its creator has
+    // already unlinked, a peer's socket gone): the refusal is the cause to report.
+    rethrow_if_refused(*store, e, rank, world_size);
+    throw;
   }
   // A CPU group takes CUDA tensors too (dist/host_staging.h); then the collective check.
   default_group = checked(stage_device_tensors(group), check_collectives, options.timeout);

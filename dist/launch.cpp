@@ -89,8 +89,8 @@ int pick_free_port(const std::string& addr) {
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* found = nullptr;
   const int rc = getaddrinfo(addr.c_str(), "0", &hints, &found);
-  // A name that does not resolve is a mistyped --master-addr (nothing has started yet).
-  NANODDP_CHECK(rc == 0, ValueError, "--master-addr '", addr, "' does not resolve to an address: ", gai_strerror(rc));
+  NANODDP_CHECK(rc == 0, DistError, "the master address '", addr, "' (--master-addr, MASTER_ADDR) does not resolve: ",
+                gai_strerror(rc));
   std::string last_error = "no address";
   int port = -1;
   for (addrinfo* a = found; a != nullptr && port < 0; a = a->ai_next) {

@@ -111,8 +111,8 @@ std::string signal_name(int signal);
 // Binds a TCP socket to port 0 on `addr` (a numeric address or a host name), reads the port
 // the kernel chose and closes the socket. There is a small race: another process can take the
 // port before rank 0 binds it; the Store then fails fast naming the port, and a rerun picks
-// another one. Throws ValueError when `addr` does not resolve, DistError when it cannot be
-// bound (it must be an address of this machine).
+// another one. Throws DistError when `addr` cannot be resolved or bound (it must be an address
+// of this machine).
 int pick_free_port(const std::string& addr);
 
 // Sets options.job_id and options.store_token, which the ranks' store checks (Note [Store wire

@@ -34,32 +34,10 @@ TCPStore::TCPStore(const TCPStoreOptions& options) : options_(options) {
   std::string context = detail::where(options.rank, options.world_size);
   port_ = options.port;
   if (options.is_server) {
-    try {
-      server_ = std::make_unique<Server>(options, context);
-    } catch (const DistError&) {
-      if (options.port != 0 && options.rank >= 0) throw_if_rank_held(options, context);
-      throw;
-    }
+    server_ = std::make_unique<Server>(options, context);
     port_ = server_->port();
   }
   client_ = std::make_unique<Client>(options, port_, context);
-}
-
-void TCPStore::throw_if_rank_held(const TCPStoreOptions& options, const std::string& context) {
-  // The port may be held by this job's own store, served by another process of this rank (two
-  // nodes given --node-rank 0 on one host): its answer to a client says so, which the bind
-  // error cannot. Anything else (another program, another job) keeps the bind error.
-  TCPStoreOptions probe = options;
-  probe.is_server = false;
-  // A store on this host answers within a millisecond: a busy port still fails at once.
-  probe.timeout = std::min(options.timeout, std::chrono::milliseconds(250));
-  probe.connect_notice_after = probe.timeout + std::chrono::seconds(1);
-  try {
-    Client client(probe, options.port, context);
-  } catch (const DistError& e) {
-    if (std::string(e.what()).find(kTwoClaimsHint) != std::string::npos) throw;
-  } catch (...) {
-  }
 }
 
 TCPStore::~TCPStore() {

@@ -146,10 +146,6 @@ class TCPStore : public Store {
  private:
   class Server;
   class Client;
-  // On a failed bind: throws the refusal a client of rank options.rank gets from the store
-  // already on the port, when that is "rank held by another process"; returns otherwise.
-  static void throw_if_rank_held(const TCPStoreOptions& options, const std::string& context);
-
   TCPStoreOptions options_;
   int port_ = 0;
   std::unique_ptr<Server> server_;

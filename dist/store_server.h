@@ -319,6 +319,11 @@ class TCPStore::Server {
     std::string host = r.blob(kMaxIdentityBytes, "host");
     if (!r.ok()) return true;
     const auto holder = rank >= 0 ? holders_.find(rank) : holders_.end();
+    const bool come_together = world_size_ > 0 && static_cast<int>(holders_.size()) >= world_size_;
+    // Another process for an admitted rank: refused while its holder is connected, and at any
+    // time once the job has come together (a rank that left cannot be replaced in this round).
+    const bool other_process = holder != holders_.end() && (holder->second.pid != pid || holder->second.host != host);
+    const bool twin = other_process && (holder->second.connections > 0 || come_together);
     put_u32(conn.out, kMagic);
     put_u32(conn.out, kVersion);
     if (!job_id_.empty() && job_id != job_id_) {
@@ -340,7 +345,7 @@ class TCPStore::Server {
                          ", which does not match this job (WORLD_SIZE=" + std::to_string(world_size_) +
                          "): every node must start the same number of ranks (nanoddp-run --nproc-per-node) "
                          "and agree on --nnodes");
-    } else if (holder != holders_.end() && (holder->second.pid != pid || holder->second.host != host)) {
+    } else if (twin) {
       // One process may connect more than once (its groups share the store); two may not.
       put_u8(conn.out, kDuplicateRank);
       put_u32(conn.out, holder->second.pid);
@@ -349,11 +354,12 @@ class TCPStore::Server {
                               printable(host) + ") while pid " + std::to_string(holder->second.pid) + " on " +
                               printable(holder->second.host) + " holds it: " + kTwoClaimsHint;
       // While the job comes together, the rank the twin stands for may never come: every rank
-      // learns why at once. Once every rank is here, a stray is refused and the job goes on.
-      if (world_size_ <= 0 || static_cast<int>(holders_.size()) < world_size_) refuse_for_the_job(why);
+      // learns why at once. Once every rank has come, a stray is refused and the job goes on.
+      if (!come_together) refuse_for_the_job(why);
     } else {
       if (rank >= 0) {
-        if (holder == holders_.end()) holders_.emplace(rank, Holder{pid, host, 0});
+        if (other_process) holders_.erase(holder);  // its holder left before the job came together
+        holders_.try_emplace(rank, Holder{pid, host, 0});
         ++holders_[rank].connections;
         conn.claimed_rank = rank;
         append_note(kArrivedKey, std::to_string(rank) + ",", size_t(1) << 20);
@@ -384,11 +390,15 @@ class TCPStore::Server {
     std::vector<uint8_t>& out = conns_[id].out;
     switch (request.verb) {
       case kSet:
-        data_[request.keys[0]].assign(request.value.begin(), request.value.end());
         put_u8(out, kOk);
-        // A rank that found the job cannot come together (init's backend agreement) says why
-        // under kRefusedKey: every wait learns it at once, as after the server's own refusals.
-        if (request.keys[0] == kRefusedKey) fail_waiters(kJobBroken);
+        if (request.keys[0] == kRefusedKey) {
+          // A rank that found the job cannot come together (init's backend agreement) says
+          // why: added to the note, and every wait learns it at once, as after the server's
+          // own refusals.
+          refuse_for_the_job(std::string(request.value.begin(), request.value.end()));
+          return true;
+        }
+        data_[request.keys[0]].assign(request.value.begin(), request.value.end());
         wake_waiters();
         return true;
       case kGet: {
@@ -451,6 +461,7 @@ class TCPStore::Server {
         ++it;
       }
     }
+    drop_unanswerable();
   }
 
   // A client's identity as a note may quote it: at most 64 bytes, each outside printable ASCII
@@ -480,6 +491,7 @@ class TCPStore::Server {
   void fail_waiters(Status status) {
     for (const Waiter& w : waiters_) answer(w.conn, status);
     waiters_.clear();
+    drop_unanswerable();
   }
 
   void expire_waiters() {
@@ -492,13 +504,21 @@ class TCPStore::Server {
         ++it;
       }
     }
+    drop_unanswerable();
   }
 
   void answer(int id, Status status) {
     auto it = conns_.find(id);
     if (it == conns_.end()) return;
     put_u8(it->second.out, status);
-    if (!flush(id)) drop(id);
+    // Dropped after the loop over waiters_ that answers (drop() erases from waiters_).
+    if (!flush(id)) unanswerable_.push_back(id);
+  }
+
+  void drop_unanswerable() {
+    std::vector<int> gone;
+    gone.swap(unanswerable_);
+    for (int id : gone) drop(id);
   }
 
   // Sends what the socket takes now; the rest waits for POLLOUT. False: the peer is gone.
@@ -521,7 +541,7 @@ class TCPStore::Server {
   void drop(int id) {
     if (auto conn = conns_.find(id); conn != conns_.end() && conn->second.claimed_rank >= 0) {
       auto holder = holders_.find(conn->second.claimed_rank);
-      if (holder != holders_.end() && --holder->second.connections == 0) holders_.erase(holder);
+      if (holder != holders_.end()) --holder->second.connections;
     }
     waiters_.erase(std::remove_if(waiters_.begin(), waiters_.end(),
                                   [id](const Waiter& w) { return w.conn == id; }),
@@ -540,11 +560,13 @@ class TCPStore::Server {
   std::atomic<int64_t> rejected_{0};
   std::map<int, Conn> conns_;
   std::vector<Waiter> waiters_;
-  // The process that first claimed each rank (Note [Store wire format], kDuplicateRank).
+  std::vector<int> unanswerable_;  // connections an answer could not reach (answer())
+  // The process that claimed each rank admitted so far (Note [Store wire format],
+  // kDuplicateRank). The job has come together once every rank has been admitted.
   struct Holder {
     uint32_t pid;
     std::string host;
-    int connections;  // open ones: the rank is free again once its holder has none
+    int connections;  // open ones; before the job has come together, a rank with none is free
   };
   std::map<int, Holder> holders_;
   std::map<std::string, std::vector<uint8_t>> data_;

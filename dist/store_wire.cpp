@@ -17,9 +17,10 @@
 //                   keeps the refusal under kRefusedKey, which a rank's timed-out wait quotes;
 //        kDuplicateRank then u32 pid, str host of the process that holds the rank: another
 //                   process of this job's round and generation holds it over a connection
-//                   still open (two nodes given one --node-rank, RANK set twice); while not
-//                   every rank has come, also kept under kRefusedKey (the job cannot come
-//                   together), afterwards the stray alone is refused;
+//                   still open, or held it once every rank had come (two nodes given one
+//                   --node-rank, RANK set twice); while not every rank has come, also kept
+//                   under kRefusedKey (the job cannot come together), afterwards the stray
+//                   alone is refused;
 //        kWrongRound then u32 the server's round, u32 its generation: a rank of another start
 //                   of the group, or of another group of the same processes (a program that
 //                   destroyed its group and initialised a new one). Ordered by round, then
@@ -46,8 +47,8 @@
 //      WAIT answers u8 kJobBroken, at once and to every pending WAIT, once the server has
 //      refused a rank for another world size, or a second claim of a rank before every rank
 //      came, or a client has set kRefusedKey (a rank that chose another backend than rank
-//      0's): the job cannot come together, and the waiters learn why from kRefusedKey instead
-//      of sitting out their timeout.
+//      0's; a SET of that key adds to the note): the job cannot come together, and the
+//      waiters learn why from kRefusedKey instead of sitting out their timeout.
 //   4. WAIT's deadline is kept by the server (it answers kTimeout when it passes), so a
 #include "dist/store_wire.h"
 
