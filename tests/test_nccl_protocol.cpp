@@ -10,6 +10,7 @@
 #include <deque>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -136,6 +137,24 @@ std::string take_host_syncs_failure() {
   const std::string reason = kernels::cuda::host_syncs_failure();
   kernels::cuda::clear_host_syncs_failure();
   return reason;
+}
+
+// The abort (or the peer) let the event pass: the watchdog lets go of everything, and no host
+// read was failed.
+void ends_clean(ScriptedEvent& event) {
+  event.pending = 0;
+  CHECK(watchdog_idle());
+  CHECK(take_host_syncs_failure().empty());
+}
+
+// A barrier's Work on comm, waiting on the host, whose event has not passed.
+std::unique_ptr<dist::detail::EventWork> pending_barrier(const std::shared_ptr<dist::detail::AsyncComm>& comm,
+                                                         ScriptedEvent& event, std::chrono::milliseconds timeout) {
+  event.pending = 1 << 30;
+  auto work = std::make_unique<dist::detail::EventWork>("barrier", comm, event.make(),
+                                                        std::vector<Tensor>{Tensor::zeros({4})}, timeout);
+  work->set_waits(dist::detail::EventWork::Waits::Host);
+  return work;
 }
 
 }  // namespace
@@ -293,9 +312,7 @@ TEST_CASE("a timeout as long as the clock (milliseconds::max) is no timeout") {
   const int seen = event.queries;
   REQUIRE(eventually([&] { return event.queries >= seen + 3; }));  // polled, not aborted
   CHECK(!comm->aborted());
-  event.pending = 0;
-  CHECK(watchdog_idle());
-  CHECK(take_host_syncs_failure().empty());
+  ends_clean(event);
 }
 
 TEST_CASE("a poll that throws (no memory) still ends in the abort once the deadline has passed") {
@@ -429,27 +446,22 @@ TEST_CASE("a Work that waits on the host (a barrier) times out, or reports NCCL'
   SUBCASE("timeout") {
     auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Done});
     ScriptedEvent event;
-    event.pending = 1 << 30;
-    dist::detail::EventWork work("barrier", comm, event.make(), {Tensor::zeros({4})}, 5s);
-    work.set_waits(Waits::Host);
-    CHECK_THROWS_WITH_AS(work.wait(20ms), doctest::Contains("within 20 ms"), TimeoutError);
+    const auto work = pending_barrier(comm, event, 5s);
+    CHECK_THROWS_WITH_AS(work->wait(20ms), doctest::Contains("within 20 ms"), TimeoutError);
     CHECK(count(*comm, "abort") == 1);
-    CHECK_THROWS_AS(work.wait(20ms), DistError);  // the same group cannot go on
-    event.pending = 0;  // the abort stopped the kernel
-    CHECK(watchdog_idle());
+    CHECK_THROWS_AS(work->wait(20ms), DistError);  // the same group cannot go on
+    ends_clean(event);                             // the host saw it fail; nothing read it
   }
   SUBCASE("while the host wait runs, it keeps the deadline (its TimeoutError, not the watchdog's abort)") {
     auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Done});
     ScriptedEvent event;
-    event.pending = 1 << 30;
-    dist::detail::EventWork work("barrier", comm, event.make(), {Tensor::zeros({4})}, 300ms);
-    work.set_waits(Waits::Host);
+    const auto work = pending_barrier(comm, event, 300ms);
     const auto start = std::chrono::steady_clock::now();
-    CHECK_THROWS_WITH_AS(work.wait(0ms), doctest::Contains("barrier: did not complete within 300 ms"), TimeoutError);
+    CHECK_THROWS_WITH_AS(work->wait(0ms), doctest::Contains("barrier: did not complete within 300 ms"), TimeoutError);
     CHECK(std::chrono::steady_clock::now() - start >= 300ms);
     CHECK(count(*comm, "abort") == 1);
     event.pending = 0;
-    CHECK(work.is_completed());  // as the collective check asks after a timeout
+    CHECK(work->is_completed());  // as the collective check asks after a timeout
     CHECK(watchdog_idle());
     CHECK(take_host_syncs_failure().empty());  // the host saw it fail; nothing read it
   }
@@ -457,25 +469,18 @@ TEST_CASE("a Work that waits on the host (a barrier) times out, or reports NCCL'
     // Done first: should the watchdog poll before set_waits, it sees a healthy communicator.
     auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Done, AsyncState::Failed});
     ScriptedEvent event;
-    event.pending = 1 << 30;
-    dist::detail::EventWork work("barrier", comm, event.make(), {Tensor::zeros({4})}, 5s);
-    work.set_waits(Waits::Host);
-    CHECK_THROWS_WITH_AS(work.wait(5s), doctest::Contains("remote peer closed"), DistError);
+    const auto work = pending_barrier(comm, event, 5s);
+    CHECK_THROWS_WITH_AS(work->wait(5s), doctest::Contains("remote peer closed"), DistError);
     CHECK(count(*comm, "abort") == 1);
-    event.pending = 0;
-    CHECK(watchdog_idle());
+    ends_clean(event);
   }
   SUBCASE("held but not waited on: the watchdog keeps the group's timeout") {
     auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::InProgress});
     ScriptedEvent event;
-    event.pending = 1 << 30;
-    dist::detail::EventWork work("barrier", comm, event.make(), {Tensor::zeros({4})}, 20ms);
-    work.set_waits(Waits::Host);
+    const auto work = pending_barrier(comm, event, 20ms);
     REQUIRE(eventually([&] { return comm->aborted(); }));
     CHECK(comm->abort_reason() == "barrier: did not complete within 20 ms (a peer may have exited or be out of step)");
-    event.pending = 0;
-    CHECK(watchdog_idle());
-    CHECK(take_host_syncs_failure().empty());
+    ends_clean(event);
   }
   SUBCASE("passed") {
     auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::Done});
