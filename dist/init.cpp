@@ -256,17 +256,11 @@ void agree_on_backend(TCPStore& store, Backend backend, int rank, int world_size
                 ", but rank 0 chose ", theirs, ": ", advice);
 }
 
-// Throws the store's refusal note (kRefusedKey), with error's own text after it, when there is
-// one; returns otherwise (and when the store cannot be asked).
+// Throws the store's refusal note, with error's own text after it, when there is one; returns
+// otherwise (and when the store does not answer: TCPStore::refusal_note).
 void rethrow_if_refused(TCPStore& store, const DistError& error, int rank, int world_size) {
-  std::string refused;
-  try {
-    if (!store.check({store_detail::kRefusedKey})) return;
-    refused = store.get_string(store_detail::kRefusedKey);
-  } catch (const Error&) {
-    return;
-  }
-  if (std::string(error.what()).find(refused) != std::string::npos) return;  // said already
+  const std::string refused = store.refusal_note();
+  if (refused.empty() || std::string(error.what()).find(refused) != std::string::npos) return;  // none, or said
   NANODDP_THROW(DistError, detail::where(rank, world_size), ": the store refused ", refused, " (what this rank met: ",
                 message_of(error), ")");
 }

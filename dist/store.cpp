@@ -69,6 +69,25 @@ void TCPStore::set(const std::string& key, const std::vector<uint8_t>& value) {
                 "'): unexpected status ", int(status));
 }
 
+std::string TCPStore::refusal_note() {
+  std::vector<uint8_t> msg;
+  put_u8(msg, kGet);
+  put_str(msg, kRefusedKey);
+  std::vector<uint8_t> value;
+  try {
+    const uint8_t status = client_->request(
+        msg, std::chrono::milliseconds(1000), "get",
+        [&](uint8_t st, Clock::time_point deadline) {
+          if (st == kOk) value = client_->recv_bytes(deadline, "get");
+        },
+        /*report_loss=*/false);
+    if (status != kOk) return "";
+  } catch (const Error&) {
+    return "";
+  }
+  return std::string(value.begin(), value.end());
+}
+
 std::vector<uint8_t> TCPStore::get(const std::string& key) {
   wait({key}, options_.timeout);
   std::vector<uint8_t> msg;

@@ -75,8 +75,8 @@ struct TCPStoreOptions {
   int port = 29500;                // MASTER_PORT; 0 on the server picks a free port (see port())
   bool is_server = false;          // true on exactly one rank (rank 0): it binds the port
   // This client's rank and world size (-1: not a rank). The server refuses a rank of another
-  // world size, and a second process claiming a rank that a live connection holds (Note
-  // [Store wire format] in store_wire.cpp); messages name them.
+  // world size, and a second process claiming a rank that another holds (Note [Store wire
+  // format] in store_wire.cpp); messages name them.
   int world_size = -1;
   int rank = -1;
   // How long get()/wait() wait, and how long a client keeps retrying to connect while the
@@ -137,6 +137,10 @@ class TCPStore : public Store {
   bool check(const std::vector<std::string>& keys) override;
   std::chrono::milliseconds timeout() const override { return options_.timeout; }
   bool server_stopped() const override;
+  // The server's refusal note (why it refused a rank of this job: Note [Store wire format]),
+  // or "" when there is none, or no answer within a second. For a look at the store after an
+  // error: reports no lost peer to the launcher; never throws.
+  std::string refusal_note();
 
   int port() const { return port_; }  // the bound port (the real one when options.port == 0)
   const std::string& host() const { return options_.host; }

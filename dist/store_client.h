@@ -80,20 +80,25 @@ class TCPStore::Client {
 
   // Sends one request and returns its status byte; reply_tail(status, deadline) reads the
   // rest of the reply, which depends on the status.
+  // report_loss: a closed connection is reported to the launcher as rank 0 lost (Note
+  // [Launcher link]); false for a look at the store after an error of this rank's own.
   template <typename Tail>
   uint8_t request(const std::vector<uint8_t>& message, std::chrono::milliseconds reply_timeout,
-                  const char* verb, Tail&& reply_tail) {
+                  const char* verb, Tail&& reply_tail, bool report_loss = true) {
     std::lock_guard<std::mutex> lock(mutex_);
     NANODDP_CHECK(fd_.valid(), DistError, context_, ": ", verb,
                   " after an earlier failure broke the connection");
     auto deadline = Clock::now() + reply_timeout;
+    report_loss_ = report_loss;
     try {
       send_all(message, verb);
       uint8_t status = 0;
       recv_exact(&status, 1, deadline, verb);
       reply_tail(status, deadline);
+      report_loss_ = true;
       return status;
     } catch (...) {
+      report_loss_ = true;
       fd_.reset();  // a half-read reply would put the stream out of step: never reuse it
       throw;
     }
@@ -330,7 +335,8 @@ class TCPStore::Client {
       if (n < 0 && errno == EINTR) continue;
       // A closed connection to rank 0's server: rank 0 is gone (Note [Launcher link]).
       const int error = errno;
-      if (n < 0 && (error == EPIPE || error == ECONNRESET) && server_pid_ > 0) report_lost_peer(rank_, 0);
+      if (n < 0 && (error == EPIPE || error == ECONNRESET) && server_pid_ > 0 && report_loss_)
+        report_lost_peer(rank_, 0);
       NANODDP_CHECK(n > 0, DistError, context_, ": ", verb, ": send failed (",
                     detail::errno_text(error), "); the store server (rank 0) may have exited");
       sent += static_cast<size_t>(n);
@@ -353,7 +359,7 @@ class TCPStore::Client {
       // A reset is a close too: the server's process ended with our request unread.
       if (n < 0 && errno == ECONNRESET) n = 0;
       if (n == 0 && server_pid_ > 0) {
-        report_lost_peer(rank_, 0);  // Note [Launcher link]
+        if (report_loss_) report_lost_peer(rank_, 0);  // Note [Launcher link]
         NANODDP_THROW(DistError, context_, ": ", verb, ": lost ", server(),
                       ", which serves the store: it closed the connection (it exited or failed)");
       }
@@ -369,6 +375,7 @@ class TCPStore::Client {
   int server_pid_ = 0;  // from the hello
   std::string server_host_;
   std::mutex mutex_;
+  bool report_loss_ = true;  // under mutex_ (request())
   detail::Fd fd_;
 };
 

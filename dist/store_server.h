@@ -267,6 +267,13 @@ class TCPStore::Server {
   // Reads what is available and serves every complete request. False: close it.
   bool read_from(int id) {
     Conn& conn = conns_[id];
+    // While its requests are served, this connection is not dropped under it (drop_unanswerable):
+    // an answer that cannot reach it leaves it to the loop, whose flush fails too.
+    struct Serving {
+      int& serving;
+      Serving(int& serving, int id) : serving(serving) { serving = id; }
+      ~Serving() { serving = -1; }
+    } serving(serving_, id);
     uint8_t buf[65536];
     while (true) {
       ssize_t got = ::recv(id, buf, sizeof(buf), 0);
@@ -319,6 +326,8 @@ class TCPStore::Server {
     std::string host = r.blob(kMaxIdentityBytes, "host");
     if (!r.ok()) return true;
     const auto holder = rank >= 0 ? holders_.find(rank) : holders_.end();
+    // Ranks outside the world are not counted: the job comes together with 0..world_size - 1.
+    const bool in_world = world_size_ <= 0 || rank < world_size_;
     const bool come_together = world_size_ > 0 && static_cast<int>(holders_.size()) >= world_size_;
     // Another process for an admitted rank: refused while its holder is connected, and at any
     // time once the job has come together (a rank that left cannot be replaced in this round).
@@ -357,7 +366,7 @@ class TCPStore::Server {
       // learns why at once. Once every rank has come, a stray is refused and the job goes on.
       if (!come_together) refuse_for_the_job(why);
     } else {
-      if (rank >= 0) {
+      if (rank >= 0 && in_world) {
         if (other_process) holders_.erase(holder);  // its holder left before the job came together
         holders_.try_emplace(rank, Holder{pid, host, 0});
         ++holders_[rank].connections;
@@ -395,7 +404,7 @@ class TCPStore::Server {
           // A rank that found the job cannot come together (init's backend agreement) says
           // why: added to the note, and every wait learns it at once, as after the server's
           // own refusals.
-          refuse_for_the_job(std::string(request.value.begin(), request.value.end()));
+          refuse_for_the_job(printable(std::string(request.value.begin(), request.value.end()), 512));
           return true;
         }
         data_[request.keys[0]].assign(request.value.begin(), request.value.end());
@@ -464,10 +473,10 @@ class TCPStore::Server {
     drop_unanswerable();
   }
 
-  // A client's identity as a note may quote it: at most 64 bytes, each outside printable ASCII
+  // A client's text as a note may quote it: at most max_bytes, each outside printable ASCII
   // shown as '?' (it comes from any client that reaches the port).
-  static std::string printable(const std::string& text) {
-    std::string shown = text.substr(0, 64);
+  static std::string printable(const std::string& text, size_t max_bytes = 64) {
+    std::string shown = text.substr(0, max_bytes);
     for (char& c : shown)
       if (c < 0x20 || c > 0x7e) c = '?';
     return shown;
@@ -518,7 +527,8 @@ class TCPStore::Server {
   void drop_unanswerable() {
     std::vector<int> gone;
     gone.swap(unanswerable_);
-    for (int id : gone) drop(id);
+    for (int id : gone)
+      if (id != serving_) drop(id);
   }
 
   // Sends what the socket takes now; the rest waits for POLLOUT. False: the peer is gone.
@@ -561,6 +571,7 @@ class TCPStore::Server {
   std::map<int, Conn> conns_;
   std::vector<Waiter> waiters_;
   std::vector<int> unanswerable_;  // connections an answer could not reach (answer())
+  int serving_ = -1;               // the connection read_from() serves now
   // The process that claimed each rank admitted so far (Note [Store wire format],
   // kDuplicateRank). The job has come together once every rank has been admitted.
   struct Holder {

@@ -14,7 +14,7 @@
 //        kBadToken  nothing: the client does not know the job's secret token;
 //        kWrongWorld then u32 the server's world size: a rank of this job with another world
 //                   size (nodes started with different --nproc-per-node); the server also
-//                   keeps the refusal under kRefusedKey, which a rank's timed-out wait quotes;
+//                   keeps the refusal under kRefusedKey, which the waits it ends quote;
 //        kDuplicateRank then u32 pid, str host of the process that holds the rank: another
 //                   process of this job's round and generation holds it over a connection
 //                   still open, or held it once every rank had come (two nodes given one
