@@ -1,7 +1,9 @@
 // fail_host_syncs and check_host_syncs (kernels/device_memory.h): plain host state, the same in
 // every build, so that the NCCL protocol's CPU tests see what a GPU build does.
 #include <atomic>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "kernels/device_memory.h"
@@ -35,6 +37,14 @@ std::string host_syncs_failure() {
   return reason != nullptr ? *reason : std::string();
 }
 
-void clear_host_syncs_failure() { failure.store(nullptr, std::memory_order_release); }
+void clear_host_syncs_failure() {
+  // Kept, not freed: another thread may be reading it. Reachable, so not a leak either.
+  static std::mutex retired_mutex;
+  static auto* retired = new std::vector<const std::string*>();
+  if (const std::string* reason = failure.exchange(nullptr, std::memory_order_acq_rel)) {
+    std::lock_guard<std::mutex> lock(retired_mutex);
+    retired->push_back(reason);
+  }
+}
 
 }  // namespace nanoddp::kernels::cuda
