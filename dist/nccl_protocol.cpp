@@ -249,6 +249,17 @@ namespace {
 // tensors return to the caching allocator within a step, rarely enough to cost no core.
 constexpr auto kWatchInterval = std::chrono::microseconds(500);
 
+// kernels::cuda::fail_host_syncs(reason()), or with its preset reason when there is no memory
+// to build this one. Never throws.
+template <typename Reason>
+void fail_host_syncs_saying(Reason&& reason) noexcept {
+  try {
+    kernels::cuda::fail_host_syncs(reason());
+  } catch (...) {
+    kernels::cuda::fail_host_syncs({});
+  }
+}
+
 }  // namespace
 
 Watchdog::Watched::Watched(std::string what, std::shared_ptr<AsyncComm> comm,
@@ -382,12 +393,10 @@ void Watchdog::report_failure(const Watched& watched, const std::string& reason)
   // it must find them. (The abort fails them anyway while a stream-ordered collective on the
   // communicator is watched: Watchdog::aborting.)
   if (watched.stream_ordered()) {
-    try {
-      kernels::cuda::fail_host_syncs(reason + "; the NCCL communicator was aborted, so the device's results after "
-                                     "it may rest on values that were never reduced");
-    } catch (...) {
-      kernels::cuda::fail_host_syncs({});  // no memory for the reason: a preset one
-    }
+    fail_host_syncs_saying([&] {
+      return reason + "; the NCCL communicator was aborted, so the device's results after it may rest on values "
+                      "that were never reduced";
+    });
   }
   std::fprintf(stderr, "nanoddp: %s; the NCCL communicator was aborted\n",
                reason.empty() ? watched.what.c_str() : reason.c_str());
@@ -411,11 +420,7 @@ void Watchdog::aborting(const AsyncComm& comm) noexcept {
 }
 
 void Watchdog::fail_host_syncs_cut_short(const std::string& what, const AsyncComm& comm) noexcept {
-  try {
-    kernels::cuda::fail_host_syncs(what + ": " + comm.aborted_message() + " before it was seen to finish");
-  } catch (...) {
-    kernels::cuda::fail_host_syncs({});  // no memory for the reason: a preset one
-  }
+  fail_host_syncs_saying([&] { return what + ": " + comm.aborted_message() + " before it was seen to finish"; });
 }
 
 void Watchdog::run() {

@@ -19,11 +19,11 @@
 // deadline (the group's timeout from the launch, or a shorter wait(timeout)) pass first, or
 // NCCL or the device report an error, the watchdog aborts the communicator (which ends its
 // kernels, so the compute stream moves on) and says so on stderr; a collective never waited
-// on cannot hang the process either (freeing memory waits for the whole device). And since
-// what the device computes after a stream-ordered wait may rest on values never reduced, the
-// failure is kept: every later call on that communicator, and every later wait of the host
-// for the device (a copy to the host, item(), synchronize()), throws DistError naming the
-// collective. torch's watchdog ends the process instead (NCCL_ASYNC_ERROR_HANDLING); here the
+// on cannot hang the process either (freeing memory waits for the whole device). The failure
+// is kept: every later call on that communicator throws DistError naming the collective; and
+// when the abort cut short a collective that a stream-ordered wait had handed to the compute
+// stream, what the device computes from it may rest on values never reduced, so every later
+// wait of the host for the device (a copy to the host, item(), synchronize()) throws too. torch's watchdog ends the process instead (NCCL_ASYNC_ERROR_HANDLING); here the
 // program gets the error where it next reads. A barrier still waits on the host, as torch's
 // does (that is its purpose), and then the host wait keeps the deadline.
 //
@@ -181,8 +181,8 @@ class Watchdog {
   // Host reads fail from now on: what, a collective on comm, may have been cut short by comm's
   // abort. Never throws.
   static void fail_host_syncs_cut_short(const std::string& what, const AsyncComm& comm) noexcept;
-  // How many collectives the watchdog holds the tensors of, those being handled or waiting for
-  // an abort to return included: 0 means every tensor it was given is let go.
+  // How many collectives the watchdog holds the tensors of, those in a poll round or waiting
+  // for their communicator's abort included (0: it holds no tensor).
   size_t watched() const { return entries_alive_.load(); }
 
  private:

@@ -104,14 +104,14 @@
 //
 // Note [NCCL shutdown]
 // When the group goes, send/recv still queued are issued, and the lanes' streams are drained
-// (up to the timeout), so a last send reaches its peer. Then each communicator is finalized (ncclCommFinalize, polled like any call) and destroyed, or aborted
-// when finalizing fails or times out, so exit never hangs on a peer that is gone: the
-// send/recv one first, then the collectives', on every rank, whatever Works the user still
-// holds (finalizing completes their calls, and a held Work then finds its event passed).
-// Before that, a lane whose stream is still busy after the timeout (a kernel waiting for a
-// peer that is gone) is aborted: freeing the other communicator could wait for that kernel,
-// and nothing else would stop it. The default
-// group is dropped by destroy_process_group() or, failing that, by an exit handler that
+// (up to the timeout), so a last send reaches its peer. Then each communicator is finalized
+// (ncclCommFinalize, polled like any call) and destroyed, or aborted when finalizing fails or
+// times out, so exit never hangs on a peer that is gone: the send/recv one first, then the
+// collectives', on every rank, whatever Works the user still holds (finalizing completes their
+// calls, and a held Work then finds its event passed). Before that, a lane whose stream is
+// still busy after the timeout (a kernel waiting for a peer that is gone) is aborted: freeing
+// the other communicator could wait for that kernel, and nothing else would stop it. The
+// default group is dropped by destroy_process_group() or, failing that, by an exit handler that
 // init_process_group registers after CUDA is up: exit handlers run in reverse order, so it runs
 // before the CUDA runtime unloads (dist/init.cpp). A CPU group that stages CUDA tensors may come
 // before CUDA does: its staging pool registers the handler again when it first takes pinned

@@ -69,19 +69,23 @@ void TCPStore::set(const std::string& key, const std::vector<uint8_t>& value) {
                 "'): unexpected status ", int(status));
 }
 
-std::string TCPStore::refusal_note() {
+uint8_t TCPStore::get_now(const std::string& key, std::chrono::milliseconds reply_timeout, std::vector<uint8_t>* value,
+                         bool report_loss) {
   std::vector<uint8_t> msg;
   put_u8(msg, kGet);
-  put_str(msg, kRefusedKey);
+  put_str(msg, key);
+  return client_->request(
+      msg, reply_timeout, "get",
+      [&](uint8_t st, Clock::time_point deadline) {
+        if (st == kOk) *value = client_->recv_bytes(deadline, "get");
+      },
+      report_loss);
+}
+
+std::string TCPStore::refusal_note() {
   std::vector<uint8_t> value;
   try {
-    const uint8_t status = client_->request(
-        msg, std::chrono::milliseconds(1000), "get",
-        [&](uint8_t st, Clock::time_point deadline) {
-          if (st == kOk) value = client_->recv_bytes(deadline, "get");
-        },
-        /*report_loss=*/false);
-    if (status != kOk) return "";
+    if (get_now(kRefusedKey, std::chrono::milliseconds(1000), &value, /*report_loss=*/false) != kOk) return "";
   } catch (const Error&) {
     return "";
   }
@@ -90,14 +94,8 @@ std::string TCPStore::refusal_note() {
 
 std::vector<uint8_t> TCPStore::get(const std::string& key) {
   wait({key}, options_.timeout);
-  std::vector<uint8_t> msg;
-  put_u8(msg, kGet);
-  put_str(msg, key);
   std::vector<uint8_t> value;
-  uint8_t status = client_->request(msg, kReplyGrace + options_.timeout, "get",
-                                    [&](uint8_t st, Clock::time_point deadline) {
-                                      if (st == kOk) value = client_->recv_bytes(deadline, "get");
-                                    });
+  const uint8_t status = get_now(key, kReplyGrace + options_.timeout, &value, /*report_loss=*/true);
   NANODDP_CHECK(status == kOk, DistError, client_->context(), ": get('", key,
                 "'): unexpected status ", int(status));
   return value;
@@ -139,11 +137,8 @@ void TCPStore::wait(const std::vector<std::string>& keys, std::chrono::milliseco
   std::string names;
   for (const auto& key : keys) names += (names.empty() ? "'" : ", '") + key + "'";
   if (status == kJobBroken) {
-    std::string refused = "a rank that does not fit this job";
-    try {
-      refused = get_string(kRefusedKey);
-    } catch (const Error&) {  // the message goes out without it
-    }
+    std::string refused = refusal_note();
+    if (refused.empty()) refused = "a rank that does not fit this job";  // the note could not be read
     NANODDP_THROW(DistError, client_->context(), ": wait for ", names, " cannot end: the store refused ", refused);
   }
   if (status == kTimeout) {

@@ -150,6 +150,11 @@ class TCPStore : public Store {
  private:
   class Server;
   class Client;
+  // One GET, answered at once (kOk with *value, or kMissing), within reply_timeout; report_loss
+  // as Client::request's.
+  uint8_t get_now(const std::string& key, std::chrono::milliseconds reply_timeout, std::vector<uint8_t>* value,
+                  bool report_loss);
+
   TCPStoreOptions options_;
   int port_ = 0;
   std::unique_ptr<Server> server_;

@@ -85,7 +85,7 @@ void fail_host_syncs(const std::string& reason) noexcept;
 // Throws that DistError when fail_host_syncs has been called: for host waits that do not go
 // through the functions above (an NCCL Work that waits on the host polls its event).
 void check_host_syncs();
-// The reason fail_host_syncs was given, or "" when it was not called (or was cleared).
+// The reason host waits fail with (fail_host_syncs), or "" when they do not.
 std::string host_syncs_failure();
 // Forgets the failure. For tests, which fail host syncs on purpose and go on in the same
 // process; a program has no way to know that its device's results are sound again.
