@@ -124,12 +124,10 @@ EventWork::~EventWork() {
   try {
     const auto deadline = deadline_after(timeout_);
     std::string error;
-    // An aborted communicator runs no kernel any more; a failed event means the device is gone.
-    while (!comm_->aborted() && event_.query(&error) == AsyncState::InProgress) {
-      if (comm_->state(&error) == AsyncState::Failed) {
-        comm_->abort();
-        break;
-      }
+    // The event passes once everything the collective queued has run, after an abort too (the
+    // flag is set before the abort stops anything); a failed event means the device is gone.
+    while (event_.query(&error) == AsyncState::InProgress) {
+      if (!comm_->aborted() && comm_->state(&error) == AsyncState::Failed) comm_->abort();
       if (Clock::now() > deadline) {
         std::fprintf(stderr,
                      "nanoddp: %s was dropped without wait() and had not finished after %lld ms; aborting the "
@@ -329,11 +327,26 @@ void Watchdog::forget(const AsyncComm& comm) {
     it = next;
   }
   lock.unlock();
-  // Finalizing completed their calls; an abort may have cut them short.
+  // Finalizing completed their calls.
   if (!comm.aborted()) return;
-  for (const Entry& entry : dropped) {
-    if (entry.watched->stream_ordered()) return fail_host_syncs_cut_short(entry.watched->what, comm);
+  // After an abort the work they queued behind NCCL's kernels may still run: those stay
+  // watched until their events pass (poll's cut-short case asks nothing of the communicator).
+  // And the abort may have cut them short.
+  std::list<Entry> running;
+  for (auto it = dropped.begin(); it != dropped.end();) {
+    auto next = std::next(it);
+    std::string error;
+    if (it->watched->query(&error) == AsyncState::InProgress) running.splice(running.end(), dropped, it);
+    it = next;
   }
+  bool cut_short = false;
+  for (const std::list<Entry>* entries : {&dropped, &running})
+    for (const Entry& entry : *entries) cut_short = cut_short || entry.watched->stream_ordered();
+  if (cut_short) fail_host_syncs_cut_short((dropped.empty() ? running : dropped).front().watched->what, comm);
+  if (running.empty()) return;
+  lock.lock();
+  if (watched_.empty()) wake_.notify_one();
+  watched_.splice(watched_.end(), running);
 }
 
 // One poll of entry: Finished (its tensors may go), Running, or Failed with *reason set (the
@@ -402,16 +415,13 @@ void Watchdog::report_failure(const Watched& watched, const std::string& reason)
                reason.empty() ? watched.what.c_str() : reason.c_str());
 }
 
-void Watchdog::abort(std::shared_ptr<AsyncComm> comm, std::list<Entry> entries) {
+void Watchdog::abort(const std::shared_ptr<AsyncComm>& comm) {
   // On a thread of its own, not joined: freeing one communicator can wait for a kernel of
-  // another, which only this watchdog's next round may abort (Note [NCCL shutdown]). The
-  // entries' tensors go when the abort has stopped the kernels.
-  std::shared_ptr<std::list<Entry>> held;  // outlives the catch below: released after the abort
+  // another, which only this watchdog's next round may abort (Note [NCCL shutdown]).
   try {
-    held = std::make_shared<std::list<Entry>>(std::move(entries));
-    std::thread([comm, held] { comm->abort(); }).detach();
+    std::thread([comm] { comm->abort(); }).detach();
   } catch (...) {
-    comm->abort();  // no thread or memory to be had: here, then
+    comm->abort();  // no thread to be had: here, then
   }
 }
 
@@ -433,8 +443,8 @@ void Watchdog::run() {
     polled.splice(polled.end(), watched_);
     in_hand_ = polled.size();
     lock.unlock();
-    // Failed entries by communicator, each aborted once.
-    std::vector<std::pair<std::shared_ptr<AsyncComm>, std::list<Entry>>> to_abort;
+    // The communicators of failed entries, each aborted once.
+    std::vector<std::shared_ptr<AsyncComm>> to_abort;
     while (!polled.empty()) {
       auto entry = polled.begin();
       Verdict verdict = Verdict::Running;
@@ -449,25 +459,27 @@ void Watchdog::run() {
         if (!cut_short && watched.host_waiting.load() == 0 && Clock::now() > watched.deadline().at)
           verdict = Verdict::Failed;
       }
-      if (verdict == Verdict::Failed) report_failure(*entry->watched, reason);
-      if (verdict == Verdict::Running) {
-        still_running.splice(still_running.end(), polled, entry);
-      } else if (verdict == Verdict::Finished) {
-        polled.erase(entry);  // the tensors go, outside the lock
-      } else {
+      if (verdict == Verdict::Failed) {
+        // Its tensors stay watched: the abort ends NCCL's kernel, but what the collective
+        // queued after it on its stream (copies out, key conversions) runs only then, so
+        // they go when the event has passed (poll's cut-short case, the reason being set).
+        report_failure(*entry->watched, reason);
         const std::shared_ptr<AsyncComm>& comm = entry->watched->comm;
-        auto group = std::find_if(to_abort.begin(), to_abort.end(),
-                                  [&](const auto& failed) { return failed.first == comm; });
-        try {
-          if (group == to_abort.end()) group = to_abort.emplace(to_abort.end(), comm, std::list<Entry>());
-          group->second.splice(group->second.end(), polled, entry);
-        } catch (...) {
-          comm->abort();  // no memory for the list: abort here, then let go
-          polled.erase(entry);
+        if (std::find(to_abort.begin(), to_abort.end(), comm) == to_abort.end()) {
+          try {
+            to_abort.push_back(comm);
+          } catch (...) {
+            comm->abort();  // no memory for the list: abort here
+          }
         }
+        verdict = Verdict::Running;
       }
+      if (verdict == Verdict::Running)
+        still_running.splice(still_running.end(), polled, entry);
+      else
+        polled.erase(entry);  // finished: the tensors go, outside the lock
     }
-    for (auto& [comm, entries] : to_abort) abort(comm, std::move(entries));
+    for (const auto& comm : to_abort) abort(comm);
     lock.lock();
     watched_.splice(watched_.end(), still_running);
     in_hand_ = 0;

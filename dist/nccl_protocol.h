@@ -161,16 +161,18 @@ class Watchdog {
   static Watchdog& instance();
   // Watches until the event has passed, then drops keep_alive. Past the deadline, or when the
   // communicator or the event reports an error, it sets the communicator's abort reason, says
-  // so on stderr and aborts the communicator on a thread of its own, which drops keep_alive
-  // once the abort has stopped the kernels; a stream-ordered collective also makes every later
+  // so on stderr and aborts the communicator on a thread of its own, and keeps keep_alive until
+  // the event has passed (the abort ends NCCL's kernel; what the collective queued after it on
+  // its stream runs then); a stream-ordered collective also makes every later
   // host wait for the device throw (kernels::cuda::fail_host_syncs). A communicator found
   // aborted by anyone else fails the host's waits too, for a stream-ordered collective not yet
   // seen to pass (the abort may have cut it short), and its tensors stay until its event has
   // passed. Throws only what starting the thread or storing the entry throws (then nothing is
   // watched).
   void watch(std::shared_ptr<Watched> watched, std::vector<Tensor> keep_alive);
-  // Drops what is watched on comm without a further poll: for a communicator that has been
-  // finalized or aborted, whose calls have all ended (Note [NCCL shutdown]).
+  // For a communicator that has been finalized or aborted (Note [NCCL shutdown]): drops what is
+  // watched on it, except, after an abort, collectives whose events have not passed, which
+  // stay watched until they do.
   void forget(const AsyncComm& comm);
   // Called by a communicator's abort() once it is marked aborted and before it stops anything:
   // a stream-ordered collective watched on it is cut short, so host reads fail from now on
@@ -181,8 +183,8 @@ class Watchdog {
   // Host reads fail from now on: what, a collective on comm, may have been cut short by comm's
   // abort. Never throws.
   static void fail_host_syncs_cut_short(const std::string& what, const AsyncComm& comm) noexcept;
-  // How many collectives the watchdog holds the tensors of, those in a poll round or waiting
-  // for their communicator's abort included (0: it holds no tensor).
+  // How many collectives the watchdog holds the tensors of, those in a poll round included
+  // (0: it holds no tensor).
   size_t watched() const { return entries_alive_.load(); }
 
  private:
@@ -213,7 +215,7 @@ class Watchdog {
   // What one round does with an entry that failed: its reason set, the host's reads failed
   // (when stream-ordered), a line on stderr. reason may be empty (no memory for one). Never throws.
   static void report_failure(const Watched& watched, const std::string& reason) noexcept;
-  static void abort(std::shared_ptr<AsyncComm> comm, std::list<Entry> entries);
+  static void abort(const std::shared_ptr<AsyncComm>& comm);
 
   std::mutex mutex_;
   std::condition_variable wake_;

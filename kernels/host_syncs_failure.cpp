@@ -20,8 +20,9 @@ void check_host_syncs() {
 }
 
 void fail_host_syncs(const std::string& reason) noexcept {
-  static const std::string preset = "an NCCL collective was aborted before it was seen to finish";
-  const std::string* kept = &preset;
+  // Never destroyed, as a kept reason: a host wait during exit may still read it.
+  static const std::string* const preset = new std::string("an NCCL collective was aborted before it was seen to finish");
+  const std::string* kept = preset;
   if (!reason.empty()) {
     try {
       kept = new std::string(reason);
@@ -29,7 +30,7 @@ void fail_host_syncs(const std::string& reason) noexcept {
     }
   }
   const std::string* expected = nullptr;
-  if (!failure.compare_exchange_strong(expected, kept, std::memory_order_acq_rel) && kept != &preset) delete kept;
+  if (!failure.compare_exchange_strong(expected, kept, std::memory_order_acq_rel) && kept != preset) delete kept;
 }
 
 std::string host_syncs_failure() {

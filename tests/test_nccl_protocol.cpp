@@ -147,6 +147,15 @@ void ends_clean(ScriptedEvent& event) {
   CHECK(take_host_syncs_failure().empty());
 }
 
+// The watchdog holds buffer (beside the test's own reference) until the event passes, then
+// lets it go.
+void held_until_passed(ScriptedEvent& event, const Tensor& buffer) {
+  CHECK(buffer.use_count() == 2);
+  event.pending = 0;
+  REQUIRE(watchdog_idle());
+  CHECK(buffer.use_count() == 1);
+}
+
 // A barrier's Work on comm, waiting on the host, whose event has not passed.
 std::unique_ptr<dist::detail::EventWork> pending_barrier(const std::shared_ptr<dist::detail::AsyncComm>& comm,
                                                          ScriptedEvent& event, std::chrono::milliseconds timeout) {
@@ -280,8 +289,10 @@ TEST_CASE("a collective never waited on is timed out from its launch: the watchd
   ScriptedEvent event;
   event.pending = 1 << 30;
   { dist::detail::EventWork work("all_reduce #3", comm, event.make(), {buffer}, 20ms); }
-  // Released by the abort's thread once the abort has stopped the kernels.
-  REQUIRE(eventually([&] { return buffer.use_count() == 1; }));
+  REQUIRE(eventually([&] { return comm->aborted(); }));
+  // Held until the event passes: the abort ends NCCL's kernel, and what the collective queued
+  // behind it on its stream runs only then.
+  held_until_passed(event, buffer);
   CHECK(count(*comm, "abort") == 1);
   CHECK(comm->abort_reason() == "all_reduce #3: did not complete within 20 ms (a peer may have exited or be out of "
                                 "step)");
@@ -297,6 +308,7 @@ TEST_CASE("a wait() with a timeout shorter than the group's brings the deadline 
   work.wait(30ms);  // returns at once
   REQUIRE(eventually([&] { return comm->aborted(); }));
   CHECK(comm->abort_reason() == "all_reduce: did not complete within 30 ms (a peer may have exited or be out of step)");
+  event.pending = 0;  // the abort stopped the kernel
   CHECK(watchdog_idle());
   // The compute stream reads its result: host reads fail from now on.
   CHECK(take_host_syncs_failure().find("all_reduce: did not complete within 30 ms") == 0);
@@ -319,7 +331,11 @@ TEST_CASE("a poll that throws (no memory) still ends in the abort once the deadl
   auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::InProgress});
   Tensor buffer = Tensor::zeros({4});
   dist::detail::EventWork::Event event;
-  event.query = [](std::string*) -> AsyncState { throw std::bad_alloc(); };
+  // Throws until the abort (which stops the kernel: then the event has passed).
+  event.query = [comm = comm.get()](std::string*) -> AsyncState {
+    if (!comm->aborted()) throw std::bad_alloc();
+    return AsyncState::Done;
+  };
   event.order_compute_stream = [] {};
   { dist::detail::EventWork work("all_reduce", comm, std::move(event), {buffer}, 20ms); }
   REQUIRE(eventually([&] { return buffer.use_count() == 1; }));
@@ -370,8 +386,8 @@ TEST_CASE("the watchdog aborts a waited collective that times out or fails, and 
       event.pending = 1 << 30;
       dist::detail::EventWork work("all_reduce #7", comm, event.make(), {buffer}, 20ms);
       work.wait(requested);  // returns at once
-      // Released by the abort's thread once the abort has stopped the kernels.
-      REQUIRE(eventually([&] { return buffer.use_count() == 1; }));
+      REQUIRE(eventually([&] { return comm->aborted(); }));
+      held_until_passed(event, buffer);  // what the collective queued after NCCL's kernel runs first
       CHECK(count(*comm, "abort") == 1);
       CHECK(comm->abort_reason() == "all_reduce #7: did not complete within 20 ms (a peer may have exited or be out "
                                     "of step)");
@@ -396,6 +412,9 @@ TEST_CASE("the watchdog aborts a waited collective that times out or fails, and 
     CHECK(count(*comm, "abort") == 1);
     CHECK(comm->abort_reason() == "all_reduce: NCCL reported unhandled system error (remote peer closed the connection)");
     CHECK(take_host_syncs_failure().find("all_reduce: NCCL reported unhandled system error") == 0);
+    event.pending = 0;  // the abort stopped the kernel
+    CHECK(watchdog_idle());
+    take_host_syncs_failure();  // its later polls' report of the same abort
   }
   SUBCASE("the group's end lets go of what is watched on its communicator, with no reason of its own") {
     auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::InProgress});
@@ -740,7 +759,8 @@ TEST_CASE("send/recv queue: a wait keeps to one timeout, the time NCCL took to e
       TimeoutError);
 }
 
-TEST_CASE("a communicator aborted by someone else: the watchdog holds the tensors until the event has passed") {
+TEST_CASE("a communicator aborted by someone else: the watchdog holds the tensors until the event has passed, "
+          "also past the group's end") {
   auto comm = std::make_shared<HealthyComm>();
   Tensor buffer = Tensor::zeros({8});
   ScriptedEvent event;
@@ -752,10 +772,11 @@ TEST_CASE("a communicator aborted by someone else: the watchdog holds the tensor
   CHECK(take_host_syncs_failure().find("an NCCL collective: the communicator was aborted") == 0);
   const int seen = event.queries;
   REQUIRE(eventually([&] { return event.queries >= seen + 3; }));  // polled on, aborted
-  CHECK(buffer.use_count() == 2);  // the abort may not have stopped NCCL's kernels yet
-  event.pending = 0;               // now they have
-  REQUIRE(watchdog_idle());
-  CHECK(buffer.use_count() == 1);
+  // The group's end (~NcclLane) after the abort: what the collective queued behind NCCL's
+  // kernel may still run, so it stays watched.
+  dist::detail::Watchdog::instance().forget(*comm);
+  CHECK(dist::detail::Watchdog::instance().watched() == 1);
+  held_until_passed(event, buffer);  // the abort may not have stopped NCCL's kernels yet
   CHECK_THROWS_WITH_AS(work.wait(60s), doctest::Contains("the communicator was aborted"), DistError);
   take_host_syncs_failure();  // the watchdog's own report of it, if its poll came first
 }
