@@ -14,6 +14,7 @@
 #include "dist/detail.h"
 #include "dist/host_staging.h"
 #include "dist/launcher_link.h"
+#include "dist/shm_fingerprints.h"
 #include "dist/store_wire.h"
 #include "kernels/kernels.h"
 
@@ -191,10 +192,12 @@ Backend requested_backend(Backend asked, const std::string& where) {
 
 // The group as init_process_group hands it out: with the collective check unless turned off
 // (InitOptions::check_collectives, NANODDP_CHECK_COLLECTIVES=0; read before any rendezvous).
+// fingerprint_group: Note [Host fingerprints] in dist/process_group_checked.cpp.
 std::shared_ptr<ProcessGroup> checked(std::shared_ptr<ProcessGroup> group, bool check_collectives,
-                                      std::chrono::milliseconds timeout) {
+                                      std::chrono::milliseconds timeout,
+                                      std::shared_ptr<ProcessGroup> fingerprint_group = nullptr) {
   if (!check_collectives) return group;
-  return make_checked_process_group(std::move(group), timeout);
+  return make_checked_process_group(std::move(group), timeout, std::move(fingerprint_group));
 }
 
 }  // namespace
@@ -404,7 +407,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   auto store = std::make_shared<TCPStore>(store_options);
   agree_on_backend(*store, backend, rank, world_size);
 
-  std::shared_ptr<ProcessGroup> group;
+  std::shared_ptr<ProcessGroup> group, fingerprint_group;
   try {
     if (backend == Backend::Nccl) {
       NcclOptions nccl;
@@ -414,6 +417,11 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                                              : Device::cuda(env.local_rank < 0 ? 0 : env.local_rank);
       nccl.timeout = options.timeout;
       group = make_nccl_process_group(store, nccl);
+      // The check's fingerprints stay on the host (Note [Host fingerprints]).
+      const std::string fingerprints_prefix = "check-fingerprints/" + std::to_string(groups_initialised) + "/";
+      if (check_collectives)
+        fingerprint_group = make_host_fingerprint_group(store, fingerprints_prefix, rank, world_size, master.host,
+                                                        store->port(), options.timeout);
     } else if (backend == Backend::Shm) {
       ShmOptions shm;
       shm.rank = rank;
@@ -452,7 +460,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     throw;
   }
   // A CPU group takes CUDA tensors too (dist/host_staging.h); then the collective check.
-  default_group = checked(stage_device_tensors(group), check_collectives, options.timeout);
+  default_group = checked(stage_device_tensors(group), check_collectives, options.timeout, fingerprint_group);
   ++groups_initialised;
   joining.joined = true;  // the group is up; reported as `joining` goes out of scope
   register_exit_handler();

@@ -57,7 +57,8 @@ struct InitOptions {
   Device device = Device::cpu();       // CUDA: NCCL on that GPU (one GPU per rank)
   // Check before every collective that all ranks call the same one (process_group.h): a
   // DistError instead of a hang, an abort or corrupt data, for one small all-gather per
-  // collective. NANODDP_CHECK_COLLECTIVES=0 in the environment also turns it off.
+  // collective (on NCCL through a CPU group beside it, so that it never waits for the GPU:
+  // Note [Host fingerprints]). NANODDP_CHECK_COLLECTIVES=0 in the environment also turns it off.
   bool check_collectives = true;
 };
 

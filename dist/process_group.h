@@ -432,7 +432,14 @@ std::shared_ptr<ProcessGroup> make_nccl_process_group(std::shared_ptr<Store> sto
 // InitOptions::check_collectives is false. A virtual added to ProcessGroup must also be
 // forwarded there (count and reset_counts excepted: the checked group counts the calls made
 // through it), and by host_staging.cpp's StagingGroup, which every CPU group is wrapped in.
+// fingerprint_group: null, or a CPU group of the same ranks (rank r of it is rank r of inner)
+// that the fingerprints travel through instead of inner's own collectives (Note [Host
+// fingerprints] in process_group_checked.cpp; init_process_group gives NCCL one, as
+// torch.distributed's ProcessGroupWrapper all-gathers its fingerprints on a Gloo group).
+// ValueError when inner is null, or when fingerprint_group is not a CPU group of inner's
+// rank and size.
 std::shared_ptr<ProcessGroup> make_checked_process_group(std::shared_ptr<ProcessGroup> inner,
-                                                         std::chrono::milliseconds timeout);
+                                                         std::chrono::milliseconds timeout,
+                                                         std::shared_ptr<ProcessGroup> fingerprint_group = nullptr);
 
 }  // namespace nanoddp::dist

@@ -8,7 +8,7 @@
 // fails with MPI_ERR_TRUNCATE or crashes. So, before each collective, every rank all-gathers
 // a fixed-size fingerprint of what it is about to call (sequence number in the group, which
 // collective, op, dtype, element count, root or list length, what it is for: Note [Collective
-// purpose]) through the backend itself.
+// purpose]) through the backend itself (or a CPU group beside it: Note [Host fingerprints]).
 // A fixed-size all-gather cannot itself mismatch, and every rank sees the same table, so
 // when one entry differs every rank throws the same DistError naming each rank's call, and
 // no rank issues the real collective: nothing is half-sent and the group stays in step. A
@@ -49,6 +49,23 @@
 // collective starts near the moment the last rank called it, not when somebody waits on it.
 // wait() moves the queue up to its own call, waiting (up to the timeout) on each fingerprint
 // on the way. A mismatch is reported by the mismatched work's wait(), on every rank.
+//
+// Note [Host fingerprints]
+// Through NCCL the fingerprints would go the GPU's way: copied to the device, all-gathered
+// there, and the table copied back for the host to compare: two host waits for the device per
+// collective, each draining the compute stream in the middle of backward, where DDP's step
+// otherwise never waits (Note [Host syncs] in kernels/device_memory.h). So init_process_group
+// gives the check of an NCCL group a CPU group of the same ranks, and the fingerprints travel
+// there: shared memory when every rank is on this machine (Note [Shared-memory fingerprints] in
+// dist/shm_fingerprints.cpp), Gloo's sockets across machines (torch.distributed's
+// ProcessGroupWrapper all-gathers its fingerprints on a Gloo group too). The queue, the
+// comparison and the errors are the ones above; only the exchange moves. The NCCL collective is
+// launched when its fingerprints are in, at the next touch of the group, and is ordered after
+// the compute stream as it is then, not as it was at the call: it also uses temporaries that
+// the caching allocator hands out at the launch, as free from that point of the compute stream
+// on. The cost is overlap, at most the time to the next touch (DDP's next bucket, or its
+// wait), never a host wait. Across machines without Gloo in the build, the fingerprints go
+// through the GPU as before.
 #include <algorithm>
 #include <atomic>
 #include <deque>
@@ -127,6 +144,8 @@ class CheckedWork;
 // first (Note [Deferred check]).
 struct CheckState {
   std::shared_ptr<ProcessGroup> inner;
+  // The CPU group the fingerprints travel through, or null: inner (Note [Host fingerprints]).
+  std::shared_ptr<ProcessGroup> fingerprints;
   std::mutex mutex;  // one caller at a time moves the queue
   std::deque<std::shared_ptr<CheckedWork>> unsettled;
   int64_t seq = 0;
@@ -240,16 +259,17 @@ class CheckedWork : public Work {
   void exchange() {
     if (fingerprints_ || settled_) return;
     const int world = state_->inner->size();
-    // The fingerprint lives on the backend's device (NCCL takes only its GPU's tensors; a CPU
-    // group's stays on the host even when the collective's tensors are on a GPU).
-    const Device device = state_->inner->device();
+    ProcessGroup& through = state_->fingerprints ? *state_->fingerprints : *state_->inner;
+    // The fingerprint lives on the exchanging group's device (NCCL takes only its GPU's
+    // tensors; a CPU group's stays on the host even when the collective's tensors are on a GPU).
+    const Device device = through.device();
     try {
       Tensor send = Tensor::from_vector(mine_).to(device);
       // The all-gather's outputs are views of one table, which the host then reads in one copy.
       table_ = Tensor::empty({world * kFingerprintFields}, DType::Int64, device);
       std::vector<Tensor> received;
       for (int r = 0; r < world; ++r) received.push_back(table_.slice_view(r * kFingerprintFields, {kFingerprintFields}));
-      fingerprints_ = state_->inner->all_gather(received, send);
+      fingerprints_ = through.all_gather(received, send);
       // The host reads the fingerprints, so their wait is the host's, with its TimeoutError,
       // also on NCCL, whose waits otherwise only order the device's stream (Note [NCCL
       // stream-ordered wait]).
@@ -493,9 +513,11 @@ std::atomic<int> next_checked_group_id{0};
 
 class CheckedProcessGroup : public ProcessGroup {
  public:
-  CheckedProcessGroup(std::shared_ptr<ProcessGroup> inner, std::chrono::milliseconds timeout)
+  CheckedProcessGroup(std::shared_ptr<ProcessGroup> inner, std::chrono::milliseconds timeout,
+                      std::shared_ptr<ProcessGroup> fingerprints)
       : ProcessGroup(inner->rank(), inner->size()) {
     state_->inner = std::move(inner);
+    state_->fingerprints = std::move(fingerprints);
     state_->timeout = timeout;
     // Checked groups are made in the same order on every rank: the count names the same one.
     state_->store_prefix = "check/" + std::to_string(next_checked_group_id++) + "/";
@@ -645,9 +667,18 @@ std::string CollectivePurpose::describe(int64_t code) {
 }
 
 std::shared_ptr<ProcessGroup> make_checked_process_group(std::shared_ptr<ProcessGroup> inner,
-                                                         std::chrono::milliseconds timeout) {
+                                                         std::chrono::milliseconds timeout,
+                                                         std::shared_ptr<ProcessGroup> fingerprint_group) {
   NANODDP_CHECK(inner != nullptr, ValueError, "make_checked_process_group: no group");
-  return std::make_shared<CheckedProcessGroup>(std::move(inner), timeout);
+  if (fingerprint_group) {
+    NANODDP_CHECK(fingerprint_group->device() == Device::cpu() && fingerprint_group->rank() == inner->rank() &&
+                      fingerprint_group->size() == inner->size(),
+                  ValueError, "make_checked_process_group: the fingerprint group (", fingerprint_group->backend_name(),
+                  ", rank ", fingerprint_group->rank(), "/", fingerprint_group->size(), " on ",
+                  fingerprint_group->device(), ") is not a CPU group of the checked group's ranks (rank ",
+                  inner->rank(), "/", inner->size(), ")");
+  }
+  return std::make_shared<CheckedProcessGroup>(std::move(inner), timeout, std::move(fingerprint_group));
 }
 
 }  // namespace nanoddp::dist

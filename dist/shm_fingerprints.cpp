@@ -86,6 +86,22 @@ std::shared_ptr<ProcessGroup> make_fingerprint_group(const std::shared_ptr<Store
   return make_shm_process_group(store, shm);
 }
 
+std::shared_ptr<ProcessGroup> make_host_fingerprint_group(const std::shared_ptr<Store>& store,
+                                                          const std::string& prefix, int rank, int world_size,
+                                                          const std::string& master_addr, int master_port,
+                                                          std::chrono::milliseconds timeout) {
+  if (auto shm = make_fingerprint_group(store, prefix, rank, world_size, timeout)) return shm;
+  if (world_size <= 1 || !backend_unavailable(Backend::Gloo).empty()) return nullptr;
+  GlooOptions gloo;
+  gloo.rank = rank;
+  gloo.world_size = world_size;
+  gloo.master_addr = master_addr;
+  gloo.master_port = master_port;
+  gloo.timeout = timeout;
+  gloo.store_prefix = prefix + "gloo/";
+  return make_gloo_process_group(store, gloo);
+}
+
 std::vector<int64_t> all_gather_fingerprints(ProcessGroup& group, const std::vector<int64_t>& mine,
                                              const std::string& description,
                                              std::chrono::milliseconds timeout) {

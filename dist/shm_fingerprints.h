@@ -1,5 +1,7 @@
-// The collective check's fingerprints through shared memory (Note [Shared-memory fingerprints]
-// in dist/shm_fingerprints.cpp): for a Gloo group whose ranks all run on this machine.
+// The collective check's fingerprints on the host: through shared memory (Note [Shared-memory
+// fingerprints] in dist/shm_fingerprints.cpp) for a Gloo group whose ranks all run on this
+// machine, and the CPU group an NCCL group's check exchanges them through (Note [Host
+// fingerprints] in dist/process_group_checked.cpp).
 #pragma once
 
 #include <chrono>
@@ -21,6 +23,16 @@ namespace nanoddp::dist {
 std::shared_ptr<ProcessGroup> make_fingerprint_group(const std::shared_ptr<Store>& store,
                                                      const std::string& prefix, int rank, int world_size,
                                                      std::chrono::milliseconds timeout);
+
+// The CPU group for the fingerprints of a device group (NCCL) of world_size ranks: the shm
+// group above when every rank runs on this machine, else a Gloo group (store keys
+// "<prefix>gloo/", its sockets towards master_addr), or null when world_size is 1 or the build
+// has no Gloo (the check then exchanges through the device group). Collective, as above;
+// DistError or TimeoutError when a rank cannot join it.
+std::shared_ptr<ProcessGroup> make_host_fingerprint_group(const std::shared_ptr<Store>& store,
+                                                          const std::string& prefix, int rank, int world_size,
+                                                          const std::string& master_addr, int master_port,
+                                                          std::chrono::milliseconds timeout);
 
 // Every rank's `mine` (all the same length), rank-major, through group (one made above). A
 // failure is thrown with its type kept (TimeoutError, so that the check names stragglers, or

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "dist/shm_fingerprints.h"
 #include "tests/collectives_cases.h"
 #include "tests/dist_ranks.h"
 
@@ -248,6 +249,98 @@ TEST_CASE("gloo: the same with the fingerprints over Gloo's sockets, as between 
     options.fingerprints_over_shm = false;
     expect_every_mismatch_caught(make_checked_process_group(make_gloo_process_group(store, options), 20s), rank,
                                  world);
+  });
+}
+
+namespace {
+
+// A checked shm group whose fingerprints travel through a CPU group of their own, as init gives
+// an NCCL group (Note [Host fingerprints] in dist/process_group_checked.cpp): shm when
+// fingerprints_over_gloo is false (one machine), else Gloo's sockets (across machines).
+struct BesideChecked {
+  std::shared_ptr<ProcessGroup> inner, fingerprints, checked;
+};
+BesideChecked checked_beside(std::shared_ptr<TCPStore> store, int rank, int world, int port,
+                             std::chrono::milliseconds timeout, bool fingerprints_over_gloo) {
+  BesideChecked groups;
+  ShmOptions shm;
+  shm.rank = rank;
+  shm.world_size = world;
+  shm.timeout = timeout;
+  shm.store_prefix = "inner/";
+  groups.inner = make_shm_process_group(store, shm);
+  if (fingerprints_over_gloo) {
+    GlooOptions gloo;
+    gloo.rank = rank;
+    gloo.world_size = world;
+    gloo.master_port = port;
+    gloo.timeout = timeout;
+    gloo.store_prefix = "fingerprints/gloo/";
+    groups.fingerprints = make_gloo_process_group(store, gloo);
+  } else {
+    groups.fingerprints = make_host_fingerprint_group(store, "fingerprints/", rank, world, "127.0.0.1", port, timeout);
+  }
+  groups.checked = make_checked_process_group(groups.inner, timeout, groups.fingerprints);
+  return groups;
+}
+
+}  // namespace
+
+TEST_CASE("with the fingerprints in a CPU group beside the backend (as on NCCL), every mismatch is caught the same") {
+  for (const bool over_gloo : {false, true}) {
+    CAPTURE(over_gloo);
+    on_2_and_4_ranks([over_gloo](int rank, int world, int port) {
+      if (testing::under_mpirun()) return;
+      auto store = rank_store(rank, world, port);
+      const BesideChecked groups = checked_beside(store, rank, world, port, 20s, over_gloo);
+      expect(groups.fingerprints != nullptr && groups.fingerprints->backend_name() == (over_gloo ? "gloo" : "shm"),
+             "rank ", rank, ": no fingerprint group of the kind asked for");
+      expect_every_mismatch_caught(groups.checked, rank, world);
+      // The backend saw only the collectives that ran (#2 and #9, all_reduces); the nine
+      // exchanges went through the fingerprint group.
+      const CollectiveCount gathered = groups.inner->count(Collective::AllGather),
+                            reduced = groups.inner->count(Collective::AllReduce),
+                            exchanged = groups.fingerprints->count(Collective::AllGather);
+      expect(gathered.calls == 0 && reduced.calls == 2 && exchanged.calls == 9, "rank ", rank,
+             ": the backend ran ", gathered.calls, " all_gathers and ", reduced.calls,
+             " all_reduces (want 0 and 2); the fingerprint group ", exchanged.calls, " all_gathers (want 9)");
+    });
+  }
+}
+
+TEST_CASE("with the fingerprints in a CPU group beside the backend, a peer that never calls is named by the timeout") {
+  on_2_and_4_ranks([](int rank, int world, int port) {
+    if (testing::under_mpirun()) return;
+    auto store = rank_store(rank, world, port);
+    const BesideChecked groups = checked_beside(store, rank, world, port, 1500ms, /*fingerprints_over_gloo=*/false);
+    // A fingerprint group of other ranks is refused, naming both.
+    ShmOptions solo;
+    solo.store_prefix = "solo/" + std::to_string(rank) + "/";
+    bool refused = false;
+    try {
+      make_checked_process_group(groups.inner, 1500ms, make_shm_process_group(store, solo));
+    } catch (const ValueError& e) {
+      refused = std::string(e.what()).find("rank 0/1 on cpu) is not a CPU group of the checked group's ranks (rank " +
+                                           std::to_string(rank) + "/" + std::to_string(world)) != std::string::npos;
+      expect(refused, "rank ", rank, ": the refusal does not name both groups: ", e.what());
+    }
+    expect(refused, "rank ", rank, ": a fingerprint group of one rank was accepted for a group of ", world);
+    if (rank == 1) {
+      std::this_thread::sleep_for(4s);  // alive, but never calls all_reduce
+      return;
+    }
+    Tensor t = Tensor::ones({4});
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      groups.checked->all_reduce(t)->wait();
+      expect(false, "rank ", rank, ": wait returned without rank 1");
+    } catch (const TimeoutError& e) {
+      const double ms = milliseconds_since(start);
+      expect(ms >= 1400 && ms < 3500, "rank ", rank, ": the wait ended after ", ms, " ms, want ~1500: ", e.what());
+      expect(std::string(e.what()).find("straggler: rank 1 never reached all_reduce(sum) #1") != std::string::npos,
+             "rank ", rank, ": the error does not name rank 1 as the straggler: ", e.what());
+    }
+    expect(t.to_vector() == std::vector<float>(4, 1.0f), "rank ", rank, ": the data changed");
   });
 }
 

@@ -817,12 +817,13 @@ TEST_CASE("NCCL at world size 2 (two GPUs): collectives, send/recv and DDP") {
   pg->all_reduce(agreed)->wait(30s);
   CHECK(agreed.to_vector() == std::vector<float>{2.0f, 2.0f});
   {
-    // Reported, not asserted: DDP's waits for its buckets are stream-ordered (Note [NCCL
-    // stream-ordered wait]), but the collective check's exchange through NCCL copies the
-    // fingerprints to the GPU and back, waiting twice per checked collective. Without the
-    // check, below, a step waits for nothing.
+    // DDP's waits for its buckets are stream-ordered (Note [NCCL stream-ordered wait]), and the
+    // collective check's fingerprints travel through shared memory (Note [Host fingerprints]):
+    // a step waits for nothing, checked as below unchecked.
     const std::vector<uint64_t> per_step = host_syncs_per_ddp_step(pg, gpu, 7 + rank);
     MESSAGE("host syncs per DDP step at world size 2, checked: ", per_step[1], ", ", per_step[2], ", ", per_step[3]);
+    CHECK(per_step[2] == 0);
+    CHECK(per_step[3] == 0);
   }
   testing::check_ddp_matches_one_rank(pg, gpu, /*tolerance=*/1e-4f);
   // A send still queued when the group goes is issued by its end, which finalizes the send/recv
