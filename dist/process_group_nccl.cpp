@@ -145,9 +145,12 @@ namespace nanoddp::dist {
 namespace {
 
 
+// The failure is the DistError's: cleared as the thread's last CUDA error, which the next
+// kernel launch's check would otherwise report as its own.
 #define NANODDP_NCCL_DIST_CUDA(call, what)                                                  \
   do {                                                                                      \
     cudaError_t status_ = (call);                                                           \
+    if (status_ != cudaSuccess) (void)cudaGetLastError();                                   \
     NANODDP_CHECK(status_ == cudaSuccess, DistError, what, ": ", #call, " failed: ",        \
                   cudaGetErrorName(status_), " (", cudaGetErrorString(status_), ")");       \
   } while (0)
@@ -293,17 +296,28 @@ class NcclComm : public detail::AsyncComm {
   std::mutex release_mutex_;
 };
 
+// An event of the current device. The last owner of a Work may drop it on any thread, one that
+// never chose a device among them: the event's device is made current first, and left so
+// (Note [Current device] in kernels/cuda/device_memory.cpp), so that the runtime does not
+// open a context on GPU 0 for it.
 class CudaEvent {
  public:
   CudaEvent() {
+    NANODDP_NCCL_DIST_CUDA(cudaGetDevice(&device_), "nccl group");
     NANODDP_NCCL_DIST_CUDA(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "nccl group");
   }
-  ~CudaEvent() { cudaEventDestroy(event_); }  // never throws; nothing to do about a failure here
+  ~CudaEvent() {  // never throws; nothing to do about a failure here but clear it
+    int current = -1;
+    if ((cudaGetDevice(&current) != cudaSuccess || current != device_) && cudaSetDevice(device_) != cudaSuccess)
+      (void)cudaGetLastError();
+    if (cudaEventDestroy(event_) != cudaSuccess) (void)cudaGetLastError();
+  }
   CudaEvent(const CudaEvent&) = delete;
   CudaEvent& operator=(const CudaEvent&) = delete;
   cudaEvent_t get() const { return event_; }
 
  private:
+  int device_ = 0;
   cudaEvent_t event_ = nullptr;
 };
 
@@ -610,9 +624,11 @@ class ProcessGroupNccl : public ProcessGroup {
       }
     }
     for (std::thread& abort : aborts) abort.join();
-    cudaGetLastError();  // a stream error is the communicator's to report; clear it for later calls
     point_to_point_.reset();
     collectives_.reset();
+    // A stream error is the communicator's to report, and a failed stream or event destroy in
+    // the lanes' ends is nobody's: cleared, so the next kernel launch does not report it.
+    (void)cudaGetLastError();
   }
 
   Device device() const override { return device_; }

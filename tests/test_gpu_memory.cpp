@@ -105,6 +105,12 @@ TEST_CASE("device errors are DeviceError with a message, never a crash") {
   DeviceArray<float> ok(16);
   ok.upload(std::vector<float>(16, 1.0f));
   CHECK(ok.to_host() == std::vector<float>(16, 1.0f));
+  // A failed call is reported once, by its own DeviceError: the next kernel's launch check
+  // (cudaGetLastError) does not report it again as the kernel's.
+  std::vector<float> host(4, 2.0f);
+  CHECK_THROWS_AS(gpu::copy(nullptr, host.data(), 4 * sizeof(float), gpu::CopyKind::HostToDevice), DeviceError);
+  const Tensor doubled = Tensor::full({4}, 2.0f, Device::cuda(0)) * 2.0f;
+  CHECK(doubled.to_vector() == std::vector<float>(4, 4.0f));
 }
 
 TEST_CASE("copies both ways, through pageable and pinned host memory") {

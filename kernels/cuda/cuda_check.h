@@ -20,7 +20,11 @@
 
 namespace nanoddp::kernels::cuda::detail {
 
+// The failure is the DeviceError's: cleared as the thread's last CUDA error, which the next
+// launch check (NANODDP_CUDA_CHECK_LAUNCH) would otherwise report as its own kernel's. A
+// sticky error (the context is lost) stays whatever is done.
 [[noreturn]] inline void throw_cuda_error(cudaError_t error, const char* call, const char* file, int line) {
+  (void)cudaGetLastError();
   ::nanoddp::detail::raise<DeviceError>(file, line, "CUDA call failed: ", call, ": ",
                                         cudaGetErrorName(error), " (", cudaGetErrorString(error), ")");
 }
