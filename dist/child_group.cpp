@@ -27,6 +27,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "dist/deadline.h"
 #include "dist/launcher_link.h"
 #include "dist/launch_detail.h"
 
@@ -202,7 +203,7 @@ ChildGroup::~ChildGroup() {
 // consuming the SIGCHLD bytes here loses nothing).
 bool ChildGroup::must_stop_starting() {
   if (!start_error_.empty() || pending_signal_ != 0) return true;
-  if (options_.timeout.count() > 0 && Clock::now() >= created_ + options_.timeout) return true;
+  if (options_.timeout.count() > 0 && Clock::now() >= detail::deadline_after(options_.timeout, created_)) return true;
   bool child_exited = false;
   for (const int signal : take_signals()) {
     if (signal == SIGCHLD) {

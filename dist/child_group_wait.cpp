@@ -26,6 +26,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "dist/deadline.h"
 #include "dist/launcher_link.h"
 #include "dist/launch_detail.h"
 #include "dist/output_relay.h"
@@ -56,7 +57,7 @@ Outcome ChildGroup::wait() {
   waited_ = true;
   Outcome outcome;
   const auto never = Clock::time_point::max();
-  auto deadline = options_.timeout.count() > 0 ? created_ + options_.timeout : never;
+  auto deadline = options_.timeout.count() > 0 ? detail::deadline_after(options_.timeout, created_) : never;
   auto kill_at = never;
   bool terminating = false, killed = false;
   // Stopped because the reader of the output is gone; whether a user's signal has come.
@@ -88,7 +89,7 @@ Outcome ChildGroup::wait() {
     terminating = true;
     sent_signal = signal;
     terminate_all(signal);
-    kill_at = Clock::now() + options_.grace_period;
+    kill_at = detail::deadline_after(options_.grace_period);
   };
 
   // Emits every complete line of `s` (all of it at EOF) with the child's prefix.
@@ -164,7 +165,7 @@ Outcome ChildGroup::wait() {
           wait = std::min(wait, std::chrono::milliseconds(20));  // the relay is looked at again soon
         }
     std::vector<int> signals;
-    const int ready = poll(fds.data(), fds.size(), static_cast<int>(std::max<long long>(0, wait.count())));
+    const int ready = poll(fds.data(), fds.size(), detail::poll_milliseconds(wait));
     if (ready <= 0) return signals;
     if (fds[1].revents != 0) read_failure_reports();
     for (size_t i = 2; i < fds.size(); ++i)
@@ -260,7 +261,7 @@ Outcome ChildGroup::wait() {
     if (any_failed && !terminating && first_seen == nullptr) {
       for (Child& c : children_)
         if (first_seen == nullptr && c.failed) first_seen = &c;
-      blame_until = Clock::now() + options_.grace_period;
+      blame_until = detail::deadline_after(options_.grace_period);
     }
     // Note [Launcher link], item 3: a rank that ended with status 0 without joining, while
     // another waits in init_process_group for a world that includes it. The reports are read

@@ -27,6 +27,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "dist/deadline.h"
 #include "dist/launcher_link.h"
 #include "dist/launch_detail.h"
 
@@ -415,7 +416,7 @@ class MpirunRanks {
 
   // After mpirun has been reaped: waits for the processes it left to this launcher.
   void wait_for_leftovers(std::chrono::milliseconds grace_period) {
-    const auto kill_at = std::chrono::steady_clock::now() + grace_period;
+    const auto kill_at = detail::deadline_after(grace_period);
     // A process stuck in the kernel (uninterruptible I/O) outlives even SIGKILL for a while:
     // the launcher waits that long again, then returns and says so.
     const auto give_up_at = kill_at + std::max(grace_period, std::chrono::milliseconds(1000));

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "dist/deadline.h"
 #include "kernels/device_memory.h"
 
 namespace nanoddp::dist::detail {
@@ -39,13 +40,6 @@ class PollPause {
  private:
   Clock::time_point start_ = Clock::now();
 };
-
-// now + timeout, or the clock's end for a timeout past it (milliseconds::max() as "forever").
-Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
-  const auto now = Clock::now();
-  const auto room = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::time_point::max() - now);
-  return timeout >= room ? Clock::time_point::max() : now + timeout;
-}
 
 }  // namespace
 

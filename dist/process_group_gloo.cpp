@@ -22,6 +22,7 @@
 #include "core/error.h"
 #include "core/op_helpers.h"
 #include "core/half_convert.h"
+#include "dist/deadline.h"
 #include "dist/detail.h"
 #include "dist/launcher_link.h"
 #include "dist/process_group.h"
@@ -359,7 +360,9 @@ class ProcessGroupGloo : public ProcessGroup {
   ProcessGroupGloo(std::shared_ptr<dist::Store> store, const GlooOptions& options)
       : ProcessGroup(options.rank, options.world_size), store_(std::move(store)) {
     ignore_sigpipe_as_python_does();  // Note [Gloo and SIGPIPE]
-    runner_->timeout = options.timeout;
+    // Gloo adds it to its clock's nanoseconds (Note [Long timeouts]).
+    const std::chrono::milliseconds timeout = detail::cap_timeout(options.timeout);
+    runner_->timeout = timeout;
     runner_->rank = rank_;
     runner_->world_size = world_size_;
     // Groups are built in the same order on every rank, so the counter names the same group.
@@ -375,10 +378,10 @@ class ProcessGroupGloo : public ProcessGroup {
       // (gloo/transport/tcp/pair.h, waitUntil); give them a fifth so that connecting the
       // pairs, like every other wait, ends by the group's timeout. The wait for the peers'
       // addresses before that keeps the whole timeout (GlooStore).
-      context->setTimeout(std::max(options.timeout / 5, std::chrono::milliseconds(1)));
-      GlooStore gloo_store(store_, prefix, rank_, world_size_, options.timeout);
+      context->setTimeout(std::max(timeout / 5, std::chrono::milliseconds(1)));
+      GlooStore gloo_store(store_, prefix, rank_, world_size_, timeout);
       context->connectFullMesh(gloo_store, device);
-      context->setTimeout(options.timeout);
+      context->setTimeout(timeout);
       runner_->context = context;
       runner_->peers = exchange_peers(*context, prefix, gloo_store.peer_addresses());
     } catch (const gloo::Exception& e) {
@@ -387,7 +390,7 @@ class ProcessGroupGloo : public ProcessGroup {
     }
     if (options.fingerprints_over_shm)
       runner_->fingerprint_group =
-          make_fingerprint_group(store_, prefix, rank_, world_size_, options.timeout);
+          make_fingerprint_group(store_, prefix, rank_, world_size_, timeout);
     worker_ = std::thread([queue = queue_, runner = runner_] { queue->run(*runner); });
   }
 

@@ -34,6 +34,7 @@
 // in issue order.
 #include "core/error.h"
 #include "core/half_convert.h"
+#include "dist/deadline.h"
 #include "dist/detail.h"
 #include "dist/process_group.h"
 
@@ -294,7 +295,7 @@ class MpiWork : public Work {
 
   void wait(std::chrono::milliseconds timeout) override {
     timeout = effective_wait_timeout(timeout, pending_->timeout);  // every wait ends by the group's timeout
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const auto deadline = detail::deadline_after(timeout);
     while (true) {
       {
         std::lock_guard<std::mutex> lock(pending_->mutex);
@@ -373,7 +374,7 @@ class ProcessGroupMpi : public ProcessGroup {
  public:
   ProcessGroupMpi(MPI_Comm comm, int rank, int world_size, std::chrono::milliseconds timeout)
       : ProcessGroup(rank, world_size), comm_(comm) {
-    pending_->timeout = timeout;
+    pending_->timeout = detail::cap_timeout(timeout);  // Note [Long timeouts]
   }
 
   ~ProcessGroupMpi() override {

@@ -17,6 +17,7 @@
 
 #include "core/error.h"
 #include "core/op_helpers.h"
+#include "dist/deadline.h"
 #include "dist/process_group.h"
 #include "dist/ring_shm.h"
 #include "dist/shm_progress.h"
@@ -37,7 +38,7 @@ class ProcessGroupShm : public ProcessGroup {
   ProcessGroupShm(std::shared_ptr<Store> store, const ShmOptions& options)
       : ProcessGroup(options.rank, options.world_size),
         store_(std::move(store)),
-        timeout_(options.timeout),
+        timeout_(detail::cap_timeout(options.timeout)),  // Note [Long timeouts]
         sent_messages_(static_cast<size_t>(options.world_size), 0),
         received_messages_(static_cast<size_t>(options.world_size), 0) {
     // Groups are built in the same order on every rank, so the counter names the same group.
@@ -45,8 +46,7 @@ class ProcessGroupShm : public ProcessGroup {
                                             : "shm/" + std::to_string(next_shm_group_id++) + "/";
     if (world_size_ > 1)
       engine_ = std::make_shared<ShmEngine>(
-          std::make_unique<ShmSegment>(*store_, prefix_, rank_, world_size_, options.timeout),
-          options.timeout);
+          std::make_unique<ShmSegment>(*store_, prefix_, rank_, world_size_, timeout_), timeout_);
   }
 
   // Works issued but not yet run fail (ShmEngine::drop_pending); a Work still held keeps the

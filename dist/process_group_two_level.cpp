@@ -19,6 +19,7 @@
 #include <mutex>
 
 #include "core/error.h"
+#include "dist/deadline.h"
 #include "dist/detail.h"
 #include "dist/process_group.h"
 
@@ -101,7 +102,7 @@ class TwoLevelQueue {
 
 void TwoLevelWork::wait(std::chrono::milliseconds timeout) {
   if (!queue_->done(*this))
-    queue_->run_until(*this, Clock::now() + effective_wait_timeout(timeout, queue_->timeout));
+    queue_->run_until(*this, detail::deadline_after(effective_wait_timeout(timeout, queue_->timeout)));
   if (error_) std::rethrow_exception(error_);
 }
 
@@ -120,7 +121,7 @@ class ProcessGroupTwoLevel : public ProcessGroup {
                   o.rank, " says node ", o.node_rank, ", local rank ", o.local_rank, " of ",
                   o.local_world_size, " (world size ", o.world_size, ")");
     const int nnodes = o.world_size / o.local_world_size;
-    queue_ = std::make_shared<TwoLevelQueue>(o.timeout);
+    queue_ = std::make_shared<TwoLevelQueue>(detail::cap_timeout(o.timeout));  // Note [Long timeouts]
     // 1. The node's shared-memory group.
     ShmOptions shm;
     shm.rank = o.local_rank;

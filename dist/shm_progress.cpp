@@ -16,6 +16,7 @@
 #include "dist/shm_progress.h"
 
 #include "core/error.h"
+#include "dist/deadline.h"
 
 namespace nanoddp::dist::shm {
 
@@ -36,7 +37,7 @@ std::shared_ptr<Work> ShmEngine::issue(std::shared_ptr<ShmEngine> self, std::str
 }
 
 void ShmEngine::run_until(ShmWork& target, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
+  const auto deadline = detail::deadline_after(timeout);
   std::lock_guard<std::mutex> lock(mutex_);
   try {
     segment_->wait_timeout = timeout;

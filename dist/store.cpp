@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "dist/deadline.h"
 #include "dist/detail.h"
 #include "dist/store_client.h"
 #include "dist/store_server.h"
@@ -32,12 +33,13 @@ TCPStore::TCPStore(const TCPStoreOptions& options) : options_(options) {
   NANODDP_CHECK(options.generation >= 0, ValueError, detail::where(options.rank, options.world_size),
                 ": store generation ", options.generation, " is negative");
   std::string context = detail::where(options.rank, options.world_size);
+  options_.timeout = detail::cap_timeout(options.timeout);  // Note [Long timeouts]
   port_ = options.port;
   if (options.is_server) {
-    server_ = std::make_unique<Server>(options, context);
+    server_ = std::make_unique<Server>(options_, context);
     port_ = server_->port();
   }
-  client_ = std::make_unique<Client>(options, port_, context);
+  client_ = std::make_unique<Client>(options_, port_, context);
 }
 
 TCPStore::~TCPStore() {
@@ -125,6 +127,7 @@ int64_t TCPStore::add(const std::string& key, int64_t delta) {
 void TCPStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
   NANODDP_CHECK(keys.size() <= kMaxKeysPerRequest, ValueError, client_->context(), ": wait on ",
                 keys.size(), " keys exceeds the limit of ", kMaxKeysPerRequest);
+  timeout = detail::cap_timeout(timeout);
   std::vector<uint8_t> msg;
   put_u8(msg, kWait);
   put_u32(msg, static_cast<uint32_t>(keys.size()));

@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "dist/deadline.h"
 #include "dist/detail.h"
 #include "dist/launcher_link.h"
 #include "dist/store.h"
@@ -43,7 +44,7 @@ class TCPStore::Client {
     // also close a connection it accepted as it goes away: for such a rank that is not rank 0
     // failing, for up to kOldServerGrace after the first such close.
     constexpr auto kOldServerGrace = std::chrono::seconds(2);
-    const auto deadline = Clock::now() + options.timeout;
+    const auto deadline = detail::deadline_after(options.timeout);
     const bool may_meet_old_server = options.round > 0 || options.generation > 0;
     std::optional<Clock::time_point> first_close;
     uint32_t server_round = 0, server_generation = 0;
@@ -88,7 +89,7 @@ class TCPStore::Client {
     std::lock_guard<std::mutex> lock(mutex_);
     NANODDP_CHECK(fd_.valid(), DistError, context_, ": ", verb,
                   " after an earlier failure broke the connection");
-    auto deadline = Clock::now() + reply_timeout;
+    auto deadline = detail::deadline_after(reply_timeout);
     report_loss_ = report_loss;
     try {
       send_all(message, verb);
@@ -130,7 +131,7 @@ class TCPStore::Client {
   void connect(const std::string& host, int port, std::chrono::milliseconds timeout,
                std::chrono::milliseconds notice_after, const std::string& where) {
     const auto started = Clock::now();
-    auto deadline = started + timeout;
+    auto deadline = detail::deadline_after(timeout, started);
     bool noticed = false;
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
@@ -309,9 +310,8 @@ class TCPStore::Client {
       return false;
     }
     if (rc != 0) {
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       pollfd p{fd, POLLOUT, 0};
-      int n = ::poll(&p, 1, static_cast<int>(std::max<int64_t>(1, left.count())));
+      int n = ::poll(&p, 1, std::max(1, detail::poll_milliseconds(deadline - Clock::now())));
       if (n <= 0) {
         error = n == 0 ? "connect timed out" : detail::errno_text(errno);
         return false;
@@ -351,7 +351,7 @@ class TCPStore::Client {
       NANODDP_CHECK(left.count() > 0, TimeoutError, context_, ": ", verb,
                     ": no reply from the store server in time");
       pollfd pfd{fd_.get(), POLLIN, 0};
-      int ready = ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left.count(), 1 << 30)));
+      int ready = ::poll(&pfd, 1, detail::poll_milliseconds(deadline - Clock::now()));
       if (ready < 0 && errno == EINTR) continue;
       if (ready == 0) continue;  // the deadline check above reports it
       ssize_t n = ::recv(fd_.get(), p + got, nbytes - got, 0);

@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "dist/deadline.h"
 #include "dist/detail.h"
 #include "dist/launcher_link.h"
 #include "dist/store.h"
@@ -224,12 +225,10 @@ class TCPStore::Server {
                                      [](const Waiter& a, const Waiter& b) {
                                        return a.deadline < b.deadline;
                                      })->deadline;
-        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now());
-        timeout_ms = static_cast<int>(std::max<int64_t>(0, left.count()) + 1);
+        timeout_ms = detail::poll_milliseconds(next - Clock::now());
       }
       if (draining) {
-        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(std::min(drain_end, quiet_end) - Clock::now());
-        const int drain_ms = static_cast<int>(std::max<int64_t>(0, left.count()) + 1);
+        const int drain_ms = detail::poll_milliseconds(std::min(drain_end, quiet_end) - Clock::now());
         timeout_ms = timeout_ms < 0 ? drain_ms : std::min(timeout_ms, drain_ms);
       }
       int n = ::poll(fds.data(), fds.size(), timeout_ms);
@@ -447,9 +446,10 @@ class TCPStore::Server {
         } else if (data_.count(kRefusedKey) > 0) {
           put_u8(out, kJobBroken);
         } else {
-          // Clamp so a huge timeout cannot overflow the clock.
-          auto ms = std::chrono::milliseconds(std::min<uint64_t>(request.timeout_ms, uint64_t(1) << 40));
-          waiters_.push_back({id, std::move(request.keys), Clock::now() + ms});
+          // A client's timeout, however long (Note [Long timeouts]).
+          const auto ms = std::chrono::milliseconds(
+              static_cast<int64_t>(std::min<uint64_t>(request.timeout_ms, detail::kLongestTimeout.count())));
+          waiters_.push_back({id, std::move(request.keys), detail::deadline_after(ms)});
         }
         return true;
       }
