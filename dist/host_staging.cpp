@@ -250,6 +250,7 @@ class StagingGroup : public ProcessGroup {
   }
   bool collectives_run_in_wait() const override { return inner_->collectives_run_in_wait(); }
   MovedBytes moved_bytes() const override { return inner_->moved_bytes(); }
+  void issue_queued_point_to_point() override { inner_->issue_queued_point_to_point(); }
 
  private:
   using Pairs = std::vector<std::pair<Tensor, Tensor>>;

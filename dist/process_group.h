@@ -302,6 +302,14 @@ class ProcessGroup {
     return nullptr;
   }
 
+  // Issues the send/recv calls this group holds back to issue them together (NCCL groups
+  // them: Note [NCCL point-to-point]), as its next collective does; a no-op elsewhere. For a
+  // caller that starts a collective later than it is called (the collective check's worker,
+  // Note [Host fingerprints] in dist/process_group_checked.cpp), so that a send followed by a
+  // collective still goes out at the collective's call. Failures are the send/recv Works' to
+  // report; never throws.
+  virtual void issue_queued_point_to_point() {}
+
   // Bytes this rank really moved, and which all-reduce algorithm ran (MovedBytes); the base
   // class measures nothing.
   virtual MovedBytes moved_bytes() const { return {}; }

@@ -55,17 +55,23 @@
 // there, and the table copied back for the host to compare: two host waits for the device per
 // collective, each draining the compute stream in the middle of backward, where DDP's step
 // otherwise never waits (Note [Host syncs] in kernels/device_memory.h). So init_process_group
-// gives the check of an NCCL group a CPU group of the same ranks, and the fingerprints travel
-// there: shared memory when every rank is on this machine (Note [Shared-memory fingerprints] in
-// dist/shm_fingerprints.cpp), Gloo's sockets across machines (torch.distributed's
-// ProcessGroupWrapper all-gathers its fingerprints on a Gloo group too). The queue, the
-// comparison and the errors are the ones above; only the exchange moves. The NCCL collective is
-// launched when its fingerprints are in, at the next touch of the group, and is ordered after
-// the compute stream as it is then, not as it was at the call: it also uses temporaries that
-// the caching allocator hands out at the launch, as free from that point of the compute stream
-// on. The cost is overlap, at most the time to the next touch (DDP's next bucket, or its
-// wait), never a host wait. Across machines without Gloo in the build, the fingerprints go
-// through the GPU as before.
+// gives the check of an NCCL group a CPU group of the same ranks for the fingerprints: shared
+// memory when every rank is on this machine (Note [Shared-memory fingerprints] in
+// dist/shm_fingerprints.cpp), else Gloo's sockets (torch.distributed's ProcessGroupWrapper
+// all-gathers its fingerprints on a Gloo group too; a multi-node NCCL job then needs TCP between
+// its nodes, as Gloo does). A thread of the check's own (dist/check_worker.h) takes the calls in
+// order and, for each, all-gathers the fingerprints, compares them and starts the collective,
+// as Gloo's worker does (Note [Fused collective check]): the caller never waits, and an NCCL
+// collective is launched the moment the last rank has called it. It is ordered after the
+// compute stream as it is at that launch, a little later than at the call: everything queued
+// before the call, and perhaps a few kernels after it (its temporaries come from the caching
+// allocator then, as free from that point of the stream on). The send/recv that NCCL holds back
+// to group them go out at the call (ProcessGroup::issue_queued_point_to_point), as at any
+// collective's call. Comparison and errors are the check's own; the exchange's failures read as
+// the check's fingerprint exchange, not as a collective of the fingerprint group. Without a
+// fingerprint group (ranks on several machines and no Gloo in the build), the fingerprints go
+// through the GPU as described above.
+
 #include <algorithm>
 #include <atomic>
 #include <deque>
@@ -75,6 +81,8 @@
 #include <thread>
 
 #include "core/error.h"
+#include "dist/check_worker.h"
+#include "dist/deadline.h"
 #include "dist/launcher_link.h"
 #include "dist/nccl_protocol.h"
 #include "dist/process_group.h"
@@ -144,8 +152,6 @@ class CheckedWork;
 // first (Note [Deferred check]).
 struct CheckState {
   std::shared_ptr<ProcessGroup> inner;
-  // The CPU group the fingerprints travel through, or null: inner (Note [Host fingerprints]).
-  std::shared_ptr<ProcessGroup> fingerprints;
   std::mutex mutex;  // one caller at a time moves the queue
   std::deque<std::shared_ptr<CheckedWork>> unsettled;
   int64_t seq = 0;
@@ -259,17 +265,16 @@ class CheckedWork : public Work {
   void exchange() {
     if (fingerprints_ || settled_) return;
     const int world = state_->inner->size();
-    ProcessGroup& through = state_->fingerprints ? *state_->fingerprints : *state_->inner;
-    // The fingerprint lives on the exchanging group's device (NCCL takes only its GPU's
-    // tensors; a CPU group's stays on the host even when the collective's tensors are on a GPU).
-    const Device device = through.device();
+    // The fingerprint lives on the backend's device (NCCL takes only its GPU's tensors; a CPU
+    // group's stays on the host even when the collective's tensors are on a GPU).
+    const Device device = state_->inner->device();
     try {
       Tensor send = Tensor::from_vector(mine_).to(device);
       // The all-gather's outputs are views of one table, which the host then reads in one copy.
       table_ = Tensor::empty({world * kFingerprintFields}, DType::Int64, device);
       std::vector<Tensor> received;
       for (int r = 0; r < world; ++r) received.push_back(table_.slice_view(r * kFingerprintFields, {kFingerprintFields}));
-      fingerprints_ = through.all_gather(received, send);
+      fingerprints_ = state_->inner->all_gather(received, send);
       // The host reads the fingerprints, so their wait is the host's, with its TimeoutError,
       // also on NCCL, whose waits otherwise only order the device's stream (Note [NCCL
       // stream-ordered wait]).
@@ -517,8 +522,8 @@ class CheckedProcessGroup : public ProcessGroup {
                       std::shared_ptr<ProcessGroup> fingerprints)
       : ProcessGroup(inner->rank(), inner->size()) {
     state_->inner = std::move(inner);
-    state_->fingerprints = std::move(fingerprints);
-    state_->timeout = timeout;
+    state_->timeout = detail::cap_timeout(timeout);  // Note [Long timeouts]
+    if (fingerprints) worker_ = std::make_unique<detail::CheckWorker>(std::move(fingerprints), state_->timeout);
     // Checked groups are made in the same order on every rank: the count names the same one.
     state_->store_prefix = "check/" + std::to_string(next_checked_group_id++) + "/";
   }
@@ -540,6 +545,7 @@ class CheckedProcessGroup : public ProcessGroup {
     return state_->inner->all_reduce_algorithm_for(tensor);
   }
   bool collectives_run_in_wait() const override { return state_->inner->collectives_run_in_wait(); }
+  void issue_queued_point_to_point() override { state_->inner->issue_queued_point_to_point(); }
   MovedBytes moved_bytes() const override { return state_->inner->moved_bytes(); }
 
   // Arguments are checked here, at the call, as the backends do; the backend checks the device.
@@ -610,6 +616,17 @@ class CheckedProcessGroup : public ProcessGroup {
                                  tensor.defined() ? tensor.numel() : 0,
                                  extra,
                                  CollectivePurpose::current()};
+    // Note [Host fingerprints]: the worker exchanges and starts; the send/recv the backend holds
+    // back go out now, as at any collective's call.
+    if (worker_) {
+      state_->inner->issue_queued_point_to_point();
+      const std::string description = describe(what, tensor);
+      CollectiveGuard guard{mine, [description, mine](const std::vector<int64_t>& table) {
+                              throw_on_mismatch(description, mine, table);
+                            }};
+      auto started = worker_->start_guarded(std::move(guard), std::move(start), description);
+      return std::make_shared<FusedWork>(std::move(started), std::move(mine), state_);
+    }
     // Note [Fused collective check]. Nothing is ever queued here on such a backend.
     if (state_->unsettled.empty()) {
       CollectiveGuard guard{mine, [description = describe(what, tensor), mine](const std::vector<int64_t>& table) {
@@ -626,6 +643,9 @@ class CheckedProcessGroup : public ProcessGroup {
   }
 
   std::shared_ptr<CheckState> state_ = std::make_shared<CheckState>();
+  // With a fingerprint group (Note [Host fingerprints]): every call goes through it. Last, so
+  // that it goes first: its thread starts collectives on state_->inner.
+  std::unique_ptr<detail::CheckWorker> worker_;
 };
 
 }  // namespace

@@ -117,6 +117,7 @@
 // before CUDA does: its staging pool registers the handler again when it first takes pinned
 // memory (detail::register_exit_handler_after_cuda).
 #include "core/error.h"
+#include "dist/deadline.h"
 #include "dist/detail.h"
 #include "dist/nccl_protocol.h"
 #include "dist/process_group.h"
@@ -308,8 +309,8 @@ class CudaEvent {
   }
   ~CudaEvent() {  // never throws; nothing to do about a failure here but clear it
     int current = -1;
-    if ((cudaGetDevice(&current) != cudaSuccess || current != device_) && cudaSetDevice(device_) != cudaSuccess)
-      (void)cudaGetLastError();
+    if (cudaGetDevice(&current) != cudaSuccess) (void)cudaGetLastError();
+    if (current != device_ && cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();
     if (cudaEventDestroy(event_) != cudaSuccess) (void)cudaGetLastError();
   }
   CudaEvent(const CudaEvent&) = delete;
@@ -375,12 +376,14 @@ cudaError_t drain(const NcclLane& lane, std::chrono::steady_clock::time_point de
   cudaError_t status = cudaErrorNotReady;
   while ((status = cudaStreamQuery(lane.stream)) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::microseconds(20));
-  if (status == cudaErrorNotReady) (void)cudaGetLastError();  // not an error: cleared (kernels::cuda::event_passed)
+  // Not an error (NotReady), or one the caller reports from the status: cleared either way
+  // (kernels::cuda::event_passed).
+  if (status != cudaSuccess) (void)cudaGetLastError();
   return status;
 }
 
 void finish_after_error(const NcclLane& lane, const std::string& what, std::vector<Tensor> keep) {
-  const cudaError_t status = drain(lane, std::chrono::steady_clock::now() + lane.timeout);
+  const cudaError_t status = drain(lane, detail::deadline_after(lane.timeout));
   if (status == cudaSuccess) return;
   const std::string stream_state = status == cudaErrorNotReady
                                        ? "had not drained after " + std::to_string(lane.timeout.count()) + " ms"
@@ -430,6 +433,7 @@ std::shared_ptr<detail::EventWork> launch(const NcclLane& lane, const std::strin
         (void)cudaGetLastError();  // recorded as the thread's last error: cleared (kernels::cuda::event_passed)
         return AsyncState::InProgress;
       }
+      (void)cudaGetLastError();  // the Work's error now, not the thread's next launch's
       *error = std::string("cudaEventQuery: ") + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")";
       return AsyncState::Failed;
     };
@@ -537,7 +541,7 @@ class ProcessGroupNccl : public ProcessGroup {
       : ProcessGroup(options.rank, options.world_size),
         store_(std::move(store)),
         device_(options.device),
-        timeout_(options.timeout) {
+        timeout_(detail::cap_timeout(options.timeout)) {  // Note [Long timeouts]
     NANODDP_CHECK(device_.is_cuda(), ValueError, where(), ": NCCL needs a CUDA device, got ",
                   device_);
     int count = kernels::cuda::device_count();
@@ -606,7 +610,7 @@ class ProcessGroupNccl : public ProcessGroup {
     // destroy waiting on the device for ever, and only an abort stops it. Both lanes drain
     // together (one deadline); those still busy after it are aborted at once, each on a thread
     // of its own, since freeing one communicator can wait for the other's kernel.
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    const auto deadline = detail::deadline_after(timeout_);
     std::vector<NcclLane*> busy;
     for (NcclLane* lane : {collectives_.get(), point_to_point_.get()})
       if (lane != nullptr && drain(*lane, deadline) == cudaErrorNotReady) busy.push_back(lane);
@@ -626,8 +630,8 @@ class ProcessGroupNccl : public ProcessGroup {
     for (std::thread& abort : aborts) abort.join();
     point_to_point_.reset();
     collectives_.reset();
-    // A stream error is the communicator's to report, and a failed stream or event destroy in
-    // the lanes' ends is nobody's: cleared, so the next kernel launch does not report it.
+    // A stream error is the communicator's to report, and a failed stream destroy in the
+    // lanes' ends is nobody's: cleared, so the next kernel launch does not report it.
     (void)cudaGetLastError();
   }
 
@@ -722,6 +726,17 @@ class ProcessGroupNccl : public ProcessGroup {
     std::shared_ptr<detail::EventWork> work = issue_all_reduce(token, ReduceOp::Sum, where() + ": nccl barrier");
     work->set_waits(detail::EventWork::Waits::Host);
     return work;
+  }
+
+  // Before a collective: send/recv called before it go out no later than it does, so that a
+  // send followed by a collective (and no wait) is not held back until the next wait. A
+  // failure belongs to those calls (their Works report it), not to the collective.
+  void issue_queued_point_to_point() override {
+    if (!point_to_point_queue_) return;
+    try {
+      point_to_point_queue_->issue();
+    } catch (const std::exception&) {
+    }
   }
 
   // Note [NCCL point-to-point]: queued here, issued as one NCCL group later.
@@ -827,17 +842,6 @@ class ProcessGroupNccl : public ProcessGroup {
     NANODDP_CHECK(tag == 0, ValueError, what, ": NCCL has no message tags (messages between two ranks match by "
                   "order), so tag must be 0, got ", tag);
     return detail::PointToPointQueue::add(point_to_point_queue_, {tensor, peer, is_send});
-  }
-
-  // Before a collective: send/recv called before it go out no later than it does, so that a
-  // send followed by a collective (and no wait) is not held back until the next wait. A
-  // failure belongs to those calls (their Works report it), not to the collective.
-  void issue_queued_point_to_point() {
-    if (!point_to_point_queue_) return;
-    try {
-      point_to_point_queue_->issue();
-    } catch (const std::exception&) {
-    }
   }
 
   std::shared_ptr<Store> store_;

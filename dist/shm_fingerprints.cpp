@@ -15,7 +15,10 @@
 // "<prefix>fingerprints/") and the fingerprints are all-gathered there: a write into shared
 // memory, read by a peer that spins briefly before it sleeps, with no socket and no other
 // thread, inside the collective's task on Gloo's worker. Ranks on several machines keep Gloo's
-// all-gather.
+// all-gather. The check of an NCCL group exchanges through such a shm group too, on a thread
+// of the check's own, or through a Gloo group of its own when the ranks are on several
+// machines or /dev/shm cannot hold the segment (Note [Host fingerprints] in
+// dist/process_group_checked.cpp).
 #include "dist/shm_fingerprints.h"
 
 #include <cstring>
@@ -51,24 +54,26 @@ bool shm_fingerprints_possible(Store& store, const std::string& prefix, int rank
   return same && possible;
 }
 
-// What a failed exchange through the shm group says, in the checked collective's name: the shm
-// group's own descriptions of its all_gather ("rank 2/4 on vm: shm all_gather of [7] int64 (56
-// bytes) on cpu: ", again inside a peer's abort) are dropped, so that a Gloo job's
-// error does not read as an shm collective.
-std::string fingerprint_failure(std::string shm_error) {
-  const std::string start = "shm all_gather of [", end = " on cpu: ";
+// What a failed exchange through a fingerprint group (shm, or Gloo for an NCCL group across
+// machines) says, in the checked collective's name: that group's own descriptions of its
+// all_gather ("rank 2/4 on vm: shm all_gather of [7] int64 (56 bytes) on cpu: ", again inside a
+// peer's abort) are dropped, so that a Gloo or NCCL job's error does not read as a collective
+// of the fingerprint group.
+std::string fingerprint_failure(std::string error, const std::string& backend) {
+  const std::string start = backend + " all_gather of [", end = " on cpu: ";
   bool first = true;
-  for (size_t at = shm_error.find(start); at != std::string::npos; at = shm_error.find(start, at)) {
-    const size_t stop = shm_error.find(end, at);
+  for (size_t at = error.find(start); at != std::string::npos; at = error.find(start, at)) {
+    const size_t stop = error.find(end, at);
     if (stop == std::string::npos) break;
     // The first is this rank's own, after its "rank r/W on host: ", which the checked
     // collective's description already has: dropped with it.
-    const size_t from = first && shm_error.compare(0, 5, "rank ") == 0 ? 0 : at;
-    shm_error.erase(from, stop + end.size() - from);
+    const size_t from = first && error.compare(0, 5, "rank ") == 0 ? 0 : at;
+    error.erase(from, stop + end.size() - from);
     at = from;
     first = false;
   }
-  return "the collective check's fingerprint exchange (through shared memory) failed: " + shm_error;
+  return std::string("the collective check's fingerprint exchange (through ") +
+         (backend == "shm" ? "shared memory" : backend == "gloo" ? "Gloo" : backend) + ") failed: " + error;
 }
 
 }  // namespace
@@ -91,7 +96,18 @@ std::shared_ptr<ProcessGroup> make_host_fingerprint_group(const std::shared_ptr<
                                                           const std::string& master_addr, int master_port,
                                                           std::chrono::milliseconds timeout) {
   if (auto shm = make_fingerprint_group(store, prefix, rank, world_size, timeout)) return shm;
-  if (world_size <= 1 || !backend_unavailable(Backend::Gloo).empty()) return nullptr;
+  if (world_size <= 1) return nullptr;
+  // Every rank decides the same: Gloo only when every rank's build has it (a rank that tried
+  // alone would wait for the others' addresses until the timeout).
+  const bool gloo_built = backend_unavailable(Backend::Gloo).empty();
+  store->set(prefix + "gloo_built/" + std::to_string(rank), std::string(gloo_built ? "1" : "0"));
+  bool every_rank = true;
+  for (int r = 0; r < world_size; ++r) {
+    const std::string key = prefix + "gloo_built/" + std::to_string(r);
+    store->wait({key}, timeout);
+    every_rank = every_rank && store->get_string(key) == "1";
+  }
+  if (!every_rank) return nullptr;
   GlooOptions gloo;
   gloo.rank = rank;
   gloo.world_size = world_size;
@@ -112,9 +128,9 @@ std::vector<int64_t> all_gather_fingerprints(ProcessGroup& group, const std::vec
   try {
     group.all_gather(rows, Tensor::from_vector(mine))->wait(timeout);
   } catch (const TimeoutError& e) {  // the type kept: the check names stragglers on a timeout
-    NANODDP_THROW(TimeoutError, description, ": ", fingerprint_failure(message_of(e)));
+    NANODDP_THROW(TimeoutError, description, ": ", fingerprint_failure(message_of(e), group.backend_name()));
   } catch (const DistError& e) {
-    NANODDP_THROW(DistError, description, ": ", fingerprint_failure(message_of(e)));
+    NANODDP_THROW(DistError, description, ": ", fingerprint_failure(message_of(e), group.backend_name()));
   }
   std::vector<int64_t> table(mine.size() * static_cast<size_t>(world_size));
   for (int r = 0; r < world_size; ++r)

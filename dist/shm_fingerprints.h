@@ -26,9 +26,9 @@ std::shared_ptr<ProcessGroup> make_fingerprint_group(const std::shared_ptr<Store
 
 // The CPU group for the fingerprints of a device group (NCCL) of world_size ranks: the shm
 // group above when every rank runs on this machine, else a Gloo group (store keys
-// "<prefix>gloo/", its sockets towards master_addr), or null when world_size is 1 or the build
-// has no Gloo (the check then exchanges through the device group). Collective, as above;
-// DistError or TimeoutError when a rank cannot join it.
+// "<prefix>gloo/", its sockets towards master_addr), or null when world_size is 1 or a rank's
+// build has no Gloo (the check then exchanges through the device group). Collective, as above:
+// every rank decides the same; DistError or TimeoutError when a rank cannot join it.
 std::shared_ptr<ProcessGroup> make_host_fingerprint_group(const std::shared_ptr<Store>& store,
                                                           const std::string& prefix, int rank, int world_size,
                                                           const std::string& master_addr, int master_port,
@@ -37,7 +37,8 @@ std::shared_ptr<ProcessGroup> make_host_fingerprint_group(const std::shared_ptr<
 // Every rank's `mine` (all the same length), rank-major, through group (one made above). A
 // failure is thrown with its type kept (TimeoutError, so that the check names stragglers, or
 // DistError), as "<description>: the collective check's fingerprint exchange (through shared
-// memory) failed: ...", in the words of the collective being checked, not of the shm group.
+// memory) failed: ...", in the words of the collective being checked, not of the fingerprint
+// group ("through Gloo" for a Gloo group).
 std::vector<int64_t> all_gather_fingerprints(ProcessGroup& group, const std::vector<int64_t>& mine,
                                              const std::string& description,
                                              std::chrono::milliseconds timeout);

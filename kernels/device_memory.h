@@ -67,7 +67,8 @@ void synchronize();  // waits for the compute stream
 // Note [Host syncs]
 // Every place where the host waits for the device (synchronize(), the synchronous copy(),
 // wait_for_event(), the stream drain of empty_cache(), an NCCL Work that waits on the host, a
-// barrier's or the collective check's fingerprints', which polls its event) calls
+// barrier's, or the collective check's fingerprints' where they must go through the GPU (Note
+// [Host fingerprints] in dist/process_group_checked.cpp), which polls its event) calls
 // count_host_sync(), and host_syncs() says how many there were in this process, over every
 // thread and device. A training step should wait once, where the loss is read: the difference
 // of host_syncs() around a step is what tests/test_gpu_dist.cpp and benchmarks/gpu report.

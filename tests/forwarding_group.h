@@ -24,6 +24,7 @@ class ForwardingGroup : public dist::ProcessGroup {
   std::string backend_name() const override { return inner_->backend_name(); }
   Device device() const override { return inner_->device(); }
   bool collectives_run_in_wait() const override { return inner_->collectives_run_in_wait(); }
+  void issue_queued_point_to_point() override { inner_->issue_queued_point_to_point(); }
   std::string all_reduce_algorithm() const override { return inner_->all_reduce_algorithm(); }
   Tensor new_collective_buffer(int64_t numel, DType dtype, Device device) override {
     return inner_->new_collective_buffer(numel, dtype, device);

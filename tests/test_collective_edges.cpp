@@ -4,8 +4,10 @@
 // timeouts that end every wait.
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <thread>
 
@@ -13,6 +15,7 @@
 #include "dist/shm_fingerprints.h"
 #include "tests/collectives_cases.h"
 #include "tests/dist_ranks.h"
+#include "tests/forwarding_group.h"
 
 using namespace nanoddp;
 using namespace nanoddp::dist;
@@ -257,8 +260,17 @@ namespace {
 // A checked shm group whose fingerprints travel through a CPU group of their own, as init gives
 // an NCCL group (Note [Host fingerprints] in dist/process_group_checked.cpp): shm when
 // fingerprints_over_gloo is false (one machine), else Gloo's sockets (across machines).
+// The backend, as the check sees it: counts the calls that ask it to issue held-back send/recv.
+class FlushCountingGroup : public testing::ForwardingGroup {
+ public:
+  using ForwardingGroup::ForwardingGroup;
+  void issue_queued_point_to_point() override { ++flushes; }
+  std::atomic<int> flushes{0};
+};
+
 struct BesideChecked {
   std::shared_ptr<ProcessGroup> inner, fingerprints, checked;
+  std::shared_ptr<FlushCountingGroup> backend;  // inner, watched
 };
 BesideChecked checked_beside(std::shared_ptr<TCPStore> store, int rank, int world, int port,
                              std::chrono::milliseconds timeout, bool fingerprints_over_gloo) {
@@ -280,7 +292,8 @@ BesideChecked checked_beside(std::shared_ptr<TCPStore> store, int rank, int worl
   } else {
     groups.fingerprints = make_host_fingerprint_group(store, "fingerprints/", rank, world, "127.0.0.1", port, timeout);
   }
-  groups.checked = make_checked_process_group(groups.inner, timeout, groups.fingerprints);
+  groups.backend = std::make_shared<FlushCountingGroup>(groups.inner);
+  groups.checked = make_checked_process_group(groups.backend, timeout, groups.fingerprints);
   return groups;
 }
 
@@ -306,6 +319,54 @@ TEST_CASE("with the fingerprints in a CPU group beside the backend (as on NCCL),
              " all_reduces (want 0 and 2); the fingerprint group ", exchanged.calls, " all_gathers (want 9)");
     });
   }
+}
+
+TEST_CASE("with the fingerprints in a CPU group beside the backend, collectives start without anyone waiting") {
+  // Note [Host fingerprints]: the check's worker starts each collective once the fingerprints
+  // agree (an NCCL bucket's all_reduce is launched while backward goes on), and held-back
+  // send/recv go out at the call.
+  on_2_and_4_ranks([](int rank, int world, int port) {
+    if (testing::under_mpirun()) return;
+    auto store = rank_store(rank, world, port);
+    const BesideChecked groups = checked_beside(store, rank, world, port, 20s, /*fingerprints_over_gloo=*/false);
+    Tensor a = Tensor::full({3}, static_cast<float>(rank + 1)), b = Tensor::full({4}, 1.0f);
+    auto first = groups.checked->all_reduce(a);
+    auto second = groups.checked->all_reduce(b);
+    expect(groups.backend->flushes == 2, "rank ", rank, ": the backend was asked to issue its held-back send/recv ",
+           groups.backend->flushes.load(), " times at 2 calls");
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (groups.inner->count(Collective::AllReduce).calls < 2 && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(1ms);
+    expect(groups.inner->count(Collective::AllReduce).calls == 2, "rank ", rank, ": ",
+           groups.inner->count(Collective::AllReduce).calls, " of 2 all_reduces started before any wait");
+    // The backend is shm here, whose collectives run in a wait: the data is summed below.
+    first->wait();
+    second->wait();
+    expect_floats(a, std::vector<double>(3, world * (world + 1) / 2.0), "first all_reduce");
+    expect_floats(b, std::vector<double>(4, world), "second all_reduce");
+  });
+}
+
+TEST_CASE("with the fingerprints in a CPU group beside the backend, a lost peer is named in the check's words") {
+  on_2_and_4_ranks([](int rank, int world, int port) {
+    if (testing::under_mpirun()) return;
+    auto store = rank_store(rank, world, port);
+    const BesideChecked groups = checked_beside(store, rank, world, port, 20s, /*fingerprints_over_gloo=*/false);
+    groups.checked->barrier()->wait();
+    if (rank == world - 1) std::_Exit(0);  // gone without a word, as a killed rank
+    Tensor t = Tensor::ones({4});
+    try {
+      groups.checked->all_reduce(t)->wait();
+      expect(false, "rank ", rank, ": the all_reduce returned without rank ", world - 1);
+    } catch (const DistError& e) {
+      const std::string what = e.what();
+      expect(what.find("all_reduce(sum) of [4] float32") != std::string::npos &&
+                 what.find("the collective check's fingerprint exchange (through shared memory) failed") !=
+                     std::string::npos &&
+                 what.find("shm all_gather") == std::string::npos,
+             "rank ", rank, ": the error does not read as the check's exchange for the all_reduce: ", what);
+    }
+  });
 }
 
 TEST_CASE("with the fingerprints in a CPU group beside the backend, a peer that never calls is named by the timeout") {
@@ -391,6 +452,31 @@ TEST_CASE("a peer that never calls the collective ends every wait by the group's
   });
 }
 
+TEST_CASE("a timeout of milliseconds::max() means none: the group, its waits and the store work as usual") {
+  // Note [Long timeouts]: added to a clock it overflowed into a deadline in the past (Gloo
+  // failed every collective at once), and as poll's int milliseconds it wrapped.
+  on_2_and_4_ranks([](int rank, int world, int port) {
+    constexpr auto kNever = std::chrono::milliseconds::max();
+    auto pg = testing::join(rank, world, port, kNever);
+    if (rank == 1) std::this_thread::sleep_for(300ms);  // the others wait for it, and keep waiting
+    Tensor t = Tensor::full({5}, static_cast<float>(rank + 1));
+    pg->all_reduce(t)->wait(kNever);
+    expect_floats(t, std::vector<double>(5, world * (world + 1) / 2.0), "all_reduce with no timeout");
+    pg->barrier()->wait();
+    if (!testing::under_mpirun()) {  // MPI's group has no store
+      Store& store = pg->store();
+      if (rank == 0) {
+        std::this_thread::sleep_for(200ms);
+        store.set("late", std::string("1"));
+      }
+      store.wait({"late"}, kNever);
+      expect(store.get_string("late") == "1", "rank ", rank, ": the store's value");
+    }
+    pg->barrier()->wait(kNever);
+    testing::leave();
+  });
+}
+
 TEST_CASE(
     "the counters count each call once, with the collective check off too; a call refused for its arguments "
     "is not counted") {
@@ -431,7 +517,7 @@ TEST_CASE("the mismatch and timeout cases pass on the shm backend too (this file
   if (testing::under_mpirun() || std::getenv("NANODDP_TEST_BACKEND") != nullptr) return;
   const testing::RunResult r = testing::rerun_with_backend(
       "tests/test_collective_edges", "shm",
-      "'--test-case=ranks that call different*,a peer that never calls*,the counters count*'",
+      "'--test-case=ranks that call different*,a peer that never calls*,the counters count*,a timeout of*'",
       std::chrono::seconds(120));
   CHECK_MESSAGE(r.code() == 0, "shm run failed:\n", r.out, r.err);
 }

@@ -105,7 +105,10 @@ struct Pool {
   }
   // Caller has made the device current and holds no mutex.
   static void release(const std::multimap<size_t, void*>& blocks) {
-    for (const auto& [size, ptr] : blocks) cudaFree(ptr);
+    // A failure is nobody's to report (the block is gone either way): cleared, so that the
+    // next launch check does not report it as its kernel's.
+    for (const auto& [size, ptr] : blocks)
+      if (cudaFree(ptr) != cudaSuccess) (void)cudaGetLastError();
   }
 };
 
@@ -304,7 +307,9 @@ void* create_event() {
 }
 
 void destroy_event(void* event) {
-  if (event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event));  // nothing to do about a failure here
+  // Nothing to do about a failure here but clear it, so that the next launch check does not
+  // report it as its kernel's.
+  if (event != nullptr && cudaEventDestroy(static_cast<cudaEvent_t>(event)) != cudaSuccess) (void)cudaGetLastError();
 }
 
 void record_event(void* event) { NANODDP_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), stream())); }
