@@ -27,6 +27,7 @@
 
 #include "core/error.h"
 #include "dist/deadline.h"
+#include "dist/detail.h"
 #include "dist/launcher_link.h"
 #include "dist/launch_detail.h"
 #include "dist/output_relay.h"
@@ -34,6 +35,20 @@
 namespace nanoddp::dist {
 
 using namespace launch_detail;
+
+namespace {
+
+// What a rank that stays alive after its peers lost it is doing, from its /proc state.
+std::string stuck_state(int pid) {
+  switch (detail::process_state(pid)) {
+    case 'T': return "stopped: SIGSTOP or Ctrl-Z";
+    case 't': return "stopped by a debugger";
+    case 'D': return "in uninterruptible I/O: a slow disk or network file system?";
+    default: return "not stopped: hung or looping?";
+  }
+}
+
+}  // namespace
 
 void ChildGroup::read_failure_reports() {
   char buffer[4096];
@@ -306,12 +321,14 @@ Outcome ChildGroup::wait() {
         outcome.failed_status = first->status;
         first->named = true;
         // The rank it lost never ended by itself: alive but stuck (stopped, hung in a system
-        // call, looping). Said, since the failure named is then only the first symptom.
+        // call, looping). Said, with what /proc tells of it, since the failure named is then
+        // only the first symptom.
         std::string stuck = running == nullptr
                                 ? ""
                                 : "; " + running->name + " (pid " + std::to_string(running->pid) +
                                       "), which it lost, was still running " +
-                                      format_ms(options_.grace_period) + " later (stopped or hung?)";
+                                      format_ms(options_.grace_period) + " later (" +
+                                      stuck_state(running->pid) + ")";
         // A rank that ended with status 0 while the others ran is a success to the launcher
         // (as to torchrun), but the others wait for it in their next collective or rendezvous:
         // said, since it is often why they failed.

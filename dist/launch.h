@@ -23,8 +23,9 @@
 //      dist/launcher_link.h), and the launcher names the lost rank instead when that one failed
 //      too, following the chain; a lost rank still running gets up to `grace_period` to end by
 //      itself (its connections close before it exits) before the job is stopped; one still
-//      running then is said to be stuck ("stopped or hung?") after the rank named. A rank that
-//      meanwhile exits non-zero on its own is named too
+//      running then is said to be stuck after the rank named, with its state from /proc
+//      ("stopped: SIGSTOP or Ctrl-Z", "not stopped: hung or looping?"). A rank that meanwhile
+//      exits non-zero on its own is named too
 //      ("rank 0 (pid 4241) also failed: exit code 1 (it lost rank 1)"); one that exits 128 + n
 //      after the signal n the launcher sent it (bash's and Python's way to end by a signal
 //      they handle) did as asked and is not.

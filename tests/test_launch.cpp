@@ -1727,7 +1727,7 @@ TEST_CASE("nanoddp-run: a rank that fails by losing a stopped rank is named, and
                           60s);
   CHECK_MESSAGE(r.code() == 1, r.err);
   CHECK_MESSAGE(contains(r.err, ") failed: exit code 1 (it lost rank 1); rank 1 (pid "), r.err);
-  CHECK_MESSAGE(contains(r.err, "), which it lost, was still running 1 s later (stopped or hung?)"), r.err);
+  CHECK_MESSAGE(contains(r.err, "), which it lost, was still running 1 s later (stopped: SIGSTOP or Ctrl-Z)"), r.err);
 }
 
 TEST_CASE(
