@@ -1,7 +1,12 @@
 #include "dist/check_worker.h"
 
 #include <algorithm>
+#include <condition_variable>
+#include <deque>
 #include <exception>
+#include <mutex>
+#include <system_error>
+#include <thread>
 #include <utility>
 
 #include "core/error.h"
@@ -28,6 +33,13 @@ struct Outcome {
       done = true;
     }
     done_cv.notify_all();
+  }
+  void fail_destroyed(const std::string& description) {
+    try {
+      NANODDP_THROW(DistError, description, ": the process group was destroyed before this collective started");
+    } catch (...) {
+      finish(nullptr, std::current_exception());
+    }
   }
 };
 
@@ -72,32 +84,87 @@ class GuardedWork : public Work {
 
 }  // namespace
 
-struct CheckWorker::Task {
-  CollectiveGuard guard;
-  std::function<std::shared_ptr<Work>()> start;
-  std::string description;
-  std::shared_ptr<Outcome> outcome;
+struct CheckWorker::Shared {
+  struct Task {
+    CollectiveGuard guard;
+    std::function<std::shared_ptr<Work>()> start;
+    std::string description;
+    std::shared_ptr<Outcome> outcome;
+  };
+
+  std::shared_ptr<ProcessGroup> fingerprints;
+  std::chrono::milliseconds timeout{};
+  std::mutex mutex;
+  std::condition_variable wake;
+  std::deque<Task> queue;  // guarded by mutex
+  bool stopping = false;   // guarded by mutex
+  bool busy = false;       // guarded by mutex: a task is in hand
+
+  void run() {
+    while (true) {
+      Task task;
+      {
+        std::unique_lock<std::mutex> lock(mutex);
+        busy = false;
+        wake.wait(lock, [&] { return stopping || !queue.empty(); });
+        if (queue.empty()) return;  // stopping, and nothing left
+        task = std::move(queue.front());
+        queue.pop_front();
+        busy = true;
+      }
+      std::shared_ptr<Work> started;
+      std::exception_ptr error;
+      try {
+        const std::vector<int64_t> table =
+            all_gather_fingerprints(*fingerprints, task.guard.fingerprint, task.description, timeout);
+        task.guard.verify(table);
+        bool stopped = false;
+        {
+          std::lock_guard<std::mutex> lock(mutex);
+          stopped = stopping;
+        }
+        if (stopped) {
+          task.outcome->fail_destroyed(task.description);
+          continue;
+        }
+        const CollectiveCalledEarlier called_earlier;
+        started = task.start();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      task.start = nullptr;  // its tensors go with it, here rather than when the Work goes
+      task.outcome->finish(std::move(started), std::move(error));
+    }
+  }
 };
 
 CheckWorker::CheckWorker(std::shared_ptr<ProcessGroup> fingerprints, std::chrono::milliseconds timeout)
-    : fingerprints_(std::move(fingerprints)), timeout_(timeout), thread_([this] { run(); }) {}
+    : shared_(std::make_shared<Shared>()) {
+  shared_->fingerprints = std::move(fingerprints);
+  shared_->timeout = timeout;
+  try {
+    thread_ = std::thread([shared = shared_] { shared->run(); });
+  } catch (const std::system_error& e) {
+    NANODDP_THROW(DistError, "the collective check could not start its thread: ", e.what());
+  }
+}
 
 CheckWorker::~CheckWorker() {
-  std::deque<Task> dropped;
+  std::deque<Shared::Task> dropped;
+  bool busy = false;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
-    dropped.swap(queue_);
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    shared_->stopping = true;
+    dropped.swap(shared_->queue);
+    busy = shared_->busy;  // idle now, it can only end: nothing is left to take
   }
-  wake_.notify_all();
-  for (Task& task : dropped) {
-    try {
-      NANODDP_THROW(DistError, task.description, ": the process group was destroyed before this collective started");
-    } catch (...) {
-      task.outcome->finish(nullptr, std::current_exception());
-    }
-  }
-  thread_.join();
+  shared_->wake.notify_all();
+  for (Shared::Task& task : dropped) task.outcome->fail_destroyed(task.description);
+  // An idle thread ends at once; joined, it lets go of the fingerprint group here, not later.
+  if (busy)
+    thread_.detach();
+  else
+    thread_.join();
 }
 
 std::shared_ptr<Work> CheckWorker::start_guarded(CollectiveGuard guard, std::function<std::shared_ptr<Work>()> start,
@@ -105,36 +172,11 @@ std::shared_ptr<Work> CheckWorker::start_guarded(CollectiveGuard guard, std::fun
   auto outcome = std::make_shared<Outcome>();
   auto work = std::make_shared<GuardedWork>(description, outcome);
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(Task{std::move(guard), std::move(start), std::move(description), std::move(outcome)});
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    shared_->queue.push_back(Shared::Task{std::move(guard), std::move(start), std::move(description), outcome});
   }
-  wake_.notify_one();
+  shared_->wake.notify_one();
   return work;
-}
-
-void CheckWorker::run() {
-  while (true) {
-    Task task;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and nothing left
-      task = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    std::shared_ptr<Work> started;
-    std::exception_ptr error;
-    try {
-      const std::vector<int64_t> table =
-          all_gather_fingerprints(*fingerprints_, task.guard.fingerprint, task.description, timeout_);
-      task.guard.verify(table);
-      started = task.start();
-    } catch (...) {
-      error = std::current_exception();
-    }
-    task.start = nullptr;  // its tensors go with it, here rather than when the Work goes
-    task.outcome->finish(std::move(started), std::move(error));
-  }
 }
 
 }  // namespace nanoddp::dist::detail

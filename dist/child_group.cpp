@@ -147,6 +147,9 @@ std::string format_ms(std::chrono::milliseconds ms) {
 using namespace launch_detail;
 
 ChildGroup::ChildGroup(Options options) : options_(std::move(options)), created_(Clock::now()) {
+  // Note [Long timeouts]: the output relay compares the grace period with a clock's nanoseconds.
+  options_.grace_period = detail::cap_timeout(options_.grace_period);
+  options_.timeout = detail::cap_timeout(options_.timeout);
   NANODDP_CHECK(g_signal_pipe[0] < 0, DistError,
                 "launch: another launch or spawn is already supervising children in this process");
   open_closed_standard_streams();

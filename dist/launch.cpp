@@ -419,7 +419,7 @@ class MpirunRanks {
     const auto kill_at = detail::deadline_after(grace_period);
     // A process stuck in the kernel (uninterruptible I/O) outlives even SIGKILL for a while:
     // the launcher waits that long again, then returns and says so.
-    const auto give_up_at = kill_at + std::max(grace_period, std::chrono::milliseconds(1000));
+    const auto give_up_at = detail::deadline_after(std::max(grace_period, std::chrono::milliseconds(1000)), kill_at);
     bool said = false;
     while (true) {
       std::set<pid_t> left;  // those still running: the rest are reaped here

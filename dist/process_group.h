@@ -130,6 +130,23 @@ struct CollectiveGuard {
   std::function<void(const std::vector<int64_t>& table)> verify;
 };
 
+// While one lives on a thread, the collectives started there leave the send/recv their group
+// holds back (NCCL: Note [NCCL point-to-point]) where they are: the collective check's worker
+// starts a collective later than its call, at which the caller issued them already, and what
+// is queued by then was called after the collective (Note [Host fingerprints] in
+// dist/process_group_checked.cpp). Nests.
+class CollectiveCalledEarlier {
+ public:
+  CollectiveCalledEarlier();
+  ~CollectiveCalledEarlier();
+  CollectiveCalledEarlier(const CollectiveCalledEarlier&) = delete;
+  CollectiveCalledEarlier& operator=(const CollectiveCalledEarlier&) = delete;
+  static bool active();  // on this thread
+
+ private:
+  bool previous_;
+};
+
 // What the calling thread's collectives are for while one lives: an FSDP unit's all_gather or
 // reduction, a DDP bucket's all-reduce (Note [Collective purpose] in
 // dist/process_group_checked.cpp). The collective check compares it with the rest of the
@@ -444,8 +461,10 @@ std::shared_ptr<ProcessGroup> make_nccl_process_group(std::shared_ptr<Store> sto
 // that the fingerprints travel through instead of inner's own collectives (Note [Host
 // fingerprints] in process_group_checked.cpp; init_process_group gives NCCL one, as
 // torch.distributed's ProcessGroupWrapper all-gathers its fingerprints on a Gloo group).
-// ValueError when inner is null, or when fingerprint_group is not a CPU group of inner's
-// rank and size.
+// ValueError when inner is null, when fingerprint_group is not a CPU group of inner's rank
+// and size, or when inner runs its collectives in the waiting thread (shm, shm+gloo): there one
+// ordered engine runs collectives and send/recv, and a collective started later by the check's
+// thread would fall behind the send/recv called after it.
 std::shared_ptr<ProcessGroup> make_checked_process_group(std::shared_ptr<ProcessGroup> inner,
                                                          std::chrono::milliseconds timeout,
                                                          std::shared_ptr<ProcessGroup> fingerprint_group = nullptr);

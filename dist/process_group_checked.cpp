@@ -67,7 +67,10 @@
 // before the call, and perhaps a few kernels after it (its temporaries come from the caching
 // allocator then, as free from that point of the stream on). The send/recv that NCCL holds back
 // to group them go out at the call (ProcessGroup::issue_queued_point_to_point), as at any
-// collective's call. Comparison and errors are the check's own; the exchange's failures read as
+// collective's call, and not again at the launch (CollectiveCalledEarlier): those queued by
+// then were called after the collective and go out with the calls around them. Only a backend
+// whose collectives progress on their own and apart from its send/recv can be started so
+// (NCCL, Gloo); shm's engine runs both in one order, in the waiting thread, and is refused. Comparison and errors are the check's own; the exchange's failures read as
 // the check's fingerprint exchange, not as a collective of the fingerprint group. Without a
 // fingerprint group (ranks on several machines and no Gloo in the build), the fingerprints go
 // through the GPU as described above.
@@ -609,7 +612,9 @@ class CheckedProcessGroup : public ProcessGroup {
                                 int64_t extra, std::function<std::shared_ptr<Work>()> start) {
     if (world_size_ == 1) return start();
     std::lock_guard<std::mutex> lock(state_->mutex);
-    std::vector<int64_t> mine = {++state_->seq,
+    // Taken once the call is queued: a call that fails before leaves the ranks in step.
+    const int64_t seq = state_->seq + 1;
+    std::vector<int64_t> mine = {seq,
                                  static_cast<int64_t>(kind),
                                  op,
                                  tensor.defined() ? static_cast<int64_t>(tensor.dtype()) : -1,
@@ -625,6 +630,7 @@ class CheckedProcessGroup : public ProcessGroup {
                               throw_on_mismatch(description, mine, table);
                             }};
       auto started = worker_->start_guarded(std::move(guard), std::move(start), description);
+      state_->seq = seq;
       return std::make_shared<FusedWork>(std::move(started), std::move(mine), state_);
     }
     // Note [Fused collective check]. Nothing is ever queued here on such a backend.
@@ -632,12 +638,15 @@ class CheckedProcessGroup : public ProcessGroup {
       CollectiveGuard guard{mine, [description = describe(what, tensor), mine](const std::vector<int64_t>& table) {
                               throw_on_mismatch(description, mine, table);
                             }};
-      if (auto fused = state_->inner->start_guarded(std::move(guard), start))
+      if (auto fused = state_->inner->start_guarded(std::move(guard), start)) {
+        state_->seq = seq;
         return std::make_shared<FusedWork>(std::move(fused), std::move(mine), state_);
+      }
     }
     auto work =
         std::make_shared<CheckedWork>(describe(what, tensor), std::move(mine), std::move(start), state_);
     state_->unsettled.push_back(work);
+    state_->seq = seq;
     state_->advance(nullptr, std::chrono::milliseconds(0));
     return work;
   }
@@ -649,6 +658,18 @@ class CheckedProcessGroup : public ProcessGroup {
 };
 
 }  // namespace
+
+namespace {
+thread_local bool collective_called_earlier = false;
+}  // namespace
+
+CollectiveCalledEarlier::CollectiveCalledEarlier() : previous_(collective_called_earlier) {
+  collective_called_earlier = true;
+}
+
+CollectiveCalledEarlier::~CollectiveCalledEarlier() { collective_called_earlier = previous_; }
+
+bool CollectiveCalledEarlier::active() { return collective_called_earlier; }
 
 CollectivePurpose::CollectivePurpose(Kind kind, size_t index) : previous_(current_purpose) {
   current_purpose = (static_cast<int64_t>(kind) << 32) | static_cast<int64_t>(index & 0xffffffffu);
@@ -697,6 +718,11 @@ std::shared_ptr<ProcessGroup> make_checked_process_group(std::shared_ptr<Process
                   ", rank ", fingerprint_group->rank(), "/", fingerprint_group->size(), " on ",
                   fingerprint_group->device(), ") is not a CPU group of the checked group's ranks (rank ",
                   inner->rank(), "/", inner->size(), ")");
+    NANODDP_CHECK(!inner->collectives_run_in_wait(), ValueError, "make_checked_process_group: a ",
+                  inner->backend_name(),
+                  " group runs its collectives and send/recv in one order, in the waiting thread: its "
+                  "collectives cannot be started later by the check's thread, so its fingerprints go "
+                  "through the group itself (no fingerprint group)");
   }
   return std::make_shared<CheckedProcessGroup>(std::move(inner), timeout, std::move(fingerprint_group));
 }

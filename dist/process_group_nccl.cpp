@@ -66,7 +66,10 @@
 // launched after an unwaited send can still wait so: run each kernel once before, or set
 // CUDA_MODULE_LOADING=EAGER. (2) An allocation the cache cannot serve calls cudaMalloc, and
 // after an out-of-memory the cache frees its blocks (cudaFree synchronizes the device). So every
-// collective allocates its temporaries before it issues the queued send/recv.
+// collective allocates its temporaries before it issues the queued send/recv. Under the
+// collective check's worker (Note [Host fingerprints] in dist/process_group_checked.cpp) the
+// send/recv go out at the call and the temporaries are allocated at the later launch: there an
+// out-of-memory retry while a send spins can still wait so.
 // Ordering: a send/recv group follows the compute stream, and its Work's wait() orders the
 // compute stream after it; it is not ordered after a collective still in flight, so, as for
 // every asynchronous call, wait on a collective before sending its result. A timeout or an
@@ -88,8 +91,9 @@
 // send. NCCL's answer is a group (ncclGroupStart ... ncclGroupEnd): its calls progress
 // together. So send() and recv() queue their call (detail::PointToPointQueue), and the queued
 // calls go out as one NCCL group at the first of: a Work of theirs is waited on, tested or
-// dropped; this group runs a collective; the group ends. Calls made back to back therefore form
-// one group, which torch.distributed.batch_isend_irecv asks its user to build by hand, and no
+// dropped; this group runs a collective (under the collective check: it is called); the group
+// ends. Calls made back to back therefore form one group, which
+// torch.distributed.batch_isend_irecv asks its user to build by hand, and no
 // call is left unsent: a send whose Work is dropped goes out at once, as
 // torch.distributed.isend's does, also when only a store barrier or exit follows. Issuing each
 // call at once instead would deadlock the exchange, which the Gloo, MPI and shm groups run as
@@ -167,8 +171,9 @@ AsyncState async_state(ncclResult_t result) {
 // be called from two threads at once, nor two communicators of one device, and the calls of an
 // ncclGroupStart/End group must all come from one thread. Here several threads do call in: a
 // Work's wait() or is_completed() on any thread polls ncclCommGetAsyncError and may abort; a
-// dropped send's Work issues its group from whichever thread drops it; the main thread issues
-// collectives (on the other communicator of the same device) meanwhile. So every NCCL call of
+// dropped send's Work issues its group from whichever thread drops it; the main thread, or the
+// collective check's worker (Note [Host fingerprints]), issues collectives (on the other
+// communicator of the same device) meanwhile. So every NCCL call of
 // every communicator in this process runs under one mutex, held for that single call (or one
 // whole group, start to end), never across a sleep between polls; in non-blocking mode
 // (Note [NCCL non-blocking]) no call waits on a peer, so the mutex is held briefly. It also
@@ -653,7 +658,7 @@ class ProcessGroupNccl : public ProcessGroup {
     NANODDP_CHECK(root >= 0 && root < world_size_, ValueError, what, ": root ", root,
                   " is not a rank of this group");
     count_call(Collective::Broadcast, tensor);
-    issue_queued_point_to_point();
+    issue_queued_before_collective();
     void* data = tensor.impl()->storage->data();
     return launch(*collectives_, what, {tensor}, [&](cudaStream_t s) {
       enqueue(*collectives_, what, [&](ncclComm_t comm) {
@@ -670,7 +675,7 @@ class ProcessGroupNccl : public ProcessGroup {
     // Allocated before the queued send/recv go out (Note [NCCL point-to-point], module loading
     // and memory).
     Tensor gathered = Tensor::empty({input.numel() * world_size_}, input.dtype(), device_);
-    issue_queued_point_to_point();
+    issue_queued_before_collective();
     std::vector<Tensor> keep = outputs;
     keep.push_back(input);
     keep.push_back(gathered);
@@ -697,7 +702,7 @@ class ProcessGroupNccl : public ProcessGroup {
     check_list("reduce_scatter", inputs, output);
     count_call(Collective::ReduceScatter, output);
     Tensor flat = Tensor::empty({output.numel() * world_size_}, output.dtype(), device_);  // as all_gather's
-    issue_queued_point_to_point();
+    issue_queued_before_collective();
     std::vector<Tensor> keep = inputs;
     keep.push_back(output);
     keep.push_back(flat);
@@ -750,7 +755,7 @@ class ProcessGroupNccl : public ProcessGroup {
  private:
   // all_reduce once its arguments are checked and counted (barrier's is not an all_reduce's).
   std::shared_ptr<detail::EventWork> issue_all_reduce(Tensor& tensor, ReduceOp op, const std::string& what) {
-    issue_queued_point_to_point();
+    issue_queued_before_collective();
     void* data = tensor.impl()->storage->data();
     const NanSafeReduction reduction = nan_safe(tensor.dtype(), op);  // Note [NCCL NaN]
     return launch(*collectives_, what, {tensor}, [&](cudaStream_t s) {
@@ -842,6 +847,13 @@ class ProcessGroupNccl : public ProcessGroup {
     NANODDP_CHECK(tag == 0, ValueError, what, ": NCCL has no message tags (messages between two ranks match by "
                   "order), so tag must be 0, got ", tag);
     return detail::PointToPointQueue::add(point_to_point_queue_, {tensor, peer, is_send});
+  }
+
+  // Every collective's first step: the send/recv called before it, unless its caller issued
+  // them already and this is the collective check's worker starting it later (Note [Host
+  // fingerprints]): what is queued now was called after it.
+  void issue_queued_before_collective() {
+    if (!CollectiveCalledEarlier::active()) issue_queued_point_to_point();
   }
 
   std::shared_ptr<Store> store_;

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <mutex>
 #include <thread>
 
 #include "core/error.h"
@@ -257,9 +258,6 @@ TEST_CASE("gloo: the same with the fingerprints over Gloo's sockets, as between 
 
 namespace {
 
-// A checked shm group whose fingerprints travel through a CPU group of their own, as init gives
-// an NCCL group (Note [Host fingerprints] in dist/process_group_checked.cpp): shm when
-// fingerprints_over_gloo is false (one machine), else Gloo's sockets (across machines).
 // The backend, as the check sees it: counts the calls that ask it to issue held-back send/recv.
 class FlushCountingGroup : public testing::ForwardingGroup {
  public:
@@ -268,6 +266,44 @@ class FlushCountingGroup : public testing::ForwardingGroup {
   std::atomic<int> flushes{0};
 };
 
+// Holds send/recv back and issues them as one group, as NCCL's group does (Note [NCCL
+// point-to-point]): at issue_queued_point_to_point(), and first thing in a collective unless
+// the collective check's worker starts it later than its call (CollectiveCalledEarlier). The
+// send/recv themselves go nowhere: the test looks at how they were grouped.
+class GroupingGroup : public testing::ForwardingGroup {
+ public:
+  using ForwardingGroup::ForwardingGroup;
+  std::shared_ptr<Work> send(const Tensor&, int, int) override { return queue(); }
+  std::shared_ptr<Work> recv(Tensor&, int, int) override { return queue(); }
+  void issue_queued_point_to_point() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (queued_ > 0) groups_.push_back(queued_);
+    queued_ = 0;
+  }
+  std::shared_ptr<Work> all_reduce(Tensor& t, ReduceOp op) override {
+    if (!CollectiveCalledEarlier::active()) issue_queued_point_to_point();
+    return inner_->all_reduce(t, op);
+  }
+  std::vector<int> groups() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return groups_;
+  }
+
+ private:
+  std::shared_ptr<Work> queue() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++queued_;
+    return std::make_shared<CompletedWork>();
+  }
+  std::mutex mutex_;
+  int queued_ = 0;
+  std::vector<int> groups_;  // the size of each group issued
+};
+
+// A checked Gloo group whose fingerprints travel through a CPU group of their own, as init
+// gives an NCCL group (Note [Host fingerprints] in dist/process_group_checked.cpp): Gloo, like
+// NCCL, runs its collectives on its own and apart from send/recv. The fingerprint group is shm
+// when fingerprints_over_gloo is false (one machine), else Gloo's sockets (across machines).
 struct BesideChecked {
   std::shared_ptr<ProcessGroup> inner, fingerprints, checked;
   std::shared_ptr<FlushCountingGroup> backend;  // inner, watched
@@ -275,12 +311,13 @@ struct BesideChecked {
 BesideChecked checked_beside(std::shared_ptr<TCPStore> store, int rank, int world, int port,
                              std::chrono::milliseconds timeout, bool fingerprints_over_gloo) {
   BesideChecked groups;
-  ShmOptions shm;
-  shm.rank = rank;
-  shm.world_size = world;
-  shm.timeout = timeout;
-  shm.store_prefix = "inner/";
-  groups.inner = make_shm_process_group(store, shm);
+  GlooOptions inner;
+  inner.rank = rank;
+  inner.world_size = world;
+  inner.master_port = port;
+  inner.timeout = timeout;
+  inner.store_prefix = "inner/";
+  groups.inner = make_gloo_process_group(store, inner);
   if (fingerprints_over_gloo) {
     GlooOptions gloo;
     gloo.rank = rank;
@@ -339,12 +376,84 @@ TEST_CASE("with the fingerprints in a CPU group beside the backend, collectives 
       std::this_thread::sleep_for(1ms);
     expect(groups.inner->count(Collective::AllReduce).calls == 2, "rank ", rank, ": ",
            groups.inner->count(Collective::AllReduce).calls, " of 2 all_reduces started before any wait");
-    // The backend is shm here, whose collectives run in a wait: the data is summed below.
     first->wait();
     second->wait();
     expect_floats(a, std::vector<double>(3, world * (world + 1) / 2.0), "first all_reduce");
     expect_floats(b, std::vector<double>(4, world), "second all_reduce");
   });
+}
+
+TEST_CASE("with the fingerprints beside the backend, send/recv called after a collective go out as one group") {
+  // The worker starts the all_reduce while this rank is between its send and its recv; the
+  // two must still go out together (were they split, both ranks' sends would wait for recvs
+  // queued behind them: Note [NCCL point-to-point]).
+  on_2_and_4_ranks([](int rank, int world, int port) {
+    if (testing::under_mpirun()) return;
+    auto store = rank_store(rank, world, port);
+    const BesideChecked groups = checked_beside(store, rank, world, port, 20s, /*fingerprints_over_gloo=*/false);
+    auto grouping = std::make_shared<GroupingGroup>(groups.inner);
+    auto checked = make_checked_process_group(grouping, 20s, groups.fingerprints);
+    Tensor a = Tensor::ones({3}), out = Tensor::ones({4}), in = Tensor::zeros({4});
+    const int peer = (rank + 1) % world;
+    if (rank == world - 1) std::this_thread::sleep_for(100ms);  // the last to call: the others wait for it
+    auto reduced = checked->all_reduce(a);
+    checked->send(out, peer);
+    std::this_thread::sleep_for(300ms);  // host work between the two calls
+    checked->recv(in, (rank + world - 1) % world);
+    grouping->issue_queued_point_to_point();  // what a wait on them does
+    reduced->wait();
+    expect_floats(a, std::vector<double>(3, world), "all_reduce");
+    const std::vector<int> sizes = grouping->groups();
+    std::string seen;
+    for (int n : sizes) seen += std::to_string(n) + " ";
+    expect(sizes == std::vector<int>{2}, "rank ", rank, ": send and recv went out in groups of sizes ", seen);
+  });
+}
+
+TEST_CASE("with the fingerprints beside the backend, destroying the group does not wait for an exchange under way") {
+  on_2_and_4_ranks([](int rank, int world, int port) {
+    if (testing::under_mpirun()) return;
+    auto store = rank_store(rank, world, port);
+    BesideChecked groups = checked_beside(store, rank, world, port, 3s, /*fingerprints_over_gloo=*/false);
+    if (rank != 0) {
+      std::this_thread::sleep_for(1500ms);  // alive, but never calls the all_reduce
+      return;
+    }
+    Tensor a = Tensor::ones({3});
+    auto never_matched = groups.checked->all_reduce(a);
+    std::this_thread::sleep_for(100ms);  // the worker is in the exchange
+    const auto start = std::chrono::steady_clock::now();
+    groups.checked.reset();
+    expect(milliseconds_since(start) < 500, "rank 0: destroying the group took ", milliseconds_since(start), " ms");
+    // The exchange ends when the peers exit (or by the timeout), and the call is never started.
+    try {
+      never_matched->wait();
+      expect(false, "rank 0: a call no peer made completed");
+    } catch (const DistError&) {
+    }
+    expect(groups.inner->count(Collective::AllReduce).calls == 0, "rank 0: the backend started the all_reduce");
+  });
+}
+
+TEST_CASE("a fingerprint group beside shm is refused: shm runs collectives and send/recv in one order") {
+  if (testing::under_mpirun()) return;
+  TCPStoreOptions options;
+  options.port = 0;  // a free one
+  options.is_server = true;
+  options.world_size = 1;
+  options.rank = 0;
+  auto store = std::make_shared<TCPStore>(options);
+  ShmOptions inner, beside;
+  inner.store_prefix = "inner/";
+  beside.store_prefix = "beside/";
+  try {
+    make_checked_process_group(make_shm_process_group(store, inner), 1s, make_shm_process_group(store, beside));
+    FAIL("accepted");
+  } catch (const ValueError& e) {
+    CHECK_MESSAGE(std::string(e.what()).find("a shm group runs its collectives and send/recv in one order") !=
+                      std::string::npos,
+                  e.what());
+  }
 }
 
 TEST_CASE("with the fingerprints in a CPU group beside the backend, a lost peer is named in the check's words") {
