@@ -310,22 +310,19 @@ struct BesideChecked {
 };
 BesideChecked checked_beside(std::shared_ptr<TCPStore> store, int rank, int world, int port,
                              std::chrono::milliseconds timeout, bool fingerprints_over_gloo) {
-  BesideChecked groups;
-  GlooOptions inner;
-  inner.rank = rank;
-  inner.world_size = world;
-  inner.master_port = port;
-  inner.timeout = timeout;
-  inner.store_prefix = "inner/";
-  groups.inner = make_gloo_process_group(store, inner);
-  if (fingerprints_over_gloo) {
+  const auto gloo_group = [&](const std::string& prefix) {
     GlooOptions gloo;
     gloo.rank = rank;
     gloo.world_size = world;
     gloo.master_port = port;
     gloo.timeout = timeout;
-    gloo.store_prefix = "fingerprints/gloo/";
-    groups.fingerprints = make_gloo_process_group(store, gloo);
+    gloo.store_prefix = prefix;
+    return make_gloo_process_group(store, gloo);
+  };
+  BesideChecked groups;
+  groups.inner = gloo_group("inner/");
+  if (fingerprints_over_gloo) {
+    groups.fingerprints = gloo_group("fingerprints/gloo/");
   } else {
     groups.fingerprints = make_host_fingerprint_group(store, "fingerprints/", rank, world, "127.0.0.1", port, timeout);
   }
