@@ -10,8 +10,10 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/memory.h"
 #include "dist/deadline.h"
-#include "dist/shm_fingerprints.h"
+#include "dist/host_fingerprints.h"
+#include "dist/nccl_protocol.h"
 
 namespace nanoddp::dist::detail {
 
@@ -55,13 +57,21 @@ class GuardedWork : public Work {
       std::unique_lock<std::mutex> lock(outcome_->mutex);
       const bool done =
           outcome_->done_cv.wait_until(lock, deadline_after(timeout, begin), [&] { return outcome_->done; });
-      NANODDP_CHECK(done, TimeoutError, description_, ": did not start within ", timeout.count(),
-                    " ms: the collective check still waits for the other ranks to reach it (a peer may have "
-                    "exited, be stuck, or issue fewer collectives)");
+      NANODDP_CHECK(done, TimeoutError, description_, ": not started within ", timeout.count(),
+                    " ms: the collective check was still comparing it with the other ranks' calls, or "
+                    "starting it (a peer may have exited, be stuck, or issue fewer collectives)");
       if (outcome_->error) std::rethrow_exception(outcome_->error);
       started = outcome_->started;
     }
-    const auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - begin);
+    // A stream-ordered NCCL wait does not block the host: its timeout is the watchdog's
+    // deadline, counted from the launch (Work::wait), not what the exchange left of this one.
+    const auto* on_device = dynamic_cast<const EventWork*>(started.get());
+    if (on_device != nullptr && on_device->waits() == EventWork::Waits::StreamOrdered) {
+      started->wait(timeout);
+      return;
+    }
+    const auto spent =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - begin);
     // At least 1 ms: 0 would mean the group's whole timeout (effective_wait_timeout).
     started->wait(std::max(timeout - spent, std::chrono::milliseconds(1)));
   }
@@ -90,6 +100,7 @@ struct CheckWorker::Shared {
     std::function<std::shared_ptr<Work>()> start;
     std::string description;
     std::shared_ptr<Outcome> outcome;
+    MemoryCategory category = MemoryCategory::Other;  // the caller's, for the collective's temporaries
   };
 
   std::shared_ptr<ProcessGroup> fingerprints;
@@ -99,6 +110,9 @@ struct CheckWorker::Shared {
   std::deque<Task> queue;  // guarded by mutex
   bool stopping = false;   // guarded by mutex
   bool busy = false;       // guarded by mutex: a task is in hand
+  // The start of the task in hand, guarded by mutex: the group's end takes it, so that the
+  // backend it holds goes with the group, not with a thread left to end by itself.
+  std::function<std::shared_ptr<Work>()> in_hand_start;
 
   void run() {
     while (true) {
@@ -110,29 +124,38 @@ struct CheckWorker::Shared {
         if (queue.empty()) return;  // stopping, and nothing left
         task = std::move(queue.front());
         queue.pop_front();
+        in_hand_start = std::move(task.start);
         busy = true;
       }
-      std::shared_ptr<Work> started;
       std::exception_ptr error;
       try {
         const std::vector<int64_t> table =
             all_gather_fingerprints(*fingerprints, task.guard.fingerprint, task.description, timeout);
         task.guard.verify(table);
-        bool stopped = false;
-        {
-          std::lock_guard<std::mutex> lock(mutex);
-          stopped = stopping;
-        }
-        if (stopped) {
-          task.outcome->fail_destroyed(task.description);
-          continue;
-        }
-        const CollectiveCalledEarlier called_earlier;
-        started = task.start();
       } catch (...) {
         error = std::current_exception();
       }
-      task.start = nullptr;  // its tensors go with it, here rather than when the Work goes
+      std::function<std::shared_ptr<Work>()> start;
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        start = std::move(in_hand_start);
+        in_hand_start = nullptr;
+      }
+      if (!error && !start) {  // the group ended meanwhile: never started
+        task.outcome->fail_destroyed(task.description);
+        continue;
+      }
+      std::shared_ptr<Work> started;
+      if (!error) {
+        try {
+          const MemoryCategoryScope category(task.category);
+          const CollectiveCalledEarlier called_earlier;
+          started = start();
+        } catch (...) {
+          error = std::current_exception();
+        }
+      }
+      start = nullptr;  // its tensors go with it, here rather than when the Work goes
       task.outcome->finish(std::move(started), std::move(error));
     }
   }
@@ -151,11 +174,14 @@ CheckWorker::CheckWorker(std::shared_ptr<ProcessGroup> fingerprints, std::chrono
 
 CheckWorker::~CheckWorker() {
   std::deque<Shared::Task> dropped;
+  std::function<std::shared_ptr<Work>()> in_hand;  // let go of here, after the lock
   bool busy = false;
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);
     shared_->stopping = true;
     dropped.swap(shared_->queue);
+    in_hand = std::move(shared_->in_hand_start);
+    shared_->in_hand_start = nullptr;
     busy = shared_->busy;  // idle now, it can only end: nothing is left to take
   }
   shared_->wake.notify_all();
@@ -167,13 +193,15 @@ CheckWorker::~CheckWorker() {
     thread_.join();
 }
 
-std::shared_ptr<Work> CheckWorker::start_guarded(CollectiveGuard guard, std::function<std::shared_ptr<Work>()> start,
+std::shared_ptr<Work> CheckWorker::start_guarded(CollectiveGuard guard,
+                                                 std::function<std::shared_ptr<Work>()> start,
                                                  std::string description) {
   auto outcome = std::make_shared<Outcome>();
   auto work = std::make_shared<GuardedWork>(description, outcome);
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);
-    shared_->queue.push_back(Shared::Task{std::move(guard), std::move(start), std::move(description), outcome});
+    shared_->queue.push_back(Shared::Task{std::move(guard), std::move(start), std::move(description), outcome,
+                                          current_memory_category()});
   }
   shared_->wake.notify_one();
   return work;

@@ -44,6 +44,8 @@ std::string stuck_state(int pid) {
     case 'T': return "stopped: SIGSTOP or Ctrl-Z";
     case 't': return "stopped by a debugger";
     case 'D': return "in uninterruptible I/O: a slow disk or network file system?";
+    case 'Z': return "exiting";
+    case '\0': return "state unknown: /proc does not say";
     default: return "not stopped: hung or looping?";
   }
 }

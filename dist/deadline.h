@@ -25,7 +25,8 @@ inline std::chrono::milliseconds cap_timeout(std::chrono::milliseconds timeout) 
 }
 
 inline std::chrono::steady_clock::time_point deadline_after(
-    std::chrono::milliseconds timeout, std::chrono::steady_clock::time_point from = std::chrono::steady_clock::now()) {
+    std::chrono::milliseconds timeout,
+    std::chrono::steady_clock::time_point from = std::chrono::steady_clock::now()) {
   using TimePoint = std::chrono::steady_clock::time_point;
   if (timeout.count() <= 0) return from;
   const auto room = std::chrono::duration_cast<std::chrono::milliseconds>(TimePoint::max() - from);

@@ -12,9 +12,9 @@
 #include "core/error.h"
 #include "core/trace.h"
 #include "dist/detail.h"
+#include "dist/host_fingerprints.h"
 #include "dist/host_staging.h"
 #include "dist/launcher_link.h"
-#include "dist/shm_fingerprints.h"
 #include "dist/store_wire.h"
 #include "kernels/kernels.h"
 
@@ -419,9 +419,20 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
       group = make_nccl_process_group(store, nccl);
       // The check's fingerprints stay on the host (Note [Host fingerprints]).
       const std::string fingerprints_prefix = "check-fingerprints/" + std::to_string(groups_initialised) + "/";
-      if (check_collectives)
-        fingerprint_group = make_host_fingerprint_group(store, fingerprints_prefix, rank, world_size, master.host,
-                                                        store->port(), options.timeout);
+      if (check_collectives) {
+        try {
+          fingerprint_group = make_host_fingerprint_group(store, fingerprints_prefix, rank, world_size,
+                                                          master.host, store->port(), options.timeout);
+        } catch (const TimeoutError& e) {
+          NANODDP_THROW(TimeoutError, detail::where(rank, world_size),
+                        ": the collective check's fingerprint group for NCCL (shared memory on one machine, Gloo "
+                        "across machines): ", message_of(e), "; NANODDP_CHECK_COLLECTIVES=0 goes without it");
+        } catch (const DistError& e) {
+          NANODDP_THROW(DistError, detail::where(rank, world_size),
+                        ": the collective check's fingerprint group for NCCL (shared memory on one machine, Gloo "
+                        "across machines): ", message_of(e), "; NANODDP_CHECK_COLLECTIVES=0 goes without it");
+        }
+      }
     } else if (backend == Backend::Shm) {
       ShmOptions shm;
       shm.rank = rank;

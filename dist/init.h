@@ -66,7 +66,8 @@ struct InitOptions {
 // (torch.distributed.init_process_group). A CPU group (Gloo, MPI) also takes CUDA tensors,
 // staged through pinned host memory (dist/host_staging.h), so several ranks can share a GPU.
 // Under a launcher, also ends this process when the launcher dies (Note [Launcher link] in
-// dist/launcher_link.h). A Gloo group (gloo, shm+gloo) makes the process ignore SIGPIPE
+// dist/launcher_link.h). A Gloo group (gloo, shm+gloo, and the collective check's fingerprint
+// group of an NCCL job across machines) makes the process ignore SIGPIPE
 // unless it handles it itself, as Python does for torch (Note [Gloo and SIGPIPE]); programs it
 // then starts (system, popen) inherit that: restore SIGPIPE in the child if one needs it. Throws ValueError
 // for a missing or malformed variable (named), rank outside [0, world_size) (naming where each came from:

@@ -272,6 +272,7 @@ class EventWork : public Work {
 
   // Before the first wait().
   void set_waits(Waits waits) { waits_ = waits; }
+  Waits waits() const { return waits_; }
 
  private:
   void wait_on_host(std::chrono::milliseconds timeout);

@@ -21,9 +21,10 @@
 //    not anyone waited on it.
 //  - wait(timeout) throws TimeoutError when the work has not finished within the earlier of
 //    timeout and the group's timeout (InitOptions::timeout; wait(0ms) waits for that one alone,
-//    as torch's), and DistError when it failed (NCCL: wait() returns at once, and its watchdog
-//    keeps the timeout, Work::wait); with the collective check, up to one second
-//    more (at most the timeout again) goes to asking the store which rank never came.
+//    as torch's), and DistError when it failed (NCCL: wait() returns once every rank has called
+//    the collective, and its watchdog keeps the timeout, Work::wait); with the collective
+//    check, up to one second more (at most the timeout again) goes to asking the store which
+//    rank never came.
 //    After either error the group is unusable (a peer is gone or out of step) and the job should
 //    exit, as after a c10d timeout. An MPI rank with a request still unfinished at exit
 //    skips MPI_Finalize (it would wait for the dead peer forever).
@@ -134,7 +135,8 @@ struct CollectiveGuard {
 // holds back (NCCL: Note [NCCL point-to-point]) where they are: the collective check's worker
 // starts a collective later than its call, at which the caller issued them already, and what
 // is queued by then was called after the collective (Note [Host fingerprints] in
-// dist/process_group_checked.cpp). Nests.
+// dist/process_group_checked.cpp). Nests. Internal: the check's worker and the NCCL group use it.
+namespace detail {
 class CollectiveCalledEarlier {
  public:
   CollectiveCalledEarlier();
@@ -146,6 +148,7 @@ class CollectiveCalledEarlier {
  private:
   bool previous_;
 };
+}  // namespace detail
 
 // What the calling thread's collectives are for while one lives: an FSDP unit's all_gather or
 // reduction, a DDP bucket's all-reduce (Note [Collective purpose] in
@@ -197,7 +200,10 @@ class Work {
   // is ordered before every later kernel on the compute stream. Calling wait() again returns at once (or
   // throws the same error).
   // NCCL, as torch's ProcessGroupNCCL by default: wait() only orders the compute stream after the
-  // collective and returns, so the host does not wait for the device (a barrier's wait() does). The
+  // collective and returns, so the host does not wait for the device (a barrier's wait() does);
+  // with the collective check (on by default) it first waits, on the host, for every rank to have
+  // called the collective (Note [Host fingerprints] in dist/process_group_checked.cpp), TimeoutError
+  // when one has not within the timeout. The
   // timeout, counted from the launch, is kept by a watchdog thread, which follows every collective,
   // waited on or not: past it, or on an NCCL error, it aborts the communicator and prints why. From
   // then on every call of the group throws DistError with that reason, and so does every host read
@@ -388,7 +394,7 @@ struct GlooOptions {
   std::string store_prefix;
   // When every rank is on this machine, the collective check's fingerprints travel through
   // shared memory instead of Gloo's sockets (Note [Shared-memory fingerprints] in
-  // dist/shm_fingerprints.cpp): a shm group of its own, made with this one. init_process_group
+  // dist/host_fingerprints.cpp): a shm group of its own, made with this one. init_process_group
   // sets it when the check is on.
   bool fingerprints_over_shm = false;
 };
@@ -464,7 +470,8 @@ std::shared_ptr<ProcessGroup> make_nccl_process_group(std::shared_ptr<Store> sto
 // ValueError when inner is null, when fingerprint_group is not a CPU group of inner's rank
 // and size, or when inner runs its collectives in the waiting thread (shm, shm+gloo): there one
 // ordered engine runs collectives and send/recv, and a collective started later by the check's
-// thread would fall behind the send/recv called after it.
+// thread would fall behind the send/recv called after it. DistError when the check's thread
+// cannot be started.
 std::shared_ptr<ProcessGroup> make_checked_process_group(std::shared_ptr<ProcessGroup> inner,
                                                          std::chrono::milliseconds timeout,
                                                          std::shared_ptr<ProcessGroup> fingerprint_group = nullptr);

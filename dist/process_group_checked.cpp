@@ -27,7 +27,7 @@
 // Where the backend runs its collectives in order on a thread of its own (Gloo), the
 // fingerprint all-gather, the comparison and the collective run as one task there
 // (ProcessGroup::start_guarded; Gloo all-gathers the fingerprints through shared memory when
-// its ranks share a machine, Note [Shared-memory fingerprints] in dist/shm_fingerprints.cpp):
+// its ranks share a machine, Note [Shared-memory fingerprints] in dist/host_fingerprints.cpp):
 // the caller's thread takes no part between them, and the collective starts the moment the
 // fingerprints are in, instead of at the caller's next poll or wait. The guarantees are the
 // same: every rank all-gathers the same fixed-size fingerprint, sees the same table, and on
@@ -52,28 +52,31 @@
 //
 // Note [Host fingerprints]
 // Through NCCL the fingerprints would go the GPU's way: copied to the device, all-gathered
-// there, and the table copied back for the host to compare: two host waits for the device per
-// collective, each draining the compute stream in the middle of backward, where DDP's step
-// otherwise never waits (Note [Host syncs] in kernels/device_memory.h). So init_process_group
-// gives the check of an NCCL group a CPU group of the same ranks for the fingerprints: shared
-// memory when every rank is on this machine (Note [Shared-memory fingerprints] in
-// dist/shm_fingerprints.cpp), else Gloo's sockets (torch.distributed's ProcessGroupWrapper
-// all-gathers its fingerprints on a Gloo group too; a multi-node NCCL job then needs TCP between
-// its nodes, as Gloo does). A thread of the check's own (dist/check_worker.h) takes the calls in
-// order and, for each, all-gathers the fingerprints, compares them and starts the collective,
-// as Gloo's worker does (Note [Fused collective check]): the caller never waits, and an NCCL
-// collective is launched the moment the last rank has called it. It is ordered after the
-// compute stream as it is at that launch, a little later than at the call: everything queued
-// before the call, and perhaps a few kernels after it (its temporaries come from the caching
-// allocator then, as free from that point of the stream on). The send/recv that NCCL holds back
-// to group them go out at the call (ProcessGroup::issue_queued_point_to_point), as at any
-// collective's call, and not again at the launch (CollectiveCalledEarlier): those queued by
-// then were called after the collective and go out with the calls around them. Only a backend
-// whose collectives progress on their own and apart from its send/recv can be started so
-// (NCCL, Gloo); shm's engine runs both in one order, in the waiting thread, and is refused. Comparison and errors are the check's own; the exchange's failures read as
-// the check's fingerprint exchange, not as a collective of the fingerprint group. Without a
-// fingerprint group (ranks on several machines and no Gloo in the build), the fingerprints go
-// through the GPU as described above.
+// there, and the table copied back for the host to compare. That is two host waits for the
+// device per collective, each draining the compute stream in the middle of backward, where
+// DDP's step otherwise never waits (Note [Host syncs] in kernels/device_memory.h).
+// So init_process_group gives the check of an NCCL group a CPU group of the same ranks for the
+// fingerprints: shared memory when every rank is on this machine (Note [Shared-memory
+// fingerprints] in dist/host_fingerprints.cpp), else Gloo's sockets. torch.distributed's
+// ProcessGroupWrapper all-gathers its fingerprints on a Gloo group too; a multi-node NCCL job
+// then needs TCP between its nodes.
+// A thread of the check's own (dist/check_worker.h) takes the calls in order. For each it
+// all-gathers the fingerprints, compares them and starts the collective, as Gloo's worker does
+// (Note [Fused collective check]). The caller never waits, and an NCCL collective is launched
+// the moment the last rank has called it.
+// The launch orders the collective after the compute stream as it is then, a little later
+// than at the call: its temporaries come from the caching allocator at the launch, free from
+// that point of the stream on.
+// The send/recv that NCCL holds back to group them go out at the call
+// (ProcessGroup::issue_queued_point_to_point), as at any collective's call, and not again at
+// the launch (detail::CollectiveCalledEarlier). Those queued by then were called after the
+// collective, and go out with the calls around them.
+// Only a backend whose collectives progress on their own, apart from its send/recv, can be
+// started so (NCCL, Gloo). shm's engine runs both in one order, in the waiting thread, and is
+// refused.
+// The comparison and its errors are the check's own; a failed exchange reads as the check's,
+// not as a collective of the fingerprint group. Without a fingerprint group (ranks on several
+// machines, a build without Gloo), the fingerprints go through the GPU as described above.
 
 #include <algorithm>
 #include <atomic>
@@ -652,8 +655,7 @@ class CheckedProcessGroup : public ProcessGroup {
   }
 
   std::shared_ptr<CheckState> state_ = std::make_shared<CheckState>();
-  // With a fingerprint group (Note [Host fingerprints]): every call goes through it. Last, so
-  // that it goes first: its thread starts collectives on state_->inner.
+  // With a fingerprint group (Note [Host fingerprints]): every call goes through it.
   std::unique_ptr<detail::CheckWorker> worker_;
 };
 
@@ -663,13 +665,13 @@ namespace {
 thread_local bool collective_called_earlier = false;
 }  // namespace
 
-CollectiveCalledEarlier::CollectiveCalledEarlier() : previous_(collective_called_earlier) {
+detail::CollectiveCalledEarlier::CollectiveCalledEarlier() : previous_(collective_called_earlier) {
   collective_called_earlier = true;
 }
 
-CollectiveCalledEarlier::~CollectiveCalledEarlier() { collective_called_earlier = previous_; }
+detail::CollectiveCalledEarlier::~CollectiveCalledEarlier() { collective_called_earlier = previous_; }
 
-bool CollectiveCalledEarlier::active() { return collective_called_earlier; }
+bool detail::CollectiveCalledEarlier::active() { return collective_called_earlier; }
 
 CollectivePurpose::CollectivePurpose(Kind kind, size_t index) : previous_(current_purpose) {
   current_purpose = (static_cast<int64_t>(kind) << 32) | static_cast<int64_t>(index & 0xffffffffu);

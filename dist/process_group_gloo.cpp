@@ -18,7 +18,7 @@
 // reduce-scatter, but exact and on the fast path.
 //
 // The collective check's fingerprints travel through shared memory when every rank is on this
-// machine (Note [Shared-memory fingerprints] in dist/shm_fingerprints.cpp).
+// machine (Note [Shared-memory fingerprints] in dist/host_fingerprints.cpp).
 #include "core/error.h"
 #include "core/op_helpers.h"
 #include "core/half_convert.h"
@@ -58,7 +58,7 @@
 #include <unistd.h>
 
 #include "dist/gloo_store.h"
-#include "dist/shm_fingerprints.h"
+#include "dist/host_fingerprints.h"
 
 namespace nanoddp::dist {
 
@@ -130,7 +130,7 @@ struct GlooRunner {
   std::atomic<bool> broken{false};  // a wait timed out: the group is out of step
   std::vector<GlooPeer> peers;      // every rank but this one; set before the worker starts
   // The shm group the fingerprints travel through, or null (Note [Shared-memory fingerprints]
-  // in dist/shm_fingerprints.cpp).
+  // in dist/host_fingerprints.cpp).
   std::shared_ptr<ProcessGroup> fingerprint_group;
 
   // For an error of Gloo's: "; lost rank 1 (pid 4242 on node7)" when it names a peer whose
@@ -390,7 +390,7 @@ class ProcessGroupGloo : public ProcessGroup {
     }
     if (options.fingerprints_over_shm)
       runner_->fingerprint_group =
-          make_fingerprint_group(store_, prefix, rank_, world_size_, timeout);
+          make_shm_fingerprint_group(store_, prefix, rank_, world_size_, timeout);
     worker_ = std::thread([queue = queue_, runner = runner_] { queue->run(*runner); });
   }
 

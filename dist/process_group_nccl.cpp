@@ -853,7 +853,7 @@ class ProcessGroupNccl : public ProcessGroup {
   // them already and this is the collective check's worker starting it later (Note [Host
   // fingerprints]): what is queued now was called after it.
   void issue_queued_before_collective() {
-    if (!CollectiveCalledEarlier::active()) issue_queued_point_to_point();
+    if (!detail::CollectiveCalledEarlier::active()) issue_queued_point_to_point();
   }
 
   std::shared_ptr<Store> store_;

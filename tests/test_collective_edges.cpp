@@ -13,7 +13,7 @@
 #include <thread>
 
 #include "core/error.h"
-#include "dist/shm_fingerprints.h"
+#include "dist/host_fingerprints.h"
 #include "tests/collectives_cases.h"
 #include "tests/dist_ranks.h"
 #include "tests/forwarding_group.h"
@@ -235,7 +235,7 @@ void expect_every_mismatch_caught(const std::shared_ptr<ProcessGroup>& pg, int r
 TEST_CASE("ranks that call different collectives all get a DistError naming each call, and stay in step") {
   on_2_and_4_ranks([](int rank, int world, int port) {
     // On Gloo with every rank on this machine, the fingerprints travel through shared memory
-    // (Note [Shared-memory fingerprints] in dist/shm_fingerprints.cpp).
+    // (Note [Shared-memory fingerprints] in dist/host_fingerprints.cpp).
     expect_every_mismatch_caught(testing::join(rank, world, port, 20s), rank, world);
     testing::leave();
   });
@@ -281,7 +281,7 @@ class GroupingGroup : public testing::ForwardingGroup {
     queued_ = 0;
   }
   std::shared_ptr<Work> all_reduce(Tensor& t, ReduceOp op) override {
-    if (!CollectiveCalledEarlier::active()) issue_queued_point_to_point();
+    if (!dist::detail::CollectiveCalledEarlier::active()) issue_queued_point_to_point();
     return inner_->all_reduce(t, op);
   }
   std::vector<int> groups() {
@@ -387,15 +387,25 @@ TEST_CASE("with the fingerprints beside the backend, send/recv called after a co
   on_2_and_4_ranks([](int rank, int world, int port) {
     if (testing::under_mpirun()) return;
     auto store = rank_store(rank, world, port);
-    const BesideChecked groups = checked_beside(store, rank, world, port, 20s, /*fingerprints_over_gloo=*/false);
-    auto grouping = std::make_shared<GroupingGroup>(groups.inner);
-    auto checked = make_checked_process_group(grouping, 20s, groups.fingerprints);
+    GlooOptions gloo;
+    gloo.rank = rank;
+    gloo.world_size = world;
+    gloo.master_port = port;
+    gloo.timeout = 20s;
+    const auto inner = make_gloo_process_group(store, gloo);
+    auto grouping = std::make_shared<GroupingGroup>(inner);
+    auto checked = make_checked_process_group(
+        grouping, 20s, make_host_fingerprint_group(store, "fingerprints/", rank, world, "127.0.0.1", port, 20s));
     Tensor a = Tensor::ones({3}), out = Tensor::ones({4}), in = Tensor::zeros({4});
     const int peer = (rank + 1) % world;
     if (rank == world - 1) std::this_thread::sleep_for(100ms);  // the last to call: the others wait for it
     auto reduced = checked->all_reduce(a);
     checked->send(out, peer);
-    std::this_thread::sleep_for(300ms);  // host work between the two calls
+    // Host work between the two calls, during which the worker starts the all_reduce.
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (inner->count(Collective::AllReduce).calls == 0 && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(1ms);
+    expect(inner->count(Collective::AllReduce).calls == 1, "rank ", rank, ": the all_reduce never started");
     checked->recv(in, (rank + world - 1) % world);
     grouping->issue_queued_point_to_point();  // what a wait on them does
     reduced->wait();
@@ -418,7 +428,11 @@ TEST_CASE("with the fingerprints beside the backend, destroying the group does n
     }
     Tensor a = Tensor::ones({3});
     auto never_matched = groups.checked->all_reduce(a);
-    std::this_thread::sleep_for(100ms);  // the worker is in the exchange
+    // The worker is in the exchange once it has issued its all_gather there.
+    const auto in_exchange = std::chrono::steady_clock::now() + 10s;
+    while (groups.fingerprints->count(Collective::AllGather).calls == 0 && std::chrono::steady_clock::now() < in_exchange)
+      std::this_thread::sleep_for(1ms);
+    expect(groups.fingerprints->count(Collective::AllGather).calls == 1, "rank 0: the exchange never began");
     const auto start = std::chrono::steady_clock::now();
     groups.checked.reset();
     expect(milliseconds_since(start) < 500, "rank 0: destroying the group took ", milliseconds_since(start), " ms");
@@ -498,16 +512,29 @@ TEST_CASE("with the fingerprints in a CPU group beside the backend, a peer that 
     }
     Tensor t = Tensor::ones({4});
     const auto start = std::chrono::steady_clock::now();
+    const std::shared_ptr<Work> work = groups.checked->all_reduce(t);
+    std::string first;
     try {
-      groups.checked->all_reduce(t)->wait();
+      work->wait();
       expect(false, "rank ", rank, ": wait returned without rank 1");
     } catch (const TimeoutError& e) {
+      first = e.what();
       const double ms = milliseconds_since(start);
       expect(ms >= 1400 && ms < 3500, "rank ", rank, ": the wait ended after ", ms, " ms, want ~1500: ", e.what());
-      expect(std::string(e.what()).find("straggler: rank 1 never reached all_reduce(sum) #1") != std::string::npos,
-             "rank ", rank, ": the error does not name rank 1 as the straggler: ", e.what());
+      expect(first.find("straggler: rank 1 never reached all_reduce(sum) #1") != std::string::npos, "rank ", rank,
+             ": the error does not name rank 1 as the straggler: ", e.what());
     }
     expect(t.to_vector() == std::vector<float>(4, 1.0f), "rank ", rank, ": the data changed");
+    // Work::wait's contract: a second wait throws the same error at once, and the work is over.
+    const auto again = std::chrono::steady_clock::now();
+    try {
+      work->wait();
+      expect(false, "rank ", rank, ": a second wait returned");
+    } catch (const TimeoutError& e) {
+      expect(first == e.what(), "rank ", rank, ": the second wait threw another error: ", e.what());
+    }
+    expect(milliseconds_since(again) < 100, "rank ", rank, ": the second wait took ", milliseconds_since(again), " ms");
+    expect(work->is_completed(), "rank ", rank, ": not completed after its wait failed");
   });
 }
 
@@ -559,8 +586,8 @@ TEST_CASE("a peer that never calls the collective ends every wait by the group's
 }
 
 TEST_CASE("a timeout of milliseconds::max() means none: the group, its waits and the store work as usual") {
-  // Note [Long timeouts]: added to a clock it overflowed into a deadline in the past (Gloo
-  // failed every collective at once), and as poll's int milliseconds it wrapped.
+  // Note [Long timeouts]: added to a clock's nanoseconds such a timeout is a deadline in the
+  // past, and as poll's int milliseconds it wraps; every deadline and poll must saturate.
   on_2_and_4_ranks([](int rank, int world, int port) {
     constexpr auto kNever = std::chrono::milliseconds::max();
     auto pg = testing::join(rank, world, port, kNever);

@@ -19,7 +19,7 @@
 // of the check's own, or through a Gloo group of its own when the ranks are on several
 // machines or /dev/shm cannot hold the segment (Note [Host fingerprints] in
 // dist/process_group_checked.cpp).
-#include "dist/shm_fingerprints.h"
+#include "dist/host_fingerprints.h"
 
 #include <cstring>
 
@@ -34,7 +34,7 @@ namespace {
 // True when every rank of the group runs on this machine (shm::machine_id) and could make the
 // fingerprints' shm segment (/dev/shm there, `ulimit -f` big enough); collective, so that every
 // rank decides the same.
-bool shm_fingerprints_possible(Store& store, const std::string& prefix, int rank, int world_size,
+bool host_fingerprints_possible(Store& store, const std::string& prefix, int rank, int world_size,
                                std::chrono::milliseconds timeout) {
   const bool possible = shm::segment_possible(shm::Layout(world_size).total);
   const std::string mine = shm::machine_id() + (possible ? "" : " (no shm)");
@@ -78,10 +78,10 @@ std::string fingerprint_failure(std::string error, const std::string& backend) {
 
 }  // namespace
 
-std::shared_ptr<ProcessGroup> make_fingerprint_group(const std::shared_ptr<Store>& store,
-                                                     const std::string& prefix, int rank, int world_size,
-                                                     std::chrono::milliseconds timeout) {
-  if (world_size <= 1 || !shm_fingerprints_possible(*store, prefix, rank, world_size, timeout))
+std::shared_ptr<ProcessGroup> make_shm_fingerprint_group(const std::shared_ptr<Store>& store,
+                                                         const std::string& prefix, int rank, int world_size,
+                                                         std::chrono::milliseconds timeout) {
+  if (world_size <= 1 || !host_fingerprints_possible(*store, prefix, rank, world_size, timeout))
     return nullptr;
   ShmOptions shm;
   shm.rank = rank;
@@ -95,7 +95,7 @@ std::shared_ptr<ProcessGroup> make_host_fingerprint_group(const std::shared_ptr<
                                                           const std::string& prefix, int rank, int world_size,
                                                           const std::string& master_addr, int master_port,
                                                           std::chrono::milliseconds timeout) {
-  if (auto shm = make_fingerprint_group(store, prefix, rank, world_size, timeout)) return shm;
+  if (auto shm = make_shm_fingerprint_group(store, prefix, rank, world_size, timeout)) return shm;
   if (world_size <= 1) return nullptr;
   // Every rank decides the same: Gloo only when every rank's build has it (a rank that tried
   // alone would wait for the others' addresses until the timeout).

@@ -1,5 +1,5 @@
 // The collective check's fingerprints on the host: through shared memory (Note [Shared-memory
-// fingerprints] in dist/shm_fingerprints.cpp) for a Gloo group whose ranks all run on this
+// fingerprints] in dist/host_fingerprints.cpp) for a Gloo group whose ranks all run on this
 // machine, and the CPU group an NCCL group's check exchanges them through (Note [Host
 // fingerprints] in dist/process_group_checked.cpp).
 #pragma once
@@ -20,9 +20,9 @@ namespace nanoddp::dist {
 // another machine or a rank cannot make the segment. Collective: every rank of the group calls
 // it, and every rank decides the same. TimeoutError when a rank never comes (one that runs
 // without the collective check, for instance: the error says so).
-std::shared_ptr<ProcessGroup> make_fingerprint_group(const std::shared_ptr<Store>& store,
-                                                     const std::string& prefix, int rank, int world_size,
-                                                     std::chrono::milliseconds timeout);
+std::shared_ptr<ProcessGroup> make_shm_fingerprint_group(const std::shared_ptr<Store>& store,
+                                                         const std::string& prefix, int rank, int world_size,
+                                                         std::chrono::milliseconds timeout);
 
 // The CPU group for the fingerprints of a device group (NCCL) of world_size ranks: the shm
 // group above when every rank runs on this machine, else a Gloo group (store keys
