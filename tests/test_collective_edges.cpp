@@ -80,6 +80,20 @@ std::shared_ptr<TCPStore> rank_store(int rank, int world, int port) {
   return std::make_shared<TCPStore>(options);
 }
 
+// A Gloo group of the test's ranks on port's store, its keys under prefix, without shm
+// fingerprints of its own.
+std::shared_ptr<ProcessGroup> gloo_group(const std::shared_ptr<TCPStore>& store, int rank, int world, int port,
+                                         std::chrono::milliseconds timeout, const std::string& prefix = "") {
+  GlooOptions gloo;
+  gloo.rank = rank;
+  gloo.world_size = world;
+  gloo.master_port = port;
+  gloo.timeout = timeout;
+  gloo.store_prefix = prefix;
+  gloo.fingerprints_over_shm = false;
+  return make_gloo_process_group(store, gloo);
+}
+
 void expect_in_step(ProcessGroup& pg, int rank, int world) {
   Tensor t = Tensor::full({3}, static_cast<float>(rank + 1));
   pg.all_reduce(t)->wait();
@@ -245,13 +259,7 @@ TEST_CASE("gloo: the same with the fingerprints over Gloo's sockets, as between 
   on_2_and_4_ranks([](int rank, int world, int port) {
     if (testing::under_mpirun()) return;
     auto store = rank_store(rank, world, port);
-    GlooOptions options;
-    options.rank = rank;
-    options.world_size = world;
-    options.master_port = port;
-    options.timeout = 20s;
-    options.fingerprints_over_shm = false;
-    expect_every_mismatch_caught(make_checked_process_group(make_gloo_process_group(store, options), 20s), rank,
+    expect_every_mismatch_caught(make_checked_process_group(gloo_group(store, rank, world, port, 20s), 20s), rank,
                                  world);
   });
 }
@@ -310,19 +318,10 @@ struct BesideChecked {
 };
 BesideChecked checked_beside(std::shared_ptr<TCPStore> store, int rank, int world, int port,
                              std::chrono::milliseconds timeout, bool fingerprints_over_gloo) {
-  const auto gloo_group = [&](const std::string& prefix) {
-    GlooOptions gloo;
-    gloo.rank = rank;
-    gloo.world_size = world;
-    gloo.master_port = port;
-    gloo.timeout = timeout;
-    gloo.store_prefix = prefix;
-    return make_gloo_process_group(store, gloo);
-  };
   BesideChecked groups;
-  groups.inner = gloo_group("inner/");
+  groups.inner = gloo_group(store, rank, world, port, timeout, "inner/");
   if (fingerprints_over_gloo) {
-    groups.fingerprints = gloo_group("fingerprints/gloo/");
+    groups.fingerprints = gloo_group(store, rank, world, port, timeout, "fingerprints/gloo/");
   } else {
     groups.fingerprints = make_host_fingerprint_group(store, "fingerprints/", rank, world, "127.0.0.1", port, timeout);
   }
@@ -387,12 +386,7 @@ TEST_CASE("with the fingerprints beside the backend, send/recv called after a co
   on_2_and_4_ranks([](int rank, int world, int port) {
     if (testing::under_mpirun()) return;
     auto store = rank_store(rank, world, port);
-    GlooOptions gloo;
-    gloo.rank = rank;
-    gloo.world_size = world;
-    gloo.master_port = port;
-    gloo.timeout = 20s;
-    const auto inner = make_gloo_process_group(store, gloo);
+    const auto inner = gloo_group(store, rank, world, port, 20s);
     auto grouping = std::make_shared<GroupingGroup>(inner);
     auto checked = make_checked_process_group(
         grouping, 20s, make_host_fingerprint_group(store, "fingerprints/", rank, world, "127.0.0.1", port, 20s));
