@@ -80,6 +80,22 @@ std::shared_ptr<TCPStore> rank_store(int rank, int world, int port) {
   return std::make_shared<TCPStore>(options);
 }
 
+// Work::wait's contract after a wait that failed with `first`: a second wait throws the same
+// error at once, and the work counts as completed.
+void expect_failed_for_good(Work& work, const std::string& first, int rank) {
+  const auto again = std::chrono::steady_clock::now();
+  try {
+    work.wait();
+    expect(false, "rank ", rank, ": a second wait returned");
+  } catch (const TimeoutError& e) {
+    expect(first == e.what(), "rank ", rank, ": the second wait threw another error: ", e.what());
+  } catch (const std::exception& e) {
+    expect(false, "rank ", rank, ": the second wait threw another kind of error: ", e.what());
+  }
+  expect(milliseconds_since(again) < 100, "rank ", rank, ": the second wait took ", milliseconds_since(again), " ms");
+  expect(!first.empty() && work.is_completed(), "rank ", rank, ": not completed after its wait failed");
+}
+
 // A Gloo group of the test's ranks on port's store, its keys under prefix, without shm
 // fingerprints of its own.
 std::shared_ptr<ProcessGroup> gloo_group(const std::shared_ptr<TCPStore>& store, int rank, int world, int port,
@@ -519,16 +535,7 @@ TEST_CASE("with the fingerprints in a CPU group beside the backend, a peer that 
              ": the error does not name rank 1 as the straggler: ", e.what());
     }
     expect(t.to_vector() == std::vector<float>(4, 1.0f), "rank ", rank, ": the data changed");
-    // Work::wait's contract: a second wait throws the same error at once, and the work is over.
-    const auto again = std::chrono::steady_clock::now();
-    try {
-      work->wait();
-      expect(false, "rank ", rank, ": a second wait returned");
-    } catch (const TimeoutError& e) {
-      expect(first == e.what(), "rank ", rank, ": the second wait threw another error: ", e.what());
-    }
-    expect(milliseconds_since(again) < 100, "rank ", rank, ": the second wait took ", milliseconds_since(again), " ms");
-    expect(work->is_completed(), "rank ", rank, ": not completed after its wait failed");
+    expect_failed_for_good(*work, first, rank);
   });
 }
 
@@ -564,18 +571,7 @@ TEST_CASE("a peer that never calls the collective ends every wait by the group's
     } catch (const TimeoutError& e) {
       first = e.what();
     }
-    const auto again = std::chrono::steady_clock::now();
-    try {
-      work->wait();
-      expect(false, "rank ", rank, ": a second wait returned");
-    } catch (const TimeoutError& e) {
-      expect(first == e.what(), "rank ", rank, ": the second wait threw another error: ", e.what());
-    } catch (const std::exception& e) {
-      expect(false, "rank ", rank, ": the second wait threw another kind of error: ", e.what());
-    }
-    expect(milliseconds_since(again) < 100, "rank ", rank, ": the second wait took ",
-           milliseconds_since(again), " ms");
-    expect(!first.empty() && work->is_completed(), "rank ", rank, ": not completed after its wait failed");
+    expect_failed_for_good(*work, first, rank);
   });
 }
 
