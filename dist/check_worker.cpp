@@ -109,7 +109,7 @@ struct CheckWorker::Shared {
   std::condition_variable wake;
   std::deque<Task> queue;  // guarded by mutex
   bool stopping = false;   // guarded by mutex
-  bool busy = false;       // guarded by mutex: a task is in hand
+  bool exchanging = false;  // guarded by mutex: the task in hand waits for the peers' fingerprints
   // The start of the task in hand, guarded by mutex: the group's end takes it, so that the
   // backend it holds goes with the group, not with a thread left to end by itself.
   std::function<std::shared_ptr<Work>()> in_hand_start;
@@ -119,13 +119,12 @@ struct CheckWorker::Shared {
       Task task;
       {
         std::unique_lock<std::mutex> lock(mutex);
-        busy = false;
         wake.wait(lock, [&] { return stopping || !queue.empty(); });
         if (queue.empty()) return;  // stopping, and nothing left
         task = std::move(queue.front());
         queue.pop_front();
         in_hand_start = std::move(task.start);
-        busy = true;
+        exchanging = true;
       }
       std::exception_ptr error;
       try {
@@ -140,6 +139,7 @@ struct CheckWorker::Shared {
         std::lock_guard<std::mutex> lock(mutex);
         start = std::move(in_hand_start);
         in_hand_start = nullptr;
+        exchanging = false;
       }
       if (!error && !start) {  // the group ended meanwhile: never started
         task.outcome->fail_destroyed(task.description);
@@ -175,19 +175,21 @@ CheckWorker::CheckWorker(std::shared_ptr<ProcessGroup> fingerprints, std::chrono
 CheckWorker::~CheckWorker() {
   std::deque<Shared::Task> dropped;
   std::function<std::shared_ptr<Work>()> in_hand;  // let go of here, after the lock
-  bool busy = false;
+  bool exchanging = false;
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);
     shared_->stopping = true;
     dropped.swap(shared_->queue);
     in_hand = std::move(shared_->in_hand_start);
     shared_->in_hand_start = nullptr;
-    busy = shared_->busy;  // idle now, it can only end: nothing is left to take
+    // Left to end by itself only while an exchange may wait for the peers. Otherwise it ends
+    // soon (start() is an NCCL launch, bounded by the timeout, and waits for no peer), and
+    // joined it lets go of the fingerprint group and the backend here.
+    exchanging = shared_->exchanging;
   }
   shared_->wake.notify_all();
   for (Shared::Task& task : dropped) task.outcome->fail_destroyed(task.description);
-  // An idle thread ends at once; joined, it lets go of the fingerprint group here, not later.
-  if (busy)
+  if (exchanging)
     thread_.detach();
   else
     thread_.join();

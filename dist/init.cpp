@@ -423,14 +423,19 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
         try {
           fingerprint_group = make_host_fingerprint_group(store, fingerprints_prefix, rank, world_size,
                                                           master.host, store->port(), options.timeout);
-        } catch (const TimeoutError& e) {
-          NANODDP_THROW(TimeoutError, detail::where(rank, world_size),
-                        ": the collective check's fingerprint group for NCCL (shared memory on one machine, Gloo "
-                        "across machines): ", message_of(e), "; NANODDP_CHECK_COLLECTIVES=0 goes without it");
         } catch (const DistError& e) {
-          NANODDP_THROW(DistError, detail::where(rank, world_size),
-                        ": the collective check's fingerprint group for NCCL (shared memory on one machine, Gloo "
-                        "across machines): ", message_of(e), "; NANODDP_CHECK_COLLECTIVES=0 goes without it");
+          // A refusal by the store (a twin rank, another world size) is the cause to report, as
+          // the catch below does; anything else is said to come from the check's group.
+          if (!store->refusal_note().empty()) {
+            rethrow_if_refused(*store, e, rank, world_size);
+            throw;
+          }
+          const std::string what = std::string(": the collective check's fingerprint group for NCCL (shared memory "
+                                               "on one machine, Gloo across machines): ") +
+                                   message_of(e) + "; NANODDP_CHECK_COLLECTIVES=0 goes without it";
+          if (dynamic_cast<const TimeoutError*>(&e) != nullptr)
+            NANODDP_THROW(TimeoutError, detail::where(rank, world_size), what);
+          NANODDP_THROW(DistError, detail::where(rank, world_size), what);
         }
       }
     } else if (backend == Backend::Shm) {
