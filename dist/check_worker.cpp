@@ -25,7 +25,7 @@ struct Outcome {
   std::condition_variable done_cv;
   bool done = false;
   std::shared_ptr<Work> started;  // the collective, once the fingerprints agreed
-  std::exception_ptr error;       // or why it was not started
+  std::exception_ptr error;       // what ended the call instead: the exchange, verify or start threw
 
   void finish(std::shared_ptr<Work> work, std::exception_ptr failure) {
     {
@@ -70,10 +70,7 @@ class GuardedWork : public Work {
       started->wait(timeout);
       return;
     }
-    const auto spent =
-        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - begin);
-    // At least 1 ms: 0 would mean the group's whole timeout (effective_wait_timeout).
-    started->wait(std::max(timeout - spent, std::chrono::milliseconds(1)));
+    started->wait(timeout_left(timeout, begin));
   }
 
   bool is_completed() override {

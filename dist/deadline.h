@@ -32,6 +32,15 @@ inline std::chrono::steady_clock::time_point deadline_after(
   const auto room = std::chrono::duration_cast<std::chrono::milliseconds>(TimePoint::max() - from);
   return timeout >= room ? TimePoint::max() : from + timeout;
 }
+// What is left of a wait's timeout since begin, for the wait it hands on to: at least 1 ms,
+// since 0 would mean the group's whole timeout (effective_wait_timeout).
+inline std::chrono::milliseconds timeout_left(std::chrono::milliseconds timeout,
+                                              std::chrono::steady_clock::time_point begin) {
+  const auto spent =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - begin);
+  return std::max(timeout - spent, std::chrono::milliseconds(1));
+}
+
 // poll(2)'s timeout for `left` until a deadline: rounded up to whole milliseconds, 0 when
 // passed, at most 2^30 ms (12 days; the caller polls again).
 inline int poll_milliseconds(std::chrono::steady_clock::duration left) {

@@ -251,10 +251,7 @@ class CheckedWork : public Work {
     if (error_) std::rethrow_exception(error_);
     NANODDP_CHECK(settled_, DistError, description_,
                   ": the group was destroyed before this collective started");
-    auto spent =
-        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - begin);
-    // At least 1 ms: 0 would mean the group's whole timeout (effective_wait_timeout).
-    real_->wait(std::max(timeout - spent, std::chrono::milliseconds(1)));
+    real_->wait(detail::timeout_left(timeout, begin));
   }
 
   bool is_completed() override {
@@ -624,30 +621,28 @@ class CheckedProcessGroup : public ProcessGroup {
                                  tensor.defined() ? tensor.numel() : 0,
                                  extra,
                                  CollectivePurpose::current()};
+    const std::string description = describe(what, tensor);
+    const auto guard = [&] {
+      return CollectiveGuard{mine, [description, mine](const std::vector<int64_t>& table) {
+                               throw_on_mismatch(description, mine, table);
+                             }};
+    };
     // Note [Host fingerprints]: the worker exchanges and starts; the send/recv the backend holds
     // back go out now, as at any collective's call.
     if (worker_) {
       state_->inner->issue_queued_point_to_point();
-      const std::string description = describe(what, tensor);
-      CollectiveGuard guard{mine, [description, mine](const std::vector<int64_t>& table) {
-                              throw_on_mismatch(description, mine, table);
-                            }};
-      auto started = worker_->start_guarded(std::move(guard), std::move(start), description);
+      auto started = worker_->start_guarded(guard(), std::move(start), description);
       state_->seq = seq;
       return std::make_shared<FusedWork>(std::move(started), std::move(mine), state_);
     }
     // Note [Fused collective check]. Nothing is ever queued here on such a backend.
     if (state_->unsettled.empty()) {
-      CollectiveGuard guard{mine, [description = describe(what, tensor), mine](const std::vector<int64_t>& table) {
-                              throw_on_mismatch(description, mine, table);
-                            }};
-      if (auto fused = state_->inner->start_guarded(std::move(guard), start)) {
+      if (auto fused = state_->inner->start_guarded(guard(), start)) {
         state_->seq = seq;
         return std::make_shared<FusedWork>(std::move(fused), std::move(mine), state_);
       }
     }
-    auto work =
-        std::make_shared<CheckedWork>(describe(what, tensor), std::move(mine), std::move(start), state_);
+    auto work = std::make_shared<CheckedWork>(description, std::move(mine), std::move(start), state_);
     state_->unsettled.push_back(work);
     state_->seq = seq;
     state_->advance(nullptr, std::chrono::milliseconds(0));
