@@ -31,16 +31,14 @@ namespace nanoddp::dist {
 
 namespace {
 
-// True when every rank of the group runs on this machine (shm::machine_id) and could make the
-// fingerprints' shm segment (/dev/shm there, `ulimit -f` big enough); collective, so that every
-// rank decides the same.
-bool host_fingerprints_possible(Store& store, const std::string& prefix, int rank, int world_size,
-                               std::chrono::milliseconds timeout) {
-  const bool possible = shm::segment_possible(shm::Layout(world_size).total);
-  const std::string mine = shm::machine_id() + (possible ? "" : " (no shm)");
-  store.set(prefix + "machine/" + std::to_string(rank), mine);
+// Whether every rank of the group says `mine` under "<key>/<rank>": collective, so that every
+// rank decides the same. TimeoutError when a rank never says anything (one that runs without
+// the collective check, for instance: the error says so).
+bool every_rank_says(Store& store, const std::string& key, int rank, int world_size, const std::string& mine,
+                     std::chrono::milliseconds timeout) {
+  store.set(key + "/" + std::to_string(rank), mine);
   std::vector<std::string> keys;
-  for (int r = 0; r < world_size; ++r) keys.push_back(prefix + "machine/" + std::to_string(r));
+  for (int r = 0; r < world_size; ++r) keys.push_back(key + "/" + std::to_string(r));
   try {
     store.wait(keys, timeout);
   } catch (const TimeoutError& e) {
@@ -50,8 +48,17 @@ bool host_fingerprints_possible(Store& store, const std::string& prefix, int ran
         "run with the same NANODDP_CHECK_COLLECTIVES (InitOptions::check_collectives)");
   }
   bool same = true;
-  for (const std::string& key : keys) same = same && store.get_string(key) == mine;
-  return same && possible;
+  for (const std::string& each : keys) same = same && store.get_string(each) == mine;
+  return same;
+}
+
+// True when every rank of the group runs on this machine (shm::machine_id) and could make the
+// fingerprints' shm segment (/dev/shm there, `ulimit -f` big enough); collective.
+bool shm_fingerprints_possible(Store& store, const std::string& prefix, int rank, int world_size,
+                               std::chrono::milliseconds timeout) {
+  const bool possible = shm::segment_possible(shm::Layout(world_size).total);
+  const std::string mine = shm::machine_id() + (possible ? "" : " (no shm)");
+  return every_rank_says(store, prefix + "machine", rank, world_size, mine, timeout) && possible;
 }
 
 // What a failed exchange through a fingerprint group (shm, or Gloo for an NCCL group across
@@ -81,7 +88,7 @@ std::string fingerprint_failure(std::string error, const std::string& backend) {
 std::shared_ptr<ProcessGroup> make_shm_fingerprint_group(const std::shared_ptr<Store>& store,
                                                          const std::string& prefix, int rank, int world_size,
                                                          std::chrono::milliseconds timeout) {
-  if (world_size <= 1 || !host_fingerprints_possible(*store, prefix, rank, world_size, timeout))
+  if (world_size <= 1 || !shm_fingerprints_possible(*store, prefix, rank, world_size, timeout))
     return nullptr;
   ShmOptions shm;
   shm.rank = rank;
@@ -100,14 +107,9 @@ std::shared_ptr<ProcessGroup> make_host_fingerprint_group(const std::shared_ptr<
   // Every rank decides the same: Gloo only when every rank's build has it (a rank that tried
   // alone would wait for the others' addresses until the timeout).
   const bool gloo_built = backend_unavailable(Backend::Gloo).empty();
-  store->set(prefix + "gloo_built/" + std::to_string(rank), std::string(gloo_built ? "1" : "0"));
-  bool every_rank = true;
-  for (int r = 0; r < world_size; ++r) {
-    const std::string key = prefix + "gloo_built/" + std::to_string(r);
-    store->wait({key}, timeout);
-    every_rank = every_rank && store->get_string(key) == "1";
-  }
-  if (!every_rank) return nullptr;
+  if (!every_rank_says(*store, prefix + "gloo_built", rank, world_size, gloo_built ? "1" : "0", timeout) ||
+      !gloo_built)
+    return nullptr;
   GlooOptions gloo;
   gloo.rank = rank;
   gloo.world_size = world_size;
