@@ -73,7 +73,12 @@
 // collective, and go out with the calls around them.
 // Only a backend whose collectives progress on their own, apart from its send/recv, can be
 // started so (NCCL, Gloo). shm's engine runs both in one order, in the waiting thread, and is
-// refused.
+// refused. Under NCCL, a send/recv issued while an earlier collective still waits in the
+// worker may reach NCCL before or after that collective, depending on each rank's exchange:
+// the two communicators of the device then get their calls in different orders on different
+// ranks, which NCCL allows only while both kernels fit on the GPU at once (Note [NCCL
+// point-to-point]: they do; a device-wide sync meanwhile, as an out-of-memory retry's cudaFree,
+// can still wait for the other kernel).
 // The comparison and its errors are the check's own; a failed exchange reads as the check's,
 // not as a collective of the fingerprint group. Without a fingerprint group (ranks on several
 // machines, a build without Gloo), the fingerprints go through the GPU as described above.

@@ -339,7 +339,9 @@ struct NcclLane {
   // in the order its user happens to drop Works (Note [NCCL shutdown]). A stream destroyed with
   // work still on it is released by CUDA once that work is done.
   ~NcclLane() {
-    cudaSetDevice(device.index);
+    // A failure here is nobody's to report: cleared, so that the next launch check does not
+    // report it as its kernel's (also when a failed constructor unwinds).
+    if (cudaSetDevice(device.index) != cudaSuccess) (void)cudaGetLastError();
     comm->close();
     try {
       detail::Watchdog::instance().forget(*comm);  // finalized or aborted: every call has ended
@@ -347,7 +349,7 @@ struct NcclLane {
       // Destructors never throw; the watchdog lets go of them once their events pass.
     }
     comm.reset();
-    if (stream != nullptr) cudaStreamDestroy(stream);
+    if (stream != nullptr && cudaStreamDestroy(stream) != cudaSuccess) (void)cudaGetLastError();
   }
   NcclLane(const NcclLane&) = delete;
   NcclLane& operator=(const NcclLane&) = delete;
