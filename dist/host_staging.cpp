@@ -1,12 +1,17 @@
 #include "dist/host_staging.h"
 
+#include <condition_variable>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "core/op_helpers.h"
+#include "dist/deadline.h"
 #include "dist/detail.h"
+#include "dist/start_worker.h"
 #include "kernels/device_memory.h"
 
 namespace nanoddp::dist {
@@ -140,17 +145,87 @@ class CopiesInFlight {
   std::vector<Copy> copies_;
 };
 
+// Note [Staging without a host wait]
+// A staged collective cannot start before its tensors are in host memory, and a host wait for
+// the copy would stall the caller in the middle of backward (Note [Host syncs] in
+// kernels/device_memory.h). So each copy to the host is queued on the compute stream, after
+// every kernel queued before it, with a host function behind it
+// (kernels::cuda::call_after_stream) that says the copies have run; the call goes to a thread
+// of the group's own (dist/start_worker.h), which waits for that word and then issues the call
+// to the backend. The caller never waits: DDP's bucket all-reduces reach the backend in
+// backward's order, each as soon as its gradients are in host memory.
+// The backend gets the calls in the order they were made: while the thread holds one, every
+// later call (staged or not, barrier and send/recv too) queues behind it; a job that stages
+// nothing never starts the thread. Under the collective check fused into the backend (Note
+// [Fused collective check] in dist/process_group_checked.cpp) the guard goes with the call,
+// and the thread starts it with the backend's start_guarded. A host block stays out of the
+// pool until its copy has run, whatever becomes of the call.
+
+// Set by the host function queued behind a call's copies to host memory.
+class Arrival {
+ public:
+  explicit Arrival(std::string description) : description_(std::move(description)) {}
+
+  // The host function (kernels::cuda::call_after_stream): arg is a std::shared_ptr<Arrival>*,
+  // which it deletes. Touches nothing but this object: no CUDA call, no tensor, no pool.
+  static void arrive_and_release(void* arg) noexcept {
+    auto* self = static_cast<std::shared_ptr<Arrival>*>(arg);
+    (*self)->arrive();
+    delete self;
+  }
+
+  void arrive() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      arrived_ = true;
+    }
+    arrived_cv_.notify_all();
+  }
+  bool arrived() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return arrived_;
+  }
+
+  // Waits up to timeout for arrive(); throws TimeoutError naming the call when it has not come.
+  void wait(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const bool arrived = arrived_cv_.wait_until(lock, detail::deadline_after(timeout), [&] { return arrived_; });
+    NANODDP_CHECK(arrived, TimeoutError, description_, ": its copy to host memory had not run on the device after ",
+                  timeout.count(), " ms (a kernel before it is still running, or the device failed)");
+  }
+
+ private:
+  std::string description_;
+  std::mutex mutex_;
+  std::condition_variable arrived_cv_;
+  bool arrived_ = false;
+};
+
+// The host tensors one call's copies write, and their arrival. Goes with the call; a block
+// whose copy has not run by then is never reused (the device may still write it).
+struct CopiesToHost {
+  std::shared_ptr<Arrival> arrival;
+  std::vector<Tensor> hosts;
+  ~CopiesToHost() {
+    if (!arrival->arrived())
+      for (const Tensor& host : hosts) keep_forever(host);
+  }
+};
+
 // The collective's Work, then the copies of its results back to the device tensors: queued on
 // the device's compute stream, so the host does not wait for them.
 class StagedWork : public Work {
  public:
   // copy_back: (device tensor, host tensor holding its result)
   StagedWork(std::shared_ptr<Work> inner, std::vector<std::pair<Tensor, Tensor>> copy_back,
-             std::shared_ptr<CopiesInFlight> in_flight)
-      : inner_(std::move(inner)), copy_back_(std::move(copy_back)), in_flight_(std::move(in_flight)) {}
+             std::shared_ptr<CopiesInFlight> in_flight, std::chrono::milliseconds group_timeout)
+      : inner_(std::move(inner)),
+        copy_back_(std::move(copy_back)),
+        in_flight_(std::move(in_flight)),
+        group_timeout_(group_timeout) {}
 
   void wait(std::chrono::milliseconds timeout) override {
-    inner_->wait(timeout);
+    inner_->wait(effective_wait_timeout(timeout, group_timeout_));
     // Each pair leaves the list once its copy is queued: a wait after one that threw queues
     // only the rest.
     while (!copy_back_.empty()) {
@@ -168,13 +243,15 @@ class StagedWork : public Work {
   std::shared_ptr<Work> inner_;
   std::vector<std::pair<Tensor, Tensor>> copy_back_;
   std::shared_ptr<CopiesInFlight> in_flight_;
+  std::chrono::milliseconds group_timeout_;
 };
 
 class StagingGroup : public ProcessGroup {
  public:
-  explicit StagingGroup(std::shared_ptr<ProcessGroup> inner)
+  StagingGroup(std::shared_ptr<ProcessGroup> inner, std::chrono::milliseconds timeout)
       : ProcessGroup(inner->rank(), inner->size()),
         inner_(std::move(inner)),
+        timeout_(detail::cap_timeout(timeout)),  // Note [Long timeouts]
         pool_(std::make_shared<PinnedPool>()),
         in_flight_(std::make_shared<CopiesInFlight>()) {}
 
@@ -188,60 +265,109 @@ class StagingGroup : public ProcessGroup {
   CollectiveCount count(Collective collective) const override { return inner_->count(collective); }
   void reset_counts() override { inner_->reset_counts(); }
 
-  // Staging issues the inner collective within the call: the guard reaches the inner one.
+  // The call that start() makes here takes the guard to the inner group's start_guarded, now
+  // or on the worker (Note [Staging without a host wait]).
+  bool can_start_guarded() const override { return inner_->can_start_guarded(); }
   std::shared_ptr<Work> start_guarded(CollectiveGuard guard,
                                       const std::function<std::shared_ptr<Work>()>& start) override {
-    return inner_->start_guarded(std::move(guard), start);
+    if (!inner_->can_start_guarded()) return nullptr;
+    guard_ = std::move(guard);
+    struct Forget {
+      std::optional<CollectiveGuard>& guard;
+      ~Forget() { guard.reset(); }
+    } forget{guard_};
+    return start();
   }
 
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
-    if (!staged({tensor})) return inner_->all_reduce(tensor, op);
-    Tensor host = copy_in(tensor);
-    return std::make_shared<StagedWork>(inner_->all_reduce(host, op), Pairs{{tensor, host}}, in_flight_);
+    if (!staged({tensor})) {
+      return issue(nullptr, "all_reduce", tensor,
+                   [inner = inner_, tensor, op]() mutable { return inner->all_reduce(tensor, op); });
+    }
+    auto copies = copy_in({tensor}, "all_reduce");
+    Tensor host = copies->hosts[0];
+    return staged_work(issue(copies, "all_reduce", tensor,
+                             [inner = inner_, host, op]() mutable { return inner->all_reduce(host, op); }),
+                       {{tensor, host}});
   }
 
   std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
-    if (!staged({tensor})) return inner_->broadcast(tensor, root);
-    Tensor host = copy_in(tensor);
-    return std::make_shared<StagedWork>(inner_->broadcast(host, root), Pairs{{tensor, host}}, in_flight_);
+    const std::string what = "broadcast from rank " + std::to_string(root);
+    if (!staged({tensor})) {
+      return issue(nullptr, what, tensor,
+                   [inner = inner_, tensor, root]() mutable { return inner->broadcast(tensor, root); });
+    }
+    auto copies = copy_in({tensor}, "broadcast");
+    Tensor host = copies->hosts[0];
+    return staged_work(
+        issue(copies, what, tensor, [inner = inner_, host, root]() mutable { return inner->broadcast(host, root); }),
+        {{tensor, host}});
   }
 
   std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
     std::vector<Tensor> all = outputs;
     all.push_back(input);
-    if (!staged(all)) return inner_->all_gather(outputs, input);
-    const Tensor host_input = copy_in(input);
+    if (!staged(all)) {
+      return issue(nullptr, "all_gather", input,
+                   [inner = inner_, outputs, input]() mutable { return inner->all_gather(outputs, input); });
+    }
+    auto copies = copy_in({input}, "all_gather");
     std::vector<Tensor> host_outputs;
     Pairs back;
     for (Tensor& out : outputs) {
       host_outputs.push_back(host_like(out));
       back.emplace_back(out, host_outputs.back());
     }
-    return std::make_shared<StagedWork>(inner_->all_gather(host_outputs, host_input), std::move(back), in_flight_);
+    return staged_work(issue(copies, "all_gather", input,
+                             [inner = inner_, host_outputs, host_input = copies->hosts[0]]() mutable {
+                               return inner->all_gather(host_outputs, host_input);
+                             }),
+                       std::move(back));
   }
 
   std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs, ReduceOp op) override {
     std::vector<Tensor> all = inputs;
     all.push_back(output);
-    if (!staged(all)) return inner_->reduce_scatter(output, inputs, op);
-    std::vector<Tensor> host_inputs;
-    for (const Tensor& in : inputs) host_inputs.push_back(copy_in(in));
+    if (!staged(all)) {
+      return issue(nullptr, "reduce_scatter", output, [inner = inner_, output, inputs, op]() mutable {
+        return inner->reduce_scatter(output, inputs, op);
+      });
+    }
+    auto copies = copy_in(inputs, "reduce_scatter");
     Tensor host_output = host_like(output);
-    return std::make_shared<StagedWork>(inner_->reduce_scatter(host_output, host_inputs, op),
-                                        Pairs{{output, host_output}}, in_flight_);
+    return staged_work(issue(copies, "reduce_scatter", output,
+                             [inner = inner_, host_output, host_inputs = copies->hosts, op]() mutable {
+                               return inner->reduce_scatter(host_output, host_inputs, op);
+                             }),
+                       {{output, host_output}});
   }
 
-  std::shared_ptr<Work> barrier() override { return inner_->barrier(); }
+  std::shared_ptr<Work> barrier() override {
+    return issue(nullptr, "barrier", Tensor(), [inner = inner_] { return inner->barrier(); });
+  }
 
   std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {
-    if (!staged({tensor})) return inner_->send(tensor, dst, tag);
-    return std::make_shared<StagedWork>(inner_->send(copy_in(tensor), dst, tag), Pairs{}, in_flight_);
+    const std::string what = "send to rank " + std::to_string(dst);
+    if (!staged({tensor}))
+      return issue(nullptr, what, tensor, [inner = inner_, tensor, dst, tag] { return inner->send(tensor, dst, tag); });
+    auto copies = copy_in({tensor}, "send");
+    return staged_work(issue(copies, what, tensor,
+                             [inner = inner_, host = copies->hosts[0], dst, tag] {
+                               return inner->send(host, dst, tag);
+                             }),
+                       {});
   }
 
   std::shared_ptr<Work> recv(Tensor& tensor, int src, int tag) override {
-    if (!staged({tensor})) return inner_->recv(tensor, src, tag);
+    const std::string what = "recv from rank " + std::to_string(src);
+    if (!staged({tensor})) {
+      return issue(nullptr, what, tensor,
+                   [inner = inner_, tensor, src, tag]() mutable { return inner->recv(tensor, src, tag); });
+    }
     Tensor host = host_like(tensor);
-    return std::make_shared<StagedWork>(inner_->recv(host, src, tag), Pairs{{tensor, host}}, in_flight_);
+    return staged_work(
+        issue(nullptr, what, tensor, [inner = inner_, host, src, tag]() mutable { return inner->recv(host, src, tag); }),
+        {{tensor, host}});
   }
 
   std::string all_reduce_algorithm() const override { return inner_->all_reduce_algorithm(); }
@@ -270,23 +396,70 @@ class StagingGroup : public ProcessGroup {
     return pool_->take(t.shape(), t.dtype());
   }
 
-  // A host copy of t, made after every kernel already queued on t's device.
-  Tensor copy_in(const Tensor& t) {
-    Tensor host = host_like(t);
-    copy_values(host, t);  // not an autograd op: t may require grad (a loss all-reduced for a log)
-    return host;
+  // Host copies of tensors (all on one device), queued after every kernel already queued there
+  // (Note [Staging without a host wait]). On the host stand-in cpu:1 of the tests they are made
+  // at once, and the call still goes through the worker.
+  std::shared_ptr<CopiesToHost> copy_in(const std::vector<Tensor>& tensors, const std::string& what) {
+    auto copies = std::make_shared<CopiesToHost>();
+    copies->arrival = std::make_shared<Arrival>(describe(what, tensors.front()));
+    for (const Tensor& t : tensors) copies->hosts.push_back(host_like(t));
+    if (!tensors.front().device().is_cuda()) {
+      for (size_t i = 0; i < tensors.size(); ++i) copy_values(copies->hosts[i], tensors[i]);  // not an autograd op
+      copies->arrival->arrive();
+      return copies;
+    }
+    kernels::cuda::set_device(tensors.front().device().index);
+    auto handle = std::make_unique<std::shared_ptr<Arrival>>(copies->arrival);
+    for (size_t i = 0; i < tensors.size(); ++i)  // a throw leaves copies unarrived: blocks kept
+      kernels::cuda::copy_async(copies->hosts[i].data_ptr(), tensors[i].data_ptr(), tensors[i].nbytes(),
+                                kernels::cuda::CopyKind::DeviceToHost);
+    kernels::cuda::call_after_stream(&Arrival::arrive_and_release, handle.get());
+    handle.release();  // the host function deletes it
+    return copies;
+  }
+
+  // Issues start on the inner group: now, when nothing is to wait for and the worker holds
+  // no earlier call, else on the worker once copies have arrived. The guard of a fused check
+  // goes with it.
+  // what and tensor name the call in the worker's errors (tensor may be undefined).
+  std::shared_ptr<Work> issue(std::shared_ptr<CopiesToHost> copies, const std::string& what, const Tensor& tensor,
+                              std::function<std::shared_ptr<Work>()> start) {
+    if (guard_) {
+      start = [inner = inner_, guard = *std::exchange(guard_, std::nullopt), start = std::move(start)]() {
+        auto work = inner->start_guarded(guard, start);
+        NANODDP_CHECK(work != nullptr, DistError, "host staging: the backend no longer starts guarded calls");
+        return work;
+      };
+    }
+    if (copies == nullptr && (worker_ == nullptr || worker_->idle())) return start();
+    if (worker_ == nullptr) worker_ = std::make_unique<detail::StartWorker>("host staging");
+    detail::StartWorker::Call call;
+    if (copies != nullptr) call.before = [copies, timeout = timeout_] { copies->arrival->wait(timeout); };
+    call.start = std::move(start);
+    call.description = tensor.defined() ? describe(what, tensor) : where() + ": " + what;
+    call.still_before = "its tensors were still on their way to host memory, or an earlier call waited for theirs";
+    return worker_->queue(std::move(call));
+  }
+
+  std::shared_ptr<Work> staged_work(std::shared_ptr<Work> work, Pairs copy_back) {
+    return std::make_shared<StagedWork>(std::move(work), std::move(copy_back), in_flight_, timeout_);
   }
 
   std::shared_ptr<ProcessGroup> inner_;
+  std::chrono::milliseconds timeout_;
   std::shared_ptr<PinnedPool> pool_;
   std::shared_ptr<CopiesInFlight> in_flight_;
+  std::optional<CollectiveGuard> guard_;  // set only inside start_guarded, for the call it makes
+  // Started by the first call that waits for a copy; destroyed before the inner group goes.
+  std::unique_ptr<detail::StartWorker> worker_;
 };
 
 }  // namespace
 
-std::shared_ptr<ProcessGroup> stage_device_tensors(std::shared_ptr<ProcessGroup> group) {
+std::shared_ptr<ProcessGroup> stage_device_tensors(std::shared_ptr<ProcessGroup> group,
+                                                  std::chrono::milliseconds timeout) {
   if (group == nullptr || group->device() != Device::cpu() || std::dynamic_pointer_cast<StagingGroup>(group)) return group;
-  return std::make_shared<StagingGroup>(std::move(group));
+  return std::make_shared<StagingGroup>(std::move(group), timeout);
 }
 
 }  // namespace nanoddp::dist

@@ -12,15 +12,19 @@
 //
 // Contract, on top of ProcessGroup's:
 //  - a tensor not on the CPU (cuda:N; tests use the host stand-in cpu:1) is copied to host
-//    memory when the collective is issued, after every kernel queued before it (the copy
-//    waits for the device's compute stream: one host sync per tensor copied in, so one per
-//    collective but reduce_scatter, which copies each input); wait() queues the
-//    copy of its result back on the compute stream, without waiting (Note [Compute-stream
-//    events] keeps the pinned block until that copy has run), so every later kernel and copy
-//    sees it: read it only after wait() (is_completed() says when the host side has finished);
-//  - tensors on the CPU pass straight through; nothing is copied.
+//    memory after every kernel queued before the call, without a host wait: the copy is
+//    queued on the compute stream, and the group's own thread issues the collective on the
+//    backend once the copy has run (Note [Staging without a host wait] in
+//    dist/host_staging.cpp). Calls reach the backend in the order they were made, staged or
+//    not; wait() queues the copy of its result back on the compute stream, without waiting
+//    (Note [Compute-stream events] keeps the pinned block until that copy has run), so every
+//    later kernel and copy sees it: read it only after wait() (is_completed() says when the
+//    host side has finished);
+//  - tensors on the CPU pass straight through; nothing is copied, and no thread is started
+//    while nothing has been staged.
 #pragma once
 
+#include <chrono>
 #include <memory>
 
 #include "dist/process_group.h"
@@ -29,6 +33,9 @@ namespace nanoddp::dist {
 
 // Returns group with CUDA-tensor staging in front of it (group itself if it is not a CPU
 // group, or is wrapped already). Every ProcessGroup call is forwarded to group.
-std::shared_ptr<ProcessGroup> stage_device_tensors(std::shared_ptr<ProcessGroup> group);
+// timeout: the group's (InitOptions::timeout), for a wait(0) and for how long a call waits
+// for its copy to host memory.
+std::shared_ptr<ProcessGroup> stage_device_tensors(std::shared_ptr<ProcessGroup> group,
+                                                  std::chrono::milliseconds timeout = kDefaultTimeout);
 
 }  // namespace nanoddp::dist

@@ -326,7 +326,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                                           "=mpi in the environment; unset it to let the program pick)"
                                     : std::string());
     // CUDA tensors through host memory (dist/host_staging.h), then the collective check.
-    default_group = checked(stage_device_tensors(group), check_collectives, options.timeout);
+    default_group = checked(stage_device_tensors(group, options.timeout), check_collectives, options.timeout);
     ++groups_initialised;
     register_exit_handler();
     join_trace(*default_group, nullptr);
@@ -476,7 +476,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     throw;
   }
   // A CPU group takes CUDA tensors too (dist/host_staging.h); then the collective check.
-  default_group = checked(stage_device_tensors(group), check_collectives, options.timeout, fingerprint_group);
+  default_group = checked(stage_device_tensors(group, options.timeout), check_collectives, options.timeout, fingerprint_group);
   ++groups_initialised;
   joining.joined = true;  // the group is up; reported as `joining` goes out of scope
   register_exit_handler();

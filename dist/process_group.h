@@ -324,6 +324,9 @@ class ProcessGroup {
     (void)start;
     return nullptr;
   }
+  // True where start_guarded issues (Gloo): for a wrapper that starts the collective later,
+  // on another thread, and must know now whether the guard can go with it (host staging).
+  virtual bool can_start_guarded() const { return false; }
 
   // Issues the send/recv calls this group holds back to issue them together (NCCL groups
   // them: Note [NCCL point-to-point]), as its next collective does; a no-op elsewhere. For a

@@ -60,7 +60,7 @@
 // fingerprints] in dist/host_fingerprints.cpp), else Gloo's sockets. torch.distributed's
 // ProcessGroupWrapper all-gathers its fingerprints on a Gloo group too; a multi-node NCCL job
 // then needs TCP between its nodes.
-// A thread of the check's own (dist/check_worker.h) takes the calls in order. For each it
+// A thread of the check's own (dist/start_worker.h) takes the calls in order. For each it
 // all-gathers the fingerprints, compares them and starts the collective, as Gloo's worker does
 // (Note [Fused collective check]). The caller never waits, and an NCCL collective is launched
 // the moment the last rank has called it.
@@ -92,11 +92,12 @@
 #include <thread>
 
 #include "core/error.h"
-#include "dist/check_worker.h"
 #include "dist/deadline.h"
+#include "dist/host_fingerprints.h"
 #include "dist/launcher_link.h"
 #include "dist/nccl_protocol.h"
 #include "dist/process_group.h"
+#include "dist/start_worker.h"
 
 namespace nanoddp::dist {
 
@@ -531,7 +532,10 @@ class CheckedProcessGroup : public ProcessGroup {
       : ProcessGroup(inner->rank(), inner->size()) {
     state_->inner = std::move(inner);
     state_->timeout = detail::cap_timeout(timeout);  // Note [Long timeouts]
-    if (fingerprints) worker_ = std::make_unique<detail::CheckWorker>(std::move(fingerprints), state_->timeout);
+    if (fingerprints) {
+      fingerprint_group_ = std::move(fingerprints);
+      worker_ = std::make_unique<detail::StartWorker>("the collective check");
+    }
     // Checked groups are made in the same order on every rank: the count names the same one.
     state_->store_prefix = "check/" + std::to_string(next_checked_group_id++) + "/";
   }
@@ -636,7 +640,19 @@ class CheckedProcessGroup : public ProcessGroup {
     // back go out now, as at any collective's call.
     if (worker_) {
       state_->inner->issue_queued_point_to_point();
-      auto started = worker_->start_guarded(guard(), std::move(start), description);
+      detail::StartWorker::Call call;
+      call.before = [fingerprints = fingerprint_group_, guard = guard(), description, timeout = state_->timeout] {
+        guard.verify(all_gather_fingerprints(*fingerprints, guard.fingerprint, description, timeout));
+      };
+      call.start = [start = std::move(start)] {
+        const detail::CollectiveCalledEarlier called_earlier;
+        return start();
+      };
+      call.description = description;
+      call.still_before =
+          "the collective check was still comparing it with the other ranks' calls, or starting it (a peer may "
+          "have exited, be stuck, or issue fewer collectives)";
+      auto started = worker_->queue(std::move(call));
       state_->seq = seq;
       return std::make_shared<FusedWork>(std::move(started), std::move(mine), state_);
     }
@@ -655,8 +671,10 @@ class CheckedProcessGroup : public ProcessGroup {
   }
 
   std::shared_ptr<CheckState> state_ = std::make_shared<CheckState>();
-  // With a fingerprint group (Note [Host fingerprints]): every call goes through it.
-  std::unique_ptr<detail::CheckWorker> worker_;
+  // With a fingerprint group (Note [Host fingerprints]): every call goes through the worker,
+  // whose exchanges hold the group until they end.
+  std::shared_ptr<ProcessGroup> fingerprint_group_;
+  std::unique_ptr<detail::StartWorker> worker_;
 };
 
 }  // namespace

@@ -521,6 +521,7 @@ class ProcessGroupGloo : public ProcessGroup {
   // Note [Fused collective check]: the collective's task first all-gathers the fingerprints
   // and verifies them. A call that queues nothing (an empty tensor) still queues the guard:
   // the peers' tasks wait for this rank's fingerprint.
+  bool can_start_guarded() const override { return true; }
   std::shared_ptr<Work> start_guarded(CollectiveGuard guard,
                                       const std::function<std::shared_ptr<Work>()>& start) override {
     guard_ = std::move(guard);

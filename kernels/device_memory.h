@@ -58,6 +58,12 @@ bool event_passed(void* event);  // never waits; throws DeviceError for a device
 // Waits on the host until event has passed (a host sync, Note [Host syncs]); throws as
 // synchronize() does.
 void wait_for_event(void* event);
+// Queues fn(arg) on the current device's compute stream (cudaLaunchHostFunc): CUDA calls it
+// on a thread of its own once the stream has run everything queued before it, which tells
+// the host without a wait. fn must not call CUDA, must not throw, and should return at once
+// (the stream waits for it). Should the stream fail first, fn is never called. Throws
+// DeviceError, and then fn is not called either.
+void call_after_stream(void (*fn)(void*), void* arg);
 
 // The one compute stream of this process (a cudaStream_t, as void* to keep CUDA headers out
 // of C++ code). Every kernel runs on it.

@@ -32,6 +32,7 @@ void destroy_event(void*) {}
 void record_event(void*) { no_cuda("record_event"); }
 bool event_passed(void*) { no_cuda("event_passed"); }
 void wait_for_event(void*) { no_cuda("wait_for_event"); }
+void call_after_stream(void (*)(void*), void*) { no_cuda("call_after_stream"); }
 void count_host_sync() {}
 uint64_t host_syncs() { return 0; }
 }  // namespace cuda

@@ -702,14 +702,22 @@ TEST_CASE("two ranks share one GPU over Gloo: DDP on CUDA tensors equals 1-rank 
 #endif
   if (!in_launched_rank()) return run_ranks_of_this_file("*share one GPU over Gloo: DDP*", "gloo");
   auto pg = join_launched(dist::Backend::Gloo, Device::cuda(0));
-  // Staging waits for the device once per collective, for its copy to the host; the copy of
-  // the result back is queued on the compute stream (dist/host_staging.h).
+  // Staging never waits for the device: the copy to the host is followed on the compute stream
+  // by a host function that lets the group's thread issue the collective, and the copy of the
+  // result back is queued there too (Note [Staging without a host wait] in dist/host_staging.cpp).
   Tensor staged = Tensor::full({1000}, static_cast<float>(pg->rank() + 1), Device::cuda(0));
   const uint64_t start = kernels::cuda::host_syncs();
   pg->all_reduce(staged)->wait();
   const Tensor doubled = staged * 2.0f;
-  CHECK(kernels::cuda::host_syncs() - start == 1);
+  CHECK(kernels::cuda::host_syncs() - start == 0);
   CHECK(doubled.to_vector() == std::vector<float>(1000, 6.0f));
+  {
+    const std::vector<uint64_t> per_step = host_syncs_per_ddp_step(pg, Device::cuda(0), 7 + pg->rank());
+    MESSAGE("host syncs per DDP step, two ranks on one GPU over Gloo: ", per_step[1], ", ", per_step[2], ", ",
+            per_step[3]);
+    CHECK(per_step[2] == 0);
+    CHECK(per_step[3] == 0);
+  }
   testing::check_ddp_matches_one_rank(pg, Device::cuda(0), /*tolerance=*/1e-4f);
   pg.reset();
   dist::destroy_process_group();

@@ -19,7 +19,7 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 
 # Headers that stay internal: included only by the library's own .cpp files.
 private_headers=(core/file_io.h core/half_convert.h core/replace_file.h dist/detail.h dist/gloo_store.h dist/nccl_protocol.h dist/ring_shm.h
-                 nn/conv_groups.h dist/host_fingerprints.h dist/check_worker.h dist/deadline.h kernels/grad_norm_term.h
+                 nn/conv_groups.h dist/host_fingerprints.h dist/start_worker.h dist/deadline.h kernels/grad_norm_term.h
                  dist/launch_detail.h dist/output_relay.h dist/shm_progress.h dist/shm_segment.h dist/shm_wait.h dist/store_client.h
                  dist/store_server.h dist/store_wire.h)
 

@@ -3,6 +3,8 @@
 // lets several ranks share one GPU runs without one (the gpu suite runs it on cuda:0).
 #include <doctest/doctest.h>
 
+#include <thread>
+
 #include "core/autograd.h"
 #include "dist/host_staging.h"
 #include "dist/init.h"
@@ -75,14 +77,19 @@ TEST_CASE("gloo: mixed devices in one collective are refused by the backend, nam
 namespace {
 
 // One rank whose all_reduce doubles its tensor (as a sum over two equal ranks would) and
-// records every tensor it was handed.
+// records every tensor it was handed; the first all_reduce takes first_call_delay, so that a
+// call made meanwhile finds it in the group's thread.
 class RecordingGroup : public dist::ProcessGroup {
  public:
-  explicit RecordingGroup(Device device) : ProcessGroup(0, 1), device_(device) {}
+  explicit RecordingGroup(Device device, std::chrono::milliseconds first_call_delay = 0ms)
+      : ProcessGroup(0, 1), device_(device), first_call_delay_(first_call_delay) {}
   std::string backend_name() const override { return "recording"; }
   Device device() const override { return device_; }
   std::vector<Tensor> seen;
+  std::vector<std::string> calls;  // "all_reduce", "barrier", in the order they came
   std::shared_ptr<dist::Work> all_reduce(Tensor& tensor, dist::ReduceOp) override {
+    if (seen.empty()) std::this_thread::sleep_for(first_call_delay_);
+    calls.push_back("all_reduce of " + std::to_string(tensor.numel()));
     seen.push_back(tensor);
     float* p = tensor.data<float>();
     for (int64_t i = 0; i < tensor.numel(); ++i) p[i] *= 2;
@@ -95,10 +102,14 @@ class RecordingGroup : public dist::ProcessGroup {
   std::shared_ptr<dist::Work> reduce_scatter(Tensor&, const std::vector<Tensor>&, dist::ReduceOp) override {
     NANODDP_THROW(DistError, "unused");
   }
-  std::shared_ptr<dist::Work> barrier() override { return std::make_shared<dist::CompletedWork>(); }
+  std::shared_ptr<dist::Work> barrier() override {
+    calls.push_back("barrier");
+    return std::make_shared<dist::CompletedWork>();
+  }
 
  private:
   Device device_;
+  std::chrono::milliseconds first_call_delay_;
 };
 
 }  // namespace
@@ -113,10 +124,9 @@ TEST_CASE("staging hands the backend a host copy and writes the result back at w
 
   Tensor t = Tensor::from_vector({1.0f, 2.0f, 3.0f}, {}, kStandIn);
   auto work = pg->all_reduce(t, dist::ReduceOp::Sum);
+  work->wait(1000ms);  // the group's thread issued it (Note [Staging without a host wait])
   REQUIRE(inner->seen.size() == 1);
   CHECK(inner->seen[0].device() == Device::cpu());
-  CHECK(t.to_vector() == std::vector<float>{1, 2, 3});  // not before wait()
-  work->wait(1000ms);
   CHECK(t.device() == kStandIn);
   CHECK(t.to_vector() == std::vector<float>{2, 4, 6});
 
@@ -139,3 +149,75 @@ TEST_CASE("stage_device_tensors leaves a group alone whose device is not the CPU
   CHECK(dist::stage_device_tensors(device_group) == device_group);
   CHECK(dist::stage_device_tensors(nullptr) == nullptr);
 }
+
+TEST_CASE("staging: calls reach the backend in the order they were made, staged or not") {
+  // The staged all_reduce is still being issued on the group's thread when the CPU tensor's
+  // all_reduce and the barrier are called: they go behind it, not around it.
+  auto inner = std::make_shared<RecordingGroup>(Device::cpu(), 200ms);
+  auto pg = dist::stage_device_tensors(inner);
+  Tensor staged = Tensor::from_vector({1.0f, 2.0f, 3.0f}, {}, kStandIn);
+  Tensor host = Tensor::from_vector({5.0f});
+  auto first = pg->all_reduce(staged, dist::ReduceOp::Sum);
+  auto second = pg->all_reduce(host, dist::ReduceOp::Sum);
+  auto third = pg->barrier();
+  third->wait(5000ms);
+  second->wait(5000ms);
+  first->wait(5000ms);
+  CHECK(inner->calls == std::vector<std::string>{"all_reduce of 3", "all_reduce of 1", "barrier"});
+  CHECK(staged.to_vector() == std::vector<float>{2, 4, 6});
+  CHECK(host.to_vector() == std::vector<float>{10});
+
+  // Once the thread is idle again, a CPU tensor goes straight through, on the caller's thread.
+  Tensor later = Tensor::from_vector({7.0f});
+  pg->all_reduce(later, dist::ReduceOp::Sum)->wait(5000ms);
+  CHECK(inner->seen.back().is_same(later));
+  CHECK(later.to_vector() == std::vector<float>{14});
+}
+
+TEST_CASE("staging: a group destroyed with calls queued fails them, naming each, and ends") {
+  auto inner = std::make_shared<RecordingGroup>(Device::cpu(), 300ms);
+  auto pg = dist::stage_device_tensors(inner);
+  Tensor a = Tensor::from_vector({1.0f}, {}, kStandIn);
+  Tensor b = Tensor::from_vector({1.0f, 2.0f}, {}, kStandIn);
+  auto first = pg->all_reduce(a, dist::ReduceOp::Sum);
+  std::this_thread::sleep_for(50ms);  // the first is in hand, being issued
+  auto second = pg->all_reduce(b, dist::ReduceOp::Sum);
+  pg.reset();
+  first->wait(5000ms);  // issued before the end: it completes
+  CHECK(a.to_vector() == std::vector<float>{2});
+  try {
+    second->wait(5000ms);
+    FAIL("a call queued behind a destroyed group's thread completed");
+  } catch (const DistError& e) {
+    CHECK(std::string(e.what()).find("all_reduce") != std::string::npos);
+    CHECK(std::string(e.what()).find("destroyed before this collective started") != std::string::npos);
+  }
+  CHECK(b.to_vector() == std::vector<float>{1, 2});
+  CHECK(inner->calls == std::vector<std::string>{"all_reduce of 1"});
+}
+
+#if NANODDP_WITH_GLOO
+TEST_CASE("gloo: the collective check catches a mismatch between staged calls and keeps the group in step") {
+  const int port = testing::free_port();
+  const std::string failures = testing::run_ranks(2, [&](int rank) {
+    auto pg = join(port, rank, 2);
+    Tensor t = Tensor::ones({rank == 0 ? 3 : 4}, DType::Float32, kStandIn);
+    bool caught = false;
+    try {
+      pg->all_reduce(t)->wait(10000ms);
+    } catch (const DistError& e) {
+      const std::string message = e.what();
+      caught = message.find("3 float32") != std::string::npos && message.find("4 float32") != std::string::npos;
+      if (!caught) testing::expect(false, "rank ", rank, ": not the check's error: ", message);
+    }
+    testing::expect(caught, "rank ", rank, ": a mismatched staged all_reduce returned without an error");
+    testing::expect(t.to_vector() == std::vector<float>(static_cast<size_t>(rank == 0 ? 3 : 4), 1.0f),
+                    "rank ", rank, ": the mismatched tensor changed");
+    Tensor same = Tensor::full({2}, static_cast<float>(rank + 1), kStandIn);
+    pg->all_reduce(same)->wait(10000ms);
+    testing::expect(same.to_vector() == std::vector<float>{3, 3}, "rank ", rank, ": the next all_reduce is not 1 + 2");
+    dist::destroy_process_group();
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+#endif

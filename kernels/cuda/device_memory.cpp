@@ -332,6 +332,8 @@ void wait_for_event(void* event) {
   check_host_syncs();
 }
 
+void call_after_stream(void (*fn)(void*), void* arg) { NANODDP_CUDA_CHECK(cudaLaunchHostFunc(stream(), fn, arg)); }
+
 // Note [Host syncs]: one counter for the process.
 namespace {
 std::atomic<uint64_t> host_sync_count{0};

@@ -1,4 +1,4 @@
-#include "dist/check_worker.h"
+#include "dist/start_worker.h"
 
 #include <algorithm>
 #include <condition_variable>
@@ -12,7 +12,6 @@
 #include "core/error.h"
 #include "core/memory.h"
 #include "dist/deadline.h"
-#include "dist/host_fingerprints.h"
 #include "dist/nccl_protocol.h"
 
 namespace nanoddp::dist::detail {
@@ -24,8 +23,8 @@ struct Outcome {
   std::mutex mutex;
   std::condition_variable done_cv;
   bool done = false;
-  std::shared_ptr<Work> started;  // the collective, once the fingerprints agreed
-  std::exception_ptr error;       // what ended the call instead: the exchange, verify or start threw
+  std::shared_ptr<Work> started;  // the call, once before() has returned
+  std::exception_ptr error;       // what ended the call instead: before() or start() threw
 
   void finish(std::shared_ptr<Work> work, std::exception_ptr failure) {
     {
@@ -47,8 +46,8 @@ struct Outcome {
 
 class GuardedWork : public Work {
  public:
-  GuardedWork(std::string description, std::shared_ptr<Outcome> outcome)
-      : description_(std::move(description)), outcome_(std::move(outcome)) {}
+  GuardedWork(std::string description, std::string still_before, std::shared_ptr<Outcome> outcome)
+      : description_(std::move(description)), still_before_(std::move(still_before)), outcome_(std::move(outcome)) {}
 
   void wait(std::chrono::milliseconds timeout) override {
     const auto begin = std::chrono::steady_clock::now();
@@ -57,14 +56,13 @@ class GuardedWork : public Work {
       std::unique_lock<std::mutex> lock(outcome_->mutex);
       const bool done =
           outcome_->done_cv.wait_until(lock, deadline_after(timeout, begin), [&] { return outcome_->done; });
-      NANODDP_CHECK(done, TimeoutError, description_, ": not started within ", timeout.count(),
-                    " ms: the collective check was still comparing it with the other ranks' calls, or "
-                    "starting it (a peer may have exited, be stuck, or issue fewer collectives)");
+      NANODDP_CHECK(done, TimeoutError, description_, ": not started within ", timeout.count(), " ms: ",
+                    still_before_);
       if (outcome_->error) std::rethrow_exception(outcome_->error);
       started = outcome_->started;
     }
     // A stream-ordered NCCL wait does not block the host: its timeout is the watchdog's
-    // deadline, counted from the launch (Work::wait), not what the exchange left of this one.
+    // deadline, counted from the launch (Work::wait), not what before() left of this one.
     const auto* on_device = dynamic_cast<const EventWork*>(started.get());
     if (on_device != nullptr && on_device->waits() == EventWork::Waits::StreamOrdered) {
       started->wait(timeout);
@@ -86,29 +84,27 @@ class GuardedWork : public Work {
 
  private:
   std::string description_;
+  std::string still_before_;
   std::shared_ptr<Outcome> outcome_;
 };
 
 }  // namespace
 
-struct CheckWorker::Shared {
+struct StartWorker::Shared {
   struct Task {
-    CollectiveGuard guard;
-    std::function<std::shared_ptr<Work>()> start;
-    std::string description;
+    Call call;
     std::shared_ptr<Outcome> outcome;
-    MemoryCategory category = MemoryCategory::Other;  // the caller's, for the collective's temporaries
+    MemoryCategory category = MemoryCategory::Other;  // the caller's, for the call's temporaries
   };
 
-  std::shared_ptr<ProcessGroup> fingerprints;
-  std::chrono::milliseconds timeout{};
-  std::mutex mutex;
+  mutable std::mutex mutex;
   std::condition_variable wake;
   std::deque<Task> queue;  // guarded by mutex
   bool stopping = false;   // guarded by mutex
-  bool exchanging = false;  // guarded by mutex: the task in hand waits for the peers' fingerprints
-  // The start of the task in hand, guarded by mutex: the group's end takes it, so that the
-  // backend it holds goes with the group, not with a thread left to end by itself.
+  bool in_hand = false;    // guarded by mutex: a task is between the queue and its outcome
+  bool before_running = false;  // guarded by mutex: the task in hand is in its before()
+  // The start of the task in hand, guarded by mutex: the worker's end takes it, so that the
+  // backend it holds goes with its owner, not with a thread left to end by itself.
   std::function<std::shared_ptr<Work>()> in_hand_start;
 
   void run() {
@@ -120,90 +116,90 @@ struct CheckWorker::Shared {
         if (queue.empty()) return;  // stopping, and nothing left
         task = std::move(queue.front());
         queue.pop_front();
-        in_hand_start = std::move(task.start);
-        exchanging = true;
+        in_hand_start = std::move(task.call.start);
+        in_hand = true;
+        before_running = true;
       }
       std::exception_ptr error;
       try {
-        const std::vector<int64_t> table =
-            all_gather_fingerprints(*fingerprints, task.guard.fingerprint, task.description, timeout);
-        task.guard.verify(table);
+        if (task.call.before) task.call.before();
       } catch (...) {
         error = std::current_exception();
       }
+      task.call.before = nullptr;  // what it holds goes here, before the start
       std::function<std::shared_ptr<Work>()> start;
       {
         std::lock_guard<std::mutex> lock(mutex);
         start = std::move(in_hand_start);
         in_hand_start = nullptr;
-        exchanging = false;
-      }
-      if (!error && !start) {  // the group ended meanwhile: never started
-        task.outcome->fail_destroyed(task.description);
-        continue;
+        before_running = false;
       }
       std::shared_ptr<Work> started;
-      if (!error) {
-        try {
-          const MemoryCategoryScope category(task.category);
-          const CollectiveCalledEarlier called_earlier;
-          started = start();
-        } catch (...) {
-          error = std::current_exception();
+      if (!error && !start) {  // the owner ended meanwhile: never started
+        task.outcome->fail_destroyed(task.call.description);
+      } else {
+        if (!error) {
+          try {
+            const MemoryCategoryScope category(task.category);
+            started = start();
+          } catch (...) {
+            error = std::current_exception();
+          }
         }
+        start = nullptr;  // its tensors go with it, here rather than when the Work goes
+        task.outcome->finish(std::move(started), std::move(error));
       }
-      start = nullptr;  // its tensors go with it, here rather than when the Work goes
-      task.outcome->finish(std::move(started), std::move(error));
+      std::lock_guard<std::mutex> lock(mutex);
+      in_hand = false;
     }
   }
 };
 
-CheckWorker::CheckWorker(std::shared_ptr<ProcessGroup> fingerprints, std::chrono::milliseconds timeout)
-    : shared_(std::make_shared<Shared>()) {
-  shared_->fingerprints = std::move(fingerprints);
-  shared_->timeout = timeout;
+StartWorker::StartWorker(const std::string& owner) : shared_(std::make_shared<Shared>()) {
   try {
     thread_ = std::thread([shared = shared_] { shared->run(); });
   } catch (const std::system_error& e) {
-    NANODDP_THROW(DistError, "the collective check could not start its thread: ", e.what());
+    NANODDP_THROW(DistError, owner, " could not start its thread: ", e.what());
   }
 }
 
-CheckWorker::~CheckWorker() {
+StartWorker::~StartWorker() {
   std::deque<Shared::Task> dropped;
   std::function<std::shared_ptr<Work>()> in_hand;  // let go of here, after the lock
-  bool exchanging = false;
+  bool before_running = false;
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);
     shared_->stopping = true;
     dropped.swap(shared_->queue);
     in_hand = std::move(shared_->in_hand_start);
     shared_->in_hand_start = nullptr;
-    // Left to end by itself only while an exchange may wait for the peers. Otherwise it ends
-    // soon (start() is an NCCL launch, bounded by the timeout, and waits for no peer), and
-    // joined it lets go of the fingerprint group and the backend here.
-    exchanging = shared_->exchanging;
+    // Left to end by itself only while a before() may wait (for the peers, the device).
+    // Otherwise it ends soon (a start issues, and waits for no peer), and joined it lets go of
+    // what the calls hold here.
+    before_running = shared_->before_running;
   }
   shared_->wake.notify_all();
-  for (Shared::Task& task : dropped) task.outcome->fail_destroyed(task.description);
-  if (exchanging)
+  for (Shared::Task& task : dropped) task.outcome->fail_destroyed(task.call.description);
+  if (before_running)
     thread_.detach();
   else
     thread_.join();
 }
 
-std::shared_ptr<Work> CheckWorker::start_guarded(CollectiveGuard guard,
-                                                 std::function<std::shared_ptr<Work>()> start,
-                                                 std::string description) {
+std::shared_ptr<Work> StartWorker::queue(Call call) {
   auto outcome = std::make_shared<Outcome>();
-  auto work = std::make_shared<GuardedWork>(description, outcome);
+  auto work = std::make_shared<GuardedWork>(call.description, call.still_before, outcome);
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);
-    shared_->queue.push_back(Shared::Task{std::move(guard), std::move(start), std::move(description), outcome,
-                                          current_memory_category()});
+    shared_->queue.push_back(Shared::Task{std::move(call), outcome, current_memory_category()});
   }
   shared_->wake.notify_one();
   return work;
+}
+
+bool StartWorker::idle() const {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  return shared_->queue.empty() && !shared_->in_hand;
 }
 
 }  // namespace nanoddp::dist::detail
