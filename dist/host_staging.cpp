@@ -1,5 +1,7 @@
 #include "dist/host_staging.h"
 
+#include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -25,14 +27,18 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
  public:
   ~PinnedPool() {
     for (auto& [nbytes, block] : free_) kernels::cuda::free_pinned(block);
+    for (void* block : to_free_) kernels::cuda::free_pinned(block);
   }
 
-  // An uninitialised host tensor of this shape and dtype in pinned memory.
+  // An uninitialised host tensor of this shape and dtype in pinned memory. On the caller's
+  // thread, which frees the blocks given back past the cache's room.
   Tensor take(const Shape& shape, DType dtype) {
     const size_t nbytes = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
     void* block = nullptr;
+    std::vector<void*> to_free;
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      to_free.swap(to_free_);
       auto it = free_.find(nbytes);
       if (it != free_.end()) {
         block = it->second;
@@ -40,6 +46,7 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
         cached_bytes_ -= nbytes;
       }
     }
+    for (void* freed : to_free) kernels::cuda::free_pinned(freed);
     if (block == nullptr && nbytes > 0) {
       block = kernels::cuda::allocate_pinned(nbytes);
       detail::register_exit_handler_after_cuda();  // CUDA is up now (Note [NCCL shutdown])
@@ -55,19 +62,26 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
  private:
   static constexpr size_t kMaxCachedBytes = size_t(1) << 30;
 
-  void give(void* block, size_t nbytes) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
+  // Runs wherever a staging tensor's last holder lets go (the backend's thread, the staging
+  // worker), so it never calls CUDA: on a thread with no device chosen that would open a
+  // context on GPU 0 (Note [Current device] in kernels/cuda/device_memory.cpp). A block past
+  // the cache's room is freed by the next take(). Never throws (without memory to note the
+  // block, it is leaked).
+  void give(void* block, size_t nbytes) noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    try {
       if (cached_bytes_ + nbytes <= kMaxCachedBytes) {
         free_.emplace(nbytes, block);
         cached_bytes_ += nbytes;
-        return;
+      } else {
+        to_free_.push_back(block);
       }
+    } catch (...) {
     }
-    kernels::cuda::free_pinned(block);
   }
 
   std::mutex mutex_;
+  std::vector<void*> to_free_;  // given back past kMaxCachedBytes; freed by take()
   std::multimap<size_t, void*> free_;
   size_t cached_bytes_ = 0;
 };
@@ -156,7 +170,11 @@ class CopiesInFlight {
 // backward's order, each as soon as its gradients are in host memory.
 // The backend gets the calls in the order they were made: while the thread holds one, every
 // later call (staged or not, barrier and send/recv too) queues behind it; a job that stages
-// nothing never starts the thread. Under the collective check fused into the backend (Note
+// nothing never starts the thread. The group's end issues what the thread still holds, so
+// that the backend's end deals with every call made before it. shm is the exception: its
+// engine runs every call in the thread that waits, holding it meanwhile, so a call issued by
+// the worker could wait for the very wait that waits for it; there the copy to the host is
+// made at the call, with a host wait. Under the collective check fused into the backend (Note
 // [Fused collective check] in dist/process_group_checked.cpp) the guard goes with the call,
 // and the thread starts it with the backend's start_guarded. A host block stays out of the
 // pool until its copy has run, whatever becomes of the call.
@@ -186,12 +204,14 @@ class Arrival {
     return arrived_;
   }
 
-  // Waits up to timeout for arrive(); throws TimeoutError naming the call when it has not come.
-  void wait(std::chrono::milliseconds timeout) {
+  // Waits until deadline for arrive(); true when it came.
+  bool wait_until(std::chrono::steady_clock::time_point deadline) {
     std::unique_lock<std::mutex> lock(mutex_);
-    const bool arrived = arrived_cv_.wait_until(lock, detail::deadline_after(timeout), [&] { return arrived_; });
-    NANODDP_CHECK(arrived, TimeoutError, description_, ": its copy to host memory had not run on the device after ",
-                  timeout.count(), " ms (a kernel before it is still running, or the device failed)");
+    return arrived_cv_.wait_until(lock, deadline, [&] { return arrived_; });
+  }
+  [[noreturn]] void throw_timeout(std::chrono::milliseconds timeout) const {
+    NANODDP_THROW(TimeoutError, description_, ": its copy to host memory had not run on the device after ",
+                  timeout.count(), " ms (a kernel queued before it is still running)");
   }
 
  private:
@@ -206,10 +226,37 @@ class Arrival {
 struct CopiesToHost {
   std::shared_ptr<Arrival> arrival;
   std::vector<Tensor> hosts;
+  // Recorded after the copies on a GPU (null on the host stand-in): a failed device never
+  // calls the host function, and its query says why (DeviceError).
+  void* event = nullptr;
+  int device = 0;
+
   ~CopiesToHost() {
     if (!arrival->arrived())
       for (const Tensor& host : hosts) keep_forever(host);
+    if (event == nullptr) return;
+    try {
+      kernels::cuda::set_device(device);
+    } catch (...) {  // destroyed on whatever device is current, as the best left to do
+    }
+    kernels::cuda::destroy_event(event);
   }
+
+  // On the worker: waits up to timeout for the copies to have run. Throws the device's
+  // DeviceError when it failed, TimeoutError naming the call when the copies have not run.
+  void wait(std::chrono::milliseconds timeout) {
+    const auto deadline = detail::deadline_after(timeout);
+    while (!arrival->wait_until(std::min(deadline, std::chrono::steady_clock::now() + kDeviceCheckInterval))) {
+      if (event != nullptr) {
+        kernels::cuda::set_device(device);
+        (void)kernels::cuda::event_passed(event);  // throws DeviceError for a failed device
+      }
+      if (std::chrono::steady_clock::now() >= deadline) arrival->throw_timeout(timeout);
+    }
+  }
+
+ private:
+  static constexpr std::chrono::milliseconds kDeviceCheckInterval{100};
 };
 
 // The collective's Work, then the copies of its results back to the device tensors: queued on
@@ -253,7 +300,8 @@ class StagingGroup : public ProcessGroup {
         inner_(std::move(inner)),
         timeout_(detail::cap_timeout(timeout)),  // Note [Long timeouts]
         pool_(std::make_shared<PinnedPool>()),
-        in_flight_(std::make_shared<CopiesInFlight>()) {}
+        in_flight_(std::make_shared<CopiesInFlight>()),
+        runs_in_wait_(inner_->collectives_run_in_wait()) {}
 
   std::string backend_name() const override { return inner_->backend_name(); }
   Device device() const override { return inner_->device(); }
@@ -280,35 +328,29 @@ class StagingGroup : public ProcessGroup {
   }
 
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
-    if (!staged({tensor})) {
-      return issue(nullptr, "all_reduce", tensor,
-                   [inner = inner_, tensor, op]() mutable { return inner->all_reduce(tensor, op); });
-    }
+    if (!staged({tensor}))
+      return issue({}, "all_reduce", tensor, [inner = inner_, tensor, op]() mutable { return inner->all_reduce(tensor, op); });
     auto copies = copy_in({tensor}, "all_reduce");
     Tensor host = copies->hosts[0];
-    return staged_work(issue(copies, "all_reduce", tensor,
-                             [inner = inner_, host, op]() mutable { return inner->all_reduce(host, op); }),
-                       {{tensor, host}});
+    return issue({copies, {{tensor, host}}}, "all_reduce", tensor,
+                 [inner = inner_, host, op]() mutable { return inner->all_reduce(host, op); });
   }
 
   std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
     const std::string what = "broadcast from rank " + std::to_string(root);
-    if (!staged({tensor})) {
-      return issue(nullptr, what, tensor,
-                   [inner = inner_, tensor, root]() mutable { return inner->broadcast(tensor, root); });
-    }
+    if (!staged({tensor}))
+      return issue({}, what, tensor, [inner = inner_, tensor, root]() mutable { return inner->broadcast(tensor, root); });
     auto copies = copy_in({tensor}, "broadcast");
     Tensor host = copies->hosts[0];
-    return staged_work(
-        issue(copies, what, tensor, [inner = inner_, host, root]() mutable { return inner->broadcast(host, root); }),
-        {{tensor, host}});
+    return issue({copies, {{tensor, host}}}, what, tensor,
+                 [inner = inner_, host, root]() mutable { return inner->broadcast(host, root); });
   }
 
   std::shared_ptr<Work> all_gather(std::vector<Tensor>& outputs, const Tensor& input) override {
     std::vector<Tensor> all = outputs;
     all.push_back(input);
     if (!staged(all)) {
-      return issue(nullptr, "all_gather", input,
+      return issue({}, "all_gather", input,
                    [inner = inner_, outputs, input]() mutable { return inner->all_gather(outputs, input); });
     }
     auto copies = copy_in({input}, "all_gather");
@@ -318,56 +360,51 @@ class StagingGroup : public ProcessGroup {
       host_outputs.push_back(host_like(out));
       back.emplace_back(out, host_outputs.back());
     }
-    return staged_work(issue(copies, "all_gather", input,
-                             [inner = inner_, host_outputs, host_input = copies->hosts[0]]() mutable {
-                               return inner->all_gather(host_outputs, host_input);
-                             }),
-                       std::move(back));
+    return issue({copies, std::move(back)}, "all_gather", input,
+                 [inner = inner_, host_outputs, host_input = copies->hosts[0]]() mutable {
+                   return inner->all_gather(host_outputs, host_input);
+                 });
   }
 
   std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs, ReduceOp op) override {
     std::vector<Tensor> all = inputs;
     all.push_back(output);
     if (!staged(all)) {
-      return issue(nullptr, "reduce_scatter", output, [inner = inner_, output, inputs, op]() mutable {
+      return issue({}, "reduce_scatter", output, [inner = inner_, output, inputs, op]() mutable {
         return inner->reduce_scatter(output, inputs, op);
       });
     }
     auto copies = copy_in(inputs, "reduce_scatter");
     Tensor host_output = host_like(output);
-    return staged_work(issue(copies, "reduce_scatter", output,
-                             [inner = inner_, host_output, host_inputs = copies->hosts, op]() mutable {
-                               return inner->reduce_scatter(host_output, host_inputs, op);
-                             }),
-                       {{output, host_output}});
+    return issue({copies, {{output, host_output}}}, "reduce_scatter", output,
+                 [inner = inner_, host_output, host_inputs = copies->hosts, op]() mutable {
+                   return inner->reduce_scatter(host_output, host_inputs, op);
+                 });
   }
 
   std::shared_ptr<Work> barrier() override {
-    return issue(nullptr, "barrier", Tensor(), [inner = inner_] { return inner->barrier(); });
+    return issue({}, "barrier", Tensor(), [inner = inner_] { return inner->barrier(); });
   }
 
+  // Point-to-point is not a collective: it never takes the check's guard.
   std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {
     const std::string what = "send to rank " + std::to_string(dst);
     if (!staged({tensor}))
-      return issue(nullptr, what, tensor, [inner = inner_, tensor, dst, tag] { return inner->send(tensor, dst, tag); });
+      return issue({}, what, tensor, [inner = inner_, tensor, dst, tag] { return inner->send(tensor, dst, tag); }, false);
     auto copies = copy_in({tensor}, "send");
-    return staged_work(issue(copies, what, tensor,
-                             [inner = inner_, host = copies->hosts[0], dst, tag] {
-                               return inner->send(host, dst, tag);
-                             }),
-                       {});
+    return issue({copies, {}}, what, tensor,
+                 [inner = inner_, host = copies->hosts[0], dst, tag] { return inner->send(host, dst, tag); }, false);
   }
 
   std::shared_ptr<Work> recv(Tensor& tensor, int src, int tag) override {
     const std::string what = "recv from rank " + std::to_string(src);
     if (!staged({tensor})) {
-      return issue(nullptr, what, tensor,
-                   [inner = inner_, tensor, src, tag]() mutable { return inner->recv(tensor, src, tag); });
+      return issue({}, what, tensor,
+                   [inner = inner_, tensor, src, tag]() mutable { return inner->recv(tensor, src, tag); }, false);
     }
     Tensor host = host_like(tensor);
-    return staged_work(
-        issue(nullptr, what, tensor, [inner = inner_, host, src, tag]() mutable { return inner->recv(host, src, tag); }),
-        {{tensor, host}});
+    return issue({nullptr, {{tensor, host}}}, what, tensor,
+                 [inner = inner_, host, src, tag]() mutable { return inner->recv(host, src, tag); }, false);
   }
 
   std::string all_reduce_algorithm() const override { return inner_->all_reduce_algorithm(); }
@@ -397,60 +434,79 @@ class StagingGroup : public ProcessGroup {
   }
 
   // Host copies of tensors (all on one device), queued after every kernel already queued there
-  // (Note [Staging without a host wait]). On the host stand-in cpu:1 of the tests they are made
-  // at once, and the call still goes through the worker.
+  // (Note [Staging without a host wait]). Made at once, with a host wait, on a backend whose
+  // calls run in the waiting thread; and at once on the host stand-in cpu:1 of the tests,
+  // whose call still goes through the worker elsewhere.
   std::shared_ptr<CopiesToHost> copy_in(const std::vector<Tensor>& tensors, const std::string& what) {
     auto copies = std::make_shared<CopiesToHost>();
     copies->arrival = std::make_shared<Arrival>(describe(what, tensors.front()));
     for (const Tensor& t : tensors) copies->hosts.push_back(host_like(t));
-    if (!tensors.front().device().is_cuda()) {
+    if (!tensors.front().device().is_cuda() || runs_in_wait_) {
       for (size_t i = 0; i < tensors.size(); ++i) copy_values(copies->hosts[i], tensors[i]);  // not an autograd op
       copies->arrival->arrive();
       return copies;
     }
-    kernels::cuda::set_device(tensors.front().device().index);
+    copies->device = tensors.front().device().index;
+    kernels::cuda::set_device(copies->device);
+    copies->event = kernels::cuda::create_event();
     auto handle = std::make_unique<std::shared_ptr<Arrival>>(copies->arrival);
     for (size_t i = 0; i < tensors.size(); ++i)  // a throw leaves copies unarrived: blocks kept
       kernels::cuda::copy_async(copies->hosts[i].data_ptr(), tensors[i].data_ptr(), tensors[i].nbytes(),
                                 kernels::cuda::CopyKind::DeviceToHost);
+    kernels::cuda::record_event(copies->event);
     kernels::cuda::call_after_stream(&Arrival::arrive_and_release, handle.get());
     handle.release();  // the host function deletes it
     return copies;
   }
 
-  // Issues start on the inner group: now, when nothing is to wait for and the worker holds
-  // no earlier call, else on the worker once copies have arrived. The guard of a fused check
-  // goes with it.
-  // what and tensor name the call in the worker's errors (tensor may be undefined).
-  std::shared_ptr<Work> issue(std::shared_ptr<CopiesToHost> copies, const std::string& what, const Tensor& tensor,
-                              std::function<std::shared_ptr<Work>()> start) {
-    if (guard_) {
+  // What a staged call moves: the copies its start waits for (null: none, a recv) and the
+  // (device tensor, host result) pairs its wait copies back.
+  struct Staged {
+    std::shared_ptr<CopiesToHost> copies;
+    Pairs copy_back;
+  };
+
+  // Issues start on the inner group: now, when its copies have run (always so on a backend
+  // whose calls run in the waiting thread) and the worker holds no earlier call, else on the
+  // worker once they have. A collective takes the guard of a fused check along (takes_guard).
+  // what and tensor (may be undefined) name the call in the worker's errors.
+  std::shared_ptr<Work> issue(Staged staged, const std::string& what, const Tensor& tensor,
+                              std::function<std::shared_ptr<Work>()> start, bool takes_guard = true) {
+    if (takes_guard && guard_) {
       start = [inner = inner_, guard = *std::exchange(guard_, std::nullopt), start = std::move(start)]() {
         auto work = inner->start_guarded(guard, start);
         NANODDP_CHECK(work != nullptr, DistError, "host staging: the backend no longer starts guarded calls");
         return work;
       };
     }
-    if (copies == nullptr && (worker_ == nullptr || worker_->idle())) return start();
-    if (worker_ == nullptr) worker_ = std::make_unique<detail::StartWorker>("host staging");
-    detail::StartWorker::Call call;
-    if (copies != nullptr) call.before = [copies, timeout = timeout_] { copies->arrival->wait(timeout); };
-    call.start = std::move(start);
-    call.description = tensor.defined() ? describe(what, tensor) : where() + ": " + what;
-    call.still_before = "its tensors were still on their way to host memory, or an earlier call waited for theirs";
-    return worker_->queue(std::move(call));
-  }
-
-  std::shared_ptr<Work> staged_work(std::shared_ptr<Work> work, Pairs copy_back) {
-    return std::make_shared<StagedWork>(std::move(work), std::move(copy_back), in_flight_, timeout_);
+    std::shared_ptr<Work> work;
+    const bool ready = staged.copies == nullptr || runs_in_wait_;
+    if (ready && (worker_ == nullptr || worker_->idle())) {
+      work = start();
+      if (staged.copy_back.empty()) return work;
+    } else {
+      if (worker_ == nullptr)
+        worker_ = std::make_unique<detail::StartWorker>("host staging", detail::StartWorker::AtEnd::Finish);
+      detail::StartWorker::Call call;
+      if (staged.copies != nullptr) call.before = [copies = staged.copies, timeout = timeout_] { copies->wait(timeout); };
+      call.start = std::move(start);
+      call.description = tensor.defined() ? describe(what, tensor) : where() + ": " + what;
+      call.still_before = "its tensors, or those of a call made before it, were still on their way to host memory";
+      work = worker_->queue(std::move(call));
+    }
+    return std::make_shared<StagedWork>(std::move(work), std::move(staged.copy_back), in_flight_, timeout_);
   }
 
   std::shared_ptr<ProcessGroup> inner_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<PinnedPool> pool_;
   std::shared_ptr<CopiesInFlight> in_flight_;
+  // inner_->collectives_run_in_wait(): shm, whose engine runs every call in the thread that
+  // waits, holding it meanwhile; a call issued by the worker then would wait for that wait.
+  const bool runs_in_wait_;
   std::optional<CollectiveGuard> guard_;  // set only inside start_guarded, for the call it makes
-  // Started by the first call that waits for a copy; destroyed before the inner group goes.
+  // Started by the first call that waits for a copy; ends (starting what it holds) before the
+  // inner group goes.
   std::unique_ptr<detail::StartWorker> worker_;
 };
 

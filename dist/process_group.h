@@ -465,7 +465,8 @@ std::shared_ptr<ProcessGroup> make_nccl_process_group(std::shared_ptr<Store> sto
 // backend does). init_process_group wraps every group with it unless
 // InitOptions::check_collectives is false. A virtual added to ProcessGroup must also be
 // forwarded there (count and reset_counts excepted: the checked group counts the calls made
-// through it), and by host_staging.cpp's StagingGroup, which every CPU group is wrapped in.
+// through it; start_guarded and can_start_guarded too: the check is what calls them), and by
+// host_staging.cpp's StagingGroup, which every CPU group is wrapped in.
 // fingerprint_group: null, or a CPU group of the same ranks (rank r of it is rank r of inner)
 // that the fingerprints travel through instead of inner's own collectives (Note [Host
 // fingerprints] in process_group_checked.cpp; init_process_group gives NCCL one, as

@@ -534,7 +534,7 @@ class CheckedProcessGroup : public ProcessGroup {
     state_->timeout = detail::cap_timeout(timeout);  // Note [Long timeouts]
     if (fingerprints) {
       fingerprint_group_ = std::move(fingerprints);
-      worker_ = std::make_unique<detail::StartWorker>("the collective check");
+      worker_ = std::make_unique<detail::StartWorker>("the collective check", detail::StartWorker::AtEnd::Drop);
     }
     // Checked groups are made in the same order on every rank: the count names the same one.
     state_->store_prefix = "check/" + std::to_string(next_checked_group_id++) + "/";

@@ -97,8 +97,10 @@ struct StartWorker::Shared {
     MemoryCategory category = MemoryCategory::Other;  // the caller's, for the call's temporaries
   };
 
+  AtEnd at_end = AtEnd::Drop;
   mutable std::mutex mutex;
   std::condition_variable wake;
+  mutable std::condition_variable became_idle;
   std::deque<Task> queue;  // guarded by mutex
   bool stopping = false;   // guarded by mutex
   bool in_hand = false;    // guarded by mutex: a task is between the queue and its outcome
@@ -149,13 +151,18 @@ struct StartWorker::Shared {
         start = nullptr;  // its tensors go with it, here rather than when the Work goes
         task.outcome->finish(std::move(started), std::move(error));
       }
-      std::lock_guard<std::mutex> lock(mutex);
-      in_hand = false;
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        in_hand = false;
+        if (!queue.empty()) continue;
+      }
+      became_idle.notify_all();
     }
   }
 };
 
-StartWorker::StartWorker(const std::string& owner) : shared_(std::make_shared<Shared>()) {
+StartWorker::StartWorker(const std::string& owner, AtEnd at_end) : shared_(std::make_shared<Shared>()) {
+  shared_->at_end = at_end;
   try {
     thread_ = std::thread([shared = shared_] { shared->run(); });
   } catch (const std::system_error& e) {
@@ -164,6 +171,15 @@ StartWorker::StartWorker(const std::string& owner) : shared_(std::make_shared<Sh
 }
 
 StartWorker::~StartWorker() {
+  if (shared_->at_end == AtEnd::Finish) {
+    {
+      std::lock_guard<std::mutex> lock(shared_->mutex);
+      shared_->stopping = true;  // run() empties the queue first
+    }
+    shared_->wake.notify_all();
+    thread_.join();
+    return;
+  }
   std::deque<Shared::Task> dropped;
   std::function<std::shared_ptr<Work>()> in_hand;  // let go of here, after the lock
   bool before_running = false;
@@ -200,6 +216,12 @@ std::shared_ptr<Work> StartWorker::queue(Call call) {
 bool StartWorker::idle() const {
   std::lock_guard<std::mutex> lock(shared_->mutex);
   return shared_->queue.empty() && !shared_->in_hand;
+}
+
+bool StartWorker::wait_idle(std::chrono::milliseconds timeout) const {
+  std::unique_lock<std::mutex> lock(shared_->mutex);
+  return shared_->became_idle.wait_until(lock, deadline_after(timeout),
+                                         [&] { return shared_->queue.empty() && !shared_->in_hand; });
 }
 
 }  // namespace nanoddp::dist::detail

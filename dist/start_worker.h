@@ -3,7 +3,7 @@
 // dist/process_group_checked.cpp), or a staged collective's copy to host memory (Note
 // [Staging without a host wait] in dist/host_staging.cpp). Internal.
 //
-//   StartWorker worker("the collective check");
+//   StartWorker worker("the collective check", StartWorker::AtEnd::Drop);
 //   auto work = worker.queue({[&] { exchange(); }, [nccl, t]() mutable { return nccl->all_reduce(t); },
 //                             "all_reduce(sum) #3", "the collective check was still comparing it"});
 //   work->wait(timeout);  // before() returned and the all_reduce was started on the worker
@@ -30,14 +30,24 @@ class StartWorker {
     std::string still_before;  // what a wait that times out before the start says was under way
   };
 
+  // What the worker's end does with the calls it holds.
+  enum class AtEnd {
+    // Never waits for a before() under way (one that waits for the peers): queued calls not
+    // begun fail (their waits throw DistError), and the one whose before() runs is never
+    // started here (a peer whose exchange ended first may have started it: its group's end then
+    // waits for that collective up to the timeout, as for any collective a rank left behind).
+    // The start of that call, and the backend it holds, go here; the thread is left to end by
+    // itself once before() has returned, holding what before() holds until then. Otherwise the
+    // thread is joined.
+    Drop,
+    // Starts every call queued, each after its before() (which must wait for nothing but this
+    // process: the device), then joins the thread: the backend's own end deals with them as
+    // with any call made before it.
+    Finish,
+  };
+
   // owner names what the thread is for, in the error when none can be had (DistError).
-  explicit StartWorker(const std::string& owner);
-  // Never waits for a before() under way: queued calls not begun fail (their waits throw
-  // DistError), and the one whose before() runs is never started here (a peer whose exchange
-  // ended first may have started it: its group's end then waits for that collective up to the
-  // timeout, as for any collective a rank left behind). The start of that call, and the
-  // backend it holds, go here; the thread is left to end by itself once before() has returned,
-  // holding what before() holds until then. Otherwise joins the thread.
+  StartWorker(const std::string& owner, AtEnd at_end);
   ~StartWorker();
   StartWorker(const StartWorker&) = delete;
   StartWorker& operator=(const StartWorker&) = delete;
@@ -53,6 +63,8 @@ class StartWorker {
   // True when nothing is queued or in hand: a call issued now straight to the backend comes
   // after every call queued here. Only the thread that queues may rely on it.
   bool idle() const;
+  // Waits up to timeout for idle(); false when it did not come.
+  bool wait_idle(std::chrono::milliseconds timeout) const;
 
  private:
   struct Shared;
