@@ -25,14 +25,23 @@ namespace {
 // holds a reference to the pool, so the pool outlives every staging tensor.
 class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
  public:
+  // May run on whatever thread lets go of the last staging tensor: with the device that
+  // allocated the blocks current, not GPU 0 (Note [Current device] in
+  // kernels/cuda/device_memory.cpp).
   ~PinnedPool() {
+    if (free_.empty() && to_free_.empty()) return;
+    try {
+      kernels::cuda::set_device(device_);
+    } catch (...) {  // CUDA is gone (the process is ending): freeing fails quietly too
+    }
     for (auto& [nbytes, block] : free_) kernels::cuda::free_pinned(block);
     for (void* block : to_free_) kernels::cuda::free_pinned(block);
   }
 
   // An uninitialised host tensor of this shape and dtype in pinned memory. On the caller's
   // thread, which frees the blocks given back past the cache's room.
-  Tensor take(const Shape& shape, DType dtype) {
+  // device: the GPU the tensor is staged from.
+  Tensor take(const Shape& shape, DType dtype, int device) {
     const size_t nbytes = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
     void* block = nullptr;
     std::vector<void*> to_free;
@@ -48,6 +57,7 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
     }
     for (void* freed : to_free) kernels::cuda::free_pinned(freed);
     if (block == nullptr && nbytes > 0) {
+      device_ = device;
       block = kernels::cuda::allocate_pinned(nbytes);
       detail::register_exit_handler_after_cuda();  // CUDA is up now (Note [NCCL shutdown])
     }
@@ -81,6 +91,7 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   }
 
   std::mutex mutex_;
+  int device_ = 0;  // the last device a block was allocated for
   std::vector<void*> to_free_;  // given back past kMaxCachedBytes; freed by take()
   std::multimap<size_t, void*> free_;
   size_t cached_bytes_ = 0;
@@ -230,6 +241,10 @@ struct CopiesToHost {
   // calls the host function, and its query says why (DeviceError).
   void* event = nullptr;
   int device = 0;
+  // The call's: its copies wait for the device up to the group's timeout from the call, so that
+  // calls queued behind a stuck one end with it, not one timeout each.
+  std::chrono::steady_clock::time_point deadline;
+  std::chrono::milliseconds timeout{};
 
   ~CopiesToHost() {
     if (!arrival->arrived())
@@ -242,14 +257,18 @@ struct CopiesToHost {
     kernels::cuda::destroy_event(event);
   }
 
-  // On the worker: waits up to timeout for the copies to have run. Throws the device's
+  // On the worker: waits until the deadline for the copies to have run. Throws the device's
   // DeviceError when it failed, TimeoutError naming the call when the copies have not run.
-  void wait(std::chrono::milliseconds timeout) {
-    const auto deadline = detail::deadline_after(timeout);
+  void wait() {
     while (!arrival->wait_until(std::min(deadline, std::chrono::steady_clock::now() + kDeviceCheckInterval))) {
       if (event != nullptr) {
         kernels::cuda::set_device(device);
-        (void)kernels::cuda::event_passed(event);  // throws DeviceError for a failed device
+        // Passed: the copies have run, and only the host function is late (its thread is not
+        // scheduled yet). A failed device throws DeviceError here.
+        if (kernels::cuda::event_passed(event)) {
+          arrival->arrive();
+          return;
+        }
       }
       if (std::chrono::steady_clock::now() >= deadline) arrival->throw_timeout(timeout);
     }
@@ -257,6 +276,30 @@ struct CopiesToHost {
 
  private:
   static constexpr std::chrono::milliseconds kDeviceCheckInterval{100};
+};
+
+// The first failure of a staged call's copies (a stuck or failed device). The calls after it
+// are refused: issued, they would pair with the peers' earlier calls.
+class StagingFailure {
+ public:
+  void set(const std::string& what) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (what_.empty()) what_ = what;
+  }
+  bool failed() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return !what_.empty();
+  }
+  // Throws DistError naming call when a failure came first.
+  void check(const std::string& call) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    NANODDP_CHECK(what_.empty(), DistError, call, ": not issued: an earlier call's copy to host memory failed, "
+                  "and the calls after it would pair with the other ranks' earlier ones: ", what_);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::string what_;
 };
 
 // The collective's Work, then the copies of its results back to the device tensors: queued on
@@ -430,7 +473,7 @@ class StagingGroup : public ProcessGroup {
   Tensor host_like(const Tensor& t) {
     if (!t.device().is_cuda()) return Tensor::empty(t.shape(), t.dtype());
     in_flight_->collect();  // blocks whose copies back have run return to the pool first
-    return pool_->take(t.shape(), t.dtype());
+    return pool_->take(t.shape(), t.dtype(), t.device().index);
   }
 
   // Host copies of tensors (all on one device), queued after every kernel already queued there
@@ -440,6 +483,8 @@ class StagingGroup : public ProcessGroup {
   std::shared_ptr<CopiesToHost> copy_in(const std::vector<Tensor>& tensors, const std::string& what) {
     auto copies = std::make_shared<CopiesToHost>();
     copies->arrival = std::make_shared<Arrival>(describe(what, tensors.front()));
+    copies->timeout = timeout_;
+    copies->deadline = detail::deadline_after(timeout_);
     for (const Tensor& t : tensors) copies->hosts.push_back(host_like(t));
     if (!tensors.front().device().is_cuda() || runs_in_wait_) {
       for (size_t i = 0; i < tensors.size(); ++i) copy_values(copies->hosts[i], tensors[i]);  // not an autograd op
@@ -482,19 +527,33 @@ class StagingGroup : public ProcessGroup {
     std::shared_ptr<Work> work;
     const bool ready = staged.copies == nullptr || runs_in_wait_;
     if (ready && (worker_ == nullptr || worker_->idle())) {
+      if (worker_ != nullptr && failure_->failed()) failure_->check(describe_call(what, tensor));
       work = start();
       if (staged.copy_back.empty()) return work;
     } else {
       if (worker_ == nullptr)
         worker_ = std::make_unique<detail::StartWorker>("host staging", detail::StartWorker::AtEnd::Finish);
       detail::StartWorker::Call call;
-      if (staged.copies != nullptr) call.before = [copies = staged.copies, timeout = timeout_] { copies->wait(timeout); };
+      call.description = describe_call(what, tensor);
+      call.before = [copies = staged.copies, failure = failure_, description = call.description] {
+        failure->check(description);
+        if (copies == nullptr) return;
+        try {
+          copies->wait();
+        } catch (const std::exception& e) {
+          failure->set(e.what());
+          throw;
+        }
+      };
       call.start = std::move(start);
-      call.description = tensor.defined() ? describe(what, tensor) : where() + ": " + what;
       call.still_before = "its tensors, or those of a call made before it, were still on their way to host memory";
       work = worker_->queue(std::move(call));
     }
     return std::make_shared<StagedWork>(std::move(work), std::move(staged.copy_back), in_flight_, timeout_);
+  }
+
+  std::string describe_call(const std::string& what, const Tensor& tensor) const {
+    return tensor.defined() ? describe(what, tensor) : where() + ": " + what;
   }
 
   std::shared_ptr<ProcessGroup> inner_;
@@ -504,6 +563,7 @@ class StagingGroup : public ProcessGroup {
   // inner_->collectives_run_in_wait(): shm, whose engine runs every call in the thread that
   // waits, holding it meanwhile; a call issued by the worker then would wait for that wait.
   const bool runs_in_wait_;
+  std::shared_ptr<StagingFailure> failure_ = std::make_shared<StagingFailure>();
   std::optional<CollectiveGuard> guard_;  // set only inside start_guarded, for the call it makes
   // Started by the first call that waits for a copy; ends (starting what it holds) before the
   // inner group goes.

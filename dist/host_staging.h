@@ -15,16 +15,21 @@
 //    memory after every kernel queued before the call, without a host wait: the copy is
 //    queued on the compute stream, and the group's own thread issues the collective on the
 //    backend once the copy has run (Note [Staging without a host wait] in
-//    dist/host_staging.cpp; on shm the copy waits on the host, at the call). Calls reach the
-//    backend in the order they were made, staged or not, and the group's end issues those
-//    its thread still holds. A call queued so is checked by the backend when issued: a
-//    refusal (a dtype, a list) reaches its wait(), and the backend counts it then;
-//    wait() queues the copy of its result back on the compute stream, without waiting
+//    dist/host_staging.cpp; on shm the copy waits on the host, at the call);
+//  - calls reach the backend in the order they were made, staged or not, and the group's end
+//    issues those its thread still holds. A call queued so is checked by the backend when
+//    issued: a refusal (a dtype, a list) reaches its wait(), and the backend counts it then
+//    (a call issued at once is refused at the call: which one depends on the thread's queue);
+//  - once a copy to host memory has failed (a device error: DeviceError; not run within the
+//    group's timeout from its call: TimeoutError), every later call is refused with
+//    DistError: issued, it would pair with the other ranks' earlier calls;
+//  - wait() queues the copy of its result back on the compute stream, without waiting
 //    (Note [Compute-stream events] keeps the pinned block until that copy has run), so every
 //    later kernel and copy sees it: read it only after wait() (is_completed() says when the
 //    host side has finished);
 //  - tensors on the CPU pass straight through; nothing is copied, and no thread is started
-//    while nothing has been staged.
+//    while nothing has been staged;
+//  - one caller at a time, as for any group.
 #pragma once
 
 #include <chrono>

@@ -100,10 +100,9 @@ struct StartWorker::Shared {
   AtEnd at_end = AtEnd::Drop;
   mutable std::mutex mutex;
   std::condition_variable wake;
-  mutable std::condition_variable became_idle;
   std::deque<Task> queue;  // guarded by mutex
   bool stopping = false;   // guarded by mutex
-  bool in_hand = false;    // guarded by mutex: a task is between the queue and its outcome
+  bool in_hand = false;    // guarded by mutex: a task is between the queue and the return of its start
   bool before_running = false;  // guarded by mutex: the task in hand is in its before()
   // The start of the task in hand, guarded by mutex: the worker's end takes it, so that the
   // backend it holds goes with its owner, not with a thread left to end by itself.
@@ -137,26 +136,26 @@ struct StartWorker::Shared {
         before_running = false;
       }
       std::shared_ptr<Work> started;
-      if (!error && !start) {  // the owner ended meanwhile: never started
-        task.outcome->fail_destroyed(task.call.description);
-      } else {
-        if (!error) {
-          try {
-            const MemoryCategoryScope category(task.category);
-            started = start();
-          } catch (...) {
-            error = std::current_exception();
-          }
+      const bool dropped = !error && !start;  // the owner ended meanwhile: never started
+      if (!error && start) {
+        try {
+          const MemoryCategoryScope category(task.category);
+          started = start();
+        } catch (...) {
+          error = std::current_exception();
         }
-        start = nullptr;  // its tensors go with it, here rather than when the Work goes
-        task.outcome->finish(std::move(started), std::move(error));
       }
+      start = nullptr;  // its tensors go with it, here rather than when the Work goes
       {
+        // Idle before the caller hears: a call it makes once its wait returns may go straight
+        // to the backend, after this one.
         std::lock_guard<std::mutex> lock(mutex);
         in_hand = false;
-        if (!queue.empty()) continue;
       }
-      became_idle.notify_all();
+      if (dropped)
+        task.outcome->fail_destroyed(task.call.description);
+      else
+        task.outcome->finish(std::move(started), std::move(error));
     }
   }
 };
@@ -216,12 +215,6 @@ std::shared_ptr<Work> StartWorker::queue(Call call) {
 bool StartWorker::idle() const {
   std::lock_guard<std::mutex> lock(shared_->mutex);
   return shared_->queue.empty() && !shared_->in_hand;
-}
-
-bool StartWorker::wait_idle(std::chrono::milliseconds timeout) const {
-  std::unique_lock<std::mutex> lock(shared_->mutex);
-  return shared_->became_idle.wait_until(lock, deadline_after(timeout),
-                                         [&] { return shared_->queue.empty() && !shared_->in_hand; });
 }
 
 }  // namespace nanoddp::dist::detail

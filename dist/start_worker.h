@@ -63,8 +63,6 @@ class StartWorker {
   // True when nothing is queued or in hand: a call issued now straight to the backend comes
   // after every call queued here. Only the thread that queues may rely on it.
   bool idle() const;
-  // Waits up to timeout for idle(); false when it did not come.
-  bool wait_idle(std::chrono::milliseconds timeout) const;
 
  private:
   struct Shared;
