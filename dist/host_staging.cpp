@@ -55,6 +55,8 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
         cached_bytes_ -= nbytes;
       }
     }
+    if (!to_free.empty() || (block == nullptr && nbytes > 0))
+      kernels::cuda::set_device(device);  // the caller's thread may never have chosen one
     for (void* freed : to_free) kernels::cuda::free_pinned(freed);
     if (block == nullptr && nbytes > 0) {
       device_ = device;
@@ -220,8 +222,10 @@ class Arrival {
     std::unique_lock<std::mutex> lock(mutex_);
     return arrived_cv_.wait_until(lock, deadline, [&] { return arrived_; });
   }
+  // A DeviceError, not a TimeoutError: this rank's own device is late, no peer (the
+  // collective check names a peer that did not come for a TimeoutError).
   [[noreturn]] void throw_timeout(std::chrono::milliseconds timeout) const {
-    NANODDP_THROW(TimeoutError, description_, ": its copy to host memory had not run on the device after ",
+    NANODDP_THROW(DeviceError, description_, ": its copy to host memory had not run on the device after ",
                   timeout.count(), " ms (a kernel queued before it is still running)");
   }
 
@@ -246,8 +250,10 @@ struct CopiesToHost {
   std::chrono::steady_clock::time_point deadline;
   std::chrono::milliseconds timeout{};
 
+  bool queued = false;  // a copy was queued: until arrival, the device may write the blocks
+
   ~CopiesToHost() {
-    if (!arrival->arrived())
+    if (queued && !arrival->arrived())
       for (const Tensor& host : hosts) keep_forever(host);
     if (event == nullptr) return;
     try {
@@ -257,8 +263,8 @@ struct CopiesToHost {
     kernels::cuda::destroy_event(event);
   }
 
-  // On the worker: waits until the deadline for the copies to have run. Throws the device's
-  // DeviceError when it failed, TimeoutError naming the call when the copies have not run.
+  // On the worker: waits until the deadline for the copies to have run. Throws DeviceError:
+  // the device's when it failed, one naming the call when the copies have not run.
   void wait() {
     while (!arrival->wait_until(std::min(deadline, std::chrono::steady_clock::now() + kDeviceCheckInterval))) {
       if (event != nullptr) {
@@ -495,9 +501,12 @@ class StagingGroup : public ProcessGroup {
     kernels::cuda::set_device(copies->device);
     copies->event = kernels::cuda::create_event();
     auto handle = std::make_unique<std::shared_ptr<Arrival>>(copies->arrival);
-    for (size_t i = 0; i < tensors.size(); ++i)  // a throw leaves copies unarrived: blocks kept
-      kernels::cuda::copy_async(copies->hosts[i].data_ptr(), tensors[i].data_ptr(), tensors[i].nbytes(),
+    for (size_t i = 0; i < tensors.size(); ++i) {  // a throw after one is queued keeps the blocks
+      void* device_data = tensors[i].data_ptr();
+      kernels::cuda::copy_async(copies->hosts[i].data_ptr(), device_data, tensors[i].nbytes(),
                                 kernels::cuda::CopyKind::DeviceToHost);
+      copies->queued = true;
+    }
     kernels::cuda::record_event(copies->event);
     kernels::cuda::call_after_stream(&Arrival::arrive_and_release, handle.get());
     handle.release();  // the host function deletes it
@@ -511,9 +520,9 @@ class StagingGroup : public ProcessGroup {
     Pairs copy_back;
   };
 
-  // Issues start on the inner group: now, when its copies have run (always so on a backend
-  // whose calls run in the waiting thread) and the worker holds no earlier call, else on the
-  // worker once they have. A collective takes the guard of a fused check along (takes_guard).
+  // Issues start on the inner group: now, when it has no copies to wait for (or the backend
+  // runs calls in the waiting thread, where they were made at the call) and the worker holds no
+  // earlier call, else on the worker once its copies have run. A collective takes the guard of a fused check along (takes_guard).
   // what and tensor (may be undefined) name the call in the worker's errors.
   std::shared_ptr<Work> issue(Staged staged, const std::string& what, const Tensor& tensor,
                               std::function<std::shared_ptr<Work>()> start, bool takes_guard = true) {

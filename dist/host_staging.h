@@ -20,15 +20,18 @@
 //    issues those its thread still holds. A call queued so is checked by the backend when
 //    issued: a refusal (a dtype, a list) reaches its wait(), and the backend counts it then
 //    (a call issued at once is refused at the call: which one depends on the thread's queue);
-//  - once a copy to host memory has failed (a device error: DeviceError; not run within the
-//    group's timeout from its call: TimeoutError), every later call is refused with
-//    DistError: issued, it would pair with the other ranks' earlier calls;
+//  - once a copy to host memory has failed on the group's thread (DeviceError: the device's
+//    error, or the copy had not run within the group's timeout from its call), every later
+//    call is refused with DistError: issued, it would pair with the other ranks' earlier
+//    calls. A copy that cannot be queued throws at the call, and the group goes on;
 //  - wait() queues the copy of its result back on the compute stream, without waiting
 //    (Note [Compute-stream events] keeps the pinned block until that copy has run), so every
 //    later kernel and copy sees it: read it only after wait() (is_completed() says when the
 //    host side has finished);
 //  - tensors on the CPU pass straight through; nothing is copied, and no thread is started
 //    while nothing has been staged;
+//  - the pinned blocks are cached by size, up to 1 GiB; past that a block given back is
+//    freed (cudaFreeHost, which waits for the device) by the next call that stages;
 //  - one caller at a time, as for any group.
 #pragma once
 

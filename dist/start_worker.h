@@ -4,7 +4,8 @@
 // [Staging without a host wait] in dist/host_staging.cpp). Internal.
 //
 //   StartWorker worker("the collective check", StartWorker::AtEnd::Drop);
-//   auto work = worker.queue({[&] { exchange(); }, [nccl, t]() mutable { return nccl->all_reduce(t); },
+//   auto work = worker.queue({[group, mine] { exchange(*group, mine); },
+//                             [nccl, t]() mutable { return nccl->all_reduce(t); },
 //                             "all_reduce(sum) #3", "the collective check was still comparing it"});
 //   work->wait(timeout);  // before() returned and the all_reduce was started on the worker
 #pragma once
@@ -56,8 +57,8 @@ class StartWorker {
   // then call.start() with the caller's memory category. The Work's wait(timeout) waits for
   // that much to happen, then for start()'s Work (a stream-ordered NCCL wait is given the
   // whole timeout: its watchdog counts from the launch). It throws what before() or start()
-  // threw, or TimeoutError of its own when timeout passes first (0 waits for nothing more than
-  // the rest: give it a timeout already made effective).
+  // threw, or TimeoutError of its own when timeout passes before the start. Give it a timeout
+  // already made effective (effective_wait_timeout): 0 here is no time at all.
   std::shared_ptr<Work> queue(Call call);
 
   // True when nothing is queued or in hand: a call issued now straight to the backend comes

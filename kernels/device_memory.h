@@ -48,7 +48,7 @@ void copy_async(void* dst, const void* src, size_t nbytes, CopyKind kind);
 // An event marks a point of the current device's compute stream: it has passed once the
 // device has run everything queued before it. A pinned buffer that an asynchronous copy reads
 // is reused once that copy's event has passed, so the host waits for one copy at most, never
-// for the whole stream (the DataLoader's and host staging's buffers). Handles are
+// for the whole stream (the DataLoader's buffers, host staging's copies back). Handles are
 // cudaEvent_t as void*, to keep CUDA headers out of C++ code. An event belongs to the device
 // that is current at create_event(); record and query it with that device current.
 void* create_event();            // throws DeviceError
@@ -61,8 +61,9 @@ void wait_for_event(void* event);
 // Queues fn(arg) on the current device's compute stream (cudaLaunchHostFunc): CUDA calls it
 // on a thread of its own once the stream has run everything queued before it, which tells
 // the host without a wait. fn must not call CUDA, must not throw, and should return at once
-// (the stream waits for it). Should the stream fail first, fn is never called. Throws
-// DeviceError, and then fn is not called either.
+// (the stream waits for it). Should the stream fail first, or the process end first, fn is
+// never called (what arg owns is then leaked). Throws DeviceError, and then fn is not called
+// either.
 void call_after_stream(void (*fn)(void*), void* arg);
 
 // The one compute stream of this process (a cudaStream_t, as void* to keep CUDA headers out

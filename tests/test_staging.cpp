@@ -3,6 +3,7 @@
 // lets several ranks share one GPU runs without one (the gpu suite runs it on cuda:0).
 #include <doctest/doctest.h>
 
+#include <future>
 #include <thread>
 
 #include "core/autograd.h"
@@ -79,19 +80,19 @@ TEST_CASE("gloo: mixed devices in one collective are refused by the backend, nam
 namespace {
 
 // One rank whose all_reduce doubles its tensor (as a sum over two equal ranks would) and
-// records every tensor it was handed; the first all_reduce takes first_call_delay, so that a
-// call made meanwhile finds it in the group's thread.
+// records every tensor it was handed; the first all_reduce waits for first_call_gate (when it
+// is valid; up to 10 s), so that a call made meanwhile finds it in the group's thread.
 class RecordingGroup : public dist::ProcessGroup {
  public:
-  explicit RecordingGroup(Device device, std::chrono::milliseconds first_call_delay = 0ms)
-      : ProcessGroup(0, 1), device_(device), first_call_delay_(first_call_delay) {}
+  explicit RecordingGroup(Device device, std::shared_future<void> first_call_gate = {})
+      : ProcessGroup(0, 1), device_(device), first_call_gate_(std::move(first_call_gate)) {}
   std::string backend_name() const override { return "recording"; }
   Device device() const override { return device_; }
   std::vector<Tensor> seen;
   std::vector<std::string> calls;  // "all_reduce", "barrier", in the order they came
   std::vector<std::thread::id> threads;  // the thread that made each of calls
   std::shared_ptr<dist::Work> all_reduce(Tensor& tensor, dist::ReduceOp) override {
-    if (seen.empty()) std::this_thread::sleep_for(first_call_delay_);
+    if (seen.empty() && first_call_gate_.valid()) first_call_gate_.wait_for(10s);
     calls.push_back("all_reduce of " + std::to_string(tensor.numel()));
     threads.push_back(std::this_thread::get_id());
     seen.push_back(tensor);
@@ -114,7 +115,7 @@ class RecordingGroup : public dist::ProcessGroup {
 
  private:
   Device device_;
-  std::chrono::milliseconds first_call_delay_;
+  std::shared_future<void> first_call_gate_;
 };
 
 }  // namespace
@@ -129,14 +130,14 @@ TEST_CASE("staging hands the backend a host copy and writes the result back at w
 
   Tensor t = Tensor::from_vector({1.0f, 2.0f, 3.0f}, {}, kStandIn);
   auto work = pg->all_reduce(t, dist::ReduceOp::Sum);
-  work->wait(1000ms);  // the group's thread issued it (Note [Staging without a host wait])
+  work->wait(5000ms);  // the group's thread issued it (Note [Staging without a host wait])
   REQUIRE(inner->seen.size() == 1);
   CHECK(inner->seen[0].device() == Device::cpu());
   CHECK(t.device() == kStandIn);
   CHECK(t.to_vector() == std::vector<float>{2, 4, 6});
 
   Tensor host = Tensor::from_vector({5.0f});
-  pg->all_reduce(host, dist::ReduceOp::Sum)->wait(1000ms);
+  pg->all_reduce(host, dist::ReduceOp::Sum)->wait(5000ms);
   REQUIRE(inner->seen.size() == 2);
   CHECK(inner->seen[1].is_same(host));  // a CPU tensor passes straight through
   CHECK(host.to_vector() == std::vector<float>{10});
@@ -145,7 +146,7 @@ TEST_CASE("staging hands the backend a host copy and writes the result back at w
   // staging copies are not autograd ops, as on a CPU or NCCL group.
   Tensor param = Tensor::from_vector({1.5f}, {}, kStandIn).set_requires_grad(true);
   REQUIRE(is_grad_enabled());
-  pg->all_reduce(param, dist::ReduceOp::Sum)->wait(1000ms);
+  pg->all_reduce(param, dist::ReduceOp::Sum)->wait(5000ms);
   CHECK(param.to_vector() == std::vector<float>{3});
 }
 
@@ -156,15 +157,17 @@ TEST_CASE("stage_device_tensors leaves a group alone whose device is not the CPU
 }
 
 TEST_CASE("staging: calls reach the backend in the order they were made, staged or not") {
-  // The staged all_reduce is still being issued on the group's thread when the CPU tensor's
-  // all_reduce and the barrier are called: they go behind it, not around it.
-  auto inner = std::make_shared<RecordingGroup>(Device::cpu(), 200ms);
+  // The staged all_reduce is still with the group's thread (the backend holds it at a gate)
+  // when the CPU tensor's all_reduce and the barrier are called: they go behind it, not around.
+  std::promise<void> release;
+  auto inner = std::make_shared<RecordingGroup>(Device::cpu(), release.get_future().share());
   auto pg = dist::stage_device_tensors(inner);
   Tensor staged = Tensor::from_vector({1.0f, 2.0f, 3.0f}, {}, kStandIn);
   Tensor host = Tensor::from_vector({5.0f});
   auto first = pg->all_reduce(staged, dist::ReduceOp::Sum);
   auto second = pg->all_reduce(host, dist::ReduceOp::Sum);
   auto third = pg->barrier();
+  release.set_value();
   third->wait(5000ms);
   second->wait(5000ms);
   first->wait(5000ms);
@@ -183,9 +186,13 @@ TEST_CASE("staging: calls reach the backend in the order they were made, staged 
 
   // wait(0) is the group's timeout, for a call queued behind the thread as for any other.
   Tensor slow = Tensor::from_vector({1.0f}, {}, kStandIn);
-  auto busy = dist::stage_device_tensors(std::make_shared<RecordingGroup>(Device::cpu(), 200ms));
+  std::promise<void> release_busy;
+  auto busy = dist::stage_device_tensors(
+      std::make_shared<RecordingGroup>(Device::cpu(), release_busy.get_future().share()));
   auto staged_first = busy->all_reduce(slow, dist::ReduceOp::Sum);
-  busy->barrier()->wait(0ms);
+  auto queued_barrier = busy->barrier();
+  release_busy.set_value();
+  queued_barrier->wait(0ms);
   staged_first->wait(0ms);
   CHECK(slow.to_vector() == std::vector<float>{2});
 }
@@ -193,7 +200,8 @@ TEST_CASE("staging: calls reach the backend in the order they were made, staged 
 TEST_CASE("staging: a group destroyed with calls queued issues them first, as the backend would") {
   // The backend's own end deals with every call made before it (Gloo runs its queue): the
   // calls the group's thread still holds reach it before it goes.
-  auto inner = std::make_shared<RecordingGroup>(Device::cpu(), 300ms);
+  std::promise<void> release;
+  auto inner = std::make_shared<RecordingGroup>(Device::cpu(), release.get_future().share());
   auto pg = dist::stage_device_tensors(inner);
   Tensor a = Tensor::from_vector({1.0f}, {}, kStandIn);
   Tensor b = Tensor::from_vector({1.0f, 2.0f}, {}, kStandIn);
@@ -201,6 +209,7 @@ TEST_CASE("staging: a group destroyed with calls queued issues them first, as th
   auto first = pg->all_reduce(a, dist::ReduceOp::Sum);
   auto second = pg->all_reduce(b, dist::ReduceOp::Sum);
   auto third = pg->all_reduce(c, dist::ReduceOp::Sum);
+  release.set_value();  // the end issues the two calls still queued, then joins the thread
   pg.reset();
   CHECK(inner->calls == std::vector<std::string>{"all_reduce of 1", "all_reduce of 2", "all_reduce of 1"});
   first->wait(5000ms);
