@@ -353,7 +353,9 @@ Watchdog::Verdict Watchdog::poll(Entry& entry, std::string* reason) {
   const AsyncState event = watched.query(&error);
   // A reason is set just before an abort starts (this watchdog's, in an earlier round, for
   // another collective on the same communicator): aborted as well, and not to be aborted twice.
-  const auto aborted = [&] { return watched.comm->aborted() || !watched.comm->abort_reason().empty(); };
+  const auto aborted = [&] {
+    return watched.comm->aborted() || watched.comm->abort_begun_.load() || !watched.comm->abort_reason().empty();
+  };
   bool cut_short = aborted();
   // A host wait under way keeps the deadline and handles NCCL's errors itself.
   const bool host_waiting = watched.host_waiting.load() > 0;
@@ -412,6 +414,7 @@ void Watchdog::report_failure(const Watched& watched, const std::string& reason)
 void Watchdog::abort(const std::shared_ptr<AsyncComm>& comm) {
   // On a thread of its own, not joined: freeing one communicator can wait for a kernel of
   // another, which only this watchdog's next round may abort (Note [NCCL shutdown]).
+  comm->abort_begun_.store(true);
   try {
     std::thread([comm] { comm->abort(); }).detach();
   } catch (...) {
@@ -449,7 +452,7 @@ void Watchdog::run() {
         // No memory for the reason, say: polled again next round, unless its time is up.
         reason.clear();
         const Watched& watched = *entry->watched;
-        const bool cut_short = watched.comm->aborted();
+        const bool cut_short = watched.comm->aborted() || watched.comm->abort_begun_.load();
         if (!cut_short && watched.host_waiting.load() == 0 && Clock::now() > watched.deadline().at)
           verdict = Verdict::Failed;
       }

@@ -102,6 +102,9 @@ class AsyncComm {
   mutable std::mutex reason_mutex_;
   std::string abort_reason_;
   std::atomic<int> watched_collectives_{0};
+  // The watchdog has begun an abort, on a thread of its own that may not have run yet: its
+  // later rounds count the communicator as aborted, not as failing again.
+  std::atomic<bool> abort_begun_{false};
 };
 
 // Note [NCCL non-blocking] steps 1-2. issue makes the call and returns its immediate state

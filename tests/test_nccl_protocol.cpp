@@ -43,7 +43,9 @@ class ScriptedComm : public dist::detail::AsyncComm {
     return next;
   }
   // As NcclComm::abort: marked aborted, then the watchdog told, before anything stops.
+  // abort_delay first: a thread slow to start, as on a loaded machine.
   void abort() override {
+    std::this_thread::sleep_for(abort_delay);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       log_.push_back("abort");
@@ -52,6 +54,7 @@ class ScriptedComm : public dist::detail::AsyncComm {
     dist::detail::Watchdog::aborting(*this);
   }
   bool aborted() const override { return aborted_; }
+  std::chrono::milliseconds abort_delay{0};
   void note(const std::string& entry) {
     std::lock_guard<std::mutex> lock(mutex_);
     log_.push_back(entry);
@@ -328,21 +331,27 @@ TEST_CASE("a timeout as long as the clock (milliseconds::max) is no timeout") {
 }
 
 TEST_CASE("a poll that throws (no memory) still ends in the abort once the deadline has passed") {
-  auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::InProgress});
-  Tensor buffer = Tensor::zeros({4});
-  dist::detail::EventWork::Event event;
-  // Throws until the abort (which stops the kernel: then the event has passed).
-  event.query = [comm = comm.get()](std::string*) -> AsyncState {
-    if (!comm->aborted()) throw std::bad_alloc();
-    return AsyncState::Done;
-  };
-  event.order_compute_stream = [] {};
-  { dist::detail::EventWork work("all_reduce", comm, std::move(event), {buffer}, 20ms); }
-  REQUIRE(eventually([&] { return buffer.use_count() == 1; }));
-  CHECK(count(*comm, "abort") == 1);
-  CHECK(comm->abort_reason().empty());  // none could be written
-  CHECK(watchdog_idle());
-  CHECK(take_host_syncs_failure().empty());
+  // Once, also when the watchdog's abort thread starts many rounds later.
+  for (const auto abort_delay : {0ms, 30ms}) {
+    CAPTURE(abort_delay.count());
+    auto comm = std::make_shared<ScriptedComm>(std::deque<AsyncState>{AsyncState::InProgress});
+    comm->abort_delay = abort_delay;
+    Tensor buffer = Tensor::zeros({4});
+    dist::detail::EventWork::Event event;
+    // Throws until the abort (which stops the kernel: then the event has passed).
+    event.query = [comm = comm.get()](std::string*) -> AsyncState {
+      if (!comm->aborted()) throw std::bad_alloc();
+      return AsyncState::Done;
+    };
+    event.order_compute_stream = [] {};
+    { dist::detail::EventWork work("all_reduce", comm, std::move(event), {buffer}, 20ms); }
+    REQUIRE(eventually([&] { return buffer.use_count() == 1; }));
+    std::this_thread::sleep_for(2 * abort_delay);  // a second abort, begun meanwhile, would have logged
+    CHECK(count(*comm, "abort") == 1);
+    CHECK(comm->abort_reason().empty());  // none could be written
+    CHECK(watchdog_idle());
+    CHECK(take_host_syncs_failure().empty());
+  }
 }
 
 TEST_CASE("wait() orders the compute stream once and returns; the watchdog releases the tensors once the event passes") {
