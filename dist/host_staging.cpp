@@ -66,8 +66,9 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
     auto impl = std::make_shared<TensorImpl>();
     impl->shape = shape;
     impl->dtype = dtype;
-    impl->storage = std::make_shared<Storage>(block, nbytes, Device::cpu(),
-                                              [pool = shared_from_this(), nbytes](void* p) { pool->give(p, nbytes); });
+    impl->storage =
+        std::make_shared<Storage>(block, nbytes, Device::cpu(),
+                                  [pool = shared_from_this(), nbytes](void* p) { pool->give(p, nbytes); });
     return Tensor(impl);
   }
 
@@ -93,7 +94,7 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   }
 
   std::mutex mutex_;
-  int device_ = 0;  // the last device a block was allocated for
+  int device_ = 0;              // the last device a block was allocated for
   std::vector<void*> to_free_;  // given back past kMaxCachedBytes; freed by take()
   std::multimap<size_t, void*> free_;
   size_t cached_bytes_ = 0;
@@ -195,8 +196,6 @@ class CopiesInFlight {
 // Set by the host function queued behind a call's copies to host memory.
 class Arrival {
  public:
-  explicit Arrival(std::string description) : description_(std::move(description)) {}
-
   // The host function (kernels::cuda::call_after_stream): arg is a std::shared_ptr<Arrival>*,
   // which it deletes. Touches nothing but this object: no CUDA call, no tensor, no pool.
   static void arrive_and_release(void* arg) noexcept {
@@ -222,15 +221,8 @@ class Arrival {
     std::unique_lock<std::mutex> lock(mutex_);
     return arrived_cv_.wait_until(lock, deadline, [&] { return arrived_; });
   }
-  // A DeviceError, not a TimeoutError: this rank's own device is late, no peer (the
-  // collective check names a peer that did not come for a TimeoutError).
-  [[noreturn]] void throw_timeout(std::chrono::milliseconds timeout) const {
-    NANODDP_THROW(DeviceError, description_, ": its copy to host memory had not run on the device after ",
-                  timeout.count(), " ms (a kernel queued before it is still running)");
-  }
 
  private:
-  std::string description_;
   std::mutex mutex_;
   std::condition_variable arrived_cv_;
   bool arrived_ = false;
@@ -245,10 +237,9 @@ struct CopiesToHost {
   // calls the host function, and its query says why (DeviceError).
   void* event = nullptr;
   int device = 0;
-  // The call's: its copies wait for the device up to the group's timeout from the call, so that
-  // calls queued behind a stuck one end with it, not one timeout each.
+  // The group's timeout from the call: calls queued behind a stuck copy end with it, not one
+  // timeout each.
   std::chrono::steady_clock::time_point deadline;
-  std::chrono::milliseconds timeout{};
 
   bool queued = false;  // a copy was queued: until arrival, the device may write the blocks
 
@@ -264,9 +255,12 @@ struct CopiesToHost {
   }
 
   // On the worker: waits until the deadline for the copies to have run. Throws DeviceError:
-  // the device's when it failed, one naming the call when the copies have not run.
-  void wait() {
-    while (!arrival->wait_until(std::min(deadline, std::chrono::steady_clock::now() + kDeviceCheckInterval))) {
+  // the device's when it failed, one naming call when the copies have not run (a DeviceError,
+  // not a TimeoutError: this rank's own device is late, and the collective check would name a
+  // peer that did not come for a TimeoutError).
+  void wait(const std::string& call, std::chrono::milliseconds timeout) {
+    while (
+        !arrival->wait_until(std::min(deadline, std::chrono::steady_clock::now() + kDeviceCheckInterval))) {
       if (event != nullptr) {
         kernels::cuda::set_device(device);
         // Passed: the copies have run, and only the host function is late (its thread is not
@@ -276,7 +270,9 @@ struct CopiesToHost {
           return;
         }
       }
-      if (std::chrono::steady_clock::now() >= deadline) arrival->throw_timeout(timeout);
+      NANODDP_CHECK(std::chrono::steady_clock::now() < deadline, DeviceError, call,
+                    ": its copy to host memory had not run on the device after ", timeout.count(),
+                    " ms (a kernel queued before it is still running)");
     }
   }
 
@@ -299,8 +295,10 @@ class StagingFailure {
   // Throws DistError naming call when a failure came first.
   void check(const std::string& call) {
     std::lock_guard<std::mutex> lock(mutex_);
-    NANODDP_CHECK(what_.empty(), DistError, call, ": not issued: an earlier call's copy to host memory failed, "
-                  "and the calls after it would pair with the other ranks' earlier ones: ", what_);
+    NANODDP_CHECK(what_.empty(), DistError, call,
+                  ": not issued: an earlier call's copy to host memory failed, "
+                  "and the calls after it would pair with the other ranks' earlier ones: ",
+                  what_);
   }
 
  private:
@@ -378,8 +376,9 @@ class StagingGroup : public ProcessGroup {
 
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
     if (!staged({tensor}))
-      return issue({}, "all_reduce", tensor, [inner = inner_, tensor, op]() mutable { return inner->all_reduce(tensor, op); });
-    auto copies = copy_in({tensor}, "all_reduce");
+      return issue({}, "all_reduce", tensor,
+                   [inner = inner_, tensor, op]() mutable { return inner->all_reduce(tensor, op); });
+    auto copies = copy_in({tensor});
     Tensor host = copies->hosts[0];
     return issue({copies, {{tensor, host}}}, "all_reduce", tensor,
                  [inner = inner_, host, op]() mutable { return inner->all_reduce(host, op); });
@@ -388,8 +387,9 @@ class StagingGroup : public ProcessGroup {
   std::shared_ptr<Work> broadcast(Tensor& tensor, int root) override {
     const std::string what = "broadcast from rank " + std::to_string(root);
     if (!staged({tensor}))
-      return issue({}, what, tensor, [inner = inner_, tensor, root]() mutable { return inner->broadcast(tensor, root); });
-    auto copies = copy_in({tensor}, "broadcast");
+      return issue({}, what, tensor,
+                   [inner = inner_, tensor, root]() mutable { return inner->broadcast(tensor, root); });
+    auto copies = copy_in({tensor});
     Tensor host = copies->hosts[0];
     return issue({copies, {{tensor, host}}}, what, tensor,
                  [inner = inner_, host, root]() mutable { return inner->broadcast(host, root); });
@@ -402,7 +402,7 @@ class StagingGroup : public ProcessGroup {
       return issue({}, "all_gather", input,
                    [inner = inner_, outputs, input]() mutable { return inner->all_gather(outputs, input); });
     }
-    auto copies = copy_in({input}, "all_gather");
+    auto copies = copy_in({input});
     std::vector<Tensor> host_outputs;
     Pairs back;
     for (Tensor& out : outputs) {
@@ -415,7 +415,8 @@ class StagingGroup : public ProcessGroup {
                  });
   }
 
-  std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs, ReduceOp op) override {
+  std::shared_ptr<Work> reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
+                                       ReduceOp op) override {
     std::vector<Tensor> all = inputs;
     all.push_back(output);
     if (!staged(all)) {
@@ -423,7 +424,7 @@ class StagingGroup : public ProcessGroup {
         return inner->reduce_scatter(output, inputs, op);
       });
     }
-    auto copies = copy_in(inputs, "reduce_scatter");
+    auto copies = copy_in(inputs);
     Tensor host_output = host_like(output);
     return issue({copies, {{output, host_output}}}, "reduce_scatter", output,
                  [inner = inner_, host_output, host_inputs = copies->hosts, op]() mutable {
@@ -439,21 +440,26 @@ class StagingGroup : public ProcessGroup {
   std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {
     const std::string what = "send to rank " + std::to_string(dst);
     if (!staged({tensor}))
-      return issue({}, what, tensor, [inner = inner_, tensor, dst, tag] { return inner->send(tensor, dst, tag); }, false);
-    auto copies = copy_in({tensor}, "send");
-    return issue({copies, {}}, what, tensor,
-                 [inner = inner_, host = copies->hosts[0], dst, tag] { return inner->send(host, dst, tag); }, false);
+      return issue(
+          {}, what, tensor, [inner = inner_, tensor, dst, tag] { return inner->send(tensor, dst, tag); },
+          false);
+    auto copies = copy_in({tensor});
+    return issue(
+        {copies, {}}, what, tensor,
+        [inner = inner_, host = copies->hosts[0], dst, tag] { return inner->send(host, dst, tag); }, false);
   }
 
   std::shared_ptr<Work> recv(Tensor& tensor, int src, int tag) override {
     const std::string what = "recv from rank " + std::to_string(src);
     if (!staged({tensor})) {
-      return issue({}, what, tensor,
-                   [inner = inner_, tensor, src, tag]() mutable { return inner->recv(tensor, src, tag); }, false);
+      return issue(
+          {}, what, tensor,
+          [inner = inner_, tensor, src, tag]() mutable { return inner->recv(tensor, src, tag); }, false);
     }
     Tensor host = host_like(tensor);
-    return issue({nullptr, {{tensor, host}}}, what, tensor,
-                 [inner = inner_, host, src, tag]() mutable { return inner->recv(host, src, tag); }, false);
+    return issue(
+        {nullptr, {{tensor, host}}}, what, tensor,
+        [inner = inner_, host, src, tag]() mutable { return inner->recv(host, src, tag); }, false);
   }
 
   std::string all_reduce_algorithm() const override { return inner_->all_reduce_algorithm(); }
@@ -486,14 +492,14 @@ class StagingGroup : public ProcessGroup {
   // (Note [Staging without a host wait]). Made at once, with a host wait, on a backend whose
   // calls run in the waiting thread; and at once on the host stand-in cpu:1 of the tests,
   // whose call still goes through the worker elsewhere.
-  std::shared_ptr<CopiesToHost> copy_in(const std::vector<Tensor>& tensors, const std::string& what) {
+  std::shared_ptr<CopiesToHost> copy_in(const std::vector<Tensor>& tensors) {
     auto copies = std::make_shared<CopiesToHost>();
-    copies->arrival = std::make_shared<Arrival>(describe(what, tensors.front()));
-    copies->timeout = timeout_;
+    copies->arrival = std::make_shared<Arrival>();
     copies->deadline = detail::deadline_after(timeout_);
     for (const Tensor& t : tensors) copies->hosts.push_back(host_like(t));
     if (!tensors.front().device().is_cuda() || runs_in_wait_) {
-      for (size_t i = 0; i < tensors.size(); ++i) copy_values(copies->hosts[i], tensors[i]);  // not an autograd op
+      for (size_t i = 0; i < tensors.size(); ++i)
+        copy_values(copies->hosts[i], tensors[i]);  // not an autograd op
       copies->arrival->arrive();
       return copies;
     }
@@ -522,47 +528,48 @@ class StagingGroup : public ProcessGroup {
 
   // Issues start on the inner group: now, when it has no copies to wait for (or the backend
   // runs calls in the waiting thread, where they were made at the call) and the worker holds no
-  // earlier call, else on the worker once its copies have run. A collective takes the guard of a fused check along (takes_guard).
-  // what and tensor (may be undefined) name the call in the worker's errors.
+  // earlier call, else on the worker once its copies have run. A collective takes the guard of
+  // a fused check along (takes_guard). what and tensor (may be undefined) name the call in the
+  // worker's errors.
   std::shared_ptr<Work> issue(Staged staged, const std::string& what, const Tensor& tensor,
                               std::function<std::shared_ptr<Work>()> start, bool takes_guard = true) {
     if (takes_guard && guard_) {
       start = [inner = inner_, guard = *std::exchange(guard_, std::nullopt), start = std::move(start)]() {
         auto work = inner->start_guarded(guard, start);
-        NANODDP_CHECK(work != nullptr, DistError, "host staging: the backend no longer starts guarded calls");
+        NANODDP_CHECK(
+            work != nullptr, DistError,
+            "host staging: the backend says it starts guarded calls (can_start_guarded) but returned none");
         return work;
       };
     }
     std::shared_ptr<Work> work;
     const bool ready = staged.copies == nullptr || runs_in_wait_;
     if (ready && (worker_ == nullptr || worker_->idle())) {
-      if (worker_ != nullptr && failure_->failed()) failure_->check(describe_call(what, tensor));
+      if (worker_ != nullptr && failure_->failed()) failure_->check(describe(what, tensor));
       work = start();
       if (staged.copy_back.empty()) return work;
     } else {
       if (worker_ == nullptr)
         worker_ = std::make_unique<detail::StartWorker>("host staging", detail::StartWorker::AtEnd::Finish);
       detail::StartWorker::Call call;
-      call.description = describe_call(what, tensor);
-      call.before = [copies = staged.copies, failure = failure_, description = call.description] {
+      call.description = describe(what, tensor);
+      call.before = [copies = staged.copies, failure = failure_, description = call.description,
+                     timeout = timeout_] {
         failure->check(description);
         if (copies == nullptr) return;
         try {
-          copies->wait();
+          copies->wait(description, timeout);
         } catch (const std::exception& e) {
           failure->set(e.what());
           throw;
         }
       };
       call.start = std::move(start);
-      call.still_before = "its tensors, or those of a call made before it, were still on their way to host memory";
+      call.still_before =
+          "its tensors, or those of a call made before it, were still on their way to host memory";
       work = worker_->queue(std::move(call));
     }
     return std::make_shared<StagedWork>(std::move(work), std::move(staged.copy_back), in_flight_, timeout_);
-  }
-
-  std::string describe_call(const std::string& what, const Tensor& tensor) const {
-    return tensor.defined() ? describe(what, tensor) : where() + ": " + what;
   }
 
   std::shared_ptr<ProcessGroup> inner_;
@@ -582,8 +589,9 @@ class StagingGroup : public ProcessGroup {
 }  // namespace
 
 std::shared_ptr<ProcessGroup> stage_device_tensors(std::shared_ptr<ProcessGroup> group,
-                                                  std::chrono::milliseconds timeout) {
-  if (group == nullptr || group->device() != Device::cpu() || std::dynamic_pointer_cast<StagingGroup>(group)) return group;
+                                                   std::chrono::milliseconds timeout) {
+  if (group == nullptr || group->device() != Device::cpu() || std::dynamic_pointer_cast<StagingGroup>(group))
+    return group;
   return std::make_shared<StagingGroup>(std::move(group), timeout);
 }
 

@@ -80,8 +80,9 @@ TEST_CASE("gloo: mixed devices in one collective are refused by the backend, nam
 namespace {
 
 // One rank whose all_reduce doubles its tensor (as a sum over two equal ranks would) and
-// records every tensor it was handed; the first all_reduce waits for first_call_gate (when it
-// is valid; up to 10 s), so that a call made meanwhile finds it in the group's thread.
+// records every tensor it was handed. A test that holds the first all_reduce at
+// first_call_gate (up to 10 s) knows the group's thread is busy for every call it makes
+// meanwhile, however the machine schedules the threads.
 class RecordingGroup : public dist::ProcessGroup {
  public:
   explicit RecordingGroup(Device device, std::shared_future<void> first_call_gate = {})
