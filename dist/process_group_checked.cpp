@@ -76,9 +76,10 @@
 // refused. Under NCCL, a send/recv issued while an earlier collective still waits in the
 // worker may reach NCCL before or after that collective, depending on each rank's exchange:
 // the two communicators of the device then get their calls in different orders on different
-// ranks, which NCCL allows only while both kernels fit on the GPU at once (Note [NCCL
-// point-to-point]: they do; a device-wide sync meanwhile, as an out-of-memory retry's cudaFree,
-// can still wait for the other kernel).
+// ranks. NCCL asks for the same order on every rank; a different one works only while both
+// kernels fit on the GPU at once, which NCCL does not promise (Note [NCCL point-to-point]
+// relies on it; a device-wide sync meanwhile, as an out-of-memory retry's cudaFree, can still
+// wait for the other kernel). A deadlock so made ends at the timeout, in the abort.
 // The comparison and its errors are the check's own; a failed exchange reads as the check's,
 // not as a collective of the fingerprint group. Without a fingerprint group (ranks on several
 // machines, a build without Gloo), the fingerprints go through the GPU as described above.
