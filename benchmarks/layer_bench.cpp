@@ -6,8 +6,9 @@
 //
 // One iteration: y = layer(x); y.backward(g) with x requiring grad (and the layer's
 // parameters, if any, accumulating theirs), g a fixed tensor of y's shape. Pointwise layers
-// LayerNorm and BatchNorm1d (training mode) take x: [64, 1024]; Conv2d(16, 16, 3, padding 1), MaxPool2d(2) and Flatten
-// take the same 65,536 values as [64, 16, 8, 8]. After 3 warm-up iterations, iterations run
+// LayerNorm and BatchNorm1d (training mode) take x: [64, 1024]; Conv2d(16, 16, 3, padding 1), MaxPool2d(2)
+// and Flatten take the same 65,536 values as [64, 16, 8, 8]; Conv2d(32, 64, 3), fashion_mnist_cnn's second
+// convolution, its input there, [64, 32, 13, 13]. After 3 warm-up iterations, iterations run
 // until --min-time seconds have passed; us_per_iter is the median over 5 such rounds of
 // (round time / iterations). Each line:
 //   {"example":"layer_bench","framework":"nanoddp","layer":L,"input":[...],"us_per_iter":t}
@@ -40,6 +41,7 @@ struct LayerCase {
 
 std::vector<LayerCase> layer_cases() {
   const Shape rows{64, 1024}, images{64, 16, 8, 8};
+  const Shape cnn_pooled{64, 32, 13, 13};  // fashion_mnist_cnn's second convolution's input
   return {
       {"ReLU", rows, [](Generator&) { return std::make_shared<nn::ReLU>(); }},
       {"Sigmoid", rows, [](Generator&) { return std::make_shared<nn::Sigmoid>(); }},
@@ -53,6 +55,8 @@ std::vector<LayerCase> layer_cases() {
       {"BatchNorm1d(1024)", rows, [](Generator&) { return std::make_shared<nn::BatchNorm1d>(1024); }},
       {"Conv2d(16,16,3,p=1)", images,
        [](Generator& gen) { return std::make_shared<nn::Conv2d>(16, 16, 3, gen, 1, 1); }},
+      {"Conv2d(32,64,3)", cnn_pooled,
+       [](Generator& gen) { return std::make_shared<nn::Conv2d>(32, 64, 3, gen); }},
       {"MaxPool2d(2)", images, [](Generator&) { return std::make_shared<nn::MaxPool2d>(2); }},
       {"Flatten", images, [](Generator&) { return std::make_shared<nn::Flatten>(); }},
   };
@@ -73,7 +77,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> names;
   for (const LayerCase& c : layer_cases()) names.push_back(c.name);
   // A name that matches no layer is refused, not an empty table.
-  app.add_option("--only", only, "one layer's name, as printed (default: every layer)")->check(cli::one_of(names));
+  app.add_option("--only", only, "one layer's name, as printed (default: every layer)")
+      ->check(cli::one_of(names));
   if (auto code = cli::parse(app, argc, argv, "layer_bench")) return *code;
   try {
     for (const LayerCase& c : layer_cases()) {
@@ -101,9 +106,10 @@ int main(int argc, char** argv) {
       std::sort(rounds.begin(), rounds.end());
       std::string shape;
       for (int64_t s : c.input.sizes()) shape += (shape.empty() ? "" : ",") + std::to_string(s);
-      std::printf("{\"example\":\"layer_bench\",\"framework\":\"nanoddp\",\"layer\":\"%s\",\"input\":[%s],"
-                  "\"us_per_iter\":%.2f}\n",
-                  c.name.c_str(), shape.c_str(), rounds[rounds.size() / 2] * 1e6);
+      std::printf(
+          "{\"example\":\"layer_bench\",\"framework\":\"nanoddp\",\"layer\":\"%s\",\"input\":[%s],"
+          "\"us_per_iter\":%.2f}\n",
+          c.name.c_str(), shape.c_str(), rounds[rounds.size() / 2] * 1e6);
       std::fflush(stdout);
     }
   } catch (const std::exception& e) {

@@ -122,15 +122,18 @@ Window2d make_window(const char* op, const Tensor& input, Size2 kernel, Size2 st
 
 // On the CPU a 3x3 convolution at stride 1 runs as Winograd F(2x2, 3x3) instead
 // (kernels/cpu/winograd.h): forward, input gradient (such a convolution of dout) and weight
-// gradient. Operands with NaN or inf keep im2col + GEMM, whose values for them are torch's.
-// Winograd's transforms add several terms before the products, so finite operands near
-// float32's largest values (above about 1e38 / 4) can overflow there where the direct sum
-// does not: a result that comes out non-finite from finite operands is computed again by
-// im2col + GEMM (overflowed_winograd).
-bool uses_winograd(Device device, const Window2d& g, const Tensor& images, const Tensor& weight) {
-  return !device.is_cuda() && kernels::cpu::winograd_applies(g, weight.size(0)) &&
-         kernels::cpu::all_finite(ptr(images), images.numel()) &&
-         kernels::cpu::all_finite(ptr(weight), weight.numel());
+// gradient. A result with NaN or inf in it is computed again by im2col + GEMM, whose values
+// are torch's (overflowed_winograd). That covers both ways Winograd's values can differ:
+// - a NaN or inf operand: the transforms add and subtract operands the direct sum only
+//   multiplies, so inf can meet -inf (NaN) where conv2d gives +-inf. Such an operand always
+//   reaches the result: every input pixel and weight lies in some output's window, and each
+//   output's Winograd sum reads every operand of its window (0 * inf is NaN too);
+// - finite operands near float32's largest values (above about 1e38 / 4): the transforms'
+//   sums can overflow where the direct sum does not.
+// Testing the result, not the operands, reads fewer values (the input and dout are both
+// larger than the forward's output), and a training run's operands are finite.
+bool uses_winograd(Device device, const Window2d& g, int64_t out_channels) {
+  return !device.is_cuda() && kernels::cpu::winograd_applies(g, out_channels);
 }
 bool overflowed_winograd(const Tensor& result) {
   return result.defined() && !kernels::cpu::all_finite(ptr(result), result.numel());
@@ -177,7 +180,7 @@ Tensor conv2d_computed(const Tensor& input, const Tensor& weight, const Tensor& 
   const bool keeps_graph = is_grad_enabled() && (input.requires_grad() || weight.requires_grad() ||
                                                  (bias.defined() && bias.requires_grad()));
   const Device device = input.device();
-  bool winograd = uses_winograd(device, g, x, w);
+  bool winograd = uses_winograd(device, g, OC);
   const int64_t group = nn::detail::images_per_gemm(device, keeps_graph, N, CKK, OHW);
   const int64_t image_size = g.channels * g.height * g.width;
   // Kept for backward on CUDA: every image's cols, [N / group groups of [C kh kw, group OH OW]]
@@ -218,9 +221,7 @@ Tensor conv2d_computed(const Tensor& input, const Tensor& weight, const Tensor& 
     const bool needs_dx = node.inputs[0].requires_grad(), needs_dw = node.inputs[1].requires_grad();
     Tensor dx, dw, db;
     if (needs_dx) dx = Tensor::empty(node.inputs[0].shape(), DType::Float32, device);
-    // Winograd on the CPU (uses_winograd) when the input (patches), weight and dout are finite.
-    bool winograd = !keeps_cols && (needs_dx || needs_dw) && uses_winograd(device, g, patches, w) &&
-                    kernels::cpu::all_finite(ptr(dout), dout.numel());
+    bool winograd = !keeps_cols && (needs_dx || needs_dw) && uses_winograd(device, g, OC);
     if (winograd && needs_dx) kernels::cpu::conv3x3_winograd_input_grad(ptr(dx), ptr(dout), ptr(w), N, OC, g);
     if (winograd && needs_dw) {
       dw = empty_like(w);

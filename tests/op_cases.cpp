@@ -448,6 +448,16 @@ std::vector<OpCase> op_cases() {
   rows.push_back({"conv2d 3x3 Winograd, 8 channels, padding (2, 1)", {{{1, 8, 5, 4}}, {{3, 8, 3, 3}}},
                   [](auto& in) { return conv2d(in[0], in[1], Tensor(), 1, {2, 1}); },
                   [](auto& in) { return ref_conv2d(in[0], in[1], {}, {1, 8, 5, 4}, {3, 8, 3, 3}, 1, {2, 1}, 1); }});
+  // Rows of 8 pixels or more move between channels first and last 8 x 8 at a time (Note
+  // [Channel transposes]): 11 and 9 pixels leave an overlapping last block, 12 channels a
+  // remainder of 4; the input gradient transposes 16 channels of rows of 11 pixels.
+  rows.push_back({"conv2d 3x3 Winograd, rows of 9 and 11 pixels, 12 channels, padding 1",
+                  {{{1, 12, 9, 11}}, {{16, 12, 3, 3}}, {{16}}},
+                  [](auto& in) { return conv2d(in[0], in[1], in[2], 1, 1); },
+                  [](auto& in) { return ref_conv2d(in[0], in[1], in[2], {1, 12, 9, 11}, {16, 12, 3, 3}, 1, 1, 1); }});
+  rows.push_back({"conv2d 3x3 Winograd, rows of 8 pixels, 16 channels", {{{1, 16, 8, 10}}, {{8, 16, 3, 3}}},
+                  [](auto& in) { return conv2d(in[0], in[1], Tensor()); },
+                  [](auto& in) { return ref_conv2d(in[0], in[1], {}, {1, 16, 8, 10}, {8, 16, 3, 3}, 1, 0, 1); }});
   rows.push_back(OpCase{"max_pool2d 2, stride 2", {{{2, 2, 5, 5}}},
                         [](auto& in) { return max_pool2d(in[0], 2, 2); },
                         [](auto& in) { return ref_max_pool2d(in[0], {2, 2, 5, 5}, 2, 2, 0); }}

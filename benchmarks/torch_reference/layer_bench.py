@@ -17,6 +17,7 @@ from launch import emit, set_threads
 
 def layer_cases():
     rows, images = (64, 1024), (64, 16, 8, 8)
+    cnn_pooled = (64, 32, 13, 13)  # fashion_mnist_cnn's second convolution's input
     nn = torch.nn
     return [
         ("ReLU", rows, nn.ReLU),
@@ -29,6 +30,7 @@ def layer_cases():
         ("LayerNorm(1024)", rows, lambda: nn.LayerNorm(1024)),
         ("BatchNorm1d(1024)", rows, lambda: nn.BatchNorm1d(1024)),
         ("Conv2d(16,16,3,p=1)", images, lambda: nn.Conv2d(16, 16, 3, padding=1)),
+        ("Conv2d(32,64,3)", cnn_pooled, lambda: nn.Conv2d(32, 64, 3)),
         ("MaxPool2d(2)", images, lambda: nn.MaxPool2d(2)),
         ("Flatten", images, nn.Flatten),
     ]

@@ -21,7 +21,8 @@
 // and weights): tests/test_ops.cpp compares both with a float64 reference. Each output sees
 // exactly the inputs and weights its 3 x 3 window sees (the zeros of B^T and A^T leave the
 // others out rather than multiply them by 0), so a NaN reaches the same outputs as in conv2d.
-// An inf does not (inf - inf); winograd.h's all_finite lets the caller keep those away.
+// An inf does not (inf - inf): the caller computes a result with any NaN or inf in it again
+// by im2col + GEMM (winograd.h's all_finite).
 //
 // The images are worked in chunks of about kChunkColumns tiles, so that V and M (16 x (C +
 // OC) x columns floats) stay in the core's cache between the transforms and the GEMMs.
@@ -57,8 +58,8 @@ std::vector<float> transform_filters(int64_t outputs, int64_t inputs, Tap tap) {
         gg[3][s] = g2;
       }
       for (int64_t a = 0; a < 4; ++a) {
-        const float u[4] = {gg[a][0], 0.5f * (gg[a][0] + gg[a][1] + gg[a][2]), 0.5f * (gg[a][0] - gg[a][1] + gg[a][2]),
-                            gg[a][2]};
+        const float u[4] = {gg[a][0], 0.5f * (gg[a][0] + gg[a][1] + gg[a][2]),
+                            0.5f * (gg[a][0] - gg[a][1] + gg[a][2]), gg[a][2]};
         for (int64_t b = 0; b < 4; ++b) U[((a * 4 + b) * inputs + i) * outputs + o] = u[b];
       }
     }
@@ -91,8 +92,8 @@ inline void store(float* p, const Floats8& v) { std::memcpy(p, &v, sizeof v); }
 // v[xi * position_step] = (B^T d B)[xi] for the 4 x 4 patch d at p (pixel (i, j) at p + i row +
 // j pixel), for one Vec of channels.
 template <class Vec>
-inline void transform_patch(float* __restrict v, int64_t position_step, const float* __restrict p, int64_t row,
-                            int64_t pixel) {
+inline void transform_patch(float* __restrict v, int64_t position_step, const float* __restrict p,
+                            int64_t row, int64_t pixel) {
   Vec d[4][4], bd[4][4];
   for (int64_t i = 0; i < 4; ++i)
     for (int64_t j = 0; j < 4; ++j) load(d[i][j], p + i * row + j * pixel);
@@ -131,9 +132,54 @@ inline void transform_tile(float* __restrict y, int64_t row, int64_t pixel, cons
   }
 }
 
-// block [.., block_w, C] at row pad_h, column pad_w = image [C, H, W] channels last, kLanes
-// channels at a time: kLanes planes are read in order and stay in L1 while their pixels are
-// written side by side. The rest of block is left as it is.
+// Note [Channel transposes]
+// The transforms work channels last and the tensors are channels first, so every image goes
+// through a transpose on the way in and out. Element by element, each move is a load and a
+// store to another plane (8 planes apart in cache lines per pixel), and the two transposes
+// took a third of the non-GEMM time of fashion_mnist_cnn's second convolution. Here an 8 x 8
+// block (8 pixels of a row, 8 channels) moves as 8 vector loads, 24 shuffles in registers and
+// 8 vector stores. A row's last block overlaps the one before it when the row is not a
+// multiple of 8 pixels (the same values written twice, as conv.cpp's copy_run); rows under 8
+// pixels, and the last C % 8 channels, go element by element.
+using Ints8 = int32_t __attribute__((vector_size(32)));
+
+#if defined(__clang__)
+#define NANODDP_SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define NANODDP_SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, Ints8{__VA_ARGS__})
+#endif
+
+// r[i][j] <-> r[j][i]: rows of 8 pixels (one channel each) become rows of 8 channels (one
+// pixel each), and back.
+inline void transpose8(Floats8 (&r)[8]) {
+  Floats8 t[8], u[8];
+  for (int k = 0; k < 8; k += 2) {  // pairs of rows interleaved
+    t[k] = NANODDP_SHUFFLE8(r[k], r[k + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[k + 1] = NANODDP_SHUFFLE8(r[k], r[k + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int k = 0; k < 8; k += 4) {  // then pairs of pairs
+    u[k] = NANODDP_SHUFFLE8(t[k], t[k + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[k + 1] = NANODDP_SHUFFLE8(t[k], t[k + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    u[k + 2] = NANODDP_SHUFFLE8(t[k + 1], t[k + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[k + 3] = NANODDP_SHUFFLE8(t[k + 1], t[k + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int k = 0; k < 4; ++k) {  // then the halves of 4 rows with those of the other 4
+    r[k] = NANODDP_SHUFFLE8(u[k], u[k + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    r[k + 4] = NANODDP_SHUFFLE8(u[k], u[k + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+}
+
+#undef NANODDP_SHUFFLE8
+
+// The pixel offsets of a row's 8-pixel blocks: 0, 8, ..., and W - 8 for a last partial block.
+template <class Block>
+inline void for_each_block_of_row(int64_t W, Block block) {
+  for (int64_t w = 0; w + kLanes <= W; w += kLanes) block(w);
+  if (W % kLanes != 0) block(W - kLanes);
+}
+
+// block [.., block_w, C] at row pad_h, column pad_w = image [C, H, W] channels last (Note
+// [Channel transposes]). The rest of block is left as it is.
 void to_channels_last(float* block, int64_t block_w, const float* image, int64_t C, int64_t H, int64_t W,
                       int64_t pad_h, int64_t pad_w) {
   for (int64_t c0 = 0; c0 < C; c0 += kLanes) {
@@ -141,22 +187,40 @@ void to_channels_last(float* block, int64_t block_w, const float* image, int64_t
     for (int64_t h = 0; h < H; ++h) {
       float* to = block + ((h + pad_h) * block_w + pad_w) * C + c0;
       const float* from = image + (c0 * H + h) * W;
-      for (int64_t w = 0; w < W; ++w)
-        for (int64_t c = 0; c < lanes; ++c) to[w * C + c] = from[c * H * W + w];
+      if (lanes < kLanes || W < kLanes) {
+        for (int64_t w = 0; w < W; ++w)
+          for (int64_t c = 0; c < lanes; ++c) to[w * C + c] = from[c * H * W + w];
+        continue;
+      }
+      for_each_block_of_row(W, [&](int64_t w) {
+        Floats8 r[kLanes];
+        for (int64_t c = 0; c < kLanes; ++c) load(r[c], from + c * H * W + w);
+        transpose8(r);
+        for (int64_t p = 0; p < kLanes; ++p) store(to + (w + p) * C, r[p]);
+      });
     }
   }
 }
 
-// image [C, H, W] = the first H x W pixels of block [.., block_w, C] (channels last), kLanes
-// channels at a time, as to_channels_last.
+// image [C, H, W] = the first H x W pixels of block [.., block_w, C] (channels last), as
+// to_channels_last.
 void to_channels_first(float* image, int64_t C, int64_t H, int64_t W, const float* block, int64_t block_w) {
   for (int64_t c0 = 0; c0 < C; c0 += kLanes) {
     const int64_t lanes = std::min(kLanes, C - c0);
     for (int64_t h = 0; h < H; ++h) {
       float* to = image + (c0 * H + h) * W;
       const float* from = block + h * block_w * C + c0;
-      for (int64_t w = 0; w < W; ++w)
-        for (int64_t c = 0; c < lanes; ++c) to[c * H * W + w] = from[w * C + c];
+      if (lanes < kLanes || W < kLanes) {
+        for (int64_t w = 0; w < W; ++w)
+          for (int64_t c = 0; c < lanes; ++c) to[c * H * W + w] = from[w * C + c];
+        continue;
+      }
+      for_each_block_of_row(W, [&](int64_t w) {
+        Floats8 r[kLanes];
+        for (int64_t p = 0; p < kLanes; ++p) load(r[p], from + (w + p) * C);
+        transpose8(r);
+        for (int64_t c = 0; c < kLanes; ++c) store(to + c * H * W + w, r[c]);
+      });
     }
   }
 }
@@ -250,13 +314,15 @@ void winograd_conv(float* out, const float* in, const std::vector<float>& U, int
   const int64_t in_image = C * t.height * t.width, out_plane = t.out_h * t.out_w;
   for (int64_t first = 0; first < N; first += images_per_chunk) {
     const int64_t images = std::min(images_per_chunk, N - first), columns = images * t.tiles;
-    for (int64_t k = 0; k < images; ++k) scratch.transform_image(columns, k * t.tiles, in + (first + k) * in_image, t);
+    for (int64_t k = 0; k < images; ++k)
+      scratch.transform_image(columns, k * t.tiles, in + (first + k) * in_image, t);
     for (int64_t xi = 0; xi < kPositions; ++xi)
-      matmul(M.data() + xi * columns * OC, V.data() + xi * columns * C, U.data() + xi * C * OC, columns, C, OC,
-             false, false, 0.0f);
+      matmul(M.data() + xi * columns * OC, V.data() + xi * columns * C, U.data() + xi * C * OC, columns, C,
+             OC, false, false, 0.0f);
     for (int64_t k = 0; k < images; ++k) {
       transform_output(tiled.data(), M.data(), columns, k * t.tiles, t);
-      to_channels_first(out + (first + k) * OC * out_plane, OC, t.out_h, t.out_w, tiled.data(), 2 * t.tiles_w);
+      to_channels_first(out + (first + k) * OC * out_plane, OC, t.out_h, t.out_w, tiled.data(),
+                        2 * t.tiles_w);
     }
   }
 }
@@ -270,7 +336,8 @@ void transform_gradient(float* dM, int64_t columns, int64_t column, const float*
       float* dm = dM + (column + ty * t.tiles_w + tx) * OC;
       const float* y = tiled + 2 * ty * row + 2 * tx * OC;
       int64_t o = 0;
-      for (; o + kLanes <= OC; o += kLanes) transform_gradient_tile<Floats8>(dm + o, position_step, y + o, row, OC);
+      for (; o + kLanes <= OC; o += kLanes)
+        transform_gradient_tile<Floats8>(dm + o, position_step, y + o, row, OC);
       for (; o < OC; ++o) transform_gradient_tile<float>(dm + o, position_step, y + o, row, OC);
     }
 }
@@ -295,15 +362,17 @@ bool all_finite(const float* p, int64_t n) {
   return non_finite == 0;
 }
 
-void conv3x3_winograd(float* out, const float* images, const float* weight, int64_t N, int64_t OC, Window2d g) {
+void conv3x3_winograd(float* out, const float* images, const float* weight, int64_t N, int64_t OC,
+                      Window2d g) {
   const int64_t C = g.channels;
-  const std::vector<float> U = transform_filters(
-      OC, C, [&](int64_t o, int64_t c, int64_t r, int64_t s) { return weight[((o * C + c) * 3 + r) * 3 + s]; });
+  const std::vector<float> U = transform_filters(OC, C, [&](int64_t o, int64_t c, int64_t r, int64_t s) {
+    return weight[((o * C + c) * 3 + r) * 3 + s];
+  });
   winograd_conv(out, images, U, N, Tiling{C, OC, g.height, g.width, g.pad_h, g.pad_w});
 }
 
-void conv3x3_winograd_input_grad(float* dimages, const float* dout, const float* weight, int64_t N, int64_t OC,
-                                 Window2d g) {
+void conv3x3_winograd_input_grad(float* dimages, const float* dout, const float* weight, int64_t N,
+                                 int64_t OC, Window2d g) {
   const int64_t C = g.channels;
   // Filter (c, o) of the gradient is the forward's filter (o, c) turned 180 degrees.
   const std::vector<float> U = transform_filters(C, OC, [&](int64_t c, int64_t o, int64_t r, int64_t s) {
@@ -312,8 +381,8 @@ void conv3x3_winograd_input_grad(float* dimages, const float* dout, const float*
   winograd_conv(dimages, dout, U, N, Tiling{OC, C, g.out_h, g.out_w, 2 - g.pad_h, 2 - g.pad_w});
 }
 
-void conv3x3_winograd_weight_grad(float* dweight, const float* images, const float* dout, int64_t N, int64_t OC,
-                                  Window2d g) {
+void conv3x3_winograd_weight_grad(float* dweight, const float* images, const float* dout, int64_t N,
+                                  int64_t OC, Window2d g) {
   // With U = G w G^T and y = A^T (U * V) A per tile: dU = the sum over tiles of V * (A dy A^T)
   // (per position, over channels a GEMM: dU[xi] [C, OC] = V[xi]^T · dM[xi]), and dw = G^T dU G.
   const Tiling t{g.channels, OC, g.height, g.width, g.pad_h, g.pad_w};
@@ -327,12 +396,13 @@ void conv3x3_winograd_weight_grad(float* dweight, const float* images, const flo
     const int64_t count = std::min(images_per_chunk, N - first), columns = count * t.tiles;
     for (int64_t k = 0; k < count; ++k) {
       scratch.transform_image(columns, k * t.tiles, images + (first + k) * in_image, t);
-      to_channels_last(tiled.data(), 2 * t.tiles_w, dout + (first + k) * out_image, OC, t.out_h, t.out_w, 0, 0);
+      to_channels_last(tiled.data(), 2 * t.tiles_w, dout + (first + k) * out_image, OC, t.out_h, t.out_w, 0,
+                       0);
       transform_gradient(dM.data(), columns, k * t.tiles, tiled.data(), t);
     }
     for (int64_t xi = 0; xi < kPositions; ++xi)
-      matmul(dU.data() + xi * C * OC, V.data() + xi * columns * C, dM.data() + xi * columns * OC, C, columns, OC,
-             true, false, first == 0 ? 0.0f : 1.0f);
+      matmul(dU.data() + xi * C * OC, V.data() + xi * columns * C, dM.data() + xi * columns * OC, C, columns,
+             OC, true, false, first == 0 ? 0.0f : 1.0f);
   }
   for (int64_t o = 0; o < OC; ++o)
     for (int64_t c = 0; c < C; ++c) {

@@ -5,8 +5,10 @@
 // [Winograd F(2x2, 3x3)] in winograd.cpp). nn/conv.cpp uses it instead of im2col + GEMM where
 // it applies.
 //
-//   if (winograd_applies(window, OC) && all_finite(images, n) && all_finite(weight, m))
+//   if (winograd_applies(window, OC)) {
 //     conv3x3_winograd(out, images, weight, N, OC, window);
+//     if (!all_finite(out, n)) ...  // computed again by im2col + GEMM
+//   }
 #pragma once
 
 #include <cstdint>
@@ -22,7 +24,9 @@ bool winograd_applies(const Window2d& window, int64_t out_channels);
 
 // False if any of the n floats at p is NaN or +-inf. Winograd's transforms add and subtract
 // inputs that direct convolution only multiplies: an inf can meet -inf where conv2d gives
-// +-inf, so non-finite operands take the im2col path, which gives torch's values.
+// +-inf, and finite values near float32's largest can overflow. A non-finite operand always
+// makes some result non-finite, so the caller tests the results and computes those with any
+// NaN or inf again by im2col + GEMM, which gives torch's values.
 bool all_finite(const float* p, int64_t n);
 
 // out [N, OC, OH, OW] = conv2d(images [N, C, H, W], weight [OC, C, 3, 3]) without bias, for a
