@@ -96,6 +96,9 @@ class AsyncComm {
   // How many of its collectives the compute stream reads and the Watchdog has not yet seen
   // pass (Watchdog::Watched::mark_stream_ordered; Watchdog::aborting reads it).
   int watched_collectives() const { return watched_collectives_.load(); }
+  // The watchdog has begun an abort of this communicator (Watchdog::abort), which may not have
+  // run yet: a close() then aborts rather than finalizes.
+  bool abort_begun() const { return abort_begun_.load(); }
 
  private:
   friend class Watchdog;

@@ -222,9 +222,10 @@ class NcclComm : public detail::AsyncComm {
       std::lock_guard<std::mutex> lock(nccl_call_mutex());
       if (aborted_.load() || closed_) return;
     }
-    // Given up by a wait that timed out or failed, whose abort may not have begun yet: no
-    // finalize, which would wait for calls that cannot end (abort() waits for that abort).
-    if (!abort_reason().empty()) return abort();
+    // Given up by a wait that timed out or failed, or by the watchdog, whose abort may not
+    // have run yet: no finalize, which would wait for calls that cannot end (abort() waits for
+    // that abort).
+    if (!abort_reason().empty() || abort_begun()) return abort();
     try {
       detail::issue_and_wait_enqueued(*this, "ncclCommFinalize", timeout_, [&](std::string* error) {
         return call([](ncclComm_t comm) { return ncclCommFinalize(comm); }, error);
@@ -610,7 +611,8 @@ class ProcessGroupNccl : public ProcessGroup {
 
   // Note [NCCL shutdown]; destructors never throw.
   ~ProcessGroupNccl() override {
-    cudaSetDevice(device_.index);
+    // A failure here (CUDA already unloading at exit) is not the next launch's error.
+    if (cudaSetDevice(device_.index) != cudaSuccess) (void)cudaGetLastError();
     if (point_to_point_queue_) point_to_point_queue_->close();  // nothing queued is left behind
     point_to_point_queue_.reset();
     // A kernel still running on one lane (its peer gone) can keep the other lane's finalize or
@@ -627,7 +629,7 @@ class ProcessGroupNccl : public ProcessGroup {
                    "aborting its communicator\n", where().c_str(), static_cast<long long>(timeout_.count()));
       try {
         aborts.emplace_back([lane] {
-          cudaSetDevice(lane->device.index);
+          if (cudaSetDevice(lane->device.index) != cudaSuccess) (void)cudaGetLastError();
           lane->comm->abort();
         });
       } catch (const std::exception&) {  // no thread to be had: abort here (never throws)
