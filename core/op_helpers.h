@@ -59,8 +59,12 @@ inline uint16_t* bits16(const Tensor& t) {
 // Note [16-bit elementwise ops]
 // Kernels other than matrix products compute in float32 only; given a 16-bit tensor, an op
 // computes in float32 and rounds its output back to the input's dtype, once. That is what
-// torch's CPU kernels do for bfloat16 on CPUs without 16-bit arithmetic: the output is as if
-// computed in 16 bits and rounded. It is done in one of two ways:
+// most of torch's CPU kernels do for bfloat16 on CPUs without 16-bit arithmetic: the output is
+// as if computed exactly and rounded. A few of torch 1.13's round intermediate values to
+// bfloat16 too (the tanh-form GELU, the gradients of sigmoid and tanh; matmul of two operands
+// stored row by row adds bfloat16 products one at a time): there ours differ from torch's by a
+// few units in the last place, and are the nearer to the exact value. It is done in one of two
+// ways:
 //  - relu, max_pool2d and conv2d (the layers a CNN keeps most activations for) record one
 //    node on the 16-bit tensors, save 16-bit tensors where backward reads values (relu its
 //    output, conv2d its input and weight; max_pool2d only int32 indices), and widen them

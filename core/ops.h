@@ -22,7 +22,9 @@ using kernels::Reduction;
 
 // a: [M, K], b: [K, N] -> [M, N] (torch.matmul of two matrices). a and b share one dtype
 // (ValueError otherwise, as torch); under nn::autocast both are first cast to its dtype. In 16
-// bits the products are summed in float32 and the output rounded once.
+// bits the products are summed in float32 and the output rounded once, as torch's linear; torch
+// 1.13's CPU matmul of two bfloat16 matrices stored row by row instead adds the products one
+// by one in bfloat16, a few units in the last place from the exact sum.
 Tensor matmul(const Tensor& a, const Tensor& b);
 
 // input: [N, in], weight: [out, in], bias: [out] or undefined -> [N, out]

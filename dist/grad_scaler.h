@@ -59,9 +59,9 @@ class GradScaler {
                       std::chrono::milliseconds timeout = kDefaultTimeout);
 
   // loss * scale, recorded in the graph, with loss's shape; float32 for a float32 or 16-bit
-  // loss. torch's float32 scale tensor promotes a 0-dim loss only (a float16 loss of shape
-  // [1] stays float16 there, and 65536 times a loss above 1 is inf); ours promotes every
-  // shape. The loss itself when disabled. ValueError for an undefined or integer loss.
+  // loss, as torch's product with its float32 scale tensor of shape [1] (which also turns a
+  // 0-dim loss into shape [1]; ours keeps the loss's shape). The loss itself when disabled.
+  // ValueError for an undefined or integer loss.
   Tensor scale(const Tensor& loss) const;
   // Multiplies every .grad of optimizer's parameters by 1 / scale in place and records whether
   // any is inf or NaN, on this rank or (with a group) on any rank. Throws ValueError for a scale
