@@ -212,6 +212,34 @@ TEST_CASE("GELU's tanh form: value and gradient within a few float32 roundings o
   CHECK(grad[xs.size() - 9] == doctest::Approx(-3.39e-6).epsilon(1e-2));
 }
 
+// Note [GELU's lower tail]: below x = -3, Phi(x) = erfc(-x / sqrt 2) / 2, where 1 + erf cancels.
+TEST_CASE("GELU's exact form: value and gradient within a few float32 roundings of float64, lower tail included") {
+  std::vector<float> xs;
+  for (float v = -14.0f; v <= 6.0f; v += 0.29f) xs.push_back(v);
+  for (float v : {-3.0f, -3.01f, -5.62f, -8.0f, -10.0f, -13.0f}) xs.push_back(v);
+  Tensor x = Tensor::from_vector(xs).set_requires_grad(true);
+  const Tensor y = gelu(x);
+  sum(y).backward();
+  const std::vector<float> value = y.to_vector(), grad = x.grad().to_vector();
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const double v = xs[i], cdf = 0.5 * std::erfc(-v / std::sqrt(2.0)),
+                 pdf = std::exp(-0.5 * v * v) / std::sqrt(2.0 * M_PI);
+    const double want_value = v * cdf, want_grad = cdf + v * pdf;
+    CAPTURE(xs[i]);
+    CAPTURE(want_value);
+    CAPTURE(want_grad);
+    // Relative 2e-6 (about 16 roundings), plus the rounding of x^2 / 2 in float32, which the exp
+    // turns into a relative error of x^2 / 2 roundings; or below float's normal range. From
+    // x = -3 up, 1 + erf keeps the erf's absolute error, a unit or two of float32 near 1, times
+    // x / 2 (torch's formula, whose error it is); below, the erfc form has none of it.
+    const double rtol = 2e-6 + 0.5 * v * v * 1.2e-7, erf_noise = v >= -3.0 ? 1.2e-7 * std::fabs(v) : 0.0;
+    CHECK(std::fabs(value[i] - want_value) <= rtol * std::fabs(want_value) + erf_noise + 1e-37);
+    CHECK(std::fabs(grad[i] - want_grad) <= rtol * std::fabs(want_grad) + erf_noise + 1e-37);
+  }
+  // x = -5.62: 1 + erf left +3.4e-7 (torch: 0); float64's value is -5.37e-8.
+  CHECK(value[xs.size() - 4] < 0.0f);
+}
+
 // Torch 1.13's values (torch.nn.functional.gelu and softplus on the CPU, float32) far in the
 // tails, where Eigen's vectorised exp leaves std::exp's values (Note [Vectorised exp's range]): 19
 // elements, so that each value sits in a packet and the last ones in the scalar tail.

@@ -13,6 +13,7 @@
 // std::exp, after one vectorised min/max pass says whether there are any.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <unsupported/Eigen/SpecialFunctions>
 
 #include "kernels/activation_constants.h"
@@ -28,13 +29,27 @@ static_assert(kGeluExpExactAbs * kGeluExpExactAbs / 2 <= kExpExactAbs, "exp(-x^2
 
 namespace {
 
-// Calls redo(i) for every i with |x[i]| > limit, NaN included (it stays NaN), after one
-// vectorised pass that says whether there is any: the scalar loop runs only when there is.
+// Calls redo(i) for every i with x[i] outside [low, high], NaN included (it stays NaN). Each
+// block of 64 elements is first tested in one vectorised pass (comparisons ORed, no branch),
+// and only a block with such an element is looked at one element at a time: GELU's lower tail
+// starts at x = -3, which 0.1% of a normal batch is below, spread over most of its blocks.
+template <typename Redo>
+void redo_outside(const float* x, int64_t n, float low, float high, Redo redo) {
+  constexpr int64_t kBlock = 64;
+  for (int64_t first = 0; first < n; first += kBlock) {
+    const int64_t last = std::min(n, first + kBlock);
+    int outside = 0;
+    for (int64_t i = first; i < last; ++i) outside |= (x[i] < low) | (x[i] > high) | (x[i] != x[i]);
+    if (outside == 0) continue;
+    for (int64_t i = first; i < last; ++i)
+      if (!(x[i] >= low && x[i] <= high)) redo(i);
+  }
+}
+
+// The same for |x[i]| > limit.
 template <typename Redo>
 void redo_outside(const float* x, int64_t n, float limit, Redo redo) {
-  if (n == 0 || vec(x, n).array().abs().maxCoeff<Eigen::PropagateNaN>() <= limit) return;
-  for (int64_t i = 0; i < n; ++i)
-    if (!(std::fabs(x[i]) <= limit)) redo(i);
+  redo_outside(x, n, -limit, limit, redo);
 }
 
 }  // namespace
@@ -69,6 +84,17 @@ void tanh_backward(float* dx, const float* dy, const float* y, int64_t n) {
 
 // ---- gelu ---------------------------------------------------------------------------------
 
+// Note [GELU's lower tail]
+// The exact GELU is x Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2. Below x = -3, 1 + erf is 1
+// minus nearly 1: Eigen's vectorised erf is off by a unit or two of float32 near -1, which left
+// values like +3.4e-7 at x = -5.62 (float64's is -5.3e-8; torch's erf rounds to -1 there and
+// gives 0). There Phi(x) = erfc(-x / sqrt 2) / 2, in which nothing cancels, keeps its digits:
+// std::erfc (Eigen has no vectorised erfc) for those elements only.
+constexpr float kGeluErfExactLow = -3.0f;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+inline float gelu_normal_cdf(float x) { return 0.5f * std::erfc(-x * kSqrt1_2); }
+
 // Note [GELU's tanh form]
 // x/2 (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), is x s(2u) with s the logistic
 // function: x / (1 + e^(-2u)). Written so, nothing cancels: below x = -3, where 1 + tanh(u)
@@ -94,6 +120,7 @@ void gelu_forward(float* y, const float* x, bool tanh_approximation, int64_t n) 
     redo_outside(x, n, kGeluTanhExpExactAbs, [&](int64_t i) { y[i] = gelu_tanh_value(x[i]); });
   } else {
     vec(y, n).array() = 0.5f * v * (1.0f + (v * kSqrt1_2).erf());
+    redo_outside(x, n, kGeluErfExactLow, kInf, [&](int64_t i) { y[i] = x[i] * gelu_normal_cdf(x[i]); });
   }
 }
 
@@ -109,14 +136,14 @@ void gelu_backward(float* dx, const float* dy, const float* x, bool tanh_approxi
                                       (e * s) * s);  // s^2 underflows
     redo_outside(x, n, kGeluTanhExpExactAbs, [&](int64_t i) { dx[i] = dy[i] * gelu_tanh_slope(x[i]); });
   } else {
-    // d/dx [x Phi(x)] = Phi(x) + x phi(x). Past |x| = 12.6, phi's exp(-x^2 / 2) is outside the
-    // vectorised exp's exact range (Note [Vectorised exp's range]) and the scalar formula runs:
-    // at x = +-inf x phi(x) is inf * 0 = NaN, as torch's (and the CUDA kernel's).
+    // d/dx [x Phi(x)] = Phi(x) + x phi(x). Below x = -3 Phi comes from erfc (Note [GELU's
+    // lower tail]); past |x| = 12.6, phi's exp(-x^2 / 2) is outside the vectorised exp's exact
+    // range (Note [Vectorised exp's range]). Both run the scalar formula: at x = +-inf,
+    // x phi(x) is inf * 0 = NaN, as torch's (and the CUDA kernel's).
     vec(dx, n).array() =
         g * (0.5f * (1.0f + (v * kSqrt1_2).erf()) + v * kInvSqrt2Pi * (-0.5f * v.square()).exp());
-    redo_outside(x, n, kGeluExpExactAbs, [&](int64_t i) {
-      dx[i] = dy[i] * (0.5f * (1.0f + std::erf(x[i] * kSqrt1_2)) +
-                       x[i] * kInvSqrt2Pi * std::exp(-0.5f * x[i] * x[i]));
+    redo_outside(x, n, kGeluErfExactLow, kGeluExpExactAbs, [&](int64_t i) {
+      dx[i] = dy[i] * (gelu_normal_cdf(x[i]) + x[i] * kInvSqrt2Pi * std::exp(-0.5f * x[i] * x[i]));
     });
   }
 }

@@ -56,7 +56,9 @@ __global__ void gelu_forward_kernel(float* y, const float* x, bool tanh_approxim
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
     const float v = x[i];
     // x s(2u), the CPU's form (Note [GELU's tanh form] in kernels/cpu/activations.cpp).
-    y[i] = tanh_approximation ? gelu_tanh_value(v) : 0.5f * v * (1.0f + erff(v * kSqrt1_2));
+    // Phi(x) as normcdff, accurate in the lower tail (Note [GELU's lower tail] in
+    // kernels/cpu/activations.cpp).
+    y[i] = tanh_approximation ? gelu_tanh_value(v) : v * normcdff(v);
   }
 }
 
@@ -74,7 +76,7 @@ __global__ void gelu_backward_kernel(float* dx, const float* dy, const float* x,
     if (tanh_approximation) {
       slope = gelu_tanh_slope(v);
     } else {
-      slope = 0.5f * (1.0f + erff(v * kSqrt1_2)) + v * kInvSqrt2Pi * expf(-0.5f * v * v);
+      slope = normcdff(v) + v * kInvSqrt2Pi * expf(-0.5f * v * v);
     }
     dx[i] = dy[i] * slope;
   }
