@@ -125,10 +125,13 @@ constexpr std::chrono::milliseconds kDefaultTimeout = std::chrono::minutes(5);
 // What the collective check hands a backend that runs the check itself (Note [Fused collective
 // check] in dist/process_group_checked.cpp): this rank's fingerprint of the coming collective,
 // and what to do with the table of every rank's fingerprints (rank-major, as many int64s per
-// rank as `fingerprint` holds). verify throws DistError when the ranks disagree.
+// rank as `fingerprint` holds). verify throws DistError when the ranks disagree. refuse, when
+// set, runs first, before any exchange, and throws DistError when the call must not be made at
+// all (an earlier call on the group found the ranks out of step).
 struct CollectiveGuard {
   std::vector<int64_t> fingerprint;
   std::function<void(const std::vector<int64_t>& table)> verify;
+  std::function<void()> refuse;
 };
 
 // While one lives on a thread, the collectives started there leave the send/recv their group

@@ -11,7 +11,8 @@
 // purpose]) through the backend itself (or a CPU group beside it: Note [Host fingerprints]).
 // A fixed-size all-gather cannot itself mismatch, and every rank sees the same table, so
 // when one entry differs every rank throws the same DistError naming each rank's call, and
-// no rank issues the real collective: nothing is half-sent and the group stays in step. A
+// no rank issues the real collective: nothing is half-sent. The group then refuses every later
+// collective (Note [Out of step]). A
 // rank that issues no collective at all (it exited, or is stuck) leaves the others in the
 // fingerprint all-gather until the group's timeout: TimeoutError.
 // PyTorch does the same only with TORCH_DISTRIBUTED_DEBUG=DETAIL (its ProcessGroupWrapper);
@@ -142,10 +143,49 @@ std::string describe_call(const int64_t* f) {
   return out.str();
 }
 
+// Note [Out of step]
+// A mismatch fails the call on every rank, and no rank starts it. That alone does not put the
+// ranks back in step: when one rank made a call the others did not (an extra all_reduce, a
+// collective skipped after an exception), its later calls pair with the others' earlier ones,
+// and only those that differ would be caught. A later pair that happens to agree (two
+// all_reduces of one size) would reduce unrelated tensors, with no error. The table cannot
+// tell an extra call from a different one. So after a mismatch the group refuses every later
+// collective, on every rank, before any exchange: each rank fails the same calls (all those
+// after the mismatched one in its own order), and nothing waits for a peer that will never
+// pair. torch's checking wrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL) makes no promise either way;
+// its errors end the job.
+class OutOfStep {
+ public:
+  // Records the first mismatch: "#k (rank 0: ...; rank 1: ...)".
+  void record(const std::string& mismatch) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (mismatch_.empty()) mismatch_ = mismatch;
+  }
+  // Throws the DistError that refuses the call `description` once a mismatch is recorded.
+  void refuse(const std::string& description) const {
+    std::string mismatch;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      mismatch = mismatch_;
+    }
+    NANODDP_CHECK(
+        mismatch.empty(), DistError, description,
+        ": not started: this group takes no more collectives since the ranks called different ones as ",
+        mismatch,
+        ", after which their calls may no longer pair up (Note [Out of step] in "
+        "dist/process_group_checked.cpp); end the job (nanoddp-run --max-restarts starts it again)");
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::string mismatch_;
+};
+
 // Throws the DistError every rank reports when the table (every rank's fingerprint, rank-major)
-// holds one that differs from `mine`; returns when all are the same.
+// holds one that differs from `mine`, after recording it in out_of_step; returns when all are
+// the same.
 void throw_on_mismatch(const std::string& description, const std::vector<int64_t>& mine,
-                       const std::vector<int64_t>& table) {
+                       const std::vector<int64_t>& table, OutOfStep& out_of_step) {
   const int world = static_cast<int>(table.size() / kFingerprintFields);
   bool same = true;
   for (int r = 0; r < world; ++r)
@@ -154,9 +194,12 @@ void throw_on_mismatch(const std::string& description, const std::vector<int64_t
   std::ostringstream calls;
   for (int r = 0; r < world; ++r)
     calls << (r ? "; " : "") << "rank " << r << ": " << describe_call(table.data() + r * kFingerprintFields);
+  out_of_step.record("#" + std::to_string(mine[0]) + " (" + calls.str() + ")");
   NANODDP_THROW(DistError, description, ": ranks called different collectives as #", mine[0], " (", calls.str(),
                 "). Every rank must issue the same collectives in the same order, with the same sizes, "
-                "dtypes and ops; none of these calls was started, so the group is still in step");
+                "dtypes and ops; none of these calls was started, and the group takes no more collectives: a "
+                "rank that made one call more or fewer would pair its later calls with the others' (Note [Out "
+                "of step] in dist/process_group_checked.cpp)");
 }
 
 class CheckedWork;
@@ -165,6 +208,8 @@ class CheckedWork;
 // first (Note [Deferred check]).
 struct CheckState {
   std::shared_ptr<ProcessGroup> inner;
+  // Shared with the calls' guards, which run on the backend's or the check's thread.
+  std::shared_ptr<OutOfStep> out_of_step = std::make_shared<OutOfStep>();
   std::mutex mutex;  // one caller at a time moves the queue
   std::deque<std::shared_ptr<CheckedWork>> unsettled;
   int64_t seq = 0;
@@ -274,6 +319,12 @@ class CheckedWork : public Work {
   // Issues the fingerprint all-gather, once (CheckState::mutex held).
   void exchange() {
     if (fingerprints_ || settled_) return;
+    try {
+      state_->out_of_step->refuse(description_);  // Note [Out of step]: before any exchange
+    } catch (...) {
+      fail(std::current_exception());
+      return;
+    }
     const int world = state_->inner->size();
     // The fingerprint lives on the backend's device (NCCL takes only its GPU's tensors; a CPU
     // group's stays on the host even when the collective's tensors are on a GPU).
@@ -356,10 +407,10 @@ class CheckedWork : public Work {
     const std::vector<int64_t> table = table_.to(Device::cpu()).to_int_vector();
     table_ = Tensor();
     fingerprints_ = nullptr;
-    // On a mismatch no rank starts the call, so the group stays in step; when the backend
-    // refuses the call, this work's wait reports that.
+    // On a mismatch no rank starts the call (Note [Out of step]); when the backend refuses the
+    // call, this work's wait reports that.
     try {
-      throw_on_mismatch(description_, mine_, table);
+      throw_on_mismatch(description_, mine_, table, *state_->out_of_step);
       real_ = start_();
     } catch (...) {
       error_ = std::current_exception();
@@ -633,9 +684,12 @@ class CheckedProcessGroup : public ProcessGroup {
                                  CollectivePurpose::current()};
     const std::string description = describe(what, tensor);
     const auto guard = [&] {
-      return CollectiveGuard{mine, [description, mine](const std::vector<int64_t>& table) {
-                               throw_on_mismatch(description, mine, table);
-                             }};
+      return CollectiveGuard{
+          mine,
+          [description, mine, out_of_step = state_->out_of_step](const std::vector<int64_t>& table) {
+            throw_on_mismatch(description, mine, table, *out_of_step);
+          },
+          [description, out_of_step = state_->out_of_step] { out_of_step->refuse(description); }};
     };
     // Note [Host fingerprints]: the worker exchanges and starts; the send/recv the backend holds
     // back go out now, as at any collective's call.
@@ -643,6 +697,7 @@ class CheckedProcessGroup : public ProcessGroup {
       state_->inner->issue_queued_point_to_point();
       detail::StartWorker::Call call;
       call.before = [fingerprints = fingerprint_group_, guard = guard(), description, timeout = state_->timeout] {
+        guard.refuse();
         guard.verify(all_gather_fingerprints(*fingerprints, guard.fingerprint, description, timeout));
       };
       call.start = [start = std::move(start)] {

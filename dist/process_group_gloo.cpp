@@ -581,6 +581,7 @@ class ProcessGroupGloo : public ProcessGroup {
                   ": the group is unusable after an earlier timeout");
     if (guard_) {
       task = [guard = std::move(*guard_), task = std::move(task), description](GlooRunner& runner) {
+        if (guard.refuse) guard.refuse();
         const std::vector<int64_t> table =
             runner.fingerprint_group != nullptr
                 ? all_gather_fingerprints(*runner.fingerprint_group, guard.fingerprint, description,

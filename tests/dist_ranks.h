@@ -72,6 +72,26 @@ inline std::shared_ptr<dist::ProcessGroup> join(int rank, int world, int port,
 // Ends the group made by join, so the next case (under mpirun: in the same process) can join.
 inline void leave() { dist::destroy_process_group(); }
 
+// After a collective mismatch the group refuses every later collective, at once and on every
+// rank (Note [Out of step] in dist/process_group_checked.cpp): an all_reduce fails within a
+// second with a DistError that names the mismatch `mismatched` (e.g. "#5 (rank 0: ...").
+inline void expect_out_of_step(dist::ProcessGroup& pg, int rank, const std::string& mismatched) {
+  const auto start = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    Tensor t = Tensor::full({3}, static_cast<float>(rank + 1));
+    pg.all_reduce(t)->wait();
+  } catch (const DistError& e) {
+    message = e.what();
+  }
+  const auto took = std::chrono::steady_clock::now() - start;
+  expect(message.find("this group takes no more collectives since the ranks called different ones as " +
+                      mismatched) != std::string::npos,
+         "rank ", rank, ": an all_reduce after the mismatch did not fail as out of step: '", message, "'");
+  expect(took < std::chrono::seconds(1), "rank ", rank, ": the refusal took ",
+         std::chrono::duration_cast<std::chrono::milliseconds>(took).count(), " ms");
+}
+
 // A gradient hook on param that throws std::runtime_error("user hook failed") the next time
 // param's gradient is accumulated after *armed was set, and clears *armed: a backward that
 // ends by an exception, on the ranks that arm it (Note [Interrupted backward]).

@@ -68,7 +68,6 @@ void expect_mismatch(const std::function<void()>& issue, const std::vector<std::
   expect(false, "rank ", rank, ": the mismatched collective returned without an error");
 }
 
-// After a mismatch the group is still in step: a matching all_reduce gives the exact sum.
 // This rank's client of the test's store on port, which rank 0 serves; 20 s timeouts.
 std::shared_ptr<TCPStore> rank_store(int rank, int world, int port) {
   TCPStoreOptions options;
@@ -96,20 +95,22 @@ void expect_failed_for_good(Work& work, const std::string& first, int rank) {
   expect(!first.empty() && work.is_completed(), "rank ", rank, ": not completed after its wait failed");
 }
 
-// A Gloo group of the test's ranks on port's store, its keys under prefix, without shm
+// A Gloo group of the test's ranks on port's store, its keys under prefix, with or without shm
 // fingerprints of its own.
 std::shared_ptr<ProcessGroup> gloo_group(const std::shared_ptr<TCPStore>& store, int rank, int world, int port,
-                                         std::chrono::milliseconds timeout, const std::string& prefix = "") {
+                                         std::chrono::milliseconds timeout, const std::string& prefix = "",
+                                         bool fingerprints_over_shm = false) {
   GlooOptions gloo;
   gloo.rank = rank;
   gloo.world_size = world;
   gloo.master_port = port;
   gloo.timeout = timeout;
   gloo.store_prefix = prefix;
-  gloo.fingerprints_over_shm = false;
+  gloo.fingerprints_over_shm = fingerprints_over_shm;
   return make_gloo_process_group(store, gloo);
 }
 
+// A matching all_reduce gives the exact sum: the ranks are in step on pg.
 void expect_in_step(ProcessGroup& pg, int rank, int world) {
   Tensor t = Tensor::full({3}, static_cast<float>(rank + 1));
   pg.all_reduce(t)->wait();
@@ -208,75 +209,104 @@ TEST_CASE("works complete in issue order, and a barrier completes every earlier 
 
 namespace {
 
-// Every way ranks can call different collectives, on a checked group: each call fails on
-// every rank with the same DistError, and the group stays in step.
-void expect_every_mismatch_caught(const std::shared_ptr<ProcessGroup>& pg, int rank, int world) {
-  // The group's first collective is #1. 1. Sizes (Gloo by itself would abort the process): rank 0
-  // reduces 64000 floats, the others 32000.
-  Tensor t = Tensor::zeros({rank == 0 ? 64000 : 32000});
-  expect_mismatch(
-      [&] { pg->all_reduce(t)->wait(); },
-      {"all_reduce(sum) #1", "rank 0: all_reduce(sum) #1, 64000 float32",
-       "rank 1: all_reduce(sum) #1, 32000 float32", "rank " + std::to_string(world - 1) + ": all_reduce"},
-      rank);
-  expect_in_step(*pg, rank, world);  // #2
-
+// Every way ranks can call different collectives, each on a fresh checked group (fresh()) over
+// one backend: the call fails on every rank with the same DistError, the group refuses every
+// later collective (Note [Out of step]), and the backend, which started none of them, is still
+// in step: a last fresh group's all_reduce gives the exact sum.
+void expect_every_mismatch_caught(const std::function<std::shared_ptr<ProcessGroup>()>& fresh, int rank,
+                                  int world) {
+  // Runs mismatch on a fresh group, whose first collective is #1, then a refused all_reduce.
+  const auto mismatched = [&](const std::function<void(ProcessGroup&)>& mismatch) {
+    const std::shared_ptr<ProcessGroup> pg = fresh();
+    mismatch(*pg);
+    testing::expect_out_of_step(*pg, rank, "#1 (rank 0: ");
+  };
+  // 1. Sizes (Gloo by itself would abort the process): rank 0 reduces 64000 floats, the others
+  // 32000.
+  mismatched([&](ProcessGroup& pg) {
+    Tensor t = Tensor::zeros({rank == 0 ? 64000 : 32000});
+    expect_mismatch(
+        [&] { pg.all_reduce(t)->wait(); },
+        {"all_reduce(sum) #1", "rank 0: all_reduce(sum) #1, 64000 float32",
+         "rank 1: all_reduce(sum) #1, 32000 float32", "rank " + std::to_string(world - 1) + ": all_reduce"},
+        rank);
+  });
   // 2. 3 vs 2 elements (Gloo by itself would report half-reduced data as success).
-  Tensor small = Tensor::ones({rank == 0 ? 3 : 2});
-  expect_mismatch([&] { pg->all_reduce(small)->wait(); },
-                  {"rank 0: all_reduce(sum) #3, 3 float32", "rank 1: all_reduce(sum) #3, 2 float32"}, rank);
-  expect(small.to_vector() == std::vector<float>(small.numel(), 1.0f), "rank ", rank, ": data changed");
-
+  mismatched([&](ProcessGroup& pg) {
+    Tensor small = Tensor::ones({rank == 0 ? 3 : 2});
+    expect_mismatch([&] { pg.all_reduce(small)->wait(); },
+                    {"rank 0: all_reduce(sum) #1, 3 float32", "rank 1: all_reduce(sum) #1, 2 float32"}, rank);
+    expect(small.to_vector() == std::vector<float>(small.numel(), 1.0f), "rank ", rank, ": data changed");
+  });
   // 3. dtypes, 4. ops, 5. collectives, 6. broadcast roots.
-  Tensor typed = rank == 0 ? Tensor::zeros({4}, DType::Int64) : Tensor::zeros({4});
-  expect_mismatch([&] { pg->all_reduce(typed)->wait(); },
-                  {"rank 0: all_reduce(sum) #4, 4 int64", "rank 1: all_reduce(sum) #4, 4 float32"}, rank);
+  mismatched([&](ProcessGroup& pg) {
+    Tensor typed = rank == 0 ? Tensor::zeros({4}, DType::Int64) : Tensor::zeros({4});
+    expect_mismatch([&] { pg.all_reduce(typed)->wait(); },
+                    {"rank 0: all_reduce(sum) #1, 4 int64", "rank 1: all_reduce(sum) #1, 4 float32"}, rank);
+  });
   Tensor x = Tensor::ones({4});
-  expect_mismatch([&] { pg->all_reduce(x, rank == 0 ? ReduceOp::Max : ReduceOp::Sum)->wait(); },
-                  {"rank 0: all_reduce(max) #5, 4 float32", "rank 1: all_reduce(sum) #5, 4 float32"}, rank);
-  expect_mismatch(
-      [&] {
-        if (rank == 0)
-          pg->barrier()->wait();
-        else
-          pg->all_reduce(x)->wait();
-      },
-      {"rank 0: barrier #6", "rank 1: all_reduce(sum) #6, 4 float32"}, rank);
-  expect_mismatch([&] { pg->broadcast(x, rank == 0 ? 0 : 1)->wait(); },
-                  {"rank 0: broadcast from rank 0 #7", "rank 1: broadcast from rank 1 #7"}, rank);
-
+  mismatched([&](ProcessGroup& pg) {
+    expect_mismatch([&] { pg.all_reduce(x, rank == 0 ? ReduceOp::Max : ReduceOp::Sum)->wait(); },
+                    {"rank 0: all_reduce(max) #1, 4 float32", "rank 1: all_reduce(sum) #1, 4 float32"}, rank);
+  });
+  mismatched([&](ProcessGroup& pg) {
+    expect_mismatch(
+        [&] {
+          if (rank == 0)
+            pg.barrier()->wait();
+          else
+            pg.all_reduce(x)->wait();
+        },
+        {"rank 0: barrier #1", "rank 1: all_reduce(sum) #1, 4 float32"}, rank);
+  });
+  mismatched([&](ProcessGroup& pg) {
+    expect_mismatch([&] { pg.broadcast(x, rank == 0 ? 0 : 1)->wait(); },
+                    {"rank 0: broadcast from rank 0 #1", "rank 1: broadcast from rank 1 #1"}, rank);
+  });
   // 7. The last rank ran out of batches and reaches its next, smaller collective (a metric)
-  // while the others still reduce gradients.
-  Tensor grads = Tensor::ones({1000});
-  if (rank == world - 1) {
-    Tensor metric = Tensor::ones({2});
-    expect_mismatch([&] { pg->all_reduce(metric)->wait(); },
-                    {"rank 0: all_reduce(sum) #8, 1000 float32",
-                     "rank " + std::to_string(world - 1) + ": all_reduce(sum) #8, 2 float32"},
-                    rank);
-  } else {
-    expect_mismatch([&] { pg->all_reduce(grads)->wait(); }, {"all_reduce(sum) #8", "2 float32"}, rank);
-  }
-  expect_in_step(*pg, rank, world);
+  // while the others still reduce gradients; and it makes one call fewer than they do: their
+  // next all_reduce, of 2 floats as its metric, would otherwise pair with it.
+  mismatched([&](ProcessGroup& pg) {
+    Tensor grads = Tensor::ones({1000});
+    if (rank == world - 1) {
+      Tensor metric = Tensor::ones({2});
+      expect_mismatch([&] { pg.all_reduce(metric)->wait(); },
+                      {"rank 0: all_reduce(sum) #1, 1000 float32",
+                       "rank " + std::to_string(world - 1) + ": all_reduce(sum) #1, 2 float32"},
+                      rank);
+    } else {
+      expect_mismatch([&] { pg.all_reduce(grads)->wait(); }, {"all_reduce(sum) #1", "2 float32"}, rank);
+    }
+  });
+  expect_in_step(*fresh(), rank, world);
 }
 
 }  // namespace
 
-TEST_CASE("ranks that call different collectives all get a DistError naming each call, and stay in step") {
+TEST_CASE(
+    "ranks that call different collectives all get a DistError naming each call, and the group no more") {
   on_2_and_4_ranks([](int rank, int world, int port) {
     // On Gloo with every rank on this machine, the fingerprints travel through shared memory
-    // (Note [Shared-memory fingerprints] in dist/host_fingerprints.cpp).
-    expect_every_mismatch_caught(testing::join(rank, world, port, 20s), rank, world);
-    testing::leave();
+    // (Note [Shared-memory fingerprints] in dist/host_fingerprints.cpp); a file's rerun on shm
+    // or under mpirun checks that backend.
+    std::shared_ptr<ProcessGroup> backend;
+    if (testing::under_mpirun() || std::getenv("NANODDP_TEST_BACKEND") != nullptr) {
+      backend = testing::join(rank, world, port, 20s, /*check_collectives=*/false);
+    } else {
+      backend = gloo_group(rank_store(rank, world, port), rank, world, port, 20s, "",
+                           /*fingerprints_over_shm=*/true);
+    }
+    expect_every_mismatch_caught([&] { return make_checked_process_group(backend, 20s); }, rank, world);
+    backend.reset();
+    if (testing::under_mpirun() || std::getenv("NANODDP_TEST_BACKEND") != nullptr) testing::leave();
   });
 }
 
 TEST_CASE("gloo: the same with the fingerprints over Gloo's sockets, as between machines") {
   on_2_and_4_ranks([](int rank, int world, int port) {
     if (testing::under_mpirun()) return;
-    auto store = rank_store(rank, world, port);
-    expect_every_mismatch_caught(make_checked_process_group(gloo_group(store, rank, world, port, 20s), 20s), rank,
-                                 world);
+    auto backend = gloo_group(rank_store(rank, world, port), rank, world, port, 20s);
+    expect_every_mismatch_caught([&] { return make_checked_process_group(backend, 20s); }, rank, world);
   });
 }
 
@@ -357,15 +387,17 @@ TEST_CASE("with the fingerprints in a CPU group beside the backend (as on NCCL),
       const BesideChecked groups = checked_beside(store, rank, world, port, 20s, over_gloo);
       expect(groups.fingerprints != nullptr && groups.fingerprints->backend_name() == (over_gloo ? "gloo" : "shm"),
              "rank ", rank, ": no fingerprint group of the kind asked for");
-      expect_every_mismatch_caught(groups.checked, rank, world);
-      // The backend saw only the collectives that ran (#2 and #9, all_reduces); the nine
-      // exchanges went through the fingerprint group.
+      expect_every_mismatch_caught(
+          [&] { return make_checked_process_group(groups.backend, 20s, groups.fingerprints); }, rank, world);
+      // The backend saw only the collective that ran (the last all_reduce); the eight exchanges
+      // (seven mismatches, that all_reduce) went through the fingerprint group, and the refused
+      // calls made none.
       const CollectiveCount gathered = groups.inner->count(Collective::AllGather),
                             reduced = groups.inner->count(Collective::AllReduce),
                             exchanged = groups.fingerprints->count(Collective::AllGather);
-      expect(gathered.calls == 0 && reduced.calls == 2 && exchanged.calls == 9, "rank ", rank,
+      expect(gathered.calls == 0 && reduced.calls == 1 && exchanged.calls == 8, "rank ", rank,
              ": the backend ran ", gathered.calls, " all_gathers and ", reduced.calls,
-             " all_reduces (want 0 and 2); the fingerprint group ", exchanged.calls, " all_gathers (want 9)");
+             " all_reduces (want 0 and 1); the fingerprint group ", exchanged.calls, " all_gathers (want 8)");
     });
   }
 }

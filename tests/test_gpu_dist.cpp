@@ -816,14 +816,6 @@ TEST_CASE("NCCL at world size 2 (two GPUs): collectives, send/recv and DDP") {
   CHECK(sum.to_vector() == std::vector<float>{2.0f});
   unwaited->wait();
   if (rank == 1) CHECK(lone.to_vector() == std::vector<float>{7, 7, 7});
-  // Ranks that disagree are told by the collective check, nothing issued, and the group stays
-  // in step.
-  Tensor mismatched = Tensor::zeros({rank == 0 ? 3 : 4}, DType::Float32, gpu);
-  CHECK_THROWS_WITH_AS(pg->all_reduce(mismatched)->wait(30s),
-                       doctest::Contains("ranks called different collectives"), DistError);
-  Tensor agreed = Tensor::full({2}, 1.0f, gpu);
-  pg->all_reduce(agreed)->wait(30s);
-  CHECK(agreed.to_vector() == std::vector<float>{2.0f, 2.0f});
   {
     // DDP's waits for its buckets are stream-ordered (Note [NCCL stream-ordered wait]), and the
     // collective check's fingerprints travel through shared memory (Note [Host fingerprints]):
@@ -834,6 +826,15 @@ TEST_CASE("NCCL at world size 2 (two GPUs): collectives, send/recv and DDP") {
     CHECK(per_step[3] == 0);
   }
   testing::check_ddp_matches_one_rank(pg, gpu, /*tolerance=*/1e-4f);
+  // Ranks that disagree are told by the collective check, nothing issued, and the group takes
+  // no more collectives (Note [Out of step]); send/recv, which it does not check, still go.
+  Tensor mismatched = Tensor::zeros({rank == 0 ? 3 : 4}, DType::Float32, gpu);
+  CHECK_THROWS_WITH_AS(pg->all_reduce(mismatched)->wait(30s),
+                       doctest::Contains("ranks called different collectives"), DistError);
+  Tensor refused = Tensor::full({2}, 1.0f, gpu);
+  CHECK_THROWS_WITH_AS(pg->all_reduce(refused)->wait(30s), doctest::Contains("takes no more collectives"),
+                       DistError);
+  CHECK(refused.to_vector() == std::vector<float>{1.0f, 1.0f});
   // A send still queued when the group goes is issued by its end, which finalizes the send/recv
   // communicator (completing the send) although rank 0 still holds the send's Work, unwaited,
   // through destroy_process_group (Note [NCCL shutdown]).

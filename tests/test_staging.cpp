@@ -10,6 +10,7 @@
 #include "dist/host_staging.h"
 #include "dist/init.h"
 #include "dist/store.h"
+#include "tests/dist_ranks.h"
 #include "tests/staging_cases.h"
 
 using namespace nanoddp;
@@ -242,7 +243,8 @@ TEST_CASE("shm: a recv, then a staged send, then a wait on the recv does not dea
 }
 
 #if NANODDP_WITH_GLOO
-TEST_CASE("gloo: the collective check catches a mismatch between staged calls and keeps the group in step") {
+TEST_CASE(
+    "gloo: the collective check catches a mismatch between staged calls and refuses the calls after it") {
   const int port = testing::free_port();
   const std::string failures = testing::run_ranks(2, [&](int rank) {
     // The stack init_process_group builds for Gloo, with the staging group at hand.
@@ -273,9 +275,13 @@ TEST_CASE("gloo: the collective check catches a mismatch between staged calls an
     testing::expect(caught, "rank ", rank, ": a mismatched staged all_reduce returned without an error");
     testing::expect(t.to_vector() == std::vector<float>(static_cast<size_t>(rank == 0 ? 3 : 4), 1.0f),
                     "rank ", rank, ": the mismatched tensor changed");
+    // The group refuses what follows (Note [Out of step]); the backend, which started nothing,
+    // is in step: a checked group made anew over it reduces.
+    testing::expect_out_of_step(*pg, rank, "#1 (rank 0: all_reduce(sum) #1, 3 float32");
     Tensor same = Tensor::full({2}, static_cast<float>(rank + 1), kStandIn);
-    pg->all_reduce(same)->wait(10000ms);
-    testing::expect(same.to_vector() == std::vector<float>{3, 3}, "rank ", rank, ": the next all_reduce is not 1 + 2");
+    dist::make_checked_process_group(staging, 20s)->all_reduce(same)->wait(10000ms);
+    testing::expect(same.to_vector() == std::vector<float>{3, 3}, "rank ", rank,
+                    ": the next all_reduce is not 1 + 2");
     // The fingerprints went with the calls to Gloo's worker (Note [Fused collective check]),
     // not through all_gathers of the check's own, which the backend would have counted.
     const int64_t all_gathers = staging->count(dist::Collective::AllGather).calls;
