@@ -384,13 +384,28 @@ void FullyShardedDataParallel::gather(size_t u) {
   unit.gather_work = pg_->all_gather(low_outputs, unit.low_shard);
 }
 
+// The unit's gather Work goes whether its wait returns or throws: a wrapper that kept a failed
+// one would throw its error again at every later forward, state dict and destructor, without
+// issuing anything, while the other ranks wait in their next gather. A failed gather leaves the
+// unit ungathered; the next forward gathers again (Work::wait's error says whether the group
+// still takes collectives).
+void FullyShardedDataParallel::finish_gather(Unit& unit) {
+  const std::shared_ptr<Work> work = std::move(unit.gather_work);  // leaves it null
+  try {
+    work->wait(options_.timeout);
+  } catch (...) {
+    unit.low_shard = Tensor();
+    unit.low_full = Tensor();
+    throw;
+  }
+}
+
 void FullyShardedDataParallel::wait_gathered(size_t u) {
   Unit& unit = *units_[u];
   if (unit.gathered) return;
   gather(u);
   if (pg_->collectives_run_in_wait() && trace::enabled()) unit.gather_issued_us = trace::now_us();
-  unit.gather_work->wait(options_.timeout);
-  unit.gather_work.reset();
+  finish_gather(unit);
   unit.gathered = true;
   const size_t gathered_bytes = unit.low_shard.defined() ? unit.low_shard.nbytes() : unit.shard.nbytes();
   if (unit.low_full.defined()) {  // widened back: the forward's parameters are float32 again
@@ -421,8 +436,7 @@ void FullyShardedDataParallel::drop_unused_prefetches() {
   for (size_t u = 0; u < units_.size(); ++u) {
     Unit& unit = *units_[u];
     if (!unit.gather_work) continue;
-    unit.gather_work->wait(options_.timeout);
-    unit.gather_work.reset();
+    finish_gather(unit);
     unit.low_shard = Tensor();
     unit.low_full = Tensor();
     unit.gathered = true;

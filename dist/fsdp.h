@@ -261,6 +261,7 @@ class FullyShardedDataParallel : public nn::Module {
   void register_model_buffers();  // Note [FSDP buffers]
   void gather(size_t u);         // issue the all_gather unless gathered or in flight
   void wait_gathered(size_t u);  // issue if needed, then wait
+  void finish_gather(Unit& unit);  // waits for unit's gather and drops its Work, also on an error
   void reshard(size_t u);
   void gather_all();
   void drop_unused_prefetches();

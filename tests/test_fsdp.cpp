@@ -30,6 +30,7 @@
 #include "nn/optim.h"
 #include "tests/batches.h"
 #include "tests/dist_ranks.h"
+#include "tests/forwarding_group.h"
 #include "tests/multiprocess.h"
 #include "tests/subprocess.h"
 
@@ -1043,6 +1044,56 @@ TEST_CASE("a rank that catches an exception from its backward and goes on is sto
              "rank 1: ", errors);
     else
       expect(errors.find("step 1: ") != std::string::npos, "rank 0: step 1 completed, paired with rank 1's step 2");
+  });
+  CHECK_MESSAGE(failures.empty(), failures);
+}
+
+namespace {
+
+// A Work that failed: what a backend returns for a collective it gave up on.
+class FailedWork : public dist::Work {
+ public:
+  void wait(std::chrono::milliseconds) override { throw DistError("all_gather: injected failure"); }
+  bool is_completed() override { return true; }
+};
+
+// Fails the next all_gather after `armed` is set, on every rank alike, without issuing it.
+class FailingGatherGroup : public testing::ForwardingGroup {
+ public:
+  using ForwardingGroup::ForwardingGroup;
+  std::shared_ptr<dist::Work> all_gather(std::vector<Tensor>& outs, const Tensor& in) override {
+    if (!armed) return inner_->all_gather(outs, in);
+    armed = false;
+    return std::make_shared<FailedWork>();
+  }
+  bool armed = false;
+};
+
+}  // namespace
+
+TEST_CASE("a failed all_gather is not thrown again: the next forward gathers anew and computes the model") {
+  // Both ranks' first gather of a forward fails. The wrapper used to keep the failed Work and
+  // throw its error at every later forward and state dict, without issuing a collective.
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(2, [&](int rank) {
+    auto failing = std::make_shared<FailingGatherGroup>(join(rank, 2, port));
+    dist::FullyShardedDataParallel fsdp(
+        make_mlp(7), failing,
+        fsdp_options(ShardingStrategy::FULL_SHARD, dist::module_wrap_policy<nn::Linear>()));
+    const Tensor x = share(global_batch(0, 5), rank, 2).x;
+    failing->armed = true;
+    std::string first;
+    try {
+      (void)fsdp(x);
+    } catch (const DistError& e) {
+      first = e.what();
+    }
+    expect(first.find("injected failure") != std::string::npos, "rank ", rank, ": the first forward gave '",
+           first, "'");
+    const std::vector<float> got = fsdp(x).to_vector(), want = (*make_mlp(7))(x).to_vector();
+    expect(got == want, "rank ", rank, ": the forward after the failed gather differs from the model's");
+    expect(fsdp.full_state_dict(/*rank0_only=*/false).size() == 4, "rank ", rank,
+           ": the full state dict after it is incomplete");
   });
   CHECK_MESSAGE(failures.empty(), failures);
 }
