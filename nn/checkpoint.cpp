@@ -1,6 +1,7 @@
 #include "nn/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -181,6 +182,13 @@ void keep_previous_checkpoint(const std::string& path, const std::function<bool(
     }
   };
   if (::access(previous.c_str(), F_OK) == 0 && !path_loads()) return;
+  // A save that died after this step and before replacing path left path.prev a link to path
+  // itself: it already keeps this very file. (A rename between two links to one file does
+  // nothing, and would leave path.prev.tmp behind.)
+  struct stat current {}, kept {};
+  if (::stat(path.c_str(), &current) == 0 && ::stat(previous.c_str(), &kept) == 0 &&
+      current.st_dev == kept.st_dev && current.st_ino == kept.st_ino)
+    return;
   // A leftover of a save that died here is a link to a checkpoint; anything else is not ours.
   if (::access(staged.c_str(), F_OK) == 0) {
     NANODDP_CHECK(is_checkpoint_file(staged), IOError, "cannot keep the previous checkpoint ", path, " as ", previous,

@@ -822,6 +822,12 @@ TEST_CASE("check_checkpoint_writable refuses a path, or a path.prev, that is som
   keep_previous_checkpoint(path);
   CHECK(!std::filesystem::exists(staged));
   CHECK(load_checkpoint(previous).at("w").to_vector() == std::vector<float>{1, 2});
+  // A save that died after keeping path.prev and before replacing path left the two linked
+  // to one file: it is kept as it is, and no path.prev.tmp is left (a rename between two links
+  // to one file does nothing).
+  keep_previous_checkpoint(path);
+  CHECK(std::filesystem::equivalent(path, previous));
+  CHECK(!std::filesystem::exists(staged));
   // A path that does not load (truncated by a save that died, after a resume fell back to
   // path.prev) is not kept over path.prev, the one checkpoint that loads; with no path.prev
   // it is kept (nothing better is lost).
