@@ -61,11 +61,13 @@ inline std::string read_file(const std::string& path) {
 }
 
 // A fresh folder for one test's pid files, removed at the end.
+// A fresh folder under $TMPDIR (/tmp without it), removed with everything in it at the end.
 struct TempDir {
   std::string path;
   TempDir() {
-    char name[] = "/tmp/nanoddp_launch_XXXXXX";
-    REQUIRE(mkdtemp(name) != nullptr);
+    const char* tmpdir = std::getenv("TMPDIR");
+    std::string name = std::string(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp") + "/nanoddp_launch_XXXXXX";
+    REQUIRE(mkdtemp(name.data()) != nullptr);
     path = name;
   }
   ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }

@@ -658,9 +658,10 @@ TEST_CASE(
   // ranks already stopping) 0.3 s before the signal comes.
   for (const std::string pause : {"0", "0.3"}) {
     CAPTURE(pause);
+    const TempDir dir;  // the fifo's, removed at the end
     const RunResult r =
         run({"/bin/bash", "-c",
-             "set -m; cd \"$(mktemp -d)\" && mkfifo out && { cat out > /dev/null & } && reader=$! && "
+             "set -m; cd '" + dir.path + "' && mkfifo out && { cat out > /dev/null & } && reader=$! && "
              "{ '" +
                  launcher_path() +
                  "' --grace-period 20 --nproc-per-node 2 /bin/sh -c "
