@@ -1102,11 +1102,16 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
     // A loss of ln 10 is what guessing among the 10 classes gives: a run at or above it has
     // learnt nothing (diverged to a constant output, say), which a finite loss does not show.
     if (rank == 0 && train_loss >= std::log(10.0) && !warned_not_learning) {
-      std::fprintf(
-          stderr,
-          "warning: epoch %d's train loss %.4f is no better than guessing among the 10 classes (ln 10 = "
-          "%.4f): the run is not learning; try a lower --lr%s or a larger --batch-size\n",
-          epoch + 1, train_loss, std::log(10.0), config.optimizer == "sgd" ? " or --momentum" : "");
+      // With --lr 0 nothing moves the weights: a lower one is no advice.
+      const bool zero_lr = config.lr.has_value() && *config.lr == 0.0;
+      const std::string advice = zero_lr ? "--lr is 0, so no step changes the weights"
+                                         : std::string("try a lower --lr") +
+                                               (config.optimizer == "sgd" ? " or --momentum" : "") +
+                                               " or a larger --batch-size";
+      std::fprintf(stderr,
+                   "warning: epoch %d's train loss %.4f is no better than guessing among the 10 classes (ln 10 = "
+                   "%.4f): the run is not learning; %s\n",
+                   epoch + 1, train_loss, std::log(10.0), advice.c_str());
       std::fflush(stderr);
       warned_not_learning = true;
     }
