@@ -222,6 +222,18 @@ void merge_prefixed(ShardedStateDict& into, const std::string& prefix, const Sha
   for (const auto& [name, entry] : part) into[prefix + name] = entry;
 }
 
+// Whether file is there with nbytes bytes and ends with checksum, as its rank reported writing
+// it; nothing else is read.
+bool shard_file_matches(const std::string& file, int64_t nbytes, int64_t checksum) {
+  std::ifstream in(file, std::ios::binary | std::ios::ate);
+  if (!in || static_cast<int64_t>(in.tellg()) != nbytes || nbytes < static_cast<int64_t>(sizeof(int64_t)))
+    return false;
+  int64_t stored = 0;
+  in.seekg(nbytes - static_cast<int64_t>(sizeof(int64_t)));
+  in.read(reinterpret_cast<char*>(&stored), sizeof(stored));
+  return in && stored == checksum;
+}
+
 std::string shard_file_name(const std::string& path, int64_t generation, int rank, int world_size) {
   return path + ".g" + std::to_string(generation) + ".shard-" + std::to_string(rank) + "-of-" +
          std::to_string(world_size);
@@ -400,6 +412,16 @@ void save_sharded_checkpoint(const std::string& path, const ShardedStateDict& mi
         manifest[kDtypePrefix + name] = int64_tensor({static_cast<int64_t>(first->dtype)});
         manifest[kRangesPrefix + name] = Tensor::from_vector(flat, Shape({world, 2}));
       }
+      // Every shard file must be where the manifest will say, as its rank wrote it: a rank that
+      // was given another path, or saved into a folder only its machine sees, would leave a
+      // manifest naming files no reader finds. Checked before path or path.prev is touched.
+      for (int r = 0; r < world; ++r) {
+        const std::string file = shard_file_name(path, generation, r, world);
+        const RankReport& report = reports[static_cast<size_t>(r)];
+        NANODDP_CHECK(shard_file_matches(file, report.nbytes, report.checksum), IOError, where,
+                      ": rank 0 does not find rank ", r, "'s shard file ", file, " as rank ", r,
+                      " wrote it: every rank must save with the same path, in a folder every rank sees");
+      }
       // A set whose manifest or shard files are damaged is not kept over FILE.prev (which a
       // resume fell back to); remove_unused_shard_files then removes that set.
       nn::keep_previous_checkpoint(path, [](const std::string& file) {
@@ -502,17 +524,10 @@ const Shape& ShardedCheckpointReader::shape(const std::string& name) const { ret
 DType ShardedCheckpointReader::dtype(const std::string& name) const { return entry(name).dtype; }
 
 bool ShardedCheckpointReader::shard_files_present() const {
-  for (int rank = 0; rank < world_size_; ++rank) {
-    const std::string file = folder_ + "/" + shard_file_name(prefix_, generation_, rank, world_size_);
-    std::ifstream in(file, std::ios::binary | std::ios::ate);
-    const int64_t nbytes = shard_nbytes_[static_cast<size_t>(rank)];
-    if (!in || static_cast<int64_t>(in.tellg()) != nbytes || nbytes < static_cast<int64_t>(sizeof(int64_t)))
+  for (int rank = 0; rank < world_size_; ++rank)
+    if (!shard_file_matches(folder_ + "/" + shard_file_name(prefix_, generation_, rank, world_size_),
+                            shard_nbytes_[static_cast<size_t>(rank)], shard_checksums_[static_cast<size_t>(rank)]))
       return false;
-    int64_t checksum = 0;
-    in.seekg(nbytes - static_cast<int64_t>(sizeof(int64_t)));
-    in.read(reinterpret_cast<char*>(&checksum), sizeof(checksum));
-    if (!in || checksum != shard_checksums_[static_cast<size_t>(rank)]) return false;
-  }
   return true;
 }
 

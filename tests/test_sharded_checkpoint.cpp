@@ -589,6 +589,26 @@ TEST_CASE("a replicated entry must hold the same values on every rank that saves
   CHECK(reader.read("x").to_vector() == small_x(20));
 }
 
+TEST_CASE("ranks given different paths save nothing: every rank fails, naming the shard file rank 0 cannot find") {
+  // Rank 1 writes b.ckpt's shard file, so a.ckpt's manifest would name a file nobody wrote (as
+  // between machines that do not share the folder). a.ckpt keeps its set, and no a.ckpt.prev
+  // takes it over.
+  TempDir dir;
+  const std::string path = dir.path + "/a.ckpt", other = dir.path + "/b.ckpt";
+  save_small(path, 10);
+  const int port = testing::free_port();
+  const std::string failures = on_ranks(4, [&](int rank) {
+    auto pg = join(rank, 4, port);
+    const std::string error = error_of(
+        [&] { dist::save_sharded_checkpoint(rank == 1 ? other : path, small_state(rank, 20), *pg); });
+    expect(contains(error, "rank 0 does not find rank 1's shard file " + path + ".g2.shard-1-of-4 as rank 1 wrote it"),
+           "rank ", rank, ": ", error);
+  });
+  REQUIRE_MESSAGE(failures.empty(), failures);
+  CHECK(dist::ShardedCheckpointReader(path).read("x").to_vector() == small_x(10));
+  CHECK(!std::filesystem::exists(path + ".prev"));
+}
+
 TEST_CASE("an entry every rank saved whole, read first, comes from the file set_reading_rank points at") {
   // What a resume reads before its shards (fashion_mnist's job id): from file 0 every rank
   // would open a file most of them need for nothing.
