@@ -109,7 +109,7 @@ void agree_after_interrupted_backward(ProcessGroup& pg, int64_t issued, const st
   } catch (const Error& e) {
     NANODDP_THROW(DistError, who,
                   ": the previous backward on this rank ended by an exception, and the other ranks "
-                  "did not end theirs the same way (",
+                  "did not end theirs the same way, or the group takes no more collectives (",
                   message_of(e),
                   "); the ranks are out of step and cannot train on "
                   "(PyTorch: \"Expected to have finished reduction in the prior iteration\")");

@@ -154,32 +154,49 @@ std::string describe_call(const int64_t* f) {
 // after the mismatched one in its own order), and nothing waits for a peer that will never
 // pair. torch's checking wrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL) makes no promise either way;
 // its errors end the job.
+// The same holds for a call every rank agreed on that could not start on this rank (its
+// tensor on another device than the group's, no memory): the others started it, and this
+// rank's next call would pair with it.
 class OutOfStep {
  public:
-  // Records the first mismatch: "#k (rank 0: ...; rank 1: ...)".
-  void record(const std::string& mismatch) {
+  // Records the first reason, a clause: "the ranks called different ones as #k (rank 0: ...)".
+  void record(const std::string& reason) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (mismatch_.empty()) mismatch_ = mismatch;
+    if (reason_.empty()) reason_ = reason;
   }
-  // Throws the DistError that refuses the call `description` once a mismatch is recorded.
+  bool recorded() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return !reason_.empty();
+  }
+  // Throws the DistError that refuses the call `description` once a reason is recorded.
   void refuse(const std::string& description) const {
-    std::string mismatch;
+    std::string reason;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      mismatch = mismatch_;
+      reason = reason_;
     }
-    NANODDP_CHECK(
-        mismatch.empty(), DistError, description,
-        ": not started: this group takes no more collectives since the ranks called different ones as ",
-        mismatch,
-        ", after which their calls may no longer pair up (Note [Out of step] in "
-        "dist/process_group_checked.cpp); end the job (nanoddp-run --max-restarts starts it again)");
+    NANODDP_CHECK(reason.empty(), DistError, description, ": not started: this group takes no more collectives since ",
+                  reason,
+                  ", after which the ranks' calls may no longer pair up (Note [Out of step] in "
+                  "dist/process_group_checked.cpp); end the job (nanoddp-run --max-restarts starts it again)");
   }
 
  private:
   mutable std::mutex mutex_;
-  std::string mismatch_;
+  std::string reason_;
 };
+
+// Starts a call every rank agreed on; a start that throws puts the group out of step.
+std::shared_ptr<Work> start_agreed(const std::function<std::shared_ptr<Work>()>& start, OutOfStep& out_of_step,
+                                   const std::vector<int64_t>& mine) {
+  try {
+    return start();
+  } catch (const std::exception& e) {
+    out_of_step.record("this rank could not start " + describe_call(mine.data()) +
+                       ", which every rank agreed on and the others started (" + message_of(e) + ")");
+    throw;
+  }
+}
 
 // Throws the DistError every rank reports when the table (every rank's fingerprint, rank-major)
 // holds one that differs from `mine`, after recording it in out_of_step; returns when all are
@@ -194,7 +211,7 @@ void throw_on_mismatch(const std::string& description, const std::vector<int64_t
   std::ostringstream calls;
   for (int r = 0; r < world; ++r)
     calls << (r ? "; " : "") << "rank " << r << ": " << describe_call(table.data() + r * kFingerprintFields);
-  out_of_step.record("#" + std::to_string(mine[0]) + " (" + calls.str() + ")");
+  out_of_step.record("the ranks called different ones as #" + std::to_string(mine[0]) + " (" + calls.str() + ")");
   NANODDP_THROW(DistError, description, ": ranks called different collectives as #", mine[0], " (", calls.str(),
                 "). Every rank must issue the same collectives in the same order, with the same sizes, "
                 "dtypes and ops; none of these calls was started, and the group takes no more collectives: a "
@@ -241,7 +258,9 @@ struct CheckState {
     if (named.empty()) throw;
     NANODDP_THROW(TimeoutError, message_of(e), ";", named);
   } catch (const DistError&) {
-    state.say_reached(mine);  // failed here for another reason (the group aborted): not a straggler
+    // Failed here for another reason (the group aborted): not a straggler. A call the group
+    // refused (Note [Out of step]) was never waited for by anyone, and says nothing.
+    if (!state.out_of_step->recorded()) state.say_reached(mine);
     throw;
   }
 }
@@ -411,7 +430,7 @@ class CheckedWork : public Work {
     // call, this work's wait reports that.
     try {
       throw_on_mismatch(description_, mine_, table, *state_->out_of_step);
-      real_ = start_();
+      real_ = start_agreed(start_, *state_->out_of_step, mine_);
     } catch (...) {
       error_ = std::current_exception();
     }
@@ -700,9 +719,9 @@ class CheckedProcessGroup : public ProcessGroup {
         guard.refuse();
         guard.verify(all_gather_fingerprints(*fingerprints, guard.fingerprint, description, timeout));
       };
-      call.start = [start = std::move(start)] {
+      call.start = [start = std::move(start), out_of_step = state_->out_of_step, mine] {
         const detail::CollectiveCalledEarlier called_earlier;
-        return start();
+        return start_agreed(start, *out_of_step, mine);
       };
       call.description = description;
       call.still_before =

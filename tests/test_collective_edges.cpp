@@ -312,6 +312,60 @@ TEST_CASE("gloo: the same with the fingerprints over Gloo's sockets, as between 
 
 namespace {
 
+// Throws from the next all_reduce on the ranks where `fails` is set, as a backend refusing its
+// tensor does, after every rank agreed on the call.
+class FailingStartGroup : public testing::ForwardingGroup {
+ public:
+  using ForwardingGroup::ForwardingGroup;
+  std::shared_ptr<Work> all_reduce(Tensor& t, ReduceOp op) override {
+    if (!fails) return inner_->all_reduce(t, op);
+    fails = false;
+    NANODDP_THROW(DistError, "all_reduce: injected refusal of the tensor");
+  }
+  bool fails = false;
+};
+
+}  // namespace
+
+TEST_CASE("a call every rank agreed on that could not start on one rank: that rank takes no more collectives") {
+  // The others started it and wait for this rank, which must not go on to pair its next call
+  // with theirs (Note [Out of step]): they fail (a timeout, or the rank gone), it refuses.
+  if (testing::under_mpirun()) return;
+  const int port = testing::free_port();
+  const std::string result = testing::on_ranks(2, [&](int rank) {
+    auto failing = std::make_shared<FailingStartGroup>(gloo_group(rank_store(rank, 2, port), rank, 2, port, 2s));
+    auto pg = make_checked_process_group(failing, 2s);
+    failing->fails = rank == 1;
+    Tensor t = Tensor::ones({4});
+    std::string first;
+    try {
+      pg->all_reduce(t)->wait();
+    } catch (const TimeoutError& e) {
+      first = std::string("timeout: ") + e.what();
+    } catch (const DistError& e) {
+      first = e.what();
+    }
+    if (rank == 1) {
+      expect(first.find("injected refusal") != std::string::npos, "rank 1: ", first);
+      Tensor next = Tensor::ones({4});
+      std::string refused;
+      try {
+        pg->all_reduce(next)->wait();
+      } catch (const DistError& e) {
+        refused = e.what();
+      }
+      expect(refused.find("takes no more collectives since this rank could not start all_reduce(sum) #1, 4 "
+                          "float32, which every rank agreed on and the others started") != std::string::npos,
+             "rank 1: ", refused);
+    } else {  // a timeout, or rank 1 named as lost once it has gone: an error, never a result
+      expect(!first.empty(), "rank 0: the all_reduce returned, though rank 1 never started it");
+    }
+  });
+  CHECK_MESSAGE(result.empty(), result);
+}
+
+namespace {
+
 // The backend, as the check sees it: counts the calls that ask it to issue held-back send/recv.
 class FlushCountingGroup : public testing::ForwardingGroup {
  public:
