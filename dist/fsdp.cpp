@@ -668,12 +668,20 @@ void FullyShardedDataParallel::finish_backward() {
   while (reductions_finished_ < reduce_order_.size()) finish_reduction(reduce_order_[reductions_finished_++]);
   reduce_order_.clear();
   reductions_finished_ = 0;
-  drop_unused_prefetches();
+  // The units are reset even when a prefetch's wait throws: a unit left prepared (and reduced)
+  // would make the next backward skip its reduction without an error.
+  std::exception_ptr prefetch_error;
+  try {
+    drop_unused_prefetches();
+  } catch (...) {
+    prefetch_error = std::current_exception();
+  }
   for (size_t u = 0; u < units_.size(); ++u) {
     units_[u]->prepared = false;
     if (!sync_) remember_accumulation(*units_[u]);
     reshard(u);
   }
+  if (prefetch_error) std::rethrow_exception(prefetch_error);
 }
 
 // The engine dropped finish_backward: the reductions issued so far are waited for and their
