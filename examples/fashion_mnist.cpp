@@ -1102,12 +1102,12 @@ int nanoddp::examples::run_fashion_mnist(const Config& config) {
     // A loss of ln 10 is what guessing among the 10 classes gives: a run at or above it has
     // learnt nothing (diverged to a constant output, say), which a finite loss does not show.
     if (rank == 0 && train_loss >= std::log(10.0) && !warned_not_learning) {
-      // With --lr 0 nothing moves the weights: a lower one is no advice.
-      const bool zero_lr = config.lr.has_value() && *config.lr == 0.0;
-      const std::string advice = zero_lr ? "--lr is 0, so no step changes the weights"
-                                         : std::string("try a lower --lr") +
-                                               (config.optimizer == "sgd" ? " or --momentum" : "") +
-                                               " or a larger --batch-size";
+      // With a learning rate of 0 (--lr 0, or a resumed schedule's) nothing moves the weights:
+      // a lower one is no advice.
+      const std::string advice = lr == 0.0 ? "the learning rate is 0, so no step changes the weights"
+                                       : std::string("try a lower --lr") +
+                                             (config.optimizer == "sgd" ? " or --momentum" : "") +
+                                             " or a larger --batch-size";
       std::fprintf(stderr,
                    "warning: epoch %d's train loss %.4f is no better than guessing among the 10 classes (ln 10 = "
                    "%.4f): the run is not learning; %s\n",

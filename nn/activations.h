@@ -69,10 +69,11 @@ inline Tensor tanh(const Tensor& x) {
 // approximate "tanh": y = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))
 // (torch.nn.functional.gelu(x, approximate=...)). gelu(inf) = inf; gelu(-inf) is NaN, as
 // in PyTorch (-inf * 0). Backward from the saved input. ~15 FLOPs + one erf/tanh per element.
-// The exact form is computed as written, as PyTorch does, except below x = -3, where 1 + erf
-// is 1 minus nearly 1 and its few digits left are noise (torch gives 0 at x = -5.62, float64
-// -5.4e-8): there Phi(x) is erfc(-x / sqrt 2) / 2, so value and gradient keep their digits
-// (Note [GELU's lower tail] in kernels/cpu/activations.cpp). The tanh form is computed as the
+// The exact form is computed as written on the CPU, as PyTorch does, except below x = -3,
+// where 1 + erf is 1 minus nearly 1 and its few digits left are noise (torch gives 0 at
+// x = -5.62, float64 -5.4e-8): there Phi(x) is erfc(-x / sqrt 2) / 2, so value and gradient
+// keep their digits (Note [GELU's lower tail] in kernels/cpu/activations.cpp). CUDA takes Phi
+// from normcdff at every x: within a few roundings of the CPU's. The tanh form is computed as the
 // equal x / (1 + e^(-2u)), u the tanh's argument, in which nothing cancels: its value and
 // gradient keep their digits in the tails (at x = -4.875 the gradient is float64's -3.4e-6,
 // where torch's tanh form gives -3.76e-6), and elsewhere differ from torch's by rounding.

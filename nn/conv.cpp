@@ -123,13 +123,16 @@ Window2d make_window(const char* op, const Tensor& input, Size2 kernel, Size2 st
 // On the CPU a 3x3 convolution at stride 1 runs as Winograd F(2x2, 3x3) instead
 // (kernels/cpu/winograd.h): forward, input gradient (such a convolution of dout) and weight
 // gradient. A result with NaN or inf in it is computed again by im2col + GEMM, whose values
-// are torch's (overflowed_winograd). That covers both ways Winograd's values can differ:
+// are torch's (overflowed_winograd). That covers the two ways Winograd's values differ that
+// matter in training:
 // - a NaN or inf operand: the transforms add and subtract operands the direct sum only
 //   multiplies, so inf can meet -inf (NaN) where conv2d gives +-inf. Such an operand always
 //   reaches the result: every input pixel and weight lies in some output's window, and each
 //   output's Winograd sum reads every operand of its window (0 * inf is NaN too);
 // - finite operands near float32's largest values (above about 1e38 / 4): the transforms'
 //   sums can overflow where the direct sum does not.
+// Left: finite operands whose products overflow in the direct sum (inf - inf there, NaN in
+// torch) can cancel in the transforms first and give a finite value here.
 // Testing the result, not the operands, reads fewer values (the input and dout are both
 // larger than the forward's output), and a training run's operands are finite.
 bool uses_winograd(Device device, const Window2d& g, int64_t out_channels) {

@@ -632,7 +632,7 @@ TEST_CASE("fashion_mnist: bad runs stop with errors that say why") {
   says({"--epochs", "1", "--lr", "3", "--batch-size", "8"}, 0,
        "is no better than guessing among the 10 classes (ln 10 = 2.3026): the run is not learning; try a lower --lr");
   // With --lr 0 a lower one is no advice.
-  says({"--epochs", "1", "--lr", "0"}, 0, "the run is not learning; --lr is 0, so no step changes the weights");
+  says({"--epochs", "1", "--lr", "0"}, 0, "the run is not learning; the learning rate is 0, so no step changes the weights");
   // With another --epochs the schedule is this run's, replayed, and so is its --lr: said too.
   says({"--epochs", "3", "--lr", "0.5", "--checkpoint", ckpt, "--resume"}, 0,
        "warning: --lr 0.5 is used, where the checkpoint's run had --lr 0.05: the learning-rate schedule is "

@@ -160,6 +160,14 @@ TEST_CASE(
                               [](const Tensor& input) { return gelu(input, "tanh"); });
 }
 
+TEST_CASE("GELU's exact form on CUDA in its lower tail: value and gradient equal the CPU's, NaN and inf included") {
+  // Below x = -3 the CPU takes Phi from erfc, the kernel from normcdff everywhere (Note
+  // [GELU's lower tail] in kernels/cpu/activations.cpp): both keep their digits there.
+  const std::vector<float> x{NAN, -INFINITY, INFINITY, -1e15f, -20, -13, -8, -5.62f, -3.5f, -3, -1, 0.5f, 4, 1e15f};
+  expect_cuda_tails_match_cpu("gelu", x, std::vector<float>(x.size(), 1.0f),
+                              [](const Tensor& input) { return gelu(input); });
+}
+
 // The CPU column's rules on CUDA too (test_nn's batch_norm case): with eps = 0 a constant
 // channel gets the bias and no gradient; in eval the input gradient ignores x, NaN included.
 TEST_CASE("batch_norm on CUDA: eps = 0 on a constant channel, and a NaN input in eval, as on the CPU") {
