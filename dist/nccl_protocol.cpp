@@ -354,7 +354,7 @@ Watchdog::Verdict Watchdog::poll(Entry& entry, std::string* reason) {
   // A reason is set just before an abort starts (this watchdog's, in an earlier round, for
   // another collective on the same communicator): aborted as well, and not to be aborted twice.
   const auto aborted = [&] {
-    return watched.comm->aborted() || watched.comm->abort_begun_.load() || !watched.comm->abort_reason().empty();
+    return watched.comm->aborted() || watched.comm->abort_begun() || !watched.comm->abort_reason().empty();
   };
   bool cut_short = aborted();
   // A host wait under way keeps the deadline and handles NCCL's errors itself.
@@ -452,7 +452,7 @@ void Watchdog::run() {
         // No memory for the reason, say: polled again next round, unless its time is up.
         reason.clear();
         const Watched& watched = *entry->watched;
-        const bool cut_short = watched.comm->aborted() || watched.comm->abort_begun_.load();
+        const bool cut_short = watched.comm->aborted() || watched.comm->abort_begun();
         if (!cut_short && watched.host_waiting.load() == 0 && Clock::now() > watched.deadline().at)
           verdict = Verdict::Failed;
       }

@@ -184,8 +184,8 @@ void keep_previous_checkpoint(const std::string& path, const std::function<bool(
   if (::access(previous.c_str(), F_OK) == 0 && !path_loads()) return;
   // A save that died after this step and before replacing path left path.prev a link to path
   // itself: it already keeps this very file. (A rename between two links to one file does
-  // nothing, and would leave path.prev.tmp behind.)
-  // (path.prev itself, not a file a symbolic link there names: such a link is replaced.)
+  // nothing, and would leave path.prev.tmp behind.) lstat: a symbolic link at path.prev is not
+  // that file, and is replaced.
   struct stat current {}, kept {};
   if (::stat(path.c_str(), &current) == 0 && ::lstat(previous.c_str(), &kept) == 0 &&
       current.st_dev == kept.st_dev && current.st_ino == kept.st_ino)

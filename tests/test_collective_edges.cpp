@@ -289,8 +289,9 @@ TEST_CASE(
     // On Gloo with every rank on this machine, the fingerprints travel through shared memory
     // (Note [Shared-memory fingerprints] in dist/host_fingerprints.cpp); a file's rerun on shm
     // or under mpirun checks that backend.
+    const bool joined = testing::under_mpirun() || std::getenv("NANODDP_TEST_BACKEND") != nullptr;
     std::shared_ptr<ProcessGroup> backend;
-    if (testing::under_mpirun() || std::getenv("NANODDP_TEST_BACKEND") != nullptr) {
+    if (joined) {
       backend = testing::join(rank, world, port, 20s, /*check_collectives=*/false);
     } else {
       backend = gloo_group(rank_store(rank, world, port), rank, world, port, 20s, "",
@@ -298,7 +299,7 @@ TEST_CASE(
     }
     expect_every_mismatch_caught([&] { return make_checked_process_group(backend, 20s); }, rank, world);
     backend.reset();
-    if (testing::under_mpirun() || std::getenv("NANODDP_TEST_BACKEND") != nullptr) testing::leave();
+    if (joined) testing::leave();
   });
 }
 

@@ -1072,7 +1072,7 @@ class FailingGatherGroup : public testing::ForwardingGroup {
 }  // namespace
 
 TEST_CASE("a failed all_gather is not thrown again: the next forward gathers anew and computes the model") {
-  // Both ranks' first gather of a forward fails. The wrapper used to keep the failed Work and
+  // Both ranks' first gather of a forward fails. A wrapper that kept the failed Work would
   // throw its error at every later forward and state dict, without issuing a collective.
   const int port = testing::free_port();
   const std::string failures = on_ranks(2, [&](int rank) {

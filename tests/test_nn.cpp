@@ -236,7 +236,7 @@ TEST_CASE("GELU's exact form: value and gradient within a few float32 roundings 
     CHECK(std::fabs(value[i] - want_value) <= rtol * std::fabs(want_value) + erf_noise + 1e-37);
     CHECK(std::fabs(grad[i] - want_grad) <= rtol * std::fabs(want_grad) + erf_noise + 1e-37);
   }
-  // x = -5.62: 1 + erf left +3.4e-7 (torch: 0); float64's value is -5.37e-8.
+  // x = -5.62: 1 + erf gives +3.4e-7 (torch: 0); float64's value is -5.37e-8.
   CHECK(value[xs.size() - 4] < 0.0f);
 }
 

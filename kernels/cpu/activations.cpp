@@ -86,7 +86,7 @@ void tanh_backward(float* dx, const float* dy, const float* y, int64_t n) {
 
 // Note [GELU's lower tail]
 // The exact GELU is x Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2. Below x = -3, 1 + erf is 1
-// minus nearly 1: Eigen's vectorised erf is off by a unit or two of float32 near -1, which left
+// minus nearly 1: Eigen's vectorised erf is off by a unit or two of float32 near -1, which gives
 // values like +3.4e-7 at x = -5.62 (float64's is -5.3e-8; torch's erf rounds to -1 there and
 // gives 0). There Phi(x) = erfc(-x / sqrt 2) / 2, in which nothing cancels, keeps its digits:
 // std::erfc (Eigen has no vectorised erfc) for those elements only.

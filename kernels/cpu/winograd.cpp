@@ -136,7 +136,7 @@ inline void transform_tile(float* __restrict y, int64_t row, int64_t pixel, cons
 // The transforms work channels last and the tensors are channels first, so every image goes
 // through a transpose on the way in and out. Element by element, each move is a load and a
 // store to another plane (8 planes apart in cache lines per pixel), and the two transposes
-// took a third of the non-GEMM time of fashion_mnist_cnn's second convolution. Here an 8 x 8
+// are then a third of the non-GEMM time of fashion_mnist_cnn's second convolution. Here an 8 x 8
 // block (8 pixels of a row, 8 channels) moves as 8 vector loads, 24 shuffles in registers and
 // 8 vector stores. A row's last block overlaps the one before it when the row is not a
 // multiple of 8 pixels (the same values written twice, as conv.cpp's copy_run); rows under 8
