@@ -17,7 +17,9 @@ constexpr int kSkipExitCode = 77;  // Meson's (and automake's) "skipped"
 
 int main(int argc, char** argv) {
   if (!nanoddp::kernels::cuda_built()) {
-    std::printf("SKIP: this build has no CUDA (meson -Dcuda=disabled, or no nvcc found)\n");
+    std::printf(
+        "SKIP: this build has no CUDA (-Dcuda=disabled, no nvcc, or -Dcuda=auto where no GPU answered "
+        "nvidia-smi -L); the GPU tests are compiled in a build with -Dcuda=enabled\n");
     return kSkipExitCode;
   }
   if (nanoddp::kernels::cuda::device_count() == 0) {
