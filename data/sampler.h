@@ -25,7 +25,10 @@
 // shuffling, so every example is visited exactly once across ranks and the first N mod W
 // ranks get one index more. PyTorch's padding counts the repeated examples twice, so a
 // test accuracy summed over ranks with its sampler is computed over the wrong set (and over
-// more than N examples). Uneven lengths are fine there: evaluation runs no all-reduce per step.
+// more than N examples). Uneven lengths need one care: where a forward is itself a collective
+// (FSDP's and ZeRO-2's all-gathers, DDP's broadcast of buffers), every rank must run as many
+// forwards as rank 0, which has the most batches; a rank that runs out forwards a filler
+// (examples/fashion_mnist.cpp's evaluate).
 #pragma once
 
 #include <cstdint>

@@ -267,16 +267,30 @@ class Schedule {
 };
 
 // Test accuracy over the whole test set, each image counted once across ranks.
+// Every rank runs as many forwards as the rank with the most test batches, rank 0 (the
+// evaluation sampler gives the first N mod W ranks one image more, and a rank may have none):
+// under FSDP and ZeRO-2 a forward is a collective (its units' all-gathers), and DDP's first
+// forward after training broadcasts BatchNorm's buffers. A rank that has run out forwards one
+// test image again and drops the output.
 double evaluate(nn::Module& model, data::DataLoader& loader, dist::ProcessGroup& pg, const std::string& precision) {
   NoGradGuard no_grad;
   nn::autocast autocast(precision == "fp16" ? DType::Float16 : DType::BFloat16, precision != "fp32");
   model.eval();
-  int64_t correct = 0, seen = 0;
+  const data::DistributedSampler& sampler = loader.sampler();
+  const int64_t rank0_images =
+      data::DistributedSampler::for_evaluation(sampler.size(), sampler.num_replicas(), 0).num_samples();
+  const int64_t forwards = (rank0_images + loader.batch_size() - 1) / loader.batch_size();
+  int64_t correct = 0, seen = 0, forwarded = 0;
   for (const data::Batch& batch : loader) {
     const std::vector<int64_t> predicted = argmax(model(batch.input)).to_int_vector();
     const std::vector<int64_t> labels = batch.target.to_int_vector();
     for (size_t i = 0; i < labels.size(); ++i) correct += predicted[i] == labels[i];
     seen += static_cast<int64_t>(labels.size());
+    ++forwarded;
+  }
+  if (forwarded < forwards) {
+    const Tensor filler = loader.dataset().get_batch({0}).input.to(loader.options().device);
+    for (; forwarded < forwards; ++forwarded) model(filler);
   }
   model.train();
   const std::vector<int64_t> totals = dist::all_reduce_host(pg, std::vector<int64_t>{correct, seen}, dist::ReduceOp::Sum);

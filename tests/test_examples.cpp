@@ -302,6 +302,35 @@ TEST_CASE("fashion_mnist_cnn --batch-norm under fsdp and a ladder rung: the accu
   }
 }
 
+TEST_CASE("Evaluation over test shards of unequal batch counts: FSDP, ZeRO-2 and DDP's buffers stay in step") {
+  // 2001 test images at world 2: rank 0 evaluates 1001 (two batches of 1000), rank 1 1000 (one);
+  // with 1 image rank 1 has none. Under FSDP and ZeRO-2 a forward all-gathers, and DDP's first
+  // forward after training broadcasts BatchNorm's buffers: rank 1 must forward as often as rank
+  // 0. Every strategy then counts the same correct images as DDP without BatchNorm does.
+  for (const int64_t n_test : {int64_t{2001}, int64_t{1}}) {
+    CAPTURE(n_test);
+    TempDir dir;
+    write_small_fashion_mnist(dir.path, 256, n_test);
+    auto accuracy = [&](const std::string& example, std::vector<std::string> flags) {
+      CAPTURE(example);
+      std::vector<std::string> all = {launcher_path(), "--nproc-per-node", "2", built("examples/" + example),
+                                      "--data-dir", dir.path, "--batch-size", "32", "--epochs", "1", "--quiet"};
+      all.insert(all.end(), flags.begin(), flags.end());
+      const RunResult r = run(all, 120s);
+      REQUIRE_MESSAGE(r.code() == 0, r.err);
+      const double value = json_field(json_lines(r.out).at(0), "test_accuracy");
+      const double correct = value * static_cast<double>(n_test);
+      CHECK(std::abs(correct - std::round(correct)) < 1e-6);  // over all n_test images, each once
+      return value;
+    };
+    const double ddp = accuracy("fashion_mnist", {"--strategy", "ddp"});
+    CHECK(accuracy("fashion_mnist", {"--strategy", "fsdp"}) == ddp);
+    CHECK(accuracy("fashion_mnist", {"--strategy", "zero2"}) == ddp);
+    const double ddp_batch_norm = accuracy("fashion_mnist_cnn", {"--strategy", "ddp", "--batch-norm"});
+    CHECK(accuracy("fashion_mnist_cnn", {"--strategy", "fsdp", "--batch-norm"}) == ddp_batch_norm);
+  }
+}
+
 TEST_CASE("fashion_mnist: a run resumed with more --epochs follows this run's learning-rate schedule") {
   // A finished 1-epoch cosine run ends at lr 0; resumed for --epochs 2, its second epoch must
   // use the lr of an uninterrupted 2-epoch run, not go on from the saved 0.
