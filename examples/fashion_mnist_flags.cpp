@@ -151,7 +151,7 @@ int nanoddp::examples::fashion_mnist_main(int argc, char** argv, bool cnn) {
       "--explain", config.explain,
       "print the bucket plan, then per step of each epoch the all-reduces, bytes and exposed communication");
   if (!cnn) {
-    if (const std::string problem = cli::empty_list_item(argc, argv, "--hidden"); !problem.empty())
+    if (const std::string problem = cli::list_flag_problem(argc, argv, "--hidden"); !problem.empty())
       return cli::usage_error(kExample, problem);
   }
   if (auto code = cli::parse(app, argc, argv, kExample)) return *code;

@@ -767,6 +767,9 @@ TEST_CASE("examples and layer_bench: flags they cannot use are refused by name b
       {{built("examples/toy_ddp"), "--seed", "18446744073709551616"},
        "--seed: must be an integer from 0 to 18446744073709551615, got '18446744073709551616'"},
       {{mlp, "--hidden", "64,,32"}, "fashion_mnist: --hidden: an empty item in '64,,32'"},
+      // CLI11 would join the two into 5,6.
+      {{mlp, "--hidden", "5", "--hidden=6"},
+       "fashion_mnist: --hidden is given 2 times: give it once, its items separated by commas (--hidden 5,...)"},
       {{mlp, "--quiet=3"}, "fashion_mnist: --quiet is a switch and takes no value"},
       {{mlp, "--bucket-cap-mb", "1e30"}, "--bucket-cap-mb: must be a finite number between 1e-06 and 1e+06"},
       // Two outputs on one file, or an output over the data, would overwrite each other.

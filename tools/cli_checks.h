@@ -199,9 +199,13 @@ inline void set_option_defaults(CLI::App& app) {
   app.option_defaults()->always_capture_default()->disable_flag_override();
 }
 
-// A list flag's raw values with no empty item: CLI11 splits "--hidden 1,,2" at the commas and
-// drops the empty item, so the run would quietly use 1,2. Returns "" or the problem.
-inline std::string empty_list_item(int argc, const char* const* argv, const std::string& flag) {
+// A list flag given once, with no empty item. CLI11 splits "--hidden 1,,2" at the commas and
+// drops the empty item, and joins "--hidden 5 --hidden 6" into 5,6, so the run would quietly
+// use a list nobody wrote (a repeated single-valued flag is refused as given twice).
+// Returns "" or the problem.
+inline std::string list_flag_problem(int argc, const char* const* argv, const std::string& flag) {
+  int given = 0;
+  std::string first;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--") break;
@@ -213,10 +217,14 @@ inline std::string empty_list_item(int argc, const char* const* argv, const std:
     } else {
       continue;
     }
+    if (++given == 1) first = value;
     if (value.empty()) continue;  // the validators refuse an empty value by name
     if (value.front() == ',' || value.back() == ',' || value.find(",,") != std::string::npos)
       return flag + ": an empty item in '" + value + "': give numbers separated by single commas";
   }
+  if (given > 1)
+    return flag + " is given " + std::to_string(given) + " times: give it once, its items separated by commas (" +
+           flag + " " + first + ",...)";
   return "";
 }
 
