@@ -50,6 +50,41 @@ std::string stuck_state(int pid) {
   }
 }
 
+// How many of pid's children are running: listed in /proc/pid/task/*/children, and not
+// zombies (a zombie has ended; its parent has not reaped it yet).
+int running_children(pid_t pid) {
+  int running = 0;
+  const std::string tasks_dir = "/proc/" + std::to_string(pid) + "/task";
+  DIR* tasks = opendir(tasks_dir.c_str());
+  if (tasks == nullptr) return 0;
+  while (const dirent* task = readdir(tasks)) {
+    if (task->d_name[0] == '.') continue;
+    std::ifstream list(tasks_dir + "/" + task->d_name + "/children");
+    for (pid_t child; list >> child;) {
+      const char state = detail::process_state(child);
+      if (state != '\0' && state != 'Z' && state != 'X') ++running;
+    }
+  }
+  closedir(tasks);
+  return running;
+}
+
+// Options::children_end_with_their_own: whether process pid, once it has started processes
+// of its own (had_children), has outlived all of them by grace_period (ended: since when none
+// runs). Looked at on each round of wait()'s loop, at least once a second.
+bool outlived_own_children(pid_t pid, bool& had_children, std::chrono::steady_clock::time_point& ended,
+                           std::chrono::milliseconds grace_period) {
+  const auto now = std::chrono::steady_clock::now();
+  if (running_children(pid) > 0) {
+    had_children = true;
+    ended = std::chrono::steady_clock::time_point::max();
+    return false;
+  }
+  if (!had_children) return false;  // none started yet
+  if (ended == std::chrono::steady_clock::time_point::max()) ended = now;
+  return now - ended >= grace_period;
+}
+
 }  // namespace
 
 void ChildGroup::read_failure_reports() {
@@ -341,6 +376,22 @@ Outcome ChildGroup::wait() {
         begin_termination(SIGTERM, describe_failure(*first) + stuck);
       }
     }
+    if (options_.children_end_with_their_own && !terminating && first_seen == nullptr)
+      for (Child& c : children_) {
+        if (c.exited || !outlived_own_children(c.pid, c.had_children, c.own_children_ended, options_.grace_period))
+          continue;
+        outcome.kind = Outcome::Kind::ChildFailed;
+        outcome.failed_name = c.name;
+        outcome.failed_rank = c.rank;
+        outcome.failed_pid = c.pid;
+        outcome.failed_status = ExitStatus{/*exited=*/true, /*code=*/1, /*signal=*/0};  // the job fails with 1
+        c.named = true;
+        begin_termination(SIGTERM, c.name + " (pid " + std::to_string(c.pid) + ") was still running " +
+                                       format_ms(options_.grace_period) +
+                                       " after every process it started had ended (" + stuck_state(c.pid) +
+                                       "): the job fails");
+        break;
+      }
     if (terminating) {
       read_failure_reports();
       for (Child& c : children_)

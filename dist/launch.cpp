@@ -489,6 +489,7 @@ Outcome run_round(const LaunchOptions& options, const std::vector<std::string>& 
   ChildGroup::Options group_options;
   group_options.grace_period = options.grace_period;
   group_options.children_relay_signals = options.backend == "mpi";
+  group_options.children_end_with_their_own = options.backend == "mpi";
   group_options.pass_on_user_signals = true;
   group_options.timeout = timeout;
   if (timeout.count() > 0)

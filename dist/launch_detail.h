@@ -105,6 +105,10 @@ struct ChildGroup::Child {
   bool failed = false;  // exited by a failure of its own (see poll_exit in wait())
   bool named = false;   // its failure has been reported
   ExitStatus status;
+  // Options::children_end_with_their_own: whether it has started processes of its own, and
+  // since when none of them runs (max: some do, or none was started yet).
+  bool had_children = false;
+  std::chrono::steady_clock::time_point own_children_ended = std::chrono::steady_clock::time_point::max();
 };
 
 }  // namespace nanoddp::dist

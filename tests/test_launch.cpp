@@ -1784,3 +1784,22 @@ TEST_CASE(
   CHECK_MESSAGE(alive.empty(), "the left-behind process (pid ", alive.empty() ? 0 : alive[0],
                 ") outlived the launcher");
 }
+
+TEST_CASE("nanoddp-run --backend mpi: an mpirun that outlives every rank it started is stopped, and the job fails") {
+  // Open MPI 4's mpirun can hang in its own shutdown after a rank exited 0 without finishing
+  // MPI. A stand-in on PATH does the same every time: its one rank ends, it sleeps on.
+  TempDir dir;
+  {
+    std::ofstream fake(dir.path + "/mpirun");
+    fake << "#!/bin/sh\nsh -c 'sleep 1; exit 0' &\nexec sleep 60\n";
+  }
+  REQUIRE(chmod((dir.path + "/mpirun").c_str(), 0755) == 0);
+  const RunResult r = run({"/bin/sh", "-c",
+                           "PATH=" + dir.path + ":$PATH exec " + launcher_path() +
+                               " --backend mpi --nproc-per-node 2 --grace-period 1 /bin/true"},
+                          30s);
+  CHECK_MESSAGE(r.code() == 1, r.err);
+  CHECK_MESSAGE(contains(r.err, "still running 1 s after every process it started had ended"), r.err);
+  CHECK_MESSAGE(contains(r.err, "the job fails; sending SIGTERM to mpirun"), r.err);
+  CHECK(r.seconds < 10);
+}
