@@ -376,9 +376,12 @@ Outcome ChildGroup::wait() {
         begin_termination(SIGTERM, describe_failure(*first) + stuck);
       }
     }
+    // mpirun's own shutdown after its last rank takes a fraction of a second; the allowance is
+    // the grace period, but never under 5 s, so that a loaded machine is not taken for a hang.
+    const auto own_children_allowance = std::max(options_.grace_period, std::chrono::milliseconds(5000));
     if (options_.children_end_with_their_own && !terminating && first_seen == nullptr)
       for (Child& c : children_) {
-        if (c.exited || !outlived_own_children(c.pid, c.had_children, c.own_children_ended, options_.grace_period))
+        if (c.exited || !outlived_own_children(c.pid, c.had_children, c.own_children_ended, own_children_allowance))
           continue;
         outcome.kind = Outcome::Kind::ChildFailed;
         outcome.failed_name = c.name;
@@ -387,7 +390,7 @@ Outcome ChildGroup::wait() {
         outcome.failed_status = ExitStatus{/*exited=*/true, /*code=*/1, /*signal=*/0};  // the job fails with 1
         c.named = true;
         begin_termination(SIGTERM, c.name + " (pid " + std::to_string(c.pid) + ") was still running " +
-                                       format_ms(options_.grace_period) +
+                                       format_ms(own_children_allowance) +
                                        " after every process it started had ended (" + stuck_state(c.pid) +
                                        "): the job fails");
         break;

@@ -1799,7 +1799,8 @@ TEST_CASE("nanoddp-run --backend mpi: an mpirun that outlives every rank it star
                                " --backend mpi --nproc-per-node 2 --grace-period 1 /bin/true"},
                           30s);
   CHECK_MESSAGE(r.code() == 1, r.err);
-  CHECK_MESSAGE(contains(r.err, "still running 1 s after every process it started had ended"), r.err);
+  // The grace period, but never under 5 s: mpirun's own shutdown on a loaded machine is no hang.
+  CHECK_MESSAGE(contains(r.err, "still running 5 s after every process it started had ended"), r.err);
   CHECK_MESSAGE(contains(r.err, "the job fails; sending SIGTERM to mpirun"), r.err);
-  CHECK(r.seconds < 10);
+  CHECK(r.seconds < 15);
 }
