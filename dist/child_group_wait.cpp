@@ -50,22 +50,14 @@ std::string stuck_state(int pid) {
   }
 }
 
-// How many of pid's children are running: listed in /proc/pid/task/*/children, and not
-// zombies (a zombie has ended; its parent has not reaped it yet).
+// How many of pid's children are running: not zombies (a zombie has ended; its parent has not
+// reaped it yet).
 int running_children(pid_t pid) {
   int running = 0;
-  const std::string tasks_dir = "/proc/" + std::to_string(pid) + "/task";
-  DIR* tasks = opendir(tasks_dir.c_str());
-  if (tasks == nullptr) return 0;
-  while (const dirent* task = readdir(tasks)) {
-    if (task->d_name[0] == '.') continue;
-    std::ifstream list(tasks_dir + "/" + task->d_name + "/children");
-    for (pid_t child; list >> child;) {
-      const char state = detail::process_state(child);
-      if (state != '\0' && state != 'Z' && state != 'X') ++running;
-    }
+  for (const int child : detail::child_pids(pid)) {
+    const char state = detail::process_state(child);
+    if (state != '\0' && state != 'Z' && state != 'X') ++running;
   }
-  closedir(tasks);
   return running;
 }
 
@@ -300,6 +292,10 @@ Outcome ChildGroup::wait() {
     if (lost != lost_peer_.end()) text += " (it lost rank " + std::to_string(lost->second) + ")";
     return text;
   };
+  // Options::children_end_with_their_own: mpirun's own shutdown after its last rank takes a
+  // fraction of a second; it gets the grace period, but never under 5 s, so that a loaded
+  // machine is not taken for a hang.
+  const auto own_children_allowance = std::max(options_.grace_period, std::chrono::milliseconds(5000));
   Child* first_seen = nullptr;  // the first failed child we saw, while its blame is pending
   auto blame_until = never;     // until then, wait for the rank it lost to end by itself
 
@@ -376,9 +372,6 @@ Outcome ChildGroup::wait() {
         begin_termination(SIGTERM, describe_failure(*first) + stuck);
       }
     }
-    // mpirun's own shutdown after its last rank takes a fraction of a second; the allowance is
-    // the grace period, but never under 5 s, so that a loaded machine is not taken for a hang.
-    const auto own_children_allowance = std::max(options_.grace_period, std::chrono::milliseconds(5000));
     if (options_.children_end_with_their_own && !terminating && first_seen == nullptr)
       for (Child& c : children_) {
         if (c.exited || !outlived_own_children(c.pid, c.had_children, c.own_children_ended, own_children_allowance))

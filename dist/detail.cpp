@@ -1,6 +1,7 @@
 #include "dist/detail.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <netdb.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -47,6 +48,20 @@ char process_state(int pid) {
   if (!std::getline(stat, text)) return '\0';
   const size_t paren = text.rfind(')');  // the command name may hold spaces and parentheses
   return paren == std::string::npos || paren + 2 >= text.size() ? '\0' : text[paren + 2];
+}
+
+std::vector<int> child_pids(int pid) {
+  std::vector<int> pids;
+  const std::string tasks_dir = "/proc/" + std::to_string(pid) + "/task";
+  DIR* tasks = opendir(tasks_dir.c_str());
+  if (tasks == nullptr) return pids;
+  while (const dirent* task = readdir(tasks)) {
+    if (task->d_name[0] == '.') continue;
+    std::ifstream list(tasks_dir + "/" + task->d_name + "/children");
+    for (int child; list >> child;) pids.push_back(child);
+  }
+  closedir(tasks);
+  return pids;
 }
 
 std::string where(int rank, int world_size) {

@@ -102,6 +102,10 @@ std::string host_name();
 // when it cannot be read (the process is gone, or in another pid namespace).
 char process_state(int pid);
 
+// pid's children, every thread's (/proc/<pid>/task/<tid>/children), zombies included; none
+// when /proc cannot be read.
+std::vector<int> child_pids(int pid);
+
 // "rank 1/4 on node7" (or "rank ?/? on node7" when unknown): the prefix of every dist error.
 std::string where(int rank, int world_size);
 

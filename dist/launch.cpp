@@ -28,6 +28,7 @@
 
 #include "core/error.h"
 #include "dist/deadline.h"
+#include "dist/detail.h"
 #include "dist/launcher_link.h"
 #include "dist/launch_detail.h"
 
@@ -452,18 +453,10 @@ class MpirunRanks {
   }
 
  private:
-  // This process's children, every thread's (/proc/self/task/TID/children).
+  // This process's children, every thread's.
   static std::set<pid_t> children() {
-    std::set<pid_t> pids;
-    DIR* tasks = opendir("/proc/self/task");
-    if (tasks == nullptr) return pids;
-    while (const dirent* task = readdir(tasks)) {
-      if (task->d_name[0] == '.') continue;
-      std::ifstream list(std::string("/proc/self/task/") + task->d_name + "/children");
-      for (pid_t pid; list >> pid;) pids.insert(pid);
-    }
-    closedir(tasks);
-    return pids;
+    const std::vector<int> pids = detail::child_pids(getpid());
+    return std::set<pid_t>(pids.begin(), pids.end());
   }
   // Children (zombies included) that were not ours before mpirun started.
   std::set<pid_t> leftovers() const {

@@ -217,8 +217,8 @@ class ChildGroup {
     bool children_relay_signals = false;
     // The children start the ranks themselves (mpirun) and must end with them: one still
     // running a grace period (at least 5 s) after every process it started has ended is
-    // stopped, and the job fails. Open MPI 4's mpirun can hang in its own shutdown after a rank exited without
-    // MPI_Finalize; without this the launcher would wait for it forever.
+    // stopped, and the job fails. Open MPI 4's mpirun can hang in its own shutdown after a
+    // rank exited without MPI_Finalize; without this the launcher would wait for it forever.
     bool children_end_with_their_own = false;
     // SIGUSR1 and SIGUSR2 sent to this process are passed on to the children (nanoddp-run);
     // without it (spawn) this process's handlers of them stay, and the children inherit them.
