@@ -861,11 +861,37 @@ TEST_CASE("nanoddp-run: the timeout message names the job's --timeout, and a sto
   CHECK_MESSAGE(seconds < 15, "the job took ", seconds, " s");
 }
 
+TEST_CASE("core_round_trip: a round trip between two CPUs, and a clear refusal with one") {
+  using nanoddp::testing::built;
+  const std::string probe = built("benchmarks/core_round_trip");
+  if (::access(probe.c_str(), X_OK) != 0) {  // -Dbenchmarks=false (the sanitizer build)
+    MESSAGE("benchmarks/core_round_trip is not built here: not checked");
+    return;
+  }
+  const RunResult one_cpu = run({"/bin/sh", "-c", "exec taskset -c 0 \"$0\"", probe});  // util-linux's taskset
+  CHECK(one_cpu.code() == 1);
+  CHECK_MESSAGE(contains(one_cpu.err, "core_round_trip: this process may use 1 CPU; it needs two"), one_cpu.err);
+  if (std::thread::hardware_concurrency() < 2) {
+    MESSAGE("one CPU here: the round trip itself is not measured");
+    return;
+  }
+  const RunResult measured = run({probe});
+  CHECK_MESSAGE(measured.code() == 0, measured.err);
+  const std::string key = "\"round_trip_ns\":";
+  const size_t at = measured.out.find(key);
+  REQUIRE_MESSAGE(at != std::string::npos, measured.out);
+  CHECK(contains(measured.out, "{\"example\":\"core_round_trip\",\"cpus\":["));
+  // A cache line cannot cross between cores in under a nanosecond, nor take a millisecond.
+  const double ns = std::stod(measured.out.substr(at + key.size()));
+  CHECK(ns > 1.0);
+  CHECK(ns < 1e6);
+}
+
 TEST_CASE("allreduce_bench: one rank, empty size ranges, bad numbers and jobs --nproc cannot make are refused") {
   using nanoddp::testing::built;
   const std::string bench = built("benchmarks/allreduce_bench");
   // The benchmarks without flags refuse any, rather than run with it ignored.
-  for (const char* flagless : {"benchmarks/trace_bench", "benchmarks/zero_bench"}) {
+  for (const char* flagless : {"benchmarks/trace_bench", "benchmarks/zero_bench", "benchmarks/core_round_trip"}) {
     if (::access(built(flagless).c_str(), X_OK) != 0) {  // -Dbenchmarks=false (the sanitizer build)
       MESSAGE(flagless, " is not built here: not checked");
       continue;
