@@ -7,7 +7,9 @@
 //
 //   build/benchmarks/core_round_trip        # one JSON line: the CPUs and the round trip in ns
 #include <sched.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -88,12 +90,15 @@ int main(int argc, char** argv) {
     return 1;
   }
   auto* word = new (page) std::atomic<uint32_t>(0);
+  const pid_t parent = ::getpid();
   const pid_t ponger = ::fork();
   if (ponger < 0) {
     std::perror("core_round_trip: fork");
     return 1;
   }
   if (ponger == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // a parent stopped by Ctrl-C takes its ponger with it
+    if (::getppid() != parent) ::_exit(0);  // the parent ended before prctl
     if (!pin_to(cpus[1])) ::_exit(3);
     for (uint32_t count = 1;; count += 2) {
       if (!wait_for(*word, count)) ::_exit(0);
@@ -114,6 +119,8 @@ int main(int argc, char** argv) {
     ns.push_back(std::chrono::duration<double, std::nano>(Clock::now() - start).count() / kRoundTripsPerBatch);
   }
   word->store(kStop, std::memory_order_release);
+  // A ponger that did not answer may be stopped or stuck: it could never see kStop.
+  if (!ok) ::kill(ponger, SIGKILL);
   int status = 0;
   ::waitpid(ponger, &status, 0);
   const bool ponger_pinned = !(WIFEXITED(status) && WEXITSTATUS(status) == 3);
