@@ -42,14 +42,16 @@ void cpu_relax() {
 #endif
 }
 
-// Spins until *word is `value` (true) or kStop or the timeout (false).
-bool wait_for(const std::atomic<uint32_t>& word, uint32_t value) {
+// Spins until *word is `value` (true) or kStop or the timeout (false). `gone`, checked now
+// and then, says whether the peer has ended: then there is nothing to wait for (false).
+template <typename Gone>
+bool wait_for(const std::atomic<uint32_t>& word, uint32_t value, Gone&& gone) {
   const auto deadline = Clock::now() + kPeerTimeout;
   for (uint32_t i = 1;; ++i) {
     const uint32_t seen = word.load(std::memory_order_acquire);
     if (seen == value) return true;
     if (seen == kStop) return false;
-    if (i % 4096 == 0 && Clock::now() > deadline) return false;
+    if (i % 4096 == 0 && (Clock::now() > deadline || gone())) return false;
     cpu_relax();
   }
 }
@@ -101,35 +103,47 @@ int main(int argc, char** argv) {
     if (::getppid() != parent) ::_exit(0);  // the parent ended before prctl
     if (!pin_to(cpus[1])) ::_exit(3);
     for (uint32_t count = 1;; count += 2) {
-      if (!wait_for(*word, count)) ::_exit(0);
+      if (!wait_for(*word, count, [] { return false; })) ::_exit(0);
       word->store(count + 1, std::memory_order_release);
     }
   }
 
   const bool pinned = pin_to(cpus[0]);
   bool ok = pinned;
+  int status = 0;
+  bool reaped = false;  // the ponger ended early (failed to pin, or was killed)
+  auto ponger_gone = [&] { return reaped = ::waitpid(ponger, &status, WNOHANG) == ponger; };
   std::vector<double> ns;
   uint32_t count = 1;
   for (int batch = 0; ok && batch < kBatches; ++batch) {
     const auto start = Clock::now();
     for (uint32_t i = 0; ok && i < kRoundTripsPerBatch; ++i, count += 2) {
       word->store(count, std::memory_order_release);
-      ok = wait_for(*word, count + 1);
+      ok = wait_for(*word, count + 1, ponger_gone);
     }
     ns.push_back(std::chrono::duration<double, std::nano>(Clock::now() - start).count() / kRoundTripsPerBatch);
   }
   word->store(kStop, std::memory_order_release);
   // A ponger that did not answer may be stopped or stuck: it could never see kStop.
-  if (!ok) ::kill(ponger, SIGKILL);
-  int status = 0;
-  ::waitpid(ponger, &status, 0);
-  const bool ponger_pinned = !(WIFEXITED(status) && WEXITSTATUS(status) == 3);
+  if (!reaped) {
+    if (!ok) ::kill(ponger, SIGKILL);
+    ::waitpid(ponger, &status, 0);
+  }
+  const bool ponger_pinned = !(reaped && WIFEXITED(status) && WEXITSTATUS(status) == 3);
   if (!pinned || !ponger_pinned) {
     std::fprintf(stderr, "core_round_trip: could not pin a process to CPU %d\n", pinned ? cpus[1] : cpus[0]);
     return 1;
   }
+  if (reaped) {
+    std::fprintf(stderr, "core_round_trip: the process on CPU %d ended in the middle of the run (%s %d)\n",
+                 cpus[1], WIFSIGNALED(status) ? "killed by signal" : "exit status",
+                 WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
+    return 1;
+  }
   if (!ok) {
-    std::fprintf(stderr, "core_round_trip: the process on CPU %d did not answer within 10 s\n", cpus[1]);
+    // Either side may have been held (stopped, or starved of its CPU) for the whole timeout.
+    std::fprintf(stderr, "core_round_trip: no round trip between CPUs %d and %d completed within 10 s\n", cpus[0],
+                 cpus[1]);
     return 1;
   }
   std::nth_element(ns.begin(), ns.begin() + kBatches / 2, ns.end());
